@@ -1,0 +1,8 @@
+//! Benchmarks of fairring, kept out of the published crates.
+//!
+//! - `benches/plan.rs`: plan creation and per-slice queries;
+//! - `benches/staging.rs`: staging state transitions, single-threaded and contended;
+//! - `benches/reduce.rs`: host reduction kernels against a `copy_from_slice` of the
+//!   same bytes, the memory-bandwidth bound.
+//!
+//! Run one with `cargo bench -p fairring-benches --bench reduce`.

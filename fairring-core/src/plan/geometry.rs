@@ -1,0 +1,205 @@
+//! What a communicator fixes once: slice size, shards per slice, staging layout.
+
+use super::{ALIGN_BYTES, PlanError, StagingLayout};
+use crate::topology::Topology;
+
+/// The knobs of slicing and sharding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PlanConfig {
+    slice_bytes: u64,
+    min_shard_bytes: u64,
+}
+
+impl PlanConfig {
+    /// Default largest slice: 25 MiB, as the original Fairring used.
+    pub const DEFAULT_SLICE_BYTES: u64 = 25 << 20;
+    /// Default smallest shard: 64 KiB. Below this, the per-message cost of the
+    /// inter-machine step outweighs spreading the load over more servers.
+    pub const DEFAULT_MIN_SHARD_BYTES: u64 = 64 << 10;
+    /// The smallest allowed minimum shard: 64 bytes (one alignment unit; some
+    /// InfiniBand drivers misbehave on smaller messages).
+    pub const MIN_SHARD_FLOOR: u64 = ALIGN_BYTES;
+    /// The largest allowed slice: 1 GiB, so that any cell's length fits the 32-bit
+    /// payload length of a [`crate::wire`] frame.
+    pub const MAX_SLICE_BYTES: u64 = 1 << 30;
+    /// The defaults.
+    pub const DEFAULT: PlanConfig = PlanConfig {
+        slice_bytes: Self::DEFAULT_SLICE_BYTES,
+        min_shard_bytes: Self::DEFAULT_MIN_SHARD_BYTES,
+    };
+
+    /// A configuration with slices of at most `slice_bytes` and shards of at least
+    /// `min_shard_bytes` (wherever a slice is split into more than one shard).
+    ///
+    /// `slice_bytes` is rounded down and `min_shard_bytes` up to a multiple of
+    /// [`ALIGN_BYTES`] when a [`Geometry`] is made from them.
+    pub const fn new(slice_bytes: u64, min_shard_bytes: u64) -> Result<PlanConfig, PlanError> {
+        if slice_bytes < ALIGN_BYTES || slice_bytes > Self::MAX_SLICE_BYTES {
+            return Err(PlanError::InvalidSliceBytes { slice_bytes });
+        }
+        if min_shard_bytes < Self::MIN_SHARD_FLOOR || min_shard_bytes > Self::MAX_SLICE_BYTES {
+            return Err(PlanError::InvalidMinShardBytes { min_shard_bytes });
+        }
+        Ok(PlanConfig {
+            slice_bytes,
+            min_shard_bytes,
+        })
+    }
+
+    /// The largest slice, in bytes, as given.
+    pub const fn slice_bytes(&self) -> u64 {
+        self.slice_bytes
+    }
+
+    /// The smallest shard, in bytes, as given.
+    pub const fn min_shard_bytes(&self) -> u64 {
+        self.min_shard_bytes
+    }
+}
+
+impl Default for PlanConfig {
+    fn default() -> PlanConfig {
+        PlanConfig::DEFAULT
+    }
+}
+
+/// The slicing a communicator uses for every tensor: derived once from the
+/// topology and the [`PlanConfig`], shared by every [`Plan`](super::Plan).
+///
+/// All sizes are counted in *units* of [`ALIGN_BYTES`], which is why they do not
+/// depend on the element type. A full slice holds `D * slot_units` units, and each
+/// slot of a full slice is cut into `shards_per_full_slice` equal shards, so every
+/// full slice has identical cells (which is what makes the rotation of servers fair,
+/// see [`Plan`](super::Plan)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Geometry {
+    topology: Topology,
+    config: PlanConfig,
+    /// Units in one slot of a full slice: a multiple of `full_shards`.
+    slot_units: u64,
+    /// Smallest shard, in units (the configured minimum rounded up).
+    min_shard_units: u64,
+    /// Shards per slot of a full slice.
+    full_shards: u32,
+}
+
+impl Geometry {
+    /// The geometry of `topology` under `config`.
+    pub const fn new(topology: Topology, config: PlanConfig) -> Result<Geometry, PlanError> {
+        let devices = topology.devices_per_machine() as u64;
+        let slice_units = config.slice_bytes / ALIGN_BYTES;
+        if slice_units < devices {
+            return Err(PlanError::SliceTooSmall {
+                slice_bytes: config.slice_bytes,
+                devices: topology.devices_per_machine(),
+            });
+        }
+        let min_shard_units = config.min_shard_bytes.div_ceil(ALIGN_BYTES);
+        let raw_slot_units = slice_units / devices;
+        let full_shards = shards_for_slot(
+            raw_slot_units,
+            min_shard_units,
+            topology.machines() as u64,
+        );
+        // Round the slot down to a multiple of its shard count so that every full
+        // slice has equal cells. The shards stay at least the minimum: with k > 1,
+        // k <= raw / min, so floor(raw / k) >= min.
+        let slot_units = raw_slot_units / full_shards as u64 * full_shards as u64;
+        Ok(Geometry {
+            topology,
+            config,
+            slot_units,
+            min_shard_units,
+            full_shards,
+        })
+    }
+
+    /// The topology.
+    pub const fn topology(&self) -> Topology {
+        self.topology
+    }
+
+    /// The configuration it was made from.
+    pub const fn config(&self) -> PlanConfig {
+        self.config
+    }
+
+    /// Bytes in a full slice (every slice of a tensor but the last):
+    /// at most [`PlanConfig::slice_bytes`], a multiple of `D * ALIGN_BYTES`.
+    pub const fn full_slice_bytes(&self) -> u64 {
+        self.slot_units * self.topology.devices_per_machine() as u64 * ALIGN_BYTES
+    }
+
+    /// Bytes in one slot of a full slice.
+    pub const fn full_slot_bytes(&self) -> u64 {
+        self.slot_units * ALIGN_BYTES
+    }
+
+    /// Shards per slot in a full slice: `M` when the slot is large enough, fewer so
+    /// that no shard is smaller than the minimum, and at least one.
+    pub const fn shards_per_full_slice(&self) -> u32 {
+        self.full_shards
+    }
+
+    /// The smallest shard, in bytes, after rounding up to [`ALIGN_BYTES`].
+    pub const fn min_shard_bytes(&self) -> u64 {
+        self.min_shard_units * ALIGN_BYTES
+    }
+
+    /// Shards per slot for a slice of `units` units (the adaptive-sharding rule).
+    pub(crate) const fn shards_for_slice(&self, units: u64) -> u32 {
+        let slot = units / self.topology.devices_per_machine() as u64;
+        shards_for_slot(slot, self.min_shard_units, self.topology.machines() as u64)
+    }
+
+    /// Units in a slot of a full slice.
+    pub(crate) const fn slot_units(&self) -> u64 {
+        self.slot_units
+    }
+
+    /// The layout of one staging buffer, large enough for any slice of any tensor.
+    pub const fn staging_layout(&self) -> StagingLayout {
+        StagingLayout::for_geometry(self)
+    }
+
+    /// Upper bound on any cell of any slice, in units (see [`StagingLayout`]).
+    pub(crate) const fn max_shard_units(&self) -> u64 {
+        let even = self.slot_units / self.full_shards as u64;
+        let adaptive = 2 * self.min_shard_units;
+        let bound = if even > adaptive { even } else { adaptive };
+        if bound < self.slot_units {
+            bound
+        } else {
+            self.slot_units
+        }
+    }
+
+    /// How many staging buffers fit in `budget_bytes`: at least one, or an error.
+    ///
+    /// The number of staging buffers bounds how many slices are in flight at once.
+    pub const fn staging_buffers(&self, budget_bytes: u64) -> Result<u32, PlanError> {
+        let buffer_bytes = self.staging_layout().total_bytes();
+        let n = budget_bytes / buffer_bytes;
+        if n == 0 {
+            return Err(PlanError::BudgetTooSmall {
+                budget_bytes,
+                buffer_bytes,
+            });
+        }
+        #[expect(clippy::cast_possible_truncation, reason = "clamped to u32::MAX first")]
+        Ok(if n > u32::MAX as u64 {
+            u32::MAX
+        } else {
+            n as u32
+        })
+    }
+}
+
+/// Shards for a slot of `slot_units` units: as many as fit at the minimum size, at
+/// most one per machine, at least one. The result is at most `machines <= 4096`.
+const fn shards_for_slot(slot_units: u64, min_shard_units: u64, machines: u64) -> u32 {
+    let fit = slot_units / min_shard_units;
+    let k = if fit < machines { fit } else { machines };
+    #[expect(clippy::cast_possible_truncation, reason = "k <= machines <= 4096")]
+    if k == 0 { 1 } else { k as u32 }
+}

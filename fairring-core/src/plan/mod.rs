@@ -1,0 +1,388 @@
+//! Slices, slots, shards and cells: which device moves and reduces which bytes.
+//!
+//! A tensor of `n` elements is cut into **slices** of at most
+//! [`PlanConfig::slice_bytes`]; each slice is an independent all-reduce that owns one
+//! staging buffer while in flight. A slice is cut into `D` **slots**, one per device
+//! of a machine (the output of the intra-machine reduce-scatter), and each slot into
+//! `k` **shards** (`1 <= k <= M`), each served by one machine: shard `j` of slot `d`
+//! is reduced by device `d` of its server machine, which receives that shard from
+//! device `d` of every other machine and sends the sum back. A **cell** is one
+//! (slot, shard) pair: the unit that travels.
+//!
+//! # The rules
+//!
+//! **Units.** Sizes are counted in units of [`ALIGN_BYTES`] (64 bytes: a cache line,
+//! and the smallest message some RDMA drivers handle well). Every full slice is a
+//! whole number of units, so every slice, slot and cell starts at a multiple of
+//! 64 bytes from the start of the tensor.
+//!
+//! **Balance.** A slice of `U` whole units and a tail of `t` elements (less than one
+//! unit) deals the units to the `D` slots as evenly as possible, earlier slots taking
+//! the extra units, and then each slot's units to its `k` shards the same way. The
+//! tail goes to the last cell of the last slot. Cells therefore appear in tensor
+//! order (slot-major), tile the slice with no gap or overlap, and any two cells of a
+//! slice differ by at most one unit (64 bytes); so do any two slots.
+//!
+//! **Adaptive sharding.** `k = clamp(floor(U / D) / min_shard_units, 1, M)`: as many
+//! shards as fit at [`PlanConfig::min_shard_bytes`], at most one per machine. A
+//! slice with `k > 1` never has a shard below the minimum. Small slices (small
+//! tensors, or many machines) therefore use fewer, larger shards instead of `M` tiny
+//! ones: this is what keeps small all-reduces fast and avoids the collapse of the
+//! original past about 128 GPUs, where a fixed bucket was cut into ever smaller
+//! shards.
+//!
+//! **Rotation.** Shard `j` of slice `s` is served by machine
+//! `(rotation + s * k_full + j) mod M`, where `k_full` is the shard count of a full
+//! slice and `rotation` is passed in by the caller (the engine keeps a running count
+//! across tensors, [`Plan::next_rotation`]). Shards are thus dealt to machines round
+//! robin, like tickets, over the whole job: when slices use fewer than `M` shards,
+//! every machine still serves the same number of shards (within one) over time, and
+//! since every full slice has equal cells, the same number of bytes within one full
+//! shard plus one unit.
+//!
+//! **Zero elements** plan to zero slices: the all-reduce is complete at once.
+//!
+//! # Cost and panics
+//!
+//! Every query is O(1) arithmetic on a few integers: no tables, no allocation. All
+//! arithmetic that could overflow is checked when the plan is made
+//! ([`PlanError::TensorTooLarge`]); nothing here panics.
+
+mod geometry;
+mod layout;
+mod slice;
+mod split;
+
+pub use geometry::{Geometry, PlanConfig};
+pub use layout::StagingLayout;
+pub use slice::{Cell, Cells, Slice, Slices};
+
+use crate::dtype::DataType;
+use core::fmt;
+
+/// Alignment of every slice, slot and cell, in bytes from the start of the tensor.
+pub const ALIGN_BYTES: u64 = 64;
+
+/// A range of a tensor or a buffer.
+///
+/// For ranges of a tensor, `offset` and `len` count elements and the byte accessors
+/// multiply by the element size; for ranges of a staging buffer both count bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Span {
+    offset: u64,
+    len: u64,
+    elem_bytes: u64,
+}
+
+impl Span {
+    pub(crate) const fn elements(offset: u64, len: u64, dtype: DataType) -> Span {
+        Span {
+            offset,
+            len,
+            elem_bytes: dtype.size_bytes(),
+        }
+    }
+
+    pub(crate) const fn bytes(offset: u64, len: u64) -> Span {
+        Span {
+            offset,
+            len,
+            elem_bytes: 1,
+        }
+    }
+
+    /// First element (or byte, for a buffer range).
+    pub const fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Number of elements (or bytes, for a buffer range).
+    pub const fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the range is empty.
+    pub const fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// One past the last element (or byte).
+    pub const fn end(&self) -> u64 {
+        self.offset + self.len
+    }
+
+    /// First byte.
+    pub const fn byte_offset(&self) -> u64 {
+        self.offset * self.elem_bytes
+    }
+
+    /// Length in bytes.
+    pub const fn byte_len(&self) -> u64 {
+        self.len * self.elem_bytes
+    }
+
+    /// One past the last byte.
+    pub const fn byte_end(&self) -> u64 {
+        self.end() * self.elem_bytes
+    }
+}
+
+/// The plan of one tensor: its slices under a [`Geometry`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Plan {
+    geometry: Geometry,
+    dtype: DataType,
+    elements: u64,
+    /// Elements per full slice.
+    slice_elements: u64,
+    slices: u64,
+    /// The caller's rotation, reduced mod M.
+    rotation: u32,
+}
+
+/// Why a plan, a configuration or a plan query was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PlanError {
+    /// The slice size is below [`ALIGN_BYTES`] or above [`PlanConfig::MAX_SLICE_BYTES`].
+    InvalidSliceBytes {
+        /// The value given.
+        slice_bytes: u64,
+    },
+    /// The minimum shard size is below [`PlanConfig::MIN_SHARD_FLOOR`] or above
+    /// [`PlanConfig::MAX_SLICE_BYTES`].
+    InvalidMinShardBytes {
+        /// The value given.
+        min_shard_bytes: u64,
+    },
+    /// The slice size gives less than one unit to each device of a machine.
+    SliceTooSmall {
+        /// The slice size given.
+        slice_bytes: u64,
+        /// Devices per machine.
+        devices: u32,
+    },
+    /// The tensor's size in bytes does not fit in 64 bits.
+    TensorTooLarge {
+        /// Elements.
+        elements: u64,
+        /// The element type.
+        dtype: DataType,
+    },
+    /// The staging budget does not hold a single staging buffer.
+    BudgetTooSmall {
+        /// The budget given.
+        budget_bytes: u64,
+        /// Bytes of one staging buffer.
+        buffer_bytes: u64,
+    },
+    /// A slice index at or past the slice count.
+    SliceOutOfRange {
+        /// The index given.
+        slice: u64,
+        /// The slice count.
+        slices: u64,
+    },
+    /// An element index at or past the tensor's length.
+    ElementOutOfRange {
+        /// The index given.
+        element: u64,
+        /// The tensor's length.
+        elements: u64,
+    },
+    /// A device index at or past `D`.
+    DeviceOutOfRange {
+        /// The index given.
+        device: u32,
+        /// `D`.
+        devices: u32,
+    },
+    /// A shard index at or past the slice's shard count.
+    ShardOutOfRange {
+        /// The index given.
+        shard: u32,
+        /// The slice's shard count.
+        shards: u32,
+    },
+    /// A machine index at or past `M`.
+    MachineOutOfRange {
+        /// The index given.
+        machine: u32,
+        /// `M`.
+        machines: u32,
+    },
+    /// A machine asked for the contribution area of its own contribution, which is
+    /// never received (it is already in the slot).
+    OwnContribution {
+        /// The machine.
+        machine: u32,
+    },
+}
+
+impl fmt::Display for PlanError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            PlanError::InvalidSliceBytes { slice_bytes } => write!(
+                f,
+                "slice size {slice_bytes} bytes is outside {ALIGN_BYTES}..={} bytes",
+                PlanConfig::MAX_SLICE_BYTES
+            ),
+            PlanError::InvalidMinShardBytes { min_shard_bytes } => write!(
+                f,
+                "minimum shard size {min_shard_bytes} bytes is outside {}..={} bytes",
+                PlanConfig::MIN_SHARD_FLOOR,
+                PlanConfig::MAX_SLICE_BYTES
+            ),
+            PlanError::SliceTooSmall {
+                slice_bytes,
+                devices,
+            } => write!(
+                f,
+                "slice size {slice_bytes} bytes is below {} bytes ({ALIGN_BYTES} per device \
+                 for {devices} devices per machine)",
+                ALIGN_BYTES * devices as u64
+            ),
+            PlanError::TensorTooLarge { elements, dtype } => write!(
+                f,
+                "a tensor of {elements} {dtype} elements does not fit in 2^64 bytes"
+            ),
+            PlanError::BudgetTooSmall {
+                budget_bytes,
+                buffer_bytes,
+            } => write!(
+                f,
+                "staging budget {budget_bytes} bytes does not hold one staging buffer \
+                 of {buffer_bytes} bytes"
+            ),
+            PlanError::SliceOutOfRange { slice, slices } => {
+                write!(f, "slice {slice} is out of range for {slices} slices")
+            }
+            PlanError::ElementOutOfRange { element, elements } => {
+                write!(f, "element {element} is out of range for {elements} elements")
+            }
+            PlanError::DeviceOutOfRange { device, devices } => {
+                write!(f, "device {device} is out of range for {devices} devices per machine")
+            }
+            PlanError::ShardOutOfRange { shard, shards } => {
+                write!(f, "shard {shard} is out of range for {shards} shards")
+            }
+            PlanError::MachineOutOfRange { machine, machines } => {
+                write!(f, "machine {machine} is out of range for {machines} machines")
+            }
+            PlanError::OwnContribution { machine } => write!(
+                f,
+                "machine {machine} never receives its own contribution: it is in the slot"
+            ),
+        }
+    }
+}
+
+impl core::error::Error for PlanError {}
+
+impl Plan {
+    /// The plan of a tensor of `elements` elements of `dtype`.
+    ///
+    /// `rotation` shifts which machines serve the shards (see the module docs); every
+    /// rank must pass the same value for the same tensor.
+    pub const fn new(
+        geometry: &Geometry,
+        dtype: DataType,
+        elements: u64,
+        rotation: u64,
+    ) -> Result<Plan, PlanError> {
+        if elements.checked_mul(dtype.size_bytes()).is_none() {
+            return Err(PlanError::TensorTooLarge { elements, dtype });
+        }
+        let slice_elements = geometry.full_slice_bytes() / dtype.size_bytes();
+        let machines = geometry.topology().machines() as u64;
+        Ok(Plan {
+            geometry: *geometry,
+            dtype,
+            elements,
+            slice_elements,
+            slices: elements.div_ceil(slice_elements),
+            #[expect(clippy::cast_possible_truncation, reason = "the value is below M <= 4096")]
+            rotation: (rotation % machines) as u32,
+        })
+    }
+
+    /// The geometry the plan was made under.
+    pub const fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    /// The element type.
+    pub const fn dtype(&self) -> DataType {
+        self.dtype
+    }
+
+    /// Elements in the tensor.
+    pub const fn elements(&self) -> u64 {
+        self.elements
+    }
+
+    /// Bytes in the tensor.
+    pub const fn bytes(&self) -> u64 {
+        self.elements * self.dtype.size_bytes()
+    }
+
+    /// Elements in a full slice (every slice but the last).
+    pub const fn slice_elements(&self) -> u64 {
+        self.slice_elements
+    }
+
+    /// Number of slices: `ceil(elements / slice_elements)`, zero for an empty tensor.
+    pub const fn slice_count(&self) -> u64 {
+        self.slices
+    }
+
+    /// Slice `index`.
+    pub const fn slice(&self, index: u64) -> Result<Slice, PlanError> {
+        if index >= self.slices {
+            return Err(PlanError::SliceOutOfRange {
+                slice: index,
+                slices: self.slices,
+            });
+        }
+        Ok(Slice::new(self, index))
+    }
+
+    /// The slices, in order.
+    pub const fn slices(&self) -> Slices {
+        Slices::new(*self)
+    }
+
+    /// The cell that holds element `element` of the tensor.
+    pub const fn locate(&self, element: u64) -> Result<Cell, PlanError> {
+        if element >= self.elements {
+            return Err(PlanError::ElementOutOfRange {
+                element,
+                elements: self.elements,
+            });
+        }
+        let slice = Slice::new(self, element / self.slice_elements);
+        Ok(slice.locate(element - slice.span().offset()))
+    }
+
+    /// The rotation to pass to the next tensor's plan so that shards keep going
+    /// round robin over the machines: this plan's rotation plus the shards it used,
+    /// mod `M`.
+    pub const fn next_rotation(&self) -> u64 {
+        if self.slices == 0 {
+            return self.rotation as u64;
+        }
+        let machines = self.geometry.topology().machines() as u64;
+        let full = self.geometry.shards_per_full_slice() as u64;
+        let last = match self.slice(self.slices - 1) {
+            Ok(s) => s.shards() as u64,
+            Err(_) => 0,
+        };
+        // Everything is reduced mod M <= 4096 before multiplying: no overflow.
+        (self.rotation as u64 + ((self.slices - 1) % machines) * full + last) % machines
+    }
+
+    /// The caller's rotation, mod `M`.
+    pub(crate) const fn rotation(&self) -> u32 {
+        self.rotation
+    }
+}

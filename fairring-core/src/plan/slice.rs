@@ -1,0 +1,330 @@
+//! One slice of a plan, its slots and cells, and what each device does with it.
+
+use super::split::EvenSplit;
+use super::{ALIGN_BYTES, Plan, PlanError, Span};
+use crate::dtype::DataType;
+use crate::staging::Role;
+use crate::topology::Location;
+
+/// One slice of a tensor: an independent all-reduce of at most
+/// [`Geometry::full_slice_bytes`](super::Geometry::full_slice_bytes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Slice {
+    index: u64,
+    /// First element, from the start of the tensor.
+    offset: u64,
+    len: u64,
+    /// Whole units in the slice.
+    units: u64,
+    /// Elements after the whole units (less than one unit).
+    tail: u64,
+    unit_elements: u64,
+    dtype: DataType,
+    machines: u32,
+    devices: u32,
+    shards: u32,
+    /// Machine serving shard 0.
+    first_server: u32,
+    /// The slice's units dealt to the `D` slots.
+    slots: EvenSplit,
+}
+
+/// One cell: shard `shard` of slot `device` of a slice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Cell {
+    slice: u64,
+    dtype: DataType,
+    device: u32,
+    shard: u32,
+    server: u32,
+    span: Span,
+    slot_offset: u64,
+}
+
+impl Cell {
+    /// The slice it belongs to.
+    pub const fn slice(&self) -> u64 {
+        self.slice
+    }
+
+    /// The slot (device index, rail) it belongs to.
+    pub const fn device(&self) -> u32 {
+        self.device
+    }
+
+    /// Its shard index within the slot.
+    pub const fn shard(&self) -> u32 {
+        self.shard
+    }
+
+    /// The machine that serves it: device [`Cell::device`] of this machine reduces it.
+    pub const fn server(&self) -> u32 {
+        self.server
+    }
+
+    /// Its range of the tensor, in elements from the start of the tensor.
+    pub const fn span(&self) -> Span {
+        self.span
+    }
+
+    /// Its range of the slot, in elements from the start of the slot: where it lies
+    /// in the slot area of a staging buffer (byte offsets via [`Span::byte_offset`]).
+    pub const fn slot_span(&self) -> Span {
+        Span::elements(self.slot_offset, self.span.len(), self.dtype)
+    }
+}
+
+impl Slice {
+    pub(super) const fn new(plan: &Plan, index: u64) -> Slice {
+        let geometry = plan.geometry();
+        let topology = geometry.topology();
+        let machines = topology.machines();
+        let devices = topology.devices_per_machine();
+        let dtype = plan.dtype();
+        let offset = index * plan.slice_elements();
+        let remaining = plan.elements() - offset;
+        let len = if remaining < plan.slice_elements() {
+            remaining
+        } else {
+            plan.slice_elements()
+        };
+        let unit_elements = ALIGN_BYTES / dtype.size_bytes();
+        let units = len / unit_elements;
+        let m = machines as u64;
+        let full_shards = geometry.shards_per_full_slice() as u64;
+        // All factors are reduced mod M <= 4096 first: no overflow.
+        let first_server = (plan.rotation() as u64 + (index % m) * (full_shards % m)) % m;
+        Slice {
+            index,
+            offset,
+            len,
+            units,
+            tail: len % unit_elements,
+            unit_elements,
+            dtype,
+            machines,
+            devices,
+            shards: geometry.shards_for_slice(units),
+            #[expect(clippy::cast_possible_truncation, reason = "the value is below M <= 4096")]
+            first_server: first_server as u32,
+            slots: EvenSplit::new(units, devices as u64),
+        }
+    }
+
+    /// Its index in the plan.
+    pub const fn index(&self) -> u64 {
+        self.index
+    }
+
+    /// Its range of the tensor, in elements.
+    pub const fn span(&self) -> Span {
+        Span::elements(self.offset, self.len, self.dtype)
+    }
+
+    /// Shards per slot, `k`: the same for every slot of the slice.
+    pub const fn shards(&self) -> u32 {
+        self.shards
+    }
+
+    /// Slot `device`'s range of the tensor, in elements.
+    pub const fn slot(&self, device: u32) -> Result<Span, PlanError> {
+        if device >= self.devices {
+            return Err(PlanError::DeviceOutOfRange {
+                device,
+                devices: self.devices,
+            });
+        }
+        let d = device as u64;
+        let start = self.offset + self.slots.start(d) * self.unit_elements;
+        let len = self.slots.len(d) * self.unit_elements + self.tail_of_slot(device);
+        Ok(Span::elements(start, len, self.dtype))
+    }
+
+    /// Shard `shard` of slot `device`.
+    pub const fn cell(&self, device: u32, shard: u32) -> Result<Cell, PlanError> {
+        if device >= self.devices {
+            return Err(PlanError::DeviceOutOfRange {
+                device,
+                devices: self.devices,
+            });
+        }
+        if shard >= self.shards {
+            return Err(PlanError::ShardOutOfRange {
+                shard,
+                shards: self.shards,
+            });
+        }
+        Ok(self.cell_at(device, shard))
+    }
+
+    /// Shard `shard` of slot `device`, for `device < D` and `shard < k`.
+    const fn cell_at(&self, device: u32, shard: u32) -> Cell {
+        let d = device as u64;
+        let j = shard as u64;
+        let shard_split = EvenSplit::new(self.slots.len(d), self.shards as u64);
+        let slot_offset = shard_split.start(j) * self.unit_elements;
+        let tail = if shard + 1 == self.shards {
+            self.tail_of_slot(device)
+        } else {
+            0
+        };
+        let len = shard_split.len(j) * self.unit_elements + tail;
+        let slot_start = self.offset + self.slots.start(d) * self.unit_elements;
+        Cell {
+            slice: self.index,
+            dtype: self.dtype,
+            device,
+            shard,
+            server: self.server_of(shard),
+            span: Span::elements(slot_start + slot_offset, len, self.dtype),
+            slot_offset,
+        }
+    }
+
+    /// The machine that serves shard `shard` (of every slot).
+    pub const fn server(&self, shard: u32) -> Result<u32, PlanError> {
+        if shard >= self.shards {
+            return Err(PlanError::ShardOutOfRange {
+                shard,
+                shards: self.shards,
+            });
+        }
+        Ok(self.server_of(shard))
+    }
+
+    /// The shard machine `machine` serves in this slice, if any (at most one: `k <= M`).
+    pub const fn shard_served_by(&self, machine: u32) -> Result<Option<u32>, PlanError> {
+        if machine >= self.machines {
+            return Err(PlanError::MachineOutOfRange {
+                machine,
+                machines: self.machines,
+            });
+        }
+        let j = (machine + self.machines - self.first_server) % self.machines;
+        Ok(if j < self.shards { Some(j) } else { None })
+    }
+
+    /// What the device at `location` does in this slice: the counts its staging state
+    /// machine waits for.
+    ///
+    /// A device whose slot is empty (a slice smaller than `D` units) has nothing to
+    /// exchange: its role is [`Role::IDLE`] on every machine alike.
+    pub const fn role(&self, location: Location) -> Result<Role, PlanError> {
+        if location.device >= self.devices {
+            return Err(PlanError::DeviceOutOfRange {
+                device: location.device,
+                devices: self.devices,
+            });
+        }
+        let served = match self.shard_served_by(location.machine) {
+            Ok(s) => s.is_some(),
+            Err(e) => return Err(e),
+        };
+        let slot_len =
+            self.slots.len(location.device as u64) * self.unit_elements + self.tail_of_slot(location.device);
+        if slot_len == 0 {
+            return Ok(Role::IDLE);
+        }
+        let reduces = served && self.machines > 1;
+        let others = if reduces { self.machines - 1 } else { 0 };
+        let sends = self.shards - if served { 1 } else { 0 };
+        #[expect(clippy::cast_possible_truncation, reason = "every count is below M <= 4096")]
+        Ok(Role {
+            contributions_to_send: sends as u16,
+            contributions_to_receive: others as u16,
+            results_to_send: others as u16,
+            results_to_receive: sends as u16,
+            reduces,
+        })
+    }
+
+    /// The cells, in tensor order (slot by slot, shard by shard).
+    pub const fn cells(&self) -> Cells {
+        Cells {
+            slice: *self,
+            next: 0,
+        }
+    }
+
+    /// The cell holding element `rel` of the slice (`rel < len`).
+    pub(super) const fn locate(&self, rel: u64) -> Cell {
+        let unit = rel / self.unit_elements;
+        if unit >= self.units {
+            // The tail belongs to the last cell.
+            return self.cell_at(self.devices - 1, self.shards - 1);
+        }
+        let d = self.slots.part_of(unit);
+        let in_slot = unit - self.slots.start(d);
+        let j = EvenSplit::new(self.slots.len(d), self.shards as u64).part_of(in_slot);
+        #[expect(clippy::cast_possible_truncation, reason = "d < D and j < k fit u32")]
+        self.cell_at(d as u32, j as u32)
+    }
+
+    const fn server_of(&self, shard: u32) -> u32 {
+        (self.first_server + shard) % self.machines
+    }
+
+    const fn tail_of_slot(&self, device: u32) -> u64 {
+        if device + 1 == self.devices {
+            self.tail
+        } else {
+            0
+        }
+    }
+}
+
+/// The cells of a slice, in tensor order.
+#[derive(Clone, Debug)]
+pub struct Cells {
+    slice: Slice,
+    next: u64,
+}
+
+impl Iterator for Cells {
+    type Item = Cell;
+
+    fn next(&mut self) -> Option<Cell> {
+        let k = self.slice.shards as u64;
+        if self.next >= self.slice.devices as u64 * k {
+            return None;
+        }
+        let d = u32::try_from(self.next / k).ok()?;
+        let j = u32::try_from(self.next % k).ok()?;
+        self.next += 1;
+        self.slice.cell(d, j).ok()
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let total = self.slice.devices as u64 * self.slice.shards as u64;
+        let left = usize::try_from(total - self.next).unwrap_or(usize::MAX);
+        (left, Some(left))
+    }
+}
+
+/// The slices of a plan, in order.
+#[derive(Clone, Debug)]
+pub struct Slices {
+    plan: Plan,
+    next: u64,
+}
+
+impl Slices {
+    pub(super) const fn new(plan: Plan) -> Slices {
+        Slices { plan, next: 0 }
+    }
+}
+
+impl Iterator for Slices {
+    type Item = Slice;
+
+    fn next(&mut self) -> Option<Slice> {
+        let slice = self.plan.slice(self.next).ok()?;
+        self.next += 1;
+        Some(slice)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = usize::try_from(self.plan.slice_count() - self.next).unwrap_or(usize::MAX);
+        (left, Some(left))
+    }
+}

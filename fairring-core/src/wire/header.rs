@@ -1,0 +1,208 @@
+//! The frame header: layout, encoding, decoding.
+
+use super::WireError;
+use super::crc32c::crc32c;
+use crate::plan::{Cell, PlanConfig};
+
+/// Bytes in an encoded header.
+pub const HEADER_LEN: usize = 48;
+/// The first four bytes of every frame.
+pub const MAGIC: [u8; 4] = *b"FRNG";
+/// The header version this code writes and reads.
+pub const VERSION: u8 = 1;
+/// Largest payload of a `Hello` frame (the handshake of the fabric).
+pub const MAX_HELLO_PAYLOAD: u32 = 4096;
+/// Largest payload of an `Abort` frame (a UTF-8 reason).
+pub const MAX_ABORT_PAYLOAD: u32 = 1024;
+/// Largest payload of a `Contribution` or `Result` frame: one cell, which is never
+/// larger than a slice.
+#[expect(clippy::cast_possible_truncation, reason = "1 GiB fits u32")]
+pub const MAX_DATA_PAYLOAD: u32 = PlanConfig::MAX_SLICE_BYTES as u32;
+
+/// What a frame carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum FrameKind {
+    /// Connection set-up; the payload belongs to the fabric's handshake.
+    Hello = 1,
+    /// A client's contribution to a shard: one cell, sent to the shard's server.
+    Contribution = 2,
+    /// A server's reduced shard: one cell, sent back to a client.
+    Result = 3,
+    /// Flow control: the sender's staging buffer for `(sequence, slice)` is acquired
+    /// and may be written. No payload.
+    Credit = 4,
+    /// The sender aborts the job; the payload is an optional UTF-8 reason.
+    Abort = 5,
+}
+
+impl FrameKind {
+    /// The kind with this wire value.
+    pub const fn from_u8(value: u8) -> Option<FrameKind> {
+        match value {
+            1 => Some(FrameKind::Hello),
+            2 => Some(FrameKind::Contribution),
+            3 => Some(FrameKind::Result),
+            4 => Some(FrameKind::Credit),
+            5 => Some(FrameKind::Abort),
+            _ => None,
+        }
+    }
+
+    /// The largest payload a frame of this kind may announce.
+    pub const fn max_payload(self) -> u32 {
+        match self {
+            FrameKind::Hello => MAX_HELLO_PAYLOAD,
+            FrameKind::Contribution | FrameKind::Result => MAX_DATA_PAYLOAD,
+            FrameKind::Credit => 0,
+            FrameKind::Abort => MAX_ABORT_PAYLOAD,
+        }
+    }
+
+    /// Whether the frame carries a cell of tensor data.
+    pub const fn is_data(self) -> bool {
+        matches!(self, FrameKind::Contribution | FrameKind::Result)
+    }
+}
+
+/// The fixed-size header that precedes every frame's payload.
+///
+/// Encoded little-endian, [`HEADER_LEN`] bytes:
+///
+/// ```text
+/// offset size field
+///  0      4   magic "FRNG"
+///  4      1   version (1)
+///  5      1   kind (FrameKind)
+///  6      2   flags (zero in version 1)
+///  8      8   job tag
+/// 16      8   sequence: the collective operation's number, the same on every rank
+/// 24      8   slice index within the operation
+/// 32      4   shard index within the slice
+/// 36      4   source rank
+/// 40      4   payload length in bytes
+/// 44      4   CRC-32C of bytes 0..44
+/// ```
+///
+/// [`FrameHeader::decode`] refuses a header whose magic, version, checksum, kind,
+/// flags or payload length (for its kind) is wrong. Whether a well-formed header fits
+/// the receiver's plan is [`FrameCheck`](super::FrameCheck)'s job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FrameHeader {
+    /// What the frame carries.
+    pub kind: FrameKind,
+    /// The job the frame belongs to.
+    pub job_tag: u64,
+    /// The collective operation's sequence number.
+    pub sequence: u64,
+    /// The slice within the operation.
+    pub slice: u64,
+    /// The shard within the slice.
+    pub shard: u32,
+    /// The rank that sent the frame.
+    pub source_rank: u32,
+    /// Bytes of payload after the header.
+    pub payload_len: u32,
+}
+
+impl FrameHeader {
+    /// The header of a `Contribution` or `Result` frame carrying `cell`.
+    pub fn for_cell(
+        kind: FrameKind,
+        job_tag: u64,
+        sequence: u64,
+        cell: &Cell,
+        source_rank: u32,
+    ) -> Result<FrameHeader, WireError> {
+        if !kind.is_data() {
+            return Err(WireError::NotDataFrame { kind });
+        }
+        let payload_len =
+            u32::try_from(cell.span().byte_len()).map_err(|_| WireError::PayloadTooLarge {
+                kind,
+                len: u32::MAX,
+                max: kind.max_payload(),
+            })?;
+        Ok(FrameHeader {
+            kind,
+            job_tag,
+            sequence,
+            slice: cell.slice(),
+            shard: cell.shard(),
+            source_rank,
+            payload_len,
+        })
+    }
+
+    /// Encodes the header, checksum included.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut out = [0u8; HEADER_LEN];
+        out[0..4].copy_from_slice(&MAGIC);
+        out[4] = VERSION;
+        out[5] = self.kind as u8;
+        // out[6..8]: flags, zero.
+        out[8..16].copy_from_slice(&self.job_tag.to_le_bytes());
+        out[16..24].copy_from_slice(&self.sequence.to_le_bytes());
+        out[24..32].copy_from_slice(&self.slice.to_le_bytes());
+        out[32..36].copy_from_slice(&self.shard.to_le_bytes());
+        out[36..40].copy_from_slice(&self.source_rank.to_le_bytes());
+        out[40..44].copy_from_slice(&self.payload_len.to_le_bytes());
+        let crc = crc32c(&out[..44]);
+        out[44..48].copy_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// Decodes and checks a header. Refuses anything but a header this version
+    /// writes: nothing about the payload may be trusted before this returns `Ok`.
+    pub fn decode(bytes: &[u8; HEADER_LEN]) -> Result<FrameHeader, WireError> {
+        let magic = [bytes[0], bytes[1], bytes[2], bytes[3]];
+        if magic != MAGIC {
+            return Err(WireError::BadMagic { found: magic });
+        }
+        if bytes[4] != VERSION {
+            return Err(WireError::UnsupportedVersion { found: bytes[4] });
+        }
+        let stored = u32_at(bytes, 44);
+        let computed = crc32c(&bytes[..44]);
+        if stored != computed {
+            return Err(WireError::BadChecksum { stored, computed });
+        }
+        let kind = FrameKind::from_u8(bytes[5]).ok_or(WireError::UnknownKind { found: bytes[5] })?;
+        let flags = u16::from_le_bytes([bytes[6], bytes[7]]);
+        if flags != 0 {
+            return Err(WireError::ReservedFlags { found: flags });
+        }
+        let payload_len = u32_at(bytes, 40);
+        if payload_len > kind.max_payload() {
+            return Err(WireError::PayloadTooLarge {
+                kind,
+                len: payload_len,
+                max: kind.max_payload(),
+            });
+        }
+        if kind.is_data() && payload_len == 0 {
+            return Err(WireError::EmptyPayload { kind });
+        }
+        Ok(FrameHeader {
+            kind,
+            job_tag: u64_at(bytes, 8),
+            sequence: u64_at(bytes, 16),
+            slice: u64_at(bytes, 24),
+            shard: u32_at(bytes, 32),
+            source_rank: u32_at(bytes, 36),
+            payload_len,
+        })
+    }
+}
+
+fn u32_at(bytes: &[u8; HEADER_LEN], at: usize) -> u32 {
+    let mut b = [0u8; 4];
+    b.copy_from_slice(&bytes[at..at + 4]);
+    u32::from_le_bytes(b)
+}
+
+fn u64_at(bytes: &[u8; HEADER_LEN], at: usize) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&bytes[at..at + 8]);
+    u64::from_le_bytes(b)
+}

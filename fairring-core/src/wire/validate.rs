@@ -1,0 +1,179 @@
+//! Checking a decoded header against the receiver's plan, before any payload byte
+//! is written.
+
+use super::{FrameHeader, FrameKind, WireError};
+use crate::plan::{Cell, Geometry, Plan, Span, StagingLayout};
+use crate::staging::Event;
+use crate::topology::{Location, Topology};
+
+/// Everything a receiving device knows about the frames it may accept: its job tag,
+/// its rank, and the geometry its plans are made under.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameCheck {
+    job_tag: u64,
+    rank: u32,
+    me: Location,
+    geometry: Geometry,
+    layout: StagingLayout,
+}
+
+/// Where an accepted data frame's payload goes, and what it means once it is there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// The cell the payload carries.
+    pub cell: Cell,
+    /// The machine that sent it.
+    pub from_machine: u32,
+    /// The bytes of the staging buffer it fills: exactly the payload length, inside
+    /// the buffer ([`StagingLayout::total_bytes`]).
+    pub target: Span,
+    /// The event to report to the staging buffer once the payload has landed.
+    pub event: Event,
+}
+
+impl FrameCheck {
+    /// The check for device `rank` under `geometry`.
+    pub fn new(job_tag: u64, rank: u32, geometry: &Geometry) -> Result<FrameCheck, WireError> {
+        let me = geometry
+            .topology()
+            .locate(rank)
+            .map_err(|_| WireError::UnknownRank {
+                rank,
+                world_size: geometry.topology().world_size(),
+            })?;
+        Ok(FrameCheck {
+            job_tag,
+            rank,
+            me,
+            geometry: *geometry,
+            layout: geometry.staging_layout(),
+        })
+    }
+
+    /// The receiving rank.
+    pub const fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Checks a control frame (`Hello`, `Credit`, `Abort`): right job, a sender that
+    /// is part of it and is not this rank.
+    pub fn check_control(&self, header: &FrameHeader) -> Result<(), WireError> {
+        if header.kind.is_data() {
+            return Err(WireError::NotControlFrame { kind: header.kind });
+        }
+        self.check_job(header)?;
+        self.sender(header).map(|_| ())
+    }
+
+    /// Checks a `Contribution` or `Result` frame against `plan`, the plan of
+    /// operation `header.sequence` (the caller looks it up by that number).
+    ///
+    /// Accepted only if every field agrees with the plan: the sender is on this
+    /// device's rail and on another machine; the slice and shard exist; a
+    /// contribution is for the shard this machine serves, a result comes from the
+    /// server of its shard; the payload length is exactly the cell's. The returned
+    /// [`Placement`] then says which bytes of the staging buffer receive it.
+    pub fn check_data(&self, header: &FrameHeader, plan: &Plan) -> Result<Placement, WireError> {
+        if !header.kind.is_data() {
+            return Err(WireError::NotDataFrame { kind: header.kind });
+        }
+        if *plan.geometry() != self.geometry {
+            return Err(WireError::GeometryMismatch);
+        }
+        self.check_job(header)?;
+        let from = self.sender(header)?;
+        if from.device != self.me.device {
+            return Err(WireError::WrongRail {
+                source_rank: header.source_rank,
+                rail: from.device,
+                expected: self.me.device,
+            });
+        }
+        if from.machine == self.me.machine {
+            return Err(WireError::FromOwnMachine {
+                source_rank: header.source_rank,
+            });
+        }
+        let slice = plan
+            .slice(header.slice)
+            .map_err(|_| WireError::SliceOutOfRange {
+                slice: header.slice,
+                slices: plan.slice_count(),
+            })?;
+        let cell = slice
+            .cell(self.me.device, header.shard)
+            .map_err(|_| WireError::ShardOutOfRange {
+                shard: header.shard,
+                shards: slice.shards(),
+            })?;
+        let (expected_server, event) = match header.kind {
+            FrameKind::Contribution => (self.me.machine, Event::ContributionReceived),
+            _ => (from.machine, Event::ResultReceived),
+        };
+        if cell.server() != expected_server {
+            return Err(WireError::NotServer {
+                shard: header.shard,
+                server: cell.server(),
+            });
+        }
+        let target = match event {
+            Event::ContributionReceived => self
+                .layout
+                .contribution(from.machine, self.me.machine)
+                .map(|area| area.offset())
+                // Unreachable: both machines are in range and differ (checked above).
+                .map_err(|_| WireError::FromOwnMachine {
+                    source_rank: header.source_rank,
+                })?,
+            _ => cell.slot_span().byte_offset(),
+        };
+        let len = u64::from(header.payload_len);
+        if len != cell.span().byte_len() {
+            return Err(WireError::LengthMismatch {
+                expected: cell.span().byte_len(),
+                found: header.payload_len,
+            });
+        }
+        let fits = match event {
+            Event::ContributionReceived => len <= self.layout.shard_stride(),
+            _ => target + len <= self.layout.slot().byte_len(),
+        };
+        if !fits {
+            return Err(WireError::OutsideBuffer {
+                offset: target,
+                len,
+                buffer: self.layout.total_bytes(),
+            });
+        }
+        Ok(Placement {
+            cell,
+            from_machine: from.machine,
+            target: Span::bytes(target, len),
+            event,
+        })
+    }
+
+    fn check_job(&self, header: &FrameHeader) -> Result<(), WireError> {
+        if header.job_tag != self.job_tag {
+            return Err(WireError::WrongJob {
+                expected: self.job_tag,
+                found: header.job_tag,
+            });
+        }
+        Ok(())
+    }
+
+    fn sender(&self, header: &FrameHeader) -> Result<Location, WireError> {
+        let topology: Topology = self.geometry.topology();
+        let from = topology
+            .locate(header.source_rank)
+            .map_err(|_| WireError::UnknownRank {
+                rank: header.source_rank,
+                world_size: topology.world_size(),
+            })?;
+        if header.source_rank == self.rank {
+            return Err(WireError::FromSelf { rank: self.rank });
+        }
+        Ok(from)
+    }
+}
