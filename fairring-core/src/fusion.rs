@@ -143,7 +143,9 @@ pub fn plan_fusion(
             buffer: start / buffer_bytes,
             offset: start % buffer_bytes,
         };
-        cursor = start.checked_add(size).ok_or(FusionError::TooLarge { tensor })?;
+        cursor = start
+            .checked_add(size)
+            .ok_or(FusionError::TooLarge { tensor })?;
         if size > 0 {
             end = cursor;
         }
@@ -179,7 +181,10 @@ impl FusionPlan {
     pub const fn pieces(&self, position: Position, size: u64) -> Pieces {
         Pieces {
             buffer_bytes: self.buffer_bytes,
-            global: position.buffer.saturating_mul(self.buffer_bytes).saturating_add(position.offset),
+            global: position
+                .buffer
+                .saturating_mul(self.buffer_bytes)
+                .saturating_add(position.offset),
             done: 0,
             size,
         }
@@ -189,7 +194,11 @@ impl FusionPlan {
     /// `sizes`) that have bytes in buffer `buffer`: the buffer can be reduced once
     /// these are all ready.
     pub fn tensors_in(&self, buffer: u64, sizes: &[u64], positions: &[Position]) -> Range<usize> {
-        let global = |p: &Position| p.buffer.saturating_mul(self.buffer_bytes).saturating_add(p.offset);
+        let global = |p: &Position| {
+            p.buffer
+                .saturating_mul(self.buffer_bytes)
+                .saturating_add(p.offset)
+        };
         let begin = buffer.saturating_mul(self.buffer_bytes);
         let end = begin.saturating_add(self.buffer_bytes);
         let n = sizes.len().min(positions.len());
@@ -201,7 +210,10 @@ impl FusionPlan {
             .unwrap_or(n);
         // ...through the last one starting before `end`.
         let last = positions[..n].partition_point(|p| global(p) < end);
-        let last = (first..last).rev().find(|&i| sizes[i] > 0).map_or(first, |i| i + 1);
+        let last = (first..last)
+            .rev()
+            .find(|&i| sizes[i] > 0)
+            .map_or(first, |i| i + 1);
         first..last.max(first)
     }
 }
@@ -258,8 +270,14 @@ mod tests {
             let mut it = plan.pieces(pos[2], 50);
             [it.next().unwrap(), it.next().unwrap()]
         };
-        assert_eq!((pieces[0].buffer, pieces[0].offset, pieces[0].len), (0, 70, 30));
-        assert_eq!((pieces[1].buffer, pieces[1].offset, pieces[1].len), (1, 0, 20));
+        assert_eq!(
+            (pieces[0].buffer, pieces[0].offset, pieces[0].len),
+            (0, 70, 30)
+        );
+        assert_eq!(
+            (pieces[1].buffer, pieces[1].offset, pieces[1].len),
+            (1, 0, 20)
+        );
         assert_eq!(plan.tensors_in(0, &sizes, &pos), 0..3);
         assert_eq!(plan.tensors_in(1, &sizes, &pos), 2..5);
     }

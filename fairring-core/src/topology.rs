@@ -132,7 +132,10 @@ impl fmt::Display for TopologyError {
                 f.write_str("a topology needs at least one device per machine")
             }
             TopologyError::TooManyMachines { machines } => {
-                write!(f, "{machines} machines is more than the {MAX_MACHINES} supported")
+                write!(
+                    f,
+                    "{machines} machines is more than the {MAX_MACHINES} supported"
+                )
             }
             TopologyError::TooManyDevices { devices } => write!(
                 f,
@@ -166,10 +169,16 @@ impl fmt::Display for TopologyError {
                 write!(f, "rank {rank} is out of range for world size {world_size}")
             }
             TopologyError::MachineOutOfRange { machine, machines } => {
-                write!(f, "machine {machine} is out of range for {machines} machines")
+                write!(
+                    f,
+                    "machine {machine} is out of range for {machines} machines"
+                )
             }
             TopologyError::DeviceOutOfRange { device, devices } => {
-                write!(f, "device {device} is out of range for {devices} devices per machine")
+                write!(
+                    f,
+                    "device {device} is out of range for {devices} devices per machine"
+                )
             }
         }
     }
@@ -238,12 +247,11 @@ impl Topology {
         if machine_of_rank.is_empty() {
             return Err(TopologyError::EmptyJob);
         }
-        let world = u32::try_from(machine_of_rank.len()).map_err(|_| {
-            TopologyError::WorldSizeOverflow {
+        let world =
+            u32::try_from(machine_of_rank.len()).map_err(|_| TopologyError::WorldSizeOverflow {
                 machines: u32::MAX,
                 devices: u32::MAX,
-            }
-        })?;
+            })?;
         let mut next_new = 0u32;
         for (rank, &machine) in (0u32..).zip(machine_of_rank) {
             if machine > next_new {
@@ -263,7 +271,10 @@ impl Topology {
             .all(|(r, &m)| m == r / devices);
         let layout = if contiguous {
             RankLayout::Contiguous
-        } else if (0u32..).zip(machine_of_rank).all(|(r, &m)| m == r % machines) {
+        } else if (0u32..)
+            .zip(machine_of_rank)
+            .all(|(r, &m)| m == r % machines)
+        {
             RankLayout::Interleaved
         } else {
             let err = non_uniform(machine_of_rank, machines, world);
@@ -403,9 +414,21 @@ mod tests {
             }
         }
         let c = Topology::new(3, 4, RankLayout::Contiguous).unwrap();
-        assert_eq!(c.locate(5).unwrap(), Location { machine: 1, device: 1 });
+        assert_eq!(
+            c.locate(5).unwrap(),
+            Location {
+                machine: 1,
+                device: 1
+            }
+        );
         let i = Topology::new(3, 4, RankLayout::Interleaved).unwrap();
-        assert_eq!(i.locate(5).unwrap(), Location { machine: 2, device: 1 });
+        assert_eq!(
+            i.locate(5).unwrap(),
+            Location {
+                machine: 2,
+                device: 1
+            }
+        );
     }
 
     #[test]
@@ -424,7 +447,14 @@ mod tests {
                 machines: MAX_MACHINES + 1
             })
         );
-        assert!(Topology::new(MAX_MACHINES, MAX_DEVICES_PER_MACHINE, RankLayout::Contiguous).is_ok());
+        assert!(
+            Topology::new(
+                MAX_MACHINES,
+                MAX_DEVICES_PER_MACHINE,
+                RankLayout::Contiguous
+            )
+            .is_ok()
+        );
     }
 
     #[test]

@@ -96,11 +96,8 @@ impl Geometry {
         }
         let min_shard_units = config.min_shard_bytes.div_ceil(ALIGN_BYTES);
         let raw_slot_units = slice_units / devices;
-        let full_shards = shards_for_slot(
-            raw_slot_units,
-            min_shard_units,
-            topology.machines() as u64,
-        );
+        let full_shards =
+            shards_for_slot(raw_slot_units, min_shard_units, topology.machines() as u64);
         // Round the slot down to a multiple of its shard count so that every full
         // slice has equal cells. The shards stay at least the minimum: with k > 1,
         // k <= raw / min, so floor(raw / k) >= min.

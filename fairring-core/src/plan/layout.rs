@@ -64,10 +64,16 @@ impl StagingLayout {
     pub const fn contribution(&self, from: u32, own: u32) -> Result<Span, PlanError> {
         let machines = self.sources + 1;
         if from >= machines {
-            return Err(PlanError::MachineOutOfRange { machine: from, machines });
+            return Err(PlanError::MachineOutOfRange {
+                machine: from,
+                machines,
+            });
         }
         if own >= machines {
-            return Err(PlanError::MachineOutOfRange { machine: own, machines });
+            return Err(PlanError::MachineOutOfRange {
+                machine: own,
+                machines,
+            });
         }
         if from == own {
             return Err(PlanError::OwnContribution { machine: own });

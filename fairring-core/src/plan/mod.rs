@@ -258,16 +258,25 @@ impl fmt::Display for PlanError {
                 write!(f, "slice {slice} is out of range for {slices} slices")
             }
             PlanError::ElementOutOfRange { element, elements } => {
-                write!(f, "element {element} is out of range for {elements} elements")
+                write!(
+                    f,
+                    "element {element} is out of range for {elements} elements"
+                )
             }
             PlanError::DeviceOutOfRange { device, devices } => {
-                write!(f, "device {device} is out of range for {devices} devices per machine")
+                write!(
+                    f,
+                    "device {device} is out of range for {devices} devices per machine"
+                )
             }
             PlanError::ShardOutOfRange { shard, shards } => {
                 write!(f, "shard {shard} is out of range for {shards} shards")
             }
             PlanError::MachineOutOfRange { machine, machines } => {
-                write!(f, "machine {machine} is out of range for {machines} machines")
+                write!(
+                    f,
+                    "machine {machine} is out of range for {machines} machines"
+                )
             }
             PlanError::OwnContribution { machine } => write!(
                 f,
@@ -301,7 +310,10 @@ impl Plan {
             elements,
             slice_elements,
             slices: elements.div_ceil(slice_elements),
-            #[expect(clippy::cast_possible_truncation, reason = "the value is below M <= 4096")]
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "the value is below M <= 4096"
+            )]
             rotation: (rotation % machines) as u32,
         })
     }

@@ -105,7 +105,10 @@ impl Slice {
             machines,
             devices,
             shards: geometry.shards_for_slice(units),
-            #[expect(clippy::cast_possible_truncation, reason = "the value is below M <= 4096")]
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "the value is below M <= 4096"
+            )]
             first_server: first_server as u32,
             slots: EvenSplit::new(units, devices as u64),
         }
@@ -220,15 +223,18 @@ impl Slice {
             Ok(s) => s.is_some(),
             Err(e) => return Err(e),
         };
-        let slot_len =
-            self.slots.len(location.device as u64) * self.unit_elements + self.tail_of_slot(location.device);
+        let slot_len = self.slots.len(location.device as u64) * self.unit_elements
+            + self.tail_of_slot(location.device);
         if slot_len == 0 {
             return Ok(Role::IDLE);
         }
         let reduces = served && self.machines > 1;
         let others = if reduces { self.machines - 1 } else { 0 };
         let sends = self.shards - if served { 1 } else { 0 };
-        #[expect(clippy::cast_possible_truncation, reason = "every count is below M <= 4096")]
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "every count is below M <= 4096"
+        )]
         Ok(Role {
             contributions_to_send: sends as u16,
             contributions_to_receive: others as u16,

@@ -119,7 +119,9 @@ impl fmt::Display for ReduceError {
                 f,
                 "{operand} has {len} bytes, not a whole number of {elem_bytes}-byte elements"
             ),
-            ReduceError::ZeroContributors => f.write_str("an average needs at least one contributor"),
+            ReduceError::ZeroContributors => {
+                f.write_str("an average needs at least one contributor")
+            }
         }
     }
 }
@@ -231,7 +233,11 @@ pub fn reduce_many_bytes(
 }
 
 /// [`finish_avg`] over a byte buffer holding elements of `dtype`.
-pub fn finish_avg_bytes(dtype: DataType, dst: &mut [u8], contributors: u32) -> Result<(), ReduceError> {
+pub fn finish_avg_bytes(
+    dtype: DataType,
+    dst: &mut [u8],
+    contributors: u32,
+) -> Result<(), ReduceError> {
     supported(ReduceOp::Avg, dtype)?;
     match dtype {
         DataType::F32 => finish_avg::<f32>(view_mut(dst)?, contributors),
@@ -239,10 +245,12 @@ pub fn finish_avg_bytes(dtype: DataType, dst: &mut [u8], contributors: u32) -> R
         DataType::F16 => finish_avg::<f16>(view_mut(dst)?, contributors),
         DataType::BF16 => finish_avg::<bf16>(view_mut(dst)?, contributors),
         // Refused by `supported` above.
-        DataType::I32 | DataType::I64 | DataType::U8 | DataType::I8 => Err(ReduceError::Unsupported {
-            op: ReduceOp::Avg,
-            dtype,
-        }),
+        DataType::I32 | DataType::I64 | DataType::U8 | DataType::I8 => {
+            Err(ReduceError::Unsupported {
+                op: ReduceOp::Avg,
+                dtype,
+            })
+        }
     }
 }
 
@@ -300,10 +308,12 @@ fn view_mut<T: Element>(bytes: &mut [u8]) -> Result<&mut [T], ReduceError> {
 
 fn cast_error<T>(e: bytemuck::PodCastError, operand: Operand, len: usize) -> ReduceError {
     match e {
-        bytemuck::PodCastError::TargetAlignmentGreaterAndInputNotAligned => ReduceError::Misaligned {
-            operand,
-            align: align_of::<T>(),
-        },
+        bytemuck::PodCastError::TargetAlignmentGreaterAndInputNotAligned => {
+            ReduceError::Misaligned {
+                operand,
+                align: align_of::<T>(),
+            }
+        }
         _ => ReduceError::PartialElement {
             operand,
             len,

@@ -321,7 +321,10 @@ impl fmt::Display for StagingError {
                 "cannot acquire staging buffer for generation {generation} ({state})"
             ),
             StagingError::NotAcquired { event, state } => {
-                write!(f, "{event} before the staging buffer was acquired ({state})")
+                write!(
+                    f,
+                    "{event} before the staging buffer was acquired ({state})"
+                )
             }
             StagingError::NotInRole { event, state } => write!(
                 f,
@@ -331,11 +334,12 @@ impl fmt::Display for StagingError {
                 f,
                 "{event} before the action it completes was started ({state})"
             ),
-            StagingError::Duplicate { event, state } => write!(
-                f,
-                "{event} once more than the slice expects ({state})"
-            ),
-            StagingError::InvalidRole { role } => write!(f, "invalid role for a staging buffer: {role:?}"),
+            StagingError::Duplicate { event, state } => {
+                write!(f, "{event} once more than the slice expects ({state})")
+            }
+            StagingError::InvalidRole { role } => {
+                write!(f, "invalid role for a staging buffer: {role:?}")
+            }
         }
     }
 }

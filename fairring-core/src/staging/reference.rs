@@ -125,7 +125,10 @@ impl ReferenceModel {
                 count(&mut self.contributions_sent, role.contributions_to_send)?;
             }
             Event::ContributionReceived => {
-                count(&mut self.contributions_received, role.contributions_to_receive)?;
+                count(
+                    &mut self.contributions_received,
+                    role.contributions_to_receive,
+                )?;
             }
             Event::Reduced => once(&mut self.reduced)?,
             Event::ResultSent => count(&mut self.results_sent, role.results_to_send)?,

@@ -246,7 +246,11 @@ impl Word {
 
     /// The transition function: the word after `event` of `generation`, and the
     /// actions it hands out; or why the event is refused.
-    pub const fn on_event(self, event: Event, generation: u64) -> Result<(Word, Actions), StagingError> {
+    pub const fn on_event(
+        self,
+        event: Event,
+        generation: u64,
+    ) -> Result<(Word, Actions), StagingError> {
         if generation & GENERATION_MASK != self.generation() {
             return Err(StagingError::WrongGeneration {
                 event: Some(event),
@@ -296,14 +300,22 @@ impl Word {
 impl fmt::Display for Word {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if !self.in_use() {
-            return write!(f, "free, generation {} mod 2^{GENERATION_BITS}", self.generation());
+            return write!(
+                f,
+                "free, generation {} mod 2^{GENERATION_BITS}",
+                self.generation()
+            );
         }
         write!(
             f,
             "generation {} mod 2^{GENERATION_BITS}, {}reduce-scatter {}, ",
             self.generation(),
             if self.reduces() { "serving, " } else { "" },
-            if self.reduce_scatter_done() { "done" } else { "pending" },
+            if self.reduce_scatter_done() {
+                "done"
+            } else {
+                "pending"
+            },
         )?;
         write!(
             f,

@@ -167,7 +167,8 @@ impl FrameHeader {
         if stored != computed {
             return Err(WireError::BadChecksum { stored, computed });
         }
-        let kind = FrameKind::from_u8(bytes[5]).ok_or(WireError::UnknownKind { found: bytes[5] })?;
+        let kind =
+            FrameKind::from_u8(bytes[5]).ok_or(WireError::UnknownKind { found: bytes[5] })?;
         let flags = u16::from_le_bytes([bytes[6], bytes[7]]);
         if flags != 0 {
             return Err(WireError::ReservedFlags { found: flags });

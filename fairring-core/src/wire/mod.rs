@@ -163,7 +163,10 @@ impl fmt::Display for WireError {
                 write!(f, "bad frame magic {found:02x?}, expected {MAGIC:02x?}")
             }
             WireError::UnsupportedVersion { found } => {
-                write!(f, "frame version {found} is not supported (this is version {VERSION})")
+                write!(
+                    f,
+                    "frame version {found} is not supported (this is version {VERSION})"
+                )
             }
             WireError::BadChecksum { stored, computed } => write!(
                 f,
@@ -171,14 +174,23 @@ impl fmt::Display for WireError {
             ),
             WireError::UnknownKind { found } => write!(f, "unknown frame kind {found}"),
             WireError::ReservedFlags { found } => {
-                write!(f, "frame flags {found:#06x} are reserved in version {VERSION}")
+                write!(
+                    f,
+                    "frame flags {found:#06x} are reserved in version {VERSION}"
+                )
             }
             WireError::PayloadTooLarge { kind, len, max } => {
-                write!(f, "{kind:?} frame announces {len} payload bytes, more than {max}")
+                write!(
+                    f,
+                    "{kind:?} frame announces {len} payload bytes, more than {max}"
+                )
             }
             WireError::EmptyPayload { kind } => write!(f, "{kind:?} frame has no payload"),
             WireError::NotDataFrame { kind } => {
-                write!(f, "{kind:?} frame where a contribution or result was expected")
+                write!(
+                    f,
+                    "{kind:?} frame where a contribution or result was expected"
+                )
             }
             WireError::NotControlFrame { kind } => {
                 write!(f, "{kind:?} frame where a control frame was expected")
@@ -187,9 +199,14 @@ impl fmt::Display for WireError {
                 write!(f, "frame for job {found:#x}, this is job {expected:#x}")
             }
             WireError::UnknownRank { rank, world_size } => {
-                write!(f, "frame from rank {rank}, outside the job's {world_size} ranks")
+                write!(
+                    f,
+                    "frame from rank {rank}, outside the job's {world_size} ranks"
+                )
             }
-            WireError::FromSelf { rank } => write!(f, "frame claims to come from rank {rank} itself"),
+            WireError::FromSelf { rank } => {
+                write!(f, "frame claims to come from rank {rank} itself")
+            }
             WireError::WrongRail {
                 source_rank,
                 rail,
@@ -203,7 +220,10 @@ impl fmt::Display for WireError {
                 "data frame from rank {source_rank}, on the receiver's own machine"
             ),
             WireError::SliceOutOfRange { slice, slices } => {
-                write!(f, "frame for slice {slice}; the operation has {slices} slices")
+                write!(
+                    f,
+                    "frame for slice {slice}; the operation has {slices} slices"
+                )
             }
             WireError::ShardOutOfRange { shard, shards } => {
                 write!(f, "frame for shard {shard}; the slice has {shards} shards")

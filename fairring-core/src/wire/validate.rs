@@ -100,12 +100,13 @@ impl FrameCheck {
                 slice: header.slice,
                 slices: plan.slice_count(),
             })?;
-        let cell = slice
-            .cell(self.me.device, header.shard)
-            .map_err(|_| WireError::ShardOutOfRange {
-                shard: header.shard,
-                shards: slice.shards(),
-            })?;
+        let cell =
+            slice
+                .cell(self.me.device, header.shard)
+                .map_err(|_| WireError::ShardOutOfRange {
+                    shard: header.shard,
+                    shards: slice.shards(),
+                })?;
         let (expected_server, event) = match header.kind {
             FrameKind::Contribution => (self.me.machine, Event::ContributionReceived),
             _ => (from.machine, Event::ResultReceived),

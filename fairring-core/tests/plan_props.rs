@@ -1,0 +1,381 @@
+//! Property tests of the plan: the invariants of DESIGN.md section 3 over random
+//! tensors, element types, topologies (M up to 4096, D up to 16), slice sizes and
+//! minimum shard sizes.
+
+use fairring_core::DataType;
+use fairring_core::plan::{ALIGN_BYTES, Geometry, Plan, PlanConfig, Slice};
+use fairring_core::staging::Role;
+use fairring_core::topology::{Location, RankLayout, Topology};
+use proptest::prelude::*;
+
+fn dtype() -> impl Strategy<Value = DataType> {
+    prop::sample::select(DataType::ALL.to_vec())
+}
+
+/// Machines: mostly small, sometimes up to the limit.
+fn machines() -> impl Strategy<Value = u32> {
+    prop_oneof![4 => 1u32..=16, 2 => 17u32..=256, 1 => 257u32..=4096]
+}
+
+/// A byte size spread over orders of magnitude.
+fn log_size(max_log2: u32) -> impl Strategy<Value = u64> {
+    (6u32..=max_log2, any::<u64>()).prop_map(|(exp, r)| {
+        let lo = 1u64 << exp;
+        lo + r % lo
+    })
+}
+
+prop_compose! {
+    fn geometry()(m in machines(), d in 1u32..=16, slice in log_size(26), min_shard in log_size(20))
+        -> Geometry
+    {
+        let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+        let slice = slice.max(u64::from(d) * ALIGN_BYTES);
+        let config = PlanConfig::new(slice, min_shard).unwrap();
+        Geometry::new(topology, config).unwrap()
+    }
+}
+
+prop_compose! {
+    /// A plan with up to a few hundred slices, tail included.
+    fn plan()(g in geometry(), dtype in dtype(), slices in 0u64..300, frac in 0u64..=1000, rot in any::<u64>())
+        -> Plan
+    {
+        let per_slice = g.full_slice_bytes() / dtype.size_bytes();
+        let n = slices * per_slice + per_slice * frac / 1000;
+        Plan::new(&g, dtype, n, rot).unwrap()
+    }
+}
+
+/// The slices worth checking cell by cell: first, last and a few in between.
+fn sample_slices(plan: &Plan, picks: &[u64]) -> Vec<Slice> {
+    let n = plan.slice_count();
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut idx: Vec<u64> = vec![0, n - 1];
+    idx.extend(picks.iter().map(|p| p % n));
+    idx.sort_unstable();
+    idx.dedup();
+    idx.into_iter().map(|i| plan.slice(i).unwrap()).collect()
+}
+
+fn check_slice(plan: &Plan, slice: &Slice) -> Result<(), TestCaseError> {
+    let g = plan.geometry();
+    let topo = g.topology();
+    let (m, d) = (topo.machines(), topo.devices_per_machine());
+    let k = slice.shards();
+    let layout = g.staging_layout();
+    let span = slice.span();
+    prop_assert!(k >= 1 && k <= m, "shards {k} for {m} machines");
+
+    // Cells tile the slice exactly, in order.
+    let mut next = span.offset();
+    let (mut min_len, mut max_len) = (u64::MAX, 0);
+    let mut count = 0u64;
+    for cell in slice.cells() {
+        prop_assert_eq!(
+            cell.span().offset(),
+            next,
+            "gap or overlap before cell {:?}",
+            cell
+        );
+        next = cell.span().end();
+        count += 1;
+        let bytes = cell.span().byte_len();
+        min_len = min_len.min(bytes);
+        max_len = max_len.max(bytes);
+        // Aligned from the start of the tensor.
+        prop_assert_eq!(cell.span().byte_offset() % ALIGN_BYTES, 0);
+        // Its server serves exactly this shard.
+        prop_assert!(cell.server() < m);
+        prop_assert_eq!(slice.server(cell.shard()).unwrap(), cell.server());
+        prop_assert_eq!(
+            slice.shard_served_by(cell.server()).unwrap(),
+            Some(cell.shard())
+        );
+        // It lies inside its slot, at its slot offset.
+        let slot = slice.slot(cell.device()).unwrap();
+        prop_assert_eq!(
+            slot.offset() + cell.slot_span().offset(),
+            cell.span().offset()
+        );
+        prop_assert!(cell.span().end() <= slot.end());
+        // Adaptive sharding: with more than one shard, no shard below the minimum.
+        if k > 1 {
+            prop_assert!(bytes >= g.min_shard_bytes(), "shard of {bytes} B < minimum");
+        }
+        // The staging layout holds it.
+        prop_assert!(
+            bytes <= layout.shard_stride(),
+            "cell {bytes} B > stride {}",
+            layout.shard_stride()
+        );
+        prop_assert!(cell.slot_span().byte_end() <= layout.slot().byte_len());
+    }
+    prop_assert_eq!(next, span.end(), "cells do not reach the end of the slice");
+    prop_assert_eq!(count, u64::from(d) * u64::from(k));
+    // Balanced within one alignment unit.
+    prop_assert!(
+        max_len - min_len <= ALIGN_BYTES,
+        "cells from {min_len} to {max_len} B"
+    );
+
+    // Slots tile the slice and are balanced too.
+    let mut next = span.offset();
+    let (mut lo, mut hi) = (u64::MAX, 0);
+    for dev in 0..d {
+        let slot = slice.slot(dev).unwrap();
+        prop_assert_eq!(slot.offset(), next);
+        next = slot.end();
+        lo = lo.min(slot.byte_len());
+        hi = hi.max(slot.byte_len());
+        prop_assert!(slot.byte_len() <= layout.slot().byte_len());
+    }
+    prop_assert_eq!(next, span.end());
+    prop_assert!(hi - lo <= ALIGN_BYTES);
+
+    // Servers of the k shards are distinct machines.
+    let mut servers: Vec<u32> = (0..k).map(|j| slice.server(j).unwrap()).collect();
+    servers.sort_unstable();
+    servers.dedup();
+    prop_assert_eq!(servers.len(), k as usize);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn cells_partition_balance_align_and_fit(plan in plan(), picks in prop::collection::vec(any::<u64>(), 3)) {
+        for slice in sample_slices(&plan, &picks) {
+            check_slice(&plan, &slice)?;
+        }
+    }
+
+    #[test]
+    fn slices_tile_the_tensor(plan in plan()) {
+        let mut next = 0;
+        for (i, slice) in plan.slices().enumerate() {
+            prop_assert_eq!(slice.index(), i as u64);
+            prop_assert_eq!(slice.span().offset(), next);
+            prop_assert!(slice.span().len() > 0);
+            prop_assert!(slice.span().byte_len() <= plan.geometry().full_slice_bytes());
+            prop_assert!(plan.geometry().full_slice_bytes() <= plan.geometry().config().slice_bytes());
+            if i as u64 + 1 < plan.slice_count() {
+                prop_assert_eq!(slice.span().len(), plan.slice_elements());
+            }
+            next = slice.span().end();
+        }
+        prop_assert_eq!(next, plan.elements());
+        prop_assert!(plan.slice(plan.slice_count()).is_err());
+    }
+
+    #[test]
+    fn every_element_has_exactly_one_owner(plan in plan(), picks in prop::collection::vec(any::<u64>(), 16)) {
+        prop_assume!(plan.elements() > 0);
+        for p in picks {
+            let x = p % plan.elements();
+            let cell = plan.locate(x).unwrap();
+            prop_assert!(cell.span().offset() <= x && x < cell.span().end(), "element {x} not in {cell:?}");
+            let slice = plan.slice(cell.slice()).unwrap();
+            prop_assert_eq!(slice.cell(cell.device(), cell.shard()).unwrap(), cell);
+            // No other cell of its slice holds it.
+            let holders = slice.cells().filter(|c| c.span().offset() <= x && x < c.span().end()).count();
+            prop_assert_eq!(holders, 1);
+        }
+        prop_assert!(plan.locate(plan.elements()).is_err());
+    }
+
+    #[test]
+    fn roles_are_valid_and_conserve_messages(plan in plan(), picks in prop::collection::vec(any::<u64>(), 2)) {
+        let topo = plan.geometry().topology();
+        prop_assume!(topo.machines() <= 64);
+        for slice in sample_slices(&plan, &picks) {
+            for device in 0..topo.devices_per_machine() {
+                let (mut sent, mut received, mut results_sent, mut results_received) = (0u64, 0u64, 0u64, 0u64);
+                let slot_empty = slice.slot(device).unwrap().is_empty();
+                for machine in 0..topo.machines() {
+                    let role = slice.role(Location { machine, device }).unwrap();
+                    prop_assert!(role.is_valid(), "{role:?}");
+                    if slot_empty {
+                        prop_assert_eq!(role, Role::IDLE);
+                    }
+                    sent += u64::from(role.contributions_to_send);
+                    received += u64::from(role.contributions_to_receive);
+                    results_sent += u64::from(role.results_to_send);
+                    results_received += u64::from(role.results_to_receive);
+                }
+                // Every contribution sent is received by one server, and every result
+                // sent reaches one client.
+                prop_assert_eq!(sent, received);
+                prop_assert_eq!(results_sent, results_received);
+            }
+        }
+    }
+
+    #[test]
+    fn staging_layout_areas_are_disjoint(g in geometry()) {
+        let layout = g.staging_layout();
+        let m = g.topology().machines();
+        prop_assume!(m <= 64);
+        prop_assert_eq!(layout.slot().byte_len(), g.full_slot_bytes());
+        for own in 0..m {
+            let mut areas: Vec<(u64, u64)> = (0..m)
+                .filter(|&from| from != own)
+                .map(|from| {
+                    let a = layout.contribution(from, own).unwrap();
+                    (a.byte_offset(), a.byte_end())
+                })
+                .collect();
+            areas.sort_unstable();
+            let mut end = layout.slot().byte_end();
+            for (start, stop) in areas {
+                prop_assert!(start >= end, "overlap");
+                prop_assert_eq!(start % ALIGN_BYTES, 0);
+                end = stop;
+            }
+            prop_assert!(end <= layout.total_bytes());
+            prop_assert!(layout.contribution(own, own).is_err());
+        }
+    }
+}
+
+/// Per (machine, device) served bytes of a sequence of plans.
+fn served_bytes(plans: &[Plan]) -> Vec<Vec<u64>> {
+    let topo = plans[0].geometry().topology();
+    let mut served =
+        vec![vec![0u64; topo.devices_per_machine() as usize]; topo.machines() as usize];
+    for plan in plans {
+        for slice in plan.slices() {
+            for cell in slice.cells() {
+                served[cell.server() as usize][cell.device() as usize] += cell.span().byte_len();
+            }
+        }
+    }
+    served
+}
+
+fn spread(served: &[Vec<u64>], device: usize) -> u64 {
+    let col = served.iter().map(|row| row[device]);
+    col.clone().max().unwrap() - col.min().unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// Within one tensor, every machine serves the same bytes on every rail within
+    /// one shard (the largest of the plan) plus one alignment unit, however the
+    /// shards per slice compare with M.
+    #[test]
+    fn rotation_is_fair_within_a_tensor(
+        m in 1u32..=48, d in 1u32..=4, units in 1u64..=64, min_units in 1u64..=16,
+        slices in 1u64..=400, tail in 0u64..=1000, rot in any::<u64>(), dtype in dtype(),
+    ) {
+        let topo = Topology::new(m, d, RankLayout::Interleaved).unwrap();
+        let config = PlanConfig::new(units * u64::from(d) * ALIGN_BYTES, min_units * ALIGN_BYTES).unwrap();
+        let g = Geometry::new(topo, config).unwrap();
+        let per_slice = g.full_slice_bytes() / dtype.size_bytes();
+        let n = (slices - 1) * per_slice + 1 + (per_slice - 1) * tail / 1000;
+        let plan = Plan::new(&g, dtype, n, rot).unwrap();
+        let largest = plan.slices().flat_map(|s| s.cells()).map(|c| c.span().byte_len()).max().unwrap();
+        let served = served_bytes(&[plan]);
+        for device in 0..d as usize {
+            let s = spread(&served, device);
+            prop_assert!(s <= largest + ALIGN_BYTES, "device {device}: spread {s} B > {largest} + {ALIGN_BYTES}");
+        }
+    }
+
+    /// Across tensors chained with `next_rotation`, shards keep going round robin:
+    /// the number of shards each machine serves differs by at most one; and when every
+    /// slice is full (fusion buffers sized in whole slices), so do the bytes, by one
+    /// shard.
+    #[test]
+    fn rotation_continues_across_tensors(
+        m in 1u32..=24, units in 1u64..=32, min_units in 1u64..=8,
+        sizes in prop::collection::vec(1u64..=2000, 1..40), whole in any::<bool>(),
+    ) {
+        let topo = Topology::new(m, 1, RankLayout::Contiguous).unwrap();
+        let config = PlanConfig::new(units * ALIGN_BYTES, min_units * ALIGN_BYTES).unwrap();
+        let g = Geometry::new(topo, config).unwrap();
+        let per_slice = g.full_slice_bytes() / 4;
+        let mut rotation = 0;
+        let mut plans = Vec::new();
+        let mut counts = vec![0u64; m as usize];
+        for s in sizes {
+            let n = if whole { (s % 5 + 1) * per_slice } else { s };
+            let plan = Plan::new(&g, DataType::F32, n, rotation).unwrap();
+            rotation = plan.next_rotation();
+            for slice in plan.slices() {
+                for j in 0..slice.shards() {
+                    counts[slice.server(j).unwrap() as usize] += 1;
+                }
+            }
+            plans.push(plan);
+        }
+        let (lo, hi) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
+        prop_assert!(hi - lo <= 1, "shard counts {counts:?}");
+        if whole {
+            let full_shard = g.full_slot_bytes() / u64::from(g.shards_per_full_slice());
+            prop_assert!(spread(&served_bytes(&plans), 0) <= full_shard);
+        }
+    }
+}
+
+#[test]
+fn zero_elements_plan_to_nothing() {
+    let topo = Topology::new(4, 8, RankLayout::Contiguous).unwrap();
+    let g = Geometry::new(topo, PlanConfig::default()).unwrap();
+    let plan = Plan::new(&g, DataType::F32, 0, 7).unwrap();
+    assert_eq!(plan.slice_count(), 0);
+    assert_eq!(plan.slices().count(), 0);
+    assert!(plan.locate(0).is_err());
+    assert_eq!(plan.next_rotation(), 3);
+}
+
+#[test]
+fn adaptive_sharding_examples() {
+    // 8 machines x 8 devices, defaults: a 25 MiB slice gives 400 KiB... slots of
+    // 3.125 MiB, cut into 8 shards of 400 KiB.
+    let topo = Topology::new(8, 8, RankLayout::Contiguous).unwrap();
+    let g = Geometry::new(topo, PlanConfig::default()).unwrap();
+    assert_eq!(g.shards_per_full_slice(), 8);
+    assert_eq!(g.full_slice_bytes(), 25 << 20);
+    // A 1 MiB tensor: 128 KiB slots, two 64 KiB shards, not eight 16 KiB ones.
+    let plan = Plan::new(&g, DataType::F32, (1 << 20) / 4, 0).unwrap();
+    let slice = plan.slice(0).unwrap();
+    assert_eq!(slice.shards(), 2);
+    assert_eq!(slice.cell(0, 0).unwrap().span().byte_len(), 64 << 10);
+    // 512 machines x 8 devices (4096 GPUs): a full slice still never goes below the
+    // 64 KiB minimum, where a fixed M-way split would cut 6.25 KiB shards.
+    let topo = Topology::new(512, 8, RankLayout::Contiguous).unwrap();
+    let g = Geometry::new(topo, PlanConfig::default()).unwrap();
+    assert_eq!(g.shards_per_full_slice(), 50);
+    assert!(g.full_slot_bytes() / 50 >= 64 << 10);
+    // Configuration errors name the field.
+    assert!(PlanConfig::new(0, 1 << 16).is_err());
+    assert!(PlanConfig::new(1 << 20, 32).is_err());
+    let tiny = PlanConfig::new(64 * 4, 64).unwrap();
+    let topo = Topology::new(1, 8, RankLayout::Contiguous).unwrap();
+    assert!(Geometry::new(topo, tiny).is_err());
+    assert!(
+        Plan::new(
+            &Geometry::new(topo, PlanConfig::default()).unwrap(),
+            DataType::F64,
+            u64::MAX / 4,
+            0
+        )
+        .is_err()
+    );
+}
+
+#[test]
+fn staging_buffers_for_a_budget() {
+    let topo = Topology::new(8, 8, RankLayout::Contiguous).unwrap();
+    let g = Geometry::new(topo, PlanConfig::default()).unwrap();
+    let layout = g.staging_layout();
+    // 3.125 MiB slot plus 7 contribution areas of 400 KiB.
+    assert_eq!(layout.total_bytes(), (25 << 20) / 8 + 7 * (400 << 10));
+    assert_eq!(g.staging_buffers(50 << 20).unwrap(), 8);
+    assert!(g.staging_buffers(1 << 20).is_err());
+}

@@ -1,0 +1,269 @@
+//! Property tests of frames: the header round trip, refusal of every corrupted
+//! field, and validation against a plan.
+
+use fairring_core::DataType;
+use fairring_core::plan::{Geometry, Plan, PlanConfig};
+use fairring_core::staging::Event;
+use fairring_core::topology::{Location, RankLayout, Topology};
+use fairring_core::wire::{FrameCheck, FrameHeader, FrameKind, HEADER_LEN, WireError};
+use proptest::prelude::*;
+
+fn kind() -> impl Strategy<Value = FrameKind> {
+    prop::sample::select(vec![
+        FrameKind::Hello,
+        FrameKind::Contribution,
+        FrameKind::Result,
+        FrameKind::Credit,
+        FrameKind::Abort,
+    ])
+}
+
+prop_compose! {
+    fn header()(kind in kind(), job_tag in any::<u64>(), sequence in any::<u64>(), slice in any::<u64>(),
+                shard in any::<u32>(), source_rank in any::<u32>(), len in any::<u32>()) -> FrameHeader {
+        let max = kind.max_payload();
+        let payload_len = if max == 0 { 0 } else if kind.is_data() { 1 + len % max } else { len % (max + 1) };
+        FrameHeader { kind, job_tag, sequence, slice, shard, source_rank, payload_len }
+    }
+}
+
+/// Recomputes the checksum after a deliberate change, so that the field itself is
+/// what decoding must refuse.
+fn reseal(bytes: &mut [u8; HEADER_LEN]) {
+    // Round-trip through a valid header is impossible for an invalid field, so
+    // recompute the CRC-32C here, independently of the crate.
+    let mut crc = !0u32;
+    for &b in &bytes[..44] {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0x82F6_3B78
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    bytes[44..48].copy_from_slice(&(!crc).to_le_bytes());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1000))]
+
+    #[test]
+    fn round_trip(h in header()) {
+        let bytes = h.encode();
+        prop_assert_eq!(&bytes[..4], b"FRNG");
+        prop_assert_eq!(FrameHeader::decode(&bytes), Ok(h));
+    }
+
+    /// Any one flipped bit, anywhere, is refused.
+    #[test]
+    fn any_bit_flip_is_refused(h in header(), bit in 0usize..HEADER_LEN * 8) {
+        let mut bytes = h.encode();
+        bytes[bit / 8] ^= 1 << (bit % 8);
+        prop_assert!(FrameHeader::decode(&bytes).is_err(), "flip of bit {} accepted", bit);
+    }
+
+    /// Any one byte replaced by another value is refused.
+    #[test]
+    fn any_byte_change_is_refused(h in header(), at in 0usize..HEADER_LEN, delta in 1u8..=255) {
+        let mut bytes = h.encode();
+        bytes[at] = bytes[at].wrapping_add(delta);
+        prop_assert!(FrameHeader::decode(&bytes).is_err());
+    }
+
+    /// Invalid values with a valid checksum are refused, each with its own error.
+    #[test]
+    fn every_invalid_field_is_named(h in header(), junk in any::<u32>()) {
+        let base = h.encode();
+
+        let mut b = base;
+        b[0] ^= 0x20;
+        reseal(&mut b);
+        prop_assert!(matches!(FrameHeader::decode(&b), Err(WireError::BadMagic { .. })), "corrupted magic accepted");
+
+        let mut b = base;
+        b[4] = 2 + (junk % 254) as u8;
+        reseal(&mut b);
+        prop_assert_eq!(FrameHeader::decode(&b), Err(WireError::UnsupportedVersion { found: b[4] }));
+
+        let mut b = base;
+        b[5] = [0u8, 6, 7, 200, 255][junk as usize % 5];
+        reseal(&mut b);
+        prop_assert_eq!(FrameHeader::decode(&b), Err(WireError::UnknownKind { found: b[5] }));
+
+        let mut b = base;
+        b[6..8].copy_from_slice(&(1 + (junk % 0xFFFF) as u16).to_le_bytes());
+        reseal(&mut b);
+        prop_assert!(matches!(FrameHeader::decode(&b), Err(WireError::ReservedFlags { .. })), "reserved flags accepted");
+
+        let max = h.kind.max_payload();
+        let mut b = base;
+        let too_long = max + 1 + junk % (u32::MAX - max);
+        b[40..44].copy_from_slice(&too_long.to_le_bytes());
+        reseal(&mut b);
+        prop_assert_eq!(
+            FrameHeader::decode(&b),
+            Err(WireError::PayloadTooLarge { kind: h.kind, len: too_long, max })
+        );
+
+        if h.kind.is_data() {
+            let mut b = base;
+            b[40..44].copy_from_slice(&0u32.to_le_bytes());
+            reseal(&mut b);
+            prop_assert_eq!(FrameHeader::decode(&b), Err(WireError::EmptyPayload { kind: h.kind }));
+        }
+    }
+
+    /// Arbitrary bytes never panic, and whatever decodes re-encodes to the same bytes.
+    #[test]
+    fn arbitrary_bytes(bytes in prop::array::uniform32(any::<u8>()), tail in prop::array::uniform16(any::<u8>()), magic in any::<bool>()) {
+        let mut b = [0u8; HEADER_LEN];
+        b[..32].copy_from_slice(&bytes);
+        b[32..].copy_from_slice(&tail);
+        if magic {
+            b[..4].copy_from_slice(b"FRNG");
+            b[4] = 1;
+            reseal(&mut b);
+        }
+        if let Ok(h) = FrameHeader::decode(&b) {
+            prop_assert_eq!(h.encode(), b);
+        }
+    }
+}
+
+const JOB: u64 = 0x5EED_F00D;
+
+prop_compose! {
+    fn job()(m in 2u32..=6, d in 1u32..=3, interleaved in any::<bool>(), slice_units in 1u64..=64,
+             min_units in 1u64..=8, dtype in prop::sample::select(DataType::ALL.to_vec()),
+             slices in 1u64..=4, extra in 0u64..=63, rotation in any::<u64>())
+        -> (Geometry, Plan)
+    {
+        let layout = if interleaved { RankLayout::Interleaved } else { RankLayout::Contiguous };
+        let topo = Topology::new(m, d, layout).unwrap();
+        let config = PlanConfig::new(slice_units * u64::from(d) * 64, min_units * 64).unwrap();
+        let g = Geometry::new(topo, config).unwrap();
+        let n = (slices - 1) * (g.full_slice_bytes() / dtype.size_bytes()) + 1 + extra;
+        (g, Plan::new(&g, dtype, n, rotation).unwrap())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Every frame the protocol sends is accepted by its receiver and placed inside
+    /// the area the layout gives it; every one-field lie is refused.
+    #[test]
+    fn validation_against_the_plan((g, plan) in job(), seq in any::<u64>()) {
+        let topo = g.topology();
+        let layout = g.staging_layout();
+        for slice in plan.slices() {
+            for cell in slice.cells() {
+                if cell.span().is_empty() {
+                    continue;
+                }
+                let server = cell.server();
+                let server_rank = topo.rank(Location { machine: server, device: cell.device() }).unwrap();
+                let check = FrameCheck::new(JOB, server_rank, &g).unwrap();
+                for client in (0..topo.machines()).filter(|&c| c != server) {
+                    let client_rank = topo.rank(Location { machine: client, device: cell.device() }).unwrap();
+                    // Contribution: client -> server.
+                    let h = FrameHeader::for_cell(FrameKind::Contribution, JOB, seq, &cell, client_rank).unwrap();
+                    let p = check.check_data(&h, &plan).unwrap();
+                    prop_assert_eq!(p.event, Event::ContributionReceived);
+                    prop_assert_eq!(p.from_machine, client);
+                    let area = layout.contribution(client, server).unwrap();
+                    prop_assert_eq!(p.target.byte_offset(), area.byte_offset());
+                    prop_assert!(p.target.byte_len() <= area.byte_len());
+                    prop_assert!(p.target.byte_end() <= layout.total_bytes());
+                    // Result: server -> client.
+                    let r = FrameHeader::for_cell(FrameKind::Result, JOB, seq, &cell, server_rank).unwrap();
+                    let client_check = FrameCheck::new(JOB, client_rank, &g).unwrap();
+                    let p = client_check.check_data(&r, &plan).unwrap();
+                    prop_assert_eq!(p.event, Event::ResultReceived);
+                    prop_assert_eq!(p.target.byte_offset(), cell.slot_span().byte_offset());
+                    prop_assert_eq!(p.target.byte_len(), cell.span().byte_len());
+                    prop_assert!(p.target.byte_end() <= layout.slot().byte_end());
+
+                    // One-field lies.
+                    let refused = |h: FrameHeader| check.check_data(&h, &plan).is_err();
+                    prop_assert!(refused(FrameHeader { job_tag: JOB ^ 1, ..h }), "wrong job tag accepted");
+                    prop_assert!(refused(FrameHeader { slice: plan.slice_count(), ..h }), "slice past the end accepted");
+                    prop_assert!(refused(FrameHeader { shard: slice.shards(), ..h }), "shard past the end accepted");
+                    prop_assert!(refused(FrameHeader { payload_len: h.payload_len + 1, ..h }), "payload one byte long accepted");
+                    prop_assert!(refused(FrameHeader { payload_len: h.payload_len - 1, ..h }), "payload one byte short accepted");
+                    prop_assert!(refused(FrameHeader { source_rank: server_rank, ..h }), "frame from the receiver itself accepted");
+                    prop_assert!(refused(FrameHeader { source_rank: topo.world_size(), ..h }), "source rank outside the job accepted");
+                    prop_assert!(refused(FrameHeader { kind: FrameKind::Credit, ..h }), "credit taken for data");
+                    // A frame that claims the receiver as its source, or comes from another rail.
+                    prop_assert!(matches!(client_check.check_data(&h, &plan), Err(WireError::FromSelf { .. })), "frame claiming the receiver as sender accepted");
+                    if topo.devices_per_machine() > 1 {
+                        let other = topo.rank(Location { machine: client, device: (cell.device() + 1) % topo.devices_per_machine() }).unwrap();
+                        let off_rail = FrameHeader { source_rank: other, ..h };
+                        prop_assert!(matches!(check.check_data(&off_rail, &plan), Err(WireError::WrongRail { .. })), "off-rail frame accepted");
+                    }
+                    // A contribution to a machine that does not serve the shard, and a
+                    // result from one.
+                    if let Some(third) = (0..topo.machines()).find(|&x| x != server && x != client) {
+                        let liar = topo.rank(Location { machine: third, device: cell.device() }).unwrap();
+                        let to_non_server = FrameHeader { source_rank: liar, ..h };
+                        let from_non_server = FrameHeader { source_rank: liar, ..r };
+                        prop_assert!(matches!(client_check.check_data(&to_non_server, &plan), Err(WireError::NotServer { .. })), "contribution to a non-server accepted");
+                        prop_assert!(matches!(client_check.check_data(&from_non_server, &plan), Err(WireError::NotServer { .. })), "result from a non-server accepted");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn control_frames() {
+    let topo = Topology::new(2, 2, RankLayout::Contiguous).unwrap();
+    let g = Geometry::new(topo, PlanConfig::default()).unwrap();
+    let check = FrameCheck::new(JOB, 0, &g).unwrap();
+    let credit = FrameHeader {
+        kind: FrameKind::Credit,
+        job_tag: JOB,
+        sequence: 3,
+        slice: 0,
+        shard: 0,
+        source_rank: 2,
+        payload_len: 0,
+    };
+    assert_eq!(check.check_control(&credit), Ok(()));
+    assert_eq!(
+        check.check_control(&FrameHeader {
+            source_rank: 0,
+            ..credit
+        }),
+        Err(WireError::FromSelf { rank: 0 })
+    );
+    assert_eq!(
+        check.check_control(&FrameHeader {
+            job_tag: 1,
+            ..credit
+        }),
+        Err(WireError::WrongJob {
+            expected: JOB,
+            found: 1
+        })
+    );
+    assert!(matches!(
+        check.check_control(&FrameHeader {
+            kind: FrameKind::Result,
+            ..credit
+        }),
+        Err(WireError::NotControlFrame { .. })
+    ));
+    // A plan made under another geometry is refused rather than trusted.
+    let other = Geometry::new(topo, PlanConfig::new(1 << 20, 1 << 16).unwrap()).unwrap();
+    let plan = Plan::new(&other, DataType::F32, 1000, 0).unwrap();
+    let cell = plan.slice(0).unwrap().cell(0, 0).unwrap();
+    let h = FrameHeader::for_cell(FrameKind::Contribution, JOB, 0, &cell, 2).unwrap();
+    assert_eq!(
+        check.check_data(&h, &plan),
+        Err(WireError::GeometryMismatch)
+    );
+}
