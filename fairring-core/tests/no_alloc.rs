@@ -141,7 +141,7 @@ fn core_work_allocates_nothing() {
         let role = slice.role(me).unwrap();
         let state = StagingState::new();
         state.acquire(0, role).unwrap();
-        let mut step = |e: Event| state.on_event(e, 0).unwrap();
+        let step = |e: Event| state.on_event(e, 0).unwrap();
         step(Event::ReduceScatterDone);
         for _ in 0..role.contributions_to_send {
             step(Event::ContributionSent);

@@ -159,7 +159,7 @@ proptest! {
         for (i, slice) in plan.slices().enumerate() {
             prop_assert_eq!(slice.index(), i as u64);
             prop_assert_eq!(slice.span().offset(), next);
-            prop_assert!(slice.span().len() > 0);
+            prop_assert!(!slice.span().is_empty());
             prop_assert!(slice.span().byte_len() <= plan.geometry().full_slice_bytes());
             prop_assert!(plan.geometry().full_slice_bytes() <= plan.geometry().config().slice_bytes());
             if i as u64 + 1 < plan.slice_count() {

@@ -119,7 +119,7 @@ impl Reference for f64 {
         prop_oneof![
             1 => prop::sample::select(specials_f64()),
             2 => any::<u64>().prop_map(f64::from_bits),
-            3 => (-1e6f64..1e6),
+            3 => -1e6f64..1e6,
         ]
         .boxed()
     }
