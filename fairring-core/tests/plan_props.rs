@@ -220,6 +220,7 @@ proptest! {
         let m = g.topology().machines();
         prop_assume!(m <= 64);
         prop_assert_eq!(layout.slot().byte_len(), g.full_slot_bytes());
+        prop_assert_eq!((layout.shard_stride() / ALIGN_BYTES) % 2, 1, "even number of cache lines");
         for own in 0..m {
             let mut areas: Vec<(u64, u64)> = (0..m)
                 .filter(|&from| from != own)
@@ -374,8 +375,13 @@ fn staging_buffers_for_a_budget() {
     let topo = Topology::new(8, 8, RankLayout::Contiguous).unwrap();
     let g = Geometry::new(topo, PlanConfig::default()).unwrap();
     let layout = g.staging_layout();
-    // 3.125 MiB slot plus 7 contribution areas of 400 KiB.
-    assert_eq!(layout.total_bytes(), (25 << 20) / 8 + 7 * (400 << 10));
+    // 3.125 MiB slot plus 7 contribution areas of 400 KiB, each padded to an odd
+    // number of cache lines.
+    assert_eq!(layout.shard_stride(), (400 << 10) + 64);
+    assert_eq!(
+        layout.total_bytes(),
+        (25 << 20) / 8 + 7 * ((400 << 10) + 64)
+    );
     assert_eq!(g.staging_buffers(50 << 20).unwrap(), 8);
     assert!(g.staging_buffers(1 << 20).is_err());
 }

@@ -18,7 +18,12 @@ use super::{ALIGN_BYTES, Geometry, PlanError, Span};
 ///   in the caller's tensor (as the GPU path does when `D > 1`) uses the slot range of
 ///   the tensor instead and leaves this range unused.
 /// - **contributions**: one area per *other* machine, `shard_stride` bytes each,
-///   receiving that machine's contribution to the shard this device serves.
+///   receiving that machine's contribution to the shard this device serves. The
+///   stride is an odd number of cache lines, so that the areas start in different
+///   cache sets: the reduction reads all of them at the same offsets at once, and
+///   with a power-of-two stride they evict each other (measured: the one-pass
+///   reduction of 7 contributions of 8 MiB ran 0.55x to 1.6x as fast as pairwise
+///   from run to run with a 2^k stride, 1.5x to 1.9x with one extra cache line).
 ///
 /// The buffer is large enough for any slice of any tensor under its
 /// [`Geometry`]: its slot area for a full slice, its contribution areas for the
@@ -34,9 +39,11 @@ pub struct StagingLayout {
 
 impl StagingLayout {
     pub(crate) const fn for_geometry(geometry: &Geometry) -> StagingLayout {
+        let lines = geometry.max_shard_units();
+        let odd_lines = lines | 1;
         StagingLayout {
             slot_bytes: geometry.slot_units() * ALIGN_BYTES,
-            shard_stride: geometry.max_shard_units() * ALIGN_BYTES,
+            shard_stride: odd_lines * ALIGN_BYTES,
             sources: geometry.topology().machines() - 1,
         }
     }

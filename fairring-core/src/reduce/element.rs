@@ -1,5 +1,6 @@
 //! The element types the kernels reduce, and their arithmetic.
 
+use super::convert;
 use crate::dtype::DataType;
 use half::{bf16, f16};
 
@@ -11,6 +12,9 @@ pub trait Element: bytemuck::Pod + private::Sealed {
     /// The type arithmetic happens in: `f32` for [`f16`] and [`bf16`], else `Self`.
     #[doc(hidden)]
     type Acc: private::Arith;
+    /// Whether `Acc` is wider than `Self` (loads and stores convert).
+    #[doc(hidden)]
+    const WIDENS: bool;
     /// Widens to the arithmetic type (exact).
     #[doc(hidden)]
     fn load(self) -> Self::Acc;
@@ -127,6 +131,7 @@ macro_rules! native_element {
         impl Element for $t {
             const DTYPE: DataType = $dtype;
             type Acc = $t;
+            const WIDENS: bool = false;
             #[inline(always)]
             fn load(self) -> $t {
                 self
@@ -147,22 +152,28 @@ native_element!(u8, DataType::U8);
 native_element!(i8, DataType::I8);
 
 macro_rules! half_element {
-    ($t:ty, $dtype:expr) => {
+    ($t:ty, $dtype:expr, $widen:path, $narrow:path) => {
         impl Sealed for $t {}
         impl Element for $t {
             const DTYPE: DataType = $dtype;
             type Acc = f32;
+            const WIDENS: bool = true;
             #[inline(always)]
             fn load(self) -> f32 {
-                self.to_f32()
+                $widen(self.to_bits())
             }
             #[inline(always)]
             fn store(acc: f32) -> $t {
-                <$t>::from_f32(acc)
+                <$t>::from_bits($narrow(acc))
             }
         }
     };
 }
 
-half_element!(f16, DataType::F16);
-half_element!(bf16, DataType::BF16);
+half_element!(f16, DataType::F16, convert::f16_to_f32, convert::f32_to_f16);
+half_element!(
+    bf16,
+    DataType::BF16,
+    convert::bf16_to_f32,
+    convert::f32_to_bf16
+);

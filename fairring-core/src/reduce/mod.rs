@@ -34,6 +34,7 @@
 //! [`reduce_many`] works in blocks of 1024 elements so that `dst` is read and
 //! written once whatever the number of sources. Nothing allocates; nothing panics.
 
+mod convert;
 mod element;
 mod kernel;
 
