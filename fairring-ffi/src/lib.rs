@@ -7,6 +7,8 @@
 //! (ctypes over the `cdylib`) will register a `torch.distributed` backend named
 //! `fairring`.
 //!
-//! Status: not implemented yet. The crate builds as a `cdylib` and a `staticlib` so
+//! It builds as `libfairring_ffi` (`cdylib` and `staticlib`).
+//!
+//! Status: not implemented yet. The crate builds so
 //! that the workspace and its CI are in place; it exports nothing.
 #![forbid(unsafe_code)]

@@ -4,12 +4,12 @@ use super::convert;
 use crate::dtype::DataType;
 use half::{bf16, f16};
 
-/// An element type the kernels reduce: `f32`, `f64`, [`f16`], [`bf16`], `i32`, `i64`,
+/// An element type the kernels reduce: `f32`, `f64`, [`f16`](struct@half::f16), [`bf16`], `i32`, `i64`,
 /// `u8`, `i8`. Sealed: the set matches [`DataType`].
 pub trait Element: bytemuck::Pod + private::Sealed {
     /// The type's name in [`DataType`].
     const DTYPE: DataType;
-    /// The type arithmetic happens in: `f32` for [`f16`] and [`bf16`], else `Self`.
+    /// The type arithmetic happens in: `f32` for [`f16`](struct@half::f16) and [`bf16`], else `Self`.
     #[doc(hidden)]
     type Acc: private::Arith;
     /// Whether `Acc` is wider than `Self` (loads and stores convert).

@@ -147,7 +147,7 @@ pub fn reduce<T: Element>(op: ReduceOp, dst: &mut [T], src: &[T]) -> Result<(), 
 }
 
 /// `dst[i] = dst[i] op srcs[0][i] op srcs[1][i] ...`, combined left to right, with
-/// one pass over `dst`. For [`f16`] and [`bf16`] the whole combination is kept in
+/// one pass over `dst`. For [`f16`](struct@half::f16) and [`bf16`] the whole combination is kept in
 /// `f32` and rounded once.
 pub fn reduce_many<T: Element>(
     op: ReduceOp,

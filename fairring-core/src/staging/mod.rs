@@ -80,7 +80,7 @@
 //!
 //! [`StagingState`] needs 64-bit atomics and is absent on targets without them
 //! (`thumbv7em`, for instance); the pure transition function ([`Word`]) and the
-//! [`reference`] model are everywhere.
+//! [`reference`](mod@reference) model are everywhere.
 
 pub mod reference;
 #[cfg(target_has_atomic = "64")]

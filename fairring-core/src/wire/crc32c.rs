@@ -29,8 +29,9 @@ const TABLE: [u32; 256] = {
     table
 };
 
-/// The CRC-32C of `bytes`.
-pub(crate) const fn crc32c(bytes: &[u8]) -> u32 {
+/// The CRC-32C of `bytes`: the checksum a frame header carries over its first 44
+/// bytes. Public for implementations of the wire format elsewhere and for tests.
+pub const fn crc32c(bytes: &[u8]) -> u32 {
     let mut crc = !0u32;
     let mut i = 0;
     while i < bytes.len() {

@@ -16,6 +16,7 @@ mod crc32c;
 mod header;
 mod validate;
 
+pub use crc32c::crc32c;
 pub use header::{
     FrameHeader, FrameKind, HEADER_LEN, MAGIC, MAX_ABORT_PAYLOAD, MAX_DATA_PAYLOAD,
     MAX_HELLO_PAYLOAD, VERSION,
