@@ -44,7 +44,7 @@ fn kernels(c: &mut Criterion) {
     group.bench_function("copy_from_slice", |b| {
         b.iter(|| black_box(&mut dst).copy_from_slice(black_box(&src)))
     });
-    typed(&mut group, "f32", 1.0f32, &ReduceOp::ALL);
+    typed(&mut group, "f32", 1.0f32, ReduceOp::ALL);
     typed(&mut group, "f64", 1.0f64, &[ReduceOp::Sum]);
     typed(&mut group, "f16", f16::ONE, &[ReduceOp::Sum]);
     typed(&mut group, "bf16", bf16::ONE, &[ReduceOp::Sum]);

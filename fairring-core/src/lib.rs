@@ -55,6 +55,7 @@ pub mod staging;
 pub mod topology;
 pub mod wire;
 
+mod named_enum;
 mod sync;
 
 pub use dtype::{DataType, ReduceOp};

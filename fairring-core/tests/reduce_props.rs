@@ -190,7 +190,8 @@ int_reference!(i8);
 
 fn ops_for<T: Element>() -> Vec<ReduceOp> {
     ReduceOp::ALL
-        .into_iter()
+        .iter()
+        .copied()
         .filter(|op| op.supports(T::DTYPE))
         .collect()
 }

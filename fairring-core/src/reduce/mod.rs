@@ -172,6 +172,46 @@ pub fn finish_avg<T: Element>(dst: &mut [T], contributors: u32) -> Result<(), Re
     kernel::divide(dst, contributors)
 }
 
+/// Evaluates `$body` with the type alias `$t` naming the element type of `$dtype`.
+macro_rules! with_element {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            DataType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DataType::F64 => {
+                type $t = f64;
+                $body
+            }
+            DataType::F16 => {
+                type $t = f16;
+                $body
+            }
+            DataType::BF16 => {
+                type $t = bf16;
+                $body
+            }
+            DataType::I32 => {
+                type $t = i32;
+                $body
+            }
+            DataType::I64 => {
+                type $t = i64;
+                $body
+            }
+            DataType::U8 => {
+                type $t = u8;
+                $body
+            }
+            DataType::I8 => {
+                type $t = i8;
+                $body
+            }
+        }
+    };
+}
+
 /// [`reduce`] over byte buffers holding elements of `dtype`.
 pub fn reduce_bytes(
     dtype: DataType,
@@ -179,24 +219,11 @@ pub fn reduce_bytes(
     dst: &mut [u8],
     src: &[u8],
 ) -> Result<(), ReduceError> {
-    macro_rules! typed {
-        ($t:ty) => {{
-            let s: &[$t] = view(src, Operand::Source(0))?;
-            let d: &mut [$t] = view_mut(dst)?;
-            reduce(op, d, s)
-        }};
-    }
     supported(op, dtype)?;
-    match dtype {
-        DataType::F32 => typed!(f32),
-        DataType::F64 => typed!(f64),
-        DataType::F16 => typed!(f16),
-        DataType::BF16 => typed!(bf16),
-        DataType::I32 => typed!(i32),
-        DataType::I64 => typed!(i64),
-        DataType::U8 => typed!(u8),
-        DataType::I8 => typed!(i8),
-    }
+    with_element!(dtype, T => {
+        let src = view::<T>(src, Operand::Source(0))?;
+        reduce(op, view_mut::<T>(dst)?, src)
+    })
 }
 
 /// [`reduce_many`] over byte buffers holding elements of `dtype`.
@@ -206,31 +233,8 @@ pub fn reduce_many_bytes(
     dst: &mut [u8],
     srcs: &[&[u8]],
 ) -> Result<(), ReduceError> {
-    macro_rules! typed {
-        ($t:ty) => {{
-            for (i, s) in srcs.iter().enumerate() {
-                view::<$t>(s, Operand::Source(i))?;
-                if s.len() != dst.len() {
-                    return Err(ReduceError::LengthMismatch {
-                        operand: Operand::Source(i),
-                    });
-                }
-            }
-            let d: &mut [$t] = view_mut(dst)?;
-            many(op, d, &ByteSources(srcs))
-        }};
-    }
     supported(op, dtype)?;
-    match dtype {
-        DataType::F32 => typed!(f32),
-        DataType::F64 => typed!(f64),
-        DataType::F16 => typed!(f16),
-        DataType::BF16 => typed!(bf16),
-        DataType::I32 => typed!(i32),
-        DataType::I64 => typed!(i64),
-        DataType::U8 => typed!(u8),
-        DataType::I8 => typed!(i8),
-    }
+    with_element!(dtype, T => reduce_many_bytes_as::<T>(op, dst, srcs))
 }
 
 /// [`finish_avg`] over a byte buffer holding elements of `dtype`.
@@ -240,19 +244,24 @@ pub fn finish_avg_bytes(
     contributors: u32,
 ) -> Result<(), ReduceError> {
     supported(ReduceOp::Avg, dtype)?;
-    match dtype {
-        DataType::F32 => finish_avg::<f32>(view_mut(dst)?, contributors),
-        DataType::F64 => finish_avg::<f64>(view_mut(dst)?, contributors),
-        DataType::F16 => finish_avg::<f16>(view_mut(dst)?, contributors),
-        DataType::BF16 => finish_avg::<bf16>(view_mut(dst)?, contributors),
-        // Refused by `supported` above.
-        DataType::I32 | DataType::I64 | DataType::U8 | DataType::I8 => {
-            Err(ReduceError::Unsupported {
-                op: ReduceOp::Avg,
-                dtype,
-            })
+    with_element!(dtype, T => finish_avg::<T>(view_mut(dst)?, contributors))
+}
+
+fn reduce_many_bytes_as<T: Element>(
+    op: ReduceOp,
+    dst: &mut [u8],
+    srcs: &[&[u8]],
+) -> Result<(), ReduceError> {
+    // Check every source before writing anything.
+    for (i, s) in srcs.iter().enumerate() {
+        view::<T>(s, Operand::Source(i))?;
+        if s.len() != dst.len() {
+            return Err(ReduceError::LengthMismatch {
+                operand: Operand::Source(i),
+            });
         }
     }
+    many(op, view_mut::<T>(dst)?, &ByteSources(srcs))
 }
 
 fn supported(op: ReduceOp, dtype: DataType) -> Result<(), ReduceError> {

@@ -91,58 +91,27 @@ mod word;
 pub use state::{StagingState, Transition};
 pub use word::{Counter, GENERATION_BITS, Word};
 
+use crate::named_enum::named_enum;
 use core::fmt;
 
-/// Something that finished on a staging buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Event {
-    /// This device's part of the intra-machine reduce-scatter is done: its slot holds
-    /// the machine's partial sum.
-    ReduceScatterDone = 0,
-    /// One contribution this device sent has left the buffer.
-    ContributionSent = 1,
-    /// One other machine's contribution to the shard this device serves has landed.
-    ContributionReceived = 2,
-    /// The served shard is reduced.
-    Reduced = 3,
-    /// One result this device sent has left the buffer.
-    ResultSent = 4,
-    /// One other server's result has landed in the slot.
-    ResultReceived = 5,
-    /// This device's part of the intra-machine all-gather is done.
-    AllGatherDone = 6,
-}
-
-impl Event {
-    /// Every event, in discriminant order.
-    pub const ALL: [Event; 7] = [
-        Event::ReduceScatterDone,
-        Event::ContributionSent,
-        Event::ContributionReceived,
-        Event::Reduced,
-        Event::ResultSent,
-        Event::ResultReceived,
-        Event::AllGatherDone,
-    ];
-
-    /// The name used in errors and traces.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Event::ReduceScatterDone => "reduce-scatter done",
-            Event::ContributionSent => "contribution sent",
-            Event::ContributionReceived => "contribution received",
-            Event::Reduced => "reduced",
-            Event::ResultSent => "result sent",
-            Event::ResultReceived => "result received",
-            Event::AllGatherDone => "all-gather done",
-        }
-    }
-}
-
-impl fmt::Display for Event {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+named_enum! {
+    /// Something that finished on a staging buffer.
+    pub enum Event {
+        /// This device's part of the intra-machine reduce-scatter is done: its slot holds
+        /// the machine's partial sum.
+        ReduceScatterDone = 0 => "reduce-scatter done",
+        /// One contribution this device sent has left the buffer.
+        ContributionSent = 1 => "contribution sent",
+        /// One other machine's contribution to the shard this device serves has landed.
+        ContributionReceived = 2 => "contribution received",
+        /// The served shard is reduced.
+        Reduced = 3 => "reduced",
+        /// One result this device sent has left the buffer.
+        ResultSent = 4 => "result sent",
+        /// One other server's result has landed in the slot.
+        ResultReceived = 5 => "result received",
+        /// This device's part of the intra-machine all-gather is done.
+        AllGatherDone = 6 => "all-gather done",
     }
 }
 

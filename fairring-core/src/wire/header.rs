@@ -2,6 +2,7 @@
 
 use super::WireError;
 use super::crc32c::crc32c;
+use crate::named_enum::named_enum;
 use crate::plan::{Cell, PlanConfig};
 
 /// Bytes in an encoded header.
@@ -19,36 +20,24 @@ pub const MAX_ABORT_PAYLOAD: u32 = 1024;
 #[expect(clippy::cast_possible_truncation, reason = "1 GiB fits u32")]
 pub const MAX_DATA_PAYLOAD: u32 = PlanConfig::MAX_SLICE_BYTES as u32;
 
-/// What a frame carries.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum FrameKind {
-    /// Connection set-up; the payload belongs to the fabric's handshake.
-    Hello = 1,
-    /// A client's contribution to a shard: one cell, sent to the shard's server.
-    Contribution = 2,
-    /// A server's reduced shard: one cell, sent back to a client.
-    Result = 3,
-    /// Flow control: the sender's staging buffer for `(sequence, slice)` is acquired
-    /// and may be written. No payload.
-    Credit = 4,
-    /// The sender aborts the job; the payload is an optional UTF-8 reason.
-    Abort = 5,
+named_enum! {
+    /// What a frame carries.
+    pub enum FrameKind {
+        /// Connection set-up; the payload belongs to the fabric's handshake.
+        Hello = 1 => "hello",
+        /// A client's contribution to a shard: one cell, sent to the shard's server.
+        Contribution = 2 => "contribution",
+        /// A server's reduced shard: one cell, sent back to a client.
+        Result = 3 => "result",
+        /// Flow control: the sender's staging buffer for `(sequence, slice)` is acquired
+        /// and may be written. No payload.
+        Credit = 4 => "credit",
+        /// The sender aborts the job; the payload is an optional UTF-8 reason.
+        Abort = 5 => "abort",
+    }
 }
 
 impl FrameKind {
-    /// The kind with this wire value.
-    pub const fn from_u8(value: u8) -> Option<FrameKind> {
-        match value {
-            1 => Some(FrameKind::Hello),
-            2 => Some(FrameKind::Contribution),
-            3 => Some(FrameKind::Result),
-            4 => Some(FrameKind::Credit),
-            5 => Some(FrameKind::Abort),
-            _ => None,
-        }
-    }
-
     /// The largest payload a frame of this kind may announce.
     pub const fn max_payload(self) -> u32 {
         match self {

@@ -186,7 +186,7 @@ impl fmt::Display for WireError {
                     "{kind:?} frame announces {len} payload bytes, more than {max}"
                 )
             }
-            WireError::EmptyPayload { kind } => write!(f, "{kind:?} frame has no payload"),
+            WireError::EmptyPayload { kind } => write!(f, "{kind} frame has no payload"),
             WireError::NotDataFrame { kind } => {
                 write!(
                     f,
@@ -194,7 +194,7 @@ impl fmt::Display for WireError {
                 )
             }
             WireError::NotControlFrame { kind } => {
-                write!(f, "{kind:?} frame where a control frame was expected")
+                write!(f, "{kind} frame where a control frame was expected")
             }
             WireError::WrongJob { expected, found } => {
                 write!(f, "frame for job {found:#x}, this is job {expected:#x}")
