@@ -336,8 +336,8 @@ fn zero_elements_plan_to_nothing() {
 
 #[test]
 fn adaptive_sharding_examples() {
-    // 8 machines x 8 devices, defaults: a 25 MiB slice gives 400 KiB... slots of
-    // 3.125 MiB, cut into 8 shards of 400 KiB.
+    // 8 machines x 8 devices, defaults: a 25 MiB slice gives slots of 3.125 MiB,
+    // cut into 8 shards of 400 KiB.
     let topo = Topology::new(8, 8, RankLayout::Contiguous).unwrap();
     let g = Geometry::new(topo, PlanConfig::default()).unwrap();
     assert_eq!(g.shards_per_full_slice(), 8);

@@ -13,7 +13,6 @@ pub struct Slice {
     index: u64,
     /// First element, from the start of the tensor.
     offset: u64,
-    len: u64,
     /// Whole units in the slice.
     units: u64,
     /// Elements after the whole units (less than one unit).
@@ -97,7 +96,6 @@ impl Slice {
         Slice {
             index,
             offset,
-            len,
             units,
             tail: len % unit_elements,
             unit_elements,
@@ -121,7 +119,11 @@ impl Slice {
 
     /// Its range of the tensor, in elements.
     pub const fn span(&self) -> Span {
-        Span::elements(self.offset, self.len, self.dtype)
+        Span::elements(
+            self.offset,
+            self.units * self.unit_elements + self.tail,
+            self.dtype,
+        )
     }
 
     /// Shards per slot, `k`: the same for every slot of the slice.
@@ -137,10 +139,15 @@ impl Slice {
                 devices: self.devices,
             });
         }
+        Ok(self.slot_at(device))
+    }
+
+    /// Slot `device`, for `device < D`.
+    const fn slot_at(&self, device: u32) -> Span {
         let d = device as u64;
         let start = self.offset + self.slots.start(d) * self.unit_elements;
         let len = self.slots.len(d) * self.unit_elements + self.tail_of_slot(device);
-        Ok(Span::elements(start, len, self.dtype))
+        Span::elements(start, len, self.dtype)
     }
 
     /// Shard `shard` of slot `device`.
@@ -172,7 +179,7 @@ impl Slice {
             0
         };
         let len = shard_split.len(j) * self.unit_elements + tail;
-        let slot_start = self.offset + self.slots.start(d) * self.unit_elements;
+        let slot_start = self.slot_at(device).offset();
         Cell {
             slice: self.index,
             dtype: self.dtype,
@@ -223,9 +230,7 @@ impl Slice {
             Ok(s) => s.is_some(),
             Err(e) => return Err(e),
         };
-        let slot_len = self.slots.len(location.device as u64) * self.unit_elements
-            + self.tail_of_slot(location.device);
-        if slot_len == 0 {
+        if self.slot_at(location.device).is_empty() {
             return Ok(Role::IDLE);
         }
         let reduces = served && self.machines > 1;
@@ -252,7 +257,7 @@ impl Slice {
         }
     }
 
-    /// The cell holding element `rel` of the slice (`rel < len`).
+    /// The cell holding element `rel` of the slice (`rel` within its span).
     pub(super) const fn locate(&self, rel: u64) -> Cell {
         let unit = rel / self.unit_elements;
         if unit >= self.units {
@@ -297,7 +302,7 @@ impl Iterator for Cells {
         let d = u32::try_from(self.next / k).ok()?;
         let j = u32::try_from(self.next % k).ok()?;
         self.next += 1;
-        self.slice.cell(d, j).ok()
+        Some(self.slice.cell_at(d, j))
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
