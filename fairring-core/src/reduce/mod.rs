@@ -175,39 +175,15 @@ pub fn finish_avg<T: Element>(dst: &mut [T], contributors: u32) -> Result<(), Re
 /// Evaluates `$body` with the type alias `$t` naming the element type of `$dtype`.
 macro_rules! with_element {
     ($dtype:expr, $t:ident => $body:expr) => {
+        with_element!(@arms $dtype, $t, $body,
+            F32 f32, F64 f64, F16 f16, BF16 bf16, I32 i32, I64 i64, U8 u8, I8 i8)
+    };
+    (@arms $dtype:expr, $t:ident, $body:expr, $($variant:ident $ty:ty),+) => {
         match $dtype {
-            DataType::F32 => {
-                type $t = f32;
+            $(DataType::$variant => {
+                type $t = $ty;
                 $body
-            }
-            DataType::F64 => {
-                type $t = f64;
-                $body
-            }
-            DataType::F16 => {
-                type $t = f16;
-                $body
-            }
-            DataType::BF16 => {
-                type $t = bf16;
-                $body
-            }
-            DataType::I32 => {
-                type $t = i32;
-                $body
-            }
-            DataType::I64 => {
-                type $t = i64;
-                $body
-            }
-            DataType::U8 => {
-                type $t = u8;
-                $body
-            }
-            DataType::I8 => {
-                type $t = i8;
-                $body
-            }
+            })+
         }
     };
 }
