@@ -5,17 +5,13 @@ use fairring_core::DataType;
 use fairring_core::plan::{Geometry, Plan, PlanConfig};
 use fairring_core::staging::Event;
 use fairring_core::topology::{Location, RankLayout, Topology};
-use fairring_core::wire::{FrameCheck, FrameHeader, FrameKind, HEADER_LEN, WireError, crc32c};
+use fairring_core::wire::{
+    FrameCheck, FrameHeader, FrameKind, HEADER_LEN, RegionAddress, WireError, crc32c,
+};
 use proptest::prelude::*;
 
 fn kind() -> impl Strategy<Value = FrameKind> {
-    prop::sample::select(vec![
-        FrameKind::Hello,
-        FrameKind::Contribution,
-        FrameKind::Result,
-        FrameKind::Credit,
-        FrameKind::Abort,
-    ])
+    prop::sample::select(FrameKind::ALL.to_vec())
 }
 
 prop_compose! {
@@ -37,6 +33,42 @@ fn reseal(bytes: &mut [u8; HEADER_LEN]) {
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(1000))]
+
+    /// A fabric frame's region address survives encoding, and is read from no other
+    /// kind of frame.
+    #[test]
+    fn region_address_round_trip(kind in kind(), job_tag in any::<u64>(), source_rank in any::<u32>(),
+                                 region in any::<u32>(), offset in any::<u64>(), immediate in any::<u32>(),
+                                 len in any::<u32>()) {
+        let address = RegionAddress { region, offset, immediate };
+        let payload_len = len % (kind.max_payload() + 1);
+        match FrameHeader::for_region(kind, job_tag, source_rank, address, payload_len) {
+            Ok(h) => {
+                prop_assert!(kind.has_region_address());
+                let decoded = FrameHeader::decode(&h.encode()).unwrap();
+                prop_assert_eq!(decoded.region_address(), Ok(address));
+                prop_assert_eq!((decoded.kind, decoded.job_tag, decoded.source_rank, decoded.payload_len),
+                                (kind, job_tag, source_rank, payload_len));
+            }
+            Err(e) => {
+                prop_assert!(!kind.has_region_address());
+                prop_assert_eq!(e, WireError::NoRegionAddress { kind });
+            }
+        }
+        let too_long = FrameHeader::for_region(FrameKind::Message, job_tag, source_rank, address,
+                                               FrameKind::Message.max_payload() + 1 + len % 1000);
+        prop_assert!(matches!(too_long, Err(WireError::PayloadTooLarge { .. })), "oversized message accepted");
+    }
+
+    /// A region address with its reserved bits set is refused.
+    #[test]
+    fn region_address_reserved_bits_refused(region in any::<u32>(), high in 1u32.., offset in any::<u64>()) {
+        let mut h = FrameHeader::for_region(FrameKind::Write, 1, 0,
+                                            RegionAddress { region, offset, immediate: 0 }, 8).unwrap();
+        h.slice |= u64::from(high) << 32;
+        let decoded = FrameHeader::decode(&h.encode()).unwrap();
+        prop_assert_eq!(decoded.region_address(), Err(WireError::ReservedAddressBits { found: high }));
+    }
 
     #[test]
     fn round_trip(h in header()) {
@@ -77,7 +109,7 @@ proptest! {
         prop_assert_eq!(FrameHeader::decode(&b), Err(WireError::UnsupportedVersion { found: b[4] }));
 
         let mut b = base;
-        b[5] = [0u8, 6, 7, 200, 255][junk as usize % 5];
+        b[5] = [0u8, 9, 10, 200, 255][junk as usize % 5];
         reseal(&mut b);
         prop_assert_eq!(FrameHeader::decode(&b), Err(WireError::UnknownKind { found: b[5] }));
 

@@ -15,6 +15,12 @@ pub const VERSION: u8 = 1;
 pub const MAX_HELLO_PAYLOAD: u32 = 4096;
 /// Largest payload of an `Abort` frame (a UTF-8 reason).
 pub const MAX_ABORT_PAYLOAD: u32 = 1024;
+/// Largest payload of a `Write` frame: 2 GiB, the largest message an RDMA write
+/// may carry, so a fabric's writes mean the same on every provider.
+pub const MAX_WRITE_PAYLOAD: u32 = 1 << 31;
+/// Largest payload of a `Message` frame: a small control message (a credit, an
+/// abort reason) that a completion carries inline.
+pub const MAX_MESSAGE_PAYLOAD: u32 = 64;
 /// Largest payload of a `Contribution` or `Result` frame: one cell, which is never
 /// larger than a slice.
 #[expect(clippy::cast_possible_truncation, reason = "1 GiB fits u32")]
@@ -34,6 +40,14 @@ named_enum! {
         Credit = 4 => "credit",
         /// The sender aborts the job; the payload is an optional UTF-8 reason.
         Abort = 5 => "abort",
+        /// A fabric's one-sided write: the payload lands in the receiver's memory
+        /// region at an offset, both named by the frame's [`RegionAddress`].
+        Write = 6 => "write",
+        /// A fabric's small control message, delivered whole to the receiver with the
+        /// immediate data of its [`RegionAddress`].
+        Message = 7 => "message",
+        /// A fabric's keep-alive: proof that the sender is alive. No payload.
+        Keepalive = 8 => "keepalive",
     }
 }
 
@@ -43,9 +57,17 @@ impl FrameKind {
         match self {
             FrameKind::Hello => MAX_HELLO_PAYLOAD,
             FrameKind::Contribution | FrameKind::Result => MAX_DATA_PAYLOAD,
-            FrameKind::Credit => 0,
+            FrameKind::Credit | FrameKind::Keepalive => 0,
             FrameKind::Abort => MAX_ABORT_PAYLOAD,
+            FrameKind::Write => MAX_WRITE_PAYLOAD,
+            FrameKind::Message => MAX_MESSAGE_PAYLOAD,
         }
+    }
+
+    /// Whether bytes 16..36 of the header hold a [`RegionAddress`] (`Write` and
+    /// `Message`) rather than an operation, slice and shard.
+    pub const fn has_region_address(self) -> bool {
+        matches!(self, FrameKind::Write | FrameKind::Message)
     }
 
     /// Whether the frame carries a cell of tensor data.
@@ -71,6 +93,16 @@ impl FrameKind {
 /// 36      4   source rank
 /// 40      4   payload length in bytes
 /// 44      4   CRC-32C of bytes 0..44
+/// ```
+///
+/// `Write` and `Message` frames, which a fabric sends on behalf of its user, read
+/// bytes 16..36 as a [`RegionAddress`] instead (see [`FrameHeader::for_region`]):
+///
+/// ```text
+/// 16      8   offset within the region          (the `sequence` field)
+/// 24      4   region key                         (the low half of `slice`)
+/// 28      4   zero                               (the high half of `slice`)
+/// 32      4   immediate data                     (the `shard` field)
 /// ```
 ///
 /// [`FrameHeader::decode`] refuses a header whose magic, version, checksum, kind,

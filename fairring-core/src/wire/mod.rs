@@ -14,13 +14,15 @@
 
 mod crc32c;
 mod header;
+mod region;
 mod validate;
 
 pub use crc32c::crc32c;
 pub use header::{
     FrameHeader, FrameKind, HEADER_LEN, MAGIC, MAX_ABORT_PAYLOAD, MAX_DATA_PAYLOAD,
-    MAX_HELLO_PAYLOAD, VERSION,
+    MAX_HELLO_PAYLOAD, MAX_MESSAGE_PAYLOAD, MAX_WRITE_PAYLOAD, VERSION,
 };
+pub use region::RegionAddress;
 pub use validate::{FrameCheck, Placement};
 
 use core::fmt;
@@ -79,6 +81,16 @@ pub enum WireError {
     NotControlFrame {
         /// The kind found.
         kind: FrameKind,
+    },
+    /// A frame kind that carries no [`RegionAddress`] where one was expected.
+    NoRegionAddress {
+        /// The kind found.
+        kind: FrameKind,
+    },
+    /// A region address whose reserved bits (header bytes 28..32) are not zero.
+    ReservedAddressBits {
+        /// The reserved bits found.
+        found: u32,
     },
     /// A frame from another job.
     WrongJob {
@@ -195,6 +207,12 @@ impl fmt::Display for WireError {
             }
             WireError::NotControlFrame { kind } => {
                 write!(f, "{kind} frame where a control frame was expected")
+            }
+            WireError::NoRegionAddress { kind } => {
+                write!(f, "{kind} frame where a write or message frame was expected")
+            }
+            WireError::ReservedAddressBits { found } => {
+                write!(f, "reserved region-address bits set: {found:#x}")
             }
             WireError::WrongJob { expected, found } => {
                 write!(f, "frame for job {found:#x}, this is job {expected:#x}")

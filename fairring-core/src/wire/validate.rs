@@ -55,10 +55,10 @@ impl FrameCheck {
         self.rank
     }
 
-    /// Checks a control frame (`Hello`, `Credit`, `Abort`): right job, a sender that
-    /// is part of it and is not this rank.
+    /// Checks a control frame (`Hello`, `Credit`, `Abort`, `Keepalive`): right job, a
+    /// sender that is part of it and is not this rank.
     pub fn check_control(&self, header: &FrameHeader) -> Result<(), WireError> {
-        if header.kind.is_data() {
+        if header.kind.is_data() || header.kind.has_region_address() {
             return Err(WireError::NotControlFrame { kind: header.kind });
         }
         self.check_job(header)?;
