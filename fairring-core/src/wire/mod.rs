@@ -209,7 +209,10 @@ impl fmt::Display for WireError {
                 write!(f, "{kind} frame where a control frame was expected")
             }
             WireError::NoRegionAddress { kind } => {
-                write!(f, "{kind} frame where a write or message frame was expected")
+                write!(
+                    f,
+                    "{kind} frame where a write or message frame was expected"
+                )
             }
             WireError::ReservedAddressBits { found } => {
                 write!(f, "reserved region-address bits set: {found:#x}")

@@ -1,0 +1,185 @@
+//! The fabric API: what every provider offers and all the engine uses.
+//!
+//! The shape is RDMA's, as in libfabric:
+//!
+//! - **Regions.** Memory is registered from the caller's own storage
+//!   ([`Fabric::register`]) and named to peers by a [`RemoteRegion`] descriptor
+//!   (24 bytes, exchanged through the job's rendezvous store).
+//! - **Peers.** Each rank publishes an [`Endpoint`] per peer ([`Fabric::endpoint`])
+//!   and connects with the peer's ([`Fabric::connect`]); a peer is admitted only
+//!   after a mutual HMAC-SHA256 challenge over the job secret.
+//! - **Writes.** [`Fabric::write`] posts a one-sided *write with immediate data*:
+//!   bytes of a local region go into a peer's region at an offset, and the peer
+//!   learns of it, with the 32-bit immediate, from its completion queue.
+//! - **Messages.** [`Fabric::send_message`] sends a small control message (a
+//!   credit, an abort) of at most [`MESSAGE_CAPACITY`] bytes, delivered whole.
+//! - **Completions.** [`Fabric::poll`] and [`Fabric::wait`] fill a caller's slice
+//!   with [`Completion`]s, without allocating: local sends done, peers' writes
+//!   landed, messages, and failures naming the peer.
+//!
+//! # Memory lifetime
+//!
+//! Registration is `unsafe`: the caller promises the memory stays valid until the
+//! region handle is dropped, and keeps its own accesses from racing the fabric's
+//! (a write's source range is the fabric's from posting until its `Sent` or
+//! `SendFailed` completion; which ranges peers may be writing is the caller's
+//! protocol). The rest is enforced by the providers: every posted write holds its
+//! source region registered until it completes, and dropping a region waits until
+//! no transfer touches it, so a region always outlives every write that touches
+//! it, and posting is safe.
+//!
+//! # Ordering
+//!
+//! Writes and messages to one peer are delivered in the order they were posted;
+//! nothing is promised across peers. A `Landed` completion is reported only once
+//! every byte of its write is in place.
+//!
+//! # Example
+//!
+//! Two ranks in one process, over the tcp provider on loopback:
+//!
+//! ```
+//! use std::ptr::NonNull;
+//! use std::time::Duration;
+//! use fairring_rdma::fabric::{Completion, CompletionEvent, Fabric, LocalRegion, WriteRequest};
+//! use fairring_rdma::tcp::{BindTo, TcpConfig, TcpFabric};
+//! use fairring_rdma::JobSecret;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let secret = JobSecret::generate()?;
+//! let config = |rank| TcpConfig::new(rank, 2, 0x5eed, secret.clone(), BindTo::loopback());
+//! let (zero, one) = (TcpFabric::new(config(0))?, TcpFabric::new(config(1))?);
+//! let (endpoint_of_zero, endpoint_of_one) = (zero.endpoint(1)?, one.endpoint(0)?);
+//! // Each side connects; rank 1 dials, rank 0 waits for it (in another thread here).
+//! std::thread::scope(|s| {
+//!     s.spawn(|| zero.connect(1, &endpoint_of_one));
+//!     one.connect(0, &endpoint_of_zero)
+//! })?;
+//!
+//! let mut source = vec![7u8; 4096];
+//! let mut target = vec![0u8; 8192];
+//! // SAFETY: both vectors outlive their regions, and are not touched while the
+//! // write is in flight.
+//! let source_region = unsafe { one.register(NonNull::new(source.as_mut_ptr()).unwrap(), source.len())? };
+//! let target_region = unsafe { zero.register(NonNull::new(target.as_mut_ptr()).unwrap(), target.len())? };
+//!
+//! one.write(0, WriteRequest {
+//!     source: &source_region,
+//!     source_offset: 0,
+//!     len: 4096,
+//!     target: target_region.remote(),
+//!     target_offset: 1024,
+//!     immediate: 42,
+//!     token: 1,
+//! })?;
+//!
+//! let mut completions = [Completion { peer: 0, event: CompletionEvent::Sent { token: 0 } }; 8];
+//! let n = zero.wait(&mut completions, Duration::from_secs(10));
+//! assert!(n >= 1);
+//! assert!(matches!(completions[0].event, CompletionEvent::Landed { offset: 1024, len: 4096, immediate: 42, .. }));
+//! drop(target_region);
+//! assert!(target[1024..5120].iter().all(|&b| b == 7));
+//! # drop(source_region);
+//! # Ok(())
+//! # }
+//! ```
+
+mod completion;
+mod error;
+mod region;
+
+use core::ptr::NonNull;
+use std::time::Duration;
+
+pub(crate) use completion::CompletionQueue;
+pub use completion::{Completion, CompletionEvent, MESSAGE_CAPACITY, Message};
+pub use error::{FabricError, PeerFailure, ProtocolViolation, Refusal};
+pub use region::{Endpoint, RegionKey, RemoteRegion};
+
+/// A registered memory region, as its owner sees it.
+pub trait LocalRegion: Send + Sync {
+    /// The region's key.
+    fn key(&self) -> RegionKey;
+    /// The region's length in bytes.
+    fn len(&self) -> usize;
+    /// Whether the region is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The descriptor a peer writes through.
+    fn remote(&self) -> RemoteRegion;
+    /// The region's first byte.
+    fn as_ptr(&self) -> *mut u8;
+}
+
+/// A one-sided write: `len` bytes of `source` from `source_offset` into the peer's
+/// `target` region at `target_offset`.
+#[derive(Clone, Copy, Debug)]
+pub struct WriteRequest<'a, R> {
+    /// The local region the bytes come from.
+    pub source: &'a R,
+    /// Offset of the first byte in `source`.
+    pub source_offset: usize,
+    /// Bytes to write (at most 2 GiB, RDMA's limit).
+    pub len: usize,
+    /// The peer's region.
+    pub target: RemoteRegion,
+    /// Offset of the first byte in `target`.
+    pub target_offset: u64,
+    /// Immediate data delivered with the peer's `Landed` completion.
+    pub immediate: u32,
+    /// Reported back in this write's `Sent` or `SendFailed` completion.
+    pub token: u64,
+}
+
+/// An RDMA-shaped transport between the ranks of one job.
+pub trait Fabric: Send + Sync {
+    /// This provider's registered memory.
+    type Region: LocalRegion;
+
+    /// This process's rank.
+    fn rank(&self) -> u32;
+
+    /// Ranks in the job.
+    fn world_size(&self) -> u32;
+
+    /// The endpoint `peer` must connect to, to reach this process.
+    fn endpoint(&self, peer: u32) -> Result<Endpoint, FabricError>;
+
+    /// Connects to `peer` through its `endpoint` and waits until it is admitted
+    /// (both ways), refused, or the provider's connect deadline passes.
+    fn connect(&self, peer: u32, endpoint: &Endpoint) -> Result<(), FabricError>;
+
+    /// Registers `len` bytes at `memory`.
+    ///
+    /// # Safety
+    ///
+    /// The memory must be valid for reads and writes of `len` bytes until the
+    /// returned region is dropped, and the caller must not access it in a way that
+    /// races the fabric: not a write's source range from posting until its `Sent`
+    /// or `SendFailed` completion, and not a range a peer may be writing (the
+    /// caller's protocol decides which; a `Landed` completion says a write has
+    /// finished). The verbs provider also accepts device memory here.
+    #[allow(unsafe_code)]
+    unsafe fn register(&self, memory: NonNull<u8>, len: usize)
+    -> Result<Self::Region, FabricError>;
+
+    /// Posts a write to `peer`. Checks both ranges against their regions first and
+    /// fails without side effects if either is outside.
+    fn write(&self, peer: u32, request: WriteRequest<'_, Self::Region>) -> Result<(), FabricError>;
+
+    /// Posts a control message of at most [`MESSAGE_CAPACITY`] bytes to `peer`.
+    fn send_message(
+        &self,
+        peer: u32,
+        immediate: u32,
+        payload: &[u8],
+        token: u64,
+    ) -> Result<(), FabricError>;
+
+    /// Moves up to `out.len()` completions into `out`; returns how many.
+    fn poll(&self, out: &mut [Completion]) -> usize;
+
+    /// Like [`Fabric::poll`], but waits up to `timeout` for the first completion.
+    fn wait(&self, out: &mut [Completion], timeout: Duration) -> usize;
+}

@@ -1,0 +1,626 @@
+//! The I/O thread: one `epoll` loop (through mio) that accepts and admits
+//! connections, reads frames into regions, writes queued frames, and watches every
+//! peer for silence.
+//!
+//! One thread serves every peer, so 64 peers cost one thread, not 128. Reads are
+//! bounded per connection per turn (`READ_BUDGET`), so one busy peer cannot starve
+//! the others, and the admission of strangers (each a small non-blocking state
+//! machine with a deadline) never blocks admitted traffic.
+
+use std::collections::VecDeque;
+use std::io::{self, Read};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::ArrayQueue;
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token, Waker};
+
+use super::config::TcpConfig;
+use super::handshake::{
+    Acceptor, AcceptorStep, Failure, HandshakeParams, HelloReader, OutFrame, refusal_frame,
+    welcome_frame,
+};
+use super::receiver::{Received, Receiver};
+use super::regions::RegionTable;
+use super::sender::{SendOp, Sender};
+use super::socket::NoSigPipe;
+use crate::fabric::{Completion, CompletionEvent, CompletionQueue, PeerFailure, Refusal};
+
+/// Bytes read from one connection before the loop turns to the others.
+const READ_BUDGET: usize = 8 << 20;
+const WAKER: Token = Token(0);
+const LISTENER: Token = Token(1);
+
+pub(crate) const NOT_CONNECTED: u8 = 0;
+pub(crate) const ADMITTED: u8 = 1;
+pub(crate) const FAILED: u8 = 2;
+
+/// A refused connection, as recorded for the log and for inspection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RefusalRecord {
+    /// Where the connection came from.
+    pub address: SocketAddr,
+    /// The rank it claimed, once it claimed one.
+    pub claimed_rank: Option<u32>,
+    /// Why it was refused.
+    pub refusal: Refusal,
+    /// Whether the other side refused (its reason, as it sent it).
+    pub by_peer: bool,
+}
+
+/// What the I/O thread shares with the threads that post work.
+pub(crate) struct Shared {
+    pub(crate) config: TcpConfig,
+    pub(crate) params: HandshakeParams,
+    pub(crate) peers: Vec<PeerSlot>,
+    pub(crate) regions: Arc<RegionTable>,
+    pub(crate) cq: CompletionQueue,
+    pub(crate) waker: Waker,
+    pub(crate) woken: AtomicBool,
+    pub(crate) shutdown: AtomicBool,
+    /// Sockets that `connect` dialed and admitted, for the loop to adopt.
+    pub(crate) handoff: Mutex<Vec<(u32, std::net::TcpStream)>>,
+    /// Signalled whenever a peer is admitted or fails.
+    pub(crate) status: Mutex<()>,
+    pub(crate) status_changed: Condvar,
+    pub(crate) refusals: Mutex<VecDeque<RefusalRecord>>,
+}
+
+/// One rank's state as the posting threads see it.
+pub(crate) struct PeerSlot {
+    /// `NOT_CONNECTED`, then `ADMITTED`, then perhaps `FAILED`; never back.
+    pub(crate) state: AtomicU8,
+    /// Set before `state` becomes `FAILED`.
+    pub(crate) failure: Mutex<Option<PeerFailure>>,
+    /// Frames posted and not yet taken by the loop; created on admission.
+    pub(crate) queue: OnceLock<ArrayQueue<SendOp>>,
+}
+
+impl Shared {
+    /// Wakes the loop, unless a wake-up is already pending.
+    pub(crate) fn wake(&self) {
+        if !self.woken.swap(true, Ordering::AcqRel) {
+            // A failed wake can only mean the loop is gone (shut down).
+            let _ = self.waker.wake();
+        }
+    }
+
+    pub(crate) fn failure_of(&self, peer: u32) -> PeerFailure {
+        self.peers[peer as usize]
+            .failure
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .unwrap_or(PeerFailure::ShutDown)
+    }
+
+    fn notify_status(&self) {
+        let _guard = self.status.lock().unwrap_or_else(PoisonError::into_inner);
+        self.status_changed.notify_all();
+    }
+
+    /// Pushes a completion, holding the loop back while the queue is full.
+    fn complete(&self, peer: u32, event: CompletionEvent) {
+        let mut completion = Completion { peer, event };
+        loop {
+            match self.cq.push(completion) {
+                Ok(()) => return,
+                Err(back) if !self.shutdown.load(Ordering::Acquire) => {
+                    completion = back;
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+                Err(_) => return,
+            }
+        }
+    }
+
+    pub(crate) fn record_refusal(&self, record: RefusalRecord) {
+        log::warn!(
+            "fairring tcp rank {}: refused connection from {}{}: {}{}",
+            self.config.rank,
+            record.address,
+            record
+                .claimed_rank
+                .map(|r| format!(" (claims rank {r})"))
+                .unwrap_or_default(),
+            record.refusal,
+            if record.by_peer {
+                " (the peer's reason)"
+            } else {
+                ""
+            },
+        );
+        let mut log = self.refusals.lock().unwrap_or_else(PoisonError::into_inner);
+        if log.len() == 256 {
+            log.pop_front();
+        }
+        log.push_back(record);
+    }
+}
+
+/// A connection waiting for admission.
+struct Pending {
+    stream: TcpStream,
+    address: SocketAddr,
+    reader: HelloReader,
+    acceptor: Acceptor,
+    out: Option<(OutFrame, usize)>,
+    deadline: Instant,
+}
+
+/// An admitted connection.
+struct Conn {
+    stream: TcpStream,
+    receiver: Receiver,
+    sender: Sender,
+    last_rx: Instant,
+    last_keepalive: Instant,
+    more_to_read: bool,
+}
+
+pub(crate) struct EventLoop {
+    shared: Arc<Shared>,
+    poll: Poll,
+    listener: TcpListener,
+    pending: Vec<Option<Pending>>,
+    conns: Vec<Option<Conn>>,
+    any_failed: bool,
+}
+
+impl EventLoop {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        poll: Poll,
+        mut listener: TcpListener,
+    ) -> io::Result<EventLoop> {
+        poll.registry()
+            .register(&mut listener, LISTENER, Interest::READABLE)?;
+        let pending = (0..shared.config.max_pending_handshakes)
+            .map(|_| None)
+            .collect();
+        let conns = (0..shared.config.world_size).map(|_| None).collect();
+        Ok(EventLoop {
+            shared,
+            poll,
+            listener,
+            pending,
+            conns,
+            any_failed: false,
+        })
+    }
+
+    fn pending_token(i: usize) -> Token {
+        Token(2 + i)
+    }
+
+    fn conn_token(&self, peer: u32) -> Token {
+        Token(2 + self.pending.len() + peer as usize)
+    }
+
+    pub(crate) fn run(mut self) {
+        let config = &self.shared.config;
+        let tick = [
+            config.keepalive_interval,
+            config.silence_timeout / 4,
+            config.handshake_timeout / 4,
+            Duration::from_millis(250),
+        ]
+        .into_iter()
+        .min()
+        .unwrap_or(Duration::from_millis(250))
+        .max(Duration::from_millis(1));
+        let mut events = Events::with_capacity(1024);
+        let mut ready: Vec<(Token, bool, bool)> = Vec::with_capacity(1024);
+        while !self.shared.shutdown.load(Ordering::Acquire) {
+            let busy = self.conns.iter().flatten().any(|c| c.more_to_read);
+            let timeout = if busy { Duration::ZERO } else { tick };
+            if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                log::error!("fairring tcp: epoll failed, stopping the fabric: {e}");
+                break;
+            }
+            ready.clear();
+            ready.extend(events.iter().map(|e| {
+                let readable = e.is_readable() || e.is_read_closed() || e.is_error();
+                let writable = e.is_writable() || e.is_write_closed();
+                (e.token(), readable, writable)
+            }));
+            for &(token, readable, writable) in &ready {
+                self.dispatch(token, readable, writable);
+            }
+            if self.shared.woken.swap(false, Ordering::AcqRel) {
+                self.adopt_dialed();
+                for peer in 0..self.shared.config.world_size {
+                    self.write(peer);
+                }
+                if self.any_failed {
+                    self.drain_failed();
+                }
+            }
+            for peer in 0..self.shared.config.world_size {
+                if self.conns[peer as usize]
+                    .as_ref()
+                    .is_some_and(|c| c.more_to_read)
+                {
+                    self.read(peer);
+                }
+            }
+            self.timers(Instant::now());
+        }
+    }
+
+    fn dispatch(&mut self, token: Token, readable: bool, writable: bool) {
+        match token {
+            WAKER => {}
+            LISTENER => self.accept(),
+            Token(t) if t >= 2 && t < 2 + self.pending.len() => self.drive_pending(t - 2),
+            Token(t) => {
+                let Ok(peer) = u32::try_from(t - 2 - self.pending.len()) else {
+                    return;
+                };
+                if readable {
+                    self.read(peer);
+                }
+                if writable {
+                    self.write(peer);
+                }
+            }
+        }
+    }
+
+    fn accept(&mut self) {
+        loop {
+            let (mut stream, address) = match self.listener.accept() {
+                Ok(accepted) => accepted,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // Out of descriptors, say: the listener stays; try again later.
+                    log::warn!("fairring tcp: accept failed: {e}");
+                    return;
+                }
+            };
+            let Some(slot) = self.pending.iter().position(Option::is_none) else {
+                let frame = refusal_frame(&self.shared.params, Refusal::TooManyPending);
+                let _ = io::Write::write(&mut NoSigPipe(&stream), frame.as_bytes());
+                self.shared.record_refusal(RefusalRecord {
+                    address,
+                    claimed_rank: None,
+                    refusal: Refusal::TooManyPending,
+                    by_peer: false,
+                });
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let token = Self::pending_token(slot);
+            if let Err(e) = self.poll.registry().register(
+                &mut stream,
+                token,
+                Interest::READABLE | Interest::WRITABLE,
+            ) {
+                log::warn!("fairring tcp: cannot watch a connection from {address}: {e}");
+                continue;
+            }
+            self.pending[slot] = Some(Pending {
+                stream,
+                address,
+                reader: HelloReader::new(),
+                acceptor: Acceptor::new(),
+                out: None,
+                deadline: Instant::now() + self.shared.config.handshake_timeout,
+            });
+            self.drive_pending(slot);
+        }
+    }
+
+    /// Advances one handshake as far as its socket allows.
+    fn drive_pending(&mut self, slot: usize) {
+        loop {
+            let Some(p) = self.pending[slot].as_mut() else {
+                return;
+            };
+            // First, any reply not yet fully written.
+            if let Some((frame, sent)) = &mut p.out {
+                match io::Write::write(&mut NoSigPipe(&p.stream), &frame.as_bytes()[*sent..]) {
+                    Ok(n) => {
+                        *sent += n;
+                        if *sent == frame.as_bytes().len() {
+                            p.out = None;
+                        }
+                        continue;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(_) => return self.drop_pending(slot),
+                }
+            }
+            let buffer = p.reader.buffer();
+            let n = match p.stream.read(buffer) {
+                Ok(0) => return self.drop_pending(slot),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => return self.drop_pending(slot),
+            };
+            let frame = match p.reader.filled(n) {
+                Ok(None) => continue,
+                Ok(Some(frame)) => frame,
+                Err(refusal) => return self.refuse(slot, refusal.into()),
+            };
+            let (header, payload) = frame;
+            let mut nonce = [0; 32];
+            if getrandom::fill(&mut nonce).is_err() {
+                log::error!("fairring tcp: no randomness for a handshake nonce");
+                return self.drop_pending(slot);
+            }
+            let peers = &self.shared.peers;
+            let step = p.acceptor.on_frame(
+                &self.shared.params,
+                &header,
+                payload,
+                |rank| peers[rank as usize].state.load(Ordering::Acquire) != NOT_CONNECTED,
+                nonce,
+            );
+            match step {
+                Ok(AcceptorStep::Reply(frame)) => p.out = Some((frame, 0)),
+                Ok(AcceptorStep::Admit { peer }) => return self.admit(slot, peer),
+                Err(failure) => return self.refuse(slot, failure),
+            }
+        }
+    }
+
+    fn drop_pending(&mut self, slot: usize) {
+        if let Some(mut p) = self.pending[slot].take() {
+            let _ = self.poll.registry().deregister(&mut p.stream);
+            log::debug!("fairring tcp: {} left during its handshake", p.address);
+        }
+    }
+
+    fn refuse(&mut self, slot: usize, failure: Failure) {
+        let Some(mut p) = self.pending[slot].take() else {
+            return;
+        };
+        let _ = self.poll.registry().deregister(&mut p.stream);
+        if !failure.by_peer {
+            let frame = refusal_frame(&self.shared.params, failure.refusal);
+            let _ = io::Write::write(&mut NoSigPipe(&p.stream), frame.as_bytes());
+        }
+        self.shared.record_refusal(RefusalRecord {
+            address: p.address,
+            claimed_rank: p.acceptor.claimed_rank(),
+            refusal: failure.refusal,
+            by_peer: failure.by_peer,
+        });
+    }
+
+    fn admit(&mut self, slot: usize, peer: u32) {
+        let Some(mut p) = self.pending[slot].take() else {
+            return;
+        };
+        let state = &self.shared.peers[peer as usize].state;
+        if state.load(Ordering::Acquire) != NOT_CONNECTED {
+            self.pending[slot] = Some(p);
+            return self.refuse(slot, Refusal::DuplicateRank { rank: peer }.into());
+        }
+        let token = self.conn_token(peer);
+        if let Err(e) = self.poll.registry().reregister(
+            &mut p.stream,
+            token,
+            Interest::READABLE | Interest::WRITABLE,
+        ) {
+            log::warn!("fairring tcp: cannot watch rank {peer}'s connection: {e}");
+            return;
+        }
+        let mut sender = Sender::new(self.shared.config.job_tag, self.shared.config.rank);
+        sender.push_extra(welcome_frame(&self.shared.params).as_bytes());
+        let now = Instant::now();
+        self.conns[peer as usize] = Some(Conn {
+            stream: p.stream,
+            receiver: Receiver::new(peer, self.shared.config.job_tag),
+            sender,
+            last_rx: now,
+            last_keepalive: now,
+            more_to_read: true,
+        });
+        let depth = self.shared.config.send_queue_depth;
+        let _ = self.shared.peers[peer as usize]
+            .queue
+            .set(ArrayQueue::new(depth));
+        state.store(ADMITTED, Ordering::Release);
+        log::info!(
+            "fairring tcp rank {}: admitted rank {peer} from {}",
+            self.shared.config.rank,
+            p.address
+        );
+        self.shared.notify_status();
+        self.write(peer);
+    }
+
+    /// Takes over sockets that `connect` dialed and admitted.
+    fn adopt_dialed(&mut self) {
+        let dialed = std::mem::take(
+            &mut *self
+                .shared
+                .handoff
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        for (peer, stream) in dialed {
+            let mut stream = TcpStream::from_std(stream);
+            let token = self.conn_token(peer);
+            if let Err(e) = self.poll.registry().register(
+                &mut stream,
+                token,
+                Interest::READABLE | Interest::WRITABLE,
+            ) {
+                log::warn!("fairring tcp: cannot watch rank {peer}'s connection: {e}");
+                self.conns[peer as usize] = None;
+                self.fail(peer, PeerFailure::Io(e.kind()));
+                continue;
+            }
+            let now = Instant::now();
+            self.conns[peer as usize] = Some(Conn {
+                stream,
+                receiver: Receiver::new(peer, self.shared.config.job_tag),
+                sender: Sender::new(self.shared.config.job_tag, self.shared.config.rank),
+                last_rx: now,
+                last_keepalive: now,
+                // Bytes may have arrived before the socket was watched.
+                more_to_read: true,
+            });
+        }
+    }
+
+    fn read(&mut self, peer: u32) {
+        let mut budget = READ_BUDGET;
+        let shared = &*self.shared;
+        let outcome = loop {
+            let Some(conn) = self.conns[peer as usize].as_mut() else {
+                return;
+            };
+            let buffer = conn.receiver.buffer();
+            let n = match conn.stream.read(buffer) {
+                Ok(0) if conn.receiver.mid_frame() => break Err(PeerFailure::ClosedMidFrame),
+                Ok(0) => break Err(PeerFailure::Closed),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    conn.more_to_read = false;
+                    break Ok(());
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => break Err(PeerFailure::Io(e.kind())),
+            };
+            conn.last_rx = Instant::now();
+            match conn.receiver.filled(n, &shared.regions) {
+                Ok(Received::Nothing | Received::Keepalive) => {}
+                Ok(Received::Landed {
+                    region,
+                    offset,
+                    len,
+                    immediate,
+                }) => shared.complete(
+                    peer,
+                    CompletionEvent::Landed {
+                        region,
+                        offset,
+                        len,
+                        immediate,
+                    },
+                ),
+                Ok(Received::Message(message)) => {
+                    shared.complete(peer, CompletionEvent::Message(message));
+                }
+                Ok(Received::Aborted) => break Err(PeerFailure::Aborted),
+                Err(violation) => break Err(PeerFailure::Protocol(violation)),
+            }
+            budget = budget.saturating_sub(n);
+            if budget == 0 {
+                conn.more_to_read = true;
+                break Ok(());
+            }
+        };
+        if let Err(failure) = outcome {
+            self.fail(peer, failure);
+        }
+    }
+
+    fn write(&mut self, peer: u32) {
+        let Some(conn) = self.conns[peer as usize].as_mut() else {
+            return;
+        };
+        let shared = &*self.shared;
+        let Some(queue) = shared.peers[peer as usize].queue.get() else {
+            return;
+        };
+        let result = conn
+            .sender
+            .flush(&mut NoSigPipe(&conn.stream), queue, |token| {
+                shared.complete(peer, CompletionEvent::Sent { token });
+            });
+        if let Err(e) = result {
+            let failure = if e.kind() == io::ErrorKind::BrokenPipe {
+                PeerFailure::Closed
+            } else {
+                PeerFailure::Io(e.kind())
+            };
+            self.fail(peer, failure);
+        }
+    }
+
+    /// Ends a peer: its socket closes, everything queued to it fails, and one
+    /// `PeerFailed` completion reports it.
+    fn fail(&mut self, peer: u32, failure: PeerFailure) {
+        let slot = &self.shared.peers[peer as usize];
+        if slot.state.load(Ordering::Acquire) == FAILED {
+            return;
+        }
+        *slot.failure.lock().unwrap_or_else(PoisonError::into_inner) = Some(failure);
+        slot.state.store(FAILED, Ordering::Release);
+        self.any_failed = true;
+        let shared = &*self.shared;
+        if let Some(mut conn) = self.conns[peer as usize].take() {
+            let _ = self.poll.registry().deregister(&mut conn.stream);
+            if let Some(queue) = slot.queue.get() {
+                conn.sender.fail_all(queue, |token| {
+                    shared.complete(peer, CompletionEvent::SendFailed { token, failure });
+                });
+            }
+        }
+        log::warn!(
+            "fairring tcp rank {}: rank {peer} failed: {failure}",
+            shared.config.rank
+        );
+        shared.complete(peer, CompletionEvent::PeerFailed { failure });
+        shared.notify_status();
+    }
+
+    /// Fails frames posted to failed peers after they failed.
+    fn drain_failed(&mut self) {
+        let shared = &*self.shared;
+        for (peer, slot) in (0..shared.config.world_size).zip(&shared.peers) {
+            if slot.state.load(Ordering::Acquire) != FAILED {
+                continue;
+            }
+            let failure = shared.failure_of(peer);
+            if let Some(queue) = slot.queue.get() {
+                while let Some(op) = queue.pop() {
+                    let token = op.token;
+                    drop(op);
+                    shared.complete(peer, CompletionEvent::SendFailed { token, failure });
+                }
+            }
+        }
+    }
+
+    fn timers(&mut self, now: Instant) {
+        for slot in 0..self.pending.len() {
+            if self.pending[slot]
+                .as_ref()
+                .is_some_and(|p| now >= p.deadline)
+            {
+                self.refuse(slot, Refusal::Deadline.into());
+            }
+        }
+        let silence = self.shared.config.silence_timeout;
+        let keepalive = self.shared.config.keepalive_interval;
+        for peer in 0..self.shared.config.world_size {
+            let Some(conn) = self.conns[peer as usize].as_mut() else {
+                continue;
+            };
+            if now.duration_since(conn.last_rx) >= silence {
+                let after_ms = u64::try_from(silence.as_millis()).unwrap_or(u64::MAX);
+                self.fail(peer, PeerFailure::Silent { after_ms });
+                continue;
+            }
+            if now.duration_since(conn.last_keepalive) >= keepalive {
+                conn.last_keepalive = now;
+                conn.sender.keepalive();
+                self.write(peer);
+            }
+        }
+    }
+}
