@@ -114,7 +114,7 @@ pub trait LocalRegion: Send + Sync {
 
 /// A one-sided write: `len` bytes of `source` from `source_offset` into the peer's
 /// `target` region at `target_offset`.
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 pub struct WriteRequest<'a, R> {
     /// The local region the bytes come from.
     pub source: &'a R,
@@ -131,6 +131,15 @@ pub struct WriteRequest<'a, R> {
     /// Reported back in this write's `Sent` or `SendFailed` completion.
     pub token: u64,
 }
+
+// By hand: a derive would demand `R: Copy`, but only a reference to `R` is held.
+impl<R> Clone for WriteRequest<'_, R> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<R> Copy for WriteRequest<'_, R> {}
 
 /// An RDMA-shaped transport between the ranks of one job.
 pub trait Fabric: Send + Sync {

@@ -285,14 +285,14 @@ impl EventLoop {
                 }
             };
             let Some(slot) = self.pending.iter().position(Option::is_none) else {
-                let frame = refusal_frame(&self.shared.params, Refusal::TooManyPending);
-                let _ = io::Write::write(&mut NoSigPipe(&stream), frame.as_bytes());
                 self.shared.record_refusal(RefusalRecord {
                     address,
                     claimed_rank: None,
                     refusal: Refusal::TooManyPending,
                     by_peer: false,
                 });
+                let frame = refusal_frame(&self.shared.params, Refusal::TooManyPending);
+                let _ = io::Write::write(&mut NoSigPipe(&stream), frame.as_bytes());
                 continue;
             };
             let _ = stream.set_nodelay(true);
@@ -385,16 +385,16 @@ impl EventLoop {
             return;
         };
         let _ = self.poll.registry().deregister(&mut p.stream);
-        if !failure.by_peer {
-            let frame = refusal_frame(&self.shared.params, failure.refusal);
-            let _ = io::Write::write(&mut NoSigPipe(&p.stream), frame.as_bytes());
-        }
         self.shared.record_refusal(RefusalRecord {
             address: p.address,
             claimed_rank: p.acceptor.claimed_rank(),
             refusal: failure.refusal,
             by_peer: failure.by_peer,
         });
+        if !failure.by_peer {
+            let frame = refusal_frame(&self.shared.params, failure.refusal);
+            let _ = io::Write::write(&mut NoSigPipe(&p.stream), frame.as_bytes());
+        }
     }
 
     fn admit(&mut self, slot: usize, peer: u32) {

@@ -223,6 +223,7 @@ fn expect_step<'p>(
 /// The accepting side of a handshake.
 pub struct Acceptor {
     state: AcceptorState,
+    claimed: Option<u32>,
 }
 
 enum AcceptorState {
@@ -258,15 +259,13 @@ impl Acceptor {
     pub fn new() -> Acceptor {
         Acceptor {
             state: AcceptorState::AwaitHello,
+            claimed: None,
         }
     }
 
     /// The rank the dialer claimed, once its first frame was accepted.
     pub fn claimed_rank(&self) -> Option<u32> {
-        match self.state {
-            AcceptorState::AwaitProof { peer, .. } => Some(peer),
-            _ => None,
-        }
+        self.claimed
     }
 
     /// Handles one frame. `admitted(rank)` says whether a rank is already admitted;
@@ -286,6 +285,7 @@ impl Acceptor {
                 let wanted = u32_at(body, 8);
                 let world_size = u32_at(body, 12);
                 let peer = header.source_rank;
+                self.claimed = Some(peer);
                 if world_size != params.world_size {
                     return Err(Refusal::WrongWorldSize {
                         expected: params.world_size,
