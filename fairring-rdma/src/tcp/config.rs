@@ -83,7 +83,8 @@ pub struct TcpConfig {
     /// Where to listen.
     pub bind: BindTo,
     /// A peer from which nothing (not even a keep-alive) arrives for this long is
-    /// failed. Default 30 s.
+    /// failed. Default 30 s. Give every rank the same bound: a peer's keep-alives
+    /// come at its own `keepalive_interval`, which must stay well under this.
     pub silence_timeout: Duration,
     /// How often an idle connection sends a keep-alive. Default 1 s; must be
     /// under half the silence bound.

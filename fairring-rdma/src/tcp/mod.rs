@@ -153,7 +153,18 @@ impl TcpFabric {
             .is_some_and(|p| p.state.load(Ordering::Acquire) == ADMITTED)
     }
 
-    /// The address in an endpoint made by [`Fabric::endpoint`] of a tcp fabric.
+    /// The endpoint of a tcp fabric listening on `address`: a family byte (4 or 6),
+    /// the IP address, and the port (little-endian).
+    pub fn endpoint_of(address: SocketAddr) -> Endpoint {
+        let port = address.port().to_le_bytes();
+        let bytes: Vec<u8> = match address.ip() {
+            IpAddr::V4(ip) => [&[4][..], &ip.octets(), &port].concat(),
+            IpAddr::V6(ip) => [&[6][..], &ip.octets(), &port].concat(),
+        };
+        Endpoint::from_bytes(&bytes).expect("19 bytes at most")
+    }
+
+    /// The address in an endpoint made by [`TcpFabric::endpoint_of`].
     pub fn address_of(endpoint: &Endpoint) -> Option<SocketAddr> {
         let b = endpoint.as_bytes();
         let port = |at: usize| u16::from_le_bytes([b[at], b[at + 1]]);
@@ -394,12 +405,7 @@ impl Fabric for TcpFabric {
 
     fn endpoint(&self, peer: u32) -> Result<Endpoint, FabricError> {
         self.check_peer(peer, "peer")?;
-        let port = self.local.port().to_le_bytes();
-        let bytes: Vec<u8> = match self.local.ip() {
-            IpAddr::V4(ip) => [&[4][..], &ip.octets(), &port].concat(),
-            IpAddr::V6(ip) => [&[6][..], &ip.octets(), &port].concat(),
-        };
-        Ok(Endpoint::from_bytes(&bytes).expect("19 bytes at most"))
+        Ok(TcpFabric::endpoint_of(self.local))
     }
 
     fn connect(&self, peer: u32, endpoint: &Endpoint) -> Result<(), FabricError> {
