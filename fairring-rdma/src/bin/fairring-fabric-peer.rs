@@ -104,7 +104,9 @@ fn run(args: &Args) -> Result<(), FabricError> {
         event: CompletionEvent::Sent { token: 0 },
     }; 64];
     let mut source = match args.stream {
-        Some(len) => (0..len).map(|i| (i % 251) as u8).collect(),
+        Some(len) => (0..len)
+            .map(|i| u8::try_from(i % 251).unwrap_or(0))
+            .collect(),
         None => Vec::new(),
     };
     let region = match args.stream {
