@@ -22,8 +22,8 @@ fn teardown_returns_descriptors_and_threads() {
             count("/proc/self/task") >= threads + 3,
             "one I/O thread per fabric"
         );
-        for (i, fabric) in fabrics.iter().enumerate() {
-            let next = (i as u32 + 1) % 3;
+        for (i, fabric) in (0u32..).zip(&fabrics) {
+            let next = (i + 1) % 3;
             fabric.send_message(next, round, b"hello", 0).unwrap();
         }
         for fabric in &fabrics {
