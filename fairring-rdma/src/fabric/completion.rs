@@ -7,7 +7,6 @@ use crossbeam_queue::ArrayQueue;
 use fairring_core::wire::MAX_MESSAGE_PAYLOAD;
 
 use super::error::PeerFailure;
-use super::region::RegionKey;
 
 /// The largest payload of a control message, in bytes.
 pub const MESSAGE_CAPACITY: usize = MAX_MESSAGE_PAYLOAD as usize;
@@ -33,11 +32,10 @@ pub enum CompletionEvent {
         token: u64,
     },
     /// A peer's write landed, whole, in a local region.
+    ///
+    /// Like an RDMA receive completion, it does not say where: the writer encodes
+    /// what the receiver needs to know in the immediate data.
     Landed {
-        /// The region written.
-        region: RegionKey,
-        /// Offset of the first byte written.
-        offset: u64,
         /// Bytes written.
         len: u64,
         /// The immediate data sent with the write.

@@ -76,7 +76,7 @@
 //! let mut completions = [Completion { peer: 0, event: CompletionEvent::Sent { token: 0 } }; 8];
 //! let n = zero.wait(&mut completions, Duration::from_secs(10));
 //! assert!(n >= 1);
-//! assert!(matches!(completions[0].event, CompletionEvent::Landed { offset: 1024, len: 4096, immediate: 42, .. }));
+//! assert!(matches!(completions[0].event, CompletionEvent::Landed { len: 4096, immediate: 42 }));
 //! drop(target_region);
 //! assert!(target[1024..5120].iter().all(|&b| b == 7));
 //! # drop(source_region);

@@ -497,20 +497,9 @@ impl EventLoop {
             conn.last_rx = Instant::now();
             match conn.receiver.filled(n, &shared.regions) {
                 Ok(Received::Nothing | Received::Keepalive) => {}
-                Ok(Received::Landed {
-                    region,
-                    offset,
-                    len,
-                    immediate,
-                }) => shared.complete(
-                    peer,
-                    CompletionEvent::Landed {
-                        region,
-                        offset,
-                        len,
-                        immediate,
-                    },
-                ),
+                Ok(Received::Landed { len, immediate, .. }) => {
+                    shared.complete(peer, CompletionEvent::Landed { len, immediate });
+                }
                 Ok(Received::Message(message)) => {
                     shared.complete(peer, CompletionEvent::Message(message));
                 }
