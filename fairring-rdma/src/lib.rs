@@ -10,8 +10,10 @@
 //! - [`tcp`] (feature `tcp`, on by default): real sockets, on loopback or across
 //!   machines. Frames are a [`fairring_core::wire`] header plus payload, checked
 //!   against the target region before a payload byte is read into it.
-//! - `verbs` (feature `verbs`): RC queue pairs, RDMA write with immediate,
-//!   GPUDirect registration.
+//! - `verbs` (feature `verbs`, needs libibverbs): RC queue pairs, RDMA write with
+//!   immediate, credits, GPUDirect registration (`ibv_reg_mr` on device memory,
+//!   `ibv_reg_dmabuf_mr`). Compiled in CI; never yet run on an RDMA device (its
+//!   module docs say what that means).
 #![deny(unsafe_code)]
 
 pub mod fabric;
@@ -19,6 +21,9 @@ mod secret;
 #[cfg(feature = "tcp")]
 #[allow(unsafe_code)]
 pub mod tcp;
+#[cfg(feature = "verbs")]
+#[allow(unsafe_code)]
+pub mod verbs;
 
 pub use fabric::{Completion, CompletionEvent, Fabric, FabricError, LocalRegion, WriteRequest};
 pub use secret::{JOB_SECRET_VAR, JobSecret};

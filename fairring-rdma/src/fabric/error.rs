@@ -28,6 +28,12 @@ pub enum PeerFailure {
     Aborted,
     /// This fabric was shut down.
     ShutDown,
+    /// The RDMA transport failed a work request with this `ibv_wc_status` (12 is
+    /// "transport retry counter exceeded": the peer stopped acknowledging).
+    Transport {
+        /// The work completion's status.
+        status: u32,
+    },
 }
 
 impl fmt::Display for PeerFailure {
@@ -40,6 +46,9 @@ impl fmt::Display for PeerFailure {
             PeerFailure::Protocol(violation) => write!(f, "protocol violation: {violation}"),
             PeerFailure::Aborted => f.write_str("aborted"),
             PeerFailure::ShutDown => f.write_str("the local fabric shut down"),
+            PeerFailure::Transport { status } => {
+                write!(f, "RDMA work request failed with ibv_wc_status {status}")
+            }
         }
     }
 }
