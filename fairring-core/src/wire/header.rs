@@ -41,10 +41,10 @@ named_enum! {
         /// The sender aborts the job; the payload is an optional UTF-8 reason.
         Abort = 5 => "abort",
         /// A fabric's one-sided write: the payload lands in the receiver's memory
-        /// region at an offset, both named by the frame's [`RegionAddress`].
+        /// region at an offset, both named by the frame's [`RegionAddress`](super::RegionAddress).
         Write = 6 => "write",
         /// A fabric's small control message, delivered whole to the receiver with the
-        /// immediate data of its [`RegionAddress`].
+        /// immediate data of its [`RegionAddress`](super::RegionAddress).
         Message = 7 => "message",
         /// A fabric's keep-alive: proof that the sender is alive. No payload.
         Keepalive = 8 => "keepalive",
@@ -64,7 +64,7 @@ impl FrameKind {
         }
     }
 
-    /// Whether bytes 16..36 of the header hold a [`RegionAddress`] (`Write` and
+    /// Whether bytes 16..36 of the header hold a [`RegionAddress`](super::RegionAddress) (`Write` and
     /// `Message`) rather than an operation, slice and shard.
     pub const fn has_region_address(self) -> bool {
         matches!(self, FrameKind::Write | FrameKind::Message)
@@ -96,7 +96,7 @@ impl FrameKind {
 /// ```
 ///
 /// `Write` and `Message` frames, which a fabric sends on behalf of its user, read
-/// bytes 16..36 as a [`RegionAddress`] instead (see [`FrameHeader::for_region`]):
+/// bytes 16..36 as a [`RegionAddress`](super::RegionAddress) instead (see [`FrameHeader::for_region`]):
 ///
 /// ```text
 /// 16      8   offset within the region          (the `sequence` field)
