@@ -40,8 +40,15 @@ fn register(fabric: &VerbsFabric, memory: &mut [u8]) -> VerbsRegion {
 }
 
 fn next(fabric: &VerbsFabric) -> Completion {
-    let mut out = [Completion { peer: 9, event: CompletionEvent::Sent { token: 0 } }];
-    assert_eq!(fabric.wait(&mut out, Duration::from_secs(10)), 1, "no completion in 10 s");
+    let mut out = [Completion {
+        peer: 9,
+        event: CompletionEvent::Sent { token: 0 },
+    }];
+    assert_eq!(
+        fabric.wait(&mut out, Duration::from_secs(10)),
+        1,
+        "no completion in 10 s"
+    );
     out[0]
 }
 
@@ -53,9 +60,23 @@ fn write_with_immediate_lands_byte_exact() {
     let mut target = vec![0u8; 2 << 20];
     let s = register(&one, &mut source);
     let t = register(&zero, &mut target);
-    let request = WriteRequest { source: &s, source_offset: 16, len: 1000, target: t.remote(), target_offset: 4096, immediate: 0xdead_beef, token: 5 };
+    let request = WriteRequest {
+        source: &s,
+        source_offset: 16,
+        len: 1000,
+        target: t.remote(),
+        target_offset: 4096,
+        immediate: 0xdead_beef,
+        token: 5,
+    };
     one.write(0, request).unwrap();
-    assert_eq!(next(&zero).event, CompletionEvent::Landed { len: 1000, immediate: 0xdead_beef });
+    assert_eq!(
+        next(&zero).event,
+        CompletionEvent::Landed {
+            len: 1000,
+            immediate: 0xdead_beef
+        }
+    );
     assert_eq!(next(&one).event, CompletionEvent::Sent { token: 5 });
     drop((s, t));
     assert_eq!(&target[4096..5096], &source[16..1016]);
@@ -69,15 +90,25 @@ fn messages_and_credits_flow_past_the_receive_depth() {
     let mut sent = 0u32;
     let mut received = 0u32;
     while received < 64 {
-        if sent < 64 && one.send_message(0, sent, &sent.to_le_bytes(), u64::from(sent)).is_ok() {
+        if sent < 64
+            && one
+                .send_message(0, sent, &sent.to_le_bytes(), u64::from(sent))
+                .is_ok()
+        {
             sent += 1;
         }
-        let mut out = [Completion { peer: 9, event: CompletionEvent::Sent { token: 0 } }; 8];
+        let mut out = [Completion {
+            peer: 9,
+            event: CompletionEvent::Sent { token: 0 },
+        }; 8];
         let n = zero.poll(&mut out);
         for c in &out[..n] {
             match c.event {
                 CompletionEvent::Message(m) => {
-                    assert_eq!((m.immediate, m.payload()), (received, &received.to_le_bytes()[..]));
+                    assert_eq!(
+                        (m.immediate, m.payload()),
+                        (received, &received.to_le_bytes()[..])
+                    );
                     received += 1;
                 }
                 other => panic!("{other:?}"),
@@ -94,6 +125,9 @@ fn a_forged_endpoint_is_refused() {
     let mut other = config(1);
     other.secret = JobSecret::from_bytes([9; 32]);
     let one = VerbsFabric::new(other).unwrap();
-    let e = zero.connect(1, &one.endpoint(0).unwrap()).unwrap_err().to_string();
+    let e = zero
+        .connect(1, &one.endpoint(0).unwrap())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("wrong job secret"), "{e}");
 }
