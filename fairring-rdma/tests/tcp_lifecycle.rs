@@ -13,6 +13,19 @@ fn count(dir: &str) -> usize {
     std::fs::read_dir(dir).unwrap().count()
 }
 
+/// Threads, once the kernel has reaped the ones just joined (a joined thread's
+/// `/proc` entry can outlive `pthread_join` by a moment).
+fn settled_threads(expected: usize) -> usize {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        let n = count("/proc/self/task");
+        if n == expected || std::time::Instant::now() >= deadline {
+            return n;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 #[test]
 fn teardown_returns_descriptors_and_threads() {
     let (fds, threads) = (count("/proc/self/fd"), count("/proc/self/task"));
@@ -35,7 +48,7 @@ fn teardown_returns_descriptors_and_threads() {
         }
         drop(fabrics);
         assert_eq!(
-            count("/proc/self/task"),
+            settled_threads(threads),
             threads,
             "round {round}: threads left behind"
         );
