@@ -91,6 +91,8 @@ mod region;
 use core::ptr::NonNull;
 use std::time::Duration;
 
+use fairring_core::wire::MAX_WRITE_PAYLOAD;
+
 pub(crate) use completion::CompletionQueue;
 pub use completion::{Completion, CompletionEvent, MESSAGE_CAPACITY, Message};
 pub use error::{FabricError, PeerFailure, ProtocolViolation, Refusal};
@@ -140,6 +142,56 @@ impl<R> Clone for WriteRequest<'_, R> {
 }
 
 impl<R> Copy for WriteRequest<'_, R> {}
+
+impl<R: LocalRegion> WriteRequest<'_, R> {
+    /// Checks the request against the write size limit and both regions; returns
+    /// the end of the source range. Every provider checks this before posting.
+    pub fn check(&self) -> Result<usize, FabricError> {
+        let len = self.len;
+        if len as u64 > u64::from(MAX_WRITE_PAYLOAD) {
+            return Err(FabricError::InvalidArgument {
+                argument: "len",
+                reason: format!(
+                    "{len} bytes is over the {MAX_WRITE_PAYLOAD}-byte limit of a write"
+                ),
+            });
+        }
+        let source_len = self.source.len();
+        let end = self
+            .source_offset
+            .checked_add(len)
+            .filter(|&end| end <= source_len)
+            .ok_or(FabricError::OutOfBounds {
+                range: "source",
+                offset: self.source_offset as u64,
+                len: len as u64,
+                region_len: source_len as u64,
+            })?;
+        if !self.target.contains(self.target_offset, len as u64) {
+            return Err(FabricError::OutOfBounds {
+                range: "target",
+                offset: self.target_offset,
+                len: len as u64,
+                region_len: self.target.len,
+            });
+        }
+        Ok(end)
+    }
+}
+
+/// Checks a control message's payload against [`MESSAGE_CAPACITY`].
+pub fn check_message(payload: &[u8]) -> Result<(), FabricError> {
+    if payload.len() > MESSAGE_CAPACITY {
+        return Err(FabricError::InvalidArgument {
+            argument: "payload",
+            reason: format!(
+                "{} bytes is over the {MESSAGE_CAPACITY}-byte limit of a message",
+                payload.len()
+            ),
+        });
+    }
+    Ok(())
+}
 
 /// An RDMA-shaped transport between the ranks of one job.
 pub trait Fabric: Send + Sync {

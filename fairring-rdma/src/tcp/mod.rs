@@ -39,9 +39,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
-use fairring_core::wire::{
-    FrameHeader, FrameKind, MAX_MESSAGE_PAYLOAD, MAX_WRITE_PAYLOAD, RegionAddress,
-};
+use fairring_core::wire::{FrameHeader, FrameKind, MAX_MESSAGE_PAYLOAD, RegionAddress};
 
 pub use config::{BindTo, SOCKET_IFNAME_VAR, TcpConfig};
 pub use event_loop::RefusalRecord;
@@ -51,9 +49,7 @@ use self::event_loop::{ADMITTED, EventLoop, FAILED, NOT_CONNECTED, PeerSlot, Sha
 use self::handshake::{Dialer, DialerStep, HandshakeParams, HelloReader};
 use self::sender::{Payload, SendOp};
 use self::socket::NoSigPipe;
-use crate::fabric::{
-    Completion, CompletionQueue, Endpoint, Fabric, FabricError, LocalRegion, WriteRequest,
-};
+use crate::fabric::{Completion, CompletionQueue, Endpoint, Fabric, FabricError, WriteRequest};
 
 /// The provider's wire protocol as sans-IO state machines: public so that it can be
 /// fuzzed, tested byte by byte, and implemented elsewhere. Users want
@@ -225,26 +221,33 @@ impl TcpFabric {
         Ok(())
     }
 
+    /// `Ok` once `peer` is admitted, its failure once it has failed, `None` before.
+    fn settled(&self, peer: u32) -> Option<Result<(), FabricError>> {
+        match self.shared.peers[peer as usize]
+            .state
+            .load(Ordering::Acquire)
+        {
+            ADMITTED => Some(Ok(())),
+            FAILED => Some(Err(FabricError::PeerFailed {
+                peer,
+                failure: self.shared.failure_of(peer),
+            })),
+            _ => None,
+        }
+    }
+
     /// Waits until `peer` dials in and is admitted.
     fn await_dialer(&self, peer: u32) -> Result<(), FabricError> {
         let timeout = self.shared.config.connect_timeout;
         let deadline = Instant::now() + timeout;
-        let slot = &self.shared.peers[peer as usize];
         let mut guard = self
             .shared
             .status
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         loop {
-            match slot.state.load(Ordering::Acquire) {
-                ADMITTED => return Ok(()),
-                FAILED => {
-                    return Err(FabricError::PeerFailed {
-                        peer,
-                        failure: self.shared.failure_of(peer),
-                    });
-                }
-                _ => {}
+            if let Some(settled) = self.settled(peer) {
+                return settled;
             }
             let now = Instant::now();
             if now >= deadline {
@@ -410,18 +413,8 @@ impl Fabric for TcpFabric {
 
     fn connect(&self, peer: u32, endpoint: &Endpoint) -> Result<(), FabricError> {
         self.check_peer(peer, "peer")?;
-        match self.shared.peers[peer as usize]
-            .state
-            .load(Ordering::Acquire)
-        {
-            ADMITTED => return Ok(()),
-            FAILED => {
-                return Err(FabricError::PeerFailed {
-                    peer,
-                    failure: self.shared.failure_of(peer),
-                });
-            }
-            _ => {}
+        if let Some(settled) = self.settled(peer) {
+            return settled;
         }
         if peer > self.shared.config.rank {
             return self.await_dialer(peer);
@@ -442,34 +435,8 @@ impl Fabric for TcpFabric {
 
     fn write(&self, peer: u32, request: WriteRequest<'_, TcpRegion>) -> Result<(), FabricError> {
         let queue = self.queue_of(peer)?;
+        let end = request.check()?;
         let len = request.len;
-        if len as u64 > u64::from(MAX_WRITE_PAYLOAD) {
-            return Err(FabricError::InvalidArgument {
-                argument: "len",
-                reason: format!(
-                    "{len} bytes is over the {MAX_WRITE_PAYLOAD}-byte limit of a write"
-                ),
-            });
-        }
-        let source_len = request.source.len();
-        let end = request
-            .source_offset
-            .checked_add(len)
-            .filter(|&end| end <= source_len)
-            .ok_or(FabricError::OutOfBounds {
-                range: "source",
-                offset: request.source_offset as u64,
-                len: len as u64,
-                region_len: source_len as u64,
-            })?;
-        if !request.target.contains(request.target_offset, len as u64) {
-            return Err(FabricError::OutOfBounds {
-                range: "target",
-                offset: request.target_offset,
-                len: len as u64,
-                region_len: request.target.len,
-            });
-        }
         let header = FrameHeader::for_region(
             FrameKind::Write,
             self.shared.config.job_tag,
@@ -505,15 +472,7 @@ impl Fabric for TcpFabric {
         token: u64,
     ) -> Result<(), FabricError> {
         let queue = self.queue_of(peer)?;
-        if payload.len() > MAX_MESSAGE_PAYLOAD as usize {
-            return Err(FabricError::InvalidArgument {
-                argument: "payload",
-                reason: format!(
-                    "{} bytes is over the {MAX_MESSAGE_PAYLOAD}-byte limit of a message",
-                    payload.len()
-                ),
-            });
-        }
+        crate::fabric::check_message(payload)?;
         let header = FrameHeader::for_region(
             FrameKind::Message,
             self.shared.config.job_tag,

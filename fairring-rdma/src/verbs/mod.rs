@@ -53,7 +53,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use fairring_core::wire::{MAX_MESSAGE_PAYLOAD, MAX_WRITE_PAYLOAD};
+use fairring_core::wire::MAX_MESSAGE_PAYLOAD;
 use ibverbs_sys as sys;
 
 use self::device::{Device, MemoryRegion, QueuePair, RemoteQueuePair, Timing};
@@ -733,36 +733,9 @@ impl Fabric for VerbsFabric {
 
     fn write(&self, peer: u32, request: WriteRequest<'_, VerbsRegion>) -> Result<(), FabricError> {
         self.check_peer(peer)?;
+        request.check()?;
         let len = request.len;
-        if len as u64 > u64::from(MAX_WRITE_PAYLOAD) {
-            return Err(FabricError::InvalidArgument {
-                argument: "len",
-                reason: format!(
-                    "{len} bytes is over the {MAX_WRITE_PAYLOAD}-byte limit of a write"
-                ),
-            });
-        }
         let source = &request.source.inner;
-        if request
-            .source_offset
-            .checked_add(len)
-            .is_none_or(|end| end > source.len)
-        {
-            return Err(FabricError::OutOfBounds {
-                range: "source",
-                offset: request.source_offset as u64,
-                len: len as u64,
-                region_len: source.len as u64,
-            });
-        }
-        if !request.target.contains(request.target_offset, len as u64) {
-            return Err(FabricError::OutOfBounds {
-                range: "target",
-                offset: request.target_offset,
-                len: len as u64,
-                region_len: request.target.len,
-            });
-        }
         let mut sge = sys::ibv_sge {
             addr: source.address as u64 + request.source_offset as u64,
             // At most 2 GiB, checked above.
@@ -792,15 +765,7 @@ impl Fabric for VerbsFabric {
         token: u64,
     ) -> Result<(), FabricError> {
         self.check_peer(peer)?;
-        if payload.len() > SLOT {
-            return Err(FabricError::InvalidArgument {
-                argument: "payload",
-                reason: format!(
-                    "{} bytes is over the {SLOT}-byte limit of a message",
-                    payload.len()
-                ),
-            });
-        }
+        crate::fabric::check_message(payload)?;
         let mut sge = sys::ibv_sge {
             addr: payload.as_ptr() as u64,
             length: u32::try_from(payload.len()).unwrap_or(u32::MAX),
