@@ -98,10 +98,10 @@ impl Receiver {
                 have,
                 ..
             } => {
-                // SAFETY: `offset + len <= target.len()` was checked when the header
-                // was accepted and `have < len`; this receiver is the only writer of
-                // the range while it holds the use, and one slice at a time is handed
-                // out (it borrows `self` mutably).
+                // Checked when the header was accepted: `offset + len <= target.len()`;
+                // and `have < len` while in this state.
+                // SAFETY: the range is in the region; this receiver is its only
+                // writer while it holds the use, and hands out one slice at a time.
                 unsafe { target.bytes_mut(*offset + *have, *offset + *len) }
             }
             State::Message {
