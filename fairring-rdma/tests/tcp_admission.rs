@@ -130,15 +130,7 @@ fn forged_proof_is_refused() {
     stream.read_exact(&mut reply).unwrap();
     let mut forged = [3u8; 33];
     forged[1..].copy_from_slice(&reply[48 + 1..48 + 33]); // the acceptor's nonce, not a proof
-    let header = FrameHeader {
-        kind: FrameKind::Hello,
-        job_tag: JOB,
-        sequence: 0,
-        slice: 0,
-        shard: 0,
-        source_rank: 1,
-        payload_len: 33,
-    };
+    let header = FrameHeader::control(FrameKind::Hello, JOB, 1, 33);
     stream.write_all(&header.encode()).unwrap();
     stream.write_all(&forged).unwrap();
     read_to_close(&mut stream);
@@ -270,15 +262,7 @@ fn oversized_length_fields_are_refused() {
     let zero = TcpFabric::new(config(0, 2)).unwrap();
     for (len, expect_garbage) in [(4096u32, false), (1 << 31, true)] {
         let mut stream = TcpStream::connect(address(&zero)).unwrap();
-        let header = FrameHeader {
-            kind: FrameKind::Hello,
-            job_tag: JOB,
-            sequence: 0,
-            slice: 0,
-            shard: 0,
-            source_rank: 1,
-            payload_len: len,
-        };
+        let header = FrameHeader::control(FrameKind::Hello, JOB, 1, len);
         let mut bytes = header.encode();
         if expect_garbage {
             // Too long for any Hello frame: re-seal it so only the length is wrong.

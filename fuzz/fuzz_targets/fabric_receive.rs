@@ -77,15 +77,12 @@ fuzz_target!(|input: Input| {
                     address,
                     len,
                 )
-                .unwrap_or(FrameHeader {
+                .unwrap_or(FrameHeader::control(
                     kind,
-                    job_tag: JOB,
-                    sequence: 0,
-                    slice: 0,
-                    shard: 0,
-                    source_rank: PEER,
-                    payload_len: len.min(kind.max_payload()),
-                });
+                    JOB,
+                    PEER,
+                    len.min(kind.max_payload()),
+                ));
                 stream.extend_from_slice(&header.encode());
                 stream.extend(std::iter::repeat_n(*fill, header.payload_len as usize));
             }

@@ -19,6 +19,25 @@ pub struct RegionAddress {
 }
 
 impl FrameHeader {
+    /// The header of a frame that addresses nothing (`Hello`, `Abort`,
+    /// `Keepalive`): bytes 16..36 are zero.
+    pub const fn control(
+        kind: FrameKind,
+        job_tag: u64,
+        source_rank: u32,
+        payload_len: u32,
+    ) -> FrameHeader {
+        FrameHeader {
+            kind,
+            job_tag,
+            sequence: 0,
+            slice: 0,
+            shard: 0,
+            source_rank,
+            payload_len,
+        }
+    }
+
     /// The header of a `Write` or `Message` frame.
     ///
     /// Refuses any other kind ([`WireError::NoRegionAddress`]) and a payload longer

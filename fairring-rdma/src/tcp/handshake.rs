@@ -41,15 +41,8 @@ pub struct OutFrame {
 impl OutFrame {
     fn new(kind: FrameKind, params: &HandshakeParams, payload: &[u8]) -> OutFrame {
         debug_assert!(payload.len() <= MAX_HANDSHAKE_PAYLOAD);
-        let header = FrameHeader {
-            kind,
-            job_tag: params.job_tag,
-            sequence: 0,
-            slice: 0,
-            shard: 0,
-            source_rank: params.rank,
-            payload_len: u32::try_from(payload.len()).unwrap_or(u32::MAX),
-        };
+        let payload_len = u32::try_from(payload.len()).unwrap_or(u32::MAX);
+        let header = FrameHeader::control(kind, params.job_tag, params.rank, payload_len);
         let mut bytes = [0; HEADER_LEN + MAX_HANDSHAKE_PAYLOAD];
         bytes[..HEADER_LEN].copy_from_slice(&header.encode());
         bytes[HEADER_LEN..HEADER_LEN + payload.len()].copy_from_slice(payload);

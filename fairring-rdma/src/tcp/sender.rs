@@ -81,16 +81,7 @@ pub(crate) enum Flushed {
 
 impl Sender {
     pub(crate) fn new(job_tag: u64, rank: u32) -> Sender {
-        let keepalive = FrameHeader {
-            kind: FrameKind::Keepalive,
-            job_tag,
-            sequence: 0,
-            slice: 0,
-            shard: 0,
-            source_rank: rank,
-            payload_len: 0,
-        }
-        .encode();
+        let keepalive = FrameHeader::control(FrameKind::Keepalive, job_tag, rank, 0).encode();
         Sender {
             current: None,
             extra: None,
