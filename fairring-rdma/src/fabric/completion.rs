@@ -1,5 +1,6 @@
 //! Completions: what a fabric reports, and the queue it reports them through.
 
+use std::sync::atomic::{AtomicUsize, Ordering, fence};
 use std::sync::{Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -103,10 +104,17 @@ impl core::fmt::Debug for Message {
 ///
 /// Providers' I/O threads push; the user polls into a slice of its own, so
 /// neither side allocates once the queue exists. A full queue holds its
-/// producers back (they retry) rather than drop a completion.
+/// producers back (they retry) rather than drop a completion. A push takes the
+/// lock only when a consumer is asleep in `wait`.
 pub(crate) struct CompletionQueue {
     queue: ArrayQueue<Completion>,
-    sleepers: Mutex<usize>,
+    /// Consumers inside `wait`. A push stores, fences, then reads this; a waiter
+    /// increments it, fences, then checks the queue: of two such threads at least
+    /// one sees the other (Dekker), so a push never misses a sleeper.
+    sleepers: AtomicUsize,
+    /// Held by a waiter from its last check until it sleeps, and taken by a push
+    /// that wakes it, so the wake-up cannot fall between the two.
+    lock: Mutex<()>,
     wakeup: Condvar,
 }
 
@@ -114,7 +122,8 @@ impl CompletionQueue {
     pub(crate) fn new(capacity: usize) -> CompletionQueue {
         CompletionQueue {
             queue: ArrayQueue::new(capacity.max(1)),
-            sleepers: Mutex::new(0),
+            sleepers: AtomicUsize::new(0),
+            lock: Mutex::new(()),
             wakeup: Condvar::new(),
         }
     }
@@ -122,8 +131,9 @@ impl CompletionQueue {
     /// Pushes a completion; `Err` gives it back when the queue is full.
     pub(crate) fn push(&self, completion: Completion) -> Result<(), Completion> {
         self.queue.push(completion)?;
-        let sleepers = self.sleepers.lock().unwrap_or_else(PoisonError::into_inner);
-        if *sleepers > 0 {
+        fence(Ordering::SeqCst);
+        if self.sleepers.load(Ordering::Relaxed) > 0 {
+            let _guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
             self.wakeup.notify_all();
         }
         Ok(())
@@ -154,8 +164,9 @@ impl CompletionQueue {
             return n;
         }
         let deadline = Instant::now() + timeout;
-        let mut sleepers = self.sleepers.lock().unwrap_or_else(PoisonError::into_inner);
-        *sleepers += 1;
+        let mut guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
+        self.sleepers.fetch_add(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
         let n = loop {
             // Checked under the lock: a push after this check notifies us.
             let n = self.poll(out);
@@ -163,13 +174,14 @@ impl CompletionQueue {
             if n > 0 || now >= deadline {
                 break n;
             }
-            sleepers = self
+            guard = self
                 .wakeup
-                .wait_timeout(sleepers, deadline - now)
+                .wait_timeout(guard, deadline - now)
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
         };
-        *sleepers -= 1;
+        self.sleepers.fetch_sub(1, Ordering::Relaxed);
+        drop(guard);
         n
     }
 }

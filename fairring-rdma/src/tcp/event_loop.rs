@@ -167,6 +167,10 @@ pub(crate) struct EventLoop {
     pending: Vec<Option<Pending>>,
     conns: Vec<Option<Conn>>,
     any_failed: bool,
+    /// Peers with a connection, so a turn of the loop visits only them.
+    connected: Vec<u32>,
+    /// Scratch for iterating `connected` while it may change.
+    visiting: Vec<u32>,
 }
 
 impl EventLoop {
@@ -188,6 +192,8 @@ impl EventLoop {
             pending,
             conns,
             any_failed: false,
+            connected: Vec::new(),
+            visiting: Vec::new(),
         })
     }
 
@@ -213,8 +219,13 @@ impl EventLoop {
         .max(Duration::from_millis(1));
         let mut events = Events::with_capacity(1024);
         let mut ready: Vec<(Token, bool, bool)> = Vec::with_capacity(1024);
+        let mut next_timers = Instant::now() + tick;
         while !self.shared.shutdown.load(Ordering::Acquire) {
-            let busy = self.conns.iter().flatten().any(|c| c.more_to_read);
+            let busy = self.connected.iter().any(|&p| {
+                self.conns[p as usize]
+                    .as_ref()
+                    .is_some_and(|c| c.more_to_read)
+            });
             let timeout = if busy { Duration::ZERO } else { tick };
             if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {
                 if e.kind() == io::ErrorKind::Interrupted {
@@ -234,23 +245,42 @@ impl EventLoop {
             }
             if self.shared.woken.swap(false, Ordering::AcqRel) {
                 self.adopt_dialed();
-                for peer in 0..self.shared.config.world_size {
+                let peers = self.visit_connected();
+                for &peer in &peers {
                     self.write(peer);
                 }
+                self.visiting = peers;
                 if self.any_failed {
                     self.drain_failed();
                 }
             }
-            for peer in 0..self.shared.config.world_size {
-                if self.conns[peer as usize]
-                    .as_ref()
-                    .is_some_and(|c| c.more_to_read)
-                {
-                    self.read(peer);
+            if busy {
+                let peers = self.visit_connected();
+                for &peer in &peers {
+                    if self.conns[peer as usize]
+                        .as_ref()
+                        .is_some_and(|c| c.more_to_read)
+                    {
+                        self.read(peer);
+                    }
                 }
+                self.visiting = peers;
             }
-            self.timers(Instant::now());
+            let now = Instant::now();
+            if now >= next_timers {
+                self.timers(now);
+                next_timers = now + tick;
+            }
         }
+    }
+
+    /// The connected peers, copied into the scratch list (give it back to
+    /// `self.visiting` after use, so no turn allocates).
+    fn visit_connected(&mut self) -> Vec<u32> {
+        let mut peers = std::mem::take(&mut self.visiting);
+        peers.clear();
+        peers.extend_from_slice(&self.connected);
+        peers
     }
 
     fn dispatch(&mut self, token: Token, readable: bool, writable: bool) {
@@ -418,6 +448,7 @@ impl EventLoop {
         let mut sender = Sender::new(self.shared.config.job_tag, self.shared.config.rank);
         sender.push_extra(welcome_frame(&self.shared.params).as_bytes());
         let now = Instant::now();
+        self.connected.push(peer);
         self.conns[peer as usize] = Some(Conn {
             stream: p.stream,
             receiver: Receiver::new(peer, self.shared.config.job_tag),
@@ -463,6 +494,7 @@ impl EventLoop {
                 continue;
             }
             let now = Instant::now();
+            self.connected.push(peer);
             self.conns[peer as usize] = Some(Conn {
                 stream,
                 receiver: Receiver::new(peer, self.shared.config.job_tag),
@@ -551,6 +583,7 @@ impl EventLoop {
         slot.state.store(FAILED, Ordering::Release);
         self.any_failed = true;
         let shared = &*self.shared;
+        self.connected.retain(|&p| p != peer);
         if let Some(mut conn) = self.conns[peer as usize].take() {
             let _ = self.poll.registry().deregister(&mut conn.stream);
             if let Some(queue) = slot.queue.get() {
@@ -596,7 +629,8 @@ impl EventLoop {
         }
         let silence = self.shared.config.silence_timeout;
         let keepalive = self.shared.config.keepalive_interval;
-        for peer in 0..self.shared.config.world_size {
+        let peers = self.visit_connected();
+        for &peer in &peers {
             let Some(conn) = self.conns[peer as usize].as_mut() else {
                 continue;
             };
@@ -611,5 +645,6 @@ impl EventLoop {
                 self.write(peer);
             }
         }
+        self.visiting = peers;
     }
 }
