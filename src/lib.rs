@@ -18,11 +18,39 @@
 //! Features: `tcp` (default) enables the TCP provider of the fabric, `verbs` its verbs
 //! provider, `cuda` the GPU layer.
 //!
-//! The engine itself (the `Communicator`, rendezvous, progress and the algorithms) is
-//! not written yet; today this package re-exports the layers.
-#![forbid(unsafe_code)]
+//! # The engine
+//!
+//! [`Communicator`] runs all-reduces across processes and machines on host memory:
+//!
+//! - **built** from torchrun's environment or a [`Config`] builder; ranks meet
+//!   through a [`Store`] (by default the authenticated [`store::TcpStore`] rank 0
+//!   serves), find which of them share a machine, and connect the fabric;
+//! - **asynchronous**: operations started in a [`Communicator::scope`] return a
+//!   [`Work`] at once, and successive ones overlap up to the number of staging
+//!   buffers; a progress thread (or a waiting caller) drives them;
+//! - **hierarchical** (the reduction-server algorithm) or **ring**, per call;
+//! - **intra-machine** through shared memory ([`local::ShmGroup`]), the
+//!   [`local::LocalGroup`] the GPU layer will also implement;
+//! - **allocation-free** per operation once built.
+#![deny(unsafe_code)]
 
 pub use fairring_core as core;
 #[cfg(feature = "cuda")]
 pub use fairring_cuda as cuda;
 pub use fairring_rdma as rdma;
+
+#[allow(unsafe_code)]
+mod communicator;
+pub mod config;
+#[allow(unsafe_code)]
+mod engine;
+mod error;
+#[allow(unsafe_code)]
+pub mod local;
+pub mod store;
+
+pub use communicator::{Communicator, Scope, Work};
+pub use config::{Algorithm, Config, ConfigBuilder};
+pub use error::{Error, Result};
+pub use fairring_core::{DataType, ReduceOp};
+pub use store::Store;

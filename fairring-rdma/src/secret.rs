@@ -75,7 +75,9 @@ impl JobSecret {
         self.0.iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    pub(crate) fn as_bytes(&self) -> &[u8; 32] {
+    /// The secret's bytes, for keying other authenticated channels of the same job
+    /// (the engine's rendezvous store uses them).
+    pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0
     }
 }

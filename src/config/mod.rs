@@ -1,0 +1,508 @@
+//! What a communicator is built from: the job (ranks, rendezvous address) and the
+//! knobs, from a builder or from the environment torchrun sets.
+//!
+//! | variable | meaning | default |
+//! |---|---|---|
+//! | `RANK`, `WORLD_SIZE` | this process's rank and the number of ranks | required |
+//! | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | rank on this machine and ranks per machine; checked against what the rendezvous finds | optional |
+//! | `MASTER_ADDR`, `MASTER_PORT` | where rank 0 serves the rendezvous store | required |
+//! | `FAIRRING_TOTAL_MEMORY` | staging memory per rank, bytes (`K`/`M`/`G` suffixes) | 50 MiB |
+//! | `FAIRRING_SLICE_SIZE` | largest slice, bytes | 25 MiB, less if the budget would hold fewer than 2 buffers |
+//! | `FAIRRING_MIN_SHARD_SIZE` | smallest shard, bytes | 64 KiB |
+//! | `FAIRRING_SOCKET_IFNAME` | interface the fabric listens on | the one that reaches `MASTER_ADDR` |
+//! | `FAIRRING_TIMEOUT` | rendezvous and peer-silence bound (`30`, `2.5s`, `500ms`, `5min`) | 300 s |
+//! | `FAIRRING_JOB_SECRET` | 64 hex digits shared by every rank; admits peers | derived from the job (see below) |
+//! | `FAIRRING_ALGO` | `hierarchical` or `ring` | `hierarchical` |
+//! | `FAIRRING_HOST_ID` | overrides the machine identity (simulates machines on one host) | boot id and host name |
+//!
+//! Every value is validated when the communicator is built; a bad one fails with
+//! [`Error::Config`] naming the variable and the value.
+//!
+//! **Job secret.** Peers and store clients are admitted only if they prove they know
+//! the job secret. When `FAIRRING_JOB_SECRET` is unset the secret is derived from the
+//! rendezvous address and `TORCHELASTIC_RUN_ID`: that keeps two jobs from mixing by
+//! accident, but anyone who can read the job's environment can join it. Set the
+//! variable on shared networks.
+
+mod parse;
+
+use std::time::Duration;
+
+use fairring_rdma::JobSecret;
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+pub(crate) use parse::{parse_bytes, parse_duration, parse_u32};
+
+/// How an all-reduce moves its data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Reduction-server all-reduce: intra-machine reduce-scatter, sharded exchange
+    /// along rails, intra-machine all-gather (DESIGN.md section 1).
+    Hierarchical,
+    /// Ring reduce-scatter and all-gather over every rank through the fabric, the
+    /// baseline of Horovod, Gloo and NCCL.
+    Ring,
+}
+
+impl Algorithm {
+    /// The algorithm's name, as `FAIRRING_ALGO` spells it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Algorithm::Hierarchical => "hierarchical",
+            Algorithm::Ring => "ring",
+        }
+    }
+
+    /// Every algorithm.
+    pub const ALL: [Algorithm; 2] = [Algorithm::Hierarchical, Algorithm::Ring];
+}
+
+impl std::fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Algorithm, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "hierarchical" => Ok(Algorithm::Hierarchical),
+            "ring" => Ok(Algorithm::Ring),
+            "auto" => Err("`auto` is not available yet; use hierarchical or ring".into()),
+            _ => Err("expected hierarchical or ring".into()),
+        }
+    }
+}
+
+/// Default staging memory per rank: 50 MiB, as the original Fairring.
+pub const DEFAULT_TOTAL_MEMORY: u64 = 50 << 20;
+/// Default bound on rendezvous and on a silent peer.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// A validated configuration. Build one with [`Config::builder`] or
+/// [`Config::from_env`].
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub(crate) rank: u32,
+    pub(crate) world_size: u32,
+    pub(crate) local_rank: Option<u32>,
+    pub(crate) local_world_size: Option<u32>,
+    pub(crate) master_addr: String,
+    pub(crate) master_port: u16,
+    pub(crate) total_memory: u64,
+    pub(crate) slice_bytes: Option<u64>,
+    pub(crate) min_shard_bytes: u64,
+    pub(crate) socket_ifname: Option<String>,
+    pub(crate) timeout: Duration,
+    pub(crate) secret: JobSecret,
+    pub(crate) job_tag: u64,
+    pub(crate) algorithm: Algorithm,
+    pub(crate) host_id: Option<String>,
+}
+
+/// Builds a [`Config`] field by field; [`ConfigBuilder::build`] validates.
+#[derive(Clone, Debug)]
+pub struct ConfigBuilder {
+    rank: u32,
+    world_size: u32,
+    local_rank: Option<u32>,
+    local_world_size: Option<u32>,
+    master_addr: String,
+    master_port: u16,
+    total_memory: u64,
+    slice_bytes: Option<u64>,
+    min_shard_bytes: u64,
+    socket_ifname: Option<String>,
+    timeout: Duration,
+    secret: Option<JobSecret>,
+    run_id: String,
+    algorithm: Algorithm,
+    host_id: Option<String>,
+}
+
+impl Config {
+    /// A builder for rank `rank` of `world_size`, meeting at `master_addr:master_port`.
+    pub fn builder(
+        rank: u32,
+        world_size: u32,
+        master_addr: impl Into<String>,
+        master_port: u16,
+    ) -> ConfigBuilder {
+        ConfigBuilder {
+            rank,
+            world_size,
+            local_rank: None,
+            local_world_size: None,
+            master_addr: master_addr.into(),
+            master_port,
+            total_memory: DEFAULT_TOTAL_MEMORY,
+            slice_bytes: None,
+            min_shard_bytes: fairring_core::plan::PlanConfig::DEFAULT_MIN_SHARD_BYTES,
+            socket_ifname: None,
+            timeout: DEFAULT_TIMEOUT,
+            secret: None,
+            run_id: String::new(),
+            algorithm: Algorithm::Hierarchical,
+            host_id: None,
+        }
+    }
+
+    /// The configuration torchrun's environment describes, with the `FAIRRING_*`
+    /// knobs (see the module docs).
+    pub fn from_env() -> Result<Config> {
+        Config::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Like [`Config::from_env`], reading variables through `lookup`.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        let required =
+            |name: &'static str| lookup(name).ok_or_else(|| Error::config(name, "", "not set"));
+        let rank = parse_u32("RANK", &required("RANK")?)?;
+        let world_size = parse_u32("WORLD_SIZE", &required("WORLD_SIZE")?)?;
+        let master_addr = required("MASTER_ADDR")?;
+        let port_text = required("MASTER_PORT")?;
+        let port = parse_u32("MASTER_PORT", &port_text)?;
+        let master_port = u16::try_from(port)
+            .ok()
+            .filter(|&p| p != 0)
+            .ok_or_else(|| {
+                Error::config("MASTER_PORT", &port_text, "expected a port in 1..=65535")
+            })?;
+        let mut b = Config::builder(rank, world_size, master_addr, master_port);
+        if let Some(v) = lookup("LOCAL_RANK") {
+            b.local_rank = Some(parse_u32("LOCAL_RANK", &v)?);
+        }
+        if let Some(v) = lookup("LOCAL_WORLD_SIZE") {
+            b.local_world_size = Some(parse_u32("LOCAL_WORLD_SIZE", &v)?);
+        }
+        if let Some(v) = lookup("FAIRRING_TOTAL_MEMORY") {
+            b.total_memory = parse_bytes("FAIRRING_TOTAL_MEMORY", &v)?;
+        }
+        if let Some(v) = lookup("FAIRRING_SLICE_SIZE") {
+            b.slice_bytes = Some(parse_bytes("FAIRRING_SLICE_SIZE", &v)?);
+        }
+        if let Some(v) = lookup("FAIRRING_MIN_SHARD_SIZE") {
+            b.min_shard_bytes = parse_bytes("FAIRRING_MIN_SHARD_SIZE", &v)?;
+        }
+        if let Some(v) = lookup("FAIRRING_SOCKET_IFNAME") {
+            if v.trim().is_empty() {
+                return Err(Error::config("FAIRRING_SOCKET_IFNAME", &v, "empty"));
+            }
+            b.socket_ifname = Some(v.trim().to_owned());
+        }
+        if let Some(v) = lookup("FAIRRING_TIMEOUT") {
+            b.timeout = parse_duration("FAIRRING_TIMEOUT", &v)?;
+        }
+        if let Some(v) = lookup("FAIRRING_JOB_SECRET") {
+            let secret = JobSecret::from_hex("FAIRRING_JOB_SECRET", &v)
+                .map_err(|e| Error::config("FAIRRING_JOB_SECRET", "(hidden)", e.to_string()))?;
+            b.secret = Some(secret);
+        }
+        if let Some(v) = lookup("FAIRRING_ALGO") {
+            b.algorithm = v
+                .parse()
+                .map_err(|reason: String| Error::config("FAIRRING_ALGO", &v, reason))?;
+        }
+        if let Some(v) = lookup("FAIRRING_HOST_ID") {
+            if v.trim().is_empty() {
+                return Err(Error::config("FAIRRING_HOST_ID", &v, "empty"));
+            }
+            b.host_id = Some(v);
+        }
+        if let Some(v) = lookup("TORCHELASTIC_RUN_ID") {
+            b.run_id = v;
+        }
+        b.build()
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Ranks in the job.
+    pub fn world_size(&self) -> u32 {
+        self.world_size
+    }
+
+    /// The default algorithm of all-reduces.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// The bound on rendezvous and on a silent peer.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+}
+
+impl ConfigBuilder {
+    /// Rank on this machine and ranks per machine, checked against the rendezvous.
+    pub fn local(mut self, local_rank: u32, local_world_size: u32) -> Self {
+        self.local_rank = Some(local_rank);
+        self.local_world_size = Some(local_world_size);
+        self
+    }
+
+    /// Staging memory per rank, in bytes.
+    pub fn total_memory(mut self, bytes: u64) -> Self {
+        self.total_memory = bytes;
+        self
+    }
+
+    /// Largest slice, in bytes.
+    pub fn slice_bytes(mut self, bytes: u64) -> Self {
+        self.slice_bytes = Some(bytes);
+        self
+    }
+
+    /// Smallest shard, in bytes.
+    pub fn min_shard_bytes(mut self, bytes: u64) -> Self {
+        self.min_shard_bytes = bytes;
+        self
+    }
+
+    /// The interface the fabric listens on.
+    pub fn socket_ifname(mut self, name: impl Into<String>) -> Self {
+        self.socket_ifname = Some(name.into());
+        self
+    }
+
+    /// Rendezvous and peer-silence bound.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The job secret (the same on every rank).
+    pub fn secret(mut self, secret: JobSecret) -> Self {
+        self.secret = Some(secret);
+        self
+    }
+
+    /// A name of this run, mixed into the job's tag and derived secret.
+    pub fn run_id(mut self, run_id: impl Into<String>) -> Self {
+        self.run_id = run_id.into();
+        self
+    }
+
+    /// The default algorithm.
+    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = algorithm;
+        self
+    }
+
+    /// This machine's identity: ranks with the same identity share memory.
+    pub fn host_id(mut self, id: impl Into<String>) -> Self {
+        self.host_id = Some(id.into());
+        self
+    }
+
+    /// Validates every field.
+    pub fn build(self) -> Result<Config> {
+        if self.world_size == 0 {
+            return Err(Error::config("WORLD_SIZE", 0, "must be at least 1"));
+        }
+        if self.rank >= self.world_size {
+            return Err(Error::config(
+                "RANK",
+                self.rank,
+                format!("must be below WORLD_SIZE={}", self.world_size),
+            ));
+        }
+        if let Some(n) = self.local_world_size {
+            if n == 0 || !self.world_size.is_multiple_of(n) {
+                return Err(Error::config(
+                    "LOCAL_WORLD_SIZE",
+                    n,
+                    format!("must divide WORLD_SIZE={}", self.world_size),
+                ));
+            }
+            if let Some(r) = self.local_rank
+                && r >= n
+            {
+                return Err(Error::config(
+                    "LOCAL_RANK",
+                    r,
+                    format!("must be below LOCAL_WORLD_SIZE={n}"),
+                ));
+            }
+        }
+        if self.master_addr.trim().is_empty() {
+            return Err(Error::config("MASTER_ADDR", &self.master_addr, "empty"));
+        }
+        if self.master_port == 0 {
+            return Err(Error::config(
+                "MASTER_PORT",
+                0,
+                "expected a port in 1..=65535",
+            ));
+        }
+        let max_slice = fairring_core::plan::PlanConfig::MAX_SLICE_BYTES;
+        if let Some(s) = self.slice_bytes
+            && !(64 << 10..=max_slice).contains(&s)
+        {
+            return Err(Error::config(
+                "FAIRRING_SLICE_SIZE",
+                s,
+                format!("must be between 64 KiB and {max_slice} bytes"),
+            ));
+        }
+        let floor = fairring_core::plan::PlanConfig::MIN_SHARD_FLOOR;
+        if !(floor..=max_slice).contains(&self.min_shard_bytes) {
+            return Err(Error::config(
+                "FAIRRING_MIN_SHARD_SIZE",
+                self.min_shard_bytes,
+                format!("must be between {floor} and {max_slice} bytes"),
+            ));
+        }
+        if self.total_memory < 1 << 20 {
+            return Err(Error::config(
+                "FAIRRING_TOTAL_MEMORY",
+                self.total_memory,
+                "must be at least 1 MiB",
+            ));
+        }
+        if self.timeout.is_zero() {
+            return Err(Error::config("FAIRRING_TIMEOUT", "0", "must be positive"));
+        }
+        let secret = match self.secret {
+            Some(s) => s,
+            None => derived_secret(&self.master_addr, self.master_port, &self.run_id),
+        };
+        let job_tag = job_tag(&secret, &self.run_id);
+        Ok(Config {
+            rank: self.rank,
+            world_size: self.world_size,
+            local_rank: self.local_rank,
+            local_world_size: self.local_world_size,
+            master_addr: self.master_addr,
+            master_port: self.master_port,
+            total_memory: self.total_memory,
+            slice_bytes: self.slice_bytes,
+            min_shard_bytes: self.min_shard_bytes,
+            socket_ifname: self.socket_ifname,
+            timeout: self.timeout,
+            secret,
+            job_tag,
+            algorithm: self.algorithm,
+            host_id: self.host_id,
+        })
+    }
+}
+
+fn derived_secret(addr: &str, port: u16, run_id: &str) -> JobSecret {
+    let mut h = Sha256::new();
+    h.update(b"fairring derived job secret v1\0");
+    h.update(addr.as_bytes());
+    h.update(port.to_le_bytes());
+    h.update(run_id.as_bytes());
+    JobSecret::from_bytes(h.finalize().into())
+}
+
+fn job_tag(secret: &JobSecret, run_id: &str) -> u64 {
+    let mut h = Sha256::new();
+    h.update(b"fairring job tag v1\0");
+    h.update(secret.as_bytes());
+    h.update(run_id.as_bytes());
+    let d = h.finalize();
+    u64::from_le_bytes(d[..8].try_into().unwrap_or([0; 8]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let mut m: HashMap<String, String> = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        for (k, v) in pairs {
+            m.insert(k.to_string(), v.to_string());
+        }
+        move |k| m.get(k).cloned()
+    }
+
+    fn refused(pairs: &[(&str, &str)], variable: &str) {
+        match Config::from_lookup(env(pairs)) {
+            Err(Error::Config { variable: v, .. }) => assert_eq!(v, variable, "{pairs:?}"),
+            other => panic!("{pairs:?}: expected a config error for {variable}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn torchrun_environment() {
+        let c = Config::from_lookup(env(&[
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("FAIRRING_TOTAL_MEMORY", "100M"),
+            ("FAIRRING_TIMEOUT", "30"),
+            ("FAIRRING_ALGO", "ring"),
+        ]))
+        .unwrap();
+        assert_eq!((c.rank, c.world_size), (1, 4));
+        assert_eq!(c.local_rank, Some(1));
+        assert_eq!(c.total_memory, 100 << 20);
+        assert_eq!(c.timeout, Duration::from_secs(30));
+        assert_eq!(c.algorithm, Algorithm::Ring);
+    }
+
+    #[test]
+    fn every_knob_refuses_bad_values() {
+        for var in [
+            "FAIRRING_TOTAL_MEMORY",
+            "FAIRRING_SLICE_SIZE",
+            "FAIRRING_MIN_SHARD_SIZE",
+            "FAIRRING_TIMEOUT",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+        ] {
+            for bad in ["abc", "-1", "4294967296000000000000"] {
+                refused(&[(var, bad)], var);
+            }
+        }
+        refused(&[("FAIRRING_ALGO", "tree")], "FAIRRING_ALGO");
+        refused(&[("FAIRRING_JOB_SECRET", "1234")], "FAIRRING_JOB_SECRET");
+        refused(&[("RANK", "4")], "RANK");
+        refused(&[("RANK", "abc")], "RANK");
+        refused(&[("WORLD_SIZE", "0")], "WORLD_SIZE");
+        refused(&[("MASTER_PORT", "70000")], "MASTER_PORT");
+        refused(&[("LOCAL_WORLD_SIZE", "3")], "LOCAL_WORLD_SIZE");
+        refused(
+            &[("LOCAL_WORLD_SIZE", "2"), ("LOCAL_RANK", "2")],
+            "LOCAL_RANK",
+        );
+        refused(&[("FAIRRING_TOTAL_MEMORY", "1K")], "FAIRRING_TOTAL_MEMORY");
+        refused(&[("FAIRRING_SLICE_SIZE", "2G")], "FAIRRING_SLICE_SIZE");
+        refused(&[("FAIRRING_TIMEOUT", "0")], "FAIRRING_TIMEOUT");
+        refused(&[("FAIRRING_SOCKET_IFNAME", " ")], "FAIRRING_SOCKET_IFNAME");
+    }
+
+    #[test]
+    fn missing_variables_are_named() {
+        let lookup = |k: &str| (k == "RANK").then(|| "0".to_string());
+        match Config::from_lookup(lookup) {
+            Err(Error::Config { variable, .. }) => assert_eq!(variable, "WORLD_SIZE"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_same_job_gets_the_same_tag() {
+        let a = Config::from_lookup(env(&[])).unwrap();
+        let b = Config::from_lookup(env(&[("RANK", "3")])).unwrap();
+        let c = Config::from_lookup(env(&[("MASTER_PORT", "29501")])).unwrap();
+        assert_eq!(a.job_tag, b.job_tag);
+        assert_ne!(a.job_tag, c.job_tag);
+    }
+}

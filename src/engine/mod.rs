@@ -1,0 +1,984 @@
+//! The progress engine: turns submissions, fabric completions and local-group
+//! progress into the next step of every slice in flight.
+//!
+//! # Threads and the driver
+//!
+//! All engine state lives in one [`Driver`] behind a mutex. Whoever holds it
+//! *drives*: takes new submissions, polls the fabric, starts slices whose staging
+//! buffer is free, and advances every slice as far as it can go, without ever
+//! blocking inside a step. Two kinds of threads drive:
+//!
+//! - a **progress thread** per communicator, so that operations advance while the
+//!   caller computes (overlap); when there is nothing to do it sleeps on the
+//!   fabric's completion queue or on this rank's doorbell;
+//! - a **waiting caller** (`Work::wait`), which drives itself instead of sleeping
+//!   while the driver is free: a small all-reduce then runs start to finish on the
+//!   caller's thread, with no thread hand-off.
+//!
+//! Each slice owns one staging buffer. The core's [`StagingState`] word decides,
+//! event by event, what the slice does next (see `hierarchical`); the ring keeps
+//! its own step counters (see `ring`).
+//!
+//! # Flow control
+//!
+//! A peer may write slice `s` into this rank's buffer `s % B` only once this rank
+//! has released slice `s - B` from it. Each rank tells the ranks that write into it
+//! how far they may go with a **credit** message carrying `w + B`, where `w` is the
+//! lowest slice it has not released; credits are sent only when that limit moves.
+//! Writes that arrive before their slice starts here (the peer is ahead) are
+//! counted and replayed when it starts.
+//!
+//! # Memory
+//!
+//! Nothing here allocates once a communicator is built: submissions go through a
+//! fixed queue, operations through a fixed table, deferred writes through lists
+//! sized at construction, and reductions take their sources from a fixed array.
+
+mod hierarchical;
+mod ring;
+pub(crate) mod tags;
+pub(crate) mod work;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use crossbeam_queue::ArrayQueue;
+use fairring_core::plan::{Geometry, Plan, Slice};
+use fairring_core::staging::{Actions, Event, StagingState};
+use fairring_core::topology::{Location, Topology};
+use fairring_rdma::fabric::{Completion, CompletionEvent, Fabric, RemoteRegion, WriteRequest};
+
+use crate::config::Algorithm;
+use crate::error::{Error, Result};
+use crate::local::LocalGroup;
+use tags::Kind;
+use work::{DONE, FAILED, Submission, WORK_CAPACITY, WorkTable};
+
+/// How long the progress thread spins before it sleeps.
+const SPIN: Duration = Duration::from_micros(20);
+/// Completions taken per poll.
+const POLL_BATCH: usize = 256;
+
+/// Where the parts of one staging buffer are.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BufferLayout {
+    /// Bytes of one staging buffer.
+    pub(crate) buffer_bytes: usize,
+    /// Contribution areas (hierarchical) or receive slots (ring) start here.
+    pub(crate) inbox: usize,
+    /// Bytes of one ring receive slot.
+    pub(crate) ring_slot: usize,
+}
+
+impl BufferLayout {
+    /// The layout for `geometry` over `world` ranks.
+    pub(crate) fn new(geometry: &Geometry, world: u32) -> BufferLayout {
+        let full_slice = usize::try_from(geometry.full_slice_bytes()).unwrap_or(usize::MAX);
+        let staging = geometry.staging_layout();
+        let contributions =
+            usize::try_from(staging.shard_stride() * u64::from(staging.contribution_areas()))
+                .unwrap_or(usize::MAX);
+        let n = world as usize;
+        // A ring chunk holds at most ceil(elements / N) elements of at most 8 bytes.
+        let ring_slot = (full_slice / n + 8).next_multiple_of(64);
+        let ring = ring_slot * (n - 1);
+        BufferLayout {
+            buffer_bytes: full_slice + contributions.max(ring),
+            inbox: full_slice,
+            ring_slot,
+        }
+    }
+}
+
+/// A write waiting for credit or for room in the fabric's queue.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PendingWrite {
+    pub(crate) peer: u32,
+    /// Offset in this rank's staging area (all buffers).
+    pub(crate) source: usize,
+    pub(crate) len: usize,
+    /// Offset in the peer's staging area.
+    pub(crate) target: u64,
+    pub(crate) immediate: u32,
+    pub(crate) token: u64,
+    /// The slice the peer must have credited, if the write lands in its inbox.
+    pub(crate) credit_for: Option<u64>,
+}
+
+/// One operation, as the driver tracks it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Record {
+    pub(crate) sub: Submission,
+    pub(crate) plan: Plan,
+    pub(crate) slices_done: u64,
+}
+
+/// What the slice holding a buffer is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Waiting for the local reduce-scatter.
+    ReduceScatter,
+    /// Exchanging with other machines (or walking the ring).
+    Exchange,
+    /// Waiting for the local all-gather.
+    AllGather,
+    /// All-gathered; waiting for its last sends to complete.
+    Draining,
+}
+
+/// The slice holding a buffer.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Active {
+    pub(crate) number: u64,
+    pub(crate) generation: u64,
+    pub(crate) seq: u64,
+    pub(crate) slice: Slice,
+    pub(crate) algorithm: Algorithm,
+    pub(crate) phase: Phase,
+    /// Hierarchical: next shard whose contribution is still to be posted.
+    pub(crate) next_contribution: u32,
+    /// Hierarchical: whether contributions may be posted (START_CONTRIBUTIONS seen).
+    pub(crate) contributing: bool,
+    pub(crate) ring: ring::RingProgress,
+}
+
+/// One staging buffer, as the driver tracks it.
+pub(crate) struct BufferSlot {
+    pub(crate) state: StagingState,
+    pub(crate) active: Option<Active>,
+    /// Writes that landed for the next slice before it started: contributions
+    /// (hierarchical) and ring reduce-scatter chunks.
+    pub(crate) early_contributions: u32,
+    pub(crate) early_ring: u32,
+    /// Writes waiting, in posting order.
+    pub(crate) pending: Vec<PendingWrite>,
+}
+
+/// Everything the driver mutates.
+pub(crate) struct Driver {
+    pub(crate) slots: Vec<BufferSlot>,
+    records: Vec<Option<Record>>,
+    /// Next operation to accept from the queue.
+    accepted: u64,
+    /// Operation whose slices are being started, and the next slice index in it.
+    start_seq: u64,
+    start_index: u64,
+    /// Global number of the next slice to start.
+    next_slice: u64,
+    /// Lowest slice not yet released, and the credit limit last sent.
+    released: u64,
+    credited: u64,
+    /// Per rank: slices below this may be written into it.
+    pub(crate) credit: Vec<u64>,
+    /// Per rank: the operation count it said goodbye after, if it did.
+    departed: Vec<Option<u64>>,
+    rotation: u64,
+    completions: Vec<Completion>,
+    last_progress: Instant,
+}
+
+/// The engine of one communicator.
+pub(crate) struct Engine<F: Fabric> {
+    pub(crate) fabric: F,
+    pub(crate) region: F::Region,
+    /// Per rank: its staging area, for the peers this rank writes to.
+    pub(crate) remote: Vec<Option<RemoteRegion>>,
+    pub(crate) local: Box<dyn LocalGroup>,
+    pub(crate) geometry: Geometry,
+    pub(crate) topology: Topology,
+    pub(crate) location: Location,
+    pub(crate) rank: u32,
+    pub(crate) world: u32,
+    pub(crate) buffers: u32,
+    pub(crate) layout: BufferLayout,
+    /// Ranks that write into this rank's inbox: they need credits.
+    inbound: Vec<u32>,
+    /// Every rank this rank is connected to.
+    pub(crate) linked: Vec<u32>,
+    pub(crate) works: WorkTable,
+    submissions: ArrayQueue<Submission>,
+    driver: Mutex<Driver>,
+    failed: AtomicBool,
+    first_error: Mutex<Option<Error>>,
+    pub(crate) shutdown: AtomicBool,
+    pub(crate) timeout: Duration,
+    /// Whether any operation may use the fabric (more than one rank).
+    uses_fabric: bool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Everything [`Engine::new`] needs.
+pub(crate) struct EngineParts<F: Fabric> {
+    pub(crate) fabric: F,
+    pub(crate) region: F::Region,
+    pub(crate) remote: Vec<Option<RemoteRegion>>,
+    pub(crate) local: Box<dyn LocalGroup>,
+    pub(crate) geometry: Geometry,
+    pub(crate) location: Location,
+    pub(crate) rank: u32,
+    pub(crate) buffers: u32,
+    pub(crate) layout: BufferLayout,
+    pub(crate) inbound: Vec<u32>,
+    pub(crate) linked: Vec<u32>,
+    pub(crate) timeout: Duration,
+}
+
+impl<F: Fabric> Engine<F> {
+    pub(crate) fn new(parts: EngineParts<F>) -> Engine<F> {
+        let topology = parts.geometry.topology();
+        let world = topology.world_size();
+        let most_writes = 2 * (world.max(topology.machines()) as usize) + 4;
+        let slots = (0..parts.buffers)
+            .map(|_| BufferSlot {
+                state: StagingState::new(),
+                active: None,
+                early_contributions: 0,
+                early_ring: 0,
+                pending: Vec::with_capacity(most_writes),
+            })
+            .collect();
+        let b = u64::from(parts.buffers);
+        Engine {
+            fabric: parts.fabric,
+            region: parts.region,
+            remote: parts.remote,
+            local: parts.local,
+            geometry: parts.geometry,
+            topology,
+            location: parts.location,
+            rank: parts.rank,
+            world,
+            buffers: parts.buffers,
+            layout: parts.layout,
+            inbound: parts.inbound,
+            linked: parts.linked,
+            works: WorkTable::new(),
+            submissions: ArrayQueue::new(WORK_CAPACITY),
+            driver: Mutex::new(Driver {
+                slots,
+                records: vec![None; WORK_CAPACITY],
+                accepted: 0,
+                start_seq: 0,
+                start_index: 0,
+                next_slice: 0,
+                released: 0,
+                credited: b,
+                credit: vec![b; world as usize],
+                departed: vec![None; world as usize],
+                rotation: 0,
+                completions: vec![
+                    Completion {
+                        peer: 0,
+                        event: CompletionEvent::Sent { token: 0 },
+                    };
+                    POLL_BATCH
+                ],
+                last_progress: Instant::now(),
+            }),
+            failed: AtomicBool::new(false),
+            first_error: Mutex::new(None),
+            shutdown: AtomicBool::new(false),
+            timeout: parts.timeout,
+            uses_fabric: world > 1,
+        }
+    }
+
+    /// The first error, if the engine has failed.
+    pub(crate) fn failure(&self) -> Option<Error> {
+        if !self.failed.load(Ordering::Acquire) {
+            return None;
+        }
+        lock(&self.first_error).clone()
+    }
+
+    /// Queues an operation. The caller has taken its table entry.
+    pub(crate) fn submit(&self, sub: Submission) -> Result<()> {
+        if let Some(e) = self.failure() {
+            return Err(Error::Failed { first: Box::new(e) });
+        }
+        if self.submissions.push(sub).is_err() {
+            // Cannot happen: the table bounds the operations outstanding.
+            return Err(Error::invalid(
+                "operation",
+                "too many operations outstanding",
+            ));
+        }
+        self.local.doorbell().ring();
+        Ok(())
+    }
+
+    /// Fails the engine: every pending operation fails with `error`, and nothing
+    /// touches a caller's memory afterwards.
+    pub(crate) fn fail(&self, error: Error) {
+        let mut d = lock(&self.driver);
+        self.fail_locked(&mut d, error);
+    }
+
+    fn fail_locked(&self, d: &mut Driver, error: Error) {
+        {
+            let mut first = lock(&self.first_error);
+            if first.is_none() {
+                log::error!("fairring rank {}: {error}", self.rank);
+                *first = Some(error);
+            }
+        }
+        self.failed.store(true, Ordering::Release);
+        while let Some(sub) = self.submissions.pop() {
+            self.works.finish(sub.seq, FAILED);
+        }
+        for r in d.records.iter_mut() {
+            if let Some(rec) = r.take() {
+                self.works.finish(rec.sub.seq, FAILED);
+            }
+        }
+        for s in &mut d.slots {
+            s.active = None;
+            s.pending.clear();
+        }
+        self.local.doorbell().ring();
+    }
+
+    /// Drives if the driver is free; returns whether anything moved.
+    pub(crate) fn try_drive(&self) -> bool {
+        match self.driver.try_lock() {
+            Ok(mut d) => self.drive_locked(&mut d),
+            Err(std::sync::TryLockError::Poisoned(p)) => self.drive_locked(&mut p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => false,
+        }
+    }
+
+    fn drive_locked(&self, d: &mut Driver) -> bool {
+        if self.failed.load(Ordering::Acquire) {
+            return false;
+        }
+        match self.drive(d) {
+            Ok(true) => {
+                d.last_progress = Instant::now();
+                true
+            }
+            Ok(false) => {
+                if self.in_flight(d) && d.last_progress.elapsed() > self.timeout {
+                    let what = self.describe_stall(d);
+                    self.fail_locked(d, Error::timeout(what, self.timeout));
+                } else if !self.in_flight(d) {
+                    d.last_progress = Instant::now();
+                }
+                false
+            }
+            Err(e) => {
+                self.fail_locked(d, e);
+                true
+            }
+        }
+    }
+
+    /// A linked peer that left before operation `seq`.
+    fn departed_before(&self, d: &Driver, seq: u64) -> Option<(u32, u64)> {
+        d.departed.iter().enumerate().find_map(|(p, a)| {
+            a.filter(|&after| after <= seq)
+                .map(|after| (u32::try_from(p).unwrap_or(u32::MAX), after))
+        })
+    }
+
+    fn in_flight(&self, d: &Driver) -> bool {
+        d.start_seq < d.accepted || d.slots.iter().any(|s| s.active.is_some())
+    }
+
+    fn describe_stall(&self, d: &Driver) -> String {
+        let oldest = d
+            .slots
+            .iter()
+            .filter_map(|s| s.active)
+            .min_by_key(|a| a.number);
+        match oldest {
+            Some(a) => format!(
+                "slice {} of operation {} ({}) to leave phase {:?}: no progress from the local \
+                 ranks of machine {} or from peers",
+                a.number, a.seq, a.algorithm, a.phase, self.location.machine
+            ),
+            None => format!("a staging buffer for operation {}", d.start_seq),
+        }
+    }
+
+    fn drive(&self, d: &mut Driver) -> Result<bool> {
+        let mut progressed = false;
+        while let Some(sub) = self.submissions.pop() {
+            progressed = true;
+            self.accept(d, sub)?;
+        }
+        if self.uses_fabric {
+            loop {
+                let mut batch = std::mem::take(&mut d.completions);
+                let n = self.fabric.poll(&mut batch);
+                let result = batch[..n]
+                    .iter()
+                    .try_for_each(|c| self.on_completion(d, *c));
+                d.completions = batch;
+                result?;
+                progressed |= n > 0;
+                if n < POLL_BATCH {
+                    break;
+                }
+            }
+        }
+        while self.try_start(d)? {
+            progressed = true;
+        }
+        for b in 0..self.buffers {
+            progressed |= self.advance(d, b)?;
+        }
+        Ok(progressed)
+    }
+
+    /// Handles completions the progress thread took while waiting.
+    fn handle(&self, completions: &[Completion]) {
+        let mut d = lock(&self.driver);
+        if self.failed.load(Ordering::Acquire) {
+            return;
+        }
+        let result = completions
+            .iter()
+            .try_for_each(|c| self.on_completion(&mut d, *c));
+        if let Err(e) = result {
+            self.fail_locked(&mut d, e);
+        } else {
+            d.last_progress = Instant::now();
+            self.drive_locked(&mut d);
+        }
+    }
+
+    fn accept(&self, d: &mut Driver, sub: Submission) -> Result<()> {
+        if sub.seq != d.accepted {
+            return Err(Error::invalid("operation", "submissions out of order"));
+        }
+        if let Some((peer, after)) = self.departed_before(d, sub.seq) {
+            return Err(Error::peer(
+                peer,
+                format!(
+                    "left the job after {after} operations; operation {} cannot run",
+                    sub.seq
+                ),
+            ));
+        }
+        d.accepted += 1;
+        let plan = Plan::new(&self.geometry, sub.dtype, sub.elements, d.rotation)
+            .map_err(|e| Error::invalid("tensor", e.to_string()))?;
+        if sub.algorithm == Algorithm::Hierarchical {
+            d.rotation = plan.next_rotation();
+        }
+        let idx = work::slot_of(sub.seq);
+        d.records[idx] = Some(Record {
+            sub,
+            plan,
+            slices_done: 0,
+        });
+        Ok(())
+    }
+
+    /// Starts the next slice if its buffer is free here and on this machine.
+    fn try_start(&self, d: &mut Driver) -> Result<bool> {
+        // Skip finished (empty) operations.
+        loop {
+            if d.start_seq >= d.accepted {
+                return Ok(false);
+            }
+            let idx = work::slot_of(d.start_seq);
+            let Some(rec) = d.records[idx] else {
+                d.start_seq += 1;
+                continue;
+            };
+            if rec.plan.slice_count() == 0 {
+                d.records[idx] = None;
+                self.works.finish(rec.sub.seq, DONE);
+                self.local.doorbell().ring();
+                d.start_seq += 1;
+                d.start_index = 0;
+                continue;
+            }
+            break;
+        }
+        let idx = work::slot_of(d.start_seq);
+        let Some(rec) = d.records[idx] else {
+            return Ok(false);
+        };
+        let number = d.next_slice;
+        let b = self.buffer_of(number);
+        let generation = number / u64::from(self.buffers);
+        let slot = &d.slots[b as usize];
+        if slot.active.is_some() || !self.local.buffer_free(b, number) {
+            return Ok(false);
+        }
+        let slice = rec
+            .plan
+            .slice(d.start_index)
+            .map_err(|e| Error::invalid("slice", e.to_string()))?;
+        let algorithm = rec.sub.algorithm;
+        let role = match algorithm {
+            Algorithm::Hierarchical => slice
+                .role(self.location)
+                .map_err(|e| Error::invalid("slice", e.to_string()))?,
+            Algorithm::Ring => fairring_core::staging::Role::IDLE,
+        };
+        d.slots[b as usize]
+            .state
+            .acquire(generation, role)
+            .map_err(|e| Error::invalid("staging buffer", e.to_string()))?;
+        // Stage the caller's bytes in.
+        let range = self.tensor_range(&slice);
+        let start = rec.sub.data.wrapping_add(range.start).cast_const();
+        // SAFETY: the submitting call's contract: `data` is valid for the tensor's
+        // bytes and untouched by the caller until the operation completes; `range`
+        // lies within them (the plan's slices tile the tensor).
+        let input = unsafe { std::slice::from_raw_parts(start, range.len()) };
+        self.local.stage_in(b, number, input);
+        d.slots[b as usize].active = Some(Active {
+            number,
+            generation,
+            seq: rec.sub.seq,
+            slice,
+            algorithm,
+            phase: Phase::ReduceScatter,
+            next_contribution: 0,
+            contributing: false,
+            ring: ring::RingProgress::default(),
+        });
+        d.next_slice += 1;
+        d.start_index += 1;
+        if d.start_index == rec.plan.slice_count() {
+            d.start_seq += 1;
+            d.start_index = 0;
+        }
+        match algorithm {
+            Algorithm::Hierarchical => {
+                let early = std::mem::take(&mut d.slots[b as usize].early_contributions);
+                for _ in 0..early {
+                    self.staging_event(d, b, Event::ContributionReceived)?;
+                }
+            }
+            Algorithm::Ring => {
+                let early = std::mem::take(&mut d.slots[b as usize].early_ring);
+                if let Some(a) = d.slots[b as usize].active.as_mut() {
+                    a.ring.arrived_early(early);
+                }
+                self.ring_start(d, b)?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// The staging buffer of slice `number`.
+    fn buffer_of(&self, number: u64) -> u32 {
+        #[expect(clippy::cast_possible_truncation, reason = "below the buffer count")]
+        let b = (number % u64::from(self.buffers)) as u32;
+        b
+    }
+
+    /// The slice's byte range in the caller's tensor.
+    pub(crate) fn tensor_range(&self, slice: &Slice) -> std::ops::Range<usize> {
+        let span = slice.span();
+        let start = usize::try_from(span.byte_offset()).unwrap_or(usize::MAX);
+        let end = usize::try_from(span.byte_end()).unwrap_or(usize::MAX);
+        start..end
+    }
+
+    /// The caller's bytes of the slice in buffer `b`.
+    #[expect(clippy::mut_from_ref, reason = "exclusive by the submission contract")]
+    pub(crate) fn output<'d>(&self, d: &'d Driver, b: u32) -> Option<&'d mut [u8]> {
+        let a = d.slots[b as usize].active?;
+        let rec = d.records[work::slot_of(a.seq)]?;
+        let range = self.tensor_range(&a.slice);
+        // SAFETY: as in `try_start`: the operation is pending, so its memory is
+        // valid and the caller does not touch it; only the driver (whose lock the
+        // caller holds) writes it, one slice range at a time.
+        let start = rec.sub.data.wrapping_add(range.start);
+        // SAFETY: (see above.)
+        Some(unsafe { std::slice::from_raw_parts_mut(start, range.len()) })
+    }
+
+    /// This rank's staging buffer `b`, bytes `range`.
+    #[expect(clippy::mut_from_ref, reason = "exclusive by the engine's protocol")]
+    pub(crate) fn staging(&self, b: u32, range: std::ops::Range<usize>) -> &mut [u8] {
+        assert!(
+            range.end <= self.layout.buffer_bytes,
+            "range outside the buffer"
+        );
+        // SAFETY: in bounds (asserted). The driver lock is held by the caller, and
+        // by the engine's protocol no peer writes and no local rank reads these
+        // bytes while the driver works on them (see `local` and the flow-control
+        // section above).
+        let start = self.local.staging(b).as_ptr().wrapping_add(range.start);
+        // SAFETY: (see above.)
+        unsafe { std::slice::from_raw_parts_mut(start, range.len()) }
+    }
+
+    /// Offset of buffer `b` in a rank's staging area.
+    pub(crate) fn buffer_offset(&self, b: u32) -> usize {
+        b as usize * self.local.buffer_bytes()
+    }
+
+    fn advance(&self, d: &mut Driver, b: u32) -> Result<bool> {
+        let Some(a) = d.slots[b as usize].active else {
+            return Ok(false);
+        };
+        let mut progressed = self.flush(d, b)?;
+        match a.algorithm {
+            Algorithm::Hierarchical => progressed |= self.hierarchical_advance(d, b, a)?,
+            Algorithm::Ring => progressed |= self.ring_advance(d, b)?,
+        }
+        Ok(progressed)
+    }
+
+    /// Reports `event` on buffer `b` and performs the actions it hands out.
+    pub(crate) fn staging_event(&self, d: &mut Driver, b: u32, event: Event) -> Result<()> {
+        let Some(a) = d.slots[b as usize].active else {
+            return Err(Error::invalid(
+                "staging buffer",
+                format!("{event} on an idle buffer {b}"),
+            ));
+        };
+        let actions = d.slots[b as usize]
+            .state
+            .on_event(event, a.generation)
+            .map_err(|e| Error::invalid("staging buffer", e.to_string()))?;
+        self.perform(d, b, actions)
+    }
+
+    fn perform(&self, d: &mut Driver, b: u32, actions: Actions) -> Result<()> {
+        if actions.contains(Actions::RELEASE) {
+            return self.release(d, b);
+        }
+        if actions.is_empty() {
+            return Ok(());
+        }
+        self.hierarchical_actions(d, b, actions)
+    }
+
+    /// The slice in `b` is finished: count it, free the buffer, send credits.
+    pub(crate) fn release(&self, d: &mut Driver, b: u32) -> Result<()> {
+        let Some(a) = d.slots[b as usize].active.take() else {
+            return Ok(());
+        };
+        let idx = work::slot_of(a.seq);
+        if let Some(rec) = d.records[idx].as_mut() {
+            rec.slices_done += 1;
+            if rec.slices_done == rec.plan.slice_count() {
+                d.records[idx] = None;
+                self.works.finish(a.seq, DONE);
+                self.local.doorbell().ring();
+            }
+        }
+        // Advance the release watermark and credit the writers.
+        while d.released < d.next_slice {
+            let w = d.released;
+            let held = d.slots[self.buffer_of(w) as usize]
+                .active
+                .is_some_and(|x| x.number == w);
+            if held {
+                break;
+            }
+            d.released += 1;
+        }
+        let limit = d.released + u64::from(self.buffers);
+        if limit > d.credited {
+            d.credited = limit;
+            let payload = limit.to_le_bytes();
+            for &peer in &self.inbound {
+                if d.departed[peer as usize].is_some() {
+                    continue;
+                }
+                self.fabric
+                    .send_message(
+                        peer,
+                        tags::immediate(Kind::Credit, 0, 0),
+                        &payload,
+                        tags::token(Kind::Credit, 0, 0),
+                    )
+                    .map_err(|e| Error::peer(peer, format!("sending a credit: {e}")))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Posts `w` now if nothing waits before it and the peer has room; else queues it.
+    pub(crate) fn post(&self, d: &mut Driver, b: u32, w: PendingWrite) -> Result<()> {
+        d.slots[b as usize].pending.push(w);
+        self.flush(d, b).map(drop)
+    }
+
+    /// Posts queued writes of buffer `b` in order while they can go.
+    fn flush(&self, d: &mut Driver, b: u32) -> Result<bool> {
+        let mut posted = 0;
+        let slot = &d.slots[b as usize];
+        for w in &slot.pending {
+            if let Some(s) = w.credit_for
+                && d.credit[w.peer as usize] <= s
+            {
+                break;
+            }
+            let target = self.remote[w.peer as usize]
+                .ok_or_else(|| Error::peer(w.peer, "no staging region known for this peer"))?;
+            let request = WriteRequest {
+                source: &self.region,
+                source_offset: w.source,
+                len: w.len,
+                target,
+                target_offset: w.target,
+                immediate: w.immediate,
+                token: w.token,
+            };
+            match self.fabric.write(w.peer, request) {
+                Ok(()) => posted += 1,
+                Err(fairring_rdma::fabric::FabricError::QueueFull { .. }) => break,
+                Err(e) => return Err(Error::from(e)),
+            }
+        }
+        d.slots[b as usize].pending.drain(..posted);
+        Ok(posted > 0)
+    }
+
+    fn on_completion(&self, d: &mut Driver, c: Completion) -> Result<()> {
+        match c.event {
+            CompletionEvent::Landed { len, immediate } => {
+                let (kind, b, g) = tags::parse_immediate(immediate)
+                    .filter(|&(_, b, _)| b < self.buffers)
+                    .ok_or_else(|| {
+                        Error::peer(
+                            c.peer,
+                            format!("a write with unknown immediate {immediate:#x}"),
+                        )
+                    })?;
+                self.on_landed(d, c.peer, kind, b, g, len)
+            }
+            CompletionEvent::Sent { token } => {
+                let (kind, b, g) = tags::parse_token(token)
+                    .ok_or_else(|| Error::invalid("token", format!("unknown token {token:#x}")))?;
+                if matches!(kind, Kind::Credit | Kind::Bye) {
+                    return Ok(());
+                }
+                let Some(a) = d.slots.get(b as usize).and_then(|s| s.active) else {
+                    return Err(Error::invalid(
+                        "token",
+                        format!("a send completed for idle buffer {b}"),
+                    ));
+                };
+                if a.generation != g {
+                    return Err(Error::invalid(
+                        "token",
+                        format!(
+                            "a send of generation {g} completed on buffer {b} at generation {}",
+                            a.generation
+                        ),
+                    ));
+                }
+                match kind {
+                    Kind::Contribution => self.staging_event(d, b, Event::ContributionSent),
+                    Kind::Result => self.staging_event(d, b, Event::ResultSent),
+                    _ => self.ring_sent(d, b),
+                }
+            }
+            CompletionEvent::Message(m) => {
+                let kind = tags::parse_immediate(m.immediate).map(|t| t.0);
+                let payload: Option<[u8; 8]> = m.payload().try_into().ok();
+                match (kind, payload) {
+                    (Some(Kind::Credit), Some(p)) => {
+                        let limit = u64::from_le_bytes(p);
+                        let c_ = &mut d.credit[c.peer as usize];
+                        *c_ = (*c_).max(limit);
+                        Ok(())
+                    }
+                    (Some(Kind::Bye), Some(p)) => {
+                        let after = u64::from_le_bytes(p);
+                        d.departed[c.peer as usize] = Some(after);
+                        match self.departed_before(d, d.accepted) {
+                            Some((peer, after)) if d.accepted > after => Err(Error::peer(
+                                peer,
+                                format!(
+                                    "left the job after {after} operations; this rank has issued {}",
+                                    d.accepted
+                                ),
+                            )),
+                            _ => Ok(()),
+                        }
+                    }
+                    _ => Err(Error::peer(
+                        c.peer,
+                        format!("an unknown message (immediate {:#x})", m.immediate),
+                    )),
+                }
+            }
+            CompletionEvent::SendFailed { failure, .. }
+            | CompletionEvent::PeerFailed { failure } => {
+                if d.departed[c.peer as usize].is_some() {
+                    // It said goodbye first: everything it owed this rank arrived
+                    // before its connection closed.
+                    return Ok(());
+                }
+                Err(Error::peer(c.peer, failure.to_string()))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn on_landed(
+        &self,
+        d: &mut Driver,
+        peer: u32,
+        kind: Kind,
+        b: u32,
+        g: u64,
+        len: u64,
+    ) -> Result<()> {
+        let slot = &mut d.slots[b as usize];
+        let current = slot
+            .active
+            .filter(|a| tags::same_generation(a.generation, g));
+        match (kind, current) {
+            (Kind::Contribution, Some(a)) if a.algorithm == Algorithm::Hierarchical => {
+                self.staging_event(d, b, Event::ContributionReceived)
+            }
+            (Kind::Result, Some(a)) if a.algorithm == Algorithm::Hierarchical => {
+                self.staging_event(d, b, Event::ResultReceived)
+            }
+            (Kind::RingReduce, Some(a)) if a.algorithm == Algorithm::Ring => {
+                self.ring_landed(d, b, false)
+            }
+            (Kind::RingGather, Some(a)) if a.algorithm == Algorithm::Ring => {
+                self.ring_landed(d, b, true)
+            }
+            (Kind::Contribution | Kind::RingReduce, None)
+                if slot.active.is_none()
+                    && tags::same_generation(slot.state.load().generation(), g) =>
+            {
+                if kind == Kind::Contribution {
+                    slot.early_contributions += 1;
+                } else {
+                    slot.early_ring += 1;
+                }
+                Ok(())
+            }
+            _ => Err(Error::peer(
+                peer,
+                format!(
+                    "a {kind:?} write of {len} bytes for generation {g} of buffer {b} that no slice here expects \
+                     (the ranks' operations differ, or the peer broke the protocol)"
+                ),
+            )),
+        }
+    }
+
+    /// Tells every linked peer this rank leaves after `operations` operations,
+    /// and waits (briefly) until the goodbyes are out. The progress thread must
+    /// have stopped.
+    pub(crate) fn say_goodbye(&self, operations: u64, peers: &[u32]) {
+        if self.failed.load(Ordering::Acquire) {
+            return;
+        }
+        let payload = operations.to_le_bytes();
+        let mut outstanding = 0;
+        for &p in peers {
+            let imm = tags::immediate(Kind::Bye, 0, 0);
+            if self
+                .fabric
+                .send_message(p, imm, &payload, tags::token(Kind::Bye, 0, 0))
+                .is_ok()
+            {
+                outstanding += 1;
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut batch = [Completion {
+            peer: 0,
+            event: CompletionEvent::Sent { token: 0 },
+        }; 16];
+        while outstanding > 0 && Instant::now() < deadline {
+            let n = self.fabric.wait(&mut batch, Duration::from_millis(10));
+            for c in &batch[..n] {
+                match c.event {
+                    CompletionEvent::Sent { token } | CompletionEvent::SendFailed { token, .. }
+                        if tags::parse_token(token).is_some_and(|t| t.0 == Kind::Bye) =>
+                    {
+                        outstanding -= 1;
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// The progress thread's loop.
+    pub(crate) fn run(&self) {
+        let mut batch = vec![
+            Completion {
+                peer: 0,
+                event: CompletionEvent::Sent { token: 0 },
+            };
+            POLL_BATCH
+        ];
+        let mut idle_since: Option<Instant> = None;
+        while !self.shutdown.load(Ordering::Acquire) {
+            let seen = self.local.doorbell().seen();
+            if self.try_drive() {
+                idle_since = None;
+                continue;
+            }
+            let since = *idle_since.get_or_insert_with(Instant::now);
+            if since.elapsed() < SPIN {
+                std::hint::spin_loop();
+                continue;
+            }
+            let busy = !self.failed.load(Ordering::Acquire) && {
+                let d = lock(&self.driver);
+                self.in_flight(&d)
+            };
+            if busy && self.uses_fabric {
+                let n = self.fabric.wait(&mut batch, Duration::from_micros(200));
+                if n > 0 {
+                    self.handle(&batch[..n]);
+                    idle_since = None;
+                }
+            } else {
+                let nap = if busy {
+                    Duration::from_millis(1)
+                } else {
+                    Duration::from_millis(50)
+                };
+                self.local.doorbell().sleep(seen, nap);
+            }
+        }
+    }
+
+    /// Waits for operation `seq` to finish, driving while the driver is free.
+    pub(crate) fn wait(&self, seq: u64, timeout: Option<Duration>) -> Result<bool> {
+        let start = Instant::now();
+        let mut idle_since: Option<Instant> = None;
+        loop {
+            match self.works.state(seq) {
+                Some(DONE) | None => return Ok(true),
+                Some(FAILED) => {
+                    return Err(self.failure().unwrap_or(Error::Aborted));
+                }
+                _ => {}
+            }
+            if timeout.is_some_and(|t| start.elapsed() >= t) {
+                return Ok(false);
+            }
+            let seen = self.local.doorbell().seen();
+            if self.try_drive() {
+                idle_since = None;
+                continue;
+            }
+            let since = *idle_since.get_or_insert_with(Instant::now);
+            if since.elapsed() < SPIN {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.local
+                .doorbell()
+                .sleep(seen, Duration::from_micros(200));
+        }
+    }
+}

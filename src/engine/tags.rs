@@ -1,0 +1,123 @@
+//! What the engine writes in a write's immediate and a post's token.
+//!
+//! **Immediate** (32 bits, delivered with the peer's `Landed` completion):
+//!
+//! ```text
+//! bits  0..3   kind (Kind)
+//! bits  3..15  staging buffer index (so at most 4096 buffers)
+//! bits 15..26  the slice's generation on that buffer, mod 2^11
+//! bits 26..32  zero
+//! ```
+//!
+//! Landings carry no address: the receiver knows where each kind lands from the
+//! buffer, the generation and (for the ring) the order in which one peer's
+//! writes arrive, which both providers keep.
+//!
+//! **Token** (64 bits, returned in the poster's `Sent` completion):
+//!
+//! ```text
+//! bits  0..4   kind
+//! bits  4..16  staging buffer index
+//! bits 16..64  generation (full width)
+//! ```
+
+use fairring_core::staging::GENERATION_BITS;
+
+/// Most staging buffers the encoding can name.
+pub(crate) const MAX_BUFFERS: u32 = 1 << 12;
+
+/// What a write or message is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Kind {
+    /// A hierarchical contribution to a served shard.
+    Contribution = 1,
+    /// A hierarchical reduced shard, sent back.
+    Result = 2,
+    /// A ring reduce-scatter chunk.
+    RingReduce = 3,
+    /// A ring all-gather chunk.
+    RingGather = 4,
+    /// A credit: the sender may be written up to the slice in the payload.
+    Credit = 5,
+    /// A goodbye: the sender finished the operations below the payload's count and
+    /// is closing; its connection closing next is not a failure.
+    Bye = 6,
+}
+
+impl Kind {
+    fn from_bits(bits: u32) -> Option<Kind> {
+        Some(match bits {
+            1 => Kind::Contribution,
+            2 => Kind::Result,
+            3 => Kind::RingReduce,
+            4 => Kind::RingGather,
+            5 => Kind::Credit,
+            6 => Kind::Bye,
+            _ => return None,
+        })
+    }
+}
+
+const GEN_MASK: u64 = (1 << GENERATION_BITS) - 1;
+
+/// The immediate of a write of `kind` into buffer `buffer` for `generation`.
+pub(crate) fn immediate(kind: Kind, buffer: u32, generation: u64) -> u32 {
+    debug_assert!(buffer < MAX_BUFFERS);
+    let g = (generation & GEN_MASK) as u32;
+    kind as u32 | (buffer & (MAX_BUFFERS - 1)) << 3 | g << 15
+}
+
+/// Decodes an immediate: kind, buffer, generation mod 2^11.
+pub(crate) fn parse_immediate(imm: u32) -> Option<(Kind, u32, u64)> {
+    if imm >> 26 != 0 {
+        return None;
+    }
+    let kind = Kind::from_bits(imm & 7)?;
+    Some((kind, (imm >> 3) & (MAX_BUFFERS - 1), u64::from(imm >> 15)))
+}
+
+/// The token of a post.
+pub(crate) fn token(kind: Kind, buffer: u32, generation: u64) -> u64 {
+    kind as u64 | u64::from(buffer & (MAX_BUFFERS - 1)) << 4 | generation << 16
+}
+
+/// Decodes a token: kind, buffer, generation.
+pub(crate) fn parse_token(token: u64) -> Option<(Kind, u32, u64)> {
+    let (kind, buffer) = ((token & 15) as u32, ((token >> 4) & 0xfff) as u32);
+    Some((Kind::from_bits(kind)?, buffer, token >> 16))
+}
+
+/// Whether `generation` (full width) matches one carried mod 2^11.
+pub(crate) fn same_generation(full: u64, carried: u64) -> bool {
+    full & GEN_MASK == carried
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips() {
+        for kind in [
+            Kind::Contribution,
+            Kind::Result,
+            Kind::RingReduce,
+            Kind::RingGather,
+            Kind::Credit,
+            Kind::Bye,
+        ] {
+            for buffer in [0, 1, 77, MAX_BUFFERS - 1] {
+                for generation in [0u64, 1, 2047, 2048, 123_456_789] {
+                    let (k, b, g) = parse_immediate(immediate(kind, buffer, generation)).unwrap();
+                    assert_eq!((k, b), (kind, buffer));
+                    assert!(same_generation(generation, g));
+                    let (k, b, g) = parse_token(token(kind, buffer, generation)).unwrap();
+                    assert_eq!((k, b, g), (kind, buffer, generation));
+                }
+            }
+        }
+        assert!(parse_immediate(0).is_none());
+        assert!(parse_immediate(1 << 26 | 1).is_none());
+    }
+}

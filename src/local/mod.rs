@@ -1,0 +1,310 @@
+//! The intra-machine step: the ranks of one machine reduce-scatter and all-gather a
+//! slice among themselves.
+//!
+//! [`LocalGroup`] is what the engine needs from a machine; [`ShmGroup`] implements it
+//! for processes sharing host memory, and the GPU layer implements it with NCCL.
+//! Every call is non-blocking: a `try_` call that cannot proceed yet returns
+//! `false`, and the engine retries it when a doorbell rings, so one progress thread
+//! can drive many slices at once and never waits inside a step.
+//!
+//! # The shared-memory protocol
+//!
+//! Every local rank owns `B` staging buffers in one shared segment and three
+//! monotone counters per buffer (slice number + 1):
+//!
+//! 1. **stage in**: rank `e` copies its slice into its buffer, then publishes
+//!    `InputReady` (release);
+//! 2. **reduce-scatter**: once every rank's `InputReady` covers the slice (acquire),
+//!    rank `d` reduces slot `d` of every rank's buffer into slot `d` of its own: a
+//!    reduction that reads `D` inputs and writes one, split over `D` processes, so
+//!    every core's memory bandwidth is used;
+//! 3. the slot then goes through the inter-machine step (results land in slot `d`
+//!    of rank `d`'s buffer), and rank `d` publishes `SlotFinal`;
+//! 4. **all-gather**: once every `SlotFinal` covers the slice, each rank copies the
+//!    `D` final slots into its tensor, then publishes `Done`;
+//! 5. a buffer takes slice `s` only when every rank's `Done` covers slice `s - B`:
+//!    nobody still reads what it is about to overwrite.
+//!
+//! Each rank writes only its own buffer, and only while no other rank reads the
+//! bytes it writes; the counters' release/acquire pairs order the data.
+//!
+//! # Waiting
+//!
+//! Publishing rings every other local rank's doorbell (a futex in the segment), so
+//! a progress thread with nothing to do sleeps instead of spinning: oversubscribed
+//! runs (more ranks than cores) do not starve.
+
+mod doorbell;
+pub(crate) mod segment;
+
+use std::ptr::NonNull;
+use std::time::Duration;
+
+use fairring_core::plan::Slice;
+use fairring_core::reduce::reduce_many_bytes;
+use fairring_core::{DataType, ReduceOp};
+
+pub use doorbell::Doorbell;
+use segment::{Counter, Segment};
+
+use crate::error::{Error, Result};
+
+/// Most sources one reduction call takes; more are folded in batches.
+const MAX_SOURCES: usize = 16;
+
+/// The intra-machine step as the engine drives it.
+pub trait LocalGroup: Send + Sync {
+    /// This rank's index on its machine.
+    fn local_rank(&self) -> u32;
+
+    /// Ranks on this machine.
+    fn local_size(&self) -> u32;
+
+    /// Whether staging buffer `buffer` may take slice `slice`: every local rank is
+    /// done with the slice it held before.
+    fn buffer_free(&self, buffer: u32, slice: u64) -> bool;
+
+    /// Copies `input` (the slice's bytes) into this rank's staging buffer and
+    /// announces it.
+    fn stage_in(&self, buffer: u32, slice: u64, input: &[u8]);
+
+    /// Reduces this rank's slot of the slice across the machine, once every local
+    /// rank has staged it; returns whether it did.
+    fn try_reduce_scatter(
+        &self,
+        buffer: u32,
+        number: u64,
+        slice: &Slice,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<bool>;
+
+    /// Announces that this rank's slot of the slice is final.
+    fn publish_slot(&self, buffer: u32, slice: u64);
+
+    /// Copies every final slot into `output`, once every local rank's slot is final;
+    /// returns whether it did. Announces that this rank is done with the buffer.
+    fn try_all_gather(&self, buffer: u32, number: u64, slice: &Slice, output: &mut [u8]) -> bool;
+
+    /// Announces, without an all-gather, that this rank is done with the buffer
+    /// for the slice (algorithms that do not use the local step).
+    fn finish(&self, buffer: u32, slice: u64);
+
+    /// This rank's staging buffer `buffer`.
+    fn staging(&self, buffer: u32) -> NonNull<u8>;
+
+    /// Bytes in one staging buffer.
+    fn buffer_bytes(&self) -> usize;
+
+    /// This rank's doorbell: rung whenever another local rank publishes progress.
+    fn doorbell(&self) -> &Doorbell;
+}
+
+/// The local group of processes that share host memory.
+pub struct ShmGroup {
+    segment: Segment,
+    rank: u32,
+    size: u32,
+    buffers: u32,
+}
+
+impl ShmGroup {
+    /// Attaches to the machine's segment `name` (local rank 0 creates it).
+    pub(crate) fn attach(
+        name: &str,
+        rank: u32,
+        size: u32,
+        buffers: u32,
+        buffer_bytes: usize,
+        timeout: Duration,
+    ) -> Result<ShmGroup> {
+        let segment = Segment::attach(name, rank == 0, size, buffers, buffer_bytes, timeout)?;
+        Ok(ShmGroup {
+            segment,
+            rank,
+            size,
+            buffers,
+        })
+    }
+
+    /// Removes the segment's name (local rank 0, once every local rank attached).
+    pub(crate) fn unlink(&mut self) {
+        self.segment.unlink();
+    }
+
+    /// This rank's buffers as one range, for registration with the fabric.
+    pub(crate) fn own_area(&self) -> (NonNull<u8>, usize) {
+        self.segment.rank_area(self.rank)
+    }
+
+    fn publish(&self, buffer: u32, slice: u64, which: Counter) {
+        self.segment
+            .counter(self.rank, buffer, which)
+            .store(slice + 1, std::sync::atomic::Ordering::Release);
+        for r in (0..self.size).filter(|&r| r != self.rank) {
+            self.segment.doorbell(r).ring();
+        }
+    }
+
+    fn all_reached(&self, buffer: u32, value: u64, which: Counter) -> bool {
+        (0..self.size).all(|r| {
+            self.segment
+                .counter(r, buffer, which)
+                .load(std::sync::atomic::Ordering::Acquire)
+                >= value
+        })
+    }
+
+    fn bytes(&self, rank: u32, buffer: u32, range: std::ops::Range<usize>) -> &[u8] {
+        assert!(
+            range.end <= self.segment.buffer_bytes(),
+            "range outside the buffer"
+        );
+        // SAFETY: in bounds of the buffer (asserted); by the protocol above no rank
+        // writes these bytes while the caller reads them (the caller has seen, with
+        // acquire, the counter that the owner published after its last write).
+        let start = self
+            .segment
+            .buffer(rank, buffer)
+            .as_ptr()
+            .wrapping_add(range.start);
+        // SAFETY: (see above.)
+        unsafe { std::slice::from_raw_parts(start, range.len()) }
+    }
+
+    #[expect(clippy::mut_from_ref, reason = "exclusive by the protocol, see SAFETY")]
+    fn own_bytes_mut(&self, buffer: u32, range: std::ops::Range<usize>) -> &mut [u8] {
+        assert!(
+            range.end <= self.segment.buffer_bytes(),
+            "range outside the buffer"
+        );
+        // SAFETY: in bounds (asserted). This rank's own buffer: by the protocol no
+        // other rank reads or writes these bytes until this rank publishes the
+        // counter that follows this write, and the engine's single driver holds no
+        // other reference to them.
+        let start = self
+            .segment
+            .buffer(self.rank, buffer)
+            .as_ptr()
+            .wrapping_add(range.start);
+        // SAFETY: (see above.)
+        unsafe { std::slice::from_raw_parts_mut(start, range.len()) }
+    }
+}
+
+/// The byte range of `slice`'s slot `device`, from the start of the slice.
+pub(crate) fn slot_range(slice: &Slice, device: u32) -> Result<std::ops::Range<usize>> {
+    let slot = slice
+        .slot(device)
+        .map_err(|e| Error::invalid("device", e.to_string()))?;
+    let base = slice.span().byte_offset();
+    let start = usize::try_from(slot.byte_offset() - base).unwrap_or(usize::MAX);
+    let end = usize::try_from(slot.byte_end() - base).unwrap_or(usize::MAX);
+    Ok(start..end)
+}
+
+/// `dst op= srcs[0] op srcs[1] ...`, in batches of [`MAX_SOURCES`], allocation-free.
+pub(crate) fn reduce_into<'a>(
+    dtype: DataType,
+    op: ReduceOp,
+    dst: &mut [u8],
+    srcs: &mut impl Iterator<Item = &'a [u8]>,
+) -> Result<()> {
+    let mut batch: [&[u8]; MAX_SOURCES] = [&[]; MAX_SOURCES];
+    loop {
+        let mut n = 0;
+        for s in srcs.by_ref().take(MAX_SOURCES) {
+            batch[n] = s;
+            n += 1;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        reduce_many_bytes(dtype, op, dst, &batch[..n])
+            .map_err(|e| Error::invalid("reduction", e.to_string()))?;
+    }
+}
+
+impl LocalGroup for ShmGroup {
+    fn local_rank(&self) -> u32 {
+        self.rank
+    }
+
+    fn local_size(&self) -> u32 {
+        self.size
+    }
+
+    fn buffer_free(&self, buffer: u32, slice: u64) -> bool {
+        let b = u64::from(self.buffers);
+        slice < b || self.all_reached(buffer, slice - b + 1, Counter::Done)
+    }
+
+    fn stage_in(&self, buffer: u32, slice: u64, input: &[u8]) {
+        self.own_bytes_mut(buffer, 0..input.len())
+            .copy_from_slice(input);
+        self.publish(buffer, slice, Counter::InputReady);
+    }
+
+    fn try_reduce_scatter(
+        &self,
+        buffer: u32,
+        number: u64,
+        slice: &Slice,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<bool> {
+        if self.size == 1 {
+            return Ok(true);
+        }
+        if !self.all_reached(buffer, number + 1, Counter::InputReady) {
+            return Ok(false);
+        }
+        let range = slot_range(slice, self.rank)?;
+        if range.is_empty() {
+            return Ok(true);
+        }
+        let dst = self.own_bytes_mut(buffer, range.clone());
+        let mut srcs = (0..self.size)
+            .filter(|&r| r != self.rank)
+            .map(|r| self.bytes(r, buffer, range.clone()));
+        reduce_into(dtype, op, dst, &mut srcs)?;
+        Ok(true)
+    }
+
+    fn publish_slot(&self, buffer: u32, slice: u64) {
+        self.publish(buffer, slice, Counter::SlotFinal);
+    }
+
+    fn try_all_gather(&self, buffer: u32, number: u64, slice: &Slice, output: &mut [u8]) -> bool {
+        if !self.all_reached(buffer, number + 1, Counter::SlotFinal) {
+            return false;
+        }
+        for r in 0..self.size {
+            // Slots of a valid slice never fail to resolve; skip defensively.
+            let Ok(range) = slot_range(slice, r) else {
+                continue;
+            };
+            if let Some(out) = output.get_mut(range.clone()) {
+                out.copy_from_slice(self.bytes(r, buffer, range));
+            }
+        }
+        self.publish(buffer, number, Counter::Done);
+        true
+    }
+
+    fn finish(&self, buffer: u32, slice: u64) {
+        self.publish(buffer, slice, Counter::Done);
+    }
+
+    fn staging(&self, buffer: u32) -> NonNull<u8> {
+        self.segment.buffer(self.rank, buffer)
+    }
+
+    fn buffer_bytes(&self) -> usize {
+        self.segment.buffer_bytes()
+    }
+
+    fn doorbell(&self) -> &Doorbell {
+        self.segment.doorbell(self.rank)
+    }
+}

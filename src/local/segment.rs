@@ -1,0 +1,324 @@
+//! The shared-memory segment of one machine.
+//!
+//! ```text
+//! page 0      header: magic, geometry, `ready` (set by the creator last)
+//! control     per local rank: a doorbell line, then per staging buffer three lines
+//!             holding the rank's progress counters (input ready, slot final,
+//!             all-gather done), each a u64 on its own cache line
+//! data        per local rank: B staging buffers of `buffer_bytes`, page aligned
+//! ```
+//!
+//! Local rank 0 creates the segment (`shm_open` with `O_EXCL`, named after the job
+//! tag and the machine), sizes it and sets `ready`; the others open it by name. Once
+//! every local rank has mapped it, local rank 0 unlinks the name, so the segment
+//! disappears from `/dev/shm` as soon as the job's processes exit, however they exit.
+
+use std::ffi::CString;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::doorbell::Doorbell;
+use crate::error::{Error, Result};
+
+const MAGIC: u64 = 0x6661_6972_7269_6e67; // "fairring"
+const PAGE: usize = 4096;
+const LINE: usize = 64;
+/// Counter lines per (rank, buffer).
+const COUNTERS: usize = 3;
+
+/// Which progress counter.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Counter {
+    /// Slice number + 1 whose input this rank has staged.
+    InputReady = 0,
+    /// Slice number + 1 whose slot this rank has finished.
+    SlotFinal = 1,
+    /// Slice number + 1 this rank has finished reading others' buffers for.
+    Done = 2,
+}
+
+#[repr(C)]
+struct Header {
+    magic: AtomicU64,
+    ready: AtomicU32,
+    ranks: AtomicU32,
+    buffers: AtomicU32,
+    _pad: u32,
+    buffer_bytes: AtomicU64,
+}
+
+/// A mapped segment. Unmapped on drop.
+pub(crate) struct Segment {
+    base: NonNull<u8>,
+    len: usize,
+    ranks: u32,
+    buffers: u32,
+    buffer_bytes: usize,
+    control: usize,
+    data: usize,
+    name: CString,
+    creator: bool,
+    unlinked: bool,
+}
+
+// SAFETY: the segment is plain memory; every shared word in it is an atomic, and the
+// data areas are accessed under the engine's protocol (see `local`).
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
+
+fn round_up(n: usize, to: usize) -> usize {
+    n.div_ceil(to) * to
+}
+
+impl Segment {
+    fn layout(ranks: u32, buffers: u32, buffer_bytes: usize) -> Option<(usize, usize, usize)> {
+        let control = PAGE;
+        let per_rank = LINE + buffers as usize * COUNTERS * LINE;
+        let data = round_up(control + per_rank * ranks as usize, PAGE);
+        let len = (buffers as usize)
+            .checked_mul(buffer_bytes)?
+            .checked_mul(ranks as usize)?
+            .checked_add(data)?;
+        Some((control, data, len))
+    }
+
+    /// Creates (local rank 0) or opens (the others) the segment `name`.
+    pub(crate) fn attach(
+        name: &str,
+        creator: bool,
+        ranks: u32,
+        buffers: u32,
+        buffer_bytes: usize,
+        timeout: Duration,
+    ) -> Result<Segment> {
+        let buffer_bytes = round_up(buffer_bytes, PAGE);
+        let (control, data, len) = Segment::layout(ranks, buffers, buffer_bytes)
+            .ok_or_else(|| Error::invalid("staging", "the shared segment's size overflows"))?;
+        let cname = CString::new(name)
+            .map_err(|_| Error::invalid("name", "shared-memory name contains a NUL"))?;
+        let fd = if creator {
+            create(&cname, len)?
+        } else {
+            open(&cname, len, timeout)?
+        };
+        // SAFETY: mapping a fresh range (null hint) of `len` bytes of the object `fd`
+        // refers to, which has at least `len` bytes (checked or set above).
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        // SAFETY: `fd` is ours; the mapping keeps the object alive without it.
+        unsafe { libc::close(fd) };
+        if p == libc::MAP_FAILED {
+            return Err(Error::io(
+                format!("mapping {len} bytes of shared memory {name}"),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let base = NonNull::new(p.cast::<u8>())
+            .ok_or_else(|| Error::io("mmap", std::io::Error::other("null mapping")))?;
+        let segment = Segment {
+            base,
+            len,
+            ranks,
+            buffers,
+            buffer_bytes,
+            control,
+            data,
+            name: cname,
+            creator,
+            unlinked: false,
+        };
+        let header = segment.header();
+        if creator {
+            // The object was created empty by ftruncate: everything is zero.
+            header.magic.store(MAGIC, Ordering::Relaxed);
+            header.ranks.store(ranks, Ordering::Relaxed);
+            header.buffers.store(buffers, Ordering::Relaxed);
+            header
+                .buffer_bytes
+                .store(buffer_bytes as u64, Ordering::Relaxed);
+            header.ready.store(1, Ordering::Release);
+        } else {
+            let deadline = Instant::now() + timeout;
+            while header.ready.load(Ordering::Acquire) == 0 {
+                if Instant::now() > deadline {
+                    return Err(Error::timeout(
+                        format!("local rank 0 to initialise shared memory {name}"),
+                        timeout,
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let found = (
+                header.ranks.load(Ordering::Relaxed),
+                header.buffers.load(Ordering::Relaxed),
+                header.buffer_bytes.load(Ordering::Relaxed),
+            );
+            if header.magic.load(Ordering::Relaxed) != MAGIC
+                || found != (ranks, buffers, buffer_bytes as u64)
+            {
+                return Err(Error::Topology {
+                    reason: format!(
+                        "shared memory {name} was made for {} ranks x {} buffers of {} bytes, \
+                         this rank expects {ranks} x {buffers} of {buffer_bytes}: \
+                         the local ranks disagree on their configuration",
+                        found.0, found.1, found.2
+                    ),
+                });
+            }
+        }
+        Ok(segment)
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: page 0 of the mapping holds the header: aligned, in bounds, and
+        // only accessed through atomics.
+        unsafe { &*self.base.as_ptr().cast::<Header>() }
+    }
+
+    /// Removes the name; the memory lives on until every mapping is gone.
+    pub(crate) fn unlink(&mut self) {
+        if self.creator && !self.unlinked {
+            // SAFETY: `name` is a valid C string.
+            unsafe { libc::shm_unlink(self.name.as_ptr()) };
+            self.unlinked = true;
+        }
+    }
+
+    /// Bytes of one staging buffer (rounded up to a page).
+    pub(crate) fn buffer_bytes(&self) -> usize {
+        self.buffer_bytes
+    }
+
+    /// The doorbell of local rank `rank`.
+    pub(crate) fn doorbell(&self, rank: u32) -> &Doorbell {
+        assert!(rank < self.ranks, "local rank {rank} out of range");
+        let off = self.control + rank as usize * (LINE + self.buffers as usize * COUNTERS * LINE);
+        // SAFETY: in bounds (asserted), 64-byte aligned, and only used as atomics.
+        unsafe { &*self.base.as_ptr().wrapping_add(off).cast::<Doorbell>() }
+    }
+
+    /// A progress counter of local rank `rank` for buffer `buffer`.
+    pub(crate) fn counter(&self, rank: u32, buffer: u32, which: Counter) -> &AtomicU64 {
+        assert!(
+            rank < self.ranks && buffer < self.buffers,
+            "counter out of range"
+        );
+        let off = self.control
+            + rank as usize * (LINE + self.buffers as usize * COUNTERS * LINE)
+            + LINE
+            + (buffer as usize * COUNTERS + which as usize) * LINE;
+        // SAFETY: in bounds (asserted), 64-byte aligned, only used atomically.
+        unsafe { &*self.base.as_ptr().wrapping_add(off).cast::<AtomicU64>() }
+    }
+
+    /// The first byte of staging buffer `buffer` of local rank `rank`.
+    pub(crate) fn buffer(&self, rank: u32, buffer: u32) -> NonNull<u8> {
+        assert!(
+            rank < self.ranks && buffer < self.buffers,
+            "buffer out of range"
+        );
+        let off = self.data
+            + (rank as usize * self.buffers as usize + buffer as usize) * self.buffer_bytes;
+        // SAFETY: `off` is within the mapping (the layout reserved it).
+        unsafe { self.base.add(off) }
+    }
+
+    /// The first byte of local rank `rank`'s buffers (one contiguous range of
+    /// `buffers * buffer_bytes`).
+    pub(crate) fn rank_area(&self, rank: u32) -> (NonNull<u8>, usize) {
+        (
+            self.buffer(rank, 0),
+            self.buffers as usize * self.buffer_bytes,
+        )
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        self.unlink();
+        // SAFETY: unmapping exactly the range mapped in `attach`; nothing borrowed
+        // from the segment outlives it (accessors borrow `self`).
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
+
+fn create(name: &std::ffi::CStr, len: usize) -> Result<i32> {
+    for attempt in 0..2 {
+        // SAFETY: `name` is a valid C string.
+        let fd = unsafe {
+            libc::shm_open(
+                name.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC,
+                0o600,
+            )
+        };
+        if fd >= 0 {
+            let size = libc::off_t::try_from(len)
+                .map_err(|_| Error::invalid("staging", "shared segment too large"))?;
+            // SAFETY: `fd` is a fresh shared-memory object we own.
+            if unsafe { libc::ftruncate(fd, size) } != 0 {
+                let e = std::io::Error::last_os_error();
+                // SAFETY: as above.
+                unsafe { libc::close(fd) };
+                // SAFETY: `name` is a valid C string.
+                unsafe { libc::shm_unlink(name.as_ptr()) };
+                return Err(Error::io(
+                    format!(
+                        "sizing shared memory {name:?} to {len} bytes (is /dev/shm large enough?)"
+                    ),
+                    e,
+                ));
+            }
+            return Ok(fd);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EEXIST) && attempt == 0 {
+            // A segment of a crashed run of the same job: ours now.
+            log::warn!("fairring: removing stale shared memory {name:?}");
+            // SAFETY: `name` is a valid C string.
+            unsafe { libc::shm_unlink(name.as_ptr()) };
+            continue;
+        }
+        return Err(Error::io(format!("creating shared memory {name:?}"), e));
+    }
+    Err(Error::io(
+        format!("creating shared memory {name:?}"),
+        std::io::Error::other("it keeps reappearing"),
+    ))
+}
+
+fn open(name: &std::ffi::CStr, len: usize, timeout: Duration) -> Result<i32> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        // SAFETY: `name` is a valid C string.
+        let fd = unsafe { libc::shm_open(name.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
+        if fd >= 0 {
+            // SAFETY: zeroed `stat` is a valid out-parameter.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: `fd` is open and `st` is writable.
+            let ok = unsafe { libc::fstat(fd, &raw mut st) } == 0;
+            if ok && usize::try_from(st.st_size).is_ok_and(|s| s >= len) {
+                return Ok(fd);
+            }
+            // SAFETY: `fd` is ours.
+            unsafe { libc::close(fd) };
+        }
+        if Instant::now() > deadline {
+            return Err(Error::timeout(
+                format!("local rank 0 to create shared memory {name:?}"),
+                timeout,
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}

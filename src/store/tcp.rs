@@ -1,0 +1,442 @@
+//! The default store: a server thread on rank 0, a client on every rank.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use fairring_rdma::JobSecret;
+
+use super::Store;
+use super::protocol::{self as p, Mac, Request};
+use crate::error::{Error, Result};
+
+/// How long a connection may take to prove itself.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most bytes the server keeps (keys and values together).
+const MAX_STORED_BYTES: usize = 256 << 20;
+
+struct Table {
+    map: Mutex<HashMap<String, Vec<u8>>>,
+    changed: Condvar,
+    bytes: AtomicUsize,
+}
+
+struct ServerShared {
+    secret: JobSecret,
+    job_tag: u64,
+    table: Table,
+    shutdown: AtomicBool,
+    /// Open connections by id, to be shut down when the server stops.
+    connections: Mutex<HashMap<u64, TcpStream>>,
+    max_connections: usize,
+}
+
+/// The server side: a thread that accepts admitted clients and answers them.
+/// Dropping it stops the server and closes every connection.
+pub struct TcpStoreServer {
+    address: SocketAddr,
+    shared: Arc<ServerShared>,
+    acceptor: Option<JoinHandle<()>>,
+    workers: Arc<Mutex<Vec<JoinHandle<()>>>>,
+}
+
+impl TcpStoreServer {
+    /// Listens on `address` for the job of `secret` and `job_tag`, serving at most
+    /// `max_connections` clients at once.
+    pub fn bind(
+        address: SocketAddr,
+        secret: JobSecret,
+        job_tag: u64,
+        max_connections: usize,
+    ) -> Result<TcpStoreServer> {
+        let listener = TcpListener::bind(address)
+            .map_err(|e| Error::io(format!("binding the rendezvous store to {address}"), e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("configuring the store listener", e))?;
+        let address = listener
+            .local_addr()
+            .map_err(|e| Error::io("reading the store's address", e))?;
+        let shared = Arc::new(ServerShared {
+            secret,
+            job_tag,
+            table: Table {
+                map: Mutex::new(HashMap::new()),
+                changed: Condvar::new(),
+                bytes: AtomicUsize::new(0),
+            },
+            shutdown: AtomicBool::new(false),
+            connections: Mutex::new(HashMap::new()),
+            max_connections,
+        });
+        let workers = Arc::new(Mutex::new(Vec::new()));
+        let acceptor = {
+            let shared = Arc::clone(&shared);
+            let workers = Arc::clone(&workers);
+            std::thread::Builder::new()
+                .name("fairring-store".into())
+                .spawn(move || accept_loop(&listener, &shared, &workers))
+                .map_err(|e| Error::io("starting the store thread", e))?
+        };
+        Ok(TcpStoreServer {
+            address,
+            shared,
+            acceptor: Some(acceptor),
+            workers,
+        })
+    }
+
+    /// The address the server listens on.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+}
+
+impl Drop for TcpStoreServer {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        self.shared.table.changed.notify_all();
+        if let Some(t) = self.acceptor.take() {
+            let _ = t.join();
+        }
+        for (_, c) in lock(&self.shared.connections).drain() {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+        self.shared.table.changed.notify_all();
+        for t in lock(&self.workers).drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn accept_loop(
+    listener: &TcpListener,
+    shared: &Arc<ServerShared>,
+    workers: &Arc<Mutex<Vec<JoinHandle<()>>>>,
+) {
+    let mut next_id = 0u64;
+    while !shared.shutdown.load(Ordering::Acquire) {
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                let mut conns = lock(&shared.connections);
+                if conns.len() >= shared.max_connections {
+                    log::warn!(
+                        "fairring store: refused {peer}: {} connections already open",
+                        conns.len()
+                    );
+                    continue;
+                }
+                let Ok(clone) = stream.try_clone() else {
+                    continue;
+                };
+                let id = next_id;
+                next_id += 1;
+                conns.insert(id, clone);
+                drop(conns);
+                let shared = Arc::clone(shared);
+                let spawned = std::thread::Builder::new()
+                    .name("fairring-store-conn".into())
+                    .spawn(move || {
+                        if let Err(e) = serve(stream, &shared)
+                            && !shared.shutdown.load(Ordering::Acquire)
+                            && e.kind() != io::ErrorKind::UnexpectedEof
+                        {
+                            log::warn!("fairring store: connection from {peer} closed: {e}");
+                        }
+                        lock(&shared.connections).remove(&id);
+                    });
+                if let Ok(t) = spawned {
+                    let mut w = lock(workers);
+                    w.retain(|t| !t.is_finished());
+                    w.push(t);
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => {
+                log::warn!("fairring store: accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+fn admit(stream: &mut TcpStream, shared: &ServerShared) -> io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    let mut hello = [0; 5 + p::NONCE_LEN];
+    stream.read_exact(&mut hello)?;
+    if &hello[..4] != p::MAGIC || hello[4] != p::VERSION {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "not a fairring store client (bad magic or version)",
+        ));
+    }
+    let cn = &hello[5..];
+    let mut sn = [0; p::NONCE_LEN];
+    getrandom::fill(&mut sn).map_err(io::Error::other)?;
+    let secret = shared.secret.as_bytes();
+    let mine = p::proof(secret, b"server", shared.job_tag, cn, &sn)
+        .finalize()
+        .into_bytes();
+    let mut reply = Vec::with_capacity(p::NONCE_LEN + p::PROOF_LEN);
+    reply.extend_from_slice(&sn);
+    reply.extend_from_slice(&mine);
+    stream.write_all(&reply)?;
+    let mut theirs = [0; p::PROOF_LEN];
+    stream.read_exact(&mut theirs)?;
+    p::proof(secret, b"client", shared.job_tag, cn, &sn)
+        .verify_slice(&theirs)
+        .map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "client failed the job-secret proof",
+            )
+        })?;
+    stream.write_all(&[p::STATUS_OK])?;
+    stream.set_read_timeout(None)?;
+    stream.set_write_timeout(None)?;
+    Ok(())
+}
+
+fn serve(mut stream: TcpStream, shared: &ServerShared) -> io::Result<()> {
+    if let Err(e) = admit(&mut stream, shared) {
+        log::warn!("fairring store: refused {:?}: {e}", stream.peer_addr().ok());
+        return Ok(());
+    }
+    let _ = stream.set_nodelay(true);
+    let table = &shared.table;
+    loop {
+        let request = p::read_request(&mut stream)?;
+        let mut out = Vec::new();
+        match request {
+            Request::Set { key, value } => {
+                let add = key.len() + value.len();
+                if table.bytes.fetch_add(add, Ordering::AcqRel) + add > MAX_STORED_BYTES {
+                    table.bytes.fetch_sub(add, Ordering::AcqRel);
+                    return Err(io::Error::other("the store is full"));
+                }
+                let mut map = lock(&table.map);
+                if let Some(old) = map.insert(key.clone(), value) {
+                    table
+                        .bytes
+                        .fetch_sub(key.len() + old.len(), Ordering::AcqRel);
+                }
+                drop(map);
+                table.changed.notify_all();
+                out.push(p::STATUS_OK);
+            }
+            Request::Get { key, timeout_ms } => {
+                let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
+                let mut map = lock(&table.map);
+                loop {
+                    if let Some(v) = map.get(&key) {
+                        out.push(p::STATUS_OK);
+                        p::put_bytes(&mut out, v);
+                        break;
+                    }
+                    let now = Instant::now();
+                    if now >= deadline || shared.shutdown.load(Ordering::Acquire) {
+                        out.push(p::STATUS_TIMEOUT);
+                        break;
+                    }
+                    let step = (deadline - now).min(Duration::from_millis(100));
+                    map = table
+                        .changed
+                        .wait_timeout(map, step)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0;
+                }
+            }
+            Request::Check { key } => {
+                let present = lock(&table.map).contains_key(&key);
+                out.push(p::STATUS_OK);
+                out.push(u8::from(present));
+            }
+        }
+        stream.write_all(&out)?;
+    }
+}
+
+/// A client of a [`TcpStoreServer`].
+pub struct TcpStore {
+    address: SocketAddr,
+    stream: Mutex<TcpStream>,
+}
+
+impl TcpStore {
+    /// Connects to the server at `host:port`, retrying until `timeout` while it is
+    /// not up yet, and proves knowledge of the job secret.
+    pub fn connect(
+        host: &str,
+        port: u16,
+        secret: &JobSecret,
+        job_tag: u64,
+        timeout: Duration,
+    ) -> Result<TcpStore> {
+        let deadline = Instant::now() + timeout;
+        let address = resolve(host, port)?;
+        let mut last: Option<io::Error> = None;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let reason = last.map_or("no attempt".to_string(), |e| e.to_string());
+                return Err(Error::timeout(
+                    format!("the rendezvous store at {address} (last error: {reason})"),
+                    timeout,
+                ));
+            }
+            match TcpStream::connect_timeout(&address, left.min(Duration::from_secs(2))) {
+                Ok(mut stream) => {
+                    return match handshake(&mut stream, secret, job_tag) {
+                        Ok(()) => {
+                            let _ = stream.set_nodelay(true);
+                            Ok(TcpStore {
+                                address,
+                                stream: Mutex::new(stream),
+                            })
+                        }
+                        Err(e) => Err(Error::store(
+                            "admission",
+                            format!("the store at {address} did not admit this rank: {e}"),
+                        )),
+                    };
+                }
+                Err(e) => {
+                    last = Some(e);
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+    }
+
+    /// The server's address.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    fn call(
+        &self,
+        op: u8,
+        key: &str,
+        value: Option<&[u8]>,
+        timeout: Option<Duration>,
+    ) -> Result<(u8, Vec<u8>)> {
+        if key.len() > super::MAX_KEY_LEN {
+            return Err(Error::invalid(
+                "key",
+                format!(
+                    "{} bytes is over the {}-byte limit",
+                    key.len(),
+                    super::MAX_KEY_LEN
+                ),
+            ));
+        }
+        if let Some(v) = value
+            && v.len() > super::MAX_VALUE_LEN
+        {
+            return Err(Error::invalid(
+                "value",
+                format!(
+                    "{} bytes is over the {}-byte limit",
+                    v.len(),
+                    super::MAX_VALUE_LEN
+                ),
+            ));
+        }
+        let timeout_ms = timeout.map(|t| u32::try_from(t.as_millis()).unwrap_or(u32::MAX));
+        let mut stream = lock(&self.stream);
+        let failed =
+            |e: io::Error| Error::store("request", format!("the store at {}: {e}", self.address));
+        p::write_request(&mut *stream, op, key, value, timeout_ms).map_err(failed)?;
+        let status = p::read_u8(&mut *stream).map_err(failed)?;
+        let body = match (op, status) {
+            (p::OP_GET, p::STATUS_OK) => {
+                p::read_bounded(&mut *stream, super::MAX_VALUE_LEN, "value").map_err(failed)?
+            }
+            (p::OP_CHECK, p::STATUS_OK) => vec![p::read_u8(&mut *stream).map_err(failed)?],
+            _ => Vec::new(),
+        };
+        Ok((status, body))
+    }
+}
+
+fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| Error::config("MASTER_ADDR", host, format!("cannot be resolved: {e}")))?
+        .next()
+        .ok_or_else(|| Error::config("MASTER_ADDR", host, "resolves to no address"))
+}
+
+pub(crate) fn resolve_master(host: &str, port: u16) -> Result<SocketAddr> {
+    resolve(host, port)
+}
+
+fn handshake(stream: &mut TcpStream, secret: &JobSecret, job_tag: u64) -> io::Result<()> {
+    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    let mut cn = [0; p::NONCE_LEN];
+    getrandom::fill(&mut cn).map_err(io::Error::other)?;
+    let mut hello = Vec::with_capacity(5 + p::NONCE_LEN);
+    hello.extend_from_slice(p::MAGIC);
+    hello.push(p::VERSION);
+    hello.extend_from_slice(&cn);
+    stream.write_all(&hello)?;
+    let mut reply = [0; p::NONCE_LEN + p::PROOF_LEN];
+    stream.read_exact(&mut reply)?;
+    let (sn, theirs) = reply.split_at(p::NONCE_LEN);
+    p::proof(secret.as_bytes(), b"server", job_tag, &cn, sn)
+        .verify_slice(theirs)
+        .map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "the server failed the job-secret proof (another job, or another secret)",
+            )
+        })?;
+    let mine = p::proof(secret.as_bytes(), b"client", job_tag, &cn, sn)
+        .finalize()
+        .into_bytes();
+    stream.write_all(&mine)?;
+    if p::read_u8(stream)? != p::STATUS_OK {
+        return Err(io::Error::new(io::ErrorKind::PermissionDenied, "refused"));
+    }
+    stream.set_read_timeout(None)?;
+    stream.set_write_timeout(None)?;
+    Ok(())
+}
+
+impl Store for TcpStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.call(p::OP_SET, key, Some(value), None).map(drop)
+    }
+
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let (status, body) = self.call(p::OP_GET, key, None, Some(timeout))?;
+        if status == p::STATUS_OK {
+            Ok(body)
+        } else {
+            Err(Error::timeout(format!("rendezvous key {key}"), timeout))
+        }
+    }
+
+    fn check(&self, keys: &[&str]) -> Result<bool> {
+        for k in keys {
+            let (_, body) = self.call(p::OP_CHECK, k, None, None)?;
+            if body.first() != Some(&1) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}

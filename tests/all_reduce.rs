@@ -1,0 +1,139 @@
+//! All-reduce across simulated machines in one process: exact results for every
+//! layout, algorithm, size class and operator.
+#![expect(clippy::cast_possible_truncation, reason = "test values are small")]
+
+mod common;
+
+use common::job;
+use fairring::{Algorithm, ReduceOp};
+
+/// The value rank `r` holds at element `i` of operation `op_index`: small integers,
+/// so that f32 sums are exact in any order.
+fn input(rank: u32, op_index: usize, i: usize) -> f32 {
+    ((rank as usize * 7 + op_index * 13 + i * 3) % 61) as f32 - 30.0
+}
+
+fn sizes() -> Vec<usize> {
+    // Empty, tiny, not a multiple of anything, several slices (slices are 64 KiB).
+    vec![0, 1, 3, 17, 1000, 16_411, 100_003, 250_000]
+}
+
+fn check_layout(m: u32, d: u32, algorithm: Algorithm) {
+    let world = m * d;
+    let results = job(
+        m,
+        d,
+        |b| {
+            b.slice_bytes(64 << 10)
+                .min_shard_bytes(4 << 10)
+                .total_memory(1 << 20)
+                .algorithm(algorithm)
+        },
+        |rank, comm| {
+            let sizes = sizes();
+            let mut bufs: Vec<Vec<f32>> = sizes
+                .iter()
+                .enumerate()
+                .map(|(k, &n)| (0..n).map(|i| input(rank, k, i)).collect())
+                .collect();
+            // All in flight at once.
+            comm.scope(|s| {
+                let works: Vec<_> = bufs
+                    .iter_mut()
+                    .map(|b| s.all_reduce(b, ReduceOp::Sum).expect("start"))
+                    .collect();
+                for w in works {
+                    w.wait().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                }
+            });
+            bufs
+        },
+    );
+    for (rank, bufs) in results.iter().enumerate() {
+        for (k, buf) in bufs.iter().enumerate() {
+            let wrong = buf
+                .iter()
+                .enumerate()
+                .filter(|&(i, &v)| v != (0..world).map(|r| input(r, k, i)).sum::<f32>())
+                .count();
+            assert_eq!(
+                wrong,
+                0,
+                "{m}x{d} {algorithm}: rank {rank}, tensor {k} ({} elements): {wrong} wrong",
+                buf.len()
+            );
+        }
+    }
+}
+
+#[test]
+fn hierarchical_every_layout() {
+    for (m, d) in [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (1, 3), (3, 2)] {
+        check_layout(m, d, Algorithm::Hierarchical);
+    }
+}
+
+#[test]
+fn ring_every_layout() {
+    for (m, d) in [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (1, 3)] {
+        check_layout(m, d, Algorithm::Ring);
+    }
+}
+
+#[test]
+fn every_operator_and_type() {
+    let (m, d) = (2, 2);
+    let world = m * d;
+    job(
+        m,
+        d,
+        |b| {
+            b.slice_bytes(64 << 10)
+                .min_shard_bytes(4 << 10)
+                .total_memory(1 << 20)
+        },
+        |rank, comm| {
+            for algorithm in Algorithm::ALL {
+                let n = 40_003;
+                let mut ints: Vec<i64> = (0..n).map(|i| i as i64 * (i64::from(rank) + 1)).collect();
+                comm.scope(|s| {
+                    s.all_reduce_with(&mut ints, ReduceOp::Max, algorithm)
+                        .unwrap()
+                        .wait()
+                })
+                .unwrap();
+                assert!(
+                    ints.iter()
+                        .enumerate()
+                        .all(|(i, &v)| v == i as i64 * i64::from(world)),
+                    "{algorithm} max"
+                );
+
+                let mut avg: Vec<f64> = (0..n).map(|i| f64::from(rank) + i as f64).collect();
+                comm.scope(|s| {
+                    s.all_reduce_with(&mut avg, ReduceOp::Avg, algorithm)
+                        .unwrap()
+                        .wait()
+                })
+                .unwrap();
+                let mean = f64::from(world - 1) / 2.0;
+                assert!(
+                    avg.iter().enumerate().all(|(i, &v)| v == mean + i as f64),
+                    "{algorithm} avg"
+                );
+
+                let mut bytes: Vec<u8> = (0..n).map(|i| (i % 200) as u8 + rank as u8).collect();
+                comm.scope(|s| {
+                    s.all_reduce_with(&mut bytes, ReduceOp::Min, algorithm)
+                        .unwrap()
+                        .wait()
+                })
+                .unwrap();
+                assert!(
+                    bytes.iter().enumerate().all(|(i, &v)| v == (i % 200) as u8),
+                    "{algorithm} min"
+                );
+            }
+        },
+    );
+}

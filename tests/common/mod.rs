@@ -1,0 +1,65 @@
+//! Helpers: a job of `machines x devices` ranks as threads of this process, each
+//! with its own communicator (machines simulated through host identities).
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::net::TcpListener;
+use std::time::Duration;
+
+use fairring::{Communicator, Config, ConfigBuilder};
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Runs `body(rank, &comm)` on every rank of an `m x d` job, with `tune` applied
+/// to each rank's configuration; returns each rank's result in rank order.
+pub fn job<R: Send>(
+    m: u32,
+    d: u32,
+    tune: impl Fn(ConfigBuilder) -> ConfigBuilder + Sync,
+    body: impl Fn(u32, &Communicator) -> R + Sync,
+) -> Vec<R> {
+    let port = free_port();
+    let world = m * d;
+    let run_id = format!("test-{port}-{}", std::process::id());
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let tune = &tune;
+                let body = &body;
+                let run_id = run_id.clone();
+                s.spawn(move || {
+                    let b = Config::builder(rank, world, "127.0.0.1", port)
+                        .host_id(format!("machine-{}", rank / d))
+                        .run_id(run_id)
+                        .timeout(Duration::from_secs(30));
+                    let config = tune(b).build().expect("config");
+                    let comm =
+                        Communicator::new(config).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                    body(rank, &comm)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank panicked"))
+            .collect()
+    })
+}
+
+/// A small deterministic generator.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
