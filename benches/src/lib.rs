@@ -5,4 +5,4 @@
 //! - `benches/reduce.rs`: host reduction kernels against a `copy_from_slice` of the
 //!   same bytes, the memory-bandwidth bound.
 //!
-//! Run one with `cargo bench -p fairring-benches --bench reduce`.
+//! Run one with `cargo bench -p fairring-bench --bench reduce`.

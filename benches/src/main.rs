@@ -1,0 +1,521 @@
+//! `fairring-bench`: an nccl-tests-style all-reduce benchmark.
+//!
+//! ```text
+//! fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F]
+//!                [--iters N] [--warmup N] [--algo hierarchical|ring|all]
+//!                [--dtype f32|f64|f16|bf16|i32|i64|u8|i8] [--op sum|prod|min|max|avg]
+//!                [--check|--no-check] [--parallel N] [--json PATH]
+//! ```
+//!
+//! With `--local MxD` (the default, `2x2`, when no torchrun environment is set) it
+//! launches `M*D` copies of itself on this host as `M` simulated machines of `D`
+//! ranks; with a torchrun environment and no `--local` it joins that job. Rank 0
+//! prints one row per size and algorithm:
+//!
+//! - `time`: median over iterations of the slowest rank's time for one iteration
+//!   (one iteration is `--parallel` all-reduces in flight at once);
+//! - `algbw` = bytes x parallel / time; `busbw` = algbw x 2(n-1)/n (nccl-tests);
+//! - `#wrong`: elements that differ from the exactly known result, summed over
+//!   ranks (inputs are small integers, so every order of summation is exact).
+//!
+//! The launcher exits non-zero if any rank fails (with that rank's error) or any
+//! element is wrong.
+
+use std::io::Write;
+use std::process::{Child, Command, ExitCode};
+use std::time::{Duration, Instant};
+
+use fairring::core::reduce::Element;
+use fairring::{Algorithm, Communicator, DataType, ReduceOp};
+use half::{bf16, f16};
+
+const CHILD_VAR: &str = "FAIRRING_BENCH_CHILD";
+
+#[derive(Clone, Debug)]
+struct Options {
+    local: Option<(u32, u32)>,
+    min_bytes: u64,
+    max_bytes: u64,
+    factor: u64,
+    iters: usize,
+    warmup: usize,
+    algorithms: Vec<Algorithm>,
+    dtype: DataType,
+    op: ReduceOp,
+    check: bool,
+    parallel: usize,
+    json: Option<String>,
+}
+
+fn usage(error: &str) -> ! {
+    eprintln!("fairring-bench: {error}");
+    eprintln!(
+        "usage: fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F] \
+         [--iters N] [--warmup N] [--algo hierarchical|ring|all] [--dtype T] [--op OP] \
+         [--check|--no-check] [--parallel N] [--json PATH]"
+    );
+    std::process::exit(2)
+}
+
+fn bytes(text: &str, flag: &str) -> u64 {
+    let t = text.trim();
+    let digits = t.bytes().take_while(u8::is_ascii_digit).count();
+    let (n, suffix) = t.split_at(digits);
+    let shift = match suffix.to_ascii_lowercase().as_str() {
+        "" => 0,
+        "k" | "kib" => 10,
+        "m" | "mib" => 20,
+        "g" | "gib" => 30,
+        _ => usage(&format!(
+            "{flag}: expected a byte count like 4096, 64K or 256M, got {text:?}"
+        )),
+    };
+    n.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1 << shift))
+        .unwrap_or_else(|| usage(&format!("{flag}: expected a byte count, got {text:?}")))
+}
+
+fn number<T: std::str::FromStr>(text: &str, flag: &str) -> T {
+    text.parse()
+        .unwrap_or_else(|_| usage(&format!("{flag}: expected a number, got {text:?}")))
+}
+
+fn parse(args: &[String]) -> Options {
+    let mut o = Options {
+        local: None,
+        min_bytes: 4 << 10,
+        max_bytes: 64 << 20,
+        factor: 4,
+        iters: 20,
+        warmup: 5,
+        algorithms: vec![Algorithm::Hierarchical],
+        dtype: DataType::F32,
+        op: ReduceOp::Sum,
+        check: true,
+        parallel: 1,
+        json: None,
+    };
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .cloned()
+                .unwrap_or_else(|| usage(&format!("{flag} needs a value")))
+        };
+        match flag.as_str() {
+            "--local" => {
+                let v = value();
+                let (m, d) = v
+                    .split_once('x')
+                    .unwrap_or_else(|| usage(&format!("--local: expected MxD, got {v:?}")));
+                let (m, d): (u32, u32) = (number(m, "--local"), number(d, "--local"));
+                if m == 0 || d == 0 || m * d > 256 {
+                    usage("--local: M and D must be positive, M*D at most 256");
+                }
+                o.local = Some((m, d));
+            }
+            "--min-bytes" => o.min_bytes = bytes(&value(), flag),
+            "--max-bytes" => o.max_bytes = bytes(&value(), flag),
+            "--factor" => o.factor = number(&value(), flag),
+            "--iters" => o.iters = number(&value(), flag),
+            "--warmup" => o.warmup = number(&value(), flag),
+            "--algo" => {
+                let v = value();
+                o.algorithms = match v.as_str() {
+                    "all" => Algorithm::ALL.to_vec(),
+                    other => vec![
+                        other
+                            .parse()
+                            .unwrap_or_else(|e| usage(&format!("--algo: {e}"))),
+                    ],
+                }
+            }
+            "--dtype" => {
+                let v = value();
+                o.dtype = DataType::ALL
+                    .iter()
+                    .copied()
+                    .find(|d| d.name() == v)
+                    .unwrap_or_else(|| usage(&format!("--dtype: unknown type {v:?}")));
+            }
+            "--op" => {
+                let v = value();
+                o.op = match v.as_str() {
+                    "sum" => ReduceOp::Sum,
+                    "prod" | "product" => ReduceOp::Product,
+                    "min" => ReduceOp::Min,
+                    "max" => ReduceOp::Max,
+                    "avg" => ReduceOp::Avg,
+                    _ => usage(&format!("--op: unknown operator {v:?}")),
+                }
+            }
+            "--check" => o.check = true,
+            "--no-check" => o.check = false,
+            "--parallel" => o.parallel = number(&value(), flag),
+            "--json" => o.json = Some(value()),
+            "-h" | "--help" => usage("help"),
+            other => usage(&format!("unknown option {other:?}")),
+        }
+    }
+    if o.factor < 2 {
+        usage("--factor must be at least 2");
+    }
+    if o.iters == 0 || o.parallel == 0 {
+        usage("--iters and --parallel must be positive");
+    }
+    if o.min_bytes > o.max_bytes {
+        usage("--min-bytes is above --max-bytes");
+    }
+    if !o.op.supports(o.dtype) {
+        usage(&format!("--op {} is not defined on {}", o.op, o.dtype));
+    }
+    o
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let options = parse(&args);
+    if std::env::var_os(CHILD_VAR).is_some() {
+        return worker(&options);
+    }
+    match options.local {
+        Some(layout) => launch(layout, &args),
+        None if std::env::var_os("RANK").is_some() => worker(&options),
+        None => launch((2, 2), &args),
+    }
+}
+
+/// Starts `m*d` ranks of this program on this host and waits for them.
+fn launch((m, d): (u32, u32), args: &[String]) -> ExitCode {
+    let exe =
+        std::env::current_exe().unwrap_or_else(|e| usage(&format!("cannot find myself: {e}")));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| usage(&format!("no free port: {e}")));
+    let mut secret = [0u8; 32];
+    if let Err(e) = getrandom::fill(&mut secret) {
+        usage(&format!("no random source: {e}"));
+    }
+    let secret: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+    let world = m * d;
+    let mut children: Vec<(u32, Child)> = Vec::new();
+    for rank in 0..world {
+        let spawned = Command::new(&exe)
+            .args(args)
+            .env(CHILD_VAR, "1")
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", (rank % d).to_string())
+            .env("LOCAL_WORLD_SIZE", d.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env(
+                "FAIRRING_HOST_ID",
+                format!("fairring-bench-machine-{}", rank / d),
+            )
+            .env("FAIRRING_JOB_SECRET", &secret)
+            .spawn();
+        match spawned {
+            Ok(c) => children.push((rank, c)),
+            Err(e) => {
+                eprintln!("fairring-bench: starting rank {rank}: {e}");
+                kill_all(&mut children);
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let mut result = ExitCode::SUCCESS;
+    let mut pending: Vec<(u32, Child)> = children;
+    while !pending.is_empty() {
+        let mut still = Vec::new();
+        for (rank, mut c) in pending {
+            match c.try_wait() {
+                Ok(Some(status)) if status.success() => {}
+                Ok(Some(status)) => {
+                    eprintln!("fairring-bench: rank {rank} failed ({status})");
+                    result = ExitCode::FAILURE;
+                }
+                Ok(None) => still.push((rank, c)),
+                Err(e) => {
+                    eprintln!("fairring-bench: waiting for rank {rank}: {e}");
+                    result = ExitCode::FAILURE;
+                }
+            }
+        }
+        pending = still;
+        if result != ExitCode::SUCCESS {
+            // The other ranks would only wait for the failed one until their timeout.
+            kill_all(&mut pending);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    result
+}
+
+fn kill_all(children: &mut Vec<(u32, Child)>) {
+    for (_, c) in children.iter_mut() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    children.clear();
+}
+
+fn worker(options: &Options) -> ExitCode {
+    let rank = std::env::var("RANK").unwrap_or_default();
+    match run(options) {
+        Ok(0) => ExitCode::SUCCESS,
+        Ok(wrong) => {
+            if rank == "0" {
+                eprintln!("fairring-bench: {wrong} wrong elements");
+            }
+            ExitCode::from(3)
+        }
+        Err(e) => {
+            eprintln!("fairring-bench: rank {rank}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// One row of the table.
+struct Row {
+    bytes: u64,
+    count: u64,
+    algorithm: Algorithm,
+    time_us: f64,
+    algbw: f64,
+    busbw: f64,
+    wrong: u64,
+}
+
+fn run(o: &Options) -> fairring::Result<u64> {
+    let comm = Communicator::from_env()?;
+    macro_rules! dispatch {
+        ($($variant:ident => $t:ty),*) => {
+            match o.dtype {
+                $(DataType::$variant => sweep::<$t>(&comm, o),)*
+            }
+        };
+    }
+    dispatch!(F32 => f32, F64 => f64, F16 => f16, BF16 => bf16, I32 => i32, I64 => i64, U8 => u8, I8 => i8)
+}
+
+/// Element types the benchmark can fill and check.
+trait Value: Element + Copy + PartialEq + Default + Send {
+    fn from_small(v: i64) -> Self;
+}
+
+macro_rules! value_int {
+    ($($t:ty),*) => {$(
+        impl Value for $t {
+            #[allow(clippy::cast_possible_truncation, reason = "wrapping, as the reduction")]
+            fn from_small(v: i64) -> Self { v as $t }
+        }
+    )*};
+}
+value_int!(i32, i64, u8, i8);
+
+impl Value for f32 {
+    #[expect(clippy::cast_precision_loss, reason = "small integers are exact")]
+    fn from_small(v: i64) -> Self {
+        v as f32
+    }
+}
+impl Value for f64 {
+    #[expect(clippy::cast_precision_loss, reason = "small integers are exact")]
+    fn from_small(v: i64) -> Self {
+        v as f64
+    }
+}
+impl Value for f16 {
+    fn from_small(v: i64) -> Self {
+        f16::from_f64(i32::try_from(v).map_or(f64::NAN, f64::from))
+    }
+}
+impl Value for bf16 {
+    fn from_small(v: i64) -> Self {
+        bf16::from_f64(i32::try_from(v).map_or(f64::NAN, f64::from))
+    }
+}
+
+/// Rank `rank`'s input at element `i`: 1..=4, so sums over 256 ranks stay exact
+/// in every type but u8/i8 (which wrap identically on every side).
+fn input(op: ReduceOp, rank: u32, i: u64) -> i64 {
+    let v = (u64::from(rank) * 7 + i * 3) % 4;
+    #[expect(clippy::cast_possible_wrap, reason = "below 4")]
+    let v = v as i64;
+    if op == ReduceOp::Product {
+        1 + v % 2
+    } else {
+        1 + v
+    }
+}
+
+fn expected(op: ReduceOp, world: u32, i: u64) -> i64 {
+    let vals = (0..world).map(|r| input(op, r, i));
+    match op {
+        ReduceOp::Sum => vals.sum(),
+        ReduceOp::Avg => vals.sum::<i64>() / i64::from(world),
+        ReduceOp::Product => vals.fold(1i64, i64::wrapping_mul),
+        ReduceOp::Min => vals.min().unwrap_or(0),
+        ReduceOp::Max => vals.max().unwrap_or(0),
+    }
+}
+
+fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
+    let rank = comm.rank();
+    let world = comm.world_size();
+    let esize = T::DTYPE.size_bytes();
+    let mut bufs: Vec<Vec<T>> = (0..o.parallel)
+        .map(|_| vec![T::default(); usize::try_from(o.max_bytes / esize).unwrap_or(0)])
+        .collect();
+    let mut rows = Vec::new();
+    let mut total_wrong = 0u64;
+    if rank == 0 {
+        let t = comm.topology();
+        println!(
+            "# fairring-bench: {} machines x {} ranks, {} staging buffers of slices up to {} bytes, {} x {} in flight",
+            t.machines(),
+            t.devices_per_machine(),
+            comm.staging_buffers(),
+            comm.slice_bytes(),
+            o.parallel,
+            T::DTYPE
+        );
+        println!(
+            "{:>12} {:>12} {:>6} {:>7} {:>13} {:>10} {:>9} {:>9} {:>7}",
+            "size", "count", "type", "redop", "algo", "time(us)", "algbw", "busbw", "#wrong"
+        );
+        println!(
+            "{:>12} {:>12} {:>6} {:>7} {:>13} {:>10} {:>9} {:>9} {:>7}",
+            "(B)", "(elements)", "", "", "", "", "(GB/s)", "(GB/s)", ""
+        );
+    }
+    let mut size = o.min_bytes.max(esize);
+    loop {
+        let count = size / esize;
+        let n = usize::try_from(count).unwrap_or(0);
+        for &algorithm in &o.algorithms {
+            // Check one iteration against the exactly known result.
+            let mut wrong = 0u64;
+            if o.check {
+                for b in &mut bufs {
+                    for (i, v) in b[..n].iter_mut().enumerate() {
+                        *v = T::from_small(input(o.op, rank, i as u64));
+                    }
+                }
+                iteration(comm, &mut bufs, n, o.op, algorithm)?;
+                for b in &bufs {
+                    wrong += b[..n]
+                        .iter()
+                        .enumerate()
+                        .filter(|&(i, v)| *v != T::from_small(expected(o.op, world, i as u64)))
+                        .count() as u64;
+                }
+                let mut w = [i64::try_from(wrong).unwrap_or(i64::MAX)];
+                comm.all_reduce(&mut w, ReduceOp::Sum)?;
+                wrong = u64::try_from(w[0]).unwrap_or(u64::MAX);
+            }
+            for _ in 0..o.warmup {
+                iteration(comm, &mut bufs, n, o.op, algorithm)?;
+            }
+            let mut times = vec![0f64; o.iters];
+            for t in &mut times {
+                let start = Instant::now();
+                iteration(comm, &mut bufs, n, o.op, algorithm)?;
+                *t = start.elapsed().as_secs_f64();
+            }
+            // The slowest rank's time, iteration by iteration.
+            comm.all_reduce(&mut times, ReduceOp::Max)?;
+            times.sort_by(f64::total_cmp);
+            let t = times[times.len() / 2];
+            #[expect(clippy::cast_precision_loss, reason = "sizes far below 2^52")]
+            let algbw = (size * o.parallel as u64) as f64 / t / 1e9;
+            let busbw = algbw * 2.0 * f64::from(world - 1) / f64::from(world);
+            let row = Row {
+                bytes: size,
+                count,
+                algorithm,
+                time_us: t * 1e6,
+                algbw,
+                busbw,
+                wrong,
+            };
+            if rank == 0 {
+                println!(
+                    "{:>12} {:>12} {:>6} {:>7} {:>13} {:>10.1} {:>9.3} {:>9.3} {:>7}",
+                    row.bytes,
+                    row.count,
+                    T::DTYPE.name(),
+                    o.op.name(),
+                    row.algorithm.name(),
+                    row.time_us,
+                    row.algbw,
+                    row.busbw,
+                    if o.check {
+                        row.wrong.to_string()
+                    } else {
+                        "N/A".into()
+                    }
+                );
+                let _ = std::io::stdout().flush();
+            }
+            total_wrong += wrong;
+            rows.push(row);
+        }
+        if size >= o.max_bytes {
+            break;
+        }
+        size = size.saturating_mul(o.factor).min(o.max_bytes);
+    }
+    if rank == 0
+        && let Some(path) = &o.json
+    {
+        write_json(path, &rows, T::DTYPE, o.op).map_err(|e| fairring::Error::Io {
+            context: format!("writing {path}"),
+            source: e.into(),
+        })?;
+    }
+    Ok(total_wrong)
+}
+
+fn iteration<T: Value>(
+    comm: &Communicator,
+    bufs: &mut [Vec<T>],
+    n: usize,
+    op: ReduceOp,
+    algorithm: Algorithm,
+) -> fairring::Result<()> {
+    comm.scope(|s| {
+        let mut works = Vec::with_capacity(bufs.len());
+        for b in bufs.iter_mut() {
+            works.push(s.all_reduce_with(&mut b[..n], op, algorithm)?);
+        }
+        works.into_iter().try_for_each(fairring::Work::wait)
+    })
+}
+
+fn write_json(path: &str, rows: &[Row], dtype: DataType, op: ReduceOp) -> std::io::Result<()> {
+    let mut out = String::from("[\n");
+    for (i, r) in rows.iter().enumerate() {
+        out.push_str(&format!(
+            "  {{\"bytes\": {}, \"count\": {}, \"dtype\": \"{}\", \"op\": \"{}\", \"algo\": \"{}\", \
+             \"time_us\": {:.3}, \"algbw_gbps\": {:.4}, \"busbw_gbps\": {:.4}, \"wrong\": {}}}{}\n",
+            r.bytes,
+            r.count,
+            dtype.name(),
+            op.name(),
+            r.algorithm.name(),
+            r.time_us,
+            r.algbw,
+            r.busbw,
+            r.wrong,
+            if i + 1 < rows.len() { "," } else { "" }
+        ));
+    }
+    out.push_str("]\n");
+    std::fs::write(path, out)
+}
