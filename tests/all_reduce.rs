@@ -137,3 +137,38 @@ fn every_operator_and_type() {
         },
     );
 }
+
+#[test]
+fn repeated_multi_slice_operations() {
+    for algorithm in Algorithm::ALL {
+        let (m, d) = (2, 2);
+        job(
+            m,
+            d,
+            |b| {
+                b.slice_bytes(256 << 10)
+                    .min_shard_bytes(4 << 10)
+                    .total_memory(8 << 20)
+                    .algorithm(algorithm)
+            },
+            |rank, comm| {
+                let n = 12 * (64 << 10) + 5;
+                let mut data = vec![0f32; n];
+                for call in 0..30 {
+                    for (i, v) in data.iter_mut().enumerate() {
+                        *v = ((i + call + rank as usize) % 5) as f32;
+                    }
+                    comm.all_reduce(&mut data, ReduceOp::Sum).unwrap();
+                    let bad = (0..n).find(|&i| {
+                        data[i] != (0..4).map(|r| ((i + call + r) % 5) as f32).sum::<f32>()
+                    });
+                    assert!(
+                        bad.is_none(),
+                        "{algorithm} call {call} rank {rank}: element {bad:?} wrong (buffers {})",
+                        comm.staging_buffers()
+                    );
+                }
+            },
+        );
+    }
+}
