@@ -59,6 +59,11 @@ use work::{DONE, FAILED, Submission, WORK_CAPACITY, WorkTable};
 const SPIN: Duration = Duration::from_micros(20);
 /// Completions taken per poll.
 const POLL_BATCH: usize = 256;
+/// Filler for completion buffers before a poll writes them.
+const NO_COMPLETION: Completion = Completion {
+    peer: 0,
+    event: CompletionEvent::Sent { token: 0 },
+};
 
 /// Where the parts of one staging buffer are.
 #[derive(Clone, Copy, Debug)]
@@ -270,13 +275,7 @@ impl<F: Fabric> Engine<F> {
                 credit: vec![b; world as usize],
                 departed: vec![None; world as usize],
                 rotation: 0,
-                completions: vec![
-                    Completion {
-                        peer: 0,
-                        event: CompletionEvent::Sent { token: 0 },
-                    };
-                    POLL_BATCH
-                ],
+                completions: vec![NO_COMPLETION; POLL_BATCH],
                 last_progress: Instant::now(),
             }),
             failed: AtomicBool::new(false),
@@ -908,10 +907,7 @@ impl<F: Fabric> Engine<F> {
             }
         }
         let deadline = Instant::now() + Duration::from_secs(2);
-        let mut batch = [Completion {
-            peer: 0,
-            event: CompletionEvent::Sent { token: 0 },
-        }; 16];
+        let mut batch = [NO_COMPLETION; 16];
         while outstanding > 0 && Instant::now() < deadline {
             let n = self.fabric.wait(&mut batch, Duration::from_millis(10));
             for c in &batch[..n] {
@@ -929,13 +925,7 @@ impl<F: Fabric> Engine<F> {
 
     /// The progress thread's loop.
     pub(crate) fn run(&self) {
-        let mut batch = vec![
-            Completion {
-                peer: 0,
-                event: CompletionEvent::Sent { token: 0 },
-            };
-            POLL_BATCH
-        ];
+        let mut batch = vec![NO_COMPLETION; POLL_BATCH];
         let mut idle_since: Option<Instant> = None;
         while !self.shutdown.load(Ordering::Acquire) {
             let seen = self.local.doorbell().seen();

@@ -60,10 +60,9 @@ fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
         tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
         tv_nsec: libc::c_long::from(timeout.subsec_nanos().min(999_999_999) as i32),
     };
-    // SAFETY: `word` is a live, aligned 32-bit atomic (in process or shared memory;
-    // FUTEX_WAIT without FUTEX_PRIVATE_FLAG works across processes), and `ts` lives
-    // for the call. The kernel only reads both. Spurious returns (EINTR, EAGAIN,
-    // ETIMEDOUT) are fine: every caller re-checks its condition.
+    // Spurious returns (EINTR, EAGAIN, ETIMEDOUT) are fine: callers re-check.
+    // SAFETY: `word` is a live, aligned 32-bit atomic (shared FUTEX_WAIT works
+    // across processes) and `ts` lives for the call; the kernel only reads both.
     unsafe {
         libc::syscall(
             libc::SYS_futex,
