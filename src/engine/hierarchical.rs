@@ -31,11 +31,6 @@ use crate::error::{Error, Result};
 use crate::local::{reduce_into, slot_range};
 
 impl<F: Fabric> Engine<F> {
-    fn record_of(&self, d: &Driver, a: &Active) -> Result<super::Record> {
-        d.records[super::work::slot_of(a.seq)]
-            .ok_or_else(|| Error::invalid("operation", "slice of a finished operation"))
-    }
-
     pub(super) fn hierarchical_advance(&self, d: &mut Driver, b: u32, a: Active) -> Result<bool> {
         match a.phase {
             Phase::ReduceScatter => {
@@ -187,10 +182,7 @@ impl<F: Fabric> Engine<F> {
 
     /// Reduces the shard this machine serves, in place, over the contributions.
     fn reduce_served(&self, d: &mut Driver, b: u32) -> Result<()> {
-        let a = d.slots[b as usize]
-            .active
-            .ok_or_else(|| Error::invalid("staging buffer", "reduce on an idle buffer"))?;
-        let rec = self.record_of(d, &a)?;
+        let (a, rec) = self.active_record(d, b)?;
         let me = self.location.machine;
         let shard = a
             .slice

@@ -587,6 +587,20 @@ impl<F: Fabric> Engine<F> {
         b
     }
 
+    /// The operation a slice belongs to.
+    pub(crate) fn record_of(&self, d: &Driver, a: &Active) -> Result<Record> {
+        d.records[work::slot_of(a.seq)]
+            .ok_or_else(|| Error::invalid("operation", "slice of a finished operation"))
+    }
+
+    /// The slice holding buffer `b`, and its operation.
+    pub(crate) fn active_record(&self, d: &Driver, b: u32) -> Result<(Active, Record)> {
+        let a = d.slots[b as usize]
+            .active
+            .ok_or_else(|| Error::invalid("staging buffer", format!("buffer {b} is idle")))?;
+        Ok((a, self.record_of(d, &a)?))
+    }
+
     /// The slice's byte range in the caller's tensor.
     pub(crate) fn tensor_range(&self, slice: &Slice) -> std::ops::Range<usize> {
         let span = slice.span();

@@ -206,11 +206,7 @@ impl<F: Fabric> Engine<F> {
         k: u32,
         range: std::ops::Range<usize>,
     ) -> Result<()> {
-        let a = d.slots[b as usize]
-            .active
-            .ok_or_else(|| Error::invalid("staging buffer", "ring step on an idle buffer"))?;
-        let rec = d.records[super::work::slot_of(a.seq)]
-            .ok_or_else(|| Error::invalid("operation", "ring step of a finished operation"))?;
+        let (_, rec) = self.active_record(d, b)?;
         let slot = self.layout.inbox + k as usize * self.layout.ring_slot;
         let len = range.len();
         let dst = self.staging(b, range);
@@ -225,11 +221,7 @@ impl<F: Fabric> Engine<F> {
         if k + 1 < steps {
             return self.ring_send(d, b, Kind::RingReduce, k + 1, c);
         }
-        let a = d.slots[b as usize]
-            .active
-            .ok_or_else(|| Error::invalid("staging buffer", "ring step on an idle buffer"))?;
-        let rec = d.records[super::work::slot_of(a.seq)]
-            .ok_or_else(|| Error::invalid("operation", "ring step of a finished operation"))?;
+        let (_, rec) = self.active_record(d, b)?;
         if rec.sub.op == ReduceOp::Avg {
             let range = self.chunk(d, b, c);
             finish_avg_bytes(rec.sub.dtype, self.staging(b, range), self.world)
