@@ -28,7 +28,7 @@ use fairring_rdma::fabric::Fabric;
 use super::tags::{self, Kind};
 use super::{Active, Driver, Engine, PendingWrite, Phase};
 use crate::error::{Error, Result};
-use crate::local::{reduce_into, slot_range};
+use crate::local::reduce_into;
 
 impl<F: Fabric> Engine<F> {
     pub(super) fn hierarchical_advance(&self, d: &mut Driver, b: u32, a: Active) -> Result<bool> {
@@ -36,17 +36,21 @@ impl<F: Fabric> Engine<F> {
             Phase::ReduceScatter => {
                 let rec = self.record_of(d, &a)?;
                 let (dtype, op) = (rec.sub.dtype, rec.sub.op);
-                if !self
-                    .local
-                    .try_reduce_scatter(b, a.number, &a.slice, dtype, op)?
-                {
+                let single_machine = self.topology.machines() == 1;
+                let Some(tensor) = self.output(d, b) else {
                     return Ok(false);
-                }
-                if self.topology.machines() == 1 && op == ReduceOp::Avg {
-                    // The slot is final already: finish the mean here.
-                    let range = slot_range(&a.slice, self.location.device)?;
-                    finish_avg_bytes(dtype, self.staging(b, range), self.world)
-                        .map_err(|e| Error::invalid("reduction", e.to_string()))?;
+                };
+                let final_world = single_machine.then_some(self.world);
+                if !self.local.try_reduce_scatter(
+                    b,
+                    a.number,
+                    &a.slice,
+                    dtype,
+                    op,
+                    tensor,
+                    final_world,
+                )? {
+                    return Ok(false);
                 }
                 self.set_phase(d, b, Phase::Exchange);
                 self.staging_event(d, b, Event::ReduceScatterDone)?;
@@ -62,7 +66,11 @@ impl<F: Fabric> Engine<F> {
                 let Some(output) = self.output(d, b) else {
                     return Ok(false);
                 };
-                if !self.local.try_all_gather(b, a.number, &a.slice, output) {
+                let own_in_tensor = self.topology.machines() == 1;
+                if !self
+                    .local
+                    .try_all_gather(b, a.number, &a.slice, output, own_in_tensor)
+                {
                     return Ok(false);
                 }
                 self.set_phase(d, b, Phase::Draining);

@@ -544,7 +544,10 @@ impl<F: Fabric> Engine<F> {
         // bytes and untouched by the caller until the operation completes; `range`
         // lies within them (the plan's slices tile the tensor).
         let input = unsafe { std::slice::from_raw_parts(start, range.len()) };
-        self.local.stage_in(b, number, input);
+        match algorithm {
+            Algorithm::Hierarchical => self.local.stage_in(b, number, &slice, input)?,
+            Algorithm::Ring => self.staging(b, 0..input.len()).copy_from_slice(input),
+        }
         d.slots[b as usize].active = Some(Active {
             number,
             generation,

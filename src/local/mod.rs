@@ -12,18 +12,26 @@
 //! Every local rank owns `B` staging buffers in one shared segment and three
 //! monotone counters per buffer (slice number + 1):
 //!
-//! 1. **stage in**: rank `e` copies its slice into its buffer, then publishes
-//!    `InputReady` (release);
+//! 1. **stage in**: rank `e` copies the slots *other* ranks reduce from its tensor
+//!    into its buffer (its own slot it reads straight from the tensor), then
+//!    publishes `InputReady` (release);
 //! 2. **reduce-scatter**: once every rank's `InputReady` covers the slice (acquire),
-//!    rank `d` reduces slot `d` of every rank's buffer into slot `d` of its own: a
-//!    reduction that reads `D` inputs and writes one, split over `D` processes, so
-//!    every core's memory bandwidth is used;
+//!    rank `d` combines slot `d` of its tensor with slot `d` of every other rank's
+//!    buffer into slot `d` of its own buffer: a reduction that reads `D` inputs and
+//!    writes one, split over `D` processes, so every core's memory bandwidth is
+//!    used. It works in cache-sized chunks, so the chunk it writes is still in
+//!    cache when it is copied a second time. In a single-machine job the result is
+//!    final: it goes into the tensor too;
 //! 3. the slot then goes through the inter-machine step (results land in slot `d`
 //!    of rank `d`'s buffer), and rank `d` publishes `SlotFinal`;
 //! 4. **all-gather**: once every `SlotFinal` covers the slice, each rank copies the
-//!    `D` final slots into its tensor, then publishes `Done`;
+//!    final slots it does not hold yet into its tensor, then publishes `Done`;
 //! 5. a buffer takes slice `s` only when every rank's `Done` covers slice `s - B`:
 //!    nobody still reads what it is about to overwrite.
+//!
+//! Per rank and slice of `S` bytes that is `S (D-1)/D` bytes copied in, one
+//! reduction over `S/D` bytes, and `S (D-1)/D` (single machine) or `S` bytes copied
+//! out: the fewest copies a tensor in private memory allows.
 //!
 //! Each rank writes only its own buffer, and only while no other rank reads the
 //! bytes it writes; the counters' release/acquire pairs order the data.
@@ -41,7 +49,7 @@ use std::ptr::NonNull;
 use std::time::Duration;
 
 use fairring_core::plan::Slice;
-use fairring_core::reduce::reduce_many_bytes;
+use fairring_core::reduce::{finish_avg_bytes, reduce_many_bytes};
 use fairring_core::{DataType, ReduceOp};
 
 pub use doorbell::Doorbell;
@@ -51,6 +59,10 @@ use crate::error::{Error, Result};
 
 /// Most sources one reduction call takes; more are folded in batches.
 const MAX_SOURCES: usize = 16;
+
+/// Bytes the reduce-scatter handles at a time: small enough that a chunk it has
+/// just written is still in L2 cache when it copies it a second time.
+const CHUNK_BYTES: usize = 64 * 1024;
 
 /// The intra-machine step as the engine drives it.
 pub trait LocalGroup: Send + Sync {
@@ -64,12 +76,16 @@ pub trait LocalGroup: Send + Sync {
     /// done with the slice it held before.
     fn buffer_free(&self, buffer: u32, slice: u64) -> bool;
 
-    /// Copies `input` (the slice's bytes) into this rank's staging buffer and
-    /// announces it.
-    fn stage_in(&self, buffer: u32, slice: u64, input: &[u8]);
+    /// Stages what the other local ranks need of the slice for the reduce-scatter
+    /// (`tensor` holds the slice's bytes in the caller's tensor) and announces it.
+    fn stage_in(&self, buffer: u32, number: u64, slice: &Slice, tensor: &[u8]) -> Result<()>;
 
     /// Reduces this rank's slot of the slice across the machine, once every local
-    /// rank has staged it; returns whether it did.
+    /// rank has staged it; returns whether it did. The result goes into this
+    /// rank's staging slot. `final_world` is `Some(world size)` when that result is
+    /// final (a single-machine job): it then goes into the slot of `tensor` too,
+    /// already divided by the world size for [`ReduceOp::Avg`].
+    #[expect(clippy::too_many_arguments, reason = "one step's complete inputs")]
     fn try_reduce_scatter(
         &self,
         buffer: u32,
@@ -77,14 +93,25 @@ pub trait LocalGroup: Send + Sync {
         slice: &Slice,
         dtype: DataType,
         op: ReduceOp,
+        tensor: &mut [u8],
+        final_world: Option<u32>,
     ) -> Result<bool>;
 
     /// Announces that this rank's slot of the slice is final.
     fn publish_slot(&self, buffer: u32, slice: u64);
 
-    /// Copies every final slot into `output`, once every local rank's slot is final;
-    /// returns whether it did. Announces that this rank is done with the buffer.
-    fn try_all_gather(&self, buffer: u32, number: u64, slice: &Slice, output: &mut [u8]) -> bool;
+    /// Copies the final slots into `tensor`, once every local rank's slot is final
+    /// (this rank's own slot too, unless the reduce-scatter wrote it there
+    /// already: `own_in_tensor`); returns whether it did. Announces that this rank
+    /// is done with the buffer.
+    fn try_all_gather(
+        &self,
+        buffer: u32,
+        number: u64,
+        slice: &Slice,
+        tensor: &mut [u8],
+        own_in_tensor: bool,
+    ) -> bool;
 
     /// Announces, without an all-gather, that this rank is done with the buffer
     /// for the slice (algorithms that do not use the local step).
@@ -239,10 +266,16 @@ impl LocalGroup for ShmGroup {
         slice < b || self.all_reached(buffer, slice - b + 1, Counter::Done)
     }
 
-    fn stage_in(&self, buffer: u32, slice: u64, input: &[u8]) {
-        self.own_bytes_mut(buffer, 0..input.len())
-            .copy_from_slice(input);
-        self.publish(buffer, slice, Counter::InputReady);
+    fn stage_in(&self, buffer: u32, number: u64, slice: &Slice, tensor: &[u8]) -> Result<()> {
+        for r in (0..self.size).filter(|&r| r != self.rank) {
+            let range = slot_range(slice, r)?;
+            let src = tensor
+                .get(range.clone())
+                .ok_or_else(|| Error::invalid("tensor", "shorter than its slice"))?;
+            self.own_bytes_mut(buffer, range).copy_from_slice(src);
+        }
+        self.publish(buffer, number, Counter::InputReady);
+        Ok(())
     }
 
     fn try_reduce_scatter(
@@ -252,22 +285,44 @@ impl LocalGroup for ShmGroup {
         slice: &Slice,
         dtype: DataType,
         op: ReduceOp,
+        tensor: &mut [u8],
+        final_world: Option<u32>,
     ) -> Result<bool> {
-        if self.size == 1 {
-            return Ok(true);
-        }
         if !self.all_reached(buffer, number + 1, Counter::InputReady) {
             return Ok(false);
         }
         let range = slot_range(slice, self.rank)?;
-        if range.is_empty() {
-            return Ok(true);
+        let own = tensor
+            .get_mut(range.clone())
+            .ok_or_else(|| Error::invalid("tensor", "shorter than its slice"))?;
+        let staged = self.own_bytes_mut(buffer, range.clone());
+        let elem = usize::try_from(dtype.size_bytes()).unwrap_or(1);
+        let step = CHUNK_BYTES - CHUNK_BYTES % elem;
+        let mut at = 0;
+        for (own, staged) in own.chunks_mut(step).zip(staged.chunks_mut(step)) {
+            let chunk = range.start + at..range.start + at + own.len();
+            at += own.len();
+            let mut peers = (0..self.size)
+                .filter(|&r| r != self.rank)
+                .map(|r| self.bytes(r, buffer, chunk.clone()));
+            match final_world {
+                Some(world) => {
+                    // Final: reduce in the tensor, then publish a copy (from cache).
+                    reduce_into(dtype, op, own, &mut peers)?;
+                    if op == ReduceOp::Avg {
+                        finish_avg_bytes(dtype, own, world)
+                            .map_err(|e| Error::invalid("reduction", e.to_string()))?;
+                    }
+                    if self.size > 1 {
+                        staged.copy_from_slice(own);
+                    }
+                }
+                None => {
+                    staged.copy_from_slice(own);
+                    reduce_into(dtype, op, staged, &mut peers)?;
+                }
+            }
         }
-        let dst = self.own_bytes_mut(buffer, range.clone());
-        let mut srcs = (0..self.size)
-            .filter(|&r| r != self.rank)
-            .map(|r| self.bytes(r, buffer, range.clone()));
-        reduce_into(dtype, op, dst, &mut srcs)?;
         Ok(true)
     }
 
@@ -275,16 +330,23 @@ impl LocalGroup for ShmGroup {
         self.publish(buffer, slice, Counter::SlotFinal);
     }
 
-    fn try_all_gather(&self, buffer: u32, number: u64, slice: &Slice, output: &mut [u8]) -> bool {
+    fn try_all_gather(
+        &self,
+        buffer: u32,
+        number: u64,
+        slice: &Slice,
+        tensor: &mut [u8],
+        own_in_tensor: bool,
+    ) -> bool {
         if !self.all_reached(buffer, number + 1, Counter::SlotFinal) {
             return false;
         }
-        for r in 0..self.size {
+        for r in (0..self.size).filter(|&r| !(own_in_tensor && r == self.rank)) {
             // Slots of a valid slice never fail to resolve; skip defensively.
             let Ok(range) = slot_range(slice, r) else {
                 continue;
             };
-            if let Some(out) = output.get_mut(range.clone()) {
+            if let Some(out) = tensor.get_mut(range.clone()) {
                 out.copy_from_slice(self.bytes(r, buffer, range));
             }
         }
