@@ -433,3 +433,36 @@ fn sixty_four_peers() {
         assert!(target.read() == hub_source.read());
     }
 }
+
+/// A completion notifier runs once per queued completion, so a consumer can sleep
+/// on a wake-up of its own; a second notifier is refused.
+#[test]
+fn the_notifier_announces_every_completion() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let fabrics = mesh(2, |c| c);
+    let announced = Arc::new(AtomicU32::new(0));
+    let counter = Arc::clone(&announced);
+    assert!(fabrics[1].notify_completions(Arc::new(move || {
+        counter.fetch_add(1, Ordering::SeqCst);
+    })));
+    assert!(
+        !fabrics[1].notify_completions(Arc::new(|| {})),
+        "a second notifier was taken"
+    );
+    for i in 0..50u32 {
+        fabrics[0].send_message(1, i, &[1, 2, 3], u64::from(i)).unwrap();
+    }
+    let mut seen = 0u32;
+    drain_until(&fabrics[1], Duration::from_secs(30), |c| {
+        assert!(matches!(c.event, CompletionEvent::Message(_)));
+        seen += 1;
+        seen == 50
+    });
+    // The last notification may run just after its completion was polled.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while announced.load(Ordering::SeqCst) < 50 && std::time::Instant::now() < deadline {
+        std::thread::yield_now();
+    }
+    assert_eq!(announced.load(Ordering::SeqCst), 50);
+}

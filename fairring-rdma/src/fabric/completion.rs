@@ -1,7 +1,7 @@
 //! Completions: what a fabric reports, and the queue it reports them through.
 
 use std::sync::atomic::{AtomicUsize, Ordering, fence};
-use std::sync::{Condvar, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
@@ -116,7 +116,13 @@ pub(crate) struct CompletionQueue {
     /// that wakes it, so the wake-up cannot fall between the two.
     lock: Mutex<()>,
     wakeup: Condvar,
+    /// Called after every push, once the user has set it.
+    notifier: OnceLock<CompletionNotifier>,
 }
+
+/// What a provider calls each time it queues a completion (see
+/// [`Fabric::notify_completions`](super::Fabric::notify_completions)).
+pub type CompletionNotifier = Arc<dyn Fn() + Send + Sync>;
 
 impl CompletionQueue {
     pub(crate) fn new(capacity: usize) -> CompletionQueue {
@@ -125,7 +131,13 @@ impl CompletionQueue {
             sleepers: AtomicUsize::new(0),
             lock: Mutex::new(()),
             wakeup: Condvar::new(),
+            notifier: OnceLock::new(),
         }
+    }
+
+    /// Sets the notifier; returns `false` if one was set before.
+    pub(crate) fn set_notifier(&self, notify: CompletionNotifier) -> bool {
+        self.notifier.set(notify).is_ok()
     }
 
     /// Pushes a completion; `Err` gives it back when the queue is full.
@@ -135,6 +147,9 @@ impl CompletionQueue {
         if self.sleepers.load(Ordering::Relaxed) > 0 {
             let _guard = self.lock.lock().unwrap_or_else(PoisonError::into_inner);
             self.wakeup.notify_all();
+        }
+        if let Some(notify) = self.notifier.get() {
+            notify();
         }
         Ok(())
     }

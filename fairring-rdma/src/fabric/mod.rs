@@ -94,7 +94,7 @@ use std::time::Duration;
 use fairring_core::wire::MAX_WRITE_PAYLOAD;
 
 pub(crate) use completion::CompletionQueue;
-pub use completion::{Completion, CompletionEvent, MESSAGE_CAPACITY, Message};
+pub use completion::{Completion, CompletionEvent, CompletionNotifier, MESSAGE_CAPACITY, Message};
 pub use error::{FabricError, PeerFailure, ProtocolViolation, Refusal};
 pub use region::{Endpoint, RegionKey, RemoteRegion};
 
@@ -243,4 +243,16 @@ pub trait Fabric: Send + Sync {
 
     /// Like [`Fabric::poll`], but waits up to `timeout` for the first completion.
     fn wait(&self, out: &mut [Completion], timeout: Duration) -> usize;
+
+    /// Has the provider call `notify` each time it queues a completion, from the
+    /// thread that queues it, so that a user can sleep on a wake-up of its own
+    /// (one that other event sources ring too) instead of in [`Fabric::wait`].
+    /// `notify` must be quick and must not call into the fabric.
+    ///
+    /// Returns `false` if the provider cannot (its completions appear only when
+    /// polled, so its user must keep polling) or already has a notifier.
+    fn notify_completions(&self, notify: CompletionNotifier) -> bool {
+        let _ = notify;
+        false
+    }
 }

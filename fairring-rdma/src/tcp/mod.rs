@@ -49,7 +49,9 @@ use self::event_loop::{ADMITTED, EventLoop, FAILED, NOT_CONNECTED, PeerSlot, Sha
 use self::handshake::{Dialer, DialerStep, HandshakeParams, HelloReader};
 use self::sender::{Payload, SendOp};
 use self::socket::NoSigPipe;
-use crate::fabric::{Completion, CompletionQueue, Endpoint, Fabric, FabricError, WriteRequest};
+use crate::fabric::{
+    Completion, CompletionNotifier, CompletionQueue, Endpoint, Fabric, FabricError, WriteRequest,
+};
 
 /// The provider's wire protocol as sans-IO state machines: public so that it can be
 /// fuzzed, tested byte by byte, and implemented elsewhere. Users want
@@ -507,6 +509,10 @@ impl Fabric for TcpFabric {
 
     fn wait(&self, out: &mut [Completion], timeout: Duration) -> usize {
         self.shared.cq.wait(out, timeout)
+    }
+
+    fn notify_completions(&self, notify: CompletionNotifier) -> bool {
+        self.shared.cq.set_notifier(notify)
     }
 }
 
