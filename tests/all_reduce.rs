@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::job;
+use common::{job, small_slices};
 use fairring::{Algorithm, ReduceOp};
 
 /// The value rank `r` holds at element `i` of operation `op_index`: small integers,
@@ -23,12 +23,7 @@ fn check_layout(m: u32, d: u32, algorithm: Algorithm) {
     let results = job(
         m,
         d,
-        |b| {
-            b.slice_bytes(64 << 10)
-                .min_shard_bytes(4 << 10)
-                .total_memory(1 << 20)
-                .algorithm(algorithm)
-        },
+        |b| small_slices(b, algorithm),
         |rank, comm| {
             let sizes = sizes();
             let mut bufs: Vec<Vec<f32>> = sizes

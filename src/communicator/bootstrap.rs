@@ -164,7 +164,7 @@ pub(super) fn attach_local(
         let v = store.get(&key, config.timeout)?;
         String::from_utf8(v).map_err(|_| Error::store("get", format!("{key} is not UTF-8")))?
     };
-    let mut group = ShmGroup::attach(
+    let group = ShmGroup::attach(
         &name,
         location.device,
         d,

@@ -375,9 +375,10 @@ impl Work<'_> {
         }
     }
 
-    /// Whether the all-reduce has finished (without waiting); its error if it failed.
+    /// Whether the all-reduce has finished, without waiting or driving it (the
+    /// progress thread does); its error if it failed.
     pub fn test(&self) -> Result<bool> {
-        self.engine.wait(self.seq, Some(Duration::ZERO))
+        self.engine.test(self.seq)
     }
 
     /// The operation's sequence number (the same on every rank).

@@ -9,11 +9,14 @@
 //! blocking inside a step. Two kinds of threads drive:
 //!
 //! - a **progress thread** per communicator, so that operations advance while the
-//!   caller computes (overlap); when there is nothing to do it sleeps on the
-//!   fabric's completion queue or on this rank's doorbell;
+//!   caller computes (overlap); when there is nothing to do it sleeps on this
+//!   rank's doorbell, which local ranks ring when they publish progress and the
+//!   fabric rings when it queues a completion (a fabric that cannot notify is
+//!   waited on instead);
 //! - a **waiting caller** (`Work::wait`), which drives itself instead of sleeping
 //!   while the driver is free: a small all-reduce then runs start to finish on the
-//!   caller's thread, with no thread hand-off.
+//!   caller's thread, with no thread hand-off. Meanwhile the progress thread
+//!   parks (see [`Engine::run`]), so the two never compete for a core.
 //!
 //! Each slice owns one staging buffer. The core's [`StagingState`] word decides,
 //! event by event, what the slice does next (see `hierarchical`); the ring keeps
@@ -39,7 +42,7 @@ mod ring;
 pub(crate) mod tags;
 pub(crate) mod work;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -51,12 +54,41 @@ use fairring_rdma::fabric::{Completion, CompletionEvent, Fabric, RemoteRegion, W
 
 use crate::config::Algorithm;
 use crate::error::{Error, Result};
-use crate::local::LocalGroup;
+use crate::local::{Doorbell, LocalGroup};
 use tags::Kind;
 use work::{DONE, FAILED, Submission, WORK_CAPACITY, WorkTable};
 
 /// How long the progress thread spins before it sleeps.
 const SPIN: Duration = Duration::from_micros(20);
+/// How long a waiting caller spins before it sleeps: long enough to cover the
+/// skew between ranks arriving at a small all-reduce, so that its latency is that
+/// of shared memory and not of a wake-up.
+const WAIT_SPIN: Duration = Duration::from_micros(100);
+/// Pure spinning before a spinner starts yielding its core each round, so that
+/// on an oversubscribed machine the ranks it waits for get to run.
+const SPIN_ALONE: Duration = Duration::from_micros(2);
+/// How long the progress thread stays parked before it looks again whether a
+/// caller still drives. Timer wake-ups are costly on virtual machines: with
+/// 200 us, 4 KiB all-reduces on two ranks took 10-50 us; with 5 ms, 2 us.
+const PARK: Duration = Duration::from_millis(5);
+/// A submission this long after the last wait returned wakes a parked progress
+/// thread: the caller is not in a tight loop of blocking calls.
+const UNATTENDED: Duration = Duration::from_micros(200);
+
+/// One round of spinning, while less than `limit` has passed since `since`;
+/// returns whether it spun.
+fn spin_a_little(since: Instant, limit: Duration) -> bool {
+    let spent = since.elapsed();
+    if spent >= limit {
+        return false;
+    }
+    if spent < SPIN_ALONE {
+        std::hint::spin_loop();
+    } else {
+        std::thread::yield_now();
+    }
+    true
+}
 /// Completions taken per poll.
 const POLL_BATCH: usize = 256;
 /// Filler for completion buffers before a poll writes them.
@@ -210,6 +242,22 @@ pub(crate) struct Engine<F: Fabric> {
     pub(crate) timeout: Duration,
     /// Whether any operation may use the fabric (more than one rank).
     uses_fabric: bool,
+    /// Whether every event the engine waits for rings the local doorbell: local
+    /// ranks' progress always does, and fabric completions do when the fabric
+    /// takes a notifier. Otherwise the progress thread waits on the fabric.
+    doorbell_wakes: bool,
+    /// Callers inside [`Engine::wait`], and how many times one entered it.
+    waiters: AtomicU32,
+    wait_entries: AtomicU64,
+    /// Operations submitted and not finished.
+    outstanding: AtomicU64,
+    /// Whether the progress thread is parked (see [`Engine::run`]).
+    parked: AtomicBool,
+    /// When a wait last returned, in nanoseconds since `epoch`.
+    last_wait_end: AtomicU64,
+    epoch: Instant,
+    /// Where it parks.
+    park_bell: Doorbell,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -247,6 +295,7 @@ impl<F: Fabric> Engine<F> {
             })
             .collect();
         let b = u64::from(parts.buffers);
+        let doorbell_wakes = world <= 1 || parts.fabric.notify_completions(parts.local.waker());
         Engine {
             fabric: parts.fabric,
             region: parts.region,
@@ -283,6 +332,14 @@ impl<F: Fabric> Engine<F> {
             shutdown: AtomicBool::new(false),
             timeout: parts.timeout,
             uses_fabric: world > 1,
+            doorbell_wakes,
+            waiters: AtomicU32::new(0),
+            wait_entries: AtomicU64::new(0),
+            outstanding: AtomicU64::new(0),
+            parked: AtomicBool::new(false),
+            last_wait_end: AtomicU64::new(0),
+            epoch: Instant::now(),
+            park_bell: Doorbell::new(),
         }
     }
 
@@ -299,15 +356,41 @@ impl<F: Fabric> Engine<F> {
         if let Some(e) = self.failure() {
             return Err(Error::Failed { first: Box::new(e) });
         }
+        self.outstanding.fetch_add(1, Ordering::AcqRel);
         if self.submissions.push(sub).is_err() {
+            self.outstanding.fetch_sub(1, Ordering::AcqRel);
             // Cannot happen: the table bounds the operations outstanding.
             return Err(Error::invalid(
                 "operation",
                 "too many operations outstanding",
             ));
         }
-        self.local.doorbell().ring();
+        // Pairs with the fence in `run` after unparking: either the progress
+        // thread sees this submission when it drives, or this sees it unparked.
+        fence(Ordering::SeqCst);
+        if !self.parked.load(Ordering::Relaxed) {
+            self.local.doorbell().ring();
+        } else if self.waiters.load(Ordering::Acquire) == 0
+            && self
+                .nanos()
+                .saturating_sub(u128::from(self.last_wait_end.load(Ordering::Relaxed)))
+                > UNATTENDED.as_nanos()
+        {
+            self.park_bell.ring();
+        }
         Ok(())
+    }
+
+    /// Nanoseconds since the engine started.
+    fn nanos(&self) -> u128 {
+        self.epoch.elapsed().as_nanos()
+    }
+
+    /// Marks operation `seq` finished.
+    fn complete(&self, seq: u64, state: u32) {
+        if self.works.finish(seq, state) {
+            self.outstanding.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 
     /// Fails the engine: every pending operation fails with `error`, and nothing
@@ -327,11 +410,11 @@ impl<F: Fabric> Engine<F> {
         }
         self.failed.store(true, Ordering::Release);
         while let Some(sub) = self.submissions.pop() {
-            self.works.finish(sub.seq, FAILED);
+            self.complete(sub.seq, FAILED);
         }
         for r in d.records.iter_mut() {
             if let Some(rec) = r.take() {
-                self.works.finish(rec.sub.seq, FAILED);
+                self.complete(rec.sub.seq, FAILED);
             }
         }
         for s in &mut d.slots {
@@ -491,7 +574,7 @@ impl<F: Fabric> Engine<F> {
             };
             if rec.plan.slice_count() == 0 {
                 d.records[idx] = None;
-                self.works.finish(rec.sub.seq, DONE);
+                self.complete(rec.sub.seq, DONE);
                 self.local.doorbell().ring();
                 d.start_seq += 1;
                 d.start_index = 0;
@@ -694,7 +777,7 @@ impl<F: Fabric> Engine<F> {
             rec.slices_done += 1;
             if rec.slices_done == rec.plan.slice_count() {
                 d.records[idx] = None;
-                self.works.finish(a.seq, DONE);
+                self.complete(a.seq, DONE);
                 self.local.doorbell().ring();
             }
         }
@@ -940,26 +1023,60 @@ impl<F: Fabric> Engine<F> {
         }
     }
 
+    /// Parks the progress thread while callers drive; returns whether it was
+    /// parked.
+    fn park_if_callers_drive(&self) -> bool {
+        if self.waiters.load(Ordering::Acquire) == 0 && !self.parked.load(Ordering::Relaxed) {
+            return false;
+        }
+        self.parked.store(true, Ordering::Relaxed);
+        let entries = self.wait_entries.load(Ordering::Acquire);
+        let seen = self.park_bell.seen();
+        self.park_bell.sleep(seen, PARK);
+        let rung = self.park_bell.seen() != seen;
+        if self.waiters.load(Ordering::Acquire) == 0
+            && (rung || self.wait_entries.load(Ordering::Acquire) == entries)
+        {
+            self.parked.store(false, Ordering::Relaxed);
+            // Pairs with the fence in `submit`.
+            fence(Ordering::SeqCst);
+        }
+        true
+    }
+
     /// The progress thread's loop.
+    ///
+    /// While callers wait (and so drive), the progress thread **parks**: it sleeps
+    /// on a bell of its own, which no doorbell, submission or completion rings,
+    /// so that a small blocking all-reduce runs on one thread per process and never
+    /// competes with its own progress thread for a core. It looks again every
+    /// [`PARK`], and unparks once no caller has entered [`Engine::wait`] since its
+    /// last look, or at once when the last waiter leaves with work outstanding or
+    /// a submission comes [`UNATTENDED`] after the last wait returned. A
+    /// submission sooner than that (a caller in a loop of blocking calls) is
+    /// driven by the caller's wait, or by the progress thread within `2 * PARK`.
     pub(crate) fn run(&self) {
         let mut batch = vec![NO_COMPLETION; POLL_BATCH];
         let mut idle_since: Option<Instant> = None;
         while !self.shutdown.load(Ordering::Acquire) {
+            if self.doorbell_wakes && self.park_if_callers_drive() {
+                idle_since = None;
+                continue;
+            }
             let seen = self.local.doorbell().seen();
             if self.try_drive() {
                 idle_since = None;
                 continue;
             }
             let since = *idle_since.get_or_insert_with(Instant::now);
-            if since.elapsed() < SPIN {
-                std::hint::spin_loop();
+            if spin_a_little(since, SPIN) {
                 continue;
             }
             let busy = !self.failed.load(Ordering::Acquire) && {
                 let d = lock(&self.driver);
                 self.in_flight(&d)
             };
-            if busy && self.uses_fabric {
+            if busy && !self.doorbell_wakes {
                 // Completions are taken and handled under the driver lock, so that
                 // no other driver handles later ones first: the ring counts one
                 // peer's landings in the order they arrive.
@@ -982,15 +1099,37 @@ impl<F: Fabric> Engine<F> {
 
     /// Waits for operation `seq` to finish, driving while the driver is free.
     pub(crate) fn wait(&self, seq: u64, timeout: Option<Duration>) -> Result<bool> {
+        self.waiters.fetch_add(1, Ordering::AcqRel);
+        self.wait_entries.fetch_add(1, Ordering::AcqRel);
+        let result = self.wait_driving(seq, timeout);
+        self.last_wait_end.store(
+            u64::try_from(self.nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        if self.waiters.fetch_sub(1, Ordering::AcqRel) == 1
+            && self.outstanding.load(Ordering::Acquire) > 0
+        {
+            // Work is left that nobody waits for: hand it to the progress thread.
+            self.park_bell.ring();
+        }
+        result
+    }
+
+    /// Whether operation `seq` has finished; its error if it failed.
+    pub(crate) fn test(&self, seq: u64) -> Result<bool> {
+        match self.works.state(seq) {
+            Some(DONE) | None => Ok(true),
+            Some(FAILED) => Err(self.failure().unwrap_or(Error::Aborted)),
+            _ => Ok(false),
+        }
+    }
+
+    fn wait_driving(&self, seq: u64, timeout: Option<Duration>) -> Result<bool> {
         let start = Instant::now();
         let mut idle_since: Option<Instant> = None;
         loop {
-            match self.works.state(seq) {
-                Some(DONE) | None => return Ok(true),
-                Some(FAILED) => {
-                    return Err(self.failure().unwrap_or(Error::Aborted));
-                }
-                _ => {}
+            if self.test(seq)? {
+                return Ok(true);
             }
             if timeout.is_some_and(|t| start.elapsed() >= t) {
                 return Ok(false);
@@ -1001,8 +1140,7 @@ impl<F: Fabric> Engine<F> {
                 continue;
             }
             let since = *idle_since.get_or_insert_with(Instant::now);
-            if since.elapsed() < SPIN {
-                std::hint::spin_loop();
+            if spin_a_little(since, WAIT_SPIN) {
                 continue;
             }
             self.local

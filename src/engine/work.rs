@@ -88,12 +88,13 @@ impl WorkTable {
         (e.occupant.load(Ordering::Acquire) == seq + 1).then_some(s)
     }
 
-    /// Marks `seq` finished (driver only).
-    pub(crate) fn finish(&self, seq: u64, state: u32) {
+    /// Marks `seq` finished (driver only); returns whether it was pending.
+    pub(crate) fn finish(&self, seq: u64, state: u32) -> bool {
         let e = self.entry(seq);
-        if e.occupant.load(Ordering::Acquire) == seq + 1 {
-            e.state.store(state, Ordering::Release);
-        }
+        e.occupant.load(Ordering::Acquire) == seq + 1
+            && e.state
+                .compare_exchange(PENDING, state, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
     }
 
     /// Gives back the entry of a finished `seq`.

@@ -46,6 +46,7 @@ mod doorbell;
 pub(crate) mod segment;
 
 use std::ptr::NonNull;
+use std::sync::Arc;
 use std::time::Duration;
 
 use fairring_core::plan::Slice;
@@ -125,11 +126,15 @@ pub trait LocalGroup: Send + Sync {
 
     /// This rank's doorbell: rung whenever another local rank publishes progress.
     fn doorbell(&self) -> &Doorbell;
+
+    /// A handle that rings this rank's doorbell from any thread, and keeps it
+    /// alive as long as the handle lives (for a fabric's completion notifier).
+    fn waker(&self) -> Arc<dyn Fn() + Send + Sync>;
 }
 
 /// The local group of processes that share host memory.
 pub struct ShmGroup {
-    segment: Segment,
+    segment: Arc<Segment>,
     rank: u32,
     size: u32,
     buffers: u32,
@@ -145,7 +150,14 @@ impl ShmGroup {
         buffer_bytes: usize,
         timeout: Duration,
     ) -> Result<ShmGroup> {
-        let segment = Segment::attach(name, rank == 0, size, buffers, buffer_bytes, timeout)?;
+        let segment = Arc::new(Segment::attach(
+            name,
+            rank == 0,
+            size,
+            buffers,
+            buffer_bytes,
+            timeout,
+        )?);
         Ok(ShmGroup {
             segment,
             rank,
@@ -155,7 +167,7 @@ impl ShmGroup {
     }
 
     /// Removes the segment's name (local rank 0, once every local rank attached).
-    pub(crate) fn unlink(&mut self) {
+    pub(crate) fn unlink(&self) {
         self.segment.unlink();
     }
 
@@ -368,5 +380,11 @@ impl LocalGroup for ShmGroup {
 
     fn doorbell(&self) -> &Doorbell {
         self.segment.doorbell(self.rank)
+    }
+
+    fn waker(&self) -> Arc<dyn Fn() + Send + Sync> {
+        let segment = Arc::clone(&self.segment);
+        let rank = self.rank;
+        Arc::new(move || segment.doorbell(rank).ring())
     }
 }

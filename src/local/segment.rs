@@ -15,7 +15,7 @@
 
 use std::ffi::CString;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::doorbell::Doorbell;
@@ -59,7 +59,7 @@ pub(crate) struct Segment {
     data: usize,
     name: CString,
     creator: bool,
-    unlinked: bool,
+    unlinked: AtomicBool,
 }
 
 // SAFETY: the segment is plain memory; every shared word in it is an atomic, and the
@@ -135,7 +135,7 @@ impl Segment {
             data,
             name: cname,
             creator,
-            unlinked: false,
+            unlinked: AtomicBool::new(false),
         };
         let header = segment.header();
         if creator {
@@ -186,11 +186,10 @@ impl Segment {
     }
 
     /// Removes the name; the memory lives on until every mapping is gone.
-    pub(crate) fn unlink(&mut self) {
-        if self.creator && !self.unlinked {
+    pub(crate) fn unlink(&self) {
+        if self.creator && !self.unlinked.swap(true, Ordering::AcqRel) {
             // SAFETY: `name` is a valid C string.
             unsafe { libc::shm_unlink(self.name.as_ptr()) };
-            self.unlinked = true;
         }
     }
 

@@ -6,7 +6,7 @@
 use std::net::TcpListener;
 use std::time::Duration;
 
-use fairring::{Communicator, Config, ConfigBuilder};
+use fairring::{Algorithm, Communicator, Config, ConfigBuilder};
 
 /// A port that was free a moment ago.
 pub fn free_port() -> u16 {
@@ -62,4 +62,12 @@ impl Rng {
         self.0 ^= self.0 << 17;
         self.0
     }
+}
+
+/// Small slices and shards, so that modest tensors span many slices and shards.
+pub fn small_slices(b: ConfigBuilder, algorithm: Algorithm) -> ConfigBuilder {
+    b.slice_bytes(64 << 10)
+        .min_shard_bytes(4 << 10)
+        .total_memory(1 << 20)
+        .algorithm(algorithm)
 }
