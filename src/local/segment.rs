@@ -110,7 +110,7 @@ impl Segment {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
                 fd,
                 0,
             )
@@ -264,9 +264,23 @@ fn create(name: &std::ffi::CStr, len: usize) -> Result<i32> {
         if fd >= 0 {
             let size = libc::off_t::try_from(len)
                 .map_err(|_| Error::invalid("staging", "shared segment too large"))?;
+            // Allocate every page now: a /dev/shm too small for the segment is an
+            // error here, not a SIGBUS at the first write to a missing page, and
+            // no all-reduce pays for first-touch page allocation.
             // SAFETY: `fd` is a fresh shared-memory object we own.
-            if unsafe { libc::ftruncate(fd, size) } != 0 {
-                let e = std::io::Error::last_os_error();
+            let sized = unsafe { libc::ftruncate(fd, size) } == 0;
+            let allocated = if sized {
+                // SAFETY: as above; posix_fallocate returns its error number.
+                unsafe { libc::posix_fallocate(fd, 0, size) }
+            } else {
+                0
+            };
+            if !sized || allocated != 0 {
+                let e = if sized {
+                    std::io::Error::from_raw_os_error(allocated)
+                } else {
+                    std::io::Error::last_os_error()
+                };
                 // SAFETY: as above.
                 unsafe { libc::close(fd) };
                 // SAFETY: `name` is a valid C string.
