@@ -50,7 +50,9 @@ use crossbeam_queue::ArrayQueue;
 use fairring_core::plan::{Geometry, Plan, Slice};
 use fairring_core::staging::{Actions, Event, StagingState};
 use fairring_core::topology::{Location, Topology};
-use fairring_rdma::fabric::{Completion, CompletionEvent, Fabric, RemoteRegion, WriteRequest};
+use fairring_rdma::fabric::{
+    Completion, CompletionEvent, Fabric, FabricError, RemoteRegion, WriteRequest,
+};
 
 use crate::config::Algorithm;
 use crate::error::{Error, Result};
@@ -206,6 +208,8 @@ pub(crate) struct Driver {
     /// Lowest slice not yet released, and the credit limit last sent.
     released: u64,
     credited: u64,
+    /// Per rank: the credit limit last sent to it.
+    credit_sent: Vec<u64>,
     /// Per rank: slices below this may be written into it.
     pub(crate) credit: Vec<u64>,
     /// Per rank: the operation count it said goodbye after, if it did.
@@ -321,6 +325,7 @@ impl<F: Fabric> Engine<F> {
                 next_slice: 0,
                 released: 0,
                 credited: b,
+                credit_sent: vec![b; world as usize],
                 credit: vec![b; world as usize],
                 departed: vec![None; world as usize],
                 rotation: 0,
@@ -507,6 +512,7 @@ impl<F: Fabric> Engine<F> {
                 }
             }
         }
+        self.send_credits(d);
         while self.try_start(d)? {
             progressed = true;
         }
@@ -795,21 +801,39 @@ impl<F: Fabric> Engine<F> {
         let limit = d.released + u64::from(self.buffers);
         if limit > d.credited {
             d.credited = limit;
-            let payload = limit.to_le_bytes();
-            for &peer in &self.inbound {
-                if d.departed[peer as usize].is_some() {
-                    continue;
-                }
-                let sent = self.fabric.send_message(
-                    peer,
-                    tags::immediate(Kind::Credit, 0, 0),
-                    &payload,
-                    tags::token(Kind::Credit, 0, 0),
-                );
-                // A peer that cannot take a credit has left (its goodbye may not be
-                // polled yet) or failed; a failure arrives as its own completion
-                // and fails the engine there, with the peer's reason.
-                if let Err(e) = sent {
+            self.send_credits(d);
+        }
+        Ok(())
+    }
+
+    /// Sends the current credit limit to every inbound peer that has not had it.
+    /// One the fabric's queue has no room for is sent on a later pass (credits are
+    /// cumulative: the latest says everything the earlier ones did).
+    fn send_credits(&self, d: &mut Driver) {
+        let payload = d.credited.to_le_bytes();
+        for &peer in &self.inbound {
+            let p = peer as usize;
+            if d.credit_sent[p] >= d.credited {
+                continue;
+            }
+            if d.departed[p].is_some() {
+                d.credit_sent[p] = d.credited;
+                continue;
+            }
+            let sent = self.fabric.send_message(
+                peer,
+                tags::immediate(Kind::Credit, 0, 0),
+                &payload,
+                tags::token(Kind::Credit, 0, 0),
+            );
+            match sent {
+                Ok(()) => d.credit_sent[p] = d.credited,
+                Err(FabricError::QueueFull { .. }) => {}
+                // A peer that cannot take a credit has left (its goodbye may not
+                // be polled yet) or failed; a failure arrives as its own
+                // completion and fails the engine there, with the peer's reason.
+                Err(e) => {
+                    d.credit_sent[p] = d.credited;
                     log::debug!(
                         "fairring rank {}: credit to rank {peer} not sent: {e}",
                         self.rank
@@ -817,7 +841,6 @@ impl<F: Fabric> Engine<F> {
                 }
             }
         }
-        Ok(())
     }
 
     /// Posts `w` now if nothing waits before it and the peer has room; else queues it.
