@@ -451,7 +451,9 @@ fn the_notifier_announces_every_completion() {
         "a second notifier was taken"
     );
     for i in 0..50u32 {
-        fabrics[0].send_message(1, i, &[1, 2, 3], u64::from(i)).unwrap();
+        fabrics[0]
+            .send_message(1, i, &[1, 2, 3], u64::from(i))
+            .unwrap();
     }
     let mut seen = 0u32;
     drain_until(&fabrics[1], Duration::from_secs(30), |c| {

@@ -344,8 +344,9 @@ impl<F: Fabric> Engine<F> {
             timeout: parts.timeout,
             uses_fabric: world > 1,
             doorbell_wakes,
-            crowded: std::thread::available_parallelism()
-                .map_or(true, |cores| cores.get() < topology.devices_per_machine() as usize),
+            crowded: std::thread::available_parallelism().map_or(true, |cores| {
+                cores.get() < topology.devices_per_machine() as usize
+            }),
             waiters: AtomicU32::new(0),
             wait_entries: AtomicU64::new(0),
             outstanding: AtomicU64::new(0),
