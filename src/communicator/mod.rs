@@ -3,7 +3,6 @@
 mod bootstrap;
 
 use std::marker::PhantomData;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -279,8 +278,7 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        self.engine.shutdown.store(true, Ordering::Release);
-        self.engine.local.doorbell().ring();
+        self.engine.stop_progress();
         if let Some(t) = self.progress.take()
             && t.join().is_err()
         {

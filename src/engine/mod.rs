@@ -246,7 +246,7 @@ pub(crate) struct Engine<F: Fabric> {
     driver: Mutex<Driver>,
     failed: AtomicBool,
     first_error: Mutex<Option<Error>>,
-    pub(crate) shutdown: AtomicBool,
+    shutdown: AtomicBool,
     pub(crate) timeout: Duration,
     /// Whether any operation may use the fabric (more than one rank).
     uses_fabric: bool,
@@ -1053,6 +1053,14 @@ impl<F: Fabric> Engine<F> {
                 }
             }
         }
+    }
+
+    /// Tells the progress thread to stop, and wakes it wherever it sleeps
+    /// (parked, or on the doorbell), so that it returns at once.
+    pub(crate) fn stop_progress(&self) {
+        self.shutdown.store(true, Ordering::Release);
+        self.park_bell.ring();
+        self.local.doorbell().ring();
     }
 
     /// Parks the progress thread while callers drive; returns whether it was
