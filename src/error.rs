@@ -65,6 +65,21 @@ pub enum Error {
         /// The error.
         source: Arc<std::io::Error>,
     },
+    /// Ranks issued different operations under one sequence number (sizes, types,
+    /// operators, collectives or algorithms differ, or a rank skipped a call).
+    /// Nothing of that operation or any later one was combined.
+    Mismatch {
+        /// The operation's sequence number (the same count of calls on every rank).
+        sequence: u64,
+        /// One rank, and what it called.
+        rank: u32,
+        /// What `rank` called, e.g. `all_reduce of 1024 x f32 (sum, hierarchical)`.
+        called: String,
+        /// Another rank, and what it called.
+        peer: u32,
+        /// What `peer` called.
+        peer_called: String,
+    },
     /// The communicator was aborted.
     Aborted,
     /// The communicator failed earlier and refuses new work.
@@ -144,6 +159,17 @@ impl fmt::Display for Error {
             Error::Peer { rank, reason } => write!(f, "rank {rank}: {reason}"),
             Error::Fabric(e) => write!(f, "fabric: {e}"),
             Error::Io { context, source } => write!(f, "{context}: {source}"),
+            Error::Mismatch {
+                sequence,
+                rank,
+                called,
+                peer,
+                peer_called,
+            } => write!(
+                f,
+                "operation #{sequence} differs across ranks: rank {rank} called {called}, \
+                 rank {peer} called {peer_called}"
+            ),
             Error::Aborted => f.write_str("the communicator was aborted"),
             Error::Failed { first } => {
                 write!(

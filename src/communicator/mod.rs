@@ -3,6 +3,7 @@
 mod bootstrap;
 
 use std::marker::PhantomData;
+use std::sync::atomic::AtomicU8;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -14,7 +15,8 @@ use fairring_rdma::tcp::TcpFabric;
 
 use crate::config::{Algorithm, Config};
 use crate::engine::Engine;
-use crate::engine::work::Submission;
+use crate::engine::descriptor::{Collective, Descriptor};
+use crate::engine::work::{Delivery, Submission, WORK_CAPACITY, slot_of};
 use crate::error::{Error, Result};
 use crate::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
 
@@ -47,6 +49,8 @@ pub struct Communicator {
     location: Location,
     algorithm: Algorithm,
     timeout: Duration,
+    /// The byte each barrier all-reduces, per operation-table entry.
+    barrier_bytes: Box<[AtomicU8]>,
     // Dropped last: other ranks may still be reading the store while this one
     // tears down.
     _store: Arc<dyn Store>,
@@ -115,6 +119,7 @@ impl Communicator {
             location: built.location,
             algorithm: config.algorithm,
             timeout: config.timeout,
+            barrier_bytes: (0..WORK_CAPACITY).map(|_| AtomicU8::new(0)).collect(),
             _store: store,
             _server: server,
         })
@@ -155,7 +160,48 @@ impl Communicator {
         self.scope(|s| s.all_reduce(data, op)?.wait())
     }
 
-    /// Runs `f` with a [`Scope`] in which all-reduces run asynchronously; when `f`
+    /// Copies `data` of rank `root` into `data` of every rank, and waits.
+    pub fn broadcast<T: Element>(&self, data: &mut [T], root: u32) -> Result<()> {
+        self.scope(|s| s.broadcast(data, root)?.wait())
+    }
+
+    /// Gathers every rank's `input` into `output` (rank `r`'s at
+    /// `r * input.len()`), and waits. `output` holds `world_size` inputs.
+    pub fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        self.scope(|s| s.all_gather(input, output)?.wait())
+    }
+
+    /// Reduces `input` across ranks and leaves share `rank` of the result in
+    /// `output`, and waits. `input` holds `world_size` shares of `output.len()`
+    /// elements and is used as workspace: afterwards it holds the whole
+    /// reduction.
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        input: &mut [T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.scope(|s| s.reduce_scatter(input, output, op)?.wait())
+    }
+
+    /// Returns once every rank has entered the barrier.
+    pub fn barrier(&self) -> Result<()> {
+        self.scope(|s| s.barrier()?.wait())
+    }
+
+    /// All-reduces every tensor of `tensors` in place, and waits.
+    pub fn all_reduce_coalesced<T: Element>(
+        &self,
+        tensors: &mut [&mut [T]],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.scope(|s| {
+            s.all_reduce_coalesced(tensors.iter_mut().map(|t| &mut **t), op)?
+                .wait()
+        })
+    }
+
+    /// Runs `f` with a [`Scope`] in which operations run asynchronously; when `f`
     /// returns, every operation started in the scope has finished.
     pub fn scope<'env, R>(
         &'env self,
@@ -187,52 +233,37 @@ impl Communicator {
         op: ReduceOp,
         algorithm: Option<Algorithm>,
     ) -> Result<Work<'_>> {
-        if count > 0 {
-            if data.is_null() {
-                return Err(Error::invalid("data", "null pointer"));
-            }
-            let align = usize::try_from(dtype.size_bytes()).unwrap_or(usize::MAX);
-            if !(data as usize).is_multiple_of(align) {
-                return Err(Error::invalid(
-                    "data",
-                    format!("{data:p} is not aligned to {align} bytes for {dtype}"),
-                ));
-            }
-        }
-        let seq = self.submit(data, count, dtype, op, algorithm.unwrap_or(self.algorithm))?;
-        Ok(Work {
-            engine: &self.engine,
-            seq,
-            _data: PhantomData,
-        })
+        check_pointer(data, count, dtype)?;
+        let seq = self.submit(Request::all_reduce(data, count, dtype, op, algorithm))?;
+        Ok(Work::new(&self.engine, seq, seq))
     }
 
-    fn submit(
-        &self,
-        data: *mut u8,
-        elements: u64,
-        dtype: DataType,
-        op: ReduceOp,
-        algorithm: Algorithm,
-    ) -> Result<u64> {
-        if !op.supports(dtype) {
+    /// Validates a request (with no side effects when it is refused), assigns
+    /// its sequence number and queues it.
+    fn submit(&self, r: Request) -> Result<u64> {
+        if !r.op.supports(r.dtype) {
             return Err(Error::invalid(
                 "op",
-                format!("{op} is not defined on {dtype}"),
+                format!("{} is not defined on {}", r.op, r.dtype),
             ));
         }
-        if elements
-            .checked_mul(dtype.size_bytes())
-            .is_none_or(|b| b > isize::MAX as u64)
-        {
-            return Err(Error::invalid(
-                "count",
-                format!("{elements} elements of {dtype} overflow"),
-            ));
-        }
+        let bytes = r
+            .elements
+            .checked_mul(r.dtype.size_bytes())
+            .filter(|&b| b <= isize::MAX as u64)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "count",
+                    format!("{} elements of {} overflow", r.elements, r.dtype),
+                )
+            })?;
         if let Some(e) = self.engine.failure() {
             return Err(Error::Failed { first: Box::new(e) });
         }
+        let algorithm = r
+            .algorithm
+            .unwrap_or(self.algorithm)
+            .resolve(self.topology, bytes);
         let mut next = self.next_seq.lock().unwrap_or_else(PoisonError::into_inner);
         let seq = *next;
         let start = Instant::now();
@@ -243,8 +274,8 @@ impl Communicator {
             if start.elapsed() > self.timeout {
                 return Err(Error::timeout(
                     format!(
-                        "a free operation slot ({} operations are outstanding; wait on or drop earlier ones)",
-                        crate::engine::work::WORK_CAPACITY
+                        "a free operation slot ({WORK_CAPACITY} operations are outstanding; \
+                         wait on or drop earlier ones)"
                     ),
                     self.timeout,
                 ));
@@ -253,13 +284,27 @@ impl Communicator {
                 std::thread::yield_now();
             }
         }
+        let data = if r.collective == Collective::Barrier {
+            self.barrier_bytes[slot_of(seq)].as_ptr()
+        } else {
+            r.data
+        };
         let sub = Submission {
             seq,
             data,
-            elements,
-            dtype,
-            op,
+            elements: r.elements,
+            dtype: r.dtype,
+            op: r.op,
             algorithm,
+            descriptor: Descriptor {
+                collective: r.collective,
+                dtype: r.caller_dtype,
+                op: r.caller_op,
+                algorithm,
+                root: r.root,
+                elements: r.caller_elements,
+            },
+            deliver: r.deliver,
         };
         if let Err(e) = self.engine.submit(sub) {
             self.engine.works.give_back(seq);
@@ -329,6 +374,171 @@ impl<'scope> Scope<'scope, '_> {
         }
     }
 
+    /// Starts a broadcast of `data` from rank `root` (see
+    /// [`Communicator::broadcast`]).
+    ///
+    /// It runs as a byte-wise wrapping-sum all-reduce to which every rank but the
+    /// root contributes zeros: exact for every type (NaN payloads and negative
+    /// zeros included), at twice the bytes a dedicated broadcast tree would move.
+    pub fn broadcast<T: Element>(
+        &'scope self,
+        data: &'scope mut [T],
+        root: u32,
+    ) -> Result<Work<'scope>> {
+        let world = self.comm.world_size();
+        if root >= world {
+            return Err(Error::invalid(
+                "root",
+                format!("rank {root} is not in a job of {world} ranks"),
+            ));
+        }
+        let bytes = std::mem::size_of_val(data);
+        let ptr: *mut u8 = data.as_mut_ptr().cast();
+        if root != self.comm.rank() {
+            // SAFETY: `data` is exclusively borrowed and spans `bytes` bytes.
+            unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
+        }
+        let mut r = Request::all_reduce(ptr, bytes as u64, DataType::U8, ReduceOp::Sum, None);
+        r.collective = Collective::Broadcast;
+        r.caller_dtype = T::DTYPE;
+        r.caller_elements = data.len() as u64;
+        r.root = root;
+        // SAFETY: as in `all_reduce_with`: `data` lives and stays untouched for
+        // 'scope, which outlasts the operation.
+        unsafe { self.start(r) }
+    }
+
+    /// Starts an all-gather of every rank's `input` into `output` (see
+    /// [`Communicator::all_gather`]): a byte-wise sum over `output` to which each
+    /// rank contributes its input at its offset and zeros elsewhere, exact for
+    /// every type.
+    pub fn all_gather<T: Element>(
+        &'scope self,
+        input: &[T],
+        output: &'scope mut [T],
+    ) -> Result<Work<'scope>> {
+        let world = self.comm.world_size() as usize;
+        let n = input.len();
+        if n.checked_mul(world) != Some(output.len()) {
+            return Err(Error::invalid(
+                "output",
+                format!(
+                    "holds {} elements; {world} ranks x {n} input elements need {}",
+                    output.len(),
+                    n.saturating_mul(world)
+                ),
+            ));
+        }
+        let at = self.comm.rank() as usize * n;
+        let bytes = std::mem::size_of_val(output);
+        let ptr: *mut u8 = output.as_mut_ptr().cast();
+        // SAFETY: `output` is exclusively borrowed and spans `bytes` bytes.
+        unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
+        output[at..at + n].copy_from_slice(input);
+        let mut r = Request::all_reduce(ptr, bytes as u64, DataType::U8, ReduceOp::Sum, None);
+        r.collective = Collective::AllGather;
+        r.caller_dtype = T::DTYPE;
+        r.caller_elements = n as u64;
+        // SAFETY: as in `broadcast`, for `output`.
+        unsafe { self.start(r) }
+    }
+
+    /// Starts a reduce-scatter (see [`Communicator::reduce_scatter`]): an
+    /// all-reduce of `input` in place, whose share of this rank the engine copies
+    /// into `output` when it finishes.
+    pub fn reduce_scatter<T: Element>(
+        &'scope self,
+        input: &'scope mut [T],
+        output: &'scope mut [T],
+        op: ReduceOp,
+    ) -> Result<Work<'scope>> {
+        let world = self.comm.world_size() as usize;
+        let n = output.len();
+        if n.checked_mul(world) != Some(input.len()) {
+            return Err(Error::invalid(
+                "input",
+                format!(
+                    "holds {} elements; {world} ranks x {n} output elements need {}",
+                    input.len(),
+                    n.saturating_mul(world)
+                ),
+            ));
+        }
+        let size = std::mem::size_of::<T>();
+        let mut r = Request::all_reduce(
+            input.as_mut_ptr().cast(),
+            input.len() as u64,
+            T::DTYPE,
+            op,
+            None,
+        );
+        r.collective = Collective::ReduceScatter;
+        r.caller_elements = n as u64;
+        r.deliver = Some(Delivery {
+            to: output.as_mut_ptr().cast(),
+            offset: self.comm.rank() as usize * n * size,
+            len: std::mem::size_of_val(output),
+        });
+        // SAFETY: as in `broadcast`, for `input` and `output`, both borrowed for
+        // 'scope; the delivered range lies within `input` (checked above).
+        unsafe { self.start(r) }
+    }
+
+    /// Starts a barrier: its [`Work`] finishes once every rank has entered it.
+    pub fn barrier(&'scope self) -> Result<Work<'scope>> {
+        let mut r = Request::all_reduce(std::ptr::null_mut(), 1, DataType::U8, ReduceOp::Sum, None);
+        r.collective = Collective::Barrier;
+        // SAFETY: the engine substitutes the communicator's own barrier byte.
+        unsafe { self.start(r) }
+    }
+
+    /// Starts an all-reduce of every tensor in `tensors`, one operation each, all
+    /// in flight at once; the returned [`Work`] covers them all.
+    pub fn all_reduce_coalesced<T: Element>(
+        &'scope self,
+        tensors: impl IntoIterator<Item = &'scope mut [T]>,
+        op: ReduceOp,
+    ) -> Result<Work<'scope>> {
+        if !op.supports(T::DTYPE) {
+            return Err(Error::invalid(
+                "op",
+                format!("{op} is not defined on {}", T::DTYPE),
+            ));
+        }
+        let mut range: Option<(u64, u64)> = None;
+        for t in tensors {
+            let w = match self.all_reduce(t, op) {
+                Ok(w) => w,
+                Err(e) => {
+                    // Only a failed engine refuses here; the group started so far
+                    // is waited for and its entries given back.
+                    if let Some((first, last)) = range {
+                        drop(Work::new(&self.comm.engine, first, last));
+                    }
+                    return Err(e);
+                }
+            };
+            let seq = w.first;
+            // Its entry is given back by the group's `Work`.
+            std::mem::forget(w);
+            range = Some(range.map_or((seq, seq), |(a, _)| (a, seq)));
+        }
+        Ok(match range {
+            Some((first, last)) => Work::new(&self.comm.engine, first, last),
+            None => Work::empty(&self.comm.engine),
+        })
+    }
+
+    /// Queues `r`.
+    ///
+    /// # Safety
+    ///
+    /// `r`'s memory must stay valid and untouched by the caller for 'scope.
+    unsafe fn start(&'scope self, r: Request) -> Result<Work<'scope>> {
+        let seq = self.comm.submit(r)?;
+        Ok(Work::new(&self.comm.engine, seq, seq))
+    }
+
     fn finish(&self) {
         let last = *self
             .comm
@@ -346,20 +556,35 @@ impl<'scope> Scope<'scope, '_> {
     }
 }
 
-/// One all-reduce in flight.
+/// One operation (or a coalesced group of them) in flight.
 ///
 /// Dropping it waits for it to finish; if it has not finished within the
 /// communicator's timeout, the communicator is failed (every peer's operations
 /// then fail too) so that the drop returns and nothing more touches the memory.
-#[must_use = "an all-reduce runs until waited on or dropped"]
+#[must_use = "an operation runs until waited on or dropped"]
 pub struct Work<'a> {
     engine: &'a Engine<TcpFabric>,
-    seq: u64,
+    /// The operations covered: `first..=last`, or none if `first > last`.
+    first: u64,
+    last: u64,
     _data: PhantomData<&'a mut [u8]>,
 }
 
-impl Work<'_> {
-    /// Waits for the all-reduce to finish.
+impl<'a> Work<'a> {
+    fn new(engine: &'a Engine<TcpFabric>, first: u64, last: u64) -> Work<'a> {
+        Work {
+            engine,
+            first,
+            last,
+            _data: PhantomData,
+        }
+    }
+
+    fn empty(engine: &'a Engine<TcpFabric>) -> Work<'a> {
+        Work::new(engine, 1, 0)
+    }
+
+    /// Waits for the operation to finish.
     pub fn wait(self) -> Result<()> {
         let timeout = self.engine.timeout;
         self.wait_timeout(timeout)
@@ -367,35 +592,105 @@ impl Work<'_> {
 
     /// Waits up to `timeout`: an error if it failed or is still running then.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
-        match self.engine.wait(self.seq, Some(timeout))? {
-            true => Ok(()),
-            false => Err(Error::timeout(format!("all-reduce #{}", self.seq), timeout)),
+        let start = Instant::now();
+        for seq in self.first..=self.last {
+            let left = timeout.saturating_sub(start.elapsed());
+            if !self.engine.wait(seq, Some(left))? {
+                return Err(Error::timeout(format!("operation #{seq}"), timeout));
+            }
         }
+        Ok(())
     }
 
-    /// Whether the all-reduce has finished, without waiting or driving it (the
+    /// Whether the operation has finished, without waiting or driving it (the
     /// progress thread does); its error if it failed.
     pub fn test(&self) -> Result<bool> {
-        self.engine.test(self.seq)
+        for seq in self.first..=self.last {
+            if !self.engine.test(seq)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
-    /// The operation's sequence number (the same on every rank).
+    /// The operation's sequence number (the same on every rank); the first one
+    /// of a coalesced group.
     pub fn sequence(&self) -> u64 {
-        self.seq
+        self.first
     }
 }
 
 impl Drop for Work<'_> {
     fn drop(&mut self) {
-        if !matches!(
-            self.engine.wait(self.seq, Some(self.engine.timeout)),
-            Ok(true) | Err(_)
-        ) {
-            self.engine.fail(Error::timeout(
-                format!("all-reduce #{} (dropped while running)", self.seq),
-                self.engine.timeout,
-            ));
+        for seq in self.first..=self.last {
+            if !matches!(
+                self.engine.wait(seq, Some(self.engine.timeout)),
+                Ok(true) | Err(_)
+            ) {
+                self.engine.fail(Error::timeout(
+                    format!("operation #{seq} (dropped while running)"),
+                    self.engine.timeout,
+                ));
+            }
+            self.engine.works.give_back(seq);
         }
-        self.engine.works.give_back(self.seq);
+    }
+}
+
+/// Rejects a null or misaligned pointer for `count` elements of `dtype`.
+fn check_pointer(data: *mut u8, count: u64, dtype: DataType) -> Result<()> {
+    if count == 0 {
+        return Ok(());
+    }
+    if data.is_null() {
+        return Err(Error::invalid("data", "null pointer"));
+    }
+    let align = usize::try_from(dtype.size_bytes()).unwrap_or(usize::MAX);
+    if !(data as usize).is_multiple_of(align) {
+        return Err(Error::invalid(
+            "data",
+            format!("{data:p} is not aligned to {align} bytes for {dtype}"),
+        ));
+    }
+    Ok(())
+}
+
+/// An operation as the communicator queues it: what the engine runs (an
+/// all-reduce of `elements` of `dtype` at `data`) and what the caller called.
+struct Request {
+    data: *mut u8,
+    elements: u64,
+    dtype: DataType,
+    op: ReduceOp,
+    algorithm: Option<Algorithm>,
+    collective: Collective,
+    caller_dtype: DataType,
+    caller_op: ReduceOp,
+    caller_elements: u64,
+    root: u32,
+    deliver: Option<Delivery>,
+}
+
+impl Request {
+    fn all_reduce(
+        data: *mut u8,
+        elements: u64,
+        dtype: DataType,
+        op: ReduceOp,
+        algorithm: Option<Algorithm>,
+    ) -> Request {
+        Request {
+            data,
+            elements,
+            dtype,
+            op,
+            algorithm,
+            collective: Collective::AllReduce,
+            caller_dtype: dtype,
+            caller_op: op,
+            caller_elements: elements,
+            root: 0,
+            deliver: None,
+        }
     }
 }

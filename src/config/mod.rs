@@ -12,7 +12,7 @@
 //! | `FAIRRING_SOCKET_IFNAME` | interface the fabric listens on | the one that reaches `MASTER_ADDR` |
 //! | `FAIRRING_TIMEOUT` | rendezvous and peer-silence bound (`30`, `2.5s`, `500ms`, `5min`) | 300 s |
 //! | `FAIRRING_JOB_SECRET` | 64 hex digits shared by every rank; admits peers | derived from the job (see below) |
-//! | `FAIRRING_ALGO` | `hierarchical` or `ring` | `hierarchical` |
+//! | `FAIRRING_ALGO` | `auto`, `hierarchical` or `ring` | `auto` |
 //! | `FAIRRING_HOST_ID` | overrides the machine identity (simulates machines on one host) | boot id and host name |
 //!
 //! Every value is validated when the communicator is built; a bad one fails with
@@ -24,6 +24,7 @@
 //! accident, but anyone who can read the job's environment can join it. Set the
 //! variable on shared networks.
 
+mod auto;
 mod parse;
 
 use std::time::Duration;
@@ -37,6 +38,9 @@ pub(crate) use parse::{parse_bytes, parse_duration, parse_u32};
 /// How an all-reduce moves its data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Algorithm {
+    /// Per operation, whichever of the others was measured faster for its size on
+    /// the job's layout (see [`Algorithm::resolve`]). The default.
+    Auto,
     /// Reduction-server all-reduce: intra-machine reduce-scatter, sharded exchange
     /// along rails, intra-machine all-gather (DESIGN.md section 1).
     Hierarchical,
@@ -49,13 +53,14 @@ impl Algorithm {
     /// The algorithm's name, as `FAIRRING_ALGO` spells it.
     pub const fn name(self) -> &'static str {
         match self {
+            Algorithm::Auto => "auto",
             Algorithm::Hierarchical => "hierarchical",
             Algorithm::Ring => "ring",
         }
     }
 
     /// Every algorithm.
-    pub const ALL: [Algorithm; 2] = [Algorithm::Hierarchical, Algorithm::Ring];
+    pub const ALL: [Algorithm; 3] = [Algorithm::Auto, Algorithm::Hierarchical, Algorithm::Ring];
 }
 
 impl std::fmt::Display for Algorithm {
@@ -71,8 +76,8 @@ impl std::str::FromStr for Algorithm {
         match s.trim().to_ascii_lowercase().as_str() {
             "hierarchical" => Ok(Algorithm::Hierarchical),
             "ring" => Ok(Algorithm::Ring),
-            "auto" => Err("`auto` is not available yet; use hierarchical or ring".into()),
-            _ => Err("expected hierarchical or ring".into()),
+            "auto" => Ok(Algorithm::Auto),
+            _ => Err("expected auto, hierarchical or ring".into()),
         }
     }
 }
@@ -145,7 +150,7 @@ impl Config {
             timeout: DEFAULT_TIMEOUT,
             secret: None,
             run_id: String::new(),
-            algorithm: Algorithm::Hierarchical,
+            algorithm: Algorithm::Auto,
             host_id: None,
         }
     }

@@ -37,11 +37,13 @@
 //! fixed queue, operations through a fixed table, deferred writes through lists
 //! sized at construction, and reductions take their sources from a fixed array.
 
+pub(crate) mod descriptor;
 mod hierarchical;
 mod ring;
 pub(crate) mod tags;
 pub(crate) mod work;
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -57,6 +59,7 @@ use fairring_rdma::fabric::{
 use crate::config::Algorithm;
 use crate::error::{Error, Result};
 use crate::local::{Doorbell, LocalGroup};
+use descriptor::{FAILURE_BYTES, Failure, Words};
 use tags::Kind;
 use work::{DONE, FAILED, Submission, WORK_CAPACITY, WorkTable};
 
@@ -155,6 +158,8 @@ pub(crate) struct Record {
     pub(crate) sub: Submission,
     pub(crate) plan: Plan,
     pub(crate) slices_done: u64,
+    /// Every slice is done; completion waits for the descriptor checks.
+    pub(crate) finished: bool,
 }
 
 /// What the slice holding a buffer is doing.
@@ -221,6 +226,22 @@ pub(crate) struct Driver {
     rotation: u64,
     completions: Vec<Completion>,
     last_progress: Instant,
+    /// Own descriptor words of operation `s`, at `slot_of(s)`.
+    own: Vec<Words>,
+    /// Operations below this have every local rank's descriptor checked.
+    local_checked: u64,
+    /// Per rank: operations below this have had their descriptor sent to it.
+    descriptors_sent: Vec<u64>,
+    /// Per rank: operations below this it has confirmed (descriptor checked).
+    confirmed: Vec<u64>,
+    /// Per rank: descriptors that came before this rank accepted the operation.
+    early_descriptors: Vec<VecDeque<(u64, Words)>>,
+    /// Operations finished and waiting for their checks, and the oldest
+    /// operation not completed.
+    finished_waiting: u32,
+    oldest_open: u64,
+    /// The failure record to pass on, when the failure came with one.
+    failure_record: Option<[u8; FAILURE_BYTES]>,
 }
 
 /// The engine of one communicator.
@@ -241,6 +262,10 @@ pub(crate) struct Engine<F: Fabric> {
     inbound: Vec<u32>,
     /// Every rank this rank is connected to.
     pub(crate) linked: Vec<u32>,
+    /// Ranks on other machines this rank writes to, and that write to it: the
+    /// remote ends of descriptor checks.
+    remote_out: Vec<u32>,
+    remote_in: Vec<u32>,
     pub(crate) works: WorkTable,
     submissions: ArrayQueue<Submission>,
     driver: Mutex<Driver>,
@@ -305,6 +330,25 @@ impl<F: Fabric> Engine<F> {
             })
             .collect();
         let b = u64::from(parts.buffers);
+        let off_machine = |p: &u32| {
+            topology
+                .locate(*p)
+                .is_ok_and(|l| l.machine != parts.location.machine)
+        };
+        let remote_out: Vec<u32> = (0..world)
+            .filter(|&p| parts.remote[p as usize].is_some())
+            .filter(off_machine)
+            .collect();
+        let remote_in: Vec<u32> = parts.inbound.iter().copied().filter(off_machine).collect();
+        let early_descriptors = (0..world)
+            .map(|p| {
+                if remote_in.contains(&p) {
+                    VecDeque::with_capacity(WORK_CAPACITY)
+                } else {
+                    VecDeque::new()
+                }
+            })
+            .collect();
         let doorbell_wakes = world <= 1 || parts.fabric.notify_completions(parts.local.waker());
         Engine {
             fabric: parts.fabric,
@@ -320,6 +364,8 @@ impl<F: Fabric> Engine<F> {
             layout: parts.layout,
             inbound: parts.inbound,
             linked: parts.linked,
+            remote_out,
+            remote_in,
             works: WorkTable::new(),
             submissions: ArrayQueue::new(WORK_CAPACITY),
             driver: Mutex::new(Driver {
@@ -337,6 +383,14 @@ impl<F: Fabric> Engine<F> {
                 rotation: 0,
                 completions: vec![NO_COMPLETION; POLL_BATCH],
                 last_progress: Instant::now(),
+                own: vec![[0; 2]; WORK_CAPACITY],
+                local_checked: 0,
+                descriptors_sent: vec![0; world as usize],
+                confirmed: vec![0; world as usize],
+                early_descriptors,
+                finished_waiting: 0,
+                oldest_open: 0,
+                failure_record: None,
             }),
             failed: AtomicBool::new(false),
             first_error: Mutex::new(None),
@@ -415,6 +469,10 @@ impl<F: Fabric> Engine<F> {
     }
 
     fn fail_locked(&self, d: &mut Driver, error: Error) {
+        let record = d
+            .failure_record
+            .take()
+            .unwrap_or_else(|| Failure::encode(&error, self.rank));
         {
             let mut first = lock(&self.first_error);
             if first.is_none() {
@@ -422,7 +480,23 @@ impl<F: Fabric> Engine<F> {
                 *first = Some(error);
             }
         }
-        self.failed.store(true, Ordering::Release);
+        if !self.failed.swap(true, Ordering::AcqRel) {
+            // The first failure: tell the local ranks and every linked peer, so
+            // that none of them waits for this rank (see `descriptor`).
+            let mut words = [0u64; FAILURE_BYTES / 8];
+            for (w, chunk) in words.iter_mut().zip(record.chunks_exact(8)) {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(chunk);
+                *w = u64::from_le_bytes(b);
+            }
+            self.local.fail(words);
+            for &p in &self.linked {
+                let imm = tags::immediate(Kind::Abort, 0, 0);
+                let _ = self
+                    .fabric
+                    .send_message(p, imm, &record, tags::token(Kind::Abort, 0, 0));
+            }
+        }
         while let Some(sub) = self.submissions.pop() {
             self.complete(sub.seq, FAILED);
         }
@@ -481,31 +555,106 @@ impl<F: Fabric> Engine<F> {
     }
 
     fn in_flight(&self, d: &Driver) -> bool {
-        d.start_seq < d.accepted || d.slots.iter().any(|s| s.active.is_some())
+        d.start_seq < d.accepted
+            || d.finished_waiting > 0
+            || d.slots.iter().any(|s| s.active.is_some())
+    }
+
+    /// The global rank of local rank `device` of this machine.
+    fn local_to_global(&self, device: u32) -> u32 {
+        self.topology
+            .rank(Location {
+                machine: self.location.machine,
+                device,
+            })
+            .unwrap_or(u32::MAX)
+    }
+
+    fn list(ranks: &[u32]) -> String {
+        ranks
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// Ranks that have not issued operation `seq` as far as this rank knows.
+    fn not_issued(&self, d: &Driver, seq: u64) -> Vec<u32> {
+        let local = (0..self.local.local_size())
+            .filter(|&r| r != self.location.device && self.local.operation(r, seq).is_none())
+            .map(|r| self.local_to_global(r));
+        let remote = self
+            .remote_in
+            .iter()
+            .copied()
+            .filter(|&p| d.confirmed[p as usize] <= seq);
+        local.chain(remote).collect()
     }
 
     fn describe_stall(&self, d: &Driver) -> String {
         let oldest = d
             .slots
             .iter()
-            .filter_map(|s| s.active)
-            .min_by_key(|a| a.number);
-        match oldest {
-            Some(a) => format!(
-                "slice {} of operation {} ({}) to leave phase {:?}: no progress from the local \
-                 ranks of machine {} or from peers",
-                a.number, a.seq, a.algorithm, a.phase, self.location.machine
-            ),
-            None => format!("a staging buffer for operation {}", d.start_seq),
+            .enumerate()
+            .filter_map(|(b, s)| s.active.map(|a| (b, a)))
+            .min_by_key(|(_, a)| a.number);
+        if let Some((b, a)) = oldest {
+            let lagging: Vec<u32> = match a.phase {
+                Phase::ReduceScatter | Phase::AllGather => self
+                    .local
+                    .laggards(u32::try_from(b).unwrap_or(0), a.number)
+                    .into_iter()
+                    .filter(|&r| r != self.location.device)
+                    .map(|r| self.local_to_global(r))
+                    .collect(),
+                _ => Vec::new(),
+            };
+            let waits = if lagging.is_empty() {
+                format!(
+                    "no data from the ranks it exchanges with (rank(s) {} write to this one)",
+                    Self::list(&self.inbound)
+                )
+            } else {
+                format!("local rank(s) {} to do their part", Self::list(&lagging))
+            };
+            return format!(
+                "slice {} of operation #{} ({}) to leave phase {:?}: {waits}",
+                a.number, a.seq, a.algorithm, a.phase
+            );
+        }
+        let seq = if d.local_checked < d.accepted {
+            d.local_checked
+        } else {
+            d.oldest_open
+        };
+        let missing = self.not_issued(d, seq);
+        if missing.is_empty() {
+            format!("a staging buffer for operation #{}", d.start_seq)
+        } else {
+            format!(
+                "rank(s) {} to issue operation #{seq} (or a peer skipped a call)",
+                Self::list(&missing)
+            )
         }
     }
 
     fn drive(&self, d: &mut Driver) -> Result<bool> {
+        if let Some((device, words)) = self.local.failure()
+            && device != self.location.device
+        {
+            let mut record = [0u8; FAILURE_BYTES];
+            for (chunk, w) in record.chunks_exact_mut(8).zip(words) {
+                chunk.copy_from_slice(&w.to_le_bytes());
+            }
+            d.failure_record = Some(record);
+            return Err(Failure::decode(&record, self.local_to_global(device)));
+        }
         let mut progressed = false;
         while let Some(sub) = self.submissions.pop() {
             progressed = true;
             self.accept(d, sub)?;
         }
+        progressed |= self.check_local(d)?;
         if self.uses_fabric {
             loop {
                 let mut batch = std::mem::take(&mut d.completions);
@@ -522,6 +671,10 @@ impl<F: Fabric> Engine<F> {
             }
         }
         self.send_credits(d);
+        self.send_descriptors(d);
+        if d.finished_waiting > 0 {
+            self.complete_checked(d);
+        }
         while self.try_start(d)? {
             progressed = true;
         }
@@ -560,6 +713,12 @@ impl<F: Fabric> Engine<F> {
                 ),
             ));
         }
+        if sub.algorithm == Algorithm::Auto {
+            return Err(Error::invalid(
+                "algorithm",
+                "auto reached the engine unresolved",
+            ));
+        }
         d.accepted += 1;
         let plan = Plan::new(&self.geometry, sub.dtype, sub.elements, d.rotation)
             .map_err(|e| Error::invalid("tensor", e.to_string()))?;
@@ -571,8 +730,186 @@ impl<F: Fabric> Engine<F> {
             sub,
             plan,
             slices_done: 0,
+            finished: false,
         });
+        let words = sub.descriptor.words();
+        d.own[idx] = words;
+        self.local.publish_operation(sub.seq, words);
+        for i in 0..self.remote_in.len() {
+            let p = self.remote_in[i] as usize;
+            if let Some(&(seq, theirs)) = d.early_descriptors[p].front()
+                && seq == sub.seq
+            {
+                d.early_descriptors[p].pop_front();
+                self.compare(d, seq, self.remote_in[i], theirs)?;
+                d.confirmed[p] = seq + 1;
+            }
+        }
+        self.send_descriptors(d);
         Ok(())
+    }
+
+    /// Checks operation `seq` against a peer's descriptor of it.
+    fn compare(&self, d: &mut Driver, seq: u64, peer: u32, theirs: Words) -> Result<()> {
+        let ours = d.own[work::slot_of(seq)];
+        if ours == theirs {
+            return Ok(());
+        }
+        let (record, error) = Failure::mismatch(seq, self.rank, ours, peer, theirs);
+        d.failure_record = Some(record);
+        Err(error)
+    }
+
+    /// Checks accepted operations against every local rank's descriptor, in
+    /// order, as far as the local ranks have published them.
+    fn check_local(&self, d: &mut Driver) -> Result<bool> {
+        let mut progressed = false;
+        while d.local_checked < d.accepted {
+            let seq = d.local_checked;
+            for r in (0..self.local.local_size()).filter(|&r| r != self.location.device) {
+                match self.local.operation(r, seq) {
+                    None => return Ok(progressed),
+                    Some(theirs) => self.compare(d, seq, self.local_to_global(r), theirs)?,
+                }
+            }
+            d.local_checked += 1;
+            progressed = true;
+            if d.finished_waiting > 0 {
+                self.try_complete(d, seq);
+            }
+        }
+        Ok(progressed)
+    }
+
+    /// A remote peer's descriptor of operation `seq`.
+    fn on_descriptor(&self, d: &mut Driver, peer: u32, seq: u64, theirs: Words) -> Result<()> {
+        let p = peer as usize;
+        let expected = d.confirmed[p] + d.early_descriptors[p].len() as u64;
+        if !self.remote_in.contains(&peer) || seq != expected {
+            return Err(Error::peer(
+                peer,
+                format!(
+                    "sent the descriptor of operation #{seq} out of order (expected #{expected})"
+                ),
+            ));
+        }
+        if seq < d.accepted {
+            self.compare(d, seq, peer, theirs)?;
+            d.confirmed[p] = seq + 1;
+            if d.finished_waiting > 0 {
+                self.try_complete(d, seq);
+            }
+        } else if d.early_descriptors[p].len() < WORK_CAPACITY {
+            d.early_descriptors[p].push_back((seq, theirs));
+        } else {
+            return Err(Error::peer(
+                peer,
+                format!("is more than {WORK_CAPACITY} operations ahead of this rank"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Sends the descriptors of accepted operations, in order, to every remote
+    /// rank this rank writes to. A write of operation `s` to such a rank waits
+    /// until the descriptor of `s` is out (see `flush`).
+    fn send_descriptors(&self, d: &mut Driver) {
+        for &peer in &self.remote_out {
+            let p = peer as usize;
+            while d.descriptors_sent[p] < d.accepted {
+                if d.departed[p].is_some() {
+                    d.descriptors_sent[p] = d.accepted;
+                    break;
+                }
+                let seq = d.descriptors_sent[p];
+                let w = d.own[work::slot_of(seq)];
+                let mut payload = [0u8; 24];
+                payload[..8].copy_from_slice(&seq.to_le_bytes());
+                payload[8..16].copy_from_slice(&w[0].to_le_bytes());
+                payload[16..].copy_from_slice(&w[1].to_le_bytes());
+                let sent = self.fabric.send_message(
+                    peer,
+                    tags::immediate(Kind::Descriptor, 0, 0),
+                    &payload,
+                    tags::token(Kind::Descriptor, 0, 0),
+                );
+                match sent {
+                    Ok(()) => d.descriptors_sent[p] += 1,
+                    Err(FabricError::QueueFull { .. }) => break,
+                    // As for credits: a failed peer's failure arrives as its own
+                    // completion.
+                    Err(e) => {
+                        log::debug!(
+                            "fairring rank {}: descriptor to rank {peer} not sent: {e}",
+                            self.rank
+                        );
+                        d.descriptors_sent[p] = d.accepted;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether every check of operation `seq` has passed.
+    fn checked(&self, d: &Driver, seq: u64) -> bool {
+        d.local_checked > seq
+            && self
+                .remote_in
+                .iter()
+                .all(|&p| d.confirmed[p as usize] > seq)
+            && self
+                .remote_out
+                .iter()
+                .all(|&p| d.descriptors_sent[p as usize] > seq)
+    }
+
+    /// Every slice of operation `seq` is done: complete it once it is checked.
+    fn finish_operation(&self, d: &mut Driver, seq: u64) {
+        if let Some(rec) = d.records[work::slot_of(seq)].as_mut()
+            && rec.sub.seq == seq
+            && !rec.finished
+        {
+            rec.finished = true;
+            d.finished_waiting += 1;
+            self.try_complete(d, seq);
+        }
+    }
+
+    /// Completes operation `seq` if it is finished and checked.
+    fn try_complete(&self, d: &mut Driver, seq: u64) {
+        let idx = work::slot_of(seq);
+        let Some(rec) = d.records[idx] else {
+            return;
+        };
+        if rec.sub.seq != seq || !rec.finished || !self.checked(d, seq) {
+            return;
+        }
+        if let Some(out) = rec.sub.deliver {
+            // SAFETY: the submitting call's contract: `data` holds the result's
+            // bytes and `out.to` is valid for `out.len` bytes, both untouched by
+            // the caller until the operation completes; the range lies within
+            // the result (checked at submission).
+            let from = rec.sub.data.wrapping_add(out.offset);
+            // SAFETY: (see above.)
+            unsafe { std::ptr::copy_nonoverlapping(from, out.to, out.len) };
+        }
+        d.records[idx] = None;
+        d.finished_waiting -= 1;
+        self.complete(seq, DONE);
+        self.local.doorbell().ring();
+    }
+
+    /// Completes every finished operation whose checks have passed since.
+    fn complete_checked(&self, d: &mut Driver) {
+        while d.oldest_open < d.accepted && d.records[work::slot_of(d.oldest_open)].is_none() {
+            d.oldest_open += 1;
+        }
+        for seq in d.oldest_open..d.accepted {
+            if d.finished_waiting == 0 {
+                break;
+            }
+            self.try_complete(d, seq);
+        }
     }
 
     /// Starts the next slice if its buffer is free here and on this machine.
@@ -588,11 +925,9 @@ impl<F: Fabric> Engine<F> {
                 continue;
             };
             if rec.plan.slice_count() == 0 {
-                d.records[idx] = None;
-                self.complete(rec.sub.seq, DONE);
-                self.local.doorbell().ring();
                 d.start_seq += 1;
                 d.start_index = 0;
+                self.finish_operation(d, rec.sub.seq);
                 continue;
             }
             break;
@@ -601,6 +936,11 @@ impl<F: Fabric> Engine<F> {
         let Some(rec) = d.records[idx] else {
             return Ok(false);
         };
+        // No data of an operation is combined before every local rank has
+        // issued the same one.
+        if d.local_checked <= d.start_seq {
+            return Ok(false);
+        }
         let number = d.next_slice;
         let b = self.buffer_of(number);
         let generation = number / u64::from(self.buffers);
@@ -626,10 +966,10 @@ impl<F: Fabric> Engine<F> {
             .map_err(|e| Error::invalid("slice", e.to_string()))?;
         let algorithm = rec.sub.algorithm;
         let role = match algorithm {
-            Algorithm::Hierarchical => slice
+            Algorithm::Ring => fairring_core::staging::Role::IDLE,
+            Algorithm::Hierarchical | Algorithm::Auto => slice
                 .role(self.location)
                 .map_err(|e| Error::invalid("slice", e.to_string()))?,
-            Algorithm::Ring => fairring_core::staging::Role::IDLE,
         };
         d.slots[b as usize]
             .state
@@ -643,8 +983,10 @@ impl<F: Fabric> Engine<F> {
         // lies within them (the plan's slices tile the tensor).
         let input = unsafe { std::slice::from_raw_parts(start, range.len()) };
         match algorithm {
-            Algorithm::Hierarchical => self.local.stage_in(b, number, &slice, input)?,
             Algorithm::Ring => self.staging(b, 0..input.len()).copy_from_slice(input),
+            Algorithm::Hierarchical | Algorithm::Auto => {
+                self.local.stage_in(b, number, &slice, input)?;
+            }
         }
         d.slots[b as usize].active = Some(Active {
             number,
@@ -664,7 +1006,7 @@ impl<F: Fabric> Engine<F> {
             d.start_index = 0;
         }
         match algorithm {
-            Algorithm::Hierarchical => {
+            Algorithm::Hierarchical | Algorithm::Auto => {
                 let early = std::mem::take(&mut d.slots[b as usize].early_contributions);
                 for _ in 0..early {
                     self.staging_event(d, b, Event::ContributionReceived)?;
@@ -751,8 +1093,10 @@ impl<F: Fabric> Engine<F> {
         };
         let mut progressed = self.flush(d, b)?;
         match a.algorithm {
-            Algorithm::Hierarchical => progressed |= self.hierarchical_advance(d, b, a)?,
             Algorithm::Ring => progressed |= self.ring_advance(d, b)?,
+            Algorithm::Hierarchical | Algorithm::Auto => {
+                progressed |= self.hierarchical_advance(d, b, a)?;
+            }
         }
         Ok(progressed)
     }
@@ -791,9 +1135,7 @@ impl<F: Fabric> Engine<F> {
         if let Some(rec) = d.records[idx].as_mut() {
             rec.slices_done += 1;
             if rec.slices_done == rec.plan.slice_count() {
-                d.records[idx] = None;
-                self.complete(a.seq, DONE);
-                self.local.doorbell().ring();
+                self.finish_operation(d, a.seq);
             }
         }
         // Advance the release watermark and credit the writers.
@@ -862,10 +1204,15 @@ impl<F: Fabric> Engine<F> {
     fn flush(&self, d: &mut Driver, b: u32) -> Result<bool> {
         let mut posted = 0;
         let slot = &d.slots[b as usize];
+        let seq = slot.active.map_or(0, |a| a.seq);
         for w in &slot.pending {
             if let Some(s) = w.credit_for
                 && d.credit[w.peer as usize] <= s
             {
+                break;
+            }
+            // A remote peer reads this operation's descriptor before its data.
+            if d.descriptors_sent[w.peer as usize] <= seq && self.remote_out.contains(&w.peer) {
                 break;
             }
             let target = self.remote[w.peer as usize]
@@ -905,7 +1252,10 @@ impl<F: Fabric> Engine<F> {
             CompletionEvent::Sent { token } => {
                 let (kind, b, g) = tags::parse_token(token)
                     .ok_or_else(|| Error::invalid("token", format!("unknown token {token:#x}")))?;
-                if matches!(kind, Kind::Credit | Kind::Bye) {
+                if matches!(
+                    kind,
+                    Kind::Credit | Kind::Bye | Kind::Descriptor | Kind::Abort
+                ) {
                     return Ok(());
                 }
                 let Some(a) = d.slots.get(b as usize).and_then(|s| s.active) else {
@@ -931,6 +1281,22 @@ impl<F: Fabric> Engine<F> {
             }
             CompletionEvent::Message(m) => {
                 let kind = tags::parse_immediate(m.immediate).map(|t| t.0);
+                if kind == Some(Kind::Descriptor)
+                    && let Ok(p) = <[u8; 24]>::try_from(m.payload())
+                {
+                    let word = |i: usize| {
+                        let mut w = [0u8; 8];
+                        w.copy_from_slice(&p[i * 8..i * 8 + 8]);
+                        u64::from_le_bytes(w)
+                    };
+                    return self.on_descriptor(d, c.peer, word(0), [word(1), word(2)]);
+                }
+                if kind == Some(Kind::Abort)
+                    && let Ok(record) = <[u8; FAILURE_BYTES]>::try_from(m.payload())
+                {
+                    d.failure_record = Some(record);
+                    return Err(Failure::decode(&record, c.peer));
+                }
                 let payload: Option<[u8; 8]> = m.payload().try_into().ok();
                 match (kind, payload) {
                     (Some(Kind::Credit), Some(p)) => {

@@ -3,10 +3,10 @@
 //! **Immediate** (32 bits, delivered with the peer's `Landed` completion):
 //!
 //! ```text
-//! bits  0..3   kind (Kind)
-//! bits  3..15  staging buffer index (so at most 4096 buffers)
-//! bits 15..26  the slice's generation on that buffer, mod 2^11
-//! bits 26..32  zero
+//! bits  0..4   kind (Kind)
+//! bits  4..16  staging buffer index (so at most 4096 buffers); 0 in messages
+//! bits 16..27  the slice's generation on that buffer, mod 2^11; 0 in messages
+//! bits 27..32  zero
 //! ```
 //!
 //! Landings carry no address: the receiver knows where each kind lands from the
@@ -43,6 +43,11 @@ pub(crate) enum Kind {
     /// A goodbye: the sender finished the operations below the payload's count and
     /// is closing; its connection closing next is not a failure.
     Bye = 6,
+    /// The sender's descriptor of one operation (see `descriptor`), sent before
+    /// any of the operation's data, so that the receiver compares it first.
+    Descriptor = 7,
+    /// The sender has failed; the payload says why (see `descriptor::Failure`).
+    Abort = 8,
 }
 
 impl Kind {
@@ -54,6 +59,8 @@ impl Kind {
             4 => Kind::RingGather,
             5 => Kind::Credit,
             6 => Kind::Bye,
+            7 => Kind::Descriptor,
+            8 => Kind::Abort,
             _ => return None,
         })
     }
@@ -65,16 +72,16 @@ const GEN_MASK: u64 = (1 << GENERATION_BITS) - 1;
 pub(crate) fn immediate(kind: Kind, buffer: u32, generation: u64) -> u32 {
     debug_assert!(buffer < MAX_BUFFERS);
     let g = (generation & GEN_MASK) as u32;
-    kind as u32 | (buffer & (MAX_BUFFERS - 1)) << 3 | g << 15
+    kind as u32 | (buffer & (MAX_BUFFERS - 1)) << 4 | g << 16
 }
 
 /// Decodes an immediate: kind, buffer, generation mod 2^11.
 pub(crate) fn parse_immediate(imm: u32) -> Option<(Kind, u32, u64)> {
-    if imm >> 26 != 0 {
+    if imm >> 27 != 0 {
         return None;
     }
-    let kind = Kind::from_bits(imm & 7)?;
-    Some((kind, (imm >> 3) & (MAX_BUFFERS - 1), u64::from(imm >> 15)))
+    let kind = Kind::from_bits(imm & 15)?;
+    Some((kind, (imm >> 4) & (MAX_BUFFERS - 1), u64::from(imm >> 16)))
 }
 
 /// The token of a post.
@@ -106,6 +113,8 @@ mod tests {
             Kind::RingGather,
             Kind::Credit,
             Kind::Bye,
+            Kind::Descriptor,
+            Kind::Abort,
         ] {
             for buffer in [0, 1, 77, MAX_BUFFERS - 1] {
                 for generation in [0u64, 1, 2047, 2048, 123_456_789] {
@@ -118,6 +127,7 @@ mod tests {
             }
         }
         assert!(parse_immediate(0).is_none());
-        assert!(parse_immediate(1 << 26 | 1).is_none());
+        assert!(parse_immediate(1 << 27 | 1).is_none());
+        assert!(parse_immediate(9).is_none());
     }
 }

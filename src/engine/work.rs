@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use fairring_core::{DataType, ReduceOp};
 
+use super::descriptor::Descriptor;
 use crate::config::Algorithm;
 
 /// Most operations outstanding at once.
@@ -47,6 +48,19 @@ pub(crate) struct Submission {
     pub(crate) dtype: DataType,
     pub(crate) op: ReduceOp,
     pub(crate) algorithm: Algorithm,
+    /// The call as the caller issued it, compared across ranks.
+    pub(crate) descriptor: Descriptor,
+    /// Bytes to copy out of the result once it is final (a reduce-scatter's
+    /// share): `len` bytes from `offset` in `data` to `to`.
+    pub(crate) deliver: Option<Delivery>,
+}
+
+/// A copy out of an operation's result, made by the driver when it finishes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Delivery {
+    pub(crate) to: *mut u8,
+    pub(crate) offset: usize,
+    pub(crate) len: usize,
 }
 
 // SAFETY: the pointer is only dereferenced by the driver under the contract of the

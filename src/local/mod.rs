@@ -47,6 +47,7 @@ pub(crate) mod segment;
 
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::{Ordering, fence};
 use std::time::Duration;
 
 use fairring_core::plan::Slice;
@@ -130,6 +131,26 @@ pub trait LocalGroup: Send + Sync {
     /// A handle that rings this rank's doorbell from any thread, and keeps it
     /// alive as long as the handle lives (for a fabric's completion notifier).
     fn waker(&self) -> Arc<dyn Fn() + Send + Sync>;
+
+    /// Publishes this rank's descriptor words of operation `seq` to the local
+    /// ranks (see the engine's `descriptor` module).
+    fn publish_operation(&self, seq: u64, words: [u64; 2]);
+
+    /// Local rank `rank`'s descriptor words of operation `seq`, once published.
+    fn operation(&self, rank: u32, seq: u64) -> Option<[u64; 2]>;
+
+    /// Records the machine's failure (the first one wins) and wakes every local
+    /// rank; `record` says why, in the engine's failure encoding.
+    fn fail(&self, record: [u64; 8]);
+
+    /// The local rank that failed first on this machine and its record, if one
+    /// has.
+    fn failure(&self) -> Option<(u32, [u64; 8])>;
+
+    /// The local ranks that have not yet done their part of slice `number` in
+    /// buffer `buffer`, at the first step some rank has not finished: what a
+    /// stalled slice waits for.
+    fn laggards(&self, buffer: u32, number: u64) -> Vec<u32>;
 }
 
 /// The local group of processes that share host memory.
@@ -179,7 +200,7 @@ impl ShmGroup {
     fn publish(&self, buffer: u32, slice: u64, which: Counter) {
         self.segment
             .counter(self.rank, buffer, which)
-            .store(slice + 1, std::sync::atomic::Ordering::Release);
+            .store(slice + 1, Ordering::Release);
         for r in (0..self.size).filter(|&r| r != self.rank) {
             self.segment.doorbell(r).ring();
         }
@@ -189,7 +210,7 @@ impl ShmGroup {
         (0..self.size).all(|r| {
             self.segment
                 .counter(r, buffer, which)
-                .load(std::sync::atomic::Ordering::Acquire)
+                .load(Ordering::Acquire)
                 >= value
         })
     }
@@ -387,4 +408,67 @@ impl LocalGroup for ShmGroup {
         let rank = self.rank;
         Arc::new(move || segment.doorbell(rank).ring())
     }
+
+    fn publish_operation(&self, seq: u64, words: [u64; 2]) {
+        let entry = self.segment.operation(self.rank, operation_index(seq));
+        // A seqlock: readers check the sequence before and after the words.
+        entry[0].store(0, Ordering::Relaxed);
+        fence(Ordering::Release);
+        entry[1].store(words[0], Ordering::Relaxed);
+        entry[2].store(words[1], Ordering::Relaxed);
+        entry[0].store(seq + 1, Ordering::Release);
+        for r in (0..self.size).filter(|&r| r != self.rank) {
+            self.segment.doorbell(r).ring();
+        }
+    }
+
+    fn operation(&self, rank: u32, seq: u64) -> Option<[u64; 2]> {
+        let entry = self.segment.operation(rank, operation_index(seq));
+        if entry[0].load(Ordering::Acquire) != seq + 1 {
+            return None;
+        }
+        let words = [
+            entry[1].load(Ordering::Relaxed),
+            entry[2].load(Ordering::Relaxed),
+        ];
+        fence(Ordering::Acquire);
+        (entry[0].load(Ordering::Relaxed) == seq + 1).then_some(words)
+    }
+
+    fn fail(&self, record: [u64; 8]) {
+        if self.segment.claim_failure(self.rank) {
+            self.segment.publish_failure(record);
+        }
+        for r in (0..self.size).filter(|&r| r != self.rank) {
+            self.segment.doorbell(r).ring();
+        }
+    }
+
+    fn failure(&self) -> Option<(u32, [u64; 8])> {
+        self.segment.failure()
+    }
+
+    fn laggards(&self, buffer: u32, number: u64) -> Vec<u32> {
+        for which in [Counter::InputReady, Counter::SlotFinal, Counter::Done] {
+            let behind: Vec<u32> = (0..self.size)
+                .filter(|&r| {
+                    self.segment
+                        .counter(r, buffer, which)
+                        .load(Ordering::Acquire)
+                        <= number
+                })
+                .collect();
+            if !behind.is_empty() {
+                return behind;
+            }
+        }
+        Vec::new()
+    }
+}
+
+/// The operation-table entry of operation `seq`.
+fn operation_index(seq: u64) -> usize {
+    #[expect(clippy::cast_possible_truncation, reason = "below OPERATIONS")]
+    let i = (seq % segment::OPERATIONS as u64) as usize;
+    i
 }

@@ -1,10 +1,13 @@
 //! The shared-memory segment of one machine.
 //!
 //! ```text
-//! page 0      header: magic, geometry, `ready` (set by the creator last)
+//! page 0      header: magic, geometry, `ready` (set by the creator last), the
+//!             failure claim; line 1 holds the failure record (8 u64)
 //! control     per local rank: a doorbell line, then per staging buffer three lines
 //!             holding the rank's progress counters (input ready, slot final,
-//!             all-gather done), each a u64 on its own cache line
+//!             all-gather done), each a u64 on its own cache line, then the
+//!             rank's operation table: `OPERATIONS` entries of 32 bytes
+//!             (sequence + 1, then the operation's two descriptor words)
 //! data        per local rank: B staging buffers of `buffer_bytes`, page aligned
 //! ```
 //!
@@ -26,6 +29,13 @@ const PAGE: usize = 4096;
 const LINE: usize = 64;
 /// Counter lines per (rank, buffer).
 const COUNTERS: usize = 3;
+/// Entries in a rank's operation table: operation `s` lives in entry
+/// `s % OPERATIONS`, which covers every operation a rank can have outstanding.
+pub(crate) const OPERATIONS: usize = crate::engine::work::WORK_CAPACITY;
+/// Bytes of one operation-table entry.
+const OPERATION_BYTES: usize = 32;
+/// Words in the failure record.
+pub(crate) const RECORD_WORDS: usize = 8;
 
 /// Which progress counter.
 #[derive(Clone, Copy, Debug)]
@@ -44,8 +54,11 @@ struct Header {
     ready: AtomicU32,
     ranks: AtomicU32,
     buffers: AtomicU32,
-    _pad: u32,
+    /// Local rank + 1 of the first rank that failed; 0 while none has.
+    failed: AtomicU32,
     buffer_bytes: AtomicU64,
+    /// 1 once the failed rank has written the failure record (release).
+    record_ready: AtomicU32,
 }
 
 /// A mapped segment. Unmapped on drop.
@@ -75,13 +88,24 @@ fn round_up(n: usize, to: usize) -> usize {
 impl Segment {
     fn layout(ranks: u32, buffers: u32, buffer_bytes: usize) -> Option<(usize, usize, usize)> {
         let control = PAGE;
-        let per_rank = LINE + buffers as usize * COUNTERS * LINE;
+        let per_rank = Segment::per_rank(buffers);
         let data = round_up(control + per_rank * ranks as usize, PAGE);
         let len = (buffers as usize)
             .checked_mul(buffer_bytes)?
             .checked_mul(ranks as usize)?
             .checked_add(data)?;
         Some((control, data, len))
+    }
+
+    /// Bytes of one rank's control area.
+    fn per_rank(buffers: u32) -> usize {
+        LINE + buffers as usize * COUNTERS * LINE + OPERATIONS * OPERATION_BYTES
+    }
+
+    /// Offset of local rank `rank`'s control area.
+    fn control_of(&self, rank: u32) -> usize {
+        assert!(rank < self.ranks, "local rank {rank} out of range");
+        self.control + rank as usize * Segment::per_rank(self.buffers)
     }
 
     /// Creates (local rank 0) or opens (the others) the segment `name`.
@@ -200,9 +224,9 @@ impl Segment {
 
     /// The doorbell of local rank `rank`.
     pub(crate) fn doorbell(&self, rank: u32) -> &Doorbell {
-        assert!(rank < self.ranks, "local rank {rank} out of range");
-        let off = self.control + rank as usize * (LINE + self.buffers as usize * COUNTERS * LINE);
-        // SAFETY: in bounds (asserted), 64-byte aligned, and only used as atomics.
+        let off = self.control_of(rank);
+        // SAFETY: in bounds (the layout reserved it), 64-byte aligned, and only
+        // used as atomics.
         unsafe { &*self.base.as_ptr().wrapping_add(off).cast::<Doorbell>() }
     }
 
@@ -212,12 +236,73 @@ impl Segment {
             rank < self.ranks && buffer < self.buffers,
             "counter out of range"
         );
-        let off = self.control
-            + rank as usize * (LINE + self.buffers as usize * COUNTERS * LINE)
-            + LINE
-            + (buffer as usize * COUNTERS + which as usize) * LINE;
+        let off =
+            self.control_of(rank) + LINE + (buffer as usize * COUNTERS + which as usize) * LINE;
         // SAFETY: in bounds (asserted), 64-byte aligned, only used atomically.
         unsafe { &*self.base.as_ptr().wrapping_add(off).cast::<AtomicU64>() }
+    }
+
+    /// Entry `index` of local rank `rank`'s operation table: sequence + 1, then
+    /// two descriptor words.
+    pub(crate) fn operation(&self, rank: u32, index: usize) -> &[AtomicU64; 3] {
+        assert!(index < OPERATIONS, "operation entry out of range");
+        let off = self.control_of(rank)
+            + LINE
+            + self.buffers as usize * COUNTERS * LINE
+            + index * OPERATION_BYTES;
+        // SAFETY: in bounds (the layout reserved it), 32-byte aligned, only used
+        // atomically.
+        unsafe {
+            &*self
+                .base
+                .as_ptr()
+                .wrapping_add(off)
+                .cast::<[AtomicU64; 3]>()
+        }
+    }
+
+    /// Claims the right to describe the machine's first failure for local rank
+    /// `rank`; true for the first claimant only.
+    pub(crate) fn claim_failure(&self, rank: u32) -> bool {
+        self.header()
+            .failed
+            .compare_exchange(0, rank + 1, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// The failure record's words (written by the claimant, then published).
+    fn record(&self) -> &[AtomicU64; RECORD_WORDS] {
+        // SAFETY: line 1 of page 0 is reserved for the record: aligned, in bounds,
+        // only used atomically.
+        unsafe {
+            &*self
+                .base
+                .as_ptr()
+                .wrapping_add(LINE)
+                .cast::<[AtomicU64; RECORD_WORDS]>()
+        }
+    }
+
+    /// Writes and publishes the failure record (the claimant only).
+    pub(crate) fn publish_failure(&self, words: [u64; RECORD_WORDS]) {
+        for (slot, w) in self.record().iter().zip(words) {
+            slot.store(w, Ordering::Relaxed);
+        }
+        self.header().record_ready.store(1, Ordering::Release);
+    }
+
+    /// The failed local rank and its record, once published.
+    pub(crate) fn failure(&self) -> Option<(u32, [u64; RECORD_WORDS])> {
+        let h = self.header();
+        if h.record_ready.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let rank = h.failed.load(Ordering::Relaxed).checked_sub(1)?;
+        let mut words = [0u64; RECORD_WORDS];
+        for (w, slot) in words.iter_mut().zip(self.record()) {
+            *w = slot.load(Ordering::Relaxed);
+        }
+        Some((rank, words))
     }
 
     /// The first byte of staging buffer `buffer` of local rank `rank`.

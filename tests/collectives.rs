@@ -1,0 +1,274 @@
+//! Broadcast, all-gather, reduce-scatter, barrier and coalesced all-reduce across
+//! simulated machines in one process, on every layout and algorithm, checked
+//! exactly against values computed here.
+#![expect(clippy::cast_possible_truncation, reason = "test values are small")]
+
+mod common;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use common::{job, small_slices};
+use fairring::{Algorithm, ReduceOp};
+
+const LAYOUTS: [(u32, u32); 4] = [(1, 1), (1, 3), (2, 2), (3, 1)];
+
+/// Rank `rank`'s value at element `i` of tensor `k`: distinct per rank, so that a
+/// value from the wrong rank or offset is caught.
+fn value(rank: u32, k: usize, i: usize) -> i64 {
+    (i64::from(rank) << 40) ^ ((k as i64) << 32) ^ (i as i64 * 2_654_435_761 % 1_000_003)
+}
+
+/// Element counts: tiny, odd, and spanning several 64 KiB slices.
+const SIZES: [usize; 4] = [1, 7, 1001, 40_003];
+
+fn for_every_layout(test: impl Fn(u32, u32, Algorithm)) {
+    for (m, d) in LAYOUTS {
+        for algorithm in Algorithm::ALL {
+            test(m, d, algorithm);
+        }
+    }
+}
+
+#[test]
+fn broadcast_from_every_root() {
+    for_every_layout(|m, d, algorithm| {
+        let world = m * d;
+        let results = job(
+            m,
+            d,
+            |b| small_slices(b, algorithm),
+            |rank, comm| {
+                let mut out = Vec::new();
+                for root in 0..world {
+                    for (k, &n) in SIZES.iter().enumerate() {
+                        // f32 bit patterns including NaN payloads and -0.0 must
+                        // arrive untouched.
+                        let mut data: Vec<f32> = (0..n)
+                            .map(|i| f32::from_bits(value(rank, k, i) as u32 ^ 0x8000_0000))
+                            .collect();
+                        comm.broadcast(&mut data, root)
+                            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                        out.push((root, k, data));
+                    }
+                }
+                out
+            },
+        );
+        for (rank, per_rank) in results.iter().enumerate() {
+            for (root, k, data) in per_rank {
+                let wrong = data
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, v)| v.to_bits() != (value(*root, *k, i) as u32 ^ 0x8000_0000))
+                    .count();
+                assert_eq!(
+                    wrong, 0,
+                    "{m}x{d} {algorithm}: rank {rank}, root {root}, tensor {k}: {wrong} wrong"
+                );
+            }
+        }
+    });
+}
+
+#[test]
+fn all_gather_places_every_input() {
+    for_every_layout(|m, d, algorithm| {
+        let world = m * d;
+        let results = job(
+            m,
+            d,
+            |b| small_slices(b, algorithm),
+            |rank, comm| {
+                SIZES
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &n)| {
+                        let input: Vec<i64> = (0..n).map(|i| value(rank, k, i)).collect();
+                        let mut output = vec![-1i64; n * world as usize];
+                        comm.all_gather(&input, &mut output)
+                            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                        output
+                    })
+                    .collect::<Vec<_>>()
+            },
+        );
+        for (rank, outputs) in results.iter().enumerate() {
+            for (k, output) in outputs.iter().enumerate() {
+                let n = SIZES[k];
+                let wrong = output
+                    .iter()
+                    .enumerate()
+                    .filter(|&(j, &v)| v != value((j / n) as u32, k, j % n))
+                    .count();
+                assert_eq!(wrong, 0, "{m}x{d} {algorithm}: rank {rank}, tensor {k}");
+            }
+        }
+    });
+}
+
+#[test]
+fn reduce_scatter_leaves_each_rank_its_share() {
+    for_every_layout(|m, d, algorithm| {
+        let world = m * d;
+        for op in [ReduceOp::Sum, ReduceOp::Max] {
+            let results = job(
+                m,
+                d,
+                |b| small_slices(b, algorithm),
+                |rank, comm| {
+                    SIZES
+                        .iter()
+                        .enumerate()
+                        .map(|(k, &n)| {
+                            let mut input: Vec<i64> =
+                                (0..n * world as usize).map(|i| value(rank, k, i)).collect();
+                            let mut output = vec![-1i64; n];
+                            comm.reduce_scatter(&mut input, &mut output, op)
+                                .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                            output
+                        })
+                        .collect::<Vec<_>>()
+                },
+            );
+            for (rank, outputs) in results.iter().enumerate() {
+                for (k, output) in outputs.iter().enumerate() {
+                    let n = SIZES[k];
+                    let wrong = output
+                        .iter()
+                        .enumerate()
+                        .filter(|&(i, &v)| {
+                            let j = rank * n + i;
+                            let all = (0..world).map(|r| value(r, k, j));
+                            let want = match op {
+                                ReduceOp::Max => all.max().unwrap_or(0),
+                                _ => all.fold(0i64, i64::wrapping_add),
+                            };
+                            v != want
+                        })
+                        .count();
+                    assert_eq!(
+                        wrong, 0,
+                        "{m}x{d} {algorithm} {op}: rank {rank}, tensor {k}"
+                    );
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn barrier_waits_for_every_rank() {
+    for_every_layout(|m, d, algorithm| {
+        let world = m * d;
+        let arrived = AtomicU32::new(0);
+        let seen = job(
+            m,
+            d,
+            |b| small_slices(b, algorithm),
+            |rank, comm| {
+                let mut seen = Vec::new();
+                for round in 1..=3u32 {
+                    if rank == round % world {
+                        // The late rank: the others must not pass before it.
+                        std::thread::sleep(std::time::Duration::from_millis(30));
+                    }
+                    arrived.fetch_add(1, Ordering::SeqCst);
+                    comm.barrier()
+                        .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                    seen.push((round, arrived.load(Ordering::SeqCst)));
+                }
+                seen
+            },
+        );
+        for (rank, rounds) in seen.iter().enumerate() {
+            for &(round, count) in rounds {
+                assert!(
+                    count >= round * world,
+                    "{m}x{d} {algorithm}: rank {rank} left barrier {round} after only {count} \
+                     arrivals (want {})",
+                    round * world
+                );
+            }
+        }
+    });
+}
+
+#[test]
+fn coalesced_all_reduce_of_many_tensors() {
+    for_every_layout(|m, d, algorithm| {
+        let world = m * d;
+        let results = job(
+            m,
+            d,
+            |b| small_slices(b, algorithm),
+            |rank, comm| {
+                let mut tensors: Vec<Vec<i64>> = (0..12)
+                    .map(|k| (0..SIZES[k % 4] + k).map(|i| value(rank, k, i)).collect())
+                    .collect();
+                let mut views: Vec<&mut [i64]> =
+                    tensors.iter_mut().map(Vec::as_mut_slice).collect();
+                comm.all_reduce_coalesced(&mut views, ReduceOp::Sum)
+                    .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                // An empty group is a no-op that still completes.
+                comm.all_reduce_coalesced::<i64>(&mut [], ReduceOp::Sum)
+                    .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                tensors
+            },
+        );
+        for (rank, tensors) in results.iter().enumerate() {
+            for (k, t) in tensors.iter().enumerate() {
+                let wrong = t
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, &v)| {
+                        v != (0..world)
+                            .map(|r| value(r, k, i))
+                            .fold(0, i64::wrapping_add)
+                    })
+                    .count();
+                assert_eq!(wrong, 0, "{m}x{d} {algorithm}: rank {rank}, tensor {k}");
+            }
+        }
+    });
+}
+
+#[test]
+fn collectives_refuse_bad_shapes_without_side_effects() {
+    job(
+        2,
+        1,
+        |b| b,
+        |rank, comm| {
+            let input = [1i32, 2, 3];
+            let mut output = [7i32; 5];
+            let e = comm
+                .all_gather(&input, &mut output)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("output") && e.contains("need 6"), "{e}");
+            assert_eq!(output, [7; 5]);
+            let mut input = [9i32; 5];
+            let mut share = [7i32; 2];
+            let e = comm
+                .reduce_scatter(&mut input, &mut share, ReduceOp::Sum)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("input") && e.contains("need 4"), "{e}");
+            assert_eq!((input, share), ([9; 5], [7; 2]));
+            let mut data = [5u8; 4];
+            let e = comm.broadcast(&mut data, 2).unwrap_err().to_string();
+            assert!(e.contains("root") && e.contains("rank 2"), "{e}");
+            assert_eq!(data, [5; 4]);
+            let e = comm
+                .reduce_scatter(&mut [1i32; 2], &mut [0i32; 1], ReduceOp::Avg)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("avg") && e.contains("i32"), "{e}");
+            // Refusals used no sequence number: the ranks still agree.
+            let mut x = [rank as i32 + 1];
+            comm.all_reduce(&mut x, ReduceOp::Sum)
+                .expect("after refusals");
+            assert_eq!(x, [3]);
+        },
+    );
+}

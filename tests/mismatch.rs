@@ -1,0 +1,167 @@
+//! Ranks that issue different operations under one sequence number: every rank
+//! gets an error naming the sequence number and both sides' calls, well within
+//! the timeout, and no rank reports success.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::job;
+use fairring::{Algorithm, Communicator, Error, ReduceOp};
+
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Runs `call(rank, comm)` on every rank of an `m x d` job after one matching
+/// all-reduce, and checks that every rank fails with a mismatch at
+/// sequence 1 naming `want_a` and `want_b`, and then refuses new work.
+fn expect_mismatch(
+    m: u32,
+    d: u32,
+    call: impl Fn(u32, &Communicator) -> fairring::Result<()> + Sync,
+    want: [&str; 2],
+) {
+    let results = job(
+        m,
+        d,
+        |b| b.timeout(TIMEOUT).algorithm(Algorithm::Auto),
+        |rank, comm| {
+            let start = Instant::now();
+            // A rank may still be finishing the matching first operation when
+            // another finds the mismatch and fails the job: then that operation
+            // fails too, with the same error.
+            let mut x = [1.0f32; 8];
+            let r = comm
+                .all_reduce(&mut x, ReduceOp::Sum)
+                .and_then(|()| call(rank, comm));
+            let took = start.elapsed();
+            let mut after = [0u8; 4];
+            let refused = comm.all_reduce(&mut after, ReduceOp::Sum);
+            (r, took, refused)
+        },
+    );
+    for (rank, (r, took, refused)) in results.into_iter().enumerate() {
+        let e = r.expect_err(&format!("{m}x{d}: rank {rank} reported success"));
+        let text = e.to_string();
+        match &e {
+            Error::Mismatch { sequence, .. } => assert_eq!(*sequence, 1, "{text}"),
+            other => panic!("{m}x{d}: rank {rank}: not a mismatch: {other}"),
+        }
+        for w in want {
+            assert!(
+                text.contains(w),
+                "{m}x{d}: rank {rank}: {text:?} lacks {w:?}"
+            );
+        }
+        assert!(took < TIMEOUT, "{m}x{d}: rank {rank} took {took:?}");
+        let refused = refused.expect_err("new work after a mismatch").to_string();
+        assert!(refused.contains("failed earlier"), "{refused}");
+    }
+}
+
+const LAYOUTS: [(u32, u32); 3] = [(1, 2), (2, 1), (2, 2)];
+
+#[test]
+fn sizes_differ() {
+    for (m, d) in LAYOUTS {
+        let last = m * d - 1;
+        expect_mismatch(
+            m,
+            d,
+            |rank, comm| {
+                let mut x = vec![1.0f32; if rank == last { 200 } else { 100 }];
+                comm.all_reduce(&mut x, ReduceOp::Sum)
+            },
+            ["all_reduce of 100 x f32", "all_reduce of 200 x f32"],
+        );
+    }
+}
+
+#[test]
+fn types_and_operators_differ() {
+    for (m, d) in LAYOUTS {
+        expect_mismatch(
+            m,
+            d,
+            |rank, comm| {
+                if rank == 0 {
+                    comm.all_reduce(&mut [0i32; 64], ReduceOp::Sum)
+                } else {
+                    comm.all_reduce(&mut [0.0f32; 64], ReduceOp::Sum)
+                }
+            },
+            ["64 x i32 (sum", "64 x f32 (sum"],
+        );
+        expect_mismatch(
+            m,
+            d,
+            |rank, comm| {
+                let op = if rank == 0 {
+                    ReduceOp::Max
+                } else {
+                    ReduceOp::Min
+                };
+                comm.all_reduce(&mut [0.0f32; 64], op)
+            },
+            ["(max,", "(min,"],
+        );
+    }
+}
+
+#[test]
+fn collectives_roots_and_algorithms_differ() {
+    for (m, d) in LAYOUTS {
+        expect_mismatch(
+            m,
+            d,
+            |rank, comm| {
+                if rank == 0 {
+                    comm.broadcast(&mut [0i32; 16], 0)
+                } else {
+                    comm.all_reduce(&mut [0i32; 16], ReduceOp::Sum)
+                }
+            },
+            [
+                "broadcast of 16 x i32 from rank 0",
+                "all_reduce of 16 x i32",
+            ],
+        );
+        expect_mismatch(
+            m,
+            d,
+            |rank, comm| comm.broadcast(&mut [0i32; 16], u32::from(rank == 0)),
+            ["from rank 1", "from rank 0"],
+        );
+        expect_mismatch(
+            m,
+            d,
+            |rank, comm| {
+                let algorithm = if rank == 0 {
+                    Algorithm::Ring
+                } else {
+                    Algorithm::Hierarchical
+                };
+                let mut x = [0.0f32; 16];
+                comm.scope(|s| s.all_reduce_with(&mut x, ReduceOp::Sum, algorithm)?.wait())
+            },
+            ["(sum, ring)", "(sum, hierarchical)"],
+        );
+    }
+}
+
+#[test]
+fn a_skipped_call_of_another_shape() {
+    for (m, d) in LAYOUTS {
+        expect_mismatch(
+            m,
+            d,
+            |rank, comm| {
+                // Every rank but 0 skips the barrier.
+                if rank == 0 {
+                    comm.barrier()?;
+                }
+                comm.all_reduce(&mut [0.0f32; 16], ReduceOp::Sum)
+            },
+            ["barrier", "all_reduce of 16 x f32"],
+        );
+    }
+}
