@@ -32,7 +32,25 @@ pub(super) fn detect_topology(config: &Config, store: &dyn Store) -> Result<(Top
     let keys: Vec<String> = (0..config.world_size)
         .map(|r| format!("host/{r}"))
         .collect();
-    let hosts = gather(store, &keys, config.timeout)?;
+    let hosts = gather(store, &keys, config.timeout).map_err(|e| match e {
+        Error::Timeout { after, .. } => {
+            let missing: Vec<String> = keys
+                .iter()
+                .enumerate()
+                .filter(|(_, k)| !store.check(&[k.as_str()]).unwrap_or(false))
+                .map(|(r, _)| r.to_string())
+                .collect();
+            Error::timeout(
+                format!(
+                    "rank(s) {} of {} to join the rendezvous",
+                    missing.join(", "),
+                    config.world_size
+                ),
+                after,
+            )
+        }
+        other => other,
+    })?;
     let mut names: Vec<&[u8]> = Vec::new();
     let mut machine_of_rank = Vec::with_capacity(hosts.len());
     for h in &hosts {
@@ -269,7 +287,9 @@ pub(super) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
         config.secret.clone(),
         bind_address(config)?,
     )
-    .with_silence_timeout(config.timeout);
+    // Half the timeout: a peer that stops (SIGSTOP, a hung host) is reported by
+    // name through its silence before the engine's own stall timeout fires.
+    .with_silence_timeout(config.timeout / 2);
     let mut tcp = tcp;
     tcp.connect_timeout = config.timeout;
     let fabric = TcpFabric::new(tcp)?;

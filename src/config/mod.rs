@@ -476,6 +476,9 @@ mod tests {
                 refused(&[(var, bad)], var);
             }
         }
+        for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"] {
+            refused(&[(var, "4294967296")], var);
+        }
         refused(&[("FAIRRING_ALGO", "tree")], "FAIRRING_ALGO");
         refused(&[("FAIRRING_JOB_SECRET", "1234")], "FAIRRING_JOB_SECRET");
         refused(&[("RANK", "4")], "RANK");

@@ -1,0 +1,124 @@
+//! One rank of a scripted job, configured like any rank (torchrun's environment
+//! and `FAIRRING_*`): what the fault tests run as separate processes, to kill,
+//! stop and starve, and a quick way to try a deployment by hand.
+//!
+//! ```text
+//! fairring-rank steady [BYTES [SECONDS]]   all-reduce BYTES of f32 in a loop
+//! fairring-rank abort-late                 rank 0 aborts from a second thread while
+//!                                          every rank waits in a barrier that rank 1
+//!                                          joins late; then everyone tries more work
+//! ```
+//!
+//! It reports on stdout, one line per event, flushed at once:
+//! `READY` after the first operation, `DONE n` after `n` operations, `FAILED ms
+//! message` when an operation fails (`ms`: since the last one that succeeded),
+//! `REFUSED message` when work after a failure is refused, and `INIT-FAILED
+//! message` when the communicator cannot be built. Exit status: 0 done, 3 failed.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use fairring::{Communicator, ReduceOp};
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+fn number(args: &[String], i: usize, default: u64) -> u64 {
+    args.get(i).map_or(default, |a| {
+        a.parse().unwrap_or_else(|_| {
+            eprintln!("fairring-rank: argument {i} ({a:?}) is not a number");
+            std::process::exit(2)
+        })
+    })
+}
+
+fn steady(comm: &Communicator, bytes: u64, seconds: u64) -> i32 {
+    let elements = usize::try_from(bytes / 4).unwrap_or(1).max(1);
+    let mut data = vec![1.0f32; elements];
+    let end = Instant::now() + Duration::from_secs(seconds);
+    let mut last_ok = Instant::now();
+    let mut done = 0u64;
+    while Instant::now() < end {
+        match comm.all_reduce(&mut data, ReduceOp::Avg) {
+            Ok(()) => {
+                if done == 0 {
+                    say("READY");
+                }
+                done += 1;
+                last_ok = Instant::now();
+            }
+            Err(e) => {
+                say(&format!("FAILED {} {e}", last_ok.elapsed().as_millis()));
+                if let Err(e) = comm.all_reduce(&mut data, ReduceOp::Sum) {
+                    say(&format!("REFUSED {e}"));
+                }
+                return 3;
+            }
+        }
+    }
+    say(&format!("DONE {done}"));
+    0
+}
+
+fn abort_late(comm: &Communicator) -> i32 {
+    let mut x = [1.0f32; 4];
+    if let Err(e) = comm.all_reduce(&mut x, ReduceOp::Sum) {
+        say(&format!("FAILED 0 {e}"));
+        return 3;
+    }
+    say("READY");
+    let rank = comm.rank();
+    let status = std::thread::scope(|s| {
+        if rank == 0 {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                comm.abort();
+            });
+        }
+        if rank == 1 {
+            std::thread::sleep(Duration::from_secs(30));
+        }
+        let start = Instant::now();
+        match comm.barrier() {
+            Ok(()) => {
+                say("DONE 1");
+                0
+            }
+            Err(e) => {
+                say(&format!("FAILED {} {e}", start.elapsed().as_millis()));
+                3
+            }
+        }
+    });
+    if status != 0
+        && let Err(e) = comm.barrier()
+    {
+        say(&format!("REFUSED {e}"));
+    }
+    status
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let scenario = args.get(1).map_or("steady", String::as_str);
+    let comm = match Communicator::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            say(&format!("INIT-FAILED {e}"));
+            std::process::exit(3);
+        }
+    };
+    let status = match scenario {
+        "steady" => steady(&comm, number(&args, 2, 1 << 20), number(&args, 3, 60)),
+        "abort-late" => abort_late(&comm),
+        other => {
+            eprintln!("fairring-rank: unknown scenario {other:?} (steady, abort-late)");
+            2
+        }
+    };
+    drop(comm);
+    std::process::exit(status);
+}

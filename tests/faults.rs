@@ -1,0 +1,224 @@
+//! Faults in multi-process jobs: every rank is a `fairring-rank` process, killed,
+//! stopped, aborted or never started; each survivor must fail cleanly, naming the
+//! peer, within twice `FAIRRING_TIMEOUT`, and refuse work afterwards.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
+
+use common::free_port;
+
+/// `FAIRRING_TIMEOUT` of every job here.
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A job of `fairring-rank` processes, killed when dropped.
+struct Job {
+    children: Vec<Option<Child>>,
+    lines: Receiver<(u32, String, Instant)>,
+    /// Lines already read, per rank.
+    seen: Vec<Vec<(String, Instant)>>,
+}
+
+impl Job {
+    /// Starts ranks `ranks` of an `m x d` job running `args`, with `env` added.
+    fn start(m: u32, d: u32, ranks: &[u32], args: &[&str], env: &[(&str, &str)]) -> Job {
+        let port = free_port();
+        let (tx, lines) = channel();
+        let world = m * d;
+        let mut children: Vec<Option<Child>> = (0..world).map(|_| None).collect();
+        for &rank in ranks {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_fairring-rank"));
+            cmd.args(args)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("TORCHELASTIC_RUN_ID", format!("faults-{port}"))
+                .env("FAIRRING_HOST_ID", format!("machine-{}", rank / d))
+                .env("FAIRRING_TIMEOUT", format!("{}ms", TIMEOUT.as_millis()))
+                .env("FAIRRING_TOTAL_MEMORY", "8M")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null());
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            let mut child = cmd.spawn().expect("start fairring-rank");
+            let out = child.stdout.take().expect("piped stdout");
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(out).lines().map_while(Result::ok) {
+                    let _ = tx.send((rank, line, Instant::now()));
+                }
+            });
+            children[rank as usize] = Some(child);
+        }
+        Job {
+            children,
+            lines,
+            seen: vec![Vec::new(); world as usize],
+        }
+    }
+
+    /// Waits until every rank of `ranks` has printed a line starting with
+    /// `prefix`; returns those lines and when they came, in `ranks` order.
+    fn await_all(
+        &mut self,
+        ranks: &[u32],
+        prefix: &str,
+        within: Duration,
+    ) -> Vec<(String, Instant)> {
+        let deadline = Instant::now() + within;
+        loop {
+            let found: Vec<Option<(String, Instant)>> = ranks
+                .iter()
+                .map(|&r| {
+                    self.seen[r as usize]
+                        .iter()
+                        .find(|(l, _)| l.starts_with(prefix))
+                        .cloned()
+                })
+                .collect();
+            if found.iter().all(Option::is_some) {
+                return found.into_iter().flatten().collect();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok((rank, line, at)) => self.seen[rank as usize].push((line, at)),
+                Err(_) => panic!(
+                    "no {prefix:?} from every rank of {ranks:?} within {within:?}; lines: {:?}",
+                    self.seen
+                ),
+            }
+        }
+    }
+
+    fn pid(&self, rank: u32) -> i32 {
+        let child = self.children[rank as usize]
+            .as_ref()
+            .expect("a started rank");
+        i32::try_from(child.id()).expect("pid")
+    }
+
+    fn signal(&self, rank: u32, signal: i32) {
+        // SAFETY: sends a signal to a child process this job started and has not
+        // reaped.
+        let r = unsafe { libc::kill(self.pid(rank), signal) };
+        assert_eq!(r, 0, "kill({rank}, {signal})");
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        for c in self.children.iter_mut().flatten() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Kills or stops rank 1 of a 2x2 job in the middle of its all-reduces; every
+/// other rank must fail within twice the timeout with an error naming rank 1,
+/// then refuse more work.
+fn survivors_name_the_lost_rank(signal: i32, what: &str) {
+    let mut job = Job::start(2, 2, &[0, 1, 2, 3], &["steady", "4194304", "60"], &[]);
+    job.await_all(&[0, 1, 2, 3], "READY", Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(100));
+    let at = Instant::now();
+    job.signal(1, signal);
+    let survivors = [0, 2, 3];
+    let failed = job.await_all(&survivors, "FAILED", 2 * TIMEOUT + Duration::from_secs(1));
+    for (&rank, (line, when)) in survivors.iter().zip(&failed) {
+        let took = when.duration_since(at);
+        eprintln!("{what}: rank {rank} failed after {took:?}: {line}");
+        assert!(took <= 2 * TIMEOUT, "{what}: rank {rank} took {took:?}");
+        assert!(
+            line.contains("rank 1"),
+            "{what}: rank {rank} does not name rank 1: {line}"
+        );
+    }
+    for (rank, (line, _)) in
+        survivors
+            .iter()
+            .zip(job.await_all(&survivors, "REFUSED", Duration::from_secs(5)))
+    {
+        assert!(line.contains("failed earlier"), "rank {rank}: {line}");
+    }
+    if signal == libc::SIGSTOP {
+        job.signal(1, libc::SIGKILL);
+    }
+}
+
+#[test]
+fn a_killed_rank_fails_every_other_rank_naming_it() {
+    survivors_name_the_lost_rank(libc::SIGKILL, "SIGKILL");
+}
+
+#[test]
+fn a_stopped_rank_fails_every_other_rank_naming_it() {
+    survivors_name_the_lost_rank(libc::SIGSTOP, "SIGSTOP");
+}
+
+#[test]
+fn abort_unblocks_every_waiter_and_later_work_is_refused() {
+    let mut job = Job::start(2, 2, &[0, 1, 2, 3], &["abort-late"], &[]);
+    job.await_all(&[0, 1, 2, 3], "READY", Duration::from_secs(30));
+    let waiters = [0, 2, 3];
+    let failed = job.await_all(&waiters, "FAILED", Duration::from_secs(3));
+    for (&rank, (line, _)) in waiters.iter().zip(&failed) {
+        // "FAILED <ms> ...": the barrier began 300 ms before the abort.
+        let ms: u64 = line
+            .split(' ')
+            .nth(1)
+            .and_then(|t| t.parse().ok())
+            .expect("ms");
+        eprintln!("abort: rank {rank} unblocked after {ms} ms in the barrier: {line}");
+        assert!(ms < 300 + 500, "rank {rank}: {line}");
+        assert!(line.contains("aborted"), "rank {rank}: {line}");
+        if rank != 0 {
+            assert!(line.contains("rank 0"), "rank {rank}: {line}");
+        }
+    }
+    for (rank, (line, _)) in
+        waiters
+            .iter()
+            .zip(job.await_all(&waiters, "REFUSED", Duration::from_secs(3)))
+    {
+        assert!(line.contains("failed earlier"), "rank {rank}: {line}");
+    }
+}
+
+#[test]
+fn a_rank_that_never_arrives_is_named_within_the_timeout() {
+    let start = Instant::now();
+    let mut job = Job::start(3, 1, &[0, 1], &["steady", "4096", "1"], &[]);
+    let failed = job.await_all(&[0, 1], "INIT-FAILED", 2 * TIMEOUT + Duration::from_secs(1));
+    for (rank, (line, when)) in failed.iter().enumerate() {
+        let took = when.duration_since(start);
+        eprintln!("missing rank: rank {rank} failed after {took:?}: {line}");
+        assert!(took <= 2 * TIMEOUT, "rank {rank} took {took:?}");
+        assert!(line.contains("rank(s) 2 of 3"), "rank {rank}: {line}");
+    }
+}
+
+#[test]
+fn bad_knob_values_fail_init_naming_the_variable() {
+    for (var, value) in [
+        ("FAIRRING_TIMEOUT", "abc"),
+        ("FAIRRING_TIMEOUT", "-1"),
+        ("FAIRRING_TOTAL_MEMORY", "-1"),
+        ("FAIRRING_SLICE_SIZE", "abc"),
+        ("LOCAL_RANK", "4294967296"),
+        ("WORLD_SIZE", "4294967296"),
+        ("FAIRRING_ALGO", "fastest"),
+    ] {
+        let mut job = Job::start(1, 1, &[0], &["steady", "4096", "1"], &[(var, value)]);
+        let line = job
+            .await_all(&[0], "INIT-FAILED", Duration::from_secs(10))
+            .remove(0)
+            .0;
+        assert!(line.contains(var), "{var}={value}: {line}");
+    }
+}
