@@ -244,7 +244,7 @@ fn bind_address(config: &Config) -> Result<BindTo> {
 }
 
 /// Ranks this rank writes to and ranks that write to it.
-pub(super) fn peers(topology: Topology, location: Location, rank: u32) -> (Vec<u32>, Vec<u32>) {
+pub(crate) fn peers(topology: Topology, location: Location, rank: u32) -> (Vec<u32>, Vec<u32>) {
     let world = topology.world_size();
     let mut out = Vec::new();
     let mut inbound = Vec::new();

@@ -1,6 +1,6 @@
 //! [`Communicator`]: the user-facing all-reduce.
 
-mod bootstrap;
+pub(crate) mod bootstrap;
 
 use std::marker::PhantomData;
 use std::sync::atomic::AtomicU8;

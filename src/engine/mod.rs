@@ -40,6 +40,8 @@
 pub(crate) mod descriptor;
 mod hierarchical;
 mod ring;
+#[cfg(test)]
+mod simulation;
 pub(crate) mod tags;
 pub(crate) mod work;
 

@@ -187,6 +187,23 @@ impl ShmGroup {
         })
     }
 
+    /// Local rank `rank` of `size` on `segment`, shared with the other local ranks
+    /// (the engine's simulation).
+    #[cfg(test)]
+    pub(crate) fn on_segment(
+        segment: Arc<Segment>,
+        rank: u32,
+        size: u32,
+        buffers: u32,
+    ) -> ShmGroup {
+        ShmGroup {
+            segment,
+            rank,
+            size,
+            buffers,
+        }
+    }
+
     /// Removes the segment's name (local rank 0, once every local rank attached).
     pub(crate) fn unlink(&self) {
         self.segment.unlink();

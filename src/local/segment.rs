@@ -203,6 +203,46 @@ impl Segment {
         Ok(segment)
     }
 
+    /// A segment in anonymous shared memory, for local ranks that are threads of
+    /// one process (the engine's simulation).
+    #[cfg(test)]
+    pub(crate) fn anonymous(ranks: u32, buffers: u32, buffer_bytes: usize) -> Result<Segment> {
+        let buffer_bytes = round_up(buffer_bytes, PAGE);
+        let (control, data, len) = Segment::layout(ranks, buffers, buffer_bytes)
+            .ok_or_else(|| Error::invalid("staging", "the shared segment's size overflows"))?;
+        // SAFETY: a fresh anonymous mapping (null hint, no file).
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::io(
+                "mapping anonymous memory",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let base = NonNull::new(p.cast::<u8>())
+            .ok_or_else(|| Error::io("mmap", std::io::Error::other("null mapping")))?;
+        Ok(Segment {
+            base,
+            len,
+            ranks,
+            buffers,
+            buffer_bytes,
+            control,
+            data,
+            name: CString::default(),
+            creator: false,
+            unlinked: AtomicBool::new(true),
+        })
+    }
+
     fn header(&self) -> &Header {
         // SAFETY: page 0 of the mapping holds the header: aligned, in bounds, and
         // only accessed through atomics.

@@ -1,0 +1,288 @@
+//! An in-memory fabric whose deliveries the simulation schedules.
+//!
+//! Posting a write or message only queues it on its (source, target) link; it
+//! lands when the scheduler calls [`Network::deliver`] for that link. Each link
+//! keeps its order (as tcp and RC queue pairs do); which link goes next, and when,
+//! is the schedule's choice.
+
+use std::collections::VecDeque;
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use fairring_rdma::fabric::{
+    Completion, CompletionEvent, Endpoint, Fabric, FabricError, LocalRegion, Message, PeerFailure,
+    RegionKey, RemoteRegion, WriteRequest,
+};
+
+/// Posts a link holds before it refuses more with `QueueFull`.
+const LINK_DEPTH: usize = 6;
+
+#[derive(Clone, Copy, Debug)]
+enum Item {
+    Write {
+        source_offset: usize,
+        len: usize,
+        target_offset: u64,
+        immediate: u32,
+        token: u64,
+    },
+    Message {
+        message: Message,
+        token: u64,
+    },
+}
+
+/// Every rank's region, links and completions.
+pub(super) struct Network {
+    world: u32,
+    /// Per rank: its registered region (address, length).
+    regions: Vec<Option<(usize, usize)>>,
+    /// Per (source, target): posts in flight, in order.
+    links: Vec<VecDeque<Item>>,
+    /// Per (a, b): whether a connected to b.
+    connected: Vec<bool>,
+    completions: Vec<VecDeque<Completion>>,
+    dead: Vec<bool>,
+}
+
+impl Network {
+    pub(super) fn new(world: u32) -> Arc<Mutex<Network>> {
+        let n = world as usize;
+        Arc::new(Mutex::new(Network {
+            world,
+            regions: vec![None; n],
+            links: (0..n * n).map(|_| VecDeque::new()).collect(),
+            connected: vec![false; n * n],
+            completions: (0..n).map(|_| VecDeque::new()).collect(),
+            dead: vec![false; n],
+        }))
+    }
+
+    fn link(&self, from: u32, to: u32) -> usize {
+        (from * self.world + to) as usize
+    }
+
+    /// Links with posts in flight, as (source, target).
+    pub(super) fn busy_links(&self) -> Vec<(u32, u32)> {
+        (0..self.world)
+            .flat_map(|a| (0..self.world).map(move |b| (a, b)))
+            .filter(|&(a, b)| !self.links[self.link(a, b)].is_empty())
+            .collect()
+    }
+
+    /// Lands the oldest post on link `from -> to`.
+    pub(super) fn deliver(&mut self, from: u32, to: u32) {
+        let l = self.link(from, to);
+        let Some(item) = self.links[l].pop_front() else {
+            return;
+        };
+        match item {
+            Item::Write {
+                source_offset,
+                len,
+                target_offset,
+                immediate,
+                token,
+            } => {
+                let (Some((src, _)), Some((dst, _))) =
+                    (self.regions[from as usize], self.regions[to as usize])
+                else {
+                    return;
+                };
+                let target = usize::try_from(target_offset).unwrap_or(usize::MAX);
+                // Both ranges were bounds-checked against the registered regions
+                // when posted (`WriteRequest::check`); the regions live as long
+                // as the simulation's engines.
+                let from_ptr = (src as *const u8).wrapping_add(source_offset);
+                let to_ptr = (dst as *mut u8).wrapping_add(target);
+                // SAFETY: in bounds (above); source and target belong to different
+                // ranks' staging areas, so they do not overlap.
+                unsafe { std::ptr::copy_nonoverlapping(from_ptr, to_ptr, len) };
+                self.completions[to as usize].push_back(Completion {
+                    peer: from,
+                    event: CompletionEvent::Landed {
+                        len: len as u64,
+                        immediate,
+                    },
+                });
+                self.completions[from as usize].push_back(Completion {
+                    peer: to,
+                    event: CompletionEvent::Sent { token },
+                });
+            }
+            Item::Message { message, token } => {
+                self.completions[to as usize].push_back(Completion {
+                    peer: from,
+                    event: CompletionEvent::Message(message),
+                });
+                self.completions[from as usize].push_back(Completion {
+                    peer: to,
+                    event: CompletionEvent::Sent { token },
+                });
+            }
+        }
+    }
+
+    /// Kills `rank` as SIGKILL would: what it had in flight is lost, and every
+    /// rank connected to it learns that it closed its connections.
+    pub(super) fn kill(&mut self, rank: u32) {
+        self.dead[rank as usize] = true;
+        for other in 0..self.world {
+            let (a, b) = (self.link(rank, other), self.link(other, rank));
+            self.links[a].clear();
+            self.links[b].clear();
+            if other != rank
+                && (self.connected[a] || self.connected[b])
+                && !self.dead[other as usize]
+            {
+                self.completions[other as usize].push_back(Completion {
+                    peer: rank,
+                    event: CompletionEvent::PeerFailed {
+                        failure: PeerFailure::Closed,
+                    },
+                });
+            }
+        }
+    }
+}
+
+fn lock(n: &Mutex<Network>) -> MutexGuard<'_, Network> {
+    n.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One rank's view of the network.
+pub(super) struct SimFabric {
+    pub(super) rank: u32,
+    pub(super) net: Arc<Mutex<Network>>,
+}
+
+/// A registered region: plain memory of the simulation.
+pub(super) struct SimRegion {
+    address: usize,
+    len: usize,
+    key: u32,
+}
+
+impl LocalRegion for SimRegion {
+    fn key(&self) -> RegionKey {
+        RegionKey(self.key)
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn remote(&self) -> RemoteRegion {
+        RemoteRegion {
+            key: self.key,
+            address: self.address as u64,
+            len: self.len as u64,
+        }
+    }
+
+    fn as_ptr(&self) -> *mut u8 {
+        self.address as *mut u8
+    }
+}
+
+impl SimFabric {
+    fn post(&self, peer: u32, item: Item) -> Result<(), FabricError> {
+        let mut net = lock(&self.net);
+        if peer >= net.world {
+            return Err(FabricError::NotConnected { peer });
+        }
+        if net.dead[peer as usize] {
+            return Err(FabricError::PeerFailed {
+                peer,
+                failure: PeerFailure::Closed,
+            });
+        }
+        let l = net.link(self.rank, peer);
+        if net.links[l].len() >= LINK_DEPTH {
+            return Err(FabricError::QueueFull {
+                peer,
+                depth: LINK_DEPTH,
+            });
+        }
+        net.links[l].push_back(item);
+        Ok(())
+    }
+}
+
+impl Fabric for SimFabric {
+    type Region = SimRegion;
+
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    fn world_size(&self) -> u32 {
+        lock(&self.net).world
+    }
+
+    fn endpoint(&self, _peer: u32) -> Result<Endpoint, FabricError> {
+        Endpoint::from_bytes(&self.rank.to_le_bytes()).ok_or(FabricError::NotConnected { peer: 0 })
+    }
+
+    fn connect(&self, peer: u32, _endpoint: &Endpoint) -> Result<(), FabricError> {
+        let mut net = lock(&self.net);
+        let l = net.link(self.rank, peer);
+        net.connected[l] = true;
+        Ok(())
+    }
+
+    unsafe fn register(&self, memory: NonNull<u8>, len: usize) -> Result<SimRegion, FabricError> {
+        let address = memory.as_ptr() as usize;
+        lock(&self.net).regions[self.rank as usize] = Some((address, len));
+        Ok(SimRegion {
+            address,
+            len,
+            key: self.rank,
+        })
+    }
+
+    fn write(&self, peer: u32, request: WriteRequest<'_, SimRegion>) -> Result<(), FabricError> {
+        request.check()?;
+        self.post(
+            peer,
+            Item::Write {
+                source_offset: request.source_offset,
+                len: request.len,
+                target_offset: request.target_offset,
+                immediate: request.immediate,
+                token: request.token,
+            },
+        )
+    }
+
+    fn send_message(
+        &self,
+        peer: u32,
+        immediate: u32,
+        payload: &[u8],
+        token: u64,
+    ) -> Result<(), FabricError> {
+        let message = Message::new(immediate, payload).ok_or(FabricError::InvalidArgument {
+            argument: "payload",
+            reason: "too long".into(),
+        })?;
+        self.post(peer, Item::Message { message, token })
+    }
+
+    fn poll(&self, out: &mut [Completion]) -> usize {
+        let mut net = lock(&self.net);
+        let q = &mut net.completions[self.rank as usize];
+        let n = out.len().min(q.len());
+        for slot in out.iter_mut().take(n) {
+            if let Some(c) = q.pop_front() {
+                *slot = c;
+            }
+        }
+        n
+    }
+
+    fn wait(&self, out: &mut [Completion], _timeout: Duration) -> usize {
+        self.poll(out)
+    }
+}

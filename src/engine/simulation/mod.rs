@@ -1,0 +1,432 @@
+//! A deterministic simulation of the whole engine: every rank of an `M x D` job
+//! in one thread, over an in-memory fabric ([`fabric`]) and the real shared-memory
+//! local group on anonymous memory, with a seeded random schedule deciding which
+//! rank drives, which link delivers its next post, and when each rank's caller
+//! submits its next operation.
+//!
+//! Each seed picks the layout (`M` in 1..=4, `D` in 1..=3), the number of staging
+//! buffers (1..=4), the slice size, a script of integer all-reduces (empty to
+//! many slices, `i32`/`i64`/`u8`, sum/product/min/max, hierarchical or ring) and,
+//! for half the seeds, a rank to kill at a random step. It then checks:
+//!
+//! - every operation a rank reports done holds exactly the expected values;
+//! - without a kill, every operation of every rank is done;
+//! - with a kill, every surviving rank settles every operation (done or failed),
+//!   never hangs, and a failed one's error names the killed rank.
+//!
+//! `FAIRRING_SIM_SEEDS` sets how many seeds run (default 1000);
+//! `FAIRRING_SIM_SEED` replays one. A failing seed is printed with the command
+//! that replays it.
+#![allow(
+    clippy::cast_possible_truncation,
+    reason = "test values wrap into their element types on purpose"
+)]
+
+mod fabric;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use fairring_core::plan::{Geometry, PlanConfig};
+use fairring_core::topology::{RankLayout, Topology};
+use fairring_core::{DataType, ReduceOp};
+use fairring_rdma::fabric::{Fabric, LocalRegion};
+
+use super::descriptor::{Collective, Descriptor};
+use super::work::{DONE, FAILED, Submission};
+use super::{BufferLayout, Engine, EngineParts};
+use crate::communicator::bootstrap::peers;
+use crate::config::Algorithm;
+use crate::local::ShmGroup;
+use crate::local::segment::Segment;
+use fabric::{Network, SimFabric};
+
+/// Steps after which a seed that has not settled counts as hung.
+const STEP_LIMIT: u64 = 2_000_000;
+
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[usize::try_from(self.below(items.len() as u64)).unwrap_or(0)]
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Op {
+    elements: u64,
+    dtype: DataType,
+    op: ReduceOp,
+    algorithm: Algorithm,
+}
+
+/// Rank `rank`'s element `i` of operation `k`, before truncation to the type.
+fn value(rank: u32, k: usize, i: u64) -> i64 {
+    let x = (u64::from(rank) + 1).wrapping_mul(0x2545_f491_4f6c_dd1d) ^ (k as u64) << 32 ^ i;
+    (x.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) as i64 - (1 << 23)
+}
+
+fn fold(op: ReduceOp, a: i64, b: i64) -> i64 {
+    match op {
+        ReduceOp::Product => a.wrapping_mul(b),
+        ReduceOp::Min => a.min(b),
+        ReduceOp::Max => a.max(b),
+        _ => a.wrapping_add(b),
+    }
+}
+
+/// Element `i` of a tensor of `dtype`, as an i64.
+fn read(dtype: DataType, bytes: &[u8], i: usize) -> i64 {
+    match dtype {
+        DataType::U8 => i64::from(bytes[i]),
+        DataType::I32 => i64::from(i32::from_le_bytes(
+            bytes[i * 4..i * 4 + 4].try_into().unwrap_or([0; 4]),
+        )),
+        _ => i64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8])),
+    }
+}
+
+/// The bytes of `v` as one element of `dtype` (truncated, as the type wraps).
+fn write(dtype: DataType, bytes: &mut [u8], i: usize, v: i64) {
+    match dtype {
+        DataType::U8 => bytes[i] = v as u8,
+        DataType::I32 => bytes[i * 4..i * 4 + 4].copy_from_slice(&(v as i32).to_le_bytes()),
+        _ => bytes[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes()),
+    }
+}
+
+/// `v` as the type holds it (u8 and i32 wrap; min and max compare within the type).
+fn narrow(dtype: DataType, v: i64) -> i64 {
+    match dtype {
+        DataType::U8 => i64::from(v as u8),
+        DataType::I32 => i64::from(v as i32),
+        _ => v,
+    }
+}
+
+struct Rank {
+    engine: Engine<SimFabric>,
+    /// Per operation: the tensor (as 8-byte words, so every type is aligned).
+    tensors: Vec<Vec<u64>>,
+    submitted: usize,
+    /// Per operation: `Some(true)` done, `Some(false)` failed.
+    settled: Vec<Option<bool>>,
+    dead: bool,
+}
+
+/// What a seed did, for the summary line.
+#[derive(Debug, Default)]
+struct Outcome {
+    steps: u64,
+    killed: Option<u32>,
+    done: usize,
+    failed: usize,
+}
+
+#[expect(clippy::too_many_lines, reason = "one scenario, read top to bottom")]
+fn run(seed: u64) -> Result<Outcome, String> {
+    let mut rng = Rng::new(seed);
+    let (m, d) = (1 + rng.below(4) as u32, 1 + rng.below(3) as u32);
+    let world = m * d;
+    let buffers = 1 + rng.below(4) as u32;
+    let slice_bytes = rng.pick(&[1024, 4096, 16_384]);
+    let topology = Topology::new(m, d, RankLayout::Contiguous).map_err(|e| e.to_string())?;
+    let config = PlanConfig::new(slice_bytes, 64).map_err(|e| e.to_string())?;
+    let geometry = Geometry::new(topology, config).map_err(|e| e.to_string())?;
+    let layout = BufferLayout::new(&geometry, world);
+    let ops: Vec<Op> = (0..2 + rng.below(7))
+        .map(|_| Op {
+            elements: match rng.below(5) {
+                0 => 0,
+                1 => 1 + rng.below(8),
+                2 => rng.below(300),
+                _ => rng.below(6000),
+            },
+            dtype: rng.pick(&[DataType::I32, DataType::I64, DataType::U8]),
+            op: rng.pick(&[
+                ReduceOp::Sum,
+                ReduceOp::Product,
+                ReduceOp::Min,
+                ReduceOp::Max,
+            ]),
+            algorithm: rng.pick(&[Algorithm::Hierarchical, Algorithm::Ring]),
+        })
+        .collect();
+    let window = 1 + rng.below(4) as usize;
+    let kill = (world > 1 && rng.below(2) == 1)
+        .then(|| (1 + rng.below(4000), rng.below(u64::from(world)) as u32));
+
+    let net = Network::new(world);
+    let segments: Vec<Arc<Segment>> = (0..m)
+        .map(|_| Segment::anonymous(d, buffers, layout.buffer_bytes).map(Arc::new))
+        .collect::<crate::Result<_>>()
+        .map_err(|e| e.to_string())?;
+    let mut parts = Vec::new();
+    for rank in 0..world {
+        let location = topology.locate(rank).map_err(|e| e.to_string())?;
+        let group = ShmGroup::on_segment(
+            Arc::clone(&segments[location.machine as usize]),
+            location.device,
+            d,
+            buffers,
+        );
+        let fabric = SimFabric {
+            rank,
+            net: Arc::clone(&net),
+        };
+        let (area, len) = group.own_area();
+        // SAFETY: the area is this rank's part of a segment the group keeps
+        // mapped for as long as the engine lives.
+        let region = unsafe { fabric.register(area, len) }.map_err(|e| e.to_string())?;
+        parts.push((location, group, fabric, region));
+    }
+    let regions: Vec<_> = parts.iter().map(|p| p.3.remote()).collect();
+    let mut ranks: Vec<Rank> = Vec::new();
+    for (rank, (location, group, fabric, region)) in (0..world).zip(parts) {
+        let (out, inbound) = peers(topology, location, rank);
+        let mut linked: Vec<u32> = out.iter().chain(&inbound).copied().collect();
+        linked.sort_unstable();
+        linked.dedup();
+        for &p in &linked {
+            let ep = fabric.endpoint(p).map_err(|e| e.to_string())?;
+            fabric.connect(p, &ep).map_err(|e| e.to_string())?;
+        }
+        let mut remote = vec![None; world as usize];
+        for &p in &out {
+            remote[p as usize] = Some(regions[p as usize]);
+        }
+        let engine = Engine::new(EngineParts {
+            fabric,
+            region,
+            remote,
+            local: Box::new(group),
+            geometry,
+            location,
+            rank,
+            buffers,
+            layout,
+            inbound,
+            linked,
+            timeout: Duration::from_secs(3600),
+        });
+        let tensors = ops
+            .iter()
+            .enumerate()
+            .map(|(k, op)| {
+                let n = usize::try_from(op.elements).unwrap_or(0);
+                let mut words = vec![0u64; (n * 8).div_ceil(8)];
+                let bytes: &mut [u8] = bytemuck_bytes(&mut words);
+                for i in 0..n {
+                    write(op.dtype, bytes, i, value(rank, k, i as u64));
+                }
+                words
+            })
+            .collect();
+        ranks.push(Rank {
+            engine,
+            tensors,
+            submitted: 0,
+            settled: vec![None; ops.len()],
+            dead: false,
+        });
+    }
+
+    let mut outcome = Outcome {
+        killed: kill.map(|k| k.1),
+        ..Outcome::default()
+    };
+    loop {
+        outcome.steps += 1;
+        if outcome.steps > STEP_LIMIT {
+            return Err(format!(
+                "{m}x{d}, {buffers} buffers: not settled after {STEP_LIMIT} steps; settled: {:?}",
+                ranks.iter().map(|r| r.settled.clone()).collect::<Vec<_>>()
+            ));
+        }
+        if let Some((at, victim)) = kill
+            && at == outcome.steps
+        {
+            net.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .kill(victim);
+            ranks[victim as usize].dead = true;
+        }
+        // Settle what finished.
+        for (r, rank) in ranks.iter_mut().enumerate().filter(|(_, r)| !r.dead) {
+            for (k, op) in ops.iter().enumerate().take(rank.submitted) {
+                if rank.settled[k].is_some() {
+                    continue;
+                }
+                let seq = k as u64;
+                match rank.engine.works.state(seq) {
+                    Some(DONE) => {
+                        check(op, k, world, r, &rank.tensors[k])?;
+                        rank.settled[k] = Some(true);
+                        rank.engine.works.give_back(seq);
+                    }
+                    Some(FAILED) => {
+                        rank.settled[k] = Some(false);
+                        rank.engine.works.give_back(seq);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let live = ranks.iter().filter(|r| !r.dead);
+        if live.clone().all(|r| r.settled.iter().all(Option::is_some)) {
+            break;
+        }
+        // One scheduled action.
+        let choice = rng.below(100);
+        if choice < 40 {
+            let busy = net
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .busy_links();
+            if !busy.is_empty() {
+                let (a, b) = rng.pick(&busy);
+                net.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .deliver(a, b);
+            }
+        } else {
+            let r = rng.below(u64::from(world)) as usize;
+            let rank = &mut ranks[r];
+            if rank.dead {
+                continue;
+            }
+            let outstanding = (0..rank.submitted)
+                .filter(|&k| rank.settled[k].is_none())
+                .count();
+            if choice >= 85 && rank.submitted < ops.len() && outstanding < window {
+                let k = rank.submitted;
+                let op = ops[k];
+                let seq = k as u64;
+                if !rank.engine.works.try_take(seq) {
+                    return Err(format!("rank {r}: the entry of operation {k} is taken"));
+                }
+                let sub = Submission {
+                    seq,
+                    data: rank.tensors[k].as_mut_ptr().cast(),
+                    elements: op.elements,
+                    dtype: op.dtype,
+                    op: op.op,
+                    algorithm: op.algorithm,
+                    descriptor: Descriptor {
+                        collective: Collective::AllReduce,
+                        dtype: op.dtype,
+                        op: op.op,
+                        algorithm: op.algorithm,
+                        root: 0,
+                        elements: op.elements,
+                    },
+                    deliver: None,
+                };
+                rank.submitted += 1;
+                if rank.engine.submit(sub).is_err() {
+                    rank.engine.works.give_back(seq);
+                    rank.settled[k] = Some(false);
+                }
+            } else {
+                rank.engine.try_drive();
+            }
+        }
+    }
+    for (r, rank) in ranks.iter().enumerate().filter(|(_, r)| !r.dead) {
+        let failed = rank.settled.iter().filter(|s| **s == Some(false)).count();
+        outcome.done += rank.settled.len() - failed;
+        outcome.failed += failed;
+        match (kill, rank.engine.failure()) {
+            (None, Some(e)) => return Err(format!("rank {r} failed with no fault injected: {e}")),
+            (Some((_, victim)), Some(e)) if !e.to_string().contains(&format!("rank {victim}")) => {
+                return Err(format!(
+                    "rank {r}: the error does not name killed rank {victim}: {e}"
+                ));
+            }
+            _ => {}
+        }
+    }
+    Ok(outcome)
+}
+
+/// The bytes of 8-byte words.
+fn bytemuck_bytes(words: &mut [u64]) -> &mut [u8] {
+    let len = std::mem::size_of_val(words);
+    // SAFETY: `u64` has no padding and any byte pattern is valid for `u8`; the
+    // slice covers exactly the words' memory, borrowed mutably for its lifetime.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), len) }
+}
+
+/// Checks rank `r`'s result of operation `k` element by element.
+fn check(op: &Op, k: usize, world: u32, r: usize, words: &[u64]) -> Result<(), String> {
+    let len = std::mem::size_of_val(words);
+    // SAFETY: as in `bytemuck_bytes`, read-only.
+    let bytes = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), len) };
+    for i in 0..usize::try_from(op.elements).unwrap_or(0) {
+        let want = (1..world).fold(narrow(op.dtype, value(0, k, i as u64)), |acc, q| {
+            narrow(
+                op.dtype,
+                fold(op.op, acc, narrow(op.dtype, value(q, k, i as u64))),
+            )
+        });
+        let got = read(op.dtype, bytes, i);
+        if got != want {
+            return Err(format!(
+                "rank {r}, operation {k} ({op:?}): element {i} is {got}, expected {want}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn seeds() -> Vec<u64> {
+    if let Ok(s) = std::env::var("FAIRRING_SIM_SEED") {
+        return vec![s.trim().parse().expect("FAIRRING_SIM_SEED: a seed number")];
+    }
+    let count = std::env::var("FAIRRING_SIM_SEEDS").map_or(1000, |s| {
+        s.trim().parse().expect("FAIRRING_SIM_SEEDS: a count")
+    });
+    (1..=count).collect()
+}
+
+#[test]
+fn seeded_schedules_settle_with_exact_results() {
+    let seeds = seeds();
+    let (mut killed, mut steps, mut done, mut failed) = (0, 0, 0, 0);
+    for &seed in &seeds {
+        let result = std::panic::catch_unwind(|| run(seed));
+        let outcome = match result {
+            Ok(Ok(o)) => o,
+            Ok(Err(e)) => panic!(
+                "simulation seed {seed}: {e}\nreplay: FAIRRING_SIM_SEED={seed} cargo test -p fairring --lib simulation"
+            ),
+            Err(_) => panic!(
+                "simulation seed {seed} panicked\nreplay: FAIRRING_SIM_SEED={seed} cargo test -p fairring --lib simulation"
+            ),
+        };
+        killed += usize::from(outcome.killed.is_some());
+        steps += outcome.steps;
+        done += outcome.done;
+        failed += outcome.failed;
+    }
+    eprintln!(
+        "simulation: {} seeds ({killed} with a killed rank), {steps} steps, {done} operations done, {failed} failed",
+        seeds.len()
+    );
+    assert!(done > 0);
+}
