@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F]
-//!                [--iters N] [--warmup N] [--algo hierarchical|ring|all]
+//!                [--iters N] [--warmup N] [--algo auto|hierarchical|ring|all]
 //!                [--dtype f32|f64|f16|bf16|i32|i64|u8|i8] [--op sum|prod|min|max|avg]
 //!                [--check|--no-check] [--parallel N] [--json PATH]
 //! ```
@@ -29,6 +29,9 @@ use fairring::core::reduce::Element;
 use fairring::{Algorithm, Communicator, DataType, ReduceOp};
 use half::{bf16, f16};
 
+/// Blocks of iterations the algorithms of one size take turns in.
+const ROUNDS: usize = 5;
+
 const CHILD_VAR: &str = "FAIRRING_BENCH_CHILD";
 
 #[derive(Clone, Debug)]
@@ -51,7 +54,7 @@ fn usage(error: &str) -> ! {
     eprintln!("fairring-bench: {error}");
     eprintln!(
         "usage: fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F] \
-         [--iters N] [--warmup N] [--algo hierarchical|ring|all] [--dtype T] [--op OP] \
+         [--iters N] [--warmup N] [--algo auto|hierarchical|ring|all] [--dtype T] [--op OP] \
          [--check|--no-check] [--parallel N] [--json PATH]"
     );
     std::process::exit(2)
@@ -89,7 +92,7 @@ fn parse(args: &[String]) -> Options {
         factor: 4,
         iters: 20,
         warmup: 5,
-        algorithms: vec![Algorithm::Hierarchical],
+        algorithms: vec![Algorithm::Auto],
         dtype: DataType::F32,
         op: ReduceOp::Sum,
         check: true,
@@ -398,6 +401,12 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
     loop {
         let count = size / esize;
         let n = usize::try_from(count).unwrap_or(0);
+        // Check and warm up every algorithm first, then time them in turns of
+        // `ROUNDS` blocks of consecutive iterations: a comparison in one run sees
+        // the same machine state for every algorithm, whichever comes first,
+        // while a block keeps each algorithm's steady state (a small all-reduce
+        // right after a different algorithm's pays for the switch).
+        let mut wrongs = Vec::with_capacity(o.algorithms.len());
         for &algorithm in &o.algorithms {
             // Check one iteration against the exactly known result.
             let mut wrong = 0u64;
@@ -419,15 +428,30 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
                 comm.all_reduce(&mut w, ReduceOp::Sum)?;
                 wrong = u64::try_from(w[0]).unwrap_or(u64::MAX);
             }
+            wrongs.push(wrong);
             for _ in 0..o.warmup {
                 iteration(comm, &mut bufs, n, o.op, algorithm)?;
             }
-            let mut times = vec![0f64; o.iters];
-            for t in &mut times {
-                let start = Instant::now();
-                iteration(comm, &mut bufs, n, o.op, algorithm)?;
-                *t = start.elapsed().as_secs_f64();
+        }
+        let mut timings = vec![vec![0f64; o.iters]; o.algorithms.len()];
+        let rounds = ROUNDS.min(o.iters);
+        for round in 0..rounds {
+            let iters = (round * o.iters / rounds)..((round + 1) * o.iters / rounds);
+            // Odd rounds take the algorithms in reverse: none always goes first.
+            let mut order: Vec<usize> = (0..o.algorithms.len()).collect();
+            if round % 2 == 1 {
+                order.reverse();
             }
+            for a in order {
+                let algorithm = o.algorithms[a];
+                for i in iters.clone() {
+                    let start = Instant::now();
+                    iteration(comm, &mut bufs, n, o.op, algorithm)?;
+                    timings[a][i] = start.elapsed().as_secs_f64();
+                }
+            }
+        }
+        for ((&algorithm, mut times), wrong) in o.algorithms.iter().zip(timings).zip(wrongs) {
             // The slowest rank's time, iteration by iteration.
             comm.all_reduce(&mut times, ReduceOp::Max)?;
             times.sort_by(f64::total_cmp);
