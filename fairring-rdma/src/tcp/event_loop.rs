@@ -568,6 +568,16 @@ impl EventLoop {
             } else {
                 PeerFailure::Io(e.kind())
             };
+            // What the peer sent before it closed may still wait in the socket
+            // (its last message, often a goodbye): deliver it before the failure,
+            // so completions keep the order in which the peer acted.
+            loop {
+                self.read(peer);
+                match self.conns[peer as usize].as_ref() {
+                    Some(conn) if conn.more_to_read => {}
+                    _ => break,
+                }
+            }
             self.fail(peer, failure);
         }
     }
