@@ -20,7 +20,8 @@
 //!
 //! # The engine
 //!
-//! [`Communicator`] runs all-reduces across processes and machines on host memory:
+//! [`Communicator`] runs all-reduce, broadcast, all-gather, reduce-scatter, barrier
+//! and coalesced all-reduce across processes and machines on host memory:
 //!
 //! - **built** from torchrun's environment or a [`Config`] builder; ranks meet
 //!   through a [`Store`] (by default the authenticated [`store::TcpStore`] rank 0
@@ -28,7 +29,11 @@
 //! - **asynchronous**: operations started in a [`Communicator::scope`] return a
 //!   [`Work`] at once, and successive ones overlap up to the number of staging
 //!   buffers; a progress thread (or a waiting caller) drives them;
-//! - **hierarchical** (the reduction-server algorithm) or **ring**, per call;
+//! - **hierarchical** (the reduction-server algorithm) or **ring**, per call, or
+//!   **auto** (the default: chosen per size and layout from measured crossovers);
+//! - **checked**: ranks compare every operation's descriptor before combining any
+//!   of its data ([`Error::Mismatch`]), and a failing rank tells every other rank,
+//!   so that no rank waits out a timeout for a peer that has given up;
 //! - **intra-machine** through shared memory ([`local::ShmGroup`]), the
 //!   [`local::LocalGroup`] the GPU layer will also implement;
 //! - **allocation-free** per operation once built.

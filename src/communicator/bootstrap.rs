@@ -32,25 +32,8 @@ pub(super) fn detect_topology(config: &Config, store: &dyn Store) -> Result<(Top
     let keys: Vec<String> = (0..config.world_size)
         .map(|r| format!("host/{r}"))
         .collect();
-    let hosts = gather(store, &keys, config.timeout).map_err(|e| match e {
-        Error::Timeout { after, .. } => {
-            let missing: Vec<String> = keys
-                .iter()
-                .enumerate()
-                .filter(|(_, k)| !store.check(&[k.as_str()]).unwrap_or(false))
-                .map(|(r, _)| r.to_string())
-                .collect();
-            Error::timeout(
-                format!(
-                    "rank(s) {} of {} to join the rendezvous",
-                    missing.join(", "),
-                    config.world_size
-                ),
-                after,
-            )
-        }
-        other => other,
-    })?;
+    await_ranks(store, &keys, config)?;
+    let hosts = gather(store, &keys, config.timeout)?;
     let mut names: Vec<&[u8]> = Vec::new();
     let mut machine_of_rank = Vec::with_capacity(hosts.len());
     for h in &hosts {
@@ -99,6 +82,51 @@ pub(super) fn detect_topology(config: &Config, store: &dyn Store) -> Result<(Top
         ));
     }
     Ok((topology, location))
+}
+
+/// Waits until every rank has published its key `keys[rank]`; on timeout the
+/// error lists the ranks still missing at the last look (made while the store was
+/// still up: rank 0, which serves it, gives up at the same time).
+fn await_ranks(store: &dyn Store, keys: &[String], config: &Config) -> Result<()> {
+    let deadline = std::time::Instant::now() + config.timeout;
+    let mut missing: Vec<usize> = (0..keys.len()).collect();
+    // Whether one look at every missing key completed.
+    let mut looked = false;
+    let give_up = |missing: &[usize], why: String| {
+        let list: Vec<String> = missing.iter().map(usize::to_string).collect();
+        Error::timeout(
+            format!(
+                "rank(s) {} of {} to join the rendezvous{why}",
+                list.join(", "),
+                config.world_size
+            ),
+            config.timeout,
+        )
+    };
+    loop {
+        let mut still = Vec::with_capacity(missing.len());
+        for &r in &missing {
+            match store.check(&[keys[r].as_str()]) {
+                Ok(true) => {}
+                Ok(false) => still.push(r),
+                // The store's server (rank 0) gave up first: report what the
+                // last complete look found.
+                Err(e) if looked => {
+                    return Err(give_up(&missing, format!(" (then the store closed: {e})")));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        missing = still;
+        looked = true;
+        if missing.is_empty() {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(give_up(&missing, String::new()));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }
 
 fn per_machine_counts(machine_of_rank: &[u32], machines: usize) -> String {

@@ -272,6 +272,8 @@ pub(crate) struct Engine<F: Fabric> {
     submissions: ArrayQueue<Submission>,
     driver: Mutex<Driver>,
     failed: AtomicBool,
+    /// Failure messages posted to peers (see `say_goodbye`).
+    aborts_posted: AtomicU32,
     first_error: Mutex<Option<Error>>,
     shutdown: AtomicBool,
     pub(crate) timeout: Duration,
@@ -395,6 +397,7 @@ impl<F: Fabric> Engine<F> {
                 failure_record: None,
             }),
             failed: AtomicBool::new(false),
+            aborts_posted: AtomicU32::new(0),
             first_error: Mutex::new(None),
             shutdown: AtomicBool::new(false),
             timeout: parts.timeout,
@@ -492,11 +495,27 @@ impl<F: Fabric> Engine<F> {
                 *w = u64::from_le_bytes(b);
             }
             self.local.fail(words);
+            // A queue full of the operation's data drains on its own (the
+            // fabric's threads send it): retry briefly rather than leave a peer
+            // to learn of the failure only from the connection closing.
+            let deadline = Instant::now() + Duration::from_millis(500);
             for &p in &self.linked {
                 let imm = tags::immediate(Kind::Abort, 0, 0);
-                let _ = self
-                    .fabric
-                    .send_message(p, imm, &record, tags::token(Kind::Abort, 0, 0));
+                loop {
+                    match self
+                        .fabric
+                        .send_message(p, imm, &record, tags::token(Kind::Abort, 0, 0))
+                    {
+                        Ok(()) => {
+                            self.aborts_posted.fetch_add(1, Ordering::AcqRel);
+                            break;
+                        }
+                        Err(FabricError::QueueFull { .. }) if Instant::now() < deadline => {
+                            std::thread::yield_now();
+                        }
+                        Err(_) => break,
+                    }
+                }
             }
         }
         while let Some(sub) = self.submissions.pop() {
@@ -1230,7 +1249,11 @@ impl<F: Fabric> Engine<F> {
             };
             match self.fabric.write(w.peer, request) {
                 Ok(()) => posted += 1,
-                Err(fairring_rdma::fabric::FabricError::QueueFull { .. }) => break,
+                Err(FabricError::QueueFull { .. }) => break,
+                // The peer's failure also arrives as a completion, after whatever
+                // it sent before failing (a failure report, a goodbye): the engine
+                // fails there, with the peer's reason, and not here first.
+                Err(FabricError::PeerFailed { .. }) => break,
                 Err(e) => return Err(Error::from(e)),
             }
         }
@@ -1388,10 +1411,13 @@ impl<F: Fabric> Engine<F> {
     }
 
     /// Tells every linked peer this rank leaves after `operations` operations,
-    /// and waits (briefly) until the goodbyes are out. The progress thread must
+    /// and waits (briefly) until the goodbyes are out; after a failure, waits
+    /// instead (as briefly) until the failure messages are out, so that peers
+    /// learn why before they see the connections close. The progress thread must
     /// have stopped.
     pub(crate) fn say_goodbye(&self, operations: u64, peers: &[u32]) {
         if self.failed.load(Ordering::Acquire) {
+            self.await_sends(Kind::Abort, self.aborts_posted.load(Ordering::Acquire));
             return;
         }
         let payload = operations.to_le_bytes();
@@ -1406,6 +1432,11 @@ impl<F: Fabric> Engine<F> {
                 outstanding += 1;
             }
         }
+        self.await_sends(Kind::Bye, outstanding);
+    }
+
+    /// Waits up to 2 s for `outstanding` posts of `kind` to be sent (or to fail).
+    fn await_sends(&self, kind: Kind, mut outstanding: u32) {
         let deadline = Instant::now() + Duration::from_secs(2);
         let mut batch = [NO_COMPLETION; 16];
         while outstanding > 0 && Instant::now() < deadline {
@@ -1413,7 +1444,7 @@ impl<F: Fabric> Engine<F> {
             for c in &batch[..n] {
                 match c.event {
                     CompletionEvent::Sent { token } | CompletionEvent::SendFailed { token, .. }
-                        if tags::parse_token(token).is_some_and(|t| t.0 == Kind::Bye) =>
+                        if tags::parse_token(token).is_some_and(|t| t.0 == kind) =>
                     {
                         outstanding -= 1;
                     }
