@@ -296,6 +296,14 @@ pub(crate) fn peers(topology: Topology, location: Location, rank: u32) -> (Vec<u
     (out, inbound)
 }
 
+/// Every rank connected to this one: those it writes to and those that write to it.
+pub(crate) fn linked(out: &[u32], inbound: &[u32]) -> Vec<u32> {
+    let mut linked: Vec<u32> = out.iter().chain(inbound).copied().collect();
+    linked.sort_unstable();
+    linked.dedup();
+    linked
+}
+
 /// Everything that goes into an engine, put together.
 pub(super) struct Built {
     pub(super) engine: Engine<TcpFabric>,
@@ -327,9 +335,7 @@ pub(super) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
     // the engine's protocol keeps the fabric's and the driver's accesses apart.
     let region = unsafe { fabric.register(area, len)? };
     let (out, inbound) = peers(topology, location, config.rank);
-    let mut linked: Vec<u32> = out.iter().chain(&inbound).copied().collect();
-    linked.sort_unstable();
-    linked.dedup();
+    let linked = linked(&out, &inbound);
     for &p in &linked {
         let ep = fabric.endpoint(p)?;
         store.set(&format!("ep/{}/{p}", config.rank), ep.as_bytes())?;

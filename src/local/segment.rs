@@ -127,28 +127,10 @@ impl Segment {
         } else {
             open(&cname, len, timeout)?
         };
-        // SAFETY: mapping a fresh range (null hint) of `len` bytes of the object `fd`
-        // refers to, which has at least `len` bytes (checked or set above).
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
-                fd,
-                0,
-            )
-        };
+        let mapped = map_shared(len, Some(fd), name);
         // SAFETY: `fd` is ours; the mapping keeps the object alive without it.
         unsafe { libc::close(fd) };
-        if p == libc::MAP_FAILED {
-            return Err(Error::io(
-                format!("mapping {len} bytes of shared memory {name}"),
-                std::io::Error::last_os_error(),
-            ));
-        }
-        let base = NonNull::new(p.cast::<u8>())
-            .ok_or_else(|| Error::io("mmap", std::io::Error::other("null mapping")))?;
+        let base = mapped?;
         let segment = Segment {
             base,
             len,
@@ -210,25 +192,7 @@ impl Segment {
         let buffer_bytes = round_up(buffer_bytes, PAGE);
         let (control, data, len) = Segment::layout(ranks, buffers, buffer_bytes)
             .ok_or_else(|| Error::invalid("staging", "the shared segment's size overflows"))?;
-        // SAFETY: a fresh anonymous mapping (null hint, no file).
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(Error::io(
-                "mapping anonymous memory",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        let base = NonNull::new(p.cast::<u8>())
-            .ok_or_else(|| Error::io("mmap", std::io::Error::other("null mapping")))?;
+        let base = map_shared(len, None, "anonymous memory")?;
         Ok(Segment {
             base,
             len,
@@ -374,6 +338,36 @@ impl Drop for Segment {
         // from the segment outlives it (accessors borrow `self`).
         unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
     }
+}
+
+/// Maps `len` bytes shared: of the object `fd` (every page populated now), or
+/// anonymous memory when `fd` is `None`.
+fn map_shared(len: usize, fd: Option<i32>, what: &str) -> Result<NonNull<u8>> {
+    let flags = match fd {
+        Some(_) => libc::MAP_SHARED | libc::MAP_POPULATE,
+        None => libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+    };
+    // SAFETY: mapping a fresh range (null hint) of `len` bytes, of anonymous
+    // memory or of the object `fd` refers to, which has at least `len` bytes
+    // (created or checked by the caller).
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags,
+            fd.unwrap_or(-1),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(Error::io(
+            format!("mapping {len} bytes of shared memory {what}"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    NonNull::new(p.cast::<u8>())
+        .ok_or_else(|| Error::io("mmap", std::io::Error::other("null mapping")))
 }
 
 fn create(name: &std::ffi::CStr, len: usize) -> Result<i32> {

@@ -35,7 +35,7 @@ use fairring_rdma::fabric::{Fabric, LocalRegion};
 use super::descriptor::{Collective, Descriptor};
 use super::work::{DONE, FAILED, Submission};
 use super::{BufferLayout, Engine, EngineParts};
-use crate::communicator::bootstrap::peers;
+use crate::communicator::bootstrap::{linked, peers};
 use crate::config::Algorithm;
 use crate::local::ShmGroup;
 use crate::local::segment::Segment;
@@ -199,9 +199,7 @@ fn run(seed: u64) -> Result<Outcome, String> {
     let mut ranks: Vec<Rank> = Vec::new();
     for (rank, (location, group, fabric, region)) in (0..world).zip(parts) {
         let (out, inbound) = peers(topology, location, rank);
-        let mut linked: Vec<u32> = out.iter().chain(&inbound).copied().collect();
-        linked.sort_unstable();
-        linked.dedup();
+        let linked = linked(&out, &inbound);
         for &p in &linked {
             let ep = fabric.endpoint(p).map_err(|e| e.to_string())?;
             fabric.connect(p, &ep).map_err(|e| e.to_string())?;
