@@ -1,0 +1,405 @@
+//! The device reduction kernel: `dst op= src` and the average's division, for
+//! every type and operator of [`fairring_core::reduce`], with its semantics.
+//!
+//! The source (`reduce.cu`) is compiled by NVRTC to machine code for the device's
+//! architecture the first time a process loads it, then loaded once per device.
+//! NVRTC rather than embedded PTX: PTX embedded at build time would need nvcc on
+//! every build machine (this crate builds without CUDA), would be JIT-compiled by
+//! the driver anyway, and fails to load on a driver older than the PTX ISA;
+//! machine code compiled for the exact device needs neither.
+//!
+//! Each kernel loads and stores 16-byte vectors, two per thread per pass, over a
+//! grid of at most the blocks the device keeps resident, walking the rest
+//! grid-stride.
+
+mod compile;
+mod geometry;
+
+use std::ffi::CString;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUfunction, CUmodule};
+use fairring_core::{DataType, ReduceOp};
+
+pub use compile::{Compiled, SOURCE, compile};
+
+use crate::device::Device;
+use crate::error::{self, Result};
+use crate::memory::{DeviceSlice, DeviceSliceMut};
+use crate::stream::Stream;
+use geometry::{Split, THREADS, blocks};
+
+/// Every element type, in [`DataType`] discriminant order.
+const TYPES: [DataType; 8] = [
+    DataType::F32,
+    DataType::F64,
+    DataType::F16,
+    DataType::BF16,
+    DataType::I32,
+    DataType::I64,
+    DataType::U8,
+    DataType::I8,
+];
+
+/// The four kernels per type; `Avg` reduces with `Sum`.
+const OPERATORS: [ReduceOp; 4] = [
+    ReduceOp::Sum,
+    ReduceOp::Product,
+    ReduceOp::Min,
+    ReduceOp::Max,
+];
+
+/// The name a kernel of `reduce.cu` is defined under.
+pub fn entry_point(dtype: DataType, op: ReduceOp) -> String {
+    let op = match op {
+        ReduceOp::Sum | ReduceOp::Avg => "sum",
+        ReduceOp::Product => "product",
+        ReduceOp::Min => "min",
+        ReduceOp::Max => "max",
+    };
+    format!("fairring_reduce_{op}_{}", type_name(dtype))
+}
+
+/// The name of the division kernel for a float type.
+pub fn divide_entry_point(dtype: DataType) -> String {
+    format!("fairring_divide_{}", type_name(dtype))
+}
+
+fn type_name(dtype: DataType) -> &'static str {
+    match dtype {
+        DataType::F32 => "F32",
+        DataType::F64 => "F64",
+        DataType::F16 => "F16",
+        DataType::BF16 => "BF16",
+        DataType::I32 => "I32",
+        DataType::I64 => "I64",
+        DataType::U8 => "U8",
+        DataType::I8 => "I8",
+    }
+}
+
+/// A kernel and the blocks of it the device keeps resident per multiprocessor.
+#[derive(Clone, Copy, Debug)]
+struct Kernel {
+    function: CUfunction,
+    blocks_per_sm: u32,
+}
+
+/// The reduction kernels, loaded on one device.
+#[derive(Debug)]
+pub struct ReductionKernels {
+    device: Arc<Device>,
+    module: CUmodule,
+    reduce: [[Kernel; 4]; 8],
+    divide: [Option<Kernel>; 8],
+}
+
+// SAFETY: module and function handles are context-wide and usable from any thread
+// once the context is current (every method binds it).
+unsafe impl Send for ReductionKernels {}
+// SAFETY: as above; launching is thread-safe in the driver.
+unsafe impl Sync for ReductionKernels {}
+
+impl ReductionKernels {
+    /// Compiles the kernels for `device`'s architecture (once per process) and
+    /// loads them on it.
+    pub fn load(device: &Arc<Device>) -> Result<ReductionKernels> {
+        let compiled = compile(device.compute_capability())?;
+        device.bind()?;
+        let mut module = std::ptr::null_mut();
+        // SAFETY: `cubin` is a complete ELF image for this architecture; the
+        // driver copies what it needs before returning.
+        error::driver("cuModuleLoadData", unsafe {
+            sys::cuModuleLoadData(&mut module, compiled.cubin.as_ptr().cast())
+        })?;
+        let mut kernels = ReductionKernels {
+            device: Arc::clone(device),
+            module,
+            reduce: [[Kernel {
+                function: std::ptr::null_mut(),
+                blocks_per_sm: 0,
+            }; 4]; 8],
+            divide: [None; 8],
+        };
+        for (t, dtype) in TYPES.into_iter().enumerate() {
+            for (o, op) in OPERATORS.into_iter().enumerate() {
+                kernels.reduce[t][o] = kernels.function(&entry_point(dtype, op))?;
+            }
+            if dtype.is_float() {
+                kernels.divide[t] = Some(kernels.function(&divide_entry_point(dtype))?);
+            }
+        }
+        Ok(kernels)
+    }
+
+    fn function(&self, name: &str) -> Result<Kernel> {
+        let c_name =
+            CString::new(name).map_err(|_| error::invalid("kernel name", name.to_owned()))?;
+        let mut function = std::ptr::null_mut();
+        // SAFETY: the module is loaded; the name is NUL-terminated.
+        error::driver("cuModuleGetFunction", unsafe {
+            sys::cuModuleGetFunction(&mut function, self.module, c_name.as_ptr())
+        })?;
+        let mut resident = 0;
+        // SAFETY: writes one int for a valid function; no dynamic shared memory.
+        error::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut resident,
+                function,
+                THREADS as i32,
+                0,
+            )
+        })?;
+        Ok(Kernel {
+            function,
+            blocks_per_sm: u32::try_from(resident).unwrap_or(1).max(1),
+        })
+    }
+
+    /// The device the kernels are loaded on.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    /// Enqueues `dst[i] = dst[i] op src[i]` over elements of `dtype` on `stream`
+    /// (`Avg` as `Sum`; finish it with [`finish_avg`](Self::finish_avg)).
+    ///
+    /// Refused, with nothing enqueued: `Avg` on an integer type, lengths that
+    /// differ or are not whole elements, operands not aligned to their element,
+    /// overlapping operands, and operands or a stream of another device.
+    pub fn reduce(
+        &self,
+        stream: &Stream,
+        dtype: DataType,
+        op: ReduceOp,
+        dst: &mut DeviceSliceMut<'_>,
+        src: DeviceSlice<'_>,
+    ) -> Result<()> {
+        if !op.supports(dtype) {
+            return Err(error::invalid(
+                "reduce op",
+                format!("{op} is not defined on {dtype}"),
+            ));
+        }
+        self.check_stream(stream)?;
+        self.device.check_same("destination", dst.device())?;
+        self.device.check_same("source", src.device())?;
+        if dst.len() != src.len() {
+            return Err(error::invalid(
+                "source",
+                format!(
+                    "it has {} bytes and the destination {}",
+                    src.len(),
+                    dst.len()
+                ),
+            ));
+        }
+        let elements = elements(dtype, "destination", dst.raw(), dst.len())?;
+        elements_of(dtype, "source", src.raw(), src.len())?;
+        let (d, s) = (dst.raw(), src.raw());
+        let len = dst.len() as u64;
+        if d < s + len && s < d + len {
+            return Err(error::invalid(
+                "source",
+                "it overlaps the destination (the kernel reads it through the read-only cache)",
+            ));
+        }
+        if elements == 0 {
+            return Ok(());
+        }
+        let t = dtype as usize;
+        let o = OPERATORS
+            .iter()
+            .position(|x| {
+                *x == if op == ReduceOp::Avg {
+                    ReduceOp::Sum
+                } else {
+                    op
+                }
+            })
+            .unwrap_or(0);
+        let split = Split::new(&[d, s], elements, dtype.size_bytes());
+        let (mut dst_arg, mut src_arg) = (d, s);
+        let (mut head, mut vectors, mut tail) = (split.head, split.vectors, split.tail);
+        let mut params = [
+            (&raw mut dst_arg).cast(),
+            (&raw mut src_arg).cast(),
+            (&raw mut head).cast(),
+            (&raw mut vectors).cast(),
+            (&raw mut tail).cast(),
+        ];
+        // SAFETY: the parameters match the kernel's signature (two pointers, three
+        // u64), the operands are checked above to be whole, aligned,
+        // non-overlapping element ranges of this device, valid until the kernel
+        // completes (the views' contracts).
+        unsafe { self.launch(stream, self.reduce[t][o], split.work_items(2), &mut params) }
+    }
+
+    /// Enqueues `dst[i] = dst[i] / contributors` over elements of a float type:
+    /// the last step of an average.
+    pub fn finish_avg(
+        &self,
+        stream: &Stream,
+        dtype: DataType,
+        dst: &mut DeviceSliceMut<'_>,
+        contributors: u32,
+    ) -> Result<()> {
+        let Some(kernel) = self.divide[dtype as usize] else {
+            return Err(error::invalid(
+                "reduce op",
+                format!("avg is not defined on {dtype}"),
+            ));
+        };
+        if contributors == 0 {
+            return Err(error::invalid(
+                "contributors",
+                "an average needs at least one",
+            ));
+        }
+        self.check_stream(stream)?;
+        self.device.check_same("destination", dst.device())?;
+        let elements = elements(dtype, "destination", dst.raw(), dst.len())?;
+        if elements == 0 {
+            return Ok(());
+        }
+        let split = Split::new(&[dst.raw()], elements, dtype.size_bytes());
+        let mut dst_arg = dst.raw();
+        let mut n = contributors;
+        let (mut head, mut vectors, mut tail) = (split.head, split.vectors, split.tail);
+        let mut params = [
+            (&raw mut dst_arg).cast(),
+            (&raw mut n).cast(),
+            (&raw mut head).cast(),
+            (&raw mut vectors).cast(),
+            (&raw mut tail).cast(),
+        ];
+        // SAFETY: the parameters match the kernel's signature (a pointer, a u32,
+        // three u64); `dst` is a whole, aligned element range of this device,
+        // valid until the kernel completes (the view's contract).
+        unsafe { self.launch(stream, kernel, split.work_items(1), &mut params) }
+    }
+
+    fn check_stream(&self, stream: &Stream) -> Result<()> {
+        self.device.check_same("stream", stream.device().ordinal())
+    }
+
+    /// # Safety
+    ///
+    /// `params` must point at values matching `kernel`'s parameters, and the
+    /// memory they name must be valid for the kernel.
+    unsafe fn launch(
+        &self,
+        stream: &Stream,
+        kernel: Kernel,
+        work_items: u64,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        self.device.bind()?;
+        let grid = blocks(
+            work_items,
+            self.device.multiprocessors(),
+            kernel.blocks_per_sm,
+        );
+        // SAFETY: the function belongs to this device's loaded module; the caller
+        // vouches for the parameters.
+        error::driver("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                kernel.function,
+                grid,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream.raw(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+}
+
+impl Drop for ReductionKernels {
+    fn drop(&mut self) {
+        if let Err(e) = self.device.bind() {
+            log::warn!("unloading the reduction kernels: {e}");
+            return;
+        }
+        // SAFETY: loaded in `load`, unloaded once.
+        let status = unsafe { sys::cuModuleUnload(self.module) };
+        if let Err(e) = error::driver("cuModuleUnload", status) {
+            log::warn!("unloading the reduction kernels: {e}");
+        }
+    }
+}
+
+/// The number of `dtype` elements in `bytes` bytes at `address`, or an error
+/// naming `operand` when they are not whole, aligned elements.
+fn elements(dtype: DataType, operand: &'static str, address: u64, bytes: usize) -> Result<u64> {
+    let size = dtype.size_bytes();
+    if !address.is_multiple_of(size) {
+        return Err(error::invalid(
+            operand,
+            format!("address {address:#x} is not aligned to its {size}-byte {dtype} elements"),
+        ));
+    }
+    if !(bytes as u64).is_multiple_of(size) {
+        return Err(error::invalid(
+            operand,
+            format!("{bytes} bytes is not a whole number of {size}-byte {dtype} elements"),
+        ));
+    }
+    Ok(bytes as u64 / size)
+}
+
+fn elements_of(dtype: DataType, operand: &'static str, address: u64, bytes: usize) -> Result<()> {
+    elements(dtype, operand, address, bytes).map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_source_defines_every_entry_point_the_host_launches() {
+        for dtype in TYPES {
+            for op in OPERATORS {
+                let name = entry_point(dtype, op);
+                assert!(
+                    SOURCE.contains(&format!("REDUCE_ALL({})", type_name(dtype))),
+                    "{name} is not defined"
+                );
+            }
+            let defines_divide = SOURCE.contains(&format!("DIVIDE({})", type_name(dtype)));
+            assert_eq!(defines_divide, dtype.is_float(), "{dtype}");
+        }
+        assert_eq!(
+            entry_point(DataType::BF16, ReduceOp::Avg),
+            "fairring_reduce_sum_BF16"
+        );
+    }
+
+    #[test]
+    fn types_are_indexed_by_their_discriminant() {
+        for (i, t) in TYPES.into_iter().enumerate() {
+            assert_eq!(t as usize, i);
+        }
+    }
+
+    #[test]
+    fn operands_must_be_whole_aligned_elements() {
+        assert_eq!(
+            elements(DataType::F32, "destination", 0x1000, 12).unwrap(),
+            3
+        );
+        let e = elements(DataType::F64, "source", 0x1004, 8)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("source") && e.contains("0x1004"), "{e}");
+        let e = elements(DataType::BF16, "destination", 0x1000, 5)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("5 bytes") && e.contains("bf16"), "{e}");
+    }
+}
