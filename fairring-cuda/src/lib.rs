@@ -32,7 +32,9 @@ mod error;
 mod event;
 pub mod kernel;
 mod memory;
+pub mod nccl;
 pub mod probe;
+pub mod staging;
 mod stream;
 
 pub use device::{Device, cuda_available};
@@ -40,4 +42,5 @@ pub use error::{Error, Library, Result};
 pub use event::{Event, Timing};
 pub use kernel::ReductionKernels;
 pub use memory::{DeviceBuffer, DeviceSlice, DeviceSliceMut, PinnedBuffer};
+pub use staging::{HostStaging, Stage, StagingPool};
 pub use stream::Stream;
