@@ -42,5 +42,5 @@ pub use error::{Error, Library, Result};
 pub use event::{Event, Timing};
 pub use kernel::ReductionKernels;
 pub use memory::{DeviceBuffer, DeviceSlice, DeviceSliceMut, PinnedBuffer};
-pub use staging::{HostStaging, Stage, StagingPool};
+pub use staging::{HostStaging, Stage, StagingParts, StagingPool};
 pub use stream::Stream;

@@ -173,14 +173,18 @@ impl StagingPool {
         &self.streams[stage.index()]
     }
 
-    /// Buffer `buffer`'s device memory.
-    pub fn device_memory(&mut self, buffer: u32) -> Result<DeviceSliceMut<'_>> {
-        Ok(self.buffer_mut(buffer)?.device_memory.slice_mut())
-    }
-
-    /// Buffer `buffer`'s pinned host memory, if the pool has it.
-    pub fn host_memory(&mut self, buffer: u32) -> Result<Option<&mut PinnedBuffer>> {
-        Ok(self.buffer_mut(buffer)?.host_memory.as_mut())
+    /// Buffer `buffer`'s memory, with the stage streams to enqueue work on it.
+    pub fn parts(&mut self, buffer: u32) -> Result<StagingParts<'_>> {
+        let count = self.buffers.len();
+        let b = self
+            .buffers
+            .get_mut(buffer as usize)
+            .ok_or_else(|| out_of_range(buffer, count))?;
+        Ok(StagingParts {
+            streams: StageStreams(&self.streams),
+            device_memory: b.device_memory.slice_mut(),
+            host_memory: b.host_memory.as_mut(),
+        })
     }
 
     /// Starts a slice in `buffer`: the reduce-scatter stream (the first stage)
@@ -216,12 +220,27 @@ impl StagingPool {
             .get(buffer as usize)
             .ok_or_else(|| out_of_range(buffer, count))
     }
+}
 
-    fn buffer_mut(&mut self, buffer: u32) -> Result<&mut StagingBuffer> {
-        let count = self.buffers.len();
-        self.buffers
-            .get_mut(buffer as usize)
-            .ok_or_else(|| out_of_range(buffer, count))
+/// One staging buffer's memory, borrowed together with the pool's streams.
+#[derive(Debug)]
+pub struct StagingParts<'a> {
+    /// The stage streams.
+    pub streams: StageStreams<'a>,
+    /// The buffer's device memory, laid out by the pool's [`StagingLayout`].
+    pub device_memory: DeviceSliceMut<'a>,
+    /// Its pinned host twin, if the pool has one.
+    pub host_memory: Option<&'a mut PinnedBuffer>,
+}
+
+/// The pool's stream per stage.
+#[derive(Clone, Copy, Debug)]
+pub struct StageStreams<'a>(&'a [Stream; 5]);
+
+impl<'a> StageStreams<'a> {
+    /// The stream `stage` runs on.
+    pub fn get(&self, stage: Stage) -> &'a Stream {
+        &self.0[stage.index()]
     }
 }
 
