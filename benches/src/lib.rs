@@ -6,3 +6,7 @@
 //!   same bytes, the memory-bandwidth bound.
 //!
 //! Run one with `cargo bench -p fairring-bench --bench reduce`.
+//!
+//! Two binaries: `fairring-bench` (the all-reduce, nccl-tests style) and
+//! `fairring-gpu-bench` (the device reduction kernel against the device's copy
+//! bound, and pinned host-device bandwidth; needs a GPU).

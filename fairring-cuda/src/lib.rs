@@ -20,6 +20,28 @@
 //!   [`StagingLayout`](fairring_core::plan::StagingLayout), one stream per
 //!   pipeline stage, events between them, and completion as an event.
 //!
+//! # Using it from an engine
+//!
+//! The engine's `LocalGroup` trait (the intra-machine step) maps onto this crate
+//! stage for stage: `stage_in` is [`StagingPool::begin`] after the caller's
+//! stream; `try_reduce_scatter` enqueues
+//! [`Communicator::reduce_scatter_in_place`](nccl::Communicator::reduce_scatter_in_place)
+//! on the reduce-scatter stream and returns at once; `publish_slot` is
+//! [`StagingPool::hand_over`] to the all-gather stage; `try_all_gather` enqueues
+//! the all-gather and [`StagingPool::complete`]; `buffer_free` is an
+//! [`Event::is_complete`] of the buffer's previous completion. The descriptor,
+//! failure and doorbell parts stay in host shared memory as they are. One
+//! difference is not thin: the trait hands the tensor over as host bytes, and a
+//! device tensor needs it as a [`DeviceSliceMut`] (a device pointer and a stream).
+//!
+//! # What has run where
+//!
+//! The host-side code runs in CI on a machine without a GPU, and NVRTC compiles
+//! the kernels there (`tests/kernel_compile.rs`) and NCCL makes unique ids
+//! (`tests/nccl_library.rs`). The tests that need a device (`tests/gpu.rs`) and
+//! `fairring-gpu-bench` are written against the documented driver and NCCL
+//! behaviour and have not run on a GPU yet.
+//!
 //! # Errors and panics
 //!
 //! Every fallible call returns [`Error`], naming the driver or NCCL call and the

@@ -228,10 +228,9 @@ impl ReductionKernels {
             (&raw mut vectors).cast(),
             (&raw mut tail).cast(),
         ];
-        // SAFETY: the parameters match the kernel's signature (two pointers, three
-        // u64), the operands are checked above to be whole, aligned,
-        // non-overlapping element ranges of this device, valid until the kernel
-        // completes (the views' contracts).
+        // SAFETY: the parameters match the kernel (two pointers, three u64); the
+        // operands are whole, aligned, disjoint element ranges of this device
+        // (checked above), valid until the kernel completes (the views' contracts).
         unsafe { self.launch(stream, self.reduce[t][o], split.work_items(2), &mut params) }
     }
 

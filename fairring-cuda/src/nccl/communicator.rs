@@ -232,10 +232,9 @@ impl Communicator {
         self.check_placement(stream, buffer_device)?;
         let count = chunk / elem_bytes(dtype);
         let handle = self.lock()?;
-        // SAFETY: `send` holds `size * count` and `recv` `count` elements of
-        // device memory of this communicator's device, valid until the stream
-        // passes the operation (the views' contracts); the handle is live and
-        // used by one thread at a time.
+        // SAFETY: `send` holds `size * count`, `recv` `count` elements on this
+        // device, valid until the stream passes the call (the views' contracts);
+        // the handle is live and locked.
         let status = unsafe {
             sys::ncclReduceScatter(
                 send as *const _,
