@@ -36,8 +36,10 @@
 //!
 //! # What has run where
 //!
-//! The host-side code runs in CI on a machine without a GPU, and NVRTC compiles
-//! the kernels there (`tests/kernel_compile.rs`) and NCCL makes unique ids
+//! The host-side code runs in CI on a machine without a GPU; the kernel source
+//! also runs there as C++ on the CPU, thread by thread, against the host kernels
+//! (`kernel/emulation.rs`); NVRTC compiles the kernels there
+//! (`tests/kernel_compile.rs`) and NCCL makes unique ids
 //! (`tests/nccl_library.rs`). The tests that need a device (`tests/gpu.rs`) and
 //! `fairring-gpu-bench` are written against the documented driver and NCCL
 //! behaviour and have not run on a GPU yet.

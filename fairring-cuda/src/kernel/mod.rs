@@ -13,6 +13,8 @@
 //! grid-stride.
 
 mod compile;
+#[cfg(test)]
+mod emulation;
 mod geometry;
 
 use std::ffi::CString;

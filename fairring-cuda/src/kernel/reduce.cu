@@ -25,6 +25,12 @@ typedef unsigned short u16;
 
 // ---- half-precision conversions -------------------------------------------------
 
+#ifdef FAIRRING_HOST_EMULATION
+// The host emulation (kernel/emulation.rs, tests only) runs this file as C++ on
+// the CPU, where the conversions are the compiler's IEEE _Float16 ones.
+INLINE float f16_load(u16 h) { return fairring_emulated_f16_to_f32(h); }
+INLINE u16 f16_store(float f) { return fairring_emulated_f32_to_f16(f); }
+#else
 INLINE float f16_load(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -36,6 +42,7 @@ INLINE u16 f16_store(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+#endif
 
 INLINE float bf16_load(u16 b) { return __uint_as_float(((u32)b) << 16); }
 
