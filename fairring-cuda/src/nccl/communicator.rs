@@ -23,6 +23,11 @@ const UNDEF_INT: i32 = i32::MIN;
 /// NCCL's config magic number.
 const CONFIG_MAGIC: u32 = 0xcafe_beef;
 
+/// The NCCL version whose `ncclConfig_t` layout the bindings declare (2.30.0).
+/// NCCL copies `min(size, its own size)` bytes of a config and resets the fields
+/// newer than `version`, so an older or newer library reads it correctly.
+const CONFIG_LAYOUT_VERSION: u32 = 23_000;
+
 /// One rank's member of an NCCL communicator.
 ///
 /// The communicator is created non-blocking: every NCCL call returns at once, and
@@ -70,10 +75,10 @@ impl Communicator {
                 format!("rank {rank} is not in a communicator of {size}"),
             ));
         }
-        let version = probe::nccl_version()?;
+        probe::require(Library::Nccl)?;
         probe::require(Library::Cuda)?;
         device.bind()?;
-        let mut config = config(version);
+        let mut config = config();
         let mut comm = std::ptr::null_mut();
         let (n, r) = (to_int(size, "NCCL size")?, to_int(rank, "NCCL rank")?);
         // SAFETY: writes one communicator handle; `config` is a complete config
@@ -430,11 +435,11 @@ pub fn group<R>(members: &[&Communicator], enqueue: impl FnOnce() -> Result<R>) 
 }
 
 /// NCCL's config with every field unset except non-blocking mode.
-fn config(version: u32) -> ncclConfig_t {
+fn config() -> ncclConfig_t {
     ncclConfig_t {
         size: size_of::<ncclConfig_t>(),
         magic: CONFIG_MAGIC,
-        version,
+        version: CONFIG_LAYOUT_VERSION,
         blocking: 0,
         cgaClusterSize: UNDEF_INT,
         minCTAs: UNDEF_INT,
@@ -502,10 +507,10 @@ mod tests {
 
     #[test]
     fn the_config_asks_for_non_blocking_and_leaves_the_rest_to_nccl() {
-        let c = config(23_102);
+        let c = config();
         assert_eq!(c.magic, 0xcafe_beef);
         assert_eq!(c.size, size_of::<ncclConfig_t>());
-        assert_eq!(c.version, 23_102);
+        assert_eq!(c.version, 23_000);
         assert_eq!(c.blocking, 0);
         assert_eq!(c.minCTAs, i32::MIN);
         assert!(c.netName.is_null() && c.commName.is_null());
