@@ -22,17 +22,6 @@ use fairring_cuda::{
     ReductionKernels, Stage, StagingPool, Stream, Timing,
 };
 
-const TYPES: [DataType; 8] = [
-    DataType::F32,
-    DataType::F64,
-    DataType::F16,
-    DataType::BF16,
-    DataType::I32,
-    DataType::I64,
-    DataType::U8,
-    DataType::I8,
-];
-
 const OPERATORS: [ReduceOp; 5] = [
     ReduceOp::Sum,
     ReduceOp::Product,
@@ -156,7 +145,7 @@ fn the_kernel_matches_the_host_kernels_for_every_type_operator_size_and_alignmen
     let device = device();
     let kernels = ReductionKernels::load(&device).unwrap();
     let stream = Stream::new(&device, false).unwrap();
-    for dtype in TYPES {
+    for dtype in DataType::ALL.iter().copied() {
         let size = dtype.size_bytes() as usize;
         for op in OPERATORS.into_iter().filter(|op| op.supports(dtype)) {
             for n in [1usize, 3, (1 << 20) + 7] {
@@ -370,7 +359,7 @@ fn nccl_reduce_scatter_and_all_gather_on_one_rank_for_every_type() {
     let device = device();
     let comm = single_rank(&device);
     let stream = Stream::new(&device, false).unwrap();
-    for dtype in TYPES {
+    for dtype in DataType::ALL.iter().copied() {
         let n = 1000 + 3;
         let data = elements(dtype, n, 5);
         let bytes = data.len();

@@ -5,17 +5,6 @@
 use fairring_core::{DataType, ReduceOp};
 use fairring_cuda::kernel::{compile, divide_entry_point, entry_point};
 
-const TYPES: [DataType; 8] = [
-    DataType::F32,
-    DataType::F64,
-    DataType::F16,
-    DataType::BF16,
-    DataType::I32,
-    DataType::I64,
-    DataType::U8,
-    DataType::I8,
-];
-
 /// The PTX body of one entry point.
 fn body<'a>(ptx: &'a str, name: &str) -> &'a str {
     let start = ptx
@@ -49,7 +38,7 @@ fn every_kernel_compiles_for_hopper_and_ampere() {
             b"\x7fELF",
             "the CUBIN is an ELF image"
         );
-        for dtype in TYPES {
+        for dtype in DataType::ALL.iter().copied() {
             for op in [
                 ReduceOp::Sum,
                 ReduceOp::Product,
@@ -69,7 +58,7 @@ fn every_kernel_compiles_for_hopper_and_ampere() {
 #[ignore = "needs libnvrtc on the loader path (no device)"]
 fn the_kernels_move_16_byte_vectors_through_the_read_only_path() {
     let compiled = compile((9, 0)).unwrap_or_else(|e| panic!("{e}"));
-    for dtype in TYPES {
+    for dtype in DataType::ALL.iter().copied() {
         for op in [ReduceOp::Sum, ReduceOp::Min] {
             let name = entry_point(dtype, op);
             let ptx = body(&compiled.ptx, &name);

@@ -19,7 +19,7 @@ use fairring_core::reduce::{finish_avg_bytes, reduce_bytes};
 use fairring_core::{DataType, ReduceOp};
 
 use super::geometry::{Split, THREADS, blocks};
-use super::{OPERATORS, SOURCE, TYPES, divide_entry_point, entry_point};
+use super::{OPERATORS, SOURCE, divide_entry_point, entry_point};
 
 const SHIM: &str = include_str!("host_emulation.h");
 
@@ -201,7 +201,7 @@ fn every_kernel_matches_the_host_kernels_when_run_on_the_cpu() {
     let launch_divide: LaunchDivide = symbol("fairring_emulate_divide");
     let mut ops = OPERATORS.to_vec();
     ops.push(ReduceOp::Avg);
-    for dtype in TYPES {
+    for dtype in DataType::ALL.iter().copied() {
         let size = dtype.size_bytes() as usize;
         for n in [1usize, 3, 1000, (1 << 20) + 7] {
             let dst_host = elements(dtype, n, 0x1234_5678 ^ n as u64);

@@ -31,18 +31,6 @@ use crate::memory::{DeviceSlice, DeviceSliceMut};
 use crate::stream::Stream;
 use geometry::{Split, THREADS, blocks};
 
-/// Every element type, in [`DataType`] discriminant order.
-const TYPES: [DataType; 8] = [
-    DataType::F32,
-    DataType::F64,
-    DataType::F16,
-    DataType::BF16,
-    DataType::I32,
-    DataType::I64,
-    DataType::U8,
-    DataType::I8,
-];
-
 /// The four kernels per type; `Avg` reduces with `Sum`.
 const OPERATORS: [ReduceOp; 4] = [
     ReduceOp::Sum,
@@ -123,7 +111,7 @@ impl ReductionKernels {
             }; 4]; 8],
             divide: [None; 8],
         };
-        for (t, dtype) in TYPES.into_iter().enumerate() {
+        for (t, dtype) in DataType::ALL.iter().copied().enumerate() {
             for (o, op) in OPERATORS.into_iter().enumerate() {
                 kernels.reduce[t][o] = kernels.function(&entry_point(dtype, op))?;
             }
@@ -364,7 +352,7 @@ mod tests {
 
     #[test]
     fn the_source_defines_every_entry_point_the_host_launches() {
-        for dtype in TYPES {
+        for dtype in DataType::ALL.iter().copied() {
             for op in OPERATORS {
                 let name = entry_point(dtype, op);
                 assert!(
@@ -383,7 +371,7 @@ mod tests {
 
     #[test]
     fn types_are_indexed_by_their_discriminant() {
-        for (i, t) in TYPES.into_iter().enumerate() {
+        for (i, t) in DataType::ALL.iter().copied().enumerate() {
             assert_eq!(t as usize, i);
         }
     }
