@@ -185,7 +185,7 @@ impl ReductionKernels {
             ));
         }
         let elements = elements(dtype, "destination", dst.raw(), dst.len())?;
-        elements_of(dtype, "source", src.raw(), src.len())?;
+        elements(dtype, "source", src.raw(), src.len())?;
         let (d, s) = (dst.raw(), src.raw());
         let len = dst.len() as u64;
         if d < s + len && s < d + len {
@@ -340,10 +340,6 @@ fn elements(dtype: DataType, operand: &'static str, address: u64, bytes: usize) 
         ));
     }
     Ok(bytes as u64 / size)
-}
-
-fn elements_of(dtype: DataType, operand: &'static str, address: u64, bytes: usize) -> Result<()> {
-    elements(dtype, operand, address, bytes).map(drop)
 }
 
 #[cfg(test)]
