@@ -184,7 +184,7 @@ impl ReductionKernels {
                 ),
             ));
         }
-        let elements = elements(dtype, "destination", dst.raw(), dst.len())?;
+        let count = elements(dtype, "destination", dst.raw(), dst.len())?;
         elements(dtype, "source", src.raw(), src.len())?;
         let (d, s) = (dst.raw(), src.raw());
         let len = dst.len() as u64;
@@ -194,7 +194,7 @@ impl ReductionKernels {
                 "it overlaps the destination (the kernel reads it through the read-only cache)",
             ));
         }
-        if elements == 0 {
+        if count == 0 {
             return Ok(());
         }
         let t = dtype as usize;
@@ -208,7 +208,7 @@ impl ReductionKernels {
                 }
             })
             .unwrap_or(0);
-        let split = Split::new(&[d, s], elements, dtype.size_bytes());
+        let split = Split::new(&[d, s], count, dtype.size_bytes());
         let (mut dst_arg, mut src_arg) = (d, s);
         let (mut head, mut vectors, mut tail) = (split.head, split.vectors, split.tail);
         let mut params = [
