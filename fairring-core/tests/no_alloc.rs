@@ -3,8 +3,8 @@
 //! slice through the staging state machine, frame round trips and validation,
 //! reductions, fusion planning and formatting every kind of error.
 //!
-//! Counting is armed per thread, so the test harness's own allocations on other
-//! threads do not count.
+//! Counting is armed and tallied per thread, so allocations on other threads (the
+//! harness, or another test of this file running in parallel) never count.
 
 use fairring_core::fusion::{Position, plan_fusion};
 use fairring_core::plan::{Geometry, Plan, PlanConfig};
@@ -16,25 +16,23 @@ use fairring_core::{DataType, ReduceOp};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::fmt::Write;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 struct Counting;
 
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
 thread_local! {
     static ARMED: Cell<bool> = const { Cell::new(false) };
+    static ALLOCATIONS: Cell<usize> = const { Cell::new(0) };
 }
 
 fn count() {
     if ARMED.try_with(Cell::get).unwrap_or(false) {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
     }
 }
 
 // SAFETY: every method forwards to `System` with the caller's arguments unchanged,
-// so `System`'s guarantees are ours; counting touches only an atomic and a
-// const-initialised thread-local that never allocates.
+// so `System`'s guarantees are ours; counting touches only const-initialised
+// thread-locals, which never allocate.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         count();
@@ -65,11 +63,11 @@ static GLOBAL: Counting = Counting;
 
 /// Runs `f` with counting armed on this thread; returns the allocations it made.
 fn allocations_in(f: impl FnOnce()) -> usize {
-    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    let before = ALLOCATIONS.with(Cell::get);
     ARMED.with(|a| a.set(true));
     f();
     ARMED.with(|a| a.set(false));
-    ALLOCATIONS.load(Ordering::Relaxed) - before
+    ALLOCATIONS.with(Cell::get) - before
 }
 
 /// A formatter target on the stack, so that formatting errors allocates nothing.
