@@ -263,10 +263,8 @@ impl Fabric for SimFabric {
         payload: &[u8],
         token: u64,
     ) -> Result<(), FabricError> {
-        let message = Message::new(immediate, payload).ok_or(FabricError::InvalidArgument {
-            argument: "payload",
-            reason: "too long".into(),
-        })?;
+        fairring_rdma::fabric::check_message(payload)?;
+        let message = Message::new(immediate, payload).expect("length checked above");
         self.post(peer, Item::Message { message, token })
     }
 
