@@ -3,7 +3,7 @@
 //! minimum shard sizes.
 
 use fairring_core::DataType;
-use fairring_core::plan::{ALIGN_BYTES, Geometry, Plan, PlanConfig, Slice};
+use fairring_core::plan::{ALIGN_BYTES, Geometry, InputArea, Plan, PlanConfig, Slice};
 use fairring_core::staging::Role;
 use fairring_core::topology::{Location, RankLayout, Topology};
 use proptest::prelude::*;
@@ -66,6 +66,7 @@ fn check_slice(plan: &Plan, slice: &Slice) -> Result<(), TestCaseError> {
     let (m, d) = (topo.machines(), topo.devices_per_machine());
     let k = slice.shards();
     let layout = g.staging_layout();
+    let whole = g.staging_layout_with(InputArea::Slice);
     let span = slice.span();
     prop_assert!(k >= 1 && k <= m, "shards {k} for {m} machines");
 
@@ -112,6 +113,21 @@ fn check_slice(plan: &Plan, slice: &Slice) -> Result<(), TestCaseError> {
             layout.shard_stride()
         );
         prop_assert!(cell.slot_span().byte_end() <= layout.slot().byte_len());
+        // Its byte range within the slice, as an engine slices memory with it.
+        let within = cell.span().byte_range_in(span).unwrap();
+        prop_assert_eq!(
+            within.start as u64,
+            cell.span().byte_offset() - span.byte_offset()
+        );
+        prop_assert_eq!(within.len() as u64, bytes);
+        prop_assert!(within.end as u64 <= whole.slot().byte_len());
+        prop_assert_eq!(cell.span().byte_range().unwrap().len() as u64, bytes);
+    }
+    // A cell does not lie within another (non-empty) cell.
+    let non_empty: Vec<_> = slice.cells().filter(|c| !c.span().is_empty()).collect();
+    for pair in non_empty.windows(2) {
+        prop_assert!(pair[1].span().byte_range_in(pair[0].span()).is_none());
+        prop_assert!(pair[0].span().byte_range_in(pair[1].span()).is_none());
     }
     prop_assert_eq!(next, span.end(), "cells do not reach the end of the slice");
     prop_assert_eq!(count, u64::from(d) * u64::from(k));
@@ -215,11 +231,15 @@ proptest! {
     }
 
     #[test]
-    fn staging_layout_areas_are_disjoint(g in geometry()) {
-        let layout = g.staging_layout();
+    fn staging_layout_areas_are_disjoint(g in geometry(), whole_slice in any::<bool>()) {
+        let input = if whole_slice { InputArea::Slice } else { InputArea::Slot };
+        let layout = g.staging_layout_with(input);
         let m = g.topology().machines();
         prop_assume!(m <= 64);
-        prop_assert_eq!(layout.slot().byte_len(), g.full_slot_bytes());
+        prop_assert_eq!(layout.input(), input);
+        let input_bytes = if whole_slice { g.full_slice_bytes() } else { g.full_slot_bytes() };
+        prop_assert_eq!(layout.slot().byte_len(), input_bytes);
+        prop_assert_eq!(g.staging_layout(), g.staging_layout_with(InputArea::Slot));
         prop_assert_eq!((layout.shard_stride() / ALIGN_BYTES) % 2, 1, "even number of cache lines");
         for own in 0..m {
             let mut areas: Vec<(u64, u64)> = (0..m)

@@ -23,10 +23,9 @@
 //! binds to the last record of an event before it, and waiting on an event never
 //! recorded is a no-op (the first use of a buffer).
 
-use std::ops::Range;
 use std::sync::Arc;
 
-use fairring_core::plan::{Geometry, Span, StagingLayout};
+use fairring_core::plan::{Geometry, StagingLayout};
 
 use crate::device::Device;
 use crate::error::{self, Result};
@@ -244,14 +243,6 @@ impl<'a> StageStreams<'a> {
     }
 }
 
-/// A span of a staging buffer as a byte range, for [`DeviceSliceMut::range`] or
-/// slicing host memory.
-pub fn byte_range(span: Span) -> Range<usize> {
-    let start = usize::try_from(span.byte_offset()).unwrap_or(usize::MAX);
-    let end = usize::try_from(span.byte_end()).unwrap_or(usize::MAX);
-    start..end
-}
-
 fn out_of_range(buffer: u32, count: usize) -> error::Error {
     error::invalid(
         "staging buffer",
@@ -277,12 +268,12 @@ mod tests {
         let topology = Topology::new(4, 8, RankLayout::Contiguous).unwrap();
         let geometry = Geometry::new(topology, PlanConfig::DEFAULT).unwrap();
         let layout = geometry.staging_layout();
-        let slot = byte_range(layout.slot());
+        let slot = layout.slot().byte_range().unwrap();
         assert_eq!(slot.start, 0);
         let total = usize::try_from(layout.total_bytes()).unwrap();
         let mut end = slot.end;
         for from in 1..4 {
-            let area = byte_range(layout.contribution(from, 0).unwrap());
+            let area = layout.contribution(from, 0).unwrap().byte_range().unwrap();
             assert!(area.start >= slot.end && area.end <= total, "{area:?}");
             end = end.max(area.end);
         }

@@ -16,7 +16,6 @@ use fairring_core::reduce::{finish_avg_bytes, reduce_bytes};
 use fairring_core::topology::{RankLayout, Topology};
 use fairring_core::{DataType, ReduceOp};
 use fairring_cuda::nccl::{Communicator, UniqueId, group};
-use fairring_cuda::staging::byte_range;
 use fairring_cuda::{
     Device, DeviceBuffer, DeviceSlice, DeviceSliceMut, Error, Event, HostStaging, PinnedBuffer,
     ReductionKernels, Stage, StagingPool, Stream, Timing,
@@ -495,8 +494,8 @@ fn the_staging_pipeline_orders_its_stages_with_events_alone() {
         StagingPool::for_geometry(&device, &geometry, budget, HostStaging::Pinned).unwrap();
     assert_eq!(pool.buffers(), 2);
     let caller = Stream::new(&device, false).unwrap();
-    let slot = byte_range(layout.slot());
-    let area = byte_range(layout.contribution(1, 0).unwrap());
+    let slot = layout.slot().byte_range().unwrap();
+    let area = layout.contribution(1, 0).unwrap().byte_range().unwrap();
     // One shard's worth of the slot: what this device serves.
     let bytes = area.len().min(slot.len()) / 4 * 4;
     let (own, theirs_at) = (

@@ -1,6 +1,6 @@
 //! What a communicator fixes once: slice size, shards per slice, staging layout.
 
-use super::{ALIGN_BYTES, PlanError, StagingLayout};
+use super::{ALIGN_BYTES, InputArea, PlanError, StagingLayout};
 use crate::topology::Topology;
 
 /// The knobs of slicing and sharding.
@@ -149,14 +149,15 @@ impl Geometry {
         shards_for_slot(slot, self.min_shard_units, self.topology.machines() as u64)
     }
 
-    /// Units in a slot of a full slice.
-    pub(crate) const fn slot_units(&self) -> u64 {
-        self.slot_units
+    /// The layout of one staging buffer, large enough for any slice of any tensor,
+    /// whose input area is one slot ([`InputArea::Slot`]).
+    pub const fn staging_layout(&self) -> StagingLayout {
+        StagingLayout::for_geometry(self, InputArea::Slot)
     }
 
-    /// The layout of one staging buffer, large enough for any slice of any tensor.
-    pub const fn staging_layout(&self) -> StagingLayout {
-        StagingLayout::for_geometry(self)
+    /// The layout of one staging buffer whose input area is `input`.
+    pub const fn staging_layout_with(&self, input: InputArea) -> StagingLayout {
+        StagingLayout::for_geometry(self, input)
     }
 
     /// Upper bound on any cell of any slice, in units (see [`StagingLayout`]).

@@ -2,21 +2,38 @@
 
 use super::{ALIGN_BYTES, Geometry, PlanError, Span};
 
+/// What the first area of a staging buffer holds: where a slice waits for the
+/// intra-machine reduce-scatter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum InputArea {
+    /// One slot: the device's share of the slice. For an engine whose local step
+    /// reads the caller's tensor in place (NCCL's in-place reduce-scatter, as the
+    /// GPU path does when `D > 1`): it uses the slot range of the tensor, and this
+    /// area holds the slot when the tensor cannot.
+    Slot,
+    /// The whole slice, every local device's slot at its offset in the slice: for
+    /// an engine whose devices stage in each other's slots (the host's
+    /// shared-memory step, where device `d` reads slot `d` of every other local
+    /// device's buffer).
+    Slice,
+}
+
 /// Where the pieces of one slice live in a staging buffer of one device.
 ///
 /// ```text
-/// offset 0            slot_bytes                                   total_bytes
-/// | slot              | contribution 0 | contribution 1 | ... | contribution M-2 |
+/// offset 0            input bytes                                  total_bytes
+/// | input area        | contribution 0 | contribution 1 | ... | contribution M-2 |
 /// ```
 ///
-/// - **slot**: the device's slot of the slice after the intra-machine reduce-scatter.
-///   The device cuts it into shards and sends them as contributions; the shard it
-///   serves is reduced *in place* here (it already holds this machine's
-///   contribution), so the reduced shard is this range of the slot, and results from
-///   the other servers land here too, at their shard's offset. After the last result
-///   the slot is final and feeds the intra-machine all-gather. An engine that stages
-///   in the caller's tensor (as the GPU path does when `D > 1`) uses the slot range of
-///   the tensor instead and leaves this range unused.
+/// - **input area** ([`slot`](StagingLayout::slot)): the device's slot of the slice
+///   ([`InputArea::Slot`]), or the whole slice with the device's slot at its offset
+///   in it ([`InputArea::Slice`]). After the intra-machine reduce-scatter the
+///   device's slot holds the machine's partial sum. The device cuts it into shards
+///   and sends them as contributions; the shard it serves is reduced *in place*
+///   there (it already holds this machine's contribution), so the reduced shard is
+///   that range of the slot, and results from the other servers land there too, at
+///   their shard's offset. After the last result the slot is final and feeds the
+///   intra-machine all-gather.
 /// - **contributions**: one area per *other* machine, `shard_stride` bytes each,
 ///   receiving that machine's contribution to the shard this device serves. The
 ///   stride is an odd number of cache lines, so that the areas start in different
@@ -26,31 +43,43 @@ use super::{ALIGN_BYTES, Geometry, PlanError, Span};
 ///   from run to run with a 2^k stride, 1.5x to 1.9x with one extra cache line).
 ///
 /// The buffer is large enough for any slice of any tensor under its
-/// [`Geometry`]: its slot area for a full slice, its contribution areas for the
-/// largest cell any slice can have (a full slice's shard, or, for slices small enough
-/// to use fewer shards, less than twice the minimum shard). Every offset is a
-/// multiple of [`ALIGN_BYTES`].
+/// [`Geometry`]: its input area for a full slot (or slice), its contribution areas
+/// for the largest cell any slice can have (a full slice's shard, or, for slices
+/// small enough to use fewer shards, less than twice the minimum shard). Every
+/// offset is a multiple of [`ALIGN_BYTES`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct StagingLayout {
+    /// Bytes of the input area.
     slot_bytes: u64,
     shard_stride: u64,
     sources: u32,
+    input: InputArea,
 }
 
 impl StagingLayout {
-    pub(crate) const fn for_geometry(geometry: &Geometry) -> StagingLayout {
+    pub(crate) const fn for_geometry(geometry: &Geometry, input: InputArea) -> StagingLayout {
         let lines = geometry.max_shard_units();
         let odd_lines = lines | 1;
         StagingLayout {
-            slot_bytes: geometry.slot_units() * ALIGN_BYTES,
+            slot_bytes: match input {
+                InputArea::Slot => geometry.full_slot_bytes(),
+                InputArea::Slice => geometry.full_slice_bytes(),
+            },
             shard_stride: odd_lines * ALIGN_BYTES,
             sources: geometry.topology().machines() - 1,
+            input,
         }
     }
 
-    /// The slot area, in bytes from the start of the buffer.
+    /// The input area, in bytes from the start of the buffer: room for a full slot
+    /// or a full slice (see [`InputArea`]).
     pub const fn slot(&self) -> Span {
         Span::bytes(0, self.slot_bytes)
+    }
+
+    /// What the input area holds.
+    pub const fn input(&self) -> InputArea {
+        self.input
     }
 
     /// Bytes reserved for each contribution: no cell of any slice is larger.

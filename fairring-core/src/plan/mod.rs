@@ -54,11 +54,12 @@ mod slice;
 mod split;
 
 pub use geometry::{Geometry, PlanConfig};
-pub use layout::StagingLayout;
+pub use layout::{InputArea, StagingLayout};
 pub use slice::{Cell, Cells, Slice, Slices};
 
 use crate::dtype::DataType;
 use core::fmt;
+use core::ops::Range;
 
 /// Alignment of every slice, slot and cell, in bytes from the start of the tensor.
 pub const ALIGN_BYTES: u64 = 64;
@@ -124,6 +125,26 @@ impl Span {
     /// One past the last byte.
     pub const fn byte_end(&self) -> u64 {
         self.end() * self.elem_bytes
+    }
+
+    /// The bytes of the span as a range of `usize`, for slicing memory; `None` if
+    /// they do not fit this target's address space.
+    pub fn byte_range(&self) -> Option<Range<usize>> {
+        let start = usize::try_from(self.byte_offset()).ok()?;
+        let end = usize::try_from(self.byte_end()).ok()?;
+        Some(start..end)
+    }
+
+    /// The bytes of the span counted from the first byte of `outer`, which must
+    /// contain it: a cell's range within its slice, say. `None` if `outer` does not
+    /// contain the span or the range does not fit the address space.
+    pub fn byte_range_in(&self, outer: Span) -> Option<Range<usize>> {
+        if self.byte_offset() < outer.byte_offset() || self.byte_end() > outer.byte_end() {
+            return None;
+        }
+        let start = usize::try_from(self.byte_offset() - outer.byte_offset()).ok()?;
+        let len = usize::try_from(self.byte_len()).ok()?;
+        Some(start..start.checked_add(len)?)
     }
 }
 
