@@ -60,6 +60,48 @@ unsafe impl Send for Device {}
 // SAFETY: as for `Send`.
 unsafe impl Sync for Device {}
 
+/// Calls `f` with every RDMA device of this host and its name, while the device
+/// list lives.
+fn with_devices<T>(
+    f: impl FnOnce(&[(*mut sys::ibv_device, String)]) -> T,
+) -> Result<T, FabricError> {
+    let mut count: c_int = 0;
+    // SAFETY: `count` is a valid out-pointer; the list is freed below.
+    let list = unsafe { sys::ibv_get_device_list(&mut count) };
+    let list = NonNull::new(list).ok_or_else(|| {
+        FabricError::io(
+            "no RDMA device (ibv_get_device_list)",
+            io::Error::last_os_error(),
+        )
+    })?;
+    let count = usize::try_from(count).unwrap_or(0);
+    let mut devices = Vec::with_capacity(count);
+    for i in 0..count {
+        // SAFETY: the list holds `count` device pointers; `i < count`.
+        let entry = unsafe { list.as_ptr().add(i) };
+        // SAFETY: `entry` points into the live list.
+        let device = unsafe { *entry };
+        // SAFETY: `device` is valid while the list is.
+        let raw_name = unsafe { sys::ibv_get_device_name(device) };
+        // SAFETY: a device name is a NUL-terminated string owned by the device.
+        let name = unsafe { CStr::from_ptr(raw_name) }
+            .to_string_lossy()
+            .into_owned();
+        devices.push((device, name));
+    }
+    let result = f(&devices);
+    // SAFETY: the list came from `ibv_get_device_list` and is freed once; the
+    // device pointers are not used past this point.
+    unsafe { sys::ibv_free_device_list(list.as_ptr()) };
+    Ok(result)
+}
+
+/// The names of this host's RDMA devices; empty when it has none (or when the
+/// verbs library finds no driver for them).
+pub(crate) fn device_names() -> Vec<String> {
+    with_devices(|devices| devices.iter().map(|(_, n)| n.clone()).collect()).unwrap_or_default()
+}
+
 impl Device {
     /// Opens `name` (or the first device), queries `port` and its GID at
     /// `gid_index`, and creates a protection domain and a completion queue of
@@ -70,41 +112,21 @@ impl Device {
         gid_index: u8,
         cq_depth: c_int,
     ) -> Result<Arc<Device>, FabricError> {
-        let mut count: c_int = 0;
-        // SAFETY: `count` is a valid out-pointer; the list is freed below.
-        let list = unsafe { sys::ibv_get_device_list(&mut count) };
-        let list = NonNull::new(list).ok_or_else(|| {
-            FabricError::io(
-                "no RDMA device (ibv_get_device_list)",
-                io::Error::last_os_error(),
-            )
+        let (opened, names) = with_devices(|devices| {
+            let names: Vec<String> = devices.iter().map(|(_, n)| n.clone()).collect();
+            let opened = devices
+                .iter()
+                .find(|(_, n)| name.is_none_or(|want| want == n))
+                .map(|(device, device_name)| {
+                    // SAFETY: `device` comes from the live list; opened contexts
+                    // stay valid after it is freed (documented by libibverbs).
+                    (
+                        unsafe { sys::ibv_open_device(*device) },
+                        device_name.clone(),
+                    )
+                });
+            (opened, names)
         })?;
-        let count = usize::try_from(count).unwrap_or(0);
-        let mut names = Vec::with_capacity(count);
-        let mut chosen = None;
-        for i in 0..count {
-            // SAFETY: the list holds `count` device pointers; `i < count`.
-            let entry = unsafe { list.as_ptr().add(i) };
-            // SAFETY: `entry` points into the live list.
-            let device = unsafe { *entry };
-            // SAFETY: `device` is valid while the list is.
-            let raw_name = unsafe { sys::ibv_get_device_name(device) };
-            // SAFETY: a device name is a NUL-terminated string owned by the device.
-            let device_name = unsafe { CStr::from_ptr(raw_name) }
-                .to_string_lossy()
-                .into_owned();
-            if chosen.is_none() && name.is_none_or(|n| n == device_name) {
-                chosen = Some((device, device_name.clone()));
-            }
-            names.push(device_name);
-        }
-        let opened = chosen.map(|(device, device_name)| {
-            // SAFETY: `device` comes from the live list.
-            (unsafe { sys::ibv_open_device(device) }, device_name)
-        });
-        // SAFETY: the list came from `ibv_get_device_list`; opened contexts stay
-        // valid after it is freed (documented by libibverbs).
-        unsafe { sys::ibv_free_device_list(list.as_ptr()) };
         let Some((context, device_name)) = opened else {
             return Err(FabricError::Config {
                 variable: "device",

@@ -244,6 +244,12 @@ impl Drop for VerbsRegion {
     }
 }
 
+/// The names of this host's RDMA devices (`ibv_get_device_list`); empty when it
+/// has none.
+pub fn devices() -> Vec<String> {
+    device::device_names()
+}
+
 impl VerbsFabric {
     /// Opens the device, its protection domain and completion queue.
     pub fn new(config: VerbsConfig) -> Result<VerbsFabric, FabricError> {
