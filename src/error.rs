@@ -80,6 +80,15 @@ pub enum Error {
         /// What `peer` called.
         peer_called: String,
     },
+    /// The engine found one of its own invariants broken: a bug in fairring, not a
+    /// fault of the call, the configuration or a peer. The communicator has failed.
+    Internal {
+        /// The invariant, as a statement that should have held (e.g. `a slice
+        /// releases its buffer after its last step`).
+        invariant: &'static str,
+        /// What was found instead.
+        detail: String,
+    },
     /// The communicator was aborted.
     Aborted,
     /// The communicator failed earlier and refuses new work.
@@ -130,6 +139,13 @@ impl Error {
         }
     }
 
+    pub(crate) fn internal(invariant: &'static str, detail: impl Into<String>) -> Error {
+        Error::Internal {
+            invariant,
+            detail: detail.into(),
+        }
+    }
+
     pub(crate) fn peer(rank: u32, reason: impl Into<String>) -> Error {
         Error::Peer {
             rank,
@@ -169,6 +185,10 @@ impl fmt::Display for Error {
                 f,
                 "operation #{sequence} differs across ranks: rank {rank} called {called}, \
                  rank {peer} called {peer_called}"
+            ),
+            Error::Internal { invariant, detail } => write!(
+                f,
+                "internal error, a bug in fairring: expected that {invariant}, found {detail}"
             ),
             Error::Aborted => f.write_str("the communicator was aborted"),
             Error::Failed { first } => {

@@ -34,8 +34,11 @@
 //! - **checked**: ranks compare every operation's descriptor before combining any
 //!   of its data ([`Error::Mismatch`]), and a failing rank tells every other rank,
 //!   so that no rank waits out a timeout for a peer that has given up;
-//! - **intra-machine** through shared memory ([`local::ShmGroup`]), the
-//!   [`local::LocalGroup`] the GPU layer will also implement;
+//! - **intra-machine** through shared memory, behind the local-step trait the
+//!   GPU layer will also implement (with NCCL), over a memory-space trait (host
+//!   memory now, device memory next) that the engine is generic over;
+//! - **on any fabric**: tcp, or verbs where an RDMA device is present and the
+//!   `verbs` feature is built (`FAIRRING_FABRIC`);
 //! - **allocation-free** per operation once built.
 #![deny(unsafe_code)]
 
@@ -51,11 +54,16 @@ pub mod config;
 mod engine;
 mod error;
 #[allow(unsafe_code)]
-pub mod local;
+mod local;
+#[allow(unsafe_code)]
+mod memory;
+#[allow(unsafe_code)]
+mod shm;
 pub mod store;
+mod sync;
 
 pub use communicator::{Communicator, Scope, Work};
-pub use config::{Algorithm, Config, ConfigBuilder};
+pub use config::{Algorithm, Config, ConfigBuilder, FabricChoice};
 pub use error::{Error, Result};
 pub use fairring_core::{DataType, ReduceOp};
 pub use store::Store;

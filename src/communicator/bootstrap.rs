@@ -1,17 +1,21 @@
 //! Building a communicator: rendezvous, topology, shared memory, fabric.
 
-use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::sync::Arc;
 
 use fairring_core::plan::{Geometry, PlanConfig};
 use fairring_core::topology::{Location, Topology};
 use fairring_rdma::fabric::{Endpoint, Fabric, LocalRegion, RemoteRegion};
-use fairring_rdma::tcp::{BindTo, TcpConfig, TcpFabric};
 
+use super::fabric::AnyFabric;
 use crate::config::Config;
+use crate::engine::layout::StagingLayout;
+use crate::engine::links::{linked, peers};
 use crate::engine::tags::MAX_BUFFERS;
-use crate::engine::{BufferLayout, Engine, EngineParts};
+use crate::engine::{Engine, EngineParts};
 use crate::error::{Error, Result};
-use crate::local::ShmGroup;
+use crate::local::{Machine, ShmStep};
+use crate::memory::{Host, MemorySpace};
+use crate::shm::Segment;
 use crate::store::{Store, gather};
 
 /// This machine's identity: the kernel's boot id and the host name, unless
@@ -145,14 +149,21 @@ fn per_machine_counts(machine_of_rank: &[u32], machines: usize) -> String {
 pub(super) fn size_staging(
     config: &Config,
     topology: Topology,
-) -> Result<(Geometry, BufferLayout, u32)> {
+) -> Result<(Geometry, StagingLayout, u32)> {
     let world = topology.world_size();
-    let plan_for = |slice: u64| -> Result<(Geometry, BufferLayout)> {
+    let plan_for = |slice: u64| -> Result<(Geometry, StagingLayout)> {
         let pc = PlanConfig::new(slice, config.min_shard_bytes)
             .map_err(|e| Error::config("FAIRRING_SLICE_SIZE", slice, e.to_string()))?;
         let g = Geometry::new(topology, pc)
             .map_err(|e| Error::config("FAIRRING_SLICE_SIZE", slice, e.to_string()))?;
-        Ok((g, BufferLayout::new(&g, world)))
+        let layout = StagingLayout::new(&g, world).ok_or_else(|| {
+            Error::config(
+                "FAIRRING_SLICE_SIZE",
+                slice,
+                "a staging buffer for it does not fit this machine's address space",
+            )
+        })?;
+        Ok((g, layout))
     };
     let (geometry, layout) = match config.slice_bytes {
         Some(s) => plan_for(s)?,
@@ -161,21 +172,21 @@ pub(super) fn size_staging(
             let mut s = PlanConfig::DEFAULT_SLICE_BYTES;
             loop {
                 let (g, l) = plan_for(s)?;
-                if config.total_memory / l.buffer_bytes as u64 >= 2 || s <= 64 << 10 {
+                if config.total_memory / l.buffer_bytes() as u64 >= 2 || s <= 64 << 10 {
                     break (g, l);
                 }
                 s = (s / 2).max(64 << 10) / 64 * 64;
             }
         }
     };
-    let buffers = config.total_memory / layout.buffer_bytes as u64;
+    let buffers = config.total_memory / layout.buffer_bytes() as u64;
     if buffers == 0 {
         return Err(Error::config(
             "FAIRRING_TOTAL_MEMORY",
             config.total_memory,
             format!(
                 "one staging buffer needs {} bytes with slices of {} bytes",
-                layout.buffer_bytes,
+                layout.buffer_bytes(),
                 geometry.full_slice_bytes()
             ),
         ));
@@ -184,45 +195,45 @@ pub(super) fn size_staging(
     Ok((geometry, layout, buffers))
 }
 
-/// Attaches this rank to its machine's shared segment.
+/// Attaches this rank to its machine's shared segment (local rank 0 creates it).
 pub(super) fn attach_local(
     config: &Config,
     store: &dyn Store,
     topology: Topology,
     location: Location,
     buffers: u32,
-    layout: &BufferLayout,
-) -> Result<ShmGroup> {
+    layout: &StagingLayout,
+) -> Result<Arc<Segment>> {
     let d = topology.devices_per_machine();
     let key = format!("shm/{}", location.machine);
-    let name = if location.device == 0 {
+    let creator = location.device == 0;
+    let name = if creator {
         let mut nonce = [0u8; 4];
         getrandom::fill(&mut nonce)
             .map_err(|e| Error::io("reading the random source", std::io::Error::other(e)))?;
-        let name = format!(
+        format!(
             "/fairring-{:016x}-m{}-{:08x}",
             config.job_tag,
             location.machine,
             u32::from_le_bytes(nonce)
-        );
-        name
+        )
     } else {
         let v = store.get(&key, config.timeout)?;
         String::from_utf8(v).map_err(|_| Error::store("get", format!("{key} is not UTF-8")))?
     };
-    let group = ShmGroup::attach(
+    let segment = Arc::new(Segment::attach(
         &name,
-        location.device,
+        creator,
         d,
         buffers,
-        layout.buffer_bytes,
+        layout.buffer_bytes(),
         config.timeout,
-    )?;
-    if location.device == 0 {
+    )?);
+    if creator {
         store.set(&key, name.as_bytes())?;
     }
     store.set(&format!("attached/{}", config.rank), b"1")?;
-    if location.device == 0 {
+    if creator {
         let keys: Vec<String> = (0..d)
             .map(|dev| {
                 let r = topology
@@ -236,77 +247,14 @@ pub(super) fn attach_local(
             .collect();
         gather(store, &keys, config.timeout)?;
         // Every local rank has mapped it: the name can go.
-        group.unlink();
+        segment.unlink();
     }
-    Ok(group)
-}
-
-/// The address this rank's fabric listens on.
-fn bind_address(config: &Config) -> Result<BindTo> {
-    if let Some(name) = &config.socket_ifname {
-        return Ok(BindTo::Interface(name.clone()));
-    }
-    let master = crate::store::tcp::resolve_master(&config.master_addr, config.master_port)?;
-    if master.ip().is_loopback() {
-        return Ok(BindTo::loopback());
-    }
-    // The local address of the route to the rendezvous host (no packet is sent).
-    let any: SocketAddr = match master.ip() {
-        IpAddr::V4(_) => "0.0.0.0:0"
-            .parse()
-            .map_err(|_| Error::invalid("address", "v4"))?,
-        IpAddr::V6(_) => "[::]:0"
-            .parse()
-            .map_err(|_| Error::invalid("address", "v6"))?,
-    };
-    let probe = UdpSocket::bind(any)
-        .and_then(|s| s.connect(master).map(|()| s))
-        .and_then(|s| s.local_addr())
-        .map_err(|e| {
-            Error::io(
-                format!("finding the local address that reaches {master}"),
-                e,
-            )
-        })?;
-    Ok(BindTo::Address(SocketAddr::new(probe.ip(), 0)))
-}
-
-/// Ranks this rank writes to and ranks that write to it.
-pub(crate) fn peers(topology: Topology, location: Location, rank: u32) -> (Vec<u32>, Vec<u32>) {
-    let world = topology.world_size();
-    let mut out = Vec::new();
-    let mut inbound = Vec::new();
-    for m in (0..topology.machines()).filter(|&m| m != location.machine) {
-        if let Ok(r) = topology.rank(Location {
-            machine: m,
-            device: location.device,
-        }) {
-            out.push(r);
-            inbound.push(r);
-        }
-    }
-    if world > 1 {
-        out.push((rank + 1) % world);
-        inbound.push((rank + world - 1) % world);
-    }
-    out.sort_unstable();
-    out.dedup();
-    inbound.sort_unstable();
-    inbound.dedup();
-    (out, inbound)
-}
-
-/// Every rank connected to this one: those it writes to and those that write to it.
-pub(crate) fn linked(out: &[u32], inbound: &[u32]) -> Vec<u32> {
-    let mut linked: Vec<u32> = out.iter().chain(inbound).copied().collect();
-    linked.sort_unstable();
-    linked.dedup();
-    linked
+    Ok(segment)
 }
 
 /// Everything that goes into an engine, put together.
 pub(super) struct Built {
-    pub(super) engine: Engine<TcpFabric>,
+    pub(super) engine: Engine<AnyFabric, Host>,
     pub(super) topology: Topology,
     pub(super) location: Location,
 }
@@ -314,25 +262,24 @@ pub(super) struct Built {
 pub(super) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
     let (topology, location) = detect_topology(config, store)?;
     let (geometry, layout, buffers) = size_staging(config, topology)?;
-    let group = attach_local(config, store, topology, location, buffers, &layout)?;
+    let segment = attach_local(config, store, topology, location, buffers, &layout)?;
+    let d = topology.devices_per_machine();
+    let memory = Host::new(Arc::clone(&segment), location.device, buffers);
+    let local = ShmStep::new(Arc::clone(&segment), location.device, d, buffers);
+    let machine = Machine::new(segment, location.device, d);
     let world = config.world_size;
-    let tcp = TcpConfig::new(
+    let fabric = AnyFabric::build(config)?;
+    log::debug!(
+        "fairring rank {}: {} fabric, {buffers} staging buffers of {} bytes",
         config.rank,
-        world,
-        config.job_tag,
-        config.secret.clone(),
-        bind_address(config)?,
-    )
-    // Half the timeout: a peer that stops (SIGSTOP, a hung host) is reported by
-    // name through its silence before the engine's own stall timeout fires.
-    .with_silence_timeout(config.timeout / 2);
-    let mut tcp = tcp;
-    tcp.connect_timeout = config.timeout;
-    let fabric = TcpFabric::new(tcp)?;
-    let (area, len) = group.own_area();
+        fabric.choice(),
+        layout.buffer_bytes()
+    );
+    let (area, len) = memory.registered();
     // SAFETY: the area is this rank's part of the mapped segment, valid until the
-    // group is dropped, which the engine does only after the fabric (field order);
-    // the engine's protocol keeps the fabric's and the driver's accesses apart.
+    // memory space (which holds the segment) is dropped, which the engine does
+    // only after the fabric (field order); the engine's protocol keeps the
+    // fabric's and the driver's accesses apart.
     let region = unsafe { fabric.register(area, len)? };
     let (out, inbound) = peers(topology, location, config.rank);
     let linked = linked(&out, &inbound);
@@ -361,12 +308,14 @@ pub(super) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
         fabric,
         region,
         remote,
-        local: Box::new(group),
+        memory,
+        local: Box::new(local),
+        machine,
         geometry,
+        layout,
         location,
         rank: config.rank,
         buffers,
-        layout,
         inbound,
         linked,
         timeout: config.timeout,

@@ -1,9 +1,9 @@
 //! [`Communicator`]: the user-facing all-reduce.
 
-pub(crate) mod bootstrap;
+mod bootstrap;
+mod fabric;
 
 use std::marker::PhantomData;
-use std::sync::atomic::AtomicU8;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -11,14 +11,19 @@ use std::time::{Duration, Instant};
 use fairring_core::reduce::Element;
 use fairring_core::topology::{Location, Topology};
 use fairring_core::{DataType, ReduceOp};
-use fairring_rdma::tcp::TcpFabric;
 
-use crate::config::{Algorithm, Config};
-use crate::engine::Engine;
+use crate::config::{Algorithm, Config, FabricChoice};
 use crate::engine::descriptor::{Collective, Descriptor};
 use crate::engine::work::{Delivery, Submission, WORK_CAPACITY, slot_of};
+use crate::engine::{Engine, Resolved};
 use crate::error::{Error, Result};
+use crate::memory::{Host, HostTensor};
 use crate::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
+use crate::sync::unmodelled::AtomicU8;
+use fabric::AnyFabric;
+
+/// The engine a communicator runs: host memory, on the fabric chosen at run time.
+type HostEngine = Engine<AnyFabric, Host>;
 
 /// A group of ranks that all-reduce together.
 ///
@@ -40,7 +45,7 @@ use crate::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
 /// # Ok::<(), fairring::Error>(())
 /// ```
 pub struct Communicator {
-    engine: Arc<Engine<TcpFabric>>,
+    engine: Arc<HostEngine>,
     progress: Option<JoinHandle<()>>,
     /// The next operation's sequence number; held while submitting, so that one
     /// rank's operations are numbered in the order they are queued.
@@ -127,12 +132,12 @@ impl Communicator {
 
     /// This rank.
     pub fn rank(&self) -> u32 {
-        self.engine.rank
+        self.engine.rank()
     }
 
     /// Ranks in the job.
     pub fn world_size(&self) -> u32 {
-        self.engine.world
+        self.engine.world()
     }
 
     /// Machines and devices per machine, as the rendezvous found them.
@@ -148,6 +153,12 @@ impl Communicator {
     /// Staging buffers: how many slices can be in flight at once.
     pub fn staging_buffers(&self) -> u32 {
         self.engine.buffers
+    }
+
+    /// The fabric this rank runs on: [`FabricChoice::Tcp`] or
+    /// [`FabricChoice::Verbs`] (`auto` resolved).
+    pub fn fabric(&self) -> FabricChoice {
+        self.engine.links.fabric.choice()
     }
 
     /// Largest slice, in bytes.
@@ -260,10 +271,16 @@ impl Communicator {
         if let Some(e) = self.engine.failure() {
             return Err(Error::Failed { first: Box::new(e) });
         }
-        let algorithm = r
-            .algorithm
-            .unwrap_or(self.algorithm)
-            .resolve(self.topology, bytes);
+        let chosen = r.algorithm.unwrap_or(self.algorithm);
+        let algorithm = Resolved::of(chosen.resolve(self.topology, bytes)).ok_or_else(|| {
+            Error::internal(
+                "auto resolves to a concrete algorithm",
+                format!("{chosen} on {:?} for {bytes} bytes", self.topology),
+            )
+        })?;
+        let len = usize::try_from(bytes).map_err(|_| {
+            Error::invalid("count", format!("{bytes} bytes do not fit this machine"))
+        })?;
         let mut next = self.next_seq.lock().unwrap_or_else(PoisonError::into_inner);
         let seq = *next;
         let start = Instant::now();
@@ -291,7 +308,7 @@ impl Communicator {
         };
         let sub = Submission {
             seq,
-            data,
+            tensor: HostTensor::new(data, len),
             elements: r.elements,
             dtype: r.dtype,
             op: r.op,
@@ -330,7 +347,7 @@ impl Drop for Communicator {
             log::error!("fairring: the progress thread panicked");
         }
         let operations = *self.next_seq.lock().unwrap_or_else(PoisonError::into_inner);
-        self.engine.say_goodbye(operations, &self.engine.linked);
+        self.engine.say_goodbye(operations);
     }
 }
 
@@ -474,10 +491,10 @@ impl<'scope> Scope<'scope, '_> {
         );
         r.collective = Collective::ReduceScatter;
         r.caller_elements = n as u64;
+        let offset = self.comm.rank() as usize * n * size;
         r.deliver = Some(Delivery {
-            to: output.as_mut_ptr().cast(),
-            offset: self.comm.rank() as usize * n * size,
-            len: std::mem::size_of_val(output),
+            to: HostTensor::new(output.as_mut_ptr().cast(), std::mem::size_of_val(output)),
+            range: offset..offset + std::mem::size_of_val(output),
         });
         // SAFETY: as in `broadcast`, for `input` and `output`, both borrowed for
         // 'scope; the delivered range lies within `input` (checked above).
@@ -563,7 +580,7 @@ impl<'scope> Scope<'scope, '_> {
 /// then fail too) so that the drop returns and nothing more touches the memory.
 #[must_use = "an operation runs until waited on or dropped"]
 pub struct Work<'a> {
-    engine: &'a Engine<TcpFabric>,
+    engine: &'a HostEngine,
     /// The operations covered: `first..=last`, or none if `first > last`.
     first: u64,
     last: u64,
@@ -571,7 +588,7 @@ pub struct Work<'a> {
 }
 
 impl<'a> Work<'a> {
-    fn new(engine: &'a Engine<TcpFabric>, first: u64, last: u64) -> Work<'a> {
+    fn new(engine: &'a HostEngine, first: u64, last: u64) -> Work<'a> {
         Work {
             engine,
             first,
@@ -580,7 +597,7 @@ impl<'a> Work<'a> {
         }
     }
 
-    fn empty(engine: &'a Engine<TcpFabric>) -> Work<'a> {
+    fn empty(engine: &'a HostEngine) -> Work<'a> {
         Work::new(engine, 1, 0)
     }
 
@@ -668,7 +685,7 @@ struct Request {
     caller_op: ReduceOp,
     caller_elements: u64,
     root: u32,
-    deliver: Option<Delivery>,
+    deliver: Option<Delivery<Host>>,
 }
 
 impl Request {

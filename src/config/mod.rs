@@ -14,6 +14,8 @@
 //! | `FAIRRING_JOB_SECRET` | 64 hex digits shared by every rank; admits peers | derived from the job (see below) |
 //! | `FAIRRING_ALGO` | `auto`, `hierarchical` or `ring` | `auto` |
 //! | `FAIRRING_HOST_ID` | overrides the machine identity (simulates machines on one host) | boot id and host name |
+//! | `FAIRRING_FABRIC` | `tcp`, `verbs` or `auto` (see [`FabricChoice`]) | `auto` |
+//! | `FAIRRING_VERBS_DEVICE`, `_PORT`, `_GID_INDEX` | the RDMA device, its port and GID index | first device, 1, 0 |
 //!
 //! Every value is validated when the communicator is built; a bad one fails with
 //! [`Error::Config`] naming the variable and the value.
@@ -25,6 +27,7 @@
 //! variable on shared networks.
 
 mod auto;
+mod fabric;
 mod parse;
 
 use std::time::Duration;
@@ -33,6 +36,8 @@ use fairring_rdma::JobSecret;
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
+pub use fabric::FabricChoice;
+pub(crate) use fabric::{VerbsKnobs, verbs_not_built};
 pub(crate) use parse::{parse_bytes, parse_duration, parse_u32};
 
 /// How an all-reduce moves its data.
@@ -106,6 +111,12 @@ pub struct Config {
     pub(crate) job_tag: u64,
     pub(crate) algorithm: Algorithm,
     pub(crate) host_id: Option<String>,
+    pub(crate) fabric: FabricChoice,
+    #[cfg_attr(
+        not(feature = "verbs"),
+        allow(dead_code, reason = "read by the verbs provider")
+    )]
+    pub(crate) verbs: VerbsKnobs,
 }
 
 /// Builds a [`Config`] field by field; [`ConfigBuilder::build`] validates.
@@ -126,6 +137,8 @@ pub struct ConfigBuilder {
     run_id: String,
     algorithm: Algorithm,
     host_id: Option<String>,
+    fabric: FabricChoice,
+    verbs: VerbsKnobs,
 }
 
 impl Config {
@@ -152,6 +165,8 @@ impl Config {
             run_id: String::new(),
             algorithm: Algorithm::Auto,
             host_id: None,
+            fabric: FabricChoice::Auto,
+            verbs: VerbsKnobs::default(),
         }
     }
 
@@ -217,6 +232,12 @@ impl Config {
             }
             b.host_id = Some(v);
         }
+        if let Some(v) = lookup("FAIRRING_FABRIC") {
+            b.fabric = v
+                .parse()
+                .map_err(|reason: String| Error::config("FAIRRING_FABRIC", &v, reason))?;
+        }
+        b.verbs = VerbsKnobs::from_lookup(&lookup)?;
         if let Some(v) = lookup("TORCHELASTIC_RUN_ID") {
             b.run_id = v;
         }
@@ -241,6 +262,11 @@ impl Config {
     /// The bound on rendezvous and on a silent peer.
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// The fabric asked for.
+    pub fn fabric(&self) -> FabricChoice {
+        self.fabric
     }
 }
 
@@ -303,6 +329,25 @@ impl ConfigBuilder {
     /// This machine's identity: ranks with the same identity share memory.
     pub fn host_id(mut self, id: impl Into<String>) -> Self {
         self.host_id = Some(id.into());
+        self
+    }
+
+    /// The fabric.
+    pub fn fabric(mut self, fabric: FabricChoice) -> Self {
+        self.fabric = fabric;
+        self
+    }
+
+    /// The RDMA device the verbs provider opens (the first one by default).
+    pub fn verbs_device(mut self, name: impl Into<String>) -> Self {
+        self.verbs.device = Some(name.into());
+        self
+    }
+
+    /// The verbs device's port (1 by default) and GID index (0 by default).
+    pub fn verbs_port(mut self, port: u8, gid_index: u8) -> Self {
+        self.verbs.port = port;
+        self.verbs.gid_index = gid_index;
         self
     }
 
@@ -374,6 +419,12 @@ impl ConfigBuilder {
         if self.timeout.is_zero() {
             return Err(Error::config("FAIRRING_TIMEOUT", "0", "must be positive"));
         }
+        if self.fabric == FabricChoice::Verbs && !cfg!(feature = "verbs") {
+            return Err(verbs_not_built());
+        }
+        if self.verbs.port == 0 {
+            return Err(Error::config("FAIRRING_VERBS_PORT", 0, "expected 1 to 255"));
+        }
         let secret = match self.secret {
             Some(s) => s,
             None => derived_secret(&self.master_addr, self.master_port, &self.run_id),
@@ -395,6 +446,8 @@ impl ConfigBuilder {
             job_tag,
             algorithm: self.algorithm,
             host_id: self.host_id,
+            fabric: self.fabric,
+            verbs: self.verbs,
         })
     }
 }
@@ -494,6 +547,43 @@ mod tests {
         refused(&[("FAIRRING_SLICE_SIZE", "2G")], "FAIRRING_SLICE_SIZE");
         refused(&[("FAIRRING_TIMEOUT", "0")], "FAIRRING_TIMEOUT");
         refused(&[("FAIRRING_SOCKET_IFNAME", " ")], "FAIRRING_SOCKET_IFNAME");
+        refused(&[("FAIRRING_FABRIC", "udp")], "FAIRRING_FABRIC");
+        refused(&[("FAIRRING_VERBS_DEVICE", " ")], "FAIRRING_VERBS_DEVICE");
+        for bad in ["0", "256", "x"] {
+            refused(&[("FAIRRING_VERBS_PORT", bad)], "FAIRRING_VERBS_PORT");
+        }
+        refused(
+            &[("FAIRRING_VERBS_GID_INDEX", "300")],
+            "FAIRRING_VERBS_GID_INDEX",
+        );
+    }
+
+    #[test]
+    fn fabric_choice_and_verbs_knobs() {
+        let c = Config::from_lookup(env(&[
+            ("FAIRRING_FABRIC", "TCP"),
+            ("FAIRRING_VERBS_DEVICE", "mlx5_1"),
+            ("FAIRRING_VERBS_PORT", "2"),
+            ("FAIRRING_VERBS_GID_INDEX", "3"),
+        ]))
+        .unwrap();
+        assert_eq!(c.fabric(), FabricChoice::Tcp);
+        assert_eq!(c.verbs.device.as_deref(), Some("mlx5_1"));
+        assert_eq!((c.verbs.port, c.verbs.gid_index), (2, 3));
+        assert_eq!(
+            Config::from_lookup(env(&[])).unwrap().fabric(),
+            FabricChoice::Auto
+        );
+        let verbs = Config::from_lookup(env(&[("FAIRRING_FABRIC", "verbs")]));
+        if cfg!(feature = "verbs") {
+            assert_eq!(verbs.unwrap().fabric(), FabricChoice::Verbs);
+        } else {
+            let e = verbs.unwrap_err().to_string();
+            assert!(
+                e.contains("FAIRRING_FABRIC") && e.contains("`verbs` feature"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

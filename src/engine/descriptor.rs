@@ -1,5 +1,6 @@
 //! What a rank says about each operation, so that ranks can check they issued the
-//! same one, and what a failing rank tells the others.
+//! same one: the descriptor and its encodings. The checks themselves are in
+//! `checks`.
 //!
 //! # Mismatch detection
 //!
@@ -20,20 +21,18 @@
 //! Local ranks compare all with all; machines compare along rails and the ring.
 //! Every rank's result depends on data that crossed only checked links, so a
 //! mismatch anywhere stops every rank before a wrong result is reported. The
-//! rank that finds it fails, and its failure reaches everyone (below).
+//! rank that finds it fails, and its failure reaches everyone (see `failure`).
 //!
-//! # Failure propagation
+//! # On the wire
 //!
-//! A failing rank writes a [`Failure`] record (64 bytes, the largest message a
-//! fabric carries) into the shared segment and sends it in a `Kind::Abort`
-//! message to every rank it is linked to. A rank that reads one fails with the
-//! error it describes and passes it on, so a failure floods the job through the
-//! links the operations use, and no rank waits for a peer that has given up.
+//! A descriptor travels as two little-endian words ([`Words`]); to a remote rank,
+//! in a `Kind::Descriptor` message of 24 bytes: the sequence number, then the two
+//! words ([`encode_message`], [`decode_message`]).
 
 use fairring_core::{DataType, ReduceOp};
 
-use crate::config::Algorithm;
-use crate::error::Error;
+use super::algorithm::Resolved;
+pub(crate) use crate::local::Words;
 
 /// What a collective call was, as descriptors name it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,8 +75,8 @@ pub(crate) struct Descriptor {
     pub(crate) collective: Collective,
     pub(crate) dtype: DataType,
     pub(crate) op: ReduceOp,
-    /// The algorithm that runs it (never `Auto`: every rank resolves it alike).
-    pub(crate) algorithm: Algorithm,
+    /// The algorithm that runs it (every rank resolves `auto` alike).
+    pub(crate) algorithm: Resolved,
     /// The root of a broadcast; 0 otherwise.
     pub(crate) root: u32,
     /// Elements per rank as the caller counts them (a broadcast's tensor, an
@@ -85,27 +84,48 @@ pub(crate) struct Descriptor {
     pub(crate) elements: u64,
 }
 
-/// A descriptor packed into two words.
-///
-/// ```text
-/// word 0: elements
-/// word 1: bits  0..8   collective
-///         bits  8..16  dtype discriminant
-///         bits 16..24  op discriminant
-///         bits 24..32  algorithm (1 hierarchical, 2 ring)
-///         bits 32..64  root
-/// ```
-pub(crate) type Words = [u64; 2];
-
-fn algorithm_code(a: Algorithm) -> u64 {
+/// The algorithm's code in a descriptor's word 1.
+fn algorithm_code(a: Resolved) -> u64 {
     match a {
-        Algorithm::Hierarchical => 1,
-        Algorithm::Ring => 2,
-        Algorithm::Auto => 3,
+        Resolved::Hierarchical => 1,
+        Resolved::Ring => 2,
     }
 }
 
+/// Bytes of a descriptor message.
+pub(crate) const MESSAGE_BYTES: usize = 24;
+
+/// The message that carries this rank's descriptor words of operation `seq`.
+pub(crate) fn encode_message(seq: u64, words: Words) -> [u8; MESSAGE_BYTES] {
+    let mut payload = [0u8; MESSAGE_BYTES];
+    payload[..8].copy_from_slice(&seq.to_le_bytes());
+    payload[8..16].copy_from_slice(&words[0].to_le_bytes());
+    payload[16..].copy_from_slice(&words[1].to_le_bytes());
+    payload
+}
+
+/// The operation and words a descriptor message carries; `None` if it is not one.
+pub(crate) fn decode_message(payload: &[u8]) -> Option<(u64, Words)> {
+    let p = <&[u8; MESSAGE_BYTES]>::try_from(payload).ok()?;
+    let word = |i: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&p[i * 8..i * 8 + 8]);
+        u64::from_le_bytes(w)
+    };
+    Some((word(0), [word(1), word(2)]))
+}
+
 impl Descriptor {
+    /// The descriptor packed into two words:
+    ///
+    /// ```text
+    /// word 0: elements
+    /// word 1: bits  0..8   collective
+    ///         bits  8..16  dtype discriminant
+    ///         bits 16..24  op discriminant
+    ///         bits 24..32  algorithm (1 hierarchical, 2 ring)
+    ///         bits 32..64  root
+    /// ```
     pub(crate) fn words(&self) -> Words {
         [
             self.elements,
@@ -124,9 +144,8 @@ impl Descriptor {
             dtype: DataType::from_u8(byte(8))?,
             op: ReduceOp::from_u8(byte(16))?,
             algorithm: match byte(24) {
-                1 => Algorithm::Hierarchical,
-                2 => Algorithm::Ring,
-                3 => Algorithm::Auto,
+                1 => Resolved::Hierarchical,
+                2 => Resolved::Ring,
                 _ => return None,
             },
             root: (w[1] >> 32) as u32,
@@ -170,104 +189,6 @@ impl std::fmt::Display for Descriptor {
     }
 }
 
-/// Bytes of a failure record.
-pub(crate) const FAILURE_BYTES: usize = 64;
-
-/// A failure as it travels between ranks.
-///
-/// ```text
-/// byte 0        1: a rank failed, 2: a mismatch
-/// failed:       bytes 1..5 the rank the error names, 5..7 reason length,
-///               7..64 the reason (UTF-8, cut at a character boundary)
-/// mismatch:     bytes 8..16 sequence, 16..20 rank, 20..36 its words,
-///               36..40 peer, 40..56 its words
-/// ```
-pub(crate) struct Failure;
-
-fn u32_at(b: &[u8; FAILURE_BYTES], at: usize) -> u32 {
-    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-fn u64_at(b: &[u8; FAILURE_BYTES], at: usize) -> u64 {
-    let mut w = [0u8; 8];
-    w.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(w)
-}
-
-impl Failure {
-    /// The record of a mismatch at operation `sequence` between `rank`, which
-    /// issued `words`, and `peer`, which issued `peer_words`; and its error.
-    pub(crate) fn mismatch(
-        sequence: u64,
-        rank: u32,
-        words: Words,
-        peer: u32,
-        peer_words: Words,
-    ) -> ([u8; FAILURE_BYTES], Error) {
-        let mut b = [0u8; FAILURE_BYTES];
-        b[0] = 2;
-        b[8..16].copy_from_slice(&sequence.to_le_bytes());
-        b[16..20].copy_from_slice(&rank.to_le_bytes());
-        b[20..28].copy_from_slice(&words[0].to_le_bytes());
-        b[28..36].copy_from_slice(&words[1].to_le_bytes());
-        b[36..40].copy_from_slice(&peer.to_le_bytes());
-        b[40..48].copy_from_slice(&peer_words[0].to_le_bytes());
-        b[48..56].copy_from_slice(&peer_words[1].to_le_bytes());
-        let error = Failure::decode(&b, rank);
-        (b, error)
-    }
-
-    /// The record of any other `error`, found by rank `me`.
-    pub(crate) fn encode(error: &Error, me: u32) -> [u8; FAILURE_BYTES] {
-        let (about, reason) = match error {
-            Error::Peer { rank, reason } => (*rank, reason.clone()),
-            Error::Failed { first } => return Failure::encode(first, me),
-            other => (me, other.to_string()),
-        };
-        let mut b = [0u8; FAILURE_BYTES];
-        b[0] = 1;
-        b[1..5].copy_from_slice(&about.to_le_bytes());
-        let mut cut = reason.len().min(FAILURE_BYTES - 7);
-        while !reason.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        #[expect(clippy::cast_possible_truncation, reason = "at most 57")]
-        let len = cut as u16;
-        b[5..7].copy_from_slice(&len.to_le_bytes());
-        b[7..7 + cut].copy_from_slice(&reason.as_bytes()[..cut]);
-        b
-    }
-
-    /// The error a record describes, as rank `from` reported it.
-    pub(crate) fn decode(b: &[u8; FAILURE_BYTES], from: u32) -> Error {
-        match b[0] {
-            2 => {
-                let words = [u64_at(b, 20), u64_at(b, 28)];
-                let peer_words = [u64_at(b, 40), u64_at(b, 48)];
-                Error::Mismatch {
-                    sequence: u64_at(b, 8),
-                    rank: u32_at(b, 16),
-                    called: Descriptor::describe(words),
-                    peer: u32_at(b, 36),
-                    peer_called: Descriptor::describe(peer_words),
-                }
-            }
-            1 => {
-                let about = u32_at(b, 1);
-                let len = usize::from(u16::from_le_bytes([b[5], b[6]])).min(FAILURE_BYTES - 7);
-                let reason = String::from_utf8_lossy(&b[7..7 + len]);
-                let via = if about == from {
-                    String::new()
-                } else {
-                    format!(" (reported by rank {from})")
-                };
-                Error::peer(about, format!("failed: {reason}{via}"))
-            }
-            _ => Error::peer(from, "failed, for a reason this rank cannot decode"),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -278,7 +199,7 @@ mod tests {
             collective: Collective::Broadcast,
             dtype: DataType::BF16,
             op: ReduceOp::Sum,
-            algorithm: Algorithm::Ring,
+            algorithm: Resolved::Ring,
             root: 7,
             elements: 1 << 40,
         };
@@ -291,36 +212,13 @@ mod tests {
     }
 
     #[test]
-    fn failures_round_trip() {
-        let a = Descriptor {
-            collective: Collective::AllReduce,
-            dtype: DataType::F32,
-            op: ReduceOp::Sum,
-            algorithm: Algorithm::Hierarchical,
-            root: 0,
-            elements: 100,
-        };
-        let b = Descriptor { elements: 200, ..a };
-        let (record, error) = Failure::mismatch(5, 1, a.words(), 3, b.words());
-        let text = Failure::decode(&record, 9).to_string();
-        assert_eq!(text, error.to_string());
-        assert!(text.contains("#5") && text.contains("rank 1 called all_reduce of 100 x f32"));
-        assert!(
-            text.contains("rank 3 called all_reduce of 200 x f32"),
-            "{text}"
-        );
-
-        let long = Error::peer(4, "é".repeat(60));
-        let decoded = Failure::decode(&Failure::encode(&long, 2), 2);
-        let Error::Peer { rank, reason } = decoded else {
-            panic!("not a peer error");
-        };
-        assert_eq!(rank, 4);
-        assert!(reason.starts_with("failed: é") && reason.ends_with("(reported by rank 2)"));
-        let own = Failure::decode(&Failure::encode(&Error::Aborted, 6), 6);
+    fn messages_round_trip_and_refuse_other_lengths() {
+        let words = [0x0123_4567_89ab_cdef, 7];
         assert_eq!(
-            own.to_string(),
-            "rank 6: failed: the communicator was aborted"
+            decode_message(&encode_message(u64::MAX - 3, words)),
+            Some((u64::MAX - 3, words))
         );
+        assert_eq!(decode_message(&[0; 23]), None);
+        assert_eq!(decode_message(&[0; 25]), None);
     }
 }

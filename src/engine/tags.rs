@@ -51,6 +51,21 @@ pub(crate) enum Kind {
 }
 
 impl Kind {
+    /// Whether it is a write of a slice's data (naming a buffer and a generation),
+    /// not a control message.
+    pub(crate) fn is_data(self) -> bool {
+        matches!(
+            self,
+            Kind::Contribution | Kind::Result | Kind::RingReduce | Kind::RingGather
+        )
+    }
+
+    /// Whether a peer may write it before this rank's slice has started: the
+    /// writes that need the slice's credit, not the slice itself.
+    pub(crate) fn lands_early(self) -> bool {
+        matches!(self, Kind::Contribution | Kind::RingReduce)
+    }
+
     fn from_bits(bits: u32) -> Option<Kind> {
         Some(match bits {
             1 => Kind::Contribution,

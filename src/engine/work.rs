@@ -6,15 +6,16 @@
 //! that finds its entry still taken waits: so at most `WORK_CAPACITY` operations
 //! are outstanding, and the table never grows.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-
 use fairring_core::{DataType, ReduceOp};
 
+use super::algorithm::Resolved;
 use super::descriptor::Descriptor;
-use crate::config::Algorithm;
+use crate::memory::MemorySpace;
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
-/// Most operations outstanding at once.
-pub(crate) const WORK_CAPACITY: usize = 1024;
+/// Most operations outstanding at once: one per entry of a rank's operation table
+/// in the machine's segment.
+pub(crate) const WORK_CAPACITY: usize = crate::shm::segment::OPERATIONS;
 
 /// The table index of operation `seq`.
 pub(crate) fn slot_of(seq: u64) -> usize {
@@ -40,33 +41,27 @@ pub(crate) struct WorkTable {
 }
 
 /// What a submitter hands the driver.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Submission {
+pub(crate) struct Submission<M: MemorySpace> {
     pub(crate) seq: u64,
-    pub(crate) data: *mut u8,
+    /// The tensor the engine all-reduces in place.
+    pub(crate) tensor: M::Tensor,
     pub(crate) elements: u64,
     pub(crate) dtype: DataType,
     pub(crate) op: ReduceOp,
-    pub(crate) algorithm: Algorithm,
+    pub(crate) algorithm: Resolved,
     /// The call as the caller issued it, compared across ranks.
     pub(crate) descriptor: Descriptor,
     /// Bytes to copy out of the result once it is final (a reduce-scatter's
-    /// share): `len` bytes from `offset` in `data` to `to`.
-    pub(crate) deliver: Option<Delivery>,
+    /// share).
+    pub(crate) deliver: Option<Delivery<M>>,
 }
 
-/// A copy out of an operation's result, made by the driver when it finishes.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Delivery {
-    pub(crate) to: *mut u8,
-    pub(crate) offset: usize,
-    pub(crate) len: usize,
+/// A copy out of an operation's result, made by the driver when it finishes:
+/// bytes `range` of the result into `to`.
+pub(crate) struct Delivery<M: MemorySpace> {
+    pub(crate) to: M::Tensor,
+    pub(crate) range: std::ops::Range<usize>,
 }
-
-// SAFETY: the pointer is only dereferenced by the driver under the contract of the
-// submitting call (the memory stays valid and untouched until the operation
-// completes).
-unsafe impl Send for Submission {}
 
 impl WorkTable {
     pub(crate) fn new() -> WorkTable {

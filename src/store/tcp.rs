@@ -1,9 +1,9 @@
 //! The default store: a server thread on rank 0, a client on every rank.
 
+use crate::sync::unmodelled::{AtomicBool, AtomicUsize, Ordering};
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};

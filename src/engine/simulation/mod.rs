@@ -32,13 +32,15 @@ use fairring_core::topology::{RankLayout, Topology};
 use fairring_core::{DataType, ReduceOp};
 use fairring_rdma::fabric::{Fabric, LocalRegion};
 
+use super::algorithm::Resolved;
 use super::descriptor::{Collective, Descriptor};
+use super::layout::StagingLayout;
+use super::links::{linked, peers};
 use super::work::{DONE, FAILED, Submission};
-use super::{BufferLayout, Engine, EngineParts};
-use crate::communicator::bootstrap::{linked, peers};
-use crate::config::Algorithm;
-use crate::local::ShmGroup;
-use crate::local::segment::Segment;
+use super::{Engine, EngineParts};
+use crate::local::{LocalSlice, LocalStep, Machine, ShmStep};
+use crate::memory::{Host, HostTensor, MemorySpace};
+use crate::shm::Segment;
 use fabric::{Network, SimFabric};
 
 /// Steps after which a seed that has not settled counts as hung.
@@ -72,7 +74,7 @@ struct Op {
     elements: u64,
     dtype: DataType,
     op: ReduceOp,
-    algorithm: Algorithm,
+    algorithm: Resolved,
 }
 
 /// Rank `rank`'s element `i` of operation `k`, before truncation to the type.
@@ -120,7 +122,7 @@ fn narrow(dtype: DataType, v: i64) -> i64 {
 }
 
 struct Rank {
-    engine: Engine<SimFabric>,
+    engine: Engine<SimFabric, Host>,
     /// Per operation: the tensor (as 8-byte words, so every type is aligned).
     tensors: Vec<Vec<u64>>,
     submitted: usize,
@@ -138,6 +140,78 @@ struct Outcome {
     failed: usize,
 }
 
+/// The engines of every rank of `geometry`'s job over `net`, each rank's local
+/// step passed through `wrap` (to inject faults).
+fn build_job(
+    geometry: &Geometry,
+    layout: &StagingLayout,
+    buffers: u32,
+    net: &Arc<std::sync::Mutex<Network>>,
+    wrap: impl Fn(u32, ShmStep) -> Box<dyn LocalStep<Host>>,
+) -> Result<Vec<Engine<SimFabric, Host>>, String> {
+    let topology = geometry.topology();
+    let (m, d, world) = (
+        topology.machines(),
+        topology.devices_per_machine(),
+        topology.world_size(),
+    );
+    let segments: Vec<Arc<Segment>> = (0..m)
+        .map(|_| Segment::anonymous(d, buffers, layout.buffer_bytes()).map(Arc::new))
+        .collect::<crate::Result<_>>()
+        .map_err(|e| e.to_string())?;
+    let mut parts = Vec::new();
+    for rank in 0..world {
+        let location = topology.locate(rank).map_err(|e| e.to_string())?;
+        let segment = &segments[location.machine as usize];
+        let memory = Host::new(Arc::clone(segment), location.device, buffers);
+        let local = wrap(
+            rank,
+            ShmStep::new(Arc::clone(segment), location.device, d, buffers),
+        );
+        let machine = Machine::new(Arc::clone(segment), location.device, d);
+        let fabric = SimFabric {
+            rank,
+            net: Arc::clone(net),
+        };
+        let (area, len) = memory.registered();
+        // SAFETY: the area is this rank's part of a segment the memory space keeps
+        // mapped for as long as the engine lives.
+        let region = unsafe { fabric.register(area, len) }.map_err(|e| e.to_string())?;
+        parts.push((location, memory, local, machine, fabric, region));
+    }
+    let regions: Vec<_> = parts.iter().map(|p| p.5.remote()).collect();
+    let mut engines = Vec::new();
+    for (rank, (location, memory, local, machine, fabric, region)) in (0..world).zip(parts) {
+        let (out, inbound) = peers(topology, location, rank);
+        let linked = linked(&out, &inbound);
+        for &p in &linked {
+            let ep = fabric.endpoint(p).map_err(|e| e.to_string())?;
+            fabric.connect(p, &ep).map_err(|e| e.to_string())?;
+        }
+        let mut remote = vec![None; world as usize];
+        for &p in &out {
+            remote[p as usize] = Some(regions[p as usize]);
+        }
+        engines.push(Engine::new(EngineParts {
+            fabric,
+            region,
+            remote,
+            memory,
+            local,
+            machine,
+            geometry: *geometry,
+            layout: *layout,
+            location,
+            rank,
+            buffers,
+            inbound,
+            linked,
+            timeout: Duration::from_secs(3600),
+        }));
+    }
+    Ok(engines)
+}
+
 #[expect(clippy::too_many_lines, reason = "one scenario, read top to bottom")]
 fn run(seed: u64) -> Result<Outcome, String> {
     let mut rng = Rng::new(seed);
@@ -148,7 +222,7 @@ fn run(seed: u64) -> Result<Outcome, String> {
     let topology = Topology::new(m, d, RankLayout::Contiguous).map_err(|e| e.to_string())?;
     let config = PlanConfig::new(slice_bytes, 64).map_err(|e| e.to_string())?;
     let geometry = Geometry::new(topology, config).map_err(|e| e.to_string())?;
-    let layout = BufferLayout::new(&geometry, world);
+    let layout = StagingLayout::new(&geometry, world).ok_or("layout")?;
     let ops: Vec<Op> = (0..2 + rng.below(7))
         .map(|_| Op {
             elements: match rng.below(5) {
@@ -164,7 +238,7 @@ fn run(seed: u64) -> Result<Outcome, String> {
                 ReduceOp::Min,
                 ReduceOp::Max,
             ]),
-            algorithm: rng.pick(&[Algorithm::Hierarchical, Algorithm::Ring]),
+            algorithm: rng.pick(&[Resolved::Hierarchical, Resolved::Ring]),
         })
         .collect();
     let window = 1 + rng.below(4) as usize;
@@ -172,56 +246,9 @@ fn run(seed: u64) -> Result<Outcome, String> {
         .then(|| (1 + rng.below(4000), rng.below(u64::from(world)) as u32));
 
     let net = Network::new(world);
-    let segments: Vec<Arc<Segment>> = (0..m)
-        .map(|_| Segment::anonymous(d, buffers, layout.buffer_bytes).map(Arc::new))
-        .collect::<crate::Result<_>>()
-        .map_err(|e| e.to_string())?;
-    let mut parts = Vec::new();
-    for rank in 0..world {
-        let location = topology.locate(rank).map_err(|e| e.to_string())?;
-        let group = ShmGroup::on_segment(
-            Arc::clone(&segments[location.machine as usize]),
-            location.device,
-            d,
-            buffers,
-        );
-        let fabric = SimFabric {
-            rank,
-            net: Arc::clone(&net),
-        };
-        let (area, len) = group.own_area();
-        // SAFETY: the area is this rank's part of a segment the group keeps
-        // mapped for as long as the engine lives.
-        let region = unsafe { fabric.register(area, len) }.map_err(|e| e.to_string())?;
-        parts.push((location, group, fabric, region));
-    }
-    let regions: Vec<_> = parts.iter().map(|p| p.3.remote()).collect();
+    let engines = build_job(&geometry, &layout, buffers, &net, |_, step| Box::new(step))?;
     let mut ranks: Vec<Rank> = Vec::new();
-    for (rank, (location, group, fabric, region)) in (0..world).zip(parts) {
-        let (out, inbound) = peers(topology, location, rank);
-        let linked = linked(&out, &inbound);
-        for &p in &linked {
-            let ep = fabric.endpoint(p).map_err(|e| e.to_string())?;
-            fabric.connect(p, &ep).map_err(|e| e.to_string())?;
-        }
-        let mut remote = vec![None; world as usize];
-        for &p in &out {
-            remote[p as usize] = Some(regions[p as usize]);
-        }
-        let engine = Engine::new(EngineParts {
-            fabric,
-            region,
-            remote,
-            local: Box::new(group),
-            geometry,
-            location,
-            rank,
-            buffers,
-            layout,
-            inbound,
-            linked,
-            timeout: Duration::from_secs(3600),
-        });
+    for (rank, engine) in (0..world).zip(engines) {
         let tensors = ops
             .iter()
             .enumerate()
@@ -318,9 +345,10 @@ fn run(seed: u64) -> Result<Outcome, String> {
                 if !rank.engine.works.try_take(seq) {
                     return Err(format!("rank {r}: the entry of operation {k} is taken"));
                 }
+                let bytes = op.elements as usize * op.dtype.size_bytes() as usize;
                 let sub = Submission {
                     seq,
-                    data: rank.tensors[k].as_mut_ptr().cast(),
+                    tensor: HostTensor::new(rank.tensors[k].as_mut_ptr().cast(), bytes),
                     elements: op.elements,
                     dtype: op.dtype,
                     op: op.op,
@@ -427,4 +455,123 @@ fn seeded_schedules_settle_with_exact_results() {
         seeds.len()
     );
     assert!(done > 0);
+}
+
+/// A local step that panics in its all-gather: a bug inside a step.
+struct PanickingAllGather(ShmStep);
+
+impl LocalStep<Host> for PanickingAllGather {
+    fn buffer_free(&self, buffer: u32, number: u64) -> bool {
+        self.0.buffer_free(buffer, number)
+    }
+    fn begin(&self, s: &LocalSlice<'_, Host>) -> crate::Result<()> {
+        self.0.begin(s)
+    }
+    fn try_reduce_scatter(
+        &self,
+        s: &LocalSlice<'_, Host>,
+        final_world: Option<u32>,
+    ) -> crate::Result<Option<()>> {
+        self.0.try_reduce_scatter(s, final_world)
+    }
+    fn publish_slot(&self, s: &LocalSlice<'_, Host>) {
+        self.0.publish_slot(s);
+    }
+    fn try_all_gather(
+        &self,
+        _s: &LocalSlice<'_, Host>,
+        _own_in_tensor: bool,
+    ) -> crate::Result<Option<()>> {
+        panic!("an injected panic in the all-gather");
+    }
+    fn finish(&self, buffer: u32, number: u64) {
+        self.0.finish(buffer, number);
+    }
+    fn laggards(&self, buffer: u32, number: u64) -> Vec<u32> {
+        self.0.laggards(buffer, number)
+    }
+}
+
+#[test]
+fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
+    let topology = Topology::new(1, 2, RankLayout::Contiguous).unwrap();
+    let geometry = Geometry::new(topology, PlanConfig::new(4096, 64).unwrap()).unwrap();
+    let layout = StagingLayout::new(&geometry, 2).unwrap();
+    let net = Network::new(2);
+    let engines = build_job(&geometry, &layout, 2, &net, |rank, step| {
+        if rank == 1 {
+            Box::new(PanickingAllGather(step))
+        } else {
+            Box::new(step)
+        }
+    })
+    .unwrap();
+    let mut tensors = [[1u64; 300], [2u64; 300]];
+    for (engine, tensor) in engines.iter().zip(&mut tensors) {
+        assert!(engine.works.try_take(0));
+        let descriptor = Descriptor {
+            collective: Collective::AllReduce,
+            dtype: DataType::I64,
+            op: ReduceOp::Sum,
+            algorithm: Resolved::Hierarchical,
+            root: 0,
+            elements: 300,
+        };
+        engine
+            .submit(Submission {
+                seq: 0,
+                tensor: HostTensor::new(tensor.as_mut_ptr().cast(), 2400),
+                elements: 300,
+                dtype: DataType::I64,
+                op: ReduceOp::Sum,
+                algorithm: Resolved::Hierarchical,
+                descriptor,
+                deliver: None,
+            })
+            .unwrap();
+    }
+    let settled = |e: &Engine<SimFabric, Host>| e.works.state(0).is_some_and(|s| s != 0);
+    for _ in 0..10_000 {
+        if engines.iter().all(settled) {
+            break;
+        }
+        for e in &engines {
+            e.try_drive();
+        }
+    }
+    for e in &engines {
+        assert_eq!(e.works.state(0), Some(FAILED), "rank {}", e.rank());
+    }
+    let own = engines[1].failure().unwrap();
+    assert!(
+        matches!(&own, crate::Error::Internal { detail, .. } if detail.contains("injected panic")),
+        "{own}"
+    );
+    let peer = engines[0].failure().unwrap().to_string();
+    assert!(
+        peer.contains("rank 1") && peer.contains("injected panic"),
+        "{peer}"
+    );
+    assert!(!engines[1].driver.is_poisoned());
+    // The failed engine takes no more work and drives nothing.
+    assert!(!engines[1].try_drive());
+    assert!(engines[1].works.try_take(1));
+    let refused = engines[1].submit(Submission {
+        seq: 1,
+        tensor: HostTensor::new(std::ptr::null_mut(), 0),
+        elements: 0,
+        dtype: DataType::U8,
+        op: ReduceOp::Sum,
+        algorithm: Resolved::Hierarchical,
+        descriptor: Descriptor {
+            collective: Collective::Barrier,
+            dtype: DataType::U8,
+            op: ReduceOp::Sum,
+            algorithm: Resolved::Hierarchical,
+            root: 0,
+            elements: 0,
+        },
+        deliver: None,
+    });
+    assert!(matches!(refused, Err(crate::Error::Failed { .. })));
 }

@@ -18,35 +18,24 @@
 
 use std::ffi::CString;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::doorbell::Doorbell;
 use crate::error::{Error, Result};
+use crate::sync::unmodelled::{AtomicU32, AtomicU64, Ordering};
 
 const MAGIC: u64 = 0x6661_6972_7269_6e67; // "fairring"
 const PAGE: usize = 4096;
 const LINE: usize = 64;
 /// Counter lines per (rank, buffer).
-const COUNTERS: usize = 3;
+pub(crate) const COUNTERS: usize = 3;
 /// Entries in a rank's operation table: operation `s` lives in entry
-/// `s % OPERATIONS`, which covers every operation a rank can have outstanding.
-pub(crate) const OPERATIONS: usize = crate::engine::work::WORK_CAPACITY;
+/// `s % OPERATIONS`. The engine keeps no more operations outstanding than this.
+pub(crate) const OPERATIONS: usize = 1024;
 /// Bytes of one operation-table entry.
 const OPERATION_BYTES: usize = 32;
 /// Words in the failure record.
 pub(crate) const RECORD_WORDS: usize = 8;
-
-/// Which progress counter.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Counter {
-    /// Slice number + 1 whose input this rank has staged.
-    InputReady = 0,
-    /// Slice number + 1 whose slot this rank has finished.
-    SlotFinal = 1,
-    /// Slice number + 1 this rank has finished reading others' buffers for.
-    Done = 2,
-}
 
 #[repr(C)]
 struct Header {
@@ -72,7 +61,7 @@ pub(crate) struct Segment {
     data: usize,
     name: CString,
     creator: bool,
-    unlinked: AtomicBool,
+    unlinked: std::sync::Once,
 }
 
 // SAFETY: the segment is plain memory; every shared word in it is an atomic, and the
@@ -141,7 +130,7 @@ impl Segment {
             data,
             name: cname,
             creator,
-            unlinked: AtomicBool::new(false),
+            unlinked: std::sync::Once::new(),
         };
         let header = segment.header();
         if creator {
@@ -187,7 +176,7 @@ impl Segment {
 
     /// A segment in anonymous shared memory, for local ranks that are threads of
     /// one process (the engine's simulation).
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn anonymous(ranks: u32, buffers: u32, buffer_bytes: usize) -> Result<Segment> {
         let buffer_bytes = round_up(buffer_bytes, PAGE);
         let (control, data, len) = Segment::layout(ranks, buffers, buffer_bytes)
@@ -203,7 +192,7 @@ impl Segment {
             data,
             name: CString::default(),
             creator: false,
-            unlinked: AtomicBool::new(true),
+            unlinked: std::sync::Once::new(),
         })
     }
 
@@ -215,10 +204,17 @@ impl Segment {
 
     /// Removes the name; the memory lives on until every mapping is gone.
     pub(crate) fn unlink(&self) {
-        if self.creator && !self.unlinked.swap(true, Ordering::AcqRel) {
-            // SAFETY: `name` is a valid C string.
-            unsafe { libc::shm_unlink(self.name.as_ptr()) };
+        if self.creator {
+            self.unlinked.call_once(|| {
+                // SAFETY: `name` is a valid C string.
+                unsafe { libc::shm_unlink(self.name.as_ptr()) };
+            });
         }
+    }
+
+    /// Local ranks sharing the segment.
+    pub(crate) fn ranks(&self) -> u32 {
+        self.ranks
     }
 
     /// Bytes of one staging buffer (rounded up to a page).
@@ -234,14 +230,14 @@ impl Segment {
         unsafe { &*self.base.as_ptr().wrapping_add(off).cast::<Doorbell>() }
     }
 
-    /// A progress counter of local rank `rank` for buffer `buffer`.
-    pub(crate) fn counter(&self, rank: u32, buffer: u32, which: Counter) -> &AtomicU64 {
+    /// Progress counter `index` (below [`COUNTERS`]) of local rank `rank` for
+    /// buffer `buffer`.
+    pub(crate) fn counter(&self, rank: u32, buffer: u32, index: usize) -> &AtomicU64 {
         assert!(
-            rank < self.ranks && buffer < self.buffers,
+            rank < self.ranks && buffer < self.buffers && index < COUNTERS,
             "counter out of range"
         );
-        let off =
-            self.control_of(rank) + LINE + (buffer as usize * COUNTERS + which as usize) * LINE;
+        let off = self.control_of(rank) + LINE + (buffer as usize * COUNTERS + index) * LINE;
         // SAFETY: in bounds (asserted), 64-byte aligned, only used atomically.
         unsafe { &*self.base.as_ptr().wrapping_add(off).cast::<AtomicU64>() }
     }

@@ -1,0 +1,340 @@
+//! The fabric a communicator uses, chosen at run time (`FAIRRING_FABRIC`): the
+//! engine is generic over [`Fabric`], and [`AnyFabric`] is the one fabric type it
+//! is built with, holding whichever provider was chosen.
+//!
+//! `auto` takes verbs where this build has the `verbs` feature and the host an
+//! RDMA device, tcp otherwise; `verbs` without either is an error naming
+//! `FAIRRING_FABRIC`. Every rank of a job must choose the same provider (a mixed
+//! job fails to connect, naming the peer).
+
+use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::ptr::NonNull;
+use std::time::Duration;
+
+use fairring_rdma::fabric::{
+    Completion, CompletionNotifier, Endpoint, Fabric, FabricError, LocalRegion, RegionKey,
+    RemoteRegion, WriteRequest,
+};
+use fairring_rdma::tcp::{BindTo, TcpConfig, TcpFabric, TcpRegion};
+#[cfg(feature = "verbs")]
+use fairring_rdma::verbs::{VerbsConfig, VerbsFabric, VerbsRegion};
+
+use crate::config::{Config, FabricChoice};
+use crate::error::{Error, Result};
+
+/// The provider a communicator runs on.
+pub(crate) enum AnyFabric {
+    /// Sockets.
+    Tcp(TcpFabric),
+    /// RC queue pairs on an RDMA device.
+    #[cfg(feature = "verbs")]
+    Verbs(VerbsFabric),
+}
+
+/// Memory registered with an [`AnyFabric`].
+pub(crate) enum AnyRegion {
+    /// With the tcp provider.
+    Tcp(TcpRegion),
+    /// With the verbs provider.
+    #[cfg(feature = "verbs")]
+    Verbs(VerbsRegion),
+}
+
+impl AnyFabric {
+    /// The fabric `config` asks for, for its rank.
+    pub(crate) fn build(config: &Config) -> Result<AnyFabric> {
+        match resolve(config.fabric, &verbs_devices())? {
+            FabricChoice::Verbs => verbs(config),
+            _ => tcp(config),
+        }
+    }
+
+    /// The provider: [`FabricChoice::Tcp`] or [`FabricChoice::Verbs`].
+    pub(crate) fn choice(&self) -> FabricChoice {
+        match self {
+            AnyFabric::Tcp(_) => FabricChoice::Tcp,
+            #[cfg(feature = "verbs")]
+            AnyFabric::Verbs(_) => FabricChoice::Verbs,
+        }
+    }
+}
+
+/// This host's RDMA devices, as far as this build can see.
+fn verbs_devices() -> Vec<String> {
+    #[cfg(feature = "verbs")]
+    return fairring_rdma::verbs::devices();
+    #[cfg(not(feature = "verbs"))]
+    Vec::new()
+}
+
+/// The provider `choice` comes to on a host with `devices`: `Tcp` or `Verbs`.
+fn resolve(choice: FabricChoice, devices: &[String]) -> Result<FabricChoice> {
+    let built = cfg!(feature = "verbs");
+    match choice {
+        FabricChoice::Tcp => Ok(FabricChoice::Tcp),
+        FabricChoice::Auto if built && !devices.is_empty() => Ok(FabricChoice::Verbs),
+        FabricChoice::Auto => Ok(FabricChoice::Tcp),
+        FabricChoice::Verbs if !built => Err(crate::config::verbs_not_built()),
+        FabricChoice::Verbs if devices.is_empty() => Err(Error::config(
+            "FAIRRING_FABRIC",
+            "verbs",
+            "this host has no RDMA device (ibv_get_device_list found none)",
+        )),
+        FabricChoice::Verbs => Ok(FabricChoice::Verbs),
+    }
+}
+
+fn tcp(config: &Config) -> Result<AnyFabric> {
+    let mut tcp = TcpConfig::new(
+        config.rank,
+        config.world_size,
+        config.job_tag,
+        config.secret.clone(),
+        bind_address(config)?,
+    )
+    // Half the timeout: a peer that stops (SIGSTOP, a hung host) is reported by
+    // name through its silence before the engine's own stall timeout fires.
+    .with_silence_timeout(config.timeout / 2);
+    tcp.connect_timeout = config.timeout;
+    Ok(AnyFabric::Tcp(TcpFabric::new(tcp)?))
+}
+
+#[cfg(feature = "verbs")]
+fn verbs(config: &Config) -> Result<AnyFabric> {
+    let mut v = VerbsConfig::new(
+        config.rank,
+        config.world_size,
+        config.job_tag,
+        config.secret.clone(),
+    );
+    v.device.clone_from(&config.verbs.device);
+    v.port = config.verbs.port;
+    v.gid_index = config.verbs.gid_index;
+    let fabric = VerbsFabric::new(v).map_err(|e| {
+        Error::config(
+            "FAIRRING_FABRIC",
+            config.fabric,
+            format!("the verbs provider cannot open its device: {e}"),
+        )
+    })?;
+    Ok(AnyFabric::Verbs(fabric))
+}
+
+#[cfg(not(feature = "verbs"))]
+fn verbs(_config: &Config) -> Result<AnyFabric> {
+    Err(crate::config::verbs_not_built())
+}
+
+/// The address this rank's tcp fabric listens on.
+fn bind_address(config: &Config) -> Result<BindTo> {
+    if let Some(name) = &config.socket_ifname {
+        return Ok(BindTo::Interface(name.clone()));
+    }
+    let master = crate::store::tcp::resolve_master(&config.master_addr, config.master_port)?;
+    if master.ip().is_loopback() {
+        return Ok(BindTo::loopback());
+    }
+    // The local address of the route to the rendezvous host (no packet is sent).
+    let any = SocketAddr::new(
+        match master.ip() {
+            IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+            IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+        },
+        0,
+    );
+    let probe = UdpSocket::bind(any)
+        .and_then(|s| s.connect(master).map(|()| s))
+        .and_then(|s| s.local_addr())
+        .map_err(|e| {
+            Error::io(
+                format!("finding the local address that reaches {master}"),
+                e,
+            )
+        })?;
+    Ok(BindTo::Address(SocketAddr::new(probe.ip(), 0)))
+}
+
+#[cfg(feature = "verbs")]
+fn mismatched() -> FabricError {
+    FabricError::InvalidArgument {
+        argument: "source",
+        reason: "a region registered with another provider".into(),
+    }
+}
+
+impl LocalRegion for AnyRegion {
+    fn key(&self) -> RegionKey {
+        match self {
+            AnyRegion::Tcp(r) => r.key(),
+            #[cfg(feature = "verbs")]
+            AnyRegion::Verbs(r) => r.key(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            AnyRegion::Tcp(r) => r.len(),
+            #[cfg(feature = "verbs")]
+            AnyRegion::Verbs(r) => r.len(),
+        }
+    }
+
+    fn remote(&self) -> RemoteRegion {
+        match self {
+            AnyRegion::Tcp(r) => r.remote(),
+            #[cfg(feature = "verbs")]
+            AnyRegion::Verbs(r) => r.remote(),
+        }
+    }
+
+    fn as_ptr(&self) -> *mut u8 {
+        match self {
+            AnyRegion::Tcp(r) => r.as_ptr(),
+            #[cfg(feature = "verbs")]
+            AnyRegion::Verbs(r) => r.as_ptr(),
+        }
+    }
+}
+
+/// `request` with its source narrowed to the provider's own region type.
+fn narrowed<'a, R>(request: &WriteRequest<'a, AnyRegion>, source: &'a R) -> WriteRequest<'a, R> {
+    WriteRequest {
+        source,
+        source_offset: request.source_offset,
+        len: request.len,
+        target: request.target,
+        target_offset: request.target_offset,
+        immediate: request.immediate,
+        token: request.token,
+    }
+}
+
+impl Fabric for AnyFabric {
+    type Region = AnyRegion;
+
+    fn rank(&self) -> u32 {
+        match self {
+            AnyFabric::Tcp(f) => f.rank(),
+            #[cfg(feature = "verbs")]
+            AnyFabric::Verbs(f) => f.rank(),
+        }
+    }
+
+    fn world_size(&self) -> u32 {
+        match self {
+            AnyFabric::Tcp(f) => f.world_size(),
+            #[cfg(feature = "verbs")]
+            AnyFabric::Verbs(f) => f.world_size(),
+        }
+    }
+
+    fn endpoint(&self, peer: u32) -> Result<Endpoint, FabricError> {
+        match self {
+            AnyFabric::Tcp(f) => f.endpoint(peer),
+            #[cfg(feature = "verbs")]
+            AnyFabric::Verbs(f) => f.endpoint(peer),
+        }
+    }
+
+    fn connect(&self, peer: u32, endpoint: &Endpoint) -> Result<(), FabricError> {
+        match self {
+            AnyFabric::Tcp(f) => f.connect(peer, endpoint),
+            #[cfg(feature = "verbs")]
+            AnyFabric::Verbs(f) => f.connect(peer, endpoint),
+        }
+    }
+
+    unsafe fn register(&self, memory: NonNull<u8>, len: usize) -> Result<AnyRegion, FabricError> {
+        match self {
+            // SAFETY: forwarded: the caller's contract is the provider's.
+            AnyFabric::Tcp(f) => unsafe { f.register(memory, len) }.map(AnyRegion::Tcp),
+            #[cfg(feature = "verbs")]
+            // SAFETY: as above.
+            AnyFabric::Verbs(f) => unsafe { f.register(memory, len) }.map(AnyRegion::Verbs),
+        }
+    }
+
+    fn write(&self, peer: u32, request: WriteRequest<'_, AnyRegion>) -> Result<(), FabricError> {
+        match (self, request.source) {
+            (AnyFabric::Tcp(f), AnyRegion::Tcp(r)) => f.write(peer, narrowed(&request, r)),
+            #[cfg(feature = "verbs")]
+            (AnyFabric::Verbs(f), AnyRegion::Verbs(r)) => f.write(peer, narrowed(&request, r)),
+            #[cfg(feature = "verbs")]
+            _ => Err(mismatched()),
+        }
+    }
+
+    fn send_message(
+        &self,
+        peer: u32,
+        immediate: u32,
+        payload: &[u8],
+        token: u64,
+    ) -> Result<(), FabricError> {
+        match self {
+            AnyFabric::Tcp(f) => f.send_message(peer, immediate, payload, token),
+            #[cfg(feature = "verbs")]
+            AnyFabric::Verbs(f) => f.send_message(peer, immediate, payload, token),
+        }
+    }
+
+    fn poll(&self, out: &mut [Completion]) -> usize {
+        match self {
+            AnyFabric::Tcp(f) => f.poll(out),
+            #[cfg(feature = "verbs")]
+            AnyFabric::Verbs(f) => f.poll(out),
+        }
+    }
+
+    fn wait(&self, out: &mut [Completion], timeout: Duration) -> usize {
+        match self {
+            AnyFabric::Tcp(f) => f.wait(out, timeout),
+            #[cfg(feature = "verbs")]
+            AnyFabric::Verbs(f) => f.wait(out, timeout),
+        }
+    }
+
+    fn notify_completions(&self, notify: CompletionNotifier) -> bool {
+        match self {
+            AnyFabric::Tcp(f) => f.notify_completions(notify),
+            #[cfg(feature = "verbs")]
+            AnyFabric::Verbs(f) => f.notify_completions(notify),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_choice_resolves_by_build_and_devices() {
+        let none: Vec<String> = Vec::new();
+        let one = vec!["mlx5_0".to_owned()];
+        assert_eq!(resolve(FabricChoice::Tcp, &one).unwrap(), FabricChoice::Tcp);
+        assert_eq!(
+            resolve(FabricChoice::Auto, &none).unwrap(),
+            FabricChoice::Tcp
+        );
+        let verbs_none = resolve(FabricChoice::Verbs, &none).unwrap_err().to_string();
+        assert!(verbs_none.contains("FAIRRING_FABRIC"), "{verbs_none}");
+        if cfg!(feature = "verbs") {
+            assert_eq!(
+                resolve(FabricChoice::Auto, &one).unwrap(),
+                FabricChoice::Verbs
+            );
+            assert_eq!(
+                resolve(FabricChoice::Verbs, &one).unwrap(),
+                FabricChoice::Verbs
+            );
+            assert!(verbs_none.contains("no RDMA device"), "{verbs_none}");
+        } else {
+            assert_eq!(
+                resolve(FabricChoice::Auto, &one).unwrap(),
+                FabricChoice::Tcp
+            );
+            assert!(resolve(FabricChoice::Verbs, &one).is_err());
+            assert!(verbs_none.contains("`verbs` feature"), "{verbs_none}");
+        }
+    }
+}

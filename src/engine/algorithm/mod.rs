@@ -1,0 +1,286 @@
+//! The algorithms that move one slice: types that own the slice's state, take
+//! events and return the steps to take, as values.
+//!
+//! An algorithm never touches memory, the fabric or the local step itself. It is
+//! told what happened to its slice ([`SliceEvent`]: a write landed, a post was
+//! sent, a reduction finished, the local step ran) and answers with [`Step`]s
+//! (post this write, reduce these bytes, run the local all-gather, release the
+//! buffer), which the engine performs over its memory space, fabric and local
+//! step (`engine/steps.rs`). A step whose work ends later reports back as an
+//! event once its fence has passed; on the host that is at once. This is the
+//! shape of fairring-core's staging machine (events in, [`Actions`] out), one
+//! level up, and it is what lets one engine drive host and device memory alike.
+//!
+//! - [`hierarchical`]: the reduction-server all-reduce of the seeds, driven by the
+//!   core's staging word;
+//! - [`ring`]: the ring all-reduce (the Horovod/Gloo/NCCL baseline).
+//!
+//! `auto` is resolved before an operation reaches the engine ([`Resolved`]), so
+//! every slice runs exactly one of them.
+//!
+//! [`Actions`]: fairring_core::staging::Actions
+
+mod hierarchical;
+mod ring;
+
+use std::ops::Range;
+
+use fairring_core::plan::Slice;
+use fairring_core::topology::{Location, Topology};
+use fairring_core::{DataType, ReduceOp};
+
+pub(crate) use hierarchical::Hierarchical;
+pub(crate) use ring::Ring;
+
+use super::layout::StagingLayout;
+use super::tags::Kind;
+use crate::config::Algorithm;
+use crate::error::{Error, Result};
+use crate::memory::Reduction;
+
+/// An algorithm as the engine runs it: [`Algorithm::Auto`] is resolved before an
+/// operation is submitted, the same way on every rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Resolved {
+    /// [`hierarchical`].
+    Hierarchical,
+    /// [`ring`].
+    Ring,
+}
+
+impl Resolved {
+    /// The concrete algorithm `a` names; `None` for `auto`.
+    pub(crate) fn of(a: Algorithm) -> Option<Resolved> {
+        match a {
+            Algorithm::Hierarchical => Some(Resolved::Hierarchical),
+            Algorithm::Ring => Some(Resolved::Ring),
+            Algorithm::Auto => None,
+        }
+    }
+
+    /// The configuration's name for it.
+    pub(crate) fn algorithm(self) -> Algorithm {
+        match self {
+            Resolved::Hierarchical => Algorithm::Hierarchical,
+            Resolved::Ring => Algorithm::Ring,
+        }
+    }
+}
+
+impl std::fmt::Display for Resolved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.algorithm().fmt(f)
+    }
+}
+
+/// What happened to a slice, as the engine tells its algorithm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SliceEvent {
+    /// [`Step::StageIn`] finished: the input is in the staging buffer.
+    Staged,
+    /// [`Step::LocalReduceScatter`] finished.
+    LocalReduceScatterDone,
+    /// [`Step::LocalAllGather`] finished.
+    LocalAllGatherDone,
+    /// A peer's write of `kind` landed in the staging buffer.
+    Landed {
+        /// What it was.
+        kind: Kind,
+        /// Who wrote it.
+        peer: u32,
+    },
+    /// One of this slice's writes of `kind` has left the staging buffer.
+    Sent {
+        /// What it was.
+        kind: Kind,
+    },
+    /// [`Step::Reduce`] finished.
+    Reduced,
+    /// [`Step::CopyOut`] finished.
+    CopiedOut,
+}
+
+/// A one-sided write of part of this rank's staging buffer into a peer's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Write {
+    /// What it is (the peer learns it from the immediate).
+    pub(crate) kind: Kind,
+    /// The rank written to.
+    pub(crate) peer: u32,
+    /// Bytes of this rank's staging buffer.
+    pub(crate) source: Range<usize>,
+    /// Offset in the peer's staging buffer of the same index.
+    pub(crate) target: usize,
+    /// Whether the peer must have credited the slice first: the write lands in an
+    /// area the peer's previous slice on that buffer may still use.
+    pub(crate) needs_credit: bool,
+}
+
+/// What an algorithm asks the engine to do.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Step {
+    /// Post a write (in posting order, as flow control allows).
+    Write(Write),
+    /// Copy bytes `from` of the slice (relative to its start in the tensor) into
+    /// the staging buffer at `to`; then [`SliceEvent::Staged`].
+    StageIn {
+        /// Offset in the staging buffer.
+        to: usize,
+        /// Bytes of the slice.
+        from: Range<usize>,
+    },
+    /// Begin the local step (stage in what the other local ranks reduce).
+    LocalBegin,
+    /// Run the local reduce-scatter once it can; then
+    /// [`SliceEvent::LocalReduceScatterDone`].
+    LocalReduceScatter {
+        /// `Some(world size)` when its result is final (one machine).
+        final_world: Option<u32>,
+    },
+    /// Announce that this rank's slot is final.
+    PublishSlot,
+    /// Run the local all-gather once it can; then
+    /// [`SliceEvent::LocalAllGatherDone`].
+    LocalAllGather {
+        /// Whether the reduce-scatter already wrote this rank's slot into the
+        /// tensor.
+        own_in_tensor: bool,
+    },
+    /// Reduce within the staging buffer; then [`SliceEvent::Reduced`].
+    Reduce(Reduction),
+    /// Copy staging bytes from `from` into bytes `to` of the slice (relative to
+    /// its start in the tensor); then [`SliceEvent::CopiedOut`].
+    CopyOut {
+        /// Offset in the staging buffer.
+        from: usize,
+        /// Bytes of the slice.
+        to: Range<usize>,
+    },
+    /// Announce, without an all-gather, that this rank is done with the buffer.
+    LocalFinish,
+    /// The slice is finished: free the buffer.
+    Release,
+}
+
+/// What every slice of this rank shares.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Context<'a> {
+    /// The job.
+    pub(crate) topology: Topology,
+    /// This rank's place in it.
+    pub(crate) location: Location,
+    /// This rank.
+    pub(crate) rank: u32,
+    /// Ranks in the job.
+    pub(crate) world: u32,
+    /// The staging buffer's layout.
+    pub(crate) layout: &'a StagingLayout,
+}
+
+impl Context<'_> {
+    /// The rank of this device's rail on machine `machine`.
+    pub(crate) fn rail_peer(&self, machine: u32) -> Result<u32> {
+        self.topology
+            .rank(Location {
+                machine,
+                device: self.location.device,
+            })
+            .map_err(|e| Error::internal("every machine has this device's rail", e.to_string()))
+    }
+}
+
+/// One slice, as its algorithm sees it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SliceInfo<'a> {
+    /// The slice's number (global, across operations).
+    pub(crate) number: u64,
+    /// Its generation on its staging buffer.
+    pub(crate) generation: u64,
+    /// The slice of the operation's plan.
+    pub(crate) slice: &'a Slice,
+    /// The element type.
+    pub(crate) dtype: DataType,
+    /// The operator.
+    pub(crate) op: ReduceOp,
+}
+
+impl SliceInfo<'_> {
+    /// Bytes of the slice.
+    pub(crate) fn bytes(&self) -> Result<usize> {
+        usize::try_from(self.slice.span().byte_len()).map_err(|_| {
+            Error::internal(
+                "a slice's bytes fit the address space",
+                format!("{:?}", self.slice),
+            )
+        })
+    }
+}
+
+/// The state of one slice's algorithm.
+#[derive(Debug)]
+pub(crate) enum SliceAlgorithm {
+    /// [`hierarchical`].
+    Hierarchical(Hierarchical),
+    /// [`ring`].
+    Ring(Ring),
+}
+
+impl SliceAlgorithm {
+    /// Starts `algorithm` on a slice that just acquired its buffer; its first
+    /// steps go into `steps`.
+    pub(crate) fn start(
+        algorithm: Resolved,
+        ctx: &Context<'_>,
+        s: &SliceInfo<'_>,
+        steps: &mut Vec<Step>,
+    ) -> Result<SliceAlgorithm> {
+        Ok(match algorithm {
+            Resolved::Hierarchical => {
+                SliceAlgorithm::Hierarchical(Hierarchical::start(ctx, s, steps)?)
+            }
+            Resolved::Ring => SliceAlgorithm::Ring(Ring::start(ctx, s, steps)?),
+        })
+    }
+
+    /// Takes `event`; the steps it makes possible go into `steps`.
+    pub(crate) fn on_event(
+        &mut self,
+        ctx: &Context<'_>,
+        s: &SliceInfo<'_>,
+        event: SliceEvent,
+        steps: &mut Vec<Step>,
+    ) -> Result<()> {
+        match self {
+            SliceAlgorithm::Hierarchical(h) => h.on_event(ctx, s, event, steps),
+            SliceAlgorithm::Ring(r) => r.on_event(ctx, s, event, steps),
+        }
+    }
+
+    /// Which algorithm it is.
+    pub(crate) fn resolved(&self) -> Resolved {
+        match self {
+            SliceAlgorithm::Hierarchical(_) => Resolved::Hierarchical,
+            SliceAlgorithm::Ring(_) => Resolved::Ring,
+        }
+    }
+
+    /// Where the slice is, for a stall report.
+    pub(crate) fn phase(&self) -> &'static str {
+        match self {
+            SliceAlgorithm::Hierarchical(h) => h.phase(),
+            SliceAlgorithm::Ring(r) => r.phase(),
+        }
+    }
+}
+
+/// The error for a write of `kind` from `peer` that the slice does not expect.
+pub(crate) fn unexpected(kind: Kind, peer: u32, s: &SliceInfo<'_>, why: &str) -> Error {
+    Error::peer(
+        peer,
+        format!(
+            "a {kind:?} write into slice {} that it does not expect ({why}): the ranks' \
+             operations differ, or the peer broke the protocol",
+            s.number
+        ),
+    )
+}

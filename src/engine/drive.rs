@@ -1,0 +1,130 @@
+//! One pass of the driver: what happens, in order, each time a thread drives.
+//!
+//! 1. a failure another local rank published fails this rank too;
+//! 2. new submissions are accepted (planned, described to the local ranks);
+//! 3. the local ranks' descriptors are checked;
+//! 4. the fabric's completions are dispatched (`dispatch`);
+//! 5. credits and descriptors go out (`credits`, `checks`);
+//! 6. finished operations whose checks passed complete;
+//! 7. slices start while buffers are free (`slices`);
+//! 8. every slice in flight moves on where it waits (`steps`).
+//!
+//! Nothing here blocks; a pass returns whether anything moved, and the progress
+//! loop (`progress`) decides whether to drive again, spin or sleep.
+
+use fairring_rdma::fabric::Fabric;
+
+use super::failure::{FailureRecord, Fault};
+use super::work::{DONE, Submission};
+use super::{Driver, Engine, POLL_BATCH};
+use crate::error::Error;
+use crate::memory::MemorySpace;
+
+impl<F: Fabric, M: MemorySpace> Engine<F, M> {
+    /// One pass; returns whether anything moved.
+    pub(super) fn drive(&self, d: &mut Driver<M>) -> Result<bool, Fault> {
+        if let Some((device, words)) = self.machine.failure()
+            && device != self.machine.local_rank()
+        {
+            let record = FailureRecord::from_words(words);
+            let error = record.decode(self.links.local_to_global(device));
+            return Err(Fault::with_record(error, record));
+        }
+        let mut progressed = false;
+        while let Some(sub) = self.submissions.pop() {
+            progressed = true;
+            self.accept(d, sub)?;
+        }
+        let checked = d
+            .checks
+            .check_local(d.operations.accepted(), &self.machine, &self.links)?;
+        if !checked.is_empty() {
+            progressed = true;
+            for seq in checked {
+                self.try_complete(d, seq)?;
+            }
+        }
+        if self.uses_fabric {
+            loop {
+                let mut batch = std::mem::take(&mut d.scratch.completions);
+                let n = self.links.fabric.poll(&mut batch);
+                let result = batch[..n]
+                    .iter()
+                    .try_for_each(|c| self.on_completion(d, *c));
+                d.scratch.completions = batch;
+                result?;
+                progressed |= n > 0;
+                if n < POLL_BATCH {
+                    break;
+                }
+            }
+        }
+        d.credits.send(&self.links, &d.departures);
+        d.checks
+            .send(d.operations.accepted(), &self.links, &d.departures);
+        if d.operations.any_finished() {
+            for seq in d.operations.oldest_open()..d.operations.accepted() {
+                if !d.operations.any_finished() {
+                    break;
+                }
+                self.try_complete(d, seq)?;
+            }
+        }
+        while self.try_start(d)? {
+            progressed = true;
+        }
+        for b in 0..self.buffers {
+            progressed |= self.advance(d, b)?;
+        }
+        Ok(progressed)
+    }
+
+    /// Accepts the next submission: plans it, describes it to the local ranks and
+    /// sends its descriptor to the remote ones.
+    fn accept(&self, d: &mut Driver<M>, sub: Submission<M>) -> Result<(), Fault> {
+        if let Some((peer, after)) = d.departures.before(sub.seq) {
+            return Err(Error::peer(
+                peer,
+                format!(
+                    "left the job after {after} operations; operation {} cannot run",
+                    sub.seq
+                ),
+            )
+            .into());
+        }
+        let (seq, words) = (sub.seq, sub.descriptor.words());
+        d.operations.accept(sub, &self.geometry)?;
+        d.checks.accepted(seq, words, &self.machine, &self.links)?;
+        d.checks
+            .send(d.operations.accepted(), &self.links, &d.departures);
+        Ok(())
+    }
+
+    /// Completes operation `seq` if it is finished and checked (and its share is
+    /// delivered, for a reduce-scatter).
+    pub(super) fn try_complete(&self, d: &mut Driver<M>, seq: u64) -> Result<(), Fault> {
+        let Some(rec) = d.operations.get_mut(seq) else {
+            return Ok(());
+        };
+        if !rec.finished() || !d.checks.checked(seq, &self.links) {
+            return Ok(());
+        }
+        if let Some(delivery) = &rec.sub.deliver {
+            let fence = match rec.delivering.take() {
+                Some(fence) => fence,
+                None => {
+                    self.memory
+                        .deliver(&rec.sub.tensor, delivery.range.clone(), &delivery.to)?
+                }
+            };
+            if !self.memory.poll(&fence)? {
+                rec.delivering = Some(fence);
+                return Ok(());
+            }
+        }
+        d.operations.complete(seq);
+        self.complete(seq, DONE);
+        self.machine.doorbell().ring();
+        Ok(())
+    }
+}

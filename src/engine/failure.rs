@@ -1,0 +1,319 @@
+//! Failure: how a rank that fails stops every other rank from waiting for it.
+//!
+//! # Propagation
+//!
+//! A failing rank writes a [`FailureRecord`] (64 bytes, the largest message a
+//! fabric carries) into the machine's control area and sends it in a
+//! `Kind::Abort` message to every rank it is linked to. A rank that reads one
+//! fails with the error it describes and passes it on, so a failure floods the
+//! job through the links the operations use, and no rank waits for a peer that has
+//! given up.
+//!
+//! # Inside the engine
+//!
+//! Every step of the driver returns a [`Fault`] when it fails: the error, and the
+//! record to pass on when the failure came with one (a peer's report, a
+//! mismatch). [`Engine::fail_locked`] then fails every operation in flight,
+//! forgets every slice, tells the machine and the peers, and from then on the
+//! engine takes no work. A panic inside a step is caught and fails the engine the
+//! same way, as an [`Error::Internal`], so that no half-updated driver state is
+//! ever used again.
+
+use std::time::{Duration, Instant};
+
+use fairring_rdma::fabric::Fabric;
+
+use super::Driver;
+use super::Engine;
+use super::descriptor::{Descriptor, Words};
+use super::outbox::send_control_until;
+use super::tags::Kind;
+use super::work::FAILED;
+use crate::error::Error;
+use crate::memory::MemorySpace;
+use crate::shm::segment::RECORD_WORDS;
+use crate::sync::{AtomicBool, AtomicU32, Ordering};
+
+/// Bytes of a failure record.
+pub(crate) const FAILURE_BYTES: usize = 64;
+
+/// A failure as it travels between ranks.
+///
+/// ```text
+/// byte 0        1: a rank failed, 2: a mismatch
+/// failed:       bytes 1..5 the rank the error names, 5..7 reason length,
+///               7..64 the reason (UTF-8, cut at a character boundary)
+/// mismatch:     bytes 8..16 sequence, 16..20 rank, 20..36 its words,
+///               36..40 peer, 40..56 its words
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FailureRecord(pub(crate) [u8; FAILURE_BYTES]);
+
+fn u32_at(b: &[u8; FAILURE_BYTES], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn u64_at(b: &[u8; FAILURE_BYTES], at: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(w)
+}
+
+impl FailureRecord {
+    /// The record of a mismatch at operation `sequence` between `rank`, which
+    /// issued `words`, and `peer`, which issued `peer_words`; and its error.
+    pub(crate) fn mismatch(
+        sequence: u64,
+        rank: u32,
+        words: Words,
+        peer: u32,
+        peer_words: Words,
+    ) -> (FailureRecord, Error) {
+        let mut b = [0u8; FAILURE_BYTES];
+        b[0] = 2;
+        b[8..16].copy_from_slice(&sequence.to_le_bytes());
+        b[16..20].copy_from_slice(&rank.to_le_bytes());
+        b[20..28].copy_from_slice(&words[0].to_le_bytes());
+        b[28..36].copy_from_slice(&words[1].to_le_bytes());
+        b[36..40].copy_from_slice(&peer.to_le_bytes());
+        b[40..48].copy_from_slice(&peer_words[0].to_le_bytes());
+        b[48..56].copy_from_slice(&peer_words[1].to_le_bytes());
+        let record = FailureRecord(b);
+        let error = record.decode(rank);
+        (record, error)
+    }
+
+    /// The record of any other `error`, found by rank `me`.
+    pub(crate) fn encode(error: &Error, me: u32) -> FailureRecord {
+        let (about, reason) = match error {
+            Error::Peer { rank, reason } => (*rank, reason.clone()),
+            Error::Failed { first } => return FailureRecord::encode(first, me),
+            // What happened first: a record holds 57 bytes of reason.
+            Error::Internal { invariant, detail } => {
+                (me, format!("bug: {detail} (expected that {invariant})"))
+            }
+            other => (me, other.to_string()),
+        };
+        let mut b = [0u8; FAILURE_BYTES];
+        b[0] = 1;
+        b[1..5].copy_from_slice(&about.to_le_bytes());
+        let mut cut = reason.len().min(FAILURE_BYTES - 7);
+        while !reason.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        #[expect(clippy::cast_possible_truncation, reason = "at most 57")]
+        let len = cut as u16;
+        b[5..7].copy_from_slice(&len.to_le_bytes());
+        b[7..7 + cut].copy_from_slice(&reason.as_bytes()[..cut]);
+        FailureRecord(b)
+    }
+
+    /// The error a record describes, as rank `from` reported it.
+    pub(crate) fn decode(&self, from: u32) -> Error {
+        let b = &self.0;
+        match b[0] {
+            2 => {
+                let words = [u64_at(b, 20), u64_at(b, 28)];
+                let peer_words = [u64_at(b, 40), u64_at(b, 48)];
+                Error::Mismatch {
+                    sequence: u64_at(b, 8),
+                    rank: u32_at(b, 16),
+                    called: Descriptor::describe(words),
+                    peer: u32_at(b, 36),
+                    peer_called: Descriptor::describe(peer_words),
+                }
+            }
+            1 => {
+                let about = u32_at(b, 1);
+                let len = usize::from(u16::from_le_bytes([b[5], b[6]])).min(FAILURE_BYTES - 7);
+                let reason = String::from_utf8_lossy(&b[7..7 + len]);
+                let via = if about == from {
+                    String::new()
+                } else {
+                    format!(" (reported by rank {from})")
+                };
+                Error::peer(about, format!("failed: {reason}{via}"))
+            }
+            _ => Error::peer(from, "failed, for a reason this rank cannot decode"),
+        }
+    }
+
+    /// The record as the machine's control area stores it.
+    pub(crate) fn words(&self) -> [u64; RECORD_WORDS] {
+        let mut words = [0u64; RECORD_WORDS];
+        for (w, chunk) in words.iter_mut().zip(self.0.chunks_exact(8)) {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(chunk);
+            *w = u64::from_le_bytes(b);
+        }
+        words
+    }
+
+    /// The record the machine's control area stored.
+    pub(crate) fn from_words(words: [u64; RECORD_WORDS]) -> FailureRecord {
+        let mut b = [0u8; FAILURE_BYTES];
+        for (chunk, w) in b.chunks_exact_mut(8).zip(words) {
+            chunk.copy_from_slice(&w.to_le_bytes());
+        }
+        FailureRecord(b)
+    }
+}
+
+/// An error on its way to failing the engine, with the record to pass on when
+/// the failure came with one.
+#[derive(Debug)]
+pub(crate) struct Fault {
+    pub(crate) error: Error,
+    /// Boxed: a fault is rare, and every step's result carries room for one.
+    pub(crate) record: Option<Box<FailureRecord>>,
+}
+
+impl Fault {
+    /// `error`, described by `record`.
+    pub(crate) fn with_record(error: Error, record: FailureRecord) -> Fault {
+        Fault {
+            error,
+            record: Some(Box::new(record)),
+        }
+    }
+}
+
+impl From<Error> for Fault {
+    fn from(error: Error) -> Fault {
+        Fault {
+            error,
+            record: None,
+        }
+    }
+}
+
+/// Whether, and why, the engine failed.
+pub(crate) struct FailureState {
+    failed: AtomicBool,
+    first: std::sync::Mutex<Option<Error>>,
+    /// Failure reports posted to peers (see `departures`).
+    pub(crate) reports_posted: AtomicU32,
+}
+
+impl FailureState {
+    pub(crate) fn new() -> FailureState {
+        FailureState {
+            failed: AtomicBool::new(false),
+            first: std::sync::Mutex::new(None),
+            reports_posted: AtomicU32::new(0),
+        }
+    }
+
+    /// Whether the engine has failed.
+    pub(crate) fn failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// The first error, if the engine has failed.
+    pub(crate) fn first(&self) -> Option<Error> {
+        if !self.failed() {
+            return None;
+        }
+        self.first
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+}
+
+/// How long a failing rank retries its reports to peers whose queues are full of
+/// the operation's data (the fabric's threads drain them on their own).
+const REPORT_RETRY: Duration = Duration::from_millis(500);
+
+impl<F: Fabric, M: MemorySpace> Engine<F, M> {
+    /// Fails the engine: every pending operation fails with `error`, and nothing
+    /// touches a caller's memory afterwards.
+    pub(crate) fn fail(&self, error: Error) {
+        let mut d = self.lock_driver();
+        self.fail_locked(&mut d, error.into());
+    }
+
+    pub(super) fn fail_locked(&self, d: &mut Driver<M>, fault: Fault) {
+        let rank = self.links.rank;
+        let record = fault
+            .record
+            .map_or_else(|| FailureRecord::encode(&fault.error, rank), |r| *r);
+        {
+            let mut first = self
+                .failure
+                .first
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if first.is_none() {
+                log::error!("fairring rank {rank}: {}", fault.error);
+                *first = Some(fault.error);
+            }
+        }
+        if !self.failure.failed.swap(true, Ordering::AcqRel) {
+            // The first failure: tell the local ranks and every linked peer, so
+            // that none of them waits for this rank.
+            self.machine.fail(record.words());
+            let deadline = Instant::now() + REPORT_RETRY;
+            for &p in &self.links.linked {
+                if send_control_until(&self.links.fabric, p, Kind::Abort, &record.0, deadline) {
+                    self.failure.reports_posted.fetch_add(1, Ordering::AcqRel);
+                }
+            }
+        }
+        while let Some(sub) = self.submissions.pop() {
+            self.complete(sub.seq, FAILED);
+        }
+        let open: Vec<u64> = d.operations.drain().collect();
+        for seq in open {
+            self.complete(seq, FAILED);
+        }
+        d.slices.clear();
+        d.outbox.clear();
+        self.machine.doorbell().ring();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use fairring_core::{DataType, ReduceOp};
+
+    use super::*;
+    use crate::engine::algorithm::Resolved;
+    use crate::engine::descriptor::{Collective, Descriptor};
+
+    #[test]
+    fn failures_round_trip() {
+        let a = Descriptor {
+            collective: Collective::AllReduce,
+            dtype: DataType::F32,
+            op: ReduceOp::Sum,
+            algorithm: Resolved::Hierarchical,
+            root: 0,
+            elements: 100,
+        };
+        let b = Descriptor { elements: 200, ..a };
+        let (record, error) = FailureRecord::mismatch(5, 1, a.words(), 3, b.words());
+        let text = record.decode(9).to_string();
+        assert_eq!(text, error.to_string());
+        assert!(text.contains("#5") && text.contains("rank 1 called all_reduce of 100 x f32"));
+        assert!(
+            text.contains("rank 3 called all_reduce of 200 x f32"),
+            "{text}"
+        );
+
+        let long = Error::peer(4, "é".repeat(60));
+        let decoded = FailureRecord::encode(&long, 2).decode(2);
+        let Error::Peer { rank, reason } = decoded else {
+            panic!("not a peer error");
+        };
+        assert_eq!(rank, 4);
+        assert!(reason.starts_with("failed: é") && reason.ends_with("(reported by rank 2)"));
+        let own = FailureRecord::encode(&Error::Aborted, 6).decode(6);
+        assert_eq!(
+            own.to_string(),
+            "rank 6: failed: the communicator was aborted"
+        );
+        let again = FailureRecord::from_words(record.words());
+        assert_eq!(again.0, record.0);
+    }
+}

@@ -1,0 +1,156 @@
+//! The one layout of a staging buffer: the core's
+//! [`StagingLayout`](fairring_core::plan::StagingLayout) with the whole slice as
+//! its input area, and the ring's receive slots over the same bytes as the
+//! contribution areas (a buffer holds one slice of one algorithm at a time).
+//!
+//! ```text
+//! [0, full_slice)                  the slice (hierarchical and ring)
+//! [inbox, + (M-1) * shard_stride)  contribution areas (hierarchical)
+//! [inbox, + (N-1) * ring_slot)     receive slots (ring)
+//! ```
+
+use std::ops::Range;
+
+use fairring_core::plan::{Geometry, InputArea};
+
+use crate::error::{Error, Result};
+use crate::memory::Sources;
+
+/// Where everything of one slice lives in a staging buffer.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StagingLayout {
+    core: fairring_core::plan::StagingLayout,
+    /// Where the contribution areas and the ring's receive slots start.
+    inbox: usize,
+    /// Bytes of one ring receive slot.
+    ring_slot: usize,
+    /// Ring receive slots: `N - 1`.
+    ring_slots: u32,
+    /// Bytes of one staging buffer.
+    buffer_bytes: usize,
+}
+
+impl StagingLayout {
+    /// The layout for `geometry` over `world` ranks; `None` if it does not fit
+    /// this machine's address space.
+    pub(crate) fn new(geometry: &Geometry, world: u32) -> Option<StagingLayout> {
+        let core = geometry.staging_layout_with(InputArea::Slice);
+        let inbox = usize::try_from(core.slot().byte_len()).ok()?;
+        // A ring chunk holds at most ceil(elements / N) elements of at most 8 bytes.
+        let ring_slot = (inbox / world as usize)
+            .checked_add(8)?
+            .checked_next_multiple_of(64)?;
+        let ring_slots = world - 1;
+        let ring_end = inbox.checked_add(ring_slot.checked_mul(ring_slots as usize)?)?;
+        let buffer_bytes = usize::try_from(core.total_bytes()).ok()?.max(ring_end);
+        Some(StagingLayout {
+            core,
+            inbox,
+            ring_slot,
+            ring_slots,
+            buffer_bytes,
+        })
+    }
+
+    /// Bytes of one staging buffer.
+    pub(crate) fn buffer_bytes(&self) -> usize {
+        self.buffer_bytes
+    }
+
+    /// The area that receives machine `from`'s contribution at a device of machine
+    /// `own`.
+    pub(crate) fn contribution(&self, from: u32, own: u32) -> Result<Range<usize>> {
+        let area = self.core.contribution(from, own).map_err(|e| {
+            Error::internal(
+                "contributions come from another machine of the job",
+                e.to_string(),
+            )
+        })?;
+        area.byte_range().ok_or_else(|| {
+            Error::internal("the layout fits the address space", format!("{area:?}"))
+        })
+    }
+
+    /// The first `len` bytes of every other machine's contribution area at a device
+    /// of machine `own`, in machine order.
+    pub(crate) fn contributions_to(&self, own: u32, len: usize) -> Result<Sources> {
+        let count = self.core.contribution_areas();
+        let stride = usize::try_from(self.core.shard_stride()).map_err(|_| {
+            Error::internal(
+                "the layout fits the address space",
+                format!("{:?}", self.core),
+            )
+        })?;
+        if count == 0 || len > stride {
+            return Err(Error::internal(
+                "a machine that reduces has contributions of at most a stride",
+                format!("{count} areas of {stride} bytes, {len} wanted"),
+            ));
+        }
+        let machines = count + 1;
+        // Area `i` holds machine `(own + 1 + i) mod M`: machine 0 is in area
+        // `M - own - 1`, and machine order walks the areas from there.
+        Ok(Sources {
+            first: self.inbox,
+            stride,
+            count,
+            start: (machines - own % machines - 1) % count,
+            len,
+        })
+    }
+
+    /// Offset of the ring's receive slot for step `step`.
+    pub(crate) fn ring_slot(&self, step: u32) -> Result<usize> {
+        if step >= self.ring_slots {
+            return Err(Error::internal(
+                "a ring step has a receive slot",
+                format!("step {step} of {}", self.ring_slots),
+            ));
+        }
+        Ok(self.inbox + step as usize * self.ring_slot)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fairring_core::plan::PlanConfig;
+    use fairring_core::topology::{RankLayout, Topology};
+
+    #[test]
+    fn contribution_sources_walk_the_machines_in_order() {
+        for (m, d) in [(2, 1), (3, 2), (5, 1), (8, 4)] {
+            let t = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+            let g = Geometry::new(t, PlanConfig::new(1 << 20, 4096).unwrap()).unwrap();
+            let layout = StagingLayout::new(&g, m * d).unwrap();
+            for own in 0..m {
+                let by_machine: Vec<_> = (0..m)
+                    .filter(|&from| from != own)
+                    .map(|from| {
+                        let a = layout.contribution(from, own).unwrap();
+                        a.start..a.start + 100
+                    })
+                    .collect();
+                let sources: Vec<_> = layout
+                    .contributions_to(own, 100)
+                    .unwrap()
+                    .ranges()
+                    .collect();
+                assert_eq!(sources, by_machine, "{m}x{d}, machine {own}");
+                assert!(sources.iter().all(|r| r.end <= layout.buffer_bytes()));
+            }
+        }
+    }
+
+    #[test]
+    fn ring_slots_follow_the_slice_and_fit() {
+        let t = Topology::new(2, 2, RankLayout::Contiguous).unwrap();
+        let g = Geometry::new(t, PlanConfig::new(1 << 20, 4096).unwrap()).unwrap();
+        let layout = StagingLayout::new(&g, 4).unwrap();
+        let full = usize::try_from(g.full_slice_bytes()).unwrap();
+        assert_eq!(layout.ring_slot(0).unwrap(), full);
+        let last = layout.ring_slot(2).unwrap();
+        assert!(last + full / 4 <= layout.buffer_bytes());
+        assert!(layout.ring_slot(3).is_err());
+    }
+}

@@ -1,0 +1,160 @@
+//! Who this rank exchanges with over the fabric, and the fabric itself: fixed
+//! when the communicator is built.
+//!
+//! A rank writes to the ranks of its rail on other machines (hierarchical) and
+//! to the next rank of the ring; it is written to by its rail and the previous rank
+//! of the ring. Those that write into its inbox need credits; those on other
+//! machines are the remote ends of the descriptor checks.
+
+use fairring_core::topology::{Location, Topology};
+use fairring_rdma::fabric::{Completion, CompletionEvent, Fabric, RemoteRegion};
+
+use crate::error::{Error, Result};
+
+/// Filler for completion buffers before a poll writes them.
+pub(crate) const NO_COMPLETION: Completion = Completion {
+    peer: 0,
+    event: CompletionEvent::Sent { token: 0 },
+};
+
+/// The fabric and this rank's peers on it.
+pub(crate) struct Links<F: Fabric> {
+    pub(crate) fabric: F,
+    /// This rank's registered staging buffers.
+    pub(crate) region: F::Region,
+    /// Per rank: its staging buffers, for the ranks this rank writes to.
+    remote: Vec<Option<RemoteRegion>>,
+    pub(crate) topology: Topology,
+    pub(crate) location: Location,
+    pub(crate) rank: u32,
+    pub(crate) world: u32,
+    /// Ranks that write into this rank's inbox: they need credits.
+    pub(crate) inbound: Vec<u32>,
+    /// Every rank this rank is connected to.
+    pub(crate) linked: Vec<u32>,
+    /// Ranks on other machines this rank writes to, and that write to it: the
+    /// remote ends of descriptor checks.
+    pub(crate) remote_out: Vec<u32>,
+    pub(crate) remote_in: Vec<u32>,
+    /// Per rank: whether it is in `remote_out`.
+    is_remote_out: Vec<bool>,
+}
+
+impl<F: Fabric> Links<F> {
+    /// The links of rank `rank` at `location`.
+    #[expect(clippy::too_many_arguments, reason = "the links' complete inputs")]
+    pub(crate) fn new(
+        fabric: F,
+        region: F::Region,
+        remote: Vec<Option<RemoteRegion>>,
+        topology: Topology,
+        location: Location,
+        rank: u32,
+        inbound: Vec<u32>,
+        linked: Vec<u32>,
+    ) -> Links<F> {
+        let world = topology.world_size();
+        let off_machine = |p: &u32| {
+            topology
+                .locate(*p)
+                .is_ok_and(|l| l.machine != location.machine)
+        };
+        let remote_out: Vec<u32> = (0..world)
+            .filter(|&p| remote.get(p as usize).is_some_and(Option::is_some))
+            .filter(off_machine)
+            .collect();
+        let remote_in: Vec<u32> = inbound.iter().copied().filter(off_machine).collect();
+        let mut is_remote_out = vec![false; world as usize];
+        for &p in &remote_out {
+            is_remote_out[p as usize] = true;
+        }
+        Links {
+            fabric,
+            region,
+            remote,
+            topology,
+            location,
+            rank,
+            world,
+            inbound,
+            linked,
+            remote_out,
+            remote_in,
+            is_remote_out,
+        }
+    }
+
+    /// Whether `peer` is on another machine and this rank writes to it.
+    pub(crate) fn is_remote_out(&self, peer: u32) -> bool {
+        self.is_remote_out
+            .get(peer as usize)
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// `peer`'s staging buffers.
+    pub(crate) fn remote(&self, peer: u32) -> Result<RemoteRegion> {
+        self.remote
+            .get(peer as usize)
+            .copied()
+            .flatten()
+            .ok_or_else(|| {
+                Error::internal(
+                    "a rank writes only to peers whose staging region it knows",
+                    format!("rank {peer}"),
+                )
+            })
+    }
+
+    /// The global rank of local rank `device` of this machine.
+    pub(crate) fn local_to_global(&self, device: u32) -> u32 {
+        self.topology
+            .rank(Location {
+                machine: self.location.machine,
+                device,
+            })
+            .unwrap_or(u32::MAX)
+    }
+}
+
+/// Ranks this rank writes to and ranks that write to it.
+pub(crate) fn peers(topology: Topology, location: Location, rank: u32) -> (Vec<u32>, Vec<u32>) {
+    let world = topology.world_size();
+    let mut out = Vec::new();
+    let mut inbound = Vec::new();
+    for m in (0..topology.machines()).filter(|&m| m != location.machine) {
+        if let Ok(r) = topology.rank(Location {
+            machine: m,
+            device: location.device,
+        }) {
+            out.push(r);
+            inbound.push(r);
+        }
+    }
+    if world > 1 {
+        out.push((rank + 1) % world);
+        inbound.push((rank + world - 1) % world);
+    }
+    out.sort_unstable();
+    out.dedup();
+    inbound.sort_unstable();
+    inbound.dedup();
+    (out, inbound)
+}
+
+/// Every rank connected to this one: those it writes to and those that write to it.
+pub(crate) fn linked(out: &[u32], inbound: &[u32]) -> Vec<u32> {
+    let mut linked: Vec<u32> = out.iter().chain(inbound).copied().collect();
+    linked.sort_unstable();
+    linked.dedup();
+    linked
+}
+
+/// `ranks` as a list for messages: `1, 4, 7`.
+pub(crate) fn list(ranks: &[u32]) -> String {
+    ranks
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}

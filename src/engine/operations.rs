@@ -1,0 +1,231 @@
+//! The operation table: every operation the driver has accepted and not yet
+//! completed, in sequence order, and where slicing it has got to.
+//!
+//! Operation `seq` lives in entry `seq % WORK_CAPACITY` (the [`WorkTable`] bounds
+//! how many are outstanding). Its slices start in order, one per free staging
+//! buffer; when the last one is released the operation is *finished*, and it
+//! completes once its descriptor checks have passed too.
+//!
+//! [`WorkTable`]: super::work::WorkTable
+
+use fairring_core::plan::{Geometry, Plan, Slice};
+
+use super::algorithm::Resolved;
+use super::work::{Submission, WORK_CAPACITY, slot_of};
+use crate::error::{Error, Result};
+use crate::memory::MemorySpace;
+
+/// One operation, as the driver tracks it.
+pub(crate) struct Record<M: MemorySpace> {
+    pub(crate) sub: Submission<M>,
+    pub(crate) plan: Plan,
+    slices_done: u64,
+    /// Every slice is done; completion waits for the descriptor checks.
+    finished: bool,
+    /// The delivery of a reduce-scatter's share, once started.
+    pub(crate) delivering: Option<M::Fence>,
+}
+
+impl<M: MemorySpace> Record<M> {
+    /// Whether every slice is done.
+    pub(crate) fn finished(&self) -> bool {
+        self.finished
+    }
+}
+
+/// The next slice to start.
+pub(crate) struct NextSlice {
+    pub(crate) seq: u64,
+    pub(crate) slice: Slice,
+    pub(crate) algorithm: Resolved,
+}
+
+/// Every operation accepted and not completed.
+pub(crate) struct Operations<M: MemorySpace> {
+    records: Vec<Option<Record<M>>>,
+    /// The next sequence number to accept.
+    accepted: u64,
+    /// The operation whose slices are being started, and its next slice index.
+    start_seq: u64,
+    start_index: u64,
+    /// Operations finished and waiting for their checks.
+    finished_waiting: u32,
+    /// The oldest operation not completed (or `accepted`).
+    oldest_open: u64,
+    /// Where the next hierarchical operation's plan starts rotating its servers.
+    rotation: u64,
+}
+
+impl<M: MemorySpace> Operations<M> {
+    pub(crate) fn new() -> Operations<M> {
+        Operations {
+            records: (0..WORK_CAPACITY).map(|_| None).collect(),
+            accepted: 0,
+            start_seq: 0,
+            start_index: 0,
+            finished_waiting: 0,
+            oldest_open: 0,
+            rotation: 0,
+        }
+    }
+
+    /// Operations below this have been accepted.
+    pub(crate) fn accepted(&self) -> u64 {
+        self.accepted
+    }
+
+    /// The oldest operation not completed.
+    pub(crate) fn oldest_open(&self) -> u64 {
+        self.oldest_open
+    }
+
+    /// The operation whose slices start next.
+    pub(crate) fn starting(&self) -> u64 {
+        self.start_seq
+    }
+
+    /// Whether any operation is accepted and not completed.
+    pub(crate) fn in_flight(&self) -> bool {
+        self.start_seq < self.accepted || self.finished_waiting > 0
+    }
+
+    /// Whether some finished operation waits for its checks.
+    pub(crate) fn any_finished(&self) -> bool {
+        self.finished_waiting > 0
+    }
+
+    /// Accepts `sub`, the next operation in sequence, and plans it.
+    pub(crate) fn accept(&mut self, sub: Submission<M>, geometry: &Geometry) -> Result<()> {
+        if sub.seq != self.accepted {
+            return Err(Error::internal(
+                "operations reach the driver in sequence",
+                format!("#{} arrived, #{} expected", sub.seq, self.accepted),
+            ));
+        }
+        let plan = Plan::new(geometry, sub.dtype, sub.elements, self.rotation).map_err(|e| {
+            Error::internal(
+                "submitted tensors plan (the communicator checked their size)",
+                e.to_string(),
+            )
+        })?;
+        if sub.algorithm == Resolved::Hierarchical {
+            self.rotation = plan.next_rotation();
+        }
+        self.accepted += 1;
+        let slot = slot_of(sub.seq);
+        self.records[slot] = Some(Record {
+            sub,
+            plan,
+            slices_done: 0,
+            finished: false,
+            delivering: None,
+        });
+        Ok(())
+    }
+
+    /// The operation `seq`, while it is open.
+    pub(crate) fn get(&self, seq: u64) -> Option<&Record<M>> {
+        self.records[slot_of(seq)]
+            .as_ref()
+            .filter(|r| r.sub.seq == seq)
+    }
+
+    /// The operation `seq`, while it is open.
+    pub(crate) fn get_mut(&mut self, seq: u64) -> Option<&mut Record<M>> {
+        self.records[slot_of(seq)]
+            .as_mut()
+            .filter(|r| r.sub.seq == seq)
+    }
+
+    /// The next slice to start, if an accepted operation has one left. Operations
+    /// with no slices (empty tensors) are finished on the way.
+    pub(crate) fn next_slice(&mut self) -> Result<Option<NextSlice>> {
+        loop {
+            if self.start_seq >= self.accepted {
+                return Ok(None);
+            }
+            let seq = self.start_seq;
+            let Some(rec) = self.get(seq) else {
+                self.start_seq += 1;
+                self.start_index = 0;
+                continue;
+            };
+            let count = rec.plan.slice_count();
+            if self.start_index >= count {
+                self.start_seq += 1;
+                self.start_index = 0;
+                if count == 0 {
+                    self.finish(seq);
+                }
+                continue;
+            }
+            let slice = rec.plan.slice(self.start_index).map_err(|e| {
+                Error::internal("every slice index below the count plans", e.to_string())
+            })?;
+            return Ok(Some(NextSlice {
+                seq,
+                slice,
+                algorithm: rec.sub.algorithm,
+            }));
+        }
+    }
+
+    /// The slice [`next_slice`](Operations::next_slice) returned has started.
+    pub(crate) fn started(&mut self) {
+        self.start_index += 1;
+    }
+
+    /// A slice of `seq` released its buffer; returns whether that finished `seq`.
+    pub(crate) fn slice_done(&mut self, seq: u64) -> Result<bool> {
+        let rec = self.get_mut(seq).ok_or_else(|| {
+            Error::internal(
+                "a slice belongs to an open operation",
+                format!("operation #{seq}"),
+            )
+        })?;
+        rec.slices_done += 1;
+        if rec.slices_done == rec.plan.slice_count() {
+            self.finish(seq);
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    fn finish(&mut self, seq: u64) {
+        if let Some(rec) = self.get_mut(seq)
+            && !rec.finished
+        {
+            rec.finished = true;
+            self.finished_waiting += 1;
+        }
+    }
+
+    /// Removes finished operation `seq`, completing it.
+    pub(crate) fn complete(&mut self, seq: u64) -> Option<Record<M>> {
+        let slot = &mut self.records[slot_of(seq)];
+        if !slot
+            .as_ref()
+            .is_some_and(|r| r.sub.seq == seq && r.finished)
+        {
+            return None;
+        }
+        self.finished_waiting -= 1;
+        let rec = slot.take();
+        while self.oldest_open < self.accepted && self.records[slot_of(self.oldest_open)].is_none()
+        {
+            self.oldest_open += 1;
+        }
+        rec
+    }
+
+    /// Takes every open operation (the engine failed); returns their sequence
+    /// numbers.
+    pub(crate) fn drain(&mut self) -> impl Iterator<Item = u64> + '_ {
+        self.finished_waiting = 0;
+        self.start_seq = self.accepted;
+        self.oldest_open = self.accepted;
+        self.records
+            .iter_mut()
+            .filter_map(|r| r.take().map(|rec| rec.sub.seq))
+    }
+}

@@ -1,0 +1,198 @@
+//! The progress loop: who drives the engine, when, and what happens when a pass
+//! fails or stalls.
+//!
+//! All engine state lives in one [`Driver`] behind a mutex. Whoever holds it
+//! *drives* (one pass: `drive`), without ever blocking inside a step. Two kinds of
+//! threads drive:
+//!
+//! - a **progress thread** per communicator ([`Engine::run`]), so that operations
+//!   advance while the caller computes; when there is nothing to do it sleeps on
+//!   this rank's doorbell, which local ranks ring when they publish progress and
+//!   the fabric rings when it queues a completion (a fabric that cannot notify is
+//!   waited on instead);
+//! - a **waiting caller** ([`Engine::wait`]), which drives itself instead of
+//!   sleeping while the driver is free: a small all-reduce then runs start to
+//!   finish on the caller's thread, with no thread hand-off. Meanwhile the progress
+//!   thread parks ([`park`]), so the two never compete for a core.
+//!
+//! A pass that fails, or panics, fails the engine ([`Engine::fail_locked`]); a pass
+//! that finds nothing to do for longer than the timeout while work is in flight
+//! fails it with a timeout naming what it waits for (`stall`).
+
+#[cfg(all(test, loom))]
+mod loom_models;
+pub(crate) mod park;
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::time::{Duration, Instant};
+
+use fairring_rdma::fabric::{Completion, Fabric};
+
+use super::failure::Fault;
+use super::work::{DONE, FAILED};
+use super::{Driver, Engine};
+use crate::error::{Error, Result};
+use crate::memory::MemorySpace;
+use crate::shm::Doorbell;
+use park::{Driven, Drove, Parking};
+
+/// How long the progress thread waits on a fabric that cannot ring the doorbell.
+const FABRIC_WAIT: Duration = Duration::from_micros(200);
+/// How long the progress thread sleeps on its doorbell with work in flight, and
+/// without.
+const NAP_BUSY: Duration = Duration::from_millis(1);
+const NAP_IDLE: Duration = Duration::from_millis(50);
+
+impl<F: Fabric, M: MemorySpace> Engine<F, M> {
+    /// The progress thread's loop (see [`park`]); returns once the engine stops.
+    pub(crate) fn run(&self) {
+        park::run_progress(self);
+    }
+
+    /// Tells the progress thread to stop, and wakes it wherever it sleeps.
+    pub(crate) fn stop_progress(&self) {
+        self.parking.stop();
+        self.machine.doorbell().ring();
+    }
+
+    /// Waits for operation `seq` to finish, driving while the driver is free.
+    pub(crate) fn wait(&self, seq: u64, timeout: Option<Duration>) -> Result<bool> {
+        park::wait_driving(self, || self.test(seq), timeout)
+    }
+
+    /// Whether operation `seq` has finished; its error if it failed.
+    pub(crate) fn test(&self, seq: u64) -> Result<bool> {
+        match self.works.state(seq) {
+            Some(DONE) | None => Ok(true),
+            Some(FAILED) => Err(self.failure().unwrap_or(Error::Aborted)),
+            _ => Ok(false),
+        }
+    }
+
+    /// Drives if the driver is free; returns whether anything moved.
+    pub(crate) fn try_drive(&self) -> bool {
+        self.try_drive_once() == Drove::Moved
+    }
+
+    fn try_drive_once(&self) -> Drove {
+        let moved = match self.driver.try_lock() {
+            Ok(mut d) => self.drive_locked(&mut d),
+            Err(std::sync::TryLockError::Poisoned(p)) => self.drive_locked(&mut p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => return Drove::Busy,
+        };
+        if moved { Drove::Moved } else { Drove::Idle }
+    }
+
+    fn drive_locked(&self, d: &mut Driver<M>) -> bool {
+        if self.failure.failed() {
+            return false;
+        }
+        match self.guarded(d, |e, d| e.drive(d)) {
+            Some(true) => {
+                d.last_progress = Instant::now();
+                true
+            }
+            Some(false) => {
+                if !self.in_flight(d) {
+                    d.last_progress = Instant::now();
+                } else if d.last_progress.elapsed() > self.timeout {
+                    let what = self.describe_stall(d);
+                    self.fail_locked(d, Error::timeout(what, self.timeout).into());
+                }
+                false
+            }
+            None => true,
+        }
+    }
+
+    /// Runs `step` on the driver; if it fails or panics, fails the engine with its
+    /// error and returns `None`.
+    fn guarded<T>(
+        &self,
+        d: &mut Driver<M>,
+        step: impl FnOnce(&Self, &mut Driver<M>) -> Result<T, Fault>,
+    ) -> Option<T> {
+        let outcome = catch_unwind(AssertUnwindSafe(|| step(self, &mut *d)));
+        let fault = match outcome {
+            Ok(Ok(value)) => return Some(value),
+            Ok(Err(fault)) => fault,
+            Err(panic) => {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic without a message".to_owned());
+                Error::internal("no step of the driver panics", message).into()
+            }
+        };
+        self.fail_locked(d, fault);
+        None
+    }
+
+    /// Handles completions the progress thread took while waiting on the fabric.
+    fn handle_locked(&self, d: &mut Driver<M>, completions: &[Completion]) {
+        if self.failure.failed() {
+            return;
+        }
+        let handled = self.guarded(d, |e, d| {
+            completions.iter().try_for_each(|c| e.on_completion(d, *c))
+        });
+        if handled.is_some() {
+            d.last_progress = Instant::now();
+            self.drive_locked(d);
+        }
+    }
+
+    /// Nanoseconds since the engine started.
+    pub(super) fn nanos(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
+impl<F: Fabric, M: MemorySpace> Driven for Engine<F, M> {
+    fn parking(&self) -> &Parking {
+        &self.parking
+    }
+
+    fn doorbell(&self) -> &Doorbell {
+        self.machine.doorbell()
+    }
+
+    fn try_drive(&self) -> Drove {
+        self.try_drive_once()
+    }
+
+    fn idle(&self, seen: u32) {
+        let busy = !self.failure.failed() && {
+            let d = self.lock_driver();
+            self.in_flight(&d)
+        };
+        if busy && !self.doorbell_wakes {
+            // Completions are taken and handled under the driver lock, so that no
+            // other driver handles later ones first: the ring counts one peer's
+            // landings in the order they arrive.
+            let mut d = self.lock_driver();
+            let mut batch = std::mem::take(&mut d.scratch.waited);
+            let n = self.links.fabric.wait(&mut batch, FABRIC_WAIT);
+            if n > 0 {
+                self.handle_locked(&mut d, &batch[..n]);
+            }
+            d.scratch.waited = batch;
+        } else {
+            let nap = if busy { NAP_BUSY } else { NAP_IDLE };
+            self.machine.doorbell().sleep(seen, nap);
+        }
+    }
+
+    fn parks(&self) -> bool {
+        self.doorbell_wakes
+    }
+
+    fn crowded(&self) -> bool {
+        self.crowded
+    }
+
+    fn now(&self) -> u64 {
+        self.nanos()
+    }
+}

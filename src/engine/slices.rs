@@ -1,0 +1,282 @@
+//! Tensor -> slices: the staging buffers, the slice holding each, and starting
+//! and releasing slices.
+//!
+//! Slice number `n` (counted across operations) takes staging buffer `n % B` as
+//! generation `n / B`, once the buffer is free here and on every local rank, and
+//! once every local rank has issued its operation alike. It starts its algorithm,
+//! which stages it in; writes that landed for it before it started (a peer was
+//! ahead) are handed to it then. When its algorithm releases the buffer, the
+//! operation counts the slice, and the credits this rank grants move on.
+
+use std::collections::VecDeque;
+
+use fairring_core::plan::Slice;
+use fairring_core::{DataType, ReduceOp};
+use fairring_rdma::fabric::Fabric;
+
+use super::algorithm::{Context, Resolved, SliceAlgorithm, SliceEvent, SliceInfo};
+use super::failure::Fault;
+use super::tags::Kind;
+use super::{Driver, Engine};
+use crate::error::{Error, Result};
+use crate::memory::MemorySpace;
+
+/// Steps a memory space may have running for one slice at once.
+const FENCES: usize = 8;
+
+/// The slice holding a buffer.
+pub(crate) struct ActiveSlice<M: MemorySpace> {
+    pub(crate) number: u64,
+    pub(crate) generation: u64,
+    pub(crate) seq: u64,
+    pub(crate) slice: Slice,
+    pub(crate) tensor: M::Tensor,
+    pub(crate) dtype: DataType,
+    pub(crate) op: ReduceOp,
+    pub(crate) algorithm: SliceAlgorithm,
+}
+
+/// A local step the slice waits to run.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum LocalRequest {
+    ReduceScatter { final_world: Option<u32> },
+    AllGather { own_in_tensor: bool },
+}
+
+/// One staging buffer.
+pub(crate) struct BufferSlot<M: MemorySpace> {
+    pub(crate) active: Option<ActiveSlice<M>>,
+    /// The generation of the next slice to take the buffer.
+    pub(crate) next_generation: u64,
+    /// Writes that landed for the next slice before it started, with their
+    /// writers.
+    pub(crate) early: Vec<(Kind, u32)>,
+    /// The local step the slice waits to run, if any.
+    pub(crate) local: Option<LocalRequest>,
+    /// Steps running in the memory space, and the event each ends with.
+    pub(crate) fences: VecDeque<(M::Fence, SliceEvent)>,
+}
+
+/// Every staging buffer.
+pub(crate) struct Slices<M: MemorySpace> {
+    pub(crate) slots: Vec<BufferSlot<M>>,
+    /// The number of the next slice to start.
+    pub(crate) next_slice: u64,
+    /// The lowest slice not yet released.
+    released: u64,
+}
+
+impl<M: MemorySpace> Slices<M> {
+    /// `buffers` idle buffers; `early` bounds the writes one can hold for a slice
+    /// that has not started.
+    pub(crate) fn new(buffers: u32, early: usize) -> Slices<M> {
+        Slices {
+            slots: (0..buffers)
+                .map(|_| BufferSlot {
+                    active: None,
+                    next_generation: 0,
+                    early: Vec::with_capacity(early),
+                    local: None,
+                    fences: VecDeque::with_capacity(FENCES),
+                })
+                .collect(),
+            next_slice: 0,
+            released: 0,
+        }
+    }
+
+    /// The buffer slice `number` takes.
+    pub(crate) fn buffer_of(&self, number: u64) -> u32 {
+        #[expect(clippy::cast_possible_truncation, reason = "below the buffer count")]
+        let b = (number % self.slots.len() as u64) as u32;
+        b
+    }
+
+    /// Whether any buffer holds a slice.
+    pub(crate) fn any_active(&self) -> bool {
+        self.slots.iter().any(|s| s.active.is_some())
+    }
+
+    /// The oldest slice in flight and its buffer.
+    pub(crate) fn oldest(&self) -> Option<(u32, &BufferSlot<M>, &ActiveSlice<M>)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(b, s)| s.active.as_ref().map(|a| (b, s, a)))
+            .min_by_key(|(_, _, a)| a.number)
+            .map(|(b, s, a)| (u32::try_from(b).unwrap_or(u32::MAX), s, a))
+    }
+
+    /// Moves the release watermark past every released slice; returns it.
+    fn advance_released(&mut self) -> u64 {
+        while self.released < self.next_slice {
+            let w = self.released;
+            let held = self.slots[self.buffer_of(w) as usize]
+                .active
+                .as_ref()
+                .is_some_and(|a| a.number == w);
+            if held {
+                break;
+            }
+            self.released += 1;
+        }
+        self.released
+    }
+
+    /// Forgets every slice (the engine failed).
+    pub(crate) fn clear(&mut self) {
+        for s in &mut self.slots {
+            s.active = None;
+            s.local = None;
+            s.early.clear();
+            s.fences.clear();
+        }
+    }
+}
+
+impl<F: Fabric, M: MemorySpace> Engine<F, M> {
+    /// What every slice's algorithm shares.
+    pub(super) fn context(&self) -> Context<'_> {
+        Context {
+            topology: self.links.topology,
+            location: self.links.location,
+            rank: self.links.rank,
+            world: self.links.world,
+            layout: &self.layout,
+        }
+    }
+
+    /// Starts the next slice if its buffer is free here and on this machine;
+    /// returns whether it did.
+    pub(super) fn try_start(&self, d: &mut Driver<M>) -> Result<bool, Fault> {
+        let Some(next) = d.operations.next_slice()? else {
+            return Ok(false);
+        };
+        // No data of an operation is combined before every local rank has issued
+        // the same one.
+        if !d.checks.locally_checked(next.seq) {
+            return Ok(false);
+        }
+        let number = d.slices.next_slice;
+        let b = d.slices.buffer_of(number);
+        if d.slices.slots[b as usize].active.is_some() || !self.local.buffer_free(b, number) {
+            return Ok(false);
+        }
+        // The ring runs one slice at a time: its landings carry no step, so two
+        // ring slices in flight would need the fabric to keep their writes apart,
+        // which nothing here checks yet.
+        if next.algorithm == Resolved::Ring
+            && d.slices.slots.iter().any(|s| {
+                s.active
+                    .as_ref()
+                    .is_some_and(|a| a.algorithm.resolved() == Resolved::Ring)
+            })
+        {
+            return Ok(false);
+        }
+        let rec = d.operations.get(next.seq).ok_or_else(|| {
+            Error::internal(
+                "a slice starts from an open operation",
+                format!("#{}", next.seq),
+            )
+        })?;
+        let generation = number / self.buffers as u64;
+        let info = SliceInfo {
+            number,
+            generation,
+            slice: &next.slice,
+            dtype: rec.sub.dtype,
+            op: rec.sub.op,
+        };
+        let mut steps = std::mem::take(&mut d.scratch.steps);
+        steps.clear();
+        let algorithm = SliceAlgorithm::start(next.algorithm, &self.context(), &info, &mut steps);
+        let algorithm = match algorithm {
+            Ok(a) => a,
+            Err(e) => {
+                d.scratch.steps = steps;
+                return Err(e.into());
+            }
+        };
+        let slot = &mut d.slices.slots[b as usize];
+        slot.active = Some(ActiveSlice {
+            number,
+            generation,
+            seq: next.seq,
+            slice: next.slice,
+            tensor: rec.sub.tensor,
+            dtype: rec.sub.dtype,
+            op: rec.sub.op,
+            algorithm,
+        });
+        slot.next_generation = generation + 1;
+        d.slices.next_slice += 1;
+        d.operations.started();
+        let result = self.settle(d, b, &mut steps);
+        d.scratch.steps = steps;
+        result?;
+        // Writes that landed before the slice started.
+        let mut early = std::mem::take(&mut d.slices.slots[b as usize].early);
+        let mut replayed = Ok(());
+        for &(kind, peer) in &early {
+            replayed = self.feed(d, b, SliceEvent::Landed { kind, peer });
+            if replayed.is_err() {
+                break;
+            }
+        }
+        early.clear();
+        d.slices.slots[b as usize].early = early;
+        replayed?;
+        Ok(true)
+    }
+
+    /// Holds a write of `kind` from `peer` for generation `g` of idle buffer `b`,
+    /// until its slice starts.
+    pub(super) fn land_early(
+        &self,
+        d: &mut Driver<M>,
+        b: u32,
+        kind: Kind,
+        peer: u32,
+    ) -> Result<(), Fault> {
+        let early = &mut d.slices.slots[b as usize].early;
+        if early.len() == early.capacity() {
+            return Err(Error::peer(
+                peer,
+                format!(
+                    "wrote more into staging buffer {b} ahead of its slice than the protocol allows"
+                ),
+            )
+            .into());
+        }
+        early.push((kind, peer));
+        Ok(())
+    }
+
+    /// The slice in `b` is finished: count it, free the buffer, credit writers.
+    pub(super) fn release(&self, d: &mut Driver<M>, b: u32) -> Result<(), Fault> {
+        let slot = &mut d.slices.slots[b as usize];
+        let Some(active) = slot.active.take() else {
+            return Err(Error::internal(
+                "only a slice that holds its buffer releases it",
+                format!("buffer {b}"),
+            )
+            .into());
+        };
+        if slot.local.is_some() || !slot.fences.is_empty() || d.outbox.waiting(b) {
+            return Err(Error::internal(
+                "a slice releases its buffer after its last step",
+                format!("slice {} ({})", active.number, active.algorithm.phase()),
+            )
+            .into());
+        }
+        if d.operations.slice_done(active.seq)? {
+            self.try_complete(d, active.seq)?;
+        }
+        let released = d.slices.advance_released();
+        if d.credits.released(released, self.buffers) {
+            d.credits.send(&self.links, &d.departures);
+        }
+        Ok(())
+    }
+}

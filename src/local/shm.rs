@@ -1,0 +1,255 @@
+//! The intra-machine step of processes that share host memory.
+//!
+//! Every local rank stages a slice in its own buffers of the machine's segment, in
+//! the input area that holds the whole slice (`InputArea::Slice`), under the
+//! counter [`protocol`](super::protocol):
+//!
+//! 1. **stage in**: rank `e` copies the slots *other* ranks reduce from its tensor
+//!    into its buffer (its own slot it reads straight from the tensor), then
+//!    publishes `InputReady`;
+//! 2. **reduce-scatter**: once every rank's input is ready, rank `d` combines slot
+//!    `d` of its tensor with slot `d` of every other rank's buffer into slot `d` of
+//!    its own buffer: a reduction that reads `D` inputs and writes one, split over
+//!    `D` processes, so every core's memory bandwidth is used. It works in
+//!    cache-sized chunks, so the chunk it writes is still in cache when it is
+//!    copied a second time. In a single-machine job the result is final: it goes
+//!    into the tensor too;
+//! 3. the slot then goes through the inter-machine step (results land in slot `d`
+//!    of rank `d`'s buffer), and rank `d` publishes `SlotFinal`;
+//! 4. **all-gather**: once every slot is final, each rank copies the final slots it
+//!    does not hold yet into its tensor, then publishes `Done`;
+//! 5. a buffer takes slice `s` only when every rank is done with slice `s - B`.
+//!
+//! Per rank and slice of `S` bytes that is `S (D-1)/D` bytes copied in, one
+//! reduction over `S/D` bytes, and `S (D-1)/D` (single machine) or `S` bytes copied
+//! out: the fewest copies a tensor in private memory allows.
+//!
+//! Publishing rings every other local rank's doorbell (a futex in the segment), so
+//! a progress thread with nothing to do sleeps instead of spinning: oversubscribed
+//! runs (more ranks than cores) do not starve.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use fairring_core::ReduceOp;
+use fairring_core::plan::Slice;
+use fairring_core::reduce::finish_avg_bytes;
+
+use super::protocol::{Counter, Counters, Protocol};
+use super::{LocalSlice, LocalStep};
+use crate::error::{Error, Result};
+use crate::memory::{Host, HostTensor, reduce_into};
+use crate::shm::Segment;
+use crate::sync::unmodelled::Ordering;
+
+/// Bytes the reduce-scatter handles at a time: small enough that a chunk it has
+/// just written is still in L2 cache when it copies it a second time.
+const CHUNK_BYTES: usize = 64 * 1024;
+
+/// The local step of processes that share host memory.
+pub(crate) struct ShmStep {
+    segment: Arc<Segment>,
+    protocol: Protocol,
+    size: u32,
+}
+
+impl ShmStep {
+    /// Local rank `rank` of `size` on `segment` (whose `buffers` staging buffers
+    /// per rank hold whole slices).
+    pub(crate) fn new(segment: Arc<Segment>, rank: u32, size: u32, buffers: u32) -> ShmStep {
+        ShmStep {
+            segment,
+            protocol: Protocol { rank, buffers },
+            size,
+        }
+    }
+
+    fn rank(&self) -> u32 {
+        self.protocol.rank
+    }
+
+    /// Bytes `range` of local rank `rank`'s buffer `buffer`.
+    ///
+    /// By the protocol no rank writes these bytes while the caller reads them (the
+    /// caller has seen, with acquire, the counter that the owner published after
+    /// its last write).
+    fn peer_bytes(&self, rank: u32, buffer: u32, range: Range<usize>) -> Result<&[u8]> {
+        self.check(range.clone())?;
+        let start = self.segment.buffer(rank, buffer).as_ptr();
+        // SAFETY: in bounds (checked); no concurrent writer (above).
+        Ok(unsafe { std::slice::from_raw_parts(start.wrapping_add(range.start), range.len()) })
+    }
+
+    /// Bytes `range` of this rank's buffer `buffer`.
+    ///
+    /// This rank's own buffer: by the protocol no other rank reads or writes these
+    /// bytes until this rank publishes the counter that follows this write, and the
+    /// engine's single driver holds no other reference to them.
+    #[expect(clippy::mut_from_ref, reason = "exclusive by the protocol, see above")]
+    fn own_bytes(&self, buffer: u32, range: Range<usize>) -> Result<&mut [u8]> {
+        self.check(range.clone())?;
+        let start = self.segment.buffer(self.rank(), buffer).as_ptr();
+        // SAFETY: in bounds (checked); exclusive (above).
+        Ok(unsafe { std::slice::from_raw_parts_mut(start.wrapping_add(range.start), range.len()) })
+    }
+
+    fn check(&self, range: Range<usize>) -> Result<()> {
+        if range.start > range.end || range.end > self.segment.buffer_bytes() {
+            return Err(Error::internal(
+                "slots lie within the staging buffer",
+                format!("{range:?} of {} bytes", self.segment.buffer_bytes()),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The byte range of `slice`'s slot `device`, from the start of the slice (which is
+/// where the staging buffer's input area holds it).
+fn slot_range(slice: &Slice, device: u32) -> Result<Range<usize>> {
+    let slot = slice
+        .slot(device)
+        .map_err(|e| Error::internal("every local device has a slot", e.to_string()))?;
+    slot.byte_range_in(slice.span())
+        .ok_or_else(|| Error::internal("a slot lies within its slice", format!("{slot:?}")))
+}
+
+/// The byte range of `slice` in its tensor.
+fn slice_range(slice: &Slice) -> Result<Range<usize>> {
+    slice.span().byte_range().ok_or_else(|| {
+        Error::internal(
+            "a slice's bytes fit the address space",
+            format!("{:?}", slice.span()),
+        )
+    })
+}
+
+/// Bytes `within` (relative to the slice) of the slice in `tensor`.
+///
+/// # Safety
+///
+/// As for [`HostTensor::bytes`].
+#[expect(clippy::mut_from_ref, reason = "exclusive by the submission contract")]
+unsafe fn tensor_bytes<'t>(
+    tensor: &'t HostTensor,
+    slice: &Slice,
+    within: Range<usize>,
+) -> Result<&'t mut [u8]> {
+    let base = slice_range(slice)?.start;
+    // SAFETY: forwarded.
+    unsafe { tensor.bytes(base + within.start..base + within.end) }
+}
+
+/// The segment's counters, in the protocol's order (`Counter as usize`).
+impl Counters for Segment {
+    fn ranks(&self) -> u32 {
+        Segment::ranks(self)
+    }
+
+    fn store(&self, rank: u32, buffer: u32, which: Counter, value: u64, order: Ordering) {
+        self.counter(rank, buffer, which as usize)
+            .store(value, order);
+    }
+
+    fn load(&self, rank: u32, buffer: u32, which: Counter, order: Ordering) -> u64 {
+        self.counter(rank, buffer, which as usize).load(order)
+    }
+
+    fn wake(&self, rank: u32) {
+        self.doorbell(rank).ring();
+    }
+}
+
+impl LocalStep<Host> for ShmStep {
+    fn buffer_free(&self, buffer: u32, number: u64) -> bool {
+        self.protocol.buffer_free(&*self.segment, buffer, number)
+    }
+
+    fn begin(&self, s: &LocalSlice<'_, Host>) -> Result<()> {
+        self.protocol
+            .stage_in(&*self.segment, s.buffer, s.number, || {
+                for r in (0..self.size).filter(|&r| r != self.rank()) {
+                    let range = slot_range(s.slice, r)?;
+                    // SAFETY: the operation is pending; only the driver touches it.
+                    let src = unsafe { tensor_bytes(s.tensor, s.slice, range.clone())? };
+                    self.own_bytes(s.buffer, range)?.copy_from_slice(src);
+                }
+                Ok(())
+            })
+    }
+
+    fn try_reduce_scatter(
+        &self,
+        s: &LocalSlice<'_, Host>,
+        final_world: Option<u32>,
+    ) -> Result<Option<()>> {
+        let reduce = || -> Result<()> {
+            let range = slot_range(s.slice, self.rank())?;
+            // SAFETY: as in `begin`.
+            let own = unsafe { tensor_bytes(s.tensor, s.slice, range.clone())? };
+            let staged = self.own_bytes(s.buffer, range.clone())?;
+            let elem = usize::try_from(s.dtype.size_bytes()).unwrap_or(1);
+            let step = CHUNK_BYTES - CHUNK_BYTES % elem;
+            let mut at = range.start;
+            for (own, staged) in own.chunks_mut(step).zip(staged.chunks_mut(step)) {
+                let chunk = at..at + own.len();
+                at += own.len();
+                let mut peers = (0..self.size)
+                    .filter(|&r| r != self.rank())
+                    .map(|r| self.peer_bytes(r, s.buffer, chunk.clone()));
+                match final_world {
+                    Some(world) => {
+                        // Final: reduce in the tensor, then publish a copy (from cache).
+                        reduce_into(s.dtype, s.op, own, &mut peers)?;
+                        if s.op == ReduceOp::Avg {
+                            finish_avg_bytes(s.dtype, own, world).map_err(|e| {
+                                Error::internal("averages divide a whole sum", e.to_string())
+                            })?;
+                        }
+                        if self.size > 1 {
+                            staged.copy_from_slice(own);
+                        }
+                    }
+                    None => {
+                        staged.copy_from_slice(own);
+                        reduce_into(s.dtype, s.op, staged, &mut peers)?;
+                    }
+                }
+            }
+            Ok(())
+        };
+        let ran = self
+            .protocol
+            .try_reduce_scatter(&*self.segment, s.buffer, s.number, reduce)?;
+        Ok(ran.then_some(()))
+    }
+
+    fn publish_slot(&self, s: &LocalSlice<'_, Host>) {
+        self.protocol
+            .publish_slot(&*self.segment, s.buffer, s.number);
+    }
+
+    fn try_all_gather(&self, s: &LocalSlice<'_, Host>, own_in_tensor: bool) -> Result<Option<()>> {
+        let gather = || -> Result<()> {
+            for r in (0..self.size).filter(|&r| !(own_in_tensor && r == self.rank())) {
+                let range = slot_range(s.slice, r)?;
+                // SAFETY: as in `begin`.
+                let out = unsafe { tensor_bytes(s.tensor, s.slice, range.clone())? };
+                out.copy_from_slice(self.peer_bytes(r, s.buffer, range)?);
+            }
+            Ok(())
+        };
+        let ran = self
+            .protocol
+            .try_all_gather(&*self.segment, s.buffer, s.number, gather)?;
+        Ok(ran.then_some(()))
+    }
+
+    fn finish(&self, buffer: u32, number: u64) {
+        self.protocol.finish(&*self.segment, buffer, number);
+    }
+
+    fn laggards(&self, buffer: u32, number: u64) -> Vec<u32> {
+        self.protocol.laggards(&*self.segment, buffer, number)
+    }
+}

@@ -1,0 +1,210 @@
+//! Host memory: tensors in the caller's address space, staging buffers in this
+//! rank's part of the machine's shared segment.
+
+use std::ops::Range;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use fairring_core::reduce::{finish_avg_bytes, reduce_many_bytes};
+use fairring_core::{DataType, ReduceOp};
+
+use super::{MemorySpace, Reduction};
+use crate::error::{Error, Result};
+use crate::shm::Segment;
+
+/// Most sources one reduction call takes; more are folded in batches.
+const MAX_SOURCES: usize = 16;
+
+/// A caller's tensor in host memory: `len` bytes at `ptr`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct HostTensor {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the pointer is only dereferenced by the engine's driver, under the
+// contract of the call that submitted it (the memory stays valid and untouched by
+// the caller until the operation completes).
+unsafe impl Send for HostTensor {}
+// SAFETY: as for `Send`; the driver, which alone dereferences it, is one thread at
+// a time.
+unsafe impl Sync for HostTensor {}
+
+impl HostTensor {
+    /// `len` bytes at `ptr` (null only when `len` is 0).
+    pub(crate) fn new(ptr: *mut u8, len: usize) -> HostTensor {
+        HostTensor { ptr, len }
+    }
+
+    /// Its bytes `range`.
+    ///
+    /// # Safety
+    ///
+    /// The submitting call's contract holds (the memory is valid and the caller
+    /// does not touch it until the operation completes), and nothing else holds a
+    /// reference to these bytes while the result lives.
+    #[expect(clippy::mut_from_ref, reason = "exclusive by the submission contract")]
+    pub(crate) unsafe fn bytes(&self, range: Range<usize>) -> Result<&mut [u8]> {
+        if range.start > range.end || range.end > self.len {
+            return Err(Error::internal(
+                "tensor ranges lie within the tensor",
+                format!("{range:?} of a tensor of {} bytes", self.len),
+            ));
+        }
+        if range.is_empty() {
+            return Ok(&mut []);
+        }
+        // SAFETY: `ptr` is valid for `len` bytes (the caller's contract) and the
+        // range lies within them (checked); exclusive by the caller's contract.
+        Ok(unsafe {
+            std::slice::from_raw_parts_mut(self.ptr.wrapping_add(range.start), range.len())
+        })
+    }
+}
+
+/// Host memory: staging buffers in this rank's part of the machine's segment.
+pub(crate) struct Host {
+    segment: Arc<Segment>,
+    rank: u32,
+    buffers: u32,
+}
+
+impl Host {
+    /// Local rank `rank`'s staging buffers in `segment`.
+    pub(crate) fn new(segment: Arc<Segment>, rank: u32, buffers: u32) -> Host {
+        Host {
+            segment,
+            rank,
+            buffers,
+        }
+    }
+
+    /// Bytes `range` of staging buffer `buffer`.
+    ///
+    /// The driver alone calls this, and by the engine's protocol no peer writes
+    /// and no local rank reads these bytes while it works on them (see `local` and
+    /// the engine's flow control); callers never hold two overlapping results.
+    #[expect(clippy::mut_from_ref, reason = "exclusive by the engine's protocol")]
+    fn staging(&self, buffer: u32, range: Range<usize>) -> Result<&mut [u8]> {
+        if buffer >= self.buffers
+            || range.start > range.end
+            || range.end > self.segment.buffer_bytes()
+        {
+            return Err(Error::internal(
+                "staging ranges lie within a staging buffer",
+                format!(
+                    "{range:?} of buffer {buffer} ({} buffers of {} bytes)",
+                    self.buffers,
+                    self.segment.buffer_bytes()
+                ),
+            ));
+        }
+        let start = self.segment.buffer(self.rank, buffer).as_ptr();
+        // SAFETY: in bounds (checked); exclusive by the engine's protocol (above).
+        Ok(unsafe { std::slice::from_raw_parts_mut(start.wrapping_add(range.start), range.len()) })
+    }
+}
+
+impl MemorySpace for Host {
+    type Tensor = HostTensor;
+    type Fence = ();
+
+    fn poll(&self, (): &()) -> Result<bool> {
+        Ok(true)
+    }
+
+    fn stage_in(
+        &self,
+        buffer: u32,
+        to: usize,
+        tensor: &HostTensor,
+        from: Range<usize>,
+    ) -> Result<()> {
+        let dst = self.staging(buffer, to..to + from.len())?;
+        // SAFETY: the operation is pending and only the driver touches its tensor.
+        let src = unsafe { tensor.bytes(from)? };
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn reduce(&self, buffer: u32, r: &Reduction) -> Result<()> {
+        for source in r.sources.ranges() {
+            if source.len() != r.dst.len() || (source.start < r.dst.end && r.dst.start < source.end)
+            {
+                return Err(Error::internal(
+                    "reduction sources are as long as the destination and apart from it",
+                    format!("source {source:?}, destination {:?}", r.dst),
+                ));
+            }
+        }
+        let dst = self.staging(buffer, r.dst.clone())?;
+        let mut sources = r
+            .sources
+            .ranges()
+            .map(|range| self.staging(buffer, range).map(|s| &*s));
+        reduce_into(r.dtype, r.op, dst, &mut sources)?;
+        if let Some(world) = r.average_over
+            && r.op == ReduceOp::Avg
+        {
+            finish_avg_bytes(r.dtype, dst, world)
+                .map_err(|e| Error::internal("averages divide a whole sum", e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    fn copy_out(
+        &self,
+        buffer: u32,
+        from: usize,
+        tensor: &HostTensor,
+        to: Range<usize>,
+    ) -> Result<()> {
+        let src = self.staging(buffer, from..from + to.len())?;
+        // SAFETY: as in `stage_in`.
+        let dst = unsafe { tensor.bytes(to)? };
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn deliver(&self, from: &HostTensor, range: Range<usize>, to: &HostTensor) -> Result<()> {
+        let len = range.len();
+        // SAFETY: both belong to one pending operation and are distinct memory (the
+        // caller's input and output, borrowed separately).
+        let src = unsafe { from.bytes(range)? };
+        // SAFETY: as above.
+        let dst = unsafe { to.bytes(0..len)? };
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn registered(&self) -> (NonNull<u8>, usize) {
+        self.segment.rank_area(self.rank)
+    }
+
+    fn buffer_bytes(&self) -> usize {
+        self.segment.buffer_bytes()
+    }
+}
+
+/// `dst op= srcs[0] op srcs[1] ...`, in batches of [`MAX_SOURCES`], allocation-free;
+/// the first source that cannot be had fails it.
+pub(crate) fn reduce_into<'a>(
+    dtype: DataType,
+    op: ReduceOp,
+    dst: &mut [u8],
+    srcs: &mut impl Iterator<Item = Result<&'a [u8]>>,
+) -> Result<()> {
+    let mut batch: [&[u8]; MAX_SOURCES] = [&[]; MAX_SOURCES];
+    loop {
+        let mut n = 0;
+        for s in srcs.by_ref().take(MAX_SOURCES) {
+            batch[n] = s?;
+            n += 1;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        reduce_many_bytes(dtype, op, dst, &batch[..n])
+            .map_err(|e| Error::internal("reductions get equal lengths", e.to_string()))?;
+    }
+}

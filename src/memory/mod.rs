@@ -1,0 +1,186 @@
+//! Memory spaces: where a caller's tensors and this rank's staging buffers live, and
+//! how bytes move between them.
+//!
+//! The engine is written once over [`MemorySpace`], as gloo writes its algorithms
+//! once over a workspace template parameter: the algorithms say *which* bytes move
+//! (a range of the tensor into a range of a staging buffer, sources reduced into a
+//! destination), the memory space says *how*. Every method only starts its work
+//! and returns a [`MemorySpace::Fence`]; the progress loop polls fences the way it
+//! polls the fabric's completion queue, and reports the step done once its fence
+//! has passed. Nothing here may block the progress thread.
+//!
+//! [`Host`] is host memory: its fence is `()`, every step is done when its method
+//! returns, and the engine then goes on at once, in the same pass.
+//!
+//! # The CUDA memory space
+//!
+//! A GPU memory space implements each method stream-ordered, never waiting on the
+//! host (see `fairring_cuda::StagingPool`, which holds the streams, events and
+//! buffers):
+//!
+//! | item | on the host | on a GPU |
+//! |---|---|---|
+//! | [`Tensor`](MemorySpace::Tensor) | address and length | device address, length, the caller's stream, and an event recorded on that stream at submission |
+//! | [`Fence`](MemorySpace::Fence) | `()` | an event recorded after the step's last enqueued work |
+//! | [`poll`](MemorySpace::poll) | always passed | `cuEventQuery`: `CUDA_SUCCESS` passed, `CUDA_ERROR_NOT_READY` not yet, anything else an error |
+//! | [`stage_in`](MemorySpace::stage_in) | `memcpy` | the stage's stream waits on the tensor's event, then a device-to-device copy into the staging buffer |
+//! | [`reduce`](MemorySpace::reduce) | the host kernels, in place | the device reduction kernel on the add stream |
+//! | [`copy_out`](MemorySpace::copy_out) | `memcpy` | a copy on the all-gather stream; the operation's completion event is recorded after it |
+//! | [`deliver`](MemorySpace::deliver) | `memcpy` | a device-to-device copy on the all-gather stream |
+//! | [`registered`](MemorySpace::registered) | this rank's buffers in the machine's segment | the device buffers (GPUDirect), or their pinned host twins |
+//!
+//! When the fabric cannot reach device memory (the tcp provider, verbs without
+//! GPUDirect), the fabric reads and writes the pinned twins, and the GPU space
+//! keeps the twins current inside the same methods, because each knows which
+//! bytes the fabric touches next: [`reduce`](MemorySpace::reduce) first copies its
+//! sources (contributions, a ring chunk, written by peers into the twin) to the
+//! device and afterwards its destination (the reduced shard or chunk, which goes
+//! out next) back to the twin; [`stage_in`](MemorySpace::stage_in) copies to the
+//! twin what the first writes send; the local step copies the slot to the twin
+//! after the reduce-scatter and the landed results back before the all-gather.
+//! Each fence covers those copies too, so the engine posts a write only once the
+//! bytes it reads are in the registered memory.
+//!
+//! # One communicator, host and device tensors
+//!
+//! A communicator that serves both keeps one engine, one sequence of operations
+//! and one set of checks, with a memory space that is itself a choice per
+//! operation: a space whose tensor is "host or device" and whose methods dispatch
+//! on it, so that the trait is all the engine ever sees. The descriptor check then
+//! compares the memory kind too, as it compares the type.
+
+mod host;
+
+use std::fmt;
+use std::ops::Range;
+use std::ptr::NonNull;
+
+use fairring_core::{DataType, ReduceOp};
+
+pub(crate) use host::{Host, HostTensor, reduce_into};
+
+use crate::error::Result;
+
+/// Where tensors and staging buffers live.
+pub(crate) trait MemorySpace: Send + Sync + 'static {
+    /// A caller's tensor, as an operation holds it until it completes.
+    type Tensor: Copy + Send + Sync + fmt::Debug;
+    /// The end of a step started on this memory.
+    type Fence: Send;
+
+    /// Whether `fence` has passed; an error if the work it ends failed.
+    fn poll(&self, fence: &Self::Fence) -> Result<bool>;
+
+    /// Copies bytes `from` of `tensor` into staging buffer `buffer` at offset `to`.
+    fn stage_in(
+        &self,
+        buffer: u32,
+        to: usize,
+        tensor: &Self::Tensor,
+        from: Range<usize>,
+    ) -> Result<Self::Fence>;
+
+    /// Performs `reduction` in staging buffer `buffer`.
+    fn reduce(&self, buffer: u32, reduction: &Reduction) -> Result<Self::Fence>;
+
+    /// Copies bytes of staging buffer `buffer` from offset `from` into bytes `to` of
+    /// `tensor`.
+    fn copy_out(
+        &self,
+        buffer: u32,
+        from: usize,
+        tensor: &Self::Tensor,
+        to: Range<usize>,
+    ) -> Result<Self::Fence>;
+
+    /// Copies bytes `range` of `from` into `to`, from its start (a reduce-scatter
+    /// delivers the caller's share of the result).
+    fn deliver(
+        &self,
+        from: &Self::Tensor,
+        range: Range<usize>,
+        to: &Self::Tensor,
+    ) -> Result<Self::Fence>;
+
+    /// The memory the fabric registers: every staging buffer, back to back,
+    /// [`buffer_bytes`](MemorySpace::buffer_bytes) apart.
+    fn registered(&self) -> (NonNull<u8>, usize);
+
+    /// Bytes from one staging buffer to the next in
+    /// [`registered`](MemorySpace::registered) memory.
+    fn buffer_bytes(&self) -> usize;
+}
+
+/// `dst op= sources` within one staging buffer, then, for an average, `dst /=
+/// average_over`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Reduction {
+    /// The element type.
+    pub(crate) dtype: DataType,
+    /// The operator.
+    pub(crate) op: ReduceOp,
+    /// The bytes reduced into.
+    pub(crate) dst: Range<usize>,
+    /// The bytes reduced from, each as long as `dst`.
+    pub(crate) sources: Sources,
+    /// The world size to divide by once the sum is complete, for
+    /// [`ReduceOp::Avg`]; `None` while partial sums are still to come.
+    pub(crate) average_over: Option<u32>,
+}
+
+/// Equally long source ranges of a staging buffer, without a list: `count` areas
+/// `stride` bytes apart from `first`, read from area `start` on, wrapping around.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Sources {
+    /// Offset of area 0.
+    pub(crate) first: usize,
+    /// Bytes from one area to the next.
+    pub(crate) stride: usize,
+    /// Number of areas.
+    pub(crate) count: u32,
+    /// The area read first.
+    pub(crate) start: u32,
+    /// Bytes read from each area.
+    pub(crate) len: usize,
+}
+
+impl Sources {
+    /// One range.
+    pub(crate) fn one(range: Range<usize>) -> Sources {
+        Sources {
+            first: range.start,
+            stride: 0,
+            count: 1,
+            start: 0,
+            len: range.len(),
+        }
+    }
+
+    /// The ranges, in reading order.
+    pub(crate) fn ranges(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+        (0..self.count).map(move |i| {
+            let area = (self.start + i) % self.count;
+            let at = self.first + area as usize * self.stride;
+            at..at + self.len
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sources_rotate_over_their_areas() {
+        let s = Sources {
+            first: 100,
+            stride: 10,
+            count: 3,
+            start: 2,
+            len: 4,
+        };
+        let ranges: Vec<_> = s.ranges().collect();
+        assert_eq!(ranges, vec![120..124, 100..104, 110..114]);
+        assert_eq!(Sources::one(5..9).ranges().collect::<Vec<_>>(), vec![5..9]);
+    }
+}
