@@ -1,20 +1,21 @@
 //! A doorbell: a counter that waiters sleep on, with a futex in shared memory.
 //!
-//! Ringing costs one atomic add, plus one `FUTEX_WAKE` system call only while some
-//! thread sleeps on the bell. A waiter reads the counter ([`Doorbell::seen`]) *before*
-//! checking whether it has work, and sleeps only if the counter still has that value,
-//! so a ring between the check and the sleep is never lost.
+//! One 32-bit word holds the count of rings (bits 1..32) and whether anyone sleeps
+//! or is about to (bit 0). Ringing is one atomic add; it costs a `FUTEX_WAKE`
+//! system call only when the sleeper bit was set. A waiter reads the count
+//! ([`Doorbell::seen`]) *before* checking whether it has work, and sleeps only if
+//! the count still has that value, so a ring between the check and the sleep is
+//! never lost.
 //!
 //! # Why no ring is lost
 //!
-//! A ring is `rings += 1` (release: the work it announces is visible to a waiter
-//! that sees the new count), a `SeqCst` fence, then a look at `sleepers`; a sleep is
-//! `sleepers += 1`, a `SeqCst` fence, then a look at `rings`. The two fences are
-//! ordered one way or the other: if the sleeper's comes first, the ringer sees it
-//! counted and wakes it; if the ringer's comes first, the sleeper sees the new count
-//! and does not sleep. The futex itself compares the count once more inside the
-//! kernel, so a ring that lands between the look and the sleep makes the sleep
-//! return at once.
+//! Every operation is a read-modify-write of the one word, so they are totally
+//! ordered. A sleeper sets the sleeper bit with a compare-and-swap that succeeds
+//! only if the count is still the one it saw, then waits on the futex for exactly
+//! that word. A ring that comes before the swap changes the count, so the swap
+//! fails and the sleeper returns; a ring that comes after it sees the bit, clears
+//! it and wakes every sleeper, and the futex compares the word inside the kernel,
+//! so a sleeper that had not yet gone to sleep does not. No fence is needed.
 //!
 //! Under `cfg(loom)` the futex is a loom mutex and condition variable, and sleeps
 //! ignore their timeout: a lost wake-up then shows as a deadlock in the models,
@@ -22,15 +23,18 @@
 
 use std::time::Duration;
 
-use crate::sync::{AtomicU32, Ordering, fence};
+use crate::sync::{AtomicU32, Ordering};
 
-/// Two words on their own cache line (in a shared segment, or in process memory).
+/// Bit 0 of the word: someone sleeps, or is about to.
+const SLEEPER: u32 = 1;
+/// What one ring adds.
+const RING: u32 = 2;
+
+/// One word on its own cache line (in a shared segment, or in process memory).
 #[repr(C, align(64))]
 pub(crate) struct Doorbell {
-    /// Bumped by every ring; the futex word.
-    rings: AtomicU32,
-    /// Threads currently asleep (or about to sleep) on `rings`.
-    sleepers: AtomicU32,
+    /// `rings << 1 | sleeper`: the futex word.
+    word: AtomicU32,
     /// The futex, as loom models it.
     #[cfg(loom)]
     futex: (crate::sync::Mutex<()>, crate::sync::Condvar),
@@ -50,35 +54,45 @@ impl Doorbell {
     /// A doorbell in process memory.
     pub(crate) fn new() -> Doorbell {
         Doorbell {
-            rings: AtomicU32::new(0),
-            sleepers: AtomicU32::new(0),
+            word: AtomicU32::new(0),
             #[cfg(loom)]
             futex: Default::default(),
         }
     }
 
-    /// The counter now; pass it to [`Doorbell::sleep`].
+    /// The count of rings now; pass it to [`Doorbell::sleep`].
     pub(crate) fn seen(&self) -> u32 {
-        self.rings.load(Ordering::Acquire)
+        self.word.load(Ordering::Acquire) >> 1
     }
 
     /// Wakes every sleeper.
     pub(crate) fn ring(&self) {
-        self.rings.fetch_add(1, Ordering::Release);
-        fence(Ordering::SeqCst);
-        if self.sleepers.load(Ordering::Relaxed) > 0 {
+        // Release: the work this ring announces is visible to a waiter that sees
+        // the new count.
+        let before = self.word.fetch_add(RING, Ordering::AcqRel);
+        if before & SLEEPER != 0 {
+            self.word.fetch_and(!SLEEPER, Ordering::AcqRel);
             self.wake_all();
         }
     }
 
     /// Sleeps until the bell rings after `seen` was read, or `timeout` passes.
+    /// May return early; callers look again.
     pub(crate) fn sleep(&self, seen: u32, timeout: Duration) {
-        self.sleepers.fetch_add(1, Ordering::Relaxed);
-        fence(Ordering::SeqCst);
-        if self.rings.load(Ordering::Relaxed) == seen {
-            self.wait_while(seen, timeout);
-        }
-        self.sleepers.fetch_sub(1, Ordering::Relaxed);
+        let quiet = (seen & (u32::MAX >> 1)) << 1;
+        // Set the sleeper bit if nothing rang since `seen`; if another sleeper set
+        // it already, sleep on that word.
+        let word = match self.word.compare_exchange(
+            quiet,
+            quiet | SLEEPER,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => quiet | SLEEPER,
+            Err(now) if now == quiet | SLEEPER => now,
+            Err(_) => return,
+        };
+        self.wait_while(word, timeout);
     }
 
     #[cfg(not(loom))]
@@ -88,12 +102,12 @@ impl Doorbell {
             tv_nsec: libc::c_long::from(timeout.subsec_nanos().min(999_999_999) as i32),
         };
         // Spurious returns (EINTR, EAGAIN, ETIMEDOUT) are fine: callers re-check.
-        // SAFETY: `rings` is a live, aligned 32-bit atomic (shared FUTEX_WAIT works
+        // SAFETY: `word` is a live, aligned 32-bit atomic (shared FUTEX_WAIT works
         // across processes) and `ts` lives for the call; the kernel only reads both.
         unsafe {
             libc::syscall(
                 libc::SYS_futex,
-                self.rings.as_ptr(),
+                self.word.as_ptr(),
                 libc::FUTEX_WAIT,
                 expected,
                 &raw const ts,
@@ -105,12 +119,12 @@ impl Doorbell {
 
     #[cfg(not(loom))]
     fn wake_all(&self) {
-        // SAFETY: `rings` is a live, aligned 32-bit atomic; FUTEX_WAKE only reads
+        // SAFETY: `word` is a live, aligned 32-bit atomic; FUTEX_WAKE only reads
         // its address.
         unsafe {
             libc::syscall(
                 libc::SYS_futex,
-                self.rings.as_ptr(),
+                self.word.as_ptr(),
                 libc::FUTEX_WAKE,
                 i32::MAX,
             );
@@ -123,7 +137,7 @@ impl Doorbell {
         let guard = lock
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if self.rings.load(Ordering::Relaxed) == expected {
+        if self.word.load(Ordering::Relaxed) == expected {
             drop(condvar.wait(guard));
         }
     }
@@ -170,5 +184,18 @@ mod tests {
             slept < Duration::from_secs(9),
             "the ring did not wake the sleeper"
         );
+        assert_eq!(bell.word.load(Ordering::Relaxed) & SLEEPER, 0);
+    }
+
+    #[test]
+    fn the_count_wraps_without_a_lost_ring() {
+        let bell = Doorbell::new();
+        bell.word.store(u32::MAX - 1, Ordering::Relaxed);
+        let seen = bell.seen();
+        bell.ring();
+        assert_ne!(bell.seen(), seen);
+        let t = Instant::now();
+        bell.sleep(seen, Duration::from_secs(5));
+        assert!(t.elapsed() < Duration::from_secs(4), "slept across a wrap");
     }
 }

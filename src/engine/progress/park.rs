@@ -35,7 +35,7 @@
 //!   sleeps for no more than the ring.
 //! - **Two drivers.** A thread that finds the driver taken does not sleep: the
 //!   other pass may have looked at the queue just before a submission landed.
-//!   It yields and tries again, and sleeps only after a pass of its own found
+//!   It spins and tries again, and sleeps only after a pass of its own found
 //!   nothing to do.
 //! - **Stopping.** The stop is published before the bells ring, and the
 //!   progress thread looks at it after reading a bell's count and before it
@@ -290,7 +290,13 @@ fn drive_or_spin(driven: &impl Driven, idle_since: &mut Option<Instant>, spin: D
             true
         }
         Drove::Busy => {
-            yield_now();
+            // The other driver holds the lock for one pass: spin on it, as on the
+            // work itself (yield where ranks outnumber cores, and under loom).
+            if cfg!(loom) || driven.crowded() {
+                yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
             true
         }
         Drove::Idle => {
