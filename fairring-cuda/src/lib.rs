@@ -22,17 +22,19 @@
 //!
 //! # Using it from an engine
 //!
-//! The engine's `LocalGroup` trait (the intra-machine step) maps onto this crate
-//! stage for stage: `stage_in` is [`StagingPool::begin`] after the caller's
-//! stream; `try_reduce_scatter` enqueues
+//! The `fairring` engine is generic over a memory space and drives an
+//! intra-machine local step over it; both map onto this crate. The memory space's
+//! tensor is a device pointer with the caller's stream, its fence an [`Event`]
+//! polled with [`Event::is_complete`]; staging in is a copy ordered after the
+//! caller's stream, and its reduction is [`ReductionKernels`] on the add stream. The
+//! local step's begin is [`StagingPool::begin`] after the caller's stream; its
+//! reduce-scatter enqueues
 //! [`Communicator::reduce_scatter_in_place`](nccl::Communicator::reduce_scatter_in_place)
-//! on the reduce-scatter stream and returns at once; `publish_slot` is
-//! [`StagingPool::hand_over`] to the all-gather stage; `try_all_gather` enqueues
-//! the all-gather and [`StagingPool::complete`]; `buffer_free` is an
-//! [`Event::is_complete`] of the buffer's previous completion. The descriptor,
-//! failure and doorbell parts stay in host shared memory as they are. One
-//! difference is not thin: the trait hands the tensor over as host bytes, and a
-//! device tensor needs it as a [`DeviceSliceMut`] (a device pointer and a stream).
+//! and returns the event that ends it; publishing the slot is
+//! [`StagingPool::hand_over`] to the all-gather stage; its all-gather enqueues the
+//! all-gather and [`StagingPool::complete`]; a buffer is free once its previous
+//! completion event is. The descriptor, failure and doorbell parts stay in host
+//! shared memory as they are.
 //!
 //! # What has run where
 //!
