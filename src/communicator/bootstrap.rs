@@ -276,10 +276,10 @@ pub(super) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
         layout.buffer_bytes()
     );
     let (area, len) = memory.registered();
-    // SAFETY: the area is this rank's part of the mapped segment, valid until the
-    // memory space (which holds the segment) is dropped, which the engine does
-    // only after the fabric (field order); the engine's protocol keeps the
-    // fabric's and the driver's accesses apart.
+    // The memory space holds the segment and the engine drops it after the fabric
+    // (field order).
+    // SAFETY: this rank's part of the mapped segment, valid until then; the
+    // engine's protocol keeps the fabric's and the driver's accesses apart.
     let region = unsafe { fabric.register(area, len)? };
     let (out, inbound) = peers(topology, location, config.rank);
     let linked = linked(&out, &inbound);
