@@ -10,3 +10,9 @@
 //! Two binaries: `fairring-bench` (the all-reduce, nccl-tests style) and
 //! `fairring-gpu-bench` (the device reduction kernel against the device's copy
 //! bound, and pinned host-device bandwidth; needs a GPU).
+//!
+//! Two modules serve the binaries: [`model`], the scale model behind
+//! `fairring-bench model`, and [`plot`], the charts `--plot` writes.
+
+pub mod model;
+pub mod plot;

@@ -4,7 +4,8 @@
 //! fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F]
 //!                [--iters N] [--warmup N] [--algo auto|hierarchical|ring|all]
 //!                [--dtype f32|f64|f16|bf16|i32|i64|u8|i8] [--op sum|prod|min|max|avg]
-//!                [--check|--no-check] [--parallel N] [--json PATH]
+//!                [--check|--no-check] [--parallel N] [--json PATH] [--plot PATH]
+//! fairring-bench model ...   (the scale model: see `model_command.rs`)
 //! ```
 //!
 //! With `--local MxD` (the default, `2x2`, when no torchrun environment is set) it
@@ -18,8 +19,13 @@
 //! - `#wrong`: elements that differ from the exactly known result, summed over
 //!   ranks (inputs are small integers, so every order of summation is exact).
 //!
+//! `--plot PATH` writes busbw against size, one line per algorithm, to `PATH.svg`
+//! and `PATH.png`.
+//!
 //! The launcher exits non-zero if any rank fails (with that rank's error) or any
 //! element is wrong.
+
+mod model_command;
 
 use std::io::Write;
 use std::process::{Child, Command, ExitCode};
@@ -48,6 +54,7 @@ struct Options {
     check: bool,
     parallel: usize,
     json: Option<String>,
+    plot: Option<String>,
 }
 
 fn usage(error: &str) -> ! {
@@ -55,7 +62,8 @@ fn usage(error: &str) -> ! {
     eprintln!(
         "usage: fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F] \
          [--iters N] [--warmup N] [--algo auto|hierarchical|ring|all] [--dtype T] [--op OP] \
-         [--check|--no-check] [--parallel N] [--json PATH]"
+         [--check|--no-check] [--parallel N] [--json PATH] [--plot PATH]\n       \
+         fairring-bench model --help"
     );
     std::process::exit(2)
 }
@@ -98,6 +106,7 @@ fn parse(args: &[String]) -> Options {
         check: true,
         parallel: 1,
         json: None,
+        plot: None,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -157,6 +166,7 @@ fn parse(args: &[String]) -> Options {
             "--no-check" => o.check = false,
             "--parallel" => o.parallel = number(&value(), flag),
             "--json" => o.json = Some(value()),
+            "--plot" => o.plot = Some(value()),
             "-h" | "--help" => usage("help"),
             other => usage(&format!("unknown option {other:?}")),
         }
@@ -178,6 +188,9 @@ fn parse(args: &[String]) -> Options {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("model") {
+        return model_command::main(&args[1..]);
+    }
     let options = parse(&args);
     if std::env::var_os(CHILD_VAR).is_some() {
         return worker(&options);
@@ -498,10 +511,17 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
     if rank == 0
         && let Some(path) = &o.json
     {
-        write_json(path, &rows, T::DTYPE, o.op).map_err(|e| fairring::Error::Io {
+        let t = comm.topology();
+        let layout = (t.machines(), t.devices_per_machine());
+        write_json(path, &rows, T::DTYPE, o.op, layout).map_err(|e| fairring::Error::Io {
             context: format!("writing {path}"),
             source: e.into(),
         })?;
+    }
+    if rank == 0
+        && let Some(path) = &o.plot
+    {
+        plot_rows(comm, path, &rows, o)?;
     }
     Ok(total_wrong)
 }
@@ -522,24 +542,72 @@ fn iteration<T: Value>(
     })
 }
 
-fn write_json(path: &str, rows: &[Row], dtype: DataType, op: ReduceOp) -> std::io::Result<()> {
-    let mut out = String::from("[\n");
-    for (i, r) in rows.iter().enumerate() {
-        out.push_str(&format!(
-            "  {{\"bytes\": {}, \"count\": {}, \"dtype\": \"{}\", \"op\": \"{}\", \"algo\": \"{}\", \
-             \"time_us\": {:.3}, \"algbw_gbps\": {:.4}, \"busbw_gbps\": {:.4}, \"wrong\": {}}}{}\n",
-            r.bytes,
-            r.count,
-            dtype.name(),
-            op.name(),
-            r.algorithm.name(),
-            r.time_us,
-            r.algbw,
-            r.busbw,
-            r.wrong,
-            if i + 1 < rows.len() { "," } else { "" }
-        ));
+fn write_json(
+    path: &str,
+    rows: &[Row],
+    dtype: DataType,
+    op: ReduceOp,
+    (machines, devices): (u32, u32),
+) -> std::io::Result<()> {
+    let rows: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "machines": machines,
+                "devices": devices,
+                "bytes": r.bytes,
+                "count": r.count,
+                "dtype": dtype.name(),
+                "op": op.name(),
+                "algo": r.algorithm.name(),
+                "time_us": r.time_us,
+                "algbw_gbps": r.algbw,
+                "busbw_gbps": r.busbw,
+                "wrong": r.wrong,
+            })
+        })
+        .collect();
+    let text = serde_json::to_string_pretty(&rows).map_err(std::io::Error::other)?;
+    std::fs::write(path, text + "\n")
+}
+
+/// Busbw against size, one line per algorithm.
+fn plot_rows(comm: &Communicator, path: &str, rows: &[Row], o: &Options) -> fairring::Result<()> {
+    let t = comm.topology();
+    #[expect(clippy::cast_precision_loss, reason = "sizes far below 2^52")]
+    let series = o
+        .algorithms
+        .iter()
+        .map(|&a| fairring_bench::plot::Series {
+            label: a.name().to_owned(),
+            points: rows
+                .iter()
+                .filter(|r| r.algorithm == a)
+                .map(|r| (r.bytes as f64, r.busbw))
+                .collect(),
+        })
+        .collect();
+    let chart = fairring_bench::plot::Chart {
+        title: format!(
+            "fairring-bench: {} machines x {} ranks, {} {}",
+            t.machines(),
+            t.devices_per_machine(),
+            o.dtype,
+            o.op
+        ),
+        x_axis: fairring_bench::plot::Axis::Bytes,
+        x_label: "tensor size".into(),
+        y_label: "busbw (GB/s)".into(),
+        series,
+    };
+    let files = fairring_bench::plot::write(&chart, std::path::Path::new(path)).map_err(|e| {
+        fairring::Error::Io {
+            context: format!("--plot {path}"),
+            source: std::io::Error::other(e).into(),
+        }
+    })?;
+    for f in files {
+        println!("# wrote {}", f.display());
     }
-    out.push_str("]\n");
-    std::fs::write(path, out)
+    Ok(())
 }

@@ -1,0 +1,209 @@
+//! The machines and links a prediction is made for: presets read from a TOML file.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::Deserialize;
+
+use super::ModelError;
+
+/// The presets shipped with the model (`benches/presets/hardware.toml`).
+pub const BUILTIN_PRESETS: &str = include_str!("../../presets/hardware.toml");
+
+/// One class of link: what a message costs before its first byte moves, and the
+/// rate of the bytes after it.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Link {
+    /// Alpha: microseconds per message, paid by its sender.
+    pub latency_us: f64,
+    /// One over beta: GB/s (10^9 bytes per second).
+    pub gbps: f64,
+}
+
+impl Link {
+    /// Seconds for `messages` messages carrying `bytes` bytes in all, one after the
+    /// other on this link.
+    pub fn seconds(&self, messages: f64, bytes: f64) -> f64 {
+        messages * self.latency_us * 1e-6 + bytes / (self.gbps * 1e9)
+    }
+}
+
+/// The NICs of a GPU machine.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Nics {
+    /// Alpha of one message, microseconds.
+    pub latency_us: f64,
+    /// Rate of one NIC, GB/s.
+    pub gbps: f64,
+    /// NICs per machine.
+    pub count: u32,
+}
+
+/// Device memory, as a reduction kernel sees it.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Memory {
+    /// Bytes read plus bytes written per second, GB/s.
+    pub gbps: f64,
+}
+
+/// A CPU-only reduction server machine.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Server {
+    /// NICs per server machine.
+    pub nic_count: u32,
+    /// Rate of one NIC, GB/s.
+    pub nic_gbps: f64,
+    /// Alpha of one message, microseconds.
+    pub latency_us: f64,
+    /// Host memory bandwidth the reduction gets, GB/s.
+    pub memory_gbps: f64,
+}
+
+/// Fixed software costs.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Software {
+    /// One stage of fairring's pipeline handing a slice to the next, microseconds.
+    pub fairring_step_us: f64,
+    /// Submitting one fairring operation, microseconds.
+    pub fairring_op_us: f64,
+    /// Launching one NCCL collective, microseconds.
+    pub nccl_op_us: f64,
+}
+
+/// One preset: a GPU machine, its links, and the servers that go with it.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Hardware {
+    /// The preset's name (its table's key), filled in when read.
+    #[serde(skip)]
+    pub name: String,
+    /// What the preset describes.
+    pub description: String,
+    /// GPUs per machine, `D`.
+    pub devices_per_machine: u32,
+    /// Within a machine, per GPU.
+    pub nvlink: Link,
+    /// Between host and device.
+    pub pcie: Link,
+    /// Between machines.
+    pub nic: Nics,
+    /// Device memory.
+    pub memory: Memory,
+    /// Dedicated reduction servers.
+    pub server: Server,
+    /// Fixed software costs.
+    pub software: Software,
+}
+
+impl Hardware {
+    /// The link one rail (device `d` of every machine) has to other machines: the
+    /// machine's NICs shared evenly by its `devices` GPUs.
+    pub fn rail(&self, devices: u32) -> Link {
+        Link {
+            latency_us: self.nic.latency_us,
+            gbps: self.machine_nic_gbps() / f64::from(devices.max(1)),
+        }
+    }
+
+    /// One NIC, used whole by one flow.
+    pub fn one_nic(&self) -> Link {
+        Link {
+            latency_us: self.nic.latency_us,
+            gbps: self.nic.gbps,
+        }
+    }
+
+    /// Every NIC of a GPU machine together, GB/s.
+    pub fn machine_nic_gbps(&self) -> f64 {
+        self.nic.gbps * f64::from(self.nic.count)
+    }
+
+    /// Every NIC of a server machine together.
+    pub fn server_link(&self) -> Link {
+        Link {
+            latency_us: self.server.latency_us,
+            gbps: self.server.nic_gbps * f64::from(self.server.nic_count),
+        }
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let rates = [
+            ("nvlink.gbps", self.nvlink.gbps),
+            ("pcie.gbps", self.pcie.gbps),
+            ("nic.gbps", self.nic.gbps),
+            ("memory.gbps", self.memory.gbps),
+            ("server.nic_gbps", self.server.nic_gbps),
+            ("server.memory_gbps", self.server.memory_gbps),
+        ];
+        for (field, v) in rates {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!(
+                    "{field} must be a positive number of GB/s, got {v}"
+                ));
+            }
+        }
+        let latencies = [
+            ("nvlink.latency_us", self.nvlink.latency_us),
+            ("pcie.latency_us", self.pcie.latency_us),
+            ("nic.latency_us", self.nic.latency_us),
+            ("server.latency_us", self.server.latency_us),
+            ("software.fairring_step_us", self.software.fairring_step_us),
+            ("software.fairring_op_us", self.software.fairring_op_us),
+            ("software.nccl_op_us", self.software.nccl_op_us),
+        ];
+        for (field, v) in latencies {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!(
+                    "{field} must be zero or more microseconds, got {v}"
+                ));
+            }
+        }
+        if self.devices_per_machine == 0 || self.nic.count == 0 || self.server.nic_count == 0 {
+            return Err(
+                "devices_per_machine, nic.count and server.nic_count must be positive".into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Hardware {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.name, self.description)
+    }
+}
+
+/// Every preset of a presets file, by name, checked.
+pub fn parse_presets(text: &str, source: &str) -> Result<BTreeMap<String, Hardware>, ModelError> {
+    let table: BTreeMap<String, Hardware> =
+        toml::from_str(text).map_err(|e| ModelError::Presets {
+            source: source.to_owned(),
+            detail: e.to_string(),
+        })?;
+    let mut out = BTreeMap::new();
+    for (name, mut hw) in table {
+        hw.check().map_err(|detail| ModelError::Presets {
+            source: source.to_owned(),
+            detail: format!("preset {name:?}: {detail}"),
+        })?;
+        hw.name.clone_from(&name);
+        out.insert(name, hw);
+    }
+    Ok(out)
+}
+
+/// The preset `name` of `presets` (from [`parse_presets`]).
+pub fn preset(presets: &BTreeMap<String, Hardware>, name: &str) -> Result<Hardware, ModelError> {
+    presets
+        .get(name)
+        .cloned()
+        .ok_or_else(|| ModelError::UnknownPreset {
+            name: name.to_owned(),
+            known: presets.keys().cloned().collect(),
+        })
+}

@@ -1,0 +1,228 @@
+//! fairring's hierarchical all-reduce with co-located servers, driven by the plan
+//! fairring-core makes for the job.
+//!
+//! Each slice of each tensor passes, on every machine, through:
+//!
+//! 1. **reduce-scatter** within the machine (NCCL's ring over NVLink when `D > 1`;
+//!    a copy into staging when `D = 1`), on the machine's NVLink (or GPU);
+//! 2. **contributions out**: rail 0 sends one message per shard of its slot served
+//!    by another machine ([`Role::contributions_to_send`]), on its send side;
+//! 3. **contributions in**: a serving machine's rail receives `M - 1` copies of its
+//!    cell on its receive side, no sooner than the last sender has sent;
+//! 4. **reduction** of the `M - 1` contributions on the GPU by the many-source
+//!    kernel: `M + 1` cell-sized passes over memory (`M - 1` contributions read,
+//!    the destination read and written once);
+//! 5. **results out** to the `M - 1` other machines, on the send side;
+//! 6. **results in** from every other server of the slice, on the receive side;
+//! 7. **all-gather** within the machine, on NVLink.
+//!
+//! Every stage holds its resource ([`Timeline`]) while it runs, so the stages of
+//! different slices overlap exactly as far as the resources and the staging
+//! buffers allow: a slice takes a machine's buffer when the slice `buffers` before
+//! it has released that machine's buffer (its all-gather done, its results sent),
+//! and a server receives contributions only into a free buffer. A stage hand-off
+//! costs the software's step time; each tensor costs the submission time.
+//!
+//! [`Role::contributions_to_send`]: fairring_core::staging::Role::contributions_to_send
+
+use fairring_core::plan::{Geometry, Slice};
+use fairring_core::topology::{Location, RankLayout, Topology};
+
+use super::stages::{self, Buffers, Stages, f};
+use super::timeline::{Timeline, TopTwo};
+use super::{Algo, Hardware, Job, Link, ModelError, Prediction, Traffic};
+
+/// One machine's resources (rail 0 stands for every rail) and what it did.
+#[derive(Clone, Debug, Default)]
+struct Machine {
+    nvlink: Timeline,
+    gpu: Timeline,
+    send: Timeline,
+    receive: Timeline,
+    buffers: Buffers,
+    messages_sent: u64,
+    bytes_sent: u64,
+    bytes_received: u64,
+}
+
+/// The predicted time of the hierarchical all-reduce of `job`.
+pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
+    let topology = Topology::new(job.machines, job.devices, RankLayout::Contiguous)?;
+    let geometry = Geometry::new(topology, job.slicing)?;
+    let buffers = geometry.staging_buffers(job.budget_bytes)?;
+    let costs = Costs {
+        stages: Stages::new(hw, job),
+        rail: hw.rail(job.devices),
+    };
+    let machine = Machine {
+        buffers: Buffers::new(buffers),
+        ..Machine::default()
+    };
+    let mut machines = vec![machine; job.machines as usize];
+    let mut pipeline = Pipeline {
+        costs: &costs,
+        machines: &mut machines,
+        scratch: Scratch::default(),
+    };
+    let slices = stages::slices(&geometry, job, &costs.stages)?;
+    for (slice, submitted) in &slices {
+        pipeline.run(slice, *submitted)?;
+    }
+    let end = machines
+        .iter()
+        .map(|m| m.buffers.finished())
+        .fold(0.0, f64::max);
+    let busiest = machines
+        .iter()
+        .max_by_key(|m| (m.bytes_sent, m.messages_sent))
+        .cloned()
+        .unwrap_or_default();
+    let traffic = Traffic {
+        slices: slices.len() as u64,
+        shards_per_full_slice: geometry.shards_per_full_slice(),
+        staging_buffers: buffers,
+        messages_sent: busiest.messages_sent,
+        bytes_sent: busiest.bytes_sent,
+        bytes_received: busiest.bytes_received,
+    };
+    Ok(Prediction::new(Algo::Hierarchical, job, end, Some(traffic)))
+}
+
+/// What a slice's stages cost on this job.
+struct Costs {
+    stages: Stages,
+    rail: Link,
+}
+
+/// Per-slice times of each machine, reused from slice to slice.
+#[derive(Default)]
+struct Scratch {
+    ready: Vec<f64>,
+    scattered: Vec<f64>,
+    sent: Vec<f64>,
+    reduced: Vec<f64>,
+    returned: Vec<f64>,
+    cell: Vec<u64>,
+}
+
+struct Pipeline<'a> {
+    costs: &'a Costs,
+    machines: &'a mut [Machine],
+    scratch: Scratch,
+}
+
+impl Pipeline<'_> {
+    fn run(&mut self, slice: &Slice, submitted: f64) -> Result<(), ModelError> {
+        let m_count = self.machines.len();
+        let costs = self.costs;
+        let s = &mut self.scratch;
+        for v in [
+            &mut s.ready,
+            &mut s.scattered,
+            &mut s.sent,
+            &mut s.reduced,
+            &mut s.returned,
+        ] {
+            v.clear();
+            v.resize(m_count, f64::NEG_INFINITY);
+        }
+        s.cell.clear();
+        s.cell.resize(m_count, 0);
+        #[expect(clippy::cast_precision_loss, reason = "slice sizes far below 2^52")]
+        let slice_bytes = slice.span().byte_len() as f64;
+        let slot_bytes = slice.slot(0)?.byte_len();
+        // Which machine serves which cell of rail 0, from the plan.
+        for j in 0..slice.shards() {
+            let server = slice.server(j)? as usize;
+            s.cell[server] = slice.cell(0, j)?.span().byte_len();
+        }
+        // 1-2. Reduce-scatter within the machine, then contributions out.
+        for (m, machine) in self.machines.iter_mut().enumerate() {
+            let ready = machine.buffers.take(submitted);
+            s.ready[m] = ready;
+            s.scattered[m] = machine.nvlink.run(ready, costs.stages.intra(slice_bytes));
+            let role = slice.role(location(m))?;
+            let sends = u64::from(role.contributions_to_send);
+            let bytes = slot_bytes - s.cell[m];
+            s.sent[m] = if sends > 0 {
+                machine.messages_sent += sends;
+                machine.bytes_sent += bytes;
+                machine
+                    .send
+                    .run(s.scattered[m], costs.rail.seconds(f(sends), f(bytes)))
+            } else {
+                s.scattered[m]
+            };
+        }
+        let last_sent = TopTwo::of(s.sent.iter().copied().enumerate());
+        let first_scattered = s.scattered.iter().copied().fold(f64::INFINITY, f64::min);
+        // 3-5. Contributions in, reduction, results out, on every serving machine.
+        for (v, machine) in self.machines.iter_mut().enumerate() {
+            let role = slice.role(location(v))?;
+            if !role.reduces {
+                s.reduced[v] = s.scattered[v];
+                s.returned[v] = s.scattered[v];
+                continue;
+            }
+            let others = f64::from(role.contributions_to_receive);
+            let cell = s.cell[v];
+            let bytes_in = u64::from(role.contributions_to_receive) * cell;
+            machine.bytes_received += bytes_in;
+            let paced = machine.receive.run(
+                first_scattered.max(s.ready[v]),
+                f(bytes_in) / (costs.rail.gbps * 1e9),
+            );
+            let arrived = paced.max(last_sent.max_except(v) + costs.rail.latency_us * 1e-6);
+            s.reduced[v] = machine.gpu.run(
+                arrived.max(s.scattered[v]),
+                costs.stages.memory((others + 2.0) * f(cell)) + costs.stages.step(),
+            );
+            let results = u64::from(role.results_to_send);
+            machine.messages_sent += results;
+            machine.bytes_sent += results * cell;
+            s.returned[v] = machine.send.run(
+                s.reduced[v],
+                costs.rail.seconds(f(results), f(results * cell)),
+            );
+        }
+        let last_returned = TopTwo::of(
+            s.returned
+                .iter()
+                .copied()
+                .enumerate()
+                .filter(|&(v, _)| s.cell[v] > 0),
+        );
+        let first_reduced = s
+            .reduced
+            .iter()
+            .zip(&s.cell)
+            .filter(|&(_, &c)| c > 0)
+            .map(|(&t, _)| t)
+            .fold(f64::INFINITY, f64::min);
+        // 6-7. Results in, all-gather within the machine; the buffer is released.
+        for (m, machine) in self.machines.iter_mut().enumerate() {
+            let role = slice.role(location(m))?;
+            let mut ready = s.reduced[m];
+            if role.results_to_receive > 0 {
+                let bytes = slot_bytes - s.cell[m];
+                machine.bytes_received += bytes;
+                let paced = machine
+                    .receive
+                    .run(first_reduced, f(bytes) / (costs.rail.gbps * 1e9));
+                ready = ready
+                    .max(paced)
+                    .max(last_returned.max_except(m) + costs.rail.latency_us * 1e-6);
+            }
+            let gathered = machine.nvlink.run(ready, costs.stages.intra(slice_bytes));
+            machine.buffers.release(gathered.max(s.returned[m]));
+        }
+        Ok(())
+    }
+}
+
+fn location(machine: usize) -> Location {
+    Location {
+        machine: u32::try_from(machine).unwrap_or(u32::MAX),
+        device: 0,
+    }
+}

@@ -1,0 +1,318 @@
+//! The scale model: predicted time and bus bandwidth of an all-reduce on jobs no
+//! test machine has, from 8 to thousands of GPUs.
+//!
+//! # What is modelled
+//!
+//! An alpha-beta-gamma model: a message costs its sender `alpha` (the link's
+//! `latency_us`) before its bytes move at the link's rate (`1 / beta`), and a byte
+//! reduced costs the memory traffic of the reduction (`gamma`, from the memory's
+//! rate). Link classes are NVLink (within a machine, per GPU), PCIe, the NICs of a
+//! GPU machine and those of a server machine ([`Hardware`], read from a presets
+//! file).
+//!
+//! **fairring's algorithms are driven by fairring-core's own plan** for the job:
+//! the model makes the [`Geometry`](fairring_core::plan::Geometry) and
+//! [`Plan`](fairring_core::plan::Plan) the engine would make, walks every slice,
+//! asks each machine's [`Role`](fairring_core::staging::Role) how many contributions
+//! and results it sends and receives, and each cell how many bytes it holds; the
+//! number of staging buffers comes from the same budget rule as the engine's. So
+//! adaptive sharding, rotation of servers and the staging budget act on the
+//! prediction exactly as they act on a real job. Each slice then passes through a
+//! pipeline of stages (intra-machine reduce-scatter, contributions out, reduction,
+//! results back, intra-machine all-gather), each stage holding a resource of the
+//! machine that runs it (its NVLink, its rail's send and receive sides, its GPU),
+//! so that slices in different staging buffers overlap as they do in the engine,
+//! and a slice takes a buffer only when the slice `buffers` before it has released
+//! it on that machine. See [`hierarchical`] and [`servers`].
+//!
+//! **Peers are closed forms**: NCCL's ring and double binary tree ([`nccl`]), and
+//! fairring's own ring ([`ring`]), which is one ring over every rank, slice by slice.
+//!
+//! # What is not modelled
+//!
+//! Congestion inside the network (every NIC is assumed to reach its rate to any
+//! peer), stragglers and jitter, the CPU cost of the progress thread beyond the
+//! fixed per-step cost, and NCCL's protocol choice (LL, LL128, Simple) beyond its
+//! latency. Only rail 0 of each machine is simulated: rails are symmetric, and rail
+//! 0's slot is the largest (earlier slots take the extra units).
+
+mod hardware;
+pub mod hierarchical;
+pub mod nccl;
+pub mod ring;
+pub mod servers;
+mod stages;
+mod timeline;
+
+pub mod calibrate;
+
+use std::fmt;
+
+use fairring_core::DataType;
+use fairring_core::plan::{PlanConfig, PlanError};
+use fairring_core::topology::TopologyError;
+
+pub use hardware::{
+    BUILTIN_PRESETS, Hardware, Link, Memory, Nics, Server, Software, parse_presets, preset,
+};
+
+/// The algorithms the model predicts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algo {
+    /// fairring's hierarchical all-reduce with co-located servers (every GPU also
+    /// serves), as the engine runs it.
+    Hierarchical,
+    /// The hierarchical all-reduce with dedicated CPU reduction servers (Herring).
+    Servers,
+    /// fairring's ring: one ring over every rank, slice by slice.
+    Ring,
+    /// NCCL's ring: a ring per channel, channels spread over the NICs.
+    NcclRing,
+    /// NCCL's double binary tree between machines, a chain within each.
+    NcclTree,
+}
+
+impl Algo {
+    /// Every algorithm, in table order.
+    pub const ALL: [Algo; 5] = [
+        Algo::Hierarchical,
+        Algo::Servers,
+        Algo::Ring,
+        Algo::NcclRing,
+        Algo::NcclTree,
+    ];
+
+    /// The name used on the command line and in tables.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Algo::Hierarchical => "hierarchical",
+            Algo::Servers => "servers",
+            Algo::Ring => "ring",
+            Algo::NcclRing => "nccl-ring",
+            Algo::NcclTree => "nccl-tree",
+        }
+    }
+
+    /// The algorithm named `name`.
+    pub fn from_name(name: &str) -> Option<Algo> {
+        Algo::ALL.into_iter().find(|a| a.name() == name)
+    }
+}
+
+impl fmt::Display for Algo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The job and workload of one prediction.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Job {
+    /// GPU machines, `M`.
+    pub machines: u32,
+    /// GPUs per machine, `D`.
+    pub devices: u32,
+    /// Bytes of each tensor.
+    pub bytes: u64,
+    /// Tensors submitted at once, one after the other (DDP's buckets of a step).
+    pub tensors: u32,
+    /// Element type: it sets the element count of a byte size.
+    pub dtype: DataType,
+    /// Slice size and minimum shard, as the engine's configuration.
+    pub slicing: PlanConfig,
+    /// Staging memory per GPU (`FAIRRING_TOTAL_MEMORY`).
+    pub budget_bytes: u64,
+    /// Dedicated server machines for [`Algo::Servers`]; 0 means one per GPU machine
+    /// (Herring's setup).
+    pub servers: u32,
+}
+
+impl Job {
+    /// One tensor of `bytes` bytes of f32 on `machines x devices` GPUs with the
+    /// engine's defaults: 25 MiB slices, 64 KiB minimum shard, 50 MiB of staging.
+    pub fn new(machines: u32, devices: u32, bytes: u64) -> Job {
+        Job {
+            machines,
+            devices,
+            bytes,
+            tensors: 1,
+            dtype: DataType::F32,
+            slicing: PlanConfig::DEFAULT,
+            budget_bytes: 50 << 20,
+            servers: 0,
+        }
+    }
+
+    /// The original Fairring's slicing: fixed 25 MiB slices cut into one shard per
+    /// machine, however small (no minimum shard).
+    pub fn original(mut self) -> Job {
+        self.slicing =
+            match PlanConfig::new(PlanConfig::DEFAULT_SLICE_BYTES, PlanConfig::MIN_SHARD_FLOOR) {
+                Ok(c) => c,
+                Err(_) => self.slicing,
+            };
+        self
+    }
+
+    /// GPUs in the job, `N = M * D`.
+    pub fn gpus(&self) -> u64 {
+        u64::from(self.machines) * u64::from(self.devices)
+    }
+
+    /// Bytes of every tensor together.
+    pub fn total_bytes(&self) -> u64 {
+        self.bytes * u64::from(self.tensors)
+    }
+
+    /// Elements of one tensor (its bytes rounded down to whole elements).
+    pub fn elements(&self) -> u64 {
+        self.bytes / self.dtype.size_bytes()
+    }
+
+    /// Server machines for [`Algo::Servers`].
+    pub fn server_machines(&self) -> u32 {
+        if self.servers == 0 {
+            self.machines
+        } else {
+            self.servers
+        }
+    }
+}
+
+/// What fairring's plan made each machine do, for the machine that did most.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Slices over all tensors.
+    pub slices: u64,
+    /// Shards per slot of a full slice (the adaptive-sharding rule's `k`).
+    pub shards_per_full_slice: u32,
+    /// Staging buffers per GPU, hence slices in flight.
+    pub staging_buffers: u32,
+    /// Messages rail 0 of the busiest machine sent between machines.
+    pub messages_sent: u64,
+    /// Bytes rail 0 of the busiest machine sent between machines.
+    pub bytes_sent: u64,
+    /// Bytes rail 0 of the busiest machine received from other machines.
+    pub bytes_received: u64,
+}
+
+/// One prediction.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Prediction {
+    /// The algorithm.
+    pub algo: Algo,
+    /// Seconds from submitting the first tensor to the last result.
+    pub seconds: f64,
+    /// Bytes of all tensors over the time, GB/s.
+    pub algbw_gbps: f64,
+    /// `algbw * 2(N-1)/N`, as nccl-tests reports it.
+    pub busbw_gbps: f64,
+    /// fairring's plan at work (fairring's algorithms only).
+    pub traffic: Option<Traffic>,
+}
+
+impl Prediction {
+    fn new(algo: Algo, job: &Job, seconds: f64, traffic: Option<Traffic>) -> Prediction {
+        #[expect(clippy::cast_precision_loss, reason = "byte counts far below 2^52")]
+        let algbw = job.total_bytes() as f64 / seconds / 1e9;
+        #[expect(clippy::cast_precision_loss, reason = "GPU counts far below 2^52")]
+        let n = job.gpus() as f64;
+        let busbw = if n > 1.0 {
+            algbw * 2.0 * (n - 1.0) / n
+        } else {
+            algbw
+        };
+        Prediction {
+            algo,
+            seconds,
+            algbw_gbps: algbw,
+            busbw_gbps: busbw,
+            traffic,
+        }
+    }
+}
+
+/// Why a prediction or a presets file was refused.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelError {
+    /// The job is not a valid topology.
+    Topology(TopologyError),
+    /// fairring-core refused the plan (slice size, budget, ...).
+    Plan(PlanError),
+    /// A presets file could not be read.
+    Presets {
+        /// Where the presets came from.
+        source: String,
+        /// What was wrong.
+        detail: String,
+    },
+    /// No preset of that name.
+    UnknownPreset {
+        /// The name asked for.
+        name: String,
+        /// The names there are.
+        known: Vec<String>,
+    },
+    /// The algorithm does not run on this job.
+    NotApplicable {
+        /// The algorithm.
+        algo: Algo,
+        /// Why not.
+        reason: &'static str,
+    },
+    /// A job parameter is out of range.
+    InvalidJob(String),
+}
+
+impl fmt::Display for ModelError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ModelError::Topology(e) => write!(f, "topology: {e}"),
+            ModelError::Plan(e) => write!(f, "plan: {e}"),
+            ModelError::Presets { source, detail } => write!(f, "presets in {source}: {detail}"),
+            ModelError::UnknownPreset { name, known } => {
+                write!(
+                    f,
+                    "no preset named {name:?}; there are: {}",
+                    known.join(", ")
+                )
+            }
+            ModelError::NotApplicable { algo, reason } => write!(f, "{algo}: {reason}"),
+            ModelError::InvalidJob(what) => write!(f, "job: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for ModelError {}
+
+impl From<PlanError> for ModelError {
+    fn from(e: PlanError) -> ModelError {
+        ModelError::Plan(e)
+    }
+}
+
+impl From<TopologyError> for ModelError {
+    fn from(e: TopologyError) -> ModelError {
+        ModelError::Topology(e)
+    }
+}
+
+/// The predicted time of `algo` on `job`, on `hw`.
+pub fn predict(hw: &Hardware, job: &Job, algo: Algo) -> Result<Prediction, ModelError> {
+    if job.tensors == 0 {
+        return Err(ModelError::InvalidJob("tensors must be at least 1".into()));
+    }
+    if job.elements() == 0 {
+        return Err(ModelError::InvalidJob(format!(
+            "{} bytes hold no {} element",
+            job.bytes, job.dtype
+        )));
+    }
+    match algo {
+        Algo::Hierarchical => hierarchical::predict(hw, job),
+        Algo::Servers => servers::predict(hw, job),
+        Algo::Ring => ring::predict(hw, job),
+        Algo::NcclRing => Ok(nccl::ring(hw, job)),
+        Algo::NcclTree => nccl::tree(hw, job),
+    }
+}

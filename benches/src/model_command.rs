@@ -1,0 +1,374 @@
+//! `fairring-bench model`: the scale model's table, JSON and charts.
+//!
+//! ```text
+//! fairring-bench model [--preset NAME] [--presets FILE] [--gpus N,N,...] [--devices D]
+//!                      [--min-bytes N] [--max-bytes N] [--factor F]
+//!                      [--algo all|NAME,NAME,...] [--tensors N] [--servers K]
+//!                      [--slice-bytes N] [--min-shard N] [--budget N] [--original]
+//!                      [--json PATH] [--plot PATH] [--plot-gpus N] [--plot-bytes N]
+//! fairring-bench model --calibrate BENCH.json [--calibrate-algo NAME] [--preset NAME]
+//! ```
+//!
+//! Predicts every algorithm on every GPU count (`M = N / D` machines) and size, and
+//! prints one row each: predicted time, algbw, busbw, and for fairring's
+//! algorithms the plan's shards per full slice (`k`), staging buffers and messages
+//! the busiest rail sends. `--plot PATH` writes `PATH-size` (busbw against size at
+//! `--plot-gpus`, default the largest count) and `PATH-gpus` (busbw against GPUs
+//! at `--plot-bytes`, default the largest size), each as SVG and PNG.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use fairring_bench::model::calibrate::{BenchRow, calibrate};
+use fairring_bench::model::{
+    Algo, BUILTIN_PRESETS, Hardware, Job, ModelError, Prediction, parse_presets, predict, preset,
+};
+use fairring_bench::plot::{self, Axis, Chart, Series};
+use fairring_core::plan::PlanConfig;
+
+use crate::{bytes, number};
+
+#[derive(Clone, Debug)]
+struct Options {
+    preset: String,
+    presets: Option<String>,
+    gpus: Vec<u64>,
+    devices: Option<u32>,
+    min_bytes: u64,
+    max_bytes: u64,
+    factor: u64,
+    algos: Vec<Algo>,
+    tensors: u32,
+    servers: u32,
+    slice_bytes: u64,
+    min_shard: u64,
+    budget: u64,
+    json: Option<String>,
+    plot: Option<String>,
+    plot_gpus: Option<u64>,
+    plot_bytes: Option<u64>,
+    calibrate: Option<String>,
+    calibrate_algo: String,
+}
+
+fn usage(error: &str) -> ! {
+    eprintln!("fairring-bench model: {error}");
+    eprintln!(
+        "usage: fairring-bench model [--preset NAME] [--presets FILE] [--gpus N,N,...] \
+         [--devices D] [--min-bytes N] [--max-bytes N] [--factor F] [--algo all|NAME,...] \
+         [--tensors N] [--servers K] [--slice-bytes N] [--min-shard N] [--budget N] \
+         [--original] [--json PATH] [--plot PATH] [--plot-gpus N] [--plot-bytes N]\n       \
+         fairring-bench model --calibrate BENCH.json [--calibrate-algo NAME] [--preset NAME]\n\
+         algorithms: {}",
+        Algo::ALL.map(Algo::name).join(", ")
+    );
+    std::process::exit(2)
+}
+
+fn parse(args: &[String]) -> Options {
+    let mut o = Options {
+        preset: "h100".into(),
+        presets: None,
+        gpus: (3..=11).map(|p| 1u64 << p).collect(),
+        devices: None,
+        min_bytes: 1 << 20,
+        max_bytes: 1 << 30,
+        factor: 4,
+        algos: Algo::ALL.to_vec(),
+        tensors: 1,
+        servers: 0,
+        slice_bytes: PlanConfig::DEFAULT_SLICE_BYTES,
+        min_shard: PlanConfig::DEFAULT_MIN_SHARD_BYTES,
+        budget: 50 << 20,
+        json: None,
+        plot: None,
+        plot_gpus: None,
+        plot_bytes: None,
+        calibrate: None,
+        calibrate_algo: "hierarchical".into(),
+    };
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .cloned()
+                .unwrap_or_else(|| usage(&format!("{flag} needs a value")))
+        };
+        match flag.as_str() {
+            "--preset" => o.preset = value(),
+            "--presets" => o.presets = Some(value()),
+            "--gpus" => {
+                o.gpus = value()
+                    .split(',')
+                    .map(|g| number::<u64>(g.trim(), "--gpus"))
+                    .collect();
+            }
+            "--devices" => o.devices = Some(number(&value(), flag)),
+            "--min-bytes" => o.min_bytes = bytes(&value(), flag),
+            "--max-bytes" => o.max_bytes = bytes(&value(), flag),
+            "--factor" => o.factor = number(&value(), flag),
+            "--algo" => {
+                let v = value();
+                o.algos = if v == "all" {
+                    Algo::ALL.to_vec()
+                } else {
+                    v.split(',')
+                        .map(|a| {
+                            Algo::from_name(a.trim()).unwrap_or_else(|| {
+                                usage(&format!("--algo: unknown algorithm {a:?}"))
+                            })
+                        })
+                        .collect()
+                };
+            }
+            "--tensors" => o.tensors = number(&value(), flag),
+            "--servers" => o.servers = number(&value(), flag),
+            "--slice-bytes" => o.slice_bytes = bytes(&value(), flag),
+            "--min-shard" => o.min_shard = bytes(&value(), flag),
+            "--budget" => o.budget = bytes(&value(), flag),
+            "--original" => {
+                o.slice_bytes = PlanConfig::DEFAULT_SLICE_BYTES;
+                o.min_shard = PlanConfig::MIN_SHARD_FLOOR;
+            }
+            "--json" => o.json = Some(value()),
+            "--plot" => o.plot = Some(value()),
+            "--plot-gpus" => o.plot_gpus = Some(number(&value(), flag)),
+            "--plot-bytes" => o.plot_bytes = Some(bytes(&value(), flag)),
+            "--calibrate" => o.calibrate = Some(value()),
+            "--calibrate-algo" => o.calibrate_algo = value(),
+            "-h" | "--help" => usage("help"),
+            other => usage(&format!("unknown option {other:?}")),
+        }
+    }
+    if o.factor < 2 {
+        usage("--factor must be at least 2");
+    }
+    if o.min_bytes == 0 || o.min_bytes > o.max_bytes {
+        usage("--min-bytes must be positive and at most --max-bytes");
+    }
+    if o.tensors == 0 {
+        usage("--tensors must be at least 1");
+    }
+    if o.gpus.is_empty() || o.gpus.contains(&0) {
+        usage("--gpus: every count must be positive");
+    }
+    o
+}
+
+fn hardware(o: &Options) -> Result<Hardware, ModelError> {
+    let presets = match &o.presets {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| ModelError::Presets {
+                source: path.clone(),
+                detail: e.to_string(),
+            })?;
+            parse_presets(&text, path)?
+        }
+        None => parse_presets(BUILTIN_PRESETS, "the built-in presets")?,
+    };
+    preset(&presets, &o.preset)
+}
+
+/// Runs `fairring-bench model` with the arguments after `model`.
+pub(crate) fn main(args: &[String]) -> ExitCode {
+    let o = parse(args);
+    match run(&o) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fairring-bench model: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// One predicted row.
+struct Row {
+    gpus: u64,
+    job: Job,
+    prediction: Prediction,
+}
+
+fn run(o: &Options) -> Result<(), String> {
+    let hw = hardware(o).map_err(|e| e.to_string())?;
+    if let Some(path) = &o.calibrate {
+        return calibrate_from(path, &o.calibrate_algo, &hw);
+    }
+    let slicing = PlanConfig::new(o.slice_bytes, o.min_shard).map_err(|e| e.to_string())?;
+    let devices = o.devices.unwrap_or(hw.devices_per_machine);
+    println!("# fairring-bench model: {hw}");
+    println!(
+        "# {devices} GPUs per machine, slices of {} bytes, minimum shard {} bytes, \
+         {} bytes of staging per GPU, {} tensor(s) at once",
+        o.slice_bytes, o.min_shard, o.budget, o.tensors
+    );
+    println!(
+        "{:>6} {:>5} {:>12} {:>13} {:>12} {:>9} {:>9} {:>5} {:>4} {:>9}",
+        "gpus", "M", "size(B)", "algo", "time(us)", "algbw", "busbw", "k", "bufs", "msgs"
+    );
+    let mut rows = Vec::new();
+    for &gpus in &o.gpus {
+        if gpus % u64::from(devices) != 0 {
+            return Err(format!(
+                "--gpus: {gpus} GPUs is not a whole number of machines of {devices} GPUs"
+            ));
+        }
+        let machines = u32::try_from(gpus / u64::from(devices))
+            .map_err(|_| format!("--gpus: {gpus} GPUs is too many machines"))?;
+        let mut size = o.min_bytes;
+        loop {
+            let mut job = Job::new(machines, devices, size);
+            job.tensors = o.tensors;
+            job.slicing = slicing;
+            job.budget_bytes = o.budget;
+            job.servers = o.servers;
+            for &algo in &o.algos {
+                let prediction = match predict(&hw, &job, algo) {
+                    Ok(p) => p,
+                    Err(ModelError::NotApplicable { .. }) => continue,
+                    // The engine would refuse this job too (a staging buffer over
+                    // the budget, say): say so and go on with the sweep.
+                    Err(ModelError::Plan(e)) => {
+                        println!("# {gpus} GPUs, {size} bytes, {algo}: fairring refuses: {e}");
+                        continue;
+                    }
+                    Err(e) => return Err(format!("{gpus} GPUs, {size} bytes, {algo}: {e}")),
+                };
+                print_row(gpus, &job, &prediction);
+                rows.push(Row {
+                    gpus,
+                    job,
+                    prediction,
+                });
+            }
+            if size >= o.max_bytes {
+                break;
+            }
+            size = size.saturating_mul(o.factor).min(o.max_bytes);
+        }
+    }
+    if let Some(path) = &o.json {
+        write_json(path, &hw, &rows).map_err(|e| format!("writing {path}: {e}"))?;
+    }
+    if let Some(path) = &o.plot {
+        plot_rows(o, &hw, &rows, path)?;
+    }
+    Ok(())
+}
+
+fn print_row(gpus: u64, job: &Job, p: &Prediction) {
+    let (k, buffers, messages) = match p.traffic {
+        Some(t) => (
+            t.shards_per_full_slice.to_string(),
+            t.staging_buffers.to_string(),
+            t.messages_sent.to_string(),
+        ),
+        None => ("-".into(), "-".into(), "-".into()),
+    };
+    println!(
+        "{:>6} {:>5} {:>12} {:>13} {:>12.1} {:>9.2} {:>9.2} {:>5} {:>4} {:>9}",
+        gpus,
+        job.machines,
+        job.bytes,
+        p.algo.name(),
+        p.seconds * 1e6,
+        p.algbw_gbps,
+        p.busbw_gbps,
+        k,
+        buffers,
+        messages
+    );
+}
+
+fn write_json(path: &str, hw: &Hardware, rows: &[Row]) -> std::io::Result<()> {
+    let rows: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            let t = r.prediction.traffic;
+            serde_json::json!({
+                "preset": hw.name,
+                "gpus": r.gpus,
+                "machines": r.job.machines,
+                "devices": r.job.devices,
+                "bytes": r.job.bytes,
+                "tensors": r.job.tensors,
+                "algo": r.prediction.algo.name(),
+                "time_us": r.prediction.seconds * 1e6,
+                "algbw_gbps": r.prediction.algbw_gbps,
+                "busbw_gbps": r.prediction.busbw_gbps,
+                "shards_per_full_slice": t.map(|t| t.shards_per_full_slice),
+                "staging_buffers": t.map(|t| t.staging_buffers),
+                "messages_sent": t.map(|t| t.messages_sent),
+                "bytes_sent": t.map(|t| t.bytes_sent),
+            })
+        })
+        .collect();
+    let text = serde_json::to_string_pretty(&rows).map_err(std::io::Error::other)?;
+    std::fs::write(path, text + "\n")
+}
+
+fn plot_rows(o: &Options, hw: &Hardware, rows: &[Row], path: &str) -> Result<(), String> {
+    let gpus = o
+        .plot_gpus
+        .unwrap_or_else(|| o.gpus.iter().copied().max().unwrap_or(8));
+    let size = o
+        .plot_bytes
+        .unwrap_or_else(|| rows.iter().map(|r| r.job.bytes).max().unwrap_or(0));
+    let series = |x: &dyn Fn(&Row) -> Option<f64>| -> Vec<Series> {
+        o.algos
+            .iter()
+            .map(|&algo| Series {
+                label: algo.name().to_owned(),
+                points: rows
+                    .iter()
+                    .filter(|r| r.prediction.algo == algo)
+                    .filter_map(|r| x(r).map(|x| (x, r.prediction.busbw_gbps)))
+                    .collect(),
+            })
+            .filter(|s| !s.points.is_empty())
+            .collect()
+    };
+    #[expect(clippy::cast_precision_loss, reason = "sizes far below 2^52")]
+    let by_size = Chart {
+        title: format!("predicted all-reduce busbw, {gpus} GPUs ({})", hw.name),
+        x_axis: Axis::Bytes,
+        x_label: "tensor size".into(),
+        y_label: "busbw (GB/s)".into(),
+        series: series(&|r| (r.gpus == gpus).then_some(r.job.bytes as f64)),
+    };
+    #[expect(clippy::cast_precision_loss, reason = "sizes far below 2^52")]
+    let by_gpus = Chart {
+        title: format!(
+            "predicted all-reduce busbw at {} MiB ({})",
+            size >> 20,
+            hw.name
+        ),
+        x_axis: Axis::Count,
+        x_label: "GPUs".into(),
+        y_label: "busbw (GB/s)".into(),
+        series: series(&|r| (r.job.bytes == size).then_some(r.gpus as f64)),
+    };
+    for (chart, suffix) in [(by_size, "size"), (by_gpus, "gpus")] {
+        let files = plot::write(&chart, Path::new(&format!("{path}-{suffix}")))?;
+        for f in files {
+            println!("# wrote {}", f.display());
+        }
+    }
+    Ok(())
+}
+
+fn calibrate_from(path: &str, algo: &str, hw: &Hardware) -> Result<(), String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("reading {path}: {e}"))?;
+    let rows: Vec<BenchRow> =
+        serde_json::from_str(&text).map_err(|e| format!("{path}: not fairring-bench JSON: {e}"))?;
+    let c = calibrate(&rows, algo, hw).map_err(|e| format!("{path}: {e}"))?;
+    println!(
+        "# {} rows of {algo} on {}x{}: fixed cost {:.1} us, a rail reached {:.3} GB/s",
+        rows.iter().filter(|r| r.algo == algo).count(),
+        c.machines,
+        c.devices,
+        c.fixed_us,
+        c.rail_gbps
+    );
+    print!("{}", c.to_toml(&hw.name));
+    Ok(())
+}

@@ -1,0 +1,405 @@
+//! The scale model's own invariants: monotone in bytes, closed forms at their
+//! limits, bounds no schedule can beat, and predictions that consume fairring-core's
+//! real plan. No expected figure here comes from the model itself.
+
+use fairring_bench::model::calibrate::{BenchRow, calibrate, fit_line};
+use fairring_bench::model::{
+    Algo, BUILTIN_PRESETS, Hardware, Job, ModelError, parse_presets, predict, preset,
+};
+use fairring_bench::plot::{self, Axis, Chart, Series};
+use fairring_core::plan::{Geometry, Plan, PlanConfig};
+use fairring_core::topology::{Location, RankLayout, Topology};
+
+fn presets() -> Vec<Hardware> {
+    parse_presets(BUILTIN_PRESETS, "built-in")
+        .expect("the built-in presets parse")
+        .into_values()
+        .collect()
+}
+
+fn h100() -> Hardware {
+    let all = parse_presets(BUILTIN_PRESETS, "built-in").expect("presets parse");
+    preset(&all, "h100").expect("an h100 preset")
+}
+
+/// `hw` with every per-message and fixed cost set to zero.
+fn free_of_latency(mut hw: Hardware) -> Hardware {
+    hw.nvlink.latency_us = 0.0;
+    hw.pcie.latency_us = 0.0;
+    hw.nic.latency_us = 0.0;
+    hw.server.latency_us = 0.0;
+    hw.software.fairring_step_us = 0.0;
+    hw.software.fairring_op_us = 0.0;
+    hw.software.nccl_op_us = 0.0;
+    hw
+}
+
+const MIB: u64 = 1 << 20;
+
+#[test]
+fn time_never_falls_as_the_tensor_grows() {
+    for hw in presets() {
+        for (m, d) in [(1, 8), (2, 8), (8, 8), (64, 8), (3, 1), (256, 8)] {
+            for algo in Algo::ALL {
+                let mut last = 0.0;
+                let mut bytes = MIB;
+                while bytes <= 1 << 30 {
+                    let job = Job::new(m, d, bytes);
+                    match predict(&hw, &job, algo) {
+                        Ok(p) => {
+                            assert!(p.seconds.is_finite() && p.seconds > 0.0);
+                            assert!(
+                                p.seconds >= last,
+                                "{} {algo} {m}x{d}: {bytes} bytes took {} s, less than {last} s \
+                                 for half as many",
+                                hw.name,
+                                p.seconds
+                            );
+                            last = p.seconds;
+                        }
+                        Err(ModelError::NotApplicable { .. }) => {
+                            assert!(algo == Algo::NcclTree && m == 1);
+                        }
+                        Err(e) => panic!("{} {algo} {m}x{d} {bytes}: {e}", hw.name),
+                    }
+                    bytes *= 4;
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn nccl_matches_its_closed_forms_without_latency() {
+    let hw = free_of_latency(h100());
+    let nvlink = hw.nvlink.gbps * 1e9;
+    let nics = hw.nic.gbps * f64::from(hw.nic.count) * 1e9;
+    for (m, d) in [(1, 8), (2, 8), (16, 8), (4, 1)] {
+        let bytes = 256 * MIB;
+        let job = Job::new(m, d, bytes);
+        let n = f64::from(m * d);
+        let rate = match (m > 1, d > 1) {
+            (true, true) => nvlink.min(nics),
+            (true, false) => nics,
+            (false, _) => nvlink,
+        };
+        let s = bytes as f64;
+        let ring = predict(&hw, &job, Algo::NcclRing).unwrap();
+        let want = 2.0 * (n - 1.0) / n * s / rate;
+        assert!((ring.seconds - want).abs() <= want * 1e-12, "{m}x{d}: ring");
+        // The ring's busbw is the link's rate, by the definition of busbw.
+        assert!((ring.busbw_gbps * 1e9 - rate).abs() <= rate * 1e-9);
+        if m > 1 {
+            let tree = predict(&hw, &job, Algo::NcclTree).unwrap();
+            let want = 2.0 * s / rate;
+            assert!((tree.seconds - want).abs() <= want * 1e-12, "{m}x{d}: tree");
+        }
+    }
+}
+
+#[test]
+fn nccl_latency_terms_count_hops() {
+    // With unbounded rates only alpha remains: 2(N-1) hops for the ring on one
+    // machine, 2 log2(M) NIC hops plus 2(D-1) NVLink hops for the tree.
+    let mut hw = free_of_latency(h100());
+    hw.nvlink.gbps = 1e300;
+    hw.nic.gbps = 1e300;
+    hw.nvlink.latency_us = 1.0;
+    hw.nic.latency_us = 10.0;
+    let ring = predict(&hw, &Job::new(1, 8, MIB), Algo::NcclRing).unwrap();
+    assert!((ring.seconds - 14e-6).abs() < 1e-12);
+    let tree = predict(&hw, &Job::new(16, 8, MIB), Algo::NcclTree).unwrap();
+    assert!((tree.seconds - (2.0 * 4.0 * 10e-6 + 2.0 * 7.0 * 1e-6)).abs() < 1e-12);
+}
+
+#[test]
+fn no_schedule_beats_the_bytes_on_the_busiest_rail_or_on_nvlink() {
+    for hw in presets() {
+        for (m, d) in [(2, 1), (4, 8), (5, 8), (32, 8), (256, 8)] {
+            for bytes in [MIB, 64 * MIB, 256 * MIB, 1 << 30] {
+                let job = Job::new(m, d, bytes);
+                let rail = hw.rail(d).gbps * 1e9;
+                let p = predict(&hw, &job, Algo::Hierarchical).unwrap();
+                let t = p.traffic.unwrap();
+                let bound = t.bytes_sent.max(t.bytes_received) as f64 / rail;
+                assert!(
+                    p.seconds >= bound,
+                    "{} {m}x{d} {bytes}: {} s beats the rail's {bound} s",
+                    hw.name,
+                    p.seconds
+                );
+                // The reduce-scatter and all-gather within the machine each move
+                // (D-1)/D of every byte over a GPU's NVLink.
+                let dd = f64::from(d);
+                let nvlink = 2.0 * (dd - 1.0) / dd * bytes as f64 / (hw.nvlink.gbps * 1e9);
+                assert!(
+                    p.seconds >= nvlink,
+                    "{} {m}x{d} {bytes}: {} s beats NVLink's {nvlink} s",
+                    hw.name,
+                    p.seconds
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn hierarchical_reaches_its_bandwidth_bound_when_nothing_else_costs() {
+    // One GPU a machine, no latency, memory and staging unbounded: the pipeline
+    // must converge to the rail's bound 2(M-1)/M * S / rate (each rail sends its
+    // contributions and its results), and never go below it.
+    let mut hw = free_of_latency(h100());
+    hw.memory.gbps = 1e300;
+    for m in [2u32, 4, 8] {
+        let mut job = Job::new(m, 1, 1 << 30);
+        job.budget_bytes = 1 << 40;
+        let p = predict(&hw, &job, Algo::Hierarchical).unwrap();
+        let rail = hw.rail(1).gbps * 1e9;
+        let mm = f64::from(m);
+        let bound = 2.0 * (mm - 1.0) / mm * (1u64 << 30) as f64 / rail;
+        assert!(p.seconds >= bound * (1.0 - 1e-9), "{m}: below the bound");
+        assert!(
+            p.seconds <= bound * 1.05,
+            "{m}: {} s against {bound} s",
+            p.seconds
+        );
+    }
+}
+
+/// What the plan says each machine's rail 0 sends, counted here independently of
+/// the model: per slice, a contribution per shard served elsewhere and, on a
+/// server, a result to each other machine.
+fn sent_by_plan(job: &Job) -> Vec<(u64, u64)> {
+    let topology = Topology::new(job.machines, job.devices, RankLayout::Contiguous).unwrap();
+    let geometry = Geometry::new(topology, job.slicing).unwrap();
+    let mut sent = vec![(0u64, 0u64); job.machines as usize];
+    let mut rotation = 0;
+    for _ in 0..job.tensors {
+        let plan = Plan::new(&geometry, job.dtype, job.elements(), rotation).unwrap();
+        rotation = plan.next_rotation();
+        for slice in plan.slices() {
+            for cell in slice.cells().filter(|c| c.device() == 0) {
+                let bytes = cell.span().byte_len();
+                for (m, s) in sent.iter_mut().enumerate() {
+                    let m = u32::try_from(m).unwrap();
+                    if job.machines == 1 {
+                        continue;
+                    }
+                    if cell.server() == m {
+                        s.0 += u64::from(job.machines - 1);
+                        s.1 += u64::from(job.machines - 1) * bytes;
+                    } else {
+                        s.0 += 1;
+                        s.1 += bytes;
+                    }
+                }
+            }
+        }
+    }
+    sent
+}
+
+#[test]
+fn predictions_consume_the_real_plan() {
+    let hw = h100();
+    for (m, d, bytes, tensors) in [
+        (4, 8, 100 * MIB, 1),
+        (3, 1, 7 * MIB + 12, 3),
+        (256, 8, 64 * MIB, 2),
+        (1, 8, 64 * MIB, 1),
+    ] {
+        for original in [false, true] {
+            let mut job = Job::new(m, d, bytes);
+            job.tensors = tensors;
+            if original {
+                job = job.original();
+            }
+            let t = predict(&hw, &job, Algo::Hierarchical)
+                .unwrap()
+                .traffic
+                .unwrap();
+            let sent = sent_by_plan(&job);
+            let busiest = sent.iter().copied().max_by_key(|&(n, b)| (b, n)).unwrap();
+            assert_eq!(
+                (t.messages_sent, t.bytes_sent),
+                busiest,
+                "{m}x{d} {bytes} x{tensors}, original {original}"
+            );
+            let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+            let geometry = Geometry::new(topology, job.slicing).unwrap();
+            assert_eq!(
+                t.staging_buffers,
+                geometry.staging_buffers(job.budget_bytes).unwrap()
+            );
+            assert_eq!(t.shards_per_full_slice, geometry.shards_per_full_slice());
+        }
+    }
+}
+
+#[test]
+fn the_minimum_shard_changes_the_prediction_through_the_plan() {
+    // At 256 machines the adaptive rule cuts a 25 MiB slice into fewer shards than
+    // machines; the original's slicing uses one per machine.
+    let hw = h100();
+    let adaptive = Job::new(256, 8, 256 * MIB);
+    let original = adaptive.original();
+    let a = predict(&hw, &adaptive, Algo::Hierarchical)
+        .unwrap()
+        .traffic
+        .unwrap();
+    let o = predict(&hw, &original, Algo::Hierarchical)
+        .unwrap()
+        .traffic
+        .unwrap();
+    let plan_k = |job: &Job| {
+        let t = Topology::new(job.machines, job.devices, RankLayout::Contiguous).unwrap();
+        Geometry::new(t, job.slicing)
+            .unwrap()
+            .shards_per_full_slice()
+    };
+    assert_eq!(a.shards_per_full_slice, plan_k(&adaptive));
+    assert_eq!(o.shards_per_full_slice, 256);
+    assert!(a.shards_per_full_slice < 256);
+    assert!(a.messages_sent < o.messages_sent);
+}
+
+#[test]
+fn dedicated_servers_halve_what_a_worker_sends() {
+    // Herring: a worker's rail sends its slot once (S/D) instead of 2(M-1)/M S/D.
+    let hw = h100();
+    for m in [2u32, 4, 16] {
+        let job = Job::new(m, 8, 200 * MIB);
+        let servers = predict(&hw, &job, Algo::Servers).unwrap().traffic.unwrap();
+        let colocated = predict(&hw, &job, Algo::Hierarchical)
+            .unwrap()
+            .traffic
+            .unwrap();
+        let topology = Topology::new(m, 8, RankLayout::Contiguous).unwrap();
+        let geometry = Geometry::new(topology, PlanConfig::DEFAULT).unwrap();
+        let plan = Plan::new(&geometry, job.dtype, job.elements(), 0).unwrap();
+        let slots: u64 = plan.slices().map(|s| s.slot(0).unwrap().byte_len()).sum();
+        assert_eq!(servers.bytes_sent, slots, "{m} machines");
+        assert_eq!(servers.bytes_received, slots, "{m} machines");
+        // Co-located: every machine serves equally here (k = M), so each rail
+        // sends 2(M-1)/M of its slots, within a unit per cell.
+        let expected = 2.0 * f64::from(m - 1) / f64::from(m) * slots as f64;
+        assert!(
+            (colocated.bytes_sent as f64 - expected).abs() <= expected * 0.01,
+            "{m}: co-located {} against {expected}",
+            colocated.bytes_sent
+        );
+        let first = plan.slice(0).unwrap();
+        assert!(
+            first
+                .role(Location {
+                    machine: 0,
+                    device: 0
+                })
+                .unwrap()
+                .reduces
+        );
+    }
+}
+
+#[test]
+fn nccl_tree_refuses_one_machine_and_bad_jobs_are_named() {
+    let hw = h100();
+    assert!(matches!(
+        predict(&hw, &Job::new(1, 8, MIB), Algo::NcclTree),
+        Err(ModelError::NotApplicable { .. })
+    ));
+    let mut job = Job::new(2, 8, MIB);
+    job.tensors = 0;
+    let e = predict(&hw, &job, Algo::Hierarchical).unwrap_err();
+    assert!(e.to_string().contains("tensors"), "{e}");
+    let e = predict(&hw, &Job::new(0, 8, MIB), Algo::Hierarchical).unwrap_err();
+    assert!(matches!(e, ModelError::Topology(_)), "{e}");
+    let e = predict(&hw, &Job::new(2, 8, 2), Algo::Hierarchical).unwrap_err();
+    assert!(e.to_string().contains("no f32 element"), "{e}");
+}
+
+#[test]
+fn presets_are_checked_and_named() {
+    let names: Vec<String> = presets().into_iter().map(|h| h.name).collect();
+    assert!(names.contains(&"h100".to_owned()) && names.contains(&"v100".to_owned()));
+    let bad = BUILTIN_PRESETS.replacen("gbps = 450.0", "gbps = -1.0", 1);
+    let e = parse_presets(&bad, "test").unwrap_err();
+    assert!(e.to_string().contains("nvlink.gbps"), "{e}");
+    let e = parse_presets("[x]\nbogus = 1\n", "test").unwrap_err();
+    assert!(e.to_string().contains("test"), "{e}");
+    let all = parse_presets(BUILTIN_PRESETS, "built-in").unwrap();
+    let e = preset(&all, "a100").unwrap_err();
+    assert!(
+        e.to_string().contains("h100"),
+        "the known names are listed: {e}"
+    );
+}
+
+#[test]
+fn a_line_through_exact_points_is_recovered() {
+    let (a, b) = (37e-6, 1.0 / 3.2e9);
+    let points: Vec<(f64, f64)> = (10..24)
+        .map(|p| {
+            let x = f64::from(1u32 << p);
+            (x, a + b * x)
+        })
+        .collect();
+    let (fa, fb) = fit_line(&points).unwrap();
+    assert!((fa - a).abs() < 1e-9 && (fb - b).abs() / b < 1e-9);
+    assert_eq!(fit_line(&points[..1]), None);
+}
+
+#[test]
+fn calibration_turns_a_measured_line_into_a_rail() {
+    // Rows of a 2x1 job whose time is 50 us + S / 2 GB/s: on 2x1 a rail sends as
+    // many bytes as the tensor holds (half as contributions, half as results), so
+    // the rail's rate is 2 GB/s.
+    let hw = h100();
+    let rows: Vec<BenchRow> = (12..=26)
+        .step_by(2)
+        .map(|p| {
+            let bytes = 1u64 << p;
+            BenchRow {
+                bytes,
+                algo: "hierarchical".into(),
+                time_us: 50.0 + bytes as f64 / 2e9 * 1e6,
+                machines: 2,
+                devices: 1,
+            }
+        })
+        .collect();
+    let c = calibrate(&rows, "hierarchical", &hw).unwrap();
+    assert!((c.rail_gbps - 2.0).abs() < 0.02, "{}", c.rail_gbps);
+    assert!((c.fixed_us - 50.0).abs() < 0.01, "{}", c.fixed_us);
+    let toml = c.to_toml("site");
+    let parsed: toml::Table = toml::from_str(&toml).unwrap();
+    assert!(parsed["site"]["nic"]["gbps"].as_float().is_some());
+    assert!(calibrate(&rows, "ring", &hw).is_err(), "no rows of ring");
+}
+
+#[test]
+fn charts_are_written_as_svg_and_png() {
+    let dir = std::env::temp_dir().join(format!("fairring-plot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let chart = Chart {
+        title: "test chart".into(),
+        x_axis: Axis::Bytes,
+        x_label: "size".into(),
+        y_label: "busbw (GB/s)".into(),
+        series: vec![Series {
+            label: "hierarchical-line".into(),
+            points: vec![(1024.0, 1.0), (1048576.0, 3.0)],
+        }],
+    };
+    let [svg, png] = plot::write(&chart, &dir.join("chart.svg")).unwrap();
+    let svg_text = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg_text.starts_with("<svg") && svg_text.contains("hierarchical-line"));
+    let png_bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&png_bytes[..8], b"\x89PNG\r\n\x1a\n");
+    let empty = Chart {
+        series: vec![],
+        ..chart
+    };
+    assert!(plot::write(&empty, &dir.join("empty")).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
