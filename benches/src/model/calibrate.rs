@@ -61,10 +61,12 @@ pub struct Calibration {
 }
 
 impl Calibration {
-    /// The fit as the `nic` table of a presets file.
+    /// The fit as the `nic` table of a presets file: it replaces that table in a
+    /// copy of preset `preset`.
     pub fn to_toml(&self, preset: &str) -> String {
         format!(
-            "# fitted to a {}x{} fairring-bench run: fixed cost {:.1} us\n\
+            "# fitted to a {}x{} fairring-bench run: fixed cost {:.1} us; this replaces\n\
+             # the nic table of a copy of the preset, renamed\n\
              [{preset}.nic]\nlatency_us = {:.2}\ngbps = {:.3}\ncount = {}\n",
             self.machines,
             self.devices,

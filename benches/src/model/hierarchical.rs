@@ -16,7 +16,7 @@
 //! 6. **results in** from every other server of the slice, on the receive side;
 //! 7. **all-gather** within the machine, on NVLink.
 //!
-//! Every stage holds its resource ([`Timeline`]) while it runs, so the stages of
+//! Every stage holds its resource (a timeline of busy intervals) while it runs, so the stages of
 //! different slices overlap exactly as far as the resources and the staging
 //! buffers allow: a slice takes a machine's buffer when the slice `buffers` before
 //! it has released that machine's buffer (its all-gather done, its results sent),
