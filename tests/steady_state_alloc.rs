@@ -6,6 +6,8 @@
 //! 20th of 20 identical all-reduces, for each algorithm, and fails if any
 //! happened.
 
+mod common;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -89,11 +91,7 @@ fn rank_body() {
 #[test]
 fn no_allocation_per_all_reduce_on_any_rank() {
     let exe = std::env::current_exe().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port();
     let (m, d) = (2u32, 2u32);
     let children: Vec<_> = (0..m * d)
         .map(|rank| {

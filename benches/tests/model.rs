@@ -98,6 +98,30 @@ fn nccl_matches_its_closed_forms_without_latency() {
 }
 
 #[test]
+fn fairring_ring_matches_its_closed_form_without_latency() {
+    // No alpha, no hand-offs, memory unbounded: every slice's ring moves
+    // 2(N-1)/N of its bytes over the slowest edge and the links do one slice at a
+    // time, so the whole tensor takes 2(N-1)/N * S / edge.
+    let mut hw = free_of_latency(h100());
+    hw.memory.gbps = 1e300;
+    for (m, d, edge) in [
+        (1u32, 8u32, hw.pcie.gbps),
+        (4, 1, hw.nic.gbps),
+        (2, 8, hw.nic.gbps.min(hw.pcie.gbps)),
+    ] {
+        let bytes = 100 * MIB;
+        let p = predict(&hw, &Job::new(m, d, bytes), Algo::Ring).unwrap();
+        let n = f64::from(m * d);
+        let want = 2.0 * (n - 1.0) / n * bytes as f64 / (edge * 1e9);
+        assert!(
+            (p.seconds - want).abs() <= want * 1e-9,
+            "{m}x{d}: {} against {want}",
+            p.seconds
+        );
+    }
+}
+
+#[test]
 fn nccl_latency_terms_count_hops() {
     // With unbounded rates only alpha remains: 2(N-1) hops for the ring on one
     // machine, 2 log2(M) NIC hops plus 2(D-1) NVLink hops for the tree.
