@@ -110,11 +110,16 @@ where
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     let points = chart.series.iter().flat_map(|s| s.points.iter());
     let (mut x0, mut x1, mut y1) = (f64::INFINITY, 0.0f64, 0.0f64);
+    // Ticks where the data is (the sizes or GPU counts swept), not at powers of ten.
+    let mut ticks: Vec<f64> = Vec::new();
     for &(x, y) in points {
         x0 = x0.min(x);
         x1 = x1.max(x);
         y1 = y1.max(y);
+        ticks.push(x);
     }
+    ticks.sort_by(f64::total_cmp);
+    ticks.dedup();
     if x1 <= x0 {
         x1 = x0 * 2.0;
     }
@@ -125,7 +130,7 @@ where
         .margin(16)
         .x_label_area_size(52)
         .y_label_area_size(70)
-        .build_cartesian_2d((x0..x1).log_scale(), 0.0..y1)
+        .build_cartesian_2d((x0..x1).log_scale().with_key_points(ticks), 0.0..y1)
         .map_err(err)?;
     let axis = chart.x_axis;
     c.configure_mesh()
