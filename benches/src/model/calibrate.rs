@@ -32,13 +32,16 @@ pub struct BenchRow {
 /// The least-squares line `time = a + b * bytes` through `(bytes, seconds)`
 /// points; `None` with fewer than two distinct sizes.
 pub fn fit_line(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    if points.len() < 2 {
+        return None;
+    }
     #[expect(clippy::cast_precision_loss, reason = "few points")]
     let n = points.len() as f64;
     let mean_x = points.iter().map(|p| p.0).sum::<f64>() / n;
     let mean_y = points.iter().map(|p| p.1).sum::<f64>() / n;
     let sxx: f64 = points.iter().map(|p| (p.0 - mean_x).powi(2)).sum();
     let sxy: f64 = points.iter().map(|p| (p.0 - mean_x) * (p.1 - mean_y)).sum();
-    if points.len() < 2 || sxx <= 0.0 {
+    if sxx <= 0.0 {
         return None;
     }
     let b = sxy / sxx;

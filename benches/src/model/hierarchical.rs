@@ -26,6 +26,7 @@
 //! [`Role::contributions_to_send`]: fairring_core::staging::Role::contributions_to_send
 
 use fairring_core::plan::{Geometry, Slice};
+use fairring_core::staging::Role;
 use fairring_core::topology::{Location, RankLayout, Topology};
 
 use super::stages::{self, Buffers, Stages, f};
@@ -103,6 +104,7 @@ struct Scratch {
     reduced: Vec<f64>,
     returned: Vec<f64>,
     cell: Vec<u64>,
+    role: Vec<Role>,
 }
 
 struct Pipeline<'a> {
@@ -128,8 +130,11 @@ impl Pipeline<'_> {
         }
         s.cell.clear();
         s.cell.resize(m_count, 0);
-        #[expect(clippy::cast_precision_loss, reason = "slice sizes far below 2^52")]
-        let slice_bytes = slice.span().byte_len() as f64;
+        s.role.clear();
+        for m in 0..m_count {
+            s.role.push(slice.role(location(m))?);
+        }
+        let slice_bytes = f(slice.span().byte_len());
         let slot_bytes = slice.slot(0)?.byte_len();
         // Which machine serves which cell of rail 0, from the plan.
         for j in 0..slice.shards() {
@@ -141,8 +146,7 @@ impl Pipeline<'_> {
             let ready = machine.buffers.take(submitted);
             s.ready[m] = ready;
             s.scattered[m] = machine.nvlink.run(ready, costs.stages.intra(slice_bytes));
-            let role = slice.role(location(m))?;
-            let sends = u64::from(role.contributions_to_send);
+            let sends = u64::from(s.role[m].contributions_to_send);
             let bytes = slot_bytes - s.cell[m];
             s.sent[m] = if sends > 0 {
                 machine.messages_sent += sends;
@@ -158,7 +162,7 @@ impl Pipeline<'_> {
         let first_scattered = s.scattered.iter().copied().fold(f64::INFINITY, f64::min);
         // 3-5. Contributions in, reduction, results out, on every serving machine.
         for (v, machine) in self.machines.iter_mut().enumerate() {
-            let role = slice.role(location(v))?;
+            let role = s.role[v];
             if !role.reduces {
                 s.reduced[v] = s.scattered[v];
                 s.returned[v] = s.scattered[v];
@@ -170,7 +174,7 @@ impl Pipeline<'_> {
             machine.bytes_received += bytes_in;
             let paced = machine.receive.run(
                 first_scattered.max(s.ready[v]),
-                f(bytes_in) / (costs.rail.gbps * 1e9),
+                costs.rail.seconds(0.0, f(bytes_in)),
             );
             let arrived = paced.max(last_sent.max_except(v) + costs.rail.latency_us * 1e-6);
             s.reduced[v] = machine.gpu.run(
@@ -201,14 +205,13 @@ impl Pipeline<'_> {
             .fold(f64::INFINITY, f64::min);
         // 6-7. Results in, all-gather within the machine; the buffer is released.
         for (m, machine) in self.machines.iter_mut().enumerate() {
-            let role = slice.role(location(m))?;
             let mut ready = s.reduced[m];
-            if role.results_to_receive > 0 {
+            if s.role[m].results_to_receive > 0 {
                 let bytes = slot_bytes - s.cell[m];
                 machine.bytes_received += bytes;
                 let paced = machine
                     .receive
-                    .run(first_reduced, f(bytes) / (costs.rail.gbps * 1e9));
+                    .run(first_reduced, costs.rail.seconds(0.0, f(bytes)));
                 ready = ready
                     .max(paced)
                     .max(last_returned.max_except(m) + costs.rail.latency_us * 1e-6);

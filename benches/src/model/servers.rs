@@ -24,7 +24,7 @@ use fairring_core::plan::Geometry;
 use fairring_core::topology::{RankLayout, Topology};
 
 use super::stages::{self, Buffers, Stages, f};
-use super::timeline::{Timeline, TopTwo};
+use super::timeline::Timeline;
 use super::{Algo, Hardware, Job, ModelError, Prediction, Traffic};
 
 /// Passes over a server's memory per contribution byte (see the module docs).
@@ -51,15 +51,14 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     let rail = hw.rail(job.devices);
     let server_link = hw.server_link();
     let stages = Stages::new(hw, job);
-    let d = f64::from(job.devices);
-    let m = f64::from(job.machines);
+    // Every rail of every worker sends each server of a slice one contribution.
+    let contributions = f64::from(job.devices) * f64::from(job.machines);
 
     let mut nvlink = Timeline::default();
     let mut send = Timeline::default();
     let mut receive = Timeline::default();
     let mut worker_buffers = Buffers::new(buffers);
     let mut servers = vec![ServerMachine::default(); k_servers as usize];
-    let mut returned = vec![f64::NEG_INFINITY; k_servers as usize];
     let mut traffic = Traffic {
         shards_per_full_slice: geometry.shards_per_full_slice(),
         staging_buffers: buffers,
@@ -76,16 +75,15 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
         traffic.bytes_sent += slot;
         traffic.bytes_received += slot;
         let sent = send.run(scattered, rail.seconds(f64::from(k), f(slot)));
-        returned.fill(f64::NEG_INFINITY);
         let mut first_returned = f64::INFINITY;
+        let mut last_returned = f64::NEG_INFINITY;
         for j in 0..k {
             let v = slice.server(j)? as usize;
             let cell = f(slice.cell(0, j)?.span().byte_len());
-            let contributions = m * d;
             let server = &mut servers[v];
             let landed = server
                 .receive
-                .run(scattered, contributions * cell / (server_link.gbps * 1e9))
+                .run(scattered, server_link.seconds(0.0, contributions * cell))
                 .max(sent + server_link.latency_us * 1e-6);
             // Accumulated as they land: the reduction ends one contribution
             // after the last lands, or when memory has done every pass.
@@ -95,16 +93,16 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
                 .run(scattered, passes)
                 .max(landed + SERVER_PASSES * cell / (hw.server.memory_gbps * 1e9))
                 + stages.step();
-            returned[v] = server.send.run(
+            let returned = server.send.run(
                 reduced,
                 server_link.seconds(contributions, contributions * cell),
             );
             first_returned = first_returned.min(reduced);
+            last_returned = last_returned.max(returned);
         }
-        let last = TopTwo::of(returned.iter().copied().enumerate()).max_except(usize::MAX);
         let results_in = receive
-            .run(first_returned, f(slot) / (rail.gbps * 1e9))
-            .max(last + server_link.latency_us * 1e-6);
+            .run(first_returned, rail.seconds(0.0, f(slot)))
+            .max(last_returned + server_link.latency_us * 1e-6);
         worker_buffers.release(nvlink.run(results_in, stages.intra(slice_bytes)));
     }
     Ok(Prediction::new(
