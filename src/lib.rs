@@ -62,8 +62,8 @@ mod shm;
 pub mod store;
 mod sync;
 
-pub use communicator::{Communicator, Scope, Work};
-pub use config::{Algorithm, Config, ConfigBuilder, FabricChoice};
+pub use communicator::{Communicator, Scope, Server, Work};
+pub use config::{Algorithm, Config, ConfigBuilder, FabricChoice, Role};
 pub use error::{Error, Result};
 pub use fairring_core::{DataType, ReduceOp};
 pub use store::Store;

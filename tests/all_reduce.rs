@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{job, small_slices};
+use common::{SERVER_LAYOUTS, job, job_with_servers, small_slices};
 use fairring::{Algorithm, ReduceOp};
 
 /// The value rank `r` holds at element `i` of operation `op_index`: small integers,
@@ -19,10 +19,15 @@ fn sizes() -> Vec<usize> {
 }
 
 fn check_layout(m: u32, d: u32, algorithm: Algorithm) {
+    check_layout_with_servers(m, d, 0, algorithm);
+}
+
+fn check_layout_with_servers(m: u32, d: u32, servers: u32, algorithm: Algorithm) {
     let world = m * d;
-    let results = job(
+    let results = job_with_servers(
         m,
         d,
+        servers,
         |b| small_slices(b, algorithm),
         |rank, comm| {
             let sizes = sizes();
@@ -54,7 +59,8 @@ fn check_layout(m: u32, d: u32, algorithm: Algorithm) {
             assert_eq!(
                 wrong,
                 0,
-                "{m}x{d} {algorithm}: rank {rank}, tensor {k} ({} elements): {wrong} wrong",
+                "{m}x{d} + {servers} servers {algorithm}: rank {rank}, tensor {k} ({} elements): \
+                 {wrong} wrong",
                 buf.len()
             );
         }
@@ -66,6 +72,15 @@ fn hierarchical_every_layout() {
     for (m, d) in [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (1, 3), (3, 2)] {
         check_layout(m, d, Algorithm::Hierarchical);
     }
+}
+
+#[test]
+fn dedicated_servers_every_layout() {
+    for (m, d, servers) in SERVER_LAYOUTS {
+        check_layout_with_servers(m, d, servers, Algorithm::Hierarchical);
+    }
+    // A ring operation leaves the servers out, and they keep in step.
+    check_layout_with_servers(2, 1, 1, Algorithm::Ring);
 }
 
 #[test]

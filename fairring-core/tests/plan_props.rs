@@ -405,3 +405,82 @@ fn staging_buffers_for_a_budget() {
     assert_eq!(g.staging_buffers(50 << 20).unwrap(), 8);
     assert!(g.staging_buffers(1 << 20).is_err());
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    /// With dedicated servers: machines serve nothing and send every shard of their
+    /// slot; every server gets the same bytes of every full slice within one unit
+    /// (Herring's balanced buffers), and its cells fit its layout's disjoint areas.
+    #[test]
+    fn dedicated_servers_take_equal_shares(
+        m in 1u32..=12, d in 1u32..=4, k in 1u32..=12, units in 1u64..=256,
+        min_units in 1u64..=16, slices in 1u64..=40, tail in 0u64..=1000,
+        rot in any::<u64>(), dtype in dtype(),
+    ) {
+        let topo = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+        let config = PlanConfig::new(units * u64::from(d) * ALIGN_BYTES, min_units * ALIGN_BYTES).unwrap();
+        let g = Geometry::with_servers(topo, config, k).unwrap();
+        prop_assert_eq!(g.servers(), Some(k));
+        prop_assert!(g.shards_per_full_slice() <= k);
+        prop_assert_eq!(g.staging_layout().contribution_areas(), 0);
+        let layout = g.server_layout().unwrap();
+        let per_slice = g.full_slice_bytes() / dtype.size_bytes();
+        let n = (slices - 1) * per_slice + 1 + (per_slice - 1) * tail / 1000;
+        let plan = Plan::new(&g, dtype, n, rot).unwrap();
+        for slice in plan.slices() {
+            let full = slice.span().len() == per_slice;
+            let mut per_server = vec![0u64; k as usize];
+            for machine in 0..m {
+                prop_assert_eq!(slice.shard_served_by(machine).unwrap(), None);
+                for device in 0..d {
+                    let role = slice.role(Location { machine, device }).unwrap();
+                    if !slice.slot(device).unwrap().is_empty() {
+                        prop_assert_eq!(u32::from(role.contributions_to_send), slice.shards());
+                        prop_assert_eq!(u32::from(role.results_to_receive), slice.shards());
+                        prop_assert!(!role.reduces && role.contributions_to_receive == 0);
+                    }
+                }
+            }
+            for cell in slice.cells() {
+                prop_assert!(cell.server() < k);
+                prop_assert!(cell.span().byte_len() <= layout.shard_stride());
+                prop_assert_eq!(slice.shard_of_server(cell.server()).unwrap(), Some(cell.shard()));
+                per_server[cell.server() as usize] += cell.span().byte_len() * u64::from(m);
+            }
+            let serving: Vec<u64> = per_server.iter().copied().filter(|&b| b > 0).collect();
+            prop_assert_eq!(serving.len() as u32, slice.shards());
+            if full && slice.shards() == k {
+                let spread = serving.iter().max().unwrap() - serving.iter().min().unwrap();
+                prop_assert!(spread <= u64::from(m * d) * ALIGN_BYTES, "spread {spread} over {per_server:?}");
+            }
+        }
+        prop_assert!(plan.slice(0).unwrap().shard_of_server(k).is_err());
+        let mut areas: Vec<(u64, u64)> = (0..m)
+            .flat_map(|machine| (0..d).map(move |device| (machine, device)))
+            .map(|(machine, device)| {
+                let a = layout.area(machine, device).unwrap();
+                (a.byte_offset(), a.byte_end())
+            })
+            .collect();
+        areas.sort_unstable();
+        for w in areas.windows(2) {
+            prop_assert!(w[0].1 <= w[1].0, "overlap");
+        }
+        prop_assert_eq!(areas.last().unwrap().1, layout.total_bytes());
+        prop_assert!(layout.area(m, 0).is_err() && layout.area(0, d).is_err());
+    }
+}
+
+#[test]
+fn server_counts_outside_the_range_are_refused() {
+    let topo = Topology::new(2, 1, RankLayout::Contiguous).unwrap();
+    let config = PlanConfig::DEFAULT;
+    assert!(Geometry::with_servers(topo, config, 0).is_err());
+    assert!(Geometry::with_servers(topo, config, 4097).is_err());
+    let co_located = Geometry::new(topo, config).unwrap();
+    assert_eq!(co_located.servers(), None);
+    assert!(co_located.server_layout().is_none());
+    let plan = Plan::new(&co_located, DataType::F32, 1024, 0).unwrap();
+    assert!(plan.slice(0).unwrap().shard_of_server(0).is_err());
+}

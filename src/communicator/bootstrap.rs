@@ -9,11 +9,11 @@ use fairring_rdma::fabric::{Endpoint, Fabric, LocalRegion, RemoteRegion};
 use super::fabric::AnyFabric;
 use crate::config::Config;
 use crate::engine::layout::StagingLayout;
-use crate::engine::links::{linked, peers};
+use crate::engine::links::{linked, peers, server_peers};
 use crate::engine::tags::MAX_BUFFERS;
-use crate::engine::{Engine, EngineParts};
+use crate::engine::{Engine, EngineParts, Strides};
 use crate::error::{Error, Result};
-use crate::local::{Machine, ShmStep};
+use crate::local::{LocalStep, Machine, ShmStep, Solo};
 use crate::memory::{Host, MemorySpace};
 use crate::shm::Segment;
 use crate::store::{Store, gather};
@@ -33,6 +33,12 @@ fn host_identity(config: &Config) -> String {
 pub(super) fn detect_topology(config: &Config, store: &dyn Store) -> Result<(Topology, Location)> {
     let me = host_identity(config);
     store.set(&format!("host/{}", config.rank), me.as_bytes())?;
+    let topology = job_topology(config, store)?;
+    locate(config, topology)
+}
+
+/// The workers' machines, once every worker has published its host.
+fn job_topology(config: &Config, store: &dyn Store) -> Result<Topology> {
     let keys: Vec<String> = (0..config.world_size)
         .map(|r| format!("host/{r}"))
         .collect();
@@ -50,12 +56,16 @@ pub(super) fn detect_topology(config: &Config, store: &dyn Store) -> Result<(Top
             });
         machine_of_rank.push(u32::try_from(m).unwrap_or(u32::MAX));
     }
-    let topology = Topology::detect(&machine_of_rank).map_err(|e| Error::Topology {
+    Topology::detect(&machine_of_rank).map_err(|e| Error::Topology {
         reason: format!(
             "{e}; ranks per machine: {}",
             per_machine_counts(&machine_of_rank, names.len())
         ),
-    })?;
+    })
+}
+
+/// This worker's place in `topology`, checked against torchrun's local ranks.
+fn locate(config: &Config, topology: Topology) -> Result<(Topology, Location)> {
     let location = topology.locate(config.rank).map_err(|e| Error::Topology {
         reason: e.to_string(),
     })?;
@@ -154,8 +164,11 @@ pub(super) fn size_staging(
     let plan_for = |slice: u64| -> Result<(Geometry, StagingLayout)> {
         let pc = PlanConfig::new(slice, config.min_shard_bytes)
             .map_err(|e| Error::config("FAIRRING_SLICE_SIZE", slice, e.to_string()))?;
-        let g = Geometry::new(topology, pc)
-            .map_err(|e| Error::config("FAIRRING_SLICE_SIZE", slice, e.to_string()))?;
+        let g = match config.servers {
+            0 => Geometry::new(topology, pc),
+            k => Geometry::with_servers(topology, pc, k),
+        }
+        .map_err(|e| Error::config("FAIRRING_SLICE_SIZE", slice, e.to_string()))?;
         let layout = StagingLayout::new(&g, world).ok_or_else(|| {
             Error::config(
                 "FAIRRING_SLICE_SIZE",
@@ -259,6 +272,7 @@ pub(super) struct Built {
     pub(super) location: Location,
 }
 
+/// A worker's engine.
 pub(super) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
     let (topology, location) = detect_topology(config, store)?;
     let (geometry, layout, buffers) = size_staging(config, topology)?;
@@ -267,62 +281,142 @@ pub(super) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
     let memory = Host::new(Arc::clone(&segment), location.device, buffers);
     let local = ShmStep::new(Arc::clone(&segment), location.device, d, buffers);
     let machine = Machine::new(segment, location.device, d);
-    let world = config.world_size;
-    let fabric = AnyFabric::build(config)?;
-    log::debug!(
-        "fairring rank {}: {} fabric, {buffers} staging buffers of {} bytes",
-        config.rank,
-        fabric.choice(),
-        layout.buffer_bytes()
-    );
-    let (area, len) = memory.registered();
-    // The memory space holds the segment and the engine drops it after the fabric
-    // (field order).
-    // SAFETY: this rank's part of the mapped segment, valid until then; the
-    // engine's protocol keeps the fabric's and the driver's accesses apart.
-    let region = unsafe { fabric.register(area, len)? };
-    let (out, inbound) = peers(topology, location, config.rank);
-    let linked = linked(&out, &inbound);
-    for &p in &linked {
-        let ep = fabric.endpoint(p)?;
-        store.set(&format!("ep/{}/{p}", config.rank), ep.as_bytes())?;
-    }
-    store.set(
-        &format!("region/{}", config.rank),
-        &region.remote().to_bytes(),
+    let (out, inbound) = peers(topology, location, config.rank, config.servers);
+    let engine = assemble(
+        config,
+        store,
+        Assembly {
+            memory,
+            local: Box::new(local),
+            machine,
+            geometry,
+            layout,
+            location,
+            server: None,
+            buffers,
+            out,
+            inbound,
+        },
     )?;
-    for &p in &linked {
-        let bytes = store.get(&format!("ep/{p}/{}", config.rank), config.timeout)?;
-        let ep = Endpoint::from_bytes(&bytes)
-            .ok_or_else(|| Error::peer(p, "published a malformed endpoint"))?;
-        fabric.connect(p, &ep)?;
-    }
-    let mut remote = vec![None; world as usize];
-    for &p in &out {
-        let bytes = store.get(&format!("region/{p}"), config.timeout)?;
-        let r = RemoteRegion::from_bytes(&bytes)
-            .ok_or_else(|| Error::peer(p, "published a malformed region"))?;
-        remote[p as usize] = Some(r);
-    }
-    let engine = Engine::new(EngineParts {
-        fabric,
-        region,
-        remote,
-        memory,
-        local: Box::new(local),
-        machine,
-        geometry,
-        layout,
-        location,
-        rank: config.rank,
-        buffers,
-        inbound,
-        linked,
-        timeout: config.timeout,
-    });
     Ok(Built {
         engine,
         topology,
         location,
     })
+}
+
+/// A dedicated server's engine: the workers' geometry and buffer count, its own
+/// staging buffers in private memory, no local step.
+pub(crate) fn build_server(
+    config: &Config,
+    store: &dyn Store,
+    index: u32,
+) -> Result<Engine<AnyFabric, Host>> {
+    let topology = job_topology(config, store)?;
+    let (geometry, layout, buffers) = size_staging(config, topology)?;
+    let segment = Arc::new(Segment::anonymous(
+        1,
+        buffers,
+        layout.server_buffer_bytes(),
+    )?);
+    let memory = Host::new(Arc::clone(&segment), 0, buffers);
+    let machine = Machine::new(segment, 0, 1);
+    let (out, inbound) = server_peers(topology);
+    assemble(
+        config,
+        store,
+        Assembly {
+            memory,
+            local: Box::new(Solo),
+            machine,
+            geometry,
+            layout,
+            // On no worker's machine.
+            location: Location {
+                machine: u32::MAX,
+                device: 0,
+            },
+            server: Some(index),
+            buffers,
+            out,
+            inbound,
+        },
+    )
+}
+
+/// What differs between a worker's engine and a server's.
+struct Assembly {
+    memory: Host,
+    local: Box<dyn LocalStep<Host>>,
+    machine: Machine,
+    geometry: Geometry,
+    layout: StagingLayout,
+    location: Location,
+    server: Option<u32>,
+    buffers: u32,
+    /// Ranks this process writes to and ranks that write to it.
+    out: Vec<u32>,
+    inbound: Vec<u32>,
+}
+
+/// Opens the fabric, registers the staging buffers, connects to the peers through
+/// the store and builds the engine.
+fn assemble(config: &Config, store: &dyn Store, a: Assembly) -> Result<Engine<AnyFabric, Host>> {
+    let rank = config.process();
+    let fabric = AnyFabric::build(config)?;
+    log::debug!(
+        "fairring rank {rank}: {} fabric, {} staging buffers of {} bytes",
+        fabric.choice(),
+        a.buffers,
+        a.memory.buffer_bytes()
+    );
+    let (area, len) = a.memory.registered();
+    // The memory space holds the segment and the engine drops it after the fabric
+    // (field order).
+    // SAFETY: this process's part of the mapped segment, valid until then; the
+    // engine's protocol keeps the fabric's and the driver's accesses apart.
+    let region = unsafe { fabric.register(area, len)? };
+    let linked = linked(&a.out, &a.inbound);
+    for &p in &linked {
+        let ep = fabric.endpoint(p)?;
+        store.set(&format!("ep/{rank}/{p}"), ep.as_bytes())?;
+    }
+    store.set(&format!("region/{rank}"), &region.remote().to_bytes())?;
+    for &p in &linked {
+        let bytes = store.get(&format!("ep/{p}/{rank}"), config.timeout)?;
+        let ep = Endpoint::from_bytes(&bytes)
+            .ok_or_else(|| Error::peer(p, "published a malformed endpoint"))?;
+        fabric.connect(p, &ep)?;
+    }
+    let mut remote = vec![None; config.processes() as usize];
+    for &p in &a.out {
+        let bytes = store.get(&format!("region/{p}"), config.timeout)?;
+        let r = RemoteRegion::from_bytes(&bytes)
+            .ok_or_else(|| Error::peer(p, "published a malformed region"))?;
+        remote[p as usize] = Some(r);
+    }
+    let strides = Strides {
+        worker: Segment::buffer_stride(a.layout.buffer_bytes()),
+        server: Segment::buffer_stride(a.layout.server_buffer_bytes()),
+    };
+    Ok(Engine::new(EngineParts {
+        fabric,
+        region,
+        remote,
+        memory: a.memory,
+        local: a.local,
+        machine: a.machine,
+        geometry: a.geometry,
+        layout: a.layout,
+        location: a.location,
+        rank,
+        world: config.processes(),
+        servers: config.servers,
+        server: a.server,
+        strides,
+        buffers: a.buffers,
+        inbound: a.inbound,
+        linked,
+        timeout: config.timeout,
+    }))
 }

@@ -86,8 +86,8 @@ fn resolve(choice: FabricChoice, devices: &[String]) -> Result<FabricChoice> {
 
 fn tcp(config: &Config) -> Result<AnyFabric> {
     let mut tcp = TcpConfig::new(
-        config.rank,
-        config.world_size,
+        config.process(),
+        config.processes(),
         config.job_tag,
         config.secret.clone(),
         bind_address(config)?,
@@ -102,8 +102,8 @@ fn tcp(config: &Config) -> Result<AnyFabric> {
 #[cfg(feature = "verbs")]
 fn verbs(config: &Config) -> Result<AnyFabric> {
     let mut v = VerbsConfig::new(
-        config.rank,
-        config.world_size,
+        config.process(),
+        config.processes(),
         config.job_tag,
         config.secret.clone(),
     );

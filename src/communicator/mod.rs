@@ -2,6 +2,9 @@
 
 mod bootstrap;
 mod fabric;
+mod server;
+
+pub use server::Server;
 
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -70,9 +73,10 @@ impl Communicator {
 
     /// Joins the job of `config`, meeting through the TCP store rank 0 serves.
     pub fn new(config: Config) -> Result<Communicator> {
+        refuse_server(&config)?;
         let server = if config.rank == 0 {
             let addr = crate::store::tcp::resolve_master(&config.master_addr, config.master_port)?;
-            let cap = 2 * config.world_size as usize + 16;
+            let cap = 2 * config.processes() as usize + 16;
             Some(TcpStoreServer::bind(
                 addr,
                 config.secret.clone(),
@@ -95,6 +99,7 @@ impl Communicator {
     /// Joins the job of `config`, meeting through `store` (for instance the host
     /// runtime's own store).
     pub fn with_store(config: Config, store: Arc<dyn Store>) -> Result<Communicator> {
+        refuse_server(&config)?;
         Communicator::build(config, store, None)
     }
 
@@ -306,6 +311,25 @@ impl Communicator {
         } else {
             r.data
         };
+        let descriptor = Descriptor {
+            collective: r.collective,
+            dtype: r.caller_dtype,
+            op: r.caller_op,
+            algorithm,
+            root: r.root,
+            elements: r.caller_elements,
+        };
+        // Dedicated servers plan the operation from its descriptor alone.
+        if descriptor.runs_as(self.topology.world_size()) != Some((r.elements, r.dtype, r.op)) {
+            self.engine.works.give_back(seq);
+            return Err(Error::internal(
+                "a descriptor says which all-reduce its call runs as",
+                format!(
+                    "{descriptor} runs as {} x {} ({})",
+                    r.elements, r.dtype, r.op
+                ),
+            ));
+        }
         let sub = Submission {
             seq,
             tensor: HostTensor::new(data, len),
@@ -313,14 +337,7 @@ impl Communicator {
             dtype: r.dtype,
             op: r.op,
             algorithm,
-            descriptor: Descriptor {
-                collective: r.collective,
-                dtype: r.caller_dtype,
-                op: r.caller_op,
-                algorithm,
-                root: r.root,
-                elements: r.caller_elements,
-            },
+            descriptor,
             deliver: r.deliver,
         };
         if let Err(e) = self.engine.submit(sub) {
@@ -651,6 +668,19 @@ impl Drop for Work<'_> {
             }
             self.engine.works.give_back(seq);
         }
+    }
+}
+
+/// A communicator is a worker; a server's configuration runs a [`Server`].
+fn refuse_server(config: &Config) -> Result<()> {
+    match config.role {
+        crate::config::Role::Worker => Ok(()),
+        crate::config::Role::Server(i) => Err(Error::config(
+            "FAIRRING_ROLE",
+            format!("server (FAIRRING_SERVER_RANK={i})"),
+            "a dedicated server runs as fairring::Server (the fairring-server binary), not \
+             as a Communicator",
+        )),
     }
 }
 

@@ -3,7 +3,7 @@
 //!
 //! | variable | meaning | default |
 //! |---|---|---|
-//! | `RANK`, `WORLD_SIZE` | this process's rank and the number of ranks | required |
+//! | `RANK`, `WORLD_SIZE` | this process's rank and the number of ranks (workers: dedicated servers are not counted) | required (`RANK` not read by a server) |
 //! | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | rank on this machine and ranks per machine; checked against what the rendezvous finds | optional |
 //! | `MASTER_ADDR`, `MASTER_PORT` | where rank 0 serves the rendezvous store | required |
 //! | `FAIRRING_TOTAL_MEMORY` | staging memory per rank, bytes (`K`/`M`/`G` suffixes) | 50 MiB |
@@ -16,6 +16,18 @@
 //! | `FAIRRING_HOST_ID` | overrides the machine identity (simulates machines on one host) | boot id and host name |
 //! | `FAIRRING_FABRIC` | `tcp`, `verbs` or `auto` (see [`FabricChoice`]) | `auto` |
 //! | `FAIRRING_VERBS_DEVICE`, `_PORT`, `_GID_INDEX` | the RDMA device, its port and GID index | first device, 1, 0 |
+//! | `FAIRRING_SERVERS` | dedicated reduction servers in the job, set alike on every process (see below) | 0: the machines serve |
+//! | `FAIRRING_ROLE` | `worker` or `server` | `worker` |
+//! | `FAIRRING_SERVER_RANK` | a server's index, `0..FAIRRING_SERVERS` | required for a server |
+//!
+//! **Dedicated servers** (Herring's design). With `FAIRRING_SERVERS=K`, the job has
+//! `WORLD_SIZE` workers (ranks `0..WORLD_SIZE`, as torchrun numbers them) and `K`
+//! CPU-only reduction servers, processes started with `FAIRRING_ROLE=server` and
+//! `FAIRRING_SERVER_RANK=i` (the `fairring-server` binary, or
+//! [`Server`](crate::Server)). They meet at the same `MASTER_ADDR:MASTER_PORT`; on
+//! the fabric, server `i` is process `WORLD_SIZE + i`. The servers take the
+//! inter-machine step of every hierarchical all-reduce: each worker sends its slot
+//! to the servers and gets the sums back.
 //!
 //! Every value is validated when the communicator is built; a bad one fails with
 //! [`Error::Config`] naming the variable and the value.
@@ -117,6 +129,19 @@ pub struct Config {
         allow(dead_code, reason = "read by the verbs provider")
     )]
     pub(crate) verbs: VerbsKnobs,
+    /// Dedicated reduction servers (0: none).
+    pub(crate) servers: u32,
+    /// This process's part: a worker, or server `i`.
+    pub(crate) role: Role,
+}
+
+/// What a process is in its job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// A worker: a rank that issues collectives (the default).
+    Worker,
+    /// Dedicated reduction server `i` (`FAIRRING_SERVER_RANK`).
+    Server(u32),
 }
 
 /// Builds a [`Config`] field by field; [`ConfigBuilder::build`] validates.
@@ -139,6 +164,8 @@ pub struct ConfigBuilder {
     host_id: Option<String>,
     fabric: FabricChoice,
     verbs: VerbsKnobs,
+    servers: u32,
+    role: Role,
 }
 
 impl Config {
@@ -167,7 +194,23 @@ impl Config {
             host_id: None,
             fabric: FabricChoice::Auto,
             verbs: VerbsKnobs::default(),
+            servers: 0,
+            role: Role::Worker,
         }
+    }
+
+    /// A builder for dedicated reduction server `index` of a job of `workers`
+    /// workers, meeting at `master_addr:master_port`; set the job's server count
+    /// with [`ConfigBuilder::servers`].
+    pub fn server_builder(
+        index: u32,
+        workers: u32,
+        master_addr: impl Into<String>,
+        master_port: u16,
+    ) -> ConfigBuilder {
+        let mut b = Config::builder(0, workers, master_addr, master_port);
+        b.role = Role::Server(index);
+        b
     }
 
     /// The configuration torchrun's environment describes, with the `FAIRRING_*`
@@ -180,7 +223,24 @@ impl Config {
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config> {
         let required =
             |name: &'static str| lookup(name).ok_or_else(|| Error::config(name, "", "not set"));
-        let rank = parse_u32("RANK", &required("RANK")?)?;
+        let role = match lookup("FAIRRING_ROLE").as_deref().map(str::trim) {
+            None | Some("worker") => Role::Worker,
+            Some("server") => Role::Server(parse_u32(
+                "FAIRRING_SERVER_RANK",
+                &required("FAIRRING_SERVER_RANK")?,
+            )?),
+            Some(other) => {
+                return Err(Error::config(
+                    "FAIRRING_ROLE",
+                    other,
+                    "expected `worker` or `server`",
+                ));
+            }
+        };
+        let rank = match role {
+            Role::Worker => parse_u32("RANK", &required("RANK")?)?,
+            Role::Server(_) => 0,
+        };
         let world_size = parse_u32("WORLD_SIZE", &required("WORLD_SIZE")?)?;
         let master_addr = required("MASTER_ADDR")?;
         let port_text = required("MASTER_PORT")?;
@@ -192,6 +252,10 @@ impl Config {
                 Error::config("MASTER_PORT", &port_text, "expected a port in 1..=65535")
             })?;
         let mut b = Config::builder(rank, world_size, master_addr, master_port);
+        b.role = role;
+        if let Some(v) = lookup("FAIRRING_SERVERS") {
+            b.servers = parse_u32("FAIRRING_SERVERS", &v)?;
+        }
         if let Some(v) = lookup("LOCAL_RANK") {
             b.local_rank = Some(parse_u32("LOCAL_RANK", &v)?);
         }
@@ -249,9 +313,30 @@ impl Config {
         self.rank
     }
 
-    /// Ranks in the job.
+    /// Ranks in the job (workers; dedicated servers are not counted).
     pub fn world_size(&self) -> u32 {
         self.world_size
+    }
+
+    /// Dedicated reduction servers in the job (0: the machines serve).
+    pub fn servers(&self) -> u32 {
+        self.servers
+    }
+
+    /// This process's part in the job.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// This process's rank on the fabric: its rank for a worker, `WORLD_SIZE + i`
+    /// for server `i`.
+    pub(crate) fn process(&self) -> u32 {
+        self.rank
+    }
+
+    /// Processes on the fabric: workers and servers.
+    pub(crate) fn processes(&self) -> u32 {
+        self.world_size + self.servers
     }
 
     /// The default algorithm of all-reduces.
@@ -271,6 +356,12 @@ impl Config {
 }
 
 impl ConfigBuilder {
+    /// Dedicated reduction servers in the job (the same on every process).
+    pub fn servers(mut self, servers: u32) -> Self {
+        self.servers = servers;
+        self
+    }
+
     /// Rank on this machine and ranks per machine, checked against the rendezvous.
     pub fn local(mut self, local_rank: u32, local_world_size: u32) -> Self {
         self.local_rank = Some(local_rank);
@@ -356,7 +447,25 @@ impl ConfigBuilder {
         if self.world_size == 0 {
             return Err(Error::config("WORLD_SIZE", 0, "must be at least 1"));
         }
-        if self.rank >= self.world_size {
+        if self.servers > fairring_core::topology::MAX_MACHINES {
+            return Err(Error::config(
+                "FAIRRING_SERVERS",
+                self.servers,
+                format!("must be at most {}", fairring_core::topology::MAX_MACHINES),
+            ));
+        }
+        let rank = match self.role {
+            Role::Worker => self.rank,
+            Role::Server(i) if i < self.servers => self.world_size + i,
+            Role::Server(i) => {
+                return Err(Error::config(
+                    "FAIRRING_SERVER_RANK",
+                    i,
+                    format!("must be below FAIRRING_SERVERS={}", self.servers),
+                ));
+            }
+        };
+        if self.role == Role::Worker && self.rank >= self.world_size {
             return Err(Error::config(
                 "RANK",
                 self.rank,
@@ -431,7 +540,7 @@ impl ConfigBuilder {
         };
         let job_tag = job_tag(&secret, &self.run_id);
         Ok(Config {
-            rank: self.rank,
+            rank,
             world_size: self.world_size,
             local_rank: self.local_rank,
             local_world_size: self.local_world_size,
@@ -448,6 +557,8 @@ impl ConfigBuilder {
             host_id: self.host_id,
             fabric: self.fabric,
             verbs: self.verbs,
+            servers: self.servers,
+            role: self.role,
         })
     }
 }

@@ -153,6 +153,29 @@ impl Descriptor {
         })
     }
 
+    /// The all-reduce the engine runs for this call among `world` workers: its
+    /// elements, type and operator (every collective runs as one all-reduce). A
+    /// dedicated server, which sees only descriptors, plans the same operation
+    /// from it; `None` if the sizes overflow.
+    pub(crate) fn runs_as(&self, world: u32) -> Option<(u64, DataType, ReduceOp)> {
+        let bytes = |elements: u64| elements.checked_mul(self.dtype.size_bytes());
+        Some(match self.collective {
+            Collective::AllReduce => (self.elements, self.dtype, self.op),
+            Collective::Broadcast => (bytes(self.elements)?, DataType::U8, ReduceOp::Sum),
+            Collective::AllGather => (
+                bytes(self.elements.checked_mul(u64::from(world))?)?,
+                DataType::U8,
+                ReduceOp::Sum,
+            ),
+            Collective::ReduceScatter => (
+                self.elements.checked_mul(u64::from(world))?,
+                self.dtype,
+                self.op,
+            ),
+            Collective::Barrier => (1, DataType::U8, ReduceOp::Sum),
+        })
+    }
+
     /// Text for errors, e.g. `all_reduce of 1024 x f32 (sum, hierarchical)`.
     pub(crate) fn describe(w: Words) -> String {
         match Descriptor::from_words(w) {

@@ -120,6 +120,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         match kind {
             Some(Kind::Descriptor) => {
                 if let Some((seq, words)) = decode_message(payload) {
+                    self.accept_described(d, peer, seq, words)?;
                     let accepted = d.operations.accepted();
                     if d.checks
                         .on_descriptor(peer, seq, words, accepted, &self.links)?

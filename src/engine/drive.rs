@@ -81,7 +81,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
 
     /// Accepts the next submission: plans it, describes it to the local ranks and
     /// sends its descriptor to the remote ones.
-    fn accept(&self, d: &mut Driver<M>, sub: Submission<M>) -> Result<(), Fault> {
+    pub(super) fn accept(&self, d: &mut Driver<M>, sub: Submission<M>) -> Result<(), Fault> {
         if let Some((peer, after)) = d.departures.before(sub.seq) {
             return Err(Error::peer(
                 peer,

@@ -8,6 +8,11 @@
 //! [inbox, + (M-1) * shard_stride)  contribution areas (hierarchical)
 //! [inbox, + (N-1) * ring_slot)     receive slots (ring)
 //! ```
+//!
+//! With dedicated servers a worker's buffer has no contribution areas (servers
+//! receive them), and a server's buffer is the core's
+//! [`ServerLayout`](fairring_core::plan::ServerLayout): one area per (slot,
+//! machine) cell.
 
 use std::ops::Range;
 
@@ -28,6 +33,10 @@ pub(crate) struct StagingLayout {
     ring_slots: u32,
     /// Bytes of one staging buffer.
     buffer_bytes: usize,
+    /// A dedicated server's buffer, when the job has servers.
+    server: Option<fairring_core::plan::ServerLayout>,
+    /// Bytes of a dedicated server's staging buffer (0 without servers).
+    server_bytes: usize,
 }
 
 impl StagingLayout {
@@ -43,12 +52,41 @@ impl StagingLayout {
         let ring_slots = world - 1;
         let ring_end = inbox.checked_add(ring_slot.checked_mul(ring_slots as usize)?)?;
         let buffer_bytes = usize::try_from(core.total_bytes()).ok()?.max(ring_end);
+        let server = geometry.server_layout();
+        let server_bytes = match server {
+            Some(s) => usize::try_from(s.total_bytes()).ok()?,
+            None => 0,
+        };
         Some(StagingLayout {
             core,
             inbox,
             ring_slot,
             ring_slots,
             buffer_bytes,
+            server,
+            server_bytes,
+        })
+    }
+
+    /// Bytes of one dedicated server's staging buffer (0 without servers).
+    pub(crate) fn server_buffer_bytes(&self) -> usize {
+        self.server_bytes
+    }
+
+    /// The area of a dedicated server's staging buffer that receives machine
+    /// `machine`'s cell of slot `device`.
+    pub(crate) fn server_area(&self, machine: u32, device: u32) -> Result<Range<usize>> {
+        let server = self.server.ok_or_else(|| {
+            Error::internal(
+                "only a job with dedicated servers asks for their areas",
+                format!("machine {machine}, device {device}"),
+            )
+        })?;
+        let area = server
+            .area(machine, device)
+            .map_err(|e| Error::internal("every worker's cell has a server area", e.to_string()))?;
+        area.byte_range().ok_or_else(|| {
+            Error::internal("the layout fits the address space", format!("{area:?}"))
         })
     }
 

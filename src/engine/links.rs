@@ -3,8 +3,10 @@
 //!
 //! A rank writes to the ranks of its rail on other machines (hierarchical) and
 //! to the next rank of the ring; it is written to by its rail and the previous rank
-//! of the ring. Those that write into its inbox need credits; those on other
-//! machines are the remote ends of the descriptor checks.
+//! of the ring. With dedicated servers, the servers take the rail's place: every
+//! worker writes to every server and every server to every worker. Those that
+//! write into its inbox need credits; those on other machines (servers are on no
+//! worker's machine) are the remote ends of the descriptor checks.
 
 use fairring_core::topology::{Location, Topology};
 use fairring_rdma::fabric::{Completion, CompletionEvent, Fabric, RemoteRegion};
@@ -27,7 +29,6 @@ pub(crate) struct Links<F: Fabric> {
     pub(crate) topology: Topology,
     pub(crate) location: Location,
     pub(crate) rank: u32,
-    pub(crate) world: u32,
     /// Ranks that write into this rank's inbox: they need credits.
     pub(crate) inbound: Vec<u32>,
     /// Every rank this rank is connected to.
@@ -50,14 +51,17 @@ impl<F: Fabric> Links<F> {
         topology: Topology,
         location: Location,
         rank: u32,
+        world: u32,
         inbound: Vec<u32>,
         linked: Vec<u32>,
     ) -> Links<F> {
-        let world = topology.world_size();
+        // A dedicated server is on no worker's machine, and a server's location
+        // is on none.
         let off_machine = |p: &u32| {
             topology
                 .locate(*p)
-                .is_ok_and(|l| l.machine != location.machine)
+                .ok()
+                .is_none_or(|l| l.machine != location.machine)
         };
         let remote_out: Vec<u32> = (0..world)
             .filter(|&p| remote.get(p as usize).is_some_and(Option::is_some))
@@ -75,7 +79,6 @@ impl<F: Fabric> Links<F> {
             topology,
             location,
             rank,
-            world,
             inbound,
             linked,
             remote_out,
@@ -117,12 +120,19 @@ impl<F: Fabric> Links<F> {
     }
 }
 
-/// Ranks this rank writes to and ranks that write to it.
-pub(crate) fn peers(topology: Topology, location: Location, rank: u32) -> (Vec<u32>, Vec<u32>) {
+/// Ranks worker `rank` writes to and ranks that write to it, in a job with
+/// `servers` dedicated servers (ranks `world..world + servers`).
+pub(crate) fn peers(
+    topology: Topology,
+    location: Location,
+    rank: u32,
+    servers: u32,
+) -> (Vec<u32>, Vec<u32>) {
     let world = topology.world_size();
-    let mut out = Vec::new();
-    let mut inbound = Vec::new();
-    for m in (0..topology.machines()).filter(|&m| m != location.machine) {
+    let mut out: Vec<u32> = (world..world + servers).collect();
+    let mut inbound = out.clone();
+    let rails = if servers > 0 { 0 } else { topology.machines() };
+    for m in (0..rails).filter(|&m| m != location.machine) {
         if let Ok(r) = topology.rank(Location {
             machine: m,
             device: location.device,
@@ -140,6 +150,12 @@ pub(crate) fn peers(topology: Topology, location: Location, rank: u32) -> (Vec<u
     inbound.sort_unstable();
     inbound.dedup();
     (out, inbound)
+}
+
+/// Ranks a dedicated server writes to and ranks that write to it: every worker.
+pub(crate) fn server_peers(topology: Topology) -> (Vec<u32>, Vec<u32>) {
+    let workers: Vec<u32> = (0..topology.world_size()).collect();
+    (workers.clone(), workers)
 }
 
 /// Every rank connected to this one: those it writes to and those that write to it.

@@ -29,6 +29,7 @@
 //! | `failure`, `departures` | failing and flooding the failure; goodbyes |
 //! | `drive` | one pass of the driver |
 //! | `progress/` | who drives and when: the progress thread, waiting callers, parking |
+//! | `serving` | a dedicated server's operations, learnt from the workers' descriptors |
 //! | `stall` | what a stalled engine waits for, in words |
 //! | `links` | the fabric and this rank's peers on it |
 //! | `tags` | immediates and tokens |
@@ -52,6 +53,7 @@ pub(crate) mod links;
 mod operations;
 mod outbox;
 mod progress;
+mod serving;
 #[cfg(all(test, not(loom)))]
 mod simulation;
 mod slices;
@@ -136,6 +138,22 @@ pub(crate) struct Engine<F: Fabric, M: MemorySpace> {
     doorbell_wakes: bool,
     /// Whether this machine has fewer cores than local ranks: spinners yield.
     crowded: bool,
+    /// Dedicated servers in the job (0: the machines serve).
+    servers: u32,
+    /// This process's index if it is a dedicated server.
+    pub(crate) server: Option<u32>,
+    /// Bytes from one staging buffer to the next: a worker's, a server's.
+    strides: Strides,
+}
+
+/// Bytes from one staging buffer to the next in a process's registered memory,
+/// for the addresses of writes into peers.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Strides {
+    /// In a worker's.
+    pub(crate) worker: usize,
+    /// In a dedicated server's.
+    pub(crate) server: usize,
 }
 
 /// Everything [`Engine::new`] needs.
@@ -152,6 +170,13 @@ pub(crate) struct EngineParts<F: Fabric, M: MemorySpace> {
     pub(crate) layout: StagingLayout,
     pub(crate) location: Location,
     pub(crate) rank: u32,
+    /// Processes on the fabric: workers and dedicated servers.
+    pub(crate) world: u32,
+    /// Dedicated servers in the job.
+    pub(crate) servers: u32,
+    /// This process's index if it is a dedicated server.
+    pub(crate) server: Option<u32>,
+    pub(crate) strides: Strides,
     pub(crate) buffers: u32,
     pub(crate) inbound: Vec<u32>,
     pub(crate) linked: Vec<u32>,
@@ -161,7 +186,7 @@ pub(crate) struct EngineParts<F: Fabric, M: MemorySpace> {
 impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     pub(crate) fn new(parts: EngineParts<F, M>) -> Engine<F, M> {
         let topology = parts.geometry.topology();
-        let world = topology.world_size();
+        let world = parts.world;
         let machines = topology.machines() as usize;
         let links = Links::new(
             parts.fabric,
@@ -170,6 +195,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             topology,
             parts.location,
             parts.rank,
+            world,
             parts.inbound,
             parts.linked,
         );
@@ -212,6 +238,18 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             uses_fabric: world > 1,
             doorbell_wakes,
             crowded,
+            servers: parts.servers,
+            server: parts.server,
+            strides: parts.strides,
+        }
+    }
+
+    /// Bytes from one staging buffer to the next in `peer`'s registered memory.
+    pub(crate) fn stride_of(&self, peer: u32) -> usize {
+        if peer >= self.geometry.topology().world_size() {
+            self.strides.server
+        } else {
+            self.strides.worker
         }
     }
 
@@ -220,9 +258,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         self.links.rank
     }
 
-    /// Ranks in the job.
+    /// Ranks in the job (workers: dedicated servers are not counted).
     pub(crate) fn world(&self) -> u32 {
-        self.links.world
+        self.geometry.topology().world_size()
     }
 
     /// The first error, if the engine has failed.

@@ -108,11 +108,21 @@ impl<M: MemorySpace> Operations<M> {
                 e.to_string(),
             )
         })?;
+        let slot = slot_of(sub.seq);
+        if self.records[slot].is_some() {
+            return Err(Error::internal(
+                "at most one operation per table entry is open",
+                format!(
+                    "#{} arrived while #{} is open",
+                    sub.seq,
+                    sub.seq - WORK_CAPACITY as u64
+                ),
+            ));
+        }
         if sub.algorithm == Resolved::Hierarchical {
             self.rotation = plan.next_rotation();
         }
         self.accepted += 1;
-        let slot = slot_of(sub.seq);
         self.records[slot] = Some(Record {
             sub,
             plan,

@@ -14,7 +14,7 @@ use fairring_core::plan::Slice;
 use fairring_core::{DataType, ReduceOp};
 use fairring_rdma::fabric::Fabric;
 
-use super::algorithm::{Context, Resolved, SliceAlgorithm, SliceEvent, SliceInfo};
+use super::algorithm::{Context, Resolved, ServeScratch, SliceAlgorithm, SliceEvent, SliceInfo};
 use super::failure::Fault;
 use super::tags::Kind;
 use super::{Driver, Engine};
@@ -55,6 +55,8 @@ pub(crate) struct BufferSlot<M: MemorySpace> {
     pub(crate) local: Option<LocalRequest>,
     /// Steps running in the memory space, and the event each ends with.
     pub(crate) fences: VecDeque<(M::Fence, SliceEvent)>,
+    /// What a dedicated server's slice borrows while it holds the buffer.
+    pub(crate) serve: ServeScratch,
 }
 
 /// Every staging buffer.
@@ -78,6 +80,7 @@ impl<M: MemorySpace> Slices<M> {
                     early: Vec::with_capacity(early),
                     local: None,
                     fences: VecDeque::with_capacity(FENCES),
+                    serve: ServeScratch::default(),
                 })
                 .collect(),
             next_slice: 0,
@@ -141,8 +144,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             topology: self.links.topology,
             location: self.links.location,
             rank: self.links.rank,
-            world: self.links.world,
+            world: self.links.topology.world_size(),
             layout: &self.layout,
+            servers: self.servers,
+            server: self.server,
         }
     }
 
@@ -190,7 +195,13 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         };
         let mut steps = std::mem::take(&mut d.scratch.steps);
         steps.clear();
-        let algorithm = SliceAlgorithm::start(next.algorithm, &self.context(), &info, &mut steps);
+        let algorithm = SliceAlgorithm::start(
+            next.algorithm,
+            &self.context(),
+            &info,
+            &mut d.slices.slots[b as usize].serve,
+            &mut steps,
+        );
         let algorithm = match algorithm {
             Ok(a) => a,
             Err(e) => {
@@ -270,6 +281,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             )
             .into());
         }
+        active.algorithm.recycle(&mut slot.serve);
         if d.operations.slice_done(active.seq)? {
             self.try_complete(d, active.seq)?;
         }

@@ -125,11 +125,12 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let ended = match step {
             Step::Write(w) => {
                 let base = b as usize * self.memory.buffer_bytes();
+                let peer_base = b as usize * self.stride_of(w.peer);
                 let write = PendingWrite {
                     peer: w.peer,
                     source: base + w.source.start,
                     len: w.source.len(),
-                    target: (base + w.target) as u64,
+                    target: (peer_base + w.target) as u64,
                     immediate: tags::immediate(w.kind, b, active.generation),
                     token: tags::token(w.kind, b, active.generation),
                     seq: active.seq,

@@ -4,7 +4,8 @@
 //! - [`LocalStep`] is the intra-machine reduce-scatter and all-gather of one slice,
 //!   as the engine drives it, over a [`MemorySpace`]: [`ShmStep`] implements it for
 //!   processes sharing host memory ([`shm`], over the counter [`protocol`]); the GPU
-//!   layer implements it with NCCL over device memory.
+//!   layer implements it with NCCL over device memory; [`Solo`] is the step of a
+//!   dedicated server, which has none.
 //! - [`Machine`] is the control area every local rank shares whatever its memory:
 //!   doorbells, the descriptors of operations, the first failure.
 //!
@@ -20,12 +21,14 @@ mod loom_models;
 mod machine;
 pub(crate) mod protocol;
 mod shm;
+mod solo;
 
 use fairring_core::plan::Slice;
 use fairring_core::{DataType, ReduceOp};
 
 pub(crate) use machine::{Machine, Words};
 pub(crate) use shm::ShmStep;
+pub(crate) use solo::Solo;
 
 use crate::error::Result;
 use crate::memory::MemorySpace;

@@ -184,6 +184,10 @@ impl MemorySpace for Host {
     fn buffer_bytes(&self) -> usize {
         self.segment.buffer_bytes()
     }
+
+    fn no_tensor(&self) -> HostTensor {
+        HostTensor::new(std::ptr::null_mut(), 0)
+    }
 }
 
 /// `dst op= srcs[0] op srcs[1] ...`, in batches of [`MAX_SOURCES`], allocation-free;

@@ -109,6 +109,10 @@ pub(crate) trait MemorySpace: Send + Sync + 'static {
     /// Bytes from one staging buffer to the next in
     /// [`registered`](MemorySpace::registered) memory.
     fn buffer_bytes(&self) -> usize;
+
+    /// A tensor of no bytes: what a dedicated server's operations hold (a server
+    /// has no caller, only staging buffers).
+    fn no_tensor(&self) -> Self::Tensor;
 }
 
 /// `dst op= sources` within one staging buffer, then, for an average, `dst /=
@@ -153,6 +157,18 @@ impl Sources {
             count: 1,
             start: 0,
             len: range.len(),
+        }
+    }
+
+    /// No range: a reduction that only finishes its destination (divides an
+    /// average).
+    pub(crate) fn none(len: usize) -> Sources {
+        Sources {
+            first: 0,
+            stride: 0,
+            count: 0,
+            start: 0,
+            len,
         }
     }
 

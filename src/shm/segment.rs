@@ -174,9 +174,17 @@ impl Segment {
         Ok(segment)
     }
 
+    /// Bytes from one staging buffer to the next in a segment whose buffers hold
+    /// `buffer_bytes`: rounded up to a page. A peer writing into this rank's
+    /// buffers computes their addresses with it.
+    pub(crate) fn buffer_stride(buffer_bytes: usize) -> usize {
+        round_up(buffer_bytes, PAGE)
+    }
+
     /// A segment in anonymous shared memory, for local ranks that are threads of
-    /// one process (the engine's simulation).
-    #[cfg(all(test, not(loom)))]
+    /// one process (the engine's simulation), or a process with no local peers (a
+    /// dedicated reduction server).
+    #[cfg(not(loom))]
     pub(crate) fn anonymous(ranks: u32, buffers: u32, buffer_bytes: usize) -> Result<Segment> {
         let buffer_bytes = round_up(buffer_bytes, PAGE);
         let (control, data, len) = Segment::layout(ranks, buffers, buffer_bytes)

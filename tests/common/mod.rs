@@ -6,7 +6,7 @@
 use std::net::TcpListener;
 use std::time::Duration;
 
-use fairring::{Algorithm, Communicator, Config, ConfigBuilder};
+use fairring::{Algorithm, Communicator, Config, ConfigBuilder, Server};
 
 /// A port that was free a moment ago, for a job's rendezvous store.
 ///
@@ -48,10 +48,37 @@ pub fn job<R: Send>(
     tune: impl Fn(ConfigBuilder) -> ConfigBuilder + Sync,
     body: impl Fn(u32, &Communicator) -> R + Sync,
 ) -> Vec<R> {
+    job_with_servers(m, d, 0, tune, body)
+}
+
+/// [`job`] with `servers` dedicated reduction servers, threads of this process
+/// too, each with `tune` applied; every server must end without error.
+pub fn job_with_servers<R: Send>(
+    m: u32,
+    d: u32,
+    servers: u32,
+    tune: impl Fn(ConfigBuilder) -> ConfigBuilder + Sync,
+    body: impl Fn(u32, &Communicator) -> R + Sync,
+) -> Vec<R> {
     let port = free_port();
     let world = m * d;
     let run_id = format!("test-{port}-{}", std::process::id());
     std::thread::scope(|s| {
+        let server_threads: Vec<_> = (0..servers)
+            .map(|index| {
+                let tune = &tune;
+                let run_id = run_id.clone();
+                s.spawn(move || {
+                    let b = Config::server_builder(index, world, "127.0.0.1", port)
+                        .run_id(run_id)
+                        .timeout(Duration::from_secs(30));
+                    let config = tune(b).servers(servers).build().expect("config");
+                    Server::new(config)
+                        .and_then(Server::run)
+                        .unwrap_or_else(|e| panic!("server {index}: {e}"));
+                })
+            })
+            .collect();
         let handles: Vec<_> = (0..world)
             .map(|rank| {
                 let tune = &tune;
@@ -62,19 +89,27 @@ pub fn job<R: Send>(
                         .host_id(format!("machine-{}", rank / d))
                         .run_id(run_id)
                         .timeout(Duration::from_secs(30));
-                    let config = tune(b).build().expect("config");
+                    let config = tune(b).servers(servers).build().expect("config");
                     let comm =
                         Communicator::new(config).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                     body(rank, &comm)
                 })
             })
             .collect();
-        handles
+        let results = handles
             .into_iter()
             .map(|h| h.join().expect("a rank panicked"))
-            .collect()
+            .collect();
+        for h in server_threads {
+            h.join().expect("a server panicked");
+        }
+        results
     })
 }
+
+/// The layouts every collective also runs on with dedicated servers: `(M, D,
+/// servers)`, with more servers than machines, fewer, and as many.
+pub const SERVER_LAYOUTS: [(u32, u32, u32); 4] = [(1, 2, 1), (2, 2, 2), (3, 1, 2), (2, 1, 3)];
 
 /// A small deterministic generator.
 pub struct Rng(pub u64);

@@ -1,7 +1,7 @@
 //! What a communicator fixes once: slice size, shards per slice, staging layout.
 
-use super::{ALIGN_BYTES, InputArea, PlanError, StagingLayout};
-use crate::topology::Topology;
+use super::{ALIGN_BYTES, InputArea, PlanError, ServerLayout, StagingLayout};
+use crate::topology::{MAX_MACHINES, Topology};
 
 /// The knobs of slicing and sharding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -81,11 +81,42 @@ pub struct Geometry {
     min_shard_units: u64,
     /// Shards per slot of a full slice.
     full_shards: u32,
+    /// Dedicated reduction servers; 0 when the machines serve (co-located).
+    servers: u32,
 }
 
 impl Geometry {
-    /// The geometry of `topology` under `config`.
+    /// The geometry of `topology` under `config`, with co-located servers: every
+    /// machine serves shards.
     pub const fn new(topology: Topology, config: PlanConfig) -> Result<Geometry, PlanError> {
+        Geometry::build(topology, config, 0)
+    }
+
+    /// The geometry of `topology` under `config` with `servers` dedicated
+    /// reduction servers (Herring's design): the servers, not the machines, serve
+    /// the shards, so each slot is cut into up to `servers` shards dealt round robin
+    /// over them, and the machines only send contributions and receive results.
+    pub const fn with_servers(
+        topology: Topology,
+        config: PlanConfig,
+        servers: u32,
+    ) -> Result<Geometry, PlanError> {
+        if servers == 0 || servers > MAX_MACHINES {
+            return Err(PlanError::InvalidServers { servers });
+        }
+        Geometry::build(topology, config, servers)
+    }
+
+    const fn build(
+        topology: Topology,
+        config: PlanConfig,
+        servers: u32,
+    ) -> Result<Geometry, PlanError> {
+        let serving = if servers > 0 {
+            servers
+        } else {
+            topology.machines()
+        };
         let devices = topology.devices_per_machine() as u64;
         let slice_units = config.slice_bytes / ALIGN_BYTES;
         if slice_units < devices {
@@ -96,8 +127,7 @@ impl Geometry {
         }
         let min_shard_units = config.min_shard_bytes.div_ceil(ALIGN_BYTES);
         let raw_slot_units = slice_units / devices;
-        let full_shards =
-            shards_for_slot(raw_slot_units, min_shard_units, topology.machines() as u64);
+        let full_shards = shards_for_slot(raw_slot_units, min_shard_units, serving as u64);
         // Round the slot down to a multiple of its shard count so that every full
         // slice has equal cells. The shards stay at least the minimum: with k > 1,
         // k <= raw / min, so floor(raw / k) >= min.
@@ -108,7 +138,27 @@ impl Geometry {
             slot_units,
             min_shard_units,
             full_shards,
+            servers,
         })
+    }
+
+    /// The dedicated reduction servers, if the geometry has them.
+    pub const fn servers(&self) -> Option<u32> {
+        if self.servers > 0 {
+            Some(self.servers)
+        } else {
+            None
+        }
+    }
+
+    /// How many serve shards: the dedicated servers, or else the machines. Shard
+    /// servers rotate over this many.
+    pub const fn serving(&self) -> u32 {
+        if self.servers > 0 {
+            self.servers
+        } else {
+            self.topology.machines()
+        }
     }
 
     /// The topology.
@@ -132,7 +182,8 @@ impl Geometry {
         self.slot_units * ALIGN_BYTES
     }
 
-    /// Shards per slot in a full slice: `M` when the slot is large enough, fewer so
+    /// Shards per slot in a full slice: `M` (or the number of dedicated servers)
+    /// when the slot is large enough, fewer so
     /// that no shard is smaller than the minimum, and at least one.
     pub const fn shards_per_full_slice(&self) -> u32 {
         self.full_shards
@@ -146,7 +197,7 @@ impl Geometry {
     /// Shards per slot for a slice of `units` units (the adaptive-sharding rule).
     pub(crate) const fn shards_for_slice(&self, units: u64) -> u32 {
         let slot = units / self.topology.devices_per_machine() as u64;
-        shards_for_slot(slot, self.min_shard_units, self.topology.machines() as u64)
+        shards_for_slot(slot, self.min_shard_units, self.serving() as u64)
     }
 
     /// The layout of one staging buffer, large enough for any slice of any tensor,
@@ -172,6 +223,14 @@ impl Geometry {
         }
     }
 
+    /// The layout of a dedicated server's staging buffer; `None` without servers.
+    pub const fn server_layout(&self) -> Option<ServerLayout> {
+        if self.servers == 0 {
+            return None;
+        }
+        Some(ServerLayout::for_geometry(self))
+    }
+
     /// How many staging buffers fit in `budget_bytes`: at least one, or an error.
     ///
     /// The number of staging buffers bounds how many slices are in flight at once.
@@ -194,7 +253,8 @@ impl Geometry {
 }
 
 /// Shards for a slot of `slot_units` units: as many as fit at the minimum size, at
-/// most one per machine, at least one. The result is at most `machines <= 4096`.
+/// most one per serving machine (or server), at least one. The result is at most
+/// `machines <= 4096`.
 const fn shards_for_slot(slot_units: u64, min_shard_units: u64, machines: u64) -> u32 {
     let fit = slot_units / min_shard_units;
     let k = if fit < machines { fit } else { machines };

@@ -66,7 +66,11 @@ impl StagingLayout {
                 InputArea::Slice => geometry.full_slice_bytes(),
             },
             shard_stride: odd_lines * ALIGN_BYTES,
-            sources: geometry.topology().machines() - 1,
+            // Machines receive no contributions when dedicated servers serve.
+            sources: match geometry.servers() {
+                Some(_) => 0,
+                None => geometry.topology().machines() - 1,
+            },
             input,
         }
     }
@@ -87,7 +91,7 @@ impl StagingLayout {
         self.shard_stride
     }
 
-    /// Number of contribution areas: `M - 1`.
+    /// Number of contribution areas: `M - 1`, or 0 with dedicated servers.
     pub const fn contribution_areas(&self) -> u32 {
         self.sources
     }
@@ -125,5 +129,65 @@ impl StagingLayout {
     /// Total bytes of one staging buffer.
     pub const fn total_bytes(&self) -> u64 {
         self.slot_bytes + self.sources as u64 * self.shard_stride
+    }
+}
+
+/// Where a dedicated server keeps one slice in a staging buffer: one area per cell
+/// it receives, cell `(d, j)` of its shard `j` from machine `m` at area
+/// `d * M + m`.
+///
+/// ```text
+/// offset 0                                                          total_bytes
+/// | (d 0, m 0) | (d 0, m 1) | ... | (d 0, m M-1) | (d 1, m 0) | ... | (d D-1, m M-1) |
+/// ```
+///
+/// Each area is `shard_stride` bytes, the same odd number of cache lines as a
+/// machine's contribution areas ([`StagingLayout`]): no cell of any slice is
+/// larger. The server accumulates each slot's cells into the area of the first
+/// machine whose cell landed, and sends the sum back from there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ServerLayout {
+    shard_stride: u64,
+    machines: u32,
+    devices: u32,
+}
+
+impl ServerLayout {
+    pub(crate) const fn for_geometry(geometry: &Geometry) -> ServerLayout {
+        let lines = geometry.max_shard_units();
+        ServerLayout {
+            shard_stride: (lines | 1) * ALIGN_BYTES,
+            machines: geometry.topology().machines(),
+            devices: geometry.topology().devices_per_machine(),
+        }
+    }
+
+    /// Bytes reserved for each cell.
+    pub const fn shard_stride(&self) -> u64 {
+        self.shard_stride
+    }
+
+    /// The area, in bytes from the start of the buffer, that receives machine
+    /// `machine`'s cell of slot `device`.
+    pub const fn area(&self, machine: u32, device: u32) -> Result<Span, PlanError> {
+        if machine >= self.machines {
+            return Err(PlanError::MachineOutOfRange {
+                machine,
+                machines: self.machines,
+            });
+        }
+        if device >= self.devices {
+            return Err(PlanError::DeviceOutOfRange {
+                device,
+                devices: self.devices,
+            });
+        }
+        let index = device as u64 * self.machines as u64 + machine as u64;
+        Ok(Span::bytes(index * self.shard_stride, self.shard_stride))
+    }
+
+    /// Total bytes of one staging buffer: `M * D` areas.
+    pub const fn total_bytes(&self) -> u64 {
+        self.machines as u64 * self.devices as u64 * self.shard_stride
     }
 }

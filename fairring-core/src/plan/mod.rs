@@ -40,6 +40,14 @@
 //! since every full slice has equal cells, the same number of bytes within one full
 //! shard plus one unit.
 //!
+//! **Dedicated servers.** A [`Geometry::with_servers`] has `K` reduction servers
+//! outside the machines (Herring's design). Everything above holds with the `K`
+//! servers in the machines' place: `k <= K`, shard `j` is served by server
+//! `(rotation + s * k_full + j) mod K`, and a machine serves nothing: each device
+//! sends all `k` shards of its slot and receives all `k` results. Each server
+//! receives cell `(d, j)` of its shard `j` from every machine, for every slot `d`:
+//! the same bytes of every full slice, within one unit ([`ServerLayout`]).
+//!
 //! **Zero elements** plan to zero slices: the all-reduce is complete at once.
 //!
 //! # Cost and panics
@@ -54,7 +62,7 @@ mod slice;
 mod split;
 
 pub use geometry::{Geometry, PlanConfig};
-pub use layout::{InputArea, StagingLayout};
+pub use layout::{InputArea, ServerLayout, StagingLayout};
 pub use slice::{Cell, Cells, Slice, Slices};
 
 use crate::dtype::DataType;
@@ -238,6 +246,19 @@ pub enum PlanError {
         /// The machine.
         machine: u32,
     },
+    /// A count of dedicated servers outside `1..=MAX_MACHINES`.
+    InvalidServers {
+        /// The count given.
+        servers: u32,
+    },
+    /// A server index at or past the number of dedicated servers (or a query
+    /// about servers of a geometry without them).
+    ServerOutOfRange {
+        /// The index given.
+        server: u32,
+        /// The number of dedicated servers (0 without).
+        servers: u32,
+    },
 }
 
 impl fmt::Display for PlanError {
@@ -303,6 +324,14 @@ impl fmt::Display for PlanError {
                 f,
                 "machine {machine} never receives its own contribution: it is in the slot"
             ),
+            PlanError::InvalidServers { servers } => write!(
+                f,
+                "{servers} dedicated servers is outside 1..={}",
+                crate::topology::MAX_MACHINES
+            ),
+            PlanError::ServerOutOfRange { server, servers } => {
+                write!(f, "server {server} is out of range for {servers} servers")
+            }
         }
     }
 }
@@ -324,7 +353,7 @@ impl Plan {
             return Err(PlanError::TensorTooLarge { elements, dtype });
         }
         let slice_elements = geometry.full_slice_bytes() / dtype.size_bytes();
-        let machines = geometry.topology().machines() as u64;
+        let machines = geometry.serving() as u64;
         Ok(Plan {
             geometry: *geometry,
             dtype,
@@ -404,7 +433,7 @@ impl Plan {
         if self.slices == 0 {
             return self.rotation as u64;
         }
-        let machines = self.geometry.topology().machines() as u64;
+        let machines = self.geometry.serving() as u64;
         let full = self.geometry.shards_per_full_slice() as u64;
         let last = match self.slice(self.slices - 1) {
             Ok(s) => s.shards() as u64,
@@ -414,7 +443,7 @@ impl Plan {
         (self.rotation as u64 + ((self.slices - 1) % machines) * full + last) % machines
     }
 
-    /// The caller's rotation, mod `M`.
+    /// The caller's rotation, mod `M` (or the number of dedicated servers).
     pub(crate) const fn rotation(&self) -> u32 {
         self.rotation
     }

@@ -20,9 +20,13 @@ pub struct Slice {
     unit_elements: u64,
     dtype: DataType,
     machines: u32,
+    /// Machines, or dedicated servers: what serves shards.
+    serving: u32,
+    /// Whether dedicated servers serve (not the machines).
+    dedicated: bool,
     devices: u32,
     shards: u32,
-    /// Machine serving shard 0.
+    /// Machine (or dedicated server) serving shard 0.
     first_server: u32,
     /// The slice's units dealt to the `D` slots.
     slots: EvenSplit,
@@ -56,7 +60,8 @@ impl Cell {
         self.shard
     }
 
-    /// The machine that serves it: device [`Cell::device`] of this machine reduces it.
+    /// The machine that serves it (device [`Cell::device`] of this machine reduces
+    /// it), or with dedicated servers the server's index.
     pub const fn server(&self) -> u32 {
         self.server
     }
@@ -89,7 +94,8 @@ impl Slice {
         };
         let unit_elements = ALIGN_BYTES / dtype.size_bytes();
         let units = len / unit_elements;
-        let m = machines as u64;
+        let serving = geometry.serving();
+        let m = serving as u64;
         let full_shards = geometry.shards_per_full_slice() as u64;
         // All factors are reduced mod M <= 4096 first: no overflow.
         let first_server = (plan.rotation() as u64 + (index % m) * (full_shards % m)) % m;
@@ -101,6 +107,8 @@ impl Slice {
             unit_elements,
             dtype,
             machines,
+            serving,
+            dedicated: geometry.servers().is_some(),
             devices,
             shards: geometry.shards_for_slice(units),
             #[expect(
@@ -191,7 +199,8 @@ impl Slice {
         }
     }
 
-    /// The machine that serves shard `shard` (of every slot).
+    /// What serves shard `shard` (of every slot): a machine, or with dedicated
+    /// servers a server's index.
     pub const fn server(&self, shard: u32) -> Result<u32, PlanError> {
         if shard >= self.shards {
             return Err(PlanError::ShardOutOfRange {
@@ -202,7 +211,8 @@ impl Slice {
         Ok(self.server_of(shard))
     }
 
-    /// The shard machine `machine` serves in this slice, if any (at most one: `k <= M`).
+    /// The shard machine `machine` serves in this slice, if any (at most one: `k <= M`;
+    /// none with dedicated servers).
     pub const fn shard_served_by(&self, machine: u32) -> Result<Option<u32>, PlanError> {
         if machine >= self.machines {
             return Err(PlanError::MachineOutOfRange {
@@ -210,8 +220,28 @@ impl Slice {
                 machines: self.machines,
             });
         }
-        let j = (machine + self.machines - self.first_server) % self.machines;
-        Ok(if j < self.shards { Some(j) } else { None })
+        if self.dedicated {
+            return Ok(None);
+        }
+        Ok(self.served_by(machine))
+    }
+
+    /// The shard dedicated server `server` serves in this slice, if any (at most
+    /// one: `k <= K`).
+    pub const fn shard_of_server(&self, server: u32) -> Result<Option<u32>, PlanError> {
+        if !self.dedicated || server >= self.serving {
+            return Err(PlanError::ServerOutOfRange {
+                server,
+                servers: if self.dedicated { self.serving } else { 0 },
+            });
+        }
+        Ok(self.served_by(server))
+    }
+
+    /// The shard that serving unit `unit` (a machine, or a dedicated server) serves.
+    const fn served_by(&self, unit: u32) -> Option<u32> {
+        let j = (unit + self.serving - self.first_server) % self.serving;
+        if j < self.shards { Some(j) } else { None }
     }
 
     /// What the device at `location` does in this slice: the counts its staging state
@@ -272,7 +302,7 @@ impl Slice {
     }
 
     const fn server_of(&self, shard: u32) -> u32 {
-        (self.first_server + shard) % self.machines
+        (self.first_server + shard) % self.serving
     }
 
     const fn tail_of_slot(&self, device: u32) -> u64 {

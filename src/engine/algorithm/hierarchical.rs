@@ -64,7 +64,7 @@ impl Hierarchical {
             .map_err(|e| Error::internal("a new slice's word is free", e.to_string()))?;
         steps.push(Step::LocalBegin);
         steps.push(Step::LocalReduceScatter {
-            final_world: (ctx.topology.machines() == 1).then_some(ctx.world),
+            final_world: alone(ctx).then_some(ctx.world),
         });
         Ok(Hierarchical {
             word,
@@ -149,7 +149,7 @@ impl Hierarchical {
             self.gathering = true;
             steps.push(Step::PublishSlot);
             steps.push(Step::LocalAllGather {
-                own_in_tensor: ctx.topology.machines() == 1,
+                own_in_tensor: alone(ctx),
             });
         }
         if actions.contains(Actions::RELEASE) {
@@ -157,6 +157,12 @@ impl Hierarchical {
         }
         Ok(())
     }
+}
+
+/// Whether the machine's reduce-scatter is the whole all-reduce: one machine and
+/// no dedicated servers.
+fn alone(ctx: &Context<'_>) -> bool {
+    ctx.topology.machines() == 1 && ctx.servers == 0
 }
 
 /// A refused event: a peer's fault if a peer's write caused it, else the engine's.
@@ -204,7 +210,8 @@ fn served_shard(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<u32> {
         })
 }
 
-/// Each shard of this device's slot to the machine serving it.
+/// Each shard of this device's slot to the machine (or dedicated server)
+/// serving it.
 fn contributions(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Result<()> {
     let me = ctx.location.machine;
     for shard in 0..s.slice.shards() {
@@ -212,14 +219,24 @@ fn contributions(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) ->
             .slice
             .server(shard)
             .map_err(|e| Error::internal("every shard has a server", e.to_string()))?;
-        if server == me {
+        let (peer, target) = if ctx.servers > 0 {
+            (
+                ctx.world + server,
+                ctx.layout.server_area(me, ctx.location.device)?.start,
+            )
+        } else if server == me {
             continue;
-        }
+        } else {
+            (
+                ctx.rail_peer(server)?,
+                ctx.layout.contribution(me, server)?.start,
+            )
+        };
         steps.push(Step::Write(Write {
             kind: Kind::Contribution,
-            peer: ctx.rail_peer(server)?,
+            peer,
             source: cell_range(ctx, s, shard)?,
-            target: ctx.layout.contribution(me, server)?.start,
+            target,
             needs_credit: true,
         }));
     }

@@ -13,7 +13,10 @@
 //!
 //! - [`hierarchical`]: the reduction-server all-reduce of the seeds, driven by the
 //!   core's staging word;
-//! - [`ring`]: the ring all-reduce (the Horovod/Gloo/NCCL baseline).
+//! - [`ring`]: the ring all-reduce (the Horovod/Gloo/NCCL baseline);
+//! - [`serve`]: a dedicated reduction server's part of every slice (Herring's
+//!   design), where the workers run [`hierarchical`] with the servers in the
+//!   machines' place.
 //!
 //! `auto` is resolved before an operation reaches the engine ([`Resolved`]), so
 //! every slice runs exactly one of them.
@@ -22,6 +25,7 @@
 
 mod hierarchical;
 mod ring;
+mod serve;
 
 use std::ops::Range;
 
@@ -31,6 +35,7 @@ use fairring_core::{DataType, ReduceOp};
 
 pub(crate) use hierarchical::Hierarchical;
 pub(crate) use ring::Ring;
+pub(crate) use serve::{Serve, ServeScratch};
 
 use super::layout::StagingLayout;
 use super::tags::Kind;
@@ -171,10 +176,15 @@ pub(crate) struct Context<'a> {
     pub(crate) location: Location,
     /// This rank.
     pub(crate) rank: u32,
-    /// Ranks in the job.
+    /// Workers in the job (dedicated servers are not counted).
     pub(crate) world: u32,
     /// The staging buffer's layout.
     pub(crate) layout: &'a StagingLayout,
+    /// Dedicated servers in the job (0: the machines serve); server `i` is
+    /// process `world + i`.
+    pub(crate) servers: u32,
+    /// This process's index if it is a dedicated server.
+    pub(crate) server: Option<u32>,
 }
 
 impl Context<'_> {
@@ -223,6 +233,8 @@ pub(crate) enum SliceAlgorithm {
     Hierarchical(Hierarchical),
     /// [`ring`].
     Ring(Ring),
+    /// [`serve`].
+    Serve(Serve),
 }
 
 impl SliceAlgorithm {
@@ -232,8 +244,14 @@ impl SliceAlgorithm {
         algorithm: Resolved,
         ctx: &Context<'_>,
         s: &SliceInfo<'_>,
+        scratch: &mut ServeScratch,
         steps: &mut Vec<Step>,
     ) -> Result<SliceAlgorithm> {
+        if ctx.server.is_some() {
+            return Ok(SliceAlgorithm::Serve(Serve::start(
+                ctx, s, algorithm, scratch, steps,
+            )?));
+        }
         Ok(match algorithm {
             Resolved::Hierarchical => {
                 SliceAlgorithm::Hierarchical(Hierarchical::start(ctx, s, steps)?)
@@ -253,6 +271,14 @@ impl SliceAlgorithm {
         match self {
             SliceAlgorithm::Hierarchical(h) => h.on_event(ctx, s, event, steps),
             SliceAlgorithm::Ring(r) => r.on_event(ctx, s, event, steps),
+            SliceAlgorithm::Serve(v) => v.on_event(ctx, s, event, steps),
+        }
+    }
+
+    /// Gives back what the slice borrowed from its buffer for the next one.
+    pub(crate) fn recycle(self, scratch: &mut ServeScratch) {
+        if let SliceAlgorithm::Serve(v) = self {
+            v.recycle(scratch);
         }
     }
 
@@ -261,6 +287,7 @@ impl SliceAlgorithm {
         match self {
             SliceAlgorithm::Hierarchical(_) => Resolved::Hierarchical,
             SliceAlgorithm::Ring(_) => Resolved::Ring,
+            SliceAlgorithm::Serve(v) => v.resolved(),
         }
     }
 
@@ -269,6 +296,7 @@ impl SliceAlgorithm {
         match self {
             SliceAlgorithm::Hierarchical(h) => h.phase(),
             SliceAlgorithm::Ring(r) => r.phase(),
+            SliceAlgorithm::Serve(v) => v.phase(),
         }
     }
 }

@@ -4,10 +4,12 @@
 //! rank drives, which link delivers its next post, and when each rank's caller
 //! submits its next operation.
 //!
-//! Each seed picks the layout (`M` in 1..=4, `D` in 1..=3), the number of staging
-//! buffers (1..=4), the slice size, a script of integer all-reduces (empty to
+//! Each seed picks the layout (`M` in 1..=4, `D` in 1..=3), for a third of the
+//! seeds 1 to 3 dedicated reduction servers (which then take the inter-machine
+//! step), the number of staging buffers (1..=4), the slice size, a script of integer all-reduces (empty to
 //! many slices, `i32`/`i64`/`u8`, sum/product/min/max, hierarchical or ring) and,
-//! for half the seeds, a rank to kill at a random step. It then checks:
+//! for half the seeds, a process (worker or server) to kill at a random step. It
+//! then checks:
 //!
 //! - every operation a rank reports done holds exactly the expected values;
 //! - without a kill, every operation of every rank is done;
@@ -28,17 +30,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fairring_core::plan::{Geometry, PlanConfig};
-use fairring_core::topology::{RankLayout, Topology};
+use fairring_core::topology::{Location, RankLayout, Topology};
 use fairring_core::{DataType, ReduceOp};
 use fairring_rdma::fabric::{Fabric, LocalRegion};
 
 use super::algorithm::Resolved;
 use super::descriptor::{Collective, Descriptor};
 use super::layout::StagingLayout;
-use super::links::{linked, peers};
+use super::links::{linked, peers, server_peers};
 use super::work::{DONE, FAILED, Submission};
-use super::{Engine, EngineParts};
-use crate::local::{LocalSlice, LocalStep, Machine, ShmStep};
+use super::{Engine, EngineParts, Strides};
+use crate::local::{LocalSlice, LocalStep, Machine, ShmStep, Solo};
 use crate::memory::{Host, HostTensor, MemorySpace};
 use crate::shm::Segment;
 use fabric::{Network, SimFabric};
@@ -140,8 +142,9 @@ struct Outcome {
     failed: usize,
 }
 
-/// The engines of every rank of `geometry`'s job over `net`, each rank's local
-/// step passed through `wrap` (to inject faults).
+/// The engines of every rank of `geometry`'s job over `net` (the workers, then
+/// its dedicated servers), each worker's local step passed through `wrap` (to
+/// inject faults).
 fn build_job(
     geometry: &Geometry,
     layout: &StagingLayout,
@@ -155,6 +158,12 @@ fn build_job(
         topology.devices_per_machine(),
         topology.world_size(),
     );
+    let servers = geometry.servers().unwrap_or(0);
+    let processes = world + servers;
+    let strides = Strides {
+        worker: Segment::buffer_stride(layout.buffer_bytes()),
+        server: Segment::buffer_stride(layout.server_buffer_bytes()),
+    };
     let segments: Vec<Arc<Segment>> = (0..m)
         .map(|_| Segment::anonymous(d, buffers, layout.buffer_bytes()).map(Arc::new))
         .collect::<crate::Result<_>>()
@@ -177,18 +186,52 @@ fn build_job(
         // SAFETY: the area is this rank's part of a segment the memory space keeps
         // mapped for as long as the engine lives.
         let region = unsafe { fabric.register(area, len) }.map_err(|e| e.to_string())?;
-        parts.push((location, memory, local, machine, fabric, region));
+        parts.push((location, memory, local, machine, fabric, region, None));
+    }
+    for index in 0..servers {
+        let segment = Arc::new(
+            Segment::anonymous(1, buffers, layout.server_buffer_bytes())
+                .map_err(|e| e.to_string())?,
+        );
+        let memory = Host::new(Arc::clone(&segment), 0, buffers);
+        let machine = Machine::new(segment, 0, 1);
+        let fabric = SimFabric {
+            rank: world + index,
+            net: Arc::clone(net),
+        };
+        let (area, len) = memory.registered();
+        // SAFETY: as for the workers' areas.
+        let region = unsafe { fabric.register(area, len) }.map_err(|e| e.to_string())?;
+        let location = Location {
+            machine: u32::MAX,
+            device: 0,
+        };
+        let local: Box<dyn LocalStep<Host>> = Box::new(Solo);
+        parts.push((
+            location,
+            memory,
+            local,
+            machine,
+            fabric,
+            region,
+            Some(index),
+        ));
     }
     let regions: Vec<_> = parts.iter().map(|p| p.5.remote()).collect();
     let mut engines = Vec::new();
-    for (rank, (location, memory, local, machine, fabric, region)) in (0..world).zip(parts) {
-        let (out, inbound) = peers(topology, location, rank);
+    for (rank, (location, memory, local, machine, fabric, region, server)) in
+        (0..processes).zip(parts)
+    {
+        let (out, inbound) = match server {
+            Some(_) => server_peers(topology),
+            None => peers(topology, location, rank, servers),
+        };
         let linked = linked(&out, &inbound);
         for &p in &linked {
             let ep = fabric.endpoint(p).map_err(|e| e.to_string())?;
             fabric.connect(p, &ep).map_err(|e| e.to_string())?;
         }
-        let mut remote = vec![None; world as usize];
+        let mut remote = vec![None; processes as usize];
         for &p in &out {
             remote[p as usize] = Some(regions[p as usize]);
         }
@@ -203,6 +246,10 @@ fn build_job(
             layout: *layout,
             location,
             rank,
+            world: processes,
+            servers,
+            server,
+            strides,
             buffers,
             inbound,
             linked,
@@ -217,11 +264,17 @@ fn run(seed: u64) -> Result<Outcome, String> {
     let mut rng = Rng::new(seed);
     let (m, d) = (1 + rng.below(4) as u32, 1 + rng.below(3) as u32);
     let world = m * d;
+    let servers = rng.pick(&[0, 0, 0, 0, 1, 2, 3]);
+    let processes = world + servers;
     let buffers = 1 + rng.below(4) as u32;
     let slice_bytes = rng.pick(&[1024, 4096, 16_384]);
     let topology = Topology::new(m, d, RankLayout::Contiguous).map_err(|e| e.to_string())?;
     let config = PlanConfig::new(slice_bytes, 64).map_err(|e| e.to_string())?;
-    let geometry = Geometry::new(topology, config).map_err(|e| e.to_string())?;
+    let geometry = match servers {
+        0 => Geometry::new(topology, config),
+        k => Geometry::with_servers(topology, config, k),
+    }
+    .map_err(|e| e.to_string())?;
     let layout = StagingLayout::new(&geometry, world).ok_or("layout")?;
     let ops: Vec<Op> = (0..2 + rng.below(7))
         .map(|_| Op {
@@ -242,11 +295,16 @@ fn run(seed: u64) -> Result<Outcome, String> {
         })
         .collect();
     let window = 1 + rng.below(4) as usize;
-    let kill = (world > 1 && rng.below(2) == 1)
-        .then(|| (1 + rng.below(4000), rng.below(u64::from(world)) as u32));
+    let kill = (processes > 1 && rng.below(2) == 1)
+        .then(|| (1 + rng.below(4000), rng.below(u64::from(processes)) as u32));
 
-    let net = Network::new(world);
-    let engines = build_job(&geometry, &layout, buffers, &net, |_, step| Box::new(step))?;
+    let net = Network::new(processes);
+    let mut engines = build_job(&geometry, &layout, buffers, &net, |_, step| Box::new(step))?;
+    let mut server_engines: Vec<(Engine<SimFabric, Host>, bool)> = engines
+        .split_off(world as usize)
+        .into_iter()
+        .map(|e| (e, false))
+        .collect();
     let mut ranks: Vec<Rank> = Vec::new();
     for (rank, engine) in (0..world).zip(engines) {
         let tensors = ops
@@ -279,7 +337,8 @@ fn run(seed: u64) -> Result<Outcome, String> {
         outcome.steps += 1;
         if outcome.steps > STEP_LIMIT {
             return Err(format!(
-                "{m}x{d}, {buffers} buffers: not settled after {STEP_LIMIT} steps; settled: {:?}",
+                "{m}x{d} + {servers} servers, {buffers} buffers: not settled after {STEP_LIMIT} \
+                 steps; settled: {:?}",
                 ranks.iter().map(|r| r.settled.clone()).collect::<Vec<_>>()
             ));
         }
@@ -289,7 +348,10 @@ fn run(seed: u64) -> Result<Outcome, String> {
             net.lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .kill(victim);
-            ranks[victim as usize].dead = true;
+            match ranks.get_mut(victim as usize) {
+                Some(rank) => rank.dead = true,
+                None => server_engines[(victim - world) as usize].1 = true,
+            }
         }
         // Settle what finished.
         for (r, rank) in ranks.iter_mut().enumerate().filter(|(_, r)| !r.dead) {
@@ -330,7 +392,13 @@ fn run(seed: u64) -> Result<Outcome, String> {
                     .deliver(a, b);
             }
         } else {
-            let r = rng.below(u64::from(world)) as usize;
+            let r = rng.below(u64::from(processes)) as usize;
+            if let Some((server, dead)) = server_engines.get(r.wrapping_sub(world as usize)) {
+                if !dead {
+                    server.try_drive();
+                }
+                continue;
+            }
             let rank = &mut ranks[r];
             if rank.dead {
                 continue;
@@ -385,6 +453,11 @@ fn run(seed: u64) -> Result<Outcome, String> {
                 ));
             }
             _ => {}
+        }
+    }
+    for (i, (server, dead)) in server_engines.iter().enumerate() {
+        if let (None, false, Some(e)) = (kill, dead, server.failure()) {
+            return Err(format!("server {i} failed with no fault injected: {e}"));
         }
     }
     Ok(outcome)

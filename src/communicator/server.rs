@@ -1,0 +1,138 @@
+//! [`Server`]: a dedicated reduction server (Herring's design), the process that
+//! takes the inter-machine step of every hierarchical all-reduce of a job started
+//! with `FAIRRING_SERVERS=K`.
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::bootstrap;
+use super::fabric::AnyFabric;
+use crate::config::{Config, Role};
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::memory::Host;
+use crate::store::{PrefixStore, Store, TcpStore};
+
+/// How often [`Server::run`] looks whether the job is over.
+const LOOK: Duration = Duration::from_millis(5);
+
+/// One dedicated reduction server of a job.
+///
+/// A server holds no tensors and issues no calls: it learns each operation from
+/// the workers' descriptors, receives every worker's cells of the shards it
+/// serves, reduces them as they land and sends the sums back. It runs until every
+/// worker has left the job ([`Server::run`]).
+///
+/// ```no_run
+/// // FAIRRING_ROLE=server FAIRRING_SERVER_RANK=0 FAIRRING_SERVERS=2 WORLD_SIZE=8
+/// // MASTER_ADDR=... MASTER_PORT=...
+/// let server = fairring::Server::from_env()?;
+/// server.run()?;
+/// # Ok::<(), fairring::Error>(())
+/// ```
+pub struct Server {
+    engine: Arc<Engine<AnyFabric, Host>>,
+    progress: Option<JoinHandle<()>>,
+    index: u32,
+    // Dropped last, as a communicator's.
+    _store: Arc<dyn Store>,
+}
+
+impl Server {
+    /// Joins the job the environment describes as the server `FAIRRING_SERVER_RANK`
+    /// (see [`Config`]).
+    pub fn from_env() -> Result<Server> {
+        Server::new(Config::from_env()?)
+    }
+
+    /// Joins the job of `config` (a [`Role::Server`] configuration), meeting
+    /// through the store rank 0 serves.
+    pub fn new(config: Config) -> Result<Server> {
+        let store = TcpStore::connect(
+            &config.master_addr,
+            config.master_port,
+            &config.secret,
+            config.job_tag,
+            config.timeout,
+        )?;
+        Server::with_store(config, Arc::new(store))
+    }
+
+    /// Joins the job of `config` through `store`.
+    pub fn with_store(config: Config, store: Arc<dyn Store>) -> Result<Server> {
+        let Role::Server(index) = config.role else {
+            return Err(Error::config(
+                "FAIRRING_ROLE",
+                "worker",
+                "a server's configuration has the `server` role (Config::server_builder)",
+            ));
+        };
+        let scoped = PrefixStore::new(
+            format!("fairring/{:016x}", config.job_tag),
+            Arc::clone(&store),
+        );
+        let engine = Arc::new(bootstrap::build_server(&config, &scoped, index)?);
+        let progress = {
+            let engine = Arc::clone(&engine);
+            std::thread::Builder::new()
+                .name(format!("fairring-server-{index}"))
+                .spawn(move || engine.run())
+                .map_err(|e| Error::io("starting the progress thread", e))?
+        };
+        Ok(Server {
+            engine,
+            progress: Some(progress),
+            index,
+            _store: store,
+        })
+    }
+
+    /// Its index among the job's servers.
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// Its rank on the fabric: the workers' count plus its index.
+    pub fn rank(&self) -> u32 {
+        self.engine.rank()
+    }
+
+    /// Serves until every worker has left the job; the job's first error if it
+    /// failed (a worker died, or issued a different operation than another).
+    pub fn run(mut self) -> Result<()> {
+        let outcome = loop {
+            if let Some(e) = self.engine.failure() {
+                break Err(e);
+            }
+            if self.engine.served_everyone() {
+                break Ok(());
+            }
+            std::thread::sleep(LOOK);
+        };
+        self.stop();
+        outcome
+    }
+
+    /// Fails the job: every worker's operations in flight and later fail.
+    pub fn abort(&self) {
+        self.engine.fail(Error::Aborted);
+    }
+
+    fn stop(&mut self) {
+        self.engine.stop_progress();
+        if let Some(t) = self.progress.take()
+            && t.join().is_err()
+        {
+            log::error!("fairring: a server's progress thread panicked");
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+        let operations = self.engine.accepted_operations();
+        self.engine.say_goodbye(operations);
+    }
+}

@@ -1,0 +1,79 @@
+//! A dedicated server's operations: it has no caller, so it learns each operation
+//! from the first worker's descriptor of it, and it is done once every worker has
+//! left.
+//!
+//! Workers send their descriptor of operation `s` to every server before any data
+//! of `s` (the descriptor checks, `checks`). The first descriptor of `s` to reach
+//! a server becomes the server's own: the server plans the same all-reduce from it
+//! ([`Descriptor::runs_as`]) and takes its slices in turn like any rank, and every
+//! other worker's descriptor of `s` is compared with it, so a worker that issued a
+//! different operation fails the job with [`Error::Mismatch`](crate::Error) here
+//! too. The server also sends that descriptor back to every worker, which checks it
+//! against its own as it checks a peer's.
+
+use fairring_rdma::fabric::Fabric;
+
+use super::descriptor::{Descriptor, Words};
+use super::failure::Fault;
+use super::work::Submission;
+use super::{Driver, Engine};
+use crate::error::Error;
+use crate::memory::MemorySpace;
+
+impl<F: Fabric, M: MemorySpace> Engine<F, M> {
+    /// On a dedicated server, accepts operation `seq` from `peer`'s descriptor if
+    /// it is the next one and no worker described it first.
+    pub(super) fn accept_described(
+        &self,
+        d: &mut Driver<M>,
+        peer: u32,
+        seq: u64,
+        words: Words,
+    ) -> Result<(), Fault> {
+        if self.server.is_none() || seq != d.operations.accepted() {
+            return Ok(());
+        }
+        let descriptor = Descriptor::from_words(words).ok_or_else(|| {
+            Error::peer(
+                peer,
+                format!("sent a descriptor of operation #{seq} this server cannot decode"),
+            )
+        })?;
+        let world = self.geometry.topology().world_size();
+        let (elements, dtype, op) = descriptor
+            .runs_as(world)
+            .filter(|&(n, t, _)| n.checked_mul(t.size_bytes()).is_some())
+            .ok_or_else(|| {
+                Error::peer(
+                    peer,
+                    format!("described operation #{seq} as {descriptor}, which overflows"),
+                )
+            })?;
+        let sub = Submission {
+            seq,
+            tensor: self.memory.no_tensor(),
+            elements,
+            dtype,
+            op,
+            algorithm: descriptor.algorithm,
+            descriptor,
+            deliver: None,
+        };
+        self.accept(d, sub)
+    }
+
+    /// Whether a dedicated server is done: every worker has said goodbye and
+    /// nothing is in flight.
+    pub(crate) fn served_everyone(&self) -> bool {
+        let d = self.lock_driver();
+        (0..self.geometry.topology().world_size()).all(|w| d.departures.departed(w))
+            && !self.in_flight(&d)
+    }
+}
+
+impl<F: Fabric, M: MemorySpace> Engine<F, M> {
+    /// Operations accepted so far (a server's count for its goodbye).
+    pub(crate) fn accepted_operations(&self) -> u64 {
+        self.lock_driver().operations.accepted()
+    }
+}
