@@ -7,7 +7,7 @@ mod common;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use common::{job, small_slices};
+use common::{SERVER_LAYOUTS, job, job_with_servers, small_slices};
 use fairring::{Algorithm, ReduceOp};
 
 const LAYOUTS: [(u32, u32); 4] = [(1, 1), (1, 3), (2, 2), (3, 1)];
@@ -21,21 +21,27 @@ fn value(rank: u32, k: usize, i: usize) -> i64 {
 /// Element counts: tiny, odd, and spanning several 64 KiB slices.
 const SIZES: [usize; 4] = [1, 7, 1001, 40_003];
 
-fn for_every_layout(test: impl Fn(u32, u32, Algorithm)) {
+/// Every co-located layout with every algorithm, then every layout with
+/// dedicated servers (hierarchical: the servers' algorithm).
+fn for_every_layout(test: impl Fn(u32, u32, u32, Algorithm)) {
     for (m, d) in LAYOUTS {
         for algorithm in Algorithm::ALL {
-            test(m, d, algorithm);
+            test(m, d, 0, algorithm);
         }
+    }
+    for (m, d, servers) in SERVER_LAYOUTS {
+        test(m, d, servers, Algorithm::Hierarchical);
     }
 }
 
 #[test]
 fn broadcast_from_every_root() {
-    for_every_layout(|m, d, algorithm| {
+    for_every_layout(|m, d, servers, algorithm| {
         let world = m * d;
-        let results = job(
+        let results = job_with_servers(
             m,
             d,
+            servers,
             |b| small_slices(b, algorithm),
             |rank, comm| {
                 let mut out = Vec::new();
@@ -63,7 +69,7 @@ fn broadcast_from_every_root() {
                     .count();
                 assert_eq!(
                     wrong, 0,
-                    "{m}x{d} {algorithm}: rank {rank}, root {root}, tensor {k}: {wrong} wrong"
+                    "{m}x{d}+{servers} {algorithm}: rank {rank}, root {root}, tensor {k}: {wrong} wrong"
                 );
             }
         }
@@ -72,11 +78,12 @@ fn broadcast_from_every_root() {
 
 #[test]
 fn all_gather_places_every_input() {
-    for_every_layout(|m, d, algorithm| {
+    for_every_layout(|m, d, servers, algorithm| {
         let world = m * d;
-        let results = job(
+        let results = job_with_servers(
             m,
             d,
+            servers,
             |b| small_slices(b, algorithm),
             |rank, comm| {
                 SIZES
@@ -100,7 +107,7 @@ fn all_gather_places_every_input() {
                     .enumerate()
                     .filter(|&(j, &v)| v != value((j / n) as u32, k, j % n))
                     .count();
-                assert_eq!(wrong, 0, "{m}x{d} {algorithm}: rank {rank}, tensor {k}");
+                assert_eq!(wrong, 0, "{m}x{d}+{servers} {algorithm}: rank {rank}, tensor {k}");
             }
         }
     });
@@ -108,12 +115,13 @@ fn all_gather_places_every_input() {
 
 #[test]
 fn reduce_scatter_leaves_each_rank_its_share() {
-    for_every_layout(|m, d, algorithm| {
+    for_every_layout(|m, d, servers, algorithm| {
         let world = m * d;
         for op in [ReduceOp::Sum, ReduceOp::Max] {
-            let results = job(
+            let results = job_with_servers(
                 m,
                 d,
+                servers,
                 |b| small_slices(b, algorithm),
                 |rank, comm| {
                     SIZES
@@ -148,7 +156,7 @@ fn reduce_scatter_leaves_each_rank_its_share() {
                         .count();
                     assert_eq!(
                         wrong, 0,
-                        "{m}x{d} {algorithm} {op}: rank {rank}, tensor {k}"
+                        "{m}x{d}+{servers} {algorithm} {op}: rank {rank}, tensor {k}"
                     );
                 }
             }
@@ -158,12 +166,13 @@ fn reduce_scatter_leaves_each_rank_its_share() {
 
 #[test]
 fn barrier_waits_for_every_rank() {
-    for_every_layout(|m, d, algorithm| {
+    for_every_layout(|m, d, servers, algorithm| {
         let world = m * d;
         let arrived = AtomicU32::new(0);
-        let seen = job(
+        let seen = job_with_servers(
             m,
             d,
+            servers,
             |b| small_slices(b, algorithm),
             |rank, comm| {
                 let mut seen = Vec::new();
@@ -184,7 +193,7 @@ fn barrier_waits_for_every_rank() {
             for &(round, count) in rounds {
                 assert!(
                     count >= round * world,
-                    "{m}x{d} {algorithm}: rank {rank} left barrier {round} after only {count} \
+                    "{m}x{d}+{servers} {algorithm}: rank {rank} left barrier {round} after only {count} \
                      arrivals (want {})",
                     round * world
                 );
@@ -195,11 +204,12 @@ fn barrier_waits_for_every_rank() {
 
 #[test]
 fn coalesced_all_reduce_of_many_tensors() {
-    for_every_layout(|m, d, algorithm| {
+    for_every_layout(|m, d, servers, algorithm| {
         let world = m * d;
-        let results = job(
+        let results = job_with_servers(
             m,
             d,
+            servers,
             |b| small_slices(b, algorithm),
             |rank, comm| {
                 let mut tensors: Vec<Vec<i64>> = (0..12)
@@ -226,7 +236,7 @@ fn coalesced_all_reduce_of_many_tensors() {
                             .fold(0, i64::wrapping_add)
                     })
                     .count();
-                assert_eq!(wrong, 0, "{m}x{d} {algorithm}: rank {rank}, tensor {k}");
+                assert_eq!(wrong, 0, "{m}x{d}+{servers} {algorithm}: rank {rank}, tensor {k}");
             }
         }
     });

@@ -25,14 +25,35 @@ struct Job {
 impl Job {
     /// Starts ranks `ranks` of an `m x d` job running `args`, with `env` added.
     fn start(m: u32, d: u32, ranks: &[u32], args: &[&str], env: &[(&str, &str)]) -> Job {
+        Job::with_servers(m, d, 0, ranks, args, env)
+    }
+
+    /// [`Job::start`] with `servers` dedicated servers too, `fairring-server`
+    /// processes that are ranks `m * d..` here.
+    fn with_servers(
+        m: u32,
+        d: u32,
+        servers: u32,
+        ranks: &[u32],
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Job {
         let port = free_port();
         let (tx, lines) = channel();
         let world = m * d;
-        let mut children: Vec<Option<Child>> = (0..world).map(|_| None).collect();
-        for &rank in ranks {
-            let mut cmd = Command::new(env!("CARGO_BIN_EXE_fairring-rank"));
-            cmd.args(args)
-                .env("RANK", rank.to_string())
+        let mut children: Vec<Option<Child>> = (0..world + servers).map(|_| None).collect();
+        let every = ranks.iter().copied().chain(world..world + servers);
+        for rank in every {
+            let mut cmd = if rank < world {
+                let mut c = Command::new(env!("CARGO_BIN_EXE_fairring-rank"));
+                c.args(args).env("RANK", rank.to_string());
+                c
+            } else {
+                let mut c = Command::new(env!("CARGO_BIN_EXE_fairring-server"));
+                c.env("FAIRRING_SERVER_RANK", (rank - world).to_string());
+                c
+            };
+            cmd.env("FAIRRING_SERVERS", servers.to_string())
                 .env("WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
@@ -58,7 +79,7 @@ impl Job {
         Job {
             children,
             lines,
-            seen: vec![Vec::new(); world as usize],
+            seen: vec![Vec::new(); (world + servers) as usize],
         }
     }
 
@@ -154,6 +175,43 @@ fn survivors_name_the_lost_rank(signal: i32, what: &str) {
 #[test]
 fn a_killed_rank_fails_every_other_rank_naming_it() {
     survivors_name_the_lost_rank(libc::SIGKILL, "SIGKILL");
+}
+
+#[test]
+fn a_killed_server_fails_every_worker_naming_it() {
+    let mut job = Job::with_servers(2, 2, 2, &[0, 1, 2, 3], &["steady", "4194304", "60"], &[]);
+    let workers = [0, 1, 2, 3];
+    job.await_all(&[4, 5], "SERVING", Duration::from_secs(30));
+    job.await_all(&workers, "READY", Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(100));
+    let at = Instant::now();
+    job.signal(4, libc::SIGKILL);
+    let failed = job.await_all(&workers, "FAILED", 2 * TIMEOUT + Duration::from_secs(1));
+    for (&rank, (line, when)) in workers.iter().zip(&failed) {
+        let took = when.duration_since(at);
+        eprintln!("server killed: rank {rank} failed after {took:?}: {line}");
+        assert!(took <= 2 * TIMEOUT, "rank {rank} took {took:?}");
+        assert!(
+            line.contains("rank 4"),
+            "rank {rank} does not name server 0 (rank 4): {line}"
+        );
+    }
+    // The other server learns of it too, and exits with the job's error.
+    let (line, _) = &job.await_all(&[5], "FAILED", 2 * TIMEOUT + Duration::from_secs(1))[0];
+    assert!(line.contains("rank "), "server 1: {line}");
+}
+
+#[test]
+fn a_job_with_servers_ends_cleanly() {
+    let mut job = Job::with_servers(2, 1, 1, &[0, 1], &["repeat", "65536", "20"], &[]);
+    job.await_all(&[0, 1], "DONE", Duration::from_secs(30));
+    let exits: Vec<_> = job
+        .children
+        .iter_mut()
+        .flatten()
+        .map(|c| c.wait().expect("wait").code())
+        .collect();
+    assert_eq!(exits, vec![Some(0); 3], "workers then the server");
 }
 
 #[test]

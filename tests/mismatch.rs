@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::job;
+use common::job_and_servers;
 use fairring::{Algorithm, Communicator, Error, ReduceOp};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
@@ -20,9 +20,22 @@ fn expect_mismatch(
     call: impl Fn(u32, &Communicator) -> fairring::Result<()> + Sync,
     want: [&str; 2],
 ) {
-    let results = job(
+    expect_mismatch_with_servers(m, d, 0, call, want);
+}
+
+/// [`expect_mismatch`] in a job with `servers` dedicated servers, which must fail
+/// with the job's error too.
+fn expect_mismatch_with_servers(
+    m: u32,
+    d: u32,
+    servers: u32,
+    call: impl Fn(u32, &Communicator) -> fairring::Result<()> + Sync,
+    want: [&str; 2],
+) {
+    let (results, served) = job_and_servers(
         m,
         d,
+        servers,
         |b| b.timeout(TIMEOUT).algorithm(Algorithm::Auto),
         |rank, comm| {
             let start = Instant::now();
@@ -61,6 +74,34 @@ fn expect_mismatch(
         assert!(took < TIMEOUT, "{m}x{d}: rank {rank} took {took:?}");
         let refused = refused.expect_err("new work after a mismatch").to_string();
         assert!(refused.contains("failed earlier"), "{refused}");
+    }
+    for (index, outcome) in served.into_iter().enumerate() {
+        let e = outcome.expect_err("a server of a failed job ends with its error");
+        let cause = match &e {
+            Error::Failed { first } => first.as_ref(),
+            other => other,
+        };
+        assert!(
+            matches!(cause, Error::Mismatch { sequence: 1, .. }),
+            "server {index}: not the mismatch at #1: {e}"
+        );
+    }
+}
+
+#[test]
+fn sizes_differ_with_dedicated_servers() {
+    for (m, d, servers) in [(2, 1, 1), (2, 2, 2), (1, 2, 1)] {
+        let last = m * d - 1;
+        expect_mismatch_with_servers(
+            m,
+            d,
+            servers,
+            |rank, comm| {
+                let mut x = vec![1.0f32; if rank == last { 20_000 } else { 10_000 }];
+                comm.all_reduce(&mut x, ReduceOp::Sum)
+            },
+            ["all_reduce of 10000 x f32", "all_reduce of 20000 x f32"],
+        );
     }
 }
 

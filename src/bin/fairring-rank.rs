@@ -4,6 +4,8 @@
 //!
 //! ```text
 //! fairring-rank steady [BYTES [SECONDS]]   all-reduce BYTES of f32 in a loop
+//! fairring-rank repeat BYTES COUNT         all-reduce BYTES of f32 COUNT times (every
+//!                                          rank issues the same number, then leaves)
 //! fairring-rank abort-late                 rank 0 aborts from a second thread while
 //!                                          every rank waits in a barrier that rank 1
 //!                                          joins late; then everyone tries more work
@@ -63,6 +65,28 @@ fn steady(comm: &Communicator, bytes: u64, seconds: u64) -> i32 {
     0
 }
 
+fn repeat(comm: &Communicator, bytes: u64, count: u64) -> i32 {
+    let elements = usize::try_from(bytes / 4).unwrap_or(1).max(1);
+    let mut data = vec![1.0f32; elements];
+    for done in 0..count {
+        if let Err(e) = comm.all_reduce(&mut data, ReduceOp::Sum) {
+            say(&format!("FAILED 0 {e}"));
+            return 3;
+        }
+        if done == 0 {
+            say("READY");
+        }
+    }
+    let world = comm.world_size() as f32;
+    let want = world.powi(i32::try_from(count).unwrap_or(i32::MAX));
+    if data.iter().any(|&v| v != want) {
+        say(&format!("FAILED 0 wrong result: expected {want} everywhere"));
+        return 3;
+    }
+    say(&format!("DONE {count}"));
+    0
+}
+
 fn abort_late(comm: &Communicator) -> i32 {
     let mut x = [1.0f32; 4];
     if let Err(e) = comm.all_reduce(&mut x, ReduceOp::Sum) {
@@ -113,9 +137,10 @@ fn main() {
     };
     let status = match scenario {
         "steady" => steady(&comm, number(&args, 2, 1 << 20), number(&args, 3, 60)),
+        "repeat" => repeat(&comm, number(&args, 2, 1 << 20), number(&args, 3, 10)),
         "abort-late" => abort_late(&comm),
         other => {
-            eprintln!("fairring-rank: unknown scenario {other:?} (steady, abort-late)");
+            eprintln!("fairring-rank: unknown scenario {other:?} (steady, repeat, abort-late)");
             2
         }
     };

@@ -60,6 +60,21 @@ pub fn job_with_servers<R: Send>(
     tune: impl Fn(ConfigBuilder) -> ConfigBuilder + Sync,
     body: impl Fn(u32, &Communicator) -> R + Sync,
 ) -> Vec<R> {
+    let (results, served) = job_and_servers(m, d, servers, tune, body);
+    for (index, outcome) in served.into_iter().enumerate() {
+        outcome.unwrap_or_else(|e| panic!("server {index}: {e}"));
+    }
+    results
+}
+
+/// [`job_with_servers`], returning how each server ended too.
+pub fn job_and_servers<R: Send>(
+    m: u32,
+    d: u32,
+    servers: u32,
+    tune: impl Fn(ConfigBuilder) -> ConfigBuilder + Sync,
+    body: impl Fn(u32, &Communicator) -> R + Sync,
+) -> (Vec<R>, Vec<fairring::Result<()>>) {
     let port = free_port();
     let world = m * d;
     let run_id = format!("test-{port}-{}", std::process::id());
@@ -73,9 +88,7 @@ pub fn job_with_servers<R: Send>(
                         .run_id(run_id)
                         .timeout(Duration::from_secs(30));
                     let config = tune(b).servers(servers).build().expect("config");
-                    Server::new(config)
-                        .and_then(Server::run)
-                        .unwrap_or_else(|e| panic!("server {index}: {e}"));
+                    Server::new(config).and_then(Server::run)
                 })
             })
             .collect();
@@ -100,10 +113,11 @@ pub fn job_with_servers<R: Send>(
             .into_iter()
             .map(|h| h.join().expect("a rank panicked"))
             .collect();
-        for h in server_threads {
-            h.join().expect("a server panicked");
-        }
-        results
+        let served = server_threads
+            .into_iter()
+            .map(|h| h.join().expect("a server panicked"))
+            .collect();
+        (results, served)
     })
 }
 
