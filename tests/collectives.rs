@@ -107,7 +107,10 @@ fn all_gather_places_every_input() {
                     .enumerate()
                     .filter(|&(j, &v)| v != value((j / n) as u32, k, j % n))
                     .count();
-                assert_eq!(wrong, 0, "{m}x{d}+{servers} {algorithm}: rank {rank}, tensor {k}");
+                assert_eq!(
+                    wrong, 0,
+                    "{m}x{d}+{servers} {algorithm}: rank {rank}, tensor {k}"
+                );
             }
         }
     });
@@ -236,7 +239,10 @@ fn coalesced_all_reduce_of_many_tensors() {
                             .fold(0, i64::wrapping_add)
                     })
                     .count();
-                assert_eq!(wrong, 0, "{m}x{d}+{servers} {algorithm}: rank {rank}, tensor {k}");
+                assert_eq!(
+                    wrong, 0,
+                    "{m}x{d}+{servers} {algorithm}: rank {rank}, tensor {k}"
+                );
             }
         }
     });

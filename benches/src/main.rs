@@ -4,7 +4,8 @@
 //! fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F]
 //!                [--iters N] [--warmup N] [--algo auto|hierarchical|ring|all]
 //!                [--dtype f32|f64|f16|bf16|i32|i64|u8|i8] [--op sum|prod|min|max|avg]
-//!                [--check|--no-check] [--parallel N] [--json PATH] [--plot PATH]
+//!                [--check|--no-check] [--parallel N] [--servers K] [--json PATH]
+//!                [--plot PATH]
 //! fairring-bench model ...   (the scale model: see `model_command.rs`)
 //! ```
 //!
@@ -17,7 +18,13 @@
 //!   (one iteration is `--parallel` all-reduces in flight at once);
 //! - `algbw` = bytes x parallel / time; `busbw` = algbw x 2(n-1)/n (nccl-tests);
 //! - `#wrong`: elements that differ from the exactly known result, summed over
-//!   ranks (inputs are small integers, so every order of summation is exact).
+//!   ranks (inputs are small integers, so every order of summation is exact);
+//! - `sent/op`, `recv/op`: data bytes the busiest rank's fabric wrote and
+//!   received per all-reduce, counted by the fabric over the timed iterations.
+//!
+//! `--servers K` runs the job with `K` dedicated reduction servers
+//! (`FAIRRING_SERVERS`); a local job launches them too, as processes of this
+//! program, and each prints its own bytes when the job ends.
 //!
 //! `--plot PATH` writes busbw against size, one line per algorithm, to `PATH.svg`
 //! and `PATH.png`.
@@ -55,6 +62,7 @@ struct Options {
     parallel: usize,
     json: Option<String>,
     plot: Option<String>,
+    servers: u32,
 }
 
 fn usage(error: &str) -> ! {
@@ -62,7 +70,7 @@ fn usage(error: &str) -> ! {
     eprintln!(
         "usage: fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F] \
          [--iters N] [--warmup N] [--algo auto|hierarchical|ring|all] [--dtype T] [--op OP] \
-         [--check|--no-check] [--parallel N] [--json PATH] [--plot PATH]\n       \
+         [--check|--no-check] [--parallel N] [--servers K] [--json PATH] [--plot PATH]\n       \
          fairring-bench model --help"
     );
     std::process::exit(2)
@@ -107,6 +115,7 @@ fn parse(args: &[String]) -> Options {
         parallel: 1,
         json: None,
         plot: None,
+        servers: 0,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -167,6 +176,7 @@ fn parse(args: &[String]) -> Options {
             "--parallel" => o.parallel = number(&value(), flag),
             "--json" => o.json = Some(value()),
             "--plot" => o.plot = Some(value()),
+            "--servers" => o.servers = number(&value(), flag),
             "-h" | "--help" => usage("help"),
             other => usage(&format!("unknown option {other:?}")),
         }
@@ -193,6 +203,9 @@ fn main() -> ExitCode {
     }
     let options = parse(&args);
     if std::env::var_os(CHILD_VAR).is_some() {
+        if std::env::var("FAIRRING_ROLE").as_deref() == Ok("server") {
+            return server();
+        }
         return worker(&options);
     }
     match options.local {
@@ -216,11 +229,19 @@ fn launch((m, d): (u32, u32), args: &[String]) -> ExitCode {
     }
     let secret: String = secret.iter().map(|b| format!("{b:02x}")).collect();
     let world = m * d;
+    let servers = parse(args).servers;
     let mut children: Vec<(u32, Child)> = Vec::new();
-    for rank in 0..world {
-        let spawned = Command::new(&exe)
+    for rank in 0..world + servers {
+        let mut command = Command::new(&exe);
+        if rank >= world {
+            command
+                .env("FAIRRING_ROLE", "server")
+                .env("FAIRRING_SERVER_RANK", (rank - world).to_string());
+        }
+        let spawned = command
             .args(args)
             .env(CHILD_VAR, "1")
+            .env("FAIRRING_SERVERS", servers.to_string())
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_RANK", (rank % d).to_string())
@@ -279,6 +300,27 @@ fn kill_all(children: &mut Vec<(u32, Child)>) {
     children.clear();
 }
 
+/// A dedicated server of a local job: serves, then prints its bytes.
+fn server() -> ExitCode {
+    let served = fairring::Server::from_env().and_then(|s| {
+        let index = s.index();
+        s.run().map(|t| (index, t))
+    });
+    match served {
+        Ok((index, t)) => {
+            eprintln!(
+                "# fairring-bench: server {index} sent {} and received {} data bytes in all",
+                t.sent_bytes, t.received_bytes
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("fairring-bench: server: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn worker(options: &Options) -> ExitCode {
     let rank = std::env::var("RANK").unwrap_or_default();
     match run(options) {
@@ -305,6 +347,9 @@ struct Row {
     algbw: f64,
     busbw: f64,
     wrong: u64,
+    /// Data bytes the busiest rank's fabric wrote, and received, per all-reduce.
+    sent_per_op: u64,
+    received_per_op: u64,
 }
 
 fn run(o: &Options) -> fairring::Result<u64> {
@@ -402,12 +447,22 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
             T::DTYPE
         );
         println!(
-            "{:>12} {:>12} {:>6} {:>7} {:>13} {:>10} {:>9} {:>9} {:>7}",
-            "size", "count", "type", "redop", "algo", "time(us)", "algbw", "busbw", "#wrong"
+            "{:>12} {:>12} {:>6} {:>7} {:>13} {:>10} {:>9} {:>9} {:>7} {:>12} {:>12}",
+            "size",
+            "count",
+            "type",
+            "redop",
+            "algo",
+            "time(us)",
+            "algbw",
+            "busbw",
+            "#wrong",
+            "sent/op",
+            "recv/op"
         );
         println!(
-            "{:>12} {:>12} {:>6} {:>7} {:>13} {:>10} {:>9} {:>9} {:>7}",
-            "(B)", "(elements)", "", "", "", "", "(GB/s)", "(GB/s)", ""
+            "{:>12} {:>12} {:>6} {:>7} {:>13} {:>10} {:>9} {:>9} {:>7} {:>12} {:>12}",
+            "(B)", "(elements)", "", "", "", "", "(GB/s)", "(GB/s)", "", "(B)", "(B)"
         );
     }
     let mut size = o.min_bytes.max(esize);
@@ -447,6 +502,7 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
             }
         }
         let mut timings = vec![vec![0f64; o.iters]; o.algorithms.len()];
+        let mut moved = vec![fairring::Traffic::default(); o.algorithms.len()];
         let rounds = ROUNDS.min(o.iters);
         for round in 0..rounds {
             let iters = (round * o.iters / rounds)..((round + 1) * o.iters / rounds);
@@ -457,16 +513,28 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
             }
             for a in order {
                 let algorithm = o.algorithms[a];
+                let before = comm.traffic();
                 for i in iters.clone() {
                     let start = Instant::now();
                     iteration(comm, &mut bufs, n, o.op, algorithm)?;
                     timings[a][i] = start.elapsed().as_secs_f64();
                 }
+                let after = comm.traffic();
+                moved[a].sent_bytes += after.sent_bytes - before.sent_bytes;
+                moved[a].received_bytes += after.received_bytes - before.received_bytes;
             }
         }
-        for ((&algorithm, mut times), wrong) in o.algorithms.iter().zip(timings).zip(wrongs) {
+        for (((&algorithm, mut times), wrong), moved) in
+            o.algorithms.iter().zip(timings).zip(wrongs).zip(moved)
+        {
             // The slowest rank's time, iteration by iteration.
             comm.all_reduce(&mut times, ReduceOp::Max)?;
+            // The busiest rank's bytes per all-reduce.
+            let ops = (o.iters * o.parallel) as u64;
+            let per_rank = [moved.sent_bytes / ops, moved.received_bytes / ops];
+            let mut per_op = per_rank.map(|b| i64::try_from(b).unwrap_or(i64::MAX));
+            comm.all_reduce(&mut per_op, ReduceOp::Max)?;
+            let per_op = per_op.map(|b| u64::try_from(b).unwrap_or(0));
             times.sort_by(f64::total_cmp);
             let t = times[times.len() / 2];
             #[expect(clippy::cast_precision_loss, reason = "sizes far below 2^52")]
@@ -480,10 +548,12 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
                 algbw,
                 busbw,
                 wrong,
+                sent_per_op: per_op[0],
+                received_per_op: per_op[1],
             };
             if rank == 0 {
                 println!(
-                    "{:>12} {:>12} {:>6} {:>7} {:>13} {:>10.1} {:>9.3} {:>9.3} {:>7}",
+                    "{:>12} {:>12} {:>6} {:>7} {:>13} {:>10.1} {:>9.3} {:>9.3} {:>7} {:>12} {:>12}",
                     row.bytes,
                     row.count,
                     T::DTYPE.name(),
@@ -496,7 +566,9 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
                         row.wrong.to_string()
                     } else {
                         "N/A".into()
-                    }
+                    },
+                    row.sent_per_op,
+                    row.received_per_op
                 );
                 let _ = std::io::stdout().flush();
             }
@@ -513,9 +585,11 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
     {
         let t = comm.topology();
         let layout = (t.machines(), t.devices_per_machine());
-        write_json(path, &rows, T::DTYPE, o.op, layout).map_err(|e| fairring::Error::Io {
-            context: format!("writing {path}"),
-            source: e.into(),
+        write_json(path, &rows, T::DTYPE, o.op, layout, comm.servers()).map_err(|e| {
+            fairring::Error::Io {
+                context: format!("writing {path}"),
+                source: e.into(),
+            }
         })?;
     }
     if rank == 0
@@ -548,6 +622,7 @@ fn write_json(
     dtype: DataType,
     op: ReduceOp,
     (machines, devices): (u32, u32),
+    servers: u32,
 ) -> std::io::Result<()> {
     let rows: Vec<serde_json::Value> = rows
         .iter()
@@ -555,6 +630,7 @@ fn write_json(
             serde_json::json!({
                 "machines": machines,
                 "devices": devices,
+                "servers": servers,
                 "bytes": r.bytes,
                 "count": r.count,
                 "dtype": dtype.name(),
@@ -564,6 +640,8 @@ fn write_json(
                 "algbw_gbps": r.algbw,
                 "busbw_gbps": r.busbw,
                 "wrong": r.wrong,
+                "sent_bytes_per_op": r.sent_per_op,
+                "received_bytes_per_op": r.received_per_op,
             })
         })
         .collect();

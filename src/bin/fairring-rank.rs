@@ -80,7 +80,9 @@ fn repeat(comm: &Communicator, bytes: u64, count: u64) -> i32 {
     let world = comm.world_size() as f32;
     let want = world.powi(i32::try_from(count).unwrap_or(i32::MAX));
     if data.iter().any(|&v| v != want) {
-        say(&format!("FAILED 0 wrong result: expected {want} everywhere"));
+        say(&format!(
+            "FAILED 0 wrong result: expected {want} everywhere"
+        ));
         return 3;
     }
     say(&format!("DONE {count}"));

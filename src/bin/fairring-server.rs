@@ -10,7 +10,8 @@
 //! ```
 //!
 //! It prints `SERVING rank R` once it has joined, serves until every worker has
-//! left, and exits 0; if the job fails it prints `FAILED message` and exits 3; if it
+//! left, prints `DONE sent S received R bytes` (the data bytes it moved) and
+//! exits 0; if the job fails it prints `FAILED message` and exits 3; if it
 //! cannot join, `INIT-FAILED message` and exits 2.
 
 use std::io::Write;
@@ -34,8 +35,14 @@ fn main() {
         }
     };
     say(&format!("SERVING rank {}", server.rank()));
-    if let Err(e) = server.run() {
-        say(&format!("FAILED {e}"));
-        std::process::exit(3);
+    match server.run() {
+        Ok(t) => say(&format!(
+            "DONE sent {} received {} bytes",
+            t.sent_bytes, t.received_bytes
+        )),
+        Err(e) => {
+            say(&format!("FAILED {e}"));
+            std::process::exit(3);
+        }
     }
 }

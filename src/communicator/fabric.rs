@@ -11,9 +11,11 @@ use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::ptr::NonNull;
 use std::time::Duration;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use fairring_rdma::fabric::{
-    Completion, CompletionNotifier, Endpoint, Fabric, FabricError, LocalRegion, RegionKey,
-    RemoteRegion, WriteRequest,
+    Completion, CompletionEvent, CompletionNotifier, Endpoint, Fabric, FabricError, LocalRegion,
+    RegionKey, RemoteRegion, WriteRequest,
 };
 use fairring_rdma::tcp::{BindTo, TcpConfig, TcpFabric, TcpRegion};
 #[cfg(feature = "verbs")]
@@ -22,8 +24,32 @@ use fairring_rdma::verbs::{VerbsConfig, VerbsFabric, VerbsRegion};
 use crate::config::{Config, FabricChoice};
 use crate::error::{Error, Result};
 
-/// The provider a communicator runs on.
-pub(crate) enum AnyFabric {
+/// The provider a communicator runs on, and the bytes it has moved.
+pub(crate) struct AnyFabric {
+    provider: Provider,
+    traffic: Counters,
+}
+
+/// Data bytes a process's fabric has moved: the payloads of the one-sided
+/// writes it posted and of the writes that landed in its memory. Control
+/// messages (descriptors, credits, goodbyes) and the providers' frame headers are
+/// not counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Bytes this process wrote into its peers.
+    pub sent_bytes: u64,
+    /// Bytes its peers wrote into this process.
+    pub received_bytes: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    sent: AtomicU64,
+    received: AtomicU64,
+}
+
+/// The provider.
+enum Provider {
     /// Sockets.
     Tcp(TcpFabric),
     /// RC queue pairs on an RDMA device.
@@ -41,6 +67,35 @@ pub(crate) enum AnyRegion {
 }
 
 impl AnyFabric {
+    fn new(provider: Provider) -> AnyFabric {
+        AnyFabric {
+            provider,
+            traffic: Counters::default(),
+        }
+    }
+
+    /// The data bytes moved so far.
+    pub(crate) fn traffic(&self) -> Traffic {
+        Traffic {
+            sent_bytes: self.traffic.sent.load(Ordering::Relaxed),
+            received_bytes: self.traffic.received.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Counts the landings among `completions`.
+    fn count_landed(&self, completions: &[Completion]) {
+        let landed: u64 = completions
+            .iter()
+            .map(|c| match c.event {
+                CompletionEvent::Landed { len, .. } => len,
+                _ => 0,
+            })
+            .sum();
+        if landed > 0 {
+            self.traffic.received.fetch_add(landed, Ordering::Relaxed);
+        }
+    }
+
     /// The fabric `config` asks for, for its rank.
     pub(crate) fn build(config: &Config) -> Result<AnyFabric> {
         match resolve(config.fabric, &verbs_devices())? {
@@ -51,10 +106,10 @@ impl AnyFabric {
 
     /// The provider: [`FabricChoice::Tcp`] or [`FabricChoice::Verbs`].
     pub(crate) fn choice(&self) -> FabricChoice {
-        match self {
-            AnyFabric::Tcp(_) => FabricChoice::Tcp,
+        match &self.provider {
+            Provider::Tcp(_) => FabricChoice::Tcp,
             #[cfg(feature = "verbs")]
-            AnyFabric::Verbs(_) => FabricChoice::Verbs,
+            Provider::Verbs(_) => FabricChoice::Verbs,
         }
     }
 }
@@ -96,7 +151,7 @@ fn tcp(config: &Config) -> Result<AnyFabric> {
     // name through its silence before the engine's own stall timeout fires.
     .with_silence_timeout(config.timeout / 2);
     tcp.connect_timeout = config.timeout;
-    Ok(AnyFabric::Tcp(TcpFabric::new(tcp)?))
+    Ok(AnyFabric::new(Provider::Tcp(TcpFabric::new(tcp)?)))
 }
 
 #[cfg(feature = "verbs")]
@@ -117,7 +172,7 @@ fn verbs(config: &Config) -> Result<AnyFabric> {
             format!("the verbs provider cannot open its device: {e}"),
         )
     })?;
-    Ok(AnyFabric::Verbs(fabric))
+    Ok(AnyFabric::new(Provider::Verbs(fabric)))
 }
 
 #[cfg(not(feature = "verbs"))]
@@ -213,55 +268,60 @@ impl Fabric for AnyFabric {
     type Region = AnyRegion;
 
     fn rank(&self) -> u32 {
-        match self {
-            AnyFabric::Tcp(f) => f.rank(),
+        match &self.provider {
+            Provider::Tcp(f) => f.rank(),
             #[cfg(feature = "verbs")]
-            AnyFabric::Verbs(f) => f.rank(),
+            Provider::Verbs(f) => f.rank(),
         }
     }
 
     fn world_size(&self) -> u32 {
-        match self {
-            AnyFabric::Tcp(f) => f.world_size(),
+        match &self.provider {
+            Provider::Tcp(f) => f.world_size(),
             #[cfg(feature = "verbs")]
-            AnyFabric::Verbs(f) => f.world_size(),
+            Provider::Verbs(f) => f.world_size(),
         }
     }
 
     fn endpoint(&self, peer: u32) -> Result<Endpoint, FabricError> {
-        match self {
-            AnyFabric::Tcp(f) => f.endpoint(peer),
+        match &self.provider {
+            Provider::Tcp(f) => f.endpoint(peer),
             #[cfg(feature = "verbs")]
-            AnyFabric::Verbs(f) => f.endpoint(peer),
+            Provider::Verbs(f) => f.endpoint(peer),
         }
     }
 
     fn connect(&self, peer: u32, endpoint: &Endpoint) -> Result<(), FabricError> {
-        match self {
-            AnyFabric::Tcp(f) => f.connect(peer, endpoint),
+        match &self.provider {
+            Provider::Tcp(f) => f.connect(peer, endpoint),
             #[cfg(feature = "verbs")]
-            AnyFabric::Verbs(f) => f.connect(peer, endpoint),
+            Provider::Verbs(f) => f.connect(peer, endpoint),
         }
     }
 
     unsafe fn register(&self, memory: NonNull<u8>, len: usize) -> Result<AnyRegion, FabricError> {
-        match self {
+        match &self.provider {
             // SAFETY: forwarded: the caller's contract is the provider's.
-            AnyFabric::Tcp(f) => unsafe { f.register(memory, len) }.map(AnyRegion::Tcp),
+            Provider::Tcp(f) => unsafe { f.register(memory, len) }.map(AnyRegion::Tcp),
             #[cfg(feature = "verbs")]
             // SAFETY: as above.
-            AnyFabric::Verbs(f) => unsafe { f.register(memory, len) }.map(AnyRegion::Verbs),
+            Provider::Verbs(f) => unsafe { f.register(memory, len) }.map(AnyRegion::Verbs),
         }
     }
 
     fn write(&self, peer: u32, request: WriteRequest<'_, AnyRegion>) -> Result<(), FabricError> {
-        match (self, request.source) {
-            (AnyFabric::Tcp(f), AnyRegion::Tcp(r)) => f.write(peer, narrowed(&request, r)),
+        let len = request.len as u64;
+        let posted = match (&self.provider, request.source) {
+            (Provider::Tcp(f), AnyRegion::Tcp(r)) => f.write(peer, narrowed(&request, r)),
             #[cfg(feature = "verbs")]
-            (AnyFabric::Verbs(f), AnyRegion::Verbs(r)) => f.write(peer, narrowed(&request, r)),
+            (Provider::Verbs(f), AnyRegion::Verbs(r)) => f.write(peer, narrowed(&request, r)),
             #[cfg(feature = "verbs")]
             _ => Err(mismatched()),
+        };
+        if posted.is_ok() {
+            self.traffic.sent.fetch_add(len, Ordering::Relaxed);
         }
+        posted
     }
 
     fn send_message(
@@ -271,34 +331,38 @@ impl Fabric for AnyFabric {
         payload: &[u8],
         token: u64,
     ) -> Result<(), FabricError> {
-        match self {
-            AnyFabric::Tcp(f) => f.send_message(peer, immediate, payload, token),
+        match &self.provider {
+            Provider::Tcp(f) => f.send_message(peer, immediate, payload, token),
             #[cfg(feature = "verbs")]
-            AnyFabric::Verbs(f) => f.send_message(peer, immediate, payload, token),
+            Provider::Verbs(f) => f.send_message(peer, immediate, payload, token),
         }
     }
 
     fn poll(&self, out: &mut [Completion]) -> usize {
-        match self {
-            AnyFabric::Tcp(f) => f.poll(out),
+        let n = match &self.provider {
+            Provider::Tcp(f) => f.poll(out),
             #[cfg(feature = "verbs")]
-            AnyFabric::Verbs(f) => f.poll(out),
-        }
+            Provider::Verbs(f) => f.poll(out),
+        };
+        self.count_landed(&out[..n]);
+        n
     }
 
     fn wait(&self, out: &mut [Completion], timeout: Duration) -> usize {
-        match self {
-            AnyFabric::Tcp(f) => f.wait(out, timeout),
+        let n = match &self.provider {
+            Provider::Tcp(f) => f.wait(out, timeout),
             #[cfg(feature = "verbs")]
-            AnyFabric::Verbs(f) => f.wait(out, timeout),
-        }
+            Provider::Verbs(f) => f.wait(out, timeout),
+        };
+        self.count_landed(&out[..n]);
+        n
     }
 
     fn notify_completions(&self, notify: CompletionNotifier) -> bool {
-        match self {
-            AnyFabric::Tcp(f) => f.notify_completions(notify),
+        match &self.provider {
+            Provider::Tcp(f) => f.notify_completions(notify),
             #[cfg(feature = "verbs")]
-            AnyFabric::Verbs(f) => f.notify_completions(notify),
+            Provider::Verbs(f) => f.notify_completions(notify),
         }
     }
 }

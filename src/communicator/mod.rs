@@ -4,6 +4,7 @@ mod bootstrap;
 mod fabric;
 mod server;
 
+pub use fabric::Traffic;
 pub use server::Server;
 
 use std::marker::PhantomData;
@@ -56,6 +57,7 @@ pub struct Communicator {
     topology: Topology,
     location: Location,
     algorithm: Algorithm,
+    servers: u32,
     timeout: Duration,
     /// The byte each barrier all-reduces, per operation-table entry.
     barrier_bytes: Box<[AtomicU8]>,
@@ -128,6 +130,7 @@ impl Communicator {
             topology: built.topology,
             location: built.location,
             algorithm: config.algorithm,
+            servers: config.servers,
             timeout: config.timeout,
             barrier_bytes: (0..WORK_CAPACITY).map(|_| AtomicU8::new(0)).collect(),
             _store: store,
@@ -164,6 +167,17 @@ impl Communicator {
     /// [`FabricChoice::Verbs`] (`auto` resolved).
     pub fn fabric(&self) -> FabricChoice {
         self.engine.links.fabric.choice()
+    }
+
+    /// The data bytes this rank's fabric has written into peers and received
+    /// from them so far (see [`Traffic`]).
+    pub fn traffic(&self) -> Traffic {
+        self.engine.links.fabric.traffic()
+    }
+
+    /// Dedicated reduction servers in the job (0: the machines serve).
+    pub fn servers(&self) -> u32 {
+        self.servers
     }
 
     /// Largest slice, in bytes.

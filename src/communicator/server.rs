@@ -28,7 +28,8 @@ const LOOK: Duration = Duration::from_millis(5);
 /// // FAIRRING_ROLE=server FAIRRING_SERVER_RANK=0 FAIRRING_SERVERS=2 WORLD_SIZE=8
 /// // MASTER_ADDR=... MASTER_PORT=...
 /// let server = fairring::Server::from_env()?;
-/// server.run()?;
+/// let traffic = server.run()?;
+/// println!("received {} bytes", traffic.received_bytes);
 /// # Ok::<(), fairring::Error>(())
 /// ```
 pub struct Server {
@@ -98,15 +99,21 @@ impl Server {
         self.engine.rank()
     }
 
-    /// Serves until every worker has left the job; the job's first error if it
-    /// failed (a worker died, or issued a different operation than another).
-    pub fn run(mut self) -> Result<()> {
+    /// The data bytes this server's fabric has moved so far.
+    pub fn traffic(&self) -> super::Traffic {
+        self.engine.links.fabric.traffic()
+    }
+
+    /// Serves until every worker has left the job, and returns the data bytes
+    /// this server moved; the job's first error if it failed (a worker died, or
+    /// issued a different operation than another).
+    pub fn run(mut self) -> Result<super::Traffic> {
         let outcome = loop {
             if let Some(e) = self.engine.failure() {
                 break Err(e);
             }
             if self.engine.served_everyone() {
-                break Ok(());
+                break Ok(self.traffic());
             }
             std::thread::sleep(LOOK);
         };

@@ -88,7 +88,7 @@ pub fn job_and_servers<R: Send>(
                         .run_id(run_id)
                         .timeout(Duration::from_secs(30));
                     let config = tune(b).servers(servers).build().expect("config");
-                    Server::new(config).and_then(Server::run)
+                    Server::new(config).and_then(Server::run).map(drop)
                 })
             })
             .collect();
