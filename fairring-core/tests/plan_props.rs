@@ -449,7 +449,7 @@ proptest! {
                 per_server[cell.server() as usize] += cell.span().byte_len() * u64::from(m);
             }
             let serving: Vec<u64> = per_server.iter().copied().filter(|&b| b > 0).collect();
-            prop_assert_eq!(serving.len() as u32, slice.shards());
+            prop_assert_eq!(serving.len(), slice.shards() as usize);
             if full && slice.shards() == k {
                 let spread = serving.iter().max().unwrap() - serving.iter().min().unwrap();
                 prop_assert!(spread <= u64::from(m * d) * ALIGN_BYTES, "spread {spread} over {per_server:?}");
