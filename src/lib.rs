@@ -62,7 +62,7 @@ mod shm;
 pub mod store;
 mod sync;
 
-pub use communicator::{Communicator, Scope, Server, Traffic, Work};
+pub use communicator::{Communicator, Fusion, Scope, Server, Traffic, Work};
 pub use config::{Algorithm, Config, ConfigBuilder, FabricChoice, Role};
 pub use error::{Error, Result};
 pub use fairring_core::{DataType, ReduceOp};

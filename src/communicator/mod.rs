@@ -2,9 +2,11 @@
 
 mod bootstrap;
 mod fabric;
+mod fusion;
 mod server;
 
 pub use fabric::Traffic;
+pub use fusion::Fusion;
 pub use server::Server;
 
 use std::marker::PhantomData;
@@ -220,15 +222,22 @@ impl Communicator {
     }
 
     /// All-reduces every tensor of `tensors` in place, and waits.
+    ///
+    /// The tensors are packed, in list order, into fusion buffers of one full
+    /// slice each ([`Fusion`]): many small tensors become few full all-reduces.
     pub fn all_reduce_coalesced<T: Element>(
         &self,
         tensors: &mut [&mut [T]],
         op: ReduceOp,
     ) -> Result<()> {
-        self.scope(|s| {
-            s.all_reduce_coalesced(tensors.iter_mut().map(|t| &mut **t), op)?
-                .wait()
-        })
+        if !op.supports(T::DTYPE) {
+            return Err(Error::invalid(
+                "op",
+                format!("{op} is not defined on {}", T::DTYPE),
+            ));
+        }
+        let buffer_bytes = usize::try_from(self.slice_bytes()).unwrap_or(usize::MAX);
+        fusion::all_reduce_list(self, tensors, op, buffer_bytes)
     }
 
     /// Runs `f` with a [`Scope`] in which operations run asynchronously; when `f`
