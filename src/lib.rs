@@ -39,6 +39,11 @@
 //!   memory now, device memory next) that the engine is generic over;
 //! - **on any fabric**: tcp, or verbs where an RDMA device is present and the
 //!   `verbs` feature is built (`FAIRRING_FABRIC`);
+//! - **with dedicated servers** if asked (`FAIRRING_SERVERS`, Herring's design):
+//!   CPU-only [`Server`] processes then take the inter-machine step, and each
+//!   machine sends and receives its buffer once;
+//! - **fused**: [`Fusion`] places a step's tensors into balanced fusion buffers
+//!   from the order rank 0 saw first, with no negotiation afterwards;
 //! - **allocation-free** per operation once built.
 #![deny(unsafe_code)]
 

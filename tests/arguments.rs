@@ -59,3 +59,36 @@ fn bad_raw_arguments_are_refused_without_side_effects() {
         },
     );
 }
+
+#[test]
+fn a_worker_and_a_server_refuse_each_others_configuration() {
+    let port = common::free_port();
+    let server = fairring::Config::server_builder(0, 2, "127.0.0.1", port)
+        .servers(1)
+        .build()
+        .expect("config");
+    let e = fairring::Communicator::new(server).err().expect("refused");
+    assert!(e.to_string().contains("FAIRRING_ROLE"), "{e}");
+    let worker = fairring::Config::builder(0, 2, "127.0.0.1", port)
+        .build()
+        .expect("config");
+    let e = fairring::Server::with_store(worker, std::sync::Arc::new(NoStore))
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("FAIRRING_ROLE"), "{e}");
+}
+
+/// A store nothing should touch: the refusals come before any rendezvous.
+struct NoStore;
+
+impl fairring::Store for NoStore {
+    fn set(&self, key: &str, _: &[u8]) -> fairring::Result<()> {
+        panic!("set {key}")
+    }
+    fn get(&self, key: &str, _: std::time::Duration) -> fairring::Result<Vec<u8>> {
+        panic!("get {key}")
+    }
+    fn check(&self, keys: &[&str]) -> fairring::Result<bool> {
+        panic!("check {keys:?}")
+    }
+}

@@ -22,6 +22,12 @@
 //! - `sent/op`, `recv/op`: data bytes the busiest rank's fabric wrote and
 //!   received per all-reduce, counted by the fabric over the timed iterations.
 //!
+//! `--gradients N` instead times an all-reduce of a DDP-like gradient list, `N`
+//! f32 tensors of 1 KiB to `--gradient-max` (4 MiB; log-uniform, the same on every
+//! run), fused into
+//! full buffers (`Communicator::all_reduce_coalesced`) and as one all-reduce per
+//! tensor, in turns; one row per way.
+//!
 //! `--servers K` runs the job with `K` dedicated reduction servers
 //! (`FAIRRING_SERVERS`); a local job launches them too, as processes of this
 //! program, and each prints its own bytes when the job ends.
@@ -63,6 +69,8 @@ struct Options {
     json: Option<String>,
     plot: Option<String>,
     servers: u32,
+    gradients: usize,
+    gradient_max: u64,
 }
 
 fn usage(error: &str) -> ! {
@@ -70,7 +78,9 @@ fn usage(error: &str) -> ! {
     eprintln!(
         "usage: fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F] \
          [--iters N] [--warmup N] [--algo auto|hierarchical|ring|all] [--dtype T] [--op OP] \
-         [--check|--no-check] [--parallel N] [--servers K] [--json PATH] [--plot PATH]\n       \
+         [--check|--no-check] [--parallel N] [--servers K] [--gradients N] \
+         [--gradient-max N] [--json PATH] \
+         [--plot PATH]\n       \
          fairring-bench model --help"
     );
     std::process::exit(2)
@@ -116,6 +126,8 @@ fn parse(args: &[String]) -> Options {
         json: None,
         plot: None,
         servers: 0,
+        gradients: 0,
+        gradient_max: 4 << 20,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -177,6 +189,8 @@ fn parse(args: &[String]) -> Options {
             "--json" => o.json = Some(value()),
             "--plot" => o.plot = Some(value()),
             "--servers" => o.servers = number(&value(), flag),
+            "--gradients" => o.gradients = number(&value(), flag),
+            "--gradient-max" => o.gradient_max = bytes(&value(), flag),
             "-h" | "--help" => usage("help"),
             other => usage(&format!("unknown option {other:?}")),
         }
@@ -354,6 +368,9 @@ struct Row {
 
 fn run(o: &Options) -> fairring::Result<u64> {
     let comm = Communicator::from_env()?;
+    if o.gradients > 0 {
+        return gradients(&comm, o);
+    }
     macro_rules! dispatch {
         ($($variant:ident => $t:ty),*) => {
             match o.dtype {
@@ -598,6 +615,101 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
         plot_rows(comm, path, &rows, o)?;
     }
     Ok(total_wrong)
+}
+
+/// The gradient list of `--gradients N`: sizes in elements of f32, from 1 KiB to
+/// `max` bytes, log-uniform.
+fn gradient_sizes(n: usize, max: u64) -> Vec<usize> {
+    #[expect(clippy::cast_precision_loss, reason = "a size below 2^53")]
+    let span = (max.max(1024) as f64 / 1024.0).log2();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            #[expect(clippy::cast_precision_loss, reason = "a 53-bit fraction")]
+            let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+            #[expect(clippy::cast_possible_truncation, reason = "at most `max`")]
+            let bytes = 2f64.powf(10.0 + span * u) as usize;
+            (bytes / 4).max(1)
+        })
+        .collect()
+}
+
+/// `--gradients N`: the list fused and one all-reduce per tensor, in turns.
+fn gradients(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
+    let sizes = gradient_sizes(o.gradients, o.gradient_max);
+    let total: usize = sizes.iter().sum::<usize>() * 4;
+    let rank = comm.rank();
+    let world = comm.world_size();
+    let mut tensors: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![1.0; n]).collect();
+    let ways = ["fused", "per-tensor"];
+    let run = |tensors: &mut Vec<Vec<f32>>, way: usize| -> fairring::Result<()> {
+        let mut views: Vec<&mut [f32]> = tensors.iter_mut().map(Vec::as_mut_slice).collect();
+        if way == 0 {
+            comm.all_reduce_coalesced(&mut views, ReduceOp::Avg)
+        } else {
+            comm.scope(|s| s.all_reduce_coalesced(views, ReduceOp::Avg)?.wait())
+        }
+    };
+    let mut wrong = 0u64;
+    for way in 0..ways.len() {
+        for _ in 0..o.warmup.max(1) {
+            run(&mut tensors, way)?;
+        }
+        wrong += tensors.iter().flatten().filter(|&&v| v != 1.0).count() as u64;
+    }
+    let mut timings = vec![vec![0f64; o.iters]; ways.len()];
+    let rounds = ROUNDS.min(o.iters);
+    for round in 0..rounds {
+        let iters = (round * o.iters / rounds)..((round + 1) * o.iters / rounds);
+        let mut order: Vec<usize> = (0..ways.len()).collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for way in order {
+            for i in iters.clone() {
+                let start = Instant::now();
+                run(&mut tensors, way)?;
+                timings[way][i] = start.elapsed().as_secs_f64();
+            }
+        }
+    }
+    if rank == 0 {
+        println!(
+            "# fairring-bench: {} machines x {} ranks, {} servers: {} f32 tensors, {total} bytes in all",
+            comm.topology().machines(),
+            comm.topology().devices_per_machine(),
+            comm.servers(),
+            sizes.len()
+        );
+        println!(
+            "{:>12} {:>12} {:>10} {:>9} {:>9}",
+            "way", "bytes", "time(us)", "algbw", "busbw"
+        );
+    }
+    let mut medians = Vec::new();
+    for (way, mut times) in timings.into_iter().enumerate() {
+        comm.all_reduce(&mut times, ReduceOp::Max)?;
+        times.sort_by(f64::total_cmp);
+        let t = times[times.len() / 2];
+        #[expect(clippy::cast_precision_loss, reason = "sizes far below 2^52")]
+        let algbw = total as f64 / t / 1e9;
+        let busbw = algbw * 2.0 * f64::from(world - 1) / f64::from(world);
+        medians.push(t);
+        if rank == 0 {
+            println!(
+                "{:>12} {total:>12} {:>10.1} {algbw:>9.3} {busbw:>9.3}",
+                ways[way],
+                t * 1e6
+            );
+        }
+    }
+    if rank == 0 {
+        println!("# fused / per-tensor time: {:.3}", medians[0] / medians[1]);
+    }
+    Ok(wrong)
 }
 
 fn iteration<T: Value>(

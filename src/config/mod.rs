@@ -627,6 +627,41 @@ mod tests {
     }
 
     #[test]
+    fn servers_and_their_roles() {
+        let worker = Config::from_lookup(env(&[("FAIRRING_SERVERS", "2")])).unwrap();
+        assert_eq!((worker.role, worker.servers), (Role::Worker, 2));
+        assert_eq!((worker.process(), worker.processes()), (1, 6));
+        // A server needs no RANK; it is WORLD_SIZE + its index on the fabric.
+        let server = Config::from_lookup(|k| {
+            env(&[
+                ("FAIRRING_SERVERS", "2"),
+                ("FAIRRING_ROLE", "server"),
+                ("FAIRRING_SERVER_RANK", "1"),
+            ])(k)
+            .filter(|_| k != "RANK")
+        })
+        .unwrap();
+        assert_eq!(server.role, Role::Server(1));
+        assert_eq!((server.process(), server.processes()), (5, 6));
+        refused(&[("FAIRRING_ROLE", "server")], "FAIRRING_SERVER_RANK");
+        refused(
+            &[("FAIRRING_ROLE", "server"), ("FAIRRING_SERVER_RANK", "0")],
+            "FAIRRING_SERVER_RANK",
+        );
+        refused(
+            &[
+                ("FAIRRING_ROLE", "server"),
+                ("FAIRRING_SERVER_RANK", "2"),
+                ("FAIRRING_SERVERS", "2"),
+            ],
+            "FAIRRING_SERVER_RANK",
+        );
+        refused(&[("FAIRRING_ROLE", "reducer")], "FAIRRING_ROLE");
+        refused(&[("FAIRRING_SERVERS", "x")], "FAIRRING_SERVERS");
+        refused(&[("FAIRRING_SERVERS", "5000")], "FAIRRING_SERVERS");
+    }
+
+    #[test]
     fn every_knob_refuses_bad_values() {
         for var in [
             "FAIRRING_TOTAL_MEMORY",

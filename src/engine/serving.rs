@@ -69,9 +69,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         (0..self.geometry.topology().world_size()).all(|w| d.departures.departed(w))
             && !self.in_flight(&d)
     }
-}
 
-impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// Operations accepted so far (a server's count for its goodbye).
     pub(crate) fn accepted_operations(&self) -> u64 {
         self.lock_driver().operations.accepted()

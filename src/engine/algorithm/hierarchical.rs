@@ -24,6 +24,11 @@
 //!    copies all slots into the caller's tensor;
 //! 6. `RELEASE` once every send has completed.
 //!
+//! With dedicated servers (`Context::servers > 0`) the machines serve nothing:
+//! step 2 sends every shard of the slot to the server holding it (into the
+//! server's area for this machine and device), steps 3 and 4 happen on the
+//! servers (`serve`), and the results land here as above.
+//!
 //! The engine drives every buffer from one driver at a time, so the slice keeps
 //! the word as a plain value and steps it with the core's transition function; the
 //! atomic [`StagingState`](fairring_core::staging::StagingState) around the same
