@@ -85,6 +85,13 @@ fn expect_mismatch_with_servers(
             matches!(cause, Error::Mismatch { sequence: 1, .. }),
             "server {index}: not the mismatch at #1: {e}"
         );
+        // It names two workers' calls, not its own.
+        let server_rank = m * d + u32::try_from(index).unwrap_or(u32::MAX);
+        assert!(
+            !e.to_string()
+                .contains(&format!("rank {server_rank} called")),
+            "server {index}: {e}"
+        );
     }
 }
 

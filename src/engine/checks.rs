@@ -29,6 +29,9 @@ use crate::local::Machine;
 pub(crate) struct Checks {
     /// This rank's descriptor words of operation `s`, at `slot_of(s)`.
     own: Vec<Words>,
+    /// Who issued them: this rank, or on a dedicated server the worker whose
+    /// descriptor the server took as its own (errors name that worker).
+    owner: Vec<u32>,
     /// Operations below this have every local rank's descriptor checked.
     local_checked: u64,
     /// Per rank: operations below this have had their descriptor sent to it.
@@ -43,6 +46,7 @@ impl Checks {
     pub(crate) fn new(world: u32, remote_in: &[u32]) -> Checks {
         Checks {
             own: vec![[0; 2]; WORK_CAPACITY],
+            owner: vec![0; WORK_CAPACITY],
             local_checked: 0,
             sent: vec![0; world as usize],
             confirmed: vec![0; world as usize],
@@ -68,6 +72,7 @@ impl Checks {
         links: &Links<F>,
     ) -> Result<(), Fault> {
         self.own[slot_of(seq)] = words;
+        self.owner[slot_of(seq)] = links.rank;
         machine.publish_operation(seq, words);
         for &peer in &links.remote_in {
             let p = peer as usize;
@@ -75,7 +80,7 @@ impl Checks {
                 && early_seq == seq
             {
                 self.early[p].pop_front();
-                self.compare(seq, links.rank, peer, theirs)?;
+                self.compare(seq, peer, theirs)?;
                 self.confirmed[p] = seq + 1;
             }
         }
@@ -98,7 +103,7 @@ impl Checks {
                 match machine.operation(r, seq) {
                     None => return Ok(first..self.local_checked),
                     Some(theirs) => {
-                        self.compare(seq, links.rank, links.local_to_global(r), theirs)?;
+                        self.compare(seq, links.local_to_global(r), theirs)?;
                     }
                 }
             }
@@ -129,7 +134,7 @@ impl Checks {
             .into());
         }
         if seq < accepted {
-            self.compare(seq, links.rank, peer, theirs)?;
+            self.compare(seq, peer, theirs)?;
             self.confirmed[p] = seq + 1;
             return Ok(true);
         }
@@ -226,9 +231,16 @@ impl Checks {
         local.chain(remote).collect()
     }
 
+    /// Operation `seq`'s descriptor is `owner`'s (a dedicated server's, taken
+    /// from that worker), for the errors that compare with it.
+    pub(crate) fn described_by(&mut self, seq: u64, owner: u32) {
+        self.owner[slot_of(seq)] = owner;
+    }
+
     /// Checks operation `seq` against `peer`'s descriptor of it.
-    fn compare(&self, seq: u64, me: u32, peer: u32, theirs: Words) -> Result<(), Fault> {
+    fn compare(&self, seq: u64, peer: u32, theirs: Words) -> Result<(), Fault> {
         let ours = self.own[slot_of(seq)];
+        let me = self.owner[slot_of(seq)];
         if ours == theirs {
             return Ok(());
         }

@@ -34,7 +34,8 @@ pub(crate) struct Links<F: Fabric> {
     /// Every rank this rank is connected to.
     pub(crate) linked: Vec<u32>,
     /// Ranks on other machines this rank writes to, and that write to it: the
-    /// remote ends of descriptor checks.
+    /// remote ends of descriptor checks (a dedicated server receives them from
+    /// every worker and sends none).
     pub(crate) remote_out: Vec<u32>,
     pub(crate) remote_in: Vec<u32>,
     /// Per rank: whether it is in `remote_out`.
@@ -63,11 +64,21 @@ impl<F: Fabric> Links<F> {
                 .ok()
                 .is_none_or(|l| l.machine != location.machine)
         };
+        // Descriptors travel from workers only: a dedicated server checks every
+        // worker's against the first it got and sends none (its results imply
+        // that every worker's descriptor passed there).
+        let workers = topology.world_size();
         let remote_out: Vec<u32> = (0..world)
+            .filter(|_| rank < workers)
             .filter(|&p| remote.get(p as usize).is_some_and(Option::is_some))
             .filter(off_machine)
             .collect();
-        let remote_in: Vec<u32> = inbound.iter().copied().filter(off_machine).collect();
+        let remote_in: Vec<u32> = inbound
+            .iter()
+            .copied()
+            .filter(|&p| p < workers)
+            .filter(off_machine)
+            .collect();
         let mut is_remote_out = vec![false; world as usize];
         for &p in &remote_out {
             is_remote_out[p as usize] = true;

@@ -8,8 +8,9 @@
 //! ([`Descriptor::runs_as`]) and takes its slices in turn like any rank, and every
 //! other worker's descriptor of `s` is compared with it, so a worker that issued a
 //! different operation fails the job with [`Error::Mismatch`](crate::Error) here
-//! too. The server also sends that descriptor back to every worker, which checks it
-//! against its own as it checks a peer's.
+//! too. The server sends no descriptors: a worker's cell is reduced only after
+//! that worker's descriptor passed here (it comes first on the same ordered
+//! connection), so a result coming back from the server says as much.
 
 use fairring_rdma::fabric::Fabric;
 
@@ -59,7 +60,12 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             descriptor,
             deliver: None,
         };
-        self.accept(d, sub)
+        self.accept(d, sub)?;
+        // A mismatch with it names the two workers. (No other worker's descriptor
+        // of `seq` came before: each worker's arrive in order, so the first of any
+        // of them to arrive is accepted at once.)
+        d.checks.described_by(seq, peer);
+        Ok(())
     }
 
     /// Whether a dedicated server is done: every worker has said goodbye and

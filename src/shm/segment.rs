@@ -184,7 +184,6 @@ impl Segment {
     /// A segment in anonymous shared memory, for local ranks that are threads of
     /// one process (the engine's simulation), or a process with no local peers (a
     /// dedicated reduction server).
-    #[cfg(not(loom))]
     pub(crate) fn anonymous(ranks: u32, buffers: u32, buffer_bytes: usize) -> Result<Segment> {
         let buffer_bytes = round_up(buffer_bytes, PAGE);
         let (control, data, len) = Segment::layout(ranks, buffers, buffer_bytes)

@@ -4,10 +4,11 @@
 //! rank drives, which link delivers its next post, and when each rank's caller
 //! submits its next operation.
 //!
-//! Each seed picks the layout (`M` in 1..=4, `D` in 1..=3), for a third of the
-//! seeds 1 to 3 dedicated reduction servers (which then take the inter-machine
-//! step), the number of staging buffers (1..=4), the slice size, a script of integer all-reduces (empty to
-//! many slices, `i32`/`i64`/`u8`, sum/product/min/max, hierarchical or ring) and,
+//! Each seed picks the layout (`M` in 1..=4, `D` in 1..=3), for three seeds in
+//! seven 1 to 3 dedicated reduction servers (which then take the inter-machine
+//! step), the number of staging buffers (1..=4), the slice size, a script of
+//! integer all-reduces (empty to many slices, `i32`/`i64`/`u8`,
+//! sum/product/min/max, hierarchical or ring) and,
 //! for half the seeds, a process (worker or server) to kill at a random step. It
 //! then checks:
 //!
