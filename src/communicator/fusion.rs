@@ -97,7 +97,7 @@ impl<T: Element> Fusion<T> {
         let mut tensors = tensors.into_iter();
         if self.placed.is_none() {
             for (index, t) in tensors.by_ref() {
-                self.hold(&mut held, index, t)?;
+                hold(&self.sizes, &mut held, index, t)?;
                 arrival.push(index);
             }
             self.place(comm, &arrival)?;
@@ -136,11 +136,9 @@ impl<T: Element> Fusion<T> {
             }
             start_ready!();
             for (index, t) in tensors.by_ref() {
-                if index >= sizes.len() || held[index].is_some() || t.len() != sizes[index] {
-                    return Err(bad_tensor(index, t.len(), sizes));
-                }
+                hold(sizes, &mut held, index, t)?;
+                let t = held[index].as_deref().unwrap_or(&[]);
                 arrived(placed, sizes[index], index, t, &mut buffers, &mut waiting);
-                held[index] = Some(t);
                 start_ready!();
             }
             if let Some(missing) = held.iter().position(Option::is_none) {
@@ -156,19 +154,6 @@ impl<T: Element> Fusion<T> {
                 copy_out(placed, index, t, &self.buffers);
             }
         }
-        Ok(())
-    }
-
-    fn hold<'t>(
-        &self,
-        held: &mut [Option<&'t mut [T]>],
-        index: usize,
-        t: &'t mut [T],
-    ) -> Result<()> {
-        if index >= self.sizes.len() || held[index].is_some() || t.len() != self.sizes[index] {
-            return Err(bad_tensor(index, t.len(), &self.sizes));
-        }
-        held[index] = Some(t);
         Ok(())
     }
 
@@ -258,6 +243,21 @@ fn zeroed_buffers<T: Element>(plan: &FusionPlan) -> Vec<Vec<T>> {
     (0..plan.buffers())
         .map(|b| vec![<T as bytemuck::Zeroable>::zeroed(); (plan.buffer_len(b) / size) as usize])
         .collect()
+}
+
+/// Holds tensor `index` until the step ends, if it is one of the set, of its
+/// declared length, and not handed over before.
+fn hold<'t, T>(
+    sizes: &[usize],
+    held: &mut [Option<&'t mut [T]>],
+    index: usize,
+    t: &'t mut [T],
+) -> Result<()> {
+    if index >= sizes.len() || held[index].is_some() || t.len() != sizes[index] {
+        return Err(bad_tensor(index, t.len(), sizes));
+    }
+    held[index] = Some(t);
+    Ok(())
 }
 
 fn bad_tensor(index: usize, len: usize, sizes: &[usize]) -> Error {

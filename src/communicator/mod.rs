@@ -118,13 +118,7 @@ impl Communicator {
         );
         let built = bootstrap::build(&config, &scoped)?;
         let engine = Arc::new(built.engine);
-        let progress = {
-            let engine = Arc::clone(&engine);
-            std::thread::Builder::new()
-                .name(format!("fairring-progress-{}", config.rank))
-                .spawn(move || engine.run())
-                .map_err(|e| Error::io("starting the progress thread", e))?
-        };
+        let progress = start_progress(&engine, format!("fairring-progress-{}", config.rank))?;
         Ok(Communicator {
             engine,
             progress: Some(progress),
@@ -380,12 +374,7 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        self.engine.stop_progress();
-        if let Some(t) = self.progress.take()
-            && t.join().is_err()
-        {
-            log::error!("fairring: the progress thread panicked");
-        }
+        stop_progress(&self.engine, &mut self.progress);
         let operations = *self.next_seq.lock().unwrap_or_else(PoisonError::into_inner);
         self.engine.say_goodbye(operations);
     }
@@ -691,6 +680,28 @@ impl Drop for Work<'_> {
             }
             self.engine.works.give_back(seq);
         }
+    }
+}
+
+/// Starts `engine`'s progress thread, named `name`.
+fn start_progress(engine: &Arc<HostEngine>, name: String) -> Result<JoinHandle<()>> {
+    let engine = Arc::clone(engine);
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(move || engine.run())
+        .map_err(|e| Error::io("starting the progress thread", e))
+}
+
+/// Stops `engine`'s progress thread and waits for it (once).
+fn stop_progress(engine: &HostEngine, thread: &mut Option<JoinHandle<()>>) {
+    engine.stop_progress();
+    if let Some(t) = thread.take()
+        && t.join().is_err()
+    {
+        log::error!(
+            "fairring: the progress thread of rank {} panicked",
+            engine.rank()
+        );
     }
 }
 

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::bootstrap;
 use super::fabric::AnyFabric;
+use super::{bootstrap, start_progress, stop_progress};
 use crate::config::{Config, Role};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
@@ -74,13 +74,7 @@ impl Server {
             Arc::clone(&store),
         );
         let engine = Arc::new(bootstrap::build_server(&config, &scoped, index)?);
-        let progress = {
-            let engine = Arc::clone(&engine);
-            std::thread::Builder::new()
-                .name(format!("fairring-server-{index}"))
-                .spawn(move || engine.run())
-                .map_err(|e| Error::io("starting the progress thread", e))?
-        };
+        let progress = start_progress(&engine, format!("fairring-server-{index}"))?;
         Ok(Server {
             engine,
             progress: Some(progress),
@@ -127,12 +121,7 @@ impl Server {
     }
 
     fn stop(&mut self) {
-        self.engine.stop_progress();
-        if let Some(t) = self.progress.take()
-            && t.join().is_err()
-        {
-            log::error!("fairring: a server's progress thread panicked");
-        }
+        stop_progress(&self.engine, &mut self.progress);
     }
 }
 

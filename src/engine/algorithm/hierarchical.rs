@@ -190,16 +190,7 @@ fn refused(e: StagingError, from: Option<u32>, s: &SliceInfo<'_>) -> Error {
 
 /// The byte range of cell (this device, `shard`) from the start of the slice.
 fn cell_range(ctx: &Context<'_>, s: &SliceInfo<'_>, shard: u32) -> Result<Range<usize>> {
-    let cell = s
-        .slice
-        .cell(ctx.location.device, shard)
-        .map_err(|e| Error::internal("every shard of a slice has a cell", e.to_string()))?;
-    cell.span().byte_range_in(s.slice.span()).ok_or_else(|| {
-        Error::internal(
-            "a cell lies within its slice",
-            format!("{:?} in {:?}", cell.span(), s.slice.span()),
-        )
-    })
+    s.cell_range(ctx.location.device, shard)
 }
 
 /// The shard this machine serves in the slice.

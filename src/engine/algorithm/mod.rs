@@ -215,6 +215,20 @@ pub(crate) struct SliceInfo<'a> {
 }
 
 impl SliceInfo<'_> {
+    /// The bytes of cell (`device`, `shard`), counted from the start of the slice.
+    pub(crate) fn cell_range(&self, device: u32, shard: u32) -> Result<Range<usize>> {
+        let cell = self
+            .slice
+            .cell(device, shard)
+            .map_err(|e| Error::internal("every shard of a slice has a cell", e.to_string()))?;
+        cell.span().byte_range_in(self.slice.span()).ok_or_else(|| {
+            Error::internal(
+                "a cell lies within its slice",
+                format!("{:?} in {:?}", cell.span(), self.slice.span()),
+            )
+        })
+    }
+
     /// Bytes of the slice.
     pub(crate) fn bytes(&self) -> Result<usize> {
         usize::try_from(self.slice.span().byte_len()).map_err(|_| {

@@ -108,12 +108,7 @@ impl Serve {
         if let Some(shard) = shard {
             serve.shard = shard;
             for device in 0..ctx.topology.devices_per_machine() {
-                let cell = s.slice.cell(device, shard).map_err(|e| {
-                    Error::internal("every slot has the served shard", e.to_string())
-                })?;
-                let len = usize::try_from(cell.span().byte_len()).map_err(|_| {
-                    Error::internal("a cell fits the address space", format!("{cell:?}"))
-                })?;
+                let len = s.cell_range(device, shard)?.len();
                 let expected = !s.slice.slot(device).is_ok_and(|slot| slot.is_empty());
                 serve.open += u32::from(expected);
                 serve.parts.push(Part {
@@ -280,15 +275,7 @@ impl Serve {
             )
         })?;
         let source = area(ctx, accumulator, device, part.len)?;
-        let cell = s
-            .slice
-            .cell(device, self.shard)
-            .map_err(|e| Error::internal("every slot has the served shard", e.to_string()))?;
-        let target = cell
-            .span()
-            .byte_range_in(s.slice.span())
-            .ok_or_else(|| Error::internal("a cell lies within its slice", format!("{cell:?}")))?
-            .start;
+        let target = s.cell_range(device, self.shard)?.start;
         for machine in 0..ctx.topology.machines() {
             let peer = ctx
                 .topology
