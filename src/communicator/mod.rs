@@ -24,7 +24,7 @@ use crate::engine::work::{Delivery, Submission, WORK_CAPACITY, slot_of};
 use crate::engine::{Engine, Resolved};
 use crate::error::{Error, Result};
 use crate::memory::{Host, HostTensor};
-use crate::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
+use crate::store::{C10dStore, PrefixStore, Store, TcpStore, TcpStoreServer};
 use crate::sync::unmodelled::AtomicU8;
 use fabric::AnyFabric;
 
@@ -75,9 +75,18 @@ impl Communicator {
         Communicator::new(Config::from_env()?)
     }
 
-    /// Joins the job of `config`, meeting through the TCP store rank 0 serves.
+    /// Joins the job of `config`, meeting through the TCP store rank 0 serves, or,
+    /// under torchrun's agent store, through PyTorch's TCPStore that torchrun
+    /// serves at the same address.
     pub fn new(config: Config) -> Result<Communicator> {
         refuse_server(&config)?;
+        if let Some(attempt) = config.agent_store {
+            let store =
+                C10dStore::connect(&config.master_addr, config.master_port, config.timeout)?;
+            // The attempt keeps a restarted job's keys apart from the last one's.
+            let scoped = PrefixStore::new(format!("/fairring/attempt_{attempt}"), store);
+            return Communicator::build(config, Arc::new(scoped), None);
+        }
         let server = if config.rank == 0 {
             let addr = crate::store::tcp::resolve_master(&config.master_addr, config.master_port)?;
             let cap = 2 * config.processes() as usize + 16;

@@ -6,6 +6,7 @@
 //! | `RANK`, `WORLD_SIZE` | this process's rank and the number of ranks (workers: dedicated servers are not counted) | required (`RANK` not read by a server) |
 //! | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | rank on this machine and ranks per machine; checked against what the rendezvous finds | optional |
 //! | `MASTER_ADDR`, `MASTER_PORT` | where rank 0 serves the rendezvous store | required |
+//! | `TORCHELASTIC_USE_AGENT_STORE` | `True` under torchrun: its agent already serves PyTorch's TCPStore at `MASTER_ADDR:MASTER_PORT`, and every rank rendezvouses through it (keys under `TORCHELASTIC_RESTART_COUNT`'s attempt) | `False`: rank 0 serves fairring's store |
 //! | `FAIRRING_TOTAL_MEMORY` | staging memory per rank, bytes (`K`/`M`/`G` suffixes) | 50 MiB |
 //! | `FAIRRING_SLICE_SIZE` | largest slice, bytes | 25 MiB, less if the budget would hold fewer than 2 buffers |
 //! | `FAIRRING_MIN_SHARD_SIZE` | smallest shard, bytes | 64 KiB |
@@ -133,6 +134,8 @@ pub struct Config {
     pub(crate) servers: u32,
     /// This process's part: a worker, or server `i`.
     pub(crate) role: Role,
+    /// `Some(attempt)` when torchrun's agent serves the store (see the module docs).
+    pub(crate) agent_store: Option<u32>,
 }
 
 /// What a process is in its job.
@@ -166,6 +169,7 @@ pub struct ConfigBuilder {
     verbs: VerbsKnobs,
     servers: u32,
     role: Role,
+    agent_store: Option<u32>,
 }
 
 impl Config {
@@ -196,6 +200,7 @@ impl Config {
             verbs: VerbsKnobs::default(),
             servers: 0,
             role: Role::Worker,
+            agent_store: None,
         }
     }
 
@@ -304,6 +309,14 @@ impl Config {
         b.verbs = VerbsKnobs::from_lookup(&lookup)?;
         if let Some(v) = lookup("TORCHELASTIC_RUN_ID") {
             b.run_id = v;
+        }
+        let agent = lookup("TORCHELASTIC_USE_AGENT_STORE");
+        if parse_flag("TORCHELASTIC_USE_AGENT_STORE", agent.as_deref())? {
+            let attempt = match lookup("TORCHELASTIC_RESTART_COUNT") {
+                Some(v) => parse_u32("TORCHELASTIC_RESTART_COUNT", &v)?,
+                None => 0,
+            };
+            b.agent_store = Some(attempt);
         }
         b.build()
     }
@@ -442,6 +455,13 @@ impl ConfigBuilder {
         self
     }
 
+    /// Rendezvous through the PyTorch TCPStore torchrun's agent serves at the
+    /// master address, under restart `attempt`, instead of serving one on rank 0.
+    pub fn agent_store(mut self, attempt: u32) -> Self {
+        self.agent_store = Some(attempt);
+        self
+    }
+
     /// Validates every field.
     pub fn build(self) -> Result<Config> {
         if self.world_size == 0 {
@@ -559,7 +579,19 @@ impl ConfigBuilder {
             verbs: self.verbs,
             servers: self.servers,
             role: self.role,
+            agent_store: self.agent_store,
         })
+    }
+}
+
+/// A boolean variable as torchrun writes them (`True`/`False`, also `1`/`0`);
+/// unset is false.
+fn parse_flag(name: &'static str, value: Option<&str>) -> Result<bool> {
+    match value.map(str::trim) {
+        None | Some("") => Ok(false),
+        Some(v) if v.eq_ignore_ascii_case("true") || v == "1" => Ok(true),
+        Some(v) if v.eq_ignore_ascii_case("false") || v == "0" => Ok(false),
+        Some(v) => Err(Error::config(name, v, "expected True or False")),
     }
 }
 
@@ -659,6 +691,31 @@ mod tests {
         refused(&[("FAIRRING_ROLE", "reducer")], "FAIRRING_ROLE");
         refused(&[("FAIRRING_SERVERS", "x")], "FAIRRING_SERVERS");
         refused(&[("FAIRRING_SERVERS", "5000")], "FAIRRING_SERVERS");
+    }
+
+    #[test]
+    fn torchruns_agent_store_and_its_attempt() {
+        assert_eq!(Config::from_lookup(env(&[])).unwrap().agent_store, None);
+        let off = env(&[("TORCHELASTIC_USE_AGENT_STORE", "False")]);
+        assert_eq!(Config::from_lookup(off).unwrap().agent_store, None);
+        let on = env(&[("TORCHELASTIC_USE_AGENT_STORE", "True")]);
+        assert_eq!(Config::from_lookup(on).unwrap().agent_store, Some(0));
+        let restarted = env(&[
+            ("TORCHELASTIC_USE_AGENT_STORE", "true"),
+            ("TORCHELASTIC_RESTART_COUNT", "3"),
+        ]);
+        assert_eq!(Config::from_lookup(restarted).unwrap().agent_store, Some(3));
+        refused(
+            &[("TORCHELASTIC_USE_AGENT_STORE", "yes please")],
+            "TORCHELASTIC_USE_AGENT_STORE",
+        );
+        refused(
+            &[
+                ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+                ("TORCHELASTIC_RESTART_COUNT", "-1"),
+            ],
+            "TORCHELASTIC_RESTART_COUNT",
+        );
     }
 
     #[test]

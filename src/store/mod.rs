@@ -5,14 +5,17 @@
 //! that a host runtime can implement it over its own store through a C ABI (PyTorch
 //! passes its `c10d::Store`). The default is [`TcpStore`]: served by rank 0 at
 //! `MASTER_ADDR:MASTER_PORT`, admitting only clients that prove they know the job
-//! secret, with bounded key and value sizes.
+//! secret, with bounded key and value sizes. Under torchrun, whose agent already
+//! serves PyTorch's TCPStore on that port, ranks use [`C10dStore`] instead.
 
+mod c10d;
 mod protocol;
 pub(crate) mod tcp;
 
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+pub use c10d::C10dStore;
 pub use tcp::{TcpStore, TcpStoreServer};
 
 /// Longest key a store must accept, in bytes.
