@@ -67,8 +67,8 @@ mod shm;
 pub mod store;
 mod sync;
 
-pub use communicator::{Communicator, Fusion, Scope, Server, Traffic, Work};
+pub use communicator::{Communicator, Fusion, OwnedWork, Scope, Server, Traffic, Work};
 pub use config::{Algorithm, Config, ConfigBuilder, FabricChoice, Role};
 pub use error::{Error, Result};
 pub use fairring_core::{DataType, ReduceOp};
-pub use store::Store;
+pub use store::{C10dStore, Store};

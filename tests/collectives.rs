@@ -288,3 +288,43 @@ fn collectives_refuse_bad_shapes_without_side_effects() {
         },
     );
 }
+
+#[test]
+fn an_in_place_all_gather_reads_its_input_from_its_own_place() {
+    // As torch's all_gather_into_tensor passes it: the input is this rank's
+    // place in the output.
+    let results = job(
+        2,
+        2,
+        |b| b,
+        |rank, comm| {
+            let n = 1001usize;
+            let world = comm.world_size() as usize;
+            let mut output = vec![-1i64; n * world];
+            let at = rank as usize * n;
+            for (i, x) in output[at..at + n].iter_mut().enumerate() {
+                *x = value(rank, 0, i);
+            }
+            let base = output.as_mut_ptr();
+            // SAFETY: `output` outlives the wait below and is not touched until
+            // then; the input is its own place in it.
+            let work = unsafe {
+                comm.all_gather_raw(
+                    base.add(at).cast::<u8>().cast_const(),
+                    base.cast(),
+                    n as u64,
+                    fairring::DataType::I64,
+                )
+            };
+            work.and_then(fairring::Work::wait)
+                .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            output
+        },
+    );
+    for output in results {
+        let expected: Vec<i64> = (0..4u32)
+            .flat_map(|r| (0..1001).map(move |i| value(r, 0, i)))
+            .collect();
+        assert_eq!(output, expected);
+    }
+}

@@ -280,6 +280,225 @@ impl Communicator {
         Ok(Work::new(&self.engine, seq, seq))
     }
 
+    /// Starts a broadcast of `count` elements of `dtype` at `data` from rank
+    /// `root` (see [`Scope::broadcast`]).
+    ///
+    /// # Safety
+    ///
+    /// As [`Communicator::all_reduce_raw`], for `data`.
+    pub unsafe fn broadcast_raw(
+        &self,
+        data: *mut u8,
+        count: u64,
+        dtype: DataType,
+        root: u32,
+    ) -> Result<Work<'_>> {
+        let world = self.world_size();
+        if root >= world {
+            return Err(Error::invalid(
+                "root",
+                format!("rank {root} is not in a job of {world} ranks"),
+            ));
+        }
+        check_pointer(data, count, dtype)?;
+        let bytes = byte_len(count, dtype)?;
+        if root != self.rank() && bytes > 0 {
+            // SAFETY: the caller guarantees `data` is valid for `bytes` bytes.
+            unsafe { std::ptr::write_bytes(data, 0, bytes) };
+        }
+        let mut r = Request::all_reduce(data, bytes as u64, DataType::U8, ReduceOp::Sum, None);
+        r.collective = Collective::Broadcast;
+        r.caller_dtype = dtype;
+        r.caller_elements = count;
+        r.root = root;
+        // SAFETY: the caller keeps `data` valid and untouched until it finishes.
+        unsafe { self.start(r) }
+    }
+
+    /// Starts an all-gather of every rank's `count` elements of `dtype` at
+    /// `input` into `output`, which holds `world_size * count` (see
+    /// [`Scope::all_gather`]). `input` may lie anywhere, inside `output` too
+    /// (at this rank's place, as an in-place all-gather passes it).
+    ///
+    /// # Safety
+    ///
+    /// `input` must be valid for reads of `count` elements until this call
+    /// returns; `output` as `data` in [`Communicator::all_reduce_raw`], for
+    /// `world_size * count` elements.
+    pub unsafe fn all_gather_raw(
+        &self,
+        input: *const u8,
+        output: *mut u8,
+        count: u64,
+        dtype: DataType,
+    ) -> Result<Work<'_>> {
+        let world = u64::from(self.world_size());
+        let total = count.checked_mul(world).ok_or_else(|| {
+            Error::invalid(
+                "count",
+                format!("{count} elements x {world} ranks overflow"),
+            )
+        })?;
+        check_pointer(input.cast_mut(), count, dtype)?;
+        check_pointer(output, total, dtype)?;
+        let n = byte_len(count, dtype)?;
+        let bytes = byte_len(total, dtype)?;
+        let at = self.rank() as usize * n;
+        if bytes > 0 {
+            // SAFETY: the caller guarantees `output` spans `bytes` bytes, of
+            // which this rank's place `at..at + n` is a part.
+            let place = unsafe { output.add(at) };
+            // SAFETY: `input` spans `n` readable bytes and `place` `n` writable
+            // ones; `copy` allows them to overlap. The input is in place before
+            // the rest of `output` (where it may also lie) is zeroed.
+            unsafe { std::ptr::copy(input, place, n) };
+            // SAFETY: `0..at` lies within `output`.
+            unsafe { std::ptr::write_bytes(output, 0, at) };
+            // SAFETY: `at + n <= bytes`: the end of this rank's place.
+            let rest = unsafe { place.add(n) };
+            // SAFETY: `at + n..bytes` lies within `output`; `rest` is its start.
+            unsafe { std::ptr::write_bytes(rest, 0, bytes - at - n) };
+        }
+        let mut r = Request::all_reduce(output, bytes as u64, DataType::U8, ReduceOp::Sum, None);
+        r.collective = Collective::AllGather;
+        r.caller_dtype = dtype;
+        r.caller_elements = count;
+        // SAFETY: the caller keeps `output` valid and untouched until it finishes.
+        unsafe { self.start(r) }
+    }
+
+    /// Starts a reduce-scatter: `input` holds `world_size * count` elements of
+    /// `dtype`, which are all-reduced **in place**; this rank's `count` of them
+    /// are copied into `output` when it finishes (see [`Scope::reduce_scatter`]).
+    ///
+    /// # Safety
+    ///
+    /// As `data` in [`Communicator::all_reduce_raw`], for `input` and for
+    /// `output`, which must not overlap.
+    pub unsafe fn reduce_scatter_raw(
+        &self,
+        input: *mut u8,
+        output: *mut u8,
+        count: u64,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<Work<'_>> {
+        let world = u64::from(self.world_size());
+        let total = count.checked_mul(world).ok_or_else(|| {
+            Error::invalid(
+                "count",
+                format!("{count} elements x {world} ranks overflow"),
+            )
+        })?;
+        check_pointer(input, total, dtype)?;
+        check_pointer(output, count, dtype)?;
+        let n = byte_len(count, dtype)?;
+        let offset = self.rank() as usize * n;
+        let mut r = Request::all_reduce(input, total, dtype, op, None);
+        r.collective = Collective::ReduceScatter;
+        r.caller_elements = count;
+        r.deliver = Some(Delivery {
+            to: HostTensor::new(output, n),
+            range: offset..offset + n,
+        });
+        // SAFETY: the caller keeps `input` and `output` valid and untouched
+        // until it finishes; the delivered range lies within `input`.
+        unsafe { self.start(r) }
+    }
+
+    /// Starts an all-reduce of every `(data, count)` in `tensors`, all of
+    /// `dtype`, one operation each and all in flight at once; the returned
+    /// [`Work`] covers them all.
+    ///
+    /// # Safety
+    ///
+    /// As `data` in [`Communicator::all_reduce_raw`], for every tensor; no two
+    /// may overlap.
+    pub unsafe fn all_reduce_coalesced_raw(
+        &self,
+        tensors: &[(*mut u8, u64)],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<Work<'_>> {
+        if !op.supports(dtype) {
+            return Err(Error::invalid(
+                "op",
+                format!("{op} is not defined on {dtype}"),
+            ));
+        }
+        for (i, &(data, count)) in tensors.iter().enumerate() {
+            check_pointer(data, count, dtype).map_err(|e| match e {
+                Error::InvalidArgument { reason, .. } => {
+                    Error::invalid("tensors", format!("tensor {i}: {reason}"))
+                }
+                other => other,
+            })?;
+        }
+        let mut range: Option<(u64, u64)> = None;
+        for &(data, count) in tensors {
+            // SAFETY: forwarded from the caller, per tensor.
+            match unsafe { self.all_reduce_raw(data, count, dtype, op, None) } {
+                Ok(w) => {
+                    let seq = w.first;
+                    // Its entry is given back by the group's `Work`.
+                    std::mem::forget(w);
+                    range = Some(range.map_or((seq, seq), |(a, _)| (a, seq)));
+                }
+                Err(e) => {
+                    // Only a failed engine refuses here; the group started so
+                    // far is waited for and its entries given back.
+                    if let Some((first, last)) = range {
+                        drop(Work::new(&self.engine, first, last));
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(match range {
+            Some((first, last)) => Work::new(&self.engine, first, last),
+            None => Work::empty(&self.engine),
+        })
+    }
+
+    /// Starts a barrier: its [`Work`] finishes once every rank has entered it.
+    pub fn start_barrier(&self) -> Result<Work<'_>> {
+        let mut r = Request::all_reduce(std::ptr::null_mut(), 1, DataType::U8, ReduceOp::Sum, None);
+        r.collective = Collective::Barrier;
+        // SAFETY: the engine substitutes the communicator's own barrier byte.
+        unsafe { self.start(r) }
+    }
+
+    /// Turns `work`, started on this communicator, into an [`OwnedWork`] that
+    /// keeps the communicator alive: for runtimes that track operations by
+    /// handle (the C ABI). The memory contract of the call that started it
+    /// stays the caller's.
+    pub fn own(self: &Arc<Self>, work: Work<'_>) -> Result<OwnedWork> {
+        if !std::ptr::eq(work.engine, Arc::as_ptr(&self.engine)) {
+            return Err(Error::invalid(
+                "work",
+                "was started on another communicator",
+            ));
+        }
+        let (first, last) = (work.first, work.last);
+        std::mem::forget(work);
+        Ok(OwnedWork {
+            comm: Arc::clone(self),
+            first,
+            last,
+        })
+    }
+
+    /// Queues `r`.
+    ///
+    /// # Safety
+    ///
+    /// `r`'s memory must stay valid and untouched by the caller until the
+    /// operation finishes.
+    unsafe fn start(&self, r: Request) -> Result<Work<'_>> {
+        let seq = self.submit(r)?;
+        Ok(Work::new(&self.engine, seq, seq))
+    }
+
     /// Validates a request (with no side effects when it is refused), assigns
     /// its sequence number and queues it.
     fn submit(&self, r: Request) -> Result<u64> {
@@ -440,27 +659,12 @@ impl<'scope> Scope<'scope, '_> {
         data: &'scope mut [T],
         root: u32,
     ) -> Result<Work<'scope>> {
-        let world = self.comm.world_size();
-        if root >= world {
-            return Err(Error::invalid(
-                "root",
-                format!("rank {root} is not in a job of {world} ranks"),
-            ));
+        // SAFETY: `data` is borrowed mutably for 'scope, which outlasts the
+        // operation (`finish` waits); it is valid and aligned for its length.
+        unsafe {
+            self.comm
+                .broadcast_raw(data.as_mut_ptr().cast(), data.len() as u64, T::DTYPE, root)
         }
-        let bytes = std::mem::size_of_val(data);
-        let ptr: *mut u8 = data.as_mut_ptr().cast();
-        if root != self.comm.rank() {
-            // SAFETY: `data` is exclusively borrowed and spans `bytes` bytes.
-            unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
-        }
-        let mut r = Request::all_reduce(ptr, bytes as u64, DataType::U8, ReduceOp::Sum, None);
-        r.collective = Collective::Broadcast;
-        r.caller_dtype = T::DTYPE;
-        r.caller_elements = data.len() as u64;
-        r.root = root;
-        // SAFETY: as in `all_reduce_with`: `data` lives and stays untouched for
-        // 'scope, which outlasts the operation.
-        unsafe { self.start(r) }
     }
 
     /// Starts an all-gather of every rank's `input` into `output` (see
@@ -484,18 +688,16 @@ impl<'scope> Scope<'scope, '_> {
                 ),
             ));
         }
-        let at = self.comm.rank() as usize * n;
-        let bytes = std::mem::size_of_val(output);
-        let ptr: *mut u8 = output.as_mut_ptr().cast();
-        // SAFETY: `output` is exclusively borrowed and spans `bytes` bytes.
-        unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
-        output[at..at + n].copy_from_slice(input);
-        let mut r = Request::all_reduce(ptr, bytes as u64, DataType::U8, ReduceOp::Sum, None);
-        r.collective = Collective::AllGather;
-        r.caller_dtype = T::DTYPE;
-        r.caller_elements = n as u64;
-        // SAFETY: as in `broadcast`, for `output`.
-        unsafe { self.start(r) }
+        // SAFETY: `input` is read before this returns; `output` is borrowed
+        // mutably for 'scope and spans `world * n` elements (checked above).
+        unsafe {
+            self.comm.all_gather_raw(
+                input.as_ptr().cast(),
+                output.as_mut_ptr().cast(),
+                n as u64,
+                T::DTYPE,
+            )
+        }
     }
 
     /// Starts a reduce-scatter (see [`Communicator::reduce_scatter`]): an
@@ -519,32 +721,22 @@ impl<'scope> Scope<'scope, '_> {
                 ),
             ));
         }
-        let size = std::mem::size_of::<T>();
-        let mut r = Request::all_reduce(
-            input.as_mut_ptr().cast(),
-            input.len() as u64,
-            T::DTYPE,
-            op,
-            None,
-        );
-        r.collective = Collective::ReduceScatter;
-        r.caller_elements = n as u64;
-        let offset = self.comm.rank() as usize * n * size;
-        r.deliver = Some(Delivery {
-            to: HostTensor::new(output.as_mut_ptr().cast(), std::mem::size_of_val(output)),
-            range: offset..offset + std::mem::size_of_val(output),
-        });
-        // SAFETY: as in `broadcast`, for `input` and `output`, both borrowed for
-        // 'scope; the delivered range lies within `input` (checked above).
-        unsafe { self.start(r) }
+        // SAFETY: both are borrowed mutably for 'scope (so they do not overlap)
+        // and have the lengths checked above.
+        unsafe {
+            self.comm.reduce_scatter_raw(
+                input.as_mut_ptr().cast(),
+                output.as_mut_ptr().cast(),
+                n as u64,
+                T::DTYPE,
+                op,
+            )
+        }
     }
 
     /// Starts a barrier: its [`Work`] finishes once every rank has entered it.
     pub fn barrier(&'scope self) -> Result<Work<'scope>> {
-        let mut r = Request::all_reduce(std::ptr::null_mut(), 1, DataType::U8, ReduceOp::Sum, None);
-        r.collective = Collective::Barrier;
-        // SAFETY: the engine substitutes the communicator's own barrier byte.
-        unsafe { self.start(r) }
+        self.comm.start_barrier()
     }
 
     /// Starts an all-reduce of every tensor in `tensors`, one operation each, all
@@ -554,44 +746,13 @@ impl<'scope> Scope<'scope, '_> {
         tensors: impl IntoIterator<Item = &'scope mut [T]>,
         op: ReduceOp,
     ) -> Result<Work<'scope>> {
-        if !op.supports(T::DTYPE) {
-            return Err(Error::invalid(
-                "op",
-                format!("{op} is not defined on {}", T::DTYPE),
-            ));
-        }
-        let mut range: Option<(u64, u64)> = None;
-        for t in tensors {
-            let w = match self.all_reduce(t, op) {
-                Ok(w) => w,
-                Err(e) => {
-                    // Only a failed engine refuses here; the group started so far
-                    // is waited for and its entries given back.
-                    if let Some((first, last)) = range {
-                        drop(Work::new(&self.comm.engine, first, last));
-                    }
-                    return Err(e);
-                }
-            };
-            let seq = w.first;
-            // Its entry is given back by the group's `Work`.
-            std::mem::forget(w);
-            range = Some(range.map_or((seq, seq), |(a, _)| (a, seq)));
-        }
-        Ok(match range {
-            Some((first, last)) => Work::new(&self.comm.engine, first, last),
-            None => Work::empty(&self.comm.engine),
-        })
-    }
-
-    /// Queues `r`.
-    ///
-    /// # Safety
-    ///
-    /// `r`'s memory must stay valid and untouched by the caller for 'scope.
-    unsafe fn start(&'scope self, r: Request) -> Result<Work<'scope>> {
-        let seq = self.comm.submit(r)?;
-        Ok(Work::new(&self.comm.engine, seq, seq))
+        let raw: Vec<(*mut u8, u64)> = tensors
+            .into_iter()
+            .map(|t| (t.as_mut_ptr().cast(), t.len() as u64))
+            .collect();
+        // SAFETY: every tensor is borrowed mutably for 'scope (so none overlap),
+        // valid and aligned for its length.
+        unsafe { self.comm.all_reduce_coalesced_raw(&raw, T::DTYPE, op) }
     }
 
     fn finish(&self) {
@@ -647,25 +808,13 @@ impl<'a> Work<'a> {
 
     /// Waits up to `timeout`: an error if it failed or is still running then.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
-        let start = Instant::now();
-        for seq in self.first..=self.last {
-            let left = timeout.saturating_sub(start.elapsed());
-            if !self.engine.wait(seq, Some(left))? {
-                return Err(Error::timeout(format!("operation #{seq}"), timeout));
-            }
-        }
-        Ok(())
+        wait_range(self.engine, self.first, self.last, timeout)
     }
 
     /// Whether the operation has finished, without waiting or driving it (the
     /// progress thread does); its error if it failed.
     pub fn test(&self) -> Result<bool> {
-        for seq in self.first..=self.last {
-            if !self.engine.test(seq)? {
-                return Ok(false);
-            }
-        }
-        Ok(true)
+        test_range(self.engine, self.first, self.last)
     }
 
     /// The operation's sequence number (the same on every rank); the first one
@@ -677,18 +826,89 @@ impl<'a> Work<'a> {
 
 impl Drop for Work<'_> {
     fn drop(&mut self) {
-        for seq in self.first..=self.last {
-            if !matches!(
-                self.engine.wait(seq, Some(self.engine.timeout)),
-                Ok(true) | Err(_)
-            ) {
-                self.engine.fail(Error::timeout(
-                    format!("operation #{seq} (dropped while running)"),
-                    self.engine.timeout,
-                ));
-            }
-            self.engine.works.give_back(seq);
+        release_range(self.engine, self.first, self.last);
+    }
+}
+
+/// An operation (or a coalesced group) in flight that owns a reference to its
+/// communicator: made by [`Communicator::own`] from a [`Work`] of a raw form.
+///
+/// The communicator lives at least as long as its owned works. Dropping one
+/// waits for it as dropping a [`Work`] does.
+#[must_use = "an operation runs until waited on or dropped"]
+pub struct OwnedWork {
+    comm: Arc<Communicator>,
+    first: u64,
+    last: u64,
+}
+
+impl OwnedWork {
+    /// Waits up to `timeout`: an error if it failed or is still running then.
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+        wait_range(&self.comm.engine, self.first, self.last, timeout)
+    }
+
+    /// Waits up to the communicator's timeout.
+    pub fn wait(&self) -> Result<()> {
+        self.wait_timeout(self.comm.timeout)
+    }
+
+    /// Whether the operation has finished; its error if it failed.
+    pub fn test(&self) -> Result<bool> {
+        test_range(&self.comm.engine, self.first, self.last)
+    }
+
+    /// The operation's sequence number; the first one of a coalesced group.
+    pub fn sequence(&self) -> u64 {
+        self.first
+    }
+
+    /// The communicator that runs it.
+    pub fn communicator(&self) -> &Arc<Communicator> {
+        &self.comm
+    }
+}
+
+impl Drop for OwnedWork {
+    fn drop(&mut self) {
+        release_range(&self.comm.engine, self.first, self.last);
+    }
+}
+
+/// Waits for operations `first..=last`, up to `timeout` in all.
+fn wait_range(engine: &HostEngine, first: u64, last: u64, timeout: Duration) -> Result<()> {
+    let start = Instant::now();
+    for seq in first..=last {
+        let left = timeout.saturating_sub(start.elapsed());
+        if !engine.wait(seq, Some(left))? {
+            return Err(Error::timeout(format!("operation #{seq}"), timeout));
         }
+    }
+    Ok(())
+}
+
+/// Whether operations `first..=last` have all finished.
+fn test_range(engine: &HostEngine, first: u64, last: u64) -> Result<bool> {
+    for seq in first..=last {
+        if !engine.test(seq)? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Waits for operations `first..=last` and gives their table entries back; one
+/// still running after the timeout fails the communicator, so that nothing
+/// touches its memory after this returns.
+fn release_range(engine: &HostEngine, first: u64, last: u64) {
+    for seq in first..=last {
+        if !matches!(engine.wait(seq, Some(engine.timeout)), Ok(true) | Err(_)) {
+            engine.fail(Error::timeout(
+                format!("operation #{seq} (dropped while running)"),
+                engine.timeout,
+            ));
+        }
+        engine.works.give_back(seq);
     }
 }
 
@@ -725,6 +945,15 @@ fn refuse_server(config: &Config) -> Result<()> {
              as a Communicator",
         )),
     }
+}
+
+/// The bytes of `count` elements of `dtype`, if they fit in memory.
+fn byte_len(count: u64, dtype: DataType) -> Result<usize> {
+    count
+        .checked_mul(dtype.size_bytes())
+        .filter(|&b| b <= isize::MAX as u64)
+        .and_then(|b| usize::try_from(b).ok())
+        .ok_or_else(|| Error::invalid("count", format!("{count} elements of {dtype} overflow")))
 }
 
 /// Rejects a null or misaligned pointer for `count` elements of `dtype`.

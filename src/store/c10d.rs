@@ -282,13 +282,16 @@ fn read_bytes(stream: &mut impl Read, limit: usize) -> io::Result<Vec<u8>> {
     let mut len = [0u8; 8];
     stream.read_exact(&mut len)?;
     let len = u64::from_le_bytes(len);
-    if len > limit as u64 {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("a value of {len} bytes is over the {limit}-byte limit"),
-        ));
-    }
-    let mut value = vec![0u8; len as usize];
+    let len = usize::try_from(len)
+        .ok()
+        .filter(|&l| l <= limit)
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("a value of {len} bytes is over the {limit}-byte limit"),
+            )
+        })?;
+    let mut value = vec![0u8; len];
     stream.read_exact(&mut value)?;
     Ok(value)
 }
