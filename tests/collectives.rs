@@ -310,7 +310,7 @@ fn an_in_place_all_gather_reads_its_input_from_its_own_place() {
             // then; the input is its own place in it.
             let work = unsafe {
                 comm.all_gather_raw(
-                    base.add(at).cast::<u8>().cast_const(),
+                    base.wrapping_add(at).cast::<u8>().cast_const(),
                     base.cast(),
                     n as u64,
                     fairring::DataType::I64,
