@@ -71,4 +71,4 @@ pub use communicator::{Communicator, Fusion, OwnedWork, Scope, Server, Traffic, 
 pub use config::{Algorithm, Config, ConfigBuilder, FabricChoice, Role};
 pub use error::{Error, Result};
 pub use fairring_core::{DataType, ReduceOp};
-pub use store::{C10dStore, Store};
+pub use store::Store;

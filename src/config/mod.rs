@@ -224,6 +224,28 @@ impl Config {
         Config::from_lookup(|name| std::env::var(name).ok())
     }
 
+    /// The configuration of rank `rank` of `world_size` in a runtime that
+    /// rendezvouses through a store of its own (see
+    /// [`Communicator::with_store`](crate::Communicator::with_store)): every
+    /// other knob from the environment, as [`Config::from_env`] reads it.
+    ///
+    /// `MASTER_ADDR` and `MASTER_PORT` are optional here; they still choose the
+    /// interface the fabric listens on (the one that reaches `MASTER_ADDR`, or
+    /// `FAIRRING_SOCKET_IFNAME`). With neither, the fabric listens on loopback,
+    /// which serves one machine only.
+    pub fn from_env_with(rank: u32, world_size: u32) -> Result<Config> {
+        let env = |name: &str| std::env::var(name).ok();
+        Config::from_lookup(|name| match name {
+            "RANK" => Some(rank.to_string()),
+            "WORLD_SIZE" => Some(world_size.to_string()),
+            "MASTER_ADDR" => env(name).or_else(|| Some("127.0.0.1".into())),
+            "MASTER_PORT" => env(name).or_else(|| Some("29500".into())),
+            // The caller's store replaces torchrun's.
+            "TORCHELASTIC_USE_AGENT_STORE" => None,
+            _ => env(name),
+        })
+    }
+
     /// Like [`Config::from_env`], reading variables through `lookup`.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config> {
         let required =

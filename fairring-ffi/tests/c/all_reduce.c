@@ -1,0 +1,142 @@
+/* A C program against fairring.h: one rank of a job torchrun-style
+ * environment variables describe. It all-reduces, broadcasts, all-gathers,
+ * reduce-scatters and waits on a barrier, checks every result, checks that bad
+ * arguments are refused with a message naming them, and exits 0 only if all
+ * of that held. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fairring.h"
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                                   \
+    do {                                                   \
+        if (!(cond)) {                                     \
+            fprintf(stderr, "rank %u: ", rank);            \
+            fprintf(stderr, __VA_ARGS__);                  \
+            fprintf(stderr, " (%s:%d)\n", __FILE__, __LINE__); \
+            failures++;                                    \
+        }                                                  \
+    } while (0)
+
+static unsigned rank = 0;
+static volatile int called_back = -1;
+
+static void on_complete(void *user, fr_status status) {
+    (void)user;
+    called_back = status;
+}
+
+static fr_status finish(fr_status started, fr_work *work) {
+    if (started != FR_OK) {
+        return started;
+    }
+    fr_status s = fr_work_wait(work);
+    fr_work_free(work);
+    return s;
+}
+
+int main(void) {
+    fr_comm *comm = NULL;
+    fr_status s = fr_comm_from_env(&comm);
+    if (s != FR_OK) {
+        fprintf(stderr, "fr_comm_from_env: %s: %s\n", fr_status_name(s), fr_last_error());
+        return 2;
+    }
+    unsigned world = 0;
+    CHECK(fr_comm_rank(comm, &rank, &world) == FR_OK, "fr_comm_rank");
+
+    enum { N = 1000 };
+    float data[N];
+    for (int i = 0; i < N; i++) data[i] = (float)(rank * 1000 + i);
+    fr_work *work = NULL;
+    s = fr_all_reduce(comm, data, N, FR_DTYPE_F32, FR_OP_SUM, &work);
+    CHECK(s == FR_OK, "fr_all_reduce: %s", fr_last_error());
+    if (s == FR_OK) {
+        CHECK(fr_work_on_complete(work, on_complete, NULL) == FR_OK, "on_complete");
+        s = fr_work_wait(work);
+        CHECK(s == FR_OK, "fr_work_wait: %s", fr_last_error());
+        bool done = false;
+        CHECK(fr_work_test(work, &done) == FR_OK && done, "fr_work_test after wait");
+        fr_work_free(work);
+    }
+    for (int i = 0; i < N; i++) {
+        float expected = 0;
+        for (unsigned r = 0; r < world; r++) expected += (float)(r * 1000 + i);
+        CHECK(data[i] == expected, "all_reduce[%d] = %f, expected %f", i, data[i], expected);
+        if (data[i] != expected) break;
+    }
+
+    int64_t value[3] = {rank == 1 ? 7 : -1, rank == 1 ? -8 : -1, rank == 1 ? 9 : -1};
+    s = fr_broadcast(comm, value, 3, FR_DTYPE_I64, 1, &work);
+    s = finish(s, work);
+    CHECK(s == FR_OK && value[0] == 7 && value[1] == -8 && value[2] == 9,
+          "broadcast: %s", fr_last_error());
+
+    int32_t mine[2] = {(int32_t)rank * 10, (int32_t)rank * 10 + 1};
+    int32_t *gathered = calloc(2 * world, sizeof(int32_t));
+    s = fr_all_gather(comm, mine, gathered, 2, FR_DTYPE_I32, &work);
+    s = finish(s, work);
+    CHECK(s == FR_OK, "all_gather: %s", fr_last_error());
+    for (unsigned r = 0; r < world; r++) {
+        CHECK(gathered[2 * r] == (int32_t)r * 10 && gathered[2 * r + 1] == (int32_t)r * 10 + 1,
+              "all_gather from rank %u", r);
+    }
+    free(gathered);
+
+    double *input = malloc(world * 4 * sizeof(double));
+    double share[4];
+    for (unsigned i = 0; i < world * 4; i++) input[i] = (double)(rank + 1) * i;
+    s = fr_reduce_scatter(comm, input, share, 4, FR_DTYPE_F64, FR_OP_MAX, &work);
+    s = finish(s, work);
+    CHECK(s == FR_OK, "reduce_scatter: %s", fr_last_error());
+    for (unsigned i = 0; i < 4; i++) {
+        double expected = (double)world * (rank * 4 + i);
+        CHECK(share[i] == expected, "reduce_scatter[%u] = %f, expected %f", i, share[i], expected);
+    }
+    free(input);
+
+    uint8_t a[5] = {1, 2, 3, 4, 5}, b[3] = {9, 9, 9};
+    void *tensors[2] = {a, b};
+    uint64_t counts[2] = {5, 3};
+    s = fr_all_reduce_coalesced(comm, tensors, counts, 2, FR_DTYPE_U8, FR_OP_SUM, &work);
+    s = finish(s, work);
+    CHECK(s == FR_OK && a[4] == 5 * world && b[0] == (uint8_t)(9 * world),
+          "coalesced: %s", fr_last_error());
+
+    s = fr_barrier(comm, &work);
+    s = finish(s, work);
+    CHECK(s == FR_OK, "barrier: %s", fr_last_error());
+
+    /* Refusals name what was wrong and start nothing. */
+    s = fr_all_reduce(comm, data, N, 42, FR_OP_SUM, &work);
+    CHECK(s == FR_INVALID_ARGUMENT && strstr(fr_last_error(), "dtype"),
+          "bad dtype: %d %s", s, fr_last_error());
+    s = fr_all_reduce(comm, data, N, FR_DTYPE_I32, FR_OP_AVG, &work);
+    CHECK(s == FR_INVALID_ARGUMENT && strstr(fr_last_error(), "avg"),
+          "avg on i32: %d %s", s, fr_last_error());
+    s = fr_all_reduce(comm, NULL, N, FR_DTYPE_F32, FR_OP_SUM, &work);
+    CHECK(s == FR_INVALID_ARGUMENT && strstr(fr_last_error(), "data"),
+          "null data: %d %s", s, fr_last_error());
+    s = fr_broadcast(comm, data, 1, FR_DTYPE_F32, world, &work);
+    CHECK(s == FR_INVALID_ARGUMENT && strstr(fr_last_error(), "root"),
+          "bad root: %d %s", s, fr_last_error());
+    s = fr_all_reduce(comm, data, N, FR_DTYPE_F32, FR_OP_SUM, NULL);
+    CHECK(s == FR_INVALID_ARGUMENT && strstr(fr_last_error(), "out"),
+          "null out: %d %s", s, fr_last_error());
+    CHECK(fr_work_wait(NULL) == FR_INVALID_ARGUMENT, "wait on null");
+
+    /* The refusals took no sequence number: the ranks still agree. */
+    float one = 1;
+    s = fr_all_reduce(comm, &one, 1, FR_DTYPE_F32, FR_OP_SUM, &work);
+    s = finish(s, work);
+    CHECK(s == FR_OK && one == (float)world, "after refusals: %s", fr_last_error());
+
+    fr_comm_destroy(comm);
+    /* The completion callback has run by now (destroy waits for it). */
+    CHECK(called_back == FR_OK, "completion callback status %d", called_back);
+    if (failures == 0) printf("rank %u: ok\n", rank);
+    return failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,123 @@
+//! C programs built against `include/fairring.h`, linked with the `cdylib` and
+//! with the `staticlib`, each run as a 1x2 job.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The folder cargo builds this crate's libraries into (`target/<profile>`).
+fn library_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test's own path");
+    // target/<profile>/deps/c_program-<hash>
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("a target/<profile> folder")
+        .to_path_buf()
+}
+
+fn compile(linkage: &str, out: &Path) {
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let libs = library_dir();
+    let mut cc = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()));
+    cc.arg(crate_dir.join("tests/c/all_reduce.c"))
+        .arg("-std=c11")
+        .arg("-Wall")
+        .arg("-Werror")
+        .arg("-I")
+        .arg(crate_dir.join("include"))
+        .arg("-o")
+        .arg(out);
+    match linkage {
+        "dynamic" => {
+            let lib = libs.join("libfairring_ffi.so");
+            assert!(lib.exists(), "{} was not built", lib.display());
+            cc.arg(format!("-L{}", libs.display()))
+                .arg(format!("-Wl,-rpath,{}", libs.display()))
+                .arg("-lfairring_ffi");
+        }
+        _ => {
+            let lib = libs.join("libfairring_ffi.a");
+            assert!(lib.exists(), "{} was not built", lib.display());
+            // What `rustc --print native-static-libs` lists on Linux.
+            cc.arg(lib).args([
+                "-lgcc_s",
+                "-lutil",
+                "-lrt",
+                "-lpthread",
+                "-lm",
+                "-ldl",
+                "-lc",
+            ]);
+        }
+    }
+    let status = cc
+        .status()
+        .expect("a C compiler (`cc`, or $CC) to build the C test program");
+    assert!(status.success(), "compiling the {linkage} C program failed");
+}
+
+fn run_job(program: &Path) {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let mut children: Vec<_> = (0..2)
+        .map(|rank| {
+            Command::new(program)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("FAIRRING_TIMEOUT", "20s")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("starting the C program")
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut outputs = Vec::new();
+    for child in &mut children {
+        loop {
+            if child.try_wait().expect("polling the C program").is_some() {
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    for child in children {
+        let out = child.wait_with_output().expect("the C program's output");
+        outputs.push(out);
+    }
+    for (rank, out) in outputs.iter().enumerate() {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && stdout.contains(&format!("rank {rank}: ok")),
+            "rank {rank} of {}: {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+            program.display(),
+            out.status
+        );
+    }
+}
+
+#[test]
+fn a_c_program_linked_with_the_shared_library_runs_a_job() {
+    let out = library_dir().join("fairring-c-test-dynamic");
+    compile("dynamic", &out);
+    run_job(&out);
+}
+
+#[test]
+fn a_c_program_linked_with_the_static_library_runs_a_job() {
+    let out = library_dir().join("fairring-c-test-static");
+    compile("static", &out);
+    run_job(&out);
+}
