@@ -332,13 +332,7 @@ impl Communicator {
         count: u64,
         dtype: DataType,
     ) -> Result<Work<'_>> {
-        let world = u64::from(self.world_size());
-        let total = count.checked_mul(world).ok_or_else(|| {
-            Error::invalid(
-                "count",
-                format!("{count} elements x {world} ranks overflow"),
-            )
-        })?;
+        let total = self.times_world(count)?;
         check_pointer(input.cast_mut(), count, dtype)?;
         check_pointer(output, total, dtype)?;
         let n = byte_len(count, dtype)?;
@@ -383,13 +377,7 @@ impl Communicator {
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<Work<'_>> {
-        let world = u64::from(self.world_size());
-        let total = count.checked_mul(world).ok_or_else(|| {
-            Error::invalid(
-                "count",
-                format!("{count} elements x {world} ranks overflow"),
-            )
-        })?;
+        let total = self.times_world(count)?;
         check_pointer(input, total, dtype)?;
         check_pointer(output, count, dtype)?;
         let n = byte_len(count, dtype)?;
@@ -404,6 +392,17 @@ impl Communicator {
         // SAFETY: the caller keeps `input` and `output` valid and untouched
         // until it finishes; the delivered range lies within `input`.
         unsafe { self.start(r) }
+    }
+
+    /// `count` elements per rank, for every rank.
+    fn times_world(&self, count: u64) -> Result<u64> {
+        let world = u64::from(self.world_size());
+        count.checked_mul(world).ok_or_else(|| {
+            Error::invalid(
+                "count",
+                format!("{count} elements x {world} ranks overflow"),
+            )
+        })
     }
 
     /// Starts an all-reduce of every `(data, count)` in `tensors`, all of

@@ -72,25 +72,7 @@ impl C10dStore {
     /// `PING` whose nonce must come back).
     pub fn connect(host: &str, port: u16, timeout: Duration) -> Result<C10dStore> {
         let address = super::tcp::resolve_master(host, port)?;
-        let deadline = Instant::now() + timeout;
-        let mut last: Option<io::Error> = None;
-        let stream = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                let reason = last.map_or("no attempt".to_string(), |e| e.to_string());
-                return Err(Error::timeout(
-                    format!("PyTorch's TCPStore at {address} (last error: {reason})"),
-                    timeout,
-                ));
-            }
-            match TcpStream::connect_timeout(&address, left.min(Duration::from_secs(2))) {
-                Ok(s) => break s,
-                Err(e) => {
-                    last = Some(e);
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-        };
+        let stream = super::tcp::connect_retrying(address, timeout, "PyTorch's TCPStore")?;
         let store = C10dStore {
             address,
             stream: Mutex::new(stream),

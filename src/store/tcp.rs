@@ -284,39 +284,20 @@ impl TcpStore {
         job_tag: u64,
         timeout: Duration,
     ) -> Result<TcpStore> {
-        let deadline = Instant::now() + timeout;
         let address = resolve(host, port)?;
-        let mut last: Option<io::Error> = None;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                let reason = last.map_or("no attempt".to_string(), |e| e.to_string());
-                return Err(Error::timeout(
-                    format!("the rendezvous store at {address} (last error: {reason})"),
-                    timeout,
-                ));
+        let mut stream = connect_retrying(address, timeout, "the rendezvous store")?;
+        match handshake(&mut stream, secret, job_tag) {
+            Ok(()) => {
+                let _ = stream.set_nodelay(true);
+                Ok(TcpStore {
+                    address,
+                    stream: Mutex::new(stream),
+                })
             }
-            match TcpStream::connect_timeout(&address, left.min(Duration::from_secs(2))) {
-                Ok(mut stream) => {
-                    return match handshake(&mut stream, secret, job_tag) {
-                        Ok(()) => {
-                            let _ = stream.set_nodelay(true);
-                            Ok(TcpStore {
-                                address,
-                                stream: Mutex::new(stream),
-                            })
-                        }
-                        Err(e) => Err(Error::store(
-                            "admission",
-                            format!("the store at {address} did not admit this rank: {e}"),
-                        )),
-                    };
-                }
-                Err(e) => {
-                    last = Some(e);
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
+            Err(e) => Err(Error::store(
+                "admission",
+                format!("the store at {address} did not admit this rank: {e}"),
+            )),
         }
     }
 
@@ -377,6 +358,34 @@ fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
         .map_err(|e| Error::config("MASTER_ADDR", host, format!("cannot be resolved: {e}")))?
         .next()
         .ok_or_else(|| Error::config("MASTER_ADDR", host, "resolves to no address"))
+}
+
+/// Connects to `address`, retrying until `timeout` while nothing listens there
+/// yet; the error names `what` and the last reason.
+pub(crate) fn connect_retrying(
+    address: SocketAddr,
+    timeout: Duration,
+    what: &str,
+) -> Result<TcpStream> {
+    let deadline = Instant::now() + timeout;
+    let mut last: Option<io::Error> = None;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            let reason = last.map_or("no attempt".to_string(), |e| e.to_string());
+            return Err(Error::timeout(
+                format!("{what} at {address} (last error: {reason})"),
+                timeout,
+            ));
+        }
+        match TcpStream::connect_timeout(&address, left.min(Duration::from_secs(2))) {
+            Ok(stream) => return Ok(stream),
+            Err(e) => {
+                last = Some(e);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
 }
 
 pub(crate) fn resolve_master(host: &str, port: u16) -> Result<SocketAddr> {
