@@ -180,9 +180,11 @@ fr_status fr_comm_from_env(fr_comm **out);
 
 // Joins a job as rank `rank` of `world_size`, meeting through the host
 // runtime's `store` (copied; its `release` is called when the communicator no
-// longer needs it, also when this call fails). The other knobs come from the
-// environment; `MASTER_ADDR` only picks the interface the fabric listens on
-// (loopback without it: one machine). Collective.
+// longer needs it, also when this call fails). `timeout_ms`, unless 0,
+// replaces `FAIRRING_TIMEOUT` (the rendezvous and peer-silence bound). The
+// other knobs come from the environment; `MASTER_ADDR` only picks the
+// interface the fabric listens on (loopback without it: one machine).
+// Collective.
 //
 // # Safety
 //
@@ -191,6 +193,7 @@ fr_status fr_comm_from_env(fr_comm **out);
 fr_status fr_comm_with_store(uint32_t rank,
                              uint32_t world_size,
                              const fr_store *store,
+                             uint64_t timeout_ms,
                              fr_comm **out);
 
 // This rank, in `*rank`, and the number of ranks, in `*world_size` (either

@@ -82,9 +82,11 @@ pub unsafe extern "C" fn fr_comm_from_env(out: *mut *mut fr_comm) -> fr_status {
 
 /// Joins a job as rank `rank` of `world_size`, meeting through the host
 /// runtime's `store` (copied; its `release` is called when the communicator no
-/// longer needs it, also when this call fails). The other knobs come from the
-/// environment; `MASTER_ADDR` only picks the interface the fabric listens on
-/// (loopback without it: one machine). Collective.
+/// longer needs it, also when this call fails). `timeout_ms`, unless 0,
+/// replaces `FAIRRING_TIMEOUT` (the rendezvous and peer-silence bound). The
+/// other knobs come from the environment; `MASTER_ADDR` only picks the
+/// interface the fabric listens on (loopback without it: one machine).
+/// Collective.
 ///
 /// # Safety
 ///
@@ -95,6 +97,7 @@ pub unsafe extern "C" fn fr_comm_with_store(
     rank: u32,
     world_size: u32,
     store: *const fr_store,
+    timeout_ms: u64,
     out: *mut *mut fr_comm,
 ) -> fr_status {
     boundary(|| {
@@ -104,12 +107,19 @@ pub unsafe extern "C" fn fr_comm_with_store(
         };
         let store = match CallbackStore::new(callbacks) {
             Ok(s) => Arc::new(s),
-            Err(reason) => return invalid("store", reason),
+            Err(reason) => {
+                if let Some(release) = callbacks.release {
+                    // SAFETY: the store is let go of here, once, as documented.
+                    unsafe { release(callbacks.user) };
+                }
+                return invalid("store", reason);
+            }
         };
         if out.is_null() {
             return invalid("out", "null");
         }
-        let built = Config::from_env_with(rank, world_size)
+        let timeout = (timeout_ms > 0).then(|| std::time::Duration::from_millis(timeout_ms));
+        let built = Config::from_env_with(rank, world_size, timeout)
             .and_then(|config| Communicator::with_store(config, store))
             .map_err(|e| fail(&e))
             .and_then(fr_comm::new);

@@ -232,14 +232,17 @@ impl Config {
     /// `MASTER_ADDR` and `MASTER_PORT` are optional here; they still choose the
     /// interface the fabric listens on (the one that reaches `MASTER_ADDR`, or
     /// `FAIRRING_SOCKET_IFNAME`). With neither, the fabric listens on loopback,
-    /// which serves one machine only.
-    pub fn from_env_with(rank: u32, world_size: u32) -> Result<Config> {
+    /// which serves one machine only. A `timeout`, when given (the runtime's
+    /// own), replaces `FAIRRING_TIMEOUT`.
+    pub fn from_env_with(rank: u32, world_size: u32, timeout: Option<Duration>) -> Result<Config> {
         let env = |name: &str| std::env::var(name).ok();
+        let timeout = timeout.map(|t| format!("{}ms", t.as_millis().max(1)));
         Config::from_lookup(|name| match name {
             "RANK" => Some(rank.to_string()),
             "WORLD_SIZE" => Some(world_size.to_string()),
             "MASTER_ADDR" => env(name).or_else(|| Some("127.0.0.1".into())),
             "MASTER_PORT" => env(name).or_else(|| Some("29500".into())),
+            "FAIRRING_TIMEOUT" => timeout.clone().or_else(|| env(name)),
             // The caller's store replaces torchrun's.
             "TORCHELASTIC_USE_AGENT_STORE" => None,
             _ => env(name),
