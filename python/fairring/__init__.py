@@ -1,0 +1,50 @@
+"""fairring: a reduction-server all-reduce for PyTorch.
+
+``import fairring`` registers the ``torch.distributed`` backend ``"fairring"``
+for CPU tensors (and names ``cuda`` so that one group serves both; CUDA
+tensors are refused with an error until the engine's CUDA memory space is
+built). With torch >= 2.14, ``init_process_group("fairring")`` finds the
+backend through its entry point without the import.
+
+- ``dist.init_process_group("fairring")``: the group rendezvouses through the
+  store PyTorch hands it, and implements allreduce (SUM, AVG, PRODUCT, MIN,
+  MAX), allreduce_coalesced, broadcast, allgather, all_gather_into_tensor,
+  reduce_scatter, reduce_scatter_tensor and barrier. Anything else raises an
+  error naming the call.
+- ``fairring.allreduce_hook``: a DDP communication hook that averages each
+  gradient bucket on a fairring group, for jobs that keep another backend as
+  the default group.
+"""
+
+import torch.distributed as dist
+
+from ._backend import ProcessGroupFairring, Work
+from ._native import FairringError
+
+__all__ = ["ProcessGroupFairring", "Work", "FairringError", "allreduce_hook"]
+
+BACKEND = "fairring"
+
+
+def _register():
+    """Registers the backend (once). The entry point torch >= 2.14 calls."""
+    if BACKEND in dist.Backend.backend_list:
+        return
+    from ._backend import create
+
+    dist.Backend.register_backend(BACKEND, create, devices=["cpu", "cuda"])
+
+
+def allreduce_hook(process_group, bucket):
+    """A DDP communication hook: averages ``bucket`` across ``process_group``
+    (a fairring group, e.g. ``dist.new_group(backend="fairring")``; ``None``
+    means the default group) and returns the future DDP waits on.
+
+    ``ddp.register_comm_hook(group, fairring.allreduce_hook)``.
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    work = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.AVG, group=group, async_op=True)
+    return work.get_future().then(lambda f: f.value()[0])
+
+
+_register()
