@@ -25,10 +25,14 @@
 //!
 //! - **built** from torchrun's environment or a [`Config`] builder; ranks meet
 //!   through a [`Store`] (by default the authenticated [`store::TcpStore`] rank 0
-//!   serves), find which of them share a machine, and connect the fabric;
+//!   serves; under torchrun, the PyTorch TCPStore its agent serves, through
+//!   [`store::C10dStore`]; or the host runtime's own), find which of them share a
+//!   machine, and connect the fabric;
 //! - **asynchronous**: operations started in a [`Communicator::scope`] return a
 //!   [`Work`] at once, and successive ones overlap up to the number of staging
-//!   buffers; a progress thread (or a waiting caller) drives them;
+//!   buffers; a progress thread (or a waiting caller) drives them. Runtimes that
+//!   own their memory use the raw forms (`all_reduce_raw`, `broadcast_raw`, ...)
+//!   and hold an [`OwnedWork`] (the C ABI, `fairring-ffi`, does);
 //! - **hierarchical** (the reduction-server algorithm) or **ring**, per call, or
 //!   **auto** (the default: chosen per size and layout from measured crossovers);
 //! - **checked**: ranks compare every operation's descriptor before combining any

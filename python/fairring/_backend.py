@@ -327,7 +327,6 @@ class ProcessGroupFairring(dist.ProcessGroup):
         call of the iterable) and returns one Work over them."""
         if "comm" not in self._state:
             raise RuntimeError(f"fairring: {what}: the process group has been shut down")
-        lib = native.lib()
         works = []
         try:
             for start in start_one:
@@ -343,7 +342,6 @@ class ProcessGroupFairring(dist.ProcessGroup):
             raise
         future = torch.futures.Future()
         self._state["completer"].put(_Pending(works, future, finish, result, what, keep))
-        del lib
         return Work(future, keep)
 
     def allreduce(self, tensors, opts=None):
@@ -446,6 +444,14 @@ class ProcessGroupFairring(dist.ProcessGroup):
 
         return self._start(what, [start], finish, output_tensors, (inp, flat, outs))
 
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        """``output_lists[r][i]`` receives rank r's ``inputs[i]``."""
+        works = [
+            self.allgather([[out[i] for out in output_lists]], [t], opts)
+            for i, t in enumerate(inputs)
+        ]
+        return self._chain(works, output_lists)
+
     def all_gather_single(self, output, input, opts=None):
         what = "all_gather_into_tensor"
         _host(input, what)
@@ -525,10 +531,12 @@ class ProcessGroupFairring(dist.ProcessGroup):
     def _chain(self, works, result):
         """One Work that finishes when all of `works` have (they complete in
         order on the completion thread, so the last one's future is last)."""
-        futures = [w.get_future() for w in works]
-        all_done = torch.futures.collect_all(futures).then(
-            lambda f: [x.value() for x in f.value()] and result
-        )
+        def outcome(f):
+            for each in f.value():
+                each.value()  # raises the first failure
+            return result
+
+        all_done = torch.futures.collect_all([w.get_future() for w in works]).then(outcome)
         return _Chained(all_done, works)
 
     # What fairring does not implement: an error naming the call, never a
