@@ -138,3 +138,52 @@ pub extern "C" fn fr_status_name(status: fr_status) -> *const c_char {
     };
     name.as_ptr()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::CStr;
+
+    fn message() -> String {
+        // SAFETY: never null, NUL-terminated, valid until the next call here.
+        unsafe { CStr::from_ptr(fr_last_error()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn a_panic_becomes_a_status_and_a_message_not_an_unwind() {
+        let status = boundary(|| panic!("the {} invariant", "staging"));
+        assert_eq!(status, FR_PANIC);
+        assert_eq!(message(), "fairring panicked: the staging invariant");
+        assert_eq!(boundary(|| std::panic::panic_any(7u8)), FR_PANIC);
+        assert!(message().contains("(no message)"));
+    }
+
+    #[test]
+    fn errors_map_to_their_codes_and_a_failed_communicator_to_its_first() {
+        let peer = Error::Peer {
+            rank: 3,
+            reason: "closed the connection".into(),
+        };
+        assert_eq!(fail(&peer), FR_PEER);
+        assert!(message().contains("rank 3"), "{}", message());
+        let later = Error::Failed {
+            first: Box::new(peer),
+        };
+        assert_eq!(code_of(&later), FR_PEER);
+        assert_eq!(code_of(&Error::Aborted), FR_ABORTED);
+        // SAFETY: never null, static.
+        let name = unsafe { CStr::from_ptr(fr_status_name(FR_PEER)) };
+        assert_eq!(name.to_str(), Ok("peer"));
+        // SAFETY: as above.
+        let unknown = unsafe { CStr::from_ptr(fr_status_name(99)) };
+        assert_eq!(unknown.to_str(), Ok("unknown status"));
+    }
+
+    #[test]
+    fn a_message_with_a_nul_byte_is_kept_without_it() {
+        set_message("a\0b");
+        assert_eq!(message(), "ab");
+    }
+}
