@@ -311,6 +311,20 @@ class ProcessGroupFairring(dist.ProcessGroup):
     def name(self):
         return "fairring"
 
+    # torch names groups through these; with no C++ backend underneath, the
+    # group keeps them itself.
+    def setGroupName(self, name):
+        self._group_name = name
+
+    def getGroupName(self):
+        return getattr(self, "_group_name", "")
+
+    def setGroupDesc(self, desc):
+        self._group_desc = desc
+
+    def getGroupDesc(self):
+        return getattr(self, "_group_desc", "")
+
     # Lifetime.
     def abort(self):
         """Fails every operation in flight and every later one."""
