@@ -6,14 +6,35 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The folder cargo builds this crate's libraries into (`target/<profile>`).
+/// The folder this crate's `cdylib` and `staticlib` are built into.
+///
+/// `cargo test` builds only the `rlib` that tests link, so the libraries a C
+/// program links are built here, once per test run, by cargo itself, into a
+/// target folder of their own (the test's own is locked while it runs).
 fn library_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test's own path");
-    // target/<profile>/deps/c_program-<hash>
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("a target/<profile> folder")
-        .to_path_buf()
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let exe = std::env::current_exe().expect("the test's own path");
+            // <target>/<profile>/deps/c_program-<hash>
+            let target = exe
+                .ancestors()
+                .nth(3)
+                .expect("a <target>/<profile>/deps folder")
+                .join("c-abi");
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let status = Command::new(cargo)
+                .args(["build", "-q", "-p", "fairring-ffi", "--lib"])
+                .env("CARGO_TARGET_DIR", &target)
+                .status()
+                .expect("running cargo to build the C libraries");
+            assert!(
+                status.success(),
+                "building fairring-ffi's C libraries failed"
+            );
+            target.join("debug")
+        })
+        .clone()
 }
 
 fn compile(linkage: &str, out: &Path) {
@@ -111,6 +132,7 @@ fn run_job(program: &Path) {
 #[test]
 fn a_c_program_linked_with_the_shared_library_runs_a_job() {
     let out = library_dir().join("fairring-c-test-dynamic");
+    let _ = std::fs::remove_file(&out);
     compile("dynamic", &out);
     run_job(&out);
 }
@@ -118,6 +140,7 @@ fn a_c_program_linked_with_the_shared_library_runs_a_job() {
 #[test]
 fn a_c_program_linked_with_the_static_library_runs_a_job() {
     let out = library_dir().join("fairring-c-test-static");
+    let _ = std::fs::remove_file(&out);
     compile("static", &out);
     run_job(&out);
 }

@@ -171,15 +171,26 @@ class Work(dist.Work):
     tensors are kept alive until the operation finishes.
     """
 
-    def __init__(self, future, keep):
+    def __init__(self, future, keep, what="operation"):
         super().__init__()
         self._raw = future
         # A future failed through set_exception alone reads as success to
         # C++ callers (DDP's reducer); re-raising in `then` marks it failed.
         self._future = future.then(lambda f: f.value())
         self._keep = keep
+        self._what = what
+        self._done = threading.Event()
+        future.add_done_callback(lambda _: self._done.set())
 
     def wait(self, timeout=datetime.timedelta(0)):
+        """Waits for the operation (up to `timeout` if it is not zero) and
+        raises its error."""
+        seconds = timeout.total_seconds() if timeout else 0
+        if seconds > 0 and not self._done.wait(seconds):
+            raise RuntimeError(
+                f"fairring: {self._what} did not finish within {seconds:g} s "
+                "(it still runs; the group's own timeout fails it if a peer is lost)"
+            )
         self._future.wait()
         return True
 
@@ -356,7 +367,7 @@ class ProcessGroupFairring(dist.ProcessGroup):
             raise
         future = torch.futures.Future()
         self._state["completer"].put(_Pending(works, future, finish, result, what, keep))
-        return Work(future, keep)
+        return Work(future, keep, what)
 
     def allreduce(self, tensors, opts=None):
         what = "allreduce"

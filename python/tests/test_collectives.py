@@ -4,6 +4,7 @@ computed on each rank, on 2 and 4 processes, for every dtype and op the backend
 accepts. Refusals name what they refuse."""
 
 import datetime
+import time
 
 import pytest
 import torch
@@ -132,6 +133,14 @@ def collectives(rank, world, port):
     works = [dist.all_reduce(torch.full((1000,), float(i)), async_op=True) for i in range(20)]
     for w in works:
         assert w.wait()
+    # A bounded wait that passes raises; the operation still completes.
+    if rank != 0:
+        time.sleep(1)  # rank 0's all-reduce cannot finish before this rank's starts
+    late = dist.all_reduce(torch.ones(4), async_op=True)
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="did not finish within 0.1 s"):
+            late.wait(datetime.timedelta(milliseconds=100))
+    assert late.wait(datetime.timedelta(seconds=30))
     fut = dist.all_reduce(torch.ones(4), async_op=True).get_future()
     assert torch.equal(fut.wait()[0], torch.full((4,), float(world)))
     dist.barrier()
