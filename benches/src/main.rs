@@ -3,6 +3,7 @@
 //! ```text
 //! fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F]
 //!                [--iters N] [--warmup N] [--algo auto|hierarchical|ring|all]
+//!                [--collective all_reduce|broadcast|all_gather|reduce_scatter]
 //!                [--dtype f32|f64|f16|bf16|i32|i64|u8|i8] [--op sum|prod|min|max|avg]
 //!                [--check|--no-check] [--parallel N] [--servers K] [--json PATH]
 //!                [--plot PATH]
@@ -16,11 +17,18 @@
 //!
 //! - `time`: median over iterations of the slowest rank's time for one iteration
 //!   (one iteration is `--parallel` all-reduces in flight at once);
-//! - `algbw` = bytes x parallel / time; `busbw` = algbw x 2(n-1)/n (nccl-tests);
+//! - `algbw` = bytes x parallel / time; `busbw` = algbw x 2(n-1)/n for an
+//!   all-reduce, algbw for a broadcast, algbw x (n-1)/n for an all-gather and a
+//!   reduce-scatter (nccl-tests' factors; `size` is the buffer a rank ends with
+//!   for an all-gather and starts with for a reduce-scatter);
 //! - `#wrong`: elements that differ from the exactly known result, summed over
 //!   ranks (inputs are small integers, so every order of summation is exact);
 //! - `sent/op`, `recv/op`: data bytes the busiest rank's fabric wrote and
 //!   received per all-reduce, counted by the fabric over the timed iterations.
+//!
+//! `--collective` times a broadcast (from rank 0), an all-gather or a
+//! reduce-scatter instead of an all-reduce, checked the same way; these run
+//! with the communicator's algorithm (`--algo` stays `auto`).
 //!
 //! `--gradients N` instead times an all-reduce of a DDP-like gradient list, `N`
 //! f32 tensors of 1 KiB to `--gradient-max` (4 MiB; log-uniform, the same on every
@@ -71,13 +79,57 @@ struct Options {
     servers: u32,
     gradients: usize,
     gradient_max: u64,
+    collective: Collective,
+}
+
+/// What `--collective` times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Collective {
+    AllReduce,
+    Broadcast,
+    AllGather,
+    ReduceScatter,
+}
+
+impl Collective {
+    const ALL: [Collective; 4] = [
+        Collective::AllReduce,
+        Collective::Broadcast,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all_reduce",
+            Collective::Broadcast => "broadcast",
+            Collective::AllGather => "all_gather",
+            Collective::ReduceScatter => "reduce_scatter",
+        }
+    }
+
+    /// nccl-tests' factor from algbw to busbw for `n` ranks.
+    fn bus_factor(self, n: u32) -> f64 {
+        let n = f64::from(n);
+        match self {
+            Collective::AllReduce => 2.0 * (n - 1.0) / n,
+            Collective::Broadcast => 1.0,
+            Collective::AllGather | Collective::ReduceScatter => (n - 1.0) / n,
+        }
+    }
+
+    /// Whether the size's element count must divide among the ranks.
+    fn per_rank(self) -> bool {
+        matches!(self, Collective::AllGather | Collective::ReduceScatter)
+    }
 }
 
 fn usage(error: &str) -> ! {
     eprintln!("fairring-bench: {error}");
     eprintln!(
         "usage: fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F] \
-         [--iters N] [--warmup N] [--algo auto|hierarchical|ring|all] [--dtype T] [--op OP] \
+         [--iters N] [--warmup N] [--algo auto|hierarchical|ring|all] \
+         [--collective all_reduce|broadcast|all_gather|reduce_scatter] [--dtype T] [--op OP] \
          [--check|--no-check] [--parallel N] [--servers K] [--gradients N] \
          [--gradient-max N] [--json PATH] \
          [--plot PATH]\n       \
@@ -128,6 +180,7 @@ fn parse(args: &[String]) -> Options {
         servers: 0,
         gradients: 0,
         gradient_max: 4 << 20,
+        collective: Collective::AllReduce,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -191,6 +244,18 @@ fn parse(args: &[String]) -> Options {
             "--servers" => o.servers = number(&value(), flag),
             "--gradients" => o.gradients = number(&value(), flag),
             "--gradient-max" => o.gradient_max = bytes(&value(), flag),
+            "--collective" => {
+                let v = value();
+                o.collective = Collective::ALL
+                    .into_iter()
+                    .find(|c| c.name() == v)
+                    .unwrap_or_else(|| {
+                        usage(&format!(
+                            "--collective: expected all_reduce, broadcast, all_gather or \
+                             reduce_scatter, got {v:?}"
+                        ))
+                    });
+            }
             "-h" | "--help" => usage("help"),
             other => usage(&format!("unknown option {other:?}")),
         }
@@ -206,6 +271,14 @@ fn parse(args: &[String]) -> Options {
     }
     if !o.op.supports(o.dtype) {
         usage(&format!("--op {} is not defined on {}", o.op, o.dtype));
+    }
+    if o.collective != Collective::AllReduce && o.algorithms != [Algorithm::Auto] {
+        usage(
+            "--algo: only an all-reduce takes an algorithm; other collectives run with the communicator's",
+        );
+    }
+    if o.collective != Collective::AllReduce && o.gradients > 0 {
+        usage("--gradients times all-reduces: it takes no --collective");
     }
     o
 }
@@ -447,15 +520,25 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
     let rank = comm.rank();
     let world = comm.world_size();
     let esize = T::DTYPE.size_bytes();
+    let elements = usize::try_from(o.max_bytes / esize).unwrap_or(0);
     let mut bufs: Vec<Vec<T>> = (0..o.parallel)
-        .map(|_| vec![T::default(); usize::try_from(o.max_bytes / esize).unwrap_or(0)])
+        .map(|_| vec![T::default(); elements])
         .collect();
+    // The other side of an all-gather (the input) or a reduce-scatter (the output).
+    let mut parts: Vec<Vec<T>> = if o.collective.per_rank() {
+        (0..o.parallel)
+            .map(|_| vec![T::default(); elements / world as usize + 1])
+            .collect()
+    } else {
+        Vec::new()
+    };
     let mut rows = Vec::new();
     let mut total_wrong = 0u64;
     if rank == 0 {
         let t = comm.topology();
         println!(
-            "# fairring-bench: {} machines x {} ranks, {} staging buffers of slices up to {} bytes, {} x {} in flight",
+            "# fairring-bench {}: {} machines x {} ranks, {} staging buffers of slices up to {} bytes, {} x {} in flight",
+            o.collective.name(),
             t.machines(),
             t.devices_per_machine(),
             comm.staging_buffers(),
@@ -482,9 +565,15 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
             "(B)", "(elements)", "", "", "", "", "(GB/s)", "(GB/s)", "", "(B)", "(B)"
         );
     }
-    let mut size = o.min_bytes.max(esize);
+    let step = if o.collective.per_rank() {
+        esize * u64::from(world)
+    } else {
+        esize
+    };
+    let mut size = o.min_bytes.max(step);
     loop {
-        let count = size / esize;
+        // A size that must divide among the ranks is rounded down to a multiple.
+        let count = size / step * step / esize;
         let n = usize::try_from(count).unwrap_or(0);
         // Check and warm up every algorithm first, then time them in turns of
         // `ROUNDS` blocks of consecutive iterations: a comparison in one run sees
@@ -496,26 +585,16 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
             // Check one iteration against the exactly known result.
             let mut wrong = 0u64;
             if o.check {
-                for b in &mut bufs {
-                    for (i, v) in b[..n].iter_mut().enumerate() {
-                        *v = T::from_small(input(o.op, rank, i as u64));
-                    }
-                }
-                iteration(comm, &mut bufs, n, o.op, algorithm)?;
-                for b in &bufs {
-                    wrong += b[..n]
-                        .iter()
-                        .enumerate()
-                        .filter(|&(i, v)| *v != T::from_small(expected(o.op, world, i as u64)))
-                        .count() as u64;
-                }
+                fill(o, rank, &mut bufs, &mut parts, n, world);
+                iteration(comm, o, &mut bufs, &mut parts, n, algorithm)?;
+                wrong = count_wrong(o, rank, &bufs, &parts, n, world);
                 let mut w = [i64::try_from(wrong).unwrap_or(i64::MAX)];
                 comm.all_reduce(&mut w, ReduceOp::Sum)?;
                 wrong = u64::try_from(w[0]).unwrap_or(u64::MAX);
             }
             wrongs.push(wrong);
             for _ in 0..o.warmup {
-                iteration(comm, &mut bufs, n, o.op, algorithm)?;
+                iteration(comm, o, &mut bufs, &mut parts, n, algorithm)?;
             }
         }
         let mut timings = vec![vec![0f64; o.iters]; o.algorithms.len()];
@@ -533,7 +612,7 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
                 let before = comm.traffic();
                 for i in iters.clone() {
                     let start = Instant::now();
-                    iteration(comm, &mut bufs, n, o.op, algorithm)?;
+                    iteration(comm, o, &mut bufs, &mut parts, n, algorithm)?;
                     timings[a][i] = start.elapsed().as_secs_f64();
                 }
                 let after = comm.traffic();
@@ -556,9 +635,9 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
             let t = times[times.len() / 2];
             #[expect(clippy::cast_precision_loss, reason = "sizes far below 2^52")]
             let algbw = (size * o.parallel as u64) as f64 / t / 1e9;
-            let busbw = algbw * 2.0 * f64::from(world - 1) / f64::from(world);
+            let busbw = algbw * o.collective.bus_factor(world);
             let row = Row {
-                bytes: size,
+                bytes: count * esize,
                 count,
                 algorithm,
                 time_us: t * 1e6,
@@ -574,7 +653,12 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
                     row.bytes,
                     row.count,
                     T::DTYPE.name(),
-                    o.op.name(),
+                    // Broadcast and all-gather reduce nothing.
+                    if matches!(o.collective, Collective::Broadcast | Collective::AllGather) {
+                        "-"
+                    } else {
+                        o.op.name()
+                    },
                     row.algorithm.name(),
                     row.time_us,
                     row.algbw,
@@ -602,7 +686,7 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
     {
         let t = comm.topology();
         let layout = (t.machines(), t.devices_per_machine());
-        write_json(path, &rows, T::DTYPE, o.op, layout, comm.servers()).map_err(|e| {
+        write_json(path, &rows, T::DTYPE, o, layout, comm.servers()).map_err(|e| {
             fairring::Error::Io {
                 context: format!("writing {path}"),
                 source: e.into(),
@@ -712,17 +796,99 @@ fn gradients(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
     Ok(wrong)
 }
 
+/// Fills the buffers with every rank's known inputs for `o.collective`.
+fn fill<T: Value>(
+    o: &Options,
+    rank: u32,
+    bufs: &mut [Vec<T>],
+    parts: &mut [Vec<T>],
+    n: usize,
+    world: u32,
+) {
+    let k = n / world as usize;
+    for (b, p) in bufs.iter_mut().zip(
+        parts
+            .iter_mut()
+            .map(Some)
+            .chain(std::iter::repeat_with(|| None)),
+    ) {
+        match (o.collective, p) {
+            (Collective::AllGather, Some(p)) => {
+                for (i, v) in p[..k].iter_mut().enumerate() {
+                    *v = T::from_small(input(o.op, rank, i as u64));
+                }
+            }
+            _ => {
+                for (i, v) in b[..n].iter_mut().enumerate() {
+                    *v = T::from_small(input(o.op, rank, i as u64));
+                }
+            }
+        }
+    }
+}
+
+/// Elements that differ from the exactly known result, summed over ranks.
+fn count_wrong<T: Value>(
+    o: &Options,
+    rank: u32,
+    bufs: &[Vec<T>],
+    parts: &[Vec<T>],
+    n: usize,
+    world: u32,
+) -> u64 {
+    let k = n / world as usize;
+    let mut wrong = 0u64;
+    for (j, b) in bufs.iter().enumerate() {
+        let (got, want): (&[T], Box<dyn Fn(usize) -> i64>) = match o.collective {
+            Collective::AllReduce => (&b[..n], Box::new(|i| expected(o.op, world, i as u64))),
+            Collective::Broadcast => (&b[..n], Box::new(|i| input(o.op, 0, i as u64))),
+            Collective::AllGather => (
+                &b[..n],
+                Box::new(|i| {
+                    let (r, at) = (i / k.max(1), i % k.max(1));
+                    input(o.op, u32::try_from(r).unwrap_or(0), at as u64)
+                }),
+            ),
+            Collective::ReduceScatter => (
+                &parts[j][..k],
+                Box::new(move |i| expected(o.op, world, (rank as usize * k + i) as u64)),
+            ),
+        };
+        wrong += got
+            .iter()
+            .enumerate()
+            .filter(|&(i, v)| *v != T::from_small(want(i)))
+            .count() as u64;
+    }
+    wrong
+}
+
 fn iteration<T: Value>(
     comm: &Communicator,
+    o: &Options,
     bufs: &mut [Vec<T>],
+    parts: &mut [Vec<T>],
     n: usize,
-    op: ReduceOp,
     algorithm: Algorithm,
 ) -> fairring::Result<()> {
+    let k = n / comm.world_size() as usize;
     comm.scope(|s| {
         let mut works = Vec::with_capacity(bufs.len());
+        let mut parts = parts.iter_mut();
         for b in bufs.iter_mut() {
-            works.push(s.all_reduce_with(&mut b[..n], op, algorithm)?);
+            let b = &mut b[..n];
+            works.push(match o.collective {
+                Collective::AllReduce => s.all_reduce_with(b, o.op, algorithm)?,
+                Collective::Broadcast => s.broadcast(b, 0)?,
+                Collective::AllGather => {
+                    let p = parts.next().map_or(&[][..], |p| &p[..k]);
+                    s.all_gather(p, b)?
+                }
+                Collective::ReduceScatter => {
+                    let p = parts.next().map(|p| &mut p[..k]).unwrap_or_default();
+                    s.reduce_scatter(b, p, o.op)?
+                }
+            });
         }
         works.into_iter().try_for_each(fairring::Work::wait)
     })
@@ -732,7 +898,7 @@ fn write_json(
     path: &str,
     rows: &[Row],
     dtype: DataType,
-    op: ReduceOp,
+    o: &Options,
     (machines, devices): (u32, u32),
     servers: u32,
 ) -> std::io::Result<()> {
@@ -745,8 +911,9 @@ fn write_json(
                 "servers": servers,
                 "bytes": r.bytes,
                 "count": r.count,
+                "collective": o.collective.name(),
                 "dtype": dtype.name(),
-                "op": op.name(),
+                "op": o.op.name(),
                 "algo": r.algorithm.name(),
                 "time_us": r.time_us,
                 "algbw_gbps": r.algbw,

@@ -1,0 +1,85 @@
+//! `fairring-bench --collective`: each collective times and checks itself on a
+//! local job, and the JSON names it with nccl-tests' bus factor applied.
+
+use std::process::Command;
+
+fn bench(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_fairring-bench"))
+        .args(args)
+        .output()
+        .expect("running fairring-bench");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+#[test]
+fn every_collective_runs_checked_on_a_local_job() {
+    let dir =
+        std::env::temp_dir().join(format!("fairring-bench-collectives-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary folder");
+    // nccl-tests' bus factors for two ranks: 2(n-1)/n, 1, (n-1)/n, (n-1)/n.
+    for (collective, factor) in [
+        ("all_reduce", 1.0),
+        ("broadcast", 1.0),
+        ("all_gather", 0.5),
+        ("reduce_scatter", 0.5),
+    ] {
+        let json = dir.join(format!("{collective}.json"));
+        let json_arg = json.to_string_lossy().into_owned();
+        let (ok, text) = bench(&[
+            "--local",
+            "1x2",
+            "--collective",
+            collective,
+            "--min-bytes",
+            "4K",
+            "--max-bytes",
+            "256K",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+            "--parallel",
+            "2",
+            "--json",
+            &json_arg,
+        ]);
+        assert!(ok, "{collective}:\n{text}");
+        assert!(
+            text.contains(&format!("# fairring-bench {collective}:")),
+            "{text}"
+        );
+        let rows: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&json).expect("the JSON")).expect("JSON");
+        let rows = rows.as_array().expect("an array of rows");
+        assert_eq!(rows.len(), 4, "{collective}: 4K, 16K, 64K, 256K");
+        for row in rows {
+            assert_eq!(row["collective"], collective);
+            assert_eq!(row["wrong"], 0, "{collective}: {row}");
+            let (alg, bus) = (
+                row["algbw_gbps"].as_f64().unwrap(),
+                row["busbw_gbps"].as_f64().unwrap(),
+            );
+            assert!(
+                (bus - alg * factor).abs() <= 1e-9 * alg.max(1.0),
+                "{collective}: {row}"
+            );
+        }
+    }
+    let (ok, text) = bench(&[
+        "--local",
+        "1x2",
+        "--collective",
+        "all_gather",
+        "--algo",
+        "ring",
+    ]);
+    assert!(
+        !ok && text.contains("only an all-reduce takes an algorithm"),
+        "{text}"
+    );
+    let (ok, text) = bench(&["--local", "1x2", "--collective", "gather"]);
+    assert!(!ok && text.contains("--collective: expected"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
