@@ -218,6 +218,11 @@ fn op_of(op: i32) -> Result<ReduceOp, fr_status> {
         .ok_or_else(|| invalid("op", &format!("{op} is not an FR_OP_* value")))
 }
 
+/// Parses a `FR_DTYPE_*` and a `FR_OP_*` value; the first bad one is named.
+fn types(dtype: i32, op: i32) -> Result<(DataType, ReduceOp), fr_status> {
+    Ok((dtype_of(dtype)?, op_of(op)?))
+}
+
 /// The communicator behind `comm`, once `out` is known to be writable: checked
 /// before an operation starts, so that a started one always gets its handle.
 ///
@@ -286,9 +291,9 @@ pub unsafe extern "C" fn fr_all_reduce(
             Ok(c) => c,
             Err(s) => return s,
         };
-        let (dtype, op) = match (dtype_of(dtype), op_of(op)) {
-            (Ok(d), Ok(o)) => (d, o),
-            (Err(s), _) | (_, Err(s)) => return s,
+        let (dtype, op) = match types(dtype, op) {
+            Ok(t) => t,
+            Err(s) => return s,
         };
         // SAFETY: the memory contract is the caller's, as documented.
         let work = unsafe { c.comm.all_reduce_raw(data.cast(), count, dtype, op, None) };
@@ -338,9 +343,9 @@ pub unsafe extern "C" fn fr_all_reduce_coalesced(
             Ok(c) => c,
             Err(s) => return s,
         };
-        let (dtype, op) = match (dtype_of(dtype), op_of(op)) {
-            (Ok(d), Ok(o)) => (d, o),
-            (Err(s), _) | (_, Err(s)) => return s,
+        let (dtype, op) = match types(dtype, op) {
+            Ok(t) => t,
+            Err(s) => return s,
         };
         // SAFETY: the memory contract is the caller's, as documented.
         let work = unsafe { c.comm.all_reduce_coalesced_raw(&tensors, dtype, op) };
@@ -442,9 +447,9 @@ pub unsafe extern "C" fn fr_reduce_scatter(
             Ok(c) => c,
             Err(s) => return s,
         };
-        let (dtype, op) = match (dtype_of(dtype), op_of(op)) {
-            (Ok(d), Ok(o)) => (d, o),
-            (Err(s), _) | (_, Err(s)) => return s,
+        let (dtype, op) = match types(dtype, op) {
+            Ok(t) => t,
+            Err(s) => return s,
         };
         // SAFETY: the memory contract is the caller's, as documented.
         let work = unsafe {

@@ -16,10 +16,50 @@ use crate::error::{Error, Result};
 use crate::local::{LocalStep, Machine, ShmStep, Solo};
 use crate::memory::{Host, MemorySpace};
 use crate::shm::Segment;
-use crate::store::{Store, gather};
+use crate::store::{C10dStore, PrefixStore, Store, TcpStore, TcpStoreServer, gather};
 
 /// This machine's identity: the kernel's boot id and the host name, unless
 /// overridden (`FAIRRING_HOST_ID`, to simulate machines on one host).
+/// The store a job meets through, and the server this process runs for it (if
+/// any): under torchrun's agent store, PyTorch's TCPStore torchrun serves (keys
+/// under the restart attempt); otherwise fairring's own, served by rank 0.
+pub(super) fn job_store(config: &Config) -> Result<(Arc<dyn Store>, Option<TcpStoreServer>)> {
+    if let Some(attempt) = config.agent_store {
+        let store = C10dStore::connect(&config.master_addr, config.master_port, config.timeout)?;
+        // The attempt keeps a restarted job's keys apart from the last one's.
+        let scoped = PrefixStore::new(format!("/fairring/attempt_{attempt}"), store);
+        return Ok((Arc::new(scoped), None));
+    }
+    let server = if config.rank == 0 {
+        let addr = crate::store::tcp::resolve_master(&config.master_addr, config.master_port)?;
+        let cap = 2 * config.processes() as usize + 16;
+        Some(TcpStoreServer::bind(
+            addr,
+            config.secret.clone(),
+            config.job_tag,
+            cap,
+        )?)
+    } else {
+        None
+    };
+    let store = TcpStore::connect(
+        &config.master_addr,
+        config.master_port,
+        &config.secret,
+        config.job_tag,
+        config.timeout,
+    )?;
+    Ok((Arc::new(store), server))
+}
+
+/// `store` as this job sees it: its keys under the job's tag.
+pub(super) fn scoped(config: &Config, store: &Arc<dyn Store>) -> PrefixStore<Arc<dyn Store>> {
+    PrefixStore::new(
+        format!("fairring/{:016x}", config.job_tag),
+        Arc::clone(store),
+    )
+}
+
 fn host_identity(config: &Config) -> String {
     if let Some(id) = &config.host_id {
         return id.clone();

@@ -24,7 +24,7 @@ use crate::engine::work::{Delivery, Submission, WORK_CAPACITY, slot_of};
 use crate::engine::{Engine, Resolved};
 use crate::error::{Error, Result};
 use crate::memory::{Host, HostTensor};
-use crate::store::{C10dStore, PrefixStore, Store, TcpStore, TcpStoreServer};
+use crate::store::{Store, TcpStoreServer};
 use crate::sync::unmodelled::AtomicU8;
 use fabric::AnyFabric;
 
@@ -80,33 +80,8 @@ impl Communicator {
     /// serves at the same address.
     pub fn new(config: Config) -> Result<Communicator> {
         refuse_server(&config)?;
-        if let Some(attempt) = config.agent_store {
-            let store =
-                C10dStore::connect(&config.master_addr, config.master_port, config.timeout)?;
-            // The attempt keeps a restarted job's keys apart from the last one's.
-            let scoped = PrefixStore::new(format!("/fairring/attempt_{attempt}"), store);
-            return Communicator::build(config, Arc::new(scoped), None);
-        }
-        let server = if config.rank == 0 {
-            let addr = crate::store::tcp::resolve_master(&config.master_addr, config.master_port)?;
-            let cap = 2 * config.processes() as usize + 16;
-            Some(TcpStoreServer::bind(
-                addr,
-                config.secret.clone(),
-                config.job_tag,
-                cap,
-            )?)
-        } else {
-            None
-        };
-        let store = TcpStore::connect(
-            &config.master_addr,
-            config.master_port,
-            &config.secret,
-            config.job_tag,
-            config.timeout,
-        )?;
-        Communicator::build(config, Arc::new(store), server)
+        let (store, server) = bootstrap::job_store(&config)?;
+        Communicator::build(config, store, server)
     }
 
     /// Joins the job of `config`, meeting through `store` (for instance the host
@@ -121,10 +96,7 @@ impl Communicator {
         store: Arc<dyn Store>,
         server: Option<TcpStoreServer>,
     ) -> Result<Communicator> {
-        let scoped = PrefixStore::new(
-            format!("fairring/{:016x}", config.job_tag),
-            Arc::clone(&store),
-        );
+        let scoped = bootstrap::scoped(&config, &store);
         let built = bootstrap::build(&config, &scoped)?;
         let engine = Arc::new(built.engine);
         let progress = start_progress(&engine, format!("fairring-progress-{}", config.rank))?;

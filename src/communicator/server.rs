@@ -12,7 +12,7 @@ use crate::config::{Config, Role};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::memory::Host;
-use crate::store::{PrefixStore, Store, TcpStore};
+use crate::store::Store;
 
 /// How often [`Server::run`] looks whether the job is over.
 const LOOK: Duration = Duration::from_millis(5);
@@ -48,16 +48,11 @@ impl Server {
     }
 
     /// Joins the job of `config` (a [`Role::Server`] configuration), meeting
-    /// through the store rank 0 serves.
+    /// through the store rank 0 serves, or torchrun's agent store as the
+    /// workers do (see [`Communicator::new`](crate::Communicator::new)).
     pub fn new(config: Config) -> Result<Server> {
-        let store = TcpStore::connect(
-            &config.master_addr,
-            config.master_port,
-            &config.secret,
-            config.job_tag,
-            config.timeout,
-        )?;
-        Server::with_store(config, Arc::new(store))
+        let (store, _) = bootstrap::job_store(&config)?;
+        Server::with_store(config, store)
     }
 
     /// Joins the job of `config` through `store`.
@@ -69,10 +64,7 @@ impl Server {
                 "a server's configuration has the `server` role (Config::server_builder)",
             ));
         };
-        let scoped = PrefixStore::new(
-            format!("fairring/{:016x}", config.job_tag),
-            Arc::clone(&store),
-        );
+        let scoped = bootstrap::scoped(&config, &store);
         let engine = Arc::new(bootstrap::build_server(&config, &scoped, index)?);
         let progress = start_progress(&engine, format!("fairring-server-{index}"))?;
         Ok(Server {
