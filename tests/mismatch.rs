@@ -7,7 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::job_and_servers;
-use fairring::{Algorithm, Communicator, Error, ReduceOp};
+use fairring::{Algorithm, Communicator, Error, ReduceOp, WireFormat};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -216,6 +216,29 @@ fn a_skipped_call_of_another_shape() {
                 comm.all_reduce(&mut [0.0f32; 16], ReduceOp::Sum)
             },
             ["barrier", "all_reduce of 16 x f32"],
+        );
+    }
+}
+
+#[test]
+fn wire_formats_differ() {
+    for (m, d) in [(2, 1), (2, 2)] {
+        expect_mismatch(
+            m,
+            d,
+            |rank, comm| {
+                let wire = if rank == 0 {
+                    WireFormat::Bf16
+                } else {
+                    WireFormat::Exact
+                };
+                let mut x = vec![1.0f32; 1000];
+                comm.scope(|s| s.all_reduce_on_wire(&mut x, ReduceOp::Sum, wire)?.wait())
+            },
+            [
+                "all_reduce of 1000 x f32 (sum, hierarchical, bf16 wire)",
+                "all_reduce of 1000 x f32 (sum, hierarchical)",
+            ],
         );
     }
 }

@@ -82,5 +82,52 @@ fn kernels(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, kernels);
+/// The compressed wire's passes over 16 MiB of `f32` (a 2x2 job's slot at 64
+/// MiB), beside a copy of the same bytes: narrowing and widening where the
+/// values lie, and a reduction of one narrow source into `f32`.
+fn compressed(c: &mut Criterion) {
+    use fairring_core::WireFormat;
+    use fairring_core::reduce::{narrow_in_place, reduce_many_compressed_bytes, widen_in_place};
+    let n = (16 << 20) / 4;
+    let mut group = c.benchmark_group("compressed_16MiB");
+    group.throughput(Throughput::Bytes(16 << 20));
+    group.sample_size(10);
+    group.warm_up_time(Duration::from_secs(1));
+    group.measurement_time(Duration::from_secs(3));
+    let (mut dst, src) = (vec![1.5f32; n], vec![1.5f32; n]);
+    group.bench_function("copy_from_slice", |b| {
+        b.iter(|| black_box(&mut dst).copy_from_slice(black_box(&src)))
+    });
+    for wire in [WireFormat::Bf16, WireFormat::F16] {
+        let mut values = vec![1.5f32; n];
+        group.bench_function(
+            BenchmarkId::new("narrow_widen_in_place", wire.name()),
+            |b| {
+                b.iter(|| {
+                    let bytes: &mut [u8] = bytemuck::cast_slice_mut(black_box(&mut values));
+                    narrow_in_place(wire, bytes).unwrap();
+                    widen_in_place(wire, bytes).unwrap();
+                })
+            },
+        );
+        let narrow = vec![0u16; n];
+        group.bench_function(
+            BenchmarkId::new("sum_one_narrow_source", wire.name()),
+            |b| {
+                b.iter(|| {
+                    reduce_many_compressed_bytes(
+                        ReduceOp::Sum,
+                        wire,
+                        bytemuck::cast_slice_mut(black_box(&mut dst)),
+                        &[bytemuck::cast_slice(black_box(&narrow))],
+                    )
+                    .unwrap()
+                })
+            },
+        );
+    }
+    group.finish();
+}
+
+criterion_group!(benches, kernels, compressed);
 criterion_main!(benches);

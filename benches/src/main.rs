@@ -4,6 +4,7 @@
 //! fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F]
 //!                [--iters N] [--warmup N] [--algo auto|hierarchical|ring|all]
 //!                [--collective all_reduce|broadcast|all_gather|reduce_scatter]
+//!                [--wire exact|bf16|f16]
 //!                [--dtype f32|f64|f16|bf16|i32|i64|u8|i8] [--op sum|prod|min|max|avg]
 //!                [--check|--no-check] [--parallel N] [--servers K] [--json PATH]
 //!                [--plot PATH]
@@ -30,6 +31,12 @@
 //! reduce-scatter instead of an all-reduce, checked the same way; these run
 //! with the communicator's algorithm (`--algo` stays `auto`).
 //!
+//! `--wire bf16|f16` carries the `f32` values of all-reduces and
+//! reduce-scatters between machines in that format (`FAIRRING_WIRE`; it
+//! overrides the variable). The inputs stay exact on it (sums up to 256 for
+//! bf16), so `#wrong` still checks every element bit for bit; `sent/op` shows
+//! the halved bytes.
+//!
 //! `--gradients N` instead times an all-reduce of a DDP-like gradient list, `N`
 //! f32 tensors of 1 KiB to `--gradient-max` (4 MiB; log-uniform, the same on every
 //! run), fused into
@@ -53,7 +60,7 @@ use std::process::{Child, Command, ExitCode};
 use std::time::{Duration, Instant};
 
 use fairring::core::reduce::Element;
-use fairring::{Algorithm, Communicator, DataType, ReduceOp};
+use fairring::{Algorithm, Communicator, Config, DataType, ReduceOp, WireFormat};
 use half::{bf16, f16};
 
 /// Blocks of iterations the algorithms of one size take turns in.
@@ -80,6 +87,8 @@ struct Options {
     gradients: usize,
     gradient_max: u64,
     collective: Collective,
+    /// `--wire`: the wire format, over `FAIRRING_WIRE`.
+    wire: Option<WireFormat>,
 }
 
 /// What `--collective` times.
@@ -181,6 +190,7 @@ fn parse(args: &[String]) -> Options {
         gradients: 0,
         gradient_max: 4 << 20,
         collective: Collective::AllReduce,
+        wire: None,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -256,6 +266,12 @@ fn parse(args: &[String]) -> Options {
                         ))
                     });
             }
+            "--wire" => {
+                let v = value();
+                o.wire = Some(WireFormat::from_name(&v).unwrap_or_else(|| {
+                    usage(&format!("--wire: expected exact, bf16 or f16, got {v:?}"))
+                }));
+            }
             "-h" | "--help" => usage("help"),
             other => usage(&format!("unknown option {other:?}")),
         }
@@ -276,6 +292,14 @@ fn parse(args: &[String]) -> Options {
         usage(
             "--algo: only an all-reduce takes an algorithm; other collectives run with the communicator's",
         );
+    }
+    if let Some(wire) = o.wire
+        && !wire.carries(o.dtype)
+    {
+        usage(&format!(
+            "--wire {wire} carries f32 values only, not --dtype {}",
+            o.dtype
+        ));
     }
     if o.collective != Collective::AllReduce && o.gradients > 0 {
         usage("--gradients times all-reduces: it takes no --collective");
@@ -440,7 +464,11 @@ struct Row {
 }
 
 fn run(o: &Options) -> fairring::Result<u64> {
-    let comm = Communicator::from_env()?;
+    let config = Config::from_lookup(|k| match (k, o.wire) {
+        ("FAIRRING_WIRE", Some(wire)) => Some(wire.name().to_owned()),
+        _ => std::env::var(k).ok(),
+    })?;
+    let comm = Communicator::new(config)?;
     if o.gradients > 0 {
         return gradients(&comm, o);
     }
@@ -684,13 +712,9 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
     if rank == 0
         && let Some(path) = &o.json
     {
-        let t = comm.topology();
-        let layout = (t.machines(), t.devices_per_machine());
-        write_json(path, &rows, T::DTYPE, o, layout, comm.servers()).map_err(|e| {
-            fairring::Error::Io {
-                context: format!("writing {path}"),
-                source: e.into(),
-            }
+        write_json(path, &rows, T::DTYPE, o, comm).map_err(|e| fairring::Error::Io {
+            context: format!("writing {path}"),
+            source: e.into(),
         })?;
     }
     if rank == 0
@@ -899,9 +923,16 @@ fn write_json(
     rows: &[Row],
     dtype: DataType,
     o: &Options,
-    (machines, devices): (u32, u32),
-    servers: u32,
+    comm: &Communicator,
 ) -> std::io::Result<()> {
+    let t = comm.topology();
+    let (machines, devices, servers) = (t.machines(), t.devices_per_machine(), comm.servers());
+    // Only f32 values travel compressed; every other type runs exact.
+    let wire = if dtype == DataType::F32 {
+        comm.wire()
+    } else {
+        WireFormat::Exact
+    };
     let rows: Vec<serde_json::Value> = rows
         .iter()
         .map(|r| {
@@ -912,6 +943,7 @@ fn write_json(
                 "bytes": r.bytes,
                 "count": r.count,
                 "collective": o.collective.name(),
+                "wire": wire.name(),
                 "dtype": dtype.name(),
                 "op": o.op.name(),
                 "algo": r.algorithm.name(),

@@ -83,3 +83,44 @@ fn every_collective_runs_checked_on_a_local_job() {
     assert!(!ok && text.contains("--collective: expected"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_compressed_wire_is_checked_and_sends_half_the_bytes() {
+    let dir = std::env::temp_dir().join(format!("fairring-bench-wire-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary folder");
+    let mut sent = Vec::new();
+    for wire in ["exact", "bf16", "f16"] {
+        let json = dir.join(format!("{wire}.json"));
+        let json_arg = json.to_string_lossy().into_owned();
+        let (ok, text) = bench(&[
+            "--local",
+            "2x1",
+            "--wire",
+            wire,
+            "--min-bytes",
+            "1M",
+            "--max-bytes",
+            "1M",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+            "--json",
+            &json_arg,
+        ]);
+        assert!(ok, "{wire}:\n{text}");
+        let rows: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&json).expect("the JSON")).expect("JSON");
+        let row = &rows.as_array().expect("an array of rows")[0];
+        assert_eq!(row["wire"], wire, "{row}");
+        assert_eq!(row["wrong"], 0, "{wire}: {row}");
+        sent.push(row["sent_bytes_per_op"].as_u64().expect("sent bytes"));
+    }
+    assert_eq!(sent[1] * 2, sent[0], "bf16 against exact: {sent:?}");
+    assert_eq!(sent[2] * 2, sent[0], "f16 against exact: {sent:?}");
+    let (ok, text) = bench(&["--local", "2x1", "--wire", "bf16", "--dtype", "i32"]);
+    assert!(
+        !ok && text.contains("--wire bf16 carries f32 values only"),
+        "{text}"
+    );
+}

@@ -74,3 +74,38 @@ impl ReduceOp {
         !matches!(self, ReduceOp::Avg) || dtype.is_float()
     }
 }
+
+named_enum! {
+    /// How the `f32` values of a reduction travel between machines.
+    ///
+    /// The discriminants are stable: they travel in operation descriptors and
+    /// through the C ABI.
+    pub enum WireFormat {
+        /// As they are: every bit of every value arrives.
+        Exact = 0 => "exact",
+        /// Rounded to bfloat16 (8 significant bits, `f32`'s range): half the
+        /// bytes, a relative error of at most 2^-8 per rounding.
+        Bf16 = 1 => "bf16",
+        /// Rounded to IEEE binary16 (11 significant bits, largest finite
+        /// 65504, subnormal below 2^-14): half the bytes, a relative error of at
+        /// most 2^-11 per rounding for values within its range.
+        F16 = 2 => "f16",
+    }
+}
+
+impl WireFormat {
+    /// Whether values of `dtype` may travel in this format: [`WireFormat::Exact`]
+    /// carries every type; the compressed formats carry `f32` only (narrowing
+    /// an integer would change it, and the half types are already 16 bits).
+    pub const fn carries(self, dtype: DataType) -> bool {
+        matches!(self, WireFormat::Exact) || matches!(dtype, DataType::F32)
+    }
+
+    /// Bytes one `f32` takes on the wire: 4, or 2 when compressed.
+    pub const fn f32_bytes(self) -> usize {
+        match self {
+            WireFormat::Exact => 4,
+            WireFormat::Bf16 | WireFormat::F16 => 2,
+        }
+    }
+}

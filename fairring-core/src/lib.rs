@@ -14,7 +14,7 @@
 //! | [`plan`] | which bytes of a tensor form which slice, slot, shard and cell; which machine serves each; where they go in a staging buffer |
 //! | [`staging`] | the lock-free state machine of one staging buffer: events in, actions out, each action exactly once |
 //! | [`wire`] | the frame header every transport carries, and its validation against the plan before a byte is written |
-//! | [`reduce`] | host reduction kernels `dst op= src` for every supported type and operator |
+//! | [`reduce`] | host reduction kernels `dst op= src` for every supported type and operator, and the compressed wire's conversions |
 //! | [`fusion`] | Herring's balanced fusion buffers: where each gradient goes, identically on every rank |
 //! | [`dtype`] | element types and reduction operators |
 //!
@@ -58,4 +58,4 @@ pub mod wire;
 mod named_enum;
 mod sync;
 
-pub use dtype::{DataType, ReduceOp};
+pub use dtype::{DataType, ReduceOp, WireFormat};

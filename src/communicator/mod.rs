@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use fairring_core::reduce::Element;
 use fairring_core::topology::{Location, Topology};
-use fairring_core::{DataType, ReduceOp};
+use fairring_core::{DataType, ReduceOp, WireFormat};
 
 use crate::config::{Algorithm, Config, FabricChoice};
 use crate::engine::descriptor::{Collective, Descriptor};
@@ -59,6 +59,7 @@ pub struct Communicator {
     topology: Topology,
     location: Location,
     algorithm: Algorithm,
+    wire: WireFormat,
     servers: u32,
     timeout: Duration,
     /// The byte each barrier all-reduces, per operation-table entry.
@@ -107,6 +108,7 @@ impl Communicator {
             topology: built.topology,
             location: built.location,
             algorithm: config.algorithm,
+            wire: config.wire,
             servers: config.servers,
             timeout: config.timeout,
             barrier_bytes: (0..WORK_CAPACITY).map(|_| AtomicU8::new(0)).collect(),
@@ -155,6 +157,12 @@ impl Communicator {
     /// Dedicated reduction servers in the job (0: the machines serve).
     pub fn servers(&self) -> u32 {
         self.servers
+    }
+
+    /// How `f32` all-reduces and reduce-scatters travel between machines
+    /// unless a call says otherwise (`FAIRRING_WIRE`).
+    pub fn wire(&self) -> WireFormat {
+        self.wire
     }
 
     /// Largest slice, in bytes.
@@ -492,6 +500,27 @@ impl Communicator {
         if let Some(e) = self.engine.failure() {
             return Err(Error::Failed { first: Box::new(e) });
         }
+        if let Some(wire) = r.wire {
+            if !wire.carries(r.dtype) {
+                return Err(Error::invalid(
+                    "wire",
+                    format!(
+                        "the {wire} wire carries f32 values only, not {}: an integer or \
+                         half-precision all-reduce runs exact",
+                        r.dtype
+                    ),
+                ));
+            }
+            if wire != WireFormat::Exact && self.servers > 0 {
+                return Err(Error::invalid(
+                    "wire",
+                    format!(
+                        "a compressed wire is not built for dedicated servers ({} in this job)",
+                        self.servers
+                    ),
+                ));
+            }
+        }
         let chosen = r.algorithm.unwrap_or(self.algorithm);
         let algorithm = Resolved::of(chosen.resolve(self.topology, bytes)).ok_or_else(|| {
             Error::internal(
@@ -527,11 +556,24 @@ impl Communicator {
         } else {
             r.data
         };
+        // The wire is compressed only where it is: f32 values crossing between
+        // machines that serve, in the hierarchical algorithm.
+        let requested = r.wire.unwrap_or(self.wire);
+        let wire = if r.dtype == DataType::F32
+            && algorithm == Resolved::Hierarchical
+            && self.topology.machines() > 1
+            && self.servers == 0
+        {
+            requested
+        } else {
+            WireFormat::Exact
+        };
         let descriptor = Descriptor {
             collective: r.collective,
             dtype: r.caller_dtype,
             op: r.caller_op,
             algorithm,
+            wire,
             root: r.root,
             elements: r.caller_elements,
         };
@@ -553,6 +595,7 @@ impl Communicator {
             dtype: r.dtype,
             op: r.op,
             algorithm,
+            wire,
             descriptor,
             deliver: r.deliver,
         };
@@ -617,6 +660,31 @@ impl<'scope> Scope<'scope, '_> {
                 Some(algorithm),
             )
         }
+    }
+
+    /// Starts a hierarchical all-reduce of `data` in place whose values cross
+    /// between machines in `wire` (see [`Config`]'s compressed wire for the
+    /// precision it keeps). A compressed wire carries `f32` only: for any
+    /// other type it is refused, naming `wire`. Every rank must ask for the
+    /// same wire; the descriptor check compares it.
+    pub fn all_reduce_on_wire<T: Element>(
+        &'scope self,
+        data: &'scope mut [T],
+        op: ReduceOp,
+        wire: WireFormat,
+    ) -> Result<Work<'scope>> {
+        check_pointer(data.as_mut_ptr().cast(), data.len() as u64, T::DTYPE)?;
+        let mut r = Request::all_reduce(
+            data.as_mut_ptr().cast(),
+            data.len() as u64,
+            T::DTYPE,
+            op,
+            Some(Algorithm::Hierarchical),
+        );
+        r.wire = Some(wire);
+        // SAFETY: as in `all_reduce_with`: `data` is borrowed mutably for
+        // 'scope, which does not end before the operation finishes.
+        unsafe { self.comm.start(r) }
     }
 
     /// Starts a broadcast of `data` from rank `root` (see
@@ -953,6 +1021,8 @@ struct Request {
     dtype: DataType,
     op: ReduceOp,
     algorithm: Option<Algorithm>,
+    /// The wire asked for by the call; `None`: the communicator's.
+    wire: Option<WireFormat>,
     collective: Collective,
     caller_dtype: DataType,
     caller_op: ReduceOp,
@@ -975,6 +1045,7 @@ impl Request {
             dtype,
             op,
             algorithm,
+            wire: None,
             collective: Collective::AllReduce,
             caller_dtype: dtype,
             caller_op: op,

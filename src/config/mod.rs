@@ -14,6 +14,7 @@
 //! | `FAIRRING_TIMEOUT` | rendezvous and peer-silence bound (`30`, `2.5s`, `500ms`, `5min`) | 300 s |
 //! | `FAIRRING_JOB_SECRET` | 64 hex digits shared by every rank; admits peers | derived from the job (see below) |
 //! | `FAIRRING_ALGO` | `auto`, `hierarchical` or `ring` | `auto` |
+//! | `FAIRRING_WIRE` | how `f32` reductions travel between machines: `exact`, `bf16` or `f16` (see below) | `exact` |
 //! | `FAIRRING_HOST_ID` | overrides the machine identity (simulates machines on one host) | boot id and host name |
 //! | `FAIRRING_FABRIC` | `tcp`, `verbs` or `auto` (see [`FabricChoice`]) | `auto` |
 //! | `FAIRRING_VERBS_DEVICE`, `_PORT`, `_GID_INDEX` | the RDMA device, its port and GID index | first device, 1, 0 |
@@ -30,6 +31,19 @@
 //! inter-machine step of every hierarchical all-reduce: each worker sends its slot
 //! to the servers and gets the sums back.
 //!
+//! **Compressed wire** (the Herring and Horovod seeds' option). With
+//! `FAIRRING_WIRE=bf16` or `f16`, the `f32` all-reduces and reduce-scatters that
+//! run hierarchically carry half the bytes between machines: each machine's
+//! partial sum is rounded to the 16-bit format before it leaves, the serving
+//! machine widens and reduces in `f32`, and rounds the result once more before
+//! sending it back (it keeps the rounded value too, so every rank ends with the
+//! same bits). The error is bounded by two roundings: at most `2^-8` (bf16) or
+//! `2^-11` (f16) of the sum of the machines' partial sums' magnitudes, plus as
+//! much of the result's. f16 overflows to infinity past 65504 and loses
+//! precision below 2^-14; bf16 has `f32`'s range. Other types, the ring, and
+//! single-machine jobs run exact; a compressed wire with dedicated servers is
+//! refused. Set it alike on every rank: the descriptor check compares it.
+//!
 //! Every value is validated when the communicator is built; a bad one fails with
 //! [`Error::Config`] naming the variable and the value.
 //!
@@ -45,6 +59,7 @@ mod parse;
 
 use std::time::Duration;
 
+use fairring_core::WireFormat;
 use fairring_rdma::JobSecret;
 use sha2::{Digest, Sha256};
 
@@ -123,6 +138,8 @@ pub struct Config {
     pub(crate) secret: JobSecret,
     pub(crate) job_tag: u64,
     pub(crate) algorithm: Algorithm,
+    /// How `f32` reductions travel between machines.
+    pub(crate) wire: WireFormat,
     pub(crate) host_id: Option<String>,
     pub(crate) fabric: FabricChoice,
     #[cfg_attr(
@@ -164,6 +181,7 @@ pub struct ConfigBuilder {
     secret: Option<JobSecret>,
     run_id: String,
     algorithm: Algorithm,
+    wire: WireFormat,
     host_id: Option<String>,
     fabric: FabricChoice,
     verbs: VerbsKnobs,
@@ -195,6 +213,7 @@ impl Config {
             secret: None,
             run_id: String::new(),
             algorithm: Algorithm::Auto,
+            wire: WireFormat::Exact,
             host_id: None,
             fabric: FabricChoice::Auto,
             verbs: VerbsKnobs::default(),
@@ -320,6 +339,10 @@ impl Config {
                 .parse()
                 .map_err(|reason: String| Error::config("FAIRRING_ALGO", &v, reason))?;
         }
+        if let Some(v) = lookup("FAIRRING_WIRE") {
+            b.wire = WireFormat::from_name(v.trim())
+                .ok_or_else(|| Error::config("FAIRRING_WIRE", &v, "expected exact, bf16 or f16"))?;
+        }
         if let Some(v) = lookup("FAIRRING_HOST_ID") {
             if v.trim().is_empty() {
                 return Err(Error::config("FAIRRING_HOST_ID", &v, "empty"));
@@ -380,6 +403,11 @@ impl Config {
     /// The default algorithm of all-reduces.
     pub fn algorithm(&self) -> Algorithm {
         self.algorithm
+    }
+
+    /// How `f32` reductions travel between machines.
+    pub fn wire(&self) -> WireFormat {
+        self.wire
     }
 
     /// The bound on rendezvous and on a silent peer.
@@ -452,6 +480,12 @@ impl ConfigBuilder {
     /// The default algorithm.
     pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
         self.algorithm = algorithm;
+        self
+    }
+
+    /// How `f32` reductions travel between machines (see the module docs).
+    pub fn wire(mut self, wire: WireFormat) -> Self {
+        self.wire = wire;
         self
     }
 
@@ -579,6 +613,17 @@ impl ConfigBuilder {
         if self.verbs.port == 0 {
             return Err(Error::config("FAIRRING_VERBS_PORT", 0, "expected 1 to 255"));
         }
+        if self.wire != WireFormat::Exact && self.servers > 0 {
+            return Err(Error::config(
+                "FAIRRING_WIRE",
+                self.wire,
+                format!(
+                    "a compressed wire is not built for dedicated servers \
+                     (FAIRRING_SERVERS={}); use exact",
+                    self.servers
+                ),
+            ));
+        }
         let secret = match self.secret {
             Some(s) => s,
             None => derived_secret(&self.master_addr, self.master_port, &self.run_id),
@@ -599,6 +644,7 @@ impl ConfigBuilder {
             secret,
             job_tag,
             algorithm: self.algorithm,
+            wire: self.wire,
             host_id: self.host_id,
             fabric: self.fabric,
             verbs: self.verbs,
@@ -681,6 +727,23 @@ mod tests {
         assert_eq!(c.total_memory, 100 << 20);
         assert_eq!(c.timeout, Duration::from_secs(30));
         assert_eq!(c.algorithm, Algorithm::Ring);
+    }
+
+    #[test]
+    fn the_wire_format_is_named_and_refused_with_dedicated_servers() {
+        assert_eq!(
+            Config::from_lookup(env(&[])).unwrap().wire(),
+            WireFormat::Exact
+        );
+        let c = Config::from_lookup(env(&[("FAIRRING_WIRE", "bf16")])).unwrap();
+        assert_eq!(c.wire(), WireFormat::Bf16);
+        let c = Config::from_lookup(env(&[("FAIRRING_WIRE", " f16 ")])).unwrap();
+        assert_eq!(c.wire(), WireFormat::F16);
+        refused(&[("FAIRRING_WIRE", "fp8")], "FAIRRING_WIRE");
+        refused(
+            &[("FAIRRING_WIRE", "bf16"), ("FAIRRING_SERVERS", "1")],
+            "FAIRRING_WIRE",
+        );
     }
 
     #[test]

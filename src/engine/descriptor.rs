@@ -29,7 +29,7 @@
 //! in a `Kind::Descriptor` message of 24 bytes: the sequence number, then the two
 //! words ([`encode_message`], [`decode_message`]).
 
-use fairring_core::{DataType, ReduceOp};
+use fairring_core::{DataType, ReduceOp, WireFormat};
 
 use super::algorithm::Resolved;
 pub(crate) use crate::local::Words;
@@ -77,6 +77,9 @@ pub(crate) struct Descriptor {
     pub(crate) op: ReduceOp,
     /// The algorithm that runs it (every rank resolves `auto` alike).
     pub(crate) algorithm: Resolved,
+    /// How its `f32` values travel between machines ([`WireFormat::Exact`] for
+    /// every operation that runs exact).
+    pub(crate) wire: WireFormat,
     /// The root of a broadcast; 0 otherwise.
     pub(crate) root: u32,
     /// Elements per rank as the caller counts them (a broadcast's tensor, an
@@ -123,7 +126,8 @@ impl Descriptor {
     /// word 1: bits  0..8   collective
     ///         bits  8..16  dtype discriminant
     ///         bits 16..24  op discriminant
-    ///         bits 24..32  algorithm (1 hierarchical, 2 ring)
+    ///         bits 24..28  algorithm (1 hierarchical, 2 ring)
+    ///         bits 28..32  wire format discriminant
     ///         bits 32..64  root
     /// ```
     pub(crate) fn words(&self) -> Words {
@@ -133,6 +137,7 @@ impl Descriptor {
                 | u64::from(self.dtype as u8) << 8
                 | u64::from(self.op as u8) << 16
                 | algorithm_code(self.algorithm) << 24
+                | u64::from(self.wire as u8) << 28
                 | u64::from(self.root) << 32,
         ]
     }
@@ -143,11 +148,12 @@ impl Descriptor {
             collective: Collective::from_u8(byte(0))?,
             dtype: DataType::from_u8(byte(8))?,
             op: ReduceOp::from_u8(byte(16))?,
-            algorithm: match byte(24) {
+            algorithm: match byte(24) & 0xf {
                 1 => Resolved::Hierarchical,
                 2 => Resolved::Ring,
                 _ => return None,
             },
+            wire: WireFormat::from_u8(byte(24) >> 4)?,
             root: (w[1] >> 32) as u32,
             elements: w[0],
         })
@@ -203,11 +209,17 @@ impl std::fmt::Display for Descriptor {
                 "{c} of {} x {} per rank ({})",
                 self.elements, self.dtype, self.algorithm
             ),
-            Collective::AllReduce | Collective::ReduceScatter => write!(
-                f,
-                "{c} of {} x {} ({}, {})",
-                self.elements, self.dtype, self.op, self.algorithm
-            ),
+            Collective::AllReduce | Collective::ReduceScatter => {
+                write!(
+                    f,
+                    "{c} of {} x {} ({}, {}",
+                    self.elements, self.dtype, self.op, self.algorithm
+                )?;
+                if self.wire != WireFormat::Exact {
+                    write!(f, ", {} wire", self.wire)?;
+                }
+                f.write_str(")")
+            }
         }
     }
 }
@@ -223,6 +235,7 @@ mod tests {
             dtype: DataType::BF16,
             op: ReduceOp::Sum,
             algorithm: Resolved::Ring,
+            wire: WireFormat::Exact,
             root: 7,
             elements: 1 << 40,
         };
@@ -231,6 +244,32 @@ mod tests {
             d.to_string(),
             "broadcast of 1099511627776 x bf16 from rank 7 (ring)"
         );
+        let compressed = Descriptor {
+            collective: Collective::AllReduce,
+            dtype: DataType::F32,
+            op: ReduceOp::Avg,
+            algorithm: Resolved::Hierarchical,
+            wire: WireFormat::F16,
+            root: 0,
+            elements: 12,
+        };
+        assert_eq!(Descriptor::from_words(compressed.words()), Some(compressed));
+        assert_ne!(
+            compressed.words(),
+            Descriptor {
+                wire: WireFormat::Bf16,
+                ..compressed
+            }
+            .words()
+        );
+        assert_eq!(
+            compressed.to_string(),
+            "all_reduce of 12 x f32 (avg, hierarchical, f16 wire)"
+        );
+        // An unknown wire format is refused, not read as another.
+        let mut w = compressed.words();
+        w[1] |= 0xf << 28;
+        assert!(Descriptor::from_words(w).is_none());
         assert!(Descriptor::from_words([0, 0]).is_none());
     }
 

@@ -288,6 +288,7 @@ mod tests {
             dtype: DataType::F32,
             op: ReduceOp::Sum,
             algorithm: Resolved::Hierarchical,
+            wire: fairring_core::WireFormat::Exact,
             root: 0,
             elements: 100,
         };

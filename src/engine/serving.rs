@@ -40,6 +40,16 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 format!("sent a descriptor of operation #{seq} this server cannot decode"),
             )
         })?;
+        if descriptor.wire != fairring_core::WireFormat::Exact {
+            return Err(Error::peer(
+                peer,
+                format!(
+                    "described operation #{seq} as {descriptor}: dedicated servers reduce \
+                     exact values only (set FAIRRING_WIRE=exact on the workers)"
+                ),
+            )
+            .into());
+        }
         let world = self.geometry.topology().world_size();
         let (elements, dtype, op) = descriptor
             .runs_as(world)
@@ -57,6 +67,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             dtype,
             op,
             algorithm: descriptor.algorithm,
+            wire: descriptor.wire,
             descriptor,
             deliver: None,
         };

@@ -11,7 +11,7 @@
 use std::collections::VecDeque;
 
 use fairring_core::plan::Slice;
-use fairring_core::{DataType, ReduceOp};
+use fairring_core::{DataType, ReduceOp, WireFormat};
 use fairring_rdma::fabric::Fabric;
 
 use super::algorithm::{Context, Resolved, ServeScratch, SliceAlgorithm, SliceEvent, SliceInfo};
@@ -33,6 +33,7 @@ pub(crate) struct ActiveSlice<M: MemorySpace> {
     pub(crate) tensor: M::Tensor,
     pub(crate) dtype: DataType,
     pub(crate) op: ReduceOp,
+    pub(crate) wire: WireFormat,
     pub(crate) algorithm: SliceAlgorithm,
 }
 
@@ -53,8 +54,9 @@ pub(crate) struct BufferSlot<M: MemorySpace> {
     pub(crate) early: Vec<(Kind, u32)>,
     /// The local step the slice waits to run, if any.
     pub(crate) local: Option<LocalRequest>,
-    /// Steps running in the memory space, and the event each ends with.
-    pub(crate) fences: VecDeque<(M::Fence, SliceEvent)>,
+    /// Steps running in the memory space, and the event each ends with (none
+    /// for a conversion that is not the last of its group).
+    pub(crate) fences: VecDeque<(M::Fence, Option<SliceEvent>)>,
     /// What a dedicated server's slice borrows while it holds the buffer.
     pub(crate) serve: ServeScratch,
 }
@@ -192,6 +194,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             slice: &next.slice,
             dtype: rec.sub.dtype,
             op: rec.sub.op,
+            wire: rec.sub.wire,
         };
         let mut steps = std::mem::take(&mut d.scratch.steps);
         steps.clear();
@@ -218,6 +221,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             tensor: rec.sub.tensor,
             dtype: rec.sub.dtype,
             op: rec.sub.op,
+            wire: rec.sub.wire,
             algorithm,
         });
         slot.next_generation = generation + 1;

@@ -77,6 +77,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 slice,
                 dtype,
                 op,
+                wire,
                 algorithm,
                 ..
             } = active;
@@ -86,6 +87,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 slice,
                 dtype: *dtype,
                 op: *op,
+                wire: *wire,
             };
             algorithm.on_event(&ctx, &info, event, steps)?;
         }
@@ -142,7 +144,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             Step::StageIn { to, from } => {
                 let from = tensor_base + from.start..tensor_base + from.end;
                 let fence = self.memory.stage_in(b, to, &active.tensor, from)?;
-                Some((fence, SliceEvent::Staged))
+                Some((fence, Some(SliceEvent::Staged)))
             }
             Step::LocalBegin => {
                 self.local.begin(&local_slice(b, active))?;
@@ -160,13 +162,18 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 slot.local = Some(LocalRequest::AllGather { own_in_tensor });
                 return self.try_local(d, b, events).map(drop);
             }
-            Step::Reduce(reduction) => {
-                Some((self.memory.reduce(b, &reduction)?, SliceEvent::Reduced))
-            }
+            Step::Reduce(reduction) => Some((
+                self.memory.reduce(b, &reduction)?,
+                Some(SliceEvent::Reduced),
+            )),
+            Step::Convert { conversion, then } => Some((
+                self.memory.convert(b, &conversion)?,
+                then.map(SliceEvent::Converted),
+            )),
             Step::CopyOut { from, to } => {
                 let to = tensor_base + to.start..tensor_base + to.end;
                 let fence = self.memory.copy_out(b, from, &active.tensor, to)?;
-                Some((fence, SliceEvent::CopiedOut))
+                Some((fence, Some(SliceEvent::CopiedOut)))
             }
             Step::LocalFinish => {
                 self.local.finish(b, active.number);
@@ -175,8 +182,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             Step::Release => return self.release(d, b),
         };
         if let Some((fence, event)) = ended {
-            if self.memory.poll(&fence)? {
-                events.push_back(event);
+            let fences = &d.slices.slots[b as usize].fences;
+            // A fence that passed ends its step at once, unless an earlier step's
+            // has not: events keep the order of their steps.
+            if fences.is_empty() && self.memory.poll(&fence)? {
+                events.extend(event);
             } else {
                 d.slices.slots[b as usize].fences.push_back((fence, event));
             }
@@ -211,10 +221,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             return Ok(false);
         };
         slot.local = None;
-        if self.memory.poll(&fence)? {
+        if slot.fences.is_empty() && self.memory.poll(&fence)? {
             events.push_back(event);
         } else {
-            slot.fences.push_back((fence, event));
+            slot.fences.push_back((fence, Some(event)));
         }
         Ok(true)
     }
@@ -267,7 +277,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 break;
             }
             if let Some((_, event)) = fences.pop_front() {
-                events.push_back(event);
+                events.extend(event);
                 moved = true;
             }
         }

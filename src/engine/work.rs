@@ -49,6 +49,8 @@ pub(crate) struct Submission<M: MemorySpace> {
     pub(crate) dtype: DataType,
     pub(crate) op: ReduceOp,
     pub(crate) algorithm: Resolved,
+    /// How its `f32` values travel between machines.
+    pub(crate) wire: fairring_core::WireFormat,
     /// The call as the caller issued it, compared across ranks.
     pub(crate) descriptor: Descriptor,
     /// Bytes to copy out of the result once it is final (a reduce-scatter's

@@ -5,10 +5,14 @@ use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use fairring_core::reduce::{finish_avg_bytes, reduce_many_bytes};
-use fairring_core::{DataType, ReduceOp};
+use fairring_core::reduce::ReduceError;
+use fairring_core::reduce::{
+    finish_avg_bytes, narrow_bytes, narrow_in_place, reduce_many_bytes,
+    reduce_many_compressed_bytes, widen_bytes, widen_in_place,
+};
+use fairring_core::{DataType, ReduceOp, WireFormat};
 
-use super::{MemorySpace, Reduction};
+use super::{Conversion, Direction, MemorySpace, Reduction};
 use crate::error::{Error, Result};
 use crate::shm::Segment;
 
@@ -129,8 +133,7 @@ impl MemorySpace for Host {
 
     fn reduce(&self, buffer: u32, r: &Reduction) -> Result<()> {
         for source in r.sources.ranges() {
-            if source.len() != r.dst.len() || (source.start < r.dst.end && r.dst.start < source.end)
-            {
+            if source.len() != r.source_len() || overlap(&source, &r.dst) {
                 return Err(Error::internal(
                     "reduction sources are as long as the destination and apart from it",
                     format!("source {source:?}, destination {:?}", r.dst),
@@ -142,7 +145,19 @@ impl MemorySpace for Host {
             .sources
             .ranges()
             .map(|range| self.staging(buffer, range).map(|s| &*s));
-        reduce_into(r.dtype, r.op, dst, &mut sources)?;
+        if r.wire == WireFormat::Exact {
+            reduce_into(r.dtype, r.op, dst, &mut sources)?;
+        } else {
+            if r.dtype != DataType::F32 {
+                return Err(Error::internal(
+                    "only f32 values travel compressed",
+                    format!("{} on the {} wire", r.dtype, r.wire),
+                ));
+            }
+            in_batches(&mut sources, |batch| {
+                reduce_many_compressed_bytes(r.op, r.wire, dst, batch)
+            })?;
+        }
         if let Some(world) = r.average_over
             && r.op == ReduceOp::Avg
         {
@@ -150,6 +165,41 @@ impl MemorySpace for Host {
                 .map_err(|e| Error::internal("averages divide a whole sum", e.to_string()))?;
         }
         Ok(())
+    }
+
+    fn convert(&self, buffer: u32, c: &Conversion) -> Result<()> {
+        let written = c.written();
+        let refused = |e: ReduceError| {
+            Error::internal(
+                "conversions cover whole, aligned f32 values",
+                format!("{c:?}: {e}"),
+            )
+        };
+        if c.to == c.from.start {
+            let wide = match c.direction {
+                Direction::Narrow => c.from.clone(),
+                Direction::Widen => written,
+            };
+            let bytes = self.staging(buffer, wide)?;
+            return match c.direction {
+                Direction::Narrow => narrow_in_place(c.format, bytes),
+                Direction::Widen => widen_in_place(c.format, bytes),
+            }
+            .map_err(refused);
+        }
+        if overlap(&c.from, &written) {
+            return Err(Error::internal(
+                "a conversion is in place or between separate ranges",
+                format!("{c:?}"),
+            ));
+        }
+        let src = self.staging(buffer, c.from.clone())?;
+        let dst = self.staging(buffer, written)?;
+        match c.direction {
+            Direction::Narrow => narrow_bytes(c.format, src, dst),
+            Direction::Widen => widen_bytes(c.format, src, dst),
+        }
+        .map_err(refused)
     }
 
     fn copy_out(
@@ -190,6 +240,11 @@ impl MemorySpace for Host {
     }
 }
 
+/// Whether two byte ranges share a byte.
+fn overlap(a: &Range<usize>, b: &Range<usize>) -> bool {
+    a.start < b.end && b.start < a.end
+}
+
 /// `dst op= srcs[0] op srcs[1] ...`, in batches of [`MAX_SOURCES`], allocation-free;
 /// the first source that cannot be had fails it.
 pub(crate) fn reduce_into<'a>(
@@ -197,6 +252,14 @@ pub(crate) fn reduce_into<'a>(
     op: ReduceOp,
     dst: &mut [u8],
     srcs: &mut impl Iterator<Item = Result<&'a [u8]>>,
+) -> Result<()> {
+    in_batches(srcs, |batch| reduce_many_bytes(dtype, op, dst, batch))
+}
+
+/// Hands `srcs` to `reduce` in batches of up to [`MAX_SOURCES`].
+fn in_batches<'a>(
+    srcs: &mut impl Iterator<Item = Result<&'a [u8]>>,
+    mut reduce: impl FnMut(&[&[u8]]) -> std::result::Result<(), ReduceError>,
 ) -> Result<()> {
     let mut batch: [&[u8]; MAX_SOURCES] = [&[]; MAX_SOURCES];
     loop {
@@ -208,7 +271,7 @@ pub(crate) fn reduce_into<'a>(
         if n == 0 {
             return Ok(());
         }
-        reduce_many_bytes(dtype, op, dst, &batch[..n])
+        reduce(&batch[..n])
             .map_err(|e| Error::internal("reductions get equal lengths", e.to_string()))?;
     }
 }

@@ -25,6 +25,7 @@
 //! | [`poll`](MemorySpace::poll) | always passed | `cuEventQuery`: `CUDA_SUCCESS` passed, `CUDA_ERROR_NOT_READY` not yet, anything else an error |
 //! | [`stage_in`](MemorySpace::stage_in) | `memcpy` | the stage's stream waits on the tensor's event, then a device-to-device copy into the staging buffer |
 //! | [`reduce`](MemorySpace::reduce) | the host kernels, in place | the device reduction kernel on the add stream |
+//! | [`convert`](MemorySpace::convert) | the host conversions | a conversion kernel on the add stream |
 //! | [`copy_out`](MemorySpace::copy_out) | `memcpy` | a copy on the all-gather stream; the operation's completion event is recorded after it |
 //! | [`deliver`](MemorySpace::deliver) | `memcpy` | a device-to-device copy on the all-gather stream |
 //! | [`registered`](MemorySpace::registered) | this rank's buffers in the machine's segment | the device buffers (GPUDirect), or their pinned host twins |
@@ -55,7 +56,7 @@ use std::fmt;
 use std::ops::Range;
 use std::ptr::NonNull;
 
-use fairring_core::{DataType, ReduceOp};
+use fairring_core::{DataType, ReduceOp, WireFormat};
 
 pub(crate) use host::{Host, HostTensor, reduce_into};
 
@@ -82,6 +83,9 @@ pub(crate) trait MemorySpace: Send + Sync + 'static {
 
     /// Performs `reduction` in staging buffer `buffer`.
     fn reduce(&self, buffer: u32, reduction: &Reduction) -> Result<Self::Fence>;
+
+    /// Performs `conversion` in staging buffer `buffer`.
+    fn convert(&self, buffer: u32, conversion: &Conversion) -> Result<Self::Fence>;
 
     /// Copies bytes of staging buffer `buffer` from offset `from` into bytes `to` of
     /// `tensor`.
@@ -130,6 +134,57 @@ pub(crate) struct Reduction {
     /// The world size to divide by once the sum is complete, for
     /// [`ReduceOp::Avg`]; `None` while partial sums are still to come.
     pub(crate) average_over: Option<u32>,
+    /// How the sources hold their values: `f32` narrowed to a compressed
+    /// format (each source then holds [`WireFormat::f32_bytes`] per `f32` of
+    /// `dst`), or [`WireFormat::Exact`]: as `dtype`, as long as `dst`.
+    pub(crate) wire: WireFormat,
+}
+
+impl Reduction {
+    /// Bytes of each source.
+    pub(crate) fn source_len(&self) -> usize {
+        match self.wire {
+            WireFormat::Exact => self.dst.len(),
+            compressed => self.dst.len() / 4 * compressed.f32_bytes(),
+        }
+    }
+}
+
+/// Which way a [`Conversion`] goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Direction {
+    /// `f32` to the wire format.
+    Narrow,
+    /// The wire format to `f32`.
+    Widen,
+}
+
+/// `f32` values converted to or from a compressed wire format within one
+/// staging buffer: bytes `from` into the bytes from `to`. In place when `to ==
+/// from.start` (the narrow values then occupy the first half of the wide
+/// range); otherwise the two ranges must not overlap.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Conversion {
+    /// The compressed format.
+    pub(crate) format: WireFormat,
+    /// Narrowing or widening.
+    pub(crate) direction: Direction,
+    /// The bytes read: `f32` values to narrow, or narrow values to widen.
+    pub(crate) from: Range<usize>,
+    /// Where the converted bytes go.
+    pub(crate) to: usize,
+}
+
+impl Conversion {
+    /// The bytes written.
+    pub(crate) fn written(&self) -> Range<usize> {
+        let len = match (self.direction, self.format) {
+            (_, WireFormat::Exact) => self.from.len(),
+            (Direction::Narrow, f) => self.from.len() / 4 * f.f32_bytes(),
+            (Direction::Widen, f) => self.from.len() / f.f32_bytes() * 4,
+        };
+        self.to..self.to + len
+    }
 }
 
 /// Equally long source ranges of a staging buffer, without a list: `count` areas

@@ -7,6 +7,11 @@
 //! [`reduce_many_bytes`], [`finish_avg_bytes`]), which check length, element
 //! boundaries and alignment and then run the same loops.
 //!
+//! The compressed wire ([`WireFormat`](crate::WireFormat)) adds conversions
+//! between `f32` and its 16-bit formats, in place or not, and a reduction of
+//! narrow sources into `f32` ([`narrow_bytes`], [`widen_bytes`],
+//! [`narrow_in_place`], [`widen_in_place`], [`reduce_many_compressed_bytes`]).
+//!
 //! # Semantics
 //!
 //! - **Sum, product**: IEEE arithmetic for floats; wrapping two's-complement
@@ -34,10 +39,14 @@
 //! [`reduce_many`] works in blocks of 1024 elements so that `dst` is read and
 //! written once whatever the number of sources. Nothing allocates; nothing panics.
 
+mod compressed;
 mod convert;
 mod element;
 mod kernel;
 
+pub use compressed::{
+    narrow_bytes, narrow_in_place, reduce_many_compressed_bytes, widen_bytes, widen_in_place,
+};
 pub use element::Element;
 
 use crate::dtype::{DataType, ReduceOp};

@@ -24,6 +24,23 @@
 //!    copies all slots into the caller's tensor;
 //! 6. `RELEASE` once every send has completed.
 //!
+//! With a compressed wire ([`WireFormat::Bf16`], [`WireFormat::F16`]: `f32`
+//! only, machines serving), half the bytes cross between machines:
+//!
+//! - step 2 first narrows each cell it sends where it lies (its first half then
+//!   holds it; the rest of the cell is overwritten by the result later), and
+//!   sends that half;
+//! - step 3 widens the contributions as it reduces them, in `f32`;
+//! - step 4 narrows the reduced shard into the first contribution area (consumed
+//!   by then), widens it back over the shard, so that this rank keeps exactly
+//!   the rounded values every other machine receives, and sends the narrow copy;
+//! - step 5 first widens every result that landed (narrow, at the start of its
+//!   cell) where it lies, then publishes the slot.
+//!
+//! Each group of conversions ends in [`SliceEvent::Converted`], and only then do
+//! its writes or the slot's publication follow, so a memory space that converts
+//! asynchronously posts nothing it has not finished writing.
+//!
 //! With dedicated servers (`Context::servers > 0`) the machines serve nothing:
 //! step 2 sends every shard of the slot to the server holding it (into the
 //! server's area for this machine and device), steps 3 and 4 happen on the
@@ -36,13 +53,13 @@
 
 use std::ops::Range;
 
-use fairring_core::ReduceOp;
 use fairring_core::staging::{Actions, Event, StagingError, StagingErrorKind, Word};
+use fairring_core::{DataType, ReduceOp, WireFormat};
 
-use super::{Context, SliceEvent, SliceInfo, Step, Write, unexpected};
+use super::{Context, Converted, SliceEvent, SliceInfo, Step, Write, unexpected};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
-use crate::memory::Reduction;
+use crate::memory::{Conversion, Direction, Reduction};
 
 /// The hierarchical state of one slice.
 #[derive(Debug)]
@@ -86,6 +103,9 @@ impl Hierarchical {
         steps: &mut Vec<Step>,
     ) -> Result<()> {
         let (core_event, from) = match event {
+            SliceEvent::Converted(converted) => {
+                return self.converted(ctx, s, converted, steps);
+            }
             SliceEvent::LocalReduceScatterDone => (Event::ReduceScatterDone, None),
             SliceEvent::Landed {
                 kind: Kind::Contribution,
@@ -141,27 +161,194 @@ impl Hierarchical {
         actions: Actions,
         steps: &mut Vec<Step>,
     ) -> Result<()> {
+        let wire = compressed(ctx, s);
         if actions.contains(Actions::START_CONTRIBUTIONS) {
-            contributions(ctx, s, steps)?;
+            match wire {
+                Some(format) if narrow_contributions(ctx, s, format, steps)? => {}
+                _ => contributions(ctx, s, steps)?,
+            }
         }
         if actions.contains(Actions::START_REDUCE) {
             steps.push(Step::Reduce(reduction(ctx, s)?));
         }
         if actions.contains(Actions::START_SEND_BACK) {
-            results(ctx, s, steps)?;
+            match wire {
+                Some(format) => narrow_result(ctx, s, format, steps)?,
+                None => results(ctx, s, steps)?,
+            }
         }
         if actions.contains(Actions::START_ALL_GATHER) {
-            self.gathering = true;
-            steps.push(Step::PublishSlot);
-            steps.push(Step::LocalAllGather {
-                own_in_tensor: alone(ctx),
-            });
+            match wire {
+                Some(format) if widen_results(ctx, s, format, steps)? => {}
+                _ => self.gather(ctx, steps),
+            }
         }
         if actions.contains(Actions::RELEASE) {
             steps.push(Step::Release);
         }
         Ok(())
     }
+
+    /// A group of conversions ended: what they prepared follows.
+    fn converted(
+        &mut self,
+        ctx: &Context<'_>,
+        s: &SliceInfo<'_>,
+        converted: Converted,
+        steps: &mut Vec<Step>,
+    ) -> Result<()> {
+        if compressed(ctx, s).is_none() {
+            return Err(Error::internal(
+                "only a slice on a compressed wire converts",
+                format!("{converted:?} for slice {}", s.number),
+            ));
+        }
+        match converted {
+            Converted::Contributions => contributions(ctx, s, steps),
+            Converted::Results => results(ctx, s, steps),
+            Converted::Slot => {
+                self.gather(ctx, steps);
+                Ok(())
+            }
+        }
+    }
+
+    /// The slot is final: publish it and gather every slot into the tensor.
+    fn gather(&mut self, ctx: &Context<'_>, steps: &mut Vec<Step>) {
+        self.gathering = true;
+        steps.push(Step::PublishSlot);
+        steps.push(Step::LocalAllGather {
+            own_in_tensor: alone(ctx),
+        });
+    }
+}
+
+/// The format this slice's values cross between machines in, if compressed:
+/// `f32` values, more than one machine, and the machines serving.
+fn compressed(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Option<WireFormat> {
+    (s.wire != WireFormat::Exact && s.dtype == DataType::F32 && !alone(ctx) && ctx.servers == 0)
+        .then_some(s.wire)
+}
+
+/// Bytes of `wide` bytes of `f32` values in `format`.
+fn narrow_len(wide: usize, format: WireFormat) -> usize {
+    wide / 4 * format.f32_bytes()
+}
+
+/// The shards of this device's slot that other machines serve.
+fn sent_shards<'a>(ctx: &'a Context<'_>, s: &'a SliceInfo<'_>) -> impl Iterator<Item = u32> + 'a {
+    let me = ctx.location.machine;
+    (0..s.slice.shards()).filter(move |&shard| s.slice.server(shard).is_ok_and(|m| m != me))
+}
+
+/// Pushes one conversion per shard that other machines serve, in place in its
+/// cell, the last naming `then`; returns whether there was one.
+fn convert_cells(
+    ctx: &Context<'_>,
+    s: &SliceInfo<'_>,
+    format: WireFormat,
+    direction: Direction,
+    then: Converted,
+    steps: &mut Vec<Step>,
+) -> Result<bool> {
+    let first = steps.len();
+    for shard in sent_shards(ctx, s) {
+        let cell = cell_range(ctx, s, shard)?;
+        let from = match direction {
+            Direction::Narrow => cell.clone(),
+            Direction::Widen => cell.start..cell.start + narrow_len(cell.len(), format),
+        };
+        steps.push(Step::Convert {
+            conversion: Conversion {
+                format,
+                direction,
+                from,
+                to: cell.start,
+            },
+            then: None,
+        });
+    }
+    match steps[first..].last_mut() {
+        Some(Step::Convert { then: last, .. }) => {
+            *last = Some(then);
+            Ok(true)
+        }
+        _ => Ok(false),
+    }
+}
+
+/// Narrows every cell this rank contributes, where it lies; the writes follow
+/// [`Converted::Contributions`]. Returns whether there was one.
+fn narrow_contributions(
+    ctx: &Context<'_>,
+    s: &SliceInfo<'_>,
+    format: WireFormat,
+    steps: &mut Vec<Step>,
+) -> Result<bool> {
+    convert_cells(
+        ctx,
+        s,
+        format,
+        Direction::Narrow,
+        Converted::Contributions,
+        steps,
+    )
+}
+
+/// Widens every result that landed, where it lies; the slot's publication
+/// follows [`Converted::Slot`]. Returns whether there was one.
+fn widen_results(
+    ctx: &Context<'_>,
+    s: &SliceInfo<'_>,
+    format: WireFormat,
+    steps: &mut Vec<Step>,
+) -> Result<bool> {
+    convert_cells(ctx, s, format, Direction::Widen, Converted::Slot, steps)
+}
+
+/// Narrows the reduced shard into the send area and widens it back over the
+/// shard; the writes follow [`Converted::Results`].
+fn narrow_result(
+    ctx: &Context<'_>,
+    s: &SliceInfo<'_>,
+    format: WireFormat,
+    steps: &mut Vec<Step>,
+) -> Result<()> {
+    let shard = cell_range(ctx, s, served_shard(ctx, s)?)?;
+    let area = result_area(ctx, s, format)?;
+    steps.push(Step::Convert {
+        conversion: Conversion {
+            format,
+            direction: Direction::Narrow,
+            from: shard.clone(),
+            to: area.start,
+        },
+        then: None,
+    });
+    steps.push(Step::Convert {
+        conversion: Conversion {
+            format,
+            direction: Direction::Widen,
+            from: area,
+            to: shard.start,
+        },
+        then: Some(Converted::Results),
+    });
+    Ok(())
+}
+
+/// Where the served shard's narrow result waits to be sent: the start of the
+/// first contribution area, which the reduction has consumed and which no
+/// peer writes again before this slice releases the buffer (the next slice's
+/// contributions need its credit).
+fn result_area(ctx: &Context<'_>, s: &SliceInfo<'_>, format: WireFormat) -> Result<Range<usize>> {
+    let shard = cell_range(ctx, s, served_shard(ctx, s)?)?;
+    let len = narrow_len(shard.len(), format);
+    let first = ctx
+        .layout
+        .contributions_to(ctx.location.machine, len)?
+        .first;
+    Ok(first..first + len)
 }
 
 /// Whether the machine's reduce-scatter is the whole all-reduce: one machine and
@@ -228,10 +415,14 @@ fn contributions(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) ->
                 ctx.layout.contribution(me, server)?.start,
             )
         };
+        let mut source = cell_range(ctx, s, shard)?;
+        if let Some(format) = compressed(ctx, s) {
+            source.end = source.start + narrow_len(source.len(), format);
+        }
         steps.push(Step::Write(Write {
             kind: Kind::Contribution,
             peer,
-            source: cell_range(ctx, s, shard)?,
+            source,
             target,
             needs_credit: true,
         }));
@@ -242,26 +433,37 @@ fn contributions(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) ->
 /// The served shard, reduced in place over every other machine's contribution.
 fn reduction(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<Reduction> {
     let dst = cell_range(ctx, s, served_shard(ctx, s)?)?;
-    let sources = ctx
-        .layout
-        .contributions_to(ctx.location.machine, dst.len())?;
+    let wire = compressed(ctx, s).unwrap_or(WireFormat::Exact);
+    let sources = ctx.layout.contributions_to(
+        ctx.location.machine,
+        match wire {
+            WireFormat::Exact => dst.len(),
+            format => narrow_len(dst.len(), format),
+        },
+    )?;
     Ok(Reduction {
         dtype: s.dtype,
         op: s.op,
         dst,
         sources,
         average_over: (s.op == ReduceOp::Avg).then_some(ctx.world),
+        wire,
     })
 }
 
-/// The reduced shard to device `d` of every other machine, into the same range.
+/// The reduced shard to device `d` of every other machine, into the same range
+/// (narrow, from the send area, on a compressed wire).
 fn results(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Result<()> {
     let range = cell_range(ctx, s, served_shard(ctx, s)?)?;
+    let source = match compressed(ctx, s) {
+        Some(format) => result_area(ctx, s, format)?,
+        None => range.clone(),
+    };
     for m in (0..ctx.topology.machines()).filter(|&m| m != ctx.location.machine) {
         steps.push(Step::Write(Write {
             kind: Kind::Result,
             peer: ctx.rail_peer(m)?,
-            source: range.clone(),
+            source: source.clone(),
             target: range.start,
             needs_credit: false,
         }));

@@ -31,7 +31,7 @@ use std::ops::Range;
 
 use fairring_core::plan::Slice;
 use fairring_core::topology::{Location, Topology};
-use fairring_core::{DataType, ReduceOp};
+use fairring_core::{DataType, ReduceOp, WireFormat};
 
 pub(crate) use hierarchical::Hierarchical;
 pub(crate) use ring::Ring;
@@ -41,7 +41,7 @@ use super::layout::StagingLayout;
 use super::tags::Kind;
 use crate::config::Algorithm;
 use crate::error::{Error, Result};
-use crate::memory::Reduction;
+use crate::memory::{Conversion, Reduction};
 
 /// An algorithm as the engine runs it: [`Algorithm::Auto`] is resolved before an
 /// operation is submitted, the same way on every rank.
@@ -103,6 +103,21 @@ pub(crate) enum SliceEvent {
     Reduced,
     /// [`Step::CopyOut`] finished.
     CopiedOut,
+    /// The [`Step::Convert`] that named this, and every conversion before it,
+    /// finished.
+    Converted(Converted),
+}
+
+/// What a slice's conversions prepared, as the last of them names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Converted {
+    /// The cells this rank contributes are narrow, ready to send.
+    Contributions,
+    /// The served shard's result is narrow, ready to send, and this rank's own
+    /// copy holds the same rounded values.
+    Results,
+    /// The results that landed are widened: the slot is final.
+    Slot,
 }
 
 /// A one-sided write of part of this rank's staging buffer into a peer's.
@@ -153,6 +168,15 @@ pub(crate) enum Step {
     },
     /// Reduce within the staging buffer; then [`SliceEvent::Reduced`].
     Reduce(Reduction),
+    /// Convert within the staging buffer between `f32` and a compressed wire
+    /// format; then, if `then` names it, [`SliceEvent::Converted`] once this
+    /// and every earlier conversion of the slice has finished.
+    Convert {
+        /// What to convert.
+        conversion: Conversion,
+        /// The event its end raises, on the last conversion of a group.
+        then: Option<Converted>,
+    },
     /// Copy staging bytes from `from` into bytes `to` of the slice (relative to
     /// its start in the tensor); then [`SliceEvent::CopiedOut`].
     CopyOut {
@@ -212,6 +236,8 @@ pub(crate) struct SliceInfo<'a> {
     pub(crate) dtype: DataType,
     /// The operator.
     pub(crate) op: ReduceOp,
+    /// How its `f32` values travel between machines.
+    pub(crate) wire: WireFormat,
 }
 
 impl SliceInfo<'_> {

@@ -187,6 +187,7 @@ impl Ring {
                 sources: Sources::one(slot..slot + range.len()),
                 dst: range,
                 average_over: (k + 1 == total && s.op == ReduceOp::Avg).then_some(ctx.world),
+                wire: fairring_core::WireFormat::Exact,
             }));
             return Ok(());
         }

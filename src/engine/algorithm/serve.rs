@@ -253,6 +253,7 @@ impl Serve {
             dst: area(ctx, accumulator, from.device, len)?,
             sources,
             average_over,
+            wire: fairring_core::WireFormat::Exact,
         }));
         self.running.push_back(from.device);
         Ok(())

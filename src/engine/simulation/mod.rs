@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use fairring_core::plan::{Geometry, PlanConfig};
 use fairring_core::topology::{Location, RankLayout, Topology};
-use fairring_core::{DataType, ReduceOp};
+use fairring_core::{DataType, ReduceOp, WireFormat};
 use fairring_rdma::fabric::{Fabric, LocalRegion};
 
 use super::algorithm::Resolved;
@@ -78,6 +78,18 @@ struct Op {
     dtype: DataType,
     op: ReduceOp,
     algorithm: Resolved,
+    wire: WireFormat,
+}
+
+/// Rank `rank`'s element `i` of operation `k` as it is written into a tensor of
+/// `dtype`: for `f32`, small integers, whose sums over every rank every wire
+/// format carries exactly, so that a compressed wire's result is checked bit for
+/// bit like the others'.
+fn input(dtype: DataType, rank: u32, k: usize, i: u64) -> i64 {
+    match dtype {
+        DataType::F32 => value(rank, k, i).rem_euclid(16) - 8,
+        _ => value(rank, k, i),
+    }
 }
 
 /// Rank `rank`'s element `i` of operation `k`, before truncation to the type.
@@ -102,6 +114,12 @@ fn read(dtype: DataType, bytes: &[u8], i: usize) -> i64 {
         DataType::I32 => i64::from(i32::from_le_bytes(
             bytes[i * 4..i * 4 + 4].try_into().unwrap_or([0; 4]),
         )),
+        DataType::F32 => {
+            let x = f32::from_le_bytes(bytes[i * 4..i * 4 + 4].try_into().unwrap_or([0; 4]));
+            // Only whole numbers are expected; anything else reads as a value no
+            // input sums to.
+            if x.fract() == 0.0 { x as i64 } else { i64::MIN }
+        }
         _ => i64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8])),
     }
 }
@@ -111,6 +129,7 @@ fn write(dtype: DataType, bytes: &mut [u8], i: usize, v: i64) {
     match dtype {
         DataType::U8 => bytes[i] = v as u8,
         DataType::I32 => bytes[i * 4..i * 4 + 4].copy_from_slice(&(v as i32).to_le_bytes()),
+        DataType::F32 => bytes[i * 4..i * 4 + 4].copy_from_slice(&(v as f32).to_le_bytes()),
         _ => bytes[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes()),
     }
 }
@@ -278,21 +297,44 @@ fn run(seed: u64) -> Result<Outcome, String> {
     .map_err(|e| e.to_string())?;
     let layout = StagingLayout::new(&geometry, world).ok_or("layout")?;
     let ops: Vec<Op> = (0..2 + rng.below(7))
-        .map(|_| Op {
-            elements: match rng.below(5) {
+        .map(|_| {
+            let elements = match rng.below(5) {
                 0 => 0,
                 1 => 1 + rng.below(8),
                 2 => rng.below(300),
                 _ => rng.below(6000),
-            },
-            dtype: rng.pick(&[DataType::I32, DataType::I64, DataType::U8]),
-            op: rng.pick(&[
+            };
+            let dtype = rng.pick(&[DataType::I32, DataType::I64, DataType::U8, DataType::F32]);
+            let op = rng.pick(&[
                 ReduceOp::Sum,
                 ReduceOp::Product,
                 ReduceOp::Min,
                 ReduceOp::Max,
-            ]),
-            algorithm: rng.pick(&[Resolved::Hierarchical, Resolved::Ring]),
+            ]);
+            let algorithm = rng.pick(&[Resolved::Hierarchical, Resolved::Ring]);
+            // As the communicator submits them: compressed only where f32 values
+            // cross between machines that serve.
+            let wire = if dtype == DataType::F32
+                && algorithm == Resolved::Hierarchical
+                && m > 1
+                && servers == 0
+            {
+                rng.pick(&[WireFormat::Exact, WireFormat::Bf16, WireFormat::F16])
+            } else {
+                WireFormat::Exact
+            };
+            Op {
+                elements,
+                dtype,
+                // Products of whole f32 numbers outgrow what f32 holds exactly.
+                op: if dtype == DataType::F32 && op == ReduceOp::Product {
+                    ReduceOp::Sum
+                } else {
+                    op
+                },
+                algorithm,
+                wire,
+            }
         })
         .collect();
     let window = 1 + rng.below(4) as usize;
@@ -316,7 +358,7 @@ fn run(seed: u64) -> Result<Outcome, String> {
                 let mut words = vec![0u64; (n * 8).div_ceil(8)];
                 let bytes: &mut [u8] = bytemuck_bytes(&mut words);
                 for i in 0..n {
-                    write(op.dtype, bytes, i, value(rank, k, i as u64));
+                    write(op.dtype, bytes, i, input(op.dtype, rank, k, i as u64));
                 }
                 words
             })
@@ -422,11 +464,13 @@ fn run(seed: u64) -> Result<Outcome, String> {
                     dtype: op.dtype,
                     op: op.op,
                     algorithm: op.algorithm,
+                    wire: op.wire,
                     descriptor: Descriptor {
                         collective: Collective::AllReduce,
                         dtype: op.dtype,
                         op: op.op,
                         algorithm: op.algorithm,
+                        wire: op.wire,
                         root: 0,
                         elements: op.elements,
                     },
@@ -478,12 +522,19 @@ fn check(op: &Op, k: usize, world: u32, r: usize, words: &[u64]) -> Result<(), S
     // SAFETY: as in `bytemuck_bytes`, read-only.
     let bytes = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), len) };
     for i in 0..usize::try_from(op.elements).unwrap_or(0) {
-        let want = (1..world).fold(narrow(op.dtype, value(0, k, i as u64)), |acc, q| {
-            narrow(
-                op.dtype,
-                fold(op.op, acc, narrow(op.dtype, value(q, k, i as u64))),
-            )
-        });
+        let want = (1..world).fold(
+            narrow(op.dtype, input(op.dtype, 0, k, i as u64)),
+            |acc, q| {
+                narrow(
+                    op.dtype,
+                    fold(
+                        op.op,
+                        acc,
+                        narrow(op.dtype, input(op.dtype, q, k, i as u64)),
+                    ),
+                )
+            },
+        );
         let got = read(op.dtype, bytes, i);
         if got != want {
             return Err(format!(
@@ -588,6 +639,7 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
             dtype: DataType::I64,
             op: ReduceOp::Sum,
             algorithm: Resolved::Hierarchical,
+            wire: WireFormat::Exact,
             root: 0,
             elements: 300,
         };
@@ -599,6 +651,7 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
                 dtype: DataType::I64,
                 op: ReduceOp::Sum,
                 algorithm: Resolved::Hierarchical,
+                wire: WireFormat::Exact,
                 descriptor,
                 deliver: None,
             })
@@ -637,11 +690,13 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
         dtype: DataType::U8,
         op: ReduceOp::Sum,
         algorithm: Resolved::Hierarchical,
+        wire: WireFormat::Exact,
         descriptor: Descriptor {
             collective: Collective::Barrier,
             dtype: DataType::U8,
             op: ReduceOp::Sum,
             algorithm: Resolved::Hierarchical,
+            wire: WireFormat::Exact,
             root: 0,
             elements: 0,
         },
