@@ -108,4 +108,13 @@ impl WireFormat {
             WireFormat::Bf16 | WireFormat::F16 => 2,
         }
     }
+
+    /// Bytes on the wire of `bytes` bytes of values: `bytes` itself when
+    /// exact (any type), else [`WireFormat::f32_bytes`] per `f32`.
+    pub const fn wire_bytes(self, bytes: usize) -> usize {
+        match self {
+            WireFormat::Exact => bytes,
+            compressed => bytes / 4 * compressed.f32_bytes(),
+        }
+    }
 }

@@ -143,10 +143,7 @@ pub(crate) struct Reduction {
 impl Reduction {
     /// Bytes of each source.
     pub(crate) fn source_len(&self) -> usize {
-        match self.wire {
-            WireFormat::Exact => self.dst.len(),
-            compressed => self.dst.len() / 4 * compressed.f32_bytes(),
-        }
+        self.wire.wire_bytes(self.dst.len())
     }
 }
 
@@ -178,10 +175,9 @@ pub(crate) struct Conversion {
 impl Conversion {
     /// The bytes written.
     pub(crate) fn written(&self) -> Range<usize> {
-        let len = match (self.direction, self.format) {
-            (_, WireFormat::Exact) => self.from.len(),
-            (Direction::Narrow, f) => self.from.len() / 4 * f.f32_bytes(),
-            (Direction::Widen, f) => self.from.len() / f.f32_bytes() * 4,
+        let len = match self.direction {
+            Direction::Narrow => self.format.wire_bytes(self.from.len()),
+            Direction::Widen => self.from.len() / self.format.f32_bytes() * 4,
         };
         self.to..self.to + len
     }

@@ -230,11 +230,6 @@ fn compressed(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Option<WireFormat> {
         .then_some(s.wire)
 }
 
-/// Bytes of `wide` bytes of `f32` values in `format`.
-fn narrow_len(wide: usize, format: WireFormat) -> usize {
-    wide / 4 * format.f32_bytes()
-}
-
 /// The shards of this device's slot that other machines serve.
 fn sent_shards<'a>(ctx: &'a Context<'_>, s: &'a SliceInfo<'_>) -> impl Iterator<Item = u32> + 'a {
     let me = ctx.location.machine;
@@ -256,7 +251,7 @@ fn convert_cells(
         let cell = cell_range(ctx, s, shard)?;
         let from = match direction {
             Direction::Narrow => cell.clone(),
-            Direction::Widen => cell.start..cell.start + narrow_len(cell.len(), format),
+            Direction::Widen => cell.start..cell.start + format.wire_bytes(cell.len()),
         };
         steps.push(Step::Convert {
             conversion: Conversion {
@@ -315,7 +310,7 @@ fn narrow_result(
     steps: &mut Vec<Step>,
 ) -> Result<()> {
     let shard = cell_range(ctx, s, served_shard(ctx, s)?)?;
-    let area = result_area(ctx, s, format)?;
+    let area = result_area(ctx, &shard, format)?;
     steps.push(Step::Convert {
         conversion: Conversion {
             format,
@@ -341,9 +336,12 @@ fn narrow_result(
 /// first contribution area, which the reduction has consumed and which no
 /// peer writes again before this slice releases the buffer (the next slice's
 /// contributions need its credit).
-fn result_area(ctx: &Context<'_>, s: &SliceInfo<'_>, format: WireFormat) -> Result<Range<usize>> {
-    let shard = cell_range(ctx, s, served_shard(ctx, s)?)?;
-    let len = narrow_len(shard.len(), format);
+fn result_area(
+    ctx: &Context<'_>,
+    shard: &Range<usize>,
+    format: WireFormat,
+) -> Result<Range<usize>> {
+    let len = format.wire_bytes(shard.len());
     let first = ctx
         .layout
         .contributions_to(ctx.location.machine, len)?
@@ -417,7 +415,7 @@ fn contributions(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) ->
         };
         let mut source = cell_range(ctx, s, shard)?;
         if let Some(format) = compressed(ctx, s) {
-            source.end = source.start + narrow_len(source.len(), format);
+            source.end = source.start + format.wire_bytes(source.len());
         }
         steps.push(Step::Write(Write {
             kind: Kind::Contribution,
@@ -434,13 +432,9 @@ fn contributions(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) ->
 fn reduction(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<Reduction> {
     let dst = cell_range(ctx, s, served_shard(ctx, s)?)?;
     let wire = compressed(ctx, s).unwrap_or(WireFormat::Exact);
-    let sources = ctx.layout.contributions_to(
-        ctx.location.machine,
-        match wire {
-            WireFormat::Exact => dst.len(),
-            format => narrow_len(dst.len(), format),
-        },
-    )?;
+    let sources = ctx
+        .layout
+        .contributions_to(ctx.location.machine, wire.wire_bytes(dst.len()))?;
     Ok(Reduction {
         dtype: s.dtype,
         op: s.op,
@@ -456,7 +450,7 @@ fn reduction(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<Reduction> {
 fn results(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Result<()> {
     let range = cell_range(ctx, s, served_shard(ctx, s)?)?;
     let source = match compressed(ctx, s) {
-        Some(format) => result_area(ctx, s, format)?,
+        Some(format) => result_area(ctx, &range, format)?,
         None => range.clone(),
     };
     for m in (0..ctx.topology.machines()).filter(|&m| m != ctx.location.machine) {
