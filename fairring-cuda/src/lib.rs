@@ -43,8 +43,14 @@
 //! (`kernel/emulation.rs`); NVRTC compiles the kernels there
 //! (`tests/kernel_compile.rs`) and NCCL makes unique ids
 //! (`tests/nccl_library.rs`). The tests that need a device (`tests/gpu.rs`) and
-//! `fairring-gpu-bench` are written against the documented driver and NCCL
-//! behaviour and have not run on a GPU yet.
+//! `fairring-gpu-bench` pass on an H100 (CUDA 13 driver, NCCL from the
+//! `nvidia-nccl-cu13` wheel); `ci/gpu-build` and `ci/gpu-run` run them there.
+//!
+//! [`HostRegistration`] page-locks host memory another owner allocated (the
+//! engine's staging buffers), and [`HostFlags`] are words in pinned memory a
+//! stream waits on (`cuStreamWaitValue64`) until the host sets them: how a
+//! caller's stream waits for a collective whose GPU work is enqueued step by
+//! step.
 //!
 //! # Errors and panics
 //!
@@ -56,6 +62,7 @@
 mod device;
 mod error;
 mod event;
+mod flags;
 pub mod kernel;
 mod memory;
 pub mod nccl;
@@ -64,9 +71,18 @@ pub mod staging;
 mod stream;
 
 pub use device::{Device, cuda_available};
+
+/// The raw driver handles that cross into and out of this crate's safe types
+/// (what a host runtime such as PyTorch hands over).
+pub mod sys {
+    pub use cudarc::driver::sys::{CUdeviceptr, CUevent, CUstream};
+}
 pub use error::{Error, Library, Result};
 pub use event::{Event, Timing};
+pub use flags::HostFlags;
 pub use kernel::ReductionKernels;
-pub use memory::{DeviceBuffer, DeviceSlice, DeviceSliceMut, PinnedBuffer};
+pub use memory::{
+    DeviceBuffer, DeviceSlice, DeviceSliceMut, HostRegistration, PinnedBuffer, device_of_pointer,
+};
 pub use staging::{HostStaging, Stage, StagingParts, StagingPool};
 pub use stream::Stream;

@@ -442,11 +442,14 @@ fn abort_returns_promptly_and_every_later_call_fails() {
     let mut buf = DeviceBuffer::zeroed(&device, 4096).unwrap();
     let took = comm.abort();
     assert!(took < Duration::from_secs(5), "abort took {took:?}");
-    assert_eq!(
-        comm.abort(),
-        comm.abort().min(Duration::from_secs(1)),
-        "abort is idempotent"
+    // Idempotent by its effect: a second abort returns promptly too, and the
+    // communicator stays aborted.
+    let again = comm.abort();
+    assert!(
+        again < Duration::from_secs(5),
+        "a second abort took {again:?}"
     );
+    assert_eq!(comm.check(), Err(Error::Aborted));
     let r = comm.all_gather_in_place(&stream, &mut buf.slice_mut(), DataType::F32);
     assert_eq!(r, Err(Error::Aborted));
     assert_eq!(comm.check(), Err(Error::Aborted));

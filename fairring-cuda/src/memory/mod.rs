@@ -13,6 +13,7 @@
 
 mod copy;
 mod pinned;
+mod registered;
 
 use std::marker::PhantomData;
 use std::ops::Range;
@@ -21,6 +22,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::{self, CUdeviceptr};
 
 pub use pinned::PinnedBuffer;
+pub use registered::HostRegistration;
 
 use crate::device::Device;
 use crate::error::{self, Result};
@@ -273,6 +275,39 @@ fn subrange(ptr: CUdeviceptr, len: usize, range: Range<usize>) -> Result<(CUdevi
         ));
     }
     Ok((ptr + range.start as u64, range.end - range.start))
+}
+
+/// The device whose memory `ptr` points into, as the driver sees it: `None` for
+/// host memory (pageable or pinned) and for addresses the driver does not know.
+pub fn device_of_pointer(ptr: CUdeviceptr) -> Result<Option<u32>> {
+    crate::probe::require(crate::Library::Cuda)?;
+    let mut kind: u32 = 0;
+    // SAFETY: writes one `CUmemorytype` (an unsigned int) for any address; an
+    // address the driver does not know is an error, not undefined behaviour.
+    let status = unsafe {
+        sys::cuPointerGetAttribute(
+            (&raw mut kind).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            ptr,
+        )
+    };
+    if status == sys::CUresult::CUDA_ERROR_INVALID_VALUE {
+        return Ok(None);
+    }
+    error::driver("cuPointerGetAttribute", status)?;
+    if kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        return Ok(None);
+    }
+    let mut ordinal: i32 = -1;
+    // SAFETY: writes one int for an address the driver knows (above).
+    error::driver("cuPointerGetAttribute", unsafe {
+        sys::cuPointerGetAttribute(
+            (&raw mut ordinal).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+    })?;
+    Ok(u32::try_from(ordinal).ok())
 }
 
 #[cfg(test)]

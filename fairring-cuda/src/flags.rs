@@ -1,0 +1,143 @@
+//! Words in pinned host memory that the host sets and streams wait on: how a
+//! stream waits for work the host completes, without the host waiting for the
+//! stream.
+//!
+//! A collective whose GPU work is enqueued step by step, as its network traffic
+//! arrives, has no single event to wait on at the time the caller asks its stream
+//! to wait. Instead the stream waits (`cuStreamWaitValue64`) until a word reaches a
+//! value, and the host writes that value when the collective completes.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cudarc::driver::sys::{self, CUdeviceptr};
+
+use crate::device::Device;
+use crate::error::{self, Result};
+use crate::stream::Stream;
+
+/// `count` 64-bit words of pinned, device-mapped host memory, zeroed.
+#[derive(Debug)]
+pub struct HostFlags {
+    device: Arc<Device>,
+    words: *mut AtomicU64,
+    count: usize,
+    /// The address the device reaches the words at.
+    device_ptr: CUdeviceptr,
+}
+
+// SAFETY: the words are atomics in memory owned by this value until it drops.
+unsafe impl Send for HostFlags {}
+// SAFETY: as above; every access is atomic.
+unsafe impl Sync for HostFlags {}
+
+impl HostFlags {
+    /// `count` zeroed words (at least one).
+    pub fn new(device: &Arc<Device>, count: usize) -> Result<HostFlags> {
+        if count == 0 {
+            return Err(error::invalid("flags", "at least one word"));
+        }
+        let bytes = count
+            .checked_mul(8)
+            .ok_or_else(|| error::invalid("flags", format!("{count} words overflow")))?;
+        device.bind()?;
+        let mut raw = std::ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: writes one host pointer to `bytes` bytes; freed in Drop.
+        error::driver("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&mut raw, bytes, flags)
+        })?;
+        if raw.is_null() {
+            return Err(error::invalid(
+                "flags",
+                "cuMemHostAlloc returned a null pointer",
+            ));
+        }
+        let words = raw.cast::<AtomicU64>();
+        // SAFETY: `bytes` freshly allocated bytes, page-aligned, nothing else
+        // refers to them yet.
+        unsafe { words.cast::<u8>().write_bytes(0, bytes) };
+        let mut device_ptr = 0;
+        // SAFETY: writes one device address for memory allocated with
+        // DEVICEMAP just above.
+        let mapped = error::driver("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut device_ptr, raw, 0)
+        });
+        let flags = HostFlags {
+            device: Arc::clone(device),
+            words,
+            count,
+            device_ptr,
+        };
+        mapped?;
+        Ok(flags)
+    }
+
+    /// The number of words.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    /// Whether there are no words (never: `new` refuses that).
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    fn word(&self, index: usize) -> Result<&AtomicU64> {
+        if index >= self.count {
+            return Err(error::invalid(
+                "flag index",
+                format!("{index} of {} words", self.count),
+            ));
+        }
+        // SAFETY: in bounds (checked) of the allocation.
+        let word = unsafe { self.words.add(index) };
+        // SAFETY: an initialised atomic word that lives as long as `self`.
+        Ok(unsafe { &*word })
+    }
+
+    /// Sets word `index` to `value` (release: the host's writes before it are
+    /// visible to whoever sees the value).
+    pub fn set(&self, index: usize, value: u64) -> Result<()> {
+        self.word(index)?.store(value, Ordering::Release);
+        Ok(())
+    }
+
+    /// Word `index`.
+    pub fn get(&self, index: usize) -> Result<u64> {
+        Ok(self.word(index)?.load(Ordering::Acquire))
+    }
+
+    /// Enqueues on `stream` a wait until word `index` is at least `value`:
+    /// work enqueued on `stream` afterwards runs only then. The host never
+    /// waits.
+    pub fn enqueue_wait(&self, stream: &Stream, index: usize, value: u64) -> Result<()> {
+        self.word(index)?;
+        self.device
+            .check_same("stream", stream.device().ordinal())?;
+        self.device.bind()?;
+        let addr = self.device_ptr + index as u64 * 8;
+        let flags = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+        // SAFETY: `addr` is word `index` of this mapped allocation, which lives
+        // as long as `self`; the caller keeps `self` alive while streams may
+        // wait on it (the engine holds its flags until it is dropped, after
+        // setting every word it was asked to wait on).
+        error::driver("cuStreamWaitValue64", unsafe {
+            sys::cuStreamWaitValue64_v2(stream.raw(), addr, value, flags)
+        })
+    }
+}
+
+impl Drop for HostFlags {
+    fn drop(&mut self) {
+        if let Err(e) = self.device.bind() {
+            log::warn!("freeing host flags: {e}");
+            return;
+        }
+        // SAFETY: allocated in `new`, freed once.
+        let status = unsafe { sys::cuMemFreeHost(self.words.cast()) };
+        if let Err(e) = error::driver("cuMemFreeHost", status) {
+            log::warn!("freeing host flags: {e}");
+        }
+    }
+}
