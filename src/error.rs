@@ -89,6 +89,9 @@ pub enum Error {
         /// What was found instead.
         detail: String,
     },
+    /// A CUDA driver call on a device tensor's behalf failed, or the GPU layer
+    /// refused it (the `cuda` feature): the GPU layer's words, naming the call.
+    Gpu(String),
     /// The communicator was aborted.
     Aborted,
     /// The communicator failed earlier and refuses new work.
@@ -174,6 +177,7 @@ impl fmt::Display for Error {
             }
             Error::Peer { rank, reason } => write!(f, "rank {rank}: {reason}"),
             Error::Fabric(e) => write!(f, "fabric: {e}"),
+            Error::Gpu(reason) => write!(f, "GPU: {reason}"),
             Error::Io { context, source } => write!(f, "{context}: {source}"),
             Error::Mismatch {
                 sequence,

@@ -4,7 +4,7 @@
 //! fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F]
 //!                [--iters N] [--warmup N] [--algo auto|hierarchical|ring|all]
 //!                [--collective all_reduce|broadcast|all_gather|reduce_scatter]
-//!                [--wire exact|bf16|f16]
+//!                [--wire exact|bf16|f16] [--device host|cuda]
 //!                [--dtype f32|f64|f16|bf16|i32|i64|u8|i8] [--op sum|prod|min|max|avg]
 //!                [--check|--no-check] [--parallel N] [--servers K] [--json PATH]
 //!                [--plot PATH]
@@ -43,6 +43,12 @@
 //! full buffers (`Communicator::all_reduce_coalesced`) and as one all-reduce per
 //! tensor, in turns; one row per way.
 //!
+//! `--device cuda` all-reduces tensors in GPU memory (each rank on GPU
+//! `LOCAL_RANK % visible devices`; with one GPU every rank shares it), ordered on
+//! a stream of the rank's; the host fills and checks them outside the timed
+//! iterations, and a timed iteration ends when the host sees every operation
+//! complete. Device tensors take one rank per machine (`--local Mx1`).
+//!
 //! `--servers K` runs the job with `K` dedicated reduction servers
 //! (`FAIRRING_SERVERS`); a local job launches them too, as processes of this
 //! program, and each prints its own bytes when the job ends.
@@ -53,6 +59,7 @@
 //! The launcher exits non-zero if any rank fails (with that rank's error) or any
 //! element is wrong.
 
+mod device_tensors;
 mod model_command;
 
 use std::io::Write;
@@ -89,6 +96,8 @@ struct Options {
     collective: Collective,
     /// `--wire`: the wire format, over `FAIRRING_WIRE`.
     wire: Option<WireFormat>,
+    /// `--device cuda`: tensors in GPU memory.
+    device: bool,
 }
 
 /// What `--collective` times.
@@ -191,6 +200,7 @@ fn parse(args: &[String]) -> Options {
         gradient_max: 4 << 20,
         collective: Collective::AllReduce,
         wire: None,
+        device: false,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -271,6 +281,13 @@ fn parse(args: &[String]) -> Options {
                 o.wire = Some(WireFormat::from_name(&v).unwrap_or_else(|| {
                     usage(&format!("--wire: expected exact, bf16 or f16, got {v:?}"))
                 }));
+            }
+            "--device" => {
+                o.device = match value().as_str() {
+                    "host" => false,
+                    "cuda" => true,
+                    v => usage(&format!("--device: expected host or cuda, got {v:?}")),
+                }
             }
             "-h" | "--help" => usage("help"),
             other => usage(&format!("unknown option {other:?}")),
@@ -560,13 +577,22 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
     } else {
         Vec::new()
     };
+    let mut device = if o.device {
+        Some(device_tensors::DeviceTensors::new(
+            o.parallel,
+            usize::try_from(o.max_bytes).unwrap_or(usize::MAX),
+        )?)
+    } else {
+        None
+    };
     let mut rows = Vec::new();
     let mut total_wrong = 0u64;
     if rank == 0 {
         let t = comm.topology();
         println!(
-            "# fairring-bench {}: {} machines x {} ranks, {} staging buffers of slices up to {} bytes, {} x {} in flight",
+            "# fairring-bench {}{}: {} machines x {} ranks, {} staging buffers of slices up to {} bytes, {} x {} in flight",
             o.collective.name(),
+            if o.device { " on GPU tensors" } else { "" },
             t.machines(),
             t.devices_per_machine(),
             comm.staging_buffers(),
@@ -614,7 +640,13 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
             let mut wrong = 0u64;
             if o.check {
                 fill(o, rank, &mut bufs, &mut parts, n, world);
-                iteration(comm, o, &mut bufs, &mut parts, n, algorithm)?;
+                if let Some(dev) = device.as_mut() {
+                    dev.upload(&bufs, n)?;
+                    dev.all_reduce(comm, count, T::DTYPE, o.op, algorithm)?;
+                    dev.download(&mut bufs, n)?;
+                } else {
+                    iteration(comm, o, &mut bufs, &mut parts, n, algorithm)?;
+                }
                 wrong = count_wrong(o, rank, &bufs, &parts, n, world);
                 let mut w = [i64::try_from(wrong).unwrap_or(i64::MAX)];
                 comm.all_reduce(&mut w, ReduceOp::Sum)?;
@@ -622,7 +654,10 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
             }
             wrongs.push(wrong);
             for _ in 0..o.warmup {
-                iteration(comm, o, &mut bufs, &mut parts, n, algorithm)?;
+                match device.as_mut() {
+                    Some(dev) => dev.all_reduce(comm, count, T::DTYPE, o.op, algorithm)?,
+                    None => iteration(comm, o, &mut bufs, &mut parts, n, algorithm)?,
+                }
             }
         }
         let mut timings = vec![vec![0f64; o.iters]; o.algorithms.len()];
@@ -640,7 +675,10 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
                 let before = comm.traffic();
                 for i in iters.clone() {
                     let start = Instant::now();
-                    iteration(comm, o, &mut bufs, &mut parts, n, algorithm)?;
+                    match device.as_mut() {
+                        Some(dev) => dev.all_reduce(comm, count, T::DTYPE, o.op, algorithm)?,
+                        None => iteration(comm, o, &mut bufs, &mut parts, n, algorithm)?,
+                    }
                     timings[a][i] = start.elapsed().as_secs_f64();
                 }
                 let after = comm.traffic();

@@ -13,8 +13,8 @@ use crate::engine::links::{linked, peers, server_peers};
 use crate::engine::tags::MAX_BUFFERS;
 use crate::engine::{Engine, EngineParts, Strides};
 use crate::error::{Error, Result};
-use crate::local::{LocalStep, Machine, ShmStep, Solo};
-use crate::memory::{Host, MemorySpace};
+use crate::local::{LocalStep, Machine, PlacedStep, ShmStep, Solo};
+use crate::memory::{Host, MemorySpace, Placed};
 use crate::shm::Segment;
 use crate::store::{C10dStore, PrefixStore, Store, TcpStore, TcpStoreServer, gather};
 
@@ -307,7 +307,7 @@ pub(super) fn attach_local(
 
 /// Everything that goes into an engine, put together.
 pub(super) struct Built {
-    pub(super) engine: Engine<AnyFabric, Host>,
+    pub(super) engine: Engine<AnyFabric, Placed>,
     pub(super) topology: Topology,
     pub(super) location: Location,
 }
@@ -318,8 +318,9 @@ pub(super) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
     let (geometry, layout, buffers) = size_staging(config, topology)?;
     let segment = attach_local(config, store, topology, location, buffers, &layout)?;
     let d = topology.devices_per_machine();
-    let memory = Host::new(Arc::clone(&segment), location.device, buffers);
-    let local = ShmStep::new(Arc::clone(&segment), location.device, d, buffers);
+    let memory = Placed::new(Host::new(Arc::clone(&segment), location.device, buffers));
+    let shm = ShmStep::new(Arc::clone(&segment), location.device, d, buffers);
+    let local = PlacedStep::new(shm, &memory);
     let machine = Machine::new(segment, location.device, d);
     let (out, inbound) = peers(topology, location, config.rank, config.servers);
     let engine = assemble(
@@ -385,9 +386,9 @@ pub(crate) fn build_server(
 }
 
 /// What differs between a worker's engine and a server's.
-struct Assembly {
-    memory: Host,
-    local: Box<dyn LocalStep<Host>>,
+struct Assembly<M: MemorySpace> {
+    memory: M,
+    local: Box<dyn LocalStep<M>>,
     machine: Machine,
     geometry: Geometry,
     layout: StagingLayout,
@@ -401,7 +402,11 @@ struct Assembly {
 
 /// Opens the fabric, registers the staging buffers, connects to the peers through
 /// the store and builds the engine.
-fn assemble(config: &Config, store: &dyn Store, a: Assembly) -> Result<Engine<AnyFabric, Host>> {
+fn assemble<M: MemorySpace>(
+    config: &Config,
+    store: &dyn Store,
+    a: Assembly<M>,
+) -> Result<Engine<AnyFabric, M>> {
     let rank = config.process();
     let fabric = AnyFabric::build(config)?;
     log::debug!(

@@ -1,6 +1,8 @@
 //! [`Communicator`]: the user-facing all-reduce.
 
 mod bootstrap;
+#[cfg(feature = "cuda")]
+mod device;
 mod fabric;
 mod fusion;
 mod server;
@@ -23,13 +25,16 @@ use crate::engine::descriptor::{Collective, Descriptor};
 use crate::engine::work::{Delivery, Submission, WORK_CAPACITY, slot_of};
 use crate::engine::{Engine, Resolved};
 use crate::error::{Error, Result};
-use crate::memory::{Host, HostTensor};
+#[cfg(feature = "cuda")]
+use crate::memory::DeviceTensor;
+use crate::memory::{HostTensor, MemoryKind, MemorySpace, Placed, PlacedTensor};
 use crate::store::{Store, TcpStoreServer};
 use crate::sync::unmodelled::AtomicU8;
 use fabric::AnyFabric;
 
-/// The engine a communicator runs: host memory, on the fabric chosen at run time.
-type HostEngine = Engine<AnyFabric, Host>;
+/// The engine a communicator runs: host (and, with the `cuda` feature, device)
+/// memory, on the fabric chosen at run time.
+type HostEngine = Engine<AnyFabric, Placed>;
 
 /// A group of ranks that all-reduce together.
 ///
@@ -366,7 +371,7 @@ impl Communicator {
         r.collective = Collective::ReduceScatter;
         r.caller_elements = count;
         r.deliver = Some(Delivery {
-            to: HostTensor::new(output, n),
+            to: PlacedTensor::Host(HostTensor::new(output, n)),
             range: offset..offset + n,
         });
         // SAFETY: the caller keeps `input` and `output` valid and untouched
@@ -521,6 +526,11 @@ impl Communicator {
                 ));
             }
         }
+        #[cfg(feature = "cuda")]
+        let device = match r.device {
+            Some(call) => Some((self.device_side(call.ordinal)?, call)),
+            None => None,
+        };
         let chosen = r.algorithm.unwrap_or(self.algorithm);
         let algorithm = Resolved::of(chosen.resolve(self.topology, bytes)).ok_or_else(|| {
             Error::internal(
@@ -574,6 +584,7 @@ impl Communicator {
             op: r.caller_op,
             algorithm,
             wire,
+            memory: r.memory(),
             root: r.root,
             elements: r.caller_elements,
         };
@@ -588,9 +599,24 @@ impl Communicator {
                 ),
             ));
         }
+        let tensor = PlacedTensor::Host(HostTensor::new(data, len));
+        #[cfg(feature = "cuda")]
+        let tensor = match device {
+            Some((side, call)) => {
+                // SAFETY: the caller vouches for the stream (`start_device`'s
+                // contract); the view lives only for this call.
+                let stream = unsafe { fairring_cuda::Stream::from_raw(side.device(), call.stream) };
+                if let Err(e) = side.record_start(seq, &stream) {
+                    self.engine.works.give_back(seq);
+                    return Err(e);
+                }
+                PlacedTensor::Device(DeviceTensor::new(data as u64, len, slot_of(seq)))
+            }
+            None => tensor,
+        };
         let sub = Submission {
             seq,
-            tensor: HostTensor::new(data, len),
+            tensor,
             elements: r.elements,
             dtype: r.dtype,
             op: r.op,
@@ -952,7 +978,10 @@ fn release_range(engine: &HostEngine, first: u64, last: u64) {
 }
 
 /// Starts `engine`'s progress thread, named `name`.
-fn start_progress(engine: &Arc<HostEngine>, name: String) -> Result<JoinHandle<()>> {
+fn start_progress<M: MemorySpace>(
+    engine: &Arc<Engine<AnyFabric, M>>,
+    name: String,
+) -> Result<JoinHandle<()>> {
     let engine = Arc::clone(engine);
     std::thread::Builder::new()
         .name(name)
@@ -961,7 +990,10 @@ fn start_progress(engine: &Arc<HostEngine>, name: String) -> Result<JoinHandle<(
 }
 
 /// Stops `engine`'s progress thread and waits for it (once).
-fn stop_progress(engine: &HostEngine, thread: &mut Option<JoinHandle<()>>) {
+fn stop_progress<M: MemorySpace>(
+    engine: &Engine<AnyFabric, M>,
+    thread: &mut Option<JoinHandle<()>>,
+) {
     engine.stop_progress();
     if let Some(t) = thread.take()
         && t.join().is_err()
@@ -1028,7 +1060,18 @@ struct Request {
     caller_op: ReduceOp,
     caller_elements: u64,
     root: u32,
-    deliver: Option<Delivery<Host>>,
+    deliver: Option<Delivery<Placed>>,
+    /// `data` is a device address on this GPU, ordered on this stream.
+    #[cfg(feature = "cuda")]
+    device: Option<DeviceCall>,
+}
+
+/// Where a device operation's tensor lives and which stream orders it.
+#[cfg(feature = "cuda")]
+#[derive(Clone, Copy)]
+struct DeviceCall {
+    ordinal: u32,
+    stream: fairring_cuda::sys::CUstream,
 }
 
 impl Request {
@@ -1052,6 +1095,17 @@ impl Request {
             caller_elements: elements,
             root: 0,
             deliver: None,
+            #[cfg(feature = "cuda")]
+            device: None,
         }
+    }
+
+    /// Where the tensor lives.
+    fn memory(&self) -> MemoryKind {
+        #[cfg(feature = "cuda")]
+        if self.device.is_some() {
+            return MemoryKind::Device;
+        }
+        MemoryKind::Host
     }
 }

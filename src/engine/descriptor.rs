@@ -33,6 +33,7 @@ use fairring_core::{DataType, ReduceOp, WireFormat};
 
 use super::algorithm::Resolved;
 pub(crate) use crate::local::Words;
+use crate::memory::MemoryKind;
 
 /// What a collective call was, as descriptors name it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +81,9 @@ pub(crate) struct Descriptor {
     /// How its `f32` values travel between machines ([`WireFormat::Exact`] for
     /// every operation that runs exact).
     pub(crate) wire: WireFormat,
+    /// Where the caller's tensors live: every rank of an operation passes the
+    /// same kind.
+    pub(crate) memory: MemoryKind,
     /// The root of a broadcast; 0 otherwise.
     pub(crate) root: u32,
     /// Elements per rank as the caller counts them (a broadcast's tensor, an
@@ -127,7 +131,8 @@ impl Descriptor {
     ///         bits  8..16  dtype discriminant
     ///         bits 16..24  op discriminant
     ///         bits 24..28  algorithm (1 hierarchical, 2 ring)
-    ///         bits 28..32  wire format discriminant
+    ///         bits 28..30  wire format discriminant
+    ///         bits 30..32  memory (0 host, 1 device)
     ///         bits 32..64  root
     /// ```
     pub(crate) fn words(&self) -> Words {
@@ -138,6 +143,7 @@ impl Descriptor {
                 | u64::from(self.op as u8) << 16
                 | algorithm_code(self.algorithm) << 24
                 | u64::from(self.wire as u8) << 28
+                | u64::from(self.memory as u8) << 30
                 | u64::from(self.root) << 32,
         ]
     }
@@ -153,7 +159,8 @@ impl Descriptor {
                 2 => Resolved::Ring,
                 _ => return None,
             },
-            wire: WireFormat::from_u8(byte(24) >> 4)?,
+            wire: WireFormat::from_u8((byte(24) >> 4) & 0x3)?,
+            memory: MemoryKind::from_u8(byte(24) >> 6)?,
             root: (w[1] >> 32) as u32,
             elements: w[0],
         })
@@ -198,17 +205,17 @@ impl std::fmt::Display for Descriptor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let c = self.collective.name();
         match self.collective {
-            Collective::Barrier => write!(f, "barrier ({})", self.algorithm),
+            Collective::Barrier => write!(f, "barrier ({}", self.algorithm)?,
             Collective::Broadcast => write!(
                 f,
-                "{c} of {} x {} from rank {} ({})",
+                "{c} of {} x {} from rank {} ({}",
                 self.elements, self.dtype, self.root, self.algorithm
-            ),
+            )?,
             Collective::AllGather => write!(
                 f,
-                "{c} of {} x {} per rank ({})",
+                "{c} of {} x {} per rank ({}",
                 self.elements, self.dtype, self.algorithm
-            ),
+            )?,
             Collective::AllReduce | Collective::ReduceScatter => {
                 write!(
                     f,
@@ -218,9 +225,12 @@ impl std::fmt::Display for Descriptor {
                 if self.wire != WireFormat::Exact {
                     write!(f, ", {} wire", self.wire)?;
                 }
-                f.write_str(")")
             }
         }
+        if self.memory == MemoryKind::Device {
+            f.write_str(", device memory")?;
+        }
+        f.write_str(")")
     }
 }
 
@@ -236,6 +246,7 @@ mod tests {
             op: ReduceOp::Sum,
             algorithm: Resolved::Ring,
             wire: WireFormat::Exact,
+            memory: MemoryKind::Host,
             root: 7,
             elements: 1 << 40,
         };
@@ -250,6 +261,7 @@ mod tests {
             op: ReduceOp::Avg,
             algorithm: Resolved::Hierarchical,
             wire: WireFormat::F16,
+            memory: MemoryKind::Host,
             root: 0,
             elements: 12,
         };
@@ -266,9 +278,23 @@ mod tests {
             compressed.to_string(),
             "all_reduce of 12 x f32 (avg, hierarchical, f16 wire)"
         );
-        // An unknown wire format is refused, not read as another.
+        // Device memory is part of the descriptor, and reads as such.
+        let device = Descriptor {
+            memory: MemoryKind::Device,
+            ..compressed
+        };
+        assert_eq!(Descriptor::from_words(device.words()), Some(device));
+        assert_ne!(device.words(), compressed.words());
+        assert_eq!(
+            device.to_string(),
+            "all_reduce of 12 x f32 (avg, hierarchical, f16 wire, device memory)"
+        );
+        // An unknown wire format or memory kind is refused, not read as another.
         let mut w = compressed.words();
-        w[1] |= 0xf << 28;
+        w[1] |= 0x3 << 28;
+        assert!(Descriptor::from_words(w).is_none());
+        let mut w = compressed.words();
+        w[1] |= 0x3 << 30;
         assert!(Descriptor::from_words(w).is_none());
         assert!(Descriptor::from_words([0, 0]).is_none());
     }

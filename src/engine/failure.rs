@@ -260,6 +260,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 }
             }
         }
+        // Nothing may write a caller's tensor once its operation is declared
+        // finished.
+        self.memory.drain();
         while let Some(sub) = self.submissions.pop() {
             self.complete(sub.seq, FAILED);
         }
@@ -289,6 +292,7 @@ mod tests {
             op: ReduceOp::Sum,
             algorithm: Resolved::Hierarchical,
             wire: fairring_core::WireFormat::Exact,
+            memory: crate::memory::MemoryKind::Host,
             root: 0,
             elements: 100,
         };

@@ -8,7 +8,8 @@
 //! `dispatch`), back into staging and through the local step into the tensor.
 //!
 //! The engine is generic over the fabric (`F`, chosen at run time by the
-//! communicator) and the memory space (`M`: host memory today; a GPU's next). The
+//! communicator) and the memory space (`M`: `crate::memory::Placed`, host or device
+//! tensors, for a communicator; host memory for a server and the simulation). The
 //! algorithms and the progress loop are written once for both.
 //!
 //! # Where each idea lives
@@ -299,6 +300,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
 
     /// Marks operation `seq` finished.
     fn complete(&self, seq: u64, state: u32) {
+        self.memory.completed(seq);
         if self.works.finish(seq, state) {
             self.parking.finished();
         }

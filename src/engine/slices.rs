@@ -97,6 +97,12 @@ impl<M: MemorySpace> Slices<M> {
         b
     }
 
+    /// Whether a step of some slice waits for its fence (device copies, which
+    /// ring no doorbell when they end).
+    pub(crate) fn awaits_fences(&self) -> bool {
+        self.slots.iter().any(|s| !s.fences.is_empty())
+    }
+
     /// Whether any buffer holds a slice.
     pub(crate) fn any_active(&self) -> bool {
         self.slots.iter().any(|s| s.active.is_some())

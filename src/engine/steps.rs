@@ -163,11 +163,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 return self.try_local(d, b, events).map(drop);
             }
             Step::Reduce(reduction) => Some((
-                self.memory.reduce(b, &reduction)?,
+                self.memory.reduce(b, &active.tensor, &reduction)?,
                 Some(SliceEvent::Reduced),
             )),
             Step::Convert { conversion, then } => Some((
-                self.memory.convert(b, &conversion)?,
+                self.memory.convert(b, &active.tensor, &conversion)?,
                 then.map(SliceEvent::Converted),
             )),
             Step::CopyOut { from, to } => {

@@ -19,6 +19,7 @@
 #[cfg(all(test, loom))]
 mod loom_models;
 mod machine;
+mod placed;
 pub(crate) mod protocol;
 mod shm;
 mod solo;
@@ -27,6 +28,7 @@ use fairring_core::plan::Slice;
 use fairring_core::{DataType, ReduceOp};
 
 pub(crate) use machine::{Machine, Words};
+pub(crate) use placed::PlacedStep;
 pub(crate) use shm::ShmStep;
 pub(crate) use solo::Solo;
 

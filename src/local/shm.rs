@@ -48,9 +48,9 @@ const CHUNK_BYTES: usize = 64 * 1024;
 
 /// The local step of processes that share host memory.
 pub(crate) struct ShmStep {
-    segment: Arc<Segment>,
-    protocol: Protocol,
-    size: u32,
+    pub(super) segment: Arc<Segment>,
+    pub(super) protocol: Protocol,
+    pub(super) size: u32,
 }
 
 impl ShmStep {
@@ -64,7 +64,7 @@ impl ShmStep {
         }
     }
 
-    fn rank(&self) -> u32 {
+    pub(super) fn rank(&self) -> u32 {
         self.protocol.rank
     }
 
@@ -86,7 +86,7 @@ impl ShmStep {
     /// bytes until this rank publishes the counter that follows this write, and the
     /// engine's single driver holds no other reference to them.
     #[expect(clippy::mut_from_ref, reason = "exclusive by the protocol, see above")]
-    fn own_bytes(&self, buffer: u32, range: Range<usize>) -> Result<&mut [u8]> {
+    pub(super) fn own_bytes(&self, buffer: u32, range: Range<usize>) -> Result<&mut [u8]> {
         self.check(range.clone())?;
         let start = self.segment.buffer(self.rank(), buffer).as_ptr();
         // SAFETY: in bounds (checked); exclusive (above).
@@ -106,7 +106,7 @@ impl ShmStep {
 
 /// The byte range of `slice`'s slot `device`, from the start of the slice (which is
 /// where the staging buffer's input area holds it).
-fn slot_range(slice: &Slice, device: u32) -> Result<Range<usize>> {
+pub(super) fn slot_range(slice: &Slice, device: u32) -> Result<Range<usize>> {
     let slot = slice
         .slot(device)
         .map_err(|e| Error::internal("every local device has a slot", e.to_string()))?;
@@ -115,7 +115,7 @@ fn slot_range(slice: &Slice, device: u32) -> Result<Range<usize>> {
 }
 
 /// The byte range of `slice` in its tensor.
-fn slice_range(slice: &Slice) -> Result<Range<usize>> {
+pub(super) fn slice_range(slice: &Slice) -> Result<Range<usize>> {
     slice.span().byte_range().ok_or_else(|| {
         Error::internal(
             "a slice's bytes fit the address space",

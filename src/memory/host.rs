@@ -89,7 +89,7 @@ impl Host {
     /// and no local rank reads these bytes while it works on them (see `local` and
     /// the engine's flow control); callers never hold two overlapping results.
     #[expect(clippy::mut_from_ref, reason = "exclusive by the engine's protocol")]
-    fn staging(&self, buffer: u32, range: Range<usize>) -> Result<&mut [u8]> {
+    pub(super) fn staging(&self, buffer: u32, range: Range<usize>) -> Result<&mut [u8]> {
         if buffer >= self.buffers
             || range.start > range.end
             || range.end > self.segment.buffer_bytes()
@@ -106,6 +106,14 @@ impl Host {
         let start = self.segment.buffer(self.rank, buffer).as_ptr();
         // SAFETY: in bounds (checked); exclusive by the engine's protocol (above).
         Ok(unsafe { std::slice::from_raw_parts_mut(start.wrapping_add(range.start), range.len()) })
+    }
+}
+
+impl Host {
+    /// Its staging buffers.
+    #[cfg(feature = "cuda")]
+    pub(super) fn buffers(&self) -> u32 {
+        self.buffers
     }
 }
 
@@ -131,7 +139,7 @@ impl MemorySpace for Host {
         Ok(())
     }
 
-    fn reduce(&self, buffer: u32, r: &Reduction) -> Result<()> {
+    fn reduce(&self, buffer: u32, _tensor: &HostTensor, r: &Reduction) -> Result<()> {
         for source in r.sources.ranges() {
             if source.len() != r.source_len() || overlap(&source, &r.dst) {
                 return Err(Error::internal(
@@ -167,7 +175,7 @@ impl MemorySpace for Host {
         Ok(())
     }
 
-    fn convert(&self, buffer: u32, c: &Conversion) -> Result<()> {
+    fn convert(&self, buffer: u32, _tensor: &HostTensor, c: &Conversion) -> Result<()> {
         let written = c.written();
         let refused = |e: ReduceError| {
             Error::internal(

@@ -12,45 +12,40 @@
 //! [`Host`] is host memory: its fence is `()`, every step is done when its method
 //! returns, and the engine then goes on at once, in the same pass.
 //!
-//! # The CUDA memory space
+//! # Host and device tensors: [`Placed`]
 //!
-//! A GPU memory space implements each method stream-ordered, never waiting on the
-//! host (see `fairring_cuda::StagingPool`, which holds the streams, events and
-//! buffers):
+//! A communicator's engine runs over [`Placed`], whose tensor is a host or (with
+//! the `cuda` feature) a device tensor, chosen per operation: one engine, one
+//! sequence of operations and one set of checks serve both, and the descriptor
+//! check compares the [`MemoryKind`] as it compares the type.
 //!
-//! | item | on the host | on a GPU |
+//! Both kinds share the staging buffers, this rank's part of the machine's
+//! segment, which the fabric registers. For a device tensor (`device`) the
+//! device side page-locks them and moves bytes between the tensor and them with
+//! asynchronous copies on one stream per staging buffer, each after an event
+//! recorded on the caller's stream at submission; the step's fence is an event
+//! the progress loop polls (`cuEventQuery`), and the operation's completion
+//! releases the callers' streams through a word in pinned memory
+//! (`cuStreamWaitValue64`). Reductions and conversions run on the host, in the
+//! staging buffers, where the tcp fabric put the bytes:
+//!
+//! | item | host tensor | device tensor |
 //! |---|---|---|
-//! | [`Tensor`](MemorySpace::Tensor) | address and length | device address, length, the caller's stream, and an event recorded on that stream at submission |
-//! | [`Fence`](MemorySpace::Fence) | `()` | an event recorded after the step's last enqueued work |
-//! | [`poll`](MemorySpace::poll) | always passed | `cuEventQuery`: `CUDA_SUCCESS` passed, `CUDA_ERROR_NOT_READY` not yet, anything else an error |
-//! | [`stage_in`](MemorySpace::stage_in) | `memcpy` | the stage's stream waits on the tensor's event, then a device-to-device copy into the staging buffer |
-//! | [`reduce`](MemorySpace::reduce) | the host kernels, in place | the device reduction kernel on the add stream |
-//! | [`convert`](MemorySpace::convert) | the host conversions | a conversion kernel on the add stream |
-//! | [`copy_out`](MemorySpace::copy_out) | `memcpy` | a copy on the all-gather stream; the operation's completion event is recorded after it |
-//! | [`deliver`](MemorySpace::deliver) | `memcpy` | a device-to-device copy on the all-gather stream |
-//! | [`registered`](MemorySpace::registered) | this rank's buffers in the machine's segment | the device buffers (GPUDirect), or their pinned host twins |
+//! | [`Tensor`](MemorySpace::Tensor) | address and length | device address, length, the operation's start event |
+//! | [`Fence`](MemorySpace::Fence) | passed at once | an event after the step's copies |
+//! | [`stage_in`](MemorySpace::stage_in), the local reduce-scatter | `memcpy` | device-to-host copy into the staging buffer |
+//! | [`copy_out`](MemorySpace::copy_out), the local all-gather | `memcpy` | host-to-device copy from the staging buffer |
+//! | [`reduce`](MemorySpace::reduce), [`convert`](MemorySpace::convert) | the host kernels | the host kernels, in the staging buffer |
+//! | [`deliver`](MemorySpace::deliver) | `memcpy` | device-to-device copy |
 //!
-//! When the fabric cannot reach device memory (the tcp provider, verbs without
-//! GPUDirect), the fabric reads and writes the pinned twins, and the GPU space
-//! keeps the twins current inside the same methods, because each knows which
-//! bytes the fabric touches next: [`reduce`](MemorySpace::reduce) first copies its
-//! sources (contributions, a ring chunk, written by peers into the twin) to the
-//! device and afterwards its destination (the reduced shard or chunk, which goes
-//! out next) back to the twin; [`stage_in`](MemorySpace::stage_in) copies to the
-//! twin what the first writes send; the local step copies the slot to the twin
-//! after the reduce-scatter and the landed results back before the all-gather.
-//! Each fence covers those copies too, so the engine posts a write only once the
-//! bytes it reads are in the registered memory.
-//!
-//! # One communicator, host and device tensors
-//!
-//! A communicator that serves both keeps one engine, one sequence of operations
-//! and one set of checks, with a memory space that is itself a choice per
-//! operation: a space whose tensor is "host or device" and whose methods dispatch
-//! on it, so that the trait is all the engine ever sees. The descriptor check then
-//! compares the memory kind too, as it compares the type.
+//! Staging in device memory (GPUDirect RDMA over verbs, where the device
+//! reduction kernel would reduce) and the intra-machine step of several GPUs
+//! (NCCL) are not built yet.
 
+#[cfg(feature = "cuda")]
+mod device;
 mod host;
+mod placed;
 
 use std::fmt;
 use std::ops::Range;
@@ -58,7 +53,12 @@ use std::ptr::NonNull;
 
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
+#[cfg(feature = "cuda")]
+pub(crate) use device::{DeviceSide, DeviceTensor, cuda as cuda_error};
 pub(crate) use host::{Host, HostTensor, reduce_into};
+#[cfg(feature = "cuda")]
+pub(crate) use placed::DeviceCell;
+pub(crate) use placed::{Placed, PlacedFence, PlacedTensor};
 
 use crate::error::Result;
 
@@ -81,11 +81,23 @@ pub(crate) trait MemorySpace: Send + Sync + 'static {
         from: Range<usize>,
     ) -> Result<Self::Fence>;
 
-    /// Performs `reduction` in staging buffer `buffer`.
-    fn reduce(&self, buffer: u32, reduction: &Reduction) -> Result<Self::Fence>;
+    /// Performs `reduction` in staging buffer `buffer`, which holds a slice of
+    /// `tensor` (a space whose staging differs by the kind of tensor reads it).
+    fn reduce(
+        &self,
+        buffer: u32,
+        tensor: &Self::Tensor,
+        reduction: &Reduction,
+    ) -> Result<Self::Fence>;
 
-    /// Performs `conversion` in staging buffer `buffer`.
-    fn convert(&self, buffer: u32, conversion: &Conversion) -> Result<Self::Fence>;
+    /// Performs `conversion` in staging buffer `buffer`, which holds a slice of
+    /// `tensor`.
+    fn convert(
+        &self,
+        buffer: u32,
+        tensor: &Self::Tensor,
+        conversion: &Conversion,
+    ) -> Result<Self::Fence>;
 
     /// Copies bytes of staging buffer `buffer` from offset `from` into bytes `to` of
     /// `tensor`.
@@ -117,6 +129,36 @@ pub(crate) trait MemorySpace: Send + Sync + 'static {
     /// A tensor of no bytes: what a dedicated server's operations hold (a server
     /// has no caller, only staging buffers).
     fn no_tensor(&self) -> Self::Tensor;
+
+    /// Operation `seq` has finished (done or failed): nothing touches its
+    /// tensors any more. A space whose callers' streams wait for completion
+    /// releases them here.
+    fn completed(&self, _seq: u64) {}
+
+    /// Waits for every step started on this memory to end: a failing engine
+    /// calls it before declaring its operations finished, so that nothing
+    /// writes a caller's tensor afterwards.
+    fn drain(&self) {}
+}
+
+/// Where a caller's tensor lives, as descriptors compare it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum MemoryKind {
+    /// Host memory.
+    Host = 0,
+    /// A GPU's memory.
+    Device = 1,
+}
+
+impl MemoryKind {
+    pub(crate) fn from_u8(v: u8) -> Option<MemoryKind> {
+        match v {
+            0 => Some(MemoryKind::Host),
+            1 => Some(MemoryKind::Device),
+            _ => None,
+        }
+    }
 }
 
 /// `dst op= sources` within one staging buffer, then, for an average, `dst /=

@@ -42,6 +42,9 @@ const FABRIC_WAIT: Duration = Duration::from_micros(200);
 /// without.
 const NAP_BUSY: Duration = Duration::from_millis(1);
 const NAP_IDLE: Duration = Duration::from_millis(50);
+/// How long it sleeps while a step's fence (device copies) is still to pass:
+/// nothing rings the doorbell when a GPU finishes.
+const NAP_FENCE: Duration = Duration::from_micros(20);
 
 impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// The progress thread's loop (see [`park`]); returns once the engine stops.
@@ -163,11 +166,15 @@ impl<F: Fabric, M: MemorySpace> Driven for Engine<F, M> {
     }
 
     fn idle(&self, seen: u32) {
-        let busy = !self.failure.failed() && {
+        let (busy, fenced) = if self.failure.failed() {
+            (false, false)
+        } else {
             let d = self.lock_driver();
-            self.in_flight(&d)
+            (self.in_flight(&d), d.slices.awaits_fences())
         };
-        if busy && !self.doorbell_wakes {
+        if fenced {
+            self.machine.doorbell().sleep(seen, NAP_FENCE);
+        } else if busy && !self.doorbell_wakes {
             // Completions are taken and handled under the driver lock, so that no
             // other driver handles later ones first: the ring counts one peer's
             // landings in the order they arrive.

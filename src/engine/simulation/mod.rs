@@ -471,6 +471,7 @@ fn run(seed: u64) -> Result<Outcome, String> {
                         op: op.op,
                         algorithm: op.algorithm,
                         wire: op.wire,
+                        memory: crate::memory::MemoryKind::Host,
                         root: 0,
                         elements: op.elements,
                     },
@@ -640,6 +641,7 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
             op: ReduceOp::Sum,
             algorithm: Resolved::Hierarchical,
             wire: WireFormat::Exact,
+            memory: crate::memory::MemoryKind::Host,
             root: 0,
             elements: 300,
         };
@@ -697,6 +699,7 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
             op: ReduceOp::Sum,
             algorithm: Resolved::Hierarchical,
             wire: WireFormat::Exact,
+            memory: crate::memory::MemoryKind::Host,
             root: 0,
             elements: 0,
         },
