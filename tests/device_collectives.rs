@@ -115,8 +115,9 @@ fn download(stream: &Stream, buf: &DeviceBuffer, len: usize) -> Vec<u8> {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn device_all_reduces_are_exact_for_every_layout_type_operator_and_size() {
-    // Sizes: one element, an odd count, and several slices (64 KiB slices).
-    let sizes = [1usize, 1001, 3 * 16384 + 7];
+    // Sizes: none, one element, an odd count, and several slices (64 KiB
+    // slices).
+    let sizes = [0usize, 1, 1001, 3 * 16384 + 7];
     let cases = [
         (DataType::F32, ReduceOp::Sum),
         (DataType::F32, ReduceOp::Max),
@@ -136,7 +137,7 @@ fn device_all_reduces_are_exact_for_every_layout_type_operator_and_size() {
                 |rank, comm| {
                     let device = device();
                     let stream = Stream::new(&device, false).unwrap();
-                    let mut buf = DeviceBuffer::zeroed(&device, sizes[2] * 8).unwrap();
+                    let mut buf = DeviceBuffer::zeroed(&device, sizes[3] * 8).unwrap();
                     ready(comm, &device, &stream);
                     let mut failures = Vec::new();
                     for &(dtype, op) in &cases {

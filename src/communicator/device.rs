@@ -61,6 +61,12 @@ impl Communicator {
         stream: sys::CUstream,
         algorithm: Option<Algorithm>,
     ) -> Result<Work<'_>> {
+        if count == 0 {
+            // No bytes: nothing to order on the stream, and every rank's call
+            // (all pass no elements) runs as the same empty operation.
+            // SAFETY: no memory is touched.
+            return unsafe { self.all_reduce_raw(std::ptr::null_mut(), 0, dtype, op, algorithm) };
+        }
         let ordinal = device_tensor(data, count, dtype)?;
         let mut r = Request::all_reduce(data as *mut u8, count, dtype, op, algorithm);
         r.device = Some(DeviceCall { ordinal, stream });
@@ -153,16 +159,10 @@ impl Work<'_> {
     }
 }
 
-/// The GPU `data` lies on, for `count` elements of `dtype`; refused, naming
-/// `data`, if it is not device memory.
+/// The GPU `data` lies on, for `count` (at least one) elements of `dtype`;
+/// refused, naming `data`, if it is not device memory.
 fn device_tensor(data: sys::CUdeviceptr, count: u64, dtype: DataType) -> Result<u32> {
     check_pointer(data as *mut u8, count, dtype)?;
-    if count == 0 {
-        return Err(Error::invalid(
-            "count",
-            "a device all-reduce of no elements (nothing would order it on the stream)",
-        ));
-    }
     match device_of_pointer(data).map_err(crate::memory::cuda_error)? {
         Some(ordinal) => Ok(ordinal),
         None => Err(Error::invalid(
