@@ -118,10 +118,9 @@ impl HostFlags {
         self.device.bind()?;
         let addr = self.device_ptr + index as u64 * 8;
         let flags = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
-        // SAFETY: `addr` is word `index` of this mapped allocation, which lives
-        // as long as `self`; the caller keeps `self` alive while streams may
-        // wait on it (the engine holds its flags until it is dropped, after
-        // setting every word it was asked to wait on).
+        // The owner keeps `self` alive while a stream may wait on it (the
+        // engine sets every awaited word before dropping its flags).
+        // SAFETY: `addr` is word `index` (checked) of this live mapped allocation.
         error::driver("cuStreamWaitValue64", unsafe {
             sys::cuStreamWaitValue64_v2(stream.raw(), addr, value, flags)
         })

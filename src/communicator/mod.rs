@@ -34,7 +34,7 @@ use fabric::AnyFabric;
 
 /// The engine a communicator runs: host (and, with the `cuda` feature, device)
 /// memory, on the fabric chosen at run time.
-type HostEngine = Engine<AnyFabric, Placed>;
+type WorkerEngine = Engine<AnyFabric, Placed>;
 
 /// A group of ranks that all-reduce together.
 ///
@@ -56,7 +56,7 @@ type HostEngine = Engine<AnyFabric, Placed>;
 /// # Ok::<(), fairring::Error>(())
 /// ```
 pub struct Communicator {
-    engine: Arc<HostEngine>,
+    engine: Arc<WorkerEngine>,
     progress: Option<JoinHandle<()>>,
     /// The next operation's sequence number; held while submitting, so that one
     /// rank's operations are numbered in the order they are queued.
@@ -603,8 +603,9 @@ impl Communicator {
         #[cfg(feature = "cuda")]
         let tensor = match device {
             Some((side, call)) => {
-                // SAFETY: the caller vouches for the stream (`start_device`'s
-                // contract); the view lives only for this call.
+                // SAFETY: the caller vouches for the stream
+                // (`all_reduce_device_raw`'s contract); the view lives only
+                // for this call.
                 let stream = unsafe { fairring_cuda::Stream::from_raw(side.device(), call.stream) };
                 if let Err(e) = side.record_start(seq, &stream) {
                     self.engine.works.give_back(seq);
@@ -844,7 +845,7 @@ impl<'scope> Scope<'scope, '_> {
 /// then fail too) so that the drop returns and nothing more touches the memory.
 #[must_use = "an operation runs until waited on or dropped"]
 pub struct Work<'a> {
-    engine: &'a HostEngine,
+    engine: &'a WorkerEngine,
     /// The operations covered: `first..=last`, or none if `first > last`.
     first: u64,
     last: u64,
@@ -852,7 +853,7 @@ pub struct Work<'a> {
 }
 
 impl<'a> Work<'a> {
-    fn new(engine: &'a HostEngine, first: u64, last: u64) -> Work<'a> {
+    fn new(engine: &'a WorkerEngine, first: u64, last: u64) -> Work<'a> {
         Work {
             engine,
             first,
@@ -861,7 +862,7 @@ impl<'a> Work<'a> {
         }
     }
 
-    fn empty(engine: &'a HostEngine) -> Work<'a> {
+    fn empty(engine: &'a WorkerEngine) -> Work<'a> {
         Work::new(engine, 1, 0)
     }
 
@@ -941,7 +942,7 @@ impl Drop for OwnedWork {
 }
 
 /// Waits for operations `first..=last`, up to `timeout` in all.
-fn wait_range(engine: &HostEngine, first: u64, last: u64, timeout: Duration) -> Result<()> {
+fn wait_range(engine: &WorkerEngine, first: u64, last: u64, timeout: Duration) -> Result<()> {
     let start = Instant::now();
     for seq in first..=last {
         let left = timeout.saturating_sub(start.elapsed());
@@ -953,7 +954,7 @@ fn wait_range(engine: &HostEngine, first: u64, last: u64, timeout: Duration) -> 
 }
 
 /// Whether operations `first..=last` have all finished.
-fn test_range(engine: &HostEngine, first: u64, last: u64) -> Result<bool> {
+fn test_range(engine: &WorkerEngine, first: u64, last: u64) -> Result<bool> {
     for seq in first..=last {
         if !engine.test(seq)? {
             return Ok(false);
@@ -965,7 +966,7 @@ fn test_range(engine: &HostEngine, first: u64, last: u64) -> Result<bool> {
 /// Waits for operations `first..=last` and gives their table entries back; one
 /// still running after the timeout fails the communicator, so that nothing
 /// touches its memory after this returns.
-fn release_range(engine: &HostEngine, first: u64, last: u64) {
+fn release_range(engine: &WorkerEngine, first: u64, last: u64) {
     for seq in first..=last {
         if !matches!(engine.wait(seq, Some(engine.timeout)), Ok(true) | Err(_)) {
             engine.fail(Error::timeout(

@@ -144,8 +144,7 @@ impl DeviceSide {
         &self.device
     }
 
-    /// Records operation `seq`'s start on the caller's `stream`, and resets its
-    /// completion word.
+    /// Records operation `seq`'s start on the caller's `stream`.
     pub(crate) fn record_start(&self, seq: u64, stream: &Stream) -> Result<()> {
         self.starts[slot_of(seq)].record(stream).map_err(cuda)
     }

@@ -167,12 +167,11 @@ impl MemorySpace for Placed {
     fn reduce(
         &self,
         buffer: u32,
-        tensor: &PlacedTensor,
+        _tensor: &PlacedTensor,
         reduction: &Reduction,
     ) -> Result<PlacedFence> {
         // Staging buffers are host memory whatever the tensor's kind: the
         // reduction runs where the fabric put the bytes.
-        let _ = tensor;
         let host = HostTensor::new(std::ptr::null_mut(), 0);
         self.host.reduce(buffer, &host, reduction)?;
         Ok(PlacedFence::Passed)
