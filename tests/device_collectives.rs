@@ -1,6 +1,12 @@
-//! Collectives on device tensors (the `cuda` feature), through the engine: jobs
-//! of ranks that are threads of this process sharing GPU 0, each its own
-//! machine (a host identity of its own), over the tcp fabric.
+//! Collectives on device tensors (the `cuda` feature), through the engine:
+//! jobs of processes sharing GPU 0, each rank a machine of its own (a host
+//! identity of its own) over the tcp fabric, as a job of one GPU per machine
+//! runs.
+//!
+//! Each rank is this test binary re-executed (see `common::processes`), so
+//! every rank has its own CUDA context, as in a real job. (Ranks that are
+//! threads of one process share a context, and one rank's synchronising driver
+//! call can then wait for another rank's stream.)
 //!
 //! Each test is ignored with its reason on a machine without a GPU; run them
 //! where one exists with `cargo test --features cuda --test device_collectives
@@ -13,47 +19,64 @@
 
 mod common;
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use fairring::cuda::{Device, DeviceBuffer, PinnedBuffer, ReductionKernels, Stream};
-use fairring::{Algorithm, DataType, Error, ReduceOp};
+use fairring::{Algorithm, Communicator, DataType, Error, ReduceOp};
 
-use common::{job, small_slices};
+use common::job;
+use common::processes::{ProcessJob, rank_of_job, say};
+
+/// Counts this process's heap allocations (the engine's and the test's; the
+/// CUDA driver allocates with its own allocator and is not counted).
+struct Counting;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards to the system allocator unchanged; only counts calls.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller upholds `GlobalAlloc::dealloc`'s contract.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller upholds `GlobalAlloc::realloc`'s contract.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// How long a launcher waits for its job.
+const JOB_LIMIT: Duration = Duration::from_secs(300);
 
 /// GPU 0, or a loud failure naming what is missing.
 fn device() -> Arc<Device> {
     Device::open(0).unwrap_or_else(|e| panic!("this test needs a CUDA device: {e}"))
 }
 
-/// Readies `comm` for device operations once every rank has allocated what it
-/// needs: one device all-reduce waited for on the host (it makes each rank's
-/// device side), then a barrier.
-///
-/// The ranks of these tests are threads of one process sharing one context,
-/// so one rank's synchronising driver call (allocating, freeing, registering
-/// memory) waits for another rank's streams; a stream that waits for an
-/// operation (`enqueue_wait`) waits for the other ranks too. Each test
-/// therefore allocates before this and frees only after [`settle`] (a free
-/// while another rank's stream waits for an operation this rank has not yet
-/// submitted would wait for ever).
-fn ready(comm: &fairring::Communicator, device: &Arc<Device>, stream: &Stream) {
-    let mut one = upload(device, stream, &encode(DataType::F32, std::iter::once(1)));
-    let mut view = one.slice_mut();
-    comm.scope(|s| {
-        s.all_reduce_device(&mut view, DataType::F32, ReduceOp::Sum, stream)?
-            .wait()
-    })
-    .unwrap_or_else(|e| panic!("rank {}: the first device all-reduce: {e}", comm.rank()));
-    // Freed before the barrier: once past it, another rank's stream may wait
-    // for an operation this rank has yet to submit.
-    drop(one);
-    comm.barrier().unwrap();
-}
-
-/// Every rank's device operations have finished (see [`ready`]).
-fn settle(comm: &fairring::Communicator, stream: &Stream) {
-    stream.synchronize().unwrap();
-    comm.barrier().unwrap();
+/// Small slices and shards, so that modest tensors span many slices and
+/// shards, with `algorithm`.
+fn small_slices(algorithm: Algorithm) -> Vec<(&'static str, String)> {
+    vec![
+        ("FAIRRING_SLICE_SIZE", "65536".into()),
+        ("FAIRRING_MIN_SHARD_SIZE", "4096".into()),
+        ("FAIRRING_TOTAL_MEMORY", "1048576".into()),
+        ("FAIRRING_ALGO", algorithm.to_string()),
+        ("FAIRRING_TIMEOUT", "30".into()),
+    ]
 }
 
 /// Rank `rank`'s element `i`: small integers, so that every sum is exact in
@@ -78,9 +101,14 @@ fn encode(dtype: DataType, values: impl Iterator<Item = i64>) -> Vec<u8> {
     out
 }
 
+/// Rank `rank`'s `n` elements of `dtype`.
+fn input(dtype: DataType, rank: u32, n: usize) -> Vec<u8> {
+    encode(dtype, (0..n).map(|i| value(rank, i)))
+}
+
 /// What every rank holds after all-reducing `n` elements with `op` in a job of
 /// `world` ranks.
-fn expected(dtype: DataType, op: ReduceOp, world: u32, n: usize) -> Vec<u8> {
+fn reduced(dtype: DataType, op: ReduceOp, world: u32, n: usize) -> Vec<u8> {
     let values = (0..n).map(|i| {
         let all = (0..world).map(|r| value(r, i));
         match op {
@@ -93,31 +121,73 @@ fn expected(dtype: DataType, op: ReduceOp, world: u32, n: usize) -> Vec<u8> {
     encode(dtype, values)
 }
 
-/// Uploads `bytes` into a fresh device buffer.
-fn upload(device: &Arc<Device>, stream: &Stream, bytes: &[u8]) -> DeviceBuffer {
-    let mut buf = DeviceBuffer::zeroed(device, bytes.len().max(1)).unwrap();
+/// Copies `bytes` to the start of `buf`.
+fn upload(stream: &Stream, buf: &mut DeviceBuffer, at: usize, bytes: &[u8]) {
     if !bytes.is_empty() {
-        stream.upload_blocking(&mut buf.slice_mut(), bytes).unwrap();
+        let mut view = buf.slice_mut();
+        let mut place = view.range(at..at + bytes.len()).unwrap();
+        stream.upload_blocking(&mut place, bytes).unwrap();
     }
-    buf
 }
 
-fn download(stream: &Stream, buf: &DeviceBuffer, len: usize) -> Vec<u8> {
+/// Bytes `at..at + len` of `buf`.
+fn download(stream: &Stream, buf: &DeviceBuffer, at: usize, len: usize) -> Vec<u8> {
     let mut out = vec![0u8; len];
     if len > 0 {
         stream
-            .download_blocking(&mut out, buf.slice().range(0..len).unwrap())
+            .download_blocking(&mut out, buf.slice().range(at..at + len).unwrap())
             .unwrap();
     }
     out
 }
 
+/// Waits for `w` on the device (the stream) and on the host.
+fn finish(stream: &Stream, w: fairring::Work<'_>) -> fairring::Result<()> {
+    w.enqueue_wait(stream)?;
+    w.wait()
+}
+
+/// Sizes: none, one element, an odd count, and several 64 KiB slices.
+const SIZES: [usize; 4] = [0, 1, 1001, 3 * 16384 + 7];
+
 #[test]
 #[ignore = "needs a CUDA device"]
-fn device_all_reduces_are_exact_for_every_layout_type_operator_and_size() {
-    // Sizes: none, one element, an odd count, and several slices (64 KiB
-    // slices).
-    let sizes = [0usize, 1, 1001, 3 * 16384 + 7];
+fn device_collectives_are_exact_for_every_layout_type_operator_and_size() {
+    let test = "device_collectives_are_exact_for_every_layout_type_operator_and_size";
+    if let Some(comm) = rank_of_job(test) {
+        let failures = every_collective(&comm);
+        assert!(
+            failures.is_empty(),
+            "rank {}: wrong results for {failures:?}",
+            comm.rank()
+        );
+        return;
+    }
+    for m in [1u32, 2, 3, 4] {
+        for algorithm in [Algorithm::Hierarchical, Algorithm::Ring] {
+            eprintln!("{m}x1 {algorithm}");
+            ProcessJob::run(test, m, 1, &small_slices(algorithm), JOB_LIMIT);
+        }
+    }
+}
+
+/// One rank's part of the exactness test: the cases that came out wrong.
+fn every_collective(comm: &Communicator) -> Vec<String> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let device = device();
+    let stream = Stream::new(&device, false).unwrap();
+    let most = SIZES[3] * 8 * world as usize;
+    let mut a = DeviceBuffer::zeroed(&device, most).unwrap();
+    let mut b = DeviceBuffer::zeroed(&device, most).unwrap();
+    let mut failures = Vec::new();
+    let mut check = |what: String, got: Vec<u8>, want: Vec<u8>| {
+        if got != want {
+            failures.push(what);
+        }
+    };
+    let fail = |what: &str, e: Error| -> ! { panic!("rank {rank}: {what}: {e}") };
+
+    // All-reduce.
     let cases = [
         (DataType::F32, ReduceOp::Sum),
         (DataType::F32, ReduceOp::Max),
@@ -127,97 +197,191 @@ fn device_all_reduces_are_exact_for_every_layout_type_operator_and_size() {
         (DataType::BF16, ReduceOp::Sum),
         (DataType::F16, ReduceOp::Max),
     ];
-    for m in [1u32, 2, 3, 4] {
-        for algorithm in [Algorithm::Hierarchical, Algorithm::Ring] {
-            eprintln!("{m}x1 {algorithm}");
-            let failures = job(
-                m,
-                1,
-                |b| small_slices(b, algorithm),
-                |rank, comm| {
-                    let device = device();
-                    let stream = Stream::new(&device, false).unwrap();
-                    let mut buf = DeviceBuffer::zeroed(&device, sizes[3] * 8).unwrap();
-                    ready(comm, &device, &stream);
-                    let mut failures = Vec::new();
-                    for &(dtype, op) in &cases {
-                        for &n in &sizes {
-                            let input = encode(dtype, (0..n).map(|i| value(rank, i)));
-                            let mut view = buf.slice_mut().split_at(input.len()).unwrap().0;
-                            stream.upload_blocking(&mut view, &input).unwrap();
-                            comm.scope(|s| {
-                                let w = s.all_reduce_device(&mut view, dtype, op, &stream)?;
-                                w.enqueue_wait(&stream)?;
-                                w.wait()
-                            })
-                            .unwrap_or_else(|e| {
-                                panic!("rank {rank}: {m}x1 {algorithm} {dtype} {op} x{n}: {e}")
-                            });
-                            let got = download(&stream, &buf, input.len());
-                            if got != expected(dtype, op, m, n) {
-                                failures.push(format!("{m}x1 {algorithm} {dtype} {op} x{n}"));
-                            }
-                            // Every rank's operation is over before the next
-                            // copies (see `ready`).
-                            comm.barrier().unwrap();
-                        }
-                    }
-                    settle(comm, &stream);
-                    failures
-                },
+    for &(dtype, op) in &cases {
+        for &n in &SIZES {
+            let what = format!("all-reduce {dtype} {op} x{n}");
+            let mine = input(dtype, rank, n);
+            upload(&stream, &mut a, 0, &mine);
+            let mut view = a.slice_mut().split_at(mine.len()).unwrap().0;
+            comm.scope(|s| finish(&stream, s.all_reduce_device(&mut view, dtype, op, &stream)?))
+                .unwrap_or_else(|e| fail(&what, e));
+            check(
+                what,
+                download(&stream, &a, 0, mine.len()),
+                reduced(dtype, op, world, n),
             );
-            for (rank, f) in failures.iter().enumerate() {
-                assert!(f.is_empty(), "rank {rank}: wrong results for {f:?}");
-            }
         }
     }
+
+    // Broadcast from the last rank: every rank ends with the root's input.
+    let root = world - 1;
+    for dtype in [DataType::F32, DataType::F16, DataType::I64] {
+        for &n in &SIZES {
+            let what = format!("broadcast {dtype} x{n} from {root}");
+            let mine = input(dtype, rank, n);
+            upload(&stream, &mut a, 0, &mine);
+            let mut view = a.slice_mut().split_at(mine.len()).unwrap().0;
+            comm.scope(|s| {
+                finish(
+                    &stream,
+                    s.broadcast_device(&mut view, dtype, root, &stream)?,
+                )
+            })
+            .unwrap_or_else(|e| fail(&what, e));
+            check(
+                what,
+                download(&stream, &a, 0, mine.len()),
+                input(dtype, root, n),
+            );
+        }
+    }
+
+    // All-gather, out of place (input in `b`) and in place (input at this
+    // rank's place of the output, through the raw call).
+    for dtype in [DataType::F32, DataType::BF16] {
+        for &n in &SIZES {
+            let mine = input(dtype, rank, n);
+            let all: Vec<u8> = (0..world).flat_map(|r| input(dtype, r, n)).collect();
+            let what = format!("all-gather {dtype} x{n}");
+            // Stale bytes where other ranks' inputs go must be overwritten.
+            upload(&stream, &mut a, 0, &vec![0xA5; all.len()]);
+            upload(&stream, &mut b, 0, &mine);
+            let input_view = b.slice().range(0..mine.len()).unwrap();
+            let mut output = a.slice_mut().split_at(all.len()).unwrap().0;
+            comm.scope(|s| {
+                finish(
+                    &stream,
+                    s.all_gather_device(&input_view, &mut output, dtype, &stream)?,
+                )
+            })
+            .unwrap_or_else(|e| fail(&what, e));
+            check(what, download(&stream, &a, 0, all.len()), all.clone());
+
+            let what = format!("in-place all-gather {dtype} x{n}");
+            upload(&stream, &mut a, 0, &vec![0x5A; all.len()]);
+            upload(&stream, &mut a, rank as usize * mine.len(), &mine);
+            let place = a.raw() + (rank as usize * mine.len()) as u64;
+            // SAFETY: `a` holds the output; nothing touches it until `finish`
+            // has waited for the operation.
+            let r = unsafe {
+                comm.all_gather_device_raw(place, a.raw(), n as u64, dtype, stream.raw())
+            }
+            .and_then(|w| finish(&stream, w));
+            r.unwrap_or_else(|e| fail(&what, e));
+            check(what, download(&stream, &a, 0, all.len()), all);
+        }
+    }
+
+    // Reduce-scatter: `a` holds every rank's input, this rank's share lands
+    // in `b`.
+    for (dtype, op) in [
+        (DataType::F32, ReduceOp::Sum),
+        (DataType::I32, ReduceOp::Max),
+    ] {
+        for &n in &SIZES {
+            let what = format!("reduce-scatter {dtype} {op} x{n}");
+            let total = n * world as usize;
+            let mine = input(dtype, rank, total);
+            let size = dtype.size_bytes() as usize;
+            upload(&stream, &mut a, 0, &mine);
+            upload(&stream, &mut b, 0, &vec![0xA5; n * size]);
+            let mut inp = a.slice_mut().split_at(mine.len()).unwrap().0;
+            let mut out = b.slice_mut().split_at(n * size).unwrap().0;
+            comm.scope(|s| {
+                finish(
+                    &stream,
+                    s.reduce_scatter_device(&mut inp, &mut out, dtype, op, &stream)?,
+                )
+            })
+            .unwrap_or_else(|e| fail(&what, e));
+            let want = reduced(dtype, op, world, total);
+            let share = rank as usize * n * size..(rank as usize + 1) * n * size;
+            check(
+                what,
+                download(&stream, &b, 0, n * size),
+                want[share].to_vec(),
+            );
+        }
+    }
+
+    // Coalesced all-reduce of several tensors, in flight together.
+    let counts = [1usize, 1001, 16384 + 3, 0];
+    let mut at = 0;
+    let mut places = Vec::new();
+    for &n in &counts {
+        upload(&stream, &mut a, at, &input(DataType::F32, rank, n));
+        places.push((at, n));
+        at += n * 4;
+    }
+    let mut rest = a.slice_mut();
+    let mut views = Vec::new();
+    for &(_, n) in &places {
+        let (head, tail) = rest.split_at(n * 4).unwrap();
+        views.push(head);
+        rest = tail;
+    }
+    comm.scope(|s| {
+        let w = s.all_reduce_coalesced_device(&mut views, DataType::F32, ReduceOp::Sum, &stream)?;
+        finish(&stream, w)
+    })
+    .unwrap_or_else(|e| fail("coalesced all-reduce", e));
+    drop(views);
+    for (k, &(at, n)) in places.iter().enumerate() {
+        check(
+            format!("coalesced all-reduce, tensor {k} x{n}"),
+            download(&stream, &a, at, n * 4),
+            reduced(DataType::F32, ReduceOp::Sum, world, n),
+        );
+    }
+    stream.synchronize().unwrap();
+    failures
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn many_device_operations_in_flight_all_finish_exact() {
+    let test = "many_device_operations_in_flight_all_finish_exact";
     let n = 20_000usize;
     let ops = 12u32;
-    let results = job(
-        3,
-        1,
-        |b| small_slices(b, Algorithm::Hierarchical),
-        |rank, comm| {
-            let device = device();
-            let stream = Stream::new(&device, false).unwrap();
-            let inputs: Vec<Vec<u8>> = (0..ops)
-                .map(|k| encode(DataType::F32, (0..n).map(|i| value(rank + k, i))))
-                .collect();
-            let mut bufs: Vec<DeviceBuffer> =
-                inputs.iter().map(|x| upload(&device, &stream, x)).collect();
-            ready(comm, &device, &stream);
-            let mut views: Vec<_> = bufs.iter_mut().map(|b| b.slice_mut()).collect();
-            comm.scope(|s| {
-                let works = views
-                    .iter_mut()
-                    .map(|v| s.all_reduce_device(v, DataType::F32, ReduceOp::Sum, &stream))
-                    .collect::<fairring::Result<Vec<_>>>()?;
-                for w in &works {
-                    w.enqueue_wait(&stream)?;
-                }
-                works.into_iter().try_for_each(fairring::Work::wait)
-            })
-            .unwrap();
-            let outs = (0..ops as usize)
-                .map(|k| download(&stream, &bufs[k], inputs[k].len()))
-                .collect::<Vec<_>>();
-            settle(comm, &stream);
-            outs
-        },
-    );
-    for (rank, outs) in results.iter().enumerate() {
-        for (k, got) in outs.iter().enumerate() {
-            let want = encode(
-                DataType::F32,
-                (0..n).map(|i| (0..3).map(|r| value(r + k as u32, i)).sum()),
-            );
-            assert!(got == &want, "rank {rank}, operation {k}: wrong result");
+    let Some(comm) = rank_of_job(test) else {
+        let env = small_slices(Algorithm::Hierarchical);
+        ProcessJob::run(test, 3, 1, &env, JOB_LIMIT);
+        return;
+    };
+    let rank = comm.rank();
+    let device = device();
+    let stream = Stream::new(&device, false).unwrap();
+    let inputs: Vec<Vec<u8>> = (0..ops)
+        .map(|k| encode(DataType::F32, (0..n).map(|i| value(rank + k, i))))
+        .collect();
+    let mut bufs: Vec<DeviceBuffer> = inputs
+        .iter()
+        .map(|x| {
+            let mut b = DeviceBuffer::zeroed(&device, x.len()).unwrap();
+            upload(&stream, &mut b, 0, x);
+            b
+        })
+        .collect();
+    let mut views: Vec<_> = bufs.iter_mut().map(DeviceBuffer::slice_mut).collect();
+    comm.scope(|s| {
+        let works = views
+            .iter_mut()
+            .map(|v| s.all_reduce_device(v, DataType::F32, ReduceOp::Sum, &stream))
+            .collect::<fairring::Result<Vec<_>>>()?;
+        for w in &works {
+            w.enqueue_wait(&stream)?;
         }
+        works.into_iter().try_for_each(fairring::Work::wait)
+    })
+    .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    drop(views);
+    for (k, buf) in bufs.iter().enumerate() {
+        let want = encode(
+            DataType::F32,
+            (0..n).map(|i| (0..3).map(|r| value(r + k as u32, i)).sum()),
+        );
+        let got = download(&stream, buf, 0, want.len());
+        assert!(got == want, "rank {rank}, operation {k}: wrong result");
     }
 }
 
@@ -227,122 +391,271 @@ fn many_device_operations_in_flight_all_finish_exact() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn the_collective_is_ordered_on_the_callers_stream() {
+    let test = "the_collective_is_ordered_on_the_callers_stream";
+    let Some(comm) = rank_of_job(test) else {
+        let env = [("FAIRRING_ALGO", "hierarchical".to_owned())];
+        ProcessJob::run(test, 2, 1, &env, JOB_LIMIT);
+        return;
+    };
     let n = 1 << 20; // f32 elements: 4 MiB, many slices
     let rounds = 20;
-    let results = job(
-        2,
-        1,
-        |b| b.algorithm(Algorithm::Hierarchical),
-        |rank, comm| {
-            let device = device();
-            let kernels = ReductionKernels::load(&device).unwrap();
-            let stream = Stream::new(&device, false).unwrap();
-            let ones = upload(&device, &stream, &encode(DataType::F32, (0..n).map(|_| 1)));
-            let mut data = DeviceBuffer::zeroed(&device, n * 4).unwrap();
-            let mut after = DeviceBuffer::zeroed(&device, n * 4).unwrap();
-            let mut host = PinnedBuffer::zeroed(&device, n * 4).unwrap();
-            stream.synchronize().unwrap();
-            ready(comm, &device, &stream);
-            let mut run = || -> fairring::Result<()> {
-                // Before: `rounds` kernels write the input (data = rounds).
-                for _ in 0..rounds {
-                    kernels
-                        .reduce(
-                            &stream,
-                            DataType::F32,
-                            ReduceOp::Sum,
-                            &mut data.slice_mut(),
-                            ones.slice(),
-                        )
-                        .unwrap();
-                }
-                // SAFETY: nothing but work ordered after `enqueue_wait` on
-                // `stream` touches `data` until the operation finishes.
-                let w = unsafe {
-                    comm.all_reduce_device_raw(
-                        data.raw(),
-                        n as u64,
-                        DataType::F32,
-                        ReduceOp::Sum,
-                        stream.raw(),
-                        None,
-                    )?
-                };
-                w.enqueue_wait(&stream)?;
-                // After: a kernel reads the result (after = result), and a copy
-                // brings it to the host, all on the stream.
-                kernels
-                    .reduce(
-                        &stream,
-                        DataType::F32,
-                        ReduceOp::Sum,
-                        &mut after.slice_mut(),
-                        data.slice(),
-                    )
-                    .unwrap();
-                // SAFETY: the host reads `host` only after synchronising below.
-                unsafe { stream.copy_to_host(host.as_mut_slice(), after.slice()) }.unwrap();
-                w.wait()
-            };
-            run().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-            settle(comm, &stream);
-            let want = (2 * rounds) as f32;
-            host.as_slice()
-                .chunks_exact(4)
-                .filter(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != want)
-                .count()
-        },
+    let rank = comm.rank();
+    let device = device();
+    let kernels = ReductionKernels::load(&device).unwrap();
+    let stream = Stream::new(&device, false).unwrap();
+    let mut ones = DeviceBuffer::zeroed(&device, n * 4).unwrap();
+    upload(
+        &stream,
+        &mut ones,
+        0,
+        &encode(DataType::F32, (0..n).map(|_| 1)),
     );
-    assert_eq!(
-        results,
-        vec![0, 0],
-        "elements differing from the ordered result"
-    );
+    let mut data = DeviceBuffer::zeroed(&device, n * 4).unwrap();
+    let mut after = DeviceBuffer::zeroed(&device, n * 4).unwrap();
+    let mut host = PinnedBuffer::zeroed(&device, n * 4).unwrap();
+    stream.synchronize().unwrap();
+    let mut run = || -> fairring::Result<()> {
+        // Before: `rounds` kernels write the input (data = rounds).
+        for _ in 0..rounds {
+            kernels
+                .reduce(
+                    &stream,
+                    DataType::F32,
+                    ReduceOp::Sum,
+                    &mut data.slice_mut(),
+                    ones.slice(),
+                )
+                .unwrap();
+        }
+        // SAFETY: nothing but work ordered after `enqueue_wait` on `stream`
+        // touches `data` until the operation finishes.
+        let w = unsafe {
+            comm.all_reduce_device_raw(
+                data.raw(),
+                n as u64,
+                DataType::F32,
+                ReduceOp::Sum,
+                stream.raw(),
+                None,
+            )?
+        };
+        w.enqueue_wait(&stream)?;
+        // After: a kernel reads the result (after = result), and a copy brings
+        // it to the host, all on the stream.
+        kernels
+            .reduce(
+                &stream,
+                DataType::F32,
+                ReduceOp::Sum,
+                &mut after.slice_mut(),
+                data.slice(),
+            )
+            .unwrap();
+        // SAFETY: the host reads `host` only after synchronising below.
+        unsafe { stream.copy_to_host(host.as_mut_slice(), after.slice()) }.unwrap();
+        w.wait()
+    };
+    run().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    stream.synchronize().unwrap();
+    let want = (2 * rounds) as f32;
+    let wrong = host
+        .as_slice()
+        .chunks_exact(4)
+        .filter(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != want)
+        .count();
+    assert_eq!(wrong, 0, "rank {rank}: elements differing from {want}");
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_rank_passing_host_memory_where_another_passes_device_memory_is_a_mismatch() {
+    let test = "a_rank_passing_host_memory_where_another_passes_device_memory_is_a_mismatch";
+    let Some(comm) = rank_of_job(test) else {
+        let env = [("FAIRRING_ALGO", "hierarchical".to_owned())];
+        ProcessJob::run(test, 2, 1, &env, JOB_LIMIT);
+        return;
+    };
     let n = 4096;
-    let results = job(
-        2,
-        1,
-        |b| b.algorithm(Algorithm::Hierarchical),
-        |rank, comm| {
-            let device = device();
-            let stream = Stream::new(&device, false).unwrap();
-            if rank == 0 {
-                let mut buf = upload(&device, &stream, &vec![0u8; n * 4]);
-                let mut view = buf.slice_mut();
-                comm.scope(|s| {
-                    s.all_reduce_device(&mut view, DataType::F32, ReduceOp::Sum, &stream)?
-                        .wait()
-                })
-            } else {
-                let mut host = vec![0f32; n];
-                comm.all_reduce(&mut host, ReduceOp::Sum)
+    let rank = comm.rank();
+    let device = device();
+    let stream = Stream::new(&device, false).unwrap();
+    let r = if rank == 0 {
+        let mut buf = DeviceBuffer::zeroed(&device, n * 4).unwrap();
+        let mut view = buf.slice_mut();
+        comm.scope(|s| {
+            s.all_reduce_device(&mut view, DataType::F32, ReduceOp::Sum, &stream)?
+                .wait()
+        })
+    } else {
+        let mut host = vec![0f32; n];
+        comm.all_reduce(&mut host, ReduceOp::Sum)
+    };
+    match r {
+        Err(Error::Mismatch {
+            called,
+            peer_called,
+            ..
+        }) => {
+            let both = format!("{called} / {peer_called}");
+            assert!(both.contains("device memory"), "rank {rank}: {both}");
+        }
+        Err(Error::Failed { first }) if matches!(*first, Error::Mismatch { .. }) => {}
+        other => panic!("rank {rank}: expected a mismatch, got {other:?}"),
+    }
+}
+
+/// Kills rank 2 of a 3x1 job in the middle of its device all-reduces: each
+/// survivor's operation fails naming rank 2 within twice the timeout, every
+/// stream waiting for it is released, and later work is refused.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_killed_rank_fails_every_survivors_device_operation_naming_it() {
+    let test = "a_killed_rank_fails_every_survivors_device_operation_naming_it";
+    let timeout = Duration::from_secs(2);
+    let Some(comm) = rank_of_job(test) else {
+        let env = [
+            ("FAIRRING_ALGO", "hierarchical".to_owned()),
+            ("FAIRRING_TIMEOUT", "2".to_owned()),
+        ];
+        let mut job = ProcessJob::start(test, 3, 1, &env);
+        job.await_line(&[0, 1, 2], "READY", Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(100));
+        let at = Instant::now();
+        job.kill(2);
+        let failed = job.await_line(&[0, 1], "FAILED", 2 * timeout + Duration::from_secs(3));
+        let took = at.elapsed();
+        for (rank, line) in failed.iter().enumerate() {
+            eprintln!("rank {rank} after {took:?}: {line}");
+            assert!(
+                line.contains("rank 2"),
+                "rank {rank} does not name rank 2: {line}"
+            );
+        }
+        for (rank, line) in job
+            .await_line(&[0, 1], "REFUSED", Duration::from_secs(10))
+            .iter()
+            .enumerate()
+        {
+            assert!(line.contains("failed earlier"), "rank {rank}: {line}");
+        }
+        job.finish(&[2], Duration::from_secs(60));
+        return;
+    };
+    let device = device();
+    let stream = Stream::new(&device, false).unwrap();
+    let n = 1 << 20;
+    let buf = DeviceBuffer::zeroed(&device, n * 4).unwrap();
+    let end = Instant::now() + Duration::from_secs(120);
+    let mut done = 0u64;
+    let all_reduce = || {
+        // SAFETY: nothing else touches `buf` while the operation runs: each is
+        // waited for (on the stream and the host) before the next.
+        let w = unsafe {
+            comm.all_reduce_device_raw(
+                buf.raw(),
+                n as u64,
+                DataType::F32,
+                ReduceOp::Avg,
+                stream.raw(),
+                None,
+            )?
+        };
+        finish(&stream, w)
+    };
+    while Instant::now() < end {
+        match all_reduce() {
+            Ok(()) => {
+                done += 1;
+                if done == 1 {
+                    say("READY");
+                }
             }
-        },
-    );
-    for (rank, r) in results.iter().enumerate() {
-        match r {
-            Err(Error::Mismatch {
-                called,
-                peer_called,
-                ..
-            }) => {
-                let both = format!("{called} / {peer_called}");
-                assert!(both.contains("device memory"), "rank {rank}: {both}");
+            Err(e) => {
+                say(&format!("FAILED {e}"));
+                // A failed operation releases the streams that wait for it.
+                stream.synchronize().unwrap();
+                match all_reduce() {
+                    Err(e) => say(&format!("REFUSED {e}")),
+                    Ok(()) => panic!("rank {}: work after a failure ran", comm.rank()),
+                }
+                return;
             }
-            Err(Error::Failed { first }) if matches!(**first, Error::Mismatch { .. }) => {}
-            other => panic!("rank {rank}: expected a mismatch, got {other:?}"),
+        }
+    }
+    panic!("rank {}: no failure after {done} operations", comm.rank());
+}
+
+/// After warm-up, a device all-reduce allocates nothing on the host, on any
+/// thread of any rank (progress thread and fabric I/O included), for each
+/// algorithm and for one slice and many.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn no_host_allocation_per_device_all_reduce_on_any_rank() {
+    let test = "no_host_allocation_per_device_all_reduce_on_any_rank";
+    let Some(comm) = rank_of_job(test) else {
+        let env = [
+            ("FAIRRING_SLICE_SIZE", "1048576".to_owned()),
+            ("FAIRRING_TOTAL_MEMORY", "8388608".to_owned()),
+            ("FAIRRING_TIMEOUT", "60".to_owned()),
+        ];
+        ProcessJob::run(test, 2, 1, &env, JOB_LIMIT);
+        return;
+    };
+    let rank = comm.rank();
+    let device = device();
+    let stream = Stream::new(&device, false).unwrap();
+    for elements in [3usize << 20, 1000] {
+        for algorithm in Algorithm::ALL {
+            let mut buf = DeviceBuffer::zeroed(&device, elements * 4).unwrap();
+            upload(
+                &stream,
+                &mut buf,
+                0,
+                &encode(DataType::F32, (0..elements).map(|_| 1)),
+            );
+            let mut counted = 0;
+            for call in 0..20 {
+                let before = ALLOCATIONS.load(Ordering::Relaxed);
+                // SAFETY: each operation is waited for before the next, and
+                // nothing else touches `buf`.
+                let r = unsafe {
+                    comm.all_reduce_device_raw(
+                        buf.raw(),
+                        elements as u64,
+                        DataType::F32,
+                        ReduceOp::Sum,
+                        stream.raw(),
+                        Some(algorithm),
+                    )
+                }
+                .and_then(|w| finish(&stream, w));
+                r.unwrap_or_else(|e| panic!("rank {rank}: {algorithm}: {e}"));
+                let after = ALLOCATIONS.load(Ordering::Relaxed);
+                if call >= 10 {
+                    counted += after - before;
+                }
+            }
+            assert_eq!(
+                counted, 0,
+                "rank {rank}: {counted} allocations in 10 warm {algorithm} device all-reduces of \
+                 {elements} elements"
+            );
+            let want = (comm.world_size() as f32).powi(20);
+            let got = download(&stream, &buf, 0, elements * 4);
+            let bad = got
+                .chunks_exact(4)
+                .position(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != want);
+            assert!(
+                bad.is_none(),
+                "rank {rank} {algorithm}: element {bad:?} is not {want}"
+            );
         }
     }
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
-fn host_memory_passed_as_device_memory_is_refused_naming_data() {
+fn bad_device_arguments_are_refused_naming_the_argument() {
     let results = job(
         1,
         1,
@@ -350,26 +663,46 @@ fn host_memory_passed_as_device_memory_is_refused_naming_data() {
         |_, comm| {
             let device = device();
             let stream = Stream::new(&device, false).unwrap();
+            let buf = DeviceBuffer::zeroed(&device, 4096).unwrap();
             let mut host = vec![0f32; 16];
-            // SAFETY: refused before anything touches the memory.
-            let r = unsafe {
-                comm.all_reduce_device_raw(
-                    host.as_mut_ptr() as u64,
-                    16,
-                    DataType::F32,
-                    ReduceOp::Sum,
-                    stream.raw(),
-                    None,
-                )
-            };
-            match r {
+            let host_ptr = host.as_mut_ptr() as u64;
+            let argument = |r: fairring::Result<fairring::Work<'_>>| match r {
                 Err(Error::InvalidArgument { argument, .. }) => argument,
-                Err(e) => panic!("expected a refusal naming data, got {e}"),
-                Ok(_) => panic!("host memory was taken for device memory"),
-            }
+                Err(e) => panic!("expected a refusal naming an argument, got {e}"),
+                Ok(_) => panic!("bad arguments were taken"),
+            };
+            let (d, s) = (buf.raw(), stream.raw());
+            let (f32_, sum) = (DataType::F32, ReduceOp::Sum);
+            // Each call below is refused before anything touches memory,
+            // which makes every `unsafe` block sound.
+            let mut refusals = Vec::new();
+            // SAFETY: refused (host memory).
+            let r = unsafe { comm.all_reduce_device_raw(host_ptr, 16, f32_, sum, s, None) };
+            refusals.push(argument(r));
+            // SAFETY: refused (no rank 1).
+            let r = unsafe { comm.broadcast_device_raw(d, 16, f32_, 1, s) };
+            refusals.push(argument(r));
+            // SAFETY: refused (host memory).
+            let r = unsafe { comm.all_gather_device_raw(host_ptr, d, 16, f32_, s) };
+            refusals.push(argument(r));
+            // SAFETY: refused: the input overlaps the output other than at
+            // its place.
+            let r = unsafe { comm.all_gather_device_raw(d + 4, d, 16, f32_, s) };
+            refusals.push(argument(r));
+            // SAFETY: refused: the output lies inside the input.
+            let r = unsafe { comm.reduce_scatter_device_raw(d, d + 8, 16, f32_, sum, s) };
+            refusals.push(argument(r));
+            let tensors = [(d, 4), (host_ptr, 4)];
+            // SAFETY: refused (the second tensor is host memory).
+            let r = unsafe { comm.all_reduce_coalesced_device_raw(&tensors, f32_, sum, s) };
+            refusals.push(argument(r));
+            refusals
         },
     );
-    assert_eq!(results, vec!["data"]);
+    assert_eq!(
+        results,
+        vec![vec!["data", "root", "input", "input", "output", "tensors"]]
+    );
 }
 
 #[test]
@@ -382,7 +715,7 @@ fn several_ranks_per_machine_are_refused_with_a_reason() {
         |_, comm| {
             let device = device();
             let stream = Stream::new(&device, false).unwrap();
-            let mut buf = upload(&device, &stream, &[0u8; 64]);
+            let mut buf = DeviceBuffer::zeroed(&device, 64).unwrap();
             let mut view = buf.slice_mut();
             let r = comm.scope(|s| {
                 s.all_reduce_device(&mut view, DataType::F32, ReduceOp::Sum, &stream)

@@ -9,11 +9,12 @@
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use fairring::{Algorithm, Communicator, ReduceOp};
+use fairring::{Algorithm, ReduceOp};
+
+use common::processes::{ProcessJob, rank_of_job};
 
 struct Counting;
 
@@ -42,15 +43,18 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-const ROLE: &str = "FAIRRING_ALLOC_TEST_RANK";
-
-/// One rank's part; runs only inside a child process.
 #[test]
-fn rank_body() {
-    if std::env::var_os(ROLE).is_none() {
+fn no_allocation_per_all_reduce_on_any_rank() {
+    let test = "no_allocation_per_all_reduce_on_any_rank";
+    let Some(comm) = rank_of_job(test) else {
+        let env = [
+            ("FAIRRING_TIMEOUT", "60".to_owned()),
+            ("FAIRRING_SLICE_SIZE", "1M".to_owned()),
+            ("FAIRRING_TOTAL_MEMORY", "8M".to_owned()),
+        ];
+        ProcessJob::run(test, 2, 2, &env, Duration::from_secs(120));
         return;
-    }
-    let comm = Communicator::from_env().expect("joining the job");
+    };
     // Large enough for several slices in flight, and a small one.
     for elements in [3 << 20, 1000] {
         for algorithm in Algorithm::ALL {
@@ -84,47 +88,6 @@ fn rank_body() {
                 comm.rank(),
                 bad.map(|i| data[i])
             );
-        }
-    }
-}
-
-#[test]
-fn no_allocation_per_all_reduce_on_any_rank() {
-    let exe = std::env::current_exe().unwrap();
-    let port = common::free_port();
-    let (m, d) = (2u32, 2u32);
-    let children: Vec<_> = (0..m * d)
-        .map(|rank| {
-            Command::new(&exe)
-                .args(["--exact", "rank_body", "--nocapture", "--test-threads=1"])
-                .env(ROLE, "1")
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", (m * d).to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env(
-                    "FAIRRING_HOST_ID",
-                    format!("alloc-test-machine-{}", rank / d),
-                )
-                .env("FAIRRING_TIMEOUT", "60")
-                .env("FAIRRING_SLICE_SIZE", "1M")
-                .env("FAIRRING_TOTAL_MEMORY", "8M")
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    for (rank, mut c) in children.into_iter().enumerate() {
-        loop {
-            if let Some(status) = c.try_wait().unwrap() {
-                assert!(status.success(), "rank {rank} failed: {status}");
-                break;
-            }
-            if std::time::Instant::now() > deadline {
-                let _ = c.kill();
-                panic!("rank {rank} did not finish");
-            }
-            std::thread::sleep(Duration::from_millis(20));
         }
     }
 }

@@ -12,6 +12,7 @@ pub use fusion::Fusion;
 pub use server::Server;
 
 use std::marker::PhantomData;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -278,26 +279,15 @@ impl Communicator {
         dtype: DataType,
         root: u32,
     ) -> Result<Work<'_>> {
-        let world = self.world_size();
-        if root >= world {
-            return Err(Error::invalid(
-                "root",
-                format!("rank {root} is not in a job of {world} ranks"),
-            ));
-        }
+        self.check_root(root)?;
         check_pointer(data, count, dtype)?;
         let bytes = byte_len(count, dtype)?;
         if root != self.rank() && bytes > 0 {
             // SAFETY: the caller guarantees `data` is valid for `bytes` bytes.
             unsafe { std::ptr::write_bytes(data, 0, bytes) };
         }
-        let mut r = Request::all_reduce(data, bytes as u64, DataType::U8, ReduceOp::Sum, None);
-        r.collective = Collective::Broadcast;
-        r.caller_dtype = dtype;
-        r.caller_elements = count;
-        r.root = root;
         // SAFETY: the caller keeps `data` valid and untouched until it finishes.
-        unsafe { self.start(r) }
+        unsafe { self.start(Request::broadcast(data, bytes, dtype, count, root)) }
     }
 
     /// Starts an all-gather of every rank's `count` elements of `dtype` at
@@ -338,12 +328,8 @@ impl Communicator {
             // SAFETY: `at + n..bytes` lies within `output`; `rest` is its start.
             unsafe { std::ptr::write_bytes(rest, 0, bytes - at - n) };
         }
-        let mut r = Request::all_reduce(output, bytes as u64, DataType::U8, ReduceOp::Sum, None);
-        r.collective = Collective::AllGather;
-        r.caller_dtype = dtype;
-        r.caller_elements = count;
         // SAFETY: the caller keeps `output` valid and untouched until it finishes.
-        unsafe { self.start(r) }
+        unsafe { self.start(Request::all_gather(output, bytes, dtype, count)) }
     }
 
     /// Starts a reduce-scatter: `input` holds `world_size * count` elements of
@@ -366,17 +352,30 @@ impl Communicator {
         check_pointer(input, total, dtype)?;
         check_pointer(output, count, dtype)?;
         let n = byte_len(count, dtype)?;
-        let offset = self.rank() as usize * n;
-        let mut r = Request::all_reduce(input, total, dtype, op, None);
-        r.collective = Collective::ReduceScatter;
-        r.caller_elements = count;
-        r.deliver = Some(Delivery {
-            to: PlacedTensor::Host(HostTensor::new(output, n)),
-            range: offset..offset + n,
-        });
+        let share = self.share(n);
+        let to = PlacedTensor::Host(HostTensor::new(output, n));
+        let r = Request::reduce_scatter(input, total, dtype, op, count, to, share);
         // SAFETY: the caller keeps `input` and `output` valid and untouched
         // until it finishes; the delivered range lies within `input`.
         unsafe { self.start(r) }
+    }
+
+    /// Refuses a root outside the job.
+    fn check_root(&self, root: u32) -> Result<()> {
+        let world = self.world_size();
+        if root >= world {
+            return Err(Error::invalid(
+                "root",
+                format!("rank {root} is not in a job of {world} ranks"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// This rank's bytes of a reduce-scatter's input, of `n` bytes per rank.
+    fn share(&self, n: usize) -> Range<usize> {
+        let offset = self.rank() as usize * n;
+        offset..offset + n
     }
 
     /// `count` elements per rank, for every rank.
@@ -418,10 +417,25 @@ impl Communicator {
                 other => other,
             })?;
         }
-        let mut range: Option<(u64, u64)> = None;
-        for &(data, count) in tensors {
+        self.group(tensors.len(), |i| {
+            let (data, count) = tensors[i];
             // SAFETY: forwarded from the caller, per tensor.
-            match unsafe { self.all_reduce_raw(data, count, dtype, op, None) } {
+            unsafe { self.all_reduce_raw(data, count, dtype, op, None) }
+        })
+    }
+
+    /// Starts `n` operations, the `i`th with `start(i)`, and returns one
+    /// [`Work`] covering them all. If one is refused (only a failed engine
+    /// refuses after validation), those started are waited for and the error
+    /// returned.
+    fn group<'c>(
+        &'c self,
+        n: usize,
+        mut start: impl FnMut(usize) -> Result<Work<'c>>,
+    ) -> Result<Work<'c>> {
+        let mut range: Option<(u64, u64)> = None;
+        for i in 0..n {
+            match start(i) {
                 Ok(w) => {
                     let seq = w.first;
                     // Its entry is given back by the group's `Work`.
@@ -601,20 +615,31 @@ impl Communicator {
         }
         let tensor = PlacedTensor::Host(HostTensor::new(data, len));
         #[cfg(feature = "cuda")]
-        let tensor = match device {
+        let (tensor, deliver) = match device {
             Some((side, call)) => {
-                // SAFETY: the caller vouches for the stream
-                // (`all_reduce_device_raw`'s contract); the view lives only
-                // for this call.
+                // SAFETY: the caller vouches for the stream (the device
+                // calls' contract); the view lives only for this call.
                 let stream = unsafe { fairring_cuda::Stream::from_raw(side.device(), call.stream) };
                 if let Err(e) = side.record_start(seq, &stream) {
                     self.engine.works.give_back(seq);
                     return Err(e);
                 }
-                PlacedTensor::Device(DeviceTensor::new(data as u64, len, slot_of(seq)))
+                let slot = slot_of(seq);
+                // A device delivery is ordered after this operation's start.
+                let deliver = r.deliver.map(|d| Delivery {
+                    to: match d.to {
+                        PlacedTensor::Device(t) => PlacedTensor::Device(t.for_operation(slot)),
+                        host => host,
+                    },
+                    range: d.range,
+                });
+                let tensor = PlacedTensor::Device(DeviceTensor::new(data as u64, len, slot));
+                (tensor, deliver)
             }
-            None => tensor,
+            None => (tensor, r.deliver),
         };
+        #[cfg(not(feature = "cuda"))]
+        let deliver = r.deliver;
         let sub = Submission {
             seq,
             tensor,
@@ -624,7 +649,7 @@ impl Communicator {
             algorithm,
             wire,
             descriptor,
-            deliver: r.deliver,
+            deliver,
         };
         if let Err(e) = self.engine.submit(sub) {
             self.engine.works.give_back(seq);
@@ -1099,6 +1124,47 @@ impl Request {
             #[cfg(feature = "cuda")]
             device: None,
         }
+    }
+
+    /// A broadcast from `root` of `count` elements of `dtype` (`bytes` bytes):
+    /// a byte-wise wrapping-sum all-reduce to which every rank but the root
+    /// contributes zeros.
+    fn broadcast(data: *mut u8, bytes: usize, dtype: DataType, count: u64, root: u32) -> Request {
+        let mut r = Request::all_reduce(data, bytes as u64, DataType::U8, ReduceOp::Sum, None);
+        r.collective = Collective::Broadcast;
+        r.caller_dtype = dtype;
+        r.caller_elements = count;
+        r.root = root;
+        r
+    }
+
+    /// An all-gather of `count` elements of `dtype` per rank into `output`
+    /// (`bytes` bytes for every rank): a byte-wise wrapping-sum all-reduce to
+    /// which each rank contributes its input at its place and zeros elsewhere.
+    fn all_gather(output: *mut u8, bytes: usize, dtype: DataType, count: u64) -> Request {
+        let mut r = Request::all_reduce(output, bytes as u64, DataType::U8, ReduceOp::Sum, None);
+        r.collective = Collective::AllGather;
+        r.caller_dtype = dtype;
+        r.caller_elements = count;
+        r
+    }
+
+    /// A reduce-scatter of `total` elements of `input`, `count` per rank: an
+    /// all-reduce in place whose bytes `share` are delivered to `to`.
+    fn reduce_scatter(
+        input: *mut u8,
+        total: u64,
+        dtype: DataType,
+        op: ReduceOp,
+        count: u64,
+        to: PlacedTensor,
+        share: Range<usize>,
+    ) -> Request {
+        let mut r = Request::all_reduce(input, total, dtype, op, None);
+        r.collective = Collective::ReduceScatter;
+        r.caller_elements = count;
+        r.deliver = Some(Delivery { to, range: share });
+        r
     }
 
     /// Where the tensor lives.

@@ -51,6 +51,11 @@ impl DeviceTensor {
         DeviceTensor { ptr, len, ready }
     }
 
+    /// The same memory, for the operation in table entry `ready`.
+    pub(crate) fn for_operation(self, ready: usize) -> DeviceTensor {
+        DeviceTensor { ready, ..self }
+    }
+
     /// The device address of byte `range.start`, if `range` lies within.
     fn at(&self, range: &Range<usize>) -> Result<u64> {
         if range.start > range.end || range.end > self.len {

@@ -3,6 +3,8 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod processes;
+
 use std::net::TcpListener;
 use std::time::Duration;
 

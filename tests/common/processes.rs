@@ -1,0 +1,212 @@
+//! Jobs whose ranks are processes: this test binary, re-executed to run one
+//! test as one rank, with torchrun's variables in its environment and each
+//! rank a machine of its own (`FAIRRING_HOST_ID`), or `d` ranks per machine.
+//!
+//! A test calls [`rank_of_job`] first: inside a rank it returns the rank's
+//! communicator and the test runs its rank's part; otherwise the test is the
+//! launcher and starts a [`ProcessJob`] of itself.
+//!
+//! Ranks report on stdout, one line per event ([`say`]); the launcher reads
+//! the lines as they come, so it can act mid-job (kill a rank once it is
+//! working) and wait for every rank's verdict with a deadline. A rank's stderr
+//! goes to the launcher's, so a failing rank's panic is in the test's output.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
+
+use fairring::Communicator;
+
+/// Set in a rank's environment: the test to run as a rank.
+const RANK_OF: &str = "FAIRRING_TEST_RANK_OF";
+
+/// Inside a rank of a job started for `test`, its communicator; `None` in the
+/// launcher.
+pub fn rank_of_job(test: &str) -> Option<Communicator> {
+    match std::env::var(RANK_OF) {
+        Ok(t) if t == test => Some(
+            Communicator::from_env().unwrap_or_else(|e| panic!("joining the job of {test}: {e}")),
+        ),
+        _ => None,
+    }
+}
+
+/// Reports `line` to the launcher at once.
+pub fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// Running ranks, killed when dropped.
+pub struct ProcessJob {
+    test: String,
+    children: Vec<Child>,
+    /// Each rank's lines as they come, then `None` when its stdout closes.
+    lines: Receiver<(u32, Option<String>)>,
+    /// Lines read so far, per rank.
+    seen: HashMap<u32, Vec<String>>,
+    /// Ranks whose stdout has closed (they exited, or were killed).
+    ended: Vec<u32>,
+}
+
+impl ProcessJob {
+    /// Starts the `m * d` ranks of `test` (this binary's test of that name),
+    /// with `env` added to each rank's environment.
+    pub fn start(test: &str, m: u32, d: u32, env: &[(&str, String)]) -> ProcessJob {
+        assert!(
+            std::env::var_os(RANK_OF).is_none(),
+            "a rank of a job tried to launch {test}: the test's name passed to rank_of_job \
+             and to ProcessJob::start must be its function's name"
+        );
+        let exe = std::env::current_exe().expect("this test binary");
+        let port = super::free_port();
+        let world = m * d;
+        let (tx, lines) = channel();
+        let children = (0..world)
+            .map(|rank| {
+                let mut c = Command::new(&exe);
+                c.args([test, "--exact", "--include-ignored", "--nocapture"])
+                    .args(["--test-threads", "1"])
+                    .env(RANK_OF, test)
+                    .env("RANK", rank.to_string())
+                    .env("WORLD_SIZE", world.to_string())
+                    .env("LOCAL_RANK", (rank % d).to_string())
+                    .env("LOCAL_WORLD_SIZE", d.to_string())
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", port.to_string())
+                    .env("TORCHELASTIC_RUN_ID", format!("{test}-{port}"))
+                    .env("FAIRRING_HOST_ID", format!("{test}-machine-{}", rank / d))
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::inherit());
+                for (k, v) in env {
+                    c.env(k, v);
+                }
+                let mut child = c
+                    .spawn()
+                    .unwrap_or_else(|e| panic!("starting rank {rank}: {e}"));
+                let out = child.stdout.take().expect("piped stdout");
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    for line in BufReader::new(out).lines().map_while(Result::ok) {
+                        if tx.send((rank, Some(line))).is_err() {
+                            return;
+                        }
+                    }
+                    let _ = tx.send((rank, None));
+                });
+                child
+            })
+            .collect();
+        ProcessJob {
+            test: test.to_owned(),
+            children,
+            lines,
+            seen: HashMap::new(),
+            ended: Vec::new(),
+        }
+    }
+
+    /// Waits until each of `ranks` has said a line starting with `prefix`;
+    /// returns those lines in the order of `ranks`. Panics after `within`.
+    pub fn await_line(&mut self, ranks: &[u32], prefix: &str, within: Duration) -> Vec<String> {
+        let deadline = Instant::now() + within;
+        loop {
+            let found: Vec<Option<String>> = ranks
+                .iter()
+                .map(|r| {
+                    self.seen
+                        .get(r)
+                        .and_then(|ls| ls.iter().find(|l| l.starts_with(prefix)).cloned())
+                })
+                .collect();
+            if found.iter().all(Option::is_some) {
+                return found.into_iter().flatten().collect();
+            }
+            let gone = ranks
+                .iter()
+                .zip(&found)
+                .find(|(r, f)| f.is_none() && self.ended.contains(r));
+            if let Some((rank, _)) = gone {
+                panic!(
+                    "{}: rank {rank} ended without saying {prefix:?}; it said {:?}",
+                    self.test,
+                    self.seen.get(rank)
+                );
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left.max(Duration::from_millis(1))) {
+                Ok((rank, Some(line))) => self.seen.entry(rank).or_default().push(line),
+                Ok((rank, None)) => self.ended.push(rank),
+                Err(_) if Instant::now() >= deadline => panic!(
+                    "{}: not every rank of {ranks:?} said {prefix:?} within {within:?}; \
+                     they said {:?}",
+                    self.test, self.seen
+                ),
+                Err(_) => {}
+            }
+        }
+    }
+
+    /// Kills rank `rank` at once (SIGKILL).
+    pub fn kill(&mut self, rank: u32) {
+        let child = &mut self.children[rank as usize];
+        child
+            .kill()
+            .unwrap_or_else(|e| panic!("killing rank {rank}: {e}"));
+        let _ = child.wait();
+    }
+
+    /// Waits for every rank but those in `killed` to exit, and panics naming
+    /// each that failed or that is still running after `within`.
+    pub fn finish(mut self, killed: &[u32], within: Duration) {
+        let deadline = Instant::now() + within;
+        let mut failures = Vec::new();
+        for (rank, child) in (0u32..).zip(self.children.iter_mut()) {
+            if killed.contains(&rank) {
+                continue;
+            }
+            loop {
+                match child.try_wait() {
+                    Ok(Some(status)) if status.success() => break,
+                    Ok(Some(status)) => {
+                        failures.push(format!("rank {rank} failed ({status})"));
+                        break;
+                    }
+                    Ok(None) if Instant::now() > deadline => {
+                        let _ = child.kill();
+                        failures.push(format!("rank {rank} still ran after {within:?}"));
+                        break;
+                    }
+                    Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+                    Err(e) => {
+                        failures.push(format!("rank {rank}: {e}"));
+                        break;
+                    }
+                }
+            }
+        }
+        assert!(
+            failures.is_empty(),
+            "{}: {} (each rank's panic is above)",
+            self.test,
+            failures.join("; ")
+        );
+    }
+
+    /// Starts `test` as an `m x d` job and waits for every rank to succeed.
+    pub fn run(test: &str, m: u32, d: u32, env: &[(&str, String)], within: Duration) {
+        ProcessJob::start(test, m, d, env).finish(&[], within);
+    }
+}
+
+impl Drop for ProcessJob {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
