@@ -158,6 +158,10 @@ typedef void (*fr_work_callback)(void *user,
 // happened in should be aborted.
 #define FR_PANIC 13
 
+// A CUDA call made for a device tensor failed, or no usable CUDA driver or
+// device was found; the message names the call.
+#define FR_GPU 14
+
 // The callback succeeded.
 #define FR_STORE_OK 0
 
@@ -167,6 +171,10 @@ typedef void (*fr_work_callback)(void *user,
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// Whether this library was built with the `cuda` feature: the device calls
+// (`fr_*_device`, `fr_work_enqueue_wait`) are exported only then.
+bool fr_cuda_built(void);
 
 // Joins the job torchrun's environment describes (`RANK`, `WORLD_SIZE`,
 // `MASTER_ADDR`, `MASTER_PORT`, torchrun's agent store, the `FAIRRING_*`
@@ -307,6 +315,115 @@ fr_status fr_reduce_scatter(const fr_comm *comm,
 // `comm` is a live handle; `out` is valid for a write.
 fr_status fr_barrier(const fr_comm *comm,
                      fr_work **out);
+
+#if defined(FAIRRING_CUDA)
+// Starts an all-reduce of `count` elements of `dtype` at device address
+// `data`, in place, with `op`, ordered on `stream`. `*out` receives the work
+// handle.
+//
+// # Safety
+//
+// `comm` is a live handle; `data` is device memory valid for reads and writes
+// of `count` elements, aligned for `dtype`, untouched by the caller and by
+// every stream until the work finishes; `stream` is null or a live stream of
+// that device's primary context, alive until the work finishes; `out` is
+// valid for a write.
+fr_status fr_all_reduce_device(const fr_comm *comm,
+                               void *data,
+                               uint64_t count,
+                               int32_t dtype,
+                               int32_t op,
+                               void *stream,
+                               fr_work **out);
+#endif
+
+#if defined(FAIRRING_CUDA)
+// Starts an all-reduce of each of the `n` device tensors `data[i]` of
+// `counts[i]` elements, all of `dtype`, ordered on `stream`; one work covers
+// them all. Every tensor is checked before any starts.
+//
+// # Safety
+//
+// As `fr_all_reduce_device`, for every tensor; `data` and `counts` hold `n`
+// entries each (read during the call); no two tensors overlap.
+fr_status fr_all_reduce_coalesced_device(const fr_comm *comm,
+                                         void *const *data,
+                                         const uint64_t *counts,
+                                         size_t n,
+                                         int32_t dtype,
+                                         int32_t op,
+                                         void *stream,
+                                         fr_work **out);
+#endif
+
+#if defined(FAIRRING_CUDA)
+// Starts a broadcast of `count` elements of `dtype` at device address `data`
+// from rank `root`, ordered on `stream` (bit-exact for every type).
+//
+// # Safety
+//
+// As `fr_all_reduce_device`.
+fr_status fr_broadcast_device(const fr_comm *comm,
+                              void *data,
+                              uint64_t count,
+                              int32_t dtype,
+                              uint32_t root,
+                              void *stream,
+                              fr_work **out);
+#endif
+
+#if defined(FAIRRING_CUDA)
+// Starts an all-gather on device memory, ordered on `stream`: every rank's
+// `count` elements at `input` land, in rank order, in `output`
+// (`world_size * count` elements). `input` may be this rank's place in
+// `output`, and may not otherwise overlap it.
+//
+// # Safety
+//
+// As `fr_all_reduce_device`, for `output` (`world_size * count` elements);
+// `input` is device memory of the same GPU valid for reads of `count`
+// elements, which no stream writes until the work finishes.
+fr_status fr_all_gather_device(const fr_comm *comm,
+                               const void *input,
+                               void *output,
+                               uint64_t count,
+                               int32_t dtype,
+                               void *stream,
+                               fr_work **out);
+#endif
+
+#if defined(FAIRRING_CUDA)
+// Starts a reduce-scatter on device memory, ordered on `stream`: `input`
+// (`world_size * count` elements) is all-reduced **in place** with `op`, and
+// this rank's `count` elements of it are copied into `output`.
+//
+// # Safety
+//
+// As `fr_all_reduce_device`, for `input` and for `output`, which must not
+// overlap.
+fr_status fr_reduce_scatter_device(const fr_comm *comm,
+                                   void *input,
+                                   void *output,
+                                   uint64_t count,
+                                   int32_t dtype,
+                                   int32_t op,
+                                   void *stream,
+                                   fr_work **out);
+#endif
+
+#if defined(FAIRRING_CUDA)
+// Makes `stream` wait, on the device, until the work has finished: what is
+// enqueued on `stream` afterwards sees its result; the host does not wait. A
+// failed operation releases the stream too (`fr_work_wait` reports its
+// error). For a work with no device operation behind it, waits on the host.
+//
+// # Safety
+//
+// `work` is a live handle; `stream` is null or a live stream of the primary
+// context of the GPU the communicator's device operations run on.
+fr_status fr_work_enqueue_wait(const fr_work *work,
+                               void *stream);
+#endif
 
 // The message of the last error on this thread: valid until the next fairring
 // call on this thread; empty if there was none. Never null.

@@ -12,7 +12,7 @@ use crate::work::{Completions, fr_work};
 
 /// A communicator: one rank's membership of a job. Opaque.
 pub struct fr_comm {
-    comm: Arc<Communicator>,
+    pub(crate) comm: Arc<Communicator>,
     completions: Arc<Completions>,
 }
 
@@ -203,7 +203,7 @@ pub unsafe extern "C" fn fr_comm_destroy(comm: *mut fr_comm) {
 }
 
 /// Parses a `FR_DTYPE_*` value.
-fn dtype_of(dtype: i32) -> Result<DataType, fr_status> {
+pub(crate) fn dtype_of(dtype: i32) -> Result<DataType, fr_status> {
     u8::try_from(dtype)
         .ok()
         .and_then(DataType::from_u8)
@@ -211,7 +211,7 @@ fn dtype_of(dtype: i32) -> Result<DataType, fr_status> {
 }
 
 /// Parses a `FR_OP_*` value.
-fn op_of(op: i32) -> Result<ReduceOp, fr_status> {
+pub(crate) fn op_of(op: i32) -> Result<ReduceOp, fr_status> {
     u8::try_from(op)
         .ok()
         .and_then(ReduceOp::from_u8)
@@ -219,7 +219,7 @@ fn op_of(op: i32) -> Result<ReduceOp, fr_status> {
 }
 
 /// Parses a `FR_DTYPE_*` and a `FR_OP_*` value; the first bad one is named.
-fn types(dtype: i32, op: i32) -> Result<(DataType, ReduceOp), fr_status> {
+pub(crate) fn types(dtype: i32, op: i32) -> Result<(DataType, ReduceOp), fr_status> {
     Ok((dtype_of(dtype)?, op_of(op)?))
 }
 
@@ -229,7 +229,7 @@ fn types(dtype: i32, op: i32) -> Result<(DataType, ReduceOp), fr_status> {
 /// # Safety
 ///
 /// `comm` is null or a live handle.
-unsafe fn begin<'a>(
+pub(crate) unsafe fn begin<'a>(
     comm: *const fr_comm,
     out: *mut *mut fr_work,
 ) -> Result<&'a fr_comm, fr_status> {
@@ -246,7 +246,7 @@ unsafe fn begin<'a>(
 /// # Safety
 ///
 /// `out` is non-null and valid for a write.
-unsafe fn hand_out(
+pub(crate) unsafe fn hand_out(
     c: &fr_comm,
     out: *mut *mut fr_work,
     work: fairring::Result<Work<'_>>,

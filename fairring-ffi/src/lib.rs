@@ -20,11 +20,16 @@
 //! Element types and operators are the stable discriminants of
 //! [`fairring::DataType`] and [`fairring::ReduceOp`] (`FR_DTYPE_*`, `FR_OP_*`).
 //!
-//! Device memory (CUDA tensors with a raw `CUstream`) comes with the engine's
-//! CUDA memory space; until then every pointer is host memory.
+//! - **Device memory** (the `cuda` feature; declared in the header when
+//!   `FAIRRING_CUDA` is defined): every collective on CUDA device pointers,
+//!   ordered on the caller's `cudaStream_t`, and `fr_work_enqueue_wait` to make
+//!   a stream wait for a work on the device. `fr_cuda_built()` says whether the
+//!   library has them.
 #![allow(non_camel_case_types, reason = "C names: fr_comm, fr_work, fr_status")]
 
 mod comm;
+#[cfg(feature = "cuda")]
+mod device;
 mod status;
 mod store;
 mod work;
@@ -33,6 +38,11 @@ pub use comm::{
     fr_all_gather, fr_all_reduce, fr_all_reduce_coalesced, fr_barrier, fr_broadcast, fr_comm,
     fr_comm_abort, fr_comm_destroy, fr_comm_from_env, fr_comm_rank, fr_comm_with_store,
     fr_reduce_scatter,
+};
+#[cfg(feature = "cuda")]
+pub use device::{
+    fr_all_gather_device, fr_all_reduce_coalesced_device, fr_all_reduce_device,
+    fr_broadcast_device, fr_reduce_scatter_device, fr_work_enqueue_wait,
 };
 pub use status::*;
 pub use store::{
@@ -43,6 +53,13 @@ pub use work::{
     fr_work, fr_work_callback, fr_work_free, fr_work_on_complete, fr_work_test, fr_work_wait,
     fr_work_wait_timeout,
 };
+
+/// Whether this library was built with the `cuda` feature: the device calls
+/// (`fr_*_device`, `fr_work_enqueue_wait`) are exported only then.
+#[unsafe(no_mangle)]
+pub extern "C" fn fr_cuda_built() -> bool {
+    cfg!(feature = "cuda")
+}
 
 /// IEEE 754 binary32. (`FR_DTYPE_*` name the element types.)
 pub const FR_DTYPE_F32: i32 = 0;

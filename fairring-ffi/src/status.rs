@@ -43,6 +43,9 @@ pub const FR_ABORTED: fr_status = 12;
 /// A panic inside fairring was caught at the boundary; the communicator it
 /// happened in should be aborted.
 pub const FR_PANIC: fr_status = 13;
+/// A CUDA call made for a device tensor failed, or no usable CUDA driver or
+/// device was found; the message names the call.
+pub const FR_GPU: fr_status = 14;
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
@@ -68,6 +71,7 @@ pub(crate) fn code_of(e: &Error) -> fr_status {
         Error::Io { .. } => FR_IO,
         Error::Mismatch { .. } => FR_MISMATCH,
         Error::Aborted => FR_ABORTED,
+        Error::Gpu(_) => FR_GPU,
         Error::Failed { first } => code_of(first),
         _ => FR_INTERNAL,
     }
@@ -134,6 +138,7 @@ pub extern "C" fn fr_status_name(status: fr_status) -> *const c_char {
         FR_INTERNAL => c"internal",
         FR_ABORTED => c"aborted",
         FR_PANIC => c"panic",
+        FR_GPU => c"gpu",
         _ => c"unknown status",
     };
     name.as_ptr()

@@ -144,3 +144,21 @@ fn a_c_program_linked_with_the_static_library_runs_a_job() {
     compile("static", &out);
     run_job(&out);
 }
+
+/// With `FAIRRING_CUDA` defined, the header declares every device call with
+/// the signature the C ABI promises (compiled, not linked: the library
+/// exports them when built with its `cuda` feature).
+#[test]
+fn the_header_declares_the_device_calls_under_fairring_cuda() {
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let status = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+        .arg(crate_dir.join("tests/c/device_calls.c"))
+        .args(["-std=c11", "-Wall", "-Werror", "-fsyntax-only", "-I"])
+        .arg(crate_dir.join("include"))
+        .status()
+        .expect("a C compiler (`cc`, or $CC) to check the header");
+    assert!(
+        status.success(),
+        "tests/c/device_calls.c does not compile against the header"
+    );
+}

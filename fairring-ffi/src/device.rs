@@ -1,0 +1,342 @@
+//! Collectives on CUDA device memory, ordered on the caller's stream (the
+//! `cuda` feature; the header declares them when `FAIRRING_CUDA` is defined).
+//!
+//! Each takes a device pointer (`void *`, as `cudaMalloc` and
+//! `torch.Tensor.data_ptr()` give it) and a stream (`cudaStream_t` or
+//! `CUstream`, passed as `void *`; null is the legacy default stream) of the
+//! device's primary context, which the CUDA runtime and PyTorch use. The
+//! operation starts after everything already enqueued on the stream, and the
+//! call never waits for the GPU. `fr_work_enqueue_wait` makes a stream wait for
+//! the operation on the device; `fr_work_wait` and `fr_work_test` wait and test
+//! on the host.
+//!
+//! The memory must stay valid, and no stream or thread may touch it, until
+//! the operation completes (work ordered after `fr_work_enqueue_wait` may).
+//! One communicator drives one GPU, and device memory takes one rank per
+//! machine (the GPUs of a machine would reduce among themselves through NCCL,
+//! which the engine does not drive yet).
+
+use std::ffi::c_void;
+
+use fairring::cuda::sys::CUstream;
+
+use crate::comm::{begin, dtype_of, fr_comm, hand_out, types};
+use crate::status::{FR_OK, boundary, fail, fr_status, invalid};
+use crate::work::fr_work;
+
+/// A device address as the driver API takes it.
+fn device_address(ptr: *const c_void) -> u64 {
+    ptr as usize as u64
+}
+
+/// Starts an all-reduce of `count` elements of `dtype` at device address
+/// `data`, in place, with `op`, ordered on `stream`. `*out` receives the work
+/// handle.
+///
+/// # Safety
+///
+/// `comm` is a live handle; `data` is device memory valid for reads and writes
+/// of `count` elements, aligned for `dtype`, untouched by the caller and by
+/// every stream until the work finishes; `stream` is null or a live stream of
+/// that device's primary context, alive until the work finishes; `out` is
+/// valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fr_all_reduce_device(
+    comm: *const fr_comm,
+    data: *mut c_void,
+    count: u64,
+    dtype: i32,
+    op: i32,
+    stream: *mut c_void,
+    out: *mut *mut fr_work,
+) -> fr_status {
+    boundary(|| {
+        // SAFETY: forwarded under the same contract.
+        let c = match unsafe { begin(comm, out) } {
+            Ok(c) => c,
+            Err(s) => return s,
+        };
+        let (dtype, op) = match types(dtype, op) {
+            Ok(t) => t,
+            Err(s) => return s,
+        };
+        // SAFETY: the memory and stream contract is the caller's, as documented.
+        let work = unsafe {
+            c.comm.all_reduce_device_raw(
+                device_address(data),
+                count,
+                dtype,
+                op,
+                stream as CUstream,
+                None,
+            )
+        };
+        // SAFETY: `out` was checked non-null; valid for a write per the contract.
+        unsafe { hand_out(c, out, work) }
+    })
+}
+
+/// Starts an all-reduce of each of the `n` device tensors `data[i]` of
+/// `counts[i]` elements, all of `dtype`, ordered on `stream`; one work covers
+/// them all. Every tensor is checked before any starts.
+///
+/// # Safety
+///
+/// As `fr_all_reduce_device`, for every tensor; `data` and `counts` hold `n`
+/// entries each (read during the call); no two tensors overlap.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fr_all_reduce_coalesced_device(
+    comm: *const fr_comm,
+    data: *const *mut c_void,
+    counts: *const u64,
+    n: usize,
+    dtype: i32,
+    op: i32,
+    stream: *mut c_void,
+    out: *mut *mut fr_work,
+) -> fr_status {
+    boundary(|| {
+        if n > 0 && (data.is_null() || counts.is_null()) {
+            return invalid("data", "null list");
+        }
+        let tensors: Vec<(u64, u64)> = if n == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: both lists hold `n` entries per the contract (non-null,
+            // checked above), read only during this call.
+            let data = unsafe { std::slice::from_raw_parts(data, n) };
+            // SAFETY: as for `data`.
+            let counts = unsafe { std::slice::from_raw_parts(counts, n) };
+            data.iter()
+                .zip(counts)
+                .map(|(&d, &c)| (device_address(d), c))
+                .collect()
+        };
+        // SAFETY: forwarded under the same contract.
+        let c = match unsafe { begin(comm, out) } {
+            Ok(c) => c,
+            Err(s) => return s,
+        };
+        let (dtype, op) = match types(dtype, op) {
+            Ok(t) => t,
+            Err(s) => return s,
+        };
+        // SAFETY: the memory and stream contract is the caller's, as documented.
+        let work = unsafe {
+            c.comm
+                .all_reduce_coalesced_device_raw(&tensors, dtype, op, stream as CUstream)
+        };
+        // SAFETY: `out` was checked non-null; valid for a write per the contract.
+        unsafe { hand_out(c, out, work) }
+    })
+}
+
+/// Starts a broadcast of `count` elements of `dtype` at device address `data`
+/// from rank `root`, ordered on `stream` (bit-exact for every type).
+///
+/// # Safety
+///
+/// As `fr_all_reduce_device`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fr_broadcast_device(
+    comm: *const fr_comm,
+    data: *mut c_void,
+    count: u64,
+    dtype: i32,
+    root: u32,
+    stream: *mut c_void,
+    out: *mut *mut fr_work,
+) -> fr_status {
+    boundary(|| {
+        // SAFETY: forwarded under the same contract.
+        let c = match unsafe { begin(comm, out) } {
+            Ok(c) => c,
+            Err(s) => return s,
+        };
+        let dtype = match dtype_of(dtype) {
+            Ok(d) => d,
+            Err(s) => return s,
+        };
+        // SAFETY: the memory and stream contract is the caller's, as documented.
+        let work = unsafe {
+            c.comm.broadcast_device_raw(
+                device_address(data),
+                count,
+                dtype,
+                root,
+                stream as CUstream,
+            )
+        };
+        // SAFETY: `out` was checked non-null; valid for a write per the contract.
+        unsafe { hand_out(c, out, work) }
+    })
+}
+
+/// Starts an all-gather on device memory, ordered on `stream`: every rank's
+/// `count` elements at `input` land, in rank order, in `output`
+/// (`world_size * count` elements). `input` may be this rank's place in
+/// `output`, and may not otherwise overlap it.
+///
+/// # Safety
+///
+/// As `fr_all_reduce_device`, for `output` (`world_size * count` elements);
+/// `input` is device memory of the same GPU valid for reads of `count`
+/// elements, which no stream writes until the work finishes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fr_all_gather_device(
+    comm: *const fr_comm,
+    input: *const c_void,
+    output: *mut c_void,
+    count: u64,
+    dtype: i32,
+    stream: *mut c_void,
+    out: *mut *mut fr_work,
+) -> fr_status {
+    boundary(|| {
+        // SAFETY: forwarded under the same contract.
+        let c = match unsafe { begin(comm, out) } {
+            Ok(c) => c,
+            Err(s) => return s,
+        };
+        let dtype = match dtype_of(dtype) {
+            Ok(d) => d,
+            Err(s) => return s,
+        };
+        // SAFETY: the memory and stream contract is the caller's, as documented.
+        let work = unsafe {
+            c.comm.all_gather_device_raw(
+                device_address(input),
+                device_address(output),
+                count,
+                dtype,
+                stream as CUstream,
+            )
+        };
+        // SAFETY: `out` was checked non-null; valid for a write per the contract.
+        unsafe { hand_out(c, out, work) }
+    })
+}
+
+/// Starts a reduce-scatter on device memory, ordered on `stream`: `input`
+/// (`world_size * count` elements) is all-reduced **in place** with `op`, and
+/// this rank's `count` elements of it are copied into `output`.
+///
+/// # Safety
+///
+/// As `fr_all_reduce_device`, for `input` and for `output`, which must not
+/// overlap.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fr_reduce_scatter_device(
+    comm: *const fr_comm,
+    input: *mut c_void,
+    output: *mut c_void,
+    count: u64,
+    dtype: i32,
+    op: i32,
+    stream: *mut c_void,
+    out: *mut *mut fr_work,
+) -> fr_status {
+    boundary(|| {
+        // SAFETY: forwarded under the same contract.
+        let c = match unsafe { begin(comm, out) } {
+            Ok(c) => c,
+            Err(s) => return s,
+        };
+        let (dtype, op) = match types(dtype, op) {
+            Ok(t) => t,
+            Err(s) => return s,
+        };
+        // SAFETY: the memory and stream contract is the caller's, as documented.
+        let work = unsafe {
+            c.comm.reduce_scatter_device_raw(
+                device_address(input),
+                device_address(output),
+                count,
+                dtype,
+                op,
+                stream as CUstream,
+            )
+        };
+        // SAFETY: `out` was checked non-null; valid for a write per the contract.
+        unsafe { hand_out(c, out, work) }
+    })
+}
+
+/// Makes `stream` wait, on the device, until the work has finished: what is
+/// enqueued on `stream` afterwards sees its result; the host does not wait. A
+/// failed operation releases the stream too (`fr_work_wait` reports its
+/// error). For a work with no device operation behind it, waits on the host.
+///
+/// # Safety
+///
+/// `work` is a live handle; `stream` is null or a live stream of the primary
+/// context of the GPU the communicator's device operations run on.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fr_work_enqueue_wait(
+    work: *const fr_work,
+    stream: *mut c_void,
+) -> fr_status {
+    boundary(|| {
+        // SAFETY: per the contract, a non-null `work` is a live handle.
+        let Some(w) = (unsafe { work.as_ref() }) else {
+            return invalid("work", "null");
+        };
+        // SAFETY: the stream contract is the caller's, as documented.
+        match unsafe { w.work.enqueue_wait_raw(stream as CUstream) } {
+            Ok(()) => FR_OK,
+            Err(e) => fail(&e),
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::CStr;
+
+    use super::*;
+    use crate::fr_last_error;
+    use crate::status::FR_INVALID_ARGUMENT;
+
+    fn last_error() -> String {
+        // SAFETY: `fr_last_error` never returns null, and the text stays valid
+        // until the next call on this thread.
+        unsafe { CStr::from_ptr(fr_last_error()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn null_handles_are_refused_naming_them() {
+        let mut out: *mut fr_work = std::ptr::null_mut();
+        let null = std::ptr::null_mut();
+        // SAFETY: a null handle is refused before anything is touched.
+        let s = unsafe { fr_all_reduce_device(std::ptr::null(), null, 4, 0, 0, null, &mut out) };
+        assert_eq!(s, FR_INVALID_ARGUMENT);
+        assert!(last_error().contains("`comm`"), "{}", last_error());
+        assert!(out.is_null());
+        // SAFETY: as above.
+        let s = unsafe { fr_work_enqueue_wait(std::ptr::null(), null) };
+        assert_eq!(s, FR_INVALID_ARGUMENT);
+        assert!(last_error().contains("`work`"), "{}", last_error());
+        // SAFETY: as above; the lists are null with a length of one.
+        let s = unsafe {
+            fr_all_reduce_coalesced_device(
+                std::ptr::null(),
+                std::ptr::null(),
+                std::ptr::null(),
+                1,
+                0,
+                0,
+                null,
+                &mut out,
+            )
+        };
+        assert_eq!(s, FR_INVALID_ARGUMENT);
+        assert!(last_error().contains("`data`"), "{}", last_error());
+    }
+
+    #[test]
+    fn the_library_says_it_was_built_with_the_device_calls() {
+        assert!(crate::fr_cuda_built());
+    }
+}
