@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fairring_core::plan::{Geometry, PlanConfig};
-use fairring_core::reduce::{finish_avg_bytes, reduce_bytes};
+use fairring_core::reduce::{finish_avg_bytes, reduce_bytes, reduce_many_bytes};
 use fairring_core::topology::{RankLayout, Topology};
 use fairring_core::{DataType, ReduceOp};
 use fairring_cuda::nccl::{Communicator, UniqueId, group};
@@ -203,6 +203,95 @@ fn the_kernel_matches_the_host_kernels_for_every_type_operator_size_and_alignmen
                         whole[dst_off * size + bytes..].iter().all(|b| *b == 0),
                         "{what}: after dst"
                     );
+                }
+            }
+        }
+    }
+}
+
+/// The many-source kernel against the host's `reduce_many`, for every type
+/// and operator, one source to more than one launch takes, aligned and not.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_many_source_kernel_matches_the_host_reduce_many() {
+    let device = device();
+    let kernels = ReductionKernels::load(&device).unwrap();
+    let stream = Stream::new(&device, false).unwrap();
+    let most = ReductionKernels::MAX_SOURCES;
+    for dtype in DataType::ALL.iter().copied() {
+        let size = dtype.size_bytes() as usize;
+        for op in OPERATORS.into_iter().filter(|op| op.supports(dtype)) {
+            for n in [1usize, 1001, (1 << 20) + 7] {
+                for k in [1usize, 3, 7, most + 1] {
+                    // Every operand at the same offset, or one source off by an
+                    // element (the scalar path).
+                    for (dst_off, odd) in [(0usize, 0usize), (1, 1), (0, 1)] {
+                        let what = format!("{dtype} {op} n={n} k={k} offsets=({dst_off},{odd})");
+                        let dst_host = elements(dtype, n, 0x1234 + n as u64);
+                        let srcs_host: Vec<Vec<u8>> = (0..k)
+                            .map(|j| elements(dtype, n, 0x9876 + (n * 17 + j) as u64))
+                            .collect();
+                        // One launch folds at most `most` sources, rounding
+                        // half-precision types once per launch.
+                        let mut want = dst_host.clone();
+                        for group in srcs_host.chunks(most) {
+                            let views: Vec<&[u8]> = group.iter().map(Vec::as_slice).collect();
+                            reduce_many_bytes(dtype, op, &mut want, &views).unwrap();
+                        }
+                        if op == ReduceOp::Avg {
+                            finish_avg_bytes(dtype, &mut want, 3).unwrap();
+                        }
+                        let bytes = n * size;
+                        let dst_buf = DeviceBuffer::zeroed(&device, (n + 2) * size).unwrap();
+                        let src_bufs: Vec<DeviceBuffer> = (0..k)
+                            .map(|_| DeviceBuffer::zeroed(&device, (n + 2) * size).unwrap())
+                            .collect();
+                        // SAFETY: in bounds of the buffer, which outlives every use.
+                        let mut dst = unsafe {
+                            DeviceSliceMut::from_raw(
+                                dst_buf.raw() + (dst_off * size) as u64,
+                                bytes,
+                                &device,
+                            )
+                        };
+                        stream.upload_blocking(&mut dst, &dst_host).unwrap();
+                        let mut srcs = Vec::new();
+                        for (j, (buf, host)) in src_bufs.iter().zip(&srcs_host).enumerate() {
+                            let off = if j == k / 2 { odd } else { dst_off };
+                            // SAFETY: as above.
+                            let mut view = unsafe {
+                                DeviceSliceMut::from_raw(
+                                    buf.raw() + (off * size) as u64,
+                                    bytes,
+                                    &device,
+                                )
+                            };
+                            stream.upload_blocking(&mut view, host).unwrap();
+                            // SAFETY: as above; read only from here on.
+                            srcs.push(unsafe { DeviceSlice::from_raw(view.raw(), bytes, &device) });
+                        }
+                        kernels
+                            .reduce_many(&stream, dtype, op, &mut dst, &srcs)
+                            .unwrap();
+                        if op == ReduceOp::Avg {
+                            kernels.finish_avg(&stream, dtype, &mut dst, 3).unwrap();
+                        }
+                        let mut got = vec![0u8; bytes];
+                        stream.download_blocking(&mut got, dst.as_slice()).unwrap();
+                        assert_same(dtype, &got, &want, &what);
+                        let mut whole = vec![0u8; (n + 2) * size];
+                        stream
+                            .download_blocking(&mut whole, dst_buf.slice())
+                            .unwrap();
+                        assert!(
+                            whole[..dst_off * size].iter().all(|b| *b == 0),
+                            "{what}: before dst"
+                        );
+                        assert!(
+                            whole[dst_off * size + bytes..].iter().all(|b| *b == 0),
+                            "{what}: after dst"
+                        );
+                    }
                 }
             }
         }

@@ -3,7 +3,7 @@
 //! these with `--ignored`; without the library they fail, naming it.
 
 use fairring_core::{DataType, ReduceOp};
-use fairring_cuda::kernel::{compile, divide_entry_point, entry_point};
+use fairring_cuda::kernel::{compile, divide_entry_point, entry_point, many_entry_point};
 
 /// The PTX body of one entry point.
 fn body<'a>(ptx: &'a str, name: &str) -> &'a str {
@@ -46,6 +46,7 @@ fn every_kernel_compiles_for_hopper_and_ampere() {
                 ReduceOp::Max,
             ] {
                 body(&compiled.ptx, &entry_point(dtype, op));
+                body(&compiled.ptx, &many_entry_point(dtype, op));
             }
             if dtype.is_float() {
                 body(&compiled.ptx, &divide_entry_point(dtype));
@@ -59,8 +60,10 @@ fn every_kernel_compiles_for_hopper_and_ampere() {
 fn the_kernels_move_16_byte_vectors_through_the_read_only_path() {
     let compiled = compile((9, 0)).unwrap_or_else(|e| panic!("{e}"));
     for dtype in DataType::ALL.iter().copied() {
-        for op in [ReduceOp::Sum, ReduceOp::Min] {
-            let name = entry_point(dtype, op);
+        for name in [ReduceOp::Sum, ReduceOp::Min]
+            .into_iter()
+            .flat_map(|op| [entry_point(dtype, op), many_entry_point(dtype, op)])
+        {
             let ptx = body(&compiled.ptx, &name);
             assert!(
                 moves_16_bytes(ptx, "ld.global.nc."),

@@ -15,11 +15,11 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
-use fairring_core::reduce::{finish_avg_bytes, reduce_bytes};
+use fairring_core::reduce::{finish_avg_bytes, reduce_bytes, reduce_many_bytes};
 use fairring_core::{DataType, ReduceOp};
 
 use super::geometry::{Split, THREADS, blocks};
-use super::{OPERATORS, SOURCE, divide_entry_point, entry_point};
+use super::{MAX_SOURCES, OPERATORS, SOURCE, divide_entry_point, entry_point, many_entry_point};
 
 const SHIM: &str = include_str!("host_emulation.h");
 
@@ -31,6 +31,16 @@ extern "C" void fairring_emulate_reduce(void* kernel, void* dst, const void* src
     typedef void (*Fn)(void*, const void*, u64, u64, u64);
     Fn f = reinterpret_cast<Fn>(kernel);
     FAIRRING_FOR_EACH_THREAD(grid, block, f(dst, src, head, vectors, tail));
+}
+extern "C" void fairring_emulate_reduce_many(void* kernel, void* dst, const void* const* srcs,
+                                             unsigned int count, unsigned long long head,
+                                             unsigned long long vectors, unsigned long long tail,
+                                             unsigned int grid, unsigned int block) {
+    typedef void (*Fn)(void*, Sources, u32, u64, u64, u64);
+    Sources s;
+    for (unsigned int k = 0; k < MAX_SOURCES; ++k) s.p[k] = k < count ? srcs[k] : 0;
+    Fn f = reinterpret_cast<Fn>(kernel);
+    FAIRRING_FOR_EACH_THREAD(grid, block, f(dst, s, count, head, vectors, tail));
 }
 extern "C" void fairring_emulate_divide(void* kernel, void* dst, unsigned int n,
                                         unsigned long long head, unsigned long long vectors,
@@ -44,6 +54,17 @@ extern "C" void fairring_emulate_divide(void* kernel, void* dst, unsigned int n,
 
 type Launch =
     unsafe extern "C" fn(*mut c_void, *mut c_void, *const c_void, u64, u64, u64, u32, u32);
+type LaunchMany = unsafe extern "C" fn(
+    *mut c_void,
+    *mut c_void,
+    *const *const c_void,
+    u32,
+    u64,
+    u64,
+    u64,
+    u32,
+    u32,
+);
 type LaunchDivide = unsafe extern "C" fn(*mut c_void, *mut c_void, u32, u64, u64, u64, u32, u32);
 
 /// The kernels built as a shared library, once per test process.
@@ -269,6 +290,98 @@ fn every_kernel_matches_the_host_kernels_when_run_on_the_cpu() {
                         all[(dst_off + n) * size..].iter().all(|b| *b == 0),
                         "{what}: wrote after dst"
                     );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_many_source_kernel_matches_the_host_reduce_many_when_run_on_the_cpu() {
+    let launch: LaunchMany = symbol("fairring_emulate_reduce_many");
+    let mut ops = OPERATORS.to_vec();
+    ops.push(ReduceOp::Avg);
+    for dtype in DataType::ALL.iter().copied() {
+        let size = dtype.size_bytes() as usize;
+        for n in [1usize, 3, 1000, (1 << 16) + 7] {
+            for k in [1usize, 3, 7, MAX_SOURCES] {
+                let dst_host = elements(dtype, n, 0x1234_5678 ^ n as u64);
+                let srcs_host: Vec<Vec<u8>> = (0..k)
+                    .map(|j| elements(dtype, n, 0x9876_5432 ^ (n * 31 + j) as u64))
+                    .collect();
+                for op in ops.iter().copied().filter(|op| op.supports(dtype)) {
+                    // Every operand at the same offset (vectors), or one source
+                    // off by an element (all scalar).
+                    for (dst_off, odd_src) in [(0usize, 0usize), (1, 1), (0, 1)] {
+                        if n > 1000 && dst_off != odd_src {
+                            continue;
+                        }
+                        let what =
+                            format!("{dtype} {op} n={n} k={k} offsets=({dst_off},{odd_src})");
+                        let mut want = dst_host.clone();
+                        let views: Vec<&[u8]> = srcs_host.iter().map(Vec::as_slice).collect();
+                        reduce_many_bytes(dtype, op, &mut want, &views).unwrap();
+                        if op == ReduceOp::Avg {
+                            finish_avg_bytes(dtype, &mut want, 3).unwrap();
+                        }
+                        let mut src_mems: Vec<Aligned> =
+                            (0..k).map(|_| Aligned::new((n + 4) * size)).collect();
+                        let mut src_ptrs = Vec::with_capacity(k);
+                        for (j, (mem, host)) in src_mems.iter_mut().zip(&srcs_host).enumerate() {
+                            let off = if j == k / 2 { odd_src } else { dst_off };
+                            let src = mem.bytes(off * size, n * size);
+                            src.copy_from_slice(host);
+                            src_ptrs.push(src.as_ptr().cast::<c_void>());
+                        }
+                        let mut dst_mem = Aligned::new((n + 4) * size);
+                        let dst = dst_mem.bytes(dst_off * size, n * size);
+                        dst.copy_from_slice(&dst_host);
+                        let mut addresses = vec![dst.as_ptr() as u64];
+                        addresses.extend(src_ptrs.iter().map(|p| *p as u64));
+                        let split = Split::new(&addresses, n as u64, size as u64);
+                        // SAFETY: the launcher calls the kernel with `n` elements
+                        // of each operand, as split for their addresses.
+                        unsafe {
+                            launch(
+                                kernel(&many_entry_point(dtype, op)),
+                                dst.as_mut_ptr().cast(),
+                                src_ptrs.as_ptr(),
+                                k as u32,
+                                split.head,
+                                split.vectors,
+                                split.tail,
+                                grid(&split, 1),
+                                THREADS,
+                            );
+                        }
+                        if op == ReduceOp::Avg {
+                            let launch_divide: LaunchDivide = symbol("fairring_emulate_divide");
+                            let split = Split::new(&[dst.as_ptr() as u64], n as u64, size as u64);
+                            // SAFETY: as above, for the one operand.
+                            unsafe {
+                                launch_divide(
+                                    kernel(&divide_entry_point(dtype)),
+                                    dst.as_mut_ptr().cast(),
+                                    3,
+                                    split.head,
+                                    split.vectors,
+                                    split.tail,
+                                    grid(&split, 1),
+                                    THREADS,
+                                );
+                            }
+                        }
+                        assert_same(dtype, dst, &want, &what);
+                        let all = dst_mem.bytes(0, (n + 4) * size);
+                        assert!(
+                            all[..dst_off * size].iter().all(|b| *b == 0),
+                            "{what}: wrote before dst"
+                        );
+                        assert!(
+                            all[(dst_off + n) * size..].iter().all(|b| *b == 0),
+                            "{what}: wrote after dst"
+                        );
+                    }
                 }
             }
         }

@@ -16,7 +16,9 @@ struct uint4 {
 struct fairring_dim3 {
     unsigned int x, y, z;
 };
-static fairring_dim3 blockIdx, blockDim, gridDim, threadIdx;
+// One grid position per host thread: tests emulating kernels at once each
+// walk a grid of their own.
+static thread_local fairring_dim3 blockIdx, blockDim, gridDim, threadIdx;
 
 template <class T> inline T __ldg(const T* p) { return *p; }
 inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -52,11 +54,16 @@ static void fairring_emulate_grid(unsigned int grid, unsigned int block) {
         }
 
 // The kernel is passed by address: every reduce kernel takes two pointers and
+// three u64, every many-source kernel a pointer, the sources block, a u32 and
 // three u64, every divide kernel a pointer, a u32 and three u64.
 extern "C" void fairring_emulate_reduce(void* kernel, void* dst, const void* src,
                                         unsigned long long head, unsigned long long vectors,
                                         unsigned long long tail, unsigned int grid,
                                         unsigned int block);
+extern "C" void fairring_emulate_reduce_many(void* kernel, void* dst, const void* const* srcs,
+                                             unsigned int count, unsigned long long head,
+                                             unsigned long long vectors, unsigned long long tail,
+                                             unsigned int grid, unsigned int block);
 extern "C" void fairring_emulate_divide(void* kernel, void* dst, unsigned int n,
                                         unsigned long long head, unsigned long long vectors,
                                         unsigned long long tail, unsigned int grid,

@@ -1,5 +1,7 @@
-//! The device reduction kernel: `dst op= src` and the average's division, for
-//! every type and operator of [`fairring_core::reduce`], with its semantics.
+//! The device reduction kernels: `dst op= src`, the many-source `dst op= src_0
+//! op ... op src_k` that reads and writes `dst` once, and the average's
+//! division, for every type and operator of [`fairring_core::reduce`], with its
+//! semantics.
 //!
 //! The source (`reduce.cu`) is compiled by NVRTC to machine code for the device's
 //! architecture the first time a process loads it, then loaded once per device.
@@ -50,6 +52,20 @@ pub fn entry_point(dtype: DataType, op: ReduceOp) -> String {
     format!("fairring_reduce_{op}_{}", type_name(dtype))
 }
 
+/// The name of the many-source kernel for `dtype` and `op` (`Avg` as `Sum`).
+pub fn many_entry_point(dtype: DataType, op: ReduceOp) -> String {
+    entry_point(dtype, op).replacen("fairring_reduce_", "fairring_reduce_many_", 1)
+}
+
+/// The most sources one many-source launch takes (`MAX_SOURCES` in
+/// `reduce.cu`); [`ReductionKernels::reduce_many`] folds more in several.
+const MAX_SOURCES: usize = 15;
+
+/// The many-source kernel's parameter: the sources' addresses, the unused
+/// ones zero (`Sources` in `reduce.cu`).
+#[repr(C)]
+struct Sources([u64; MAX_SOURCES]);
+
 /// The name of the division kernel for a float type.
 pub fn divide_entry_point(dtype: DataType) -> String {
     format!("fairring_divide_{}", type_name(dtype))
@@ -81,6 +97,7 @@ pub struct ReductionKernels {
     device: Arc<Device>,
     module: CUmodule,
     reduce: [[Kernel; 4]; 8],
+    reduce_many: [[Kernel; 4]; 8],
     divide: [Option<Kernel>; 8],
 }
 
@@ -91,6 +108,10 @@ unsafe impl Send for ReductionKernels {}
 unsafe impl Sync for ReductionKernels {}
 
 impl ReductionKernels {
+    /// The most sources [`reduce_many`](Self::reduce_many) folds in one
+    /// launch (one read and write of the destination).
+    pub const MAX_SOURCES: usize = MAX_SOURCES;
+
     /// Compiles the kernels for `device`'s architecture (once per process) and
     /// loads them on it.
     pub fn load(device: &Arc<Device>) -> Result<ReductionKernels> {
@@ -102,18 +123,21 @@ impl ReductionKernels {
         error::driver("cuModuleLoadData", unsafe {
             sys::cuModuleLoadData(&mut module, compiled.cubin.as_ptr().cast())
         })?;
+        let none = Kernel {
+            function: std::ptr::null_mut(),
+            blocks_per_sm: 0,
+        };
         let mut kernels = ReductionKernels {
             device: Arc::clone(device),
             module,
-            reduce: [[Kernel {
-                function: std::ptr::null_mut(),
-                blocks_per_sm: 0,
-            }; 4]; 8],
+            reduce: [[none; 4]; 8],
+            reduce_many: [[none; 4]; 8],
             divide: [None; 8],
         };
         for (t, dtype) in DataType::ALL.iter().copied().enumerate() {
             for (o, op) in OPERATORS.into_iter().enumerate() {
                 kernels.reduce[t][o] = kernels.function(&entry_point(dtype, op))?;
+                kernels.reduce_many[t][o] = kernels.function(&many_entry_point(dtype, op))?;
             }
             if dtype.is_float() {
                 kernels.divide[t] = Some(kernels.function(&divide_entry_point(dtype))?);
@@ -197,17 +221,7 @@ impl ReductionKernels {
         if count == 0 {
             return Ok(());
         }
-        let t = dtype as usize;
-        let o = OPERATORS
-            .iter()
-            .position(|x| {
-                *x == if op == ReduceOp::Avg {
-                    ReduceOp::Sum
-                } else {
-                    op
-                }
-            })
-            .unwrap_or(0);
+        let (t, o) = (dtype as usize, operator_index(op));
         let split = Split::new(&[d, s], count, dtype.size_bytes());
         let (mut dst_arg, mut src_arg) = (d, s);
         let (mut head, mut vectors, mut tail) = (split.head, split.vectors, split.tail);
@@ -222,6 +236,91 @@ impl ReductionKernels {
         // operands are whole, aligned, disjoint element ranges of this device
         // (checked above), valid until the kernel completes (the views' contracts).
         unsafe { self.launch(stream, self.reduce[t][o], split.work_items(2), &mut params) }
+    }
+
+    /// Enqueues `dst[i] = dst[i] op srcs[0][i] op srcs[1][i] ...` over elements
+    /// of `dtype` on `stream`, combined left to right and stored once (`Avg` as
+    /// `Sum`): `dst` is read and written once for every [`Self::MAX_SOURCES`]
+    /// sources, where pairwise passes would read and write it once per source.
+    /// For f16 and bf16 each launch keeps its combination in f32 and rounds
+    /// once, as `fairring_core::reduce::reduce_many` does (more than
+    /// [`Self::MAX_SOURCES`] sources round once per launch). No sources: nothing to
+    /// do.
+    ///
+    /// Refused, with nothing enqueued, as [`reduce`](Self::reduce) refuses,
+    /// for any source; sources may overlap each other but not `dst`.
+    pub fn reduce_many(
+        &self,
+        stream: &Stream,
+        dtype: DataType,
+        op: ReduceOp,
+        dst: &mut DeviceSliceMut<'_>,
+        srcs: &[DeviceSlice<'_>],
+    ) -> Result<()> {
+        if !op.supports(dtype) {
+            return Err(error::invalid(
+                "reduce op",
+                format!("{op} is not defined on {dtype}"),
+            ));
+        }
+        self.check_stream(stream)?;
+        self.device.check_same("destination", dst.device())?;
+        let count = elements(dtype, "destination", dst.raw(), dst.len())?;
+        let (d, len) = (dst.raw(), dst.len() as u64);
+        for src in srcs {
+            self.device.check_same("source", src.device())?;
+            if src.len() != dst.len() {
+                return Err(error::invalid(
+                    "source",
+                    format!(
+                        "it has {} bytes and the destination {}",
+                        src.len(),
+                        dst.len()
+                    ),
+                ));
+            }
+            elements(dtype, "source", src.raw(), src.len())?;
+            let s = src.raw();
+            if d < s + len && s < d + len {
+                return Err(error::invalid(
+                    "source",
+                    "it overlaps the destination (the kernel reads it through the read-only cache)",
+                ));
+            }
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let kernel = self.reduce_many[dtype as usize][operator_index(op)];
+        for group in srcs.chunks(MAX_SOURCES) {
+            let mut addresses = [d; MAX_SOURCES + 1];
+            for (a, src) in addresses[1..].iter_mut().zip(group) {
+                *a = src.raw();
+            }
+            let split = Split::new(&addresses[..=group.len()], count, dtype.size_bytes());
+            let mut sources = Sources([0; MAX_SOURCES]);
+            for (slot, src) in sources.0.iter_mut().zip(group) {
+                *slot = src.raw();
+            }
+            let mut dst_arg = d;
+            let mut n = u32::try_from(group.len()).unwrap_or(0);
+            let (mut head, mut vectors, mut tail) = (split.head, split.vectors, split.tail);
+            let mut params = [
+                (&raw mut dst_arg).cast(),
+                (&raw mut sources).cast(),
+                (&raw mut n).cast(),
+                (&raw mut head).cast(),
+                (&raw mut vectors).cast(),
+                (&raw mut tail).cast(),
+            ];
+            // SAFETY: the parameters match the kernel (a pointer, the sources
+            // block by value, a u32, three u64); the operands are whole,
+            // aligned element ranges of this device, none overlapping `dst`
+            // (checked above), valid until the kernel completes (the views'
+            // contracts); `n` sources are set.
+            unsafe { self.launch(stream, kernel, split.work_items(1), &mut params)? };
+        }
+        Ok(())
     }
 
     /// Enqueues `dst[i] = dst[i] / contributors` over elements of a float type:
@@ -323,6 +422,16 @@ impl Drop for ReductionKernels {
     }
 }
 
+/// The index of `op`'s kernels (`Avg` reduces with `Sum`'s).
+fn operator_index(op: ReduceOp) -> usize {
+    let op = if op == ReduceOp::Avg {
+        ReduceOp::Sum
+    } else {
+        op
+    };
+    OPERATORS.iter().position(|x| *x == op).unwrap_or(0)
+}
+
 /// The number of `dtype` elements in `bytes` bytes at `address`, or an error
 /// naming `operand` when they are not whole, aligned elements.
 fn elements(dtype: DataType, operand: &'static str, address: u64, bytes: usize) -> Result<u64> {
@@ -363,6 +472,12 @@ mod tests {
             entry_point(DataType::BF16, ReduceOp::Avg),
             "fairring_reduce_sum_BF16"
         );
+        assert_eq!(
+            many_entry_point(DataType::I8, ReduceOp::Max),
+            "fairring_reduce_many_max_I8"
+        );
+        assert!(SOURCE.contains("fairring_reduce_many_##NAME##_##TYPE"));
+        assert!(SOURCE.contains(&format!("#define MAX_SOURCES {MAX_SOURCES}\n")));
     }
 
     #[test]

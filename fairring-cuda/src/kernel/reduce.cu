@@ -1,6 +1,8 @@
 // fairring's device reduction kernels, compiled at run time by NVRTC.
 //
 //   fairring_reduce_<op>_<type>(dst, src, head, vectors, tail)   dst[i] = dst[i] op src[i]
+//   fairring_reduce_many_<op>_<type>(dst, srcs, count, head, vectors, tail)
+//                                   dst[i] = dst[i] op srcs.p[0][i] op ... op srcs.p[count-1][i]
 //   fairring_divide_<type>(dst, n, head, vectors, tail)          dst[i] = dst[i] / n
 //
 // op: sum, product, min, max; type: f32 f64 f16 bf16 i32 i64 u8 i8 (divide: floats).
@@ -15,6 +17,12 @@
 // both operands; operands whose misalignment differs run as `head` alone. Every
 // part is walked grid-stride, so any grid covers any size. dst and src never
 // overlap (the host refuses), so src is read through the read-only path.
+//
+// The many-source kernel reads dst once and writes it once whatever the number
+// of sources (a server folding M-1 contributions moves (M+1) x bytes, where
+// M-1 pairwise passes move 3(M-1) x bytes). It combines left to right in the
+// accumulator type and stores once: for f16 and bf16 the whole combination is
+// kept in f32 and rounded once, as fairring-core's reduce_many does.
 
 typedef unsigned long long u64;
 typedef long long i64;
@@ -182,6 +190,59 @@ INLINE void reduce(typename E::Store* dst, const typename E::Store* __restrict__
         dst[rest + i] = E::store(Op::apply(E::load(dst[rest + i]), E::load(__ldg(src + rest + i))));
 }
 
+// At most this many sources per many-source launch (the parameter block
+// stays small); the host folds more in several launches.
+#define MAX_SOURCES 15
+
+struct Sources {
+    const void* p[MAX_SOURCES];
+};
+
+template <class E, class Op>
+INLINE typename E::Acc fold(typename E::Acc acc, const Sources& srcs, u32 count, u64 i) {
+    typedef typename E::Store S;
+    // Unrolled to the bound so that every source is a parameter read at a
+    // fixed offset (a dynamic index would copy the block to local memory).
+#pragma unroll
+    for (u32 k = 0; k < MAX_SOURCES; ++k)
+        if (k < count) acc = Op::apply(acc, E::load(__ldg((const S*)srcs.p[k] + i)));
+    return acc;
+}
+
+template <class E, class Op>
+INLINE void reduce_many(typename E::Store* dst, const Sources& srcs, u32 count, u64 head,
+                        u64 vectors, u64 tail) {
+    typedef typename E::Store S;
+    typedef typename E::Acc A;
+    const int lanes = (int)(16 / sizeof(S));
+    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = tid; i < head; i += stride)
+        dst[i] = E::store(fold<E, Op>(E::load(dst[i]), srcs, count, i));
+    uint4* dv = (uint4*)(dst + head);
+    for (u64 i = tid; i < vectors; i += stride) {
+        Vector<E> d;
+        d.v = dv[i];
+        A acc[16 / sizeof(S)];
+#pragma unroll
+        for (int l = 0; l < lanes; ++l) acc[l] = E::load(d.e[l]);
+#pragma unroll
+        for (u32 k = 0; k < MAX_SOURCES; ++k) {
+            if (k >= count) break;
+            Vector<E> s;
+            s.v = __ldg((const uint4*)((const S*)srcs.p[k] + head) + i);
+#pragma unroll
+            for (int l = 0; l < lanes; ++l) acc[l] = Op::apply(acc[l], E::load(s.e[l]));
+        }
+#pragma unroll
+        for (int l = 0; l < lanes; ++l) d.e[l] = E::store(acc[l]);
+        dv[i] = d.v;
+    }
+    const u64 rest = head + vectors * (u64)lanes;
+    for (u64 i = tid; i < tail; i += stride)
+        dst[rest + i] = E::store(fold<E, Op>(E::load(dst[rest + i]), srcs, count, rest + i));
+}
+
 template <class E>
 INLINE typename E::Store divided(typename E::Store x, typename E::Acc n) {
     return E::store(E::load(x) / n);
@@ -218,11 +279,22 @@ INLINE void divide(typename E::Store* dst, u32 n, u64 head, u64 vectors, u64 tai
         reduce<TYPE, OP>(dst, src, head, vectors, tail);                                 \
     }
 
+#define REDUCE_MANY(OP, NAME, TYPE)                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS)                               \
+        fairring_reduce_many_##NAME##_##TYPE(TYPE::Store* dst, Sources srcs, u32 count,  \
+                                             u64 head, u64 vectors, u64 tail) {          \
+        reduce_many<TYPE, OP>(dst, srcs, count, head, vectors, tail);                    \
+    }
+
 #define REDUCE_ALL(TYPE)               \
     REDUCE(Sum, sum, TYPE)             \
     REDUCE(Product, product, TYPE)     \
     REDUCE(Min, min, TYPE)             \
-    REDUCE(Max, max, TYPE)
+    REDUCE(Max, max, TYPE)             \
+    REDUCE_MANY(Sum, sum, TYPE)        \
+    REDUCE_MANY(Product, product, TYPE) \
+    REDUCE_MANY(Min, min, TYPE)        \
+    REDUCE_MANY(Max, max, TYPE)
 
 #define DIVIDE(TYPE)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS) fairring_divide_##TYPE(       \
