@@ -5,10 +5,15 @@ use std::sync::Arc;
 use fairring::cuda::{Device, DeviceBuffer, Stream, probe};
 use fairring::{Algorithm, Communicator, DataType, ReduceOp};
 
-/// One device buffer per operation in flight, and the rank's stream.
+use super::Collective;
+
+/// One device buffer per operation in flight, the other side of each
+/// all-gather (its input) or reduce-scatter (its output), and the rank's
+/// stream.
 pub(crate) struct DeviceTensors {
     stream: Stream,
     bufs: Vec<DeviceBuffer>,
+    parts: Vec<DeviceBuffer>,
     _device: Arc<Device>,
 }
 
@@ -17,8 +22,13 @@ fn gpu(e: fairring::cuda::Error) -> fairring::Error {
 }
 
 impl DeviceTensors {
-    /// `parallel` buffers of `bytes` on GPU `LOCAL_RANK % visible devices`.
-    pub(crate) fn new(parallel: usize, bytes: usize) -> fairring::Result<DeviceTensors> {
+    /// `parallel` buffers of `bytes`, and `parallel` parts of `part_bytes`,
+    /// on GPU `LOCAL_RANK % visible devices`.
+    pub(crate) fn new(
+        parallel: usize,
+        bytes: usize,
+        part_bytes: usize,
+    ) -> fairring::Result<DeviceTensors> {
         let visible = probe::driver_info().map_err(gpu)?.devices.max(1);
         let local: u32 = std::env::var("LOCAL_RANK")
             .ok()
@@ -26,62 +36,101 @@ impl DeviceTensors {
             .unwrap_or(0);
         let device = Device::open(local % visible).map_err(gpu)?;
         let stream = Stream::new(&device, false).map_err(gpu)?;
-        let bufs = (0..parallel)
-            .map(|_| DeviceBuffer::zeroed(&device, bytes.max(1)))
-            .collect::<fairring::cuda::Result<Vec<_>>>()
-            .map_err(gpu)?;
+        let buffers = |len: usize| {
+            (0..parallel)
+                .map(|_| DeviceBuffer::zeroed(&device, len.max(1)))
+                .collect::<fairring::cuda::Result<Vec<_>>>()
+                .map_err(gpu)
+        };
         Ok(DeviceTensors {
+            bufs: buffers(bytes)?,
+            parts: buffers(part_bytes)?,
             stream,
-            bufs,
-            _device: device,
+            _device: Arc::clone(&device),
         })
     }
 
-    /// Copies the first `n` elements of each host buffer to its device buffer.
-    pub(crate) fn upload<T: Copy>(&mut self, host: &[Vec<T>], n: usize) -> fairring::Result<()> {
-        for (d, h) in self.bufs.iter_mut().zip(host) {
-            let bytes = as_bytes(&h[..n]);
+    /// Copies the first `n` elements of each host buffer, and the first `k`
+    /// of each part, to the device.
+    pub(crate) fn upload<T: Copy>(
+        &mut self,
+        host: &[Vec<T>],
+        parts: &[Vec<T>],
+        n: usize,
+        k: usize,
+    ) -> fairring::Result<()> {
+        let pairs = self.bufs.iter_mut().zip(host).map(|(d, h)| (d, &h[..n]));
+        let part_pairs = self.parts.iter_mut().zip(parts).map(|(d, h)| (d, &h[..k]));
+        for (d, h) in pairs.chain(part_pairs) {
+            let bytes = as_bytes(h);
             let mut view = d.slice_mut().split_at(bytes.len()).map_err(gpu)?.0;
             self.stream.upload_blocking(&mut view, bytes).map_err(gpu)?;
         }
         Ok(())
     }
 
-    /// Copies the first `n` elements of each device buffer to its host buffer.
-    pub(crate) fn download<T: Copy>(&self, host: &mut [Vec<T>], n: usize) -> fairring::Result<()> {
-        for (d, h) in self.bufs.iter().zip(host) {
-            let bytes = as_bytes_mut(&mut h[..n]);
+    /// Copies the first `n` elements of each device buffer, and the first
+    /// `k` of each part, to the host.
+    pub(crate) fn download<T: Copy>(
+        &self,
+        host: &mut [Vec<T>],
+        parts: &mut [Vec<T>],
+        n: usize,
+        k: usize,
+    ) -> fairring::Result<()> {
+        let pairs = self.bufs.iter().zip(host).map(|(d, h)| (d, &mut h[..n]));
+        let part_pairs = self.parts.iter().zip(parts).map(|(d, h)| (d, &mut h[..k]));
+        for (d, h) in pairs.chain(part_pairs) {
+            let bytes = as_bytes_mut(h);
             let view = d.slice().range(0..bytes.len()).map_err(gpu)?;
             self.stream.download_blocking(bytes, view).map_err(gpu)?;
         }
         Ok(())
     }
 
-    /// All-reduces the first `count` elements of every buffer, all in flight
-    /// at once, and waits for them on the host.
-    pub(crate) fn all_reduce(
+    /// Runs `collective` on the first `n` elements of every buffer (`k` per
+    /// rank, for an all-gather or a reduce-scatter), all in flight at once,
+    /// ordered on the stream, and waits for them on the host. Broadcasts come
+    /// from rank 0.
+    #[expect(clippy::too_many_arguments, reason = "one iteration's parameters")]
+    pub(crate) fn run(
         &mut self,
         comm: &Communicator,
-        count: u64,
+        collective: Collective,
+        n: u64,
+        k: u64,
         dtype: DataType,
         op: ReduceOp,
         algorithm: Algorithm,
     ) -> fairring::Result<()> {
+        let stream = self.stream.raw();
         let mut works = Vec::with_capacity(self.bufs.len());
-        for b in &mut self.bufs {
-            // SAFETY: the buffer is this value's, untouched until the work
-            // is waited on below (works are waited on, or dropped, which
-            // waits, before this returns); the stream lives in `self`.
-            works.push(unsafe {
-                comm.all_reduce_device_raw(
-                    b.raw(),
-                    count,
-                    dtype,
-                    op,
-                    self.stream.raw(),
-                    Some(algorithm),
-                )?
-            });
+        for (b, p) in self.bufs.iter().zip(&self.parts) {
+            let (b, p) = (b.raw(), p.raw());
+            // The buffers are this value's, untouched until the works are
+            // waited on below (works are waited on, or dropped, which waits,
+            // before this returns); the stream lives in `self`; every buffer
+            // holds `n` elements and every part `k`. That makes each call
+            // below sound.
+            let work = match collective {
+                // SAFETY: as above.
+                Collective::AllReduce => unsafe {
+                    comm.all_reduce_device_raw(b, n, dtype, op, stream, Some(algorithm))
+                },
+                // SAFETY: as above.
+                Collective::Broadcast => unsafe {
+                    comm.broadcast_device_raw(b, n, dtype, 0, stream)
+                },
+                // SAFETY: as above.
+                Collective::AllGather => unsafe {
+                    comm.all_gather_device_raw(p, b, k, dtype, stream)
+                },
+                // SAFETY: as above.
+                Collective::ReduceScatter => unsafe {
+                    comm.reduce_scatter_device_raw(b, p, k, dtype, op, stream)
+                },
+            };
+            works.push(work?);
         }
         works.into_iter().try_for_each(fairring::Work::wait)
     }

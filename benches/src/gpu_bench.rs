@@ -14,12 +14,16 @@
 //!   MiB;
 //! - `reduce <op> <type>`: `dst op= src` over N MiB per operand: it reads 2N and
 //!   writes N MiB;
+//! - `reduce_many sum f32 x K`: the many-source kernel folding K sources (a
+//!   server's M-1 contributions) into `dst` in one pass: it reads (K+1)N and
+//!   writes N MiB;
 //! - `h2d` and `d2h`: copies of N MiB between pinned host memory and the device.
 //!
 //! `GB/s` is the memory traffic per second (bytes read plus written, for the
 //! device-to-device rows; bytes moved, for the host rows); `of copy` is a row's
 //! traffic rate as a fraction of the copy's, measured in the same run: the
-//! kernel's target is at least 0.85 for f32 sum at 256 MiB.
+//! kernel's target is at least 0.85 for f32 sum at 256 MiB, the many-source
+//! kernel's at least 0.9 for 1, 3 and 7 sources.
 //!
 //! Needs a CUDA device and NVRTC; without them it exits with status 2 naming what
 //! is missing.
@@ -82,6 +86,8 @@ fn parse() -> std::result::Result<Options, String> {
 enum Case {
     Copy,
     Reduce(ReduceOp, DataType),
+    /// f32 sum of this many sources in one many-source launch.
+    ReduceMany(usize),
     HostToDevice,
     DeviceToHost,
 }
@@ -91,6 +97,7 @@ impl Case {
         match self {
             Case::Copy => "copy (cuMemcpyDtoDAsync)".to_owned(),
             Case::Reduce(op, dtype) => format!("reduce {op} {dtype}"),
+            Case::ReduceMany(k) => format!("reduce_many sum f32 x {k}"),
             Case::HostToDevice => "h2d (pinned)".to_owned(),
             Case::DeviceToHost => "d2h (pinned)".to_owned(),
         }
@@ -100,16 +107,23 @@ impl Case {
         match self {
             Case::Copy => 2 * bytes,
             Case::Reduce(..) => 3 * bytes,
+            Case::ReduceMany(k) => (k + 2) * bytes,
             Case::HostToDevice | Case::DeviceToHost => bytes,
         }
     }
 }
+
+/// The most sources a many-source case folds: the contributions a server of
+/// an 8-machine job reduces.
+const MOST_SOURCES: usize = 7;
 
 struct Bench {
     stream: Stream,
     kernels: ReductionKernels,
     dst: DeviceBuffer,
     src: DeviceBuffer,
+    /// More sources for the many-source cases (`src` is the first).
+    more: Vec<DeviceBuffer>,
     host: PinnedBuffer,
     start: Event,
     end: Event,
@@ -122,6 +136,9 @@ impl Bench {
             kernels: ReductionKernels::load(device)?,
             dst: DeviceBuffer::zeroed(device, bytes)?,
             src: DeviceBuffer::zeroed(device, bytes)?,
+            more: (1..MOST_SOURCES)
+                .map(|_| DeviceBuffer::zeroed(device, bytes))
+                .collect::<Result<Vec<_>>>()?,
             host: PinnedBuffer::zeroed(device, bytes)?,
             start: Event::new(device, Timing::Enabled)?,
             end: Event::new(device, Timing::Enabled)?,
@@ -139,6 +156,20 @@ impl Bench {
                 &mut self.dst.slice_mut(),
                 self.src.slice(),
             ),
+            Case::ReduceMany(k) => {
+                let srcs: Vec<_> = std::iter::once(&self.src)
+                    .chain(&self.more)
+                    .take(k)
+                    .map(DeviceBuffer::slice)
+                    .collect();
+                self.kernels.reduce_many(
+                    stream,
+                    DataType::F32,
+                    ReduceOp::Sum,
+                    &mut self.dst.slice_mut(),
+                    &srcs,
+                )
+            }
             // SAFETY: the host buffer is not touched until `time` has synchronised
             // the stream's end event.
             Case::HostToDevice => unsafe {
@@ -177,6 +208,9 @@ fn run(o: &Options) -> Result<()> {
         Case::Reduce(ReduceOp::Sum, DataType::I32),
         Case::Reduce(ReduceOp::Max, DataType::F32),
         Case::Reduce(ReduceOp::Sum, DataType::U8),
+        Case::ReduceMany(1),
+        Case::ReduceMany(3),
+        Case::ReduceMany(MOST_SOURCES),
         Case::HostToDevice,
         Case::DeviceToHost,
     ];

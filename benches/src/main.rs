@@ -43,7 +43,7 @@
 //! full buffers (`Communicator::all_reduce_coalesced`) and as one all-reduce per
 //! tensor, in turns; one row per way.
 //!
-//! `--device cuda` all-reduces tensors in GPU memory (each rank on GPU
+//! `--device cuda` runs the collective on tensors in GPU memory (each rank on GPU
 //! `LOCAL_RANK % visible devices`; with one GPU every rank shares it), ordered on
 //! a stream of the rank's; the host fills and checks them outside the timed
 //! iterations, and a timed iteration ends when the host sees every operation
@@ -577,10 +577,12 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
     } else {
         Vec::new()
     };
+    let part_elements = parts.first().map_or(0, Vec::len);
     let mut device = if o.device {
         Some(device_tensors::DeviceTensors::new(
             o.parallel,
             usize::try_from(o.max_bytes).unwrap_or(usize::MAX),
+            part_elements * std::mem::size_of::<T>(),
         )?)
     } else {
         None
@@ -629,6 +631,7 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
         // A size that must divide among the ranks is rounded down to a multiple.
         let count = size / step * step / esize;
         let n = usize::try_from(count).unwrap_or(0);
+        let per_rank = count / u64::from(world);
         // Check and warm up every algorithm first, then time them in turns of
         // `ROUNDS` blocks of consecutive iterations: a comparison in one run sees
         // the same machine state for every algorithm, whichever comes first,
@@ -641,9 +644,22 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
             if o.check {
                 fill(o, rank, &mut bufs, &mut parts, n, world);
                 if let Some(dev) = device.as_mut() {
-                    dev.upload(&bufs, n)?;
-                    dev.all_reduce(comm, count, T::DTYPE, o.op, algorithm)?;
-                    dev.download(&mut bufs, n)?;
+                    let k = if o.collective.per_rank() {
+                        n / world as usize
+                    } else {
+                        0
+                    };
+                    dev.upload(&bufs, &parts, n, k)?;
+                    dev.run(
+                        comm,
+                        o.collective,
+                        count,
+                        k as u64,
+                        T::DTYPE,
+                        o.op,
+                        algorithm,
+                    )?;
+                    dev.download(&mut bufs, &mut parts, n, k)?;
                 } else {
                     iteration(comm, o, &mut bufs, &mut parts, n, algorithm)?;
                 }
@@ -655,7 +671,15 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
             wrongs.push(wrong);
             for _ in 0..o.warmup {
                 match device.as_mut() {
-                    Some(dev) => dev.all_reduce(comm, count, T::DTYPE, o.op, algorithm)?,
+                    Some(dev) => dev.run(
+                        comm,
+                        o.collective,
+                        count,
+                        per_rank,
+                        T::DTYPE,
+                        o.op,
+                        algorithm,
+                    )?,
                     None => iteration(comm, o, &mut bufs, &mut parts, n, algorithm)?,
                 }
             }
@@ -676,7 +700,15 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
                 for i in iters.clone() {
                     let start = Instant::now();
                     match device.as_mut() {
-                        Some(dev) => dev.all_reduce(comm, count, T::DTYPE, o.op, algorithm)?,
+                        Some(dev) => dev.run(
+                            comm,
+                            o.collective,
+                            count,
+                            per_rank,
+                            T::DTYPE,
+                            o.op,
+                            algorithm,
+                        )?,
                         None => iteration(comm, o, &mut bufs, &mut parts, n, algorithm)?,
                     }
                     timings[a][i] = start.elapsed().as_secs_f64();
@@ -981,6 +1013,7 @@ fn write_json(
                 "bytes": r.bytes,
                 "count": r.count,
                 "collective": o.collective.name(),
+                "device": if o.device { "cuda" } else { "host" },
                 "wire": wire.name(),
                 "dtype": dtype.name(),
                 "op": o.op.name(),
