@@ -39,8 +39,10 @@
 //!   of its data ([`Error::Mismatch`]), and a failing rank tells every other rank,
 //!   so that no rank waits out a timeout for a peer that has given up;
 //! - **intra-machine** through shared memory, behind the local-step trait the
-//!   GPU layer will also implement (with NCCL), over a memory-space trait (host
-//!   memory now, device memory next) that the engine is generic over;
+//!   GPU layer will also implement (with NCCL), over a memory-space trait that
+//!   the engine is generic over: host memory, and with the `cuda` feature device
+//!   memory too (every collective on GPU tensors, ordered on the caller's CUDA
+//!   stream; one rank per machine for now);
 //! - **on any fabric**: tcp, or verbs where an RDMA device is present and the
 //!   `verbs` feature is built (`FAIRRING_FABRIC`);
 //! - **with dedicated servers** if asked (`FAIRRING_SERVERS`, Herring's design):
