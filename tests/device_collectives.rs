@@ -19,42 +19,15 @@
 
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use fairring::cuda::{Device, DeviceBuffer, PinnedBuffer, ReductionKernels, Stream};
 use fairring::{Algorithm, Communicator, DataType, Error, ReduceOp};
 
+use common::allocations::{Counting, allocations};
 use common::job;
 use common::processes::{ProcessJob, rank_of_job, say};
-
-/// Counts this process's heap allocations (the engine's and the test's; the
-/// CUDA driver allocates with its own allocator and is not counted).
-struct Counting;
-
-static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: forwards to the system allocator unchanged; only counts calls.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller upholds `GlobalAlloc::dealloc`'s contract.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller upholds `GlobalAlloc::realloc`'s contract.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
@@ -615,7 +588,7 @@ fn no_host_allocation_per_device_all_reduce_on_any_rank() {
             );
             let mut counted = 0;
             for call in 0..20 {
-                let before = ALLOCATIONS.load(Ordering::Relaxed);
+                let before = allocations();
                 // SAFETY: each operation is waited for before the next, and
                 // nothing else touches `buf`.
                 let r = unsafe {
@@ -630,7 +603,7 @@ fn no_host_allocation_per_device_all_reduce_on_any_rank() {
                 }
                 .and_then(|w| finish(&stream, w));
                 r.unwrap_or_else(|e| panic!("rank {rank}: {algorithm}: {e}"));
-                let after = ALLOCATIONS.load(Ordering::Relaxed);
+                let after = allocations();
                 if call >= 10 {
                     counted += after - before;
                 }

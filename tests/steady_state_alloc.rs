@@ -8,37 +8,12 @@
 
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use fairring::{Algorithm, ReduceOp};
 
+use common::allocations::{Counting, allocations};
 use common::processes::{ProcessJob, rank_of_job};
-
-struct Counting;
-
-static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: forwards to the system allocator unchanged; only counts calls.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller upholds `GlobalAlloc::dealloc`'s contract.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller upholds `GlobalAlloc::realloc`'s contract.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
@@ -61,14 +36,14 @@ fn no_allocation_per_all_reduce_on_any_rank() {
             let mut data = vec![1.0f32; elements];
             let mut counted = 0;
             for call in 0..20 {
-                let before = ALLOCATIONS.load(Ordering::Relaxed);
+                let before = allocations();
                 comm.scope(|s| {
                     s.all_reduce_with(&mut data, ReduceOp::Sum, algorithm)
                         .unwrap()
                         .wait()
                 })
                 .unwrap();
-                let after = ALLOCATIONS.load(Ordering::Relaxed);
+                let after = allocations();
                 if call >= 10 {
                     counted += after - before;
                 }

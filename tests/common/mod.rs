@@ -3,6 +3,7 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+pub mod allocations;
 pub mod processes;
 
 use std::net::TcpListener;

@@ -189,35 +189,9 @@ impl ReductionKernels {
         dst: &mut DeviceSliceMut<'_>,
         src: DeviceSlice<'_>,
     ) -> Result<()> {
-        if !op.supports(dtype) {
-            return Err(error::invalid(
-                "reduce op",
-                format!("{op} is not defined on {dtype}"),
-            ));
-        }
-        self.check_stream(stream)?;
-        self.device.check_same("destination", dst.device())?;
-        self.device.check_same("source", src.device())?;
-        if dst.len() != src.len() {
-            return Err(error::invalid(
-                "source",
-                format!(
-                    "it has {} bytes and the destination {}",
-                    src.len(),
-                    dst.len()
-                ),
-            ));
-        }
-        let count = elements(dtype, "destination", dst.raw(), dst.len())?;
-        elements(dtype, "source", src.raw(), src.len())?;
+        let count = self.check_destination(stream, dtype, op, dst)?;
+        self.check_source(dtype, dst, &src)?;
         let (d, s) = (dst.raw(), src.raw());
-        let len = dst.len() as u64;
-        if d < s + len && s < d + len {
-            return Err(error::invalid(
-                "source",
-                "it overlaps the destination (the kernel reads it through the read-only cache)",
-            ));
-        }
         if count == 0 {
             return Ok(());
         }
@@ -257,37 +231,11 @@ impl ReductionKernels {
         dst: &mut DeviceSliceMut<'_>,
         srcs: &[DeviceSlice<'_>],
     ) -> Result<()> {
-        if !op.supports(dtype) {
-            return Err(error::invalid(
-                "reduce op",
-                format!("{op} is not defined on {dtype}"),
-            ));
-        }
-        self.check_stream(stream)?;
-        self.device.check_same("destination", dst.device())?;
-        let count = elements(dtype, "destination", dst.raw(), dst.len())?;
-        let (d, len) = (dst.raw(), dst.len() as u64);
+        let count = self.check_destination(stream, dtype, op, dst)?;
         for src in srcs {
-            self.device.check_same("source", src.device())?;
-            if src.len() != dst.len() {
-                return Err(error::invalid(
-                    "source",
-                    format!(
-                        "it has {} bytes and the destination {}",
-                        src.len(),
-                        dst.len()
-                    ),
-                ));
-            }
-            elements(dtype, "source", src.raw(), src.len())?;
-            let s = src.raw();
-            if d < s + len && s < d + len {
-                return Err(error::invalid(
-                    "source",
-                    "it overlaps the destination (the kernel reads it through the read-only cache)",
-                ));
-            }
+            self.check_source(dtype, dst, src)?;
         }
+        let d = dst.raw();
         if count == 0 {
             return Ok(());
         }
@@ -365,6 +313,57 @@ impl ReductionKernels {
         // three u64); `dst` is a whole, aligned element range of this device,
         // valid until the kernel completes (the view's contract).
         unsafe { self.launch(stream, kernel, split.work_items(1), &mut params) }
+    }
+
+    /// Checks an operator, a stream and a destination for a reduction; the
+    /// destination's elements.
+    fn check_destination(
+        &self,
+        stream: &Stream,
+        dtype: DataType,
+        op: ReduceOp,
+        dst: &DeviceSliceMut<'_>,
+    ) -> Result<u64> {
+        if !op.supports(dtype) {
+            return Err(error::invalid(
+                "reduce op",
+                format!("{op} is not defined on {dtype}"),
+            ));
+        }
+        self.check_stream(stream)?;
+        self.device.check_same("destination", dst.device())?;
+        elements(dtype, "destination", dst.raw(), dst.len())
+    }
+
+    /// Checks a source against its destination: this device, the same whole,
+    /// aligned elements, no overlap (the kernels read sources through the
+    /// read-only cache).
+    fn check_source(
+        &self,
+        dtype: DataType,
+        dst: &DeviceSliceMut<'_>,
+        src: &DeviceSlice<'_>,
+    ) -> Result<()> {
+        self.device.check_same("source", src.device())?;
+        if dst.len() != src.len() {
+            return Err(error::invalid(
+                "source",
+                format!(
+                    "it has {} bytes and the destination {}",
+                    src.len(),
+                    dst.len()
+                ),
+            ));
+        }
+        elements(dtype, "source", src.raw(), src.len())?;
+        let (d, s, len) = (dst.raw(), src.raw(), dst.len() as u64);
+        if d < s + len && s < d + len {
+            return Err(error::invalid(
+                "source",
+                "it overlaps the destination (the kernel reads it through the read-only cache)",
+            ));
+        }
+        Ok(())
     }
 
     fn check_stream(&self, stream: &Stream) -> Result<()> {
