@@ -632,6 +632,22 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
         let count = size / step * step / esize;
         let n = usize::try_from(count).unwrap_or(0);
         let per_rank = count / u64::from(world);
+        // One timed (or warm-up) iteration, on device or host tensors.
+        let timed = |algorithm: Algorithm,
+                     device: &mut Option<device_tensors::DeviceTensors>,
+                     bufs: &mut [Vec<T>],
+                     parts: &mut [Vec<T>]| match device {
+            Some(dev) => dev.run(
+                comm,
+                o.collective,
+                count,
+                per_rank,
+                T::DTYPE,
+                o.op,
+                algorithm,
+            ),
+            None => iteration(comm, o, bufs, parts, n, algorithm),
+        };
         // Check and warm up every algorithm first, then time them in turns of
         // `ROUNDS` blocks of consecutive iterations: a comparison in one run sees
         // the same machine state for every algorithm, whichever comes first,
@@ -670,18 +686,7 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
             }
             wrongs.push(wrong);
             for _ in 0..o.warmup {
-                match device.as_mut() {
-                    Some(dev) => dev.run(
-                        comm,
-                        o.collective,
-                        count,
-                        per_rank,
-                        T::DTYPE,
-                        o.op,
-                        algorithm,
-                    )?,
-                    None => iteration(comm, o, &mut bufs, &mut parts, n, algorithm)?,
-                }
+                timed(algorithm, &mut device, &mut bufs, &mut parts)?;
             }
         }
         let mut timings = vec![vec![0f64; o.iters]; o.algorithms.len()];
@@ -699,18 +704,7 @@ fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {
                 let before = comm.traffic();
                 for i in iters.clone() {
                     let start = Instant::now();
-                    match device.as_mut() {
-                        Some(dev) => dev.run(
-                            comm,
-                            o.collective,
-                            count,
-                            per_rank,
-                            T::DTYPE,
-                            o.op,
-                            algorithm,
-                        )?,
-                        None => iteration(comm, o, &mut bufs, &mut parts, n, algorithm)?,
-                    }
+                    timed(algorithm, &mut device, &mut bufs, &mut parts)?;
                     timings[a][i] = start.elapsed().as_secs_f64();
                 }
                 let after = comm.traffic();

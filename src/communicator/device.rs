@@ -33,7 +33,7 @@ use fairring_cuda::{DeviceSlice, DeviceSliceMut, Stream, device_of_pointer, sys}
 
 use super::{
     Communicator, DeviceCall, OwnedWork, Request, Scope, Work, WorkerEngine, byte_len,
-    check_pointer, wait_range,
+    check_pointer, in_list, wait_range,
 };
 use crate::config::Algorithm;
 use crate::error::{Error, Result};
@@ -295,12 +295,7 @@ impl Communicator {
         for (i, &(data, count)) in tensors.iter().enumerate() {
             if count > 0 {
                 self.on_device("tensors", data, count, dtype, stream)
-                    .map_err(|e| match e {
-                        Error::InvalidArgument { reason, .. } => {
-                            Error::invalid("tensors", format!("tensor {i}: {reason}"))
-                        }
-                        other => other,
-                    })?;
+                    .map_err(|e| in_list(i, e))?;
             }
         }
         self.group(tensors.len(), |i| {

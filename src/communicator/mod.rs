@@ -410,12 +410,7 @@ impl Communicator {
             ));
         }
         for (i, &(data, count)) in tensors.iter().enumerate() {
-            check_pointer(data, count, dtype).map_err(|e| match e {
-                Error::InvalidArgument { reason, .. } => {
-                    Error::invalid("tensors", format!("tensor {i}: {reason}"))
-                }
-                other => other,
-            })?;
+            check_pointer(data, count, dtype).map_err(|e| in_list(i, e))?;
         }
         self.group(tensors.len(), |i| {
             let (data, count) = tensors[i];
@@ -1041,6 +1036,16 @@ fn refuse_server(config: &Config) -> Result<()> {
             "a dedicated server runs as fairring::Server (the fairring-server binary), not \
              as a Communicator",
         )),
+    }
+}
+
+/// A refusal of tensor `i` of a list, named as the `tensors` argument.
+fn in_list(i: usize, e: Error) -> Error {
+    match e {
+        Error::InvalidArgument { reason, .. } => {
+            Error::invalid("tensors", format!("tensor {i}: {reason}"))
+        }
+        other => other,
     }
 }
 
