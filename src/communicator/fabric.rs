@@ -365,6 +365,14 @@ impl Fabric for AnyFabric {
             Provider::Verbs(f) => f.notify_completions(notify),
         }
     }
+
+    fn progress(&self) -> bool {
+        match &self.provider {
+            Provider::Tcp(f) => f.progress(),
+            #[cfg(feature = "verbs")]
+            Provider::Verbs(f) => Fabric::progress(f),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -133,6 +133,10 @@ pub(crate) struct Engine<F: Fabric, M: MemorySpace> {
     pub(crate) timeout: Duration,
     /// Whether any operation may use the fabric (more than one rank).
     uses_fabric: bool,
+    /// Whether data from other machines (or servers) reaches this rank: only then
+    /// does an idle driver take the fabric's arrivals itself
+    /// ([`Fabric::progress`]), which costs a system call per peer.
+    remote: bool,
     /// Whether every event the engine waits for rings the local doorbell: local
     /// ranks' progress always does, and fabric completions do when the fabric
     /// takes a notifier. Otherwise the progress thread waits on the fabric.
@@ -247,6 +251,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             epoch: Instant::now(),
             timeout: parts.timeout,
             uses_fabric: world > 1,
+            remote: remote && world > 1,
             doorbell_wakes,
             crowded,
             servers: parts.servers,

@@ -255,4 +255,14 @@ pub trait Fabric: Send + Sync {
         let _ = notify;
         false
     }
+
+    /// Lends the calling thread to the provider for a moment, without blocking:
+    /// a provider whose completions come from a thread of its own may do that
+    /// thread's work here (take what has arrived), so that a caller about to spin
+    /// for completions sees them without a thread hand-off. Returns whether
+    /// anything arrived (then [`Fabric::poll`] may have more). The default does
+    /// nothing.
+    fn progress(&self) -> bool {
+        false
+    }
 }

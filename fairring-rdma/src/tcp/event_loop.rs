@@ -23,7 +23,8 @@ use super::handshake::{
     Acceptor, AcceptorStep, Failure, HandshakeParams, HelloReader, OutFrame, refusal_frame,
     welcome_frame,
 };
-use super::receiver::{Received, Receiver};
+use super::link::{Broken, Link, Queueing, write_failure};
+use super::receiver::Receiver;
 use super::regions::RegionTable;
 use super::sender::{SendOp, Sender};
 use super::socket::NoSigPipe;
@@ -77,6 +78,8 @@ pub(crate) struct PeerSlot {
     pub(crate) failure: Mutex<Option<PeerFailure>>,
     /// Frames posted and not yet taken by the loop; created on admission.
     pub(crate) queue: OnceLock<ArrayQueue<SendOp>>,
+    /// The connection, once the loop watches it; gone again once it fails.
+    pub(crate) link: Mutex<Option<Link>>,
 }
 
 impl Shared {
@@ -102,7 +105,7 @@ impl Shared {
     }
 
     /// Pushes a completion, holding the loop back while the queue is full.
-    fn complete(&self, peer: u32, event: CompletionEvent) {
+    pub(crate) fn complete(&self, peer: u32, event: CompletionEvent) {
         let mut completion = Completion { peer, event };
         loop {
             match self.cq.push(completion) {
@@ -150,14 +153,10 @@ struct Pending {
     deadline: Instant,
 }
 
-/// An admitted connection.
+/// What the loop alone keeps of an admitted connection (the rest is its
+/// [`Link`], which other threads use too).
 struct Conn {
-    stream: TcpStream,
-    receiver: Receiver,
-    sender: Sender,
-    last_rx: Instant,
     last_keepalive: Instant,
-    more_to_read: bool,
 }
 
 pub(crate) struct EventLoop {
@@ -221,11 +220,7 @@ impl EventLoop {
         let mut ready: Vec<(Token, bool, bool)> = Vec::with_capacity(1024);
         let mut next_timers = Instant::now() + tick;
         while !self.shared.shutdown.load(Ordering::Acquire) {
-            let busy = self.connected.iter().any(|&p| {
-                self.conns[p as usize]
-                    .as_ref()
-                    .is_some_and(|c| c.more_to_read)
-            });
+            let busy = self.connected.iter().any(|&p| self.more_to_read(p));
             let timeout = if busy { Duration::ZERO } else { tick };
             if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {
                 if e.kind() == io::ErrorKind::Interrupted {
@@ -257,10 +252,7 @@ impl EventLoop {
             if busy {
                 let peers = self.visit_connected();
                 for &peer in &peers {
-                    if self.conns[peer as usize]
-                        .as_ref()
-                        .is_some_and(|c| c.more_to_read)
-                    {
+                    if self.more_to_read(peer) {
                         self.read(peer);
                     }
                 }
@@ -272,6 +264,14 @@ impl EventLoop {
                 next_timers = now + tick;
             }
         }
+    }
+
+    /// Whether `peer`'s socket may hold bytes nobody has read.
+    fn more_to_read(&self, peer: u32) -> bool {
+        self.shared
+            .lock_link(peer)
+            .as_ref()
+            .is_some_and(|l| l.more_to_read)
     }
 
     /// The connected peers, copied into the scratch list (give it back to
@@ -447,15 +447,11 @@ impl EventLoop {
         }
         let mut sender = Sender::new(self.shared.config.job_tag, self.shared.config.rank);
         sender.push_extra(welcome_frame(&self.shared.params).as_bytes());
-        let now = Instant::now();
+        let receiver = Receiver::new(peer, self.shared.config.job_tag);
+        *self.shared.lock_link(peer) = Some(Link::new(p.stream, receiver, sender));
         self.connected.push(peer);
         self.conns[peer as usize] = Some(Conn {
-            stream: p.stream,
-            receiver: Receiver::new(peer, self.shared.config.job_tag),
-            sender,
-            last_rx: now,
-            last_keepalive: now,
-            more_to_read: true,
+            last_keepalive: Instant::now(),
         });
         let depth = self.shared.config.send_queue_depth;
         let _ = self.shared.peers[peer as usize]
@@ -493,55 +489,30 @@ impl EventLoop {
                 self.fail(peer, PeerFailure::Io(e.kind()));
                 continue;
             }
-            let now = Instant::now();
+            let receiver = Receiver::new(peer, self.shared.config.job_tag);
+            let sender = Sender::new(self.shared.config.job_tag, self.shared.config.rank);
+            *self.shared.lock_link(peer) = Some(Link::new(stream, receiver, sender));
             self.connected.push(peer);
             self.conns[peer as usize] = Some(Conn {
-                stream,
-                receiver: Receiver::new(peer, self.shared.config.job_tag),
-                sender: Sender::new(self.shared.config.job_tag, self.shared.config.rank),
-                last_rx: now,
-                last_keepalive: now,
-                // Bytes may have arrived before the socket was watched.
-                more_to_read: true,
+                last_keepalive: Instant::now(),
             });
         }
     }
 
     fn read(&mut self, peer: u32) {
-        let mut budget = READ_BUDGET;
-        let shared = &*self.shared;
-        let outcome = loop {
-            let Some(conn) = self.conns[peer as usize].as_mut() else {
+        let outcome = {
+            let mut guard = self.shared.lock_link(peer);
+            let Some(link) = guard.as_mut() else {
                 return;
             };
-            let buffer = conn.receiver.buffer();
-            let n = match conn.stream.read(buffer) {
-                Ok(0) if conn.receiver.mid_frame() => break Err(PeerFailure::ClosedMidFrame),
-                Ok(0) => break Err(PeerFailure::Closed),
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    conn.more_to_read = false;
-                    break Ok(());
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => break Err(PeerFailure::Io(e.kind())),
-            };
-            conn.last_rx = Instant::now();
-            match conn.receiver.filled(n, &shared.regions) {
-                Ok(Received::Nothing | Received::Keepalive) => {}
-                Ok(Received::Landed { len, immediate, .. }) => {
-                    shared.complete(peer, CompletionEvent::Landed { len, immediate });
-                }
-                Ok(Received::Message(message)) => {
-                    shared.complete(peer, CompletionEvent::Message(message));
-                }
-                Ok(Received::Aborted) => break Err(PeerFailure::Aborted),
-                Err(violation) => break Err(PeerFailure::Protocol(violation)),
-            }
-            budget = budget.saturating_sub(n);
-            if budget == 0 {
-                conn.more_to_read = true;
-                break Ok(());
+            link.release_held(&self.shared);
+            match link.broken {
+                Some(Broken::Read(failure)) => Err(failure),
+                // Settled by `write`, which reads what is left first.
+                Some(Broken::Write(_)) => Ok(()),
+                None => link
+                    .read(&self.shared, peer, READ_BUDGET, Queueing::Wait)
+                    .map(|_| ()),
             }
         };
         if let Err(failure) = outcome {
@@ -550,35 +521,42 @@ impl EventLoop {
     }
 
     fn write(&mut self, peer: u32) {
-        let Some(conn) = self.conns[peer as usize].as_mut() else {
-            return;
-        };
-        let shared = &*self.shared;
-        let Some(queue) = shared.peers[peer as usize].queue.get() else {
-            return;
-        };
-        let result = conn
-            .sender
-            .flush(&mut NoSigPipe(&conn.stream), queue, |token| {
-                shared.complete(peer, CompletionEvent::Sent { token });
-            });
-        if let Err(e) = result {
-            let failure = if e.kind() == io::ErrorKind::BrokenPipe {
-                PeerFailure::Closed
-            } else {
-                PeerFailure::Io(e.kind())
+        let outcome = {
+            let mut guard = self.shared.lock_link(peer);
+            let Some(link) = guard.as_mut() else {
+                return;
             };
-            // What the peer sent before it closed may still wait in the socket
-            // (its last message, often a goodbye): deliver it before the failure,
-            // so completions keep the order in which the peer acted.
-            loop {
-                self.read(peer);
-                match self.conns[peer as usize].as_ref() {
-                    Some(conn) if conn.more_to_read => {}
-                    _ => break,
-                }
+            link.release_held(&self.shared);
+            match link.broken {
+                Some(Broken::Read(failure)) => Err((failure, false)),
+                Some(Broken::Write(failure)) => Err((failure, true)),
+                None => link
+                    .flush(&self.shared, peer, usize::MAX, Queueing::Wait)
+                    .map(|_| ())
+                    .map_err(|e| (write_failure(&e), true)),
             }
-            self.fail(peer, failure);
+        };
+        match outcome {
+            Ok(()) => {}
+            Err((failure, false)) => self.fail(peer, failure),
+            Err((failure, true)) => {
+                // What the peer sent before it closed may still wait in the socket
+                // (its last message, often a goodbye): deliver it before the
+                // failure, so completions keep the order in which the peer acted.
+                loop {
+                    {
+                        let mut guard = self.shared.lock_link(peer);
+                        if let Some(link) = guard.as_mut() {
+                            link.broken = None;
+                        }
+                    }
+                    self.read(peer);
+                    if !self.more_to_read(peer) {
+                        break;
+                    }
+                }
+                self.fail(peer, failure);
+            }
         }
     }
 
@@ -594,10 +572,13 @@ impl EventLoop {
         self.any_failed = true;
         let shared = &*self.shared;
         self.connected.retain(|&p| p != peer);
-        if let Some(mut conn) = self.conns[peer as usize].take() {
-            let _ = self.poll.registry().deregister(&mut conn.stream);
+        self.conns[peer as usize] = None;
+        let link = shared.lock_link(peer).take();
+        if let Some(mut link) = link {
+            link.release_held(shared);
+            let _ = self.poll.registry().deregister(&mut link.stream);
             if let Some(queue) = slot.queue.get() {
-                conn.sender.fail_all(queue, |token| {
+                link.sender.fail_all(queue, |token| {
                     shared.complete(peer, CompletionEvent::SendFailed { token, failure });
                 });
             }
@@ -644,14 +625,25 @@ impl EventLoop {
             let Some(conn) = self.conns[peer as usize].as_mut() else {
                 continue;
             };
-            if now.duration_since(conn.last_rx) >= silence {
+            let due = now.duration_since(conn.last_keepalive) >= keepalive;
+            if due {
+                conn.last_keepalive = now;
+            }
+            let silent = {
+                let mut guard = self.shared.lock_link(peer);
+                let Some(link) = guard.as_mut() else {
+                    continue;
+                };
+                let silent = now.saturating_duration_since(link.last_rx) >= silence;
+                if !silent && due {
+                    link.sender.keepalive();
+                }
+                silent
+            };
+            if silent {
                 let after_ms = u64::try_from(silence.as_millis()).unwrap_or(u64::MAX);
                 self.fail(peer, PeerFailure::Silent { after_ms });
-                continue;
-            }
-            if now.duration_since(conn.last_keepalive) >= keepalive {
-                conn.last_keepalive = now;
-                conn.sender.keepalive();
+            } else if due {
                 self.write(peer);
             }
         }

@@ -9,9 +9,12 @@
 //!   byte is read, then reads the payload from the socket straight into the
 //!   region. A peer that names an unknown region or a range outside one is
 //!   dropped (and reported), and nothing is written.
-//! - **One I/O thread** (epoll, through mio) serves every peer and the listener;
-//!   posting threads only queue frames and wake it. Writes go out with vectored
-//!   sends from registered memory, without a copy.
+//! - **One I/O thread** (epoll, through mio) serves every peer and the listener.
+//!   Writes go out with vectored sends from registered memory, without a copy.
+//! - **Inline I/O** (`link`): a posting thread writes its frame itself when no
+//!   other thread uses the connection, and a caller about to spin for completions
+//!   ([`Fabric::progress`]) reads what has arrived, so a small write's hop costs
+//!   no thread wake-up; the I/O thread takes whatever they leave.
 //! - **Listening** happens on one chosen address ([`BindTo`]), never on all
 //!   interfaces.
 //! - **Failure**: a closed or reset connection fails its peer at once; a peer from
@@ -25,6 +28,7 @@ mod config;
 mod event_loop;
 mod handshake;
 mod interface;
+mod link;
 mod receiver;
 mod regions;
 mod sender;
@@ -98,6 +102,7 @@ impl TcpFabric {
                 state: AtomicU8::new(NOT_CONNECTED),
                 failure: Mutex::new(None),
                 queue: OnceLock::new(),
+                link: Mutex::new(None),
             })
             .collect();
         let shared = Arc::new(Shared {
@@ -219,7 +224,9 @@ impl TcpFabric {
             peer,
             depth: self.shared.config.send_queue_depth,
         })?;
-        self.shared.wake();
+        if self.shared.send_inline(peer) {
+            self.shared.wake();
+        }
         Ok(())
     }
 
@@ -513,6 +520,10 @@ impl Fabric for TcpFabric {
 
     fn notify_completions(&self, notify: CompletionNotifier) -> bool {
         self.shared.cq.set_notifier(notify)
+    }
+
+    fn progress(&self) -> bool {
+        self.shared.receive_inline()
     }
 }
 

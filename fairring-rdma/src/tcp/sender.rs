@@ -77,6 +77,8 @@ pub(crate) enum Flushed {
     Idle,
     /// The socket is full; wait for it to be writable.
     Blocked,
+    /// The byte limit was reached with frames still to write.
+    Limited,
 }
 
 impl Sender {
@@ -109,22 +111,31 @@ impl Sender {
         }
     }
 
-    /// Writes as much as the socket takes: pending extra bytes, the frame in
+    /// Writes as much as the socket takes, and about `limit` bytes at most (a
+    /// write that crosses it still completes): pending extra bytes, the frame in
     /// flight, then frames from `queue`. Calls `sent(token)` for each frame that
     /// leaves completely.
     pub(crate) fn flush(
         &mut self,
         socket: &mut impl Write,
         queue: &ArrayQueue<SendOp>,
+        limit: usize,
         mut sent: impl FnMut(u64),
     ) -> io::Result<Flushed> {
+        let mut written = 0usize;
         loop {
+            if written >= limit {
+                return Ok(Flushed::Limited);
+            }
             if let Some(extra) = &mut self.extra {
                 // Extra bytes go only between frames, never inside one.
                 if self.current.is_none() {
                     match socket.write(&extra.bytes[extra.sent..extra.len]) {
                         Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                        Ok(n) => extra.sent += n,
+                        Ok(n) => {
+                            extra.sent += n;
+                            written += n;
+                        }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                             return Ok(Flushed::Blocked);
                         }
@@ -158,7 +169,10 @@ impl Sender {
             };
             match result {
                 Ok(0) if total > flight.sent => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => flight.sent += n,
+                Ok(n) => {
+                    flight.sent += n;
+                    written += n;
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Flushed::Blocked),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),

@@ -83,7 +83,14 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             Err(std::sync::TryLockError::Poisoned(p)) => self.drive_locked(&mut p.into_inner()),
             Err(std::sync::TryLockError::WouldBlock) => return Drove::Busy,
         };
-        if moved { Drove::Moved } else { Drove::Idle }
+        // Nothing to do: before this thread spins or sleeps, it takes what the
+        // fabric has received itself (outside the driver lock), which spares a
+        // small write's hop the wake-up of the fabric's thread.
+        if moved || (self.remote && self.links.fabric.progress()) {
+            Drove::Moved
+        } else {
+            Drove::Idle
+        }
     }
 
     fn drive_locked(&self, d: &mut Driver<M>) -> bool {

@@ -1,0 +1,304 @@
+//! The I/O state of one admitted connection, shared by the I/O thread and the
+//! threads that post and poll.
+//!
+//! The I/O thread serves every connection, but a hand-off to it costs a thread
+//! wake-up per hop (on a virtual machine often tens of microseconds), which is most
+//! of a small write's latency. So the other threads use a connection themselves
+//! whenever nobody else does:
+//!
+//! - a **posting thread** that queued a frame writes what the socket takes at once
+//!   ([`Shared::send_inline`]), up to [`INLINE_BYTES`], and wakes the I/O thread
+//!   only for the rest;
+//! - a **thread about to spin** for completions reads what has arrived
+//!   ([`Shared::receive_inline`]), one frame part per `read`, while the completion
+//!   queue has room.
+//!
+//! Each connection's state sits behind one mutex. The I/O thread takes it with
+//! `lock` (it may wait for a posting thread's write to finish); every other thread
+//! only with `try_lock`, so none of them ever waits on the I/O thread, which may be
+//! holding the lock while it waits for room in the completion queue. Completions
+//! are queued under the lock, so a connection's completions keep the order of its
+//! bytes, whichever thread moved them.
+//!
+//! A thread other than the I/O thread never blocks and never fails a peer itself:
+//!
+//! - a completion the queue has no room for is **held** in the link, and the I/O
+//!   thread queues held completions (waiting for room) before it moves anything
+//!   else; while any is held, other threads leave the link alone;
+//! - a socket error is recorded as **broken**, and the I/O thread fails the peer
+//!   exactly as if it had met the error itself;
+//! - bytes left unread (the budget ran out, or the queue filled) set
+//!   `more_to_read`, which the I/O thread reads on its next turn.
+//!
+//! Whenever one of these leaves work for the I/O thread, the caller wakes it.
+//! Edge-triggered readiness stays sound: a thread that stops reading before the
+//! socket is drained always sets `more_to_read` and wakes the I/O thread, and a
+//! write that would block leaves the socket's next writable edge to the I/O thread.
+
+use std::collections::VecDeque;
+use std::io;
+use std::sync::PoisonError;
+use std::time::Instant;
+
+use mio::net::TcpStream;
+
+use super::event_loop::{ADMITTED, Shared};
+use super::receiver::{Received, Receiver};
+use super::sender::{Flushed, Sender};
+use super::socket::NoSigPipe;
+use crate::fabric::{Completion, CompletionEvent, PeerFailure};
+
+/// Bytes a posting thread writes before it leaves the rest to the I/O thread: a
+/// small frame goes out at once, a large one does not hold the poster (the
+/// engine's driver) for long.
+pub(crate) const INLINE_BYTES: usize = 256 << 10;
+
+/// Bytes a spinning thread reads from one connection per call.
+const INLINE_READ_BUDGET: usize = 256 << 10;
+
+/// How a socket failed, by the side that met the failure.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Broken {
+    /// Reading failed, or the peer closed the connection.
+    Read(PeerFailure),
+    /// Writing failed: what the peer sent before may still wait to be read.
+    Write(PeerFailure),
+}
+
+/// One admitted connection's socket and protocol state.
+pub(crate) struct Link {
+    pub(crate) stream: TcpStream,
+    pub(crate) receiver: Receiver,
+    pub(crate) sender: Sender,
+    /// When bytes last arrived.
+    pub(crate) last_rx: Instant,
+    /// Whether the socket may hold bytes nobody has read yet.
+    pub(crate) more_to_read: bool,
+    /// A failure met by a thread other than the I/O thread.
+    pub(crate) broken: Option<Broken>,
+    /// Completions the queue had no room for, oldest first.
+    held: VecDeque<Completion>,
+}
+
+/// How a thread queues the completions it moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Queueing {
+    /// The I/O thread: waits for room.
+    Wait,
+    /// Any other thread: holds what does not fit, and stops.
+    Hold,
+}
+
+impl Link {
+    pub(crate) fn new(stream: TcpStream, receiver: Receiver, sender: Sender) -> Link {
+        Link {
+            stream,
+            receiver,
+            sender,
+            last_rx: Instant::now(),
+            // Bytes may have arrived before the socket was watched.
+            more_to_read: true,
+            broken: None,
+            held: VecDeque::new(),
+        }
+    }
+
+    /// Whether a thread other than the I/O thread may use the link.
+    fn usable_inline(&self) -> bool {
+        self.broken.is_none() && self.held.is_empty()
+    }
+
+    /// Queues `event` from `peer`; returns whether it went into the queue (with
+    /// [`Queueing::Hold`], `false` means it is held).
+    fn complete(
+        &mut self,
+        shared: &Shared,
+        peer: u32,
+        event: CompletionEvent,
+        queueing: Queueing,
+    ) -> bool {
+        let completion = Completion { peer, event };
+        match queueing {
+            Queueing::Wait => {
+                shared.complete(peer, completion.event);
+                true
+            }
+            Queueing::Hold => {
+                if !self.held.is_empty() {
+                    self.held.push_back(completion);
+                    return false;
+                }
+                match shared.cq.push(completion) {
+                    Ok(()) => true,
+                    Err(back) => {
+                        self.held.push_back(back);
+                        false
+                    }
+                }
+            }
+        }
+    }
+
+    /// The I/O thread: queues every held completion, waiting for room.
+    pub(crate) fn release_held(&mut self, shared: &Shared) {
+        while let Some(completion) = self.held.pop_front() {
+            shared.complete(completion.peer, completion.event);
+        }
+    }
+
+    /// Reads and handles frames from `peer` until the socket has nothing more,
+    /// `budget` bytes were read, or (with [`Queueing::Hold`]) a completion found
+    /// no room. Returns whether any bytes arrived.
+    pub(crate) fn read(
+        &mut self,
+        shared: &Shared,
+        peer: u32,
+        budget: usize,
+        queueing: Queueing,
+    ) -> Result<bool, PeerFailure> {
+        let mut left = budget;
+        let mut arrived = false;
+        loop {
+            let buffer = self.receiver.buffer();
+            let n = match io::Read::read(&mut &self.stream, buffer) {
+                Ok(0) if self.receiver.mid_frame() => return Err(PeerFailure::ClosedMidFrame),
+                Ok(0) => return Err(PeerFailure::Closed),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.more_to_read = false;
+                    return Ok(arrived);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(PeerFailure::Io(e.kind())),
+            };
+            arrived = true;
+            self.last_rx = Instant::now();
+            let event = match self.receiver.filled(n, &shared.regions) {
+                Ok(Received::Nothing | Received::Keepalive) => None,
+                Ok(Received::Landed { len, immediate, .. }) => {
+                    Some(CompletionEvent::Landed { len, immediate })
+                }
+                Ok(Received::Message(message)) => Some(CompletionEvent::Message(message)),
+                Ok(Received::Aborted) => return Err(PeerFailure::Aborted),
+                Err(violation) => return Err(PeerFailure::Protocol(violation)),
+            };
+            let queued = event.is_none_or(|e| self.complete(shared, peer, e, queueing));
+            left = left.saturating_sub(n);
+            if left == 0 || !queued {
+                self.more_to_read = true;
+                return Ok(arrived);
+            }
+        }
+    }
+
+    /// Writes what the socket takes of the frames queued to `peer`, up to `limit`
+    /// bytes.
+    pub(crate) fn flush(
+        &mut self,
+        shared: &Shared,
+        peer: u32,
+        limit: usize,
+        queueing: Queueing,
+    ) -> io::Result<Flushed> {
+        let Some(queue) = shared.peers[peer as usize].queue.get() else {
+            return Ok(Flushed::Idle);
+        };
+        let Link {
+            stream,
+            sender,
+            held,
+            ..
+        } = self;
+        let mut link_held = std::mem::take(held);
+        let result = sender.flush(&mut NoSigPipe(&*stream), queue, limit, |token| {
+            let completion = Completion {
+                peer,
+                event: CompletionEvent::Sent { token },
+            };
+            match queueing {
+                Queueing::Wait => shared.complete(peer, completion.event),
+                Queueing::Hold => {
+                    if !link_held.is_empty() {
+                        link_held.push_back(completion);
+                    } else if let Err(back) = shared.cq.push(completion) {
+                        link_held.push_back(back);
+                    }
+                }
+            }
+        });
+        *held = link_held;
+        result
+    }
+}
+
+impl Shared {
+    /// A posting thread queued a frame to `peer`: writes it now if no other thread
+    /// uses the connection. Returns whether the I/O thread must be woken (for
+    /// the rest of the frames, a held completion, or a failure).
+    pub(crate) fn send_inline(&self, peer: u32) -> bool {
+        let slot = &self.peers[peer as usize];
+        let mut guard = match slot.link.try_lock() {
+            Ok(guard) => guard,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return true,
+        };
+        let Some(link) = guard.as_mut().filter(|l| l.usable_inline()) else {
+            return true;
+        };
+        match link.flush(self, peer, INLINE_BYTES, Queueing::Hold) {
+            Ok(Flushed::Idle) => !link.held.is_empty(),
+            Ok(Flushed::Blocked | Flushed::Limited) => true,
+            Err(e) => {
+                link.broken = Some(Broken::Write(write_failure(&e)));
+                true
+            }
+        }
+    }
+
+    /// A thread about to spin: reads what has arrived from every admitted peer
+    /// whose connection no other thread uses. Returns whether anything arrived.
+    pub(crate) fn receive_inline(&self) -> bool {
+        let mut arrived = false;
+        let mut wake = false;
+        for (peer, slot) in (0u32..).zip(&self.peers) {
+            if slot.state.load(std::sync::atomic::Ordering::Acquire) != ADMITTED {
+                continue;
+            }
+            let Ok(mut guard) = slot.link.try_lock() else {
+                continue;
+            };
+            let Some(link) = guard.as_mut().filter(|l| l.usable_inline()) else {
+                continue;
+            };
+            match link.read(self, peer, INLINE_READ_BUDGET, Queueing::Hold) {
+                Ok(any) => arrived |= any,
+                Err(failure) => {
+                    link.broken = Some(Broken::Read(failure));
+                    arrived = true;
+                }
+            }
+            wake |= link.more_to_read || !link.usable_inline();
+        }
+        if wake {
+            self.wake();
+        }
+        arrived
+    }
+
+    /// Locks `peer`'s link, for the I/O thread.
+    pub(crate) fn lock_link(&self, peer: u32) -> std::sync::MutexGuard<'_, Option<Link>> {
+        self.peers[peer as usize]
+            .link
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The peer failure a write error means.
+pub(crate) fn write_failure(e: &io::Error) -> PeerFailure {
+    if e.kind() == io::ErrorKind::BrokenPipe {
+        PeerFailure::Closed
+    } else {
+        PeerFailure::Io(e.kind())
+    }
+}
