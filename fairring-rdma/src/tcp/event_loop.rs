@@ -23,7 +23,7 @@ use super::handshake::{
     Acceptor, AcceptorStep, Failure, HandshakeParams, HelloReader, OutFrame, refusal_frame,
     welcome_frame,
 };
-use super::link::{Broken, Link, Queueing, write_failure};
+use super::link::{Broken, Link, Queueing, Readable, write_failure};
 use super::receiver::Receiver;
 use super::regions::RegionTable;
 use super::sender::{SendOp, Sender};
@@ -68,6 +68,9 @@ pub(crate) struct Shared {
     pub(crate) status: Mutex<()>,
     pub(crate) status_changed: Condvar,
     pub(crate) refusals: Mutex<VecDeque<RefusalRecord>>,
+    /// The sockets of watched connections, for inline readers to ask which have
+    /// bytes (see `link`).
+    pub(crate) readable: Mutex<Readable>,
 }
 
 /// One rank's state as the posting threads see it.
@@ -448,6 +451,7 @@ impl EventLoop {
         let mut sender = Sender::new(self.shared.config.job_tag, self.shared.config.rank);
         sender.push_extra(welcome_frame(&self.shared.params).as_bytes());
         let receiver = Receiver::new(peer, self.shared.config.job_tag);
+        self.shared.watch(peer, &p.stream);
         *self.shared.lock_link(peer) = Some(Link::new(p.stream, receiver, sender));
         self.connected.push(peer);
         self.conns[peer as usize] = Some(Conn {
@@ -491,6 +495,7 @@ impl EventLoop {
             }
             let receiver = Receiver::new(peer, self.shared.config.job_tag);
             let sender = Sender::new(self.shared.config.job_tag, self.shared.config.rank);
+            self.shared.watch(peer, &stream);
             *self.shared.lock_link(peer) = Some(Link::new(stream, receiver, sender));
             self.connected.push(peer);
             self.conns[peer as usize] = Some(Conn {
@@ -573,6 +578,8 @@ impl EventLoop {
         let shared = &*self.shared;
         self.connected.retain(|&p| p != peer);
         self.conns[peer as usize] = None;
+        // Before the socket closes, so no inline reader polls a reused descriptor.
+        shared.unwatch(peer);
         let link = shared.lock_link(peer).take();
         if let Some(mut link) = link {
             link.release_held(shared);

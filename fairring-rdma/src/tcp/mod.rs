@@ -51,6 +51,7 @@ pub use regions::TcpRegion;
 
 use self::event_loop::{ADMITTED, EventLoop, FAILED, NOT_CONNECTED, PeerSlot, Shared};
 use self::handshake::{Dialer, DialerStep, HandshakeParams, HelloReader};
+use self::link::Readable;
 use self::sender::{Payload, SendOp};
 use self::socket::NoSigPipe;
 use crate::fabric::{
@@ -118,6 +119,7 @@ impl TcpFabric {
             status: Mutex::new(()),
             status_changed: Condvar::new(),
             refusals: Mutex::new(Default::default()),
+            readable: Mutex::new(Readable::default()),
         });
         let event_loop = EventLoop::new(Arc::clone(&shared), poll, listener)
             .map_err(|e| FabricError::io("watching the listener", e))?;
