@@ -175,10 +175,10 @@ fn a_full_queue_holds_completions_in_order_on_both_sides() {
     }
 }
 
-/// A peer that goes away while its neighbour reads inline is reported once, as
-/// `PeerFailed`, exactly as the I/O thread reports it.
+/// A peer that goes away while its neighbour reads inline (whichever thread meets
+/// the close) is reported once, as `PeerFailed`.
 #[test]
-fn a_closed_peer_met_inline_fails_once() {
+fn a_closed_peer_under_inline_reads_fails_once() {
     let mut fabrics = mesh(2, |c| c);
     let survivor = fabrics.remove(0);
     drop(fabrics);

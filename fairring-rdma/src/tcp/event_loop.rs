@@ -504,42 +504,41 @@ impl EventLoop {
         }
     }
 
+    /// Runs `f` on `peer`'s link once its held completions are queued; `None` if
+    /// the connection is gone.
+    fn with_link<T>(&self, peer: u32, f: impl FnOnce(&mut Link) -> T) -> Option<T> {
+        let mut guard = self.shared.lock_link(peer);
+        let link = guard.as_mut()?;
+        link.release_held(&self.shared);
+        Some(f(link))
+    }
+
     fn read(&mut self, peer: u32) {
-        let outcome = {
-            let mut guard = self.shared.lock_link(peer);
-            let Some(link) = guard.as_mut() else {
-                return;
-            };
-            link.release_held(&self.shared);
-            match link.broken {
-                Some(Broken::Read(failure)) => Err(failure),
-                // Settled by `write`, which reads what is left first.
-                Some(Broken::Write(_)) => Ok(()),
-                None => link
-                    .read(&self.shared, peer, READ_BUDGET, Queueing::Wait)
-                    .map(|_| ()),
-            }
-        };
-        if let Err(failure) = outcome {
+        let shared = &*self.shared;
+        let outcome = self.with_link(peer, |link| match link.broken {
+            Some(Broken::Read(failure)) => Err(failure),
+            // Settled by `write`, which reads what is left first.
+            Some(Broken::Write(_)) => Ok(()),
+            None => link
+                .read(shared, peer, READ_BUDGET, Queueing::Wait)
+                .map(|_| ()),
+        });
+        if let Some(Err(failure)) = outcome {
             self.fail(peer, failure);
         }
     }
 
     fn write(&mut self, peer: u32) {
-        let outcome = {
-            let mut guard = self.shared.lock_link(peer);
-            let Some(link) = guard.as_mut() else {
-                return;
-            };
-            link.release_held(&self.shared);
-            match link.broken {
-                Some(Broken::Read(failure)) => Err((failure, false)),
-                Some(Broken::Write(failure)) => Err((failure, true)),
-                None => link
-                    .flush(&self.shared, peer, usize::MAX, Queueing::Wait)
-                    .map(|_| ())
-                    .map_err(|e| (write_failure(&e), true)),
-            }
+        let shared = &*self.shared;
+        let Some(outcome) = self.with_link(peer, |link| match link.broken {
+            Some(Broken::Read(failure)) => Err((failure, false)),
+            Some(Broken::Write(failure)) => Err((failure, true)),
+            None => link
+                .flush(shared, peer, usize::MAX, Queueing::Wait)
+                .map(|_| ())
+                .map_err(|e| (write_failure(&e), true)),
+        }) else {
+            return;
         };
         match outcome {
             Ok(()) => {}
@@ -549,12 +548,8 @@ impl EventLoop {
                 // (its last message, often a goodbye): deliver it before the
                 // failure, so completions keep the order in which the peer acted.
                 loop {
-                    {
-                        let mut guard = self.shared.lock_link(peer);
-                        if let Some(link) = guard.as_mut() {
-                            link.broken = None;
-                        }
-                    }
+                    // The write failure is settled here: let `read` read again.
+                    self.with_link(peer, |link| link.broken = None);
                     self.read(peer);
                     if !self.more_to_read(peer) {
                         break;

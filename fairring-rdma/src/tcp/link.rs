@@ -116,37 +116,6 @@ impl Link {
         self.broken.is_none() && self.held.is_empty()
     }
 
-    /// Queues `event` from `peer`; returns whether it went into the queue (with
-    /// [`Queueing::Hold`], `false` means it is held).
-    fn complete(
-        &mut self,
-        shared: &Shared,
-        peer: u32,
-        event: CompletionEvent,
-        queueing: Queueing,
-    ) -> bool {
-        let completion = Completion { peer, event };
-        match queueing {
-            Queueing::Wait => {
-                shared.complete(peer, completion.event);
-                true
-            }
-            Queueing::Hold => {
-                if !self.held.is_empty() {
-                    self.held.push_back(completion);
-                    return false;
-                }
-                match shared.cq.push(completion) {
-                    Ok(()) => true,
-                    Err(back) => {
-                        self.held.push_back(back);
-                        false
-                    }
-                }
-            }
-        }
-    }
-
     /// The I/O thread: queues every held completion, waiting for room.
     pub(crate) fn release_held(&mut self, shared: &Shared) {
         while let Some(completion) = self.held.pop_front() {
@@ -190,7 +159,9 @@ impl Link {
                 Ok(Received::Aborted) => return Err(PeerFailure::Aborted),
                 Err(violation) => return Err(PeerFailure::Protocol(violation)),
             };
-            let queued = event.is_none_or(|e| self.complete(shared, peer, e, queueing));
+            let queued = event.is_none_or(|event| {
+                queue_completion(shared, &mut self.held, Completion { peer, event }, queueing)
+            });
             left = left.saturating_sub(n);
             if left == 0 || !queued {
                 self.more_to_read = true;
@@ -217,25 +188,10 @@ impl Link {
             held,
             ..
         } = self;
-        let mut link_held = std::mem::take(held);
-        let result = sender.flush(&mut NoSigPipe(&*stream), queue, limit, |token| {
-            let completion = Completion {
-                peer,
-                event: CompletionEvent::Sent { token },
-            };
-            match queueing {
-                Queueing::Wait => shared.complete(peer, completion.event),
-                Queueing::Hold => {
-                    if !link_held.is_empty() {
-                        link_held.push_back(completion);
-                    } else if let Err(back) = shared.cq.push(completion) {
-                        link_held.push_back(back);
-                    }
-                }
-            }
-        });
-        *held = link_held;
-        result
+        sender.flush(&mut NoSigPipe(&*stream), queue, limit, |token| {
+            let event = CompletionEvent::Sent { token };
+            queue_completion(shared, held, Completion { peer, event }, queueing);
+        })
     }
 }
 
@@ -345,6 +301,35 @@ impl Shared {
             .link
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Queues `completion` behind those `held` for its connection; returns whether it
+/// went into the queue. With [`Queueing::Wait`] it always does (the I/O thread
+/// waits for room); with [`Queueing::Hold`] a completion the queue has no room
+/// for, or that would overtake a held one, is held instead.
+fn queue_completion(
+    shared: &Shared,
+    held: &mut VecDeque<Completion>,
+    completion: Completion,
+    queueing: Queueing,
+) -> bool {
+    match queueing {
+        Queueing::Wait => {
+            shared.complete(completion.peer, completion.event);
+            true
+        }
+        Queueing::Hold if !held.is_empty() => {
+            held.push_back(completion);
+            false
+        }
+        Queueing::Hold => match shared.cq.push(completion) {
+            Ok(()) => true,
+            Err(back) => {
+                held.push_back(back);
+                false
+            }
+        },
     }
 }
 
