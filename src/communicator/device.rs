@@ -32,7 +32,7 @@ use fairring_core::{DataType, ReduceOp};
 use fairring_cuda::{DeviceSlice, DeviceSliceMut, Stream, device_of_pointer, sys};
 
 use super::{
-    Communicator, DeviceCall, OwnedWork, Request, Scope, Work, WorkerEngine, byte_len,
+    Communicator, DeviceCall, OwnedWork, Request, Scope, Work, WorkerEngine, byte_len, check_op,
     check_pointer, in_list, wait_range,
 };
 use crate::config::Algorithm;
@@ -286,12 +286,7 @@ impl Communicator {
         op: ReduceOp,
         stream: sys::CUstream,
     ) -> Result<Work<'_>> {
-        if !op.supports(dtype) {
-            return Err(Error::invalid(
-                "op",
-                format!("{op} is not defined on {dtype}"),
-            ));
-        }
+        check_op(op, dtype)?;
         for (i, &(data, count)) in tensors.iter().enumerate() {
             if count > 0 {
                 self.on_device("tensors", data, count, dtype, stream)

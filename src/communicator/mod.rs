@@ -219,12 +219,7 @@ impl Communicator {
         tensors: &mut [&mut [T]],
         op: ReduceOp,
     ) -> Result<()> {
-        if !op.supports(T::DTYPE) {
-            return Err(Error::invalid(
-                "op",
-                format!("{op} is not defined on {}", T::DTYPE),
-            ));
-        }
+        check_op(op, T::DTYPE)?;
         let buffer_bytes = usize::try_from(self.slice_bytes()).unwrap_or(usize::MAX);
         fusion::all_reduce_list(self, tensors, op, buffer_bytes)
     }
@@ -403,12 +398,7 @@ impl Communicator {
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<Work<'_>> {
-        if !op.supports(dtype) {
-            return Err(Error::invalid(
-                "op",
-                format!("{op} is not defined on {dtype}"),
-            ));
-        }
+        check_op(op, dtype)?;
         for (i, &(data, count)) in tensors.iter().enumerate() {
             check_pointer(data, count, dtype).map_err(|e| in_list(i, e))?;
         }
@@ -495,12 +485,7 @@ impl Communicator {
     /// Validates a request (with no side effects when it is refused), assigns
     /// its sequence number and queues it.
     fn submit(&self, r: Request) -> Result<u64> {
-        if !r.op.supports(r.dtype) {
-            return Err(Error::invalid(
-                "op",
-                format!("{} is not defined on {}", r.op, r.dtype),
-            ));
-        }
+        check_op(r.op, r.dtype)?;
         let bytes = r
             .elements
             .checked_mul(r.dtype.size_bytes())
@@ -1056,6 +1041,17 @@ fn byte_len(count: u64, dtype: DataType) -> Result<usize> {
         .filter(|&b| b <= isize::MAX as u64)
         .and_then(|b| usize::try_from(b).ok())
         .ok_or_else(|| Error::invalid("count", format!("{count} elements of {dtype} overflow")))
+}
+
+/// Rejects an operator that is not defined on `dtype`, naming `op`.
+fn check_op(op: ReduceOp, dtype: DataType) -> Result<()> {
+    if op.supports(dtype) {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        "op",
+        format!("{op} is not defined on {dtype}"),
+    ))
 }
 
 /// Rejects a null or misaligned pointer for `count` elements of `dtype`.
