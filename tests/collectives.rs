@@ -18,6 +18,13 @@ fn value(rank: u32, k: usize, i: usize) -> i64 {
     (i64::from(rank) << 40) ^ ((k as i64) << 32) ^ (i as i64 * 2_654_435_761 % 1_000_003)
 }
 
+/// The `f32` bit pattern of [`value`], sign flipped: the rank and tensor still
+/// tell patterns apart, and NaN payloads and `-0.0` occur.
+fn bits(rank: u32, k: usize, i: usize) -> u32 {
+    let v = value(rank, k, i);
+    (v ^ (v >> 29)) as u32 ^ 0x8000_0000
+}
+
 /// Element counts: tiny, odd, and spanning several 64 KiB slices.
 const SIZES: [usize; 4] = [1, 7, 1001, 40_003];
 
@@ -49,9 +56,8 @@ fn broadcast_from_every_root() {
                     for (k, &n) in SIZES.iter().enumerate() {
                         // f32 bit patterns including NaN payloads and -0.0 must
                         // arrive untouched.
-                        let mut data: Vec<f32> = (0..n)
-                            .map(|i| f32::from_bits(value(rank, k, i) as u32 ^ 0x8000_0000))
-                            .collect();
+                        let mut data: Vec<f32> =
+                            (0..n).map(|i| f32::from_bits(bits(rank, k, i))).collect();
                         comm.broadcast(&mut data, root)
                             .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                         out.push((root, k, data));
@@ -65,7 +71,7 @@ fn broadcast_from_every_root() {
                 let wrong = data
                     .iter()
                     .enumerate()
-                    .filter(|&(i, v)| v.to_bits() != (value(*root, *k, i) as u32 ^ 0x8000_0000))
+                    .filter(|&(i, v)| v.to_bits() != bits(*root, *k, i))
                     .count();
                 assert_eq!(
                     wrong, 0,

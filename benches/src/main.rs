@@ -28,8 +28,10 @@
 //!   received per all-reduce, counted by the fabric over the timed iterations.
 //!
 //! `--collective` times a broadcast (from rank 0), an all-gather or a
-//! reduce-scatter instead of an all-reduce, checked the same way; these run
-//! with the communicator's algorithm (`--algo` stays `auto`).
+//! reduce-scatter instead of an all-reduce, checked the same way. A broadcast
+//! and an all-gather take `--algo` too (`ring` relays them around the ring;
+//! `hierarchical` runs them as all-reduces); a reduce-scatter runs with the
+//! communicator's algorithm (`--algo` stays `auto`).
 //!
 //! `--wire bf16|f16` carries the `f32` values of all-reduces and
 //! reduce-scatters between machines in that format (`FAIRRING_WIRE`; it
@@ -147,8 +149,8 @@ fn usage(error: &str) -> ! {
     eprintln!(
         "usage: fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F] \
          [--iters N] [--warmup N] [--algo auto|hierarchical|ring|all] \
-         [--collective all_reduce|broadcast|all_gather|reduce_scatter] [--dtype T] [--op OP] \
-         [--check|--no-check] [--parallel N] [--servers K] [--gradients N] \
+         [--collective all_reduce|broadcast|all_gather|reduce_scatter] \
+         [--wire exact|bf16|f16] [--device host|cuda] [--dtype T] [--op OP] [--check|--no-check] [--parallel N] [--servers K] [--gradients N] \
          [--gradient-max N] [--json PATH] \
          [--plot PATH]\n       \
          fairring-bench model --help"
@@ -305,9 +307,10 @@ fn parse(args: &[String]) -> Options {
     if !o.op.supports(o.dtype) {
         usage(&format!("--op {} is not defined on {}", o.op, o.dtype));
     }
-    if o.collective != Collective::AllReduce && o.algorithms != [Algorithm::Auto] {
+    if o.collective == Collective::ReduceScatter && o.algorithms != [Algorithm::Auto] {
         usage(
-            "--algo: only an all-reduce takes an algorithm; other collectives run with the communicator's",
+            "--algo: a reduce-scatter runs with the communicator's algorithm; all_reduce, \
+             broadcast and all_gather take one",
         );
     }
     if let Some(wire) = o.wire
@@ -967,10 +970,10 @@ fn iteration<T: Value>(
             let b = &mut b[..n];
             works.push(match o.collective {
                 Collective::AllReduce => s.all_reduce_with(b, o.op, algorithm)?,
-                Collective::Broadcast => s.broadcast(b, 0)?,
+                Collective::Broadcast => s.broadcast_with(b, 0, algorithm)?,
                 Collective::AllGather => {
                     let p = parts.next().map_or(&[][..], |p| &p[..k]);
-                    s.all_gather(p, b)?
+                    s.all_gather_with(p, b, algorithm)?
                 }
                 Collective::ReduceScatter => {
                     let p = parts.next().map(|p| &mut p[..k]).unwrap_or_default();

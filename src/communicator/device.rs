@@ -159,7 +159,7 @@ impl Communicator {
             // the operation.
             unsafe { on.zero(data, bytes)? };
         }
-        let mut r = Request::broadcast(data as *mut u8, bytes, dtype, count, root);
+        let mut r = Request::broadcast(data as *mut u8, bytes, dtype, count, root, None);
         r.device = Some(on.call);
         // SAFETY: the caller keeps the memory and the stream valid and
         // untouched until the operation finishes.
@@ -218,7 +218,7 @@ impl Communicator {
         unsafe { on.zero(output, at)? };
         // SAFETY: bytes `at + n..bytes` of `output`, likewise.
         unsafe { on.zero(place + n as u64, bytes - at - n)? };
-        let mut r = Request::all_gather(output as *mut u8, bytes, dtype, count);
+        let mut r = Request::all_gather(output as *mut u8, bytes, dtype, count, None);
         r.device = Some(on.call);
         // SAFETY: the caller keeps the memory and the stream valid and
         // untouched until the operation finishes.

@@ -274,15 +274,41 @@ impl Communicator {
         dtype: DataType,
         root: u32,
     ) -> Result<Work<'_>> {
+        // SAFETY: forwarded.
+        unsafe { self.broadcast_raw_with(data, count, dtype, root, None) }
+    }
+
+    /// [`Communicator::broadcast_raw`] with `algorithm` (`None`: the
+    /// communicator's).
+    ///
+    /// # Safety
+    ///
+    /// As [`Communicator::broadcast_raw`].
+    unsafe fn broadcast_raw_with(
+        &self,
+        data: *mut u8,
+        count: u64,
+        dtype: DataType,
+        root: u32,
+        algorithm: Option<Algorithm>,
+    ) -> Result<Work<'_>> {
         self.check_root(root)?;
         check_pointer(data, count, dtype)?;
         let bytes = byte_len(count, dtype)?;
-        if root != self.rank() && bytes > 0 {
+        // The all-reduce a broadcast otherwise runs as sums the other ranks'
+        // zeros into the root's bytes; the relay overwrites them.
+        let relayed =
+            self.resolve(Collective::Broadcast, algorithm, bytes as u64)? == Resolved::Relay;
+        if root != self.rank() && bytes > 0 && !relayed {
             // SAFETY: the caller guarantees `data` is valid for `bytes` bytes.
             unsafe { std::ptr::write_bytes(data, 0, bytes) };
         }
         // SAFETY: the caller keeps `data` valid and untouched until it finishes.
-        unsafe { self.start(Request::broadcast(data, bytes, dtype, count, root)) }
+        unsafe {
+            self.start(Request::broadcast(
+                data, bytes, dtype, count, root, algorithm,
+            ))
+        }
     }
 
     /// Starts an all-gather of every rank's `count` elements of `dtype` at
@@ -302,12 +328,33 @@ impl Communicator {
         count: u64,
         dtype: DataType,
     ) -> Result<Work<'_>> {
+        // SAFETY: forwarded.
+        unsafe { self.all_gather_raw_with(input, output, count, dtype, None) }
+    }
+
+    /// [`Communicator::all_gather_raw`] with `algorithm` (`None`: the
+    /// communicator's).
+    ///
+    /// # Safety
+    ///
+    /// As [`Communicator::all_gather_raw`].
+    unsafe fn all_gather_raw_with(
+        &self,
+        input: *const u8,
+        output: *mut u8,
+        count: u64,
+        dtype: DataType,
+        algorithm: Option<Algorithm>,
+    ) -> Result<Work<'_>> {
         let total = self.times_world(count)?;
         check_pointer(input.cast_mut(), count, dtype)?;
         check_pointer(output, total, dtype)?;
         let n = byte_len(count, dtype)?;
         let bytes = byte_len(total, dtype)?;
         let at = self.rank() as usize * n;
+        // As in a broadcast, only the all-reduce needs the zeros.
+        let relayed =
+            self.resolve(Collective::AllGather, algorithm, bytes as u64)? == Resolved::Relay;
         if bytes > 0 {
             // SAFETY: the caller guarantees `output` spans `bytes` bytes, of
             // which this rank's place `at..at + n` is a part.
@@ -316,6 +363,10 @@ impl Communicator {
             // ones; `copy` allows them to overlap. The input is in place before
             // the rest of `output` (where it may also lie) is zeroed.
             unsafe { std::ptr::copy(input, place, n) };
+        }
+        if bytes > 0 && !relayed {
+            // SAFETY: as above.
+            let place = unsafe { output.add(at) };
             // SAFETY: `0..at` lies within `output`.
             unsafe { std::ptr::write_bytes(output, 0, at) };
             // SAFETY: `at + n <= bytes`: the end of this rank's place.
@@ -324,7 +375,7 @@ impl Communicator {
             unsafe { std::ptr::write_bytes(rest, 0, bytes - at - n) };
         }
         // SAFETY: the caller keeps `output` valid and untouched until it finishes.
-        unsafe { self.start(Request::all_gather(output, bytes, dtype, count)) }
+        unsafe { self.start(Request::all_gather(output, bytes, dtype, count, algorithm)) }
     }
 
     /// Starts a reduce-scatter: `input` holds `world_size * count` elements of
@@ -525,13 +576,7 @@ impl Communicator {
             Some(call) => Some((self.device_side(call.ordinal)?, call)),
             None => None,
         };
-        let chosen = r.algorithm.unwrap_or(self.algorithm);
-        let algorithm = Resolved::of(chosen.resolve(self.topology, bytes)).ok_or_else(|| {
-            Error::internal(
-                "auto resolves to a concrete algorithm",
-                format!("{chosen} on {:?} for {bytes} bytes", self.topology),
-            )
-        })?;
+        let algorithm = self.resolve(r.collective, r.algorithm, bytes)?;
         let len = usize::try_from(bytes).map_err(|_| {
             Error::invalid("count", format!("{bytes} bytes do not fit this machine"))
         })?;
@@ -639,6 +684,32 @@ impl Communicator {
         Ok(seq)
     }
 
+    /// The algorithm a `collective` of `bytes` runs, `requested` or else the
+    /// configured one, `auto` resolved: broadcasts and all-gathers run the
+    /// relay where the ring is chosen.
+    fn resolve(
+        &self,
+        collective: Collective,
+        requested: Option<Algorithm>,
+        bytes: u64,
+    ) -> Result<Resolved> {
+        let chosen = requested.unwrap_or(self.algorithm);
+        let spread = matches!(collective, Collective::Broadcast | Collective::AllGather);
+        let concrete = if spread {
+            chosen.resolve_spread(self.topology, bytes)
+        } else {
+            chosen.resolve(self.topology, bytes)
+        };
+        match Resolved::of(concrete) {
+            Some(Resolved::Ring) if spread => Ok(Resolved::Relay),
+            Some(resolved) => Ok(resolved),
+            None => Err(Error::internal(
+                "auto resolves to a concrete algorithm",
+                format!("{chosen} on {:?} for {bytes} bytes", self.topology),
+            )),
+        }
+    }
+
     /// Fails every operation in flight and every later one with [`Error::Aborted`],
     /// and wakes every waiter. Callable from any thread.
     pub fn abort(&self) {
@@ -720,32 +791,66 @@ impl<'scope> Scope<'scope, '_> {
     }
 
     /// Starts a broadcast of `data` from rank `root` (see
-    /// [`Communicator::broadcast`]).
+    /// [`Communicator::broadcast`]) with the communicator's algorithm.
     ///
-    /// It runs as a byte-wise wrapping-sum all-reduce to which every rank but the
-    /// root contributes zeros: exact for every type (NaN payloads and negative
-    /// zeros included), at twice the bytes a dedicated broadcast tree would move.
+    /// With [`Algorithm::Ring`] it is a pipelined chain from the root around the
+    /// ring, each byte sent once per hop. With [`Algorithm::Hierarchical`] it
+    /// runs as a byte-wise wrapping-sum all-reduce to which every rank but the
+    /// root contributes zeros, at twice the bytes per rank. `auto` picks the
+    /// chain where the job has one rank per machine. Both are exact for every
+    /// type (NaN payloads and negative zeros included).
     pub fn broadcast<T: Element>(
         &'scope self,
         data: &'scope mut [T],
         root: u32,
     ) -> Result<Work<'scope>> {
+        self.broadcast_with(data, root, self.comm.algorithm)
+    }
+
+    /// Starts a broadcast of `data` from rank `root` with `algorithm` (see
+    /// [`Scope::broadcast`]). Every rank must choose alike.
+    pub fn broadcast_with<T: Element>(
+        &'scope self,
+        data: &'scope mut [T],
+        root: u32,
+        algorithm: Algorithm,
+    ) -> Result<Work<'scope>> {
         // SAFETY: `data` is borrowed mutably for 'scope, which outlasts the
         // operation (`finish` waits); it is valid and aligned for its length.
         unsafe {
-            self.comm
-                .broadcast_raw(data.as_mut_ptr().cast(), data.len() as u64, T::DTYPE, root)
+            self.comm.broadcast_raw_with(
+                data.as_mut_ptr().cast(),
+                data.len() as u64,
+                T::DTYPE,
+                root,
+                Some(algorithm),
+            )
         }
     }
 
     /// Starts an all-gather of every rank's `input` into `output` (see
-    /// [`Communicator::all_gather`]): a byte-wise sum over `output` to which each
-    /// rank contributes its input at its offset and zeros elsewhere, exact for
-    /// every type.
+    /// [`Communicator::all_gather`]) with the communicator's algorithm.
+    ///
+    /// With [`Algorithm::Ring`] each rank's input goes around the ring, sent
+    /// once per hop. With [`Algorithm::Hierarchical`] it is a byte-wise sum over
+    /// `output` to which each rank contributes its input at its offset and
+    /// zeros elsewhere, at twice the bytes per rank. `auto` picks the ring where
+    /// the job has one rank per machine. Both are exact for every type.
     pub fn all_gather<T: Element>(
         &'scope self,
         input: &[T],
         output: &'scope mut [T],
+    ) -> Result<Work<'scope>> {
+        self.all_gather_with(input, output, self.comm.algorithm)
+    }
+
+    /// Starts an all-gather with `algorithm` (see [`Scope::all_gather`]).
+    /// Every rank must choose alike.
+    pub fn all_gather_with<T: Element>(
+        &'scope self,
+        input: &[T],
+        output: &'scope mut [T],
+        algorithm: Algorithm,
     ) -> Result<Work<'scope>> {
         let world = self.comm.world_size() as usize;
         let n = input.len();
@@ -762,11 +867,12 @@ impl<'scope> Scope<'scope, '_> {
         // SAFETY: `input` is read before this returns; `output` is borrowed
         // mutably for 'scope and spans `world * n` elements (checked above).
         unsafe {
-            self.comm.all_gather_raw(
+            self.comm.all_gather_raw_with(
                 input.as_ptr().cast(),
                 output.as_mut_ptr().cast(),
                 n as u64,
                 T::DTYPE,
+                Some(algorithm),
             )
         }
     }
@@ -1128,10 +1234,17 @@ impl Request {
     }
 
     /// A broadcast from `root` of `count` elements of `dtype` (`bytes` bytes):
-    /// a byte-wise wrapping-sum all-reduce to which every rank but the root
-    /// contributes zeros.
-    fn broadcast(data: *mut u8, bytes: usize, dtype: DataType, count: u64, root: u32) -> Request {
-        let mut r = Request::all_reduce(data, bytes as u64, DataType::U8, ReduceOp::Sum, None);
+    /// relayed from the root, or a byte-wise wrapping-sum all-reduce to which
+    /// every rank but the root contributes zeros.
+    fn broadcast(
+        data: *mut u8,
+        bytes: usize,
+        dtype: DataType,
+        count: u64,
+        root: u32,
+        algorithm: Option<Algorithm>,
+    ) -> Request {
+        let mut r = Request::all_reduce(data, bytes as u64, DataType::U8, ReduceOp::Sum, algorithm);
         r.collective = Collective::Broadcast;
         r.caller_dtype = dtype;
         r.caller_elements = count;
@@ -1140,10 +1253,18 @@ impl Request {
     }
 
     /// An all-gather of `count` elements of `dtype` per rank into `output`
-    /// (`bytes` bytes for every rank): a byte-wise wrapping-sum all-reduce to
-    /// which each rank contributes its input at its place and zeros elsewhere.
-    fn all_gather(output: *mut u8, bytes: usize, dtype: DataType, count: u64) -> Request {
-        let mut r = Request::all_reduce(output, bytes as u64, DataType::U8, ReduceOp::Sum, None);
+    /// (`bytes` bytes for every rank), each rank's input at its place: relayed
+    /// from each rank, or a byte-wise wrapping-sum all-reduce to which each
+    /// rank contributes zeros elsewhere.
+    fn all_gather(
+        output: *mut u8,
+        bytes: usize,
+        dtype: DataType,
+        count: u64,
+        algorithm: Option<Algorithm>,
+    ) -> Request {
+        let mut r =
+            Request::all_reduce(output, bytes as u64, DataType::U8, ReduceOp::Sum, algorithm);
         r.collective = Collective::AllGather;
         r.caller_dtype = dtype;
         r.caller_elements = count;

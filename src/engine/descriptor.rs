@@ -96,6 +96,7 @@ fn algorithm_code(a: Resolved) -> u64 {
     match a {
         Resolved::Hierarchical => 1,
         Resolved::Ring => 2,
+        Resolved::Relay => 3,
     }
 }
 
@@ -130,7 +131,7 @@ impl Descriptor {
     /// word 1: bits  0..8   collective
     ///         bits  8..16  dtype discriminant
     ///         bits 16..24  op discriminant
-    ///         bits 24..28  algorithm (1 hierarchical, 2 ring)
+    ///         bits 24..28  algorithm (1 hierarchical, 2 ring, 3 relay)
     ///         bits 28..30  wire format discriminant
     ///         bits 30..32  memory (0 host, 1 device)
     ///         bits 32..64  root
@@ -157,6 +158,7 @@ impl Descriptor {
             algorithm: match byte(24) & 0xf {
                 1 => Resolved::Hierarchical,
                 2 => Resolved::Ring,
+                3 => Resolved::Relay,
                 _ => return None,
             },
             wire: WireFormat::from_u8((byte(24) >> 4) & 0x3)?,

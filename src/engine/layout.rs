@@ -68,6 +68,11 @@ impl StagingLayout {
         })
     }
 
+    /// Bytes of the largest slice (the input area at the buffer's start).
+    pub(crate) fn slice_bytes(&self) -> usize {
+        self.inbox
+    }
+
     /// Bytes of one dedicated server's staging buffer (0 without servers).
     pub(crate) fn server_buffer_bytes(&self) -> usize {
         self.server_bytes

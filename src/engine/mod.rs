@@ -73,7 +73,7 @@ use fairring_core::topology::Location;
 use fairring_rdma::fabric::{Completion, Fabric, RemoteRegion};
 
 pub(crate) use algorithm::Resolved;
-use algorithm::{SliceEvent, Step};
+use algorithm::{SliceEvent, Step, relay_most_writes};
 use checks::Checks;
 use credits::Credits;
 use departures::Departures;
@@ -206,8 +206,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             parts.linked,
         );
         // The most writes, early landings and steps one slice can have at once:
-        // a contribution or result per other machine, a ring step per rank.
-        let most = 2 * (world as usize).max(machines) + 4;
+        // a contribution or result per other machine, a ring step per rank, a
+        // relayed chunk per piece of the slice.
+        let most = (2 * (world as usize).max(machines) + 4).max(2 * relay_most_writes(world));
         let doorbell_wakes = world <= 1 || links.fabric.notify_completions(parts.machine.waker());
         // A spinner leaves its core to other threads each round when local ranks
         // outnumber cores, and when data from other machines reaches this rank

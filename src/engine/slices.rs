@@ -14,7 +14,9 @@ use fairring_core::plan::Slice;
 use fairring_core::{DataType, ReduceOp, WireFormat};
 use fairring_rdma::fabric::Fabric;
 
-use super::algorithm::{Context, Resolved, ServeScratch, SliceAlgorithm, SliceEvent, SliceInfo};
+use super::algorithm::{
+    Context, Origins, Resolved, ServeScratch, SliceAlgorithm, SliceEvent, SliceInfo,
+};
 use super::failure::Fault;
 use super::tags::Kind;
 use super::{Driver, Engine};
@@ -34,6 +36,7 @@ pub(crate) struct ActiveSlice<M: MemorySpace> {
     pub(crate) dtype: DataType,
     pub(crate) op: ReduceOp,
     pub(crate) wire: WireFormat,
+    pub(crate) origins: Option<Origins>,
     pub(crate) algorithm: SliceAlgorithm,
 }
 
@@ -194,6 +197,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             )
         })?;
         let generation = number / self.buffers as u64;
+        let origins = Origins::of(&rec.sub.descriptor);
         let info = SliceInfo {
             number,
             generation,
@@ -201,6 +205,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             dtype: rec.sub.dtype,
             op: rec.sub.op,
             wire: rec.sub.wire,
+            origins,
         };
         let mut steps = std::mem::take(&mut d.scratch.steps);
         steps.clear();
@@ -228,6 +233,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             dtype: rec.sub.dtype,
             op: rec.sub.op,
             wire: rec.sub.wire,
+            origins,
             algorithm,
         });
         slot.next_generation = generation + 1;

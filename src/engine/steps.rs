@@ -78,6 +78,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 dtype,
                 op,
                 wire,
+                origins,
                 algorithm,
                 ..
             } = active;
@@ -88,6 +89,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 dtype: *dtype,
                 op: *op,
                 wire: *wire,
+                origins: *origins,
             };
             algorithm.on_event(&ctx, &info, event, steps)?;
         }

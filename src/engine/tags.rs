@@ -48,6 +48,8 @@ pub(crate) enum Kind {
     Descriptor = 7,
     /// The sender has failed; the payload says why (see `descriptor::Failure`).
     Abort = 8,
+    /// A relayed chunk of a broadcast or all-gather.
+    Relay = 9,
 }
 
 impl Kind {
@@ -56,14 +58,14 @@ impl Kind {
     pub(crate) fn is_data(self) -> bool {
         matches!(
             self,
-            Kind::Contribution | Kind::Result | Kind::RingReduce | Kind::RingGather
+            Kind::Contribution | Kind::Result | Kind::RingReduce | Kind::RingGather | Kind::Relay
         )
     }
 
     /// Whether a peer may write it before this rank's slice has started: the
     /// writes that need the slice's credit, not the slice itself.
     pub(crate) fn lands_early(self) -> bool {
-        matches!(self, Kind::Contribution | Kind::RingReduce)
+        matches!(self, Kind::Contribution | Kind::RingReduce | Kind::Relay)
     }
 
     fn from_bits(bits: u32) -> Option<Kind> {
@@ -76,6 +78,7 @@ impl Kind {
             6 => Kind::Bye,
             7 => Kind::Descriptor,
             8 => Kind::Abort,
+            9 => Kind::Relay,
             _ => return None,
         })
     }
@@ -130,6 +133,7 @@ mod tests {
             Kind::Bye,
             Kind::Descriptor,
             Kind::Abort,
+            Kind::Relay,
         ] {
             for buffer in [0, 1, 77, MAX_BUFFERS - 1] {
                 for generation in [0u64, 1, 2047, 2048, 123_456_789] {
@@ -143,6 +147,6 @@ mod tests {
         }
         assert!(parse_immediate(0).is_none());
         assert!(parse_immediate(1 << 27 | 1).is_none());
-        assert!(parse_immediate(9).is_none());
+        assert!(parse_immediate(10).is_none());
     }
 }

@@ -14,16 +14,21 @@
 //! - [`hierarchical`]: the reduction-server all-reduce of the seeds, driven by the
 //!   core's staging word;
 //! - [`ring`]: the ring all-reduce (the Horovod/Gloo/NCCL baseline);
+//! - [`relay`]: broadcast and all-gather, each byte around the ring from the
+//!   rank it starts at (a pipelined chain from a broadcast's root);
 //! - [`serve`]: a dedicated reduction server's part of every slice (Herring's
 //!   design), where the workers run [`hierarchical`] with the servers in the
 //!   machines' place.
 //!
 //! `auto` is resolved before an operation reaches the engine ([`Resolved`]), so
-//! every slice runs exactly one of them.
+//! every slice runs exactly one of them. Hierarchical and ring run every
+//! collective as an all-reduce (a broadcast sums zeros into the root's bytes);
+//! the relay runs broadcasts and all-gathers only.
 //!
 //! [`Actions`]: fairring_core::staging::Actions
 
 mod hierarchical;
+mod relay;
 mod ring;
 mod serve;
 
@@ -34,6 +39,7 @@ use fairring_core::topology::{Location, Topology};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
 pub(crate) use hierarchical::Hierarchical;
+pub(crate) use relay::{Origins, Relay, most_writes as relay_most_writes};
 pub(crate) use ring::Ring;
 pub(crate) use serve::{Serve, ServeScratch};
 
@@ -51,6 +57,8 @@ pub(crate) enum Resolved {
     Hierarchical,
     /// [`ring`].
     Ring,
+    /// [`relay`]: what broadcasts and all-gathers run when the ring is chosen.
+    Relay,
 }
 
 impl Resolved {
@@ -63,18 +71,19 @@ impl Resolved {
         }
     }
 
-    /// The configuration's name for it.
-    pub(crate) fn algorithm(self) -> Algorithm {
+    /// What it is called in errors and reports.
+    pub(crate) fn name(self) -> &'static str {
         match self {
-            Resolved::Hierarchical => Algorithm::Hierarchical,
-            Resolved::Ring => Algorithm::Ring,
+            Resolved::Hierarchical => "hierarchical",
+            Resolved::Ring => "ring",
+            Resolved::Relay => "relay",
         }
     }
 }
 
 impl std::fmt::Display for Resolved {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.algorithm().fmt(f)
+        f.write_str(self.name())
     }
 }
 
@@ -221,6 +230,15 @@ impl Context<'_> {
             })
             .map_err(|e| Error::internal("every machine has this device's rail", e.to_string()))
     }
+
+    /// The worker `offset` places after this one around the ring (and the ring
+    /// all-reduce's chunk index of that rank).
+    pub(crate) fn around(&self, offset: i64) -> u32 {
+        let n = i64::from(self.world);
+        #[expect(clippy::cast_possible_truncation, reason = "reduced mod N <= u32::MAX")]
+        let i = (i64::from(self.rank) + offset).rem_euclid(n) as u32;
+        i
+    }
 }
 
 /// One slice, as its algorithm sees it.
@@ -238,6 +256,8 @@ pub(crate) struct SliceInfo<'a> {
     pub(crate) op: ReduceOp,
     /// How its `f32` values travel between machines.
     pub(crate) wire: WireFormat,
+    /// Where its bytes start, for a relayed slice.
+    pub(crate) origins: Option<Origins>,
 }
 
 impl SliceInfo<'_> {
@@ -273,6 +293,8 @@ pub(crate) enum SliceAlgorithm {
     Hierarchical(Hierarchical),
     /// [`ring`].
     Ring(Ring),
+    /// [`relay`].
+    Relay(Relay),
     /// [`serve`].
     Serve(Serve),
 }
@@ -297,6 +319,7 @@ impl SliceAlgorithm {
                 SliceAlgorithm::Hierarchical(Hierarchical::start(ctx, s, steps)?)
             }
             Resolved::Ring => SliceAlgorithm::Ring(Ring::start(ctx, s, steps)?),
+            Resolved::Relay => SliceAlgorithm::Relay(Relay::start(ctx, s, steps)?),
         })
     }
 
@@ -311,6 +334,7 @@ impl SliceAlgorithm {
         match self {
             SliceAlgorithm::Hierarchical(h) => h.on_event(ctx, s, event, steps),
             SliceAlgorithm::Ring(r) => r.on_event(ctx, s, event, steps),
+            SliceAlgorithm::Relay(r) => r.on_event(ctx, s, event, steps),
             SliceAlgorithm::Serve(v) => v.on_event(ctx, s, event, steps),
         }
     }
@@ -327,6 +351,7 @@ impl SliceAlgorithm {
         match self {
             SliceAlgorithm::Hierarchical(_) => Resolved::Hierarchical,
             SliceAlgorithm::Ring(_) => Resolved::Ring,
+            SliceAlgorithm::Relay(_) => Resolved::Relay,
             SliceAlgorithm::Serve(v) => v.resolved(),
         }
     }
@@ -336,6 +361,7 @@ impl SliceAlgorithm {
         match self {
             SliceAlgorithm::Hierarchical(h) => h.phase(),
             SliceAlgorithm::Ring(r) => r.phase(),
+            SliceAlgorithm::Relay(r) => r.phase(),
             SliceAlgorithm::Serve(v) => v.phase(),
         }
     }

@@ -86,7 +86,7 @@ impl Ring {
             SliceEvent::Staged if !self.staged => {
                 self.staged = true;
                 if ctx.world > 1 {
-                    let c = index(ctx, 0);
+                    let c = ctx.around(0);
                     self.send(ctx, s, Kind::RingReduce, 0, c, steps)?;
                 }
             }
@@ -95,7 +95,7 @@ impl Ring {
                 peer,
             } => {
                 let seen = self.reduced + u32::from(self.reducing) + self.reduce_arrived;
-                if peer != index(ctx, -1) || seen >= self.total {
+                if peer != ctx.around(-1) || seen >= self.total {
                     return Err(unexpected(
                         Kind::RingReduce,
                         peer,
@@ -109,7 +109,7 @@ impl Ring {
                 kind: Kind::RingGather,
                 peer,
             } => {
-                if peer != index(ctx, -1) || self.gathered + self.gather_arrived >= self.total {
+                if peer != ctx.around(-1) || self.gathered + self.gather_arrived >= self.total {
                     return Err(unexpected(
                         Kind::RingGather,
                         peer,
@@ -169,7 +169,7 @@ impl Ring {
         let total = self.total;
         while self.reduced < total {
             let k = self.reduced;
-            let range = chunk(ctx, s, index(ctx, -i64::from(k) - 1))?;
+            let range = chunk(ctx, s, ctx.around(-i64::from(k) - 1))?;
             if range.is_empty() {
                 self.reduced += 1;
                 self.after_reduce(ctx, s, k, steps)?;
@@ -193,7 +193,7 @@ impl Ring {
         }
         while self.gathered < total {
             let k = self.gathered;
-            let c = index(ctx, -i64::from(k));
+            let c = ctx.around(-i64::from(k));
             let empty = chunk(ctx, s, c)?.is_empty();
             if !empty && self.gather_arrived == 0 {
                 return Ok(());
@@ -225,7 +225,7 @@ impl Ring {
         k: u32,
         steps: &mut Vec<Step>,
     ) -> Result<()> {
-        let c = index(ctx, -i64::from(k) - 1);
+        let c = ctx.around(-i64::from(k) - 1);
         if k + 1 < self.total {
             self.send(ctx, s, Kind::RingReduce, k + 1, c, steps)
         } else {
@@ -256,21 +256,13 @@ impl Ring {
         self.sends += 1;
         steps.push(Step::Write(Write {
             kind,
-            peer: index(ctx, 1),
+            peer: ctx.around(1),
             source: range,
             target,
             needs_credit,
         }));
         Ok(())
     }
-}
-
-/// The rank (and chunk index) `offset` places after this one, around the ring.
-fn index(ctx: &Context<'_>, offset: i64) -> u32 {
-    let n = i64::from(ctx.world);
-    #[expect(clippy::cast_possible_truncation, reason = "reduced mod N <= u32::MAX")]
-    let i = (i64::from(ctx.rank) + offset).rem_euclid(n) as u32;
-    i
 }
 
 /// Bytes of chunk `c` of the slice, from its start.

@@ -103,7 +103,7 @@ impl Serve {
                 .slice
                 .shard_of_server(server)
                 .map_err(|e| Error::internal("this server is in the job", e.to_string()))?,
-            Resolved::Ring => None,
+            Resolved::Ring | Resolved::Relay => None,
         };
         if let Some(shard) = shard {
             serve.shard = shard;

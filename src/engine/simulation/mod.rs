@@ -8,7 +8,8 @@
 //! seven 1 to 3 dedicated reduction servers (which then take the inter-machine
 //! step), the number of staging buffers (1..=4), the slice size, a script of
 //! integer all-reduces (empty to many slices, `i32`/`i64`/`u8`,
-//! sum/product/min/max, hierarchical or ring) and,
+//! sum/product/min/max, hierarchical or ring) and relayed broadcasts (from any
+//! root) and all-gathers, each rank starting from its own values everywhere, and,
 //! for half the seeds, a process (worker or server) to kill at a random step. It
 //! then checks:
 //!
@@ -35,7 +36,7 @@ use fairring_core::topology::{Location, RankLayout, Topology};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 use fairring_rdma::fabric::{Fabric, LocalRegion};
 
-use super::algorithm::Resolved;
+use super::algorithm::{Origins, Resolved};
 use super::descriptor::{Collective, Descriptor};
 use super::layout::StagingLayout;
 use super::links::{linked, peers, server_peers};
@@ -79,6 +80,38 @@ struct Op {
     op: ReduceOp,
     algorithm: Resolved,
     wire: WireFormat,
+    /// A relayed broadcast's or all-gather's origins (`u8` elements, every rank
+    /// starting from its own values everywhere).
+    origins: Option<Origins>,
+}
+
+impl Op {
+    /// The descriptor the communicator would make for it.
+    fn descriptor(&self) -> Descriptor {
+        let (collective, root, elements) = match self.origins {
+            None => (Collective::AllReduce, 0, self.elements),
+            Some(Origins::Rank(root)) => (Collective::Broadcast, root, self.elements),
+            Some(Origins::Blocks(block)) => (Collective::AllGather, 0, block),
+        };
+        Descriptor {
+            collective,
+            dtype: self.dtype,
+            op: self.op,
+            algorithm: self.algorithm,
+            wire: self.wire,
+            memory: crate::memory::MemoryKind::Host,
+            root,
+            elements,
+        }
+    }
+
+    /// The rank whose input element `i` of the result is, for a relay.
+    fn origin_of(&self, i: u64) -> Option<u32> {
+        match self.origins? {
+            Origins::Rank(root) => Some(root),
+            Origins::Blocks(block) => u32::try_from(i / block.max(1)).ok(),
+        }
+    }
 }
 
 /// Rank `rank`'s element `i` of operation `k` as it is written into a tensor of
@@ -311,7 +344,27 @@ fn run(seed: u64) -> Result<Outcome, String> {
                 ReduceOp::Min,
                 ReduceOp::Max,
             ]);
-            let algorithm = rng.pick(&[Resolved::Hierarchical, Resolved::Ring]);
+            let algorithm = rng.pick(&[Resolved::Hierarchical, Resolved::Ring, Resolved::Relay]);
+            if algorithm == Resolved::Relay {
+                // A broadcast from any root, or an all-gather of whole blocks.
+                let origins = if rng.below(2) == 0 {
+                    Origins::Rank(rng.below(u64::from(world)) as u32)
+                } else {
+                    Origins::Blocks(elements / u64::from(world))
+                };
+                let elements = match origins {
+                    Origins::Blocks(block) => block * u64::from(world),
+                    Origins::Rank(_) => elements,
+                };
+                return Op {
+                    elements,
+                    dtype: DataType::U8,
+                    op: ReduceOp::Sum,
+                    algorithm,
+                    wire: WireFormat::Exact,
+                    origins: Some(origins),
+                };
+            }
             // As the communicator submits them: compressed only where f32 values
             // cross between machines that serve.
             let wire = if dtype == DataType::F32
@@ -334,6 +387,7 @@ fn run(seed: u64) -> Result<Outcome, String> {
                 },
                 algorithm,
                 wire,
+                origins: None,
             }
         })
         .collect();
@@ -465,16 +519,7 @@ fn run(seed: u64) -> Result<Outcome, String> {
                     op: op.op,
                     algorithm: op.algorithm,
                     wire: op.wire,
-                    descriptor: Descriptor {
-                        collective: Collective::AllReduce,
-                        dtype: op.dtype,
-                        op: op.op,
-                        algorithm: op.algorithm,
-                        wire: op.wire,
-                        memory: crate::memory::MemoryKind::Host,
-                        root: 0,
-                        elements: op.elements,
-                    },
+                    descriptor: op.descriptor(),
                     deliver: None,
                 };
                 rank.submitted += 1;
@@ -523,6 +568,17 @@ fn check(op: &Op, k: usize, world: u32, r: usize, words: &[u64]) -> Result<(), S
     // SAFETY: as in `bytemuck_bytes`, read-only.
     let bytes = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), len) };
     for i in 0..usize::try_from(op.elements).unwrap_or(0) {
+        if let Some(origin) = op.origin_of(i as u64) {
+            let want = narrow(op.dtype, input(op.dtype, origin, k, i as u64));
+            let got = read(op.dtype, bytes, i);
+            if got != want {
+                return Err(format!(
+                    "rank {r}, operation {k} ({op:?}): element {i} is {got}, expected rank \
+                     {origin}'s {want}"
+                ));
+            }
+            continue;
+        }
         let want = (1..world).fold(
             narrow(op.dtype, input(op.dtype, 0, k, i as u64)),
             |acc, q| {
