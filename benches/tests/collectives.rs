@@ -1,5 +1,6 @@
 //! `fairring-bench --collective`: each collective times and checks itself on a
-//! local job, and the JSON names it with nccl-tests' bus factor applied.
+//! local job, and the JSON names it with nccl-tests' bus factor applied; a
+//! broadcast and an all-gather take each algorithm.
 
 use std::process::Command;
 
@@ -71,14 +72,35 @@ fn every_collective_runs_checked_on_a_local_job() {
         "--local",
         "1x2",
         "--collective",
-        "all_gather",
+        "reduce_scatter",
         "--algo",
         "ring",
     ]);
     assert!(
-        !ok && text.contains("only an all-reduce takes an algorithm"),
+        !ok && text.contains("a reduce-scatter runs with the communicator's algorithm"),
         "{text}"
     );
+    // Relayed and summed, side by side and checked.
+    for collective in ["broadcast", "all_gather"] {
+        let (ok, text) = bench(&[
+            "--local",
+            "2x1",
+            "--collective",
+            collective,
+            "--algo",
+            "all",
+            "--max-bytes",
+            "256K",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+        ]);
+        assert!(ok, "{collective}:\n{text}");
+        for algo in [" hierarchical ", " ring ", " auto "] {
+            assert!(text.contains(algo), "{collective}: no{algo}row:\n{text}");
+        }
+    }
     let (ok, text) = bench(&["--local", "1x2", "--collective", "gather"]);
     assert!(!ok && text.contains("--collective: expected"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
