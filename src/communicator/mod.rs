@@ -363,16 +363,14 @@ impl Communicator {
             // ones; `copy` allows them to overlap. The input is in place before
             // the rest of `output` (where it may also lie) is zeroed.
             unsafe { std::ptr::copy(input, place, n) };
-        }
-        if bytes > 0 && !relayed {
-            // SAFETY: as above.
-            let place = unsafe { output.add(at) };
-            // SAFETY: `0..at` lies within `output`.
-            unsafe { std::ptr::write_bytes(output, 0, at) };
-            // SAFETY: `at + n <= bytes`: the end of this rank's place.
-            let rest = unsafe { place.add(n) };
-            // SAFETY: `at + n..bytes` lies within `output`; `rest` is its start.
-            unsafe { std::ptr::write_bytes(rest, 0, bytes - at - n) };
+            if !relayed {
+                // SAFETY: `0..at` lies within `output`.
+                unsafe { std::ptr::write_bytes(output, 0, at) };
+                // SAFETY: `at + n <= bytes`: the end of this rank's place.
+                let rest = unsafe { place.add(n) };
+                // SAFETY: `at + n..bytes` lies within `output`; `rest` is its start.
+                unsafe { std::ptr::write_bytes(rest, 0, bytes - at - n) };
+            }
         }
         // SAFETY: the caller keeps `output` valid and untouched until it finishes.
         unsafe { self.start(Request::all_gather(output, bytes, dtype, count, algorithm)) }

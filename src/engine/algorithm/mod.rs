@@ -367,6 +367,23 @@ impl SliceAlgorithm {
     }
 }
 
+/// Refuses a write of `kind` from `peer` unless it comes from the previous rank
+/// of the ring and `expected` (the slice still waits for one), as `why`.
+pub(crate) fn from_previous(
+    ctx: &Context<'_>,
+    s: &SliceInfo<'_>,
+    kind: Kind,
+    peer: u32,
+    expected: bool,
+    why: &str,
+) -> Result<()> {
+    if peer == ctx.around(-1) && expected {
+        Ok(())
+    } else {
+        Err(unexpected(kind, peer, s, why))
+    }
+}
+
 /// The error for a write of `kind` from `peer` that the slice does not expect.
 pub(crate) fn unexpected(kind: Kind, peer: u32, s: &SliceInfo<'_>, why: &str) -> Error {
     Error::peer(

@@ -31,7 +31,7 @@
 
 use std::ops::Range;
 
-use super::{Context, SliceEvent, SliceInfo, Step, Write, unexpected};
+use super::{Context, SliceEvent, SliceInfo, Step, Write, from_previous, unexpected};
 use crate::engine::descriptor::{Collective, Descriptor};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
@@ -161,14 +161,9 @@ impl Relay {
                 kind: Kind::Relay,
                 peer,
             } => {
-                if peer != ctx.around(-1) || self.received + self.held >= self.expected {
-                    return Err(unexpected(
-                        Kind::Relay,
-                        peer,
-                        s,
-                        "not the relay's next chunk",
-                    ));
-                }
+                let expected = self.received + self.held < self.expected;
+                let why = "not the relay's next chunk";
+                from_previous(ctx, s, Kind::Relay, peer, expected, why)?;
                 self.held += 1;
             }
             SliceEvent::Landed { kind, peer } => {

@@ -30,10 +30,13 @@ use std::ops::Range;
 
 use fairring_core::ReduceOp;
 
-use super::{Context, SliceEvent, SliceInfo, Step, Write, unexpected};
+use super::{Context, SliceEvent, SliceInfo, Step, Write, from_previous, unexpected};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
 use crate::memory::{Reduction, Sources};
+
+/// Why a ring landing is refused.
+const NEXT_STEP: &str = "not the ring's next step";
 
 /// How far the ring of one slice has come.
 #[derive(Debug, Default)]
@@ -95,28 +98,16 @@ impl Ring {
                 peer,
             } => {
                 let seen = self.reduced + u32::from(self.reducing) + self.reduce_arrived;
-                if peer != ctx.around(-1) || seen >= self.total {
-                    return Err(unexpected(
-                        Kind::RingReduce,
-                        peer,
-                        s,
-                        "not the ring's next step",
-                    ));
-                }
+                let expected = seen < self.total;
+                from_previous(ctx, s, Kind::RingReduce, peer, expected, NEXT_STEP)?;
                 self.reduce_arrived += 1;
             }
             SliceEvent::Landed {
                 kind: Kind::RingGather,
                 peer,
             } => {
-                if peer != ctx.around(-1) || self.gathered + self.gather_arrived >= self.total {
-                    return Err(unexpected(
-                        Kind::RingGather,
-                        peer,
-                        s,
-                        "not the ring's next step",
-                    ));
-                }
+                let expected = self.gathered + self.gather_arrived < self.total;
+                from_previous(ctx, s, Kind::RingGather, peer, expected, NEXT_STEP)?;
                 self.gather_arrived += 1;
             }
             SliceEvent::Landed { kind, peer } => {
