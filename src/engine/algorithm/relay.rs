@@ -203,10 +203,11 @@ impl Relay {
         while self.held > 0 {
             self.held -= 1;
             let from = origin(ctx, self.step);
-            let range = self.chunk_range(self.piece(s, from)?, self.index);
+            let piece = self.piece(s, from)?;
+            let range = self.chunk_range(piece.clone(), self.index);
             self.received += 1;
             self.index += 1;
-            if self.index == self.chunks(s, from)? {
+            if self.index == self.count(&piece) {
                 self.step += 1;
                 self.index = 0;
                 self.skip_empty(ctx, s)?;
@@ -232,8 +233,7 @@ impl Relay {
 
     /// Sends every chunk of `piece` to the next rank.
     fn send_chunks(&mut self, ctx: &Context<'_>, piece: Range<usize>, steps: &mut Vec<Step>) {
-        let len = u64::try_from(piece.len()).unwrap_or(u64::MAX);
-        for index in 0..len.div_ceil(self.chunk) {
+        for index in 0..self.count(&piece) {
             let range = self.chunk_range(piece.clone(), index);
             self.send(ctx, range, steps);
         }
@@ -282,8 +282,14 @@ impl Relay {
 
     /// Chunks in the piece of `rank`.
     fn chunks(&self, s: &SliceInfo<'_>, rank: u32) -> Result<u64> {
-        let len = self.piece(s, rank)?.len();
-        Ok(u64::try_from(len).unwrap_or(u64::MAX).div_ceil(self.chunk))
+        Ok(self.count(&self.piece(s, rank)?))
+    }
+
+    /// Chunks in `piece`.
+    fn count(&self, piece: &Range<usize>) -> u64 {
+        u64::try_from(piece.len())
+            .unwrap_or(u64::MAX)
+            .div_ceil(self.chunk)
     }
 
     /// Chunk `index` of `piece`.
