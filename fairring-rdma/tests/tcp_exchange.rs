@@ -284,6 +284,92 @@ fn messages_and_writes_keep_their_order() {
     });
 }
 
+/// Bursts posted inside (nested) batches, with writes around the receiver's
+/// read-ahead size (16 KiB: smaller ones are read through it, larger ones
+/// straight into the region) and messages between them: every byte lands where
+/// it belongs, completions keep posting order on both sides, and nothing waits
+/// for a later batch.
+#[test]
+fn batched_bursts_land_whole_and_in_order() {
+    const LENS: [usize; 9] = [1, 2, 100, 4096, 16383, 16384, 16385, 50_000, 70_001];
+    // Keep-alives wake the I/O thread, which would send held frames too; far
+    // apart, they cannot hide a batch that ends without sending.
+    let fabrics = mesh(2, |mut c| {
+        c.silence_timeout = Duration::from_secs(300);
+        c.keepalive_interval = Duration::from_secs(100);
+        c
+    });
+    let mut rng = Rng(29);
+    let mut bytes = vec![0u8; 1 << 17];
+    rng.fill(&mut bytes);
+    let source = Buffer::new(&fabrics[0], bytes);
+    let target = Buffer::new(&fabrics[1], vec![0; 4 << 20]);
+    let remote = target.region().remote();
+    let mut expected = vec![0u8; 4 << 20];
+    let mut at = 0usize;
+    let mut next = 0u32;
+    for burst in 0..40 {
+        // (immediate, a message's payload or a write's length)
+        let mut posts: Vec<(u32, Result<Vec<u8>, usize>)> = Vec::new();
+        {
+            let _outer = fabrics[0].batch();
+            for k in 0..2 + burst % 7 {
+                let _inner = (k % 3 == 0).then(|| fabrics[0].batch());
+                let i = next;
+                next += 1;
+                if rng.below(3) == 0 {
+                    let mut payload = vec![0u8; rng.below(65) as usize];
+                    rng.fill(&mut payload);
+                    fabrics[0]
+                        .send_message(1, i, &payload, u64::from(i))
+                        .unwrap();
+                    posts.push((i, Ok(payload)));
+                    continue;
+                }
+                let len = LENS[rng.below(LENS.len() as u64) as usize];
+                let from = rng.below((source.read().len() - len) as u64) as usize;
+                let request = WriteRequest {
+                    source: source.region(),
+                    source_offset: from,
+                    len,
+                    target: remote,
+                    target_offset: at as u64,
+                    immediate: i,
+                    token: u64::from(i),
+                };
+                fabrics[0].write(1, request).unwrap();
+                expected[at..at + len].copy_from_slice(&source.read()[from..from + len]);
+                posts.push((i, Err(len)));
+                at += len;
+            }
+        }
+        // The whole burst arrives once the batch has ended, with no later post
+        // to push it out.
+        let mut got = 0;
+        drain_until(&fabrics[1], Duration::from_secs(20), |c| {
+            let (i, post) = &posts[got];
+            match (&c.event, post) {
+                (CompletionEvent::Message(m), Ok(p)) => {
+                    assert_eq!((m.immediate, m.payload()), (*i, p.as_slice()));
+                }
+                (CompletionEvent::Landed { immediate, len }, Err(l)) => {
+                    assert_eq!((*immediate, *len), (*i, *l as u64));
+                }
+                (other, _) => panic!("burst {burst}: {other:?}, expected post {i}"),
+            }
+            got += 1;
+            got == posts.len()
+        });
+    }
+    let mut sent = 0u64;
+    drain_until(&fabrics[0], Duration::from_secs(30), |c| {
+        assert_eq!(c.event, CompletionEvent::Sent { token: sent });
+        sent += 1;
+        sent == u64::from(next)
+    });
+    assert!(target.read() == expected.as_slice(), "the target differs");
+}
+
 /// A post with a bad argument fails with an error naming it, and posts nothing.
 #[test]
 fn bad_posts_are_refused_without_side_effects() {

@@ -373,6 +373,22 @@ impl Fabric for AnyFabric {
             Provider::Verbs(f) => Fabric::progress(f),
         }
     }
+
+    fn begin_batch(&self) {
+        match &self.provider {
+            Provider::Tcp(f) => f.begin_batch(),
+            #[cfg(feature = "verbs")]
+            Provider::Verbs(f) => f.begin_batch(),
+        }
+    }
+
+    fn end_batch(&self) {
+        match &self.provider {
+            Provider::Tcp(f) => f.end_batch(),
+            #[cfg(feature = "verbs")]
+            Provider::Verbs(f) => f.end_batch(),
+        }
+    }
 }
 
 #[cfg(test)]

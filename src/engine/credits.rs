@@ -8,6 +8,25 @@
 //! and each says everything earlier ones did, so one the fabric had no room for is
 //! simply sent on a later pass. Writes that arrive before their slice starts here
 //! (the peer is ahead) are held as early landings by the slice table.
+//!
+//! # When a credit leaves
+//!
+//! A credit is a message of its own, and on tcp a message costs a system call;
+//! sent as each slice is released, it would sit between a small all-reduce's end
+//! and the next one's start. So a new limit waits ([`Due::Short`]) while the peer
+//! still has at least half the buffers' worth of slices, `max(1, B / 2)`, it may
+//! write past this rank's lowest unreleased slice, and goes out with everything
+//! else ([`Due::Any`]):
+//!
+//! - when this rank accepts an operation, beside the descriptors it sends then
+//!   (one batch, so on tcp often in the same system call);
+//! - on a pass that found nothing to do: this rank waits, so the message costs
+//!   nothing it was doing.
+//!
+//! No peer waits on a withheld credit for long: a slice this rank needs from a
+//! peer is one it has started, at or past its lowest unreleased slice `w`, and
+//! the peer may always write `w`; and while this rank waits for anything, its
+//! idle passes send every limit it has.
 
 use fairring_rdma::fabric::Fabric;
 
@@ -16,8 +35,19 @@ use super::links::Links;
 use super::outbox::{Sent, send_control};
 use super::tags::Kind;
 
+/// Which moved limits [`Credits::send`] sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Due {
+    /// Only to peers short of slices they may write (see the module docs).
+    Short,
+    /// To every peer whose limit moved.
+    Any,
+}
+
 /// Credits granted and received.
 pub(crate) struct Credits {
+    /// Staging buffers: the window's width.
+    buffers: u64,
     /// Slices below this may be written into this rank (the limit last announced).
     granted: u64,
     /// Per rank: the limit last sent to it.
@@ -31,6 +61,7 @@ impl Credits {
     pub(crate) fn new(buffers: u32, world: u32) -> Credits {
         let b = u64::from(buffers);
         Credits {
+            buffers: b,
             granted: b,
             sent: vec![b; world as usize],
             received: vec![b; world as usize],
@@ -59,12 +90,25 @@ impl Credits {
         false
     }
 
-    /// Sends the current limit to every inbound peer that has not had it.
-    pub(crate) fn send<F: Fabric>(&mut self, links: &Links<F>, departures: &Departures) {
+    /// Whether `peer`'s new limit must go now, by `due`.
+    fn due(&self, peer: usize, due: Due) -> bool {
+        let sent = self.sent[peer];
+        if sent >= self.granted {
+            return false;
+        }
+        // Slices past the lowest unreleased one that the peer may write.
+        let lowest = self.granted - self.buffers;
+        let room = sent.saturating_sub(lowest);
+        due == Due::Any || room < (self.buffers / 2).max(1)
+    }
+
+    /// Sends the current limit to each inbound peer that has not had it and is
+    /// `due` it.
+    pub(crate) fn send<F: Fabric>(&mut self, links: &Links<F>, departures: &Departures, due: Due) {
         let payload = self.granted.to_le_bytes();
         for &peer in &links.inbound {
             let p = peer as usize;
-            if self.sent[p] >= self.granted {
+            if !self.due(p, due) {
                 continue;
             }
             if departures.departed(peer) {
@@ -86,5 +130,50 @@ impl Credits {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Releases slices one at a time from a window of `buffers`, sending with
+    /// `Short` after each, as the slice table does; returns the releases after
+    /// which a credit went to peer 1.
+    fn short_sends(buffers: u32, releases: u64) -> Vec<u64> {
+        let mut c = Credits::new(buffers, 2);
+        let mut sent_after = Vec::new();
+        for released in 1..=releases {
+            assert!(c.released(released, buffers));
+            if c.due(1, Due::Short) {
+                c.sent[1] = c.granted;
+                sent_after.push(released);
+            }
+            // The invariant the module docs rely on: the peer may always write
+            // this rank's lowest unreleased slice.
+            assert!(c.sent[1] > released, "peer 1 cannot write slice {released}");
+        }
+        sent_after
+    }
+
+    /// A new limit waits while the peer still has half the window; with two
+    /// buffers every other release sends, with four every third.
+    #[test]
+    fn short_credits_go_when_half_the_window_is_used() {
+        assert_eq!(short_sends(2, 6), [2, 4, 6]);
+        assert_eq!(short_sends(4, 8), [3, 6]);
+        assert_eq!(short_sends(1, 3), [1, 2, 3]);
+    }
+
+    /// `Any` sends every moved limit, and nothing that did not move.
+    #[test]
+    fn any_sends_every_moved_limit() {
+        let mut c = Credits::new(4, 2);
+        assert!(!c.due(1, Due::Any));
+        assert!(c.released(1, 4));
+        assert!(c.due(1, Due::Any));
+        assert!(!c.due(1, Due::Short));
+        c.sent[1] = c.granted;
+        assert!(!c.due(1, Due::Any));
     }
 }

@@ -4,7 +4,9 @@
 //! 2. new submissions are accepted (planned, described to the local ranks);
 //! 3. the local ranks' descriptors are checked;
 //! 4. the fabric's completions are dispatched (`dispatch`);
-//! 5. credits and descriptors go out (`credits`, `checks`);
+//! 5. credits and descriptors go out (`credits`, `checks`): a credit only if its
+//!    peer is short of slices, or the pass accepted an operation or found nothing
+//!    to do;
 //! 6. finished operations whose checks passed complete;
 //! 7. slices start while buffers are free (`slices`);
 //! 8. every slice in flight moves on where it waits (`steps`).
@@ -14,6 +16,7 @@
 
 use fairring_rdma::fabric::Fabric;
 
+use super::credits::Due;
 use super::failure::{FailureRecord, Fault};
 use super::work::{DONE, Submission};
 use super::{Driver, Engine, POLL_BATCH};
@@ -59,7 +62,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 }
             }
         }
-        d.credits.send(&self.links, &d.departures);
+        d.credits.send(&self.links, &d.departures, Due::Short);
         d.checks
             .send(d.operations.accepted(), &self.links, &d.departures);
         if d.operations.any_finished() {
@@ -75,6 +78,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         for b in 0..self.buffers {
             progressed |= self.advance(d, b)?;
+        }
+        if !progressed {
+            // This rank waits: withheld credits cost nothing now.
+            d.credits.send(&self.links, &d.departures, Due::Any);
         }
         Ok(progressed)
     }
@@ -95,6 +102,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let (seq, words) = (sub.seq, sub.descriptor.words());
         d.operations.accept(sub, &self.geometry)?;
         d.checks.accepted(seq, words, &self.machine, &self.links)?;
+        d.credits.send(&self.links, &d.departures, Due::Any);
         d.checks
             .send(d.operations.accepted(), &self.links, &d.departures);
         Ok(())

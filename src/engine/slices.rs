@@ -17,6 +17,7 @@ use fairring_rdma::fabric::Fabric;
 use super::algorithm::{
     Context, Origins, Resolved, ServeScratch, SliceAlgorithm, SliceEvent, SliceInfo,
 };
+use super::credits::Due;
 use super::failure::Fault;
 use super::tags::Kind;
 use super::{Driver, Engine};
@@ -303,7 +304,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         let released = d.slices.advance_released();
         if d.credits.released(released, self.buffers) {
-            d.credits.send(&self.links, &d.departures);
+            d.credits.send(&self.links, &d.departures, Due::Short);
         }
         Ok(())
     }

@@ -265,4 +265,40 @@ pub trait Fabric: Send + Sync {
     fn progress(&self) -> bool {
         false
     }
+
+    /// Starts a batch on the calling thread: what it posts from here to the
+    /// matching [`Fabric::end_batch`] may stay queued until then, so that a burst
+    /// (a control message, a credit and the data write behind them) leaves
+    /// together, in one system call on tcp rather than one per post. Posts keep
+    /// their order to each peer, and other threads' posts are not held.
+    ///
+    /// Batches nest: only the outermost end sends. Every call must be matched by
+    /// one `end_batch` on the same thread; [`Fabric::batch`] pairs them. The
+    /// default holds nothing.
+    fn begin_batch(&self) {}
+
+    /// Ends the calling thread's batch (see [`Fabric::begin_batch`]): at the
+    /// outermost end, everything it held goes out as posts do outside a batch.
+    fn end_batch(&self) {}
+
+    /// A batch that ends when the guard drops, on every path out of its scope.
+    fn batch(&self) -> Batch<'_, Self>
+    where
+        Self: Sized,
+    {
+        self.begin_batch();
+        Batch { fabric: self }
+    }
+}
+
+/// The guard of [`Fabric::batch`]: ends the batch when dropped.
+#[must_use = "the batch ends when the guard drops"]
+pub struct Batch<'f, F: Fabric> {
+    fabric: &'f F,
+}
+
+impl<F: Fabric> Drop for Batch<'_, F> {
+    fn drop(&mut self) {
+        self.fabric.end_batch();
+    }
 }

@@ -10,8 +10,12 @@
 //!   ([`Shared::send_inline`]), up to [`INLINE_BYTES`], and wakes the I/O thread
 //!   only for the rest;
 //! - a **thread about to spin** for completions reads what has arrived
-//!   ([`Shared::receive_inline`]), one frame part per `read`, while the completion
-//!   queue has room; one `poll(2)` over every socket tells it which to read.
+//!   ([`Shared::receive_inline`]) while the completion queue has room; one
+//!   `poll(2)` over every socket tells it which to read.
+//!
+//! Whichever thread reads takes a burst of small frames in one `read`, through a
+//! read-ahead buffer, and reads a large payload straight into its region. Whichever
+//! thread writes sends every queued frame, up to 16, in one vectored write.
 //!
 //! Each connection's state sits behind one mutex. The I/O thread takes it with
 //! `lock` (it may wait for a posting thread's write to finish); every other thread
@@ -57,6 +61,33 @@ pub(crate) const INLINE_BYTES: usize = 256 << 10;
 /// Bytes a spinning thread reads from one connection per call.
 const INLINE_READ_BUDGET: usize = 256 << 10;
 
+/// Bytes read ahead from a socket at a time when the next frame part is small:
+/// one `read` then takes a burst of small frames (a descriptor, a credit, a
+/// small write), which are copied out of it. A payload part at least this long
+/// is read straight into its region instead.
+const READ_AHEAD: usize = 16 << 10;
+
+/// Bytes read from a socket but not yet handed to the receiver.
+struct ReadAhead {
+    bytes: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+impl ReadAhead {
+    fn new() -> ReadAhead {
+        ReadAhead {
+            bytes: vec![0; READ_AHEAD].into_boxed_slice(),
+            start: 0,
+            end: 0,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.start == self.end
+    }
+}
+
 /// The sockets inline readers poll, and whose they are (same order).
 #[derive(Default)]
 pub(crate) struct Readable {
@@ -86,6 +117,8 @@ pub(crate) struct Link {
     pub(crate) broken: Option<Broken>,
     /// Completions the queue had no room for, oldest first.
     held: VecDeque<Completion>,
+    /// Bytes read ahead of the receiver.
+    ahead: ReadAhead,
 }
 
 /// How a thread queues the completions it moves.
@@ -108,6 +141,7 @@ impl Link {
             more_to_read: true,
             broken: None,
             held: VecDeque::new(),
+            ahead: ReadAhead::new(),
         }
     }
 
@@ -126,6 +160,10 @@ impl Link {
     /// Reads and handles frames from `peer` until the socket has nothing more,
     /// `budget` bytes were read, or (with [`Queueing::Hold`]) a completion found
     /// no room. Returns whether any bytes arrived.
+    ///
+    /// A small next part is read through the read-ahead buffer, a large one
+    /// straight into its region; bytes read ahead are handed on before the socket
+    /// is read again, so the receiver sees the connection's bytes in order.
     pub(crate) fn read(
         &mut self,
         shared: &Shared,
@@ -136,20 +174,49 @@ impl Link {
         let mut left = budget;
         let mut arrived = false;
         loop {
-            let buffer = self.receiver.buffer();
-            let n = match io::Read::read(&mut &self.stream, buffer) {
-                Ok(0) if self.receiver.mid_frame() => return Err(PeerFailure::ClosedMidFrame),
-                Ok(0) => return Err(PeerFailure::Closed),
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    self.more_to_read = false;
-                    return Ok(arrived);
+            let n = if self.ahead.is_empty() {
+                let buffer = self.receiver.buffer();
+                let direct = buffer.len() >= READ_AHEAD;
+                let into = if direct {
+                    buffer
+                } else {
+                    &mut self.ahead.bytes[..]
+                };
+                let n = match io::Read::read(&mut &self.stream, into) {
+                    Ok(0) if self.receiver.mid_frame() => {
+                        return Err(PeerFailure::ClosedMidFrame);
+                    }
+                    Ok(0) => return Err(PeerFailure::Closed),
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        self.more_to_read = false;
+                        return Ok(arrived);
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(PeerFailure::Io(e.kind())),
+                };
+                arrived = true;
+                self.last_rx = Instant::now();
+                left = left.saturating_sub(n);
+                if direct {
+                    n
+                } else {
+                    self.ahead.start = 0;
+                    self.ahead.end = n;
+                    0
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(PeerFailure::Io(e.kind())),
+            } else {
+                0
             };
-            arrived = true;
-            self.last_rx = Instant::now();
+            let n = if self.ahead.is_empty() {
+                n
+            } else {
+                let buffer = self.receiver.buffer();
+                let k = buffer.len().min(self.ahead.end - self.ahead.start);
+                buffer[..k].copy_from_slice(&self.ahead.bytes[self.ahead.start..][..k]);
+                self.ahead.start += k;
+                k
+            };
             let event = match self.receiver.filled(n, &shared.regions) {
                 Ok(Received::Nothing | Received::Keepalive) => None,
                 Ok(Received::Landed { len, immediate, .. }) => {
@@ -162,8 +229,7 @@ impl Link {
             let queued = event.is_none_or(|event| {
                 queue_completion(shared, &mut self.held, Completion { peer, event }, queueing)
             });
-            left = left.saturating_sub(n);
-            if left == 0 || !queued {
+            if !queued || left == 0 {
                 self.more_to_read = true;
                 return Ok(arrived);
             }

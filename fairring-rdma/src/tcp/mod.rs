@@ -14,7 +14,9 @@
 //! - **Inline I/O** (`link`): a posting thread writes its frame itself when no
 //!   other thread uses the connection, and a caller about to spin for completions
 //!   ([`Fabric::progress`]) reads what has arrived, so a small write's hop costs
-//!   no thread wake-up; the I/O thread takes whatever they leave.
+//!   no thread wake-up; the I/O thread takes whatever they leave. Inside a
+//!   batch ([`Fabric::begin_batch`], `batch`) a thread's frames wait for its end,
+//!   and then leave in one vectored write per peer.
 //! - **Listening** happens on one chosen address ([`BindTo`]), never on all
 //!   interfaces.
 //! - **Failure**: a closed or reset connection fails its peer at once; a peer from
@@ -24,6 +26,7 @@
 //! - **Shutdown**: dropping the fabric stops and joins the I/O thread and closes
 //!   every socket.
 
+mod batch;
 mod config;
 mod event_loop;
 mod handshake;
@@ -226,7 +229,7 @@ impl TcpFabric {
             peer,
             depth: self.shared.config.send_queue_depth,
         })?;
-        if self.shared.send_inline(peer) {
+        if !batch::hold(&self.shared, peer) && self.shared.send_inline(peer) {
             self.shared.wake();
         }
         Ok(())
@@ -526,6 +529,18 @@ impl Fabric for TcpFabric {
 
     fn progress(&self) -> bool {
         self.shared.receive_inline()
+    }
+
+    fn begin_batch(&self) {
+        batch::begin(&self.shared);
+    }
+
+    fn end_batch(&self) {
+        let mut wake = false;
+        batch::end(&self.shared, |peer| wake |= self.shared.send_inline(peer));
+        if wake {
+            self.shared.wake();
+        }
     }
 }
 

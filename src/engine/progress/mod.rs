@@ -97,6 +97,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         if self.failure.failed() {
             return false;
         }
+        // What one pass posts to a peer (descriptors, credits, the data behind
+        // them) leaves together when the pass ends.
+        let _batch = self.links.fabric.batch();
         match self.guarded(d, |e, d| e.drive(d)) {
             Some(true) => {
                 d.last_progress = Instant::now();
