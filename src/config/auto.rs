@@ -32,6 +32,19 @@
 //!   two are within the run-to-run spread (ring ahead by up to 10% in one
 //!   sitting, behind by up to 10% in the next).
 //!
+//! Since the tcp fabric sends each driver pass's frames in one vectored write and
+//! reads bursts in one read (and credits ride along), small operations cost
+//! less under both; one sitting, same machine (hierarchical / ring):
+//!
+//! | layout | 4 KiB | 64 KiB | 1 MiB | 16 MiB |
+//! |---|---|---|---|---|
+//! | 2x1 | 48 / 56, 34 / 41, 48 / 49 | 71 / 73, 59 / 49, 63 / 73 | 483 / 489 | 10605 / 10151 |
+//! | 3x1 | 116 / 179 | 153 / 225 | 560 / 657 | 18802 / 19171 |
+//!
+//! (three runs at 2x1 for the small sizes, whose ring times are bimodal on two
+//! cores). The ring's two simultaneous hops tie hierarchical's two at 2x1;
+//! from 3x1 its `2(M - 1)` hops lose.
+//!
 //! Ring was never faster beyond that spread, so `Auto` runs hierarchical on every
 //! layout measured. Where the two tie it keeps hierarchical, which pipelines
 //! slices over all staging buffers while the ring runs one slice at a time. The
