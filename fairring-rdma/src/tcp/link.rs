@@ -203,19 +203,10 @@ impl Link {
                 } else {
                     self.ahead.start = 0;
                     self.ahead.end = n;
-                    0
+                    self.hand_on()
                 }
             } else {
-                0
-            };
-            let n = if self.ahead.is_empty() {
-                n
-            } else {
-                let buffer = self.receiver.buffer();
-                let k = buffer.len().min(self.ahead.end - self.ahead.start);
-                buffer[..k].copy_from_slice(&self.ahead.bytes[self.ahead.start..][..k]);
-                self.ahead.start += k;
-                k
+                self.hand_on()
             };
             let event = match self.receiver.filled(n, &shared.regions) {
                 Ok(Received::Nothing | Received::Keepalive) => None,
@@ -234,6 +225,17 @@ impl Link {
                 return Ok(arrived);
             }
         }
+    }
+
+    /// Copies what the receiver takes next out of the read-ahead buffer (which
+    /// holds something); returns how many bytes.
+    fn hand_on(&mut self) -> usize {
+        let buffer = self.receiver.buffer();
+        let ahead = &self.ahead.bytes[self.ahead.start..self.ahead.end];
+        let n = buffer.len().min(ahead.len());
+        buffer[..n].copy_from_slice(&ahead[..n]);
+        self.ahead.start += n;
+        n
     }
 
     /// Writes what the socket takes of the frames queued to `peer`, up to `limit`
