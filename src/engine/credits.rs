@@ -1,10 +1,13 @@
 //! The credit window: which slices a peer may write into this rank's staging
 //! buffers, and which this rank may write into a peer's.
 //!
-//! A peer may write slice `s` into this rank's buffer `s % B` only once this rank
-//! has released slice `s - B` from it. Each rank tells the ranks that write into it
-//! how far they may go with a **credit** message carrying `w + B`, where `w` is the
-//! lowest slice it has not released; credits are sent only when that limit moves,
+//! A peer may write slice `s` into this rank's buffer `s % B` only once slice
+//! `s - B` has **vacated** it: this rank released it, and every rank of this
+//! machine is done with it (the shared-memory all-gather reads the other local
+//! ranks' buffers, and a relay chunk of the next slice lands in the same bytes).
+//! Each rank tells the ranks that write into it how far they may go with a
+//! **credit** message carrying `w + B`, where `w` is the lowest slice that has not
+//! vacated its buffer; credits are sent only when that limit moves,
 //! and each says everything earlier ones did, so one the fabric had no room for is
 //! simply sent on a later pass. Writes that arrive before their slice starts here
 //! (the peer is ahead) are held as early landings by the slice table.
@@ -12,10 +15,10 @@
 //! # When a credit leaves
 //!
 //! A credit is a message of its own, and on tcp a message costs a system call;
-//! sent as each slice is released, it would sit between a small all-reduce's end
+//! sent as each slice vacates, it would sit between a small all-reduce's end
 //! and the next one's start. So a new limit waits ([`Due::Short`]) while the peer
 //! still has at least half the buffers' worth of slices, `max(1, B / 2)`, it may
-//! write past this rank's lowest unreleased slice, and goes out with everything
+//! write past this rank's lowest slice not vacated, and goes out with everything
 //! else ([`Due::Any`]):
 //!
 //! - when this rank accepts an operation, beside the descriptors it sends then
@@ -23,10 +26,12 @@
 //! - on a pass that found nothing to do: this rank waits, so the message costs
 //!   nothing it was doing.
 //!
-//! No peer waits on a withheld credit for long: a slice this rank needs from a
-//! peer is one it has started, at or past its lowest unreleased slice `w`, and
-//! the peer may always write `w`; and while this rank waits for anything, its
-//! idle passes send every limit it has.
+//! No peer waits on a withheld credit for long: a slice `s` this rank needs from a
+//! peer is one it has started, which it does only once `s - B` has vacated the
+//! buffer, so `s < w + B`; and while this rank waits for anything, its idle passes
+//! send every limit it has. Every pass of the driver moves `w` past the slices
+//! the other local ranks have finished with since the last (their progress rings
+//! this rank's doorbell).
 
 use fairring_rdma::fabric::Fabric;
 
@@ -79,10 +84,10 @@ impl Credits {
         *c = (*c).max(limit);
     }
 
-    /// Slices below `released` have left this rank's buffers: `released + buffers`
-    /// may be granted. Returns whether the limit moved.
-    pub(crate) fn released(&mut self, released: u64, buffers: u32) -> bool {
-        let limit = released + u64::from(buffers);
+    /// Slices below `vacated` have left this rank's buffers (see the module
+    /// docs): `vacated + buffers` may be granted. Returns whether the limit moved.
+    pub(crate) fn vacated(&mut self, vacated: u64, buffers: u32) -> bool {
+        let limit = vacated + u64::from(buffers);
         if limit > self.granted {
             self.granted = limit;
             return true;
@@ -96,7 +101,7 @@ impl Credits {
         if sent >= self.granted {
             return false;
         }
-        // Slices past the lowest unreleased one that the peer may write.
+        // Slices past the lowest one not vacated that the peer may write.
         let lowest = self.granted - self.buffers;
         let room = sent.saturating_sub(lowest);
         due == Due::Any || room < (self.buffers / 2).max(1)
@@ -137,21 +142,21 @@ impl Credits {
 mod tests {
     use super::*;
 
-    /// Releases slices one at a time from a window of `buffers`, sending with
+    /// Vacates slices one at a time from a window of `buffers`, sending with
     /// `Short` after each, as the slice table does; returns the releases after
     /// which a credit went to peer 1.
     fn short_sends(buffers: u32, releases: u64) -> Vec<u64> {
         let mut c = Credits::new(buffers, 2);
         let mut sent_after = Vec::new();
-        for released in 1..=releases {
-            assert!(c.released(released, buffers));
+        for vacated in 1..=releases {
+            assert!(c.vacated(vacated, buffers));
             if c.due(1, Due::Short) {
                 c.sent[1] = c.granted;
-                sent_after.push(released);
+                sent_after.push(vacated);
             }
             // The invariant the module docs rely on: the peer may always write
-            // this rank's lowest unreleased slice.
-            assert!(c.sent[1] > released, "peer 1 cannot write slice {released}");
+            // this rank's lowest slice not vacated.
+            assert!(c.sent[1] > vacated, "peer 1 cannot write slice {vacated}");
         }
         sent_after
     }
@@ -170,7 +175,7 @@ mod tests {
     fn any_sends_every_moved_limit() {
         let mut c = Credits::new(4, 2);
         assert!(!c.due(1, Due::Any));
-        assert!(c.released(1, 4));
+        assert!(c.vacated(1, 4));
         assert!(c.due(1, Due::Any));
         assert!(!c.due(1, Due::Short));
         c.sent[1] = c.granted;

@@ -62,6 +62,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 }
             }
         }
+        // A local rank that finished reading this rank's buffers since the last
+        // pass moves the window.
+        self.advance_vacated(d);
         d.credits.send(&self.links, &d.departures, Due::Short);
         d.checks
             .send(d.operations.accepted(), &self.links, &d.departures);

@@ -70,8 +70,9 @@ pub(crate) struct Slices<M: MemorySpace> {
     pub(crate) slots: Vec<BufferSlot<M>>,
     /// The number of the next slice to start.
     pub(crate) next_slice: u64,
-    /// The lowest slice not yet released.
-    released: u64,
+    /// The lowest slice not yet vacated: released here, and no longer read by
+    /// any local rank.
+    vacated: u64,
 }
 
 impl<M: MemorySpace> Slices<M> {
@@ -90,7 +91,7 @@ impl<M: MemorySpace> Slices<M> {
                 })
                 .collect(),
             next_slice: 0,
-            released: 0,
+            vacated: 0,
         }
     }
 
@@ -122,20 +123,24 @@ impl<M: MemorySpace> Slices<M> {
             .map(|(b, s, a)| (u32::try_from(b).unwrap_or(u32::MAX), s, a))
     }
 
-    /// Moves the release watermark past every released slice; returns it.
-    fn advance_released(&mut self) -> u64 {
-        while self.released < self.next_slice {
-            let w = self.released;
-            let held = self.slots[self.buffer_of(w) as usize]
+    /// Moves the vacated watermark past every slice no rank of this machine reads
+    /// any more from this rank's buffers: released here, and `local_done(buffer,
+    /// slice)` (every local rank is done with it: a local all-gather reads its
+    /// peers' buffers). Returns the watermark.
+    fn advance_vacated(&mut self, local_done: impl Fn(u32, u64) -> bool) -> u64 {
+        while self.vacated < self.next_slice {
+            let w = self.vacated;
+            let b = self.buffer_of(w);
+            let held = self.slots[b as usize]
                 .active
                 .as_ref()
                 .is_some_and(|a| a.number == w);
-            if held {
+            if held || !local_done(b, w) {
                 break;
             }
-            self.released += 1;
+            self.vacated += 1;
         }
-        self.released
+        self.vacated
     }
 
     /// Forgets every slice (the engine failed).
@@ -302,10 +307,24 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         if d.operations.slice_done(active.seq)? {
             self.try_complete(d, active.seq)?;
         }
-        let released = d.slices.advance_released();
-        if d.credits.released(released, self.buffers) {
+        if self.advance_vacated(d) {
             d.credits.send(&self.links, &d.departures, Due::Short);
         }
         Ok(())
+    }
+
+    /// Moves the credit window past every vacated slice; returns whether the limit
+    /// moved.
+    ///
+    /// A slice is vacated once this rank released it *and* every local rank is
+    /// done with it: until then a local rank's all-gather may still read this
+    /// rank's buffer, and a peer's write of the buffer's next slice (a relay
+    /// chunk, into the slice area) would change the bytes under it.
+    pub(super) fn advance_vacated(&self, d: &mut Driver<M>) -> bool {
+        let buffers = u64::from(self.buffers);
+        let vacated = d
+            .slices
+            .advance_vacated(|b, w| self.local.buffer_free(b, w + buffers));
+        d.credits.vacated(vacated, self.buffers)
     }
 }

@@ -18,8 +18,8 @@
 //! - with a kill, every surviving rank settles every operation (done or failed),
 //!   never hangs, and a failed one's error names the killed rank.
 //!
-//! `FAIRRING_SIM_SEEDS` sets how many seeds run (default 1000);
-//! `FAIRRING_SIM_SEED` replays one. A failing seed is printed with the command
+//! `FAIRRING_SIM_SEEDS` sets how many seeds run (default 1000; CI runs 20000 in
+//! release); `FAIRRING_SIM_SEED` replays one. A failing seed is printed with the command
 //! that replays it.
 #![allow(
     clippy::cast_possible_truncation,
@@ -312,15 +312,131 @@ fn build_job(
     Ok(engines)
 }
 
-#[expect(clippy::too_many_lines, reason = "one scenario, read top to bottom")]
+/// What one seed runs: the job, and what its ranks do.
+#[derive(Clone, Debug)]
+struct Scenario {
+    machines: u32,
+    devices: u32,
+    servers: u32,
+    buffers: u32,
+    slice_bytes: u64,
+    ops: Vec<Op>,
+    /// Operations a rank may have outstanding.
+    window: usize,
+    /// The step at which a process is killed, and which.
+    kill: Option<(u64, u32)>,
+}
+
+impl Scenario {
+    /// A scenario drawn from `rng` (see the module docs).
+    fn draw(rng: &mut Rng) -> Scenario {
+        let (m, d) = (1 + rng.below(4) as u32, 1 + rng.below(3) as u32);
+        let world = m * d;
+        let servers = rng.pick(&[0, 0, 0, 0, 1, 2, 3]);
+        let processes = world + servers;
+        let buffers = 1 + rng.below(4) as u32;
+        let slice_bytes = rng.pick(&[1024, 4096, 16_384]);
+        let ops: Vec<Op> = (0..2 + rng.below(7))
+            .map(|_| {
+                let elements = match rng.below(5) {
+                    0 => 0,
+                    1 => 1 + rng.below(8),
+                    2 => rng.below(300),
+                    _ => rng.below(6000),
+                };
+                let dtype = rng.pick(&[DataType::I32, DataType::I64, DataType::U8, DataType::F32]);
+                let op = rng.pick(&[
+                    ReduceOp::Sum,
+                    ReduceOp::Product,
+                    ReduceOp::Min,
+                    ReduceOp::Max,
+                ]);
+                let algorithm =
+                    rng.pick(&[Resolved::Hierarchical, Resolved::Ring, Resolved::Relay]);
+                if algorithm == Resolved::Relay {
+                    // A broadcast from any root, or an all-gather of whole blocks.
+                    let origins = if rng.below(2) == 0 {
+                        Origins::Rank(rng.below(u64::from(world)) as u32)
+                    } else {
+                        Origins::Blocks(elements / u64::from(world))
+                    };
+                    let elements = match origins {
+                        Origins::Blocks(block) => block * u64::from(world),
+                        Origins::Rank(_) => elements,
+                    };
+                    return Op {
+                        elements,
+                        dtype: DataType::U8,
+                        op: ReduceOp::Sum,
+                        algorithm,
+                        wire: WireFormat::Exact,
+                        origins: Some(origins),
+                    };
+                }
+                // As the communicator submits them: compressed only where f32 values
+                // cross between machines that serve.
+                let wire = if dtype == DataType::F32
+                    && algorithm == Resolved::Hierarchical
+                    && m > 1
+                    && servers == 0
+                {
+                    rng.pick(&[WireFormat::Exact, WireFormat::Bf16, WireFormat::F16])
+                } else {
+                    WireFormat::Exact
+                };
+                Op {
+                    elements,
+                    dtype,
+                    // Products of whole f32 numbers outgrow what f32 holds exactly.
+                    op: if dtype == DataType::F32 && op == ReduceOp::Product {
+                        ReduceOp::Sum
+                    } else {
+                        op
+                    },
+                    algorithm,
+                    wire,
+                    origins: None,
+                }
+            })
+            .collect();
+        let window = 1 + rng.below(4) as usize;
+        let kill = (processes > 1 && rng.below(2) == 1)
+            .then(|| (1 + rng.below(4000), rng.below(u64::from(processes)) as u32));
+        Scenario {
+            machines: m,
+            devices: d,
+            servers,
+            buffers,
+            slice_bytes,
+            ops,
+            window,
+            kill,
+        }
+    }
+}
+
 fn run(seed: u64) -> Result<Outcome, String> {
     let mut rng = Rng::new(seed);
-    let (m, d) = (1 + rng.below(4) as u32, 1 + rng.below(3) as u32);
+    let scenario = Scenario::draw(&mut rng);
+    play(&scenario, &mut rng)
+}
+
+/// Plays `sc` on a schedule drawn from `rng`, and checks it (see the module docs).
+#[expect(clippy::too_many_lines, reason = "one scenario, read top to bottom")]
+fn play(sc: &Scenario, rng: &mut Rng) -> Result<Outcome, String> {
+    let Scenario {
+        machines: m,
+        devices: d,
+        servers,
+        buffers,
+        slice_bytes,
+        window,
+        kill,
+        ..
+    } = *sc;
+    let ops = &sc.ops;
     let world = m * d;
-    let servers = rng.pick(&[0, 0, 0, 0, 1, 2, 3]);
     let processes = world + servers;
-    let buffers = 1 + rng.below(4) as u32;
-    let slice_bytes = rng.pick(&[1024, 4096, 16_384]);
     let topology = Topology::new(m, d, RankLayout::Contiguous).map_err(|e| e.to_string())?;
     let config = PlanConfig::new(slice_bytes, 64).map_err(|e| e.to_string())?;
     let geometry = match servers {
@@ -329,71 +445,6 @@ fn run(seed: u64) -> Result<Outcome, String> {
     }
     .map_err(|e| e.to_string())?;
     let layout = StagingLayout::new(&geometry, world).ok_or("layout")?;
-    let ops: Vec<Op> = (0..2 + rng.below(7))
-        .map(|_| {
-            let elements = match rng.below(5) {
-                0 => 0,
-                1 => 1 + rng.below(8),
-                2 => rng.below(300),
-                _ => rng.below(6000),
-            };
-            let dtype = rng.pick(&[DataType::I32, DataType::I64, DataType::U8, DataType::F32]);
-            let op = rng.pick(&[
-                ReduceOp::Sum,
-                ReduceOp::Product,
-                ReduceOp::Min,
-                ReduceOp::Max,
-            ]);
-            let algorithm = rng.pick(&[Resolved::Hierarchical, Resolved::Ring, Resolved::Relay]);
-            if algorithm == Resolved::Relay {
-                // A broadcast from any root, or an all-gather of whole blocks.
-                let origins = if rng.below(2) == 0 {
-                    Origins::Rank(rng.below(u64::from(world)) as u32)
-                } else {
-                    Origins::Blocks(elements / u64::from(world))
-                };
-                let elements = match origins {
-                    Origins::Blocks(block) => block * u64::from(world),
-                    Origins::Rank(_) => elements,
-                };
-                return Op {
-                    elements,
-                    dtype: DataType::U8,
-                    op: ReduceOp::Sum,
-                    algorithm,
-                    wire: WireFormat::Exact,
-                    origins: Some(origins),
-                };
-            }
-            // As the communicator submits them: compressed only where f32 values
-            // cross between machines that serve.
-            let wire = if dtype == DataType::F32
-                && algorithm == Resolved::Hierarchical
-                && m > 1
-                && servers == 0
-            {
-                rng.pick(&[WireFormat::Exact, WireFormat::Bf16, WireFormat::F16])
-            } else {
-                WireFormat::Exact
-            };
-            Op {
-                elements,
-                dtype,
-                // Products of whole f32 numbers outgrow what f32 holds exactly.
-                op: if dtype == DataType::F32 && op == ReduceOp::Product {
-                    ReduceOp::Sum
-                } else {
-                    op
-                },
-                algorithm,
-                wire,
-                origins: None,
-            }
-        })
-        .collect();
-    let window = 1 + rng.below(4) as usize;
-    let kill = (processes > 1 && rng.below(2) == 1)
-        .then(|| (1 + rng.below(4000), rng.below(u64::from(processes)) as u32));
 
     let net = Network::new(processes);
     let mut engines = build_job(&geometry, &layout, buffers, &net, |_, step| Box::new(step))?;
@@ -637,6 +688,62 @@ fn seeded_schedules_settle_with_exact_results() {
         seeds.len()
     );
     assert!(done > 0);
+}
+
+/// Relayed chunks land early in the slice area of a buffer, the bytes a local
+/// rank's all-gather reads from its peers' buffers: all-reduces with a local step
+/// interleaved with relays, over few buffers, on schedules where a rank runs
+/// ahead of the other ranks of its machine.
+#[test]
+fn relays_after_local_steps_leave_local_readers_their_bytes() {
+    let (mut checked, mut expected) = (0, 0);
+    for seed in 1..=400u64 {
+        let mut rng = Rng::new(seed);
+        let (machines, devices) = rng.pick(&[(2, 2), (2, 3), (3, 2)]);
+        let world = machines * devices;
+        let reduce = |elements| Op {
+            elements,
+            dtype: DataType::I64,
+            op: ReduceOp::Sum,
+            algorithm: Resolved::Hierarchical,
+            wire: WireFormat::Exact,
+            origins: None,
+        };
+        let relay = |origins| Op {
+            elements: match origins {
+                Origins::Blocks(block) => block * u64::from(world),
+                Origins::Rank(_) => 3000,
+            },
+            dtype: DataType::U8,
+            op: ReduceOp::Sum,
+            algorithm: Resolved::Relay,
+            wire: WireFormat::Exact,
+            origins: Some(origins),
+        };
+        let scenario = Scenario {
+            machines,
+            devices,
+            servers: 0,
+            buffers: 1 + rng.below(2) as u32,
+            slice_bytes: 1024,
+            ops: vec![
+                reduce(300),
+                relay(Origins::Blocks(400)),
+                reduce(200),
+                relay(Origins::Rank(world - 1)),
+                reduce(129),
+                relay(Origins::Blocks(97)),
+            ],
+            window: 2 + rng.below(3) as usize,
+            kill: None,
+        };
+        match play(&scenario, &mut rng) {
+            Ok(outcome) => checked += outcome.done,
+            Err(e) => panic!("seed {seed}, {scenario:?}: {e}"),
+        }
+        expected += world as usize * scenario.ops.len();
+    }
+    assert_eq!(checked, expected, "every operation of every rank is done");
 }
 
 /// A local step that panics in its all-gather: a bug inside a step.
