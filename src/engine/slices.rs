@@ -14,9 +14,7 @@ use fairring_core::plan::Slice;
 use fairring_core::{DataType, ReduceOp, WireFormat};
 use fairring_rdma::fabric::Fabric;
 
-use super::algorithm::{
-    Context, Origins, Resolved, ServeScratch, SliceAlgorithm, SliceEvent, SliceInfo,
-};
+use super::algorithm::{Context, Origins, ServeScratch, SliceAlgorithm, SliceEvent, SliceInfo};
 use super::credits::Due;
 use super::failure::Fault;
 use super::tags::Kind;
@@ -182,18 +180,6 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let number = d.slices.next_slice;
         let b = d.slices.buffer_of(number);
         if d.slices.slots[b as usize].active.is_some() || !self.local.buffer_free(b, number) {
-            return Ok(false);
-        }
-        // The ring runs one slice at a time: its landings carry no step, so two
-        // ring slices in flight would need the fabric to keep their writes apart,
-        // which nothing here checks yet.
-        if next.algorithm == Resolved::Ring
-            && d.slices.slots.iter().any(|s| {
-                s.active
-                    .as_ref()
-                    .is_some_and(|a| a.algorithm.resolved() == Resolved::Ring)
-            })
-        {
             return Ok(false);
         }
         let rec = d.operations.get(next.seq).ok_or_else(|| {
