@@ -91,6 +91,15 @@ fn ring_every_layout() {
 }
 
 #[test]
+fn doubling_every_layout() {
+    // Powers of two, and 3, 5, 6 ranks with extra ranks that fold in.
+    for (m, d) in [(1, 1), (2, 1), (1, 2), (3, 1), (2, 2), (5, 1), (3, 2)] {
+        check_layout(m, d, Algorithm::Doubling);
+    }
+    check_layout_with_servers(3, 1, 1, Algorithm::Doubling);
+}
+
+#[test]
 fn every_operator_and_type() {
     let (m, d) = (2, 2);
     let world = m * d;
@@ -180,5 +189,50 @@ fn repeated_multi_slice_operations() {
                 }
             },
         );
+    }
+}
+
+/// Recursive doubling combines partials in a tree, not in rank order: every rank
+/// must still end with the same bits, for sums that round and for NaNs.
+#[test]
+fn doubling_gives_every_rank_the_same_bits() {
+    for (m, d) in [(3, 1), (2, 2), (5, 1)] {
+        let results = job(
+            m,
+            d,
+            |b| small_slices(b, Algorithm::Doubling),
+            |rank, comm| {
+                let n = 20_011;
+                let mut data: Vec<f32> = (0..n)
+                    // Every rank's NaN at the same places, each with its own payload:
+                    // which one survives depends on the order of the operands.
+                    .map(|i| match i % 97 {
+                        0 => f32::from_bits(0x7fc0_0000 | (rank + 1)),
+                        _ => 1.0 / (1.0 + (i * 31 + rank as usize * 17) as f32),
+                    })
+                    .collect();
+                comm.scope(|s| s.all_reduce(&mut data, ReduceOp::Sum)?.wait())
+                    .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                data.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+            },
+        );
+        let rounded = results[0]
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| {
+                if i % 97 == 0 {
+                    return false;
+                }
+                let exact: f64 = (0..m * d)
+                    .map(|r| 1.0 / (1.0 + (i * 31 + r as usize * 17) as f32) as f64)
+                    .sum();
+                f64::from(f32::from_bits(results[0][i])) != exact
+            })
+            .count();
+        assert!(rounded > 0, "{m}x{d}: the sums round somewhere");
+        for (rank, bits) in results.iter().enumerate() {
+            let differ = bits.iter().zip(&results[0]).filter(|(a, b)| a != b).count();
+            assert_eq!(differ, 0, "{m}x{d}: rank {rank} differs from rank 0");
+        }
     }
 }

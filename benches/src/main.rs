@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F]
-//!                [--iters N] [--warmup N] [--algo auto|hierarchical|ring|all]
+//!                [--iters N] [--warmup N] [--algo auto|hierarchical|ring|doubling|all]
 //!                [--collective all_reduce|broadcast|all_gather|reduce_scatter]
 //!                [--wire exact|bf16|f16] [--device host|cuda]
 //!                [--dtype f32|f64|f16|bf16|i32|i64|u8|i8] [--op sum|prod|min|max|avg]
@@ -148,7 +148,7 @@ fn usage(error: &str) -> ! {
     eprintln!("fairring-bench: {error}");
     eprintln!(
         "usage: fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F] \
-         [--iters N] [--warmup N] [--algo auto|hierarchical|ring|all] \
+         [--iters N] [--warmup N] [--algo auto|hierarchical|ring|doubling|all] \
          [--collective all_reduce|broadcast|all_gather|reduce_scatter] \
          [--wire exact|bf16|f16] [--device host|cuda] [--dtype T] [--op OP] [--check|--no-check] [--parallel N] [--servers K] [--gradients N] \
          [--gradient-max N] [--json PATH] \

@@ -574,7 +574,17 @@ impl Communicator {
             Some(call) => Some((self.device_side(call.ordinal)?, call)),
             None => None,
         };
-        let algorithm = self.resolve(r.collective, r.algorithm, bytes)?;
+        let mut algorithm = self.resolve(r.collective, r.algorithm, bytes)?;
+        // Only the hierarchical algorithm compresses: `auto` keeps it where a
+        // compressed wire is asked for and would apply.
+        let compressed = r.wire.unwrap_or(self.wire) != WireFormat::Exact;
+        if compressed
+            && r.dtype == DataType::F32
+            && algorithm == Resolved::Doubling
+            && r.algorithm.unwrap_or(self.algorithm) == Algorithm::Auto
+        {
+            algorithm = Resolved::Hierarchical;
+        }
         let len = usize::try_from(bytes).map_err(|_| {
             Error::invalid("count", format!("{bytes} bytes do not fit this machine"))
         })?;
@@ -693,10 +703,11 @@ impl Communicator {
     ) -> Result<Resolved> {
         let chosen = requested.unwrap_or(self.algorithm);
         let spread = matches!(collective, Collective::Broadcast | Collective::AllGather);
-        let concrete = if spread {
-            chosen.resolve_spread(self.topology, bytes)
-        } else {
-            chosen.resolve(self.topology, bytes)
+        let concrete = match chosen {
+            _ if spread => chosen.resolve_spread(self.topology, bytes),
+            // A job with dedicated servers keeps them serving what `auto` picks.
+            Algorithm::Auto if self.servers > 0 => Algorithm::Hierarchical,
+            _ => chosen.resolve(self.topology, bytes),
         };
         match Resolved::of(concrete) {
             Some(Resolved::Ring) if spread => Ok(Resolved::Relay),

@@ -45,11 +45,28 @@
 //! cores). The ring's two simultaneous hops tie hierarchical's two at 2x1;
 //! from 3x1 its `2(M - 1)` hops lose.
 //!
-//! Ring was never faster beyond that spread, so `Auto` runs hierarchical on every
-//! layout measured. Where the two tie it keeps hierarchical, which pipelines
-//! slices over all staging buffers while the ring runs one slice at a time. The
-//! rule lives here, next to its evidence: a layout where ring wins (many machines
-//! with one device each on a real network is the candidate) adds a row and a
+//! Ring was never faster beyond that spread. Where the two tie `auto` keeps
+//! hierarchical.
+//!
+//! **Recursive doubling** ([`Algorithm::Doubling`]) exchanges the whole slice
+//! with one partner per round: at 2x1 that is one hop where the others take two.
+//! `fairring-bench --local MxD --algo all --min-bytes 4K --max-bytes 1M --factor
+//! 4`, one sitting, times in microseconds (hierarchical / ring / doubling), two
+//! runs each:
+//!
+//! | layout | 4 KiB | 16 KiB | 64 KiB | 256 KiB | 1 MiB |
+//! |---|---|---|---|---|---|
+//! | 2x1 | 38 / 20 / 11, 61 / 68 / 35 | 38 / 32 / 13, 63 / 66 / 47 | 56 / 47 / 53, 79 / 59 / 61 | 109 / 135 / 77, 138 / 138 / 87 | 478 / 469 / 435, 457 / 472 / 447 |
+//! | 3x1 | 127 / 193 / 113, 120 / 198 / 144 | 132 / 213 / 109, 126 / 186 / 134 | 141 / 201 / 128, 145 / 192 / 130 | 396 / 377 / 283, 264 / 356 / 282 | 806 / 903 / 1212, 725 / 860 / 1120 |
+//!
+//! and over six alternating runs at 2x1, 4 KiB, medians of 41 (doubling), 51
+//! (hierarchical) and 61 us (ring). So `auto` runs doubling on two machines of
+//! one device each up to 1 MiB. At 3x1 (an extra rank folds in and out: three
+//! hops) doubling ties hierarchical up to 256 KiB and loses at 1 MiB; `auto`
+//! keeps hierarchical. From four ranks these two cores are oversubscribed and
+//! measure the scheduler more than the hops (doubling lost at 4x1 by 1.1x to
+//! 2x); more machines wait for a machine with the cores to measure them. The
+//! rule lives here, next to its evidence: a layout measured adds a row and a
 //! branch.
 
 //! # Broadcast and all-gather
@@ -90,10 +107,14 @@ impl Algorithm {
     pub fn resolve(self, topology: Topology, bytes: u64) -> Algorithm {
         match self {
             Algorithm::Auto => {
-                // Every measured (layout, size): hierarchical, or a tie kept
-                // hierarchical. The arguments stay for the rows still to come.
-                let _ = (topology, bytes);
-                Algorithm::Hierarchical
+                if topology.machines() == 2
+                    && topology.devices_per_machine() == 1
+                    && bytes <= DOUBLING_UP_TO_BYTES
+                {
+                    Algorithm::Doubling
+                } else {
+                    Algorithm::Hierarchical
+                }
             }
             concrete => concrete,
         }
@@ -121,6 +142,10 @@ impl Algorithm {
     }
 }
 
+/// Largest all-reduce `auto` runs by recursive doubling (on two machines of one
+/// device each).
+const DOUBLING_UP_TO_BYTES: u64 = 1 << 20;
+
 /// Smallest broadcast or all-gather that `auto` relays on four or more
 /// machines (on two or three the relay takes no more hops than hierarchical).
 const RELAY_FROM_BYTES: u64 = 256 * 1024;
@@ -130,11 +155,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn auto_doubles_small_operations_on_two_single_device_machines() {
+        let t = Topology::new(2, 1, fairring_core::topology::RankLayout::Contiguous).unwrap();
+        for bytes in [0, 4096, 1 << 20] {
+            assert_eq!(Algorithm::Auto.resolve(t, bytes), Algorithm::Doubling);
+        }
+        for bytes in [(1 << 20) + 1, 64 << 20] {
+            assert_eq!(Algorithm::Auto.resolve(t, bytes), Algorithm::Hierarchical);
+        }
+    }
+
+    #[test]
     fn auto_resolves_to_a_concrete_algorithm_and_others_stay() {
         for (m, d) in [(1, 1), (1, 8), (2, 2), (3, 1), (64, 8)] {
             let t = Topology::new(m, d, fairring_core::topology::RankLayout::Contiguous).unwrap();
             for bytes in [0, 4096, 64 << 20, u64::MAX] {
                 assert_eq!(Algorithm::Auto.resolve(t, bytes), Algorithm::Hierarchical);
+                assert_eq!(Algorithm::Doubling.resolve(t, bytes), Algorithm::Doubling);
                 assert_eq!(Algorithm::Ring.resolve(t, bytes), Algorithm::Ring);
                 assert_eq!(
                     Algorithm::Hierarchical.resolve(t, bytes),

@@ -13,7 +13,7 @@
 //! | `FAIRRING_SOCKET_IFNAME` | interface the fabric listens on | the one that reaches `MASTER_ADDR` |
 //! | `FAIRRING_TIMEOUT` | rendezvous and peer-silence bound (`30`, `2.5s`, `500ms`, `5min`) | 300 s |
 //! | `FAIRRING_JOB_SECRET` | 64 hex digits shared by every rank; admits peers | derived from the job (see below) |
-//! | `FAIRRING_ALGO` | `auto`, `hierarchical` or `ring` | `auto` |
+//! | `FAIRRING_ALGO` | `auto`, `hierarchical`, `ring` or `doubling` | `auto` |
 //! | `FAIRRING_WIRE` | how `f32` reductions travel between machines: `exact`, `bf16` or `f16` (see below) | `exact` |
 //! | `FAIRRING_HOST_ID` | overrides the machine identity (simulates machines on one host) | boot id and host name |
 //! | `FAIRRING_FABRIC` | `tcp`, `verbs` or `auto` (see [`FabricChoice`]) | `auto` |
@@ -80,6 +80,9 @@ pub enum Algorithm {
     /// Ring reduce-scatter and all-gather over every rank through the fabric, the
     /// baseline of Horovod, Gloo and NCCL.
     Ring,
+    /// Recursive doubling over every rank through the fabric: `log2 N` exchanges
+    /// of the whole slice, for small operations (what MPI libraries use there).
+    Doubling,
 }
 
 impl Algorithm {
@@ -89,11 +92,17 @@ impl Algorithm {
             Algorithm::Auto => "auto",
             Algorithm::Hierarchical => "hierarchical",
             Algorithm::Ring => "ring",
+            Algorithm::Doubling => "doubling",
         }
     }
 
     /// Every algorithm.
-    pub const ALL: [Algorithm; 3] = [Algorithm::Auto, Algorithm::Hierarchical, Algorithm::Ring];
+    pub const ALL: [Algorithm; 4] = [
+        Algorithm::Auto,
+        Algorithm::Hierarchical,
+        Algorithm::Ring,
+        Algorithm::Doubling,
+    ];
 }
 
 impl std::fmt::Display for Algorithm {
@@ -109,8 +118,9 @@ impl std::str::FromStr for Algorithm {
         match s.trim().to_ascii_lowercase().as_str() {
             "hierarchical" => Ok(Algorithm::Hierarchical),
             "ring" => Ok(Algorithm::Ring),
+            "doubling" => Ok(Algorithm::Doubling),
             "auto" => Ok(Algorithm::Auto),
-            _ => Err("expected auto, hierarchical or ring".into()),
+            _ => Err("expected auto, hierarchical, ring or doubling".into()),
         }
     }
 }

@@ -97,6 +97,7 @@ fn algorithm_code(a: Resolved) -> u64 {
         Resolved::Hierarchical => 1,
         Resolved::Ring => 2,
         Resolved::Relay => 3,
+        Resolved::Doubling => 4,
     }
 }
 
@@ -159,6 +160,7 @@ impl Descriptor {
                 1 => Resolved::Hierarchical,
                 2 => Resolved::Ring,
                 3 => Resolved::Relay,
+                4 => Resolved::Doubling,
                 _ => return None,
             },
             wire: WireFormat::from_u8((byte(24) >> 4) & 0x3)?,

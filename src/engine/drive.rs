@@ -16,6 +16,7 @@
 
 use fairring_rdma::fabric::Fabric;
 
+use super::Resolved;
 use super::credits::Due;
 use super::failure::{FailureRecord, Fault};
 use super::work::{DONE, Submission};
@@ -103,7 +104,20 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             .into());
         }
         let (seq, words) = (sub.seq, sub.descriptor.words());
-        d.operations.accept(sub, &self.geometry)?;
+        let geometry = match sub.algorithm {
+            Resolved::Doubling => self.doubling_geometry.as_ref().ok_or_else(|| {
+                Error::invalid(
+                    "algorithm",
+                    format!(
+                        "recursive doubling needs room for its receive slots beside a slice; \
+                         staging buffers of {} bytes have none (raise FAIRRING_SLICE_SIZE)",
+                        self.layout.buffer_bytes()
+                    ),
+                )
+            })?,
+            _ => &self.geometry,
+        };
+        d.operations.accept(sub, geometry)?;
         d.checks.accepted(seq, words, &self.machine, &self.links)?;
         d.credits.send(&self.links, &d.departures, Due::Any);
         d.checks

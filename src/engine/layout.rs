@@ -7,7 +7,12 @@
 //! [0, full_slice)                  the slice (hierarchical and ring)
 //! [inbox, + (M-1) * shard_stride)  contribution areas (hierarchical)
 //! [inbox, + (N-1) * ring_slot)     receive slots (ring)
+//! [inbox, + S * doubling_slot)     receive slots (recursive doubling)
 //! ```
+//!
+//! Recursive doubling receives a whole slice per round, in `S = 1 + log2 p`
+//! slots (`p` the largest power of two at most `N`): its slices are cut to fit
+//! them in the bytes past the inbox, so the buffer is no larger for it.
 //!
 //! With dedicated servers a worker's buffer has no contribution areas (servers
 //! receive them), and a server's buffer is the core's
@@ -18,6 +23,7 @@ use std::ops::Range;
 
 use fairring_core::plan::{Geometry, InputArea};
 
+use super::algorithm::doubling;
 use crate::error::{Error, Result};
 use crate::memory::Sources;
 
@@ -31,6 +37,12 @@ pub(crate) struct StagingLayout {
     ring_slot: usize,
     /// Ring receive slots: `N - 1`.
     ring_slots: u32,
+    /// Bytes of one recursive-doubling receive slot, and of its largest slice.
+    doubling_slot: usize,
+    /// Recursive-doubling receive slots: indices `first..end` (see
+    /// `doubling::slots`).
+    doubling_first: u32,
+    doubling_end: u32,
     /// Bytes of one staging buffer.
     buffer_bytes: usize,
     /// A dedicated server's buffer, when the job has servers.
@@ -52,6 +64,13 @@ impl StagingLayout {
         let ring_slots = world - 1;
         let ring_end = inbox.checked_add(ring_slot.checked_mul(ring_slots as usize)?)?;
         let buffer_bytes = usize::try_from(core.total_bytes()).ok()?.max(ring_end);
+        let doubling_slots = doubling::slots(world);
+        // Whole 64-byte lines, no larger than a slice (a whole one where no slot
+        // is used: a single rank).
+        let doubling_slot = match doubling_slots.len() {
+            0 => inbox,
+            n => ((buffer_bytes - inbox) / n / 64 * 64).min(inbox),
+        };
         let server = geometry.server_layout();
         let server_bytes = match server {
             Some(s) => usize::try_from(s.total_bytes()).ok()?,
@@ -62,6 +81,9 @@ impl StagingLayout {
             inbox,
             ring_slot,
             ring_slots,
+            doubling_slot,
+            doubling_first: doubling_slots.start,
+            doubling_end: doubling_slots.end,
             buffer_bytes,
             server,
             server_bytes,
@@ -71,6 +93,26 @@ impl StagingLayout {
     /// Bytes of the largest slice (the input area at the buffer's start).
     pub(crate) fn slice_bytes(&self) -> usize {
         self.inbox
+    }
+
+    /// Bytes of the largest recursive-doubling slice: one receive slot.
+    pub(crate) fn doubling_slice_bytes(&self) -> usize {
+        self.doubling_slot
+    }
+
+    /// Offset of recursive doubling's receive slot `slot` (0: the fold and the
+    /// unfold; `k`: round `k`).
+    pub(crate) fn doubling_slot(&self, slot: u32) -> Result<usize> {
+        if !(self.doubling_first..self.doubling_end).contains(&slot) {
+            return Err(Error::internal(
+                "a recursive-doubling round has a receive slot",
+                format!(
+                    "slot {slot} of {}..{}",
+                    self.doubling_first, self.doubling_end
+                ),
+            ));
+        }
+        Ok(self.inbox + (slot - self.doubling_first) as usize * self.doubling_slot)
     }
 
     /// Bytes of one dedicated server's staging buffer (0 without servers).
@@ -195,5 +237,32 @@ mod tests {
         let last = layout.ring_slot(2).unwrap();
         assert!(last + full / 4 <= layout.buffer_bytes());
         assert!(layout.ring_slot(3).is_err());
+    }
+
+    #[test]
+    fn doubling_slots_hold_a_doubling_slice_and_fit() {
+        for (m, d) in [(1, 1), (2, 1), (3, 1), (2, 2), (5, 1), (8, 8), (1000, 1)] {
+            let t = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+            let g = Geometry::new(t, PlanConfig::new(1 << 20, 4096).unwrap()).unwrap();
+            let world = m * d;
+            let layout = StagingLayout::new(&g, world).unwrap();
+            let bytes = layout.doubling_slice_bytes();
+            let slots = doubling::slots(world);
+            assert!(
+                bytes >= 4096 && bytes.is_multiple_of(64),
+                "{m}x{d}: {bytes}"
+            );
+            assert!(bytes <= layout.slice_bytes());
+            assert!(layout.doubling_slot(slots.end).is_err());
+            if slots.is_empty() {
+                continue;
+            }
+            let first = layout.doubling_slot(slots.start).unwrap();
+            assert_eq!(first, layout.slice_bytes(), "slots start past the slice");
+            let last = layout.doubling_slot(slots.end - 1).unwrap();
+            assert!(last + bytes <= layout.buffer_bytes(), "{m}x{d}");
+            // Slot 0 exists only where some rank is extra.
+            assert_eq!(layout.doubling_slot(0).is_ok(), !world.is_power_of_two());
+        }
     }
 }

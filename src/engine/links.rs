@@ -11,6 +11,7 @@
 use fairring_core::topology::{Location, Topology};
 use fairring_rdma::fabric::{Completion, CompletionEvent, Fabric, RemoteRegion};
 
+use super::algorithm::doubling;
 use crate::error::{Error, Result};
 
 /// Filler for completion buffers before a poll writes them.
@@ -132,7 +133,8 @@ impl<F: Fabric> Links<F> {
 }
 
 /// Ranks worker `rank` writes to and ranks that write to it, in a job with
-/// `servers` dedicated servers (ranks `world..world + servers`).
+/// `servers` dedicated servers (ranks `world..world + servers`): the servers or
+/// the rails, the ring's neighbours, and the partners of recursive doubling.
 pub(crate) fn peers(
     topology: Topology,
     location: Location,
@@ -155,6 +157,10 @@ pub(crate) fn peers(
     if world > 1 {
         out.push((rank + 1) % world);
         inbound.push((rank + world - 1) % world);
+    }
+    for partner in doubling::partners(rank, world) {
+        out.push(partner);
+        inbound.push(partner);
     }
     out.sort_unstable();
     out.dedup();

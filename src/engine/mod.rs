@@ -68,7 +68,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
-use fairring_core::plan::Geometry;
+use fairring_core::plan::{Geometry, PlanConfig};
 use fairring_core::topology::Location;
 use fairring_rdma::fabric::{Completion, Fabric, RemoteRegion};
 
@@ -122,6 +122,9 @@ pub(crate) struct Engine<F: Fabric, M: MemorySpace> {
     local: Box<dyn LocalStep<M>>,
     machine: Machine,
     pub(crate) geometry: Geometry,
+    /// The geometry recursive doubling plans with: slices that fit its receive
+    /// slots (`None` if the buffers are too small for any).
+    doubling_geometry: Option<Geometry>,
     layout: StagingLayout,
     pub(crate) buffers: u32,
     pub(crate) works: WorkTable,
@@ -189,6 +192,14 @@ pub(crate) struct EngineParts<F: Fabric, M: MemorySpace> {
     pub(crate) timeout: Duration,
 }
 
+/// The geometry recursive doubling plans with: `geometry`'s topology and
+/// smallest shard, with slices no larger than one of its receive slots.
+fn doubling_geometry(geometry: &Geometry, layout: &StagingLayout) -> Option<Geometry> {
+    let bytes = u64::try_from(layout.doubling_slice_bytes()).ok()?;
+    let config = PlanConfig::new(bytes, geometry.min_shard_bytes()).ok()?;
+    Geometry::new(geometry.topology(), config).ok()
+}
+
 impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     pub(crate) fn new(parts: EngineParts<F, M>) -> Engine<F, M> {
         let topology = parts.geometry.topology();
@@ -243,6 +254,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             local: parts.local,
             machine: parts.machine,
             geometry: parts.geometry,
+            doubling_geometry: doubling_geometry(&parts.geometry, &parts.layout),
             layout: parts.layout,
             buffers: parts.buffers,
             works: WorkTable::new(),

@@ -50,6 +50,8 @@ pub(crate) enum Kind {
     Abort = 8,
     /// A relayed chunk of a broadcast or all-gather.
     Relay = 9,
+    /// A recursive-doubling partial (or an extra rank's fold, or its result).
+    Doubling = 10,
 }
 
 impl Kind {
@@ -58,14 +60,22 @@ impl Kind {
     pub(crate) fn is_data(self) -> bool {
         matches!(
             self,
-            Kind::Contribution | Kind::Result | Kind::RingReduce | Kind::RingGather | Kind::Relay
+            Kind::Contribution
+                | Kind::Result
+                | Kind::RingReduce
+                | Kind::RingGather
+                | Kind::Relay
+                | Kind::Doubling
         )
     }
 
     /// Whether a peer may write it before this rank's slice has started: the
     /// writes that need the slice's credit, not the slice itself.
     pub(crate) fn lands_early(self) -> bool {
-        matches!(self, Kind::Contribution | Kind::RingReduce | Kind::Relay)
+        matches!(
+            self,
+            Kind::Contribution | Kind::RingReduce | Kind::Relay | Kind::Doubling
+        )
     }
 
     fn from_bits(bits: u32) -> Option<Kind> {
@@ -79,6 +89,7 @@ impl Kind {
             7 => Kind::Descriptor,
             8 => Kind::Abort,
             9 => Kind::Relay,
+            10 => Kind::Doubling,
             _ => return None,
         })
     }
@@ -134,6 +145,7 @@ mod tests {
             Kind::Descriptor,
             Kind::Abort,
             Kind::Relay,
+            Kind::Doubling,
         ] {
             for buffer in [0, 1, 77, MAX_BUFFERS - 1] {
                 for generation in [0u64, 1, 2047, 2048, 123_456_789] {
@@ -147,6 +159,6 @@ mod tests {
         }
         assert!(parse_immediate(0).is_none());
         assert!(parse_immediate(1 << 27 | 1).is_none());
-        assert!(parse_immediate(10).is_none());
+        assert!(parse_immediate(11).is_none());
     }
 }

@@ -14,6 +14,8 @@
 //! - [`hierarchical`]: the reduction-server all-reduce of the seeds, driven by the
 //!   core's staging word;
 //! - [`ring`]: the ring all-reduce (the Horovod/Gloo/NCCL baseline);
+//! - [`doubling`]: recursive doubling, the all-reduce of small slices in
+//!   `log2 N` exchanges;
 //! - [`relay`]: broadcast and all-gather, each byte around the ring from the
 //!   rank it starts at (a pipelined chain from a broadcast's root);
 //! - [`serve`]: a dedicated reduction server's part of every slice (Herring's
@@ -21,12 +23,13 @@
 //!   machines' place.
 //!
 //! `auto` is resolved before an operation reaches the engine ([`Resolved`]), so
-//! every slice runs exactly one of them. Hierarchical and ring run every
+//! every slice runs exactly one of them. Hierarchical, ring and doubling run every
 //! collective as an all-reduce (a broadcast sums zeros into the root's bytes);
 //! the relay runs broadcasts and all-gathers only.
 //!
 //! [`Actions`]: fairring_core::staging::Actions
 
+pub(crate) mod doubling;
 mod hierarchical;
 mod relay;
 mod ring;
@@ -38,6 +41,7 @@ use fairring_core::plan::Slice;
 use fairring_core::topology::{Location, Topology};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
+pub(crate) use doubling::Doubling;
 pub(crate) use hierarchical::Hierarchical;
 pub(crate) use relay::{Origins, Relay, most_writes as relay_most_writes};
 pub(crate) use ring::Ring;
@@ -59,6 +63,8 @@ pub(crate) enum Resolved {
     Ring,
     /// [`relay`]: what broadcasts and all-gathers run when the ring is chosen.
     Relay,
+    /// [`doubling`].
+    Doubling,
 }
 
 impl Resolved {
@@ -67,6 +73,7 @@ impl Resolved {
         match a {
             Algorithm::Hierarchical => Some(Resolved::Hierarchical),
             Algorithm::Ring => Some(Resolved::Ring),
+            Algorithm::Doubling => Some(Resolved::Doubling),
             Algorithm::Auto => None,
         }
     }
@@ -77,6 +84,7 @@ impl Resolved {
             Resolved::Hierarchical => "hierarchical",
             Resolved::Ring => "ring",
             Resolved::Relay => "relay",
+            Resolved::Doubling => "doubling",
         }
     }
 }
@@ -295,6 +303,8 @@ pub(crate) enum SliceAlgorithm {
     Ring(Ring),
     /// [`relay`].
     Relay(Relay),
+    /// [`doubling`].
+    Doubling(Doubling),
     /// [`serve`].
     Serve(Serve),
 }
@@ -320,6 +330,7 @@ impl SliceAlgorithm {
             }
             Resolved::Ring => SliceAlgorithm::Ring(Ring::start(ctx, s, steps)?),
             Resolved::Relay => SliceAlgorithm::Relay(Relay::start(ctx, s, steps)?),
+            Resolved::Doubling => SliceAlgorithm::Doubling(Doubling::start(ctx, s, steps)?),
         })
     }
 
@@ -335,6 +346,7 @@ impl SliceAlgorithm {
             SliceAlgorithm::Hierarchical(h) => h.on_event(ctx, s, event, steps),
             SliceAlgorithm::Ring(r) => r.on_event(ctx, s, event, steps),
             SliceAlgorithm::Relay(r) => r.on_event(ctx, s, event, steps),
+            SliceAlgorithm::Doubling(r) => r.on_event(ctx, s, event, steps),
             SliceAlgorithm::Serve(v) => v.on_event(ctx, s, event, steps),
         }
     }
@@ -352,6 +364,7 @@ impl SliceAlgorithm {
             SliceAlgorithm::Hierarchical(_) => Resolved::Hierarchical,
             SliceAlgorithm::Ring(_) => Resolved::Ring,
             SliceAlgorithm::Relay(_) => Resolved::Relay,
+            SliceAlgorithm::Doubling(_) => Resolved::Doubling,
             SliceAlgorithm::Serve(v) => v.resolved(),
         }
     }
@@ -362,6 +375,7 @@ impl SliceAlgorithm {
             SliceAlgorithm::Hierarchical(h) => h.phase(),
             SliceAlgorithm::Ring(r) => r.phase(),
             SliceAlgorithm::Relay(r) => r.phase(),
+            SliceAlgorithm::Doubling(r) => r.phase(),
             SliceAlgorithm::Serve(v) => v.phase(),
         }
     }
@@ -382,6 +396,19 @@ pub(crate) fn from_previous(
     } else {
         Err(unexpected(kind, peer, s, why))
     }
+}
+
+/// The error for an event a slice's algorithm (`state`, as it stands) does not
+/// expect: a bug in the engine, since only the slice's own steps raise events.
+pub(crate) fn stray_event(
+    event: SliceEvent,
+    s: &SliceInfo<'_>,
+    state: &dyn std::fmt::Debug,
+) -> Error {
+    Error::internal(
+        "a slice gets only its own steps' events, each once",
+        format!("{event:?} for slice {} at {state:?}", s.number),
+    )
 }
 
 /// The error for a write of `kind` from `peer` that the slice does not expect.

@@ -31,7 +31,7 @@
 
 use std::ops::Range;
 
-use super::{Context, SliceEvent, SliceInfo, Step, Write, from_previous, unexpected};
+use super::{Context, SliceEvent, SliceInfo, Step, Write, from_previous, stray_event, unexpected};
 use crate::engine::descriptor::{Collective, Descriptor};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
@@ -171,12 +171,7 @@ impl Relay {
             }
             SliceEvent::Sent { kind: Kind::Relay } if self.sends > 0 => self.sends -= 1,
             SliceEvent::CopiedOut if self.copies > 0 => self.copies -= 1,
-            _ => {
-                return Err(Error::internal(
-                    "a relayed slice gets only its own steps' events, each once",
-                    format!("{event:?} for slice {} at {self:?}", s.number),
-                ));
-            }
+            _ => return Err(stray_event(event, s, self)),
         }
         self.pump(ctx, s, steps)
     }

@@ -30,7 +30,7 @@ use std::ops::Range;
 
 use fairring_core::ReduceOp;
 
-use super::{Context, SliceEvent, SliceInfo, Step, Write, from_previous, unexpected};
+use super::{Context, SliceEvent, SliceInfo, Step, Write, from_previous, stray_event, unexpected};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
 use crate::memory::{Reduction, Sources};
@@ -127,12 +127,7 @@ impl Ring {
                 steps.push(Step::Release);
                 return Ok(());
             }
-            _ => {
-                return Err(Error::internal(
-                    "a ring slice gets only its own steps' events, each once",
-                    format!("{event:?} for slice {} at {self:?}", s.number),
-                ));
-            }
+            _ => return Err(stray_event(event, s, self)),
         }
         self.pump(ctx, s, steps)
     }

@@ -8,7 +8,7 @@
 //! seven 1 to 3 dedicated reduction servers (which then take the inter-machine
 //! step), the number of staging buffers (1..=4), the slice size, a script of
 //! integer all-reduces (empty to many slices, `i32`/`i64`/`u8`,
-//! sum/product/min/max, hierarchical or ring) and relayed broadcasts (from any
+//! sum/product/min/max, hierarchical, ring or recursive doubling) and relayed broadcasts (from any
 //! root) and all-gathers, each rank starting from its own values everywhere, and,
 //! for half the seeds, a process (worker or server) to kill at a random step. It
 //! then checks:
@@ -18,7 +18,7 @@
 //! - with a kill, every surviving rank settles every operation (done or failed),
 //!   never hangs, and a failed one's error names the killed rank.
 //!
-//! `FAIRRING_SIM_SEEDS` sets how many seeds run (default 1000; CI runs 20000 in
+//! `FAIRRING_SIM_SEEDS` sets how many seeds run (default 1000; CI runs 10000 in
 //! release); `FAIRRING_SIM_SEED` replays one. A failing seed is printed with the command
 //! that replays it.
 #![allow(
