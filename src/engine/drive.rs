@@ -106,13 +106,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let (seq, words) = (sub.seq, sub.descriptor.words());
         let geometry = match sub.algorithm {
             Resolved::Doubling => self.doubling_geometry.as_ref().ok_or_else(|| {
-                Error::invalid(
-                    "algorithm",
-                    format!(
-                        "recursive doubling needs room for its receive slots beside a slice; \
-                         staging buffers of {} bytes have none (raise FAIRRING_SLICE_SIZE)",
-                        self.layout.buffer_bytes()
-                    ),
+                Error::internal(
+                    "the layout holds a recursive-doubling slice of at least a line",
+                    format!("{:?}", self.layout),
                 )
             })?,
             _ => &self.geometry,

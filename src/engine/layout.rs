@@ -63,13 +63,18 @@ impl StagingLayout {
             .checked_next_multiple_of(64)?;
         let ring_slots = world - 1;
         let ring_end = inbox.checked_add(ring_slot.checked_mul(ring_slots as usize)?)?;
-        let buffer_bytes = usize::try_from(core.total_bytes()).ok()?.max(ring_end);
+        let mut buffer_bytes = usize::try_from(core.total_bytes()).ok()?.max(ring_end);
         let doubling_slots = doubling::slots(world);
         // Whole 64-byte lines, no larger than a slice (a whole one where no slot
-        // is used: a single rank).
+        // is used: a single rank), and at least one line: the buffer grows for
+        // that where slices are tiny.
         let doubling_slot = match doubling_slots.len() {
             0 => inbox,
-            n => ((buffer_bytes - inbox) / n / 64 * 64).min(inbox),
+            n => {
+                let slot = ((buffer_bytes - inbox) / n / 64 * 64).clamp(64, inbox.max(64));
+                buffer_bytes = buffer_bytes.max(inbox.checked_add(slot.checked_mul(n)?)?);
+                slot
+            }
         };
         let server = geometry.server_layout();
         let server_bytes = match server {
@@ -237,6 +242,16 @@ mod tests {
         let last = layout.ring_slot(2).unwrap();
         assert!(last + full / 4 <= layout.buffer_bytes());
         assert!(layout.ring_slot(3).is_err());
+    }
+
+    #[test]
+    fn doubling_has_a_slot_of_a_line_even_beside_the_smallest_slice() {
+        let t = Topology::new(2, 1, RankLayout::Contiguous).unwrap();
+        let g = Geometry::new(t, PlanConfig::new(64, 64).unwrap()).unwrap();
+        let layout = StagingLayout::new(&g, 2).unwrap();
+        assert_eq!(layout.doubling_slice_bytes(), 64);
+        let slot = layout.doubling_slot(1).unwrap();
+        assert!(slot + 64 <= layout.buffer_bytes());
     }
 
     #[test]

@@ -123,7 +123,7 @@ pub(crate) struct Engine<F: Fabric, M: MemorySpace> {
     machine: Machine,
     pub(crate) geometry: Geometry,
     /// The geometry recursive doubling plans with: slices that fit its receive
-    /// slots (`None` if the buffers are too small for any).
+    /// slots (`None` only if the layout broke its promise of a line per slot).
     doubling_geometry: Option<Geometry>,
     layout: StagingLayout,
     pub(crate) buffers: u32,
