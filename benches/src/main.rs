@@ -541,20 +541,32 @@ impl Value for bf16 {
 }
 
 /// Rank `rank`'s input at element `i`: 1..=4, so sums over 256 ranks stay exact
-/// in every type but u8/i8 (which wrap identically on every side).
-fn input(op: ReduceOp, rank: u32, i: u64) -> i64 {
+/// in every type but u8/i8 (which wrap identically on every side). For `avg`,
+/// a value shared by every rank (2..=5) moved by +1 and -1 in pairs of ranks (the
+/// last of an odd world keeps it), so the sum is `world` times it and the average
+/// is a whole number in every type.
+fn input(op: ReduceOp, rank: u32, world: u32, i: u64) -> i64 {
     let v = (u64::from(rank) * 7 + i * 3) % 4;
     #[expect(clippy::cast_possible_wrap, reason = "below 4")]
-    let v = v as i64;
-    if op == ReduceOp::Product {
-        1 + v % 2
-    } else {
-        1 + v
+    let (v, shared) = (v as i64, ((i * 3) % 4) as i64);
+    match op {
+        ReduceOp::Product => 1 + v % 2,
+        ReduceOp::Avg => {
+            let deviation = if !world.is_multiple_of(2) && rank + 1 == world {
+                0
+            } else if rank.is_multiple_of(2) {
+                1
+            } else {
+                -1
+            };
+            2 + shared + deviation
+        }
+        _ => 1 + v,
     }
 }
 
 fn expected(op: ReduceOp, world: u32, i: u64) -> i64 {
-    let vals = (0..world).map(|r| input(op, r, i));
+    let vals = (0..world).map(|r| input(op, r, world, i));
     match op {
         ReduceOp::Sum => vals.sum(),
         ReduceOp::Avg => vals.sum::<i64>() / i64::from(world),
@@ -906,12 +918,12 @@ fn fill<T: Value>(
         match (o.collective, p) {
             (Collective::AllGather, Some(p)) => {
                 for (i, v) in p[..k].iter_mut().enumerate() {
-                    *v = T::from_small(input(o.op, rank, i as u64));
+                    *v = T::from_small(input(o.op, rank, world, i as u64));
                 }
             }
             _ => {
                 for (i, v) in b[..n].iter_mut().enumerate() {
-                    *v = T::from_small(input(o.op, rank, i as u64));
+                    *v = T::from_small(input(o.op, rank, world, i as u64));
                 }
             }
         }
@@ -932,12 +944,12 @@ fn count_wrong<T: Value>(
     for (j, b) in bufs.iter().enumerate() {
         let (got, want): (&[T], Box<dyn Fn(usize) -> i64>) = match o.collective {
             Collective::AllReduce => (&b[..n], Box::new(|i| expected(o.op, world, i as u64))),
-            Collective::Broadcast => (&b[..n], Box::new(|i| input(o.op, 0, i as u64))),
+            Collective::Broadcast => (&b[..n], Box::new(|i| input(o.op, 0, world, i as u64))),
             Collective::AllGather => (
                 &b[..n],
                 Box::new(|i| {
                     let (r, at) = (i / k.max(1), i % k.max(1));
-                    input(o.op, u32::try_from(r).unwrap_or(0), at as u64)
+                    input(o.op, u32::try_from(r).unwrap_or(0), world, at as u64)
                 }),
             ),
             Collective::ReduceScatter => (

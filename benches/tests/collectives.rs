@@ -146,3 +146,43 @@ fn a_compressed_wire_is_checked_and_sends_half_the_bytes() {
         "{text}"
     );
 }
+
+/// `--op avg` is checked exactly: the inputs average to whole numbers, so every
+/// algorithm's result is compared bit for bit (3 ranks: the division rounds
+/// unless the check's inputs are chosen for it).
+#[test]
+fn averages_are_checked_for_every_algorithm() {
+    let dir = std::env::temp_dir().join(format!("fairring-bench-avg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary folder");
+    let json = dir.join("avg.json");
+    let json_arg = json.to_string_lossy().into_owned();
+    let (ok, text) = bench(&[
+        "--local",
+        "3x1",
+        "--algo",
+        "all",
+        "--op",
+        "avg",
+        "--check",
+        "--min-bytes",
+        "4K",
+        "--max-bytes",
+        "64K",
+        "--factor",
+        "16",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        &json_arg,
+    ]);
+    assert!(ok, "{text}");
+    let rows: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("the JSON")).expect("JSON");
+    let rows = rows.as_array().expect("an array of rows");
+    assert_eq!(rows.len(), 2 * 4, "4 KiB and 64 KiB, four algorithms");
+    for row in rows {
+        assert_eq!(row["wrong"], 0, "{row}");
+    }
+}
