@@ -3,8 +3,8 @@
 //! and the widening reduction against widening first and reducing in `f32`.
 
 use fairring_core::reduce::{
-    self, Operand, ReduceError, narrow_bytes, narrow_in_place, reduce_many_compressed_bytes,
-    widen_bytes, widen_in_place,
+    self, HalfBlocks, Operand, ReduceError, WireCodec, narrow_bytes, narrow_in_place,
+    reduce_many_compressed_bytes, widen_bytes, widen_in_place,
 };
 use fairring_core::{DataType, ReduceOp, WireFormat};
 use half::{bf16, f16};
@@ -124,8 +124,68 @@ proptest! {
             for (g, e) in got.iter().zip(&expected) {
                 prop_assert!(same(*g, *e), "{format} {op}: {g:e} vs {e:e}");
             }
+            // A codec with block conversions of its own widens a block at a time.
+            let mut blocks = dst.clone();
+            WireCodec::with_half(HalfBlocks::PORTABLE)
+                .reduce_many_compressed_bytes(op, format, bytemuck::cast_slice_mut(&mut blocks), &sources)
+                .unwrap();
+            for (b, e) in blocks.iter().zip(&expected) {
+                prop_assert!(same(*b, *e), "{format} {op} by blocks: {b:e} vs {e:e}");
+            }
         }
     }
+}
+
+/// A codec converts `f16` blocks through the functions it was given, in every
+/// operation, and `bf16` portably.
+#[test]
+fn a_codec_converts_f16_through_its_half_blocks() {
+    // Conversions that tell themselves apart: every value becomes 1.0 (0x3C00).
+    let ones = WireCodec::with_half(HalfBlocks {
+        narrow: |_, narrow| narrow.fill(f16::ONE),
+        widen: |_, wide| wide.fill(1.0),
+    });
+    assert!(!ones.is_portable() && WireCodec::PORTABLE.is_portable());
+    let v = vec![3.0f32; 1030];
+    let mut h = vec![0u16; v.len()];
+    ones.narrow_bytes(WireFormat::F16, bytes(&v), bytemuck::cast_slice_mut(&mut h))
+        .unwrap();
+    assert!(h.iter().all(|&b| b == 0x3C00));
+    let mut w = vec![0f32; v.len()];
+    ones.widen_bytes(
+        WireFormat::F16,
+        bytemuck::cast_slice(&h),
+        bytemuck::cast_slice_mut(&mut w),
+    )
+    .unwrap();
+    assert!(w.iter().all(|&x| x == 1.0));
+    let mut in_place = v.clone();
+    ones.narrow_in_place(WireFormat::F16, bytemuck::cast_slice_mut(&mut in_place))
+        .unwrap();
+    let narrowed: &[u16] = bytemuck::cast_slice(&in_place);
+    assert!(narrowed[..v.len()].iter().all(|&b| b == 0x3C00));
+    let mut in_place = vec![0f32; 1030];
+    ones.widen_in_place(WireFormat::F16, bytemuck::cast_slice_mut(&mut in_place))
+        .unwrap();
+    assert!(in_place.iter().all(|&x| x == 1.0));
+    let mut sum = vec![0.5f32; 1030];
+    ones.reduce_many_compressed_bytes(
+        ReduceOp::Sum,
+        WireFormat::F16,
+        bytemuck::cast_slice_mut(&mut sum),
+        &[bytemuck::cast_slice(&h), bytemuck::cast_slice(&h)],
+    )
+    .unwrap();
+    assert!(sum.iter().all(|&x| x == 2.5));
+    // bf16 ignores them.
+    let mut b = vec![0u16; v.len()];
+    ones.narrow_bytes(
+        WireFormat::Bf16,
+        bytes(&v),
+        bytemuck::cast_slice_mut(&mut b),
+    )
+    .unwrap();
+    assert!(b.iter().all(|&x| x == bf16::from_f32(3.0).to_bits()));
 }
 
 #[test]

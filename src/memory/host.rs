@@ -5,11 +5,7 @@ use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use fairring_core::reduce::ReduceError;
-use fairring_core::reduce::{
-    finish_avg_bytes, narrow_bytes, narrow_in_place, reduce_many_bytes,
-    reduce_many_compressed_bytes, widen_bytes, widen_in_place,
-};
+use fairring_core::reduce::{ReduceError, WireCodec, finish_avg_bytes, reduce_many_bytes};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
 use super::{Conversion, Direction, MemorySpace, Reduction};
@@ -71,6 +67,8 @@ pub(crate) struct Host {
     segment: Arc<Segment>,
     rank: u32,
     buffers: u32,
+    /// The compressed wire's conversions (F16C where the CPU has it).
+    codec: WireCodec,
 }
 
 impl Host {
@@ -80,6 +78,7 @@ impl Host {
             segment,
             rank,
             buffers,
+            codec: super::f16c::wire_codec(),
         }
     }
 
@@ -163,7 +162,8 @@ impl MemorySpace for Host {
                 ));
             }
             in_batches(&mut sources, |batch| {
-                reduce_many_compressed_bytes(r.op, r.wire, dst, batch)
+                self.codec
+                    .reduce_many_compressed_bytes(r.op, r.wire, dst, batch)
             })?;
         }
         if let Some(world) = r.average_over
@@ -190,8 +190,8 @@ impl MemorySpace for Host {
             };
             let bytes = self.staging(buffer, wide)?;
             return match c.direction {
-                Direction::Narrow => narrow_in_place(c.format, bytes),
-                Direction::Widen => widen_in_place(c.format, bytes),
+                Direction::Narrow => self.codec.narrow_in_place(c.format, bytes),
+                Direction::Widen => self.codec.widen_in_place(c.format, bytes),
             }
             .map_err(refused);
         }
@@ -204,8 +204,8 @@ impl MemorySpace for Host {
         let src = self.staging(buffer, c.from.clone())?;
         let dst = self.staging(buffer, written)?;
         match c.direction {
-            Direction::Narrow => narrow_bytes(c.format, src, dst),
-            Direction::Widen => widen_bytes(c.format, src, dst),
+            Direction::Narrow => self.codec.narrow_bytes(c.format, src, dst),
+            Direction::Widen => self.codec.widen_bytes(c.format, src, dst),
         }
         .map_err(refused)
     }

@@ -44,6 +44,7 @@
 
 #[cfg(feature = "cuda")]
 mod device;
+mod f16c;
 mod host;
 mod placed;
 

@@ -45,7 +45,8 @@ mod element;
 mod kernel;
 
 pub use compressed::{
-    narrow_bytes, narrow_in_place, reduce_many_compressed_bytes, widen_bytes, widen_in_place,
+    HalfBlocks, WireCodec, narrow_bytes, narrow_in_place, reduce_many_compressed_bytes,
+    widen_bytes, widen_in_place,
 };
 pub use element::Element;
 
