@@ -63,17 +63,23 @@ pub struct HalfBlocks {
 impl HalfBlocks {
     /// The portable conversions.
     pub const PORTABLE: HalfBlocks = HalfBlocks {
-        narrow: |wide, narrow| {
-            for (h, w) in narrow.iter_mut().zip(wide) {
-                *h = f16::store(*w);
-            }
-        },
-        widen: |narrow, wide| {
-            for (w, h) in wide.iter_mut().zip(narrow) {
-                *w = h.load();
-            }
-        },
+        narrow: store_each::<f16>,
+        widen: load_each::<f16>,
     };
+}
+
+/// `narrow[i] = wide[i]`, rounded, an element at a time.
+fn store_each<H: Element<Acc = f32>>(wide: &[f32], narrow: &mut [H]) {
+    for (h, w) in narrow.iter_mut().zip(wide) {
+        *h = H::store(*w);
+    }
+}
+
+/// `wide[i] = narrow[i]`, an element at a time.
+fn load_each<H: Element<Acc = f32>>(narrow: &[H], wide: &mut [f32]) {
+    for (w, h) in wide.iter_mut().zip(narrow) {
+        *w = h.load();
+    }
 }
 
 /// The compressed wire's conversions and reduction, with a choice of `f16`
@@ -98,15 +104,11 @@ trait Narrow: Element<Acc = f32> {
 
 impl Narrow for bf16 {
     fn store_block(_: &WireCodec, wide: &[f32], narrow: &mut [bf16]) {
-        for (h, w) in narrow.iter_mut().zip(wide) {
-            *h = bf16::store(*w);
-        }
+        store_each(wide, narrow);
     }
 
     fn load_block(_: &WireCodec, narrow: &[bf16], wide: &mut [f32]) {
-        for (w, h) in wide.iter_mut().zip(narrow) {
-            *w = h.load();
-        }
+        load_each(narrow, wide);
     }
 
     fn by_blocks(_: &WireCodec) -> bool {

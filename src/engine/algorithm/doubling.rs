@@ -186,9 +186,10 @@ impl Doubling {
         // Slot 0 exists only in a job with extra ranks.
         let slot0 = || ctx.layout.doubling_slot(0);
         if self.extra {
-            if !self.folded {
+            if let Some(to) = self.partner
+                && !self.folded
+            {
                 self.folded = true;
-                let to = self.partner.unwrap_or(ctx.rank);
                 self.send(to, 0..len, slot0()?, steps);
             }
             if self.landed & 1 != 0 && self.sends == 0 {
@@ -196,11 +197,10 @@ impl Doubling {
             }
             return Ok(());
         }
+        if !self.folded && self.partner.is_none() {
+            self.folded = true;
+        }
         if !self.folded {
-            let Some(_) = self.partner else {
-                self.folded = true;
-                return self.pump(ctx, s, steps);
-            };
             if self.landed & 1 == 0 {
                 return Ok(());
             }
@@ -220,15 +220,15 @@ impl Doubling {
             if self.landed & bit == 0 {
                 return Ok(());
             }
-            if ctx.rank < peer {
-                // In place: only once this rank's write of the partial has left.
-                if self.sends > 0 {
-                    return Ok(());
-                }
-                self.landed &= !bit;
+            let lower = ctx.rank < peer;
+            // In place: only once this rank's write of the partial has left.
+            if lower && self.sends > 0 {
+                return Ok(());
+            }
+            self.landed &= !bit;
+            if lower {
                 self.reduce(ctx, s, self.at, slot, len, round, steps);
             } else {
-                self.landed &= !bit;
                 let from = self.at;
                 self.moving_to = Some(slot);
                 self.reduce(ctx, s, slot, from, len, round, steps);
