@@ -42,6 +42,10 @@ pub(crate) fn begin(shared: &Shared) {
         if b.depth == 0 {
             b.fabric = key(shared);
             b.depth = 1;
+            // Room for every peer from the thread's first batch on, so a thread
+            // that first holds a frame long after it began driving (a caller
+            // that only waited until then) allocates nothing in steady state.
+            b.held.reserve(shared.peers.len());
         } else if b.fabric == key(shared) {
             b.depth += 1;
         }
