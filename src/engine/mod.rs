@@ -69,7 +69,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
 use fairring_core::plan::{Geometry, PlanConfig};
-use fairring_core::topology::Location;
+use fairring_core::topology::{Location, RankLayout, Topology};
 use fairring_rdma::fabric::{Completion, Fabric, RemoteRegion};
 
 pub(crate) use algorithm::Resolved;
@@ -192,12 +192,15 @@ pub(crate) struct EngineParts<F: Fabric, M: MemorySpace> {
     pub(crate) timeout: Duration,
 }
 
-/// The geometry recursive doubling plans with: `geometry`'s topology and
-/// smallest shard, with slices no larger than one of its receive slots.
-fn doubling_geometry(geometry: &Geometry, layout: &StagingLayout) -> Option<Geometry> {
-    let bytes = u64::try_from(layout.doubling_slice_bytes()).ok()?;
-    let config = PlanConfig::new(bytes, geometry.min_shard_bytes()).ok()?;
-    Geometry::new(geometry.topology(), config).ok()
+/// A geometry that cuts operations into slices of at most `bytes` (a multiple
+/// of 64) and nothing finer: recursive doubling moves a slice whole, never by
+/// the slots and shards of `geometry`'s layout, so it plans as on a single
+/// device, whose full slice is exactly `bytes` whatever the job's devices per
+/// machine.
+fn unsplit_geometry(geometry: &Geometry, bytes: usize) -> Option<Geometry> {
+    let config = PlanConfig::new(u64::try_from(bytes).ok()?, geometry.min_shard_bytes()).ok()?;
+    let alone = Topology::new(1, 1, RankLayout::Contiguous).ok()?;
+    Geometry::new(alone, config).ok()
 }
 
 impl<F: Fabric, M: MemorySpace> Engine<F, M> {
@@ -254,7 +257,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             local: parts.local,
             machine: parts.machine,
             geometry: parts.geometry,
-            doubling_geometry: doubling_geometry(&parts.geometry, &parts.layout),
+            doubling_geometry: unsplit_geometry(
+                &parts.geometry,
+                parts.layout.doubling_slice_bytes(),
+            ),
             layout: parts.layout,
             buffers: parts.buffers,
             works: WorkTable::new(),

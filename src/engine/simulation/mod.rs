@@ -7,9 +7,9 @@
 //! Each seed picks the layout (`M` in 1..=4, `D` in 1..=3), for three seeds in
 //! seven 1 to 3 dedicated reduction servers (which then take the inter-machine
 //! step), the number of staging buffers (1..=4), the slice size, a script of
-//! integer all-reduces (empty to many slices, `i32`/`i64`/`u8`,
-//! sum/product/min/max, hierarchical, ring or recursive doubling) and relayed broadcasts (from any
-//! root) and all-gathers, each rank starting from its own values everywhere, and,
+//! integer all-reduces (empty to many slices, `i32`/`i64`/`u8`/`f32`,
+//! sum/product/min/max, hierarchical, ring or recursive doubling) and relayed
+//! broadcasts (from any root) and all-gathers, each rank starting from its own values everywhere, and,
 //! for half the seeds, a process (worker or server) to kill at a random step. It
 //! then checks:
 //!
@@ -351,8 +351,12 @@ impl Scenario {
                     ReduceOp::Min,
                     ReduceOp::Max,
                 ]);
-                let algorithm =
-                    rng.pick(&[Resolved::Hierarchical, Resolved::Ring, Resolved::Relay]);
+                let algorithm = rng.pick(&[
+                    Resolved::Hierarchical,
+                    Resolved::Ring,
+                    Resolved::Relay,
+                    Resolved::Doubling,
+                ]);
                 if algorithm == Resolved::Relay {
                     // A broadcast from any root, or an all-gather of whole blocks.
                     let origins = if rng.below(2) == 0 {
@@ -486,8 +490,12 @@ fn play(sc: &Scenario, rng: &mut Rng) -> Result<Outcome, String> {
         if outcome.steps > STEP_LIMIT {
             return Err(format!(
                 "{m}x{d} + {servers} servers, {buffers} buffers: not settled after {STEP_LIMIT} \
-                 steps; settled: {:?}",
-                ranks.iter().map(|r| r.settled.clone()).collect::<Vec<_>>()
+                 steps; settled: {:?}; failures: {:?}",
+                ranks.iter().map(|r| r.settled.clone()).collect::<Vec<_>>(),
+                ranks
+                    .iter()
+                    .map(|r| r.engine.failure().map(|e| e.to_string()))
+                    .collect::<Vec<_>>()
             ));
         }
         if let Some((at, victim)) = kill
