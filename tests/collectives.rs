@@ -8,6 +8,7 @@ mod common;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use common::{SERVER_LAYOUTS, job, job_with_servers, small_slices};
+use fairring::core::reduce::Element;
 use fairring::{Algorithm, ReduceOp};
 
 const LAYOUTS: [(u32, u32); 4] = [(1, 1), (1, 3), (2, 2), (3, 1)];
@@ -122,55 +123,86 @@ fn all_gather_places_every_input() {
     });
 }
 
+/// Runs a reduce-scatter with `op` of every size in [`SIZES`] on an `m x d`
+/// job (rank `r`'s element `i` of tensor `k` being `input(r, k, i)`) and checks
+/// every rank's share: element `j` of the whole result must be `want(k, j)`, in
+/// the output and in the input's own share alike.
+fn check_reduce_scatter<T: Element + PartialEq + Send + Sync>(
+    (m, d, servers): (u32, u32, u32),
+    algorithm: Algorithm,
+    op: ReduceOp,
+    input: impl Fn(u32, usize, usize) -> T + Sync,
+    want: impl Fn(usize, usize) -> T,
+    fill: T,
+) {
+    let world = m * d;
+    let results = job_with_servers(
+        m,
+        d,
+        servers,
+        |b| small_slices(b, algorithm),
+        |rank, comm| {
+            SIZES
+                .iter()
+                .enumerate()
+                .map(|(k, &n)| {
+                    let mut all: Vec<T> =
+                        (0..n * world as usize).map(|i| input(rank, k, i)).collect();
+                    let mut output = vec![fill; n];
+                    comm.reduce_scatter(&mut all, &mut output, op)
+                        .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                    let share = all[rank as usize * n..(rank as usize + 1) * n].to_vec();
+                    (output, share)
+                })
+                .collect::<Vec<_>>()
+        },
+    );
+    for (rank, outputs) in results.iter().enumerate() {
+        for (k, (output, share)) in outputs.iter().enumerate() {
+            let n = SIZES[k];
+            let wrong = |got: &[T]| {
+                got.iter()
+                    .enumerate()
+                    .filter(|&(i, v)| *v != want(k, rank * n + i))
+                    .count()
+            };
+            let context = format!("{m}x{d}+{servers} {algorithm} {op}: rank {rank}, tensor {k}");
+            assert_eq!(wrong(output), 0, "{context}: output");
+            assert_eq!(wrong(share), 0, "{context}: the input's own share");
+        }
+    }
+}
+
 #[test]
 fn reduce_scatter_leaves_each_rank_its_share() {
     for_every_layout(|m, d, servers, algorithm| {
         let world = m * d;
         for op in [ReduceOp::Sum, ReduceOp::Max] {
-            let results = job_with_servers(
-                m,
-                d,
-                servers,
-                |b| small_slices(b, algorithm),
-                |rank, comm| {
-                    SIZES
-                        .iter()
-                        .enumerate()
-                        .map(|(k, &n)| {
-                            let mut input: Vec<i64> =
-                                (0..n * world as usize).map(|i| value(rank, k, i)).collect();
-                            let mut output = vec![-1i64; n];
-                            comm.reduce_scatter(&mut input, &mut output, op)
-                                .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-                            output
-                        })
-                        .collect::<Vec<_>>()
-                },
-            );
-            for (rank, outputs) in results.iter().enumerate() {
-                for (k, output) in outputs.iter().enumerate() {
-                    let n = SIZES[k];
-                    let wrong = output
-                        .iter()
-                        .enumerate()
-                        .filter(|&(i, &v)| {
-                            let j = rank * n + i;
-                            let all = (0..world).map(|r| value(r, k, j));
-                            let want = match op {
-                                ReduceOp::Max => all.max().unwrap_or(0),
-                                _ => all.fold(0i64, i64::wrapping_add),
-                            };
-                            v != want
-                        })
-                        .count();
-                    assert_eq!(
-                        wrong, 0,
-                        "{m}x{d}+{servers} {algorithm} {op}: rank {rank}, tensor {k}"
-                    );
+            let want = |k, j| {
+                let all = (0..world).map(|r| value(r, k, j));
+                match op {
+                    ReduceOp::Max => all.max().unwrap_or(0),
+                    _ => all.fold(0i64, i64::wrapping_add),
                 }
-            }
+            };
+            check_reduce_scatter((m, d, servers), algorithm, op, value, want, -1);
         }
     });
+}
+
+#[test]
+fn reduce_scatter_averages_each_share_once() {
+    // The scatter algorithm divides a share once, after its last partial; the
+    // others average the whole input. Sums of these small integers are exact in
+    // f64, so each quotient is the one correctly rounded value.
+    let small = |r, k, i| (value(r, k, i) % 1000) as f64;
+    for (m, d) in [(2, 1), (3, 1), (2, 2)] {
+        let world = m * d;
+        let want = |k, j| (0..world).map(|r| small(r, k, j)).sum::<f64>() / f64::from(world);
+        for algorithm in Algorithm::ALL {
+            check_reduce_scatter((m, d, 0), algorithm, ReduceOp::Avg, small, want, f64::NAN);
+        }
+    }
 }
 
 #[test]

@@ -28,10 +28,10 @@
 //!   received per all-reduce, counted by the fabric over the timed iterations.
 //!
 //! `--collective` times a broadcast (from rank 0), an all-gather or a
-//! reduce-scatter instead of an all-reduce, checked the same way. A broadcast
-//! and an all-gather take `--algo` too (`ring` relays them around the ring;
-//! `hierarchical` runs them as all-reduces); a reduce-scatter runs with the
-//! communicator's algorithm (`--algo` stays `auto`).
+//! reduce-scatter instead of an all-reduce, checked the same way. They take
+//! `--algo` too: `ring` relays a broadcast or an all-gather around the ring
+//! and runs a reduce-scatter as the ring's reduce-scatter half; `hierarchical`
+//! and `doubling` run them as all-reduces.
 //!
 //! `--wire bf16|f16` carries the `f32` values of all-reduces and
 //! reduce-scatters between machines in that format (`FAIRRING_WIRE`; it
@@ -306,12 +306,6 @@ fn parse(args: &[String]) -> Options {
     }
     if !o.op.supports(o.dtype) {
         usage(&format!("--op {} is not defined on {}", o.op, o.dtype));
-    }
-    if o.collective == Collective::ReduceScatter && o.algorithms != [Algorithm::Auto] {
-        usage(
-            "--algo: a reduce-scatter runs with the communicator's algorithm; all_reduce, \
-             broadcast and all_gather take one",
-        );
     }
     if let Some(wire) = o.wire
         && !wire.carries(o.dtype)
@@ -989,7 +983,7 @@ fn iteration<T: Value>(
                 }
                 Collective::ReduceScatter => {
                     let p = parts.next().map(|p| &mut p[..k]).unwrap_or_default();
-                    s.reduce_scatter(b, p, o.op)?
+                    s.reduce_scatter_with(b, p, o.op, algorithm)?
                 }
             });
         }

@@ -1,6 +1,6 @@
 //! `fairring-bench --collective`: each collective times and checks itself on a
 //! local job, and the JSON names it with nccl-tests' bus factor applied; a
-//! broadcast and an all-gather take each algorithm.
+//! broadcast, an all-gather and a reduce-scatter take each algorithm.
 
 use std::process::Command;
 
@@ -68,18 +68,47 @@ fn every_collective_runs_checked_on_a_local_job() {
             );
         }
     }
+    // A reduce-scatter takes each algorithm: the ring sends half the bytes of
+    // the all-reduce hierarchical runs, and both are checked.
+    let json = dir.join("reduce_scatter_algorithms.json");
+    let json_arg = json.to_string_lossy().into_owned();
     let (ok, text) = bench(&[
         "--local",
-        "1x2",
+        "2x1",
         "--collective",
         "reduce_scatter",
         "--algo",
-        "ring",
+        "all",
+        "--min-bytes",
+        "1M",
+        "--max-bytes",
+        "1M",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        &json_arg,
     ]);
-    assert!(
-        !ok && text.contains("a reduce-scatter runs with the communicator's algorithm"),
-        "{text}"
+    assert!(ok, "reduce_scatter --algo all:\n{text}");
+    let rows: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("the JSON")).expect("JSON");
+    let sent = |algo: &str| {
+        let row = rows
+            .as_array()
+            .expect("an array of rows")
+            .iter()
+            .find(|r| r["algo"] == algo)
+            .unwrap_or_else(|| panic!("no {algo} row:\n{text}"));
+        assert_eq!(row["wrong"], 0, "{row}");
+        row["sent_bytes_per_op"].as_f64().expect("bytes sent")
+    };
+    assert_eq!(
+        sent("ring"),
+        f64::from(1 << 19),
+        "(N-1)/N of 1 MiB:\n{text}"
     );
+    assert_eq!(sent("hierarchical"), f64::from(1 << 20), "{text}");
     // Relayed and summed, side by side and checked.
     for collective in ["broadcast", "all_gather"] {
         let (ok, text) = bench(&[

@@ -293,8 +293,9 @@ fr_status fr_all_gather(const fr_comm *comm,
                         fr_work **out);
 
 // Starts a reduce-scatter: `input` (`world_size * count` elements) is reduced
-// with `op` across ranks **in place**, and this rank's `count` elements of the
-// result are copied into `output`.
+// with `op` across ranks, and this rank's `count` elements of the result are
+// copied into `output`. `input` is workspace: afterwards its share of this
+// rank holds the result too, and the rest is unspecified.
 //
 // # Safety
 //
@@ -394,8 +395,9 @@ fr_status fr_all_gather_device(const fr_comm *comm,
 
 #if defined(FAIRRING_CUDA)
 // Starts a reduce-scatter on device memory, ordered on `stream`: `input`
-// (`world_size * count` elements) is all-reduced **in place** with `op`, and
-// this rank's `count` elements of it are copied into `output`.
+// (`world_size * count` elements) is reduced with `op` across ranks, and this
+// rank's `count` elements of the result are copied into `output`. `input` is
+// workspace, as in `fr_reduce_scatter`.
 //
 // # Safety
 //

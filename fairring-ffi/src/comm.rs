@@ -424,8 +424,9 @@ pub unsafe extern "C" fn fr_all_gather(
 }
 
 /// Starts a reduce-scatter: `input` (`world_size * count` elements) is reduced
-/// with `op` across ranks **in place**, and this rank's `count` elements of the
-/// result are copied into `output`.
+/// with `op` across ranks, and this rank's `count` elements of the result are
+/// copied into `output`. `input` is workspace: afterwards its share of this
+/// rank holds the result too, and the rest is unspecified.
 ///
 /// # Safety
 ///

@@ -218,8 +218,9 @@ pub unsafe extern "C" fn fr_all_gather_device(
 }
 
 /// Starts a reduce-scatter on device memory, ordered on `stream`: `input`
-/// (`world_size * count` elements) is all-reduced **in place** with `op`, and
-/// this rank's `count` elements of it are copied into `output`.
+/// (`world_size * count` elements) is reduced with `op` across ranks, and this
+/// rank's `count` elements of the result are copied into `output`. `input` is
+/// workspace, as in `fr_reduce_scatter`.
 ///
 /// # Safety
 ///

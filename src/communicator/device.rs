@@ -227,8 +227,9 @@ impl Communicator {
 
     /// Starts a reduce-scatter ordered on `stream` (see
     /// [`Communicator::reduce_scatter`]): `input`, device memory holding
-    /// `world_size * count` elements of `dtype`, is all-reduced **in place**,
-    /// and this rank's `count` of them are copied into `output` on the device.
+    /// `world_size * count` elements of `dtype`, is reduced across ranks, and
+    /// this rank's `count` elements of the result are copied into `output` on
+    /// the device. `input` is workspace (see [`Scope::reduce_scatter`]).
     ///
     /// # Safety
     ///
@@ -263,7 +264,8 @@ impl Communicator {
         // The operation's entry is filled in when it is queued.
         let to = PlacedTensor::Device(DeviceTensor::new(output, n, 0));
         let share = self.share(n);
-        let mut r = Request::reduce_scatter(input as *mut u8, total, dtype, op, count, to, share);
+        let mut r =
+            Request::reduce_scatter(input as *mut u8, total, dtype, op, count, to, share, None);
         r.device = Some(on.call);
         // SAFETY: the caller keeps both tensors and the stream valid and
         // untouched until the operation finishes.

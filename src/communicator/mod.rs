@@ -194,8 +194,8 @@ impl Communicator {
 
     /// Reduces `input` across ranks and leaves share `rank` of the result in
     /// `output`, and waits. `input` holds `world_size` shares of `output.len()`
-    /// elements and is used as workspace: afterwards it holds the whole
-    /// reduction.
+    /// elements and is used as workspace: afterwards its share `rank` holds the
+    /// result too, and the rest is unspecified.
     pub fn reduce_scatter<T: Element>(
         &self,
         input: &mut [T],
@@ -377,8 +377,9 @@ impl Communicator {
     }
 
     /// Starts a reduce-scatter: `input` holds `world_size * count` elements of
-    /// `dtype`, which are all-reduced **in place**; this rank's `count` of them
-    /// are copied into `output` when it finishes (see [`Scope::reduce_scatter`]).
+    /// `dtype`, reduced across ranks; this rank's `count` of the result are
+    /// copied into `output` when it finishes. `input` is workspace (see
+    /// [`Scope::reduce_scatter`]).
     ///
     /// # Safety
     ///
@@ -392,13 +393,32 @@ impl Communicator {
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<Work<'_>> {
+        // SAFETY: forwarded.
+        unsafe { self.reduce_scatter_raw_with(input, output, count, dtype, op, None) }
+    }
+
+    /// [`Communicator::reduce_scatter_raw`] with `algorithm` (`None`: the
+    /// communicator's).
+    ///
+    /// # Safety
+    ///
+    /// As [`Communicator::reduce_scatter_raw`].
+    unsafe fn reduce_scatter_raw_with(
+        &self,
+        input: *mut u8,
+        output: *mut u8,
+        count: u64,
+        dtype: DataType,
+        op: ReduceOp,
+        algorithm: Option<Algorithm>,
+    ) -> Result<Work<'_>> {
         let total = self.times_world(count)?;
         check_pointer(input, total, dtype)?;
         check_pointer(output, count, dtype)?;
         let n = byte_len(count, dtype)?;
         let share = self.share(n);
         let to = PlacedTensor::Host(HostTensor::new(output, n));
-        let r = Request::reduce_scatter(input, total, dtype, op, count, to, share);
+        let r = Request::reduce_scatter(input, total, dtype, op, count, to, share, algorithm);
         // SAFETY: the caller keeps `input` and `output` valid and untouched
         // until it finishes; the delivered range lies within `input`.
         unsafe { self.start(r) }
@@ -580,11 +600,18 @@ impl Communicator {
         let compressed = r.wire.unwrap_or(self.wire) != WireFormat::Exact;
         if compressed
             && r.dtype == DataType::F32
-            && algorithm == Resolved::Doubling
+            && algorithm != Resolved::Hierarchical
             && r.algorithm.unwrap_or(self.algorithm) == Algorithm::Auto
         {
             algorithm = Resolved::Hierarchical;
         }
+        // A reduce-scatter by the scatter algorithm plans the shares, not the
+        // whole input.
+        let elements = if algorithm == Resolved::Scatter {
+            r.caller_elements
+        } else {
+            r.elements
+        };
         let len = usize::try_from(bytes).map_err(|_| {
             Error::invalid("count", format!("{bytes} bytes do not fit this machine"))
         })?;
@@ -636,14 +663,11 @@ impl Communicator {
             elements: r.caller_elements,
         };
         // Dedicated servers plan the operation from its descriptor alone.
-        if descriptor.runs_as(self.topology.world_size()) != Some((r.elements, r.dtype, r.op)) {
+        if descriptor.runs_as(self.topology.world_size()) != Some((elements, r.dtype, r.op)) {
             self.engine.works.give_back(seq);
             return Err(Error::internal(
                 "a descriptor says which all-reduce its call runs as",
-                format!(
-                    "{descriptor} runs as {} x {} ({})",
-                    r.elements, r.dtype, r.op
-                ),
+                format!("{descriptor} runs as {elements} x {} ({})", r.dtype, r.op),
             ));
         }
         let tensor = PlacedTensor::Host(HostTensor::new(data, len));
@@ -676,7 +700,7 @@ impl Communicator {
         let sub = Submission {
             seq,
             tensor,
-            elements: r.elements,
+            elements,
             dtype: r.dtype,
             op: r.op,
             algorithm,
@@ -694,7 +718,8 @@ impl Communicator {
 
     /// The algorithm a `collective` of `bytes` runs, `requested` or else the
     /// configured one, `auto` resolved: broadcasts and all-gathers run the
-    /// relay where the ring is chosen.
+    /// relay where the ring is chosen, and reduce-scatters the scatter
+    /// algorithm.
     fn resolve(
         &self,
         collective: Collective,
@@ -703,14 +728,17 @@ impl Communicator {
     ) -> Result<Resolved> {
         let chosen = requested.unwrap_or(self.algorithm);
         let spread = matches!(collective, Collective::Broadcast | Collective::AllGather);
+        let scatter = collective == Collective::ReduceScatter;
         let concrete = match chosen {
             _ if spread => chosen.resolve_spread(self.topology, bytes),
             // A job with dedicated servers keeps them serving what `auto` picks.
             Algorithm::Auto if self.servers > 0 => Algorithm::Hierarchical,
+            _ if scatter => chosen.resolve_spread(self.topology, bytes),
             _ => chosen.resolve(self.topology, bytes),
         };
         match Resolved::of(concrete) {
             Some(Resolved::Ring) if spread => Ok(Resolved::Relay),
+            Some(Resolved::Ring) if scatter => Ok(Resolved::Scatter),
             Some(resolved) => Ok(resolved),
             None => Err(Error::internal(
                 "auto resolves to a concrete algorithm",
@@ -886,14 +914,33 @@ impl<'scope> Scope<'scope, '_> {
         }
     }
 
-    /// Starts a reduce-scatter (see [`Communicator::reduce_scatter`]): an
-    /// all-reduce of `input` in place, whose share of this rank the engine copies
-    /// into `output` when it finishes.
+    /// Starts a reduce-scatter (see [`Communicator::reduce_scatter`]): `input`
+    /// reduced across ranks, this rank's share of it copied into `output` when
+    /// it finishes. `input` is workspace: afterwards this rank's share of it
+    /// holds the result too, and the rest is unspecified.
+    ///
+    /// With [`Algorithm::Ring`] each share goes around the ring once, reduced
+    /// on the way to its rank: `(N-1)/N` of the input leaves each rank. With
+    /// [`Algorithm::Hierarchical`] or [`Algorithm::Doubling`] it is an
+    /// all-reduce of the whole input, twice the bytes. `auto` picks the ring
+    /// where the job has one rank per machine and no dedicated servers.
     pub fn reduce_scatter<T: Element>(
         &'scope self,
         input: &'scope mut [T],
         output: &'scope mut [T],
         op: ReduceOp,
+    ) -> Result<Work<'scope>> {
+        self.reduce_scatter_with(input, output, op, self.comm.algorithm)
+    }
+
+    /// Starts a reduce-scatter with `algorithm` (see [`Scope::reduce_scatter`]).
+    /// Every rank must choose alike.
+    pub fn reduce_scatter_with<T: Element>(
+        &'scope self,
+        input: &'scope mut [T],
+        output: &'scope mut [T],
+        op: ReduceOp,
+        algorithm: Algorithm,
     ) -> Result<Work<'scope>> {
         let world = self.comm.world_size() as usize;
         let n = output.len();
@@ -910,12 +957,13 @@ impl<'scope> Scope<'scope, '_> {
         // SAFETY: both are borrowed mutably for 'scope (so they do not overlap)
         // and have the lengths checked above.
         unsafe {
-            self.comm.reduce_scatter_raw(
+            self.comm.reduce_scatter_raw_with(
                 input.as_mut_ptr().cast(),
                 output.as_mut_ptr().cast(),
                 n as u64,
                 T::DTYPE,
                 op,
+                Some(algorithm),
             )
         }
     }
@@ -1280,8 +1328,10 @@ impl Request {
         r
     }
 
-    /// A reduce-scatter of `total` elements of `input`, `count` per rank: an
-    /// all-reduce in place whose bytes `share` are delivered to `to`.
+    /// A reduce-scatter of `total` elements of `input`, `count` per rank, whose
+    /// bytes `share` of `input` are delivered to `to` (with `algorithm`; `None`:
+    /// the communicator's).
+    #[expect(clippy::too_many_arguments, reason = "the parts of one call")]
     fn reduce_scatter(
         input: *mut u8,
         total: u64,
@@ -1290,8 +1340,9 @@ impl Request {
         count: u64,
         to: PlacedTensor,
         share: Range<usize>,
+        algorithm: Option<Algorithm>,
     ) -> Request {
-        let mut r = Request::all_reduce(input, total, dtype, op, None);
+        let mut r = Request::all_reduce(input, total, dtype, op, algorithm);
         r.collective = Collective::ReduceScatter;
         r.caller_elements = count;
         r.deliver = Some(Delivery { to, range: share });

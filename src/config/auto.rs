@@ -95,6 +95,30 @@
 //! - With several devices per machine the relay crosses the fabric between
 //!   local ranks too, where hierarchical uses shared memory; `auto` keeps
 //!   hierarchical there.
+//!
+//! # Reduce-scatter
+//!
+//! Ring runs it as the ring's reduce-scatter half over the same range of every
+//! rank's share (`(N-1)/N` of the input leaves each rank, once); hierarchical and
+//! doubling as an all-reduce of the whole input. `fairring-bench --collective
+//! reduce_scatter --algo all --min-bytes 4K --max-bytes 64M --factor 16 --iters
+//! 5`, 2-core VM, loopback tcp, times in microseconds (hierarchical / ring /
+//! doubling), one sitting:
+//!
+//! | layout | 4 KiB | 64 KiB | 1 MiB | 16 MiB | 64 MiB |
+//! |---|---|---|---|---|---|
+//! | 2x1 | 64 / 36 / 34 | 91 / 82 / 75 | 516 / 280 / 370 | 11715 / 6761 / 13345 | 46154 / 29567 / 49688 |
+//! | 3x1 | 147 / 168 / 132 | 190 / 167 / 139 | 832 / 640 / 1020 | 22695 / 14054 / 23260 | 77898 / 47813 / 83782 |
+//! | 4x1 | 264 / 306 / 207 | 282 / 357 / 385 | 1448 / 1369 / 1870 | 27823 / 21854 / 41476 | 108658 / 62251 / 150217 |
+//! | 2x2 | 335 / 266 / | 298 / 352 / | 868 / 1016 / | 17746 / 16471 / | 54581 / 57089 / |
+//! | 1x2 | 52 / 73 / | 42 / 65 / | 622 / 727 / | 2420 / 8705 / | 13498 / 29754 / |
+//!
+//! With one device per machine the ring wins from 1 MiB by 1.1x to 1.8x, and
+//! ties below it at two and three machines; at four it takes `M - 1` hops where
+//! hierarchical takes two, and loses at 64 KiB and below. So `auto` follows the
+//! relay's rule: the ring on two or three machines, and from 256 KiB. With several devices per machine hierarchical's shared-memory step
+//! ties the ring's fabric hops (2x2) or beats them by up to 3.6x (1x2); `auto`
+//! keeps hierarchical there, and where the job has dedicated servers.
 
 use fairring_core::topology::Topology;
 
@@ -120,10 +144,12 @@ impl Algorithm {
         }
     }
 
-    /// The algorithm a broadcast or an all-gather of `bytes` (its whole output)
-    /// runs on `topology`: `self`, unless `self` is [`Algorithm::Auto`].
-    /// [`Algorithm::Ring`] runs them as a relay, which moves each byte once per
-    /// hop instead of twice.
+    /// The algorithm a broadcast, an all-gather or a reduce-scatter of `bytes`
+    /// (its whole output; a reduce-scatter's whole input) runs on `topology`:
+    /// `self`, unless `self` is [`Algorithm::Auto`]. [`Algorithm::Ring`] runs
+    /// a broadcast or an all-gather as a relay, which moves each byte once per
+    /// hop instead of twice, and a reduce-scatter as the ring's reduce-scatter
+    /// half, which moves half the bytes of an all-reduce.
     pub(crate) fn resolve_spread(self, topology: Topology, bytes: u64) -> Algorithm {
         match self {
             Algorithm::Auto => {

@@ -98,6 +98,7 @@ fn algorithm_code(a: Resolved) -> u64 {
         Resolved::Ring => 2,
         Resolved::Relay => 3,
         Resolved::Doubling => 4,
+        Resolved::Scatter => 5,
     }
 }
 
@@ -132,7 +133,8 @@ impl Descriptor {
     /// word 1: bits  0..8   collective
     ///         bits  8..16  dtype discriminant
     ///         bits 16..24  op discriminant
-    ///         bits 24..28  algorithm (1 hierarchical, 2 ring, 3 relay)
+    ///         bits 24..28  algorithm (1 hierarchical, 2 ring, 3 relay, 4 doubling,
+    ///                      5 scatter)
     ///         bits 28..30  wire format discriminant
     ///         bits 30..32  memory (0 host, 1 device)
     ///         bits 32..64  root
@@ -161,6 +163,7 @@ impl Descriptor {
                 2 => Resolved::Ring,
                 3 => Resolved::Relay,
                 4 => Resolved::Doubling,
+                5 => Resolved::Scatter,
                 _ => return None,
             },
             wire: WireFormat::from_u8((byte(24) >> 4) & 0x3)?,
@@ -170,10 +173,12 @@ impl Descriptor {
         })
     }
 
-    /// The all-reduce the engine runs for this call among `world` workers: its
-    /// elements, type and operator (every collective runs as one all-reduce). A
-    /// dedicated server, which sees only descriptors, plans the same operation
-    /// from it; `None` if the sizes overflow.
+    /// The operation the engine plans for this call among `world` workers: its
+    /// elements, type and operator. Every collective runs as one all-reduce,
+    /// but a reduce-scatter that the scatter algorithm runs, which plans each
+    /// rank's share (`elements`) and reduces the same range of every share
+    /// together. A dedicated server, which sees only descriptors, plans the same
+    /// operation from it; `None` if the sizes overflow.
     pub(crate) fn runs_as(&self, world: u32) -> Option<(u64, DataType, ReduceOp)> {
         let bytes = |elements: u64| elements.checked_mul(self.dtype.size_bytes());
         Some(match self.collective {
@@ -184,6 +189,9 @@ impl Descriptor {
                 DataType::U8,
                 ReduceOp::Sum,
             ),
+            Collective::ReduceScatter if self.algorithm == Resolved::Scatter => {
+                (self.elements, self.dtype, self.op)
+            }
             Collective::ReduceScatter => (
                 self.elements.checked_mul(u64::from(world))?,
                 self.dtype,
@@ -293,6 +301,28 @@ mod tests {
             device.to_string(),
             "all_reduce of 12 x f32 (avg, hierarchical, f16 wire, device memory)"
         );
+        // Every algorithm round-trips; a reduce-scatter plans its shares under
+        // the scatter algorithm and the whole input under the others.
+        for algorithm in [
+            Resolved::Hierarchical,
+            Resolved::Ring,
+            Resolved::Relay,
+            Resolved::Doubling,
+            Resolved::Scatter,
+        ] {
+            let d = Descriptor {
+                collective: Collective::ReduceScatter,
+                algorithm,
+                ..compressed
+            };
+            assert_eq!(Descriptor::from_words(d.words()), Some(d));
+            let planned = if algorithm == Resolved::Scatter {
+                12
+            } else {
+                36
+            };
+            assert_eq!(d.runs_as(3), Some((planned, DataType::F32, ReduceOp::Avg)));
+        }
         // An unknown wire format or memory kind is refused, not read as another.
         let mut w = compressed.words();
         w[1] |= 0x3 << 28;

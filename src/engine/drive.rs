@@ -111,6 +111,12 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                     format!("{:?}", self.layout),
                 )
             })?,
+            Resolved::Scatter => self.scatter_geometry.as_ref().ok_or_else(|| {
+                Error::internal(
+                    "the layout holds a reduce-scatter piece of at least a line",
+                    format!("{:?}", self.layout),
+                )
+            })?,
             _ => &self.geometry,
         };
         d.operations.accept(sub, geometry)?;

@@ -8,7 +8,15 @@
 //! [inbox, + (M-1) * shard_stride)  contribution areas (hierarchical)
 //! [inbox, + (N-1) * ring_slot)     receive slots (ring)
 //! [inbox, + S * doubling_slot)     receive slots (recursive doubling)
+//!
+//! [0, N * piece)                    a reduce-scatter's slice: N shares
+//! [scatter_inbox, + (N-1) * piece)  its receive slots
 //! ```
+//!
+//! A reduce-scatter slice holds the same range of every rank's share, one
+//! *piece* each, so its pieces are cut to a line-aligned `N`th of the slice;
+//! its receive slots follow the pieces (at the inbox, unless pieces of a
+//! single line overrun it, where slices are tiny and the buffer grows).
 //!
 //! Recursive doubling receives a whole slice per round, in `S = 1 + log2 p`
 //! slots (`p` the largest power of two at most `N`): its slices are cut to fit
@@ -43,6 +51,11 @@ pub(crate) struct StagingLayout {
     /// `doubling::slots`).
     doubling_first: u32,
     doubling_end: u32,
+    /// Bytes of a reduce-scatter's piece (one rank's share of its slice), and
+    /// of each of its `N - 1` receive slots.
+    scatter_piece: usize,
+    /// Where the reduce-scatter's receive slots start.
+    scatter_inbox: usize,
     /// Bytes of one staging buffer.
     buffer_bytes: usize,
     /// A dedicated server's buffer, when the job has servers.
@@ -76,6 +89,10 @@ impl StagingLayout {
                 slot
             }
         };
+        let scatter_piece = (inbox / world as usize / 64 * 64).max(64);
+        let scatter_inbox = inbox.max(scatter_piece.checked_mul(world as usize)?);
+        buffer_bytes = buffer_bytes
+            .max(scatter_inbox.checked_add(scatter_piece.checked_mul(world as usize - 1)?)?);
         let server = geometry.server_layout();
         let server_bytes = match server {
             Some(s) => usize::try_from(s.total_bytes()).ok()?,
@@ -89,6 +106,8 @@ impl StagingLayout {
             doubling_slot,
             doubling_first: doubling_slots.start,
             doubling_end: doubling_slots.end,
+            scatter_piece,
+            scatter_inbox,
             buffer_bytes,
             server,
             server_bytes,
@@ -118,6 +137,24 @@ impl StagingLayout {
             ));
         }
         Ok(self.inbox + (slot - self.doubling_first) as usize * self.doubling_slot)
+    }
+
+    /// Bytes of the largest reduce-scatter piece: a reduce-scatter's slice is
+    /// `N` of them.
+    pub(crate) fn scatter_piece_bytes(&self) -> usize {
+        self.scatter_piece
+    }
+
+    /// Offset of the reduce-scatter's receive slot for step `step` (`N - 1`
+    /// steps).
+    pub(crate) fn scatter_slot(&self, step: u32) -> Result<usize> {
+        if step >= self.ring_slots {
+            return Err(Error::internal(
+                "a reduce-scatter step has a receive slot",
+                format!("step {step} of {}", self.ring_slots),
+            ));
+        }
+        Ok(self.scatter_inbox + step as usize * self.scatter_piece)
     }
 
     /// Bytes of one dedicated server's staging buffer (0 without servers).
@@ -242,6 +279,41 @@ mod tests {
         let last = layout.ring_slot(2).unwrap();
         assert!(last + full / 4 <= layout.buffer_bytes());
         assert!(layout.ring_slot(3).is_err());
+    }
+
+    #[test]
+    fn scatter_pieces_and_slots_fit_beside_every_slice_size() {
+        for (m, d, slice) in [
+            (1, 1, 1 << 20),
+            (2, 1, 64),
+            (3, 1, 192),
+            (2, 2, 4096),
+            (8, 1, 1 << 20),
+            (5, 3, 1000),
+        ] {
+            let t = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+            let g = Geometry::new(t, PlanConfig::new(slice, 64).unwrap()).unwrap();
+            let world = m * d;
+            let layout = StagingLayout::new(&g, world).unwrap();
+            let piece = layout.scatter_piece_bytes();
+            assert!(piece >= 64 && piece.is_multiple_of(64), "{m}x{d}: {piece}");
+            let pieces = piece * world as usize;
+            assert!(
+                pieces <= layout.slice_bytes().max(64 * world as usize),
+                "{m}x{d}"
+            );
+            let mut end = pieces;
+            for step in 0..world - 1 {
+                let slot = layout.scatter_slot(step).unwrap();
+                assert!(
+                    slot >= end,
+                    "{m}x{d}: slot {step} overlaps what precedes it"
+                );
+                end = slot + piece;
+            }
+            assert!(end <= layout.buffer_bytes(), "{m}x{d}");
+            assert!(layout.scatter_slot(world - 1).is_err());
+        }
     }
 
     #[test]

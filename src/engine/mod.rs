@@ -125,6 +125,9 @@ pub(crate) struct Engine<F: Fabric, M: MemorySpace> {
     /// The geometry recursive doubling plans with: slices that fit its receive
     /// slots (`None` only if the layout broke its promise of a line per slot).
     doubling_geometry: Option<Geometry>,
+    /// The geometry a reduce-scatter plans its shares with: slices of one
+    /// piece (`None` only if the layout broke its promise of a line per piece).
+    scatter_geometry: Option<Geometry>,
     layout: StagingLayout,
     pub(crate) buffers: u32,
     pub(crate) works: WorkTable,
@@ -193,10 +196,10 @@ pub(crate) struct EngineParts<F: Fabric, M: MemorySpace> {
 }
 
 /// A geometry that cuts operations into slices of at most `bytes` (a multiple
-/// of 64) and nothing finer: recursive doubling moves a slice whole, never by
-/// the slots and shards of `geometry`'s layout, so it plans as on a single
-/// device, whose full slice is exactly `bytes` whatever the job's devices per
-/// machine.
+/// of 64) and nothing finer: recursive doubling and the reduce-scatter move a
+/// slice whole, never by the slots and shards of `geometry`'s layout, so they
+/// plan as on a single device, whose full slice is exactly `bytes` whatever the
+/// job's devices per machine.
 fn unsplit_geometry(geometry: &Geometry, bytes: usize) -> Option<Geometry> {
     let config = PlanConfig::new(u64::try_from(bytes).ok()?, geometry.min_shard_bytes()).ok()?;
     let alone = Topology::new(1, 1, RankLayout::Contiguous).ok()?;
@@ -261,6 +264,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 &parts.geometry,
                 parts.layout.doubling_slice_bytes(),
             ),
+            scatter_geometry: unsplit_geometry(&parts.geometry, parts.layout.scatter_piece_bytes()),
             layout: parts.layout,
             buffers: parts.buffers,
             works: WorkTable::new(),

@@ -52,6 +52,9 @@ pub(crate) enum Kind {
     Relay = 9,
     /// A recursive-doubling partial (or an extra rank's fold, or its result).
     Doubling = 10,
+    /// A reduce-scatter's partial piece, on its way around the ring to the rank
+    /// whose share it is.
+    Scatter = 11,
 }
 
 impl Kind {
@@ -66,6 +69,7 @@ impl Kind {
                 | Kind::RingGather
                 | Kind::Relay
                 | Kind::Doubling
+                | Kind::Scatter
         )
     }
 
@@ -74,7 +78,7 @@ impl Kind {
     pub(crate) fn lands_early(self) -> bool {
         matches!(
             self,
-            Kind::Contribution | Kind::RingReduce | Kind::Relay | Kind::Doubling
+            Kind::Contribution | Kind::RingReduce | Kind::Relay | Kind::Doubling | Kind::Scatter
         )
     }
 
@@ -90,6 +94,7 @@ impl Kind {
             8 => Kind::Abort,
             9 => Kind::Relay,
             10 => Kind::Doubling,
+            11 => Kind::Scatter,
             _ => return None,
         })
     }
@@ -146,6 +151,7 @@ mod tests {
             Kind::Abort,
             Kind::Relay,
             Kind::Doubling,
+            Kind::Scatter,
         ] {
             for buffer in [0, 1, 77, MAX_BUFFERS - 1] {
                 for generation in [0u64, 1, 2047, 2048, 123_456_789] {
@@ -159,6 +165,6 @@ mod tests {
         }
         assert!(parse_immediate(0).is_none());
         assert!(parse_immediate(1 << 27 | 1).is_none());
-        assert!(parse_immediate(11).is_none());
+        assert!(parse_immediate(12).is_none());
     }
 }

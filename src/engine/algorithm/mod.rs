@@ -18,14 +18,18 @@
 //!   `log2 N` exchanges;
 //! - [`relay`]: broadcast and all-gather, each byte around the ring from the
 //!   rank it starts at (a pipelined chain from a broadcast's root);
+//! - [`scatter`]: reduce-scatter, the ring's reduce-scatter half over the same
+//!   range of every rank's share, each byte reduced on its way to the rank
+//!   whose share it is;
 //! - [`serve`]: a dedicated reduction server's part of every slice (Herring's
 //!   design), where the workers run [`hierarchical`] with the servers in the
 //!   machines' place.
 //!
 //! `auto` is resolved before an operation reaches the engine ([`Resolved`]), so
-//! every slice runs exactly one of them. Hierarchical, ring and doubling run every
+//! every slice runs exactly one of them. Hierarchical and doubling run every
 //! collective as an all-reduce (a broadcast sums zeros into the root's bytes);
-//! the relay runs broadcasts and all-gathers only.
+//! where the ring is chosen it runs all-reduces and barriers, the relay
+//! broadcasts and all-gathers, and scatter reduce-scatters.
 //!
 //! [`Actions`]: fairring_core::staging::Actions
 
@@ -33,6 +37,7 @@ pub(crate) mod doubling;
 mod hierarchical;
 mod relay;
 mod ring;
+mod scatter;
 mod serve;
 
 use std::ops::Range;
@@ -45,6 +50,7 @@ pub(crate) use doubling::Doubling;
 pub(crate) use hierarchical::Hierarchical;
 pub(crate) use relay::{Origins, Relay, most_writes as relay_most_writes};
 pub(crate) use ring::Ring;
+pub(crate) use scatter::Scatter;
 pub(crate) use serve::{Serve, ServeScratch};
 
 use super::layout::StagingLayout;
@@ -65,6 +71,8 @@ pub(crate) enum Resolved {
     Relay,
     /// [`doubling`].
     Doubling,
+    /// [`scatter`]: what reduce-scatters run when the ring is chosen.
+    Scatter,
 }
 
 impl Resolved {
@@ -85,6 +93,7 @@ impl Resolved {
             Resolved::Ring => "ring",
             Resolved::Relay => "relay",
             Resolved::Doubling => "doubling",
+            Resolved::Scatter => "scatter",
         }
     }
 }
@@ -305,6 +314,8 @@ pub(crate) enum SliceAlgorithm {
     Relay(Relay),
     /// [`doubling`].
     Doubling(Doubling),
+    /// [`scatter`].
+    Scatter(Scatter),
     /// [`serve`].
     Serve(Serve),
 }
@@ -331,6 +342,7 @@ impl SliceAlgorithm {
             Resolved::Ring => SliceAlgorithm::Ring(Ring::start(ctx, s, steps)?),
             Resolved::Relay => SliceAlgorithm::Relay(Relay::start(ctx, s, steps)?),
             Resolved::Doubling => SliceAlgorithm::Doubling(Doubling::start(ctx, s, steps)?),
+            Resolved::Scatter => SliceAlgorithm::Scatter(Scatter::start(ctx, s, steps)?),
         })
     }
 
@@ -347,6 +359,7 @@ impl SliceAlgorithm {
             SliceAlgorithm::Ring(r) => r.on_event(ctx, s, event, steps),
             SliceAlgorithm::Relay(r) => r.on_event(ctx, s, event, steps),
             SliceAlgorithm::Doubling(r) => r.on_event(ctx, s, event, steps),
+            SliceAlgorithm::Scatter(r) => r.on_event(ctx, s, event, steps),
             SliceAlgorithm::Serve(v) => v.on_event(ctx, s, event, steps),
         }
     }
@@ -365,6 +378,7 @@ impl SliceAlgorithm {
             SliceAlgorithm::Ring(_) => Resolved::Ring,
             SliceAlgorithm::Relay(_) => Resolved::Relay,
             SliceAlgorithm::Doubling(_) => Resolved::Doubling,
+            SliceAlgorithm::Scatter(_) => Resolved::Scatter,
             SliceAlgorithm::Serve(v) => v.resolved(),
         }
     }
@@ -376,6 +390,7 @@ impl SliceAlgorithm {
             SliceAlgorithm::Ring(r) => r.phase(),
             SliceAlgorithm::Relay(r) => r.phase(),
             SliceAlgorithm::Doubling(r) => r.phase(),
+            SliceAlgorithm::Scatter(r) => r.phase(),
             SliceAlgorithm::Serve(v) => v.phase(),
         }
     }

@@ -31,7 +31,9 @@
 
 use std::ops::Range;
 
-use super::{Context, SliceEvent, SliceInfo, Step, Write, from_previous, stray_event, unexpected};
+use super::{
+    Context, Resolved, SliceEvent, SliceInfo, Step, Write, from_previous, stray_event, unexpected,
+};
 use crate::engine::descriptor::{Collective, Descriptor};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
@@ -49,25 +51,28 @@ pub(crate) fn most_writes(world: u32) -> usize {
     CHUNK_COUNT + world as usize + 1
 }
 
-/// Where a relayed operation's bytes start: each byte has one origin rank.
+/// Where a relayed operation's bytes start: each byte has one origin rank
+/// (and, for a reduce-scatter, which rank's share each byte is).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Origins {
     /// Every byte starts at this rank (a broadcast's root).
     Rank(u32),
     /// Rank `o`'s bytes are `[o * block, (o + 1) * block)` (an all-gather of
-    /// `block` bytes per rank).
+    /// `block` bytes per rank; a reduce-scatter's shares of `block` bytes).
     Blocks(u64),
 }
 
 impl Origins {
-    /// The origins of the operation `d` describes, if it is one a relay runs.
+    /// The origins of the operation `d` describes, if it is one a relay or the
+    /// scatter algorithm runs.
     pub(crate) fn of(d: &Descriptor) -> Option<Origins> {
+        let block = || d.elements.checked_mul(d.dtype.size_bytes());
         match d.collective {
             Collective::Broadcast => Some(Origins::Rank(d.root)),
-            Collective::AllGather => d
-                .elements
-                .checked_mul(d.dtype.size_bytes())
-                .map(Origins::Blocks),
+            Collective::AllGather => block().map(Origins::Blocks),
+            Collective::ReduceScatter if d.algorithm == Resolved::Scatter => {
+                block().map(Origins::Blocks)
+            }
             Collective::AllReduce | Collective::ReduceScatter | Collective::Barrier => None,
         }
     }

@@ -103,7 +103,7 @@ impl Serve {
                 .slice
                 .shard_of_server(server)
                 .map_err(|e| Error::internal("this server is in the job", e.to_string()))?,
-            Resolved::Ring | Resolved::Relay | Resolved::Doubling => None,
+            Resolved::Ring | Resolved::Relay | Resolved::Doubling | Resolved::Scatter => None,
         };
         if let Some(shard) = shard {
             serve.shard = shard;

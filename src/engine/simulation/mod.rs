@@ -8,8 +8,10 @@
 //! seven 1 to 3 dedicated reduction servers (which then take the inter-machine
 //! step), the number of staging buffers (1..=4), the slice size, a script of
 //! integer all-reduces (empty to many slices, `i32`/`i64`/`u8`/`f32`,
-//! sum/product/min/max, hierarchical, ring or recursive doubling) and relayed
-//! broadcasts (from any root) and all-gathers, each rank starting from its own values everywhere, and,
+//! sum/product/min/max, hierarchical, ring or recursive doubling),
+//! reduce-scatters (by the scatter algorithm, or as any of those all-reduces),
+//! and relayed broadcasts (from any root) and all-gathers, each rank starting
+//! from its own values everywhere, and,
 //! for half the seeds, a process (worker or server) to kill at a random step. It
 //! then checks:
 //!
@@ -83,15 +85,18 @@ struct Op {
     /// A relayed broadcast's or all-gather's origins (`u8` elements, every rank
     /// starting from its own values everywhere).
     origins: Option<Origins>,
+    /// A reduce-scatter's elements per rank (`elements` is the whole input).
+    share: Option<u64>,
 }
 
 impl Op {
     /// The descriptor the communicator would make for it.
     fn descriptor(&self) -> Descriptor {
-        let (collective, root, elements) = match self.origins {
-            None => (Collective::AllReduce, 0, self.elements),
-            Some(Origins::Rank(root)) => (Collective::Broadcast, root, self.elements),
-            Some(Origins::Blocks(block)) => (Collective::AllGather, 0, block),
+        let (collective, root, elements) = match (self.origins, self.share) {
+            (None, Some(share)) => (Collective::ReduceScatter, 0, share),
+            (None, None) => (Collective::AllReduce, 0, self.elements),
+            (Some(Origins::Rank(root)), _) => (Collective::Broadcast, root, self.elements),
+            (Some(Origins::Blocks(block)), _) => (Collective::AllGather, 0, block),
         };
         Descriptor {
             collective,
@@ -103,6 +108,22 @@ impl Op {
             root,
             elements,
         }
+    }
+
+    /// The elements the engine plans: a reduce-scatter under the scatter
+    /// algorithm plans one share.
+    fn planned(&self) -> u64 {
+        match self.share {
+            Some(share) if self.algorithm == Resolved::Scatter => share,
+            _ => self.elements,
+        }
+    }
+
+    /// Whether rank `r`'s element `i` has a defined result: every element of an
+    /// all-reduce, broadcast or all-gather; the rank's own share of a
+    /// reduce-scatter.
+    fn defined(&self, r: usize, i: u64) -> bool {
+        self.share.is_none_or(|share| i / share.max(1) == r as u64)
     }
 
     /// The rank whose input element `i` of the result is, for a relay.
@@ -356,6 +377,7 @@ impl Scenario {
                     Resolved::Ring,
                     Resolved::Relay,
                     Resolved::Doubling,
+                    Resolved::Scatter,
                 ]);
                 if algorithm == Resolved::Relay {
                     // A broadcast from any root, or an all-gather of whole blocks.
@@ -375,8 +397,15 @@ impl Scenario {
                         algorithm,
                         wire: WireFormat::Exact,
                         origins: Some(origins),
+                        share: None,
                     };
                 }
+                // A reduce-scatter of whole shares (the others run as
+                // all-reduces; the scatter algorithm reduces each share on its
+                // way to its rank).
+                let share = (algorithm == Resolved::Scatter || rng.below(8) == 0)
+                    .then(|| elements / u64::from(world));
+                let elements = share.map_or(elements, |s| s * u64::from(world));
                 // As the communicator submits them: compressed only where f32 values
                 // cross between machines that serve.
                 let wire = if dtype == DataType::F32
@@ -400,6 +429,7 @@ impl Scenario {
                     algorithm,
                     wire,
                     origins: None,
+                    share,
                 }
             })
             .collect();
@@ -573,7 +603,7 @@ fn play(sc: &Scenario, rng: &mut Rng) -> Result<Outcome, String> {
                 let sub = Submission {
                     seq,
                     tensor: HostTensor::new(rank.tensors[k].as_mut_ptr().cast(), bytes),
-                    elements: op.elements,
+                    elements: op.planned(),
                     dtype: op.dtype,
                     op: op.op,
                     algorithm: op.algorithm,
@@ -627,6 +657,9 @@ fn check(op: &Op, k: usize, world: u32, r: usize, words: &[u64]) -> Result<(), S
     // SAFETY: as in `bytemuck_bytes`, read-only.
     let bytes = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), len) };
     for i in 0..usize::try_from(op.elements).unwrap_or(0) {
+        if !op.defined(r, i as u64) {
+            continue;
+        }
         if let Some(origin) = op.origin_of(i as u64) {
             let want = narrow(op.dtype, input(op.dtype, origin, k, i as u64));
             let got = read(op.dtype, bytes, i);
@@ -716,6 +749,7 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
             algorithm: Resolved::Hierarchical,
             wire: WireFormat::Exact,
             origins: None,
+            share: None,
         };
         let relay = |origins| Op {
             elements: match origins {
@@ -727,6 +761,7 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
             algorithm: Resolved::Relay,
             wire: WireFormat::Exact,
             origins: Some(origins),
+            share: None,
         };
         let scenario = Scenario {
             machines,
