@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{Rng, job, small_slices};
+use common::{Rng, job, job_with_servers, small_slices};
 use fairring::{Algorithm, Error, ReduceOp, WireFormat};
 use half::{bf16, f16};
 
@@ -100,6 +100,77 @@ fn two_machines_get_the_servers_rounding_bit_for_bit() {
             // monotone, so for max the two candidates are always equal.
             if op != ReduceOp::Max {
                 assert!(served[1] > n / 10, "{wire} {op}: {served:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn dedicated_servers_reduce_the_compressed_wire_in_f32() {
+    // Each machine's partial sum (exact in f32 for two local ranks, in either
+    // order) leaves rounded; the server widens, combines in f32 and rounds the
+    // result once, which every rank receives.
+    let n = 60_001;
+    for (m, d, servers) in [(2, 1, 1), (2, 1, 2), (2, 2, 1)] {
+        let world = m * d;
+        let all: Vec<Vec<f32>> = (0..world).map(|r| inputs(r, n)).collect();
+        let partial = |op: ReduceOp, machine: u32, i: usize| -> f32 {
+            let local = (0..d).map(|dev| all[(machine * d + dev) as usize][i]);
+            match op {
+                ReduceOp::Max => local.fold(f32::NEG_INFINITY, f32::max),
+                _ => local.sum(),
+            }
+        };
+        let run = |wire: WireFormat, op: ReduceOp| {
+            job_with_servers(
+                m,
+                d,
+                servers,
+                |b| small_slices(b, Algorithm::Hierarchical).wire(wire),
+                |rank, comm| {
+                    let mut x = inputs(rank, n);
+                    let before = comm.traffic().sent_bytes;
+                    comm.all_reduce(&mut x, op)
+                        .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                    (x, comm.traffic().sent_bytes - before)
+                },
+            )
+        };
+        let exact_bytes: u64 = run(WireFormat::Exact, ReduceOp::Sum)
+            .iter()
+            .map(|r| r.1)
+            .sum();
+        for wire in COMPRESSED {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                let results = run(wire, op);
+                for i in 0..n {
+                    let (p0, p1) = (
+                        round(wire, partial(op, 0, i)),
+                        round(wire, partial(op, 1, i)),
+                    );
+                    let combined = match op {
+                        ReduceOp::Sum => p0 + p1,
+                        ReduceOp::Avg => (p0 + p1) / world as f32,
+                        _ => p0.max(p1),
+                    };
+                    let want = round(wire, combined);
+                    for (rank, (x, _)) in results.iter().enumerate() {
+                        assert_eq!(
+                            x[i].to_bits(),
+                            want.to_bits(),
+                            "{m}x{d}+{servers} {wire} {op}: rank {rank}, element {i} is {:e}, \
+                             expected {want:e}",
+                            x[i]
+                        );
+                    }
+                }
+                let sent: u64 = results.iter().map(|r| r.1).sum();
+                let ratio = sent as f64 / exact_bytes as f64;
+                assert!(
+                    (0.49..=0.51).contains(&ratio),
+                    "{m}x{d}+{servers} {wire}: the workers sent {sent} bytes against \
+                     {exact_bytes} exact ({ratio:.3})"
+                );
             }
         }
     }

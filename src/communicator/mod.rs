@@ -568,26 +568,17 @@ impl Communicator {
         if let Some(e) = self.engine.failure() {
             return Err(Error::Failed { first: Box::new(e) });
         }
-        if let Some(wire) = r.wire {
-            if !wire.carries(r.dtype) {
-                return Err(Error::invalid(
-                    "wire",
-                    format!(
-                        "the {wire} wire carries f32 values only, not {}: an integer or \
-                         half-precision all-reduce runs exact",
-                        r.dtype
-                    ),
-                ));
-            }
-            if wire != WireFormat::Exact && self.servers > 0 {
-                return Err(Error::invalid(
-                    "wire",
-                    format!(
-                        "a compressed wire is not built for dedicated servers ({} in this job)",
-                        self.servers
-                    ),
-                ));
-            }
+        if let Some(wire) = r.wire
+            && !wire.carries(r.dtype)
+        {
+            return Err(Error::invalid(
+                "wire",
+                format!(
+                    "the {wire} wire carries f32 values only, not {}: an integer or \
+                     half-precision all-reduce runs exact",
+                    r.dtype
+                ),
+            ));
         }
         #[cfg(feature = "cuda")]
         let device = match r.device {
@@ -641,12 +632,11 @@ impl Communicator {
             r.data
         };
         // The wire is compressed only where it is: f32 values crossing between
-        // machines that serve, in the hierarchical algorithm.
+        // machines (or to dedicated servers), in the hierarchical algorithm.
         let requested = r.wire.unwrap_or(self.wire);
         let wire = if r.dtype == DataType::F32
             && algorithm == Resolved::Hierarchical
-            && self.topology.machines() > 1
-            && self.servers == 0
+            && (self.topology.machines() > 1 || self.servers > 0)
         {
             requested
         } else {

@@ -35,14 +35,14 @@
 //! `FAIRRING_WIRE=bf16` or `f16`, the `f32` all-reduces and reduce-scatters that
 //! run hierarchically carry half the bytes between machines: each machine's
 //! partial sum is rounded to the 16-bit format before it leaves, the serving
-//! machine widens and reduces in `f32`, and rounds the result once more before
-//! sending it back (it keeps the rounded value too, so every rank ends with the
-//! same bits). The error is bounded by two roundings: at most `2^-8` (bf16) or
+//! machine (or dedicated server) widens and reduces in `f32`, and rounds the
+//! result once more before sending it back (a serving machine keeps the rounded
+//! value too, so every rank ends with the same bits). The error is bounded by two roundings: at most `2^-8` (bf16) or
 //! `2^-11` (f16) of the sum of the machines' partial sums' magnitudes, plus as
 //! much of the result's. f16 overflows to infinity past 65504 and loses
 //! precision below 2^-14; bf16 has `f32`'s range. Other types, the ring, and
-//! single-machine jobs run exact; a compressed wire with dedicated servers is
-//! refused. Set it alike on every rank: the descriptor check compares it.
+//! single-machine jobs without servers run exact. Set it alike on every rank:
+//! the descriptor check compares it.
 //!
 //! Every value is validated when the communicator is built; a bad one fails with
 //! [`Error::Config`] naming the variable and the value.
@@ -623,17 +623,6 @@ impl ConfigBuilder {
         if self.verbs.port == 0 {
             return Err(Error::config("FAIRRING_VERBS_PORT", 0, "expected 1 to 255"));
         }
-        if self.wire != WireFormat::Exact && self.servers > 0 {
-            return Err(Error::config(
-                "FAIRRING_WIRE",
-                self.wire,
-                format!(
-                    "a compressed wire is not built for dedicated servers \
-                     (FAIRRING_SERVERS={}); use exact",
-                    self.servers
-                ),
-            ));
-        }
         let secret = match self.secret {
             Some(s) => s,
             None => derived_secret(&self.master_addr, self.master_port, &self.run_id),
@@ -750,10 +739,10 @@ mod tests {
         let c = Config::from_lookup(env(&[("FAIRRING_WIRE", " f16 ")])).unwrap();
         assert_eq!(c.wire(), WireFormat::F16);
         refused(&[("FAIRRING_WIRE", "fp8")], "FAIRRING_WIRE");
-        refused(
-            &[("FAIRRING_WIRE", "bf16"), ("FAIRRING_SERVERS", "1")],
-            "FAIRRING_WIRE",
-        );
+        // Dedicated servers reduce a compressed wire too.
+        let c = Config::from_lookup(env(&[("FAIRRING_WIRE", "bf16"), ("FAIRRING_SERVERS", "1")]))
+            .unwrap();
+        assert_eq!((c.wire(), c.servers()), (WireFormat::Bf16, 1));
     }
 
     #[test]

@@ -40,12 +40,13 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 format!("sent a descriptor of operation #{seq} this server cannot decode"),
             )
         })?;
-        if descriptor.wire != fairring_core::WireFormat::Exact {
+        if !descriptor.wire.carries(descriptor.dtype) {
             return Err(Error::peer(
                 peer,
                 format!(
-                    "described operation #{seq} as {descriptor}: dedicated servers reduce \
-                     exact values only (set FAIRRING_WIRE=exact on the workers)"
+                    "described operation #{seq} as {descriptor}: the {} wire carries f32 \
+                     values only",
+                    descriptor.wire
                 ),
             )
             .into());

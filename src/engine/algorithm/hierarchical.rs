@@ -44,7 +44,9 @@
 //! With dedicated servers (`Context::servers > 0`) the machines serve nothing:
 //! step 2 sends every shard of the slot to the server holding it (into the
 //! server's area for this machine and device), steps 3 and 4 happen on the
-//! servers (`serve`), and the results land here as above.
+//! servers (`serve`), and the results land here as above. On a compressed wire
+//! every cell of the slot is narrowed before it leaves, and every result
+//! widened where it landed.
 //!
 //! The engine drives every buffer from one driver at a time, so the slice keeps
 //! the word as a plain value and steps it with the core's transition function; the
@@ -224,16 +226,18 @@ impl Hierarchical {
 }
 
 /// The format this slice's values cross between machines in, if compressed:
-/// `f32` values, more than one machine, and the machines serving.
+/// `f32` values, and more than one machine or dedicated servers.
 fn compressed(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Option<WireFormat> {
-    (s.wire != WireFormat::Exact && s.dtype == DataType::F32 && !alone(ctx) && ctx.servers == 0)
-        .then_some(s.wire)
+    (s.wire != WireFormat::Exact && s.dtype == DataType::F32 && !alone(ctx)).then_some(s.wire)
 }
 
-/// The shards of this device's slot that other machines serve.
+/// The shards of this device's slot that others serve: other machines, or
+/// every shard where dedicated servers serve them all.
 fn sent_shards<'a>(ctx: &'a Context<'_>, s: &'a SliceInfo<'_>) -> impl Iterator<Item = u32> + 'a {
     let me = ctx.location.machine;
-    (0..s.slice.shards()).filter(move |&shard| s.slice.server(shard).is_ok_and(|m| m != me))
+    let dedicated = ctx.servers > 0;
+    (0..s.slice.shards())
+        .filter(move |&shard| dedicated || s.slice.server(shard).is_ok_and(|m| m != me))
 }
 
 /// Pushes one conversion per shard that other machines serve, in place in its

@@ -15,6 +15,15 @@
 //! 3. once every machine's cell is in, writes the sum back into the same range of
 //!    device `d` of every machine (`Result`).
 //!
+//! On a compressed wire ([`WireFormat::Bf16`], [`WireFormat::F16`]: `f32` only)
+//! each cell lands narrow, in the first half of its area. The accumulator is
+//! widened in place first, every later cell is widened as it is reduced, so the
+//! sum is taken in `f32` (and divided, for an average); the sum is then narrowed
+//! in place and its narrow half sent back once that conversion has ended
+//! ([`Converted::Results`]). Every machine gets the same rounded values. A
+//! server's memory is host memory, whose steps end as they are taken, in order:
+//! the widening is done before the reduction into the accumulator starts.
+//!
 //! The slice releases its buffer once every result has been sent. A slice in
 //! which this server serves no shard (fewer shards than servers, a ring
 //! operation, an empty slice) releases at once: the server still takes every
@@ -23,12 +32,12 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use fairring_core::ReduceOp;
+use fairring_core::{DataType, ReduceOp, WireFormat};
 
-use super::{Context, Resolved, SliceEvent, SliceInfo, Step, Write, unexpected};
+use super::{Context, Converted, Resolved, SliceEvent, SliceInfo, Step, Write, unexpected};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
-use crate::memory::{Reduction, Sources};
+use crate::memory::{Conversion, Direction, Reduction, Sources};
 
 /// One slot's cell of the served shard.
 #[derive(Clone, Copy, Debug, Default)]
@@ -51,6 +60,7 @@ pub(crate) struct Part {
 pub(crate) struct ServeScratch {
     parts: Vec<Part>,
     running: VecDeque<u32>,
+    narrowing: VecDeque<u32>,
 }
 
 /// The server state of one slice.
@@ -64,6 +74,8 @@ pub(crate) struct Serve {
     /// The slots whose reductions are running, in the order they were started
     /// (their ends come back in that order).
     running: VecDeque<u32>,
+    /// The slots whose sums are being narrowed for the wire, in the same way.
+    narrowing: VecDeque<u32>,
     /// Slots whose sum is not yet being sent back.
     open: u32,
     /// Results posted and not yet sent.
@@ -86,12 +98,14 @@ impl Serve {
             shard: 0,
             parts: std::mem::take(&mut scratch.parts),
             running: std::mem::take(&mut scratch.running),
+            narrowing: std::mem::take(&mut scratch.narrowing),
             open: 0,
             unsent: 0,
             released: false,
         };
         serve.parts.clear();
         serve.running.clear();
+        serve.narrowing.clear();
         let server = ctx.server.ok_or_else(|| {
             Error::internal(
                 "only a dedicated server serves",
@@ -151,6 +165,15 @@ impl Serve {
                 }
                 Ok(())
             }
+            SliceEvent::Converted(Converted::Results) => {
+                let device = self.narrowing.pop_front().ok_or_else(|| {
+                    Error::internal(
+                        "a conversion ends only after it started",
+                        format!("slice {}", s.number),
+                    )
+                })?;
+                self.write_back(ctx, s, device, steps)
+            }
             SliceEvent::Sent { kind: Kind::Result } if self.unsent > 0 => {
                 self.unsent -= 1;
                 if self.open == 0 && self.unsent == 0 {
@@ -188,6 +211,7 @@ impl Serve {
     pub(crate) fn recycle(self, scratch: &mut ServeScratch) {
         scratch.parts = self.parts;
         scratch.running = self.running;
+        scratch.narrowing = self.narrowing;
     }
 
     fn release(&mut self, steps: &mut Vec<Step>) {
@@ -234,7 +258,20 @@ impl Serve {
         let len = part.len;
         let accumulator = *part.accumulator.get_or_insert(from.machine);
         let average_over = (complete && s.op == ReduceOp::Avg).then_some(ctx.world);
-        let sources = if accumulator == from.machine {
+        let wire = compressed(s);
+        if accumulator == from.machine && wire != WireFormat::Exact {
+            let acc = area(ctx, accumulator, from.device, len)?;
+            steps.push(Step::Convert {
+                conversion: Conversion {
+                    format: wire,
+                    direction: Direction::Widen,
+                    from: acc.start..acc.start + wire.wire_bytes(len),
+                    to: acc.start,
+                },
+                then: None,
+            });
+        }
+        let (sources, wire) = if accumulator == from.machine {
             // The first cell: nothing to reduce, unless it is also the last and
             // the sum must be divided.
             if average_over.is_none() {
@@ -243,9 +280,11 @@ impl Serve {
                 }
                 return Ok(());
             }
-            Sources::none(len)
+            (Sources::none(len), WireFormat::Exact)
         } else {
-            Sources::one(area(ctx, from.machine, from.device, len)?)
+            let cell = area(ctx, from.machine, from.device, len)?;
+            let narrow = cell.start..cell.start + wire.wire_bytes(len);
+            (Sources::one(narrow), wire)
         };
         steps.push(Step::Reduce(Reduction {
             dtype: s.dtype,
@@ -253,14 +292,14 @@ impl Serve {
             dst: area(ctx, accumulator, from.device, len)?,
             sources,
             average_over,
-            wire: fairring_core::WireFormat::Exact,
+            wire,
         }));
         self.running.push_back(from.device);
         Ok(())
     }
 
-    /// Slot `device`'s sum to device `device` of every machine, into the cell's
-    /// range of its slice.
+    /// Slot `device`'s sum is complete: sends it back, or on a compressed wire
+    /// narrows it first.
     fn send_back(
         &mut self,
         ctx: &Context<'_>,
@@ -268,6 +307,26 @@ impl Serve {
         device: u32,
         steps: &mut Vec<Step>,
     ) -> Result<()> {
+        let wire = compressed(s);
+        if wire == WireFormat::Exact {
+            return self.write_back(ctx, s, device, steps);
+        }
+        let sum = self.sum(ctx, s, device)?;
+        steps.push(Step::Convert {
+            conversion: Conversion {
+                format: wire,
+                direction: Direction::Narrow,
+                from: sum.clone(),
+                to: sum.start,
+            },
+            then: Some(Converted::Results),
+        });
+        self.narrowing.push_back(device);
+        Ok(())
+    }
+
+    /// The bytes of slot `device`'s sum: its accumulator's area.
+    fn sum(&self, ctx: &Context<'_>, s: &SliceInfo<'_>, device: u32) -> Result<Range<usize>> {
         let part = self.parts[device as usize];
         let accumulator = part.accumulator.ok_or_else(|| {
             Error::internal(
@@ -275,7 +334,20 @@ impl Serve {
                 format!("slice {}, slot {device}", s.number),
             )
         })?;
-        let source = area(ctx, accumulator, device, part.len)?;
+        area(ctx, accumulator, device, part.len)
+    }
+
+    /// Slot `device`'s sum (narrow, on a compressed wire) to device `device` of
+    /// every machine, into the cell's range of its slice.
+    fn write_back(
+        &mut self,
+        ctx: &Context<'_>,
+        s: &SliceInfo<'_>,
+        device: u32,
+        steps: &mut Vec<Step>,
+    ) -> Result<()> {
+        let mut source = self.sum(ctx, s, device)?;
+        source.end = source.start + compressed(s).wire_bytes(source.len());
         let target = s.cell_range(device, self.shard)?.start;
         for machine in 0..ctx.topology.machines() {
             let peer = ctx
@@ -293,6 +365,16 @@ impl Serve {
         }
         self.open -= 1;
         Ok(())
+    }
+}
+
+/// The format the slice's cells and sums travel in: the slice's wire for `f32`
+/// values, exact otherwise.
+fn compressed(s: &SliceInfo<'_>) -> WireFormat {
+    if s.dtype == DataType::F32 {
+        s.wire
+    } else {
+        WireFormat::Exact
     }
 }
 

@@ -407,11 +407,10 @@ impl Scenario {
                     .then(|| elements / u64::from(world));
                 let elements = share.map_or(elements, |s| s * u64::from(world));
                 // As the communicator submits them: compressed only where f32 values
-                // cross between machines that serve.
+                // cross between machines, or to dedicated servers.
                 let wire = if dtype == DataType::F32
                     && algorithm == Resolved::Hierarchical
-                    && m > 1
-                    && servers == 0
+                    && (m > 1 || servers > 0)
                 {
                     rng.pick(&[WireFormat::Exact, WireFormat::Bf16, WireFormat::F16])
                 } else {
