@@ -296,10 +296,12 @@ impl Communicator {
         check_pointer(data, count, dtype)?;
         let bytes = byte_len(count, dtype)?;
         // The all-reduce a broadcast otherwise runs as sums the other ranks'
-        // zeros into the root's bytes; the relay overwrites them.
+        // zeros into the root's bytes, as does a relay over the machines inside
+        // each; the relay over the ranks overwrites them.
         let relayed =
             self.resolve(Collective::Broadcast, algorithm, bytes as u64)? == Resolved::Relay;
-        if root != self.rank() && bytes > 0 && !relayed {
+        let summed = !relayed || self.relays_over_machines(Collective::Broadcast);
+        if root != self.rank() && bytes > 0 && summed {
             // SAFETY: the caller guarantees `data` is valid for `bytes` bytes.
             unsafe { std::ptr::write_bytes(data, 0, bytes) };
         }
@@ -352,9 +354,10 @@ impl Communicator {
         let n = byte_len(count, dtype)?;
         let bytes = byte_len(total, dtype)?;
         let at = self.rank() as usize * n;
-        // As in a broadcast, only the all-reduce needs the zeros.
+        // As in a broadcast, only the sums need the zeros.
         let relayed =
             self.resolve(Collective::AllGather, algorithm, bytes as u64)? == Resolved::Relay;
+        let summed = !relayed || self.relays_over_machines(Collective::AllGather);
         if bytes > 0 {
             // SAFETY: the caller guarantees `output` spans `bytes` bytes, of
             // which this rank's place `at..at + n` is a part.
@@ -363,7 +366,7 @@ impl Communicator {
             // ones; `copy` allows them to overlap. The input is in place before
             // the rest of `output` (where it may also lie) is zeroed.
             unsafe { std::ptr::copy(input, place, n) };
-            if !relayed {
+            if summed {
                 // SAFETY: `0..at` lies within `output`.
                 unsafe { std::ptr::write_bytes(output, 0, at) };
                 // SAFETY: `at + n <= bytes`: the end of this rank's place.
@@ -422,6 +425,13 @@ impl Communicator {
         // SAFETY: the caller keeps `input` and `output` valid and untouched
         // until it finishes; the delivered range lies within `input`.
         unsafe { self.start(r) }
+    }
+
+    /// Whether a relayed `collective` runs over the machines here, summing the
+    /// ranks of each machine first (its callers' tensors need zeros where their
+    /// own bytes are not).
+    fn relays_over_machines(&self, collective: Collective) -> bool {
+        crate::engine::relay_over_machines(self.topology, self.servers, collective)
     }
 
     /// Refuses a root outside the job.
@@ -720,10 +730,18 @@ impl Communicator {
         let spread = matches!(collective, Collective::Broadcast | Collective::AllGather);
         let scatter = collective == Collective::ReduceScatter;
         let concrete = match chosen {
+            // A relay over the machines needs the rails, which a job with
+            // dedicated servers does not link; there it would cross the fabric
+            // between the ranks of a machine.
+            Algorithm::Auto
+                if spread && self.servers > 0 && self.topology.devices_per_machine() > 1 =>
+            {
+                Algorithm::Hierarchical
+            }
             _ if spread => chosen.resolve_spread(self.topology, bytes),
             // A job with dedicated servers keeps them serving what `auto` picks.
             Algorithm::Auto if self.servers > 0 => Algorithm::Hierarchical,
-            _ if scatter => chosen.resolve_spread(self.topology, bytes),
+            _ if scatter => chosen.resolve_scatter(self.topology, bytes),
             _ => chosen.resolve(self.topology, bytes),
         };
         match Resolved::of(concrete) {

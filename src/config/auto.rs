@@ -84,7 +84,7 @@
 //! | 3x1 broadcast | 344 / 291 (3 KiB) | 326 / 243 (48 KiB) | 803 / 703 (768 KiB) | | 13546 / 7124 (12 MiB) | 54877 / 22323 (48 MiB) |
 //! | 4x1 broadcast | 460 / 516 | 562 / 532 | 831 / 679 | 1620 / 1625 | 7418 / 4478 | |
 //! | 4x1 all-gather | 517 / 548 | 461 / 391 | 766 / 576 | 1786 / 1459 | 7045 / 4489 | |
-//! | 2x2 broadcast | 398 / 287 (3 KiB) | 331 / 284 (48 KiB) | 659 / 1119 (768 KiB) | | 12990 / 11472 (12 MiB) | 44999 / 36662 (48 MiB) |
+//! | 2x2 broadcast (relay over every rank) | 398 / 287 (3 KiB) | 331 / 284 (48 KiB) | 659 / 1119 (768 KiB) | | 12990 / 11472 (12 MiB) | 44999 / 36662 (48 MiB) |
 //!
 //! - With one device per machine the relay moves half the bytes and wins from
 //!   256 KiB by 1.1x to 2.9x. Below that the two are within this machine's
@@ -92,9 +92,22 @@
 //!   takes two, so from four machines on `auto` keeps hierarchical for small
 //!   operations (a bound reasoned from the hops, not yet measured where the
 //!   hops, not the cores, are the cost).
-//! - With several devices per machine the relay crosses the fabric between
-//!   local ranks too, where hierarchical uses shared memory; `auto` keeps
-//!   hierarchical there.
+//! - With several devices per machine the relay runs around the machines, one
+//!   chain per rail, with shared memory inside each (`algorithm/relay.rs`).
+//!   2x2, same command with `--factor 4 --iters 5`, two sittings, times in
+//!   microseconds (hierarchical / relay):
+//!
+//! | 2x2 | 4 KiB | 64 KiB | 1 MiB | 4 MiB | 16 MiB | 64 MiB |
+//! |---|---|---|---|---|---|---|
+//! | broadcast | 310 / 222, 291 / 275 | 354 / 292, 344 / 254 | 737 / 713, 758 / 1524 | 3981 / 3078, 3152 / 3992 | 17039 / 14961, 17294 / 12882 | 61870 / 52063, 64487 / 49415 |
+//! | all-gather | 290 / 255, 310 / 258 | 306 / 254, 367 / 265 | 863 / 604, 827 / 629 | 3451 / 3496, 3884 / 3471 | 19990 / 17092, 16193 / 14628 | 67317 / 53166, 62764 / 53452 |
+//!
+//!   The relay wins from 16 MiB by 1.1x to 1.3x and mostly below; `auto`
+//!   relays on several devices per machine by the rule above. On one machine
+//!   there is no hop between machines, and hierarchical's single-machine path
+//!   copies less: `auto` keeps it. A job with dedicated servers keeps
+//!   hierarchical where machines have several devices (its ranks link no
+//!   rails, so a relay would cross the fabric inside each machine).
 //!
 //! # Reduce-scatter
 //!
@@ -144,26 +157,34 @@ impl Algorithm {
         }
     }
 
-    /// The algorithm a broadcast, an all-gather or a reduce-scatter of `bytes`
-    /// (its whole output; a reduce-scatter's whole input) runs on `topology`:
-    /// `self`, unless `self` is [`Algorithm::Auto`]. [`Algorithm::Ring`] runs
-    /// a broadcast or an all-gather as a relay, which moves each byte once per
-    /// hop instead of twice, and a reduce-scatter as the ring's reduce-scatter
-    /// half, which moves half the bytes of an all-reduce.
+    /// The algorithm a broadcast or an all-gather of `bytes` (its whole output)
+    /// runs on `topology`: `self`, unless `self` is [`Algorithm::Auto`].
+    /// [`Algorithm::Ring`] runs them as a relay, which moves each byte once per
+    /// hop instead of twice (around the machines, with shared memory inside
+    /// each, where a machine has several devices).
     pub(crate) fn resolve_spread(self, topology: Topology, bytes: u64) -> Algorithm {
         match self {
             Algorithm::Auto => {
                 let machines = topology.machines();
-                if machines > 1
-                    && topology.devices_per_machine() == 1
-                    && (machines <= 3 || bytes >= RELAY_FROM_BYTES)
-                {
+                if machines > 1 && (machines <= 3 || bytes >= RELAY_FROM_BYTES) {
                     Algorithm::Ring
                 } else {
                     Algorithm::Hierarchical
                 }
             }
             concrete => concrete,
+        }
+    }
+
+    /// The algorithm a reduce-scatter of `bytes` (its whole input) runs on
+    /// `topology`: `self`, unless `self` is [`Algorithm::Auto`].
+    /// [`Algorithm::Ring`] runs it as the ring's reduce-scatter half, which
+    /// moves half the bytes of an all-reduce but crosses the fabric between the
+    /// ranks of a machine too.
+    pub(crate) fn resolve_scatter(self, topology: Topology, bytes: u64) -> Algorithm {
+        match self {
+            Algorithm::Auto if topology.devices_per_machine() > 1 => Algorithm::Hierarchical,
+            other => other.resolve_spread(topology, bytes),
         }
     }
 }
@@ -208,18 +229,30 @@ mod tests {
     }
 
     #[test]
-    fn auto_relays_spreads_with_one_device_per_machine() {
+    fn auto_relays_spreads_across_machines() {
         let at =
             |m, d| Topology::new(m, d, fairring_core::topology::RankLayout::Contiguous).unwrap();
         let spread = |m, d, bytes| Algorithm::Auto.resolve_spread(at(m, d), bytes);
+        let scatter = |m, d, bytes| Algorithm::Auto.resolve_scatter(at(m, d), bytes);
         for bytes in [0, 4096, 64 << 20] {
             assert_eq!(spread(2, 1, bytes), Algorithm::Ring);
             assert_eq!(spread(3, 1, bytes), Algorithm::Ring);
-            // Several devices per machine, or one machine: shared memory.
-            assert_eq!(spread(2, 2, bytes), Algorithm::Hierarchical);
+            assert_eq!(scatter(2, 1, bytes), Algorithm::Ring);
+            // Several devices per machine: the relay runs over the machines;
+            // the reduce-scatter keeps the machine's shared memory.
+            assert_eq!(spread(2, 2, bytes), Algorithm::Ring);
+            assert_eq!(scatter(2, 2, bytes), Algorithm::Hierarchical);
+            // One machine: shared memory only.
             assert_eq!(spread(1, 8, bytes), Algorithm::Hierarchical);
             assert_eq!(spread(1, 1, bytes), Algorithm::Hierarchical);
+            assert_eq!(scatter(1, 8, bytes), Algorithm::Hierarchical);
         }
+        assert_eq!(scatter(8, 1, 4096), Algorithm::Hierarchical);
+        assert_eq!(scatter(8, 1, 256 << 10), Algorithm::Ring);
+        assert_eq!(
+            Algorithm::Ring.resolve_scatter(at(2, 2), 4096),
+            Algorithm::Ring
+        );
         // Four machines or more: two hops beat M - 1 for small operations.
         assert_eq!(spread(8, 1, 4096), Algorithm::Hierarchical);
         assert_eq!(spread(8, 1, 256 << 10), Algorithm::Ring);

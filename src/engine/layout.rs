@@ -157,6 +157,23 @@ impl StagingLayout {
         Ok(self.scatter_inbox + step as usize * self.scatter_piece)
     }
 
+    /// Where a relay over the machines lands a slot of `len` bytes: the
+    /// receive area past the slice, which holds a slot wherever there are
+    /// several devices per machine.
+    pub(crate) fn relay_inbox(&self, len: u64) -> Result<usize> {
+        let fits = usize::try_from(len)
+            .ok()
+            .and_then(|len| self.inbox.checked_add(len))
+            .is_some_and(|end| end <= self.buffer_bytes);
+        if !fits {
+            return Err(Error::internal(
+                "a machine relay's receive area holds its slot",
+                format!("{len} bytes past {} in {}", self.inbox, self.buffer_bytes),
+            ));
+        }
+        Ok(self.inbox)
+    }
+
     /// Bytes of one dedicated server's staging buffer (0 without servers).
     pub(crate) fn server_buffer_bytes(&self) -> usize {
         self.server_bytes

@@ -72,7 +72,7 @@ use fairring_core::plan::{Geometry, PlanConfig};
 use fairring_core::topology::{Location, RankLayout, Topology};
 use fairring_rdma::fabric::{Completion, Fabric, RemoteRegion};
 
-pub(crate) use algorithm::Resolved;
+pub(crate) use algorithm::{Resolved, relay_over_machines};
 use algorithm::{SliceEvent, Step, relay_most_writes};
 use checks::Checks;
 use credits::Credits;

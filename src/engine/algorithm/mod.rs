@@ -48,7 +48,9 @@ use fairring_core::{DataType, ReduceOp, WireFormat};
 
 pub(crate) use doubling::Doubling;
 pub(crate) use hierarchical::Hierarchical;
-pub(crate) use relay::{Origins, Relay, most_writes as relay_most_writes};
+pub(crate) use relay::{
+    Origins, Relay, most_writes as relay_most_writes, over_machines as relay_over_machines,
+};
 pub(crate) use ring::Ring;
 pub(crate) use scatter::Scatter;
 pub(crate) use serve::{Serve, ServeScratch};

@@ -28,15 +28,41 @@
 //! wait, so that the order holds. Each landed chunk is copied into the tensor
 //! (and forwarded) at once; the buffer is released when every expected chunk
 //! has landed and every copy and send has finished.
+//!
+//! # Over the machines
+//!
+//! Where a machine has several devices ([`over_machines`]) the chain's members
+//! are the machines, one chain per rail, each over its device's slot of the
+//! slice, and shared memory takes the hops inside a machine:
+//!
+//! 1. the machine's reduce-scatter sums its ranks' tensors into each device's
+//!    slot: what starts on the machine, since the callers left zeros where
+//!    their own bytes are not;
+//! 2. the slot's pieces go around the machines as above, device `d` of machine
+//!    `m` to device `d` of machine `m + 1`, landing in the receive area past
+//!    the slice (at their offset within the slot), not in the slot, which the
+//!    machine's reduce-scatter may still be writing; each landed chunk is
+//!    summed into the slot (zeros there: the sum is the chunk) once the
+//!    reduce-scatter has ended, and forwarded from where it landed;
+//! 3. once every chunk is in, the slot is published and the machine's
+//!    all-gather copies every slot into every tensor.
+//!
+//! So each byte crosses between machines once per hop, spread over the `D`
+//! rails, and never crosses the fabric inside a machine. An all-gather does
+//! this only where ranks are numbered machine by machine (machine `m`'s blocks
+//! are then one range, its origin); a job with dedicated servers links no
+//! rails and relays over the ranks.
 
 use std::ops::Range;
 
-use super::{
-    Context, Resolved, SliceEvent, SliceInfo, Step, Write, from_previous, stray_event, unexpected,
-};
+use fairring_core::topology::{RankLayout, Topology};
+use fairring_core::{DataType, ReduceOp, WireFormat};
+
+use super::{Context, Resolved, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected};
 use crate::engine::descriptor::{Collective, Descriptor};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
+use crate::memory::{Reduction, Sources};
 
 /// Chunks a slice is cut into, about: the depth of the pipeline within it.
 pub(crate) const CHUNKS: u64 = CHUNK_COUNT as u64;
@@ -78,32 +104,73 @@ impl Origins {
     }
 }
 
+/// The chain a slice's bytes travel along: the ranks, or the machines.
+#[derive(Clone, Copy, Debug)]
+struct Line {
+    /// Members: ranks, or machines.
+    members: u32,
+    /// This rank's place among them.
+    position: u32,
+    /// The ranks written to and written by.
+    next: u32,
+    previous: u32,
+    /// Where each byte starts, by member.
+    origins: Origins,
+    /// The bytes relayed, in the tensor, and where the slice starts there.
+    span: (u64, u64),
+    slice_start: u64,
+    /// Where landings go, for the machine chain: the receive area (landing at
+    /// `inbox + (offset - span start)`); `None`: at their own offset.
+    inbox: Option<usize>,
+}
+
+impl Line {
+    /// The member `step + 1` places before this one: the origin of the chunks
+    /// that land `step`-th.
+    fn origin(&self, step: u32) -> u32 {
+        (self.position + self.members - 1 - step % self.members) % self.members
+    }
+
+    /// Whether the next member is the last of the chain from `origin`.
+    fn next_is_last_for(&self, origin: u32) -> bool {
+        (self.position + 1) % self.members == origin
+    }
+}
+
 /// How far the relay of one slice has come.
 #[derive(Debug)]
 pub(crate) struct Relay {
-    origins: Origins,
+    line: Line,
     /// Bytes of a chunk (a piece's last may be shorter).
     chunk: u64,
-    /// The own chunks have been staged in and sent.
+    /// The own chunks are in the buffer (staged in, or reduced over the
+    /// machine) and have been sent.
     staged: bool,
-    /// Chunks expected from the previous rank, and received so far.
+    /// Chunks expected from the previous member, and received so far.
     expected: u64,
     received: u64,
-    /// The next chunk to land: the `step`-th origin before this rank (0: the
-    /// previous rank), chunk `index` of its piece.
+    /// The next chunk to land: the `step`-th origin before this member (0: the
+    /// previous one), chunk `index` of its piece.
     step: u32,
     index: u64,
     /// Landings not processed yet (they wait for the own chunks to leave).
     held: u64,
-    /// Writes posted and not completed; copies into the tensor not finished.
+    /// Writes posted and not completed; landed chunks not yet in place (copies
+    /// into the tensor, or reductions into the slot).
     sends: u32,
     copies: u32,
+    /// The slot has been published, and its local all-gather is running
+    /// (machine chain).
+    published: bool,
+    gathering: bool,
     /// The buffer has been released.
     released: bool,
 }
 
 impl Relay {
-    /// Stages this rank's own piece in (its chunks leave once it is).
+    /// Starts the slice: stages this rank's own piece in, or over several
+    /// devices per machine runs the machine's reduce-scatter (its chunks leave
+    /// once it has).
     pub(crate) fn start(
         ctx: &Context<'_>,
         s: &SliceInfo<'_>,
@@ -115,11 +182,12 @@ impl Relay {
                 format!("slice {}", s.number),
             )
         })?;
-        let len = s.slice.span().byte_len();
+        let line = line(ctx, s, origins)?;
+        let len = line.span.1 - line.span.0;
         let largest = u64::try_from(ctx.layout.slice_bytes()).unwrap_or(u64::MAX);
         let least = MIN_CHUNK_BYTES.min(largest / CHUNKS).max(1);
         let mut relay = Relay {
-            origins,
+            line,
             chunk: len.div_ceil(CHUNKS).max(least),
             staged: false,
             expected: 0,
@@ -129,16 +197,21 @@ impl Relay {
             held: 0,
             sends: 0,
             copies: 0,
+            published: false,
+            gathering: false,
             released: false,
         };
-        for step in 0..ctx.world - 1 {
-            relay.expected += relay.chunks(s, origin(ctx, step))?;
+        for step in 0..line.members - 1 {
+            relay.expected += relay.chunks(line.origin(step))?;
         }
-        relay.skip_empty(ctx, s)?;
-        let own = relay.piece(s, ctx.rank)?;
-        if own.is_empty() || ctx.world == 1 {
+        relay.skip_empty()?;
+        let own = relay.piece(line.position)?;
+        if line.inbox.is_some() {
+            steps.push(Step::LocalBegin);
+            steps.push(Step::LocalReduceScatter { final_world: None });
+        } else if own.is_empty() || line.members == 1 {
             relay.staged = true;
-            relay.pump(ctx, s, steps)?;
+            relay.pump(steps)?;
         } else {
             steps.push(Step::StageIn {
                 to: own.start,
@@ -151,79 +224,138 @@ impl Relay {
     /// Takes one event.
     pub(crate) fn on_event(
         &mut self,
-        ctx: &Context<'_>,
+        _ctx: &Context<'_>,
         s: &SliceInfo<'_>,
         event: SliceEvent,
         steps: &mut Vec<Step>,
     ) -> Result<()> {
+        let machines = self.line.inbox.is_some();
         match event {
-            SliceEvent::Staged if !self.staged => {
-                self.staged = true;
-                let own = self.piece(s, ctx.rank)?;
-                self.send_chunks(ctx, own, steps);
+            SliceEvent::Staged if !self.staged && !machines => self.own_in_place(steps)?,
+            SliceEvent::LocalReduceScatterDone if !self.staged && machines => {
+                self.own_in_place(steps)?;
             }
             SliceEvent::Landed {
                 kind: Kind::Relay,
                 peer,
             } => {
                 let expected = self.received + self.held < self.expected;
-                let why = "not the relay's next chunk";
-                from_previous(ctx, s, Kind::Relay, peer, expected, why)?;
+                if peer != self.line.previous || !expected {
+                    return Err(unexpected(
+                        Kind::Relay,
+                        peer,
+                        s,
+                        "not the relay's next chunk",
+                    ));
+                }
                 self.held += 1;
             }
             SliceEvent::Landed { kind, peer } => {
                 return Err(unexpected(kind, peer, s, "a relayed slice"));
             }
             SliceEvent::Sent { kind: Kind::Relay } if self.sends > 0 => self.sends -= 1,
-            SliceEvent::CopiedOut if self.copies > 0 => self.copies -= 1,
+            SliceEvent::CopiedOut if self.copies > 0 && !machines => self.copies -= 1,
+            SliceEvent::Reduced if self.copies > 0 && machines => self.copies -= 1,
+            SliceEvent::LocalAllGatherDone if self.gathering && !self.released => {
+                self.gathering = false;
+            }
             _ => return Err(stray_event(event, s, self)),
         }
-        self.pump(ctx, s, steps)
+        self.pump(steps)
     }
 
     /// Where the slice is, for a stall report.
     pub(crate) fn phase(&self) -> &'static str {
         if !self.staged {
-            "staging in"
+            if self.line.inbox.is_some() {
+                "local reduce-scatter"
+            } else {
+                "staging in"
+            }
         } else if self.received < self.expected {
             "relaying"
         } else if self.copies > 0 {
             "copying out"
+        } else if self.gathering {
+            "local all-gather"
         } else {
             "draining its sends"
         }
     }
 
-    /// Forwards and copies out every landed chunk it may, and releases the
-    /// buffer once nothing is left.
-    fn pump(&mut self, ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Result<()> {
+    /// The own piece is in the buffer: its chunks leave (if there is anyone
+    /// to send them to).
+    fn own_in_place(&mut self, steps: &mut Vec<Step>) -> Result<()> {
+        self.staged = true;
+        if self.line.members == 1 {
+            return Ok(());
+        }
+        let own = self.piece(self.line.position)?;
+        for index in 0..self.count(&own) {
+            let range = self.chunk_range(own.clone(), index);
+            self.send(range, false, steps);
+        }
+        Ok(())
+    }
+
+    /// Forwards and puts in place every landed chunk it may, and finishes the
+    /// slice once nothing is left.
+    fn pump(&mut self, steps: &mut Vec<Step>) -> Result<()> {
         if !self.staged {
             return Ok(());
         }
         while self.held > 0 {
             self.held -= 1;
-            let from = origin(ctx, self.step);
-            let piece = self.piece(s, from)?;
+            let from = self.line.origin(self.step);
+            let piece = self.piece(from)?;
             let range = self.chunk_range(piece.clone(), self.index);
             self.received += 1;
             self.index += 1;
             if self.index == self.count(&piece) {
                 self.step += 1;
                 self.index = 0;
-                self.skip_empty(ctx, s)?;
+                self.skip_empty()?;
             }
-            // The rank after this one is the last of the chain from `from`
-            // when its own bytes are next.
-            if ctx.around(1) != from {
-                self.send(ctx, range.clone(), steps);
+            if !self.line.next_is_last_for(from) {
+                self.send(range.clone(), true, steps);
             }
             self.copies += 1;
-            steps.push(Step::CopyOut {
-                from: range.start,
-                to: range,
-            });
+            match self.landing(&range) {
+                // Into the slot, whose bytes from other machines are zeros:
+                // a wrapping byte sum of zero and the chunk is the chunk.
+                Some(landed) => steps.push(Step::Reduce(Reduction {
+                    dtype: DataType::U8,
+                    op: ReduceOp::Sum,
+                    sources: Sources::one(landed),
+                    dst: range,
+                    average_over: None,
+                    wire: WireFormat::Exact,
+                })),
+                None => steps.push(Step::CopyOut {
+                    from: range.start,
+                    to: range,
+                }),
+            }
         }
-        if self.received == self.expected && self.sends == 0 && self.copies == 0 && !self.released {
+        let done = self.received == self.expected && self.copies == 0;
+        if !done || self.released {
+            return Ok(());
+        }
+        if self.line.inbox.is_some() {
+            // The slot is whole: the machine gathers every slot.
+            if !self.published {
+                self.published = true;
+                self.gathering = true;
+                steps.push(Step::PublishSlot);
+                steps.push(Step::LocalAllGather {
+                    own_in_tensor: false,
+                });
+            }
+            if !self.gathering && self.sends == 0 {
+                self.released = true;
+                steps.push(Step::Release);
+            }
+        } else if self.sends == 0 {
             self.released = true;
             steps.push(Step::LocalFinish);
             steps.push(Step::Release);
@@ -231,58 +363,69 @@ impl Relay {
         Ok(())
     }
 
-    /// Sends every chunk of `piece` to the next rank.
-    fn send_chunks(&mut self, ctx: &Context<'_>, piece: Range<usize>, steps: &mut Vec<Step>) {
-        for index in 0..self.count(&piece) {
-            let range = self.chunk_range(piece.clone(), index);
-            self.send(ctx, range, steps);
-        }
-    }
-
-    /// One chunk to the next rank, at the same offset of its buffer.
-    fn send(&mut self, ctx: &Context<'_>, range: Range<usize>, steps: &mut Vec<Step>) {
+    /// One chunk (bytes `range` of the slice) to the next member, into its
+    /// receive area on the machine chain: an own chunk from its place, a
+    /// forwarded one from where it landed.
+    fn send(&mut self, range: Range<usize>, forwarded: bool, steps: &mut Vec<Step>) {
         self.sends += 1;
+        let (source, target) = match self.landing(&range) {
+            Some(landed) if forwarded => (landed.clone(), landed.start),
+            Some(landed) => (range, landed.start),
+            None => (range.clone(), range.start),
+        };
         steps.push(Step::Write(Write {
             kind: Kind::Relay,
-            peer: ctx.around(1),
-            target: range.start,
-            source: range,
+            peer: self.line.next,
+            target,
+            source,
             needs_credit: true,
         }));
     }
 
-    /// Moves the next expected landing past origins with nothing in the slice.
-    fn skip_empty(&mut self, ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<()> {
-        while self.step + 1 < ctx.world && self.chunks(s, origin(ctx, self.step))? == 0 {
+    /// Where bytes `range` of the slice land on the machine chain: at their
+    /// offset in the relayed span, in the receive area.
+    fn landing(&self, range: &Range<usize>) -> Option<Range<usize>> {
+        let inbox = self.line.inbox?;
+        let span_start = usize::try_from(self.line.span.0 - self.line.slice_start).ok()?;
+        let start = inbox + (range.start - span_start);
+        Some(start..start + range.len())
+    }
+
+    /// Moves the next expected landing past origins with nothing in the span.
+    fn skip_empty(&mut self) -> Result<()> {
+        while self.step + 1 < self.line.members && self.chunks(self.line.origin(self.step))? == 0 {
             self.step += 1;
         }
         Ok(())
     }
 
-    /// Bytes of the slice (from its start) whose origin is `rank`.
-    fn piece(&self, s: &SliceInfo<'_>, rank: u32) -> Result<Range<usize>> {
-        let span = s.slice.span();
-        let (start, end) = (span.byte_offset(), span.byte_end());
-        let (from, to) = match self.origins {
-            Origins::Rank(root) if root == rank => (start, end),
+    /// Bytes of the span (from the slice's start) whose origin is `member`.
+    fn piece(&self, member: u32) -> Result<Range<usize>> {
+        let (start, end) = self.line.span;
+        let (from, to) = match self.line.origins {
+            Origins::Rank(root) if root == member => (start, end),
             Origins::Rank(_) => (start, start),
             Origins::Blocks(block) => {
-                let first = block.saturating_mul(u64::from(rank));
+                let first = block.saturating_mul(u64::from(member));
                 let last = first.saturating_add(block);
                 (first.clamp(start, end), last.clamp(start, end))
             }
         };
+        let base = self.line.slice_start;
         let to_usize = |b: u64| {
-            usize::try_from(b - start).map_err(|_| {
-                Error::internal("a slice's bytes fit the address space", format!("{span:?}"))
+            usize::try_from(b - base).map_err(|_| {
+                Error::internal(
+                    "a slice's bytes fit the address space",
+                    format!("{:?}", self.line),
+                )
             })
         };
         Ok(to_usize(from)?..to_usize(to)?)
     }
 
-    /// Chunks in the piece of `rank`.
-    fn chunks(&self, s: &SliceInfo<'_>, rank: u32) -> Result<u64> {
-        Ok(self.count(&self.piece(s, rank)?))
+    /// Chunks in the piece of `member`.
+    fn chunks(&self, member: u32) -> Result<u64> {
+        Ok(self.count(&self.piece(member)?))
     }
 
     /// Chunks in `piece`.
@@ -304,16 +447,80 @@ impl Relay {
     }
 }
 
-/// The origin of the chunks that land `step`-th: the rank `step + 1` places
-/// before this one.
-fn origin(ctx: &Context<'_>, step: u32) -> u32 {
-    ctx.around(-i64::from(step) - 1)
+/// Whether a relayed `collective` runs over the machines on `topology` (with
+/// `servers` dedicated servers): where a machine has several devices, their
+/// shared memory takes the hops inside it, and the caller's tensors must hold
+/// zeros where the rank's own bytes are not (the machine's reduce-scatter sums
+/// them). An all-gather does only where ranks are numbered machine by machine,
+/// so that a machine's blocks are one range; and only without dedicated
+/// servers, whose jobs link no rails.
+pub(crate) fn over_machines(topology: Topology, servers: u32, collective: Collective) -> bool {
+    topology.devices_per_machine() > 1
+        && servers == 0
+        && match collective {
+            Collective::Broadcast => true,
+            Collective::AllGather => topology.layout() == RankLayout::Contiguous,
+            _ => false,
+        }
+}
+
+/// The chain of slice `s` on this rank. With one device per machine it is the
+/// ring of ranks over the whole slice. Over the machines ([`over_machines`]) it
+/// is this device's rail, over this device's slot: the machine's reduce-scatter
+/// gathers what starts on the machine into the slot (zeros elsewhere), the slot
+/// goes around the machines, and the machine's all-gather spreads the slots.
+fn line(ctx: &Context<'_>, s: &SliceInfo<'_>, origins: Origins) -> Result<Line> {
+    let span = s.slice.span();
+    let slice_start = span.byte_offset();
+    let devices = u64::from(ctx.topology.devices_per_machine());
+    let collective = match origins {
+        Origins::Rank(_) => Collective::Broadcast,
+        Origins::Blocks(_) => Collective::AllGather,
+    };
+    let machine_origins = match origins {
+        _ if !over_machines(ctx.topology, ctx.servers, collective) => None,
+        Origins::Rank(root) => ctx
+            .topology
+            .locate(root)
+            .ok()
+            .map(|l| Origins::Rank(l.machine)),
+        // Machine `m`'s ranks hold `[m * D * block, (m + 1) * D * block)`.
+        Origins::Blocks(block) => Some(Origins::Blocks(block.saturating_mul(devices))),
+    };
+    let Some(origins) = machine_origins else {
+        return Ok(Line {
+            members: ctx.world,
+            position: ctx.rank,
+            next: ctx.around(1),
+            previous: ctx.around(-1),
+            origins,
+            span: (slice_start, span.byte_end()),
+            slice_start,
+            inbox: None,
+        });
+    };
+    let machines = ctx.topology.machines();
+    let machine = ctx.location.machine;
+    let slot = s
+        .slice
+        .slot(ctx.location.device)
+        .map_err(|e| Error::internal("every device has a slot", e.to_string()))?;
+    Ok(Line {
+        members: machines,
+        position: machine,
+        next: ctx.rail_peer((machine + 1) % machines)?,
+        previous: ctx.rail_peer((machine + machines - 1) % machines)?,
+        origins,
+        span: (slot.byte_offset(), slot.byte_end()),
+        slice_start,
+        inbox: Some(ctx.layout.relay_inbox(slot.byte_len())?),
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use fairring_core::plan::{Geometry, Plan, PlanConfig};
-    use fairring_core::topology::{Location, RankLayout, Topology};
+    use fairring_core::topology::{RankLayout, Topology};
     use fairring_core::{DataType, ReduceOp, WireFormat};
 
     use super::*;
@@ -327,19 +534,27 @@ mod tests {
         origins: Origins,
         f: impl FnOnce(&Context<'_>, &SliceInfo<'_>),
     ) {
-        let topology = Topology::new(3, 1, RankLayout::Contiguous).unwrap();
+        on_rank_of((3, 1), rank, bytes, origins, f);
+    }
+
+    /// [`on_rank`] on an `m x d` job.
+    fn on_rank_of(
+        (m, d): (u32, u32),
+        rank: u32,
+        bytes: u64,
+        origins: Origins,
+        f: impl FnOnce(&Context<'_>, &SliceInfo<'_>),
+    ) {
+        let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
         let geometry = Geometry::new(topology, PlanConfig::new(4096, 64).unwrap()).unwrap();
-        let layout = StagingLayout::new(&geometry, 3).unwrap();
+        let layout = StagingLayout::new(&geometry, m * d).unwrap();
         let plan = Plan::new(&geometry, DataType::U8, bytes, 0).unwrap();
         let slice = plan.slice(0).unwrap();
         let ctx = Context {
             topology,
-            location: Location {
-                machine: rank,
-                device: 0,
-            },
+            location: topology.locate(rank).unwrap(),
             rank,
-            world: 3,
+            world: m * d,
             layout: &layout,
             servers: 0,
             server: None,
@@ -446,6 +661,78 @@ mod tests {
                     .unwrap();
             }
             assert_eq!(steps, [Step::LocalFinish, Step::Release]);
+        });
+    }
+
+    #[test]
+    fn over_the_machines_a_rail_relays_its_slot_through_the_receive_area() {
+        // A broadcast of 2000 bytes from rank 0 on 2x2: rank 2 (machine 1,
+        // device 0) hears from rank 0 on its rail, about its slot 0.
+        on_rank_of((2, 2), 2, 2000, Origins::Rank(0), |ctx, s| {
+            let mut steps = Vec::new();
+            let mut relay = Relay::start(ctx, s, &mut steps).unwrap();
+            assert_eq!(
+                steps,
+                [
+                    Step::LocalBegin,
+                    Step::LocalReduceScatter { final_world: None }
+                ]
+            );
+            steps.clear();
+            let slot = s
+                .slice
+                .slot(0)
+                .unwrap()
+                .byte_range_in(s.slice.span())
+                .unwrap();
+            let inbox = ctx.layout.slice_bytes();
+            // The rank on the same device of the other machine writes; the
+            // other device of that machine does not.
+            let from = |peer| SliceEvent::Landed {
+                kind: Kind::Relay,
+                peer,
+            };
+            assert!(relay.on_event(ctx, s, from(1), &mut steps).is_err());
+            relay.on_event(ctx, s, from(0), &mut steps).unwrap();
+            // It waits for the machine's reduce-scatter, which writes the slot.
+            assert!(steps.is_empty(), "{steps:?}");
+            relay
+                .on_event(ctx, s, SliceEvent::LocalReduceScatterDone, &mut steps)
+                .unwrap();
+            // Rank 2 is the chain's last: the chunk goes into the slot from the
+            // receive area, and nowhere else.
+            assert!(writes(&steps).is_empty(), "{steps:?}");
+            let c = usize::try_from(relay.chunk).unwrap().min(slot.len());
+            assert!(
+                steps.iter().any(|step| matches!(step, Step::Reduce(r)
+                    if r.dst == (slot.start..slot.start + c)
+                        && r.sources.ranges().eq(std::iter::once(inbox..inbox + c)))),
+                "{steps:?}"
+            );
+            steps.clear();
+            let chunks = usize::try_from(relay.expected).unwrap();
+            for _ in 1..chunks {
+                relay.on_event(ctx, s, from(0), &mut steps).unwrap();
+            }
+            for _ in 0..chunks {
+                relay
+                    .on_event(ctx, s, SliceEvent::Reduced, &mut steps)
+                    .unwrap();
+            }
+            assert_eq!(
+                steps
+                    .iter()
+                    .filter(|s| matches!(s, Step::PublishSlot))
+                    .count(),
+                1,
+                "{steps:?}"
+            );
+            assert!(!steps.contains(&Step::Release));
+            steps.clear();
+            relay
+                .on_event(ctx, s, SliceEvent::LocalAllGatherDone, &mut steps)
+                .unwrap();
+            assert_eq!(steps, [Step::Release]);
         });
     }
 }

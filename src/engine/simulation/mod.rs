@@ -38,7 +38,7 @@ use fairring_core::topology::{Location, RankLayout, Topology};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 use fairring_rdma::fabric::{Fabric, LocalRegion};
 
-use super::algorithm::{Origins, Resolved};
+use super::algorithm::{Origins, Resolved, relay_over_machines};
 use super::descriptor::{Collective, Descriptor};
 use super::layout::StagingLayout;
 use super::links::{linked, peers, server_peers};
@@ -495,8 +495,15 @@ fn play(sc: &Scenario, rng: &mut Rng) -> Result<Outcome, String> {
                 let n = usize::try_from(op.elements).unwrap_or(0);
                 let mut words = vec![0u64; (n * 8).div_ceil(8)];
                 let bytes: &mut [u8] = bytemuck_bytes(&mut words);
+                // As the communicator leaves them: a relay over the machines sums
+                // each machine's tensors, so a rank's bytes hold zeros where
+                // other ranks' start.
+                let summed = relay_over_machines(topology, servers, op.descriptor().collective);
                 for i in 0..n {
-                    write(op.dtype, bytes, i, input(op.dtype, rank, k, i as u64));
+                    let theirs = summed && op.origin_of(i as u64) != Some(rank);
+                    if !theirs {
+                        write(op.dtype, bytes, i, input(op.dtype, rank, k, i as u64));
+                    }
                 }
                 words
             })
