@@ -33,8 +33,13 @@
 //!   buffers; a progress thread (or a waiting caller) drives them. Runtimes that
 //!   own their memory use the raw forms (`all_reduce_raw`, `broadcast_raw`, ...)
 //!   and hold an [`OwnedWork`] (the C ABI, `fairring-ffi`, does);
-//! - **hierarchical** (the reduction-server algorithm) or **ring**, per call, or
-//!   **auto** (the default: chosen per size and layout from measured crossovers);
+//! - **hierarchical** (the reduction-server algorithm), **ring** or recursive
+//!   **doubling**, per call, or **auto** (the default: chosen per size and layout
+//!   from measured crossovers); with the ring, broadcast and all-gather are a
+//!   relay and reduce-scatter the ring's reduce-scatter half, each byte moved
+//!   once per hop;
+//! - **compressed** if asked (`FAIRRING_WIRE`): `f32` values cross between
+//!   machines, or to servers, as bf16 or f16 and are reduced in `f32`;
 //! - **checked**: ranks compare every operation's descriptor before combining any
 //!   of its data ([`Error::Mismatch`]), and a failing rank tells every other rank,
 //!   so that no rank waits out a timeout for a peer that has given up;
