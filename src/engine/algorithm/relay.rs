@@ -207,8 +207,12 @@ impl Relay {
         relay.skip_empty()?;
         let own = relay.piece(line.position)?;
         if line.inbox.is_some() {
+            // On a single machine the machine's sums are the result: its
+            // reduce-scatter writes each slot into the tensor as well.
             steps.push(Step::LocalBegin);
-            steps.push(Step::LocalReduceScatter { final_world: None });
+            steps.push(Step::LocalReduceScatter {
+                final_world: (line.members == 1).then_some(ctx.world),
+            });
         } else if own.is_empty() || line.members == 1 {
             relay.staged = true;
             relay.pump(steps)?;
@@ -348,7 +352,7 @@ impl Relay {
                 self.gathering = true;
                 steps.push(Step::PublishSlot);
                 steps.push(Step::LocalAllGather {
-                    own_in_tensor: false,
+                    own_in_tensor: self.line.members == 1,
                 });
             }
             if !self.gathering && self.sends == 0 {
