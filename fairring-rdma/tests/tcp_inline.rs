@@ -208,3 +208,62 @@ fn a_closed_peer_under_inline_reads_fails_once() {
     assert_eq!(failures, vec![(1, PeerFailure::Closed)]);
     assert!(!survivor.is_connected(1));
 }
+
+/// While a thread reads inline the I/O thread naps instead of waiting on the
+/// sockets; once the thread stops spinning, with `spin_ends` before it sleeps or
+/// simply by leaving, arrivals are the I/O thread's again: a caller sleeping in
+/// `wait` gets each message, none lost in the hand-over.
+#[test]
+fn arrivals_reach_a_sleeping_caller_after_inline_reads_stop() {
+    let fabrics = mesh(2, |c| c);
+    let (sender, receiver) = (&fabrics[0], &fabrics[1]);
+    let mut out = [empty(); 8];
+    let spin = |out: &mut [_], for_: Duration| {
+        let until = Instant::now() + for_;
+        while Instant::now() < until {
+            receiver.progress();
+            let n = receiver.poll(out);
+            assert_eq!(n, 0, "nothing is sent while the receiver spins");
+        }
+    };
+    for (round, says_so) in [(1u32, true), (2, false), (3, true)] {
+        spin(&mut out, Duration::from_millis(20));
+        if says_so {
+            receiver.spin_ends();
+        }
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(30));
+                sender
+                    .send_message(1, round, &round.to_le_bytes(), u64::from(round))
+                    .expect("a message to a connected peer");
+            });
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let mut got = None;
+            while got.is_none() && Instant::now() < deadline {
+                let n = receiver.wait(&mut out, Duration::from_millis(100));
+                got = out[..n].iter().find_map(|c| match &c.event {
+                    CompletionEvent::Message(m) => {
+                        Some((c.peer, m.immediate, m.payload().to_vec()))
+                    }
+                    _ => None,
+                });
+            }
+            assert_eq!(
+                got,
+                Some((0, round, round.to_le_bytes().to_vec())),
+                "round {round} (spin_ends: {says_so})"
+            );
+        });
+        // The sender's `Sent`.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut sent = false;
+        while !sent && Instant::now() < deadline {
+            let n = sender.wait(&mut out, Duration::from_millis(100));
+            sent = out[..n].iter().any(
+                |c| matches!(c.event, CompletionEvent::Sent { token } if token == u64::from(round)),
+            );
+        }
+        assert!(sent, "round {round}: the sender's completion");
+    }
+}

@@ -374,6 +374,14 @@ impl Fabric for AnyFabric {
         }
     }
 
+    fn spin_ends(&self) {
+        match &self.provider {
+            Provider::Tcp(f) => f.spin_ends(),
+            #[cfg(feature = "verbs")]
+            Provider::Verbs(f) => f.spin_ends(),
+        }
+    }
+
     fn begin_batch(&self) {
         match &self.provider {
             Provider::Tcp(f) => f.begin_batch(),

@@ -266,6 +266,12 @@ pub trait Fabric: Send + Sync {
         false
     }
 
+    /// The calling thread, which has been lending itself through
+    /// [`Fabric::progress`], stops spinning and may sleep: a provider that kept
+    /// its own thread quiet while callers took the arrivals hands them back to
+    /// it now. The default does nothing.
+    fn spin_ends(&self) {}
+
     /// Starts a batch on the calling thread: what it posts from here to the
     /// matching [`Fabric::end_batch`] may stay queued until then, so that a burst
     /// (a control message, a credit and the data write behind them) leaves

@@ -24,6 +24,7 @@ use super::handshake::{
     welcome_frame,
 };
 use super::link::{Broken, Link, Queueing, Readable, write_failure};
+use super::quiet::{MAX_NAP, Quiet};
 use super::receiver::Receiver;
 use super::regions::RegionTable;
 use super::sender::{SendOp, Sender};
@@ -32,6 +33,9 @@ use crate::fabric::{Completion, CompletionEvent, CompletionQueue, PeerFailure, R
 
 /// Bytes read from one connection before the loop turns to the others.
 const READ_BUDGET: usize = 8 << 20;
+/// Bytes read in one turn that keep the loop awake: a large payload streaming
+/// in, which it takes as it arrives.
+const STREAMING_BYTES: usize = 64 << 10;
 const WAKER: Token = Token(0);
 const LISTENER: Token = Token(1);
 
@@ -71,6 +75,8 @@ pub(crate) struct Shared {
     /// The sockets of watched connections, for inline readers to ask which have
     /// bytes (see `link`).
     pub(crate) readable: Mutex<Readable>,
+    /// Whether threads read inline, so that the loop naps (see `quiet`).
+    pub(crate) quiet: Quiet,
 }
 
 /// One rank's state as the posting threads see it.
@@ -86,12 +92,13 @@ pub(crate) struct PeerSlot {
 }
 
 impl Shared {
-    /// Wakes the loop, unless a wake-up is already pending.
+    /// Wakes the loop, unless a wake-up is already pending, and ends its nap.
     pub(crate) fn wake(&self) {
-        if !self.woken.swap(true, Ordering::AcqRel) {
+        if !self.woken.swap(true, Ordering::SeqCst) {
             // A failed wake can only mean the loop is gone (shut down).
             let _ = self.waker.wake();
         }
+        self.quiet.end_nap();
     }
 
     pub(crate) fn failure_of(&self, peer: u32) -> PeerFailure {
@@ -169,6 +176,11 @@ pub(crate) struct EventLoop {
     pending: Vec<Option<Pending>>,
     conns: Vec<Option<Conn>>,
     any_failed: bool,
+    /// The last turn read a stream's worth of bytes ([`STREAMING_BYTES`]) or
+    /// took work from the posting threads: data is moving through this thread,
+    /// so it does not nap (see `quiet`). A few small frames it happened to read
+    /// first do not count, or it would stay awake on every race it wins.
+    moved: bool,
     /// Peers with a connection, so a turn of the loop visits only them.
     connected: Vec<u32>,
     /// Scratch for iterating `connected` while it may change.
@@ -194,6 +206,7 @@ impl EventLoop {
             pending,
             conns,
             any_failed: false,
+            moved: false,
             connected: Vec::new(),
             visiting: Vec::new(),
         })
@@ -208,6 +221,7 @@ impl EventLoop {
     }
 
     pub(crate) fn run(mut self) {
+        self.shared.quiet.register_io_thread();
         let config = &self.shared.config;
         let tick = [
             config.keepalive_interval,
@@ -224,7 +238,13 @@ impl EventLoop {
         let mut next_timers = Instant::now() + tick;
         while !self.shared.shutdown.load(Ordering::Acquire) {
             let busy = self.connected.iter().any(|&p| self.more_to_read(p));
-            let timeout = if busy { Duration::ZERO } else { tick };
+            let napped = !busy && !self.moved && self.may_nap();
+            self.moved = false;
+
+            if napped {
+                self.shared.quiet.nap(&self.shared.woken, tick.min(MAX_NAP));
+            }
+            let timeout = if busy || napped { Duration::ZERO } else { tick };
             if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
@@ -242,6 +262,7 @@ impl EventLoop {
                 self.dispatch(token, readable, writable);
             }
             if self.shared.woken.swap(false, Ordering::AcqRel) {
+                self.moved = true;
                 self.adopt_dialed();
                 let peers = self.visit_connected();
                 for &peer in &peers {
@@ -267,6 +288,20 @@ impl EventLoop {
                 next_timers = now + tick;
             }
         }
+    }
+
+    /// Whether the loop may nap instead of waiting on the sockets: threads read
+    /// inline, and the loop has nothing of its own to do (see `quiet`).
+    fn may_nap(&self) -> bool {
+        self.shared.quiet.someone_spins()
+            && self.pending.iter().all(Option::is_none)
+            && !self.shared.woken.load(Ordering::SeqCst)
+            && self.connected.iter().all(|&p| {
+                self.shared
+                    .lock_link(p)
+                    .as_ref()
+                    .is_none_or(|l| l.sender.is_idle() && !l.more_to_read)
+            })
     }
 
     /// Whether `peer`'s socket may hold bytes nobody has read.
@@ -518,13 +553,13 @@ impl EventLoop {
         let outcome = self.with_link(peer, |link| match link.broken {
             Some(Broken::Read(failure)) => Err(failure),
             // Settled by `write`, which reads what is left first.
-            Some(Broken::Write(_)) => Ok(()),
-            None => link
-                .read(shared, peer, READ_BUDGET, Queueing::Wait)
-                .map(|_| ()),
+            Some(Broken::Write(_)) => Ok(0),
+            None => link.read(shared, peer, READ_BUDGET, Queueing::Wait),
         });
-        if let Some(Err(failure)) = outcome {
-            self.fail(peer, failure);
+        match outcome {
+            Some(Err(failure)) => self.fail(peer, failure),
+            Some(Ok(bytes)) if bytes >= STREAMING_BYTES => self.moved = true,
+            _ => {}
         }
     }
 

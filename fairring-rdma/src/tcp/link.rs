@@ -159,7 +159,7 @@ impl Link {
 
     /// Reads and handles frames from `peer` until the socket has nothing more,
     /// `budget` bytes were read, or (with [`Queueing::Hold`]) a completion found
-    /// no room. Returns whether any bytes arrived.
+    /// no room. Returns how many bytes arrived.
     ///
     /// A small next part is read through the read-ahead buffer, a large one
     /// straight into its region; bytes read ahead are handed on before the socket
@@ -170,9 +170,9 @@ impl Link {
         peer: u32,
         budget: usize,
         queueing: Queueing,
-    ) -> Result<bool, PeerFailure> {
+    ) -> Result<usize, PeerFailure> {
         let mut left = budget;
-        let mut arrived = false;
+        let mut arrived = 0;
         loop {
             let n = if self.ahead.is_empty() {
                 let buffer = self.receiver.buffer();
@@ -195,7 +195,7 @@ impl Link {
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     Err(e) => return Err(PeerFailure::Io(e.kind())),
                 };
-                arrived = true;
+                arrived += n;
                 self.last_rx = Instant::now();
                 left = left.saturating_sub(n);
                 if direct {
@@ -296,6 +296,7 @@ impl Shared {
     /// per socket that has something. If another thread is polling, this one
     /// returns at once.
     pub(crate) fn receive_inline(&self) -> bool {
+        self.quiet.spinning();
         let Ok(mut readable) = self.readable.try_lock() else {
             return false;
         };
@@ -329,7 +330,7 @@ impl Shared {
                 continue;
             };
             match link.read(self, peer, INLINE_READ_BUDGET, Queueing::Hold) {
-                Ok(any) => arrived |= any,
+                Ok(bytes) => arrived |= bytes > 0,
                 Err(failure) => {
                     link.broken = Some(Broken::Read(failure));
                     arrived = true;

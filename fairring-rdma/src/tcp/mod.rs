@@ -32,6 +32,7 @@ mod event_loop;
 mod handshake;
 mod interface;
 mod link;
+mod quiet;
 mod receiver;
 mod regions;
 mod sender;
@@ -123,6 +124,7 @@ impl TcpFabric {
             status_changed: Condvar::new(),
             refusals: Mutex::new(Default::default()),
             readable: Mutex::new(Readable::default()),
+            quiet: quiet::Quiet::new(),
         });
         let event_loop = EventLoop::new(Arc::clone(&shared), poll, listener)
             .map_err(|e| FabricError::io("watching the listener", e))?;
@@ -531,6 +533,10 @@ impl Fabric for TcpFabric {
         self.shared.receive_inline()
     }
 
+    fn spin_ends(&self) {
+        self.shared.quiet.spin_ends();
+    }
+
     fn begin_batch(&self) {
         batch::begin(&self.shared);
     }
@@ -547,7 +553,7 @@ impl Fabric for TcpFabric {
 impl Drop for TcpFabric {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
-        let _ = self.shared.waker.wake();
+        self.shared.wake();
         if let Some(thread) = self.io_thread.take()
             && thread.join().is_err()
         {

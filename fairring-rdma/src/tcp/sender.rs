@@ -104,6 +104,11 @@ impl Sender {
         }
     }
 
+    /// Whether nothing taken from the queue is still to be written.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.current.is_empty() && self.extra.is_none()
+    }
+
     /// Queues raw bytes ahead of everything not yet started (at most 256).
     pub(crate) fn push_extra(&mut self, bytes: &[u8]) {
         let mut extra = Extra {

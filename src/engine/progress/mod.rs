@@ -167,6 +167,12 @@ impl<F: Fabric, M: MemorySpace> Driven for Engine<F, M> {
         &self.parking
     }
 
+    fn spin_ends(&self) {
+        if self.remote {
+            self.links.fabric.spin_ends();
+        }
+    }
+
     fn doorbell(&self) -> &Doorbell {
         self.machine.doorbell()
     }

@@ -278,6 +278,9 @@ pub(crate) trait Driven {
     fn crowded(&self) -> bool;
     /// Nanoseconds on the clock of the waits.
     fn now(&self) -> u64;
+    /// The calling thread stops spinning and is about to sleep (the fabric's
+    /// own thread takes the arrivals again).
+    fn spin_ends(&self) {}
 }
 
 /// One try at driving and, if nothing moved, one round of spinning (until `spin`
@@ -325,6 +328,7 @@ pub(crate) fn run_progress(driven: &impl Driven) {
         if drive_or_spin(driven, &mut idle_since, SPIN) {
             continue;
         }
+        driven.spin_ends();
         driven.idle(seen);
     }
 }
@@ -354,6 +358,7 @@ pub(crate) fn wait_driving(
         if drive_or_spin(driven, &mut idle_since, WAIT_SPIN) {
             continue;
         }
+        driven.spin_ends();
         driven.doorbell().sleep(seen, WAIT_NAP);
     };
     parking.leave_wait(driven.now());
