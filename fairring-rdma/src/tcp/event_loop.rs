@@ -240,7 +240,6 @@ impl EventLoop {
             let busy = self.connected.iter().any(|&p| self.more_to_read(p));
             let napped = !busy && !self.moved && self.may_nap();
             self.moved = false;
-
             if napped {
                 self.shared.quiet.nap(&self.shared.woken, tick.min(MAX_NAP));
             }

@@ -32,8 +32,9 @@ use std::time::{Duration, Instant};
 /// How recently a thread must have read inline for the I/O thread to nap.
 pub(crate) const SPIN_WINDOW: Duration = Duration::from_micros(200);
 
-/// The longest nap: what an arrival waits, at worst, when the thread that
-/// read inline leaves without sleeping (it returned to its caller).
+/// The longest nap. When the thread that read inline leaves without sleeping
+/// (it returned to its caller), an arrival waits at worst about this and
+/// [`SPIN_WINDOW`] together: the naps go on until its last read is a window old.
 pub(crate) const MAX_NAP: Duration = Duration::from_micros(250);
 
 /// What the I/O thread and the spinning threads share about spinning.
@@ -63,10 +64,14 @@ impl Quiet {
         let _ = self.thread.set(std::thread::current());
     }
 
+    /// Nanoseconds since `epoch`.
+    fn now(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
     /// A thread is reading inline, now.
     pub(crate) fn spinning(&self) {
-        let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.inline_at.store(now.max(1), Ordering::Relaxed);
+        self.inline_at.store(self.now().max(1), Ordering::Relaxed);
     }
 
     /// The spinning thread goes to sleep: whatever arrives from now on is the
@@ -78,8 +83,12 @@ impl Quiet {
 
     /// Whether a thread has read inline within [`SPIN_WINDOW`].
     pub(crate) fn someone_spins(&self) -> bool {
+        self.spins_at(self.now())
+    }
+
+    /// Whether a thread has read inline within [`SPIN_WINDOW`] before `now`.
+    fn spins_at(&self, now: u64) -> bool {
         let at = self.inline_at.load(Ordering::Relaxed);
-        let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let window = u64::try_from(SPIN_WINDOW.as_nanos()).unwrap_or(u64::MAX);
         at != 0 && now.saturating_sub(at) < window
     }
@@ -114,14 +123,14 @@ mod tests {
     #[test]
     fn spinning_is_seen_within_the_window_and_forgotten_when_it_ends() {
         let q = Quiet::new();
+        let window = u64::try_from(SPIN_WINDOW.as_nanos()).unwrap();
         assert!(!q.someone_spins());
         q.spinning();
-        assert!(q.someone_spins());
+        let at = q.inline_at.load(Ordering::Relaxed);
+        assert!(q.spins_at(at) && q.spins_at(at + window - 1));
+        assert!(!q.spins_at(at + window));
         q.spin_ends();
-        assert!(!q.someone_spins());
-        q.spinning();
-        std::thread::sleep(SPIN_WINDOW * 2);
-        assert!(!q.someone_spins());
+        assert!(!q.spins_at(at));
     }
 
     #[test]
