@@ -14,6 +14,7 @@
 //! Nothing here blocks; a pass returns whether anything moved, and the progress
 //! loop (`progress`) decides whether to drive again, spin or sleep.
 
+use fairring_core::plan::Geometry;
 use fairring_rdma::fabric::Fabric;
 
 use super::Resolved;
@@ -104,27 +105,29 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             .into());
         }
         let (seq, words) = (sub.seq, sub.descriptor.words());
-        let geometry = match sub.algorithm {
-            Resolved::Doubling => self.doubling_geometry.as_ref().ok_or_else(|| {
-                Error::internal(
-                    "the layout holds a recursive-doubling slice of at least a line",
-                    format!("{:?}", self.layout),
-                )
-            })?,
-            Resolved::Scatter => self.scatter_geometry.as_ref().ok_or_else(|| {
-                Error::internal(
-                    "the layout holds a reduce-scatter piece of at least a line",
-                    format!("{:?}", self.layout),
-                )
-            })?,
-            _ => &self.geometry,
-        };
+        let geometry = self.geometry_of(sub.algorithm)?;
         d.operations.accept(sub, geometry)?;
         d.checks.accepted(seq, words, &self.machine, &self.links)?;
         d.credits.send(&self.links, &d.departures, Due::Any);
         d.checks
             .send(d.operations.accepted(), &self.links, &d.departures);
         Ok(())
+    }
+
+    /// The geometry operations of `algorithm` plan with: the job's, or for
+    /// those that move a slice whole, slices that fit their receive slots.
+    fn geometry_of(&self, algorithm: Resolved) -> Result<&Geometry, Fault> {
+        let unsplit = match algorithm {
+            Resolved::Doubling => &self.doubling_geometry,
+            Resolved::Scatter => &self.scatter_geometry,
+            Resolved::Hierarchical | Resolved::Ring | Resolved::Relay => return Ok(&self.geometry),
+        };
+        Ok(unsplit.as_ref().ok_or_else(|| {
+            Error::internal(
+                "the layout holds a slice of at least a line for every algorithm",
+                format!("{algorithm} in {:?}", self.layout),
+            )
+        })?)
     }
 
     /// Completes operation `seq` if it is finished and checked (and its share is
