@@ -37,7 +37,8 @@
 //!   **doubling**, per call, or **auto** (the default: chosen per size and layout
 //!   from measured crossovers); with the ring, broadcast and all-gather are a
 //!   relay and reduce-scatter the ring's reduce-scatter half, each byte moved
-//!   once per hop;
+//!   once per hop (around the machines, with shared memory inside each, where
+//!   machines have several devices);
 //! - **compressed** if asked (`FAIRRING_WIRE`): `f32` values cross between
 //!   machines, or to servers, as bf16 or f16 and are reduced in `f32`;
 //! - **checked**: ranks compare every operation's descriptor before combining any

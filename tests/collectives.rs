@@ -196,7 +196,7 @@ fn reduce_scatter_averages_each_share_once() {
     // others average the whole input. Sums of these small integers are exact in
     // f64, so each quotient is the one correctly rounded value.
     let small = |r, k, i| (value(r, k, i) % 1000) as f64;
-    for (m, d) in [(2, 1), (3, 1), (2, 2)] {
+    for (m, d) in [(2, 1), (3, 1), (2, 2), (1, 3)] {
         let world = m * d;
         let want = |k, j| (0..world).map(|r| small(r, k, j)).sum::<f64>() / f64::from(world);
         for algorithm in Algorithm::ALL {

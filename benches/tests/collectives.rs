@@ -14,6 +14,13 @@ fn bench(args: &[&str]) -> (bool, String) {
     (out.status.success(), text)
 }
 
+/// The rows of the bench's `--json` file.
+fn json_rows(path: &std::path::Path) -> Vec<serde_json::Value> {
+    let rows: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(path).expect("the JSON")).expect("JSON");
+    rows.as_array().expect("an array of rows").clone()
+}
+
 #[test]
 fn every_collective_runs_checked_on_a_local_job() {
     let dir =
@@ -51,9 +58,7 @@ fn every_collective_runs_checked_on_a_local_job() {
             text.contains(&format!("# fairring-bench {collective}:")),
             "{text}"
         );
-        let rows: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(&json).expect("the JSON")).expect("JSON");
-        let rows = rows.as_array().expect("an array of rows");
+        let rows = json_rows(&json);
         assert_eq!(rows.len(), 4, "{collective}: 4K, 16K, 64K, 256K");
         for row in rows {
             assert_eq!(row["collective"], collective);
@@ -69,46 +74,47 @@ fn every_collective_runs_checked_on_a_local_job() {
         }
     }
     // A reduce-scatter takes each algorithm: the ring sends half the bytes of
-    // the all-reduce hierarchical runs, and both are checked.
-    let json = dir.join("reduce_scatter_algorithms.json");
-    let json_arg = json.to_string_lossy().into_owned();
-    let (ok, text) = bench(&[
-        "--local",
-        "2x1",
-        "--collective",
-        "reduce_scatter",
-        "--algo",
-        "all",
-        "--min-bytes",
-        "1M",
-        "--max-bytes",
-        "1M",
-        "--iters",
-        "2",
-        "--warmup",
-        "1",
-        "--json",
-        &json_arg,
-    ]);
-    assert!(ok, "reduce_scatter --algo all:\n{text}");
-    let rows: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&json).expect("the JSON")).expect("JSON");
-    let sent = |algo: &str| {
-        let row = rows
-            .as_array()
-            .expect("an array of rows")
-            .iter()
-            .find(|r| r["algo"] == algo)
-            .unwrap_or_else(|| panic!("no {algo} row:\n{text}"));
-        assert_eq!(row["wrong"], 0, "{row}");
-        row["sent_bytes_per_op"].as_f64().expect("bytes sent")
-    };
-    assert_eq!(
-        sent("ring"),
-        f64::from(1 << 19),
-        "(N-1)/N of 1 MiB:\n{text}"
-    );
-    assert_eq!(sent("hierarchical"), f64::from(1 << 20), "{text}");
+    // the all-reduce hierarchical runs, and both are checked. With two devices
+    // per machine each rank's slot (half the input) crosses between machines:
+    // half of it around the ring, all of it twice in the all-reduce.
+    for (layout, ring, hierarchical) in [("2x1", 1 << 19, 1 << 20), ("2x2", 1 << 18, 1 << 19)] {
+        let json = dir.join(format!("reduce_scatter_algorithms_{layout}.json"));
+        let json_arg = json.to_string_lossy().into_owned();
+        let (ok, text) = bench(&[
+            "--local",
+            layout,
+            "--collective",
+            "reduce_scatter",
+            "--algo",
+            "all",
+            "--min-bytes",
+            "1M",
+            "--max-bytes",
+            "1M",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            &json_arg,
+        ]);
+        assert!(ok, "reduce_scatter --algo all on {layout}:\n{text}");
+        let rows = json_rows(&json);
+        let sent = |algo: &str| {
+            let row = rows
+                .iter()
+                .find(|r| r["algo"] == algo)
+                .unwrap_or_else(|| panic!("no {algo} row on {layout}:\n{text}"));
+            assert_eq!(row["wrong"], 0, "{row}");
+            row["sent_bytes_per_op"].as_f64().expect("bytes sent")
+        };
+        assert_eq!(sent("ring"), f64::from(ring), "{layout}:\n{text}");
+        assert_eq!(
+            sent("hierarchical"),
+            f64::from(hierarchical),
+            "{layout}:\n{text}"
+        );
+    }
     // Relayed and summed, side by side and checked.
     for collective in ["broadcast", "all_gather"] {
         let (ok, text) = bench(&[
@@ -160,9 +166,7 @@ fn a_compressed_wire_is_checked_and_sends_half_the_bytes() {
             &json_arg,
         ]);
         assert!(ok, "{wire}:\n{text}");
-        let rows: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(&json).expect("the JSON")).expect("JSON");
-        let row = &rows.as_array().expect("an array of rows")[0];
+        let row = &json_rows(&json)[0];
         assert_eq!(row["wire"], wire, "{row}");
         assert_eq!(row["wrong"], 0, "{wire}: {row}");
         sent.push(row["sent_bytes_per_op"].as_u64().expect("sent bytes"));
@@ -207,9 +211,7 @@ fn averages_are_checked_for_every_algorithm() {
         &json_arg,
     ]);
     assert!(ok, "{text}");
-    let rows: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&json).expect("the JSON")).expect("JSON");
-    let rows = rows.as_array().expect("an array of rows");
+    let rows = json_rows(&json);
     assert_eq!(rows.len(), 2 * 4, "4 KiB and 64 KiB, four algorithms");
     for row in rows {
         assert_eq!(row["wrong"], 0, "{row}");

@@ -112,26 +112,33 @@
 //! # Reduce-scatter
 //!
 //! Ring runs it as the ring's reduce-scatter half over the same range of every
-//! rank's share (`(N-1)/N` of the input leaves each rank, once); hierarchical and
-//! doubling as an all-reduce of the whole input. `fairring-bench --collective
+//! rank's share, once per byte: around the ranks where machines have one
+//! device (`(N-1)/N` of the input leaves each rank), around the machines along
+//! each rail after the machine's own reduce-scatter where they have several
+//! (`(M-1)/M` of each rank's slot, `1/D` of the input, leaves it; on one
+//! machine, the machine's reduce-scatter alone). Hierarchical and doubling run
+//! an all-reduce of the whole input. `fairring-bench --collective
 //! reduce_scatter --algo all --min-bytes 4K --max-bytes 64M --factor 16 --iters
 //! 5`, 2-core VM, loopback tcp, times in microseconds (hierarchical / ring /
-//! doubling), one sitting:
+//! doubling), one sitting per group of rows:
 //!
 //! | layout | 4 KiB | 64 KiB | 1 MiB | 16 MiB | 64 MiB |
 //! |---|---|---|---|---|---|
 //! | 2x1 | 64 / 36 / 34 | 91 / 82 / 75 | 516 / 280 / 370 | 11715 / 6761 / 13345 | 46154 / 29567 / 49688 |
 //! | 3x1 | 147 / 168 / 132 | 190 / 167 / 139 | 832 / 640 / 1020 | 22695 / 14054 / 23260 | 77898 / 47813 / 83782 |
 //! | 4x1 | 264 / 306 / 207 | 282 / 357 / 385 | 1448 / 1369 / 1870 | 27823 / 21854 / 41476 | 108658 / 62251 / 150217 |
-//! | 2x2 | 335 / 266 / | 298 / 352 / | 868 / 1016 / | 17746 / 16471 / | 54581 / 57089 / |
-//! | 1x2 | 52 / 73 / | 42 / 65 / | 622 / 727 / | 2420 / 8705 / | 13498 / 29754 / |
+//! | 1x2 | 26 / 21 / | 47 / 26 / | 77 / 60 / | 3042 / 2025 / | 13000 / 8353 / |
+//! | 1x3 | 86 / 97 / | 108 / 88 / | 224 / 160 / | 5969 / 3673 / | 22173 / 13780 / |
+//! | 2x2 | 178 / 167 / | 219 / 208 / | 821 / 852 / | 15374 / 10343 / | 57950 / 36946 / |
 //!
-//! With one device per machine the ring wins from 1 MiB by 1.1x to 1.8x, and
-//! ties below it at two and three machines; at four it takes `M - 1` hops where
-//! hierarchical takes two, and loses at 64 KiB and below. So `auto` follows the
-//! relay's rule: the ring on two or three machines, and from 256 KiB. With several devices per machine hierarchical's shared-memory step
-//! ties the ring's fabric hops (2x2) or beats them by up to 3.6x (1x2); `auto`
-//! keeps hierarchical there, and where the job has dedicated servers.
+//! The ring wins from 16 MiB by 1.5x to 1.8x everywhere, and from 1 MiB where
+//! machines have one device. Below that it ties at two and three machines; at
+//! four it takes `M - 1` hops where hierarchical takes two, and loses at 64 KiB
+//! and below. So `auto` follows the relay's rule on several machines (the ring
+//! on two or three, and from 256 KiB), and runs the ring on one machine of
+//! several ranks, where it is hierarchical's reduce-scatter without the
+//! all-gather. A job with dedicated servers keeps hierarchical (its ranks link
+//! no rails, so the ring would cross the fabric inside each machine).
 
 use fairring_core::topology::Topology;
 
@@ -179,11 +186,15 @@ impl Algorithm {
     /// The algorithm a reduce-scatter of `bytes` (its whole input) runs on
     /// `topology`: `self`, unless `self` is [`Algorithm::Auto`].
     /// [`Algorithm::Ring`] runs it as the ring's reduce-scatter half, which
-    /// moves half the bytes of an all-reduce but crosses the fabric between the
-    /// ranks of a machine too.
+    /// moves half the bytes of an all-reduce: around the ranks, or around the
+    /// machines after the machine's own reduce-scatter where machines have
+    /// several devices.
     pub(crate) fn resolve_scatter(self, topology: Topology, bytes: u64) -> Algorithm {
         match self {
-            Algorithm::Auto if topology.devices_per_machine() > 1 => Algorithm::Hierarchical,
+            // One machine: its reduce-scatter alone, without the all-gather.
+            Algorithm::Auto if topology.machines() == 1 && topology.devices_per_machine() > 1 => {
+                Algorithm::Ring
+            }
             other => other.resolve_spread(topology, bytes),
         }
     }
@@ -238,17 +249,21 @@ mod tests {
             assert_eq!(spread(2, 1, bytes), Algorithm::Ring);
             assert_eq!(spread(3, 1, bytes), Algorithm::Ring);
             assert_eq!(scatter(2, 1, bytes), Algorithm::Ring);
-            // Several devices per machine: the relay runs over the machines;
-            // the reduce-scatter keeps the machine's shared memory.
+            // Several devices per machine: both run over the machines, with
+            // shared memory inside each.
             assert_eq!(spread(2, 2, bytes), Algorithm::Ring);
-            assert_eq!(scatter(2, 2, bytes), Algorithm::Hierarchical);
-            // One machine: shared memory only.
+            assert_eq!(scatter(2, 2, bytes), Algorithm::Ring);
+            // One machine: shared memory only; a reduce-scatter skips the
+            // all-gather.
             assert_eq!(spread(1, 8, bytes), Algorithm::Hierarchical);
             assert_eq!(spread(1, 1, bytes), Algorithm::Hierarchical);
-            assert_eq!(scatter(1, 8, bytes), Algorithm::Hierarchical);
+            assert_eq!(scatter(1, 8, bytes), Algorithm::Ring);
+            assert_eq!(scatter(1, 1, bytes), Algorithm::Hierarchical);
         }
         assert_eq!(scatter(8, 1, 4096), Algorithm::Hierarchical);
         assert_eq!(scatter(8, 1, 256 << 10), Algorithm::Ring);
+        assert_eq!(scatter(4, 2, 4096), Algorithm::Hierarchical);
+        assert_eq!(scatter(4, 2, 256 << 10), Algorithm::Ring);
         assert_eq!(
             Algorithm::Ring.resolve_scatter(at(2, 2), 4096),
             Algorithm::Ring

@@ -16,7 +16,9 @@
 //! A reduce-scatter slice holds the same range of every rank's share, one
 //! *piece* each, so its pieces are cut to a line-aligned `N`th of the slice;
 //! its receive slots follow the pieces (at the inbox, unless pieces of a
-//! single line overrun it, where slices are tiny and the buffer grows).
+//! single line overrun it, where slices are tiny and the buffer grows). Where
+//! machines have several devices the same `N` pieces are grouped by device
+//! (`local::RailPieces`) and only `M - 1` receive slots are used.
 //!
 //! Recursive doubling receives a whole slice per round, in `S = 1 + log2 p`
 //! slots (`p` the largest power of two at most `N`): its slices are cut to fit

@@ -296,5 +296,6 @@ fn local_slice<M: MemorySpace>(b: u32, active: &ActiveSlice<M>) -> LocalSlice<'_
         tensor: &active.tensor,
         dtype: active.dtype,
         op: active.op,
+        pieces: active.algorithm.local_pieces(),
     }
 }

@@ -19,6 +19,7 @@
 #[cfg(all(test, loom))]
 mod loom_models;
 mod machine;
+mod pieces;
 mod placed;
 pub(crate) mod protocol;
 mod shm;
@@ -28,6 +29,7 @@ use fairring_core::plan::Slice;
 use fairring_core::{DataType, ReduceOp};
 
 pub(crate) use machine::{Machine, Words};
+pub(crate) use pieces::RailPieces;
 pub(crate) use placed::PlacedStep;
 pub(crate) use shm::ShmStep;
 pub(crate) use solo::Solo;
@@ -50,6 +52,9 @@ pub(crate) struct LocalSlice<'a, M: MemorySpace> {
     pub(crate) dtype: DataType,
     /// The operator.
     pub(crate) op: ReduceOp,
+    /// A reduce-scatter's pieces, grouped by device ([`RailPieces`]), where
+    /// they take the place of the slice's slots.
+    pub(crate) pieces: Option<RailPieces>,
 }
 
 /// The intra-machine step as the engine drives it.
@@ -67,7 +72,9 @@ pub(crate) trait LocalStep<M: MemorySpace>: Send + Sync {
     /// rank has begun it; `None` while one has not. The result goes into this
     /// rank's slot of its staging buffer. `final_world` is `Some(world size)` when
     /// that result is final (a single-machine job): it then goes into the slot of
-    /// the tensor too, already divided by the world size for [`ReduceOp::Avg`].
+    /// the tensor too, already divided by the world size for [`ReduceOp::Avg`];
+    /// for a reduce-scatter's pieces, into the tensor only (its own share), since
+    /// no all-gather follows.
     fn try_reduce_scatter(
         &self,
         s: &LocalSlice<'_, M>,

@@ -51,6 +51,7 @@ fn host<'a>(
         tensor,
         dtype: s.dtype,
         op: s.op,
+        pieces: s.pieces,
     }
 }
 

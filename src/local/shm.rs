@@ -24,6 +24,12 @@
 //! reduction over `S/D` bytes, and `S (D-1)/D` (single machine) or `S` bytes copied
 //! out: the fewest copies a tensor in private memory allows.
 //!
+//! A reduce-scatter's slice ([`RailPieces`](super::RailPieces)) runs steps 1 and 2
+//! over its pieces instead of the slice's slots: slot `d` is the pieces of
+//! device `d` on every machine, read from their ranks' shares of the tensor. No
+//! all-gather follows; on one machine the reduction goes into the rank's own
+//! share only.
+//!
 //! Publishing rings every other local rank's doorbell (a futex in the segment), so
 //! a progress thread with nothing to do sleeps instead of spinning: oversubscribed
 //! runs (more ranks than cores) do not starve.
@@ -114,6 +120,24 @@ pub(super) fn slot_range(slice: &Slice, device: u32) -> Result<Range<usize>> {
         .ok_or_else(|| Error::internal("a slot lies within its slice", format!("{slot:?}")))
 }
 
+/// Calls `each(in_tensor, staged)` for the bytes of slot `device` of `s`, each
+/// run as it lies in the tensor (from the slice's start) and in the staging
+/// buffer: the slot itself, at the same place in both, or a reduce-scatter's
+/// pieces of that device ([`RailPieces`](super::RailPieces)).
+fn for_each_run(
+    s: &LocalSlice<'_, Host>,
+    device: u32,
+    mut each: impl FnMut(Range<usize>, Range<usize>) -> Result<()>,
+) -> Result<()> {
+    match s.pieces {
+        Some(pieces) => pieces.for_each_in_slot(device, each),
+        None => {
+            let slot = slot_range(s.slice, device)?;
+            each(slot.clone(), slot)
+        }
+    }
+}
+
 /// The byte range of `slice` in its tensor.
 pub(super) fn slice_range(slice: &Slice) -> Result<Range<usize>> {
     slice.span().byte_range().ok_or_else(|| {
@@ -169,10 +193,12 @@ impl LocalStep<Host> for ShmStep {
         self.protocol
             .stage_in(&*self.segment, s.buffer, s.number, || {
                 for r in (0..self.size).filter(|&r| r != self.rank()) {
-                    let range = slot_range(s.slice, r)?;
-                    // SAFETY: the operation is pending; only the driver touches it.
-                    let src = unsafe { tensor_bytes(s.tensor, s.slice, range.clone())? };
-                    self.own_bytes(s.buffer, range)?.copy_from_slice(src);
+                    for_each_run(s, r, |in_tensor, staged| {
+                        // SAFETY: the operation is pending; only the driver touches it.
+                        let src = unsafe { tensor_bytes(s.tensor, s.slice, in_tensor)? };
+                        self.own_bytes(s.buffer, staged)?.copy_from_slice(src);
+                        Ok(())
+                    })?;
                 }
                 Ok(())
             })
@@ -183,13 +209,15 @@ impl LocalStep<Host> for ShmStep {
         s: &LocalSlice<'_, Host>,
         final_world: Option<u32>,
     ) -> Result<Option<()>> {
-        let reduce = || -> Result<()> {
-            let range = slot_range(s.slice, self.rank())?;
+        let elem = usize::try_from(s.dtype.size_bytes()).unwrap_or(1);
+        let step = CHUNK_BYTES - CHUNK_BYTES % elem;
+        // A final slot is copied into the buffer for the all-gather; a
+        // reduce-scatter's final pieces have none.
+        let publish_final = self.size > 1 && s.pieces.is_none();
+        let reduce_run = |in_tensor: Range<usize>, range: Range<usize>| -> Result<()> {
             // SAFETY: as in `begin`.
-            let own = unsafe { tensor_bytes(s.tensor, s.slice, range.clone())? };
+            let own = unsafe { tensor_bytes(s.tensor, s.slice, in_tensor)? };
             let staged = self.own_bytes(s.buffer, range.clone())?;
-            let elem = usize::try_from(s.dtype.size_bytes()).unwrap_or(1);
-            let step = CHUNK_BYTES - CHUNK_BYTES % elem;
             let mut at = range.start;
             for (own, staged) in own.chunks_mut(step).zip(staged.chunks_mut(step)) {
                 let chunk = at..at + own.len();
@@ -206,7 +234,7 @@ impl LocalStep<Host> for ShmStep {
                                 Error::internal("averages divide a whole sum", e.to_string())
                             })?;
                         }
-                        if self.size > 1 {
+                        if publish_final {
                             staged.copy_from_slice(own);
                         }
                     }
@@ -220,7 +248,9 @@ impl LocalStep<Host> for ShmStep {
         };
         let ran = self
             .protocol
-            .try_reduce_scatter(&*self.segment, s.buffer, s.number, reduce)?;
+            .try_reduce_scatter(&*self.segment, s.buffer, s.number, || {
+                for_each_run(s, self.rank(), reduce_run)
+            })?;
         Ok(ran.then_some(()))
     }
 
@@ -230,6 +260,12 @@ impl LocalStep<Host> for ShmStep {
     }
 
     fn try_all_gather(&self, s: &LocalSlice<'_, Host>, own_in_tensor: bool) -> Result<Option<()>> {
+        if s.pieces.is_some() {
+            return Err(Error::internal(
+                "a reduce-scatter's pieces are never gathered",
+                format!("slice {}", s.number),
+            ));
+        }
         let gather = || -> Result<()> {
             for r in (0..self.size).filter(|&r| !(own_in_tensor && r == self.rank())) {
                 let range = slot_range(s.slice, r)?;

@@ -20,7 +20,8 @@
 //!   rank it starts at (a pipelined chain from a broadcast's root);
 //! - [`scatter`]: reduce-scatter, the ring's reduce-scatter half over the same
 //!   range of every rank's share, each byte reduced on its way to the rank
-//!   whose share it is;
+//!   whose share it is (around the machines, after the machine's own
+//!   reduce-scatter, where machines have several devices);
 //! - [`serve`]: a dedicated reduction server's part of every slice (Herring's
 //!   design), where the workers run [`hierarchical`] with the servers in the
 //!   machines' place.
@@ -59,6 +60,7 @@ use super::layout::StagingLayout;
 use super::tags::Kind;
 use crate::config::Algorithm;
 use crate::error::{Error, Result};
+use crate::local::RailPieces;
 use crate::memory::{Conversion, Reduction};
 
 /// An algorithm as the engine runs it: [`Algorithm::Auto`] is resolved before an
@@ -382,6 +384,15 @@ impl SliceAlgorithm {
             SliceAlgorithm::Doubling(_) => Resolved::Doubling,
             SliceAlgorithm::Scatter(_) => Resolved::Scatter,
             SliceAlgorithm::Serve(v) => v.resolved(),
+        }
+    }
+
+    /// How the slice lies in the staging buffers the local step shares: a
+    /// reduce-scatter's pieces grouped by device, or (`None`) the slice's slots.
+    pub(crate) fn local_pieces(&self) -> Option<RailPieces> {
+        match self {
+            SliceAlgorithm::Scatter(r) => r.local_pieces(),
+            _ => None,
         }
     }
 

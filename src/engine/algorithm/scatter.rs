@@ -3,51 +3,123 @@
 //!
 //! A reduce-scatter plans each rank's share (its `count` elements), not the
 //! whole input: slice `[a, b)` of the plan stands for the same range of every
-//! rank's share, `N` *pieces*. Piece `o` (bytes `o * share + [a, b)` of the
-//! input) is staged at `o * len` of the buffer, `len` being the slice's bytes.
-//! Rank `r` sends to `r + 1` and receives from `r - 1`, over the fabric,
-//! whatever machine they are on:
+//! rank's share, `N` *pieces*. The ring goes around a line of members:
 //!
-//! - step `k = 0..N-1` sends piece `r - 1 - k` into the next rank's receive
+//! - **the ranks**, where every machine has one device (or the job has
+//!   dedicated servers, which link no rails): piece `o` (bytes
+//!   `o * share + [a, b)` of the input) is staged at `o * len` of the buffer,
+//!   `len` being the slice's bytes, and rank `r` sends to `r + 1` over the
+//!   fabric;
+//! - **the machines**, along this device's rail, where machines have several
+//!   devices: the machine's reduce-scatter (the local step over
+//!   [`RailPieces`]) leaves in device `d`'s slot the machine's partial sum of
+//!   the piece of device `d` on every machine, and the ring goes around those
+//!   `M` pieces; a machine's ranks never cross the fabric to each other. On
+//!   one machine the local step's result is final and goes straight into the
+//!   share.
+//!
+//! With `P` members, at position `p`:
+//!
+//! - step `k = 0..P-1` sends piece `p - 1 - k` into the next member's receive
 //!   slot `k`: step 0 the piece as staged, each later step the piece into which
-//!   the landing of step `k - 1` (the previous rank's partial of that piece)
+//!   the landing of step `k - 1` (the previous member's partial of that piece)
 //!   has just been reduced;
-//! - the landing of step `N - 2` is the last partial of piece `r`: reduced into
-//!   the own piece (and averaged, for `avg`), it is this rank's share of the
-//!   slice, copied into the tensor at the share's place, from where the
-//!   operation delivers it.
+//! - the landing of step `P - 2` is the last partial of piece `p`: reduced into
+//!   the own piece (and averaged over every rank, for `avg`), it is this rank's
+//!   share of the slice, copied into the tensor at the share's place, from
+//!   where the operation delivers it.
 //!
-//! Each rank sends and receives `N - 1` pieces per slice, `(N-1)/N` of the
-//! input, once; an all-reduce of the input moves twice that. Every piece's
-//! partials fold in the same order in every slice (`x_o op (x_{o-1} op (...
-//! op x_{o+1}))` for piece `o`). Receive slots are used once per slice, so every
+//! Over the ranks each rank sends and receives `N - 1` pieces per slice,
+//! `(N-1)/N` of the input, once; over the machines each rank sends `(M-1)/M`
+//! of its slot, `1/D` of that, and the machine's shared memory carries the
+//! rest. An all-reduce of the input moves twice that. Every piece's partials
+//! fold in the same order in every slice (`x_o op (x_{o-1} op (... op
+//! x_{o+1}))` for piece `o`). Receive slots are used once per slice, so every
 //! write needs the slice's credit. Landings carry no step: one peer's writes
 //! arrive in order, so the `k`-th landing is step `k`.
 //!
-//! Pieces are staged in the order the ring needs them (`r - 1` first), and a
-//! landing is reduced only once its piece is staged; each reduction is one
-//! step whose end the engine reports, and the piece goes on only then, so a
-//! device memory space can run it asynchronously.
+//! Over the ranks, pieces are staged in the order the ring needs them (`r - 1`
+//! first), and a landing is reduced only once its piece is staged; each
+//! reduction is one step whose end the engine reports, and the piece goes on
+//! only then, so a device memory space can run it asynchronously.
 
 use std::ops::Range;
 
 use fairring_core::ReduceOp;
 
-use super::{
-    Context, Origins, SliceEvent, SliceInfo, Step, Write, from_previous, stray_event, unexpected,
-};
+use super::{Context, Origins, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
+use crate::local::RailPieces;
 use crate::memory::{Reduction, Sources};
+
+/// The ring a slice's pieces go around.
+#[derive(Clone, Copy, Debug)]
+struct Around {
+    /// Members: ranks, or machines.
+    members: u32,
+    /// This rank's place among them.
+    position: u32,
+    /// The ranks written to and written by.
+    next: u32,
+    previous: u32,
+    /// This rank's device (its slot of the machine's pieces).
+    device: u32,
+    /// Over the machines: the pieces as the machine stages them.
+    rail: Option<RailPieces>,
+}
+
+impl Around {
+    /// The ring of slice `s` on this rank: this device's rail over the
+    /// machines where machines have several devices and the job links rails
+    /// (no dedicated servers), else the ranks.
+    fn of(ctx: &Context<'_>, s: &SliceInfo<'_>, share: u64) -> Result<Around> {
+        if ctx.topology.devices_per_machine() == 1 || ctx.servers > 0 {
+            return Ok(Around {
+                members: ctx.world,
+                position: ctx.rank,
+                next: ctx.around(1),
+                previous: ctx.around(-1),
+                device: ctx.location.device,
+                rail: None,
+            });
+        }
+        let machines = ctx.topology.machines();
+        let machine = ctx.location.machine;
+        Ok(Around {
+            members: machines,
+            position: machine,
+            next: ctx.rail_peer((machine + 1) % machines)?,
+            previous: ctx.rail_peer((machine + machines - 1) % machines)?,
+            device: ctx.location.device,
+            rail: Some(RailPieces::new(ctx.topology, share, s.bytes()?)),
+        })
+    }
+
+    /// The member `offset` places after this one (and the index of its piece).
+    fn at(&self, offset: i64) -> u32 {
+        let n = i64::from(self.members);
+        #[expect(clippy::cast_possible_truncation, reason = "reduced mod P <= u32::MAX")]
+        let i = (i64::from(self.position) + offset).rem_euclid(n) as u32;
+        i
+    }
+
+    /// The piece whose partial lands at step `k`: `p - 2 - k`.
+    fn landing(&self, k: u32) -> u32 {
+        self.at(-i64::from(k) - 2)
+    }
+}
 
 /// How far the reduce-scatter of one slice has come.
 #[derive(Debug)]
 pub(crate) struct Scatter {
+    around: Around,
     /// Bytes of each rank's share in the tensor.
     share: u64,
-    /// Steps: `N - 1`.
+    /// Steps: `P - 1`.
     total: u32,
-    /// Pieces staged in so far (in the order `r - 1`, `r - 2`, ..., `r`).
+    /// Pieces staged so far (over the ranks in the order `r - 1`, `r - 2`,
+    /// ..., `r`; over the machines all at once, by the local step).
     staged: u32,
     /// Landings whose reduction has finished.
     reduced: u32,
@@ -65,7 +137,8 @@ pub(crate) struct Scatter {
 }
 
 impl Scatter {
-    /// Stages every piece in, the one sent first first.
+    /// Stages every piece in, the one sent first first; over the machines,
+    /// begins the machine's reduce-scatter.
     pub(crate) fn start(
         ctx: &Context<'_>,
         s: &SliceInfo<'_>,
@@ -80,9 +153,11 @@ impl Scatter {
                 ));
             }
         };
+        let around = Around::of(ctx, s, share)?;
         let scatter = Scatter {
+            around,
             share,
-            total: ctx.world - 1,
+            total: around.members - 1,
             staged: 0,
             reduced: 0,
             reducing: false,
@@ -92,8 +167,15 @@ impl Scatter {
             copied: false,
             released: false,
         };
-        for j in 0..ctx.world {
-            let o = ctx.around(-i64::from(j) - 1);
+        if around.rail.is_some() {
+            steps.push(Step::LocalBegin);
+            steps.push(Step::LocalReduceScatter {
+                final_world: (around.members == 1).then_some(ctx.world),
+            });
+            return Ok(scatter);
+        }
+        for j in 0..around.members {
+            let o = around.at(-i64::from(j) - 1);
             steps.push(Step::StageIn {
                 to: scatter.piece(s, o)?.start,
                 from: scatter.in_tensor(s, o)?,
@@ -110,11 +192,20 @@ impl Scatter {
         event: SliceEvent,
         steps: &mut Vec<Step>,
     ) -> Result<()> {
+        let members = self.around.members;
         match event {
-            SliceEvent::Staged if self.staged < ctx.world => {
+            SliceEvent::Staged if self.around.rail.is_none() && self.staged < members => {
                 self.staged += 1;
                 if self.staged == 1 && self.total > 0 {
-                    self.send(ctx, s, 0, ctx.around(-1), steps)?;
+                    self.send(ctx, s, 0, self.around.at(-1), steps)?;
+                }
+            }
+            SliceEvent::LocalReduceScatterDone
+                if self.around.rail.is_some() && self.staged == 0 =>
+            {
+                self.staged = members;
+                if self.total > 0 {
+                    self.send(ctx, s, 0, self.around.at(-1), steps)?;
                 }
             }
             SliceEvent::Landed {
@@ -122,8 +213,9 @@ impl Scatter {
                 peer,
             } => {
                 let seen = self.reduced + u32::from(self.reducing) + self.arrived;
-                let expected = seen < self.total;
-                from_previous(ctx, s, Kind::Scatter, peer, expected, "not the next step")?;
+                if peer != self.around.previous || seen >= self.total {
+                    return Err(unexpected(Kind::Scatter, peer, s, "not the next step"));
+                }
                 self.arrived += 1;
             }
             SliceEvent::Landed { kind, peer } => {
@@ -137,7 +229,7 @@ impl Scatter {
                 let k = self.reduced;
                 self.reduced += 1;
                 if k + 1 < self.total {
-                    self.send(ctx, s, k + 1, landing(ctx, k), steps)?;
+                    self.send(ctx, s, k + 1, self.around.landing(k), steps)?;
                 }
             }
             SliceEvent::CopiedOut if self.copying && !self.copied => self.copied = true,
@@ -146,9 +238,16 @@ impl Scatter {
         self.pump(ctx, s, steps)
     }
 
+    /// The pieces as the machine's local step stages them, over the machines.
+    pub(crate) fn local_pieces(&self) -> Option<RailPieces> {
+        self.around.rail
+    }
+
     /// Where the slice is, for a stall report.
     pub(crate) fn phase(&self) -> &'static str {
-        if self.staged == 0 {
+        if self.staged == 0 && self.around.rail.is_some() {
+            "local reduce-scatter"
+        } else if self.staged == 0 {
             "staging in"
         } else if self.reduced < self.total {
             "ring reduce-scatter"
@@ -170,7 +269,7 @@ impl Scatter {
             if self.arrived > 0 && self.staged >= k + 2 {
                 self.arrived -= 1;
                 self.reducing = true;
-                let dst = self.piece(s, landing(ctx, k))?;
+                let dst = self.piece(s, self.around.landing(k))?;
                 let slot = ctx.layout.scatter_slot(k)?;
                 steps.push(Step::Reduce(Reduction {
                     dtype: s.dtype,
@@ -184,12 +283,17 @@ impl Scatter {
             }
             return Ok(());
         }
-        if self.staged == ctx.world && !self.copying {
+        if self.staged == self.around.members && !self.copying {
             self.copying = true;
-            steps.push(Step::CopyOut {
-                from: self.piece(s, ctx.rank)?.start,
-                to: self.in_tensor(s, ctx.rank)?,
-            });
+            if self.around.rail.is_some() && self.around.members == 1 {
+                // The machine's reduce-scatter wrote the final share.
+                self.copied = true;
+            } else {
+                steps.push(Step::CopyOut {
+                    from: self.piece(s, self.around.position)?.start,
+                    to: self.in_tensor(s, ctx.rank)?,
+                });
+            }
         }
         if self.copied && self.sends == 0 && !self.released {
             self.released = true;
@@ -199,7 +303,7 @@ impl Scatter {
         Ok(())
     }
 
-    /// Step `step` (piece `o`) to the next rank's receive slot `step`.
+    /// Step `step` (piece `o`) to the next member's receive slot `step`.
     fn send(
         &mut self,
         ctx: &Context<'_>,
@@ -211,7 +315,7 @@ impl Scatter {
         self.sends += 1;
         steps.push(Step::Write(Write {
             kind: Kind::Scatter,
-            peer: ctx.around(1),
+            peer: self.around.next,
             source: self.piece(s, o)?,
             target: ctx.layout.scatter_slot(step)?,
             needs_credit: true,
@@ -219,8 +323,11 @@ impl Scatter {
         Ok(())
     }
 
-    /// Piece `o` in the staging buffer.
+    /// Piece `o` (of member `o`) in the staging buffer.
     fn piece(&self, s: &SliceInfo<'_>, o: u32) -> Result<Range<usize>> {
+        if let Some(rail) = self.around.rail {
+            return rail.staged(self.around.device, o);
+        }
         let len = s.bytes()?;
         let start = len.checked_mul(o as usize).ok_or_else(|| overflow(s))?;
         Ok(start..start + len)
@@ -235,11 +342,6 @@ impl Scatter {
             .ok_or_else(|| overflow(s))?;
         Ok(start..start + s.bytes()?)
     }
-}
-
-/// The piece whose partial lands at step `k`: `r - 2 - k`.
-fn landing(ctx: &Context<'_>, k: u32) -> u32 {
-    ctx.around(-i64::from(k) - 2)
 }
 
 fn overflow(s: &SliceInfo<'_>) -> Error {

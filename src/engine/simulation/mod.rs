@@ -4,7 +4,8 @@
 //! rank drives, which link delivers its next post, and when each rank's caller
 //! submits its next operation.
 //!
-//! Each seed picks the layout (`M` in 1..=4, `D` in 1..=3), for three seeds in
+//! Each seed picks the layout (`M` in 1..=4, `D` in 1..=3, ranks numbered
+//! machine by machine or, for one seed in four, device by device), for three seeds in
 //! seven 1 to 3 dedicated reduction servers (which then take the inter-machine
 //! step), the number of staging buffers (1..=4), the slice size, a script of
 //! integer all-reduces (empty to many slices, `i32`/`i64`/`u8`/`f32`,
@@ -338,6 +339,8 @@ fn build_job(
 struct Scenario {
     machines: u32,
     devices: u32,
+    /// How ranks are numbered.
+    layout: RankLayout,
     servers: u32,
     buffers: u32,
     slice_bytes: u64,
@@ -435,9 +438,16 @@ impl Scenario {
         let window = 1 + rng.below(4) as usize;
         let kill = (processes > 1 && rng.below(2) == 1)
             .then(|| (1 + rng.below(4000), rng.below(u64::from(processes)) as u32));
+        // Drawn last, so that every other draw of a seed stays as it was.
+        let layout = if rng.below(4) == 0 {
+            RankLayout::Interleaved
+        } else {
+            RankLayout::Contiguous
+        };
         Scenario {
             machines: m,
             devices: d,
+            layout,
             servers,
             buffers,
             slice_bytes,
@@ -460,6 +470,7 @@ fn play(sc: &Scenario, rng: &mut Rng) -> Result<Outcome, String> {
     let Scenario {
         machines: m,
         devices: d,
+        layout: rank_layout,
         servers,
         buffers,
         slice_bytes,
@@ -470,7 +481,7 @@ fn play(sc: &Scenario, rng: &mut Rng) -> Result<Outcome, String> {
     let ops = &sc.ops;
     let world = m * d;
     let processes = world + servers;
-    let topology = Topology::new(m, d, RankLayout::Contiguous).map_err(|e| e.to_string())?;
+    let topology = Topology::new(m, d, rank_layout).map_err(|e| e.to_string())?;
     let config = PlanConfig::new(slice_bytes, 64).map_err(|e| e.to_string())?;
     let geometry = match servers {
         0 => Geometry::new(topology, config),
@@ -772,6 +783,7 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
         let scenario = Scenario {
             machines,
             devices,
+            layout: RankLayout::Contiguous,
             servers: 0,
             buffers: 1 + rng.below(2) as u32,
             slice_bytes: 1024,
