@@ -150,7 +150,9 @@ fn check_reduce_scatter<T: Element + PartialEq + Send + Sync>(
                         (0..n * world as usize).map(|i| input(rank, k, i)).collect();
                     let mut output = vec![fill; n];
                     comm.reduce_scatter(&mut all, &mut output, op)
-                        .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                        .unwrap_or_else(|e| {
+                            panic!("{m}x{d}+{servers} {algorithm} {op}: rank {rank}: {e}")
+                        });
                     let share = all[rank as usize * n..(rank as usize + 1) * n].to_vec();
                     (output, share)
                 })

@@ -67,7 +67,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         // A local rank that finished reading this rank's buffers since the last
         // pass moves the window.
         self.advance_vacated(d);
-        d.credits.send(&self.links, &d.departures, Due::Short);
+        d.credits
+            .send(&self.links, &d.departures, Due::Short, &self.machine);
         d.checks
             .send(d.operations.accepted(), &self.links, &d.departures);
         if d.operations.any_finished() {
@@ -86,7 +87,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         if !progressed {
             // This rank waits: withheld credits cost nothing now.
-            d.credits.send(&self.links, &d.departures, Due::Any);
+            d.credits
+                .send(&self.links, &d.departures, Due::Any, &self.machine);
         }
         Ok(progressed)
     }
@@ -108,7 +110,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let geometry = self.geometry_of(sub.algorithm)?;
         d.operations.accept(sub, geometry)?;
         d.checks.accepted(seq, words, &self.machine, &self.links)?;
-        d.credits.send(&self.links, &d.departures, Due::Any);
+        d.credits
+            .send(&self.links, &d.departures, Due::Any, &self.machine);
         d.checks
             .send(d.operations.accepted(), &self.links, &d.departures);
         Ok(())

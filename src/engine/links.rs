@@ -121,6 +121,20 @@ impl<F: Fabric> Links<F> {
             })
     }
 
+    /// Every rank's index on this machine if it is another worker of this
+    /// machine and this rank is a worker (a dedicated server is on no worker's
+    /// machine); `None` for the rest, `world` entries.
+    pub(crate) fn local_indices(&self, world: u32) -> Vec<Option<u32>> {
+        let workers = self.topology.world_size();
+        (0..world)
+            .map(|p| {
+                let l = self.topology.locate(p).ok()?;
+                (self.rank < workers && p != self.rank && l.machine == self.location.machine)
+                    .then_some(l.device)
+            })
+            .collect()
+    }
+
     /// The global rank of local rank `device` of this machine.
     pub(crate) fn local_to_global(&self, device: u32) -> u32 {
         self.topology

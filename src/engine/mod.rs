@@ -243,7 +243,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             driver: Mutex::new(Driver {
                 operations: Operations::new(),
                 slices: Slices::new(parts.buffers, most),
-                credits: Credits::new(parts.buffers, world),
+                credits: Credits::new(parts.buffers, links.local_indices(world)),
                 checks: Checks::new(world, &links.remote_in),
                 outbox: Outbox::new(parts.buffers, most),
                 departures: Departures::new(world),

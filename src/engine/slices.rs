@@ -294,7 +294,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             self.try_complete(d, active.seq)?;
         }
         if self.advance_vacated(d) {
-            d.credits.send(&self.links, &d.departures, Due::Short);
+            d.credits
+                .send(&self.links, &d.departures, Due::Short, &self.machine);
         }
         Ok(())
     }

@@ -257,9 +257,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// Posts buffer `b`'s queued writes that the peers have credited and whose
     /// operation's descriptor they have.
     fn flush(&self, d: &mut Driver<M>, b: u32) -> Result<bool, Fault> {
-        let (credits, checks, links) = (&d.credits, &d.checks, &self.links);
+        let (credits, checks, links, machine) = (&d.credits, &d.checks, &self.links, &self.machine);
         let may_go = |w: &PendingWrite| {
-            w.credit_for.is_none_or(|s| credits.allows(w.peer, s))
+            w.credit_for
+                .is_none_or(|s| credits.allows(w.peer, s, machine))
                 && checks.may_send_data(w.peer, w.seq, links)
         };
         Ok(d.outbox.flush(b, links, may_go)?)

@@ -1,7 +1,7 @@
 //! What the ranks of one machine tell each other outside the data path, through
-//! the shared segment, whatever memory their tensors live in: a doorbell each, the
-//! descriptor of every operation (for the engine's checks), and the machine's first
-//! failure.
+//! the shared segment, whatever memory their tensors live in: a doorbell each, a
+//! credit limit each (for the engine's credit window), the descriptor of every
+//! operation (for the engine's checks), and the machine's first failure.
 
 use std::sync::Arc;
 
@@ -50,6 +50,25 @@ impl Machine {
         let segment = Arc::clone(&self.segment);
         let rank = self.rank;
         Arc::new(move || segment.doorbell(rank).ring())
+    }
+
+    /// Publishes this rank's credit limit (slices below `limit` may be written
+    /// into its staging buffers) and rings the doorbells of the local ranks in
+    /// `writers`, which write into them.
+    pub(crate) fn publish_credit(&self, limit: u64, writers: impl Iterator<Item = u32>) {
+        // Release: the bytes of the slices the limit frees are no longer read
+        // here before a writer that sees it writes them.
+        self.segment
+            .credit(self.rank)
+            .store(limit, Ordering::Release);
+        for r in writers {
+            self.segment.doorbell(r).ring();
+        }
+    }
+
+    /// Local rank `rank`'s credit limit as last published (0 before the first).
+    pub(crate) fn credit(&self, rank: u32) -> u64 {
+        self.segment.credit(rank).load(Ordering::Acquire)
     }
 
     /// Publishes this rank's descriptor words of operation `seq` to the local ranks.

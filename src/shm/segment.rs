@@ -3,11 +3,12 @@
 //! ```text
 //! page 0      header: magic, geometry, `ready` (set by the creator last), the
 //!             failure claim; line 1 holds the failure record (8 u64)
-//! control     per local rank: a doorbell line, then per staging buffer three lines
-//!             holding the rank's progress counters (input ready, slot final,
-//!             all-gather done), each a u64 on its own cache line, then the
-//!             rank's operation table: `OPERATIONS` entries of 32 bytes
-//!             (sequence + 1, then the operation's two descriptor words)
+//! control     per local rank: a doorbell line, a line holding the rank's credit
+//!             limit (a u64), then per staging buffer three lines holding the
+//!             rank's progress counters (input ready, slot final, all-gather
+//!             done), each a u64 on its own cache line, then the rank's
+//!             operation table: `OPERATIONS` entries of 32 bytes (sequence + 1,
+//!             then the operation's two descriptor words)
 //! data        per local rank: B staging buffers of `buffer_bytes`, page aligned
 //! ```
 //!
@@ -88,7 +89,7 @@ impl Segment {
 
     /// Bytes of one rank's control area.
     fn per_rank(buffers: u32) -> usize {
-        LINE + buffers as usize * COUNTERS * LINE + OPERATIONS * OPERATION_BYTES
+        2 * LINE + buffers as usize * COUNTERS * LINE + OPERATIONS * OPERATION_BYTES
     }
 
     /// Offset of local rank `rank`'s control area.
@@ -237,6 +238,15 @@ impl Segment {
         unsafe { &*self.base.as_ptr().wrapping_add(off).cast::<Doorbell>() }
     }
 
+    /// Local rank `rank`'s credit limit: slices below it may be written into
+    /// its staging buffers (the engine's `credits`). Written by that rank only.
+    pub(crate) fn credit(&self, rank: u32) -> &AtomicU64 {
+        let off = self.control_of(rank) + LINE;
+        // SAFETY: in bounds (the layout reserved the line), 64-byte aligned, only
+        // used atomically.
+        unsafe { &*self.base.as_ptr().wrapping_add(off).cast::<AtomicU64>() }
+    }
+
     /// Progress counter `index` (below [`COUNTERS`]) of local rank `rank` for
     /// buffer `buffer`.
     pub(crate) fn counter(&self, rank: u32, buffer: u32, index: usize) -> &AtomicU64 {
@@ -244,7 +254,7 @@ impl Segment {
             rank < self.ranks && buffer < self.buffers && index < COUNTERS,
             "counter out of range"
         );
-        let off = self.control_of(rank) + LINE + (buffer as usize * COUNTERS + index) * LINE;
+        let off = self.control_of(rank) + 2 * LINE + (buffer as usize * COUNTERS + index) * LINE;
         // SAFETY: in bounds (asserted), 64-byte aligned, only used atomically.
         unsafe { &*self.base.as_ptr().wrapping_add(off).cast::<AtomicU64>() }
     }
@@ -254,7 +264,7 @@ impl Segment {
     pub(crate) fn operation(&self, rank: u32, index: usize) -> &[AtomicU64; 3] {
         assert!(index < OPERATIONS, "operation entry out of range");
         let off = self.control_of(rank)
-            + LINE
+            + 2 * LINE
             + self.buffers as usize * COUNTERS * LINE
             + index * OPERATION_BYTES;
         // SAFETY: in bounds (the layout reserved it), 32-byte aligned, only used
