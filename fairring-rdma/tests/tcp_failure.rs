@@ -5,6 +5,7 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{Buffer, config, drain_until, mesh};
@@ -185,4 +186,69 @@ fn dropped_fabric_is_noticed_at_once_and_fails_what_was_queued() {
     });
     assert!(dropped.elapsed() < Duration::from_secs(5));
     assert!(failed + refused > 0, "every write 'sent' to a closed peer");
+}
+
+/// Sets its flag when dropped.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A fabric dropped while its peer still sends to it (bytes it will never read,
+/// so its sockets close with a reset) first lets the peer's kernel take what it
+/// wrote: the peer gets the whole write, then the failure. A reset while the
+/// write's end still waited to be sent would throw that end away.
+#[test]
+fn a_dropped_fabric_delivers_what_it_wrote_before_its_reset() {
+    const LEN: usize = 32 << 20;
+    for round in 0..5 {
+        let mut fabrics = mesh(2, |c| c);
+        let one = fabrics.pop().unwrap();
+        let zero = fabrics.pop().unwrap();
+        let mut bytes = vec![0; LEN];
+        common::Rng(round).fill(&mut bytes);
+        let source = Buffer::new(&zero, bytes.clone());
+        let target = Buffer::new(&one, vec![0; LEN]);
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            // Rank 1 keeps talking to rank 0, which stops reading once dropped.
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = one.send_message(0, 7, b"chatter", 0);
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            });
+            // Ends the chatter however this closure ends, a panic included.
+            let _stop = StopOnDrop(&stop);
+            let request = fairring_rdma::WriteRequest {
+                source: source.region(),
+                source_offset: 0,
+                len: LEN,
+                target: target.region().remote(),
+                target_offset: 0,
+                immediate: 42,
+                token: 1,
+            };
+            zero.write(1, request).unwrap();
+            drain_until(&zero, Duration::from_secs(20), |c| {
+                matches!(c.event, CompletionEvent::Sent { token: 1 })
+            });
+            drop(zero);
+            drain_until(&one, Duration::from_secs(20), |c| match c.event {
+                CompletionEvent::Landed { immediate: 42, len } => {
+                    assert_eq!(len, LEN as u64);
+                    true
+                }
+                CompletionEvent::PeerFailed { failure } => {
+                    panic!("round {round}: rank 0's write failed to land: {failure:?}")
+                }
+                _ => false,
+            });
+        });
+        drop(source);
+        assert!(target.read() == &bytes[..], "round {round}: bytes differ");
+    }
 }

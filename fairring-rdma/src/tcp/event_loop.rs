@@ -28,11 +28,14 @@ use super::quiet::{MAX_NAP, Quiet};
 use super::receiver::Receiver;
 use super::regions::RegionTable;
 use super::sender::{SendOp, Sender};
-use super::socket::NoSigPipe;
+use super::socket::{NoSigPipe, unacknowledged};
 use crate::fabric::{Completion, CompletionEvent, CompletionQueue, PeerFailure, Refusal};
 
 /// Bytes read from one connection before the loop turns to the others.
 const READ_BUDGET: usize = 8 << 20;
+/// The longest a closing fabric waits for its peers to take what it wrote
+/// (`EventLoop::linger`).
+const LINGER: Duration = Duration::from_secs(1);
 /// Bytes read in one turn that keep the loop awake: a large payload streaming
 /// in, which it takes as it arrives.
 const STREAMING_BYTES: usize = 64 << 10;
@@ -285,6 +288,34 @@ impl EventLoop {
             if now >= next_timers {
                 self.timers(now);
                 next_timers = now + tick;
+            }
+        }
+        self.linger();
+    }
+
+    /// Before the sockets close, waits until each peer's kernel has
+    /// acknowledged every byte written to it, for at most [`LINGER`] in all.
+    ///
+    /// A socket closed while bytes from its peer wait unread in it is reset,
+    /// and a reset throws away whatever this side had not sent yet. A peer that
+    /// still sends while this one closes (a credit, a keepalive, a goodbye of
+    /// its own) would then lose the end of what this one wrote, goodbye
+    /// included, and fail on a connection closed mid-frame. Once the peer's
+    /// kernel holds those bytes a reset no longer takes them: the peer reads
+    /// them first, then the reset.
+    fn linger(&self) {
+        let deadline = Instant::now() + LINGER;
+        for &peer in &self.connected {
+            while Instant::now() < deadline {
+                let unacknowledged = self
+                    .shared
+                    .lock_link(peer)
+                    .as_ref()
+                    .and_then(|link| unacknowledged(&link.stream));
+                if unacknowledged.is_none_or(|n| n == 0) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_micros(100));
             }
         }
     }

@@ -1,4 +1,5 @@
-//! Socket writes that never raise SIGPIPE.
+//! Socket writes that never raise SIGPIPE, and what the kernel still holds of
+//! them.
 //!
 //! `std`'s `write` on a socket passes `MSG_NOSIGNAL`, but `write_vectored` is a
 //! plain `writev`, and a `writev` to a socket whose peer is gone raises SIGPIPE,
@@ -13,6 +14,18 @@ pub(crate) struct NoSigPipe<'a, S: AsRawFd>(pub(crate) &'a S);
 
 fn fd_of(socket: &impl AsRawFd) -> RawFd {
     socket.as_raw_fd()
+}
+
+/// Bytes written to a connected socket that its peer has not acknowledged yet
+/// (`SIOCOUTQ`, which Linux also spells `TIOCOUTQ`); `None` if the kernel does
+/// not say.
+pub(crate) fn unacknowledged(socket: &impl AsRawFd) -> Option<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: `TIOCOUTQ` on a socket writes one `int` through the pointer, which
+    // is valid for writes for the call; the descriptor belongs to a live socket
+    // borrowed for the call.
+    let r = unsafe { libc::ioctl(fd_of(socket), libc::TIOCOUTQ, &raw mut n) };
+    (r == 0).then(|| usize::try_from(n).unwrap_or(0))
 }
 
 impl<S: AsRawFd> Write for NoSigPipe<'_, S> {
