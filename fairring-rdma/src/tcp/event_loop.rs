@@ -28,7 +28,7 @@ use super::quiet::{MAX_NAP, Quiet};
 use super::receiver::Receiver;
 use super::regions::RegionTable;
 use super::sender::{SendOp, Sender};
-use super::socket::{NoSigPipe, unacknowledged};
+use super::socket::{NoSigPipe, discard_incoming, unacknowledged};
 use crate::fabric::{Completion, CompletionEvent, CompletionQueue, PeerFailure, Refusal};
 
 /// Bytes read from one connection before the loop turns to the others.
@@ -294,7 +294,8 @@ impl EventLoop {
     }
 
     /// Before the sockets close, waits until each peer's kernel has
-    /// acknowledged every byte written to it, for at most [`LINGER`] in all.
+    /// acknowledged every byte written to it, or the peer closed its end, for
+    /// at most [`LINGER`] in all; what the peer sends meanwhile is dropped.
     ///
     /// A socket closed while bytes from its peer wait unread in it is reset,
     /// and a reset throws away whatever this side had not sent yet. A peer that
@@ -307,12 +308,11 @@ impl EventLoop {
         let deadline = Instant::now() + LINGER;
         for &peer in &self.connected {
             while Instant::now() < deadline {
-                let unacknowledged = self
-                    .shared
-                    .lock_link(peer)
-                    .as_ref()
-                    .and_then(|link| unacknowledged(&link.stream));
-                if unacknowledged.is_none_or(|n| n == 0) {
+                let waiting = self.shared.lock_link(peer).as_ref().is_some_and(|link| {
+                    discard_incoming(&link.stream)
+                        && unacknowledged(&link.stream).is_some_and(|n| n > 0)
+                });
+                if !waiting {
                     break;
                 }
                 std::thread::sleep(Duration::from_micros(100));

@@ -28,6 +28,37 @@ pub(crate) fn unacknowledged(socket: &impl AsRawFd) -> Option<usize> {
     (r == 0).then(|| usize::try_from(n).unwrap_or(0))
 }
 
+/// Reads and drops whatever the peer has sent that waits in the socket, without
+/// blocking; returns whether the connection is still open both ways (`false`
+/// once the peer closed it, or it failed).
+pub(crate) fn discard_incoming(socket: &impl AsRawFd) -> bool {
+    let mut scratch = [0u8; 4096];
+    loop {
+        // SAFETY: `scratch` is valid for writes of its length for the call; the
+        // descriptor belongs to a live socket borrowed for the call.
+        let n = unsafe {
+            libc::recv(
+                fd_of(socket),
+                scratch.as_mut_ptr().cast(),
+                scratch.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        match n {
+            0 => return false,
+            n if n > 0 => {}
+            _ => {
+                let e = io::Error::last_os_error();
+                match e.kind() {
+                    io::ErrorKind::WouldBlock => return true,
+                    io::ErrorKind::Interrupted => {}
+                    _ => return false,
+                }
+            }
+        }
+    }
+}
+
 impl<S: AsRawFd> Write for NoSigPipe<'_, S> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         // SAFETY: `buf` is valid for `buf.len()` bytes of reads for the call; the
