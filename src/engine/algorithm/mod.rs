@@ -409,20 +409,69 @@ impl SliceAlgorithm {
     }
 }
 
-/// Refuses a write of `kind` from `peer` unless it comes from the previous rank
-/// of the ring and `expected` (the slice still waits for one), as `why`.
-pub(crate) fn from_previous(
-    ctx: &Context<'_>,
-    s: &SliceInfo<'_>,
-    kind: Kind,
-    peer: u32,
-    expected: bool,
-    why: &str,
-) -> Result<()> {
-    if peer == ctx.around(-1) && expected {
-        Ok(())
-    } else {
-        Err(unexpected(kind, peer, s, why))
+/// The members a slice's bytes go around, each writing to the next: every
+/// rank, or the machines along this device's rail (shared memory then takes
+/// the hops inside each machine).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Members {
+    /// How many: ranks, or machines.
+    pub(crate) count: u32,
+    /// This rank's place among them.
+    pub(crate) position: u32,
+    /// The ranks written to and written by.
+    pub(crate) next: u32,
+    pub(crate) previous: u32,
+}
+
+impl Members {
+    /// Every rank, in rank order.
+    pub(crate) fn ranks(ctx: &Context<'_>) -> Members {
+        Members {
+            count: ctx.world,
+            position: ctx.rank,
+            next: ctx.around(1),
+            previous: ctx.around(-1),
+        }
+    }
+
+    /// The machines, each through its rank of this device's rail.
+    pub(crate) fn machines(ctx: &Context<'_>) -> Result<Members> {
+        let count = ctx.topology.machines();
+        let machine = ctx.location.machine;
+        Ok(Members {
+            count,
+            position: machine,
+            next: ctx.rail_peer((machine + 1) % count)?,
+            previous: ctx.rail_peer((machine + count - 1) % count)?,
+        })
+    }
+
+    /// The member `offset` places after this one.
+    pub(crate) fn at(&self, offset: i64) -> u32 {
+        let n = i64::from(self.count);
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "reduced mod count <= u32::MAX"
+        )]
+        let i = (i64::from(self.position) + offset).rem_euclid(n) as u32;
+        i
+    }
+
+    /// Refuses a write of `kind` from `peer` unless it comes from the previous
+    /// member and `expected` (the slice still waits for one), as `why`.
+    pub(crate) fn check_from_previous(
+        &self,
+        s: &SliceInfo<'_>,
+        kind: Kind,
+        peer: u32,
+        expected: bool,
+        why: &str,
+    ) -> Result<()> {
+        if peer == self.previous && expected {
+            Ok(())
+        } else {
+            Err(unexpected(kind, peer, s, why))
+        }
     }
 }
 

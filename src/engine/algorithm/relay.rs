@@ -58,7 +58,9 @@ use std::ops::Range;
 use fairring_core::topology::{RankLayout, Topology};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
-use super::{Context, Resolved, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected};
+use super::{
+    Context, Members, Resolved, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected,
+};
 use crate::engine::descriptor::{Collective, Descriptor};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
@@ -107,13 +109,8 @@ impl Origins {
 /// The chain a slice's bytes travel along: the ranks, or the machines.
 #[derive(Clone, Copy, Debug)]
 struct Line {
-    /// Members: ranks, or machines.
-    members: u32,
-    /// This rank's place among them.
-    position: u32,
-    /// The ranks written to and written by.
-    next: u32,
-    previous: u32,
+    /// The ranks, or the machines.
+    members: Members,
     /// Where each byte starts, by member.
     origins: Origins,
     /// The bytes relayed, in the tensor, and where the slice starts there.
@@ -128,12 +125,12 @@ impl Line {
     /// The member `step + 1` places before this one: the origin of the chunks
     /// that land `step`-th.
     fn origin(&self, step: u32) -> u32 {
-        (self.position + self.members - 1 - step % self.members) % self.members
+        self.members.at(-i64::from(step % self.members.count) - 1)
     }
 
     /// Whether the next member is the last of the chain from `origin`.
     fn next_is_last_for(&self, origin: u32) -> bool {
-        (self.position + 1) % self.members == origin
+        self.members.at(1) == origin
     }
 }
 
@@ -201,19 +198,19 @@ impl Relay {
             gathering: false,
             released: false,
         };
-        for step in 0..line.members - 1 {
+        for step in 0..line.members.count - 1 {
             relay.expected += relay.chunks(line.origin(step))?;
         }
         relay.skip_empty()?;
-        let own = relay.piece(line.position)?;
+        let own = relay.piece(line.members.position)?;
         if line.inbox.is_some() {
             // On a single machine the machine's sums are the result: its
             // reduce-scatter writes each slot into the tensor as well.
             steps.push(Step::LocalBegin);
             steps.push(Step::LocalReduceScatter {
-                final_world: (line.members == 1).then_some(ctx.world),
+                final_world: (line.members.count == 1).then_some(ctx.world),
             });
-        } else if own.is_empty() || line.members == 1 {
+        } else if own.is_empty() || line.members.count == 1 {
             relay.staged = true;
             relay.pump(steps)?;
         } else {
@@ -244,14 +241,10 @@ impl Relay {
                 peer,
             } => {
                 let expected = self.received + self.held < self.expected;
-                if peer != self.line.previous || !expected {
-                    return Err(unexpected(
-                        Kind::Relay,
-                        peer,
-                        s,
-                        "not the relay's next chunk",
-                    ));
-                }
+                let why = "not the relay's next chunk";
+                self.line
+                    .members
+                    .check_from_previous(s, Kind::Relay, peer, expected, why)?;
                 self.held += 1;
             }
             SliceEvent::Landed { kind, peer } => {
@@ -291,10 +284,10 @@ impl Relay {
     /// to send them to).
     fn own_in_place(&mut self, steps: &mut Vec<Step>) -> Result<()> {
         self.staged = true;
-        if self.line.members == 1 {
+        if self.line.members.count == 1 {
             return Ok(());
         }
-        let own = self.piece(self.line.position)?;
+        let own = self.piece(self.line.members.position)?;
         for index in 0..self.count(&own) {
             let range = self.chunk_range(own.clone(), index);
             self.send(range, false, steps);
@@ -352,7 +345,7 @@ impl Relay {
                 self.gathering = true;
                 steps.push(Step::PublishSlot);
                 steps.push(Step::LocalAllGather {
-                    own_in_tensor: self.line.members == 1,
+                    own_in_tensor: self.line.members.count == 1,
                 });
             }
             if !self.gathering && self.sends == 0 {
@@ -379,7 +372,7 @@ impl Relay {
         };
         steps.push(Step::Write(Write {
             kind: Kind::Relay,
-            peer: self.line.next,
+            peer: self.line.members.next,
             target,
             source,
             needs_credit: true,
@@ -397,7 +390,9 @@ impl Relay {
 
     /// Moves the next expected landing past origins with nothing in the span.
     fn skip_empty(&mut self) -> Result<()> {
-        while self.step + 1 < self.line.members && self.chunks(self.line.origin(self.step))? == 0 {
+        while self.step + 1 < self.line.members.count
+            && self.chunks(self.line.origin(self.step))? == 0
+        {
             self.step += 1;
         }
         Ok(())
@@ -493,27 +488,19 @@ fn line(ctx: &Context<'_>, s: &SliceInfo<'_>, origins: Origins) -> Result<Line> 
     };
     let Some(origins) = machine_origins else {
         return Ok(Line {
-            members: ctx.world,
-            position: ctx.rank,
-            next: ctx.around(1),
-            previous: ctx.around(-1),
+            members: Members::ranks(ctx),
             origins,
             span: (slice_start, span.byte_end()),
             slice_start,
             inbox: None,
         });
     };
-    let machines = ctx.topology.machines();
-    let machine = ctx.location.machine;
     let slot = s
         .slice
         .slot(ctx.location.device)
         .map_err(|e| Error::internal("every device has a slot", e.to_string()))?;
     Ok(Line {
-        members: machines,
-        position: machine,
-        next: ctx.rail_peer((machine + 1) % machines)?,
-        previous: ctx.rail_peer((machine + machines - 1) % machines)?,
+        members: Members::machines(ctx)?,
         origins,
         span: (slot.byte_offset(), slot.byte_end()),
         slice_start,

@@ -30,7 +30,7 @@ use std::ops::Range;
 
 use fairring_core::ReduceOp;
 
-use super::{Context, SliceEvent, SliceInfo, Step, Write, from_previous, stray_event, unexpected};
+use super::{Context, Members, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
 use crate::memory::{Reduction, Sources};
@@ -99,7 +99,13 @@ impl Ring {
             } => {
                 let seen = self.reduced + u32::from(self.reducing) + self.reduce_arrived;
                 let expected = seen < self.total;
-                from_previous(ctx, s, Kind::RingReduce, peer, expected, NEXT_STEP)?;
+                Members::ranks(ctx).check_from_previous(
+                    s,
+                    Kind::RingReduce,
+                    peer,
+                    expected,
+                    NEXT_STEP,
+                )?;
                 self.reduce_arrived += 1;
             }
             SliceEvent::Landed {
@@ -107,7 +113,13 @@ impl Ring {
                 peer,
             } => {
                 let expected = self.gathered + self.gather_arrived < self.total;
-                from_previous(ctx, s, Kind::RingGather, peer, expected, NEXT_STEP)?;
+                Members::ranks(ctx).check_from_previous(
+                    s,
+                    Kind::RingGather,
+                    peer,
+                    expected,
+                    NEXT_STEP,
+                )?;
                 self.gather_arrived += 1;
             }
             SliceEvent::Landed { kind, peer } => {

@@ -47,73 +47,23 @@ use std::ops::Range;
 
 use fairring_core::ReduceOp;
 
-use super::{Context, Origins, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected};
+use super::{
+    Context, Members, Origins, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected,
+};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
 use crate::local::RailPieces;
 use crate::memory::{Reduction, Sources};
 
-/// The ring a slice's pieces go around.
-#[derive(Clone, Copy, Debug)]
-struct Around {
-    /// Members: ranks, or machines.
-    members: u32,
-    /// This rank's place among them.
-    position: u32,
-    /// The ranks written to and written by.
-    next: u32,
-    previous: u32,
+/// How far the reduce-scatter of one slice has come.
+#[derive(Debug)]
+pub(crate) struct Scatter {
+    /// The ranks, or the machines along this device's rail.
+    around: Members,
     /// This rank's device (its slot of the machine's pieces).
     device: u32,
     /// Over the machines: the pieces as the machine stages them.
     rail: Option<RailPieces>,
-}
-
-impl Around {
-    /// The ring of slice `s` on this rank: this device's rail over the
-    /// machines where machines have several devices and the job links rails
-    /// (no dedicated servers), else the ranks.
-    fn of(ctx: &Context<'_>, s: &SliceInfo<'_>, share: u64) -> Result<Around> {
-        if ctx.topology.devices_per_machine() == 1 || ctx.servers > 0 {
-            return Ok(Around {
-                members: ctx.world,
-                position: ctx.rank,
-                next: ctx.around(1),
-                previous: ctx.around(-1),
-                device: ctx.location.device,
-                rail: None,
-            });
-        }
-        let machines = ctx.topology.machines();
-        let machine = ctx.location.machine;
-        Ok(Around {
-            members: machines,
-            position: machine,
-            next: ctx.rail_peer((machine + 1) % machines)?,
-            previous: ctx.rail_peer((machine + machines - 1) % machines)?,
-            device: ctx.location.device,
-            rail: Some(RailPieces::new(ctx.topology, share, s.bytes()?)),
-        })
-    }
-
-    /// The member `offset` places after this one (and the index of its piece).
-    fn at(&self, offset: i64) -> u32 {
-        let n = i64::from(self.members);
-        #[expect(clippy::cast_possible_truncation, reason = "reduced mod P <= u32::MAX")]
-        let i = (i64::from(self.position) + offset).rem_euclid(n) as u32;
-        i
-    }
-
-    /// The piece whose partial lands at step `k`: `p - 2 - k`.
-    fn landing(&self, k: u32) -> u32 {
-        self.at(-i64::from(k) - 2)
-    }
-}
-
-/// How far the reduce-scatter of one slice has come.
-#[derive(Debug)]
-pub(crate) struct Scatter {
-    around: Around,
     /// Bytes of each rank's share in the tensor.
     share: u64,
     /// Steps: `P - 1`.
@@ -153,11 +103,20 @@ impl Scatter {
                 ));
             }
         };
-        let around = Around::of(ctx, s, share)?;
+        // This device's rail over the machines where machines have several
+        // devices and the job links rails (no dedicated servers), else the ranks.
+        let (around, rail) = if ctx.topology.devices_per_machine() == 1 || ctx.servers > 0 {
+            (Members::ranks(ctx), None)
+        } else {
+            let pieces = RailPieces::new(ctx.topology, share, s.bytes()?);
+            (Members::machines(ctx)?, Some(pieces))
+        };
         let scatter = Scatter {
             around,
+            device: ctx.location.device,
+            rail,
             share,
-            total: around.members - 1,
+            total: around.count - 1,
             staged: 0,
             reduced: 0,
             reducing: false,
@@ -167,14 +126,14 @@ impl Scatter {
             copied: false,
             released: false,
         };
-        if around.rail.is_some() {
+        if rail.is_some() {
             steps.push(Step::LocalBegin);
             steps.push(Step::LocalReduceScatter {
-                final_world: (around.members == 1).then_some(ctx.world),
+                final_world: (around.count == 1).then_some(ctx.world),
             });
             return Ok(scatter);
         }
-        for j in 0..around.members {
+        for j in 0..around.count {
             let o = around.at(-i64::from(j) - 1);
             steps.push(Step::StageIn {
                 to: scatter.piece(s, o)?.start,
@@ -192,17 +151,15 @@ impl Scatter {
         event: SliceEvent,
         steps: &mut Vec<Step>,
     ) -> Result<()> {
-        let members = self.around.members;
+        let members = self.around.count;
         match event {
-            SliceEvent::Staged if self.around.rail.is_none() && self.staged < members => {
+            SliceEvent::Staged if self.rail.is_none() && self.staged < members => {
                 self.staged += 1;
                 if self.staged == 1 && self.total > 0 {
                     self.send(ctx, s, 0, self.around.at(-1), steps)?;
                 }
             }
-            SliceEvent::LocalReduceScatterDone
-                if self.around.rail.is_some() && self.staged == 0 =>
-            {
+            SliceEvent::LocalReduceScatterDone if self.rail.is_some() && self.staged == 0 => {
                 self.staged = members;
                 if self.total > 0 {
                     self.send(ctx, s, 0, self.around.at(-1), steps)?;
@@ -213,9 +170,10 @@ impl Scatter {
                 peer,
             } => {
                 let seen = self.reduced + u32::from(self.reducing) + self.arrived;
-                if peer != self.around.previous || seen >= self.total {
-                    return Err(unexpected(Kind::Scatter, peer, s, "not the next step"));
-                }
+                let expected = seen < self.total;
+                let why = "not the next step";
+                self.around
+                    .check_from_previous(s, Kind::Scatter, peer, expected, why)?;
                 self.arrived += 1;
             }
             SliceEvent::Landed { kind, peer } => {
@@ -229,7 +187,7 @@ impl Scatter {
                 let k = self.reduced;
                 self.reduced += 1;
                 if k + 1 < self.total {
-                    self.send(ctx, s, k + 1, self.around.landing(k), steps)?;
+                    self.send(ctx, s, k + 1, self.landing(k), steps)?;
                 }
             }
             SliceEvent::CopiedOut if self.copying && !self.copied => self.copied = true,
@@ -240,12 +198,12 @@ impl Scatter {
 
     /// The pieces as the machine's local step stages them, over the machines.
     pub(crate) fn local_pieces(&self) -> Option<RailPieces> {
-        self.around.rail
+        self.rail
     }
 
     /// Where the slice is, for a stall report.
     pub(crate) fn phase(&self) -> &'static str {
-        if self.staged == 0 && self.around.rail.is_some() {
+        if self.staged == 0 && self.rail.is_some() {
             "local reduce-scatter"
         } else if self.staged == 0 {
             "staging in"
@@ -269,7 +227,7 @@ impl Scatter {
             if self.arrived > 0 && self.staged >= k + 2 {
                 self.arrived -= 1;
                 self.reducing = true;
-                let dst = self.piece(s, self.around.landing(k))?;
+                let dst = self.piece(s, self.landing(k))?;
                 let slot = ctx.layout.scatter_slot(k)?;
                 steps.push(Step::Reduce(Reduction {
                     dtype: s.dtype,
@@ -283,9 +241,9 @@ impl Scatter {
             }
             return Ok(());
         }
-        if self.staged == self.around.members && !self.copying {
+        if self.staged == self.around.count && !self.copying {
             self.copying = true;
-            if self.around.rail.is_some() && self.around.members == 1 {
+            if self.rail.is_some() && self.around.count == 1 {
                 // The machine's reduce-scatter wrote the final share.
                 self.copied = true;
             } else {
@@ -323,10 +281,15 @@ impl Scatter {
         Ok(())
     }
 
+    /// The piece whose partial lands at step `k`: `p - 2 - k`.
+    fn landing(&self, k: u32) -> u32 {
+        self.around.at(-i64::from(k) - 2)
+    }
+
     /// Piece `o` (of member `o`) in the staging buffer.
     fn piece(&self, s: &SliceInfo<'_>, o: u32) -> Result<Range<usize>> {
-        if let Some(rail) = self.around.rail {
-            return rail.staged(self.around.device, o);
+        if let Some(rail) = self.rail {
+            return rail.staged(self.device, o);
         }
         let len = s.bytes()?;
         let start = len.checked_mul(o as usize).ok_or_else(|| overflow(s))?;
