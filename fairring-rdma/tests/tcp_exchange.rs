@@ -12,7 +12,9 @@ use std::sync::Barrier;
 use std::time::Duration;
 
 use common::{Buffer, Rng, drain_until, mesh};
-use fairring_rdma::fabric::{CompletionEvent, Fabric, FabricError, LocalRegion, WriteRequest};
+use fairring_rdma::fabric::{
+    CompletionEvent, Fabric, FabricError, LocalRegion, PeerFailure, ProtocolViolation, WriteRequest,
+};
 use fairring_rdma::tcp::TcpFabric;
 
 const SLOT: usize = 256 << 10;
@@ -419,6 +421,87 @@ fn bad_posts_are_refused_without_side_effects() {
         true
     });
     assert!(target.read().iter().all(|&b| b == 1));
+}
+
+/// Memory registered to send from only: writes from it land, and it names no
+/// region a peer can write into (its key is refused, as a key never handed
+/// out is).
+#[test]
+fn a_source_region_sends_and_cannot_be_written() {
+    let fabrics = mesh(2, |c| c);
+    assert!(fabrics[0].registers_sources());
+    let mut bytes: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+    let original = bytes.clone();
+    let ptr = std::ptr::NonNull::new(bytes.as_mut_ptr()).unwrap();
+    // SAFETY: `bytes` outlives the region and is not written while registered.
+    let source = unsafe { fabrics[0].register_source(ptr, bytes.len()) }.unwrap();
+    let target = Buffer::new(&fabrics[1], vec![0; 4096]);
+    fabrics[0]
+        .write(
+            1,
+            WriteRequest {
+                source: &source,
+                source_offset: 100,
+                len: 3000,
+                target: target.region().remote(),
+                target_offset: 7,
+                immediate: 5,
+                token: 9,
+            },
+        )
+        .unwrap();
+    drain_until(&fabrics[1], Duration::from_secs(10), |c| {
+        assert!(
+            matches!(
+                c.event,
+                CompletionEvent::Landed {
+                    len: 3000,
+                    immediate: 5
+                }
+            ),
+            "{c:?}"
+        );
+        true
+    });
+    drain_until(&fabrics[0], Duration::from_secs(10), |c| {
+        assert!(
+            matches!(c.event, CompletionEvent::Sent { token: 9 }),
+            "{c:?}"
+        );
+        true
+    });
+    assert_eq!(&target.read()[7..3007], &bytes[100..3100]);
+    assert!(target.read()[..7].iter().all(|&b| b == 0));
+    // Rank 1 aims at the source region's own descriptor: refused at rank 0,
+    // which drops rank 1 rather than write a byte.
+    let aimed = source.remote();
+    let back = Buffer::new(&fabrics[1], vec![0xab; 64]);
+    fabrics[1]
+        .write(
+            0,
+            WriteRequest {
+                source: back.region(),
+                source_offset: 0,
+                len: 64,
+                target: aimed,
+                target_offset: 0,
+                immediate: 0,
+                token: 1,
+            },
+        )
+        .unwrap();
+    drain_until(&fabrics[0], Duration::from_secs(10), |c| match c.event {
+        CompletionEvent::PeerFailed { failure } => {
+            assert_eq!(
+                failure,
+                PeerFailure::Protocol(ProtocolViolation::UnknownRegion { region: aimed.key })
+            );
+            true
+        }
+        _ => false,
+    });
+    drop(source);
+    assert_eq!(bytes, original, "a byte of the source region was written");
 }
 
 /// Not yet connected, and connected to nobody: clear errors, no hang.

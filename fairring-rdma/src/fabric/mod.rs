@@ -225,6 +225,40 @@ pub trait Fabric: Send + Sync {
     unsafe fn register(&self, memory: NonNull<u8>, len: usize)
     -> Result<Self::Region, FabricError>;
 
+    /// Whether [`Fabric::register_source`] registers memory. The default is
+    /// `false`: a provider that pins memory to register it (verbs) leaves it
+    /// out.
+    fn registers_sources(&self) -> bool {
+        false
+    }
+
+    /// Registers `len` bytes at `memory` as a source of this process's writes
+    /// only: a peer's write into it is refused as if the region did not exist.
+    /// For a provider whose registration is a table entry (tcp), so that a
+    /// caller may send from memory it did not register up front (a tensor)
+    /// instead of copying it into memory it did, and keep the registration
+    /// while it reuses that memory. The default refuses.
+    ///
+    /// # Safety
+    ///
+    /// While a write from the region is in flight (from posting until its
+    /// `Sent` or `SendFailed` completion) its source range must be valid for
+    /// reads and not written. Nothing more: between writes the memory may be
+    /// freed and reused. Dropping the region waits until no write from it is
+    /// in flight.
+    #[allow(unsafe_code)]
+    unsafe fn register_source(
+        &self,
+        memory: NonNull<u8>,
+        len: usize,
+    ) -> Result<Self::Region, FabricError> {
+        let _ = (memory, len);
+        Err(FabricError::InvalidArgument {
+            argument: "memory",
+            reason: "this provider registers only memory peers may write into".into(),
+        })
+    }
+
     /// Posts a write to `peer`. Checks both ranges against their regions first and
     /// fails without side effects if either is outside.
     fn write(&self, peer: u32, request: WriteRequest<'_, Self::Region>) -> Result<(), FabricError>;

@@ -449,6 +449,22 @@ impl Fabric for TcpFabric {
         unsafe { self.shared.regions.register(memory, len) }
     }
 
+    /// A source region is a handle to memory: registering one takes no system
+    /// call and pins nothing.
+    fn registers_sources(&self) -> bool {
+        true
+    }
+
+    unsafe fn register_source(
+        &self,
+        memory: NonNull<u8>,
+        len: usize,
+    ) -> Result<TcpRegion, FabricError> {
+        // SAFETY: the caller upholds `Fabric::register_source`'s contract,
+        // which is the table's.
+        unsafe { self.shared.regions.register_source(memory, len) }
+    }
+
     fn write(&self, peer: u32, request: WriteRequest<'_, TcpRegion>) -> Result<(), FabricError> {
         let queue = self.queue_of(peer)?;
         let end = request.check()?;

@@ -8,6 +8,10 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError, RwLock};
 
 use crate::fabric::{FabricError, LocalRegion, RegionKey, RemoteRegion};
 
+/// The key of every region registered to send from only: no key the table
+/// hands out (they start at 1).
+const SOURCE_ONLY: u32 = 0;
+
 /// The regions registered with one fabric, by key.
 pub struct RegionTable {
     regions: RwLock<HashMap<u32, Arc<RegionShared>>>,
@@ -44,12 +48,7 @@ impl RegionTable {
         memory: NonNull<u8>,
         len: usize,
     ) -> Result<TcpRegion, FabricError> {
-        if isize::try_from(len).is_err() {
-            return Err(FabricError::InvalidArgument {
-                argument: "len",
-                reason: format!("{len} bytes is more than any allocation can hold"),
-            });
-        }
+        check_len(len)?;
         let key = self
             .next_key
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |k| k.checked_add(1))
@@ -57,22 +56,33 @@ impl RegionTable {
                 argument: "memory",
                 reason: "this fabric has used all 2^32 region keys".into(),
             })?;
-        let shared = Arc::new(RegionShared {
-            key,
-            memory,
-            len,
-            users: Mutex::new(Users {
-                count: 0,
-                closed: false,
-            }),
-            released: Condvar::new(),
-        });
+        let shared = RegionShared::new(key, memory, len);
         self.regions
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(key, Arc::clone(&shared));
         Ok(TcpRegion {
             shared,
+            table: Arc::clone(self),
+        })
+    }
+
+    /// Registers `len` bytes at `memory` to send from only: the region stays
+    /// out of the table receivers look targets up in (its key, 0, names no
+    /// region), so a peer's write into it is refused as unknown.
+    ///
+    /// # Safety
+    ///
+    /// While a send from the region is in flight its source range must be
+    /// valid for reads and not written (`Fabric::register_source`).
+    pub unsafe fn register_source(
+        self: &Arc<Self>,
+        memory: NonNull<u8>,
+        len: usize,
+    ) -> Result<TcpRegion, FabricError> {
+        check_len(len)?;
+        Ok(TcpRegion {
+            shared: RegionShared::new(SOURCE_ONLY, memory, len),
             table: Arc::clone(self),
         })
     }
@@ -101,6 +111,33 @@ pub(crate) struct RegionShared {
     len: usize,
     users: Mutex<Users>,
     released: Condvar,
+}
+
+impl RegionShared {
+    /// Region `key`: `len` bytes at `memory`, no transfer touching it yet.
+    fn new(key: u32, memory: NonNull<u8>, len: usize) -> Arc<RegionShared> {
+        Arc::new(RegionShared {
+            key,
+            memory,
+            len,
+            users: Mutex::new(Users {
+                count: 0,
+                closed: false,
+            }),
+            released: Condvar::new(),
+        })
+    }
+}
+
+/// Refuses a length no allocation can have.
+fn check_len(len: usize) -> Result<(), FabricError> {
+    if isize::try_from(len).is_err() {
+        return Err(FabricError::InvalidArgument {
+            argument: "len",
+            reason: format!("{len} bytes is more than any allocation can hold"),
+        });
+    }
+    Ok(())
 }
 
 // SAFETY: `RegionShared` holds a pointer to memory the registrant promised (in
@@ -237,11 +274,13 @@ impl core::fmt::Debug for TcpRegion {
 
 impl Drop for TcpRegion {
     fn drop(&mut self) {
-        self.table
-            .regions
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&self.shared.key);
+        if self.shared.key != SOURCE_ONLY {
+            self.table
+                .regions
+                .write()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&self.shared.key);
+        }
         let mut users = self
             .shared
             .users
