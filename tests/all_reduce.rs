@@ -99,6 +99,58 @@ fn doubling_every_layout() {
     check_layout_with_servers(3, 1, 1, Algorithm::Doubling);
 }
 
+/// One rank per machine: sending from the tensor (from any size) and staging
+/// it give the same exact results, for every operator that finishes in the
+/// reduction (an average divides the served shard in the tensor), across many
+/// slices with several in flight.
+#[test]
+fn sending_from_the_tensor_matches_staging_it() {
+    for (m, direct_from) in [(2, Some(0)), (3, Some(0)), (3, None)] {
+        let world = m;
+        job(
+            m,
+            1,
+            |b| small_slices(b, Algorithm::Hierarchical).direct_from(direct_from),
+            |rank, comm| {
+                let n = 100_003;
+                let mut sums: Vec<i32> = (0..n).map(|i| i as i32 ^ (rank as i32) << 20).collect();
+                let mut maxes: Vec<i64> = (0..n)
+                    .map(|i| (i as i64 * 31 + i64::from(rank) * 7) % 1009)
+                    .collect();
+                let mut avgs: Vec<f32> = (0..n)
+                    .map(|i| (i % 97) as f32 * world as f32 + rank as f32)
+                    .collect();
+                comm.scope(|s| {
+                    let works = [
+                        s.all_reduce(&mut sums, ReduceOp::Sum).unwrap(),
+                        s.all_reduce(&mut maxes, ReduceOp::Max).unwrap(),
+                        s.all_reduce(&mut avgs, ReduceOp::Avg).unwrap(),
+                    ];
+                    for w in works {
+                        w.wait().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                    }
+                });
+                let label = format!("{m}x1, from {direct_from:?}, rank {rank}");
+                let bad = (0..n).find(|&i| {
+                    sums[i] != (0..world).map(|r| i as i32 ^ (r as i32) << 20).sum::<i32>()
+                });
+                assert_eq!(bad, None, "{label}: sum");
+                let bad = (0..n).find(|&i| {
+                    maxes[i]
+                        != (0..world)
+                            .map(|r| (i as i64 * 31 + i64::from(r) * 7) % 1009)
+                            .max()
+                            .unwrap()
+                });
+                assert_eq!(bad, None, "{label}: max");
+                let mean = (0..world).sum::<u32>() as f32 / world as f32;
+                let bad = (0..n).find(|&i| avgs[i] != (i % 97) as f32 * world as f32 + mean);
+                assert_eq!(bad, None, "{label}: avg");
+            },
+        );
+    }
+}
+
 #[test]
 fn every_operator_and_type() {
     let (m, d) = (2, 2);

@@ -140,16 +140,24 @@ impl Drop for Job {
     }
 }
 
-/// Kills or stops rank 1 of a 2x2 job in the middle of its all-reduces; every
-/// other rank must fail within twice the timeout with an error naming rank 1,
-/// then refuse more work.
+/// Kills or stops rank 1 of a 2x2 job, then of a 3x1 job (whose all-reduces
+/// send from their tensors), in the middle of their all-reduces of 4 MiB;
+/// every other rank must fail within twice the timeout with an error naming
+/// rank 1, then refuse more work.
 fn survivors_name_the_lost_rank(signal: i32, what: &str) {
-    let mut job = Job::start(2, 2, &[0, 1, 2, 3], &["steady", "4194304", "60"], &[]);
-    job.await_all(&[0, 1, 2, 3], "READY", Duration::from_secs(30));
+    survivors_name_the_lost_rank_of(2, 2, signal, what);
+    survivors_name_the_lost_rank_of(3, 1, signal, what);
+}
+
+fn survivors_name_the_lost_rank_of(m: u32, d: u32, signal: i32, what: &str) {
+    let ranks: Vec<u32> = (0..m * d).collect();
+    let mut job = Job::start(m, d, &ranks, &["steady", "4194304", "60"], &[]);
+    job.await_all(&ranks, "READY", Duration::from_secs(30));
     std::thread::sleep(Duration::from_millis(100));
     let at = Instant::now();
     job.signal(1, signal);
-    let survivors = [0, 2, 3];
+    let what = format!("{what} on {m}x{d}");
+    let survivors: Vec<u32> = ranks.iter().copied().filter(|&r| r != 1).collect();
     let failed = job.await_all(&survivors, "FAILED", 2 * TIMEOUT + Duration::from_secs(1));
     for (&rank, (line, when)) in survivors.iter().zip(&failed) {
         let took = when.duration_since(at);

@@ -1,7 +1,8 @@
 //! After warm-up, an all-reduce allocates nothing, on any thread of any rank.
 //!
-//! The test launches a 2x2 job of processes (this test binary, re-executed with
-//! the rank in its environment). Each rank counts heap allocations in its whole
+//! Each test launches a job of processes (this test binary, re-executed with
+//! the rank in its environment): 2x2, and 2x1, where hierarchical all-reduces
+//! send from their tensors. Each rank counts heap allocations in its whole
 //! process (progress thread and fabric I/O thread included) across the 10th to
 //! 20th of 20 identical all-reduces, for each algorithm, and fails if any
 //! happened.
@@ -10,7 +11,7 @@ mod common;
 
 use std::time::Duration;
 
-use fairring::{Algorithm, ReduceOp};
+use fairring::{Algorithm, Communicator, ReduceOp};
 
 use common::allocations::{Counting, allocations};
 use common::processes::{ProcessJob, rank_of_job};
@@ -21,15 +22,36 @@ static GLOBAL: Counting = Counting;
 #[test]
 fn no_allocation_per_all_reduce_on_any_rank() {
     let test = "no_allocation_per_all_reduce_on_any_rank";
-    let Some(comm) = rank_of_job(test) else {
-        let env = [
-            ("FAIRRING_TIMEOUT", "60".to_owned()),
-            ("FAIRRING_SLICE_SIZE", "1M".to_owned()),
-            ("FAIRRING_TOTAL_MEMORY", "8M".to_owned()),
-        ];
-        ProcessJob::run(test, 2, 2, &env, Duration::from_secs(120));
-        return;
-    };
+    match rank_of_job(test) {
+        Some(comm) => warm_all_reduces_allocate_nothing(&comm),
+        None => launch(test, 2, 2),
+    }
+}
+
+/// One rank per machine: the hierarchical all-reduces send from their
+/// tensors, whose registrations a warm rank keeps.
+#[test]
+fn no_allocation_per_all_reduce_sent_from_its_tensor() {
+    let test = "no_allocation_per_all_reduce_sent_from_its_tensor";
+    match rank_of_job(test) {
+        Some(comm) => warm_all_reduces_allocate_nothing(&comm),
+        None => launch(test, 2, 1),
+    }
+}
+
+/// Runs `test`'s ranks as an `m x d` job of processes.
+fn launch(test: &str, m: u32, d: u32) {
+    let env = [
+        ("FAIRRING_TIMEOUT", "60".to_owned()),
+        ("FAIRRING_SLICE_SIZE", "1M".to_owned()),
+        ("FAIRRING_TOTAL_MEMORY", "8M".to_owned()),
+    ];
+    ProcessJob::run(test, m, d, &env, Duration::from_secs(120));
+}
+
+/// Every algorithm, a large and a small all-reduce: none of the 10th to 20th
+/// of 20 identical calls allocates.
+fn warm_all_reduces_allocate_nothing(comm: &Communicator) {
     // Large enough for several slices in flight, and a small one.
     for elements in [3 << 20, 1000] {
         for algorithm in Algorithm::ALL {

@@ -463,5 +463,6 @@ fn assemble<M: MemorySpace>(
         inbound: a.inbound,
         linked,
         timeout: config.timeout,
+        direct: crate::engine::DirectSettings::from(config.direct_from),
     }))
 }

@@ -309,6 +309,28 @@ impl Fabric for AnyFabric {
         }
     }
 
+    fn registers_sources(&self) -> bool {
+        match &self.provider {
+            Provider::Tcp(f) => f.registers_sources(),
+            #[cfg(feature = "verbs")]
+            Provider::Verbs(f) => f.registers_sources(),
+        }
+    }
+
+    unsafe fn register_source(
+        &self,
+        memory: NonNull<u8>,
+        len: usize,
+    ) -> Result<AnyRegion, FabricError> {
+        match &self.provider {
+            // SAFETY: forwarded: the caller's contract is the provider's.
+            Provider::Tcp(f) => unsafe { f.register_source(memory, len) }.map(AnyRegion::Tcp),
+            #[cfg(feature = "verbs")]
+            // SAFETY: as above.
+            Provider::Verbs(f) => unsafe { f.register_source(memory, len) }.map(AnyRegion::Verbs),
+        }
+    }
+
     fn write(&self, peer: u32, request: WriteRequest<'_, AnyRegion>) -> Result<(), FabricError> {
         let len = request.len as u64;
         let posted = match (&self.provider, request.source) {

@@ -10,6 +10,7 @@
 //! | `FAIRRING_TOTAL_MEMORY` | staging memory per rank, bytes (`K`/`M`/`G` suffixes) | 50 MiB |
 //! | `FAIRRING_SLICE_SIZE` | largest slice, bytes | 25 MiB, less if the budget would hold fewer than 2 buffers |
 //! | `FAIRRING_MIN_SHARD_SIZE` | smallest shard, bytes | 64 KiB |
+//! | `FAIRRING_DIRECT_FROM` | size from which a hierarchical all-reduce of a host tensor between machines of one rank each sends from the tensor instead of staging it, where the fabric registers memory cheaply (tcp); bytes, or `never` | 256 KiB |
 //! | `FAIRRING_SOCKET_IFNAME` | interface the fabric listens on | the one that reaches `MASTER_ADDR` |
 //! | `FAIRRING_TIMEOUT` | rendezvous and peer-silence bound (`30`, `2.5s`, `500ms`, `5min`) | 300 s |
 //! | `FAIRRING_JOB_SECRET` | 64 hex digits shared by every rank; admits peers | derived from the job (see below) |
@@ -127,6 +128,10 @@ impl std::str::FromStr for Algorithm {
 
 /// Default staging memory per rank: 50 MiB, as the original Fairring.
 pub const DEFAULT_TOTAL_MEMORY: u64 = 50 << 20;
+/// Default size from which an all-reduce sends from its tensor where it may
+/// (`FAIRRING_DIRECT_FROM`).
+pub const DEFAULT_DIRECT_FROM: u64 = 256 << 10;
+
 /// Default bound on rendezvous and on a silent peer.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -143,6 +148,9 @@ pub struct Config {
     pub(crate) total_memory: u64,
     pub(crate) slice_bytes: Option<u64>,
     pub(crate) min_shard_bytes: u64,
+    /// The size from which an all-reduce may send from its tensor (`None`:
+    /// never).
+    pub(crate) direct_from: Option<u64>,
     pub(crate) socket_ifname: Option<String>,
     pub(crate) timeout: Duration,
     pub(crate) secret: JobSecret,
@@ -186,6 +194,7 @@ pub struct ConfigBuilder {
     total_memory: u64,
     slice_bytes: Option<u64>,
     min_shard_bytes: u64,
+    direct_from: Option<u64>,
     socket_ifname: Option<String>,
     timeout: Duration,
     secret: Option<JobSecret>,
@@ -218,6 +227,7 @@ impl Config {
             total_memory: DEFAULT_TOTAL_MEMORY,
             slice_bytes: None,
             min_shard_bytes: fairring_core::plan::PlanConfig::DEFAULT_MIN_SHARD_BYTES,
+            direct_from: Some(DEFAULT_DIRECT_FROM),
             socket_ifname: None,
             timeout: DEFAULT_TIMEOUT,
             secret: None,
@@ -329,6 +339,12 @@ impl Config {
         }
         if let Some(v) = lookup("FAIRRING_MIN_SHARD_SIZE") {
             b.min_shard_bytes = parse_bytes("FAIRRING_MIN_SHARD_SIZE", &v)?;
+        }
+        if let Some(v) = lookup("FAIRRING_DIRECT_FROM") {
+            b.direct_from = match v.trim() {
+                "never" => None,
+                _ => Some(parse_bytes("FAIRRING_DIRECT_FROM", &v)?),
+            };
         }
         if let Some(v) = lookup("FAIRRING_SOCKET_IFNAME") {
             if v.trim().is_empty() {
@@ -460,6 +476,14 @@ impl ConfigBuilder {
     /// Smallest shard, in bytes.
     pub fn min_shard_bytes(mut self, bytes: u64) -> Self {
         self.min_shard_bytes = bytes;
+        self
+    }
+
+    /// The size from which a hierarchical all-reduce of a host tensor between
+    /// machines of one rank each sends from the tensor instead of staging it,
+    /// where the fabric registers memory cheaply (tcp); `None`: always stage.
+    pub fn direct_from(mut self, bytes: Option<u64>) -> Self {
+        self.direct_from = bytes;
         self
     }
 
@@ -638,6 +662,7 @@ impl ConfigBuilder {
             total_memory: self.total_memory,
             slice_bytes: self.slice_bytes,
             min_shard_bytes: self.min_shard_bytes,
+            direct_from: self.direct_from,
             socket_ifname: self.socket_ifname,
             timeout: self.timeout,
             secret,

@@ -156,6 +156,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             }
         }
         d.operations.complete(seq);
+        // Every write of the operation has completed (its slices released their
+        // buffers only then): the fabric reads the tensor no more.
+        self.lock_source_regions().release(seq);
         self.complete(seq, DONE);
         self.machine.doorbell().ring();
         Ok(())

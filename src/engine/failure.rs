@@ -261,8 +261,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             }
         }
         // Nothing may write a caller's tensor once its operation is declared
-        // finished.
+        // finished, nor read one: dropping a tensor's registration waits until
+        // the fabric's writes from it are over.
         self.memory.drain();
+        self.lock_source_regions().clear();
         while let Some(sub) = self.submissions.pop() {
             self.complete(sub.seq, FAILED);
         }

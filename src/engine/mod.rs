@@ -25,6 +25,7 @@
 //! | `layout` | the one layout of a staging buffer |
 //! | `outbox` | everything sent: data writes waiting for credit or room, control messages |
 //! | `credits` | the credit window (flow control) |
+//! | `direct` | tensors the fabric sends from, registered per operation |
 //! | `descriptor`, `checks` | what each operation is, and the checks that ranks issued the same one |
 //! | `dispatch` | routing each fabric completion |
 //! | `failure`, `departures` | failing and flooding the failure; goodbyes |
@@ -39,13 +40,17 @@
 //!
 //! Nothing here allocates once a communicator is built: submissions go through a
 //! fixed queue, operations through a fixed table, waiting writes, early landings,
-//! steps and events through vectors sized at construction.
+//! steps and events through vectors sized at construction. The one exception is
+//! the first all-reduce that sends from a given tensor (`direct`): the tcp
+//! fabric allocates that tensor's registration, which the engine keeps for the
+//! next all-reduce of the same memory.
 
 mod algorithm;
 mod checks;
 mod credits;
 mod departures;
 pub(crate) mod descriptor;
+mod direct;
 mod dispatch;
 mod drive;
 mod failure;
@@ -77,6 +82,8 @@ use algorithm::{SliceEvent, Step, relay_most_writes};
 use checks::Checks;
 use credits::Credits;
 use departures::Departures;
+pub(crate) use direct::Settings as DirectSettings;
+use direct::SourceRegions;
 use failure::FailureState;
 use layout::StagingLayout;
 use links::Links;
@@ -156,6 +163,12 @@ pub(crate) struct Engine<F: Fabric, M: MemorySpace> {
     pub(crate) server: Option<u32>,
     /// Bytes from one staging buffer to the next: a worker's, a server's.
     strides: Strides,
+    /// The size from which a hierarchical all-reduce sends from its tensor
+    /// directly where it may (`direct`); `None`: never.
+    direct_from: Option<u64>,
+    /// The registrations of tensors sent from. Only the driver takes the
+    /// lock, while it holds the driver's.
+    source_regions: Mutex<SourceRegions<F::Region>>,
 }
 
 /// Bytes from one staging buffer to the next in a process's registered memory,
@@ -193,6 +206,8 @@ pub(crate) struct EngineParts<F: Fabric, M: MemorySpace> {
     pub(crate) inbound: Vec<u32>,
     pub(crate) linked: Vec<u32>,
     pub(crate) timeout: Duration,
+    /// Sending from tensors (`direct`).
+    pub(crate) direct: direct::Settings,
 }
 
 /// A geometry that cuts operations into slices of at most `bytes` (a multiple
@@ -280,6 +295,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             servers: parts.servers,
             server: parts.server,
             strides: parts.strides,
+            direct_from: parts.direct.from_bytes,
+            source_regions: Mutex::new(SourceRegions::new(parts.direct.cached)),
         }
     }
 
@@ -336,5 +353,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
 
     fn lock_driver(&self) -> MutexGuard<'_, Driver<M>> {
         self.driver.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn lock_source_regions(&self) -> MutexGuard<'_, SourceRegions<F::Region>> {
+        self.source_regions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 }

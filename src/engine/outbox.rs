@@ -22,8 +22,11 @@ use crate::error::{Error, Result};
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PendingWrite {
     pub(crate) peer: u32,
-    /// Offset in this rank's registered staging memory.
+    /// Offset in this rank's registered staging memory, or in the operation's
+    /// tensor if `from_tensor`.
     pub(crate) source: usize,
+    /// The bytes are the tensor's, registered for the operation (`direct`).
+    pub(crate) from_tensor: bool,
     pub(crate) len: usize,
     /// Offset in the peer's registered staging memory.
     pub(crate) target: u64,
@@ -97,11 +100,13 @@ impl Outbox {
 
     /// Posts buffer `buffer`'s writes, in order, while `may_go` allows them (the
     /// peer's credit, its descriptor: see `credits` and `checks`) and the fabric
-    /// takes them; returns whether any went.
+    /// takes them; returns whether any went. `tensor` is the registration of the
+    /// slice's tensor, where its writes leave from it.
     pub(crate) fn flush<F: Fabric>(
         &mut self,
         buffer: u32,
         links: &Links<F>,
+        tensor: Option<&F::Region>,
         may_go: impl Fn(&PendingWrite) -> bool,
     ) -> Result<bool> {
         let queue = &mut self.queues[buffer as usize];
@@ -110,8 +115,18 @@ impl Outbox {
             if !may_go(w) {
                 break;
             }
+            let source = match (w.from_tensor, tensor) {
+                (false, _) => &links.region,
+                (true, Some(region)) => region,
+                (true, None) => {
+                    return Err(Error::internal(
+                        "a write from a tensor leaves while the tensor is registered",
+                        format!("operation #{} to rank {}", w.seq, w.peer),
+                    ));
+                }
+            };
             let request = WriteRequest {
-                source: &links.region,
+                source,
                 source_offset: w.source,
                 len: w.len,
                 target: links.remote(w.peer)?,

@@ -14,10 +14,14 @@ use fairring_core::plan::Slice;
 use fairring_core::{DataType, ReduceOp, WireFormat};
 use fairring_rdma::fabric::Fabric;
 
-use super::algorithm::{Context, Origins, ServeScratch, SliceAlgorithm, SliceEvent, SliceInfo};
+use super::algorithm::{
+    Context, Origins, Resolved, ServeScratch, SliceAlgorithm, SliceEvent, SliceInfo,
+};
 use super::credits::Due;
+use super::direct;
 use super::failure::Fault;
 use super::tags::Kind;
+use super::work::Submission;
 use super::{Driver, Engine};
 use crate::error::{Error, Result};
 use crate::memory::MemorySpace;
@@ -36,6 +40,8 @@ pub(crate) struct ActiveSlice<M: MemorySpace> {
     pub(crate) op: ReduceOp,
     pub(crate) wire: WireFormat,
     pub(crate) origins: Option<Origins>,
+    /// The fabric sends from the tensor (`direct`).
+    pub(crate) direct: bool,
     pub(crate) algorithm: SliceAlgorithm,
 }
 
@@ -190,6 +196,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         })?;
         let generation = number / self.buffers as u64;
         let origins = Origins::of(&rec.sub.descriptor);
+        let direct = self.sends_from_tensor(&rec.sub, next.algorithm);
         let info = SliceInfo {
             number,
             generation,
@@ -198,6 +205,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             op: rec.sub.op,
             wire: rec.sub.wire,
             origins,
+            direct,
         };
         let mut steps = std::mem::take(&mut d.scratch.steps);
         steps.clear();
@@ -226,6 +234,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             op: rec.sub.op,
             wire: rec.sub.wire,
             origins,
+            direct,
             algorithm,
         });
         slot.next_generation = generation + 1;
@@ -247,6 +256,24 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         d.slices.slots[b as usize].early = early;
         replayed?;
         Ok(true)
+    }
+
+    /// Whether operation `sub`'s slices send from its tensor: it may
+    /// (`direct::eligible`) and its tensor is registered, by its first slice.
+    fn sends_from_tensor(&self, sub: &Submission<M>, algorithm: Resolved) -> bool {
+        let fabric = &self.links.fabric;
+        if !fabric.registers_sources()
+            || !direct::eligible(&self.context(), sub, algorithm, self.direct_from)
+        {
+            return false;
+        }
+        let Some((ptr, len)) = self.memory.host_bytes(&sub.tensor) else {
+            return false;
+        };
+        self.lock_source_regions()
+            .take(sub.seq, (ptr.as_ptr() as usize, len), || {
+                direct::register(fabric, ptr, len, sub.seq)
+            })
     }
 
     /// Holds a write of `kind` from `peer` for generation `g` of idle buffer `b`,

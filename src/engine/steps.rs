@@ -79,6 +79,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 op,
                 wire,
                 origins,
+                direct,
                 algorithm,
                 ..
             } = active;
@@ -90,6 +91,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 op: *op,
                 wire: *wire,
                 origins: *origins,
+                direct: *direct,
             };
             algorithm.on_event(&ctx, &info, event, steps)?;
         }
@@ -126,13 +128,19 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 )
             })?
             .start;
+        let from_tensor = matches!(step, Step::WriteFromTensor(_));
         let ended = match step {
-            Step::Write(w) => {
-                let base = b as usize * self.memory.buffer_bytes();
+            Step::Write(w) | Step::WriteFromTensor(w) => {
+                let base = if from_tensor {
+                    tensor_base
+                } else {
+                    b as usize * self.memory.buffer_bytes()
+                };
                 let peer_base = b as usize * self.stride_of(w.peer);
                 let write = PendingWrite {
                     peer: w.peer,
                     source: base + w.source.start,
+                    from_tensor,
                     len: w.source.len(),
                     target: (peer_base + w.target) as u64,
                     immediate: tags::immediate(w.kind, b, active.generation),
@@ -168,6 +176,14 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 self.memory.reduce(b, &active.tensor, &reduction)?,
                 Some(SliceEvent::Reduced),
             )),
+            Step::ReduceInTensor(mut reduction) => {
+                reduction.dst = tensor_base + reduction.dst.start..tensor_base + reduction.dst.end;
+                Some((
+                    self.memory
+                        .reduce_in_tensor(b, &active.tensor, &reduction)?,
+                    Some(SliceEvent::Reduced),
+                ))
+            }
             Step::Convert { conversion, then } => Some((
                 self.memory.convert(b, &active.tensor, &conversion)?,
                 then.map(SliceEvent::Converted),
@@ -263,7 +279,17 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 .is_none_or(|s| credits.allows(w.peer, s, machine))
                 && checks.may_send_data(w.peer, w.seq, links)
         };
-        Ok(d.outbox.flush(b, links, may_go)?)
+        // Every write queued on buffer `b` is its slice's.
+        let direct = d.slices.slots[b as usize]
+            .active
+            .as_ref()
+            .filter(|a| a.direct)
+            .map(|a| a.seq);
+        let Some(seq) = direct else {
+            return Ok(d.outbox.flush(b, links, None, may_go)?);
+        };
+        let regions = self.lock_source_regions();
+        Ok(d.outbox.flush(b, links, regions.get(seq), may_go)?)
     }
 
     /// The events of buffer `b`'s waits that have ended, into `events`.

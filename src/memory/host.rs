@@ -36,6 +36,13 @@ impl HostTensor {
         HostTensor { ptr, len }
     }
 
+    /// Its first byte and length; `None` for a tensor of no bytes.
+    pub(crate) fn host_bytes(&self) -> Option<(NonNull<u8>, usize)> {
+        NonNull::new(self.ptr)
+            .filter(|_| self.len > 0)
+            .map(|p| (p, self.len))
+    }
+
     /// Its bytes `range`.
     ///
     /// # Safety
@@ -106,6 +113,50 @@ impl Host {
         // SAFETY: in bounds (checked); exclusive by the engine's protocol (above).
         Ok(unsafe { std::slice::from_raw_parts_mut(start.wrapping_add(range.start), range.len()) })
     }
+
+    /// `dst op=` the sources of `r` in staging buffer `buffer`, then the
+    /// average's division where `r` finishes one.
+    fn reduce_sources(&self, buffer: u32, dst: &mut [u8], r: &Reduction) -> Result<()> {
+        if dst.len() != r.dst.len() {
+            return Err(Error::internal(
+                "a reduction's destination is as long as its range",
+                format!("{} bytes for {:?}", dst.len(), r.dst),
+            ));
+        }
+        for source in r.sources.ranges() {
+            if source.len() != r.source_len() {
+                return Err(Error::internal(
+                    "reduction sources are as long as the destination",
+                    format!("source {source:?}, destination {:?}", r.dst),
+                ));
+            }
+        }
+        let mut sources = r
+            .sources
+            .ranges()
+            .map(|range| self.staging(buffer, range).map(|s| &*s));
+        if r.wire == WireFormat::Exact {
+            reduce_into(r.dtype, r.op, dst, &mut sources)?;
+        } else {
+            if r.dtype != DataType::F32 {
+                return Err(Error::internal(
+                    "only f32 values travel compressed",
+                    format!("{} on the {} wire", r.dtype, r.wire),
+                ));
+            }
+            in_batches(&mut sources, |batch| {
+                self.codec
+                    .reduce_many_compressed_bytes(r.op, r.wire, dst, batch)
+            })?;
+        }
+        if let Some(world) = r.average_over
+            && r.op == ReduceOp::Avg
+        {
+            finish_avg_bytes(r.dtype, dst, world)
+                .map_err(|e| Error::internal("averages divide a whole sum", e.to_string()))?;
+        }
+        Ok(())
+    }
 }
 
 impl Host {
@@ -140,39 +191,25 @@ impl MemorySpace for Host {
 
     fn reduce(&self, buffer: u32, _tensor: &HostTensor, r: &Reduction) -> Result<()> {
         for source in r.sources.ranges() {
-            if source.len() != r.source_len() || overlap(&source, &r.dst) {
+            if overlap(&source, &r.dst) {
                 return Err(Error::internal(
-                    "reduction sources are as long as the destination and apart from it",
+                    "reduction sources lie apart from the destination",
                     format!("source {source:?}, destination {:?}", r.dst),
                 ));
             }
         }
-        let dst = self.staging(buffer, r.dst.clone())?;
-        let mut sources = r
-            .sources
-            .ranges()
-            .map(|range| self.staging(buffer, range).map(|s| &*s));
-        if r.wire == WireFormat::Exact {
-            reduce_into(r.dtype, r.op, dst, &mut sources)?;
-        } else {
-            if r.dtype != DataType::F32 {
-                return Err(Error::internal(
-                    "only f32 values travel compressed",
-                    format!("{} on the {} wire", r.dtype, r.wire),
-                ));
-            }
-            in_batches(&mut sources, |batch| {
-                self.codec
-                    .reduce_many_compressed_bytes(r.op, r.wire, dst, batch)
-            })?;
-        }
-        if let Some(world) = r.average_over
-            && r.op == ReduceOp::Avg
-        {
-            finish_avg_bytes(r.dtype, dst, world)
-                .map_err(|e| Error::internal("averages divide a whole sum", e.to_string()))?;
-        }
-        Ok(())
+        self.reduce_sources(buffer, self.staging(buffer, r.dst.clone())?, r)
+    }
+
+    fn reduce_in_tensor(&self, buffer: u32, tensor: &HostTensor, r: &Reduction) -> Result<()> {
+        // SAFETY: as in `stage_in`; the sources are staging memory, apart from
+        // the caller's tensor.
+        let dst = unsafe { tensor.bytes(r.dst.clone())? };
+        self.reduce_sources(buffer, dst, r)
+    }
+
+    fn host_bytes(&self, tensor: &HostTensor) -> Option<(NonNull<u8>, usize)> {
+        tensor.host_bytes()
     }
 
     fn convert(&self, buffer: u32, _tensor: &HostTensor, c: &Conversion) -> Result<()> {

@@ -37,6 +37,8 @@
 //! | [`copy_out`](MemorySpace::copy_out), the local all-gather | `memcpy` | host-to-device copy from the staging buffer |
 //! | [`reduce`](MemorySpace::reduce), [`convert`](MemorySpace::convert) | the host kernels | the host kernels, in the staging buffer |
 //! | [`deliver`](MemorySpace::deliver) | `memcpy` | device-to-device copy |
+//! | [`host_bytes`](MemorySpace::host_bytes), for a fabric to send from | the tensor's address | none: staged |
+//! | [`reduce_in_tensor`](MemorySpace::reduce_in_tensor) | the host kernels, into the tensor | refused (never asked) |
 //!
 //! Staging in device memory (GPUDirect RDMA over verbs, where the device
 //! reduction kernel would reduce) and the intra-machine step of several GPUs
@@ -90,6 +92,32 @@ pub(crate) trait MemorySpace: Send + Sync + 'static {
         tensor: &Self::Tensor,
         reduction: &Reduction,
     ) -> Result<Self::Fence>;
+
+    /// Performs `reduction` with its destination in `tensor` (bytes
+    /// `reduction.dst` of it) and its sources in staging buffer `buffer`: the
+    /// step of a slice whose tensor the fabric sends from directly
+    /// ([`host_bytes`](MemorySpace::host_bytes)). A space that never offers
+    /// that refuses it.
+    fn reduce_in_tensor(
+        &self,
+        buffer: u32,
+        tensor: &Self::Tensor,
+        reduction: &Reduction,
+    ) -> Result<Self::Fence> {
+        let _ = (buffer, tensor);
+        Err(crate::error::Error::internal(
+            "only a tensor the fabric may read is reduced in place",
+            format!("{reduction:?}"),
+        ))
+    }
+
+    /// Where `tensor` lies in host memory, for a fabric to register and send
+    /// from directly (first byte, length); `None` where it cannot (device
+    /// memory, or a tensor of no bytes).
+    fn host_bytes(&self, tensor: &Self::Tensor) -> Option<(NonNull<u8>, usize)> {
+        let _ = tensor;
+        None
+    }
 
     /// Performs `conversion` in staging buffer `buffer`, which holds a slice of
     /// `tensor`.

@@ -177,6 +177,30 @@ impl MemorySpace for Placed {
         Ok(PlacedFence::Passed)
     }
 
+    fn reduce_in_tensor(
+        &self,
+        buffer: u32,
+        tensor: &PlacedTensor,
+        reduction: &Reduction,
+    ) -> Result<PlacedFence> {
+        match tensor {
+            PlacedTensor::Host(t) => {
+                self.host.reduce_in_tensor(buffer, t, reduction)?;
+                Ok(PlacedFence::Passed)
+            }
+            #[cfg(feature = "cuda")]
+            PlacedTensor::Device(_) => Err(mixed("a reduction into device memory")),
+        }
+    }
+
+    fn host_bytes(&self, tensor: &PlacedTensor) -> Option<(NonNull<u8>, usize)> {
+        match tensor {
+            PlacedTensor::Host(t) => t.host_bytes(),
+            #[cfg(feature = "cuda")]
+            PlacedTensor::Device(_) => None,
+        }
+    }
+
     fn convert(
         &self,
         buffer: u32,

@@ -41,6 +41,15 @@
 //! its writes or the slot's publication follow, so a memory space that converts
 //! asynchronously posts nothing it has not finished writing.
 //!
+//! **Sending from the tensor** ([`SliceInfo::direct`]: one device per machine,
+//! the tensor registered with the fabric, `engine/direct.rs`): the slot is the
+//! slice itself, so nothing is staged. Step 1 is done at once; step 2 sends
+//! from the tensor; step 3 reduces the served shard into the tensor, from the
+//! contributions in the inbox; step 4 sends it from there; step 5 copies in
+//! only the shards other machines served, from where their results landed,
+//! once every contribution has left the tensor (the copies overwrite what
+//! they were sent from), and finishes the local step without an all-gather.
+//!
 //! With dedicated servers (`Context::servers > 0`) the machines serve nothing:
 //! step 2 sends every shard of the slot to the server holding it (into the
 //! server's area for this machine and device), steps 3 and 4 happen on the
@@ -55,7 +64,7 @@
 
 use std::ops::Range;
 
-use fairring_core::staging::{Actions, Event, StagingError, StagingErrorKind, Word};
+use fairring_core::staging::{Actions, Counter, Event, StagingError, StagingErrorKind, Word};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
 use super::{Context, Converted, SliceEvent, SliceInfo, Step, Write, unexpected};
@@ -69,6 +78,12 @@ pub(crate) struct Hierarchical {
     word: Word,
     /// Whether the local all-gather has been asked for.
     gathering: bool,
+    /// Sending from the tensor: the slot is final, and its copies in wait
+    /// for the contributions to leave the tensor.
+    copy_waits: bool,
+    /// Sending from the tensor: copies in of other machines' shards not yet
+    /// finished.
+    copies: u32,
 }
 
 impl Hierarchical {
@@ -86,14 +101,23 @@ impl Hierarchical {
         let word = Word::free(s.generation)
             .acquire(s.generation, role)
             .map_err(|e| Error::internal("a new slice's word is free", e.to_string()))?;
-        steps.push(Step::LocalBegin);
-        steps.push(Step::LocalReduceScatter {
-            final_world: alone(ctx).then_some(ctx.world),
-        });
-        Ok(Hierarchical {
+        let mut slice = Hierarchical {
             word,
             gathering: false,
-        })
+            copy_waits: false,
+            copies: 0,
+        };
+        if s.direct {
+            // The slot is the slice, in the tensor: its machine's reduction is
+            // the rank's own input.
+            slice.step_word(Event::ReduceScatterDone, None, ctx, s, steps)?;
+        } else {
+            steps.push(Step::LocalBegin);
+            steps.push(Step::LocalReduceScatter {
+                final_world: alone(ctx).then_some(ctx.world),
+            });
+        }
+        Ok(slice)
     }
 
     /// Takes one event.
@@ -126,6 +150,14 @@ impl Hierarchical {
             SliceEvent::Sent { kind: Kind::Result } => (Event::ResultSent, None),
             SliceEvent::Reduced => (Event::Reduced, None),
             SliceEvent::LocalAllGatherDone => (Event::AllGatherDone, None),
+            SliceEvent::CopiedOut if s.direct && self.copies > 0 => {
+                self.copies -= 1;
+                if self.copies > 0 {
+                    return Ok(());
+                }
+                steps.push(Step::LocalFinish);
+                (Event::AllGatherDone, None)
+            }
             SliceEvent::Staged | SliceEvent::CopiedOut | SliceEvent::Sent { .. } => {
                 return Err(Error::internal(
                     "a hierarchical slice gets only its own steps' events",
@@ -133,9 +165,26 @@ impl Hierarchical {
                 ));
             }
         };
+        self.step_word(core_event, from, ctx, s, steps)?;
+        if self.copy_waits && self.word.remaining(Counter::ContributionsToSend) == 0 {
+            self.copy_in(ctx, s, steps)?;
+        }
+        Ok(())
+    }
+
+    /// Steps the word with `event` (from `from`, if a peer's write) and acts on
+    /// what it hands out.
+    fn step_word(
+        &mut self,
+        event: Event,
+        from: Option<u32>,
+        ctx: &Context<'_>,
+        s: &SliceInfo<'_>,
+        steps: &mut Vec<Step>,
+    ) -> Result<()> {
         let (word, actions) = self
             .word
-            .on_event(core_event, s.generation)
+            .on_event(event, s.generation)
             .map_err(|e| refused(e, from, s))?;
         self.word = word;
         self.act(ctx, s, actions, steps)
@@ -171,7 +220,12 @@ impl Hierarchical {
             }
         }
         if actions.contains(Actions::START_REDUCE) {
-            steps.push(Step::Reduce(reduction(ctx, s)?));
+            let reduction = reduction(ctx, s)?;
+            steps.push(if s.direct {
+                Step::ReduceInTensor(reduction)
+            } else {
+                Step::Reduce(reduction)
+            });
         }
         if actions.contains(Actions::START_SEND_BACK) {
             match wire {
@@ -182,6 +236,13 @@ impl Hierarchical {
         if actions.contains(Actions::START_ALL_GATHER) {
             match wire {
                 Some(format) if widen_results(ctx, s, format, steps)? => {}
+                _ if s.direct => {
+                    self.gathering = true;
+                    self.copy_waits = true;
+                    if self.word.remaining(Counter::ContributionsToSend) == 0 {
+                        self.copy_in(ctx, s, steps)?;
+                    }
+                }
                 _ => self.gather(ctx, steps),
             }
         }
@@ -213,6 +274,34 @@ impl Hierarchical {
                 Ok(())
             }
         }
+    }
+
+    /// Sending from the tensor, the slot final and every contribution gone:
+    /// copies the shards other machines served into the tensor, from where
+    /// their results landed (or, with none, ends the local step at once).
+    fn copy_in(
+        &mut self,
+        ctx: &Context<'_>,
+        s: &SliceInfo<'_>,
+        steps: &mut Vec<Step>,
+    ) -> Result<()> {
+        self.copy_waits = false;
+        for shard in sent_shards(ctx, s) {
+            let cell = cell_range(ctx, s, shard)?;
+            if cell.is_empty() {
+                continue;
+            }
+            steps.push(Step::CopyOut {
+                from: cell.start,
+                to: cell,
+            });
+            self.copies += 1;
+        }
+        if self.copies == 0 {
+            steps.push(Step::LocalFinish);
+            self.step_word(Event::AllGatherDone, None, ctx, s, steps)?;
+        }
+        Ok(())
     }
 
     /// The slot is final: publish it and gather every slot into the tensor.
@@ -421,13 +510,18 @@ fn contributions(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) ->
         if let Some(format) = compressed(ctx, s) {
             source.end = source.start + format.wire_bytes(source.len());
         }
-        steps.push(Step::Write(Write {
+        let write = Write {
             kind: Kind::Contribution,
             peer,
             source,
             target,
             needs_credit: true,
-        }));
+        };
+        steps.push(if s.direct {
+            Step::WriteFromTensor(write)
+        } else {
+            Step::Write(write)
+        });
     }
     Ok(())
 }
@@ -458,13 +552,18 @@ fn results(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Resul
         None => range.clone(),
     };
     for m in (0..ctx.topology.machines()).filter(|&m| m != ctx.location.machine) {
-        steps.push(Step::Write(Write {
+        let write = Write {
             kind: Kind::Result,
             peer: ctx.rail_peer(m)?,
             source: source.clone(),
             target: range.start,
             needs_credit: false,
-        }));
+        };
+        steps.push(if s.direct {
+            Step::WriteFromTensor(write)
+        } else {
+            Step::Write(write)
+        });
     }
     Ok(())
 }

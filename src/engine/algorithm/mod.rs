@@ -198,6 +198,13 @@ pub(crate) enum Step {
     },
     /// Reduce within the staging buffer; then [`SliceEvent::Reduced`].
     Reduce(Reduction),
+    /// Post a write whose `source` is bytes of the slice in the tensor
+    /// (relative to the slice's start), which the fabric reads directly
+    /// ([`SliceInfo::direct`]).
+    WriteFromTensor(Write),
+    /// Reduce staging sources into bytes `dst` of the slice in the tensor
+    /// (relative to the slice's start); then [`SliceEvent::Reduced`].
+    ReduceInTensor(Reduction),
     /// Convert within the staging buffer between `f32` and a compressed wire
     /// format; then, if `then` names it, [`SliceEvent::Converted`] once this
     /// and every earlier conversion of the slice has finished.
@@ -279,6 +286,9 @@ pub(crate) struct SliceInfo<'a> {
     pub(crate) wire: WireFormat,
     /// Where its bytes start, for a relayed slice.
     pub(crate) origins: Option<Origins>,
+    /// The fabric sends from the operation's tensor, registered for it
+    /// (`engine/direct.rs`): the slice stages nothing in.
+    pub(crate) direct: bool,
 }
 
 impl SliceInfo<'_> {

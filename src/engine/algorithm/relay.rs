@@ -558,6 +558,7 @@ mod tests {
             op: ReduceOp::Sum,
             wire: WireFormat::Exact,
             origins: Some(origins),
+            direct: false,
         };
         f(&ctx, &s);
     }

@@ -21,7 +21,9 @@ const LINK_DEPTH: usize = 6;
 #[derive(Clone, Copy, Debug)]
 enum Item {
     Write {
-        source_offset: usize,
+        /// The first byte sent: read when the write lands, as RDMA reads it
+        /// some time after the post.
+        source: usize,
         len: usize,
         target_offset: u64,
         immediate: u32,
@@ -36,7 +38,8 @@ enum Item {
 /// Every rank's region, links and completions.
 pub(super) struct Network {
     world: u32,
-    /// Per rank: its registered region (address, length).
+    /// Per rank: its registered region (address, length), the staging memory
+    /// peers write into (tensors are registered only to send from).
     regions: Vec<Option<(usize, usize)>>,
     /// Per (source, target): posts in flight, in order.
     links: Vec<VecDeque<Item>>,
@@ -79,25 +82,24 @@ impl Network {
         };
         match item {
             Item::Write {
-                source_offset,
+                source,
                 len,
                 target_offset,
                 immediate,
                 token,
             } => {
-                let (Some((src, _)), Some((dst, _))) =
-                    (self.regions[from as usize], self.regions[to as usize])
-                else {
+                let Some((dst, _)) = self.regions[to as usize] else {
                     return;
                 };
                 let target = usize::try_from(target_offset).unwrap_or(usize::MAX);
                 // Both ranges were bounds-checked against the registered regions
-                // when posted (`WriteRequest::check`); the regions live as long
-                // as the simulation's engines.
-                let from_ptr = (src as *const u8).wrapping_add(source_offset);
+                // when posted (`WriteRequest::check`); the staging regions live
+                // as long as the simulation's engines, and a tensor as long as
+                // its rank's record of the scenario.
+                let from_ptr = source as *const u8;
                 let to_ptr = (dst as *mut u8).wrapping_add(target);
-                // SAFETY: in bounds (above); source and target belong to different
-                // ranks' staging areas, so they do not overlap.
+                // SAFETY: in bounds (above); the source is the writer's memory and
+                // the target another rank's staging area, so they do not overlap.
                 unsafe { std::ptr::copy_nonoverlapping(from_ptr, to_ptr, len) };
                 self.completions[to as usize].push_back(Completion {
                     peer: from,
@@ -242,12 +244,30 @@ impl Fabric for SimFabric {
         })
     }
 
+    fn registers_sources(&self) -> bool {
+        true
+    }
+
+    unsafe fn register_source(
+        &self,
+        memory: NonNull<u8>,
+        len: usize,
+    ) -> Result<SimRegion, FabricError> {
+        // Peers write only into the rank's staging region (`regions`): a key
+        // no rank has.
+        Ok(SimRegion {
+            address: memory.as_ptr() as usize,
+            len,
+            key: u32::MAX,
+        })
+    }
+
     fn write(&self, peer: u32, request: WriteRequest<'_, SimRegion>) -> Result<(), FabricError> {
         request.check()?;
         self.post(
             peer,
             Item::Write {
-                source_offset: request.source_offset,
+                source: request.source.address.wrapping_add(request.source_offset),
                 len: request.len,
                 target_offset: request.target_offset,
                 immediate: request.immediate,

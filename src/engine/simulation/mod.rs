@@ -44,7 +44,7 @@ use super::descriptor::{Collective, Descriptor};
 use super::layout::StagingLayout;
 use super::links::{linked, peers, server_peers};
 use super::work::{DONE, FAILED, Submission};
-use super::{Engine, EngineParts, Strides};
+use super::{DirectSettings, Engine, EngineParts, Strides};
 use crate::local::{LocalSlice, LocalStep, Machine, ShmStep, Solo};
 use crate::memory::{Host, HostTensor, MemorySpace};
 use crate::shm::Segment;
@@ -225,6 +225,7 @@ fn build_job(
     layout: &StagingLayout,
     buffers: u32,
     net: &Arc<std::sync::Mutex<Network>>,
+    direct: DirectSettings,
     wrap: impl Fn(u32, ShmStep) -> Box<dyn LocalStep<Host>>,
 ) -> Result<Vec<Engine<SimFabric, Host>>, String> {
     let topology = geometry.topology();
@@ -329,6 +330,7 @@ fn build_job(
             inbound,
             linked,
             timeout: Duration::from_secs(3600),
+            direct,
         }));
     }
     Ok(engines)
@@ -349,6 +351,9 @@ struct Scenario {
     window: usize,
     /// The step at which a process is killed, and which.
     kill: Option<(u64, u32)>,
+    /// Whether, and from which size, all-reduces send from their tensors
+    /// where they may, and how many registrations each rank keeps.
+    direct: DirectSettings,
 }
 
 impl Scenario {
@@ -444,6 +449,10 @@ impl Scenario {
         } else {
             RankLayout::Contiguous
         };
+        let direct = DirectSettings {
+            from_bytes: rng.pick(&[None, None, Some(0), Some(4096)]),
+            cached: rng.pick(&[1, 2, 64]),
+        };
         Scenario {
             machines: m,
             devices: d,
@@ -454,6 +463,7 @@ impl Scenario {
             ops,
             window,
             kill,
+            direct,
         }
     }
 }
@@ -476,6 +486,7 @@ fn play(sc: &Scenario, rng: &mut Rng) -> Result<Outcome, String> {
         slice_bytes,
         window,
         kill,
+        direct,
         ..
     } = *sc;
     let ops = &sc.ops;
@@ -491,7 +502,9 @@ fn play(sc: &Scenario, rng: &mut Rng) -> Result<Outcome, String> {
     let layout = StagingLayout::new(&geometry, world).ok_or("layout")?;
 
     let net = Network::new(processes);
-    let mut engines = build_job(&geometry, &layout, buffers, &net, |_, step| Box::new(step))?;
+    let mut engines = build_job(&geometry, &layout, buffers, &net, direct, |_, step| {
+        Box::new(step)
+    })?;
     let mut server_engines: Vec<(Engine<SimFabric, Host>, bool)> = engines
         .split_off(world as usize)
         .into_iter()
@@ -797,6 +810,7 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
             ],
             window: 2 + rng.below(3) as usize,
             kill: None,
+            direct: DirectSettings::from(None),
         };
         match play(&scenario, &mut rng) {
             Ok(outcome) => checked += outcome.done,
@@ -848,13 +862,20 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
     let geometry = Geometry::new(topology, PlanConfig::new(4096, 64).unwrap()).unwrap();
     let layout = StagingLayout::new(&geometry, 2).unwrap();
     let net = Network::new(2);
-    let engines = build_job(&geometry, &layout, 2, &net, |rank, step| {
-        if rank == 1 {
-            Box::new(PanickingAllGather(step))
-        } else {
-            Box::new(step)
-        }
-    })
+    let engines = build_job(
+        &geometry,
+        &layout,
+        2,
+        &net,
+        DirectSettings::from(None),
+        |rank, step| {
+            if rank == 1 {
+                Box::new(PanickingAllGather(step))
+            } else {
+                Box::new(step)
+            }
+        },
+    )
     .unwrap();
     let mut tensors = [[1u64; 300], [2u64; 300]];
     for (engine, tensor) in engines.iter().zip(&mut tensors) {

@@ -1,0 +1,375 @@
+//! Tensors the fabric sends from directly.
+//!
+//! A rank alone on its machine stages nothing for the machine: its slot is the
+//! whole slice. On a fabric that registers memory to send from without
+//! pinning it (tcp: [`Fabric::register_source`]) a hierarchical all-reduce of
+//! a host tensor then skips the copy into the staging buffer: the tensor is
+//! registered, the contributions leave from it, the served shard is reduced in
+//! it (from the contributions that landed in the staging buffer's inbox) and
+//! sent back from it, and only the shards other machines served are copied
+//! in, from where their results landed. Per rank and slice of `S` bytes over
+//! `M` machines that is `S (M-1)/M` bytes copied instead of `2 S`: on loopback
+//! tcp the staging copies cost as much CPU as the kernel's own (`perf`, 2x1,
+//! 16 MiB: 31% of cycles in `memcpy`, 28% in the socket copies).
+//!
+//! Registrations are kept for the next operation on the same memory
+//! ([`SourceRegions`]), so a training loop's all-reduces of the same buffers
+//! register and allocate nothing once warm. A failing engine drops every
+//! registration before it declares an operation finished: dropping one waits
+//! until the fabric no longer reads the memory, so nothing reads a caller's
+//! tensor after its operation has returned.
+
+use std::ptr::NonNull;
+
+use fairring_core::DataType;
+use fairring_core::WireFormat;
+use fairring_rdma::fabric::Fabric;
+
+use super::algorithm::{Context, Resolved};
+use super::descriptor::Collective;
+use super::work::{Submission, WORK_CAPACITY, slot_of};
+use crate::memory::MemorySpace;
+
+/// Whether operation `sub`, resolved to `algorithm`, may send from its tensor
+/// directly in `ctx`, given the size from which that pays (`from_bytes`, `None`:
+/// never). The memory space and the fabric decide the rest at registration.
+pub(crate) fn eligible<M: MemorySpace>(
+    ctx: &Context<'_>,
+    sub: &Submission<M>,
+    algorithm: Resolved,
+    from_bytes: Option<u64>,
+) -> bool {
+    let bytes = sub.elements.saturating_mul(sub.dtype.size_bytes());
+    let compressed = sub.wire != WireFormat::Exact && sub.dtype == DataType::F32;
+    from_bytes.is_some_and(|from| bytes >= from)
+        && algorithm == Resolved::Hierarchical
+        && sub.descriptor.collective == Collective::AllReduce
+        && sub.deliver.is_none()
+        && !compressed
+        && ctx.topology.devices_per_machine() == 1
+        && ctx.topology.machines() > 1
+        && ctx.servers == 0
+        && ctx.server.is_none()
+}
+
+/// What sending from tensors may do on one engine.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Settings {
+    /// The size from which an all-reduce sends from its tensor where it may
+    /// ([`eligible`]); `None`: never.
+    pub(crate) from_bytes: Option<u64>,
+    /// Registrations kept for reuse.
+    pub(crate) cached: usize,
+}
+
+impl Settings {
+    /// Sending from `from_bytes` on, keeping [`CACHED`] registrations.
+    pub(crate) fn from(from_bytes: Option<u64>) -> Settings {
+        Settings {
+            from_bytes,
+            cached: CACHED,
+        }
+    }
+}
+
+/// Registrations an engine keeps: more tensors than a training step's
+/// gradient buckets.
+pub(crate) const CACHED: usize = 64;
+
+/// One kept registration.
+struct Kept<R> {
+    /// The memory it covers: first byte, length.
+    memory: (usize, usize),
+    region: R,
+    /// Operations in flight that send from it.
+    holders: u32,
+    /// When an operation last took it (a count of takes).
+    taken: u64,
+}
+
+/// The registrations of tensors the fabric sends from, kept for reuse.
+///
+/// Training all-reduces the same gradient buffers step after step: an
+/// operation whose tensor (same first byte, same length) is registered
+/// already takes that registration, so a warm engine registers nothing and
+/// allocates nothing. A source registration leaves no window for peers and
+/// pins nothing (`Fabric::register_source`), so keeping one after its
+/// operation has completed is sound. One that no operation in flight holds
+/// is dropped when its entry is needed for another tensor (least recently
+/// taken first) or when the engine fails.
+pub(crate) struct SourceRegions<R> {
+    kept: Vec<Option<Kept<R>>>,
+    /// Per entry of the work table: the operation there, and its entry in
+    /// `kept`.
+    by_operation: Vec<Option<(u64, usize)>>,
+    takes: u64,
+}
+
+impl<R> SourceRegions<R> {
+    /// Room for `capacity` registrations, and one holder per entry of the
+    /// work table.
+    pub(crate) fn new(capacity: usize) -> SourceRegions<R> {
+        SourceRegions {
+            kept: (0..capacity).map(|_| None).collect(),
+            by_operation: (0..WORK_CAPACITY).map(|_| None).collect(),
+            takes: 0,
+        }
+    }
+
+    /// The registration operation `seq` sends from, if it holds one.
+    pub(crate) fn get(&self, seq: u64) -> Option<&R> {
+        match self.by_operation[slot_of(seq)] {
+            Some((s, at)) if s == seq => self.kept[at].as_ref().map(|k| &k.region),
+            _ => None,
+        }
+    }
+
+    /// Has operation `seq` hold a registration of `memory` (first byte,
+    /// length): the one kept, or a new one from `register` in a free entry or
+    /// in place of the least recently taken one nobody holds. Returns whether
+    /// it holds one; `false` when every entry is held, or `register` failed.
+    pub(crate) fn take(
+        &mut self,
+        seq: u64,
+        memory: (usize, usize),
+        register: impl FnOnce() -> Option<R>,
+    ) -> bool {
+        if self.get(seq).is_some() {
+            return true;
+        }
+        self.takes += 1;
+        let found = self
+            .kept
+            .iter()
+            .position(|k| k.as_ref().is_some_and(|k| k.memory == memory));
+        let at = match found {
+            Some(at) => at,
+            None => {
+                let free = self.kept.iter().position(Option::is_none).or_else(|| {
+                    self.kept
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, k)| k.as_ref().map(|k| (i, k)))
+                        .filter(|(_, k)| k.holders == 0)
+                        .min_by_key(|(_, k)| k.taken)
+                        .map(|(i, _)| i)
+                });
+                let Some(at) = free else {
+                    return false;
+                };
+                // The one it replaces, if any, drops first: nothing sends from
+                // it (no holder), so that takes no wait.
+                self.kept[at] = None;
+                let Some(region) = register() else {
+                    return false;
+                };
+                self.kept[at] = Some(Kept {
+                    memory,
+                    region,
+                    holders: 0,
+                    taken: 0,
+                });
+                at
+            }
+        };
+        if let Some(k) = self.kept[at].as_mut() {
+            k.holders += 1;
+            k.taken = self.takes;
+        }
+        self.by_operation[slot_of(seq)] = Some((seq, at));
+        true
+    }
+
+    /// Operation `seq` has completed: every write from its tensor has too.
+    pub(crate) fn release(&mut self, seq: u64) {
+        let entry = &mut self.by_operation[slot_of(seq)];
+        if let Some((s, at)) = *entry
+            && s == seq
+        {
+            *entry = None;
+            if let Some(k) = self.kept[at].as_mut() {
+                k.holders = k.holders.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Drops every registration (the engine failed): each drop waits until
+    /// the fabric sends from it no more.
+    pub(crate) fn clear(&mut self) {
+        self.by_operation.iter_mut().for_each(|e| *e = None);
+        self.kept.iter_mut().for_each(|k| *k = None);
+    }
+}
+
+/// Registers `len` bytes at `ptr`, operation `seq`'s tensor, with `fabric` to
+/// send from; `None` (the operation stages its tensor) if it refuses.
+pub(crate) fn register<F: Fabric>(
+    fabric: &F,
+    ptr: NonNull<u8>,
+    len: usize,
+    seq: u64,
+) -> Option<F::Region> {
+    // SAFETY: the engine posts a write from the region only for an operation
+    // on this memory while it is pending (valid, and not touched by the
+    // caller), keeps the ranges it sends from unwritten until their writes
+    // complete (`hierarchical`), and drops every registration before it
+    // declares an operation failed (`fail_locked`).
+    match unsafe { fabric.register_source(ptr, len) } {
+        Ok(region) => Some(region),
+        Err(e) => {
+            log::debug!("fairring: operation #{seq} stages its tensor: registering it failed: {e}");
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use fairring_core::ReduceOp;
+    use fairring_core::plan::{Geometry, PlanConfig};
+    use fairring_core::topology::{RankLayout, Topology};
+
+    use super::*;
+    use crate::engine::descriptor::Descriptor;
+    use crate::engine::layout::StagingLayout;
+    use crate::engine::work::Delivery;
+    use crate::memory::{Host, HostTensor, MemoryKind};
+
+    /// Whether a host `f32` all-reduce of 4 KiB, with `change` applied, may
+    /// send from its tensor by `algorithm` on an `m x d` job with `servers`
+    /// servers, from `from_bytes` on.
+    fn allowed(
+        (m, d, servers): (u32, u32, u32),
+        algorithm: Resolved,
+        from_bytes: Option<u64>,
+        change: impl FnOnce(&mut Submission<Host>),
+    ) -> bool {
+        let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+        let geometry = Geometry::new(topology, PlanConfig::new(4096, 64).unwrap()).unwrap();
+        let layout = StagingLayout::new(&geometry, m * d).unwrap();
+        let ctx = Context {
+            topology,
+            location: topology.locate(0).unwrap(),
+            rank: 0,
+            world: m * d,
+            layout: &layout,
+            servers,
+            server: None,
+        };
+        let mut buffer = vec![0u8; 4096];
+        let descriptor = Descriptor {
+            collective: Collective::AllReduce,
+            dtype: DataType::F32,
+            op: ReduceOp::Sum,
+            algorithm,
+            wire: WireFormat::Exact,
+            memory: MemoryKind::Host,
+            root: 0,
+            elements: 1024,
+        };
+        let mut sub = Submission {
+            seq: 1,
+            tensor: HostTensor::new(buffer.as_mut_ptr(), buffer.len()),
+            elements: 1024,
+            dtype: DataType::F32,
+            op: ReduceOp::Sum,
+            algorithm,
+            wire: WireFormat::Exact,
+            descriptor,
+            deliver: None,
+        };
+        change(&mut sub);
+        eligible(&ctx, &sub, algorithm, from_bytes)
+    }
+
+    #[test]
+    fn only_a_hierarchical_all_reduce_between_single_rank_machines_sends_from_its_tensor() {
+        let hierarchical = Resolved::Hierarchical;
+        let same = |_: &mut Submission<Host>| {};
+        assert!(allowed((2, 1, 0), hierarchical, Some(4096), same));
+        assert!(allowed((4, 1, 0), hierarchical, Some(0), same));
+        // Below the size, or never.
+        assert!(!allowed((2, 1, 0), hierarchical, Some(4097), same));
+        assert!(!allowed((2, 1, 0), hierarchical, None, same));
+        // Machines of several ranks stage for their local step; one machine
+        // has no exchange; servers reduce what they are sent.
+        assert!(!allowed((2, 2, 0), hierarchical, Some(0), same));
+        assert!(!allowed((1, 1, 0), hierarchical, Some(0), same));
+        assert!(!allowed((2, 1, 1), hierarchical, Some(0), same));
+        // Other algorithms, collectives and wires stage.
+        for other in [
+            Resolved::Ring,
+            Resolved::Doubling,
+            Resolved::Relay,
+            Resolved::Scatter,
+        ] {
+            assert!(!allowed((2, 1, 0), other, Some(0), same), "{other}");
+        }
+        assert!(!allowed((2, 1, 0), hierarchical, Some(0), |s| {
+            s.descriptor.collective = Collective::Broadcast;
+        }));
+        assert!(!allowed((2, 1, 0), hierarchical, Some(0), |s| {
+            s.deliver = Some(Delivery {
+                to: s.tensor,
+                range: 0..16,
+            });
+        }));
+        assert!(!allowed((2, 1, 0), hierarchical, Some(0), |s| {
+            s.wire = WireFormat::Bf16;
+        }));
+        // A compressed wire carries only f32: other types run exact.
+        assert!(allowed((2, 1, 0), hierarchical, Some(0), |s| {
+            s.wire = WireFormat::Bf16;
+            s.dtype = DataType::I32;
+        }));
+    }
+
+    #[test]
+    fn operations_on_the_same_memory_share_one_registration() {
+        let mut kept = SourceRegions::new(2);
+        let mut made = 0;
+        let mut register = |name: &'static str| {
+            made += 1;
+            Some(name)
+        };
+        assert!(kept.take(1, (100, 8), || register("a")));
+        // A later slice of the same operation holds it already.
+        assert!(kept.take(1, (100, 8), || unreachable!()));
+        assert_eq!(kept.get(1), Some(&"a"));
+        // Another operation on the same memory shares it; other memory gets
+        // its own.
+        assert!(kept.take(2, (100, 8), || unreachable!()));
+        assert!(kept.take(3, (100, 16), || register("b")));
+        assert_eq!((kept.get(2), kept.get(3)), (Some(&"a"), Some(&"b")));
+        // Every entry held: a third tensor stages.
+        assert!(!kept.take(4, (200, 8), || unreachable!()));
+        assert_eq!(kept.get(4), None);
+        // Once nobody holds one, a new tensor replaces the least recently
+        // taken: "b" (taken by 3) was taken after "a" (by 2), but "a" is still
+        // held by 1 until it completes.
+        kept.release(3);
+        assert!(kept.take(5, (200, 8), || register("c")));
+        assert_eq!(kept.get(5), Some(&"c"));
+        assert_eq!(kept.get(3), None);
+        kept.release(1);
+        kept.release(2);
+        kept.release(5);
+        assert!(
+            kept.take(6, (200, 8), || unreachable!()),
+            "kept after completion"
+        );
+        assert!(kept.take(7, (100, 16), || register("d")), "replaces a");
+        assert_eq!((kept.get(6), kept.get(7)), (Some(&"c"), Some(&"d")));
+        // A registration that fails leaves the operation staging.
+        kept.release(7);
+        assert!(!kept.take(8, (300, 8), || None));
+        assert_eq!(made, 4);
+        // A later operation in the same entry of the work table is another.
+        let later = 6 + WORK_CAPACITY as u64;
+        assert_eq!(kept.get(later), None);
+        kept.release(later);
+        assert_eq!(kept.get(6), Some(&"c"));
+        kept.clear();
+        assert_eq!(kept.get(6), None);
+    }
+}
