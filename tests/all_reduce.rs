@@ -99,18 +99,26 @@ fn doubling_every_layout() {
     check_layout_with_servers(3, 1, 1, Algorithm::Doubling);
 }
 
-/// One rank per machine: sending from the tensor (from any size) and staging
-/// it give the same exact results, for every operator that finishes in the
-/// reduction (an average divides the served shard in the tensor), across many
-/// slices with several in flight.
+/// Sending from the tensor (from any size) and staging it give the same exact
+/// results: hierarchical between machines of one rank each, the ring on any
+/// layout; for an operator that finishes in the reduction too (an average
+/// divides in the tensor), across many slices with several in flight.
 #[test]
 fn sending_from_the_tensor_matches_staging_it() {
-    for (m, direct_from) in [(2, Some(0)), (3, Some(0)), (3, None)] {
-        let world = m;
+    let (hierarchical, ring) = (Algorithm::Hierarchical, Algorithm::Ring);
+    for (m, d, algorithm, direct_from) in [
+        (2, 1, hierarchical, Some(0)),
+        (3, 1, hierarchical, Some(0)),
+        (3, 1, hierarchical, None),
+        (3, 1, ring, Some(0)),
+        (2, 2, ring, Some(0)),
+        (2, 2, ring, None),
+    ] {
+        let world = m * d;
         job(
             m,
-            1,
-            |b| small_slices(b, Algorithm::Hierarchical).direct_from(direct_from),
+            d,
+            |b| small_slices(b, algorithm).direct_from(direct_from),
             |rank, comm| {
                 let n = 100_003;
                 let mut sums: Vec<i32> = (0..n).map(|i| i as i32 ^ (rank as i32) << 20).collect();
@@ -130,7 +138,7 @@ fn sending_from_the_tensor_matches_staging_it() {
                         w.wait().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                     }
                 });
-                let label = format!("{m}x1, from {direct_from:?}, rank {rank}");
+                let label = format!("{m}x{d} {algorithm}, from {direct_from:?}, rank {rank}");
                 let bad = (0..n).find(|&i| {
                     sums[i] != (0..world).map(|r| i as i32 ^ (r as i32) << 20).sum::<i32>()
                 });

@@ -10,7 +10,7 @@
 //! | `FAIRRING_TOTAL_MEMORY` | staging memory per rank, bytes (`K`/`M`/`G` suffixes) | 50 MiB |
 //! | `FAIRRING_SLICE_SIZE` | largest slice, bytes | 25 MiB, less if the budget would hold fewer than 2 buffers |
 //! | `FAIRRING_MIN_SHARD_SIZE` | smallest shard, bytes | 64 KiB |
-//! | `FAIRRING_DIRECT_FROM` | size from which a hierarchical all-reduce of a host tensor between machines of one rank each sends from the tensor instead of staging it, where the fabric registers memory cheaply (tcp); bytes, or `never` | 256 KiB |
+//! | `FAIRRING_DIRECT_FROM` | size from which an all-reduce of a host tensor sends from the tensor instead of staging it, where the fabric registers memory to send from (tcp), by hierarchical between machines of one rank each or by the ring; bytes, or `never` | 256 KiB |
 //! | `FAIRRING_SOCKET_IFNAME` | interface the fabric listens on | the one that reaches `MASTER_ADDR` |
 //! | `FAIRRING_TIMEOUT` | rendezvous and peer-silence bound (`30`, `2.5s`, `500ms`, `5min`) | 300 s |
 //! | `FAIRRING_JOB_SECRET` | 64 hex digits shared by every rank; admits peers | derived from the job (see below) |
@@ -479,9 +479,10 @@ impl ConfigBuilder {
         self
     }
 
-    /// The size from which a hierarchical all-reduce of a host tensor between
-    /// machines of one rank each sends from the tensor instead of staging it,
-    /// where the fabric registers memory cheaply (tcp); `None`: always stage.
+    /// The size from which an all-reduce of a host tensor sends from the
+    /// tensor instead of staging it, where the fabric registers memory to send
+    /// from (tcp), by hierarchical between machines of one rank each or by the
+    /// ring; `None`: always stage.
     pub fn direct_from(mut self, bytes: Option<u64>) -> Self {
         self.direct_from = bytes;
         self

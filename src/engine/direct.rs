@@ -1,16 +1,18 @@
 //! Tensors the fabric sends from directly.
 //!
 //! A rank alone on its machine stages nothing for the machine: its slot is the
-//! whole slice. On a fabric that registers memory to send from without
-//! pinning it (tcp: [`Fabric::register_source`]) a hierarchical all-reduce of
-//! a host tensor then skips the copy into the staging buffer: the tensor is
-//! registered, the contributions leave from it, the served shard is reduced in
-//! it (from the contributions that landed in the staging buffer's inbox) and
-//! sent back from it, and only the shards other machines served are copied
-//! in, from where their results landed. Per rank and slice of `S` bytes over
-//! `M` machines that is `S (M-1)/M` bytes copied instead of `2 S`: on loopback
-//! tcp the staging copies cost as much CPU as the kernel's own (`perf`, 2x1,
-//! 16 MiB: 31% of cycles in `memcpy`, 28% in the socket copies).
+//! whole slice; and the ring never uses the machine's step. On a fabric that
+//! registers memory to send from without pinning it (tcp:
+//! [`Fabric::register_source`]) an all-reduce of a host tensor by either then
+//! skips the copy into the staging buffer. The tensor is registered, and
+//! what the rank sends of its own leaves from it: hierarchical's
+//! contributions and served shard, the ring's chunks as it reduces them.
+//! Reductions go into the tensor, from what landed in the staging buffer's
+//! inbox. Only what other ranks finished is copied in, from where it landed.
+//! Per rank and slice of `S` bytes that is `S (N-1)/N` bytes copied (`N`
+//! machines, or ring ranks) instead of `2 S`: on loopback tcp the staging
+//! copies cost as much CPU as the kernel's own (`perf`, 2x1, 16 MiB: 31% of
+//! cycles in `memcpy`, 28% in the socket copies).
 //!
 //! Registrations are kept for the next operation on the same memory
 //! ([`SourceRegions`]), so a training loop's all-reduces of the same buffers
@@ -32,7 +34,8 @@ use crate::memory::MemorySpace;
 
 /// Whether operation `sub`, resolved to `algorithm`, may send from its tensor
 /// directly in `ctx`, given the size from which that pays (`from_bytes`, `None`:
-/// never). The memory space and the fabric decide the rest at registration.
+/// never): a hierarchical all-reduce between machines of one rank each, or a
+/// ring all-reduce. The memory space and the fabric decide the rest.
 pub(crate) fn eligible<M: MemorySpace>(
     ctx: &Context<'_>,
     sub: &Submission<M>,
@@ -40,16 +43,25 @@ pub(crate) fn eligible<M: MemorySpace>(
     from_bytes: Option<u64>,
 ) -> bool {
     let bytes = sub.elements.saturating_mul(sub.dtype.size_bytes());
-    let compressed = sub.wire != WireFormat::Exact && sub.dtype == DataType::F32;
-    from_bytes.is_some_and(|from| bytes >= from)
-        && algorithm == Resolved::Hierarchical
+    let all_reduce = from_bytes.is_some_and(|from| bytes >= from)
         && sub.descriptor.collective == Collective::AllReduce
         && sub.deliver.is_none()
-        && !compressed
-        && ctx.topology.devices_per_machine() == 1
-        && ctx.topology.machines() > 1
-        && ctx.servers == 0
-        && ctx.server.is_none()
+        && ctx.server.is_none();
+    match algorithm {
+        // Its slot is the slice where the machine has one rank; servers and
+        // a compressed wire reduce what the slot holds once it is sent.
+        Resolved::Hierarchical => {
+            let compressed = sub.wire != WireFormat::Exact && sub.dtype == DataType::F32;
+            all_reduce
+                && !compressed
+                && ctx.topology.devices_per_machine() == 1
+                && ctx.topology.machines() > 1
+                && ctx.servers == 0
+        }
+        // Every rank is a hop of its own, whatever machine it is on.
+        Resolved::Ring => all_reduce && ctx.world > 1,
+        Resolved::Relay | Resolved::Doubling | Resolved::Scatter => false,
+    }
 }
 
 /// What sending from tensors may do on one engine.
@@ -283,7 +295,7 @@ mod tests {
     }
 
     #[test]
-    fn only_a_hierarchical_all_reduce_between_single_rank_machines_sends_from_its_tensor() {
+    fn hierarchical_between_single_rank_machines_and_ring_all_reduces_send_from_tensors() {
         let hierarchical = Resolved::Hierarchical;
         let same = |_: &mut Submission<Host>| {};
         assert!(allowed((2, 1, 0), hierarchical, Some(4096), same));
@@ -296,13 +308,14 @@ mod tests {
         assert!(!allowed((2, 2, 0), hierarchical, Some(0), same));
         assert!(!allowed((1, 1, 0), hierarchical, Some(0), same));
         assert!(!allowed((2, 1, 1), hierarchical, Some(0), same));
+        // The ring, on any layout of several ranks, servers or not.
+        for layout in [(2, 1, 0), (2, 2, 0), (1, 3, 0), (2, 1, 1)] {
+            assert!(allowed(layout, Resolved::Ring, Some(0), same), "{layout:?}");
+        }
+        assert!(!allowed((1, 1, 0), Resolved::Ring, Some(0), same));
+        assert!(!allowed((2, 1, 0), Resolved::Ring, Some(4097), same));
         // Other algorithms, collectives and wires stage.
-        for other in [
-            Resolved::Ring,
-            Resolved::Doubling,
-            Resolved::Relay,
-            Resolved::Scatter,
-        ] {
+        for other in [Resolved::Doubling, Resolved::Relay, Resolved::Scatter] {
             assert!(!allowed((2, 1, 0), other, Some(0), same), "{other}");
         }
         assert!(!allowed((2, 1, 0), hierarchical, Some(0), |s| {

@@ -22,6 +22,14 @@
 //! every all-gather landing. Empty chunks (a slice of fewer than `N` elements) are
 //! skipped by both sides alike.
 //!
+//! **Sending from the tensor** ([`SliceInfo::direct`], `engine/direct.rs`):
+//! nothing is staged in. Reduce-scatter steps send from the tensor and reduce
+//! each landing into the tensor's chunk; the final chunk leaves from the
+//! tensor too; the chunks the all-gather brings land in the staging buffer as
+//! above, are forwarded from there, and are copied into the tensor once every
+//! send has completed (the copies overwrite chunks sent from the tensor):
+//! `(N-1)/N` of the slice copied instead of twice the slice.
+//!
 //! Each reduction is one step whose end the engine reports ([`SliceEvent::Reduced`]);
 //! the chunk it produced is sent on only then, so a device memory space can run it
 //! asynchronously. All-gather chunks are forwarded once every reduction is done.
@@ -58,6 +66,8 @@ pub(crate) struct Ring {
     sends: u32,
     /// The copy into the tensor has been asked for.
     copying: bool,
+    /// Copies into the tensor not yet finished.
+    copies: u32,
 }
 
 impl Ring {
@@ -67,14 +77,20 @@ impl Ring {
         s: &SliceInfo<'_>,
         steps: &mut Vec<Step>,
     ) -> Result<Ring> {
-        steps.push(Step::StageIn {
-            to: 0,
-            from: 0..s.bytes()?,
-        });
-        Ok(Ring {
+        let mut ring = Ring {
             total: ctx.world - 1,
             ..Ring::default()
-        })
+        };
+        if s.direct {
+            // The input is where it is sent from.
+            ring.on_event(ctx, s, SliceEvent::Staged, steps)?;
+        } else {
+            steps.push(Step::StageIn {
+                to: 0,
+                from: 0..s.bytes()?,
+            });
+        }
+        Ok(ring)
     }
 
     /// Takes one event.
@@ -134,9 +150,12 @@ impl Ring {
                 self.reduced += 1;
                 self.after_reduce(ctx, s, k, steps)?;
             }
-            SliceEvent::CopiedOut if self.copying => {
-                steps.push(Step::LocalFinish);
-                steps.push(Step::Release);
+            SliceEvent::CopiedOut if self.copying && self.copies > 0 => {
+                self.copies -= 1;
+                if self.copies == 0 {
+                    steps.push(Step::LocalFinish);
+                    steps.push(Step::Release);
+                }
                 return Ok(());
             }
             _ => return Err(stray_event(event, s, self)),
@@ -179,14 +198,19 @@ impl Ring {
             self.reduce_arrived -= 1;
             self.reducing = true;
             let slot = ctx.layout.ring_slot(k)?;
-            steps.push(Step::Reduce(Reduction {
+            let reduction = Reduction {
                 dtype: s.dtype,
                 op: s.op,
                 sources: Sources::one(slot..slot + range.len()),
                 dst: range,
                 average_over: (k + 1 == total && s.op == ReduceOp::Avg).then_some(ctx.world),
                 wire: fairring_core::WireFormat::Exact,
-            }));
+            };
+            steps.push(if s.direct {
+                Step::ReduceInTensor(reduction)
+            } else {
+                Step::Reduce(reduction)
+            });
             return Ok(());
         }
         while self.gathered < total {
@@ -206,10 +230,43 @@ impl Ring {
         }
         if self.sends == 0 && !self.copying {
             self.copying = true;
+            self.copy_out(ctx, s, steps)?;
+        }
+        Ok(())
+    }
+
+    /// Copies the result into the tensor: the whole slice, or, sending from
+    /// the tensor, the chunks the all-gather brought (every chunk but the one
+    /// this rank finished, which is there already). Ends the slice at once if
+    /// there is nothing to copy.
+    fn copy_out(
+        &mut self,
+        ctx: &Context<'_>,
+        s: &SliceInfo<'_>,
+        steps: &mut Vec<Step>,
+    ) -> Result<()> {
+        if !s.direct {
+            self.copies = 1;
             steps.push(Step::CopyOut {
                 from: 0,
                 to: 0..s.bytes()?,
             });
+            return Ok(());
+        }
+        let own = ctx.around(1);
+        for c in (0..ctx.world).filter(|&c| c != own) {
+            let range = chunk(ctx, s, c)?;
+            if !range.is_empty() {
+                self.copies += 1;
+                steps.push(Step::CopyOut {
+                    from: range.start,
+                    to: range,
+                });
+            }
+        }
+        if self.copies == 0 {
+            steps.push(Step::LocalFinish);
+            steps.push(Step::Release);
         }
         Ok(())
     }
@@ -252,13 +309,21 @@ impl Ring {
             (range.start, false)
         };
         self.sends += 1;
-        steps.push(Step::Write(Write {
+        let write = Write {
             kind,
             peer: ctx.around(1),
             source: range,
             target,
             needs_credit,
-        }));
+        };
+        // Sending from the tensor, a chunk this rank reduced leaves from there;
+        // one the all-gather brought, from where it landed.
+        let reduced_here = kind == Kind::RingReduce || step == 0;
+        steps.push(if s.direct && reduced_here {
+            Step::WriteFromTensor(write)
+        } else {
+            Step::Write(write)
+        });
         Ok(())
     }
 }
