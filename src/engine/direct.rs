@@ -14,6 +14,12 @@
 //! copies cost as much CPU as the kernel's own (`perf`, 2x1, 16 MiB: 31% of
 //! cycles in `memcpy`, 28% in the socket copies).
 //!
+//! Results still land in the staging buffer and are copied in: a peer could
+//! write them straight into the tensor only through a registration it learns
+//! of per operation (a target region opened for the operation, its key in the
+//! descriptor that precedes the data, closed, waiting for writes in flight,
+//! before the operation completes). That would remove the last copy.
+//!
 //! Registrations are kept for the next operation on the same memory
 //! ([`SourceRegions`]), so a training loop's all-reduces of the same buffers
 //! register and allocate nothing once warm. A failing engine drops every
