@@ -755,6 +755,15 @@ mod tests {
     }
 
     #[test]
+    fn sending_from_tensors_starts_at_a_size_or_never() {
+        let from = |pairs: &[(&str, &str)]| Config::from_lookup(env(pairs)).unwrap().direct_from;
+        assert_eq!(from(&[]), Some(DEFAULT_DIRECT_FROM));
+        assert_eq!(from(&[("FAIRRING_DIRECT_FROM", "1M")]), Some(1 << 20));
+        assert_eq!(from(&[("FAIRRING_DIRECT_FROM", "0")]), Some(0));
+        assert_eq!(from(&[("FAIRRING_DIRECT_FROM", " never ")]), None);
+    }
+
+    #[test]
     fn the_wire_format_is_named_and_refused_with_dedicated_servers() {
         assert_eq!(
             Config::from_lookup(env(&[])).unwrap().wire(),
@@ -837,6 +846,7 @@ mod tests {
             "FAIRRING_TOTAL_MEMORY",
             "FAIRRING_SLICE_SIZE",
             "FAIRRING_MIN_SHARD_SIZE",
+            "FAIRRING_DIRECT_FROM",
             "FAIRRING_TIMEOUT",
             "LOCAL_RANK",
             "LOCAL_WORLD_SIZE",
