@@ -227,12 +227,15 @@ pub(crate) fn register<F: Fabric>(
     len: usize,
     seq: u64,
 ) -> Option<F::Region> {
-    // SAFETY: the engine posts a write from the region only for an operation
-    // on this memory while it is pending (valid, and not touched by the
-    // caller), keeps the ranges it sends from unwritten until their writes
-    // complete (`hierarchical`), and drops every registration before it
+    // The engine posts a write from the region only for an operation on this
+    // memory while it is pending (valid, and not touched by the caller), keeps
+    // the ranges it sends from unwritten until their writes complete
+    // (`hierarchical`, `ring`), and drops every registration before it
     // declares an operation failed (`fail_locked`).
-    match unsafe { fabric.register_source(ptr, len) } {
+    // SAFETY: by the above, while a write from the region is in flight its
+    // source range is valid and unwritten: `register_source`'s contract.
+    let registered = unsafe { fabric.register_source(ptr, len) };
+    match registered {
         Ok(region) => Some(region),
         Err(e) => {
             log::debug!("fairring: operation #{seq} stages its tensor: registering it failed: {e}");

@@ -150,7 +150,7 @@ impl Ring {
                 self.reduced += 1;
                 self.after_reduce(ctx, s, k, steps)?;
             }
-            SliceEvent::CopiedOut if self.copying && self.copies > 0 => {
+            SliceEvent::CopiedOut if self.copies > 0 => {
                 self.copies -= 1;
                 if self.copies == 0 {
                     steps.push(Step::LocalFinish);
