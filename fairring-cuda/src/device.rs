@@ -19,6 +19,8 @@ pub struct Device {
     name: String,
     multiprocessors: u32,
     compute_capability: (u32, u32),
+    /// `cuStreamWaitValue64` and `cuStreamWriteValue64` work on this device.
+    stream_memory_ops_64: bool,
 }
 
 // SAFETY: a CUdevice is an integer and a CUcontext a handle the driver lets any
@@ -74,6 +76,8 @@ impl Device {
             attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let major = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let stream_memory_ops_64 =
+            attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS)? != 0;
         let mut name = [0 as std::ffi::c_char; 256];
         // SAFETY: writes at most `len` bytes, NUL-terminated, into `name`.
         error::driver("cuDeviceGetName", unsafe {
@@ -96,27 +100,45 @@ impl Device {
             name,
             multiprocessors,
             compute_capability: (major, minor),
+            stream_memory_ops_64,
         };
-        device.bind()?;
         Ok(Arc::new(device))
     }
 
-    /// Makes this device's context current on the calling thread (a no-op when it
-    /// already is). Every method of this crate that calls the driver does this
-    /// first, so callers need not.
-    pub fn bind(&self) -> Result<()> {
+    /// Makes this device's context current on the calling thread until the
+    /// returned guard drops, which makes the thread's previous context current
+    /// again (nothing changes when this one already is). Every method of this
+    /// crate that calls the driver holds one while it does, so callers need
+    /// not, and a host runtime's current device (PyTorch's
+    /// `torch.cuda.current_device()`) is the same after any call as before.
+    pub fn bind(&self) -> Result<Bound<'_>> {
         let mut current = std::ptr::null_mut();
         // SAFETY: writes one context handle (null when none is current).
         error::driver("cuCtxGetCurrent", unsafe {
             sys::cuCtxGetCurrent(&mut current)
         })?;
-        if current != self.context {
-            // SAFETY: the context is retained for as long as `self` lives.
-            error::driver("cuCtxSetCurrent", unsafe {
-                sys::cuCtxSetCurrent(self.context)
-            })?;
+        if current == self.context {
+            return Ok(Bound {
+                pushed: false,
+                _device: std::marker::PhantomData,
+            });
         }
-        Ok(())
+        // SAFETY: the context is retained for as long as `self` lives, which
+        // the guard borrows.
+        error::driver("cuCtxPushCurrent", unsafe {
+            sys::cuCtxPushCurrent_v2(self.context)
+        })?;
+        Ok(Bound {
+            pushed: true,
+            _device: std::marker::PhantomData,
+        })
+    }
+
+    /// Whether the device takes 64-bit stream memory operations
+    /// (`cuStreamWaitValue64`), which [`HostFlags`](crate::HostFlags) waits
+    /// with.
+    pub fn supports_64_bit_stream_memory_ops(&self) -> bool {
+        self.stream_memory_ops_64
     }
 
     /// The device's ordinal among the visible devices.
@@ -141,7 +163,7 @@ impl Device {
 
     /// Bytes `(free, total)` of device memory.
     pub fn memory(&self) -> Result<(usize, usize)> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let (mut free, mut total) = (0, 0);
         // SAFETY: writes two sizes for the current context.
         error::driver("cuMemGetInfo", unsafe {
@@ -152,7 +174,7 @@ impl Device {
 
     /// Waits for all work on the device to finish.
     pub fn synchronize(&self) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: no arguments; the context is current.
         error::driver("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
     }
@@ -184,6 +206,31 @@ impl Drop for Device {
         let status = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
         if let Err(e) = error::driver("cuDevicePrimaryCtxRelease", status) {
             log::warn!("releasing device {}: {e}", self.ordinal);
+        }
+    }
+}
+
+/// A device's context made current on this thread by [`Device::bind`]; the
+/// thread's previous context is current again when it drops.
+#[must_use = "the context is current only while the guard lives"]
+#[derive(Debug)]
+pub struct Bound<'d> {
+    pushed: bool,
+    /// Not `Send`: the context stack is the thread's.
+    _device: std::marker::PhantomData<(&'d Device, *const ())>,
+}
+
+impl Drop for Bound<'_> {
+    fn drop(&mut self) {
+        if !self.pushed {
+            return;
+        }
+        let mut popped = std::ptr::null_mut();
+        // SAFETY: pops the context `bind` pushed on this thread (the guard is
+        // not `Send`, and guards drop in reverse order of their making).
+        let status = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+        if let Err(e) = error::driver("cuCtxPopCurrent", status) {
+            log::warn!("restoring the thread's CUDA context: {e}");
         }
     }
 }

@@ -35,7 +35,7 @@ unsafe impl Sync for Event {}
 impl Event {
     /// A new event of `device`.
     pub fn new(device: &Arc<Device>, timing: Timing) -> Result<Event> {
-        device.bind()?;
+        let _bound = device.bind()?;
         let flags = match timing {
             Timing::Enabled => CUevent_flags::CU_EVENT_DEFAULT,
             Timing::Disabled => CUevent_flags::CU_EVENT_DISABLE_TIMING,
@@ -66,7 +66,7 @@ impl Event {
     pub fn record(&self, stream: &Stream) -> Result<()> {
         self.device
             .check_same("stream", stream.device().ordinal())?;
-        self.device.bind()?;
+        let _bound = self.device.bind()?;
         // SAFETY: both handles are alive and of the same device.
         error::driver("cuEventRecord", unsafe {
             sys::cuEventRecord(self.raw, stream.raw())
@@ -76,7 +76,7 @@ impl Event {
     /// Whether the work before the last record has finished (true for an event
     /// never recorded), without blocking.
     pub fn is_complete(&self) -> Result<bool> {
-        self.device.bind()?;
+        let _bound = self.device.bind()?;
         // SAFETY: the event is alive.
         let status = unsafe { sys::cuEventQuery(self.raw) };
         if status == sys::CUresult::CUDA_ERROR_NOT_READY {
@@ -87,7 +87,7 @@ impl Event {
 
     /// Blocks until the work before the last record has finished.
     pub fn synchronize(&self) -> Result<()> {
-        self.device.bind()?;
+        let _bound = self.device.bind()?;
         // SAFETY: the event is alive.
         error::driver("cuEventSynchronize", unsafe {
             sys::cuEventSynchronize(self.raw)
@@ -99,7 +99,7 @@ impl Event {
     pub fn elapsed_since(&self, start: &Event) -> Result<Duration> {
         self.device
             .check_same("start event", start.device.ordinal())?;
-        self.device.bind()?;
+        let _bound = self.device.bind()?;
         let mut ms = 0f32;
         // SAFETY: writes one float; both events are alive.
         error::driver("cuEventElapsedTime", unsafe {
@@ -111,10 +111,13 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        if let Err(e) = self.device.bind() {
-            log::warn!("destroying an event: {e}");
-            return;
-        }
+        let _bound = match self.device.bind() {
+            Ok(bound) => bound,
+            Err(e) => {
+                log::warn!("destroying an event: {e}");
+                return;
+            }
+        };
         // SAFETY: created in `new`, destroyed once; a pending record completes
         // first (the driver defers the release).
         let status = unsafe { sys::cuEventDestroy_v2(self.raw) };

@@ -40,7 +40,7 @@ impl HostFlags {
         let bytes = count
             .checked_mul(8)
             .ok_or_else(|| error::invalid("flags", format!("{count} words overflow")))?;
-        device.bind()?;
+        let _bound = device.bind()?;
         let mut raw = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
         // SAFETY: writes one host pointer to `bytes` bytes; freed in Drop.
@@ -103,6 +103,13 @@ impl HostFlags {
         Ok(())
     }
 
+    /// Raises word `index` to `value` if it is lower (a word only grows, so
+    /// a late release of an earlier wait never lowers it under a later one).
+    pub fn raise(&self, index: usize, value: u64) -> Result<()> {
+        self.word(index)?.fetch_max(value, Ordering::AcqRel);
+        Ok(())
+    }
+
     /// Word `index`.
     pub fn get(&self, index: usize) -> Result<u64> {
         Ok(self.word(index)?.load(Ordering::Acquire))
@@ -115,7 +122,7 @@ impl HostFlags {
         self.word(index)?;
         self.device
             .check_same("stream", stream.device().ordinal())?;
-        self.device.bind()?;
+        let _bound = self.device.bind()?;
         let addr = self.device_ptr + index as u64 * 8;
         let flags = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
         // The owner keeps `self` alive while a stream may wait on it (the
@@ -129,10 +136,13 @@ impl HostFlags {
 
 impl Drop for HostFlags {
     fn drop(&mut self) {
-        if let Err(e) = self.device.bind() {
-            log::warn!("freeing host flags: {e}");
-            return;
-        }
+        let _bound = match self.device.bind() {
+            Ok(bound) => bound,
+            Err(e) => {
+                log::warn!("freeing host flags: {e}");
+                return;
+            }
+        };
         // SAFETY: allocated in `new`, freed once.
         let status = unsafe { sys::cuMemFreeHost(self.words.cast()) };
         if let Err(e) = error::driver("cuMemFreeHost", status) {

@@ -29,7 +29,7 @@ impl Stream {
     /// the device's highest priority when `high_priority` (the pipeline's stages
     /// are latency-bound, as the original's were).
     pub fn new(device: &Arc<Device>, high_priority: bool) -> Result<Stream> {
-        device.bind()?;
+        let _bound = device.bind()?;
         let mut priority = 0;
         if high_priority {
             let (mut least, mut greatest) = (0, 0);
@@ -82,7 +82,7 @@ impl Stream {
     /// wait.
     pub fn wait(&self, event: &Event) -> Result<()> {
         self.device.check_same("event", event.device().ordinal())?;
-        self.device.bind()?;
+        let _bound = self.device.bind()?;
         // SAFETY: both handles are alive (borrowed) and of the same device.
         error::driver("cuStreamWaitEvent", unsafe {
             sys::cuStreamWaitEvent(self.raw, event.raw(), 0)
@@ -96,7 +96,7 @@ impl Stream {
 
     /// Blocks until all work enqueued so far has finished.
     pub fn synchronize(&self) -> Result<()> {
-        self.device.bind()?;
+        let _bound = self.device.bind()?;
         // SAFETY: the stream is alive.
         error::driver("cuStreamSynchronize", unsafe {
             sys::cuStreamSynchronize(self.raw)
@@ -105,7 +105,7 @@ impl Stream {
 
     /// Whether all work enqueued so far has finished, without blocking.
     pub fn is_idle(&self) -> Result<bool> {
-        self.device.bind()?;
+        let _bound = self.device.bind()?;
         // SAFETY: the stream is alive.
         let status = unsafe { sys::cuStreamQuery(self.raw) };
         if status == sys::CUresult::CUDA_ERROR_NOT_READY {
@@ -120,10 +120,13 @@ impl Drop for Stream {
         if !self.owned {
             return;
         }
-        if let Err(e) = self.device.bind() {
-            log::warn!("destroying a stream: {e}");
-            return;
-        }
+        let _bound = match self.device.bind() {
+            Ok(bound) => bound,
+            Err(e) => {
+                log::warn!("destroying a stream: {e}");
+                return;
+            }
+        };
         // SAFETY: the stream was created in `new` and is destroyed once; work
         // still in it completes first (cuStreamDestroy does not cancel it).
         let status = unsafe { sys::cuStreamDestroy_v2(self.raw) };

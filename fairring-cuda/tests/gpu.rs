@@ -696,3 +696,47 @@ fn the_staging_pipeline_orders_its_stages_with_events_alone() {
         );
     }
 }
+
+/// The context current on the calling thread (null when none is).
+fn current_context() -> cudarc::driver::sys::CUcontext {
+    let mut current = std::ptr::null_mut();
+    // SAFETY: writes one context handle; the driver is loaded (a device was
+    // opened first).
+    let status = unsafe { cudarc::driver::sys::cuCtxGetCurrent(&mut current) };
+    assert_eq!(status, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    current
+}
+
+/// The crate's calls leave the calling thread's current context as they
+/// found it: a host runtime's current device does not change under it.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn driver_calls_leave_the_threads_current_context_as_they_found_it() {
+    let device = device();
+    assert!(device.supports_64_bit_stream_memory_ops() || !device.name().is_empty());
+    std::thread::spawn(move || {
+        assert!(current_context().is_null(), "a new thread has no context");
+        let stream = Stream::new(&device, true).unwrap();
+        let event = Event::new(&device, Timing::Disabled).unwrap();
+        event.record(&stream).unwrap();
+        stream.synchronize().unwrap();
+        assert!(event.is_complete().unwrap());
+        drop(event);
+        drop(stream);
+        assert!(
+            current_context().is_null(),
+            "the calls made the device's context current on the caller's thread"
+        );
+        // Made current by the caller, it stays current.
+        let bound = device.bind().unwrap();
+        let ours = current_context();
+        assert_eq!(ours, device.raw_context());
+        let inner = Stream::new(&device, true).unwrap();
+        drop(inner);
+        assert_eq!(current_context(), ours);
+        drop(bound);
+        assert!(current_context().is_null());
+    })
+    .join()
+    .unwrap();
+}

@@ -116,7 +116,7 @@ impl ReductionKernels {
     /// loads them on it.
     pub fn load(device: &Arc<Device>) -> Result<ReductionKernels> {
         let compiled = compile(device.compute_capability())?;
-        device.bind()?;
+        let _bound = device.bind()?;
         let mut module = std::ptr::null_mut();
         // SAFETY: `cubin` is a complete ELF image for this architecture; the
         // driver copies what it needs before returning.
@@ -381,7 +381,7 @@ impl ReductionKernels {
         work_items: u64,
         params: &mut [*mut std::ffi::c_void],
     ) -> Result<()> {
-        self.device.bind()?;
+        let _bound = self.device.bind()?;
         let grid = blocks(
             work_items,
             self.device.multiprocessors(),
@@ -409,10 +409,13 @@ impl ReductionKernels {
 
 impl Drop for ReductionKernels {
     fn drop(&mut self) {
-        if let Err(e) = self.device.bind() {
-            log::warn!("unloading the reduction kernels: {e}");
-            return;
-        }
+        let _bound = match self.device.bind() {
+            Ok(bound) => bound,
+            Err(e) => {
+                log::warn!("unloading the reduction kernels: {e}");
+                return;
+            }
+        };
         // SAFETY: loaded in `load`, unloaded once.
         let status = unsafe { sys::cuModuleUnload(self.module) };
         if let Err(e) = error::driver("cuModuleUnload", status) {

@@ -16,7 +16,7 @@ impl Stream {
         if src.is_empty() {
             return Ok(());
         }
-        self.device().bind()?;
+        let _bound = self.device().bind()?;
         // SAFETY: both ranges are device memory of this stream's device, valid
         // until the copy completes (the views' contracts).
         error::driver("cuMemcpyDtoDAsync", unsafe {
@@ -30,7 +30,7 @@ impl Stream {
         if dst.is_empty() {
             return Ok(());
         }
-        self.device().bind()?;
+        let _bound = self.device().bind()?;
         // SAFETY: device memory of this stream's device, valid until the fill
         // completes (the view's contract).
         error::driver("cuMemsetD8Async", unsafe {
@@ -52,7 +52,7 @@ impl Stream {
         if src.is_empty() {
             return Ok(());
         }
-        self.device().bind()?;
+        let _bound = self.device().bind()?;
         // SAFETY: `dst` is device memory of this device (its contract); `src` is
         // valid and unwritten until the copy completes (this function's contract).
         error::driver("cuMemcpyHtoDAsync", unsafe {
@@ -72,7 +72,7 @@ impl Stream {
         if src.is_empty() {
             return Ok(());
         }
-        self.device().bind()?;
+        let _bound = self.device().bind()?;
         // SAFETY: `src` is device memory of this device (its contract); `dst` is
         // valid and untouched until the copy completes (this function's contract).
         error::driver("cuMemcpyDtoHAsync", unsafe {

@@ -39,7 +39,7 @@ impl DeviceBuffer {
     /// `bytes` bytes of zeroed device memory (at least 256-byte aligned, as
     /// `cuMemAlloc` guarantees). A zero-byte buffer allocates nothing.
     pub fn zeroed(device: &Arc<Device>, bytes: usize) -> Result<DeviceBuffer> {
-        device.bind()?;
+        let _bound = device.bind()?;
         let mut ptr = 0;
         if bytes > 0 {
             // SAFETY: writes one device pointer; freed in Drop.
@@ -106,10 +106,13 @@ impl Drop for DeviceBuffer {
         if self.bytes == 0 {
             return;
         }
-        if let Err(e) = self.device.bind() {
-            log::warn!("freeing {} bytes of device memory: {e}", self.bytes);
-            return;
-        }
+        let _bound = match self.device.bind() {
+            Ok(bound) => bound,
+            Err(e) => {
+                log::warn!("freeing {} bytes of device memory: {e}", self.bytes);
+                return;
+            }
+        };
         // SAFETY: allocated in `zeroed`, freed once; cuMemFree waits for work
         // that may still use it.
         let status = unsafe { sys::cuMemFree_v2(self.ptr) };

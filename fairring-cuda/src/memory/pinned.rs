@@ -30,7 +30,7 @@ unsafe impl Sync for PinnedBuffer {}
 impl PinnedBuffer {
     /// `bytes` bytes of zeroed pinned memory. A zero-byte buffer allocates nothing.
     pub fn zeroed(device: &Arc<Device>, bytes: usize) -> Result<PinnedBuffer> {
-        device.bind()?;
+        let _bound = device.bind()?;
         let mut ptr = NonNull::<u8>::dangling();
         if bytes > 0 {
             let mut raw = std::ptr::null_mut();
@@ -90,10 +90,13 @@ impl Drop for PinnedBuffer {
         if self.bytes == 0 {
             return;
         }
-        if let Err(e) = self.device.bind() {
-            log::warn!("freeing {} bytes of pinned memory: {e}", self.bytes);
-            return;
-        }
+        let _bound = match self.device.bind() {
+            Ok(bound) => bound,
+            Err(e) => {
+                log::warn!("freeing {} bytes of pinned memory: {e}", self.bytes);
+                return;
+            }
+        };
         // SAFETY: allocated in `zeroed`, freed once.
         let status = unsafe { sys::cuMemFreeHost(self.ptr.as_ptr().cast()) };
         if let Err(e) = error::driver("cuMemFreeHost", status) {

@@ -44,7 +44,7 @@ impl HostRegistration {
         if len == 0 {
             return Err(error::invalid("host memory", "no bytes to register"));
         }
-        device.bind()?;
+        let _bound = device.bind()?;
         // SAFETY: `len` mapped bytes at `ptr` (the caller's contract); the
         // registration is undone in Drop, before the memory may be unmapped.
         error::driver("cuMemHostRegister", unsafe {
@@ -75,10 +75,13 @@ impl HostRegistration {
 
 impl Drop for HostRegistration {
     fn drop(&mut self) {
-        if let Err(e) = self.device.bind() {
-            log::warn!("unregistering {} bytes of host memory: {e}", self.len);
-            return;
-        }
+        let _bound = match self.device.bind() {
+            Ok(bound) => bound,
+            Err(e) => {
+                log::warn!("unregistering {} bytes of host memory: {e}", self.len);
+                return;
+            }
+        };
         // SAFETY: registered in `new`, unregistered once.
         let status = unsafe { sys::cuMemHostUnregister(self.ptr.as_ptr().cast()) };
         if let Err(e) = error::driver("cuMemHostUnregister", status) {

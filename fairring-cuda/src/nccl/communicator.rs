@@ -77,7 +77,7 @@ impl Communicator {
         }
         probe::require(Library::Nccl)?;
         probe::require(Library::Cuda)?;
-        device.bind()?;
+        let _bound = device.bind()?;
         let mut config = config();
         let mut comm = std::ptr::null_mut();
         let (n, r) = (to_int(size, "NCCL size")?, to_int(rank, "NCCL rank")?);
@@ -234,7 +234,7 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<()> {
         let nccl_op = reduce_op(op, dtype)?;
-        self.check_placement(stream, buffer_device)?;
+        let _bound = self.check_placement(stream, buffer_device)?;
         let count = chunk / elem_bytes(dtype);
         let handle = self.lock()?;
         // SAFETY: `send` holds `size * count`, `recv` `count` elements on this
@@ -263,7 +263,7 @@ impl Communicator {
         chunk: usize,
         dtype: DataType,
     ) -> Result<()> {
-        self.check_placement(stream, buffer_device)?;
+        let _bound = self.check_placement(stream, buffer_device)?;
         let count = chunk / elem_bytes(dtype);
         let handle = self.lock()?;
         // SAFETY: as in `reduce_scatter_raw`, with `send` holding `count` and
@@ -281,7 +281,9 @@ impl Communicator {
         self.finish(&handle, "ncclAllGather", status)
     }
 
-    fn check_placement(&self, stream: &Stream, buffer_device: u32) -> Result<()> {
+    /// Checks the stream and buffer lie on this communicator's device, and
+    /// makes its context current while the guard lives.
+    fn check_placement(&self, stream: &Stream, buffer_device: u32) -> Result<crate::Bound<'_>> {
         self.device
             .check_same("stream", stream.device().ordinal())?;
         self.device.check_same("buffer", buffer_device)?;
@@ -366,7 +368,8 @@ impl Communicator {
         if handle.0.is_null() {
             return;
         }
-        if let Err(e) = self.device.bind() {
+        let _bound = self.device.bind();
+        if let Err(e) = &_bound {
             log::warn!("aborting NCCL rank {}: {e}", self.rank);
         }
         // SAFETY: a live handle, freed by this call and never used again (nulled
