@@ -558,6 +558,155 @@ fn a_killed_rank_fails_every_survivors_device_operation_naming_it() {
     panic!("rank {}: no failure after {done} operations", comm.rank());
 }
 
+/// The pattern of every PyTorch job, under a failure: each survivor keeps
+/// two device all-reduces in flight on one stream, the second submitted after
+/// the stream was made to wait for the first (so the second's start sits
+/// behind a wait the engine releases), and never waits on the host before
+/// submitting. Rank 2 is killed: every survivor fails naming it within twice
+/// the timeout, and its stream is released (it synchronises).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_killed_rank_fails_survivors_whose_streams_wait_behind_operations() {
+    let test = "a_killed_rank_fails_survivors_whose_streams_wait_behind_operations";
+    let timeout = Duration::from_secs(2);
+    let Some(comm) = rank_of_job(test) else {
+        let env = [
+            ("FAIRRING_ALGO", "hierarchical".to_owned()),
+            ("FAIRRING_TIMEOUT", "2".to_owned()),
+        ];
+        let mut job = ProcessJob::start(test, 3, 1, &env);
+        job.await_line(&[0, 1, 2], "READY", Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(100));
+        let at = Instant::now();
+        job.kill(2);
+        let failed = job.await_line(&[0, 1], "FAILED", 2 * timeout + Duration::from_secs(3));
+        let took = at.elapsed();
+        for (rank, line) in failed.iter().enumerate() {
+            eprintln!("rank {rank} after {took:?}: {line}");
+            assert!(line.contains("rank 2"), "rank {rank}: {line}");
+        }
+        for (rank, line) in job
+            .await_line(&[0, 1], "RELEASED", Duration::from_secs(10))
+            .iter()
+            .enumerate()
+        {
+            assert!(line.contains("stream"), "rank {rank}: {line}");
+        }
+        job.finish(&[2], Duration::from_secs(60));
+        return;
+    };
+    let device = device();
+    let stream = Stream::new(&device, false).unwrap();
+    let n = 1 << 20;
+    let bufs = [
+        DeviceBuffer::zeroed(&device, n * 4).unwrap(),
+        DeviceBuffer::zeroed(&device, n * 4).unwrap(),
+    ];
+    let end = Instant::now() + Duration::from_secs(120);
+    let start = |i: usize| {
+        // SAFETY: each buffer is handed to one operation at a time: the
+        // operation on it two steps back has been waited for on the host.
+        let w = unsafe {
+            comm.all_reduce_device_raw(
+                bufs[i % 2].raw(),
+                n as u64,
+                DataType::F32,
+                ReduceOp::Avg,
+                stream.raw(),
+                None,
+            )?
+        };
+        w.enqueue_wait(&stream)?;
+        Ok(w)
+    };
+    let mut in_flight = std::collections::VecDeque::new();
+    let mut done = 0u64;
+    while Instant::now() < end {
+        let next: fairring::Result<()> = start(done as usize).and_then(|w| {
+            in_flight.push_back(w);
+            if in_flight.len() > 1
+                && let Some(oldest) = in_flight.pop_front()
+            {
+                oldest.wait()?;
+            }
+            Ok(())
+        });
+        match next {
+            Ok(()) => {
+                done += 1;
+                if done == 4 {
+                    say("READY");
+                }
+            }
+            Err(e) => {
+                say(&format!("FAILED {e}"));
+                let (tx, rx) = std::sync::mpsc::channel();
+                let raw = stream.raw() as usize;
+                let device = Arc::clone(&device);
+                std::thread::spawn(move || {
+                    // SAFETY: the test's stream, alive until the test returns,
+                    // which waits for this thread's answer (or fails first).
+                    let view = unsafe { Stream::from_raw(&device, raw as _) };
+                    let _ = tx.send(view.synchronize());
+                });
+                match rx.recv_timeout(Duration::from_secs(10)) {
+                    Ok(Ok(())) => say("RELEASED the stream synchronised"),
+                    other => panic!(
+                        "rank {}: the stream is not released: {other:?}",
+                        comm.rank()
+                    ),
+                }
+                return;
+            }
+        }
+    }
+    panic!("rank {}: no failure after {done} operations", comm.rank());
+}
+
+/// A stream made to wait for a host operation that finished before any device
+/// operation made the device side (a barrier) goes on at once.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn enqueue_wait_after_a_host_barrier_returns() {
+    let test = "enqueue_wait_after_a_host_barrier_returns";
+    let Some(comm) = rank_of_job(test) else {
+        let job = ProcessJob::start(test, 2, 1, &[]);
+        job.finish(&[0, 1], JOB_LIMIT);
+        return;
+    };
+    let device = device();
+    let stream = Stream::new(&device, false).unwrap();
+    let barrier = comm.start_barrier().unwrap();
+    barrier.wait_timeout(Duration::from_secs(60)).unwrap();
+    let buf = DeviceBuffer::zeroed(&device, 4096).unwrap();
+    // SAFETY: `buf` is waited for below before it drops.
+    let w = unsafe {
+        comm.all_reduce_device_raw(
+            buf.raw(),
+            1024,
+            DataType::F32,
+            ReduceOp::Sum,
+            stream.raw(),
+            None,
+        )
+        .unwrap()
+    };
+    finish(&stream, w).unwrap();
+    barrier.enqueue_wait(&stream).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let raw = stream.raw() as usize;
+    let side = Arc::clone(&device);
+    std::thread::spawn(move || {
+        // SAFETY: the test's stream, alive until the test returns.
+        let view = unsafe { Stream::from_raw(&side, raw as _) };
+        let _ = tx.send(view.synchronize());
+    });
+    match rx.recv_timeout(Duration::from_secs(10)) {
+        Ok(Ok(())) => {}
+        other => panic!("rank {}: the stream waits on: {other:?}", comm.rank()),
+    }
+}
+
 /// After warm-up, a device all-reduce allocates nothing on the host, on any
 /// thread of any rank (progress thread and fabric I/O included), for each
 /// algorithm and for one slice and many.

@@ -18,7 +18,8 @@
 //! to which a rank contributes zeros where it has nothing: the zeroing (and an
 //! all-gather's copy of its input into place) is enqueued on the caller's
 //! stream before the operation's start, so it too is ordered there without the
-//! host waiting. A reduce-scatter delivers its share device to device.
+//! host waiting, and only once the call has passed every check ([`Prelude`]):
+//! a refused call changes nothing. A reduce-scatter delivers its share device to device.
 //!
 //! The data path is the engine's hierarchical algorithm (or the ring) with the
 //! staging buffers in page-locked host memory, where the tcp fabric reads and
@@ -39,49 +40,76 @@ use crate::config::Algorithm;
 use crate::error::{Error, Result};
 use crate::memory::{DeviceSide, DeviceTensor, PlacedTensor};
 
-/// A device call's checked GPU, and a view of the caller's stream for what it
-/// enqueues there before the operation starts.
-struct OnDevice<'c> {
-    side: &'c DeviceSide,
+/// A device call's checked GPU, whose device side exists.
+struct OnDevice {
     call: DeviceCall,
-    stream: Stream,
 }
 
-impl OnDevice<'_> {
-    /// Enqueues zeroing `bytes` bytes at `at` on the caller's stream.
-    ///
-    /// # Safety
-    ///
-    /// `at..at + bytes` is device memory of this GPU that the caller hands to
-    /// the operation.
-    unsafe fn zero(&self, at: sys::CUdeviceptr, bytes: usize) -> Result<()> {
-        // SAFETY: this function's contract.
-        let mut dst = unsafe { DeviceSliceMut::from_raw(at, bytes, self.side.device()) };
-        self.stream
-            .fill(&mut dst, 0)
-            .map_err(crate::memory::cuda_error)
-    }
-
-    /// Enqueues copying `bytes` bytes from `from` to `to` on the caller's
-    /// stream.
-    ///
-    /// # Safety
-    ///
-    /// Both ranges are device memory of this GPU that the caller hands to the
-    /// operation, and they do not overlap.
-    unsafe fn copy(
-        &self,
+/// One fill of a call's own device memory, enqueued on the caller's stream
+/// before the operation's start.
+#[derive(Clone, Copy, Debug)]
+enum Fill {
+    /// `bytes` zeroed at `at`.
+    Zero { at: sys::CUdeviceptr, bytes: usize },
+    /// `bytes` copied from `from` to `to`.
+    Copy {
         to: sys::CUdeviceptr,
         from: sys::CUdeviceptr,
         bytes: usize,
-    ) -> Result<()> {
-        // SAFETY: this function's contract.
-        let src = unsafe { DeviceSlice::from_raw(from, bytes, self.side.device()) };
-        // SAFETY: this function's contract.
-        let mut dst = unsafe { DeviceSliceMut::from_raw(to, bytes, self.side.device()) };
-        self.stream
-            .copy(&mut dst, src)
-            .map_err(crate::memory::cuda_error)
+    },
+}
+
+/// What a broadcast or all-gather on device memory writes into its output
+/// before it starts (zeros where other ranks' data goes, an all-gather's input
+/// into place). It is enqueued only once the call has passed every check
+/// (`Communicator::submit`), so a refused call leaves the caller's stream and
+/// memory as they were.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Prelude {
+    fills: [Option<Fill>; 3],
+}
+
+impl Prelude {
+    fn push(&mut self, fill: Fill) {
+        let empty = match fill {
+            Fill::Zero { bytes, .. } | Fill::Copy { bytes, .. } => bytes == 0,
+        };
+        if empty {
+            return;
+        }
+        if let Some(free) = self.fills.iter_mut().find(|f| f.is_none()) {
+            *free = Some(fill);
+        }
+    }
+
+    /// Enqueues the fills on `stream`.
+    ///
+    /// # Safety
+    ///
+    /// Every range is device memory of `side`'s GPU that the call hands to the
+    /// operation, and a copy's ranges do not overlap.
+    pub(super) unsafe fn enqueue(&self, side: &DeviceSide, stream: &Stream) -> Result<()> {
+        for fill in self.fills.iter().flatten() {
+            match *fill {
+                Fill::Zero { at, bytes } => {
+                    // SAFETY: this function's contract.
+                    let mut dst = unsafe { DeviceSliceMut::from_raw(at, bytes, side.device()) };
+                    stream
+                        .fill(&mut dst, 0)
+                        .map_err(crate::memory::cuda_error)?;
+                }
+                Fill::Copy { to, from, bytes } => {
+                    // SAFETY: this function's contract.
+                    let src = unsafe { DeviceSlice::from_raw(from, bytes, side.device()) };
+                    // SAFETY: this function's contract.
+                    let mut dst = unsafe { DeviceSliceMut::from_raw(to, bytes, side.device()) };
+                    stream
+                        .copy(&mut dst, src)
+                        .map_err(crate::memory::cuda_error)?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -152,12 +180,10 @@ impl Communicator {
             // SAFETY: no memory is touched.
             return unsafe { self.broadcast_raw(std::ptr::null_mut(), 0, dtype, root) };
         }
-        let on = self.on_device("data", data, count, dtype, stream)?;
+        let mut on = self.on_device("data", data, count, dtype, stream)?;
         let bytes = byte_len(count, dtype)?;
         if root != self.rank() {
-            // SAFETY: the caller hands `data` (`bytes` bytes on this GPU) to
-            // the operation.
-            unsafe { on.zero(data, bytes)? };
+            on.call.prelude.push(Fill::Zero { at: data, bytes });
         }
         let mut r = Request::broadcast(data as *mut u8, bytes, dtype, count, root, None);
         r.device = Some(on.call);
@@ -193,7 +219,7 @@ impl Communicator {
                 self.all_gather_raw(std::ptr::null(), std::ptr::null_mut(), 0, dtype)
             };
         }
-        let on = self.on_device("output", output, total, dtype, stream)?;
+        let mut on = self.on_device("output", output, total, dtype, stream)?;
         on_same_device(&on, "input", input, count, dtype)?;
         let n = byte_len(count, dtype)?;
         let bytes = byte_len(total, dtype)?;
@@ -209,15 +235,21 @@ impl Communicator {
                     ),
                 ));
             }
-            // SAFETY: the ranges lie on this GPU (checked), apart (checked),
-            // and are handed to the operation by the caller.
-            unsafe { on.copy(place, input, n)? };
+            // The ranges lie on this GPU (checked) and apart (checked).
+            on.call.prelude.push(Fill::Copy {
+                to: place,
+                from: input,
+                bytes: n,
+            });
         }
-        // SAFETY: bytes `0..at` of `output`, handed to the operation by the
-        // caller.
-        unsafe { on.zero(output, at)? };
-        // SAFETY: bytes `at + n..bytes` of `output`, likewise.
-        unsafe { on.zero(place + n as u64, bytes - at - n)? };
+        on.call.prelude.push(Fill::Zero {
+            at: output,
+            bytes: at,
+        });
+        on.call.prelude.push(Fill::Zero {
+            at: place + n as u64,
+            bytes: bytes - at - n,
+        });
         let mut r = Request::all_gather(output as *mut u8, bytes, dtype, count, None);
         r.device = Some(on.call);
         // SAFETY: the caller keeps the memory and the stream valid and
@@ -311,17 +343,15 @@ impl Communicator {
         count: u64,
         dtype: DataType,
         stream: sys::CUstream,
-    ) -> Result<OnDevice<'_>> {
+    ) -> Result<OnDevice> {
         let ordinal = device_tensor(argument, data, count, dtype)?;
-        let side = self.device_side(ordinal)?;
-        // SAFETY: the caller of every device call vouches for the stream (a
-        // stream of this GPU's primary context, alive until the operation
-        // completes); the view lives no longer than this call.
-        let view = unsafe { Stream::from_raw(side.device(), stream) };
+        self.device_side(ordinal)?;
         Ok(OnDevice {
-            side,
-            call: DeviceCall { ordinal, stream },
-            stream: view,
+            call: DeviceCall {
+                ordinal,
+                stream,
+                prelude: Prelude::default(),
+            },
         })
     }
 
@@ -562,7 +592,12 @@ unsafe fn enqueue_wait(
     // call.
     let stream = unsafe { Stream::from_raw(side.device(), stream) };
     for seq in first..=last {
-        side.enqueue_wait(seq, &stream)?;
+        // Only an operation not yet finished: one that finished before the
+        // device side existed (a barrier, a host operation) never sets its
+        // word.
+        if engine.awaits_on_device(seq) {
+            side.enqueue_wait(seq, &stream)?;
+        }
     }
     Ok(())
 }
@@ -590,7 +625,7 @@ fn device_tensor(
 
 /// Refuses `data` (named `argument`) unless it is device memory on `on`'s GPU.
 fn on_same_device(
-    on: &OnDevice<'_>,
+    on: &OnDevice,
     argument: &'static str,
     data: sys::CUdeviceptr,
     count: u64,

@@ -677,7 +677,12 @@ impl Communicator {
                 // SAFETY: the caller vouches for the stream (the device
                 // calls' contract); the view lives only for this call.
                 let stream = unsafe { fairring_cuda::Stream::from_raw(side.device(), call.stream) };
-                if let Err(e) = side.record_start(seq, &stream) {
+                // Every check has passed: from here the call is not refused,
+                // so what it enqueues on the caller's stream is its own.
+                // SAFETY: the prelude's ranges are the call's own device
+                // memory (the device calls' contract, checked when it was made).
+                let prelude = unsafe { call.prelude.enqueue(side, &stream) };
+                if let Err(e) = prelude.and_then(|()| side.record_start(seq, &stream)) {
                     self.engine.works.give_back(seq);
                     return Err(e);
                 }
@@ -709,6 +714,15 @@ impl Communicator {
             deliver,
         };
         if let Err(e) = self.engine.submit(sub) {
+            #[cfg(feature = "cuda")]
+            if r.device.is_some() {
+                // The prelude and the start are on the caller's stream: the
+                // call was accepted, and fails as an operation, so that its
+                // work reports the error and streams waiting for it go on.
+                self.engine.fail_accepted(seq, e);
+                *next += 1;
+                return Ok(seq);
+            }
             self.engine.works.give_back(seq);
             return Err(e);
         }
@@ -1264,12 +1278,14 @@ struct Request {
     device: Option<DeviceCall>,
 }
 
-/// Where a device operation's tensor lives and which stream orders it.
+/// Where a device operation's tensor lives, which stream orders it, and what
+/// the operation enqueues there before its start once it is accepted.
 #[cfg(feature = "cuda")]
 #[derive(Clone, Copy)]
 struct DeviceCall {
     ordinal: u32,
     stream: fairring_cuda::sys::CUstream,
+    prelude: device::Prelude,
 }
 
 impl Request {

@@ -136,22 +136,24 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// Completes operation `seq` if it is finished and checked (and its share is
     /// delivered, for a reduce-scatter).
     pub(super) fn try_complete(&self, d: &mut Driver<M>, seq: u64) -> Result<(), Fault> {
-        let Some(rec) = d.operations.get_mut(seq) else {
+        let Some(rec) = d.operations.get(seq) else {
             return Ok(());
         };
         if !rec.finished() || !d.checks.checked(seq, &self.links) {
             return Ok(());
         }
-        if let Some(delivery) = &rec.sub.deliver {
-            let fence = match rec.delivering.take() {
+        let delivery = rec
+            .sub
+            .deliver
+            .as_ref()
+            .map(|dl| (rec.sub.tensor, dl.range.clone(), dl.to));
+        if let Some((from, range, to)) = delivery {
+            let fence = match d.operations.take_delivery(seq) {
                 Some(fence) => fence,
-                None => {
-                    self.memory
-                        .deliver(&rec.sub.tensor, delivery.range.clone(), &delivery.to)?
-                }
+                None => self.memory.deliver(&from, range, &to)?,
             };
             if !self.memory.poll(&fence)? {
-                rec.delivering = Some(fence);
+                d.operations.hold_delivery(seq, fence);
                 return Ok(());
             }
         }

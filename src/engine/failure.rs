@@ -233,6 +233,20 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         self.fail_locked(&mut d, error.into());
     }
 
+    /// Fails operation `seq`, whose submission the engine could not queue
+    /// after its caller had committed to it (a device call's prelude and start
+    /// are on the caller's stream): the engine fails with `error` unless it
+    /// already has, and `seq` completes as failed.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn fail_accepted(&self, seq: u64, error: Error) {
+        let mut d = self.lock_driver();
+        if !self.failure.failed() {
+            self.fail_locked(&mut d, error.into());
+        }
+        self.complete(seq, FAILED);
+        self.machine.doorbell().ring();
+    }
+
     pub(super) fn fail_locked(&self, d: &mut Driver<M>, fault: Fault) {
         let rank = self.links.rank;
         let record = fault

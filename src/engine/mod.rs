@@ -97,6 +97,7 @@ use work::{Submission, WORK_CAPACITY, WorkTable};
 use crate::error::{Error, Result};
 use crate::local::{LocalStep, Machine};
 use crate::memory::MemorySpace;
+use crate::sync::{Ordering, fence};
 
 /// Completions taken per poll.
 const POLL_BATCH: usize = 256;
@@ -343,12 +344,33 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         Ok(())
     }
 
-    /// Marks operation `seq` finished.
+    /// Marks operation `seq` finished, then releases the streams waiting for
+    /// it.
+    ///
+    /// The order pairs with [`awaits_on_device`](Engine::awaits_on_device):
+    /// the state is published before the memory space is asked to release
+    /// streams, and a caller's wait makes the memory space's waiting words
+    /// exist before it reads the state, each with a `SeqCst` fence between.
+    /// So either this completion sees the words and sets operation `seq`'s,
+    /// or the caller sees the operation finished and enqueues no wait: no
+    /// stream waits on a word that is never set (an operation that finished
+    /// before the device side existed, as a host barrier).
     fn complete(&self, seq: u64, state: u32) {
+        let finished = self.works.finish(seq, state);
+        fence(Ordering::SeqCst);
         self.memory.completed(seq);
-        if self.works.finish(seq, state) {
+        if finished {
             self.parking.finished();
         }
+    }
+
+    /// Whether a caller's stream must wait on the device for operation `seq`:
+    /// it has not finished. The caller has made the memory space's waiting
+    /// words exist before asking (see [`complete`](Engine::complete)).
+    #[cfg(any(feature = "cuda", all(test, not(loom))))]
+    pub(crate) fn awaits_on_device(&self, seq: u64) -> bool {
+        fence(Ordering::SeqCst);
+        self.works.state(seq) == Some(work::PENDING)
     }
 
     fn lock_driver(&self) -> MutexGuard<'_, Driver<M>> {

@@ -22,8 +22,9 @@ pub(crate) struct Record<M: MemorySpace> {
     slices_done: u64,
     /// Every slice is done; completion waits for the descriptor checks.
     finished: bool,
-    /// The delivery of a reduce-scatter's share, once started.
-    pub(crate) delivering: Option<M::Fence>,
+    /// The delivery of a reduce-scatter's share, once started (through
+    /// [`Operations::hold_delivery`], which counts it).
+    delivering: Option<M::Fence>,
 }
 
 impl<M: MemorySpace> Record<M> {
@@ -54,6 +55,8 @@ pub(crate) struct Operations<M: MemorySpace> {
     oldest_open: u64,
     /// Where the next hierarchical operation's plan starts rotating its servers.
     rotation: u64,
+    /// Operations whose delivery (a reduce-scatter's share) is running.
+    delivering: u32,
 }
 
 impl<M: MemorySpace> Operations<M> {
@@ -66,6 +69,7 @@ impl<M: MemorySpace> Operations<M> {
             finished_waiting: 0,
             oldest_open: 0,
             rotation: 0,
+            delivering: 0,
         }
     }
 
@@ -87,6 +91,32 @@ impl<M: MemorySpace> Operations<M> {
     /// Whether any operation is accepted and not completed.
     pub(crate) fn in_flight(&self) -> bool {
         self.start_seq < self.accepted || self.finished_waiting > 0
+    }
+
+    /// Whether some operation's delivery is running (a fence that rings no
+    /// doorbell when it passes).
+    pub(crate) fn delivering(&self) -> bool {
+        self.delivering > 0
+    }
+
+    /// Holds operation `seq`'s running delivery until it passes.
+    pub(crate) fn hold_delivery(&mut self, seq: u64, fence: M::Fence) {
+        if let Some(rec) = self.get_mut(seq) {
+            if rec.delivering.is_none() {
+                self.delivering += 1;
+            }
+            // Borrowed again: `self.delivering` was updated above.
+            if let Some(rec) = self.get_mut(seq) {
+                rec.delivering = Some(fence);
+            }
+        }
+    }
+
+    /// Takes operation `seq`'s running delivery, if any.
+    pub(crate) fn take_delivery(&mut self, seq: u64) -> Option<M::Fence> {
+        let fence = self.get_mut(seq)?.delivering.take()?;
+        self.delivering -= 1;
+        Some(fence)
     }
 
     /// Whether some finished operation waits for its checks.
@@ -232,6 +262,7 @@ impl<M: MemorySpace> Operations<M> {
     /// numbers.
     pub(crate) fn drain(&mut self) -> impl Iterator<Item = u64> + '_ {
         self.finished_waiting = 0;
+        self.delivering = 0;
         self.start_seq = self.accepted;
         self.oldest_open = self.accepted;
         self.records

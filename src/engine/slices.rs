@@ -4,7 +4,10 @@
 //! Slice number `n` (counted across operations) takes staging buffer `n % B` as
 //! generation `n / B`, once the buffer is free here and on every local rank, and
 //! once every local rank has issued its operation alike. It starts its algorithm,
-//! which stages it in; writes that landed for it before it started (a peer was
+//! which stages it in. A slice whose operation is ordered on a caller's stream
+//! starts only once that stream has passed the operation's start
+//! ([`MemorySpace::started`]): until then the engine issues nothing for it, and
+//! the stall timer does not run. Writes that landed for it before it started (a peer was
 //! ahead) are handed to it then. When its algorithm releases the buffer, the
 //! operation counts the slice, and the credits this rank grants move on.
 
@@ -77,6 +80,9 @@ pub(crate) struct Slices<M: MemorySpace> {
     /// The lowest slice not yet vacated: released here, and no longer read by
     /// any local rank.
     vacated: u64,
+    /// The next slice waits for its operation's start on a caller's stream
+    /// (as of the last [`Engine::try_start`]).
+    pub(crate) awaits_start: bool,
 }
 
 impl<M: MemorySpace> Slices<M> {
@@ -96,6 +102,7 @@ impl<M: MemorySpace> Slices<M> {
                 .collect(),
             next_slice: 0,
             vacated: 0,
+            awaits_start: false,
         }
     }
 
@@ -107,9 +114,10 @@ impl<M: MemorySpace> Slices<M> {
     }
 
     /// Whether a step of some slice waits for its fence (device copies, which
-    /// ring no doorbell when they end).
+    /// ring no doorbell when they end), or the next slice for its operation's
+    /// start on a caller's stream (nor does that).
     pub(crate) fn awaits_fences(&self) -> bool {
-        self.slots.iter().any(|s| !s.fences.is_empty())
+        self.awaits_start || self.slots.iter().any(|s| !s.fences.is_empty())
     }
 
     /// Whether any buffer holds a slice.
@@ -155,6 +163,7 @@ impl<M: MemorySpace> Slices<M> {
             s.early.clear();
             s.fences.clear();
         }
+        self.awaits_start = false;
     }
 }
 
@@ -175,6 +184,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// Starts the next slice if its buffer is free here and on this machine;
     /// returns whether it did.
     pub(super) fn try_start(&self, d: &mut Driver<M>) -> Result<bool, Fault> {
+        d.slices.awaits_start = false;
         let Some(next) = d.operations.next_slice()? else {
             return Ok(false);
         };
@@ -194,6 +204,13 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 format!("#{}", next.seq),
             )
         })?;
+        // Nothing of an operation ordered on a caller's stream is issued
+        // before that stream reaches its start: the engine's own steps never
+        // wait for a caller's stream, so they always end.
+        if !self.memory.started(&rec.sub.tensor)? {
+            d.slices.awaits_start = true;
+            return Ok(false);
+        }
         let generation = number / self.buffers as u64;
         let origins = Origins::of(&rec.sub.descriptor);
         let direct = self.sends_from_tensor(&rec.sub, next.algorithm);

@@ -13,6 +13,13 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         d.operations.in_flight() || d.slices.any_active()
     }
 
+    /// Whether the only work in flight is an operation whose caller's stream
+    /// has not reached its start: no slice holds a buffer, and nothing
+    /// finished waits to complete.
+    pub(super) fn waits_only_for_a_start(&self, d: &Driver<M>) -> bool {
+        d.slices.awaits_start && !d.slices.any_active() && !d.operations.any_finished()
+    }
+
     /// What the oldest work in flight waits for.
     pub(super) fn describe_stall(&self, d: &Driver<M>) -> String {
         if let Some((b, slot, a)) = d.slices.oldest() {

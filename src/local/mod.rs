@@ -16,6 +16,8 @@
 //! can drive many slices at once and never waits inside a step. On a GPU, a step
 //! that can proceed enqueues its work and returns the fence that ends it.
 
+#[cfg(any(feature = "cuda", all(test, not(loom))))]
+mod alone;
 #[cfg(all(test, loom))]
 mod loom_models;
 mod machine;

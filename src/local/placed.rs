@@ -64,13 +64,7 @@ impl LocalStep<Placed> for PlacedStep {
         match s.tensor {
             PlacedTensor::Host(t) => self.shm.begin(&host(s, t)),
             #[cfg(feature = "cuda")]
-            PlacedTensor::Device(_) => {
-                self.single("stage-in")?;
-                // One rank: nothing to stage for others.
-                self.shm
-                    .protocol
-                    .stage_in(&*self.shm.segment, s.buffer, s.number, || Ok(()))
-            }
+            PlacedTensor::Device(_) => self.shm.begin_alone(s.buffer, s.number, "stage-in"),
         }
     }
 
@@ -86,31 +80,22 @@ impl LocalStep<Placed> for PlacedStep {
                 .map(|()| PlacedFence::Passed)),
             #[cfg(feature = "cuda")]
             PlacedTensor::Device(t) => {
-                self.single("reduce-scatter")?;
-                let mut fence = PlacedFence::Passed;
-                let ran = self.shm.protocol.try_reduce_scatter(
-                    &*self.shm.segment,
+                let ran = self.shm.try_reduce_scatter_alone(
                     s.buffer,
                     s.number,
-                    || -> Result<()> {
-                        // A single-machine job of one rank: the tensor already
-                        // holds the result (an average over one rank is itself).
-                        if final_world.is_some() {
-                            return Ok(());
-                        }
-                        let (staging, in_tensor) = self.own_slot(s)?;
+                    s.slice,
+                    final_world,
+                    |staging, in_tensor| {
                         // SAFETY: the staging buffer is page-locked and this
                         // rank's own; nothing touches the slot until the fence
                         // passes (the engine waits for it before the next step).
-                        let f = unsafe {
+                        unsafe {
                             self.side()?
-                                .copy_to_staging(s.buffer, staging, t, in_tensor)?
-                        };
-                        fence = PlacedFence::Device(f);
-                        Ok(())
+                                .copy_to_staging(s.buffer, staging, t, in_tensor)
+                        }
                     },
                 )?;
-                Ok(ran.then_some(fence))
+                Ok(ran.map(|f| f.map_or(PlacedFence::Passed, PlacedFence::Device)))
             }
         }
     }
@@ -133,28 +118,21 @@ impl LocalStep<Placed> for PlacedStep {
                 .map(|()| PlacedFence::Passed)),
             #[cfg(feature = "cuda")]
             PlacedTensor::Device(t) => {
-                self.single("all-gather")?;
-                let mut fence = PlacedFence::Passed;
-                let ran = self.shm.protocol.try_all_gather(
-                    &*self.shm.segment,
+                let ran = self.shm.try_all_gather_alone(
                     s.buffer,
                     s.number,
-                    || -> Result<()> {
-                        if own_in_tensor {
-                            return Ok(());
-                        }
-                        let (staging, in_tensor) = self.own_slot(s)?;
+                    s.slice,
+                    own_in_tensor,
+                    |staging, in_tensor| {
                         // SAFETY: as in the reduce-scatter; the engine releases
                         // the buffer only once this copy's fence has passed.
-                        let f = unsafe {
+                        unsafe {
                             self.side()?
-                                .copy_from_staging(s.buffer, staging, t, in_tensor)?
-                        };
-                        fence = PlacedFence::Device(f);
-                        Ok(())
+                                .copy_from_staging(s.buffer, staging, t, in_tensor)
+                        }
                     },
                 )?;
-                Ok(ran.then_some(fence))
+                Ok(ran.map(|f| f.map_or(PlacedFence::Passed, PlacedFence::Device)))
             }
         }
     }
@@ -170,25 +148,6 @@ impl LocalStep<Placed> for PlacedStep {
 
 #[cfg(feature = "cuda")]
 impl PlacedStep {
-    fn single(&self, step: &str) -> Result<()> {
-        if self.shm.size == 1 {
-            return Ok(());
-        }
-        Err(Error::internal(
-            "device tensors run with one rank per machine (the communicator refuses others)",
-            format!("a device {step} among {} local ranks", self.shm.size),
-        ))
-    }
-
-    /// This rank's slot of the slice: its bytes in the staging buffer, and its
-    /// byte range in the tensor.
-    fn own_slot(&self, s: &LocalSlice<'_, Placed>) -> Result<(&mut [u8], std::ops::Range<usize>)> {
-        let slot = super::shm::slot_range(s.slice, self.shm.rank())?;
-        let base = super::shm::slice_range(s.slice)?.start;
-        let staging = self.shm.own_bytes(s.buffer, slot.clone())?;
-        Ok((staging, base + slot.start..base + slot.end))
-    }
-
     fn side(&self) -> Result<&crate::memory::DeviceSide> {
         self.device.get().ok_or_else(|| {
             Error::internal(

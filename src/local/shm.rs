@@ -54,9 +54,9 @@ const CHUNK_BYTES: usize = 64 * 1024;
 
 /// The local step of processes that share host memory.
 pub(crate) struct ShmStep {
-    pub(super) segment: Arc<Segment>,
-    pub(super) protocol: Protocol,
-    pub(super) size: u32,
+    pub(crate) segment: Arc<Segment>,
+    pub(crate) protocol: Protocol,
+    pub(crate) size: u32,
 }
 
 impl ShmStep {

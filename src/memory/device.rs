@@ -13,10 +13,15 @@
 //! # Ordering with the caller's stream
 //!
 //! - **Start.** When an operation is submitted, an event is recorded on the
-//!   caller's stream (`starts`, one per operation-table entry); every copy that
-//!   reads or writes the operation's tensors first makes its stream wait on it.
-//!   So the collective sees everything the caller enqueued before it, and the
-//!   caller's thread never waits.
+//!   caller's stream (`starts`, one per operation-table entry). The engine
+//!   issues no copy of the operation before that event has passed, as the
+//!   progress loop sees it ([`DeviceSide::started`], `cuEventQuery`). So the
+//!   collective sees everything the caller enqueued before it, the caller's
+//!   thread never waits, and the engine's streams never wait for a caller's:
+//!   they hold only copies, which end whatever the callers' streams wait for
+//!   (a caller's stream may wait for an operation the engine has yet to
+//!   complete, and a copy waiting behind it would make [`DeviceSide::drain`]
+//!   wait forever).
 //! - **End.** The host completes an operation once every copy into its tensor
 //!   has passed its event, and then sets the operation's word in `done` (pinned
 //!   host memory the device can read) to `seq + 1`. A caller's stream waits for
@@ -24,7 +29,13 @@
 //!   the wait runs once the result is in the tensor, again without a host wait.
 //!   A failed operation sets its word too, so that no stream waits forever; its
 //!   [`Work`](crate::Work) reports the error, and the tensor's contents are
-//!   then undefined.
+//!   then undefined. A caller asks to wait only for an operation not yet
+//!   finished (`Engine::awaits_on_device`), so no stream waits on the word of
+//!   an operation that finished before this device side existed.
+//! - **Drop.** Dropping the device side raises every word past any value a
+//!   stream can wait for, and frees the words only once every wait enqueued
+//!   on them has been passed; otherwise it leaves them allocated (a page),
+//!   since a stream may still read them.
 use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -101,7 +112,10 @@ pub(crate) struct DeviceSide {
     /// Per operation-table entry: recorded on the caller's stream at submission.
     starts: Box<[Event]>,
     /// Per operation-table entry: `seq + 1` once operation `seq` finished.
-    done: HostFlags,
+    /// Taken only by `Drop`.
+    done: Option<HostFlags>,
+    /// Events recorded after waits enqueued on `done`, not yet seen passed.
+    waits: Mutex<Vec<Event>>,
     fences: Arc<Mutex<Vec<Event>>>,
     /// The staging buffers, page-locked.
     _staging: HostRegistration,
@@ -116,6 +130,14 @@ impl DeviceSide {
         staging: (NonNull<u8>, usize),
     ) -> Result<DeviceSide> {
         let device = Device::open(ordinal).map_err(cuda)?;
+        if !device.supports_64_bit_stream_memory_ops() {
+            return Err(Error::Gpu(format!(
+                "GPU {ordinal} ({}) does not take 64-bit stream memory operations \
+                 (CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS), which ordering \
+                 streams after a collective needs",
+                device.name()
+            )));
+        }
         let streams = (0..buffers)
             .map(|_| Stream::new(&device, true))
             .collect::<fairring_cuda::Result<Vec<_>>>()
@@ -135,7 +157,8 @@ impl DeviceSide {
             .map_err(cuda)?;
         Ok(DeviceSide {
             deliver: Stream::new(&device, true).map_err(cuda)?,
-            done: HostFlags::new(&device, WORK_CAPACITY).map_err(cuda)?,
+            done: Some(HostFlags::new(&device, WORK_CAPACITY).map_err(cuda)?),
+            waits: Mutex::new(Vec::new()),
             device,
             streams: streams.into_boxed_slice(),
             starts: starts.into_boxed_slice(),
@@ -154,22 +177,55 @@ impl DeviceSide {
         self.starts[slot_of(seq)].record(stream).map_err(cuda)
     }
 
-    /// Makes `stream` wait, on the device, for operation `seq` to finish.
-    pub(crate) fn enqueue_wait(&self, seq: u64, stream: &Stream) -> Result<()> {
+    fn done(&self) -> Result<&HostFlags> {
         self.done
+            .as_ref()
+            .ok_or_else(|| Error::internal("a device side holds its words until it drops", "none"))
+    }
+
+    /// Whether the caller's stream has passed the start of the operation
+    /// `tensor` belongs to.
+    pub(crate) fn started(&self, tensor: &DeviceTensor) -> Result<bool> {
+        self.starts[tensor.ready].is_complete().map_err(cuda)
+    }
+
+    /// Makes `stream` wait, on the device, for operation `seq` to finish (the
+    /// caller asks only while it has not: `Engine::awaits_on_device`).
+    pub(crate) fn enqueue_wait(&self, seq: u64, stream: &Stream) -> Result<()> {
+        self.done()?
             .enqueue_wait(stream, slot_of(seq), seq + 1)
-            .map_err(cuda)
+            .map_err(cuda)?;
+        // An event after the wait tells `Drop` when the stream no longer reads
+        // the word. Those already passed are dropped here, so the list stays
+        // as long as the waits in flight.
+        let mut waits = self.waits.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut kept = Vec::with_capacity(waits.len() + 1);
+        for event in waits.drain(..) {
+            if !event.is_complete().unwrap_or(false) {
+                kept.push(event);
+            }
+        }
+        let after = Event::new(&self.device, Timing::Disabled).map_err(cuda)?;
+        after.record(stream).map_err(cuda)?;
+        kept.push(after);
+        *waits = kept;
+        Ok(())
     }
 
     /// Operation `seq` finished: streams waiting for it go on.
     pub(crate) fn completed(&self, seq: u64) {
-        if let Err(e) = self.done.set(slot_of(seq), seq + 1) {
+        let raised = self
+            .done()
+            .and_then(|done| done.raise(slot_of(seq), seq + 1).map_err(cuda));
+        if let Err(e) = raised {
             log::error!("fairring: releasing the streams waiting for operation {seq}: {e}");
         }
     }
 
     /// Waits for every copy enqueued so far (a failing engine, before it
-    /// declares its operations finished).
+    /// declares its operations finished). The engine's streams hold only
+    /// copies, issued once their operation's start had passed, so this waits
+    /// for the copy engines alone, never for a caller's stream.
     pub(crate) fn drain(&self) {
         for stream in self.streams.iter().chain([&self.deliver]) {
             if let Err(e) = stream.synchronize() {
@@ -214,7 +270,8 @@ impl DeviceSide {
     }
 
     /// Copies bytes `from` of `tensor` into `staging` (host memory of staging
-    /// buffer `buffer`), on that buffer's stream, after the operation's start.
+    /// buffer `buffer`), on that buffer's stream. The engine calls it only once
+    /// the operation's start has passed ([`started`](Self::started)).
     ///
     /// # Safety
     ///
@@ -230,7 +287,6 @@ impl DeviceSide {
     ) -> Result<DeviceFence> {
         let stream = self.stream(buffer)?;
         let at = tensor.at(&from)?;
-        stream.wait(&self.starts[tensor.ready]).map_err(cuda)?;
         // SAFETY: `at..at + len` lies within the tensor (checked), device memory
         // valid under its operation's contract.
         let src = unsafe { DeviceSlice::from_raw(at, from.len(), &self.device) };
@@ -241,7 +297,8 @@ impl DeviceSide {
     }
 
     /// Copies `staging` (host memory of staging buffer `buffer`) into bytes
-    /// `to` of `tensor`, on that buffer's stream, after the operation's start.
+    /// `to` of `tensor`, on that buffer's stream, once the operation's start
+    /// has passed.
     ///
     /// # Safety
     ///
@@ -255,7 +312,6 @@ impl DeviceSide {
     ) -> Result<DeviceFence> {
         let stream = self.stream(buffer)?;
         let at = tensor.at(&to)?;
-        stream.wait(&self.starts[tensor.ready]).map_err(cuda)?;
         // SAFETY: as in `copy_to_staging`, for writes.
         let mut dst = unsafe { DeviceSliceMut::from_raw(at, to.len(), &self.device) };
         // SAFETY: as in `copy_to_staging`.
@@ -272,7 +328,6 @@ impl DeviceSide {
     ) -> Result<DeviceFence> {
         let src_at = from.at(&range)?;
         let dst_at = to.at(&(0..range.len()))?;
-        self.deliver.wait(&self.starts[from.ready]).map_err(cuda)?;
         // SAFETY: both ranges lie within their tensors (checked), valid under
         // the operation's contract, which also keeps them apart.
         let src = unsafe { DeviceSlice::from_raw(src_at, range.len(), &self.device) };
@@ -280,6 +335,34 @@ impl DeviceSide {
         let mut dst = unsafe { DeviceSliceMut::from_raw(dst_at, range.len(), &self.device) };
         self.deliver.copy(&mut dst, src).map_err(cuda)?;
         self.fence(&self.deliver)
+    }
+}
+
+impl Drop for DeviceSide {
+    fn drop(&mut self) {
+        let Some(done) = self.done.take() else {
+            return;
+        };
+        // No stream waits for anything any more: every word past every value.
+        for slot in 0..done.len() {
+            if let Err(e) = done.raise(slot, u64::MAX) {
+                log::error!("fairring: releasing the streams waiting on a device side: {e}");
+            }
+        }
+        let waits = std::mem::take(self.waits.get_mut().unwrap_or_else(PoisonError::into_inner));
+        let read_by_a_stream = waits.iter().any(|e| !e.is_complete().unwrap_or(false));
+        if read_by_a_stream {
+            // A caller's stream has yet to pass a wait on these words, and it
+            // reads them when it does: freeing them now would let it read
+            // freed memory. They stay allocated, as do the events.
+            log::warn!(
+                "fairring: a stream still waits on a dropped communicator's operations; \
+                 leaving its {} words allocated",
+                done.len()
+            );
+            std::mem::forget(done);
+            std::mem::forget(waits);
+        }
     }
 }
 

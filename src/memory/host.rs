@@ -95,7 +95,7 @@ impl Host {
     /// and no local rank reads these bytes while it works on them (see `local` and
     /// the engine's flow control); callers never hold two overlapping results.
     #[expect(clippy::mut_from_ref, reason = "exclusive by the engine's protocol")]
-    pub(super) fn staging(&self, buffer: u32, range: Range<usize>) -> Result<&mut [u8]> {
+    pub(crate) fn staging(&self, buffer: u32, range: Range<usize>) -> Result<&mut [u8]> {
         if buffer >= self.buffers
             || range.start > range.end
             || range.end > self.segment.buffer_bytes()
@@ -161,8 +161,8 @@ impl Host {
 
 impl Host {
     /// Its staging buffers.
-    #[cfg(feature = "cuda")]
-    pub(super) fn buffers(&self) -> u32 {
+    #[cfg(any(feature = "cuda", all(test, not(loom))))]
+    pub(crate) fn buffers(&self) -> u32 {
         self.buffers
     }
 }

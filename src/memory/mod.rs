@@ -23,7 +23,9 @@
 //! segment, which the fabric registers. For a device tensor (`device`) the
 //! device side page-locks them and moves bytes between the tensor and them with
 //! asynchronous copies on one stream per staging buffer, each after an event
-//! recorded on the caller's stream at submission; the step's fence is an event
+//! recorded on the caller's stream at submission has passed (the engine polls
+//! it with [`MemorySpace::started`] before it starts a slice of the operation,
+//! so that the engine's streams never wait for a caller's); the step's fence is an event
 //! the progress loop polls (`cuEventQuery`), and the operation's completion
 //! releases the callers' streams through a word in pinned memory
 //! (`cuStreamWaitValue64`). Reductions and conversions run on the host, in the
@@ -159,6 +161,16 @@ pub(crate) trait MemorySpace: Send + Sync + 'static {
     /// has no caller, only staging buffers).
     fn no_tensor(&self) -> Self::Tensor;
 
+    /// Whether `tensor`'s operation may start on it: for a tensor ordered on a
+    /// caller's stream, whether that stream has passed the operation's start.
+    /// The engine starts no slice of an operation before, so no step it issues
+    /// ever waits for a caller's stream: its own streams then always drain,
+    /// whatever the callers' streams wait for (see [`drain`](MemorySpace::drain)).
+    fn started(&self, tensor: &Self::Tensor) -> Result<bool> {
+        let _ = tensor;
+        Ok(true)
+    }
+
     /// Operation `seq` has finished (done or failed): nothing touches its
     /// tensors any more. A space whose callers' streams wait for completion
     /// releases them here.
@@ -166,7 +178,10 @@ pub(crate) trait MemorySpace: Send + Sync + 'static {
 
     /// Waits for every step started on this memory to end: a failing engine
     /// calls it before declaring its operations finished, so that nothing
-    /// writes a caller's tensor afterwards.
+    /// writes a caller's tensor afterwards. Those steps wait for nothing but
+    /// each other ([`started`](MemorySpace::started) gates them), so this
+    /// returns once the copies already issued have run, whatever the callers'
+    /// streams wait for.
     fn drain(&self) {}
 }
 

@@ -266,6 +266,14 @@ impl MemorySpace for Placed {
         PlacedTensor::Host(self.host.no_tensor())
     }
 
+    fn started(&self, tensor: &PlacedTensor) -> Result<bool> {
+        match tensor {
+            PlacedTensor::Host(_) => Ok(true),
+            #[cfg(feature = "cuda")]
+            PlacedTensor::Device(t) => self.side()?.started(t),
+        }
+    }
+
     fn completed(&self, seq: u64) {
         #[cfg(feature = "cuda")]
         if let Some(side) = self.device.get() {

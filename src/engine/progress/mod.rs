@@ -106,7 +106,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 true
             }
             Some(false) => {
-                if !self.in_flight(d) {
+                // The stall timer runs from an operation's start: time its
+                // caller's stream spends before reaching it is the caller's.
+                if !self.in_flight(d) || self.waits_only_for_a_start(d) {
                     d.last_progress = Instant::now();
                 } else if d.last_progress.elapsed() > self.timeout {
                     let what = self.describe_stall(d);
@@ -186,7 +188,10 @@ impl<F: Fabric, M: MemorySpace> Driven for Engine<F, M> {
             (false, false)
         } else {
             let d = self.lock_driver();
-            (self.in_flight(&d), d.slices.awaits_fences())
+            (
+                self.in_flight(&d),
+                d.slices.awaits_fences() || d.operations.delivering(),
+            )
         };
         if fenced {
             self.machine.doorbell().sleep(seen, NAP_FENCE);

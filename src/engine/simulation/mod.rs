@@ -13,14 +13,21 @@
 //! reduce-scatters (by the scatter algorithm, or as any of those all-reduces),
 //! and relayed broadcasts (from any root) and all-gathers, each rank starting
 //! from its own values everywhere, whether all-reduces send from their tensors
-//! (never, from any size or from 4 KiB; keeping 1, 2 or 64 registrations), and,
-//! for half the seeds, a process (worker or server) to kill at a random step. It
-//! then checks:
+//! (never, from any size or from 4 KiB; keeping 1, 2 or 64 registrations),
+//! for half the seeds, a process (worker or server) to kill at a random step,
+//! and, where ranks have a machine each (`D = 1`, as device tensors take them),
+//! for two seeds in three whether every operation or about half of them run on
+//! device tensors of a simulated GPU ([`device`]): streams whose copies end at
+//! drawn steps, start events, and callers that submit behind stream waits on
+//! earlier operations, as PyTorch does, and make their streams wait on
+//! operations at drawn times. It then checks:
 //!
 //! - every operation a rank reports done holds exactly the expected values;
 //! - without a kill, every operation of every rank is done;
 //! - with a kill, every surviving rank settles every operation (done or failed),
 //!   never hangs, and a failed one's error names the killed rank.
+//! - on the simulated device, no drain of a failing engine waits forever, and
+//!   every stream of a live rank runs to its end once its operations settled.
 //!
 //! `FAIRRING_SIM_SEEDS` sets how many seeds run (default 1000; CI runs 10000 in
 //! release); `FAIRRING_SIM_SEED` replays one. A failing seed is printed with the command
@@ -30,6 +37,7 @@
     reason = "test values wrap into their element types on purpose"
 )]
 
+mod device;
 mod fabric;
 
 use std::sync::Arc;
@@ -47,8 +55,9 @@ use super::links::{linked, peers, server_peers};
 use super::work::{DONE, FAILED, Submission};
 use super::{DirectSettings, Engine, EngineParts, Strides};
 use crate::local::{LocalSlice, LocalStep, Machine, ShmStep, Solo};
-use crate::memory::{Host, HostTensor, MemorySpace};
+use crate::memory::{Host, HostTensor, MemoryKind, MemorySpace};
 use crate::shm::Segment;
+use device::{Design, SimFence, SimMemory, SimStep, SimTensor};
 use fabric::{Network, SimFabric};
 
 /// Steps after which a seed that has not settled counts as hung.
@@ -200,9 +209,12 @@ fn narrow(dtype: DataType, v: i64) -> i64 {
 }
 
 struct Rank {
-    engine: Engine<SimFabric, Host>,
+    engine: Engine<SimFabric, SimMemory>,
     /// Per operation: the tensor (as 8-byte words, so every type is aligned).
     tensors: Vec<Vec<u64>>,
+    /// Per device operation: the input the caller's stream writes into its
+    /// tensor before the operation's start.
+    inputs: Vec<Vec<u64>>,
     submitted: usize,
     /// Per operation: `Some(true)` done, `Some(false)` failed.
     settled: Vec<Option<bool>>,
@@ -213,6 +225,8 @@ struct Rank {
 #[derive(Debug, Default)]
 struct Outcome {
     steps: u64,
+    /// Operations on device tensors done.
+    device: usize,
     killed: Option<u32>,
     done: usize,
     failed: usize,
@@ -221,14 +235,17 @@ struct Outcome {
 /// The engines of every rank of `geometry`'s job over `net` (the workers, then
 /// its dedicated servers), each worker's local step passed through `wrap` (to
 /// inject faults).
+#[expect(clippy::too_many_arguments, reason = "a job's every setting, once")]
 fn build_job(
     geometry: &Geometry,
     layout: &StagingLayout,
     buffers: u32,
     net: &Arc<std::sync::Mutex<Network>>,
     direct: DirectSettings,
-    wrap: impl Fn(u32, ShmStep) -> Box<dyn LocalStep<Host>>,
-) -> Result<Vec<Engine<SimFabric, Host>>, String> {
+    design: Design,
+    timeout: Duration,
+    wrap: impl Fn(u32, SimStep) -> Box<dyn LocalStep<SimMemory>>,
+) -> Result<Vec<Engine<SimFabric, SimMemory>>, String> {
     let topology = geometry.topology();
     let (m, d, world) = (
         topology.machines(),
@@ -249,10 +266,16 @@ fn build_job(
     for rank in 0..world {
         let location = topology.locate(rank).map_err(|e| e.to_string())?;
         let segment = &segments[location.machine as usize];
-        let memory = Host::new(Arc::clone(segment), location.device, buffers);
+        let memory = SimMemory::new(
+            Host::new(Arc::clone(segment), location.device, buffers),
+            design,
+        );
         let local = wrap(
             rank,
-            ShmStep::new(Arc::clone(segment), location.device, d, buffers),
+            SimStep::new(
+                ShmStep::new(Arc::clone(segment), location.device, d, buffers),
+                &memory,
+            ),
         );
         let machine = Machine::new(Arc::clone(segment), location.device, d);
         let fabric = SimFabric {
@@ -270,7 +293,7 @@ fn build_job(
             Segment::anonymous(1, buffers, layout.server_buffer_bytes())
                 .map_err(|e| e.to_string())?,
         );
-        let memory = Host::new(Arc::clone(&segment), 0, buffers);
+        let memory = SimMemory::new(Host::new(Arc::clone(&segment), 0, buffers), design);
         let machine = Machine::new(segment, 0, 1);
         let fabric = SimFabric {
             rank: world + index,
@@ -283,7 +306,7 @@ fn build_job(
             machine: u32::MAX,
             device: 0,
         };
-        let local: Box<dyn LocalStep<Host>> = Box::new(Solo);
+        let local: Box<dyn LocalStep<SimMemory>> = Box::new(Solo);
         parts.push((
             location,
             memory,
@@ -330,7 +353,7 @@ fn build_job(
             buffers,
             inbound,
             linked,
-            timeout: Duration::from_secs(3600),
+            timeout,
             direct,
         }));
     }
@@ -355,6 +378,9 @@ struct Scenario {
     /// Whether, and from which size, all-reduces send from their tensors
     /// where they may, and how many registrations each rank keeps.
     direct: DirectSettings,
+    /// Per operation: whether its tensors are device memory, on the
+    /// simulated GPU (one rank per machine, as the communicator takes them).
+    device: Vec<bool>,
 }
 
 impl Scenario {
@@ -454,6 +480,13 @@ impl Scenario {
             from_bytes: rng.pick(&[None, None, Some(0), Some(4096)]),
             cached: rng.pick(&[1, 2, 64]),
         };
+        // No device operations, every one, or about half (a host barrier
+        // among device all-reduces): drawn last, as above.
+        let device = match (d, rng.below(3)) {
+            (1, 1) => vec![true; ops.len()],
+            (1, 2) => ops.iter().map(|_| rng.below(2) == 0).collect(),
+            _ => vec![false; ops.len()],
+        };
         Scenario {
             machines: m,
             devices: d,
@@ -465,19 +498,33 @@ impl Scenario {
             window,
             kill,
             direct,
+            device,
+        }
+    }
+
+    /// The descriptor of operation `k`.
+    fn descriptor(&self, k: usize) -> Descriptor {
+        let memory = if self.device[k] {
+            MemoryKind::Device
+        } else {
+            MemoryKind::Host
+        };
+        Descriptor {
+            memory,
+            ..self.ops[k].descriptor()
         }
     }
 }
 
-fn run(seed: u64) -> Result<Outcome, String> {
+fn run(seed: u64, design: Design) -> Result<Outcome, String> {
     let mut rng = Rng::new(seed);
     let scenario = Scenario::draw(&mut rng);
-    play(&scenario, &mut rng)
+    play(&scenario, &mut rng, design)
 }
 
 /// Plays `sc` on a schedule drawn from `rng`, and checks it (see the module docs).
 #[expect(clippy::too_many_lines, reason = "one scenario, read top to bottom")]
-fn play(sc: &Scenario, rng: &mut Rng) -> Result<Outcome, String> {
+fn play(sc: &Scenario, rng: &mut Rng, design: Design) -> Result<Outcome, String> {
     let Scenario {
         machines: m,
         devices: d,
@@ -503,17 +550,25 @@ fn play(sc: &Scenario, rng: &mut Rng) -> Result<Outcome, String> {
     let layout = StagingLayout::new(&geometry, world).ok_or("layout")?;
 
     let net = Network::new(processes);
-    let mut engines = build_job(&geometry, &layout, buffers, &net, direct, |_, step| {
-        Box::new(step)
-    })?;
-    let mut server_engines: Vec<(Engine<SimFabric, Host>, bool)> = engines
+    let mut engines = build_job(
+        &geometry,
+        &layout,
+        buffers,
+        &net,
+        direct,
+        design,
+        Duration::from_secs(3600),
+        |_, step| Box::new(step),
+    )?;
+    let on_device = sc.device.iter().any(|&d| d);
+    let mut server_engines: Vec<(Engine<SimFabric, SimMemory>, bool)> = engines
         .split_off(world as usize)
         .into_iter()
         .map(|e| (e, false))
         .collect();
     let mut ranks: Vec<Rank> = Vec::new();
     for (rank, engine) in (0..world).zip(engines) {
-        let tensors = ops
+        let inputs: Vec<Vec<u64>> = ops
             .iter()
             .enumerate()
             .map(|(k, op)| {
@@ -533,9 +588,23 @@ fn play(sc: &Scenario, rng: &mut Rng) -> Result<Outcome, String> {
                 words
             })
             .collect();
+        // A device tensor holds what the GPU's memory held before the
+        // caller's stream writes the input: bytes no result has.
+        let tensors = inputs
+            .iter()
+            .zip(&sc.device)
+            .map(|(input, &device)| {
+                if device {
+                    vec![0xa5a5_a5a5_a5a5_a5a5; input.len()]
+                } else {
+                    input.clone()
+                }
+            })
+            .collect();
         ranks.push(Rank {
             engine,
             tensors,
+            inputs,
             submitted: 0,
             settled: vec![None; ops.len()],
             dead: false,
@@ -570,6 +639,13 @@ fn play(sc: &Scenario, rng: &mut Rng) -> Result<Outcome, String> {
                 None => server_engines[(victim - world) as usize].1 = true,
             }
         }
+        if on_device {
+            for (r, rank) in ranks.iter().enumerate().filter(|(_, r)| !r.dead) {
+                if let Some(hang) = rank.engine.memory.gpu().take_hang() {
+                    return Err(format!("rank {r}: {hang}"));
+                }
+            }
+        }
         // Settle what finished.
         for (r, rank) in ranks.iter_mut().enumerate().filter(|(_, r)| !r.dead) {
             for (k, op) in ops.iter().enumerate().take(rank.submitted) {
@@ -597,6 +673,29 @@ fn play(sc: &Scenario, rng: &mut Rng) -> Result<Outcome, String> {
         }
         // One scheduled action.
         let choice = rng.below(100);
+        if on_device && (40..55).contains(&choice) {
+            let r = rng.below(u64::from(world)) as usize;
+            let pick = rng.next();
+            let rank = &ranks[r];
+            if rank.dead {
+                continue;
+            }
+            if choice < 52 {
+                // The GPU runs one item of one of its streams.
+                #[expect(clippy::cast_possible_truncation, reason = "an index below n")]
+                let chosen = |n: usize| (pick % n as u64) as usize;
+                rank.engine.memory.gpu().run_any(chosen);
+            } else if rank.submitted > 0 {
+                // The caller makes its stream wait for an operation it started
+                // (a `Work::wait` on a CUDA tensor's work, as late as it likes).
+                let seq = pick % rank.submitted as u64;
+                let engine = &rank.engine;
+                engine
+                    .memory
+                    .enqueue_wait(seq, || engine.awaits_on_device(seq));
+            }
+            continue;
+        }
         if choice < 40 {
             let busy = net
                 .lock()
@@ -631,15 +730,28 @@ fn play(sc: &Scenario, rng: &mut Rng) -> Result<Outcome, String> {
                     return Err(format!("rank {r}: the entry of operation {k} is taken"));
                 }
                 let bytes = op.elements as usize * op.dtype.size_bytes() as usize;
+                let tensor = if sc.device[k] {
+                    let Rank {
+                        engine,
+                        tensors,
+                        inputs,
+                        ..
+                    } = &mut *rank;
+                    let to = &mut bytemuck_bytes(&mut tensors[k])[..bytes];
+                    let from = &bytemuck_bytes(&mut inputs[k])[..bytes];
+                    engine.memory.submit_device(to, from)
+                } else {
+                    SimTensor::Host(HostTensor::new(rank.tensors[k].as_mut_ptr().cast(), bytes))
+                };
                 let sub = Submission {
                     seq,
-                    tensor: HostTensor::new(rank.tensors[k].as_mut_ptr().cast(), bytes),
+                    tensor,
                     elements: op.planned(),
                     dtype: op.dtype,
                     op: op.op,
                     algorithm: op.algorithm,
                     wire: op.wire,
-                    descriptor: op.descriptor(),
+                    descriptor: sc.descriptor(k),
                     deliver: None,
                 };
                 rank.submitted += 1;
@@ -647,14 +759,33 @@ fn play(sc: &Scenario, rng: &mut Rng) -> Result<Outcome, String> {
                     rank.engine.works.give_back(seq);
                     rank.settled[k] = Some(false);
                 }
+                // As PyTorch does: the caller's stream waits for the result
+                // before the caller's next work on it.
+                if sc.device[k] && rng.below(2) == 0 {
+                    let engine = &rank.engine;
+                    engine
+                        .memory
+                        .enqueue_wait(seq, || engine.awaits_on_device(seq));
+                }
             } else {
                 rank.engine.try_drive();
             }
         }
     }
     for (r, rank) in ranks.iter().enumerate().filter(|(_, r)| !r.dead) {
+        // Every stream of a live rank ends: no caller waits forever on the
+        // device for an operation that has settled.
+        if let Some(waits) = rank.engine.memory.gpu().run_out() {
+            return Err(format!("rank {r}: a stream waits forever: {waits}"));
+        }
         let failed = rank.settled.iter().filter(|s| **s == Some(false)).count();
         outcome.done += rank.settled.len() - failed;
+        outcome.device += rank
+            .settled
+            .iter()
+            .zip(&sc.device)
+            .filter(|&(s, &d)| d && *s == Some(true))
+            .count();
         outcome.failed += failed;
         match (kill, rank.engine.failure()) {
             (None, Some(e)) => return Err(format!("rank {r} failed with no fault injected: {e}")),
@@ -738,9 +869,9 @@ fn seeds() -> Vec<u64> {
 #[test]
 fn seeded_schedules_settle_with_exact_results() {
     let seeds = seeds();
-    let (mut killed, mut steps, mut done, mut failed) = (0, 0, 0, 0);
+    let (mut killed, mut steps, mut done, mut failed, mut device) = (0, 0, 0, 0, 0);
     for &seed in &seeds {
-        let result = std::panic::catch_unwind(|| run(seed));
+        let result = std::panic::catch_unwind(|| run(seed, Design::GateOnHost));
         let outcome = match result {
             Ok(Ok(o)) => o,
             Ok(Err(e)) => panic!(
@@ -754,12 +885,18 @@ fn seeded_schedules_settle_with_exact_results() {
         steps += outcome.steps;
         done += outcome.done;
         failed += outcome.failed;
+        device += outcome.device;
     }
     eprintln!(
-        "simulation: {} seeds ({killed} with a killed rank), {steps} steps, {done} operations done, {failed} failed",
+        "simulation: {} seeds ({killed} with a killed rank), {steps} steps, {done} operations \
+         done ({device} on the simulated device), {failed} failed",
         seeds.len()
     );
     assert!(done > 0);
+    assert!(
+        seeds.len() < 100 || device > 0,
+        "the seeds run device operations"
+    );
 }
 
 /// Relayed chunks land early in the slice area of a buffer, the bytes a local
@@ -812,8 +949,9 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
             window: 2 + rng.below(3) as usize,
             kill: None,
             direct: DirectSettings::from(None),
+            device: vec![false; 6],
         };
-        match play(&scenario, &mut rng) {
+        match play(&scenario, &mut rng, Design::GateOnHost) {
             Ok(outcome) => checked += outcome.done,
             Err(e) => panic!("seed {seed}, {scenario:?}: {e}"),
         }
@@ -823,30 +961,30 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
 }
 
 /// A local step that panics in its all-gather: a bug inside a step.
-struct PanickingAllGather(ShmStep);
+struct PanickingAllGather(SimStep);
 
-impl LocalStep<Host> for PanickingAllGather {
+impl LocalStep<SimMemory> for PanickingAllGather {
     fn buffer_free(&self, buffer: u32, number: u64) -> bool {
         self.0.buffer_free(buffer, number)
     }
-    fn begin(&self, s: &LocalSlice<'_, Host>) -> crate::Result<()> {
+    fn begin(&self, s: &LocalSlice<'_, SimMemory>) -> crate::Result<()> {
         self.0.begin(s)
     }
     fn try_reduce_scatter(
         &self,
-        s: &LocalSlice<'_, Host>,
+        s: &LocalSlice<'_, SimMemory>,
         final_world: Option<u32>,
-    ) -> crate::Result<Option<()>> {
+    ) -> crate::Result<Option<SimFence>> {
         self.0.try_reduce_scatter(s, final_world)
     }
-    fn publish_slot(&self, s: &LocalSlice<'_, Host>) {
+    fn publish_slot(&self, s: &LocalSlice<'_, SimMemory>) {
         self.0.publish_slot(s);
     }
     fn try_all_gather(
         &self,
-        _s: &LocalSlice<'_, Host>,
+        _s: &LocalSlice<'_, SimMemory>,
         _own_in_tensor: bool,
-    ) -> crate::Result<Option<()>> {
+    ) -> crate::Result<Option<SimFence>> {
         panic!("an injected panic in the all-gather");
     }
     fn finish(&self, buffer: u32, number: u64) {
@@ -869,6 +1007,8 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
         2,
         &net,
         DirectSettings::from(None),
+        Design::GateOnHost,
+        Duration::from_secs(3600),
         |rank, step| {
             if rank == 1 {
                 Box::new(PanickingAllGather(step))
@@ -894,7 +1034,7 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
         engine
             .submit(Submission {
                 seq: 0,
-                tensor: HostTensor::new(tensor.as_mut_ptr().cast(), 2400),
+                tensor: SimTensor::Host(HostTensor::new(tensor.as_mut_ptr().cast(), 2400)),
                 elements: 300,
                 dtype: DataType::I64,
                 op: ReduceOp::Sum,
@@ -905,7 +1045,7 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
             })
             .unwrap();
     }
-    let settled = |e: &Engine<SimFabric, Host>| e.works.state(0).is_some_and(|s| s != 0);
+    let settled = |e: &Engine<SimFabric, SimMemory>| e.works.state(0).is_some_and(|s| s != 0);
     for _ in 0..10_000 {
         if engines.iter().all(settled) {
             break;
@@ -933,7 +1073,7 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
     assert!(engines[1].works.try_take(1));
     let refused = engines[1].submit(Submission {
         seq: 1,
-        tensor: HostTensor::new(std::ptr::null_mut(), 0),
+        tensor: SimTensor::Host(HostTensor::new(std::ptr::null_mut(), 0)),
         elements: 0,
         dtype: DataType::U8,
         op: ReduceOp::Sum,
@@ -952,4 +1092,136 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
         deliver: None,
     });
     assert!(matches!(refused, Err(crate::Error::Failed { .. })));
+}
+
+/// The design the gate replaced ([`Design::WaitOnStreams`]) hangs where the
+/// shipped one does not, in both ways the simulated device shows:
+///
+/// - seed 357 (a 2x1 job whose rank 0 is killed): rank 1 fails, and its drain
+///   waits for an engine copy that waits for the start of an operation its
+///   caller submitted behind a wait for an earlier one, which only the drain's
+///   end would release;
+/// - seed 13: the caller waits on the device for a host operation that
+///   finished before the device side existed, whose word is never set.
+#[test]
+fn the_design_before_the_gate_hangs_where_the_gate_does_not() {
+    let drained = run(357, Design::WaitOnStreams).unwrap_err();
+    assert!(
+        drained.contains("draining its streams waits forever") && drained.contains("WaitFor"),
+        "{drained}"
+    );
+    let waited = run(13, Design::WaitOnStreams).unwrap_err();
+    assert!(
+        waited.contains("a stream waits forever") && waited.contains("WaitWord"),
+        "{waited}"
+    );
+    for seed in [357, 13] {
+        let outcome = run(seed, Design::GateOnHost).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        assert!(outcome.device > 0, "seed {seed} runs device operations");
+    }
+}
+
+/// The stall timer runs from an operation's start on the caller's stream:
+/// a rank whose caller's stream takes longer than the timeout to reach the
+/// start does not fail, and its operation then completes exactly. Under the
+/// design before the gate its engine issued the operation's copies at once,
+/// and they waited on its stream past the timeout: the stall timer fired.
+#[test]
+fn time_before_an_operation_starts_is_the_callers() {
+    let timeout = Duration::from_millis(40);
+    let outcome = |design| -> Result<Vec<i64>, String> {
+        let topology = Topology::new(2, 1, RankLayout::Contiguous).map_err(|e| e.to_string())?;
+        let geometry = Geometry::new(
+            topology,
+            PlanConfig::new(4096, 64).map_err(|e| e.to_string())?,
+        )
+        .map_err(|e| e.to_string())?;
+        let layout = StagingLayout::new(&geometry, 2).ok_or("layout")?;
+        let net = Network::new(2);
+        let engines = build_job(
+            &geometry,
+            &layout,
+            2,
+            &net,
+            DirectSettings::from(None),
+            design,
+            timeout,
+            |_, step| Box::new(step),
+        )?;
+        let mut tensors = [vec![0u64; 1000], vec![0u64; 1000]];
+        let mut inputs = [vec![3u64; 1000], vec![4u64; 1000]];
+        let pump = |engines: &[Engine<SimFabric, SimMemory>]| {
+            for e in engines {
+                e.try_drive();
+            }
+            let mut net = net
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for (a, b) in net.busy_links() {
+                net.deliver(a, b);
+            }
+        };
+        let submit = |r: usize, tensor: &mut [u64], input: &mut [u64]| {
+            let e = &engines[r];
+            assert!(e.works.try_take(0));
+            let descriptor = Descriptor {
+                collective: Collective::AllReduce,
+                dtype: DataType::I64,
+                op: ReduceOp::Sum,
+                algorithm: Resolved::Hierarchical,
+                wire: WireFormat::Exact,
+                memory: MemoryKind::Device,
+                root: 0,
+                elements: 1000,
+            };
+            let tensor = e
+                .memory
+                .submit_device(bytemuck_bytes(tensor), bytemuck_bytes(input));
+            e.submit(Submission {
+                seq: 0,
+                tensor,
+                elements: 1000,
+                dtype: DataType::I64,
+                op: ReduceOp::Sum,
+                algorithm: Resolved::Hierarchical,
+                wire: WireFormat::Exact,
+                descriptor,
+                deliver: None,
+            })
+            .map_err(|e| e.to_string())
+        };
+        let [t0, t1] = &mut tensors;
+        let [i0, i1] = &mut inputs;
+        // Rank 0's caller's stream is busy for three timeouts before it
+        // reaches the start; rank 1 has not called yet.
+        submit(0, t0, i0)?;
+        let begun = std::time::Instant::now();
+        while begun.elapsed() < 3 * timeout {
+            pump(&engines);
+            if let Some(e) = engines[0].failure() {
+                return Err(e.to_string());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        submit(1, t1, i1)?;
+        for _ in 0..100_000 {
+            if engines.iter().all(|e| e.works.state(0) == Some(DONE)) {
+                return Ok(tensors.iter().map(|t| t[999] as i64).collect());
+            }
+            for e in &engines {
+                e.memory.gpu().run_any(|_| 0);
+            }
+            pump(&engines);
+            if let Some(e) = engines.iter().find_map(|e| e.failure()) {
+                return Err(e.to_string());
+            }
+        }
+        Err("not done".into())
+    };
+    assert_eq!(outcome(Design::GateOnHost), Ok(vec![7, 7]));
+    let before = outcome(Design::WaitOnStreams).unwrap_err();
+    assert!(
+        before.contains("timed out") || before.contains("stall"),
+        "{before}"
+    );
 }
