@@ -707,6 +707,103 @@ fn enqueue_wait_after_a_host_barrier_returns() {
     }
 }
 
+/// A communicator dropped while a caller's stream has yet to reach a wait for
+/// one of its operations: the stream still goes on past the wait once it gets
+/// there (the words it reads stay allocated, and were raised past every
+/// value). The stream is held first by a word of the test's own.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_stream_waiting_on_a_dropped_communicator_goes_on() {
+    let test = "a_stream_waiting_on_a_dropped_communicator_goes_on";
+    let Some(comm) = rank_of_job(test) else {
+        let job = ProcessJob::start(test, 1, 1, &[]);
+        job.finish(&[0], JOB_LIMIT);
+        return;
+    };
+    let device = device();
+    let stream = Stream::new(&device, false).unwrap();
+    let hold = fairring::cuda::HostFlags::new(&device, 1).unwrap();
+    hold.enqueue_wait(&stream, 0, 1).unwrap();
+    let buf = DeviceBuffer::zeroed(&device, 4096).unwrap();
+    // SAFETY: `buf` outlives the stream's use of it: the test synchronises
+    // the stream before it returns.
+    let w = unsafe {
+        comm.all_reduce_device_raw(
+            buf.raw(),
+            1024,
+            DataType::F32,
+            ReduceOp::Sum,
+            stream.raw(),
+            None,
+        )
+        .unwrap()
+    };
+    w.enqueue_wait(&stream).unwrap();
+    // The operation cannot start (its start is behind `hold`): abort it, and
+    // drop the communicator with the stream's wait still ahead of it.
+    comm.abort();
+    assert!(w.wait_timeout(Duration::from_secs(10)).is_err());
+    std::mem::forget(w);
+    drop(comm);
+    hold.set(0, 1).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let raw = stream.raw() as usize;
+    let side = Arc::clone(&device);
+    std::thread::spawn(move || {
+        // SAFETY: the test's stream, alive until the test returns.
+        let view = unsafe { Stream::from_raw(&side, raw as _) };
+        let _ = tx.send(view.synchronize());
+    });
+    match rx.recv_timeout(Duration::from_secs(10)) {
+        Ok(Ok(())) => {}
+        other => panic!("the stream does not go on: {other:?}"),
+    }
+}
+
+/// A device broadcast or all-gather refused (here: the communicator was
+/// aborted) leaves its output as it was: nothing was enqueued for it.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_refused_device_call_leaves_its_output_unchanged() {
+    let test = "a_refused_device_call_leaves_its_output_unchanged";
+    let Some(comm) = rank_of_job(test) else {
+        let job = ProcessJob::start(test, 2, 1, &[]);
+        job.finish(&[0, 1], JOB_LIMIT);
+        return;
+    };
+    let device = device();
+    let stream = Stream::new(&device, false).unwrap();
+    let n = 1024;
+    let world = comm.world_size() as usize;
+    let mut output = DeviceBuffer::zeroed(&device, n * 4 * world).unwrap();
+    let ones = encode(DataType::F32, std::iter::repeat_n(1, n * world));
+    upload(&stream, &mut output, 0, &ones);
+    let input = DeviceBuffer::zeroed(&device, n * 4).unwrap();
+    comm.abort();
+    let root = (comm.rank() + 1) % comm.world_size();
+    // SAFETY: the buffer outlives the call, which is refused.
+    let broadcast = unsafe {
+        comm.broadcast_device_raw(output.raw(), n as u64, DataType::F32, root, stream.raw())
+            .map(drop)
+    };
+    // SAFETY: as above, for both buffers.
+    let gather = unsafe {
+        comm.all_gather_device_raw(
+            input.raw(),
+            output.raw(),
+            n as u64,
+            DataType::F32,
+            stream.raw(),
+        )
+        .map(drop)
+    };
+    let refused = [broadcast, gather];
+    for r in refused {
+        assert!(matches!(r, Err(Error::Failed { .. })), "{r:?}");
+    }
+    assert_eq!(download(&stream, &output, 0, ones.len()), ones);
+}
+
 /// After warm-up, a device all-reduce allocates nothing on the host, on any
 /// thread of any rank (progress thread and fabric I/O included), for each
 /// algorithm and for one slice and many.

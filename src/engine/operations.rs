@@ -270,3 +270,62 @@ impl<M: MemorySpace> Operations<M> {
             .filter_map(|r| r.take().map(|rec| rec.sub.seq))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use fairring_core::plan::PlanConfig;
+    use fairring_core::topology::{RankLayout, Topology};
+    use fairring_core::{DataType, ReduceOp, WireFormat};
+
+    use super::*;
+    use crate::engine::descriptor::{Collective, Descriptor};
+    use crate::memory::{Host, HostTensor, MemoryKind};
+
+    /// A running delivery counts until it is taken, so the progress thread
+    /// naps as for a fence meanwhile (no doorbell rings when it passes).
+    #[test]
+    fn a_running_delivery_counts_until_taken() {
+        let topology = Topology::new(1, 1, RankLayout::Contiguous).unwrap();
+        let geometry = Geometry::new(topology, PlanConfig::new(4096, 64).unwrap()).unwrap();
+        let mut ops: Operations<Host> = Operations::new();
+        let descriptor = Descriptor {
+            collective: Collective::AllReduce,
+            dtype: DataType::F32,
+            op: ReduceOp::Sum,
+            algorithm: Resolved::Hierarchical,
+            wire: WireFormat::Exact,
+            memory: MemoryKind::Host,
+            root: 0,
+            elements: 16,
+        };
+        let sub = |seq| Submission {
+            seq,
+            tensor: HostTensor::new(std::ptr::null_mut(), 0),
+            elements: 16,
+            dtype: DataType::F32,
+            op: ReduceOp::Sum,
+            algorithm: Resolved::Hierarchical,
+            wire: WireFormat::Exact,
+            descriptor,
+            deliver: None,
+        };
+        ops.accept(sub(0), &geometry).unwrap();
+        ops.accept(sub(1), &geometry).unwrap();
+        assert!(!ops.delivering());
+        ops.hold_delivery(0, ());
+        ops.hold_delivery(0, ());
+        ops.hold_delivery(1, ());
+        assert!(ops.delivering());
+        assert!(ops.take_delivery(0).is_some());
+        assert!(ops.take_delivery(0).is_none());
+        assert!(ops.delivering(), "operation 1's still runs");
+        assert!(ops.take_delivery(1).is_some());
+        assert!(!ops.delivering());
+        ops.hold_delivery(1, ());
+        assert_eq!(ops.drain().count(), 2);
+        assert!(!ops.delivering(), "a failed engine holds none");
+        // No open operation: nothing is held.
+        ops.hold_delivery(7, ());
+        assert!(!ops.delivering());
+    }
+}
