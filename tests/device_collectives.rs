@@ -477,6 +477,40 @@ fn a_rank_passing_host_memory_where_another_passes_device_memory_is_a_mismatch()
     }
 }
 
+/// The launcher's side of a killed-rank test: a 3x1 job with a 2 s timeout;
+/// once every rank says READY rank 2 is killed, each survivor must say
+/// FAILED naming rank 2 within twice the timeout, then `then` with a line
+/// containing `then_says`.
+fn kill_rank_2_of(test: &str, then: &str, then_says: &str) {
+    let timeout = Duration::from_secs(2);
+    let env = [
+        ("FAIRRING_ALGO", "hierarchical".to_owned()),
+        ("FAIRRING_TIMEOUT", "2".to_owned()),
+    ];
+    let mut job = ProcessJob::start(test, 3, 1, &env);
+    job.await_line(&[0, 1, 2], "READY", Duration::from_secs(60));
+    std::thread::sleep(Duration::from_millis(100));
+    let at = Instant::now();
+    job.kill(2);
+    let failed = job.await_line(&[0, 1], "FAILED", 2 * timeout + Duration::from_secs(3));
+    let took = at.elapsed();
+    for (rank, line) in failed.iter().enumerate() {
+        eprintln!("rank {rank} after {took:?}: {line}");
+        assert!(
+            line.contains("rank 2"),
+            "rank {rank} does not name rank 2: {line}"
+        );
+    }
+    for (rank, line) in job
+        .await_line(&[0, 1], then, Duration::from_secs(10))
+        .iter()
+        .enumerate()
+    {
+        assert!(line.contains(then_says), "rank {rank}: {line}");
+    }
+    job.finish(&[2], Duration::from_secs(60));
+}
+
 /// Kills rank 2 of a 3x1 job in the middle of its device all-reduces: each
 /// survivor's operation fails naming rank 2 within twice the timeout, every
 /// stream waiting for it is released, and later work is refused.
@@ -484,34 +518,8 @@ fn a_rank_passing_host_memory_where_another_passes_device_memory_is_a_mismatch()
 #[ignore = "needs a CUDA device"]
 fn a_killed_rank_fails_every_survivors_device_operation_naming_it() {
     let test = "a_killed_rank_fails_every_survivors_device_operation_naming_it";
-    let timeout = Duration::from_secs(2);
     let Some(comm) = rank_of_job(test) else {
-        let env = [
-            ("FAIRRING_ALGO", "hierarchical".to_owned()),
-            ("FAIRRING_TIMEOUT", "2".to_owned()),
-        ];
-        let mut job = ProcessJob::start(test, 3, 1, &env);
-        job.await_line(&[0, 1, 2], "READY", Duration::from_secs(60));
-        std::thread::sleep(Duration::from_millis(100));
-        let at = Instant::now();
-        job.kill(2);
-        let failed = job.await_line(&[0, 1], "FAILED", 2 * timeout + Duration::from_secs(3));
-        let took = at.elapsed();
-        for (rank, line) in failed.iter().enumerate() {
-            eprintln!("rank {rank} after {took:?}: {line}");
-            assert!(
-                line.contains("rank 2"),
-                "rank {rank} does not name rank 2: {line}"
-            );
-        }
-        for (rank, line) in job
-            .await_line(&[0, 1], "REFUSED", Duration::from_secs(10))
-            .iter()
-            .enumerate()
-        {
-            assert!(line.contains("failed earlier"), "rank {rank}: {line}");
-        }
-        job.finish(&[2], Duration::from_secs(60));
+        kill_rank_2_of(test, "REFUSED", "failed earlier");
         return;
     };
     let device = device();
@@ -568,31 +576,8 @@ fn a_killed_rank_fails_every_survivors_device_operation_naming_it() {
 #[ignore = "needs a CUDA device"]
 fn a_killed_rank_fails_survivors_whose_streams_wait_behind_operations() {
     let test = "a_killed_rank_fails_survivors_whose_streams_wait_behind_operations";
-    let timeout = Duration::from_secs(2);
     let Some(comm) = rank_of_job(test) else {
-        let env = [
-            ("FAIRRING_ALGO", "hierarchical".to_owned()),
-            ("FAIRRING_TIMEOUT", "2".to_owned()),
-        ];
-        let mut job = ProcessJob::start(test, 3, 1, &env);
-        job.await_line(&[0, 1, 2], "READY", Duration::from_secs(60));
-        std::thread::sleep(Duration::from_millis(100));
-        let at = Instant::now();
-        job.kill(2);
-        let failed = job.await_line(&[0, 1], "FAILED", 2 * timeout + Duration::from_secs(3));
-        let took = at.elapsed();
-        for (rank, line) in failed.iter().enumerate() {
-            eprintln!("rank {rank} after {took:?}: {line}");
-            assert!(line.contains("rank 2"), "rank {rank}: {line}");
-        }
-        for (rank, line) in job
-            .await_line(&[0, 1], "RELEASED", Duration::from_secs(10))
-            .iter()
-            .enumerate()
-        {
-            assert!(line.contains("stream"), "rank {rank}: {line}");
-        }
-        job.finish(&[2], Duration::from_secs(60));
+        kill_rank_2_of(test, "RELEASED", "stream");
         return;
     };
     let device = device();
