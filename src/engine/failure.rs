@@ -276,19 +276,75 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         // Nothing may write a caller's tensor once its operation is declared
         // finished, nor read one: dropping a tensor's registration waits until
-        // the fabric's writes from it are over.
-        self.memory.drain();
+        // the fabric's writes from it are over, and the operations wait for
+        // the steps still running in the memory space (device copies), which
+        // the driver polls (`settle_failure`) rather than waits for. Those
+        // steps wait for nothing but the copy engines: the engine issues no
+        // step of an operation before its caller's stream reached its start.
         self.lock_source_regions().clear();
+        let mut running = d.slices.take_fences();
+        running.extend(d.operations.take_deliveries());
+        let failing = d.failing.get_or_insert_with(Failing::default);
+        failing.running.extend(running);
         while let Some(sub) = self.submissions.pop() {
-            self.complete(sub.seq, FAILED);
+            failing.seqs.push(sub.seq);
         }
-        let open: Vec<u64> = d.operations.drain().collect();
-        for seq in open {
-            self.complete(seq, FAILED);
-        }
+        failing.seqs.extend(d.operations.drain());
         d.slices.clear();
         d.outbox.clear();
+        self.settle_failure(d);
         self.machine.doorbell().ring();
+    }
+
+    /// Completes, as failed, the operations of a failed engine whose running
+    /// steps have all ended; returns whether it completed any. Never blocks.
+    pub(super) fn settle_failure(&self, d: &mut Driver<M>) -> bool {
+        let mut late = Vec::new();
+        // A submission that raced with the failure.
+        while let Some(sub) = self.submissions.pop() {
+            late.push(sub.seq);
+        }
+        let Some(failing) = d.failing.as_mut() else {
+            return false;
+        };
+        failing.seqs.extend(late);
+        // A fence whose poll fails will not pass either: its device failed.
+        failing
+            .running
+            .retain(|fence| !self.memory.poll(fence).unwrap_or(true));
+        if !failing.running.is_empty() || failing.seqs.is_empty() {
+            return false;
+        }
+        for seq in std::mem::take(&mut failing.seqs) {
+            self.complete(seq, FAILED);
+        }
+        self.machine.doorbell().ring();
+        true
+    }
+}
+
+/// What a failed engine has yet to settle: operations declared failed once
+/// the steps still running in the memory space have ended.
+pub(crate) struct Failing<M: MemorySpace> {
+    /// Fences of the steps still running.
+    running: Vec<M::Fence>,
+    /// Operations to complete as failed then.
+    seqs: Vec<u64>,
+}
+
+impl<M: MemorySpace> Default for Failing<M> {
+    fn default() -> Failing<M> {
+        Failing {
+            running: Vec::new(),
+            seqs: Vec::new(),
+        }
+    }
+}
+
+impl<M: MemorySpace> Failing<M> {
+    /// Whether steps are still running.
+    pub(crate) fn awaits_fences(&self) -> bool {
+        !self.running.is_empty()
     }
 }
 

@@ -121,6 +121,8 @@ pub(crate) struct Driver<M: MemorySpace> {
     departures: Departures,
     scratch: Scratch,
     last_progress: Instant,
+    /// Once the engine failed: what it has yet to settle.
+    failing: Option<failure::Failing<M>>,
 }
 
 /// The engine of one communicator.
@@ -270,6 +272,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                     events: VecDeque::with_capacity(most),
                 },
                 last_progress: Instant::now(),
+                failing: None,
             }),
             links,
             memory: parts.memory,

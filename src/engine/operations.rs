@@ -119,6 +119,15 @@ impl<M: MemorySpace> Operations<M> {
         Some(fence)
     }
 
+    /// Takes every running delivery (the engine failed).
+    pub(crate) fn take_deliveries(&mut self) -> Vec<M::Fence> {
+        self.delivering = 0;
+        self.records
+            .iter_mut()
+            .filter_map(|r| r.as_mut().and_then(|rec| rec.delivering.take()))
+            .collect()
+    }
+
     /// Whether some finished operation waits for its checks.
     pub(crate) fn any_finished(&self) -> bool {
         self.finished_waiting > 0

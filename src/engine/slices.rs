@@ -155,6 +155,14 @@ impl<M: MemorySpace> Slices<M> {
         self.vacated
     }
 
+    /// Takes the fences of every step still running (the engine failed).
+    pub(crate) fn take_fences(&mut self) -> Vec<M::Fence> {
+        self.slots
+            .iter_mut()
+            .flat_map(|s| s.fences.drain(..).map(|(fence, _)| fence))
+            .collect()
+    }
+
     /// Forgets every slice (the engine failed).
     pub(crate) fn clear(&mut self) {
         for s in &mut self.slots {

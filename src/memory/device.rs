@@ -20,8 +20,9 @@
 //!   thread never waits, and the engine's streams never wait for a caller's:
 //!   they hold only copies, which end whatever the callers' streams wait for
 //!   (a caller's stream may wait for an operation the engine has yet to
-//!   complete, and a copy waiting behind it would make [`DeviceSide::drain`]
-//!   wait forever).
+//!   complete, and a copy waiting behind it would never end: a failing
+//!   engine, which declares its operations failed only once their copies have
+//!   ended, polling their fences, would never get there).
 //! - **End.** The host completes an operation once every copy into its tensor
 //!   has passed its event, and then sets the operation's word in `done` (pinned
 //!   host memory the device can read) to `seq + 1`. A caller's stream waits for
@@ -222,11 +223,11 @@ impl DeviceSide {
         }
     }
 
-    /// Waits for every copy enqueued so far (a failing engine, before it
-    /// declares its operations finished). The engine's streams hold only
-    /// copies, issued once their operation's start had passed, so this waits
-    /// for the copy engines alone, never for a caller's stream.
-    pub(crate) fn drain(&self) {
+    /// Waits for every copy enqueued so far (the device side drops). The
+    /// engine's streams hold only copies, issued once their operation's start
+    /// had passed, so this waits for the copy engines alone, never for a
+    /// caller's stream.
+    fn drain(&self) {
         for stream in self.streams.iter().chain([&self.deliver]) {
             if let Err(e) = stream.synchronize() {
                 log::error!("fairring: draining a device stream: {e}");
@@ -340,6 +341,9 @@ impl DeviceSide {
 
 impl Drop for DeviceSide {
     fn drop(&mut self) {
+        // No copy of the engine's writes a tensor once streams waiting for
+        // its operations go on.
+        self.drain();
         let Some(done) = self.done.take() else {
             return;
         };

@@ -164,8 +164,10 @@ pub(crate) trait MemorySpace: Send + Sync + 'static {
     /// Whether `tensor`'s operation may start on it: for a tensor ordered on a
     /// caller's stream, whether that stream has passed the operation's start.
     /// The engine starts no slice of an operation before, so no step it issues
-    /// ever waits for a caller's stream: its own streams then always drain,
-    /// whatever the callers' streams wait for (see [`drain`](MemorySpace::drain)).
+    /// ever waits for a caller's stream: every fence it holds passes, whatever
+    /// the callers' streams wait for, and a failing engine, which declares its
+    /// operations failed only once their fences have passed, always gets
+    /// there.
     fn started(&self, tensor: &Self::Tensor) -> Result<bool> {
         let _ = tensor;
         Ok(true)
@@ -175,14 +177,6 @@ pub(crate) trait MemorySpace: Send + Sync + 'static {
     /// tensors any more. A space whose callers' streams wait for completion
     /// releases them here.
     fn completed(&self, _seq: u64) {}
-
-    /// Waits for every step started on this memory to end: a failing engine
-    /// calls it before declaring its operations finished, so that nothing
-    /// writes a caller's tensor afterwards. Those steps wait for nothing but
-    /// each other ([`started`](MemorySpace::started) gates them), so this
-    /// returns once the copies already issued have run, whatever the callers'
-    /// streams wait for.
-    fn drain(&self) {}
 }
 
 /// Where a caller's tensor lives, as descriptors compare it.

@@ -281,11 +281,4 @@ impl MemorySpace for Placed {
         }
         let _ = seq;
     }
-
-    fn drain(&self) {
-        #[cfg(feature = "cuda")]
-        if let Some(side) = self.device.get() {
-            side.drain();
-        }
-    }
 }

@@ -95,7 +95,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
 
     fn drive_locked(&self, d: &mut Driver<M>) -> bool {
         if self.failure.failed() {
-            return false;
+            return self.settle_failure(d);
         }
         // What one pass posts to a peer (descriptors, credits, the data behind
         // them) leaves together when the pass ends.
@@ -185,7 +185,8 @@ impl<F: Fabric, M: MemorySpace> Driven for Engine<F, M> {
 
     fn idle(&self, seen: u32) {
         let (busy, fenced) = if self.failure.failed() {
-            (false, false)
+            let d = self.lock_driver();
+            (false, d.failing.as_ref().is_some_and(|f| f.awaits_fences()))
         } else {
             let d = self.lock_driver();
             (

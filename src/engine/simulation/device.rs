@@ -27,8 +27,9 @@
 //! caller waits only for an operation not yet finished. The other is the one
 //! it replaced, kept to show what the simulation finds in it: the engine's
 //! copies wait on the start event on the engine's streams, so a failing
-//! engine's [`drain`](MemorySpace::drain) can wait for a caller's stream that
-//! waits for an operation only the failing engine can release.
+//! engine, which declares its operations failed only once their copies have
+//! ended, can wait for a copy that waits for a caller's stream that waits for
+//! one of those operations: nothing settles.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -80,8 +81,6 @@ pub(super) struct Gpu {
     words: Vec<u64>,
     /// Whether the device side exists (made at the first device operation).
     made: bool,
-    /// What a drain found it would wait for forever.
-    hung: Option<String>,
 }
 
 impl Gpu {
@@ -147,18 +146,26 @@ impl Gpu {
     /// anything does.
     pub(super) fn run_out(&mut self) -> Option<String> {
         while self.run_any(|_| 0) {}
-        let stuck: Vec<String> = self
+        self.waiting()
+    }
+
+    /// What the first item of each stream that has one is, if any has.
+    pub(super) fn waiting(&self) -> Option<String> {
+        let caller = self.caller();
+        let waits: Vec<String> = self
             .streams
             .iter()
             .enumerate()
-            .filter_map(|(i, s)| s.items.front().map(|item| format!("stream {i}: {item:?}")))
+            .filter_map(|(i, s)| {
+                let name = if i == caller {
+                    "the caller's stream".to_owned()
+                } else {
+                    format!("engine stream {i}")
+                };
+                s.items.front().map(|item| format!("{name}: {item:?}"))
+            })
             .collect();
-        (!stuck.is_empty()).then(|| stuck.join(", "))
-    }
-
-    /// What a drain found, once.
-    pub(super) fn take_hang(&mut self) -> Option<String> {
-        self.hung.take()
+        (!waits.is_empty()).then(|| waits.join(", "))
     }
 }
 
@@ -220,7 +227,6 @@ impl SimMemory {
                 streams,
                 words: vec![0; WORK_CAPACITY],
                 made: false,
-                hung: None,
             }))),
         }
     }
@@ -482,38 +488,6 @@ impl MemorySpace for SimMemory {
         if gpu.made {
             let word = &mut gpu.words[slot_of(seq)];
             *word = (*word).max(seq + 1);
-        }
-    }
-
-    /// As `cuStreamSynchronize` on every engine stream: the GPU runs every
-    /// stream (the callers' too) until the engine's are empty. Where that
-    /// never happens, a real drain would wait forever: the hang is recorded
-    /// for the simulation to report, and the drain returns.
-    fn drain(&self) {
-        let mut gpu = self.gpu();
-        let engine = gpu.caller();
-        loop {
-            if gpu.streams[..engine].iter().all(|s| s.items.is_empty()) {
-                return;
-            }
-            if !gpu.run_any(|_| 0) {
-                let waits: Vec<String> = gpu.streams[..engine]
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, s)| {
-                        s.items
-                            .front()
-                            .map(|item| format!("engine stream {i}: {item:?}"))
-                    })
-                    .collect();
-                let caller = gpu.streams[engine].items.front().copied();
-                gpu.hung = Some(format!(
-                    "draining its streams waits forever: {}; the caller's stream waits at \
-                     {caller:?}",
-                    waits.join(", ")
-                ));
-                return;
-            }
         }
     }
 }
