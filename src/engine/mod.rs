@@ -97,7 +97,6 @@ use work::{Submission, WORK_CAPACITY, WorkTable};
 use crate::error::{Error, Result};
 use crate::local::{LocalStep, Machine};
 use crate::memory::MemorySpace;
-use crate::sync::{Ordering, fence};
 
 /// Completions taken per poll.
 const POLL_BATCH: usize = 256;
@@ -359,9 +358,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// stream waits on a word that is never set (an operation that finished
     /// before the device side existed, as a host barrier).
     fn complete(&self, seq: u64, state: u32) {
-        let finished = self.works.finish(seq, state);
-        fence(Ordering::SeqCst);
-        self.memory.completed(seq);
+        let finished = self
+            .works
+            .finish_then_release(seq, state, || self.memory.completed(seq));
         if finished {
             self.parking.finished();
         }
@@ -372,8 +371,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// words exist before asking (see [`complete`](Engine::complete)).
     #[cfg(any(feature = "cuda", all(test, not(loom))))]
     pub(crate) fn awaits_on_device(&self, seq: u64) -> bool {
-        fence(Ordering::SeqCst);
-        self.works.state(seq) == Some(work::PENDING)
+        self.works.pending_for_a_wait(seq)
     }
 
     fn lock_driver(&self) -> MutexGuard<'_, Driver<M>> {

@@ -11,7 +11,7 @@ use fairring_core::{DataType, ReduceOp};
 use super::algorithm::Resolved;
 use super::descriptor::Descriptor;
 use crate::memory::MemorySpace;
-use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use crate::sync::{AtomicU32, AtomicU64, Ordering, fence};
 
 /// Most operations outstanding at once: one per entry of a rank's operation table
 /// in the machine's segment.
@@ -108,11 +108,83 @@ impl WorkTable {
                 .is_ok()
     }
 
+    /// Marks `seq` finished (as [`finish`](WorkTable::finish)), then calls
+    /// `release`, which releases the streams waiting on the device for `seq`
+    /// where the words they wait on exist. Returns whether it was pending.
+    ///
+    /// Paired with [`pending_for_a_wait`](WorkTable::pending_for_a_wait):
+    /// the state is published, then a `SeqCst` fence, then `release` looks
+    /// for the words; a caller makes the words exist, then a `SeqCst` fence,
+    /// then reads the state. So either `release` finds the words or the
+    /// caller finds `seq` finished: no stream waits on a word never set.
+    pub(crate) fn finish_then_release(&self, seq: u64, state: u32, release: impl FnOnce()) -> bool {
+        let finished = self.finish(seq, state);
+        fence(Ordering::SeqCst);
+        release();
+        finished
+    }
+
+    /// Whether a stream must wait on the device for `seq` (it has not
+    /// finished), asked once the words streams wait on exist (see
+    /// [`finish_then_release`](WorkTable::finish_then_release)).
+    #[cfg(any(feature = "cuda", test))]
+    pub(crate) fn pending_for_a_wait(&self, seq: u64) -> bool {
+        fence(Ordering::SeqCst);
+        self.state(seq) == Some(PENDING)
+    }
+
     /// Gives back the entry of a finished `seq`.
     pub(crate) fn give_back(&self, seq: u64) {
         let e = self.entry(seq);
         let _ = e
             .occupant
             .compare_exchange(seq + 1, 0, Ordering::AcqRel, Ordering::Relaxed);
+    }
+}
+
+/// A loom model of the handshake between a completion and a caller's wait on
+/// the device: the shipped `finish_then_release` and `pending_for_a_wait`,
+/// with the device side's existence and its word as loom atomics (the
+/// `OnceLock` that holds the device side publishes with release and is read
+/// with acquire, as here).
+///
+/// Run: `RUSTFLAGS="--cfg loom" cargo test -p fairring --lib --release loom_models`
+#[cfg(all(test, loom))]
+mod loom_models {
+    use loom::sync::Arc;
+    use loom::sync::atomic::AtomicBool;
+    use loom::thread;
+
+    use super::*;
+
+    #[test]
+    fn no_stream_waits_on_a_word_never_set() {
+        loom::model(|| {
+            let table = Arc::new(WorkTable::new());
+            let exists = Arc::new(AtomicBool::new(false));
+            let word = Arc::new(AtomicU64::new(0));
+            assert!(table.try_take(0));
+            let completion = {
+                let (table, exists, word) = (table.clone(), exists.clone(), word.clone());
+                thread::spawn(move || {
+                    table.finish_then_release(0, DONE, || {
+                        if exists.load(Ordering::Acquire) {
+                            word.store(1, Ordering::Release);
+                        }
+                    });
+                })
+            };
+            // The caller makes the device side (its words), then asks.
+            exists.store(true, Ordering::Release);
+            let waits = table.pending_for_a_wait(0);
+            completion.join().unwrap();
+            if waits {
+                assert_eq!(
+                    word.load(Ordering::Acquire),
+                    1,
+                    "a wait on a word never set"
+                );
+            }
+        });
     }
 }
