@@ -48,7 +48,9 @@
 //!   GPU layer will also implement (with NCCL), over a memory-space trait that
 //!   the engine is generic over: host memory, and with the `cuda` feature device
 //!   memory too (every collective on GPU tensors, ordered on the caller's CUDA
-//!   stream; one rank per machine for now);
+//!   stream; with several ranks per machine, staged through the machine's
+//!   shared segment, since the GPUs' own collectives do not take that step
+//!   yet);
 //! - **on any fabric**: tcp, or verbs where an RDMA device is present and the
 //!   `verbs` feature is built (`FAIRRING_FABRIC`);
 //! - **with dedicated servers** if asked (`FAIRRING_SERVERS`, Herring's design):

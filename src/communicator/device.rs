@@ -21,13 +21,14 @@
 //! host waiting, and only once the call has passed every check ([`Prelude`]):
 //! a refused call changes nothing. A reduce-scatter delivers its share device to device.
 //!
-//! The data path is the engine's hierarchical algorithm (or the ring) with the
-//! staging buffers in page-locked host memory, where the tcp fabric reads and
-//! writes them: each slice is copied from the tensor to its staging buffer and
-//! the result back, asynchronously, and the reduction runs on the host where
-//! the bytes land. Device tensors take one rank per machine; with several, the
-//! GPUs of a machine would reduce among themselves through NCCL, which the
-//! engine does not drive yet.
+//! The data path is the engine's algorithms with the staging buffers in
+//! page-locked host memory, where the tcp fabric reads and writes them: each
+//! slice is copied from the tensor to its staging buffer and the result back,
+//! asynchronously, and the reduction runs on the host where the bytes land.
+//! With several ranks per machine, the machine's reduce-scatter and all-gather
+//! run through its shared segment as for host tensors, each rank staging its
+//! slice in by copies and the final slots out (`local::staged`); the GPUs'
+//! own collectives (NCCL) do not take that step yet.
 
 use fairring_core::{DataType, ReduceOp};
 use fairring_cuda::{DeviceSlice, DeviceSliceMut, Stream, device_of_pointer, sys};
@@ -120,9 +121,10 @@ impl Communicator {
     /// [`Work::enqueue_wait`] makes a stream wait for its result on the
     /// device. `algorithm` overrides the communicator's.
     ///
-    /// Device tensors take one rank per machine; the staging buffers are in
-    /// page-locked host memory, where the tcp fabric reads and writes them,
-    /// and the reduction runs there. A stream waiting for an operation blocks
+    /// The staging buffers are in page-locked host memory, where the tcp
+    /// fabric reads and writes them, and the reduction runs there (with
+    /// several ranks per machine, the machine's reduction too, in its shared
+    /// segment). A stream waiting for an operation blocks
     /// synchronising driver calls of its process (`cudaFree`,
     /// `cudaDeviceSynchronize`) until the operation finishes: as with NCCL,
     /// a thread must not make such a call while an operation it has yet to
@@ -355,21 +357,8 @@ impl Communicator {
         })
     }
 
-    /// The device side on GPU `ordinal`, made at the first device operation;
-    /// refused for jobs with several ranks per machine.
+    /// The device side on GPU `ordinal`, made at the first device operation.
     pub(super) fn device_side(&self, ordinal: u32) -> Result<&DeviceSide> {
-        let d = self.topology.devices_per_machine();
-        if d > 1 {
-            return Err(Error::invalid(
-                "data",
-                format!(
-                    "device tensors take one rank per machine, and this job has {d} on each: \
-                     the GPUs of a machine would reduce among themselves through NCCL, which \
-                     the engine does not drive yet (ranks sharing a machine can run as \
-                     machines of their own: a distinct FAIRRING_HOST_ID each)"
-                ),
-            ));
-        }
         self.engine.memory.device_on(ordinal)
     }
 }

@@ -71,6 +71,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                     format!("{event:?} for buffer {b}"),
                 )
             })?;
+            if event == SliceEvent::LocalAllGatherDone {
+                self.local.gathered(b, active.number)?;
+            }
             let ActiveSlice {
                 number,
                 generation,

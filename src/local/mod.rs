@@ -26,6 +26,8 @@ mod placed;
 pub(crate) mod protocol;
 mod shm;
 mod solo;
+#[cfg(any(feature = "cuda", all(test, not(loom))))]
+mod staged;
 
 use fairring_core::plan::Slice;
 use fairring_core::{DataType, ReduceOp};
@@ -35,6 +37,8 @@ pub(crate) use pieces::RailPieces;
 pub(crate) use placed::PlacedStep;
 pub(crate) use shm::ShmStep;
 pub(crate) use solo::Solo;
+#[cfg(any(feature = "cuda", all(test, not(loom))))]
+pub(crate) use staged::Waiting;
 
 use crate::error::Result;
 use crate::memory::MemorySpace;
@@ -104,4 +108,19 @@ pub(crate) trait LocalStep<M: MemorySpace>: Send + Sync {
     /// buffer `buffer`, at the first step some rank has not finished: what a
     /// stalled slice waits for.
     fn laggards(&self, buffer: u32, number: u64) -> Vec<u32>;
+
+    /// The fence [`try_all_gather`](LocalStep::try_all_gather) returned for
+    /// slice `number` in `buffer` has passed: a step whose all-gather reads
+    /// the other ranks' buffers with copies that end later announces it is
+    /// done with the buffer now.
+    fn gathered(&self, buffer: u32, number: u64) -> Result<()> {
+        let _ = (buffer, number);
+        Ok(())
+    }
+
+    /// Whether an announcement waits for copies to end: nothing rings the
+    /// doorbell when they do, so the progress thread naps short.
+    fn awaits_fences(&self) -> bool {
+        false
+    }
 }

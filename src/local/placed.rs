@@ -1,22 +1,21 @@
 //! The local step of a communicator whose operations take host or device
 //! tensors: host tensors run [`ShmStep`] as they always do; device tensors
 //! (the `cuda` feature) run the same counter protocol with copies between the
-//! tensor and the staging buffers on the GPU's streams.
-//!
-//! A device tensor's local step is built for one rank per machine (`D = 1`):
-//! its reduce-scatter copies the tensor's slice into the staging buffer, from
-//! which the fabric sends it, and its all-gather copies the landed result back.
-//! With several ranks per machine the intra-machine step needs the GPUs'
-//! collectives (NCCL); the communicator refuses such operations before they
-//! start (see `Communicator::submit`).
+//! tensor and the staging buffers on the GPU's streams: alone on its machine
+//! (`D = 1`), a rank's reduce-scatter copies the tensor's slot into the
+//! staging buffer and its all-gather the landed result back (`alone`); with
+//! several ranks per machine, the machine's reduction runs on the host in the
+//! shared segment, staged in and out by copies (`staged`).
 
+#[cfg(feature = "cuda")]
+use super::Waiting;
 use super::shm::ShmStep;
 use super::{LocalSlice, LocalStep};
 #[cfg(feature = "cuda")]
 use crate::error::Error;
 use crate::error::Result;
 #[cfg(feature = "cuda")]
-use crate::memory::DeviceCell;
+use crate::memory::{DeviceCell, DeviceFence};
 use crate::memory::{Host, Placed, PlacedFence, PlacedTensor};
 
 /// [`ShmStep`] for host tensors, and its device form for device tensors.
@@ -24,6 +23,9 @@ pub(crate) struct PlacedStep {
     shm: ShmStep,
     #[cfg(feature = "cuda")]
     device: DeviceCell,
+    /// Announcements of the staged step waiting for their copies.
+    #[cfg(feature = "cuda")]
+    waiting: Waiting<DeviceFence>,
 }
 
 impl PlacedStep {
@@ -32,6 +34,8 @@ impl PlacedStep {
         #[cfg(not(feature = "cuda"))]
         let _ = memory;
         PlacedStep {
+            #[cfg(feature = "cuda")]
+            waiting: Waiting::new(memory.buffers()),
             shm,
             #[cfg(feature = "cuda")]
             device: memory.device_cell(),
@@ -64,6 +68,19 @@ impl LocalStep<Placed> for PlacedStep {
         match s.tensor {
             PlacedTensor::Host(t) => self.shm.begin(&host(s, t)),
             #[cfg(feature = "cuda")]
+            PlacedTensor::Device(t) if self.staged() => {
+                self.shm
+                    .begin_staged(s, &self.waiting, |in_tensor, staging| {
+                        // SAFETY: the staging bytes are this rank's own, page-locked,
+                        // and untouched until the copy's fence passes (the step
+                        // announces them staged only then).
+                        unsafe {
+                            self.side()?
+                                .copy_to_staging(s.buffer, staging, t, in_tensor)
+                        }
+                    })
+            }
+            #[cfg(feature = "cuda")]
             PlacedTensor::Device(_) => self.shm.begin_alone(s.buffer, s.number, "stage-in"),
         }
     }
@@ -78,6 +95,25 @@ impl LocalStep<Placed> for PlacedStep {
                 .shm
                 .try_reduce_scatter(&host(s, t), final_world)?
                 .map(|()| PlacedFence::Passed)),
+            #[cfg(feature = "cuda")]
+            PlacedTensor::Device(t) if self.staged() => {
+                let ran = self.shm.try_reduce_scatter_staged(
+                    s,
+                    final_world,
+                    &self.waiting,
+                    |f| self.side()?.poll(f),
+                    |staging, in_tensor| {
+                        // SAFETY: page-locked staging bytes of this rank's own
+                        // slot, which nothing writes until the fence passes
+                        // (the engine waits for it before the next step).
+                        unsafe {
+                            self.side()?
+                                .copy_from_staging(s.buffer, staging, t, in_tensor)
+                        }
+                    },
+                )?;
+                Ok(ran.map(|f| f.map_or(PlacedFence::Passed, PlacedFence::Device)))
+            }
             #[cfg(feature = "cuda")]
             PlacedTensor::Device(t) => {
                 let ran = self.shm.try_reduce_scatter_alone(
@@ -117,6 +153,25 @@ impl LocalStep<Placed> for PlacedStep {
                 .try_all_gather(&host(s, t), own_in_tensor)?
                 .map(|()| PlacedFence::Passed)),
             #[cfg(feature = "cuda")]
+            PlacedTensor::Device(t) if self.staged() => {
+                let ran = self.shm.try_all_gather_staged(
+                    s,
+                    own_in_tensor,
+                    &self.waiting,
+                    |staging, in_tensor| {
+                        // SAFETY: a final slot of a local rank's buffer,
+                        // page-locked (the device side registered every local
+                        // rank's buffers); its owner does not reuse it before
+                        // this rank announces `Done`, after the copy's fence.
+                        unsafe {
+                            self.side()?
+                                .copy_from_staging(s.buffer, staging, t, in_tensor)
+                        }
+                    },
+                )?;
+                Ok(ran.map(|f| f.map_or(PlacedFence::Passed, PlacedFence::Device)))
+            }
+            #[cfg(feature = "cuda")]
             PlacedTensor::Device(t) => {
                 let ran = self.shm.try_all_gather_alone(
                     s.buffer,
@@ -144,10 +199,26 @@ impl LocalStep<Placed> for PlacedStep {
     fn laggards(&self, buffer: u32, number: u64) -> Vec<u32> {
         LocalStep::<Host>::laggards(&self.shm, buffer, number)
     }
+
+    #[cfg(feature = "cuda")]
+    fn gathered(&self, buffer: u32, _number: u64) -> Result<()> {
+        self.shm.gathered(&self.waiting, buffer)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn awaits_fences(&self) -> bool {
+        self.waiting.any()
+    }
 }
 
 #[cfg(feature = "cuda")]
 impl PlacedStep {
+    /// Whether device tensors take the staged step (several ranks on this
+    /// machine) or the lone one.
+    fn staged(&self) -> bool {
+        self.shm.size > 1
+    }
+
     fn side(&self) -> Result<&crate::memory::DeviceSide> {
         self.device.get().ok_or_else(|| {
             Error::internal(

@@ -121,8 +121,35 @@ impl Protocol {
         Ok(true)
     }
 
+    /// All-gather whose reads end later (copies a GPU makes from the other
+    /// ranks' buffers): once every rank's slot is final, `gather` starts them;
+    /// the rank announces `Done` with [`finish`](Protocol::finish) once they
+    /// have ended. Returns whether it ran.
+    #[cfg(any(feature = "cuda", all(test, not(loom))))]
+    pub(crate) fn try_all_gather_started<E>(
+        &self,
+        c: &impl Counters,
+        buffer: u32,
+        slice: u64,
+        gather: impl FnOnce() -> Result<(), E>,
+    ) -> Result<bool, E> {
+        if !self.all_reached(c, buffer, slice + 1, Counter::SlotFinal) {
+            return Ok(false);
+        }
+        gather()?;
+        Ok(true)
+    }
+
+    /// Announces that this rank's input of the slice is staged, once the
+    /// copies that stage it have ended (a GPU's): the second half of
+    /// [`stage_in`](Protocol::stage_in).
+    #[cfg(any(feature = "cuda", all(test, not(loom))))]
+    pub(crate) fn staged_in(&self, c: &impl Counters, buffer: u32, slice: u64) {
+        self.publish(c, buffer, slice, Counter::InputReady);
+    }
+
     /// Announces `Done` without an all-gather (an algorithm that does not use the
-    /// local step).
+    /// local step), or once an all-gather's reads have ended.
     pub(crate) fn finish(&self, c: &impl Counters, buffer: u32, slice: u64) {
         self.publish(c, buffer, slice, Counter::Done);
     }

@@ -79,7 +79,7 @@ impl ShmStep {
     /// By the protocol no rank writes these bytes while the caller reads them (the
     /// caller has seen, with acquire, the counter that the owner published after
     /// its last write).
-    fn peer_bytes(&self, rank: u32, buffer: u32, range: Range<usize>) -> Result<&[u8]> {
+    pub(super) fn peer_bytes(&self, rank: u32, buffer: u32, range: Range<usize>) -> Result<&[u8]> {
         self.check(range.clone())?;
         let start = self.segment.buffer(rank, buffer).as_ptr();
         // SAFETY: in bounds (checked); no concurrent writer (above).
@@ -124,8 +124,8 @@ pub(super) fn slot_range(slice: &Slice, device: u32) -> Result<Range<usize>> {
 /// run as it lies in the tensor (from the slice's start) and in the staging
 /// buffer: the slot itself, at the same place in both, or a reduce-scatter's
 /// pieces of that device ([`RailPieces`](super::RailPieces)).
-fn for_each_run(
-    s: &LocalSlice<'_, Host>,
+pub(super) fn for_each_run<M: crate::memory::MemorySpace>(
+    s: &LocalSlice<'_, M>,
     device: u32,
     mut each: impl FnMut(Range<usize>, Range<usize>) -> Result<()>,
 ) -> Result<()> {

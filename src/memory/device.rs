@@ -123,8 +123,10 @@ pub(crate) struct DeviceSide {
 }
 
 impl DeviceSide {
-    /// A device side on device `ordinal` for `buffers` staging buffers at
-    /// `staging` (this rank's registered host memory).
+    /// A device side on device `ordinal` for `buffers` staging buffers per
+    /// rank, in `staging`: every local rank's staging buffers (this rank's
+    /// and, for the all-gather of several ranks per machine, the others'),
+    /// which it page-locks.
     pub(crate) fn new(
         ordinal: u32,
         buffers: u32,
@@ -151,7 +153,7 @@ impl DeviceSide {
             .map(|_| Event::new(&device, Timing::Disabled))
             .collect::<fairring_cuda::Result<Vec<_>>>()
             .map_err(cuda)?;
-        // SAFETY: the staging memory is this rank's part of the machine's
+        // SAFETY: the staging memory is the staging buffers of the machine's
         // segment, mapped for as long as the communicator (which drops this
         // device side first) lives.
         let registration = unsafe { HostRegistration::new(&device, staging.0.as_ptr(), staging.1) }

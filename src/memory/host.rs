@@ -165,6 +165,13 @@ impl Host {
     pub(crate) fn buffers(&self) -> u32 {
         self.buffers
     }
+
+    /// Every local rank's staging buffers, back to back (first byte,
+    /// length): what a GPU's copies read the other ranks' results from.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn machine_staging(&self) -> (NonNull<u8>, usize) {
+        self.segment.buffers_region()
+    }
 }
 
 impl MemorySpace for Host {

@@ -59,6 +59,8 @@ use std::ptr::NonNull;
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
 #[cfg(feature = "cuda")]
+pub(crate) use device::DeviceFence;
+#[cfg(feature = "cuda")]
 pub(crate) use device::{DeviceSide, DeviceTensor, cuda as cuda_error};
 pub(crate) use host::{Host, HostTensor, reduce_into};
 #[cfg(feature = "cuda")]

@@ -65,6 +65,12 @@ impl Placed {
         }
     }
 
+    /// Staging buffers per rank.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn buffers(&self) -> u32 {
+        self.host.buffers()
+    }
+
     /// The device side, shared with the local step.
     #[cfg(feature = "cuda")]
     pub(crate) fn device_cell(&self) -> DeviceCell {
@@ -88,8 +94,11 @@ impl Placed {
                 match self.device.get() {
                     Some(side) => side,
                     None => {
-                        let side =
-                            DeviceSide::new(ordinal, self.host.buffers(), self.host.registered())?;
+                        let side = DeviceSide::new(
+                            ordinal,
+                            self.host.buffers(),
+                            self.host.machine_staging(),
+                        )?;
                         self.device.get_or_init(|| side)
                     }
                 }

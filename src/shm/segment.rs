@@ -323,6 +323,14 @@ impl Segment {
     }
 
     /// The first byte of staging buffer `buffer` of local rank `rank`.
+    /// Every rank's staging buffers, back to back: what a GPU's copies from
+    /// the other local ranks' buffers read (first byte, length).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn buffers_region(&self) -> (NonNull<u8>, usize) {
+        let len = self.ranks as usize * self.buffers as usize * self.buffer_bytes;
+        (self.buffer(0, 0), len)
+    }
+
     pub(crate) fn buffer(&self, rank: u32, buffer: u32) -> NonNull<u8> {
         assert!(
             rank < self.ranks && buffer < self.buffers,

@@ -191,7 +191,7 @@ impl<F: Fabric, M: MemorySpace> Driven for Engine<F, M> {
             let d = self.lock_driver();
             (
                 self.in_flight(&d),
-                d.slices.awaits_fences() || d.operations.delivering(),
+                d.slices.awaits_fences() || d.operations.delivering() || self.local.awaits_fences(),
             )
         };
         if fenced {

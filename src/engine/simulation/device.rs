@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use super::super::work::{WORK_CAPACITY, slot_of};
 use crate::error::{Error, Result};
-use crate::local::{LocalSlice, LocalStep, ShmStep};
+use crate::local::{LocalSlice, LocalStep, ShmStep, Waiting};
 use crate::memory::{Conversion, Host, HostTensor, MemorySpace, Reduction};
 
 /// How the engine meets the callers' streams (see the module docs).
@@ -499,6 +499,9 @@ impl MemorySpace for SimMemory {
 pub(super) struct SimStep {
     pub(super) shm: ShmStep,
     gpu: SimGpu,
+    /// Announcements of the staged step (several ranks per machine) waiting
+    /// for their copies.
+    waiting: Waiting<SimFence>,
 }
 
 impl SimStep {
@@ -506,7 +509,21 @@ impl SimStep {
         SimStep {
             shm,
             gpu: memory.gpu.clone(),
+            waiting: Waiting::new(memory.host.buffers()),
         }
+    }
+
+    /// Whether the machine's ranks reach their device tensors through the
+    /// staged step (several) or the lone one.
+    fn staged(&self) -> bool {
+        self.shm.size > 1
+    }
+
+    fn poll(&self, fence: &SimFence) -> Result<bool> {
+        Ok(match *fence {
+            SimFence::Passed => true,
+            SimFence::Device { stream, at } => self.gpu.lock().passed(stream, at),
+        })
     }
 }
 
@@ -535,6 +552,12 @@ impl LocalStep<SimMemory> for SimStep {
     fn begin(&self, s: &LocalSlice<'_, SimMemory>) -> Result<()> {
         match s.tensor {
             SimTensor::Host(t) => self.shm.begin(&host(s, t)),
+            SimTensor::Device(t) if self.staged() => {
+                self.shm
+                    .begin_staged(s, &self.waiting, |in_tensor, staging| {
+                        self.gpu.copy_to_staging(s.buffer, staging, t, in_tensor)
+                    })
+            }
             SimTensor::Device(_) => self.shm.begin_alone(s.buffer, s.number, "stage-in"),
         }
     }
@@ -549,6 +572,18 @@ impl LocalStep<SimMemory> for SimStep {
                 .shm
                 .try_reduce_scatter(&host(s, t), final_world)?
                 .map(|()| SimFence::Passed)),
+            SimTensor::Device(t) if self.staged() => {
+                let ran = self.shm.try_reduce_scatter_staged(
+                    s,
+                    final_world,
+                    &self.waiting,
+                    |f| self.poll(f),
+                    |staging, in_tensor| {
+                        self.gpu.copy_from_staging(s.buffer, staging, t, in_tensor)
+                    },
+                )?;
+                Ok(ran.map(fence))
+            }
             SimTensor::Device(t) => {
                 let ran = self.shm.try_reduce_scatter_alone(
                     s.buffer,
@@ -578,6 +613,17 @@ impl LocalStep<SimMemory> for SimStep {
                 .shm
                 .try_all_gather(&host(s, t), own_in_tensor)?
                 .map(|()| SimFence::Passed)),
+            SimTensor::Device(t) if self.staged() => {
+                let ran = self.shm.try_all_gather_staged(
+                    s,
+                    own_in_tensor,
+                    &self.waiting,
+                    |staging, in_tensor| {
+                        self.gpu.copy_from_staging(s.buffer, staging, t, in_tensor)
+                    },
+                )?;
+                Ok(ran.map(fence))
+            }
             SimTensor::Device(t) => {
                 let ran = self.shm.try_all_gather_alone(
                     s.buffer,
@@ -599,5 +645,13 @@ impl LocalStep<SimMemory> for SimStep {
 
     fn laggards(&self, buffer: u32, number: u64) -> Vec<u32> {
         LocalStep::<Host>::laggards(&self.shm, buffer, number)
+    }
+
+    fn gathered(&self, buffer: u32, _number: u64) -> Result<()> {
+        self.shm.gathered(&self.waiting, buffer)
+    }
+
+    fn awaits_fences(&self) -> bool {
+        self.waiting.any()
     }
 }

@@ -15,12 +15,13 @@
 //! from its own values everywhere, whether all-reduces send from their tensors
 //! (never, from any size or from 4 KiB; keeping 1, 2 or 64 registrations),
 //! for half the seeds, a process (worker or server) to kill at a random step,
-//! and, where ranks have a machine each (`D = 1`, as device tensors take them),
-//! for two seeds in three whether every operation or about half of them run on
-//! device tensors of a simulated GPU ([`device`]): streams whose copies end at
-//! drawn steps, start events, and callers that submit behind stream waits on
-//! earlier operations, as PyTorch does, and make their streams wait on
-//! operations at drawn times. It then checks:
+//! and, for two seeds in three, whether every operation or about half of them
+//! run on device tensors of a simulated GPU per rank ([`device`]): streams
+//! whose copies end at drawn steps, start events, and callers that submit
+//! behind stream waits on earlier operations, as PyTorch does, and make their
+//! streams wait on operations at drawn times; a lone rank of a machine takes
+//! the communicator's lone device step, several the staged one
+//! (`local::staged`). It then checks:
 //!
 //! - every operation a rank reports done holds exactly the expected values;
 //! - without a kill, every operation of every rank is done;
@@ -482,9 +483,9 @@ impl Scenario {
         };
         // No device operations, every one, or about half (a host barrier
         // among device all-reduces): drawn last, as above.
-        let device = match (d, rng.below(3)) {
-            (1, 1) => vec![true; ops.len()],
-            (1, 2) => ops.iter().map(|_| rng.below(2) == 0).collect(),
+        let device = match rng.below(3) {
+            1 => vec![true; ops.len()],
+            2 => ops.iter().map(|_| rng.below(2) == 0).collect(),
             _ => vec![false; ops.len()],
         };
         Scenario {
