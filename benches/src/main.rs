@@ -49,7 +49,8 @@
 //! `LOCAL_RANK % visible devices`; with one GPU every rank shares it), ordered on
 //! a stream of the rank's; the host fills and checks them outside the timed
 //! iterations, and a timed iteration ends when the host sees every operation
-//! complete. Device tensors take one rank per machine (`--local Mx1`).
+//! complete. With several ranks per machine (`--local 1x2`), the machine's step
+//! is staged through its shared segment.
 //!
 //! `--servers K` runs the job with `K` dedicated reduction servers
 //! (`FAIRRING_SERVERS`); a local job launches them too, as processes of this
