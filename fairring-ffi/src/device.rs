@@ -12,9 +12,9 @@
 //!
 //! The memory must stay valid, and no stream or thread may touch it, until
 //! the operation completes (work ordered after `fr_work_enqueue_wait` may).
-//! One communicator drives one GPU, and device memory takes one rank per
-//! machine (the GPUs of a machine would reduce among themselves through NCCL,
-//! which the engine does not drive yet).
+//! One communicator drives one GPU. With several ranks per machine, the
+//! machine's step is staged through its shared segment (the GPUs' own
+//! collectives do not take it yet).
 
 use std::ffi::c_void;
 
