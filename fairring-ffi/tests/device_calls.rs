@@ -171,13 +171,9 @@ fn rank_body() {
     unsafe { fr_comm_destroy(comm) };
 }
 
-#[test]
-#[ignore = "needs a CUDA device"]
-fn every_device_call_of_the_c_abi_is_exact_on_two_ranks() {
-    if std::env::var_os(RANK_OF).is_some() {
-        rank_body();
-        return;
-    }
+/// Runs `test` as a job of two ranks, as two machines (`machines`: each its
+/// own host identity) or two ranks of one machine, sharing GPU 0.
+fn two_ranks(test: &str, machines: bool) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -185,19 +181,28 @@ fn every_device_call_of_the_c_abi_is_exact_on_two_ranks() {
     let exe = std::env::current_exe().unwrap();
     let mut children: Vec<_> = (0..2)
         .map(|rank| {
+            let host = if machines {
+                format!("ffi-device-machine-{rank}")
+            } else {
+                "ffi-device-machine".to_owned()
+            };
             Command::new(&exe)
-                .args([
-                    "every_device_call_of_the_c_abi_is_exact_on_two_ranks",
-                    "--exact",
-                    "--include-ignored",
-                    "--nocapture",
-                ])
+                .args([test, "--exact", "--include-ignored", "--nocapture"])
                 .env(RANK_OF, "1")
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", "2")
+                .env(
+                    "LOCAL_RANK",
+                    if machines {
+                        "0".to_owned()
+                    } else {
+                        rank.to_string()
+                    },
+                )
+                .env("LOCAL_WORLD_SIZE", if machines { "1" } else { "2" })
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
-                .env("FAIRRING_HOST_ID", format!("ffi-device-machine-{rank}"))
+                .env("FAIRRING_HOST_ID", host)
                 .env("FAIRRING_TIMEOUT", "60")
                 .spawn()
                 .unwrap()
@@ -220,4 +225,27 @@ fn every_device_call_of_the_c_abi_is_exact_on_two_ranks() {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn every_device_call_of_the_c_abi_is_exact_on_two_ranks() {
+    if std::env::var_os(RANK_OF).is_some() {
+        rank_body();
+        return;
+    }
+    two_ranks("every_device_call_of_the_c_abi_is_exact_on_two_ranks", true);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn every_device_call_of_the_c_abi_is_exact_on_two_ranks_of_one_machine() {
+    if std::env::var_os(RANK_OF).is_some() {
+        rank_body();
+        return;
+    }
+    two_ranks(
+        "every_device_call_of_the_c_abi_is_exact_on_two_ranks_of_one_machine",
+        false,
+    );
 }
