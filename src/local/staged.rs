@@ -30,6 +30,8 @@
 use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
 
+use crate::sync::unmodelled::{AtomicUsize, Ordering};
+
 use fairring_core::ReduceOp;
 use fairring_core::reduce::finish_avg_bytes;
 
@@ -50,6 +52,9 @@ enum Announce {
 /// passed: the all-gather's).
 pub(crate) struct Waiting<F> {
     buffers: Mutex<Vec<Option<Waiter<F>>>>,
+    /// How many buffers hold one: read without the lock, so that steps of
+    /// host tensors, which never wait, never take it.
+    held: AtomicUsize,
 }
 
 type Waiter<F> = (Option<F>, Announce, u64);
@@ -59,12 +64,22 @@ impl<F> Waiting<F> {
     pub(crate) fn new(buffers: u32) -> Waiting<F> {
         Waiting {
             buffers: Mutex::new((0..buffers).map(|_| None).collect()),
+            held: AtomicUsize::new(0),
         }
     }
 
     /// Whether an announcement waits for copies (their ends ring no doorbell).
     pub(crate) fn any(&self) -> bool {
-        self.lock().iter().any(Option::is_some)
+        self.held.load(Ordering::Acquire) > 0
+    }
+
+    /// Empties `slot`, counting it.
+    fn take(&self, slot: &mut Option<Waiter<F>>) -> Option<Waiter<F>> {
+        let taken = slot.take();
+        if taken.is_some() {
+            self.held.fetch_sub(1, Ordering::AcqRel);
+        }
+        taken
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Option<Waiter<F>>>> {
@@ -99,7 +114,7 @@ impl ShmStep {
             return Ok(false);
         }
         let (announce, number) = (*announce, *number);
-        *slot = None;
+        waiting.take(slot);
         drop(buffers);
         self.announce(buffer, number, announce);
         Ok(true)
@@ -130,6 +145,7 @@ impl ShmStep {
         match buffers.get_mut(buffer as usize) {
             Some(slot @ None) => {
                 *slot = Some((fence, announce, number));
+                waiting.held.fetch_add(1, Ordering::AcqRel);
                 Ok(())
             }
             _ => Err(Error::internal(
@@ -256,13 +272,16 @@ impl ShmStep {
     /// The all-gather's copies of `buffer` have ended (the engine saw its
     /// fence pass): `Done` is announced.
     pub(crate) fn gathered<F>(&self, waiting: &Waiting<F>, buffer: u32) -> Result<()> {
+        if !waiting.any() {
+            return Ok(());
+        }
         let mut buffers = waiting.lock();
         let Some(slot) = buffers.get_mut(buffer as usize) else {
             return Ok(());
         };
         if let Some((None, Announce::Done, number)) = slot.as_ref() {
             let number = *number;
-            *slot = None;
+            waiting.take(slot);
             drop(buffers);
             self.announce(buffer, number, Announce::Done);
         }
