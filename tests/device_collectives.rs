@@ -804,7 +804,8 @@ fn a_refused_device_call_leaves_its_output_unchanged() {
 
 /// After warm-up, a device all-reduce allocates nothing on the host, on any
 /// thread of any rank (progress thread and fabric I/O included), for each
-/// algorithm and for one slice and many.
+/// algorithm and for one slice and many, with one rank per machine and with
+/// two (the staged step).
 #[test]
 #[ignore = "needs a CUDA device"]
 fn no_host_allocation_per_device_all_reduce_on_any_rank() {
@@ -816,6 +817,7 @@ fn no_host_allocation_per_device_all_reduce_on_any_rank() {
             ("FAIRRING_TIMEOUT", "60".to_owned()),
         ];
         ProcessJob::run(test, 2, 1, &env, JOB_LIMIT);
+        ProcessJob::run(test, 1, 2, &env, JOB_LIMIT);
         return;
     };
     let rank = comm.rank();
