@@ -3,9 +3,12 @@
 //!
 //! - [`LocalStep`] is the intra-machine reduce-scatter and all-gather of one slice,
 //!   as the engine drives it, over a [`MemorySpace`]: [`ShmStep`] implements it for
-//!   processes sharing host memory ([`shm`], over the counter [`protocol`]); the GPU
-//!   layer implements it with NCCL over device memory; [`Solo`] is the step of a
-//!   dedicated server, which has none.
+//!   processes sharing host memory ([`shm`], over the counter [`protocol`]);
+//!   [`PlacedStep`] for a communicator's host or device tensors, a device
+//!   tensor's step reaching it by copies on the GPU's streams (`alone` for a rank
+//!   alone on its machine, `staged` for several, through the shared segment);
+//!   [`Solo`] is the step of a dedicated server, which has none. The GPUs' own
+//!   collectives (NCCL) do not implement it yet.
 //! - [`Machine`] is the control area every local rank shares whatever its memory:
 //!   doorbells, the descriptors of operations, the first failure.
 //!
