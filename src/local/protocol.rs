@@ -113,19 +113,17 @@ impl Protocol {
         slice: u64,
         gather: impl FnOnce() -> Result<(), E>,
     ) -> Result<bool, E> {
-        if !self.all_reached(c, buffer, slice + 1, Counter::SlotFinal) {
-            return Ok(false);
+        let ran = self.try_all_gather_started(c, buffer, slice, gather)?;
+        if ran {
+            self.publish(c, buffer, slice, Counter::Done);
         }
-        gather()?;
-        self.publish(c, buffer, slice, Counter::Done);
-        Ok(true)
+        Ok(ran)
     }
 
     /// All-gather whose reads end later (copies a GPU makes from the other
     /// ranks' buffers): once every rank's slot is final, `gather` starts them;
     /// the rank announces `Done` with [`finish`](Protocol::finish) once they
     /// have ended. Returns whether it ran.
-    #[cfg(any(feature = "cuda", all(test, not(loom))))]
     pub(crate) fn try_all_gather_started<E>(
         &self,
         c: &impl Counters,

@@ -963,6 +963,71 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
     assert_eq!(checked, expected, "every operation of every rank is done");
 }
 
+/// The engines of a small job for the focused tests: `m x d` ranks, two
+/// buffers of 4 KiB slices, under `design` and `timeout`, each local step
+/// through `wrap`.
+fn small_job(
+    (m, d): (u32, u32),
+    design: Design,
+    timeout: Duration,
+    wrap: impl Fn(u32, SimStep) -> Box<dyn LocalStep<SimMemory>>,
+) -> (
+    Vec<Engine<SimFabric, SimMemory>>,
+    Arc<std::sync::Mutex<Network>>,
+) {
+    let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+    let geometry = Geometry::new(topology, PlanConfig::new(4096, 64).unwrap()).unwrap();
+    let layout = StagingLayout::new(&geometry, m * d).unwrap();
+    let net = Network::new(m * d);
+    let engines = build_job(
+        &geometry,
+        &layout,
+        2,
+        &net,
+        DirectSettings::from(None),
+        design,
+        timeout,
+        wrap,
+    )
+    .unwrap();
+    (engines, net)
+}
+
+/// Submits operation 0 on `engine`: a hierarchical `i64` sum of `tensor`, a
+/// device tensor whose caller's stream first writes `input` into it.
+fn submit_device_sum(
+    engine: &Engine<SimFabric, SimMemory>,
+    tensor: &mut [u64],
+    input: &mut [u64],
+) -> crate::Result<()> {
+    assert!(engine.works.try_take(0));
+    let elements = tensor.len() as u64;
+    let descriptor = Descriptor {
+        collective: Collective::AllReduce,
+        dtype: DataType::I64,
+        op: ReduceOp::Sum,
+        algorithm: Resolved::Hierarchical,
+        wire: WireFormat::Exact,
+        memory: MemoryKind::Device,
+        root: 0,
+        elements,
+    };
+    let tensor = engine
+        .memory
+        .submit_device(bytemuck_bytes(tensor), bytemuck_bytes(input));
+    engine.submit(Submission {
+        seq: 0,
+        tensor,
+        elements,
+        dtype: DataType::I64,
+        op: ReduceOp::Sum,
+        algorithm: Resolved::Hierarchical,
+        wire: WireFormat::Exact,
+        descriptor,
+        deliver: None,
+    })
+}
+
 /// A local step that panics in its all-gather: a bug inside a step.
 struct PanickingAllGather(SimStep);
 
@@ -1000,16 +1065,8 @@ impl LocalStep<SimMemory> for PanickingAllGather {
 
 #[test]
 fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
-    let topology = Topology::new(1, 2, RankLayout::Contiguous).unwrap();
-    let geometry = Geometry::new(topology, PlanConfig::new(4096, 64).unwrap()).unwrap();
-    let layout = StagingLayout::new(&geometry, 2).unwrap();
-    let net = Network::new(2);
-    let engines = build_job(
-        &geometry,
-        &layout,
-        2,
-        &net,
-        DirectSettings::from(None),
+    let (engines, _net) = small_job(
+        (1, 2),
         Design::GateOnHost,
         Duration::from_secs(3600),
         |rank, step| {
@@ -1019,8 +1076,7 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
                 Box::new(step)
             }
         },
-    )
-    .unwrap();
+    );
     let mut tensors = [[1u64; 300], [2u64; 300]];
     for (engine, tensor) in engines.iter().zip(&mut tensors) {
         assert!(engine.works.try_take(0));
@@ -1135,24 +1191,7 @@ fn the_design_before_the_gate_hangs_where_the_gate_does_not() {
 fn time_before_an_operation_starts_is_the_callers() {
     let timeout = Duration::from_millis(40);
     let outcome = |design| -> Result<Vec<i64>, String> {
-        let topology = Topology::new(2, 1, RankLayout::Contiguous).map_err(|e| e.to_string())?;
-        let geometry = Geometry::new(
-            topology,
-            PlanConfig::new(4096, 64).map_err(|e| e.to_string())?,
-        )
-        .map_err(|e| e.to_string())?;
-        let layout = StagingLayout::new(&geometry, 2).ok_or("layout")?;
-        let net = Network::new(2);
-        let engines = build_job(
-            &geometry,
-            &layout,
-            2,
-            &net,
-            DirectSettings::from(None),
-            design,
-            timeout,
-            |_, step| Box::new(step),
-        )?;
+        let (engines, net) = small_job((2, 1), design, timeout, |_, step| Box::new(step));
         let mut tensors = [vec![0u64; 1000], vec![0u64; 1000]];
         let mut inputs = [vec![3u64; 1000], vec![4u64; 1000]];
         let pump = |engines: &[Engine<SimFabric, SimMemory>]| {
@@ -1167,33 +1206,7 @@ fn time_before_an_operation_starts_is_the_callers() {
             }
         };
         let submit = |r: usize, tensor: &mut [u64], input: &mut [u64]| {
-            let e = &engines[r];
-            assert!(e.works.try_take(0));
-            let descriptor = Descriptor {
-                collective: Collective::AllReduce,
-                dtype: DataType::I64,
-                op: ReduceOp::Sum,
-                algorithm: Resolved::Hierarchical,
-                wire: WireFormat::Exact,
-                memory: MemoryKind::Device,
-                root: 0,
-                elements: 1000,
-            };
-            let tensor = e
-                .memory
-                .submit_device(bytemuck_bytes(tensor), bytemuck_bytes(input));
-            e.submit(Submission {
-                seq: 0,
-                tensor,
-                elements: 1000,
-                dtype: DataType::I64,
-                op: ReduceOp::Sum,
-                algorithm: Resolved::Hierarchical,
-                wire: WireFormat::Exact,
-                descriptor,
-                deliver: None,
-            })
-            .map_err(|e| e.to_string())
+            submit_device_sum(&engines[r], tensor, input).map_err(|e| e.to_string())
         };
         let [t0, t1] = &mut tensors;
         let [i0, i1] = &mut inputs;
@@ -1236,48 +1249,16 @@ fn time_before_an_operation_starts_is_the_callers() {
 /// operation stays pending until the copy has run, then fails.
 #[test]
 fn a_failure_waits_for_running_copies_without_blocking() {
-    let topology = Topology::new(2, 1, RankLayout::Contiguous).unwrap();
-    let geometry = Geometry::new(topology, PlanConfig::new(4096, 64).unwrap()).unwrap();
-    let layout = StagingLayout::new(&geometry, 2).unwrap();
-    let net = Network::new(2);
-    let engines = build_job(
-        &geometry,
-        &layout,
-        2,
-        &net,
-        DirectSettings::from(None),
+    let (engines, _net) = small_job(
+        (2, 1),
         Design::GateOnHost,
         Duration::from_secs(3600),
         |_, step| Box::new(step),
-    )
-    .unwrap();
+    );
     let mut tensors = [vec![0u64; 1000], vec![0u64; 1000]];
     let mut inputs = [vec![3u64; 1000], vec![4u64; 1000]];
     for (r, (t, i)) in tensors.iter_mut().zip(&mut inputs).enumerate() {
-        let e = &engines[r];
-        assert!(e.works.try_take(0));
-        let tensor = e.memory.submit_device(bytemuck_bytes(t), bytemuck_bytes(i));
-        e.submit(Submission {
-            seq: 0,
-            tensor,
-            elements: 1000,
-            dtype: DataType::I64,
-            op: ReduceOp::Sum,
-            algorithm: Resolved::Hierarchical,
-            wire: WireFormat::Exact,
-            descriptor: Descriptor {
-                collective: Collective::AllReduce,
-                dtype: DataType::I64,
-                op: ReduceOp::Sum,
-                algorithm: Resolved::Hierarchical,
-                wire: WireFormat::Exact,
-                memory: MemoryKind::Device,
-                root: 0,
-                elements: 1000,
-            },
-            deliver: None,
-        })
-        .unwrap();
+        submit_device_sum(&engines[r], t, i).unwrap();
     }
     // Rank 0's caller's stream reaches the start (the input's copy runs);
     // its engine then issues the slice's first copy, which has not run.
