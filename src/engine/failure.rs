@@ -284,6 +284,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         self.lock_source_regions().clear();
         let mut running = d.slices.take_fences();
         running.extend(d.operations.take_deliveries());
+        running.extend(self.local.take_fences());
         let failing = d.failing.get_or_insert_with(Failing::default);
         failing.running.extend(running);
         while let Some(sub) = self.submissions.pop() {

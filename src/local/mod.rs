@@ -126,4 +126,11 @@ pub(crate) trait LocalStep<M: MemorySpace>: Send + Sync {
     fn awaits_fences(&self) -> bool {
         false
     }
+
+    /// The fences of copies the step started that no step of the engine
+    /// holds (a staged step's copies in): the engine failed, and waits for
+    /// them before it declares its operations failed.
+    fn take_fences(&self) -> Vec<M::Fence> {
+        Vec::new()
+    }
 }

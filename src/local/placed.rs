@@ -159,10 +159,9 @@ impl LocalStep<Placed> for PlacedStep {
                     own_in_tensor,
                     &self.waiting,
                     |staging, in_tensor| {
-                        // SAFETY: a final slot of a local rank's buffer,
-                        // page-locked (the device side registered every local
-                        // rank's buffers); its owner does not reuse it before
-                        // this rank announces `Done`, after the copy's fence.
+                        // SAFETY: a final slot of a local rank's page-locked
+                        // buffer, not reused by its owner before this rank's
+                        // `Done`, which follows the copy's fence.
                         unsafe {
                             self.side()?
                                 .copy_from_staging(s.buffer, staging, t, in_tensor)
@@ -208,6 +207,15 @@ impl LocalStep<Placed> for PlacedStep {
     #[cfg(feature = "cuda")]
     fn awaits_fences(&self) -> bool {
         self.waiting.any()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn take_fences(&self) -> Vec<PlacedFence> {
+        self.waiting
+            .take_fences()
+            .into_iter()
+            .map(PlacedFence::Device)
+            .collect()
     }
 }
 

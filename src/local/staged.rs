@@ -73,6 +73,23 @@ impl<F> Waiting<F> {
         self.held.load(Ordering::Acquire) > 0
     }
 
+    /// Takes the fences of every copy an announcement waits for (the engine
+    /// failed: it declares its operations failed once these have ended, since
+    /// they read the callers' tensors).
+    pub(crate) fn take_fences(&self) -> Vec<F> {
+        if !self.any() {
+            return Vec::new();
+        }
+        let mut buffers = self.lock();
+        let mut fences = Vec::new();
+        for slot in buffers.iter_mut() {
+            if let Some((Some(fence), _, _)) = self.take(slot) {
+                fences.push(fence);
+            }
+        }
+        fences
+    }
+
     /// Empties `slot`, counting it.
     fn take(&self, slot: &mut Option<Waiter<F>>) -> Option<Waiter<F>> {
         let taken = slot.take();

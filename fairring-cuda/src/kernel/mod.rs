@@ -261,11 +261,9 @@ impl ReductionKernels {
                 (&raw mut vectors).cast(),
                 (&raw mut tail).cast(),
             ];
-            // SAFETY: the parameters match the kernel (a pointer, the sources
-            // block by value, a u32, three u64); the operands are whole,
-            // aligned element ranges of this device, none overlapping `dst`
-            // (checked above), valid until the kernel completes (the views'
-            // contracts); `n` sources are set.
+            // SAFETY: parameters match the kernel (pointer, sources block, u32,
+            // three u64); operands are whole aligned ranges of this device apart
+            // from `dst` (checked above), valid until it completes; `n` are set.
             unsafe { self.launch(stream, kernel, split.work_items(1), &mut params)? };
         }
         Ok(())

@@ -305,10 +305,9 @@ impl Shared {
             return false;
         }
         let count = libc::nfds_t::try_from(fds.len()).unwrap_or(libc::nfds_t::MAX);
-        // SAFETY: `fds` is a live, exclusively borrowed array of `count` pollfd
-        // records; with a zero timeout the kernel only writes their `revents`
-        // before returning. The descriptors stay open: a socket is unwatched
-        // (under this lock) before its connection closes.
+        // SAFETY: `fds` is a live exclusive array of `count` pollfds; with a zero
+        // timeout the kernel only writes `revents`. The descriptors stay open (a
+        // socket is unwatched, under this lock, before its connection closes).
         let ready = unsafe { libc::poll(fds.as_mut_ptr(), count, 0) };
         if ready <= 0 {
             return false;

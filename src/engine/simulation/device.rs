@@ -120,10 +120,9 @@ impl Gpu {
         }
         let s = &mut self.streams[stream];
         if let Some(Item::Copy { to, from, len }) = s.items.pop_front() {
-            // SAFETY: both ranges are tensors or staging memory of the
-            // simulation, alive until it ends, and the engine (as the CUDA
-            // contract asks of a real one) touches neither until the copy's
-            // fence has passed.
+            // SAFETY: tensors or staging of the simulation, alive until it ends;
+            // the engine (as CUDA's contract asks) touches neither until the
+            // copy's fence has passed.
             unsafe { std::ptr::copy(from as *const u8, to as *mut u8, len) };
         }
         s.run += 1;
@@ -653,5 +652,9 @@ impl LocalStep<SimMemory> for SimStep {
 
     fn awaits_fences(&self) -> bool {
         self.waiting.any()
+    }
+
+    fn take_fences(&self) -> Vec<SimFence> {
+        self.waiting.take_fences()
     }
 }

@@ -1249,32 +1249,38 @@ fn time_before_an_operation_starts_is_the_callers() {
 /// operation stays pending until the copy has run, then fails.
 #[test]
 fn a_failure_waits_for_running_copies_without_blocking() {
-    let (engines, _net) = small_job(
-        (2, 1),
-        Design::GateOnHost,
-        Duration::from_secs(3600),
-        |_, step| Box::new(step),
-    );
-    let mut tensors = [vec![0u64; 1000], vec![0u64; 1000]];
-    let mut inputs = [vec![3u64; 1000], vec![4u64; 1000]];
-    for (r, (t, i)) in tensors.iter_mut().zip(&mut inputs).enumerate() {
-        submit_device_sum(&engines[r], t, i).unwrap();
-    }
-    // Rank 0's caller's stream reaches the start (the input's copy runs);
-    // its engine then issues the slice's first copy, which has not run.
-    assert!(engines[0].memory.gpu().run_any(|_| 0));
-    for _ in 0..100 {
+    // One rank per machine (a copy a slice's step holds) and two (the staged
+    // step's copies in, which only the local step holds).
+    for layout in [(2, 1), (1, 2)] {
+        let (engines, _net) = small_job(
+            layout,
+            Design::GateOnHost,
+            Duration::from_secs(3600),
+            |_, step| Box::new(step),
+        );
+        let mut tensors = [vec![0u64; 1000], vec![0u64; 1000]];
+        let mut inputs = [vec![3u64; 1000], vec![4u64; 1000]];
+        for (r, (t, i)) in tensors.iter_mut().zip(&mut inputs).enumerate() {
+            submit_device_sum(&engines[r], t, i).unwrap();
+        }
+        // Rank 0's caller's stream reaches the start (the input's copy runs);
+        // its engine then issues the slice's first copy, which has not run.
+        assert!(engines[0].memory.gpu().run_any(|_| 0));
+        for _ in 0..100 {
+            for e in &engines {
+                e.try_drive();
+            }
+        }
+        let waiting = engines[0].memory.gpu().waiting().unwrap_or_default();
+        assert!(waiting.contains("engine stream"), "{layout:?}: {waiting}");
+        engines[0].fail(crate::Error::Aborted);
+        assert_eq!(
+            engines[0].works.state(0),
+            Some(work::PENDING),
+            "{layout:?}: declared failed while its copy may still touch the tensor"
+        );
+        assert!(engines[0].memory.gpu().run_out().is_none());
         engines[0].try_drive();
+        assert_eq!(engines[0].works.state(0), Some(FAILED), "{layout:?}");
     }
-    let waiting = engines[0].memory.gpu().waiting().unwrap_or_default();
-    assert!(waiting.contains("engine stream"), "{waiting}");
-    engines[0].fail(crate::Error::Aborted);
-    assert_eq!(
-        engines[0].works.state(0),
-        Some(work::PENDING),
-        "declared failed while its copy may still write the tensor"
-    );
-    assert!(engines[0].memory.gpu().run_out().is_none());
-    engines[0].try_drive();
-    assert_eq!(engines[0].works.state(0), Some(FAILED));
 }
