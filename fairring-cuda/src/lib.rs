@@ -12,7 +12,8 @@
 //! - [`DeviceBuffer`], [`PinnedBuffer`], and the views [`DeviceSlice`] and
 //!   [`DeviceSliceMut`], which also wrap raw pointers a host runtime owns;
 //! - [`nccl`]: communicators from a 128-byte unique id passed through a
-//!   rendezvous store, in-place reduce-scatter and all-gather, groups, and an
+//!   rendezvous store, in-place reduce-scatter, all-gather, reduce, broadcast and
+//!   all-reduce, groups, and an
 //!   abort that returns within a bound;
 //! - [`ReductionKernels`]: the device reduction kernel `dst op= src` with the host
 //!   kernels' semantics;

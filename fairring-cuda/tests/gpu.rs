@@ -477,6 +477,42 @@ fn nccl_reduce_scatter_and_all_gather_on_one_rank_for_every_type() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
+fn nccl_reduce_broadcast_and_all_reduce_in_place_on_one_rank() {
+    let device = device();
+    let comm = single_rank(&device);
+    let stream = Stream::new(&device, false).unwrap();
+    for dtype in DataType::ALL.iter().copied() {
+        let data = elements(dtype, 777, 9);
+        let mut buf = DeviceBuffer::zeroed(&device, data.len()).unwrap();
+        stream.upload_blocking(&mut buf.slice_mut(), &data).unwrap();
+        group(&[&comm], || {
+            comm.reduce_in_place(&stream, &mut buf.slice_mut(), dtype, ReduceOp::Sum, 0)?;
+            comm.broadcast_in_place(&stream, &mut buf.slice_mut(), dtype, 0)
+        })
+        .unwrap();
+        comm.all_reduce_in_place(&stream, &mut buf.slice_mut(), dtype, ReduceOp::Max)
+            .unwrap();
+        let mut got = vec![0u8; data.len()];
+        stream.download_blocking(&mut got, buf.slice()).unwrap();
+        assert_same(dtype, &got, &data, &format!("{dtype} through one rank"));
+    }
+    // Refused before anything is enqueued, naming the argument.
+    let mut buf = DeviceBuffer::zeroed(&device, 8).unwrap();
+    let e = comm
+        .broadcast_in_place(&stream, &mut buf.slice_mut(), DataType::F32, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("root") && e.contains("rank 1"), "{e}");
+    let e = comm
+        .all_reduce_in_place(&stream, &mut buf.slice_mut(), DataType::I32, ReduceOp::Avg)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("avg"), "{e}");
+    comm.check().unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
 fn nccl_reduce_scatter_and_all_gather_across_every_visible_device() {
     let devices = fairring_cuda::probe::driver_info().unwrap().devices;
     let id = UniqueId::new().unwrap();

@@ -202,6 +202,107 @@ impl Communicator {
         self.all_gather_raw(stream, recv.device(), send.raw(), recv.raw(), chunk, dtype)
     }
 
+    /// Enqueues an in-place all-reduce of `buffer` on `stream`: afterwards
+    /// every rank's `buffer` holds the reduction of every rank's.
+    pub fn all_reduce_in_place(
+        &self,
+        stream: &Stream,
+        buffer: &mut DeviceSliceMut<'_>,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let nccl_op = reduce_op(op, dtype)?;
+        let count = count_of(buffer.len(), dtype, "all-reduce buffer")?;
+        let at = buffer.raw();
+        self.enqueue(
+            stream,
+            buffer.device(),
+            "ncclAllReduce",
+            |comm, raw_stream| {
+                // SAFETY: `at` holds `count` elements on this device, valid until the
+                // stream passes the call (the view's contract); in place is allowed;
+                // the handle is live and locked.
+                unsafe {
+                    sys::ncclAllReduce(
+                        at as *const _,
+                        at as *mut _,
+                        count,
+                        data_type(dtype),
+                        nccl_op,
+                        comm,
+                        raw_stream,
+                    )
+                }
+            },
+        )
+    }
+
+    /// Enqueues an in-place reduce onto rank `root` on `stream`: afterwards
+    /// `root`'s `buffer` holds the reduction of every rank's; the others'
+    /// are only read. Every rank passes a buffer of the same length.
+    pub fn reduce_in_place(
+        &self,
+        stream: &Stream,
+        buffer: &mut DeviceSliceMut<'_>,
+        dtype: DataType,
+        op: ReduceOp,
+        root: u32,
+    ) -> Result<()> {
+        let nccl_op = reduce_op(op, dtype)?;
+        let count = count_of(buffer.len(), dtype, "reduce buffer")?;
+        let root = root_of(root, self.size)?;
+        let at = buffer.raw();
+        self.enqueue(stream, buffer.device(), "ncclReduce", |comm, raw_stream| {
+            // SAFETY: as in `all_reduce_in_place`; NCCL writes only the root's.
+            unsafe {
+                sys::ncclReduce(
+                    at as *const _,
+                    at as *mut _,
+                    count,
+                    data_type(dtype),
+                    nccl_op,
+                    root,
+                    comm,
+                    raw_stream,
+                )
+            }
+        })
+    }
+
+    /// Enqueues an in-place broadcast from rank `root` on `stream`:
+    /// afterwards every rank's `buffer` holds `root`'s. Every rank passes a
+    /// buffer of the same length.
+    pub fn broadcast_in_place(
+        &self,
+        stream: &Stream,
+        buffer: &mut DeviceSliceMut<'_>,
+        dtype: DataType,
+        root: u32,
+    ) -> Result<()> {
+        let count = count_of(buffer.len(), dtype, "broadcast buffer")?;
+        let root = root_of(root, self.size)?;
+        let at = buffer.raw();
+        self.enqueue(
+            stream,
+            buffer.device(),
+            "ncclBroadcast",
+            |comm, raw_stream| {
+                // SAFETY: as in `all_reduce_in_place`; the root's is only read.
+                unsafe {
+                    sys::ncclBroadcast(
+                        at as *const _,
+                        at as *mut _,
+                        count,
+                        data_type(dtype),
+                        root,
+                        comm,
+                        raw_stream,
+                    )
+                }
+            },
+        )
+    }
+
     /// Aborts the communicator: NCCL stops its kernels and frees it, waits in
     /// other threads end with [`Error::Aborted`], and every later call fails so.
     /// Returns how long the abort took. Idempotent.
@@ -234,24 +335,28 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<()> {
         let nccl_op = reduce_op(op, dtype)?;
-        let _bound = self.check_placement(stream, buffer_device)?;
         let count = chunk / elem_bytes(dtype);
-        let handle = self.lock()?;
-        // SAFETY: `send` holds `size * count`, `recv` `count` elements on this
-        // device, valid until the stream passes the call (the views' contracts);
-        // the handle is live and locked.
-        let status = unsafe {
-            sys::ncclReduceScatter(
-                send as *const _,
-                recv as *mut _,
-                count,
-                data_type(dtype),
-                nccl_op,
-                handle.0,
-                stream.raw().cast(),
-            )
-        };
-        self.finish(&handle, "ncclReduceScatter", status)
+        self.enqueue(
+            stream,
+            buffer_device,
+            "ncclReduceScatter",
+            |comm, raw_stream| {
+                // SAFETY: `send` holds `size * count`, `recv` `count` elements on this
+                // device, valid until the stream passes the call (the views' contracts);
+                // the handle is live and locked.
+                unsafe {
+                    sys::ncclReduceScatter(
+                        send as *const _,
+                        recv as *mut _,
+                        count,
+                        data_type(dtype),
+                        nccl_op,
+                        comm,
+                        raw_stream,
+                    )
+                }
+            },
+        )
     }
 
     fn all_gather_raw(
@@ -263,22 +368,42 @@ impl Communicator {
         chunk: usize,
         dtype: DataType,
     ) -> Result<()> {
-        let _bound = self.check_placement(stream, buffer_device)?;
         let count = chunk / elem_bytes(dtype);
+        self.enqueue(
+            stream,
+            buffer_device,
+            "ncclAllGather",
+            |comm, raw_stream| {
+                // SAFETY: as in `reduce_scatter_raw`, with `send` holding `count` and
+                // `recv` `size * count` elements.
+                unsafe {
+                    sys::ncclAllGather(
+                        send as *const _,
+                        recv as *mut _,
+                        count,
+                        data_type(dtype),
+                        comm,
+                        raw_stream,
+                    )
+                }
+            },
+        )
+    }
+
+    /// Enqueues `call` (NCCL's, named `name`) on `stream`, with the handle:
+    /// checks placement, makes the device's context current, holds the lock,
+    /// and waits while NCCL reports the call in progress.
+    fn enqueue(
+        &self,
+        stream: &Stream,
+        buffer_device: u32,
+        name: &'static str,
+        call: impl FnOnce(ncclComm_t, sys::cudaStream_t) -> ncclResult_t,
+    ) -> Result<()> {
+        let _bound = self.check_placement(stream, buffer_device)?;
         let handle = self.lock()?;
-        // SAFETY: as in `reduce_scatter_raw`, with `send` holding `count` and
-        // `recv` `size * count` elements.
-        let status = unsafe {
-            sys::ncclAllGather(
-                send as *const _,
-                recv as *mut _,
-                count,
-                data_type(dtype),
-                handle.0,
-                stream.raw().cast(),
-            )
-        };
-        self.finish(&handle, "ncclAllGather", status)
+        let status = call(handle.0, stream.raw().cast());
+        self.finish(&handle, name, status)
     }
 
     /// Checks the stream and buffer lie on this communicator's device, and
@@ -489,6 +614,29 @@ fn elem_bytes(dtype: DataType) -> usize {
     }
 }
 
+/// Elements in a `bytes`-byte buffer of `dtype`.
+fn count_of(bytes: usize, dtype: DataType, argument: &'static str) -> Result<usize> {
+    let unit = elem_bytes(dtype);
+    if !bytes.is_multiple_of(unit) {
+        return Err(error::invalid(
+            argument,
+            format!("{bytes} bytes is not a whole number of {dtype} elements"),
+        ));
+    }
+    Ok(bytes / unit)
+}
+
+/// `root` as NCCL takes it, if it is a rank of a communicator of `size`.
+fn root_of(root: u32, size: u32) -> Result<i32> {
+    if root >= size {
+        return Err(error::invalid(
+            "root",
+            format!("rank {root} is not in a communicator of {size}"),
+        ));
+    }
+    to_int(root, "root")
+}
+
 fn to_int(value: u32, argument: &'static str) -> Result<i32> {
     i32::try_from(value).map_err(|_| error::invalid(argument, format!("{value} is too large")))
 }
@@ -530,5 +678,17 @@ mod tests {
             "{e}"
         );
         assert!(to_int(u32::MAX, "NCCL size").is_err());
+    }
+
+    #[test]
+    fn counts_and_roots_are_checked_and_named() {
+        assert_eq!(count_of(64, DataType::F32, "x").unwrap(), 16);
+        let e = count_of(6, DataType::F32, "reduce buffer")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("reduce buffer") && e.contains("6 bytes"), "{e}");
+        assert_eq!(root_of(1, 2).unwrap(), 1);
+        let e = root_of(2, 2).unwrap_err().to_string();
+        assert!(e.contains("root") && e.contains("rank 2"), "{e}");
     }
 }

@@ -1,6 +1,7 @@
 //! NCCL among the devices of one machine: the intra-machine reduce-scatter and
-//! all-gather of the hierarchical all-reduce, in place, as the original's last
-//! design ran them.
+//! all-gather of the hierarchical all-reduce, in place (as equal chunks, or as
+//! one reduce and one broadcast per rank's unequal part, grouped), and the
+//! all-reduce of a job that fits on one machine.
 //!
 //! One rank makes a [`UniqueId`], the job's rendezvous store carries its 128 bytes
 //! to the others, and each creates its [`Communicator`] member from it. Every call
