@@ -82,7 +82,7 @@ pub mod store;
 mod sync;
 
 pub use communicator::{Communicator, Fusion, OwnedWork, Scope, Server, Traffic, Work};
-pub use config::{Algorithm, Config, ConfigBuilder, FabricChoice, Role};
+pub use config::{Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Role};
 pub use error::{Error, Result};
 pub use fairring_core::{DataType, ReduceOp, WireFormat};
 pub use store::Store;

@@ -18,6 +18,7 @@
 //! | `FAIRRING_WIRE` | how `f32` reductions travel between machines: `exact`, `bf16` or `f16` (see below) | `exact` |
 //! | `FAIRRING_HOST_ID` | overrides the machine identity (simulates machines on one host) | boot id and host name |
 //! | `FAIRRING_FABRIC` | `tcp`, `verbs` or `auto` (see [`FabricChoice`]) | `auto` |
+//! | `FAIRRING_DEVICE_LOCAL` | how a machine's ranks reduce device tensors among themselves: `nccl`, `host` or `auto` (see [`DeviceLocal`]) | `auto` |
 //! | `FAIRRING_VERBS_DEVICE`, `_PORT`, `_GID_INDEX` | the RDMA device, its port and GID index | first device, 1, 0 |
 //! | `FAIRRING_SERVERS` | dedicated reduction servers in the job, set alike on every process (see below) | 0: the machines serve |
 //! | `FAIRRING_ROLE` | `worker` or `server` | `worker` |
@@ -55,6 +56,7 @@
 //! variable on shared networks.
 
 mod auto;
+mod device_local;
 mod fabric;
 mod parse;
 
@@ -65,6 +67,7 @@ use fairring_rdma::JobSecret;
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
+pub use device_local::DeviceLocal;
 pub use fabric::FabricChoice;
 pub(crate) use fabric::{VerbsKnobs, verbs_not_built};
 pub(crate) use parse::{parse_bytes, parse_duration, parse_u32};
@@ -160,6 +163,8 @@ pub struct Config {
     pub(crate) wire: WireFormat,
     pub(crate) host_id: Option<String>,
     pub(crate) fabric: FabricChoice,
+    /// The intra-machine step of device tensors.
+    pub(crate) device_local: DeviceLocal,
     #[cfg_attr(
         not(feature = "verbs"),
         allow(dead_code, reason = "read by the verbs provider")
@@ -203,6 +208,7 @@ pub struct ConfigBuilder {
     wire: WireFormat,
     host_id: Option<String>,
     fabric: FabricChoice,
+    device_local: DeviceLocal,
     verbs: VerbsKnobs,
     servers: u32,
     role: Role,
@@ -236,6 +242,7 @@ impl Config {
             wire: WireFormat::Exact,
             host_id: None,
             fabric: FabricChoice::Auto,
+            device_local: DeviceLocal::Auto,
             verbs: VerbsKnobs::default(),
             servers: 0,
             role: Role::Worker,
@@ -380,6 +387,11 @@ impl Config {
                 .parse()
                 .map_err(|reason: String| Error::config("FAIRRING_FABRIC", &v, reason))?;
         }
+        if let Some(v) = lookup("FAIRRING_DEVICE_LOCAL") {
+            b.device_local = v
+                .parse()
+                .map_err(|reason: String| Error::config("FAIRRING_DEVICE_LOCAL", &v, reason))?;
+        }
         b.verbs = VerbsKnobs::from_lookup(&lookup)?;
         if let Some(v) = lookup("TORCHELASTIC_RUN_ID") {
             b.run_id = v;
@@ -444,6 +456,11 @@ impl Config {
     /// The fabric asked for.
     pub fn fabric(&self) -> FabricChoice {
         self.fabric
+    }
+
+    /// How several ranks of a machine reduce device tensors among themselves.
+    pub fn device_local(&self) -> DeviceLocal {
+        self.device_local
     }
 }
 
@@ -533,6 +550,12 @@ impl ConfigBuilder {
     /// The fabric.
     pub fn fabric(mut self, fabric: FabricChoice) -> Self {
         self.fabric = fabric;
+        self
+    }
+
+    /// How several ranks of a machine reduce device tensors among themselves.
+    pub fn device_local(mut self, choice: DeviceLocal) -> Self {
+        self.device_local = choice;
         self
     }
 
@@ -672,6 +695,7 @@ impl ConfigBuilder {
             wire: self.wire,
             host_id: self.host_id,
             fabric: self.fabric,
+            device_local: self.device_local,
             verbs: self.verbs,
             servers: self.servers,
             role: self.role,
@@ -881,6 +905,20 @@ mod tests {
         refused(
             &[("FAIRRING_VERBS_GID_INDEX", "300")],
             "FAIRRING_VERBS_GID_INDEX",
+        );
+    }
+
+    #[test]
+    fn the_device_local_step_is_chosen_by_name() {
+        assert_eq!(
+            Config::from_lookup(env(&[])).unwrap().device_local(),
+            DeviceLocal::Auto
+        );
+        let c = Config::from_lookup(env(&[("FAIRRING_DEVICE_LOCAL", "host")])).unwrap();
+        assert_eq!(c.device_local(), DeviceLocal::Host);
+        refused(
+            &[("FAIRRING_DEVICE_LOCAL", "gloo")],
+            "FAIRRING_DEVICE_LOCAL",
         );
     }
 
