@@ -52,6 +52,20 @@ fn small_slices(algorithm: Algorithm) -> Vec<(&'static str, String)> {
     ]
 }
 
+/// Several ranks of a machine reduce device tensors through NCCL, two ranks
+/// sharing GPU 0 (NCCL 2.30 and later).
+fn through_nccl() -> Vec<(&'static str, String)> {
+    vec![
+        ("FAIRRING_DEVICE_LOCAL", "nccl".into()),
+        ("NCCL_MULTI_RANK_GPU_ENABLE", "1".into()),
+    ]
+}
+
+/// Several ranks of a machine reduce device tensors on the host.
+fn through_host() -> Vec<(&'static str, String)> {
+    vec![("FAIRRING_DEVICE_LOCAL", "host".into())]
+}
+
 /// Rank `rank`'s element `i`: small integers, so that every sum is exact in
 /// every type and every order.
 fn value(rank: u32, i: usize) -> i64 {
@@ -136,24 +150,30 @@ fn device_collectives_are_exact_for_every_layout_type_operator_and_size() {
         );
         return;
     }
-    // One rank per machine, and several staged through the machine's shared
-    // segment, all processes sharing GPU 0.
-    let layouts = [(1u32, 1u32), (2, 1), (3, 1), (4, 1), (1, 2), (2, 2)];
-    for (m, d) in layouts {
+    // One rank per machine; two per machine through NCCL and through the
+    // machine's shared segment; four through the segment (NCCL runs at most
+    // two ranks on one GPU): all processes sharing GPU 0.
+    for (m, d) in [(1u32, 1u32), (2, 1), (3, 1), (4, 1)] {
         for algorithm in [Algorithm::Hierarchical, Algorithm::Ring] {
             eprintln!("{m}x{d} {algorithm}");
             ProcessJob::run(test, m, d, &small_slices(algorithm), JOB_LIMIT);
         }
     }
+    for (m, d) in [(1u32, 2u32), (2, 2)] {
+        for local in [through_nccl(), through_host()] {
+            for algorithm in [Algorithm::Hierarchical, Algorithm::Ring] {
+                eprintln!("{m}x{d} {algorithm} {local:?}");
+                let mut env = small_slices(algorithm);
+                env.extend(local.iter().cloned());
+                ProcessJob::run(test, m, d, &env, JOB_LIMIT);
+            }
+        }
+    }
     for (m, d) in [(1u32, 4u32), (2, 4)] {
         eprintln!("{m}x{d} hierarchical");
-        ProcessJob::run(
-            test,
-            m,
-            d,
-            &small_slices(Algorithm::Hierarchical),
-            JOB_LIMIT,
-        );
+        let mut env = small_slices(Algorithm::Hierarchical);
+        env.extend(through_host());
+        ProcessJob::run(test, m, d, &env, JOB_LIMIT);
     }
 }
 
@@ -490,22 +510,32 @@ fn a_rank_passing_host_memory_where_another_passes_device_memory_is_a_mismatch()
     }
 }
 
-/// The launcher's side of a killed-rank test: a 3x1 job with a 2 s timeout;
-/// once every rank says READY rank 2 is killed, each survivor must say
-/// FAILED naming rank 2 within twice the timeout, then `then` with a line
-/// containing `then_says`.
-fn kill_rank_2_of(test: &str, then: &str, then_says: &str) {
+/// The launcher's side of a killed-rank test: an `m`x`d` job with a 2 s
+/// timeout and `extra` in its environment; once every rank says READY rank 2
+/// is killed, each survivor must say FAILED naming rank 2 within twice the
+/// timeout, then `then` with a line containing `then_says`.
+fn kill_rank_2_of(
+    test: &str,
+    (m, d): (u32, u32),
+    extra: &[(&'static str, String)],
+    then: &str,
+    then_says: &str,
+) {
+    eprintln!("{m}x{d} {extra:?}");
     let timeout = Duration::from_secs(2);
-    let env = [
+    let mut env = vec![
         ("FAIRRING_ALGO", "hierarchical".to_owned()),
         ("FAIRRING_TIMEOUT", "2".to_owned()),
     ];
-    let mut job = ProcessJob::start(test, 3, 1, &env);
-    job.await_line(&[0, 1, 2], "READY", Duration::from_secs(60));
+    env.extend_from_slice(extra);
+    let mut job = ProcessJob::start(test, m, d, &env);
+    let all: Vec<u32> = (0..m * d).collect();
+    let survivors: Vec<u32> = all.iter().copied().filter(|&r| r != 2).collect();
+    job.await_line(&all, "READY", Duration::from_secs(60));
     std::thread::sleep(Duration::from_millis(100));
     let at = Instant::now();
     job.kill(2);
-    let failed = job.await_line(&[0, 1], "FAILED", 2 * timeout + Duration::from_secs(3));
+    let failed = job.await_line(&survivors, "FAILED", 2 * timeout + Duration::from_secs(3));
     let took = at.elapsed();
     for (rank, line) in failed.iter().enumerate() {
         eprintln!("rank {rank} after {took:?}: {line}");
@@ -515,7 +545,7 @@ fn kill_rank_2_of(test: &str, then: &str, then_says: &str) {
         );
     }
     for (rank, line) in job
-        .await_line(&[0, 1], then, Duration::from_secs(10))
+        .await_line(&survivors, then, Duration::from_secs(10))
         .iter()
         .enumerate()
     {
@@ -532,7 +562,7 @@ fn kill_rank_2_of(test: &str, then: &str, then_says: &str) {
 fn a_killed_rank_fails_every_survivors_device_operation_naming_it() {
     let test = "a_killed_rank_fails_every_survivors_device_operation_naming_it";
     let Some(comm) = rank_of_job(test) else {
-        kill_rank_2_of(test, "REFUSED", "failed earlier");
+        kill_rank_2_of(test, (3, 1), &[], "REFUSED", "failed earlier");
         return;
     };
     let device = device();
@@ -590,7 +620,13 @@ fn a_killed_rank_fails_every_survivors_device_operation_naming_it() {
 fn a_killed_rank_fails_survivors_whose_streams_wait_behind_operations() {
     let test = "a_killed_rank_fails_survivors_whose_streams_wait_behind_operations";
     let Some(comm) = rank_of_job(test) else {
-        kill_rank_2_of(test, "RELEASED", "stream");
+        // One GPU per machine; then two per machine, rank 2's machine peer
+        // waiting in NCCL's kernels (the abort must end them) or on the
+        // host-staged step.
+        kill_rank_2_of(test, (3, 1), &[], "RELEASED", "stream");
+        for local in [through_nccl(), through_host()] {
+            kill_rank_2_of(test, (2, 2), &local, "RELEASED", "stream");
+        }
         return;
     };
     let device = device();
@@ -805,7 +841,7 @@ fn a_refused_device_call_leaves_its_output_unchanged() {
 /// After warm-up, a device all-reduce allocates nothing on the host, on any
 /// thread of any rank (progress thread and fabric I/O included), for each
 /// algorithm and for one slice and many, with one rank per machine and with
-/// two (the staged step).
+/// two (through NCCL, and the host-staged step).
 #[test]
 #[ignore = "needs a CUDA device"]
 fn no_host_allocation_per_device_all_reduce_on_any_rank() {
@@ -817,7 +853,11 @@ fn no_host_allocation_per_device_all_reduce_on_any_rank() {
             ("FAIRRING_TIMEOUT", "60".to_owned()),
         ];
         ProcessJob::run(test, 2, 1, &env, JOB_LIMIT);
-        ProcessJob::run(test, 1, 2, &env, JOB_LIMIT);
+        for local in [through_nccl(), through_host()] {
+            let mut env = env.to_vec();
+            env.extend(local);
+            ProcessJob::run(test, 1, 2, &env, JOB_LIMIT);
+        }
         return;
     };
     let rank = comm.rank();

@@ -310,6 +310,9 @@ pub(super) struct Built {
     pub(super) engine: Engine<AnyFabric, Placed>,
     pub(super) topology: Topology,
     pub(super) location: Location,
+    /// Where the local step finds the machine's NCCL communicators.
+    #[cfg(feature = "cuda")]
+    pub(super) nccl: crate::local::NcclCell,
 }
 
 /// A worker's engine.
@@ -320,7 +323,14 @@ pub(super) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
     let d = topology.devices_per_machine();
     let memory = Placed::new(Host::new(Arc::clone(&segment), location.device, buffers));
     let shm = ShmStep::new(Arc::clone(&segment), location.device, d, buffers);
-    let local = PlacedStep::new(shm, &memory);
+    #[cfg(feature = "cuda")]
+    let nccl = crate::local::NcclCell::default();
+    let local = PlacedStep::new(
+        shm,
+        &memory,
+        #[cfg(feature = "cuda")]
+        Arc::clone(&nccl),
+    );
     let machine = Machine::new(segment, location.device, d);
     let (out, inbound) = peers(topology, location, config.rank, config.servers);
     let engine = assemble(
@@ -343,6 +353,8 @@ pub(super) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
         engine,
         topology,
         location,
+        #[cfg(feature = "cuda")]
+        nccl,
     })
 }
 

@@ -26,9 +26,10 @@
 //! slice is copied from the tensor to its staging buffer and the result back,
 //! asynchronously, and the reduction runs on the host where the bytes land.
 //! With several ranks per machine, the machine's reduce-scatter and all-gather
-//! run through its shared segment as for host tensors, each rank staging its
-//! slice in by copies and the final slots out (`local::staged`); the GPUs'
-//! own collectives (NCCL) do not take that step yet.
+//! run as NCCL's collectives on the tensors (`local::nccl`), whose
+//! communicators the first device operation makes, or through its shared
+//! segment as for host tensors, each rank staging its slice in by copies and
+//! the final slots out (`local::staged`), as `FAIRRING_DEVICE_LOCAL` chooses.
 
 use fairring_core::{DataType, ReduceOp};
 use fairring_cuda::{DeviceSlice, DeviceSliceMut, Stream, device_of_pointer, sys};
@@ -357,9 +358,12 @@ impl Communicator {
         })
     }
 
-    /// The device side on GPU `ordinal`, made at the first device operation.
+    /// The device side on GPU `ordinal`, made at the first device operation,
+    /// with the machine's NCCL communicators where its ranks use them.
     pub(super) fn device_side(&self, ordinal: u32) -> Result<&DeviceSide> {
-        self.engine.memory.device_on(ordinal)
+        let side = self.engine.memory.device_on(ordinal)?;
+        self.nccl.connect(side.device(), &self.store)?;
+        Ok(side)
     }
 }
 

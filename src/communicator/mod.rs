@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::memory::DeviceTensor;
 use crate::memory::{HostTensor, MemoryKind, MemorySpace, Placed, PlacedTensor};
-use crate::store::{Store, TcpStoreServer};
+use crate::store::{PrefixStore, Store, TcpStoreServer};
 use crate::sync::unmodelled::AtomicU8;
 use fabric::AnyFabric;
 
@@ -70,9 +70,16 @@ pub struct Communicator {
     timeout: Duration,
     /// The byte each barrier all-reduces, per operation-table entry.
     barrier_bytes: Box<[AtomicU8]>,
+    /// Makes the machine's NCCL communicators at the first device operation.
+    #[cfg(feature = "cuda")]
+    nccl: crate::local::NcclSetup,
     // Dropped last: other ranks may still be reading the store while this one
-    // tears down.
-    _store: Arc<dyn Store>,
+    // tears down. The job's keys, scoped as the rendezvous scoped them.
+    #[cfg_attr(
+        not(feature = "cuda"),
+        expect(dead_code, reason = "read by the NCCL set-up")
+    )]
+    store: PrefixStore<Arc<dyn Store>>,
     _server: Option<TcpStoreServer>,
 }
 
@@ -105,6 +112,16 @@ impl Communicator {
     ) -> Result<Communicator> {
         let scoped = bootstrap::scoped(&config, &store);
         let built = bootstrap::build(&config, &scoped)?;
+        #[cfg(feature = "cuda")]
+        let nccl = crate::local::NcclSetup {
+            cell: built.nccl,
+            choice: config.device_local,
+            machine: built.location.machine,
+            local_rank: built.location.device,
+            local_ranks: built.topology.devices_per_machine(),
+            timeout: config.timeout,
+            making: Mutex::new(()),
+        };
         let engine = Arc::new(built.engine);
         let progress = start_progress(&engine, format!("fairring-progress-{}", config.rank))?;
         Ok(Communicator {
@@ -118,7 +135,9 @@ impl Communicator {
             servers: config.servers,
             timeout: config.timeout,
             barrier_bytes: (0..WORK_CAPACITY).map(|_| AtomicU8::new(0)).collect(),
-            _store: store,
+            #[cfg(feature = "cuda")]
+            nccl,
+            store: scoped,
             _server: server,
         })
     }

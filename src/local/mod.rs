@@ -6,9 +6,9 @@
 //!   processes sharing host memory ([`shm`], over the counter [`protocol`]);
 //!   [`PlacedStep`] for a communicator's host or device tensors, a device
 //!   tensor's step reaching it by copies on the GPU's streams (`alone` for a rank
-//!   alone on its machine, `staged` for several, through the shared segment);
-//!   [`Solo`] is the step of a dedicated server, which has none. The GPUs' own
-//!   collectives (NCCL) do not implement it yet.
+//!   alone on its machine; for several, `nccl`, the GPUs' own collectives, or
+//!   `staged`, through the shared segment, as `FAIRRING_DEVICE_LOCAL` chooses);
+//!   [`Solo`] is the step of a dedicated server, which has none.
 //! - [`Machine`] is the control area every local rank shares whatever its memory:
 //!   doorbells, the descriptors of operations, the first failure.
 //!
@@ -24,6 +24,8 @@ mod alone;
 #[cfg(all(test, loom))]
 mod loom_models;
 mod machine;
+#[cfg(feature = "cuda")]
+mod nccl;
 mod pieces;
 mod placed;
 pub(crate) mod protocol;
@@ -36,6 +38,8 @@ use fairring_core::plan::Slice;
 use fairring_core::{DataType, ReduceOp};
 
 pub(crate) use machine::{Machine, Words};
+#[cfg(feature = "cuda")]
+pub(crate) use nccl::{NcclCell, NcclSetup};
 pub(crate) use pieces::RailPieces;
 pub(crate) use placed::PlacedStep;
 pub(crate) use shm::ShmStep;
@@ -129,7 +133,9 @@ pub(crate) trait LocalStep<M: MemorySpace>: Send + Sync {
 
     /// The fences of copies the step started that no step of the engine
     /// holds (a staged step's copies in): the engine failed, and waits for
-    /// them before it declares its operations failed.
+    /// them before it declares its operations failed. A step whose work on
+    /// the device waits for other ranks (NCCL's kernels) stops it here, so
+    /// that every fence behind it passes.
     fn take_fences(&self) -> Vec<M::Fence> {
         Vec::new()
     }

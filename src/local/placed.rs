@@ -4,11 +4,15 @@
 //! tensor and the staging buffers on the GPU's streams: alone on its machine
 //! (`D = 1`), a rank's reduce-scatter copies the tensor's slot into the
 //! staging buffer and its all-gather the landed result back (`alone`); with
-//! several ranks per machine, the machine's reduction runs on the host in the
+//! several ranks per machine, the machine's reduction runs as NCCL's
+//! collectives on the tensors (`nccl`) where the machine's ranks made their
+//! communicators and the operator allows, and otherwise on the host in the
 //! shared segment, staged in and out by copies (`staged`).
 
 #[cfg(feature = "cuda")]
 use super::Waiting;
+#[cfg(feature = "cuda")]
+use super::nccl::{NcclCell, NcclStep};
 use super::shm::ShmStep;
 use super::{LocalSlice, LocalStep};
 #[cfg(feature = "cuda")]
@@ -26,14 +30,24 @@ pub(crate) struct PlacedStep {
     /// Announcements of the staged step waiting for their copies.
     #[cfg(feature = "cuda")]
     waiting: Waiting<DeviceFence>,
+    /// The machine's NCCL communicators, made at the first device operation.
+    #[cfg(feature = "cuda")]
+    nccl: NcclCell,
 }
 
 impl PlacedStep {
-    /// Over `shm`; device tensors use the device side in `memory`.
-    pub(crate) fn new(shm: ShmStep, memory: &Placed) -> PlacedStep {
+    /// Over `shm`; device tensors use the device side in `memory`, and
+    /// NCCL's communicators in `nccl` once made.
+    pub(crate) fn new(
+        shm: ShmStep,
+        memory: &Placed,
+        #[cfg(feature = "cuda")] nccl: NcclCell,
+    ) -> PlacedStep {
         #[cfg(not(feature = "cuda"))]
         let _ = memory;
         PlacedStep {
+            #[cfg(feature = "cuda")]
+            nccl,
             #[cfg(feature = "cuda")]
             waiting: Waiting::new(memory.buffers()),
             shm,
@@ -68,6 +82,10 @@ impl LocalStep<Placed> for PlacedStep {
         match s.tensor {
             PlacedTensor::Host(t) => self.shm.begin(&host(s, t)),
             #[cfg(feature = "cuda")]
+            PlacedTensor::Device(_) if self.nccl(s).is_some() => {
+                self.through_nccl(s)?.begin(&self.shm, s)
+            }
+            #[cfg(feature = "cuda")]
             PlacedTensor::Device(t) if self.staged() => {
                 self.shm
                     .begin_staged(s, &self.waiting, |in_tensor, staging| {
@@ -95,6 +113,11 @@ impl LocalStep<Placed> for PlacedStep {
                 .shm
                 .try_reduce_scatter(&host(s, t), final_world)?
                 .map(|()| PlacedFence::Passed)),
+            #[cfg(feature = "cuda")]
+            PlacedTensor::Device(t) if self.nccl(s).is_some() => Ok(self
+                .through_nccl(s)?
+                .try_reduce_scatter(&self.shm, self.side()?, s, t, final_world)?
+                .map(PlacedFence::Device)),
             #[cfg(feature = "cuda")]
             PlacedTensor::Device(t) if self.staged() => {
                 let ran = self.shm.try_reduce_scatter_staged(
@@ -153,6 +176,18 @@ impl LocalStep<Placed> for PlacedStep {
                 .try_all_gather(&host(s, t), own_in_tensor)?
                 .map(|()| PlacedFence::Passed)),
             #[cfg(feature = "cuda")]
+            PlacedTensor::Device(t) if self.nccl(s).is_some() => {
+                let ran = self.through_nccl(s)?.try_all_gather(
+                    &self.shm,
+                    self.side()?,
+                    &self.waiting,
+                    s,
+                    t,
+                    own_in_tensor,
+                )?;
+                Ok(ran.map(|f| f.map_or(PlacedFence::Passed, PlacedFence::Device)))
+            }
+            #[cfg(feature = "cuda")]
             PlacedTensor::Device(t) if self.staged() => {
                 let ran = self.shm.try_all_gather_staged(
                     s,
@@ -206,11 +241,14 @@ impl LocalStep<Placed> for PlacedStep {
 
     #[cfg(feature = "cuda")]
     fn awaits_fences(&self) -> bool {
-        self.waiting.any()
+        self.waiting.any() || self.made_nccl().is_some_and(NcclStep::waiting)
     }
 
     #[cfg(feature = "cuda")]
     fn take_fences(&self) -> Vec<PlacedFence> {
+        if let Some(nccl) = self.made_nccl() {
+            nccl.abort();
+        }
         self.waiting
             .take_fences()
             .into_iter()
@@ -225,6 +263,29 @@ impl PlacedStep {
     /// machine) or the lone one.
     fn staged(&self) -> bool {
         self.shm.size > 1
+    }
+
+    /// The machine's NCCL communicators, if its ranks made them.
+    fn made_nccl(&self) -> Option<&NcclStep> {
+        match self.nccl.get() {
+            Some(Ok(Some(step))) => Some(step),
+            _ => None,
+        }
+    }
+
+    /// The NCCL step, if slice `s` of a device tensor goes through it.
+    fn nccl(&self, s: &LocalSlice<'_, Placed>) -> Option<&NcclStep> {
+        self.made_nccl().filter(|_| NcclStep::takes(s))
+    }
+
+    /// The NCCL step slice `s` goes through.
+    fn through_nccl(&self, s: &LocalSlice<'_, Placed>) -> Result<&NcclStep> {
+        self.nccl(s).ok_or_else(|| {
+            Error::internal(
+                "a slice goes through NCCL only where its communicators exist",
+                format!("slice {}", s.number),
+            )
+        })
     }
 
     fn side(&self) -> Result<&crate::memory::DeviceSide> {

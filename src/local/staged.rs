@@ -42,7 +42,7 @@ use crate::memory::{MemorySpace, reduce_into};
 
 /// What a staged step announces once a buffer's copies have ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Announce {
+pub(super) enum Announce {
     InputReady,
     Done,
 }
@@ -146,7 +146,7 @@ impl ShmStep {
 
     /// Holds `announce` of slice `number` in `buffer` until `fence` ends, or
     /// makes it now if no copy was needed.
-    fn announce_after<F>(
+    pub(super) fn announce_after<F>(
         &self,
         waiting: &Waiting<F>,
         buffer: u32,

@@ -237,7 +237,9 @@ impl DeviceSide {
         }
     }
 
-    fn stream(&self, buffer: u32) -> Result<&Stream> {
+    /// The stream of staging buffer `buffer`: its slice's copies, and the
+    /// machine's collectives (NCCL) of that slice.
+    pub(crate) fn stream(&self, buffer: u32) -> Result<&Stream> {
         self.streams.get(buffer as usize).ok_or_else(|| {
             Error::internal(
                 "every staging buffer has its stream",
@@ -262,6 +264,30 @@ impl DeviceSide {
             event: Some(event),
             pool: Arc::clone(&self.fences),
         })
+    }
+
+    /// A fence after everything enqueued so far on buffer `buffer`'s stream.
+    pub(crate) fn fence_on(&self, buffer: u32) -> Result<DeviceFence> {
+        self.fence(self.stream(buffer)?)
+    }
+
+    /// Bytes `range` of `tensor`, as a view the GPU layer's calls take.
+    ///
+    /// # Safety
+    ///
+    /// The engine calls it only once the operation's start has passed, for
+    /// bytes no other call of the engine writes until the work it enqueues
+    /// with the view has ended; `tensor` is valid under its operation's
+    /// contract.
+    pub(crate) unsafe fn tensor_bytes(
+        &self,
+        tensor: &DeviceTensor,
+        range: Range<usize>,
+    ) -> Result<DeviceSliceMut<'_>> {
+        let at = tensor.at(&range)?;
+        // SAFETY: `at..at + len` lies within the tensor (checked), device
+        // memory valid and not written elsewhere (this function's contract).
+        Ok(unsafe { DeviceSliceMut::from_raw(at, range.len(), &self.device) })
     }
 
     /// Whether `fence` has passed.

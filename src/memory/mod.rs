@@ -43,8 +43,9 @@
 //! | [`reduce_in_tensor`](MemorySpace::reduce_in_tensor) | the host kernels, into the tensor | refused (never asked) |
 //!
 //! Staging in device memory (GPUDirect RDMA over verbs, where the device
-//! reduction kernel would reduce) and the intra-machine step of several GPUs
-//! (NCCL) are not built yet.
+//! reduction kernel would reduce) is not built yet. The intra-machine step of
+//! several GPUs (NCCL's collectives, or staged through the host) is the local
+//! step's (`crate::local`), on the streams of this memory space.
 
 #[cfg(feature = "cuda")]
 mod device;
