@@ -21,6 +21,8 @@
 
 #[cfg(any(feature = "cuda", all(test, not(loom))))]
 mod alone;
+#[cfg(any(feature = "cuda", all(test, not(loom))))]
+mod issue_order;
 #[cfg(all(test, loom))]
 mod loom_models;
 mod machine;

@@ -30,10 +30,11 @@
 //! same order. The engine may reach slices' steps in different orders on
 //! different ranks (a buffer's turn, a peer's landing), so the step keeps two
 //! communicators, one for reduce-scatters and one for all-gathers, and issues
-//! on each in slice order: a step whose slice is not the oldest waiting for
-//! that communicator returns `None` and is retried. Every rank begins the
-//! same slices in the same order, so the orders agree. The two
-//! communicators' kernels may run at once, as PyTorch's process groups' do.
+//! on each in slice order ([`IssueOrder`]): a step whose slice is not the
+//! oldest waiting for that communicator returns `None` and is retried. Every
+//! rank begins the same slices in the same order, so the orders agree. The
+//! two communicators' kernels may run at once, as PyTorch's process groups'
+//! do.
 //!
 //! # Semantics
 //!
@@ -43,7 +44,6 @@
 //! the host step accumulates in `f32`). Float minima and maxima take the
 //! host-staged step, which keeps fairring's NaN and signed-zero rules.
 
-use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::Duration;
@@ -54,6 +54,7 @@ use fairring_cuda::nccl::{Communicator, UniqueId, group};
 
 use super::LocalSlice;
 use super::Waiting;
+use super::issue_order::{GatherTurn, IssueOrder};
 use super::shm::{ShmStep, for_each_run, slice_range, slot_range};
 use super::staged::Announce;
 use crate::config::DeviceLocal;
@@ -68,13 +69,7 @@ pub(crate) struct NcclStep {
     reduce: Communicator,
     /// All-gathers, in slice order.
     gather: Communicator,
-    order: Mutex<Order>,
-}
-
-/// The slices waiting for each communicator, oldest first.
-struct Order {
-    reduce: VecDeque<u64>,
-    gather: VecDeque<u64>,
+    order: Mutex<IssueOrder>,
 }
 
 /// Made at the first device operation: `Ok(None)` where the machine's
@@ -89,15 +84,14 @@ impl NcclStep {
         !(s.dtype.is_float() && matches!(s.op, ReduceOp::Min | ReduceOp::Max))
     }
 
-    fn lock(&self) -> MutexGuard<'_, Order> {
+    fn lock(&self) -> MutexGuard<'_, IssueOrder> {
         self.order.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Whether a slice waits for its turn on a communicator: nothing rings a
     /// doorbell when its turn comes, so the progress thread naps short.
     pub(crate) fn waiting(&self) -> bool {
-        let order = self.lock();
-        !order.reduce.is_empty() || !order.gather.is_empty()
+        self.lock().waiting()
     }
 
     /// The engine failed: stops the communicators, so that kernels waiting
@@ -109,7 +103,7 @@ impl NcclStep {
 
     /// Step 1.
     pub(crate) fn begin(&self, shm: &ShmStep, s: &LocalSlice<'_, Placed>) -> Result<()> {
-        self.lock().reduce.push_back(s.number);
+        self.lock().begun(s.number);
         shm.protocol
             .stage_in(&*shm.segment, s.buffer, s.number, || Ok(()))
     }
@@ -126,7 +120,7 @@ impl NcclStep {
         final_world: Option<u32>,
     ) -> Result<Option<DeviceFence>> {
         let mut order = self.lock();
-        if order.reduce.front() != Some(&s.number) {
+        if !order.reduce_turn(s.number) {
             return Ok(None);
         }
         let base = slice_range(s.slice)?.start;
@@ -190,10 +184,7 @@ impl NcclStep {
         if !ran {
             return Ok(None);
         }
-        order.reduce.pop_front();
-        if final_world.is_none() && s.pieces.is_none() {
-            order.gather.push_back(s.number);
-        }
+        order.reduced(final_world.is_none() && s.pieces.is_none());
         Ok(fence)
     }
 
@@ -216,16 +207,17 @@ impl NcclStep {
             ));
         }
         let mut order = self.lock();
-        if !order.gather.contains(&s.number) {
-            // A single machine's all-reduce left the whole slice in the
-            // tensor: nothing to gather.
-            let ran = shm
-                .protocol
-                .try_all_gather(&*shm.segment, s.buffer, s.number, || Ok::<_, Error>(()))?;
-            return Ok(ran.then_some(None));
-        }
-        if order.gather.front() != Some(&s.number) {
-            return Ok(None);
+        match order.gather_turn(s.number) {
+            GatherTurn::Now => {}
+            GatherTurn::Later => return Ok(None),
+            GatherTurn::Nothing => {
+                // A single machine's all-reduce left the whole slice in the
+                // tensor.
+                let ran = shm
+                    .protocol
+                    .try_all_gather(&*shm.segment, s.buffer, s.number, || Ok::<_, Error>(()))?;
+                return Ok(ran.then_some(None));
+            }
         }
         let base = slice_range(s.slice)?.start;
         let mut fence = None;
@@ -265,7 +257,7 @@ impl NcclStep {
         if !ran {
             return Ok(None);
         }
-        order.gather.pop_front();
+        order.gathered();
         shm.announce_after(waiting, s.buffer, s.number, Announce::Done, Some(None))?;
         Ok(Some(fence))
     }
@@ -406,10 +398,7 @@ impl NcclSetup {
             (None, Ok((reduce, gathers))) => Ok(Some(NcclStep {
                 reduce,
                 gather: gathers,
-                order: Mutex::new(Order {
-                    reduce: VecDeque::with_capacity(ORDER_CAPACITY),
-                    gather: VecDeque::with_capacity(ORDER_CAPACITY),
-                }),
+                order: Mutex::new(IssueOrder::with_capacity(ORDER_CAPACITY)),
             })),
             (refusal, joined) => {
                 if let Ok((reduce, gathers)) = &joined {
