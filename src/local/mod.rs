@@ -6,8 +6,9 @@
 //!   processes sharing host memory ([`shm`], over the counter [`protocol`]);
 //!   [`PlacedStep`] for a communicator's host or device tensors, a device
 //!   tensor's step reaching it by copies on the GPU's streams (`alone` for a rank
-//!   alone on its machine; for several, `nccl`, the GPUs' own collectives, or
-//!   `staged`, through the shared segment, as `FAIRRING_DEVICE_LOCAL` chooses);
+//!   alone on its machine; for several, `collectives`, the GPUs' own (NCCL's,
+//!   `nccl`), or `staged`, through the shared segment, as
+//!   `FAIRRING_DEVICE_LOCAL` chooses);
 //!   [`Solo`] is the step of a dedicated server, which has none.
 //! - [`Machine`] is the control area every local rank shares whatever its memory:
 //!   doorbells, the descriptors of operations, the first failure.
@@ -21,6 +22,8 @@
 
 #[cfg(any(feature = "cuda", all(test, not(loom))))]
 mod alone;
+#[cfg(any(feature = "cuda", all(test, not(loom))))]
+mod collectives;
 #[cfg(any(feature = "cuda", all(test, not(loom))))]
 mod issue_order;
 #[cfg(all(test, loom))]
@@ -39,6 +42,8 @@ mod staged;
 use fairring_core::plan::Slice;
 use fairring_core::{DataType, ReduceOp};
 
+#[cfg(all(test, not(loom)))]
+pub(crate) use collectives::{CollectiveStep, Collectives, Comm};
 pub(crate) use machine::{Machine, Words};
 #[cfg(feature = "cuda")]
 pub(crate) use nccl::{NcclCell, NcclSetup};

@@ -12,7 +12,9 @@
 #[cfg(feature = "cuda")]
 use super::Waiting;
 #[cfg(feature = "cuda")]
-use super::nccl::{NcclCell, NcclStep};
+use super::collectives::CollectiveStep;
+#[cfg(feature = "cuda")]
+use super::nccl::{NcclCell, NcclComms, OnGpu};
 use super::shm::ShmStep;
 use super::{LocalSlice, LocalStep};
 #[cfg(feature = "cuda")]
@@ -33,6 +35,9 @@ pub(crate) struct PlacedStep {
     /// The machine's NCCL communicators, made at the first device operation.
     #[cfg(feature = "cuda")]
     nccl: NcclCell,
+    /// The order this rank issues NCCL's collectives in.
+    #[cfg(feature = "cuda")]
+    collective: CollectiveStep,
 }
 
 impl PlacedStep {
@@ -48,6 +53,8 @@ impl PlacedStep {
         PlacedStep {
             #[cfg(feature = "cuda")]
             nccl,
+            #[cfg(feature = "cuda")]
+            collective: CollectiveStep::new(),
             #[cfg(feature = "cuda")]
             waiting: Waiting::new(memory.buffers()),
             shm,
@@ -83,7 +90,7 @@ impl LocalStep<Placed> for PlacedStep {
             PlacedTensor::Host(t) => self.shm.begin(&host(s, t)),
             #[cfg(feature = "cuda")]
             PlacedTensor::Device(_) if self.nccl(s).is_some() => {
-                self.through_nccl(s)?.begin(&self.shm, s)
+                self.collective.begin(&self.shm, s)
             }
             #[cfg(feature = "cuda")]
             PlacedTensor::Device(t) if self.staged() => {
@@ -115,8 +122,8 @@ impl LocalStep<Placed> for PlacedStep {
                 .map(|()| PlacedFence::Passed)),
             #[cfg(feature = "cuda")]
             PlacedTensor::Device(t) if self.nccl(s).is_some() => Ok(self
-                .through_nccl(s)?
-                .try_reduce_scatter(&self.shm, self.side()?, s, t, final_world)?
+                .collective
+                .try_reduce_scatter(&self.shm, &self.on_gpu(s)?, s, t, final_world)?
                 .map(PlacedFence::Device)),
             #[cfg(feature = "cuda")]
             PlacedTensor::Device(t) if self.staged() => {
@@ -177,9 +184,9 @@ impl LocalStep<Placed> for PlacedStep {
                 .map(|()| PlacedFence::Passed)),
             #[cfg(feature = "cuda")]
             PlacedTensor::Device(t) if self.nccl(s).is_some() => {
-                let ran = self.through_nccl(s)?.try_all_gather(
+                let ran = self.collective.try_all_gather(
                     &self.shm,
-                    self.side()?,
+                    &self.on_gpu(s)?,
                     &self.waiting,
                     s,
                     t,
@@ -241,7 +248,7 @@ impl LocalStep<Placed> for PlacedStep {
 
     #[cfg(feature = "cuda")]
     fn awaits_fences(&self) -> bool {
-        self.waiting.any() || self.made_nccl().is_some_and(NcclStep::waiting)
+        self.waiting.any() || self.collective.waiting()
     }
 
     #[cfg(feature = "cuda")]
@@ -266,25 +273,31 @@ impl PlacedStep {
     }
 
     /// The machine's NCCL communicators, if its ranks made them.
-    fn made_nccl(&self) -> Option<&NcclStep> {
+    fn made_nccl(&self) -> Option<&NcclComms> {
         match self.nccl.get() {
-            Some(Ok(Some(step))) => Some(step),
+            Some(Ok(Some(comms))) => Some(comms),
             _ => None,
         }
     }
 
-    /// The NCCL step, if slice `s` of a device tensor goes through it.
-    fn nccl(&self, s: &LocalSlice<'_, Placed>) -> Option<&NcclStep> {
-        self.made_nccl().filter(|_| NcclStep::takes(s))
+    /// The NCCL communicators, if slice `s` of a device tensor goes through
+    /// them.
+    fn nccl(&self, s: &LocalSlice<'_, Placed>) -> Option<&NcclComms> {
+        self.made_nccl()
+            .filter(|_| CollectiveStep::takes(s.dtype, s.op))
     }
 
-    /// The NCCL step slice `s` goes through.
-    fn through_nccl(&self, s: &LocalSlice<'_, Placed>) -> Result<&NcclStep> {
-        self.nccl(s).ok_or_else(|| {
+    /// NCCL's collectives on the device side, for slice `s`.
+    fn on_gpu(&self, s: &LocalSlice<'_, Placed>) -> Result<OnGpu<'_>> {
+        let comms = self.nccl(s).ok_or_else(|| {
             Error::internal(
                 "a slice goes through NCCL only where its communicators exist",
                 format!("slice {}", s.number),
             )
+        })?;
+        Ok(OnGpu {
+            comms,
+            side: self.side()?,
         })
     }
 

@@ -37,8 +37,9 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::super::work::{WORK_CAPACITY, slot_of};
+use super::collectives::{Call, SimCollectives, SimMachine};
 use crate::error::{Error, Result};
-use crate::local::{LocalSlice, LocalStep, ShmStep, Waiting};
+use crate::local::{CollectiveStep, LocalSlice, LocalStep, ShmStep, Waiting};
 use crate::memory::{Conversion, Host, HostTensor, MemorySpace, Reduction};
 
 /// How the engine meets the callers' streams (see the module docs).
@@ -54,13 +55,15 @@ pub(super) enum Design {
 
 /// One item of a stream.
 #[derive(Clone, Copy, Debug)]
-enum Item {
+pub(super) enum Item {
     /// `len` bytes from address `from` to address `to`.
     Copy { to: usize, from: usize, len: usize },
     /// Until stream `stream` has run `at` items (a wait on an event).
     WaitFor { stream: usize, at: u64 },
     /// Until done word `slot` is at least `value`.
     WaitWord { slot: usize, value: u64 },
+    /// A collective among the machine's ranks (`collectives`).
+    Collective(Call),
 }
 
 #[derive(Default)]
@@ -81,6 +84,8 @@ pub(super) struct Gpu {
     words: Vec<u64>,
     /// Whether the device side exists (made at the first device operation).
     made: bool,
+    /// The machine whose collectives this GPU joins, and its local rank.
+    machine: Option<(SimMachine, u32)>,
 }
 
 impl Gpu {
@@ -110,6 +115,10 @@ impl Gpu {
             Some(Item::Copy { .. }) => true,
             Some(&Item::WaitFor { stream: s, at }) => self.passed(s, at),
             Some(&Item::WaitWord { slot, value }) => self.words[slot] >= value,
+            Some(Item::Collective(call)) => self
+                .machine
+                .as_ref()
+                .is_some_and(|(machine, rank)| machine.can_run(*rank, call)),
         }
     }
 
@@ -117,6 +126,13 @@ impl Gpu {
     fn run_one(&mut self, stream: usize) -> bool {
         if !self.runnable(stream) {
             return false;
+        }
+        if let (Some(&Item::Collective(call)), Some((machine, rank))) =
+            (self.streams[stream].items.front(), &self.machine)
+            && !machine.run(*rank, &call)
+        {
+            // It arrived, and waits for the other ranks.
+            return true;
         }
         let s = &mut self.streams[stream];
         if let Some(Item::Copy { to, from, len }) = s.items.pop_front() {
@@ -179,7 +195,7 @@ pub(super) struct DeviceTensor {
 }
 
 impl DeviceTensor {
-    fn at(&self, range: &Range<usize>) -> Result<usize> {
+    pub(super) fn at(&self, range: &Range<usize>) -> Result<usize> {
         if range.start > range.end || range.end > self.len {
             return Err(Error::internal(
                 "tensor ranges lie within the tensor",
@@ -226,12 +242,20 @@ impl SimMemory {
                 streams,
                 words: vec![0; WORK_CAPACITY],
                 made: false,
+                machine: None,
             }))),
         }
     }
 
     pub(super) fn gpu(&self) -> std::sync::MutexGuard<'_, Gpu> {
         self.gpu.lock()
+    }
+
+    /// Local rank `rank`'s collectives among `machine`'s GPUs, this one
+    /// joining them.
+    pub(super) fn join(&self, machine: &SimMachine, rank: u32) -> SimCollectives {
+        self.gpu().machine = Some((machine.clone(), rank));
+        SimCollectives::new(self.gpu.clone(), machine.clone(), rank)
     }
 
     /// The caller's part of submitting a device operation on `words`: its
@@ -287,6 +311,17 @@ impl SimGpu {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Enqueues `item` on stream `stream`.
+    pub(super) fn push(&self, stream: usize, item: Item) {
+        self.lock().push(stream, item);
+    }
+
+    /// A fence at the end of stream `stream`.
+    pub(super) fn end_of(&self, stream: usize) -> SimFence {
+        let at = self.lock().streams[stream].enqueued;
+        SimFence::Device { stream, at }
+    }
+
     /// Enqueues a copy of `len` bytes on engine stream `stream`, after the
     /// start of `tensor`'s operation where the design waits for it there.
     fn copy(
@@ -313,7 +348,7 @@ impl SimGpu {
     }
 
     /// Copies bytes `from` of `tensor` into `staging` of buffer `buffer`.
-    fn copy_to_staging(
+    pub(super) fn copy_to_staging(
         &self,
         buffer: u32,
         staging: &mut [u8],
@@ -331,7 +366,7 @@ impl SimGpu {
     }
 
     /// Copies `staging` of buffer `buffer` into bytes `to` of `tensor`.
-    fn copy_from_staging(
+    pub(super) fn copy_from_staging(
         &self,
         buffer: u32,
         staging: &[u8],
@@ -501,15 +536,44 @@ pub(super) struct SimStep {
     /// Announcements of the staged step (several ranks per machine) waiting
     /// for their copies.
     waiting: Waiting<SimFence>,
+    /// The machine's collectives, where its ranks reduce device tensors
+    /// through them, and the order this rank issues them in.
+    collectives: Option<SimCollectives>,
+    collective: CollectiveStep,
 }
 
 impl SimStep {
-    pub(super) fn new(shm: ShmStep, memory: &SimMemory) -> SimStep {
+    /// Over `shm` and `memory`'s GPU; device tensors of several ranks per
+    /// machine go through `collectives` where given (as through NCCL), and
+    /// are staged through the host otherwise.
+    pub(super) fn new(
+        shm: ShmStep,
+        memory: &SimMemory,
+        collectives: Option<SimCollectives>,
+    ) -> SimStep {
         SimStep {
             shm,
             gpu: memory.gpu.clone(),
             waiting: Waiting::new(memory.host.buffers()),
+            collectives,
+            collective: CollectiveStep::new(),
         }
+    }
+
+    /// The collectives, if slice `s` of a device tensor goes through them.
+    fn collectives(&self, s: &LocalSlice<'_, SimMemory>) -> Option<&SimCollectives> {
+        self.collectives
+            .as_ref()
+            .filter(|_| CollectiveStep::takes(s.dtype, s.op))
+    }
+
+    fn through(&self, s: &LocalSlice<'_, SimMemory>) -> Result<&SimCollectives> {
+        self.collectives(s).ok_or_else(|| {
+            Error::internal(
+                "a slice goes through the collectives only where they exist",
+                format!("slice {}", s.number),
+            )
+        })
     }
 
     /// Whether the machine's ranks reach their device tensors through the
@@ -551,6 +615,9 @@ impl LocalStep<SimMemory> for SimStep {
     fn begin(&self, s: &LocalSlice<'_, SimMemory>) -> Result<()> {
         match s.tensor {
             SimTensor::Host(t) => self.shm.begin(&host(s, t)),
+            SimTensor::Device(_) if self.collectives(s).is_some() => {
+                self.collective.begin(&self.shm, s)
+            }
             SimTensor::Device(t) if self.staged() => {
                 self.shm
                     .begin_staged(s, &self.waiting, |in_tensor, staging| {
@@ -571,6 +638,9 @@ impl LocalStep<SimMemory> for SimStep {
                 .shm
                 .try_reduce_scatter(&host(s, t), final_world)?
                 .map(|()| SimFence::Passed)),
+            SimTensor::Device(t) if self.collectives(s).is_some() => self
+                .collective
+                .try_reduce_scatter(&self.shm, self.through(s)?, s, t, final_world),
             SimTensor::Device(t) if self.staged() => {
                 let ran = self.shm.try_reduce_scatter_staged(
                     s,
@@ -612,6 +682,17 @@ impl LocalStep<SimMemory> for SimStep {
                 .shm
                 .try_all_gather(&host(s, t), own_in_tensor)?
                 .map(|()| SimFence::Passed)),
+            SimTensor::Device(t) if self.collectives(s).is_some() => {
+                let ran = self.collective.try_all_gather(
+                    &self.shm,
+                    self.through(s)?,
+                    &self.waiting,
+                    s,
+                    t,
+                    own_in_tensor,
+                )?;
+                Ok(ran.map(fence))
+            }
             SimTensor::Device(t) if self.staged() => {
                 let ran = self.shm.try_all_gather_staged(
                     s,
@@ -651,10 +732,13 @@ impl LocalStep<SimMemory> for SimStep {
     }
 
     fn awaits_fences(&self) -> bool {
-        self.waiting.any()
+        self.waiting.any() || self.collective.waiting()
     }
 
     fn take_fences(&self) -> Vec<SimFence> {
+        if let Some(collectives) = &self.collectives {
+            collectives.abort();
+        }
         self.waiting.take_fences()
     }
 }

@@ -20,7 +20,10 @@
 //! whose copies end at drawn steps, start events, and callers that submit
 //! behind stream waits on earlier operations, as PyTorch does, and make their
 //! streams wait on operations at drawn times; a lone rank of a machine takes
-//! the communicator's lone device step, several the staged one
+//! the communicator's lone device step, several (for half the seeds) the
+//! machine's collectives, as through NCCL ([`collectives`]: calls that meet
+//! across the machine's simulated GPUs, ranks issuing out of order failing
+//! the seed, a failing rank aborting its calls), or the staged one
 //! (`local::staged`). It then checks:
 //!
 //! - every operation a rank reports done holds exactly the expected values;
@@ -38,6 +41,7 @@
     reason = "test values wrap into their element types on purpose"
 )]
 
+mod collectives;
 mod device;
 mod fabric;
 
@@ -58,6 +62,7 @@ use super::{DirectSettings, Engine, EngineParts, Strides};
 use crate::local::{LocalSlice, LocalStep, Machine, ShmStep, Solo};
 use crate::memory::{Host, HostTensor, MemoryKind, MemorySpace};
 use crate::shm::Segment;
+use collectives::SimMachine;
 use device::{Design, SimFence, SimMemory, SimStep, SimTensor};
 use fabric::{Network, SimFabric};
 
@@ -228,6 +233,9 @@ struct Outcome {
     steps: u64,
     /// Operations on device tensors done.
     device: usize,
+    /// ... of them with several ranks per machine, through the machine's
+    /// collectives.
+    collective: usize,
     killed: Option<u32>,
     done: usize,
     failed: usize,
@@ -244,6 +252,7 @@ fn build_job(
     net: &Arc<std::sync::Mutex<Network>>,
     direct: DirectSettings,
     design: Design,
+    collectives: bool,
     timeout: Duration,
     wrap: impl Fn(u32, SimStep) -> Box<dyn LocalStep<SimMemory>>,
 ) -> Result<Vec<Engine<SimFabric, SimMemory>>, String> {
@@ -263,6 +272,9 @@ fn build_job(
         .map(|_| Segment::anonymous(d, buffers, layout.buffer_bytes()).map(Arc::new))
         .collect::<crate::Result<_>>()
         .map_err(|e| e.to_string())?;
+    // Device tensors of several ranks per machine go through the machine's
+    // collectives where `collectives`, through the host otherwise.
+    let machines: Vec<SimMachine> = (0..m).map(|_| SimMachine::new(d)).collect();
     let mut parts = Vec::new();
     for rank in 0..world {
         let location = topology.locate(rank).map_err(|e| e.to_string())?;
@@ -271,11 +283,14 @@ fn build_job(
             Host::new(Arc::clone(segment), location.device, buffers),
             design,
         );
+        let joined = (collectives && d > 1)
+            .then(|| memory.join(&machines[location.machine as usize], location.device));
         let local = wrap(
             rank,
             SimStep::new(
                 ShmStep::new(Arc::clone(segment), location.device, d, buffers),
                 &memory,
+                joined,
             ),
         );
         let machine = Machine::new(Arc::clone(segment), location.device, d);
@@ -382,6 +397,9 @@ struct Scenario {
     /// Per operation: whether its tensors are device memory, on the
     /// simulated GPU (one rank per machine, as the communicator takes them).
     device: Vec<bool>,
+    /// Whether several ranks per machine reduce device tensors through the
+    /// machine's collectives (as through NCCL) rather than the host.
+    collectives: bool,
 }
 
 impl Scenario {
@@ -488,6 +506,8 @@ impl Scenario {
             2 => ops.iter().map(|_| rng.below(2) == 0).collect(),
             _ => vec![false; ops.len()],
         };
+        // Drawn last, as above.
+        let collectives = rng.below(2) == 0;
         Scenario {
             machines: m,
             devices: d,
@@ -500,6 +520,7 @@ impl Scenario {
             kill,
             direct,
             device,
+            collectives,
         }
     }
 
@@ -563,6 +584,7 @@ fn play(sc: &Scenario, rng: &mut Rng, design: Design, step_limit: u64) -> Result
         &net,
         direct,
         design,
+        sc.collectives,
         Duration::from_secs(3600),
         |_, step| Box::new(step),
     )?;
@@ -783,12 +805,16 @@ fn play(sc: &Scenario, rng: &mut Rng, design: Design, step_limit: u64) -> Result
         }
         let failed = rank.settled.iter().filter(|s| **s == Some(false)).count();
         outcome.done += rank.settled.len() - failed;
-        outcome.device += rank
+        let device_done = rank
             .settled
             .iter()
             .zip(&sc.device)
             .filter(|&(s, &d)| d && *s == Some(true))
             .count();
+        outcome.device += device_done;
+        if sc.collectives && d > 1 {
+            outcome.collective += device_done;
+        }
         outcome.failed += failed;
         match (kill, rank.engine.failure()) {
             (None, Some(e)) => return Err(format!("rank {r} failed with no fault injected: {e}")),
@@ -872,7 +898,8 @@ fn seeds() -> Vec<u64> {
 #[test]
 fn seeded_schedules_settle_with_exact_results() {
     let seeds = seeds();
-    let (mut killed, mut steps, mut done, mut failed, mut device) = (0, 0, 0, 0, 0);
+    let (mut killed, mut steps, mut done, mut failed) = (0, 0, 0, 0);
+    let (mut device, mut collective) = (0, 0);
     for &seed in &seeds {
         let result = std::panic::catch_unwind(|| run(seed, Design::GateOnHost));
         let outcome = match result {
@@ -889,16 +916,22 @@ fn seeded_schedules_settle_with_exact_results() {
         done += outcome.done;
         failed += outcome.failed;
         device += outcome.device;
+        collective += outcome.collective;
     }
     eprintln!(
         "simulation: {} seeds ({killed} with a killed rank), {steps} steps, {done} operations \
-         done ({device} on the simulated device), {failed} failed",
+         done ({device} on the simulated device, {collective} of them through a machine's \
+         collectives), {failed} failed",
         seeds.len()
     );
     assert!(done > 0);
     assert!(
         seeds.len() < 100 || device > 0,
         "the seeds run device operations"
+    );
+    assert!(
+        seeds.len() < 100 || collective > 0,
+        "the seeds run device operations through a machine's collectives"
     );
 }
 
@@ -953,6 +986,7 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
             kill: None,
             direct: DirectSettings::from(None),
             device: vec![false; 6],
+            collectives: false,
         };
         match play(&scenario, &mut rng, Design::GateOnHost, STEP_LIMIT) {
             Ok(outcome) => checked += outcome.done,
@@ -986,6 +1020,7 @@ fn small_job(
         &net,
         DirectSettings::from(None),
         design,
+        false,
         timeout,
         wrap,
     )

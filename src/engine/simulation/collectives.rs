@@ -1,0 +1,325 @@
+//! The GPUs' own collectives among a simulated machine's ranks (NCCL's, on a
+//! real machine): what the simulation's ranks run the collective local step
+//! ([`CollectiveStep`](crate::local::CollectiveStep)) on, so that its order
+//! and its failure path are checked on every seed.
+//!
+//! - A call is an item on the engine stream of the staging buffer it serves,
+//!   on the rank that issues it. It **arrives** when it reaches the head of
+//!   its stream (the items before it have run: its bytes are in place), and
+//!   **meets** once every rank of the machine has arrived at the call of the
+//!   same index on the same communicator, as NCCL's kernels do.
+//! - Calls that meet must agree (what they do, how many bytes, which root):
+//!   ranks that issue in different orders would hang or mix slices under
+//!   NCCL, and here the seed fails naming the two calls.
+//! - When the last rank arrives, the call moves every rank's bytes at once:
+//!   an all-reduce, a reduce onto its root, a broadcast from it, in place,
+//!   with fairring-core's host kernels.
+//! - An aborted rank's calls end without moving anything, as NCCL's kernels
+//!   do after `ncclCommAbort`; a killed rank's calls never arrive, so its
+//!   peers' calls wait until they abort in turn.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use fairring_core::reduce::finish_avg_bytes;
+use fairring_core::{DataType, ReduceOp};
+
+use super::device::{DeviceTensor, Item, SimFence, SimGpu};
+use crate::error::Result;
+use crate::local::{Collectives, Comm};
+use crate::memory::reduce_into;
+
+/// What a call does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kind {
+    AllReduce {
+        dtype: DataType,
+        op: ReduceOp,
+    },
+    Reduce {
+        dtype: DataType,
+        op: ReduceOp,
+        root: u32,
+    },
+    Broadcast {
+        root: u32,
+    },
+}
+
+/// One call of one rank: the `index`th on `comm`, over `len` bytes at `at`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Call {
+    comm: Comm,
+    index: u64,
+    kind: Kind,
+    at: usize,
+    len: usize,
+}
+
+/// The calls of one index on one communicator, as the ranks arrive.
+struct Meeting {
+    /// Per local rank: where its bytes are, once it has arrived.
+    arrived: Vec<Option<usize>>,
+    /// What the first to arrive does, and over how many bytes.
+    call: (Kind, usize),
+    done: bool,
+}
+
+/// A machine's calls.
+struct Calls {
+    ranks: u32,
+    meetings: HashMap<(Comm, u64), Meeting>,
+    aborted: Vec<bool>,
+}
+
+/// The collectives of one simulated machine, shared by its ranks' GPUs.
+#[derive(Clone)]
+pub(super) struct SimMachine(Arc<Mutex<Calls>>);
+
+impl SimMachine {
+    /// A machine of `ranks` ranks.
+    pub(super) fn new(ranks: u32) -> SimMachine {
+        SimMachine(Arc::new(Mutex::new(Calls {
+            ranks,
+            meetings: HashMap::new(),
+            aborted: vec![false; ranks as usize],
+        })))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Calls> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether `rank`'s `call`, at the head of its stream, can move: arrive,
+    /// or end (it met, or the rank aborted).
+    pub(super) fn can_run(&self, rank: u32, call: &Call) -> bool {
+        let calls = self.lock();
+        if calls.aborted[rank as usize] {
+            return true;
+        }
+        match calls.meetings.get(&(call.comm, call.index)) {
+            None => true,
+            Some(m) => m.done || m.arrived[rank as usize].is_none(),
+        }
+    }
+
+    /// Moves `rank`'s `call` on: it arrives (and meets, if it is the last),
+    /// or ends. Returns whether it ended (leaves its stream).
+    ///
+    /// # Panics
+    ///
+    /// If the call disagrees with those it meets: the ranks issued out of
+    /// order (the model's finding, which fails the seed).
+    pub(super) fn run(&self, rank: u32, call: &Call) -> bool {
+        let mut calls = self.lock();
+        if calls.aborted[rank as usize] {
+            return true;
+        }
+        let ranks = calls.ranks as usize;
+        let meeting = calls
+            .meetings
+            .entry((call.comm, call.index))
+            .or_insert_with(|| Meeting {
+                arrived: vec![None; ranks],
+                call: (call.kind, call.len),
+                done: false,
+            });
+        if meeting.done {
+            return true;
+        }
+        assert!(
+            meeting.call == (call.kind, call.len),
+            "collective mismatch: local rank {rank}'s call {} on {:?} is {:?} over {} bytes, \
+             and another rank's is {:?} over {} bytes",
+            call.index,
+            call.comm,
+            call.kind,
+            call.len,
+            meeting.call.0,
+            meeting.call.1,
+        );
+        meeting.arrived[rank as usize] = Some(call.at);
+        if meeting.arrived.iter().all(Option::is_some) {
+            let at: Vec<usize> = meeting.arrived.iter().flatten().copied().collect();
+            // SAFETY: the ranks' bytes are tensors of the simulation, alive
+            // until it ends, untouched while the call heads their streams
+            // (the engine's contract for a collective's bytes).
+            unsafe { meet(call.kind, &at, call.len) };
+            meeting.done = true;
+        }
+        false
+    }
+
+    /// `rank` aborted its communicators: its calls end.
+    pub(super) fn abort(&self, rank: u32) {
+        self.lock().aborted[rank as usize] = true;
+    }
+}
+
+/// Moves the bytes of a call every rank has arrived at: `len` bytes at each
+/// of `at` (by local rank).
+///
+/// # Safety
+///
+/// Each `at[r]..at[r] + len` is memory of the simulation that nothing else
+/// reads or writes meanwhile; they do not overlap.
+unsafe fn meet(kind: Kind, at: &[usize], len: usize) {
+    // SAFETY: forwarded.
+    let bytes = |r: usize| unsafe { std::slice::from_raw_parts_mut(at[r] as *mut u8, len) };
+    let reduced = |dtype: DataType, op: ReduceOp| {
+        let mut sum = bytes(0).to_vec();
+        let mut others = (1..at.len()).map(|r| Ok(&*bytes(r)));
+        reduce_into(dtype, op, &mut sum, &mut others).expect("the engine reduces what it may");
+        if op == ReduceOp::Avg {
+            finish_avg_bytes(dtype, &mut sum, at.len() as u32).expect("averages divide floats");
+        }
+        sum
+    };
+    match kind {
+        Kind::AllReduce { dtype, op } => {
+            let sum = reduced(dtype, op);
+            for r in 0..at.len() {
+                bytes(r).copy_from_slice(&sum);
+            }
+        }
+        Kind::Reduce { dtype, op, root } => {
+            let sum = reduced(dtype, op);
+            bytes(root as usize).copy_from_slice(&sum);
+        }
+        Kind::Broadcast { root } => {
+            let from = bytes(root as usize).to_vec();
+            for r in 0..at.len() {
+                bytes(r).copy_from_slice(&from);
+            }
+        }
+    }
+}
+
+/// One rank's collectives on its simulated GPU.
+pub(super) struct SimCollectives {
+    gpu: SimGpu,
+    machine: SimMachine,
+    rank: u32,
+    /// Calls issued so far, per communicator (the next one's index).
+    issued: Mutex<[u64; 2]>,
+}
+
+impl SimCollectives {
+    /// Local rank `rank`'s, on `gpu`, of `machine`.
+    pub(super) fn new(gpu: SimGpu, machine: SimMachine, rank: u32) -> SimCollectives {
+        SimCollectives {
+            gpu,
+            machine,
+            rank,
+            issued: Mutex::new([0; 2]),
+        }
+    }
+
+    /// The engine failed: this rank's calls end.
+    pub(super) fn abort(&self) {
+        self.machine.abort(self.rank);
+    }
+
+    /// Enqueues a call over bytes `range` of `tensor` on `buffer`'s stream.
+    fn call(
+        &self,
+        buffer: u32,
+        comm: Comm,
+        kind: Kind,
+        tensor: &DeviceTensor,
+        range: Range<usize>,
+    ) -> Result<()> {
+        let at = tensor.at(&range)?;
+        let index = {
+            let mut issued = self.issued.lock().unwrap_or_else(PoisonError::into_inner);
+            let next = &mut issued[comm as usize];
+            *next += 1;
+            *next - 1
+        };
+        let call = Call {
+            comm,
+            index,
+            kind,
+            at,
+            len: range.len(),
+        };
+        self.gpu.push(buffer as usize, Item::Collective(call));
+        Ok(())
+    }
+}
+
+impl Collectives for SimCollectives {
+    type Tensor = DeviceTensor;
+    type Fence = SimFence;
+
+    fn group(&self, _comm: Comm, enqueue: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        // A group's calls meet one by one here, in the order every rank
+        // issued them.
+        enqueue()
+    }
+
+    unsafe fn all_reduce(
+        &self,
+        buffer: u32,
+        tensor: &DeviceTensor,
+        range: Range<usize>,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let kind = Kind::AllReduce { dtype, op };
+        self.call(buffer, Comm::Reduce, kind, tensor, range)
+    }
+
+    unsafe fn reduce(
+        &self,
+        buffer: u32,
+        tensor: &DeviceTensor,
+        range: Range<usize>,
+        dtype: DataType,
+        op: ReduceOp,
+        root: u32,
+    ) -> Result<()> {
+        let kind = Kind::Reduce { dtype, op, root };
+        self.call(buffer, Comm::Reduce, kind, tensor, range)
+    }
+
+    unsafe fn broadcast(
+        &self,
+        buffer: u32,
+        tensor: &DeviceTensor,
+        range: Range<usize>,
+        root: u32,
+    ) -> Result<()> {
+        let kind = Kind::Broadcast { root };
+        self.call(buffer, Comm::Gather, kind, tensor, range)
+    }
+
+    unsafe fn copy_to_staging(
+        &self,
+        buffer: u32,
+        staging: &mut [u8],
+        tensor: &DeviceTensor,
+        range: Range<usize>,
+    ) -> Result<()> {
+        self.gpu
+            .copy_to_staging(buffer, staging, tensor, range)
+            .map(drop)
+    }
+
+    unsafe fn copy_from_staging(
+        &self,
+        buffer: u32,
+        staging: &[u8],
+        tensor: &DeviceTensor,
+        range: Range<usize>,
+    ) -> Result<()> {
+        self.gpu
+            .copy_from_staging(buffer, staging, tensor, range)
+            .map(drop)
+    }
+
+    fn fence(&self, buffer: u32) -> Result<SimFence> {
+        Ok(self.gpu.end_of(buffer as usize))
+    }
+}
