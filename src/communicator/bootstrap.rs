@@ -325,12 +325,10 @@ pub(super) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
     let shm = ShmStep::new(Arc::clone(&segment), location.device, d, buffers);
     #[cfg(feature = "cuda")]
     let nccl = crate::local::NcclCell::default();
-    let local = PlacedStep::new(
-        shm,
-        &memory,
-        #[cfg(feature = "cuda")]
-        Arc::clone(&nccl),
-    );
+    #[cfg(feature = "cuda")]
+    let local = PlacedStep::new(shm, crate::local::GpuReach::new(&memory, Arc::clone(&nccl)));
+    #[cfg(not(feature = "cuda"))]
+    let local = PlacedStep::new(shm, crate::local::HostOnly);
     let machine = Machine::new(segment, location.device, d);
     let (out, inbound) = peers(topology, location, config.rank, config.servers);
     let engine = assemble(

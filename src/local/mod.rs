@@ -4,11 +4,12 @@
 //! - [`LocalStep`] is the intra-machine reduce-scatter and all-gather of one slice,
 //!   as the engine drives it, over a [`MemorySpace`]: [`ShmStep`] implements it for
 //!   processes sharing host memory ([`shm`], over the counter [`protocol`]);
-//!   [`PlacedStep`] for a communicator's host or device tensors, a device
-//!   tensor's step reaching it by copies on the GPU's streams (`alone` for a rank
-//!   alone on its machine; for several, `collectives`, the GPUs' own (NCCL's,
-//!   `nccl`), or `staged`, through the shared segment, as
-//!   `FAIRRING_DEVICE_LOCAL` chooses);
+//!   [`PlacedStep`] for a memory space of host or device tensors, a device
+//!   tensor's step reaching it by copies on the device's streams (`alone` for a
+//!   rank alone on its machine; for several, `collectives`, the GPUs' own, or
+//!   `staged`, through the shared segment, as `FAIRRING_DEVICE_LOCAL`
+//!   chooses), through a reach: a GPU's (`gpu`, with NCCL's communicators in
+//!   `nccl`) for the communicator, the simulated GPU's for the simulation;
 //!   [`Solo`] is the step of a dedicated server, which has none.
 //! - [`Machine`] is the control area every local rank shares whatever its memory:
 //!   doorbells, the descriptors of operations, the first failure.
@@ -20,11 +21,10 @@
 //! can drive many slices at once and never waits inside a step. On a GPU, a step
 //! that can proceed enqueues its work and returns the fence that ends it.
 
-#[cfg(any(feature = "cuda", all(test, not(loom))))]
 mod alone;
-#[cfg(any(feature = "cuda", all(test, not(loom))))]
 mod collectives;
-#[cfg(any(feature = "cuda", all(test, not(loom))))]
+#[cfg(feature = "cuda")]
+mod gpu;
 mod issue_order;
 #[cfg(all(test, loom))]
 mod loom_models;
@@ -36,22 +36,26 @@ mod placed;
 pub(crate) mod protocol;
 mod shm;
 mod solo;
-#[cfg(any(feature = "cuda", all(test, not(loom))))]
 mod staged;
 
 use fairring_core::plan::Slice;
 use fairring_core::{DataType, ReduceOp};
 
 #[cfg(all(test, not(loom)))]
-pub(crate) use collectives::{CollectiveStep, Collectives, Comm};
+pub(crate) use collectives::{Collectives, Comm};
+#[cfg(feature = "cuda")]
+pub(crate) use gpu::GpuReach;
 pub(crate) use machine::{Machine, Words};
 #[cfg(feature = "cuda")]
 pub(crate) use nccl::{NcclCell, NcclSetup};
 pub(crate) use pieces::RailPieces;
+#[cfg(not(feature = "cuda"))]
+pub(crate) use placed::HostOnly;
 pub(crate) use placed::PlacedStep;
+#[cfg(all(test, not(loom)))]
+pub(crate) use placed::{DeviceReach, Place};
 pub(crate) use shm::ShmStep;
 pub(crate) use solo::Solo;
-#[cfg(any(feature = "cuda", all(test, not(loom))))]
 pub(crate) use staged::Waiting;
 
 use crate::error::Result;

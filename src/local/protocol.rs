@@ -141,7 +141,6 @@ impl Protocol {
     /// Announces that this rank's input of the slice is staged, once the
     /// copies that stage it have ended (a GPU's): the second half of
     /// [`stage_in`](Protocol::stage_in).
-    #[cfg(any(feature = "cuda", all(test, not(loom))))]
     pub(crate) fn staged_in(&self, c: &impl Counters, buffer: u32, slice: u64) {
         self.publish(c, buffer, slice, Counter::InputReady);
     }

@@ -65,12 +65,6 @@ impl Placed {
         }
     }
 
-    /// Staging buffers per rank.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn buffers(&self) -> u32 {
-        self.host.buffers()
-    }
-
     /// The device side, shared with the local step.
     #[cfg(feature = "cuda")]
     pub(crate) fn device_cell(&self) -> DeviceCell {

@@ -196,13 +196,14 @@ unsafe fn meet(kind: Kind, at: &[usize], len: usize) {
     }
 }
 
-/// One rank's collectives on its simulated GPU.
+/// One rank's collectives on its simulated GPU (a handle: clones share it).
+#[derive(Clone)]
 pub(super) struct SimCollectives {
     gpu: SimGpu,
     machine: SimMachine,
     rank: u32,
     /// Calls issued so far, per communicator (the next one's index).
-    issued: Mutex<[u64; 2]>,
+    issued: Arc<Mutex<[u64; 2]>>,
 }
 
 impl SimCollectives {
@@ -212,7 +213,7 @@ impl SimCollectives {
             gpu,
             machine,
             rank,
-            issued: Mutex::new([0; 2]),
+            issued: Arc::new(Mutex::new([0; 2])),
         }
     }
 

@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::super::work::{WORK_CAPACITY, slot_of};
 use super::collectives::{Call, SimCollectives, SimMachine};
 use crate::error::{Error, Result};
-use crate::local::{CollectiveStep, LocalSlice, LocalStep, ShmStep, Waiting};
+use crate::local::{DeviceReach, Place, PlacedStep, ShmStep};
 use crate::memory::{Conversion, Host, HostTensor, MemorySpace, Reduction};
 
 /// How the engine meets the callers' streams (see the module docs).
@@ -526,60 +526,47 @@ impl MemorySpace for SimMemory {
     }
 }
 
-/// The local step of the simulation's ranks: [`ShmStep`] for host tensors,
-/// its one-rank form through the simulated GPU's copies for device tensors,
-/// as the communicator's [`PlacedStep`](crate::local::PlacedStep) does with
-/// the real one.
-pub(super) struct SimStep {
-    pub(super) shm: ShmStep,
+/// How the simulation's local step reaches its device tensors: the
+/// simulated GPU's copies, and the machine's collectives where its ranks
+/// reduce through them. The step itself is the communicator's
+/// ([`PlacedStep`]), so the simulation runs the path choice it ships.
+pub(super) struct SimReach {
     gpu: SimGpu,
-    /// Announcements of the staged step (several ranks per machine) waiting
-    /// for their copies.
-    waiting: Waiting<SimFence>,
-    /// The machine's collectives, where its ranks reduce device tensors
-    /// through them, and the order this rank issues them in.
     collectives: Option<SimCollectives>,
-    collective: CollectiveStep,
 }
 
-impl SimStep {
-    /// Over `shm` and `memory`'s GPU; device tensors of several ranks per
-    /// machine go through `collectives` where given (as through NCCL), and
-    /// are staged through the host otherwise.
-    pub(super) fn new(
-        shm: ShmStep,
-        memory: &SimMemory,
-        collectives: Option<SimCollectives>,
-    ) -> SimStep {
-        SimStep {
+/// The simulation's local step.
+pub(super) type SimStep = PlacedStep<SimReach>;
+
+impl SimMemory {
+    /// The local step of the rank over `shm`, reaching its device tensors
+    /// through this memory's GPU and, where given, `collectives`.
+    pub(super) fn step(&self, shm: ShmStep, collectives: Option<SimCollectives>) -> SimStep {
+        PlacedStep::new(
             shm,
-            gpu: memory.gpu.clone(),
-            waiting: Waiting::new(memory.host.buffers()),
-            collectives,
-            collective: CollectiveStep::new(),
+            SimReach {
+                gpu: self.gpu.clone(),
+                collectives,
+            },
+        )
+    }
+}
+
+impl DeviceReach for SimReach {
+    type Memory = SimMemory;
+    type Tensor = DeviceTensor;
+    type Fence = SimFence;
+    type Collectives<'a> = SimCollectives;
+
+    fn place(tensor: &SimTensor) -> Place<'_, DeviceTensor> {
+        match tensor {
+            SimTensor::Host(t) => Place::Host(t),
+            SimTensor::Device(t) => Place::Device(t),
         }
     }
 
-    /// The collectives, if slice `s` of a device tensor goes through them.
-    fn collectives(&self, s: &LocalSlice<'_, SimMemory>) -> Option<&SimCollectives> {
-        self.collectives
-            .as_ref()
-            .filter(|_| CollectiveStep::takes(s.dtype, s.op))
-    }
-
-    fn through(&self, s: &LocalSlice<'_, SimMemory>) -> Result<&SimCollectives> {
-        self.collectives(s).ok_or_else(|| {
-            Error::internal(
-                "a slice goes through the collectives only where they exist",
-                format!("slice {}", s.number),
-            )
-        })
-    }
-
-    /// Whether the machine's ranks reach their device tensors through the
-    /// staged step (several) or the lone one.
-    fn staged(&self) -> bool {
-        self.shm.size > 1
+    fn fence(fence: Option<SimFence>) -> SimFence {
+        fence.unwrap_or(SimFence::Passed)
     }
 
     fn poll(&self, fence: &SimFence) -> Result<bool> {
@@ -588,157 +575,34 @@ impl SimStep {
             SimFence::Device { stream, at } => self.gpu.lock().passed(stream, at),
         })
     }
-}
 
-/// `s` with its host tensor.
-fn host<'a>(s: &LocalSlice<'a, SimMemory>, tensor: &'a HostTensor) -> LocalSlice<'a, Host> {
-    LocalSlice {
-        buffer: s.buffer,
-        number: s.number,
-        slice: s.slice,
-        tensor,
-        dtype: s.dtype,
-        op: s.op,
-        pieces: s.pieces,
-    }
-}
-
-fn fence(f: Option<SimFence>) -> SimFence {
-    f.unwrap_or(SimFence::Passed)
-}
-
-impl LocalStep<SimMemory> for SimStep {
-    fn buffer_free(&self, buffer: u32, number: u64) -> bool {
-        LocalStep::<Host>::buffer_free(&self.shm, buffer, number)
-    }
-
-    fn begin(&self, s: &LocalSlice<'_, SimMemory>) -> Result<()> {
-        match s.tensor {
-            SimTensor::Host(t) => self.shm.begin(&host(s, t)),
-            SimTensor::Device(_) if self.collectives(s).is_some() => {
-                self.collective.begin(&self.shm, s)
-            }
-            SimTensor::Device(t) if self.staged() => {
-                self.shm
-                    .begin_staged(s, &self.waiting, |in_tensor, staging| {
-                        self.gpu.copy_to_staging(s.buffer, staging, t, in_tensor)
-                    })
-            }
-            SimTensor::Device(_) => self.shm.begin_alone(s.buffer, s.number, "stage-in"),
-        }
-    }
-
-    fn try_reduce_scatter(
+    unsafe fn copy_to_staging(
         &self,
-        s: &LocalSlice<'_, SimMemory>,
-        final_world: Option<u32>,
-    ) -> Result<Option<SimFence>> {
-        match s.tensor {
-            SimTensor::Host(t) => Ok(self
-                .shm
-                .try_reduce_scatter(&host(s, t), final_world)?
-                .map(|()| SimFence::Passed)),
-            SimTensor::Device(t) if self.collectives(s).is_some() => self
-                .collective
-                .try_reduce_scatter(&self.shm, self.through(s)?, s, t, final_world),
-            SimTensor::Device(t) if self.staged() => {
-                let ran = self.shm.try_reduce_scatter_staged(
-                    s,
-                    final_world,
-                    &self.waiting,
-                    |f| self.poll(f),
-                    |staging, in_tensor| {
-                        self.gpu.copy_from_staging(s.buffer, staging, t, in_tensor)
-                    },
-                )?;
-                Ok(ran.map(fence))
-            }
-            SimTensor::Device(t) => {
-                let ran = self.shm.try_reduce_scatter_alone(
-                    s.buffer,
-                    s.number,
-                    s.slice,
-                    final_world,
-                    |staging, in_tensor| self.gpu.copy_to_staging(s.buffer, staging, t, in_tensor),
-                )?;
-                Ok(ran.map(fence))
-            }
-        }
+        buffer: u32,
+        staging: &mut [u8],
+        tensor: &DeviceTensor,
+        from: Range<usize>,
+    ) -> Result<SimFence> {
+        self.gpu.copy_to_staging(buffer, staging, tensor, from)
     }
 
-    fn publish_slot(&self, s: &LocalSlice<'_, SimMemory>) {
-        self.shm
-            .protocol
-            .publish_slot(&*self.shm.segment, s.buffer, s.number);
-    }
-
-    fn try_all_gather(
+    unsafe fn copy_from_staging(
         &self,
-        s: &LocalSlice<'_, SimMemory>,
-        own_in_tensor: bool,
-    ) -> Result<Option<SimFence>> {
-        match s.tensor {
-            SimTensor::Host(t) => Ok(self
-                .shm
-                .try_all_gather(&host(s, t), own_in_tensor)?
-                .map(|()| SimFence::Passed)),
-            SimTensor::Device(t) if self.collectives(s).is_some() => {
-                let ran = self.collective.try_all_gather(
-                    &self.shm,
-                    self.through(s)?,
-                    &self.waiting,
-                    s,
-                    t,
-                    own_in_tensor,
-                )?;
-                Ok(ran.map(fence))
-            }
-            SimTensor::Device(t) if self.staged() => {
-                let ran = self.shm.try_all_gather_staged(
-                    s,
-                    own_in_tensor,
-                    &self.waiting,
-                    |staging, in_tensor| {
-                        self.gpu.copy_from_staging(s.buffer, staging, t, in_tensor)
-                    },
-                )?;
-                Ok(ran.map(fence))
-            }
-            SimTensor::Device(t) => {
-                let ran = self.shm.try_all_gather_alone(
-                    s.buffer,
-                    s.number,
-                    s.slice,
-                    own_in_tensor,
-                    |staging, in_tensor| {
-                        self.gpu.copy_from_staging(s.buffer, staging, t, in_tensor)
-                    },
-                )?;
-                Ok(ran.map(fence))
-            }
-        }
+        buffer: u32,
+        staging: &[u8],
+        tensor: &DeviceTensor,
+        to: Range<usize>,
+    ) -> Result<SimFence> {
+        self.gpu.copy_from_staging(buffer, staging, tensor, to)
     }
 
-    fn finish(&self, buffer: u32, number: u64) {
-        LocalStep::<Host>::finish(&self.shm, buffer, number);
+    fn collectives(&self) -> Result<Option<SimCollectives>> {
+        Ok(self.collectives.clone())
     }
 
-    fn laggards(&self, buffer: u32, number: u64) -> Vec<u32> {
-        LocalStep::<Host>::laggards(&self.shm, buffer, number)
-    }
-
-    fn gathered(&self, buffer: u32, _number: u64) -> Result<()> {
-        self.shm.gathered(&self.waiting, buffer)
-    }
-
-    fn awaits_fences(&self) -> bool {
-        self.waiting.any() || self.collective.waiting()
-    }
-
-    fn take_fences(&self) -> Vec<SimFence> {
+    fn abort_collectives(&self) {
         if let Some(collectives) = &self.collectives {
             collectives.abort();
         }
-        self.waiting.take_fences()
     }
 }

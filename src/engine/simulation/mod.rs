@@ -285,14 +285,8 @@ fn build_job(
         );
         let joined = (collectives && d > 1)
             .then(|| memory.join(&machines[location.machine as usize], location.device));
-        let local = wrap(
-            rank,
-            SimStep::new(
-                ShmStep::new(Arc::clone(segment), location.device, d, buffers),
-                &memory,
-                joined,
-            ),
-        );
+        let shm = ShmStep::new(Arc::clone(segment), location.device, d, buffers);
+        let local = wrap(rank, memory.step(shm, joined));
         let machine = Machine::new(Arc::clone(segment), location.device, d);
         let fabric = SimFabric {
             rank,
