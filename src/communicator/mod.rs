@@ -24,7 +24,7 @@ use fairring_core::{DataType, ReduceOp, WireFormat};
 use crate::config::{Algorithm, Config, FabricChoice};
 use crate::engine::descriptor::{Collective, Descriptor};
 use crate::engine::work::{Delivery, Submission, WORK_CAPACITY, slot_of};
-use crate::engine::{Engine, Resolved};
+use crate::engine::{Engine, choice};
 use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::memory::DeviceTensor;
@@ -317,9 +317,7 @@ impl Communicator {
         // The all-reduce a broadcast otherwise runs as sums the other ranks'
         // zeros into the root's bytes, as does a relay over the machines inside
         // each; the relay over the ranks overwrites them.
-        let relayed =
-            self.resolve(Collective::Broadcast, algorithm, bytes as u64)? == Resolved::Relay;
-        let summed = !relayed || self.relays_over_machines(Collective::Broadcast);
+        let summed = self.zero_fills(Collective::Broadcast, algorithm, bytes)?;
         if root != self.rank() && bytes > 0 && summed {
             // SAFETY: the caller guarantees `data` is valid for `bytes` bytes.
             unsafe { std::ptr::write_bytes(data, 0, bytes) };
@@ -374,9 +372,7 @@ impl Communicator {
         let bytes = byte_len(total, dtype)?;
         let at = self.rank() as usize * n;
         // As in a broadcast, only the sums need the zeros.
-        let relayed =
-            self.resolve(Collective::AllGather, algorithm, bytes as u64)? == Resolved::Relay;
-        let summed = !relayed || self.relays_over_machines(Collective::AllGather);
+        let summed = self.zero_fills(Collective::AllGather, algorithm, bytes)?;
         if bytes > 0 {
             // SAFETY: the caller guarantees `output` spans `bytes` bytes, of
             // which this rank's place `at..at + n` is a part.
@@ -446,11 +442,33 @@ impl Communicator {
         unsafe { self.start(r) }
     }
 
-    /// Whether a relayed `collective` runs over the machines here, summing the
-    /// ranks of each machine first (its callers' tensors need zeros where their
-    /// own bytes are not).
-    fn relays_over_machines(&self, collective: Collective) -> bool {
-        crate::engine::relay_over_machines(self.topology, self.servers, collective)
+    /// Whether the callers of a broadcast or an all-gather (`collective`) of
+    /// `bytes` with `algorithm` zero their tensors where their own bytes are
+    /// not (see `engine::choice`).
+    fn zero_fills(
+        &self,
+        collective: Collective,
+        algorithm: Option<Algorithm>,
+        bytes: usize,
+    ) -> Result<bool> {
+        let call = choice::Call {
+            collective,
+            dtype: DataType::U8,
+            bytes: bytes as u64,
+            algorithm,
+            wire: None,
+        };
+        Ok(choice::choose(call, &self.job())?.zero_fill)
+    }
+
+    /// The job, as the choice of what a call runs sees it.
+    fn job(&self) -> choice::Job {
+        choice::Job {
+            topology: self.topology,
+            servers: self.servers,
+            algorithm: self.algorithm,
+            wire: self.wire,
+        }
     }
 
     /// Refuses a root outside the job.
@@ -597,37 +615,23 @@ impl Communicator {
         if let Some(e) = self.engine.failure() {
             return Err(Error::Failed { first: Box::new(e) });
         }
-        if let Some(wire) = r.wire
-            && !wire.carries(r.dtype)
-        {
-            return Err(Error::invalid(
-                "wire",
-                format!(
-                    "the {wire} wire carries f32 values only, not {}: an integer or \
-                     half-precision all-reduce runs exact",
-                    r.dtype
-                ),
-            ));
-        }
+        let chosen = choice::choose(
+            choice::Call {
+                collective: r.collective,
+                dtype: r.dtype,
+                bytes,
+                algorithm: r.algorithm,
+                wire: r.wire,
+            },
+            &self.job(),
+        )?;
         #[cfg(feature = "cuda")]
         let device = match r.device {
             Some(call) => Some((self.device_side(call.ordinal)?, call)),
             None => None,
         };
-        let mut algorithm = self.resolve(r.collective, r.algorithm, bytes)?;
-        // Only the hierarchical algorithm compresses: `auto` keeps it where a
-        // compressed wire is asked for and would apply.
-        let compressed = r.wire.unwrap_or(self.wire) != WireFormat::Exact;
-        if compressed
-            && r.dtype == DataType::F32
-            && algorithm != Resolved::Hierarchical
-            && r.algorithm.unwrap_or(self.algorithm) == Algorithm::Auto
-        {
-            algorithm = Resolved::Hierarchical;
-        }
-        // A reduce-scatter by the scatter algorithm plans the shares, not the
-        // whole input.
-        let elements = if algorithm == Resolved::Scatter {
+        let (algorithm, wire) = (chosen.algorithm, chosen.wire);
+        let elements = if chosen.plans_shares() {
             r.caller_elements
         } else {
             r.elements
@@ -659,17 +663,6 @@ impl Communicator {
             self.barrier_bytes[slot_of(seq)].as_ptr()
         } else {
             r.data
-        };
-        // The wire is compressed only where it is: f32 values crossing between
-        // machines (or to dedicated servers), in the hierarchical algorithm.
-        let requested = r.wire.unwrap_or(self.wire);
-        let wire = if r.dtype == DataType::F32
-            && algorithm == Resolved::Hierarchical
-            && (self.topology.machines() > 1 || self.servers > 0)
-        {
-            requested
-        } else {
-            WireFormat::Exact
         };
         let descriptor = Descriptor {
             collective: r.collective,
@@ -747,45 +740,6 @@ impl Communicator {
         }
         *next += 1;
         Ok(seq)
-    }
-
-    /// The algorithm a `collective` of `bytes` runs, `requested` or else the
-    /// configured one, `auto` resolved: broadcasts and all-gathers run the
-    /// relay where the ring is chosen, and reduce-scatters the scatter
-    /// algorithm.
-    fn resolve(
-        &self,
-        collective: Collective,
-        requested: Option<Algorithm>,
-        bytes: u64,
-    ) -> Result<Resolved> {
-        let chosen = requested.unwrap_or(self.algorithm);
-        let spread = matches!(collective, Collective::Broadcast | Collective::AllGather);
-        let scatter = collective == Collective::ReduceScatter;
-        let concrete = match chosen {
-            // A relay over the machines needs the rails, which a job with
-            // dedicated servers does not link; there it would cross the fabric
-            // between the ranks of a machine.
-            Algorithm::Auto
-                if spread && self.servers > 0 && self.topology.devices_per_machine() > 1 =>
-            {
-                Algorithm::Hierarchical
-            }
-            _ if spread => chosen.resolve_spread(self.topology, bytes),
-            // A job with dedicated servers keeps them serving what `auto` picks.
-            Algorithm::Auto if self.servers > 0 => Algorithm::Hierarchical,
-            _ if scatter => chosen.resolve_scatter(self.topology, bytes),
-            _ => chosen.resolve(self.topology, bytes),
-        };
-        match Resolved::of(concrete) {
-            Some(Resolved::Ring) if spread => Ok(Resolved::Relay),
-            Some(Resolved::Ring) if scatter => Ok(Resolved::Scatter),
-            Some(resolved) => Ok(resolved),
-            None => Err(Error::internal(
-                "auto resolves to a concrete algorithm",
-                format!("{chosen} on {:?} for {bytes} bytes", self.topology),
-            )),
-        }
     }
 
     /// Fails every operation in flight and every later one with [`Error::Aborted`],
@@ -912,8 +866,9 @@ impl<'scope> Scope<'scope, '_> {
     /// With [`Algorithm::Ring`] each rank's input goes around the ring, sent
     /// once per hop. With [`Algorithm::Hierarchical`] it is a byte-wise sum over
     /// `output` to which each rank contributes its input at its offset and
-    /// zeros elsewhere, at twice the bytes per rank. `auto` picks the ring where
-    /// the job has one rank per machine. Both are exact for every type.
+    /// zeros elsewhere, at twice the bytes per rank. `auto` picks the ring on
+    /// two or three machines, and on more from 256 KiB (the README's
+    /// `FAIRRING_ALGO` row). Both are exact for every type.
     pub fn all_gather<T: Element>(
         &'scope self,
         input: &[T],
@@ -964,7 +919,9 @@ impl<'scope> Scope<'scope, '_> {
     /// on the way to its rank: `(N-1)/N` of the input leaves each rank. With
     /// [`Algorithm::Hierarchical`] or [`Algorithm::Doubling`] it is an
     /// all-reduce of the whole input, twice the bytes. `auto` picks the ring
-    /// where the job has one rank per machine and no dedicated servers.
+    /// on one machine of several ranks, on two or three machines, and on more
+    /// from 256 KiB, unless the job has dedicated servers (the README's
+    /// `FAIRRING_ALGO` row).
     pub fn reduce_scatter<T: Element>(
         &'scope self,
         input: &'scope mut [T],

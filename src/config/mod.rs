@@ -55,7 +55,6 @@
 //! accident, but anyone who can read the job's environment can join it. Set the
 //! variable on shared networks.
 
-mod auto;
 mod device_local;
 mod fabric;
 mod parse;
@@ -75,8 +74,10 @@ pub(crate) use parse::{parse_bytes, parse_duration, parse_u32};
 /// How an all-reduce moves its data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Algorithm {
-    /// Per operation, whichever of the others was measured faster for its size on
-    /// the job's layout (see [`Algorithm::resolve`]). The default.
+    /// Per operation, whichever of the others was measured faster for its
+    /// collective and size on the job's layout (the README's `FAIRRING_ALGO`
+    /// row says which; `src/engine/choice.rs` holds the rules and the
+    /// measurements). The default.
     Auto,
     /// Reduction-server all-reduce: intra-machine reduce-scatter, sharded exchange
     /// along rails, intra-machine all-gather (DESIGN.md section 1).

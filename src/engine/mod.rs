@@ -47,6 +47,7 @@
 
 mod algorithm;
 mod checks;
+pub(crate) mod choice;
 mod credits;
 mod departures;
 pub(crate) mod descriptor;
@@ -77,7 +78,7 @@ use fairring_core::plan::{Geometry, PlanConfig};
 use fairring_core::topology::{Location, RankLayout, Topology};
 use fairring_rdma::fabric::{Completion, Fabric, RemoteRegion};
 
-pub(crate) use algorithm::{Resolved, relay_over_machines};
+pub(crate) use algorithm::Resolved;
 use algorithm::{SliceEvent, Step, relay_most_writes};
 use checks::Checks;
 use credits::Credits;

@@ -1,0 +1,558 @@
+//! What a call runs ([`choose`]): the one place where the algorithm, the wire
+//! format and the zero-fill of a call are decided, from the call, the job's
+//! layout, its dedicated servers and the configuration, the same on every
+//! rank (the descriptor check compares the outcome, so ranks configured
+//! differently fail loudly instead of mixing).
+//!
+//! # The rules
+//!
+//! Each row is a rule [`choose`] follows (`M` machines of `D` ranks, `S`
+//! dedicated servers; `ring` runs broadcasts and all-gathers as the relay and
+//! reduce-scatters as the scatter algorithm); a test reads this table and
+//! checks each row against the function, so the two cannot drift apart.
+//! The measurements behind them follow.
+//!
+//! | collective | M | D | S | bytes | asked | dtype | wire | runs | wire runs | zero-fill |
+//! |---|---|---|---|---|---|---|---|---|---|---|
+//! | all-reduce | 2 | 1 | 0 | 1M | auto | i32 | exact | doubling | exact | no |
+//! | all-reduce | 2 | 1 | 0 | 2M | auto | i32 | exact | hierarchical | exact | no |
+//! | all-reduce | 3 | 1 | 0 | 4K | auto | i32 | exact | hierarchical | exact | no |
+//! | all-reduce | 1 | 8 | 0 | 4K | auto | f32 | exact | hierarchical | exact | no |
+//! | all-reduce | 2 | 1 | 0 | 4K | ring | i32 | exact | ring | exact | no |
+//! | all-reduce | 2 | 1 | 0 | 4K | auto | f32 | bf16 | hierarchical | bf16 | no |
+//! | all-reduce | 2 | 1 | 0 | 4K | doubling | f32 | bf16 | doubling | exact | no |
+//! | all-reduce | 1 | 2 | 0 | 4K | auto | f32 | f16 | hierarchical | exact | no |
+//! | all-reduce | 1 | 2 | 1 | 4K | auto | f32 | f16 | hierarchical | f16 | no |
+//! | all-reduce | 2 | 2 | 0 | 4K | auto | i64 | bf16 | hierarchical | exact | no |
+//! | broadcast | 2 | 1 | 0 | 4K | auto | u8 | exact | relay | exact | no |
+//! | broadcast | 3 | 1 | 0 | 64M | auto | u8 | exact | relay | exact | no |
+//! | broadcast | 4 | 1 | 0 | 4K | auto | u8 | exact | hierarchical | exact | yes |
+//! | broadcast | 4 | 1 | 0 | 256K | auto | u8 | exact | relay | exact | no |
+//! | broadcast | 2 | 2 | 0 | 4K | auto | u8 | exact | relay | exact | yes |
+//! | broadcast | 2 | 2 | 1 | 4K | auto | u8 | exact | hierarchical | exact | yes |
+//! | broadcast | 2 | 2 | 1 | 4K | ring | u8 | exact | relay | exact | no |
+//! | broadcast | 1 | 8 | 0 | 64M | auto | u8 | exact | hierarchical | exact | yes |
+//! | all-gather | 2 | 2 | 0 | 4K | auto | u8 | exact | relay | exact | yes |
+//! | all-gather | 8 | 1 | 0 | 4K | auto | u8 | exact | hierarchical | exact | yes |
+//! | all-gather | 8 | 1 | 0 | 256K | hierarchical | u8 | exact | hierarchical | exact | yes |
+//! | reduce-scatter | 1 | 8 | 0 | 4K | auto | i32 | exact | scatter | exact | no |
+//! | reduce-scatter | 1 | 1 | 0 | 4K | auto | i32 | exact | hierarchical | exact | no |
+//! | reduce-scatter | 2 | 1 | 0 | 4K | auto | i32 | exact | scatter | exact | no |
+//! | reduce-scatter | 4 | 2 | 0 | 4K | auto | i32 | exact | hierarchical | exact | no |
+//! | reduce-scatter | 4 | 2 | 0 | 256K | auto | i32 | exact | scatter | exact | no |
+//! | reduce-scatter | 2 | 1 | 1 | 64M | auto | i32 | exact | hierarchical | exact | no |
+//! | reduce-scatter | 2 | 1 | 0 | 64M | auto | f32 | bf16 | hierarchical | bf16 | no |
+//! | reduce-scatter | 2 | 1 | 0 | 64M | ring | f32 | bf16 | scatter | exact | no |
+//! | barrier | 2 | 2 | 0 | 1 | auto | u8 | exact | hierarchical | exact | no |
+//!
+//! In words:
+//!
+//! - **All-reduce**: hierarchical, but recursive doubling on two machines of
+//!   one device each up to 1 MiB.
+//! - **Broadcast and all-gather**: relayed (the ring) on two or three
+//!   machines, and on more from 256 KiB; hierarchical on one machine and in a
+//!   job with dedicated servers where machines have several devices (its
+//!   ranks link no rails). Run as hierarchical's all-reduce, or relayed over
+//!   the machines (a machine's ranks summed first), the callers' tensors need
+//!   zeros where their own bytes are not (the zero-fill); relayed over the
+//!   ranks they do not.
+//! - **Reduce-scatter**: the scatter algorithm (the ring's reduce-scatter
+//!   half) on one machine of several ranks, and where a broadcast would be
+//!   relayed; hierarchical in a job with dedicated servers.
+//! - **Wire**: a compressed format applies to `f32` hierarchical calls that
+//!   cross between machines or go to dedicated servers; elsewhere the call
+//!   runs exact. Where a compressed wire applies and `auto` chose another
+//!   algorithm, `auto` keeps hierarchical. A call that asks for a compressed
+//!   wire for another type than `f32` is refused.
+//!
+//! # Measured crossovers
+//!
+//! `fairring-bench --local MxD --algo all`, f32 sum, 2-core VM, loopback tcp,
+//! times in microseconds (hierarchical / ring), one sitting:
+//!
+//! | layout | 4 KiB | 64 KiB | 1 MiB | 4 MiB | 16 MiB | 64 MiB |
+//! |---|---|---|---|---|---|---|
+//! | 1x2 | 1.7 / 245 | 13.8 / 264 | 153 / 927 | 552 / 3915 | 4355 / 18047 | 16596 / 65068 |
+//! | 1x3 | 120 / 509 | 188 / 629 | 1010 / 1980 | 2202 / 8932 | 8374 / 32490 | 34222 / 127227 |
+//! | 2x1 | 228 / 253 | 262 / 274 | 870 / 1049 | 3969 / 4363 | 17920 / 18209 | 76209 / 73784 |
+//! | 2x2 | 1194 / 2249 | 1497 / 2187 | 2763 / 3923 | 6656 / 12231 | 25295 / 46432 | 95820 / 184507 |
+//! | 3x1 | 807 / 924 | 626 / 1000 | 2131 / 2349 | 8004 / 7935 | 37762 / 36441 | 127030 / 131531 |
+//!
+//! and, repeated at large sizes for one device per machine (two sittings each):
+//!
+//! | layout | 1 MiB | 4 MiB | 16 MiB | 64 MiB |
+//! |---|---|---|---|---|
+//! | 3x1 | 3262 / 3618 | 8253 / 7479 | 33994 / 37789 | 124498 / 113891 |
+//! | 4x1 | 3070 / 4313 | 15395 / 14813 | 54594 / 54396 | |
+//!
+//! - With several devices per machine, hierarchical wins at every size, by 1.9x
+//!   to 140x: its shared-memory step replaces `D - 1` fabric hops, and on one
+//!   machine it never touches the fabric (the single-machine path).
+//! - With one device per machine both move the same bytes per rank. Hierarchical
+//!   wins below 4 MiB (2 hops instead of `2(M - 1)`: 1.1x to 1.6x); from 4 MiB the
+//!   two are within the run-to-run spread (ring ahead by up to 10% in one
+//!   sitting, behind by up to 10% in the next).
+//!
+//! Since the tcp fabric sends each driver pass's frames in one vectored write and
+//! reads bursts in one read (and credits ride along), small operations cost
+//! less under both; one sitting, same machine (hierarchical / ring):
+//!
+//! | layout | 4 KiB | 64 KiB | 1 MiB | 16 MiB |
+//! |---|---|---|---|---|
+//! | 2x1 | 48 / 56, 34 / 41, 48 / 49 | 71 / 73, 59 / 49, 63 / 73 | 483 / 489 | 10605 / 10151 |
+//! | 3x1 | 116 / 179 | 153 / 225 | 560 / 657 | 18802 / 19171 |
+//!
+//! (three runs at 2x1 for the small sizes, whose ring times are bimodal on two
+//! cores). The ring's two simultaneous hops tie hierarchical's two at 2x1;
+//! from 3x1 its `2(M - 1)` hops lose.
+//!
+//! Ring was never faster beyond that spread. Where the two tie `auto` keeps
+//! hierarchical.
+//!
+//! **Recursive doubling** ([`Algorithm::Doubling`]) exchanges the whole slice
+//! with one partner per round: at 2x1 that is one hop where the others take two.
+//! `fairring-bench --local MxD --algo all --min-bytes 4K --max-bytes 1M --factor
+//! 4`, one sitting, times in microseconds (hierarchical / ring / doubling), two
+//! runs each:
+//!
+//! | layout | 4 KiB | 16 KiB | 64 KiB | 256 KiB | 1 MiB |
+//! |---|---|---|---|---|---|
+//! | 2x1 | 38 / 20 / 11, 61 / 68 / 35 | 38 / 32 / 13, 63 / 66 / 47 | 56 / 47 / 53, 79 / 59 / 61 | 109 / 135 / 77, 138 / 138 / 87 | 478 / 469 / 435, 457 / 472 / 447 |
+//! | 3x1 | 127 / 193 / 113, 120 / 198 / 144 | 132 / 213 / 109, 126 / 186 / 134 | 141 / 201 / 128, 145 / 192 / 130 | 396 / 377 / 283, 264 / 356 / 282 | 806 / 903 / 1212, 725 / 860 / 1120 |
+//!
+//! and over six alternating runs at 2x1, 4 KiB, medians of 41 (doubling), 51
+//! (hierarchical) and 61 us (ring). So `auto` runs doubling on two machines of
+//! one device each up to 1 MiB. At 3x1 (an extra rank folds in and out: three
+//! hops) doubling ties hierarchical up to 256 KiB and loses at 1 MiB; `auto`
+//! keeps hierarchical. From four ranks these two cores are oversubscribed and
+//! measure the scheduler more than the hops (doubling lost at 4x1 by 1.1x to
+//! 2x); more machines wait for a machine with the cores to measure them. The
+//! rule lives here, next to its evidence: a layout measured adds a row and a
+//! branch.
+
+//! # Broadcast and all-gather
+//!
+//! Ring runs them as a relay (each byte sent once per hop, `M - 1` hops one
+//! after another); hierarchical as all-reduces (each byte sent twice, in two
+//! hops). `fairring-bench --collective broadcast|all_gather --algo all`, 2-core
+//! VM, loopback tcp, times in microseconds (hierarchical / relay), one sitting
+//! each:
+//!
+//! | layout | 4 KiB | 64 KiB | 256 KiB | 1 MiB | 4 MiB | 64 MiB |
+//! |---|---|---|---|---|---|---|
+//! | 2x1 broadcast | 90 / 72 (8 KiB) | 108 / 93 | 230 / 214 (512 KiB) | | 1940 / 1642 | 43030 / 14984 |
+//! | 2x1 all-gather | 73 / 69 (8 KiB) | 88 / 78 | 227 / 194 (512 KiB) | | 2029 / 1175 | 45234 / 22882 |
+//! | 3x1 broadcast | 344 / 291 (3 KiB) | 326 / 243 (48 KiB) | 803 / 703 (768 KiB) | | 13546 / 7124 (12 MiB) | 54877 / 22323 (48 MiB) |
+//! | 4x1 broadcast | 460 / 516 | 562 / 532 | 831 / 679 | 1620 / 1625 | 7418 / 4478 | |
+//! | 4x1 all-gather | 517 / 548 | 461 / 391 | 766 / 576 | 1786 / 1459 | 7045 / 4489 | |
+//! | 2x2 broadcast (relay over every rank) | 398 / 287 (3 KiB) | 331 / 284 (48 KiB) | 659 / 1119 (768 KiB) | | 12990 / 11472 (12 MiB) | 44999 / 36662 (48 MiB) |
+//!
+//! - With one device per machine the relay moves half the bytes and wins from
+//!   256 KiB by 1.1x to 2.9x. Below that the two are within this machine's
+//!   noise; the relay takes `M - 1` hops one after another where hierarchical
+//!   takes two, so from four machines on `auto` keeps hierarchical for small
+//!   operations (a bound reasoned from the hops, not yet measured where the
+//!   hops, not the cores, are the cost).
+//! - With several devices per machine the relay runs around the machines, one
+//!   chain per rail, with shared memory inside each (`algorithm/relay.rs`).
+//!   2x2, same command with `--factor 4 --iters 5`, two sittings, times in
+//!   microseconds (hierarchical / relay):
+//!
+//! | 2x2 | 4 KiB | 64 KiB | 1 MiB | 4 MiB | 16 MiB | 64 MiB |
+//! |---|---|---|---|---|---|---|
+//! | broadcast | 310 / 222, 291 / 275 | 354 / 292, 344 / 254 | 737 / 713, 758 / 1524 | 3981 / 3078, 3152 / 3992 | 17039 / 14961, 17294 / 12882 | 61870 / 52063, 64487 / 49415 |
+//! | all-gather | 290 / 255, 310 / 258 | 306 / 254, 367 / 265 | 863 / 604, 827 / 629 | 3451 / 3496, 3884 / 3471 | 19990 / 17092, 16193 / 14628 | 67317 / 53166, 62764 / 53452 |
+//!
+//!   The relay wins from 16 MiB by 1.1x to 1.3x and mostly below; `auto`
+//!   relays on several devices per machine by the rule above. On one machine
+//!   there is no hop between machines, and hierarchical's single-machine path
+//!   copies less: `auto` keeps it. A job with dedicated servers keeps
+//!   hierarchical where machines have several devices (its ranks link no
+//!   rails, so a relay would cross the fabric inside each machine).
+//!
+//! # Reduce-scatter
+//!
+//! Ring runs it as the ring's reduce-scatter half over the same range of every
+//! rank's share, once per byte: around the ranks where machines have one
+//! device (`(N-1)/N` of the input leaves each rank), around the machines along
+//! each rail after the machine's own reduce-scatter where they have several
+//! (`(M-1)/M` of each rank's slot, `1/D` of the input, leaves it; on one
+//! machine, the machine's reduce-scatter alone). Hierarchical and doubling run
+//! an all-reduce of the whole input. `fairring-bench --collective
+//! reduce_scatter --algo all --min-bytes 4K --max-bytes 64M --factor 16 --iters
+//! 5`, 2-core VM, loopback tcp, times in microseconds (hierarchical / ring /
+//! doubling), one sitting per group of rows:
+//!
+//! | layout | 4 KiB | 64 KiB | 1 MiB | 16 MiB | 64 MiB |
+//! |---|---|---|---|---|---|
+//! | 2x1 | 64 / 36 / 34 | 91 / 82 / 75 | 516 / 280 / 370 | 11715 / 6761 / 13345 | 46154 / 29567 / 49688 |
+//! | 3x1 | 147 / 168 / 132 | 190 / 167 / 139 | 832 / 640 / 1020 | 22695 / 14054 / 23260 | 77898 / 47813 / 83782 |
+//! | 4x1 | 264 / 306 / 207 | 282 / 357 / 385 | 1448 / 1369 / 1870 | 27823 / 21854 / 41476 | 108658 / 62251 / 150217 |
+//! | 1x2 | 26 / 21 / | 47 / 26 / | 77 / 60 / | 3042 / 2025 / | 13000 / 8353 / |
+//! | 1x3 | 86 / 97 / | 108 / 88 / | 224 / 160 / | 5969 / 3673 / | 22173 / 13780 / |
+//! | 2x2 | 178 / 167 / | 219 / 208 / | 821 / 852 / | 15374 / 10343 / | 57950 / 36946 / |
+//!
+//! The ring wins from 16 MiB by 1.5x to 1.8x everywhere, and from 1 MiB where
+//! machines have one device. Below that it ties at two and three machines; at
+//! four it takes `M - 1` hops where hierarchical takes two, and loses at 64 KiB
+//! and below. So `auto` follows the relay's rule on several machines (the ring
+//! on two or three, and from 256 KiB), and runs the ring on one machine of
+//! several ranks, where it is hierarchical's reduce-scatter without the
+//! all-gather. A job with dedicated servers keeps hierarchical (its ranks link
+//! no rails, so the ring would cross the fabric inside each machine).
+
+use fairring_core::topology::Topology;
+use fairring_core::{DataType, WireFormat};
+
+use super::algorithm::{Resolved, relay_over_machines};
+use super::descriptor::Collective;
+use crate::config::Algorithm;
+use crate::error::{Error, Result};
+
+/// A call, as the choice sees it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Call {
+    pub(crate) collective: Collective,
+    /// The element type it reduces (bytes, `u8`, for what it only moves).
+    pub(crate) dtype: DataType,
+    /// Its whole tensor: an all-reduce's, a broadcast's, an all-gather's
+    /// output, a reduce-scatter's input.
+    pub(crate) bytes: u64,
+    /// What the call asks for, over the job's configuration.
+    pub(crate) algorithm: Option<Algorithm>,
+    pub(crate) wire: Option<WireFormat>,
+}
+
+/// The job, as the choice sees it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Job {
+    pub(crate) topology: Topology,
+    /// Dedicated reduction servers.
+    pub(crate) servers: u32,
+    /// The configured algorithm and wire format.
+    pub(crate) algorithm: Algorithm,
+    pub(crate) wire: WireFormat,
+}
+
+/// What a call runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Choice {
+    pub(crate) algorithm: Resolved,
+    /// The wire format between machines.
+    pub(crate) wire: WireFormat,
+    /// Whether a broadcast's or an all-gather's callers zero their tensors
+    /// where their own bytes are not (see the module docs).
+    pub(crate) zero_fill: bool,
+}
+
+impl Choice {
+    /// Whether the plan covers each rank's share rather than the whole
+    /// tensor (a reduce-scatter by the scatter algorithm).
+    pub(crate) fn plans_shares(&self) -> bool {
+        self.algorithm == Resolved::Scatter
+    }
+}
+
+/// What `call` runs in `job` (see the module docs); an error where the call
+/// asks for what cannot run (a compressed wire for another type than `f32`).
+pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
+    if let Some(wire) = call.wire
+        && !wire.carries(call.dtype)
+    {
+        return Err(Error::invalid(
+            "wire",
+            format!(
+                "the {wire} wire carries f32 values only, not {}: an integer or \
+                 half-precision all-reduce runs exact",
+                call.dtype
+            ),
+        ));
+    }
+    let asked = call.algorithm.unwrap_or(job.algorithm);
+    let requested_wire = call.wire.unwrap_or(job.wire);
+    let mut algorithm = resolve(call.collective, asked, call.bytes, job)?;
+    // Only the hierarchical algorithm compresses: `auto` keeps it where a
+    // compressed wire is asked for and would apply.
+    if requested_wire != WireFormat::Exact
+        && call.dtype == DataType::F32
+        && algorithm != Resolved::Hierarchical
+        && asked == Algorithm::Auto
+    {
+        algorithm = Resolved::Hierarchical;
+    }
+    let crosses = job.topology.machines() > 1 || job.servers > 0;
+    let wire = if call.dtype == DataType::F32 && algorithm == Resolved::Hierarchical && crosses {
+        requested_wire
+    } else {
+        WireFormat::Exact
+    };
+    let spread = matches!(
+        call.collective,
+        Collective::Broadcast | Collective::AllGather
+    );
+    let zero_fill = spread
+        && (algorithm != Resolved::Relay
+            || relay_over_machines(job.topology, job.servers, call.collective));
+    Ok(Choice {
+        algorithm,
+        wire,
+        zero_fill,
+    })
+}
+
+/// The algorithm a `collective` of `bytes` runs where `asked` is asked for,
+/// `auto` resolved: broadcasts and all-gathers run the relay where the ring
+/// is chosen, and reduce-scatters the scatter algorithm.
+fn resolve(collective: Collective, asked: Algorithm, bytes: u64, job: &Job) -> Result<Resolved> {
+    let topology = job.topology;
+    let spread = matches!(collective, Collective::Broadcast | Collective::AllGather);
+    let scatter = collective == Collective::ReduceScatter;
+    let concrete = match asked {
+        Algorithm::Auto => {
+            if spread && job.servers > 0 && topology.devices_per_machine() > 1 {
+                // A relay over the machines needs the rails, which a job with
+                // dedicated servers does not link; there it would cross the
+                // fabric between the ranks of a machine.
+                Algorithm::Hierarchical
+            } else if spread {
+                auto_spread(topology, bytes)
+            } else if job.servers > 0 {
+                // A job with dedicated servers keeps them serving.
+                Algorithm::Hierarchical
+            } else if scatter {
+                auto_scatter(topology, bytes)
+            } else {
+                auto_all_reduce(topology, bytes)
+            }
+        }
+        concrete => concrete,
+    };
+    match Resolved::of(concrete) {
+        Some(Resolved::Ring) if spread => Ok(Resolved::Relay),
+        Some(Resolved::Ring) if scatter => Ok(Resolved::Scatter),
+        Some(resolved) => Ok(resolved),
+        None => Err(Error::internal(
+            "auto resolves to a concrete algorithm",
+            format!("{asked} on {topology:?} for {bytes} bytes"),
+        )),
+    }
+}
+
+/// What `auto` runs for an all-reduce of `bytes` on `topology`.
+fn auto_all_reduce(topology: Topology, bytes: u64) -> Algorithm {
+    if topology.machines() == 2
+        && topology.devices_per_machine() == 1
+        && bytes <= DOUBLING_UP_TO_BYTES
+    {
+        Algorithm::Doubling
+    } else {
+        Algorithm::Hierarchical
+    }
+}
+
+/// What `auto` runs for a broadcast or an all-gather of `bytes` (its whole
+/// output) on `topology`: [`Algorithm::Ring`] runs them as a relay, which
+/// moves each byte once per hop instead of twice (around the machines, with
+/// shared memory inside each, where a machine has several devices).
+fn auto_spread(topology: Topology, bytes: u64) -> Algorithm {
+    let machines = topology.machines();
+    if machines > 1 && (machines <= 3 || bytes >= RELAY_FROM_BYTES) {
+        Algorithm::Ring
+    } else {
+        Algorithm::Hierarchical
+    }
+}
+
+/// What `auto` runs for a reduce-scatter of `bytes` (its whole input) on
+/// `topology`: [`Algorithm::Ring`] runs it as the ring's reduce-scatter half,
+/// which moves half the bytes of an all-reduce.
+fn auto_scatter(topology: Topology, bytes: u64) -> Algorithm {
+    if topology.machines() == 1 && topology.devices_per_machine() > 1 {
+        // One machine: its reduce-scatter alone, without the all-gather.
+        Algorithm::Ring
+    } else {
+        auto_spread(topology, bytes)
+    }
+}
+
+/// Largest all-reduce `auto` runs by recursive doubling (on two machines of one
+/// device each).
+const DOUBLING_UP_TO_BYTES: u64 = 1 << 20;
+
+/// Smallest broadcast or all-gather that `auto` relays on four or more
+/// machines (on two or three the relay takes no more hops than hierarchical).
+const RELAY_FROM_BYTES: u64 = 256 * 1024;
+
+#[cfg(test)]
+mod tests {
+    use fairring_core::topology::RankLayout;
+
+    use super::*;
+
+    fn job(m: u32, d: u32, servers: u32, wire: WireFormat) -> Job {
+        Job {
+            topology: Topology::new(m, d, RankLayout::Contiguous).unwrap(),
+            servers,
+            algorithm: Algorithm::Auto,
+            wire,
+        }
+    }
+
+    /// What `asked` runs for `collective` of `bytes` on `m`x`d`, no servers.
+    fn runs(collective: Collective, m: u32, d: u32, asked: Algorithm, bytes: u64) -> Resolved {
+        let call = Call {
+            collective,
+            dtype: DataType::U8,
+            bytes,
+            algorithm: Some(asked),
+            wire: None,
+        };
+        choose(call, &job(m, d, 0, WireFormat::Exact))
+            .unwrap()
+            .algorithm
+    }
+
+    /// Every row of the rules table in the module docs holds.
+    #[test]
+    fn the_documented_rules_are_the_ones_chosen() {
+        let source = include_str!("choice.rs");
+        let mut rows = 0;
+        // The table from its header to the first line that is not a row.
+        let table = source
+            .lines()
+            .skip_while(|line| !line.starts_with("//! | collective |"))
+            .skip(2)
+            .take_while(|line| line.starts_with("//! | "));
+        for line in table {
+            let row = line.trim_start_matches("//! | ");
+            let cells: Vec<&str> = row.trim_end_matches(" |").split(" | ").collect();
+            assert_eq!(cells.len(), 11, "a rules row has 11 cells: {line}");
+            let collective = match cells[0] {
+                "all-reduce" => Collective::AllReduce,
+                "broadcast" => Collective::Broadcast,
+                "all-gather" => Collective::AllGather,
+                "reduce-scatter" => Collective::ReduceScatter,
+                "barrier" => Collective::Barrier,
+                other => panic!("no collective {other}: {line}"),
+            };
+            let number = |cell: &str| -> u32 { cell.parse().unwrap() };
+            let bytes = match cells[4].strip_suffix('K') {
+                Some(k) => k.parse::<u64>().unwrap() << 10,
+                None => match cells[4].strip_suffix('M') {
+                    Some(m) => m.parse::<u64>().unwrap() << 20,
+                    None => cells[4].parse().unwrap(),
+                },
+            };
+            let wire = |cell: &str| WireFormat::from_name(cell).unwrap();
+            let call = Call {
+                collective,
+                dtype: DataType::from_name(cells[6]).unwrap(),
+                bytes,
+                algorithm: Some(cells[5].parse().unwrap()),
+                wire: None,
+            };
+            let job = job(
+                number(cells[1]),
+                number(cells[2]),
+                number(cells[3]),
+                wire(cells[7]),
+            );
+            let chosen = choose(call, &job).unwrap();
+            assert_eq!(chosen.algorithm.name(), cells[8], "{line}");
+            assert_eq!(chosen.wire, wire(cells[9]), "{line}");
+            assert_eq!(chosen.zero_fill, cells[10] == "yes", "{line}");
+            rows += 1;
+        }
+        assert!(rows >= 30, "the table has {rows} rules");
+    }
+
+    #[test]
+    fn a_call_asking_a_compressed_wire_for_another_type_is_refused() {
+        let call = Call {
+            collective: Collective::AllReduce,
+            dtype: DataType::I64,
+            bytes: 4096,
+            algorithm: None,
+            wire: Some(WireFormat::Bf16),
+        };
+        let e = choose(call, &job(2, 1, 0, WireFormat::Exact))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("wire") && e.contains("i64"), "{e}");
+        // The configured wire does not refuse: such calls run exact.
+        let call = Call { wire: None, ..call };
+        let chosen = choose(call, &job(2, 1, 0, WireFormat::Bf16)).unwrap();
+        assert_eq!(chosen.wire, WireFormat::Exact);
+    }
+
+    #[test]
+    fn auto_doubles_small_operations_on_two_single_device_machines() {
+        let all_reduce = |bytes| runs(Collective::AllReduce, 2, 1, Algorithm::Auto, bytes);
+        for bytes in [0, 4096, 1 << 20] {
+            assert_eq!(all_reduce(bytes), Resolved::Doubling);
+        }
+        for bytes in [(1 << 20) + 1, 64 << 20] {
+            assert_eq!(all_reduce(bytes), Resolved::Hierarchical);
+        }
+    }
+
+    #[test]
+    fn auto_resolves_to_a_concrete_algorithm_and_others_stay() {
+        for (m, d) in [(1, 1), (1, 8), (2, 2), (3, 1), (64, 8)] {
+            for bytes in [0, 4096, 64 << 20, u64::MAX] {
+                let all_reduce = |asked| runs(Collective::AllReduce, m, d, asked, bytes);
+                assert_eq!(all_reduce(Algorithm::Auto), Resolved::Hierarchical);
+                assert_eq!(all_reduce(Algorithm::Doubling), Resolved::Doubling);
+                assert_eq!(all_reduce(Algorithm::Ring), Resolved::Ring);
+                assert_eq!(all_reduce(Algorithm::Hierarchical), Resolved::Hierarchical);
+            }
+        }
+    }
+
+    #[test]
+    fn auto_relays_spreads_across_machines() {
+        let spread = |m, d, bytes| runs(Collective::Broadcast, m, d, Algorithm::Auto, bytes);
+        let scatter = |m, d, bytes| runs(Collective::ReduceScatter, m, d, Algorithm::Auto, bytes);
+        for bytes in [0, 4096, 64 << 20] {
+            assert_eq!(spread(2, 1, bytes), Resolved::Relay);
+            assert_eq!(spread(3, 1, bytes), Resolved::Relay);
+            assert_eq!(scatter(2, 1, bytes), Resolved::Scatter);
+            // Several devices per machine: both run over the machines, with
+            // shared memory inside each.
+            assert_eq!(spread(2, 2, bytes), Resolved::Relay);
+            assert_eq!(scatter(2, 2, bytes), Resolved::Scatter);
+            // One machine: shared memory only; a reduce-scatter skips the
+            // all-gather.
+            assert_eq!(spread(1, 8, bytes), Resolved::Hierarchical);
+            assert_eq!(spread(1, 1, bytes), Resolved::Hierarchical);
+            assert_eq!(scatter(1, 8, bytes), Resolved::Scatter);
+            assert_eq!(scatter(1, 1, bytes), Resolved::Hierarchical);
+        }
+        assert_eq!(scatter(8, 1, 4096), Resolved::Hierarchical);
+        assert_eq!(scatter(8, 1, 256 << 10), Resolved::Scatter);
+        assert_eq!(scatter(4, 2, 4096), Resolved::Hierarchical);
+        assert_eq!(scatter(4, 2, 256 << 10), Resolved::Scatter);
+        assert_eq!(
+            runs(Collective::ReduceScatter, 2, 2, Algorithm::Ring, 4096),
+            Resolved::Scatter
+        );
+        // Four machines or more: two hops beat M - 1 for small operations.
+        assert_eq!(spread(8, 1, 4096), Resolved::Hierarchical);
+        assert_eq!(spread(8, 1, 256 << 10), Resolved::Relay);
+        assert_eq!(spread(4, 1, (256 << 10) - 1), Resolved::Hierarchical);
+        let spread_asked = |asked, m, d, bytes| runs(Collective::Broadcast, m, d, asked, bytes);
+        assert_eq!(spread_asked(Algorithm::Ring, 8, 1, 4096), Resolved::Relay);
+        assert_eq!(
+            spread_asked(Algorithm::Ring, 2, 2, 64 << 20),
+            Resolved::Relay
+        );
+        assert_eq!(
+            spread_asked(Algorithm::Hierarchical, 8, 1, 4096),
+            Resolved::Hierarchical
+        );
+        assert_eq!(
+            spread_asked(Algorithm::Hierarchical, 2, 2, 64 << 20),
+            Resolved::Hierarchical
+        );
+    }
+}
