@@ -1,4 +1,4 @@
-//! Property tests of the plan: the invariants of DESIGN.md section 3 over random
+//! Property tests of the plan: the invariants of docs/DESIGN.md section 3 over random
 //! tensors, element types, topologies (M up to 4096, D up to 16), slice sizes and
 //! minimum shard sizes.
 

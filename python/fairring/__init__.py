@@ -2,8 +2,8 @@
 
 ``import fairring`` registers the ``torch.distributed`` backend ``"fairring"``
 for CPU tensors (and names ``cuda`` so that one group serves both; CUDA
-tensors are refused with an error until the engine's CUDA memory space is
-built). With torch >= 2.14, ``init_process_group("fairring")`` finds the
+tensors are refused with an error until the backend takes them: the engine
+runs CUDA tensors from Rust and C). With torch >= 2.14, ``init_process_group("fairring")`` finds the
 backend through its entry point without the import.
 
 - ``dist.init_process_group("fairring")``: the group rendezvouses through the

@@ -77,9 +77,9 @@ def _host(tensor, what):
         raise TypeError(f"fairring: {what}: {tensor.layout} tensors are not supported")
     if tensor.device.type != "cpu":
         raise RuntimeError(
-            f"fairring: {what} on a {tensor.device.type} tensor: fairring's engine runs "
-            "on host memory in this build (the CUDA memory space is not built yet); "
-            "pass CPU tensors"
+            f"fairring: {what} on a {tensor.device.type} tensor: the Python backend "
+            "takes CPU tensors only (the engine's CUDA tensors are reached from Rust "
+            "and C, not yet from PyTorch); pass CPU tensors"
         )
     return tensor
 

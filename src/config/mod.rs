@@ -80,7 +80,7 @@ pub enum Algorithm {
     /// measurements). The default.
     Auto,
     /// Reduction-server all-reduce: intra-machine reduce-scatter, sharded exchange
-    /// along rails, intra-machine all-gather (DESIGN.md section 1).
+    /// along rails, intra-machine all-gather (docs/DESIGN.md section 1).
     Hierarchical,
     /// Ring reduce-scatter and all-gather over every rank through the fabric, the
     /// baseline of Horovod, Gloo and NCCL.

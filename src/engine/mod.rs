@@ -20,7 +20,8 @@
 //! | `work` | the table of operations shared with callers (sequence numbers, done or failed) |
 //! | `operations` | the operations the driver has accepted: plans, slices started and done, completion |
 //! | `slices` | the staging buffers: the slice holding each, starting and releasing slices, early landings |
-//! | `algorithm/` | the algorithms as types: `hierarchical`, `ring`; events in, steps out |
+//! | `choice` | what a call runs: algorithm, wire format, zero-fill; its rules as a table the tests check |
+//! | `algorithm/` | the algorithms as types, events in, steps out: `hierarchical`, `ring`, `doubling` (all-reduce), `relay` (broadcast, all-gather), `scatter` (reduce-scatter), `serve` (a dedicated server's part) |
 //! | `steps` | performing a slice's steps over memory, local step and outbox; polling what is still running |
 //! | `layout` | the one layout of a staging buffer |
 //! | `outbox` | everything sent: data writes waiting for credit or room, control messages |
@@ -35,6 +36,7 @@
 //! | `stall` | what a stalled engine waits for, in words |
 //! | `links` | the fabric and this rank's peers on it |
 //! | `tags` | immediates and tokens |
+//! | `simulation/` | (tests) the seeded simulation of every rank, with a simulated GPU and the machine's collectives |
 //!
 //! # Memory
 //!

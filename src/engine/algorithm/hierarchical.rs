@@ -1,4 +1,4 @@
-//! The hierarchical all-reduce of one slice on one rank (DESIGN.md section 1).
+//! The hierarchical all-reduce of one slice on one rank (docs/DESIGN.md section 1).
 //!
 //! Staging buffer of rank (machine `m`, device `d`), in the core's
 //! [`StagingLayout`](fairring_core::plan::StagingLayout) with the whole slice as its

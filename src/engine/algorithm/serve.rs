@@ -1,4 +1,4 @@
-//! A dedicated reduction server's part of one slice (Herring's design; DESIGN.md
+//! A dedicated reduction server's part of one slice (Herring's design; docs/DESIGN.md
 //! section 1 with the servers in the machines' place).
 //!
 //! The workers run [`Hierarchical`](super::Hierarchical) with the server as the
