@@ -267,6 +267,64 @@ pub(crate) unsafe fn hand_out(
     }
 }
 
+/// The body of an export that starts an operation, inside the panic
+/// boundary: checks the handle `$comm` and `$out`, evaluates `$start` (which
+/// parses the export's arguments with `?`, naming the first bad one, and
+/// starts the operation on `$c`, the communicator) and hands out its work.
+/// The export's contract must make `$comm` null or a live handle and `$out`
+/// null or valid for a write.
+macro_rules! start_export {
+    ($comm:expr, $out:expr, |$c:ident| $start:expr) => {
+        $crate::status::boundary(|| {
+            // SAFETY: the export's contract: `comm` is null or a live handle,
+            // `out` null or valid for a write.
+            let handle = match unsafe { $crate::comm::begin($comm, $out) } {
+                Ok(handle) => handle,
+                Err(status) => return status,
+            };
+            let $c: &fairring::Communicator = &handle.comm;
+            #[allow(
+                clippy::redundant_closure_call,
+                reason = "the closure is the scope that `?` returns from"
+            )]
+            let started: Result<
+                fairring::Result<fairring::Work<'_>>,
+                $crate::status::fr_status,
+            > = (|| $start)();
+            match started {
+                // SAFETY: `out` was checked non-null; valid for a write.
+                Ok(work) => unsafe { $crate::comm::hand_out(handle, $out, work) },
+                Err(status) => status,
+            }
+        })
+    };
+}
+#[cfg(feature = "cuda")]
+pub(crate) use start_export;
+
+/// The `n` entries of the lists `data` and `counts`, read during an export.
+///
+/// # Safety
+///
+/// Each list is null or holds `n` entries valid for reads during the call.
+pub(crate) unsafe fn lists<'a, T>(
+    data: *const T,
+    counts: *const u64,
+    n: usize,
+) -> Result<(&'a [T], &'a [u64]), fr_status> {
+    if n == 0 {
+        return Ok((&[], &[]));
+    }
+    if data.is_null() || counts.is_null() {
+        return Err(invalid("data", "null list"));
+    }
+    // SAFETY: both lists hold `n` entries (the contract; non-null, checked).
+    let data = unsafe { std::slice::from_raw_parts(data, n) };
+    // SAFETY: as for `data`.
+    let counts = unsafe { std::slice::from_raw_parts(counts, n) };
+    Ok((data, counts))
+}
+
 /// Starts an all-reduce of `count` elements of `dtype` at `data`, in place,
 /// with `op`. `*out` receives the work handle.
 ///
@@ -285,20 +343,10 @@ pub unsafe extern "C" fn fr_all_reduce(
     op: i32,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    boundary(|| {
-        // SAFETY: forwarded under the same contract.
-        let c = match unsafe { begin(comm, out) } {
-            Ok(c) => c,
-            Err(s) => return s,
-        };
-        let (dtype, op) = match types(dtype, op) {
-            Ok(t) => t,
-            Err(s) => return s,
-        };
+    start_export!(comm, out, |c| {
+        let (dtype, op) = types(dtype, op)?;
         // SAFETY: the memory contract is the caller's, as documented.
-        let work = unsafe { c.comm.all_reduce_raw(data.cast(), count, dtype, op, None) };
-        // SAFETY: `out` was checked non-null; valid for a write per the contract.
-        unsafe { hand_out(c, out, work) }
+        Ok(unsafe { c.all_reduce_raw(data.cast(), count, dtype, op, None) })
     })
 }
 
@@ -320,37 +368,21 @@ pub unsafe extern "C" fn fr_all_reduce_coalesced(
     out: *mut *mut fr_work,
 ) -> fr_status {
     boundary(|| {
-        if n > 0 && (data.is_null() || counts.is_null()) {
-            return invalid("data", "null list");
-        }
-        let (data, counts) = if n == 0 {
-            (&[][..], &[][..])
-        } else {
-            // SAFETY: both lists hold `n` entries per the contract (non-null,
-            // checked above), read only during this call.
-            let data = unsafe { std::slice::from_raw_parts(data, n) };
-            // SAFETY: as for `data`.
-            let counts = unsafe { std::slice::from_raw_parts(counts, n) };
-            (data, counts)
+        // SAFETY: the lists' contract is the caller's, as documented.
+        let (data, counts) = match unsafe { lists(data, counts, n) } {
+            Ok(l) => l,
+            Err(s) => return s,
         };
         let tensors: Vec<(*mut u8, u64)> = data
             .iter()
             .zip(counts)
             .map(|(&d, &c)| (d.cast::<u8>(), c))
             .collect();
-        // SAFETY: forwarded under the same contract.
-        let c = match unsafe { begin(comm, out) } {
-            Ok(c) => c,
-            Err(s) => return s,
-        };
-        let (dtype, op) = match types(dtype, op) {
-            Ok(t) => t,
-            Err(s) => return s,
-        };
-        // SAFETY: the memory contract is the caller's, as documented.
-        let work = unsafe { c.comm.all_reduce_coalesced_raw(&tensors, dtype, op) };
-        // SAFETY: `out` was checked non-null; valid for a write per the contract.
-        unsafe { hand_out(c, out, work) }
+        start_export!(comm, out, |c| {
+            let (dtype, op) = types(dtype, op)?;
+            // SAFETY: the memory contract is the caller's, as documented.
+            Ok(unsafe { c.all_reduce_coalesced_raw(&tensors, dtype, op) })
+        })
     })
 }
 
@@ -369,20 +401,10 @@ pub unsafe extern "C" fn fr_broadcast(
     root: u32,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    boundary(|| {
-        // SAFETY: forwarded under the same contract.
-        let c = match unsafe { begin(comm, out) } {
-            Ok(c) => c,
-            Err(s) => return s,
-        };
-        let dtype = match dtype_of(dtype) {
-            Ok(d) => d,
-            Err(s) => return s,
-        };
+    start_export!(comm, out, |c| {
+        let dtype = dtype_of(dtype)?;
         // SAFETY: the memory contract is the caller's, as documented.
-        let work = unsafe { c.comm.broadcast_raw(data.cast(), count, dtype, root) };
-        // SAFETY: `out` was checked non-null; valid for a write per the contract.
-        unsafe { hand_out(c, out, work) }
+        Ok(unsafe { c.broadcast_raw(data.cast(), count, dtype, root) })
     })
 }
 
@@ -403,23 +425,10 @@ pub unsafe extern "C" fn fr_all_gather(
     dtype: i32,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    boundary(|| {
-        // SAFETY: forwarded under the same contract.
-        let c = match unsafe { begin(comm, out) } {
-            Ok(c) => c,
-            Err(s) => return s,
-        };
-        let dtype = match dtype_of(dtype) {
-            Ok(d) => d,
-            Err(s) => return s,
-        };
+    start_export!(comm, out, |c| {
+        let dtype = dtype_of(dtype)?;
         // SAFETY: the memory contract is the caller's, as documented.
-        let work = unsafe {
-            c.comm
-                .all_gather_raw(input.cast(), output.cast(), count, dtype)
-        };
-        // SAFETY: `out` was checked non-null; valid for a write per the contract.
-        unsafe { hand_out(c, out, work) }
+        Ok(unsafe { c.all_gather_raw(input.cast(), output.cast(), count, dtype) })
     })
 }
 
@@ -442,23 +451,10 @@ pub unsafe extern "C" fn fr_reduce_scatter(
     op: i32,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    boundary(|| {
-        // SAFETY: forwarded under the same contract.
-        let c = match unsafe { begin(comm, out) } {
-            Ok(c) => c,
-            Err(s) => return s,
-        };
-        let (dtype, op) = match types(dtype, op) {
-            Ok(t) => t,
-            Err(s) => return s,
-        };
+    start_export!(comm, out, |c| {
+        let (dtype, op) = types(dtype, op)?;
         // SAFETY: the memory contract is the caller's, as documented.
-        let work = unsafe {
-            c.comm
-                .reduce_scatter_raw(input.cast(), output.cast(), count, dtype, op)
-        };
-        // SAFETY: `out` was checked non-null; valid for a write per the contract.
-        unsafe { hand_out(c, out, work) }
+        Ok(unsafe { c.reduce_scatter_raw(input.cast(), output.cast(), count, dtype, op) })
     })
 }
 
@@ -469,14 +465,5 @@ pub unsafe extern "C" fn fr_reduce_scatter(
 /// `comm` is a live handle; `out` is valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fr_barrier(comm: *const fr_comm, out: *mut *mut fr_work) -> fr_status {
-    boundary(|| {
-        // SAFETY: forwarded under the same contract.
-        let c = match unsafe { begin(comm, out) } {
-            Ok(c) => c,
-            Err(s) => return s,
-        };
-        let work = c.comm.start_barrier();
-        // SAFETY: `out` was checked non-null; valid for a write per the contract.
-        unsafe { hand_out(c, out, work) }
-    })
+    start_export!(comm, out, |c| Ok(c.start_barrier()))
 }

@@ -13,14 +13,14 @@
 //! The memory must stay valid, and no stream or thread may touch it, until
 //! the operation completes (work ordered after `fr_work_enqueue_wait` may).
 //! One communicator drives one GPU. With several ranks per machine, the
-//! machine's step is staged through its shared segment (the GPUs' own
-//! collectives do not take it yet).
+//! machine's step runs as NCCL's collectives or through its shared segment
+//! (`FAIRRING_DEVICE_LOCAL`).
 
 use std::ffi::c_void;
 
 use fairring::cuda::sys::CUstream;
 
-use crate::comm::{begin, dtype_of, fr_comm, hand_out, types};
+use crate::comm::{dtype_of, fr_comm, lists, start_export, types};
 use crate::status::{FR_OK, boundary, fail, fr_status, invalid};
 use crate::work::fr_work;
 
@@ -50,29 +50,11 @@ pub unsafe extern "C" fn fr_all_reduce_device(
     stream: *mut c_void,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    boundary(|| {
-        // SAFETY: forwarded under the same contract.
-        let c = match unsafe { begin(comm, out) } {
-            Ok(c) => c,
-            Err(s) => return s,
-        };
-        let (dtype, op) = match types(dtype, op) {
-            Ok(t) => t,
-            Err(s) => return s,
-        };
+    start_export!(comm, out, |c| {
+        let (dtype, op) = types(dtype, op)?;
+        let data = device_address(data);
         // SAFETY: the memory and stream contract is the caller's, as documented.
-        let work = unsafe {
-            c.comm.all_reduce_device_raw(
-                device_address(data),
-                count,
-                dtype,
-                op,
-                stream as CUstream,
-                None,
-            )
-        };
-        // SAFETY: `out` was checked non-null; valid for a write per the contract.
-        unsafe { hand_out(c, out, work) }
+        Ok(unsafe { c.all_reduce_device_raw(data, count, dtype, op, stream as CUstream, None) })
     })
 }
 
@@ -96,38 +78,22 @@ pub unsafe extern "C" fn fr_all_reduce_coalesced_device(
     out: *mut *mut fr_work,
 ) -> fr_status {
     boundary(|| {
-        if n > 0 && (data.is_null() || counts.is_null()) {
-            return invalid("data", "null list");
-        }
-        let tensors: Vec<(u64, u64)> = if n == 0 {
-            Vec::new()
-        } else {
-            // SAFETY: both lists hold `n` entries per the contract (non-null,
-            // checked above), read only during this call.
-            let data = unsafe { std::slice::from_raw_parts(data, n) };
-            // SAFETY: as for `data`.
-            let counts = unsafe { std::slice::from_raw_parts(counts, n) };
-            data.iter()
-                .zip(counts)
-                .map(|(&d, &c)| (device_address(d), c))
-                .collect()
-        };
-        // SAFETY: forwarded under the same contract.
-        let c = match unsafe { begin(comm, out) } {
-            Ok(c) => c,
+        // SAFETY: the lists' contract is the caller's, as documented.
+        let (data, counts) = match unsafe { lists(data, counts, n) } {
+            Ok(l) => l,
             Err(s) => return s,
         };
-        let (dtype, op) = match types(dtype, op) {
-            Ok(t) => t,
-            Err(s) => return s,
-        };
-        // SAFETY: the memory and stream contract is the caller's, as documented.
-        let work = unsafe {
-            c.comm
-                .all_reduce_coalesced_device_raw(&tensors, dtype, op, stream as CUstream)
-        };
-        // SAFETY: `out` was checked non-null; valid for a write per the contract.
-        unsafe { hand_out(c, out, work) }
+        let tensors: Vec<(u64, u64)> = data
+            .iter()
+            .zip(counts)
+            .map(|(&d, &c)| (device_address(d), c))
+            .collect();
+        start_export!(comm, out, |c| {
+            let (dtype, op) = types(dtype, op)?;
+            let stream = stream as CUstream;
+            // SAFETY: the memory and stream contract is the caller's, as documented.
+            Ok(unsafe { c.all_reduce_coalesced_device_raw(&tensors, dtype, op, stream) })
+        })
     })
 }
 
@@ -147,28 +113,11 @@ pub unsafe extern "C" fn fr_broadcast_device(
     stream: *mut c_void,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    boundary(|| {
-        // SAFETY: forwarded under the same contract.
-        let c = match unsafe { begin(comm, out) } {
-            Ok(c) => c,
-            Err(s) => return s,
-        };
-        let dtype = match dtype_of(dtype) {
-            Ok(d) => d,
-            Err(s) => return s,
-        };
+    start_export!(comm, out, |c| {
+        let dtype = dtype_of(dtype)?;
+        let data = device_address(data);
         // SAFETY: the memory and stream contract is the caller's, as documented.
-        let work = unsafe {
-            c.comm.broadcast_device_raw(
-                device_address(data),
-                count,
-                dtype,
-                root,
-                stream as CUstream,
-            )
-        };
-        // SAFETY: `out` was checked non-null; valid for a write per the contract.
-        unsafe { hand_out(c, out, work) }
+        Ok(unsafe { c.broadcast_device_raw(data, count, dtype, root, stream as CUstream) })
     })
 }
 
@@ -192,28 +141,11 @@ pub unsafe extern "C" fn fr_all_gather_device(
     stream: *mut c_void,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    boundary(|| {
-        // SAFETY: forwarded under the same contract.
-        let c = match unsafe { begin(comm, out) } {
-            Ok(c) => c,
-            Err(s) => return s,
-        };
-        let dtype = match dtype_of(dtype) {
-            Ok(d) => d,
-            Err(s) => return s,
-        };
+    start_export!(comm, out, |c| {
+        let dtype = dtype_of(dtype)?;
+        let (input, output) = (device_address(input), device_address(output));
         // SAFETY: the memory and stream contract is the caller's, as documented.
-        let work = unsafe {
-            c.comm.all_gather_device_raw(
-                device_address(input),
-                device_address(output),
-                count,
-                dtype,
-                stream as CUstream,
-            )
-        };
-        // SAFETY: `out` was checked non-null; valid for a write per the contract.
-        unsafe { hand_out(c, out, work) }
+        Ok(unsafe { c.all_gather_device_raw(input, output, count, dtype, stream as CUstream) })
     })
 }
 
@@ -237,29 +169,13 @@ pub unsafe extern "C" fn fr_reduce_scatter_device(
     stream: *mut c_void,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    boundary(|| {
-        // SAFETY: forwarded under the same contract.
-        let c = match unsafe { begin(comm, out) } {
-            Ok(c) => c,
-            Err(s) => return s,
-        };
-        let (dtype, op) = match types(dtype, op) {
-            Ok(t) => t,
-            Err(s) => return s,
-        };
+    start_export!(comm, out, |c| {
+        let (dtype, op) = types(dtype, op)?;
+        let (input, output) = (device_address(input), device_address(output));
         // SAFETY: the memory and stream contract is the caller's, as documented.
-        let work = unsafe {
-            c.comm.reduce_scatter_device_raw(
-                device_address(input),
-                device_address(output),
-                count,
-                dtype,
-                op,
-                stream as CUstream,
-            )
-        };
-        // SAFETY: `out` was checked non-null; valid for a write per the contract.
-        unsafe { hand_out(c, out, work) }
+        Ok(unsafe {
+            c.reduce_scatter_device_raw(input, output, count, dtype, op, stream as CUstream)
+        })
     })
 }
 
