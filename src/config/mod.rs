@@ -191,29 +191,10 @@ pub enum Role {
 /// Builds a [`Config`] field by field; [`ConfigBuilder::build`] validates.
 #[derive(Clone, Debug)]
 pub struct ConfigBuilder {
-    rank: u32,
-    world_size: u32,
-    local_rank: Option<u32>,
-    local_world_size: Option<u32>,
-    master_addr: String,
-    master_port: u16,
-    total_memory: u64,
-    slice_bytes: Option<u64>,
-    min_shard_bytes: u64,
-    direct_from: Option<u64>,
-    socket_ifname: Option<String>,
-    timeout: Duration,
+    /// The settings as set so far: the job secret and tag are made by `build`.
+    config: Config,
     secret: Option<JobSecret>,
     run_id: String,
-    algorithm: Algorithm,
-    wire: WireFormat,
-    host_id: Option<String>,
-    fabric: FabricChoice,
-    device_local: DeviceLocal,
-    verbs: VerbsKnobs,
-    servers: u32,
-    role: Role,
-    agent_store: Option<u32>,
 }
 
 impl Config {
@@ -225,29 +206,34 @@ impl Config {
         master_port: u16,
     ) -> ConfigBuilder {
         ConfigBuilder {
-            rank,
-            world_size,
-            local_rank: None,
-            local_world_size: None,
-            master_addr: master_addr.into(),
-            master_port,
-            total_memory: DEFAULT_TOTAL_MEMORY,
-            slice_bytes: None,
-            min_shard_bytes: fairring_core::plan::PlanConfig::DEFAULT_MIN_SHARD_BYTES,
-            direct_from: Some(DEFAULT_DIRECT_FROM),
-            socket_ifname: None,
-            timeout: DEFAULT_TIMEOUT,
+            config: Config {
+                rank,
+                world_size,
+                local_rank: None,
+                local_world_size: None,
+                master_addr: master_addr.into(),
+                master_port,
+                total_memory: DEFAULT_TOTAL_MEMORY,
+                slice_bytes: None,
+                min_shard_bytes: fairring_core::plan::PlanConfig::DEFAULT_MIN_SHARD_BYTES,
+                direct_from: Some(DEFAULT_DIRECT_FROM),
+                socket_ifname: None,
+                timeout: DEFAULT_TIMEOUT,
+                algorithm: Algorithm::Auto,
+                wire: WireFormat::Exact,
+                host_id: None,
+                fabric: FabricChoice::Auto,
+                device_local: DeviceLocal::Auto,
+                verbs: VerbsKnobs::default(),
+                servers: 0,
+                role: Role::Worker,
+                agent_store: None,
+                // Made by `build`.
+                secret: JobSecret::from_bytes([0; 32]),
+                job_tag: 0,
+            },
             secret: None,
             run_id: String::new(),
-            algorithm: Algorithm::Auto,
-            wire: WireFormat::Exact,
-            host_id: None,
-            fabric: FabricChoice::Auto,
-            device_local: DeviceLocal::Auto,
-            verbs: VerbsKnobs::default(),
-            servers: 0,
-            role: Role::Worker,
-            agent_store: None,
         }
     }
 
@@ -261,7 +247,7 @@ impl Config {
         master_port: u16,
     ) -> ConfigBuilder {
         let mut b = Config::builder(0, workers, master_addr, master_port);
-        b.role = Role::Server(index);
+        b.config.role = Role::Server(index);
         b
     }
 
@@ -329,27 +315,27 @@ impl Config {
                 Error::config("MASTER_PORT", &port_text, "expected a port in 1..=65535")
             })?;
         let mut b = Config::builder(rank, world_size, master_addr, master_port);
-        b.role = role;
+        b.config.role = role;
         if let Some(v) = lookup("FAIRRING_SERVERS") {
-            b.servers = parse_u32("FAIRRING_SERVERS", &v)?;
+            b.config.servers = parse_u32("FAIRRING_SERVERS", &v)?;
         }
         if let Some(v) = lookup("LOCAL_RANK") {
-            b.local_rank = Some(parse_u32("LOCAL_RANK", &v)?);
+            b.config.local_rank = Some(parse_u32("LOCAL_RANK", &v)?);
         }
         if let Some(v) = lookup("LOCAL_WORLD_SIZE") {
-            b.local_world_size = Some(parse_u32("LOCAL_WORLD_SIZE", &v)?);
+            b.config.local_world_size = Some(parse_u32("LOCAL_WORLD_SIZE", &v)?);
         }
         if let Some(v) = lookup("FAIRRING_TOTAL_MEMORY") {
-            b.total_memory = parse_bytes("FAIRRING_TOTAL_MEMORY", &v)?;
+            b.config.total_memory = parse_bytes("FAIRRING_TOTAL_MEMORY", &v)?;
         }
         if let Some(v) = lookup("FAIRRING_SLICE_SIZE") {
-            b.slice_bytes = Some(parse_bytes("FAIRRING_SLICE_SIZE", &v)?);
+            b.config.slice_bytes = Some(parse_bytes("FAIRRING_SLICE_SIZE", &v)?);
         }
         if let Some(v) = lookup("FAIRRING_MIN_SHARD_SIZE") {
-            b.min_shard_bytes = parse_bytes("FAIRRING_MIN_SHARD_SIZE", &v)?;
+            b.config.min_shard_bytes = parse_bytes("FAIRRING_MIN_SHARD_SIZE", &v)?;
         }
         if let Some(v) = lookup("FAIRRING_DIRECT_FROM") {
-            b.direct_from = match v.trim() {
+            b.config.direct_from = match v.trim() {
                 "never" => None,
                 _ => Some(parse_bytes("FAIRRING_DIRECT_FROM", &v)?),
             };
@@ -358,10 +344,10 @@ impl Config {
             if v.trim().is_empty() {
                 return Err(Error::config("FAIRRING_SOCKET_IFNAME", &v, "empty"));
             }
-            b.socket_ifname = Some(v.trim().to_owned());
+            b.config.socket_ifname = Some(v.trim().to_owned());
         }
         if let Some(v) = lookup("FAIRRING_TIMEOUT") {
-            b.timeout = parse_duration("FAIRRING_TIMEOUT", &v)?;
+            b.config.timeout = parse_duration("FAIRRING_TIMEOUT", &v)?;
         }
         if let Some(v) = lookup("FAIRRING_JOB_SECRET") {
             let secret = JobSecret::from_hex("FAIRRING_JOB_SECRET", &v)
@@ -369,31 +355,31 @@ impl Config {
             b.secret = Some(secret);
         }
         if let Some(v) = lookup("FAIRRING_ALGO") {
-            b.algorithm = v
+            b.config.algorithm = v
                 .parse()
                 .map_err(|reason: String| Error::config("FAIRRING_ALGO", &v, reason))?;
         }
         if let Some(v) = lookup("FAIRRING_WIRE") {
-            b.wire = WireFormat::from_name(v.trim())
+            b.config.wire = WireFormat::from_name(v.trim())
                 .ok_or_else(|| Error::config("FAIRRING_WIRE", &v, "expected exact, bf16 or f16"))?;
         }
         if let Some(v) = lookup("FAIRRING_HOST_ID") {
             if v.trim().is_empty() {
                 return Err(Error::config("FAIRRING_HOST_ID", &v, "empty"));
             }
-            b.host_id = Some(v);
+            b.config.host_id = Some(v);
         }
         if let Some(v) = lookup("FAIRRING_FABRIC") {
-            b.fabric = v
+            b.config.fabric = v
                 .parse()
                 .map_err(|reason: String| Error::config("FAIRRING_FABRIC", &v, reason))?;
         }
         if let Some(v) = lookup("FAIRRING_DEVICE_LOCAL") {
-            b.device_local = v
+            b.config.device_local = v
                 .parse()
                 .map_err(|reason: String| Error::config("FAIRRING_DEVICE_LOCAL", &v, reason))?;
         }
-        b.verbs = VerbsKnobs::from_lookup(&lookup)?;
+        b.config.verbs = VerbsKnobs::from_lookup(&lookup)?;
         if let Some(v) = lookup("TORCHELASTIC_RUN_ID") {
             b.run_id = v;
         }
@@ -403,7 +389,7 @@ impl Config {
                 Some(v) => parse_u32("TORCHELASTIC_RESTART_COUNT", &v)?,
                 None => 0,
             };
-            b.agent_store = Some(attempt);
+            b.config.agent_store = Some(attempt);
         }
         b.build()
     }
@@ -468,32 +454,32 @@ impl Config {
 impl ConfigBuilder {
     /// Dedicated reduction servers in the job (the same on every process).
     pub fn servers(mut self, servers: u32) -> Self {
-        self.servers = servers;
+        self.config.servers = servers;
         self
     }
 
     /// Rank on this machine and ranks per machine, checked against the rendezvous.
     pub fn local(mut self, local_rank: u32, local_world_size: u32) -> Self {
-        self.local_rank = Some(local_rank);
-        self.local_world_size = Some(local_world_size);
+        self.config.local_rank = Some(local_rank);
+        self.config.local_world_size = Some(local_world_size);
         self
     }
 
     /// Staging memory per rank, in bytes.
     pub fn total_memory(mut self, bytes: u64) -> Self {
-        self.total_memory = bytes;
+        self.config.total_memory = bytes;
         self
     }
 
     /// Largest slice, in bytes.
     pub fn slice_bytes(mut self, bytes: u64) -> Self {
-        self.slice_bytes = Some(bytes);
+        self.config.slice_bytes = Some(bytes);
         self
     }
 
     /// Smallest shard, in bytes.
     pub fn min_shard_bytes(mut self, bytes: u64) -> Self {
-        self.min_shard_bytes = bytes;
+        self.config.min_shard_bytes = bytes;
         self
     }
 
@@ -502,19 +488,19 @@ impl ConfigBuilder {
     /// from (tcp), by hierarchical between machines of one rank each or by the
     /// ring; `None`: always stage.
     pub fn direct_from(mut self, bytes: Option<u64>) -> Self {
-        self.direct_from = bytes;
+        self.config.direct_from = bytes;
         self
     }
 
     /// The interface the fabric listens on.
     pub fn socket_ifname(mut self, name: impl Into<String>) -> Self {
-        self.socket_ifname = Some(name.into());
+        self.config.socket_ifname = Some(name.into());
         self
     }
 
     /// Rendezvous and peer-silence bound.
     pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
+        self.config.timeout = timeout;
         self
     }
 
@@ -532,93 +518,93 @@ impl ConfigBuilder {
 
     /// The default algorithm.
     pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
-        self.algorithm = algorithm;
+        self.config.algorithm = algorithm;
         self
     }
 
     /// How `f32` reductions travel between machines (see the module docs).
     pub fn wire(mut self, wire: WireFormat) -> Self {
-        self.wire = wire;
+        self.config.wire = wire;
         self
     }
 
     /// This machine's identity: ranks with the same identity share memory.
     pub fn host_id(mut self, id: impl Into<String>) -> Self {
-        self.host_id = Some(id.into());
+        self.config.host_id = Some(id.into());
         self
     }
 
     /// The fabric.
     pub fn fabric(mut self, fabric: FabricChoice) -> Self {
-        self.fabric = fabric;
+        self.config.fabric = fabric;
         self
     }
 
     /// How several ranks of a machine reduce device tensors among themselves.
     pub fn device_local(mut self, choice: DeviceLocal) -> Self {
-        self.device_local = choice;
+        self.config.device_local = choice;
         self
     }
 
     /// The RDMA device the verbs provider opens (the first one by default).
     pub fn verbs_device(mut self, name: impl Into<String>) -> Self {
-        self.verbs.device = Some(name.into());
+        self.config.verbs.device = Some(name.into());
         self
     }
 
     /// The verbs device's port (1 by default) and GID index (0 by default).
     pub fn verbs_port(mut self, port: u8, gid_index: u8) -> Self {
-        self.verbs.port = port;
-        self.verbs.gid_index = gid_index;
+        self.config.verbs.port = port;
+        self.config.verbs.gid_index = gid_index;
         self
     }
 
     /// Rendezvous through the PyTorch TCPStore torchrun's agent serves at the
     /// master address, under restart `attempt`, instead of serving one on rank 0.
     pub fn agent_store(mut self, attempt: u32) -> Self {
-        self.agent_store = Some(attempt);
+        self.config.agent_store = Some(attempt);
         self
     }
 
     /// Validates every field.
     pub fn build(self) -> Result<Config> {
-        if self.world_size == 0 {
+        if self.config.world_size == 0 {
             return Err(Error::config("WORLD_SIZE", 0, "must be at least 1"));
         }
-        if self.servers > fairring_core::topology::MAX_MACHINES {
+        if self.config.servers > fairring_core::topology::MAX_MACHINES {
             return Err(Error::config(
                 "FAIRRING_SERVERS",
-                self.servers,
+                self.config.servers,
                 format!("must be at most {}", fairring_core::topology::MAX_MACHINES),
             ));
         }
-        let rank = match self.role {
-            Role::Worker => self.rank,
-            Role::Server(i) if i < self.servers => self.world_size + i,
+        let rank = match self.config.role {
+            Role::Worker => self.config.rank,
+            Role::Server(i) if i < self.config.servers => self.config.world_size + i,
             Role::Server(i) => {
                 return Err(Error::config(
                     "FAIRRING_SERVER_RANK",
                     i,
-                    format!("must be below FAIRRING_SERVERS={}", self.servers),
+                    format!("must be below FAIRRING_SERVERS={}", self.config.servers),
                 ));
             }
         };
-        if self.role == Role::Worker && self.rank >= self.world_size {
+        if self.config.role == Role::Worker && self.config.rank >= self.config.world_size {
             return Err(Error::config(
                 "RANK",
-                self.rank,
-                format!("must be below WORLD_SIZE={}", self.world_size),
+                self.config.rank,
+                format!("must be below WORLD_SIZE={}", self.config.world_size),
             ));
         }
-        if let Some(n) = self.local_world_size {
-            if n == 0 || !self.world_size.is_multiple_of(n) {
+        if let Some(n) = self.config.local_world_size {
+            if n == 0 || !self.config.world_size.is_multiple_of(n) {
                 return Err(Error::config(
                     "LOCAL_WORLD_SIZE",
                     n,
-                    format!("must divide WORLD_SIZE={}", self.world_size),
+                    format!("must divide WORLD_SIZE={}", self.config.world_size),
                 ));
             }
-            if let Some(r) = self.local_rank
+            if let Some(r) = self.config.local_rank
                 && r >= n
             {
                 return Err(Error::config(
@@ -628,10 +614,14 @@ impl ConfigBuilder {
                 ));
             }
         }
-        if self.master_addr.trim().is_empty() {
-            return Err(Error::config("MASTER_ADDR", &self.master_addr, "empty"));
+        if self.config.master_addr.trim().is_empty() {
+            return Err(Error::config(
+                "MASTER_ADDR",
+                &self.config.master_addr,
+                "empty",
+            ));
         }
-        if self.master_port == 0 {
+        if self.config.master_port == 0 {
             return Err(Error::config(
                 "MASTER_PORT",
                 0,
@@ -639,7 +629,7 @@ impl ConfigBuilder {
             ));
         }
         let max_slice = fairring_core::plan::PlanConfig::MAX_SLICE_BYTES;
-        if let Some(s) = self.slice_bytes
+        if let Some(s) = self.config.slice_bytes
             && !(64 << 10..=max_slice).contains(&s)
         {
             return Err(Error::config(
@@ -649,58 +639,43 @@ impl ConfigBuilder {
             ));
         }
         let floor = fairring_core::plan::PlanConfig::MIN_SHARD_FLOOR;
-        if !(floor..=max_slice).contains(&self.min_shard_bytes) {
+        if !(floor..=max_slice).contains(&self.config.min_shard_bytes) {
             return Err(Error::config(
                 "FAIRRING_MIN_SHARD_SIZE",
-                self.min_shard_bytes,
+                self.config.min_shard_bytes,
                 format!("must be between {floor} and {max_slice} bytes"),
             ));
         }
-        if self.total_memory < 1 << 20 {
+        if self.config.total_memory < 1 << 20 {
             return Err(Error::config(
                 "FAIRRING_TOTAL_MEMORY",
-                self.total_memory,
+                self.config.total_memory,
                 "must be at least 1 MiB",
             ));
         }
-        if self.timeout.is_zero() {
+        if self.config.timeout.is_zero() {
             return Err(Error::config("FAIRRING_TIMEOUT", "0", "must be positive"));
         }
-        if self.fabric == FabricChoice::Verbs && !cfg!(feature = "verbs") {
+        if self.config.fabric == FabricChoice::Verbs && !cfg!(feature = "verbs") {
             return Err(verbs_not_built());
         }
-        if self.verbs.port == 0 {
+        if self.config.verbs.port == 0 {
             return Err(Error::config("FAIRRING_VERBS_PORT", 0, "expected 1 to 255"));
         }
         let secret = match self.secret {
             Some(s) => s,
-            None => derived_secret(&self.master_addr, self.master_port, &self.run_id),
+            None => derived_secret(
+                &self.config.master_addr,
+                self.config.master_port,
+                &self.run_id,
+            ),
         };
         let job_tag = job_tag(&secret, &self.run_id);
         Ok(Config {
             rank,
-            world_size: self.world_size,
-            local_rank: self.local_rank,
-            local_world_size: self.local_world_size,
-            master_addr: self.master_addr,
-            master_port: self.master_port,
-            total_memory: self.total_memory,
-            slice_bytes: self.slice_bytes,
-            min_shard_bytes: self.min_shard_bytes,
-            direct_from: self.direct_from,
-            socket_ifname: self.socket_ifname,
-            timeout: self.timeout,
             secret,
             job_tag,
-            algorithm: self.algorithm,
-            wire: self.wire,
-            host_id: self.host_id,
-            fabric: self.fabric,
-            device_local: self.device_local,
-            verbs: self.verbs,
-            servers: self.servers,
-            role: self.role,
-            agent_store: self.agent_store,
+            ..self.config
         })
     }
 }
