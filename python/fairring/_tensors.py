@@ -1,0 +1,87 @@
+"""The tensors the engine takes: torch's element types and reduce operators
+as the C ABI numbers them, the checks a tensor passes, and a contiguous
+stand-in for one that is not."""
+
+import ctypes
+
+import torch
+import torch.distributed as dist
+
+from . import _native as native
+
+_DTYPES = {
+    torch.float32: native.DTYPE_F32,
+    torch.float64: native.DTYPE_F64,
+    torch.float16: native.DTYPE_F16,
+    torch.bfloat16: native.DTYPE_BF16,
+    torch.int32: native.DTYPE_I32,
+    torch.int64: native.DTYPE_I64,
+    torch.uint8: native.DTYPE_U8,
+    torch.int8: native.DTYPE_I8,
+}
+
+_RED = dist.ReduceOp.RedOpType
+_OPS = {
+    _RED.SUM: native.OP_SUM,
+    _RED.PRODUCT: native.OP_PRODUCT,
+    _RED.MIN: native.OP_MIN,
+    _RED.MAX: native.OP_MAX,
+    _RED.AVG: native.OP_AVG,
+}
+
+
+def _op_code(op, what):
+    # `ReduceOp` compares equal to its RedOpType but hashes differently: key
+    # on the RedOpType.
+    kind = getattr(op, "op", op)
+    code = _OPS.get(kind)
+    if code is None:
+        raise ValueError(
+            f"fairring: {what}: ReduceOp.{getattr(kind, 'name', kind)} is not supported "
+            "(supported: SUM, AVG, PRODUCT, MIN, MAX)"
+        )
+    return code
+
+
+def _dtype_code(tensor, what):
+    code = _DTYPES.get(tensor.dtype)
+    if code is None:
+        names = ", ".join(str(d).replace("torch.", "") for d in _DTYPES)
+        raise TypeError(
+            f"fairring: {what}: reductions on {tensor.dtype} are not supported "
+            f"(supported: {names})"
+        )
+    return code
+
+
+def _host(tensor, what):
+    """Checks that fairring can take `tensor`: a dense CPU tensor."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"fairring: {what}: expected a tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"fairring: {what}: {tensor.layout} tensors are not supported")
+    if tensor.device.type != "cpu":
+        raise RuntimeError(
+            f"fairring: {what} on a {tensor.device.type} tensor: the Python backend "
+            "takes CPU tensors only (the engine's CUDA tensors are reached from Rust "
+            "and C, not yet from PyTorch); pass CPU tensors"
+        )
+    return tensor
+
+
+class _Staged:
+    """A tensor as the engine sees it: itself if contiguous, else a contiguous
+    copy that is written back when the operation finishes."""
+
+    def __init__(self, tensor, what, write_back=True):
+        _host(tensor, what)
+        self.tensor = tensor
+        self.buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+        self.write_back = write_back and self.buffer is not tensor
+
+    def ptr(self):
+        return ctypes.c_void_p(self.buffer.data_ptr())
+
+    def finish(self):
+        if self.write_back:
+            self.tensor.copy_(self.buffer)
