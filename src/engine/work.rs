@@ -13,16 +13,10 @@ use super::descriptor::Descriptor;
 use crate::memory::MemorySpace;
 use crate::sync::{AtomicU32, AtomicU64, Ordering, fence};
 
-/// Most operations outstanding at once: one per entry of a rank's operation table
-/// in the machine's segment.
-pub(crate) const WORK_CAPACITY: usize = crate::shm::segment::OPERATIONS;
-
-/// The table index of operation `seq`.
-pub(crate) fn slot_of(seq: u64) -> usize {
-    #[expect(clippy::cast_possible_truncation, reason = "below WORK_CAPACITY")]
-    let i = (seq % WORK_CAPACITY as u64) as usize;
-    i
-}
+/// Most operations outstanding at once, and the table index of operation
+/// `seq`: one per entry of a rank's operation table in the machine's segment,
+/// where both are defined (the memory space's device side uses them too).
+pub(crate) use crate::shm::segment::{OPERATIONS as WORK_CAPACITY, operation_entry as slot_of};
 
 pub(crate) const PENDING: u32 = 0;
 pub(crate) const DONE: u32 = 1;

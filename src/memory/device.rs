@@ -45,8 +45,8 @@ use fairring_cuda::{
     Device, DeviceSlice, DeviceSliceMut, Event, HostFlags, HostRegistration, Stream, Timing,
 };
 
-use crate::engine::work::{WORK_CAPACITY, slot_of};
 use crate::error::{Error, Result};
+use crate::shm::segment::{OPERATIONS as WORK_CAPACITY, operation_entry as slot_of};
 
 /// A caller's tensor in device memory: `len` bytes at device address `ptr`,
 /// whose operation's start event is `starts[ready]`.

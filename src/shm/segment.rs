@@ -33,6 +33,13 @@ pub(crate) const COUNTERS: usize = 3;
 /// Entries in a rank's operation table: operation `s` lives in entry
 /// `s % OPERATIONS`. The engine keeps no more operations outstanding than this.
 pub(crate) const OPERATIONS: usize = 1024;
+
+/// The operation-table entry of operation `seq`.
+pub(crate) fn operation_entry(seq: u64) -> usize {
+    #[expect(clippy::cast_possible_truncation, reason = "below OPERATIONS")]
+    let i = (seq % OPERATIONS as u64) as usize;
+    i
+}
 /// Bytes of one operation-table entry.
 const OPERATION_BYTES: usize = 32;
 /// Words in the failure record.
