@@ -8,7 +8,7 @@
 //!   its stream (the items before it have run: its bytes are in place), and
 //!   **meets** once every rank of the machine has arrived at the call of the
 //!   same index on the same communicator, as NCCL's kernels do.
-//! - Calls that meet must agree (what they do, how many bytes, which root):
+//! - MachineCalls that meet must agree (what they do, how many bytes, which root):
 //!   ranks that issue in different orders would hang or mix slices under
 //!   NCCL, and here the seed fails naming the two calls.
 //! - When the last rank arrives, the call moves every rank's bytes at once:
@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use fairring_core::reduce::finish_avg_bytes;
 use fairring_core::{DataType, ReduceOp};
 
-use super::device::{DeviceTensor, Item, SimFence, SimGpu};
+use super::device::{DeviceTensor, Item, Meeting, SimFence, SimGpu, SimMemory};
 use crate::error::Result;
 use crate::local::{Collectives, Comm};
 use crate::memory::reduce_into;
@@ -58,7 +58,7 @@ pub(super) struct Call {
 }
 
 /// The calls of one index on one communicator, as the ranks arrive.
-struct Meeting {
+struct Rendezvous {
     /// Per local rank: where its bytes are, once it has arrived.
     arrived: Vec<Option<usize>>,
     /// What the first to arrive does, and over how many bytes.
@@ -67,27 +67,27 @@ struct Meeting {
 }
 
 /// A machine's calls.
-struct Calls {
+struct MachineCalls {
     ranks: u32,
-    meetings: HashMap<(Comm, u64), Meeting>,
+    meetings: HashMap<(Comm, u64), Rendezvous>,
     aborted: Vec<bool>,
 }
 
 /// The collectives of one simulated machine, shared by its ranks' GPUs.
 #[derive(Clone)]
-pub(super) struct SimMachine(Arc<Mutex<Calls>>);
+pub(super) struct SimMachine(Arc<Mutex<MachineCalls>>);
 
 impl SimMachine {
     /// A machine of `ranks` ranks.
     pub(super) fn new(ranks: u32) -> SimMachine {
-        SimMachine(Arc::new(Mutex::new(Calls {
+        SimMachine(Arc::new(Mutex::new(MachineCalls {
             ranks,
             meetings: HashMap::new(),
             aborted: vec![false; ranks as usize],
         })))
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Calls> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, MachineCalls> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -120,7 +120,7 @@ impl SimMachine {
         let meeting = calls
             .meetings
             .entry((call.comm, call.index))
-            .or_insert_with(|| Meeting {
+            .or_insert_with(|| Rendezvous {
                 arrived: vec![None; ranks],
                 call: (call.kind, call.len),
                 done: false,
@@ -202,21 +202,60 @@ pub(super) struct SimCollectives {
     gpu: SimGpu,
     machine: SimMachine,
     rank: u32,
-    /// Calls issued so far, per communicator (the next one's index).
-    issued: Arc<Mutex<[u64; 2]>>,
+    calls: RankCalls,
+}
+
+/// One rank's calls, by id (the order it issued them), and how many it
+/// issued per communicator (the next one's index).
+#[derive(Clone, Default)]
+struct RankCalls(Arc<Mutex<(Vec<Call>, [u64; 2])>>);
+
+impl RankCalls {
+    fn get(&self, id: u64) -> Call {
+        let calls = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        calls.0[usize::try_from(id).expect("a call id indexes the calls")]
+    }
+}
+
+/// Where one rank's calls meet: the machine, as its GPU sees it.
+struct RankMeeting {
+    machine: SimMachine,
+    rank: u32,
+    calls: RankCalls,
+}
+
+impl Meeting for RankMeeting {
+    fn can_run(&self, id: u64) -> bool {
+        self.machine.can_run(self.rank, &self.calls.get(id))
+    }
+
+    fn run(&self, id: u64) -> bool {
+        self.machine.run(self.rank, &self.calls.get(id))
+    }
+
+    fn describe(&self, id: u64) -> String {
+        format!("{:?}", self.calls.get(id))
+    }
+}
+
+/// Local rank `rank`'s collectives among `machine`'s GPUs, the GPU of
+/// `memory` joining them.
+pub(super) fn join(memory: &SimMemory, machine: &SimMachine, rank: u32) -> SimCollectives {
+    let calls = RankCalls::default();
+    memory.meet_through(Box::new(RankMeeting {
+        machine: machine.clone(),
+        rank,
+        calls: calls.clone(),
+    }));
+    SimCollectives {
+        gpu: memory.sim_gpu(),
+        machine: machine.clone(),
+        rank,
+        calls,
+    }
 }
 
 impl SimCollectives {
-    /// Local rank `rank`'s, on `gpu`, of `machine`.
-    pub(super) fn new(gpu: SimGpu, machine: SimMachine, rank: u32) -> SimCollectives {
-        SimCollectives {
-            gpu,
-            machine,
-            rank,
-            issued: Arc::new(Mutex::new([0; 2])),
-        }
-    }
-
     /// The engine failed: this rank's calls end.
     pub(super) fn abort(&self) {
         self.machine.abort(self.rank);
@@ -232,20 +271,21 @@ impl SimCollectives {
         range: Range<usize>,
     ) -> Result<()> {
         let at = tensor.at(&range)?;
-        let index = {
-            let mut issued = self.issued.lock().unwrap_or_else(PoisonError::into_inner);
-            let next = &mut issued[comm as usize];
-            *next += 1;
-            *next - 1
+        let id = {
+            let mut calls = self.calls.0.lock().unwrap_or_else(PoisonError::into_inner);
+            let (issued, next) = &mut *calls;
+            let index = next[comm as usize];
+            next[comm as usize] += 1;
+            issued.push(Call {
+                comm,
+                index,
+                kind,
+                at,
+                len: range.len(),
+            });
+            issued.len() as u64 - 1
         };
-        let call = Call {
-            comm,
-            index,
-            kind,
-            at,
-            len: range.len(),
-        };
-        self.gpu.push(buffer as usize, Item::Collective(call));
+        self.gpu.push(buffer as usize, Item::Collective(id));
         Ok(())
     }
 }

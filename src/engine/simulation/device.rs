@@ -37,9 +37,7 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::super::work::{WORK_CAPACITY, slot_of};
-use super::collectives::{Call, SimCollectives, SimMachine};
 use crate::error::{Error, Result};
-use crate::local::{DeviceReach, Place, PlacedStep, ShmStep};
 use crate::memory::{Conversion, Host, HostTensor, MemorySpace, Reduction};
 
 /// How the engine meets the callers' streams (see the module docs).
@@ -62,8 +60,9 @@ pub(super) enum Item {
     WaitFor { stream: usize, at: u64 },
     /// Until done word `slot` is at least `value`.
     WaitWord { slot: usize, value: u64 },
-    /// A collective among the machine's ranks (`collectives`).
-    Collective(Call),
+    /// Call `id` of a collective among the machine's ranks, which its
+    /// [`Meeting`] resolves.
+    Collective(u64),
 }
 
 #[derive(Default)]
@@ -84,8 +83,20 @@ pub(super) struct Gpu {
     words: Vec<u64>,
     /// Whether the device side exists (made at the first device operation).
     made: bool,
-    /// The machine whose collectives this GPU joins, and its local rank.
-    machine: Option<(SimMachine, u32)>,
+    /// Where this GPU's collective calls meet the other ranks' calls.
+    meeting: Option<Box<dyn Meeting>>,
+}
+
+/// Where a GPU's collective calls meet those of the other ranks of its
+/// machine (`super::collectives`), as NCCL's kernels meet.
+pub(super) trait Meeting: Send {
+    /// Whether call `id`, at the head of its stream, can move on: arrive, or
+    /// end.
+    fn can_run(&self, id: u64) -> bool;
+    /// Moves call `id` on; returns whether it ended (leaves its stream).
+    fn run(&self, id: u64) -> bool;
+    /// What call `id` is, for a report of what waits.
+    fn describe(&self, id: u64) -> String;
 }
 
 impl Gpu {
@@ -115,10 +126,7 @@ impl Gpu {
             Some(Item::Copy { .. }) => true,
             Some(&Item::WaitFor { stream: s, at }) => self.passed(s, at),
             Some(&Item::WaitWord { slot, value }) => self.words[slot] >= value,
-            Some(Item::Collective(call)) => self
-                .machine
-                .as_ref()
-                .is_some_and(|(machine, rank)| machine.can_run(*rank, call)),
+            Some(&Item::Collective(id)) => self.meeting.as_ref().is_some_and(|m| m.can_run(id)),
         }
     }
 
@@ -127,9 +135,9 @@ impl Gpu {
         if !self.runnable(stream) {
             return false;
         }
-        if let (Some(&Item::Collective(call)), Some((machine, rank))) =
-            (self.streams[stream].items.front(), &self.machine)
-            && !machine.run(*rank, &call)
+        if let (Some(&Item::Collective(id)), Some(meeting)) =
+            (self.streams[stream].items.front(), &self.meeting)
+            && !meeting.run(id)
         {
             // It arrived, and waits for the other ranks.
             return true;
@@ -177,7 +185,10 @@ impl Gpu {
                 } else {
                     format!("engine stream {i}")
                 };
-                s.items.front().map(|item| format!("{name}: {item:?}"))
+                s.items.front().map(|item| match (item, &self.meeting) {
+                    (&Item::Collective(id), Some(m)) => format!("{name}: {}", m.describe(id)),
+                    _ => format!("{name}: {item:?}"),
+                })
             })
             .collect();
         (!waits.is_empty()).then(|| waits.join(", "))
@@ -242,7 +253,7 @@ impl SimMemory {
                 streams,
                 words: vec![0; WORK_CAPACITY],
                 made: false,
-                machine: None,
+                meeting: None,
             }))),
         }
     }
@@ -251,11 +262,14 @@ impl SimMemory {
         self.gpu.lock()
     }
 
-    /// Local rank `rank`'s collectives among `machine`'s GPUs, this one
-    /// joining them.
-    pub(super) fn join(&self, machine: &SimMachine, rank: u32) -> SimCollectives {
-        self.gpu().machine = Some((machine.clone(), rank));
-        SimCollectives::new(self.gpu.clone(), machine.clone(), rank)
+    /// This memory's GPU, shared.
+    pub(super) fn sim_gpu(&self) -> SimGpu {
+        self.gpu.clone()
+    }
+
+    /// Where this GPU's collective calls meet the other ranks'.
+    pub(super) fn meet_through(&self, meeting: Box<dyn Meeting>) {
+        self.gpu().meeting = Some(meeting);
     }
 
     /// The caller's part of submitting a device operation on `words`: its
@@ -314,6 +328,11 @@ impl SimGpu {
     /// Enqueues `item` on stream `stream`.
     pub(super) fn push(&self, stream: usize, item: Item) {
         self.lock().push(stream, item);
+    }
+
+    /// Whether stream `stream` has run `at` items.
+    pub(super) fn passed(&self, stream: usize, at: u64) -> bool {
+        self.lock().passed(stream, at)
     }
 
     /// A fence at the end of stream `stream`.
@@ -522,87 +541,6 @@ impl MemorySpace for SimMemory {
         if gpu.made {
             let word = &mut gpu.words[slot_of(seq)];
             *word = (*word).max(seq + 1);
-        }
-    }
-}
-
-/// How the simulation's local step reaches its device tensors: the
-/// simulated GPU's copies, and the machine's collectives where its ranks
-/// reduce through them. The step itself is the communicator's
-/// ([`PlacedStep`]), so the simulation runs the path choice it ships.
-pub(super) struct SimReach {
-    gpu: SimGpu,
-    collectives: Option<SimCollectives>,
-}
-
-/// The simulation's local step.
-pub(super) type SimStep = PlacedStep<SimReach>;
-
-impl SimMemory {
-    /// The local step of the rank over `shm`, reaching its device tensors
-    /// through this memory's GPU and, where given, `collectives`.
-    pub(super) fn step(&self, shm: ShmStep, collectives: Option<SimCollectives>) -> SimStep {
-        PlacedStep::new(
-            shm,
-            SimReach {
-                gpu: self.gpu.clone(),
-                collectives,
-            },
-        )
-    }
-}
-
-impl DeviceReach for SimReach {
-    type Memory = SimMemory;
-    type Tensor = DeviceTensor;
-    type Fence = SimFence;
-    type Collectives<'a> = SimCollectives;
-
-    fn place(tensor: &SimTensor) -> Place<'_, DeviceTensor> {
-        match tensor {
-            SimTensor::Host(t) => Place::Host(t),
-            SimTensor::Device(t) => Place::Device(t),
-        }
-    }
-
-    fn fence(fence: Option<SimFence>) -> SimFence {
-        fence.unwrap_or(SimFence::Passed)
-    }
-
-    fn poll(&self, fence: &SimFence) -> Result<bool> {
-        Ok(match *fence {
-            SimFence::Passed => true,
-            SimFence::Device { stream, at } => self.gpu.lock().passed(stream, at),
-        })
-    }
-
-    unsafe fn copy_to_staging(
-        &self,
-        buffer: u32,
-        staging: &mut [u8],
-        tensor: &DeviceTensor,
-        from: Range<usize>,
-    ) -> Result<SimFence> {
-        self.gpu.copy_to_staging(buffer, staging, tensor, from)
-    }
-
-    unsafe fn copy_from_staging(
-        &self,
-        buffer: u32,
-        staging: &[u8],
-        tensor: &DeviceTensor,
-        to: Range<usize>,
-    ) -> Result<SimFence> {
-        self.gpu.copy_from_staging(buffer, staging, tensor, to)
-    }
-
-    fn collectives(&self) -> Result<Option<SimCollectives>> {
-        Ok(self.collectives.clone())
-    }
-
-    fn abort_collectives(&self) {
-        if let Some(collectives) = &self.collectives {
-            collectives.abort();
         }
     }
 }

@@ -44,6 +44,7 @@
 mod collectives;
 mod device;
 mod fabric;
+mod reach;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -62,9 +63,10 @@ use super::{DirectSettings, Engine, EngineParts, Strides};
 use crate::local::{LocalSlice, LocalStep, Machine, ShmStep, Solo};
 use crate::memory::{Host, HostTensor, MemoryKind, MemorySpace};
 use crate::shm::Segment;
-use collectives::SimMachine;
-use device::{Design, SimFence, SimMemory, SimStep, SimTensor};
+use collectives::{SimMachine, join};
+use device::{Design, SimFence, SimMemory, SimTensor};
 use fabric::{Network, SimFabric};
+use reach::SimStep;
 
 /// Steps after which a seed that has not settled counts as hung.
 const STEP_LIMIT: u64 = 2_000_000;
@@ -283,10 +285,15 @@ fn build_job(
             Host::new(Arc::clone(segment), location.device, buffers),
             design,
         );
-        let joined = (collectives && d > 1)
-            .then(|| memory.join(&machines[location.machine as usize], location.device));
+        let joined = (collectives && d > 1).then(|| {
+            join(
+                &memory,
+                &machines[location.machine as usize],
+                location.device,
+            )
+        });
         let shm = ShmStep::new(Arc::clone(segment), location.device, d, buffers);
-        let local = wrap(rank, memory.step(shm, joined));
+        let local = wrap(rank, reach::step(&memory, shm, joined));
         let machine = Machine::new(Arc::clone(segment), location.device, d);
         let fabric = SimFabric {
             rank,
