@@ -1,0 +1,358 @@
+//! Focused tests: schedules and faults the seeds reach rarely, built by
+//! hand over the same simulated job.
+
+use super::*;
+
+/// Relayed chunks land early in the slice area of a buffer, the bytes a local
+/// rank's all-gather reads from its peers' buffers: all-reduces with a local step
+/// interleaved with relays, over few buffers, on schedules where a rank runs
+/// ahead of the other ranks of its machine.
+#[test]
+fn relays_after_local_steps_leave_local_readers_their_bytes() {
+    let (mut checked, mut expected) = (0, 0);
+    for seed in 1..=400u64 {
+        let mut rng = Rng::new(seed);
+        let (machines, devices) = rng.pick(&[(2, 2), (2, 3), (3, 2)]);
+        let world = machines * devices;
+        let reduce = |elements| Op {
+            elements,
+            dtype: DataType::I64,
+            op: ReduceOp::Sum,
+            algorithm: Resolved::Hierarchical,
+            wire: WireFormat::Exact,
+            origins: None,
+            share: None,
+        };
+        let relay = |origins| Op {
+            elements: match origins {
+                Origins::Blocks(block) => block * u64::from(world),
+                Origins::Rank(_) => 3000,
+            },
+            dtype: DataType::U8,
+            op: ReduceOp::Sum,
+            algorithm: Resolved::Relay,
+            wire: WireFormat::Exact,
+            origins: Some(origins),
+            share: None,
+        };
+        let scenario = Scenario {
+            machines,
+            devices,
+            layout: RankLayout::Contiguous,
+            servers: 0,
+            buffers: 1 + rng.below(2) as u32,
+            slice_bytes: 1024,
+            ops: vec![
+                reduce(300),
+                relay(Origins::Blocks(400)),
+                reduce(200),
+                relay(Origins::Rank(world - 1)),
+                reduce(129),
+                relay(Origins::Blocks(97)),
+            ],
+            window: 2 + rng.below(3) as usize,
+            kill: None,
+            direct: DirectSettings::from(None),
+            device: vec![false; 6],
+            collectives: false,
+        };
+        match play(&scenario, &mut rng, Design::GateOnHost, STEP_LIMIT) {
+            Ok(outcome) => checked += outcome.done,
+            Err(e) => panic!("seed {seed}, {scenario:?}: {e}"),
+        }
+        expected += world as usize * scenario.ops.len();
+    }
+    assert_eq!(checked, expected, "every operation of every rank is done");
+}
+
+/// Submits operation 0 on `engine`: a hierarchical `i64` sum of `tensor`, a
+/// device tensor whose caller's stream first writes `input` into it.
+fn submit_device_sum(
+    engine: &Engine<SimFabric, SimMemory>,
+    tensor: &mut [u64],
+    input: &mut [u64],
+) -> crate::Result<()> {
+    assert!(engine.works.try_take(0));
+    let elements = tensor.len() as u64;
+    let descriptor = Descriptor {
+        collective: Collective::AllReduce,
+        dtype: DataType::I64,
+        op: ReduceOp::Sum,
+        algorithm: Resolved::Hierarchical,
+        wire: WireFormat::Exact,
+        memory: MemoryKind::Device,
+        root: 0,
+        elements,
+    };
+    let tensor = engine
+        .memory
+        .submit_device(bytemuck_bytes(tensor), bytemuck_bytes(input));
+    engine.submit(Submission {
+        seq: 0,
+        tensor,
+        elements,
+        dtype: DataType::I64,
+        op: ReduceOp::Sum,
+        algorithm: Resolved::Hierarchical,
+        wire: WireFormat::Exact,
+        descriptor,
+        deliver: None,
+    })
+}
+
+/// A local step that panics in its all-gather: a bug inside a step.
+struct PanickingAllGather(SimStep);
+
+impl LocalStep<SimMemory> for PanickingAllGather {
+    fn buffer_free(&self, buffer: u32, number: u64) -> bool {
+        self.0.buffer_free(buffer, number)
+    }
+    fn begin(&self, s: &LocalSlice<'_, SimMemory>) -> crate::Result<()> {
+        self.0.begin(s)
+    }
+    fn try_reduce_scatter(
+        &self,
+        s: &LocalSlice<'_, SimMemory>,
+        final_world: Option<u32>,
+    ) -> crate::Result<Option<SimFence>> {
+        self.0.try_reduce_scatter(s, final_world)
+    }
+    fn publish_slot(&self, s: &LocalSlice<'_, SimMemory>) {
+        self.0.publish_slot(s);
+    }
+    fn try_all_gather(
+        &self,
+        _s: &LocalSlice<'_, SimMemory>,
+        _own_in_tensor: bool,
+    ) -> crate::Result<Option<SimFence>> {
+        panic!("an injected panic in the all-gather");
+    }
+    fn finish(&self, buffer: u32, number: u64) {
+        self.0.finish(buffer, number);
+    }
+    fn laggards(&self, buffer: u32, number: u64) -> Vec<u32> {
+        self.0.laggards(buffer, number)
+    }
+}
+
+#[test]
+fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
+    let (engines, _net) = small_job(
+        (1, 2),
+        Design::GateOnHost,
+        Duration::from_secs(3600),
+        |rank, step| {
+            if rank == 1 {
+                Box::new(PanickingAllGather(step))
+            } else {
+                Box::new(step)
+            }
+        },
+    );
+    let mut tensors = [[1u64; 300], [2u64; 300]];
+    for (engine, tensor) in engines.iter().zip(&mut tensors) {
+        assert!(engine.works.try_take(0));
+        let descriptor = Descriptor {
+            collective: Collective::AllReduce,
+            dtype: DataType::I64,
+            op: ReduceOp::Sum,
+            algorithm: Resolved::Hierarchical,
+            wire: WireFormat::Exact,
+            memory: crate::memory::MemoryKind::Host,
+            root: 0,
+            elements: 300,
+        };
+        engine
+            .submit(Submission {
+                seq: 0,
+                tensor: SimTensor::Host(HostTensor::new(tensor.as_mut_ptr().cast(), 2400)),
+                elements: 300,
+                dtype: DataType::I64,
+                op: ReduceOp::Sum,
+                algorithm: Resolved::Hierarchical,
+                wire: WireFormat::Exact,
+                descriptor,
+                deliver: None,
+            })
+            .unwrap();
+    }
+    let settled = |e: &Engine<SimFabric, SimMemory>| e.works.state(0).is_some_and(|s| s != 0);
+    for _ in 0..10_000 {
+        if engines.iter().all(settled) {
+            break;
+        }
+        for e in &engines {
+            e.try_drive();
+        }
+    }
+    for e in &engines {
+        assert_eq!(e.works.state(0), Some(FAILED), "rank {}", e.rank());
+    }
+    let own = engines[1].failure().unwrap();
+    assert!(
+        matches!(&own, crate::Error::Internal { detail, .. } if detail.contains("injected panic")),
+        "{own}"
+    );
+    let peer = engines[0].failure().unwrap().to_string();
+    assert!(
+        peer.contains("rank 1") && peer.contains("injected panic"),
+        "{peer}"
+    );
+    assert!(!engines[1].driver.is_poisoned());
+    // The failed engine takes no more work and drives nothing.
+    assert!(!engines[1].try_drive());
+    assert!(engines[1].works.try_take(1));
+    let refused = engines[1].submit(Submission {
+        seq: 1,
+        tensor: SimTensor::Host(HostTensor::new(std::ptr::null_mut(), 0)),
+        elements: 0,
+        dtype: DataType::U8,
+        op: ReduceOp::Sum,
+        algorithm: Resolved::Hierarchical,
+        wire: WireFormat::Exact,
+        descriptor: Descriptor {
+            collective: Collective::Barrier,
+            dtype: DataType::U8,
+            op: ReduceOp::Sum,
+            algorithm: Resolved::Hierarchical,
+            wire: WireFormat::Exact,
+            memory: crate::memory::MemoryKind::Host,
+            root: 0,
+            elements: 0,
+        },
+        deliver: None,
+    });
+    assert!(matches!(refused, Err(crate::Error::Failed { .. })));
+}
+
+/// The design the gate replaced ([`Design::WaitOnStreams`]) hangs where the
+/// shipped one does not, in both ways the simulated device shows:
+///
+/// - seed 357 (a 2x1 job whose rank 0 is killed): rank 1 fails, and waits
+///   for an engine copy to end before it declares its operations failed; the
+///   copy waits for the start of an operation its caller submitted behind a
+///   wait for an earlier one, which only that declaration would release (the
+///   engine before the gate drained its streams there, with its lock held, and
+///   hung the same way);
+/// - seed 13: the caller waits on the device for a host operation that
+///   finished before the device side existed, whose word is never set.
+#[test]
+fn the_design_before_the_gate_hangs_where_the_gate_does_not() {
+    let drained = run_for(357, Design::WaitOnStreams, 200_000).unwrap_err();
+    assert!(
+        drained.contains("not settled") && drained.contains("WaitFor"),
+        "{drained}"
+    );
+    let waited = run(13, Design::WaitOnStreams).unwrap_err();
+    assert!(
+        waited.contains("a stream waits forever") && waited.contains("WaitWord"),
+        "{waited}"
+    );
+    for seed in [357, 13] {
+        let outcome = run(seed, Design::GateOnHost).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        assert!(outcome.device > 0, "seed {seed} runs device operations");
+    }
+}
+
+/// The stall timer runs from an operation's start on the caller's stream:
+/// a rank whose caller's stream takes longer than the timeout to reach the
+/// start does not fail, and its operation then completes exactly. Under the
+/// design before the gate its engine issued the operation's copies at once,
+/// and they waited on its stream past the timeout: the stall timer fired.
+#[test]
+fn time_before_an_operation_starts_is_the_callers() {
+    let timeout = Duration::from_millis(40);
+    let outcome = |design| -> Result<Vec<i64>, String> {
+        let (engines, net) = small_job((2, 1), design, timeout, |_, step| Box::new(step));
+        let mut tensors = [vec![0u64; 1000], vec![0u64; 1000]];
+        let mut inputs = [vec![3u64; 1000], vec![4u64; 1000]];
+        let pump = |engines: &[Engine<SimFabric, SimMemory>]| {
+            for e in engines {
+                e.try_drive();
+            }
+            let mut net = net
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for (a, b) in net.busy_links() {
+                net.deliver(a, b);
+            }
+        };
+        let submit = |r: usize, tensor: &mut [u64], input: &mut [u64]| {
+            submit_device_sum(&engines[r], tensor, input).map_err(|e| e.to_string())
+        };
+        let [t0, t1] = &mut tensors;
+        let [i0, i1] = &mut inputs;
+        // Rank 0's caller's stream is busy for three timeouts before it
+        // reaches the start; rank 1 has not called yet.
+        submit(0, t0, i0)?;
+        let begun = std::time::Instant::now();
+        while begun.elapsed() < 3 * timeout {
+            pump(&engines);
+            if let Some(e) = engines[0].failure() {
+                return Err(e.to_string());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        submit(1, t1, i1)?;
+        for _ in 0..100_000 {
+            if engines.iter().all(|e| e.works.state(0) == Some(DONE)) {
+                return Ok(tensors.iter().map(|t| t[999] as i64).collect());
+            }
+            for e in &engines {
+                e.memory.gpu().run_any(|_| 0);
+            }
+            pump(&engines);
+            if let Some(e) = engines.iter().find_map(|e| e.failure()) {
+                return Err(e.to_string());
+            }
+        }
+        Err("not done".into())
+    };
+    assert_eq!(outcome(Design::GateOnHost), Ok(vec![7, 7]));
+    let before = outcome(Design::WaitOnStreams).unwrap_err();
+    assert!(
+        before.contains("timed out") || before.contains("stall"),
+        "{before}"
+    );
+}
+
+/// A failing engine neither waits for the GPU nor declares an operation
+/// failed while one of its copies may still write the caller's tensor: the
+/// operation stays pending until the copy has run, then fails.
+#[test]
+fn a_failure_waits_for_running_copies_without_blocking() {
+    // One rank per machine (a copy a slice's step holds) and two (the staged
+    // step's copies in, which only the local step holds).
+    for layout in [(2, 1), (1, 2)] {
+        let (engines, _net) = small_job(
+            layout,
+            Design::GateOnHost,
+            Duration::from_secs(3600),
+            |_, step| Box::new(step),
+        );
+        let mut tensors = [vec![0u64; 1000], vec![0u64; 1000]];
+        let mut inputs = [vec![3u64; 1000], vec![4u64; 1000]];
+        for (r, (t, i)) in tensors.iter_mut().zip(&mut inputs).enumerate() {
+            submit_device_sum(&engines[r], t, i).unwrap();
+        }
+        // Rank 0's caller's stream reaches the start (the input's copy runs);
+        // its engine then issues the slice's first copy, which has not run.
+        assert!(engines[0].memory.gpu().run_any(|_| 0));
+        for _ in 0..100 {
+            for e in &engines {
+                e.try_drive();
+            }
+        }
+        let waiting = engines[0].memory.gpu().waiting().unwrap_or_default();
+        assert!(waiting.contains("engine stream"), "{layout:?}: {waiting}");
+        engines[0].fail(crate::Error::Aborted);
+        assert_eq!(
+            engines[0].works.state(0),
+            Some(work::PENDING),
+            "{layout:?}: declared failed while its copy may still touch the tensor"
+        );
+        assert!(engines[0].memory.gpu().run_out().is_none());
+        engines[0].try_drive();
+        assert_eq!(engines[0].works.state(0), Some(FAILED), "{layout:?}");
+    }
+}

@@ -1,0 +1,170 @@
+//! The engines of a simulated job: every rank's (and every dedicated
+//! server's) memory, local step, fabric and region, assembled as the
+//! bootstrap assembles a communicator's.
+
+use super::*;
+
+/// The engines of every rank of `geometry`'s job over `net` (the workers, then
+/// its dedicated servers), each worker's local step passed through `wrap` (to
+/// inject faults).
+#[expect(clippy::too_many_arguments, reason = "a job's every setting, once")]
+pub(super) fn build_job(
+    geometry: &Geometry,
+    layout: &StagingLayout,
+    buffers: u32,
+    net: &Arc<std::sync::Mutex<Network>>,
+    direct: DirectSettings,
+    design: Design,
+    collectives: bool,
+    timeout: Duration,
+    wrap: impl Fn(u32, SimStep) -> Box<dyn LocalStep<SimMemory>>,
+) -> Result<Vec<Engine<SimFabric, SimMemory>>, String> {
+    let topology = geometry.topology();
+    let (m, d, world) = (
+        topology.machines(),
+        topology.devices_per_machine(),
+        topology.world_size(),
+    );
+    let servers = geometry.servers().unwrap_or(0);
+    let processes = world + servers;
+    let strides = Strides {
+        worker: Segment::buffer_stride(layout.buffer_bytes()),
+        server: Segment::buffer_stride(layout.server_buffer_bytes()),
+    };
+    let segments: Vec<Arc<Segment>> = (0..m)
+        .map(|_| Segment::anonymous(d, buffers, layout.buffer_bytes()).map(Arc::new))
+        .collect::<crate::Result<_>>()
+        .map_err(|e| e.to_string())?;
+    // Device tensors of several ranks per machine go through the machine's
+    // collectives where `collectives`, through the host otherwise.
+    let machines: Vec<SimMachine> = (0..m).map(|_| SimMachine::new(d)).collect();
+    let mut parts = Vec::new();
+    for rank in 0..world {
+        let location = topology.locate(rank).map_err(|e| e.to_string())?;
+        let segment = &segments[location.machine as usize];
+        let memory = SimMemory::new(
+            Host::new(Arc::clone(segment), location.device, buffers),
+            design,
+        );
+        let joined = (collectives && d > 1).then(|| {
+            join(
+                &memory,
+                &machines[location.machine as usize],
+                location.device,
+            )
+        });
+        let shm = ShmStep::new(Arc::clone(segment), location.device, d, buffers);
+        let local = wrap(rank, reach::step(&memory, shm, joined));
+        let machine = Machine::new(Arc::clone(segment), location.device, d);
+        let fabric = SimFabric {
+            rank,
+            net: Arc::clone(net),
+        };
+        let (area, len) = memory.registered();
+        // SAFETY: the area is this rank's part of a segment the memory space keeps
+        // mapped for as long as the engine lives.
+        let region = unsafe { fabric.register(area, len) }.map_err(|e| e.to_string())?;
+        parts.push((location, memory, local, machine, fabric, region, None));
+    }
+    for index in 0..servers {
+        let segment = Arc::new(
+            Segment::anonymous(1, buffers, layout.server_buffer_bytes())
+                .map_err(|e| e.to_string())?,
+        );
+        let memory = SimMemory::new(Host::new(Arc::clone(&segment), 0, buffers), design);
+        let machine = Machine::new(segment, 0, 1);
+        let fabric = SimFabric {
+            rank: world + index,
+            net: Arc::clone(net),
+        };
+        let (area, len) = memory.registered();
+        // SAFETY: as for the workers' areas.
+        let region = unsafe { fabric.register(area, len) }.map_err(|e| e.to_string())?;
+        let location = Location {
+            machine: u32::MAX,
+            device: 0,
+        };
+        let local: Box<dyn LocalStep<SimMemory>> = Box::new(Solo);
+        parts.push((
+            location,
+            memory,
+            local,
+            machine,
+            fabric,
+            region,
+            Some(index),
+        ));
+    }
+    let regions: Vec<_> = parts.iter().map(|p| p.5.remote()).collect();
+    let mut engines = Vec::new();
+    for (rank, (location, memory, local, machine, fabric, region, server)) in
+        (0..processes).zip(parts)
+    {
+        let (out, inbound) = match server {
+            Some(_) => server_peers(topology),
+            None => peers(topology, location, rank, servers),
+        };
+        let linked = linked(&out, &inbound);
+        for &p in &linked {
+            let ep = fabric.endpoint(p).map_err(|e| e.to_string())?;
+            fabric.connect(p, &ep).map_err(|e| e.to_string())?;
+        }
+        let mut remote = vec![None; processes as usize];
+        for &p in &out {
+            remote[p as usize] = Some(regions[p as usize]);
+        }
+        engines.push(Engine::new(EngineParts {
+            fabric,
+            region,
+            remote,
+            memory,
+            local,
+            machine,
+            geometry: *geometry,
+            layout: *layout,
+            location,
+            rank,
+            world: processes,
+            servers,
+            server,
+            strides,
+            buffers,
+            inbound,
+            linked,
+            timeout,
+            direct,
+        }));
+    }
+    Ok(engines)
+}
+
+/// The engines of a small job for the focused tests: `m x d` ranks, two
+/// buffers of 4 KiB slices, under `design` and `timeout`, each local step
+/// through `wrap`.
+pub(super) fn small_job(
+    (m, d): (u32, u32),
+    design: Design,
+    timeout: Duration,
+    wrap: impl Fn(u32, SimStep) -> Box<dyn LocalStep<SimMemory>>,
+) -> (
+    Vec<Engine<SimFabric, SimMemory>>,
+    Arc<std::sync::Mutex<Network>>,
+) {
+    let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+    let geometry = Geometry::new(topology, PlanConfig::new(4096, 64).unwrap()).unwrap();
+    let layout = StagingLayout::new(&geometry, m * d).unwrap();
+    let net = Network::new(m * d);
+    let engines = build_job(
+        &geometry,
+        &layout,
+        2,
+        &net,
+        DirectSettings::from(None),
+        design,
+        false,
+        timeout,
+        wrap,
+    )
+    .unwrap();
+    (engines, net)
+}
