@@ -1,0 +1,250 @@
+//! [`Scope`]: asynchronous operations that may borrow data for the scope.
+
+use super::*;
+
+/// Where asynchronous all-reduces live: see [`Communicator::scope`]. Operations
+/// may borrow data for `'scope`; the scope ends only when all have finished.
+pub struct Scope<'scope, 'env: 'scope> {
+    pub(super) comm: &'env Communicator,
+    pub(super) first: u64,
+    pub(super) _scope: PhantomData<&'scope mut &'scope ()>,
+}
+
+impl<'scope> Scope<'scope, '_> {
+    /// Starts an all-reduce of `data` in place with the communicator's algorithm.
+    pub fn all_reduce<T: Element>(
+        &'scope self,
+        data: &'scope mut [T],
+        op: ReduceOp,
+    ) -> Result<Work<'scope>> {
+        self.all_reduce_with(data, op, self.comm.algorithm)
+    }
+
+    /// Starts an all-reduce of `data` in place with `algorithm`.
+    pub fn all_reduce_with<T: Element>(
+        &'scope self,
+        data: &'scope mut [T],
+        op: ReduceOp,
+        algorithm: Algorithm,
+    ) -> Result<Work<'scope>> {
+        let count = data.len() as u64;
+        // SAFETY: `data` is borrowed mutably for 'scope, and the scope does not
+        // end before the operation finishes (`finish` waits), even if the `Work`
+        // is leaked; it is valid, aligned for `T` and of `count` elements.
+        unsafe {
+            self.comm.all_reduce_raw(
+                data.as_mut_ptr().cast(),
+                count,
+                T::DTYPE,
+                op,
+                Some(algorithm),
+            )
+        }
+    }
+
+    /// Starts a hierarchical all-reduce of `data` in place whose values cross
+    /// between machines in `wire` (see [`Config`]'s compressed wire for the
+    /// precision it keeps). A compressed wire carries `f32` only: for any
+    /// other type it is refused, naming `wire`. Every rank must ask for the
+    /// same wire; the descriptor check compares it.
+    pub fn all_reduce_on_wire<T: Element>(
+        &'scope self,
+        data: &'scope mut [T],
+        op: ReduceOp,
+        wire: WireFormat,
+    ) -> Result<Work<'scope>> {
+        check_pointer(data.as_mut_ptr().cast(), data.len() as u64, T::DTYPE)?;
+        let mut r = Request::all_reduce(
+            data.as_mut_ptr().cast(),
+            data.len() as u64,
+            T::DTYPE,
+            op,
+            Some(Algorithm::Hierarchical),
+        );
+        r.wire = Some(wire);
+        // SAFETY: as in `all_reduce_with`: `data` is borrowed mutably for
+        // 'scope, which does not end before the operation finishes.
+        unsafe { self.comm.start(r) }
+    }
+
+    /// Starts a broadcast of `data` from rank `root` (see
+    /// [`Communicator::broadcast`]) with the communicator's algorithm.
+    ///
+    /// With [`Algorithm::Ring`] it is a pipelined chain from the root around the
+    /// ring, each byte sent once per hop. With [`Algorithm::Hierarchical`] it
+    /// runs as a byte-wise wrapping-sum all-reduce to which every rank but the
+    /// root contributes zeros, at twice the bytes per rank. `auto` picks the
+    /// chain where the job has one rank per machine. Both are exact for every
+    /// type (NaN payloads and negative zeros included).
+    pub fn broadcast<T: Element>(
+        &'scope self,
+        data: &'scope mut [T],
+        root: u32,
+    ) -> Result<Work<'scope>> {
+        self.broadcast_with(data, root, self.comm.algorithm)
+    }
+
+    /// Starts a broadcast of `data` from rank `root` with `algorithm` (see
+    /// [`Scope::broadcast`]). Every rank must choose alike.
+    pub fn broadcast_with<T: Element>(
+        &'scope self,
+        data: &'scope mut [T],
+        root: u32,
+        algorithm: Algorithm,
+    ) -> Result<Work<'scope>> {
+        // SAFETY: `data` is borrowed mutably for 'scope, which outlasts the
+        // operation (`finish` waits); it is valid and aligned for its length.
+        unsafe {
+            self.comm.broadcast_raw_with(
+                data.as_mut_ptr().cast(),
+                data.len() as u64,
+                T::DTYPE,
+                root,
+                Some(algorithm),
+            )
+        }
+    }
+
+    /// Starts an all-gather of every rank's `input` into `output` (see
+    /// [`Communicator::all_gather`]) with the communicator's algorithm.
+    ///
+    /// With [`Algorithm::Ring`] each rank's input goes around the ring, sent
+    /// once per hop. With [`Algorithm::Hierarchical`] it is a byte-wise sum over
+    /// `output` to which each rank contributes its input at its offset and
+    /// zeros elsewhere, at twice the bytes per rank. `auto` picks the ring on
+    /// two or three machines, and on more from 256 KiB (the README's
+    /// `FAIRRING_ALGO` row). Both are exact for every type.
+    pub fn all_gather<T: Element>(
+        &'scope self,
+        input: &[T],
+        output: &'scope mut [T],
+    ) -> Result<Work<'scope>> {
+        self.all_gather_with(input, output, self.comm.algorithm)
+    }
+
+    /// Starts an all-gather with `algorithm` (see [`Scope::all_gather`]).
+    /// Every rank must choose alike.
+    pub fn all_gather_with<T: Element>(
+        &'scope self,
+        input: &[T],
+        output: &'scope mut [T],
+        algorithm: Algorithm,
+    ) -> Result<Work<'scope>> {
+        let world = self.comm.world_size() as usize;
+        let n = input.len();
+        if n.checked_mul(world) != Some(output.len()) {
+            return Err(Error::invalid(
+                "output",
+                format!(
+                    "holds {} elements; {world} ranks x {n} input elements need {}",
+                    output.len(),
+                    n.saturating_mul(world)
+                ),
+            ));
+        }
+        // SAFETY: `input` is read before this returns; `output` is borrowed
+        // mutably for 'scope and spans `world * n` elements (checked above).
+        unsafe {
+            self.comm.all_gather_raw_with(
+                input.as_ptr().cast(),
+                output.as_mut_ptr().cast(),
+                n as u64,
+                T::DTYPE,
+                Some(algorithm),
+            )
+        }
+    }
+
+    /// Starts a reduce-scatter (see [`Communicator::reduce_scatter`]): `input`
+    /// reduced across ranks, this rank's share of it copied into `output` when
+    /// it finishes. `input` is workspace: afterwards this rank's share of it
+    /// holds the result too, and the rest is unspecified.
+    ///
+    /// With [`Algorithm::Ring`] each share goes around the ring once, reduced
+    /// on the way to its rank: `(N-1)/N` of the input leaves each rank. With
+    /// [`Algorithm::Hierarchical`] or [`Algorithm::Doubling`] it is an
+    /// all-reduce of the whole input, twice the bytes. `auto` picks the ring
+    /// on one machine of several ranks, on two or three machines, and on more
+    /// from 256 KiB, unless the job has dedicated servers (the README's
+    /// `FAIRRING_ALGO` row).
+    pub fn reduce_scatter<T: Element>(
+        &'scope self,
+        input: &'scope mut [T],
+        output: &'scope mut [T],
+        op: ReduceOp,
+    ) -> Result<Work<'scope>> {
+        self.reduce_scatter_with(input, output, op, self.comm.algorithm)
+    }
+
+    /// Starts a reduce-scatter with `algorithm` (see [`Scope::reduce_scatter`]).
+    /// Every rank must choose alike.
+    pub fn reduce_scatter_with<T: Element>(
+        &'scope self,
+        input: &'scope mut [T],
+        output: &'scope mut [T],
+        op: ReduceOp,
+        algorithm: Algorithm,
+    ) -> Result<Work<'scope>> {
+        let world = self.comm.world_size() as usize;
+        let n = output.len();
+        if n.checked_mul(world) != Some(input.len()) {
+            return Err(Error::invalid(
+                "input",
+                format!(
+                    "holds {} elements; {world} ranks x {n} output elements need {}",
+                    input.len(),
+                    n.saturating_mul(world)
+                ),
+            ));
+        }
+        // SAFETY: both are borrowed mutably for 'scope (so they do not overlap)
+        // and have the lengths checked above.
+        unsafe {
+            self.comm.reduce_scatter_raw_with(
+                input.as_mut_ptr().cast(),
+                output.as_mut_ptr().cast(),
+                n as u64,
+                T::DTYPE,
+                op,
+                Some(algorithm),
+            )
+        }
+    }
+
+    /// Starts a barrier: its [`Work`] finishes once every rank has entered it.
+    pub fn barrier(&'scope self) -> Result<Work<'scope>> {
+        self.comm.start_barrier()
+    }
+
+    /// Starts an all-reduce of every tensor in `tensors`, one operation each, all
+    /// in flight at once; the returned [`Work`] covers them all.
+    pub fn all_reduce_coalesced<T: Element>(
+        &'scope self,
+        tensors: impl IntoIterator<Item = &'scope mut [T]>,
+        op: ReduceOp,
+    ) -> Result<Work<'scope>> {
+        let raw: Vec<(*mut u8, u64)> = tensors
+            .into_iter()
+            .map(|t| (t.as_mut_ptr().cast(), t.len() as u64))
+            .collect();
+        // SAFETY: every tensor is borrowed mutably for 'scope (so none overlap),
+        // valid and aligned for its length.
+        unsafe { self.comm.all_reduce_coalesced_raw(&raw, T::DTYPE, op) }
+    }
+
+    pub(super) fn finish(&self) {
+        let last = *self
+            .comm
+            .next_seq
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for seq in self.first..last {
+            // Waits for every operation of the scope (and any other thread's in
+            // between, which is harmless); errors belong to the `Work`s.
+            while !matches!(
+                self.comm.engine.wait(seq, Some(Duration::from_secs(1))),
+                Ok(true) | Err(_)
+            ) {}
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! [`Work`] and [`OwnedWork`]: operations in flight, waited on, tested and
+//! released.
+
+use super::*;
+
+/// One operation (or a coalesced group of them) in flight.
+///
+/// Dropping it waits for it to finish; if it has not finished within the
+/// communicator's timeout, the communicator is failed (every peer's operations
+/// then fail too) so that the drop returns and nothing more touches the memory.
+#[must_use = "an operation runs until waited on or dropped"]
+pub struct Work<'a> {
+    pub(super) engine: &'a WorkerEngine,
+    /// The operations covered: `first..=last`, or none if `first > last`.
+    pub(super) first: u64,
+    pub(super) last: u64,
+    pub(super) _data: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> Work<'a> {
+    pub(super) fn new(engine: &'a WorkerEngine, first: u64, last: u64) -> Work<'a> {
+        Work {
+            engine,
+            first,
+            last,
+            _data: PhantomData,
+        }
+    }
+
+    pub(super) fn empty(engine: &'a WorkerEngine) -> Work<'a> {
+        Work::new(engine, 1, 0)
+    }
+
+    /// Waits for the operation to finish.
+    pub fn wait(self) -> Result<()> {
+        let timeout = self.engine.timeout;
+        self.wait_timeout(timeout)
+    }
+
+    /// Waits up to `timeout`: an error if it failed or is still running then.
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+        wait_range(self.engine, self.first, self.last, timeout)
+    }
+
+    /// Whether the operation has finished, without waiting or driving it (the
+    /// progress thread does); its error if it failed.
+    pub fn test(&self) -> Result<bool> {
+        test_range(self.engine, self.first, self.last)
+    }
+
+    /// The operation's sequence number (the same on every rank); the first one
+    /// of a coalesced group.
+    pub fn sequence(&self) -> u64 {
+        self.first
+    }
+}
+
+impl Drop for Work<'_> {
+    fn drop(&mut self) {
+        release_range(self.engine, self.first, self.last);
+    }
+}
+
+/// An operation (or a coalesced group) in flight that owns a reference to its
+/// communicator: made by [`Communicator::own`] from a [`Work`] of a raw form.
+///
+/// The communicator lives at least as long as its owned works. Dropping one
+/// waits for it as dropping a [`Work`] does.
+#[must_use = "an operation runs until waited on or dropped"]
+pub struct OwnedWork {
+    pub(super) comm: Arc<Communicator>,
+    pub(super) first: u64,
+    pub(super) last: u64,
+}
+
+impl OwnedWork {
+    /// Waits up to `timeout`: an error if it failed or is still running then.
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+        wait_range(&self.comm.engine, self.first, self.last, timeout)
+    }
+
+    /// Waits up to the communicator's timeout.
+    pub fn wait(&self) -> Result<()> {
+        self.wait_timeout(self.comm.timeout)
+    }
+
+    /// Whether the operation has finished; its error if it failed.
+    pub fn test(&self) -> Result<bool> {
+        test_range(&self.comm.engine, self.first, self.last)
+    }
+
+    /// The operation's sequence number; the first one of a coalesced group.
+    pub fn sequence(&self) -> u64 {
+        self.first
+    }
+
+    /// The communicator that runs it.
+    pub fn communicator(&self) -> &Arc<Communicator> {
+        &self.comm
+    }
+}
+
+impl Drop for OwnedWork {
+    fn drop(&mut self) {
+        release_range(&self.comm.engine, self.first, self.last);
+    }
+}
+
+/// Waits for operations `first..=last`, up to `timeout` in all.
+pub(super) fn wait_range(
+    engine: &WorkerEngine,
+    first: u64,
+    last: u64,
+    timeout: Duration,
+) -> Result<()> {
+    let start = Instant::now();
+    for seq in first..=last {
+        let left = timeout.saturating_sub(start.elapsed());
+        if !engine.wait(seq, Some(left))? {
+            return Err(Error::timeout(format!("operation #{seq}"), timeout));
+        }
+    }
+    Ok(())
+}
+
+/// Whether operations `first..=last` have all finished.
+pub(super) fn test_range(engine: &WorkerEngine, first: u64, last: u64) -> Result<bool> {
+    for seq in first..=last {
+        if !engine.test(seq)? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Waits for operations `first..=last` and gives their table entries back; one
+/// still running after the timeout fails the communicator, so that nothing
+/// touches its memory after this returns.
+pub(super) fn release_range(engine: &WorkerEngine, first: u64, last: u64) {
+    for seq in first..=last {
+        if !matches!(engine.wait(seq, Some(engine.timeout)), Ok(true) | Err(_)) {
+            engine.fail(Error::timeout(
+                format!("operation #{seq} (dropped while running)"),
+                engine.timeout,
+            ));
+        }
+        engine.works.give_back(seq);
+    }
+}
