@@ -1,0 +1,155 @@
+//! A configuration from the environment torchrun sets and the `FAIRRING_*`
+//! knobs (the table in the module docs of [`crate::config`]).
+
+use std::time::Duration;
+
+use fairring_core::WireFormat;
+
+use super::parse::{parse_bytes, parse_duration, parse_u32};
+use super::{Config, JobSecret, Role, VerbsKnobs, parse_flag};
+use crate::error::{Error, Result};
+
+impl Config {
+    /// The configuration torchrun's environment describes, with the `FAIRRING_*`
+    /// knobs (see the module docs).
+    pub fn from_env() -> Result<Config> {
+        Config::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// The configuration of rank `rank` of `world_size` in a runtime that
+    /// rendezvouses through a store of its own (see
+    /// [`Communicator::with_store`](crate::Communicator::with_store)): every
+    /// other knob from the environment, as [`Config::from_env`] reads it.
+    ///
+    /// `MASTER_ADDR` and `MASTER_PORT` are optional here; they still choose the
+    /// interface the fabric listens on (the one that reaches `MASTER_ADDR`, or
+    /// `FAIRRING_SOCKET_IFNAME`). With neither, the fabric listens on loopback,
+    /// which serves one machine only. A `timeout`, when given (the runtime's
+    /// own), replaces `FAIRRING_TIMEOUT`.
+    pub fn from_env_with(rank: u32, world_size: u32, timeout: Option<Duration>) -> Result<Config> {
+        let env = |name: &str| std::env::var(name).ok();
+        let timeout = timeout.map(|t| format!("{}ms", t.as_millis().max(1)));
+        Config::from_lookup(|name| match name {
+            "RANK" => Some(rank.to_string()),
+            "WORLD_SIZE" => Some(world_size.to_string()),
+            "MASTER_ADDR" => env(name).or_else(|| Some("127.0.0.1".into())),
+            "MASTER_PORT" => env(name).or_else(|| Some("29500".into())),
+            "FAIRRING_TIMEOUT" => timeout.clone().or_else(|| env(name)),
+            // The caller's store replaces torchrun's.
+            "TORCHELASTIC_USE_AGENT_STORE" => None,
+            _ => env(name),
+        })
+    }
+
+    /// Like [`Config::from_env`], reading variables through `lookup`.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        let required =
+            |name: &'static str| lookup(name).ok_or_else(|| Error::config(name, "", "not set"));
+        let role = match lookup("FAIRRING_ROLE").as_deref().map(str::trim) {
+            None | Some("worker") => Role::Worker,
+            Some("server") => Role::Server(parse_u32(
+                "FAIRRING_SERVER_RANK",
+                &required("FAIRRING_SERVER_RANK")?,
+            )?),
+            Some(other) => {
+                return Err(Error::config(
+                    "FAIRRING_ROLE",
+                    other,
+                    "expected `worker` or `server`",
+                ));
+            }
+        };
+        let rank = match role {
+            Role::Worker => parse_u32("RANK", &required("RANK")?)?,
+            Role::Server(_) => 0,
+        };
+        let world_size = parse_u32("WORLD_SIZE", &required("WORLD_SIZE")?)?;
+        let master_addr = required("MASTER_ADDR")?;
+        let port_text = required("MASTER_PORT")?;
+        let port = parse_u32("MASTER_PORT", &port_text)?;
+        let master_port = u16::try_from(port)
+            .ok()
+            .filter(|&p| p != 0)
+            .ok_or_else(|| {
+                Error::config("MASTER_PORT", &port_text, "expected a port in 1..=65535")
+            })?;
+        let mut b = Config::builder(rank, world_size, master_addr, master_port);
+        b.config.role = role;
+        if let Some(v) = lookup("FAIRRING_SERVERS") {
+            b.config.servers = parse_u32("FAIRRING_SERVERS", &v)?;
+        }
+        if let Some(v) = lookup("LOCAL_RANK") {
+            b.config.local_rank = Some(parse_u32("LOCAL_RANK", &v)?);
+        }
+        if let Some(v) = lookup("LOCAL_WORLD_SIZE") {
+            b.config.local_world_size = Some(parse_u32("LOCAL_WORLD_SIZE", &v)?);
+        }
+        if let Some(v) = lookup("FAIRRING_TOTAL_MEMORY") {
+            b.config.total_memory = parse_bytes("FAIRRING_TOTAL_MEMORY", &v)?;
+        }
+        if let Some(v) = lookup("FAIRRING_SLICE_SIZE") {
+            b.config.slice_bytes = Some(parse_bytes("FAIRRING_SLICE_SIZE", &v)?);
+        }
+        if let Some(v) = lookup("FAIRRING_MIN_SHARD_SIZE") {
+            b.config.min_shard_bytes = parse_bytes("FAIRRING_MIN_SHARD_SIZE", &v)?;
+        }
+        if let Some(v) = lookup("FAIRRING_DIRECT_FROM") {
+            b.config.direct_from = match v.trim() {
+                "never" => None,
+                _ => Some(parse_bytes("FAIRRING_DIRECT_FROM", &v)?),
+            };
+        }
+        if let Some(v) = lookup("FAIRRING_SOCKET_IFNAME") {
+            if v.trim().is_empty() {
+                return Err(Error::config("FAIRRING_SOCKET_IFNAME", &v, "empty"));
+            }
+            b.config.socket_ifname = Some(v.trim().to_owned());
+        }
+        if let Some(v) = lookup("FAIRRING_TIMEOUT") {
+            b.config.timeout = parse_duration("FAIRRING_TIMEOUT", &v)?;
+        }
+        if let Some(v) = lookup("FAIRRING_JOB_SECRET") {
+            let secret = JobSecret::from_hex("FAIRRING_JOB_SECRET", &v)
+                .map_err(|e| Error::config("FAIRRING_JOB_SECRET", "(hidden)", e.to_string()))?;
+            b.secret = Some(secret);
+        }
+        if let Some(v) = lookup("FAIRRING_ALGO") {
+            b.config.algorithm = v
+                .parse()
+                .map_err(|reason: String| Error::config("FAIRRING_ALGO", &v, reason))?;
+        }
+        if let Some(v) = lookup("FAIRRING_WIRE") {
+            b.config.wire = WireFormat::from_name(v.trim())
+                .ok_or_else(|| Error::config("FAIRRING_WIRE", &v, "expected exact, bf16 or f16"))?;
+        }
+        if let Some(v) = lookup("FAIRRING_HOST_ID") {
+            if v.trim().is_empty() {
+                return Err(Error::config("FAIRRING_HOST_ID", &v, "empty"));
+            }
+            b.config.host_id = Some(v);
+        }
+        if let Some(v) = lookup("FAIRRING_FABRIC") {
+            b.config.fabric = v
+                .parse()
+                .map_err(|reason: String| Error::config("FAIRRING_FABRIC", &v, reason))?;
+        }
+        if let Some(v) = lookup("FAIRRING_DEVICE_LOCAL") {
+            b.config.device_local = v
+                .parse()
+                .map_err(|reason: String| Error::config("FAIRRING_DEVICE_LOCAL", &v, reason))?;
+        }
+        b.config.verbs = VerbsKnobs::from_lookup(&lookup)?;
+        if let Some(v) = lookup("TORCHELASTIC_RUN_ID") {
+            b.run_id = v;
+        }
+        let agent = lookup("TORCHELASTIC_USE_AGENT_STORE");
+        if parse_flag("TORCHELASTIC_USE_AGENT_STORE", agent.as_deref())? {
+            let attempt = match lookup("TORCHELASTIC_RESTART_COUNT") {
+                Some(v) => parse_u32("TORCHELASTIC_RESTART_COUNT", &v)?,
+                None => 0,
+            };
+            b.config.agent_store = Some(attempt);
+        }
+        b.build()
+    }
+}
