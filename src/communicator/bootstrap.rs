@@ -8,7 +8,7 @@ use fairring_rdma::fabric::{Endpoint, Fabric, LocalRegion, RemoteRegion};
 
 use super::fabric::AnyFabric;
 use crate::config::Config;
-use crate::engine::layout::StagingLayout;
+use crate::engine::layout::BufferLayout;
 use crate::engine::links::{linked, peers, server_peers};
 use crate::engine::tags::MAX_BUFFERS;
 use crate::engine::{Engine, EngineParts, Strides};
@@ -199,9 +199,9 @@ fn per_machine_counts(machine_of_rank: &[u32], machines: usize) -> String {
 pub(super) fn size_staging(
     config: &Config,
     topology: Topology,
-) -> Result<(Geometry, StagingLayout, u32)> {
+) -> Result<(Geometry, BufferLayout, u32)> {
     let world = topology.world_size();
-    let plan_for = |slice: u64| -> Result<(Geometry, StagingLayout)> {
+    let plan_for = |slice: u64| -> Result<(Geometry, BufferLayout)> {
         let pc = PlanConfig::new(slice, config.min_shard_bytes)
             .map_err(|e| Error::config("FAIRRING_SLICE_SIZE", slice, e.to_string()))?;
         let g = match config.servers {
@@ -209,7 +209,7 @@ pub(super) fn size_staging(
             k => Geometry::with_servers(topology, pc, k),
         }
         .map_err(|e| Error::config("FAIRRING_SLICE_SIZE", slice, e.to_string()))?;
-        let layout = StagingLayout::new(&g, world).ok_or_else(|| {
+        let layout = BufferLayout::new(&g, world).ok_or_else(|| {
             Error::config(
                 "FAIRRING_SLICE_SIZE",
                 slice,
@@ -255,7 +255,7 @@ pub(super) fn attach_local(
     topology: Topology,
     location: Location,
     buffers: u32,
-    layout: &StagingLayout,
+    layout: &BufferLayout,
 ) -> Result<Arc<Segment>> {
     let d = topology.devices_per_machine();
     let key = format!("shm/{}", location.machine);
@@ -401,7 +401,7 @@ struct Assembly<M: MemorySpace> {
     local: Box<dyn LocalStep<M>>,
     machine: Machine,
     geometry: Geometry,
-    layout: StagingLayout,
+    layout: BufferLayout,
     location: Location,
     server: Option<u32>,
     buffers: u32,

@@ -252,7 +252,7 @@ mod tests {
 
     use super::*;
     use crate::engine::descriptor::Descriptor;
-    use crate::engine::layout::StagingLayout;
+    use crate::engine::layout::BufferLayout;
     use crate::engine::work::Delivery;
     use crate::memory::{Host, HostTensor, MemoryKind};
 
@@ -267,7 +267,7 @@ mod tests {
     ) -> bool {
         let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
         let geometry = Geometry::new(topology, PlanConfig::new(4096, 64).unwrap()).unwrap();
-        let layout = StagingLayout::new(&geometry, m * d).unwrap();
+        let layout = BufferLayout::new(&geometry, m * d).unwrap();
         let ctx = Context {
             topology,
             location: topology.locate(0).unwrap(),

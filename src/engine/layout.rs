@@ -39,7 +39,7 @@ use crate::memory::Sources;
 
 /// Where everything of one slice lives in a staging buffer.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct StagingLayout {
+pub(crate) struct BufferLayout {
     core: fairring_core::plan::StagingLayout,
     /// Where the contribution areas and the ring's receive slots start.
     inbox: usize,
@@ -66,10 +66,10 @@ pub(crate) struct StagingLayout {
     server_bytes: usize,
 }
 
-impl StagingLayout {
+impl BufferLayout {
     /// The layout for `geometry` over `world` ranks; `None` if it does not fit
     /// this machine's address space.
-    pub(crate) fn new(geometry: &Geometry, world: u32) -> Option<StagingLayout> {
+    pub(crate) fn new(geometry: &Geometry, world: u32) -> Option<BufferLayout> {
         let core = geometry.staging_layout_with(InputArea::Slice);
         let inbox = usize::try_from(core.slot().byte_len()).ok()?;
         // A ring chunk holds at most ceil(elements / N) elements of at most 8 bytes.
@@ -100,7 +100,7 @@ impl StagingLayout {
             Some(s) => usize::try_from(s.total_bytes()).ok()?,
             None => 0,
         };
-        Some(StagingLayout {
+        Some(BufferLayout {
             core,
             inbox,
             ring_slot,
@@ -268,7 +268,7 @@ mod tests {
         for (m, d) in [(2, 1), (3, 2), (5, 1), (8, 4)] {
             let t = Topology::new(m, d, RankLayout::Contiguous).unwrap();
             let g = Geometry::new(t, PlanConfig::new(1 << 20, 4096).unwrap()).unwrap();
-            let layout = StagingLayout::new(&g, m * d).unwrap();
+            let layout = BufferLayout::new(&g, m * d).unwrap();
             for own in 0..m {
                 let by_machine: Vec<_> = (0..m)
                     .filter(|&from| from != own)
@@ -292,7 +292,7 @@ mod tests {
     fn ring_slots_follow_the_slice_and_fit() {
         let t = Topology::new(2, 2, RankLayout::Contiguous).unwrap();
         let g = Geometry::new(t, PlanConfig::new(1 << 20, 4096).unwrap()).unwrap();
-        let layout = StagingLayout::new(&g, 4).unwrap();
+        let layout = BufferLayout::new(&g, 4).unwrap();
         let full = usize::try_from(g.full_slice_bytes()).unwrap();
         assert_eq!(layout.ring_slot(0).unwrap(), full);
         let last = layout.ring_slot(2).unwrap();
@@ -313,7 +313,7 @@ mod tests {
             let t = Topology::new(m, d, RankLayout::Contiguous).unwrap();
             let g = Geometry::new(t, PlanConfig::new(slice, 64).unwrap()).unwrap();
             let world = m * d;
-            let layout = StagingLayout::new(&g, world).unwrap();
+            let layout = BufferLayout::new(&g, world).unwrap();
             let piece = layout.scatter_piece_bytes();
             assert!(piece >= 64 && piece.is_multiple_of(64), "{m}x{d}: {piece}");
             let pieces = piece * world as usize;
@@ -339,7 +339,7 @@ mod tests {
     fn doubling_has_a_slot_of_a_line_even_beside_the_smallest_slice() {
         let t = Topology::new(2, 1, RankLayout::Contiguous).unwrap();
         let g = Geometry::new(t, PlanConfig::new(64, 64).unwrap()).unwrap();
-        let layout = StagingLayout::new(&g, 2).unwrap();
+        let layout = BufferLayout::new(&g, 2).unwrap();
         assert_eq!(layout.doubling_slice_bytes(), 64);
         let slot = layout.doubling_slot(1).unwrap();
         assert!(slot + 64 <= layout.buffer_bytes());
@@ -351,7 +351,7 @@ mod tests {
             let t = Topology::new(m, d, RankLayout::Contiguous).unwrap();
             let g = Geometry::new(t, PlanConfig::new(1 << 20, 4096).unwrap()).unwrap();
             let world = m * d;
-            let layout = StagingLayout::new(&g, world).unwrap();
+            let layout = BufferLayout::new(&g, world).unwrap();
             let bytes = layout.doubling_slice_bytes();
             let slots = doubling::slots(world);
             assert!(

@@ -88,7 +88,7 @@ use departures::Departures;
 pub(crate) use direct::Settings as DirectSettings;
 use direct::SourceRegions;
 use failure::FailureState;
-use layout::StagingLayout;
+use layout::BufferLayout;
 use links::Links;
 use links::NO_COMPLETION;
 use operations::Operations;
@@ -140,7 +140,7 @@ pub(crate) struct Engine<F: Fabric, M: MemorySpace> {
     /// The geometry a reduce-scatter plans its shares with: slices of one
     /// piece (`None` only if the layout broke its promise of a line per piece).
     scatter_geometry: Option<Geometry>,
-    layout: StagingLayout,
+    layout: BufferLayout,
     pub(crate) buffers: u32,
     pub(crate) works: WorkTable,
     submissions: ArrayQueue<Submission<M>>,
@@ -197,7 +197,7 @@ pub(crate) struct EngineParts<F: Fabric, M: MemorySpace> {
     pub(crate) local: Box<dyn LocalStep<M>>,
     pub(crate) machine: Machine,
     pub(crate) geometry: Geometry,
-    pub(crate) layout: StagingLayout,
+    pub(crate) layout: BufferLayout,
     pub(crate) location: Location,
     pub(crate) rank: u32,
     /// Processes on the fabric: workers and dedicated servers.

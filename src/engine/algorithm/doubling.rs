@@ -20,7 +20,7 @@
 //! write. Each round is one hop where the hierarchical algorithm takes two
 //! through one serving rank and the ring `2 (N - 1)`; each rank sends and
 //! receives the whole slice per round, so the engine cuts doubling operations
-//! into slices that fit its receive slots (`StagingLayout::doubling_slice_bytes`)
+//! into slices that fit its receive slots (`BufferLayout::doubling_slice_bytes`)
 //! and `auto` picks it for small operations only.
 //!
 //! A peer writes into a rank at most once per slice, so the writer names the

@@ -56,7 +56,7 @@ pub(crate) use ring::Ring;
 pub(crate) use scatter::Scatter;
 pub(crate) use serve::{Serve, ServeScratch};
 
-use super::layout::StagingLayout;
+use super::layout::BufferLayout;
 use super::tags::Kind;
 use crate::config::Algorithm;
 use crate::error::{Error, Result};
@@ -240,7 +240,7 @@ pub(crate) struct Context<'a> {
     /// Workers in the job (dedicated servers are not counted).
     pub(crate) world: u32,
     /// The staging buffer's layout.
-    pub(crate) layout: &'a StagingLayout,
+    pub(crate) layout: &'a BufferLayout,
     /// Dedicated servers in the job (0: the machines serve); server `i` is
     /// process `world + i`.
     pub(crate) servers: u32,

@@ -515,7 +515,7 @@ mod tests {
     use fairring_core::{DataType, ReduceOp, WireFormat};
 
     use super::*;
-    use crate::engine::layout::StagingLayout;
+    use crate::engine::layout::BufferLayout;
 
     /// Runs `f` on rank `rank` of a 3x1 job, on the first slice of a relayed
     /// `u8` operation of `bytes` with `origins` (slices of 4 KiB: chunks of 256).
@@ -538,7 +538,7 @@ mod tests {
     ) {
         let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
         let geometry = Geometry::new(topology, PlanConfig::new(4096, 64).unwrap()).unwrap();
-        let layout = StagingLayout::new(&geometry, m * d).unwrap();
+        let layout = BufferLayout::new(&geometry, m * d).unwrap();
         let plan = Plan::new(&geometry, DataType::U8, bytes, 0).unwrap();
         let slice = plan.slice(0).unwrap();
         let ctx = Context {

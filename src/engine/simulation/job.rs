@@ -10,7 +10,7 @@ use super::*;
 #[expect(clippy::too_many_arguments, reason = "a job's every setting, once")]
 pub(super) fn build_job(
     geometry: &Geometry,
-    layout: &StagingLayout,
+    layout: &BufferLayout,
     buffers: u32,
     net: &Arc<std::sync::Mutex<Network>>,
     direct: DirectSettings,
@@ -152,7 +152,7 @@ pub(super) fn small_job(
 ) {
     let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
     let geometry = Geometry::new(topology, PlanConfig::new(4096, 64).unwrap()).unwrap();
-    let layout = StagingLayout::new(&geometry, m * d).unwrap();
+    let layout = BufferLayout::new(&geometry, m * d).unwrap();
     let net = Network::new(m * d);
     let engines = build_job(
         &geometry,

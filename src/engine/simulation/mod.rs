@@ -59,7 +59,7 @@ use fairring_rdma::fabric::{Fabric, LocalRegion};
 
 use super::algorithm::{Origins, Resolved, relay_over_machines};
 use super::descriptor::{Collective, Descriptor};
-use super::layout::StagingLayout;
+use super::layout::BufferLayout;
 use super::links::{linked, peers, server_peers};
 use super::work::{self, DONE, FAILED, Submission};
 use super::{DirectSettings, Engine, EngineParts, Strides};
@@ -139,7 +139,7 @@ fn play(sc: &Scenario, rng: &mut Rng, design: Design, step_limit: u64) -> Result
         k => Geometry::with_servers(topology, config, k),
     }
     .map_err(|e| e.to_string())?;
-    let layout = StagingLayout::new(&geometry, world).ok_or("layout")?;
+    let layout = BufferLayout::new(&geometry, world).ok_or("layout")?;
 
     let net = Network::new(processes);
     let mut engines = build_job(
