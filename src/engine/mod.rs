@@ -34,7 +34,7 @@
 //! | `progress/` | who drives and when: the progress thread, waiting callers, parking |
 //! | `serving` | a dedicated server's operations, learnt from the workers' descriptors |
 //! | `stall` | what a stalled engine waits for, in words |
-//! | `links` | the fabric and this rank's peers on it |
+//! | `links` | the fabric and the connections to this rank's peers (whom the algorithms need: `algorithm/peers`) |
 //! | `tags` | immediates and tokens |
 //! | `simulation/` | (tests) the seeded simulation of every rank, with a simulated GPU and the machine's collectives |
 //!
@@ -80,7 +80,7 @@ use fairring_core::plan::{Geometry, PlanConfig};
 use fairring_core::topology::{Location, RankLayout, Topology};
 use fairring_rdma::fabric::{Completion, Fabric, RemoteRegion};
 
-pub(crate) use algorithm::Resolved;
+pub(crate) use algorithm::{Resolved, peers, server_peers};
 use algorithm::{SliceEvent, Step, relay_most_writes};
 use checks::Checks;
 use credits::Credits;

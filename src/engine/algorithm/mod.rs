@@ -36,6 +36,7 @@
 
 pub(crate) mod doubling;
 mod hierarchical;
+mod peers;
 mod relay;
 mod ring;
 mod scatter;
@@ -49,6 +50,7 @@ use fairring_core::{DataType, ReduceOp, WireFormat};
 
 pub(crate) use doubling::Doubling;
 pub(crate) use hierarchical::Hierarchical;
+pub(crate) use peers::{peers, server_peers};
 pub(crate) use relay::{
     Origins, Relay, most_writes as relay_most_writes, over_machines as relay_over_machines,
 };
