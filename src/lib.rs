@@ -81,7 +81,10 @@ mod shm;
 pub mod store;
 mod sync;
 
-pub use communicator::{Communicator, Fusion, OwnedWork, Scope, Server, Traffic, Work};
+pub use communicator::{
+    Call, Collective, Communicator, Fusion, Memory, Options, OwnedWork, Scope, Server, Traffic,
+    Work,
+};
 pub use config::{Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Role};
 pub use error::{Error, Result};
 pub use fairring_core::{DataType, ReduceOp, WireFormat};

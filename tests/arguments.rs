@@ -4,7 +4,7 @@
 mod common;
 
 use common::job;
-use fairring::{DataType, ReduceOp};
+use fairring::{Call, DataType, ReduceOp};
 
 #[test]
 fn bad_raw_arguments_are_refused_without_side_effects() {
@@ -17,7 +17,7 @@ fn bad_raw_arguments_are_refused_without_side_effects() {
             let base: *mut u8 = words.as_mut_ptr().cast();
             let raw = |data: *mut u8, count: u64, dtype: DataType, op: ReduceOp| {
                 // SAFETY: every call below is refused before the pointer is used.
-                unsafe { comm.all_reduce_raw(data, count, dtype, op, None) }.err()
+                unsafe { comm.start(&Call::all_reduce(data, count, dtype, op)) }.err()
             };
             let refusals = [
                 (
@@ -49,7 +49,12 @@ fn bad_raw_arguments_are_refused_without_side_effects() {
             // A null pointer with no elements is a valid empty operation.
             // SAFETY: zero elements are never accessed.
             let empty = unsafe {
-                comm.all_reduce_raw(std::ptr::null_mut(), 0, DataType::F32, ReduceOp::Sum, None)
+                comm.start(&Call::all_reduce(
+                    std::ptr::null_mut(),
+                    0,
+                    DataType::F32,
+                    ReduceOp::Sum,
+                ))
             };
             empty.expect("empty").wait().expect("empty");
             let mut x = [i64::from(rank) + 1; 3];

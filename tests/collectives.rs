@@ -260,10 +260,10 @@ fn coalesced_all_reduce_of_many_tensors() {
                     .collect();
                 let mut views: Vec<&mut [i64]> =
                     tensors.iter_mut().map(Vec::as_mut_slice).collect();
-                comm.all_reduce_coalesced(&mut views, ReduceOp::Sum)
+                comm.all_reduce_fused(&mut views, ReduceOp::Sum)
                     .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                 // An empty group is a no-op that still completes.
-                comm.all_reduce_coalesced::<i64>(&mut [], ReduceOp::Sum)
+                comm.all_reduce_fused::<i64>(&mut [], ReduceOp::Sum)
                     .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                 tensors
             },
@@ -349,12 +349,12 @@ fn an_in_place_all_gather_reads_its_input_from_its_own_place() {
             // SAFETY: `output` outlives the wait below and is not touched until
             // then; the input is its own place in it.
             let work = unsafe {
-                comm.all_gather_raw(
+                comm.start(&fairring::Call::all_gather(
                     base.wrapping_add(at).cast::<u8>().cast_const(),
                     base.cast(),
                     n as u64,
                     fairring::DataType::I64,
-                )
+                ))
             };
             work.and_then(fairring::Work::wait)
                 .unwrap_or_else(|e| panic!("rank {rank}: {e}"));

@@ -289,13 +289,13 @@ fn asking_for_a_compressed_wire_on_an_integer_names_the_wire() {
         |_, comm| {
             let mut x = vec![1i32; 10];
             let refused = comm.scope(|s| {
-                s.all_reduce_on_wire(&mut x, ReduceOp::Sum, WireFormat::F16)
+                s.all_reduce_with(&mut x, ReduceOp::Sum, on_wire(WireFormat::F16))
                     .map(drop)
             });
             // The communicator is still good: the refusal had no side effects.
             let mut y = vec![1.5f32; 10];
             comm.scope(|s| {
-                s.all_reduce_on_wire(&mut y, ReduceOp::Sum, WireFormat::F16)?
+                s.all_reduce_with(&mut y, ReduceOp::Sum, on_wire(WireFormat::F16))?
                     .wait()
             })
             .expect("f32 on the f16 wire");
@@ -311,5 +311,13 @@ fn asking_for_a_compressed_wire_on_an_integer_names_the_wire() {
             other => panic!("expected the wire to be refused, got {other:?}"),
         }
         assert!(y.iter().all(|&v| v == 3.0), "{y:?}");
+    }
+}
+
+/// Hierarchical, with `wire` between machines.
+fn on_wire(wire: WireFormat) -> fairring::Options {
+    fairring::Options {
+        algorithm: Some(Algorithm::Hierarchical),
+        wire: Some(wire),
     }
 }

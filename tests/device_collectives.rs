@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fairring::cuda::{Device, DeviceBuffer, PinnedBuffer, ReductionKernels, Stream};
-use fairring::{Algorithm, Communicator, DataType, Error, ReduceOp};
+use fairring::{Algorithm, Call, Communicator, DataType, Error, ReduceOp};
 
 use common::allocations::{Counting, allocations};
 use common::job;
@@ -270,7 +270,10 @@ fn every_collective(comm: &Communicator) -> Vec<String> {
             // SAFETY: `a` holds the output; nothing touches it until `finish`
             // has waited for the operation.
             let r = unsafe {
-                comm.all_gather_device_raw(place, a.raw(), n as u64, dtype, stream.raw())
+                comm.start(
+                    &Call::all_gather(place as *const u8, a.raw() as *mut u8, n as u64, dtype)
+                        .on_stream(stream.raw()),
+                )
             }
             .and_then(|w| finish(&stream, w));
             r.unwrap_or_else(|e| fail(&what, e));
@@ -436,13 +439,14 @@ fn the_collective_is_ordered_on_the_callers_stream() {
         // SAFETY: nothing but work ordered after `enqueue_wait` on `stream`
         // touches `data` until the operation finishes.
         let w = unsafe {
-            comm.all_reduce_device_raw(
-                data.raw(),
-                n as u64,
-                DataType::F32,
-                ReduceOp::Sum,
-                stream.raw(),
-                None,
+            comm.start(
+                &Call::all_reduce(
+                    data.raw() as *mut u8,
+                    n as u64,
+                    DataType::F32,
+                    ReduceOp::Sum,
+                )
+                .on_stream(stream.raw()),
             )?
         };
         w.enqueue_wait(&stream)?;
@@ -575,13 +579,9 @@ fn a_killed_rank_fails_every_survivors_device_operation_naming_it() {
         // SAFETY: nothing else touches `buf` while the operation runs: each is
         // waited for (on the stream and the host) before the next.
         let w = unsafe {
-            comm.all_reduce_device_raw(
-                buf.raw(),
-                n as u64,
-                DataType::F32,
-                ReduceOp::Avg,
-                stream.raw(),
-                None,
+            comm.start(
+                &Call::all_reduce(buf.raw() as *mut u8, n as u64, DataType::F32, ReduceOp::Avg)
+                    .on_stream(stream.raw()),
             )?
         };
         finish(&stream, w)
@@ -641,13 +641,14 @@ fn a_killed_rank_fails_survivors_whose_streams_wait_behind_operations() {
         // SAFETY: each buffer is handed to one operation at a time: the
         // operation on it two steps back has been waited for on the host.
         let w = unsafe {
-            comm.all_reduce_device_raw(
-                bufs[i % 2].raw(),
-                n as u64,
-                DataType::F32,
-                ReduceOp::Avg,
-                stream.raw(),
-                None,
+            comm.start(
+                &Call::all_reduce(
+                    bufs[i % 2].raw() as *mut u8,
+                    n as u64,
+                    DataType::F32,
+                    ReduceOp::Avg,
+                )
+                .on_stream(stream.raw()),
             )?
         };
         w.enqueue_wait(&stream)?;
@@ -710,18 +711,15 @@ fn enqueue_wait_after_a_host_barrier_returns() {
     };
     let device = device();
     let stream = Stream::new(&device, false).unwrap();
-    let barrier = comm.start_barrier().unwrap();
+    // SAFETY: a barrier touches no memory of the caller's.
+    let barrier = unsafe { comm.start(&Call::barrier()) }.unwrap();
     barrier.wait_timeout(Duration::from_secs(60)).unwrap();
     let buf = DeviceBuffer::zeroed(&device, 4096).unwrap();
     // SAFETY: `buf` is waited for below before it drops.
     let w = unsafe {
-        comm.all_reduce_device_raw(
-            buf.raw(),
-            1024,
-            DataType::F32,
-            ReduceOp::Sum,
-            stream.raw(),
-            None,
+        comm.start(
+            &Call::all_reduce(buf.raw() as *mut u8, 1024, DataType::F32, ReduceOp::Sum)
+                .on_stream(stream.raw()),
         )
         .unwrap()
     };
@@ -762,13 +760,9 @@ fn a_stream_waiting_on_a_dropped_communicator_goes_on() {
     // SAFETY: `buf` outlives the stream's use of it: the test synchronises
     // the stream before it returns.
     let w = unsafe {
-        comm.all_reduce_device_raw(
-            buf.raw(),
-            1024,
-            DataType::F32,
-            ReduceOp::Sum,
-            stream.raw(),
-            None,
+        comm.start(
+            &Call::all_reduce(buf.raw() as *mut u8, 1024, DataType::F32, ReduceOp::Sum)
+                .on_stream(stream.raw()),
         )
         .unwrap()
     };
@@ -817,19 +811,21 @@ fn a_refused_device_call_leaves_its_output_unchanged() {
     let root = (comm.rank() + 1) % comm.world_size();
     // SAFETY: the buffer outlives the call, which is refused.
     let broadcast = unsafe {
-        comm.broadcast_device_raw(output.raw(), n as u64, DataType::F32, root, stream.raw())
-            .map(drop)
+        comm.start(
+            &Call::broadcast(output.raw() as *mut u8, n as u64, DataType::F32, root)
+                .on_stream(stream.raw()),
+        )
+        .map(drop)
     };
     // SAFETY: as above, for both buffers.
     let gather = unsafe {
-        comm.all_gather_device_raw(
-            input.raw(),
-            output.raw(),
+        let call = Call::all_gather(
+            input.raw() as *const u8,
+            output.raw() as *mut u8,
             n as u64,
             DataType::F32,
-            stream.raw(),
-        )
-        .map(drop)
+        );
+        comm.start(&call.on_stream(stream.raw())).map(drop)
     };
     let refused = [broadcast, gather];
     for r in refused {
@@ -878,13 +874,15 @@ fn no_host_allocation_per_device_all_reduce_on_any_rank() {
                 // SAFETY: each operation is waited for before the next, and
                 // nothing else touches `buf`.
                 let r = unsafe {
-                    comm.all_reduce_device_raw(
-                        buf.raw(),
-                        elements as u64,
-                        DataType::F32,
-                        ReduceOp::Sum,
-                        stream.raw(),
-                        Some(algorithm),
+                    comm.start(
+                        &Call::all_reduce(
+                            buf.raw() as *mut u8,
+                            elements as u64,
+                            DataType::F32,
+                            ReduceOp::Sum,
+                        )
+                        .on_stream(stream.raw())
+                        .with(algorithm),
                     )
                 }
                 .and_then(|w| finish(&stream, w));
@@ -936,30 +934,46 @@ fn bad_device_arguments_are_refused_naming_the_argument() {
             // which makes every `unsafe` block sound.
             let mut refusals = Vec::new();
             // SAFETY: refused (host memory).
-            let r = unsafe { comm.all_reduce_device_raw(host_ptr, 16, f32_, sum, s, None) };
+            let r = unsafe {
+                comm.start(&Call::all_reduce(host_ptr as *mut u8, 16, f32_, sum).on_stream(s))
+            };
             refusals.push(argument(r));
             // SAFETY: refused (no rank 1).
-            let r = unsafe { comm.broadcast_device_raw(d, 16, f32_, 1, s) };
+            let r = unsafe { comm.start(&Call::broadcast(d as *mut u8, 16, f32_, 1).on_stream(s)) };
             refusals.push(argument(r));
             // SAFETY: refused (host memory).
-            let r = unsafe { comm.all_gather_device_raw(host_ptr, d, 16, f32_, s) };
+            let r = unsafe {
+                comm.start(
+                    &Call::all_gather(host_ptr as *const u8, d as *mut u8, 16, f32_).on_stream(s),
+                )
+            };
             refusals.push(argument(r));
             // SAFETY: refused: the input overlaps the output other than at
             // its place.
-            let r = unsafe { comm.all_gather_device_raw(d + 4, d, 16, f32_, s) };
+            let r = unsafe {
+                comm.start(
+                    &Call::all_gather((d + 4) as *const u8, d as *mut u8, 16, f32_).on_stream(s),
+                )
+            };
             refusals.push(argument(r));
             // SAFETY: refused: the output lies inside the input.
-            let r = unsafe { comm.reduce_scatter_device_raw(d, d + 8, 16, f32_, sum, s) };
+            let r = unsafe {
+                comm.start(
+                    &Call::reduce_scatter(d as *mut u8, (d + 8) as *mut u8, 16, f32_, sum)
+                        .on_stream(s),
+                )
+            };
             refusals.push(argument(r));
-            let tensors = [(d, 4), (host_ptr, 4)];
-            // SAFETY: refused (the second tensor is host memory).
-            let r = unsafe { comm.all_reduce_coalesced_device_raw(&tensors, f32_, sum, s) };
+            let calls =
+                [d, host_ptr].map(|t| Call::all_reduce(t as *mut u8, 4, f32_, sum).on_stream(s));
+            // SAFETY: refused (the second call's tensor is host memory).
+            let r = unsafe { comm.start_group(&calls) };
             refusals.push(argument(r));
             refusals
         },
     );
     assert_eq!(
         results,
-        vec![vec!["data", "root", "input", "input", "output", "tensors"]]
+        vec![vec!["data", "root", "input", "input", "output", "calls"]]
     );
 }

@@ -135,7 +135,7 @@ fn coalesced_all_reduce_of_a_hundred_mixed_tensors_is_exact() {
                     .collect();
                 let mut views: Vec<&mut [f32]> =
                     tensors.iter_mut().map(Vec::as_mut_slice).collect();
-                comm.all_reduce_coalesced(&mut views, ReduceOp::Sum)
+                comm.all_reduce_fused(&mut views, ReduceOp::Sum)
                     .unwrap_or_else(|e| panic!("{m}x{d}+{servers}: rank {rank}: {e}"));
                 for (k, t) in tensors.iter().enumerate() {
                     let wrong = t

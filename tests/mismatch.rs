@@ -233,12 +233,23 @@ fn wire_formats_differ() {
                     WireFormat::Exact
                 };
                 let mut x = vec![1.0f32; 1000];
-                comm.scope(|s| s.all_reduce_on_wire(&mut x, ReduceOp::Sum, wire)?.wait())
+                comm.scope(|s| {
+                    s.all_reduce_with(&mut x, ReduceOp::Sum, on_wire(wire))?
+                        .wait()
+                })
             },
             [
                 "all_reduce of 1000 x f32 (sum, hierarchical, bf16 wire)",
                 "all_reduce of 1000 x f32 (sum, hierarchical)",
             ],
         );
+    }
+}
+
+/// Hierarchical, with `wire` between machines.
+fn on_wire(wire: WireFormat) -> fairring::Options {
+    fairring::Options {
+        algorithm: Some(fairring::Algorithm::Hierarchical),
+        wire: Some(wire),
     }
 }

@@ -3,9 +3,9 @@
 use std::sync::Arc;
 
 use fairring::cuda::{Device, DeviceBuffer, Stream, probe};
-use fairring::{Algorithm, Communicator, DataType, ReduceOp};
+use fairring::{Algorithm, Call, Communicator, DataType, ReduceOp};
 
-use super::Collective;
+use super::Timed;
 
 /// One device buffer per operation in flight, the other side of each
 /// all-gather (its input) or reduce-scatter (its output), and the rank's
@@ -96,7 +96,7 @@ impl DeviceTensors {
     pub(crate) fn run(
         &mut self,
         comm: &Communicator,
-        collective: Collective,
+        collective: Timed,
         n: u64,
         k: u64,
         dtype: DataType,
@@ -112,24 +112,16 @@ impl DeviceTensors {
             // before this returns); the stream lives in `self`; every buffer
             // holds `n` elements and every part `k`. That makes each call
             // below sound.
-            let work = match collective {
-                // SAFETY: as above.
-                Collective::AllReduce => unsafe {
-                    comm.all_reduce_device_raw(b, n, dtype, op, stream, Some(algorithm))
-                },
-                // SAFETY: as above.
-                Collective::Broadcast => unsafe {
-                    comm.broadcast_device_raw(b, n, dtype, 0, stream)
-                },
-                // SAFETY: as above.
-                Collective::AllGather => unsafe {
-                    comm.all_gather_device_raw(p, b, k, dtype, stream)
-                },
-                // SAFETY: as above.
-                Collective::ReduceScatter => unsafe {
-                    comm.reduce_scatter_device_raw(b, p, k, dtype, op, stream)
-                },
+            let call = match collective {
+                Timed::AllReduce => Call::all_reduce(b as *mut u8, n, dtype, op),
+                Timed::Broadcast => Call::broadcast(b as *mut u8, n, dtype, 0),
+                Timed::AllGather => Call::all_gather(p as *const u8, b as *mut u8, k, dtype),
+                Timed::ReduceScatter => {
+                    Call::reduce_scatter(b as *mut u8, p as *mut u8, k, dtype, op)
+                }
             };
+            // SAFETY: as above.
+            let work = unsafe { comm.start(&call.on_stream(stream).with(algorithm)) };
             works.push(work?);
         }
         works.into_iter().try_for_each(fairring::Work::wait)

@@ -20,36 +20,36 @@ pub(crate) struct Options {
     pub(crate) servers: u32,
     pub(crate) gradients: usize,
     pub(crate) gradient_max: u64,
-    pub(crate) collective: Collective,
+    pub(crate) collective: Timed,
     /// `--wire`: the wire format, over `FAIRRING_WIRE`.
     pub(crate) wire: Option<WireFormat>,
     /// `--device cuda`: tensors in GPU memory.
     pub(crate) device: bool,
 }
 
-/// What `--collective` times.
+/// The collective `--collective` times (a barrier is not timed).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Collective {
+pub(crate) enum Timed {
     AllReduce,
     Broadcast,
     AllGather,
     ReduceScatter,
 }
 
-impl Collective {
-    const ALL: [Collective; 4] = [
-        Collective::AllReduce,
-        Collective::Broadcast,
-        Collective::AllGather,
-        Collective::ReduceScatter,
+impl Timed {
+    const ALL: [Timed; 4] = [
+        Timed::AllReduce,
+        Timed::Broadcast,
+        Timed::AllGather,
+        Timed::ReduceScatter,
     ];
 
     pub(crate) fn name(self) -> &'static str {
         match self {
-            Collective::AllReduce => "all_reduce",
-            Collective::Broadcast => "broadcast",
-            Collective::AllGather => "all_gather",
-            Collective::ReduceScatter => "reduce_scatter",
+            Timed::AllReduce => "all_reduce",
+            Timed::Broadcast => "broadcast",
+            Timed::AllGather => "all_gather",
+            Timed::ReduceScatter => "reduce_scatter",
         }
     }
 
@@ -57,15 +57,15 @@ impl Collective {
     pub(crate) fn bus_factor(self, n: u32) -> f64 {
         let n = f64::from(n);
         match self {
-            Collective::AllReduce => 2.0 * (n - 1.0) / n,
-            Collective::Broadcast => 1.0,
-            Collective::AllGather | Collective::ReduceScatter => (n - 1.0) / n,
+            Timed::AllReduce => 2.0 * (n - 1.0) / n,
+            Timed::Broadcast => 1.0,
+            Timed::AllGather | Timed::ReduceScatter => (n - 1.0) / n,
         }
     }
 
     /// Whether the size's element count must divide among the ranks.
     pub(crate) fn per_rank(self) -> bool {
-        matches!(self, Collective::AllGather | Collective::ReduceScatter)
+        matches!(self, Timed::AllGather | Timed::ReduceScatter)
     }
 }
 
@@ -125,7 +125,7 @@ pub(crate) fn parse(args: &[String]) -> Options {
         servers: 0,
         gradients: 0,
         gradient_max: 4 << 20,
-        collective: Collective::AllReduce,
+        collective: Timed::AllReduce,
         wire: None,
         device: false,
     };
@@ -193,7 +193,7 @@ pub(crate) fn parse(args: &[String]) -> Options {
             "--gradient-max" => o.gradient_max = bytes(&value(), flag),
             "--collective" => {
                 let v = value();
-                o.collective = Collective::ALL
+                o.collective = Timed::ALL
                     .into_iter()
                     .find(|c| c.name() == v)
                     .unwrap_or_else(|| {
@@ -240,7 +240,7 @@ pub(crate) fn parse(args: &[String]) -> Options {
             o.dtype
         ));
     }
-    if o.collective != Collective::AllReduce && o.gradients > 0 {
+    if o.collective != Timed::AllReduce && o.gradients > 0 {
         usage("--gradients times all-reduces: it takes no --collective");
     }
     o

@@ -238,7 +238,7 @@ pub(crate) fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Res
                     row.count,
                     T::DTYPE.name(),
                     // Broadcast and all-gather reduce nothing.
-                    if matches!(o.collective, Collective::Broadcast | Collective::AllGather) {
+                    if matches!(o.collective, Timed::Broadcast | Timed::AllGather) {
                         "-"
                     } else {
                         o.op.name()
@@ -312,7 +312,7 @@ pub(crate) fn gradients(comm: &Communicator, o: &Options) -> fairring::Result<u6
     let run = |tensors: &mut Vec<Vec<f32>>, way: usize| -> fairring::Result<()> {
         let mut views: Vec<&mut [f32]> = tensors.iter_mut().map(Vec::as_mut_slice).collect();
         if way == 0 {
-            comm.all_reduce_coalesced(&mut views, ReduceOp::Avg)
+            comm.all_reduce_fused(&mut views, ReduceOp::Avg)
         } else {
             comm.scope(|s| s.all_reduce_coalesced(views, ReduceOp::Avg)?.wait())
         }
@@ -391,13 +391,13 @@ pub(crate) fn iteration<T: Value>(
         for b in bufs.iter_mut() {
             let b = &mut b[..n];
             works.push(match o.collective {
-                Collective::AllReduce => s.all_reduce_with(b, o.op, algorithm)?,
-                Collective::Broadcast => s.broadcast_with(b, 0, algorithm)?,
-                Collective::AllGather => {
+                Timed::AllReduce => s.all_reduce_with(b, o.op, algorithm)?,
+                Timed::Broadcast => s.broadcast_with(b, 0, algorithm)?,
+                Timed::AllGather => {
                     let p = parts.next().map_or(&[][..], |p| &p[..k]);
                     s.all_gather_with(p, b, algorithm)?
                 }
-                Collective::ReduceScatter => {
+                Timed::ReduceScatter => {
                     let p = parts.next().map(|p| &mut p[..k]).unwrap_or_default();
                     s.reduce_scatter_with(b, p, o.op, algorithm)?
                 }

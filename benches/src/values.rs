@@ -94,7 +94,7 @@ pub(crate) fn fill<T: Value>(
             .chain(std::iter::repeat_with(|| None)),
     ) {
         match (o.collective, p) {
-            (Collective::AllGather, Some(p)) => {
+            (Timed::AllGather, Some(p)) => {
                 for (i, v) in p[..k].iter_mut().enumerate() {
                     *v = T::from_small(input(o.op, rank, world, i as u64));
                 }
@@ -121,16 +121,16 @@ pub(crate) fn count_wrong<T: Value>(
     let mut wrong = 0u64;
     for (j, b) in bufs.iter().enumerate() {
         let (got, want): (&[T], Box<dyn Fn(usize) -> i64>) = match o.collective {
-            Collective::AllReduce => (&b[..n], Box::new(|i| expected(o.op, world, i as u64))),
-            Collective::Broadcast => (&b[..n], Box::new(|i| input(o.op, 0, world, i as u64))),
-            Collective::AllGather => (
+            Timed::AllReduce => (&b[..n], Box::new(|i| expected(o.op, world, i as u64))),
+            Timed::Broadcast => (&b[..n], Box::new(|i| input(o.op, 0, world, i as u64))),
+            Timed::AllGather => (
                 &b[..n],
                 Box::new(|i| {
                     let (r, at) = (i / k.max(1), i % k.max(1));
                     input(o.op, u32::try_from(r).unwrap_or(0), world, at as u64)
                 }),
             ),
-            Collective::ReduceScatter => (
+            Timed::ReduceScatter => (
                 &parts[j][..k],
                 Box::new(move |i| expected(o.op, world, (rank as usize * k + i) as u64)),
             ),

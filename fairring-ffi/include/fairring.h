@@ -47,6 +47,58 @@
 // Mean over the ranks; floating-point types only.
 #define FR_OP_AVG 4
 
+// An all-reduce. (`FR_COLLECTIVE_*` name the collectives of an `fr_call`.)
+#define FR_COLLECTIVE_ALL_REDUCE 1
+
+// A broadcast from `root`.
+#define FR_COLLECTIVE_BROADCAST 2
+
+// An all-gather of every rank's `count` input elements into the output.
+#define FR_COLLECTIVE_ALL_GATHER 3
+
+// A reduce-scatter: this rank's `count` elements of the reduced input.
+#define FR_COLLECTIVE_REDUCE_SCATTER 4
+
+// A barrier.
+#define FR_COLLECTIVE_BARRIER 5
+
+// Host memory of this process. (`FR_MEMORY_*` say where a call's memory is.)
+#define FR_MEMORY_HOST 0
+
+// CUDA device memory, ordered on the call's `stream` (only where
+// `fr_cuda_built()`).
+#define FR_MEMORY_DEVICE 1
+
+// The communicator's algorithm (`FAIRRING_ALGO`). (`FR_ALGO_*` name the
+// algorithm a call asks for.)
+#define FR_ALGO_DEFAULT 0
+
+// Per call, the algorithm measured fastest for it.
+#define FR_ALGO_AUTO 1
+
+// The reduction-server algorithm.
+#define FR_ALGO_HIERARCHICAL 2
+
+// The ring (the relay for broadcasts and all-gathers, the scatter algorithm
+// for reduce-scatters).
+#define FR_ALGO_RING 3
+
+// Recursive doubling.
+#define FR_ALGO_DOUBLING 4
+
+// The communicator's wire format (`FAIRRING_WIRE`). (`FR_WIRE_*` name the
+// format values cross between machines in.)
+#define FR_WIRE_DEFAULT 0
+
+// Every bit of every value.
+#define FR_WIRE_EXACT 1
+
+// bfloat16, for f32 values.
+#define FR_WIRE_BF16 2
+
+// IEEE binary16, for f32 values.
+#define FR_WIRE_F16 3
+
 // A communicator: one rank's membership of a job. Opaque.
 typedef struct fr_comm fr_comm;
 
@@ -56,6 +108,41 @@ typedef struct fr_work fr_work;
 // What a call returns: `FR_OK`, `FR_PENDING` or an error code. On an error,
 // `fr_last_error()` on the same thread describes it.
 typedef int32_t fr_status;
+
+// One collective call, described. In a zeroed `fr_call` the options are the
+// communicator's and the memory is the host's: set `collective` and the
+// fields it reads. `count` is one rank's part: the
+// tensor of an all-reduce or a broadcast, the input of an all-gather (whose
+// output holds `world_size * count`), the output of a reduce-scatter (whose
+// input holds `world_size * count`).
+typedef struct {
+  // An `FR_COLLECTIVE_*` value.
+  int32_t collective;
+  // What the call reads: the tensor of an all-reduce or a broadcast (the
+  // same as `output`), else the input. An all-gather's input may be this
+  // rank's place in the output.
+  const void *input;
+  // What the call writes: the tensor of an all-reduce or a broadcast,
+  // else the output.
+  void *output;
+  // Elements per rank (see above).
+  uint64_t count;
+  // An `FR_DTYPE_*` value.
+  int32_t dtype;
+  // An `FR_OP_*` value (all-reduce and reduce-scatter).
+  int32_t op;
+  // The rank a broadcast comes from.
+  uint32_t root;
+  // An `FR_MEMORY_*` value.
+  int32_t memory;
+  // For device memory: the stream (`cudaStream_t`, null for the legacy
+  // default stream) of the device's primary context the call is ordered on.
+  void *stream;
+  // An `FR_ALGO_*` value.
+  int32_t algorithm;
+  // An `FR_WIRE_*` value.
+  int32_t wire;
+} fr_call;
 
 // What a store callback returns: `FR_STORE_OK`, `FR_STORE_TIMEOUT`, or any
 // other value for a failure.
@@ -175,6 +262,22 @@ extern "C" {
 // Whether this library was built with the `cuda` feature: the device calls
 // (`fr_*_device`, `fr_work_enqueue_wait`) are exported only then.
 bool fr_cuda_built(void);
+
+// Starts the `n` described `calls` and stores their work handle in `*out`:
+// one call alone, or several (or none), in order and all in flight at once,
+// under one work (a refusal then names `calls` and the call's index; every
+// call is checked before any starts).
+//
+// # Safety
+//
+// `comm` is a live handle; `calls` holds `n` calls, read during this call;
+// each call's memory is valid as its collective's export documents
+// (`fr_all_reduce`, ..., or their `_device` forms for device memory), and no
+// two calls' memory overlaps; `out` is valid for a write.
+fr_status fr_start(const fr_comm *comm,
+                   const fr_call *calls,
+                   size_t n,
+                   fr_work **out);
 
 // Joins the job torchrun's environment describes (`RANK`, `WORLD_SIZE`,
 // `MASTER_ADDR`, `MASTER_PORT`, torchrun's agent store, the `FAIRRING_*`

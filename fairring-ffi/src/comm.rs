@@ -1,11 +1,13 @@
-//! Communicators: made, queried, aborted, destroyed; and the collectives they
-//! start on host memory.
+//! Communicators: made, queried, aborted, destroyed; and the per-collective
+//! exports on host memory, each a call described and started as `fr_start`
+//! starts it.
 
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use fairring::{Communicator, Config, DataType, ReduceOp, Work};
+use fairring::{Call, Communicator, Config, Work};
 
+use crate::call::{Calls, dtype_of, lists, op_of, start_export};
 use crate::status::{FR_OK, boundary, fail, fr_status, invalid};
 use crate::store::{CallbackStore, fr_store};
 use crate::work::{Completions, fr_work};
@@ -202,27 +204,6 @@ pub unsafe extern "C" fn fr_comm_destroy(comm: *mut fr_comm) {
     });
 }
 
-/// Parses a `FR_DTYPE_*` value.
-pub(crate) fn dtype_of(dtype: i32) -> Result<DataType, fr_status> {
-    u8::try_from(dtype)
-        .ok()
-        .and_then(DataType::from_u8)
-        .ok_or_else(|| invalid("dtype", &format!("{dtype} is not an FR_DTYPE_* value")))
-}
-
-/// Parses a `FR_OP_*` value.
-pub(crate) fn op_of(op: i32) -> Result<ReduceOp, fr_status> {
-    u8::try_from(op)
-        .ok()
-        .and_then(ReduceOp::from_u8)
-        .ok_or_else(|| invalid("op", &format!("{op} is not an FR_OP_* value")))
-}
-
-/// Parses a `FR_DTYPE_*` and a `FR_OP_*` value; the first bad one is named.
-pub(crate) fn types(dtype: i32, op: i32) -> Result<(DataType, ReduceOp), fr_status> {
-    Ok((dtype_of(dtype)?, op_of(op)?))
-}
-
 /// The communicator behind `comm`, once `out` is known to be writable: checked
 /// before an operation starts, so that a started one always gets its handle.
 ///
@@ -267,64 +248,6 @@ pub(crate) unsafe fn hand_out(
     }
 }
 
-/// The body of an export that starts an operation, inside the panic
-/// boundary: checks the handle `$comm` and `$out`, evaluates `$start` (which
-/// parses the export's arguments with `?`, naming the first bad one, and
-/// starts the operation on `$c`, the communicator) and hands out its work.
-/// The export's contract must make `$comm` null or a live handle and `$out`
-/// null or valid for a write.
-macro_rules! start_export {
-    ($comm:expr, $out:expr, |$c:ident| $start:expr) => {
-        $crate::status::boundary(|| {
-            // SAFETY: the export's contract: `comm` is null or a live handle,
-            // `out` null or valid for a write.
-            let handle = match unsafe { $crate::comm::begin($comm, $out) } {
-                Ok(handle) => handle,
-                Err(status) => return status,
-            };
-            let $c: &fairring::Communicator = &handle.comm;
-            #[allow(
-                clippy::redundant_closure_call,
-                reason = "the closure is the scope that `?` returns from"
-            )]
-            let started: Result<
-                fairring::Result<fairring::Work<'_>>,
-                $crate::status::fr_status,
-            > = (|| $start)();
-            match started {
-                // SAFETY: `out` was checked non-null; valid for a write.
-                Ok(work) => unsafe { $crate::comm::hand_out(handle, $out, work) },
-                Err(status) => status,
-            }
-        })
-    };
-}
-#[cfg(feature = "cuda")]
-pub(crate) use start_export;
-
-/// The `n` entries of the lists `data` and `counts`, read during an export.
-///
-/// # Safety
-///
-/// Each list is null or holds `n` entries valid for reads during the call.
-pub(crate) unsafe fn lists<'a, T>(
-    data: *const T,
-    counts: *const u64,
-    n: usize,
-) -> Result<(&'a [T], &'a [u64]), fr_status> {
-    if n == 0 {
-        return Ok((&[], &[]));
-    }
-    if data.is_null() || counts.is_null() {
-        return Err(invalid("data", "null list"));
-    }
-    // SAFETY: both lists hold `n` entries (the contract; non-null, checked).
-    let data = unsafe { std::slice::from_raw_parts(data, n) };
-    // SAFETY: as for `data`.
-    let counts = unsafe { std::slice::from_raw_parts(counts, n) };
-    Ok((data, counts))
-}
-
 /// Starts an all-reduce of `count` elements of `dtype` at `data`, in place,
 /// with `op`. `*out` receives the work handle.
 ///
@@ -343,10 +266,9 @@ pub unsafe extern "C" fn fr_all_reduce(
     op: i32,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    start_export!(comm, out, |c| {
-        let (dtype, op) = types(dtype, op)?;
-        // SAFETY: the memory contract is the caller's, as documented.
-        Ok(unsafe { c.all_reduce_raw(data.cast(), count, dtype, op, None) })
+    start_export!(comm, out, {
+        let call = Call::all_reduce(data.cast(), count, dtype_of(dtype)?, op_of(op)?);
+        Ok(Calls::One(call))
     })
 }
 
@@ -367,22 +289,13 @@ pub unsafe extern "C" fn fr_all_reduce_coalesced(
     op: i32,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    boundary(|| {
+    start_export!(comm, out, {
+        let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
         // SAFETY: the lists' contract is the caller's, as documented.
-        let (data, counts) = match unsafe { lists(data, counts, n) } {
-            Ok(l) => l,
-            Err(s) => return s,
-        };
-        let tensors: Vec<(*mut u8, u64)> = data
-            .iter()
-            .zip(counts)
-            .map(|(&d, &c)| (d.cast::<u8>(), c))
-            .collect();
-        start_export!(comm, out, |c| {
-            let (dtype, op) = types(dtype, op)?;
-            // SAFETY: the memory contract is the caller's, as documented.
-            Ok(unsafe { c.all_reduce_coalesced_raw(&tensors, dtype, op) })
-        })
+        let (data, counts) = unsafe { lists(data, counts, n) }?;
+        let calls = data.iter().zip(counts);
+        let calls = calls.map(|(&d, &c)| Call::all_reduce(d.cast(), c, dtype, op));
+        Ok(Calls::Group(calls.collect(), "data"))
     })
 }
 
@@ -401,10 +314,9 @@ pub unsafe extern "C" fn fr_broadcast(
     root: u32,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    start_export!(comm, out, |c| {
-        let dtype = dtype_of(dtype)?;
-        // SAFETY: the memory contract is the caller's, as documented.
-        Ok(unsafe { c.broadcast_raw(data.cast(), count, dtype, root) })
+    start_export!(comm, out, {
+        let call = Call::broadcast(data.cast(), count, dtype_of(dtype)?, root);
+        Ok(Calls::One(call))
     })
 }
 
@@ -425,10 +337,9 @@ pub unsafe extern "C" fn fr_all_gather(
     dtype: i32,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    start_export!(comm, out, |c| {
-        let dtype = dtype_of(dtype)?;
-        // SAFETY: the memory contract is the caller's, as documented.
-        Ok(unsafe { c.all_gather_raw(input.cast(), output.cast(), count, dtype) })
+    start_export!(comm, out, {
+        let call = Call::all_gather(input.cast(), output.cast(), count, dtype_of(dtype)?);
+        Ok(Calls::One(call))
     })
 }
 
@@ -451,10 +362,10 @@ pub unsafe extern "C" fn fr_reduce_scatter(
     op: i32,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    start_export!(comm, out, |c| {
-        let (dtype, op) = types(dtype, op)?;
-        // SAFETY: the memory contract is the caller's, as documented.
-        Ok(unsafe { c.reduce_scatter_raw(input.cast(), output.cast(), count, dtype, op) })
+    start_export!(comm, out, {
+        let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
+        let call = Call::reduce_scatter(input.cast(), output.cast(), count, dtype, op);
+        Ok(Calls::One(call))
     })
 }
 
@@ -465,5 +376,5 @@ pub unsafe extern "C" fn fr_reduce_scatter(
 /// `comm` is a live handle; `out` is valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fr_barrier(comm: *const fr_comm, out: *mut *mut fr_work) -> fr_status {
-    start_export!(comm, out, |c| Ok(c.start_barrier()))
+    start_export!(comm, out, Ok(Calls::One(Call::barrier())))
 }

@@ -18,16 +18,13 @@
 
 use std::ffi::c_void;
 
+use fairring::Call;
 use fairring::cuda::sys::CUstream;
 
-use crate::comm::{dtype_of, fr_comm, lists, start_export, types};
+use crate::call::{Calls, dtype_of, lists, op_of, start_export};
+use crate::comm::fr_comm;
 use crate::status::{FR_OK, boundary, fail, fr_status, invalid};
 use crate::work::fr_work;
-
-/// A device address as the driver API takes it.
-fn device_address(ptr: *const c_void) -> u64 {
-    ptr as usize as u64
-}
 
 /// Starts an all-reduce of `count` elements of `dtype` at device address
 /// `data`, in place, with `op`, ordered on `stream`. `*out` receives the work
@@ -50,11 +47,9 @@ pub unsafe extern "C" fn fr_all_reduce_device(
     stream: *mut c_void,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    start_export!(comm, out, |c| {
-        let (dtype, op) = types(dtype, op)?;
-        let data = device_address(data);
-        // SAFETY: the memory and stream contract is the caller's, as documented.
-        Ok(unsafe { c.all_reduce_device_raw(data, count, dtype, op, stream as CUstream, None) })
+    start_export!(comm, out, {
+        let call = Call::all_reduce(data.cast(), count, dtype_of(dtype)?, op_of(op)?);
+        Ok(Calls::One(call.on_stream(stream as CUstream)))
     })
 }
 
@@ -77,23 +72,15 @@ pub unsafe extern "C" fn fr_all_reduce_coalesced_device(
     stream: *mut c_void,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    boundary(|| {
+    start_export!(comm, out, {
         // SAFETY: the lists' contract is the caller's, as documented.
-        let (data, counts) = match unsafe { lists(data, counts, n) } {
-            Ok(l) => l,
-            Err(s) => return s,
-        };
-        let tensors: Vec<(u64, u64)> = data
+        let (data, counts) = unsafe { lists(data, counts, n) }?;
+        let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
+        let calls = data
             .iter()
             .zip(counts)
-            .map(|(&d, &c)| (device_address(d), c))
-            .collect();
-        start_export!(comm, out, |c| {
-            let (dtype, op) = types(dtype, op)?;
-            let stream = stream as CUstream;
-            // SAFETY: the memory and stream contract is the caller's, as documented.
-            Ok(unsafe { c.all_reduce_coalesced_device_raw(&tensors, dtype, op, stream) })
-        })
+            .map(|(&d, &c)| Call::all_reduce(d.cast(), c, dtype, op).on_stream(stream as CUstream));
+        Ok(Calls::Group(calls.collect(), "data"))
     })
 }
 
@@ -113,11 +100,9 @@ pub unsafe extern "C" fn fr_broadcast_device(
     stream: *mut c_void,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    start_export!(comm, out, |c| {
-        let dtype = dtype_of(dtype)?;
-        let data = device_address(data);
-        // SAFETY: the memory and stream contract is the caller's, as documented.
-        Ok(unsafe { c.broadcast_device_raw(data, count, dtype, root, stream as CUstream) })
+    start_export!(comm, out, {
+        let call = Call::broadcast(data.cast(), count, dtype_of(dtype)?, root);
+        Ok(Calls::One(call.on_stream(stream as CUstream)))
     })
 }
 
@@ -141,11 +126,9 @@ pub unsafe extern "C" fn fr_all_gather_device(
     stream: *mut c_void,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    start_export!(comm, out, |c| {
-        let dtype = dtype_of(dtype)?;
-        let (input, output) = (device_address(input), device_address(output));
-        // SAFETY: the memory and stream contract is the caller's, as documented.
-        Ok(unsafe { c.all_gather_device_raw(input, output, count, dtype, stream as CUstream) })
+    start_export!(comm, out, {
+        let call = Call::all_gather(input.cast(), output.cast(), count, dtype_of(dtype)?);
+        Ok(Calls::One(call.on_stream(stream as CUstream)))
     })
 }
 
@@ -169,13 +152,10 @@ pub unsafe extern "C" fn fr_reduce_scatter_device(
     stream: *mut c_void,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    start_export!(comm, out, |c| {
-        let (dtype, op) = types(dtype, op)?;
-        let (input, output) = (device_address(input), device_address(output));
-        // SAFETY: the memory and stream contract is the caller's, as documented.
-        Ok(unsafe {
-            c.reduce_scatter_device_raw(input, output, count, dtype, op, stream as CUstream)
-        })
+    start_export!(comm, out, {
+        let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
+        let call = Call::reduce_scatter(input.cast(), output.cast(), count, dtype, op);
+        Ok(Calls::One(call.on_stream(stream as CUstream)))
     })
 }
 

@@ -27,6 +27,7 @@
 //!   library has them.
 #![allow(non_camel_case_types, reason = "C names: fr_comm, fr_work, fr_status")]
 
+mod call;
 mod comm;
 #[cfg(feature = "cuda")]
 mod device;
@@ -34,6 +35,12 @@ mod status;
 mod store;
 mod work;
 
+pub use call::{
+    FR_ALGO_AUTO, FR_ALGO_DEFAULT, FR_ALGO_DOUBLING, FR_ALGO_HIERARCHICAL, FR_ALGO_RING,
+    FR_COLLECTIVE_ALL_GATHER, FR_COLLECTIVE_ALL_REDUCE, FR_COLLECTIVE_BARRIER,
+    FR_COLLECTIVE_BROADCAST, FR_COLLECTIVE_REDUCE_SCATTER, FR_MEMORY_DEVICE, FR_MEMORY_HOST,
+    FR_WIRE_BF16, FR_WIRE_DEFAULT, FR_WIRE_EXACT, FR_WIRE_F16, fr_call, fr_start,
+};
 pub use comm::{
     fr_all_gather, fr_all_reduce, fr_all_reduce_coalesced, fr_barrier, fr_broadcast, fr_comm,
     fr_comm_abort, fr_comm_destroy, fr_comm_from_env, fr_comm_rank, fr_comm_with_store,

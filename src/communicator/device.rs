@@ -35,327 +35,60 @@ use fairring_core::{DataType, ReduceOp};
 use fairring_cuda::{DeviceSlice, DeviceSliceMut, Stream, device_of_pointer, sys};
 
 use super::{
-    Communicator, DeviceCall, OwnedWork, Request, Scope, Work, WorkerEngine, byte_len, check_op,
-    check_pointer, in_list, wait_range,
+    Call, Collective, Communicator, DeviceCall, OwnedWork, Scope, Work, WorkerEngine, byte_len,
+    check_pointer, wait_range,
 };
-use crate::config::Algorithm;
 use crate::error::{Error, Result};
-use crate::memory::{DeviceSide, DeviceTensor, PlacedTensor};
-
-/// A device call's checked GPU, whose device side exists.
-struct OnDevice {
-    call: DeviceCall,
-}
-
-/// One fill of a call's own device memory, enqueued on the caller's stream
-/// before the operation's start.
-#[derive(Clone, Copy, Debug)]
-enum Fill {
-    /// `bytes` zeroed at `at`.
-    Zero { at: sys::CUdeviceptr, bytes: usize },
-    /// `bytes` copied from `from` to `to`.
-    Copy {
-        to: sys::CUdeviceptr,
-        from: sys::CUdeviceptr,
-        bytes: usize,
-    },
-}
-
-/// What a broadcast or all-gather on device memory writes into its output
-/// before it starts (zeros where other ranks' data goes, an all-gather's input
-/// into place). It is enqueued only once the call has passed every check
-/// (`Communicator::submit`), so a refused call leaves the caller's stream and
-/// memory as they were.
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Prelude {
-    fills: [Option<Fill>; 3],
-}
-
-impl Prelude {
-    fn push(&mut self, fill: Fill) {
-        let empty = match fill {
-            Fill::Zero { bytes, .. } | Fill::Copy { bytes, .. } => bytes == 0,
-        };
-        if empty {
-            return;
-        }
-        if let Some(free) = self.fills.iter_mut().find(|f| f.is_none()) {
-            *free = Some(fill);
-        }
-    }
-
-    /// Enqueues the fills on `stream`.
-    ///
-    /// # Safety
-    ///
-    /// Every range is device memory of `side`'s GPU that the call hands to the
-    /// operation, and a copy's ranges do not overlap.
-    pub(super) unsafe fn enqueue(&self, side: &DeviceSide, stream: &Stream) -> Result<()> {
-        for fill in self.fills.iter().flatten() {
-            match *fill {
-                Fill::Zero { at, bytes } => {
-                    // SAFETY: this function's contract.
-                    let mut dst = unsafe { DeviceSliceMut::from_raw(at, bytes, side.device()) };
-                    stream
-                        .fill(&mut dst, 0)
-                        .map_err(crate::memory::cuda_error)?;
-                }
-                Fill::Copy { to, from, bytes } => {
-                    // SAFETY: this function's contract.
-                    let src = unsafe { DeviceSlice::from_raw(from, bytes, side.device()) };
-                    // SAFETY: this function's contract.
-                    let mut dst = unsafe { DeviceSliceMut::from_raw(to, bytes, side.device()) };
-                    stream
-                        .copy(&mut dst, src)
-                        .map_err(crate::memory::cuda_error)?;
-                }
-            }
-        }
-        Ok(())
-    }
-}
+use crate::memory::DeviceSide;
 
 impl Communicator {
-    /// Starts an all-reduce of `count` elements of `dtype` at device address
-    /// `data`, in place, ordered on `stream`: it starts after everything
-    /// already enqueued on `stream` (submitting never waits for the GPU), and
-    /// [`Work::enqueue_wait`] makes a stream wait for its result on the
-    /// device. `algorithm` overrides the communicator's.
-    ///
-    /// The staging buffers are in page-locked host memory, where the tcp
-    /// fabric reads and writes them, and the reduction runs there (with
-    /// several ranks per machine, the machine's reduction too, in its shared
-    /// segment). A stream waiting for an operation blocks
-    /// synchronising driver calls of its process (`cudaFree`,
-    /// `cudaDeviceSynchronize`) until the operation finishes: as with NCCL,
-    /// a thread must not make such a call while an operation it has yet to
-    /// submit is awaited on the device.
-    ///
-    /// # Safety
-    ///
-    /// `data` must be device memory valid for reads and writes of `count`
-    /// elements of `dtype`, aligned for `dtype`; `stream` a stream of the
-    /// same device's primary context (or null: the legacy default stream).
-    /// Neither the caller nor any stream may touch the memory, and the stream
-    /// must stay alive, until the returned [`Work`] reports completion (a
-    /// stream made to wait with [`Work::enqueue_wait`] may use it after).
-    pub unsafe fn all_reduce_device_raw(
+    /// Checks the device memory of `call` (`input_len` and `output_len`
+    /// elements, at least one in all): on one GPU, whose device side it
+    /// readies, and, for an all-gather and a reduce-scatter, the input and the
+    /// output apart (an all-gather's input may be its place in the output).
+    pub(super) fn check_device_memory(
         &self,
-        data: sys::CUdeviceptr,
-        count: u64,
-        dtype: DataType,
-        op: ReduceOp,
+        call: &Call,
         stream: sys::CUstream,
-        algorithm: Option<Algorithm>,
-    ) -> Result<Work<'_>> {
-        if count == 0 {
-            // No bytes: nothing to order on the stream, and every rank's call
-            // (all pass no elements) runs as the same empty operation.
-            // SAFETY: no memory is touched.
-            return unsafe { self.all_reduce_raw(std::ptr::null_mut(), 0, dtype, op, algorithm) };
-        }
-        let on = self.on_device("data", data, count, dtype, stream)?;
-        let mut r = Request::all_reduce(data as *mut u8, count, dtype, op, algorithm);
-        r.device = Some(on.call);
-        // SAFETY: the caller keeps the memory and the stream valid and
-        // untouched until the operation finishes.
-        unsafe { self.start(r) }
-    }
-
-    /// Starts a broadcast of `count` elements of `dtype` at device address
-    /// `data` from rank `root`, ordered on `stream` (see
-    /// [`Communicator::broadcast`] for the host form). On every rank but the
-    /// root, `data` is zeroed on `stream` first.
-    ///
-    /// # Safety
-    ///
-    /// As [`Communicator::all_reduce_device_raw`].
-    pub unsafe fn broadcast_device_raw(
-        &self,
-        data: sys::CUdeviceptr,
-        count: u64,
-        dtype: DataType,
-        root: u32,
-        stream: sys::CUstream,
-    ) -> Result<Work<'_>> {
-        self.check_root(root)?;
-        if count == 0 {
-            // SAFETY: no memory is touched.
-            return unsafe { self.broadcast_raw(std::ptr::null_mut(), 0, dtype, root) };
-        }
-        let mut on = self.on_device("data", data, count, dtype, stream)?;
-        let bytes = byte_len(count, dtype)?;
-        if root != self.rank() {
-            on.call.prelude.push(Fill::Zero { at: data, bytes });
-        }
-        let mut r = Request::broadcast(data as *mut u8, bytes, dtype, count, root, None);
-        r.device = Some(on.call);
-        // SAFETY: the caller keeps the memory and the stream valid and
-        // untouched until the operation finishes.
-        unsafe { self.start(r) }
-    }
-
-    /// Starts an all-gather of every rank's `count` elements of `dtype` at
-    /// device address `input` into `output`, which holds `world_size * count`,
-    /// ordered on `stream` (see [`Communicator::all_gather`]). `input` is
-    /// copied into this rank's place of `output` on `stream` (nothing is
-    /// copied when it already lies there, as an in-place all-gather passes
-    /// it); it may not otherwise overlap `output`.
-    ///
-    /// # Safety
-    ///
-    /// As [`Communicator::all_reduce_device_raw`], for `output`; `input` must
-    /// be device memory valid for reads of `count` elements that no stream
-    /// writes until the operation completes.
-    pub unsafe fn all_gather_device_raw(
-        &self,
-        input: sys::CUdeviceptr,
-        output: sys::CUdeviceptr,
-        count: u64,
-        dtype: DataType,
-        stream: sys::CUstream,
-    ) -> Result<Work<'_>> {
-        let total = self.times_world(count)?;
-        if count == 0 {
-            // SAFETY: no memory is touched.
-            return unsafe {
-                self.all_gather_raw(std::ptr::null(), std::ptr::null_mut(), 0, dtype)
-            };
-        }
-        let mut on = self.on_device("output", output, total, dtype, stream)?;
-        on_same_device(&on, "input", input, count, dtype)?;
-        let n = byte_len(count, dtype)?;
-        let bytes = byte_len(total, dtype)?;
-        let at = self.rank() as usize * n;
-        let place = output + at as u64;
-        if input != place {
-            if overlaps(input, n, output, bytes) {
-                return Err(Error::invalid(
-                    "input",
-                    format!(
-                        "{input:#x} overlaps the output ({output:#x}, {bytes} bytes) \
-                         other than at this rank's place ({place:#x})"
-                    ),
-                ));
+        input_len: u64,
+        output_len: u64,
+    ) -> Result<DeviceCall> {
+        let (input, output) = (call.input as u64, call.output as u64);
+        let dtype = call.dtype;
+        let ordinal = match call.collective {
+            Collective::AllGather => {
+                let ordinal = device_tensor("output", output, output_len, dtype)?;
+                on_same_device(ordinal, "input", input, input_len, dtype)?;
+                let n = byte_len(input_len, dtype)?;
+                let place = output + self.rank() as u64 * n as u64;
+                let bytes = byte_len(output_len, dtype)?;
+                if input != place && overlaps(input, n, output, bytes) {
+                    return Err(Error::invalid(
+                        "input",
+                        format!(
+                            "{input:#x} overlaps the output ({output:#x}, {bytes} bytes) \
+                             other than at this rank's place ({place:#x})"
+                        ),
+                    ));
+                }
+                ordinal
             }
-            // The ranges lie on this GPU (checked) and apart (checked).
-            on.call.prelude.push(Fill::Copy {
-                to: place,
-                from: input,
-                bytes: n,
-            });
-        }
-        on.call.prelude.push(Fill::Zero {
-            at: output,
-            bytes: at,
-        });
-        on.call.prelude.push(Fill::Zero {
-            at: place + n as u64,
-            bytes: bytes - at - n,
-        });
-        let mut r = Request::all_gather(output as *mut u8, bytes, dtype, count, None);
-        r.device = Some(on.call);
-        // SAFETY: the caller keeps the memory and the stream valid and
-        // untouched until the operation finishes.
-        unsafe { self.start(r) }
-    }
-
-    /// Starts a reduce-scatter ordered on `stream` (see
-    /// [`Communicator::reduce_scatter`]): `input`, device memory holding
-    /// `world_size * count` elements of `dtype`, is reduced across ranks, and
-    /// this rank's `count` elements of the result are copied into `output` on
-    /// the device. `input` is workspace (see [`Scope::reduce_scatter`]).
-    ///
-    /// # Safety
-    ///
-    /// As [`Communicator::all_reduce_device_raw`], for `input` and for
-    /// `output`, which must not overlap (refused, naming `output`).
-    pub unsafe fn reduce_scatter_device_raw(
-        &self,
-        input: sys::CUdeviceptr,
-        output: sys::CUdeviceptr,
-        count: u64,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: sys::CUstream,
-    ) -> Result<Work<'_>> {
-        let total = self.times_world(count)?;
-        if count == 0 {
-            // SAFETY: no memory is touched.
-            return unsafe {
-                self.reduce_scatter_raw(std::ptr::null_mut(), std::ptr::null_mut(), 0, dtype, op)
-            };
-        }
-        let on = self.on_device("input", input, total, dtype, stream)?;
-        on_same_device(&on, "output", output, count, dtype)?;
-        let n = byte_len(count, dtype)?;
-        let bytes = byte_len(total, dtype)?;
-        if overlaps(output, n, input, bytes) {
-            return Err(Error::invalid(
-                "output",
-                format!("{output:#x} overlaps the input ({input:#x}, {bytes} bytes)"),
-            ));
-        }
-        // The operation's entry is filled in when it is queued.
-        let to = PlacedTensor::Device(DeviceTensor::new(output, n, 0));
-        let share = self.share(n);
-        let mut r =
-            Request::reduce_scatter(input as *mut u8, total, dtype, op, count, to, share, None);
-        r.device = Some(on.call);
-        // SAFETY: the caller keeps both tensors and the stream valid and
-        // untouched until the operation finishes.
-        unsafe { self.start(r) }
-    }
-
-    /// Starts an all-reduce of every `(data, count)` in `tensors`, device
-    /// memory holding elements of `dtype`, one operation each and all in
-    /// flight at once, ordered on `stream`; the returned [`Work`] covers them
-    /// all. Every tensor is checked before any starts.
-    ///
-    /// # Safety
-    ///
-    /// As [`Communicator::all_reduce_device_raw`], for every tensor; no two
-    /// may overlap.
-    pub unsafe fn all_reduce_coalesced_device_raw(
-        &self,
-        tensors: &[(sys::CUdeviceptr, u64)],
-        dtype: DataType,
-        op: ReduceOp,
-        stream: sys::CUstream,
-    ) -> Result<Work<'_>> {
-        check_op(op, dtype)?;
-        for (i, &(data, count)) in tensors.iter().enumerate() {
-            if count > 0 {
-                self.on_device("tensors", data, count, dtype, stream)
-                    .map_err(|e| in_list(i, e))?;
+            Collective::ReduceScatter => {
+                let ordinal = device_tensor("input", input, input_len, dtype)?;
+                on_same_device(ordinal, "output", output, output_len, dtype)?;
+                let (n, bytes) = (byte_len(output_len, dtype)?, byte_len(input_len, dtype)?);
+                if overlaps(output, n, input, bytes) {
+                    return Err(Error::invalid(
+                        "output",
+                        format!("{output:#x} overlaps the input ({input:#x}, {bytes} bytes)"),
+                    ));
+                }
+                ordinal
             }
-        }
-        self.group(tensors.len(), |i| {
-            let (data, count) = tensors[i];
-            // SAFETY: forwarded from the caller, per tensor.
-            unsafe { self.all_reduce_device_raw(data, count, dtype, op, stream, None) }
-        })
-    }
-
-    /// Checks `data` (`count` elements of `dtype`, named `argument`) is device
-    /// memory, and readies the device side on its GPU.
-    fn on_device(
-        &self,
-        argument: &'static str,
-        data: sys::CUdeviceptr,
-        count: u64,
-        dtype: DataType,
-        stream: sys::CUstream,
-    ) -> Result<OnDevice> {
-        let ordinal = device_tensor(argument, data, count, dtype)?;
+            _ => device_tensor("data", output, output_len, dtype)?,
+        };
         self.device_side(ordinal)?;
-        Ok(OnDevice {
-            call: DeviceCall {
-                ordinal,
-                stream,
-                prelude: Prelude::default(),
-            },
-        })
+        Ok(DeviceCall { ordinal, stream })
     }
 
     /// The device side on GPU `ordinal`, made at the first device operation,
@@ -380,23 +113,16 @@ impl<'scope> Scope<'scope, '_> {
         stream: &'scope Stream,
     ) -> Result<Work<'scope>> {
         let count = elements("data", data.len(), data.device(), dtype, stream)?;
+        let call = Call::all_reduce(data.raw() as *mut u8, count, dtype, op);
         // SAFETY: `data` is borrowed mutably for 'scope, which does not end
         // before the operation finishes (the scope waits); `stream` is
         // borrowed as long.
-        unsafe {
-            self.comm.all_reduce_device_raw(
-                data.raw(),
-                count,
-                dtype,
-                op,
-                stream.raw(),
-                Some(self.comm.algorithm),
-            )
-        }
+        unsafe { self.comm.start(&call.on_stream(stream.raw())) }
     }
 
     /// Starts a broadcast of `data` (elements of `dtype`, device memory) from
-    /// rank `root`, ordered on `stream`.
+    /// rank `root`, ordered on `stream`. On every rank but the root, `data` is
+    /// zeroed on `stream` first.
     pub fn broadcast_device(
         &'scope self,
         data: &'scope mut DeviceSliceMut<'_>,
@@ -405,15 +131,14 @@ impl<'scope> Scope<'scope, '_> {
         stream: &'scope Stream,
     ) -> Result<Work<'scope>> {
         let count = elements("data", data.len(), data.device(), dtype, stream)?;
+        let call = Call::broadcast(data.raw() as *mut u8, count, dtype, root);
         // SAFETY: as in `all_reduce_device`.
-        unsafe {
-            self.comm
-                .broadcast_device_raw(data.raw(), count, dtype, root, stream.raw())
-        }
+        unsafe { self.comm.start(&call.on_stream(stream.raw())) }
     }
 
     /// Starts an all-gather of every rank's `input` into `output` (device
-    /// memory, elements of `dtype`), ordered on `stream`.
+    /// memory, elements of `dtype`), ordered on `stream`: `input` is copied
+    /// into this rank's place of `output` on `stream` first.
     pub fn all_gather_device(
         &'scope self,
         input: &'scope DeviceSlice<'_>,
@@ -423,22 +148,11 @@ impl<'scope> Scope<'scope, '_> {
     ) -> Result<Work<'scope>> {
         let n = elements("input", input.len(), input.device(), dtype, stream)?;
         let total = elements("output", output.len(), output.device(), dtype, stream)?;
-        let world = u64::from(self.comm.world_size());
-        if n.checked_mul(world) != Some(total) {
-            return Err(Error::invalid(
-                "output",
-                format!(
-                    "holds {total} elements; {world} ranks x {n} input elements need {}",
-                    n.saturating_mul(world)
-                ),
-            ));
-        }
+        self.comm.check_shares("output", total, n, "input")?;
+        let call = Call::all_gather(input.raw() as *const u8, output.raw() as *mut u8, n, dtype);
         // SAFETY: `input` is borrowed (so not written) and `output` borrowed
         // mutably (so apart from it) for 'scope, which outlasts the operation.
-        unsafe {
-            self.comm
-                .all_gather_device_raw(input.raw(), output.raw(), n, dtype, stream.raw())
-        }
+        unsafe { self.comm.start(&call.on_stream(stream.raw())) }
     }
 
     /// Starts a reduce-scatter ordered on `stream`: `input` (device memory,
@@ -454,33 +168,23 @@ impl<'scope> Scope<'scope, '_> {
     ) -> Result<Work<'scope>> {
         let total = elements("input", input.len(), input.device(), dtype, stream)?;
         let n = elements("output", output.len(), output.device(), dtype, stream)?;
-        let world = u64::from(self.comm.world_size());
-        if n.checked_mul(world) != Some(total) {
-            return Err(Error::invalid(
-                "input",
-                format!(
-                    "holds {total} elements; {world} ranks x {n} output elements need {}",
-                    n.saturating_mul(world)
-                ),
-            ));
-        }
+        self.comm.check_shares("input", total, n, "output")?;
+        let call = Call::reduce_scatter(
+            input.raw() as *mut u8,
+            output.raw() as *mut u8,
+            n,
+            dtype,
+            op,
+        );
         // SAFETY: both are borrowed mutably for 'scope (so apart), which
         // outlasts the operation.
-        unsafe {
-            self.comm.reduce_scatter_device_raw(
-                input.raw(),
-                output.raw(),
-                n,
-                dtype,
-                op,
-                stream.raw(),
-            )
-        }
+        unsafe { self.comm.start(&call.on_stream(stream.raw())) }
     }
 
     /// Starts an all-reduce of every tensor in `tensors` (device memory,
     /// elements of `dtype`), one operation each, all in flight at once and
-    /// ordered on `stream`; the returned [`Work`] covers them all.
+    /// ordered on `stream`; the returned [`Work`] covers them all. Every
+    /// tensor is checked before any starts.
     pub fn all_reduce_coalesced_device<'t: 'scope>(
         &'scope self,
         tensors: impl IntoIterator<Item = &'scope mut DeviceSliceMut<'t>>,
@@ -488,17 +192,15 @@ impl<'scope> Scope<'scope, '_> {
         op: ReduceOp,
         stream: &'scope Stream,
     ) -> Result<Work<'scope>> {
-        let mut raw = Vec::new();
+        let mut calls = Vec::new();
         for t in tensors {
             let count = elements("tensors", t.len(), t.device(), dtype, stream)?;
-            raw.push((t.raw(), count));
+            let call = Call::all_reduce(t.raw() as *mut u8, count, dtype, op);
+            calls.push(call.on_stream(stream.raw()));
         }
         // SAFETY: every tensor is borrowed mutably for 'scope (so none
         // overlap), which outlasts the operations.
-        unsafe {
-            self.comm
-                .all_reduce_coalesced_device_raw(&raw, dtype, op, stream.raw())
-        }
+        unsafe { self.comm.start_list(&calls, "tensors") }
     }
 }
 
@@ -616,22 +318,20 @@ fn device_tensor(
     }
 }
 
-/// Refuses `data` (named `argument`) unless it is device memory on `on`'s GPU.
+/// Refuses `data` (named `argument`) unless it is device memory on GPU
+/// `ordinal`, where the operation's other tensor lies.
 fn on_same_device(
-    on: &OnDevice,
+    on: u32,
     argument: &'static str,
     data: sys::CUdeviceptr,
     count: u64,
     dtype: DataType,
 ) -> Result<()> {
     let ordinal = device_tensor(argument, data, count, dtype)?;
-    if ordinal != on.call.ordinal {
+    if ordinal != on {
         return Err(Error::invalid(
             argument,
-            format!(
-                "lies on GPU {ordinal}, and the operation's other tensor on GPU {}",
-                on.call.ordinal
-            ),
+            format!("lies on GPU {ordinal}, and the operation's other tensor on GPU {on}"),
         ));
     }
     Ok(())

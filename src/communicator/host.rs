@@ -1,5 +1,5 @@
-//! The collectives on host memory: the blocking typed forms, [`Communicator::scope`],
-//! and the raw forms a runtime calls with pointers.
+//! The blocking typed forms on host memory, [`Communicator::scope`], and the
+//! checks every call shares.
 
 use super::*;
 
@@ -42,7 +42,9 @@ impl Communicator {
     ///
     /// The tensors are packed, in list order, into fusion buffers of one full
     /// slice each ([`Fusion`]): many small tensors become few full all-reduces.
-    pub fn all_reduce_coalesced<T: Element>(
+    /// (A coalesced all-reduce, [`Scope::all_reduce_coalesced`], runs one
+    /// operation per tensor under one [`Work`] instead.)
+    pub fn all_reduce_fused<T: Element>(
         &self,
         tensors: &mut [&mut [T]],
         op: ReduceOp,
@@ -67,207 +69,6 @@ impl Communicator {
         let out = f(&scope);
         scope.finish();
         out
-    }
-
-    /// Starts an all-reduce of `count` elements of `dtype` at `data`.
-    ///
-    /// # Safety
-    ///
-    /// `data` must be valid for reads and writes of `count` elements of `dtype`
-    /// and aligned for `dtype`, and nothing else may access that memory until the
-    /// returned [`Work`] reports completion (or is dropped, which waits).
-    pub unsafe fn all_reduce_raw(
-        &self,
-        data: *mut u8,
-        count: u64,
-        dtype: DataType,
-        op: ReduceOp,
-        algorithm: Option<Algorithm>,
-    ) -> Result<Work<'_>> {
-        check_pointer(data, count, dtype)?;
-        let seq = self.submit(Request::all_reduce(data, count, dtype, op, algorithm))?;
-        Ok(Work::new(&self.engine, seq, seq))
-    }
-
-    /// Starts a broadcast of `count` elements of `dtype` at `data` from rank
-    /// `root` (see [`Scope::broadcast`]).
-    ///
-    /// # Safety
-    ///
-    /// As [`Communicator::all_reduce_raw`], for `data`.
-    pub unsafe fn broadcast_raw(
-        &self,
-        data: *mut u8,
-        count: u64,
-        dtype: DataType,
-        root: u32,
-    ) -> Result<Work<'_>> {
-        // SAFETY: forwarded.
-        unsafe { self.broadcast_raw_with(data, count, dtype, root, None) }
-    }
-
-    /// [`Communicator::broadcast_raw`] with `algorithm` (`None`: the
-    /// communicator's).
-    ///
-    /// # Safety
-    ///
-    /// As [`Communicator::broadcast_raw`].
-    pub(super) unsafe fn broadcast_raw_with(
-        &self,
-        data: *mut u8,
-        count: u64,
-        dtype: DataType,
-        root: u32,
-        algorithm: Option<Algorithm>,
-    ) -> Result<Work<'_>> {
-        self.check_root(root)?;
-        check_pointer(data, count, dtype)?;
-        let bytes = byte_len(count, dtype)?;
-        // The all-reduce a broadcast otherwise runs as sums the other ranks'
-        // zeros into the root's bytes, as does a relay over the machines inside
-        // each; the relay over the ranks overwrites them.
-        let summed = self.zero_fills(Collective::Broadcast, algorithm, bytes)?;
-        if root != self.rank() && bytes > 0 && summed {
-            // SAFETY: the caller guarantees `data` is valid for `bytes` bytes.
-            unsafe { std::ptr::write_bytes(data, 0, bytes) };
-        }
-        // SAFETY: the caller keeps `data` valid and untouched until it finishes.
-        unsafe {
-            self.start(Request::broadcast(
-                data, bytes, dtype, count, root, algorithm,
-            ))
-        }
-    }
-
-    /// Starts an all-gather of every rank's `count` elements of `dtype` at
-    /// `input` into `output`, which holds `world_size * count` (see
-    /// [`Scope::all_gather`]). `input` may lie anywhere, inside `output` too
-    /// (at this rank's place, as an in-place all-gather passes it).
-    ///
-    /// # Safety
-    ///
-    /// `input` must be valid for reads of `count` elements until this call
-    /// returns; `output` as `data` in [`Communicator::all_reduce_raw`], for
-    /// `world_size * count` elements.
-    pub unsafe fn all_gather_raw(
-        &self,
-        input: *const u8,
-        output: *mut u8,
-        count: u64,
-        dtype: DataType,
-    ) -> Result<Work<'_>> {
-        // SAFETY: forwarded.
-        unsafe { self.all_gather_raw_with(input, output, count, dtype, None) }
-    }
-
-    /// [`Communicator::all_gather_raw`] with `algorithm` (`None`: the
-    /// communicator's).
-    ///
-    /// # Safety
-    ///
-    /// As [`Communicator::all_gather_raw`].
-    pub(super) unsafe fn all_gather_raw_with(
-        &self,
-        input: *const u8,
-        output: *mut u8,
-        count: u64,
-        dtype: DataType,
-        algorithm: Option<Algorithm>,
-    ) -> Result<Work<'_>> {
-        let total = self.times_world(count)?;
-        check_pointer(input.cast_mut(), count, dtype)?;
-        check_pointer(output, total, dtype)?;
-        let n = byte_len(count, dtype)?;
-        let bytes = byte_len(total, dtype)?;
-        let at = self.rank() as usize * n;
-        // As in a broadcast, only the sums need the zeros.
-        let summed = self.zero_fills(Collective::AllGather, algorithm, bytes)?;
-        if bytes > 0 {
-            // SAFETY: the caller guarantees `output` spans `bytes` bytes, of
-            // which this rank's place `at..at + n` is a part.
-            let place = unsafe { output.add(at) };
-            // SAFETY: `input` spans `n` readable bytes and `place` `n` writable
-            // ones; `copy` allows them to overlap. The input is in place before
-            // the rest of `output` (where it may also lie) is zeroed.
-            unsafe { std::ptr::copy(input, place, n) };
-            if summed {
-                // SAFETY: `0..at` lies within `output`.
-                unsafe { std::ptr::write_bytes(output, 0, at) };
-                // SAFETY: `at + n <= bytes`: the end of this rank's place.
-                let rest = unsafe { place.add(n) };
-                // SAFETY: `at + n..bytes` lies within `output`; `rest` is its start.
-                unsafe { std::ptr::write_bytes(rest, 0, bytes - at - n) };
-            }
-        }
-        // SAFETY: the caller keeps `output` valid and untouched until it finishes.
-        unsafe { self.start(Request::all_gather(output, bytes, dtype, count, algorithm)) }
-    }
-
-    /// Starts a reduce-scatter: `input` holds `world_size * count` elements of
-    /// `dtype`, reduced across ranks; this rank's `count` of the result are
-    /// copied into `output` when it finishes. `input` is workspace (see
-    /// [`Scope::reduce_scatter`]).
-    ///
-    /// # Safety
-    ///
-    /// As `data` in [`Communicator::all_reduce_raw`], for `input` and for
-    /// `output`, which must not overlap.
-    pub unsafe fn reduce_scatter_raw(
-        &self,
-        input: *mut u8,
-        output: *mut u8,
-        count: u64,
-        dtype: DataType,
-        op: ReduceOp,
-    ) -> Result<Work<'_>> {
-        // SAFETY: forwarded.
-        unsafe { self.reduce_scatter_raw_with(input, output, count, dtype, op, None) }
-    }
-
-    /// [`Communicator::reduce_scatter_raw`] with `algorithm` (`None`: the
-    /// communicator's).
-    ///
-    /// # Safety
-    ///
-    /// As [`Communicator::reduce_scatter_raw`].
-    pub(super) unsafe fn reduce_scatter_raw_with(
-        &self,
-        input: *mut u8,
-        output: *mut u8,
-        count: u64,
-        dtype: DataType,
-        op: ReduceOp,
-        algorithm: Option<Algorithm>,
-    ) -> Result<Work<'_>> {
-        let total = self.times_world(count)?;
-        check_pointer(input, total, dtype)?;
-        check_pointer(output, count, dtype)?;
-        let n = byte_len(count, dtype)?;
-        let share = self.share(n);
-        let to = PlacedTensor::Host(HostTensor::new(output, n));
-        let r = Request::reduce_scatter(input, total, dtype, op, count, to, share, algorithm);
-        // SAFETY: the caller keeps `input` and `output` valid and untouched
-        // until it finishes; the delivered range lies within `input`.
-        unsafe { self.start(r) }
-    }
-
-    /// Whether the callers of a broadcast or an all-gather (`collective`) of
-    /// `bytes` with `algorithm` zero their tensors where their own bytes are
-    /// not (see `engine::choice`).
-    pub(super) fn zero_fills(
-        &self,
-        collective: Collective,
-        algorithm: Option<Algorithm>,
-        bytes: usize,
-    ) -> Result<bool> {
-        let call = choice::Call {
-            collective,
-            dtype: DataType::U8,
-            bytes: bytes as u64,
-            algorithm,
-            wire: None,
-        };
-        Ok(choice::choose(call, &self.job())?.zero_fill)
     }
 
     /// The job, as the choice of what a call runs sees it.
@@ -309,71 +110,26 @@ impl Communicator {
         })
     }
 
-    /// Starts an all-reduce of every `(data, count)` in `tensors`, all of
-    /// `dtype`, one operation each and all in flight at once; the returned
-    /// [`Work`] covers them all.
-    ///
-    /// # Safety
-    ///
-    /// As `data` in [`Communicator::all_reduce_raw`], for every tensor; no two
-    /// may overlap.
-    pub unsafe fn all_reduce_coalesced_raw(
+    /// Refuses a list named `argument` of `total` elements that is not
+    /// `world_size` lists of `n` (the other list, named `per_rank`).
+    pub(super) fn check_shares(
         &self,
-        tensors: &[(*mut u8, u64)],
-        dtype: DataType,
-        op: ReduceOp,
-    ) -> Result<Work<'_>> {
-        check_op(op, dtype)?;
-        for (i, &(data, count)) in tensors.iter().enumerate() {
-            check_pointer(data, count, dtype).map_err(|e| in_list(i, e))?;
+        argument: &'static str,
+        total: u64,
+        n: u64,
+        per_rank: &'static str,
+    ) -> Result<()> {
+        let world = u64::from(self.world_size());
+        if n.checked_mul(world) != Some(total) {
+            return Err(Error::invalid(
+                argument,
+                format!(
+                    "holds {total} elements; {world} ranks x {n} {per_rank} elements need {}",
+                    n.saturating_mul(world)
+                ),
+            ));
         }
-        self.group(tensors.len(), |i| {
-            let (data, count) = tensors[i];
-            // SAFETY: forwarded from the caller, per tensor.
-            unsafe { self.all_reduce_raw(data, count, dtype, op, None) }
-        })
-    }
-
-    /// Starts `n` operations, the `i`th with `start(i)`, and returns one
-    /// [`Work`] covering them all. If one is refused (only a failed engine
-    /// refuses after validation), those started are waited for and the error
-    /// returned.
-    pub(super) fn group<'c>(
-        &'c self,
-        n: usize,
-        mut start: impl FnMut(usize) -> Result<Work<'c>>,
-    ) -> Result<Work<'c>> {
-        let mut range: Option<(u64, u64)> = None;
-        for i in 0..n {
-            match start(i) {
-                Ok(w) => {
-                    let seq = w.first;
-                    // Its entry is given back by the group's `Work`.
-                    std::mem::forget(w);
-                    range = Some(range.map_or((seq, seq), |(a, _)| (a, seq)));
-                }
-                Err(e) => {
-                    // Only a failed engine refuses here; the group started so
-                    // far is waited for and its entries given back.
-                    if let Some((first, last)) = range {
-                        drop(Work::new(&self.engine, first, last));
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        Ok(match range {
-            Some((first, last)) => Work::new(&self.engine, first, last),
-            None => Work::empty(&self.engine),
-        })
-    }
-
-    /// Starts a barrier: its [`Work`] finishes once every rank has entered it.
-    pub fn start_barrier(&self) -> Result<Work<'_>> {
-        let mut r = Request::all_reduce(std::ptr::null_mut(), 1, DataType::U8, ReduceOp::Sum, None);
-        r.collective = Collective::Barrier;
-        // SAFETY: the engine substitutes the communicator's own barrier byte.
-        unsafe { self.start(r) }
+        Ok(())
     }
 
     /// Turns `work`, started on this communicator, into an [`OwnedWork`] that

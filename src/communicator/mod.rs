@@ -1,16 +1,21 @@
 //! [`Communicator`]: the user-facing all-reduce.
 
 mod bootstrap;
+mod call;
 #[cfg(feature = "cuda")]
 mod device;
 mod fabric;
 mod fusion;
 mod host;
+mod prelude;
 mod scope;
 mod server;
+mod start;
 mod submit;
 mod work;
 
+pub use crate::engine::descriptor::Collective;
+pub use call::{Call, Memory, Options};
 pub use fabric::Traffic;
 pub use fusion::Fusion;
 pub use scope::Scope;
@@ -28,7 +33,7 @@ use fairring_core::topology::{Location, Topology};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
 use crate::config::{Algorithm, Config, FabricChoice};
-use crate::engine::descriptor::{Collective, Descriptor};
+use crate::engine::descriptor::Descriptor;
 use crate::engine::work::{Delivery, Submission, WORK_CAPACITY, slot_of};
 use crate::engine::{Engine, choice};
 use crate::error::{Error, Result};

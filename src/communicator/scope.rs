@@ -11,102 +11,65 @@ pub struct Scope<'scope, 'env: 'scope> {
 }
 
 impl<'scope> Scope<'scope, '_> {
-    /// Starts an all-reduce of `data` in place with the communicator's algorithm.
+    /// Starts an all-reduce of `data` in place with the communicator's options.
     pub fn all_reduce<T: Element>(
         &'scope self,
         data: &'scope mut [T],
         op: ReduceOp,
     ) -> Result<Work<'scope>> {
-        self.all_reduce_with(data, op, self.comm.algorithm)
+        self.all_reduce_with(data, op, Options::default())
     }
 
-    /// Starts an all-reduce of `data` in place with `algorithm`.
+    /// Starts an all-reduce of `data` in place with `options` (an
+    /// [`Algorithm`], or [`Options`] with a wire format too). Every rank must
+    /// ask alike.
     pub fn all_reduce_with<T: Element>(
         &'scope self,
         data: &'scope mut [T],
         op: ReduceOp,
-        algorithm: Algorithm,
+        options: impl Into<Options>,
     ) -> Result<Work<'scope>> {
-        let count = data.len() as u64;
+        let call = Call::all_reduce(data.as_mut_ptr().cast(), data.len() as u64, T::DTYPE, op);
         // SAFETY: `data` is borrowed mutably for 'scope, and the scope does not
         // end before the operation finishes (`finish` waits), even if the `Work`
         // is leaked; it is valid, aligned for `T` and of `count` elements.
-        unsafe {
-            self.comm.all_reduce_raw(
-                data.as_mut_ptr().cast(),
-                count,
-                T::DTYPE,
-                op,
-                Some(algorithm),
-            )
-        }
-    }
-
-    /// Starts a hierarchical all-reduce of `data` in place whose values cross
-    /// between machines in `wire` (see [`Config`]'s compressed wire for the
-    /// precision it keeps). A compressed wire carries `f32` only: for any
-    /// other type it is refused, naming `wire`. Every rank must ask for the
-    /// same wire; the descriptor check compares it.
-    pub fn all_reduce_on_wire<T: Element>(
-        &'scope self,
-        data: &'scope mut [T],
-        op: ReduceOp,
-        wire: WireFormat,
-    ) -> Result<Work<'scope>> {
-        check_pointer(data.as_mut_ptr().cast(), data.len() as u64, T::DTYPE)?;
-        let mut r = Request::all_reduce(
-            data.as_mut_ptr().cast(),
-            data.len() as u64,
-            T::DTYPE,
-            op,
-            Some(Algorithm::Hierarchical),
-        );
-        r.wire = Some(wire);
-        // SAFETY: as in `all_reduce_with`: `data` is borrowed mutably for
-        // 'scope, which does not end before the operation finishes.
-        unsafe { self.comm.start(r) }
+        unsafe { self.comm.start(&call.with(options)) }
     }
 
     /// Starts a broadcast of `data` from rank `root` (see
-    /// [`Communicator::broadcast`]) with the communicator's algorithm.
+    /// [`Communicator::broadcast`]) with the communicator's options.
     ///
     /// With [`Algorithm::Ring`] it is a pipelined chain from the root around the
     /// ring, each byte sent once per hop. With [`Algorithm::Hierarchical`] it
     /// runs as a byte-wise wrapping-sum all-reduce to which every rank but the
     /// root contributes zeros, at twice the bytes per rank. `auto` picks the
-    /// chain where the job has one rank per machine. Both are exact for every
-    /// type (NaN payloads and negative zeros included).
+    /// chain on two or three machines, and on more from 256 KiB (the rules of
+    /// `engine::choice`, in the README's `FAIRRING_ALGO` row). Both are exact
+    /// for every type (NaN payloads and negative zeros included).
     pub fn broadcast<T: Element>(
         &'scope self,
         data: &'scope mut [T],
         root: u32,
     ) -> Result<Work<'scope>> {
-        self.broadcast_with(data, root, self.comm.algorithm)
+        self.broadcast_with(data, root, Options::default())
     }
 
-    /// Starts a broadcast of `data` from rank `root` with `algorithm` (see
-    /// [`Scope::broadcast`]). Every rank must choose alike.
+    /// Starts a broadcast of `data` from rank `root` with `options` (see
+    /// [`Scope::broadcast`]). Every rank must ask alike.
     pub fn broadcast_with<T: Element>(
         &'scope self,
         data: &'scope mut [T],
         root: u32,
-        algorithm: Algorithm,
+        options: impl Into<Options>,
     ) -> Result<Work<'scope>> {
+        let call = Call::broadcast(data.as_mut_ptr().cast(), data.len() as u64, T::DTYPE, root);
         // SAFETY: `data` is borrowed mutably for 'scope, which outlasts the
         // operation (`finish` waits); it is valid and aligned for its length.
-        unsafe {
-            self.comm.broadcast_raw_with(
-                data.as_mut_ptr().cast(),
-                data.len() as u64,
-                T::DTYPE,
-                root,
-                Some(algorithm),
-            )
-        }
+        unsafe { self.comm.start(&call.with(options)) }
     }
 
     /// Starts an all-gather of every rank's `input` into `output` (see
-    /// [`Communicator::all_gather`]) with the communicator's algorithm.
+    /// [`Communicator::all_gather`]) with the communicator's options.
     ///
     /// With [`Algorithm::Ring`] each rank's input goes around the ring, sent
     /// once per hop. With [`Algorithm::Hierarchical`] it is a byte-wise sum over
@@ -119,40 +82,29 @@ impl<'scope> Scope<'scope, '_> {
         input: &[T],
         output: &'scope mut [T],
     ) -> Result<Work<'scope>> {
-        self.all_gather_with(input, output, self.comm.algorithm)
+        self.all_gather_with(input, output, Options::default())
     }
 
-    /// Starts an all-gather with `algorithm` (see [`Scope::all_gather`]).
-    /// Every rank must choose alike.
+    /// Starts an all-gather with `options` (see [`Scope::all_gather`]).
+    /// Every rank must ask alike.
     pub fn all_gather_with<T: Element>(
         &'scope self,
         input: &[T],
         output: &'scope mut [T],
-        algorithm: Algorithm,
+        options: impl Into<Options>,
     ) -> Result<Work<'scope>> {
-        let world = self.comm.world_size() as usize;
-        let n = input.len();
-        if n.checked_mul(world) != Some(output.len()) {
-            return Err(Error::invalid(
-                "output",
-                format!(
-                    "holds {} elements; {world} ranks x {n} input elements need {}",
-                    output.len(),
-                    n.saturating_mul(world)
-                ),
-            ));
-        }
+        let n = input.len() as u64;
+        self.comm
+            .check_shares("output", output.len() as u64, n, "input")?;
+        let call = Call::all_gather(
+            input.as_ptr().cast(),
+            output.as_mut_ptr().cast(),
+            n,
+            T::DTYPE,
+        );
         // SAFETY: `input` is read before this returns; `output` is borrowed
         // mutably for 'scope and spans `world * n` elements (checked above).
-        unsafe {
-            self.comm.all_gather_raw_with(
-                input.as_ptr().cast(),
-                output.as_mut_ptr().cast(),
-                n as u64,
-                T::DTYPE,
-                Some(algorithm),
-            )
-        }
+        unsafe { self.comm.start(&call.with(options)) }
     }
 
     /// Starts a reduce-scatter (see [`Communicator::reduce_scatter`]): `input`
@@ -173,63 +125,51 @@ impl<'scope> Scope<'scope, '_> {
         output: &'scope mut [T],
         op: ReduceOp,
     ) -> Result<Work<'scope>> {
-        self.reduce_scatter_with(input, output, op, self.comm.algorithm)
+        self.reduce_scatter_with(input, output, op, Options::default())
     }
 
-    /// Starts a reduce-scatter with `algorithm` (see [`Scope::reduce_scatter`]).
-    /// Every rank must choose alike.
+    /// Starts a reduce-scatter with `options` (see [`Scope::reduce_scatter`]).
+    /// Every rank must ask alike.
     pub fn reduce_scatter_with<T: Element>(
         &'scope self,
         input: &'scope mut [T],
         output: &'scope mut [T],
         op: ReduceOp,
-        algorithm: Algorithm,
+        options: impl Into<Options>,
     ) -> Result<Work<'scope>> {
-        let world = self.comm.world_size() as usize;
-        let n = output.len();
-        if n.checked_mul(world) != Some(input.len()) {
-            return Err(Error::invalid(
-                "input",
-                format!(
-                    "holds {} elements; {world} ranks x {n} output elements need {}",
-                    input.len(),
-                    n.saturating_mul(world)
-                ),
-            ));
-        }
+        let n = output.len() as u64;
+        self.comm
+            .check_shares("input", input.len() as u64, n, "output")?;
+        let (input, output) = (input.as_mut_ptr().cast(), output.as_mut_ptr().cast());
+        let call = Call::reduce_scatter(input, output, n, T::DTYPE, op);
         // SAFETY: both are borrowed mutably for 'scope (so they do not overlap)
         // and have the lengths checked above.
-        unsafe {
-            self.comm.reduce_scatter_raw_with(
-                input.as_mut_ptr().cast(),
-                output.as_mut_ptr().cast(),
-                n as u64,
-                T::DTYPE,
-                op,
-                Some(algorithm),
-            )
-        }
+        unsafe { self.comm.start(&call.with(options)) }
     }
 
     /// Starts a barrier: its [`Work`] finishes once every rank has entered it.
     pub fn barrier(&'scope self) -> Result<Work<'scope>> {
-        self.comm.start_barrier()
+        // SAFETY: a barrier touches no memory of the caller's.
+        unsafe { self.comm.start(&Call::barrier()) }
     }
 
-    /// Starts an all-reduce of every tensor in `tensors`, one operation each, all
-    /// in flight at once; the returned [`Work`] covers them all.
+    /// Starts a coalesced all-reduce: every tensor in `tensors`, one operation
+    /// each, all in flight at once; the returned [`Work`] covers them all.
+    /// Every tensor is checked before any starts. (The blocking
+    /// [`Communicator::all_reduce_fused`] packs tensors into fusion buffers
+    /// instead.)
     pub fn all_reduce_coalesced<T: Element>(
         &'scope self,
         tensors: impl IntoIterator<Item = &'scope mut [T]>,
         op: ReduceOp,
     ) -> Result<Work<'scope>> {
-        let raw: Vec<(*mut u8, u64)> = tensors
+        let calls: Vec<Call> = tensors
             .into_iter()
-            .map(|t| (t.as_mut_ptr().cast(), t.len() as u64))
+            .map(|t| Call::all_reduce(t.as_mut_ptr().cast(), t.len() as u64, T::DTYPE, op))
             .collect();
         // SAFETY: every tensor is borrowed mutably for 'scope (so none overlap),
         // valid and aligned for its length.
-        unsafe { self.comm.all_reduce_coalesced_raw(&raw, T::DTYPE, op) }
+        unsafe { self.comm.start_list(&calls, "tensors") }
     }
 
     pub(super) fn finish(&self) {

@@ -1,24 +1,20 @@
-//! Where every call ends: checked (with no side effect when refused),
-//! numbered, described and queued on the engine, as a [`Request`].
+//! Where every call ends: a checked [`Request`] numbered, described and
+//! queued on the engine.
 
+use super::prelude::Prelude;
 use super::*;
 
 impl Communicator {
-    /// Queues `r`.
+    /// Queues a checked request: applies its prelude once nothing can refuse
+    /// it any more, assigns its sequence number and hands it to the engine.
+    /// Only a failed engine (or one whose operation table stays full past the
+    /// timeout) refuses it here, with no side effect.
     ///
     /// # Safety
     ///
     /// `r`'s memory must stay valid and untouched by the caller until the
-    /// operation finishes.
-    pub(super) unsafe fn start(&self, r: Request) -> Result<Work<'_>> {
-        let seq = self.submit(r)?;
-        Ok(Work::new(&self.engine, seq, seq))
-    }
-
-    /// Validates a request (with no side effects when it is refused), assigns
-    /// its sequence number and queues it.
-    pub(super) fn submit(&self, r: Request) -> Result<u64> {
-        check_op(r.op, r.dtype)?;
+    /// operation finishes, and its prelude's ranges be the call's own.
+    pub(super) unsafe fn submit(&self, r: Request) -> Result<u64> {
         let bytes = r
             .elements
             .checked_mul(r.dtype.size_bytes())
@@ -32,23 +28,13 @@ impl Communicator {
         if let Some(e) = self.engine.failure() {
             return Err(Error::Failed { first: Box::new(e) });
         }
-        let chosen = choice::choose(
-            choice::Call {
-                collective: r.collective,
-                dtype: r.dtype,
-                bytes,
-                algorithm: r.algorithm,
-                wire: r.wire,
-            },
-            &self.job(),
-        )?;
         #[cfg(feature = "cuda")]
         let device = match r.device {
             Some(call) => Some((self.device_side(call.ordinal)?, call)),
             None => None,
         };
-        let (algorithm, wire) = (chosen.algorithm, chosen.wire);
-        let elements = if chosen.plans_shares() {
+        let (algorithm, wire) = (r.chosen.algorithm, r.chosen.wire);
+        let elements = if r.chosen.plans_shares() {
             r.caller_elements
         } else {
             r.elements
@@ -109,8 +95,8 @@ impl Communicator {
                 // Every check has passed: from here the call is not refused,
                 // so what it enqueues on the caller's stream is its own.
                 // SAFETY: the prelude's ranges are the call's own device
-                // memory (the device calls' contract, checked when it was made).
-                let prelude = unsafe { call.prelude.enqueue(side, &stream) };
+                // memory (this function's contract, checked when it was made).
+                let prelude = unsafe { r.prelude.enqueue(side, &stream) };
                 if let Err(e) = prelude.and_then(|()| side.record_start(seq, &stream)) {
                     self.engine.works.give_back(seq);
                     return Err(e);
@@ -127,10 +113,19 @@ impl Communicator {
                 let tensor = PlacedTensor::Device(DeviceTensor::new(data as u64, len, slot));
                 (tensor, deliver)
             }
-            None => (tensor, r.deliver),
+            None => {
+                // SAFETY: this function's contract: the prelude's ranges are
+                // the call's own host memory.
+                unsafe { r.prelude.apply_on_host() };
+                (tensor, r.deliver)
+            }
         };
         #[cfg(not(feature = "cuda"))]
-        let deliver = r.deliver;
+        let deliver = {
+            // SAFETY: as above.
+            unsafe { r.prelude.apply_on_host() };
+            r.deliver
+        };
         let sub = Submission {
             seq,
             tensor,
@@ -160,11 +155,13 @@ impl Communicator {
     }
 }
 
-/// A refusal of tensor `i` of a list, named as the `tensors` argument.
-pub(super) fn in_list(i: usize, e: Error) -> Error {
+/// A refusal of entry `i` of a list, named as the list's `argument`.
+pub(super) fn in_list(argument: &'static str, i: usize, e: Error) -> Error {
     match e {
         Error::InvalidArgument { reason, .. } => {
-            Error::invalid("tensors", format!("tensor {i}: {reason}"))
+            // "tensors" names tensor `i`, "calls" call `i`.
+            let entry = argument.strip_suffix('s').unwrap_or(argument);
+            Error::invalid(argument, format!("{entry} {i}: {reason}"))
         }
         other => other,
     }
@@ -209,35 +206,38 @@ pub(super) fn check_pointer(data: *mut u8, count: u64, dtype: DataType) -> Resul
 }
 
 /// An operation as the communicator queues it: what the engine runs (an
-/// all-reduce of `elements` of `dtype` at `data`) and what the caller called.
+/// all-reduce of `elements` of `dtype` at `data`), what the caller called,
+/// what [`choice::choose`] chose for it, and what it writes before it starts.
 pub(super) struct Request {
     pub(super) data: *mut u8,
     pub(super) elements: u64,
     pub(super) dtype: DataType,
     pub(super) op: ReduceOp,
-    pub(super) algorithm: Option<Algorithm>,
-    /// The wire asked for by the call; `None`: the communicator's.
-    pub(super) wire: Option<WireFormat>,
+    pub(super) chosen: choice::Choice,
     pub(super) collective: Collective,
     pub(super) caller_dtype: DataType,
     pub(super) caller_op: ReduceOp,
     pub(super) caller_elements: u64,
     pub(super) root: u32,
     pub(super) deliver: Option<Delivery<Placed>>,
+    pub(super) prelude: Prelude,
     /// `data` is a device address on this GPU, ordered on this stream.
     #[cfg(feature = "cuda")]
     pub(super) device: Option<DeviceCall>,
 }
 
-/// Where a device operation's tensor lives, which stream orders it, and what
-/// the operation enqueues there before its start once it is accepted.
+/// Where a device operation's tensor lives and which stream orders it.
 #[cfg(feature = "cuda")]
 #[derive(Clone, Copy)]
 pub(super) struct DeviceCall {
     pub(super) ordinal: u32,
     pub(super) stream: fairring_cuda::sys::CUstream,
-    pub(super) prelude: device::Prelude,
 }
+
+/// No device calls without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+#[derive(Clone, Copy)]
+pub(super) enum DeviceCall {}
 
 impl Request {
     pub(super) fn all_reduce(
@@ -245,24 +245,32 @@ impl Request {
         elements: u64,
         dtype: DataType,
         op: ReduceOp,
-        algorithm: Option<Algorithm>,
+        chosen: choice::Choice,
     ) -> Request {
         Request {
             data,
             elements,
             dtype,
             op,
-            algorithm,
-            wire: None,
+            chosen,
             collective: Collective::AllReduce,
             caller_dtype: dtype,
             caller_op: op,
             caller_elements: elements,
             root: 0,
             deliver: None,
+            prelude: Prelude::default(),
             #[cfg(feature = "cuda")]
             device: None,
         }
+    }
+
+    /// A barrier: a one-byte all-reduce of the communicator's barrier byte.
+    pub(super) fn barrier(chosen: choice::Choice) -> Request {
+        let mut r =
+            Request::all_reduce(std::ptr::null_mut(), 1, DataType::U8, ReduceOp::Sum, chosen);
+        r.collective = Collective::Barrier;
+        r
     }
 
     /// A broadcast from `root` of `count` elements of `dtype` (`bytes` bytes):
@@ -274,9 +282,9 @@ impl Request {
         dtype: DataType,
         count: u64,
         root: u32,
-        algorithm: Option<Algorithm>,
+        chosen: choice::Choice,
     ) -> Request {
-        let mut r = Request::all_reduce(data, bytes as u64, DataType::U8, ReduceOp::Sum, algorithm);
+        let mut r = Request::all_reduce(data, bytes as u64, DataType::U8, ReduceOp::Sum, chosen);
         r.collective = Collective::Broadcast;
         r.caller_dtype = dtype;
         r.caller_elements = count;
@@ -293,10 +301,9 @@ impl Request {
         bytes: usize,
         dtype: DataType,
         count: u64,
-        algorithm: Option<Algorithm>,
+        chosen: choice::Choice,
     ) -> Request {
-        let mut r =
-            Request::all_reduce(output, bytes as u64, DataType::U8, ReduceOp::Sum, algorithm);
+        let mut r = Request::all_reduce(output, bytes as u64, DataType::U8, ReduceOp::Sum, chosen);
         r.collective = Collective::AllGather;
         r.caller_dtype = dtype;
         r.caller_elements = count;
@@ -304,8 +311,7 @@ impl Request {
     }
 
     /// A reduce-scatter of `total` elements of `input`, `count` per rank, whose
-    /// bytes `share` of `input` are delivered to `to` (with `algorithm`; `None`:
-    /// the communicator's).
+    /// bytes `share` of `input` are delivered to `to`.
     #[expect(clippy::too_many_arguments, reason = "the parts of one call")]
     pub(super) fn reduce_scatter(
         input: *mut u8,
@@ -315,9 +321,9 @@ impl Request {
         count: u64,
         to: PlacedTensor,
         share: Range<usize>,
-        algorithm: Option<Algorithm>,
+        chosen: choice::Choice,
     ) -> Request {
-        let mut r = Request::all_reduce(input, total, dtype, op, algorithm);
+        let mut r = Request::all_reduce(input, total, dtype, op, chosen);
         r.collective = Collective::ReduceScatter;
         r.caller_elements = count;
         r.deliver = Some(Delivery { to, range: share });

@@ -63,7 +63,8 @@
 //!   cross between machines or go to dedicated servers; elsewhere the call
 //!   runs exact. Where a compressed wire applies and `auto` chose another
 //!   algorithm, `auto` keeps hierarchical. A call that asks for a compressed
-//!   wire for another type than `f32` is refused.
+//!   wire for another type than `f32`, or for a collective that moves bytes
+//!   without reducing them (broadcast, all-gather, barrier), is refused.
 //!
 //! # Measured crossovers
 //!
@@ -256,6 +257,23 @@ impl Choice {
 /// What `call` runs in `job` (see the module docs); an error where the call
 /// asks for what cannot run (a compressed wire for another type than `f32`).
 pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
+    let reduces = matches!(
+        call.collective,
+        Collective::AllReduce | Collective::ReduceScatter
+    );
+    if let Some(wire) = call.wire
+        && wire != WireFormat::Exact
+        && !reduces
+    {
+        return Err(Error::invalid(
+            "wire",
+            format!(
+                "a {} moves bytes exactly: the {wire} wire applies to all-reduces and \
+                 reduce-scatters of f32",
+                call.collective.name()
+            ),
+        ));
+    }
     if let Some(wire) = call.wire
         && !wire.carries(call.dtype)
     {
@@ -483,6 +501,33 @@ mod tests {
         let call = Call { wire: None, ..call };
         let chosen = choose(call, &job(2, 1, 0, WireFormat::Bf16)).unwrap();
         assert_eq!(chosen.wire, WireFormat::Exact);
+    }
+
+    #[test]
+    fn a_call_asking_a_compressed_wire_for_bytes_it_only_moves_is_refused() {
+        for collective in [
+            Collective::Broadcast,
+            Collective::AllGather,
+            Collective::Barrier,
+        ] {
+            let call = Call {
+                collective,
+                dtype: DataType::U8,
+                bytes: 4096,
+                algorithm: None,
+                wire: Some(WireFormat::F16),
+            };
+            let e = choose(call, &job(2, 1, 0, WireFormat::Exact))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("wire") && e.contains(collective.name()), "{e}");
+            // Exact is what they run: asking for it is no error.
+            let exact = Call {
+                wire: Some(WireFormat::Exact),
+                ..call
+            };
+            assert!(choose(exact, &job(2, 1, 0, WireFormat::Exact)).is_ok());
+        }
     }
 
     #[test]

@@ -35,14 +35,20 @@ use super::algorithm::Resolved;
 pub(crate) use crate::local::Words;
 use crate::memory::MemoryKind;
 
-/// What a collective call was, as descriptors name it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which collective a call is (a [`Call`](crate::Call) says which, and
+/// descriptors carry it, as its number, to compare across ranks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
-pub(crate) enum Collective {
+pub enum Collective {
+    /// Every rank's tensor reduced into every rank's.
     AllReduce = 1,
+    /// The root's tensor copied into every rank's.
     Broadcast = 2,
+    /// Every rank's input, in rank order, into every rank's output.
     AllGather = 3,
+    /// Every rank's input reduced; each rank's share into its output.
     ReduceScatter = 4,
+    /// Every rank waits for every rank.
     Barrier = 5,
 }
 
@@ -58,7 +64,8 @@ impl Collective {
         })
     }
 
-    fn name(self) -> &'static str {
+    /// The collective's name, as the bench and errors print it.
+    pub fn name(self) -> &'static str {
         match self {
             Collective::AllReduce => "all_reduce",
             Collective::Broadcast => "broadcast",

@@ -110,6 +110,41 @@ int main(void) {
     s = finish(s, work);
     CHECK(s == FR_OK, "barrier: %s", fr_last_error());
 
+    /* Any call, described: a group of three under one work, with options. */
+    int32_t summed[4] = {1, 2, 3, 4};
+    uint64_t from_root[2] = {rank, rank};
+    fr_call calls[3];
+    memset(calls, 0, sizeof calls);
+    calls[0].collective = FR_COLLECTIVE_ALL_REDUCE;
+    calls[0].input = summed;
+    calls[0].output = summed;
+    calls[0].count = 4;
+    calls[0].dtype = FR_DTYPE_I32;
+    calls[0].op = FR_OP_SUM;
+    calls[0].algorithm = FR_ALGO_RING;
+    calls[1].collective = FR_COLLECTIVE_BROADCAST;
+    calls[1].input = from_root;
+    calls[1].output = from_root;
+    calls[1].count = 2;
+    calls[1].dtype = FR_DTYPE_I64;
+    calls[1].root = world - 1;
+    calls[2].collective = FR_COLLECTIVE_BARRIER;
+    s = fr_start(comm, calls, 3, &work);
+    s = finish(s, work);
+    CHECK(s == FR_OK && summed[3] == 4 * (int32_t)world && from_root[1] == world - 1,
+          "fr_start group: %s", fr_last_error());
+    /* A bad field is named; in a group, with the call's index. */
+    fr_call bad = calls[0];
+    bad.collective = 99;
+    s = fr_start(comm, &bad, 1, &work);
+    CHECK(s == FR_INVALID_ARGUMENT && strstr(fr_last_error(), "collective"),
+          "bad collective: %d %s", s, fr_last_error());
+    calls[2] = bad;
+    s = fr_start(comm, calls, 3, &work);
+    CHECK(s == FR_INVALID_ARGUMENT && strstr(fr_last_error(), "call 2"),
+          "bad call in a group: %d %s", s, fr_last_error());
+    CHECK(summed[0] == (int32_t)world, "a refused group touched its memory");
+
     /* Refusals name what was wrong and start nothing. */
     s = fr_all_reduce(comm, data, N, 42, FR_OP_SUM, &work);
     CHECK(s == FR_INVALID_ARGUMENT && strstr(fr_last_error(), "dtype"),

@@ -1,0 +1,185 @@
+//! [`Call`]: one description of any collective call, which
+//! [`Communicator::start`] starts. Every other entry (the blocking forms,
+//! [`Scope`]'s borrowing forms, the C ABI) fills one in and starts it.
+
+use super::*;
+
+/// What a call may ask for beyond its collective: every collective takes the
+/// same options. `None` is the communicator's (its [`Config`]). Every rank
+/// must ask alike (the descriptor check compares what runs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Options {
+    /// The algorithm to run (`auto` included); see [`Algorithm`].
+    pub algorithm: Option<Algorithm>,
+    /// The format values cross between machines in. A compressed wire
+    /// carries `f32` only: asked for any other type, the call is refused,
+    /// naming `wire`. Where it applies and would not otherwise run, `auto`
+    /// keeps the hierarchical algorithm (the rules of `engine::choice`).
+    pub wire: Option<WireFormat>,
+}
+
+impl From<Algorithm> for Options {
+    fn from(algorithm: Algorithm) -> Options {
+        Options {
+            algorithm: Some(algorithm),
+            wire: None,
+        }
+    }
+}
+
+/// Where a call's memory lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Memory {
+    /// Host memory of this process.
+    Host,
+    /// Device memory of one GPU, ordered on `stream` (a stream of that GPU's
+    /// primary context; null: the legacy default stream): the call starts
+    /// after everything already enqueued there, and never makes the host wait
+    /// for the GPU (see [`Work::enqueue_wait`]).
+    #[cfg(feature = "cuda")]
+    Device {
+        /// The stream the call is ordered on.
+        stream: crate::cuda::sys::CUstream,
+    },
+}
+
+/// One collective call, described: which collective, on which memory, of how
+/// many elements of which type, with which operator, root and [`Options`].
+/// Built by the constructor of its collective; started by
+/// [`Communicator::start`] (one call) or [`Communicator::start_group`]
+/// (several, one [`Work`]).
+///
+/// `count` is what one rank contributes: the whole tensor of an all-reduce or
+/// a broadcast, the input of an all-gather, the output of a reduce-scatter
+/// (whose input holds `world_size * count`).
+///
+/// ```no_run
+/// use fairring::{Algorithm, Call, Communicator, DataType, ReduceOp};
+///
+/// let comm = Communicator::from_env()?;
+/// let mut grads = vec![0.5f32; 1 << 20];
+/// let n = grads.len() as u64;
+/// let call = Call::all_reduce(grads.as_mut_ptr().cast(), n, DataType::F32, ReduceOp::Sum)
+///     .with(Algorithm::Ring);
+/// // SAFETY: `grads` is neither touched nor freed until the work finishes.
+/// let work = unsafe { comm.start(&call) }?;
+/// work.wait()?;
+/// # Ok::<(), fairring::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct Call {
+    /// Which collective.
+    pub collective: Collective,
+    /// What the call reads: the tensor of an in-place call (all-reduce,
+    /// broadcast), else the input.
+    pub input: *const u8,
+    /// What the call writes: the tensor of an in-place call, else the output.
+    pub output: *mut u8,
+    /// Elements per rank (see above).
+    pub count: u64,
+    /// The element type.
+    pub dtype: DataType,
+    /// The operator of an all-reduce or a reduce-scatter.
+    pub op: ReduceOp,
+    /// The rank a broadcast comes from.
+    pub root: u32,
+    /// Where `input` and `output` live.
+    pub memory: Memory,
+    /// The options.
+    pub options: Options,
+}
+
+impl Call {
+    /// An all-reduce with `op` of `count` elements of `dtype` at `data`, in
+    /// place.
+    pub fn all_reduce(data: *mut u8, count: u64, dtype: DataType, op: ReduceOp) -> Call {
+        Call::in_place(Collective::AllReduce, data, count, dtype, op)
+    }
+
+    /// A broadcast of `count` elements of `dtype` at `data` from rank `root`,
+    /// bit-exact for every type.
+    pub fn broadcast(data: *mut u8, count: u64, dtype: DataType, root: u32) -> Call {
+        Call {
+            root,
+            ..Call::in_place(Collective::Broadcast, data, count, dtype, ReduceOp::Sum)
+        }
+    }
+
+    /// An all-gather of every rank's `count` elements of `dtype` at `input`
+    /// into `output`, which holds `world_size * count`, rank `r`'s at
+    /// `r * count`. `input` may lie at this rank's place in `output` (an
+    /// in-place all-gather), and nowhere else in it.
+    pub fn all_gather(input: *const u8, output: *mut u8, count: u64, dtype: DataType) -> Call {
+        Call {
+            input,
+            ..Call::in_place(Collective::AllGather, output, count, dtype, ReduceOp::Sum)
+        }
+    }
+
+    /// A reduce-scatter with `op`: `input`, `world_size * count` elements of
+    /// `dtype`, is reduced across ranks, and this rank's `count` elements of
+    /// the result are written to `output`, which must not overlap it. `input`
+    /// is workspace: afterwards its share of this rank holds the result too,
+    /// and the rest is unspecified.
+    pub fn reduce_scatter(
+        input: *mut u8,
+        output: *mut u8,
+        count: u64,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Call {
+        Call {
+            input,
+            ..Call::in_place(Collective::ReduceScatter, output, count, dtype, op)
+        }
+    }
+
+    /// A barrier: it finishes once every rank has entered it.
+    pub fn barrier() -> Call {
+        Call::in_place(
+            Collective::Barrier,
+            std::ptr::null_mut(),
+            0,
+            DataType::U8,
+            ReduceOp::Sum,
+        )
+    }
+
+    /// This call with `options` (an [`Algorithm`] converts into them).
+    pub fn with(self, options: impl Into<Options>) -> Call {
+        Call {
+            options: options.into(),
+            ..self
+        }
+    }
+
+    /// This call on device memory, ordered on `stream` (see
+    /// [`Memory::Device`]).
+    #[cfg(feature = "cuda")]
+    pub fn on_stream(self, stream: crate::cuda::sys::CUstream) -> Call {
+        Call {
+            memory: Memory::Device { stream },
+            ..self
+        }
+    }
+
+    fn in_place(
+        collective: Collective,
+        data: *mut u8,
+        count: u64,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Call {
+        Call {
+            collective,
+            input: data,
+            output: data,
+            count,
+            dtype,
+            op,
+            root: 0,
+            memory: Memory::Host,
+            options: Options::default(),
+        }
+    }
+}

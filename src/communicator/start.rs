@@ -1,0 +1,219 @@
+//! [`Communicator::start`]: a described [`Call`] checked, turned into the
+//! all-reduce the engine runs (a [`Request`]) with what it enqueues before it
+//! starts (a [`Prelude`]), and queued.
+
+use super::prelude::Fill;
+use super::*;
+
+impl Communicator {
+    /// Starts `call` and returns its [`Work`]. A refused call (a bad
+    /// argument, named; a failed engine) has no effect: its memory is
+    /// untouched, nothing is enqueued on its stream, and no operation is
+    /// numbered, so the ranks still agree.
+    ///
+    /// # Safety
+    ///
+    /// `call.output` must be valid for reads and writes of its elements
+    /// (`count`, or `world_size * count` for an all-gather), aligned for
+    /// `dtype`, and nothing else may access it until the [`Work`] reports
+    /// completion (or is dropped, which waits). `call.input`, where it is
+    /// not the output, as much for a reduce-scatter (`world_size * count`
+    /// elements, apart from the output), and valid for reads of `count`
+    /// elements until this returns for an all-gather. On device memory the
+    /// same holds for every stream of the GPU, and `stream` must stay alive
+    /// until the work reports completion (work ordered after
+    /// [`Work::enqueue_wait`] may use the memory after it).
+    pub unsafe fn start(&self, call: &Call) -> Result<Work<'_>> {
+        let r = self.request(call)?;
+        // SAFETY: the caller's contract, as documented.
+        let seq = unsafe { self.submit(r) }?;
+        Ok(Work::new(&self.engine, seq, seq))
+    }
+
+    /// Starts every call of `calls`, in order and all in flight at once, and
+    /// returns one [`Work`] covering them all (a coalesced group). Every call
+    /// is checked before any starts; a refusal names the `calls` argument
+    /// and the call's index.
+    ///
+    /// # Safety
+    ///
+    /// As [`Communicator::start`], for every call; no two calls' memory may
+    /// overlap.
+    pub unsafe fn start_group(&self, calls: &[Call]) -> Result<Work<'_>> {
+        // SAFETY: forwarded.
+        unsafe { self.start_list(calls, "calls") }
+    }
+
+    /// [`Communicator::start_group`], naming `argument` in a refusal.
+    ///
+    /// # Safety
+    ///
+    /// As [`Communicator::start_group`].
+    pub(super) unsafe fn start_list(
+        &self,
+        calls: &[Call],
+        argument: &'static str,
+    ) -> Result<Work<'_>> {
+        let requests = calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| self.request(c).map_err(|e| in_list(argument, i, e)))
+            .collect::<Result<Vec<Request>>>()?;
+        let mut range: Option<(u64, u64)> = None;
+        for r in requests {
+            // SAFETY: forwarded from the caller, per call.
+            match unsafe { self.submit(r) } {
+                Ok(seq) => range = Some(range.map_or((seq, seq), |(a, _)| (a, seq))),
+                Err(e) => {
+                    // Only a failed engine refuses here; the group started
+                    // so far is waited for and its entries given back.
+                    if let Some((first, last)) = range {
+                        drop(Work::new(&self.engine, first, last));
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(match range {
+            Some((first, last)) => Work::new(&self.engine, first, last),
+            None => Work::empty(&self.engine),
+        })
+    }
+
+    /// Checks `call` (with no side effect when it is refused, but readying
+    /// the device side of its GPU) and describes the all-reduce it runs as.
+    fn request(&self, call: &Call) -> Result<Request> {
+        let Call {
+            collective,
+            count,
+            dtype,
+            op,
+            root,
+            ..
+        } = *call;
+        if matches!(
+            collective,
+            Collective::AllReduce | Collective::ReduceScatter
+        ) {
+            check_op(op, dtype)?;
+        }
+        if collective == Collective::Broadcast {
+            self.check_root(root)?;
+        }
+        let per_rank = matches!(
+            collective,
+            Collective::AllGather | Collective::ReduceScatter
+        );
+        let total = if per_rank {
+            self.times_world(count)?
+        } else {
+            count
+        };
+        let n = byte_len(count, dtype)?;
+        let bytes = byte_len(total, dtype)?;
+        let (input, output) = (call.input.cast_mut(), call.output);
+        let place = self.check_memory(call, total)?;
+        // What the engine runs: a byte-wise all-reduce for the collectives
+        // that spread bytes, one byte for a barrier.
+        let runs_as = match collective {
+            Collective::Broadcast | Collective::AllGather => (DataType::U8, bytes),
+            Collective::Barrier => (DataType::U8, 1),
+            Collective::AllReduce | Collective::ReduceScatter => (dtype, bytes),
+        };
+        let chosen = choice::choose(
+            choice::Call {
+                collective,
+                dtype: runs_as.0,
+                bytes: runs_as.1 as u64,
+                algorithm: call.options.algorithm,
+                wire: call.options.wire,
+            },
+            &self.job(),
+        )?;
+        let mut r = match collective {
+            Collective::AllReduce => Request::all_reduce(output, count, dtype, op, chosen),
+            Collective::Broadcast => Request::broadcast(output, bytes, dtype, count, root, chosen),
+            Collective::AllGather => Request::all_gather(output, bytes, dtype, count, chosen),
+            Collective::ReduceScatter => {
+                let to = match place {
+                    #[cfg(feature = "cuda")]
+                    // The operation's entry is filled in when it is queued.
+                    Some(_) => PlacedTensor::Device(DeviceTensor::new(output as u64, n, 0)),
+                    _ => PlacedTensor::Host(HostTensor::new(output, n)),
+                };
+                let share = self.share(n);
+                Request::reduce_scatter(input, total, dtype, op, count, to, share, chosen)
+            }
+            Collective::Barrier => Request::barrier(chosen),
+        };
+        // The all-reduce a broadcast or an all-gather otherwise runs as sums
+        // the other ranks' zeros into each rank's bytes, as does a relay over
+        // the machines inside each; the relay over the ranks overwrites them.
+        // Device calls zero in any case: on the caller's stream, the zeros
+        // cost the host nothing.
+        let zeros = r.chosen.zero_fill || place.is_some();
+        let address = |p: *const u8| p as usize as u64;
+        match collective {
+            Collective::Broadcast if root != self.rank() && zeros => {
+                r.prelude.push(Fill::Zero {
+                    at: address(output),
+                    bytes,
+                });
+            }
+            Collective::AllGather => {
+                let at = self.rank() as usize * n;
+                let place = address(output) + at as u64;
+                if address(input) != place {
+                    r.prelude.push(Fill::Copy {
+                        to: place,
+                        from: address(input),
+                        bytes: n,
+                    });
+                }
+                if zeros {
+                    r.prelude.push(Fill::Zero {
+                        at: address(output),
+                        bytes: at,
+                    });
+                    r.prelude.push(Fill::Zero {
+                        at: place + n as u64,
+                        bytes: bytes - at - n,
+                    });
+                }
+            }
+            _ => {}
+        }
+        #[cfg(feature = "cuda")]
+        {
+            r.device = place;
+        }
+        Ok(r)
+    }
+
+    /// Checks the memory of `call` (whose total is `total` elements): host
+    /// pointers not null and aligned; device pointers on one GPU, whose
+    /// device side it readies, and not overlapping where the call forbids.
+    /// Returns where a device call runs; `None`: on the host (a device call
+    /// of no elements runs there too, having nothing to order).
+    fn check_memory(&self, call: &Call, total: u64) -> Result<Option<DeviceCall>> {
+        let (input_len, output_len) = match call.collective {
+            Collective::AllGather => (call.count, total),
+            Collective::ReduceScatter => (total, call.count),
+            Collective::Barrier => return Ok(None),
+            _ => (call.count, call.count),
+        };
+        match call.memory {
+            Memory::Host => {
+                check_pointer(call.input.cast_mut(), input_len, call.dtype)?;
+                check_pointer(call.output, output_len, call.dtype)?;
+                Ok(None)
+            }
+            #[cfg(feature = "cuda")]
+            Memory::Device { .. } if total == 0 => Ok(None),
+            #[cfg(feature = "cuda")]
+            Memory::Device { stream } => self
+                .check_device_memory(call, stream, input_len, output_len)
+                .map(Some),
+        }
+    }
+}
