@@ -20,8 +20,8 @@ fn a_group_of_every_collective_with_its_own_options_is_exact() {
                 let r = i32::try_from(rank).unwrap();
                 let mut summed: Vec<i32> = (0..1000).map(|i| i * (r + 1)).collect();
                 let mut broadcast: Vec<f64> = vec![f64::from(r) - 0.5; 333];
-                let input: Vec<u8> = (0..77)
-                    .map(|i| (i as u8).wrapping_add(rank as u8))
+                let input: Vec<u8> = (0..77u8)
+                    .map(|i| i.wrapping_add(u8::try_from(rank).unwrap()))
                     .collect();
                 let mut gathered = vec![0u8; 77 * world];
                 let mut scattered_in: Vec<f32> = (0..64 * world).map(|i| i as f32 + 1.0).collect();
@@ -66,7 +66,8 @@ fn a_group_of_every_collective_with_its_own_options_is_exact() {
             assert_eq!(summed, want, "{at}: all-reduce");
             assert!(broadcast.iter().all(|&x| x == 0.5), "{at}: broadcast");
             for (r, part) in gathered.chunks(77).enumerate() {
-                let want: Vec<u8> = (0..77).map(|i| (i as u8).wrapping_add(r as u8)).collect();
+                let r = u8::try_from(r).unwrap();
+                let want: Vec<u8> = (0..77u8).map(|i| i.wrapping_add(r)).collect();
                 assert_eq!(part, want, "{at}: all-gather, rank {r}'s part");
             }
             let base = rank as usize * 64;

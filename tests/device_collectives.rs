@@ -555,7 +555,7 @@ fn kill_rank_2_of(
     {
         assert!(line.contains(then_says), "rank {rank}: {line}");
     }
-    job.finish(&[2], Duration::from_secs(60));
+    job.finish(Duration::from_secs(60));
 }
 
 /// Kills rank 2 of a 3x1 job in the middle of its device all-reduces: each
@@ -706,7 +706,7 @@ fn enqueue_wait_after_a_host_barrier_returns() {
     let test = "enqueue_wait_after_a_host_barrier_returns";
     let Some(comm) = rank_of_job(test) else {
         let job = ProcessJob::start(test, 2, 1, &[]);
-        job.finish(&[0, 1], JOB_LIMIT);
+        job.finish(JOB_LIMIT);
         return;
     };
     let device = device();
@@ -749,7 +749,7 @@ fn a_stream_waiting_on_a_dropped_communicator_goes_on() {
     let test = "a_stream_waiting_on_a_dropped_communicator_goes_on";
     let Some(comm) = rank_of_job(test) else {
         let job = ProcessJob::start(test, 1, 1, &[]);
-        job.finish(&[0], JOB_LIMIT);
+        job.finish(JOB_LIMIT);
         return;
     };
     let device = device();
@@ -796,7 +796,7 @@ fn a_refused_device_call_leaves_its_output_unchanged() {
     let test = "a_refused_device_call_leaves_its_output_unchanged";
     let Some(comm) = rank_of_job(test) else {
         let job = ProcessJob::start(test, 2, 1, &[]);
-        job.finish(&[0, 1], JOB_LIMIT);
+        job.finish(JOB_LIMIT);
         return;
     };
     let device = device();

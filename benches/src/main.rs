@@ -71,8 +71,8 @@ mod sweep;
 mod values;
 
 use std::io::Write;
-use std::process::{Child, Command, ExitCode};
-use std::time::{Duration, Instant};
+use std::process::ExitCode;
+use std::time::Instant;
 
 use fairring::core::reduce::Element;
 use fairring::{Algorithm, Communicator, Config, DataType, ReduceOp, WireFormat};

@@ -1,10 +1,10 @@
 //! C programs built against `include/fairring.h`, linked with the `cdylib` and
 //! with the `staticlib`, each run as a 1x2 job.
 
-use std::net::TcpListener;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The folder this crate's `cdylib` and `staticlib` are built into.
 ///
@@ -79,56 +79,39 @@ fn compile(linkage: &str, out: &Path) {
 }
 
 fn run_job(program: &Path) {
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
-    let mut children: Vec<_> = (0..2)
-        .map(|rank| {
-            Command::new(program)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("FAIRRING_TIMEOUT", "20s")
+    let job = fairring_local_job::LocalJob::new("c-program", 1, 2).expect("a local job");
+    let mut ranks = job
+        .spawn(|rank| {
+            let mut c = job.command(program, rank);
+            c.env("FAIRRING_TIMEOUT", "20s")
                 .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("starting the C program")
+                .stderr(Stdio::piped());
+            c
         })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(60);
+        .expect("starting the C program");
+    let ended = ranks.wait(Some(Duration::from_secs(60)));
     let mut outputs = Vec::new();
-    for child in &mut children {
-        loop {
-            if child.try_wait().expect("polling the C program").is_some() {
-                break;
+    for rank in 0..2 {
+        let child = ranks.child_mut(rank).expect("a rank not killed");
+        let text = |pipe: Option<&mut dyn Read>| {
+            let mut t = String::new();
+            if let Some(p) = pipe {
+                let _ = p.read_to_string(&mut t);
             }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            t
+        };
+        let stdout = text(child.stdout.as_mut().map(|p| p as &mut dyn Read));
+        let stderr = text(child.stderr.as_mut().map(|p| p as &mut dyn Read));
+        outputs.push((stdout, stderr));
     }
-    for child in children {
-        let out = child.wait_with_output().expect("the C program's output");
-        outputs.push(out);
-    }
-    for (rank, out) in outputs.iter().enumerate() {
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
+    for (rank, (stdout, stderr)) in outputs.iter().enumerate() {
         assert!(
-            out.status.success() && stdout.contains(&format!("rank {rank}: ok")),
-            "rank {rank} of {}: {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+            ended.is_ok() && stdout.contains(&format!("rank {rank}: ok")),
+            "rank {rank} of {}: {ended:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
             program.display(),
-            out.status
         );
     }
 }
-
 #[test]
 fn a_c_program_linked_with_the_shared_library_runs_a_job() {
     let out = library_dir().join("fairring-c-test-dynamic");

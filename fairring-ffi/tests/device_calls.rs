@@ -12,8 +12,7 @@
 )]
 
 use std::ffi::{CStr, c_void};
-use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fairring::cuda::{Device, DeviceBuffer, Stream};
 use fairring_ffi::{
@@ -171,59 +170,23 @@ fn rank_body() {
     unsafe { fr_comm_destroy(comm) };
 }
 
-/// Runs `test` as a job of two ranks, as two machines (`machines`: each its
-/// own host identity) or two ranks of one machine, sharing GPU 0.
+/// Runs `test` as a job of two ranks, as two machines (`machines`) or two
+/// ranks of one machine, sharing GPU 0.
 fn two_ranks(test: &str, machines: bool) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap();
     let exe = std::env::current_exe().unwrap();
-    let mut children: Vec<_> = (0..2)
-        .map(|rank| {
-            let host = if machines {
-                format!("ffi-device-machine-{rank}")
-            } else {
-                "ffi-device-machine".to_owned()
-            };
-            Command::new(&exe)
-                .args([test, "--exact", "--include-ignored", "--nocapture"])
+    let (m, d) = if machines { (2, 1) } else { (1, 2) };
+    let job = fairring_local_job::LocalJob::new("ffi-device", m, d).unwrap();
+    let mut ranks = job
+        .spawn(|rank| {
+            let mut c = job.command(&exe, rank);
+            c.args([test, "--exact", "--include-ignored", "--nocapture"])
                 .env(RANK_OF, "1")
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env(
-                    "LOCAL_RANK",
-                    if machines {
-                        "0".to_owned()
-                    } else {
-                        rank.to_string()
-                    },
-                )
-                .env("LOCAL_WORLD_SIZE", if machines { "1" } else { "2" })
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("FAIRRING_HOST_ID", host)
-                .env("FAIRRING_TIMEOUT", "60")
-                .spawn()
-                .unwrap()
+                .env("FAIRRING_TIMEOUT", "60");
+            c
         })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(180);
-    for (rank, c) in children.iter_mut().enumerate() {
-        loop {
-            if let Some(status) = c.try_wait().unwrap() {
-                assert!(
-                    status.success(),
-                    "rank {rank} failed ({status}); its panic is above"
-                );
-                break;
-            }
-            if Instant::now() > deadline {
-                let _ = c.kill();
-                panic!("rank {rank} still ran after 180 s");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        .unwrap();
+    if let Err(e) = ranks.wait(Some(Duration::from_secs(180))) {
+        panic!("{test}: {e}; each rank's panic is above");
     }
 }
 

@@ -6,41 +6,14 @@
 pub mod allocations;
 pub mod processes;
 
-use std::net::TcpListener;
 use std::time::Duration;
 
 use fairring::{Algorithm, Communicator, Config, ConfigBuilder, Server};
 
-/// A port that was free a moment ago, for a job's rendezvous store.
-///
-/// Chosen at random below the kernel's ephemeral range: a port the kernel handed
-/// out (`bind` to port 0) and released can be handed out again at once as the
-/// local port of some other test's outgoing connection, and the store's `bind`
-/// then fails with "address already in use". Ports below the range are never
-/// handed out that way. Falls back to the kernel's choice if none is free.
+/// A port that was free a moment ago, for a job's rendezvous store (see
+/// [`fairring_local_job::free_port`]).
 pub fn free_port() -> u16 {
-    use std::hash::{BuildHasher, Hasher};
-    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|t| {
-            t.split_whitespace()
-                .next()
-                .and_then(|p| p.parse::<u16>().ok())
-        })
-        .unwrap_or(32768);
-    let (low, high) = (10_000u16, ephemeral_low.max(10_001));
-    for _ in 0..64 {
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u32(std::process::id());
-        let port = low + u16::try_from(h.finish() % u64::from(high - low)).unwrap_or(0);
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    fairring_local_job::free_port().expect("a free port")
 }
 
 /// Runs `body(rank, &comm)` on every rank of an `m x d` job, with `tune` applied

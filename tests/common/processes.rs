@@ -13,11 +13,12 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
 
 use fairring::Communicator;
+use fairring_local_job::{LocalJob, Ranks};
 
 /// Set in a rank's environment: the test to run as a rank.
 const RANK_OF: &str = "FAIRRING_TEST_RANK_OF";
@@ -43,7 +44,7 @@ pub fn say(line: &str) {
 /// Running ranks, killed when dropped.
 pub struct ProcessJob {
     test: String,
-    children: Vec<Child>,
+    ranks: Ranks,
     /// Each rank's lines as they come, then `None` when its stdout closes.
     lines: Receiver<(u32, Option<String>)>,
     /// Lines read so far, per rank.
@@ -62,47 +63,40 @@ impl ProcessJob {
              and to ProcessJob::start must be its function's name"
         );
         let exe = std::env::current_exe().expect("this test binary");
-        let port = super::free_port();
-        let world = m * d;
-        let (tx, lines) = channel();
-        let children = (0..world)
-            .map(|rank| {
-                let mut c = Command::new(&exe);
+        let job = LocalJob::new(test, m, d).expect("a local job");
+        let run_id = format!("{test}-{}", job.port());
+        let mut ranks = job
+            .spawn(|rank| {
+                let mut c = job.command(&exe, rank);
                 c.args([test, "--exact", "--include-ignored", "--nocapture"])
                     .args(["--test-threads", "1"])
                     .env(RANK_OF, test)
-                    .env("RANK", rank.to_string())
-                    .env("WORLD_SIZE", world.to_string())
-                    .env("LOCAL_RANK", (rank % d).to_string())
-                    .env("LOCAL_WORLD_SIZE", d.to_string())
-                    .env("MASTER_ADDR", "127.0.0.1")
-                    .env("MASTER_PORT", port.to_string())
-                    .env("TORCHELASTIC_RUN_ID", format!("{test}-{port}"))
-                    .env("FAIRRING_HOST_ID", format!("{test}-machine-{}", rank / d))
+                    .env("TORCHELASTIC_RUN_ID", &run_id)
                     .stdout(Stdio::piped())
                     .stderr(Stdio::inherit());
                 for (k, v) in env {
                     c.env(k, v);
                 }
-                let mut child = c
-                    .spawn()
-                    .unwrap_or_else(|e| panic!("starting rank {rank}: {e}"));
-                let out = child.stdout.take().expect("piped stdout");
-                let tx = tx.clone();
-                std::thread::spawn(move || {
-                    for line in BufReader::new(out).lines().map_while(Result::ok) {
-                        if tx.send((rank, Some(line))).is_err() {
-                            return;
-                        }
-                    }
-                    let _ = tx.send((rank, None));
-                });
-                child
+                c
             })
-            .collect();
+            .unwrap_or_else(|e| panic!("{e}"));
+        let (tx, lines) = channel();
+        for rank in 0..m * d {
+            let child = ranks.child_mut(rank).expect("a started rank");
+            let out = child.stdout.take().expect("piped stdout");
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(out).lines().map_while(Result::ok) {
+                    if tx.send((rank, Some(line))).is_err() {
+                        return;
+                    }
+                }
+                let _ = tx.send((rank, None));
+            });
+        }
         ProcessJob {
             test: test.to_owned(),
-            children,
+            ranks,
             lines,
             seen: HashMap::new(),
             ended: Vec::new(),
@@ -152,61 +146,22 @@ impl ProcessJob {
 
     /// Kills rank `rank` at once (SIGKILL).
     pub fn kill(&mut self, rank: u32) {
-        let child = &mut self.children[rank as usize];
-        child
-            .kill()
+        self.ranks
+            .kill(rank)
             .unwrap_or_else(|e| panic!("killing rank {rank}: {e}"));
-        let _ = child.wait();
     }
 
-    /// Waits for every rank but those in `killed` to exit, and panics naming
-    /// each that failed or that is still running after `within`.
-    pub fn finish(mut self, killed: &[u32], within: Duration) {
-        let deadline = Instant::now() + within;
-        let mut failures = Vec::new();
-        for (rank, child) in (0u32..).zip(self.children.iter_mut()) {
-            if killed.contains(&rank) {
-                continue;
-            }
-            loop {
-                match child.try_wait() {
-                    Ok(Some(status)) if status.success() => break,
-                    Ok(Some(status)) => {
-                        failures.push(format!("rank {rank} failed ({status})"));
-                        break;
-                    }
-                    Ok(None) if Instant::now() > deadline => {
-                        let _ = child.kill();
-                        failures.push(format!("rank {rank} still ran after {within:?}"));
-                        break;
-                    }
-                    Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-                    Err(e) => {
-                        failures.push(format!("rank {rank}: {e}"));
-                        break;
-                    }
-                }
-            }
+    /// Waits for every rank not killed to exit, and panics naming each that
+    /// failed or that is still running after `within` (the first failure
+    /// ends the others).
+    pub fn finish(mut self, within: Duration) {
+        if let Err(e) = self.ranks.wait(Some(within)) {
+            panic!("{}: {e} (each rank's panic is above)", self.test);
         }
-        assert!(
-            failures.is_empty(),
-            "{}: {} (each rank's panic is above)",
-            self.test,
-            failures.join("; ")
-        );
     }
 
     /// Starts `test` as an `m x d` job and waits for every rank to succeed.
     pub fn run(test: &str, m: u32, d: u32, env: &[(&str, String)], within: Duration) {
-        ProcessJob::start(test, m, d, env).finish(&[], within);
-    }
-}
-
-impl Drop for ProcessJob {
-    fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        ProcessJob::start(test, m, d, env).finish(within);
     }
 }
