@@ -8,11 +8,10 @@ use fairring_rdma::fabric::{Endpoint, Fabric, LocalRegion, RemoteRegion};
 
 use super::fabric::AnyFabric;
 use crate::config::Config;
+use crate::engine::Wiring;
 use crate::engine::layout::BufferLayout;
-use crate::engine::links::linked;
 use crate::engine::tags::MAX_BUFFERS;
-use crate::engine::{Engine, EngineParts, Strides};
-use crate::engine::{peers, server_peers};
+use crate::engine::{Engine, EngineParts};
 use crate::error::{Error, Result};
 use crate::local::{LocalStep, Machine, PlacedStep, ShmStep, Solo};
 use crate::memory::{Host, MemorySpace, Placed};
@@ -331,7 +330,7 @@ pub(super) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
     #[cfg(not(feature = "cuda"))]
     let local = PlacedStep::new(shm, crate::local::HostOnly);
     let machine = Machine::new(segment, location.device, d);
-    let (out, inbound) = peers(topology, location, config.rank, config.servers);
+    let wiring = Wiring::of(topology, location, config.rank, config.servers, None);
     let engine = assemble(
         config,
         store,
@@ -344,8 +343,7 @@ pub(super) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
             location,
             server: None,
             buffers,
-            out,
-            inbound,
+            wiring,
         },
     )?;
     Ok(Built {
@@ -373,7 +371,17 @@ pub(crate) fn build_server(
     )?);
     let memory = Host::new(Arc::clone(&segment), 0, buffers);
     let machine = Machine::new(segment, 0, 1);
-    let (out, inbound) = server_peers(topology);
+    let location = Location {
+        machine: u32::MAX,
+        device: 0,
+    };
+    let wiring = Wiring::of(
+        topology,
+        location,
+        config.process(),
+        config.servers,
+        Some(index),
+    );
     assemble(
         config,
         store,
@@ -384,14 +392,10 @@ pub(crate) fn build_server(
             geometry,
             layout,
             // On no worker's machine.
-            location: Location {
-                machine: u32::MAX,
-                device: 0,
-            },
+            location,
             server: Some(index),
             buffers,
-            out,
-            inbound,
+            wiring,
         },
     )
 }
@@ -406,9 +410,7 @@ struct Assembly<M: MemorySpace> {
     location: Location,
     server: Option<u32>,
     buffers: u32,
-    /// Ranks this process writes to and ranks that write to it.
-    out: Vec<u32>,
-    inbound: Vec<u32>,
+    wiring: Wiring,
 }
 
 /// Opens the fabric, registers the staging buffers, connects to the peers through
@@ -432,29 +434,23 @@ fn assemble<M: MemorySpace>(
     // SAFETY: this process's part of the mapped segment, valid until then; the
     // engine's protocol keeps the fabric's and the driver's accesses apart.
     let region = unsafe { fabric.register(area, len)? };
-    let linked = linked(&a.out, &a.inbound);
-    for &p in &linked {
+    let linked = &a.wiring.linked;
+    for &p in linked {
         let ep = fabric.endpoint(p)?;
         store.set(&format!("ep/{rank}/{p}"), ep.as_bytes())?;
     }
     store.set(&format!("region/{rank}"), &region.remote().to_bytes())?;
-    for &p in &linked {
+    for &p in linked {
         let bytes = store.get(&format!("ep/{p}/{rank}"), config.timeout)?;
         let ep = Endpoint::from_bytes(&bytes)
             .ok_or_else(|| Error::peer(p, "published a malformed endpoint"))?;
         fabric.connect(p, &ep)?;
     }
-    let mut remote = vec![None; config.processes() as usize];
-    for &p in &a.out {
+    let remote = a.wiring.remote_regions(config.processes(), |p| {
         let bytes = store.get(&format!("region/{p}"), config.timeout)?;
-        let r = RemoteRegion::from_bytes(&bytes)
-            .ok_or_else(|| Error::peer(p, "published a malformed region"))?;
-        remote[p as usize] = Some(r);
-    }
-    let strides = Strides {
-        worker: Segment::buffer_stride(a.layout.buffer_bytes()),
-        server: Segment::buffer_stride(a.layout.server_buffer_bytes()),
-    };
+        RemoteRegion::from_bytes(&bytes)
+            .ok_or_else(|| Error::peer(p, "published a malformed region"))
+    })?;
     Ok(Engine::new(EngineParts {
         fabric,
         region,
@@ -469,10 +465,8 @@ fn assemble<M: MemorySpace>(
         world: config.processes(),
         servers: config.servers,
         server: a.server,
-        strides,
         buffers: a.buffers,
-        inbound: a.inbound,
-        linked,
+        wiring: a.wiring,
         timeout: config.timeout,
         direct: crate::engine::DirectSettings::from(config.direct_from),
     }))

@@ -145,14 +145,6 @@ impl<F: Fabric> Links<F> {
     }
 }
 
-/// Every rank connected to this one: those it writes to and those that write to it.
-pub(crate) fn linked(out: &[u32], inbound: &[u32]) -> Vec<u32> {
-    let mut linked: Vec<u32> = out.iter().chain(inbound).copied().collect();
-    linked.sort_unstable();
-    linked.dedup();
-    linked
-}
-
 /// `ranks` as a list for messages: `1, 4, 7`.
 pub(crate) fn list(ranks: &[u32]) -> String {
     ranks

@@ -80,7 +80,7 @@ use fairring_core::plan::{Geometry, PlanConfig};
 use fairring_core::topology::{Location, RankLayout, Topology};
 use fairring_rdma::fabric::{Completion, Fabric, RemoteRegion};
 
-pub(crate) use algorithm::{Resolved, peers, server_peers};
+pub(crate) use algorithm::{Resolved, Wiring};
 use algorithm::{SliceEvent, Step, relay_most_writes};
 use checks::Checks;
 use credits::Credits;
@@ -100,6 +100,7 @@ use work::{Submission, WORK_CAPACITY, WorkTable};
 use crate::error::{Error, Result};
 use crate::local::{LocalStep, Machine};
 use crate::memory::MemorySpace;
+use crate::shm::Segment;
 
 /// Completions taken per poll.
 const POLL_BATCH: usize = 256;
@@ -206,10 +207,9 @@ pub(crate) struct EngineParts<F: Fabric, M: MemorySpace> {
     pub(crate) servers: u32,
     /// This process's index if it is a dedicated server.
     pub(crate) server: Option<u32>,
-    pub(crate) strides: Strides,
     pub(crate) buffers: u32,
-    pub(crate) inbound: Vec<u32>,
-    pub(crate) linked: Vec<u32>,
+    /// Whom this process writes to, hears from and links with.
+    pub(crate) wiring: Wiring,
     pub(crate) timeout: Duration,
     /// Sending from tensors (`direct`).
     pub(crate) direct: direct::Settings,
@@ -239,8 +239,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             parts.location,
             parts.rank,
             world,
-            parts.inbound,
-            parts.linked,
+            parts.wiring.inbound,
+            parts.wiring.linked,
         );
         // The most writes, early landings and steps one slice can have at once:
         // a contribution or result per other machine, a ring step per rank, a
@@ -300,7 +300,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             crowded,
             servers: parts.servers,
             server: parts.server,
-            strides: parts.strides,
+            strides: Strides {
+                worker: Segment::buffer_stride(parts.layout.buffer_bytes()),
+                server: Segment::buffer_stride(parts.layout.server_buffer_bytes()),
+            },
             direct_from: parts.direct.from_bytes,
             source_regions: Mutex::new(SourceRegions::new(parts.direct.cached)),
         }

@@ -50,7 +50,7 @@ use fairring_core::{DataType, ReduceOp, WireFormat};
 
 pub(crate) use doubling::Doubling;
 pub(crate) use hierarchical::Hierarchical;
-pub(crate) use peers::{peers, server_peers};
+pub(crate) use peers::Wiring;
 pub(crate) use relay::{
     Origins, Relay, most_writes as relay_most_writes, over_machines as relay_over_machines,
 };

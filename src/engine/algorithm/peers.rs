@@ -49,3 +49,100 @@ pub(crate) fn server_peers(topology: Topology) -> (Vec<u32>, Vec<u32>) {
     let workers: Vec<u32> = (0..topology.world_size()).collect();
     (workers.clone(), workers)
 }
+
+/// One process's place on the fabric: the processes it writes to (`out`),
+/// those that write to it (`inbound`), and those it links with (either).
+/// Made from the job's shape alone, the same way by every assembly of an
+/// engine (the communicator's bootstrap and the simulation).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Wiring {
+    pub(crate) out: Vec<u32>,
+    pub(crate) inbound: Vec<u32>,
+    pub(crate) linked: Vec<u32>,
+}
+
+impl Wiring {
+    /// The wiring of worker `rank` at `location` (`server`: `None`), or of
+    /// dedicated server `server`, in a job with `servers` dedicated servers.
+    pub(crate) fn of(
+        topology: Topology,
+        location: Location,
+        rank: u32,
+        servers: u32,
+        server: Option<u32>,
+    ) -> Wiring {
+        let (out, inbound) = match server {
+            Some(_) => server_peers(topology),
+            None => peers(topology, location, rank, servers),
+        };
+        let mut linked: Vec<u32> = out.iter().chain(&inbound).copied().collect();
+        linked.sort_unstable();
+        linked.dedup();
+        Wiring {
+            out,
+            inbound,
+            linked,
+        }
+    }
+
+    /// Per process of `processes`, the region of each process this one
+    /// writes to, from `region_of` (which the caller serves from its
+    /// rendezvous).
+    pub(crate) fn remote_regions<R, E>(
+        &self,
+        processes: u32,
+        mut region_of: impl FnMut(u32) -> Result<R, E>,
+    ) -> Result<Vec<Option<R>>, E>
+    where
+        R: Clone,
+    {
+        let mut remote = vec![None; processes as usize];
+        for &p in &self.out {
+            remote[p as usize] = Some(region_of(p)?);
+        }
+        Ok(remote)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use fairring_core::topology::RankLayout;
+
+    use super::*;
+
+    #[test]
+    fn a_process_links_once_with_everyone_it_writes_to_or_hears_from() {
+        for (m, d, servers) in [(1, 1, 0), (2, 2, 0), (3, 2, 1), (4, 1, 2), (5, 3, 0)] {
+            let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+            let world = topology.world_size();
+            for rank in 0..world {
+                let location = topology.locate(rank).unwrap();
+                let w = Wiring::of(topology, location, rank, servers, None);
+                let (out, inbound) = peers(topology, location, rank, servers);
+                assert_eq!((&w.out, &w.inbound), (&out, &inbound));
+                let mut union: Vec<u32> = out.iter().chain(&inbound).copied().collect();
+                union.sort_unstable();
+                union.dedup();
+                assert_eq!(w.linked, union, "{m}x{d}+{servers}: rank {rank}");
+                let remote = w
+                    .remote_regions(world + servers, |p| Ok::<_, ()>(p))
+                    .unwrap();
+                for (p, r) in (0u32..).zip(&remote) {
+                    assert_eq!(r.is_some(), out.contains(&p), "rank {rank}: region of {p}");
+                }
+            }
+            for index in 0..servers {
+                let nowhere = Location {
+                    machine: u32::MAX,
+                    device: 0,
+                };
+                let w = Wiring::of(topology, nowhere, world + index, servers, Some(index));
+                let workers: Vec<u32> = (0..world).collect();
+                assert_eq!(
+                    (&w.out, &w.inbound, &w.linked),
+                    (&workers, &workers, &workers)
+                );
+            }
+        }
+    }
+}

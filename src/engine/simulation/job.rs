@@ -27,10 +27,6 @@ pub(super) fn build_job(
     );
     let servers = geometry.servers().unwrap_or(0);
     let processes = world + servers;
-    let strides = Strides {
-        worker: Segment::buffer_stride(layout.buffer_bytes()),
-        server: Segment::buffer_stride(layout.server_buffer_bytes()),
-    };
     let segments: Vec<Arc<Segment>> = (0..m)
         .map(|_| Segment::anonymous(d, buffers, layout.buffer_bytes()).map(Arc::new))
         .collect::<crate::Result<_>>()
@@ -100,19 +96,12 @@ pub(super) fn build_job(
     for (rank, (location, memory, local, machine, fabric, region, server)) in
         (0..processes).zip(parts)
     {
-        let (out, inbound) = match server {
-            Some(_) => server_peers(topology),
-            None => peers(topology, location, rank, servers),
-        };
-        let linked = linked(&out, &inbound);
-        for &p in &linked {
+        let wiring = Wiring::of(topology, location, rank, servers, server);
+        for &p in &wiring.linked {
             let ep = fabric.endpoint(p).map_err(|e| e.to_string())?;
             fabric.connect(p, &ep).map_err(|e| e.to_string())?;
         }
-        let mut remote = vec![None; processes as usize];
-        for &p in &out {
-            remote[p as usize] = Some(regions[p as usize]);
-        }
+        let remote = wiring.remote_regions(processes, |p| Ok::<_, String>(regions[p as usize]))?;
         engines.push(Engine::new(EngineParts {
             fabric,
             region,
@@ -127,10 +116,8 @@ pub(super) fn build_job(
             world: processes,
             servers,
             server,
-            strides,
             buffers,
-            inbound,
-            linked,
+            wiring,
             timeout,
             direct,
         }));

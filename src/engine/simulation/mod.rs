@@ -57,13 +57,12 @@ use fairring_core::topology::{Location, RankLayout, Topology};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 use fairring_rdma::fabric::{Fabric, LocalRegion};
 
+use super::Wiring;
 use super::algorithm::{Origins, Resolved, relay_over_machines};
 use super::descriptor::{Collective, Descriptor};
 use super::layout::BufferLayout;
-use super::links::linked;
 use super::work::{self, DONE, FAILED, Submission};
-use super::{DirectSettings, Engine, EngineParts, Strides};
-use super::{peers, server_peers};
+use super::{DirectSettings, Engine, EngineParts};
 use crate::local::{LocalSlice, LocalStep, Machine, ShmStep, Solo};
 use crate::memory::{Host, HostTensor, MemoryKind, MemorySpace};
 use crate::shm::Segment;
