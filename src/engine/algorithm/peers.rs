@@ -124,9 +124,7 @@ mod tests {
                 union.sort_unstable();
                 union.dedup();
                 assert_eq!(w.linked, union, "{m}x{d}+{servers}: rank {rank}");
-                let remote = w
-                    .remote_regions(world + servers, |p| Ok::<_, ()>(p))
-                    .unwrap();
+                let remote = w.remote_regions(world + servers, Ok::<_, ()>).unwrap();
                 for (p, r) in (0u32..).zip(&remote) {
                     assert_eq!(r.is_some(), out.contains(&p), "rank {rank}: region of {p}");
                 }
