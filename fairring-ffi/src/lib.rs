@@ -30,7 +30,7 @@
 mod call;
 mod comm;
 #[cfg(feature = "cuda")]
-mod device;
+mod device_calls;
 mod status;
 mod store;
 mod work;
@@ -47,7 +47,7 @@ pub use comm::{
     fr_reduce_scatter,
 };
 #[cfg(feature = "cuda")]
-pub use device::{
+pub use device_calls::{
     fr_all_gather_device, fr_all_reduce_coalesced_device, fr_all_reduce_device,
     fr_broadcast_device, fr_reduce_scatter_device, fr_work_enqueue_wait,
 };

@@ -6,7 +6,7 @@ use fairring_core::plan::{Geometry, PlanConfig};
 use fairring_core::topology::{Location, Topology};
 use fairring_rdma::fabric::{Endpoint, Fabric, LocalRegion, RemoteRegion};
 
-use super::fabric::AnyFabric;
+use super::any_fabric::AnyFabric;
 use crate::config::Config;
 use crate::engine::Wiring;
 use crate::engine::layout::BufferLayout;

@@ -1,10 +1,10 @@
 //! [`Communicator`]: the user-facing all-reduce.
 
+mod any_fabric;
 mod bootstrap;
 mod call;
 #[cfg(feature = "cuda")]
-mod device;
-mod fabric;
+mod device_calls;
 mod fusion;
 mod host;
 mod prelude;
@@ -15,8 +15,8 @@ mod submit;
 mod work;
 
 pub use crate::engine::descriptor::Collective;
+pub use any_fabric::Traffic;
 pub use call::{Call, Memory, Options};
-pub use fabric::Traffic;
 pub use fusion::Fusion;
 pub use scope::Scope;
 pub use server::Server;
@@ -42,7 +42,7 @@ use crate::memory::DeviceTensor;
 use crate::memory::{HostTensor, MemoryKind, MemorySpace, Placed, PlacedTensor};
 use crate::store::{PrefixStore, Store, TcpStoreServer};
 use crate::sync::unmodelled::AtomicU8;
-use fabric::AnyFabric;
+use any_fabric::AnyFabric;
 use submit::*;
 #[cfg(feature = "cuda")]
 use work::wait_range;

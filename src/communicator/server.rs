@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::fabric::AnyFabric;
+use super::any_fabric::AnyFabric;
 use super::{bootstrap, start_progress, stop_progress};
 use crate::config::{Config, Role};
 use crate::engine::Engine;

@@ -57,7 +57,7 @@
 
 mod device_local;
 mod env;
-mod fabric;
+mod fabric_choice;
 mod parse;
 
 use std::time::Duration;
@@ -68,8 +68,8 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
 pub use device_local::DeviceLocal;
-pub use fabric::FabricChoice;
-pub(crate) use fabric::{VerbsKnobs, verbs_not_built};
+pub use fabric_choice::FabricChoice;
+pub(crate) use fabric_choice::{VerbsKnobs, verbs_not_built};
 
 /// How an all-reduce moves its data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

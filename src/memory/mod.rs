@@ -48,7 +48,7 @@
 //! step's (`crate::local`), on the streams of this memory space.
 
 #[cfg(feature = "cuda")]
-mod device;
+mod device_side;
 mod f16c;
 mod host;
 mod placed;
@@ -60,9 +60,9 @@ use std::ptr::NonNull;
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
 #[cfg(feature = "cuda")]
-pub(crate) use device::DeviceFence;
+pub(crate) use device_side::DeviceFence;
 #[cfg(feature = "cuda")]
-pub(crate) use device::{DeviceSide, DeviceTensor, cuda as cuda_error};
+pub(crate) use device_side::{DeviceSide, DeviceTensor, cuda as cuda_error};
 pub(crate) use host::{Host, HostTensor, reduce_into};
 #[cfg(feature = "cuda")]
 pub(crate) use placed::DeviceCell;

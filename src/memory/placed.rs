@@ -13,7 +13,7 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 #[cfg(feature = "cuda")]
-use super::device::{DeviceFence, DeviceSide, DeviceTensor};
+use super::device_side::{DeviceFence, DeviceSide, DeviceTensor};
 use super::{Conversion, Host, HostTensor, MemorySpace, Reduction};
 #[cfg(feature = "cuda")]
 use crate::error::Error;

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use fairring_core::reduce::finish_avg_bytes;
 use fairring_core::{DataType, ReduceOp};
 
-use super::device::{DeviceTensor, Item, Meeting, SimFence, SimGpu, SimMemory};
+use super::simulated_gpu::{DeviceTensor, Item, Meeting, SimFence, SimGpu, SimMemory};
 use crate::error::Result;
 use crate::local::{Collectives, Comm};
 use crate::memory::reduce_into;

@@ -42,12 +42,12 @@
 )]
 
 mod collectives;
-mod device;
-mod fabric;
 mod focused;
 mod job;
+mod network;
 mod reach;
 mod scenario;
+mod simulated_gpu;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,11 +67,11 @@ use crate::local::{LocalSlice, LocalStep, Machine, ShmStep, Solo};
 use crate::memory::{Host, HostTensor, MemoryKind, MemorySpace};
 use crate::shm::Segment;
 use collectives::{SimMachine, join};
-use device::{Design, SimFence, SimMemory, SimTensor};
-use fabric::{Network, SimFabric};
 use job::{build_job, small_job};
+use network::{Network, SimFabric};
 use reach::SimStep;
 use scenario::*;
+use simulated_gpu::{Design, SimFence, SimMemory, SimTensor};
 
 /// Steps after which a seed that has not settled counts as hung.
 const STEP_LIMIT: u64 = 2_000_000;

@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use super::collectives::SimCollectives;
-use super::device::{DeviceTensor, SimFence, SimGpu, SimMemory, SimTensor};
+use super::simulated_gpu::{DeviceTensor, SimFence, SimGpu, SimMemory, SimTensor};
 use crate::error::Result;
 use crate::local::{DeviceReach, Place, PlacedStep, ShmStep};
 

@@ -2,7 +2,7 @@
 //! run their device operations on, so that the ordering and failure logic of
 //! the device path is checked on every seed, on machines without a GPU.
 //!
-//! It is the device side of the communicator (`crate::memory::device`) with
+//! It is the device side of the communicator (`crate::memory::device_side`) with
 //! the CUDA driver replaced by a model:
 //!
 //! - **streams** are ordered queues of items that run one at a time, when the
