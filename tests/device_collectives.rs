@@ -3,6 +3,9 @@
 //! identity of its own) over the tcp fabric, as a job of one GPU per machine
 //! runs.
 //!
+//! One file, longer than most: the GPU kit carries one executable per suite
+//! (`ci/gpu-build`), and this is the engine's.
+//!
 //! Each rank is this test binary re-executed (see `common::processes`), so
 //! every rank has its own CUDA context, as in a real job. (Ranks that are
 //! threads of one process share a context, and one rank's synchronising driver

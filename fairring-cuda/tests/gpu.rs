@@ -3,6 +3,9 @@
 //! `cargo test -p fairring-cuda --test gpu -- --include-ignored` (NCCL and NVRTC
 //! on the loader path, see the README), where they fail loudly if the device or
 //! a library is missing.
+//!
+//! One file, longer than most: the GPU kit carries one executable per suite
+//! (`ci/gpu-build`), and this is the GPU layer's.
 #![expect(
     clippy::cast_possible_truncation,
     reason = "test sizes are small; random bits are truncated on purpose"

@@ -1,0 +1,197 @@
+use fairring_core::topology::RankLayout;
+
+use super::*;
+
+fn job(m: u32, d: u32, servers: u32, wire: WireFormat) -> Job {
+    Job {
+        topology: Topology::new(m, d, RankLayout::Contiguous).unwrap(),
+        servers,
+        algorithm: Algorithm::Auto,
+        wire,
+    }
+}
+
+/// What `asked` runs for `collective` of `bytes` on `m`x`d`, no servers.
+fn runs(collective: Collective, m: u32, d: u32, asked: Algorithm, bytes: u64) -> Resolved {
+    let call = Call {
+        collective,
+        dtype: DataType::U8,
+        bytes,
+        algorithm: Some(asked),
+        wire: None,
+    };
+    choose(call, &job(m, d, 0, WireFormat::Exact))
+        .unwrap()
+        .algorithm
+}
+
+/// Every row of the rules table in the module docs holds.
+#[test]
+fn the_documented_rules_are_the_ones_chosen() {
+    let source = include_str!("../choice.rs");
+    let mut rows = 0;
+    // The table from its header to the first line that is not a row.
+    let table = source
+        .lines()
+        .skip_while(|line| !line.starts_with("//! | collective |"))
+        .skip(2)
+        .take_while(|line| line.starts_with("//! | "));
+    for line in table {
+        let row = line.trim_start_matches("//! | ");
+        let cells: Vec<&str> = row.trim_end_matches(" |").split(" | ").collect();
+        assert_eq!(cells.len(), 11, "a rules row has 11 cells: {line}");
+        let collective = match cells[0] {
+            "all-reduce" => Collective::AllReduce,
+            "broadcast" => Collective::Broadcast,
+            "all-gather" => Collective::AllGather,
+            "reduce-scatter" => Collective::ReduceScatter,
+            "barrier" => Collective::Barrier,
+            other => panic!("no collective {other}: {line}"),
+        };
+        let number = |cell: &str| -> u32 { cell.parse().unwrap() };
+        let bytes = match cells[4].strip_suffix('K') {
+            Some(k) => k.parse::<u64>().unwrap() << 10,
+            None => match cells[4].strip_suffix('M') {
+                Some(m) => m.parse::<u64>().unwrap() << 20,
+                None => cells[4].parse().unwrap(),
+            },
+        };
+        let wire = |cell: &str| WireFormat::from_name(cell).unwrap();
+        let call = Call {
+            collective,
+            dtype: DataType::from_name(cells[6]).unwrap(),
+            bytes,
+            algorithm: Some(cells[5].parse().unwrap()),
+            wire: None,
+        };
+        let job = job(
+            number(cells[1]),
+            number(cells[2]),
+            number(cells[3]),
+            wire(cells[7]),
+        );
+        let chosen = choose(call, &job).unwrap();
+        assert_eq!(chosen.algorithm.name(), cells[8], "{line}");
+        assert_eq!(chosen.wire, wire(cells[9]), "{line}");
+        assert_eq!(chosen.zero_fill, cells[10] == "yes", "{line}");
+        rows += 1;
+    }
+    assert!(rows >= 30, "the table has {rows} rules");
+}
+
+#[test]
+fn a_call_asking_a_compressed_wire_for_another_type_is_refused() {
+    let call = Call {
+        collective: Collective::AllReduce,
+        dtype: DataType::I64,
+        bytes: 4096,
+        algorithm: None,
+        wire: Some(WireFormat::Bf16),
+    };
+    let e = choose(call, &job(2, 1, 0, WireFormat::Exact))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("wire") && e.contains("i64"), "{e}");
+    // The configured wire does not refuse: such calls run exact.
+    let call = Call { wire: None, ..call };
+    let chosen = choose(call, &job(2, 1, 0, WireFormat::Bf16)).unwrap();
+    assert_eq!(chosen.wire, WireFormat::Exact);
+}
+
+#[test]
+fn a_call_asking_a_compressed_wire_for_bytes_it_only_moves_is_refused() {
+    for collective in [
+        Collective::Broadcast,
+        Collective::AllGather,
+        Collective::Barrier,
+    ] {
+        let call = Call {
+            collective,
+            dtype: DataType::U8,
+            bytes: 4096,
+            algorithm: None,
+            wire: Some(WireFormat::F16),
+        };
+        let e = choose(call, &job(2, 1, 0, WireFormat::Exact))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("wire") && e.contains(collective.name()), "{e}");
+        // Exact is what they run: asking for it is no error.
+        let exact = Call {
+            wire: Some(WireFormat::Exact),
+            ..call
+        };
+        assert!(choose(exact, &job(2, 1, 0, WireFormat::Exact)).is_ok());
+    }
+}
+
+#[test]
+fn auto_doubles_small_operations_on_two_single_device_machines() {
+    let all_reduce = |bytes| runs(Collective::AllReduce, 2, 1, Algorithm::Auto, bytes);
+    for bytes in [0, 4096, 1 << 20] {
+        assert_eq!(all_reduce(bytes), Resolved::Doubling);
+    }
+    for bytes in [(1 << 20) + 1, 64 << 20] {
+        assert_eq!(all_reduce(bytes), Resolved::Hierarchical);
+    }
+}
+
+#[test]
+fn auto_resolves_to_a_concrete_algorithm_and_others_stay() {
+    for (m, d) in [(1, 1), (1, 8), (2, 2), (3, 1), (64, 8)] {
+        for bytes in [0, 4096, 64 << 20, u64::MAX] {
+            let all_reduce = |asked| runs(Collective::AllReduce, m, d, asked, bytes);
+            assert_eq!(all_reduce(Algorithm::Auto), Resolved::Hierarchical);
+            assert_eq!(all_reduce(Algorithm::Doubling), Resolved::Doubling);
+            assert_eq!(all_reduce(Algorithm::Ring), Resolved::Ring);
+            assert_eq!(all_reduce(Algorithm::Hierarchical), Resolved::Hierarchical);
+        }
+    }
+}
+
+#[test]
+fn auto_relays_spreads_across_machines() {
+    let spread = |m, d, bytes| runs(Collective::Broadcast, m, d, Algorithm::Auto, bytes);
+    let scatter = |m, d, bytes| runs(Collective::ReduceScatter, m, d, Algorithm::Auto, bytes);
+    for bytes in [0, 4096, 64 << 20] {
+        assert_eq!(spread(2, 1, bytes), Resolved::Relay);
+        assert_eq!(spread(3, 1, bytes), Resolved::Relay);
+        assert_eq!(scatter(2, 1, bytes), Resolved::Scatter);
+        // Several devices per machine: both run over the machines, with
+        // shared memory inside each.
+        assert_eq!(spread(2, 2, bytes), Resolved::Relay);
+        assert_eq!(scatter(2, 2, bytes), Resolved::Scatter);
+        // One machine: shared memory only; a reduce-scatter skips the
+        // all-gather.
+        assert_eq!(spread(1, 8, bytes), Resolved::Hierarchical);
+        assert_eq!(spread(1, 1, bytes), Resolved::Hierarchical);
+        assert_eq!(scatter(1, 8, bytes), Resolved::Scatter);
+        assert_eq!(scatter(1, 1, bytes), Resolved::Hierarchical);
+    }
+    assert_eq!(scatter(8, 1, 4096), Resolved::Hierarchical);
+    assert_eq!(scatter(8, 1, 256 << 10), Resolved::Scatter);
+    assert_eq!(scatter(4, 2, 4096), Resolved::Hierarchical);
+    assert_eq!(scatter(4, 2, 256 << 10), Resolved::Scatter);
+    assert_eq!(
+        runs(Collective::ReduceScatter, 2, 2, Algorithm::Ring, 4096),
+        Resolved::Scatter
+    );
+    // Four machines or more: two hops beat M - 1 for small operations.
+    assert_eq!(spread(8, 1, 4096), Resolved::Hierarchical);
+    assert_eq!(spread(8, 1, 256 << 10), Resolved::Relay);
+    assert_eq!(spread(4, 1, (256 << 10) - 1), Resolved::Hierarchical);
+    let spread_asked = |asked, m, d, bytes| runs(Collective::Broadcast, m, d, asked, bytes);
+    assert_eq!(spread_asked(Algorithm::Ring, 8, 1, 4096), Resolved::Relay);
+    assert_eq!(
+        spread_asked(Algorithm::Ring, 2, 2, 64 << 20),
+        Resolved::Relay
+    );
+    assert_eq!(
+        spread_asked(Algorithm::Hierarchical, 8, 1, 4096),
+        Resolved::Hierarchical
+    );
+    assert_eq!(
+        spread_asked(Algorithm::Hierarchical, 2, 2, 64 << 20),
+        Resolved::Hierarchical
+    );
+}
