@@ -67,25 +67,29 @@ pub use fairring_cuda as cuda;
 pub use fairring_rdma as rdma;
 
 #[allow(unsafe_code)]
+mod bootstrap;
+#[allow(unsafe_code)]
 mod communicator;
 pub mod config;
 #[allow(unsafe_code)]
 mod engine;
 mod error;
+mod fusion;
 #[allow(unsafe_code)]
 mod local;
 #[allow(unsafe_code)]
 mod memory;
+mod server;
 #[allow(unsafe_code)]
 mod shm;
 pub mod store;
 mod sync;
 
-pub use communicator::{
-    Call, Collective, Communicator, Fusion, Memory, Options, OwnedWork, Scope, Server, Traffic,
-    Work,
-};
+pub use bootstrap::Traffic;
+pub use communicator::{Call, Collective, Communicator, Memory, Options, OwnedWork, Scope, Work};
 pub use config::{Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Role};
 pub use error::{Error, Result};
 pub use fairring_core::{DataType, ReduceOp, WireFormat};
+pub use fusion::Fusion;
+pub use server::Server;
 pub use store::Store;

@@ -51,7 +51,7 @@ impl Communicator {
     ) -> Result<()> {
         check_op(op, T::DTYPE)?;
         let buffer_bytes = usize::try_from(self.slice_bytes()).unwrap_or(usize::MAX);
-        fusion::all_reduce_list(self, tensors, op, buffer_bytes)
+        crate::fusion::all_reduce_list(self, tensors, op, buffer_bytes)
     }
 
     /// Runs `f` with a [`Scope`] in which operations run asynchronously; when `f`

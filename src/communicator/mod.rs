@@ -1,25 +1,18 @@
 //! [`Communicator`]: the user-facing all-reduce.
 
-mod any_fabric;
-mod bootstrap;
 mod call;
 #[cfg(feature = "cuda")]
 mod device_calls;
-mod fusion;
 mod host;
 mod prelude;
 mod scope;
-mod server;
 mod start;
 mod submit;
 mod work;
 
 pub use crate::engine::descriptor::Collective;
-pub use any_fabric::Traffic;
 pub use call::{Call, Memory, Options};
-pub use fusion::Fusion;
 pub use scope::Scope;
-pub use server::Server;
 pub use work::{OwnedWork, Work};
 
 use std::marker::PhantomData;
@@ -32,6 +25,7 @@ use fairring_core::reduce::Element;
 use fairring_core::topology::{Location, Topology};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
+use crate::bootstrap::{self, AnyFabric, Traffic, start_progress, stop_progress};
 use crate::config::{Algorithm, Config, FabricChoice};
 use crate::engine::descriptor::Descriptor;
 use crate::engine::work::{Delivery, Submission, WORK_CAPACITY, slot_of};
@@ -39,10 +33,9 @@ use crate::engine::{Engine, choice};
 use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::memory::DeviceTensor;
-use crate::memory::{HostTensor, MemoryKind, MemorySpace, Placed, PlacedTensor};
+use crate::memory::{HostTensor, MemoryKind, Placed, PlacedTensor};
 use crate::store::{PrefixStore, Store, TcpStoreServer};
 use crate::sync::unmodelled::AtomicU8;
-use any_fabric::AnyFabric;
 use submit::*;
 #[cfg(feature = "cuda")]
 use work::wait_range;
@@ -221,34 +214,6 @@ impl Drop for Communicator {
         stop_progress(&self.engine, &mut self.progress);
         let operations = *self.next_seq.lock().unwrap_or_else(PoisonError::into_inner);
         self.engine.say_goodbye(operations);
-    }
-}
-
-/// Starts `engine`'s progress thread, named `name`.
-fn start_progress<M: MemorySpace>(
-    engine: &Arc<Engine<AnyFabric, M>>,
-    name: String,
-) -> Result<JoinHandle<()>> {
-    let engine = Arc::clone(engine);
-    std::thread::Builder::new()
-        .name(name)
-        .spawn(move || engine.run())
-        .map_err(|e| Error::io("starting the progress thread", e))
-}
-
-/// Stops `engine`'s progress thread and waits for it (once).
-fn stop_progress<M: MemorySpace>(
-    engine: &Engine<AnyFabric, M>,
-    thread: &mut Option<JoinHandle<()>>,
-) {
-    engine.stop_progress();
-    if let Some(t) = thread.take()
-        && t.join().is_err()
-    {
-        log::error!(
-            "fairring: the progress thread of rank {} panicked",
-            engine.rank()
-        );
     }
 }
 

@@ -6,7 +6,13 @@ use fairring_core::plan::{Geometry, PlanConfig};
 use fairring_core::topology::{Location, Topology};
 use fairring_rdma::fabric::{Endpoint, Fabric, LocalRegion, RemoteRegion};
 
-use super::any_fabric::AnyFabric;
+mod any_fabric;
+mod progress;
+
+pub(crate) use any_fabric::AnyFabric;
+pub use any_fabric::Traffic;
+pub(crate) use progress::{start_progress, stop_progress};
+
 use crate::config::Config;
 use crate::engine::Wiring;
 use crate::engine::layout::BufferLayout;
@@ -23,7 +29,7 @@ use crate::store::{C10dStore, PrefixStore, Store, TcpStore, TcpStoreServer, gath
 /// The store a job meets through, and the server this process runs for it (if
 /// any): under torchrun's agent store, PyTorch's TCPStore torchrun serves (keys
 /// under the restart attempt); otherwise fairring's own, served by rank 0.
-pub(super) fn job_store(config: &Config) -> Result<(Arc<dyn Store>, Option<TcpStoreServer>)> {
+pub(crate) fn job_store(config: &Config) -> Result<(Arc<dyn Store>, Option<TcpStoreServer>)> {
     if let Some(attempt) = config.agent_store {
         let store = C10dStore::connect(&config.master_addr, config.master_port, config.timeout)?;
         // The attempt keeps a restarted job's keys apart from the last one's.
@@ -53,7 +59,7 @@ pub(super) fn job_store(config: &Config) -> Result<(Arc<dyn Store>, Option<TcpSt
 }
 
 /// `store` as this job sees it: its keys under the job's tag.
-pub(super) fn scoped(config: &Config, store: &Arc<dyn Store>) -> PrefixStore<Arc<dyn Store>> {
+pub(crate) fn scoped(config: &Config, store: &Arc<dyn Store>) -> PrefixStore<Arc<dyn Store>> {
     PrefixStore::new(
         format!("fairring/{:016x}", config.job_tag),
         Arc::clone(store),
@@ -70,7 +76,7 @@ fn host_identity(config: &Config) -> String {
 }
 
 /// Finds which ranks share a machine and checks the deployment is regular.
-pub(super) fn detect_topology(config: &Config, store: &dyn Store) -> Result<(Topology, Location)> {
+pub(crate) fn detect_topology(config: &Config, store: &dyn Store) -> Result<(Topology, Location)> {
     let me = host_identity(config);
     store.set(&format!("host/{}", config.rank), me.as_bytes())?;
     let topology = job_topology(config, store)?;
@@ -196,7 +202,7 @@ fn per_machine_counts(machine_of_rank: &[u32], machines: usize) -> String {
 }
 
 /// The geometry, buffer layout and buffer count for the configured budget.
-pub(super) fn size_staging(
+pub(crate) fn size_staging(
     config: &Config,
     topology: Topology,
 ) -> Result<(Geometry, BufferLayout, u32)> {
@@ -249,7 +255,7 @@ pub(super) fn size_staging(
 }
 
 /// Attaches this rank to its machine's shared segment (local rank 0 creates it).
-pub(super) fn attach_local(
+pub(crate) fn attach_local(
     config: &Config,
     store: &dyn Store,
     topology: Topology,
@@ -306,17 +312,17 @@ pub(super) fn attach_local(
 }
 
 /// Everything that goes into an engine, put together.
-pub(super) struct Built {
-    pub(super) engine: Engine<AnyFabric, Placed>,
-    pub(super) topology: Topology,
-    pub(super) location: Location,
+pub(crate) struct Built {
+    pub(crate) engine: Engine<AnyFabric, Placed>,
+    pub(crate) topology: Topology,
+    pub(crate) location: Location,
     /// Where the local step finds the machine's NCCL communicators.
     #[cfg(feature = "cuda")]
-    pub(super) nccl: crate::local::NcclCell,
+    pub(crate) nccl: crate::local::NcclCell,
 }
 
 /// A worker's engine.
-pub(super) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
+pub(crate) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
     let (topology, location) = detect_topology(config, store)?;
     let (geometry, layout, buffers) = size_staging(config, topology)?;
     let segment = attach_local(config, store, topology, location, buffers, &layout)?;

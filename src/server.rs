@@ -6,8 +6,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::any_fabric::AnyFabric;
-use super::{bootstrap, start_progress, stop_progress};
+use crate::bootstrap::{self, AnyFabric, Traffic, start_progress, stop_progress};
 use crate::config::{Config, Role};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
@@ -86,14 +85,14 @@ impl Server {
     }
 
     /// The data bytes this server's fabric has moved so far.
-    pub fn traffic(&self) -> super::Traffic {
+    pub fn traffic(&self) -> Traffic {
         self.engine.links.fabric.traffic()
     }
 
     /// Serves until every worker has left the job, and returns the data bytes
     /// this server moved; the job's first error if it failed (a worker died, or
     /// issued a different operation than another).
-    pub fn run(mut self) -> Result<super::Traffic> {
+    pub fn run(mut self) -> Result<Traffic> {
         let outcome = loop {
             if let Some(e) = self.engine.failure() {
                 break Err(e);

@@ -22,7 +22,7 @@ use fairring_core::ReduceOp;
 use fairring_core::fusion::{FusionPlan, Position, plan_fusion};
 use fairring_core::reduce::Element;
 
-use super::{Communicator, Work};
+use crate::communicator::{Communicator, Work};
 use crate::error::{Error, Result};
 
 /// The fusion buffers of one set of tensors (a model's gradients), reused step
@@ -322,7 +322,7 @@ fn copy_out<T: Element>(p: &Placement, index: usize, t: &mut [T], buffers: &[Vec
 
 /// All-reduces `tensors` through fusion buffers of `buffer_bytes` placed in list
 /// order (the same on every rank: no order needs broadcasting).
-pub(super) fn all_reduce_list<T: Element>(
+pub(crate) fn all_reduce_list<T: Element>(
     comm: &Communicator,
     tensors: &mut [&mut [T]],
     op: ReduceOp,
