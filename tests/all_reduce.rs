@@ -172,7 +172,7 @@ fn every_operator_and_type() {
                 .total_memory(1 << 20)
         },
         |rank, comm| {
-            for algorithm in Algorithm::ALL {
+            for &algorithm in Algorithm::ALL {
                 let n = 40_003;
                 let mut ints: Vec<i64> = (0..n).map(|i| i as i64 * (i64::from(rank) + 1)).collect();
                 comm.scope(|s| {
@@ -219,7 +219,7 @@ fn every_operator_and_type() {
 
 #[test]
 fn repeated_multi_slice_operations() {
-    for algorithm in Algorithm::ALL {
+    for &algorithm in Algorithm::ALL {
         let (m, d) = (2, 2);
         job(
             m,

@@ -33,7 +33,7 @@ const SIZES: [usize; 4] = [1, 7, 1001, 40_003];
 /// dedicated servers (hierarchical: the servers' algorithm).
 fn for_every_layout(test: impl Fn(u32, u32, u32, Algorithm)) {
     for (m, d) in LAYOUTS {
-        for algorithm in Algorithm::ALL {
+        for &algorithm in Algorithm::ALL {
             test(m, d, 0, algorithm);
         }
     }
@@ -201,7 +201,7 @@ fn reduce_scatter_averages_each_share_once() {
     for (m, d) in [(2, 1), (3, 1), (2, 2), (1, 3)] {
         let world = m * d;
         let want = |k, j| (0..world).map(|r| small(r, k, j)).sum::<f64>() / f64::from(world);
-        for algorithm in Algorithm::ALL {
+        for &algorithm in Algorithm::ALL {
             check_reduce_scatter((m, d, 0), algorithm, ReduceOp::Avg, small, want, f64::NAN);
         }
     }

@@ -863,7 +863,7 @@ fn no_host_allocation_per_device_all_reduce_on_any_rank() {
     let device = device();
     let stream = Stream::new(&device, false).unwrap();
     for elements in [3usize << 20, 1000] {
-        for algorithm in Algorithm::ALL {
+        for &algorithm in Algorithm::ALL {
             let mut buf = DeviceBuffer::zeroed(&device, elements * 4).unwrap();
             upload(
                 &stream,

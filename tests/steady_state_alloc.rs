@@ -54,7 +54,7 @@ fn launch(test: &str, m: u32, d: u32) {
 fn warm_all_reduces_allocate_nothing(comm: &Communicator) {
     // Large enough for several slices in flight, and a small one.
     for elements in [3 << 20, 1000] {
-        for algorithm in Algorithm::ALL {
+        for &algorithm in Algorithm::ALL {
             let mut data = vec![1.0f32; elements];
             let mut counted = 0;
             for call in 0..20 {

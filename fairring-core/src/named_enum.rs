@@ -2,6 +2,11 @@
 //! appear in errors, tables and command lines. One declaration gives the stable
 //! discriminants, `ALL`, `from_u8`, `name`, `from_name` and `Display`.
 
+/// Declares a C-like enum whose values travel and whose names are printed:
+/// stable `u8` discriminants, `ALL`, `from_u8`, `name`, `from_name` and
+/// `Display` from one declaration (`Variant = value => "name",` per variant).
+/// Used by fairring-core's own types and by the layers above it.
+#[macro_export]
 macro_rules! named_enum {
     (
         $(#[$meta:meta])*
@@ -49,4 +54,4 @@ macro_rules! named_enum {
     };
 }
 
-pub(crate) use named_enum;
+pub(crate) use crate::named_enum;

@@ -120,14 +120,10 @@ pub(crate) fn op_of(op: i32) -> Result<ReduceOp, fr_status> {
 impl fr_call {
     /// The call this describes; the first bad field is named.
     pub(crate) fn parse(&self) -> Result<Call, Refusal> {
-        let collective = match self.collective {
-            FR_COLLECTIVE_ALL_REDUCE => Collective::AllReduce,
-            FR_COLLECTIVE_BROADCAST => Collective::Broadcast,
-            FR_COLLECTIVE_ALL_GATHER => Collective::AllGather,
-            FR_COLLECTIVE_REDUCE_SCATTER => Collective::ReduceScatter,
-            FR_COLLECTIVE_BARRIER => Collective::Barrier,
-            other => return Err(bad("collective", other, "FR_COLLECTIVE_*")),
-        };
+        let collective = u8::try_from(self.collective)
+            .ok()
+            .and_then(Collective::from_u8)
+            .ok_or_else(|| bad("collective", self.collective, "FR_COLLECTIVE_*"))?;
         let takes_op = matches!(
             collective,
             Collective::AllReduce | Collective::ReduceScatter
@@ -144,11 +140,12 @@ impl fr_call {
         };
         let algorithm = match self.algorithm {
             FR_ALGO_DEFAULT => None,
-            FR_ALGO_AUTO => Some(Algorithm::Auto),
-            FR_ALGO_HIERARCHICAL => Some(Algorithm::Hierarchical),
-            FR_ALGO_RING => Some(Algorithm::Ring),
-            FR_ALGO_DOUBLING => Some(Algorithm::Doubling),
-            other => return Err(bad("algorithm", other, "FR_ALGO_*")),
+            other => Some(
+                u8::try_from(other)
+                    .ok()
+                    .and_then(Algorithm::from_u8)
+                    .ok_or_else(|| bad("algorithm", other, "FR_ALGO_*"))?,
+            ),
         };
         let wire = match self.wire {
             FR_WIRE_DEFAULT => None,
@@ -318,4 +315,97 @@ pub(crate) unsafe fn lists<'a, T>(
     // SAFETY: as for `data`.
     let counts = unsafe { std::slice::from_raw_parts(counts, n) };
     Ok((data, counts))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_c_values_are_the_rust_discriminants() {
+        let collectives = [
+            (FR_COLLECTIVE_ALL_REDUCE, Collective::AllReduce),
+            (FR_COLLECTIVE_BROADCAST, Collective::Broadcast),
+            (FR_COLLECTIVE_ALL_GATHER, Collective::AllGather),
+            (FR_COLLECTIVE_REDUCE_SCATTER, Collective::ReduceScatter),
+            (FR_COLLECTIVE_BARRIER, Collective::Barrier),
+        ];
+        assert_eq!(collectives.len(), Collective::ALL.len());
+        for (c, rust) in collectives {
+            assert_eq!(c, rust as i32, "{rust}");
+        }
+        let algorithms = [
+            (FR_ALGO_AUTO, Algorithm::Auto),
+            (FR_ALGO_HIERARCHICAL, Algorithm::Hierarchical),
+            (FR_ALGO_RING, Algorithm::Ring),
+            (FR_ALGO_DOUBLING, Algorithm::Doubling),
+        ];
+        assert_eq!(algorithms.len(), Algorithm::ALL.len());
+        for (c, rust) in algorithms {
+            assert_eq!(c, rust as i32, "{rust}");
+        }
+        assert!(Algorithm::from_u8(u8::try_from(FR_ALGO_DEFAULT).unwrap()).is_none());
+    }
+
+    #[test]
+    fn a_zeroed_call_is_refused_naming_its_collective_and_bad_fields_are_named() {
+        // SAFETY: all-zero is a valid `fr_call` (null pointers, zero numbers).
+        let zeroed: fr_call = unsafe { std::mem::zeroed() };
+        assert_eq!(zeroed.parse().err().map(|e| e.0), Some("collective"));
+        let barrier = fr_call {
+            collective: FR_COLLECTIVE_BARRIER,
+            ..zeroed
+        };
+        assert!(barrier.parse().is_ok());
+        for (call, field) in [
+            (
+                fr_call {
+                    algorithm: 9,
+                    ..barrier
+                },
+                "algorithm",
+            ),
+            (
+                fr_call {
+                    wire: -1,
+                    ..barrier
+                },
+                "wire",
+            ),
+            (
+                fr_call {
+                    memory: 7,
+                    ..barrier
+                },
+                "memory",
+            ),
+            (
+                fr_call {
+                    collective: FR_COLLECTIVE_ALL_REDUCE,
+                    dtype: 99,
+                    ..barrier
+                },
+                "dtype",
+            ),
+            (
+                fr_call {
+                    collective: FR_COLLECTIVE_REDUCE_SCATTER,
+                    op: 42,
+                    ..barrier
+                },
+                "op",
+            ),
+        ] {
+            assert_eq!(call.parse().err().map(|e| e.0), Some(field));
+        }
+        let ring = fr_call {
+            algorithm: FR_ALGO_RING,
+            wire: FR_WIRE_BF16,
+            ..barrier
+        }
+        .parse()
+        .unwrap();
+        assert_eq!(ring.options.algorithm, Some(Algorithm::Ring));
+        assert_eq!(ring.options.wire, Some(WireFormat::Bf16));
+    }
 }

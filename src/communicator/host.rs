@@ -41,7 +41,7 @@ impl Communicator {
     /// All-reduces every tensor of `tensors` in place, and waits.
     ///
     /// The tensors are packed, in list order, into fusion buffers of one full
-    /// slice each ([`Fusion`]): many small tensors become few full all-reduces.
+    /// slice each ([`Fusion`](crate::Fusion)): many small tensors become few full all-reduces.
     /// (A coalesced all-reduce, [`Scope::all_reduce_coalesced`], runs one
     /// operation per tensor under one [`Work`] instead.)
     pub fn all_reduce_fused<T: Element>(

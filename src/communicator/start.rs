@@ -22,7 +22,7 @@ impl Communicator {
     /// elements until this returns for an all-gather. On device memory the
     /// same holds for every stream of the GPU, and `stream` must stay alive
     /// until the work reports completion (work ordered after
-    /// [`Work::enqueue_wait`] may use the memory after it).
+    /// `Work::enqueue_wait` may use the memory after it).
     pub unsafe fn start(&self, call: &Call) -> Result<Work<'_>> {
         let r = self.request(call)?;
         // SAFETY: the caller's contract, as documented.

@@ -71,48 +71,26 @@ pub use device_local::DeviceLocal;
 pub use fabric_choice::FabricChoice;
 pub(crate) use fabric_choice::{VerbsKnobs, verbs_not_built};
 
-/// How an all-reduce moves its data.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Algorithm {
-    /// Per operation, whichever of the others was measured faster for its
-    /// collective and size on the job's layout (the README's `FAIRRING_ALGO`
-    /// row says which; `src/engine/choice.rs` holds the rules and the
-    /// measurements). The default.
-    Auto,
-    /// Reduction-server all-reduce: intra-machine reduce-scatter, sharded exchange
-    /// along rails, intra-machine all-gather (docs/DESIGN.md section 1).
-    Hierarchical,
-    /// Ring reduce-scatter and all-gather over every rank through the fabric, the
-    /// baseline of Horovod, Gloo and NCCL.
-    Ring,
-    /// Recursive doubling over every rank through the fabric: `log2 N` exchanges
-    /// of the whole slice, for small operations (what MPI libraries use there).
-    Doubling,
-}
-
-impl Algorithm {
-    /// The algorithm's name, as `FAIRRING_ALGO` spells it.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Algorithm::Auto => "auto",
-            Algorithm::Hierarchical => "hierarchical",
-            Algorithm::Ring => "ring",
-            Algorithm::Doubling => "doubling",
-        }
-    }
-
-    /// Every algorithm.
-    pub const ALL: [Algorithm; 4] = [
-        Algorithm::Auto,
-        Algorithm::Hierarchical,
-        Algorithm::Ring,
-        Algorithm::Doubling,
-    ];
-}
-
-impl std::fmt::Display for Algorithm {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
+fairring_core::named_enum! {
+    /// How an all-reduce moves its data. The values are those of the C ABI's
+    /// `FR_ALGO_*` (0 there: the communicator's).
+    pub enum Algorithm {
+        /// Per operation, whichever of the others was measured faster for its
+        /// collective and size on the job's layout (the README's `FAIRRING_ALGO`
+        /// row says which; `src/engine/choice.rs` holds the rules and the
+        /// measurements). The default.
+        Auto = 1 => "auto",
+        /// Reduction-server all-reduce: intra-machine reduce-scatter, sharded
+        /// exchange along rails, intra-machine all-gather (docs/DESIGN.md
+        /// section 1).
+        Hierarchical = 2 => "hierarchical",
+        /// Ring reduce-scatter and all-gather over every rank through the
+        /// fabric, the baseline of Horovod, Gloo and NCCL.
+        Ring = 3 => "ring",
+        /// Recursive doubling over every rank through the fabric: `log2 N`
+        /// exchanges of the whole slice, for small operations (what MPI
+        /// libraries use there).
+        Doubling = 4 => "doubling",
     }
 }
 
@@ -120,13 +98,8 @@ impl std::str::FromStr for Algorithm {
     type Err = String;
 
     fn from_str(s: &str) -> std::result::Result<Algorithm, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "hierarchical" => Ok(Algorithm::Hierarchical),
-            "ring" => Ok(Algorithm::Ring),
-            "doubling" => Ok(Algorithm::Doubling),
-            "auto" => Ok(Algorithm::Auto),
-            _ => Err("expected auto, hierarchical, ring or doubling".into()),
-        }
+        Algorithm::from_name(&s.trim().to_ascii_lowercase())
+            .ok_or_else(|| "expected auto, hierarchical, ring or doubling".into())
     }
 }
 

@@ -35,44 +35,21 @@ use super::algorithm::Resolved;
 pub(crate) use crate::local::Words;
 use crate::memory::MemoryKind;
 
-/// Which collective a call is (a [`Call`](crate::Call) says which, and
-/// descriptors carry it, as its number, to compare across ranks).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Collective {
-    /// Every rank's tensor reduced into every rank's.
-    AllReduce = 1,
-    /// The root's tensor copied into every rank's.
-    Broadcast = 2,
-    /// Every rank's input, in rank order, into every rank's output.
-    AllGather = 3,
-    /// Every rank's input reduced; each rank's share into its output.
-    ReduceScatter = 4,
-    /// Every rank waits for every rank.
-    Barrier = 5,
-}
-
-impl Collective {
-    fn from_u8(v: u8) -> Option<Collective> {
-        Some(match v {
-            1 => Collective::AllReduce,
-            2 => Collective::Broadcast,
-            3 => Collective::AllGather,
-            4 => Collective::ReduceScatter,
-            5 => Collective::Barrier,
-            _ => return None,
-        })
-    }
-
-    /// The collective's name, as the bench and errors print it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Collective::AllReduce => "all_reduce",
-            Collective::Broadcast => "broadcast",
-            Collective::AllGather => "all_gather",
-            Collective::ReduceScatter => "reduce_scatter",
-            Collective::Barrier => "barrier",
-        }
+fairring_core::named_enum! {
+    /// Which collective a call is (a [`Call`](crate::Call) says which, and
+    /// descriptors carry it, as its number, to compare across ranks). The
+    /// values are those of the C ABI's `FR_COLLECTIVE_*`.
+    pub enum Collective {
+        /// Every rank's tensor reduced into every rank's.
+        AllReduce = 1 => "all_reduce",
+        /// The root's tensor copied into every rank's.
+        Broadcast = 2 => "broadcast",
+        /// Every rank's input, in rank order, into every rank's output.
+        AllGather = 3 => "all_gather",
+        /// Every rank's input reduced; each rank's share into its output.
+        ReduceScatter = 4 => "reduce_scatter",
+        /// Every rank waits for every rank.
+        Barrier = 5 => "barrier",
     }
 }
 
