@@ -16,7 +16,7 @@ use std::ops::Range;
 use fairring_core::plan::Slice;
 
 use super::ShmStep;
-use super::shm::{slice_range, slot_range};
+use super::shm_step::{slice_range, slot_range};
 use crate::error::{Error, Result};
 
 impl ShmStep {

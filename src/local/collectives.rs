@@ -52,7 +52,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use fairring_core::{DataType, ReduceOp};
 
 use super::issue_order::{GatherTurn, IssueOrder};
-use super::shm::{ShmStep, for_each_run, slice_range, slot_range};
+use super::shm_step::{ShmStep, for_each_run, slice_range, slot_range};
 use super::staged::Announce;
 use super::{LocalSlice, Waiting};
 use crate::error::{Error, Result};

@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use super::nccl::{NcclCell, OnGpu};
-use super::placed::{DeviceReach, Place};
+use super::placed_step::{DeviceReach, Place};
 use crate::error::{Error, Result};
 use crate::memory::{
     DeviceCell, DeviceFence, DeviceSide, DeviceTensor, Placed, PlacedFence, PlacedTensor,

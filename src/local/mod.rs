@@ -32,9 +32,9 @@ mod machine;
 #[cfg(feature = "cuda")]
 mod nccl;
 mod pieces;
-mod placed;
+mod placed_step;
 pub(crate) mod protocol;
-mod shm;
+mod shm_step;
 mod solo;
 mod staged;
 
@@ -50,11 +50,11 @@ pub(crate) use machine::{Machine, Words};
 pub(crate) use nccl::{NcclCell, NcclSetup};
 pub(crate) use pieces::RailPieces;
 #[cfg(not(feature = "cuda"))]
-pub(crate) use placed::HostOnly;
-pub(crate) use placed::PlacedStep;
+pub(crate) use placed_step::HostOnly;
+pub(crate) use placed_step::PlacedStep;
 #[cfg(all(test, not(loom)))]
-pub(crate) use placed::{DeviceReach, Place};
-pub(crate) use shm::ShmStep;
+pub(crate) use placed_step::{DeviceReach, Place};
+pub(crate) use shm_step::ShmStep;
 pub(crate) use solo::Solo;
 pub(crate) use staged::Waiting;
 

@@ -36,7 +36,7 @@ use fairring_core::ReduceOp;
 use fairring_core::reduce::finish_avg_bytes;
 
 use super::LocalSlice;
-use super::shm::{ShmStep, for_each_run, slice_range, slot_range};
+use super::shm_step::{ShmStep, for_each_run, slice_range, slot_range};
 use crate::error::{Error, Result};
 use crate::memory::{MemorySpace, reduce_into};
 

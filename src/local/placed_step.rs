@@ -22,7 +22,7 @@ use std::ops::Range;
 #[cfg(not(feature = "cuda"))]
 use super::collectives::Comm;
 use super::collectives::{CollectiveStep, Collectives};
-use super::shm::ShmStep;
+use super::shm_step::ShmStep;
 use super::{LocalSlice, LocalStep, Waiting};
 use crate::error::Result;
 use crate::memory::{Host, HostTensor, MemorySpace};
