@@ -294,8 +294,10 @@ fr_status fr_comm_from_env(fr_comm **out);
 // longer needs it, also when this call fails). `timeout_ms`, unless 0,
 // replaces `FAIRRING_TIMEOUT` (the rendezvous and peer-silence bound). The
 // other knobs come from the environment; `MASTER_ADDR` only picks the
-// interface the fabric listens on (loopback without it: one machine).
-// Collective.
+// interface the fabric listens on (loopback without it: one machine). The
+// job's `LOCAL_RANK`, `LOCAL_WORLD_SIZE` and dedicated servers are read only
+// where `rank` and `world_size` are the job's `RANK` and `WORLD_SIZE`: a
+// subgroup finds its machines through the store. Collective.
 //
 // # Safety
 //

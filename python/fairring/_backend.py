@@ -34,6 +34,20 @@ def _teardown(state):
 _live = weakref.WeakSet()
 
 
+def _this_join(store, size):
+    """`store`, scoped to this construction of the group.
+
+    PyTorch may hand the same store (and key prefix) to a group built again
+    after it was destroyed (under torchrun, the agent's store outlives every
+    group), where the keys of the last construction still stand: a rank would
+    read its predecessor's shared-memory name or endpoints. Every member adds
+    one to a counter when it joins; a construction completes only once all
+    members have joined, so the members of the `k`-th construction all read
+    values in `k*size+1 ..= (k+1)*size` and agree on `k`."""
+    joined = store.add("fairring/joins", 1)
+    return dist.PrefixStore(f"fairring/{(joined - 1) // size}/", store)
+
+
 @atexit.register
 def _teardown_all():
     for pg in list(_live):
@@ -46,7 +60,7 @@ class ProcessGroupFairring(dist.ProcessGroup):
     def __init__(self, store, rank, size, timeout):
         super().__init__(rank, size)
         lib = native.lib()
-        self._bridge = _StoreBridge(store)
+        self._bridge = _StoreBridge(_this_join(store, size))
         comm = native.comm_p()
         ms = int(timeout.total_seconds() * 1000) if timeout is not None else 0
         status = lib.fr_comm_with_store(

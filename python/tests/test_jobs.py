@@ -17,6 +17,7 @@ from conftest import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "ddp_job.py")
+GROUPS_JOB = os.path.join(HERE, "groups_job.py")
 REPO = os.path.dirname(os.path.dirname(HERE))
 
 
@@ -102,6 +103,18 @@ def test_ddp_under_torchrun(mode):
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
     assert len(re.findall(r"DONE \d", out)) == 2, out
+
+
+def test_subgroups_meshes_and_three_inits_under_torchrun():
+    """Subgroups read their layout from the rendezvous, not from the job's
+    LOCAL_WORLD_SIZE; a group built again reads its own keys, not the last
+    construction's."""
+    run = subprocess.run([torchrun(), "--master-port", str(free_port()), "--nproc-per-node", "4",
+                          GROUPS_JOB], capture_output=True, text=True, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    done = re.findall(r"GROUPS DONE \d", out)
+    assert len(done) == 4, out
 
 
 def bench_binary():

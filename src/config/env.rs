@@ -27,8 +27,26 @@ impl Config {
     /// which serves one machine only. A `timeout`, when given (the runtime's
     /// own), replaces `FAIRRING_TIMEOUT`.
     pub fn from_env_with(rank: u32, world_size: u32, timeout: Option<Duration>) -> Result<Config> {
-        let env = |name: &str| std::env::var(name).ok();
+        Config::for_group(rank, world_size, timeout, |name| std::env::var(name).ok())
+    }
+
+    /// [`Config::from_env_with`], reading the environment through `env`.
+    ///
+    /// The job's own variables describe the job's own group only: where
+    /// `rank` and `world_size` are not the job's `RANK` and `WORLD_SIZE` (a
+    /// subgroup, or a group of another launcher's), `LOCAL_RANK`,
+    /// `LOCAL_WORLD_SIZE` and the dedicated servers (`FAIRRING_SERVERS`,
+    /// `FAIRRING_ROLE`) are not this group's and are not read: the
+    /// rendezvous finds the group's machines.
+    pub(crate) fn for_group(
+        rank: u32,
+        world_size: u32,
+        timeout: Option<Duration>,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Config> {
         let timeout = timeout.map(|t| format!("{}ms", t.as_millis().max(1)));
+        let the_jobs = env("RANK").is_some_and(|r| r.trim() == rank.to_string())
+            && env("WORLD_SIZE").is_some_and(|w| w.trim() == world_size.to_string());
         Config::from_lookup(|name| match name {
             "RANK" => Some(rank.to_string()),
             "WORLD_SIZE" => Some(world_size.to_string()),
@@ -37,6 +55,11 @@ impl Config {
             "FAIRRING_TIMEOUT" => timeout.clone().or_else(|| env(name)),
             // The caller's store replaces torchrun's.
             "TORCHELASTIC_USE_AGENT_STORE" => None,
+            "LOCAL_RANK" | "LOCAL_WORLD_SIZE" | "FAIRRING_SERVERS" | "FAIRRING_ROLE"
+                if !the_jobs =>
+            {
+                None
+            }
             _ => env(name),
         })
     }

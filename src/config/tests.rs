@@ -233,3 +233,27 @@ fn the_same_job_gets_the_same_tag() {
     assert_eq!(a.job_tag, b.job_tag);
     assert_ne!(a.job_tag, c.job_tag);
 }
+
+#[test]
+fn a_subgroup_does_not_read_the_jobs_local_layout_or_servers() {
+    let job = env(&[
+        ("RANK", "2"),
+        ("WORLD_SIZE", "4"),
+        ("LOCAL_RANK", "0"),
+        ("LOCAL_WORLD_SIZE", "4"),
+        ("FAIRRING_SERVERS", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+    ]);
+    // The job's own group: its variables are checked as from_env checks them.
+    let own = Config::for_group(2, 4, None, &job).unwrap();
+    assert_eq!(own.local_world_size, Some(4));
+    assert_eq!(own.local_rank, Some(0));
+    assert_eq!(own.servers, 1);
+    // A subgroup of two: LOCAL_WORLD_SIZE=4 would not divide it, and the
+    // job's servers do not serve it.
+    let sub = Config::for_group(1, 2, None, &job).unwrap();
+    assert_eq!(sub.local_world_size, None);
+    assert_eq!(sub.local_rank, None);
+    assert_eq!(sub.servers, 0);
+    assert_eq!(sub.world_size, 2);
+}
