@@ -123,12 +123,14 @@ class ProcessGroupFairring(dist.ProcessGroup):
             # Started ones still run: let the completion thread release them.
             if works:
                 self._state["completer"].put(
-                    _Pending(works, torch.futures.Future(), None, None, what, keep)
+                    _Pending(
+                        works, torch.futures.Future(), torch.futures.Future(), None, None, what, keep
+                    )
                 )
             raise
-        future = torch.futures.Future()
-        self._state["completer"].put(_Pending(works, future, finish, result, what, keep))
-        return Work(future, keep, what)
+        future, gate = torch.futures.Future(), torch.futures.Future()
+        self._state["completer"].put(_Pending(works, future, gate, finish, result, what, keep))
+        return Work(future, gate, keep, what)
 
     def allreduce(self, tensors, opts=None):
         what = "allreduce"

@@ -11,13 +11,16 @@ from . import _native as native
 from ._native import FairringError
 
 class _Pending:
-    """Operations started in the engine, whose future is set when all finish."""
+    """Operations started in the engine: when all finish, `future` (what
+    `Work.wait` waits on) and then `gate` (behind the future
+    `Work.get_future` returns) are completed."""
 
-    __slots__ = ("works", "future", "finish", "result", "what", "keep")
+    __slots__ = ("works", "future", "gate", "finish", "result", "what", "keep")
 
-    def __init__(self, works, future, finish, result, what, keep):
+    def __init__(self, works, future, gate, finish, result, what, keep):
         self.works = works
         self.future = future
+        self.gate = gate
         self.finish = finish
         self.result = result
         self.what = what
@@ -25,11 +28,29 @@ class _Pending:
 
 
 class _Completer:
-    """One thread that waits for a group's operations in issue order and
-    fulfils their futures. Waiting happens inside the library, without the GIL."""
+    """Completes a group's operations.
+
+    One thread waits for them in issue order (inside the library, without the
+    GIL), copies results back and completes the future `Work.wait` waits on,
+    which carries none of the caller's callbacks: a blocking caller wakes after
+    one hand-over. The future `get_future` returns, to which callers attach
+    ``then`` callbacks, is completed by a dispatcher thread instead, because
+    completing a future runs its callbacks on the completing thread, and a
+    callback may wait on a later operation of the same group (PowerSGD's hooks
+    do; so may any user's). Every operation handed over has a dispatcher of
+    its own reserved: an idle one, or a new thread while all are busy in
+    callbacks. A callback that blocks holds up only itself, and a wait that
+    can no longer finish ends with the group's timeout, which fails the
+    operation waited on.
+    """
 
     def __init__(self, rank):
+        self._rank = rank
         self._queue = queue.SimpleQueue()
+        self._ready = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._dispatchers = []
         self._thread = threading.Thread(
             target=self._run, name=f"fairring-futures-{rank}", daemon=True
         )
@@ -39,10 +60,20 @@ class _Completer:
         self._queue.put(pending)
 
     def close(self):
+        """Ends the threads once the operations already handed over are
+        complete, and joins them (but not the calling thread, if it is one)."""
+        me = threading.current_thread()
         if self._thread.is_alive():
             self._queue.put(None)
-            if threading.current_thread() is not self._thread:
+            if me is not self._thread:
                 self._thread.join()
+        with self._lock:
+            dispatchers = list(self._dispatchers)
+        for _ in dispatchers:
+            self._ready.put(None)
+        for d in dispatchers:
+            if d is not me:
+                d.join()
 
     def _run(self):
         lib = native.lib()
@@ -58,17 +89,46 @@ class _Completer:
                 if status != native.OK and failure is None:
                     failure = FairringError(p.what, status, native.last_error())
                 lib.fr_work_free(w)
-            if failure is None:
+            if failure is None and p.finish is not None:
                 try:
-                    if p.finish is not None:
-                        p.finish()
-                    p.future.set_result(p.result)
+                    p.finish()
                 except Exception as e:  # a copy back that failed
-                    p.future.set_exception(e)
+                    failure = e
+            # `future` holds only the package's own callbacks.
+            if failure is None:
+                p.future.set_result(p.result)
             else:
                 p.future.set_exception(failure)
+            self._hand_over(p, failure)
+
+    def _hand_over(self, p, failure):
+        with self._lock:
+            if self._idle > 0:
+                self._idle -= 1  # reserved for this one
+            else:
+                d = threading.Thread(
+                    target=self._dispatch,
+                    name=f"fairring-callbacks-{self._rank}-{len(self._dispatchers)}",
+                    daemon=True,
+                )
+                self._dispatchers.append(d)
+                d.start()
+        self._ready.put((p, failure))
+
+    def _dispatch(self):
+        while True:
+            item = self._ready.get()
+            if item is None:
+                return
+            p, failure = item
+            if failure is None:
+                p.gate.set_result(p.result)
+            else:
+                p.gate.set_exception(failure)
             # The tensors may be reclaimed now.
             p.keep = None
+            with self._lock:
+                self._idle += 1
 
 
 class Work(dist.Work):
@@ -79,12 +139,12 @@ class Work(dist.Work):
     tensors are kept alive until the operation finishes.
     """
 
-    def __init__(self, future, keep, what="operation"):
+    def __init__(self, future, gate, keep, what="operation"):
         super().__init__()
         self._raw = future
         # A future failed through set_exception alone reads as success to
         # C++ callers (DDP's reducer); re-raising in `then` marks it failed.
-        self._future = future.then(lambda f: f.value())
+        self._future = gate.then(lambda f: f.value())
         self._keep = keep
         self._what = what
         self._done = threading.Event()
@@ -99,7 +159,9 @@ class Work(dist.Work):
                 f"fairring: {self._what} did not finish within {seconds:g} s "
                 "(it still runs; the group's own timeout fails it if a peer is lost)"
             )
-        self._future.wait()
+        # The raw future raises the `FairringError` itself (the chained one
+        # would wrap it in a RuntimeError about a callback).
+        self._raw.wait()
         return True
 
     def is_completed(self):
@@ -136,7 +198,9 @@ class _Chained(dist.Work):
         self._works = works
 
     def wait(self, timeout=datetime.timedelta(0)):
-        self._future.wait()
+        # Each work raises its own `FairringError`.
+        for w in self._works:
+            w.wait(timeout)
         return True
 
     def is_completed(self):

@@ -1,6 +1,7 @@
 """Helpers shared by the tests: jobs of N processes on this machine."""
 
 import datetime
+import faulthandler
 import os
 import socket
 import sys
@@ -11,6 +12,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 TIMEOUT = datetime.timedelta(seconds=60)
 
+# A rank still running after this long is hung: it prints every thread's stack
+# and exits, which fails its test instead of hanging the run.
+HUNG_AFTER = 240
+
 
 def free_port():
     with socket.socket() as s:
@@ -18,7 +23,16 @@ def free_port():
         return s.getsockname()[1]
 
 
+def _bounded(rank, fn, *args):
+    faulthandler.dump_traceback_later(HUNG_AFTER, exit=True)
+    try:
+        fn(rank, *args)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 def spawn(fn, world, *args):
     """Runs ``fn(rank, world, port, *args)`` in `world` fresh processes; an
-    assertion or exception in any of them fails the caller."""
-    mp.spawn(fn, args=(world, free_port()) + args, nprocs=world, join=True)
+    assertion or exception in any of them, or a rank hung for `HUNG_AFTER`
+    seconds, fails the caller."""
+    mp.spawn(_bounded, args=(fn, world, free_port()) + args, nprocs=world, join=True)

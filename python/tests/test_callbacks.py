@@ -1,0 +1,92 @@
+"""Callbacks on a group's futures may use the group: a blocking collective, or
+a wait on another operation's future, inside a ``then`` callback completes (it
+once waited forever on the thread that was running the callback), nested
+three deep, and many callbacks blocked at once do not hold up each other. A
+failed operation raises `fairring.FairringError` itself from ``wait()``."""
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+import fairring
+from conftest import TIMEOUT, spawn
+
+
+def callbacks(rank, world, port):
+    dist.init_process_group(
+        "fairring",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=TIMEOUT,
+    )
+
+    def nested(depth):
+        def callback(fut):
+            (got,) = fut.value()
+            # A blocking collective, then a wait on another future, on the
+            # thread that completed `fut`.
+            u = torch.full((4,), float(depth))
+            dist.all_reduce(u)
+            (v,) = dist.all_reduce(torch.ones(2), async_op=True).get_future().wait()
+            assert torch.equal(v, torch.full((2,), float(world)))
+            if depth < 3:
+                inner = dist.all_reduce(torch.ones(4), async_op=True).get_future()
+                inner.then(nested(depth + 1)).wait()
+            return got + u
+
+        return callback
+
+    fut = dist.all_reduce(torch.ones(4), async_op=True).get_future()
+    out = fut.then(nested(1)).wait()
+    assert torch.equal(out, torch.full((4,), float(world) * 2)), out
+
+    # Eight callbacks all blocked at once, each waiting on a later operation.
+    started = [dist.all_reduce(torch.full((8,), float(i)), async_op=True) for i in range(8)]
+    chained = [
+        w.get_future().then(lambda f, i=i: dist.all_reduce(torch.full((2,), float(i))))
+        for i, w in enumerate(started)
+    ]
+    for c in chained:
+        c.wait()
+    for i, w in enumerate(started):
+        assert torch.equal(w.get_future().value()[0], torch.full((8,), float(i * world)))
+
+    dist.destroy_process_group()
+    leftover = [t.name for t in threading.enumerate() if t.name.startswith("fairring-")]
+    assert not leftover, leftover
+
+
+def test_collectives_inside_callbacks_complete():
+    spawn(callbacks, 2)
+
+
+def mismatch(rank, world, port):
+    dist.init_process_group(
+        "fairring",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=TIMEOUT,
+    )
+    # Different lengths on the two ranks: a mismatch, named on both.
+    try:
+        dist.all_reduce(torch.ones(4 + rank))
+    except fairring.FairringError as e:
+        assert "mismatch" in str(e).lower(), e
+    else:
+        raise AssertionError("a mismatched all-reduce passed")
+    # The group has failed: a later call is refused (or, had it started,
+    # would fail) with the same error type.
+    try:
+        dist.all_reduce(torch.ones(4), async_op=True).wait()
+    except fairring.FairringError:
+        pass
+    else:
+        raise AssertionError("an all-reduce on a failed group passed")
+    dist.destroy_process_group()
+
+
+def test_a_failed_operation_raises_fairring_error_from_wait():
+    spawn(mismatch, 2)
