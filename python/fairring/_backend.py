@@ -123,14 +123,12 @@ class ProcessGroupFairring(dist.ProcessGroup):
             # Started ones still run: let the completion thread release them.
             if works:
                 self._state["completer"].put(
-                    _Pending(
-                        works, torch.futures.Future(), torch.futures.Future(), None, None, what, keep
-                    )
+                    _Pending(works, torch.futures.Future(), None, None, what, keep)
                 )
             raise
-        future, gate = torch.futures.Future(), torch.futures.Future()
-        self._state["completer"].put(_Pending(works, future, gate, finish, result, what, keep))
-        return Work(future, gate, keep, what)
+        pending = _Pending(works, torch.futures.Future(), finish, result, what, keep)
+        self._state["completer"].put(pending)
+        return Work(pending, keep, what)
 
     def allreduce(self, tensors, opts=None):
         what = "allreduce"

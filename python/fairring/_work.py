@@ -5,26 +5,63 @@ import datetime
 import queue
 import threading
 
+import torch
 import torch.distributed as dist
 
 from . import _native as native
 from ._native import FairringError
 
 class _Pending:
-    """Operations started in the engine: when all finish, `future` (what
-    `Work.wait` waits on) and then `gate` (behind the future
-    `Work.get_future` returns) are completed."""
+    """Operations started in the engine. When all finish, `future` (what
+    `Work.wait` waits on) is completed; the future `Work.get_future` returns,
+    made only when asked for, is completed by a dispatcher (or at once, if
+    asked for after the operations finished)."""
 
-    __slots__ = ("works", "future", "gate", "finish", "result", "what", "keep")
+    __slots__ = (
+        "works", "future", "finish", "result", "what", "keep",
+        "lock", "settled", "failure", "gate", "chained",
+    )
 
-    def __init__(self, works, future, gate, finish, result, what, keep):
+    def __init__(self, works, future, finish, result, what, keep):
         self.works = works
         self.future = future
-        self.gate = gate
         self.finish = finish
         self.result = result
         self.what = what
         self.keep = keep
+        self.lock = threading.Lock()
+        self.settled = False
+        self.failure = None
+        self.gate = None
+        self.chained = None
+
+    def settle(self, failure):
+        """Records the outcome; returns whether a dispatcher must complete the
+        future handed out for callbacks."""
+        with self.lock:
+            self.settled = True
+            self.failure = failure
+            return self.gate is not None
+
+    def future_for_callbacks(self):
+        with self.lock:
+            if self.chained is None:
+                self.gate = torch.futures.Future()
+                # A future failed through set_exception alone reads as success
+                # to C++ callers (DDP's reducer); re-raising in `then` marks it
+                # failed.
+                self.chained = self.gate.then(lambda f: f.value())
+                if self.settled:
+                    # No callback is attached yet: completing it here runs none.
+                    _complete(self.gate, self.result, self.failure)
+            return self.chained
+
+
+def _complete(future, result, failure):
+    if failure is None:
+        future.set_result(result)
+    else:
+        future.set_exception(failure)
 
 
 class _Completer:
@@ -33,8 +70,9 @@ class _Completer:
     One thread waits for them in issue order (inside the library, without the
     GIL), copies results back and completes the future `Work.wait` waits on,
     which carries none of the caller's callbacks: a blocking caller wakes after
-    one hand-over. The future `get_future` returns, to which callers attach
-    ``then`` callbacks, is completed by a dispatcher thread instead, because
+    one hand-over, and an operation nobody asked a future of ends there. The
+    future `get_future` returns, to which callers attach ``then`` callbacks,
+    is completed by a dispatcher thread instead, because
     completing a future runs its callbacks on the completing thread, and a
     callback may wait on a later operation of the same group (PowerSGD's hooks
     do; so may any user's). Every operation handed over has a dispatcher of
@@ -95,11 +133,11 @@ class _Completer:
                 except Exception as e:  # a copy back that failed
                     failure = e
             # `future` holds only the package's own callbacks.
-            if failure is None:
-                p.future.set_result(p.result)
+            _complete(p.future, p.result, failure)
+            if p.settle(failure):
+                self._hand_over(p, failure)
             else:
-                p.future.set_exception(failure)
-            self._hand_over(p, failure)
+                p.keep = None
 
     def _hand_over(self, p, failure):
         with self._lock:
@@ -121,10 +159,7 @@ class _Completer:
             if item is None:
                 return
             p, failure = item
-            if failure is None:
-                p.gate.set_result(p.result)
-            else:
-                p.gate.set_exception(failure)
+            _complete(p.gate, p.result, failure)
             # The tensors may be reclaimed now.
             p.keep = None
             with self._lock:
@@ -139,16 +174,14 @@ class Work(dist.Work):
     tensors are kept alive until the operation finishes.
     """
 
-    def __init__(self, future, gate, keep, what="operation"):
+    def __init__(self, pending, keep, what="operation"):
         super().__init__()
-        self._raw = future
-        # A future failed through set_exception alone reads as success to
-        # C++ callers (DDP's reducer); re-raising in `then` marks it failed.
-        self._future = gate.then(lambda f: f.value())
+        self._pending = pending
+        self._raw = pending.future
         self._keep = keep
         self._what = what
         self._done = threading.Event()
-        future.add_done_callback(lambda _: self._done.set())
+        self._raw.add_done_callback(lambda _: self._done.set())
 
     def wait(self, timeout=datetime.timedelta(0)):
         """Waits for the operation (up to `timeout` if it is not zero) and
@@ -186,7 +219,9 @@ class Work(dist.Work):
             return e
 
     def get_future(self):
-        return self._future
+        # Made on demand: an operation nobody asked a future of (a blocking
+        # call) finishes without a hand-over to a dispatcher.
+        return self._pending.future_for_callbacks()
 
 
 class _Chained(dist.Work):
