@@ -368,3 +368,171 @@ fn an_in_place_all_gather_reads_its_input_from_its_own_place() {
         assert_eq!(output, expected);
     }
 }
+
+/// Every rank's tensors of `T` reduced with every `op` of `ops`, all sizes of
+/// [`SIZES`], in one job per layout; element `i` of tensor `k` must be
+/// `want(op, k, i)` on every rank.
+fn check_all_reduce<T: Element + PartialEq + Send + Sync + std::fmt::Debug>(
+    (m, d, servers): (u32, u32, u32),
+    algorithm: Algorithm,
+    ops: &[ReduceOp],
+    input: impl Fn(u32, usize, usize) -> T + Sync,
+    want: impl Fn(ReduceOp, usize, usize) -> T,
+) {
+    let results = job_with_servers(
+        m,
+        d,
+        servers,
+        |b| small_slices(b, algorithm),
+        |rank, comm| {
+            ops.iter()
+                .map(|&op| {
+                    SIZES
+                        .iter()
+                        .enumerate()
+                        .map(|(k, &n)| {
+                            let mut data: Vec<T> = (0..n).map(|i| input(rank, k, i)).collect();
+                            comm.all_reduce(&mut data, op).unwrap_or_else(|e| {
+                                panic!("{m}x{d}+{servers} {algorithm} {op}: rank {rank}: {e}")
+                            });
+                            data
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect::<Vec<_>>()
+        },
+    );
+    for (rank, per_op) in results.iter().enumerate() {
+        for (&op, tensors) in ops.iter().zip(per_op) {
+            for (k, got) in tensors.iter().enumerate() {
+                let bad = got.iter().enumerate().find(|&(i, v)| *v != want(op, k, i));
+                assert_eq!(
+                    bad,
+                    None,
+                    "{m}x{d}+{servers} {algorithm} {} {op}: rank {rank}, tensor {k}",
+                    T::DTYPE
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bitwise_operators_i16_and_bool_reduce_exactly() {
+    use fairring::core::reduce::Bool;
+    for_every_layout(|m, d, servers, algorithm| {
+        let layout = (m, d, servers);
+        let world = m * d;
+        let bitwise = [ReduceOp::BitAnd, ReduceOp::BitOr, ReduceOp::BitXor];
+        let fold = |op: ReduceOp, all: &mut dyn Iterator<Item = i64>| match op {
+            ReduceOp::BitAnd => all.fold(-1, |a, b| a & b),
+            ReduceOp::BitOr => all.fold(0, |a, b| a | b),
+            ReduceOp::BitXor => all.fold(0, |a, b| a ^ b),
+            ReduceOp::Sum => all.fold(0, i64::wrapping_add),
+            ReduceOp::Min => all.min().unwrap_or(0),
+            _ => all.max().unwrap_or(0),
+        };
+        // i16: every bitwise operator, and sums that wrap at 16 bits.
+        let i16_ops = [bitwise.as_slice(), &[ReduceOp::Sum, ReduceOp::Min]].concat();
+        check_all_reduce(
+            layout,
+            algorithm,
+            &i16_ops,
+            |r, k, i| (value(r, k, i) ^ (value(r, k, i) >> 40)) as i16,
+            |op, k, i| {
+                let mut all =
+                    (0..world).map(|r| i64::from((value(r, k, i) ^ (value(r, k, i) >> 40)) as i16));
+                let folded = fold(op, &mut all);
+                folded as i16
+            },
+        );
+        // Wider integers: the bitwise operators on their high bits too.
+        check_all_reduce(layout, algorithm, &bitwise, value, |op, k, i| {
+            fold(op, &mut (0..world).map(|r| value(r, k, i)))
+        });
+        check_all_reduce(
+            layout,
+            algorithm,
+            &bitwise,
+            |r, k, i| value(r, k, i) as u8,
+            |op, k, i| fold(op, &mut (0..world).map(|r| i64::from(value(r, k, i) as u8))) as u8,
+        );
+        // bool: true bytes other than 1, every result 0 or 1.
+        let truth = |r: u32, k: usize, i: usize| Bool(((value(r, k, i) >> 3) % 3) as u8 * 0x41);
+        check_all_reduce(
+            layout,
+            algorithm,
+            &[
+                ReduceOp::Sum,
+                ReduceOp::Product,
+                ReduceOp::Min,
+                ReduceOp::Max,
+                ReduceOp::BitAnd,
+                ReduceOp::BitOr,
+                ReduceOp::BitXor,
+            ],
+            truth,
+            |op, k, i| {
+                if world == 1 {
+                    return truth(0, k, i); // nothing combined: the bytes as they are
+                }
+                let mut all = (0..world).map(|r| truth(r, k, i).0 != 0);
+                Bool(u8::from(match op {
+                    ReduceOp::Sum | ReduceOp::Max | ReduceOp::BitOr => all.any(|t| t),
+                    ReduceOp::Product | ReduceOp::Min | ReduceOp::BitAnd => all.all(|t| t),
+                    _ => all.filter(|&t| t).count() % 2 == 1,
+                }))
+            },
+        );
+        // Reduce-scatter of the new type and operators.
+        let half = |r: u32, k: usize, i: usize| (value(r, k, i) >> 7) as i16;
+        check_reduce_scatter(
+            layout,
+            algorithm,
+            ReduceOp::BitXor,
+            half,
+            |k, j| (0..world).fold(0i16, |a, r| a ^ half(r, k, j)),
+            -1,
+        );
+        check_reduce_scatter(
+            layout,
+            algorithm,
+            ReduceOp::BitAnd,
+            truth,
+            |k, j| match world {
+                1 => truth(0, k, j),
+                _ => Bool(u8::from((0..world).all(|r| truth(r, k, j).0 != 0))),
+            },
+            Bool(7),
+        );
+    });
+}
+
+#[test]
+fn bitwise_operators_on_floats_and_avg_on_bool_are_refused_naming_the_op() {
+    job(
+        1,
+        2,
+        |b| b,
+        |_, comm| {
+            let mut f = vec![1.0f32; 8];
+            let e = comm
+                .all_reduce(&mut f, ReduceOp::BitOr)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("op") && e.contains("bor") && e.contains("f32"),
+                "{e}"
+            );
+            let mut b = vec![fairring::core::reduce::Bool(1); 8];
+            let e = comm
+                .all_reduce(&mut b, ReduceOp::Avg)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("avg") && e.contains("bool"), "{e}");
+            // Refusals number nothing: the ranks still agree.
+            comm.all_reduce(&mut f, ReduceOp::Sum).unwrap();
+            assert_eq!(f, vec![2.0; 8]);
+        },
+    );
+}

@@ -74,7 +74,7 @@ use std::io::Write;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use fairring::core::reduce::Element;
+use fairring::core::reduce::{Bool, Element};
 use fairring::{Algorithm, Communicator, Config, DataType, ReduceOp, WireFormat};
 use half::{bf16, f16};
 

@@ -175,12 +175,9 @@ pub(crate) fn parse(args: &[String]) -> Options {
             "--op" => {
                 let v = value();
                 o.op = match v.as_str() {
-                    "sum" => ReduceOp::Sum,
-                    "prod" | "product" => ReduceOp::Product,
-                    "min" => ReduceOp::Min,
-                    "max" => ReduceOp::Max,
-                    "avg" => ReduceOp::Avg,
-                    _ => usage(&format!("--op: unknown operator {v:?}")),
+                    "prod" => ReduceOp::Product,
+                    name => ReduceOp::from_name(name)
+                        .unwrap_or_else(|| usage(&format!("--op: unknown operator {v:?}"))),
                 }
             }
             "--check" => o.check = true,

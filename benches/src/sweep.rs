@@ -50,7 +50,7 @@ pub(crate) fn run(o: &Options) -> fairring::Result<u64> {
             }
         };
     }
-    dispatch!(F32 => f32, F64 => f64, F16 => f16, BF16 => bf16, I32 => i32, I64 => i64, U8 => u8, I8 => i8)
+    dispatch!(F32 => f32, F64 => f64, F16 => f16, BF16 => bf16, I32 => i32, I64 => i64, U8 => u8, I8 => i8, I16 => i16, Bool => Bool)
 }
 
 pub(crate) fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Result<u64> {

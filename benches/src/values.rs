@@ -16,7 +16,14 @@ macro_rules! value_int {
         }
     )*};
 }
-value_int!(i32, i64, u8, i8);
+value_int!(i32, i64, u8, i8, i16);
+
+/// A `bool` holds the parity of the small value: odd is true.
+impl Value for Bool {
+    fn from_small(v: i64) -> Self {
+        Bool(u8::from(v % 2 != 0))
+    }
+}
 
 impl Value for f32 {
     #[expect(clippy::cast_precision_loss, reason = "small integers are exact")]
@@ -66,14 +73,29 @@ pub(crate) fn input(op: ReduceOp, rank: u32, world: u32, i: u64) -> i64 {
     }
 }
 
-pub(crate) fn expected(op: ReduceOp, world: u32, i: u64) -> i64 {
+/// The result at element `i` of reducing every rank's input with `op`, as a
+/// small value; for `bool` (`dtype`), of reducing the inputs' parities
+/// logically (sum and max are or, product and min and), as 0 or 1.
+pub(crate) fn expected(dtype: DataType, op: ReduceOp, world: u32, i: u64) -> i64 {
     let vals = (0..world).map(|r| input(op, r, world, i));
+    if dtype == DataType::Bool {
+        let mut truths = vals.map(|v| v % 2 != 0);
+        return i64::from(match op {
+            ReduceOp::Sum | ReduceOp::Max | ReduceOp::BitOr => truths.any(|t| t),
+            ReduceOp::Product | ReduceOp::Min | ReduceOp::BitAnd => truths.all(|t| t),
+            ReduceOp::BitXor => truths.filter(|&t| t).count() % 2 == 1,
+            ReduceOp::Avg => false,
+        });
+    }
     match op {
         ReduceOp::Sum => vals.sum(),
         ReduceOp::Avg => vals.sum::<i64>() / i64::from(world),
         ReduceOp::Product => vals.fold(1i64, i64::wrapping_mul),
         ReduceOp::Min => vals.min().unwrap_or(0),
         ReduceOp::Max => vals.max().unwrap_or(0),
+        ReduceOp::BitAnd => vals.fold(-1i64, |a, b| a & b),
+        ReduceOp::BitOr => vals.fold(0i64, |a, b| a | b),
+        ReduceOp::BitXor => vals.fold(0i64, |a, b| a ^ b),
     }
 }
 
@@ -121,7 +143,10 @@ pub(crate) fn count_wrong<T: Value>(
     let mut wrong = 0u64;
     for (j, b) in bufs.iter().enumerate() {
         let (got, want): (&[T], Box<dyn Fn(usize) -> i64>) = match o.collective {
-            Timed::AllReduce => (&b[..n], Box::new(|i| expected(o.op, world, i as u64))),
+            Timed::AllReduce => (
+                &b[..n],
+                Box::new(|i| expected(T::DTYPE, o.op, world, i as u64)),
+            ),
             Timed::Broadcast => (&b[..n], Box::new(|i| input(o.op, 0, world, i as u64))),
             Timed::AllGather => (
                 &b[..n],
@@ -132,7 +157,7 @@ pub(crate) fn count_wrong<T: Value>(
             ),
             Timed::ReduceScatter => (
                 &parts[j][..k],
-                Box::new(move |i| expected(o.op, world, (rank as usize * k + i) as u64)),
+                Box::new(move |i| expected(T::DTYPE, o.op, world, (rank as usize * k + i) as u64)),
             ),
         };
         wrong += got

@@ -23,6 +23,13 @@ named_enum! {
         U8 = 6 => "u8",
         /// Two's-complement 8-bit integer.
         I8 = 7 => "i8",
+        /// Two's-complement 16-bit integer.
+        I16 = 8 => "i16",
+        /// A boolean in one byte (PyTorch's `torch.bool`): 0 is false, any
+        /// other value true; every combined result is 0 or 1 (a job of one
+        /// rank combines nothing and leaves the bytes as they are). Sum and
+        /// max reduce as logical or, product and min as logical and.
+        Bool = 9 => "bool",
     }
 }
 
@@ -31,8 +38,8 @@ impl DataType {
     /// [`ALIGN_BYTES`](crate::plan::ALIGN_BYTES).
     pub const fn size_bytes(self) -> u64 {
         match self {
-            DataType::U8 | DataType::I8 => 1,
-            DataType::F16 | DataType::BF16 => 2,
+            DataType::U8 | DataType::I8 | DataType::Bool => 1,
+            DataType::F16 | DataType::BF16 | DataType::I16 => 2,
             DataType::F32 | DataType::I32 => 4,
             DataType::F64 | DataType::I64 => 8,
         }
@@ -52,6 +59,7 @@ named_enum! {
     ///
     /// `Avg` reduces as `Sum` and is finished by dividing by the number of contributors
     /// ([`crate::reduce::finish_avg`]); it is defined for floating-point types only.
+    /// The bitwise operators are defined for integer types and `bool` only.
     pub enum ReduceOp {
         /// Sum (wrapping for integers).
         Sum = 0 => "sum",
@@ -63,15 +71,32 @@ named_enum! {
         Max = 3 => "max",
         /// Mean over the contributors: a sum, then a division. Floats only.
         Avg = 4 => "avg",
+        /// Bitwise and; logical and on `bool`.
+        BitAnd = 5 => "band",
+        /// Bitwise or; logical or on `bool`.
+        BitOr = 6 => "bor",
+        /// Bitwise exclusive or; logical exclusive or on `bool`.
+        BitXor = 7 => "bxor",
     }
 }
 
 impl ReduceOp {
-    /// Whether `self` is defined on `dtype`. Every operator is defined on every type
-    /// except `Avg` on integers: an integer mean would truncate, and a job that wants
-    /// it should sum and divide where it can choose the rounding.
+    /// Whether `self` is defined on `dtype`. `Avg` is defined on floats only: an
+    /// integer mean would truncate, and a job that wants it should sum and divide
+    /// where it can choose the rounding. The bitwise operators are defined on
+    /// integers and `bool` only, as in PyTorch. The others are defined on every
+    /// type.
     pub const fn supports(self, dtype: DataType) -> bool {
-        !matches!(self, ReduceOp::Avg) || dtype.is_float()
+        match self {
+            ReduceOp::Avg => dtype.is_float(),
+            ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor => !dtype.is_float(),
+            ReduceOp::Sum | ReduceOp::Product | ReduceOp::Min | ReduceOp::Max => true,
+        }
+    }
+
+    /// Whether `self` is one of the bitwise operators.
+    pub const fn is_bitwise(self) -> bool {
+        matches!(self, ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor)
     }
 }
 

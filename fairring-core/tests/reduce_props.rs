@@ -3,7 +3,7 @@
 //! values (NaN, infinities, signed zeros, subnormals), lengths across the kernels'
 //! block boundaries, typed and byte entry points.
 
-use fairring_core::reduce::{self, Element, Operand, ReduceError};
+use fairring_core::reduce::{self, Bool, Element, Operand, ReduceError};
 use fairring_core::{DataType, ReduceOp};
 use half::{bf16, f16};
 use proptest::prelude::*;
@@ -82,6 +82,7 @@ impl Reference for f32 {
             // Min and max of two f32 are exact in f64 and convert back exactly.
             ReduceOp::Min => float_min(a.into(), b.into()) as f32,
             ReduceOp::Max => float_max(a.into(), b.into()) as f32,
+            bitwise => unreachable!("{bitwise} is refused on floats"),
         }
     }
     fn avg(x: f32, n: u32) -> Option<f32> {
@@ -107,6 +108,7 @@ impl Reference for f64 {
             ReduceOp::Product => a * b,
             ReduceOp::Min => float_min(a, b),
             ReduceOp::Max => float_max(a, b),
+            bitwise => unreachable!("{bitwise} is refused on floats"),
         }
     }
     fn avg(x: f64, n: u32) -> Option<f64> {
@@ -164,6 +166,9 @@ macro_rules! int_reference {
                     ReduceOp::Product => a.wrapping_mul(b),
                     ReduceOp::Min => if a < b { a } else { b },
                     ReduceOp::Max => if a > b { a } else { b },
+                    ReduceOp::BitAnd => a & b,
+                    ReduceOp::BitOr => a | b,
+                    ReduceOp::BitXor => a ^ b,
                 }
             }
             fn avg(_: $t, _: u32) -> Option<$t> {
@@ -187,6 +192,33 @@ int_reference!(i32);
 int_reference!(i64);
 int_reference!(u8);
 int_reference!(i8);
+int_reference!(i16);
+
+/// `bool`: any non-zero byte is true, every result 0 or 1.
+impl Reference for Bool {
+    fn op(op: ReduceOp, a: Bool, b: Bool) -> Bool {
+        let (a, b) = (a.0 != 0, b.0 != 0);
+        Bool(u8::from(match op {
+            ReduceOp::Sum | ReduceOp::Max | ReduceOp::BitOr => a || b,
+            ReduceOp::Product | ReduceOp::Min | ReduceOp::BitAnd => a && b,
+            ReduceOp::BitXor => a != b,
+            ReduceOp::Avg => unreachable!("avg is refused on bool"),
+        }))
+    }
+    fn avg(_: Bool, _: u32) -> Option<Bool> {
+        None
+    }
+    fn same(a: Bool, b: Bool) -> bool {
+        a == b
+    }
+    fn arbitrary() -> BoxedStrategy<Bool> {
+        prop_oneof![
+            4 => prop::sample::select(vec![Bool(0), Bool(1)]),
+            1 => any::<u8>().prop_map(Bool),
+        ]
+        .boxed()
+    }
+}
 
 fn ops_for<T: Element>() -> Vec<ReduceOp> {
     ReduceOp::ALL
@@ -356,6 +388,25 @@ kernel_props!(kernels_i32, i32);
 kernel_props!(kernels_i64, i64);
 kernel_props!(kernels_u8, u8);
 kernel_props!(kernels_i8, i8);
+kernel_props!(kernels_i16, i16);
+kernel_props!(kernels_bool, Bool);
+
+#[test]
+fn each_operator_is_offered_where_pytorch_defines_it() {
+    for &dtype in DataType::ALL {
+        for &op in ReduceOp::ALL {
+            let want = match op {
+                ReduceOp::Avg => dtype.is_float(),
+                ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor => !dtype.is_float(),
+                _ => true,
+            };
+            assert_eq!(op.supports(dtype), want, "{op} on {dtype}");
+        }
+    }
+    assert_eq!(DataType::ALL.len(), 10);
+    assert_eq!(DataType::I16.size_bytes(), 2);
+    assert_eq!(DataType::Bool.size_bytes(), 1);
+}
 
 #[test]
 fn bad_buffers_are_refused_without_writing() {
@@ -411,6 +462,21 @@ fn bad_buffers_are_refused_without_writing() {
         Err(ReduceError::Unsupported {
             op: ReduceOp::Avg,
             dtype: DataType::I64
+        })
+    );
+    // Bitwise operators on floats.
+    assert_eq!(
+        reduce::reduce_bytes(DataType::BF16, ReduceOp::BitXor, &mut dst[..8], &src[..8]),
+        Err(ReduceError::Unsupported {
+            op: ReduceOp::BitXor,
+            dtype: DataType::BF16
+        })
+    );
+    assert_eq!(
+        reduce::reduce_many_bytes(DataType::F32, ReduceOp::BitOr, &mut dst[..8], &[&src[..8]]),
+        Err(ReduceError::Unsupported {
+            op: ReduceOp::BitOr,
+            dtype: DataType::F32
         })
     );
     assert_eq!(

@@ -99,6 +99,13 @@ fn elements(dtype: DataType, n: usize, seed: u64) -> Vec<u8> {
             DataType::I32 => out.extend_from_slice(&(r as u32).to_le_bytes()),
             DataType::I64 => out.extend_from_slice(&r.to_le_bytes()),
             DataType::U8 | DataType::I8 => out.push(r as u8),
+            DataType::I16 => out.extend_from_slice(&(r as u16).to_le_bytes()),
+            // A third false, the rest true, in bytes other than 1 as well.
+            DataType::Bool => out.push(if r.is_multiple_of(3) {
+                0
+            } else {
+                (r >> 8) as u8 | 1
+            }),
         }
     }
     out

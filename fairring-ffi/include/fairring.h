@@ -32,6 +32,12 @@
 // 8-bit two's-complement integer.
 #define FR_DTYPE_I8 7
 
+// 16-bit two's-complement integer.
+#define FR_DTYPE_I16 8
+
+// A boolean in one byte: 0 false, anything else true; results are 0 or 1.
+#define FR_DTYPE_BOOL 9
+
 // Sum, wrapping for integers. (`FR_OP_*` name the reduction operators.)
 #define FR_OP_SUM 0
 
@@ -46,6 +52,15 @@
 
 // Mean over the ranks; floating-point types only.
 #define FR_OP_AVG 4
+
+// Bitwise and (logical on `bool`); integer types and `bool` only.
+#define FR_OP_BAND 5
+
+// Bitwise or (logical on `bool`); integer types and `bool` only.
+#define FR_OP_BOR 6
+
+// Bitwise exclusive or (logical on `bool`); integer types and `bool` only.
+#define FR_OP_BXOR 7
 
 // An all-reduce. (`FR_COLLECTIVE_*` name the collectives of an `fr_call`.)
 #define FR_COLLECTIVE_ALL_REDUCE 1

@@ -84,6 +84,10 @@ pub const FR_DTYPE_I64: i32 = 5;
 pub const FR_DTYPE_U8: i32 = 6;
 /// 8-bit two's-complement integer.
 pub const FR_DTYPE_I8: i32 = 7;
+/// 16-bit two's-complement integer.
+pub const FR_DTYPE_I16: i32 = 8;
+/// A boolean in one byte: 0 false, anything else true; results are 0 or 1.
+pub const FR_DTYPE_BOOL: i32 = 9;
 
 /// Sum, wrapping for integers. (`FR_OP_*` name the reduction operators.)
 pub const FR_OP_SUM: i32 = 0;
@@ -95,6 +99,12 @@ pub const FR_OP_MIN: i32 = 2;
 pub const FR_OP_MAX: i32 = 3;
 /// Mean over the ranks; floating-point types only.
 pub const FR_OP_AVG: i32 = 4;
+/// Bitwise and (logical on `bool`); integer types and `bool` only.
+pub const FR_OP_BAND: i32 = 5;
+/// Bitwise or (logical on `bool`); integer types and `bool` only.
+pub const FR_OP_BOR: i32 = 6;
+/// Bitwise exclusive or (logical on `bool`); integer types and `bool` only.
+pub const FR_OP_BXOR: i32 = 7;
 
 #[cfg(test)]
 mod tests {
@@ -112,6 +122,8 @@ mod tests {
             (FR_DTYPE_I64, DataType::I64),
             (FR_DTYPE_U8, DataType::U8),
             (FR_DTYPE_I8, DataType::I8),
+            (FR_DTYPE_I16, DataType::I16),
+            (FR_DTYPE_BOOL, DataType::Bool),
         ];
         assert_eq!(dtypes.len(), DataType::ALL.len());
         for (c, d) in dtypes {
@@ -123,6 +135,9 @@ mod tests {
             (FR_OP_MIN, ReduceOp::Min),
             (FR_OP_MAX, ReduceOp::Max),
             (FR_OP_AVG, ReduceOp::Avg),
+            (FR_OP_BAND, ReduceOp::BitAnd),
+            (FR_OP_BOR, ReduceOp::BitOr),
+            (FR_OP_BXOR, ReduceOp::BitXor),
         ];
         assert_eq!(ops.len(), ReduceOp::ALL.len());
         for (c, o) in ops {

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import _native as native
 from ._native import FairringError
 from ._store import _StoreBridge
-from ._tensors import _Staged, _dtype_code, _host, _op_code
+from ._tensors import Reduction, _Staged, _dtype_code, _host
 from ._work import Work, _Chained, _Completer, _Pending
 
 def _teardown(state):
@@ -132,12 +132,14 @@ class ProcessGroupFairring(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         what = "allreduce"
-        op = _op_code(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, what)
+        reduction = Reduction(opts, what)
         if len(tensors) != 1:
-            return self._allreduce_list(tensors, op, what)
+            return self._allreduce_list(tensors, reduction, what)
         staged = _Staged(tensors[0], what)
-        dtype = _dtype_code(tensors[0], what)
+        dtype = reduction.check(tensors[0])
         n = staged.buffer.numel()
+        op = reduction.code
+        reduction.scale(staged.buffer)
 
         def start(comm, out):
             return native.lib().fr_all_reduce(comm, staged.ptr(), n, dtype, op, out)
@@ -146,16 +148,18 @@ class ProcessGroupFairring(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors, opts=None):
         what = "allreduce_coalesced"
-        op = _op_code(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, what)
-        return self._allreduce_list(tensors, op, what)
+        return self._allreduce_list(tensors, Reduction(opts, what), what)
 
-    def _allreduce_list(self, tensors, op, what):
+    def _allreduce_list(self, tensors, reduction, what):
         staged = [_Staged(t, what) for t in tensors]
+        op = reduction.code
         # One coalesced operation per run of one dtype, in list order (the same
         # on every rank).
         runs = []
+        codes = [reduction.check(s.tensor) for s in staged]
         for s in staged:
-            code = _dtype_code(s.tensor, what)
+            reduction.scale(s.buffer)
+        for s, code in zip(staged, codes):
             if runs and runs[-1][0] == code:
                 runs[-1][1].append(s)
             else:
@@ -291,15 +295,18 @@ class ProcessGroupFairring(dist.ProcessGroup):
         return self._chain(works, outputs)
 
     def _reduce_scatter(self, output, flat, opts, what, result):
-        op = _op_code(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, what)
+        reduction = Reduction(opts, what)
+        op = reduction.code
         staged = _Staged(output, what)
-        dtype = _dtype_code(output, what)
+        dtype = reduction.check(output)
         n = staged.buffer.numel()
         if flat.numel() != n * self.size() or flat.dtype != output.dtype:
             raise ValueError(
                 f"fairring: {what}: the input ({flat.numel()} x {flat.dtype}) must hold "
                 f"{self.size()} x the output ({n} x {output.dtype})"
             )
+        # `flat` is the engine's own copy: scaling it leaves the caller's input.
+        reduction.scale(flat)
 
         def start(comm, out):
             return native.lib().fr_reduce_scatter(

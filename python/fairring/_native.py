@@ -25,7 +25,9 @@ STORE_FAILED = 2
 # FR_DTYPE_* and FR_OP_* (the engine's stable discriminants).
 DTYPE_F32, DTYPE_F64, DTYPE_F16, DTYPE_BF16 = 0, 1, 2, 3
 DTYPE_I32, DTYPE_I64, DTYPE_U8, DTYPE_I8 = 4, 5, 6, 7
+DTYPE_I16, DTYPE_BOOL = 8, 9
 OP_SUM, OP_PRODUCT, OP_MIN, OP_MAX, OP_AVG = 0, 1, 2, 3, 4
+OP_BAND, OP_BOR, OP_BXOR = 5, 6, 7
 
 c_status = ctypes.c_int32
 comm_p = ctypes.c_void_p

@@ -18,7 +18,11 @@ _DTYPES = {
     torch.int64: native.DTYPE_I64,
     torch.uint8: native.DTYPE_U8,
     torch.int8: native.DTYPE_I8,
+    torch.int16: native.DTYPE_I16,
+    torch.bool: native.DTYPE_BOOL,
 }
+
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 _RED = dist.ReduceOp.RedOpType
 _OPS = {
@@ -27,20 +31,51 @@ _OPS = {
     _RED.MIN: native.OP_MIN,
     _RED.MAX: native.OP_MAX,
     _RED.AVG: native.OP_AVG,
+    _RED.BAND: native.OP_BAND,
+    _RED.BOR: native.OP_BOR,
+    _RED.BXOR: native.OP_BXOR,
+    # Scaled by its factor first (`Reduction.scale`), then summed.
+    _RED.PREMUL_SUM: native.OP_SUM,
 }
 
 
-def _op_code(op, what):
-    # `ReduceOp` compares equal to its RedOpType but hashes differently: key
-    # on the RedOpType.
-    kind = getattr(op, "op", op)
-    code = _OPS.get(kind)
-    if code is None:
-        raise ValueError(
-            f"fairring: {what}: ReduceOp.{getattr(kind, 'name', kind)} is not supported "
-            "(supported: SUM, AVG, PRODUCT, MIN, MAX)"
-        )
-    return code
+class Reduction:
+    """A reduce operator as the engine runs it: its FR_OP_* code (`code`),
+    and for PREMUL_SUM the factor each rank scales its contribution by
+    before the sum (`factor`, a number or a one-element tensor; else None)."""
+
+    def __init__(self, opts, what):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        # `ReduceOp` compares equal to its RedOpType but hashes differently:
+        # key on the RedOpType.
+        kind = getattr(op, "op", op)
+        self.code = _OPS.get(kind)
+        if self.code is None:
+            raise ValueError(
+                f"fairring: {what}: ReduceOp.{getattr(kind, 'name', kind)} is not supported "
+                "(supported: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM)"
+            )
+        self.factor = getattr(op, "factor", None) if kind == _RED.PREMUL_SUM else None
+        if kind == _RED.PREMUL_SUM and self.factor is None:
+            raise ValueError(f"fairring: {what}: ReduceOp.PREMUL_SUM without a factor")
+        self.what = what
+
+    def check(self, tensor):
+        """The FR_DTYPE_* code of `tensor`, refusing a PREMUL_SUM of a type
+        that cannot be scaled exactly as PyTorch scales (integers, bool)."""
+        code = _dtype_code(tensor, self.what)
+        if self.factor is not None and tensor.dtype not in _FLOATS:
+            raise TypeError(
+                f"fairring: {self.what}: ReduceOp.PREMUL_SUM is defined on floating-point "
+                f"tensors only, not {tensor.dtype}"
+            )
+        return code
+
+    def scale(self, tensor):
+        """Scales this rank's contribution in place (PREMUL_SUM); a no-op
+        for every other operator. Called once every check has passed."""
+        if self.factor is not None:
+            tensor.mul_(self.factor)
 
 
 def _dtype_code(tensor, what):
@@ -48,7 +83,7 @@ def _dtype_code(tensor, what):
     if code is None:
         names = ", ".join(str(d).replace("torch.", "") for d in _DTYPES)
         raise TypeError(
-            f"fairring: {what}: reductions on {tensor.dtype} are not supported "
+            f"fairring: {what}: {tensor.dtype} tensors are not supported "
             f"(supported: {names})"
         )
     return code

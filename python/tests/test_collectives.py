@@ -4,6 +4,7 @@ computed on each rank, on 2 and 4 processes, for every dtype and op the backend
 accepts. Refusals name what they refuse."""
 
 import datetime
+import functools
 import time
 
 import pytest
@@ -23,8 +24,24 @@ DTYPES = [
     torch.int64,
     torch.uint8,
     torch.int8,
+    torch.int16,
+    torch.bool,
 ]
-OPS = [R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX]
+OPS = [R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR]
+BITWISE = {
+    R.BAND: torch.bitwise_and,
+    R.BOR: torch.bitwise_or,
+    R.BXOR: torch.bitwise_xor,
+}
+
+
+def defined(op, dtype):
+    """Whether PyTorch defines `op` on `dtype` (and fairring offers it)."""
+    if op == R.AVG:
+        return dtype.is_floating_point
+    if op in BITWISE:
+        return not dtype.is_floating_point
+    return True
 
 
 def rank_input(rank, n, dtype, salt=0):
@@ -33,12 +50,19 @@ def rank_input(rank, n, dtype, salt=0):
     of the comparison, except float summation order, which is compared with a
     tolerance)."""
     g = torch.Generator().manual_seed(1000 * rank + salt)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).to(dtype)
     if dtype.is_floating_point:
         return (torch.randint(-8, 9, (n,), generator=g).to(dtype)) / 4
     return torch.randint(1, 4, (n,), generator=g).to(dtype)
 
 
 def reference(inputs, op):
+    """`op` over `inputs`, in float64 (int64 for the bitwise operators); a
+    bool result converts as PyTorch converts (non-zero is true), so that sum
+    and max are or, product and min and."""
+    if op in BITWISE:
+        return functools.reduce(BITWISE[op], [t.long() for t in inputs])
     stack = torch.stack([t.double() for t in inputs])
     if op == R.SUM:
         return stack.sum(0)
@@ -72,8 +96,9 @@ def collectives(rank, world, port):
     n = 1003
     for dtype in DTYPES:
         for op in OPS:
-            if op == R.AVG and not dtype.is_floating_point:
-                with pytest.raises(RuntimeError, match="avg"):
+            if not defined(op, dtype):
+                name = {R.AVG: "avg", R.BAND: "band", R.BOR: "bor", R.BXOR: "bxor"}[op]
+                with pytest.raises(RuntimeError, match=name):
                     dist.all_reduce(rank_input(rank, n, dtype), op=op)
                 continue
             mine = rank_input(rank, n, dtype)
@@ -105,7 +130,7 @@ def collectives(rank, world, port):
         flat[rank * 33 : (rank + 1) * 33] = rank_input(rank, 33, dtype)
         dist.all_gather_into_tensor(flat, flat[rank * 33 : (rank + 1) * 33])
         assert torch.equal(flat, torch.cat([rank_input(r, 33, dtype) for r in range(world)]))
-        for op in [R.SUM, R.MAX] + ([R.AVG] if dtype.is_floating_point else []):
+        for op in [R.SUM, R.MAX] + ([R.AVG] if dtype.is_floating_point else [R.BXOR]):
             full = [rank_input(rank, 40 * world, dtype, salt=9)]
             expected = reference(
                 [rank_input(r, 40 * world, dtype, salt=9) for r in range(world)], op
@@ -144,11 +169,26 @@ def collectives(rank, world, port):
     fut = dist.all_reduce(torch.ones(4), async_op=True).get_future()
     assert torch.equal(fut.wait()[0], torch.full((4,), float(world)))
     dist.barrier()
+    # PREMUL_SUM: each rank's contribution scaled by its factor (a number or
+    # a one-element tensor), then summed; a reduce-scatter's input untouched.
+    for dtype in [torch.float32, torch.float64, torch.bfloat16, torch.float16]:
+        for factor in [0.25, torch.tensor([0.5], dtype=dtype)]:
+            op = dist._make_nccl_premul_sum(factor)
+            t = rank_input(rank, n, dtype)
+            dist.all_reduce(t, op=op)
+            inputs = [rank_input(r, n, dtype) * factor for r in range(world)]
+            assert close(t, reference(inputs, R.SUM).to(dtype), dtype, world), (dtype, factor)
+            full = rank_input(rank, 40 * world, dtype, salt=3)
+            before = full.clone()
+            out = torch.empty(40, dtype=dtype)
+            dist.reduce_scatter_tensor(out, full, op=op)
+            inputs = [rank_input(r, 40 * world, dtype, salt=3) * factor for r in range(world)]
+            want = reference(inputs, R.SUM).to(dtype)[rank * 40 : (rank + 1) * 40]
+            assert close(out, want, dtype, world), (dtype, factor)
+            assert torch.equal(full, before), "PREMUL_SUM scaled the caller's input"
     # Refusals name the op or the call; the group keeps working after them.
-    with pytest.raises(ValueError, match="BAND"):
-        dist.all_reduce(torch.ones(3, dtype=torch.int32), op=R.BAND)
-    with pytest.raises(TypeError, match="bool"):
-        dist.all_reduce(torch.ones(3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="PREMUL_SUM"):
+        dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist._make_nccl_premul_sum(2.0))
     with pytest.raises(NotImplementedError, match="send"):
         dist.send(torch.ones(1), dst=(rank + 1) % world)
     with pytest.raises(NotImplementedError, match="all_to_all_single"):

@@ -44,7 +44,8 @@
 //! order and precision (16-bit types accumulate hop by hop in their own
 //! format, where the host step accumulates in `f32`). Float minima and maxima
 //! take the host-staged step, which keeps fairring's NaN and signed-zero
-//! rules ([`CollectiveStep::takes`]).
+//! rules ([`CollectiveStep::takes`]), as do the types and operators NCCL
+//! lacks (`i16`, `bool`, the bitwise operators).
 
 use std::ops::Range;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -177,10 +178,12 @@ impl CollectiveStep {
     }
 
     /// Whether slices of `dtype` reduced with `op` go through the
-    /// collectives: every operator but a float minimum or maximum (see the
-    /// module docs).
+    /// collectives: every type and operator NCCL has, but a float minimum or
+    /// maximum (see the module docs). NCCL has no `i16`, no `bool` and no
+    /// bitwise operators: those take the host-staged step too.
     pub(crate) fn takes(dtype: DataType, op: ReduceOp) -> bool {
-        !(dtype.is_float() && matches!(op, ReduceOp::Min | ReduceOp::Max))
+        let nccl_has = !matches!(dtype, DataType::I16 | DataType::Bool) && !op.is_bitwise();
+        nccl_has && !(dtype.is_float() && matches!(op, ReduceOp::Min | ReduceOp::Max))
     }
 
     fn lock(&self) -> MutexGuard<'_, IssueOrder> {
@@ -377,10 +380,13 @@ mod tests {
     }
 
     #[test]
-    fn float_minima_and_maxima_stay_on_the_host() {
+    fn float_minima_and_maxima_and_what_nccl_lacks_stay_on_the_host() {
         assert!(CollectiveStep::takes(DataType::F32, ReduceOp::Sum));
         assert!(CollectiveStep::takes(DataType::I32, ReduceOp::Max));
         assert!(!CollectiveStep::takes(DataType::BF16, ReduceOp::Min));
         assert!(!CollectiveStep::takes(DataType::F64, ReduceOp::Max));
+        assert!(!CollectiveStep::takes(DataType::I16, ReduceOp::Sum));
+        assert!(!CollectiveStep::takes(DataType::Bool, ReduceOp::Max));
+        assert!(!CollectiveStep::takes(DataType::I64, ReduceOp::BitXor));
     }
 }

@@ -297,6 +297,10 @@ impl WireCodec {
                 ReduceOp::Product => widening::<H>(self, dst, srcs, <f32 as Arith>::product),
                 ReduceOp::Min => widening::<H>(self, dst, srcs, <f32 as Arith>::min),
                 ReduceOp::Max => widening::<H>(self, dst, srcs, <f32 as Arith>::max),
+                // Refused on floats by `supported` above.
+                ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor => {
+                    Err(ReduceError::Unsupported { op, dtype: DataType::F32 })
+                }
             }
         })
     }

@@ -5,7 +5,7 @@ use crate::dtype::DataType;
 use half::{bf16, f16};
 
 /// An element type the kernels reduce: `f32`, `f64`, [`f16`](struct@half::f16), [`bf16`], `i32`, `i64`,
-/// `u8`, `i8`. Sealed: the set matches [`DataType`].
+/// `u8`, `i8`, `i16` and [`Bool`]. Sealed: the set matches [`DataType`].
 pub trait Element: bytemuck::Pod + private::Sealed {
     /// The type's name in [`DataType`].
     const DTYPE: DataType;
@@ -34,6 +34,14 @@ pub(crate) mod private {
         fn product(a: Self, b: Self) -> Self;
         fn min(a: Self, b: Self) -> Self;
         fn max(a: Self, b: Self) -> Self;
+        /// Bitwise and. Reached for integers and [`Bool`](super::Bool) only
+        /// ([`ReduceOp::supports`](crate::ReduceOp::supports) refuses floats);
+        /// on floats it is defined on the bits, never used.
+        fn bit_and(a: Self, b: Self) -> Self;
+        /// Bitwise or (as `bit_and`).
+        fn bit_or(a: Self, b: Self) -> Self;
+        /// Bitwise exclusive or (as `bit_and`).
+        fn bit_xor(a: Self, b: Self) -> Self;
         /// `a / n`; `None` for integer types, which have no average.
         fn divide(a: Self, n: u32) -> Option<Self>;
     }
@@ -82,6 +90,18 @@ macro_rules! float_arith {
                 }
             }
             #[inline(always)]
+            fn bit_and(a: $t, b: $t) -> $t {
+                <$t>::from_bits(a.to_bits() & b.to_bits())
+            }
+            #[inline(always)]
+            fn bit_or(a: $t, b: $t) -> $t {
+                <$t>::from_bits(a.to_bits() | b.to_bits())
+            }
+            #[inline(always)]
+            fn bit_xor(a: $t, b: $t) -> $t {
+                <$t>::from_bits(a.to_bits() ^ b.to_bits())
+            }
+            #[inline(always)]
             fn divide(a: $t, n: u32) -> Option<$t> {
                 Some(a / (n as $t))
             }
@@ -113,6 +133,18 @@ macro_rules! int_arith {
                 Ord::max(a, b)
             }
             #[inline(always)]
+            fn bit_and(a: $t, b: $t) -> $t {
+                a & b
+            }
+            #[inline(always)]
+            fn bit_or(a: $t, b: $t) -> $t {
+                a | b
+            }
+            #[inline(always)]
+            fn bit_xor(a: $t, b: $t) -> $t {
+                a ^ b
+            }
+            #[inline(always)]
             fn divide(_: $t, _: u32) -> Option<$t> {
                 None
             }
@@ -124,6 +156,63 @@ int_arith!(i32);
 int_arith!(i64);
 int_arith!(u8);
 int_arith!(i8);
+int_arith!(i16);
+
+/// A boolean in one byte, as PyTorch's `torch.bool` stores it: 0 is false,
+/// any other value true. Every result is 0 or 1: sum, max and `BitOr` are
+/// logical or; product, min and `BitAnd` logical and; `BitXor` logical
+/// exclusive or.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(transparent)]
+pub struct Bool(pub u8);
+
+impl Bool {
+    /// Whether the value is true (its byte is not 0).
+    #[inline(always)]
+    pub const fn get(self) -> bool {
+        self.0 != 0
+    }
+
+    #[inline(always)]
+    const fn of(value: bool) -> Bool {
+        Bool(value as u8)
+    }
+}
+
+impl Arith for Bool {
+    #[inline(always)]
+    fn sum(a: Bool, b: Bool) -> Bool {
+        Bool::of(a.get() | b.get())
+    }
+    #[inline(always)]
+    fn product(a: Bool, b: Bool) -> Bool {
+        Bool::of(a.get() & b.get())
+    }
+    #[inline(always)]
+    fn min(a: Bool, b: Bool) -> Bool {
+        Bool::of(a.get() & b.get())
+    }
+    #[inline(always)]
+    fn max(a: Bool, b: Bool) -> Bool {
+        Bool::of(a.get() | b.get())
+    }
+    #[inline(always)]
+    fn bit_and(a: Bool, b: Bool) -> Bool {
+        Bool::of(a.get() & b.get())
+    }
+    #[inline(always)]
+    fn bit_or(a: Bool, b: Bool) -> Bool {
+        Bool::of(a.get() | b.get())
+    }
+    #[inline(always)]
+    fn bit_xor(a: Bool, b: Bool) -> Bool {
+        Bool::of(a.get() ^ b.get())
+    }
+    #[inline(always)]
+    fn divide(_: Bool, _: u32) -> Option<Bool> {
+        None
+    }
+}
 
 macro_rules! native_element {
     ($t:ty, $dtype:expr) => {
@@ -150,6 +239,8 @@ native_element!(i32, DataType::I32);
 native_element!(i64, DataType::I64);
 native_element!(u8, DataType::U8);
 native_element!(i8, DataType::I8);
+native_element!(i16, DataType::I16);
+native_element!(Bool, DataType::Bool);
 
 macro_rules! half_element {
     ($t:ty, $dtype:expr, $widen:path, $narrow:path) => {

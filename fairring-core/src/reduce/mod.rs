@@ -16,6 +16,12 @@
 //!
 //! - **Sum, product**: IEEE arithmetic for floats; wrapping two's-complement
 //!   arithmetic for integers (as NCCL and PyTorch do).
+//! - **Bitwise and, or, xor**: on integers, on the two's-complement bits;
+//!   defined on integers and `bool` only (floats get
+//!   [`ReduceError::Unsupported`]).
+//! - **bool** ([`Bool`]): 0 is false, any other byte true, every result 0 or
+//!   1; sum and max are logical or, product and min logical and (PyTorch's
+//!   and NCCL's meaning of them on `torch.bool`).
 //! - **Min, max**: for floats, NaN-propagating (if either operand is NaN the result is
 //!   NaN) and with `-0 < +0`, so that they commute exactly and a result never depends
 //!   on the order contributions arrived in. (`f32::min` ignores NaN, and a plain
@@ -48,7 +54,7 @@ pub use compressed::{
     HalfBlocks, WireCodec, narrow_bytes, narrow_in_place, reduce_many_compressed_bytes,
     widen_bytes, widen_in_place,
 };
-pub use element::Element;
+pub use element::{Bool, Element};
 
 use crate::dtype::{DataType, ReduceOp};
 use core::fmt;
@@ -152,6 +158,9 @@ pub fn reduce<T: Element>(op: ReduceOp, dst: &mut [T], src: &[T]) -> Result<(), 
         ReduceOp::Product => kernel::pair(dst, src, T::Acc::product),
         ReduceOp::Min => kernel::pair(dst, src, T::Acc::min),
         ReduceOp::Max => kernel::pair(dst, src, T::Acc::max),
+        ReduceOp::BitAnd => kernel::pair(dst, src, T::Acc::bit_and),
+        ReduceOp::BitOr => kernel::pair(dst, src, T::Acc::bit_or),
+        ReduceOp::BitXor => kernel::pair(dst, src, T::Acc::bit_xor),
     }
     Ok(())
 }
@@ -186,7 +195,8 @@ pub fn finish_avg<T: Element>(dst: &mut [T], contributors: u32) -> Result<(), Re
 macro_rules! with_element {
     ($dtype:expr, $t:ident => $body:expr) => {
         with_element!(@arms $dtype, $t, $body,
-            F32 f32, F64 f64, F16 f16, BF16 bf16, I32 i32, I64 i64, U8 u8, I8 i8)
+            F32 f32, F64 f64, F16 f16, BF16 bf16, I32 i32, I64 i64, U8 u8, I8 i8,
+            I16 i16, Bool Bool)
     };
     (@arms $dtype:expr, $t:ident, $body:expr, $($variant:ident $ty:ty),+) => {
         match $dtype {
@@ -268,6 +278,9 @@ fn many<T: Element, S: Sources<T> + ?Sized>(
         ReduceOp::Product => kernel::many(dst, srcs, T::Acc::product),
         ReduceOp::Min => kernel::many(dst, srcs, T::Acc::min),
         ReduceOp::Max => kernel::many(dst, srcs, T::Acc::max),
+        ReduceOp::BitAnd => kernel::many(dst, srcs, T::Acc::bit_and),
+        ReduceOp::BitOr => kernel::many(dst, srcs, T::Acc::bit_or),
+        ReduceOp::BitXor => kernel::many(dst, srcs, T::Acc::bit_xor),
     }
 }
 

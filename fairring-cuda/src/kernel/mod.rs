@@ -33,13 +33,20 @@ use crate::memory::{DeviceSlice, DeviceSliceMut};
 use crate::stream::Stream;
 use geometry::{Split, THREADS, blocks};
 
-/// The four kernels per type; `Avg` reduces with `Sum`.
-const OPERATORS: [ReduceOp; 4] = [
+/// The operators with kernels of their own (`Avg` reduces with `Sum`'s); the
+/// bitwise ones exist for integer types and `bool` only.
+const OPERATORS: [ReduceOp; 7] = [
     ReduceOp::Sum,
     ReduceOp::Product,
     ReduceOp::Min,
     ReduceOp::Max,
+    ReduceOp::BitAnd,
+    ReduceOp::BitOr,
+    ReduceOp::BitXor,
 ];
+
+/// The number of element types.
+const TYPES: usize = DataType::ALL.len();
 
 /// The name a kernel of `reduce.cu` is defined under.
 pub fn entry_point(dtype: DataType, op: ReduceOp) -> String {
@@ -48,6 +55,9 @@ pub fn entry_point(dtype: DataType, op: ReduceOp) -> String {
         ReduceOp::Product => "product",
         ReduceOp::Min => "min",
         ReduceOp::Max => "max",
+        ReduceOp::BitAnd => "band",
+        ReduceOp::BitOr => "bor",
+        ReduceOp::BitXor => "bxor",
     };
     format!("fairring_reduce_{op}_{}", type_name(dtype))
 }
@@ -81,6 +91,8 @@ fn type_name(dtype: DataType) -> &'static str {
         DataType::I64 => "I64",
         DataType::U8 => "U8",
         DataType::I8 => "I8",
+        DataType::I16 => "I16",
+        DataType::Bool => "BOOL",
     }
 }
 
@@ -96,9 +108,11 @@ struct Kernel {
 pub struct ReductionKernels {
     device: Arc<Device>,
     module: CUmodule,
-    reduce: [[Kernel; 4]; 8],
-    reduce_many: [[Kernel; 4]; 8],
-    divide: [Option<Kernel>; 8],
+    /// Per type and operator index; a null function where the operator is
+    /// not defined on the type (refused before any launch).
+    reduce: [[Kernel; OPERATORS.len()]; TYPES],
+    reduce_many: [[Kernel; OPERATORS.len()]; TYPES],
+    divide: [Option<Kernel>; TYPES],
 }
 
 // SAFETY: module and function handles are context-wide and usable from any thread
@@ -130,12 +144,15 @@ impl ReductionKernels {
         let mut kernels = ReductionKernels {
             device: Arc::clone(device),
             module,
-            reduce: [[none; 4]; 8],
-            reduce_many: [[none; 4]; 8],
-            divide: [None; 8],
+            reduce: [[none; OPERATORS.len()]; TYPES],
+            reduce_many: [[none; OPERATORS.len()]; TYPES],
+            divide: [None; TYPES],
         };
         for (t, dtype) in DataType::ALL.iter().copied().enumerate() {
             for (o, op) in OPERATORS.into_iter().enumerate() {
+                if !op.supports(dtype) {
+                    continue;
+                }
                 kernels.reduce[t][o] = kernels.function(&entry_point(dtype, op))?;
                 kernels.reduce_many[t][o] = kernels.function(&many_entry_point(dtype, op))?;
             }
@@ -460,10 +477,13 @@ mod tests {
         for dtype in DataType::ALL.iter().copied() {
             for op in OPERATORS {
                 let name = entry_point(dtype, op);
-                assert!(
-                    SOURCE.contains(&format!("REDUCE_ALL({})", type_name(dtype))),
-                    "{name} is not defined"
-                );
+                let group = if op.is_bitwise() {
+                    "REDUCE_BITWISE"
+                } else {
+                    "REDUCE_ALL"
+                };
+                let defined = SOURCE.contains(&format!("{group}({})", type_name(dtype)));
+                assert_eq!(defined, op.supports(dtype), "{name}");
             }
             let defines_divide = SOURCE.contains(&format!("DIVIDE({})", type_name(dtype)));
             assert_eq!(defines_divide, dtype.is_float(), "{dtype}");

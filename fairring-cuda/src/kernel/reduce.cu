@@ -5,9 +5,11 @@
 //                                   dst[i] = dst[i] op srcs.p[0][i] op ... op srcs.p[count-1][i]
 //   fairring_divide_<type>(dst, n, head, vectors, tail)          dst[i] = dst[i] / n
 //
-// op: sum, product, min, max; type: f32 f64 f16 bf16 i32 i64 u8 i8 (divide: floats).
+// op: sum, product, min, max, and for integer types and bool band, bor, bxor;
+// type: f32 f64 f16 bf16 i32 i64 u8 i8 i16 bool (divide: floats).
 // The semantics are fairring-core's host kernels' (fairring_core::reduce), bit for
-// bit except NaN payloads: wrapping integer arithmetic; f16 and bf16 widened to f32
+// bit except NaN payloads: wrapping integer arithmetic; bool as logic (any
+// non-zero byte true, results 0 or 1); f16 and bf16 widened to f32
 // exactly, combined in f32 and rounded to nearest even; float min and max propagate
 // NaN and order -0 below +0. Nothing here may be compiled with fast-math flags
 // (flush-to-zero, approximate division).
@@ -94,6 +96,26 @@ typedef Native<i64, i64> I64;
 // wrapping 8-bit arithmetic.
 typedef Native<unsigned char, u32> U8;
 typedef Native<signed char, int> I8;
+// As the 8-bit types: 16 bits combine in 32 and store modulo 65536.
+typedef Native<short, int> I16;
+
+// A bool combines as a truth value, whose operators (below) are logical: sum
+// and max are or, product and min and.
+struct Truth {
+    u32 v;
+};
+
+struct Boolean {
+    typedef unsigned char Store;
+    typedef Truth Acc;
+    static INLINE Truth load(unsigned char s) {
+        Truth t;
+        t.v = s != 0;
+        return t;
+    }
+    static INLINE unsigned char store(Truth a) { return (unsigned char)a.v; }
+};
+typedef Boolean BOOL;
 
 // ---- operators ---------------------------------------------------------------------
 
@@ -137,10 +159,31 @@ INLINE double op_max(double a, double b) {
 template <class A> INLINE A op_min(A a, A b) { return b < a ? b : a; }
 template <class A> INLINE A op_max(A a, A b) { return a < b ? b : a; }
 
+// Integers only (no float kernel is built with them); truth values are 0 or 1.
+template <class A> INLINE A op_band(A a, A b) { return a & b; }
+template <class A> INLINE A op_bor(A a, A b) { return a | b; }
+template <class A> INLINE A op_bxor(A a, A b) { return a ^ b; }
+
+INLINE Truth truth(u32 v) {
+    Truth t;
+    t.v = v;
+    return t;
+}
+INLINE Truth op_sum(Truth a, Truth b) { return truth(a.v | b.v); }
+INLINE Truth op_product(Truth a, Truth b) { return truth(a.v & b.v); }
+INLINE Truth op_min(Truth a, Truth b) { return truth(a.v & b.v); }
+INLINE Truth op_max(Truth a, Truth b) { return truth(a.v | b.v); }
+INLINE Truth op_band(Truth a, Truth b) { return truth(a.v & b.v); }
+INLINE Truth op_bor(Truth a, Truth b) { return truth(a.v | b.v); }
+INLINE Truth op_bxor(Truth a, Truth b) { return truth(a.v ^ b.v); }
+
 struct Sum { template <class A> static INLINE A apply(A a, A b) { return op_sum(a, b); } };
 struct Product { template <class A> static INLINE A apply(A a, A b) { return op_product(a, b); } };
 struct Min { template <class A> static INLINE A apply(A a, A b) { return op_min(a, b); } };
 struct Max { template <class A> static INLINE A apply(A a, A b) { return op_max(a, b); } };
+struct BitAnd { template <class A> static INLINE A apply(A a, A b) { return op_band(a, b); } };
+struct BitOr { template <class A> static INLINE A apply(A a, A b) { return op_bor(a, b); } };
+struct BitXor { template <class A> static INLINE A apply(A a, A b) { return op_bxor(a, b); } };
 
 // ---- the loops -------------------------------------------------------------------
 
@@ -296,6 +339,14 @@ INLINE void divide(typename E::Store* dst, u32 n, u64 head, u64 vectors, u64 tai
     REDUCE_MANY(Min, min, TYPE)        \
     REDUCE_MANY(Max, max, TYPE)
 
+#define REDUCE_BITWISE(TYPE)           \
+    REDUCE(BitAnd, band, TYPE)         \
+    REDUCE(BitOr, bor, TYPE)           \
+    REDUCE(BitXor, bxor, TYPE)         \
+    REDUCE_MANY(BitAnd, band, TYPE)    \
+    REDUCE_MANY(BitOr, bor, TYPE)      \
+    REDUCE_MANY(BitXor, bxor, TYPE)
+
 #define DIVIDE(TYPE)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS) fairring_divide_##TYPE(       \
         TYPE::Store* dst, u32 n, u64 head, u64 vectors, u64 tail) {                      \
@@ -310,6 +361,15 @@ REDUCE_ALL(I32)
 REDUCE_ALL(I64)
 REDUCE_ALL(U8)
 REDUCE_ALL(I8)
+REDUCE_ALL(I16)
+REDUCE_ALL(BOOL)
+
+REDUCE_BITWISE(I32)
+REDUCE_BITWISE(I64)
+REDUCE_BITWISE(U8)
+REDUCE_BITWISE(I8)
+REDUCE_BITWISE(I16)
+REDUCE_BITWISE(BOOL)
 
 DIVIDE(F32)
 DIVIDE(F64)

@@ -5,9 +5,10 @@ use fairring_core::{DataType, ReduceOp};
 
 use crate::error::{self, Result};
 
-/// The NCCL type of `dtype`; every [`DataType`] has one.
-pub(crate) fn data_type(dtype: DataType) -> ncclDataType_t {
-    match dtype {
+/// The NCCL type of `dtype`; `i16` and `bool` have none (a caller moving
+/// their bytes names them `u8`; reductions of them run elsewhere).
+pub(crate) fn data_type(dtype: DataType) -> Result<ncclDataType_t> {
+    Ok(match dtype {
         DataType::F32 => ncclDataType_t::ncclFloat32,
         DataType::F64 => ncclDataType_t::ncclFloat64,
         DataType::F16 => ncclDataType_t::ncclFloat16,
@@ -16,7 +17,10 @@ pub(crate) fn data_type(dtype: DataType) -> ncclDataType_t {
         DataType::I64 => ncclDataType_t::ncclInt64,
         DataType::U8 => ncclDataType_t::ncclUint8,
         DataType::I8 => ncclDataType_t::ncclInt8,
-    }
+        DataType::I16 | DataType::Bool => {
+            return Err(error::invalid("dtype", format!("NCCL has no {dtype} type")));
+        }
+    })
 }
 
 /// The NCCL operator for `op` on `dtype`; `Avg` only on float types, as
@@ -34,6 +38,12 @@ pub(crate) fn reduce_op(op: ReduceOp, dtype: DataType) -> Result<ncclRedOp_t> {
         ReduceOp::Min => ncclRedOp_t::ncclMin,
         ReduceOp::Max => ncclRedOp_t::ncclMax,
         ReduceOp::Avg => ncclRedOp_t::ncclAvg,
+        ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor => {
+            return Err(error::invalid(
+                "reduce op",
+                format!("NCCL has no {op} operator"),
+            ));
+        }
     })
 }
 
@@ -54,8 +64,16 @@ mod tests {
             (DataType::I8, ncclDataType_t::ncclInt8),
         ];
         for (dtype, nccl) in all {
-            assert_eq!(data_type(dtype), nccl);
+            assert_eq!(data_type(dtype).unwrap(), nccl);
         }
+        for dtype in [DataType::I16, DataType::Bool] {
+            let e = data_type(dtype).unwrap_err().to_string();
+            assert!(e.contains(dtype.name()), "{e}");
+        }
+        let e = reduce_op(ReduceOp::BitXor, DataType::I32)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("bxor"), "{e}");
         // NCCL's numbering, from nccl.h: the ABI the library is called with.
         assert_eq!(ncclDataType_t::ncclInt8 as u32, 0);
         assert_eq!(ncclDataType_t::ncclFloat32 as u32, 7);

@@ -228,27 +228,27 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
 /// The design the gate replaced ([`Design::WaitOnStreams`]) hangs where the
 /// shipped one does not, in both ways the simulated device shows:
 ///
-/// - seed 357 (a 2x1 job whose rank 0 is killed): rank 1 fails, and waits
+/// - seed 459 (a 1x2 job whose rank 1 is killed): rank 0 fails, and waits
 ///   for an engine copy to end before it declares its operations failed; the
 ///   copy waits for the start of an operation its caller submitted behind a
 ///   wait for an earlier one, which only that declaration would release (the
 ///   engine before the gate drained its streams there, with its lock held, and
 ///   hung the same way);
-/// - seed 13: the caller waits on the device for a host operation that
+/// - seed 9: the caller waits on the device for a host operation that
 ///   finished before the device side existed, whose word is never set.
 #[test]
 fn the_design_before_the_gate_hangs_where_the_gate_does_not() {
-    let drained = run_for(357, Design::WaitOnStreams, 200_000).unwrap_err();
+    let drained = run_for(459, Design::WaitOnStreams, 200_000).unwrap_err();
     assert!(
         drained.contains("not settled") && drained.contains("WaitFor"),
         "{drained}"
     );
-    let waited = run(13, Design::WaitOnStreams).unwrap_err();
+    let waited = run(9, Design::WaitOnStreams).unwrap_err();
     assert!(
         waited.contains("a stream waits forever") && waited.contains("WaitWord"),
         "{waited}"
     );
-    for seed in [357, 13] {
+    for seed in [459, 9] {
         let outcome = run(seed, Design::GateOnHost).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
         assert!(outcome.device > 0, "seed {seed} runs device operations");
     }

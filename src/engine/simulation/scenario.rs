@@ -108,6 +108,9 @@ pub(super) fn fold(op: ReduceOp, a: i64, b: i64) -> i64 {
         ReduceOp::Product => a.wrapping_mul(b),
         ReduceOp::Min => a.min(b),
         ReduceOp::Max => a.max(b),
+        ReduceOp::BitAnd => a & b,
+        ReduceOp::BitOr => a | b,
+        ReduceOp::BitXor => a ^ b,
         _ => a.wrapping_add(b),
     }
 }
@@ -116,6 +119,9 @@ pub(super) fn fold(op: ReduceOp, a: i64, b: i64) -> i64 {
 pub(super) fn read(dtype: DataType, bytes: &[u8], i: usize) -> i64 {
     match dtype {
         DataType::U8 => i64::from(bytes[i]),
+        DataType::I16 => i64::from(i16::from_le_bytes(
+            bytes[i * 2..i * 2 + 2].try_into().unwrap_or([0; 2]),
+        )),
         DataType::I32 => i64::from(i32::from_le_bytes(
             bytes[i * 4..i * 4 + 4].try_into().unwrap_or([0; 4]),
         )),
@@ -133,16 +139,18 @@ pub(super) fn read(dtype: DataType, bytes: &[u8], i: usize) -> i64 {
 pub(super) fn write(dtype: DataType, bytes: &mut [u8], i: usize, v: i64) {
     match dtype {
         DataType::U8 => bytes[i] = v as u8,
+        DataType::I16 => bytes[i * 2..i * 2 + 2].copy_from_slice(&(v as i16).to_le_bytes()),
         DataType::I32 => bytes[i * 4..i * 4 + 4].copy_from_slice(&(v as i32).to_le_bytes()),
         DataType::F32 => bytes[i * 4..i * 4 + 4].copy_from_slice(&(v as f32).to_le_bytes()),
         _ => bytes[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes()),
     }
 }
 
-/// `v` as the type holds it (u8 and i32 wrap; min and max compare within the type).
+/// `v` as the type holds it (u8, i16 and i32 wrap; min and max compare within the type).
 pub(super) fn narrow(dtype: DataType, v: i64) -> i64 {
     match dtype {
         DataType::U8 => i64::from(v as u8),
+        DataType::I16 => i64::from(v as i16),
         DataType::I32 => i64::from(v as i32),
         _ => v,
     }
@@ -191,12 +199,21 @@ impl Scenario {
                     2 => rng.below(300),
                     _ => rng.below(6000),
                 };
-                let dtype = rng.pick(&[DataType::I32, DataType::I64, DataType::U8, DataType::F32]);
+                let dtype = rng.pick(&[
+                    DataType::I32,
+                    DataType::I64,
+                    DataType::U8,
+                    DataType::F32,
+                    DataType::I16,
+                ]);
                 let op = rng.pick(&[
                     ReduceOp::Sum,
                     ReduceOp::Product,
                     ReduceOp::Min,
                     ReduceOp::Max,
+                    ReduceOp::BitXor,
+                    ReduceOp::BitAnd,
+                    ReduceOp::BitOr,
                 ]);
                 let algorithm = rng.pick(&[
                     Resolved::Hierarchical,
@@ -245,8 +262,9 @@ impl Scenario {
                 Op {
                     elements,
                     dtype,
-                    // Products of whole f32 numbers outgrow what f32 holds exactly.
-                    op: if dtype == DataType::F32 && op == ReduceOp::Product {
+                    // Products of whole f32 numbers outgrow what f32 holds
+                    // exactly; floats have no bitwise operators.
+                    op: if dtype == DataType::F32 && (op == ReduceOp::Product || op.is_bitwise()) {
                         ReduceOp::Sum
                     } else {
                         op

@@ -86,6 +86,7 @@ impl Communicator {
         let nccl_op = reduce_op(op, dtype)?;
         let count = count_of(buffer.len(), dtype, "all-reduce buffer")?;
         let at = buffer.raw();
+        let nccl_type = data_type(dtype)?;
         self.enqueue(
             stream,
             buffer.device(),
@@ -99,7 +100,7 @@ impl Communicator {
                         at as *const _,
                         at as *mut _,
                         count,
-                        data_type(dtype),
+                        nccl_type,
                         nccl_op,
                         comm,
                         raw_stream,
@@ -124,6 +125,7 @@ impl Communicator {
         let count = count_of(buffer.len(), dtype, "reduce buffer")?;
         let root = root_of(root, self.size)?;
         let at = buffer.raw();
+        let nccl_type = data_type(dtype)?;
         self.enqueue(stream, buffer.device(), "ncclReduce", |comm, raw_stream| {
             // SAFETY: as in `all_reduce_in_place`; NCCL writes only the root's.
             unsafe {
@@ -131,7 +133,7 @@ impl Communicator {
                     at as *const _,
                     at as *mut _,
                     count,
-                    data_type(dtype),
+                    nccl_type,
                     nccl_op,
                     root,
                     comm,
@@ -154,6 +156,7 @@ impl Communicator {
         let count = count_of(buffer.len(), dtype, "broadcast buffer")?;
         let root = root_of(root, self.size)?;
         let at = buffer.raw();
+        let nccl_type = data_type(dtype)?;
         self.enqueue(
             stream,
             buffer.device(),
@@ -165,7 +168,7 @@ impl Communicator {
                         at as *const _,
                         at as *mut _,
                         count,
-                        data_type(dtype),
+                        nccl_type,
                         root,
                         comm,
                         raw_stream,
@@ -188,6 +191,7 @@ impl Communicator {
     ) -> Result<()> {
         let nccl_op = reduce_op(op, dtype)?;
         let count = chunk / elem_bytes(dtype);
+        let nccl_type = data_type(dtype)?;
         self.enqueue(
             stream,
             buffer_device,
@@ -201,7 +205,7 @@ impl Communicator {
                         send as *const _,
                         recv as *mut _,
                         count,
-                        data_type(dtype),
+                        nccl_type,
                         nccl_op,
                         comm,
                         raw_stream,
@@ -221,6 +225,7 @@ impl Communicator {
         dtype: DataType,
     ) -> Result<()> {
         let count = chunk / elem_bytes(dtype);
+        let nccl_type = data_type(dtype)?;
         self.enqueue(
             stream,
             buffer_device,
@@ -233,7 +238,7 @@ impl Communicator {
                         send as *const _,
                         recv as *mut _,
                         count,
-                        data_type(dtype),
+                        nccl_type,
                         comm,
                         raw_stream,
                     )
