@@ -536,3 +536,157 @@ fn bitwise_operators_on_floats_and_avg_on_bool_are_refused_naming_the_op() {
         },
     );
 }
+
+#[test]
+fn reduce_gather_and_scatter_to_and_from_every_root() {
+    for_every_layout(|m, d, servers, algorithm| {
+        let world = m * d;
+        let w = world as usize;
+        let label = format!("{m}x{d}+{servers} {algorithm}");
+        let results = job_with_servers(
+            m,
+            d,
+            servers,
+            |b| small_slices(b, algorithm),
+            |rank, comm| {
+                let mut out = Vec::new();
+                for root in 0..world {
+                    for (k, &n) in SIZES.iter().enumerate() {
+                        // Reduce, not in place: the input stays as it was.
+                        let input: Vec<i64> = (0..n).map(|i| value(rank, k, i)).collect();
+                        let mut reduced = vec![-1i64; n];
+                        comm.reduce(&input, &mut reduced, ReduceOp::BitXor, root)
+                            .unwrap_or_else(|e| panic!("{label}: rank {rank}: reduce: {e}"));
+                        assert!(
+                            input
+                                .iter()
+                                .enumerate()
+                                .all(|(i, &v)| v == value(rank, k, i))
+                        );
+                        // In place.
+                        let mut in_place: Vec<i64> = input.clone();
+                        let p = in_place.as_mut_ptr();
+                        let call = fairring::Call::reduce(
+                            p.cast_const().cast(),
+                            p.cast(),
+                            n as u64,
+                            fairring::DataType::I64,
+                            ReduceOp::Max,
+                            root,
+                        );
+                        // SAFETY: `in_place` is untouched until the work is waited for.
+                        unsafe { comm.start(&call) }
+                            .and_then(|work| work.wait())
+                            .unwrap_or_else(|e| {
+                                panic!("{label}: rank {rank}: reduce in place: {e}")
+                            });
+                        // Gather of f32 bit patterns (NaN payloads, -0.0).
+                        let mine: Vec<f32> =
+                            (0..n).map(|i| f32::from_bits(bits(rank, k, i))).collect();
+                        let mut gathered = vec![0.0f32; n * w];
+                        comm.gather(&mine, &mut gathered, root)
+                            .unwrap_or_else(|e| panic!("{label}: rank {rank}: gather: {e}"));
+                        // Scatter: only the root's input matters.
+                        let mut parts: Vec<f32> = (0..n * w)
+                            .map(|i| f32::from_bits(bits(rank, k + 7, i)))
+                            .collect();
+                        let mut part = vec![1.5f32; n];
+                        comm.scatter(&mut parts, &mut part, root)
+                            .unwrap_or_else(|e| panic!("{label}: rank {rank}: scatter: {e}"));
+                        if rank == root {
+                            out.push((root, k, reduced, in_place, gathered, part));
+                        } else {
+                            out.push((root, k, Vec::new(), Vec::new(), Vec::new(), part));
+                        }
+                    }
+                }
+                out
+            },
+        );
+        for (rank, per_rank) in results.iter().enumerate() {
+            for (root, k, reduced, in_place, gathered, part) in per_rank {
+                let (root, k) = (*root, *k);
+                let n = SIZES[k];
+                let context = format!("{label}: rank {rank}, root {root}, tensor {k}");
+                if rank as u32 == root {
+                    let xor = |i| (0..world).fold(0i64, |a, r| a ^ value(r, k, i));
+                    let max = |i| (0..world).map(|r| value(r, k, i)).max().unwrap_or(0);
+                    assert!((0..n).all(|i| reduced[i] == xor(i)), "{context}: reduce");
+                    assert!(
+                        (0..n).all(|i| in_place[i] == max(i)),
+                        "{context}: reduce in place"
+                    );
+                    let wrong = (0..n * w)
+                        .filter(|&j| gathered[j].to_bits() != bits((j / n) as u32, k, j % n))
+                        .count();
+                    assert_eq!(wrong, 0, "{context}: gather");
+                }
+                let wrong = (0..n)
+                    .filter(|&i| part[i].to_bits() != bits(root, k + 7, rank * n + i))
+                    .count();
+                assert_eq!(wrong, 0, "{context}: scatter");
+            }
+        }
+    });
+}
+
+#[test]
+fn reduce_gather_and_scatter_refuse_bad_roots_shapes_and_overlaps() {
+    job(
+        1,
+        2,
+        |b| b,
+        |_, comm| {
+            let input = [1i32; 8];
+            let mut output = [0i32; 8];
+            let e = comm
+                .reduce(&input, &mut output, ReduceOp::Sum, 2)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("root") && e.contains("rank 2"), "{e}");
+            let e = comm.gather(&input, &mut output, 0).unwrap_err().to_string();
+            assert!(e.contains("output") && e.contains("16"), "{e}");
+            let mut whole = [0i32; 16];
+            let e = comm
+                .scatter(&mut whole[..15], &mut output, 0)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("input"), "{e}");
+            // A reduce whose input overlaps its output other than in place.
+            let mut buffer = [0i32; 12];
+            let p = buffer.as_mut_ptr();
+            // SAFETY: both offsets stay inside `buffer`.
+            let call = unsafe {
+                fairring::Call::reduce(
+                    p.add(2).cast_const().cast(),
+                    p.cast(),
+                    8,
+                    fairring::DataType::I32,
+                    ReduceOp::Sum,
+                    0,
+                )
+            };
+            // SAFETY: the call is refused (checked below), so nothing touches `buffer`.
+            let e = unsafe { comm.start(&call) }
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("input") && e.contains("in place"), "{e}");
+            let p = whole.as_mut_ptr();
+            // SAFETY: the offset stays inside `whole`.
+            let call = unsafe {
+                fairring::Call::scatter(p.cast(), p.add(8).cast(), 8, fairring::DataType::I32, 0)
+            };
+            // SAFETY: refused.
+            let e = unsafe { comm.start(&call) }
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("output") && e.contains("overlaps"), "{e}");
+            // The refusals numbered nothing: the ranks still agree.
+            let mut x = [1i32; 4];
+            comm.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            assert_eq!(x, [2; 4]);
+        },
+    );
+}

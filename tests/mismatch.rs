@@ -253,3 +253,51 @@ fn on_wire(wire: WireFormat) -> fairring::Options {
         wire: Some(wire),
     }
 }
+
+#[test]
+fn roots_of_reduces_gathers_and_scatters_differ() {
+    for (m, d) in LAYOUTS {
+        let other_root = |rank: u32| u32::from(rank == 0);
+        expect_mismatch(
+            m,
+            d,
+            |rank, comm| {
+                comm.reduce(
+                    &[1i32; 16],
+                    &mut [0i32; 16],
+                    ReduceOp::Sum,
+                    other_root(rank),
+                )
+            },
+            [
+                "reduce of 16 x i32 to rank 1",
+                "reduce of 16 x i32 to rank 0",
+            ],
+        );
+        expect_mismatch(
+            m,
+            d,
+            |rank, comm| {
+                let mut output = vec![0u8; 16 * (m * d) as usize];
+                comm.gather(&[1u8; 16], &mut output, other_root(rank))
+            },
+            [
+                "gather of 16 x u8 per rank, root 1",
+                "gather of 16 x u8 per rank, root 0",
+            ],
+        );
+        expect_mismatch(
+            m,
+            d,
+            |rank, comm| {
+                let mut input = vec![0u8; 16 * (m * d) as usize];
+                if rank == 0 {
+                    comm.scatter(&mut input, &mut [0u8; 16], 0)
+                } else {
+                    comm.broadcast(&mut input, 0)
+                }
+            },
+            ["scatter of 16 x u8 per rank, root 0", "broadcast of"],
+        );
+    }
+}

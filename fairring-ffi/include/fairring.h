@@ -77,6 +77,18 @@
 // A barrier.
 #define FR_COLLECTIVE_BARRIER 5
 
+// A reduce to `root` (run as an all-reduce; `output` is workspace on the
+// other ranks).
+#define FR_COLLECTIVE_REDUCE 6
+
+// A gather to `root` of every rank's `count` input elements into the output
+// (`world_size * count`; workspace on the other ranks).
+#define FR_COLLECTIVE_GATHER 7
+
+// A scatter from `root`: part `r` of its input (`world_size * count`,
+// workspace everywhere) into rank `r`'s output.
+#define FR_COLLECTIVE_SCATTER 8
+
 // Host memory of this process. (`FR_MEMORY_*` say where a call's memory is.)
 #define FR_MEMORY_HOST 0
 
@@ -126,10 +138,10 @@ typedef int32_t fr_status;
 
 // One collective call, described. In a zeroed `fr_call` the options are the
 // communicator's and the memory is the host's: set `collective` and the
-// fields it reads. `count` is one rank's part: the
-// tensor of an all-reduce or a broadcast, the input of an all-gather (whose
-// output holds `world_size * count`), the output of a reduce-scatter (whose
-// input holds `world_size * count`).
+// fields it reads. `count` is one rank's part: the tensor of an all-reduce, a
+// broadcast or a reduce, the input of an all-gather or a gather (whose output
+// holds `world_size * count`), the output of a reduce-scatter or a scatter
+// (whose input holds `world_size * count`).
 typedef struct {
   // An `FR_COLLECTIVE_*` value.
   int32_t collective;
@@ -428,6 +440,57 @@ fr_status fr_reduce_scatter(const fr_comm *comm,
                             int32_t dtype,
                             int32_t op,
                             fr_work **out);
+
+// Starts a reduce with `op` to rank `root`: every rank's `count` elements
+// of `dtype` at `input` are reduced into the root's `output`. On the other
+// ranks `output` is workspace. `input` may be `output` (in place). It runs
+// as an all-reduce, and costs one.
+//
+// # Safety
+//
+// `input` is valid for reads of `count` elements until the work finishes;
+// `output` as `data` in `fr_all_reduce`; they are the same or do not overlap.
+fr_status fr_reduce(const fr_comm *comm,
+                    const void *input,
+                    void *output,
+                    uint64_t count,
+                    int32_t dtype,
+                    int32_t op,
+                    uint32_t root,
+                    fr_work **out);
+
+// Starts a gather to rank `root`: every rank's `count` elements at `input`
+// land, in rank order, in the root's `output` (`world_size * count`
+// elements; workspace on the other ranks). `input` may be this rank's place
+// in `output`. It runs as an all-gather, and costs one.
+//
+// # Safety
+//
+// As `fr_all_gather`.
+fr_status fr_gather(const fr_comm *comm,
+                    const void *input,
+                    void *output,
+                    uint64_t count,
+                    int32_t dtype,
+                    uint32_t root,
+                    fr_work **out);
+
+// Starts a scatter from rank `root`: part `r` (`count` elements of `dtype`)
+// of the root's `input` (`world_size * count` elements) lands in rank `r`'s
+// `output`, bit for bit. `input` is workspace on every rank (afterwards it
+// holds the root's). It runs as a broadcast of the whole input, and costs
+// one.
+//
+// # Safety
+//
+// As `fr_reduce_scatter`.
+fr_status fr_scatter(const fr_comm *comm,
+                     void *input,
+                     void *output,
+                     uint64_t count,
+                     int32_t dtype,
+                     uint32_t root,
+                     fr_work **out);
 
 // Starts a barrier: its work finishes once every rank has entered it.
 //

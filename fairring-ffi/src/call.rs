@@ -23,6 +23,15 @@ pub const FR_COLLECTIVE_ALL_GATHER: i32 = 3;
 pub const FR_COLLECTIVE_REDUCE_SCATTER: i32 = 4;
 /// A barrier.
 pub const FR_COLLECTIVE_BARRIER: i32 = 5;
+/// A reduce to `root` (run as an all-reduce; `output` is workspace on the
+/// other ranks).
+pub const FR_COLLECTIVE_REDUCE: i32 = 6;
+/// A gather to `root` of every rank's `count` input elements into the output
+/// (`world_size * count`; workspace on the other ranks).
+pub const FR_COLLECTIVE_GATHER: i32 = 7;
+/// A scatter from `root`: part `r` of its input (`world_size * count`,
+/// workspace everywhere) into rank `r`'s output.
+pub const FR_COLLECTIVE_SCATTER: i32 = 8;
 
 /// Host memory of this process. (`FR_MEMORY_*` say where a call's memory is.)
 pub const FR_MEMORY_HOST: i32 = 0;
@@ -55,10 +64,10 @@ pub const FR_WIRE_F16: i32 = 3;
 
 /// One collective call, described. In a zeroed `fr_call` the options are the
 /// communicator's and the memory is the host's: set `collective` and the
-/// fields it reads. `count` is one rank's part: the
-/// tensor of an all-reduce or a broadcast, the input of an all-gather (whose
-/// output holds `world_size * count`), the output of a reduce-scatter (whose
-/// input holds `world_size * count`).
+/// fields it reads. `count` is one rank's part: the tensor of an all-reduce, a
+/// broadcast or a reduce, the input of an all-gather or a gather (whose output
+/// holds `world_size * count`), the output of a reduce-scatter or a scatter
+/// (whose input holds `world_size * count`).
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct fr_call {
@@ -126,7 +135,7 @@ impl fr_call {
             .ok_or_else(|| bad("collective", self.collective, "FR_COLLECTIVE_*"))?;
         let takes_op = matches!(
             collective,
-            Collective::AllReduce | Collective::ReduceScatter
+            Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce
         );
         let dtype = if collective == Collective::Barrier {
             DataType::U8
@@ -163,6 +172,11 @@ impl fr_call {
                 Call::reduce_scatter(input.cast_mut(), output, self.count, dtype, op)
             }
             Collective::Barrier => Call::barrier(),
+            Collective::Reduce => Call::reduce(input, output, self.count, dtype, op, self.root),
+            Collective::Gather => Call::gather(input, output, self.count, dtype, self.root),
+            Collective::Scatter => {
+                Call::scatter(input.cast_mut(), output, self.count, dtype, self.root)
+            }
         };
         let call = call.with(Options { algorithm, wire });
         match self.memory {
@@ -329,6 +343,9 @@ mod tests {
             (FR_COLLECTIVE_ALL_GATHER, Collective::AllGather),
             (FR_COLLECTIVE_REDUCE_SCATTER, Collective::ReduceScatter),
             (FR_COLLECTIVE_BARRIER, Collective::Barrier),
+            (FR_COLLECTIVE_REDUCE, Collective::Reduce),
+            (FR_COLLECTIVE_GATHER, Collective::Gather),
+            (FR_COLLECTIVE_SCATTER, Collective::Scatter),
         ];
         assert_eq!(collectives.len(), Collective::ALL.len());
         for (c, rust) in collectives {

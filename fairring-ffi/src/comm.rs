@@ -371,6 +371,82 @@ pub unsafe extern "C" fn fr_reduce_scatter(
     })
 }
 
+/// Starts a reduce with `op` to rank `root`: every rank's `count` elements
+/// of `dtype` at `input` are reduced into the root's `output`. On the other
+/// ranks `output` is workspace. `input` may be `output` (in place). It runs
+/// as an all-reduce, and costs one.
+///
+/// # Safety
+///
+/// `input` is valid for reads of `count` elements until the work finishes;
+/// `output` as `data` in `fr_all_reduce`; they are the same or do not overlap.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fr_reduce(
+    comm: *const fr_comm,
+    input: *const c_void,
+    output: *mut c_void,
+    count: u64,
+    dtype: i32,
+    op: i32,
+    root: u32,
+    out: *mut *mut fr_work,
+) -> fr_status {
+    start_export!(comm, out, {
+        let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
+        let call = Call::reduce(input.cast(), output.cast(), count, dtype, op, root);
+        Ok(Calls::One(call))
+    })
+}
+
+/// Starts a gather to rank `root`: every rank's `count` elements at `input`
+/// land, in rank order, in the root's `output` (`world_size * count`
+/// elements; workspace on the other ranks). `input` may be this rank's place
+/// in `output`. It runs as an all-gather, and costs one.
+///
+/// # Safety
+///
+/// As `fr_all_gather`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fr_gather(
+    comm: *const fr_comm,
+    input: *const c_void,
+    output: *mut c_void,
+    count: u64,
+    dtype: i32,
+    root: u32,
+    out: *mut *mut fr_work,
+) -> fr_status {
+    start_export!(comm, out, {
+        let call = Call::gather(input.cast(), output.cast(), count, dtype_of(dtype)?, root);
+        Ok(Calls::One(call))
+    })
+}
+
+/// Starts a scatter from rank `root`: part `r` (`count` elements of `dtype`)
+/// of the root's `input` (`world_size * count` elements) lands in rank `r`'s
+/// `output`, bit for bit. `input` is workspace on every rank (afterwards it
+/// holds the root's). It runs as a broadcast of the whole input, and costs
+/// one.
+///
+/// # Safety
+///
+/// As `fr_reduce_scatter`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fr_scatter(
+    comm: *const fr_comm,
+    input: *mut c_void,
+    output: *mut c_void,
+    count: u64,
+    dtype: i32,
+    root: u32,
+    out: *mut *mut fr_work,
+) -> fr_status {
+    start_export!(comm, out, {
+        let call = Call::scatter(input.cast(), output.cast(), count, dtype_of(dtype)?, root);
+        Ok(Calls::One(call))
+    })
+}
+
 /// Starts a barrier: its work finishes once every rank has entered it.
 ///
 /// # Safety

@@ -38,13 +38,14 @@ mod work;
 pub use call::{
     FR_ALGO_AUTO, FR_ALGO_DEFAULT, FR_ALGO_DOUBLING, FR_ALGO_HIERARCHICAL, FR_ALGO_RING,
     FR_COLLECTIVE_ALL_GATHER, FR_COLLECTIVE_ALL_REDUCE, FR_COLLECTIVE_BARRIER,
-    FR_COLLECTIVE_BROADCAST, FR_COLLECTIVE_REDUCE_SCATTER, FR_MEMORY_DEVICE, FR_MEMORY_HOST,
+    FR_COLLECTIVE_BROADCAST, FR_COLLECTIVE_GATHER, FR_COLLECTIVE_REDUCE,
+    FR_COLLECTIVE_REDUCE_SCATTER, FR_COLLECTIVE_SCATTER, FR_MEMORY_DEVICE, FR_MEMORY_HOST,
     FR_WIRE_BF16, FR_WIRE_DEFAULT, FR_WIRE_EXACT, FR_WIRE_F16, fr_call, fr_start,
 };
 pub use comm::{
     fr_all_gather, fr_all_reduce, fr_all_reduce_coalesced, fr_barrier, fr_broadcast, fr_comm,
-    fr_comm_abort, fr_comm_destroy, fr_comm_from_env, fr_comm_rank, fr_comm_with_store,
-    fr_reduce_scatter,
+    fr_comm_abort, fr_comm_destroy, fr_comm_from_env, fr_comm_rank, fr_comm_with_store, fr_gather,
+    fr_reduce, fr_reduce_scatter, fr_scatter,
 };
 #[cfg(feature = "cuda")]
 pub use device_calls::{

@@ -203,18 +203,7 @@ class ProcessGroupFairring(dist.ProcessGroup):
             raise ValueError(f"fairring: {what}: expected one input tensor and one output list")
         inp = _host(input_tensors[0], what).contiguous()
         outs = output_tensors[0]
-        if len(outs) != self.size():
-            raise ValueError(
-                f"fairring: {what}: the output list holds {len(outs)} tensors for "
-                f"{self.size()} ranks"
-            )
-        for o in outs:
-            _host(o, what)
-            if o.numel() != inp.numel() or o.dtype != inp.dtype:
-                raise ValueError(
-                    f"fairring: {what}: an output tensor ({o.numel()} x {o.dtype}) does "
-                    f"not match the input ({inp.numel()} x {inp.dtype})"
-                )
+        self._check_parts(what, "output", outs, inp)
         flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
         nbytes = inp.numel() * inp.element_size()
 
@@ -332,23 +321,128 @@ class ProcessGroupFairring(dist.ProcessGroup):
         all_done = torch.futures.collect_all([w.get_future() for w in works]).then(outcome)
         return _Chained(all_done, works)
 
+    def reduce(self, tensors, opts=None):
+        """Reduces every rank's tensor into the root's. The engine runs it as
+        an all-reduce into workspace on the other ranks, whose tensors are only
+        read."""
+        what = "reduce"
+        if len(tensors) != 1:
+            raise ValueError(f"fairring: {what}: expected one tensor, got {len(tensors)}")
+        root = opts.rootRank if opts is not None else 0
+        reduction = Reduction(opts, what)
+        staged = _Staged(tensors[0], what)
+        dtype = reduction.check(tensors[0])
+        n = staged.buffer.numel()
+        op = reduction.code
+        if self.rank() == root:
+            reduction.scale(staged.buffer)
+            inp = out = staged.buffer
+            finish = staged.finish
+        else:
+            inp = staged.buffer
+            if reduction.factor is not None:
+                inp = inp * reduction.factor  # this rank's tensor stays as it is
+            out = torch.empty_like(inp)
+            finish = None
+
+        def start(comm, w):
+            return native.lib().fr_reduce(
+                comm,
+                ctypes.c_void_p(inp.data_ptr()),
+                ctypes.c_void_p(out.data_ptr()),
+                n,
+                dtype,
+                op,
+                root,
+                w,
+            )
+
+        return self._start(what, [start], finish, tensors, (staged, inp, out))
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        """Every rank's input into the root's output list, bit for bit (the
+        engine runs it as an all-gather of bytes into workspace)."""
+        what = "gather"
+        root = opts.rootRank if opts is not None else 0
+        if len(input_tensors) != 1:
+            raise ValueError(f"fairring: {what}: expected one input tensor")
+        inp = _host(input_tensors[0], what).contiguous()
+        outs = output_tensors[0] if self.rank() == root and output_tensors else []
+        if self.rank() == root:
+            self._check_parts(what, "output", outs, inp)
+        flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
+        nbytes = inp.numel() * inp.element_size()
+
+        def start(comm, w):
+            return native.lib().fr_gather(
+                comm,
+                ctypes.c_void_p(inp.data_ptr()),
+                ctypes.c_void_p(flat.data_ptr()),
+                nbytes,
+                native.DTYPE_U8,
+                root,
+                w,
+            )
+
+        def finish():
+            for r, o in enumerate(outs):
+                o.copy_(flat[r * inp.numel() : (r + 1) * inp.numel()].view(o.shape))
+
+        return self._start(what, [start], finish, output_tensors, (inp, flat, outs))
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        """Part r of the root's input list into rank r's output, bit for bit
+        (the engine runs it as a broadcast of the root's whole list)."""
+        what = "scatter"
+        root = opts.rootRank if opts is not None else 0
+        if len(output_tensors) != 1:
+            raise ValueError(f"fairring: {what}: expected one output tensor")
+        staged = _Staged(output_tensors[0], what)
+        out = staged.buffer
+        if self.rank() == root:
+            parts = input_tensors[0] if input_tensors else []
+            self._check_parts(what, "input", parts, out)
+            flat = torch.cat([p.reshape(-1) for p in parts])
+        else:
+            flat = torch.empty(self.size() * out.numel(), dtype=out.dtype)
+        nbytes = out.numel() * out.element_size()
+
+        def start(comm, w):
+            return native.lib().fr_scatter(
+                comm,
+                ctypes.c_void_p(flat.data_ptr()),
+                staged.ptr(),
+                nbytes,
+                native.DTYPE_U8,
+                root,
+                w,
+            )
+
+        return self._start(what, [start], staged.finish, output_tensors, (flat, staged))
+
+    def _check_parts(self, what, name, parts, like):
+        """Refuses a list of per-rank parts that is not one `like` per rank."""
+        if len(parts) != self.size():
+            raise ValueError(
+                f"fairring: {what}: the {name} list holds {len(parts)} tensors for "
+                f"{self.size()} ranks"
+            )
+        for p in parts:
+            _host(p, what)
+            if p.numel() != like.numel() or p.dtype != like.dtype:
+                raise ValueError(
+                    f"fairring: {what}: an {name} tensor ({p.numel()} x {p.dtype}) does "
+                    f"not match this rank's ({like.numel()} x {like.dtype})"
+                )
+
     # What fairring does not implement: an error naming the call, never a
     # silent fallback to another backend.
     def _unsupported(self, call):
         raise NotImplementedError(
             f"fairring does not implement {call} (it implements allreduce, "
             "allreduce_coalesced, broadcast, allgather, all_gather_into_tensor, "
-            "reduce_scatter, reduce_scatter_tensor and barrier)"
+            "reduce_scatter, reduce_scatter_tensor, reduce, gather, scatter and barrier)"
         )
-
-    def reduce(self, *args, **kwargs):
-        self._unsupported("reduce")
-
-    def gather(self, *args, **kwargs):
-        self._unsupported("gather")
-
-    def scatter(self, *args, **kwargs):
-        self._unsupported("scatter")
 
     def alltoall(self, *args, **kwargs):
         self._unsupported("alltoall")

@@ -130,6 +130,29 @@ def collectives(rank, world, port):
         flat[rank * 33 : (rank + 1) * 33] = rank_input(rank, 33, dtype)
         dist.all_gather_into_tensor(flat, flat[rank * 33 : (rank + 1) * 33])
         assert torch.equal(flat, torch.cat([rank_input(r, 33, dtype) for r in range(world)]))
+        # Rooted collectives, every root: only the root's tensors change.
+        for root in range(world):
+            for op in [R.SUM, R.MAX] + ([] if dtype.is_floating_point else [R.BXOR]):
+                t = rank_input(rank, 51, dtype, salt=root)
+                before = t.clone()
+                dist.reduce(t, dst=root, op=op)
+                if rank == root:
+                    inputs = [rank_input(r, 51, dtype, salt=root) for r in range(world)]
+                    assert close(t, reference(inputs, op).to(dtype), dtype, world), (dtype, op)
+                else:
+                    assert torch.equal(t, before), "reduce changed a non-root tensor"
+            outs = [torch.empty(19, dtype=dtype) for _ in range(world)] if rank == root else None
+            dist.gather(rank_input(rank, 19, dtype, salt=root), outs, dst=root)
+            for r in range(world if rank == root else 0):
+                assert torch.equal(outs[r], rank_input(r, 19, dtype, salt=root)), (dtype, root, r)
+            parts = (
+                [rank_input(rank, 23, dtype, salt=100 + r) for r in range(world)]
+                if rank == root
+                else None
+            )
+            got = torch.empty(23, dtype=dtype)
+            dist.scatter(got, parts, src=root)
+            assert torch.equal(got, rank_input(root, 23, dtype, salt=100 + rank)), (dtype, root)
         for op in [R.SUM, R.MAX] + ([R.AVG] if dtype.is_floating_point else [R.BXOR]):
             full = [rank_input(rank, 40 * world, dtype, salt=9)]
             expected = reference(
@@ -186,6 +209,20 @@ def collectives(rank, world, port):
             want = reference(inputs, R.SUM).to(dtype)[rank * 40 : (rank + 1) * 40]
             assert close(out, want, dtype, world), (dtype, factor)
             assert torch.equal(full, before), "PREMUL_SUM scaled the caller's input"
+    # Object collectives (what checkpointing uses).
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank, "x": [rank] * rank})
+    assert objs == [{"rank": r, "x": [r] * r} for r in range(world)]
+    gathered = [None] * world if rank == world - 1 else None
+    dist.gather_object(("from", rank), gathered, dst=world - 1)
+    if rank == world - 1:
+        assert gathered == [("from", r) for r in range(world)]
+    received = [None]
+    dist.scatter_object_list(received, [f"to {r}" * (r + 1) for r in range(world)], src=1)
+    assert received[0] == f"to {rank}" * (rank + 1)
+    listed = [rank, {"k": rank}]
+    dist.broadcast_object_list(listed, src=world - 1)
+    assert listed == [world - 1, {"k": world - 1}]
     # Refusals name the op or the call; the group keeps working after them.
     with pytest.raises(TypeError, match="PREMUL_SUM"):
         dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist._make_nccl_premul_sum(2.0))

@@ -49,9 +49,9 @@ pub enum Memory {
 /// [`Communicator::start`] (one call) or [`Communicator::start_group`]
 /// (several, one [`Work`]).
 ///
-/// `count` is what one rank contributes: the whole tensor of an all-reduce or
-/// a broadcast, the input of an all-gather, the output of a reduce-scatter
-/// (whose input holds `world_size * count`).
+/// `count` is what one rank contributes: the whole tensor of an all-reduce, a
+/// broadcast or a reduce, the input of an all-gather or a gather, the output of
+/// a reduce-scatter or a scatter (whose input holds `world_size * count`).
 ///
 /// ```no_run
 /// use fairring::{Algorithm, Call, Communicator, DataType, ReduceOp};
@@ -79,9 +79,9 @@ pub struct Call {
     pub count: u64,
     /// The element type.
     pub dtype: DataType,
-    /// The operator of an all-reduce or a reduce-scatter.
+    /// The operator of an all-reduce, a reduce or a reduce-scatter.
     pub op: ReduceOp,
-    /// The rank a broadcast comes from.
+    /// The root of a broadcast, a reduce, a gather or a scatter.
     pub root: u32,
     /// Where `input` and `output` live.
     pub memory: Memory,
@@ -131,6 +131,70 @@ impl Call {
         Call {
             input,
             ..Call::in_place(Collective::ReduceScatter, output, count, dtype, op)
+        }
+    }
+
+    /// A reduce with `op` to rank `root`: every rank's `count` elements of
+    /// `dtype` at `input` are reduced into the root's `output`. On the other
+    /// ranks `output` is workspace (`count` elements, unspecified afterwards);
+    /// `input` is only read, and may be `output` itself (in place) but must
+    /// not otherwise overlap it.
+    ///
+    /// It runs as an all-reduce into every rank's `output`, and costs what
+    /// one does.
+    pub fn reduce(
+        input: *const u8,
+        output: *mut u8,
+        count: u64,
+        dtype: DataType,
+        op: ReduceOp,
+        root: u32,
+    ) -> Call {
+        Call {
+            input,
+            root,
+            ..Call::in_place(Collective::Reduce, output, count, dtype, op)
+        }
+    }
+
+    /// A gather to rank `root`: every rank's `count` elements of `dtype` at
+    /// `input` land, in rank order, in the root's `output` (`world_size *
+    /// count` elements). On the other ranks `output` is workspace of the same
+    /// size. `input` may lie at this rank's place in `output`, and nowhere
+    /// else in it.
+    ///
+    /// It runs as an all-gather into every rank's `output`, and costs what
+    /// one does.
+    pub fn gather(
+        input: *const u8,
+        output: *mut u8,
+        count: u64,
+        dtype: DataType,
+        root: u32,
+    ) -> Call {
+        Call {
+            input,
+            root,
+            ..Call::in_place(Collective::Gather, output, count, dtype, ReduceOp::Sum)
+        }
+    }
+
+    /// A scatter from rank `root`: part `r` (`count` elements of `dtype`) of
+    /// the root's `input` (`world_size * count` elements) lands in rank `r`'s
+    /// `output`, bit for bit. `input` is workspace: afterwards every rank's
+    /// holds the root's whole input (it runs as a broadcast of it, and costs
+    /// what one does). `output` must not overlap `input`.
+    pub fn scatter(
+        input: *mut u8,
+        output: *mut u8,
+        count: u64,
+        dtype: DataType,
+        root: u32,
+    ) -> Call {
+        Call {
+            input,
+            root,
+            ..Call::in_place(Collective::Scatter, output, count, dtype, ReduceOp::Sum)
         }
     }
 

@@ -34,6 +34,7 @@
 use fairring_core::{DataType, ReduceOp};
 use fairring_cuda::{DeviceSlice, DeviceSliceMut, Stream, device_of_pointer, sys};
 
+use super::start::{check_reduce_overlap, overlaps};
 use super::{
     Call, Collective, Communicator, DeviceCall, OwnedWork, Scope, Work, WorkerEngine, byte_len,
     check_pointer, wait_range,
@@ -56,7 +57,7 @@ impl Communicator {
         let (input, output) = (call.input as u64, call.output as u64);
         let dtype = call.dtype;
         let ordinal = match call.collective {
-            Collective::AllGather => {
+            Collective::AllGather | Collective::Gather => {
                 let ordinal = device_tensor("output", output, output_len, dtype)?;
                 on_same_device(ordinal, "input", input, input_len, dtype)?;
                 let n = byte_len(input_len, dtype)?;
@@ -73,7 +74,7 @@ impl Communicator {
                 }
                 ordinal
             }
-            Collective::ReduceScatter => {
+            Collective::ReduceScatter | Collective::Scatter => {
                 let ordinal = device_tensor("input", input, input_len, dtype)?;
                 on_same_device(ordinal, "output", output, output_len, dtype)?;
                 let (n, bytes) = (byte_len(output_len, dtype)?, byte_len(input_len, dtype)?);
@@ -83,6 +84,12 @@ impl Communicator {
                         format!("{output:#x} overlaps the input ({input:#x}, {bytes} bytes)"),
                     ));
                 }
+                ordinal
+            }
+            Collective::Reduce => {
+                let ordinal = device_tensor("output", output, output_len, dtype)?;
+                on_same_device(ordinal, "input", input, input_len, dtype)?;
+                check_reduce_overlap(input, output, byte_len(output_len, dtype)?)?;
                 ordinal
             }
             _ => device_tensor("data", output, output_len, dtype)?,
@@ -335,9 +342,4 @@ fn on_same_device(
         ));
     }
     Ok(())
-}
-
-/// Whether `a..a + a_len` and `b..b + b_len` share a byte.
-fn overlaps(a: u64, a_len: usize, b: u64, b_len: usize) -> bool {
-    a < b.saturating_add(b_len as u64) && b < a.saturating_add(a_len as u64)
 }

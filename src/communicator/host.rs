@@ -33,6 +33,35 @@ impl Communicator {
         self.scope(|s| s.reduce_scatter(input, output, op)?.wait())
     }
 
+    /// Reduces every rank's `input` with `op` into `output` of rank `root`,
+    /// and waits. Elsewhere `output` (as long as `input`) is workspace,
+    /// unspecified afterwards. It runs as an all-reduce, and costs one.
+    pub fn reduce<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+        root: u32,
+    ) -> Result<()> {
+        self.scope(|s| s.reduce(input, output, op, root)?.wait())
+    }
+
+    /// Gathers every rank's `input` into `output` of rank `root` (rank `r`'s
+    /// at `r * input.len()`), and waits. `output` holds `world_size` inputs on
+    /// every rank; elsewhere than the root it is workspace. It runs as an
+    /// all-gather, and costs one.
+    pub fn gather<T: Element>(&self, input: &[T], output: &mut [T], root: u32) -> Result<()> {
+        self.scope(|s| s.gather(input, output, root)?.wait())
+    }
+
+    /// Scatters rank `root`'s `input` (`world_size` parts of `output.len()`
+    /// elements): part `r` into `output` of rank `r`, bit for bit, and waits.
+    /// `input` is workspace on every rank: afterwards it holds the root's. It
+    /// runs as a broadcast of the whole input, and costs one.
+    pub fn scatter<T: Element>(&self, input: &mut [T], output: &mut [T], root: u32) -> Result<()> {
+        self.scope(|s| s.scatter(input, output, root)?.wait())
+    }
+
     /// Returns once every rank has entered the barrier.
     pub fn barrier(&self) -> Result<()> {
         self.scope(|s| s.barrier()?.wait())

@@ -147,6 +147,85 @@ impl<'scope> Scope<'scope, '_> {
         unsafe { self.comm.start(&call.with(options)) }
     }
 
+    /// Starts a reduce to rank `root` (see [`Communicator::reduce`]): every
+    /// rank's `input` reduced with `op` into the root's `output`; elsewhere
+    /// `output` is workspace. Runs as an all-reduce.
+    pub fn reduce<T: Element>(
+        &'scope self,
+        input: &'scope [T],
+        output: &'scope mut [T],
+        op: ReduceOp,
+        root: u32,
+    ) -> Result<Work<'scope>> {
+        let n = input.len() as u64;
+        if output.len() as u64 != n {
+            return Err(Error::invalid(
+                "output",
+                format!("holds {} elements; the input holds {n}", output.len()),
+            ));
+        }
+        let call = Call::reduce(
+            input.as_ptr().cast(),
+            output.as_mut_ptr().cast(),
+            n,
+            T::DTYPE,
+            op,
+            root,
+        );
+        // SAFETY: `input` is borrowed for 'scope and `output` mutably (so
+        // they do not overlap), both of `n` elements.
+        unsafe { self.comm.start(&call) }
+    }
+
+    /// Starts a gather to rank `root` (see [`Communicator::gather`]): every
+    /// rank's `input` into the root's `output` (rank `r`'s at `r *
+    /// input.len()`); elsewhere `output` is workspace. Runs as an all-gather.
+    pub fn gather<T: Element>(
+        &'scope self,
+        input: &[T],
+        output: &'scope mut [T],
+        root: u32,
+    ) -> Result<Work<'scope>> {
+        let n = input.len() as u64;
+        self.comm
+            .check_shares("output", output.len() as u64, n, "input")?;
+        let call = Call::gather(
+            input.as_ptr().cast(),
+            output.as_mut_ptr().cast(),
+            n,
+            T::DTYPE,
+            root,
+        );
+        // SAFETY: `input` is read before this returns (the prelude copies
+        // it); `output` is borrowed mutably for 'scope and spans `world * n`
+        // elements (checked above).
+        unsafe { self.comm.start(&call) }
+    }
+
+    /// Starts a scatter from rank `root` (see [`Communicator::scatter`]):
+    /// part `r` of the root's `input` into rank `r`'s `output`. `input` is
+    /// workspace on every rank. Runs as a broadcast of the whole input.
+    pub fn scatter<T: Element>(
+        &'scope self,
+        input: &'scope mut [T],
+        output: &'scope mut [T],
+        root: u32,
+    ) -> Result<Work<'scope>> {
+        let n = output.len() as u64;
+        self.comm
+            .check_shares("input", input.len() as u64, n, "output")?;
+        let call = Call::scatter(
+            input.as_mut_ptr().cast(),
+            output.as_mut_ptr().cast(),
+            n,
+            T::DTYPE,
+            root,
+        );
+        // SAFETY: both are borrowed mutably for 'scope (so they do not
+        // overlap) and have the lengths checked above.
+        unsafe { self.comm.start(&call) }
+    }
+
     /// Starts a barrier: its [`Work`] finishes once every rank has entered it.
     pub fn barrier(&'scope self) -> Result<Work<'scope>> {
         // SAFETY: a barrier touches no memory of the caller's.

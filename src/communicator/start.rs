@@ -91,18 +91,21 @@ impl Communicator {
             root,
             ..
         } = *call;
-        if matches!(
-            collective,
-            Collective::AllReduce | Collective::ReduceScatter
-        ) {
+        // A reduce, a gather and a scatter run as an all-reduce, an
+        // all-gather and a broadcast (`Collective::engine_form`).
+        let form = collective.engine_form();
+        if matches!(form, Collective::AllReduce | Collective::ReduceScatter) {
             check_op(op, dtype)?;
         }
-        if collective == Collective::Broadcast {
+        if collective.has_root() {
             self.check_root(root)?;
         }
         let per_rank = matches!(
             collective,
-            Collective::AllGather | Collective::ReduceScatter
+            Collective::AllGather
+                | Collective::ReduceScatter
+                | Collective::Gather
+                | Collective::Scatter
         );
         let total = if per_rank {
             self.times_world(count)?
@@ -115,10 +118,10 @@ impl Communicator {
         let place = self.check_memory(call, total)?;
         // What the engine runs: a byte-wise all-reduce for the collectives
         // that spread bytes, one byte for a barrier.
-        let runs_as = match collective {
+        let runs_as = match form {
             Collective::Broadcast | Collective::AllGather => (DataType::U8, bytes),
             Collective::Barrier => (DataType::U8, 1),
-            Collective::AllReduce | Collective::ReduceScatter => (dtype, bytes),
+            _ => (dtype, bytes),
         };
         let chosen = choice::choose(
             choice::Call {
@@ -130,22 +133,47 @@ impl Communicator {
             },
             &self.job(),
         )?;
+        // Where a share of the tensor is delivered (a reduce-scatter's, a
+        // scatter's part).
+        let placed = |at: *mut u8| match place {
+            #[cfg(feature = "cuda")]
+            // The operation's entry is filled in when it is queued.
+            Some(_) => PlacedTensor::Device(DeviceTensor::new(at as u64, n, 0)),
+            _ => PlacedTensor::Host(HostTensor::new(at, n)),
+        };
         let mut r = match collective {
-            Collective::AllReduce => Request::all_reduce(output, count, dtype, op, chosen),
+            Collective::AllReduce | Collective::Reduce => {
+                Request::all_reduce(output, count, dtype, op, chosen)
+            }
             Collective::Broadcast => Request::broadcast(output, bytes, dtype, count, root, chosen),
-            Collective::AllGather => Request::all_gather(output, bytes, dtype, count, chosen),
+            Collective::Scatter => {
+                let mut r = Request::broadcast(input, bytes, dtype, count, root, chosen);
+                r.deliver = Some(Delivery {
+                    to: placed(output),
+                    range: self.share(n),
+                });
+                r
+            }
+            Collective::AllGather | Collective::Gather => {
+                Request::all_gather(output, bytes, dtype, count, chosen)
+            }
             Collective::ReduceScatter => {
-                let to = match place {
-                    #[cfg(feature = "cuda")]
-                    // The operation's entry is filled in when it is queued.
-                    Some(_) => PlacedTensor::Device(DeviceTensor::new(output as u64, n, 0)),
-                    _ => PlacedTensor::Host(HostTensor::new(output, n)),
-                };
                 let share = self.share(n);
-                Request::reduce_scatter(input, total, dtype, op, count, to, share, chosen)
+                Request::reduce_scatter(
+                    input,
+                    total,
+                    dtype,
+                    op,
+                    count,
+                    placed(output),
+                    share,
+                    chosen,
+                )
             }
             Collective::Barrier => Request::barrier(chosen),
         };
+        r.collective = collective;
+        r.root = if collective.has_root() { root } else { 0 };
         // The all-reduce a broadcast or an all-gather otherwise runs as sums
         // the other ranks' zeros into each rank's bytes, as does a relay over
         // the machines inside each; the relay over the ranks overwrites them.
@@ -153,10 +181,10 @@ impl Communicator {
         // cost the host nothing.
         let zeros = r.chosen.zero_fill || place.is_some();
         let address = |p: *const u8| p as usize as u64;
-        match collective {
+        match form {
             Collective::Broadcast if root != self.rank() && zeros => {
                 r.prelude.push(Fill::Zero {
-                    at: address(output),
+                    at: address(r.data),
                     bytes,
                 });
             }
@@ -181,6 +209,15 @@ impl Communicator {
                     });
                 }
             }
+            // A reduce's input, unless in place, is copied into the output
+            // it reduces in.
+            Collective::AllReduce if input != output => {
+                r.prelude.push(Fill::Copy {
+                    to: address(output),
+                    from: address(input),
+                    bytes: n,
+                });
+            }
             _ => {}
         }
         #[cfg(feature = "cuda")]
@@ -197,8 +234,8 @@ impl Communicator {
     /// of no elements runs there too, having nothing to order).
     fn check_memory(&self, call: &Call, total: u64) -> Result<Option<DeviceCall>> {
         let (input_len, output_len) = match call.collective {
-            Collective::AllGather => (call.count, total),
-            Collective::ReduceScatter => (total, call.count),
+            Collective::AllGather | Collective::Gather => (call.count, total),
+            Collective::ReduceScatter | Collective::Scatter => (total, call.count),
             Collective::Barrier => return Ok(None),
             _ => (call.count, call.count),
         };
@@ -206,6 +243,25 @@ impl Communicator {
             Memory::Host => {
                 check_pointer(call.input.cast_mut(), input_len, call.dtype)?;
                 check_pointer(call.output, output_len, call.dtype)?;
+                let (input, output) = (call.input as usize as u64, call.output as usize as u64);
+                match call.collective {
+                    Collective::Reduce => {
+                        check_reduce_overlap(input, output, byte_len(output_len, call.dtype)?)?;
+                    }
+                    Collective::Scatter => {
+                        let n = byte_len(output_len, call.dtype)?;
+                        let bytes = byte_len(input_len, call.dtype)?;
+                        if n > 0 && overlaps(output, n, input, bytes) {
+                            return Err(Error::invalid(
+                                "output",
+                                format!(
+                                    "{output:#x} overlaps the input ({input:#x}, {bytes} bytes)"
+                                ),
+                            ));
+                        }
+                    }
+                    _ => {}
+                }
                 Ok(None)
             }
             #[cfg(feature = "cuda")]
@@ -216,4 +272,23 @@ impl Communicator {
                 .map(Some),
         }
     }
+}
+
+/// Refuses a reduce whose `input` overlaps its `output` (`bytes` bytes) other
+/// than exactly (in place).
+pub(super) fn check_reduce_overlap(input: u64, output: u64, bytes: usize) -> Result<()> {
+    if input != output && bytes > 0 && overlaps(input, bytes, output, bytes) {
+        return Err(Error::invalid(
+            "input",
+            format!(
+                "{input:#x} overlaps the output ({output:#x}, {bytes} bytes) other than in place"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `a_len` bytes at `a` and `b_len` bytes at `b` share a byte.
+pub(super) fn overlaps(a: u64, a_len: usize, b: u64, b_len: usize) -> bool {
+    a < b.saturating_add(b_len as u64) && b < a.saturating_add(a_len as u64)
 }

@@ -257,10 +257,10 @@ impl Choice {
 /// What `call` runs in `job` (see the module docs); an error where the call
 /// asks for what cannot run (a compressed wire for another type than `f32`).
 pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
-    let reduces = matches!(
-        call.collective,
-        Collective::AllReduce | Collective::ReduceScatter
-    );
+    // A reduce, a gather and a scatter run as their engine form (the name
+    // in an error stays the call's).
+    let form = call.collective.engine_form();
+    let reduces = matches!(form, Collective::AllReduce | Collective::ReduceScatter);
     if let Some(wire) = call.wire
         && wire != WireFormat::Exact
         && !reduces
@@ -268,7 +268,7 @@ pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
         return Err(Error::invalid(
             "wire",
             format!(
-                "a {} moves bytes exactly: the {wire} wire applies to all-reduces and \
+                "a {} moves bytes exactly: the {wire} wire applies to all-reduces, reduces and \
                  reduce-scatters of f32",
                 call.collective.name()
             ),
@@ -288,7 +288,7 @@ pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
     }
     let asked = call.algorithm.unwrap_or(job.algorithm);
     let requested_wire = call.wire.unwrap_or(job.wire);
-    let mut algorithm = resolve(call.collective, asked, call.bytes, job)?;
+    let mut algorithm = resolve(form, asked, call.bytes, job)?;
     // Only the hierarchical algorithm compresses: `auto` keeps it where a
     // compressed wire is asked for and would apply.
     if requested_wire != WireFormat::Exact
@@ -304,13 +304,9 @@ pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
     } else {
         WireFormat::Exact
     };
-    let spread = matches!(
-        call.collective,
-        Collective::Broadcast | Collective::AllGather
-    );
+    let spread = matches!(form, Collective::Broadcast | Collective::AllGather);
     let zero_fill = spread
-        && (algorithm != Resolved::Relay
-            || relay_over_machines(job.topology, job.servers, call.collective));
+        && (algorithm != Resolved::Relay || relay_over_machines(job.topology, job.servers, form));
     Ok(Choice {
         algorithm,
         wire,

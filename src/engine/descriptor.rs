@@ -50,6 +50,38 @@ fairring_core::named_enum! {
         ReduceScatter = 4 => "reduce_scatter",
         /// Every rank waits for every rank.
         Barrier = 5 => "barrier",
+        /// Every rank's tensor reduced into the root's (run as an all-reduce).
+        Reduce = 6 => "reduce",
+        /// Every rank's input, in rank order, into the root's output (run as
+        /// an all-gather).
+        Gather = 7 => "gather",
+        /// Each part of the root's input into the output of the rank of its
+        /// index (run as a broadcast of the whole input).
+        Scatter = 8 => "scatter",
+    }
+}
+
+impl Collective {
+    /// The collective the engine runs this one as: a reduce as an
+    /// all-reduce, a gather as an all-gather, a scatter as a broadcast; every
+    /// other as itself. Algorithms, choices and plans follow this form; the
+    /// descriptor keeps the caller's, root included, so that ranks that call
+    /// different ones, or name different roots, are told apart.
+    pub(crate) fn engine_form(self) -> Collective {
+        match self {
+            Collective::Reduce => Collective::AllReduce,
+            Collective::Gather => Collective::AllGather,
+            Collective::Scatter => Collective::Broadcast,
+            other => other,
+        }
+    }
+
+    /// Whether a root takes part in the call.
+    pub(crate) fn has_root(self) -> bool {
+        matches!(
+            self,
+            Collective::Broadcast | Collective::Reduce | Collective::Gather | Collective::Scatter
+        )
     }
 }
 
@@ -68,10 +100,12 @@ pub(crate) struct Descriptor {
     /// Where the caller's tensors live: every rank of an operation passes the
     /// same kind.
     pub(crate) memory: MemoryKind,
-    /// The root of a broadcast; 0 otherwise.
+    /// The root of a broadcast, a reduce, a gather or a scatter; 0
+    /// otherwise.
     pub(crate) root: u32,
-    /// Elements per rank as the caller counts them (a broadcast's tensor, an
-    /// all-gather's input, a reduce-scatter's output).
+    /// Elements per rank as the caller counts them (a broadcast's or a
+    /// reduce's tensor, an all-gather's or a gather's input, a
+    /// reduce-scatter's or a scatter's output).
     pub(crate) elements: u64,
 }
 
@@ -166,9 +200,14 @@ impl Descriptor {
     pub(crate) fn runs_as(&self, world: u32) -> Option<(u64, DataType, ReduceOp)> {
         let bytes = |elements: u64| elements.checked_mul(self.dtype.size_bytes());
         Some(match self.collective {
-            Collective::AllReduce => (self.elements, self.dtype, self.op),
+            Collective::AllReduce | Collective::Reduce => (self.elements, self.dtype, self.op),
             Collective::Broadcast => (bytes(self.elements)?, DataType::U8, ReduceOp::Sum),
-            Collective::AllGather => (
+            Collective::Scatter => (
+                bytes(self.elements.checked_mul(u64::from(world))?)?,
+                DataType::U8,
+                ReduceOp::Sum,
+            ),
+            Collective::AllGather | Collective::Gather => (
                 bytes(self.elements.checked_mul(u64::from(world))?)?,
                 DataType::U8,
                 ReduceOp::Sum,
@@ -211,6 +250,16 @@ impl std::fmt::Display for Descriptor {
                 f,
                 "{c} of {} x {} per rank ({}",
                 self.elements, self.dtype, self.algorithm
+            )?,
+            Collective::Gather | Collective::Scatter => write!(
+                f,
+                "{c} of {} x {} per rank, root {} ({}",
+                self.elements, self.dtype, self.root, self.algorithm
+            )?,
+            Collective::Reduce => write!(
+                f,
+                "{c} of {} x {} to rank {} ({}, {}",
+                self.elements, self.dtype, self.root, self.op, self.algorithm
             )?,
             Collective::AllReduce | Collective::ReduceScatter => {
                 write!(

@@ -98,6 +98,34 @@ int main(void) {
     }
     free(input);
 
+    /* Reduce, gather and scatter, rooted at the last rank. */
+    unsigned root = world - 1;
+    int16_t flags[3] = {(int16_t)(1 << rank), (int16_t)rank, -1};
+    int16_t reduced[3] = {0, 0, 0};
+    s = fr_reduce(comm, flags, reduced, 3, FR_DTYPE_I16, FR_OP_BOR, root, &work);
+    s = finish(s, work);
+    CHECK(s == FR_OK, "reduce: %s", fr_last_error());
+    if (rank == root) {
+        CHECK(reduced[0] == (int16_t)((1 << world) - 1) && reduced[2] == -1,
+              "reduce: %d %d", reduced[0], reduced[2]);
+    }
+    CHECK(flags[0] == (int16_t)(1 << rank), "reduce changed its input");
+    int32_t *all = calloc(2 * world, sizeof(int32_t));
+    s = fr_gather(comm, mine, all, 2, FR_DTYPE_I32, root, &work);
+    s = finish(s, work);
+    CHECK(s == FR_OK, "gather: %s", fr_last_error());
+    for (unsigned r = 0; rank == root && r < world; r++) {
+        CHECK(all[2 * r] == (int32_t)r * 10 && all[2 * r + 1] == (int32_t)r * 10 + 1,
+              "gather from rank %u", r);
+    }
+    for (unsigned i = 0; i < 2 * world; i++) all[i] = rank == root ? (int32_t)(100 + i) : -5;
+    int32_t part[2] = {0, 0};
+    s = fr_scatter(comm, all, part, 2, FR_DTYPE_I32, root, &work);
+    s = finish(s, work);
+    CHECK(s == FR_OK && part[0] == (int32_t)(100 + 2 * rank) && part[1] == (int32_t)(101 + 2 * rank),
+          "scatter: %d %d: %s", part[0], part[1], fr_last_error());
+    free(all);
+
     uint8_t a[5] = {1, 2, 3, 4, 5}, b[3] = {9, 9, 9};
     void *tensors[2] = {a, b};
     uint64_t counts[2] = {5, 3};

@@ -95,13 +95,13 @@ impl Origins {
     /// scatter algorithm runs.
     pub(crate) fn of(d: &Descriptor) -> Option<Origins> {
         let block = || d.elements.checked_mul(d.dtype.size_bytes());
-        match d.collective {
+        match d.collective.engine_form() {
             Collective::Broadcast => Some(Origins::Rank(d.root)),
             Collective::AllGather => block().map(Origins::Blocks),
             Collective::ReduceScatter if d.algorithm == Resolved::Scatter => {
                 block().map(Origins::Blocks)
             }
-            Collective::AllReduce | Collective::ReduceScatter | Collective::Barrier => None,
+            _ => None,
         }
     }
 }
@@ -456,7 +456,7 @@ impl Relay {
 pub(crate) fn over_machines(topology: Topology, servers: u32, collective: Collective) -> bool {
     topology.devices_per_machine() > 1
         && servers == 0
-        && match collective {
+        && match collective.engine_form() {
             Collective::Broadcast => true,
             Collective::AllGather => topology.layout() == RankLayout::Contiguous,
             _ => false,
