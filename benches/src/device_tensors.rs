@@ -119,6 +119,10 @@ impl DeviceTensors {
                 Timed::ReduceScatter => {
                     Call::reduce_scatter(b as *mut u8, p as *mut u8, k, dtype, op)
                 }
+                // Refused with `--device cuda` (options); in place, valid.
+                Timed::Reduce => Call::reduce(b as *const u8, b as *mut u8, n, dtype, op, 0),
+                Timed::Gather => Call::gather(p as *const u8, b as *mut u8, k, dtype, 0),
+                Timed::Scatter => Call::scatter(b as *mut u8, p as *mut u8, k, dtype, 0),
             };
             // SAFETY: as above.
             let work = unsafe { comm.start(&call.on_stream(stream).with(algorithm)) };

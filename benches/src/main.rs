@@ -3,7 +3,7 @@
 //! ```text
 //! fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F]
 //!                [--iters N] [--warmup N] [--algo auto|hierarchical|ring|doubling|all]
-//!                [--collective all_reduce|broadcast|all_gather|reduce_scatter]
+//!                [--collective all_reduce|broadcast|all_gather|reduce_scatter|reduce|gather|scatter]
 //!                [--wire exact|bf16|f16] [--device host|cuda]
 //!                [--dtype f32|f64|f16|bf16|i32|i64|u8|i8] [--op sum|prod|min|max|avg]
 //!                [--check|--no-check] [--parallel N] [--servers K] [--json PATH]
@@ -19,16 +19,19 @@
 //! - `time`: median over iterations of the slowest rank's time for one iteration
 //!   (one iteration is `--parallel` all-reduces in flight at once);
 //! - `algbw` = bytes x parallel / time; `busbw` = algbw x 2(n-1)/n for an
-//!   all-reduce, algbw for a broadcast, algbw x (n-1)/n for an all-gather and a
-//!   reduce-scatter (nccl-tests' factors; `size` is the buffer a rank ends with
-//!   for an all-gather and starts with for a reduce-scatter);
+//!   all-reduce, algbw for a broadcast and a reduce, algbw x (n-1)/n for an
+//!   all-gather, a reduce-scatter, a gather and a scatter (nccl-tests' factors;
+//!   `size` is the buffer a rank ends with for an all-gather or a gather and
+//!   starts with for a reduce-scatter or a scatter);
 //! - `#wrong`: elements that differ from the exactly known result, summed over
 //!   ranks (inputs are small integers, so every order of summation is exact);
 //! - `sent/op`, `recv/op`: data bytes the busiest rank's fabric wrote and
 //!   received per all-reduce, counted by the fabric over the timed iterations.
 //!
-//! `--collective` times a broadcast (from rank 0), an all-gather or a
-//! reduce-scatter instead of an all-reduce, checked the same way. They take
+//! `--collective` times a broadcast (from rank 0), an all-gather, a
+//! reduce-scatter, or a reduce, a gather (both to rank 0) or a scatter (from
+//! rank 0) instead of an all-reduce, checked the same way (the rooted ones
+//! where their results are defined; host tensors only). They take
 //! `--algo` too: `ring` relays a broadcast or an all-gather around the ring
 //! and runs a reduce-scatter as the ring's reduce-scatter half; `hierarchical`
 //! and `doubling` run them as all-reduces.

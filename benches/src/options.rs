@@ -34,14 +34,23 @@ pub(crate) enum Timed {
     Broadcast,
     AllGather,
     ReduceScatter,
+    /// To rank 0.
+    Reduce,
+    /// To rank 0.
+    Gather,
+    /// From rank 0.
+    Scatter,
 }
 
 impl Timed {
-    const ALL: [Timed; 4] = [
+    const ALL: [Timed; 7] = [
         Timed::AllReduce,
         Timed::Broadcast,
         Timed::AllGather,
         Timed::ReduceScatter,
+        Timed::Reduce,
+        Timed::Gather,
+        Timed::Scatter,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -50,6 +59,9 @@ impl Timed {
             Timed::Broadcast => "broadcast",
             Timed::AllGather => "all_gather",
             Timed::ReduceScatter => "reduce_scatter",
+            Timed::Reduce => "reduce",
+            Timed::Gather => "gather",
+            Timed::Scatter => "scatter",
         }
     }
 
@@ -58,14 +70,27 @@ impl Timed {
         let n = f64::from(n);
         match self {
             Timed::AllReduce => 2.0 * (n - 1.0) / n,
-            Timed::Broadcast => 1.0,
-            Timed::AllGather | Timed::ReduceScatter => (n - 1.0) / n,
+            Timed::Broadcast | Timed::Reduce => 1.0,
+            Timed::AllGather | Timed::ReduceScatter | Timed::Gather | Timed::Scatter => {
+                (n - 1.0) / n
+            }
         }
     }
 
     /// Whether the size's element count must divide among the ranks.
     pub(crate) fn per_rank(self) -> bool {
-        matches!(self, Timed::AllGather | Timed::ReduceScatter)
+        matches!(
+            self,
+            Timed::AllGather | Timed::ReduceScatter | Timed::Gather | Timed::Scatter
+        )
+    }
+
+    /// Whether it moves bytes only (no operator applies).
+    pub(crate) fn moves_bytes(self) -> bool {
+        matches!(
+            self,
+            Timed::Broadcast | Timed::AllGather | Timed::Gather | Timed::Scatter
+        )
     }
 }
 
@@ -74,7 +99,7 @@ pub(crate) fn usage(error: &str) -> ! {
     eprintln!(
         "usage: fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F] \
          [--iters N] [--warmup N] [--algo auto|hierarchical|ring|doubling|all] \
-         [--collective all_reduce|broadcast|all_gather|reduce_scatter] \
+         [--collective all_reduce|broadcast|all_gather|reduce_scatter|reduce|gather|scatter] \
          [--wire exact|bf16|f16] [--device host|cuda] [--dtype T] [--op OP] [--check|--no-check] [--parallel N] [--servers K] [--gradients N] \
          [--gradient-max N] [--json PATH] \
          [--plot PATH]\n       \
@@ -195,8 +220,8 @@ pub(crate) fn parse(args: &[String]) -> Options {
                     .find(|c| c.name() == v)
                     .unwrap_or_else(|| {
                         usage(&format!(
-                            "--collective: expected all_reduce, broadcast, all_gather or \
-                             reduce_scatter, got {v:?}"
+                            "--collective: expected all_reduce, broadcast, all_gather, \
+                             reduce_scatter, reduce, gather or scatter, got {v:?}"
                         ))
                     });
             }
@@ -216,6 +241,9 @@ pub(crate) fn parse(args: &[String]) -> Options {
             "-h" | "--help" => usage("help"),
             other => usage(&format!("unknown option {other:?}")),
         }
+    }
+    if o.device && matches!(o.collective, Timed::Reduce | Timed::Gather | Timed::Scatter) {
+        usage("--device cuda times all_reduce, broadcast, all_gather and reduce_scatter");
     }
     if o.factor < 2 {
         usage("--factor must be at least 2");

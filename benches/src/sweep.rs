@@ -61,10 +61,15 @@ pub(crate) fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Res
     let mut bufs: Vec<Vec<T>> = (0..o.parallel)
         .map(|_| vec![T::default(); elements])
         .collect();
-    // The other side of an all-gather (the input) or a reduce-scatter (the output).
+    // The other side of an all-gather or a gather (the input), a reduce-scatter
+    // or a scatter (the output), a reduce (the output).
     let mut parts: Vec<Vec<T>> = if o.collective.per_rank() {
         (0..o.parallel)
             .map(|_| vec![T::default(); elements / world as usize + 1])
+            .collect()
+    } else if o.collective == Timed::Reduce {
+        (0..o.parallel)
+            .map(|_| vec![T::default(); elements])
             .collect()
     } else {
         Vec::new()
@@ -238,7 +243,7 @@ pub(crate) fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Res
                     row.count,
                     T::DTYPE.name(),
                     // Broadcast and all-gather reduce nothing.
-                    if matches!(o.collective, Timed::Broadcast | Timed::AllGather) {
+                    if o.collective.moves_bytes() {
                         "-"
                     } else {
                         o.op.name()
@@ -400,6 +405,18 @@ pub(crate) fn iteration<T: Value>(
                 Timed::ReduceScatter => {
                     let p = parts.next().map(|p| &mut p[..k]).unwrap_or_default();
                     s.reduce_scatter_with(b, p, o.op, algorithm)?
+                }
+                Timed::Reduce => {
+                    let p = parts.next().map(|p| &mut p[..n]).unwrap_or_default();
+                    s.reduce_with(b, p, o.op, 0, algorithm)?
+                }
+                Timed::Gather => {
+                    let p = parts.next().map_or(&[][..], |p| &p[..k]);
+                    s.gather_with(p, b, 0, algorithm)?
+                }
+                Timed::Scatter => {
+                    let p = parts.next().map(|p| &mut p[..k]).unwrap_or_default();
+                    s.scatter_with(b, p, 0, algorithm)?
                 }
             });
         }

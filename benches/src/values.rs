@@ -116,7 +116,7 @@ pub(crate) fn fill<T: Value>(
             .chain(std::iter::repeat_with(|| None)),
     ) {
         match (o.collective, p) {
-            (Timed::AllGather, Some(p)) => {
+            (Timed::AllGather | Timed::Gather, Some(p)) => {
                 for (i, v) in p[..k].iter_mut().enumerate() {
                     *v = T::from_small(input(o.op, rank, world, i as u64));
                 }
@@ -143,12 +143,15 @@ pub(crate) fn count_wrong<T: Value>(
     let mut wrong = 0u64;
     for (j, b) in bufs.iter().enumerate() {
         let (got, want): (&[T], Box<dyn Fn(usize) -> i64>) = match o.collective {
+            // The rooted collectives define results at their root only, but
+            // for a scatter's parts.
+            Timed::Reduce | Timed::Gather if rank != 0 => continue,
             Timed::AllReduce => (
                 &b[..n],
                 Box::new(|i| expected(T::DTYPE, o.op, world, i as u64)),
             ),
             Timed::Broadcast => (&b[..n], Box::new(|i| input(o.op, 0, world, i as u64))),
-            Timed::AllGather => (
+            Timed::AllGather | Timed::Gather => (
                 &b[..n],
                 Box::new(|i| {
                     let (r, at) = (i / k.max(1), i % k.max(1));
@@ -158,6 +161,14 @@ pub(crate) fn count_wrong<T: Value>(
             Timed::ReduceScatter => (
                 &parts[j][..k],
                 Box::new(move |i| expected(T::DTYPE, o.op, world, (rank as usize * k + i) as u64)),
+            ),
+            Timed::Reduce => (
+                &parts[j][..n],
+                Box::new(|i| expected(T::DTYPE, o.op, world, i as u64)),
+            ),
+            Timed::Scatter => (
+                &parts[j][..k],
+                Box::new(move |i| input(o.op, 0, world, (rank as usize * k + i) as u64)),
             ),
         };
         wrong += got

@@ -157,6 +157,19 @@ impl<'scope> Scope<'scope, '_> {
         op: ReduceOp,
         root: u32,
     ) -> Result<Work<'scope>> {
+        self.reduce_with(input, output, op, root, Options::default())
+    }
+
+    /// Starts a reduce with `options` (see [`Scope::reduce`]). Every rank
+    /// must ask alike.
+    pub fn reduce_with<T: Element>(
+        &'scope self,
+        input: &'scope [T],
+        output: &'scope mut [T],
+        op: ReduceOp,
+        root: u32,
+        options: impl Into<Options>,
+    ) -> Result<Work<'scope>> {
         let n = input.len() as u64;
         if output.len() as u64 != n {
             return Err(Error::invalid(
@@ -174,7 +187,7 @@ impl<'scope> Scope<'scope, '_> {
         );
         // SAFETY: `input` is borrowed for 'scope and `output` mutably (so
         // they do not overlap), both of `n` elements.
-        unsafe { self.comm.start(&call) }
+        unsafe { self.comm.start(&call.with(options)) }
     }
 
     /// Starts a gather to rank `root` (see [`Communicator::gather`]): every
@@ -185,6 +198,18 @@ impl<'scope> Scope<'scope, '_> {
         input: &[T],
         output: &'scope mut [T],
         root: u32,
+    ) -> Result<Work<'scope>> {
+        self.gather_with(input, output, root, Options::default())
+    }
+
+    /// Starts a gather with `options` (see [`Scope::gather`]). Every rank
+    /// must ask alike.
+    pub fn gather_with<T: Element>(
+        &'scope self,
+        input: &[T],
+        output: &'scope mut [T],
+        root: u32,
+        options: impl Into<Options>,
     ) -> Result<Work<'scope>> {
         let n = input.len() as u64;
         self.comm
@@ -199,7 +224,7 @@ impl<'scope> Scope<'scope, '_> {
         // SAFETY: `input` is read before this returns (the prelude copies
         // it); `output` is borrowed mutably for 'scope and spans `world * n`
         // elements (checked above).
-        unsafe { self.comm.start(&call) }
+        unsafe { self.comm.start(&call.with(options)) }
     }
 
     /// Starts a scatter from rank `root` (see [`Communicator::scatter`]):
@@ -210,6 +235,18 @@ impl<'scope> Scope<'scope, '_> {
         input: &'scope mut [T],
         output: &'scope mut [T],
         root: u32,
+    ) -> Result<Work<'scope>> {
+        self.scatter_with(input, output, root, Options::default())
+    }
+
+    /// Starts a scatter with `options` (see [`Scope::scatter`]). Every rank
+    /// must ask alike.
+    pub fn scatter_with<T: Element>(
+        &'scope self,
+        input: &'scope mut [T],
+        output: &'scope mut [T],
+        root: u32,
+        options: impl Into<Options>,
     ) -> Result<Work<'scope>> {
         let n = output.len() as u64;
         self.comm
@@ -223,7 +260,7 @@ impl<'scope> Scope<'scope, '_> {
         );
         // SAFETY: both are borrowed mutably for 'scope (so they do not
         // overlap) and have the lengths checked above.
-        unsafe { self.comm.start(&call) }
+        unsafe { self.comm.start(&call.with(options)) }
     }
 
     /// Starts a barrier: its [`Work`] finishes once every rank has entered it.
