@@ -123,10 +123,10 @@ class ProcessGroupFairring(dist.ProcessGroup):
             # Started ones still run: let the completion thread release them.
             if works:
                 self._state["completer"].put(
-                    _Pending(works, torch.futures.Future(), None, None, what, keep)
+                    _Pending(works, None, None, what, keep)
                 )
             raise
-        pending = _Pending(works, torch.futures.Future(), finish, result, what, keep)
+        pending = _Pending(works, finish, result, what, keep)
         self._state["completer"].put(pending)
         return Work(pending, keep, what)
 

@@ -1,6 +1,8 @@
 """Operations in flight: the completion thread that fulfils a group's futures
 in issue order, and the `Work` objects torch.distributed hands callers."""
 
+import collections
+import ctypes
 import datetime
 import queue
 import threading
@@ -11,37 +13,127 @@ import torch.distributed as dist
 from . import _native as native
 from ._native import FairringError
 
+# How long the completion thread leaves operations to the threads that wait
+# on them before it waits itself: a blocking caller settles its own operation
+# (no hand-over, no contention for the GIL), and an operation nobody waits on
+# is settled, and its engine handle freed, this long after it starts at most
+# (plus its own time). A future asked for wakes the thread at once.
+SWEEP_SECONDS = 0.002
+
+
 class _Pending:
-    """Operations started in the engine. When all finish, `future` (what
-    `Work.wait` waits on) is completed; the future `Work.get_future` returns,
-    made only when asked for, is completed by a dispatcher (or at once, if
-    asked for after the operations finished)."""
+    """Operations started in the engine, settled once by whichever thread
+    sees them finish first: a caller in `Work.wait` (or `is_completed`), or
+    the completion thread. Settling copies the results back and records the
+    outcome (`failure`, which `Work.wait` raises); the future
+    `Work.get_future` returns, made only when asked for, is completed by a
+    dispatcher (or at once, if asked for after the operations finished). The
+    engine's work handles are freed once the operations are settled and no
+    thread waits on them any more."""
 
     __slots__ = (
-        "works", "future", "finish", "result", "what", "keep",
-        "lock", "settled", "failure", "gate", "chained",
+        "works", "finish", "result", "what", "keep", "lock", "users",
+        "freed", "settled", "failure", "gate", "chained", "completer",
     )
 
-    def __init__(self, works, future, finish, result, what, keep):
+    def __init__(self, works, finish, result, what, keep):
         self.works = works
-        self.future = future
         self.finish = finish
         self.result = result
         self.what = what
         self.keep = keep
         self.lock = threading.Lock()
+        # Threads inside the library on `works`.
+        self.users = 0
+        self.freed = False
         self.settled = False
         self.failure = None
         self.gate = None
         self.chained = None
+        # The group's `_Completer`, set when it is handed over.
+        self.completer = None
 
-    def settle(self, failure):
-        """Records the outcome; returns whether a dispatcher must complete the
-        future handed out for callbacks."""
+    def wait_here(self, seconds):
+        """Waits for the operations on this thread (inside the library,
+        without the GIL) and settles them if no other thread has; with
+        `seconds` > 0, returns False if they are still running then."""
         with self.lock:
+            if self.settled:
+                return True
+            self.users += 1
+        lib = native.lib()
+        failure, finished = None, True
+        try:
+            for w in self.works:
+                status = native.PENDING
+                while status == native.PENDING and finished:
+                    ms = max(1, int(seconds * 1000)) if seconds > 0 else 1000
+                    status = lib.fr_work_wait_timeout(w, ms)
+                    finished = not (status == native.PENDING and seconds > 0)
+                if not finished:
+                    break
+                if status != native.OK and failure is None:
+                    failure = FairringError(self.what, status, native.last_error())
+        finally:
+            with self.lock:
+                self.users -= 1
+                self._free_locked()
+        if finished:
+            self._settle(failure)
+        return finished
+
+    def poll(self):
+        """Whether the operations have finished, without waiting; settles
+        them if they have."""
+        with self.lock:
+            if self.settled:
+                return True
+            self.users += 1
+        lib = native.lib()
+        failure, finished = None, True
+        try:
+            done = ctypes.c_bool(False)
+            for w in self.works:
+                status = lib.fr_work_test(w, ctypes.byref(done))
+                if status != native.OK and failure is None:
+                    failure = FairringError(self.what, status, native.last_error())
+                finished = finished and (done.value or status != native.OK)
+        finally:
+            with self.lock:
+                self.users -= 1
+                self._free_locked()
+        if finished:
+            self._settle(failure)
+        return finished
+
+    def _settle(self, failure):
+        """Settles the operations, once: copies results back, records the
+        outcome, frees the handles if no thread waits on them, and has a
+        dispatcher complete the future handed out for callbacks."""
+        with self.lock:
+            if self.settled:
+                return
+            if failure is None and self.finish is not None:
+                try:
+                    self.finish()
+                except Exception as e:  # a copy back that failed
+                    failure = e
             self.settled = True
             self.failure = failure
-            return self.gate is not None
+            self._free_locked()
+            callbacks = self.gate is not None
+            if not callbacks:
+                self.keep = None
+        if callbacks:
+            # A callback may wait on a later operation: never on this thread.
+            self.completer.hand_over(self, failure)
+
+    def _free_locked(self):
+        if self.settled and self.users == 0 and not self.freed:
+            self.freed = True
+            lib = native.lib()
+            for w in self.works:
+                lib.fr_work_free(w)
 
     def future_for_callbacks(self):
         with self.lock:
@@ -54,6 +146,8 @@ class _Pending:
                 if self.settled:
                     # No callback is attached yet: completing it here runs none.
                     _complete(self.gate, self.result, self.failure)
+                elif self.completer is not None:
+                    self.completer.urge()
             return self.chained
 
 
@@ -65,26 +159,31 @@ def _complete(future, result, failure):
 
 
 class _Completer:
-    """Completes a group's operations.
+    """Completes a group's operations that no caller completes itself.
 
-    One thread waits for them in issue order (inside the library, without the
-    GIL), copies results back and completes the future `Work.wait` waits on,
-    which carries none of the caller's callbacks: a blocking caller wakes after
-    one hand-over, and an operation nobody asked a future of ends there. The
-    future `get_future` returns, to which callers attach ``then`` callbacks,
-    is completed by a dispatcher thread instead, because
-    completing a future runs its callbacks on the completing thread, and a
-    callback may wait on a later operation of the same group (PowerSGD's hooks
-    do; so may any user's). Every operation handed over has a dispatcher of
-    its own reserved: an idle one, or a new thread while all are busy in
-    callbacks. A callback that blocks holds up only itself, and a wait that
-    can no longer finish ends with the group's timeout, which fails the
+    A caller that waits (`Work.wait`) waits inside the library on its own
+    thread and settles its operation there: a blocking call wakes without a
+    hand-over. Every operation is also put on a backlog that one thread goes
+    through in issue order, waiting (inside the library, without the GIL) for
+    those not settled yet: it lets `SWEEP_SECONDS` pass first unless a future
+    was asked for, so that it contends with no blocking caller, and it sleeps
+    while the backlog is empty. The future `get_future` returns, to which
+    callers attach ``then`` callbacks, is completed by a dispatcher thread,
+    because completing a future runs its callbacks on the completing thread,
+    and a callback may wait on a later operation of the same group (PowerSGD's
+    hooks do; so may any user's). Every operation handed over has a
+    dispatcher of its own reserved: an idle one, or a new thread while all are
+    busy in callbacks. A callback that blocks holds up only itself, and a wait
+    that can no longer finish ends with the group's timeout, which fails the
     operation waited on.
     """
 
     def __init__(self, rank):
         self._rank = rank
-        self._queue = queue.SimpleQueue()
+        self._backlog = collections.deque()
+        self._wake = threading.Event()
+        self._asleep = False
+        self._closing = False
         self._ready = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0
@@ -95,14 +194,22 @@ class _Completer:
         self._thread.start()
 
     def put(self, pending):
-        self._queue.put(pending)
+        pending.completer = self
+        self._backlog.append(pending)
+        if self._asleep:
+            self._wake.set()
+
+    def urge(self):
+        """Has the thread go through the backlog now (a future was asked for)."""
+        self._wake.set()
 
     def close(self):
         """Ends the threads once the operations already handed over are
         complete, and joins them (but not the calling thread, if it is one)."""
         me = threading.current_thread()
         if self._thread.is_alive():
-            self._queue.put(None)
+            self._closing = True
+            self._wake.set()
             if me is not self._thread:
                 self._thread.join()
         with self._lock:
@@ -114,32 +221,29 @@ class _Completer:
                 d.join()
 
     def _run(self):
-        lib = native.lib()
+        backlog = self._backlog
         while True:
-            p = self._queue.get()
-            if p is None:
-                return
-            failure = None
-            for w in p.works:
-                status = native.PENDING
-                while status == native.PENDING:
-                    status = lib.fr_work_wait_timeout(w, 1000)
-                if status != native.OK and failure is None:
-                    failure = FairringError(p.what, status, native.last_error())
-                lib.fr_work_free(w)
-            if failure is None and p.finish is not None:
-                try:
-                    p.finish()
-                except Exception as e:  # a copy back that failed
-                    failure = e
-            # `future` holds only the package's own callbacks.
-            _complete(p.future, p.result, failure)
-            if p.settle(failure):
-                self._hand_over(p, failure)
-            else:
-                p.keep = None
+            if not backlog:
+                if self._closing:
+                    return
+                # Announce the sleep, then look again: `put` wakes a sleeper.
+                self._asleep = True
+                if not backlog and not self._closing:
+                    self._wake.wait()
+                self._asleep = False
+                self._wake.clear()
+                continue
+            if not self._closing and self._wake.wait(SWEEP_SECONDS):
+                self._wake.clear()
+            # What was handed over until now; later operations wait for the
+            # next pass (their callers may still wait on them themselves).
+            for _ in range(len(backlog)):
+                p = backlog.popleft()
+                if not p.settled:
+                    p.wait_here(0)
 
-    def _hand_over(self, p, failure):
+    def hand_over(self, p, failure):
+        """Has a dispatcher complete `p`'s future for callbacks."""
         with self._lock:
             if self._idle > 0:
                 self._idle -= 1  # reserved for this one
@@ -177,46 +281,34 @@ class Work(dist.Work):
     def __init__(self, pending, keep, what="operation"):
         super().__init__()
         self._pending = pending
-        self._raw = pending.future
         self._keep = keep
         self._what = what
-        self._done = threading.Event()
-        self._raw.add_done_callback(lambda _: self._done.set())
 
     def wait(self, timeout=datetime.timedelta(0)):
         """Waits for the operation (up to `timeout` if it is not zero) and
-        raises its error."""
+        raises its error. The waiting thread waits inside the library itself
+        (without the GIL) and, if it sees the operation finish first, settles
+        it: a blocking call wakes without a hand-over between threads."""
         seconds = timeout.total_seconds() if timeout else 0
-        if seconds > 0 and not self._done.wait(seconds):
+        if not self._pending.wait_here(seconds):
             raise RuntimeError(
                 f"fairring: {self._what} did not finish within {seconds:g} s "
                 "(it still runs; the group's own timeout fails it if a peer is lost)"
             )
-        # The raw future raises the `FairringError` itself (the chained one
-        # would wrap it in a RuntimeError about a callback).
-        self._raw.wait()
+        # Settled: the `FairringError` itself (a future's would wrap it in a
+        # RuntimeError about a callback).
+        if self._pending.failure is not None:
+            raise self._pending.failure
         return True
 
     def is_completed(self):
-        return self._raw.done()
+        return self._pending.poll()
 
     def is_success(self):
-        if not self._raw.done():
-            return False
-        try:
-            self._raw.value()
-            return True
-        except Exception:
-            return False
+        return self._pending.poll() and self._pending.failure is None
 
     def exception(self):
-        if not self._raw.done():
-            return None
-        try:
-            self._raw.value()
-            return None
-        except Exception as e:
-            return e
+        return self._pending.failure if self._pending.poll() else None
 
     def get_future(self):
         # Made on demand: an operation nobody asked a future of (a blocking

@@ -5,6 +5,7 @@ three deep, and many callbacks blocked at once do not hold up each other. A
 failed operation raises `fairring.FairringError` itself from ``wait()``."""
 
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -90,3 +91,49 @@ def mismatch(rank, world, port):
 
 def test_a_failed_operation_raises_fairring_error_from_wait():
     spawn(mismatch, 2)
+
+
+def unwaited(rank, world, port):
+    dist.init_process_group(
+        "fairring",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=TIMEOUT,
+    )
+    expected = torch.full((30, 20), float(world))
+    # Polled, never waited: is_completed settles it (the non-contiguous
+    # tensor's copy back included) without a wait.
+    polled = torch.ones(20, 30).t()
+    work = dist.all_reduce(polled, async_op=True)
+    deadline = time.monotonic() + 30
+    while not work.is_completed():
+        assert time.monotonic() < deadline, "is_completed never turned true"
+        time.sleep(0.0005)
+    assert work.is_success() and work.exception() is None
+    assert torch.equal(polled, expected)
+    # Started and dropped: the group's thread settles it and copies it back.
+    dropped = torch.ones(20, 30).t()
+    dist.all_reduce(dropped, async_op=True)
+    deadline = time.monotonic() + 30
+    while not torch.equal(dropped, expected):
+        assert time.monotonic() < deadline, "a dropped operation was never copied back"
+        time.sleep(0.001)
+    # Many in flight, waited in reverse order, each by the caller; a future
+    # asked for after the operation finished completes at once.
+    works = [dist.all_reduce(torch.full((8,), float(i)), async_op=True) for i in range(200)]
+    for w in reversed(works):
+        assert w.wait()
+    (late,) = works[0].get_future().wait()
+    assert torch.equal(late, torch.zeros(8))
+    # Waited from two threads at once.
+    w = dist.all_reduce(torch.ones(1000), async_op=True)
+    t = threading.Thread(target=w.wait)
+    t.start()
+    assert w.wait()
+    t.join()
+    dist.destroy_process_group()
+
+
+def test_operations_settle_whoever_waits_or_polls_and_when_nobody_does():
+    spawn(unwaited, 2)
