@@ -8,9 +8,11 @@ backend through its entry point without the import.
 
 - ``dist.init_process_group("fairring")``: the group rendezvouses through the
   store PyTorch hands it, and implements allreduce (SUM, AVG, PRODUCT, MIN,
-  MAX), allreduce_coalesced, broadcast, allgather, all_gather_into_tensor,
-  reduce_scatter, reduce_scatter_tensor and barrier. Anything else raises an
-  error naming the call.
+  MAX, BAND, BOR, BXOR, PREMUL_SUM), allreduce_coalesced, broadcast,
+  allgather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor,
+  reduce, gather, scatter (so checkpointing works), send, recv, isend, irecv,
+  batch_isend_irecv, all_to_all, all_to_all_single and barrier. Anything else
+  (a receive from any source) raises an error naming the call.
 - ``fairring.allreduce_hook``: a DDP communication hook that averages each
   gradient bucket on a fairring group, for jobs that keep another backend as
   the default group.

@@ -10,6 +10,7 @@ mismatching call), so ``wait()``, DDP's reducer and ``get_future()`` all raise.
 
 import atexit
 import ctypes
+import threading
 import weakref
 
 import torch
@@ -18,15 +19,19 @@ import torch.distributed as dist
 from . import _native as native
 from ._native import FairringError
 from ._store import _StoreBridge
-from ._tensors import Reduction, _Staged, _dtype_code, _host
+from ._tensors import _DTYPES, Reduction, _Staged, _dtype_code, _host
 from ._work import Work, _Chained, _Completer, _Pending
 
 def _teardown(state):
-    """Destroys a group's communicator once: joins its completion thread, then
-    lets the engine go (which joins its threads)."""
+    """Destroys a group's communicators once: joins its completion thread, then
+    lets the engines go (which joins their threads)."""
     comm, completer = state.pop("comm", None), state.pop("completer", None)
+    channels = state.pop("channels", {})
+    state.pop("store", None)
     if completer is not None:
         completer.close()
+    for channel, _bridge in channels.values():
+        native.lib().fr_comm_destroy(channel)
     if comm is not None:
         native.lib().fr_comm_destroy(comm)
 
@@ -59,22 +64,35 @@ class ProcessGroupFairring(dist.ProcessGroup):
 
     def __init__(self, store, rank, size, timeout):
         super().__init__(rank, size)
-        lib = native.lib()
-        self._bridge = _StoreBridge(_this_join(store, size))
+        scoped = _this_join(store, size)
+        self._timeout_ms = max(int(timeout.total_seconds() * 1000), 0) if timeout else 0
+        comm, self._bridge = self._join(scoped, rank, size, f"the group as rank {rank}")
+        self._comm = comm
+        self._channels_lock = threading.Lock()
+        # The store is held until teardown only (channels meet through it):
+        # a group kept alive after it is destroyed keeps no store alive.
+        self._state = {
+            "comm": comm,
+            "completer": _Completer(rank),
+            "channels": {},
+            "store": scoped,
+        }
+        self._finalizer = weakref.finalize(self, _teardown, self._state)
+        _live.add(self)
+
+    def _join(self, store, rank, size, what):
+        """A communicator of `size` ranks met through `store`, as `rank`."""
+        bridge = _StoreBridge(store)
         comm = native.comm_p()
-        ms = int(timeout.total_seconds() * 1000) if timeout is not None else 0
-        status = lib.fr_comm_with_store(
-            rank, size, ctypes.byref(self._bridge.struct), max(ms, 0), ctypes.byref(comm)
+        status = native.lib().fr_comm_with_store(
+            rank, size, ctypes.byref(bridge.struct), self._timeout_ms, ctypes.byref(comm)
         )
         if status != native.OK:
             message = native.last_error()
-            if self._bridge.error:
-                message += f" (store: {self._bridge.error})"
-            raise FairringError(f"joining the group as rank {rank} of {size}", status, message)
-        self._comm = comm
-        self._state = {"comm": comm, "completer": _Completer(rank)}
-        self._finalizer = weakref.finalize(self, _teardown, self._state)
-        _live.add(self)
+            if bridge.error:
+                message += f" (store: {bridge.error})"
+            raise FairringError(f"joining {what} of {size}", status, message)
+        return comm, bridge
 
     # Identity.
     def getBackendName(self):
@@ -90,6 +108,11 @@ class ProcessGroupFairring(dist.ProcessGroup):
 
     def getGroupName(self):
         return getattr(self, "_group_name", "")
+
+    def _get_backend(self, device):
+        """The group is its own backend, for every device type (torch asks,
+        e.g. in `batch_isend_irecv`, whether it coalesces: it does not)."""
+        return self
 
     def setGroupDesc(self, desc):
         self._group_desc = desc
@@ -441,22 +464,146 @@ class ProcessGroupFairring(dist.ProcessGroup):
         raise NotImplementedError(
             f"fairring does not implement {call} (it implements allreduce, "
             "allreduce_coalesced, broadcast, allgather, all_gather_into_tensor, "
-            "reduce_scatter, reduce_scatter_tensor, reduce, gather, scatter and barrier)"
+            "reduce_scatter, reduce_scatter_tensor, reduce, gather, scatter, all_to_all, "
+            "all_to_all_single, send, recv from a given rank and barrier)"
         )
 
-    def alltoall(self, *args, **kwargs):
-        self._unsupported("alltoall")
-
-    def alltoall_base(self, *args, **kwargs):
-        self._unsupported("all_to_all_single")
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """Rows `input_split_sizes[j]` of `input` (in order) to rank j, rows
+        `output_split_sizes[j]` of `output` from it (equal splits where a list
+        is empty): each block moves once, through the pair's channel."""
+        what = "all_to_all_single"
+        _host(input, what)
+        staged = _Staged(output, what)
+        inp = input.contiguous()
+        ins = self._splits(what, "input", inp, input_split_sizes)
+        outs = self._splits(what, "output", staged.buffer, output_split_sizes)
+        return self._exchange(what, ins, outs, staged.finish, [output], (inp, staged))
 
     all_to_all_single = alltoall_base
 
-    def send(self, *args, **kwargs):
-        self._unsupported("send")
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """`input_tensors[j]` to rank j, `output_tensors[j]` from it."""
+        what = "all_to_all"
+        if len(output_tensors) != self.size() or len(input_tensors) != self.size():
+            raise ValueError(
+                f"fairring: {what}: expected {self.size()} input and output tensors, got "
+                f"{len(input_tensors)} and {len(output_tensors)}"
+            )
+        ins = [_host(t, what).contiguous() for t in input_tensors]
+        staged = [_Staged(t, what) for t in output_tensors]
 
-    def recv(self, *args, **kwargs):
-        self._unsupported("recv")
+        def finish():
+            for st in staged:
+                st.finish()
+
+        outs = [st.buffer for st in staged]
+        return self._exchange(what, ins, outs, finish, output_tensors, (ins, staged))
+
+    def _splits(self, what, name, tensor, sizes):
+        """`tensor` cut along its first dimension into one block per rank."""
+        world = self.size()
+        rows = tensor.shape[0] if tensor.dim() > 0 else tensor.numel()
+        if not sizes:
+            if rows % world:
+                raise ValueError(
+                    f"fairring: {what}: the {name}'s {rows} rows do not split equally "
+                    f"among {world} ranks"
+                )
+            sizes = [rows // world] * world
+        if len(sizes) != world or sum(sizes) != rows or min(sizes) < 0:
+            raise ValueError(
+                f"fairring: {what}: {name}_split_sizes {list(sizes)} must be {world} "
+                f"sizes adding up to the {name}'s {rows} rows"
+            )
+        flat = tensor.reshape(rows, -1) if tensor.dim() > 0 else tensor.reshape(-1, 1)
+        blocks, at = [], 0
+        for n in sizes:
+            blocks.append(flat[at : at + n])
+            at += n
+        return blocks
+
+    def _exchange(self, what, ins, outs, finish, result, keep):
+        """Block j of `ins` to rank j and block j of `outs` from it; this
+        rank's own block is copied."""
+        me = self.rank()
+        if ins[me].numel() != outs[me].numel() or ins[me].dtype != outs[me].dtype:
+            raise ValueError(
+                f"fairring: {what}: this rank's block to itself ({ins[me].numel()} x "
+                f"{ins[me].dtype}) does not fit its place in the output "
+                f"({outs[me].numel()} x {outs[me].dtype})"
+            )
+        # Every channel first, in rank order: ranks meet pairwise in one order.
+        peers = [p for p in range(self.size()) if p != me]
+        for p in peers:
+            self._channel(p, True, what)
+        starts = []
+        for p in peers:
+            starts.append(self._block_start(ins[p], p, sending=True, what=what))
+            starts.append(self._block_start(outs[p], p, sending=False, what=what))
+        outs[me].copy_(ins[me])
+        return self._start(what, starts, finish, result, keep)
+
+    def _block_start(self, block, peer, sending, what):
+        """Starts one message of a contiguous `block` to or from `peer`."""
+        channel = self._channel(peer, sending, what)
+        code = _DTYPES.get(block.dtype)
+        if code is None:
+            count, code = block.numel() * block.element_size(), native.DTYPE_U8
+        else:
+            count = block.numel()
+        ptr = ctypes.c_void_p(block.data_ptr())
+
+        def start(comm, w):
+            return native.lib().fr_broadcast(channel, ptr, count, code, 0, w)
+
+        return start
+
+    # Point-to-point: each ordered pair of ranks (sender, receiver) has a
+    # channel, a communicator of two ranks in which the sender is rank 0, and
+    # a message is a broadcast from it. Messages from one rank to another
+    # arrive in the order they were sent and match receives in the order they
+    # were posted, as NCCL's do; tags are not matched. The descriptor check
+    # compares each message's size and type with the receive's: a receive of
+    # another size or type fails both ranks naming both.
+    def _channel(self, peer, sending, what):
+        if not isinstance(peer, int) or not 0 <= peer < self.size() or peer == self.rank():
+            raise ValueError(
+                f"fairring: {what}: peer {peer} is not another rank of this group of "
+                f"{self.size()}"
+            )
+        if "comm" not in self._state:
+            raise RuntimeError(f"fairring: {what}: the process group has been shut down")
+        me = self.rank()
+        key = (me, peer) if sending else (peer, me)
+        channels = self._state["channels"]
+        if key not in channels:
+            with self._channels_lock:
+                if key not in channels:
+                    # Both directions at once, the lower rank's first: the two
+                    # ranks meet in the same order whichever sends first.
+                    low, high = sorted((me, peer))
+                    for src, dst in ((low, high), (high, low)):
+                        store = dist.PrefixStore(f"p2p/{src}-{dst}/", self._state["store"])
+                        channels[(src, dst)] = self._join(
+                            store, 0 if me == src else 1, 2, f"the channel {src}->{dst}"
+                        )
+        return channels[key][0]
+
+    def _message(self, what, tensor, peer, sending):
+        staged = _Staged(tensor, what, write_back=not sending)
+        start = self._block_start(staged.buffer, peer, sending, what)
+        return self._start(what, [start], staged.finish, [tensor], staged)
+
+    def send(self, tensors, dst, tag=0):
+        if len(tensors) != 1:
+            raise ValueError(f"fairring: send: expected one tensor, got {len(tensors)}")
+        return self._message("send", tensors[0], dst, sending=True)
+
+    def recv(self, tensors, src, tag=0):
+        if len(tensors) != 1:
+            raise ValueError(f"fairring: recv: expected one tensor, got {len(tensors)}")
+        return self._message("recv", tensors[0], src, sending=False)
 
     def recv_anysource(self, *args, **kwargs):
         self._unsupported("recv (any source)")

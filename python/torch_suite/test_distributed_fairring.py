@@ -28,8 +28,6 @@ from torch.testing._internal.common_distributed import DistTestCases  # noqa: E4
 # declare fairring's before.
 for feature in ("plugin", "ddp", "subgroup"):
     DistTestCases.backend_feature[feature].add("fairring")
-# fairring implements no send/recv or all-to-all yet; reduce, gather and
-# scatter it does.
 
 import fairring  # noqa: E402,F401  (registers the backend in every spawned process)
 from torch.testing._internal.common_utils import run_tests  # noqa: E402
