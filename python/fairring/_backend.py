@@ -30,8 +30,8 @@ def _teardown(state):
     state.pop("store", None)
     if completer is not None:
         completer.close()
-    for channel, _bridge in channels.values():
-        native.lib().fr_comm_destroy(channel)
+    for channel in channels.values():
+        channel.close()
     if comm is not None:
         native.lib().fr_comm_destroy(comm)
 
@@ -51,6 +51,78 @@ def _this_join(store, size):
     values in `k*size+1 ..= (k+1)*size` and agree on `k`."""
     joined = store.add("fairring/joins", 1)
     return dist.PrefixStore(f"fairring/{(joined - 1) // size}/", store)
+
+
+class _Channel:
+    """One direction of a pair's messages: a communicator of two (the sender
+    is its rank 0), met through the group's store on a thread of its own.
+    Messages posted before it is connected start, in the order posted, once
+    it is; a failure to connect fails them with its error."""
+
+    def __init__(self, group, store, rank, what):
+        self._lock = threading.Lock()
+        self._queue = []
+        self._comm = None
+        self._bridge = None
+        self._failure = None
+        self._closed = False
+        self._what = what
+        self._thread = threading.Thread(
+            target=self._connect, args=(group, store, rank), name=f"fairring-{what}", daemon=True
+        )
+        self._thread.start()
+
+    def _connect(self, group, store, rank):
+        try:
+            comm, bridge = group._join(store, rank, 2, self._what)
+        except Exception as e:  # noqa: BLE001 (the messages carry it)
+            comm, failure = None, e
+        else:
+            failure = None
+        with self._lock:
+            if self._closed:
+                if comm is not None:
+                    native.lib().fr_comm_destroy(comm)
+                return
+            self._comm, self._failure = comm, failure
+            if comm is not None:
+                self._bridge = bridge
+            queue, self._queue = self._queue, []
+            for start, pending in queue:
+                self._start_locked(start, pending)
+
+    def post(self, start, pending):
+        with self._lock:
+            if self._comm is None and self._failure is None:
+                self._queue.append((start, pending))
+            else:
+                self._start_locked(start, pending)
+
+    def _start_locked(self, start, pending):
+        if self._closed:
+            pending.started(None, RuntimeError(f"fairring: {self._what} was closed"))
+        elif self._failure is not None:
+            pending.started(None, self._failure)
+        else:
+            w = native.work_p()
+            status = start(self._comm, ctypes.byref(w))
+            if status != native.OK:
+                pending.started(None, FairringError(pending.what, status, native.last_error()))
+            else:
+                pending.started(w, None)
+
+    def close(self):
+        """Destroys the communicator (once its messages are settled by the
+        group's thread, which is joined first); a connection still being
+        made is destroyed when it completes."""
+        with self._lock:
+            self._closed = True
+            comm, self._comm = self._comm, None
+            queue, self._queue = self._queue, []
+        for _start, pending in queue:
+            pending.started(None, RuntimeError(f"fairring: {self._what} was closed"))
+        if comm is not None:
+            native.lib().fr_comm_destroy(comm)
 
 
 @atexit.register
@@ -533,19 +605,17 @@ class ProcessGroupFairring(dist.ProcessGroup):
                 f"{ins[me].dtype}) does not fit its place in the output "
                 f"({outs[me].numel()} x {outs[me].dtype})"
             )
-        # Every channel first, in rank order: ranks meet pairwise in one order.
-        peers = [p for p in range(self.size()) if p != me]
-        for p in peers:
-            self._channel(p, True, what)
-        starts = []
-        for p in peers:
-            starts.append(self._block_start(ins[p], p, sending=True, what=what))
-            starts.append(self._block_start(outs[p], p, sending=False, what=what))
+        messages = []
+        for p in range(self.size()):
+            if p != me:
+                messages.append(self._block_start(ins[p], p, sending=True, what=what))
+                messages.append(self._block_start(outs[p], p, sending=False, what=what))
         outs[me].copy_(ins[me])
-        return self._start(what, starts, finish, result, keep)
+        return self._post(what, messages, finish, result, keep)
 
     def _block_start(self, block, peer, sending, what):
-        """Starts one message of a contiguous `block` to or from `peer`."""
+        """One message of a contiguous `block` to or from `peer`: its channel
+        and the function that starts it there."""
         channel = self._channel(peer, sending, what)
         code = _DTYPES.get(block.dtype)
         if code is None:
@@ -555,9 +625,9 @@ class ProcessGroupFairring(dist.ProcessGroup):
         ptr = ctypes.c_void_p(block.data_ptr())
 
         def start(comm, w):
-            return native.lib().fr_broadcast(channel, ptr, count, code, 0, w)
+            return native.lib().fr_broadcast(comm, ptr, count, code, 0, w)
 
-        return start
+        return channel, start
 
     # Point-to-point: each ordered pair of ranks (sender, receiver) has a
     # channel, a communicator of two ranks in which the sender is rank 0, and
@@ -580,20 +650,30 @@ class ProcessGroupFairring(dist.ProcessGroup):
         if key not in channels:
             with self._channels_lock:
                 if key not in channels:
-                    # Both directions at once, the lower rank's first: the two
-                    # ranks meet in the same order whichever sends first.
-                    low, high = sorted((me, peer))
-                    for src, dst in ((low, high), (high, low)):
+                    # Both directions at once, each met on a thread of its own:
+                    # a rank never waits for a peer to reach its own first
+                    # message (a ring of first sends would wait in a circle).
+                    for src, dst in ((me, peer), (peer, me)):
                         store = dist.PrefixStore(f"p2p/{src}-{dst}/", self._state["store"])
-                        channels[(src, dst)] = self._join(
-                            store, 0 if me == src else 1, 2, f"the channel {src}->{dst}"
+                        channels[(src, dst)] = _Channel(
+                            self, store, 0 if me == src else 1, f"the channel {src}->{dst}"
                         )
-        return channels[key][0]
+        return channels[key]
+
+    def _post(self, what, messages, finish, result, keep):
+        """Posts `messages` (channel, start) in order and returns one Work over
+        them: each starts on its channel once that is connected, after the
+        messages posted there before it."""
+        pending = _Pending([], finish, result, what, keep, starts=len(messages))
+        self._state["completer"].put(pending)
+        for channel, start in messages:
+            channel.post(start, pending)
+        return Work(pending, keep, what)
 
     def _message(self, what, tensor, peer, sending):
         staged = _Staged(tensor, what, write_back=not sending)
-        start = self._block_start(staged.buffer, peer, sending, what)
-        return self._start(what, [start], staged.finish, [tensor], staged)
+        message = self._block_start(staged.buffer, peer, sending, what)
+        return self._post(what, [message], staged.finish, [tensor], staged)
 
     def send(self, tensors, dst, tag=0):
         if len(tensors) != 1:

@@ -2,7 +2,7 @@
 callbacks."""
 
 import ctypes
-import datetime
+import time
 import logging
 
 from . import _native as native
@@ -38,12 +38,20 @@ class _StoreBridge:
 
     def _get(self, user, key, timeout_ms, buf, capacity, length):
         k = key.decode()
+        # Polled rather than waited for: a store client runs one request at a
+        # time, and a blocking wait would hold up every other user of it in
+        # this process (channels meet on threads of their own, each waiting
+        # for keys the other publishes) until it timed out.
+        deadline = time.monotonic() + timeout_ms / 1000
+        pause = 0.0002
         try:
-            self._store.wait([k], datetime.timedelta(milliseconds=timeout_ms))
+            while not self._store.check([k]):
+                if time.monotonic() >= deadline:
+                    return native.STORE_TIMEOUT
+                time.sleep(pause)
+                pause = min(pause * 2, 0.01)
         except Exception as e:
-            if "timeout" in str(e).lower() or "timed out" in str(e).lower():
-                return native.STORE_TIMEOUT
-            return self._failed("wait", e)
+            return self._failed("check", e)
         try:
             v = self._store.get(k)
             if len(v) > capacity:

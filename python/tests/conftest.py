@@ -13,8 +13,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 TIMEOUT = datetime.timedelta(seconds=60)
 
 # A rank still running after this long is hung: it prints every thread's stack
-# and exits, which fails its test instead of hanging the run.
-HUNG_AFTER = 240
+# and exits, which fails its test instead of hanging the run
+# (FAIRRING_TEST_HUNG_AFTER seconds, to look at a hang sooner).
+HUNG_AFTER = int(os.environ.get("FAIRRING_TEST_HUNG_AFTER", "240"))
 
 
 def free_port():
