@@ -611,7 +611,8 @@ class ProcessGroupFairring(dist.ProcessGroup):
                 messages.append(self._block_start(ins[p], p, sending=True, what=what))
                 messages.append(self._block_start(outs[p], p, sending=False, what=what))
         outs[me].copy_(ins[me])
-        return self._post(what, messages, finish, result, keep)
+        label = f"{what} (over a channel per peer, whose rank 0 is its sender and rank 1 its receiver)"
+        return self._post(label, messages, finish, result, keep)
 
     def _block_start(self, block, peer, sending, what):
         """One message of a contiguous `block` to or from `peer`: its channel
@@ -673,7 +674,13 @@ class ProcessGroupFairring(dist.ProcessGroup):
     def _message(self, what, tensor, peer, sending):
         staged = _Staged(tensor, what, write_back=not sending)
         message = self._block_start(staged.buffer, peer, sending, what)
-        return self._post(what, [message], staged.finish, [tensor], staged)
+        src, dst = (self.rank(), peer) if sending else (peer, self.rank())
+        # An error from the channel names its own ranks: say which they are.
+        label = (
+            f"{what} {'to' if sending else 'from'} rank {peer} (on the channel "
+            f"{src}->{dst}, whose rank 0 is rank {src} and rank 1 is rank {dst})"
+        )
+        return self._post(label, [message], staged.finish, [tensor], staged)
 
     def send(self, tensors, dst, tag=0):
         if len(tensors) != 1:

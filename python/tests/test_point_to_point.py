@@ -4,10 +4,13 @@ between a pair in order, both directions at once, a ring exchange and a
 pipeline schedule of `batch_isend_irecv` over 4 ranks for 20 microbatches;
 `all_to_all_single` with random unequal splits and the list form on 2, 3 and
 4 ranks; all checked against values computed on each rank. A receive of
-another size, and splits that disagree, fail naming both sides; receives
-from any rank are refused naming the call."""
+another size, and splits that disagree, fail naming both sides; a sender
+killed mid-job fails its receiver naming it (and what its channel calls it);
+receives from any rank are refused naming the call."""
 
+import datetime
 import os
+import signal
 import time
 
 import pytest
@@ -15,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import fairring  # noqa: F401  (registers the backend)
-from conftest import TIMEOUT, spawn
+from conftest import TIMEOUT, _bounded, free_port, spawn
 from test_collectives import DTYPES, rank_input
 
 MICROBATCHES = 20
@@ -220,3 +223,37 @@ def mismatched_splits(rank, world, port):
 
 def test_splits_that_disagree_fail_naming_both():
     spawn(mismatched_splits, 2)
+
+
+def killed(rank, world, port):
+    dist.init_process_group(
+        "fairring",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=20),
+    )
+    if rank == 1:
+        dist.recv(torch.empty(4), 0)  # the channels are met
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.send(torch.ones(4), 1)
+    start = time.monotonic()
+    with pytest.raises(fairring.FairringError) as failed:
+        dist.recv(torch.empty(1 << 20), 1)
+    took = time.monotonic() - start
+    text = str(failed.value)
+    assert "from rank 1" in text and "rank 0 is rank 1" in text, text
+    assert took < 20, took
+    os._exit(0)  # the group cannot be torn down cleanly with a peer gone
+
+
+def test_a_killed_sender_fails_its_receiver_naming_it():
+    ctx = torch.multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_bounded, args=(r, killed, 2, port)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert procs[1].exitcode == -signal.SIGKILL
+    assert procs[0].exitcode == 0, "the receiver did not raise naming the sender"
