@@ -26,12 +26,16 @@ fn every_collective_runs_checked_on_a_local_job() {
     let dir =
         std::env::temp_dir().join(format!("fairring-bench-collectives-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a temporary folder");
-    // nccl-tests' bus factors for two ranks: 2(n-1)/n, 1, (n-1)/n, (n-1)/n.
+    // nccl-tests' bus factors for two ranks: 2(n-1)/n, 1, (n-1)/n, (n-1)/n,
+    // and for the rooted collectives 1, (n-1)/n, (n-1)/n.
     for (collective, factor) in [
         ("all_reduce", 1.0),
         ("broadcast", 1.0),
         ("all_gather", 0.5),
         ("reduce_scatter", 0.5),
+        ("reduce", 1.0),
+        ("gather", 0.5),
+        ("scatter", 0.5),
     ] {
         let json = dir.join(format!("{collective}.json"));
         let json_arg = json.to_string_lossy().into_owned();
@@ -136,7 +140,7 @@ fn every_collective_runs_checked_on_a_local_job() {
             assert!(text.contains(algo), "{collective}: no{algo}row:\n{text}");
         }
     }
-    let (ok, text) = bench(&["--local", "1x2", "--collective", "gather"]);
+    let (ok, text) = bench(&["--local", "1x2", "--collective", "all_to_all"]);
     assert!(!ok && text.contains("--collective: expected"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
