@@ -19,7 +19,7 @@ import torch.distributed as dist
 from . import _native as native
 from ._native import FairringError
 from ._store import _StoreBridge
-from ._tensors import _DTYPES, Reduction, _Staged, _dtype_code, _host
+from ._tensors import _DTYPES, Reduction, _Staged, _host
 from ._work import Work, _Chained, _Completer, _Pending
 
 def _teardown(state):

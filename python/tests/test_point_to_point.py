@@ -233,10 +233,13 @@ def killed(rank, world, port):
         world_size=world,
         timeout=datetime.timedelta(seconds=20),
     )
+    # Both channels are met (each way one message) before rank 1 dies.
     if rank == 1:
-        dist.recv(torch.empty(4), 0)  # the channels are met
+        dist.recv(torch.empty(4), 0)
+        dist.send(torch.ones(4), 0)
         os.kill(os.getpid(), signal.SIGKILL)
     dist.send(torch.ones(4), 1)
+    dist.recv(torch.empty(4), 1)
     start = time.monotonic()
     with pytest.raises(fairring.FairringError) as failed:
         dist.recv(torch.empty(1 << 20), 1)
