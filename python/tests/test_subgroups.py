@@ -8,6 +8,7 @@ throughout."""
 
 import gc
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,10 @@ def rounds(rank, world, port, path):
         for g in [everyone, *pairs]:
             dist.destroy_process_group(g)
         gc.collect()
+        # Threads the teardown joined or let go may take a moment to exit.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(n > b for n, b in zip(resources(), baseline)):
+            time.sleep(0.05)
         now = resources()
         # Nothing more than before (one of torch's descriptors may close).
         assert all(n <= b for n, b in zip(now, baseline)), (
