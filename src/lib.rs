@@ -79,6 +79,8 @@ mod fusion;
 mod local;
 #[allow(unsafe_code)]
 mod memory;
+#[allow(unsafe_code)]
+mod point_to_point;
 mod server;
 #[allow(unsafe_code)]
 mod shm;
@@ -91,5 +93,6 @@ pub use config::{Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Ro
 pub use error::{Error, Result};
 pub use fairring_core::{DataType, ReduceOp, WireFormat};
 pub use fusion::Fusion;
+pub use point_to_point::{CHANNEL_MEMORY, Message};
 pub use server::Server;
 pub use store::Store;

@@ -34,8 +34,10 @@ use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::memory::DeviceTensor;
 use crate::memory::{HostTensor, MemoryKind, Placed, PlacedTensor};
+use crate::point_to_point::Channels;
 use crate::store::{PrefixStore, Store, TcpStoreServer};
 use crate::sync::unmodelled::AtomicU8;
+pub(crate) use submit::check_pointer;
 use submit::*;
 #[cfg(feature = "cuda")]
 use work::wait_range;
@@ -87,6 +89,8 @@ pub struct Communicator {
         expect(dead_code, reason = "read by the NCCL set-up")
     )]
     store: PrefixStore<Arc<dyn Store>>,
+    /// The channels of point-to-point messages (`point_to_point`).
+    pub(crate) channels: Channels,
     _server: Option<TcpStoreServer>,
 }
 
@@ -118,6 +122,7 @@ impl Communicator {
         server: Option<TcpStoreServer>,
     ) -> Result<Communicator> {
         let scoped = bootstrap::scoped(&config, &store);
+        let channels = Channels::new(&config, Arc::clone(&store));
         let built = bootstrap::build(&config, &scoped)?;
         #[cfg(feature = "cuda")]
         let nccl = crate::local::NcclSetup {
@@ -145,6 +150,7 @@ impl Communicator {
             #[cfg(feature = "cuda")]
             nccl,
             store: scoped,
+            channels,
             _server: server,
         })
     }
@@ -211,6 +217,8 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
+        // The channels first: their meetings use the job's store.
+        self.channels.close();
         stop_progress(&self.engine, &mut self.progress);
         let operations = *self.next_seq.lock().unwrap_or_else(PoisonError::into_inner);
         self.engine.say_goodbye(operations);

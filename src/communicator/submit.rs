@@ -188,7 +188,7 @@ pub(super) fn check_op(op: ReduceOp, dtype: DataType) -> Result<()> {
 }
 
 /// Rejects a null or misaligned pointer for `count` elements of `dtype`.
-pub(super) fn check_pointer(data: *mut u8, count: u64, dtype: DataType) -> Result<()> {
+pub(crate) fn check_pointer(data: *mut u8, count: u64, dtype: DataType) -> Result<()> {
     if count == 0 {
         return Ok(());
     }

@@ -1,0 +1,287 @@
+//! One channel: a two-rank communicator from a sender (its rank 0) to a
+//! receiver (its rank 1), met on a thread of its own, with the messages
+//! posted before it was met.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::{CHANNEL_MEMORY, Posted};
+use crate::communicator::{Call, Communicator};
+use crate::config::{Config, Role};
+use crate::error::{Error, Result};
+use crate::store::{PrefixStore, Store};
+
+pub(super) struct Channel {
+    state: Mutex<State>,
+    meeting: Mutex<Option<JoinHandle<()>>>,
+    /// Lets the meeting stop waiting on the store when the channel closes.
+    store: Arc<ChannelStore>,
+    timeout: Duration,
+    src: u32,
+    dst: u32,
+}
+
+enum State {
+    /// Being met; messages posted so far, in order.
+    Meeting(Vec<Queued>),
+    Met(Arc<Communicator>),
+    Failed(Error),
+    Closed,
+}
+
+/// A message waiting for its channel.
+struct Queued {
+    call: Call,
+    posted: Arc<Posted>,
+}
+
+// SAFETY: a queued call's pointers are the poster's memory, which
+// `Communicator::post_send`'s contract keeps valid and unshared until the
+// message reports completion; the call is started (on whichever thread meets
+// the channel) as it would have been on the poster's.
+unsafe impl Send for Queued {}
+
+impl Channel {
+    /// Starts meeting the channel from `src` to `dst` of the job of `config`
+    /// through `store`; `sending`: this rank is `src`.
+    pub(super) fn meet(
+        config: &Config,
+        store: &Arc<dyn Store>,
+        src: u32,
+        dst: u32,
+        sending: bool,
+    ) -> Result<Arc<Channel>> {
+        let own = channel_config(config, if sending { 0 } else { 1 });
+        let scoped = PrefixStore::new(
+            format!("fairring/{:016x}/p2p/{src}-{dst}", config.job_tag),
+            Arc::clone(store),
+        );
+        let channel = Arc::new(Channel {
+            state: Mutex::new(State::Meeting(Vec::new())),
+            meeting: Mutex::new(None),
+            store: Arc::new(ChannelStore {
+                inner: Mutex::new(Some(Arc::new(scoped))),
+                closed: AtomicBool::new(false),
+            }),
+            timeout: config.timeout,
+            src,
+            dst,
+        });
+        let meeting = Arc::clone(&channel);
+        let thread = std::thread::Builder::new()
+            .name(format!("fairring-p2p-{src}-{dst}"))
+            .spawn(move || {
+                let store: Arc<dyn Store> = Arc::clone(&meeting.store) as Arc<dyn Store>;
+                let met = Communicator::with_store(own, store).map(Arc::new);
+                meeting.met(met.map_err(|e| in_job_ranks(e, src, dst)));
+            })
+            .map_err(|e| Error::io("starting a channel's meeting thread", e))?;
+        *channel
+            .meeting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(thread);
+        Ok(channel)
+    }
+
+    pub(super) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Starts the messages queued so far, in order, or fails them.
+    fn met(&self, outcome: Result<Arc<Communicator>>) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let queued = match &mut *state {
+            State::Meeting(q) => std::mem::take(q),
+            // Closed meanwhile: the communicator (if any) is dropped here.
+            _ => return,
+        };
+        *state = match outcome {
+            Ok(c) => State::Met(c),
+            Err(e) => State::Failed(e),
+        };
+        for q in queued {
+            self.start(&state, q);
+        }
+    }
+
+    /// Starts `call` once the channel is met (at once, if it is), after every
+    /// message posted before it.
+    ///
+    /// # Safety
+    ///
+    /// `call`'s memory stays valid and unshared until `posted` reports
+    /// completion (its `Message` waits for that when dropped).
+    pub(super) unsafe fn post(&self, call: Call, posted: Arc<Posted>) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let q = Queued { call, posted };
+        if let State::Meeting(queue) = &mut *state {
+            queue.push(q);
+        } else {
+            self.start(&state, q);
+        }
+    }
+
+    /// Starts `q` in `state` (locked by the caller, so that messages start in
+    /// the order they were posted), or fails it.
+    fn start(&self, state: &State, q: Queued) {
+        let outcome = match state {
+            State::Met(comm) => {
+                // SAFETY: the poster's contract (`Channel::post`) covers the
+                // call's memory until its message completes.
+                unsafe { comm.start(&q.call) }
+                    .and_then(|w| comm.own(w))
+                    .map_err(|e| in_job_ranks(e, self.src, self.dst))
+            }
+            State::Failed(e) => Err(e.clone()),
+            State::Closed => Err(Error::invalid("comm", "the communicator was closed")),
+            State::Meeting(_) => Err(Error::internal(
+                "a channel starts messages only once met",
+                format!("the channel {}->{}", self.src, self.dst),
+            )),
+        };
+        q.posted.settle(outcome);
+    }
+
+    /// Fails the messages still waiting, stops the meeting and lets go of the
+    /// store (joining the meeting thread).
+    pub(super) fn close(&self) {
+        self.store.close();
+        let queued = {
+            let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            match std::mem::replace(&mut *state, State::Closed) {
+                State::Meeting(q) => q,
+                _ => Vec::new(),
+            }
+        };
+        for q in queued {
+            q.posted
+                .settle(Err(Error::invalid("comm", "the communicator was closed")));
+        }
+        let thread = self
+            .meeting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+    }
+}
+
+/// `e`, from the communicator of the channel from `src` to `dst`, in the
+/// job's ranks: the channel's rank 0 is `src` and its rank 1 is `dst`.
+pub(super) fn in_job_ranks(e: Error, src: u32, dst: u32) -> Error {
+    let job = |r: u32| if r == 0 { src } else { dst };
+    let on = format!("the channel {src}->{dst}");
+    match e {
+        Error::Peer { rank, reason } => Error::Peer {
+            rank: job(rank),
+            reason: format!("{reason} (on {on})"),
+        },
+        Error::Mismatch {
+            sequence,
+            rank,
+            called,
+            peer,
+            peer_called,
+        } => Error::Mismatch {
+            sequence,
+            rank: job(rank),
+            called: format!(
+                "{called} (on {on}, whose rank 0 is rank {src} and rank 1 is rank {dst})"
+            ),
+            peer: job(peer),
+            peer_called,
+        },
+        Error::Timeout { what, after } => Error::Timeout {
+            what: format!("{what} on {on}"),
+            after,
+        },
+        Error::Store { operation, reason } => Error::Store {
+            operation,
+            reason: format!("{reason} (meeting {on})"),
+        },
+        other => other,
+    }
+}
+
+/// A channel's own configuration: a job of two ranks, `rank` of them, of the
+/// communicator's settings (its algorithm and wire aside), with no dedicated
+/// servers, whose machines its meeting finds.
+fn channel_config(config: &Config, rank: u32) -> Config {
+    let mut own = config.clone();
+    own.rank = rank;
+    own.world_size = 2;
+    own.local_rank = None;
+    own.local_world_size = None;
+    own.servers = 0;
+    own.role = Role::Worker;
+    own.agent_store = None;
+    // The communicator's algorithm and wire are for its collectives; a
+    // message is a broadcast, which `auto` runs best.
+    own.algorithm = crate::config::Algorithm::Auto;
+    own.wire = fairring_core::WireFormat::Exact;
+    own.total_memory = own.total_memory.min(CHANNEL_MEMORY);
+    own.slice_bytes = own.slice_bytes.map(|s| s.min(CHANNEL_MEMORY / 2));
+    own
+}
+
+/// The job's store as a channel's meeting sees it: a wait polls, so that
+/// closing the channel ends it, and once closed the store is let go of.
+struct ChannelStore {
+    inner: Mutex<Option<Arc<dyn Store>>>,
+    closed: AtomicBool,
+}
+
+impl ChannelStore {
+    fn inner(&self) -> Result<Arc<dyn Store>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+            .ok_or_else(|| Error::store("meet", "the communicator was closed"))
+    }
+
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        drop(
+            self.inner
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take(),
+        );
+    }
+}
+
+impl Store for ChannelStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.inner()?.set(key, value)
+    }
+
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_micros(200);
+        loop {
+            let store = self.inner()?;
+            if store.check(&[key])? {
+                return store.get(key, deadline.saturating_duration_since(Instant::now()));
+            }
+            drop(store);
+            if self.closed.load(Ordering::Acquire) {
+                return Err(Error::store("meet", "the communicator was closed"));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::timeout(format!("store key {key}"), timeout));
+            }
+            std::thread::sleep(pause.min(deadline - now));
+            pause = (pause * 2).min(Duration::from_millis(10));
+        }
+    }
+
+    fn check(&self, keys: &[&str]) -> Result<bool> {
+        self.inner()?.check(keys)
+    }
+}

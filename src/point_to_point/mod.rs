@@ -1,0 +1,399 @@
+//! Point-to-point messages: a send on one rank matched by a receive on another.
+//!
+//! Every ordered pair of ranks that exchanges messages gets a **channel**: a
+//! communicator of two ranks of its own, whose rank 0 is the sender and rank 1
+//! the receiver, met through the job's store the first time either rank
+//! names the pair. A message is the channel's broadcast from its rank 0, so it
+//! runs on the same engine, fabric and checks as every collective: the
+//! receiver's buffer is written by the fabric or the shared-memory step, and
+//! the descriptor check compares the message's size and type with the
+//! receive's (a receive of another size or type fails both ranks, naming
+//! both). A channel between ranks of one machine runs over shared memory.
+//!
+//! Ordering is NCCL's: the messages from one rank to another match that rank's
+//! receives from it in the order both were posted. Any number may be in
+//! flight on a channel and on many channels at once.
+//!
+//! Meeting a channel never blocks the caller: both directions of a pair are
+//! met on a thread of their own, and a message posted before its channel is met
+//! waits in the channel's queue and starts, in order, once it is. A rank
+//! therefore never waits for a peer to reach its own first message (a ring of
+//! first sends would otherwise wait in a circle).
+//!
+//! A channel stages messages through buffers of its own: at most
+//! [`CHANNEL_MEMORY`] (or the communicator's budget, if smaller) per channel.
+
+mod channel;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use fairring_core::DataType;
+use fairring_core::reduce::Element;
+
+use crate::communicator::{Call, Communicator, OwnedWork};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::store::Store;
+use channel::Channel;
+
+/// The most staging memory one channel takes (the communicator's budget, if
+/// smaller): a rank with channels to many peers (an all-to-all) holds one
+/// per direction and peer.
+pub const CHANNEL_MEMORY: u64 = 16 << 20;
+
+/// This rank's channels, made as messages name them.
+pub(crate) struct Channels {
+    /// The communicator's configuration, from which each channel's is made.
+    config: Config,
+    /// The job's store (unscoped: a channel scopes it as any communicator does).
+    store: Arc<dyn Store>,
+    rank: u32,
+    world: u32,
+    /// By (sender, receiver).
+    open: Mutex<HashMap<(u32, u32), Arc<Channel>>>,
+    closed: Mutex<bool>,
+}
+
+impl Channels {
+    pub(crate) fn new(config: &Config, store: Arc<dyn Store>) -> Channels {
+        Channels {
+            config: config.clone(),
+            store,
+            rank: config.rank,
+            world: config.world_size,
+            open: Mutex::new(HashMap::new()),
+            closed: Mutex::new(false),
+        }
+    }
+
+    /// The channel from `src` to `dst` (one of them this rank), met (with its
+    /// reverse) when first named.
+    fn get(&self, src: u32, dst: u32) -> Result<Arc<Channel>> {
+        if *self.closed.lock().unwrap_or_else(PoisonError::into_inner) {
+            return Err(Error::invalid("comm", "the communicator is closing"));
+        }
+        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(c) = open.get(&(src, dst)) {
+            return Ok(Arc::clone(c));
+        }
+        // Both directions at once: the peer meets both when it first names
+        // either, so neither waits for the other's first message.
+        let peer = if src == self.rank { dst } else { src };
+        for (s, d) in [(self.rank, peer), (peer, self.rank)] {
+            let channel = Channel::meet(&self.config, &self.store, s, d, s == self.rank)?;
+            open.insert((s, d), channel);
+        }
+        Ok(Arc::clone(&open[&(src, dst)]))
+    }
+
+    /// Fails every message still waiting for its channel, stops every
+    /// meeting (joining its thread), and lets go of the store: after this no
+    /// thread of a channel touches the job's store.
+    pub(crate) fn close(&self) {
+        *self.closed.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        let open: Vec<Arc<Channel>> = self
+            .open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain()
+            .map(|(_, c)| c)
+            .collect();
+        for c in &open {
+            c.close();
+        }
+    }
+
+    /// Refuses a peer that is not another rank of the job.
+    fn check_peer(&self, peer: u32) -> Result<()> {
+        if peer >= self.world || peer == self.rank {
+            return Err(Error::invalid(
+                "peer",
+                format!(
+                    "rank {peer} is not another rank of this job of {} (this is rank {})",
+                    self.world, self.rank
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A message in flight: a send or a receive, from when it is posted (its
+/// channel perhaps still meeting) to when it has finished.
+///
+/// Dropping it waits for it to finish, as dropping a [`Work`](crate::Work)
+/// does.
+#[must_use = "a message runs until waited on or dropped"]
+pub struct Message {
+    posted: Arc<Posted>,
+}
+
+/// What a posted message is, shared by its [`Message`] and its channel's queue.
+pub(crate) struct Posted {
+    state: Mutex<Phase>,
+    changed: Condvar,
+    /// How long a wait may take: the communicator's timeout.
+    timeout: Duration,
+    /// "a send to rank 3" or "a receive from rank 1", for errors.
+    what: String,
+    /// The channel's sender and receiver, whose ranks its errors name.
+    src: u32,
+    dst: u32,
+}
+
+enum Phase {
+    /// Waiting for its channel to be met.
+    Queued,
+    Started(Arc<OwnedWork>),
+    Failed(Error),
+}
+
+impl Posted {
+    fn new(what: String, timeout: Duration, src: u32, dst: u32) -> Arc<Posted> {
+        Arc::new(Posted {
+            state: Mutex::new(Phase::Queued),
+            changed: Condvar::new(),
+            timeout,
+            what,
+            src,
+            dst,
+        })
+    }
+
+    /// `e`, from the channel's communicator, in the job's ranks.
+    fn in_job_ranks(&self, e: Error) -> Error {
+        channel::in_job_ranks(e, self.src, self.dst)
+    }
+
+    /// Records how the start went and wakes the waiters.
+    fn settle(&self, outcome: Result<OwnedWork>) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        *state = match outcome {
+            Ok(w) => Phase::Started(Arc::new(w)),
+            Err(e) => Phase::Failed(e),
+        };
+        self.changed.notify_all();
+    }
+
+    /// The started work, once the message has started (waiting up to
+    /// `deadline`); its failure to start; `None` at the deadline.
+    fn started(&self, deadline: Option<Instant>) -> Option<Result<Arc<OwnedWork>>> {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            match &*state {
+                Phase::Started(w) => return Some(Ok(Arc::clone(w))),
+                Phase::Failed(e) => return Some(Err(e.clone())),
+                Phase::Queued => {}
+            }
+            match deadline {
+                None => return None,
+                Some(d) => {
+                    let left = d.checked_duration_since(Instant::now())?;
+                    state = self
+                        .changed
+                        .wait_timeout(state, left)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0;
+                }
+            }
+        }
+    }
+}
+
+impl Message {
+    /// Waits for the message to finish, up to the communicator's timeout
+    /// (counted from here, once for the channel's meeting and once for the
+    /// message).
+    pub fn wait(&self) -> Result<()> {
+        let timeout = self.posted.timeout;
+        let deadline = Instant::now() + timeout;
+        let work = match self.posted.started(Some(deadline)) {
+            Some(w) => w?,
+            None => return Err(Error::timeout(self.posted.what.clone(), timeout)),
+        };
+        work.wait_timeout(timeout)
+            .map_err(|e| self.posted.in_job_ranks(e))
+    }
+
+    /// Waits up to `timeout` in all: an error if the message failed or is
+    /// still running then.
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        match self.posted.started(Some(start + timeout)) {
+            Some(w) => w?
+                .wait_timeout(timeout.saturating_sub(start.elapsed()))
+                .map_err(|e| self.posted.in_job_ranks(e)),
+            None => Err(Error::timeout(self.posted.what.clone(), timeout)),
+        }
+    }
+
+    /// Whether the message has finished, without waiting; its error if it
+    /// failed.
+    pub fn test(&self) -> Result<bool> {
+        match self.posted.started(None) {
+            Some(w) => w?.test().map_err(|e| self.posted.in_job_ranks(e)),
+            None => Ok(false),
+        }
+    }
+}
+
+impl Drop for Message {
+    fn drop(&mut self) {
+        // A queued message holds the caller's memory: its channel starts or
+        // fails it within the meeting's timeout, or when the communicator
+        // closes. Once started, dropping the work (the last reference to
+        // it, unless another thread is waiting on it) waits for it.
+        let mut state = self
+            .posted
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        while matches!(*state, Phase::Queued) {
+            state = self
+                .posted
+                .changed
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+}
+
+impl std::fmt::Debug for Message {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Message")
+            .field("what", &self.posted.what)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Communicator {
+    /// Sends `data` to rank `peer`, and waits until the peer has it (see
+    /// [`Communicator::post_send`]).
+    ///
+    /// `data` is borrowed mutably because a message runs as its channel's
+    /// broadcast, which may write the sender's own bytes back where they
+    /// were; its contents are unchanged afterwards.
+    pub fn send<T: Element>(&self, peer: u32, data: &mut [T]) -> Result<()> {
+        // SAFETY: `data` is borrowed mutably until the message has finished:
+        // `wait` returns then, or on failure, after which dropping the
+        // message waits for it.
+        unsafe { self.post_send(peer, data.as_mut_ptr().cast(), data.len() as u64, T::DTYPE) }?
+            .wait()
+    }
+
+    /// Receives into `data` the next message rank `peer` sends this rank,
+    /// and waits. It must be of `data`'s length and type: another fails both
+    /// ranks with a [`Error::Mismatch`] naming both.
+    pub fn recv<T: Element>(&self, peer: u32, data: &mut [T]) -> Result<()> {
+        // SAFETY: as in `send`.
+        unsafe { self.post_recv(peer, data.as_mut_ptr().cast(), data.len() as u64, T::DTYPE) }?
+            .wait()
+    }
+
+    /// Sends every `(peer, data)` of `sends` and receives into every
+    /// `(peer, data)` of `receives`, all in flight at once, and waits for
+    /// them all: a ring's exchange, or a pipeline stage's, in one call.
+    pub fn send_recv<'a, T: Element>(
+        &self,
+        sends: &mut [(u32, &'a mut [T])],
+        receives: &mut [(u32, &'a mut [T])],
+    ) -> Result<()> {
+        let mut messages = Vec::with_capacity(sends.len() + receives.len());
+        let mut first_error = None;
+        for (sending, list) in [(true, sends), (false, receives)] {
+            for (peer, data) in list.iter_mut() {
+                let (ptr, count) = (data.as_mut_ptr().cast(), data.len() as u64);
+                // SAFETY: every buffer is borrowed mutably by this call, which
+                // returns only once every message has finished (waited, or
+                // dropped below, which waits).
+                let posted = unsafe { self.post(*peer, sending, ptr, count, T::DTYPE) };
+                match posted {
+                    Ok(m) => messages.push(m),
+                    Err(e) => {
+                        first_error.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        for m in &messages {
+            if let Err(e) = m.wait() {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Posts a send of `count` elements of `dtype` at `data` to rank `peer`
+    /// and returns at once, the message in flight (or waiting for its
+    /// channel to be met). Sends to one peer arrive in the order they were
+    /// posted.
+    ///
+    /// # Safety
+    ///
+    /// `data` must be valid for reads and writes of `count` elements of
+    /// `dtype`, aligned for it, and nothing else may write it until the
+    /// [`Message`] reports completion (or is dropped, which waits). The
+    /// message may write the sender's own bytes back where they were.
+    pub unsafe fn post_send(
+        &self,
+        peer: u32,
+        data: *mut u8,
+        count: u64,
+        dtype: DataType,
+    ) -> Result<Message> {
+        // SAFETY: forwarded.
+        unsafe { self.post(peer, true, data, count, dtype) }
+    }
+
+    /// Posts a receive of `count` elements of `dtype` into `data` from rank
+    /// `peer` and returns at once. Receives from one peer match its sends in
+    /// the order both were posted.
+    ///
+    /// # Safety
+    ///
+    /// `data` must be valid for reads and writes of `count` elements of
+    /// `dtype`, aligned for it, and nothing else may access it until the
+    /// [`Message`] reports completion (or is dropped, which waits).
+    pub unsafe fn post_recv(
+        &self,
+        peer: u32,
+        data: *mut u8,
+        count: u64,
+        dtype: DataType,
+    ) -> Result<Message> {
+        // SAFETY: forwarded.
+        unsafe { self.post(peer, false, data, count, dtype) }
+    }
+
+    /// # Safety
+    ///
+    /// As [`Communicator::post_send`] and [`Communicator::post_recv`].
+    unsafe fn post(
+        &self,
+        peer: u32,
+        sending: bool,
+        data: *mut u8,
+        count: u64,
+        dtype: DataType,
+    ) -> Result<Message> {
+        let channels = &self.channels;
+        channels.check_peer(peer)?;
+        let me = self.rank();
+        let (src, dst, what) = if sending {
+            (me, peer, format!("a send to rank {peer}"))
+        } else {
+            (peer, me, format!("a receive from rank {peer}"))
+        };
+        // Refused before it is queued, so that a bad pointer is named here.
+        crate::communicator::check_pointer(data, count, dtype)?;
+        let channel = channels.get(src, dst)?;
+        let posted = Posted::new(what, channel.timeout(), src, dst);
+        let call = Call::broadcast(data, count, dtype, 0);
+        // SAFETY: the caller's contract covers the message until it reports
+        // completion; `Message`'s drop waits for that.
+        unsafe { channel.post(call, Arc::clone(&posted)) };
+        Ok(Message { posted })
+    }
+}

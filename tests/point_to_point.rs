@@ -1,0 +1,256 @@
+//! Point-to-point messages between ranks simulated as machines of one
+//! process: every pair, both directions, in flight together, exact and in
+//! order; mismatches and bad peers refused naming what was wrong.
+#![expect(clippy::cast_possible_truncation, reason = "test values are small")]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{job, job_with_servers, small_slices};
+use fairring::{Algorithm, DataType, Error, Message};
+
+/// The value of element `i` of message `k` from `src` to `dst`: distinct per
+/// pair, message and place, NaN payloads and negative zeros among them.
+fn bits(src: u32, dst: u32, k: usize, i: usize) -> u32 {
+    let v = (u64::from(src) << 48)
+        ^ (u64::from(dst) << 40)
+        ^ ((k as u64) << 32)
+        ^ (i as u64 * 2_654_435_761);
+    (v ^ (v >> 29)) as u32 ^ 0x8000_0000
+}
+
+/// Message sizes: empty, tiny, odd, and spanning several small slices.
+const SIZES: [usize; 4] = [0, 1, 1001, 40_003];
+
+/// Every rank posts every message to and from every other rank at once
+/// (sends first: a rank never waits for a peer to reach its own first
+/// message), waits for them all, and checks each bit.
+fn every_pair_at_once(m: u32, d: u32, servers: u32, algorithm: Algorithm) {
+    let world = m * d;
+    let results = job_with_servers(
+        m,
+        d,
+        servers,
+        |b| small_slices(b, algorithm),
+        |rank, comm| {
+            let mut sends: Vec<(u32, usize, Vec<f32>)> = Vec::new();
+            let mut receives: Vec<(u32, usize, Vec<f32>)> = Vec::new();
+            for peer in (0..world).filter(|&p| p != rank) {
+                for (k, &n) in SIZES.iter().enumerate() {
+                    sends.push((
+                        peer,
+                        k,
+                        (0..n)
+                            .map(|i| f32::from_bits(bits(rank, peer, k, i)))
+                            .collect(),
+                    ));
+                    receives.push((peer, k, vec![0.0; n]));
+                }
+            }
+            let mut messages: Vec<Message> = Vec::new();
+            for (peer, _, data) in &mut sends {
+                // SAFETY: `data` lives, untouched, until every message is waited.
+                messages.push(
+                    unsafe {
+                        comm.post_send(
+                            *peer,
+                            data.as_mut_ptr().cast(),
+                            data.len() as u64,
+                            DataType::F32,
+                        )
+                    }
+                    .unwrap_or_else(|e| panic!("rank {rank}: {e}")),
+                );
+            }
+            for (peer, _, data) in &mut receives {
+                // SAFETY: as above.
+                messages.push(
+                    unsafe {
+                        comm.post_recv(
+                            *peer,
+                            data.as_mut_ptr().cast(),
+                            data.len() as u64,
+                            DataType::F32,
+                        )
+                    }
+                    .unwrap_or_else(|e| panic!("rank {rank}: {e}")),
+                );
+            }
+            for msg in &messages {
+                msg.wait().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                assert!(msg.test().expect("a finished message tests clean"));
+            }
+            drop(messages);
+            // The sends are unchanged, and every receive holds its sender's.
+            for (peer, k, data) in &sends {
+                assert!(
+                    data.iter()
+                        .enumerate()
+                        .all(|(i, v)| v.to_bits() == bits(rank, *peer, *k, i))
+                );
+            }
+            receives
+        },
+    );
+    for (rank, receives) in (0u32..).zip(&results) {
+        for (peer, k, data) in receives {
+            let wrong = data
+                .iter()
+                .enumerate()
+                .filter(|&(i, v)| v.to_bits() != bits(*peer, rank, *k, i))
+                .count();
+            assert_eq!(
+                wrong, 0,
+                "{m}x{d}+{servers} {algorithm}: rank {rank} from {peer}, message {k}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_pair_exchanges_exact_messages_in_order() {
+    for (m, d) in [(1, 2), (2, 1), (2, 2), (3, 1)] {
+        every_pair_at_once(m, d, 0, Algorithm::Auto);
+    }
+}
+
+#[test]
+fn messages_run_whatever_the_communicators_algorithm_and_servers() {
+    for algorithm in [
+        Algorithm::Ring,
+        Algorithm::Doubling,
+        Algorithm::Hierarchical,
+    ] {
+        every_pair_at_once(2, 1, 0, algorithm);
+    }
+    every_pair_at_once(2, 1, 2, Algorithm::Hierarchical);
+}
+
+#[test]
+fn a_ring_exchange_in_one_call_and_blocking_pairs() {
+    let results = job(
+        1,
+        3,
+        |b| b,
+        |rank, comm| {
+            let (next, prev) = ((rank + 1) % 3, (rank + 2) % 3);
+            let mut out = vec![rank as i16; 513];
+            let mut back = vec![i16::MAX; 513];
+            comm.send_recv(&mut [(next, &mut out[..])], &mut [(prev, &mut back[..])])
+                .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            // Blocking forms, ordered so that they pair up: 0 with 1.
+            let mut one = [0i64; 3];
+            match rank {
+                0 => {
+                    one = [7, -8, 9];
+                    comm.send(1, &mut one).unwrap();
+                    comm.recv(1, &mut one).unwrap();
+                }
+                1 => {
+                    comm.recv(0, &mut one).unwrap();
+                    one.iter_mut().for_each(|v| *v *= 10);
+                    comm.send(0, &mut one).unwrap();
+                }
+                _ => {}
+            }
+            (back, one)
+        },
+    );
+    for (rank, (back, _)) in (0u32..).zip(&results) {
+        let prev = (rank + 2) % 3;
+        assert!(back.iter().all(|&v| v as u32 == prev), "rank {rank}");
+    }
+    assert_eq!(results[0].1, [70, -80, 90]);
+}
+
+#[test]
+fn a_receive_of_another_size_fails_both_ranks_naming_both() {
+    let results = job(
+        2,
+        1,
+        |b| b.timeout(Duration::from_secs(10)),
+        |rank, comm| {
+            let mut data = vec![1.0f32; if rank == 0 { 16 } else { 17 }];
+            if rank == 0 {
+                comm.send(1, &mut data)
+            } else {
+                comm.recv(0, &mut data)
+            }
+        },
+    );
+    for (rank, r) in (0u32..).zip(&results) {
+        match r {
+            Err(Error::Mismatch {
+                rank: me,
+                peer,
+                called,
+                peer_called,
+                ..
+            }) => {
+                assert_eq!((*me, *peer), (rank, 1 - rank), "{called} / {peer_called}");
+                assert!(called.contains("the channel 0->1"), "{called}");
+            }
+            other => panic!("rank {rank}: expected a mismatch, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn bad_peers_and_pointers_are_refused_naming_the_argument() {
+    job(
+        1,
+        2,
+        |b| b,
+        |rank, comm| {
+            let mut data = [0u8; 4];
+            for peer in [rank, 2, u32::MAX] {
+                match comm.send(peer, &mut data) {
+                    Err(Error::InvalidArgument {
+                        argument: "peer",
+                        reason,
+                    }) => {
+                        assert!(reason.contains(&peer.to_string()), "{reason}");
+                    }
+                    other => panic!("peer {peer}: {other:?}"),
+                }
+            }
+            // SAFETY: refused before anything touches the (null) memory.
+            let null = unsafe { comm.post_recv(1 - rank, std::ptr::null_mut(), 4, DataType::F32) };
+            assert!(
+                matches!(
+                    null,
+                    Err(Error::InvalidArgument {
+                        argument: "data",
+                        ..
+                    })
+                ),
+                "{null:?}"
+            );
+        },
+    );
+}
+
+#[test]
+fn a_message_to_a_rank_that_never_answers_fails_within_the_timeout() {
+    let timeout = Duration::from_secs(2);
+    let results = job(
+        2,
+        1,
+        |b| b.timeout(timeout),
+        |rank, comm| {
+            if rank == 1 {
+                return None;
+            }
+            let mut data = [1i32; 8];
+            let start = Instant::now();
+            let outcome = comm.send(1, &mut data);
+            Some((outcome, start.elapsed()))
+        },
+    );
+    let (outcome, took) = results[0].as_ref().expect("rank 0 sent");
+    let e = outcome.as_ref().expect_err("nobody received");
+    assert!(*took < timeout * 4, "took {took:?}");
+    let text = e.to_string();
+    assert!(text.contains("0->1") || text.contains("rank 1"), "{text}");
+}
