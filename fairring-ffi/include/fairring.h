@@ -610,6 +610,38 @@ fr_status fr_work_enqueue_wait(const fr_work *work,
                                void *stream);
 #endif
 
+// Posts a send of `count` elements of `dtype` at `data` to rank `peer`.
+// `*out` receives the work handle. The message travels as its channel's
+// broadcast, which may write the sender's bytes back where they were.
+//
+// # Safety
+//
+// `comm` is a live handle; `data` is valid for reads and writes of `count`
+// elements, aligned for `dtype`, and not written by the caller until the
+// work finishes (freeing the handle does not end that); `out` is valid for
+// a write.
+fr_status fr_send(const fr_comm *comm,
+                  uint32_t peer,
+                  void *data,
+                  uint64_t count,
+                  int32_t dtype,
+                  fr_work **out);
+
+// Posts a receive of `count` elements of `dtype` into `data` from rank
+// `peer`: the next message that rank sends this one. `*out` receives the
+// work handle.
+//
+// # Safety
+//
+// As `fr_send`; the caller neither reads nor writes `data` until the work
+// finishes.
+fr_status fr_recv(const fr_comm *comm,
+                  uint32_t peer,
+                  void *data,
+                  uint64_t count,
+                  int32_t dtype,
+                  fr_work **out);
+
 // The message of the last error on this thread: valid until the next fairring
 // call on this thread; empty if there was none. Never null.
 const char *fr_last_error(void);

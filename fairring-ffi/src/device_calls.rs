@@ -24,7 +24,7 @@ use fairring::cuda::sys::CUstream;
 use crate::call::{Calls, dtype_of, lists, op_of, start_export};
 use crate::comm::fr_comm;
 use crate::status::{FR_OK, boundary, fail, fr_status, invalid};
-use crate::work::fr_work;
+use crate::work::{InFlight, fr_work};
 
 /// Starts an all-reduce of `count` elements of `dtype` at device address
 /// `data`, in place, with `op`, ordered on `stream`. `*out` receives the work
@@ -178,8 +178,14 @@ pub unsafe extern "C" fn fr_work_enqueue_wait(
         let Some(w) = (unsafe { work.as_ref() }) else {
             return invalid("work", "null");
         };
+        let InFlight::Operations(operations) = &*w.work else {
+            return invalid(
+                "work",
+                "a point-to-point message runs on host memory: there is nothing to enqueue",
+            );
+        };
         // SAFETY: the stream contract is the caller's, as documented.
-        match unsafe { w.work.enqueue_wait_raw(stream as CUstream) } {
+        match unsafe { operations.enqueue_wait_raw(stream as CUstream) } {
             Ok(()) => FR_OK,
             Err(e) => fail(&e),
         }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::Duration;
 
-use fairring::OwnedWork;
+use fairring::{Message, OwnedWork};
 
 use crate::status::{FR_OK, FR_PENDING, boundary, fail, fr_status, invalid};
 
@@ -17,14 +17,47 @@ pub type fr_work_callback = Option<unsafe extern "C" fn(user: *mut c_void, statu
 
 /// An operation (or coalesced group) in flight. Opaque.
 pub struct fr_work {
-    pub(crate) work: Arc<OwnedWork>,
+    pub(crate) work: Arc<InFlight>,
     pub(crate) completions: Arc<Completions>,
+}
+
+/// What a work handle stands for: collective operations, or a point-to-point
+/// message (whose channel may still be meeting).
+pub(crate) enum InFlight {
+    Operations(OwnedWork),
+    Message(Message),
+}
+
+impl InFlight {
+    /// Waits up to the communicator's timeout.
+    fn wait(&self) -> fairring::Result<()> {
+        match self {
+            InFlight::Operations(w) => w.wait(),
+            InFlight::Message(m) => m.wait(),
+        }
+    }
+
+    /// Waits up to `timeout`.
+    fn wait_timeout(&self, timeout: Duration) -> fairring::Result<()> {
+        match self {
+            InFlight::Operations(w) => w.wait_timeout(timeout),
+            InFlight::Message(m) => m.wait_timeout(timeout),
+        }
+    }
+
+    /// Whether it has finished; its error if it failed.
+    pub(crate) fn test(&self) -> fairring::Result<bool> {
+        match self {
+            InFlight::Operations(w) => w.test(),
+            InFlight::Message(m) => m.test(),
+        }
+    }
 }
 
 /// What the completion thread does with a work: wait for it, then call back
 /// (if asked) and let go of it.
 struct Job {
-    work: Arc<OwnedWork>,
+    work: Arc<InFlight>,
     callback: Option<(unsafe extern "C" fn(*mut c_void, fr_status), *mut c_void)>,
 }
 
@@ -98,7 +131,7 @@ fn complete(rx: &Receiver<Job>) {
 
 /// Waits until `work` has finished (a failure finishes it too); its status,
 /// with this thread's message set on failure.
-fn finish(work: &OwnedWork) -> fr_status {
+fn finish(work: &InFlight) -> fr_status {
     loop {
         match work.wait_timeout(Duration::from_secs(1)) {
             Ok(()) => return FR_OK,

@@ -173,6 +173,34 @@ int main(void) {
           "bad call in a group: %d %s", s, fr_last_error());
     CHECK(summed[0] == (int32_t)world, "a refused group touched its memory");
 
+    /* Point-to-point: both directions between ranks 0 and 1 in flight at
+       once, the receive posted first on one side. */
+    if (rank < 2) {
+        unsigned peer = 1 - rank;
+        int16_t out[3] = {(int16_t)(10 * rank), (int16_t)(10 * rank + 1), -7};
+        int16_t in[3] = {0, 0, 0};
+        fr_work *sent = NULL, *got = NULL;
+        if (rank == 0) {
+            s = fr_recv(comm, peer, in, 3, FR_DTYPE_I16, &got);
+            CHECK(s == FR_OK, "fr_recv: %s", fr_last_error());
+            s = fr_send(comm, peer, out, 3, FR_DTYPE_I16, &sent);
+        } else {
+            s = fr_send(comm, peer, out, 3, FR_DTYPE_I16, &sent);
+            CHECK(s == FR_OK, "fr_send: %s", fr_last_error());
+            s = fr_recv(comm, peer, in, 3, FR_DTYPE_I16, &got);
+        }
+        CHECK(s == FR_OK, "posting: %s", fr_last_error());
+        s = finish(FR_OK, sent);
+        CHECK(s == FR_OK, "send: %s", fr_last_error());
+        s = finish(FR_OK, got);
+        CHECK(s == FR_OK && in[0] == (int16_t)(10 * peer) && in[1] == (int16_t)(10 * peer + 1) &&
+                  in[2] == -7 && out[0] == (int16_t)(10 * rank),
+              "recv: %d %d %d: %s", in[0], in[1], in[2], fr_last_error());
+    }
+    s = fr_send(comm, rank, data, 1, FR_DTYPE_F32, &work);
+    CHECK(s == FR_INVALID_ARGUMENT && strstr(fr_last_error(), "peer"),
+          "send to itself: %d %s", s, fr_last_error());
+
     /* Refusals name what was wrong and start nothing. */
     s = fr_all_reduce(comm, data, N, 42, FR_OP_SUM, &work);
     CHECK(s == FR_INVALID_ARGUMENT && strstr(fr_last_error(), "dtype"),

@@ -1,0 +1,94 @@
+//! Point-to-point messages: `fr_send` and `fr_recv`, each a work handle like
+//! any operation's (waited, tested, called back and freed alike).
+//!
+//! Each ordered pair of ranks has a channel, a communicator of two met through
+//! the job's store the first time either rank names the pair (in the
+//! background: the call returns at once). Messages from one rank to another
+//! match that rank's receives in the order both were posted; a receive of
+//! another size or type fails both ranks with `FR_MISMATCH`, naming both.
+
+use std::ffi::c_void;
+
+use crate::call::dtype_of;
+use crate::comm::{begin, fr_comm, hand_out_in_flight};
+use crate::status::{boundary, fr_status};
+use crate::work::{InFlight, fr_work};
+
+/// Posts a send of `count` elements of `dtype` at `data` to rank `peer`.
+/// `*out` receives the work handle. The message travels as its channel's
+/// broadcast, which may write the sender's bytes back where they were.
+///
+/// # Safety
+///
+/// `comm` is a live handle; `data` is valid for reads and writes of `count`
+/// elements, aligned for `dtype`, and not written by the caller until the
+/// work finishes (freeing the handle does not end that); `out` is valid for
+/// a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fr_send(
+    comm: *const fr_comm,
+    peer: u32,
+    data: *mut c_void,
+    count: u64,
+    dtype: i32,
+    out: *mut *mut fr_work,
+) -> fr_status {
+    // SAFETY: forwarded.
+    unsafe { post(comm, peer, true, data, count, dtype, out) }
+}
+
+/// Posts a receive of `count` elements of `dtype` into `data` from rank
+/// `peer`: the next message that rank sends this one. `*out` receives the
+/// work handle.
+///
+/// # Safety
+///
+/// As `fr_send`; the caller neither reads nor writes `data` until the work
+/// finishes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fr_recv(
+    comm: *const fr_comm,
+    peer: u32,
+    data: *mut c_void,
+    count: u64,
+    dtype: i32,
+    out: *mut *mut fr_work,
+) -> fr_status {
+    // SAFETY: forwarded.
+    unsafe { post(comm, peer, false, data, count, dtype, out) }
+}
+
+/// # Safety
+///
+/// As `fr_send`.
+unsafe fn post(
+    comm: *const fr_comm,
+    peer: u32,
+    sending: bool,
+    data: *mut c_void,
+    count: u64,
+    dtype: i32,
+    out: *mut *mut fr_work,
+) -> fr_status {
+    boundary(|| {
+        // SAFETY: forwarded.
+        let c = match unsafe { begin(comm, out) } {
+            Ok(c) => c,
+            Err(s) => return s,
+        };
+        let dtype = match dtype_of(dtype) {
+            Ok(d) => d,
+            Err(s) => return s,
+        };
+        let (data, comm) = (data.cast(), &c.comm);
+        let message = if sending {
+            // SAFETY: the memory contract is the caller's, as documented.
+            unsafe { comm.post_send(peer, data, count, dtype) }
+        } else {
+            // SAFETY: as above.
+            unsafe { comm.post_recv(peer, data, count, dtype) }
+        };
+        // SAFETY: `begin` checked `out`, valid for a write per the contract.
+        unsafe { hand_out_in_flight(c, out, message.map(InFlight::Message)) }
+    })
+}
