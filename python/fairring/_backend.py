@@ -10,7 +10,6 @@ mismatching call), so ``wait()``, DDP's reducer and ``get_future()`` all raise.
 
 import atexit
 import ctypes
-import threading
 import weakref
 
 import torch
@@ -26,12 +25,10 @@ def _teardown(state):
     """Destroys a group's communicators once: joins its completion thread, then
     lets the engines go (which joins their threads)."""
     comm, completer = state.pop("comm", None), state.pop("completer", None)
-    channels = state.pop("channels", {})
-    state.pop("store", None)
     if completer is not None:
         completer.close()
-    for channel in channels.values():
-        channel.close()
+    # Destroying the communicator stops its channels' meetings before it
+    # lets go of the store bridge.
     if comm is not None:
         native.lib().fr_comm_destroy(comm)
 
@@ -53,78 +50,6 @@ def _this_join(store, size):
     return dist.PrefixStore(f"fairring/{(joined - 1) // size}/", store)
 
 
-class _Channel:
-    """One direction of a pair's messages: a communicator of two (the sender
-    is its rank 0), met through the group's store on a thread of its own.
-    Messages posted before it is connected start, in the order posted, once
-    it is; a failure to connect fails them with its error."""
-
-    def __init__(self, group, store, rank, what):
-        self._lock = threading.Lock()
-        self._queue = []
-        self._comm = None
-        self._bridge = None
-        self._failure = None
-        self._closed = False
-        self._what = what
-        self._thread = threading.Thread(
-            target=self._connect, args=(group, store, rank), name=f"fairring-{what}", daemon=True
-        )
-        self._thread.start()
-
-    def _connect(self, group, store, rank):
-        try:
-            comm, bridge = group._join(store, rank, 2, self._what)
-        except Exception as e:  # noqa: BLE001 (the messages carry it)
-            comm, failure = None, e
-        else:
-            failure = None
-        with self._lock:
-            if self._closed:
-                if comm is not None:
-                    native.lib().fr_comm_destroy(comm)
-                return
-            self._comm, self._failure = comm, failure
-            if comm is not None:
-                self._bridge = bridge
-            queue, self._queue = self._queue, []
-            for start, pending in queue:
-                self._start_locked(start, pending)
-
-    def post(self, start, pending):
-        with self._lock:
-            if self._comm is None and self._failure is None:
-                self._queue.append((start, pending))
-            else:
-                self._start_locked(start, pending)
-
-    def _start_locked(self, start, pending):
-        if self._closed:
-            pending.started(None, RuntimeError(f"fairring: {self._what} was closed"))
-        elif self._failure is not None:
-            pending.started(None, self._failure)
-        else:
-            w = native.work_p()
-            status = start(self._comm, ctypes.byref(w))
-            if status != native.OK:
-                pending.started(None, FairringError(pending.what, status, native.last_error()))
-            else:
-                pending.started(w, None)
-
-    def close(self):
-        """Destroys the communicator (once its messages are settled by the
-        group's thread, which is joined first); a connection still being
-        made is destroyed when it completes."""
-        with self._lock:
-            self._closed = True
-            comm, self._comm = self._comm, None
-            queue, self._queue = self._queue, []
-        for _start, pending in queue:
-            pending.started(None, RuntimeError(f"fairring: {self._what} was closed"))
-        if comm is not None:
-            native.lib().fr_comm_destroy(comm)
-
-
 @atexit.register
 def _teardown_all():
     for pg in list(_live):
@@ -140,14 +65,9 @@ class ProcessGroupFairring(dist.ProcessGroup):
         self._timeout_ms = max(int(timeout.total_seconds() * 1000), 0) if timeout else 0
         comm, self._bridge = self._join(scoped, rank, size, f"the group as rank {rank}")
         self._comm = comm
-        self._channels_lock = threading.Lock()
-        # The store is held until teardown only (channels meet through it):
-        # a group kept alive after it is destroyed keeps no store alive.
         self._state = {
             "comm": comm,
             "completer": _Completer(rank),
-            "channels": {},
-            "store": scoped,
         }
         self._finalizer = weakref.finalize(self, _teardown, self._state)
         _live.add(self)
@@ -608,79 +528,43 @@ class ProcessGroupFairring(dist.ProcessGroup):
         messages = []
         for p in range(self.size()):
             if p != me:
-                messages.append(self._block_start(ins[p], p, sending=True, what=what))
-                messages.append(self._block_start(outs[p], p, sending=False, what=what))
+                messages.append(self._message_start(ins[p], p, sending=True, what=what))
+                messages.append(self._message_start(outs[p], p, sending=False, what=what))
         outs[me].copy_(ins[me])
-        label = f"{what} (over a channel per peer, whose rank 0 is its sender and rank 1 its receiver)"
-        return self._post(label, messages, finish, result, keep)
+        return self._start(what, messages, finish, result, keep)
 
-    def _block_start(self, block, peer, sending, what):
-        """One message of a contiguous `block` to or from `peer`: its channel
-        and the function that starts it there."""
-        channel = self._channel(peer, sending, what)
+    # Point-to-point: the library gives each ordered pair of ranks a channel
+    # (a communicator of two, met in the background through the group's
+    # store), and a message is that channel's broadcast. Messages from one
+    # rank to another arrive in the order they were sent and match receives
+    # in the order they were posted, as NCCL's do; tags are not matched. A
+    # receive of another size or type fails both ranks naming both.
+    def _message_start(self, block, peer, sending, what):
+        """The function that posts one message of a contiguous `block` to or
+        from `peer`."""
+        if not isinstance(peer, int) or not 0 <= peer < self.size() or peer == self.rank():
+            raise ValueError(
+                f"fairring: {what}: peer {peer} is not another rank of this group of "
+                f"{self.size()}"
+            )
         code = _DTYPES.get(block.dtype)
         if code is None:
             count, code = block.numel() * block.element_size(), native.DTYPE_U8
         else:
             count = block.numel()
         ptr = ctypes.c_void_p(block.data_ptr())
+        post = native.lib().fr_send if sending else native.lib().fr_recv
 
         def start(comm, w):
-            return native.lib().fr_broadcast(comm, ptr, count, code, 0, w)
+            return post(comm, peer, ptr, count, code, w)
 
-        return channel, start
-
-    # Point-to-point: each ordered pair of ranks (sender, receiver) has a
-    # channel, a communicator of two ranks in which the sender is rank 0, and
-    # a message is a broadcast from it. Messages from one rank to another
-    # arrive in the order they were sent and match receives in the order they
-    # were posted, as NCCL's do; tags are not matched. The descriptor check
-    # compares each message's size and type with the receive's: a receive of
-    # another size or type fails both ranks naming both.
-    def _channel(self, peer, sending, what):
-        if not isinstance(peer, int) or not 0 <= peer < self.size() or peer == self.rank():
-            raise ValueError(
-                f"fairring: {what}: peer {peer} is not another rank of this group of "
-                f"{self.size()}"
-            )
-        if "comm" not in self._state:
-            raise RuntimeError(f"fairring: {what}: the process group has been shut down")
-        me = self.rank()
-        key = (me, peer) if sending else (peer, me)
-        channels = self._state["channels"]
-        if key not in channels:
-            with self._channels_lock:
-                if key not in channels:
-                    # Both directions at once, each met on a thread of its own:
-                    # a rank never waits for a peer to reach its own first
-                    # message (a ring of first sends would wait in a circle).
-                    for src, dst in ((me, peer), (peer, me)):
-                        store = dist.PrefixStore(f"p2p/{src}-{dst}/", self._state["store"])
-                        channels[(src, dst)] = _Channel(
-                            self, store, 0 if me == src else 1, f"the channel {src}->{dst}"
-                        )
-        return channels[key]
-
-    def _post(self, what, messages, finish, result, keep):
-        """Posts `messages` (channel, start) in order and returns one Work over
-        them: each starts on its channel once that is connected, after the
-        messages posted there before it."""
-        pending = _Pending([], finish, result, what, keep, starts=len(messages))
-        self._state["completer"].put(pending)
-        for channel, start in messages:
-            channel.post(start, pending)
-        return Work(pending, keep, what)
+        return start
 
     def _message(self, what, tensor, peer, sending):
         staged = _Staged(tensor, what, write_back=not sending)
-        message = self._block_start(staged.buffer, peer, sending, what)
-        src, dst = (self.rank(), peer) if sending else (peer, self.rank())
-        # An error from the channel names its own ranks: say which they are.
-        label = (
-            f"{what} {'to' if sending else 'from'} rank {peer} (on the channel "
-            f"{src}->{dst}, whose rank 0 is rank {src} and rank 1 is rank {dst})"
-        )
-        return self._post(label, [message], staged.finish, [tensor], staged)
+        start = self._message_start(staged.buffer, peer, sending, what)
+        label = f"{what} {'to' if sending else 'from'} rank {peer}"
+        return self._start(label, [start], staged.finish, [tensor], staged)
 
     def send(self, tensors, dst, tag=0):
         if len(tensors) != 1:

@@ -34,18 +34,10 @@ class _Pending:
     __slots__ = (
         "works", "finish", "result", "what", "keep", "lock", "users",
         "freed", "settled", "failure", "gate", "chained", "completer",
-        "unstarted", "all_started", "start_failure",
     )
 
-    def __init__(self, works, finish, result, what, keep, starts=0):
+    def __init__(self, works, finish, result, what, keep):
         self.works = works
-        # Operations still to start (a message waiting for its channel);
-        # `all_started` is set once none is.
-        self.unstarted = starts
-        self.all_started = threading.Event()
-        if starts == 0:
-            self.all_started.set()
-        self.start_failure = None
         self.finish = finish
         self.result = result
         self.what = what
@@ -61,29 +53,16 @@ class _Pending:
         # The group's `_Completer`, set when it is handed over.
         self.completer = None
 
-    def started(self, work, failure):
-        """One deferred operation started (`work`), or could not (`failure`)."""
-        with self.lock:
-            if work is not None:
-                self.works.append(work)
-            if failure is not None and self.start_failure is None:
-                self.start_failure = failure
-            self.unstarted -= 1
-            if self.unstarted == 0:
-                self.all_started.set()
-
     def wait_here(self, seconds):
         """Waits for the operations on this thread (inside the library,
         without the GIL) and settles them if no other thread has; with
         `seconds` > 0, returns False if they are still running then."""
-        if not self.all_started.wait(seconds if seconds > 0 else None):
-            return False
         with self.lock:
             if self.settled:
                 return True
             self.users += 1
         lib = native.lib()
-        failure, finished = self.start_failure, True
+        failure, finished = None, True
         try:
             for w in self.works:
                 status = native.PENDING
@@ -106,14 +85,12 @@ class _Pending:
     def poll(self):
         """Whether the operations have finished, without waiting; settles
         them if they have."""
-        if not self.all_started.is_set():
-            return False
         with self.lock:
             if self.settled:
                 return True
             self.users += 1
         lib = native.lib()
-        failure, finished = self.start_failure, True
+        failure, finished = None, True
         try:
             done = ctypes.c_bool(False)
             for w in self.works:

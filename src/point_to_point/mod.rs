@@ -14,11 +14,12 @@
 //! receives from it in the order both were posted. Any number may be in
 //! flight on a channel and on many channels at once.
 //!
-//! Meeting a channel never blocks the caller: both directions of a pair are
-//! met on a thread of their own, and a message posted before its channel is met
-//! waits in the channel's queue and starts, in order, once it is. A rank
-//! therefore never waits for a peer to reach its own first message (a ring of
-//! first sends would otherwise wait in a circle).
+//! Meeting a channel never blocks the caller: a channel is met on a thread of
+//! its own once both its ranks have named it (by posting a message on it), and
+//! a message posted before its channel is met waits in the channel's queue
+//! and starts, in order, once it is. A rank therefore never waits for a peer
+//! to reach its own first message (a ring of first sends would otherwise
+//! wait in a circle).
 //!
 //! A channel stages messages through buffers of its own: at most
 //! [`CHANNEL_MEMORY`] (or the communicator's budget, if smaller) per channel.
@@ -68,8 +69,10 @@ impl Channels {
         }
     }
 
-    /// The channel from `src` to `dst` (one of them this rank), met (with its
-    /// reverse) when first named.
+    /// The channel from `src` to `dst` (one of them this rank), met when
+    /// first named. Its reverse is met only when named too: a channel one
+    /// side never uses would still be meeting when the communicator closes,
+    /// and its peer would wait for it until the timeout.
     fn get(&self, src: u32, dst: u32) -> Result<Arc<Channel>> {
         if *self.closed.lock().unwrap_or_else(PoisonError::into_inner) {
             return Err(Error::invalid("comm", "the communicator is closing"));
@@ -78,14 +81,9 @@ impl Channels {
         if let Some(c) = open.get(&(src, dst)) {
             return Ok(Arc::clone(c));
         }
-        // Both directions at once: the peer meets both when it first names
-        // either, so neither waits for the other's first message.
-        let peer = if src == self.rank { dst } else { src };
-        for (s, d) in [(self.rank, peer), (peer, self.rank)] {
-            let channel = Channel::meet(&self.config, &self.store, s, d, s == self.rank)?;
-            open.insert((s, d), channel);
-        }
-        Ok(Arc::clone(&open[&(src, dst)]))
+        let channel = Channel::meet(&self.config, &self.store, src, dst, src == self.rank)?;
+        open.insert((src, dst), Arc::clone(&channel));
+        Ok(channel)
     }
 
     /// Fails every message still waiting for its channel, stops every
