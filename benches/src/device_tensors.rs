@@ -123,6 +123,13 @@ impl DeviceTensors {
                 Timed::Reduce => Call::reduce(b as *const u8, b as *mut u8, n, dtype, op, 0),
                 Timed::Gather => Call::gather(p as *const u8, b as *mut u8, k, dtype, 0),
                 Timed::Scatter => Call::scatter(b as *mut u8, p as *mut u8, k, dtype, 0),
+                // Refused with `--device cuda` (options): messages are host-only.
+                Timed::SendRecv => {
+                    return Err(fairring::Error::InvalidArgument {
+                        argument: "--collective",
+                        reason: "send_recv runs on host tensors only".into(),
+                    });
+                }
             };
             // SAFETY: as above.
             let work = unsafe { comm.start(&call.on_stream(stream).with(algorithm)) };

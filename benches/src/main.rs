@@ -3,7 +3,7 @@
 //! ```text
 //! fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F]
 //!                [--iters N] [--warmup N] [--algo auto|hierarchical|ring|doubling|all]
-//!                [--collective all_reduce|broadcast|all_gather|reduce_scatter|reduce|gather|scatter]
+//!                [--collective all_reduce|broadcast|all_gather|reduce_scatter|reduce|gather|scatter|send_recv]
 //!                [--wire exact|bf16|f16] [--device host|cuda]
 //!                [--dtype f32|f64|f16|bf16|i32|i64|u8|i8] [--op sum|prod|min|max|avg]
 //!                [--check|--no-check] [--parallel N] [--servers K] [--json PATH]
@@ -35,6 +35,13 @@
 //! `--algo` too: `ring` relays a broadcast or an all-gather around the ring
 //! and runs a reduce-scatter as the ring's reduce-scatter half; `hierarchical`
 //! and `doubling` run them as all-reduces.
+//!
+//! `--collective send_recv` times point-to-point messages as a ping-pong
+//! between the ranks of each pair (0 and 1, 2 and 3, ...; an odd last rank
+//! idles): the even rank sends its buffer, the odd one receives it and sends
+//! it back (`--parallel` messages in flight each way). `time` is one way,
+//! half the round trip, and `algbw` = `busbw` = bytes / that time; `--algo`
+//! does not apply (a message runs on its pair's channel).
 //!
 //! `--wire bf16|f16` carries the `f32` values of all-reduces and
 //! reduce-scatters between machines in that format (`FAIRRING_WIRE`; it

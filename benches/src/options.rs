@@ -40,10 +40,14 @@ pub(crate) enum Timed {
     Gather,
     /// From rank 0.
     Scatter,
+    /// A ping-pong between the ranks of each pair (0 and 1, 2 and 3, ...):
+    /// the even rank sends, the odd one sends it back; timed one way (half
+    /// the round trip).
+    SendRecv,
 }
 
 impl Timed {
-    const ALL: [Timed; 7] = [
+    const ALL: [Timed; 8] = [
         Timed::AllReduce,
         Timed::Broadcast,
         Timed::AllGather,
@@ -51,6 +55,7 @@ impl Timed {
         Timed::Reduce,
         Timed::Gather,
         Timed::Scatter,
+        Timed::SendRecv,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -62,6 +67,7 @@ impl Timed {
             Timed::Reduce => "reduce",
             Timed::Gather => "gather",
             Timed::Scatter => "scatter",
+            Timed::SendRecv => "send_recv",
         }
     }
 
@@ -70,11 +76,17 @@ impl Timed {
         let n = f64::from(n);
         match self {
             Timed::AllReduce => 2.0 * (n - 1.0) / n,
-            Timed::Broadcast | Timed::Reduce => 1.0,
+            Timed::Broadcast | Timed::Reduce | Timed::SendRecv => 1.0,
             Timed::AllGather | Timed::ReduceScatter | Timed::Gather | Timed::Scatter => {
                 (n - 1.0) / n
             }
         }
+    }
+
+    /// Times an iteration covers the size one way: two for a ping-pong's
+    /// round trip, one otherwise.
+    pub(crate) fn legs(self) -> f64 {
+        if self == Timed::SendRecv { 2.0 } else { 1.0 }
     }
 
     /// Whether the size's element count must divide among the ranks.
@@ -89,7 +101,7 @@ impl Timed {
     pub(crate) fn moves_bytes(self) -> bool {
         matches!(
             self,
-            Timed::Broadcast | Timed::AllGather | Timed::Gather | Timed::Scatter
+            Timed::Broadcast | Timed::AllGather | Timed::Gather | Timed::Scatter | Timed::SendRecv
         )
     }
 }
@@ -99,7 +111,7 @@ pub(crate) fn usage(error: &str) -> ! {
     eprintln!(
         "usage: fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F] \
          [--iters N] [--warmup N] [--algo auto|hierarchical|ring|doubling|all] \
-         [--collective all_reduce|broadcast|all_gather|reduce_scatter|reduce|gather|scatter] \
+         [--collective all_reduce|broadcast|all_gather|reduce_scatter|reduce|gather|scatter|send_recv] \
          [--wire exact|bf16|f16] [--device host|cuda] [--dtype T] [--op OP] [--check|--no-check] [--parallel N] [--servers K] [--gradients N] \
          [--gradient-max N] [--json PATH] \
          [--plot PATH]\n       \
@@ -221,7 +233,7 @@ pub(crate) fn parse(args: &[String]) -> Options {
                     .unwrap_or_else(|| {
                         usage(&format!(
                             "--collective: expected all_reduce, broadcast, all_gather, \
-                             reduce_scatter, reduce, gather or scatter, got {v:?}"
+                             reduce_scatter, reduce, gather, scatter or send_recv, got {v:?}"
                         ))
                     });
             }
@@ -242,7 +254,12 @@ pub(crate) fn parse(args: &[String]) -> Options {
             other => usage(&format!("unknown option {other:?}")),
         }
     }
-    if o.device && matches!(o.collective, Timed::Reduce | Timed::Gather | Timed::Scatter) {
+    if o.device
+        && matches!(
+            o.collective,
+            Timed::Reduce | Timed::Gather | Timed::Scatter | Timed::SendRecv
+        )
+    {
         usage("--device cuda times all_reduce, broadcast, all_gather and reduce_scatter");
     }
     if o.factor < 2 {

@@ -202,7 +202,7 @@ pub(crate) fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Res
                 for i in iters.clone() {
                     let start = Instant::now();
                     timed(algorithm, &mut device, &mut bufs, &mut parts)?;
-                    timings[a][i] = start.elapsed().as_secs_f64();
+                    timings[a][i] = start.elapsed().as_secs_f64() / o.collective.legs();
                 }
                 let after = comm.traffic();
                 moved[a].sent_bytes += after.sent_bytes - before.sent_bytes;
@@ -389,6 +389,9 @@ pub(crate) fn iteration<T: Value>(
     n: usize,
     algorithm: Algorithm,
 ) -> fairring::Result<()> {
+    if o.collective == Timed::SendRecv {
+        return ping_pong(comm, bufs, n);
+    }
     let k = n / comm.world_size() as usize;
     comm.scope(|s| {
         let mut works = Vec::with_capacity(bufs.len());
@@ -418,8 +421,35 @@ pub(crate) fn iteration<T: Value>(
                     let p = parts.next().map(|p| &mut p[..k]).unwrap_or_default();
                     s.scatter_with(b, p, 0, algorithm)?
                 }
+                // Timed by `ping_pong` above: messages are not collectives.
+                Timed::SendRecv => {
+                    return Err(fairring::Error::InvalidArgument {
+                        argument: "--collective",
+                        reason: "send_recv is timed as a ping-pong".into(),
+                    });
+                }
             });
         }
         works.into_iter().try_for_each(fairring::Work::wait)
     })
+}
+
+/// One round trip of `--collective send_recv`: the even rank of each pair
+/// sends every buffer and receives it back; the odd rank receives and
+/// returns it. An odd last rank has no partner and idles.
+fn ping_pong<T: Value>(comm: &Communicator, bufs: &mut [Vec<T>], n: usize) -> fairring::Result<()> {
+    let rank = comm.rank();
+    let partner = rank ^ 1;
+    if partner >= comm.world_size() {
+        return Ok(());
+    }
+    let mut messages: Vec<(u32, &mut [T])> =
+        bufs.iter_mut().map(|b| (partner, &mut b[..n])).collect();
+    if rank % 2 == 0 {
+        comm.send_recv(&mut messages, &mut [])?;
+        comm.send_recv(&mut [], &mut messages)
+    } else {
+        comm.send_recv(&mut [], &mut messages)?;
+        comm.send_recv(&mut messages, &mut [])
+    }
 }

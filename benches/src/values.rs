@@ -151,6 +151,12 @@ pub(crate) fn count_wrong<T: Value>(
                 Box::new(|i| expected(T::DTYPE, o.op, world, i as u64)),
             ),
             Timed::Broadcast => (&b[..n], Box::new(|i| input(o.op, 0, world, i as u64))),
+            // Each pair's even rank's buffer, there and back (an idle odd
+            // last rank keeps its own, which is the same).
+            Timed::SendRecv => (
+                &b[..n],
+                Box::new(move |i| input(o.op, rank & !1, world, i as u64)),
+            ),
             Timed::AllGather | Timed::Gather => (
                 &b[..n],
                 Box::new(|i| {

@@ -36,6 +36,7 @@ fn every_collective_runs_checked_on_a_local_job() {
         ("reduce", 1.0),
         ("gather", 0.5),
         ("scatter", 0.5),
+        ("send_recv", 1.0),
     ] {
         let json = dir.join(format!("{collective}.json"));
         let json_arg = json.to_string_lossy().into_owned();
@@ -139,6 +140,33 @@ fn every_collective_runs_checked_on_a_local_job() {
         for algo in [" hierarchical ", " ring ", " auto "] {
             assert!(text.contains(algo), "{collective}: no{algo}row:\n{text}");
         }
+    }
+    // A ping-pong between machines: each message crosses the fabric once
+    // each way, and the channel's bytes are counted.
+    let json = dir.join("send_recv_2x1.json");
+    let json_arg = json.to_string_lossy().into_owned();
+    let (ok, text) = bench(&[
+        "--local",
+        "2x1",
+        "--collective",
+        "send_recv",
+        "--min-bytes",
+        "64K",
+        "--max-bytes",
+        "1M",
+        "--factor",
+        "16",
+        "--iters",
+        "4",
+        "--json",
+        &json_arg,
+    ]);
+    assert!(ok, "send_recv on 2x1:\n{text}");
+    let rows = json_rows(&json);
+    assert_eq!(rows.len(), 2, "64K and 1M");
+    for row in rows {
+        assert_eq!(row["wrong"], 0, "{row}");
+        assert_eq!(row["sent_bytes_per_op"], row["bytes"], "{row}");
     }
     let (ok, text) = bench(&["--local", "1x2", "--collective", "all_to_all"]);
     assert!(!ok && text.contains("--collective: expected"), "{text}");

@@ -187,9 +187,15 @@ impl Communicator {
     }
 
     /// The data bytes this rank's fabric has written into peers and received
-    /// from them so far (see [`Traffic`]).
+    /// from them so far (see [`Traffic`]), its point-to-point channels'
+    /// included.
     pub fn traffic(&self) -> Traffic {
-        self.engine.links.fabric.traffic()
+        let own = self.engine.links.fabric.traffic();
+        let channels = self.channels.traffic();
+        Traffic {
+            sent_bytes: own.sent_bytes + channels.sent_bytes,
+            received_bytes: own.received_bytes + channels.received_bytes,
+        }
     }
 
     /// Dedicated reduction servers in the job (0: the machines serve).

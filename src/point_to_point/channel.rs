@@ -85,6 +85,14 @@ impl Channel {
         Ok(channel)
     }
 
+    /// What the channel's communicator has moved, once it is met.
+    pub(super) fn traffic(&self) -> Option<crate::bootstrap::Traffic> {
+        match &*self.state.lock().unwrap_or_else(PoisonError::into_inner) {
+            State::Met(comm) => Some(comm.traffic()),
+            _ => None,
+        }
+    }
+
     pub(super) fn timeout(&self) -> Duration {
         self.timeout
     }

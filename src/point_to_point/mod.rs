@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 use fairring_core::DataType;
 use fairring_core::reduce::Element;
 
+use crate::bootstrap::Traffic;
 use crate::communicator::{Call, Communicator, OwnedWork};
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -101,6 +102,17 @@ impl Channels {
         for c in &open {
             c.close();
         }
+    }
+
+    /// What the channels met so far have moved (see [`Traffic`]).
+    pub(crate) fn traffic(&self) -> Traffic {
+        let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        open.values()
+            .filter_map(|c| c.traffic())
+            .fold(Traffic::default(), |a, t| Traffic {
+                sent_bytes: a.sent_bytes + t.sent_bytes,
+                received_bytes: a.received_bytes + t.received_bytes,
+            })
     }
 
     /// Refuses a peer that is not another rank of the job.
