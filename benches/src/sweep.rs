@@ -445,7 +445,7 @@ fn ping_pong<T: Value>(comm: &Communicator, bufs: &mut [Vec<T>], n: usize) -> fa
     }
     let mut messages: Vec<(u32, &mut [T])> =
         bufs.iter_mut().map(|b| (partner, &mut b[..n])).collect();
-    if rank % 2 == 0 {
+    if rank.is_multiple_of(2) {
         comm.send_recv(&mut messages, &mut [])?;
         comm.send_recv(&mut [], &mut messages)
     } else {
