@@ -254,3 +254,148 @@ fn a_message_to_a_rank_that_never_answers_fails_within_the_timeout() {
     let text = e.to_string();
     assert!(text.contains("0->1") || text.contains("rank 1"), "{text}");
 }
+
+/// Elements rank `src` sends rank `dst` in all-to-all round `round`: zero
+/// among them.
+fn split(src: u32, dst: u32, round: u32) -> u64 {
+    u64::from((src * 7 + dst * 3 + round * 5) % 6) * 37
+}
+
+#[test]
+fn all_to_all_with_unequal_splits_on_every_layout() {
+    for (m, d) in [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1)] {
+        let world = m * d;
+        let results = job(
+            m,
+            d,
+            |b| small_slices(b, Algorithm::Auto),
+            |rank, comm| {
+                let mut got = Vec::new();
+                for round in 0..3 {
+                    let ins: Vec<u64> = (0..world).map(|j| split(rank, j, round)).collect();
+                    let outs: Vec<u64> = (0..world).map(|j| split(j, rank, round)).collect();
+                    let mut input: Vec<f32> = (0..world)
+                        .flat_map(|j| {
+                            (0..split(rank, j, round) as usize)
+                                .map(move |i| f32::from_bits(bits(rank, j, round as usize, i)))
+                        })
+                        .collect();
+                    let mut output = vec![0f32; outs.iter().sum::<u64>() as usize];
+                    comm.all_to_all_v(&mut input, &ins, &mut output, &outs)
+                        .unwrap_or_else(|e| panic!("{m}x{d} rank {rank}: {e}"));
+                    got.push(output);
+                }
+                // Equal blocks, one call.
+                let k = 5usize;
+                let mut input: Vec<i64> = (0..world as usize * k)
+                    .map(|i| i64::from(rank) * 1000 + i as i64)
+                    .collect();
+                let mut output = vec![0i64; input.len()];
+                comm.all_to_all(&mut input, &mut output).unwrap();
+                (got, output)
+            },
+        );
+        for (rank, (got, equal)) in (0u32..).zip(&results) {
+            for (round, output) in (0u32..).zip(got) {
+                let want: Vec<u32> = (0..world)
+                    .flat_map(|j| {
+                        (0..split(j, rank, round) as usize)
+                            .map(move |i| bits(j, rank, round as usize, i))
+                    })
+                    .collect();
+                let have: Vec<u32> = output.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(have, want, "{m}x{d}: rank {rank}, round {round}");
+            }
+            let want: Vec<i64> = (0..world as i64)
+                .flat_map(|j| (0..5).map(move |i| j * 1000 + i64::from(rank) * 5 + i))
+                .collect();
+            assert_eq!(equal, &want, "{m}x{d}: rank {rank}, equal blocks");
+        }
+    }
+}
+
+#[test]
+fn all_to_all_splits_that_disagree_fail_naming_both() {
+    let results = job(
+        1,
+        3,
+        |b| b.timeout(Duration::from_secs(10)),
+        |rank, comm| {
+            // Rank 2 sends rank 0 four elements; rank 0 expects three.
+            let ins: Vec<u64> = (0..3)
+                .map(|j| if rank == 2 && j == 0 { 4 } else { 3 })
+                .collect();
+            let outs = vec![3u64; 3];
+            let mut input = vec![1u8; ins.iter().sum::<u64>() as usize];
+            let mut output = vec![0u8; 9];
+            comm.all_to_all_v(&mut input, &ins, &mut output, &outs)
+        },
+    );
+    assert!(results[1].is_ok(), "{:?}", results[1]);
+    for rank in [0u32, 2] {
+        match &results[rank as usize] {
+            Err(Error::Mismatch {
+                rank: me,
+                peer,
+                called,
+                peer_called,
+                ..
+            }) => {
+                // Both ranks named, in the job's numbering.
+                assert_eq!((*me).min(*peer), 0, "{called} / {peer_called}");
+                assert_eq!((*me).max(*peer), 2, "{called} / {peer_called}");
+                assert!(called.contains("2->0"), "{called}");
+            }
+            other => panic!("rank {rank}: expected a mismatch, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn all_to_all_arguments_are_checked_naming_them() {
+    job(
+        1,
+        2,
+        |b| b,
+        |rank, comm| {
+            let mut input = vec![0f32; 4];
+            let mut output = vec![0f32; 4];
+            let refused = |r: fairring::Result<()>, argument: &str| match r {
+                Err(Error::InvalidArgument {
+                    argument: a,
+                    reason,
+                }) => assert_eq!(a, argument, "{reason}"),
+                other => panic!("rank {rank}: expected {argument} refused, got {other:?}"),
+            };
+            refused(
+                comm.all_to_all_v(&mut input, &[2, 2, 0], &mut output, &[2, 2]),
+                "input_counts",
+            );
+            refused(
+                comm.all_to_all_v(&mut input, &[2, 1], &mut output, &[2, 2]),
+                "input_counts",
+            );
+            refused(
+                comm.all_to_all_v(&mut input, &[2, 2], &mut output, &[3, 1]),
+                "output_counts",
+            );
+            refused(comm.all_to_all(&mut input[..3], &mut output[..3]), "input");
+            refused(comm.all_to_all(&mut input, &mut output[..2]), "output");
+            let p: *mut u8 = input.as_mut_ptr().cast();
+            // SAFETY: refused before anything is touched.
+            let overlapping = unsafe {
+                comm.post_all_to_all(p, &[1, 1], p.wrapping_add(4), &[1, 1], DataType::F32)
+            };
+            assert!(
+                matches!(
+                    overlapping,
+                    Err(Error::InvalidArgument {
+                        argument: "output",
+                        ..
+                    })
+                ),
+                "{overlapping:?}"
+            );
+        },
+    );
+}

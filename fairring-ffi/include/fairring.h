@@ -642,6 +642,29 @@ fr_status fr_recv(const fr_comm *comm,
                   int32_t dtype,
                   fr_work **out);
 
+// Posts an all-to-all of `dtype` elements: `input_counts[j]` elements of
+// `input` (the blocks in rank order) to rank `j`, `output_counts[j]` of
+// `output` from it; each array holds one count per rank. This rank's own
+// block is copied before the call returns; every other one is a message on
+// its pair's channel. A rank whose block to another disagrees with that
+// rank's count fails both with `FR_MISMATCH`, naming both. `*out` receives
+// one work handle for all of them.
+//
+// # Safety
+//
+// `comm` is a live handle; `input_counts` and `output_counts` point to
+// `world_size` counts each; `input` and `output` are valid for reads and
+// writes of their counts' sums of elements, aligned for `dtype`, apart from
+// each other, and not written (`output` not read either) by the caller
+// until the work finishes; `out` is valid for a write.
+fr_status fr_all_to_all(const fr_comm *comm,
+                        void *input,
+                        const uint64_t *input_counts,
+                        void *output,
+                        const uint64_t *output_counts,
+                        int32_t dtype,
+                        fr_work **out);
+
 // The message of the last error on this thread: valid until the next fairring
 // call on this thread; empty if there was none. Never null.
 const char *fr_last_error(void);

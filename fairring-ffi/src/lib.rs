@@ -53,7 +53,7 @@ pub use device_calls::{
     fr_all_gather_device, fr_all_reduce_coalesced_device, fr_all_reduce_device,
     fr_broadcast_device, fr_reduce_scatter_device, fr_work_enqueue_wait,
 };
-pub use messages::{fr_recv, fr_send};
+pub use messages::{fr_all_to_all, fr_recv, fr_send};
 pub use status::*;
 pub use store::{
     FR_STORE_OK, FR_STORE_TIMEOUT, fr_store, fr_store_check_fn, fr_store_get_fn,

@@ -1,5 +1,6 @@
-//! Point-to-point messages: `fr_send` and `fr_recv`, each a work handle like
-//! any operation's (waited, tested, called back and freed alike).
+//! Point-to-point messages: `fr_send`, `fr_recv` and `fr_all_to_all`, each
+//! a work handle like any operation's (waited, tested, called back and freed
+//! alike).
 //!
 //! Each ordered pair of ranks has a channel, a communicator of two met through
 //! the job's store the first time either rank names the pair (in the
@@ -11,7 +12,7 @@ use std::ffi::c_void;
 
 use crate::call::dtype_of;
 use crate::comm::{begin, fr_comm, hand_out_in_flight};
-use crate::status::{boundary, fr_status};
+use crate::status::{boundary, fr_status, invalid};
 use crate::work::{InFlight, fr_work};
 
 /// Posts a send of `count` elements of `dtype` at `data` to rank `peer`.
@@ -91,4 +92,70 @@ unsafe fn post(
         // SAFETY: `begin` checked `out`, valid for a write per the contract.
         unsafe { hand_out_in_flight(c, out, message.map(InFlight::Message)) }
     })
+}
+
+/// Posts an all-to-all of `dtype` elements: `input_counts[j]` elements of
+/// `input` (the blocks in rank order) to rank `j`, `output_counts[j]` of
+/// `output` from it; each array holds one count per rank. This rank's own
+/// block is copied before the call returns; every other one is a message on
+/// its pair's channel. A rank whose block to another disagrees with that
+/// rank's count fails both with `FR_MISMATCH`, naming both. `*out` receives
+/// one work handle for all of them.
+///
+/// # Safety
+///
+/// `comm` is a live handle; `input_counts` and `output_counts` point to
+/// `world_size` counts each; `input` and `output` are valid for reads and
+/// writes of their counts' sums of elements, aligned for `dtype`, apart from
+/// each other, and not written (`output` not read either) by the caller
+/// until the work finishes; `out` is valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fr_all_to_all(
+    comm: *const fr_comm,
+    input: *mut c_void,
+    input_counts: *const u64,
+    output: *mut c_void,
+    output_counts: *const u64,
+    dtype: i32,
+    out: *mut *mut fr_work,
+) -> fr_status {
+    boundary(|| {
+        // SAFETY: forwarded.
+        let c = match unsafe { begin(comm, out) } {
+            Ok(c) => c,
+            Err(s) => return s,
+        };
+        let dtype = match dtype_of(dtype) {
+            Ok(d) => d,
+            Err(s) => return s,
+        };
+        let world = c.comm.world_size() as usize;
+        // SAFETY: per the contract, each array holds `world` counts.
+        let ins = unsafe { counted(input_counts, world) };
+        // SAFETY: as above.
+        let outs = unsafe { counted(output_counts, world) };
+        let counts = (ins, outs);
+        let (ins, outs) = match counts {
+            (Some(i), Some(o)) => (i, o),
+            (None, _) => return invalid("input_counts", "null"),
+            (_, None) => return invalid("output_counts", "null"),
+        };
+        // SAFETY: the memory contract is the caller's, as documented.
+        let message = unsafe {
+            c.comm
+                .post_all_to_all(input.cast(), ins, output.cast(), outs, dtype)
+        };
+        // SAFETY: `begin` checked `out`, valid for a write per the contract.
+        unsafe { hand_out_in_flight(c, out, message.map(InFlight::Message)) }
+    })
+}
+
+/// `len` counts at `counts`, or `None` for a null pointer.
+///
+/// # Safety
+///
+/// `counts` is null or points to `len` readable counts that outlive `'a`.
+unsafe fn counted<'a>(counts: *const u64, len: usize) -> Option<&'a [u64]> {
+    // SAFETY: non-null, and `len` readable counts per the contract.
+    (!counts.is_null()).then(|| unsafe { std::slice::from_raw_parts(counts, len) })
 }

@@ -463,37 +463,53 @@ class ProcessGroupFairring(dist.ProcessGroup):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         """Rows `input_split_sizes[j]` of `input` (in order) to rank j, rows
         `output_split_sizes[j]` of `output` from it (equal splits where a list
-        is empty): each block moves once, through the pair's channel."""
+        is empty): each block moves once, as a message on the pair's channel."""
         what = "all_to_all_single"
         _host(input, what)
         staged = _Staged(output, what)
         inp = input.contiguous()
-        ins = self._splits(what, "input", inp, input_split_sizes)
-        outs = self._splits(what, "output", staged.buffer, output_split_sizes)
-        return self._exchange(what, ins, outs, staged.finish, [output], (inp, staged))
+        if inp.dtype != staged.buffer.dtype:
+            raise ValueError(
+                f"fairring: {what}: the input is {inp.dtype} and the output {staged.buffer.dtype}"
+            )
+        ins = self._split_counts(what, "input", inp, input_split_sizes)
+        outs = self._split_counts(what, "output", staged.buffer, output_split_sizes)
+        start = self._all_to_all_start(inp, ins, staged.buffer, outs)
+        return self._start(what, [start], staged.finish, [output], (inp, staged))
 
     all_to_all_single = alltoall_base
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        """`input_tensors[j]` to rank j, `output_tensors[j]` from it."""
+        """`input_tensors[j]` to rank j, `output_tensors[j]` from it (the
+        lists packed into one buffer each, and the outputs unpacked)."""
         what = "all_to_all"
         if len(output_tensors) != self.size() or len(input_tensors) != self.size():
             raise ValueError(
                 f"fairring: {what}: expected {self.size()} input and output tensors, got "
                 f"{len(input_tensors)} and {len(output_tensors)}"
             )
-        ins = [_host(t, what).contiguous() for t in input_tensors]
-        staged = [_Staged(t, what) for t in output_tensors]
+        dtypes = {t.dtype for t in [*input_tensors, *output_tensors]}
+        if len(dtypes) != 1:
+            raise ValueError(f"fairring: {what}: the tensors are of several types {sorted(map(str, dtypes))}")
+        for t in [*input_tensors, *output_tensors]:
+            _host(t, what)
+        flat_in = torch.cat([t.reshape(-1) for t in input_tensors])
+        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype)
+        ins = [t.numel() for t in input_tensors]
+        outs = [t.numel() for t in output_tensors]
+        start = self._all_to_all_start(flat_in, ins, flat_out, outs)
 
         def finish():
-            for st in staged:
-                st.finish()
+            at = 0
+            for t in output_tensors:
+                t.copy_(flat_out[at : at + t.numel()].view(t.shape))
+                at += t.numel()
 
-        outs = [st.buffer for st in staged]
-        return self._exchange(what, ins, outs, finish, output_tensors, (ins, staged))
+        return self._start(what, [start], finish, output_tensors, (flat_in, flat_out))
 
-    def _splits(self, what, name, tensor, sizes):
-        """`tensor` cut along its first dimension into one block per rank."""
+    def _split_counts(self, what, name, tensor, sizes):
+        """Elements per rank of `tensor` cut along its first dimension by
+        `sizes` (equal cuts where it is empty)."""
         world = self.size()
         rows = tensor.shape[0] if tensor.dim() > 0 else tensor.numel()
         if not sizes:
@@ -508,30 +524,24 @@ class ProcessGroupFairring(dist.ProcessGroup):
                 f"fairring: {what}: {name}_split_sizes {list(sizes)} must be {world} "
                 f"sizes adding up to the {name}'s {rows} rows"
             )
-        flat = tensor.reshape(rows, -1) if tensor.dim() > 0 else tensor.reshape(-1, 1)
-        blocks, at = [], 0
-        for n in sizes:
-            blocks.append(flat[at : at + n])
-            at += n
-        return blocks
+        per_row = tensor.numel() // rows if rows else 0
+        return [n * per_row for n in sizes]
 
-    def _exchange(self, what, ins, outs, finish, result, keep):
-        """Block j of `ins` to rank j and block j of `outs` from it; this
-        rank's own block is copied."""
-        me = self.rank()
-        if ins[me].numel() != outs[me].numel() or ins[me].dtype != outs[me].dtype:
-            raise ValueError(
-                f"fairring: {what}: this rank's block to itself ({ins[me].numel()} x "
-                f"{ins[me].dtype}) does not fit its place in the output "
-                f"({outs[me].numel()} x {outs[me].dtype})"
-            )
-        messages = []
-        for p in range(self.size()):
-            if p != me:
-                messages.append(self._message_start(ins[p], p, sending=True, what=what))
-                messages.append(self._message_start(outs[p], p, sending=False, what=what))
-        outs[me].copy_(ins[me])
-        return self._start(what, messages, finish, result, keep)
+    def _all_to_all_start(self, inp, ins, out, outs):
+        """The function that posts an all-to-all of `ins[j]` elements of `inp`
+        to rank j and `outs[j]` of `out` from it (both contiguous)."""
+        code = _DTYPES.get(inp.dtype)
+        if code is None:
+            size = inp.element_size()
+            ins, outs, code = [n * size for n in ins], [n * size for n in outs], native.DTYPE_U8
+        counts_in = (ctypes.c_uint64 * len(ins))(*ins)
+        counts_out = (ctypes.c_uint64 * len(outs))(*outs)
+        src, dst = ctypes.c_void_p(inp.data_ptr()), ctypes.c_void_p(out.data_ptr())
+
+        def start(comm, w):
+            return native.lib().fr_all_to_all(comm, src, counts_in, dst, counts_out, code, w)
+
+        return start
 
     # Point-to-point: the library gives each ordered pair of ranks a channel
     # (a communicator of two, met in the background through the group's

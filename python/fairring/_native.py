@@ -135,6 +135,17 @@ def _declare(l):
     fn("fr_barrier", c_status, comm_p, p_work)
     fn("fr_send", c_status, comm_p, u32, vp, u64, i32, p_work)
     fn("fr_recv", c_status, comm_p, u32, vp, u64, i32, p_work)
+    fn(
+        "fr_all_to_all",
+        c_status,
+        comm_p,
+        vp,
+        ctypes.POINTER(u64),
+        vp,
+        ctypes.POINTER(u64),
+        i32,
+        p_work,
+    )
     fn("fr_work_test", c_status, work_p, ctypes.POINTER(ctypes.c_bool))
     fn("fr_work_wait", c_status, work_p)
     fn("fr_work_wait_timeout", c_status, work_p, u64)

@@ -24,26 +24,29 @@
 //! A channel stages messages through buffers of its own: at most
 //! [`CHANNEL_MEMORY`] (or the communicator's budget, if smaller) per channel.
 
+mod all_to_all;
 mod channel;
+mod message;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use fairring_core::DataType;
 use fairring_core::reduce::Element;
 
 use crate::bootstrap::Traffic;
-use crate::communicator::{Call, Communicator, OwnedWork};
+use crate::communicator::{Call, Communicator};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::store::Store;
 use channel::Channel;
+pub use message::Message;
+use message::Posted;
 
 /// The most staging memory one channel takes (the communicator's budget, if
 /// smaller): a rank with channels to many peers (an all-to-all) holds one
 /// per direction and peer.
-pub const CHANNEL_MEMORY: u64 = 16 << 20;
+pub const CHANNEL_MEMORY: u64 = 4 << 20;
 
 /// This rank's channels, made as messages name them.
 pub(crate) struct Channels {
@@ -127,154 +130,6 @@ impl Channels {
             ));
         }
         Ok(())
-    }
-}
-
-/// A message in flight: a send or a receive, from when it is posted (its
-/// channel perhaps still meeting) to when it has finished.
-///
-/// Dropping it waits for it to finish, as dropping a [`Work`](crate::Work)
-/// does.
-#[must_use = "a message runs until waited on or dropped"]
-pub struct Message {
-    posted: Arc<Posted>,
-}
-
-/// What a posted message is, shared by its [`Message`] and its channel's queue.
-pub(crate) struct Posted {
-    state: Mutex<Phase>,
-    changed: Condvar,
-    /// How long a wait may take: the communicator's timeout.
-    timeout: Duration,
-    /// "a send to rank 3" or "a receive from rank 1", for errors.
-    what: String,
-    /// The channel's sender and receiver, whose ranks its errors name.
-    src: u32,
-    dst: u32,
-}
-
-enum Phase {
-    /// Waiting for its channel to be met.
-    Queued,
-    Started(Arc<OwnedWork>),
-    Failed(Error),
-}
-
-impl Posted {
-    fn new(what: String, timeout: Duration, src: u32, dst: u32) -> Arc<Posted> {
-        Arc::new(Posted {
-            state: Mutex::new(Phase::Queued),
-            changed: Condvar::new(),
-            timeout,
-            what,
-            src,
-            dst,
-        })
-    }
-
-    /// `e`, from the channel's communicator, in the job's ranks.
-    fn in_job_ranks(&self, e: Error) -> Error {
-        channel::in_job_ranks(e, self.src, self.dst)
-    }
-
-    /// Records how the start went and wakes the waiters.
-    fn settle(&self, outcome: Result<OwnedWork>) {
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        *state = match outcome {
-            Ok(w) => Phase::Started(Arc::new(w)),
-            Err(e) => Phase::Failed(e),
-        };
-        self.changed.notify_all();
-    }
-
-    /// The started work, once the message has started (waiting up to
-    /// `deadline`); its failure to start; `None` at the deadline.
-    fn started(&self, deadline: Option<Instant>) -> Option<Result<Arc<OwnedWork>>> {
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        loop {
-            match &*state {
-                Phase::Started(w) => return Some(Ok(Arc::clone(w))),
-                Phase::Failed(e) => return Some(Err(e.clone())),
-                Phase::Queued => {}
-            }
-            match deadline {
-                None => return None,
-                Some(d) => {
-                    let left = d.checked_duration_since(Instant::now())?;
-                    state = self
-                        .changed
-                        .wait_timeout(state, left)
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .0;
-                }
-            }
-        }
-    }
-}
-
-impl Message {
-    /// Waits for the message to finish, up to the communicator's timeout
-    /// (counted from here, once for the channel's meeting and once for the
-    /// message).
-    pub fn wait(&self) -> Result<()> {
-        let timeout = self.posted.timeout;
-        let deadline = Instant::now() + timeout;
-        let work = match self.posted.started(Some(deadline)) {
-            Some(w) => w?,
-            None => return Err(Error::timeout(self.posted.what.clone(), timeout)),
-        };
-        work.wait_timeout(timeout)
-            .map_err(|e| self.posted.in_job_ranks(e))
-    }
-
-    /// Waits up to `timeout` in all: an error if the message failed or is
-    /// still running then.
-    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
-        let start = Instant::now();
-        match self.posted.started(Some(start + timeout)) {
-            Some(w) => w?
-                .wait_timeout(timeout.saturating_sub(start.elapsed()))
-                .map_err(|e| self.posted.in_job_ranks(e)),
-            None => Err(Error::timeout(self.posted.what.clone(), timeout)),
-        }
-    }
-
-    /// Whether the message has finished, without waiting; its error if it
-    /// failed.
-    pub fn test(&self) -> Result<bool> {
-        match self.posted.started(None) {
-            Some(w) => w?.test().map_err(|e| self.posted.in_job_ranks(e)),
-            None => Ok(false),
-        }
-    }
-}
-
-impl Drop for Message {
-    fn drop(&mut self) {
-        // A queued message holds the caller's memory: its channel starts or
-        // fails it within the meeting's timeout, or when the communicator
-        // closes. Once started, dropping the work (the last reference to
-        // it, unless another thread is waiting on it) waits for it.
-        let mut state = self
-            .posted
-            .state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        while matches!(*state, Phase::Queued) {
-            state = self
-                .posted
-                .changed
-                .wait(state)
-                .unwrap_or_else(PoisonError::into_inner);
-        }
-    }
-}
-
-impl std::fmt::Debug for Message {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Message")
-            .field("what", &self.posted.what)
-            .finish_non_exhaustive()
     }
 }
 
@@ -388,6 +243,24 @@ impl Communicator {
         count: u64,
         dtype: DataType,
     ) -> Result<Message> {
+        // SAFETY: forwarded.
+        let posted = unsafe { self.post_one(peer, sending, data, count, dtype) }?;
+        Ok(Message::of(vec![posted]))
+    }
+
+    /// Posts one message on its channel.
+    ///
+    /// # Safety
+    ///
+    /// As [`Communicator::post_send`] and [`Communicator::post_recv`].
+    pub(super) unsafe fn post_one(
+        &self,
+        peer: u32,
+        sending: bool,
+        data: *mut u8,
+        count: u64,
+        dtype: DataType,
+    ) -> Result<Arc<Posted>> {
         let channels = &self.channels;
         channels.check_peer(peer)?;
         let me = self.rank();
@@ -404,6 +277,6 @@ impl Communicator {
         // SAFETY: the caller's contract covers the message until it reports
         // completion; `Message`'s drop waits for that.
         unsafe { channel.post(call, Arc::clone(&posted)) };
-        Ok(Message { posted })
+        Ok(posted)
     }
 }

@@ -197,6 +197,31 @@ int main(void) {
                   in[2] == -7 && out[0] == (int16_t)(10 * rank),
               "recv: %d %d %d: %s", in[0], in[1], in[2], fr_last_error());
     }
+    /* All-to-all, blocks of unequal lengths: rank r sends 1 + r + j elements
+       to rank j. */
+    {
+        uint64_t ins[8], outs[8], in_total = 0, out_total = 0;
+        for (unsigned j = 0; j < world; j++) {
+            ins[j] = 1 + rank + j;
+            outs[j] = 1 + j + rank;
+            in_total += ins[j];
+            out_total += outs[j];
+        }
+        int32_t *input = malloc(in_total * sizeof *input), *output = calloc(out_total, sizeof *output);
+        for (unsigned j = 0, at = 0; j < world; j++)
+            for (unsigned i = 0; i < ins[j]; i++) input[at++] = (int32_t)(100 * rank + 10 * j + i);
+        s = fr_all_to_all(comm, input, ins, output, outs, FR_DTYPE_I32, &work);
+        s = finish(s, work);
+        unsigned wrong = 0;
+        for (unsigned j = 0, at = 0; j < world; j++)
+            for (unsigned i = 0; i < outs[j]; i++) wrong += output[at++] != (int32_t)(100 * j + 10 * rank + i);
+        CHECK(s == FR_OK && wrong == 0, "all_to_all: %u wrong: %s", wrong, fr_last_error());
+        s = fr_all_to_all(comm, input, NULL, output, outs, FR_DTYPE_I32, &work);
+        CHECK(s == FR_INVALID_ARGUMENT && strstr(fr_last_error(), "input_counts"),
+              "all_to_all without counts: %d %s", s, fr_last_error());
+        free(input);
+        free(output);
+    }
     s = fr_send(comm, rank, data, 1, FR_DTYPE_F32, &work);
     CHECK(s == FR_INVALID_ARGUMENT && strstr(fr_last_error(), "peer"),
           "send to itself: %d %s", s, fr_last_error());
