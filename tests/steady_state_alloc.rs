@@ -88,3 +88,86 @@ fn warm_all_reduces_allocate_nothing(comm: &Communicator) {
         }
     }
 }
+
+/// The rooted collectives and point-to-point messages (a ping-pong and an
+/// all-to-all, on their channels), between machines and within one.
+#[test]
+fn no_allocation_per_warm_rooted_collective_or_message() {
+    let test = "no_allocation_per_warm_rooted_collective_or_message";
+    match rank_of_job(test) {
+        Some(comm) => warm_rooted_and_messages_allocate_nothing(&comm),
+        None => {
+            launch(test, 2, 1);
+            launch(test, 1, 2);
+        }
+    }
+}
+
+/// Counts the allocations of the 10th to 20th of 20 calls of `call`, on
+/// every thread of this process; fails naming `what` if there were any.
+fn none_when_warm(comm: &Communicator, what: &str, mut call: impl FnMut()) {
+    let mut counted = 0;
+    for i in 0..20 {
+        let before = allocations();
+        call();
+        if i >= 10 {
+            counted += allocations() - before;
+        }
+    }
+    assert_eq!(
+        counted,
+        0,
+        "rank {}: {counted} allocations in 10 warm {what}",
+        comm.rank()
+    );
+}
+
+fn warm_rooted_and_messages_allocate_nothing(comm: &Communicator) {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let n = 1 << 18;
+    let mut input = vec![1.0f32; n];
+    let mut output = vec![0.0f32; n * world as usize];
+    let peer = 1 - rank;
+    let mut back = vec![0.0f32; n];
+    let counts = vec![(n / world as usize) as u64; world as usize];
+    // The channels meet first: a meeting goes through the store that rank
+    // 0's process serves (allocating there), and ranks reach each step at
+    // different times.
+    comm.send_recv(
+        &mut [(peer, &mut input[..1])],
+        &mut [(peer, &mut back[..1])],
+    )
+    .unwrap();
+    comm.barrier().unwrap();
+    none_when_warm(comm, "reduces", || {
+        comm.reduce(&input, &mut output[..n], ReduceOp::Sum, 0)
+            .unwrap();
+    });
+    assert!(rank != 0 || output[..n].iter().all(|&v| v == world as f32));
+    none_when_warm(comm, "gathers", || {
+        comm.gather(&input[..n / 2], &mut output[..n / 2 * world as usize], 1)
+            .unwrap();
+    });
+    none_when_warm(comm, "scatters", || {
+        let (whole, part) = output.split_at_mut(n);
+        comm.scatter(&mut whole[..n], &mut part[..n / world as usize], 0)
+            .unwrap();
+    });
+    none_when_warm(comm, "ping-pongs", || {
+        if rank == 0 {
+            comm.send(peer, &mut input).unwrap();
+            comm.recv(peer, &mut back).unwrap();
+        } else {
+            comm.recv(peer, &mut back).unwrap();
+            comm.send(peer, &mut back).unwrap();
+        }
+    });
+    assert!(
+        back.iter().all(|&v| v == 1.0),
+        "rank {rank}: the ping-pong's data"
+    );
+    none_when_warm(comm, "all-to-alls", || {
+        comm.all_to_all_v(&mut input, &counts, &mut back, &counts)
+            .unwrap();
+    });
+}

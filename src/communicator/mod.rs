@@ -13,6 +13,7 @@ mod work;
 pub use crate::engine::descriptor::Collective;
 pub use call::{Call, Memory, Options};
 pub use scope::Scope;
+pub(crate) use work::Watch;
 pub use work::{OwnedWork, Work};
 
 use std::marker::PhantomData;

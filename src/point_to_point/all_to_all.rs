@@ -2,8 +2,6 @@
 //! moved once, as one message on its pair's channel (this rank's own block
 //! is copied).
 
-use std::ops::Range;
-
 use fairring_core::DataType;
 use fairring_core::reduce::Element;
 
@@ -83,10 +81,9 @@ impl Communicator {
         dtype: DataType,
     ) -> Result<Message> {
         let world = self.world_size();
-        let mine = self.rank() as usize;
-        let ins = blocks("input_counts", input_counts, world, dtype)?;
-        let outs = blocks("output_counts", output_counts, world, dtype)?;
-        let (in_bytes, out_bytes) = (ins[ins.len() - 1].end, outs[outs.len() - 1].end);
+        let me = self.rank() as usize;
+        let in_bytes = bytes("input_counts", input_counts, world, dtype)?;
+        let out_bytes = bytes("output_counts", output_counts, world, dtype)?;
         check_pointer(input, u64::from(in_bytes > 0), dtype)?;
         check_pointer(output, u64::from(out_bytes > 0), dtype)?;
         let (a, b) = (input as usize, output as usize);
@@ -100,52 +97,62 @@ impl Communicator {
                 format!("{output:p} overlaps the input ({input:p}, {in_bytes} bytes)"),
             ));
         }
-        if ins[mine].len() != outs[mine].len() {
+        if input_counts[me] != output_counts[me] {
             return Err(Error::invalid(
                 "output_counts",
                 format!(
                     "this rank's block to itself ({} elements) does not fit its place in the \
                      output ({} elements)",
-                    input_counts[mine], output_counts[mine]
+                    input_counts[me], output_counts[me]
                 ),
             ));
         }
+        // Every count was checked to fit in memory (`bytes`): the products
+        // and sums below cannot overflow.
+        let size = dtype.size_bytes();
+        let offset = |counts: &[u64], j: usize| -> usize {
+            let elements: u64 = counts[..j].iter().sum();
+            usize::try_from(elements * size).unwrap_or(usize::MAX)
+        };
+        let own = usize::try_from(input_counts[me] * size).unwrap_or(0);
         // SAFETY: both ranges lie inside the caller's buffers (their lengths
         // are the counts' sums), which are apart; nothing else writes them.
         unsafe {
             std::ptr::copy_nonoverlapping(
-                input.wrapping_add(ins[mine].start),
-                output.wrapping_add(outs[mine].start),
-                ins[mine].len(),
+                input.wrapping_add(offset(input_counts, me)),
+                output.wrapping_add(offset(output_counts, me)),
+                own,
             );
         }
-        let mut posted = Vec::with_capacity(2 * (world as usize).saturating_sub(1));
-        // Around the ring from this rank, so that the ranks start on
-        // different peers.
-        let me = self.rank();
-        for k in 1..world {
-            let (to, from) = ((me + k) % world, (me + world - k) % world);
-            for (peer, sending, counts, ranges, base) in [
-                (to, true, input_counts, &ins, input),
-                (from, false, output_counts, &outs, output),
-            ] {
-                let at = ranges[peer as usize].start;
-                // SAFETY: the block lies inside the caller's buffer, whose
-                // contract covers it until the messages finish (`Message`'s
-                // drop waits for those posted so far if a post fails).
-                let one = unsafe {
-                    self.post_one(
-                        peer,
-                        sending,
-                        base.wrapping_add(at),
-                        counts[peer as usize],
-                        dtype,
-                    )
-                };
-                posted.push(one?);
+        let pool = &self.channels.pool;
+        let mut posted = pool.list(2 * (world as usize).saturating_sub(1));
+        let (mut at_in, mut at_out) = (0usize, 0usize);
+        for peer in 0..world {
+            let j = peer as usize;
+            let (send, receive) = (input_counts[j], output_counts[j]);
+            if j != me {
+                for (sending, count, base, at) in
+                    [(true, send, input, at_in), (false, receive, output, at_out)]
+                {
+                    // SAFETY: the block lies inside the caller's buffer, whose
+                    // contract covers it until the messages finish (`Message`'s
+                    // drop waits for those posted so far if a post fails).
+                    let one = unsafe {
+                        self.post_one(peer, sending, base.wrapping_add(at), count, dtype)
+                    };
+                    match one {
+                        Ok(p) => posted.push(p),
+                        Err(e) => {
+                            drop(Message::many(posted, pool));
+                            return Err(e);
+                        }
+                    }
+                }
             }
+            at_in += usize::try_from(send * size).unwrap_or(0);
+            at_out += usize::try_from(receive * size).unwrap_or(0);
         }
-        Ok(Message::of(posted))
+        Ok(Message::many(posted, pool))
     }
 }
 
@@ -161,39 +168,28 @@ fn check_total(argument: &'static str, counts: &[u64], len: usize) -> Result<()>
     Ok(())
 }
 
-/// The byte range of each rank's block, from `counts` of `dtype` elements;
-/// refused (naming `argument`) unless there is one count per rank of `world`
-/// and the bytes are addressable.
-fn blocks(
-    argument: &'static str,
-    counts: &[u64],
-    world: u32,
-    dtype: DataType,
-) -> Result<Vec<Range<usize>>> {
+/// The bytes `counts` of `dtype` elements span; refused (naming
+/// `argument`) unless there is one count per rank of `world` and every
+/// partial sum of bytes is addressable.
+fn bytes(argument: &'static str, counts: &[u64], world: u32, dtype: DataType) -> Result<usize> {
     if counts.len() != world as usize {
         return Err(Error::invalid(
             argument,
             format!("holds {} counts for {world} ranks", counts.len()),
         ));
     }
-    let mut at = 0usize;
-    let mut ranges = Vec::with_capacity(counts.len());
-    for &c in counts {
-        let bytes = c
-            .checked_mul(dtype.size_bytes())
-            .and_then(|b| usize::try_from(b).ok())
-            .filter(|&b| {
-                at.checked_add(b)
-                    .is_some_and(|end| end <= isize::MAX as usize)
-            })
-            .ok_or_else(|| {
-                Error::invalid(
-                    argument,
-                    format!("{counts:?} elements of {dtype} do not fit in memory"),
-                )
-            })?;
-        ranges.push(at..at + bytes);
-        at += bytes;
-    }
-    Ok(ranges)
+    counts
+        .iter()
+        .try_fold(0usize, |at, &c| {
+            c.checked_mul(dtype.size_bytes())
+                .and_then(|b| usize::try_from(b).ok())
+                .and_then(|b| at.checked_add(b))
+                .filter(|&end| end <= isize::MAX as usize)
+        })
+        .ok_or_else(|| {
+            Error::invalid(
+                argument,
+                format!("{counts:?} elements of {dtype} do not fit in memory"),
+            )
+        })
 }

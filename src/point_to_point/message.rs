@@ -1,11 +1,12 @@
-//! [`Message`]: posted messages, waited on, tested and dropped; and what
-//! each is while its channel meets ([`Posted`]).
+//! [`Message`]: posted messages, waited on, tested and dropped; what each is
+//! while its channel meets ([`Posted`]); and the [`Pool`] that recycles
+//! both, so that a warm message allocates nothing.
 
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::channel;
-use crate::communicator::OwnedWork;
+use crate::communicator::{OwnedWork, Watch};
 use crate::error::{Error, Result};
 
 /// Messages in flight: a send, a receive, or the messages of an all-to-all,
@@ -16,17 +17,35 @@ use crate::error::{Error, Result};
 /// does.
 #[must_use = "a message runs until waited on or dropped"]
 pub struct Message {
-    posted: Vec<Arc<Posted>>,
+    posts: Posts,
+    pool: Arc<Pool>,
 }
 
-/// What a posted message is, shared by its [`Message`] and its channel's queue.
+/// One message, or several (an all-to-all's): one needs no list.
+enum Posts {
+    One(Arc<Posted>),
+    Many(Vec<Arc<Posted>>),
+}
+
+impl Posts {
+    fn as_slice(&self) -> &[Arc<Posted>] {
+        match self {
+            Posts::One(p) => std::slice::from_ref(p),
+            Posts::Many(v) => v,
+        }
+    }
+}
+
+/// What a posted message is, shared by its [`Message`] and, until it starts,
+/// its channel's queue.
 pub(crate) struct Posted {
     state: Mutex<Phase>,
     changed: Condvar,
     /// How long a wait may take: the communicator's timeout.
     timeout: Duration,
-    /// "a send to rank 3" or "a receive from rank 1", for errors.
-    what: String,
+    /// The peer, and whether this rank sends to it (else receives from it).
+    peer: u32,
+    sending: bool,
     /// The channel's sender and receiver, whose ranks its errors name.
     src: u32,
     dst: u32,
@@ -35,20 +54,117 @@ pub(crate) struct Posted {
 enum Phase {
     /// Waiting for its channel to be met.
     Queued,
-    Started(Arc<OwnedWork>),
+    Started(OwnedWork),
     Failed(Error),
 }
 
-impl Posted {
-    pub(super) fn new(what: String, timeout: Duration, src: u32, dst: u32) -> Arc<Posted> {
-        Arc::new(Posted {
+/// Recycled messages and lists of them. Once closed (with the
+/// communicator), what comes back is let go of.
+pub(crate) struct Pool {
+    free: Mutex<Free>,
+}
+
+struct Free {
+    open: bool,
+    posted: Vec<Arc<Posted>>,
+    lists: Vec<Vec<Arc<Posted>>>,
+}
+
+impl Pool {
+    pub(super) fn new() -> Arc<Pool> {
+        Arc::new(Pool {
+            free: Mutex::new(Free {
+                open: true,
+                posted: Vec::new(),
+                lists: Vec::new(),
+            }),
+        })
+    }
+
+    /// A queued message to or from `peer` on the channel `src -> dst`.
+    pub(super) fn posted(
+        &self,
+        peer: u32,
+        sending: bool,
+        src: u32,
+        dst: u32,
+        timeout: Duration,
+    ) -> Arc<Posted> {
+        let recycled = self.lock().posted.pop();
+        let fresh = Posted {
             state: Mutex::new(Phase::Queued),
             changed: Condvar::new(),
             timeout,
-            what,
+            peer,
+            sending,
             src,
             dst,
-        })
+        };
+        match recycled {
+            // Only the pool held it: reset in place.
+            Some(mut p) => match Arc::get_mut(&mut p) {
+                Some(slot) => {
+                    slot.timeout = timeout;
+                    (slot.peer, slot.sending, slot.src, slot.dst) = (peer, sending, src, dst);
+                    *slot.state.get_mut().unwrap_or_else(PoisonError::into_inner) = Phase::Queued;
+                    p
+                }
+                None => Arc::new(fresh),
+            },
+            None => Arc::new(fresh),
+        }
+    }
+
+    /// An empty list with room for `n`.
+    pub(super) fn list(&self, n: usize) -> Vec<Arc<Posted>> {
+        let mut list = self.lock().lists.pop().unwrap_or_default();
+        list.reserve(n);
+        list
+    }
+
+    /// Lets go of everything pooled, and of everything that comes back later.
+    pub(super) fn close(&self) {
+        let mut free = self.lock();
+        free.open = false;
+        free.posted = Vec::new();
+        free.lists = Vec::new();
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Free> {
+        self.free.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes back `p` (a finished message's), if nothing else holds it:
+    /// drops its work first (waiting for it, if it is still running),
+    /// outside the pool's lock.
+    fn give_back(&self, mut p: Arc<Posted>) {
+        let Some(slot) = Arc::get_mut(&mut p) else {
+            return;
+        };
+        *slot.state.get_mut().unwrap_or_else(PoisonError::into_inner) = Phase::Queued;
+        let mut free = self.lock();
+        if free.open {
+            free.posted.push(p);
+        }
+    }
+
+    /// Takes back an emptied list.
+    fn give_back_list(&self, list: Vec<Arc<Posted>>) {
+        let mut free = self.lock();
+        if free.open && list.capacity() > 0 {
+            free.lists.push(list);
+        }
+    }
+}
+
+impl Posted {
+    /// "a send to rank 3" or "a receive from rank 1", for errors.
+    fn what(&self) -> String {
+        if self.sending {
+            format!("a send to rank {}", self.peer)
+        } else {
+            format!("a receive from rank {}", self.peer)
+        }
     }
 
     /// `e`, from the channel's communicator, in the job's ranks.
@@ -60,19 +176,19 @@ impl Posted {
     pub(super) fn settle(&self, outcome: Result<OwnedWork>) {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         *state = match outcome {
-            Ok(w) => Phase::Started(Arc::new(w)),
+            Ok(w) => Phase::Started(w),
             Err(e) => Phase::Failed(e),
         };
         self.changed.notify_all();
     }
 
-    /// The started work, once the message has started (waiting up to
-    /// `deadline`); its failure to start; `None` at the deadline.
-    fn started(&self, deadline: Option<Instant>) -> Option<Result<Arc<OwnedWork>>> {
+    /// A watch on the started work, once the message has started (waiting
+    /// up to `deadline`); its failure to start; `None` at the deadline.
+    fn started(&self, deadline: Option<Instant>) -> Option<Result<Watch>> {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
             match &*state {
-                Phase::Started(w) => return Some(Ok(Arc::clone(w))),
+                Phase::Started(w) => return Some(Ok(w.watch())),
                 Phase::Failed(e) => return Some(Err(e.clone())),
                 Phase::Queued => {}
             }
@@ -89,11 +205,34 @@ impl Posted {
             }
         }
     }
+
+    /// Waits until the message is no longer queued.
+    fn wait_started(&self) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        while matches!(*state, Phase::Queued) {
+            state = self
+                .changed
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
 }
 
 impl Message {
-    pub(super) fn of(posted: Vec<Arc<Posted>>) -> Message {
-        Message { posted }
+    /// One message.
+    pub(super) fn one(posted: Arc<Posted>, pool: &Arc<Pool>) -> Message {
+        Message {
+            posts: Posts::One(posted),
+            pool: Arc::clone(pool),
+        }
+    }
+
+    /// Several messages (a list from [`Pool::list`]).
+    pub(super) fn many(posted: Vec<Arc<Posted>>, pool: &Arc<Pool>) -> Message {
+        Message {
+            posts: Posts::Many(posted),
+            pool: Arc::clone(pool),
+        }
     }
 
     /// Waits for the messages to finish, each up to the communicator's
@@ -101,13 +240,13 @@ impl Message {
     /// for the message).
     pub fn wait(&self) -> Result<()> {
         let mut first_error = None;
-        for p in &self.posted {
+        for p in self.posts.as_slice() {
             let timeout = p.timeout;
             let deadline = Instant::now() + timeout;
             let outcome = match p.started(Some(deadline)) {
                 Some(Ok(w)) => w.wait_timeout(timeout).map_err(|e| p.in_job_ranks(e)),
                 Some(Err(e)) => Err(e),
-                None => Err(Error::timeout(p.what.clone(), timeout)),
+                None => Err(Error::timeout(p.what(), timeout)),
             };
             if let Err(e) = outcome {
                 first_error.get_or_insert(e);
@@ -120,12 +259,12 @@ impl Message {
     /// still running then.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
-        for p in &self.posted {
+        for p in self.posts.as_slice() {
             match p.started(Some(start + timeout)) {
                 Some(w) => w?
                     .wait_timeout(timeout.saturating_sub(start.elapsed()))
                     .map_err(|e| p.in_job_ranks(e))?,
-                None => return Err(Error::timeout(p.what.clone(), timeout)),
+                None => return Err(Error::timeout(p.what(), timeout)),
             }
         }
         Ok(())
@@ -134,7 +273,7 @@ impl Message {
     /// Whether the messages have finished, without waiting; an error if one
     /// failed.
     pub fn test(&self) -> Result<bool> {
-        for p in &self.posted {
+        for p in self.posts.as_slice() {
             let done = match p.started(None) {
                 Some(w) => w?.test().map_err(|e| p.in_job_ranks(e))?,
                 None => false,
@@ -151,15 +290,18 @@ impl Drop for Message {
     fn drop(&mut self) {
         // A queued message holds the caller's memory: its channel starts or
         // fails it within the meeting's timeout, or when the communicator
-        // closes. Once started, dropping the work (the last reference to
-        // it, unless another thread is waiting on it) waits for it.
-        for p in &self.posted {
-            let mut state = p.state.lock().unwrap_or_else(PoisonError::into_inner);
-            while matches!(*state, Phase::Queued) {
-                state = p
-                    .changed
-                    .wait(state)
-                    .unwrap_or_else(PoisonError::into_inner);
+        // closes. Once started, dropping its work waits for it (in
+        // `give_back`, or where the last other holder lets go).
+        for p in self.posts.as_slice() {
+            p.wait_started();
+        }
+        match std::mem::replace(&mut self.posts, Posts::Many(Vec::new())) {
+            Posts::One(p) => self.pool.give_back(p),
+            Posts::Many(mut list) => {
+                for p in list.drain(..) {
+                    self.pool.give_back(p);
+                }
+                self.pool.give_back_list(list);
             }
         }
     }
@@ -167,7 +309,7 @@ impl Drop for Message {
 
 impl std::fmt::Debug for Message {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let what: Vec<&str> = self.posted.iter().map(|p| p.what.as_str()).collect();
+        let what: Vec<String> = self.posts.as_slice().iter().map(|p| p.what()).collect();
         f.debug_struct("Message")
             .field("what", &what)
             .finish_non_exhaustive()

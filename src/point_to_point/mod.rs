@@ -41,7 +41,7 @@ use crate::error::{Error, Result};
 use crate::store::Store;
 use channel::Channel;
 pub use message::Message;
-use message::Posted;
+use message::{Pool, Posted};
 
 /// The most staging memory one channel takes (the communicator's budget, if
 /// smaller): a rank with channels to many peers (an all-to-all) holds one
@@ -59,6 +59,8 @@ pub(crate) struct Channels {
     /// By (sender, receiver).
     open: Mutex<HashMap<(u32, u32), Arc<Channel>>>,
     closed: Mutex<bool>,
+    /// Finished messages, for reuse.
+    pool: Arc<Pool>,
 }
 
 impl Channels {
@@ -70,6 +72,7 @@ impl Channels {
             world: config.world_size,
             open: Mutex::new(HashMap::new()),
             closed: Mutex::new(false),
+            pool: Pool::new(),
         }
     }
 
@@ -105,6 +108,7 @@ impl Channels {
         for c in &open {
             c.close();
         }
+        self.pool.close();
     }
 
     /// What the channels met so far have moved (see [`Traffic`]).
@@ -245,7 +249,7 @@ impl Communicator {
     ) -> Result<Message> {
         // SAFETY: forwarded.
         let posted = unsafe { self.post_one(peer, sending, data, count, dtype) }?;
-        Ok(Message::of(vec![posted]))
+        Ok(Message::one(posted, &self.channels.pool))
     }
 
     /// Posts one message on its channel.
@@ -264,15 +268,13 @@ impl Communicator {
         let channels = &self.channels;
         channels.check_peer(peer)?;
         let me = self.rank();
-        let (src, dst, what) = if sending {
-            (me, peer, format!("a send to rank {peer}"))
-        } else {
-            (peer, me, format!("a receive from rank {peer}"))
-        };
+        let (src, dst) = if sending { (me, peer) } else { (peer, me) };
         // Refused before it is queued, so that a bad pointer is named here.
         crate::communicator::check_pointer(data, count, dtype)?;
         let channel = channels.get(src, dst)?;
-        let posted = Posted::new(what, channel.timeout(), src, dst);
+        let posted = channels
+            .pool
+            .posted(peer, sending, src, dst, channel.timeout());
         let call = Call::broadcast(data, count, dtype, 0);
         // SAFETY: the caller's contract covers the message until it reports
         // completion; `Message`'s drop waits for that.
