@@ -185,6 +185,53 @@ fn a_killed_rank_fails_every_other_rank_naming_it() {
     survivors_name_the_lost_rank(libc::SIGKILL, "SIGKILL");
 }
 
+/// Kills (or stops) rank 1 of a ring of messages (each rank sends 4 MiB to
+/// the next and receives from the previous one, on their pairs' channels),
+/// between machines and within one: rank 0, which sends to it, and rank 2,
+/// which receives from it, fail within twice the timeout naming rank 1, and
+/// their next exchange is refused, naming a rank that is gone (rank 1, or a
+/// peer that has failed and left meanwhile).
+#[test]
+fn a_killed_rank_fails_its_message_peers_naming_it() {
+    message_peers_name_the_lost_rank(libc::SIGKILL);
+}
+
+#[test]
+fn a_stopped_rank_fails_its_message_peers_naming_it() {
+    message_peers_name_the_lost_rank(libc::SIGSTOP);
+}
+
+fn message_peers_name_the_lost_rank(signal: i32) {
+    for (m, d) in [(3, 1), (1, 3)] {
+        let mut job = Job::start(m, d, &[0, 1, 2], &["messages", "4194304", "60"], &[]);
+        job.await_all(&[0, 1, 2], "READY", Duration::from_secs(30));
+        std::thread::sleep(Duration::from_millis(100));
+        let at = Instant::now();
+        job.signal(1, signal);
+        let peers = [0, 2];
+        let failed = job.await_all(&peers, "FAILED", 2 * TIMEOUT + Duration::from_secs(1));
+        for (&rank, (line, when)) in peers.iter().zip(&failed) {
+            let took = when.duration_since(at);
+            eprintln!("{m}x{d} messages: rank {rank} failed after {took:?}: {line}");
+            assert!(took <= 2 * TIMEOUT, "{m}x{d}: rank {rank} took {took:?}");
+            assert!(
+                line.contains("rank 1"),
+                "{m}x{d}: rank {rank} does not name rank 1: {line}"
+            );
+        }
+        for (rank, (line, _)) in
+            peers
+                .iter()
+                .zip(job.await_all(&peers, "REFUSED", Duration::from_secs(5)))
+        {
+            assert!(line.contains("rank "), "{m}x{d}: rank {rank}: {line}");
+        }
+        if signal == libc::SIGSTOP {
+            job.signal(1, libc::SIGKILL);
+        }
+    }
+}
+
 #[test]
 fn a_killed_server_fails_every_worker_naming_it() {
     let mut job = Job::with_servers(2, 2, 2, &[0, 1, 2, 3], &["steady", "4194304", "60"], &[]);

@@ -6,6 +6,9 @@
 //! fairring-rank steady [BYTES [SECONDS]]   all-reduce BYTES of f32 in a loop
 //! fairring-rank repeat BYTES COUNT         all-reduce BYTES of f32 COUNT times (every
 //!                                          rank issues the same number, then leaves)
+//! fairring-rank messages [BYTES [SECONDS]] send BYTES of f32 to the next rank of the
+//!                                          ring and receive as much from the previous
+//!                                          one, in a loop (each pair's channel)
 //! fairring-rank abort-late                 rank 0 aborts from a second thread while
 //!                                          every rank waits in a barrier that rank 1
 //!                                          joins late; then everyone tries more work
@@ -55,6 +58,40 @@ fn steady(comm: &Communicator, bytes: u64, seconds: u64) -> i32 {
             Err(e) => {
                 say(&format!("FAILED {} {e}", last_ok.elapsed().as_millis()));
                 if let Err(e) = comm.all_reduce(&mut data, ReduceOp::Sum) {
+                    say(&format!("REFUSED {e}"));
+                }
+                return 3;
+            }
+        }
+    }
+    say(&format!("DONE {done}"));
+    0
+}
+
+fn messages(comm: &Communicator, bytes: u64, seconds: u64) -> i32 {
+    let elements = usize::try_from(bytes / 4).unwrap_or(1).max(1);
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let (next, previous) = ((rank + 1) % world, (rank + world - 1) % world);
+    let mut out = vec![1.0f32; elements];
+    let mut back = vec![0.0f32; elements];
+    let end = Instant::now() + Duration::from_secs(seconds);
+    let mut last_ok = Instant::now();
+    let mut done = 0u64;
+    let mut exchange = |out: &mut [f32], back: &mut [f32]| {
+        comm.send_recv(&mut [(next, out)], &mut [(previous, back)])
+    };
+    while Instant::now() < end {
+        match exchange(&mut out, &mut back) {
+            Ok(()) => {
+                if done == 0 {
+                    say("READY");
+                }
+                done += 1;
+                last_ok = Instant::now();
+            }
+            Err(e) => {
+                say(&format!("FAILED {} {e}", last_ok.elapsed().as_millis()));
+                if let Err(e) = exchange(&mut out, &mut back) {
                     say(&format!("REFUSED {e}"));
                 }
                 return 3;
@@ -140,9 +177,12 @@ fn main() {
     let status = match scenario {
         "steady" => steady(&comm, number(&args, 2, 1 << 20), number(&args, 3, 60)),
         "repeat" => repeat(&comm, number(&args, 2, 1 << 20), number(&args, 3, 10)),
+        "messages" => messages(&comm, number(&args, 2, 1 << 20), number(&args, 3, 60)),
         "abort-late" => abort_late(&comm),
         other => {
-            eprintln!("fairring-rank: unknown scenario {other:?} (steady, repeat, abort-late)");
+            eprintln!(
+                "fairring-rank: unknown scenario {other:?} (steady, repeat, messages, abort-late)"
+            );
             2
         }
     };

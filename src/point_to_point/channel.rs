@@ -211,6 +211,9 @@ pub(super) fn in_job_ranks(e: Error, src: u32, dst: u32) -> Error {
             operation,
             reason: format!("{reason} (meeting {on})"),
         },
+        Error::Failed { first } => Error::Failed {
+            first: Box::new(in_job_ranks(*first, src, dst)),
+        },
         other => other,
     }
 }
