@@ -77,7 +77,7 @@ fn messages(comm: &Communicator, bytes: u64, seconds: u64) -> i32 {
     let end = Instant::now() + Duration::from_secs(seconds);
     let mut last_ok = Instant::now();
     let mut done = 0u64;
-    let mut exchange = |out: &mut [f32], back: &mut [f32]| {
+    let exchange = |out: &mut [f32], back: &mut [f32]| {
         comm.send_recv(&mut [(next, out)], &mut [(previous, back)])
     };
     while Instant::now() < end {
