@@ -22,6 +22,7 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
             wire: WireFormat::Exact,
             origins: None,
             share: None,
+            rooted: None,
         };
         let relay = |origins| Op {
             elements: match origins {
@@ -34,6 +35,7 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
             wire: WireFormat::Exact,
             origins: Some(origins),
             share: None,
+            rooted: None,
         };
         let scenario = Scenario {
             machines,

@@ -101,6 +101,8 @@ struct Outcome {
     killed: Option<u32>,
     done: usize,
     failed: usize,
+    /// Operations drawn as a reduce, a gather and a scatter.
+    rooted: [usize; 3],
 }
 
 fn run(seed: u64, design: Design) -> Result<Outcome, String> {
@@ -206,6 +208,7 @@ fn play(sc: &Scenario, rng: &mut Rng, design: Design, step_limit: u64) -> Result
 
     let mut outcome = Outcome {
         killed: kill.map(|k| k.1),
+        rooted: sc.rooted_counts(),
         ..Outcome::default()
     };
     loop {
@@ -414,6 +417,7 @@ fn seeded_schedules_settle_with_exact_results() {
     let seeds = seeds();
     let (mut killed, mut steps, mut done, mut failed) = (0, 0, 0, 0);
     let (mut device, mut collective) = (0, 0);
+    let mut rooted = [0usize; 3];
     for &seed in &seeds {
         let result = std::panic::catch_unwind(|| run(seed, Design::GateOnHost));
         let outcome = match result {
@@ -431,12 +435,21 @@ fn seeded_schedules_settle_with_exact_results() {
         failed += outcome.failed;
         device += outcome.device;
         collective += outcome.collective;
+        for (sum, n) in rooted.iter_mut().zip(outcome.rooted) {
+            *sum += n;
+        }
     }
+    let [reduces, gathers, scatters] = rooted;
     eprintln!(
         "simulation: {} seeds ({killed} with a killed rank), {steps} steps, {done} operations \
          done ({device} on the simulated device, {collective} of them through a machine's \
-         collectives), {failed} failed",
+         collectives), {failed} failed; drawn as rooted forms: {reduces} reduces, {gathers} \
+         gathers, {scatters} scatters",
         seeds.len()
+    );
+    assert!(
+        seeds.len() < 100 || rooted.iter().all(|&n| n > 0),
+        "the seeds draw every rooted form"
     );
     assert!(done > 0);
     assert!(

@@ -38,16 +38,36 @@ pub(super) struct Op {
     pub(super) origins: Option<Origins>,
     /// A reduce-scatter's elements per rank (`elements` is the whole input).
     pub(super) share: Option<u64>,
+    /// Called as its rooted form: an all-reduce as a reduce, an all-gather as
+    /// a gather, a broadcast of equal parts as a scatter (whose input,
+    /// workspace on every rank, is what is checked).
+    pub(super) rooted: Option<Rooted>,
+}
+
+/// How an operation is called as its rooted form.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Rooted {
+    /// A reduce's or a gather's root (a scatter's is its broadcast's).
+    pub(super) root: u32,
+    /// Ranks in the job: a scatter's descriptor counts one rank's part.
+    pub(super) world: u32,
 }
 
 impl Op {
     /// The descriptor the communicator would make for it.
     pub(super) fn descriptor(&self) -> Descriptor {
-        let (collective, root, elements) = match (self.origins, self.share) {
-            (None, Some(share)) => (Collective::ReduceScatter, 0, share),
-            (None, None) => (Collective::AllReduce, 0, self.elements),
-            (Some(Origins::Rank(root)), _) => (Collective::Broadcast, root, self.elements),
-            (Some(Origins::Blocks(block)), _) => (Collective::AllGather, 0, block),
+        let (collective, root, elements) = match (self.origins, self.share, self.rooted) {
+            (None, Some(share), _) => (Collective::ReduceScatter, 0, share),
+            (None, None, None) => (Collective::AllReduce, 0, self.elements),
+            (None, None, Some(r)) => (Collective::Reduce, r.root, self.elements),
+            (Some(Origins::Rank(root)), _, None) => (Collective::Broadcast, root, self.elements),
+            (Some(Origins::Rank(root)), _, Some(r)) => (
+                Collective::Scatter,
+                root,
+                self.elements / u64::from(r.world.max(1)),
+            ),
+            (Some(Origins::Blocks(block)), _, None) => (Collective::AllGather, 0, block),
+            (Some(Origins::Blocks(block)), _, Some(r)) => (Collective::Gather, r.root, block),
         };
         Descriptor {
             collective,
@@ -191,7 +211,7 @@ impl Scenario {
         let processes = world + servers;
         let buffers = 1 + rng.below(4) as u32;
         let slice_bytes = rng.pick(&[1024, 4096, 16_384]);
-        let ops: Vec<Op> = (0..2 + rng.below(7))
+        let mut ops: Vec<Op> = (0..2 + rng.below(7))
             .map(|_| {
                 let elements = match rng.below(5) {
                     0 => 0,
@@ -241,6 +261,7 @@ impl Scenario {
                         wire: WireFormat::Exact,
                         origins: Some(origins),
                         share: None,
+                        rooted: None,
                     };
                 }
                 // A reduce-scatter of whole shares (the others run as
@@ -273,6 +294,7 @@ impl Scenario {
                     wire,
                     origins: None,
                     share,
+                    rooted: None,
                 }
             })
             .collect();
@@ -298,6 +320,18 @@ impl Scenario {
         };
         // Drawn last, as above.
         let collectives = rng.below(2) == 0;
+        // About one operation in four as its rooted form, where it has one
+        // (a scatter's input divides among the ranks): drawn last, as above.
+        for op in &mut ops {
+            let root = rng.below(u64::from(world)) as u32;
+            if rng.below(4) != 0 || op.share.is_some() {
+                continue;
+            }
+            let divides = op.elements.is_multiple_of(u64::from(world));
+            if op.origins.is_none() || matches!(op.origins, Some(Origins::Blocks(_))) || divides {
+                op.rooted = Some(Rooted { root, world });
+            }
+        }
         Scenario {
             machines: m,
             devices: d,
@@ -312,6 +346,20 @@ impl Scenario {
             device,
             collectives,
         }
+    }
+
+    /// Operations called as a reduce, a gather and a scatter.
+    pub(super) fn rooted_counts(&self) -> [usize; 3] {
+        let mut counts = [0; 3];
+        for op in self.ops.iter().filter(|op| op.rooted.is_some()) {
+            let form = match op.origins {
+                None => 0,
+                Some(Origins::Blocks(_)) => 1,
+                Some(Origins::Rank(_)) => 2,
+            };
+            counts[form] += 1;
+        }
+        counts
     }
 
     /// The descriptor of operation `k`.
