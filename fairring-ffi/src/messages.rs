@@ -73,12 +73,8 @@ unsafe fn post(
 ) -> fr_status {
     boundary(|| {
         // SAFETY: forwarded.
-        let c = match unsafe { begin(comm, out) } {
-            Ok(c) => c,
-            Err(s) => return s,
-        };
-        let dtype = match dtype_of(dtype) {
-            Ok(d) => d,
+        let (c, dtype) = match unsafe { begin_typed(comm, out, dtype) } {
+            Ok(both) => both,
             Err(s) => return s,
         };
         let (data, comm) = (data.cast(), &c.comm);
@@ -121,12 +117,8 @@ pub unsafe extern "C" fn fr_all_to_all(
 ) -> fr_status {
     boundary(|| {
         // SAFETY: forwarded.
-        let c = match unsafe { begin(comm, out) } {
-            Ok(c) => c,
-            Err(s) => return s,
-        };
-        let dtype = match dtype_of(dtype) {
-            Ok(d) => d,
+        let (c, dtype) = match unsafe { begin_typed(comm, out, dtype) } {
+            Ok(both) => both,
             Err(s) => return s,
         };
         let world = c.comm.world_size() as usize;
@@ -148,6 +140,22 @@ pub unsafe extern "C" fn fr_all_to_all(
         // SAFETY: `begin` checked `out`, valid for a write per the contract.
         unsafe { hand_out_in_flight(c, out, message.map(InFlight::Message)) }
     })
+}
+
+/// The communicator behind `comm` and the type `dtype` names, once `out` is
+/// known to be writable; or the status naming what was wrong.
+///
+/// # Safety
+///
+/// `comm` is null or a live handle.
+unsafe fn begin_typed<'a>(
+    comm: *const fr_comm,
+    out: *mut *mut fr_work,
+    dtype: i32,
+) -> Result<(&'a fr_comm, fairring::DataType), fr_status> {
+    // SAFETY: forwarded.
+    let c = unsafe { begin(comm, out) }?;
+    Ok((c, dtype_of(dtype)?))
 }
 
 /// `len` counts at `counts`, or `None` for a null pointer.

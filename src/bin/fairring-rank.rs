@@ -43,29 +43,14 @@ fn number(args: &[String], i: usize, default: u64) -> u64 {
 fn steady(comm: &Communicator, bytes: u64, seconds: u64) -> i32 {
     let elements = usize::try_from(bytes / 4).unwrap_or(1).max(1);
     let mut data = vec![1.0f32; elements];
-    let end = Instant::now() + Duration::from_secs(seconds);
-    let mut last_ok = Instant::now();
-    let mut done = 0u64;
-    while Instant::now() < end {
-        match comm.all_reduce(&mut data, ReduceOp::Avg) {
-            Ok(()) => {
-                if done == 0 {
-                    say("READY");
-                }
-                done += 1;
-                last_ok = Instant::now();
-            }
-            Err(e) => {
-                say(&format!("FAILED {} {e}", last_ok.elapsed().as_millis()));
-                if let Err(e) = comm.all_reduce(&mut data, ReduceOp::Sum) {
-                    say(&format!("REFUSED {e}"));
-                }
-                return 3;
-            }
-        }
-    }
-    say(&format!("DONE {done}"));
-    0
+    in_a_loop(seconds, |after_failure| {
+        let op = if after_failure {
+            ReduceOp::Sum
+        } else {
+            ReduceOp::Avg
+        };
+        comm.all_reduce(&mut data, op)
+    })
 }
 
 fn messages(comm: &Communicator, bytes: u64, seconds: u64) -> i32 {
@@ -74,14 +59,23 @@ fn messages(comm: &Communicator, bytes: u64, seconds: u64) -> i32 {
     let (next, previous) = ((rank + 1) % world, (rank + world - 1) % world);
     let mut out = vec![1.0f32; elements];
     let mut back = vec![0.0f32; elements];
+    in_a_loop(seconds, |_| {
+        comm.send_recv(
+            &mut [(next, &mut out[..])],
+            &mut [(previous, &mut back[..])],
+        )
+    })
+}
+
+/// Runs `step(false)` for `seconds`, saying `READY` after the first success;
+/// on a failure says `FAILED`, tries `step(true)` once more (saying
+/// `REFUSED` if that fails too) and returns 3.
+fn in_a_loop(seconds: u64, mut step: impl FnMut(bool) -> fairring::Result<()>) -> i32 {
     let end = Instant::now() + Duration::from_secs(seconds);
     let mut last_ok = Instant::now();
     let mut done = 0u64;
-    let exchange = |out: &mut [f32], back: &mut [f32]| {
-        comm.send_recv(&mut [(next, out)], &mut [(previous, back)])
-    };
     while Instant::now() < end {
-        match exchange(&mut out, &mut back) {
+        match step(false) {
             Ok(()) => {
                 if done == 0 {
                     say("READY");
@@ -91,7 +85,7 @@ fn messages(comm: &Communicator, bytes: u64, seconds: u64) -> i32 {
             }
             Err(e) => {
                 say(&format!("FAILED {} {e}", last_ok.elapsed().as_millis()));
-                if let Err(e) = exchange(&mut out, &mut back) {
+                if let Err(e) = step(true) {
                     say(&format!("REFUSED {e}"));
                 }
                 return 3;
