@@ -215,6 +215,14 @@ fn bad_peers_and_pointers_are_refused_naming_the_argument() {
                     other => panic!("peer {peer}: {other:?}"),
                 }
             }
+            // A bad peer anywhere in a batch refuses the whole batch at once.
+            let (mut a, mut b) = ([0u8; 2], [0u8; 2]);
+            match comm.send_recv(&mut [(1 - rank, &mut a[..])], &mut [(7, &mut b[..])]) {
+                Err(Error::InvalidArgument {
+                    argument: "peer", ..
+                }) => {}
+                other => panic!("a batch with peer 7: {other:?}"),
+            }
             // SAFETY: refused before anything touches the (null) memory.
             let null = unsafe { comm.post_recv(1 - rank, std::ptr::null_mut(), 4, DataType::F32) };
             assert!(

@@ -169,6 +169,11 @@ impl Communicator {
         sends: &mut [(u32, &'a mut [T])],
         receives: &mut [(u32, &'a mut [T])],
     ) -> Result<()> {
+        // Every peer is checked before anything is posted: a bad one must not
+        // leave the good ones waiting for their matches.
+        for (peer, _) in sends.iter().chain(receives.iter()) {
+            self.channels.check_peer(*peer)?;
+        }
         let mut messages = Vec::with_capacity(sends.len() + receives.len());
         let mut first_error = None;
         for (sending, list) in [(true, sends), (false, receives)] {
