@@ -21,6 +21,12 @@
 //! to reach its own first message (a ring of first sends would otherwise
 //! wait in a circle).
 //!
+//! Channels meet through the job's store. Where that is fairring's own
+//! (served by rank 0's process), rank 0's communicator must outlive every
+//! meeting: a channel that meets after it is gone fails, naming the closed
+//! store. Under torchrun's agent store, or a runtime's, the store outlives
+//! the ranks.
+//!
 //! A channel stages messages through buffers of its own: at most
 //! [`CHANNEL_MEMORY`] (or the communicator's budget, if smaller) per channel.
 
