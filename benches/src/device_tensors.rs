@@ -124,10 +124,10 @@ impl DeviceTensors {
                 Timed::Gather => Call::gather(p as *const u8, b as *mut u8, k, dtype, 0),
                 Timed::Scatter => Call::scatter(b as *mut u8, p as *mut u8, k, dtype, 0),
                 // Refused with `--device cuda` (options): messages are host-only.
-                Timed::SendRecv => {
+                Timed::SendRecv | Timed::AllToAll => {
                     return Err(fairring::Error::InvalidArgument {
                         argument: "--collective",
-                        reason: "send_recv runs on host tensors only".into(),
+                        reason: "messages run on host tensors only".into(),
                     });
                 }
             };

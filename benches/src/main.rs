@@ -3,7 +3,7 @@
 //! ```text
 //! fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F]
 //!                [--iters N] [--warmup N] [--algo auto|hierarchical|ring|doubling|all]
-//!                [--collective all_reduce|broadcast|all_gather|reduce_scatter|reduce|gather|scatter|send_recv]
+//!                [--collective all_reduce|broadcast|all_gather|reduce_scatter|reduce|gather|scatter|send_recv|all_to_all]
 //!                [--wire exact|bf16|f16] [--device host|cuda]
 //!                [--dtype f32|f64|f16|bf16|i32|i64|u8|i8] [--op sum|prod|min|max|avg]
 //!                [--check|--no-check] [--parallel N] [--servers K] [--json PATH]
@@ -41,7 +41,10 @@
 //! idles): the even rank sends its buffer, the odd one receives it and sends
 //! it back (`--parallel` messages in flight each way). `time` is one way,
 //! half the round trip, and `algbw` = `busbw` = bytes / that time; `--algo`
-//! does not apply (a message runs on its pair's channel).
+//! does not apply (a message runs on its pair's channel). `--collective
+//! all_to_all` sends block `j` of each rank's buffer to rank `j` (equal
+//! blocks, each one message on its pair's channel), busbw = algbw x (n-1)/n
+//! as nccl-tests counts it, every element checked.
 //!
 //! `--wire bf16|f16` carries the `f32` values of all-reduces and
 //! reduce-scatters between machines in that format (`FAIRRING_WIRE`; it

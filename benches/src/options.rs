@@ -44,10 +44,12 @@ pub(crate) enum Timed {
     /// the even rank sends, the odd one sends it back; timed one way (half
     /// the round trip).
     SendRecv,
+    /// Block `j` of every rank's buffer to rank `j`, equal blocks.
+    AllToAll,
 }
 
 impl Timed {
-    const ALL: [Timed; 8] = [
+    const ALL: [Timed; 9] = [
         Timed::AllReduce,
         Timed::Broadcast,
         Timed::AllGather,
@@ -56,6 +58,7 @@ impl Timed {
         Timed::Gather,
         Timed::Scatter,
         Timed::SendRecv,
+        Timed::AllToAll,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -68,6 +71,7 @@ impl Timed {
             Timed::Gather => "gather",
             Timed::Scatter => "scatter",
             Timed::SendRecv => "send_recv",
+            Timed::AllToAll => "all_to_all",
         }
     }
 
@@ -77,9 +81,11 @@ impl Timed {
         match self {
             Timed::AllReduce => 2.0 * (n - 1.0) / n,
             Timed::Broadcast | Timed::Reduce | Timed::SendRecv => 1.0,
-            Timed::AllGather | Timed::ReduceScatter | Timed::Gather | Timed::Scatter => {
-                (n - 1.0) / n
-            }
+            Timed::AllGather
+            | Timed::ReduceScatter
+            | Timed::Gather
+            | Timed::Scatter
+            | Timed::AllToAll => (n - 1.0) / n,
         }
     }
 
@@ -93,7 +99,11 @@ impl Timed {
     pub(crate) fn per_rank(self) -> bool {
         matches!(
             self,
-            Timed::AllGather | Timed::ReduceScatter | Timed::Gather | Timed::Scatter
+            Timed::AllGather
+                | Timed::ReduceScatter
+                | Timed::Gather
+                | Timed::Scatter
+                | Timed::AllToAll
         )
     }
 
@@ -101,7 +111,12 @@ impl Timed {
     pub(crate) fn moves_bytes(self) -> bool {
         matches!(
             self,
-            Timed::Broadcast | Timed::AllGather | Timed::Gather | Timed::Scatter | Timed::SendRecv
+            Timed::Broadcast
+                | Timed::AllGather
+                | Timed::Gather
+                | Timed::Scatter
+                | Timed::SendRecv
+                | Timed::AllToAll
         )
     }
 }
@@ -111,7 +126,7 @@ pub(crate) fn usage(error: &str) -> ! {
     eprintln!(
         "usage: fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F] \
          [--iters N] [--warmup N] [--algo auto|hierarchical|ring|doubling|all] \
-         [--collective all_reduce|broadcast|all_gather|reduce_scatter|reduce|gather|scatter|send_recv] \
+         [--collective all_reduce|broadcast|all_gather|reduce_scatter|reduce|gather|scatter|send_recv|all_to_all] \
          [--wire exact|bf16|f16] [--device host|cuda] [--dtype T] [--op OP] [--check|--no-check] [--parallel N] [--servers K] [--gradients N] \
          [--gradient-max N] [--json PATH] \
          [--plot PATH]\n       \
@@ -233,7 +248,7 @@ pub(crate) fn parse(args: &[String]) -> Options {
                     .unwrap_or_else(|| {
                         usage(&format!(
                             "--collective: expected all_reduce, broadcast, all_gather, \
-                             reduce_scatter, reduce, gather, scatter or send_recv, got {v:?}"
+                             reduce_scatter, reduce, gather, scatter, send_recv or all_to_all, got {v:?}"
                         ))
                     });
             }
@@ -257,7 +272,7 @@ pub(crate) fn parse(args: &[String]) -> Options {
     if o.device
         && matches!(
             o.collective,
-            Timed::Reduce | Timed::Gather | Timed::Scatter | Timed::SendRecv
+            Timed::Reduce | Timed::Gather | Timed::Scatter | Timed::SendRecv | Timed::AllToAll
         )
     {
         usage("--device cuda times all_reduce, broadcast, all_gather and reduce_scatter");

@@ -62,14 +62,14 @@ pub(crate) fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Res
         .map(|_| vec![T::default(); elements])
         .collect();
     // The other side of an all-gather or a gather (the input), a reduce-scatter
-    // or a scatter (the output), a reduce (the output).
-    let mut parts: Vec<Vec<T>> = if o.collective.per_rank() {
-        (0..o.parallel)
-            .map(|_| vec![T::default(); elements / world as usize + 1])
-            .collect()
-    } else if o.collective == Timed::Reduce {
+    // or a scatter (the output), a reduce or an all-to-all (the output).
+    let mut parts: Vec<Vec<T>> = if matches!(o.collective, Timed::Reduce | Timed::AllToAll) {
         (0..o.parallel)
             .map(|_| vec![T::default(); elements])
+            .collect()
+    } else if o.collective.per_rank() {
+        (0..o.parallel)
+            .map(|_| vec![T::default(); elements / world as usize + 1])
             .collect()
     } else {
         Vec::new()
@@ -392,6 +392,9 @@ pub(crate) fn iteration<T: Value>(
     if o.collective == Timed::SendRecv {
         return ping_pong(comm, bufs, n);
     }
+    if o.collective == Timed::AllToAll {
+        return all_to_all(comm, bufs, parts, n);
+    }
     let k = n / comm.world_size() as usize;
     comm.scope(|s| {
         let mut works = Vec::with_capacity(bufs.len());
@@ -421,8 +424,9 @@ pub(crate) fn iteration<T: Value>(
                     let p = parts.next().map(|p| &mut p[..k]).unwrap_or_default();
                     s.scatter_with(b, p, 0, algorithm)?
                 }
-                // Timed by `ping_pong` above: messages are not collectives.
-                Timed::SendRecv => {
+                // Timed by `ping_pong` and `all_to_all` above: messages are
+                // not collectives of the engine.
+                Timed::SendRecv | Timed::AllToAll => {
                     return Err(fairring::Error::InvalidArgument {
                         argument: "--collective",
                         reason: "send_recv is timed as a ping-pong".into(),
@@ -452,4 +456,25 @@ fn ping_pong<T: Value>(comm: &Communicator, bufs: &mut [Vec<T>], n: usize) -> fa
         comm.send_recv(&mut [], &mut messages)?;
         comm.send_recv(&mut messages, &mut [])
     }
+}
+
+/// One all-to-all per buffer, all in flight at once: block `j` of each
+/// buffer to rank `j`, into the buffer's part.
+fn all_to_all<T: Value>(
+    comm: &Communicator,
+    bufs: &mut [Vec<T>],
+    parts: &mut [Vec<T>],
+    n: usize,
+) -> fairring::Result<()> {
+    let world = comm.world_size() as usize;
+    let counts = vec![(n / world) as u64; world];
+    let mut messages = Vec::with_capacity(bufs.len());
+    for (b, p) in bufs.iter_mut().zip(parts.iter_mut()) {
+        let (input, output) = (b[..n].as_mut_ptr().cast(), p[..n].as_mut_ptr().cast());
+        // SAFETY: every buffer and part holds at least `n` elements, they are
+        // apart, and both are borrowed mutably until the messages have
+        // finished (waited below, or dropped, which waits).
+        messages.push(unsafe { comm.post_all_to_all(input, &counts, output, &counts, T::DTYPE) }?);
+    }
+    messages.iter().try_for_each(fairring::Message::wait)
 }

@@ -151,6 +151,16 @@ pub(crate) fn count_wrong<T: Value>(
                 Box::new(|i| expected(T::DTYPE, o.op, world, i as u64)),
             ),
             Timed::Broadcast => (&b[..n], Box::new(|i| input(o.op, 0, world, i as u64))),
+            // Block `r` of the output from rank `r`: that rank's block for
+            // this one.
+            Timed::AllToAll => (
+                &parts[j][..n],
+                Box::new(move |i| {
+                    let (from, at) = (i / k.max(1), i % k.max(1));
+                    let from = u32::try_from(from).unwrap_or(0);
+                    input(o.op, from, world, (rank as usize * k + at) as u64)
+                }),
+            ),
             // Each pair's even rank's buffer, there and back (an idle odd
             // last rank keeps its own, which is the same).
             Timed::SendRecv => (
