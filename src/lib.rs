@@ -20,8 +20,10 @@
 //!
 //! # The engine
 //!
-//! [`Communicator`] runs all-reduce, broadcast, all-gather, reduce-scatter, barrier
-//! and coalesced all-reduce across processes and machines on host memory:
+//! [`Communicator`] runs all-reduce, broadcast, all-gather, reduce-scatter, reduce,
+//! gather, scatter, barrier and coalesced all-reduce across processes and machines
+//! on host memory, and point-to-point messages and all-to-all ([`Message`]) over a
+//! channel per pair of ranks that talk:
 //!
 //! - **built** from torchrun's environment or a [`Config`] builder; ranks meet
 //!   through a [`Store`] (by default the authenticated [`store::TcpStore`] rank 0
@@ -31,8 +33,9 @@
 //! - **asynchronous**: operations started in a [`Communicator::scope`] return a
 //!   [`Work`] at once, and successive ones overlap up to the number of staging
 //!   buffers; a progress thread (or a waiting caller) drives them. Runtimes that
-//!   own their memory use the raw forms (`all_reduce_raw`, `broadcast_raw`, ...)
-//!   and hold an [`OwnedWork`] (the C ABI, `fairring-ffi`, does);
+//!   own their memory describe a [`Call`], start it with the `unsafe`
+//!   [`Communicator::start`] and hold an [`OwnedWork`] (the C ABI, `fairring-ffi`,
+//!   does);
 //! - **hierarchical** (the reduction-server algorithm), **ring** or recursive
 //!   **doubling**, per call, or **auto** (the default: chosen per size and layout
 //!   from measured crossovers); with the ring, broadcast and all-gather are a
