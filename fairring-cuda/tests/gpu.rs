@@ -445,6 +445,19 @@ fn pinned_host_memory_round_trips_through_the_device() {
     );
 }
 
+/// The types NCCL has; `i16` and `bool` are refused, naming the type (the
+/// engine reduces them with its own kernels).
+const NCCL_TYPES: [DataType; 8] = [
+    DataType::F32,
+    DataType::F64,
+    DataType::F16,
+    DataType::BF16,
+    DataType::I32,
+    DataType::I64,
+    DataType::U8,
+    DataType::I8,
+];
+
 /// A single-rank communicator of device 0.
 fn single_rank(device: &Arc<Device>) -> Communicator {
     let id = UniqueId::new().unwrap();
@@ -457,7 +470,7 @@ fn nccl_reduce_scatter_and_all_gather_on_one_rank_for_every_type() {
     let device = device();
     let comm = single_rank(&device);
     let stream = Stream::new(&device, false).unwrap();
-    for dtype in DataType::ALL.iter().copied() {
+    for dtype in NCCL_TYPES {
         let n = 1000 + 3;
         let data = elements(dtype, n, 5);
         let bytes = data.len();
@@ -491,7 +504,7 @@ fn nccl_reduce_broadcast_and_all_reduce_in_place_on_one_rank() {
     let device = device();
     let comm = single_rank(&device);
     let stream = Stream::new(&device, false).unwrap();
-    for dtype in DataType::ALL.iter().copied() {
+    for dtype in NCCL_TYPES {
         let data = elements(dtype, 777, 9);
         let mut buf = DeviceBuffer::zeroed(&device, data.len()).unwrap();
         stream.upload_blocking(&mut buf.slice_mut(), &data).unwrap();
@@ -508,6 +521,15 @@ fn nccl_reduce_broadcast_and_all_reduce_in_place_on_one_rank() {
     }
     // Refused before anything is enqueued, naming the argument.
     let mut buf = DeviceBuffer::zeroed(&device, 8).unwrap();
+    for dtype in DataType::ALL.iter().copied() {
+        let refused = comm.all_reduce_in_place(&stream, &mut buf.slice_mut(), dtype, ReduceOp::Max);
+        if NCCL_TYPES.contains(&dtype) {
+            refused.unwrap();
+        } else {
+            let e = refused.unwrap_err().to_string();
+            assert!(e.contains(dtype.name()), "{dtype}: {e}");
+        }
+    }
     let e = comm
         .broadcast_in_place(&stream, &mut buf.slice_mut(), DataType::F32, 1)
         .unwrap_err()

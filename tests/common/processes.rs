@@ -34,10 +34,12 @@ pub fn rank_of_job(test: &str) -> Option<Communicator> {
     }
 }
 
-/// Reports `line` to the launcher at once.
+/// Reports `line` to the launcher at once, on a line of its own: libtest
+/// has already printed `test NAME ... ` without ending the line, so the
+/// report starts a new one.
 pub fn say(line: &str) {
     let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
+    let _ = writeln!(out, "\n{line}");
     let _ = out.flush();
 }
 

@@ -44,10 +44,21 @@ impl DeviceBuffer {
         if bytes > 0 {
             // SAFETY: writes one device pointer; freed in Drop.
             error::driver("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) })?;
-            // SAFETY: the range was just allocated; the synchronous memset is
-            // ordered before any later work on the device.
-            let zeroed = unsafe { sys::cuMemsetD8_v2(ptr, 0, bytes) };
-            if let Err(e) = error::driver("cuMemsetD8", zeroed) {
+            // The memset runs on the legacy default stream, which a stream
+            // made with `CU_STREAM_NON_BLOCKING` (every `Stream::new`, and
+            // PyTorch's side streams) is not ordered after: without waiting
+            // for it here, its zeros could land on top of a copy enqueued on
+            // such a stream right after this returns.
+            // SAFETY: the range was just allocated.
+            let set = unsafe { sys::cuMemsetD8_v2(ptr, 0, bytes) };
+            let zeroed = error::driver("cuMemsetD8", set).and_then(|()| {
+                // SAFETY: the null stream is the legacy default stream (these
+                // are the driver's plain entry points, not the per-thread
+                // `_ptsz` ones); waiting for it waits for the memset.
+                let waited = unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) };
+                error::driver("cuStreamSynchronize", waited)
+            });
+            if let Err(e) = zeroed {
                 // SAFETY: allocated above and not yet handed out.
                 unsafe { sys::cuMemFree_v2(ptr) };
                 return Err(e);

@@ -1,0 +1,31 @@
+//! The launcher of process jobs that the GPU tests use, checked where no GPU
+//! is needed: a rank's reports reach the launcher as lines of their own,
+//! although libtest prints `test NAME ... ` before the rank's output without
+//! ending that line.
+
+mod common;
+
+use std::time::Duration;
+
+use common::processes::{ProcessJob, rank_of_job, say};
+
+#[test]
+fn a_ranks_reports_reach_the_launcher_as_lines_of_their_own() {
+    let test = "a_ranks_reports_reach_the_launcher_as_lines_of_their_own";
+    let Some(comm) = rank_of_job(test) else {
+        let mut job = ProcessJob::start(test, 2, 1, &[]);
+        let ready = job.await_line(&[0, 1], "READY", Duration::from_secs(60));
+        for (rank, line) in ready.iter().enumerate() {
+            assert_eq!(line, &format!("READY rank {rank}"), "rank {rank}");
+        }
+        let done = job.await_line(&[0, 1], "DONE", Duration::from_secs(60));
+        assert!(done.iter().all(|line| line == "DONE"), "{done:?}");
+        job.finish(Duration::from_secs(60));
+        return;
+    };
+    say(&format!("READY rank {}", comm.rank()));
+    let mut sum = [1.0f32];
+    comm.all_reduce(&mut sum, fairring::ReduceOp::Sum).unwrap();
+    assert_eq!(sum[0], comm.world_size() as f32);
+    say("DONE");
+}
