@@ -1,10 +1,14 @@
 """fairring: a reduction-server all-reduce for PyTorch.
 
 ``import fairring`` registers the ``torch.distributed`` backend ``"fairring"``
-for CPU tensors (and names ``cuda`` so that one group serves both; CUDA
-tensors are refused with an error until the backend takes them: the engine
-runs CUDA tensors from Rust and C). With torch >= 2.14, ``init_process_group("fairring")`` finds the
-backend through its entry point without the import.
+for CPU and CUDA tensors (one group serves both). CUDA tensors run on the
+engine's device path with ProcessGroupNCCL's semantics: ordered after the
+current stream's work, the calling thread never waiting for the GPU,
+``wait()`` ordering the current stream after the result, a CUDA-aware future.
+``fairring.cuda_available()`` says whether they can run here and
+``fairring.cuda_status()`` why or why not. With torch >= 2.14,
+``init_process_group("fairring")`` finds the backend through its entry point
+without the import.
 
 - ``dist.init_process_group("fairring")``: the group rendezvouses through the
   store PyTorch hands it, and implements allreduce (SUM, AVG, PRODUCT, MIN,
@@ -12,7 +16,9 @@ backend through its entry point without the import.
   allgather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor,
   reduce, gather, scatter (so checkpointing works), send, recv, isend, irecv,
   batch_isend_irecv, all_to_all, all_to_all_single and barrier. Anything else
-  (a receive from any source) raises an error naming the call.
+  (a receive from any source) raises an error naming the call. On CUDA
+  tensors: every collective above but the messages and all-to-all, which
+  the engine has no device form of (they raise, naming the call).
 - ``fairring.allreduce_hook``: a DDP communication hook that averages each
   gradient bucket on a fairring group, for jobs that keep another backend as
   the default group.
@@ -21,9 +27,29 @@ backend through its entry point without the import.
 import torch.distributed as dist
 
 from ._backend import ProcessGroupFairring, Work
+from ._cuda import cuda_status as _cuda_status
 from ._native import FairringError
 
-__all__ = ["ProcessGroupFairring", "Work", "FairringError", "allreduce_hook"]
+__all__ = [
+    "ProcessGroupFairring",
+    "Work",
+    "FairringError",
+    "allreduce_hook",
+    "cuda_available",
+    "cuda_status",
+]
+
+
+def cuda_available():
+    """Whether CUDA tensors can run through fairring here: the library was
+    built with its device calls and torch sees a CUDA device."""
+    return _cuda_status()[0]
+
+
+def cuda_status():
+    """A sentence saying whether CUDA tensors can run through fairring here,
+    and why or why not."""
+    return _cuda_status()[1]
 
 BACKEND = "fairring"
 

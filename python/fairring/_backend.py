@@ -17,9 +17,11 @@ import torch.distributed as dist
 
 from . import _native as native
 from ._native import FairringError
+from ._cuda import any_cuda
+from ._device_collectives import DeviceCollectives
 from ._store import _StoreBridge
 from ._tensors import _DTYPES, Reduction, _Staged, _host
-from ._work import Work, _Chained, _Completer, _Pending
+from ._work import DeviceWork, Work, _Chained, _Completer, _Pending
 
 def _teardown(state):
     """Destroys a group's communicators once: joins its completion thread, then
@@ -56,8 +58,10 @@ def _teardown_all():
         pg.shutdown()
 
 
-class ProcessGroupFairring(dist.ProcessGroup):
-    """fairring as a ``torch.distributed`` process group (CPU tensors)."""
+class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
+    """fairring as a ``torch.distributed`` process group, on CPU tensors and,
+    where the library has its device calls, CUDA tensors (see
+    `_device_collectives`)."""
 
     def __init__(self, store, rank, size, timeout):
         super().__init__(rank, size)
@@ -123,9 +127,12 @@ class ProcessGroupFairring(dist.ProcessGroup):
         self._finalizer()
 
     # The engine.
-    def _start(self, what, start_one, finish, result, keep):
+    def _start(self, what, start_one, finish, result, keep, device=None):
         """Starts operations with `start_one(out_work_pointer) -> status` (each
-        call of the iterable) and returns one Work over them."""
+        call of the iterable) and returns one Work over them. For CUDA tensors
+        `device` is (the device index, `after(works) -> (side stream, event)`,
+        which orders the side stream after the operations), and the Work is a
+        `DeviceWork`."""
         if "comm" not in self._state:
             raise RuntimeError(f"fairring: {what}: the process group has been shut down")
         works = []
@@ -142,12 +149,25 @@ class ProcessGroupFairring(dist.ProcessGroup):
                 )
             raise
         pending = _Pending(works, finish, result, what, keep)
+        if device is None:
+            self._state["completer"].put(pending)
+            return Work(pending, keep, what)
+        index, after = device
+        try:
+            side, done = after(works)
+        except BaseException:
+            # The operations run: let the completion thread release them.
+            self._state["completer"].put(pending)
+            raise
+        pending.device = (side, index)
         self._state["completer"].put(pending)
-        return Work(pending, keep, what)
+        return DeviceWork(pending, keep, what, done)
 
     def allreduce(self, tensors, opts=None):
         what = "allreduce"
         reduction = Reduction(opts, what)
+        if any_cuda(tensors):
+            return self._device_allreduce(tensors, reduction, what)
         if len(tensors) != 1:
             return self._allreduce_list(tensors, reduction, what)
         staged = _Staged(tensors[0], what)
@@ -166,6 +186,8 @@ class ProcessGroupFairring(dist.ProcessGroup):
         return self._allreduce_list(tensors, Reduction(opts, what), what)
 
     def _allreduce_list(self, tensors, reduction, what):
+        if any_cuda(tensors):
+            return self._device_allreduce(tensors, reduction, what)
         staged = [_Staged(t, what) for t in tensors]
         op = reduction.code
         # One coalesced operation per run of one dtype, in list order (the same
@@ -203,6 +225,8 @@ class ProcessGroupFairring(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         if len(tensors) != 1:
             raise ValueError(f"fairring: {what}: expected one tensor, got {len(tensors)}")
+        if any_cuda(tensors):
+            return self._device_broadcast(tensors[0], root, what)
         staged = _Staged(tensors[0], what)
         nbytes = staged.buffer.numel() * staged.buffer.element_size()
 
@@ -216,6 +240,8 @@ class ProcessGroupFairring(dist.ProcessGroup):
         what = "allgather"
         if len(input_tensors) != 1 or len(output_tensors) != 1:
             raise ValueError(f"fairring: {what}: expected one input tensor and one output list")
+        if any_cuda([input_tensors, output_tensors]):
+            return self._device_allgather(output_tensors[0], input_tensors[0], what, output_tensors)
         inp = _host(input_tensors[0], what).contiguous()
         outs = output_tensors[0]
         self._check_parts(what, "output", outs, inp)
@@ -248,6 +274,8 @@ class ProcessGroupFairring(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         what = "all_gather_into_tensor"
+        if any_cuda([output, input]):
+            return self._device_all_gather_single(output, input, what)
         _host(input, what)
         staged = _Staged(output, what)
         if staged.buffer.numel() != self.size() * input.numel() or output.dtype != input.dtype:
@@ -281,14 +309,20 @@ class ProcessGroupFairring(dist.ProcessGroup):
                 f"fairring: {what}: the input list holds {len(ins)} tensors for "
                 f"{self.size()} ranks"
             )
-        for t in ins:
-            _host(t, what)
+        if any_cuda([output_tensors, ins]):
+            self._check_device(what, [output_tensors[0], *ins])
+        else:
+            for t in ins:
+                _host(t, what)
         flat = torch.cat([t.reshape(-1) for t in ins])
         return self._reduce_scatter(output_tensors[0], flat, opts, what, output_tensors)
 
     def reduce_scatter_single(self, output, input, opts=None):
         what = "reduce_scatter_tensor"
-        _host(input, what)
+        if any_cuda([output, input]):
+            self._check_device(what, [output, input])
+        else:
+            _host(input, what)
         # The engine reduces its input in place; the caller's stays untouched.
         return self._reduce_scatter(output, input.reshape(-1).clone(), opts, what, [output])
 
@@ -300,15 +334,13 @@ class ProcessGroupFairring(dist.ProcessGroup):
 
     def _reduce_scatter(self, output, flat, opts, what, result):
         reduction = Reduction(opts, what)
+        if any_cuda([output, flat]):
+            return self._device_reduce_scatter(output, flat, reduction, what, result)
         op = reduction.code
         staged = _Staged(output, what)
         dtype = reduction.check(output)
         n = staged.buffer.numel()
-        if flat.numel() != n * self.size() or flat.dtype != output.dtype:
-            raise ValueError(
-                f"fairring: {what}: the input ({flat.numel()} x {flat.dtype}) must hold "
-                f"{self.size()} x the output ({n} x {output.dtype})"
-            )
+        self._check_scattered(what, flat, n, output)
         # `flat` is the engine's own copy: scaling it leaves the caller's input.
         reduction.scale(flat)
 
@@ -345,6 +377,8 @@ class ProcessGroupFairring(dist.ProcessGroup):
             raise ValueError(f"fairring: {what}: expected one tensor, got {len(tensors)}")
         root = opts.rootRank if opts is not None else 0
         reduction = Reduction(opts, what)
+        if any_cuda(tensors):
+            return self._device_reduce(tensors[0], root, reduction, what)
         staged = _Staged(tensors[0], what)
         dtype = reduction.check(tensors[0])
         n = staged.buffer.numel()
@@ -381,8 +415,10 @@ class ProcessGroupFairring(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         if len(input_tensors) != 1:
             raise ValueError(f"fairring: {what}: expected one input tensor")
-        inp = _host(input_tensors[0], what).contiguous()
         outs = output_tensors[0] if self.rank() == root and output_tensors else []
+        if any_cuda([input_tensors, outs]):
+            return self._device_gather(outs, input_tensors[0], root, what, output_tensors)
+        inp = _host(input_tensors[0], what).contiguous()
         if self.rank() == root:
             self._check_parts(what, "output", outs, inp)
         flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
@@ -412,6 +448,9 @@ class ProcessGroupFairring(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         if len(output_tensors) != 1:
             raise ValueError(f"fairring: {what}: expected one output tensor")
+        if any_cuda([output_tensors, input_tensors]):
+            parts = input_tensors[0] if self.rank() == root and input_tensors else []
+            return self._device_scatter(output_tensors[0], parts, root, what, output_tensors)
         staged = _Staged(output_tensors[0], what)
         out = staged.buffer
         if self.rank() == root:
@@ -435,6 +474,15 @@ class ProcessGroupFairring(dist.ProcessGroup):
 
         return self._start(what, [start], staged.finish, output_tensors, (flat, staged))
 
+    def _check_scattered(self, what, flat, n, output):
+        """Refuses a reduce-scatter input that is not `n` elements of the
+        output's type per rank."""
+        if flat.numel() != n * self.size() or flat.dtype != output.dtype:
+            raise ValueError(
+                f"fairring: {what}: the input ({flat.numel()} x {flat.dtype}) must hold "
+                f"{self.size()} x the output ({n} x {output.dtype})"
+            )
+
     def _check_parts(self, what, name, parts, like):
         """Refuses a list of per-rank parts that is not one `like` per rank."""
         if len(parts) != self.size():
@@ -443,7 +491,8 @@ class ProcessGroupFairring(dist.ProcessGroup):
                 f"{self.size()} ranks"
             )
         for p in parts:
-            _host(p, what)
+            if like.device.type == "cpu":
+                _host(p, what)
             if p.numel() != like.numel() or p.dtype != like.dtype:
                 raise ValueError(
                     f"fairring: {what}: an {name} tensor ({p.numel()} x {p.dtype}) does "

@@ -29,6 +29,12 @@ DTYPE_I16, DTYPE_BOOL = 8, 9
 OP_SUM, OP_PRODUCT, OP_MIN, OP_MAX, OP_AVG = 0, 1, 2, 3, 4
 OP_BAND, OP_BOR, OP_BXOR = 5, 6, 7
 
+# FR_COLLECTIVE_*, FR_MEMORY_* (the fields of an `fr_call`).
+COLLECTIVE_ALL_REDUCE, COLLECTIVE_BROADCAST, COLLECTIVE_ALL_GATHER = 1, 2, 3
+COLLECTIVE_REDUCE_SCATTER, COLLECTIVE_BARRIER, COLLECTIVE_REDUCE = 4, 5, 6
+COLLECTIVE_GATHER, COLLECTIVE_SCATTER = 7, 8
+MEMORY_HOST, MEMORY_DEVICE = 0, 1
+
 c_status = ctypes.c_int32
 comm_p = ctypes.c_void_p
 work_p = ctypes.c_void_p
@@ -64,6 +70,25 @@ class Store(ctypes.Structure):
         ("get", GET_FN),
         ("check", CHECK_FN),
         ("release", RELEASE_FN),
+    ]
+
+
+class Call(ctypes.Structure):
+    """``fr_call``: one collective described (zeroed: the communicator's
+    options, host memory)."""
+
+    _fields_ = [
+        ("collective", ctypes.c_int32),
+        ("input", ctypes.c_void_p),
+        ("output", ctypes.c_void_p),
+        ("count", ctypes.c_uint64),
+        ("dtype", ctypes.c_int32),
+        ("op", ctypes.c_int32),
+        ("root", ctypes.c_uint32),
+        ("memory", ctypes.c_int32),
+        ("stream", ctypes.c_void_p),
+        ("algorithm", ctypes.c_int32),
+        ("wire", ctypes.c_int32),
     ]
 
 
@@ -146,6 +171,11 @@ def _declare(l):
         i32,
         p_work,
     )
+    fn("fr_cuda_built", ctypes.c_bool)
+    fn("fr_start", c_status, comm_p, ctypes.POINTER(Call), ctypes.c_size_t, p_work)
+    # Exported only by a library built with the `cuda` feature.
+    if l.fr_cuda_built():
+        fn("fr_work_enqueue_wait", c_status, work_p, vp)
     fn("fr_work_test", c_status, work_p, ctypes.POINTER(ctypes.c_bool))
     fn("fr_work_wait", c_status, work_p)
     fn("fr_work_wait_timeout", c_status, work_p, u64)
@@ -160,6 +190,12 @@ class FairringError(RuntimeError):
         self.status = status
         name = lib().fr_status_name(status).decode()
         super().__init__(f"fairring: {what} failed ({name}): {message}")
+
+
+def cuda_built():
+    """Whether the loaded library was built with the `cuda` feature (its
+    device calls exist)."""
+    return bool(lib().fr_cuda_built())
 
 
 def last_error():

@@ -95,11 +95,16 @@ def _host(tensor, what):
         raise TypeError(f"fairring: {what}: expected a tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
         raise TypeError(f"fairring: {what}: {tensor.layout} tensors are not supported")
+    if tensor.device.type == "cuda":
+        raise RuntimeError(
+            f"fairring: {what} on a CUDA tensor: the engine has no device form of it "
+            "(it runs allreduce, broadcast, allgather, reduce_scatter, reduce, gather "
+            "and scatter on CUDA tensors); pass CPU tensors"
+        )
     if tensor.device.type != "cpu":
         raise RuntimeError(
-            f"fairring: {what} on a {tensor.device.type} tensor: the Python backend "
-            "takes CPU tensors only (the engine's CUDA tensors are reached from Rust "
-            "and C, not yet from PyTorch); pass CPU tensors"
+            f"fairring: {what} on a {tensor.device.type} tensor: fairring takes CPU and "
+            "CUDA tensors"
         )
     return tensor
 

@@ -33,7 +33,7 @@ class _Pending:
 
     __slots__ = (
         "works", "finish", "result", "what", "keep", "lock", "users",
-        "freed", "settled", "failure", "gate", "chained", "completer",
+        "freed", "settled", "failure", "gate", "chained", "completer", "device",
     )
 
     def __init__(self, works, finish, result, what, keep):
@@ -52,6 +52,9 @@ class _Pending:
         self.chained = None
         # The group's `_Completer`, set when it is handed over.
         self.completer = None
+        # For CUDA tensors: (the side stream the results are ready on, its
+        # device index); None on the host.
+        self.device = None
 
     def wait_here(self, seconds):
         """Waits for the operations on this thread (inside the library,
@@ -138,24 +141,32 @@ class _Pending:
     def future_for_callbacks(self):
         with self.lock:
             if self.chained is None:
-                self.gate = torch.futures.Future()
+                # A CUDA-aware future where the results are on a GPU: its
+                # callbacks and `value()` are ordered after them on the device.
+                devices = [self.device[1]] if self.device is not None else None
+                self.gate = torch.futures.Future(devices=devices)
                 # A future failed through set_exception alone reads as success
                 # to C++ callers (DDP's reducer); re-raising in `then` marks it
                 # failed.
                 self.chained = self.gate.then(lambda f: f.value())
                 if self.settled:
                     # No callback is attached yet: completing it here runs none.
-                    _complete(self.gate, self.result, self.failure)
+                    _complete(self.gate, self.result, self.failure, self.device)
                 elif self.completer is not None:
                     self.completer.urge()
             return self.chained
 
 
-def _complete(future, result, failure):
-    if failure is None:
+def _complete(future, result, failure, device=None):
+    if failure is not None:
+        future.set_exception(failure)
+    elif device is None:
         future.set_result(result)
     else:
-        future.set_exception(failure)
+        # A CUDA-aware future records an event on the completing thread's
+        # current stream: make that the side stream, after the results.
+        with torch.cuda.stream(device[0]):
+            future.set_result(result)
 
 
 class _Completer:
@@ -263,7 +274,7 @@ class _Completer:
             if item is None:
                 return
             p, failure = item
-            _complete(p.gate, p.result, failure)
+            _complete(p.gate, p.result, failure, p.device)
             # The tensors may be reclaimed now.
             p.keep = None
             with self._lock:
@@ -314,6 +325,31 @@ class Work(dist.Work):
         # Made on demand: an operation nobody asked a future of (a blocking
         # call) finishes without a hand-over to a dispatcher.
         return self._pending.future_for_callbacks()
+
+
+class DeviceWork(Work):
+    """A fairring operation on CUDA tensors, with ProcessGroupNCCL's
+    semantics: ``wait()`` makes the current stream wait for the results on the
+    device (the host does not wait) and raises the operation's error if it has
+    already failed; ``is_completed()`` asks without waiting; the future is
+    CUDA-aware. `done` is the event recorded on the side stream once the
+    results are where the caller wants them."""
+
+    def __init__(self, pending, keep, what, done):
+        super().__init__(pending, keep, what)
+        self._done = done
+
+    def wait(self, timeout=datetime.timedelta(0)):
+        torch.cuda.current_stream(self._pending.device[1]).wait_event(self._done)
+        if self._pending.poll() and self._pending.failure is not None:
+            raise self._pending.failure
+        return True
+
+    def is_completed(self):
+        return self._pending.poll() and self._done.query()
+
+    def synchronize(self):
+        self.wait()
 
 
 class _Chained(dist.Work):

@@ -1,0 +1,210 @@
+"""CUDA tensors through `torch.distributed` on a fairring group, on a machine
+with a GPU (skipped elsewhere, saying why): processes sharing GPU 0 as
+machines of their own (`FAIRRING_HOST_ID`), and as two ranks of one machine
+(NCCL's multi-rank mode, or the host path where NCCL refuses).
+
+- every collective the engine has a device form of, on CUDA tensors, against a
+  reference computed on the CPU, for every dtype and operator the backend takes;
+- stream semantics: a slow kernel on the current stream writes the input
+  before the collective, a kernel after `wait()` reads the result, with no
+  host synchronisation between; `get_future().then(...)` sees the result;
+- DDP for 10 steps against gloo on CUDA tensors (bitwise on 2 ranks);
+- a loop of 1000 all-reduces on fresh tensors (each waited for on the host)
+  leaves the caching allocator's reserved memory flat;
+- refusals: all-to-all and messages on CUDA tensors, a collective during a
+  CUDA graph capture, each naming itself.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fairring
+from conftest import TIMEOUT, spawn
+from test_collectives import DTYPES, OPS, close, defined, rank_input, reference
+
+pytestmark = pytest.mark.skipif(
+    not fairring.cuda_available(), reason=f"needs a CUDA device: {fairring.cuda_status()}"
+)
+
+R = dist.ReduceOp
+LAYOUTS = [("machines", 2), ("one-machine", 2), ("machines", 3)]
+
+
+def join(rank, world, port, layout, backend="fairring"):
+    if layout == "machines":
+        os.environ["FAIRRING_HOST_ID"] = f"machine-{rank}"
+    else:
+        os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT
+    )
+
+
+def every_collective(rank, world, port, layout):
+    join(rank, world, port, layout)
+    dev = torch.device("cuda", 0)
+    n = 1001
+    wrong = []
+    for dtype in DTYPES:
+        inputs = [rank_input(r, n, dtype) for r in range(world)]
+        for op in [o for o in OPS if defined(o, dtype)]:
+            t = inputs[rank].to(dev)
+            dist.all_reduce(t, op=op)
+            want = reference(inputs, op).to(dtype)
+            if not close(t.cpu(), want, dtype, world):
+                wrong.append(f"all_reduce {dtype} {op}")
+            # Reduce-scatter of world blocks, each block's reduction.
+            full = torch.cat([rank_input(r, n * world, dtype, salt=1) for r in range(world)])
+            mine = full.view(world, -1)[rank].to(dev)
+            out = torch.empty(n, dtype=dtype, device=dev)
+            dist.reduce_scatter_tensor(out, mine, op=op)
+            parts = [full.view(world, -1)[r].view(world, n)[rank] for r in range(world)]
+            if not close(out.cpu(), reference(parts, op).to(dtype), dtype, world):
+                wrong.append(f"reduce_scatter_tensor {dtype} {op}")
+            t = inputs[rank].to(dev)
+            dist.reduce(t, dst=world - 1, op=op)
+            if rank == world - 1 and not close(t.cpu(), want, dtype, world):
+                wrong.append(f"reduce {dtype} {op}")
+        # Moving bytes: broadcast, all-gather (both forms), gather, scatter.
+        t = inputs[rank].to(dev)
+        dist.broadcast(t, src=1)
+        if not torch.equal(t.cpu(), inputs[1]):
+            wrong.append(f"broadcast {dtype}")
+        out = torch.empty(world * n, dtype=dtype, device=dev)
+        dist.all_gather_into_tensor(out, inputs[rank].to(dev))
+        if not torch.equal(out.cpu(), torch.cat(inputs)):
+            wrong.append(f"all_gather_into_tensor {dtype}")
+        outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(world)]
+        dist.all_gather(outs, inputs[rank].to(dev))
+        if not all(torch.equal(o.cpu(), i) for o, i in zip(outs, inputs)):
+            wrong.append(f"all_gather {dtype}")
+        got = [torch.empty(n, dtype=dtype, device=dev) for _ in range(world)] if rank == 0 else None
+        dist.gather(inputs[rank].to(dev), gather_list=got, dst=0)
+        if rank == 0 and not all(torch.equal(o.cpu(), i) for o, i in zip(got, inputs)):
+            wrong.append(f"gather {dtype}")
+        part = torch.empty(n, dtype=dtype, device=dev)
+        dist.scatter(part, scatter_list=[i.to(dev) for i in inputs] if rank == 0 else None, src=0)
+        if not torch.equal(part.cpu(), inputs[rank]):
+            wrong.append(f"scatter {dtype}")
+    # A tensor that is not contiguous: its result is copied back into place.
+    strided = torch.arange(2 * n, dtype=torch.float32, device=dev).view(n, 2).t()[0]
+    dist.all_reduce(strided)
+    if not torch.equal(strided.cpu(), torch.arange(0, 2 * n, 2, dtype=torch.float32) * world):
+        wrong.append("all_reduce of a non-contiguous tensor")
+    assert not wrong, f"rank {rank} ({layout}): {wrong}"
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout,world", LAYOUTS)
+def test_every_collective_on_cuda_tensors_matches_the_reference(layout, world):
+    spawn(every_collective, world, layout)
+
+
+def stream_order(rank, world, port, layout):
+    join(rank, world, port, layout)
+    dev = torch.device("cuda", 0)
+    n = 1 << 20
+    t = torch.zeros(n, device=dev)
+    # A slow kernel, then the input's write, then the collective: the
+    # collective must see the write although the host never waited for it.
+    torch.cuda._sleep(50_000_000)
+    t.fill_(rank + 1.0)
+    w = dist.all_reduce(t, async_op=True)
+    w.wait()
+    after = t * 2  # on the current stream, after wait(): sees the result
+    total = world * (world + 1) / 2
+    assert torch.equal(after.cpu(), torch.full((n,), 2 * total)), f"rank {rank}"
+    # The future's callback sees the result too.
+    u = torch.full((n,), rank + 1.0, device=dev)
+    fut = dist.all_reduce(u, async_op=True).get_future().then(lambda f: f.value()[0] * 3)
+    assert torch.equal(fut.wait().cpu(), torch.full((n,), 3 * total)), f"rank {rank}"
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout,world", LAYOUTS[:2])
+def test_collectives_are_ordered_on_the_current_stream(layout, world):
+    spawn(stream_order, world, layout)
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+
+
+def ddp_side_by_side(rank, world, port, layout):
+    join(rank, world, port, layout)
+    gloo = dist.new_group(backend="gloo")
+    dev = torch.device("cuda", 0)
+    base = model()
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(rank)  # DDP's broadcast from rank 0 must fix it
+    ours = DDP(copy.deepcopy(base).to(dev))
+    theirs = DDP(copy.deepcopy(base).to(dev), process_group=gloo)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    for step in range(10):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x, y = torch.randn(16, 32, generator=g).to(dev), torch.randn(16, 8, generator=g).to(dev)
+        for m, opt in zip((ours, theirs), opts):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+        for a, b in zip(ours.parameters(), theirs.parameters()):
+            same = torch.equal(a, b) if world == 2 else torch.allclose(a, b, rtol=1e-6, atol=0)
+            assert same, f"rank {rank}, step {step}: parameters differ from gloo's"
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout,world", LAYOUTS)
+def test_ddp_on_cuda_matches_gloo(layout, world):
+    spawn(ddp_side_by_side, world, layout)
+
+
+def memory_flat(rank, world, port, layout):
+    join(rank, world, port, layout)
+    dev = torch.device("cuda", 0)
+    for _ in range(100):
+        dist.all_reduce(torch.ones(4096, device=dev))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved(dev)
+    for i in range(1000):
+        t = torch.full((4096 + i % 7,), 1.0, device=dev)
+        dist.all_reduce(t)
+        # Without a host wait the loop could run ahead of the GPU and hold
+        # many tensors at once, which the allocator would keep reserved.
+        torch.cuda.current_stream(dev).synchronize()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_reserved(dev)
+    assert after <= before + (2 << 20), f"rank {rank}: reserved {before} -> {after} bytes"
+    dist.destroy_process_group()
+
+
+def test_a_thousand_all_reduces_leave_reserved_memory_flat():
+    spawn(memory_flat, 2, "machines")
+
+
+def refusals(rank, world, port, layout):
+    join(rank, world, port, layout)
+    dev = torch.device("cuda", 0)
+    t = torch.ones(8, device=dev)
+    with pytest.raises(RuntimeError, match="all_to_all_single on a CUDA tensor"):
+        dist.all_to_all_single(torch.empty_like(t), t)
+    with pytest.raises(RuntimeError, match="send on a CUDA tensor"):
+        dist.send(t, dst=1 - rank)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="captured into a graph"):
+        with torch.cuda.graph(graph):
+            dist.all_reduce(t)
+    dist.all_reduce(t)  # the group goes on
+    assert torch.equal(t.cpu(), torch.full((8,), 2.0))
+    dist.destroy_process_group()
+
+
+def test_calls_without_a_device_form_and_graph_captures_are_refused():
+    spawn(refusals, 2, "machines")
