@@ -36,6 +36,11 @@ def _call(collective, input, output, count, dtype=native.DTYPE_U8, op=0, root=0)
     return c
 
 
+def _record(tensor, stream):
+    """Tells the caching allocator that `stream` uses `tensor`'s memory."""
+    tensor.record_stream(stream)
+
+
 def _nbytes(t):
     return t.numel() * t.element_size()
 
@@ -93,7 +98,7 @@ class DeviceCollectives:
                 done = torch.cuda.Event()
                 done.record(side)
             for t in touched:
-                t.record_stream(side)
+                _record(t, side)
             return side, done
 
         return self._start(what, [start], None, result, (keep, array), device=(device.index, after))

@@ -143,8 +143,7 @@ class _Pending:
             if self.chained is None:
                 # A CUDA-aware future where the results are on a GPU: its
                 # callbacks and `value()` are ordered after them on the device.
-                devices = [self.device[1]] if self.device is not None else None
-                self.gate = torch.futures.Future(devices=devices)
+                self.gate = _future_on(self.device)
                 # A future failed through set_exception alone reads as success
                 # to C++ callers (DDP's reducer); re-raising in `then` marks it
                 # failed.
@@ -155,6 +154,12 @@ class _Pending:
                 elif self.completer is not None:
                     self.completer.urge()
             return self.chained
+
+
+def _future_on(device):
+    """A future for results on `device` ((side stream, index), or None for
+    the host)."""
+    return torch.futures.Future(devices=[device[1]] if device is not None else None)
 
 
 def _complete(future, result, failure, device=None):

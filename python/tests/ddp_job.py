@@ -8,7 +8,8 @@ init_process_group and after destroy_process_group). If a collective fails it
 prints ``RAISED <type>: <message>`` and exits 3.
 
 Options: --steps N, --kill-rank R --kill-step S (rank R kills itself with
-SIGKILL before step S), --timeout SECONDS.
+SIGKILL before step S), --timeout SECONDS, --device cuda (the model and data on
+GPU 0).
 """
 
 import argparse
@@ -35,13 +36,18 @@ def main():
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-step", type=int, default=-1)
     ap.add_argument("--timeout", type=float, default=60)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(1)
     before = threads()
     dist.init_process_group("fairring", timeout=datetime.timedelta(seconds=args.timeout))
     rank = dist.get_rank()
     torch.manual_seed(0)
+    dev = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    net = net.to(dev)
     ddp = DDP(net)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     try:
@@ -51,9 +57,13 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
             g = torch.Generator().manual_seed(rank * 1000 + step)
             x, y = torch.randn(64, 32, generator=g), torch.randn(64, 4, generator=g)
+            x, y = x.to(dev), y.to(dev)
             opt.zero_grad()
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
+            if dev.type == "cuda":
+                # The step's collectives have finished (or failed) on the GPU.
+                torch.cuda.synchronize()
             print(f"STEP {step}", flush=True)
     except Exception as e:
         print(f"RAISED {type(e).__name__}: {e}", flush=True)

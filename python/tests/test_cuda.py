@@ -8,7 +8,13 @@ machines of their own (`FAIRRING_HOST_ID`), and as two ranks of one machine
 - stream semantics: a slow kernel on the current stream writes the input
   before the collective, a kernel after `wait()` reads the result, with no
   host synchronisation between; `get_future().then(...)` sees the result;
-- DDP for 10 steps against gloo on CUDA tensors (bitwise on 2 ranks);
+- DDP for 10 steps against gloo on CUDA tensors (bitwise on 2 ranks); FSDP2
+  (`fully_shard`) for 10 steps against the same model trained on one rank on
+  the mean of every rank's gradients;
+- a rank killed mid-training: the survivors raise naming it within the
+  timeout, no hang, no crash;
+- a rank passing CPU tensors where another passes CUDA tensors: both fail
+  with a mismatch;
 - a loop of 1000 all-reduces on fresh tensors (each waited for on the host)
   leaves the caching allocator's reserved memory flat;
 - refusals: all-to-all and messages on CUDA tensors, a collective during a
@@ -17,6 +23,9 @@ machines of their own (`FAIRRING_HOST_ID`), and as two ranks of one machine
 
 import copy
 import os
+import re
+import signal
+import time
 
 import pytest
 import torch
@@ -25,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fairring
 from conftest import TIMEOUT, spawn
+from test_jobs import finish, launch
 from test_collectives import DTYPES, OPS, close, defined, rank_input, reference
 
 pytestmark = pytest.mark.skipif(
@@ -208,3 +218,76 @@ def refusals(rank, world, port, layout):
 
 def test_calls_without_a_device_form_and_graph_captures_are_refused():
     spawn(refusals, 2, "machines")
+
+
+def fsdp_against_one_rank(rank, world, port, layout):
+    from torch.distributed.fsdp import fully_shard
+
+    join(rank, world, port, layout)
+    dev = torch.device("cuda", 0)
+    sharded = model().to(dev)
+    for layer in sharded:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(sharded)
+    alone = model().to(dev)  # the reference, trained here on every rank's data
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (sharded, alone)]
+    batches = lambda r, step: [  # noqa: E731
+        t.to(dev)
+        for t in (lambda g: (torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)))(
+            torch.Generator().manual_seed(100 * r + step)
+        )
+    ]
+    for step in range(10):
+        opts[0].zero_grad()
+        x, y = batches(rank, step)
+        torch.nn.functional.mse_loss(sharded(x), y).backward()
+        opts[0].step()
+        # FSDP averages the ranks' gradients: the mean of the ranks' losses.
+        opts[1].zero_grad()
+        loss = sum(torch.nn.functional.mse_loss(alone(x), y) for x, y in
+                   (batches(r, step) for r in range(world))) / world
+        loss.backward()
+        opts[1].step()
+        for a, b in zip(sharded.parameters(), alone.parameters()):
+            full = a.full_tensor()
+            assert torch.allclose(full, b, rtol=1e-5, atol=1e-6), (
+                f"rank {rank}, step {step}: FSDP2's parameters differ from the reference"
+            )
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout,world", [LAYOUTS[0], LAYOUTS[2]])
+def test_fsdp2_on_cuda_matches_one_rank_trained_on_every_batch(layout, world):
+    spawn(fsdp_against_one_rank, world, layout)
+
+
+def mixed(rank, world, port, layout):
+    join(rank, world, port, layout)
+    t = torch.ones(1024, device="cuda") if rank == 0 else torch.ones(1024)
+    # An error on CUDA tensors reaches the host through the future (wait()
+    # orders the stream and raises only what is already known).
+    with pytest.raises(Exception, match="(?i)mismatch|device memory"):
+        dist.all_reduce(t, async_op=True).get_future().wait()
+    dist.destroy_process_group()
+
+
+def test_cpu_tensors_against_cuda_tensors_are_a_mismatch():
+    spawn(mixed, 2, "machines")
+
+
+def test_a_killed_rank_fails_every_cuda_survivor_naming_it():
+    timeout = 10
+    start = time.monotonic()
+    procs = launch(3, "--steps", "50", "--kill-rank", "1", "--kill-step", "3", "--timeout",
+                   str(timeout), "--device", "cuda",
+                   env=lambda r: {"FAIRRING_HOST_ID": f"machine-{r}"})
+    outs = finish(procs, 4 * timeout + 60)
+    elapsed = time.monotonic() - start
+    assert outs[1][0] == -signal.SIGKILL, outs[1]
+    for rank in (0, 2):
+        code, out = outs[rank]
+        assert code == 3, f"rank {rank} exited {code}:\n{out}"
+        raised = re.search(r"RAISED .*", out).group(0)
+        assert "rank 1" in raised, f"rank {rank} does not name the lost rank: {raised}"
+    assert elapsed < 2 * timeout + 60, elapsed

@@ -27,7 +27,8 @@ def launch(world, *args, env=None):
     for rank in range(world):
         e = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-        e.update(env or {})
+        # `env`: what every rank's environment adds, or a function of the rank.
+        e.update(env(rank) if callable(env) else (env or {}))
         procs.append(subprocess.Popen([sys.executable, JOB, *args], env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
