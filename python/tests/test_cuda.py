@@ -8,7 +8,8 @@ machines of their own (`FAIRRING_HOST_ID`), and as two ranks of one machine
 - stream semantics: a slow kernel on the current stream writes the input
   before the collective, a kernel after `wait()` reads the result, with no
   host synchronisation between; `get_future().then(...)` sees the result;
-- DDP for 10 steps against gloo on CUDA tensors (bitwise on 2 ranks); FSDP2
+- DDP for 10 steps against gloo on CUDA tensors (bitwise on 2 ranks), and DDP
+  on gloo with its buckets averaged by `fairring.allreduce_hook`; FSDP2
   (`fully_shard`) for 10 steps against the same model trained on one rank on
   the mean of every rank's gradients;
 - a rank killed mid-training: the survivors raise naming it within the
@@ -156,18 +157,23 @@ def ddp_side_by_side(rank, world, port, layout):
         for p in base.parameters():
             p.add_(rank)  # DDP's broadcast from rank 0 must fix it
     ours = DDP(copy.deepcopy(base).to(dev))
+    # DDP on gloo, its buckets averaged by fairring's hook on the default group.
+    hooked = DDP(copy.deepcopy(base).to(dev), process_group=gloo)
+    hooked.register_comm_hook(dist.group.WORLD, fairring.allreduce_hook)
     theirs = DDP(copy.deepcopy(base).to(dev), process_group=gloo)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    models = (ours, hooked, theirs)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
     for step in range(10):
         g = torch.Generator().manual_seed(100 * rank + step)
         x, y = torch.randn(16, 32, generator=g).to(dev), torch.randn(16, 8, generator=g).to(dev)
-        for m, opt in zip((ours, theirs), opts):
+        for m, opt in zip(models, opts):
             opt.zero_grad()
             torch.nn.functional.mse_loss(m(x), y).backward()
             opt.step()
-        for a, b in zip(ours.parameters(), theirs.parameters()):
-            same = torch.equal(a, b) if world == 2 else torch.allclose(a, b, rtol=1e-6, atol=0)
-            assert same, f"rank {rank}, step {step}: parameters differ from gloo's"
+        for name, m in (("DDP", ours), ("fairring.allreduce_hook", hooked)):
+            for a, b in zip(m.parameters(), theirs.parameters()):
+                same = torch.equal(a, b) if world == 2 else torch.allclose(a, b, rtol=1e-6, atol=0)
+                assert same, f"rank {rank}, step {step}: {name}'s parameters differ from gloo's"
     dist.destroy_process_group()
 
 
