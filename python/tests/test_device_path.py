@@ -125,6 +125,24 @@ def device_path(rank, world, port):
     dist.scatter(part, scatter_list=source, src=0)
     assert torch.equal(part, torch.full((n,), rank % 2 == 0)), "scatter"
 
+    # Coalesced: one engine call per tensor under one work.
+    ts = [torch.full((n + k,), rank + 1.0) for k in range(3)]
+    dist.all_reduce_coalesced(ts, async_op=True).wait()
+    for t in ts:
+        assert torch.equal(t, torch.full_like(t, total)), f"coalesced {t.numel()}"
+
+    # PREMUL_SUM: this rank's contribution scaled first, the caller's
+    # reduce-scatter input untouched.
+    op = dist._make_nccl_premul_sum(0.5)
+    p = torch.full((n,), rank + 1.0)
+    dist.all_reduce(p, op=op)
+    assert torch.equal(p, torch.full((n,), total / 2)), "premul all_reduce"
+    whole = torch.full((world * n,), rank + 1.0)
+    out = torch.empty(n)
+    dist.reduce_scatter_tensor(out, whole, op=op)
+    assert torch.equal(out, torch.full((n,), total / 2)), "premul reduce_scatter"
+    assert torch.equal(whole, torch.full((world * n,), rank + 1.0)), "premul scaled the input"
+
     u = torch.full((n,), rank + 1.0)
     doubled = dist.all_reduce(u, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
     assert torch.equal(doubled.wait(), torch.full((n,), 2 * total)), "the future"
