@@ -203,8 +203,9 @@ pub(super) fn in_job_ranks(e: Error, src: u32, dst: u32) -> Error {
             peer: job(peer),
             peer_called,
         },
+        // The rank that did not take part is the other end: name both.
         Error::Timeout { what, after } => Error::Timeout {
-            what: format!("{what} on {on}"),
+            what: format!("{what} on {on}, from rank {src} to rank {dst}"),
             after,
         },
         Error::Store { operation, reason } => Error::Store {
@@ -294,5 +295,51 @@ impl Store for ChannelStore {
 
     fn check(&self, keys: &[&str]) -> Result<bool> {
         self.inner()?.check(keys)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn channel_errors_name_the_jobs_ranks() {
+        let peer = in_job_ranks(
+            Error::Peer {
+                rank: 1,
+                reason: "closed".into(),
+            },
+            2,
+            0,
+        );
+        assert!(matches!(peer, Error::Peer { rank: 0, .. }), "{peer:?}");
+        assert!(peer.to_string().contains("the channel 2->0"), "{peer}");
+        // A timeout names no rank of its own: the message names both ends.
+        let timeout = in_job_ranks(
+            Error::Timeout {
+                what: "operation #12".into(),
+                after: Duration::from_secs(2),
+            },
+            2,
+            0,
+        )
+        .to_string();
+        assert!(timeout.contains("from rank 2 to rank 0"), "{timeout}");
+        let nested = in_job_ranks(
+            Error::Failed {
+                first: Box::new(Error::Peer {
+                    rank: 0,
+                    reason: "gone".into(),
+                }),
+            },
+            3,
+            1,
+        );
+        match nested {
+            Error::Failed { first } => assert!(matches!(*first, Error::Peer { rank: 3, .. })),
+            other => panic!("{other:?}"),
+        }
     }
 }
