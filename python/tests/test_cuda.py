@@ -24,9 +24,6 @@ machines of their own (`FAIRRING_HOST_ID`), and as two ranks of one machine
 
 import copy
 import os
-import re
-import signal
-import time
 
 import pytest
 import torch
@@ -35,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fairring
 from conftest import TIMEOUT, spawn
-from test_jobs import finish, launch
+from test_jobs import kill_rank_1_of_3
 from test_collectives import DTYPES, OPS, close, defined, rank_input, reference
 
 pytestmark = pytest.mark.skipif(
@@ -283,17 +280,4 @@ def test_cpu_tensors_against_cuda_tensors_are_a_mismatch():
 
 
 def test_a_killed_rank_fails_every_cuda_survivor_naming_it():
-    timeout = 10
-    start = time.monotonic()
-    procs = launch(3, "--steps", "50", "--kill-rank", "1", "--kill-step", "3", "--timeout",
-                   str(timeout), "--device", "cuda",
-                   env=lambda r: {"FAIRRING_HOST_ID": f"machine-{r}"})
-    outs = finish(procs, 4 * timeout + 60)
-    elapsed = time.monotonic() - start
-    assert outs[1][0] == -signal.SIGKILL, outs[1]
-    for rank in (0, 2):
-        code, out = outs[rank]
-        assert code == 3, f"rank {rank} exited {code}:\n{out}"
-        raised = re.search(r"RAISED .*", out).group(0)
-        assert "rank 1" in raised, f"rank {rank} does not name the lost rank: {raised}"
-    assert elapsed < 2 * timeout + 60, elapsed
+    kill_rank_1_of_3("--device", "cuda", env=lambda r: {"FAIRRING_HOST_ID": f"machine-{r}"})

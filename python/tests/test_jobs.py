@@ -59,11 +59,14 @@ def test_a_job_trains_and_tears_down_without_leaving_threads():
     assert len(sums) == 1, sums
 
 
-def test_a_killed_rank_fails_every_survivor_naming_it():
+def kill_rank_1_of_3(*args, env=None):
+    """A 3-rank `ddp_job.py` (with `args`) whose rank 1 SIGKILLs itself at
+    step 3: both survivors raise a Python exception naming rank 1, within
+    the timeout."""
     timeout = 10
     start = time.monotonic()
     procs = launch(3, "--steps", "50", "--kill-rank", "1", "--kill-step", "3",
-                   "--timeout", str(timeout))
+                   "--timeout", str(timeout), *args, env=env)
     outs = finish(procs, 4 * timeout + 60)
     elapsed = time.monotonic() - start
     assert outs[1][0] == -signal.SIGKILL, outs[1]
@@ -75,6 +78,10 @@ def test_a_killed_rank_fails_every_survivor_naming_it():
         assert "rank 1" in raised, f"rank {rank} does not name the lost rank: {raised}"
     # Bounded by the timeout (plus start-up), never longer.
     assert elapsed < 2 * timeout + 60, elapsed
+
+
+def test_a_killed_rank_fails_every_survivor_naming_it():
+    kill_rank_1_of_3()
 
 
 def torchrun():
