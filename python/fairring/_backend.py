@@ -20,7 +20,7 @@ from ._native import FairringError
 from ._cuda import any_cuda
 from ._device_collectives import DeviceCollectives
 from ._store import _StoreBridge
-from ._tensors import _DTYPES, Reduction, _Staged, _host
+from ._tensors import _DTYPES, Reduction, _Staged, _host, unpack
 from ._work import DeviceWork, Work, _Chained, _Completer, _Pending
 
 def _teardown(state):
@@ -259,8 +259,7 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
             )
 
         def finish():
-            for r, o in enumerate(outs):
-                o.copy_(flat[r * inp.numel() : (r + 1) * inp.numel()].view(o.shape))
+            unpack(flat, outs)
 
         return self._start(what, [start], finish, output_tensors, (inp, flat, outs))
 
@@ -436,8 +435,7 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
             )
 
         def finish():
-            for r, o in enumerate(outs):
-                o.copy_(flat[r * inp.numel() : (r + 1) * inp.numel()].view(o.shape))
+            unpack(flat, outs)
 
         return self._start(what, [start], finish, output_tensors, (inp, flat, outs))
 
@@ -549,10 +547,7 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         start = self._all_to_all_start(flat_in, ins, flat_out, outs)
 
         def finish():
-            at = 0
-            for t in output_tensors:
-                t.copy_(flat_out[at : at + t.numel()].view(t.shape))
-                at += t.numel()
+            unpack(flat_out, output_tensors)
 
         return self._start(what, [start], finish, output_tensors, (flat_in, flat_out))
 

@@ -22,6 +22,7 @@ import torch
 
 from . import _native as native
 from ._cuda import GroupDevice
+from ._tensors import unpack
 
 
 def _call(collective, input, output, count, dtype=native.DTYPE_U8, op=0, root=0):
@@ -136,9 +137,7 @@ class DeviceCollectives:
         call = _call(native.COLLECTIVE_ALL_GATHER, inp, flat, _nbytes(inp))
 
         def write_back():
-            n = inp.numel()
-            for r, o in enumerate(outs):
-                o.copy_(flat[r * n : (r + 1) * n].view(o.shape))
+            unpack(flat, outs)
 
         return self._start_device(what, [call], result, (inp, flat, outs), write_back, [flat, *outs])
 
@@ -191,9 +190,7 @@ class DeviceCollectives:
         call = _call(native.COLLECTIVE_GATHER, inp, flat, _nbytes(inp), root=root)
 
         def write_back():
-            n = inp.numel()
-            for r, o in enumerate(outs):
-                o.copy_(flat[r * n : (r + 1) * n].view(o.shape))
+            unpack(flat, outs)
 
         return self._start_device(what, [call], result, (inp, flat, outs), write_back, [flat, *outs])
 

@@ -125,3 +125,13 @@ class _Staged:
     def finish(self):
         if self.write_back:
             self.tensor.copy_(self.buffer)
+
+
+def unpack(flat, parts):
+    """Copies `flat`'s consecutive blocks into `parts`, in order, each block
+    as many elements as its part (an all-gather's or gather's output list,
+    an all-to-all's outputs)."""
+    at = 0
+    for p in parts:
+        p.copy_(flat[at : at + p.numel()].view(p.shape))
+        at += p.numel()
