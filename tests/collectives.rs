@@ -630,6 +630,170 @@ fn reduce_gather_and_scatter_to_and_from_every_root() {
     });
 }
 
+/// Gathers and scatters of 2 MiB or more move as messages after a check:
+/// every layout (and 1x2 and 2x1), with dedicated servers too, every root,
+/// odd sizes of bytes and of `f32` bit patterns, in place and not.
+#[test]
+fn gathers_and_scatters_that_move_as_messages_are_exact_from_every_root() {
+    let layouts = LAYOUTS
+        .iter()
+        .chain(&[(1, 2), (2, 1)])
+        .map(|&(m, d)| (m, d, 0))
+        .chain(SERVER_LAYOUTS);
+    for (m, d, servers) in layouts {
+        let world = m * d;
+        let w = world as usize;
+        let label = format!("{m}x{d}+{servers}");
+        // Just over 2 MiB in all: odd per-rank counts.
+        let bytes = (2 << 20) / w + 3;
+        let floats = (2 << 20) / (4 * w) + 1;
+        let results = job_with_servers(
+            m,
+            d,
+            servers,
+            |b| b,
+            |rank, comm| {
+                let mut out = Vec::new();
+                for root in 0..world {
+                    let k = root as usize;
+                    // u8, not in place.
+                    let mine: Vec<u8> = (0..bytes).map(|i| value(rank, k, i) as u8).collect();
+                    let mut gathered = vec![0u8; bytes * w];
+                    comm.gather(&mine, &mut gathered, root)
+                        .unwrap_or_else(|e| panic!("{label}: rank {rank}: gather: {e}"));
+                    // f32 bit patterns, in place: the input is this rank's place.
+                    let mut in_place = vec![0.0f32; floats * w];
+                    let at = rank as usize * floats;
+                    for i in 0..floats {
+                        in_place[at + i] = f32::from_bits(bits(rank, k, i));
+                    }
+                    let p = in_place.as_mut_ptr();
+                    // SAFETY: the input is the rank's place in the output.
+                    let call = unsafe {
+                        fairring::Call::gather(
+                            p.add(at).cast_const().cast(),
+                            p.cast(),
+                            floats as u64,
+                            fairring::DataType::F32,
+                            root,
+                        )
+                    };
+                    // SAFETY: `in_place` is untouched until the work is waited for.
+                    unsafe { comm.start(&call) }
+                        .and_then(|work| work.wait())
+                        .unwrap_or_else(|e| panic!("{label}: rank {rank}: gather in place: {e}"));
+                    let mut parts: Vec<f32> = (0..floats * w)
+                        .map(|i| f32::from_bits(bits(rank, k + 7, i)))
+                        .collect();
+                    let mut part = vec![1.5f32; floats];
+                    comm.scatter(&mut parts, &mut part, root)
+                        .unwrap_or_else(|e| panic!("{label}: rank {rank}: scatter: {e}"));
+                    let root_only = |v: Vec<u8>| if rank == root { v } else { Vec::new() };
+                    let in_place = if rank == root { in_place } else { Vec::new() };
+                    out.push((root, root_only(gathered), in_place, part));
+                }
+                out
+            },
+        );
+        for (rank, per_rank) in results.iter().enumerate() {
+            for (root, gathered, in_place, part) in per_rank {
+                let (root, k) = (*root, *root as usize);
+                let context = format!("{label}: rank {rank}, root {root}");
+                if rank as u32 == root {
+                    let wrong = (0..bytes * w)
+                        .filter(|&j| gathered[j] != value((j / bytes) as u32, k, j % bytes) as u8)
+                        .count();
+                    assert_eq!(wrong, 0, "{context}: gather");
+                    let wrong = (0..floats * w)
+                        .filter(|&j| {
+                            in_place[j].to_bits() != bits((j / floats) as u32, k, j % floats)
+                        })
+                        .count();
+                    assert_eq!(wrong, 0, "{context}: gather in place");
+                }
+                let wrong = (0..floats)
+                    .filter(|&i| part[i].to_bits() != bits(root, k + 7, rank * floats + i))
+                    .count();
+                assert_eq!(wrong, 0, "{context}: scatter");
+            }
+        }
+    }
+}
+
+#[test]
+fn gathers_and_scatters_move_each_part_once() {
+    // Four machines of one rank: every byte crosses the fabric, and each
+    // rank's traffic counts it. An all-gather or a broadcast of the whole
+    // buffer (what a gather and a scatter once ran as) sends each rank about
+    // six parts.
+    let (m, n) = (4u32, 1usize << 20);
+    let parts = u64::from(m - 1) * n as u64;
+    let slack = n as u64 / 4;
+    let moved = job(
+        m,
+        1,
+        |b| b,
+        |rank, comm| {
+            let mut outcome = Vec::new();
+            for root in [0, 2] {
+                let input = vec![rank as u8 + 1; n];
+                let mut gathered = vec![0u8; n * m as usize];
+                let mut whole = vec![root as u8 + 10; n * m as usize];
+                let mut part = vec![0u8; n];
+                // The first round meets the channels; the second is measured.
+                for round in 0..2 {
+                    let before = comm.traffic();
+                    comm.gather(&input, &mut gathered, root)
+                        .unwrap_or_else(|e| panic!("rank {rank}: gather: {e}"));
+                    let between = comm.traffic();
+                    comm.scatter(&mut whole, &mut part, root)
+                        .unwrap_or_else(|e| panic!("rank {rank}: scatter: {e}"));
+                    let after = comm.traffic();
+                    if round == 1 {
+                        outcome.push((
+                            root,
+                            between.sent_bytes - before.sent_bytes,
+                            between.received_bytes - before.received_bytes,
+                            after.sent_bytes - between.sent_bytes,
+                            after.received_bytes - between.received_bytes,
+                        ));
+                    }
+                }
+                if rank == root {
+                    for r in 0..m as usize {
+                        assert!(
+                            gathered[r * n..(r + 1) * n]
+                                .iter()
+                                .all(|&b| b == r as u8 + 1)
+                        );
+                    }
+                }
+                assert!(
+                    part.iter().all(|&b| b == root as u8 + 10),
+                    "rank {rank}: scatter"
+                );
+            }
+            outcome
+        },
+    );
+    let within = |bytes: u64, expected: u64| bytes >= expected && bytes <= expected + slack;
+    for (rank, rounds) in moved.iter().enumerate() {
+        for &(root, g_sent, g_received, s_sent, s_received) in rounds {
+            let context = format!(
+                "rank {rank}, root {root}: gather sent {g_sent} and received {g_received}, \
+                 scatter sent {s_sent} and received {s_received} bytes ({n} per part)"
+            );
+            if rank as u32 == root {
+                assert!(within(g_received, parts) && g_sent < slack, "{context}");
+                assert!(within(s_sent, parts) && s_received < slack, "{context}");
+            } else {
+                assert!(within(g_sent, n as u64) && g_received < slack, "{context}");
+                assert!(within(s_received, n as u64) && s_sent < slack, "{context}");
+            }
+        }
+    }
+}
+
 #[test]
 fn reduce_gather_and_scatter_refuse_bad_roots_shapes_and_overlaps() {
     job(

@@ -254,6 +254,43 @@ fn on_wire(wire: WireFormat) -> fairring::Options {
     }
 }
 
+/// Gathers and scatters of 2 MiB or more move as messages once a check has
+/// passed: ranks that disagree on the root or the size fail the check, naming
+/// both, and no message is matched against another call's.
+#[test]
+fn roots_and_sizes_of_gathers_and_scatters_that_move_as_messages_differ() {
+    for (m, d) in LAYOUTS {
+        let world = (m * d) as usize;
+        let n = (2 << 20) / world;
+        let other_root = |rank: u32| u32::from(rank == 0);
+        expect_mismatch(
+            m,
+            d,
+            |rank, comm| {
+                let mut output = vec![0u8; n * world];
+                comm.gather(&vec![1u8; n], &mut output, other_root(rank))
+            },
+            [
+                &format!("gather of {n} x u8 per rank, root 1"),
+                &format!("gather of {n} x u8 per rank, root 0"),
+            ],
+        );
+        expect_mismatch(
+            m,
+            d,
+            |rank, comm| {
+                let k = if rank == 0 { n } else { n + 1 };
+                let mut input = vec![0u8; k * world];
+                comm.scatter(&mut input, &mut vec![0u8; k], 0)
+            },
+            [
+                &format!("scatter of {n} x u8 per rank, root 0"),
+                &format!("scatter of {} x u8 per rank, root 0", n + 1),
+            ],
+        );
+    }
+}
+
 #[test]
 fn roots_of_reduces_gathers_and_scatters_differ() {
     for (m, d) in LAYOUTS {

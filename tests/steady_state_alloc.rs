@@ -124,7 +124,8 @@ fn none_when_warm(comm: &Communicator, what: &str, mut call: impl FnMut()) {
 
 fn warm_rooted_and_messages_allocate_nothing(comm: &Communicator) {
     let (rank, world) = (comm.rank(), comm.world_size());
-    let n = 1 << 18;
+    // 2 MiB gathers and scatters: they move as messages.
+    let n = 1 << 19;
     let mut input = vec![1.0f32; n];
     let mut output = vec![0.0f32; n * world as usize];
     let peer = 1 - rank;

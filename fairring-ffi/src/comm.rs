@@ -415,7 +415,9 @@ pub unsafe extern "C" fn fr_reduce(
 /// Starts a gather to rank `root`: every rank's `count` elements at `input`
 /// land, in rank order, in the root's `output` (`world_size * count`
 /// elements; workspace on the other ranks). `input` may be this rank's place
-/// in `output`. It runs as an all-gather, and costs one.
+/// in `output`. On host memory, in a job of up to 32 ranks, each rank's part
+/// moves once, as a message to the root (sent from the rank's place in its
+/// own `output`); otherwise it runs as an all-gather into every `output`.
 ///
 /// # Safety
 ///
@@ -438,9 +440,10 @@ pub unsafe extern "C" fn fr_gather(
 
 /// Starts a scatter from rank `root`: part `r` (`count` elements of `dtype`)
 /// of the root's `input` (`world_size * count` elements) lands in rank `r`'s
-/// `output`, bit for bit. `input` is workspace on every rank (afterwards it
-/// holds the root's). It runs as a broadcast of the whole input, and costs
-/// one.
+/// `output`, bit for bit. `input` is workspace on every rank. On host
+/// memory, in a job of up to 32 ranks, each part moves once, as a message
+/// from the root; otherwise it runs as a broadcast of the root's whole input
+/// (which every rank's `input` then holds).
 ///
 /// # Safety
 ///

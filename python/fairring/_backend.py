@@ -408,8 +408,9 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         return self._start(what, [start], finish, tensors, (staged, inp, out))
 
     def gather(self, output_tensors, input_tensors, opts=None):
-        """Every rank's input into the root's output list, bit for bit (the
-        engine runs it as an all-gather of bytes into workspace)."""
+        """Every rank's input into the root's output list, bit for bit: each
+        rank's part moves once, as a message to the root (in groups of up to
+        32 ranks; in larger ones as an all-gather of bytes into workspace)."""
         what = "gather"
         root = opts.rootRank if opts is not None else 0
         if len(input_tensors) != 1:
@@ -440,8 +441,9 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         return self._start(what, [start], finish, output_tensors, (inp, flat, outs))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
-        """Part r of the root's input list into rank r's output, bit for bit
-        (the engine runs it as a broadcast of the root's whole list)."""
+        """Part r of the root's input list into rank r's output, bit for bit:
+        each part moves once, as a message from the root (in groups of up to
+        32 ranks; in larger ones as a broadcast of the root's whole list)."""
         what = "scatter"
         root = opts.rootRank if opts is not None else 0
         if len(output_tensors) != 1:

@@ -166,6 +166,22 @@ def collectives(rank, world, port):
             out2 = torch.empty(40, dtype=dtype)
             dist.reduce_scatter(out2, list(full[0].chunk(world)), op=op)
             assert torch.equal(out, out2), (dtype, op)
+    # Gathers and scatters of 2 MiB or more in all move each part once, as a
+    # message between its rank and the root.
+    big = (2 << 20) // (4 * world) + 5
+    for root in range(world):
+        outs = [torch.empty(big) for _ in range(world)] if rank == root else None
+        dist.gather(rank_input(rank, big, torch.float32, salt=root), outs, dst=root)
+        for r in range(world if rank == root else 0):
+            assert torch.equal(outs[r], rank_input(r, big, torch.float32, salt=root)), (root, r)
+        parts = (
+            [rank_input(rank, big, torch.float32, salt=50 + r) for r in range(world)]
+            if rank == root
+            else None
+        )
+        got = torch.empty(big)
+        dist.scatter(got, parts, src=root)
+        assert torch.equal(got, rank_input(root, big, torch.float32, salt=50 + rank)), root
     # Coalesced, non-contiguous, async, barrier.
     ts = [rank_input(rank, n, torch.float32, salt=s) for s in range(5)]
     work = dist.all_reduce_coalesced(ts, async_op=True)

@@ -161,10 +161,13 @@ impl Call {
     /// `input` land, in rank order, in the root's `output` (`world_size *
     /// count` elements). On the other ranks `output` is workspace of the same
     /// size. `input` may lie at this rank's place in `output`, and nowhere
-    /// else in it.
+    /// else in it; it is read before the call is started.
     ///
-    /// It runs as an all-gather into every rank's `output`, and costs what
-    /// one does.
+    /// On host memory (in a job of up to 32 ranks) each rank's part moves
+    /// once, as a message to the root, sent from the rank's place in its own
+    /// `output` (the only place of the workspace it writes); on device memory,
+    /// and in larger jobs, it runs as an all-gather into every rank's
+    /// `output`.
     pub fn gather(
         input: *const u8,
         output: *mut u8,
@@ -181,9 +184,13 @@ impl Call {
 
     /// A scatter from rank `root`: part `r` (`count` elements of `dtype`) of
     /// the root's `input` (`world_size * count` elements) lands in rank `r`'s
-    /// `output`, bit for bit. `input` is workspace: afterwards every rank's
-    /// holds the root's whole input (it runs as a broadcast of it, and costs
-    /// what one does). `output` must not overlap `input`.
+    /// `output`, bit for bit. `input` is workspace on every rank. `output`
+    /// must not overlap `input`.
+    ///
+    /// On host memory (in a job of up to 32 ranks) each part moves once, as a
+    /// message from the root, and `input` is only read (on the root); on
+    /// device memory, and in larger jobs, it runs as a broadcast of the
+    /// root's whole input, which every rank's `input` then holds.
     pub fn scatter(
         input: *mut u8,
         output: *mut u8,

@@ -37,7 +37,7 @@ use fairring_cuda::{DeviceSlice, DeviceSliceMut, Stream, device_of_pointer, sys}
 use super::start::{check_reduce_overlap, overlaps};
 use super::{
     Call, Collective, Communicator, DeviceCall, OwnedWork, Scope, Work, WorkerEngine, byte_len,
-    check_pointer, wait_range,
+    check_pointer, wait_messages, wait_range,
 };
 use crate::error::{Error, Result};
 use crate::memory::DeviceSide;
@@ -257,6 +257,9 @@ impl Work<'_> {
     /// communicator's device operations run on (or null: the legacy default
     /// stream).
     pub unsafe fn enqueue_wait_raw(&self, stream: sys::CUstream) -> Result<()> {
+        // Messages (of a gather or a scatter on host memory) have nothing on
+        // the device: they are waited for here.
+        wait_messages(&self.messages, self.engine.timeout)?;
         // SAFETY: forwarded.
         unsafe { enqueue_wait(self.engine, self.first, self.last, stream) }
     }
@@ -269,6 +272,7 @@ impl OwnedWork {
     ///
     /// As [`Work::enqueue_wait_raw`].
     pub unsafe fn enqueue_wait_raw(&self, stream: sys::CUstream) -> Result<()> {
+        wait_messages(&self.messages, self.comm.timeout)?;
         // SAFETY: forwarded.
         unsafe { enqueue_wait(&self.comm.engine, self.first, self.last, stream) }
     }

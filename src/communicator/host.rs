@@ -48,16 +48,16 @@ impl Communicator {
 
     /// Gathers every rank's `input` into `output` of rank `root` (rank `r`'s
     /// at `r * input.len()`), and waits. `output` holds `world_size` inputs on
-    /// every rank; elsewhere than the root it is workspace. It runs as an
-    /// all-gather, and costs one.
+    /// every rank; elsewhere than the root it is workspace. Each rank's part
+    /// moves once, as a message to the root (see [`Call::gather`]).
     pub fn gather<T: Element>(&self, input: &[T], output: &mut [T], root: u32) -> Result<()> {
         self.scope(|s| s.gather(input, output, root)?.wait())
     }
 
     /// Scatters rank `root`'s `input` (`world_size` parts of `output.len()`
     /// elements): part `r` into `output` of rank `r`, bit for bit, and waits.
-    /// `input` is workspace on every rank: afterwards it holds the root's. It
-    /// runs as a broadcast of the whole input, and costs one.
+    /// `input` is workspace on every rank. Each part moves once, as a message
+    /// from the root (see [`Call::scatter`]).
     pub fn scatter<T: Element>(&self, input: &mut [T], output: &mut [T], root: u32) -> Result<()> {
         self.scope(|s| s.scatter(input, output, root)?.wait())
     }
@@ -172,12 +172,14 @@ impl Communicator {
                 "was started on another communicator",
             ));
         }
-        let (first, last) = (work.first, work.last);
+        let mut work = work;
+        let (first, last, messages) = (work.first, work.last, work.messages.take());
         std::mem::forget(work);
         Ok(OwnedWork {
             comm: Arc::clone(self),
             first,
             last,
+            messages,
         })
     }
 }

@@ -41,7 +41,7 @@ use crate::sync::unmodelled::AtomicU8;
 pub(crate) use submit::check_pointer;
 use submit::*;
 #[cfg(feature = "cuda")]
-use work::wait_range;
+use work::{wait_messages, wait_range};
 
 /// The engine a communicator runs: host (and, with the `cuda` feature, device)
 /// memory, on the fabric chosen at run time.
@@ -91,7 +91,7 @@ pub struct Communicator {
     )]
     store: PrefixStore<Arc<dyn Store>>,
     /// The channels of point-to-point messages (`point_to_point`).
-    pub(crate) channels: Channels,
+    pub(crate) channels: Arc<Channels>,
     _server: Option<TcpStoreServer>,
 }
 

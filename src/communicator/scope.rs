@@ -229,7 +229,7 @@ impl<'scope> Scope<'scope, '_> {
 
     /// Starts a scatter from rank `root` (see [`Communicator::scatter`]):
     /// part `r` of the root's `input` into rank `r`'s `output`. `input` is
-    /// workspace on every rank. Runs as a broadcast of the whole input.
+    /// workspace on every rank (see [`Call::scatter`]).
     pub fn scatter<T: Element>(
         &'scope self,
         input: &'scope mut [T],

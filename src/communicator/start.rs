@@ -3,6 +3,7 @@
 //! starts (a [`Prelude`]), and queued.
 
 use super::prelude::Fill;
+use super::work::wait_range;
 use super::*;
 
 impl Communicator {
@@ -25,9 +26,15 @@ impl Communicator {
     /// `Work::enqueue_wait` may use the memory after it).
     pub unsafe fn start(&self, call: &Call) -> Result<Work<'_>> {
         let r = self.request(call)?;
+        let by_messages = r.by_messages;
         // SAFETY: the caller's contract, as documented.
         let seq = unsafe { self.submit(r) }?;
-        Ok(Work::new(&self.engine, seq, seq))
+        let mut work = Work::new(&self.engine, seq, seq);
+        if by_messages {
+            // SAFETY: as above; the work's messages cover the call's memory.
+            work.messages = Some(unsafe { self.queue_rooted([(call, seq)]) });
+        }
+        Ok(work)
     }
 
     /// Starts every call of `calls`, in order and all in flight at once, and
@@ -60,24 +67,40 @@ impl Communicator {
             .map(|(i, c)| self.request(c).map_err(|e| in_list(argument, i, e)))
             .collect::<Result<Vec<Request>>>()?;
         let mut range: Option<(u64, u64)> = None;
-        for r in requests {
+        let mut by_messages = Vec::new();
+        for (call, r) in calls.iter().zip(requests) {
+            let moves = r.by_messages;
             // SAFETY: forwarded from the caller, per call.
             match unsafe { self.submit(r) } {
-                Ok(seq) => range = Some(range.map_or((seq, seq), |(a, _)| (a, seq))),
+                Ok(seq) => {
+                    range = Some(range.map_or((seq, seq), |(a, _)| (a, seq)));
+                    if moves {
+                        by_messages.push((call, seq));
+                    }
+                }
                 Err(e) => {
                     // Only a failed engine refuses here; the group started
                     // so far is waited for and its entries given back.
                     if let Some((first, last)) = range {
-                        drop(Work::new(&self.engine, first, last));
+                        let mut work = Work::new(&self.engine, first, last);
+                        // SAFETY: forwarded; dropping the work waits for them.
+                        work.messages = (!by_messages.is_empty())
+                            .then(|| unsafe { self.queue_rooted(by_messages) });
+                        drop(work);
                     }
                     return Err(e);
                 }
             }
         }
-        Ok(match range {
+        let mut work = match range {
             Some((first, last)) => Work::new(&self.engine, first, last),
             None => Work::empty(&self.engine),
-        })
+        };
+        if !by_messages.is_empty() {
+            // SAFETY: forwarded from the caller, per call.
+            work.messages = Some(unsafe { self.queue_rooted(by_messages) });
+        }
+        Ok(work)
     }
 
     /// Checks `call` (with no side effect when it is refused, but readying
@@ -91,8 +114,8 @@ impl Communicator {
             root,
             ..
         } = *call;
-        // A reduce, a gather and a scatter run as an all-reduce, an
-        // all-gather and a broadcast (`Collective::engine_form`).
+        // A reduce runs as an all-reduce; a gather and a scatter on device
+        // memory as an all-gather and a broadcast (`Collective::engine_form`).
         let form = collective.engine_form();
         if matches!(form, Collective::AllReduce | Collective::ReduceScatter) {
             check_op(op, dtype)?;
@@ -116,8 +139,28 @@ impl Communicator {
         let bytes = byte_len(total, dtype)?;
         let (input, output) = (call.input.cast_mut(), call.output);
         let place = self.check_memory(call, total)?;
+        // A gather or a scatter on host memory (of 2 MiB or more, in a job of
+        // up to 32 ranks: `choice::rooted_by_messages`) moves each part once,
+        // as a message to or from the root (`point_to_point::rooted`), after a
+        // check the engine runs as a barrier: the check compares the call
+        // across ranks, and its messages start only once it has passed.
+        let memory = if place.is_none() {
+            MemoryKind::Host
+        } else {
+            MemoryKind::Device
+        };
+        let by_messages =
+            choice::rooted_by_messages(collective, memory, self.world_size(), bytes as u64);
+        let form = if by_messages {
+            choice::check_moves_exactly(collective, call.options.wire)?;
+            let (engine, timeout) = (Arc::clone(&self.engine), self.timeout);
+            self.ready_rooted(|| Box::new(move |seq| wait_range(&engine, seq, seq, timeout)))?;
+            Collective::Barrier
+        } else {
+            form
+        };
         // What the engine runs: a byte-wise all-reduce for the collectives
-        // that spread bytes, one byte for a barrier.
+        // that spread bytes, one byte for a barrier or a check.
         let runs_as = match form {
             Collective::Broadcast | Collective::AllGather => (DataType::U8, bytes),
             Collective::Barrier => (DataType::U8, 1),
@@ -125,7 +168,7 @@ impl Communicator {
         };
         let chosen = choice::choose(
             choice::Call {
-                collective,
+                collective: if by_messages { form } else { collective },
                 dtype: runs_as.0,
                 bytes: runs_as.1 as u64,
                 algorithm: call.options.algorithm,
@@ -142,6 +185,7 @@ impl Communicator {
             _ => PlacedTensor::Host(HostTensor::new(at, n)),
         };
         let mut r = match collective {
+            _ if by_messages => Request::check(dtype, count, chosen),
             Collective::AllReduce | Collective::Reduce => {
                 Request::all_reduce(output, count, dtype, op, chosen)
             }
@@ -181,6 +225,27 @@ impl Communicator {
         // cost the host nothing.
         let zeros = r.chosen.zero_fill || place.is_some();
         let address = |p: *const u8| p as usize as u64;
+        // This rank's own part, copied with the check (a gather's to its
+        // place in the output, from where a rank other than the root sends
+        // it; a scatter's from the root's input).
+        let own = self.rank() as usize * n;
+        match collective {
+            Collective::Gather if by_messages && address(input) != address(output) + own as u64 => {
+                r.prelude.push(Fill::Copy {
+                    to: address(output) + own as u64,
+                    from: address(input),
+                    bytes: n,
+                });
+            }
+            Collective::Scatter if by_messages && root == self.rank() => {
+                r.prelude.push(Fill::Copy {
+                    to: address(output),
+                    from: address(input) + own as u64,
+                    bytes: n,
+                });
+            }
+            _ => {}
+        }
         match form {
             Collective::Broadcast if root != self.rank() && zeros => {
                 r.prelude.push(Fill::Zero {

@@ -62,7 +62,7 @@ impl Communicator {
                 std::thread::yield_now();
             }
         }
-        let data = if r.collective == Collective::Barrier {
+        let data = if r.checks_only {
             self.barrier_bytes[slot_of(seq)].as_ptr()
         } else {
             r.data
@@ -221,6 +221,12 @@ pub(super) struct Request {
     pub(super) root: u32,
     pub(super) deliver: Option<Delivery<Placed>>,
     pub(super) prelude: Prelude,
+    /// The engine all-reduces the communicator's barrier byte: a barrier,
+    /// or the check of a call that moves its data as messages.
+    pub(super) checks_only: bool,
+    /// The call's data moves as messages once the check has passed (a
+    /// gather or a scatter on host memory).
+    pub(super) by_messages: bool,
     /// `data` is a device address on this GPU, ordered on this stream.
     #[cfg(feature = "cuda")]
     pub(super) device: Option<DeviceCall>,
@@ -260,6 +266,8 @@ impl Request {
             root: 0,
             deliver: None,
             prelude: Prelude::default(),
+            checks_only: false,
+            by_messages: false,
             #[cfg(feature = "cuda")]
             device: None,
         }
@@ -270,6 +278,18 @@ impl Request {
         let mut r =
             Request::all_reduce(std::ptr::null_mut(), 1, DataType::U8, ReduceOp::Sum, chosen);
         r.collective = Collective::Barrier;
+        r.checks_only = true;
+        r
+    }
+
+    /// The check of a call of `count` elements of `dtype` that moves its data
+    /// as messages: a barrier whose descriptor is the call's (its collective
+    /// and root are set by the caller).
+    pub(super) fn check(dtype: DataType, count: u64, chosen: choice::Choice) -> Request {
+        let mut r = Request::barrier(chosen);
+        r.caller_dtype = dtype;
+        r.caller_elements = count;
+        r.by_messages = true;
         r
     }
 

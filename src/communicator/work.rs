@@ -2,6 +2,7 @@
 //! released.
 
 use super::*;
+use crate::point_to_point::Message;
 
 /// One operation (or a coalesced group of them) in flight.
 ///
@@ -14,6 +15,9 @@ pub struct Work<'a> {
     /// The operations covered: `first..=last`, or none if `first > last`.
     pub(super) first: u64,
     pub(super) last: u64,
+    /// The messages of gathers and scatters on host memory (see
+    /// `point_to_point::rooted`), which finish after their checks.
+    pub(super) messages: Option<Message>,
     pub(super) _data: PhantomData<&'a mut [u8]>,
 }
 
@@ -23,6 +27,7 @@ impl<'a> Work<'a> {
             engine,
             first,
             last,
+            messages: None,
             _data: PhantomData,
         }
     }
@@ -39,13 +44,15 @@ impl<'a> Work<'a> {
 
     /// Waits up to `timeout`: an error if it failed or is still running then.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
-        wait_range(self.engine, self.first, self.last, timeout)
+        let start = Instant::now();
+        wait_range(self.engine, self.first, self.last, timeout)?;
+        wait_messages(&self.messages, timeout.saturating_sub(start.elapsed()))
     }
 
     /// Whether the operation has finished, without waiting or driving it (the
     /// progress thread does); its error if it failed.
     pub fn test(&self) -> Result<bool> {
-        test_range(self.engine, self.first, self.last)
+        Ok(test_range(self.engine, self.first, self.last)? && test_messages(&self.messages)?)
     }
 
     /// The operation's sequence number (the same on every rank); the first one
@@ -57,6 +64,9 @@ impl<'a> Work<'a> {
 
 impl Drop for Work<'_> {
     fn drop(&mut self) {
+        // The messages first: they wait for their checks, whose entries the
+        // release gives back.
+        drop(self.messages.take());
         release_range(self.engine, self.first, self.last);
     }
 }
@@ -71,12 +81,16 @@ pub struct OwnedWork {
     pub(super) comm: Arc<Communicator>,
     pub(super) first: u64,
     pub(super) last: u64,
+    /// As [`Work`]'s.
+    pub(super) messages: Option<Message>,
 }
 
 impl OwnedWork {
     /// Waits up to `timeout`: an error if it failed or is still running then.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
-        wait_range(&self.comm.engine, self.first, self.last, timeout)
+        let start = Instant::now();
+        wait_range(&self.comm.engine, self.first, self.last, timeout)?;
+        wait_messages(&self.messages, timeout.saturating_sub(start.elapsed()))
     }
 
     /// Waits up to the communicator's timeout.
@@ -86,7 +100,7 @@ impl OwnedWork {
 
     /// Whether the operation has finished; its error if it failed.
     pub fn test(&self) -> Result<bool> {
-        test_range(&self.comm.engine, self.first, self.last)
+        Ok(test_range(&self.comm.engine, self.first, self.last)? && test_messages(&self.messages)?)
     }
 
     /// The operation's sequence number; the first one of a coalesced group.
@@ -134,12 +148,25 @@ impl Watch {
 
 impl Drop for OwnedWork {
     fn drop(&mut self) {
+        drop(self.messages.take());
         release_range(&self.comm.engine, self.first, self.last);
     }
 }
 
+/// Waits up to `timeout` for the messages of a work, if it has any.
+pub(super) fn wait_messages(messages: &Option<Message>, timeout: Duration) -> Result<()> {
+    messages
+        .as_ref()
+        .map_or(Ok(()), |m| m.wait_timeout(timeout))
+}
+
+/// Whether the messages of a work, if it has any, have finished.
+fn test_messages(messages: &Option<Message>) -> Result<bool> {
+    messages.as_ref().map_or(Ok(true), Message::test)
+}
+
 /// Waits for operations `first..=last`, up to `timeout` in all.
-pub(super) fn wait_range(
+pub(crate) fn wait_range(
     engine: &WorkerEngine,
     first: u64,
     last: u64,

@@ -59,6 +59,16 @@
 //! - **Reduce-scatter**: the scatter algorithm (the ring's reduce-scatter
 //!   half) on one machine of several ranks, and where a broadcast would be
 //!   relayed; hierarchical in a job with dedicated servers.
+//! - **Gather and scatter** on host memory, of at least
+//!   [`ROOTED_BY_MESSAGES_FROM`] bytes in all (the root's whole buffer) in a
+//!   job of at most [`ROOTED_BY_MESSAGES_UP_TO`] ranks: each part moves once,
+//!   as a message between its rank and the root (`point_to_point::rooted`),
+//!   after a check run as a barrier ([`rooted_by_messages`]). Smaller ones,
+//!   those of larger jobs and those on device memory run as an all-gather and
+//!   a broadcast of the root's whole input: below the size, the check and the
+//!   messages' hand-overs cost more than the bytes saved (measured below); in
+//!   larger jobs the root would hold a channel (a communicator, with its
+//!   threads and staging) per rank.
 //! - **Wire**: a compressed format applies to `f32` hierarchical calls that
 //!   cross between machines or go to dedicated servers; elsewhere the call
 //!   runs exact. Where a compressed wire applies and `auto` chose another
@@ -201,6 +211,25 @@
 //! several ranks, where it is hierarchical's reduce-scatter without the
 //! all-gather. A job with dedicated servers keeps hierarchical (its ranks link
 //! no rails, so the ring would cross the fabric inside each machine).
+//!
+//! **Gathers and scatters as messages.** `fairring-bench --collective
+//! gather|scatter --iters 20`, 2-core VM, loopback tcp, the size being the
+//! root's whole buffer, times in microseconds (as an all-gather or a broadcast
+//! of the whole buffer / as messages), one sitting:
+//!
+//! | layout | 64 KiB | 256 KiB | 1 MiB | 4 MiB | 64 MiB |
+//! |---|---|---|---|---|---|
+//! | 2x1 gather | 14 / 55 | 340 / 67 | 318 / 330 | 1810 / 956 | 30421 / 17221 |
+//! | 2x1 scatter | 17 / 81 | 39 / 108 | 425 / 350 | 1339 / 1058 | 30594 / 17211 |
+//! | 3x1 gather | 66 / 187 | 303 / 270 | 739 / 576 | 3005 / 1384 | 50944 / 22060 |
+//! | 3x1 scatter | 75 / 95 | 336 / 112 | 754 / 632 | 3079 / 1257 | 51953 / 18646 |
+//! | 1x3 gather | 36 / 739 | 95 / 203 | 562 / 793 | 2187 / 1510 | 44725 / 20361 |
+//! | 1x3 scatter | 34 / 453 | 85 / 489 | 484 / 566 | 2228 / 1222 | 46937 / 17132 |
+//!
+//! Messages move half the bytes or less and win from 4 MiB everywhere (1.3x to
+//! 2.7x); below 1 MiB the check, the gate's hand-over and each message's
+//! channel cost more than they save, most on one machine, where the all-gather
+//! never touches the fabric. So they run from 2 MiB.
 
 use fairring_core::topology::Topology;
 use fairring_core::{DataType, WireFormat};
@@ -209,6 +238,7 @@ use super::algorithm::{Resolved, relay_over_machines};
 use super::descriptor::Collective;
 use crate::config::Algorithm;
 use crate::error::{Error, Result};
+use crate::memory::MemoryKind;
 
 /// A call, as the choice sees it.
 #[derive(Clone, Copy, Debug)]
@@ -254,6 +284,45 @@ impl Choice {
     }
 }
 
+/// Refuses a compressed `wire` for `collective`, which moves bytes exactly.
+pub(crate) fn check_moves_exactly(collective: Collective, wire: Option<WireFormat>) -> Result<()> {
+    match wire {
+        Some(w) if w != WireFormat::Exact => Err(Error::invalid(
+            "wire",
+            format!(
+                "a {} moves bytes exactly: the {w} wire applies to all-reduces, reduces and \
+                 reduce-scatters of f32",
+                collective.name()
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The most ranks of a job whose gathers and scatters on host memory move
+/// their parts as messages (see the module docs).
+pub(crate) const ROOTED_BY_MESSAGES_UP_TO: u32 = 32;
+
+/// The fewest bytes in all (every rank's part) of a gather or a scatter that
+/// moves as messages (see the module docs).
+pub(crate) const ROOTED_BY_MESSAGES_FROM: u64 = 2 << 20;
+
+/// Whether a `collective` on `memory` of `bytes` in all (every rank's part),
+/// in a job of `world` ranks, moves its parts as messages after a check (see
+/// the module docs): the same on every rank, and for a dedicated server that
+/// sees only its descriptor.
+pub(crate) fn rooted_by_messages(
+    collective: Collective,
+    memory: MemoryKind,
+    world: u32,
+    bytes: u64,
+) -> bool {
+    matches!(collective, Collective::Gather | Collective::Scatter)
+        && memory == MemoryKind::Host
+        && world <= ROOTED_BY_MESSAGES_UP_TO
+        && bytes >= ROOTED_BY_MESSAGES_FROM
+}
+
 /// What `call` runs in `job` (see the module docs); an error where the call
 /// asks for what cannot run (a compressed wire for another type than `f32`).
 pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
@@ -261,18 +330,8 @@ pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
     // in an error stays the call's).
     let form = call.collective.engine_form();
     let reduces = matches!(form, Collective::AllReduce | Collective::ReduceScatter);
-    if let Some(wire) = call.wire
-        && wire != WireFormat::Exact
-        && !reduces
-    {
-        return Err(Error::invalid(
-            "wire",
-            format!(
-                "a {} moves bytes exactly: the {wire} wire applies to all-reduces, reduces and \
-                 reduce-scatters of f32",
-                call.collective.name()
-            ),
-        ));
+    if !reduces {
+        check_moves_exactly(call.collective, call.wire)?;
     }
     if let Some(wire) = call.wire
         && !wire.carries(call.dtype)

@@ -52,11 +52,13 @@ fairring_core::named_enum! {
         Barrier = 5 => "barrier",
         /// Every rank's tensor reduced into the root's (run as an all-reduce).
         Reduce = 6 => "reduce",
-        /// Every rank's input, in rank order, into the root's output (run as
-        /// an all-gather).
+        /// Every rank's input, in rank order, into the root's output (as
+        /// messages to the root after a check, or as an all-gather: see
+        /// [`Call::gather`](crate::Call::gather)).
         Gather = 7 => "gather",
         /// Each part of the root's input into the output of the rank of its
-        /// index (run as a broadcast of the whole input).
+        /// index (as messages from the root after a check, or as a broadcast
+        /// of the whole input: see [`Call::scatter`](crate::Call::scatter)).
         Scatter = 8 => "scatter",
     }
 }
@@ -202,6 +204,18 @@ impl Descriptor {
         Some(match self.collective {
             Collective::AllReduce | Collective::Reduce => (self.elements, self.dtype, self.op),
             Collective::Broadcast => (bytes(self.elements)?, DataType::U8, ReduceOp::Sum),
+            // On host memory a gather's or a scatter's data moves as messages
+            // after a check, which runs as a barrier.
+            Collective::Gather | Collective::Scatter
+                if super::choice::rooted_by_messages(
+                    self.collective,
+                    self.memory,
+                    world,
+                    bytes(self.elements.checked_mul(u64::from(world))?)?,
+                ) =>
+            {
+                (1, DataType::U8, ReduceOp::Sum)
+            }
             Collective::Scatter => (
                 bytes(self.elements.checked_mul(u64::from(world))?)?,
                 DataType::U8,

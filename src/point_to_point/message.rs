@@ -58,6 +58,10 @@ enum Phase {
     Failed(Error),
 }
 
+/// How long a finished message waits for its settler to let go of it before
+/// it is let go of instead of reused.
+const SETTLER_LETS_GO: Duration = Duration::from_millis(1);
+
 /// Recycled messages and lists of them. Once closed (with the
 /// communicator), what comes back is let go of.
 pub(crate) struct Pool {
@@ -138,6 +142,12 @@ impl Pool {
     /// drops its work first (waiting for it, if it is still running),
     /// outside the pool's lock.
     fn give_back(&self, mut p: Arc<Posted>) {
+        // Whoever settled it (a channel, the gate) lets go of it right after
+        // waking its waiters: a moment's wait keeps it for reuse.
+        let deadline = Instant::now() + SETTLER_LETS_GO;
+        while Arc::strong_count(&p) > 1 && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
         let Some(slot) = Arc::get_mut(&mut p) else {
             return;
         };
@@ -165,6 +175,11 @@ impl Posted {
         } else {
             format!("a receive from rank {}", self.peer)
         }
+    }
+
+    /// The channel's sender and receiver.
+    pub(super) fn channel(&self) -> (u32, u32) {
+        (self.src, self.dst)
     }
 
     /// `e`, from the channel's communicator, in the job's ranks.

@@ -32,7 +32,9 @@
 
 mod all_to_all;
 mod channel;
+mod gate;
 mod message;
+mod rooted;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -46,6 +48,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::store::Store;
 use channel::Channel;
+use gate::Gate;
 pub use message::Message;
 use message::{Pool, Posted};
 
@@ -67,11 +70,13 @@ pub(crate) struct Channels {
     closed: Mutex<bool>,
     /// Finished messages, for reuse.
     pool: Arc<Pool>,
+    /// Where the messages of gathers and scatters wait for their checks.
+    gate: Gate,
 }
 
 impl Channels {
-    pub(crate) fn new(config: &Config, store: Arc<dyn Store>) -> Channels {
-        Channels {
+    pub(crate) fn new(config: &Config, store: Arc<dyn Store>) -> Arc<Channels> {
+        Arc::new(Channels {
             config: config.clone(),
             store,
             rank: config.rank,
@@ -79,7 +84,8 @@ impl Channels {
             open: Mutex::new(HashMap::new()),
             closed: Mutex::new(false),
             pool: Pool::new(),
-        }
+            gate: Gate::new(),
+        })
     }
 
     /// The channel from `src` to `dst` (one of them this rank), met when
@@ -99,10 +105,12 @@ impl Channels {
         Ok(channel)
     }
 
-    /// Fails every message still waiting for its channel, stops every
-    /// meeting (joining its thread), and lets go of the store: after this no
-    /// thread of a channel touches the job's store.
+    /// Settles what waits at the gate, fails every message still waiting for
+    /// its channel, stops every meeting (joining its thread), and lets go of
+    /// the store: after this no thread of a channel touches the job's store.
     pub(crate) fn close(&self) {
+        // The gate first: what it still holds goes to the channels, or fails.
+        self.gate.close();
         *self.closed.lock().unwrap_or_else(PoisonError::into_inner) = true;
         let open: Vec<Arc<Channel>> = self
             .open

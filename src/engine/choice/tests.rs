@@ -195,3 +195,27 @@ fn auto_relays_spreads_across_machines() {
         Resolved::Hierarchical
     );
 }
+
+#[test]
+fn gathers_and_scatters_on_host_memory_move_as_messages_in_jobs_up_to_the_limit() {
+    let (up_to, from) = (ROOTED_BY_MESSAGES_UP_TO, ROOTED_BY_MESSAGES_FROM);
+    for c in [Collective::Gather, Collective::Scatter] {
+        assert!(rooted_by_messages(c, MemoryKind::Host, 2, from));
+        assert!(rooted_by_messages(c, MemoryKind::Host, up_to, 1 << 30));
+        assert!(!rooted_by_messages(c, MemoryKind::Host, 2, from - 1));
+        assert!(!rooted_by_messages(c, MemoryKind::Host, up_to + 1, 1 << 30));
+        assert!(!rooted_by_messages(c, MemoryKind::Device, 2, 1 << 30));
+    }
+    for c in [
+        Collective::AllGather,
+        Collective::Broadcast,
+        Collective::Reduce,
+        Collective::AllReduce,
+        Collective::Barrier,
+    ] {
+        assert!(
+            !rooted_by_messages(c, MemoryKind::Host, 2, 1 << 30),
+            "{c:?}"
+        );
+    }
+}

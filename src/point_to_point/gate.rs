@@ -1,0 +1,208 @@
+//! The gate: messages that start only once an operation of the communicator
+//! has finished. A gather or a scatter on host memory moves its bytes as
+//! messages, but first runs a check on the engine (the call's descriptor,
+//! compared across ranks like any collective's). Its messages wait at the
+//! gate until the check passes, so that ranks that disagree on the root, the
+//! size or the type fail with the check's [`Error::Mismatch`] naming both,
+//! and no message is ever matched against another call's.
+//!
+//! One thread per communicator, made when the first such call is issued,
+//! waits for the checks in the order they were queued and hands each call's
+//! messages to their channels (or fails them with the check's error). It
+//! allocates nothing per call once warm: the lists it is handed come back to
+//! it.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
+use std::thread::JoinHandle;
+
+use super::{Channels, Posted};
+use crate::communicator::Call;
+use crate::error::{Error, Result};
+
+/// Waits for the communicator's operation of this sequence number: its
+/// failure, or a timeout, if it does not finish.
+pub(crate) type CheckWait = Box<dyn Fn(u64) -> Result<()> + Send + Sync>;
+
+/// The messages of one call, each the call of its channel and its post.
+pub(super) struct GatedPosts(pub(super) Vec<(Call, Arc<Posted>)>);
+
+// SAFETY: the calls' pointers are the caller's memory, which the contract of
+// `Communicator::start` keeps valid and unshared until the call's work
+// reports completion; the gate thread only hands them to a channel, as the
+// calling thread would have. An emptied list holds none.
+unsafe impl Send for GatedPosts {}
+
+/// The gate of one communicator (see the module's documentation).
+pub(super) struct Gate {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    wake: Condvar,
+}
+
+struct Queue {
+    /// Cleared when the communicator closes; the thread then ends.
+    open: bool,
+    /// Calls waiting for their check, in the order they were issued.
+    waiting: VecDeque<Gated>,
+    /// Emptied lists, for the next calls.
+    free: Vec<GatedPosts>,
+}
+
+/// One call's messages, waiting for the check `check`.
+struct Gated {
+    check: u64,
+    posts: GatedPosts,
+}
+
+impl Gate {
+    pub(super) fn new() -> Gate {
+        Gate {
+            shared: Arc::new(Shared {
+                queue: Mutex::new(Queue {
+                    open: true,
+                    waiting: VecDeque::new(),
+                    free: Vec::new(),
+                }),
+                wake: Condvar::new(),
+            }),
+            thread: Mutex::new(None),
+        }
+    }
+
+    /// Starts the gate's thread unless it runs: it waits with `wait` (made
+    /// only the first time) and posts on `channels`. Refused once closed.
+    pub(super) fn open(
+        &self,
+        channels: &Arc<Channels>,
+        wait: impl FnOnce() -> CheckWait,
+    ) -> Result<()> {
+        let mut thread = self.thread.lock().unwrap_or_else(PoisonError::into_inner);
+        if !self.shared.lock().open {
+            return Err(Error::invalid("comm", "the communicator is closing"));
+        }
+        if thread.is_none() {
+            let (shared, channels, wait) =
+                (Arc::clone(&self.shared), Arc::downgrade(channels), wait());
+            let rank = channels.upgrade().map_or(0, |c| c.rank);
+            let spawned = std::thread::Builder::new()
+                .name(format!("fairring-gate-{rank}"))
+                .spawn(move || run(&shared, &channels, &wait))
+                .map_err(|e| Error::io("starting the gate of gathers and scatters", e))?;
+            *thread = Some(spawned);
+        }
+        Ok(())
+    }
+
+    /// An empty list for one call's messages, with room for `n`.
+    pub(super) fn list(&self, n: usize) -> GatedPosts {
+        let mut list = self
+            .shared
+            .lock()
+            .free
+            .pop()
+            .unwrap_or(GatedPosts(Vec::new()));
+        list.0.reserve(n);
+        list
+    }
+
+    /// Queues `posts` to start once operation `check` has finished. Never
+    /// refused: the posts fail if the gate closes first.
+    pub(super) fn queue(&self, check: u64, posts: GatedPosts) {
+        let mut queue = self.shared.lock();
+        if queue.open {
+            queue.waiting.push_back(Gated { check, posts });
+            drop(queue);
+            self.shared.wake.notify_one();
+        } else {
+            drop(queue);
+            fail(posts, &closed());
+        }
+    }
+
+    /// Ends the thread once it has settled every call queued so far (each
+    /// waits at most for its check's timeout), and joins it.
+    pub(super) fn close(&self) {
+        self.shared.lock().open = false;
+        self.shared.wake.notify_all();
+        let thread = self
+            .thread
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The gate's thread: each queued call in turn, until closed and drained.
+fn run(shared: &Shared, channels: &Weak<Channels>, wait: &CheckWait) {
+    loop {
+        let next = {
+            let mut queue = shared.lock();
+            loop {
+                if let Some(g) = queue.waiting.pop_front() {
+                    break g;
+                }
+                if !queue.open {
+                    return;
+                }
+                queue = shared
+                    .wake
+                    .wait(queue)
+                    .unwrap_or_else(PoisonError::into_inner);
+            }
+        };
+        let Gated { check, mut posts } = next;
+        let outcome = wait(check);
+        let channels = channels.upgrade();
+        // The list goes back before its last post is settled: the caller,
+        // who may issue the next call as soon as every post has finished,
+        // then finds it free.
+        while let Some((call, posted)) = posts.0.pop() {
+            if posts.0.is_empty() {
+                let empty = std::mem::replace(&mut posts, GatedPosts(Vec::new()));
+                let mut queue = shared.lock();
+                if queue.open {
+                    queue.free.push(empty);
+                }
+            }
+            match (&outcome, &channels) {
+                (Ok(()), Some(c)) => {
+                    let (src, dst) = posted.channel();
+                    match c.get(src, dst) {
+                        // SAFETY: the call's memory is the caller's until the
+                        // post reports completion (`GatedPosts`' SAFETY note);
+                        // the channel starts it as any message.
+                        Ok(channel) => unsafe { channel.post(call, posted) },
+                        Err(e) => posted.settle(Err(e)),
+                    }
+                }
+                (Ok(()), None) => posted.settle(Err(closed())),
+                (Err(e), _) => posted.settle(Err(e.clone())),
+            }
+        }
+    }
+}
+
+/// Fails every post of `posts` with `error`.
+fn fail(posts: GatedPosts, error: &Error) {
+    for (_, posted) in posts.0 {
+        posted.settle(Err(error.clone()));
+    }
+}
+
+fn closed() -> Error {
+    Error::invalid("comm", "the communicator was closed")
+}
