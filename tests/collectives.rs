@@ -537,6 +537,20 @@ fn bitwise_operators_on_floats_and_avg_on_bool_are_refused_naming_the_op() {
     );
 }
 
+/// Reduces `data` in place to `root`, through [`fairring::Call::reduce`].
+fn reduce_in_place<T: Element>(
+    comm: &fairring::Communicator,
+    data: &mut [T],
+    op: ReduceOp,
+    root: u32,
+) -> fairring::Result<()> {
+    let p = data.as_mut_ptr();
+    let n = data.len() as u64;
+    let call = fairring::Call::reduce(p.cast_const().cast(), p.cast(), n, T::DTYPE, op, root);
+    // SAFETY: `data` is borrowed mutably until the work has been waited for.
+    unsafe { comm.start(&call) }.and_then(|work| work.wait())
+}
+
 #[test]
 fn reduce_gather_and_scatter_to_and_from_every_root() {
     for_every_layout(|m, d, servers, algorithm| {
@@ -565,21 +579,9 @@ fn reduce_gather_and_scatter_to_and_from_every_root() {
                         );
                         // In place.
                         let mut in_place: Vec<i64> = input.clone();
-                        let p = in_place.as_mut_ptr();
-                        let call = fairring::Call::reduce(
-                            p.cast_const().cast(),
-                            p.cast(),
-                            n as u64,
-                            fairring::DataType::I64,
-                            ReduceOp::Max,
-                            root,
+                        reduce_in_place(comm, &mut in_place, ReduceOp::Max, root).unwrap_or_else(
+                            |e| panic!("{label}: rank {rank}: reduce in place: {e}"),
                         );
-                        // SAFETY: `in_place` is untouched until the work is waited for.
-                        unsafe { comm.start(&call) }
-                            .and_then(|work| work.wait())
-                            .unwrap_or_else(|e| {
-                                panic!("{label}: rank {rank}: reduce in place: {e}")
-                            });
                         // Gather of f32 bit patterns (NaN payloads, -0.0).
                         let mine: Vec<f32> =
                             (0..n).map(|i| f32::from_bits(bits(rank, k, i))).collect();
@@ -716,6 +718,127 @@ fn gathers_and_scatters_that_move_as_messages_are_exact_from_every_root() {
                     .count();
                 assert_eq!(wrong, 0, "{context}: scatter");
             }
+        }
+    }
+}
+
+/// Reduces of 2 MiB or more (but of halves) run as a chain of messages
+/// ending at the root where machines have one rank each: 2 to 4 machines,
+/// with dedicated servers too, every root, in place and not, several
+/// operators and types, odd sizes spanning several chunks.
+#[test]
+fn reduces_that_move_as_a_chain_are_exact_at_every_root() {
+    let layouts = [(2, 1, 0), (3, 1, 0), (4, 1, 0)]
+        .into_iter()
+        .chain(SERVER_LAYOUTS.into_iter().filter(|&(_, d, _)| d == 1));
+    // Just over 2 MiB: three chunks, the last one short.
+    let n = (2 << 20) / 8 + 3;
+    for (m, d, servers) in layouts {
+        let world = m * d;
+        let label = format!("{m}x{d}+{servers}");
+        let results = job_with_servers(
+            m,
+            d,
+            servers,
+            |b| b,
+            |rank, comm| {
+                let mut out = Vec::new();
+                for root in 0..world {
+                    let k = root as usize;
+                    // i64 xor, not in place: the input stays as it was.
+                    let input: Vec<i64> = (0..n).map(|i| value(rank, k, i)).collect();
+                    let mut xor = vec![-1i64; n];
+                    comm.reduce(&input, &mut xor, ReduceOp::BitXor, root)
+                        .unwrap_or_else(|e| panic!("{label}: rank {rank}: reduce: {e}"));
+                    assert!((0..n).all(|i| input[i] == value(rank, k, i)));
+                    // f64 average of whole numbers, in place: exact sums, one
+                    // division at the root.
+                    let mut avg: Vec<f64> =
+                        (0..n).map(|i| (value(rank, k, i) % 1000) as f64).collect();
+                    reduce_in_place(comm, &mut avg, ReduceOp::Avg, root)
+                        .unwrap_or_else(|e| panic!("{label}: rank {rank}: reduce in place: {e}"));
+                    // u8 max of an odd byte count.
+                    let bytes: Vec<u8> = (0..2 * n + 1).map(|i| value(rank, k, i) as u8).collect();
+                    let mut max = vec![0u8; 2 * n + 1];
+                    comm.reduce(&bytes, &mut max, ReduceOp::Max, root)
+                        .unwrap_or_else(|e| panic!("{label}: rank {rank}: reduce u8: {e}"));
+                    if rank == root {
+                        out.push((root, xor, avg, max));
+                    }
+                }
+                out
+            },
+        );
+        for (rank, per_rank) in results.iter().enumerate() {
+            for (root, xor, avg, max) in per_rank {
+                let (root, k) = (*root, *root as usize);
+                assert_eq!(rank as u32, root);
+                let context = format!("{label}: root {root}");
+                let wrong = (0..n)
+                    .filter(|&i| xor[i] != (0..world).fold(0, |a, r| a ^ value(r, k, i)))
+                    .count();
+                assert_eq!(wrong, 0, "{context}: xor");
+                let wrong = (0..n)
+                    .filter(|&i| {
+                        let sum: f64 = (0..world).map(|r| (value(r, k, i) % 1000) as f64).sum();
+                        avg[i].to_bits() != (sum / f64::from(world)).to_bits()
+                    })
+                    .count();
+                assert_eq!(wrong, 0, "{context}: avg");
+                let wrong = (0..2 * n + 1)
+                    .filter(|&i| {
+                        max[i] != (0..world).map(|r| value(r, k, i) as u8).max().unwrap_or(0)
+                    })
+                    .count();
+                assert_eq!(wrong, 0, "{context}: max");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_chained_reduce_moves_the_tensor_once_per_link() {
+    // Four machines of one rank, root 1: the chain is 0 -> 3 -> 2 -> 1. An
+    // all-reduce (what a reduce once ran as) sends and receives 1.5 tensors
+    // per rank.
+    let (m, n) = (4u32, 4usize << 20);
+    let slack = n as u64 / 8;
+    let moved = job(
+        m,
+        1,
+        |b| b,
+        |rank, comm| {
+            let input = vec![rank as u8; n];
+            let mut output = vec![0u8; n];
+            let mut counted = (0, 0);
+            // The first round meets the channels; the second is measured.
+            for round in 0..2 {
+                let before = comm.traffic();
+                comm.reduce(&input, &mut output, ReduceOp::Sum, 1)
+                    .unwrap_or_else(|e| panic!("rank {rank}: reduce: {e}"));
+                let after = comm.traffic();
+                if round == 1 {
+                    counted = (
+                        after.sent_bytes - before.sent_bytes,
+                        after.received_bytes - before.received_bytes,
+                    );
+                }
+            }
+            if rank == 1 {
+                assert!(output.iter().all(|&b| b == 6), "rank 1: the sum");
+            }
+            counted
+        },
+    );
+    let once = |bytes: u64| bytes >= n as u64 && bytes <= n as u64 + slack;
+    let none = |bytes: u64| bytes < slack;
+    for (rank, &(sent, received)) in moved.iter().enumerate() {
+        let context = format!("rank {rank}: sent {sent} and received {received} bytes of {n}");
+        match rank {
+            // The chain's start, the root, and the two between.
+            0 => assert!(once(sent) && none(received), "{context}"),
+            1 => assert!(none(sent) && once(received), "{context}"),
+            _ => assert!(once(sent) && once(received), "{context}"),
         }
     }
 }

@@ -201,9 +201,20 @@ fn a_stopped_rank_fails_its_message_peers_naming_it() {
     message_peers_name_the_lost_rank(libc::SIGSTOP);
 }
 
+/// Gathers, scatters and reduces of 4 MiB move as messages (a reduce as a
+/// chain, 2 -> 1 -> 0 on 3x1): a rank lost in the middle fails the others.
+#[test]
+fn a_killed_rank_fails_the_peers_of_its_gathers_scatters_and_chained_reduces() {
+    message_peers_name_the_lost_rank_in(libc::SIGKILL, "rooted");
+}
+
 fn message_peers_name_the_lost_rank(signal: i32) {
+    message_peers_name_the_lost_rank_in(signal, "messages");
+}
+
+fn message_peers_name_the_lost_rank_in(signal: i32, scenario: &str) {
     for (m, d) in [(3, 1), (1, 3)] {
-        let mut job = Job::start(m, d, &[0, 1, 2], &["messages", "4194304", "60"], &[]);
+        let mut job = Job::start(m, d, &[0, 1, 2], &[scenario, "4194304", "60"], &[]);
         job.await_all(&[0, 1, 2], "READY", Duration::from_secs(30));
         std::thread::sleep(Duration::from_millis(100));
         let at = Instant::now();
@@ -212,7 +223,7 @@ fn message_peers_name_the_lost_rank(signal: i32) {
         let failed = job.await_all(&peers, "FAILED", 2 * TIMEOUT + Duration::from_secs(1));
         for (&rank, (line, when)) in peers.iter().zip(&failed) {
             let took = when.duration_since(at);
-            eprintln!("{m}x{d} messages: rank {rank} failed after {took:?}: {line}");
+            eprintln!("{m}x{d} {scenario}: rank {rank} failed after {took:?}: {line}");
             assert!(took <= 2 * TIMEOUT, "{m}x{d}: rank {rank} took {took:?}");
             assert!(
                 line.contains("rank 1"),

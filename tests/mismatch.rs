@@ -254,11 +254,12 @@ fn on_wire(wire: WireFormat) -> fairring::Options {
     }
 }
 
-/// Gathers and scatters of 2 MiB or more move as messages once a check has
-/// passed: ranks that disagree on the root or the size fail the check, naming
-/// both, and no message is matched against another call's.
+/// Gathers, scatters and reduces of 2 MiB or more move as messages once a
+/// check has passed: ranks that disagree on the root, the size or the
+/// operator fail the check, naming both, and no message is matched against
+/// another call's.
 #[test]
-fn roots_and_sizes_of_gathers_and_scatters_that_move_as_messages_differ() {
+fn roots_sizes_and_operators_of_calls_that_move_as_messages_differ() {
     for (m, d) in LAYOUTS {
         let world = (m * d) as usize;
         let n = (2 << 20) / world;
@@ -287,6 +288,32 @@ fn roots_and_sizes_of_gathers_and_scatters_that_move_as_messages_differ() {
                 &format!("scatter of {n} x u8 per rank, root 0"),
                 &format!("scatter of {} x u8 per rank, root 0", n + 1),
             ],
+        );
+        let f = (2 << 20) / 4;
+        expect_mismatch(
+            m,
+            d,
+            |rank, comm| {
+                let mut output = vec![0f32; f];
+                comm.reduce(&vec![1f32; f], &mut output, ReduceOp::Sum, other_root(rank))
+            },
+            [
+                &format!("reduce of {f} x f32 to rank 1"),
+                &format!("reduce of {f} x f32 to rank 0"),
+            ],
+        );
+        expect_mismatch(
+            m,
+            d,
+            |rank, comm| {
+                let op = if rank == 0 {
+                    ReduceOp::Sum
+                } else {
+                    ReduceOp::Max
+                };
+                comm.reduce(&vec![1f32; f], &mut vec![0f32; f], op, 0)
+            },
+            ["(sum", "(max"],
         );
     }
 }

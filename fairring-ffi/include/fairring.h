@@ -77,8 +77,7 @@
 // A barrier.
 #define FR_COLLECTIVE_BARRIER 5
 
-// A reduce to `root` (run as an all-reduce; `output` is workspace on the
-// other ranks).
+// A reduce to `root` (`output` is workspace on the other ranks).
 #define FR_COLLECTIVE_REDUCE 6
 
 // A gather to `root` of every rank's `count` input elements into the output
@@ -443,8 +442,11 @@ fr_status fr_reduce_scatter(const fr_comm *comm,
 
 // Starts a reduce with `op` to rank `root`: every rank's `count` elements
 // of `dtype` at `input` are reduced into the root's `output`. On the other
-// ranks `output` is workspace. `input` may be `output` (in place). It runs
-// as an all-reduce, and costs one.
+// ranks `output` is workspace. `input` may be `output` (in place). On host
+// memory, of 2 MiB or more, in a job of up to 32 machines of one rank each,
+// it runs as a chain of messages ending at the root (each contribution
+// crossing one link once; not for f16 and bf16); otherwise as an
+// all-reduce.
 //
 // # Safety
 //

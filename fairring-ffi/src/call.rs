@@ -23,8 +23,7 @@ pub const FR_COLLECTIVE_ALL_GATHER: i32 = 3;
 pub const FR_COLLECTIVE_REDUCE_SCATTER: i32 = 4;
 /// A barrier.
 pub const FR_COLLECTIVE_BARRIER: i32 = 5;
-/// A reduce to `root` (run as an all-reduce; `output` is workspace on the
-/// other ranks).
+/// A reduce to `root` (`output` is workspace on the other ranks).
 pub const FR_COLLECTIVE_REDUCE: i32 = 6;
 /// A gather to `root` of every rank's `count` input elements into the output
 /// (`world_size * count`; workspace on the other ranks).

@@ -387,8 +387,11 @@ pub unsafe extern "C" fn fr_reduce_scatter(
 
 /// Starts a reduce with `op` to rank `root`: every rank's `count` elements
 /// of `dtype` at `input` are reduced into the root's `output`. On the other
-/// ranks `output` is workspace. `input` may be `output` (in place). It runs
-/// as an all-reduce, and costs one.
+/// ranks `output` is workspace. `input` may be `output` (in place). On host
+/// memory, of 2 MiB or more, in a job of up to 32 machines of one rank each,
+/// it runs as a chain of messages ending at the root (each contribution
+/// crossing one link once; not for f16 and bf16); otherwise as an
+/// all-reduce.
 ///
 /// # Safety
 ///

@@ -368,9 +368,10 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         return _Chained(all_done, works)
 
     def reduce(self, tensors, opts=None):
-        """Reduces every rank's tensor into the root's. The engine runs it as
-        an all-reduce into workspace on the other ranks, whose tensors are only
-        read."""
+        """Reduces every rank's tensor into the root's, into workspace on the
+        other ranks, whose tensors are only read: as a chain of messages ending
+        at the root where it pays (2 MiB or more, machines of one rank each),
+        else as an all-reduce."""
         what = "reduce"
         if len(tensors) != 1:
             raise ValueError(f"fairring: {what}: expected one tensor, got {len(tensors)}")

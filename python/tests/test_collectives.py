@@ -167,9 +167,21 @@ def collectives(rank, world, port):
             dist.reduce_scatter(out2, list(full[0].chunk(world)), op=op)
             assert torch.equal(out, out2), (dtype, op)
     # Gathers and scatters of 2 MiB or more in all move each part once, as a
-    # message between its rank and the root.
+    # message between its rank and the root; reduces of 2 MiB or more between
+    # machines of one rank each run as a chain of messages.
     big = (2 << 20) // (4 * world) + 5
+    whole = (2 << 20) // 4 + 3
     for root in range(world):
+        for op in [R.SUM, R.MAX]:
+            t = rank_input(rank, whole, torch.float32, salt=root)
+            before = t.clone()
+            dist.reduce(t, dst=root, op=op)
+            if rank == root:
+                inputs = [rank_input(r, whole, torch.float32, salt=root) for r in range(world)]
+                assert close(t, reference(inputs, op).float(), torch.float32, world), (root, op)
+            else:
+                assert torch.equal(t, before), "reduce changed a non-root tensor"
+
         outs = [torch.empty(big) for _ in range(world)] if rank == root else None
         dist.gather(rank_input(rank, big, torch.float32, salt=root), outs, dst=root)
         for r in range(world if rank == root else 0):

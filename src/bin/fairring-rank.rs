@@ -9,6 +9,9 @@
 //! fairring-rank messages [BYTES [SECONDS]] send BYTES of f32 to the next rank of the
 //!                                          ring and receive as much from the previous
 //!                                          one, in a loop (each pair's channel)
+//! fairring-rank rooted [BYTES [SECONDS]]   gather, scatter and reduce BYTES of f32 to
+//!                                          and from rank 0 in a loop (as messages from
+//!                                          2 MiB)
 //! fairring-rank abort-late                 rank 0 aborts from a second thread while
 //!                                          every rank waits in a barrier that rank 1
 //!                                          joins late; then everyone tries more work
@@ -64,6 +67,20 @@ fn messages(comm: &Communicator, bytes: u64, seconds: u64) -> i32 {
             &mut [(next, &mut out[..])],
             &mut [(previous, &mut back[..])],
         )
+    })
+}
+
+fn rooted(comm: &Communicator, bytes: u64, seconds: u64) -> i32 {
+    let elements = usize::try_from(bytes / 4).unwrap_or(1).max(1);
+    let world = comm.world_size() as usize;
+    let part = elements / world;
+    let mut whole = vec![1.0f32; part * world];
+    let mut mine = vec![1.0f32; part];
+    let mut reduced = vec![1.0f32; elements];
+    in_a_loop(seconds, |_| {
+        comm.gather(&mine.clone(), &mut whole, 0)?;
+        comm.scatter(&mut whole, &mut mine, 0)?;
+        comm.reduce(&vec![1.0f32; elements], &mut reduced, ReduceOp::Max, 0)
     })
 }
 
@@ -172,10 +189,11 @@ fn main() {
         "steady" => steady(&comm, number(&args, 2, 1 << 20), number(&args, 3, 60)),
         "repeat" => repeat(&comm, number(&args, 2, 1 << 20), number(&args, 3, 10)),
         "messages" => messages(&comm, number(&args, 2, 1 << 20), number(&args, 3, 60)),
+        "rooted" => rooted(&comm, number(&args, 2, 4 << 20), number(&args, 3, 60)),
         "abort-late" => abort_late(&comm),
         other => {
             eprintln!(
-                "fairring-rank: unknown scenario {other:?} (steady, repeat, messages, abort-late)"
+                "fairring-rank: unknown scenario {other:?} (steady, repeat, messages, rooted, abort-late)"
             );
             2
         }

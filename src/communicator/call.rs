@@ -140,8 +140,11 @@ impl Call {
     /// `input` is only read, and may be `output` itself (in place) but must
     /// not otherwise overlap it.
     ///
-    /// It runs as an all-reduce into every rank's `output`, and costs what
-    /// one does.
+    /// On host memory, of 2 MiB or more, in a job of up to 32 machines of one
+    /// rank each, it runs as a chain of messages ending at the root, each
+    /// rank's contribution crossing one link once (sums are combined in the
+    /// chain's order; not for `f16` and `bf16`); elsewhere as an all-reduce
+    /// into every rank's `output`.
     pub fn reduce(
         input: *const u8,
         output: *mut u8,

@@ -35,7 +35,8 @@ impl Communicator {
 
     /// Reduces every rank's `input` with `op` into `output` of rank `root`,
     /// and waits. Elsewhere `output` (as long as `input`) is workspace,
-    /// unspecified afterwards. It runs as an all-reduce, and costs one.
+    /// unspecified afterwards. Large ones between machines of one rank each
+    /// run as a chain of messages (see [`Call::reduce`]).
     pub fn reduce<T: Element>(
         &self,
         input: &[T],

@@ -139,10 +139,10 @@ impl Communicator {
         let bytes = byte_len(total, dtype)?;
         let (input, output) = (call.input.cast_mut(), call.output);
         let place = self.check_memory(call, total)?;
-        // A gather or a scatter on host memory (of 2 MiB or more, in a job of
-        // up to 32 ranks: `choice::rooted_by_messages`) moves each part once,
-        // as a message to or from the root (`point_to_point::rooted`), after a
-        // check the engine runs as a barrier: the check compares the call
+        // A gather, a scatter or a reduce on host memory (of 2 MiB or more, in
+        // a job of up to 32 ranks: `choice::rooted_by_messages`) moves as
+        // messages (`point_to_point::rooted`, `point_to_point::chain`), after
+        // a check the engine runs as a barrier: the check compares the call
         // across ranks, and its messages start only once it has passed.
         let memory = if place.is_none() {
             MemoryKind::Host
@@ -150,7 +150,7 @@ impl Communicator {
             MemoryKind::Device
         };
         let by_messages =
-            choice::rooted_by_messages(collective, memory, self.world_size(), bytes as u64);
+            choice::rooted_by_messages(collective, dtype, memory, self.topology, bytes as u64);
         let form = if by_messages {
             choice::check_moves_exactly(collective, call.options.wire)?;
             let (engine, timeout) = (Arc::clone(&self.engine), self.timeout);
@@ -185,7 +185,9 @@ impl Communicator {
             _ => PlacedTensor::Host(HostTensor::new(at, n)),
         };
         let mut r = match collective {
-            _ if by_messages => Request::check(dtype, count, chosen),
+            // Only a reduce's operator is its own (others ignore theirs).
+            Collective::Reduce if by_messages => Request::check(dtype, count, op, chosen),
+            _ if by_messages => Request::check(dtype, count, ReduceOp::Sum, chosen),
             Collective::AllReduce | Collective::Reduce => {
                 Request::all_reduce(output, count, dtype, op, chosen)
             }
@@ -233,6 +235,14 @@ impl Communicator {
             Collective::Gather if by_messages && address(input) != address(output) + own as u64 => {
                 r.prelude.push(Fill::Copy {
                     to: address(output) + own as u64,
+                    from: address(input),
+                    bytes: n,
+                });
+            }
+            // A chained reduce reduces into its output, which holds its input.
+            Collective::Reduce if by_messages && input != output => {
+                r.prelude.push(Fill::Copy {
+                    to: address(output),
                     from: address(input),
                     bytes: n,
                 });

@@ -78,7 +78,7 @@ impl Communicator {
             elements: r.caller_elements,
         };
         // Dedicated servers plan the operation from its descriptor alone.
-        if descriptor.runs_as(self.topology.world_size()) != Some((elements, r.dtype, r.op)) {
+        if descriptor.runs_as(self.topology) != Some((elements, r.dtype, r.op)) {
             self.engine.works.give_back(seq);
             return Err(Error::internal(
                 "a descriptor says which all-reduce its call runs as",
@@ -282,12 +282,18 @@ impl Request {
         r
     }
 
-    /// The check of a call of `count` elements of `dtype` that moves its data
-    /// as messages: a barrier whose descriptor is the call's (its collective
-    /// and root are set by the caller).
-    pub(super) fn check(dtype: DataType, count: u64, chosen: choice::Choice) -> Request {
+    /// The check of a call of `count` elements of `dtype` with `op` that
+    /// moves its data as messages: a barrier whose descriptor is the call's
+    /// (its collective and root are set by the caller).
+    pub(super) fn check(
+        dtype: DataType,
+        count: u64,
+        op: ReduceOp,
+        chosen: choice::Choice,
+    ) -> Request {
         let mut r = Request::barrier(chosen);
         r.caller_dtype = dtype;
+        r.caller_op = op;
         r.caller_elements = count;
         r.by_messages = true;
         r

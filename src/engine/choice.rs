@@ -59,16 +59,22 @@
 //! - **Reduce-scatter**: the scatter algorithm (the ring's reduce-scatter
 //!   half) on one machine of several ranks, and where a broadcast would be
 //!   relayed; hierarchical in a job with dedicated servers.
-//! - **Gather and scatter** on host memory, of at least
+//! - **Gather, scatter and reduce** on host memory, of at least
 //!   [`ROOTED_BY_MESSAGES_FROM`] bytes in all (the root's whole buffer) in a
-//!   job of at most [`ROOTED_BY_MESSAGES_UP_TO`] ranks: each part moves once,
-//!   as a message between its rank and the root (`point_to_point::rooted`),
-//!   after a check run as a barrier ([`rooted_by_messages`]). Smaller ones,
-//!   those of larger jobs and those on device memory run as an all-gather and
-//!   a broadcast of the root's whole input: below the size, the check and the
-//!   messages' hand-overs cost more than the bytes saved (measured below); in
-//!   larger jobs the root would hold a channel (a communicator, with its
-//!   threads and staging) per rank.
+//!   job of at most [`ROOTED_BY_MESSAGES_UP_TO`] ranks, move as messages after
+//!   a check run as a barrier ([`rooted_by_messages`]): a gather's or a
+//!   scatter's parts each once, between its rank and the root
+//!   (`point_to_point::rooted`); a reduce's tensor once over each link of a
+//!   chain of the ranks ending at the root (`point_to_point::chain`), where
+//!   machines have one rank each (a machine's ranks reduce faster through its
+//!   shared segment: measured below), but for `f16` and `bf16`, which the
+//!   chain would round at every hop. Smaller ones,
+//!   those of larger jobs and those on device memory run as an all-gather, a
+//!   broadcast of the root's whole input and an all-reduce: below the size,
+//!   the check and the messages' hand-overs cost more than the bytes saved
+//!   (measured below); in larger jobs the root would hold a channel (a
+//!   communicator, with its threads and staging) per rank, and a chain would
+//!   be as long as the job.
 //! - **Wire**: a compressed format applies to `f32` hierarchical calls that
 //!   cross between machines or go to dedicated servers; elsewhere the call
 //!   runs exact. Where a compressed wire applies and `auto` chose another
@@ -230,6 +236,22 @@
 //! 2.7x); below 1 MiB the check, the gate's hand-over and each message's
 //! channel cost more than they save, most on one machine, where the all-gather
 //! never touches the fabric. So they run from 2 MiB.
+//!
+//! A reduce, the same way (`--collective reduce --iters 10`; as an all-reduce /
+//! as a chain), one sitting:
+//!
+//! | layout | 1 MiB | 4 MiB | 16 MiB | 64 MiB |
+//! |---|---|---|---|---|
+//! | 2x1 | 851 / 755 | 3148 / 2217 | 16964 / 7425 | 70227 / 36686 |
+//! | 3x1 | 1557 / 1464 | 6973 / 5404 | 30101 / 19438 | 123080 / 72374 |
+//! | 4x1 | 2049 / 2004 | 10507 / 7593 | 47091 / 30771 | 179343 / 107776 |
+//! | 1x3 | 581 / 558 | 2593 / 5593 | 11074 / 19974 | 48515 / 77489 |
+//! | 2x2 | 1491 / 1386 | 5416 / 7409 | 26398 / 29886 | 105369 / 122665 |
+//!
+//! Between machines of one rank the chain wins from 4 MiB (1.3x to 2.3x) and
+//! ties at 1 MiB; where a machine has several ranks the shared-memory
+//! all-reduce wins from 4 MiB (by 1.1x to 2.2x), so the chain runs only
+//! where machines have one rank each.
 
 use fairring_core::topology::Topology;
 use fairring_core::{DataType, WireFormat};
@@ -307,19 +329,32 @@ pub(crate) const ROOTED_BY_MESSAGES_UP_TO: u32 = 32;
 /// moves as messages (see the module docs).
 pub(crate) const ROOTED_BY_MESSAGES_FROM: u64 = 2 << 20;
 
-/// Whether a `collective` on `memory` of `bytes` in all (every rank's part),
-/// in a job of `world` ranks, moves its parts as messages after a check (see
-/// the module docs): the same on every rank, and for a dedicated server that
-/// sees only its descriptor.
+/// Whether a `collective` of `dtype` on `memory` of `bytes` in all (every
+/// rank's part; a reduce's tensor), in a job of `topology`, moves as
+/// messages after a check (see the module docs): the same on every rank, and
+/// for a dedicated server that sees only its descriptor.
 pub(crate) fn rooted_by_messages(
     collective: Collective,
+    dtype: DataType,
     memory: MemoryKind,
-    world: u32,
+    topology: Topology,
     bytes: u64,
 ) -> bool {
-    matches!(collective, Collective::Gather | Collective::Scatter)
+    let moves = match collective {
+        Collective::Gather | Collective::Scatter => true,
+        // A machine's ranks reduce through its shared segment faster than a
+        // chain's messages between them; a chain would round halves at
+        // every hop.
+        Collective::Reduce => {
+            topology.machines() >= 2
+                && topology.devices_per_machine() == 1
+                && !matches!(dtype, DataType::F16 | DataType::BF16)
+        }
+        _ => false,
+    };
+    moves
         && memory == MemoryKind::Host
-        && world <= ROOTED_BY_MESSAGES_UP_TO
+        && topology.world_size() <= ROOTED_BY_MESSAGES_UP_TO
         && bytes >= ROOTED_BY_MESSAGES_FROM
 }
 

@@ -51,9 +51,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             )
             .into());
         }
-        let world = self.geometry.topology().world_size();
         let (elements, dtype, op) = descriptor
-            .runs_as(world)
+            .runs_as(self.geometry.topology())
             .filter(|&(n, t, _)| n.checked_mul(t.size_bytes()).is_some())
             .ok_or_else(|| {
                 Error::peer(

@@ -6,16 +6,20 @@
 //! size or the type fail with the check's [`Error::Mismatch`] naming both,
 //! and no message is ever matched against another call's.
 //!
+//! A reduce moved as a chain of messages (`chain`) waits here too, and its
+//! chain runs here: each chunk received is reduced before it is sent on.
+//!
 //! One thread per communicator, made when the first such call is issued,
 //! waits for the checks in the order they were queued and hands each call's
 //! messages to their channels (or fails them with the check's error). It
 //! allocates nothing per call once warm: the lists it is handed come back to
-//! it.
+//! it, and a chain's scratch is kept.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 use std::thread::JoinHandle;
 
+use super::chain::Chain;
 use super::{Channels, Posted};
 use crate::communicator::Call;
 use crate::error::{Error, Result};
@@ -56,7 +60,14 @@ struct Queue {
 /// One call's messages, waiting for the check `check`.
 struct Gated {
     check: u64,
-    posts: GatedPosts,
+    job: Job,
+}
+
+/// What a call's messages are: posts handed to their channels as they are,
+/// or a chained reduce's, which the gate runs.
+enum Job {
+    Posts(GatedPosts),
+    Chain(Chain),
 }
 
 impl Gate {
@@ -113,14 +124,28 @@ impl Gate {
     /// Queues `posts` to start once operation `check` has finished. Never
     /// refused: the posts fail if the gate closes first.
     pub(super) fn queue(&self, check: u64, posts: GatedPosts) {
+        self.enqueue(check, Job::Posts(posts));
+    }
+
+    /// Queues `chain` to run once operation `check` has finished. Never
+    /// refused: its posts fail if the gate closes first.
+    pub(super) fn queue_chain(&self, check: u64, chain: Chain) {
+        self.enqueue(check, Job::Chain(chain));
+    }
+
+    fn enqueue(&self, check: u64, job: Job) {
         let mut queue = self.shared.lock();
         if queue.open {
-            queue.waiting.push_back(Gated { check, posts });
+            queue.waiting.push_back(Gated { check, job });
             drop(queue);
             self.shared.wake.notify_one();
         } else {
             drop(queue);
-            fail(posts, &closed());
+            let mut lost = |_: GatedPosts| {};
+            match job {
+                Job::Posts(posts) => fail(posts, &closed()),
+                Job::Chain(chain) => chain.run(&Err(closed()), None, &mut Vec::new(), &mut lost),
+            }
         }
     }
 
@@ -148,6 +173,8 @@ impl Shared {
 
 /// The gate's thread: each queued call in turn, until closed and drained.
 fn run(shared: &Shared, channels: &Weak<Channels>, wait: &CheckWait) {
+    // A chained reduce's landing slots, made by the first and kept.
+    let mut scratch: Vec<u64> = Vec::new();
     loop {
         let next = {
             let mut queue = shared.lock();
@@ -164,35 +191,64 @@ fn run(shared: &Shared, channels: &Weak<Channels>, wait: &CheckWait) {
                     .unwrap_or_else(PoisonError::into_inner);
             }
         };
-        let Gated { check, mut posts } = next;
-        let outcome = wait(check);
+        let outcome = wait(next.check);
         let channels = channels.upgrade();
-        // The list goes back before its last post is settled: the caller,
-        // who may issue the next call as soon as every post has finished,
-        // then finds it free.
-        while let Some((call, posted)) = posts.0.pop() {
-            if posts.0.is_empty() {
-                let empty = std::mem::replace(&mut posts, GatedPosts(Vec::new()));
-                let mut queue = shared.lock();
-                if queue.open {
-                    queue.free.push(empty);
-                }
+        let mut give_back = |list: GatedPosts| {
+            let mut queue = shared.lock();
+            if queue.open && list.0.capacity() > 0 {
+                queue.free.push(list);
             }
-            match (&outcome, &channels) {
-                (Ok(()), Some(c)) => {
-                    let (src, dst) = posted.channel();
-                    match c.get(src, dst) {
-                        // SAFETY: the call's memory is the caller's until the
-                        // post reports completion (`GatedPosts`' SAFETY note);
-                        // the channel starts it as any message.
-                        Ok(channel) => unsafe { channel.post(call, posted) },
-                        Err(e) => posted.settle(Err(e)),
-                    }
-                }
-                (Ok(()), None) => posted.settle(Err(closed())),
-                (Err(e), _) => posted.settle(Err(e.clone())),
+        };
+        match next.job {
+            Job::Posts(posts) => hand_over(posts, &outcome, channels.as_ref(), &mut give_back),
+            Job::Chain(chain) => {
+                chain.run(&outcome, channels.as_ref(), &mut scratch, &mut give_back)
             }
         }
+    }
+}
+
+/// Hands each of `posts` to its channel, or fails it with the check's error.
+/// The list goes to `give_back` before its last post is settled: the caller,
+/// who may issue the next call as soon as every post has finished, then
+/// finds it free.
+fn hand_over(
+    mut posts: GatedPosts,
+    outcome: &Result<()>,
+    channels: Option<&Arc<Channels>>,
+    give_back: &mut dyn FnMut(GatedPosts),
+) {
+    while let Some((call, posted)) = posts.0.pop() {
+        if posts.0.is_empty() {
+            give_back(std::mem::replace(&mut posts, GatedPosts(Vec::new())));
+        }
+        match outcome {
+            // SAFETY: the call's memory is the caller's until the post
+            // reports completion (`GatedPosts`' SAFETY note).
+            Ok(()) => unsafe { post_one(channels, call, posted) },
+            Err(e) => posted.settle(Err(e.clone())),
+        }
+    }
+}
+
+/// Hands `call` to the channel of `posted` on `channels`, which starts it as
+/// any message, or fails it if the channel cannot be had (the communicator
+/// closed).
+///
+/// # Safety
+///
+/// `call`'s memory must stay valid and unshared until `posted` reports
+/// completion.
+pub(super) unsafe fn post_one(channels: Option<&Arc<Channels>>, call: Call, posted: Arc<Posted>) {
+    let Some(c) = channels else {
+        posted.settle(Err(closed()));
+        return;
+    };
+    let (src, dst) = posted.channel();
+    match c.get(src, dst) {
+        // SAFETY: forwarded.
+        Ok(channel) => unsafe { channel.post(call, posted) },
+        Err(e) => posted.settle(Err(e)),
     }
 }
 

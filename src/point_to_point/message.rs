@@ -52,9 +52,11 @@ pub(crate) struct Posted {
 }
 
 enum Phase {
-    /// Waiting for its channel to be met.
+    /// Waiting for its channel to be met (or at the gate).
     Queued,
     Started(OwnedWork),
+    /// Finished on the host, by the gate (a chained reduce's last step).
+    Finished,
     Failed(Error),
 }
 
@@ -197,13 +199,37 @@ impl Posted {
         self.changed.notify_all();
     }
 
+    /// Records that the gate finished it on the host (or failed it), and
+    /// wakes the waiters.
+    pub(super) fn finish(&self, outcome: Result<()>) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        *state = match outcome {
+            Ok(()) => Phase::Finished,
+            Err(e) => Phase::Failed(e),
+        };
+        self.changed.notify_all();
+    }
+
+    /// Waits up to `timeout` for it to start and, from then, up to `timeout`
+    /// for its work to finish.
+    pub(super) fn wait(&self, timeout: Duration) -> Result<()> {
+        match self.started(Some(Instant::now() + timeout)) {
+            Some(Ok(Some(w))) => w.wait_timeout(timeout).map_err(|e| self.in_job_ranks(e)),
+            Some(Ok(None)) => Ok(()),
+            Some(Err(e)) => Err(e),
+            None => Err(Error::timeout(self.what(), timeout)),
+        }
+    }
+
     /// A watch on the started work, once the message has started (waiting
-    /// up to `deadline`); its failure to start; `None` at the deadline.
-    fn started(&self, deadline: Option<Instant>) -> Option<Result<Watch>> {
+    /// up to `deadline`), or `None` if it finished on the host; its failure
+    /// to start; `None` at the deadline.
+    fn started(&self, deadline: Option<Instant>) -> Option<Result<Option<Watch>>> {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
             match &*state {
-                Phase::Started(w) => return Some(Ok(w.watch())),
+                Phase::Started(w) => return Some(Ok(Some(w.watch()))),
+                Phase::Finished => return Some(Ok(None)),
                 Phase::Failed(e) => return Some(Err(e.clone())),
                 Phase::Queued => {}
             }
@@ -256,14 +282,7 @@ impl Message {
     pub fn wait(&self) -> Result<()> {
         let mut first_error = None;
         for p in self.posts.as_slice() {
-            let timeout = p.timeout;
-            let deadline = Instant::now() + timeout;
-            let outcome = match p.started(Some(deadline)) {
-                Some(Ok(w)) => w.wait_timeout(timeout).map_err(|e| p.in_job_ranks(e)),
-                Some(Err(e)) => Err(e),
-                None => Err(Error::timeout(p.what(), timeout)),
-            };
-            if let Err(e) = outcome {
+            if let Err(e) = p.wait(p.timeout) {
                 first_error.get_or_insert(e);
             }
         }
@@ -276,9 +295,11 @@ impl Message {
         let start = Instant::now();
         for p in self.posts.as_slice() {
             match p.started(Some(start + timeout)) {
-                Some(w) => w?
+                Some(Ok(Some(w))) => w
                     .wait_timeout(timeout.saturating_sub(start.elapsed()))
                     .map_err(|e| p.in_job_ranks(e))?,
+                Some(Ok(None)) => {}
+                Some(Err(e)) => return Err(e),
                 None => return Err(Error::timeout(p.what(), timeout)),
             }
         }
@@ -290,7 +311,9 @@ impl Message {
     pub fn test(&self) -> Result<bool> {
         for p in self.posts.as_slice() {
             let done = match p.started(None) {
-                Some(w) => w?.test().map_err(|e| p.in_job_ranks(e))?,
+                Some(Ok(Some(w))) => w.test().map_err(|e| p.in_job_ranks(e))?,
+                Some(Ok(None)) => true,
+                Some(Err(e)) => return Err(e),
                 None => false,
             };
             if !done {

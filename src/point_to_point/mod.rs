@@ -31,6 +31,7 @@
 //! [`CHANNEL_MEMORY`] (or the communicator's budget, if smaller) per channel.
 
 mod all_to_all;
+mod chain;
 mod channel;
 mod gate;
 mod message;

@@ -1,14 +1,18 @@
-//! The gather and the scatter on host memory: each rank's part moves once,
-//! as one message between it and the root, on the pair's channel (the
-//! root's own part is copied). The call's check runs first on the engine,
-//! and its messages wait at the [gate](super::gate) until it passes.
+//! The gather, the scatter and the reduce on host memory, as messages: a
+//! gather's or a scatter's parts each move once, as one message between its
+//! rank and the root, on the pair's channel (the root's own part is copied);
+//! a reduce runs as a [chain](super::chain). The call's check runs first on
+//! the engine, and its messages wait at the [gate](super::gate) until it
+//! passes.
 
 use std::sync::Arc;
 
-use super::Message;
+use super::chain::{CHUNK_BYTES, Chain};
 use super::gate::CheckWait;
+use super::{Message, Posted};
 use crate::communicator::{Call, Collective, Communicator};
 use crate::error::Result;
+use fairring_core::DataType;
 
 impl Communicator {
     /// Readies what a gather or a scatter on host memory needs before its
@@ -37,6 +41,10 @@ impl Communicator {
         let timeout = channels.config.timeout;
         let mut posts = channels.pool.list(world as usize - 1);
         for (call, check) in calls {
+            if call.collective == Collective::Reduce {
+                self.queue_chain(call, check, &mut posts);
+                continue;
+            }
             let root = call.root;
             // Every count was checked to fit in memory with the call.
             let n = usize::try_from(call.count * call.dtype.size_bytes()).unwrap_or(0);
@@ -70,5 +78,67 @@ impl Communicator {
             channels.gate.queue(check, gated);
         }
         Message::many(posts, &channels.pool)
+    }
+
+    /// Queues this rank's part of `call`, a reduce run as a chain ending at
+    /// its root, whose check is operation `check`, and adds its posts to
+    /// `posts`: a receive per chunk from its successor in the chain, a send
+    /// per chunk to its predecessor, and at the root the chain's end.
+    fn queue_chain(&self, call: &Call, check: u64, posts: &mut Vec<Arc<Posted>>) {
+        let (me, world, root) = (self.rank(), self.world_size(), call.root);
+        let channels = &self.channels;
+        let timeout = channels.config.timeout;
+        // The rank at distance `p` from the root (counting up) receives
+        // from `p + 1` and sends to `p - 1`.
+        let at = |p: u32| (p + root) % world;
+        let p = (me + world - root) % world;
+        let next = (p + 1 < world).then(|| at(p + 1));
+        let prev = (p > 0).then(|| at(p - 1));
+        // Every count was checked to fit in memory with the call.
+        let bytes = usize::try_from(call.count * call.dtype.size_bytes()).unwrap_or(0);
+        let chunks = bytes.div_ceil(CHUNK_BYTES);
+        let mut receives = channels.gate.list(if next.is_some() { chunks } else { 0 });
+        let mut sends = channels.gate.list(if prev.is_some() { chunks } else { 0 });
+        for k in 0..chunks {
+            let start = k * CHUNK_BYTES;
+            let len = CHUNK_BYTES.min(bytes - start) as u64;
+            if let Some(from) = next {
+                let posted = channels.pool.posted(from, false, from, me, timeout);
+                // Where it lands (a slot of the gate's scratch) is set when
+                // the gate posts it.
+                let message = Call::broadcast(std::ptr::null_mut(), len, DataType::U8, 0);
+                receives.0.push((message, Arc::clone(&posted)));
+                posts.push(posted);
+            }
+            if let Some(to) = prev {
+                let posted = channels.pool.posted(to, true, me, to, timeout);
+                let data = call.output.wrapping_add(start);
+                sends.0.push((
+                    Call::broadcast(data, len, DataType::U8, 0),
+                    Arc::clone(&posted),
+                ));
+                posts.push(posted);
+            }
+        }
+        let done = (me == root).then(|| {
+            let from = next.unwrap_or(me);
+            let posted = channels.pool.posted(from, false, from, me, timeout);
+            posts.push(Arc::clone(&posted));
+            posted
+        });
+        channels.gate.queue_chain(
+            check,
+            Chain {
+                output: call.output,
+                bytes,
+                dtype: call.dtype,
+                op: call.op,
+                world,
+                timeout,
+                receives,
+                sends,
+                done,
+            },
+        );
     }
 }

@@ -197,25 +197,52 @@ fn auto_relays_spreads_across_machines() {
 }
 
 #[test]
-fn gathers_and_scatters_on_host_memory_move_as_messages_in_jobs_up_to_the_limit() {
+fn gathers_scatters_and_reduces_on_host_memory_move_as_messages_within_the_limits() {
     let (up_to, from) = (ROOTED_BY_MESSAGES_UP_TO, ROOTED_BY_MESSAGES_FROM);
-    for c in [Collective::Gather, Collective::Scatter] {
-        assert!(rooted_by_messages(c, MemoryKind::Host, 2, from));
-        assert!(rooted_by_messages(c, MemoryKind::Host, up_to, 1 << 30));
-        assert!(!rooted_by_messages(c, MemoryKind::Host, 2, from - 1));
-        assert!(!rooted_by_messages(c, MemoryKind::Host, up_to + 1, 1 << 30));
-        assert!(!rooted_by_messages(c, MemoryKind::Device, 2, 1 << 30));
+    let layout = |m, d| Topology::new(m, d, RankLayout::Contiguous).unwrap();
+    let host =
+        |c, dtype, m, d, bytes| rooted_by_messages(c, dtype, MemoryKind::Host, layout(m, d), bytes);
+    for c in [Collective::Gather, Collective::Scatter, Collective::Reduce] {
+        for dtype in [DataType::F32, DataType::I64, DataType::U8] {
+            assert!(host(c, dtype, 2, 1, from), "{c:?} {dtype}");
+            assert!(host(c, dtype, up_to, 1, 1 << 30), "{c:?} {dtype}");
+            assert!(!host(c, dtype, 2, 1, from - 1), "{c:?} {dtype}");
+            assert!(!host(c, dtype, up_to + 1, 1, 1 << 30), "{c:?} {dtype}");
+            let on_device = rooted_by_messages(c, dtype, MemoryKind::Device, layout(2, 1), 1 << 30);
+            assert!(!on_device, "{c:?} {dtype}");
+        }
     }
+    // A machine's ranks reduce through its shared segment; gathers and
+    // scatters move as messages there too.
+    for (m, d) in [(1, 2), (1, 8), (2, 2), (4, 8)] {
+        assert!(
+            !host(Collective::Reduce, DataType::F32, m, d, 1 << 30),
+            "{m}x{d}"
+        );
+        assert!(
+            host(Collective::Gather, DataType::F32, m, d, 1 << 30),
+            "{m}x{d}"
+        );
+        assert!(
+            host(Collective::Scatter, DataType::F32, m, d, 1 << 30),
+            "{m}x{d}"
+        );
+    }
+    // Halves would round at every hop of a chain; gathers and scatters move
+    // them as bytes.
+    for dtype in [DataType::F16, DataType::BF16] {
+        assert!(!host(Collective::Reduce, dtype, 4, 1, 1 << 30));
+        assert!(host(Collective::Gather, dtype, 4, 1, 1 << 30));
+    }
+    // A reduce of one rank has no chain.
+    assert!(!host(Collective::Reduce, DataType::F32, 1, 1, 1 << 30));
     for c in [
         Collective::AllGather,
         Collective::Broadcast,
-        Collective::Reduce,
         Collective::AllReduce,
+        Collective::ReduceScatter,
         Collective::Barrier,
     ] {
-        assert!(
-            !rooted_by_messages(c, MemoryKind::Host, 2, 1 << 30),
-            "{c:?}"
-        );
+        assert!(!host(c, DataType::U8, 2, 1, 1 << 30), "{c:?}");
     }
 }
