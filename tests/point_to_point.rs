@@ -275,6 +275,59 @@ fn a_message_to_a_rank_that_never_answers_fails_within_the_timeout() {
     assert!(text.contains("0->1") || text.contains("rank 1"), "{text}");
 }
 
+/// Aborting a communicator fails its messages in flight at once: one on a
+/// met channel, and one waiting for a channel the peer never names; later
+/// messages are refused.
+#[test]
+fn abort_fails_messages_in_flight_and_refuses_later_ones() {
+    let timeout = Duration::from_secs(30);
+    let results = job(
+        3,
+        1,
+        |b| b.timeout(timeout),
+        |rank, comm| {
+            let mut data = [1i32; 8];
+            match rank {
+                // Met once, then never sent on again.
+                1 => comm.send(0, &mut data).unwrap(),
+                0 => {
+                    comm.recv(1, &mut data).unwrap();
+                    let mut more = [0i32; 8];
+                    let mut never = [0i32; 8];
+                    // SAFETY: both live until the messages are waited for.
+                    let met =
+                        unsafe { comm.post_recv(1, more.as_mut_ptr().cast(), 8, DataType::I32) }
+                            .unwrap();
+                    // SAFETY: as above.
+                    let meeting =
+                        unsafe { comm.post_recv(2, never.as_mut_ptr().cast(), 8, DataType::I32) }
+                            .unwrap();
+                    let start = Instant::now();
+                    std::thread::scope(|s| {
+                        s.spawn(|| {
+                            std::thread::sleep(Duration::from_millis(200));
+                            comm.abort();
+                        });
+                        for m in [&met, &meeting] {
+                            let e = m.wait().expect_err("aborted");
+                            assert!(matches!(e, Error::Aborted), "{e}");
+                        }
+                    });
+                    let took = start.elapsed();
+                    assert!(took < Duration::from_secs(5), "took {took:?}");
+                    let e = comm.send(1, &mut data).expect_err("refused");
+                    assert!(matches!(e, Error::Aborted), "{e}");
+                }
+                _ => {}
+            }
+            // The peers stay until rank 0 is done: a peer that leaves fails
+            // its channels without any abort.
+            std::thread::sleep(Duration::from_secs(if rank == 0 { 0 } else { 3 }));
+        },
+    );
+    assert_eq!(results.len(), 3);
+}
+
 /// Elements rank `src` sends rank `dst` in all-to-all round `round`: zero
 /// among them.
 fn split(src: u32, dst: u32, round: u32) -> u64 {

@@ -215,10 +215,11 @@ impl Communicator {
         self.engine.geometry.full_slice_bytes()
     }
 
-    /// Fails every operation in flight and every later one with [`Error::Aborted`],
-    /// and wakes every waiter. Callable from any thread.
+    /// Fails every operation and message in flight and every later one with
+    /// [`Error::Aborted`], and wakes every waiter. Callable from any thread.
     pub fn abort(&self) {
         self.engine.fail(Error::Aborted);
+        self.channels.abort();
     }
 }
 

@@ -152,6 +152,33 @@ impl Channel {
         q.posted.settle(outcome);
     }
 
+    /// Aborts the channel: a met channel's communicator fails what it runs
+    /// and will run; a channel still meeting stops, and what waits for it
+    /// fails with [`Error::Aborted`].
+    pub(super) fn abort(&self) {
+        let queued = {
+            let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            match &mut *state {
+                State::Met(comm) => Err(Arc::clone(comm)),
+                State::Meeting(q) => {
+                    let q = std::mem::take(q);
+                    *state = State::Failed(Error::Aborted);
+                    Ok(q)
+                }
+                State::Failed(_) | State::Closed => return,
+            }
+        };
+        // Outside the channel's lock: what the abort wakes may post here.
+        let queued = match queued {
+            Err(comm) => return comm.abort(),
+            Ok(q) => q,
+        };
+        self.store.close();
+        for q in queued {
+            q.posted.settle(Err(Error::Aborted));
+        }
+    }
+
     /// Fails the messages still waiting, stops the meeting and lets go of the
     /// store (joining the meeting thread).
     pub(super) fn close(&self) {

@@ -69,6 +69,7 @@ pub(crate) struct Channels {
     /// By (sender, receiver).
     open: Mutex<HashMap<(u32, u32), Arc<Channel>>>,
     closed: Mutex<bool>,
+    aborted: Mutex<bool>,
     /// Finished messages, for reuse.
     pool: Arc<Pool>,
     /// Where the messages of gathers and scatters wait for their checks.
@@ -84,6 +85,7 @@ impl Channels {
             world: config.world_size,
             open: Mutex::new(HashMap::new()),
             closed: Mutex::new(false),
+            aborted: Mutex::new(false),
             pool: Pool::new(),
             gate: Gate::new(),
         })
@@ -96,6 +98,9 @@ impl Channels {
     fn get(&self, src: u32, dst: u32) -> Result<Arc<Channel>> {
         if *self.closed.lock().unwrap_or_else(PoisonError::into_inner) {
             return Err(Error::invalid("comm", "the communicator is closing"));
+        }
+        if *self.aborted.lock().unwrap_or_else(PoisonError::into_inner) {
+            return Err(Error::Aborted);
         }
         let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(c) = open.get(&(src, dst)) {
@@ -124,6 +129,24 @@ impl Channels {
             c.close();
         }
         self.pool.close();
+    }
+
+    /// Aborts every channel (each met one's communicator; a meeting stops
+    /// and fails what waits for it), and refuses later messages: what is in
+    /// flight fails with [`Error::Aborted`]. What waits at the gate fails
+    /// with the communicator's own abort.
+    pub(crate) fn abort(&self) {
+        *self.aborted.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        let open: Vec<Arc<Channel>> = self
+            .open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect();
+        for c in &open {
+            c.abort();
+        }
     }
 
     /// What the channels met so far have moved (see [`Traffic`]).
