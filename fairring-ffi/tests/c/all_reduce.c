@@ -3,6 +3,7 @@
  * reduce-scatters and waits on a barrier, checks every result, checks that bad
  * arguments are refused with a message naming them, and exits 0 only if all
  * of that held. */
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -125,6 +126,37 @@ int main(void) {
     CHECK(s == FR_OK && part[0] == (int32_t)(100 + 2 * rank) && part[1] == (int32_t)(101 + 2 * rank),
           "scatter: %d %d: %s", part[0], part[1], fr_last_error());
     free(all);
+
+    /* From 2 MiB in all, a gather and a scatter move as messages after a
+     * check: their works cover the messages, polled to the end here. */
+    {
+        const uint64_t n = (2u << 20) / 4 / world + 7;
+        int32_t *mine_big = malloc(n * sizeof(int32_t));
+        int32_t *every = malloc(n * world * sizeof(int32_t));
+        for (uint64_t i = 0; i < n; i++) mine_big[i] = (int32_t)(rank * 1000003u + i);
+        s = fr_gather(comm, mine_big, every, n, FR_DTYPE_I32, root, &work);
+        CHECK(s == FR_OK, "large gather: %s", fr_last_error());
+        if (s == FR_OK) {
+            bool done = false;
+            while ((s = fr_work_test(work, &done)) == FR_OK && !done) sched_yield();
+            CHECK(s == FR_OK, "large gather: %s", fr_last_error());
+            fr_work_free(work);
+        }
+        uint64_t wrong = 0;
+        for (uint64_t j = 0; rank == root && j < n * world; j++) {
+            wrong += every[j] != (int32_t)((j / n) * 1000003u + j % n);
+        }
+        CHECK(wrong == 0, "large gather: %llu elements wrong", (unsigned long long)wrong);
+        for (uint64_t j = 0; j < n * world; j++) every[j] = rank == root ? (int32_t)(7 * j) : -1;
+        s = fr_scatter(comm, every, mine_big, n, FR_DTYPE_I32, root, &work);
+        s = finish(s, work);
+        CHECK(s == FR_OK, "large scatter: %s", fr_last_error());
+        wrong = 0;
+        for (uint64_t i = 0; i < n; i++) wrong += mine_big[i] != (int32_t)(7 * (rank * n + i));
+        CHECK(wrong == 0, "large scatter: %llu elements wrong", (unsigned long long)wrong);
+        free(mine_big);
+        free(every);
+    }
 
     uint8_t a[5] = {1, 2, 3, 4, 5}, b[3] = {9, 9, 9};
     void *tensors[2] = {a, b};
