@@ -78,7 +78,10 @@ impl Communicator {
             elements: r.caller_elements,
         };
         // Dedicated servers plan the operation from its descriptor alone.
-        if descriptor.runs_as(self.topology) != Some((elements, r.dtype, r.op)) {
+        let planned = descriptor.runs_as(self.topology.world_size(), r.by_messages);
+        if planned != Some((elements, r.dtype, r.op))
+            || r.by_messages != choice::moves_as_messages(&descriptor, self.topology)
+        {
             self.engine.works.give_back(seq);
             return Err(Error::internal(
                 "a descriptor says which all-reduce its call runs as",

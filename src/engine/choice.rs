@@ -257,7 +257,7 @@ use fairring_core::topology::Topology;
 use fairring_core::{DataType, WireFormat};
 
 use super::algorithm::{Resolved, relay_over_machines};
-use super::descriptor::Collective;
+use super::descriptor::{Collective, Descriptor};
 use crate::config::Algorithm;
 use crate::error::{Error, Result};
 use crate::memory::MemoryKind;
@@ -328,6 +328,21 @@ pub(crate) const ROOTED_BY_MESSAGES_UP_TO: u32 = 32;
 /// The fewest bytes in all (every rank's part) of a gather or a scatter that
 /// moves as messages (see the module docs).
 pub(crate) const ROOTED_BY_MESSAGES_FROM: u64 = 2 << 20;
+
+/// Whether the call `d` describes, in a job of `topology`, moves its data as
+/// messages after a check ([`rooted_by_messages`] of its own figures): what
+/// a dedicated server, which sees only descriptors, plans from.
+pub(crate) fn moves_as_messages(d: &Descriptor, topology: Topology) -> bool {
+    let bytes = |elements: u64| elements.checked_mul(d.dtype.size_bytes());
+    let whole = match d.collective {
+        Collective::Reduce => bytes(d.elements),
+        _ => d
+            .elements
+            .checked_mul(u64::from(topology.world_size()))
+            .and_then(bytes),
+    };
+    whole.is_some_and(|w| rooted_by_messages(d.collective, d.dtype, d.memory, topology, w))
+}
 
 /// Whether a `collective` of `dtype` on `memory` of `bytes` in all (every
 /// rank's part; a reduce's tensor), in a job of `topology`, moves as

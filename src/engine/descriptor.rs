@@ -29,7 +29,6 @@
 //! in a `Kind::Descriptor` message of 24 bytes: the sequence number, then the two
 //! words ([`encode_message`], [`decode_message`]).
 
-use fairring_core::topology::Topology;
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
 use super::algorithm::Resolved;
@@ -200,26 +199,17 @@ impl Descriptor {
     /// rank's share (`elements`) and reduces the same range of every share
     /// together. A dedicated server, which sees only descriptors, plans the same
     /// operation from it; `None` if the sizes overflow.
-    pub(crate) fn runs_as(&self, topology: Topology) -> Option<(u64, DataType, ReduceOp)> {
-        let world = topology.world_size();
-        let bytes = |elements: u64| elements.checked_mul(self.dtype.size_bytes());
-        // On host memory a gather's, a scatter's or a reduce's data may move
-        // as messages after a check, which runs as a barrier.
-        let whole = match self.collective {
-            Collective::Reduce => bytes(self.elements),
-            _ => self.elements.checked_mul(u64::from(world)).and_then(bytes),
-        };
-        if let Some(whole) = whole
-            && super::choice::rooted_by_messages(
-                self.collective,
-                self.dtype,
-                self.memory,
-                topology,
-                whole,
-            )
-        {
+    /// A call whose data moves as messages (`by_messages`:
+    /// `choice::moves_as_messages`) runs as its check, a barrier.
+    pub(crate) fn runs_as(
+        &self,
+        world: u32,
+        by_messages: bool,
+    ) -> Option<(u64, DataType, ReduceOp)> {
+        if by_messages {
             return Some((1, DataType::U8, ReduceOp::Sum));
         }
+        let bytes = |elements: u64| elements.checked_mul(self.dtype.size_bytes());
         Some(match self.collective {
             Collective::AllReduce | Collective::Reduce => (self.elements, self.dtype, self.op),
             Collective::Broadcast => (bytes(self.elements)?, DataType::U8, ReduceOp::Sum),
@@ -375,12 +365,11 @@ mod tests {
             } else {
                 36
             };
-            let three =
-                Topology::new(3, 1, fairring_core::topology::RankLayout::Contiguous).unwrap();
             assert_eq!(
-                d.runs_as(three),
+                d.runs_as(3, false),
                 Some((planned, DataType::F32, ReduceOp::Avg))
             );
+            assert_eq!(d.runs_as(3, true), Some((1, DataType::U8, ReduceOp::Sum)));
         }
         // An unknown wire format or memory kind is refused, not read as another.
         let mut w = compressed.words();

@@ -51,8 +51,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             )
             .into());
         }
+        let topology = self.geometry.topology();
+        let by_messages = super::choice::moves_as_messages(&descriptor, topology);
         let (elements, dtype, op) = descriptor
-            .runs_as(self.geometry.topology())
+            .runs_as(topology.world_size(), by_messages)
             .filter(|&(n, t, _)| n.checked_mul(t.size_bytes()).is_some())
             .ok_or_else(|| {
                 Error::peer(

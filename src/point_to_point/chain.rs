@@ -23,7 +23,7 @@ use std::time::Duration;
 use fairring_core::reduce::{finish_avg_bytes, reduce_bytes};
 use fairring_core::{DataType, ReduceOp};
 
-use super::gate::{GatedPosts, post_one};
+use super::hand_over::{GatedPosts, closed, post_one};
 use super::{Channels, Posted};
 use crate::error::{Error, Result};
 
@@ -73,7 +73,7 @@ impl Chain {
     ) {
         let outcome = match (check, channels) {
             (Err(e), _) => Err(e.clone()),
-            (Ok(()), None) => Err(Error::invalid("comm", "the communicator was closed")),
+            (Ok(()), None) => Err(closed()),
             (Ok(()), Some(c)) => self.pipeline(c, scratch, give_back),
         };
         if let Err(e) = &outcome {

@@ -19,23 +19,14 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 use std::thread::JoinHandle;
 
+use super::Channels;
 use super::chain::Chain;
-use super::{Channels, Posted};
-use crate::communicator::Call;
+use super::hand_over::{GatedPosts, closed, hand_over_list};
 use crate::error::{Error, Result};
 
 /// Waits for the communicator's operation of this sequence number: its
 /// failure, or a timeout, if it does not finish.
 pub(crate) type CheckWait = Box<dyn Fn(u64) -> Result<()> + Send + Sync>;
-
-/// The messages of one call, each the call of its channel and its post.
-pub(super) struct GatedPosts(pub(super) Vec<(Call, Arc<Posted>)>);
-
-// SAFETY: the calls' pointers are the caller's memory, which the contract of
-// `Communicator::start` keeps valid and unshared until the call's work
-// reports completion; the gate thread only hands them to a channel, as the
-// calling thread would have. An emptied list holds none.
-unsafe impl Send for GatedPosts {}
 
 /// The gate of one communicator (see the module's documentation).
 pub(super) struct Gate {
@@ -200,55 +191,11 @@ fn run(shared: &Shared, channels: &Weak<Channels>, wait: &CheckWait) {
             }
         };
         match next.job {
-            Job::Posts(posts) => hand_over(posts, &outcome, channels.as_ref(), &mut give_back),
+            Job::Posts(posts) => hand_over_list(posts, &outcome, channels.as_ref(), &mut give_back),
             Job::Chain(chain) => {
                 chain.run(&outcome, channels.as_ref(), &mut scratch, &mut give_back)
             }
         }
-    }
-}
-
-/// Hands each of `posts` to its channel, or fails it with the check's error.
-/// The list goes to `give_back` before its last post is settled: the caller,
-/// who may issue the next call as soon as every post has finished, then
-/// finds it free.
-fn hand_over(
-    mut posts: GatedPosts,
-    outcome: &Result<()>,
-    channels: Option<&Arc<Channels>>,
-    give_back: &mut dyn FnMut(GatedPosts),
-) {
-    while let Some((call, posted)) = posts.0.pop() {
-        if posts.0.is_empty() {
-            give_back(std::mem::replace(&mut posts, GatedPosts(Vec::new())));
-        }
-        match outcome {
-            // SAFETY: the call's memory is the caller's until the post
-            // reports completion (`GatedPosts`' SAFETY note).
-            Ok(()) => unsafe { post_one(channels, call, posted) },
-            Err(e) => posted.settle(Err(e.clone())),
-        }
-    }
-}
-
-/// Hands `call` to the channel of `posted` on `channels`, which starts it as
-/// any message, or fails it if the channel cannot be had (the communicator
-/// closed).
-///
-/// # Safety
-///
-/// `call`'s memory must stay valid and unshared until `posted` reports
-/// completion.
-pub(super) unsafe fn post_one(channels: Option<&Arc<Channels>>, call: Call, posted: Arc<Posted>) {
-    let Some(c) = channels else {
-        posted.settle(Err(closed()));
-        return;
-    };
-    let (src, dst) = posted.channel();
-    match c.get(src, dst) {
-        // SAFETY: forwarded.
-        Ok(channel) => unsafe { channel.post(call, posted) },
-        Err(e) => posted.settle(Err(e)),
     }
 }
 
@@ -257,8 +204,4 @@ fn fail(posts: GatedPosts, error: &Error) {
     for (_, posted) in posts.0 {
         posted.settle(Err(error.clone()));
     }
-}
-
-fn closed() -> Error {
-    Error::invalid("comm", "the communicator was closed")
 }

@@ -34,6 +34,7 @@ mod all_to_all;
 mod chain;
 mod channel;
 mod gate;
+mod hand_over;
 mod message;
 mod rooted;
 

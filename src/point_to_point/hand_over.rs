@@ -1,0 +1,67 @@
+//! Handing messages to their channels once they may start: one post at a
+//! time ([`post_one`]), or the list of one call's ([`GatedPosts`],
+//! [`hand_over_list`]), which the gate and a chain hold until then.
+
+use std::sync::Arc;
+
+use super::{Channels, Posted};
+use crate::communicator::Call;
+use crate::error::{Error, Result};
+
+/// The messages of one call, each the call of its channel and its post.
+pub(super) struct GatedPosts(pub(super) Vec<(Call, Arc<Posted>)>);
+
+// SAFETY: the calls' pointers are the caller's memory, which the contract of
+// `Communicator::start` keeps valid and unshared until the call's work
+// reports completion; the gate thread only hands them to a channel, as the
+// calling thread would have. An emptied list holds none.
+unsafe impl Send for GatedPosts {}
+
+/// Hands `call` to the channel of `posted` on `channels`, which starts it as
+/// any message, or fails it if the channel cannot be had (the communicator
+/// closed).
+///
+/// # Safety
+///
+/// `call`'s memory must stay valid and unshared until `posted` reports
+/// completion.
+pub(super) unsafe fn post_one(channels: Option<&Arc<Channels>>, call: Call, posted: Arc<Posted>) {
+    let Some(c) = channels else {
+        posted.settle(Err(closed()));
+        return;
+    };
+    let (src, dst) = posted.channel();
+    match c.get(src, dst) {
+        // SAFETY: forwarded.
+        Ok(channel) => unsafe { channel.post(call, posted) },
+        Err(e) => posted.settle(Err(e)),
+    }
+}
+
+/// Hands each of `posts` to its channel, or fails it with the check's error.
+/// The list goes to `give_back` before its last post is settled: the caller,
+/// who may issue the next call as soon as every post has finished, then
+/// finds it free.
+pub(super) fn hand_over_list(
+    mut posts: GatedPosts,
+    outcome: &Result<()>,
+    channels: Option<&Arc<Channels>>,
+    give_back: &mut dyn FnMut(GatedPosts),
+) {
+    while let Some((call, posted)) = posts.0.pop() {
+        if posts.0.is_empty() {
+            give_back(std::mem::replace(&mut posts, GatedPosts(Vec::new())));
+        }
+        match outcome {
+            // SAFETY: the call's memory is the caller's until the post
+            // reports completion (`GatedPosts`' SAFETY note).
+            Ok(()) => unsafe { post_one(channels, call, posted) },
+            Err(e) => posted.settle(Err(e.clone())),
+        }
+    }
+}
+
+/// The error of a post that can no longer start: the communicator closed.
+pub(super) fn closed() -> Error {
+    Error::invalid("comm", "the communicator was closed")
+}
