@@ -275,6 +275,55 @@ fn a_message_to_a_rank_that_never_answers_fails_within_the_timeout() {
     assert!(text.contains("0->1") || text.contains("rank 1"), "{text}");
 }
 
+/// A message issued after a gather that moves as messages (2 MiB in all)
+/// reaches its channel after the gather's on both ranks, whichever rank is
+/// late to issue it. The sizes are equal, so a swap would pass the size check
+/// and deliver each payload to the other's buffer.
+#[test]
+fn messages_keep_their_order_behind_gathers_that_move_as_messages() {
+    let n = (2 << 20) / 4 / 2;
+    for late in [0u32, 1] {
+        let results = job(
+            2,
+            1,
+            |b| b,
+            |rank, comm| {
+                let mine = vec![rank as f32 + 1.0; n];
+                let mut every = vec![0.0f32; 2 * n];
+                let mut message = vec![if rank == 1 { 9.0f32 } else { 0.0 }; n];
+                comm.scope(|s| -> fairring::Result<()> {
+                    let gather = s.gather(&mine, &mut every, 0)?;
+                    if rank == late {
+                        // By now this rank's gather has been handed over.
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    if rank == 1 {
+                        comm.send(0, &mut message)?;
+                    } else {
+                        comm.recv(1, &mut message)?;
+                    }
+                    gather.wait()
+                })
+                .unwrap_or_else(|e| panic!("late {late}, rank {rank}: {e}"));
+                (every, message)
+            },
+        );
+        let (every, message) = &results[0];
+        assert!(
+            message.iter().all(|&v| v == 9.0),
+            "late {late}: the message"
+        );
+        assert!(
+            every[..n].iter().all(|&v| v == 1.0),
+            "late {late}: rank 0's part"
+        );
+        assert!(
+            every[n..].iter().all(|&v| v == 2.0),
+            "late {late}: rank 1's part"
+        );
+    }
+}
+
 /// Aborting a communicator fails its messages in flight at once: one on a
 /// met channel, and one waiting for a channel the peer never names; later
 /// messages are refused.

@@ -9,6 +9,11 @@
 //! A reduce moved as a chain of messages (`chain`) waits here too, and its
 //! chain runs here: each chunk received is reduced before it is sent on.
 //!
+//! Messages keep the order they were issued in, as NCCL's do: a point-to-point
+//! message issued while the gate holds calls (or runs one) queues behind them
+//! and is handed to its channel after theirs ([`Gate::post_in_order`]), so
+//! that each channel sees every rank's messages in issue order.
+//!
 //! One thread per communicator, made when the first such call is issued,
 //! waits for the checks in the order they were queued and hands each call's
 //! messages to their channels (or fails them with the check's error). It
@@ -19,9 +24,11 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 use std::thread::JoinHandle;
 
-use super::Channels;
 use super::chain::Chain;
+use super::channel::Channel;
 use super::hand_over::{GatedPosts, closed, hand_over_list};
+use super::{Channels, Posted};
+use crate::communicator::Call;
 use crate::error::{Error, Result};
 
 /// Waits for the communicator's operation of this sequence number: its
@@ -44,13 +51,16 @@ struct Queue {
     open: bool,
     /// Calls waiting for their check, in the order they were issued.
     waiting: VecDeque<Gated>,
+    /// The thread is running a call (it has left `waiting`).
+    busy: bool,
     /// Emptied lists, for the next calls.
     free: Vec<GatedPosts>,
 }
 
-/// One call's messages, waiting for the check `check`.
+/// One call's messages, waiting for the check `check` (none: a message
+/// issued behind gated calls).
 struct Gated {
-    check: u64,
+    check: Option<u64>,
     job: Job,
 }
 
@@ -68,6 +78,7 @@ impl Gate {
                 queue: Mutex::new(Queue {
                     open: true,
                     waiting: VecDeque::new(),
+                    busy: false,
                     free: Vec::new(),
                 }),
                 wake: Condvar::new(),
@@ -115,16 +126,45 @@ impl Gate {
     /// Queues `posts` to start once operation `check` has finished. Never
     /// refused: the posts fail if the gate closes first.
     pub(super) fn queue(&self, check: u64, posts: GatedPosts) {
-        self.enqueue(check, Job::Posts(posts));
+        self.enqueue(Some(check), Job::Posts(posts));
     }
 
     /// Queues `chain` to run once operation `check` has finished. Never
     /// refused: its posts fail if the gate closes first.
     pub(super) fn queue_chain(&self, check: u64, chain: Chain) {
-        self.enqueue(check, Job::Chain(chain));
+        self.enqueue(Some(check), Job::Chain(chain));
     }
 
-    fn enqueue(&self, check: u64, job: Job) {
+    /// Hands `call` to its channel, `channel`, at once if the gate holds no
+    /// call; otherwise queues it behind them, so that it reaches its channel
+    /// after every message issued before it.
+    ///
+    /// # Safety
+    ///
+    /// `call`'s memory must stay valid and unshared until `posted` reports
+    /// completion.
+    pub(super) unsafe fn post_in_order(&self, channel: &Channel, call: Call, posted: Arc<Posted>) {
+        let mut queue = self.shared.lock();
+        if queue.open && (queue.busy || !queue.waiting.is_empty()) {
+            let mut list = queue.free.pop().unwrap_or(GatedPosts(Vec::new()));
+            list.0.push((call, posted));
+            queue.waiting.push_back(Gated {
+                check: None,
+                job: Job::Posts(list),
+            });
+            drop(queue);
+            self.shared.wake.notify_one();
+        } else {
+            // Every call issued before this one has been handed over (the
+            // gate is idle); one issued after it, by this thread, is issued
+            // once this returns.
+            drop(queue);
+            // SAFETY: forwarded.
+            unsafe { channel.post(call, posted) };
+        }
+    }
+
+    fn enqueue(&self, check: Option<u64>, job: Job) {
         let mut queue = self.shared.lock();
         if queue.open {
             queue.waiting.push_back(Gated { check, job });
@@ -169,8 +209,10 @@ fn run(shared: &Shared, channels: &Weak<Channels>, wait: &CheckWait) {
     loop {
         let next = {
             let mut queue = shared.lock();
+            queue.busy = false;
             loop {
                 if let Some(g) = queue.waiting.pop_front() {
+                    queue.busy = true;
                     break g;
                 }
                 if !queue.open {
@@ -182,7 +224,7 @@ fn run(shared: &Shared, channels: &Weak<Channels>, wait: &CheckWait) {
                     .unwrap_or_else(PoisonError::into_inner);
             }
         };
-        let outcome = wait(next.check);
+        let outcome = next.check.map_or(Ok(()), wait);
         let channels = channels.upgrade();
         let mut give_back = |list: GatedPosts| {
             let mut queue = shared.lock();

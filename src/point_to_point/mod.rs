@@ -12,7 +12,10 @@
 //!
 //! Ordering is NCCL's: the messages from one rank to another match that rank's
 //! receives from it in the order both were posted. Any number may be in
-//! flight on a channel and on many channels at once.
+//! flight on a channel and on many channels at once. Gathers, scatters and
+//! reduces that move as messages ([`rooted`], [`chain`]) hand theirs to the
+//! channels later, once their checks pass; a message issued after one of them
+//! waits at the gate behind it, so the order holds for those too.
 //!
 //! Meeting a channel never blocks the caller: a channel is met on a thread of
 //! its own once both its ranks have named it (by posting a message on it), and
@@ -322,7 +325,11 @@ impl Communicator {
         let call = Call::broadcast(data, count, dtype, 0);
         // SAFETY: the caller's contract covers the message until it reports
         // completion; `Message`'s drop waits for that.
-        unsafe { channel.post(call, Arc::clone(&posted)) };
+        unsafe {
+            channels
+                .gate
+                .post_in_order(&channel, call, Arc::clone(&posted))
+        };
         Ok(posted)
     }
 }
