@@ -321,3 +321,32 @@ fn on_wire(wire: WireFormat) -> fairring::Options {
         wire: Some(wire),
     }
 }
+
+/// A reduce of 2 MiB or more between machines of one rank each runs as a
+/// chain of exact messages, but one on a compressed wire keeps the wire: it
+/// runs as a compressed all-reduce, sending about half the bytes the chain
+/// would.
+#[test]
+fn a_large_reduce_on_a_compressed_wire_stays_compressed() {
+    let n = (2 << 20) / 4 + 1;
+    let results = job(
+        2,
+        1,
+        |b| small_slices(b, Algorithm::Auto).wire(WireFormat::Bf16),
+        |rank, comm| {
+            let input = vec![rank as f32 + 1.0; n];
+            let mut output = vec![0.0f32; n];
+            let before = comm.traffic().sent_bytes;
+            comm.reduce(&input, &mut output, ReduceOp::Sum, 0)
+                .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            (output, comm.traffic().sent_bytes - before)
+        },
+    );
+    assert!(results[0].0.iter().all(|&v| v == 3.0), "the sum");
+    let chain = 4 * n as u64;
+    let sent = results[1].1;
+    assert!(
+        sent < chain * 3 / 4,
+        "rank 1 sent {sent} bytes; exact, a chain sends {chain}"
+    );
+}

@@ -149,8 +149,15 @@ impl Communicator {
         } else {
             MemoryKind::Device
         };
-        let by_messages =
-            choice::rooted_by_messages(collective, dtype, memory, self.topology, bytes as u64);
+        let wire = call.options.wire.unwrap_or(self.wire);
+        let by_messages = choice::rooted_by_messages(
+            collective,
+            dtype,
+            memory,
+            wire,
+            self.topology,
+            bytes as u64,
+        );
         let form = if by_messages {
             choice::check_moves_exactly(collective, call.options.wire)?;
             let (engine, timeout) = (Arc::clone(&self.engine), self.timeout);

@@ -74,14 +74,12 @@ impl Communicator {
             algorithm,
             wire,
             memory: r.memory(),
+            by_messages: r.by_messages,
             root: r.root,
             elements: r.caller_elements,
         };
         // Dedicated servers plan the operation from its descriptor alone.
-        let planned = descriptor.runs_as(self.topology.world_size(), r.by_messages);
-        if planned != Some((elements, r.dtype, r.op))
-            || r.by_messages != choice::moves_as_messages(&descriptor, self.topology)
-        {
+        if descriptor.runs_as(self.topology.world_size()) != Some((elements, r.dtype, r.op)) {
             self.engine.works.give_back(seq);
             return Err(Error::internal(
                 "a descriptor says which all-reduce its call runs as",

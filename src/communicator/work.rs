@@ -15,8 +15,8 @@ pub struct Work<'a> {
     /// The operations covered: `first..=last`, or none if `first > last`.
     pub(super) first: u64,
     pub(super) last: u64,
-    /// The messages of gathers and scatters on host memory (see
-    /// `point_to_point::rooted`), which finish after their checks.
+    /// The messages of gathers, scatters and reduces that move as messages
+    /// (see `point_to_point::rooted`), which finish after their checks.
     pub(super) messages: Option<Message>,
     pub(super) _data: PhantomData<&'a mut [u8]>,
 }

@@ -68,7 +68,10 @@
 //!   chain of the ranks ending at the root (`point_to_point::chain`), where
 //!   machines have one rank each (a machine's ranks reduce faster through its
 //!   shared segment: measured below), but for `f16` and `bf16`, which the
-//!   chain would round at every hop. Smaller ones,
+//!   chain would round at every hop, and for `f32` where a compressed wire
+//!   is asked for (the chain carries exact values). The check's descriptor
+//!   says the call moves as messages, so a dedicated server plans the
+//!   barrier. Smaller ones,
 //!   those of larger jobs and those on device memory run as an all-gather, a
 //!   broadcast of the root's whole input and an all-reduce: below the size,
 //!   the check and the messages' hand-overs cost more than the bytes saved
@@ -257,7 +260,7 @@ use fairring_core::topology::Topology;
 use fairring_core::{DataType, WireFormat};
 
 use super::algorithm::{Resolved, relay_over_machines};
-use super::descriptor::{Collective, Descriptor};
+use super::descriptor::Collective;
 use crate::config::Algorithm;
 use crate::error::{Error, Result};
 use crate::memory::MemoryKind;
@@ -329,29 +332,16 @@ pub(crate) const ROOTED_BY_MESSAGES_UP_TO: u32 = 32;
 /// moves as messages (see the module docs).
 pub(crate) const ROOTED_BY_MESSAGES_FROM: u64 = 2 << 20;
 
-/// Whether the call `d` describes, in a job of `topology`, moves its data as
-/// messages after a check ([`rooted_by_messages`] of its own figures): what
-/// a dedicated server, which sees only descriptors, plans from.
-pub(crate) fn moves_as_messages(d: &Descriptor, topology: Topology) -> bool {
-    let bytes = |elements: u64| elements.checked_mul(d.dtype.size_bytes());
-    let whole = match d.collective {
-        Collective::Reduce => bytes(d.elements),
-        _ => d
-            .elements
-            .checked_mul(u64::from(topology.world_size()))
-            .and_then(bytes),
-    };
-    whole.is_some_and(|w| rooted_by_messages(d.collective, d.dtype, d.memory, topology, w))
-}
-
 /// Whether a `collective` of `dtype` on `memory` of `bytes` in all (every
-/// rank's part; a reduce's tensor), in a job of `topology`, moves as
-/// messages after a check (see the module docs): the same on every rank, and
-/// for a dedicated server that sees only its descriptor.
+/// rank's part; a reduce's tensor), asking for `wire`, in a job of
+/// `topology`, moves as messages after a check (see the module docs): the
+/// same on every rank (the check's descriptor says so, for a dedicated
+/// server).
 pub(crate) fn rooted_by_messages(
     collective: Collective,
     dtype: DataType,
     memory: MemoryKind,
+    wire: WireFormat,
     topology: Topology,
     bytes: u64,
 ) -> bool {
@@ -359,11 +349,12 @@ pub(crate) fn rooted_by_messages(
         Collective::Gather | Collective::Scatter => true,
         // A machine's ranks reduce through its shared segment faster than a
         // chain's messages between them; a chain would round halves at
-        // every hop.
+        // every hop, and carries no compressed wire.
         Collective::Reduce => {
             topology.machines() >= 2
                 && topology.devices_per_machine() == 1
                 && !matches!(dtype, DataType::F16 | DataType::BF16)
+                && !(wire != WireFormat::Exact && dtype == DataType::F32)
         }
         _ => false,
     };

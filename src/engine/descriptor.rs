@@ -102,6 +102,10 @@ pub(crate) struct Descriptor {
     /// Where the caller's tensors live: every rank of an operation passes the
     /// same kind.
     pub(crate) memory: MemoryKind,
+    /// The call's data moves as messages once this operation, its check (a
+    /// barrier), has passed: a gather, a scatter or a reduce
+    /// (`choice::rooted_by_messages`).
+    pub(crate) by_messages: bool,
     /// The root of a broadcast, a reduce, a gather or a scatter; 0
     /// otherwise.
     pub(crate) root: u32,
@@ -150,7 +154,8 @@ impl Descriptor {
     ///
     /// ```text
     /// word 0: elements
-    /// word 1: bits  0..8   collective
+    /// word 1: bits  0..7   collective
+    ///         bit   7      the call moves as messages after this check
     ///         bits  8..16  dtype discriminant
     ///         bits 16..24  op discriminant
     ///         bits 24..28  algorithm (1 hierarchical, 2 ring, 3 relay, 4 doubling,
@@ -163,6 +168,7 @@ impl Descriptor {
         [
             self.elements,
             self.collective as u64
+                | u64::from(self.by_messages) << 7
                 | u64::from(self.dtype as u8) << 8
                 | u64::from(self.op as u8) << 16
                 | algorithm_code(self.algorithm) << 24
@@ -175,7 +181,7 @@ impl Descriptor {
     pub(crate) fn from_words(w: Words) -> Option<Descriptor> {
         let byte = |shift: u32| ((w[1] >> shift) & 0xff) as u8;
         Some(Descriptor {
-            collective: Collective::from_u8(byte(0))?,
+            collective: Collective::from_u8(byte(0) & 0x7f)?,
             dtype: DataType::from_u8(byte(8))?,
             op: ReduceOp::from_u8(byte(16))?,
             algorithm: match byte(24) & 0xf {
@@ -188,6 +194,7 @@ impl Descriptor {
             },
             wire: WireFormat::from_u8((byte(24) >> 4) & 0x3)?,
             memory: MemoryKind::from_u8(byte(24) >> 6)?,
+            by_messages: byte(0) & 0x80 != 0,
             root: (w[1] >> 32) as u32,
             elements: w[0],
         })
@@ -199,14 +206,9 @@ impl Descriptor {
     /// rank's share (`elements`) and reduces the same range of every share
     /// together. A dedicated server, which sees only descriptors, plans the same
     /// operation from it; `None` if the sizes overflow.
-    /// A call whose data moves as messages (`by_messages`:
-    /// `choice::moves_as_messages`) runs as its check, a barrier.
-    pub(crate) fn runs_as(
-        &self,
-        world: u32,
-        by_messages: bool,
-    ) -> Option<(u64, DataType, ReduceOp)> {
-        if by_messages {
+    /// A call whose data moves as messages runs as its check, a barrier.
+    pub(crate) fn runs_as(&self, world: u32) -> Option<(u64, DataType, ReduceOp)> {
+        if self.by_messages {
             return Some((1, DataType::U8, ReduceOp::Sum));
         }
         let bytes = |elements: u64| elements.checked_mul(self.dtype.size_bytes());
@@ -303,6 +305,7 @@ mod tests {
             algorithm: Resolved::Ring,
             wire: WireFormat::Exact,
             memory: MemoryKind::Host,
+            by_messages: false,
             root: 7,
             elements: 1 << 40,
         };
@@ -318,6 +321,7 @@ mod tests {
             algorithm: Resolved::Hierarchical,
             wire: WireFormat::F16,
             memory: MemoryKind::Host,
+            by_messages: false,
             root: 0,
             elements: 12,
         };
@@ -337,6 +341,7 @@ mod tests {
         // Device memory is part of the descriptor, and reads as such.
         let device = Descriptor {
             memory: MemoryKind::Device,
+            by_messages: false,
             ..compressed
         };
         assert_eq!(Descriptor::from_words(device.words()), Some(device));
@@ -365,11 +370,13 @@ mod tests {
             } else {
                 36
             };
-            assert_eq!(
-                d.runs_as(3, false),
-                Some((planned, DataType::F32, ReduceOp::Avg))
-            );
-            assert_eq!(d.runs_as(3, true), Some((1, DataType::U8, ReduceOp::Sum)));
+            assert_eq!(d.runs_as(3), Some((planned, DataType::F32, ReduceOp::Avg)));
+            let checked = Descriptor {
+                by_messages: true,
+                ..d
+            };
+            assert_eq!(Descriptor::from_words(checked.words()), Some(checked));
+            assert_eq!(checked.runs_as(3), Some((1, DataType::U8, ReduceOp::Sum)));
         }
         // An unknown wire format or memory kind is refused, not read as another.
         let mut w = compressed.words();

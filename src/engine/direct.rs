@@ -285,6 +285,7 @@ mod tests {
             algorithm,
             wire: WireFormat::Exact,
             memory: MemoryKind::Host,
+            by_messages: false,
             root: 0,
             elements: 1024,
         };

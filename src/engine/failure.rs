@@ -366,6 +366,7 @@ mod tests {
             algorithm: Resolved::Hierarchical,
             wire: fairring_core::WireFormat::Exact,
             memory: crate::memory::MemoryKind::Host,
+            by_messages: false,
             root: 0,
             elements: 100,
         };

@@ -304,6 +304,7 @@ mod tests {
             algorithm: Resolved::Hierarchical,
             wire: WireFormat::Exact,
             memory: MemoryKind::Host,
+            by_messages: false,
             root: 0,
             elements: 16,
         };

@@ -51,10 +51,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             )
             .into());
         }
-        let topology = self.geometry.topology();
-        let by_messages = super::choice::moves_as_messages(&descriptor, topology);
         let (elements, dtype, op) = descriptor
-            .runs_as(topology.world_size(), by_messages)
+            .runs_as(self.geometry.topology().world_size())
             .filter(|&(n, t, _)| n.checked_mul(t.size_bytes()).is_some())
             .ok_or_else(|| {
                 Error::peer(

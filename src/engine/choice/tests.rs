@@ -200,15 +200,18 @@ fn auto_relays_spreads_across_machines() {
 fn gathers_scatters_and_reduces_on_host_memory_move_as_messages_within_the_limits() {
     let (up_to, from) = (ROOTED_BY_MESSAGES_UP_TO, ROOTED_BY_MESSAGES_FROM);
     let layout = |m, d| Topology::new(m, d, RankLayout::Contiguous).unwrap();
-    let host =
-        |c, dtype, m, d, bytes| rooted_by_messages(c, dtype, MemoryKind::Host, layout(m, d), bytes);
+    let exact = WireFormat::Exact;
+    let host = |c, dtype, m, d, bytes| {
+        rooted_by_messages(c, dtype, MemoryKind::Host, exact, layout(m, d), bytes)
+    };
     for c in [Collective::Gather, Collective::Scatter, Collective::Reduce] {
         for dtype in [DataType::F32, DataType::I64, DataType::U8] {
             assert!(host(c, dtype, 2, 1, from), "{c:?} {dtype}");
             assert!(host(c, dtype, up_to, 1, 1 << 30), "{c:?} {dtype}");
             assert!(!host(c, dtype, 2, 1, from - 1), "{c:?} {dtype}");
             assert!(!host(c, dtype, up_to + 1, 1, 1 << 30), "{c:?} {dtype}");
-            let on_device = rooted_by_messages(c, dtype, MemoryKind::Device, layout(2, 1), 1 << 30);
+            let device = MemoryKind::Device;
+            let on_device = rooted_by_messages(c, dtype, device, exact, layout(2, 1), 1 << 30);
             assert!(!on_device, "{c:?} {dtype}");
         }
     }
@@ -234,6 +237,20 @@ fn gathers_scatters_and_reduces_on_host_memory_move_as_messages_within_the_limit
         assert!(!host(Collective::Reduce, dtype, 4, 1, 1 << 30));
         assert!(host(Collective::Gather, dtype, 4, 1, 1 << 30));
     }
+    // A compressed wire compresses an f32 reduce as an all-reduce.
+    let bf16 = |dtype| {
+        let wire = WireFormat::Bf16;
+        rooted_by_messages(
+            Collective::Reduce,
+            dtype,
+            MemoryKind::Host,
+            wire,
+            layout(4, 1),
+            1 << 30,
+        )
+    };
+    assert!(!bf16(DataType::F32));
+    assert!(bf16(DataType::I64));
     // A reduce of one rank has no chain.
     assert!(!host(Collective::Reduce, DataType::F32, 1, 1, 1 << 30));
     for c in [

@@ -83,6 +83,7 @@ fn submit_device_sum(
         algorithm: Resolved::Hierarchical,
         wire: WireFormat::Exact,
         memory: MemoryKind::Device,
+        by_messages: false,
         root: 0,
         elements,
     };
@@ -161,6 +162,7 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
             algorithm: Resolved::Hierarchical,
             wire: WireFormat::Exact,
             memory: crate::memory::MemoryKind::Host,
+            by_messages: false,
             root: 0,
             elements: 300,
         };
@@ -219,6 +221,7 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
             algorithm: Resolved::Hierarchical,
             wire: WireFormat::Exact,
             memory: crate::memory::MemoryKind::Host,
+            by_messages: false,
             root: 0,
             elements: 0,
         },

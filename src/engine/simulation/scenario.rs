@@ -76,6 +76,7 @@ impl Op {
             algorithm: self.algorithm,
             wire: self.wire,
             memory: crate::memory::MemoryKind::Host,
+            by_messages: false,
             root,
             elements,
         }
