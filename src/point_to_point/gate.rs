@@ -105,7 +105,7 @@ impl Gate {
             let spawned = std::thread::Builder::new()
                 .name(format!("fairring-gate-{rank}"))
                 .spawn(move || run(&shared, &channels, &wait))
-                .map_err(|e| Error::io("starting the gate of gathers and scatters", e))?;
+                .map_err(|e| Error::io("starting the gate of gathers, scatters and reduces", e))?;
             *thread = Some(spawned);
         }
         Ok(())
