@@ -607,6 +607,12 @@ fr_status fr_reduce_scatter_device(const fr_comm *comm,
 // failed operation releases the stream too (`fr_work_wait` reports its
 // error). For a work with no device operation behind it, waits on the host.
 //
+// The process must load CUDA modules eagerly (`CUDA_MODULE_LOADING=EAGER` in
+// its environment before CUDA starts): under lazy loading, a kernel's first
+// launch waits for every stream to drain while holding the context's lock,
+// and `stream` drains only after CUDA calls of the engine that wait for
+// that lock.
+//
 // # Safety
 //
 // `work` is a live handle; `stream` is null or a live stream of the primary

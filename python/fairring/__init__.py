@@ -10,6 +10,11 @@ current stream's work, the calling thread never waiting for the GPU,
 ``init_process_group("fairring")`` finds the backend through its entry point
 without the import.
 
+Importing fairring before CUDA starts sets ``CUDA_MODULE_LOADING=EAGER`` unless
+the environment names a mode: under lazy loading, a kernel's first launch
+while an operation on CUDA tensors is in flight can deadlock the process
+(``_cuda.MODULE_LOADING`` says how).
+
 - ``dist.init_process_group("fairring")``: the group rendezvouses through the
   store PyTorch hands it, and implements allreduce (SUM, AVG, PRODUCT, MIN,
   MAX, BAND, BOR, BXOR, PREMUL_SUM), allreduce_coalesced, broadcast,
@@ -26,9 +31,14 @@ without the import.
 
 import torch.distributed as dist
 
-from ._backend import ProcessGroupFairring, Work
-from ._cuda import cuda_status as _cuda_status
-from ._native import FairringError
+from . import _cuda
+
+# Before anything starts CUDA: see `_cuda.MODULE_LOADING`.
+_cuda.prefer_eager_module_loading()
+
+from ._backend import ProcessGroupFairring, Work  # noqa: E402
+from ._cuda import cuda_status as _cuda_status  # noqa: E402
+from ._native import FairringError  # noqa: E402
 
 __all__ = [
     "ProcessGroupFairring",

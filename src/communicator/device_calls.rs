@@ -30,6 +30,15 @@
 //! communicators the first device operation makes, or through its shared
 //! segment as for host tensors, each rank staging its slice in by copies and
 //! the final slots out (`local::staged`), as `FAIRRING_DEVICE_LOCAL` chooses.
+//!
+//! The engine enqueues each step's copies (and NCCL's launches) as the
+//! operation's traffic arrives, so a stream made to wait for an operation
+//! ([`Work::enqueue_wait`]) drains only after CUDA calls the engine has yet
+//! to make. Lazy module loading (CUDA's default) can then deadlock: a
+//! kernel's first launch waits for every stream of the context to drain
+//! while holding the context's lock, which those calls need. A process that
+//! makes streams wait so loads modules eagerly (`CUDA_MODULE_LOADING=EAGER`
+//! before CUDA starts; the Python package asks for it).
 
 use fairring_core::{DataType, ReduceOp};
 use fairring_cuda::{DeviceSlice, DeviceSliceMut, Stream, device_of_pointer, sys};
@@ -244,6 +253,15 @@ impl Work<'_> {
     /// wait. A failed operation releases the stream too (its result is then
     /// undefined; [`wait`](Work::wait) or [`test`](Work::test) report the
     /// error).
+    ///
+    /// The process must load CUDA modules eagerly (`CUDA_MODULE_LOADING=EAGER`
+    /// in its environment before CUDA starts): under lazy loading, the
+    /// first launch of any kernel in the context (the caller's, or NCCL's
+    /// inside the engine) waits, holding the context's lock, until every
+    /// stream has drained, and `stream` drains only once the engine's own
+    /// CUDA calls have moved the result in; they wait for the lock, and the
+    /// process deadlocks. The Python package asks for eager loading when
+    /// imported before CUDA starts.
     pub fn enqueue_wait(&self, stream: &Stream) -> Result<()> {
         // SAFETY: a `Stream` is a live stream of its device's primary context.
         unsafe { enqueue_wait(self.engine, self.first, self.last, stream.raw()) }
