@@ -83,6 +83,57 @@ fn broadcast_from_every_root() {
     });
 }
 
+/// A broadcast's root sends from its tensor (from any size) or stages it
+/// (never), relaying over machines of one rank each: the same exact results
+/// from every root, with several broadcasts in flight over many slices, and
+/// the root's tensor left as it was.
+#[test]
+fn broadcasts_sent_from_the_roots_tensor_match_staged_ones() {
+    for (m, direct_from) in [(2, Some(0)), (3, Some(0)), (3, None), (4, Some(0))] {
+        let results = job(
+            m,
+            1,
+            |b| small_slices(b, Algorithm::Ring).direct_from(direct_from),
+            |rank, comm| {
+                let mut out = Vec::new();
+                for root in 0..m {
+                    let mut tensors: Vec<Vec<i32>> = SIZES
+                        .iter()
+                        .enumerate()
+                        .map(|(k, &n)| (0..n).map(|i| bits(rank, k, i) as i32).collect())
+                        .collect();
+                    comm.scope(|s| {
+                        let works: Vec<_> = tensors
+                            .iter_mut()
+                            .map(|t| s.broadcast(t, root).unwrap())
+                            .collect();
+                        for w in works {
+                            w.wait().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                        }
+                    });
+                    out.push((root, tensors));
+                }
+                out
+            },
+        );
+        for (rank, per_rank) in results.iter().enumerate() {
+            for (root, tensors) in per_rank {
+                for (k, t) in tensors.iter().enumerate() {
+                    let wrong = t
+                        .iter()
+                        .enumerate()
+                        .filter(|&(i, &v)| v != bits(*root, k, i) as i32)
+                        .count();
+                    assert_eq!(
+                        wrong, 0,
+                        "{m}x1, from {direct_from:?}: rank {rank}, root {root}, tensor {k}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn all_gather_places_every_input() {
     for_every_layout(|m, d, servers, algorithm| {

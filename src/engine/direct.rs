@@ -4,7 +4,9 @@
 //! whole slice; and the ring never uses the machine's step. On a fabric that
 //! registers memory to send from without pinning it (tcp:
 //! [`Fabric::register_source`]) an all-reduce of a host tensor by either then
-//! skips the copy into the staging buffer. The tensor is registered, and
+//! skips the copy into the staging buffer, and so does the root of a
+//! broadcast relayed between such machines, whose chunks are all it sends
+//! (a message is a broadcast from its sender, so a send copies nothing in). The tensor is registered, and
 //! what the rank sends of its own leaves from it: hierarchical's
 //! contributions and served shard, the ring's chunks as it reduces them.
 //! Reductions go into the tensor, from what landed in the staging buffer's
@@ -40,8 +42,10 @@ use crate::memory::MemorySpace;
 
 /// Whether operation `sub`, resolved to `algorithm`, may send from its tensor
 /// directly in `ctx`, given the size from which that pays (`from_bytes`, `None`:
-/// never): a hierarchical all-reduce between machines of one rank each, or a
-/// ring all-reduce. The memory space and the fabric decide the rest.
+/// never): a hierarchical all-reduce between machines of one rank each, a
+/// ring all-reduce, or the root of a broadcast relayed over ranks of machines
+/// of their own (a message's sender among them). The memory space and the
+/// fabric decide the rest.
 pub(crate) fn eligible<M: MemorySpace>(
     ctx: &Context<'_>,
     sub: &Submission<M>,
@@ -49,10 +53,10 @@ pub(crate) fn eligible<M: MemorySpace>(
     from_bytes: Option<u64>,
 ) -> bool {
     let bytes = sub.elements.saturating_mul(sub.dtype.size_bytes());
-    let all_reduce = from_bytes.is_some_and(|from| bytes >= from)
-        && sub.descriptor.collective == Collective::AllReduce
+    let large = from_bytes.is_some_and(|from| bytes >= from)
         && sub.deliver.is_none()
         && ctx.server.is_none();
+    let all_reduce = large && sub.descriptor.collective == Collective::AllReduce;
     match algorithm {
         // Its slot is the slice where the machine has one rank; servers and
         // a compressed wire reduce what the slot holds once it is sent.
@@ -66,7 +70,18 @@ pub(crate) fn eligible<M: MemorySpace>(
         }
         // Every rank is a hop of its own, whatever machine it is on.
         Resolved::Ring => all_reduce && ctx.world > 1,
-        Resolved::Relay | Resolved::Doubling | Resolved::Scatter => false,
+        // The root's chunks are all it sends, and each leaves as it is in
+        // the tensor; over machines of several ranks the machine's
+        // reduce-scatter puts them in place instead.
+        Resolved::Relay => {
+            large
+                && sub.descriptor.collective == Collective::Broadcast
+                && sub.descriptor.root == ctx.rank
+                && ctx.world > 1
+                && ctx.topology.devices_per_machine() == 1
+                && ctx.servers == 0
+        }
+        Resolved::Doubling | Resolved::Scatter => false,
     }
 }
 

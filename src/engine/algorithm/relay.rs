@@ -29,6 +29,10 @@
 //! (and forwarded) at once; the buffer is released when every expected chunk
 //! has landed and every copy and send has finished.
 //!
+//! **Sending from the tensor** ([`SliceInfo::direct`], `engine/direct.rs`): a
+//! broadcast's root, relaying over ranks, stages nothing in; its chunks,
+//! all it sends, leave from the tensor.
+//!
 //! # Over the machines
 //!
 //! Where a machine has several devices ([`over_machines`]) the chain's members
@@ -156,6 +160,9 @@ pub(crate) struct Relay {
     /// into the tensor, or reductions into the slot).
     sends: u32,
     copies: u32,
+    /// The own chunks leave from the tensor, unstaged
+    /// ([`SliceInfo::direct`]: a broadcast's root).
+    direct: bool,
     /// The slot has been published, and its local all-gather is running
     /// (machine chain).
     published: bool,
@@ -194,6 +201,7 @@ impl Relay {
             held: 0,
             sends: 0,
             copies: 0,
+            direct: false,
             published: false,
             gathering: false,
             released: false,
@@ -212,6 +220,11 @@ impl Relay {
             });
         } else if own.is_empty() || line.members.count == 1 {
             relay.staged = true;
+            relay.pump(steps)?;
+        } else if s.direct {
+            // The own piece is where it is sent from.
+            relay.direct = true;
+            relay.own_in_place(steps)?;
             relay.pump(steps)?;
         } else {
             steps.push(Step::StageIn {
@@ -370,13 +383,18 @@ impl Relay {
             Some(landed) => (range, landed.start),
             None => (range.clone(), range.start),
         };
-        steps.push(Step::Write(Write {
+        let write = Write {
             kind: Kind::Relay,
             peer: self.line.members.next,
             target,
             source,
             needs_credit: true,
-        }));
+        };
+        steps.push(if self.direct && !forwarded {
+            Step::WriteFromTensor(write)
+        } else {
+            Step::Write(write)
+        });
     }
 
     /// Where bytes `range` of the slice land on the machine chain: at their
