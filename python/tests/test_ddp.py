@@ -156,7 +156,7 @@ def _hook_params():
         yield pytest.param(name, marks=marks)
 
 
-@pytest.mark.parametrize("hook", _hook_params())
+@pytest.mark.parametrize("hook", list(_hook_params()))
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_shipped_comm_hook_matches_gloo(world, hook):
     spawn(train_side_by_side, world, hook)
