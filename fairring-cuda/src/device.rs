@@ -235,6 +235,38 @@ impl Drop for Bound<'_> {
     }
 }
 
+/// How this process's CUDA driver loads the kernels of a module; it reads
+/// `CUDA_MODULE_LOADING` when it starts, and loads lazily by default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModuleLoading {
+    /// Every kernel when its module loads.
+    Eager,
+    /// Each kernel at its first use. That first launch waits, holding the
+    /// context's lock, until every stream of the context has drained: a
+    /// stream waiting for work that other threads enqueue later (a
+    /// [`HostFlags`](crate::HostFlags) word the host sets after more CUDA
+    /// calls) then deadlocks the process.
+    Lazy,
+}
+
+/// How this process's CUDA driver loads modules (`cuModuleGetLoadingMode`).
+pub fn module_loading() -> Result<ModuleLoading> {
+    probe::require(Library::Cuda)?;
+    let mut raw: u32 = 0;
+    // SAFETY: writes one `CUmoduleLoadingMode`, a 32-bit enumeration, into a
+    // `u32`, so a value the bindings do not know is still a valid integer; the
+    // driver is initialised (probe).
+    error::driver("cuModuleGetLoadingMode", unsafe {
+        sys::cuModuleGetLoadingMode((&raw mut raw).cast())
+    })?;
+    let lazy = sys::CUmoduleLoadingMode::CU_MODULE_LAZY_LOADING as u32;
+    Ok(if raw == lazy {
+        ModuleLoading::Lazy
+    } else {
+        ModuleLoading::Eager
+    })
+}
+
 /// Whether a CUDA device can be used here: the driver loads and sees at least one
 /// device. Tests that need one check this and fail loudly when they were asked to
 /// run without it.

@@ -71,7 +71,7 @@ pub mod probe;
 pub mod staging;
 mod stream;
 
-pub use device::{Bound, Device, cuda_available};
+pub use device::{Bound, Device, ModuleLoading, cuda_available, module_loading};
 
 /// The raw driver handles that cross into and out of this crate's safe types
 /// (what a host runtime such as PyTorch hands over).

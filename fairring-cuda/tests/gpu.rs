@@ -808,3 +808,17 @@ fn driver_calls_leave_the_threads_current_context_as_they_found_it() {
     .join()
     .unwrap();
 }
+
+/// The driver reports the module loading `CUDA_MODULE_LOADING` asked for (lazy
+/// where it names none: the driver's default), which the engine's warning and
+/// the Python package's eager default rest on.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn module_loading_follows_the_environment() {
+    let _device = device();
+    let want = match std::env::var("CUDA_MODULE_LOADING").as_deref() {
+        Ok("EAGER") => fairring_cuda::ModuleLoading::Eager,
+        _ => fairring_cuda::ModuleLoading::Lazy,
+    };
+    assert_eq!(fairring_cuda::module_loading().unwrap(), want);
+}

@@ -51,6 +51,7 @@ fn opening_a_device_fails_with_a_named_cause() {
     } else {
         unavailable(Device::for_local_rank(0), Library::Cuda);
         unavailable(Device::open(0), Library::Cuda);
+        unavailable(fairring_cuda::module_loading(), Library::Cuda);
     }
 }
 
