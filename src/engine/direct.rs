@@ -6,9 +6,10 @@
 //! [`Fabric::register_source`]) an all-reduce of a host tensor by either then
 //! skips the copy into the staging buffer, and so does the root of a
 //! broadcast relayed between such machines, whose chunks are all it sends
-//! (a message is a broadcast from its sender, so a send copies nothing in). The tensor is registered, and
-//! what the rank sends of its own leaves from it: hierarchical's
-//! contributions and served shard, the ring's chunks as it reduces them.
+//! (a message is a broadcast from its sender, so a send copies nothing in).
+//! The tensor is registered, and what the rank sends of its own leaves from
+//! it: hierarchical's contributions and served shard, the ring's chunks as it
+//! reduces them, a broadcast root's chunks.
 //! Reductions go into the tensor, from what landed in the staging buffer's
 //! inbox. Only what other ranks finished is copied in, from where it landed.
 //! Per rank and slice of `S` bytes that is `S (N-1)/N` bytes copied (`N`
