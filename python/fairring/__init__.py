@@ -2,18 +2,15 @@
 
 ``import fairring`` registers the ``torch.distributed`` backend ``"fairring"``
 for CPU and CUDA tensors (one group serves both). CUDA tensors run on the
-engine's device path with ProcessGroupNCCL's semantics: ordered after the
-current stream's work, the calling thread never waiting for the GPU,
-``wait()`` ordering the current stream after the result, a CUDA-aware future.
+engine's device path: ordered after the current stream's work, started
+without waiting for the GPU, ``wait()`` waiting for the operation on the host
+(as gloo's CUDA path does: no stream ever waits for the engine, which could
+deadlock the process) and ordering the current stream after the result, a
+CUDA-aware future.
 ``fairring.cuda_available()`` says whether they can run here and
 ``fairring.cuda_status()`` why or why not. With torch >= 2.14,
 ``init_process_group("fairring")`` finds the backend through its entry point
 without the import.
-
-Importing fairring before CUDA starts sets ``CUDA_MODULE_LOADING=EAGER`` unless
-the environment names a mode: under lazy loading, a kernel's first launch
-while an operation on CUDA tensors is in flight can deadlock the process
-(``_cuda.MODULE_LOADING`` says how).
 
 - ``dist.init_process_group("fairring")``: the group rendezvouses through the
   store PyTorch hands it, and implements allreduce (SUM, AVG, PRODUCT, MIN,
@@ -31,13 +28,8 @@ while an operation on CUDA tensors is in flight can deadlock the process
 
 import torch.distributed as dist
 
-from . import _cuda
-
-# Before anything starts CUDA: see `_cuda.MODULE_LOADING`.
-_cuda.prefer_eager_module_loading()
-
-from ._backend import ProcessGroupFairring, Work  # noqa: E402
-from ._cuda import cuda_status as _cuda_status  # noqa: E402
+from ._backend import ProcessGroupFairring, Work
+from ._cuda import cuda_status as _cuda_status
 from ._native import FairringError  # noqa: E402
 
 __all__ = [

@@ -130,9 +130,8 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
     def _start(self, what, start_one, finish, result, keep, device=None):
         """Starts operations with `start_one(out_work_pointer) -> status` (each
         call of the iterable) and returns one Work over them. For CUDA tensors
-        `device` is (the device index, `after(works) -> (side stream, event)`,
-        which orders the side stream after the operations), and the Work is a
-        `DeviceWork`."""
+        `device` is (the device index, the side stream `finish` enqueues on,
+        the event it records there), and the Work is a `DeviceWork`."""
         if "comm" not in self._state:
             raise RuntimeError(f"fairring: {what}: the process group has been shut down")
         works = []
@@ -152,13 +151,7 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         if device is None:
             self._state["completer"].put(pending)
             return Work(pending, keep, what)
-        index, after = device
-        try:
-            side, done = after(works)
-        except BaseException:
-            # The operations run: let the completion thread release them.
-            self._state["completer"].put(pending)
-            raise
+        index, side, done = device
         pending.device = (side, index)
         self._state["completer"].put(pending)
         return DeviceWork(pending, keep, what, done)

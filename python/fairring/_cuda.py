@@ -2,67 +2,15 @@
 
 A group runs CUDA tensors on the engine's device path (the library's `cuda`
 feature): a collective is ordered after everything already enqueued on the
-current stream of the tensors' device, the calling thread never waits for the
-GPU, and what follows it on the device waits for it only where the caller
-asks (`Work.wait()`, the future). The checks are plain functions of what they
+current stream of the tensors' device, the calling thread does not wait for
+the GPU to start it, and what follows it on the device waits for it only
+where the caller asks (`Work.wait()`, the future). The checks are plain functions of what they
 are told, so that they run, and are tested, on a machine without a GPU.
 """
-
-import ctypes
-import os
-import warnings
 
 import torch
 
 from . import _native as native
-
-# CUDA's lazy module loading (the driver's default, and torch's) loads a
-# kernel at its first launch, and that load waits, holding the context's lock,
-# until every stream of the context has drained. A stream that `Work.wait()`
-# ordered after a fairring operation drains only once the engine has copied
-# the result in, which takes CUDA calls of its own; they queue behind the
-# lock, and the process deadlocks (the first launch of any of torch's kernels,
-# or of NCCL's, while an operation is in flight, is enough). Eager loading
-# loads every kernel when CUDA starts, so no launch waits for a drain.
-MODULE_LOADING = "CUDA_MODULE_LOADING"
-
-
-def prefer_eager_module_loading(environ=os.environ, cuda_started=torch.cuda.is_initialized):
-    """Asks for eager module loading where nobody chose a mode and CUDA has
-    not started in this process (the driver reads the variable when it
-    starts); returns what the variable says now, or None."""
-    if MODULE_LOADING not in environ and not cuda_started():
-        environ[MODULE_LOADING] = "EAGER"
-    return environ.get(MODULE_LOADING)
-
-
-def lazy_loading_warning(mode):
-    """The warning for a process whose CUDA loads modules in `mode` ("lazy",
-    "eager", or None where it could not be asked), or None."""
-    if mode != "lazy":
-        return None
-    return (
-        "fairring: CUDA loads kernels lazily in this process (CUDA_MODULE_LOADING is "
-        f"{os.environ.get(MODULE_LOADING, 'unset')!r}, or CUDA started before fairring "
-        "was imported): a kernel launched for the first time while a fairring operation "
-        "on CUDA tensors is in flight can deadlock the process. Set "
-        "CUDA_MODULE_LOADING=EAGER before CUDA starts (importing fairring first does)"
-    )
-
-
-def module_loading():
-    """How the CUDA driver of this process loads modules: "lazy", "eager",
-    or None where the driver cannot say (`cuModuleGetLoadingMode`)."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-        mode = ctypes.c_int(0)
-        if cuda.cuModuleGetLoadingMode(ctypes.byref(mode)) != 0:
-            return None
-    except (OSError, AttributeError):
-        return None
-    # CU_MODULE_EAGER_LOADING = 1, CU_MODULE_LAZY_LOADING = 2.
-    return {1: "eager", 2: "lazy"}.get(mode.value)
-
 
 def cuda_status():
     """``(available, reason)``: whether CUDA tensors can run through fairring
@@ -141,17 +89,14 @@ class GroupDevice:
             raise RuntimeError(f"fairring: {why}")
         if self.index is None:
             self.index = devices[0].index
-            warning = lazy_loading_warning(module_loading())
-            if warning is not None:
-                warnings.warn(warning, RuntimeWarning, stacklevel=3)
 
     def current_stream(self):
         return torch.cuda.current_stream(self.index)
 
     def side_stream(self):
-        """The stream that waits for each operation and copies its results
-        where the caller wants them; `Work.wait()` and the future order the
-        caller after it."""
+        """The stream that copies each finished operation's results where the
+        caller wants them; `Work.wait()` and the future order the caller after
+        it."""
         if self._side is None:
             self._side = torch.cuda.Stream(device=self.index)
         return self._side

@@ -3,20 +3,32 @@
 Each call is described as the engine's calls (`fr_call` with device memory)
 ordered on the current stream of the tensors' device, and started at once: the
 engine orders it after everything already on that stream and the calling
-thread never waits for the GPU. The group's side stream then waits for the
-operation on the device (`fr_work_enqueue_wait`) and copies the results where
-the caller wants them (a non-contiguous tensor, an output list); `Work.wait()`
-and the future order the caller's streams after the side stream, never the
-host. Temporaries made for a call are made on the current stream, as the
-caller's own work would be; the tensors the side stream touches are recorded
-on it for the caching allocator, and every tensor the engine touches is kept
-alive until the engine has finished with it.
+thread does not wait for the GPU to start it. No stream ever waits for the
+engine: once the host has seen the operation finish (its results are then in
+the engine's buffers on the device), whichever thread settles it enqueues the
+copies of the results where the caller wants them (a non-contiguous tensor, an
+output list) on the group's side stream and records an event there;
+`Work.wait()` waits for the operation on the host, as gloo's CUDA path does, and
+then orders the current stream after that event, and the CUDA-aware future is
+completed on the side stream.
+
+Why the host waits: the engine copies an operation's data in and out with CUDA
+calls it makes as the traffic arrives. A stream made to wait for an operation
+(`fr_work_enqueue_wait`) drains only after those calls, and a CUDA call that
+waits for the whole device to drain (a kernel's first launch that needs a
+larger per-thread stack, as NCCL's does, or loads its module lazily) made by
+any thread meanwhile holds the context, so the engine's calls never run: the
+process deadlocks, past any timeout. With no stream waiting on the host, every
+stream drains by itself.
+
+Temporaries made for a call are made on the current stream, as the caller's
+own work would be; the tensors the side stream touches are recorded on it for
+the caching allocator, and every tensor the engine touches is kept alive until
+the engine has finished with it.
 
 Messages and all-to-all have no device form in the engine: on CUDA tensors
 they are refused, naming the call.
 """
-
-import ctypes
 
 import torch
 
@@ -74,35 +86,33 @@ class DeviceCollectives:
         self._device().check(what, tensors)
 
     def _start_device(self, what, calls, result, keep, write_back=None, touched=()):
-        """Starts `calls` (one work over them), has the side stream wait for
-        it and run `write_back`, and returns a `DeviceWork`."""
+        """Starts `calls` (one work over them) and returns a `DeviceWork`
+        whose settling runs `write_back` on the side stream."""
         device = self._device()
         stream = device.current_stream()
         for c in calls:
             c.memory = native.MEMORY_DEVICE
             c.stream = stream.cuda_stream
         array = (native.Call * len(calls))(*calls)
+        side = device.side_stream()
+        done = torch.cuda.Event()
 
         def start(comm, out):
             return native.lib().fr_start(comm, array, len(calls), out)
 
-        def after(works):
-            side = device.side_stream()
-            lib = native.lib()
-            for w in works:
-                native.check(
-                    lib.fr_work_enqueue_wait(w, ctypes.c_void_p(side.cuda_stream)), what
-                )
+        def finish():
+            # The engine has finished: its results are in place on the device,
+            # so nothing enqueued here waits for the engine.
             with torch.cuda.stream(side):
                 if write_back is not None:
                     write_back()
-                done = torch.cuda.Event()
                 done.record(side)
             for t in touched:
                 _record(t, side)
-            return side, done
 
-        return self._start(what, [start], None, result, (keep, array), device=(device.index, after))
+        return self._start(
+            what, [start], finish, result, (keep, array), device=(device.index, side, done)
+        )
 
     def _device_allreduce(self, tensors, reduction, what):
         self._check_device(what, tensors)

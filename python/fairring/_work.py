@@ -333,21 +333,22 @@ class Work(dist.Work):
 
 
 class DeviceWork(Work):
-    """A fairring operation on CUDA tensors, with ProcessGroupNCCL's
-    semantics: ``wait()`` makes the current stream wait for the results on the
-    device (the host does not wait) and raises the operation's error if it has
-    already failed; ``is_completed()`` asks without waiting; the future is
-    CUDA-aware. `done` is the event recorded on the side stream once the
-    results are where the caller wants them."""
+    """A fairring operation on CUDA tensors. ``wait()`` waits for it on the
+    host (inside the library, without the GIL), raises its error, and then
+    makes the current stream wait for `done`, the event recorded on the side
+    stream after the results were copied where the caller wants them: the host
+    waits, as in gloo's CUDA path, and not only the device, as in
+    ProcessGroupNCCL's, because a stream waiting for the engine could deadlock
+    the process (see `_device_collectives`). ``is_completed()`` asks without
+    waiting; the future is CUDA-aware."""
 
     def __init__(self, pending, keep, what, done):
         super().__init__(pending, keep, what)
         self._done = done
 
     def wait(self, timeout=datetime.timedelta(0)):
+        super().wait(timeout)
         torch.cuda.current_stream(self._pending.device[1]).wait_event(self._done)
-        if self._pending.poll() and self._pending.failure is not None:
-            raise self._pending.failure
         return True
 
     def is_completed(self):

@@ -6,8 +6,8 @@ machines of their own (`FAIRRING_HOST_ID`), and as two ranks of one machine
 - every collective the engine has a device form of, on CUDA tensors, against a
   reference computed on the CPU, for every dtype and operator the backend takes;
 - stream semantics: a slow kernel on the current stream writes the input
-  before the collective, a kernel after `wait()` reads the result, with no
-  host synchronisation between; `get_future().then(...)` sees the result;
+  before the collective (the caller does not wait for it), a kernel after
+  `wait()` reads the result; `get_future().then(...)` sees the result;
 - DDP for 10 steps against gloo on CUDA tensors (bitwise on 2 ranks), and DDP
   on gloo with its buckets averaged by `fairring.allreduce_hook`; FSDP2
   (`fully_shard`) for 10 steps against the same model trained on one rank on

@@ -6,8 +6,8 @@ streams, events, the CUDA-aware future, the allocator's stream record, and
 the memory the calls describe, which becomes host memory so that the engine
 runs every call the device path makes on CPU tensors. What remains is the
 device path's own logic: which engine calls it makes, with which counts,
-types and roots, what it copies back and where, and how its `Work` and
-future finish. `test_cuda.py` runs the real thing on a GPU.
+types and roots, what it copies back and where, how its `Work` and future
+finish, and that no stream is ever made to wait for the engine. `test_cuda.py` runs the real thing on a GPU.
 """
 
 import contextlib
@@ -53,9 +53,15 @@ def _stand_ins():
     _cuda.GroupDevice.side_stream = lambda self: _Stream()
     _backend.any_cuda = lambda tensors: True
     _device_collectives._record = lambda tensor, stream: None
-    # The engine runs the described calls on host memory; a stream wait on a
-    # host operation waits on the host.
+    # The engine runs the described calls on host memory.
     _native.MEMORY_DEVICE = _native.MEMORY_HOST
+    # No stream may wait for the engine: the engine's own CUDA calls release
+    # such a stream, and any call that waits for the whole device would then
+    # deadlock the process.
+    def no_stream_waits(*args):
+        raise AssertionError("a stream was made to wait for the engine (fr_work_enqueue_wait)")
+
+    _native.lib().fr_work_enqueue_wait = no_stream_waits
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
     torch.cuda.Event = _Event
     torch.cuda.current_stream = lambda device=None: _Stream()
