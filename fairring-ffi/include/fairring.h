@@ -607,11 +607,13 @@ fr_status fr_reduce_scatter_device(const fr_comm *comm,
 // failed operation releases the stream too (`fr_work_wait` reports its
 // error). For a work with no device operation behind it, waits on the host.
 //
-// The process must load CUDA modules eagerly (`CUDA_MODULE_LOADING=EAGER` in
-// its environment before CUDA starts): under lazy loading, a kernel's first
-// launch waits for every stream to drain while holding the context's lock,
-// and `stream` drains only after CUDA calls of the engine that wait for
-// that lock.
+// `stream` drains only after CUDA calls the engine has yet to make: until
+// then no thread may make a CUDA call that waits for the whole device to
+// drain, or the process deadlocks. Such calls: a kernel's first launch under
+// lazy module loading (set `CUDA_MODULE_LOADING=EAGER` before CUDA starts), a
+// launch needing a larger per-thread stack than the context has (NCCL's
+// first can; `NCCL_SET_STACK_SIZE=1`), freeing device memory. Where these
+// cannot be ruled out, wait on the host (`fr_work_wait`) instead.
 //
 // # Safety
 //

@@ -34,11 +34,14 @@
 //! The engine enqueues each step's copies (and NCCL's launches) as the
 //! operation's traffic arrives, so a stream made to wait for an operation
 //! ([`Work::enqueue_wait`]) drains only after CUDA calls the engine has yet
-//! to make. Lazy module loading (CUDA's default) can then deadlock: a
-//! kernel's first launch waits for every stream of the context to drain
-//! while holding the context's lock, which those calls need. A process that
-//! makes streams wait so loads modules eagerly (`CUDA_MODULE_LOADING=EAGER`
-//! before CUDA starts; the Python package asks for it).
+//! to make. A CUDA call that waits for the whole device to drain, made by any
+//! thread while such a stream waits, then deadlocks the process: it holds
+//! the context, and the engine's calls wait for it. Such calls include a
+//! kernel's first launch under lazy module loading (CUDA's default), and a
+//! launch that needs a larger per-thread stack than the context has (NCCL's
+//! first launch in a context can; the driver grows the stack only once the
+//! device is idle). Waiting on the host ([`Work::wait`]) and ordering streams
+//! after the host has no such hazard; the Python package does that.
 
 use fairring_core::{DataType, ReduceOp};
 use fairring_cuda::{DeviceSlice, DeviceSliceMut, Stream, device_of_pointer, sys};
@@ -254,14 +257,17 @@ impl Work<'_> {
     /// undefined; [`wait`](Work::wait) or [`test`](Work::test) report the
     /// error).
     ///
-    /// The process must load CUDA modules eagerly (`CUDA_MODULE_LOADING=EAGER`
-    /// in its environment before CUDA starts): under lazy loading, the
-    /// first launch of any kernel in the context (the caller's, or NCCL's
-    /// inside the engine) waits, holding the context's lock, until every
-    /// stream has drained, and `stream` drains only once the engine's own
-    /// CUDA calls have moved the result in; they wait for the lock, and the
-    /// process deadlocks. The Python package asks for eager loading when
-    /// imported before CUDA starts.
+    /// `stream` drains only once the engine's own CUDA calls have moved the
+    /// result in. Until then, no thread of the process may make a CUDA call
+    /// that waits for the whole device to drain, or the process deadlocks
+    /// (that call holds the context, and the engine's calls wait for it):
+    /// the first launch of a kernel under lazy module loading (load eagerly,
+    /// `CUDA_MODULE_LOADING=EAGER` before CUDA starts), a launch that needs a
+    /// larger per-thread stack than the context has (NCCL's first launch can;
+    /// `NCCL_SET_STACK_SIZE=1` sizes it when a communicator is made), and
+    /// whatever synchronizes the device (freeing device memory). A process
+    /// that cannot rule these out waits on the host ([`wait`](Work::wait))
+    /// instead, as the Python package does.
     pub fn enqueue_wait(&self, stream: &Stream) -> Result<()> {
         // SAFETY: a `Stream` is a live stream of its device's primary context.
         unsafe { enqueue_wait(self.engine, self.first, self.last, stream.raw()) }

@@ -289,7 +289,7 @@ impl MemorySpace for Placed {
 
 /// Says once per process, where the driver loads modules lazily, that a
 /// stream waiting for a device operation can deadlock it (see
-/// `Work::enqueue_wait`).
+/// `Work::enqueue_wait`; a process that waits only on the host is safe).
 #[cfg(feature = "cuda")]
 fn warn_of_lazy_loading() {
     static SAID: std::sync::Once = std::sync::Once::new();
@@ -297,8 +297,9 @@ fn warn_of_lazy_loading() {
         SAID.call_once(|| {
             log::warn!(
                 "CUDA loads kernels lazily in this process: a kernel launched for the first time \
-                 while a stream waits for a fairring device operation can deadlock it; set \
-                 CUDA_MODULE_LOADING=EAGER before CUDA starts"
+                 while a stream waits for a fairring device operation (enqueue_wait) can \
+                 deadlock it; set CUDA_MODULE_LOADING=EAGER before CUDA starts, or wait on \
+                 the host"
             );
         });
     }
