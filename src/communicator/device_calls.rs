@@ -318,6 +318,7 @@ unsafe fn enqueue_wait(
         // nothing on the device to wait for; wait on the host.
         return wait_range(engine, first, last, engine.timeout);
     };
+    warn_of_lazy_loading();
     // SAFETY: the caller vouches for the stream; the view lives only for this
     // call.
     let stream = unsafe { Stream::from_raw(side.device(), stream) };
@@ -330,6 +331,23 @@ unsafe fn enqueue_wait(
         }
     }
     Ok(())
+}
+
+/// Says once per process, at the first stream made to wait where the driver
+/// loads modules lazily, that this can deadlock it (see
+/// [`Work::enqueue_wait`]); a process that waits only on the host is not told.
+fn warn_of_lazy_loading() {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    if fairring_cuda::module_loading() == Ok(fairring_cuda::ModuleLoading::Lazy) {
+        SAID.call_once(|| {
+            log::warn!(
+                "CUDA loads kernels lazily in this process: a kernel launched for the first time \
+                 while a stream waits for a fairring device operation (enqueue_wait) can \
+                 deadlock it; set CUDA_MODULE_LOADING=EAGER before CUDA starts, or wait on \
+                 the host"
+            );
+        });
+    }
 }
 
 /// The GPU `data` lies on, for `count` (at least one) elements of `dtype`;

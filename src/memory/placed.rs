@@ -93,7 +93,6 @@ impl Placed {
                             self.host.buffers(),
                             self.host.machine_staging(),
                         )?;
-                        warn_of_lazy_loading();
                         self.device.get_or_init(|| side)
                     }
                 }
@@ -284,23 +283,5 @@ impl MemorySpace for Placed {
             side.completed(seq);
         }
         let _ = seq;
-    }
-}
-
-/// Says once per process, where the driver loads modules lazily, that a
-/// stream waiting for a device operation can deadlock it (see
-/// `Work::enqueue_wait`; a process that waits only on the host is safe).
-#[cfg(feature = "cuda")]
-fn warn_of_lazy_loading() {
-    static SAID: std::sync::Once = std::sync::Once::new();
-    if fairring_cuda::module_loading() == Ok(fairring_cuda::ModuleLoading::Lazy) {
-        SAID.call_once(|| {
-            log::warn!(
-                "CUDA loads kernels lazily in this process: a kernel launched for the first time \
-                 while a stream waits for a fairring device operation (enqueue_wait) can \
-                 deadlock it; set CUDA_MODULE_LOADING=EAGER before CUDA starts, or wait on \
-                 the host"
-            );
-        });
     }
 }
