@@ -504,6 +504,92 @@ fn a_source_region_sends_and_cannot_be_written() {
     assert_eq!(bytes, original, "a byte of the source region was written");
 }
 
+/// A window lands writes only while open: opened, written, closed and
+/// opened again it lands each time; a write while it is closed is refused at
+/// the receiver, which drops the writer rather than write a byte.
+#[test]
+fn a_window_lands_writes_only_while_open() {
+    let fabrics = mesh(2, |c| c);
+    assert!(fabrics[1].registers_windows());
+    let mut bytes = vec![0u8; 4096];
+    let ptr = std::ptr::NonNull::new(bytes.as_mut_ptr()).unwrap();
+    let window = fabrics[1].register_window(ptr, bytes.len()).unwrap();
+    let source = Buffer::new(&fabrics[0], (0..4096u32).map(|i| (i % 253) as u8).collect());
+    let write = |fill: usize, token: u64| {
+        fabrics[0]
+            .write(
+                1,
+                WriteRequest {
+                    source: source.region(),
+                    source_offset: fill,
+                    len: 1000,
+                    target: window.remote(),
+                    target_offset: fill as u64,
+                    immediate: 3,
+                    token,
+                },
+            )
+            .unwrap();
+    };
+    for (round, at) in [(1, 0usize), (2, 2000)] {
+        // SAFETY: `bytes` outlives the window and is read below only after
+        // the write into it has landed and the window is closed.
+        unsafe { fabrics[1].open_window(&window) }.unwrap();
+        write(at, round);
+        drain_until(&fabrics[1], Duration::from_secs(10), |c| {
+            assert!(
+                matches!(
+                    c.event,
+                    CompletionEvent::Landed {
+                        len: 1000,
+                        immediate: 3
+                    }
+                ),
+                "{c:?}"
+            );
+            true
+        });
+        fabrics[1].close_window(&window);
+        // Closing twice is harmless.
+        fabrics[1].close_window(&window);
+        drain_until(&fabrics[0], Duration::from_secs(10), |c| {
+            assert!(
+                matches!(c.event, CompletionEvent::Sent { token } if token == round),
+                "{c:?}"
+            );
+            true
+        });
+    }
+    let want = source.read();
+    assert_eq!(&bytes[..1000], &want[..1000]);
+    assert_eq!(&bytes[2000..3000], &want[2000..3000]);
+    assert!(
+        bytes[1000..2000]
+            .iter()
+            .chain(&bytes[3000..])
+            .all(|&b| b == 0)
+    );
+    // Closed: a write is refused and lands nothing.
+    write(1000, 3);
+    drain_until(&fabrics[1], Duration::from_secs(10), |c| match c.event {
+        CompletionEvent::PeerFailed { failure } => {
+            assert_eq!(
+                failure,
+                PeerFailure::Protocol(ProtocolViolation::UnknownRegion {
+                    region: window.remote().key
+                })
+            );
+            true
+        }
+        _ => false,
+    });
+    drop(window);
+    assert!(
+        bytes[1000..2000].iter().all(|&b| b == 0),
+        "a closed window was written"
+    );
+}
+
 /// Not yet connected, and connected to nobody: clear errors, no hang.
 #[test]
 fn unconnected_peers_are_named() {

@@ -259,6 +259,58 @@ pub trait Fabric: Send + Sync {
         })
     }
 
+    /// Whether [`Fabric::register_window`] registers memory. The default is
+    /// `false`: a provider that pins memory to register it (verbs) leaves it
+    /// out.
+    fn registers_windows(&self) -> bool {
+        false
+    }
+
+    /// Registers `len` bytes at `memory` as a *window*: memory peers may write
+    /// into only while it is open ([`Fabric::open_window`] to
+    /// [`Fabric::close_window`]); a write into it while it is closed is
+    /// refused as a write into no region. It starts closed, and touches no
+    /// memory until opened. For a provider whose registration is a table entry
+    /// (tcp), so that a caller may have a peer write into memory it did not
+    /// register up front (a tensor), and keep the registration while it reuses
+    /// that memory. The default refuses.
+    fn register_window(
+        &self,
+        memory: NonNull<u8>,
+        len: usize,
+    ) -> Result<Self::Region, FabricError> {
+        let _ = (memory, len);
+        Err(FabricError::InvalidArgument {
+            argument: "memory",
+            reason: "this provider registers no windows".into(),
+        })
+    }
+
+    /// Opens `window` (a region from [`Fabric::register_window`]) to peers'
+    /// writes. The default refuses.
+    ///
+    /// # Safety
+    ///
+    /// Until [`Fabric::close_window`] returns (or the region is dropped), the
+    /// window's memory must be valid for writes, and the caller must not
+    /// access a range a peer may be writing (the caller's protocol decides
+    /// which; a `Landed` completion says a write has finished).
+    #[allow(unsafe_code)]
+    unsafe fn open_window(&self, window: &Self::Region) -> Result<(), FabricError> {
+        let _ = window;
+        Err(FabricError::InvalidArgument {
+            argument: "window",
+            reason: "this provider registers no windows".into(),
+        })
+    }
+
+    /// Closes `window`: peers' writes into it are refused from now on, and
+    /// this returns once none is landing in it any more. Closing a closed
+    /// window, or a region that is not a window, does nothing.
+    fn close_window(&self, window: &Self::Region) {
+        let _ = window;
+    }
+
     /// Posts a write to `peer`. Checks both ranges against their regions first and
     /// fails without side effects if either is outside.
     fn write(&self, peer: u32, request: WriteRequest<'_, Self::Region>) -> Result<(), FabricError>;

@@ -56,6 +56,7 @@ pub use regions::TcpRegion;
 use self::event_loop::{ADMITTED, EventLoop, FAILED, NOT_CONNECTED, PeerSlot, Shared};
 use self::handshake::{Dialer, DialerStep, HandshakeParams, HelloReader};
 use self::link::Readable;
+use self::regions::RegionTable;
 use self::sender::{Payload, SendOp};
 use self::socket::NoSigPipe;
 use crate::fabric::{
@@ -463,6 +464,25 @@ impl Fabric for TcpFabric {
         // SAFETY: the caller upholds `Fabric::register_source`'s contract,
         // which is the table's.
         unsafe { self.shared.regions.register_source(memory, len) }
+    }
+
+    /// A window is a table entry too, closed to peers until opened.
+    fn registers_windows(&self) -> bool {
+        true
+    }
+
+    fn register_window(&self, memory: NonNull<u8>, len: usize) -> Result<TcpRegion, FabricError> {
+        self.shared.regions.register_window(memory, len)
+    }
+
+    unsafe fn open_window(&self, window: &TcpRegion) -> Result<(), FabricError> {
+        // SAFETY: the caller upholds `Fabric::open_window`'s contract, which
+        // is the table's.
+        unsafe { RegionTable::open(window) }
+    }
+
+    fn close_window(&self, window: &TcpRegion) {
+        RegionTable::close(window);
     }
 
     fn write(&self, peer: u32, request: WriteRequest<'_, TcpRegion>) -> Result<(), FabricError> {

@@ -87,6 +87,68 @@ impl RegionTable {
         })
     }
 
+    /// Registers `len` bytes at `memory` as a window: in the table, but
+    /// refused to peers' writes until [`RegionTable::open`] (see
+    /// `Fabric::register_window`). Nothing touches the memory while it is
+    /// closed, so registering it is safe.
+    pub fn register_window(
+        self: &Arc<Self>,
+        memory: NonNull<u8>,
+        len: usize,
+    ) -> Result<TcpRegion, FabricError> {
+        // SAFETY: the region starts closed to peers, and a window is never a
+        // source (the engine sends from no window), so nothing reads or
+        // writes the memory before `open`, whose contract is the caller's.
+        let region = unsafe { self.register(memory, len) }?;
+        region
+            .shared
+            .users
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .window = Some(false);
+        Ok(region)
+    }
+
+    /// Opens `window` to peers' writes.
+    ///
+    /// # Safety
+    ///
+    /// `Fabric::open_window`'s contract.
+    pub unsafe fn open(window: &TcpRegion) -> Result<(), FabricError> {
+        let mut users = window
+            .shared
+            .users
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match users.window {
+            _ if users.closed => Err(FabricError::RegionClosed),
+            Some(_) => {
+                users.window = Some(true);
+                Ok(())
+            }
+            None => Err(FabricError::InvalidArgument {
+                argument: "window",
+                reason: "a region registered as a window opens; this one is always open".into(),
+            }),
+        }
+    }
+
+    /// Closes `window` to peers' writes and waits until none is landing.
+    pub fn close(window: &TcpRegion) {
+        let shared = &window.shared;
+        let mut users = shared.users.lock().unwrap_or_else(PoisonError::into_inner);
+        if users.window.is_none() {
+            return;
+        }
+        users.window = Some(false);
+        while users.count > 0 {
+            users = shared
+                .released
+                .wait(users)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
     /// A counted use of region `key`, or `None` if no such region is registered.
     pub(crate) fn acquire(&self, key: u32) -> Option<RegionUse> {
         let region = Arc::clone(
@@ -102,6 +164,9 @@ impl RegionTable {
 struct Users {
     count: usize,
     closed: bool,
+    /// For a window, whether it is open; `None`: not a window (always open
+    /// while registered).
+    window: Option<bool>,
 }
 
 /// One registered region, shared by its handle and the transfers touching it.
@@ -123,6 +188,7 @@ impl RegionShared {
             users: Mutex::new(Users {
                 count: 0,
                 closed: false,
+                window: None,
             }),
             released: Condvar::new(),
         })
@@ -157,7 +223,7 @@ pub(crate) struct RegionUse {
 impl RegionUse {
     pub(crate) fn new(region: Arc<RegionShared>) -> Result<RegionUse, FabricError> {
         let mut users = region.users.lock().unwrap_or_else(PoisonError::into_inner);
-        if users.closed {
+        if users.closed || users.window == Some(false) {
             return Err(FabricError::RegionClosed);
         }
         users.count += 1;
@@ -217,7 +283,7 @@ impl Drop for RegionUse {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         users.count -= 1;
-        if users.count == 0 && users.closed {
+        if users.count == 0 && (users.closed || users.window == Some(false)) {
             self.region.released.notify_all();
         }
     }
