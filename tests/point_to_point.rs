@@ -164,6 +164,48 @@ fn a_ring_exchange_in_one_call_and_blocking_pairs() {
     assert_eq!(results[0].1, [70, -80, 90]);
 }
 
+/// From `FAIRRING_DIRECT_FROM` on, a message between machines of one rank
+/// each lands in the receiver's tensor: it counts the bytes as received in
+/// place. A smaller one, and any between ranks of one machine (shared
+/// memory), lands in staging. Exact either way, both directions at once,
+/// round after round (the window opens and closes each time).
+#[test]
+fn large_messages_between_machines_land_in_the_receivers_tensor() {
+    const LARGE: usize = 300_001;
+    for (m, d) in [(2, 1), (1, 2)] {
+        let in_place = job(
+            m,
+            d,
+            |b| b.direct_from(Some(64 * 1024)),
+            |rank, comm| {
+                let peer = 1 - rank;
+                let before = comm.traffic();
+                for round in 0..3 {
+                    for (k, n) in [(2 * round, 1000), (2 * round + 1, LARGE)] {
+                        let mut out: Vec<f32> = (0..n)
+                            .map(|i| f32::from_bits(bits(rank, peer, k, i)))
+                            .collect();
+                        let mut back = vec![0.0f32; n];
+                        comm.send_recv(&mut [(peer, &mut out[..])], &mut [(peer, &mut back[..])])
+                            .unwrap_or_else(|e| panic!("{m}x{d} rank {rank}: {e}"));
+                        for (i, v) in back.iter().enumerate() {
+                            assert_eq!(
+                                v.to_bits(),
+                                bits(peer, rank, k, i),
+                                "{m}x{d} rank {rank}, message {k}, element {i}"
+                            );
+                        }
+                    }
+                }
+                let after = comm.traffic();
+                after.received_in_place_bytes - before.received_in_place_bytes
+            },
+        );
+        let want = if m == 2 { 3 * LARGE as u64 * 4 } else { 0 };
+        assert_eq!(in_place, vec![want; 2], "{m}x{d}: bytes received in place");
+    }
+}
+
 #[test]
 fn a_receive_of_another_size_fails_both_ranks_naming_both() {
     // Ranks 2 and 1 of three: the channel's own ranks (0 and 1) differ from

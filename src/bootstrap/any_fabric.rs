@@ -22,6 +22,7 @@ use fairring_rdma::tcp::{BindTo, TcpConfig, TcpFabric, TcpRegion};
 use fairring_rdma::verbs::{VerbsConfig, VerbsFabric, VerbsRegion};
 
 use crate::config::{Config, FabricChoice};
+use crate::engine::tags;
 use crate::error::{Error, Result};
 
 /// The provider a communicator runs on, and the bytes it has moved.
@@ -40,12 +41,28 @@ pub struct Traffic {
     pub sent_bytes: u64,
     /// Bytes its peers wrote into this process.
     pub received_bytes: u64,
+    /// Of those, bytes written straight into its callers' tensors, which it
+    /// then did not copy out of staging (a message's, where the fabric lets
+    /// a receiver open its tensor to its peer: see the README).
+    pub received_in_place_bytes: u64,
+}
+
+impl Traffic {
+    /// Both counts of `self` and `other` added.
+    pub(crate) fn plus(self, other: Traffic) -> Traffic {
+        Traffic {
+            sent_bytes: self.sent_bytes + other.sent_bytes,
+            received_bytes: self.received_bytes + other.received_bytes,
+            received_in_place_bytes: self.received_in_place_bytes + other.received_in_place_bytes,
+        }
+    }
 }
 
 #[derive(Default)]
 struct Counters {
     sent: AtomicU64,
     received: AtomicU64,
+    in_place: AtomicU64,
 }
 
 /// The provider.
@@ -79,20 +96,26 @@ impl AnyFabric {
         Traffic {
             sent_bytes: self.traffic.sent.load(Ordering::Relaxed),
             received_bytes: self.traffic.received.load(Ordering::Relaxed),
+            received_in_place_bytes: self.traffic.in_place.load(Ordering::Relaxed),
         }
     }
 
     /// Counts the landings among `completions`.
     fn count_landed(&self, completions: &[Completion]) {
-        let landed: u64 = completions
-            .iter()
-            .map(|c| match c.event {
-                CompletionEvent::Landed { len, .. } => len,
-                _ => 0,
-            })
-            .sum();
+        let (mut landed, mut in_place) = (0, 0);
+        for c in completions {
+            if let CompletionEvent::Landed { len, immediate } = c.event {
+                landed += len;
+                if tags::lands_in_tensor(immediate) {
+                    in_place += len;
+                }
+            }
+        }
         if landed > 0 {
             self.traffic.received.fetch_add(landed, Ordering::Relaxed);
+        }
+        if in_place > 0 {
+            self.traffic.in_place.fetch_add(in_place, Ordering::Relaxed);
         }
     }
 
@@ -314,6 +337,44 @@ impl Fabric for AnyFabric {
             Provider::Tcp(f) => f.registers_sources(),
             #[cfg(feature = "verbs")]
             Provider::Verbs(f) => f.registers_sources(),
+        }
+    }
+
+    fn registers_windows(&self) -> bool {
+        match &self.provider {
+            Provider::Tcp(f) => f.registers_windows(),
+            #[cfg(feature = "verbs")]
+            Provider::Verbs(f) => f.registers_windows(),
+        }
+    }
+
+    fn register_window(&self, memory: NonNull<u8>, len: usize) -> Result<AnyRegion, FabricError> {
+        match &self.provider {
+            Provider::Tcp(f) => f.register_window(memory, len).map(AnyRegion::Tcp),
+            #[cfg(feature = "verbs")]
+            Provider::Verbs(f) => f.register_window(memory, len).map(AnyRegion::Verbs),
+        }
+    }
+
+    unsafe fn open_window(&self, window: &AnyRegion) -> Result<(), FabricError> {
+        match (&self.provider, window) {
+            // SAFETY: forwarded: the caller's contract is the provider's.
+            (Provider::Tcp(f), AnyRegion::Tcp(w)) => unsafe { f.open_window(w) },
+            #[cfg(feature = "verbs")]
+            // SAFETY: as above.
+            (Provider::Verbs(f), AnyRegion::Verbs(w)) => unsafe { f.open_window(w) },
+            #[cfg(feature = "verbs")]
+            _ => Err(mismatched()),
+        }
+    }
+
+    fn close_window(&self, window: &AnyRegion) {
+        match (&self.provider, window) {
+            (Provider::Tcp(f), AnyRegion::Tcp(w)) => f.close_window(w),
+            #[cfg(feature = "verbs")]
+            (Provider::Verbs(f), AnyRegion::Verbs(w)) => f.close_window(w),
+            #[cfg(feature = "verbs")]
+            _ => {}
         }
     }
 

@@ -191,12 +191,11 @@ impl Communicator {
     /// from them so far (see [`Traffic`]), its point-to-point channels'
     /// included.
     pub fn traffic(&self) -> Traffic {
-        let own = self.engine.links.fabric.traffic();
-        let channels = self.channels.traffic();
-        Traffic {
-            sent_bytes: own.sent_bytes + channels.sent_bytes,
-            received_bytes: own.received_bytes + channels.received_bytes,
-        }
+        self.engine
+            .links
+            .fabric
+            .traffic()
+            .plus(self.channels.traffic())
     }
 
     /// Dedicated reduction servers in the job (0: the machines serve).

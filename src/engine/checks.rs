@@ -13,7 +13,7 @@
 
 use std::collections::VecDeque;
 
-use fairring_rdma::fabric::Fabric;
+use fairring_rdma::fabric::{Fabric, RemoteRegion};
 
 use super::departures::Departures;
 use super::descriptor::{Words, encode_message};
@@ -40,12 +40,20 @@ pub(crate) struct Checks {
     confirmed: Vec<u64>,
     /// Per rank: descriptors that came before this rank accepted the operation.
     early: Vec<VecDeque<(u64, Words)>>,
+    /// This rank's window for operation `s`, at `slot_of(s)`, sent with its
+    /// descriptor (`engine/direct.rs`); `None`: the descriptor goes alone.
+    own_window: Vec<Option<RemoteRegion>>,
+    /// The last descriptor of operation `s` a peer sent, at `slot_of(s)`: the
+    /// peer, `s`, and the window it carried.
+    their_window: Vec<Option<(u32, u64, Option<RemoteRegion>)>>,
 }
 
 impl Checks {
     pub(crate) fn new(world: u32, remote_in: &[u32]) -> Checks {
         Checks {
             own: vec![[0; 2]; WORK_CAPACITY],
+            own_window: vec![None; WORK_CAPACITY],
+            their_window: vec![None; WORK_CAPACITY],
             owner: vec![0; WORK_CAPACITY],
             local_checked: 0,
             sent: vec![0; world as usize],
@@ -62,16 +70,19 @@ impl Checks {
         }
     }
 
-    /// This rank accepted operation `seq`, described by `words`: tells the local
-    /// ranks, and compares the remote descriptors of `seq` that came early.
+    /// This rank accepted operation `seq`, described by `words` (and with
+    /// `window` to send beside them): tells the local ranks, and compares the
+    /// remote descriptors of `seq` that came early.
     pub(crate) fn accepted<F: Fabric>(
         &mut self,
         seq: u64,
         words: Words,
+        window: Option<RemoteRegion>,
         machine: &Machine,
         links: &Links<F>,
     ) -> Result<(), Fault> {
         self.own[slot_of(seq)] = words;
+        self.own_window[slot_of(seq)] = window;
         self.owner[slot_of(seq)] = links.rank;
         machine.publish_operation(seq, words);
         for &peer in &links.remote_in {
@@ -119,6 +130,7 @@ impl Checks {
         peer: u32,
         seq: u64,
         theirs: Words,
+        window: Option<RemoteRegion>,
         accepted: u64,
         links: &Links<F>,
     ) -> Result<bool, Fault> {
@@ -133,6 +145,7 @@ impl Checks {
             )
             .into());
         }
+        self.their_window[slot_of(seq)] = Some((peer, seq, window));
         if seq < accepted {
             self.compare(seq, peer, theirs)?;
             self.confirmed[p] = seq + 1;
@@ -167,8 +180,9 @@ impl Checks {
                     break;
                 }
                 let seq = self.sent[p];
-                let message = encode_message(seq, self.own[slot_of(seq)]);
-                match send_control(&links.fabric, peer, Kind::Descriptor, &message) {
+                let (message, len) =
+                    encode_message(seq, self.own[slot_of(seq)], self.own_window[slot_of(seq)]);
+                match send_control(&links.fabric, peer, Kind::Descriptor, &message[..len]) {
                     Sent::Posted => self.sent[p] += 1,
                     Sent::Full => break,
                     // A failed peer's failure arrives as its own completion.
@@ -181,6 +195,16 @@ impl Checks {
                     }
                 }
             }
+        }
+    }
+
+    /// What `peer`'s descriptor of operation `seq` said of its window: `None`
+    /// until it has come; then the window, or `None` if it opened none
+    /// (`engine/direct.rs`).
+    pub(crate) fn peer_window(&self, peer: u32, seq: u64) -> Option<Option<RemoteRegion>> {
+        match self.their_window[slot_of(seq)] {
+            Some((p, s, window)) if p == peer && s == seq => Some(window.filter(|w| w.len > 0)),
+            _ => None,
         }
     }
 

@@ -27,9 +27,12 @@
 //!
 //! A descriptor travels as two little-endian words ([`Words`]); to a remote rank,
 //! in a `Kind::Descriptor` message of 24 bytes: the sequence number, then the two
-//! words ([`encode_message`], [`decode_message`]).
+//! words ([`encode_message`], [`decode_message`]). A rank that opened a window
+//! for the operation (its tensor, for the peer to write into: `engine/direct.rs`)
+//! appends it, 24 more bytes (a `RemoteRegion`; one of no bytes says it has none).
 
 use fairring_core::{DataType, ReduceOp, WireFormat};
+use fairring_rdma::fabric::RemoteRegion;
 
 use super::algorithm::Resolved;
 pub(crate) use crate::local::Words;
@@ -129,24 +132,49 @@ fn algorithm_code(a: Resolved) -> u64 {
 /// Bytes of a descriptor message.
 pub(crate) const MESSAGE_BYTES: usize = 24;
 
-/// The message that carries this rank's descriptor words of operation `seq`.
-pub(crate) fn encode_message(seq: u64, words: Words) -> [u8; MESSAGE_BYTES] {
-    let mut payload = [0u8; MESSAGE_BYTES];
+/// Bytes of a descriptor message that also carries the sender's window for
+/// the operation (`engine/direct.rs`).
+pub(crate) const WINDOW_MESSAGE_BYTES: usize = MESSAGE_BYTES + RemoteRegion::BYTES;
+
+/// The message that carries this rank's descriptor words of operation `seq`,
+/// and its window for the operation if it has one (a window of no bytes: it
+/// has none, and the operation's writes land in its staging buffers).
+/// Returns the buffer and how many of its bytes the message is.
+pub(crate) fn encode_message(
+    seq: u64,
+    words: Words,
+    window: Option<RemoteRegion>,
+) -> ([u8; WINDOW_MESSAGE_BYTES], usize) {
+    let mut payload = [0u8; WINDOW_MESSAGE_BYTES];
     payload[..8].copy_from_slice(&seq.to_le_bytes());
     payload[8..16].copy_from_slice(&words[0].to_le_bytes());
-    payload[16..].copy_from_slice(&words[1].to_le_bytes());
-    payload
+    payload[16..24].copy_from_slice(&words[1].to_le_bytes());
+    match window {
+        Some(w) => {
+            payload[MESSAGE_BYTES..].copy_from_slice(&w.to_bytes());
+            (payload, WINDOW_MESSAGE_BYTES)
+        }
+        None => (payload, MESSAGE_BYTES),
+    }
 }
 
-/// The operation and words a descriptor message carries; `None` if it is not one.
-pub(crate) fn decode_message(payload: &[u8]) -> Option<(u64, Words)> {
-    let p = <&[u8; MESSAGE_BYTES]>::try_from(payload).ok()?;
+/// The operation, words and window a descriptor message carries; `None` if
+/// it is not one.
+pub(crate) fn decode_message(payload: &[u8]) -> Option<(u64, Words, Option<RemoteRegion>)> {
+    let (head, window) = match payload.len() {
+        MESSAGE_BYTES => (payload, None),
+        WINDOW_MESSAGE_BYTES => (
+            &payload[..MESSAGE_BYTES],
+            Some(RemoteRegion::from_bytes(&payload[MESSAGE_BYTES..])?),
+        ),
+        _ => return None,
+    };
     let word = |i: usize| {
         let mut w = [0u8; 8];
-        w.copy_from_slice(&p[i * 8..i * 8 + 8]);
+        w.copy_from_slice(&head[i * 8..i * 8 + 8]);
         u64::from_le_bytes(w)
     };
-    Some((word(0), [word(1), word(2)]))
+    Some((word(0), [word(1), word(2)], window))
 }
 
 impl Descriptor {
@@ -391,11 +419,29 @@ mod tests {
     #[test]
     fn messages_round_trip_and_refuse_other_lengths() {
         let words = [0x0123_4567_89ab_cdef, 7];
+        let (bytes, len) = encode_message(u64::MAX - 3, words, None);
+        assert_eq!(len, MESSAGE_BYTES);
         assert_eq!(
-            decode_message(&encode_message(u64::MAX - 3, words)),
-            Some((u64::MAX - 3, words))
+            decode_message(&bytes[..len]),
+            Some((u64::MAX - 3, words, None))
+        );
+        let window = RemoteRegion {
+            key: 9,
+            address: 0x7000,
+            len: 1 << 20,
+        };
+        let (bytes, len) = encode_message(5, words, Some(window));
+        assert_eq!(len, WINDOW_MESSAGE_BYTES);
+        assert_eq!(
+            decode_message(&bytes[..len]),
+            Some((5, words, Some(window)))
         );
         assert_eq!(decode_message(&[0; 23]), None);
         assert_eq!(decode_message(&[0; 25]), None);
+        assert_eq!(decode_message(&[0; 47]), None);
+        // A window whose padding is not zeros is no window.
+        let mut bad = bytes;
+        bad[WINDOW_MESSAGE_BYTES - 1] = 1;
+        assert_eq!(decode_message(&bad[..len]), None);
     }
 }

@@ -17,15 +17,28 @@
 //! copies cost as much CPU as the kernel's own (`perf`, 2x1, 16 MiB: 31% of
 //! cycles in `memcpy`, 28% in the socket copies).
 //!
-//! Results still land in the staging buffer and are copied in: a peer could
-//! write them straight into the tensor only through a registration it learns
-//! of per operation (a target region opened for the operation, its key in the
-//! descriptor that precedes the data, closed, waiting for writes in flight,
-//! before the operation completes). That would remove the last copy.
+//! Results still land in the staging buffer and are copied in, but for one
+//! case: **landing in the tensor**. On a fabric whose registrations are table
+//! entries ([`Fabric::register_window`]), the receiver of a broadcast between
+//! two ranks of machines of their own (a message, whose pair's channel is
+//! such a job) from `FAIRRING_DIRECT_FROM` on registers its tensor as a
+//! *window*, opens it to the root's writes when it accepts the operation, and
+//! sends it beside its descriptor ([`opens_window`]). The root, whose chunks
+//! leave from its own tensor, waits for that descriptor before its first write
+//! ([`writes_into_window`]) and writes each chunk at its offset in the
+//! receiver's tensor, marked [`Kind::RelayIntoTensor`](super::tags::Kind) so
+//! that the receiver copies nothing; where the receiver opened none (its
+//! registration failed, or it had another size threshold) the chunks land in
+//! its staging buffer as before. A message then moves from the sender's tensor
+//! to the receiver's with no copy in either engine: on tcp, the receiver's
+//! socket reads go straight into the tensor. The window closes, waiting for
+//! writes in flight (none are, once every chunk has landed), before the
+//! operation completes; a failing engine closes every window first too.
 //!
 //! Registrations are kept for the next operation on the same memory
-//! ([`SourceRegions`]), so a training loop's all-reduces of the same buffers
-//! register and allocate nothing once warm. A failing engine drops every
+//! ([`KeptRegions`]), so a training loop's all-reduces of the same buffers
+//! register and allocate nothing once warm; a kept window is closed between
+//! its operations, so no peer can write into memory its owner may have freed. A failing engine drops every
 //! registration before it declares an operation finished: dropping one waits
 //! until the fabric no longer reads the memory, so nothing reads a caller's
 //! tensor after its operation has returned.
@@ -39,7 +52,18 @@ use fairring_rdma::fabric::Fabric;
 use super::algorithm::{Context, Resolved};
 use super::descriptor::Collective;
 use super::work::{Submission, WORK_CAPACITY, slot_of};
-use crate::memory::MemorySpace;
+use crate::memory::{MemoryKind, MemorySpace};
+
+/// Whether operation `sub` is a worker's, of at least `from_bytes` (`None`:
+/// never), and lands in its own tensor (not delivered elsewhere).
+fn large_enough<M: MemorySpace>(
+    ctx: &Context<'_>,
+    sub: &Submission<M>,
+    from_bytes: Option<u64>,
+) -> bool {
+    let bytes = sub.elements.saturating_mul(sub.dtype.size_bytes());
+    from_bytes.is_some_and(|from| bytes >= from) && sub.deliver.is_none() && ctx.server.is_none()
+}
 
 /// Whether operation `sub`, resolved to `algorithm`, may send from its tensor
 /// directly in `ctx`, given the size from which that pays (`from_bytes`, `None`:
@@ -53,10 +77,7 @@ pub(crate) fn eligible<M: MemorySpace>(
     algorithm: Resolved,
     from_bytes: Option<u64>,
 ) -> bool {
-    let bytes = sub.elements.saturating_mul(sub.dtype.size_bytes());
-    let large = from_bytes.is_some_and(|from| bytes >= from)
-        && sub.deliver.is_none()
-        && ctx.server.is_none();
+    let large = large_enough(ctx, sub, from_bytes);
     let all_reduce = large && sub.descriptor.collective == Collective::AllReduce;
     match algorithm {
         // Its slot is the slice where the machine has one rank; servers and
@@ -84,6 +105,49 @@ pub(crate) fn eligible<M: MemorySpace>(
         }
         Resolved::Doubling | Resolved::Scatter => false,
     }
+}
+
+/// Whether operation `sub`, resolved to `algorithm`, is a broadcast whose
+/// chunks may land in the receiver's tensor (see the module docs): between
+/// two ranks, each a machine of its own, without servers, on host memory,
+/// from `from_bytes` on.
+fn lands_in_tensor<M: MemorySpace>(
+    ctx: &Context<'_>,
+    sub: &Submission<M>,
+    algorithm: Resolved,
+    from_bytes: Option<u64>,
+) -> bool {
+    algorithm == Resolved::Relay
+        && sub.descriptor.collective == Collective::Broadcast
+        && sub.descriptor.memory == MemoryKind::Host
+        && large_enough(ctx, sub, from_bytes)
+        && ctx.servers == 0
+        && ctx.world == 2
+        && ctx.topology.devices_per_machine() == 1
+}
+
+/// Whether this rank opens its tensor as a window for operation `sub`: it
+/// receives a broadcast that may land in tensors.
+pub(crate) fn opens_window<M: MemorySpace>(
+    ctx: &Context<'_>,
+    sub: &Submission<M>,
+    algorithm: Resolved,
+    from_bytes: Option<u64>,
+) -> bool {
+    sub.descriptor.root != ctx.rank && lands_in_tensor(ctx, sub, algorithm, from_bytes)
+}
+
+/// Whether this rank writes operation `sub`'s chunks into the receiver's
+/// window, if it opened one: it is the root of a broadcast that may land in
+/// tensors, and sends from its tensor. It then waits for the receiver's
+/// descriptor, which says whether it did, before its first write.
+pub(crate) fn writes_into_window<M: MemorySpace>(
+    ctx: &Context<'_>,
+    sub: &Submission<M>,
+    algorithm: Resolved,
+    from_bytes: Option<u64>,
+) -> bool {
+    sub.descriptor.root == ctx.rank && lands_in_tensor(ctx, sub, algorithm, from_bytes)
 }
 
 /// What sending from tensors may do on one engine.
@@ -131,7 +195,7 @@ struct Kept<R> {
 /// operation has completed is sound. One that no operation in flight holds
 /// is dropped when its entry is needed for another tensor (least recently
 /// taken first) or when the engine fails.
-pub(crate) struct SourceRegions<R> {
+pub(crate) struct KeptRegions<R> {
     kept: Vec<Option<Kept<R>>>,
     /// Per entry of the work table: the operation there, and its entry in
     /// `kept`.
@@ -139,11 +203,11 @@ pub(crate) struct SourceRegions<R> {
     takes: u64,
 }
 
-impl<R> SourceRegions<R> {
+impl<R> KeptRegions<R> {
     /// Room for `capacity` registrations, and one holder per entry of the
     /// work table.
-    pub(crate) fn new(capacity: usize) -> SourceRegions<R> {
-        SourceRegions {
+    pub(crate) fn new(capacity: usize) -> KeptRegions<R> {
+        KeptRegions {
             kept: (0..capacity).map(|_| None).collect(),
             by_operation: (0..WORK_CAPACITY).map(|_| None).collect(),
             takes: 0,
@@ -214,6 +278,15 @@ impl<R> SourceRegions<R> {
         true
     }
 
+    /// Operations in flight that hold the registration operation `seq`
+    /// holds (0 if it holds none).
+    pub(crate) fn holders(&self, seq: u64) -> u32 {
+        match self.by_operation[slot_of(seq)] {
+            Some((s, at)) if s == seq => self.kept[at].as_ref().map_or(0, |k| k.holders),
+            _ => 0,
+        }
+    }
+
     /// Operation `seq` has completed: every write from its tensor has too.
     pub(crate) fn release(&mut self, seq: u64) {
         let entry = &mut self.by_operation[slot_of(seq)];
@@ -260,6 +333,26 @@ pub(crate) fn register<F: Fabric>(
     }
 }
 
+/// Registers `len` bytes at `ptr`, operation `seq`'s tensor, with `fabric`
+/// as a window (closed); `None` (the operation's chunks land in staging) if it
+/// refuses.
+pub(crate) fn register_window<F: Fabric>(
+    fabric: &F,
+    ptr: NonNull<u8>,
+    len: usize,
+    seq: u64,
+) -> Option<F::Region> {
+    match fabric.register_window(ptr, len) {
+        Ok(region) => Some(region),
+        Err(e) => {
+            log::debug!(
+                "fairring: operation #{seq} lands in staging: registering a window failed: {e}"
+            );
+            None
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use fairring_core::ReduceOp;
@@ -281,13 +374,27 @@ mod tests {
         from_bytes: Option<u64>,
         change: impl FnOnce(&mut Submission<Host>),
     ) -> bool {
+        decide((m, d, servers), 0, algorithm, change, |ctx, sub| {
+            eligible(ctx, sub, algorithm, from_bytes)
+        })
+    }
+
+    /// What `decide` says of a host `f32` all-reduce of 4 KiB on rank `rank`,
+    /// with `change` applied, on an `m x d` job with `servers` servers.
+    fn decide(
+        (m, d, servers): (u32, u32, u32),
+        rank: u32,
+        algorithm: Resolved,
+        change: impl FnOnce(&mut Submission<Host>),
+        decide: impl FnOnce(&Context<'_>, &Submission<Host>) -> bool,
+    ) -> bool {
         let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
         let geometry = Geometry::new(topology, PlanConfig::new(4096, 64).unwrap()).unwrap();
         let layout = BufferLayout::new(&geometry, m * d).unwrap();
         let ctx = Context {
             topology,
-            location: topology.locate(0).unwrap(),
-            rank: 0,
+            location: topology.locate(rank).unwrap(),
+            rank,
             world: m * d,
             layout: &layout,
             servers,
@@ -317,7 +424,57 @@ mod tests {
             deliver: None,
         };
         change(&mut sub);
-        eligible(&ctx, &sub, algorithm, from_bytes)
+        decide(&ctx, &sub)
+    }
+
+    #[test]
+    fn only_a_broadcast_between_two_single_rank_machines_lands_in_a_window() {
+        let broadcast = |root: u32, memory: MemoryKind| {
+            move |s: &mut Submission<Host>| {
+                s.descriptor.collective = Collective::Broadcast;
+                s.descriptor.root = root;
+                s.descriptor.memory = memory;
+            }
+        };
+        let sides = |layout, rank, from: Option<u64>, change: &dyn Fn(&mut Submission<Host>)| {
+            let opens = decide(layout, rank, Resolved::Relay, change, |ctx, sub| {
+                opens_window(ctx, sub, Resolved::Relay, from)
+            });
+            let writes = decide(layout, rank, Resolved::Relay, change, |ctx, sub| {
+                writes_into_window(ctx, sub, Resolved::Relay, from)
+            });
+            (opens, writes)
+        };
+        let host = MemoryKind::Host;
+        // The receiver opens, the root writes; from the size on.
+        assert_eq!(
+            sides((2, 1, 0), 1, Some(4096), &broadcast(0, host)),
+            (true, false)
+        );
+        assert_eq!(
+            sides((2, 1, 0), 0, Some(4096), &broadcast(0, host)),
+            (false, true)
+        );
+        assert_eq!(
+            sides((2, 1, 0), 1, Some(4097), &broadcast(0, host)),
+            (false, false)
+        );
+        assert_eq!(
+            sides((2, 1, 0), 1, None, &broadcast(0, host)),
+            (false, false)
+        );
+        // Not on one machine, not past two ranks (a chain forwards), not with
+        // servers, not on device memory, not another collective.
+        for layout in [(1, 2, 0), (3, 1, 0), (2, 1, 1)] {
+            assert_eq!(
+                sides(layout, 1, Some(0), &broadcast(0, host)),
+                (false, false),
+                "{layout:?}"
+            );
+        }
+        let device = broadcast(0, MemoryKind::Device);
+        assert_eq!(sides((2, 1, 0), 1, Some(0), &device), (false, false));
+        assert_eq!(sides((2, 1, 0), 1, Some(0), &|_| {}), (false, false));
     }
 
     #[test]
@@ -365,7 +522,7 @@ mod tests {
 
     #[test]
     fn operations_on_the_same_memory_share_one_registration() {
-        let mut kept = SourceRegions::new(2);
+        let mut kept = KeptRegions::new(2);
         let mut made = 0;
         let mut register = |name: &'static str| {
             made += 1;

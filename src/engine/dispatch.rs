@@ -119,11 +119,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let kind = tags::parse_immediate(immediate).map(|t| t.0);
         match kind {
             Some(Kind::Descriptor) => {
-                if let Some((seq, words)) = decode_message(payload) {
+                if let Some((seq, words, window)) = decode_message(payload) {
                     self.accept_described(d, peer, seq, words)?;
                     let accepted = d.operations.accepted();
                     if d.checks
-                        .on_descriptor(peer, seq, words, accepted, &self.links)?
+                        .on_descriptor(peer, seq, words, window, accepted, &self.links)?
                         && d.operations.any_finished()
                     {
                         self.try_complete(d, seq)?;

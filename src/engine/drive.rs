@@ -15,13 +15,13 @@
 //! loop (`progress`) decides whether to drive again, spin or sleep.
 
 use fairring_core::plan::Geometry;
-use fairring_rdma::fabric::Fabric;
+use fairring_rdma::fabric::{Fabric, LocalRegion, RemoteRegion};
 
-use super::Resolved;
 use super::credits::Due;
 use super::failure::{FailureRecord, Fault};
 use super::work::{DONE, Submission};
 use super::{Driver, Engine, POLL_BATCH};
+use super::{Resolved, direct};
 use crate::error::Error;
 use crate::memory::MemorySpace;
 
@@ -107,14 +107,63 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             .into());
         }
         let (seq, words) = (sub.seq, sub.descriptor.words());
+        let window = self.open_window(&sub);
         let geometry = self.geometry_of(sub.algorithm)?;
         d.operations.accept(sub, geometry)?;
-        d.checks.accepted(seq, words, &self.machine, &self.links)?;
+        d.checks
+            .accepted(seq, words, window, &self.machine, &self.links)?;
         d.credits
             .send(&self.links, &d.departures, Due::Any, &self.machine);
         d.checks
             .send(d.operations.accepted(), &self.links, &d.departures);
         Ok(())
+    }
+
+    /// Opens operation `sub`'s tensor as a window for its peer's writes where
+    /// it may land there (`direct::opens_window`): its registration, kept or
+    /// new, opened if no other operation in flight holds it open. Returns what
+    /// goes beside the descriptor: the window, one of no bytes where it could
+    /// not open one (the peer then writes into staging), or `None` where the
+    /// operation lands in staging anyway.
+    fn open_window(&self, sub: &Submission<M>) -> Option<RemoteRegion> {
+        let fabric = &self.links.fabric;
+        if !fabric.registers_windows()
+            || !direct::opens_window(&self.context(), sub, sub.algorithm, self.direct_from)
+        {
+            return None;
+        }
+        let none = RemoteRegion {
+            key: 0,
+            address: 0,
+            len: 0,
+        };
+        let Some((ptr, len)) = self.memory.host_bytes(&sub.tensor) else {
+            return Some(none);
+        };
+        let seq = sub.seq;
+        let mut windows = self.lock_windows();
+        if !windows.take(seq, (ptr.as_ptr() as usize, len), || {
+            direct::register_window(fabric, ptr, len, seq)
+        }) {
+            return Some(none);
+        }
+        let window = windows.get(seq)?;
+        if windows.holders(seq) == 1 {
+            // SAFETY: the tensor is the pending operation's, which the caller
+            // leaves alone until it completes, and whose memory stays valid
+            // until then; the engine neither reads nor writes a received
+            // broadcast's tensor where its chunks land in it, and closes the
+            // window before it completes the operation, or fails it
+            // (`try_complete`, `fail_locked`).
+            if let Err(e) = unsafe { fabric.open_window(window) } {
+                log::debug!(
+                    "fairring: operation #{seq} lands in staging: opening its window failed: {e}"
+                );
+                windows.release(seq);
+                return Some(none);
+            }
+        }
+        Some(window.remote())
     }
 
     /// The geometry operations of `algorithm` plan with: the job's, or for
@@ -159,8 +208,17 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         d.operations.complete(seq);
         // Every write of the operation has completed (its slices released their
-        // buffers only then): the fabric reads the tensor no more.
+        // buffers only then): the fabric reads the tensor no more. Every chunk
+        // written into its window has landed: closing it waits for nothing.
         self.lock_source_regions().release(seq);
+        let mut windows = self.lock_windows();
+        if windows.holders(seq) == 1
+            && let Some(window) = windows.get(seq)
+        {
+            self.links.fabric.close_window(window);
+        }
+        windows.release(seq);
+        drop(windows);
         self.complete(seq, DONE);
         self.machine.doorbell().ring();
         Ok(())

@@ -282,6 +282,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         // steps wait for nothing but the copy engines: the engine issues no
         // step of an operation before its caller's stream reached its start.
         self.lock_source_regions().clear();
+        // And nothing writes one: dropping a window closes it, waiting for
+        // the writes landing in it.
+        self.lock_windows().clear();
         let mut running = d.slices.take_fences();
         running.extend(d.operations.take_deliveries());
         running.extend(self.local.take_fences());

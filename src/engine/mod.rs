@@ -85,8 +85,8 @@ use algorithm::{SliceEvent, Step, relay_most_writes};
 use checks::Checks;
 use credits::Credits;
 use departures::Departures;
+use direct::KeptRegions;
 pub(crate) use direct::Settings as DirectSettings;
-use direct::SourceRegions;
 use failure::FailureState;
 use layout::BufferLayout;
 use links::Links;
@@ -174,7 +174,11 @@ pub(crate) struct Engine<F: Fabric, M: MemorySpace> {
     direct_from: Option<u64>,
     /// The registrations of tensors sent from. Only the driver takes the
     /// lock, while it holds the driver's.
-    source_regions: Mutex<SourceRegions<F::Region>>,
+    source_regions: Mutex<KeptRegions<F::Region>>,
+    /// The windows of tensors peers write into (`direct`), open while an
+    /// operation holds them. Only the driver takes the lock, while it holds
+    /// the driver's.
+    windows: Mutex<KeptRegions<F::Region>>,
 }
 
 /// Bytes from one staging buffer to the next in a process's registered memory,
@@ -305,7 +309,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 server: Segment::buffer_stride(parts.layout.server_buffer_bytes()),
             },
             direct_from: parts.direct.from_bytes,
-            source_regions: Mutex::new(SourceRegions::new(parts.direct.cached)),
+            source_regions: Mutex::new(KeptRegions::new(parts.direct.cached)),
+            windows: Mutex::new(KeptRegions::new(parts.direct.cached)),
         }
     }
 
@@ -384,9 +389,13 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         self.driver.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn lock_source_regions(&self) -> MutexGuard<'_, SourceRegions<F::Region>> {
+    fn lock_source_regions(&self) -> MutexGuard<'_, KeptRegions<F::Region>> {
         self.source_regions
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn lock_windows(&self) -> MutexGuard<'_, KeptRegions<F::Region>> {
+        self.windows.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }

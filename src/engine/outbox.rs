@@ -12,7 +12,7 @@
 
 use std::time::Instant;
 
-use fairring_rdma::fabric::{Fabric, FabricError, WriteRequest};
+use fairring_rdma::fabric::{Fabric, FabricError, RemoteRegion, WriteRequest};
 
 use super::links::Links;
 use super::tags::{self, Kind};
@@ -31,11 +31,23 @@ pub(crate) struct PendingWrite {
     /// Offset in the peer's registered staging memory.
     pub(crate) target: u64,
     pub(crate) immediate: u32,
+    /// Where it lands instead if the peer opened a window for the operation
+    /// (`direct`); it then waits for the peer's descriptor, which says.
+    pub(crate) window: Option<WindowTarget>,
     pub(crate) token: u64,
     /// The operation the write belongs to.
     pub(crate) seq: u64,
     /// The slice the peer must have credited, if the write lands in its inbox.
     pub(crate) credit_for: Option<u64>,
+}
+
+/// Where a write lands in the peer's window, and what it says there.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WindowTarget {
+    /// Offset in the window (the peer's tensor).
+    pub(crate) offset: u64,
+    /// The immediate it carries there (its kind says it landed in place).
+    pub(crate) immediate: u32,
 }
 
 /// What became of a control message.
@@ -101,13 +113,15 @@ impl Outbox {
     /// Posts buffer `buffer`'s writes, in order, while `may_go` allows them (the
     /// peer's credit, its descriptor: see `credits` and `checks`) and the fabric
     /// takes them; returns whether any went. `tensor` is the registration of the
-    /// slice's tensor, where its writes leave from it.
+    /// slice's tensor, where its writes leave from it; `window_of` says the
+    /// peer's window for a write's operation, if it opened one.
     pub(crate) fn flush<F: Fabric>(
         &mut self,
         buffer: u32,
         links: &Links<F>,
         tensor: Option<&F::Region>,
         may_go: impl Fn(&PendingWrite) -> bool,
+        window_of: impl Fn(&PendingWrite) -> Option<RemoteRegion>,
     ) -> Result<bool> {
         let queue = &mut self.queues[buffer as usize];
         let mut posted = 0;
@@ -125,13 +139,17 @@ impl Outbox {
                     ));
                 }
             };
+            let (target, target_offset, immediate) = match w.window.zip(window_of(w)) {
+                Some((at, window)) => (window, at.offset, at.immediate),
+                None => (links.remote(w.peer)?, w.target, w.immediate),
+            };
             let request = WriteRequest {
                 source,
                 source_offset: w.source,
                 len: w.len,
-                target: links.remote(w.peer)?,
-                target_offset: w.target,
-                immediate: w.immediate,
+                target,
+                target_offset,
+                immediate,
                 token: w.token,
             };
             match links.fabric.write(w.peer, request) {

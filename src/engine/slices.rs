@@ -45,6 +45,8 @@ pub(crate) struct ActiveSlice<M: MemorySpace> {
     pub(crate) origins: Option<Origins>,
     /// The fabric sends from the tensor (`direct`).
     pub(crate) direct: bool,
+    /// Its writes from the tensor go into the peer's window (`direct`).
+    pub(crate) into_window: bool,
     pub(crate) algorithm: SliceAlgorithm,
 }
 
@@ -222,6 +224,14 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let generation = number / self.buffers as u64;
         let origins = Origins::of(&rec.sub.descriptor);
         let direct = self.sends_from_tensor(&rec.sub, next.algorithm);
+        let into_window = direct
+            && self.links.fabric.registers_windows()
+            && direct::writes_into_window(
+                &self.context(),
+                &rec.sub,
+                next.algorithm,
+                self.direct_from,
+            );
         let info = SliceInfo {
             number,
             generation,
@@ -231,6 +241,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             wire: rec.sub.wire,
             origins,
             direct,
+            into_window,
         };
         let mut steps = std::mem::take(&mut d.scratch.steps);
         steps.clear();
@@ -260,6 +271,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             wire: rec.sub.wire,
             origins,
             direct,
+            into_window,
             algorithm,
         });
         slot.next_generation = generation + 1;

@@ -14,9 +14,9 @@ use fairring_rdma::fabric::Fabric;
 
 use super::algorithm::{SliceEvent, SliceInfo, Step};
 use super::failure::Fault;
-use super::outbox::PendingWrite;
+use super::outbox::{PendingWrite, WindowTarget};
 use super::slices::{ActiveSlice, LocalRequest};
-use super::tags;
+use super::tags::{self, Kind};
 use super::{Driver, Engine};
 use crate::error::Error;
 use crate::local::LocalSlice;
@@ -58,7 +58,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let mut wrote = false;
         loop {
             for step in steps.drain(..) {
-                wrote |= matches!(step, Step::Write(_));
+                wrote |= matches!(
+                    step,
+                    Step::Write(_) | Step::WriteFromTensor(_) | Step::WriteIntoWindow(_)
+                );
                 self.perform(d, b, step, events)?;
             }
             let Some(event) = events.pop_front() else {
@@ -83,6 +86,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 wire,
                 origins,
                 direct,
+                into_window,
                 algorithm,
                 ..
             } = active;
@@ -95,6 +99,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 wire: *wire,
                 origins: *origins,
                 direct: *direct,
+                into_window: *into_window,
             };
             algorithm.on_event(&ctx, &info, event, steps)?;
         }
@@ -131,22 +136,31 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 )
             })?
             .start;
-        let from_tensor = matches!(step, Step::WriteFromTensor(_));
+        let from_tensor = matches!(step, Step::WriteFromTensor(_) | Step::WriteIntoWindow(_));
+        let into_window = matches!(step, Step::WriteIntoWindow(_));
         let ended = match step {
-            Step::Write(w) | Step::WriteFromTensor(w) => {
+            Step::Write(w) | Step::WriteFromTensor(w) | Step::WriteIntoWindow(w) => {
                 let base = if from_tensor {
                     tensor_base
                 } else {
                     b as usize * self.memory.buffer_bytes()
                 };
                 let peer_base = b as usize * self.stride_of(w.peer);
+                let immediate = tags::immediate(w.kind, b, active.generation);
+                // In the peer's tensor, the bytes sit where they sit in this
+                // rank's: at the slice's offset there.
+                let window = into_window.then(|| WindowTarget {
+                    offset: (tensor_base + w.target) as u64,
+                    immediate: tags::with_kind(immediate, Kind::RelayIntoTensor),
+                });
                 let write = PendingWrite {
                     peer: w.peer,
                     source: base + w.source.start,
                     from_tensor,
                     len: w.source.len(),
                     target: (peer_base + w.target) as u64,
-                    immediate: tags::immediate(w.kind, b, active.generation),
+                    immediate,
+                    window,
                     token: tags::token(w.kind, b, active.generation),
                     seq: active.seq,
                     credit_for: w.needs_credit.then_some(active.number),
@@ -281,7 +295,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             w.credit_for
                 .is_none_or(|s| credits.allows(w.peer, s, machine))
                 && checks.may_send_data(w.peer, w.seq, links)
+                && (w.window.is_none() || checks.peer_window(w.peer, w.seq).is_some())
         };
+        let window_of = |w: &PendingWrite| checks.peer_window(w.peer, w.seq).flatten();
         // Every write queued on buffer `b` is its slice's.
         let direct = d.slices.slots[b as usize]
             .active
@@ -289,10 +305,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             .filter(|a| a.direct)
             .map(|a| a.seq);
         let Some(seq) = direct else {
-            return Ok(d.outbox.flush(b, links, None, may_go)?);
+            return Ok(d.outbox.flush(b, links, None, may_go, window_of)?);
         };
         let regions = self.lock_source_regions();
-        Ok(d.outbox.flush(b, links, regions.get(seq), may_go)?)
+        Ok(d.outbox
+            .flush(b, links, regions.get(seq), may_go, window_of)?)
     }
 
     /// The events of buffer `b`'s waits that have ended, into `events`.

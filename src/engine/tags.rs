@@ -55,6 +55,10 @@ pub(crate) enum Kind {
     /// A reduce-scatter's partial piece, on its way around the ring to the rank
     /// whose share it is.
     Scatter = 11,
+    /// A relayed chunk written into the receiver's tensor, through the window
+    /// the receiver opened for the operation (`engine/direct.rs`): nothing to
+    /// copy out of staging.
+    RelayIntoTensor = 12,
 }
 
 impl Kind {
@@ -68,6 +72,7 @@ impl Kind {
                 | Kind::RingReduce
                 | Kind::RingGather
                 | Kind::Relay
+                | Kind::RelayIntoTensor
                 | Kind::Doubling
                 | Kind::Scatter
         )
@@ -78,7 +83,12 @@ impl Kind {
     pub(crate) fn lands_early(self) -> bool {
         matches!(
             self,
-            Kind::Contribution | Kind::RingReduce | Kind::Relay | Kind::Doubling | Kind::Scatter
+            Kind::Contribution
+                | Kind::RingReduce
+                | Kind::Relay
+                | Kind::RelayIntoTensor
+                | Kind::Doubling
+                | Kind::Scatter
         )
     }
 
@@ -95,6 +105,7 @@ impl Kind {
             9 => Kind::Relay,
             10 => Kind::Doubling,
             11 => Kind::Scatter,
+            12 => Kind::RelayIntoTensor,
             _ => return None,
         })
     }
@@ -107,6 +118,16 @@ pub(crate) fn immediate(kind: Kind, buffer: u32, generation: u64) -> u32 {
     debug_assert!(buffer < MAX_BUFFERS);
     let g = (generation & GEN_MASK) as u32;
     kind as u32 | (buffer & (MAX_BUFFERS - 1)) << 4 | g << 16
+}
+
+/// `imm` (an immediate of [`immediate`]) with its kind replaced by `kind`.
+pub(crate) fn with_kind(imm: u32, kind: Kind) -> u32 {
+    imm & !15 | kind as u32
+}
+
+/// Whether a landing with immediate `imm` wrote into the receiver's tensor.
+pub(crate) fn lands_in_tensor(imm: u32) -> bool {
+    parse_immediate(imm).is_some_and(|(kind, ..)| kind == Kind::RelayIntoTensor)
 }
 
 /// Decodes an immediate: kind, buffer, generation mod 2^11.
@@ -152,12 +173,15 @@ mod tests {
             Kind::Relay,
             Kind::Doubling,
             Kind::Scatter,
+            Kind::RelayIntoTensor,
         ] {
             for buffer in [0, 1, 77, MAX_BUFFERS - 1] {
                 for generation in [0u64, 1, 2047, 2048, 123_456_789] {
                     let (k, b, g) = parse_immediate(immediate(kind, buffer, generation)).unwrap();
                     assert_eq!((k, b), (kind, buffer));
                     assert!(same_generation(generation, g));
+                    let other = with_kind(immediate(kind, buffer, generation), Kind::Relay);
+                    assert_eq!(parse_immediate(other).unwrap(), (Kind::Relay, b, g));
                     let (k, b, g) = parse_token(token(kind, buffer, generation)).unwrap();
                     assert_eq!((k, b, g), (kind, buffer, generation));
                 }
@@ -165,6 +189,6 @@ mod tests {
         }
         assert!(parse_immediate(0).is_none());
         assert!(parse_immediate(1 << 27 | 1).is_none());
-        assert!(parse_immediate(12).is_none());
+        assert!(parse_immediate(13).is_none());
     }
 }

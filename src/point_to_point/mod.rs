@@ -158,10 +158,7 @@ impl Channels {
         let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
         open.values()
             .filter_map(|c| c.traffic())
-            .fold(Traffic::default(), |a, t| Traffic {
-                sent_bytes: a.sent_bytes + t.sent_bytes,
-                received_bytes: a.received_bytes + t.received_bytes,
-            })
+            .fold(Traffic::default(), Traffic::plus)
     }
 
     /// Refuses a peer that is not another rank of the job.

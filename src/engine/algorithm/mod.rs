@@ -204,6 +204,12 @@ pub(crate) enum Step {
     /// (relative to the slice's start), which the fabric reads directly
     /// ([`SliceInfo::direct`]).
     WriteFromTensor(Write),
+    /// [`Step::WriteFromTensor`], landing in the peer's window for the
+    /// operation, at the bytes' offset in its tensor, where the peer opened
+    /// one ([`SliceInfo::into_window`]): it is posted once the peer's
+    /// descriptor has said, and lands in the peer's staging buffer (`target`)
+    /// where it opened none.
+    WriteIntoWindow(Write),
     /// Reduce staging sources into bytes `dst` of the slice in the tensor
     /// (relative to the slice's start); then [`SliceEvent::Reduced`].
     ReduceInTensor(Reduction),
@@ -291,6 +297,9 @@ pub(crate) struct SliceInfo<'a> {
     /// The fabric sends from the operation's tensor, registered for it
     /// (`engine/direct.rs`): the slice stages nothing in.
     pub(crate) direct: bool,
+    /// Its writes from the tensor go into the peer's window, if the peer
+    /// opened one for the operation (`engine/direct.rs`).
+    pub(crate) into_window: bool,
 }
 
 impl SliceInfo<'_> {

@@ -31,7 +31,11 @@
 //!
 //! **Sending from the tensor** ([`SliceInfo::direct`], `engine/direct.rs`): a
 //! broadcast's root, relaying over ranks, stages nothing in; its chunks,
-//! all it sends, leave from the tensor.
+//! all it sends, leave from the tensor. **Landing in the tensor**: between two
+//! such ranks the root writes them into the receiver's window
+//! ([`SliceInfo::into_window`]) where the receiver opened one, marked
+//! [`Kind::RelayIntoTensor`]; the receiver then has nothing to copy out. An
+//! operation's chunks land all in place or all in staging.
 //!
 //! # Over the machines
 //!
@@ -163,6 +167,12 @@ pub(crate) struct Relay {
     /// The own chunks leave from the tensor, unstaged
     /// ([`SliceInfo::direct`]: a broadcast's root).
     direct: bool,
+    /// ... into the peer's window, where it opened one
+    /// ([`SliceInfo::into_window`]).
+    into_window: bool,
+    /// Whether the chunks that landed here so far landed in the tensor
+    /// ([`Kind::RelayIntoTensor`]) or in staging; `None` before the first.
+    in_tensor: Option<bool>,
     /// The slot has been published, and its local all-gather is running
     /// (machine chain).
     published: bool,
@@ -202,6 +212,8 @@ impl Relay {
             sends: 0,
             copies: 0,
             direct: false,
+            into_window: false,
+            in_tensor: None,
             published: false,
             gathering: false,
             released: false,
@@ -224,6 +236,7 @@ impl Relay {
         } else if s.direct {
             // The own piece is where it is sent from.
             relay.direct = true;
+            relay.into_window = s.into_window;
             relay.own_in_place(steps)?;
             relay.pump(steps)?;
         } else {
@@ -250,14 +263,24 @@ impl Relay {
                 self.own_in_place(steps)?;
             }
             SliceEvent::Landed {
-                kind: Kind::Relay,
+                kind: kind @ (Kind::Relay | Kind::RelayIntoTensor),
                 peer,
             } => {
                 let expected = self.received + self.held < self.expected;
                 let why = "not the relay's next chunk";
                 self.line
                     .members
-                    .check_from_previous(s, Kind::Relay, peer, expected, why)?;
+                    .check_from_previous(s, kind, peer, expected, why)?;
+                let in_tensor = kind == Kind::RelayIntoTensor;
+                if machines && in_tensor || self.in_tensor.is_some_and(|was| was != in_tensor) {
+                    return Err(unexpected(
+                        kind,
+                        peer,
+                        s,
+                        "a relayed slice whose chunks land all in one place, in staging over machines",
+                    ));
+                }
+                self.in_tensor = Some(in_tensor);
                 self.held += 1;
             }
             SliceEvent::Landed { kind, peer } => {
@@ -326,6 +349,17 @@ impl Relay {
                 self.index = 0;
                 self.skip_empty()?;
             }
+            if self.in_tensor == Some(true) {
+                // Written in place by the previous member; only the last
+                // member of a chain opens a window, so nothing goes on.
+                if !self.line.next_is_last_for(from) {
+                    return Err(Error::internal(
+                        "only the last member of a chain lands chunks in its tensor",
+                        format!("slice of {:?}", self.line),
+                    ));
+                }
+                continue;
+            }
             if !self.line.next_is_last_for(from) {
                 self.send(range.clone(), true, steps);
             }
@@ -390,10 +424,10 @@ impl Relay {
             source,
             needs_credit: true,
         };
-        steps.push(if self.direct && !forwarded {
-            Step::WriteFromTensor(write)
-        } else {
-            Step::Write(write)
+        steps.push(match (self.direct && !forwarded, self.into_window) {
+            (true, true) => Step::WriteIntoWindow(write),
+            (true, false) => Step::WriteFromTensor(write),
+            (false, _) => Step::Write(write),
         });
     }
 

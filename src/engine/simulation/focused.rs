@@ -67,6 +67,77 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
     assert_eq!(checked, expected, "every operation of every rank is done");
 }
 
+/// Broadcasts between two ranks of machines of their own land in the
+/// receiver's tensor through its window (`engine/direct.rs`), from either
+/// root, among all-reduces, over one to three buffers, with one registration
+/// kept or many, and with a rank killed at a drawn step: every rank's result
+/// exact, every survivor's error naming the victim, and chunks landing in
+/// windows.
+#[test]
+fn broadcasts_land_in_receivers_windows() {
+    let (mut checked, mut expected, mut in_windows) = (0, 0, 0);
+    for seed in 1..=300u64 {
+        let mut rng = Rng::new(seed);
+        let broadcast = |root, elements| Op {
+            elements,
+            dtype: DataType::U8,
+            op: ReduceOp::Sum,
+            algorithm: Resolved::Relay,
+            wire: WireFormat::Exact,
+            origins: Some(Origins::Rank(root)),
+            share: None,
+            rooted: None,
+        };
+        let reduce = Op {
+            elements: 700,
+            dtype: DataType::I64,
+            op: ReduceOp::Sum,
+            algorithm: Resolved::Hierarchical,
+            wire: WireFormat::Exact,
+            origins: None,
+            share: None,
+            rooted: None,
+        };
+        let killed = rng.below(3) == 0;
+        let scenario = Scenario {
+            machines: 2,
+            devices: 1,
+            layout: RankLayout::Contiguous,
+            servers: 0,
+            buffers: 1 + rng.below(3) as u32,
+            slice_bytes: 1024,
+            ops: vec![
+                broadcast(1, 5000),
+                reduce,
+                broadcast(0, 3001),
+                broadcast(0, 3001),
+                broadcast(1, 17),
+                broadcast(1, 4096),
+            ],
+            window: 1 + rng.below(4) as usize,
+            kill: killed.then(|| (1 + rng.below(3000), rng.below(2) as u32)),
+            direct: DirectSettings {
+                from_bytes: Some(rng.pick(&[0, 4096])),
+                cached: rng.pick(&[1, 2, 64]),
+            },
+            device: vec![false; 6],
+            collectives: false,
+        };
+        match play(&scenario, &mut rng, Design::GateOnHost, STEP_LIMIT) {
+            // With a rank killed, `play` checks every survivor's error.
+            Ok(outcome) if killed => in_windows += outcome.in_windows,
+            Ok(outcome) => {
+                checked += outcome.done;
+                expected += 2 * scenario.ops.len();
+                in_windows += outcome.in_windows;
+            }
+            Err(e) => panic!("seed {seed}, {scenario:?}: {e}"),
+        }
+    }
+    assert_eq!(checked, expected, "every operation of every rank is done");
+    assert!(in_windows > 1000, "{in_windows} writes landed in windows");
+}
+
 /// Submits operation 0 on `engine`: a hierarchical `i64` sum of `tensor`, a
 /// device tensor whose caller's stream first writes `input` into it.
 fn submit_device_sum(

@@ -103,6 +103,8 @@ struct Outcome {
     failed: usize,
     /// Operations drawn as a reduce, a gather and a scatter.
     rooted: [usize; 3],
+    /// Writes that landed in a receiver's tensor, through its window.
+    in_windows: u64,
 }
 
 fn run(seed: u64, design: Design) -> Result<Outcome, String> {
@@ -399,6 +401,10 @@ fn play(sc: &Scenario, rng: &mut Rng, design: Design, step_limit: u64) -> Result
             return Err(format!("server {i} failed with no fault injected: {e}"));
         }
     }
+    outcome.in_windows = net
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .window_landings;
     Ok(outcome)
 }
 
@@ -418,6 +424,7 @@ fn seeded_schedules_settle_with_exact_results() {
     let (mut killed, mut steps, mut done, mut failed) = (0, 0, 0, 0);
     let (mut device, mut collective) = (0, 0);
     let mut rooted = [0usize; 3];
+    let mut in_windows = 0;
     for &seed in &seeds {
         let result = std::panic::catch_unwind(|| run(seed, Design::GateOnHost));
         let outcome = match result {
@@ -435,6 +442,7 @@ fn seeded_schedules_settle_with_exact_results() {
         failed += outcome.failed;
         device += outcome.device;
         collective += outcome.collective;
+        in_windows += outcome.in_windows;
         for (sum, n) in rooted.iter_mut().zip(outcome.rooted) {
             *sum += n;
         }
@@ -444,8 +452,12 @@ fn seeded_schedules_settle_with_exact_results() {
         "simulation: {} seeds ({killed} with a killed rank), {steps} steps, {done} operations \
          done ({device} on the simulated device, {collective} of them through a machine's \
          collectives), {failed} failed; drawn as rooted forms: {reduces} reduces, {gathers} \
-         gathers, {scatters} scatters",
+         gathers, {scatters} scatters; {in_windows} writes landed in a receiver's tensor",
         seeds.len()
+    );
+    assert!(
+        seeds.len() < 100 || in_windows > 0,
+        "the seeds land chunks in receivers' tensors"
     );
     assert!(
         seeds.len() < 100 || rooted.iter().all(|&n| n > 0),

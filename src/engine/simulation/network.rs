@@ -25,6 +25,9 @@ enum Item {
         /// some time after the post.
         source: usize,
         len: usize,
+        /// The target's key: its staging region (the rank's number) or one
+        /// of its windows.
+        target_key: u32,
         target_offset: u64,
         immediate: u32,
         token: u64,
@@ -39,8 +42,14 @@ enum Item {
 pub(super) struct Network {
     world: u32,
     /// Per rank: its registered region (address, length), the staging memory
-    /// peers write into (tensors are registered only to send from).
+    /// peers write into (tensors are registered to send from, or as windows).
     regions: Vec<Option<(usize, usize)>>,
+    /// Per rank: its windows (`Fabric::register_window`).
+    windows: Vec<Vec<Window>>,
+    /// The key the next window gets: past every rank's staging key.
+    next_window: u32,
+    /// Writes landed in windows so far.
+    pub(super) window_landings: u64,
     /// Per (source, target): posts in flight, in order.
     links: Vec<VecDeque<Item>>,
     /// Per (a, b): whether a connected to b.
@@ -55,6 +64,9 @@ impl Network {
         Arc::new(Mutex::new(Network {
             world,
             regions: vec![None; n],
+            windows: (0..n).map(|_| Vec::new()).collect(),
+            next_window: world,
+            window_landings: 0,
             links: (0..n * n).map(|_| VecDeque::new()).collect(),
             connected: vec![false; n * n],
             completions: (0..n).map(|_| VecDeque::new()).collect(),
@@ -84,18 +96,33 @@ impl Network {
             Item::Write {
                 source,
                 len,
+                target_key,
                 target_offset,
                 immediate,
                 token,
             } => {
-                let Some((dst, _)) = self.regions[to as usize] else {
+                let dst = if target_key == to {
+                    self.regions[to as usize].map(|(address, _)| address)
+                } else {
+                    // A window closed since the post (its rank failed, or
+                    // dropped it) takes nothing, as tcp refuses the write.
+                    self.windows[to as usize]
+                        .iter()
+                        .find(|w| w.key == target_key && w.open)
+                        .map(|w| w.address)
+                };
+                let Some(dst) = dst else {
                     return;
                 };
+                if target_key != to {
+                    self.window_landings += 1;
+                }
                 let target = usize::try_from(target_offset).unwrap_or(usize::MAX);
                 // Both ranges were bounds-checked against the registered regions
                 // when posted (`WriteRequest::check`); the staging regions live
-                // as long as the simulation's engines, and a tensor as long as
-                // its rank's record of the scenario.
+                // as long as the simulation's engines, and a tensor (a source,
+                // or an open window) as long as its rank's record of the
+                // scenario.
                 let from_ptr = source as *const u8;
                 let to_ptr = (dst as *mut u8).wrapping_add(target);
                 // SAFETY: in bounds (above); the source is the writer's memory and
@@ -159,11 +186,46 @@ pub(super) struct SimFabric {
     pub(super) net: Arc<Mutex<Network>>,
 }
 
+/// A window of one rank.
+#[derive(Clone, Copy, Debug)]
+struct Window {
+    key: u32,
+    address: usize,
+    open: bool,
+}
+
 /// A registered region: plain memory of the simulation.
 pub(super) struct SimRegion {
     address: usize,
     len: usize,
     key: u32,
+    /// For a window: the network it is registered with, and its rank.
+    window: Option<(Arc<Mutex<Network>>, u32)>,
+}
+
+impl SimRegion {
+    /// Sets whether the window is open; `false` if it is not a window.
+    fn set_open(&self, open: bool) -> bool {
+        let Some((net, rank)) = &self.window else {
+            return false;
+        };
+        let mut net = lock(net);
+        if let Some(w) = net.windows[*rank as usize]
+            .iter_mut()
+            .find(|w| w.key == self.key)
+        {
+            w.open = open;
+        }
+        true
+    }
+}
+
+impl Drop for SimRegion {
+    fn drop(&mut self) {
+        if let Some((net, rank)) = &self.window {
+            lock(net).windows[*rank as usize].retain(|w| w.key != self.key);
+        }
+    }
 }
 
 impl LocalRegion for SimRegion {
@@ -241,6 +303,7 @@ impl Fabric for SimFabric {
             address,
             len,
             key: self.rank,
+            window: None,
         })
     }
 
@@ -259,7 +322,47 @@ impl Fabric for SimFabric {
             address: memory.as_ptr() as usize,
             len,
             key: u32::MAX,
+            window: None,
         })
+    }
+
+    fn registers_windows(&self) -> bool {
+        true
+    }
+
+    fn register_window(&self, memory: NonNull<u8>, len: usize) -> Result<SimRegion, FabricError> {
+        let address = memory.as_ptr() as usize;
+        let mut net = lock(&self.net);
+        let key = net.next_window;
+        net.next_window += 1;
+        net.windows[self.rank as usize].push(Window {
+            key,
+            address,
+            open: false,
+        });
+        Ok(SimRegion {
+            address,
+            len,
+            key,
+            window: Some((Arc::clone(&self.net), self.rank)),
+        })
+    }
+
+    unsafe fn open_window(&self, window: &SimRegion) -> Result<(), FabricError> {
+        if window.set_open(true) {
+            Ok(())
+        } else {
+            Err(FabricError::InvalidArgument {
+                argument: "window",
+                reason: "not a window".into(),
+            })
+        }
+    }
+
+    /// Writes land only when delivered, each under the network's lock: once
+    /// this returns, none lands in the window.
+    fn close_window(&self, window: &SimRegion) {
+        window.set_open(false);
     }
 
     fn write(&self, peer: u32, request: WriteRequest<'_, SimRegion>) -> Result<(), FabricError> {
@@ -269,6 +372,7 @@ impl Fabric for SimFabric {
             Item::Write {
                 source: request.source.address.wrapping_add(request.source_offset),
                 len: request.len,
+                target_key: request.target.key,
                 target_offset: request.target_offset,
                 immediate: request.immediate,
                 token: request.token,

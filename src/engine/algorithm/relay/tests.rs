@@ -42,6 +42,7 @@ fn on_rank_of(
         wire: WireFormat::Exact,
         origins: Some(origins),
         direct: false,
+        into_window: false,
     };
     f(&ctx, &s);
 }
