@@ -149,13 +149,13 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         let window = windows.get(seq)?;
         if windows.holders(seq) == 1 {
-            // SAFETY: the tensor is the pending operation's, which the caller
-            // leaves alone until it completes, and whose memory stays valid
-            // until then; the engine neither reads nor writes a received
-            // broadcast's tensor where its chunks land in it, and closes the
-            // window before it completes the operation, or fails it
-            // (`try_complete`, `fail_locked`).
-            if let Err(e) = unsafe { fabric.open_window(window) } {
+            // The engine neither reads nor writes a received broadcast's
+            // tensor where its chunks land in it, and closes the window before
+            // it completes or fails the operation (`try_complete`, `fail_locked`).
+            // SAFETY: so, with the caller leaving the pending operation's
+            // tensor valid and alone until then, `open_window`'s contract holds.
+            let opened = unsafe { fabric.open_window(window) };
+            if let Err(e) = opened {
                 log::debug!(
                     "fairring: operation #{seq} lands in staging: opening its window failed: {e}"
                 );
