@@ -169,8 +169,14 @@ def ddp_side_by_side(rank, world, port, layout):
             opt.step()
         for name, m in (("DDP", ours), ("fairring.allreduce_hook", hooked)):
             for a, b in zip(m.parameters(), theirs.parameters()):
-                same = torch.equal(a, b) if world == 2 else torch.allclose(a, b, rtol=1e-6, atol=0)
-                assert same, f"rank {rank}, step {step}: {name}'s parameters differ from gloo's"
+                # Three ranks: the engine and gloo add the three gradients in
+                # other orders, so a parameter near zero may differ in its
+                # last bits; the bound is the CPU test's (test_ddp.py).
+                same = torch.equal(a, b) if world == 2 else torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+                assert same, (
+                    f"rank {rank}, step {step}: {name}'s parameters differ from gloo's "
+                    f"by up to {(a - b).abs().max().item():.3g}"
+                )
     dist.destroy_process_group()
 
 
@@ -280,4 +286,6 @@ def test_cpu_tensors_against_cuda_tensors_are_a_mismatch():
 
 
 def test_a_killed_rank_fails_every_cuda_survivor_naming_it():
-    kill_rank_1_of_3("--device", "cuda", env=lambda r: {"FAIRRING_HOST_ID": f"machine-{r}"})
+    # Each rank a machine of its own, so each is the only rank of its machine.
+    machine = lambda r: {"FAIRRING_HOST_ID": f"machine-{r}", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    kill_rank_1_of_3("--device", "cuda", env=machine)
