@@ -199,19 +199,18 @@ impl DeviceSide {
             .enqueue_wait(stream, slot_of(seq), seq + 1)
             .map_err(cuda)?;
         // An event after the wait tells `Drop` when the stream no longer reads
-        // the word. Those already passed are dropped here, so the list stays
-        // as long as the waits in flight.
+        // the word. One already passed is recorded again, and the others
+        // passed are dropped, so the list stays as long as the waits in
+        // flight and a warm wait allocates nothing.
         let mut waits = self.waits.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut kept = Vec::with_capacity(waits.len() + 1);
-        for event in waits.drain(..) {
-            if !event.is_complete().unwrap_or(false) {
-                kept.push(event);
-            }
-        }
-        let after = Event::new(&self.device, Timing::Disabled).map_err(cuda)?;
+        let passed = |e: &Event| e.is_complete().unwrap_or(false);
+        let after = match waits.iter().position(passed) {
+            Some(i) => waits.swap_remove(i),
+            None => Event::new(&self.device, Timing::Disabled).map_err(cuda)?,
+        };
+        waits.retain(|e| !passed(e));
         after.record(stream).map_err(cuda)?;
-        kept.push(after);
-        *waits = kept;
+        waits.push(after);
         Ok(())
     }
 
