@@ -611,8 +611,10 @@ fr_status fr_reduce_scatter_device(const fr_comm *comm,
 // then no thread may make a CUDA call that waits for the whole device to
 // drain, or the process deadlocks. Such calls: a kernel's first launch under
 // lazy module loading (set `CUDA_MODULE_LOADING=EAGER` before CUDA starts), a
-// launch needing a larger per-thread stack than the context has (NCCL's
-// first can; `NCCL_SET_STACK_SIZE=1`), freeing device memory. Where these
+// launch needing a larger per-thread stack than the context has, allocating
+// or freeing device or page-locked memory. A communicator's first device
+// operation does some of these (it page-locks its staging and readies
+// NCCL), so it too must not be started while a stream waits. Where these
 // cannot be ruled out, wait on the host (`fr_work_wait`) instead.
 //
 // # Safety

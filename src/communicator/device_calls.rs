@@ -37,11 +37,14 @@
 //! to make. A CUDA call that waits for the whole device to drain, made by any
 //! thread while such a stream waits, then deadlocks the process: it holds
 //! the context, and the engine's calls wait for it. Such calls include a
-//! kernel's first launch under lazy module loading (CUDA's default), and a
-//! launch that needs a larger per-thread stack than the context has (NCCL's
-//! first launch in a context can; the driver grows the stack only once the
-//! device is idle). Waiting on the host ([`Work::wait`]) and ordering streams
-//! after the host has no such hazard; the Python package does that.
+//! kernel's first launch under lazy module loading (CUDA's default), a
+//! launch that needs a larger per-thread stack than the context has (the
+//! driver grows the stack only once the device is idle), and allocating or
+//! freeing device or page-locked memory. NCCL does all three at a
+//! collective's first use, so the first device operation runs each NCCL
+//! collective the engine uses once (`local::nccl`), before any stream can
+//! wait. Waiting on the host ([`Work::wait`]) and ordering streams after the
+//! host has no such hazard; the Python package does that.
 
 use fairring_core::{DataType, ReduceOp};
 use fairring_cuda::{DeviceSlice, DeviceSliceMut, Stream, device_of_pointer, sys};
@@ -263,11 +266,15 @@ impl Work<'_> {
     /// (that call holds the context, and the engine's calls wait for it):
     /// the first launch of a kernel under lazy module loading (load eagerly,
     /// `CUDA_MODULE_LOADING=EAGER` before CUDA starts), a launch that needs a
-    /// larger per-thread stack than the context has (NCCL's first launch can;
-    /// `NCCL_SET_STACK_SIZE=1` sizes it when a communicator is made), and
-    /// whatever synchronizes the device (freeing device memory). A process
-    /// that cannot rule these out waits on the host ([`wait`](Work::wait))
-    /// instead, as the Python package does.
+    /// larger per-thread stack than the context has, and whatever
+    /// synchronizes the device: allocating device or page-locked memory,
+    /// freeing it. A communicator's first device operation does some of
+    /// these itself (it page-locks its staging and, with several ranks per
+    /// machine, makes NCCL's communicators and runs each collective it uses
+    /// once, so that NCCL connects, loads its kernels and sizes its stack
+    /// then and never while a stream waits), so it too must not be submitted
+    /// while a stream waits. A process that cannot rule these out waits on
+    /// the host ([`wait`](Work::wait)) instead, as the Python package does.
     pub fn enqueue_wait(&self, stream: &Stream) -> Result<()> {
         // SAFETY: a `Stream` is a live stream of its device's primary context.
         unsafe { enqueue_wait(self.engine, self.first, self.last, stream.raw()) }

@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use fairring_core::{DataType, ReduceOp};
-use fairring_cuda::Device;
 use fairring_cuda::nccl::{Communicator, UniqueId, group};
+use fairring_cuda::{Device, DeviceBuffer, Stream};
 
 use super::collectives::{Collectives, Comm};
 use crate::config::DeviceLocal;
@@ -247,7 +247,18 @@ impl NcclSetup {
                 .map(|why| (r, String::from_utf8_lossy(why).into_owned()))
         });
         match (refusal, joined) {
-            (None, Ok((reduce, gather))) => Ok(Some(NcclComms { reduce, gather })),
+            (None, Ok((reduce, gather))) => {
+                let comms = NcclComms { reduce, gather };
+                // Every local rank agreed, so every one runs the warm-up.
+                warm_up(&comms, device, self.timeout).map_err(|e| {
+                    comms.abort();
+                    Error::Gpu(format!(
+                        "warming up the NCCL communicators of machine {} (local rank {}): {e}",
+                        self.machine, self.local_rank
+                    ))
+                })?;
+                Ok(Some(comms))
+            }
             (refusal, joined) => {
                 if let Ok((reduce, gathers)) = &joined {
                     // Another rank could not: these never run a collective.
@@ -271,6 +282,73 @@ impl NcclSetup {
             }
         }
     }
+}
+
+/// The sizes, in bytes, at which [`warm_up`] runs each collective: NCCL's
+/// tuner gives each of its protocols (LL, LL128, Simple) and algorithms its
+/// own range of sizes, and connects what a collective uses at its first use.
+const WARM_UP_SIZES: [usize; 3] = [1 << 10, 256 << 10, 8 << 20];
+
+/// Runs each collective the local step issues (all-reduce, reduce,
+/// broadcast) once at each of [`WARM_UP_SIZES`] and waits for them, up to
+/// `timeout`.
+///
+/// At its first use NCCL makes the collective's connections, allocating
+/// device memory (which waits for the whole device to drain), loads its
+/// kernels and may grow the context's stack. Done here, at the
+/// communicator's first device operation, before any stream has been made to
+/// wait for its operations, none of this can happen while a caller's stream
+/// waits for the engine ([`Work::enqueue_wait`](crate::Work::enqueue_wait)),
+/// where it would deadlock the process: the device cannot drain before the
+/// engine's NCCL call returns.
+fn warm_up(comms: &NcclComms, device: &Arc<Device>, timeout: Duration) -> Result<()> {
+    let stream = Stream::new(device, false).map_err(cuda_error)?;
+    let mut buffer = DeviceBuffer::zeroed(device, WARM_UP_SIZES[2]).map_err(cuda_error)?;
+    let ran = run_warm_up(comms, &stream, &mut buffer, timeout);
+    if ran.is_err() {
+        // NCCL's kernels end before the buffer they use is freed (freeing
+        // device memory waits for them).
+        comms.abort();
+    }
+    ran
+}
+
+/// [`warm_up`]'s collectives on `buffer`, enqueued on `stream` and waited for.
+fn run_warm_up(
+    comms: &NcclComms,
+    stream: &Stream,
+    buffer: &mut DeviceBuffer,
+    timeout: Duration,
+) -> Result<()> {
+    let mut whole = buffer.slice_mut();
+    for bytes in WARM_UP_SIZES {
+        let mut view = whole.range(0..bytes).map_err(cuda_error)?;
+        let (f32, sum) = (DataType::F32, ReduceOp::Sum);
+        comms
+            .reduce
+            .all_reduce_in_place(stream, &mut view, f32, sum)
+            .map_err(cuda_error)?;
+        comms
+            .reduce
+            .reduce_in_place(stream, &mut view, f32, sum, 0)
+            .map_err(cuda_error)?;
+        comms
+            .gather
+            .broadcast_in_place(stream, &mut view, DataType::U8, 0)
+            .map_err(cuda_error)?;
+    }
+    // Polled, so that a local rank that never joins the kernels (gone, or
+    // failed before its warm-up) is a timeout, not a hang.
+    let started = std::time::Instant::now();
+    while !stream.is_idle().map_err(cuda_error)? {
+        comms.reduce.check().map_err(cuda_error)?;
+        comms.gather.check().map_err(cuda_error)?;
+        if started.elapsed() >= timeout {
+            return Err(Error::timeout("NCCL's warm-up collectives", timeout));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(())
 }
 
 /// The two ids local rank 0 published, or its reason for publishing none.
