@@ -746,6 +746,10 @@ fn enqueue_wait_after_a_host_barrier_returns() {
 /// one of its operations: the stream still goes on past the wait once it gets
 /// there (the words it reads stay allocated, and were raised past every
 /// value). The stream is held first by a word of the test's own.
+///
+/// The communicator's device side is made (by a first operation) before the
+/// stream is held: making it page-locks memory, which waits for the device,
+/// and so for the held stream.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_stream_waiting_on_a_dropped_communicator_goes_on() {
@@ -758,17 +762,15 @@ fn a_stream_waiting_on_a_dropped_communicator_goes_on() {
     let device = device();
     let stream = Stream::new(&device, false).unwrap();
     let hold = fairring::cuda::HostFlags::new(&device, 1).unwrap();
-    hold.enqueue_wait(&stream, 0, 1).unwrap();
     let buf = DeviceBuffer::zeroed(&device, 4096).unwrap();
+    let call = Call::all_reduce(buf.raw() as *mut u8, 1024, DataType::F32, ReduceOp::Sum)
+        .on_stream(stream.raw());
+    // SAFETY: waited for on the host before `buf` is touched again.
+    unsafe { comm.start(&call) }.unwrap().wait().unwrap();
+    hold.enqueue_wait(&stream, 0, 1).unwrap();
     // SAFETY: `buf` outlives the stream's use of it: the test synchronises
     // the stream before it returns.
-    let w = unsafe {
-        comm.start(
-            &Call::all_reduce(buf.raw() as *mut u8, 1024, DataType::F32, ReduceOp::Sum)
-                .on_stream(stream.raw()),
-        )
-        .unwrap()
-    };
+    let w = unsafe { comm.start(&call) }.unwrap();
     w.enqueue_wait(&stream).unwrap();
     // The operation cannot start (its start is behind `hold`): abort it, and
     // drop the communicator with the stream's wait still ahead of it.
