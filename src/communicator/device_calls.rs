@@ -290,7 +290,7 @@ impl Work<'_> {
     pub unsafe fn enqueue_wait_raw(&self, stream: sys::CUstream) -> Result<()> {
         // Messages (of a gather or a scatter on host memory) have nothing on
         // the device: they are waited for here.
-        wait_messages(&self.messages, self.engine.timeout)?;
+        wait_messages(self.engine, &self.messages, self.engine.timeout)?;
         // SAFETY: forwarded.
         unsafe { enqueue_wait(self.engine, self.first, self.last, stream) }
     }
@@ -303,7 +303,7 @@ impl OwnedWork {
     ///
     /// As [`Work::enqueue_wait_raw`].
     pub unsafe fn enqueue_wait_raw(&self, stream: sys::CUstream) -> Result<()> {
-        wait_messages(&self.messages, self.comm.timeout)?;
+        wait_messages(&self.comm.engine, &self.messages, self.comm.timeout)?;
         // SAFETY: forwarded.
         unsafe { enqueue_wait(&self.comm.engine, self.first, self.last, stream) }
     }

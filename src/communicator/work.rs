@@ -46,13 +46,18 @@ impl<'a> Work<'a> {
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
         wait_range(self.engine, self.first, self.last, timeout)?;
-        wait_messages(&self.messages, timeout.saturating_sub(start.elapsed()))
+        wait_messages(
+            self.engine,
+            &self.messages,
+            timeout.saturating_sub(start.elapsed()),
+        )
     }
 
     /// Whether the operation has finished, without waiting or driving it (the
     /// progress thread does); its error if it failed.
     pub fn test(&self) -> Result<bool> {
-        Ok(test_range(self.engine, self.first, self.last)? && test_messages(&self.messages)?)
+        Ok(test_range(self.engine, self.first, self.last)?
+            && test_messages(self.engine, &self.messages)?)
     }
 
     /// The operation's sequence number (the same on every rank); the first one
@@ -90,7 +95,8 @@ impl OwnedWork {
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
         wait_range(&self.comm.engine, self.first, self.last, timeout)?;
-        wait_messages(&self.messages, timeout.saturating_sub(start.elapsed()))
+        let left = timeout.saturating_sub(start.elapsed());
+        wait_messages(&self.comm.engine, &self.messages, left)
     }
 
     /// Waits up to the communicator's timeout.
@@ -100,7 +106,8 @@ impl OwnedWork {
 
     /// Whether the operation has finished; its error if it failed.
     pub fn test(&self) -> Result<bool> {
-        Ok(test_range(&self.comm.engine, self.first, self.last)? && test_messages(&self.messages)?)
+        Ok(test_range(&self.comm.engine, self.first, self.last)?
+            && test_messages(&self.comm.engine, &self.messages)?)
     }
 
     /// The operation's sequence number; the first one of a coalesced group.
@@ -154,15 +161,40 @@ impl Drop for OwnedWork {
 }
 
 /// Waits up to `timeout` for the messages of a work, if it has any.
-pub(super) fn wait_messages(messages: &Option<Message>, timeout: Duration) -> Result<()> {
-    messages
+///
+/// The messages are a collective's (a gather's, a scatter's, a reduce's), so
+/// their failure fails the communicator, as a failed collective of the engine
+/// does: its ranks no longer agree on what the group has done (some sent their
+/// parts, others did not), and a later collective would meet another rank's
+/// earlier one. Failing the engine also tells every peer, naming the rank the
+/// failure is about (a lost peer, as a channel saw it). A wait that merely ran
+/// out of time fails nothing.
+pub(super) fn wait_messages(
+    engine: &WorkerEngine,
+    messages: &Option<Message>,
+    timeout: Duration,
+) -> Result<()> {
+    let waited = messages
         .as_ref()
-        .map_or(Ok(()), |m| m.wait_timeout(timeout))
+        .map_or(Ok(()), |m| m.wait_timeout(timeout));
+    fail_group_on(engine, waited)
 }
 
-/// Whether the messages of a work, if it has any, have finished.
-fn test_messages(messages: &Option<Message>) -> Result<bool> {
-    messages.as_ref().map_or(Ok(true), Message::test)
+/// Whether the messages of a work, if it has any, have finished; a failure
+/// fails the communicator (see [`wait_messages`]).
+fn test_messages(engine: &WorkerEngine, messages: &Option<Message>) -> Result<bool> {
+    fail_group_on(engine, messages.as_ref().map_or(Ok(true), Message::test))
+}
+
+/// `outcome`, having failed `engine` with its error, unless that is a wait's
+/// own timeout.
+fn fail_group_on<T>(engine: &WorkerEngine, outcome: Result<T>) -> Result<T> {
+    if let Err(e) = &outcome
+        && !matches!(e, Error::Timeout { .. })
+    {
+        engine.fail(e.clone());
+    }
+    outcome
 }
 
 /// Waits for operations `first..=last`, up to `timeout` in all.

@@ -15,7 +15,10 @@
 //! flight on a channel and on many channels at once. Gathers, scatters and
 //! reduces that move as messages ([`rooted`], [`chain`]) hand theirs to the
 //! channels later, once their checks pass; a message issued after one of them
-//! waits at the gate behind it, so the order holds for those too.
+//! waits at the gate behind it, so the order holds for those too. A failed
+//! channel fails only its own messages, but a gather's, scatter's or reduce's
+//! failure, seen where its work is waited on or tested, fails the communicator
+//! as any failed collective does (`communicator::work`).
 //!
 //! Meeting a channel never blocks the caller: a channel is met on a thread of
 //! its own once both its ranks have named it (by posting a message on it), and
