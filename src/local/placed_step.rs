@@ -146,6 +146,7 @@ fn host<'a, M: MemorySpace>(s: &LocalSlice<'a, M>, tensor: &'a HostTensor) -> Lo
         dtype: s.dtype,
         op: s.op,
         pieces: s.pieces,
+        root: s.root,
     }
 }
 

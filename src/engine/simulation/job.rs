@@ -49,7 +49,13 @@ pub(super) fn build_job(
                 location.device,
             )
         });
-        let shm = ShmStep::new(Arc::clone(segment), location.device, d, buffers);
+        // Broadcasts on one machine are copied between tensors in the jobs
+        // of an even number of buffers (half those drawn), and summed with
+        // zeros in the others, as where ranks may not copy between them.
+        let peer_copy =
+            (d > 1 && buffers.is_multiple_of(2)).then(|| PeerCopy::within_this_process(d));
+        let shm =
+            ShmStep::new(Arc::clone(segment), location.device, d, buffers).reading_peers(peer_copy);
         let local = wrap(rank, reach::step(&memory, shm, joined));
         let machine = Machine::new(Arc::clone(segment), location.device, d);
         let fabric = SimFabric {
