@@ -313,7 +313,7 @@ pub(crate) fn attach_local(
 
 /// Whether the machine's ranks read each other's memory (see
 /// [`PeerCopy`](crate::local::PeerCopy)): where there are several.
-fn agree_on_peer_copys(
+fn agree_on_peer_copies(
     config: &Config,
     store: &dyn Store,
     topology: Topology,
@@ -354,7 +354,10 @@ pub(crate) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
     let d = topology.devices_per_machine();
     let memory = Placed::new(Host::new(Arc::clone(&segment), location.device, buffers));
     let shm = ShmStep::new(Arc::clone(&segment), location.device, d, buffers)
-        .reading_peers(agree_on_peer_copys(config, store, topology, location)?);
+        .copying_between_tensors(
+            agree_on_peer_copies(config, store, topology, location)?,
+            crate::local::COPY_BETWEEN_TENSORS_FROM,
+        );
     #[cfg(feature = "cuda")]
     let nccl = crate::local::NcclCell::default();
     #[cfg(feature = "cuda")]

@@ -35,16 +35,19 @@ static PROBE: u64 = PROBE_VALUE;
 /// other's reads and writes.
 #[derive(Debug)]
 pub(crate) struct PeerCopy {
+    /// By local rank: the process, and the rank in the job.
     pids: Box<[i32]>,
+    ranks: Box<[u32]>,
 }
 
 impl PeerCopy {
     /// Every local rank in this process (the engine's simulation): reading a
     /// peer reads this process's own memory, through the same call.
     #[cfg(test)]
-    pub(crate) fn within_this_process(ranks: u32) -> PeerCopy {
+    pub(crate) fn within_this_process(ranks: &[u32]) -> PeerCopy {
         PeerCopy {
-            pids: vec![std::process::id().cast_signed(); ranks as usize].into(),
+            pids: vec![std::process::id().cast_signed(); ranks.len()].into(),
+            ranks: ranks.into(),
         }
     }
 
@@ -105,18 +108,21 @@ impl PeerCopy {
             );
             return Ok(None);
         }
-        Ok(Some(PeerCopy { pids: pids.into() }))
+        Ok(Some(PeerCopy {
+            pids: pids.into(),
+            ranks: ranks.into(),
+        }))
     }
 
     /// Copies `into.len()` bytes at address `at` of local rank `rank`'s
     /// process into `into`.
     pub(crate) fn read(&self, rank: u32, at: u64, into: &mut [u8]) -> Result<()> {
-        let pid = self.pid(rank)?;
+        let (pid, peer) = self.process(rank)?;
         let local = libc_iovec(into.as_mut_ptr(), into.len());
         copy(pid, at, local, Direction::Read).map_err(|why| {
-            Error::io(
-                format!("reading {} bytes of local rank {rank}'s tensor", into.len()),
-                std::io::Error::other(why),
+            Error::peer(
+                peer,
+                format!("reading {} bytes of its tensor: {why}", into.len()),
             )
         })
     }
@@ -129,23 +135,26 @@ impl PeerCopy {
     /// they belong to a buffer it handed over for this write (the protocol of
     /// the step that calls this).
     pub(crate) unsafe fn write(&self, rank: u32, at: u64, from: &[u8]) -> Result<()> {
-        let pid = self.pid(rank)?;
+        let (pid, peer) = self.process(rank)?;
         let local = libc_iovec(from.as_ptr().cast_mut(), from.len());
         copy(pid, at, local, Direction::Write).map_err(|why| {
-            Error::io(
-                format!(
-                    "writing {} bytes into local rank {rank}'s tensor",
-                    from.len()
-                ),
-                std::io::Error::other(why),
+            Error::peer(
+                peer,
+                format!("writing {} bytes into its tensor: {why}", from.len()),
             )
         })
     }
 
-    fn pid(&self, rank: u32) -> Result<i32> {
-        self.pids.get(rank as usize).copied().ok_or_else(|| {
-            Error::internal("a local rank has a process", format!("local rank {rank}"))
-        })
+    /// Local rank `rank`'s process, and its rank in the job.
+    fn process(&self, rank: u32) -> Result<(i32, u32)> {
+        let at = rank as usize;
+        match (self.pids.get(at), self.ranks.get(at)) {
+            (Some(&pid), Some(&peer)) => Ok((pid, peer)),
+            _ => Err(Error::internal(
+                "a local rank has a process",
+                format!("local rank {rank}"),
+            )),
+        }
     }
 }
 
@@ -231,7 +240,7 @@ mod tests {
 
     #[test]
     fn reads_and_writes_copy_and_a_bad_address_is_an_error() {
-        let peers = PeerCopy::within_this_process(2);
+        let peers = PeerCopy::within_this_process(&[6, 7]);
         let source: Vec<u8> = (0..=255).cycle().take(3 << 20).collect();
         let mut copy = vec![0u8; source.len()];
         peers.read(1, source.as_ptr() as u64, &mut copy).unwrap();
@@ -241,12 +250,12 @@ mod tests {
         unsafe { peers.write(0, target.as_mut_ptr() as u64, &source) }.unwrap();
         assert!(target == source, "the write differs from its source");
         let e = peers.read(1, 8, &mut [0u8; 16]).unwrap_err().to_string();
-        assert!(e.contains("local rank 1"), "{e}");
+        assert!(e.contains("rank 7"), "{e}");
         // SAFETY: address 8 is no memory of this process; nothing is written.
-        let e = unsafe { peers.write(1, 8, &[1u8; 16]) }
+        let e = unsafe { peers.write(0, 8, &[1u8; 16]) }
             .unwrap_err()
             .to_string();
-        assert!(e.contains("local rank 1"), "{e}");
+        assert!(e.contains("rank 6"), "{e}");
         assert!(
             peers
                 .read(2, source.as_ptr() as u64, &mut [0u8; 1])
