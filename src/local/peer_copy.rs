@@ -76,7 +76,10 @@ impl PeerCopy {
             pids.push(pid);
             if local != me as usize && verdict.is_ok() {
                 let mut word = [0u8; 8];
-                let local = libc_iovec(word.as_mut_ptr(), word.len());
+                let local = Local {
+                    at: word.as_mut_ptr(),
+                    len: word.len(),
+                };
                 verdict = copy(pid, probe, local, Direction::Read).and_then(|()| {
                     if u64::from_ne_bytes(word) == PROBE_VALUE {
                         Ok(())
@@ -118,7 +121,10 @@ impl PeerCopy {
     /// process into `into`.
     pub(crate) fn read(&self, rank: u32, at: u64, into: &mut [u8]) -> Result<()> {
         let (pid, peer) = self.process(rank)?;
-        let local = libc_iovec(into.as_mut_ptr(), into.len());
+        let local = Local {
+            at: into.as_mut_ptr(),
+            len: into.len(),
+        };
         copy(pid, at, local, Direction::Read).map_err(|why| {
             Error::peer(
                 peer,
@@ -136,7 +142,10 @@ impl PeerCopy {
     /// the step that calls this).
     pub(crate) unsafe fn write(&self, rank: u32, at: u64, from: &[u8]) -> Result<()> {
         let (pid, peer) = self.process(rank)?;
-        let local = libc_iovec(from.as_ptr().cast_mut(), from.len());
+        let local = Local {
+            at: from.as_ptr().cast_mut(),
+            len: from.len(),
+        };
         copy(pid, at, local, Direction::Write).map_err(|why| {
             Error::peer(
                 peer,
@@ -172,11 +181,6 @@ enum Direction {
 struct Local {
     at: *mut u8,
     len: usize,
-}
-
-/// `len` bytes at `at` of this process, as [`copy`] takes them.
-fn libc_iovec(at: *mut u8, len: usize) -> Local {
-    Local { at, len }
 }
 
 /// `"<pid> <address>"`, as [`PeerCopy::agree`] publishes it.
