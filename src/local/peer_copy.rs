@@ -206,10 +206,9 @@ fn copy(pid: i32, at: u64, local: Local, direction: Direction) -> std::result::R
             iov_len: local.len - done,
         };
         let moved = match direction {
-            // SAFETY: `here` lies within `local`, memory of this process the
-            // caller may write; `there` names memory of another process, which
-            // the kernel checks (a bad address is an error, never an access of
-            // ours).
+            // SAFETY: `here` lies in `local`, which the caller may write;
+            // `there` is another process's memory, which the kernel checks (a
+            // bad address is an error, never an access of ours).
             Direction::Read => unsafe { libc::process_vm_readv(pid, &here, 1, &there, 1, 0) },
             // SAFETY: as above; the caller may read `local`.
             Direction::Write => unsafe { libc::process_vm_writev(pid, &here, 1, &there, 1, 0) },
