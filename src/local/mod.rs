@@ -31,7 +31,6 @@ mod loom_models;
 mod machine;
 #[cfg(feature = "cuda")]
 mod nccl;
-mod peer_copy;
 mod pieces;
 mod placed_step;
 pub(crate) mod protocol;
@@ -49,14 +48,13 @@ pub(crate) use gpu::GpuReach;
 pub(crate) use machine::{Machine, Words};
 #[cfg(feature = "cuda")]
 pub(crate) use nccl::{NcclCell, NcclSetup};
-pub(crate) use peer_copy::PeerCopy;
 pub(crate) use pieces::RailPieces;
 #[cfg(not(feature = "cuda"))]
 pub(crate) use placed_step::HostOnly;
 pub(crate) use placed_step::PlacedStep;
 #[cfg(all(test, not(loom)))]
 pub(crate) use placed_step::{DeviceReach, Place};
-pub(crate) use shm_step::{COPY_BETWEEN_TENSORS_FROM, ShmStep};
+pub(crate) use shm_step::ShmStep;
 pub(crate) use solo::Solo;
 pub(crate) use staged::Waiting;
 
@@ -81,11 +79,6 @@ pub(crate) struct LocalSlice<'a, M: MemorySpace> {
     /// A reduce-scatter's pieces, grouped by device ([`RailPieces`]), where
     /// they take the place of the slice's slots.
     pub(crate) pieces: Option<RailPieces>,
-    /// A broadcast on one machine: its root's local rank. The shared-memory
-    /// step then copies the slice from the root's tensor into the others'
-    /// where the ranks may ([`PeerCopy`]); every other step, and that one
-    /// where they may not, sums it with their zeros, which is the same bytes.
-    pub(crate) root: Option<u32>,
 }
 
 /// The intra-machine step as the engine drives it.

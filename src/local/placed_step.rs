@@ -146,7 +146,6 @@ fn host<'a, M: MemorySpace>(s: &LocalSlice<'a, M>, tensor: &'a HostTensor) -> Lo
         dtype: s.dtype,
         op: s.op,
         pieces: s.pieces,
-        root: s.root,
     }
 }
 
