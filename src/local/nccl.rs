@@ -249,9 +249,9 @@ impl NcclSetup {
         match (refusal, joined) {
             (None, Ok((reduce, gather))) => {
                 let comms = NcclComms { reduce, gather };
-                // Every local rank agreed, so every one runs the warm-up.
+                // Every local rank agreed, so every one runs the warm-up
+                // (which aborts the communicators if it fails).
                 warm_up(&comms, device, self.timeout).map_err(|e| {
-                    comms.abort();
                     Error::Gpu(format!(
                         "warming up the NCCL communicators of machine {} (local rank {}): {e}",
                         self.machine, self.local_rank
