@@ -563,3 +563,76 @@ fn all_to_all_arguments_are_checked_naming_them() {
         },
     );
 }
+
+/// Two ranks of one machine exchange large messages, and `aborted` (the
+/// sender 0 or the receiver 1) is aborted meanwhile; as soon as its call has
+/// failed it writes a byte of every page of its buffer, from the last page
+/// (a copy still running would reach those after this write). Returns the
+/// pages that went wrong: pages of the aborted receiver's buffer written
+/// after its receive failed, or pages of a receive that succeeded but holds
+/// what the aborted sender wrote after its send failed. Where the two copy
+/// between each other's tensors, the aborted rank waits for its peer's copy
+/// to or from its buffer to end before its call fails.
+fn abort_during_large_messages(aborted: u32, round: u64) -> usize {
+    const LEN: usize = 8 << 20;
+    const SENT: u8 = 0x11;
+    const REUSED: u8 = 0xA5;
+    let wrong = job(
+        1,
+        2,
+        |b| b.timeout(Duration::from_secs(30)),
+        |rank, comm| {
+            let mut buf = vec![if rank == 0 { SENT } else { 0 }; LEN];
+            let mut call = |buf: &mut Vec<u8>| {
+                if rank == 0 {
+                    comm.send(1, buf)
+                } else {
+                    comm.recv(0, buf)
+                }
+            };
+            // The pair's channel is met before the abort can come (a channel
+            // still meeting learns of it only at the timeout).
+            call(&mut buf).unwrap();
+            if rank != aborted {
+                let mut wrong = 0;
+                while call(&mut buf).is_ok() {
+                    if rank == 1 {
+                        wrong += buf
+                            .chunks(4096)
+                            .filter(|p| p.iter().any(|&b| b != SENT))
+                            .count();
+                    }
+                }
+                return wrong;
+            }
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(20 + 7 * round));
+                    comm.abort();
+                });
+                while call(&mut buf).is_ok() {}
+                // The call failed: the buffer is the caller's again.
+                for page in buf.chunks_mut(4096).rev() {
+                    page[0] = REUSED;
+                }
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            if rank == 0 {
+                0
+            } else {
+                buf.chunks(4096).filter(|page| page[0] != REUSED).count()
+            }
+        },
+    );
+    wrong.iter().sum()
+}
+
+#[test]
+fn an_aborted_rank_of_one_machine_may_reuse_its_buffer_at_once() {
+    for round in 0..8 {
+        for aborted in [0, 1] {
+            let wrong = abort_during_large_messages(aborted, round);
+            assert_eq!(wrong, 0, "rank {aborted} aborted: {wrong} pages went wrong");
+        }
+    }
+}

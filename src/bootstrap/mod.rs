@@ -311,6 +311,31 @@ pub(crate) fn attach_local(
     Ok(segment)
 }
 
+/// Whether the machine's ranks read each other's memory (see
+/// [`PeerCopy`](crate::local::PeerCopy)): where there are several.
+fn agree_on_peer_copies(
+    config: &Config,
+    store: &dyn Store,
+    topology: Topology,
+    location: Location,
+) -> Result<Option<crate::local::PeerCopy>> {
+    let d = topology.devices_per_machine();
+    if d == 1 {
+        return Ok(None);
+    }
+    let ranks = (0..d)
+        .map(|device| {
+            topology
+                .rank(Location {
+                    machine: location.machine,
+                    device,
+                })
+                .map_err(|e| Error::internal("every local rank has a rank", e.to_string()))
+        })
+        .collect::<Result<Vec<u32>>>()?;
+    crate::local::PeerCopy::agree(store, &ranks, location.device, config.timeout)
+}
+
 /// Everything that goes into an engine, put together.
 pub(crate) struct Built {
     pub(crate) engine: Engine<AnyFabric, Placed>,
@@ -328,7 +353,11 @@ pub(crate) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
     let segment = attach_local(config, store, topology, location, buffers, &layout)?;
     let d = topology.devices_per_machine();
     let memory = Placed::new(Host::new(Arc::clone(&segment), location.device, buffers));
-    let shm = ShmStep::new(Arc::clone(&segment), location.device, d, buffers);
+    let shm = ShmStep::new(Arc::clone(&segment), location.device, d, buffers)
+        .copying_between_tensors(
+            agree_on_peer_copies(config, store, topology, location)?,
+            crate::local::COPY_BETWEEN_TENSORS_FROM,
+        );
     #[cfg(feature = "cuda")]
     let nccl = crate::local::NcclCell::default();
     #[cfg(feature = "cuda")]

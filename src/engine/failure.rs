@@ -283,7 +283,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         // step of an operation before its caller's stream reached its start.
         self.lock_source_regions().clear();
         // And nothing writes one: dropping a window closes it, waiting for
-        // the writes landing in it.
+        // the writes landing in it. The machine's ranks copying between
+        // tensors are shut out, and waited for, in `settle_failure`.
         self.lock_windows().clear();
         let mut running = d.slices.take_fences();
         running.extend(d.operations.take_deliveries());
@@ -316,7 +317,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         failing
             .running
             .retain(|fence| !self.memory.poll(fence).unwrap_or(true));
-        if !failing.running.is_empty() || failing.seqs.is_empty() {
+        // No local peer may still copy into or out of the tensors of the
+        // operations declared failed (a copier that ends rings the doorbell).
+        let released = self.local.release_tensors();
+        if !failing.running.is_empty() || !released || failing.seqs.is_empty() {
             return false;
         }
         for seq in std::mem::take(&mut failing.seqs) {

@@ -43,6 +43,9 @@ pub(crate) struct ActiveSlice<M: MemorySpace> {
     pub(crate) op: ReduceOp,
     pub(crate) wire: WireFormat,
     pub(crate) origins: Option<Origins>,
+    /// A broadcast in a job of one machine: its root's local rank
+    /// ([`LocalSlice::root`](crate::local::LocalSlice)).
+    pub(crate) local_root: Option<u32>,
     /// The fabric sends from the tensor (`direct`).
     pub(crate) direct: bool,
     /// Its writes from the tensor go into the peer's window (`direct`).
@@ -270,6 +273,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             op: rec.sub.op,
             wire: rec.sub.wire,
             origins,
+            local_root: self.local_root(origins),
             direct,
             into_window,
             algorithm,
@@ -293,6 +297,18 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         d.slices.slots[b as usize].early = early;
         replayed?;
         Ok(true)
+    }
+
+    /// The local rank of the root of a broadcast (`origins`) in a job of one
+    /// machine without servers, whose local step is the whole broadcast.
+    fn local_root(&self, origins: Option<Origins>) -> Option<u32> {
+        let ctx = self.context();
+        match origins {
+            Some(Origins::Rank(root)) if ctx.topology.machines() == 1 && ctx.servers == 0 => {
+                ctx.topology.locate(root).ok().map(|l| l.device)
+            }
+            _ => None,
+        }
     }
 
     /// Whether operation `sub`'s slices send from its tensor: it may

@@ -344,5 +344,6 @@ fn local_slice<M: MemorySpace>(b: u32, active: &ActiveSlice<M>) -> LocalSlice<'_
         dtype: active.dtype,
         op: active.op,
         pieces: active.algorithm.local_pieces(),
+        root: active.local_root,
     }
 }

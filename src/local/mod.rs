@@ -31,12 +31,14 @@ mod loom_models;
 mod machine;
 #[cfg(feature = "cuda")]
 mod nccl;
+mod peer_copy;
 mod pieces;
 mod placed_step;
 pub(crate) mod protocol;
 mod shm_step;
 mod solo;
 mod staged;
+mod tensor_copies;
 
 use fairring_core::plan::Slice;
 use fairring_core::{DataType, ReduceOp};
@@ -48,13 +50,14 @@ pub(crate) use gpu::GpuReach;
 pub(crate) use machine::{Machine, Words};
 #[cfg(feature = "cuda")]
 pub(crate) use nccl::{NcclCell, NcclSetup};
+pub(crate) use peer_copy::PeerCopy;
 pub(crate) use pieces::RailPieces;
 #[cfg(not(feature = "cuda"))]
 pub(crate) use placed_step::HostOnly;
 pub(crate) use placed_step::PlacedStep;
 #[cfg(all(test, not(loom)))]
 pub(crate) use placed_step::{DeviceReach, Place};
-pub(crate) use shm_step::ShmStep;
+pub(crate) use shm_step::{COPY_BETWEEN_TENSORS_FROM, ShmStep};
 pub(crate) use solo::Solo;
 pub(crate) use staged::Waiting;
 
@@ -79,6 +82,11 @@ pub(crate) struct LocalSlice<'a, M: MemorySpace> {
     /// A reduce-scatter's pieces, grouped by device ([`RailPieces`]), where
     /// they take the place of the slice's slots.
     pub(crate) pieces: Option<RailPieces>,
+    /// A broadcast on one machine: its root's local rank. The shared-memory
+    /// step then copies the slice from the root's tensor into the others'
+    /// where the ranks may ([`PeerCopy`]); every other step, and that one
+    /// where they may not, sums it with their zeros, which is the same bytes.
+    pub(crate) root: Option<u32>,
 }
 
 /// The intra-machine step as the engine drives it.
@@ -149,5 +157,14 @@ pub(crate) trait LocalStep<M: MemorySpace>: Send + Sync {
     /// that every fence behind it passes.
     fn take_fences(&self) -> Vec<M::Fence> {
         Vec::new()
+    }
+
+    /// The engine failed: closes this rank's tensors to the machine's copies
+    /// between tensors, and says whether every copy that started before is
+    /// over (every one by a process still alive; see
+    /// [`tensor_copies`]). The engine declares no operation finished until it
+    /// is, and polls again when its doorbell rings.
+    fn release_tensors(&self) -> bool {
+        true
     }
 }

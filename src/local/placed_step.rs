@@ -146,6 +146,7 @@ fn host<'a, M: MemorySpace>(s: &LocalSlice<'a, M>, tensor: &'a HostTensor) -> Lo
         dtype: s.dtype,
         op: s.op,
         pieces: s.pieces,
+        root: s.root,
     }
 }
 
@@ -284,6 +285,10 @@ impl<D: DeviceReach> LocalStep<D::Memory> for PlacedStep<D> {
 
     fn laggards(&self, buffer: u32, number: u64) -> Vec<u32> {
         LocalStep::<Host>::laggards(&self.shm, buffer, number)
+    }
+
+    fn release_tensors(&self) -> bool {
+        LocalStep::<Host>::release_tensors(&self.shm)
     }
 
     fn gathered(&self, buffer: u32, _number: u64) -> Result<()> {

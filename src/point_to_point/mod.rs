@@ -8,7 +8,10 @@
 //! receiver's buffer is written by the fabric or the shared-memory step, and
 //! the descriptor check compares the message's size and type with the
 //! receive's (a receive of another size or type fails both ranks, naming
-//! both). A channel between ranks of one machine runs over shared memory.
+//! both). A channel between ranks of one machine runs over shared memory, and
+//! a message of 64 KiB or more goes from the sender's tensor into the
+//! receiver's in one copy where the two may copy between each other's memory
+//! (`local::peer_copy`).
 //!
 //! Ordering is NCCL's: the messages from one rank to another match that rank's
 //! receives from it in the order both were posted. Any number may be in

@@ -4,7 +4,8 @@
 //! page 0      header: magic, geometry, `ready` (set by the creator last), the
 //!             failure claim; line 1 holds the failure record (8 u64)
 //! control     per local rank: a doorbell line, a line holding the rank's credit
-//!             limit (a u64), then per staging buffer three lines holding the
+//!             limit (a u64), a line holding the rank's tensor-copy word (a u64,
+//!             see [`Segment::tensor_copies`]), then per staging buffer three lines holding the
 //!             rank's progress counters (input ready, slot final, all-gather
 //!             done), each a u64 on its own cache line, then the rank's
 //!             operation table: `OPERATIONS` entries of 32 bytes (sequence + 1,
@@ -28,6 +29,8 @@ use crate::sync::unmodelled::{AtomicU32, AtomicU64, Ordering};
 const MAGIC: u64 = 0x6661_6972_7269_6e67; // "fairring"
 const PAGE: usize = 4096;
 const LINE: usize = 64;
+/// Lines at the head of a rank's control area: doorbell, credit, tensor copies.
+const HEAD_LINES: usize = 3;
 /// Counter lines per (rank, buffer).
 pub(crate) const COUNTERS: usize = 3;
 /// Entries in a rank's operation table: operation `s` lives in entry
@@ -96,7 +99,7 @@ impl Segment {
 
     /// Bytes of one rank's control area.
     fn per_rank(buffers: u32) -> usize {
-        2 * LINE + buffers as usize * COUNTERS * LINE + OPERATIONS * OPERATION_BYTES
+        HEAD_LINES * LINE + buffers as usize * COUNTERS * LINE + OPERATIONS * OPERATION_BYTES
     }
 
     /// Offset of local rank `rank`'s control area.
@@ -254,6 +257,30 @@ impl Segment {
         unsafe { &*self.base.as_ptr().wrapping_add(off).cast::<AtomicU64>() }
     }
 
+    /// Local rank `rank`'s tensor-copy word: who copies to or from that
+    /// rank's tensors between processes (`process_vm_readv`,
+    /// `process_vm_writev`; see the shared-memory step's copies between
+    /// tensors), and whether the rank still allows it.
+    ///
+    /// ```text
+    /// bit 63     closed: the rank's engine failed; no new copy may start
+    /// bit p      local rank p (below 63) is copying, or about to
+    /// ```
+    ///
+    /// A copier sets its bit, and copies only if the word it replaced was
+    /// not closed; it clears its bit when the copy is over. The owner, once
+    /// its engine failed, sets the closed bit and declares its operations
+    /// finished only once no live copier's bit is set. Both are
+    /// read-modify-writes of one word, so one of them comes first in its
+    /// modification order: either the copier sees the word closed and copies
+    /// nothing, or the owner sees the copier's bit and waits for it to clear.
+    pub(crate) fn tensor_copies(&self, rank: u32) -> &AtomicU64 {
+        let off = self.control_of(rank) + 2 * LINE;
+        // SAFETY: in bounds (the layout reserved the line), 64-byte aligned,
+        // only used atomically.
+        unsafe { &*self.base.as_ptr().wrapping_add(off).cast::<AtomicU64>() }
+    }
+
     /// Progress counter `index` (below [`COUNTERS`]) of local rank `rank` for
     /// buffer `buffer`.
     pub(crate) fn counter(&self, rank: u32, buffer: u32, index: usize) -> &AtomicU64 {
@@ -261,7 +288,8 @@ impl Segment {
             rank < self.ranks && buffer < self.buffers && index < COUNTERS,
             "counter out of range"
         );
-        let off = self.control_of(rank) + 2 * LINE + (buffer as usize * COUNTERS + index) * LINE;
+        let off =
+            self.control_of(rank) + HEAD_LINES * LINE + (buffer as usize * COUNTERS + index) * LINE;
         // SAFETY: in bounds (asserted), 64-byte aligned, only used atomically.
         unsafe { &*self.base.as_ptr().wrapping_add(off).cast::<AtomicU64>() }
     }
@@ -271,7 +299,7 @@ impl Segment {
     pub(crate) fn operation(&self, rank: u32, index: usize) -> &[AtomicU64; 3] {
         assert!(index < OPERATIONS, "operation entry out of range");
         let off = self.control_of(rank)
-            + 2 * LINE
+            + HEAD_LINES * LINE
             + self.buffers as usize * COUNTERS * LINE
             + index * OPERATION_BYTES;
         // SAFETY: in bounds (the layout reserved it), 32-byte aligned, only used

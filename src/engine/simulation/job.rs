@@ -49,7 +49,13 @@ pub(super) fn build_job(
                 location.device,
             )
         });
-        let shm = ShmStep::new(Arc::clone(segment), location.device, d, buffers);
+        // Broadcasts on one machine are copied between tensors in the jobs
+        // of an even number of buffers (half those drawn), and summed with
+        // zeros in the others, as where ranks may not copy between them.
+        let peer_copy = (d > 1 && buffers.is_multiple_of(2))
+            .then(|| PeerCopy::within_this_process(&local_ranks(topology, location.machine)));
+        let shm = ShmStep::new(Arc::clone(segment), location.device, d, buffers)
+            .copying_between_tensors(peer_copy, 1);
         let local = wrap(rank, reach::step(&memory, shm, joined));
         let machine = Machine::new(Arc::clone(segment), location.device, d);
         let fabric = SimFabric {
@@ -154,4 +160,11 @@ pub(super) fn small_job(
     )
     .unwrap();
     (engines, net)
+}
+
+/// The ranks of machine `machine`, by local rank.
+fn local_ranks(topology: Topology, machine: u32) -> Vec<u32> {
+    (0..topology.devices_per_machine())
+        .filter_map(|device| topology.rank(Location { machine, device }).ok())
+        .collect()
 }

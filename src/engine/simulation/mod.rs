@@ -63,7 +63,7 @@ use super::descriptor::{Collective, Descriptor};
 use super::layout::BufferLayout;
 use super::work::{self, DONE, FAILED, Submission};
 use super::{DirectSettings, Engine, EngineParts};
-use crate::local::{LocalSlice, LocalStep, Machine, ShmStep, Solo};
+use crate::local::{LocalSlice, LocalStep, Machine, PeerCopy, ShmStep, Solo};
 use crate::memory::{Host, HostTensor, MemoryKind, MemorySpace};
 use crate::shm::Segment;
 use collectives::{SimMachine, join};
