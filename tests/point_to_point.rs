@@ -583,7 +583,7 @@ fn abort_during_large_messages(aborted: u32, round: u64) -> usize {
         |b| b.timeout(Duration::from_secs(30)),
         |rank, comm| {
             let mut buf = vec![if rank == 0 { SENT } else { 0 }; LEN];
-            let mut call = |buf: &mut Vec<u8>| {
+            let call = |buf: &mut Vec<u8>| {
                 if rank == 0 {
                     comm.send(1, buf)
                 } else {
@@ -635,4 +635,36 @@ fn an_aborted_rank_of_one_machine_may_reuse_its_buffer_at_once() {
             assert_eq!(wrong, 0, "rank {aborted} aborted: {wrong} pages went wrong");
         }
     }
+}
+
+/// A rank aborted before its first message to a peer of its machine was met:
+/// the peer's send, still meeting the channel, fails with the communicator's
+/// failure at once, not at the timeout.
+#[test]
+fn a_send_still_meeting_its_channel_fails_when_the_receiver_is_aborted() {
+    let timeout = Duration::from_secs(60);
+    let results = job(
+        1,
+        2,
+        |b| b.timeout(timeout),
+        |rank, comm| {
+            let mut data = [7i32; 1024];
+            if rank == 1 {
+                comm.abort();
+                // Stays, so that its process (here, its thread) is not gone.
+                std::thread::sleep(Duration::from_secs(3));
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+            let start = Instant::now();
+            let e = comm
+                .send(1, &mut data)
+                .expect_err("the receiver was aborted");
+            Some((start.elapsed(), e.to_string()))
+        },
+    );
+    let (took, e) = results[0].clone().unwrap();
+    assert!(took < Duration::from_secs(10), "took {took:?}: {e}");
+    assert!(e.contains("rank 1") && e.contains("aborted"), "{e}");
+    println!("the send failed after {took:?}: {e}");
 }

@@ -136,6 +136,8 @@ impl Communicator {
             making: Mutex::new(()),
         };
         let engine = Arc::new(built.engine);
+        let watched = Arc::downgrade(&engine);
+        channels.watch(Arc::new(move || watched.upgrade()?.failure()));
         let progress = start_progress(&engine, format!("fairring-progress-{}", config.rank))?;
         Ok(Communicator {
             engine,

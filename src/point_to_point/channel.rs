@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::{CHANNEL_MEMORY, Posted};
+use super::{CHANNEL_MEMORY, ParentFailure, Posted};
 use crate::communicator::{Call, Communicator};
 use crate::config::{Config, Role};
 use crate::error::{Error, Result};
@@ -52,6 +52,7 @@ impl Channel {
         src: u32,
         dst: u32,
         sending: bool,
+        parent: Option<ParentFailure>,
     ) -> Result<Arc<Channel>> {
         let own = channel_config(config, if sending { 0 } else { 1 });
         let scoped = PrefixStore::new(
@@ -64,6 +65,7 @@ impl Channel {
             store: Arc::new(ChannelStore {
                 inner: Mutex::new(Some(Arc::new(scoped))),
                 closed: AtomicBool::new(false),
+                parent,
             }),
             timeout: config.timeout,
             src,
@@ -268,10 +270,13 @@ fn channel_config(config: &Config, rank: u32) -> Config {
 }
 
 /// The job's store as a channel's meeting sees it: a wait polls, so that
-/// closing the channel ends it, and once closed the store is let go of.
+/// closing the channel ends it, and so does the communicator's failure (the
+/// peer may be the rank that failed or was aborted, and would never answer);
+/// once closed the store is let go of.
 struct ChannelStore {
     inner: Mutex<Option<Arc<dyn Store>>>,
     closed: AtomicBool,
+    parent: Option<ParentFailure>,
 }
 
 impl ChannelStore {
@@ -281,6 +286,14 @@ impl ChannelStore {
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
             .ok_or_else(|| Error::store("meet", "the communicator was closed"))
+    }
+
+    /// The communicator's failure, as an error, if it has failed.
+    fn parent_failed(&self) -> Result<()> {
+        match self.parent.as_ref().and_then(|failure| failure()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     fn close(&self) {
@@ -311,6 +324,7 @@ impl Store for ChannelStore {
             if self.closed.load(Ordering::Acquire) {
                 return Err(Error::store("meet", "the communicator was closed"));
             }
+            self.parent_failed()?;
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::timeout(format!("store key {key}"), timeout));
@@ -321,6 +335,8 @@ impl Store for ChannelStore {
     }
 
     fn check(&self, keys: &[&str]) -> Result<bool> {
+        // What polls the store (a meeting's wait for its peer) stops here.
+        self.parent_failed()?;
         self.inner()?.check(keys)
     }
 }

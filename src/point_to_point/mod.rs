@@ -48,7 +48,7 @@ mod message;
 mod rooted;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use fairring_core::DataType;
 use fairring_core::reduce::Element;
@@ -84,7 +84,14 @@ pub(crate) struct Channels {
     pool: Arc<Pool>,
     /// Where the messages of gathers and scatters wait for their checks.
     gate: Gate,
+    /// The communicator's failure, if it has failed: a channel still meeting
+    /// stops with it rather than wait for a peer that failed or was aborted
+    /// until the timeout.
+    parent: OnceLock<ParentFailure>,
 }
+
+/// Asks the communicator whether it has failed (and why).
+pub(crate) type ParentFailure = Arc<dyn Fn() -> Option<Error> + Send + Sync>;
 
 impl Channels {
     pub(crate) fn new(config: &Config, store: Arc<dyn Store>) -> Arc<Channels> {
@@ -98,7 +105,14 @@ impl Channels {
             aborted: Mutex::new(false),
             pool: Pool::new(),
             gate: Gate::new(),
+            parent: OnceLock::new(),
         })
+    }
+
+    /// Lets the channels' meetings see the communicator fail (`failure`),
+    /// once its engine exists.
+    pub(crate) fn watch(&self, failure: ParentFailure) {
+        let _ = self.parent.set(failure);
     }
 
     /// The channel from `src` to `dst` (one of them this rank), met when
@@ -116,7 +130,14 @@ impl Channels {
         if let Some(c) = open.get(&(src, dst)) {
             return Ok(Arc::clone(c));
         }
-        let channel = Channel::meet(&self.config, &self.store, src, dst, src == self.rank)?;
+        let channel = Channel::meet(
+            &self.config,
+            &self.store,
+            src,
+            dst,
+            src == self.rank,
+            self.parent.get().cloned(),
+        )?;
         open.insert((src, dst), Arc::clone(&channel));
         Ok(channel)
     }
