@@ -21,7 +21,7 @@ from ._cuda import any_cuda
 from ._device_collectives import DeviceCollectives
 from ._store import _StoreBridge
 from ._tensors import _DTYPES, Reduction, _Staged, _host, unpack
-from ._work import DeviceWork, Work, _Chained, _Completer, _Pending
+from ._work import DeviceWork, Work, _Chained, _Completer, _Pending, _failure, in_callback
 
 def _teardown(state):
     """Destroys a group's communicators once: joins its completion thread, then
@@ -134,26 +134,31 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         the event it records there), and the Work is a `DeviceWork`."""
         if "comm" not in self._state:
             raise RuntimeError(f"fairring: {what}: the process group has been shut down")
+        completer = self._state["completer"]
+        if in_callback():
+            completer.callbacks_issue = True
         works = []
         try:
             for start in start_one:
                 w = native.work_p()
-                native.check(start(self._comm, ctypes.byref(w)), what)
+                status = start(self._comm, ctypes.byref(w))
+                if status not in (native.OK, native.PENDING):
+                    raise _failure(what, status, completer)
                 works.append(w)
         except BaseException:
             # Started ones still run: let the completion thread release them.
             if works:
-                self._state["completer"].put(
+                completer.put(
                     _Pending(works, None, None, what, keep)
                 )
             raise
         pending = _Pending(works, finish, result, what, keep)
         if device is None:
-            self._state["completer"].put(pending)
+            completer.put(pending)
             return Work(pending, keep, what)
         index, side, done = device
         pending.device = (side, index)
-        self._state["completer"].put(pending)
+        completer.put(pending)
         return DeviceWork(pending, keep, what, done)
 
     def allreduce(self, tensors, opts=None):

@@ -20,6 +20,34 @@ from ._native import FairringError
 # (plus its own time). A future asked for wakes the thread at once.
 SWEEP_SECONDS = 0.002
 
+# The prefix of the names of the threads that run `then` callbacks.
+CALLBACK_THREAD = "fairring-callbacks-"
+
+# What a mismatch in a group whose callbacks issued collectives adds.
+_CALLBACK_RACE = (
+    "; collectives issued from a future's callbacks (DDP's PowerSGD hook does "
+    "this) take their place in the group's order when the callback runs, so "
+    "with several operations in flight (several DDP buckets) they race with "
+    "the issuing thread's and each other's, and ranks may order them "
+    "differently: run such hooks on one bucket (a bucket_cap_mb above the "
+    "model's gradients) or issue those collectives from the issuing thread"
+)
+
+
+def _failure(what, status, completer):
+    """The `FairringError` for `status`, with the library's last message on
+    this thread; a mismatch in a group whose callbacks issue collectives
+    says why it may have happened."""
+    message = native.last_error()
+    if status == native.MISMATCH and completer is not None and completer.callbacks_issue:
+        message += _CALLBACK_RACE
+    return FairringError(what, status, message)
+
+
+def in_callback():
+    """Whether the calling thread is running a group's `then` callbacks."""
+    return threading.current_thread().name.startswith(CALLBACK_THREAD)
+
 
 class _Pending:
     """Operations started in the engine, settled once by whichever thread
@@ -76,7 +104,7 @@ class _Pending:
                 if not finished:
                     break
                 if status != native.OK and failure is None:
-                    failure = FairringError(self.what, status, native.last_error())
+                    failure = _failure(self.what, status, self.completer)
         finally:
             with self.lock:
                 self.users -= 1
@@ -99,7 +127,7 @@ class _Pending:
             for w in self.works:
                 status = lib.fr_work_test(w, ctypes.byref(done))
                 if status != native.OK and failure is None:
-                    failure = FairringError(self.what, status, native.last_error())
+                    failure = _failure(self.what, status, self.completer)
                 finished = finished and (done.value or status != native.OK)
         finally:
             with self.lock:
@@ -204,6 +232,8 @@ class _Completer:
         self._lock = threading.Lock()
         self._idle = 0
         self._dispatchers = []
+        # Set once a callback issued a collective on this group.
+        self.callbacks_issue = False
         self._thread = threading.Thread(
             target=self._run, name=f"fairring-futures-{rank}", daemon=True
         )
@@ -266,7 +296,7 @@ class _Completer:
             else:
                 d = threading.Thread(
                     target=self._dispatch,
-                    name=f"fairring-callbacks-{self._rank}-{len(self._dispatchers)}",
+                    name=f"{CALLBACK_THREAD}{self._rank}-{len(self._dispatchers)}",
                     daemon=True,
                 )
                 self._dispatchers.append(d)

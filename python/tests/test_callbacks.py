@@ -2,7 +2,9 @@
 a wait on another operation's future, inside a ``then`` callback completes (it
 once waited forever on the thread that was running the callback), nested
 three deep, and many callbacks blocked at once do not hold up each other. A
-failed operation raises `fairring.FairringError` itself from ``wait()``."""
+failed operation raises `fairring.FairringError` itself from ``wait()``. A
+collective from a callback that the ranks order differently from the issuing
+thread's fails as a mismatch that says why."""
 
 import threading
 import time
@@ -137,3 +139,51 @@ def unwaited(rank, world, port):
 
 def test_operations_settle_whoever_waits_or_polls_and_when_nobody_does():
     spawn(unwaited, 2)
+
+
+def callback_racing_the_issuing_thread(rank, world, port):
+    dist.init_process_group(
+        "fairring",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=TIMEOUT,
+    )
+    issued = threading.Event()
+
+    def callback(fut):
+        fut.value()
+        if rank == 1:
+            issued.wait()  # rank 1: the issuing thread's collective first
+        try:
+            dist.all_reduce(torch.ones(3), async_op=True).wait()
+        except fairring.FairringError as e:
+            return str(e)
+        finally:
+            if rank == 0:
+                issued.set()
+        return None
+
+    fut = dist.all_reduce(torch.ones(4), async_op=True).get_future()
+    from_callback = fut.then(callback)
+    if rank == 0:
+        issued.wait()  # rank 0: the callback's collective first
+    errors = []
+    try:
+        # Refused at once where the mismatch was found already.
+        dist.all_reduce(torch.ones(5), async_op=True).wait()
+    except fairring.FairringError as e:
+        errors.append(str(e))
+    finally:
+        if rank == 1:
+            issued.set()
+    if from_callback.wait() is not None:
+        errors.append(from_callback.wait())
+    assert errors, f"rank {rank}: two collectives of 3 and 5 elements matched"
+    explained = [e for e in errors if "mismatch" in e.lower() and "PowerSGD" in e]
+    assert explained, errors
+    dist.destroy_process_group()
+
+
+def test_a_callback_racing_the_issuing_thread_fails_as_a_mismatch_that_says_why():
+    spawn(callback_racing_the_issuing_thread, 2)
