@@ -10,6 +10,9 @@ themselves.
 
 import os
 import tempfile
+import unittest
+
+import torch
 
 os.environ.setdefault("BACKEND", "fairring")
 os.environ.setdefault("WORLD_SIZE", "2")
@@ -41,6 +44,48 @@ class TestDistBackendWithSpawnFairring(TestDistBackend, DistributedTest._DistTes
     def setUp(self):
         super().setUp()
         self._spawn_processes()
+
+    # PyTorch marks its CPU all-to-all tests MPI-only (gloo has no
+    # all_to_all); fairring has them, so these run the same bodies (the
+    # suite's own helpers, whole group, full group and subgroup) under
+    # `_fairring` names.
+    def test_all_to_all_fairring(self):
+        self._test_all_to_all_helper(*self._init_global_test())
+
+    def test_all_to_all_complex_fairring(self):
+        self._test_all_to_all_helper(*self._init_global_test(), dtype=torch.cfloat)
+
+    def test_all_to_all_full_group_fairring(self):
+        self._test_all_to_all_helper(*self._init_full_group_test())
+
+    def test_all_to_all_group_fairring(self):
+        # Ranks 1 and 2 as a subgroup: PyTorch's own version waits for 8
+        # ranks (`skip_if_small_worldsize`) unless on MPI.
+        if int(os.environ["WORLD_SIZE"]) < 3:
+            raise unittest.SkipTest("the subgroup of ranks 1 and 2 needs 3 ranks")
+        self._test_all_to_all_helper(*self._init_group_test())
+
+    def test_all_to_all_single_equal_split_fairring(self):
+        self._test_all_to_all_single_equal_split_helper(*self._init_global_test())
+
+    def test_all_to_all_single_equal_split_complex_fairring(self):
+        self._test_all_to_all_single_equal_split_helper(
+            *self._init_global_test(), dtype=torch.cfloat
+        )
+
+    def test_all_to_all_single_equal_split_full_group_fairring(self):
+        self._test_all_to_all_single_equal_split_helper(*self._init_full_group_test())
+
+    def test_all_to_all_single_unequal_split_fairring(self):
+        self._test_all_to_all_single_unequal_split_helper(*self._init_global_test())
+
+    def test_all_to_all_single_unequal_split_complex_fairring(self):
+        self._test_all_to_all_single_unequal_split_helper(
+            *self._init_global_test(), dtype=torch.cfloat
+        )
+
+    def test_all_to_all_single_unequal_split_full_group_fairring(self):
+        self._test_all_to_all_single_unequal_split_helper(*self._init_full_group_test())
 
 
 if __name__ == "__main__":
