@@ -378,6 +378,30 @@ mod tests {
     }
 
     #[test]
+    #[cfg(target_os = "linux")]
+    fn a_process_runs_until_it_exits_and_a_zombie_does_not() {
+        assert!(process_runs(std::process::id().cast_signed()));
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("spawning sleep");
+        let pid = i32::try_from(child.id()).unwrap();
+        assert!(process_runs(pid), "a sleeping child runs");
+        child.kill().unwrap();
+        // Killed, not yet reaped: a zombie, which copies nothing more.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while process_runs(pid) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the killed child still runs"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        child.wait().unwrap();
+        assert!(!process_runs(pid), "a reaped child is gone");
+    }
+
+    #[test]
     fn places_read_back_as_published() {
         assert_eq!(parse_place(b"1234 0x7ffd00"), Some((1234, 0x7f_fd00)));
         assert_eq!(parse_place(b"1234"), None);
