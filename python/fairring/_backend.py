@@ -10,6 +10,7 @@ mismatching call), so ``wait()``, DDP's reducer and ``get_future()`` all raise.
 
 import atexit
 import ctypes
+import os
 import weakref
 
 import torch
@@ -52,6 +53,19 @@ def _this_join(store, size):
     return dist.PrefixStore(f"fairring/{(joined - 1) // size}/", store)
 
 
+def _callbacks_run_on():
+    """`FAIRRING_CALLBACKS`: where a future's ``then`` callbacks run."""
+    value = os.environ.get("FAIRRING_CALLBACKS", "dispatcher")
+    if value not in ("dispatcher", "caller"):
+        raise ValueError(
+            f'invalid FAIRRING_CALLBACKS="{value}": expected "dispatcher" (the '
+            'default: a thread of the group completes futures and runs their '
+            'callbacks) or "caller" (get_future() waits for its operation, so '
+            "callbacks run on the thread that attaches them)"
+        )
+    return value
+
+
 @atexit.register
 def _teardown_all():
     for pg in list(_live):
@@ -65,13 +79,15 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
 
     def __init__(self, store, rank, size, timeout):
         super().__init__(rank, size)
+        # Read before joining: a bad value fails this rank before it meets.
+        callers_run_callbacks = _callbacks_run_on() == "caller"
         scoped = _this_join(store, size)
         self._timeout_ms = max(int(timeout.total_seconds() * 1000), 0) if timeout else 0
         comm, self._bridge = self._join(scoped, rank, size, f"the group as rank {rank}")
         self._comm = comm
         self._state = {
             "comm": comm,
-            "completer": _Completer(rank),
+            "completer": _Completer(rank, callers_run_callbacks),
         }
         self._finalizer = weakref.finalize(self, _teardown, self._state)
         _live.add(self)
@@ -362,7 +378,9 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
                 each.value()  # raises the first failure
             return result
 
-        all_done = torch.futures.collect_all([w.get_future() for w in works]).then(outcome)
+        # The works' futures as made for callbacks: never waited for here.
+        futures = [w._pending.future_for_callbacks() for w in works]
+        all_done = torch.futures.collect_all(futures).then(outcome)
         return _Chained(all_done, works)
 
     def reduce(self, tensors, opts=None):

@@ -29,8 +29,10 @@ _CALLBACK_RACE = (
     "this) take their place in the group's order when the callback runs, so "
     "with several operations in flight (several DDP buckets) they race with "
     "the issuing thread's and each other's, and ranks may order them "
-    "differently: run such hooks on one bucket (a bucket_cap_mb above the "
-    "model's gradients) or issue those collectives from the issuing thread"
+    "differently: set FAIRRING_CALLBACKS=caller on every rank (a future is "
+    "then handed out complete, so its callbacks run on the thread that "
+    "attaches them, in the program's order), or run such hooks on one bucket "
+    "(a bucket_cap_mb above the model's gradients)"
 )
 
 
@@ -222,8 +224,11 @@ class _Completer:
     operation waited on.
     """
 
-    def __init__(self, rank):
+    def __init__(self, rank, callers_run_callbacks=False):
         self._rank = rank
+        # FAIRRING_CALLBACKS=caller: `get_future` waits for its operation, so
+        # callbacks run on the thread that attaches them (see `Work`).
+        self.callers_run_callbacks = callers_run_callbacks
         self._backlog = collections.deque()
         self._wake = threading.Event()
         self._asleep = False
@@ -359,7 +364,25 @@ class Work(dist.Work):
     def get_future(self):
         # Made on demand: an operation nobody asked a future of (a blocking
         # call) finishes without a hand-over to a dispatcher.
-        return self._pending.future_for_callbacks()
+        p = self._pending
+        if p.completer is not None and p.completer.callers_run_callbacks:
+            # FAIRRING_CALLBACKS=caller: the future comes back complete, so
+            # the callbacks attached to it run at once on the attaching
+            # thread, in the program's order on every rank.
+            p.wait_here(0)
+            future = p.future_for_callbacks()
+            _wait_quietly(future)
+            return future
+        return p.future_for_callbacks()
+
+
+def _wait_quietly(future):
+    """Waits for `future` to complete; its failure stays in it, for its
+    callbacks and for whoever waits on it."""
+    try:
+        future.wait()
+    except Exception:  # noqa: BLE001 (the future keeps it)
+        pass
 
 
 class DeviceWork(Work):
@@ -406,4 +429,10 @@ class _Chained(dist.Work):
         return self._future.done()
 
     def get_future(self):
+        completer = self._works[0]._pending.completer if self._works else None
+        if completer is not None and completer.callers_run_callbacks:
+            # As `Work.get_future`: complete before it is handed out.
+            for w in self._works:
+                w._pending.wait_here(0)
+            _wait_quietly(self._future)
         return self._future

@@ -4,11 +4,16 @@ once waited forever on the thread that was running the callback), nested
 three deep, and many callbacks blocked at once do not hold up each other. A
 failed operation raises `fairring.FairringError` itself from ``wait()``. A
 collective from a callback that the ranks order differently from the issuing
-thread's fails as a mismatch that says why."""
+thread's fails as a mismatch that says why. With FAIRRING_CALLBACKS=caller a
+future comes back complete and its callbacks run on the attaching thread; a bad
+value is refused naming the variable."""
 
+import datetime
+import os
 import threading
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -149,37 +154,53 @@ def callback_racing_the_issuing_thread(rank, world, port):
         world_size=world,
         timeout=TIMEOUT,
     )
+    store = dist.distributed_c10d._get_default_store()
+    errors = []
+    if rank == 1:
+        # Rank 1 issues from its own thread: the first all-reduce once rank 0
+        # has attached its callback (so that callback runs on a group thread,
+        # not inline), then 5 elements, then 3.
+        store.wait(["attached"])
+        dist.all_reduce(torch.ones(4))
+        later = []
+        try:
+            later = [dist.all_reduce(torch.ones(n), async_op=True) for n in (5, 3)]
+        except fairring.FairringError as e:
+            errors.append(str(e))
+        for w in later:
+            try:
+                w.wait()
+            except fairring.FairringError as e:
+                errors.append(str(e))
+        assert any("mismatch" in e.lower() for e in errors), errors
+        dist.destroy_process_group()
+        return
+    # Rank 0: 3 elements from the first all-reduce's callback, then 5 from
+    # this thread.
     issued = threading.Event()
 
     def callback(fut):
         fut.value()
-        if rank == 1:
-            issued.wait()  # rank 1: the issuing thread's collective first
         try:
             dist.all_reduce(torch.ones(3), async_op=True).wait()
         except fairring.FairringError as e:
             return str(e)
         finally:
-            if rank == 0:
-                issued.set()
+            issued.set()
         return None
 
     fut = dist.all_reduce(torch.ones(4), async_op=True).get_future()
     from_callback = fut.then(callback)
-    if rank == 0:
-        issued.wait()  # rank 0: the callback's collective first
-    errors = []
+    store.set("attached", "1")
+    issued.wait()
     try:
         # Refused at once where the mismatch was found already.
         dist.all_reduce(torch.ones(5), async_op=True).wait()
     except fairring.FairringError as e:
         errors.append(str(e))
-    finally:
-        if rank == 1:
-            issued.set()
     if from_callback.wait() is not None:
         errors.append(from_callback.wait())
-    assert errors, f"rank {rank}: two collectives of 3 and 5 elements matched"
+    assert errors, "two collectives of 3 and 5 elements matched"
     explained = [e for e in errors if "mismatch" in e.lower() and "PowerSGD" in e]
     assert explained, errors
     dist.destroy_process_group()
@@ -187,3 +208,40 @@ def callback_racing_the_issuing_thread(rank, world, port):
 
 def test_a_callback_racing_the_issuing_thread_fails_as_a_mismatch_that_says_why():
     spawn(callback_racing_the_issuing_thread, 2)
+
+
+def callbacks_on_the_caller(rank, world, port):
+    os.environ["FAIRRING_CALLBACKS"] = "caller"
+    dist.init_process_group(
+        "fairring",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=TIMEOUT,
+    )
+    me = threading.current_thread()
+    ran_on = []
+
+    def callback(fut):
+        ran_on.append(threading.current_thread())
+        # A collective from the callback, in the program's order.
+        (v,) = dist.all_reduce(torch.ones(2), async_op=True).get_future().wait()
+        return fut.value()[0] + v[0]
+
+    fut = dist.all_reduce(torch.ones(4), async_op=True).get_future()
+    assert fut.done(), "a future handed out incomplete"
+    chained = fut.then(callback)
+    assert ran_on == [me], ran_on
+    assert torch.equal(chained.wait(), torch.full((4,), 2.0 * world))
+    dist.destroy_process_group()
+
+
+def test_callbacks_run_on_the_caller_with_fairring_callbacks_caller():
+    spawn(callbacks_on_the_caller, 2)
+
+
+def test_a_bad_fairring_callbacks_is_refused_naming_it(monkeypatch):
+    monkeypatch.setenv("FAIRRING_CALLBACKS", "sometimes")
+    store = dist.HashStore()
+    with pytest.raises(ValueError, match='FAIRRING_CALLBACKS="sometimes"'):
+        fairring.ProcessGroupFairring(store, 0, 1, datetime.timedelta(seconds=5))

@@ -4,9 +4,11 @@ two floats does not depend on order); on 4 ranks within 1e-6 relative (float
 sums in another order). The same through `fairring.allreduce_hook` on a job
 whose default group is gloo, and with every hook PyTorch ships (allreduce, fp16,
 bf16, PowerSGD, batched PowerSGD and fp16 around PowerSGD) on both sides (PowerSGD's callbacks wait on collectives
-of their own, on the thread that completed the bucket)."""
+of their own, on the thread that completed the bucket), and PowerSGD over
+several buckets with `FAIRRING_CALLBACKS=caller`."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -50,6 +52,17 @@ HOOKS = {
 }
 
 
+def _waited(hook):
+    """`hook`, whose future is waited for before it is handed back."""
+
+    def run(state, bucket):
+        future = hook(state, bucket)
+        future.wait()
+        return future
+
+    return run
+
+
 def power_state(pg):
     return powerSGD.PowerSGDState(
         process_group=pg,
@@ -61,6 +74,8 @@ def power_state(pg):
 
 
 def train_side_by_side(rank, world, port, mode):
+    if mode == "powersgd_buckets":
+        os.environ["FAIRRING_CALLBACKS"] = "caller"
     default = "gloo" if mode == "hook" else "fairring"
     dist.init_process_group(
         default,
@@ -79,12 +94,24 @@ def train_side_by_side(rank, world, port, mode):
         theirs = DDP(copy.deepcopy(base))  # gloo, DDP's own all-reduce
         ours = DDP(copy.deepcopy(base))
         ours.register_comm_hook(other, fairring.allreduce_hook)
+    elif mode == "powersgd_buckets":
+        # PowerSGD over several buckets: on fairring with its futures handed
+        # out complete (FAIRRING_CALLBACKS=caller), so that the collectives of
+        # its callbacks keep the program's order on every rank; on gloo, whose
+        # own futures race the same way (it hangs), each bucket's hook is
+        # waited for before the next, which gives that order too.
+        cap = {"bucket_cap_mb": 0.005}
+        ours = DDP(copy.deepcopy(base), **cap)
+        theirs = DDP(copy.deepcopy(base), process_group=other, **cap)
+        ours.register_comm_hook(power_state(None), powerSGD.powerSGD_hook)
+        theirs.register_comm_hook(power_state(other), _waited(powerSGD.powerSGD_hook))
     elif mode in HOOKS:
         # PowerSGD's callbacks issue collectives of their own, from whichever
         # thread completes a bucket: with several buckets in flight, the ranks'
         # orders of issue race with each other and with DDP's (gloo hangs,
-        # fairring fails with a mismatch), so it runs on one bucket. The other
-        # hooks issue nothing from callbacks and run on small buckets.
+        # fairring fails with a mismatch), so here it runs on one bucket (on
+        # several with FAIRRING_CALLBACKS=caller: `powersgd_buckets`). The
+        # other hooks issue nothing from callbacks and run on small buckets.
         cap = {} if "powersgd" in mode else {"bucket_cap_mb": 0.005}
         ours = DDP(copy.deepcopy(base), **cap)
         theirs = DDP(copy.deepcopy(base), process_group=other, **cap)
@@ -104,7 +131,7 @@ def train_side_by_side(rank, world, port, mode):
         for a, b in zip(ours.parameters(), theirs.parameters()):
             if world == 2:
                 assert torch.equal(a, b), f"step {step}: {(a - b).abs().max()}"
-            elif mode in HOOKS:
+            elif mode in HOOKS or mode == "powersgd_buckets":
                 # Half-precision sums in another order (fairring's in f32),
                 # through PowerSGD's orthogonalisation: close, not equal.
                 assert torch.allclose(a, b, rtol=1e-3, atol=1e-4), f"step {step}"
@@ -161,3 +188,8 @@ def _hook_params():
 def test_every_shipped_comm_hook_matches_gloo(world, hook):
     spawn(train_side_by_side, world, hook)
 
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_powersgd_over_several_buckets_with_callbacks_on_the_caller(world):
+    spawn(train_side_by_side, world, "powersgd_buckets")
