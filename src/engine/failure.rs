@@ -317,10 +317,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         failing
             .running
             .retain(|fence| !self.memory.poll(fence).unwrap_or(true));
-        // No local peer may still copy into or out of the tensors of the
-        // operations declared failed (a copier that ends rings the doorbell).
-        let released = self.local.release_tensors();
-        if !failing.running.is_empty() || !released || failing.seqs.is_empty() {
+        // A local peer's read of the tensors of the operations declared
+        // failed that is not over by now is thrown away.
+        self.local.close_tensors();
+        if !failing.running.is_empty() || failing.seqs.is_empty() {
             return false;
         }
         for seq in std::mem::take(&mut failing.seqs) {

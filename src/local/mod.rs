@@ -159,12 +159,9 @@ pub(crate) trait LocalStep<M: MemorySpace>: Send + Sync {
         Vec::new()
     }
 
-    /// The engine failed: closes this rank's tensors to the machine's copies
-    /// between tensors, and says whether every copy that started before is
-    /// over (every one by a process still alive; see
-    /// [`tensor_copies`]). The engine declares no operation finished until it
-    /// is, and polls again when its doorbell rings.
-    fn release_tensors(&self) -> bool {
-        true
-    }
+    /// The engine failed: closes this rank's tensors to the machine's reads
+    /// between tensors before it declares its operations finished. A peer's
+    /// read that is not over by then throws what it read away (see
+    /// [`tensor_copies`]), so nothing is waited for.
+    fn close_tensors(&self) {}
 }

@@ -1,24 +1,27 @@
-//! Copying between local ranks' memory in one copy: Linux's cross-memory
-//! attach (`process_vm_readv`, `process_vm_writev`), which copies between
-//! two processes' address spaces inside the kernel.
+//! Reading another local rank's memory in one copy: Linux's cross-memory
+//! attach (`process_vm_readv`), which copies from another process's address
+//! space inside the kernel.
 //!
 //! The shared-memory step stages what its ranks exchange through the
 //! machine's segment: one copy in, one copy out. A broadcast's bytes need no
-//! reduction, so on one machine they go from the root's tensor straight into
-//! the others' ([`ShmStep`](super::ShmStep)): every rank copies a part, the
-//! root writing its part into every other rank's tensor and each other rank
-//! reading the rest from the root's, so the copies are spread over the
-//! machine's ranks as the staged ones were, and half as many. Between two
-//! ranks of one machine (a message between them, whose channel is such a
-//! job) that is half the memory traffic.
+//! reduction, so on one machine every other rank reads them from the root's
+//! tensor straight into its own ([`ShmStep`](super::ShmStep)): half the
+//! copies. Between two ranks of one machine (a message between them, whose
+//! channel is such a job) that is half the memory traffic.
+//!
+//! Only reads: no rank ever writes into another process's memory. A read
+//! that races with the owner's failure can be thrown away (its reader fails
+//! the operation, see [`tensor_copies`](super::tensor_copies)); a write into
+//! memory the owner's caller has taken back could not be undone, and a
+//! writer stopped in the middle of one would keep its owner from ever
+//! letting go.
 //!
 //! Copying to and from another process needs the kernel's leave: the same
 //! user, and where Yama's `ptrace_scope` restricts tracing, more. The
 //! machine's ranks find out when the communicator is made: each publishes
 //! its process id and the address of a word whose value it knows, each reads
 //! every other's, and they take this path only if every rank could read
-//! every other ([`PeerCopy::agree`]; writing needs the same leave);
-//! otherwise every rank stages as before.
+//! every other ([`PeerCopy::agree`]); otherwise every rank stages as before.
 
 use std::time::Duration;
 
@@ -32,7 +35,7 @@ const PROBE_VALUE: u64 = 0x6672_2d70_6565_7221;
 static PROBE: u64 = PROBE_VALUE;
 
 /// The processes of the machine's ranks, by local rank, each open to every
-/// other's reads and writes.
+/// other's reads.
 #[derive(Debug)]
 pub(crate) struct PeerCopy {
     /// By local rank: the process, and the rank in the job.
@@ -80,7 +83,7 @@ impl PeerCopy {
                     at: word.as_mut_ptr(),
                     len: word.len(),
                 };
-                verdict = copy(pid, probe, local, Direction::Read).and_then(|()| {
+                verdict = read(pid, probe, local).and_then(|()| {
                     if u64::from_ne_bytes(word) == PROBE_VALUE {
                         Ok(())
                     } else {
@@ -125,7 +128,7 @@ impl PeerCopy {
             at: into.as_mut_ptr(),
             len: into.len(),
         };
-        copy(pid, at, local, Direction::Read).map_err(|why| {
+        read(pid, at, local).map_err(|why| {
             Error::peer(
                 peer,
                 format!("reading {} bytes of its tensor: {why}", into.len()),
@@ -133,38 +136,9 @@ impl PeerCopy {
         })
     }
 
-    /// Copies `from` to address `at` of local rank `rank`'s process.
-    ///
-    /// # Safety
-    ///
-    /// Nothing in that process reads or writes those bytes meanwhile, and
-    /// they belong to a buffer it handed over for this write (the protocol of
-    /// the step that calls this).
-    pub(crate) unsafe fn write(&self, rank: u32, at: u64, from: &[u8]) -> Result<()> {
-        let (pid, peer) = self.process(rank)?;
-        let local = Local {
-            at: from.as_ptr().cast_mut(),
-            len: from.len(),
-        };
-        copy(pid, at, local, Direction::Write).map_err(|why| {
-            Error::peer(
-                peer,
-                format!("writing {} bytes into its tensor: {why}", from.len()),
-            )
-        })
-    }
-
     /// The rank in the job of local rank `rank`.
     pub(crate) fn rank_of(&self, rank: u32) -> u32 {
         self.ranks.get(rank as usize).copied().unwrap_or(rank)
-    }
-
-    /// Whether local rank `rank`'s process still runs: neither gone nor a
-    /// zombie waiting to be reaped (a dead process copies nothing more).
-    pub(crate) fn alive(&self, rank: u32) -> bool {
-        self.pids
-            .get(rank as usize)
-            .is_some_and(|&pid| process_runs(pid))
     }
 
     /// Local rank `rank`'s process, and its rank in the job.
@@ -178,36 +152,6 @@ impl PeerCopy {
             )),
         }
     }
-}
-
-/// Whether process `pid` exists and has not exited (a zombie has).
-#[cfg(target_os = "linux")]
-fn process_runs(pid: i32) -> bool {
-    // /proc/<pid>/stat: "pid (comm) S ...", the state after the last ')'.
-    match std::fs::read(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .iter()
-            .rposition(|&b| b == b')')
-            .and_then(|at| stat.get(at + 2))
-            .is_some_and(|&state| state != b'Z' && state != b'X'),
-        // No such process (or /proc unreadable: assume it runs, and wait).
-        Err(e) => e.kind() != std::io::ErrorKind::NotFound,
-    }
-}
-
-/// No cross-memory attach, and no copier to wait for.
-#[cfg(not(target_os = "linux"))]
-fn process_runs(_: i32) -> bool {
-    false
-}
-
-/// Which way [`copy`] copies.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Direction {
-    /// From the other process into this one.
-    Read,
-    /// From this process into the other.
-    Write,
 }
 
 /// This process's side of a copy: `len` bytes at `at`.
@@ -225,10 +169,10 @@ fn parse_place(place: &[u8]) -> Option<(i32, u64)> {
     Some((pid.parse().ok()?, at))
 }
 
-/// Copies `local.len` bytes between `local` and address `at` of process
-/// `pid`, in as many calls as the kernel takes.
+/// Copies `local.len` bytes at address `at` of process `pid` into `local`, in
+/// as many calls as the kernel takes.
 #[cfg(target_os = "linux")]
-fn copy(pid: i32, at: u64, local: Local, direction: Direction) -> std::result::Result<(), String> {
+fn read(pid: i32, at: u64, local: Local) -> std::result::Result<(), String> {
     let mut done = 0usize;
     while done < local.len {
         let here = libc::iovec {
@@ -239,25 +183,17 @@ fn copy(pid: i32, at: u64, local: Local, direction: Direction) -> std::result::R
             iov_base: (at + done as u64) as *mut libc::c_void,
             iov_len: local.len - done,
         };
-        let moved = match direction {
-            // SAFETY: `here` lies in `local`, which the caller may write;
-            // `there` is another process's memory, which the kernel checks (a
-            // bad address is an error, never an access of ours).
-            Direction::Read => unsafe { libc::process_vm_readv(pid, &here, 1, &there, 1, 0) },
-            // SAFETY: as above; the caller may read `local`.
-            Direction::Write => unsafe { libc::process_vm_writev(pid, &here, 1, &there, 1, 0) },
-        };
+        // SAFETY: `here` lies in `local`, which the caller may write;
+        // `there` is another process's memory, which the kernel checks (a bad
+        // address is an error, never an access of ours).
+        let moved = unsafe { libc::process_vm_readv(pid, &here, 1, &there, 1, 0) };
         match moved {
             n if n > 0 => done += n.cast_unsigned(),
             0 => return Err(format!("process {pid} moved no bytes at {at:#x}")),
             _ => {
                 let e = std::io::Error::last_os_error();
                 if e.kind() != std::io::ErrorKind::Interrupted {
-                    let call = match direction {
-                        Direction::Read => "process_vm_readv",
-                        Direction::Write => "process_vm_writev",
-                    };
-                    return Err(format!("{call} with process {pid}: {e}"));
+                    return Err(format!("process_vm_readv of process {pid}: {e}"));
                 }
             }
         }
@@ -267,7 +203,7 @@ fn copy(pid: i32, at: u64, local: Local, direction: Direction) -> std::result::R
 
 /// No cross-memory attach: every rank stages.
 #[cfg(not(target_os = "linux"))]
-fn copy(_: i32, _: u64, _: Local, _: Direction) -> std::result::Result<(), String> {
+fn read(_: i32, _: u64, _: Local) -> std::result::Result<(), String> {
     Err("this system has no process_vm_readv".to_owned())
 }
 
@@ -276,23 +212,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reads_and_writes_copy_and_a_bad_address_is_an_error() {
+    fn reads_copy_and_a_bad_address_is_an_error() {
         let peers = PeerCopy::within_this_process(&[6, 7]);
         let source: Vec<u8> = (0..=255).cycle().take(3 << 20).collect();
         let mut copy = vec![0u8; source.len()];
         peers.read(1, source.as_ptr() as u64, &mut copy).unwrap();
         assert!(copy == source, "the read differs from its source");
-        let mut target = vec![0u8; source.len()];
-        // SAFETY: `target` is this test's, untouched during the write.
-        unsafe { peers.write(0, target.as_mut_ptr() as u64, &source) }.unwrap();
-        assert!(target == source, "the write differs from its source");
         let e = peers.read(1, 8, &mut [0u8; 16]).unwrap_err().to_string();
         assert!(e.contains("rank 7"), "{e}");
-        // SAFETY: address 8 is no memory of this process; nothing is written.
-        let e = unsafe { peers.write(0, 8, &[1u8; 16]) }
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("rank 6"), "{e}");
+        let e = peers.read(0, 8, &mut [0u8; 16]).unwrap_err().to_string();
+        assert!(
+            e.contains("rank 6") && e.contains("reading 16 bytes"),
+            "{e}"
+        );
         assert!(
             peers
                 .read(2, source.as_ptr() as u64, &mut [0u8; 1])
@@ -375,30 +307,6 @@ mod tests {
             format!("{pid} {at:#x}").into_bytes(),
         );
         assert_eq!(agree_on(board(Some(forge))), [false, false]);
-    }
-
-    #[test]
-    #[cfg(target_os = "linux")]
-    fn a_process_runs_until_it_exits_and_a_zombie_does_not() {
-        assert!(process_runs(std::process::id().cast_signed()));
-        let mut child = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .expect("spawning sleep");
-        let pid = i32::try_from(child.id()).unwrap();
-        assert!(process_runs(pid), "a sleeping child runs");
-        child.kill().unwrap();
-        // Killed, not yet reaped: a zombie, which copies nothing more.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while process_runs(pid) {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the killed child still runs"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        child.wait().unwrap();
-        assert!(!process_runs(pid), "a reaped child is gone");
     }
 
     #[test]

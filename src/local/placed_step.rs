@@ -287,8 +287,8 @@ impl<D: DeviceReach> LocalStep<D::Memory> for PlacedStep<D> {
         LocalStep::<Host>::laggards(&self.shm, buffer, number)
     }
 
-    fn release_tensors(&self) -> bool {
-        LocalStep::<Host>::release_tensors(&self.shm)
+    fn close_tensors(&self) {
+        LocalStep::<Host>::close_tensors(&self.shm);
     }
 
     fn gathered(&self, buffer: u32, _number: u64) -> Result<()> {

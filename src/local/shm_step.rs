@@ -32,10 +32,9 @@
 //!
 //! A broadcast in a job of one machine, where the ranks may copy between each
 //! other's memory ([`PeerCopy`]), skips the staging: at step 1 every rank
-//! publishes where the slice lies in its tensor; at step 2 each copies its
-//! part of the slice, the root writing its part into every other rank's
-//! tensor, the others reading the rest from the root's; steps 3 and 4 copy
-//! nothing, and every rank is done once every part has been copied.
+//! publishes where the slice lies in its tensor; at step 2 every other rank
+//! reads the slice from the root's tensor into its own; steps 3 and 4 copy
+//! nothing, and every rank is done once every other has read.
 //!
 //! Publishing rings every other local rank's doorbell (a futex in the segment), so
 //! a progress thread with nothing to do sleeps instead of spinning: oversubscribed
@@ -49,7 +48,7 @@ use fairring_core::plan::Slice;
 use fairring_core::reduce::finish_avg_bytes;
 
 use super::protocol::{Counter, Counters, Protocol};
-use super::tensor_copies::{self, CopyWords, MAX_COPIERS};
+use super::tensor_copies::{self, CopyWords, MAX_READERS};
 use super::{LocalSlice, LocalStep, PeerCopy};
 use crate::error::{Error, Result};
 use crate::memory::{Host, HostTensor, reduce_into};
@@ -64,33 +63,19 @@ const CHUNK_BYTES: usize = 64 * 1024;
 /// broadcast copied between tensors puts or finds the slice.
 const ADDRESS_BYTES: usize = 8;
 
-/// Part `rank` of `len` bytes cut into `ranks` parts of whole pages (the
-/// last shorter, some empty where `len` is small).
-fn part_of(len: usize, ranks: u32, rank: u32) -> Range<usize> {
-    let each = len
-        .div_ceil(ranks.max(1) as usize)
-        .next_multiple_of(PAGE_BYTES);
-    let start = (each * rank as usize).min(len);
-    start..(start + each).min(len)
-}
-
 /// The smallest broadcast slice copied between tensors: below it a system
-/// call per part costs more than the staged copies through the segment (1x2
+/// call costs more than the staged copies through the segment (1x2
 /// ping-pong on 2 cores: 16 KiB 3.3 against 3.4 GB/s staged, 64 KiB 7.0
 /// against 6.6).
 pub(crate) const COPY_BETWEEN_TENSORS_FROM: usize = 64 << 10;
-
-/// Bytes of a page: the parts of a broadcast copied between tensors start on
-/// one, as the kernel copies page by page.
-const PAGE_BYTES: usize = 4096;
 
 /// The local step of processes that share host memory.
 pub(crate) struct ShmStep {
     pub(crate) segment: Arc<Segment>,
     pub(crate) protocol: Protocol,
     pub(crate) size: u32,
-    /// Where every local rank may copy to and from every other's memory: a
-    /// broadcast goes from its root's tensor into the others', unstaged.
+    /// Where every local rank may read every other's memory: a broadcast
+    /// goes from its root's tensor into the others', unstaged.
     pub(crate) peer_copy: Option<PeerCopy>,
     /// The smallest broadcast slice copied between tensors.
     pub(crate) copy_from: usize,
@@ -118,7 +103,7 @@ impl ShmStep {
         from_bytes: usize,
     ) -> ShmStep {
         // One bit per local rank in a tensor-copy word.
-        let peer_copy = peer_copy.filter(|_| self.size <= MAX_COPIERS);
+        let peer_copy = peer_copy.filter(|_| self.size <= MAX_READERS);
         ShmStep {
             peer_copy,
             copy_from: from_bytes,
@@ -126,16 +111,16 @@ impl ShmStep {
         }
     }
 
-    /// Runs `copy`, this rank's copy to or from local rank `owner`'s tensor,
-    /// unless `owner` failed and closed its tensors to copies (see
+    /// Runs `read`, this rank's read of local rank `owner`'s tensor, unless
+    /// `owner` failed and closed its tensors to reads before it was over (see
     /// [`tensor_copies`](super::tensor_copies)): an error naming it then.
-    fn copy_with<T>(
+    fn read_with<T>(
         &self,
         owner: u32,
         peers: &PeerCopy,
-        copy: impl FnOnce() -> Result<T>,
+        read: impl FnOnce() -> Result<T>,
     ) -> Result<T> {
-        tensor_copies::copy_with(&*self.segment, self.rank(), owner, copy).unwrap_or_else(|| {
+        tensor_copies::read_with(&*self.segment, self.rank(), owner, read).unwrap_or_else(|| {
             Err(Error::peer(
                 peers.rank_of(owner),
                 "failed, and no longer lets its machine's ranks copy its tensors",
@@ -151,51 +136,24 @@ impl ShmStep {
     }
 
     /// This rank's part of broadcast slice `s` from local rank `root`, once
-    /// every rank has published where the slice lies in its tensor: the
-    /// slice is cut into one part per local rank, and each rank copies its
-    /// own, the root writing its part into every other rank's tensor, every
-    /// other rank reading the rest of the slice from the root's. Each rank's
-    /// tensor stays as it is until every rank has copied (a rank completes
-    /// the slice only once every other has published its slot).
+    /// every rank has published where the slice lies in its tensor: every
+    /// rank but the root reads the slice from the root's tensor into its own.
+    /// The root's tensor stays as it is until every rank has read (a rank
+    /// completes the slice only once every other has published its slot).
     fn copy_broadcast(&self, s: &LocalSlice<'_, Host>, root: u32, peers: &PeerCopy) -> Result<()> {
-        let len = slice_range(s.slice)?.len();
-        let part = part_of(len, self.size, root);
-        let at = |rank| -> Result<u64> {
-            let mut word = [0u8; ADDRESS_BYTES];
-            word.copy_from_slice(self.peer_bytes(rank, s.buffer, 0..ADDRESS_BYTES)?);
-            Ok(u64::from_ne_bytes(word))
-        };
         if root == self.rank() {
-            // SAFETY: as in `begin`.
-            let mine = unsafe { tensor_bytes(s.tensor, s.slice, part.clone())? };
-            for r in (0..self.size).filter(|&r| r != root) {
-                let there = at(r)? + part.start as u64;
-                // Rank `r` published this slice of its tensor and does not
-                // touch it until the root has published its slot, after this
-                // write; nor does its caller if it fails meanwhile: its engine
-                // closes its tensors to copies and waits for this one before
-                // it declares the operation finished (`copy_with`).
-                self.copy_with(r, peers, || {
-                    // SAFETY: as said above.
-                    unsafe { peers.write(r, there, mine) }
-                })?;
-            }
             return Ok(());
         }
-        let from = at(root)?;
-        for rest in [0..part.start, part.end..len] {
-            if rest.is_empty() {
-                continue;
-            }
-            let there = from + rest.start as u64;
-            // SAFETY: as in `begin`.
-            let out = unsafe { tensor_bytes(s.tensor, s.slice, rest)? };
-            // The root's tensor stays as it is until this rank publishes its
-            // slot, after the read, or if the root fails, until the read is
-            // over (`copy_with`).
-            self.copy_with(root, peers, || peers.read(root, there, out))?;
-        }
-        Ok(())
+        let len = slice_range(s.slice)?.len();
+        let mut word = [0u8; ADDRESS_BYTES];
+        word.copy_from_slice(self.peer_bytes(root, s.buffer, 0..ADDRESS_BYTES)?);
+        let from = u64::from_ne_bytes(word);
+        // SAFETY: as in `begin`.
+        let out = unsafe { tensor_bytes(s.tensor, s.slice, 0..len)? };
+        // The root's tensor stays as it is until this rank publishes its
+        // slot, after the read; if the root fails first, the read is thrown
+        // away (`read_with`).
+        self.read_with(root, peers, || peers.read(root, from, out))
     }
 
     pub(super) fn rank(&self) -> u32 {
@@ -320,10 +278,6 @@ impl CopyWords for Segment {
 
     fn fetch_and(&self, owner: u32, bits: u64, order: Ordering) -> u64 {
         self.tensor_copies(owner).fetch_and(bits, order)
-    }
-
-    fn wake(&self, owner: u32) {
-        self.doorbell(owner).ring();
     }
 }
 
@@ -450,15 +404,10 @@ impl LocalStep<Host> for ShmStep {
         self.protocol.finish(&*self.segment, buffer, number);
     }
 
-    fn release_tensors(&self) -> bool {
-        let Some(peers) = &self.peer_copy else {
-            return true;
-        };
-        let copying = tensor_copies::close(&*self.segment, self.rank());
-        // A process that is gone copies no more.
-        (0..self.size)
-            .filter(|&r| copying & (1u64 << r) != 0)
-            .all(|r| !peers.alive(r))
+    fn close_tensors(&self) {
+        if self.peer_copy.is_some() {
+            tensor_copies::close(&*self.segment, self.rank());
+        }
     }
 
     fn laggards(&self, buffer: u32, number: u64) -> Vec<u32> {

@@ -1,42 +1,45 @@
-//! The handshake that keeps a local rank's copies between tensors out of a
-//! failed rank's memory.
+//! The handshake that keeps a local rank's reads of another's tensor from
+//! completing with bytes its owner's caller wrote after a failure.
 //!
-//! Where the machine's ranks copy between each other's tensors
-//! ([`PeerCopy`](super::PeerCopy)), one process reads or writes memory that
-//! another process's caller owns. On success the step's counters order every
-//! copy before the owner's operation finishes. A failing engine, though,
-//! declares its operations finished without waiting for its peers, and its
-//! caller may then free or reuse the tensor: a peer still copying into it
-//! would corrupt that process's memory, and one still reading it would
-//! complete with whatever the caller wrote since.
+//! Where the machine's ranks read each other's tensors
+//! ([`PeerCopy`](super::PeerCopy)), one process reads memory that another
+//! process's caller owns. On success the step's counters order every read
+//! before the owner's operation finishes. A failing engine, though, declares
+//! its operations finished without waiting for its peers, and its caller may
+//! then reuse the tensor: a peer still reading it would complete with
+//! whatever the caller wrote since.
 //!
 //! So every rank has one word ([`Segment::tensor_copies`](crate::shm::Segment)):
-//! a bit per local rank copying to or from its tensors, and a closed bit.
+//! a closed bit, and a bit per local rank reading its tensors.
 //!
-//! - A copier sets its bit in the owner's word and copies only if the value it
-//!   replaced was not closed; it clears its bit once the copy is over (also
-//!   when the copy fails or panics) and wakes the owner.
-//! - A failed owner sets the closed bit, then declares its operations finished
-//!   only once no live copier's bit is set ([`close`], again until none is).
+//! - A reader sets its bit, and reads only if the word was not closed; it
+//!   clears its bit once the read is over (`Release`), and keeps what it read
+//!   only if the word was still not closed then.
+//! - A failing owner sets the closed bit (`Acquire`) and declares its
+//!   operations finished at once: it waits for no reader.
 //!
-//! Both sides are read-modify-writes of one word, so they are ordered in its
-//! modification order: either the copier's `fetch_or` comes first, and the
-//! owner's sees its bit and waits for the `Release` clear (which its next
-//! `close`, reading it, orders before anything the caller does next), or the
-//! owner's comes first, and the copier sees it closed and copies nothing.
-//! The loom models (`loom_models.rs`) run these functions over loom's atomics.
+//! Every change of the word is a read-modify-write, so a reader's clear and
+//! the owner's close are ordered in its modification order. If the clear
+//! comes first, the close reads a value in the release sequence the clear
+//! heads, so the read happens before the close, and before anything the
+//! owner's caller does next. If the close comes first, the reader sees it and
+//! throws the read away: its operation fails, naming the owner. So a reader
+//! stopped in the middle of a read (a process stopped by a signal, a debugger)
+//! holds its owner up for no time at all, and never completes with torn bytes
+//! when it resumes. No rank ever writes into another's memory, which could
+//! not be undone this way.
 //!
-//! A copier that dies with its bit set copies no more: the owner skips the
-//! bits of processes that are gone (the step checks their liveness).
+//! The loom models (`loom_models.rs`) run these functions over loom's
+//! atomics.
 
 use crate::sync::unmodelled::Ordering;
 
 /// The closed bit of a tensor-copy word.
 pub(crate) const CLOSED: u64 = 1 << 63;
 
-/// Local ranks a machine may have for its ranks to copy between tensors: one
-/// bit of the word each.
-pub(crate) const MAX_COPIERS: u32 = 63;
+/// Local ranks a machine may have for its ranks to read each other's
+/// tensors: one bit of the word each.
+pub(crate) const MAX_READERS: u32 = 63;
 
 /// Where the tensor-copy words of a machine's local ranks are.
 pub(crate) trait CopyWords {
@@ -44,35 +47,45 @@ pub(crate) trait CopyWords {
     fn fetch_or(&self, owner: u32, bits: u64, order: Ordering) -> u64;
     /// `fetch_and` on local rank `owner`'s word.
     fn fetch_and(&self, owner: u32, bits: u64, order: Ordering) -> u64;
-    /// Wakes local rank `owner` (rings its doorbell).
-    fn wake(&self, owner: u32);
 }
 
-/// Runs `copy`, a copy by local rank `me` to or from a tensor of local rank
-/// `owner`, unless `owner` has closed its tensors: `None` then, and nothing
-/// ran.
-pub(crate) fn copy_with<W: CopyWords, T>(
+/// Runs `read`, a read by local rank `me` of a tensor of local rank `owner`,
+/// and returns what it returned, unless `owner` has closed its tensors: `None`
+/// then, and either nothing ran or what ran is to be thrown away (it may have
+/// read bytes the owner's caller wrote after the close).
+pub(crate) fn read_with<W: CopyWords, T>(
     words: &W,
     me: u32,
     owner: u32,
-    copy: impl FnOnce() -> T,
+    read: impl FnOnce() -> T,
 ) -> Option<T> {
-    debug_assert!(me < MAX_COPIERS, "local rank {me} has no copier bit");
+    debug_assert!(me < MAX_READERS, "local rank {me} has no reader bit");
     let bit = 1u64 << me;
-    // Acquire: the owner's tensor, as published, is what the copy touches.
-    let before = words.fetch_or(owner, bit, Ordering::AcqRel);
-    /// Clears the copier's bit however the copy ends.
+    // Acquire: the owner's tensor, as published, is what the read sees.
+    let before = words.fetch_or(owner, bit, Ordering::Acquire);
+    /// Clears the reader's bit however the read ends; says whether the
+    /// owner had closed its tensors by then.
     struct Leave<'a, W: CopyWords> {
         words: &'a W,
         owner: u32,
         bit: u64,
     }
+    impl<W: CopyWords> Leave<'_, W> {
+        fn closed(self) -> bool {
+            let me = std::mem::ManuallyDrop::new(self);
+            me.clear() & CLOSED != 0
+        }
+
+        fn clear(&self) -> u64 {
+            // Release: the read is over before an owner that closes later
+            // reads this value (or a later one of its release sequence).
+            self.words
+                .fetch_and(self.owner, !self.bit, Ordering::Release)
+        }
+    }
     impl<W: CopyWords> Drop for Leave<'_, W> {
         fn drop(&mut self) {
-            // Release: the copy is over before the owner sees the bit clear.
-            self.words
-                .fetch_and(self.owner, !self.bit, Ordering::Release);
-            self.words.wake(self.owner);
+            self.clear();
         }
     }
     let leave = Leave { words, owner, bit };
@@ -80,18 +93,19 @@ pub(crate) fn copy_with<W: CopyWords, T>(
         drop(leave);
         return None;
     }
-    let out = copy();
-    drop(leave);
+    let out = read();
+    if leave.closed() {
+        return None;
+    }
     Some(out)
 }
 
-/// Closes local rank `me`'s tensors to copies (its engine failed), if they
-/// are not yet, and returns the local ranks still copying, as a mask of bits:
-/// the owner calls it until that is empty (or holds only processes that are
-/// gone).
-pub(crate) fn close<W: CopyWords>(words: &W, me: u32) -> u64 {
-    // AcqRel: a copier whose bit this reads set is waited for; one that comes
-    // later sees the closed bit. Reading a copier's Release clear orders its
-    // copy before whatever the owner's caller does next.
-    words.fetch_or(me, CLOSED, Ordering::AcqRel) & !CLOSED
+/// Closes local rank `me`'s tensors to reads (its engine failed): a read
+/// that starts later reads nothing, and one still running throws what it
+/// read away. Reads that ended before are ordered before this call.
+pub(crate) fn close<W: CopyWords>(words: &W, me: u32) {
+    // Acquire: a reader's clear that this reads (or precedes in the word's
+    // modification order) orders its read before whatever the owner's caller
+    // does next.
+    words.fetch_or(me, CLOSED, Ordering::Acquire);
 }

@@ -257,23 +257,23 @@ impl Segment {
         unsafe { &*self.base.as_ptr().wrapping_add(off).cast::<AtomicU64>() }
     }
 
-    /// Local rank `rank`'s tensor-copy word: who copies to or from that
-    /// rank's tensors between processes (`process_vm_readv`,
-    /// `process_vm_writev`; see the shared-memory step's copies between
-    /// tensors), and whether the rank still allows it.
+    /// Local rank `rank`'s tensor-copy word: who reads that rank's tensors
+    /// from another process (`process_vm_readv`; see the shared-memory
+    /// step's copies between tensors), and whether the rank still allows it.
     ///
     /// ```text
-    /// bit 63     closed: the rank's engine failed; no new copy may start
-    /// bit p      local rank p (below 63) is copying, or about to
+    /// bit 63     closed: the rank's engine failed; no read may start, and
+    ///            one still running throws its bytes away
+    /// bit p      local rank p (below 63) is reading, or about to
     /// ```
     ///
-    /// A copier sets its bit, and copies only if the word it replaced was
-    /// not closed; it clears its bit when the copy is over. The owner, once
-    /// its engine failed, sets the closed bit and declares its operations
-    /// finished only once no live copier's bit is set. Both are
-    /// read-modify-writes of one word, so one of them comes first in its
-    /// modification order: either the copier sees the word closed and copies
-    /// nothing, or the owner sees the copier's bit and waits for it to clear.
+    /// A reader sets its bit, reads only if the word it replaced was not
+    /// closed, clears its bit when the read is over and keeps the bytes only
+    /// if the word it replaced then was still not closed. The owner, once its
+    /// engine failed, sets the closed bit and waits for nobody. All are
+    /// read-modify-writes of one word, so either the reader's clear comes
+    /// first in its modification order (and its read before the close) or
+    /// the reader sees the word closed (see `local/tensor_copies.rs`).
     pub(crate) fn tensor_copies(&self, rank: u32) -> &AtomicU64 {
         let off = self.control_of(rank) + 2 * LINE;
         // SAFETY: in bounds (the layout reserved the line), 64-byte aligned,
