@@ -5,14 +5,19 @@
 //!                      [--min-bytes N] [--max-bytes N] [--factor F]
 //!                      [--algo all|NAME,NAME,...] [--tensors N] [--servers K]
 //!                      [--slice-bytes N] [--min-shard N] [--budget N] [--original]
-//!                      [--json PATH] [--plot PATH] [--plot-gpus N] [--plot-bytes N]
+//!                      [--breakdown] [--json PATH] [--plot PATH] [--plot-gpus N]
+//!                      [--plot-bytes N]
 //! fairring-bench model --calibrate BENCH.json [--calibrate-algo NAME] [--preset NAME]
 //! ```
 //!
 //! Predicts every algorithm on every GPU count (`M = N / D` machines) and size, and
 //! prints one row each: predicted time, algbw, busbw, and for fairring's
 //! algorithms the plan's shards per full slice (`k`), staging buffers and messages
-//! the busiest rail sends. `--plot PATH` writes `PATH-size` (busbw against size at
+//! the busiest rail sends. `--breakdown` adds where the time of fairring's
+//! busiest machine went: busbw as a share of its NICs' rate (the bound between
+//! machines), then the share of the time each of its resources was busy: the
+//! rail's send side, the part of it that is the messages' alpha, the receive
+//! side, the GPU reducing, NVLink. `--plot PATH` writes `PATH-size` (busbw against size at
 //! `--plot-gpus`, default the largest count) and `PATH-gpus` (busbw against GPUs
 //! at `--plot-bytes`, default the largest size), each as SVG and PNG.
 
@@ -43,6 +48,7 @@ struct Options {
     slice_bytes: u64,
     min_shard: u64,
     budget: u64,
+    breakdown: bool,
     json: Option<String>,
     plot: Option<String>,
     plot_gpus: Option<u64>,
@@ -57,7 +63,8 @@ fn usage(error: &str) -> ! {
         "usage: fairring-bench model [--preset NAME] [--presets FILE] [--gpus N,N,...] \
          [--devices D] [--min-bytes N] [--max-bytes N] [--factor F] [--algo all|NAME,...] \
          [--tensors N] [--servers K] [--slice-bytes N] [--min-shard N] [--budget N] \
-         [--original] [--json PATH] [--plot PATH] [--plot-gpus N] [--plot-bytes N]\n       \
+         [--original] [--breakdown] [--json PATH] [--plot PATH] [--plot-gpus N] \
+         [--plot-bytes N]\n       \
          fairring-bench model --calibrate BENCH.json [--calibrate-algo NAME] [--preset NAME]\n\
          algorithms: {}",
         Algo::ALL.map(Algo::name).join(", ")
@@ -80,6 +87,7 @@ fn parse(args: &[String]) -> Options {
         slice_bytes: PlanConfig::DEFAULT_SLICE_BYTES,
         min_shard: PlanConfig::DEFAULT_MIN_SHARD_BYTES,
         budget: 50 << 20,
+        breakdown: false,
         json: None,
         plot: None,
         plot_gpus: None,
@@ -130,6 +138,7 @@ fn parse(args: &[String]) -> Options {
                 o.slice_bytes = PlanConfig::DEFAULT_SLICE_BYTES;
                 o.min_shard = PlanConfig::MIN_SHARD_FLOOR;
             }
+            "--breakdown" => o.breakdown = true,
             "--json" => o.json = Some(value()),
             "--plot" => o.plot = Some(value()),
             "--plot-gpus" => o.plot_gpus = Some(number(&value(), flag)),
@@ -201,10 +210,17 @@ fn run(o: &Options) -> Result<(), String> {
          {} bytes of staging per GPU, {} tensor(s) at once",
         o.slice_bytes, o.min_shard, o.budget, o.tensors
     );
-    println!(
+    print!(
         "{:>6} {:>5} {:>12} {:>13} {:>12} {:>9} {:>9} {:>5} {:>4} {:>9}",
         "gpus", "M", "size(B)", "algo", "time(us)", "algbw", "busbw", "k", "bufs", "msgs"
     );
+    if o.breakdown {
+        print!(
+            " {:>5} {:>5} {:>6} {:>5} {:>5} {:>5}",
+            "%nic", "send%", "alpha%", "recv%", "gpu%", "nvl%"
+        );
+    }
+    println!();
     let mut rows = Vec::new();
     for &gpus in &o.gpus {
         if gpus % u64::from(devices) != 0 {
@@ -233,7 +249,7 @@ fn run(o: &Options) -> Result<(), String> {
                     }
                     Err(e) => return Err(format!("{gpus} GPUs, {size} bytes, {algo}: {e}")),
                 };
-                print_row(gpus, &job, &prediction);
+                print_row(gpus, &job, &prediction, o.breakdown.then_some(&hw));
                 rows.push(Row {
                     gpus,
                     job,
@@ -255,7 +271,9 @@ fn run(o: &Options) -> Result<(), String> {
     Ok(())
 }
 
-fn print_row(gpus: u64, job: &Job, p: &Prediction) {
+/// One row of the table; with `breakdown`, where the time went (see the
+/// module docs).
+fn print_row(gpus: u64, job: &Job, p: &Prediction, breakdown: Option<&Hardware>) {
     let (k, buffers, messages) = match p.traffic {
         Some(t) => (
             t.shards_per_full_slice.to_string(),
@@ -264,7 +282,7 @@ fn print_row(gpus: u64, job: &Job, p: &Prediction) {
         ),
         None => ("-".into(), "-".into(), "-".into()),
     };
-    println!(
+    print!(
         "{:>6} {:>5} {:>12} {:>13} {:>12.1} {:>9.2} {:>9.2} {:>5} {:>4} {:>9}",
         gpus,
         job.machines,
@@ -277,6 +295,29 @@ fn print_row(gpus: u64, job: &Job, p: &Prediction) {
         buffers,
         messages
     );
+    if let Some(hw) = breakdown {
+        let nic = if job.machines > 1 {
+            format!("{:.0}", 100.0 * p.busbw_gbps / hw.machine_nic_gbps())
+        } else {
+            "-".into()
+        };
+        print!(" {nic:>5}");
+        match p.busy {
+            Some(b) => {
+                let share = |busy: f64| 100.0 * busy / p.seconds;
+                print!(
+                    " {:>5.0} {:>6.0} {:>5.0} {:>5.0} {:>5.0}",
+                    share(b.send),
+                    share(b.send_alpha),
+                    share(b.receive),
+                    share(b.gpu),
+                    share(b.nvlink)
+                );
+            }
+            None => print!(" {:>5} {:>6} {:>5} {:>5} {:>5}", "-", "-", "-", "-", "-"),
+        }
+    }
+    println!();
 }
 
 fn write_json(path: &str, hw: &Hardware, rows: &[Row]) -> std::io::Result<()> {
@@ -299,6 +340,13 @@ fn write_json(path: &str, hw: &Hardware, rows: &[Row]) -> std::io::Result<()> {
                 "staging_buffers": t.map(|t| t.staging_buffers),
                 "messages_sent": t.map(|t| t.messages_sent),
                 "bytes_sent": t.map(|t| t.bytes_sent),
+                "busy_seconds": r.prediction.busy.map(|b| serde_json::json!({
+                    "send": b.send,
+                    "send_alpha": b.send_alpha,
+                    "receive": b.receive,
+                    "gpu": b.gpu,
+                    "nvlink": b.nvlink,
+                })),
             })
         })
         .collect();

@@ -136,6 +136,59 @@ fn nccl_latency_terms_count_hops() {
     assert!((tree.seconds - (2.0 * 4.0 * 10e-6 + 2.0 * 7.0 * 1e-6)).abs() < 1e-12);
 }
 
+/// The breakdown of where the busiest machine's time went agrees with what
+/// its rail carried: the send side was busy for the alpha of every message
+/// it sent plus its bytes at the rail's rate, the receive side for the bytes
+/// it received, and no resource was busy for longer than the prediction.
+#[test]
+fn the_busy_time_of_each_resource_is_its_traffic_and_within_the_time() {
+    for hw in presets() {
+        for (m, d) in [(1, 8), (2, 1), (4, 8), (32, 8), (256, 8)] {
+            for bytes in [MIB, 256 * MIB] {
+                for algo in [Algo::Hierarchical, Algo::Servers] {
+                    let job = Job::new(m, d, bytes);
+                    let p = predict(&hw, &job, algo).unwrap();
+                    let (t, b) = (p.traffic.unwrap(), p.busy.unwrap());
+                    let what = format!("{} {algo} {m}x{d} {bytes}", hw.name);
+                    let rail = hw.rail(d);
+                    let alpha = t.messages_sent as f64 * rail.latency_us * 1e-6;
+                    let close =
+                        |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()) + 1e-15;
+                    assert!(
+                        close(b.send_alpha, alpha),
+                        "{what}: alpha {} against {alpha}",
+                        b.send_alpha
+                    );
+                    let send = alpha + t.bytes_sent as f64 / (rail.gbps * 1e9);
+                    assert!(
+                        close(b.send, send),
+                        "{what}: send busy {} against {send}",
+                        b.send
+                    );
+                    let receive = t.bytes_received as f64 / (rail.gbps * 1e9);
+                    assert!(
+                        close(b.receive, receive),
+                        "{what}: receive busy {} against {receive}",
+                        b.receive
+                    );
+                    for (name, busy) in [
+                        ("send", b.send),
+                        ("receive", b.receive),
+                        ("gpu", b.gpu),
+                        ("nvlink", b.nvlink),
+                    ] {
+                        assert!(
+                            busy >= 0.0 && busy <= p.seconds * (1.0 + 1e-9),
+                            "{what}: {name} busy {busy} s of {} s",
+                            p.seconds
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn no_schedule_beats_the_bytes_on_the_busiest_rail_or_on_nvlink() {
     for hw in presets() {

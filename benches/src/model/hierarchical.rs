@@ -31,7 +31,7 @@ use fairring_core::topology::{Location, RankLayout, Topology};
 
 use super::stages::{self, Buffers, Stages, f};
 use super::timeline::{Timeline, TopTwo};
-use super::{Algo, Hardware, Job, Link, ModelError, Prediction, Traffic};
+use super::{Algo, Busy, Hardware, Job, Link, ModelError, Prediction, Traffic};
 
 /// One machine's resources (rail 0 stands for every rail) and what it did.
 #[derive(Clone, Debug, Default)]
@@ -86,7 +86,20 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
         bytes_sent: busiest.bytes_sent,
         bytes_received: busiest.bytes_received,
     };
-    Ok(Prediction::new(Algo::Hierarchical, job, end, Some(traffic)))
+    let busy = Busy {
+        send: busiest.send.busy(),
+        send_alpha: f(busiest.messages_sent) * costs.rail.latency_us * 1e-6,
+        receive: busiest.receive.busy(),
+        gpu: busiest.gpu.busy(),
+        nvlink: busiest.nvlink.busy(),
+    };
+    Ok(Prediction::with_busy(
+        Algo::Hierarchical,
+        job,
+        end,
+        Some(traffic),
+        Some(busy),
+    ))
 }
 
 /// What a slice's stages cost on this job.

@@ -196,6 +196,25 @@ pub struct Traffic {
     pub bytes_received: u64,
 }
 
+/// Where the time of fairring's busiest machine went: seconds each of its
+/// resources (rail 0 standing for every rail) was busy, over the whole
+/// prediction. Set against [`Prediction::seconds`] they say which resource
+/// bounds the schedule and how much of the time the others idle.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Busy {
+    /// The rail's send side, alpha included.
+    pub send: f64,
+    /// The part of `send` that is the alpha of its messages (messages times
+    /// the link's latency), not bytes moving.
+    pub send_alpha: f64,
+    /// The rail's receive side.
+    pub receive: f64,
+    /// The GPU reducing (0 where servers reduce).
+    pub gpu: f64,
+    /// NVLink (or the copies to and from staging where `D = 1`).
+    pub nvlink: f64,
+}
+
 /// One prediction.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Prediction {
@@ -209,10 +228,22 @@ pub struct Prediction {
     pub busbw_gbps: f64,
     /// fairring's plan at work (fairring's algorithms only).
     pub traffic: Option<Traffic>,
+    /// Where the busiest machine's time went (fairring's algorithms only).
+    pub busy: Option<Busy>,
 }
 
 impl Prediction {
     fn new(algo: Algo, job: &Job, seconds: f64, traffic: Option<Traffic>) -> Prediction {
+        Prediction::with_busy(algo, job, seconds, traffic, None)
+    }
+
+    fn with_busy(
+        algo: Algo,
+        job: &Job,
+        seconds: f64,
+        traffic: Option<Traffic>,
+        busy: Option<Busy>,
+    ) -> Prediction {
         #[expect(clippy::cast_precision_loss, reason = "byte counts far below 2^52")]
         let algbw = job.total_bytes() as f64 / seconds / 1e9;
         #[expect(clippy::cast_precision_loss, reason = "GPU counts far below 2^52")]
@@ -228,6 +259,7 @@ impl Prediction {
             algbw_gbps: algbw,
             busbw_gbps: busbw,
             traffic,
+            busy,
         }
     }
 }

@@ -25,7 +25,7 @@ use fairring_core::topology::{RankLayout, Topology};
 
 use super::stages::{self, Buffers, Stages, f};
 use super::timeline::Timeline;
-use super::{Algo, Hardware, Job, ModelError, Prediction, Traffic};
+use super::{Algo, Busy, Hardware, Job, ModelError, Prediction, Traffic};
 
 /// Passes over a server's memory per contribution byte (see the module docs).
 pub const SERVER_PASSES: f64 = 5.0;
@@ -105,10 +105,19 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
             .max(last_returned + server_link.latency_us * 1e-6);
         worker_buffers.release(nvlink.run(results_in, stages.intra(slice_bytes)));
     }
-    Ok(Prediction::new(
+    // Every worker machine does the same: rail 0 of any of them.
+    let busy = Busy {
+        send: send.busy(),
+        send_alpha: f(traffic.messages_sent) * rail.latency_us * 1e-6,
+        receive: receive.busy(),
+        gpu: 0.0,
+        nvlink: nvlink.busy(),
+    };
+    Ok(Prediction::with_busy(
         Algo::Servers,
         job,
         worker_buffers.finished(),
         Some(traffic),
+        Some(busy),
     ))
 }

@@ -11,6 +11,8 @@
 pub(super) struct Timeline {
     /// Disjoint busy intervals, by start.
     busy: Vec<(f64, f64)>,
+    /// Seconds of every task run so far.
+    total: f64,
 }
 
 /// Intervals kept before the oldest are merged into one (losing the gaps between
@@ -34,6 +36,7 @@ impl Timeline {
             start = start.max(e);
         }
         let end = start + seconds;
+        self.total += seconds;
         if seconds > 0.0 {
             self.busy.insert(at, (start, end));
         }
@@ -44,6 +47,11 @@ impl Timeline {
             self.busy.insert(0, (first, end_of_half));
         }
         end
+    }
+
+    /// Seconds the resource has been busy, over every task run so far.
+    pub(super) fn busy(&self) -> f64 {
+        self.total
     }
 }
 
