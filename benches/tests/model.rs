@@ -189,6 +189,48 @@ fn the_busy_time_of_each_resource_is_its_traffic_and_within_the_time() {
     }
 }
 
+/// On one machine of several GPUs the engine's local step runs each slice as
+/// one NCCL all-reduce in the tensor, one after the other: the prediction is
+/// the submission, then per slice NCCL's launch, its `2(D-1)` NVLink hops, its
+/// `2(D-1)/D` of the slice's bytes at NVLink's rate and the hand-off.
+#[test]
+fn one_machine_runs_a_slice_as_one_nccl_all_reduce() {
+    for hw in presets() {
+        for d in [2, 8] {
+            for bytes in [MIB, 256 * MIB, 1 << 30] {
+                let job = Job::new(1, d, bytes);
+                let p = predict(&hw, &job, Algo::Hierarchical).unwrap();
+                let geometry = Geometry::new(
+                    Topology::new(1, d, RankLayout::Contiguous).unwrap(),
+                    job.slicing,
+                )
+                .unwrap();
+                let plan = Plan::new(&geometry, job.dtype, job.elements(), 0).unwrap();
+                let dd = f64::from(d);
+                let s = &hw.software;
+                let expected = s.fairring_op_us * 1e-6
+                    + plan
+                        .slices()
+                        .map(|slice| {
+                            (s.nccl_op_us
+                                + 2.0 * (dd - 1.0) * hw.nvlink.latency_us
+                                + s.fairring_step_us)
+                                * 1e-6
+                                + 2.0 * (dd - 1.0) / dd * slice.span().byte_len() as f64
+                                    / (hw.nvlink.gbps * 1e9)
+                        })
+                        .sum::<f64>();
+                assert!(
+                    (p.seconds - expected).abs() <= 1e-9 * expected,
+                    "{} 1x{d} {bytes}: {} s against {expected} s",
+                    hw.name,
+                    p.seconds
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn no_schedule_beats_the_bytes_on_the_busiest_rail_or_on_nvlink() {
     for hw in presets() {

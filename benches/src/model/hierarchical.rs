@@ -16,6 +16,10 @@
 //! 6. **results in** from every other server of the slice, on the receive side;
 //! 7. **all-gather** within the machine, on NVLink.
 //!
+//! A job of one machine of several GPUs does none of this: each slice is one
+//! NCCL all-reduce in the tensor over NVLink, as the engine's local step runs
+//! it when its result is final.
+//!
 //! Every stage holds its resource (a timeline of busy intervals) while it runs, so the stages of
 //! different slices overlap exactly as far as the resources and the staging
 //! buffers allow: a slice takes a machine's buffer when the slice `buffers` before
@@ -54,6 +58,7 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     let costs = Costs {
         stages: Stages::new(hw, job),
         rail: hw.rail(job.devices),
+        alone: job.machines == 1 && job.devices > 1,
     };
     let machine = Machine {
         buffers: Buffers::new(buffers),
@@ -106,6 +111,8 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
 struct Costs {
     stages: Stages,
     rail: Link,
+    /// One machine of several GPUs: a slice is one NCCL all-reduce.
+    alone: bool,
 }
 
 /// Per-slice times of each machine, reused from slice to slice.
@@ -158,7 +165,12 @@ impl Pipeline<'_> {
         for (m, machine) in self.machines.iter_mut().enumerate() {
             let ready = machine.buffers.take(submitted);
             s.ready[m] = ready;
-            s.scattered[m] = machine.nvlink.run(ready, costs.stages.intra(slice_bytes));
+            let local = if costs.alone {
+                costs.stages.intra_all_reduce(slice_bytes)
+            } else {
+                costs.stages.intra(slice_bytes)
+            };
+            s.scattered[m] = machine.nvlink.run(ready, local);
             let sends = u64::from(s.role[m].contributions_to_send);
             let bytes = slot_bytes - s.cell[m];
             s.sent[m] = if sends > 0 {
@@ -229,7 +241,12 @@ impl Pipeline<'_> {
                     .max(paced)
                     .max(last_returned.max_except(m) + costs.rail.latency_us * 1e-6);
             }
-            let gathered = machine.nvlink.run(ready, costs.stages.intra(slice_bytes));
+            let gathered = if costs.alone {
+                // The all-reduce left the whole slice final in the tensor.
+                ready
+            } else {
+                machine.nvlink.run(ready, costs.stages.intra(slice_bytes))
+            };
             machine.buffers.release(gathered.max(s.returned[m]));
         }
         Ok(())

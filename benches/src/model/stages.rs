@@ -49,6 +49,19 @@ impl Stages {
             self.memory(2.0 * bytes) + self.step()
         }
     }
+
+    /// NCCL's all-reduce of a slice of `bytes` over the machine's NVLink, in
+    /// the tensor: all a job of one machine of several GPUs does to a slice.
+    /// Includes the hand-off to the next stage.
+    pub(super) fn intra_all_reduce(&self, bytes: f64) -> f64 {
+        let d = f64::from(self.devices);
+        self.hw.software.nccl_op_us * 1e-6
+            + self
+                .hw
+                .nvlink
+                .seconds(2.0 * (d - 1.0), 2.0 * bytes * (d - 1.0) / d)
+            + self.step()
+    }
 }
 
 /// A count or byte count as a float, for the arithmetic of time.
