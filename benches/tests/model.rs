@@ -189,12 +189,12 @@ fn the_busy_time_of_each_resource_is_its_traffic_and_within_the_time() {
     }
 }
 
-/// On one machine of several GPUs the engine's local step runs each slice as
-/// one NCCL all-reduce in the tensor, one after the other: the prediction is
-/// the submission, then per slice NCCL's launch, its `2(D-1)` NVLink hops, its
-/// `2(D-1)/D` of the slice's bytes at NVLink's rate and the hand-off.
+/// On one machine of several GPUs the engine plans the tensor as one slice and
+/// runs it as one NCCL all-reduce in the tensor: the prediction is the
+/// submission, then NCCL's launch, its `2(D-1)` NVLink hops, its `2(D-1)/D`
+/// of the tensor's bytes at NVLink's rate and the hand-off.
 #[test]
-fn one_machine_runs_a_slice_as_one_nccl_all_reduce() {
+fn one_machine_runs_a_tensor_as_one_nccl_all_reduce() {
     for hw in presets() {
         for d in [2, 8] {
             for bytes in [MIB, 256 * MIB, 1 << 30] {
@@ -205,7 +205,8 @@ fn one_machine_runs_a_slice_as_one_nccl_all_reduce() {
                     job.slicing,
                 )
                 .unwrap();
-                let plan = Plan::new(&geometry, job.dtype, job.elements(), 0).unwrap();
+                let plan = Plan::whole(&geometry, job.dtype, job.elements()).unwrap();
+                assert_eq!(plan.slice_count(), 1);
                 let dd = f64::from(d);
                 let s = &hw.software;
                 let expected = s.fairring_op_us * 1e-6

@@ -484,3 +484,67 @@ fn server_counts_outside_the_range_are_refused() {
     let plan = Plan::new(&co_located, DataType::F32, 1024, 0).unwrap();
     assert!(plan.slice(0).unwrap().shard_of_server(0).is_err());
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// A whole-tensor plan on one machine is one slice holding every element,
+    /// its slots dealt as evenly as any slice's, every element owned by one cell
+    /// of it; on several machines, or with dedicated servers, it is refused.
+    #[test]
+    fn a_whole_tensor_plan_is_one_slice_on_one_machine(
+        d in 1u32..=16,
+        m in 1u32..=64,
+        servers in prop_oneof![3 => Just(0u32), 1 => 1u32..=8],
+        dtype in dtype(),
+        elements in prop_oneof![1 => Just(0u64), 4 => 1u64..=1 << 40],
+        picks in prop::collection::vec(any::<u64>(), 8),
+    ) {
+        let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+        let g = if servers > 0 {
+            Geometry::with_servers(topology, PlanConfig::default(), servers).unwrap()
+        } else {
+            Geometry::new(topology, PlanConfig::default()).unwrap()
+        };
+        let whole = Plan::whole(&g, dtype, elements);
+        if m > 1 || servers > 0 {
+            let e = whole.unwrap_err();
+            let said = e.to_string();
+            prop_assert!(said.contains(&format!("{m} machines")) && said.contains(&format!("{servers} servers")), "{}", said);
+            return Ok(());
+        }
+        let plan = whole.unwrap();
+        prop_assert_eq!(plan.elements(), elements);
+        prop_assert_eq!(plan.slice_count(), u64::from(elements > 0));
+        prop_assert_eq!(plan.next_rotation(), 0);
+        if elements == 0 {
+            prop_assert!(plan.slice(0).is_err());
+            return Ok(());
+        }
+        let slice = plan.slice(0).unwrap();
+        prop_assert_eq!(slice.span().offset(), 0);
+        prop_assert_eq!(slice.span().len(), elements);
+        prop_assert_eq!(slice.shards(), 1);
+        // Slots tile the slice in order and differ by at most one unit.
+        let unit = ALIGN_BYTES / dtype.size_bytes();
+        let mut next = 0;
+        let (mut least, mut most) = (u64::MAX, 0);
+        for device in 0..d {
+            let slot = slice.slot(device).unwrap();
+            prop_assert_eq!(slot.offset(), next);
+            next = slot.end();
+            let units = slot.len() / unit;
+            least = least.min(units);
+            most = most.max(units);
+        }
+        prop_assert_eq!(next, elements);
+        prop_assert!(most - least <= 1, "slots of {} to {} units", least, most);
+        for p in picks {
+            let x = p % elements;
+            let cell = plan.locate(x).unwrap();
+            prop_assert_eq!(cell.slice(), 0);
+            prop_assert!(cell.span().offset() <= x && x < cell.span().end());
+        }
+        prop_assert!(plan.locate(elements).is_err());
+    }
+}

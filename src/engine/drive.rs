@@ -109,7 +109,13 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let (seq, words) = (sub.seq, sub.descriptor.words());
         let window = self.open_window(&sub);
         let geometry = self.geometry_of(sub.algorithm)?;
-        d.operations.accept(sub, geometry)?;
+        // One machine whose local step works in the tensor: no staging buffer
+        // bounds the slice, so one slice takes the whole tensor.
+        let whole = sub.algorithm == Resolved::Hierarchical
+            && geometry.topology().machines() == 1
+            && self.servers == 0
+            && self.local.works_in_tensor(&sub.tensor, sub.dtype, sub.op);
+        d.operations.accept(sub, geometry, whole)?;
         d.checks
             .accepted(seq, words, window, &self.machine, &self.links)?;
         d.credits

@@ -133,15 +133,26 @@ impl<M: MemorySpace> Operations<M> {
         self.finished_waiting > 0
     }
 
-    /// Accepts `sub`, the next operation in sequence, and plans it.
-    pub(crate) fn accept(&mut self, sub: Submission<M>, geometry: &Geometry) -> Result<()> {
+    /// Accepts `sub`, the next operation in sequence, and plans it: in slices
+    /// of `geometry`, or `whole`, as one slice ([`Plan::whole`]).
+    pub(crate) fn accept(
+        &mut self,
+        sub: Submission<M>,
+        geometry: &Geometry,
+        whole: bool,
+    ) -> Result<()> {
         if sub.seq != self.accepted {
             return Err(Error::internal(
                 "operations reach the driver in sequence",
                 format!("#{} arrived, #{} expected", sub.seq, self.accepted),
             ));
         }
-        let plan = Plan::new(geometry, sub.dtype, sub.elements, self.rotation).map_err(|e| {
+        let plan = if whole {
+            Plan::whole(geometry, sub.dtype, sub.elements)
+        } else {
+            Plan::new(geometry, sub.dtype, sub.elements, self.rotation)
+        };
+        let plan = plan.map_err(|e| {
             Error::internal(
                 "submitted tensors plan (the communicator checked their size)",
                 e.to_string(),
@@ -319,8 +330,8 @@ mod tests {
             descriptor,
             deliver: None,
         };
-        ops.accept(sub(0), &geometry).unwrap();
-        ops.accept(sub(1), &geometry).unwrap();
+        ops.accept(sub(0), &geometry, false).unwrap();
+        ops.accept(sub(1), &geometry, false).unwrap();
         assert!(!ops.delivering());
         ops.hold_delivery(0, ());
         ops.hold_delivery(0, ());

@@ -95,6 +95,17 @@ pub(crate) trait LocalStep<M: MemorySpace>: Send + Sync {
     /// done with the slice it held before.
     fn buffer_free(&self, buffer: u32, number: u64) -> bool;
 
+    /// Whether a slice of `tensor` whose result is final on this machine (a
+    /// job of one machine) runs in the tensor itself and stages nothing, for
+    /// `dtype` and `op`: then the engine plans the operation's whole tensor as
+    /// one slice ([`Plan::whole`](fairring_core::plan::Plan::whole)), one
+    /// NCCL all-reduce instead of one per slice. Every local rank answers
+    /// alike for the same call.
+    fn works_in_tensor(&self, tensor: &M::Tensor, dtype: DataType, op: ReduceOp) -> bool {
+        let _ = (tensor, dtype, op);
+        false
+    }
+
     /// Makes the slice's input ready for the reduce-scatter and announces it
     /// (host: copies what the other local ranks reduce into the staging buffer;
     /// GPU: orders the reduce-scatter after the caller's stream).

@@ -19,6 +19,8 @@
 
 use std::ops::Range;
 
+use fairring_core::{DataType, ReduceOp};
+
 #[cfg(not(feature = "cuda"))]
 use super::collectives::Comm;
 use super::collectives::{CollectiveStep, Collectives};
@@ -123,7 +125,14 @@ impl<D: DeviceReach> PlacedStep<D> {
 
     /// The collectives slice `s` goes through, if it goes through them.
     fn collectives(&self, s: &LocalSlice<'_, D::Memory>) -> Result<Option<D::Collectives<'_>>> {
-        if !CollectiveStep::takes(s.dtype, s.op) {
+        self.collectives_for(s.dtype, s.op)
+    }
+
+    /// The collectives a slice of `dtype` and `op` goes through, if it goes
+    /// through them (the machine has them, and they take the type and the
+    /// operator).
+    fn collectives_for(&self, dtype: DataType, op: ReduceOp) -> Result<Option<D::Collectives<'_>>> {
+        if !CollectiveStep::takes(dtype, op) {
             return Ok(None);
         }
         self.reach.collectives()
@@ -153,6 +162,21 @@ fn host<'a, M: MemorySpace>(s: &LocalSlice<'a, M>, tensor: &'a HostTensor) -> Lo
 impl<D: DeviceReach> LocalStep<D::Memory> for PlacedStep<D> {
     fn buffer_free(&self, buffer: u32, number: u64) -> bool {
         LocalStep::<Host>::buffer_free(&self.shm, buffer, number)
+    }
+
+    fn works_in_tensor(
+        &self,
+        tensor: &<D::Memory as MemorySpace>::Tensor,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> bool {
+        // A final slice through the machine's collectives is one all-reduce
+        // in the tensor (`CollectiveStep::try_reduce_scatter`); whether the
+        // machine has them was settled alike on every local rank before its
+        // first device operation.
+        matches!(D::place(tensor), Place::Device(_))
+            && self.staged()
+            && self.collectives_for(dtype, op).is_ok_and(|c| c.is_some())
     }
 
     fn begin(&self, s: &LocalSlice<'_, D::Memory>) -> Result<()> {

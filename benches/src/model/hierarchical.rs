@@ -16,9 +16,9 @@
 //! 6. **results in** from every other server of the slice, on the receive side;
 //! 7. **all-gather** within the machine, on NVLink.
 //!
-//! A job of one machine of several GPUs does none of this: each slice is one
-//! NCCL all-reduce in the tensor over NVLink, as the engine's local step runs
-//! it when its result is final.
+//! A job of one machine of several GPUs does none of this: the engine plans
+//! each tensor as one slice and runs it as one NCCL all-reduce in the tensor
+//! over NVLink.
 //!
 //! Every stage holds its resource (a timeline of busy intervals) while it runs, so the stages of
 //! different slices overlap exactly as far as the resources and the staging

@@ -72,7 +72,9 @@ pub(super) fn f(v: u64) -> f64 {
 
 /// Every slice of the job's tensors in submission order, each with the time its
 /// tensor was submitted. Each tensor's plan continues the rotation of the one
-/// before, as the engine's plans do.
+/// before, as the engine's plans do; on one machine of several GPUs (no
+/// dedicated servers) a tensor is one slice, as the engine plans it where
+/// NCCL reduces the tensor in place ([`Plan::whole`]).
 pub(super) fn slices(
     geometry: &Geometry,
     job: &Job,
@@ -83,7 +85,15 @@ pub(super) fn slices(
     let mut submitted = 0.0;
     for _ in 0..job.tensors {
         submitted += stages.submit();
-        let plan = Plan::new(geometry, job.dtype, job.elements(), rotation)?;
+        let topology = geometry.topology();
+        let whole = topology.machines() == 1
+            && topology.devices_per_machine() > 1
+            && geometry.servers().is_none();
+        let plan = if whole {
+            Plan::whole(geometry, job.dtype, job.elements())?
+        } else {
+            Plan::new(geometry, job.dtype, job.elements(), rotation)?
+        };
         rotation = plan.next_rotation();
         out.extend(plan.slices().map(|s| (s, submitted)));
     }

@@ -50,6 +50,12 @@
 //!
 //! **Zero elements** plan to zero slices: the all-reduce is complete at once.
 //!
+//! **One slice.** A job of one machine whose local step works in the tensor
+//! and stages nothing (NCCL's all-reduce on device memory) needs no slicing:
+//! [`Plan::whole`] plans the tensor as a single slice, of any size, cut into
+//! slots as above. Its slice is not bounded by [`PlanConfig::slice_bytes`], so
+//! it fits no staging buffer; it is refused where machines exchange cells.
+//!
 //! # Cost and panics
 //!
 //! Every query is O(1) arithmetic on a few integers: no tables, no allocation. All
@@ -259,6 +265,14 @@ pub enum PlanError {
         /// The number of dedicated servers (0 without).
         servers: u32,
     },
+    /// A plan of the whole tensor as one slice ([`Plan::whole`]) for a job whose
+    /// cells travel: more than one machine, or dedicated servers.
+    WholeTensorAcrossMachines {
+        /// `M`.
+        machines: u32,
+        /// Dedicated servers (0 without).
+        servers: u32,
+    },
 }
 
 impl fmt::Display for PlanError {
@@ -332,6 +346,12 @@ impl fmt::Display for PlanError {
             PlanError::ServerOutOfRange { server, servers } => {
                 write!(f, "server {server} is out of range for {servers} servers")
             }
+            PlanError::WholeTensorAcrossMachines { machines, servers } => write!(
+                f,
+                "a tensor planned as one slice fits no staging buffer, so its cells \
+                 cannot travel: it needs one machine and no dedicated servers, not \
+                 {machines} machines and {servers} servers"
+            ),
         }
     }
 }
@@ -368,6 +388,40 @@ impl Plan {
         })
     }
 
+    /// The plan of a tensor of `elements` elements of `dtype` as a single
+    /// slice, for a job of one machine whose local step works in the tensor
+    /// (see the module docs); refused with
+    /// [`PlanError::WholeTensorAcrossMachines`] for a job of several machines
+    /// or with dedicated servers, whose cells land in staging buffers.
+    pub const fn whole(
+        geometry: &Geometry,
+        dtype: DataType,
+        elements: u64,
+    ) -> Result<Plan, PlanError> {
+        let machines = geometry.topology().machines();
+        if machines > 1 || geometry.servers().is_some() {
+            return Err(PlanError::WholeTensorAcrossMachines {
+                machines,
+                servers: match geometry.servers() {
+                    Some(k) => k,
+                    None => 0,
+                },
+            });
+        }
+        if elements.checked_mul(dtype.size_bytes()).is_none() {
+            return Err(PlanError::TensorTooLarge { elements, dtype });
+        }
+        Ok(Plan {
+            geometry: *geometry,
+            dtype,
+            elements,
+            // At least one element, so that an empty tensor still divides.
+            slice_elements: if elements > 0 { elements } else { 1 },
+            slices: if elements > 0 { 1 } else { 0 },
+            rotation: 0,
+        })
+    }
+
     /// The geometry the plan was made under.
     pub const fn geometry(&self) -> &Geometry {
         &self.geometry
@@ -388,7 +442,8 @@ impl Plan {
         self.elements * self.dtype.size_bytes()
     }
 
-    /// Elements in a full slice (every slice but the last).
+    /// Elements in a full slice (every slice but the last; a [`Plan::whole`]'s
+    /// one slice holds every element).
     pub const fn slice_elements(&self) -> u64 {
         self.slice_elements
     }

@@ -432,3 +432,139 @@ fn a_failure_waits_for_running_copies_without_blocking() {
         assert_eq!(engines[0].works.state(0), Some(FAILED), "{layout:?}");
     }
 }
+
+/// A local step that records the bytes of every slice it reduces.
+struct RecordingSlices {
+    step: SimStep,
+    slices: std::sync::Mutex<Vec<u64>>,
+}
+
+impl LocalStep<SimMemory> for std::sync::Arc<RecordingSlices> {
+    fn buffer_free(&self, buffer: u32, number: u64) -> bool {
+        self.step.buffer_free(buffer, number)
+    }
+    fn works_in_tensor(&self, tensor: &SimTensor, dtype: DataType, op: ReduceOp) -> bool {
+        self.step.works_in_tensor(tensor, dtype, op)
+    }
+    fn begin(&self, s: &LocalSlice<'_, SimMemory>) -> crate::Result<()> {
+        self.slices.lock().unwrap().push(s.slice.span().byte_len());
+        self.step.begin(s)
+    }
+    fn try_reduce_scatter(
+        &self,
+        s: &LocalSlice<'_, SimMemory>,
+        final_world: Option<u32>,
+    ) -> crate::Result<Option<SimFence>> {
+        self.step.try_reduce_scatter(s, final_world)
+    }
+    fn publish_slot(&self, s: &LocalSlice<'_, SimMemory>) {
+        self.step.publish_slot(s);
+    }
+    fn try_all_gather(
+        &self,
+        s: &LocalSlice<'_, SimMemory>,
+        own_in_tensor: bool,
+    ) -> crate::Result<Option<SimFence>> {
+        self.step.try_all_gather(s, own_in_tensor)
+    }
+    fn finish(&self, buffer: u32, number: u64) {
+        self.step.finish(buffer, number);
+    }
+    fn laggards(&self, buffer: u32, number: u64) -> Vec<u32> {
+        self.step.laggards(buffer, number)
+    }
+    fn gathered(&self, buffer: u32, number: u64) -> crate::Result<()> {
+        self.step.gathered(buffer, number)
+    }
+    fn awaits_fences(&self) -> bool {
+        self.step.awaits_fences()
+    }
+    fn take_fences(&self) -> Vec<SimFence> {
+        self.step.take_fences()
+    }
+    fn close_tensors(&self) {
+        self.step.close_tensors();
+    }
+}
+
+/// On one machine whose ranks reduce device tensors through the machine's
+/// collectives, an all-reduce of many slices' worth is one slice, one
+/// collective all-reduce in the tensor; host tensors, and device tensors
+/// that go through the host, are still sliced to the staging buffers. Every
+/// result is exact.
+#[test]
+fn one_machine_reduces_a_device_tensor_in_one_slice_through_its_collectives() {
+    const ELEMENTS: usize = 1000;
+    for (collectives, expect_whole) in [(true, true), (false, false)] {
+        let topology = Topology::new(1, 2, RankLayout::Contiguous).unwrap();
+        let geometry = Geometry::new(topology, PlanConfig::new(1024, 64).unwrap()).unwrap();
+        let layout = BufferLayout::new(&geometry, 2).unwrap();
+        let net = Network::new(2);
+        let recorders: Vec<_> = (0..2)
+            .map(|_| std::sync::Mutex::new(None::<std::sync::Arc<RecordingSlices>>))
+            .collect();
+        let engines = build_job(
+            &geometry,
+            &layout,
+            2,
+            &net,
+            DirectSettings::from(None),
+            Design::GateOnHost,
+            collectives,
+            Duration::from_secs(3600),
+            |rank, step| {
+                let recorder = std::sync::Arc::new(RecordingSlices {
+                    step,
+                    slices: std::sync::Mutex::default(),
+                });
+                *recorders[rank as usize].lock().unwrap() = Some(std::sync::Arc::clone(&recorder));
+                Box::new(recorder)
+            },
+        )
+        .unwrap();
+        let mut tensors = [vec![0u64; ELEMENTS], vec![0u64; ELEMENTS]];
+        let mut inputs = [
+            (0..ELEMENTS as u64).collect::<Vec<_>>(),
+            (0..ELEMENTS as u64).map(|i| 3 * i + 1).collect::<Vec<_>>(),
+        ];
+        for (r, (t, i)) in tensors.iter_mut().zip(&mut inputs).enumerate() {
+            submit_device_sum(&engines[r], t, i).unwrap();
+        }
+        let settled = |e: &Engine<SimFabric, SimMemory>| e.works.state(0).is_some_and(|s| s != 0);
+        for _ in 0..10_000 {
+            if engines.iter().all(settled) {
+                break;
+            }
+            for e in &engines {
+                e.try_drive();
+                while e.memory.gpu().run_any(|_| 0) {}
+            }
+        }
+        for e in &engines {
+            assert_eq!(e.works.state(0), Some(DONE), "rank {}", e.rank());
+        }
+        for (r, t) in tensors.iter().enumerate() {
+            for (i, &v) in t.iter().enumerate() {
+                assert_eq!(v, 4 * i as u64 + 1, "rank {r}, element {i}");
+            }
+        }
+        for (r, recorder) in recorders.iter().enumerate() {
+            let recorder = recorder.lock().unwrap().clone().unwrap();
+            let slices = recorder.slices.lock().unwrap().clone();
+            let bytes = (ELEMENTS * 8) as u64;
+            if expect_whole {
+                assert_eq!(
+                    slices,
+                    vec![bytes],
+                    "rank {r}: one slice of the whole tensor"
+                );
+            } else {
+                assert!(
+                    slices.len() > 1 && slices.iter().all(|&b| b <= 1024),
+                    "rank {r}: slices {slices:?}"
+                );
+                assert_eq!(slices.iter().sum::<u64>(), bytes, "rank {r}");
+            }
+        }
+    }
+}
