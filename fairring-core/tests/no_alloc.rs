@@ -1,5 +1,6 @@
 //! fairring-core never allocates: a counting global allocator sees no allocation
-//! across topology detection, planning a tensor and walking every cell, a whole
+//! across topology detection, planning a tensor and walking every cell (and a
+//! tensor as one slice, and both trees of a double binary tree), a whole
 //! slice through the staging state machine, frame round trips and validation,
 //! reductions, fusion planning and formatting every kind of error.
 //!
@@ -7,7 +8,7 @@
 //! harness, or another test of this file running in parallel) never count.
 
 use fairring_core::fusion::{Position, plan_fusion};
-use fairring_core::plan::{Geometry, Plan, PlanConfig};
+use fairring_core::plan::{DoubleTree, Geometry, Plan, PlanConfig, TREES};
 use fairring_core::reduce;
 use fairring_core::staging::{Event, StagingState};
 use fairring_core::topology::{Location, RankLayout, Topology};
@@ -129,6 +130,23 @@ fn core_work_allocates_nothing() {
             }
         }
         let _ = write!(text, "{}", plan.slice(u64::MAX).unwrap_err());
+
+        // A tensor as one slice on one machine, and its refusal across machines.
+        let one =
+            Geometry::new(Topology::new(1, 4, RankLayout::Contiguous).unwrap(), config).unwrap();
+        let whole = Plan::whole(&one, DataType::F32, 1 << 30).unwrap();
+        assert_eq!(whole.slice_count(), 1);
+        let _ = write!(text, "{}", Plan::whole(&g, DataType::F32, 1).unwrap_err());
+
+        // Both trees over a few hundred machines, and a refusal.
+        let trees = DoubleTree::new(300).unwrap();
+        for tree in 0..TREES {
+            for machine in 0..300 {
+                let _ = trees.parent(tree, machine).unwrap();
+                let _ = trees.children(tree, machine).unwrap();
+            }
+        }
+        let _ = write!(text, "{}", trees.root(TREES).unwrap_err());
 
         // A whole slice through the staging state machine, as a server on machine 0.
         let slice = plan.slice(0).unwrap();

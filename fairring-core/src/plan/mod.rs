@@ -66,10 +66,12 @@ mod geometry;
 mod layout;
 mod slice;
 mod split;
+mod tree;
 
 pub use geometry::{Geometry, PlanConfig};
 pub use layout::{InputArea, ServerLayout, StagingLayout};
 pub use slice::{Cell, Cells, Slice, Slices};
+pub use tree::{DoubleTree, TREES};
 
 use crate::dtype::DataType;
 use core::fmt;
@@ -273,6 +275,11 @@ pub enum PlanError {
         /// Dedicated servers (0 without).
         servers: u32,
     },
+    /// A tree index at or past [`TREES`].
+    TreeOutOfRange {
+        /// The index given.
+        tree: u32,
+    },
 }
 
 impl fmt::Display for PlanError {
@@ -345,6 +352,9 @@ impl fmt::Display for PlanError {
             ),
             PlanError::ServerOutOfRange { server, servers } => {
                 write!(f, "server {server} is out of range for {servers} servers")
+            }
+            PlanError::TreeOutOfRange { tree } => {
+                write!(f, "tree {tree} is out of range for {TREES} trees")
             }
             PlanError::WholeTensorAcrossMachines { machines, servers } => write!(
                 f,
