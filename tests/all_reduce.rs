@@ -296,3 +296,107 @@ fn doubling_gives_every_rank_the_same_bits() {
         }
     }
 }
+
+/// One element type's all-reduce on a rank, checked against the fold of every
+/// rank's input in `i64` (or `f64` for an average).
+fn check_typed<T: fairring::core::reduce::Element + PartialEq + std::fmt::Debug>(
+    comm: &fairring::Communicator,
+    rank: u32,
+    world: u32,
+    n: usize,
+    op: ReduceOp,
+    from: impl Fn(f64) -> T,
+) -> Result<(), String> {
+    let value = |r: u32, i: usize| -> i64 {
+        match op {
+            // Ones and twos: a product of sixteen fits every type used with it.
+            ReduceOp::Product => 1 + ((r as usize + i) % 2) as i64,
+            _ => ((r as usize * 7 + i * 3) % 61) as i64,
+        }
+    };
+    let mut data: Vec<T> = (0..n).map(|i| from(value(rank, i) as f64)).collect();
+    comm.scope(|s| s.all_reduce(&mut data, op)?.wait())
+        .map_err(|e| format!("{op} of {n}: {e}"))?;
+    for (i, got) in data.iter().enumerate() {
+        let all = (0..world).map(|r| value(r, i));
+        let expected = match op {
+            ReduceOp::Sum => all.sum::<i64>() as f64,
+            ReduceOp::Product => all.product::<i64>() as f64,
+            ReduceOp::Min => all.min().unwrap() as f64,
+            ReduceOp::Max => all.max().unwrap() as f64,
+            ReduceOp::BitXor => all.fold(0, |a, v| a ^ v) as f64,
+            ReduceOp::BitOr => all.fold(0, |a, v| a | v) as f64,
+            ReduceOp::BitAnd => all.fold(-1, |a, v| a & v) as f64,
+            ReduceOp::Avg => all.sum::<i64>() as f64 / f64::from(world),
+        };
+        let expected = from(expected);
+        if *got != expected {
+            return Err(format!(
+                "{op} of {n} elements: element {i} is {got:?}, not {expected:?}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Many machines whose slots are cut into fewer shards than there are
+/// machines (64 KiB slices, 16 KiB shards: at most four a slot), so that each
+/// serving machine receives a contribution from every other and most serve
+/// nothing in a given slice; with and without dedicated servers. Tensors of
+/// one element to several slices, every native type, every operator that
+/// applies to it: every rank's result exact.
+#[test]
+fn many_machines_with_fewer_shards_than_machines() {
+    for (m, servers) in [(12, 0), (16, 0), (12, 2)] {
+        let world = m;
+        let failures = job_with_servers(
+            m,
+            1,
+            servers,
+            |b| {
+                b.slice_bytes(64 << 10)
+                    .min_shard_bytes(16 << 10)
+                    .total_memory(1 << 20)
+                    .algorithm(Algorithm::Hierarchical)
+            },
+            |rank, comm| {
+                let mut failed = Vec::new();
+                for n in [1, 1000, 6000, 40_003] {
+                    let mut run = |outcome: Result<(), String>| {
+                        if let Err(e) = outcome {
+                            failed.push(e);
+                        }
+                    };
+                    for op in [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Avg] {
+                        run(check_typed(comm, rank, world, n, op, |v| v as f32));
+                    }
+                    for op in [ReduceOp::Product, ReduceOp::Avg, ReduceOp::Max] {
+                        run(check_typed(comm, rank, world, n, op, |v| v));
+                    }
+                    for op in [ReduceOp::Sum, ReduceOp::Product] {
+                        run(check_typed(comm, rank, world, n, op, |v| v as i32));
+                    }
+                    for op in [ReduceOp::Max, ReduceOp::BitXor, ReduceOp::BitAnd] {
+                        run(check_typed(comm, rank, world, n, op, |v| v as i64));
+                    }
+                    for op in [ReduceOp::BitOr, ReduceOp::Min] {
+                        run(check_typed(comm, rank, world, n, op, |v| v as u8));
+                    }
+                    run(check_typed(comm, rank, world, n, ReduceOp::Max, |v| {
+                        v as i8
+                    }));
+                    run(check_typed(comm, rank, world, n, ReduceOp::Sum, |v| {
+                        v as i16
+                    }));
+                }
+                failed
+            },
+        );
+        for (rank, failed) in failures.iter().enumerate() {
+            assert!(
+                failed.is_empty(),
+                "{m}x1 + {servers} servers, rank {rank}: {failed:?}"
+            );
+        }
+    }
+}
