@@ -489,9 +489,8 @@ impl LocalStep<SimMemory> for std::sync::Arc<RecordingSlices> {
 
 /// On one machine whose ranks reduce device tensors through the machine's
 /// collectives, an all-reduce of many slices' worth is one slice, one
-/// collective all-reduce in the tensor; host tensors, and device tensors
-/// that go through the host, are still sliced to the staging buffers. Every
-/// result is exact.
+/// collective all-reduce in the tensor; device tensors that go through the
+/// host are still sliced to the staging buffers. Every result is exact.
 #[test]
 fn one_machine_reduces_a_device_tensor_in_one_slice_through_its_collectives() {
     const ELEMENTS: usize = 1000;
