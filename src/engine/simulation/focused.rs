@@ -174,6 +174,21 @@ fn submit_device_sum(
     })
 }
 
+/// Drives every engine (and, with `gpu`, runs every simulated GPU's ready
+/// work) until operation 0 has settled on each, for at most 10 000 rounds.
+fn drive_until_settled(engines: &[Engine<SimFabric, SimMemory>], gpu: bool) {
+    let settled = |e: &Engine<SimFabric, SimMemory>| e.works.state(0).is_some_and(|s| s != 0);
+    for _ in 0..10_000 {
+        if engines.iter().all(settled) {
+            break;
+        }
+        for e in engines {
+            e.try_drive();
+            while gpu && e.memory.gpu().run_any(|_| 0) {}
+        }
+    }
+}
+
 /// A local step that panics in its all-gather: a bug inside a step.
 struct PanickingAllGather(SimStep);
 
@@ -251,15 +266,7 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
             })
             .unwrap();
     }
-    let settled = |e: &Engine<SimFabric, SimMemory>| e.works.state(0).is_some_and(|s| s != 0);
-    for _ in 0..10_000 {
-        if engines.iter().all(settled) {
-            break;
-        }
-        for e in &engines {
-            e.try_drive();
-        }
-    }
+    drive_until_settled(&engines, false);
     for e in &engines {
         assert_eq!(e.works.state(0), Some(FAILED), "rank {}", e.rank());
     }
@@ -529,16 +536,7 @@ fn one_machine_reduces_a_device_tensor_in_one_slice_through_its_collectives() {
         for (r, (t, i)) in tensors.iter_mut().zip(&mut inputs).enumerate() {
             submit_device_sum(&engines[r], t, i).unwrap();
         }
-        let settled = |e: &Engine<SimFabric, SimMemory>| e.works.state(0).is_some_and(|s| s != 0);
-        for _ in 0..10_000 {
-            if engines.iter().all(settled) {
-                break;
-            }
-            for e in &engines {
-                e.try_drive();
-                while e.memory.gpu().run_any(|_| 0) {}
-            }
-        }
+        drive_until_settled(&engines, true);
         for e in &engines {
             assert_eq!(e.works.state(0), Some(DONE), "rank {}", e.rank());
         }
