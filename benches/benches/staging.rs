@@ -13,6 +13,7 @@ const SERVER: Role = Role {
     results_to_send: 7,
     results_to_receive: 7,
     reduces: true,
+    forwards: false,
 };
 
 /// One whole slice: acquire, then every event in a legal order. 31 transitions.
@@ -52,6 +53,7 @@ fn staging(c: &mut Criterion) {
         results_to_send: 1,
         results_to_receive: 0,
         reduces: true,
+        forwards: false,
     };
     group.throughput(Throughput::Elements(4094));
     group.bench_function("contended_two_threads", |b| {

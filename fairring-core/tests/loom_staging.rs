@@ -50,6 +50,7 @@ const SERVER: Role = Role {
     results_to_send: 1,
     results_to_receive: 1,
     reduces: true,
+    forwards: false,
 };
 
 /// A peer's contribution lands while our reduce-scatter finishes: exactly one of the
@@ -269,5 +270,93 @@ fn a_duplicate_is_refused_exactly_once() {
             .count();
         assert_eq!((accepted, duplicates), (1, 1));
         assert!(outcomes.contains(&Ok(Actions::START_ALL_GATHER)));
+    });
+}
+
+/// An inner node of a tree below its root: one leaf cell of the other tree,
+/// two children, a parent.
+const INNER: Role = Role {
+    contributions_to_send: 1,
+    contributions_to_receive: 2,
+    results_to_send: 2,
+    results_to_receive: 1,
+    reduces: true,
+    forwards: true,
+};
+
+/// An inner node's parent result, its leaf cell's result and the completion of
+/// its send up all arrive at once: the send down is handed out once and sees
+/// the parent's result, the all-gather once and sees both results.
+#[test]
+fn an_inner_nodes_parent_result_races_its_leaf_result() {
+    model(|| {
+        let state = Arc::new(StagingState::new());
+        let from_parent = Arc::new(Data::new());
+        let leaf_result = Arc::new(Data::new());
+        let (downs, gathers) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        state.acquire(0, INNER).unwrap();
+        state.on_event(Event::ReduceScatterDone, 0).unwrap();
+        state.on_event(Event::ContributionReceived, 0).unwrap();
+        state.on_event(Event::ContributionReceived, 0).unwrap();
+        assert_eq!(
+            state.on_event(Event::Reduced, 0).unwrap(),
+            Actions::START_SEND_UP
+        );
+        state.on_event(Event::ContributionSent, 0).unwrap();
+
+        let perform = {
+            let (from_parent, leaf_result) = (from_parent.clone(), leaf_result.clone());
+            let (downs, gathers) = (downs.clone(), gathers.clone());
+            move |actions: Actions| {
+                if actions.contains(Actions::START_SEND_BACK) {
+                    assert_eq!(from_parent.read(), 7, "sent down a stale shard");
+                    downs.fetch_add(1, Ordering::Relaxed);
+                }
+                if actions.contains(Actions::START_ALL_GATHER) {
+                    assert_eq!(
+                        (from_parent.read(), leaf_result.read()),
+                        (7, 9),
+                        "all-gather saw a stale slot"
+                    );
+                    gathers.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        };
+        let parent = {
+            let (state, from_parent, perform) =
+                (state.clone(), from_parent.clone(), perform.clone());
+            thread::spawn(move || {
+                from_parent.write(7);
+                perform(state.on_event(Event::ParentResultReceived, 0).unwrap());
+            })
+        };
+        let leaf = {
+            let (state, leaf_result, perform) =
+                (state.clone(), leaf_result.clone(), perform.clone());
+            thread::spawn(move || {
+                leaf_result.write(9);
+                perform(state.on_event(Event::ResultReceived, 0).unwrap());
+            })
+        };
+        let sent = {
+            let state = state.clone();
+            thread::spawn(move || {
+                assert_eq!(
+                    state.on_event(Event::PartialSent, 0).unwrap(),
+                    Actions::empty()
+                );
+            })
+        };
+        parent.join().unwrap();
+        leaf.join().unwrap();
+        sent.join().unwrap();
+        assert_eq!(downs.load(Ordering::Relaxed), 1);
+        assert_eq!(gathers.load(Ordering::Relaxed), 1);
+        // The buffer stays in use until the all-gather and the sends down end.
+        assert!(state.load().in_use());
+        let released = [Event::AllGatherDone, Event::ResultSent, Event::ResultSent]
+            .into_iter()
+            .fold(Actions::empty(), |a, e| a | state.on_event(e, 0).unwrap());
+        assert_eq!(released, Actions::RELEASE);
     });
 }

@@ -3,7 +3,9 @@
 //! schedules of whole slices.
 
 use fairring_core::staging::reference::ReferenceModel;
-use fairring_core::staging::{Actions, Event, Role, StagingErrorKind, StagingState, Word};
+use fairring_core::staging::{
+    Actions, Event, GENERATION_BITS, Role, StagingErrorKind, StagingState, Word,
+};
 use proptest::prelude::*;
 
 /// Counts: mostly small, sometimes up to the 12-bit limit.
@@ -11,9 +13,10 @@ fn count() -> impl Strategy<Value = u16> {
     prop_oneof![6 => 0u16..=4, 2 => 5u16..=64, 1 => 4000u16..=4095]
 }
 
-/// A role the plan could produce (valid).
+/// A role the plan could produce (valid): a client, a server, or an inner node
+/// of a tree that forwards its partial sum.
 fn valid_role() -> impl Strategy<Value = Role> {
-    (count(), count(), any::<bool>()).prop_map(|(sends, others, reduces)| {
+    (count(), count(), any::<bool>(), any::<bool>()).prop_map(|(sends, others, reduces, up)| {
         let others = if reduces { others.max(1) } else { 0 };
         Role {
             contributions_to_send: sends,
@@ -21,6 +24,7 @@ fn valid_role() -> impl Strategy<Value = Role> {
             results_to_send: others,
             results_to_receive: sends,
             reduces,
+            forwards: reduces && up,
         }
     })
 }
@@ -34,13 +38,15 @@ fn any_role() -> impl Strategy<Value = Role> {
         0u16..=3,
         any::<bool>(),
         0u8..20,
+        any::<bool>(),
     )
-        .prop_map(|(a, b, c, d, r, big)| Role {
+        .prop_map(|(a, b, c, d, r, big, f)| Role {
             contributions_to_send: if big == 0 { 4096 } else { a },
             contributions_to_receive: b,
             results_to_send: c,
             results_to_receive: d,
             reduces: r,
+            forwards: f,
         })
 }
 
@@ -107,7 +113,7 @@ proptest! {
                 }
             }
             prop_assert_eq!(real.load().in_use(), model.is_acquired());
-            prop_assert_eq!(real.load().generation(), model.generation() % (1 << 11));
+            prop_assert_eq!(real.load().generation(), model.generation() % (1 << GENERATION_BITS));
         }
     }
 
@@ -143,6 +149,10 @@ proptest! {
                         Actions::START_SEND_BACK => {
                             ready.extend(std::iter::repeat_n(Event::ResultSent, role.results_to_send.into()));
                         }
+                        Actions::START_SEND_UP => {
+                            ready.push(Event::PartialSent);
+                            ready.push(Event::ParentResultReceived);
+                        }
                         Actions::START_ALL_GATHER => ready.push(Event::AllGatherDone),
                         Actions::RELEASE => released = true,
                         _ => prop_assert!(false, "unknown action {action:?}"),
@@ -153,6 +163,7 @@ proptest! {
             prop_assert_eq!(handed.contains(Actions::START_CONTRIBUTIONS), role.contributions_to_send > 0);
             prop_assert_eq!(handed.contains(Actions::START_REDUCE), role.reduces);
             prop_assert_eq!(handed.contains(Actions::START_SEND_BACK), role.reduces);
+            prop_assert_eq!(handed.contains(Actions::START_SEND_UP), role.forwards);
             prop_assert!(handed.contains(Actions::START_ALL_GATHER | Actions::RELEASE));
             prop_assert_eq!(state.load(), Word::free(generation + 1));
             // The old generation is gone.

@@ -17,6 +17,7 @@ enum Step {
         results_sent: u16,
         results_received: u16,
         reduces: bool,
+        forwards: bool,
     },
     Event {
         event: u8,
@@ -39,6 +40,7 @@ fuzz_target!(|steps: Vec<Step>| {
                 results_sent,
                 results_received,
                 reduces,
+                forwards,
             } => {
                 // Small counts mostly, so that sequences can complete slices.
                 let small = |n: u16| if n > 0xF000 { n } else { n % 4 };
@@ -48,6 +50,7 @@ fuzz_target!(|steps: Vec<Step>| {
                     results_to_send: small(results_sent),
                     results_to_receive: small(results_received),
                     reduces,
+                    forwards,
                 };
                 let got = real
                     .acquire(g(skew), role)

@@ -276,6 +276,7 @@ impl Slice {
             results_to_send: others as u16,
             results_to_receive: sends as u16,
             reduces,
+            forwards: false,
         })
     }
 

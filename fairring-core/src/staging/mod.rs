@@ -25,6 +25,22 @@
 //! | [`START_ALL_GATHER`](Actions::START_ALL_GATHER) | the slot is final: every result is in, and its own shard is reduced (if it serves one) | runs the intra-machine all-gather | `AllGatherDone` |
 //! | [`RELEASE`](Actions::RELEASE) | the all-gather is done and every send has completed | the buffer is free for the next generation already; the caller may grant credits for it | nothing |
 //!
+//! **Through a tree** ([`Role::forwards`]): where cells travel through a
+//! [`DoubleTree`](crate::plan::DoubleTree) instead of straight to a server, a
+//! device's *served shard* is its cell of the tree in which its machine is an
+//! inner node: it receives its children's contributions (at most two) and reduces
+//! them into the cell, as a server does. Below the root that sum is partial, and
+//! the order changes:
+//!
+//! | action | handed out when | the caller then | and reports |
+//! |---|---|---|---|
+//! | [`START_SEND_UP`](Actions::START_SEND_UP) | the shard is reduced | sends the partial sum to the parent | `PartialSent` |
+//! | [`START_SEND_BACK`](Actions::START_SEND_BACK) | the parent's result has landed over the shard | sends it down to the children | one `ResultSent` per child |
+//!
+//! and the slot is final only once the parent's result is in. A tree's root is a
+//! server of its children, and a leaf's cell is a contribution sent at the
+//! reduce-scatter whose result comes back: both follow the first table.
+//!
 //! Events arriving from the network (`ContributionReceived`, `ResultReceived`) are
 //! reported by whoever sees them land. An event that completes an action's work is
 //! legal only once that action was handed out (a `Reduced` before `START_REDUCE` is an
@@ -59,7 +75,7 @@
 //!
 //! # Generation wrap-around
 //!
-//! The word keeps the generation modulo 2^11 ([`GENERATION_BITS`]); callers pass the
+//! The word keeps the generation modulo 2^8 ([`GENERATION_BITS`]); callers pass the
 //! full 64-bit generation (for buffer `b` of `B`, slice number `n` has generation
 //! `n / B`). An event whose generation differs from the buffer's only in the bits
 //! above those 11 would be taken for the current one. That cannot happen to a
@@ -69,7 +85,7 @@
 //!   alone reused, before every one of them has been reported;
 //! - remote frames name their operation and slice; the engine accepts them only for
 //!   operations inside its window of in-flight operations, and credits keep every
-//!   peer within one generation of this buffer, far less than 2048 generations apart.
+//!   peer within one generation of this buffer, far less than 256 generations apart.
 //!
 //! # Limits
 //!
@@ -112,6 +128,11 @@ named_enum! {
         ResultReceived = 5 => "result received",
         /// This device's part of the intra-machine all-gather is done.
         AllGatherDone = 6 => "all-gather done",
+        /// The partial sum this device reduced has left for its parent.
+        PartialSent = 7 => "partial sum sent",
+        /// The parent's result for the shard this device reduced as a partial sum
+        /// has landed, over it.
+        ParentResultReceived = 8 => "parent's result received",
     }
 }
 
@@ -131,6 +152,8 @@ bitflags::bitflags! {
         const START_ALL_GATHER = 1 << 3;
         /// The buffer was released and is free for the next generation.
         const RELEASE = 1 << 4;
+        /// Send the reduced shard, a partial sum, up to the parent.
+        const START_SEND_UP = 1 << 5;
     }
 }
 
@@ -147,6 +170,10 @@ pub struct Role {
     pub results_to_receive: u16,
     /// Whether it serves (reduces) a shard of this slice on behalf of other machines.
     pub reduces: bool,
+    /// Whether what it reduces is a partial sum that goes up to a parent, whose
+    /// result comes back before the results go out (an inner node of a tree below
+    /// its root); only with `reduces`.
+    pub forwards: bool,
 }
 
 impl Role {
@@ -158,11 +185,12 @@ impl Role {
         results_to_send: 0,
         results_to_receive: 0,
         reduces: false,
+        forwards: false,
     };
 
     /// Whether the role is one a buffer can complete: every count fits its 12-bit
-    /// countdown, and a device receives contributions and sends results exactly when
-    /// it reduces.
+    /// countdown, a device receives contributions and sends results exactly when
+    /// it reduces, and only a device that reduces forwards.
     pub const fn is_valid(&self) -> bool {
         let max = (1u16 << Counter::BITS) - 1;
         self.contributions_to_send <= max
@@ -171,6 +199,7 @@ impl Role {
             && self.results_to_receive <= max
             && (self.reduces == (self.contributions_to_receive > 0))
             && (self.reduces == (self.results_to_send > 0))
+            && (self.reduces || !self.forwards)
     }
 }
 

@@ -22,6 +22,8 @@ pub struct ReferenceModel {
     results_sent: u16,
     results_received: u16,
     all_gather_done: bool,
+    partial_sent: bool,
+    parent_result_received: bool,
     handed_out: Actions,
 }
 
@@ -45,6 +47,8 @@ impl ReferenceModel {
             results_sent: 0,
             results_received: 0,
             all_gather_done: false,
+            partial_sent: false,
+            parent_result_received: false,
             handed_out: Actions::empty(),
         }
     }
@@ -79,7 +83,7 @@ impl ReferenceModel {
         } else {
             client_counts
         };
-        if !counts_fit || !consistent {
+        if !counts_fit || !consistent || (role.forwards && !role.reduces) {
             return Err(StagingErrorKind::InvalidRole);
         }
         *self = ReferenceModel {
@@ -107,6 +111,10 @@ impl ReferenceModel {
         if reducer_only && !role.reduces {
             return Err(StagingErrorKind::NotInRole);
         }
+        let forwarder_only = matches!(event, Event::PartialSent | Event::ParentResultReceived);
+        if forwarder_only && !role.forwards {
+            return Err(StagingErrorKind::NotInRole);
+        }
         // The stage an event completes must have begun. The contribution stage begins
         // with the reduce-scatter even when it has nothing to send.
         let stage_begun = match event {
@@ -115,6 +123,9 @@ impl ReferenceModel {
             Event::Reduced => self.handed_out.contains(Actions::START_REDUCE),
             Event::ResultSent => self.handed_out.contains(Actions::START_SEND_BACK),
             Event::AllGatherDone => self.handed_out.contains(Actions::START_ALL_GATHER),
+            Event::PartialSent | Event::ParentResultReceived => {
+                self.handed_out.contains(Actions::START_SEND_UP)
+            }
         };
         if !stage_begun {
             return Err(StagingErrorKind::OutOfOrder);
@@ -136,7 +147,16 @@ impl ReferenceModel {
                 count(&mut self.results_received, role.results_to_receive)?;
             }
             Event::AllGatherDone => once(&mut self.all_gather_done)?,
+            Event::PartialSent => once(&mut self.partial_sent)?,
+            Event::ParentResultReceived => once(&mut self.parent_result_received)?,
         }
+        // The served shard is final when reduced here with no parent above, or when
+        // the parent's result came back; a device that reduces nothing has none.
+        let shard_final = if role.forwards {
+            self.parent_result_received
+        } else {
+            self.reduced || !role.reduces
+        };
         let mut now = Actions::empty();
         if self.reduce_scatter_done && role.contributions_to_send > 0 {
             now |= Actions::START_CONTRIBUTIONS;
@@ -147,18 +167,22 @@ impl ReferenceModel {
         {
             now |= Actions::START_REDUCE;
         }
-        if self.reduced {
+        if role.forwards && self.reduced {
+            now |= Actions::START_SEND_UP;
+        }
+        if self.reduced && shard_final {
             now |= Actions::START_SEND_BACK;
         }
         if self.reduce_scatter_done
             && self.results_received == role.results_to_receive
-            && (self.reduced || !role.reduces)
+            && shard_final
         {
             now |= Actions::START_ALL_GATHER;
         }
         if self.all_gather_done
             && self.contributions_sent == role.contributions_to_send
             && self.results_sent == role.results_to_send
+            && (self.partial_sent || !role.forwards)
         {
             now |= Actions::RELEASE;
         }

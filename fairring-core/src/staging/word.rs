@@ -4,7 +4,7 @@ use super::{Actions, Event, Role, StagingError};
 use core::fmt;
 
 /// Bits of the generation kept in the word (see the module docs on wrap-around).
-pub const GENERATION_BITS: u32 = 11;
+pub const GENERATION_BITS: u32 = 8;
 
 /// The state of one staging buffer, packed in 64 bits.
 ///
@@ -18,7 +18,10 @@ pub const GENERATION_BITS: u32 = 11;
 /// bit  50      RS_DONE   the reduce-scatter is done
 /// bit  51      REDUCED   the served shard is reduced
 /// bit  52      AG_DONE   the all-gather is done
-/// bits 53..64  generation mod 2^11
+/// bit  53      FORWARDS  the reduced shard is a partial sum for a parent (from Role)
+/// bit  54      PARTIAL_SENT   the partial sum has left for the parent
+/// bit  55      PARENT_RESULT  the parent's result for the shard has landed
+/// bits 56..64  generation mod 2^8
 /// ```
 ///
 /// A free buffer is `IN_USE` clear with every other bit but the generation zero.
@@ -57,7 +60,10 @@ const REDUCES: u64 = 1 << 49;
 const RS_DONE: u64 = 1 << 50;
 const REDUCED: u64 = 1 << 51;
 const AG_DONE: u64 = 1 << 52;
-const GENERATION_SHIFT: u32 = 53;
+const FORWARDS: u64 = 1 << 53;
+const PARTIAL_SENT: u64 = 1 << 54;
+const PARENT_RESULT: u64 = 1 << 55;
+const GENERATION_SHIFT: u32 = 56;
 const GENERATION_MASK: u64 = (1 << GENERATION_BITS) - 1;
 
 /// What an event does to the word.
@@ -83,7 +89,7 @@ struct Rule {
 /// The table of legal transitions, indexed by [`Event`] discriminant. An event is
 /// legal when the buffer is in use for its generation, the role has `role`, the
 /// `after` stage has begun and the effect does not repeat or overrun.
-const RULES: [Rule; 7] = [
+const RULES: [Rule; 9] = [
     // ReduceScatterDone: any time after acquire, once.
     Rule {
         role: 0,
@@ -127,6 +133,19 @@ const RULES: [Rule; 7] = [
         role: 0,
         after: Actions::START_ALL_GATHER,
         effect: Effect::Set(AG_DONE),
+    },
+    // PartialSent: after the send up was started, once, by a device that forwards.
+    Rule {
+        role: FORWARDS,
+        after: Actions::START_SEND_UP,
+        effect: Effect::Set(PARTIAL_SENT),
+    },
+    // ParentResultReceived: only after the partial sum went up (the parent cannot
+    // have finished the shard before), once; it overwrites the shard.
+    Rule {
+        role: FORWARDS,
+        after: Actions::START_SEND_UP,
+        effect: Effect::Set(PARENT_RESULT),
     },
 ];
 
@@ -179,6 +198,26 @@ impl Word {
         self.0 & AG_DONE != 0
     }
 
+    /// Whether the role forwards its reduced shard, a partial sum, to a parent.
+    pub const fn forwards(self) -> bool {
+        self.0 & FORWARDS != 0
+    }
+
+    /// Whether the partial sum has left for the parent.
+    pub const fn partial_sent(self) -> bool {
+        self.0 & PARTIAL_SENT != 0
+    }
+
+    /// Whether the shard is final: reduced here with nothing above (or nothing
+    /// reduced here), or the parent's result for it has landed.
+    const fn shard_final(self) -> bool {
+        if self.forwards() {
+            self.0 & PARENT_RESULT != 0
+        } else {
+            self.reduced() || !self.reduces()
+        }
+    }
+
     /// What is left on a countdown.
     pub const fn remaining(self, counter: Counter) -> u64 {
         (self.0 >> counter.shift()) & Counter::MAX
@@ -197,18 +236,19 @@ impl Word {
         if self.reduces() && rs && self.remaining(Counter::ContributionsToReceive) == 0 {
             bits |= Actions::START_REDUCE.bits();
         }
-        if self.reduced() {
+        if self.forwards() && self.reduced() {
+            bits |= Actions::START_SEND_UP.bits();
+        }
+        if self.reduced() && self.shard_final() {
             bits |= Actions::START_SEND_BACK.bits();
         }
-        if rs
-            && self.remaining(Counter::ResultsToReceive) == 0
-            && (self.reduced() || !self.reduces())
-        {
+        if rs && self.remaining(Counter::ResultsToReceive) == 0 && self.shard_final() {
             bits |= Actions::START_ALL_GATHER.bits();
         }
         if self.all_gather_done()
             && self.remaining(Counter::ContributionsToSend) == 0
             && self.remaining(Counter::ResultsToSend) == 0
+            && (self.partial_sent() || !self.forwards())
         {
             bits |= Actions::RELEASE.bits();
         }
@@ -236,6 +276,9 @@ impl Word {
         let mut bits = self.0 | IN_USE;
         if role.reduces {
             bits |= REDUCES;
+        }
+        if role.forwards {
+            bits |= FORWARDS;
         }
         bits |= (role.contributions_to_send as u64) << Counter::ContributionsToSend.shift();
         bits |= (role.contributions_to_receive as u64) << Counter::ContributionsToReceive.shift();
@@ -310,7 +353,11 @@ impl fmt::Display for Word {
             f,
             "generation {} mod 2^{GENERATION_BITS}, {}reduce-scatter {}, ",
             self.generation(),
-            if self.reduces() { "serving, " } else { "" },
+            match (self.reduces(), self.forwards()) {
+                (true, true) => "reducing for a parent, ",
+                (true, false) => "serving, ",
+                _ => "",
+            },
             if self.reduce_scatter_done() {
                 "done"
             } else {
@@ -327,6 +374,12 @@ impl fmt::Display for Word {
         )?;
         if self.reduced() {
             f.write_str(", reduced")?;
+        }
+        if self.partial_sent() {
+            f.write_str(", partial sum sent")?;
+        }
+        if self.0 & PARENT_RESULT != 0 {
+            f.write_str(", parent's result in")?;
         }
         if self.all_gather_done() {
             f.write_str(", all-gather done")?;
@@ -351,7 +404,65 @@ mod tests {
         results_to_send: 2,
         results_to_receive: 1,
         reduces: true,
+        forwards: false,
     };
+
+    /// An inner node of a tree below the root: two children, a parent, and a
+    /// leaf cell in the other tree.
+    const INNER: Role = Role {
+        contributions_to_send: 1,
+        contributions_to_receive: 2,
+        results_to_send: 2,
+        results_to_receive: 1,
+        reduces: true,
+        forwards: true,
+    };
+
+    #[test]
+    fn an_inner_node_sends_up_after_reducing_and_down_after_its_parent() {
+        let mut w = Word::FREE.acquire(0, INNER).unwrap();
+        let mut step = |e| {
+            let (next, actions) = w.on_event(e, 0).unwrap();
+            w = next;
+            actions
+        };
+        assert_eq!(step(Event::ContributionReceived), Actions::empty());
+        // The leaf cell leaves at once; the shard waits for the second child.
+        assert_eq!(step(Event::ReduceScatterDone), Actions::START_CONTRIBUTIONS);
+        assert_eq!(step(Event::ContributionReceived), Actions::START_REDUCE);
+        assert_eq!(step(Event::ResultReceived), Actions::empty());
+        // Reduced: a partial sum, which goes up, not down.
+        assert_eq!(step(Event::Reduced), Actions::START_SEND_UP);
+        assert_eq!(step(Event::ContributionSent), Actions::empty());
+        assert_eq!(
+            step(Event::ParentResultReceived),
+            Actions::START_SEND_BACK | Actions::START_ALL_GATHER
+        );
+        assert_eq!(step(Event::AllGatherDone), Actions::empty());
+        assert_eq!(step(Event::ResultSent), Actions::empty());
+        assert_eq!(step(Event::ResultSent), Actions::empty());
+        assert_eq!(step(Event::PartialSent), Actions::RELEASE);
+        assert_eq!(w, Word::free(1));
+    }
+
+    #[test]
+    fn a_parents_result_before_the_send_up_is_refused() {
+        let w = Word::FREE.acquire(0, INNER).unwrap();
+        let (w, _) = w.on_event(Event::ReduceScatterDone, 0).unwrap();
+        assert!(matches!(
+            w.on_event(Event::ParentResultReceived, 0),
+            Err(StagingError::OutOfOrder { .. })
+        ));
+        assert!(matches!(
+            w.on_event(Event::PartialSent, 0),
+            Err(StagingError::OutOfOrder { .. })
+        ));
+        let server = Word::FREE.acquire(0, SERVER).unwrap();
+        assert!(matches!(
+            server.on_event(Event::ParentResultReceived, 0),
+            Err(StagingError::NotInRole { .. })
+        ));
+    }
 
     #[test]
     fn a_server_slice_in_order() {
