@@ -339,19 +339,20 @@ fn check_typed<T: fairring::core::reduce::Element + PartialEq + std::fmt::Debug>
     Ok(())
 }
 
-/// Many machines whose slots are cut into fewer shards than there are
-/// machines (64 KiB slices, 16 KiB shards: at most four a slot), so that each
-/// serving machine receives a contribution from every other and most serve
-/// nothing in a given slice; with and without dedicated servers. Tensors of
-/// one element to several slices, every native type, every operator that
-/// applies to it: every rank's result exact.
+/// Many machines whose slots hold fewer shards of the minimum size than there
+/// are machines (64 KiB slices, 16 KiB shards: at most four a slot), so that
+/// the cells go up and down the core's two trees (12x1, 16x1, and 5x2, whose
+/// ranks are not their machines' numbers), and with dedicated servers, which
+/// each receive a contribution from every machine. Tensors of one element to
+/// several slices, every native type, every operator that applies to it:
+/// every rank's result exact.
 #[test]
 fn many_machines_with_fewer_shards_than_machines() {
-    for (m, servers) in [(12, 0), (16, 0), (12, 2)] {
-        let world = m;
+    for (m, d, servers) in [(12, 1, 0), (16, 1, 0), (5, 2, 0), (12, 1, 2)] {
+        let world = m * d;
         let failures = job_with_servers(
             m,
-            1,
+            d,
             servers,
             |b| {
                 b.slice_bytes(64 << 10)
@@ -395,7 +396,7 @@ fn many_machines_with_fewer_shards_than_machines() {
         for (rank, failed) in failures.iter().enumerate() {
             assert!(
                 failed.is_empty(),
-                "{m}x1 + {servers} servers, rank {rank}: {failed:?}"
+                "{m}x{d} + {servers} servers, rank {rank}: {failed:?}"
             );
         }
     }

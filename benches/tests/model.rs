@@ -288,7 +288,8 @@ fn hierarchical_reaches_its_bandwidth_bound_when_nothing_else_costs() {
 
 /// What the plan says each machine's rail 0 sends, counted here independently of
 /// the model: per slice, a contribution per shard served elsewhere and, on a
-/// server, a result to each other machine.
+/// server, a result to each other machine; through trees, per shard, one
+/// message up to the parent (but at the root) and one down to each child.
 fn sent_by_plan(job: &Job) -> Vec<(u64, u64)> {
     let topology = Topology::new(job.machines, job.devices, RankLayout::Contiguous).unwrap();
     let geometry = Geometry::new(topology, job.slicing).unwrap();
@@ -303,6 +304,14 @@ fn sent_by_plan(job: &Job) -> Vec<(u64, u64)> {
                 for (m, s) in sent.iter_mut().enumerate() {
                     let m = u32::try_from(m).unwrap();
                     if job.machines == 1 {
+                        continue;
+                    }
+                    if let Some(trees) = slice.double_tree() {
+                        let tree = slice.tree_of(cell.shard()).unwrap().unwrap();
+                        let up = u64::from(trees.parent(tree, m).unwrap().is_some());
+                        let down = trees.children(tree, m).unwrap().iter().flatten().count() as u64;
+                        s.0 += up + down;
+                        s.1 += (up + down) * bytes;
                         continue;
                     }
                     if cell.server() == m {

@@ -3,7 +3,9 @@
 //! minimum shard sizes.
 
 use fairring_core::DataType;
-use fairring_core::plan::{ALIGN_BYTES, Geometry, InputArea, Plan, PlanConfig, Slice};
+use fairring_core::plan::{
+    ALIGN_BYTES, Geometry, InputArea, Plan, PlanConfig, Routing, Slice, TREES,
+};
 use fairring_core::staging::Role;
 use fairring_core::topology::{Location, RankLayout, Topology};
 use proptest::prelude::*;
@@ -217,13 +219,16 @@ proptest! {
                     if slot_empty {
                         prop_assert_eq!(role, Role::IDLE);
                     }
-                    sent += u64::from(role.contributions_to_send);
+                    // A partial sum sent up is a contribution its parent receives,
+                    // and its parent's result one more result received.
+                    let up = u64::from(role.forwards);
+                    sent += u64::from(role.contributions_to_send) + up;
                     received += u64::from(role.contributions_to_receive);
                     results_sent += u64::from(role.results_to_send);
-                    results_received += u64::from(role.results_to_receive);
+                    results_received += u64::from(role.results_to_receive) + up;
                 }
-                // Every contribution sent is received by one server, and every result
-                // sent reaches one client.
+                // Every contribution sent is received by one server (or parent), and
+                // every result sent reaches one client (or child).
                 prop_assert_eq!(sent, received);
                 prop_assert_eq!(results_sent, results_received);
             }
@@ -241,6 +246,19 @@ proptest! {
         prop_assert_eq!(layout.slot().byte_len(), input_bytes);
         prop_assert_eq!(g.staging_layout(), g.staging_layout_with(InputArea::Slot));
         prop_assert_eq!((layout.shard_stride() / ALIGN_BYTES) % 2, 1, "even number of cache lines");
+        if g.routing() == Routing::Trees {
+            // Two areas by child, after the input area, whatever M.
+            prop_assert_eq!(layout.contribution_areas(), 2);
+            let left = layout.child(0).unwrap();
+            let right = layout.child(1).unwrap();
+            prop_assert_eq!(left.byte_offset(), layout.slot().byte_end());
+            prop_assert_eq!(right.byte_offset(), left.byte_end());
+            prop_assert_eq!(right.byte_end(), layout.total_bytes());
+            prop_assert!(layout.child(2).is_err());
+            prop_assert!(layout.contribution(0, 1).is_err());
+            return Ok(());
+        }
+        prop_assert!(layout.child(0).is_err());
         for own in 0..m {
             let mut areas: Vec<(u64, u64)> = (0..m)
                 .filter(|&from| from != own)
@@ -299,6 +317,9 @@ proptest! {
         let per_slice = g.full_slice_bytes() / dtype.size_bytes();
         let n = (slices - 1) * per_slice + 1 + (per_slice - 1) * tail / 1000;
         let plan = Plan::new(&g, dtype, n, rot).unwrap();
+        // Through trees there are no servers to share the work out to: the
+        // properties of `tree_*` below say what holds there.
+        prop_assume!(g.routing() == Routing::Flat);
         let largest = plan.slices().flat_map(|s| s.cells()).map(|c| c.span().byte_len()).max().unwrap();
         let served = served_bytes(&[plan]);
         for device in 0..d as usize {
@@ -319,6 +340,7 @@ proptest! {
         let topo = Topology::new(m, 1, RankLayout::Contiguous).unwrap();
         let config = PlanConfig::new(units * ALIGN_BYTES, min_units * ALIGN_BYTES).unwrap();
         let g = Geometry::new(topo, config).unwrap();
+        prop_assume!(g.routing() == Routing::Flat);
         let per_slice = g.full_slice_bytes() / 4;
         let mut rotation = 0;
         let mut plans = Vec::new();
@@ -367,12 +389,25 @@ fn adaptive_sharding_examples() {
     let slice = plan.slice(0).unwrap();
     assert_eq!(slice.shards(), 2);
     assert_eq!(slice.cell(0, 0).unwrap().span().byte_len(), 64 << 10);
-    // 512 machines x 8 devices (4096 GPUs): a full slice still never goes below the
-    // 64 KiB minimum, where a fixed M-way split would cut 6.25 KiB shards.
+    // 50 machines x 8 devices: a 3.125 MiB slot holds 50 shards of 64 KiB, so
+    // every machine still serves one.
+    let topo = Topology::new(50, 8, RankLayout::Contiguous).unwrap();
+    let g = Geometry::new(topo, PlanConfig::default()).unwrap();
+    assert_eq!(g.routing(), Routing::Flat);
+    assert_eq!(g.shards_per_full_slice(), 50);
+    // 512 machines x 8 devices (4096 GPUs): where a fixed M-way split would cut
+    // 6.25 KiB shards, the cells go through the trees, half a slot each, and a
+    // staging buffer holds the slot and two children's halves.
     let topo = Topology::new(512, 8, RankLayout::Contiguous).unwrap();
     let g = Geometry::new(topo, PlanConfig::default()).unwrap();
-    assert_eq!(g.shards_per_full_slice(), 50);
-    assert!(g.full_slot_bytes() / 50 >= 64 << 10);
+    assert_eq!(g.routing(), Routing::Trees);
+    assert_eq!(g.shards_per_full_slice(), 2);
+    let half = (25 << 20) / 8 / 2;
+    assert_eq!(g.staging_layout().shard_stride(), half + 64);
+    assert_eq!(
+        g.staging_layout().total_bytes(),
+        (25 << 20) / 8 + 2 * (half + 64)
+    );
     // Configuration errors name the field.
     assert!(PlanConfig::new(0, 1 << 16).is_err());
     assert!(PlanConfig::new(1 << 20, 32).is_err());
@@ -546,5 +581,144 @@ proptest! {
             prop_assert!(cell.span().offset() <= x && x < cell.span().end());
         }
         prop_assert!(plan.locate(elements).is_err());
+    }
+}
+
+prop_compose! {
+    /// A geometry whose cells go through the trees: more machines than shards of
+    /// the minimum size fit in a slot.
+    fn tree_geometry()(m in 2u32..=300, d in 1u32..=4, slot_units in 1u64..=64, min_units in 1u64..=32)
+        -> Geometry
+    {
+        let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+        // Fewer shards of the minimum than machines: slot / min < m.
+        let slot_units = slot_units.min(min_units * u64::from(m) - 1);
+        let config = PlanConfig::new(slot_units * u64::from(d) * ALIGN_BYTES, min_units * ALIGN_BYTES).unwrap();
+        Geometry::new(topology, config).unwrap()
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// The routing is the trees exactly where a slot cut at the minimum shard
+    /// has fewer shards than machines, and never with dedicated servers.
+    #[test]
+    fn trees_are_chosen_where_machines_outnumber_shards(g in geometry(), servers in 1u32..=8) {
+        let topo = g.topology();
+        let slot_units = g.config().slice_bytes() / ALIGN_BYTES / u64::from(topo.devices_per_machine());
+        let fit = slot_units / g.min_shard_bytes().div_ceil(ALIGN_BYTES);
+        // A slot too small for one shard of the minimum still makes one.
+        let expected = if fit.max(1) < u64::from(topo.machines()) { Routing::Trees } else { Routing::Flat };
+        prop_assert_eq!(g.routing(), expected);
+        let cap = if expected == Routing::Trees { TREES } else { topo.machines() };
+        prop_assert!(g.shards_per_full_slice() <= cap);
+        let dedicated = Geometry::with_servers(topo, g.config(), servers).unwrap();
+        prop_assert_eq!(dedicated.routing(), Routing::Flat);
+    }
+
+    /// Through the trees, every device of every slice sends at most four
+    /// messages and receives at most two contributions, and sends and receives
+    /// at most two slots' bytes (within a unit per cell; three where a small
+    /// slot is one shard), whatever M; every
+    /// cell is reduced by exactly the inner nodes of its tree, the root last.
+    #[test]
+    fn tree_roles_are_bounded_and_cover_every_machine(
+        g in tree_geometry(), dtype in dtype(), slices in 1u64..=5, frac in 0u64..=1000, rot in any::<u64>(),
+    ) {
+        prop_assert_eq!(g.routing(), Routing::Trees);
+        let per_slice = g.full_slice_bytes() / dtype.size_bytes();
+        let n = (slices - 1) * per_slice + 1 + (per_slice - 1) * frac / 1000;
+        let plan = Plan::new(&g, dtype, n, rot).unwrap();
+        let topo = g.topology();
+        for slice in plan.slices() {
+            check_slice(&plan, &slice)?;
+            let trees = slice.double_tree().unwrap();
+            for device in 0..topo.devices_per_machine() {
+                let slot = slice.slot(device).unwrap();
+                if slot.is_empty() {
+                    continue;
+                }
+                let cell_bytes: Vec<u64> = (0..slice.shards())
+                    .map(|j| slice.cell(device, j).unwrap().span().byte_len())
+                    .collect();
+                for machine in 0..topo.machines() {
+                    let role = slice.role(Location { machine, device }).unwrap();
+                    prop_assert!(role.is_valid(), "{role:?}");
+                    let up = u16::from(role.forwards);
+                    prop_assert!(role.contributions_to_receive <= 2);
+                    prop_assert!(role.contributions_to_send + up + role.results_to_send <= 4, "{role:?}");
+                    // Bytes sent: each leaf cell once, the inner cell up (below
+                    // the root) and to each child.
+                    let mut sent = 0u64;
+                    let mut received = 0u64;
+                    let mut inner = None;
+                    for j in 0..slice.shards() {
+                        let tree = slice.tree_of(j).unwrap().unwrap();
+                        let children = trees.children(tree, machine).unwrap().iter().flatten().count() as u64;
+                        let parent = trees.parent(tree, machine).unwrap();
+                        if children > 0 {
+                            prop_assert!(inner.is_none(), "inner node of two trees");
+                            inner = Some(j);
+                            prop_assert_eq!(u64::from(role.contributions_to_receive), children);
+                            prop_assert_eq!(role.forwards, parent.is_some());
+                            if parent.is_none() {
+                                prop_assert_eq!(slice.server(j).unwrap(), machine);
+                            }
+                        } else {
+                            prop_assert!(parent.is_some(), "a leaf below no one");
+                        }
+                        let up = u64::from(parent.is_some());
+                        sent += cell_bytes[j as usize] * (up + children);
+                        received += cell_bytes[j as usize] * (up + children);
+                    }
+                    prop_assert_eq!(slice.shard_served_by(machine).unwrap(), inner);
+                    prop_assert_eq!(role.reduces, inner.is_some());
+                    // Two shards: an inner node's cell three times and a leaf's
+                    // once, two slots. One shard (a small slot): its one cell up
+                    // to three times.
+                    let bound = if slice.shards() == 2 {
+                        2 * slot.byte_len() + 2 * ALIGN_BYTES
+                    } else {
+                        3 * slot.byte_len()
+                    };
+                    prop_assert!(sent <= bound, "sends {sent} B of a {} B slot", slot.byte_len());
+                    prop_assert!(received <= bound, "receives {received} B of a {} B slot", slot.byte_len());
+                }
+            }
+        }
+    }
+
+    /// Through the trees, a staging buffer's size does not depend on M: the
+    /// same configuration gives the same layout at any machine count that
+    /// routes through trees.
+    #[test]
+    fn tree_staging_does_not_grow_with_machines(g in tree_geometry(), more in 1u32..=3800) {
+        let topo = g.topology();
+        let bigger = Topology::new((topo.machines() + more).min(4096), topo.devices_per_machine(), RankLayout::Contiguous).unwrap();
+        let h = Geometry::new(bigger, g.config()).unwrap();
+        prop_assert_eq!(h.routing(), Routing::Trees);
+        prop_assert_eq!(h.staging_layout().total_bytes(), g.staging_layout().total_bytes());
+        prop_assert!(g.staging_layout().total_bytes() <= g.full_slot_bytes() + 2 * g.staging_layout().shard_stride());
+    }
+
+    /// Through the trees, consecutive tensors chained with `next_rotation`
+    /// alternate the tree each shard takes, so that over the job each tree
+    /// carries the same shards within one.
+    #[test]
+    fn tree_rotation_alternates(g in tree_geometry(), sizes in prop::collection::vec(1u64..=3000, 1..30)) {
+        let mut rotation = 0;
+        let mut per_tree = [0u64; 2];
+        for s in sizes {
+            let plan = Plan::new(&g, DataType::F32, s, rotation).unwrap();
+            rotation = plan.next_rotation();
+            prop_assert!(rotation < u64::from(TREES));
+            for slice in plan.slices() {
+                for j in 0..slice.shards() {
+                    per_tree[slice.tree_of(j).unwrap().unwrap() as usize] += 1;
+                }
+            }
+        }
+        prop_assert!(per_tree[0].abs_diff(per_tree[1]) <= 1, "{per_tree:?}");
     }
 }

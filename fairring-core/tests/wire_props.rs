@@ -2,7 +2,7 @@
 //! field, and validation against a plan.
 
 use fairring_core::DataType;
-use fairring_core::plan::{Geometry, Plan, PlanConfig};
+use fairring_core::plan::{Geometry, Plan, PlanConfig, Slice};
 use fairring_core::staging::Event;
 use fairring_core::topology::{Location, RankLayout, Topology};
 use fairring_core::wire::{
@@ -180,6 +180,10 @@ proptest! {
         let topo = g.topology();
         let layout = g.staging_layout();
         for slice in plan.slices() {
+            if slice.double_tree().is_some() {
+                check_tree_frames(&g, &plan, &slice, seq)?;
+                continue;
+            }
             for cell in slice.cells() {
                 if cell.span().is_empty() {
                     continue;
@@ -287,4 +291,84 @@ fn control_frames() {
         check.check_data(&h, &plan),
         Err(WireError::GeometryMismatch)
     );
+}
+
+/// Through trees: every child's contribution lands in its area by child, every
+/// parent's result over the cell (the parent's result of an inner node's own
+/// shard as such), and a frame from any other machine is refused.
+fn check_tree_frames(
+    g: &Geometry,
+    plan: &Plan,
+    slice: &Slice,
+    seq: u64,
+) -> Result<(), TestCaseError> {
+    let topo = g.topology();
+    let layout = g.staging_layout();
+    let trees = slice.double_tree().unwrap();
+    for cell in slice.cells().filter(|c| !c.span().is_empty()) {
+        let tree = slice.tree_of(cell.shard()).unwrap().unwrap();
+        let rank = |machine| {
+            topo.rank(Location {
+                machine,
+                device: cell.device(),
+            })
+            .unwrap()
+        };
+        for me in 0..topo.machines() {
+            let check = FrameCheck::new(JOB, rank(me), g).unwrap();
+            let children = trees.children(tree, me).unwrap();
+            let parent = trees.parent(tree, me).unwrap();
+            for from in (0..topo.machines()).filter(|&x| x != me) {
+                let up =
+                    FrameHeader::for_cell(FrameKind::Contribution, JOB, seq, &cell, rank(from))
+                        .unwrap();
+                match children.iter().position(|&c| c == Some(from)) {
+                    Some(i) => {
+                        let p = check.check_data(&up, plan).unwrap();
+                        prop_assert_eq!(p.event, Event::ContributionReceived);
+                        prop_assert_eq!(
+                            p.target.byte_offset(),
+                            layout
+                                .child(u32::try_from(i).unwrap())
+                                .unwrap()
+                                .byte_offset()
+                        );
+                        prop_assert!(p.target.byte_end() <= layout.total_bytes());
+                    }
+                    None => prop_assert!(
+                        matches!(
+                            check.check_data(&up, plan),
+                            Err(WireError::NotTreeNeighbour { .. })
+                        ),
+                        "contribution from a non-child accepted"
+                    ),
+                }
+                let down =
+                    FrameHeader::for_cell(FrameKind::Result, JOB, seq, &cell, rank(from)).unwrap();
+                if parent == Some(from) {
+                    let p = check.check_data(&down, plan).unwrap();
+                    let inner = trees.is_inner(tree, me).unwrap();
+                    prop_assert_eq!(
+                        p.event,
+                        if inner {
+                            Event::ParentResultReceived
+                        } else {
+                            Event::ResultReceived
+                        }
+                    );
+                    prop_assert_eq!(p.target.byte_offset(), cell.slot_span().byte_offset());
+                    prop_assert!(p.target.byte_end() <= layout.slot().byte_end());
+                } else {
+                    prop_assert!(
+                        matches!(
+                            check.check_data(&down, plan),
+                            Err(WireError::NotTreeNeighbour { .. })
+                        ),
+                        "result from a non-parent accepted"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
 }

@@ -89,11 +89,20 @@ fuzz_target!(|input: Input| match input {
                 })
                 .unwrap()
         };
-        // Contribution: `other` -> server. Result: server -> `other`.
+        // Contribution: `other` -> server. Result: server -> `other`. Through
+        // trees, the server is `other`'s parent in the cell's tree.
+        let tree = slice.tree_of(cell.shard()).unwrap();
+        let above = match (slice.double_tree(), tree) {
+            (Some(trees), Some(t)) => match trees.parent(t, other).unwrap() {
+                Some(parent) => parent,
+                None => return,
+            },
+            _ => cell.server(),
+        };
         let (kind, from, to) = if result {
-            (FrameKind::Result, cell.server(), other)
+            (FrameKind::Result, above, other)
         } else {
-            (FrameKind::Contribution, other, cell.server())
+            (FrameKind::Contribution, other, above)
         };
         let Ok(honest) = FrameHeader::for_cell(kind, 7, 1, &cell, rank(from)) else {
             return;
@@ -134,6 +143,43 @@ fuzz_target!(|input: Input| match input {
             sender.machine, me.machine,
             "accepted from the receiver's own machine"
         );
+        if let (Some(trees), Some(_)) = (slice.double_tree(), tree) {
+            let cell_tree = plan
+                .slice(placement.cell.slice())
+                .unwrap()
+                .tree_of(placement.cell.shard())
+                .unwrap()
+                .unwrap();
+            match placement.event {
+                Event::ContributionReceived => {
+                    let children = trees.children(cell_tree, me.machine).unwrap();
+                    let child = children
+                        .iter()
+                        .position(|&c| c == Some(sender.machine))
+                        .expect("contribution from a non-child");
+                    let area = layout.child(u32::try_from(child).unwrap()).unwrap();
+                    assert_eq!(placement.target.byte_offset(), area.byte_offset());
+                    assert!(len <= area.byte_len());
+                }
+                Event::ResultReceived | Event::ParentResultReceived => {
+                    assert_eq!(
+                        trees.parent(cell_tree, me.machine).unwrap(),
+                        Some(sender.machine),
+                        "result from a non-parent"
+                    );
+                    assert_eq!(
+                        placement.event == Event::ParentResultReceived,
+                        trees.is_inner(cell_tree, me.machine).unwrap()
+                    );
+                    assert_eq!(
+                        placement.target.byte_offset(),
+                        placement.cell.slot_span().byte_offset()
+                    );
+                }
+                other => panic!("a frame mapped to {other:?}"),
+            }
+            return;
+        }
         match placement.event {
             Event::ContributionReceived => {
                 assert_eq!(

@@ -79,9 +79,30 @@ fuzz_target!(|input: Input| {
                 );
                 assert_eq!(role.results_to_receive, role.contributions_to_send);
                 assert_eq!(role.reduces, serves);
-                let others = if serves { machines - 1 } else { 0 };
-                assert_eq!(u32::from(role.contributions_to_receive), others);
-                assert_eq!(u32::from(role.results_to_send), others);
+                assert_eq!(role.contributions_to_receive, role.results_to_send);
+                match (slice.double_tree(), slice.shard_served_by(m).unwrap()) {
+                    // Through trees: the served shard's children, and a
+                    // parent to forward to below the root.
+                    (Some(trees), served) => {
+                        let (children, parent) = match served {
+                            Some(j) => {
+                                let tree = slice.tree_of(j).unwrap().unwrap();
+                                let below = trees.children(tree, m).unwrap();
+                                let n = below.iter().flatten().count() as u16;
+                                (n, trees.parent(tree, m).unwrap())
+                            }
+                            None => (0, None),
+                        };
+                        assert_eq!(role.contributions_to_receive, children);
+                        assert!(children <= 2);
+                        assert_eq!(role.forwards, parent.is_some());
+                    }
+                    (None, _) => {
+                        let others = if serves { machines - 1 } else { 0 };
+                        assert_eq!(u32::from(role.contributions_to_receive), others);
+                        assert!(!role.forwards);
+                    }
+                }
             }
         }
     }

@@ -47,6 +47,7 @@ use std::ptr::NonNull;
 
 use fairring_core::DataType;
 use fairring_core::WireFormat;
+use fairring_core::plan::Routing;
 use fairring_rdma::fabric::Fabric;
 
 use super::algorithm::{Context, Resolved};
@@ -89,6 +90,7 @@ pub(crate) fn eligible<M: MemorySpace>(
                 && ctx.topology.devices_per_machine() == 1
                 && ctx.topology.machines() > 1
                 && ctx.servers == 0
+                && ctx.layout.routing() == Routing::Flat
         }
         // Every rank is a hop of its own, whatever machine it is on.
         Resolved::Ring => all_reduce && ctx.world > 1,

@@ -31,7 +31,7 @@
 
 use std::ops::Range;
 
-use fairring_core::plan::{Geometry, InputArea};
+use fairring_core::plan::{Geometry, InputArea, Routing};
 
 use super::algorithm::doubling;
 use crate::error::{Error, Result};
@@ -241,6 +241,47 @@ impl BufferLayout {
             stride,
             count,
             start: (machines - own % machines - 1) % count,
+            len,
+        })
+    }
+
+    /// How the hierarchical all-reduce's cells travel between machines.
+    pub(crate) fn routing(&self) -> Routing {
+        self.core.routing()
+    }
+
+    /// Through trees, the area that receives child `child`'s contribution (0
+    /// the left child, 1 the right one).
+    pub(crate) fn child(&self, child: u32) -> Result<Range<usize>> {
+        let area = self.core.child(child).map_err(|e| {
+            Error::internal("a tree's contributions come from a child", e.to_string())
+        })?;
+        area.byte_range().ok_or_else(|| {
+            Error::internal("the layout fits the address space", format!("{area:?}"))
+        })
+    }
+
+    /// Through trees, the first `len` bytes of the areas of the first `count`
+    /// children (one or two), in order.
+    pub(crate) fn children(&self, count: u32, len: usize) -> Result<Sources> {
+        let first = self.child(0)?;
+        let stride = usize::try_from(self.core.shard_stride()).map_err(|_| {
+            Error::internal(
+                "the layout fits the address space",
+                format!("{:?}", self.core),
+            )
+        })?;
+        if !(1..=2).contains(&count) || len > stride {
+            return Err(Error::internal(
+                "an inner node of a tree reduces one or two children's cells of at most a stride",
+                format!("{count} children, {len} of {stride} bytes"),
+            ));
+        }
+        Ok(Sources {
+            first: first.start,
+            stride,
+            count,
+            start: 0,
             len,
         })
     }

@@ -5,8 +5,9 @@
 //! ```text
 //! bits  0..4   kind (Kind)
 //! bits  4..16  staging buffer index (so at most 4096 buffers); 0 in messages
-//! bits 16..27  the slice's generation on that buffer, mod 2^11; 0 in messages
-//! bits 27..32  zero
+//! bits 16..24  the slice's generation on that buffer, mod 2^8 (the staging
+//!              word's GENERATION_BITS); 0 in messages
+//! bits 24..32  zero
 //! ```
 //!
 //! Landings carry no address: the receiver knows where each kind lands from the
@@ -59,6 +60,10 @@ pub(crate) enum Kind {
     /// the receiver opened for the operation (`engine/direct.rs`): nothing to
     /// copy out of staging.
     RelayIntoTensor = 12,
+    /// A hierarchical partial sum, sent up a tree to the parent, where it lands
+    /// as a contribution (its own kind so that its sender tells it from a
+    /// contribution of a leaf's cell when the send completes).
+    Partial = 13,
 }
 
 impl Kind {
@@ -68,6 +73,7 @@ impl Kind {
         matches!(
             self,
             Kind::Contribution
+                | Kind::Partial
                 | Kind::Result
                 | Kind::RingReduce
                 | Kind::RingGather
@@ -84,6 +90,7 @@ impl Kind {
         matches!(
             self,
             Kind::Contribution
+                | Kind::Partial
                 | Kind::RingReduce
                 | Kind::Relay
                 | Kind::RelayIntoTensor
@@ -106,6 +113,7 @@ impl Kind {
             10 => Kind::Doubling,
             11 => Kind::Scatter,
             12 => Kind::RelayIntoTensor,
+            13 => Kind::Partial,
             _ => return None,
         })
     }
@@ -130,9 +138,9 @@ pub(crate) fn lands_in_tensor(imm: u32) -> bool {
     parse_immediate(imm).is_some_and(|(kind, ..)| kind == Kind::RelayIntoTensor)
 }
 
-/// Decodes an immediate: kind, buffer, generation mod 2^11.
+/// Decodes an immediate: kind, buffer, generation mod 2^8.
 pub(crate) fn parse_immediate(imm: u32) -> Option<(Kind, u32, u64)> {
-    if imm >> 27 != 0 {
+    if imm >> (16 + GENERATION_BITS) != 0 {
         return None;
     }
     let kind = Kind::from_bits(imm & 15)?;
@@ -150,7 +158,7 @@ pub(crate) fn parse_token(token: u64) -> Option<(Kind, u32, u64)> {
     Some((Kind::from_bits(kind)?, buffer, token >> 16))
 }
 
-/// Whether `generation` (full width) matches one carried mod 2^11.
+/// Whether `generation` (full width) matches one carried mod 2^8.
 pub(crate) fn same_generation(full: u64, carried: u64) -> bool {
     full & GEN_MASK == carried
 }
@@ -174,6 +182,7 @@ mod tests {
             Kind::Doubling,
             Kind::Scatter,
             Kind::RelayIntoTensor,
+            Kind::Partial,
         ] {
             for buffer in [0, 1, 77, MAX_BUFFERS - 1] {
                 for generation in [0u64, 1, 2047, 2048, 123_456_789] {
@@ -188,7 +197,7 @@ mod tests {
             }
         }
         assert!(parse_immediate(0).is_none());
-        assert!(parse_immediate(1 << 27 | 1).is_none());
-        assert!(parse_immediate(13).is_none());
+        assert!(parse_immediate(1 << 24 | 1).is_none());
+        assert!(parse_immediate(14).is_none());
     }
 }

@@ -16,6 +16,15 @@
 //! 6. **results in** from every other server of the slice, on the receive side;
 //! 7. **all-gather** within the machine, on NVLink.
 //!
+//! Where the plan routes cells through its two trees (more machines than a
+//! slot has shards of the minimum size), steps 2 to 6 follow each shard's
+//! tree instead, from the leaves up and from the root down: a node's
+//! contribution (a leaf's cell, or an inner node's partial sum) leaves on its
+//! send side once its buffer holds it and its parent has taken a buffer,
+//! lands on the parent's receive side, the parent reduces its children's
+//! contributions on the GPU (`c + 2` cell-sized passes for `c` children) once
+//! all are in, and the root's result goes down child by child the same way.
+//!
 //! A job of one machine of several GPUs does none of this: the engine plans
 //! each tensor as one slice and runs it as one NCCL all-reduce in the tensor
 //! over NVLink.
@@ -29,7 +38,7 @@
 //!
 //! [`Role::contributions_to_send`]: fairring_core::staging::Role::contributions_to_send
 
-use fairring_core::plan::{Geometry, Slice};
+use fairring_core::plan::{DoubleTree, Geometry, Slice};
 use fairring_core::staging::Role;
 use fairring_core::topology::{Location, RankLayout, Topology};
 
@@ -125,6 +134,15 @@ struct Scratch {
     returned: Vec<f64>,
     cell: Vec<u64>,
     role: Vec<Role>,
+    /// Through trees, per machine: when its contribution to the shard's tree
+    /// reached its parent, and when its shard was final.
+    arrived: Vec<f64>,
+    final_at: Vec<f64>,
+    /// Through trees, per machine: when its slot was final, and when its last
+    /// send of the slice ended.
+    slot_final: Vec<f64>,
+    last_sent: Vec<f64>,
+    order: Vec<u32>,
 }
 
 struct Pipeline<'a> {
@@ -135,6 +153,9 @@ struct Pipeline<'a> {
 
 impl Pipeline<'_> {
     fn run(&mut self, slice: &Slice, submitted: f64) -> Result<(), ModelError> {
+        if let Some(trees) = slice.double_tree() {
+            return self.run_trees(slice, &trees, submitted);
+        }
         let m_count = self.machines.len();
         let costs = self.costs;
         let s = &mut self.scratch;
@@ -251,6 +272,132 @@ impl Pipeline<'_> {
         }
         Ok(())
     }
+}
+
+impl Pipeline<'_> {
+    /// A slice whose shards go through the trees (see the module docs).
+    fn run_trees(
+        &mut self,
+        slice: &Slice,
+        trees: &DoubleTree,
+        submitted: f64,
+    ) -> Result<(), ModelError> {
+        let m_count = self.machines.len();
+        let costs = self.costs;
+        let latency = costs.rail.latency_us * 1e-6;
+        let s = &mut self.scratch;
+        for v in [
+            &mut s.ready,
+            &mut s.scattered,
+            &mut s.arrived,
+            &mut s.final_at,
+            &mut s.slot_final,
+            &mut s.last_sent,
+        ] {
+            v.clear();
+            v.resize(m_count, f64::NEG_INFINITY);
+        }
+        let slice_bytes = f(slice.span().byte_len());
+        // 1. Reduce-scatter within the machine.
+        for (m, machine) in self.machines.iter_mut().enumerate() {
+            let ready = machine.buffers.take(submitted);
+            s.ready[m] = ready;
+            s.scattered[m] = machine.nvlink.run(ready, costs.stages.intra(slice_bytes));
+            s.slot_final[m] = s.scattered[m];
+        }
+        for j in 0..slice.shards() {
+            let Some(tree) = slice.tree_of(j)? else {
+                continue;
+            };
+            let cell = slice.cell(0, j)?.span().byte_len();
+            let root = trees.root(tree)?;
+            post_order(trees, tree, root, &mut s.order)?;
+            // 2-4. Up the tree: children before their parent.
+            for &x in &s.order {
+                let xi = x as usize;
+                let children = trees.children(tree, x)?;
+                let count = children.iter().flatten().count() as u64;
+                let mut have = s.scattered[xi];
+                for c in children.iter().flatten() {
+                    have = have.max(s.arrived[*c as usize]);
+                }
+                let up_ready = if count > 0 {
+                    let machine = &mut self.machines[xi];
+                    machine.bytes_received += count * cell;
+                    machine.gpu.run(
+                        have,
+                        costs.stages.memory(f(count + 2) * f(cell)) + costs.stages.step(),
+                    )
+                } else {
+                    have
+                };
+                match trees.parent(tree, x)? {
+                    Some(p) => {
+                        let start = up_ready.max(s.ready[p as usize]);
+                        let machine = &mut self.machines[xi];
+                        machine.messages_sent += 1;
+                        machine.bytes_sent += cell;
+                        let sent = machine.send.run(start, costs.rail.seconds(1.0, f(cell)));
+                        s.last_sent[xi] = s.last_sent[xi].max(sent);
+                        let landed = self.machines[p as usize]
+                            .receive
+                            .run(start, costs.rail.seconds(0.0, f(cell)));
+                        s.arrived[xi] = sent.max(landed) + latency;
+                    }
+                    None => s.final_at[xi] = up_ready,
+                }
+            }
+            // 5-6. Down the tree: parents before their children.
+            for &x in s.order.iter().rev() {
+                let xi = x as usize;
+                let done = s.final_at[xi];
+                s.slot_final[xi] = s.slot_final[xi].max(done);
+                for c in trees.children(tree, x)?.into_iter().flatten() {
+                    let machine = &mut self.machines[xi];
+                    machine.messages_sent += 1;
+                    machine.bytes_sent += cell;
+                    let sent = machine.send.run(done, costs.rail.seconds(1.0, f(cell)));
+                    s.last_sent[xi] = s.last_sent[xi].max(sent);
+                    let child = &mut self.machines[c as usize];
+                    child.bytes_received += cell;
+                    let landed = child.receive.run(done, costs.rail.seconds(0.0, f(cell)));
+                    s.final_at[c as usize] = sent.max(landed) + latency;
+                }
+            }
+        }
+        // 7. All-gather within the machine; the buffer is released.
+        for (m, machine) in self.machines.iter_mut().enumerate() {
+            let gathered = machine
+                .nvlink
+                .run(s.slot_final[m], costs.stages.intra(slice_bytes));
+            machine.buffers.release(gathered.max(s.last_sent[m]));
+        }
+        Ok(())
+    }
+}
+
+/// The machines of tree `tree` below `root`, each after its children.
+fn post_order(
+    trees: &DoubleTree,
+    tree: u32,
+    root: u32,
+    out: &mut Vec<u32>,
+) -> Result<(), ModelError> {
+    out.clear();
+    // Each machine is pushed once, and visited a second time once its
+    // children are out.
+    let mut stack = vec![(root, false)];
+    while let Some((x, expanded)) = stack.pop() {
+        if expanded {
+            out.push(x);
+            continue;
+        }
+        stack.push((x, true));
+        for c in trees.children(tree, x)?.into_iter().flatten() {
+            stack.push((c, false));
+        }
+    }
+    Ok(())
 }
 
 fn location(machine: usize) -> Location {

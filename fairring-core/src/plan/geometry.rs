@@ -1,6 +1,6 @@
 //! What a communicator fixes once: slice size, shards per slice, staging layout.
 
-use super::{ALIGN_BYTES, InputArea, PlanError, ServerLayout, StagingLayout};
+use super::{ALIGN_BYTES, InputArea, PlanError, ServerLayout, StagingLayout, TREES};
 use crate::topology::{MAX_MACHINES, Topology};
 
 /// The knobs of slicing and sharding.
@@ -83,6 +83,23 @@ pub struct Geometry {
     full_shards: u32,
     /// Dedicated reduction servers; 0 when the machines serve (co-located).
     servers: u32,
+    /// How cells travel between machines.
+    routing: Routing,
+}
+
+/// How a geometry's cells travel between machines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Routing {
+    /// Straight to the machine (or dedicated server) serving them, and the
+    /// result straight back: two hops, and a server receives one contribution
+    /// from every other machine.
+    Flat,
+    /// Up and down the two trees of a [`DoubleTree`](super::DoubleTree): shard
+    /// `j` of a slot through one tree, reduced on the way up by every inner
+    /// node, and the root's result back down the same tree. Where a slot cannot
+    /// give every machine a shard of at least the minimum size, this is what
+    /// keeps every machine's messages and staging independent of `M`.
+    Trees,
 }
 
 impl Geometry {
@@ -127,7 +144,18 @@ impl Geometry {
         }
         let min_shard_units = config.min_shard_bytes.div_ceil(ALIGN_BYTES);
         let raw_slot_units = slice_units / devices;
-        let full_shards = shards_for_slot(raw_slot_units, min_shard_units, serving as u64);
+        let flat_shards = shards_for_slot(raw_slot_units, min_shard_units, serving as u64);
+        // Machines that serve, and a full slot too small to give each a shard:
+        // the cells go through the trees instead, one shard per tree.
+        let routing = if servers == 0 && flat_shards < serving {
+            Routing::Trees
+        } else {
+            Routing::Flat
+        };
+        let full_shards = match routing {
+            Routing::Trees => shards_for_slot(raw_slot_units, min_shard_units, TREES as u64),
+            Routing::Flat => flat_shards,
+        };
         // Round the slot down to a multiple of its shard count so that every full
         // slice has equal cells. The shards stay at least the minimum: with k > 1,
         // k <= raw / min, so floor(raw / k) >= min.
@@ -139,7 +167,24 @@ impl Geometry {
             min_shard_units,
             full_shards,
             servers,
+            routing,
         })
+    }
+
+    /// How the cells travel between machines: [`Routing::Trees`] where the
+    /// machines serve and a full slot, cut into shards of at least the minimum
+    /// size, has fewer shards than there are machines; else [`Routing::Flat`].
+    pub const fn routing(&self) -> Routing {
+        self.routing
+    }
+
+    /// What shard indices rotate over: the trees, the dedicated servers or the
+    /// machines; also the most shards a slot has.
+    pub(crate) const fn rotation_period(&self) -> u32 {
+        match self.routing {
+            Routing::Trees => TREES,
+            Routing::Flat => self.serving(),
+        }
     }
 
     /// The dedicated reduction servers, if the geometry has them.
@@ -182,8 +227,8 @@ impl Geometry {
         self.slot_units * ALIGN_BYTES
     }
 
-    /// Shards per slot in a full slice: `M` (or the number of dedicated servers)
-    /// when the slot is large enough, fewer so
+    /// Shards per slot in a full slice: `M` (or the number of dedicated servers,
+    /// or through trees [`TREES`]) when the slot is large enough, fewer so
     /// that no shard is smaller than the minimum, and at least one.
     pub const fn shards_per_full_slice(&self) -> u32 {
         self.full_shards
@@ -197,7 +242,7 @@ impl Geometry {
     /// Shards per slot for a slice of `units` units (the adaptive-sharding rule).
     pub(crate) const fn shards_for_slice(&self, units: u64) -> u32 {
         let slot = units / self.topology.devices_per_machine() as u64;
-        shards_for_slot(slot, self.min_shard_units, self.serving() as u64)
+        shards_for_slot(slot, self.min_shard_units, self.rotation_period() as u64)
     }
 
     /// The layout of one staging buffer, large enough for any slice of any tensor,

@@ -1,6 +1,6 @@
 //! The layout of one staging buffer.
 
-use super::{ALIGN_BYTES, Geometry, PlanError, Span};
+use super::{ALIGN_BYTES, Geometry, PlanError, Routing, Span};
 
 /// What the first area of a staging buffer holds: where a slice waits for the
 /// intra-machine reduce-scatter.
@@ -42,6 +42,11 @@ pub enum InputArea {
 ///   reduction of 7 contributions of 8 MiB ran 0.55x to 1.6x as fast as pairwise
 ///   from run to run with a 2^k stride, 1.5x to 1.9x with one extra cache line).
 ///
+/// Where cells travel through trees ([`Routing::Trees`]) there are two
+/// contribution areas whatever `M`, one per child ([`StagingLayout::child`]):
+/// a device receives contributions only from its children in the one tree in
+/// which its machine is an inner node.
+///
 /// The buffer is large enough for any slice of any tensor under its
 /// [`Geometry`]: its input area for a full slot (or slice), its contribution areas
 /// for the largest cell any slice can have (a full slice's shard, or, for slices
@@ -53,6 +58,8 @@ pub struct StagingLayout {
     slot_bytes: u64,
     shard_stride: u64,
     sources: u32,
+    machines: u32,
+    trees: bool,
     input: InputArea,
 }
 
@@ -66,11 +73,15 @@ impl StagingLayout {
                 InputArea::Slice => geometry.full_slice_bytes(),
             },
             shard_stride: odd_lines * ALIGN_BYTES,
-            // Machines receive no contributions when dedicated servers serve.
-            sources: match geometry.servers() {
-                Some(_) => 0,
-                None => geometry.topology().machines() - 1,
+            // Machines receive no contributions when dedicated servers serve,
+            // and through trees only from their children.
+            sources: match (geometry.servers(), geometry.routing()) {
+                (Some(_), _) => 0,
+                (None, Routing::Trees) => 2,
+                (None, Routing::Flat) => geometry.topology().machines() - 1,
             },
+            machines: geometry.topology().machines(),
+            trees: matches!(geometry.routing(), Routing::Trees),
             input,
         }
     }
@@ -91,7 +102,8 @@ impl StagingLayout {
         self.shard_stride
     }
 
-    /// Number of contribution areas: `M - 1`, or 0 with dedicated servers.
+    /// Number of contribution areas: `M - 1`, or 0 with dedicated servers, or 2
+    /// through trees.
     pub const fn contribution_areas(&self) -> u32 {
         self.sources
     }
@@ -101,8 +113,13 @@ impl StagingLayout {
     ///
     /// Area `i` belongs to machine `(own + 1 + i) mod M`: the areas rotate with the
     /// receiving machine so that every pair of machines uses a fixed area.
+    /// Through trees contributions land by child instead: [`StagingLayout::child`];
+    /// this query is refused with [`PlanError::RoutedThroughTrees`].
     pub const fn contribution(&self, from: u32, own: u32) -> Result<Span, PlanError> {
-        let machines = self.sources + 1;
+        if self.trees {
+            return Err(PlanError::RoutedThroughTrees);
+        }
+        let machines = self.machines;
         if from >= machines {
             return Err(PlanError::MachineOutOfRange {
                 machine: from,
@@ -124,6 +141,31 @@ impl StagingLayout {
             self.slot_bytes + index as u64 * self.shard_stride,
             self.shard_stride,
         ))
+    }
+
+    /// Through trees, the area that receives the contribution of a device's
+    /// child `child` (0 for the left child, 1 for the right one, as
+    /// [`DoubleTree::children`](super::DoubleTree::children) lists them).
+    /// Refused with [`PlanError::ChildOutOfRange`] past the second child or
+    /// where cells go straight to their server (no children).
+    pub const fn child(&self, child: u32) -> Result<Span, PlanError> {
+        let children = if self.trees { self.sources } else { 0 };
+        if child >= children {
+            return Err(PlanError::ChildOutOfRange { child, children });
+        }
+        Ok(Span::bytes(
+            self.slot_bytes + child as u64 * self.shard_stride,
+            self.shard_stride,
+        ))
+    }
+
+    /// How the cells travel: [`Routing::Trees`] if contributions land by child.
+    pub const fn routing(&self) -> Routing {
+        if self.trees {
+            Routing::Trees
+        } else {
+            Routing::Flat
+        }
     }
 
     /// Total bytes of one staging buffer.

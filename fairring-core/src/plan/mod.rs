@@ -48,6 +48,21 @@
 //! receives cell `(d, j)` of its shard `j` from every machine, for every slot `d`:
 //! the same bytes of every full slice, within one unit ([`ServerLayout`]).
 //!
+//! **Trees.** Where the machines serve and a full slot cut at the minimum shard
+//! size has fewer shards than there are machines, the flat rule above would
+//! have a few servers each receive `M - 1` contributions per slice while the
+//! rest wait, and every machine's staging hold `M - 1` contribution areas. Such
+//! a geometry routes its cells through the two trees of a [`DoubleTree`]
+//! instead ([`Routing::Trees`]): each slot is cut into at most [`TREES`] shards
+//! (by the same adaptive rule, with `TREES` in `M`'s place), shard `j` of slice
+//! `s` travels through tree `(rotation + s * k_full + j) mod 2`, every inner
+//! node reduces it over its children's contributions and sends the partial sum
+//! up, and the root's result comes back down the same tree. A device then
+//! receives at most two contributions per slice, into two areas of one cell
+//! each ([`StagingLayout::child`]), sends at most four messages, and sends and
+//! receives at most two slots' bytes, whatever `M`: the staging and the
+//! messages per slice are bounded independently of the number of machines.
+//!
 //! **Zero elements** plan to zero slices: the all-reduce is complete at once.
 //!
 //! **One slice.** A job of one machine whose local step works in the tensor
@@ -68,7 +83,7 @@ mod slice;
 mod split;
 mod tree;
 
-pub use geometry::{Geometry, PlanConfig};
+pub use geometry::{Geometry, PlanConfig, Routing};
 pub use layout::{InputArea, ServerLayout, StagingLayout};
 pub use slice::{Cell, Cells, Slice, Slices};
 pub use tree::{DoubleTree, TREES};
@@ -280,6 +295,17 @@ pub enum PlanError {
         /// The index given.
         tree: u32,
     },
+    /// A query about cells going straight to their server, of a layout whose
+    /// cells travel through trees ([`Routing::Trees`]).
+    RoutedThroughTrees,
+    /// A child's contribution area past the device's children: past the second,
+    /// or any where cells go straight to their server.
+    ChildOutOfRange {
+        /// The index given.
+        child: u32,
+        /// Contribution areas by child (2 through trees, else 0).
+        children: u32,
+    },
 }
 
 impl fmt::Display for PlanError {
@@ -353,6 +379,14 @@ impl fmt::Display for PlanError {
             PlanError::ServerOutOfRange { server, servers } => {
                 write!(f, "server {server} is out of range for {servers} servers")
             }
+            PlanError::RoutedThroughTrees => f.write_str(
+                "cells of this layout travel through trees: contributions land by child, \
+                 not by machine",
+            ),
+            PlanError::ChildOutOfRange { child, children } => write!(
+                f,
+                "child {child} is out of range for {children} contribution areas by child"
+            ),
             PlanError::TreeOutOfRange { tree } => {
                 write!(f, "tree {tree} is out of range for {TREES} trees")
             }
@@ -383,7 +417,7 @@ impl Plan {
             return Err(PlanError::TensorTooLarge { elements, dtype });
         }
         let slice_elements = geometry.full_slice_bytes() / dtype.size_bytes();
-        let machines = geometry.serving() as u64;
+        let machines = geometry.rotation_period() as u64;
         Ok(Plan {
             geometry: *geometry,
             dtype,
@@ -492,13 +526,13 @@ impl Plan {
     }
 
     /// The rotation to pass to the next tensor's plan so that shards keep going
-    /// round robin over the machines: this plan's rotation plus the shards it used,
-    /// mod `M`.
+    /// round robin over the machines (or the trees): this plan's rotation plus the
+    /// shards it used, mod `M` (or [`TREES`]).
     pub const fn next_rotation(&self) -> u64 {
         if self.slices == 0 {
             return self.rotation as u64;
         }
-        let machines = self.geometry.serving() as u64;
+        let machines = self.geometry.rotation_period() as u64;
         let full = self.geometry.shards_per_full_slice() as u64;
         let last = match self.slice(self.slices - 1) {
             Ok(s) => s.shards() as u64,
@@ -508,7 +542,8 @@ impl Plan {
         (self.rotation as u64 + ((self.slices - 1) % machines) * full + last) % machines
     }
 
-    /// The caller's rotation, mod `M` (or the number of dedicated servers).
+    /// The caller's rotation, mod `M` (or the number of dedicated servers, or
+    /// [`TREES`]).
     pub(crate) const fn rotation(&self) -> u32 {
         self.rotation
     }

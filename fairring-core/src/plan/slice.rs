@@ -1,7 +1,7 @@
 //! One slice of a plan, its slots and cells, and what each device does with it.
 
 use super::split::EvenSplit;
-use super::{ALIGN_BYTES, Plan, PlanError, Span};
+use super::{ALIGN_BYTES, DoubleTree, Plan, PlanError, Routing, Span, TREES};
 use crate::dtype::DataType;
 use crate::staging::Role;
 use crate::topology::Location;
@@ -26,8 +26,11 @@ pub struct Slice {
     dedicated: bool,
     devices: u32,
     shards: u32,
-    /// Machine (or dedicated server) serving shard 0.
+    /// Machine (or dedicated server) serving shard 0; through trees, the tree
+    /// shard 0 travels through.
     first_server: u32,
+    /// The trees the cells travel through, where they do ([`Routing::Trees`]).
+    trees: Option<DoubleTree>,
     /// The slice's units dealt to the `D` slots.
     slots: EvenSplit,
 }
@@ -61,7 +64,8 @@ impl Cell {
     }
 
     /// The machine that serves it (device [`Cell::device`] of this machine reduces
-    /// it), or with dedicated servers the server's index.
+    /// it), or with dedicated servers the server's index; through trees, the
+    /// root of its tree, which finishes its reduction.
     pub const fn server(&self) -> u32 {
         self.server
     }
@@ -95,7 +99,7 @@ impl Slice {
         let unit_elements = ALIGN_BYTES / dtype.size_bytes();
         let units = len / unit_elements;
         let serving = geometry.serving();
-        let m = serving as u64;
+        let m = geometry.rotation_period() as u64;
         let full_shards = geometry.shards_per_full_slice() as u64;
         // All factors are reduced mod M <= 4096 first: no overflow.
         let first_server = (plan.rotation() as u64 + (index % m) * (full_shards % m)) % m;
@@ -116,8 +120,42 @@ impl Slice {
                 reason = "the value is below M <= 4096"
             )]
             first_server: first_server as u32,
+            trees: match geometry.routing() {
+                Routing::Trees => match DoubleTree::new(machines) {
+                    Ok(t) => Some(t),
+                    // A topology never has more than MAX_MACHINES machines.
+                    Err(_) => None,
+                },
+                Routing::Flat => None,
+            },
             slots: EvenSplit::new(units, devices as u64),
         }
+    }
+
+    /// The trees its cells travel through, or `None` where they go straight to
+    /// their server ([`Routing`]).
+    pub const fn double_tree(&self) -> Option<DoubleTree> {
+        self.trees
+    }
+
+    /// The tree shard `shard` of every slot travels through, or `None` where
+    /// cells go straight to their server.
+    pub const fn tree_of(&self, shard: u32) -> Result<Option<u32>, PlanError> {
+        if shard >= self.shards {
+            return Err(PlanError::ShardOutOfRange {
+                shard,
+                shards: self.shards,
+            });
+        }
+        Ok(match self.trees {
+            Some(_) => Some(self.tree_at(shard)),
+            None => None,
+        })
+    }
+
+    /// The tree of shard `shard < k`, through trees.
+    const fn tree_at(&self, shard: u32) -> u32 {
+        (self.first_server + shard) % TREES
     }
 
     /// Its index in the plan.
@@ -212,7 +250,9 @@ impl Slice {
     }
 
     /// The shard machine `machine` serves in this slice, if any (at most one: `k <= M`;
-    /// none with dedicated servers).
+    /// none with dedicated servers). Through trees, the shard whose tree has the
+    /// machine as an inner node, which it reduces over its children's
+    /// contributions (at most one: no machine is an inner node of both trees).
     pub const fn shard_served_by(&self, machine: u32) -> Result<Option<u32>, PlanError> {
         if machine >= self.machines {
             return Err(PlanError::MachineOutOfRange {
@@ -240,6 +280,16 @@ impl Slice {
 
     /// The shard that serving unit `unit` (a machine, or a dedicated server) serves.
     const fn served_by(&self, unit: u32) -> Option<u32> {
+        if let Some(trees) = self.trees {
+            let mut j = 0;
+            while j < self.shards {
+                if let Ok(true) = trees.is_inner(self.tree_at(j), unit) {
+                    return Some(j);
+                }
+                j += 1;
+            }
+            return None;
+        }
         let j = (unit + self.serving - self.first_server) % self.serving;
         if j < self.shards { Some(j) } else { None }
     }
@@ -263,6 +313,9 @@ impl Slice {
         if self.slot_at(location.device).is_empty() {
             return Ok(Role::IDLE);
         }
+        if let Some(trees) = self.trees {
+            return Ok(self.tree_role(&trees, location.machine));
+        }
         let reduces = served && self.machines > 1;
         let others = if reduces { self.machines - 1 } else { 0 };
         let sends = self.shards - if served { 1 } else { 0 };
@@ -278,6 +331,40 @@ impl Slice {
             reduces,
             forwards: false,
         })
+    }
+
+    /// A device's role through the trees, for machine `machine < M`: each cell
+    /// of its slot whose tree has the machine as a leaf is a contribution to its
+    /// parent and a result back; the one whose tree has it as an inner node is
+    /// reduced over its children's contributions, sent up as a partial sum below
+    /// the root, and sent down to the children once final.
+    const fn tree_role(&self, trees: &DoubleTree, machine: u32) -> Role {
+        let mut leaf_cells: u16 = 0;
+        let mut children: u16 = 0;
+        let mut has_parent = false;
+        let mut j = 0;
+        while j < self.shards {
+            let tree = self.tree_at(j);
+            let below = match trees.children(tree, machine) {
+                Ok([left, right]) => left.is_some() as u16 + right.is_some() as u16,
+                Err(_) => 0,
+            };
+            if below > 0 {
+                children = below;
+                has_parent = matches!(trees.parent(tree, machine), Ok(Some(_)));
+            } else {
+                leaf_cells += 1;
+            }
+            j += 1;
+        }
+        Role {
+            contributions_to_send: leaf_cells,
+            contributions_to_receive: children,
+            results_to_send: children,
+            results_to_receive: leaf_cells,
+            reduces: children > 0,
+            forwards: children > 0 && has_parent,
+        }
     }
 
     /// The cells, in tensor order (slot by slot, shard by shard).
@@ -303,6 +390,13 @@ impl Slice {
     }
 
     const fn server_of(&self, shard: u32) -> u32 {
+        if let Some(trees) = self.trees {
+            return match trees.root(self.tree_at(shard)) {
+                Ok(root) => root,
+                // tree_at is below TREES.
+                Err(_) => 0,
+            };
+        }
         (self.first_server + shard) % self.serving
     }
 

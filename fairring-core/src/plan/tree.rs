@@ -25,8 +25,9 @@
 //! tree's cells, and the staging it needs for its children's contributions is
 //! one slot, whatever `M`.
 //!
-//! fairring-core's [`Plan`](super::Plan) does not route cells through these
-//! trees: its cells go straight to their server. Queries are a few integer
+//! A [`Plan`](super::Plan) routes its cells through these trees where the
+//! machines are too many for every one to serve a shard
+//! ([`Routing::Trees`](super::Routing::Trees)). Queries are a few integer
 //! operations and a walk of at most `log2 M` levels (12 at
 //! [`MAX_MACHINES`]); nothing allocates or panics.
 

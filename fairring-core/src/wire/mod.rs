@@ -148,6 +148,17 @@ pub enum WireError {
         /// The machine that does serve it.
         server: u32,
     },
+    /// Through trees: a contribution from a machine that is not a child of
+    /// this one in the shard's tree, or a result from one that is not its
+    /// parent.
+    NotTreeNeighbour {
+        /// The shard.
+        shard: u32,
+        /// The tree it travels through.
+        tree: u32,
+        /// The machine the frame came from.
+        from: u32,
+    },
     /// A payload length other than the cell's.
     LengthMismatch {
         /// The cell's length in bytes.
@@ -253,6 +264,11 @@ impl fmt::Display for WireError {
             WireError::NotServer { shard, server } => write!(
                 f,
                 "frame for shard {shard} does not match its server, machine {server}"
+            ),
+            WireError::NotTreeNeighbour { shard, tree, from } => write!(
+                f,
+                "frame for shard {shard} from machine {from}, which is not this machine's \
+                 child (for a contribution) or parent (for a result) in tree {tree}"
             ),
             WireError::LengthMismatch { expected, found } => write!(
                 f,

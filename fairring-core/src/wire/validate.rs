@@ -71,7 +71,9 @@ impl FrameCheck {
     /// Accepted only if every field agrees with the plan: the sender is on this
     /// device's rail and on another machine; the slice and shard exist; a
     /// contribution is for the shard this machine serves, a result comes from the
-    /// server of its shard; the payload length is exactly the cell's. The returned
+    /// server of its shard (through trees: a contribution comes from a child in
+    /// the shard's tree, a result from the parent); the payload length is exactly
+    /// the cell's. The returned
     /// [`Placement`] then says which bytes of the staging buffer receive it.
     pub fn check_data(&self, header: &FrameHeader, plan: &Plan) -> Result<Placement, WireError> {
         if !header.kind.is_data() {
@@ -107,26 +109,41 @@ impl FrameCheck {
                     shard: header.shard,
                     shards: slice.shards(),
                 })?;
-        let (expected_server, event) = match header.kind {
-            FrameKind::Contribution => (self.me.machine, Event::ContributionReceived),
-            _ => (from.machine, Event::ResultReceived),
-        };
-        if cell.server() != expected_server {
-            return Err(WireError::NotServer {
-                shard: header.shard,
-                server: cell.server(),
-            });
-        }
-        let target = match event {
-            Event::ContributionReceived => self
-                .layout
-                .contribution(from.machine, self.me.machine)
-                .map(|area| area.offset())
-                // Unreachable: both machines are in range and differ (checked above).
-                .map_err(|_| WireError::FromOwnMachine {
-                    source_rank: header.source_rank,
-                })?,
-            _ => cell.slot_span().byte_offset(),
+        let (target, event) = match (slice.double_tree(), slice.tree_of(header.shard)) {
+            (Some(trees), Ok(Some(tree))) => {
+                let refused = WireError::NotTreeNeighbour {
+                    shard: header.shard,
+                    tree,
+                    from: from.machine,
+                };
+                let me = self.me.machine;
+                match header.kind {
+                    FrameKind::Contribution => {
+                        let children = trees.children(tree, me).map_err(|_| refused)?;
+                        let child = if children[0] == Some(from.machine) {
+                            0
+                        } else if children[1] == Some(from.machine) {
+                            1
+                        } else {
+                            return Err(refused);
+                        };
+                        let area = self.layout.child(child).map_err(|_| refused)?;
+                        (area.offset(), Event::ContributionReceived)
+                    }
+                    _ => {
+                        if trees.parent(tree, me).map_err(|_| refused)? != Some(from.machine) {
+                            return Err(refused);
+                        }
+                        let event = if trees.is_inner(tree, me).map_err(|_| refused)? {
+                            Event::ParentResultReceived
+                        } else {
+                            Event::ResultReceived
+                        };
+                        (cell.slot_span().byte_offset(), event)
+                    }
+                }
+            }
+            _ => self.flat_target(header, &cell, from)?,
         };
         let len = u64::from(header.payload_len);
         if len != cell.span().byte_len() {
@@ -152,6 +169,38 @@ impl FrameCheck {
             target: Span::bytes(target, len),
             event,
         })
+    }
+
+    /// Where a flat plan's frame lands and what it means: a contribution for
+    /// the shard this machine serves, or a result from its shard's server.
+    fn flat_target(
+        &self,
+        header: &FrameHeader,
+        cell: &Cell,
+        from: Location,
+    ) -> Result<(u64, Event), WireError> {
+        let (expected_server, event) = match header.kind {
+            FrameKind::Contribution => (self.me.machine, Event::ContributionReceived),
+            _ => (from.machine, Event::ResultReceived),
+        };
+        if cell.server() != expected_server {
+            return Err(WireError::NotServer {
+                shard: header.shard,
+                server: cell.server(),
+            });
+        }
+        let target = match event {
+            Event::ContributionReceived => self
+                .layout
+                .contribution(from.machine, self.me.machine)
+                .map(|area| area.offset())
+                // Unreachable: both machines are in range and differ (checked above).
+                .map_err(|_| WireError::FromOwnMachine {
+                    source_rank: header.source_rank,
+                })?,
+            _ => cell.slot_span().byte_offset(),
+        };
+        Ok((target, event))
     }
 
     fn check_job(&self, header: &FrameHeader) -> Result<(), WireError> {

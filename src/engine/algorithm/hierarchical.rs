@@ -50,6 +50,26 @@
 //! once every contribution has left the tensor (the copies overwrite what
 //! they were sent from), and finishes the local step without an all-gather.
 //!
+//! **Through trees** ([`Routing::Trees`](fairring_core::plan::Routing::Trees):
+//! more machines than shards of the minimum size) each shard of the slot
+//! travels through one of the core's two trees instead, and the served shard is
+//! the one whose tree has this machine as an inner node. The contribution areas
+//! are two, one per child (the core's `StagingLayout::child`):
+//!
+//! 2. `START_CONTRIBUTIONS`: each shard whose tree has this machine as a leaf
+//!    goes to device `d` of the parent, into its area for this child;
+//! 3. `START_REDUCE` (both children's contributions in): the served shard is
+//!    reduced in place over them (an average divides only at the root);
+//! 4. below the root, `START_SEND_UP`: the partial sum goes to the parent the
+//!    same way (`Partial`), and the parent's result lands over it
+//!    (`ParentResultReceived`); then, or at once at the root,
+//!    `START_SEND_BACK`: the shard goes down to each child, into the same range;
+//! 5. and 6. as above.
+//!
+//! Values cross exact through the trees, whatever the wire format asked for
+//! (rounding at every level of a tree is not what a compressed wire promises:
+//! one rounding of the sum), and a tree slice always stages its slot.
+//!
 //! With dedicated servers (`Context::servers > 0`) the machines serve nothing:
 //! step 2 sends every shard of the slot to the server holding it (into the
 //! server's area for this machine and device), steps 3 and 4 happen on the
@@ -134,9 +154,15 @@ impl Hierarchical {
             }
             SliceEvent::LocalReduceScatterDone => (Event::ReduceScatterDone, None),
             SliceEvent::Landed {
-                kind: Kind::Contribution,
+                kind: Kind::Contribution | Kind::Partial,
                 peer,
             } => (Event::ContributionReceived, Some(peer)),
+            SliceEvent::Landed {
+                kind: Kind::Result,
+                peer,
+            } if self.word.forwards() && Some(peer) == parent_of_served(ctx, s)? => {
+                (Event::ParentResultReceived, Some(peer))
+            }
             SliceEvent::Landed {
                 kind: Kind::Result,
                 peer,
@@ -148,6 +174,9 @@ impl Hierarchical {
                 kind: Kind::Contribution,
             } => (Event::ContributionSent, None),
             SliceEvent::Sent { kind: Kind::Result } => (Event::ResultSent, None),
+            SliceEvent::Sent {
+                kind: Kind::Partial,
+            } => (Event::PartialSent, None),
             SliceEvent::Reduced => (Event::Reduced, None),
             SliceEvent::LocalAllGatherDone => (Event::AllGatherDone, None),
             SliceEvent::CopiedOut if s.direct && self.copies > 0 => {
@@ -226,6 +255,9 @@ impl Hierarchical {
             } else {
                 Step::Reduce(reduction)
             });
+        }
+        if actions.contains(Actions::START_SEND_UP) {
+            send_up(ctx, s, steps)?;
         }
         if actions.contains(Actions::START_SEND_BACK) {
             match wire {
@@ -315,9 +347,128 @@ impl Hierarchical {
 }
 
 /// The format this slice's values cross between machines in, if compressed:
-/// `f32` values, and more than one machine or dedicated servers.
+/// `f32` values, and more than one machine or dedicated servers, straight to
+/// the servers (through trees values cross exact: see the module docs).
 fn compressed(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Option<WireFormat> {
-    (s.wire != WireFormat::Exact && s.dtype == DataType::F32 && !alone(ctx)).then_some(s.wire)
+    (s.wire != WireFormat::Exact
+        && s.dtype == DataType::F32
+        && !alone(ctx)
+        && s.slice.double_tree().is_none())
+    .then_some(s.wire)
+}
+
+/// Through trees, this machine's neighbours in the tree of `shard`: its parent
+/// (`None` at the root) and its children.
+fn tree_neighbours(
+    ctx: &Context<'_>,
+    s: &SliceInfo<'_>,
+    shard: u32,
+) -> Result<(Option<u32>, [Option<u32>; 2])> {
+    let me = ctx.location.machine;
+    let (Some(trees), Ok(Some(tree))) = (s.slice.double_tree(), s.slice.tree_of(shard)) else {
+        return Err(Error::internal(
+            "only a slice routed through trees asks for tree neighbours",
+            format!("shard {shard} of slice {}", s.number),
+        ));
+    };
+    let inside = |e: fairring_core::plan::PlanError| {
+        Error::internal("this machine is in every tree", e.to_string())
+    };
+    Ok((
+        trees.parent(tree, me).map_err(inside)?,
+        trees.children(tree, me).map_err(inside)?,
+    ))
+}
+
+/// Through trees, the rank of this device's rail on the parent of its machine
+/// in the tree of the shard it reduces; `None` at the root or where it
+/// reduces none.
+fn parent_of_served(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<Option<u32>> {
+    if s.slice.double_tree().is_none() {
+        return Ok(None);
+    }
+    match s.slice.shard_served_by(ctx.location.machine) {
+        Ok(Some(shard)) => tree_neighbours(ctx, s, shard)?
+            .0
+            .map(|parent| ctx.rail_peer(parent))
+            .transpose(),
+        _ => Ok(None),
+    }
+}
+
+/// Through trees, where this machine's contribution lands at its parent
+/// `parent` in the tree of `shard`: the parent's area for this child.
+fn area_at_parent(ctx: &Context<'_>, s: &SliceInfo<'_>, shard: u32, parent: u32) -> Result<usize> {
+    let tree =
+        s.slice.tree_of(shard).ok().flatten().ok_or_else(|| {
+            Error::internal("a tree slice's shards have trees", format!("{shard}"))
+        })?;
+    let trees = s
+        .slice
+        .double_tree()
+        .ok_or_else(|| Error::internal("a tree slice has trees", format!("{}", s.number)))?;
+    let siblings = trees
+        .children(tree, parent)
+        .map_err(|e| Error::internal("a parent is in the tree", e.to_string()))?;
+    let child = if siblings[0] == Some(ctx.location.machine) {
+        0
+    } else if siblings[1] == Some(ctx.location.machine) {
+        1
+    } else {
+        return Err(Error::internal(
+            "a machine is a child of its parent",
+            format!(
+                "machine {} under {parent} in tree {tree}",
+                ctx.location.machine
+            ),
+        ));
+    };
+    Ok(ctx.layout.child(child)?.start)
+}
+
+/// Through trees, every shard of the slot whose tree has this machine as a
+/// leaf, to the parent in that tree.
+fn tree_contributions(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Result<()> {
+    for shard in 0..s.slice.shards() {
+        let (parent, children) = tree_neighbours(ctx, s, shard)?;
+        if children.iter().any(Option::is_some) {
+            continue;
+        }
+        let parent = parent.ok_or_else(|| {
+            Error::internal(
+                "a leaf of a tree has a parent",
+                format!("shard {shard} of slice {}", s.number),
+            )
+        })?;
+        steps.push(Step::Write(Write {
+            kind: Kind::Contribution,
+            peer: ctx.rail_peer(parent)?,
+            source: cell_range(ctx, s, shard)?,
+            target: area_at_parent(ctx, s, shard, parent)?,
+            needs_credit: true,
+        }));
+    }
+    Ok(())
+}
+
+/// Through trees, below the root: the reduced shard, a partial sum, to the
+/// parent.
+fn send_up(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Result<()> {
+    let shard = served_shard(ctx, s)?;
+    let parent = tree_neighbours(ctx, s, shard)?.0.ok_or_else(|| {
+        Error::internal(
+            "only a machine below the root sends its partial sum up",
+            format!("shard {shard} of slice {}", s.number),
+        )
+    })?;
+    steps.push(Step::Write(Write {
+        kind: Kind::Partial,
+        peer: ctx.rail_peer(parent)?,
+        source: cell_range(ctx, s, shard)?,
+        target: area_at_parent(ctx, s, shard, parent)?,
+        needs_credit: true,
+    }));
+    Ok(())
 }
 
 /// The shards of this device's slot that others serve: other machines, or
@@ -487,6 +638,9 @@ fn served_shard(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<u32> {
 /// Each shard of this device's slot to the machine (or dedicated server)
 /// serving it.
 fn contributions(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Result<()> {
+    if s.slice.double_tree().is_some() {
+        return tree_contributions(ctx, s, steps);
+    }
     let me = ctx.location.machine;
     for shard in 0..s.slice.shards() {
         let server = s
@@ -528,17 +682,27 @@ fn contributions(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) ->
 
 /// The served shard, reduced in place over every other machine's contribution.
 fn reduction(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<Reduction> {
-    let dst = cell_range(ctx, s, served_shard(ctx, s)?)?;
+    let shard = served_shard(ctx, s)?;
+    let dst = cell_range(ctx, s, shard)?;
     let wire = compressed(ctx, s).unwrap_or(WireFormat::Exact);
-    let sources = ctx
-        .layout
-        .contributions_to(ctx.location.machine, wire.wire_bytes(dst.len()))?;
+    let (sources, whole) = if s.slice.double_tree().is_some() {
+        let (parent, children) = tree_neighbours(ctx, s, shard)?;
+        let count = u32::from(children[0].is_some()) + u32::from(children[1].is_some());
+        // The sum is whole only at the root.
+        (ctx.layout.children(count, dst.len())?, parent.is_none())
+    } else {
+        (
+            ctx.layout
+                .contributions_to(ctx.location.machine, wire.wire_bytes(dst.len()))?,
+            true,
+        )
+    };
     Ok(Reduction {
         dtype: s.dtype,
         op: s.op,
         dst,
         sources,
-        average_over: (s.op == ReduceOp::Avg).then_some(ctx.world),
+        average_over: (s.op == ReduceOp::Avg && whole).then_some(ctx.world),
         wire,
     })
 }
@@ -546,7 +710,20 @@ fn reduction(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<Reduction> {
 /// The reduced shard to device `d` of every other machine, into the same range
 /// (narrow, from the send area, on a compressed wire).
 fn results(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Result<()> {
-    let range = cell_range(ctx, s, served_shard(ctx, s)?)?;
+    let shard = served_shard(ctx, s)?;
+    let range = cell_range(ctx, s, shard)?;
+    if s.slice.double_tree().is_some() {
+        for child in tree_neighbours(ctx, s, shard)?.1.into_iter().flatten() {
+            steps.push(Step::Write(Write {
+                kind: Kind::Result,
+                peer: ctx.rail_peer(child)?,
+                source: range.clone(),
+                target: range.start,
+                needs_credit: false,
+            }));
+        }
+        return Ok(());
+    }
     let source = match compressed(ctx, s) {
         Some(format) => result_area(ctx, &range, format)?,
         None => range.clone(),

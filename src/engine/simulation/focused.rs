@@ -44,6 +44,7 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
             servers: 0,
             buffers: 1 + rng.below(2) as u32,
             slice_bytes: 1024,
+            min_shard_bytes: 64,
             ops: vec![
                 reduce(300),
                 relay(Origins::Blocks(400)),
@@ -106,6 +107,7 @@ fn broadcasts_land_in_receivers_windows() {
             servers: 0,
             buffers: 1 + rng.below(3) as u32,
             slice_bytes: 1024,
+            min_shard_bytes: 64,
             ops: vec![
                 broadcast(1, 5000),
                 reduce,

@@ -7,7 +7,10 @@
 //! Each seed picks the layout (`M` in 1..=4, `D` in 1..=3, ranks numbered
 //! machine by machine or, for one seed in four, device by device), for three seeds in
 //! seven 1 to 3 dedicated reduction servers (which then take the inter-machine
-//! step), the number of staging buffers (1..=4), the slice size, a script of
+//! step), the number of staging buffers (1..=4), the slice size and, for one
+//! seed in three, a minimum shard so large that slots hold fewer shards than
+//! there are machines (the hierarchical all-reduce then goes through the
+//! core's trees, every shape of up to four machines), a script of
 //! integer all-reduces (empty to many slices, `i32`/`i64`/`u8`/`f32`,
 //! sum/product/min/max, hierarchical, ring or recursive doubling),
 //! reduce-scatters (by the scatter algorithm, or as any of those all-reduces),
@@ -128,6 +131,7 @@ fn play(sc: &Scenario, rng: &mut Rng, design: Design, step_limit: u64) -> Result
         servers,
         buffers,
         slice_bytes,
+        min_shard_bytes,
         window,
         kill,
         direct,
@@ -137,7 +141,7 @@ fn play(sc: &Scenario, rng: &mut Rng, design: Design, step_limit: u64) -> Result
     let world = m * d;
     let processes = world + servers;
     let topology = Topology::new(m, d, rank_layout).map_err(|e| e.to_string())?;
-    let config = PlanConfig::new(slice_bytes, 64).map_err(|e| e.to_string())?;
+    let config = PlanConfig::new(slice_bytes, min_shard_bytes).map_err(|e| e.to_string())?;
     let geometry = match servers {
         0 => Geometry::new(topology, config),
         k => Geometry::with_servers(topology, config, k),

@@ -24,6 +24,13 @@ impl Rng {
     pub(super) fn pick<T: Copy>(&mut self, items: &[T]) -> T {
         items[usize::try_from(self.below(items.len() as u64)).unwrap_or(0)]
     }
+
+    /// A second stream seeded from this one's state and `salt`, which leaves
+    /// this one where it is: a draw added to a scenario from it changes no
+    /// other draw of a seed, nor its schedule.
+    pub(super) fn side(&self, salt: u64) -> Rng {
+        Rng::new(self.0 ^ salt)
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -187,6 +194,9 @@ pub(super) struct Scenario {
     pub(super) servers: u32,
     pub(super) buffers: u32,
     pub(super) slice_bytes: u64,
+    /// The smallest shard: where a slot holds fewer of them than there are
+    /// machines, the hierarchical all-reduce goes through the trees.
+    pub(super) min_shard_bytes: u64,
     pub(super) ops: Vec<Op>,
     /// Operations a rank may have outstanding.
     pub(super) window: usize,
@@ -321,6 +331,16 @@ impl Scenario {
         };
         // Drawn last, as above.
         let collectives = rng.below(2) == 0;
+        // For one seed in three a minimum shard of half a slice or a whole
+        // one, so that slots hold fewer shards than there are machines and
+        // the hierarchical all-reduce goes through the trees: drawn from a
+        // side stream, so that every other draw and the schedule stay as
+        // they were.
+        let min_shard_bytes = match rng.side(0x7472_6565).below(6) {
+            0 => slice_bytes / 2,
+            1 => slice_bytes,
+            _ => 64,
+        };
         // About one operation in four as its rooted form, where it has one
         // (a scatter's input divides among the ranks): drawn last, as above.
         for op in &mut ops {
@@ -340,6 +360,7 @@ impl Scenario {
             servers,
             buffers,
             slice_bytes,
+            min_shard_bytes,
             ops,
             window,
             kill,
