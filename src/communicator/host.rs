@@ -106,6 +106,7 @@ impl Communicator {
         choice::Job {
             topology: self.topology,
             servers: self.servers,
+            routing: self.engine.geometry.routing(),
             algorithm: self.algorithm,
             wire: self.wire,
         }

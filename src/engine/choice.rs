@@ -79,8 +79,10 @@
 //!   communicator, with its threads and staging) per rank, and a chain would
 //!   be as long as the job.
 //! - **Wire**: a compressed format applies to `f32` hierarchical calls that
-//!   cross between machines or go to dedicated servers; elsewhere the call
-//!   runs exact. Where a compressed wire applies and `auto` chose another
+//!   cross between machines straight to the machines serving them, or go to
+//!   dedicated servers; elsewhere the call runs exact, as it does where the
+//!   job's cells go through the trees (`Routing::Trees`: rounding at every
+//!   level is not the one rounding of the sum a compressed wire promises). Where a compressed wire applies and `auto` chose another
 //!   algorithm, `auto` keeps hierarchical. A call that asks for a compressed
 //!   wire for another type than `f32`, or for a collective that moves bytes
 //!   without reducing them (broadcast, all-gather, barrier), is refused.
@@ -256,6 +258,7 @@
 //! all-reduce wins from 4 MiB (by 1.1x to 2.2x), so the chain runs only
 //! where machines have one rank each.
 
+use fairring_core::plan::Routing;
 use fairring_core::topology::Topology;
 use fairring_core::{DataType, WireFormat};
 
@@ -285,6 +288,9 @@ pub(crate) struct Job {
     pub(crate) topology: Topology,
     /// Dedicated reduction servers.
     pub(crate) servers: u32,
+    /// How the hierarchical all-reduce's cells travel between machines (its
+    /// geometry's).
+    pub(crate) routing: Routing,
     /// The configured algorithm and wire format.
     pub(crate) algorithm: Algorithm,
     pub(crate) wire: WireFormat,
@@ -389,17 +395,21 @@ pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
     let asked = call.algorithm.unwrap_or(job.algorithm);
     let requested_wire = call.wire.unwrap_or(job.wire);
     let mut algorithm = resolve(form, asked, call.bytes, job)?;
+    // Values cross compressed to dedicated servers, or straight to the
+    // machines serving them; through the trees they cross exact.
+    let compresses =
+        job.servers > 0 || (job.topology.machines() > 1 && job.routing == Routing::Flat);
     // Only the hierarchical algorithm compresses: `auto` keeps it where a
     // compressed wire is asked for and would apply.
     if requested_wire != WireFormat::Exact
         && call.dtype == DataType::F32
         && algorithm != Resolved::Hierarchical
         && asked == Algorithm::Auto
+        && compresses
     {
         algorithm = Resolved::Hierarchical;
     }
-    let crosses = job.topology.machines() > 1 || job.servers > 0;
-    let wire = if call.dtype == DataType::F32 && algorithm == Resolved::Hierarchical && crosses {
+    let wire = if call.dtype == DataType::F32 && algorithm == Resolved::Hierarchical && compresses {
         requested_wire
     } else {
         WireFormat::Exact

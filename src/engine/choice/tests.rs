@@ -6,6 +6,7 @@ fn job(m: u32, d: u32, servers: u32, wire: WireFormat) -> Job {
     Job {
         topology: Topology::new(m, d, RankLayout::Contiguous).unwrap(),
         servers,
+        routing: Routing::Flat,
         algorithm: Algorithm::Auto,
         wire,
     }
@@ -262,4 +263,44 @@ fn gathers_scatters_and_reduces_on_host_memory_move_as_messages_within_the_limit
     ] {
         assert!(!host(c, DataType::U8, 2, 1, 1 << 30), "{c:?}");
     }
+}
+
+#[test]
+fn through_the_trees_a_compressed_wire_runs_exact() {
+    let call = Call {
+        collective: Collective::AllReduce,
+        dtype: DataType::F32,
+        bytes: 64 << 20,
+        algorithm: None,
+        wire: Some(WireFormat::Bf16),
+    };
+    let flat = job(64, 8, 0, WireFormat::Exact);
+    let trees = Job {
+        routing: Routing::Trees,
+        ..flat
+    };
+    assert_eq!(choose(call, &flat).unwrap().wire, WireFormat::Bf16);
+    let through = choose(call, &trees).unwrap();
+    assert_eq!(through.algorithm, Resolved::Hierarchical);
+    assert_eq!(through.wire, WireFormat::Exact);
+    // `auto` keeps the hierarchical all-reduce for a wire it would use, not
+    // for one it would not: two machines of one device double small ones.
+    let small = Call {
+        bytes: 4096,
+        ..call
+    };
+    let two = job(2, 1, 0, WireFormat::Exact);
+    assert_eq!(
+        choose(small, &two).unwrap().algorithm,
+        Resolved::Hierarchical
+    );
+    let two_trees = Job {
+        routing: Routing::Trees,
+        ..two
+    };
+    let doubled = choose(small, &two_trees).unwrap();
+    assert_eq!(
+        (doubled.algorithm, doubled.wire),
+        (Resolved::Doubling, WireFormat::Exact)
+    );
 }
