@@ -141,17 +141,24 @@ impl Drop for Job {
 }
 
 /// Kills or stops rank 1 of a 2x2 job, then of a 3x1 job (whose all-reduces
-/// send from their tensors), in the middle of their all-reduces of 4 MiB;
+/// send from their tensors), then of a 4x1 job whose all-reduces go through
+/// the trees (256 KiB slices, 256 KiB shards: rank 1 is an inner node below
+/// the root of one tree), in the middle of their all-reduces of 4 MiB;
 /// every other rank must fail within twice the timeout with an error naming
 /// rank 1, then refuse more work.
 fn survivors_name_the_lost_rank(signal: i32, what: &str) {
-    survivors_name_the_lost_rank_of(2, 2, signal, what);
-    survivors_name_the_lost_rank_of(3, 1, signal, what);
+    survivors_name_the_lost_rank_of(2, 2, signal, what, &[]);
+    survivors_name_the_lost_rank_of(3, 1, signal, what, &[]);
+    let trees = [
+        ("FAIRRING_SLICE_SIZE", "262144"),
+        ("FAIRRING_MIN_SHARD_SIZE", "262144"),
+    ];
+    survivors_name_the_lost_rank_of(4, 1, signal, what, &trees);
 }
 
-fn survivors_name_the_lost_rank_of(m: u32, d: u32, signal: i32, what: &str) {
+fn survivors_name_the_lost_rank_of(m: u32, d: u32, signal: i32, what: &str, env: &[(&str, &str)]) {
     let ranks: Vec<u32> = (0..m * d).collect();
-    let mut job = Job::start(m, d, &ranks, &["steady", "4194304", "60"], &[]);
+    let mut job = Job::start(m, d, &ranks, &["steady", "4194304", "60"], env);
     job.await_all(&ranks, "READY", Duration::from_secs(30));
     std::thread::sleep(Duration::from_millis(100));
     let at = Instant::now();
