@@ -68,7 +68,10 @@
 //!
 //! Values cross exact through the trees, whatever the wire format asked for
 //! (rounding at every level of a tree is not what a compressed wire promises:
-//! one rounding of the sum), and a tree slice always stages its slot.
+//! one rounding of the sum), and a tree slice always stages its slot. An
+//! `f16` or `bf16` partial sum is stored in its type at every inner node, so
+//! its sum is rounded once per level (at most `log2 M` times below the root),
+//! as NCCL's tree rounds at every hop; a flat plan's server rounds once.
 //!
 //! With dedicated servers (`Context::servers > 0`) the machines serve nothing:
 //! step 2 sends every shard of the slot to the server holding it (into the
