@@ -207,7 +207,8 @@ fn run(o: &Options) -> Result<(), String> {
     println!("# fairring-bench model: {hw}");
     println!(
         "# {devices} GPUs per machine, slices of {} bytes, minimum shard {} bytes, \
-         {} bytes of staging per GPU, {} tensor(s) at once",
+         {} bytes of staging per GPU, {} tensor(s) at once; k: shards per slot \
+         (t: through the trees)",
         o.slice_bytes, o.min_shard, o.budget, o.tensors
     );
     print!(
@@ -275,8 +276,13 @@ fn run(o: &Options) -> Result<(), String> {
 /// module docs).
 fn print_row(gpus: u64, job: &Job, p: &Prediction, breakdown: Option<&Hardware>) {
     let (k, buffers, messages) = match p.traffic {
+        // A `t` marks shards that go through the trees.
         Some(t) => (
-            t.shards_per_full_slice.to_string(),
+            format!(
+                "{}{}",
+                t.shards_per_full_slice,
+                if t.through_trees { "t" } else { "" }
+            ),
             t.staging_buffers.to_string(),
             t.messages_sent.to_string(),
         ),
@@ -337,6 +343,7 @@ fn write_json(path: &str, hw: &Hardware, rows: &[Row]) -> std::io::Result<()> {
                 "algbw_gbps": r.prediction.algbw_gbps,
                 "busbw_gbps": r.prediction.busbw_gbps,
                 "shards_per_full_slice": t.map(|t| t.shards_per_full_slice),
+                "routing": t.map(|t| if t.through_trees { "trees" } else { "flat" }),
                 "staging_buffers": t.map(|t| t.staging_buffers),
                 "messages_sent": t.map(|t| t.messages_sent),
                 "bytes_sent": t.map(|t| t.bytes_sent),

@@ -7,7 +7,7 @@ use fairring_bench::model::{
     Algo, BUILTIN_PRESETS, Hardware, Job, ModelError, parse_presets, predict, preset,
 };
 use fairring_bench::plot::{self, Axis, Chart, Series};
-use fairring_core::plan::{Geometry, Plan, PlanConfig};
+use fairring_core::plan::{Geometry, Plan, PlanConfig, Routing};
 use fairring_core::topology::{Location, RankLayout, Topology};
 
 fn presets() -> Vec<Hardware> {
@@ -361,6 +361,10 @@ fn predictions_consume_the_real_plan() {
                 geometry.staging_buffers(job.budget_bytes).unwrap()
             );
             assert_eq!(t.shards_per_full_slice, geometry.shards_per_full_slice());
+            assert_eq!(t.through_trees, geometry.routing() == Routing::Trees);
+            // 256 machines of 8 GPUs go through the trees at the adaptive
+            // slicing, never at the original's.
+            assert_eq!(t.through_trees, m == 256 && !original);
         }
     }
 }

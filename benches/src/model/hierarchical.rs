@@ -38,7 +38,7 @@
 //!
 //! [`Role::contributions_to_send`]: fairring_core::staging::Role::contributions_to_send
 
-use fairring_core::plan::{DoubleTree, Geometry, Slice};
+use fairring_core::plan::{DoubleTree, Geometry, Routing, Slice};
 use fairring_core::staging::Role;
 use fairring_core::topology::{Location, RankLayout, Topology};
 
@@ -95,6 +95,7 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     let traffic = Traffic {
         slices: slices.len() as u64,
         shards_per_full_slice: geometry.shards_per_full_slice(),
+        through_trees: geometry.routing() == Routing::Trees,
         staging_buffers: buffers,
         messages_sent: busiest.messages_sent,
         bytes_sent: busiest.bytes_sent,

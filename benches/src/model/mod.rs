@@ -186,6 +186,9 @@ pub struct Traffic {
     pub slices: u64,
     /// Shards per slot of a full slice (the adaptive-sharding rule's `k`).
     pub shards_per_full_slice: u32,
+    /// Whether the plan routes the cells through its two trees
+    /// (`Routing::Trees`), not straight to their servers.
+    pub through_trees: bool,
     /// Staging buffers per GPU, hence slices in flight.
     pub staging_buffers: u32,
     /// Messages rail 0 of the busiest machine sent between machines.
