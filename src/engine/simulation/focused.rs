@@ -567,3 +567,63 @@ fn one_machine_reduces_a_device_tensor_in_one_slice_through_its_collectives() {
         }
     }
 }
+
+/// Hierarchical all-reduces through the double binary tree on jobs deeper
+/// than the seeds draw (5 to 8 machines of one or two ranks: up to three
+/// levels, an inner node below an inner node, and for odd `M` a machine that
+/// is a leaf of both trees), one or two shards a slot, over one to three
+/// buffers, and for one seed in three a rank killed at a drawn step: every
+/// rank's result exact, every survivor's error naming the victim.
+#[test]
+fn deep_trees_settle_with_exact_results() {
+    let (mut checked, mut expected, mut killed_seeds) = (0, 0, 0);
+    for seed in 1..=400u64 {
+        let mut rng = Rng::new(seed);
+        let (machines, devices) = rng.pick(&[(5, 1), (6, 1), (7, 1), (8, 1), (5, 2)]);
+        let world = machines * devices;
+        let ops: Vec<Op> = (0..4)
+            .map(|_| Op {
+                elements: rng.pick(&[1, 37, 300, 1000, 2500]),
+                dtype: rng.pick(&[DataType::I32, DataType::I64, DataType::F32]),
+                op: rng.pick(&[ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min]),
+                algorithm: Resolved::Hierarchical,
+                wire: WireFormat::Exact,
+                origins: None,
+                share: None,
+                rooted: None,
+            })
+            .collect();
+        let killed = rng.below(3) == 0;
+        let scenario = Scenario {
+            machines,
+            devices,
+            layout: RankLayout::Contiguous,
+            servers: 0,
+            buffers: 1 + rng.below(3) as u32,
+            slice_bytes: 1024,
+            // A slot of 1024 / D bytes: one shard of the minimum, or two.
+            min_shard_bytes: rng.pick(&[1024 / u64::from(devices), 512 / u64::from(devices)]),
+            window: 1 + rng.below(3) as usize,
+            kill: killed.then(|| (1 + rng.below(3000), rng.below(u64::from(world)) as u32)),
+            direct: DirectSettings::from(None),
+            device: vec![false; ops.len()],
+            collectives: false,
+            ops,
+        };
+        let topology = Topology::new(machines, devices, RankLayout::Contiguous).unwrap();
+        let config = PlanConfig::new(scenario.slice_bytes, scenario.min_shard_bytes).unwrap();
+        let geometry = Geometry::new(topology, config).unwrap();
+        assert_eq!(geometry.routing(), fairring_core::plan::Routing::Trees);
+        match play(&scenario, &mut rng, Design::GateOnHost, STEP_LIMIT) {
+            // With a rank killed, `play` checks every survivor's error.
+            Ok(_) if killed => killed_seeds += 1,
+            Ok(outcome) => {
+                checked += outcome.done;
+                expected += world as usize * scenario.ops.len();
+            }
+            Err(e) => panic!("seed {seed}, {scenario:?}: {e}"),
+        }
+    }
+    assert_eq!(checked, expected, "every operation of every rank is done");
+    assert!(killed_seeds > 100, "{killed_seeds} seeds killed a rank");
+}
