@@ -11,7 +11,7 @@
 //! `--layout contiguous|interleaved`, `--slices K` (how many slices to list, 4).
 
 use fairring_core::DataType;
-use fairring_core::plan::{Geometry, Plan, PlanConfig};
+use fairring_core::plan::{Geometry, Plan, PlanConfig, Routing};
 use fairring_core::topology::{Location, RankLayout, Topology};
 use std::process::ExitCode;
 
@@ -140,6 +140,16 @@ fn run(args: &Args) -> Result<(), String> {
         human(geometry.min_shard_bytes()),
     );
     println!(
+        "cells travel: {}",
+        match geometry.routing() {
+            Routing::Flat => "straight to the machine serving them, and back",
+            Routing::Trees => {
+                "through a double binary tree: shard j up and down one tree, its root \
+                 serving it (the machines outnumber a slot's shards)"
+            }
+        }
+    );
+    println!(
         "staging buffer: {} (slot {} + {} contribution areas of {}); {} buffers fit a budget of {}",
         human(layout.total_bytes()),
         human(layout.slot().byte_len()),
@@ -204,10 +214,11 @@ fn run(args: &Args) -> Result<(), String> {
             args.device,
             role.contributions_to_send,
             role.contributions_to_receive,
-            if role.reduces {
-                "reduces and sends back a shard"
-            } else {
-                "serves nothing"
+            match (role.reduces, role.forwards) {
+                (true, true) =>
+                    "reduces a shard's partial sum for its parent, then sends the result down",
+                (true, false) => "reduces and sends back a shard",
+                _ => "serves nothing",
             }
         );
     }
