@@ -87,6 +87,7 @@
 
 use std::ops::Range;
 
+use fairring_core::plan::{DoubleTree, PlanError};
 use fairring_core::staging::{Actions, Counter, Event, StagingError, StagingErrorKind, Word};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
@@ -360,6 +361,17 @@ fn compressed(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Option<WireFormat> {
     .then_some(s.wire)
 }
 
+/// Through trees, the trees and the tree `shard` travels through.
+fn tree_of(s: &SliceInfo<'_>, shard: u32) -> Result<(DoubleTree, u32)> {
+    match (s.slice.double_tree(), s.slice.tree_of(shard)) {
+        (Some(trees), Ok(Some(tree))) => Ok((trees, tree)),
+        _ => Err(Error::internal(
+            "only a slice routed through trees asks for its trees",
+            format!("shard {shard} of slice {}", s.number),
+        )),
+    }
+}
+
 /// Through trees, this machine's neighbours in the tree of `shard`: its parent
 /// (`None` at the root) and its children.
 fn tree_neighbours(
@@ -367,16 +379,9 @@ fn tree_neighbours(
     s: &SliceInfo<'_>,
     shard: u32,
 ) -> Result<(Option<u32>, [Option<u32>; 2])> {
+    let (trees, tree) = tree_of(s, shard)?;
     let me = ctx.location.machine;
-    let (Some(trees), Ok(Some(tree))) = (s.slice.double_tree(), s.slice.tree_of(shard)) else {
-        return Err(Error::internal(
-            "only a slice routed through trees asks for tree neighbours",
-            format!("shard {shard} of slice {}", s.number),
-        ));
-    };
-    let inside = |e: fairring_core::plan::PlanError| {
-        Error::internal("this machine is in every tree", e.to_string())
-    };
+    let inside = |e: PlanError| Error::internal("this machine is in every tree", e.to_string());
     Ok((
         trees.parent(tree, me).map_err(inside)?,
         trees.children(tree, me).map_err(inside)?,
@@ -399,57 +404,50 @@ fn parent_of_served(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<Option<u32>>
     }
 }
 
-/// Through trees, where this machine's contribution lands at its parent
-/// `parent` in the tree of `shard`: the parent's area for this child.
-fn area_at_parent(ctx: &Context<'_>, s: &SliceInfo<'_>, shard: u32, parent: u32) -> Result<usize> {
-    let tree =
-        s.slice.tree_of(shard).ok().flatten().ok_or_else(|| {
-            Error::internal("a tree slice's shards have trees", format!("{shard}"))
-        })?;
-    let trees = s
-        .slice
-        .double_tree()
-        .ok_or_else(|| Error::internal("a tree slice has trees", format!("{}", s.number)))?;
+/// Through trees, the write of this device's cell of `shard` to its parent in
+/// that shard's tree, into the parent's area for this child: a leaf's
+/// contribution, or (`Kind::Partial`) an inner node's partial sum.
+fn to_parent(ctx: &Context<'_>, s: &SliceInfo<'_>, shard: u32, kind: Kind) -> Result<Write> {
+    let (trees, tree) = tree_of(s, shard)?;
+    let me = ctx.location.machine;
+    let missing = |why: &'static str| {
+        Error::internal(
+            why,
+            format!("machine {me}, shard {shard} of slice {}", s.number),
+        )
+    };
+    let parent = trees
+        .parent(tree, me)
+        .map_err(|e| Error::internal("this machine is in every tree", e.to_string()))?
+        .ok_or_else(|| missing("only a machine below a tree's root sends up"))?;
     let siblings = trees
         .children(tree, parent)
         .map_err(|e| Error::internal("a parent is in the tree", e.to_string()))?;
-    let child = if siblings[0] == Some(ctx.location.machine) {
-        0
-    } else if siblings[1] == Some(ctx.location.machine) {
-        1
-    } else {
-        return Err(Error::internal(
-            "a machine is a child of its parent",
-            format!(
-                "machine {} under {parent} in tree {tree}",
-                ctx.location.machine
-            ),
-        ));
+    let child = match siblings {
+        [Some(left), _] if left == me => 0,
+        [_, Some(right)] if right == me => 1,
+        _ => return Err(missing("a machine is a child of its parent")),
     };
-    Ok(ctx.layout.child(child)?.start)
+    Ok(Write {
+        kind,
+        peer: ctx.rail_peer(parent)?,
+        source: cell_range(ctx, s, shard)?,
+        target: ctx.layout.child(child)?.start,
+        needs_credit: true,
+    })
 }
 
 /// Through trees, every shard of the slot whose tree has this machine as a
 /// leaf, to the parent in that tree.
 fn tree_contributions(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Result<()> {
     for shard in 0..s.slice.shards() {
-        let (parent, children) = tree_neighbours(ctx, s, shard)?;
-        if children.iter().any(Option::is_some) {
-            continue;
+        let (trees, tree) = tree_of(s, shard)?;
+        let inner = trees
+            .is_inner(tree, ctx.location.machine)
+            .map_err(|e| Error::internal("this machine is in every tree", e.to_string()))?;
+        if !inner {
+            steps.push(Step::Write(to_parent(ctx, s, shard, Kind::Contribution)?));
         }
-        let parent = parent.ok_or_else(|| {
-            Error::internal(
-                "a leaf of a tree has a parent",
-                format!("shard {shard} of slice {}", s.number),
-            )
-        })?;
-        steps.push(Step::Write(Write {
-            kind: Kind::Contribution,
-            peer: ctx.rail_peer(parent)?,
-            source: cell_range(ctx, s, shard)?,
-            target: area_at_parent(ctx, s, shard, parent)?,
-            needs_credit: true,
-        }));
     }
     Ok(())
 }
@@ -458,19 +456,7 @@ fn tree_contributions(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step
 /// parent.
 fn send_up(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Result<()> {
     let shard = served_shard(ctx, s)?;
-    let parent = tree_neighbours(ctx, s, shard)?.0.ok_or_else(|| {
-        Error::internal(
-            "only a machine below the root sends its partial sum up",
-            format!("shard {shard} of slice {}", s.number),
-        )
-    })?;
-    steps.push(Step::Write(Write {
-        kind: Kind::Partial,
-        peer: ctx.rail_peer(parent)?,
-        source: cell_range(ctx, s, shard)?,
-        target: area_at_parent(ctx, s, shard, parent)?,
-        needs_credit: true,
-    }));
+    steps.push(Step::Write(to_parent(ctx, s, shard, Kind::Partial)?));
     Ok(())
 }
 
