@@ -197,7 +197,7 @@ fn core_work_allocates_nothing() {
             })
             .unwrap();
         let header =
-            FrameHeader::for_cell(FrameKind::Contribution, 9, 1, &cell, client_rank).unwrap();
+            FrameHeader::for_cell(FrameKind::Contribution, 9, 1, &cell, 0, client_rank).unwrap();
         let bytes = header.encode();
         let decoded = FrameHeader::decode(&bytes).unwrap();
         let check = FrameCheck::new(9, server_rank, &g).unwrap();

@@ -4,7 +4,7 @@
 
 use fairring_core::DataType;
 use fairring_core::plan::{
-    ALIGN_BYTES, Geometry, InputArea, Plan, PlanConfig, Routing, Slice, TREES,
+    ALIGN_BYTES, Geometry, InputArea, Plan, PlanConfig, Routing, Slice, TREE_PARTS, TREES,
 };
 use fairring_core::staging::Role;
 use fairring_core::topology::{Location, RankLayout, Topology};
@@ -71,6 +71,36 @@ fn check_slice(plan: &Plan, slice: &Slice) -> Result<(), TestCaseError> {
     let whole = g.staging_layout_with(InputArea::Slice);
     let span = slice.span();
     prop_assert!(k >= 1 && k <= m, "shards {k} for {m} machines");
+
+    // Cells travel whole straight to their server; through the trees in
+    // TREE_PARTS parts exactly where every cell holds that many whole units.
+    let unit_elements = ALIGN_BYTES / plan.dtype().size_bytes();
+    let fewest_units = slice
+        .cells()
+        .map(|c| c.span().len() / unit_elements)
+        .min()
+        .unwrap_or(0);
+    let parted = slice.double_tree().is_some() && fewest_units >= u64::from(TREE_PARTS);
+    prop_assert_eq!(slice.parts(), if parted { TREE_PARTS } else { 1 });
+    for cell in slice.cells() {
+        // Parts tile the cell, in order, aligned, none empty but an empty cell's.
+        prop_assert_eq!(cell.parts(), slice.parts());
+        let mut at = cell.span().offset();
+        for p in 0..cell.parts() {
+            let part = cell.part(p).unwrap();
+            prop_assert_eq!(part.offset(), at, "part {} of {:?}", p, cell);
+            prop_assert!(
+                !part.is_empty() || cell.span().is_empty(),
+                "part {} of {:?} is empty",
+                p,
+                cell
+            );
+            prop_assert_eq!(part.byte_offset() % ALIGN_BYTES, 0);
+            at = part.end();
+        }
+        prop_assert_eq!(at, cell.span().end());
+        prop_assert!(cell.part(cell.parts()).is_err());
+    }
 
     // Cells tile the slice exactly, in order.
     let mut next = span.offset();

@@ -16,10 +16,12 @@ fn kind() -> impl Strategy<Value = FrameKind> {
 
 prop_compose! {
     fn header()(kind in kind(), job_tag in any::<u64>(), sequence in any::<u64>(), slice in any::<u64>(),
-                shard in any::<u32>(), source_rank in any::<u32>(), len in any::<u32>()) -> FrameHeader {
+                shard in any::<u32>(), source_rank in any::<u32>(), len in any::<u32>(), part in any::<u8>()) -> FrameHeader {
         let max = kind.max_payload();
         let payload_len = if max == 0 { 0 } else if kind.is_data() { 1 + len % max } else { len % (max + 1) };
-        FrameHeader { kind, job_tag, sequence, slice, shard, source_rank, payload_len }
+        // Only a data frame names a part.
+        let part = if kind.is_data() { part } else { 0 };
+        FrameHeader { kind, job_tag, sequence, slice, shard, source_rank, payload_len, part }
     }
 }
 
@@ -114,9 +116,16 @@ proptest! {
         prop_assert_eq!(FrameHeader::decode(&b), Err(WireError::UnknownKind { found: b[5] }));
 
         let mut b = base;
-        b[6..8].copy_from_slice(&(1 + (junk % 0xFFFF) as u16).to_le_bytes());
+        b[7] = 1 + (junk % 255) as u8;
         reseal(&mut b);
         prop_assert!(matches!(FrameHeader::decode(&b), Err(WireError::ReservedFlags { .. })), "reserved flags accepted");
+        if !h.kind.is_data() {
+            // Byte 6 is a part only in a data frame.
+            let mut b = base;
+            b[6] = 1 + (junk % 255) as u8;
+            reseal(&mut b);
+            prop_assert!(matches!(FrameHeader::decode(&b), Err(WireError::ReservedFlags { .. })), "a part in a control frame accepted");
+        }
 
         let max = h.kind.max_payload();
         let mut b = base;
@@ -194,7 +203,7 @@ proptest! {
                 for client in (0..topo.machines()).filter(|&c| c != server) {
                     let client_rank = topo.rank(Location { machine: client, device: cell.device() }).unwrap();
                     // Contribution: client -> server.
-                    let h = FrameHeader::for_cell(FrameKind::Contribution, JOB, seq, &cell, client_rank).unwrap();
+                    let h = FrameHeader::for_cell(FrameKind::Contribution, JOB, seq, &cell, 0, client_rank).unwrap();
                     let p = check.check_data(&h, &plan).unwrap();
                     prop_assert_eq!(p.event, Event::ContributionReceived);
                     prop_assert_eq!(p.from_machine, client);
@@ -203,7 +212,7 @@ proptest! {
                     prop_assert!(p.target.byte_len() <= area.byte_len());
                     prop_assert!(p.target.byte_end() <= layout.total_bytes());
                     // Result: server -> client.
-                    let r = FrameHeader::for_cell(FrameKind::Result, JOB, seq, &cell, server_rank).unwrap();
+                    let r = FrameHeader::for_cell(FrameKind::Result, JOB, seq, &cell, 0, server_rank).unwrap();
                     let client_check = FrameCheck::new(JOB, client_rank, &g).unwrap();
                     let p = client_check.check_data(&r, &plan).unwrap();
                     prop_assert_eq!(p.event, Event::ResultReceived);
@@ -221,6 +230,7 @@ proptest! {
                     prop_assert!(refused(FrameHeader { source_rank: server_rank, ..h }), "frame from the receiver itself accepted");
                     prop_assert!(refused(FrameHeader { source_rank: topo.world_size(), ..h }), "source rank outside the job accepted");
                     prop_assert!(refused(FrameHeader { kind: FrameKind::Credit, ..h }), "credit taken for data");
+                    prop_assert!(matches!(check.check_data(&FrameHeader { part: 1, ..h }, &plan), Err(WireError::PartOutOfRange { part: 1, parts: 1 })), "a part of a cell that travels whole accepted");
                     // A frame that claims the receiver as its source, or comes from another rail.
                     prop_assert!(matches!(client_check.check_data(&h, &plan), Err(WireError::FromSelf { .. })), "frame claiming the receiver as sender accepted");
                     if topo.devices_per_machine() > 1 {
@@ -256,6 +266,7 @@ fn control_frames() {
         shard: 0,
         source_rank: 2,
         payload_len: 0,
+        part: 0,
     };
     assert_eq!(check.check_control(&credit), Ok(()));
     assert_eq!(
@@ -286,16 +297,18 @@ fn control_frames() {
     let other = Geometry::new(topo, PlanConfig::new(1 << 20, 1 << 16).unwrap()).unwrap();
     let plan = Plan::new(&other, DataType::F32, 1000, 0).unwrap();
     let cell = plan.slice(0).unwrap().cell(0, 0).unwrap();
-    let h = FrameHeader::for_cell(FrameKind::Contribution, JOB, 0, &cell, 2).unwrap();
+    let h = FrameHeader::for_cell(FrameKind::Contribution, JOB, 0, &cell, 0, 2).unwrap();
     assert_eq!(
         check.check_data(&h, &plan),
         Err(WireError::GeometryMismatch)
     );
 }
 
-/// Through trees: every child's contribution lands in its area by child, every
-/// parent's result over the cell (the parent's result of an inner node's own
-/// shard as such), and a frame from any other machine is refused.
+/// Through trees: every part of every child's contribution lands at its place
+/// in the area by child, every part of the parent's result over its place in
+/// the cell (the parent's result of an inner node's own shard as such), parts
+/// tile the cell, and a frame from any other machine, or for a part past the
+/// cell's, is refused.
 fn check_tree_frames(
     g: &Geometry,
     plan: &Plan,
@@ -314,26 +327,73 @@ fn check_tree_frames(
             })
             .unwrap()
         };
-        for me in 0..topo.machines() {
+        prop_assert_eq!(cell.parts(), slice.parts());
+        let mut next = cell.span().byte_offset();
+        for part in 0..cell.parts() {
+            let span = cell.part(part).unwrap();
+            prop_assert_eq!(span.byte_offset(), next, "parts tile the cell");
+            prop_assert!(
+                !span.is_empty(),
+                "part {} of {} is empty",
+                part,
+                cell.parts()
+            );
+            next = span.byte_end();
+        }
+        prop_assert_eq!(next, cell.span().byte_end());
+        let past = FrameHeader::for_cell(FrameKind::Contribution, JOB, seq, &cell, cell.parts(), 0);
+        prop_assert!(
+            matches!(past, Err(WireError::PartOutOfRange { .. })),
+            "a part past the cell's named"
+        );
+        for (me, part) in
+            (0..topo.machines()).flat_map(|me| (0..cell.parts()).map(move |p| (me, p)))
+        {
+            let span = cell.part(part).unwrap();
+            let within = span.byte_offset() - cell.span().byte_offset();
             let check = FrameCheck::new(JOB, rank(me), g).unwrap();
             let children = trees.children(tree, me).unwrap();
             let parent = trees.parent(tree, me).unwrap();
             for from in (0..topo.machines()).filter(|&x| x != me) {
-                let up =
-                    FrameHeader::for_cell(FrameKind::Contribution, JOB, seq, &cell, rank(from))
-                        .unwrap();
+                let up = FrameHeader::for_cell(
+                    FrameKind::Contribution,
+                    JOB,
+                    seq,
+                    &cell,
+                    part,
+                    rank(from),
+                )
+                .unwrap();
+                prop_assert_eq!(u64::from(up.payload_len), span.byte_len());
                 match children.iter().position(|&c| c == Some(from)) {
                     Some(i) => {
                         let p = check.check_data(&up, plan).unwrap();
                         prop_assert_eq!(p.event, Event::ContributionReceived);
-                        prop_assert_eq!(
-                            p.target.byte_offset(),
-                            layout
-                                .child(u32::try_from(i).unwrap())
-                                .unwrap()
-                                .byte_offset()
-                        );
+                        prop_assert_eq!(p.part, part);
+                        let area = layout.child(u32::try_from(i).unwrap()).unwrap();
+                        prop_assert_eq!(p.target.byte_offset(), area.byte_offset() + within);
+                        prop_assert!(p.target.byte_end() <= area.byte_end());
                         prop_assert!(p.target.byte_end() <= layout.total_bytes());
+                        if cell.parts() > 1 {
+                            // A part's length with the other part's number.
+                            let other = FrameHeader {
+                                part: u8::from(part == 0),
+                                ..up
+                            };
+                            let lie = check.check_data(&other, plan);
+                            if cell.part(1 - part).unwrap().byte_len() != span.byte_len() {
+                                prop_assert!(
+                                    matches!(lie, Err(WireError::LengthMismatch { .. })),
+                                    "a part with another's length accepted"
+                                );
+                            } else {
+                                prop_assert_eq!(
+                                    lie.unwrap().target.byte_offset(),
+                                    area.byte_offset() + cell.part(1 - part).unwrap().byte_offset()
+                                        - cell.span().byte_offset()
+                                );
+                            }
+                        }
                     }
                     None => prop_assert!(
                         matches!(
@@ -344,7 +404,8 @@ fn check_tree_frames(
                     ),
                 }
                 let down =
-                    FrameHeader::for_cell(FrameKind::Result, JOB, seq, &cell, rank(from)).unwrap();
+                    FrameHeader::for_cell(FrameKind::Result, JOB, seq, &cell, part, rank(from))
+                        .unwrap();
                 if parent == Some(from) {
                     let p = check.check_data(&down, plan).unwrap();
                     let inner = trees.is_inner(tree, me).unwrap();
@@ -356,7 +417,12 @@ fn check_tree_frames(
                             Event::ResultReceived
                         }
                     );
-                    prop_assert_eq!(p.target.byte_offset(), cell.slot_span().byte_offset());
+                    prop_assert_eq!(p.part, part);
+                    prop_assert_eq!(
+                        p.target.byte_offset(),
+                        cell.slot_span().byte_offset() + within
+                    );
+                    prop_assert_eq!(p.target.byte_len(), span.byte_len());
                     prop_assert!(p.target.byte_end() <= layout.slot().byte_end());
                 } else {
                     prop_assert!(

@@ -2,7 +2,7 @@
 //! re-encodes to the same bytes; and validation of a frame against a real plan,
 //! starting from a frame the protocol would really send and changing its fields
 //! arbitrarily, either refuses or places the payload inside the staging buffer, in
-//! the area of its kind, with exactly the cell's length.
+//! the area of its kind, at its part's place, with exactly that part's length.
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -20,6 +20,7 @@ struct Lie {
     shard: u32,
     source_rank: u32,
     payload_len: u32,
+    part: u8,
 }
 
 #[derive(Arbitrary, Debug)]
@@ -38,6 +39,7 @@ enum Input {
         shard: u32,
         machine: u32,
         result: bool,
+        part: u32,
         lie: Lie,
     },
 }
@@ -64,6 +66,7 @@ fuzz_target!(|input: Input| match input {
         shard,
         machine,
         result,
+        part,
         lie,
     } => {
         let Some((geometry, plan)) = job.build() else {
@@ -104,7 +107,8 @@ fuzz_target!(|input: Input| match input {
         } else {
             (FrameKind::Contribution, other, above)
         };
-        let Ok(honest) = FrameHeader::for_cell(kind, 7, 1, &cell, rank(from)) else {
+        let part = part % cell.parts();
+        let Ok(honest) = FrameHeader::for_cell(kind, 7, 1, &cell, part, rank(from)) else {
             return;
         };
         let header = FrameHeader {
@@ -115,6 +119,7 @@ fuzz_target!(|input: Input| match input {
             shard: honest.shard ^ lie.shard,
             source_rank: honest.source_rank ^ lie.source_rank,
             payload_len: honest.payload_len ^ lie.payload_len,
+            part: honest.part ^ lie.part,
         };
         let Ok(header) = FrameHeader::decode(&header.encode()) else {
             return;
@@ -132,7 +137,11 @@ fuzz_target!(|input: Input| match input {
         let layout = geometry.staging_layout();
         let len = u64::from(header.payload_len);
         assert_eq!(placement.target.byte_len(), len);
-        assert_eq!(placement.cell.span().byte_len(), len);
+        let part_span = placement.cell.part(placement.part).unwrap();
+        assert_eq!(part_span.byte_len(), len);
+        assert_eq!(placement.part, u32::from(header.part));
+        // Where the part lies within its cell, wherever the cell lands.
+        let within = part_span.byte_offset() - placement.cell.span().byte_offset();
         assert!(placement.target.byte_end() <= layout.total_bytes());
         assert_eq!(header.job_tag, 7);
         assert_ne!(header.source_rank, receiver);
@@ -158,8 +167,8 @@ fuzz_target!(|input: Input| match input {
                         .position(|&c| c == Some(sender.machine))
                         .expect("contribution from a non-child");
                     let area = layout.child(u32::try_from(child).unwrap()).unwrap();
-                    assert_eq!(placement.target.byte_offset(), area.byte_offset());
-                    assert!(len <= area.byte_len());
+                    assert_eq!(placement.target.byte_offset(), area.byte_offset() + within);
+                    assert!(placement.target.byte_end() <= area.byte_end());
                 }
                 Event::ResultReceived | Event::ParentResultReceived => {
                     assert_eq!(
@@ -173,7 +182,7 @@ fuzz_target!(|input: Input| match input {
                     );
                     assert_eq!(
                         placement.target.byte_offset(),
-                        placement.cell.slot_span().byte_offset()
+                        placement.cell.slot_span().byte_offset() + within
                     );
                 }
                 other => panic!("a frame mapped to {other:?}"),

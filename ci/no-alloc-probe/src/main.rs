@@ -50,7 +50,7 @@ fn exercise() -> u64 {
         let _ = black_box(state.on_event(Event::ReduceScatterDone, 0));
     }
     if let Ok(cell) = plan.slice(0).and_then(|s| s.cell(0, 0)) {
-        if let Ok(header) = FrameHeader::for_cell(FrameKind::Contribution, 1, 2, &cell, 3) {
+        if let Ok(header) = FrameHeader::for_cell(FrameKind::Contribution, 1, 2, &cell, 0, 3) {
             let bytes = header.encode();
             if FrameHeader::decode(black_box(&bytes)).is_ok() {
                 total += 1;

@@ -57,7 +57,9 @@
 //! (by the same adaptive rule, with `TREES` in `M`'s place), shard `j` of slice
 //! `s` travels through tree `(rotation + s * k_full + j) mod 2`, every inner
 //! node reduces it over its children's contributions and sends the partial sum
-//! up, and the root's result comes back down the same tree. A device then
+//! up, and the root's result comes back down the same tree. Each cell travels
+//! in [`TREE_PARTS`] parts ([`Cell::part`]), each its own message, so that an
+//! inner node forwards one part while the next is on its way. A device then
 //! receives at most two contributions per slice, into two areas of one cell
 //! each ([`StagingLayout::child`]), sends at most four messages, and sends and
 //! receives at most two slots' bytes, whatever `M`: the staging and the
@@ -86,7 +88,7 @@ mod tree;
 pub use geometry::{Geometry, PlanConfig, Routing};
 pub use layout::{InputArea, ServerLayout, StagingLayout};
 pub use slice::{Cell, Cells, Slice, Slices};
-pub use tree::{DoubleTree, TREES};
+pub use tree::{DoubleTree, TREE_PARTS, TREES};
 
 use crate::dtype::DataType;
 use core::fmt;
@@ -306,6 +308,13 @@ pub enum PlanError {
         /// Contribution areas by child (2 through trees, else 0).
         children: u32,
     },
+    /// A part of a cell past the parts it travels in ([`Cell::parts`]).
+    PartOutOfRange {
+        /// The index given.
+        part: u32,
+        /// The cell's parts.
+        parts: u32,
+    },
 }
 
 impl fmt::Display for PlanError {
@@ -387,6 +396,9 @@ impl fmt::Display for PlanError {
                 f,
                 "child {child} is out of range for {children} contribution areas by child"
             ),
+            PlanError::PartOutOfRange { part, parts } => {
+                write!(f, "part {part} is out of range for a cell of {parts} parts")
+            }
             PlanError::TreeOutOfRange { tree } => {
                 write!(f, "tree {tree} is out of range for {TREES} trees")
             }

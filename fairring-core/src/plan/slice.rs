@@ -1,7 +1,7 @@
 //! One slice of a plan, its slots and cells, and what each device does with it.
 
 use super::split::EvenSplit;
-use super::{ALIGN_BYTES, DoubleTree, Plan, PlanError, Routing, Span, TREES};
+use super::{ALIGN_BYTES, DoubleTree, Plan, PlanError, Routing, Span, TREE_PARTS, TREES};
 use crate::dtype::DataType;
 use crate::staging::Role;
 use crate::topology::Location;
@@ -45,6 +45,8 @@ pub struct Cell {
     server: u32,
     span: Span,
     slot_offset: u64,
+    /// The parts it travels in: [`TREE_PARTS`] through trees, else 1.
+    parts: u32,
 }
 
 impl Cell {
@@ -79,6 +81,39 @@ impl Cell {
     /// in the slot area of a staging buffer (byte offsets via [`Span::byte_offset`]).
     pub const fn slot_span(&self) -> Span {
         Span::elements(self.slot_offset, self.span.len(), self.dtype)
+    }
+
+    /// The parts it travels in, each its own message: its slice's
+    /// [`Slice::parts`].
+    pub const fn parts(&self) -> u32 {
+        self.parts
+    }
+
+    /// Part `part` of it, in elements from the start of the tensor: its whole
+    /// units dealt evenly to the parts, in order, and the elements after the
+    /// last whole unit to the last part. Parts tile the cell, and none is
+    /// empty unless the cell is.
+    pub const fn part(&self, part: u32) -> Result<Span, PlanError> {
+        if part >= self.parts {
+            return Err(PlanError::PartOutOfRange {
+                part,
+                parts: self.parts,
+            });
+        }
+        let unit_elements = ALIGN_BYTES / self.dtype.size_bytes();
+        let len = self.span.len();
+        let split = EvenSplit::new(len / unit_elements, self.parts as u64);
+        let p = part as u64;
+        let tail = if part + 1 == self.parts {
+            len % unit_elements
+        } else {
+            0
+        };
+        Ok(Span::elements(
+            self.span.offset() + split.start(p) * unit_elements,
+            split.len(p) * unit_elements + tail,
+            self.dtype,
+        ))
     }
 }
 
@@ -136,6 +171,17 @@ impl Slice {
     /// their server ([`Routing`]).
     pub const fn double_tree(&self) -> Option<DoubleTree> {
         self.trees
+    }
+
+    /// The parts each cell travels in ([`Cell::part`]): [`TREE_PARTS`] through
+    /// trees where every slot holds at least `TREE_PARTS` units a shard (so that
+    /// no part is empty), else 1, as where cells go straight to their server.
+    pub const fn parts(&self) -> u32 {
+        let units_for_parts = self.devices as u64 * self.shards as u64 * TREE_PARTS as u64;
+        match self.trees {
+            Some(_) if self.units >= units_for_parts => TREE_PARTS,
+            _ => 1,
+        }
     }
 
     /// The tree shard `shard` of every slot travels through, or `None` where
@@ -234,6 +280,7 @@ impl Slice {
             server: self.server_of(shard),
             span: Span::elements(slot_start + slot_offset, len, self.dtype),
             slot_offset,
+            parts: self.parts(),
         }
     }
 

@@ -37,6 +37,17 @@ use crate::topology::MAX_MACHINES;
 /// The number of trees of a [`DoubleTree`].
 pub const TREES: u32 = 2;
 
+/// The parts each cell travels through a tree in ([`Cell::part`](super::Cell::part)).
+///
+/// An inner node forwards a cell's first part up (and a result's first part
+/// down) while the second is still on its way, so a cell's trip through the
+/// `2 log2 M` levels of its tree pipelines instead of being stored and
+/// forwarded whole at each. Every part is one more message a level, so more
+/// parts pay more per-message latency: at 2048 H100s and 256 MiB the scale
+/// model predicts 206 GB/s with two parts, 199 with four and 193 with eight
+/// (167 whole; README, "The scale model").
+pub const TREE_PARTS: u32 = 2;
+
 /// The two binary trees over `M` machines (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct DoubleTree {

@@ -85,7 +85,9 @@ impl FrameKind {
 ///  0      4   magic "FRNG"
 ///  4      1   version (1)
 ///  5      1   kind (FrameKind)
-///  6      2   flags (zero in version 1)
+///  6      1   part of the cell (`Contribution`, `Result`; zero in any
+///             other frame, and where a cell travels whole)
+///  7      1   flags (zero in version 1)
 ///  8      8   job tag
 /// 16      8   sequence: the collective operation's number, the same on every rank
 /// 24      8   slice index within the operation
@@ -124,22 +126,31 @@ pub struct FrameHeader {
     pub source_rank: u32,
     /// Bytes of payload after the header.
     pub payload_len: u32,
+    /// The part of the cell a `Contribution` or `Result` carries
+    /// ([`Cell::part`]): 0 where cells travel whole, and in every other frame.
+    pub part: u8,
 }
 
 impl FrameHeader {
-    /// The header of a `Contribution` or `Result` frame carrying `cell`.
+    /// The header of a `Contribution` or `Result` frame carrying part `part`
+    /// of `cell` (0, the whole cell, where it travels whole: [`Cell::parts`]).
     pub fn for_cell(
         kind: FrameKind,
         job_tag: u64,
         sequence: u64,
         cell: &Cell,
+        part: u32,
         source_rank: u32,
     ) -> Result<FrameHeader, WireError> {
         if !kind.is_data() {
             return Err(WireError::NotDataFrame { kind });
         }
+        let span = cell.part(part).map_err(|_| WireError::PartOutOfRange {
+            part,
+            parts: cell.parts(),
+        })?;
         let payload_len =
-            u32::try_from(cell.span().byte_len()).map_err(|_| WireError::PayloadTooLarge {
+            u32::try_from(span.byte_len()).map_err(|_| WireError::PayloadTooLarge {
                 kind,
                 len: u32::MAX,
                 max: kind.max_payload(),
@@ -152,6 +163,9 @@ impl FrameHeader {
             shard: cell.shard(),
             source_rank,
             payload_len,
+            // Below TREE_PARTS (checked above).
+            #[expect(clippy::cast_possible_truncation, reason = "part < Cell::parts <= 2")]
+            part: part as u8,
         })
     }
 
@@ -161,7 +175,8 @@ impl FrameHeader {
         out[0..4].copy_from_slice(&MAGIC);
         out[4] = VERSION;
         out[5] = self.kind as u8;
-        // out[6..8]: flags, zero.
+        out[6] = self.part;
+        // out[7]: flags, zero.
         out[8..16].copy_from_slice(&self.job_tag.to_le_bytes());
         out[16..24].copy_from_slice(&self.sequence.to_le_bytes());
         out[24..32].copy_from_slice(&self.slice.to_le_bytes());
@@ -190,7 +205,13 @@ impl FrameHeader {
         }
         let kind =
             FrameKind::from_u8(bytes[5]).ok_or(WireError::UnknownKind { found: bytes[5] })?;
-        let flags = u16::from_le_bytes([bytes[6], bytes[7]]);
+        // Byte 6 is a data frame's part, and reserved in every other frame.
+        let reserved = if kind.is_data() {
+            [0, bytes[7]]
+        } else {
+            [bytes[6], bytes[7]]
+        };
+        let flags = u16::from_le_bytes(reserved);
         if flags != 0 {
             return Err(WireError::ReservedFlags { found: flags });
         }
@@ -213,6 +234,7 @@ impl FrameHeader {
             shard: u32_at(bytes, 32),
             source_rank: u32_at(bytes, 36),
             payload_len,
+            part: if kind.is_data() { bytes[6] } else { 0 },
         })
     }
 }

@@ -159,7 +159,16 @@ pub enum WireError {
         /// The machine the frame came from.
         from: u32,
     },
-    /// A payload length other than the cell's.
+    /// A part index past the parts its cell travels in
+    /// ([`Cell::parts`](crate::plan::Cell::parts)).
+    PartOutOfRange {
+        /// The part named.
+        part: u32,
+        /// The cell's parts.
+        parts: u32,
+    },
+    /// A payload length other than the cell's part's (the whole cell's where it
+    /// travels whole).
     LengthMismatch {
         /// The cell's length in bytes.
         expected: u64,
@@ -270,9 +279,13 @@ impl fmt::Display for WireError {
                 "frame for shard {shard} from machine {from}, which is not this machine's \
                  child (for a contribution) or parent (for a result) in tree {tree}"
             ),
+            WireError::PartOutOfRange { part, parts } => write!(
+                f,
+                "frame for part {part} of a cell that travels in {parts} parts"
+            ),
             WireError::LengthMismatch { expected, found } => write!(
                 f,
-                "frame announces {found} payload bytes; the cell has {expected}"
+                "frame announces {found} payload bytes; the cell's part has {expected}"
             ),
             WireError::OutsideBuffer {
                 offset,

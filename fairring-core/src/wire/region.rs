@@ -35,6 +35,7 @@ impl FrameHeader {
             shard: 0,
             source_rank,
             payload_len,
+            part: 0,
         }
     }
 
@@ -67,6 +68,7 @@ impl FrameHeader {
             shard: address.immediate,
             source_rank,
             payload_len,
+            part: 0,
         })
     }
 

@@ -24,6 +24,9 @@ pub struct Placement {
     pub cell: Cell,
     /// The machine that sent it.
     pub from_machine: u32,
+    /// The part of the cell it carries ([`Cell::part`]): the staging word of
+    /// that part takes [`Placement::event`].
+    pub part: u32,
     /// The bytes of the staging buffer it fills: exactly the payload length, inside
     /// the buffer ([`StagingLayout::total_bytes`]).
     pub target: Span,
@@ -72,8 +75,8 @@ impl FrameCheck {
     /// device's rail and on another machine; the slice and shard exist; a
     /// contribution is for the shard this machine serves, a result comes from the
     /// server of its shard (through trees: a contribution comes from a child in
-    /// the shard's tree, a result from the parent); the payload length is exactly
-    /// the cell's. The returned
+    /// the shard's tree, a result from the parent); the part is one the cell
+    /// travels in, and the payload length is exactly that part's. The returned
     /// [`Placement`] then says which bytes of the staging buffer receive it.
     pub fn check_data(&self, header: &FrameHeader, plan: &Plan) -> Result<Placement, WireError> {
         if !header.kind.is_data() {
@@ -109,6 +112,13 @@ impl FrameCheck {
                     shard: header.shard,
                     shards: slice.shards(),
                 })?;
+        let part = u32::from(header.part);
+        let part_span = cell.part(part).map_err(|_| WireError::PartOutOfRange {
+            part,
+            parts: cell.parts(),
+        })?;
+        // Where the part starts within its cell, wherever the cell lands.
+        let within = part_span.byte_offset() - cell.span().byte_offset();
         let (target, event) = match (slice.double_tree(), slice.tree_of(header.shard)) {
             (Some(trees), Ok(Some(tree))) => {
                 let refused = WireError::NotTreeNeighbour {
@@ -146,14 +156,15 @@ impl FrameCheck {
             _ => self.flat_target(header, &cell, from)?,
         };
         let len = u64::from(header.payload_len);
-        if len != cell.span().byte_len() {
+        if len != part_span.byte_len() {
             return Err(WireError::LengthMismatch {
-                expected: cell.span().byte_len(),
+                expected: part_span.byte_len(),
                 found: header.payload_len,
             });
         }
+        let target = target + within;
         let fits = match event {
-            Event::ContributionReceived => len <= self.layout.shard_stride(),
+            Event::ContributionReceived => within + len <= self.layout.shard_stride(),
             _ => target + len <= self.layout.slot().byte_len(),
         };
         if !fits {
@@ -165,6 +176,7 @@ impl FrameCheck {
         }
         Ok(Placement {
             cell,
+            part,
             from_machine: from.machine,
             target: Span::bytes(target, len),
             event,
