@@ -29,15 +29,18 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     pub(super) fn on_completion(&self, d: &mut Driver<M>, c: Completion) -> Result<(), Fault> {
         match c.event {
             CompletionEvent::Landed { len, immediate } => {
-                let (kind, b, g) = tags::parse_immediate(immediate)
-                    .filter(|&(kind, b, _)| b < self.buffers && kind.is_data())
+                let (kind, b, g, part) = tags::parse_immediate(immediate)
+                    // Only a hierarchical write carries a part of a cell.
+                    .filter(|&(kind, b, _, part)| {
+                        b < self.buffers && kind.is_data() && (part == 0 || kind.is_hierarchical())
+                    })
                     .ok_or_else(|| {
                         Error::peer(
                             c.peer,
                             format!("a write with unknown immediate {immediate:#x}"),
                         )
                     })?;
-                self.on_landed(d, c.peer, kind, b, g, len)
+                self.on_landed(d, c.peer, (kind, part), b, g, len)
             }
             CompletionEvent::Sent { token } => self.on_sent(d, token),
             CompletionEvent::Message(m) => self.on_message(d, c.peer, m.immediate, m.payload()),
@@ -58,7 +61,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         &self,
         d: &mut Driver<M>,
         peer: u32,
-        kind: Kind,
+        (kind, part): (Kind, u32),
         b: u32,
         g: u64,
         len: u64,
@@ -66,10 +69,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let slot = &d.slices.slots[b as usize];
         match &slot.active {
             Some(a) if tags::same_generation(a.generation, g) => {
-                self.feed(d, b, SliceEvent::Landed { kind, peer })
+                self.feed(d, b, SliceEvent::Landed { kind, peer, part })
             }
             None if tags::same_generation(slot.next_generation, g) && kind.lands_early() => {
-                self.land_early(d, b, kind, peer)
+                self.land_early(d, b, kind, peer, part)
             }
             _ => Err(Error::peer(
                 peer,
@@ -84,7 +87,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     }
 
     fn on_sent(&self, d: &mut Driver<M>, token: u64) -> Result<(), Fault> {
-        let (kind, b, g) = tags::parse_token(token).ok_or_else(|| {
+        let (kind, b, g, part) = tags::parse_token(token).ok_or_else(|| {
             Error::internal(
                 "the fabric reports the tokens the engine posted",
                 format!("{token:#x}"),
@@ -98,7 +101,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             .slots
             .get(b as usize)
             .and_then(|s| s.active.as_ref())
-            .is_some_and(|a| a.generation == g);
+            .is_some_and(|a| tags::same_token_generation(a.generation, g));
         if !holds {
             return Err(Error::internal(
                 "a write completes while its slice holds the buffer",
@@ -106,7 +109,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             )
             .into());
         }
-        self.feed(d, b, SliceEvent::Sent { kind })
+        self.feed(d, b, SliceEvent::Sent { kind, part })
     }
 
     fn on_message(

@@ -261,9 +261,10 @@ impl BufferLayout {
         })
     }
 
-    /// Through trees, the first `len` bytes of the areas of the first `count`
-    /// children (one or two), in order.
-    pub(crate) fn children(&self, count: u32, len: usize) -> Result<Sources> {
+    /// Through trees, bytes `within..within + len` of the areas of the first
+    /// `count` children (one or two), in order: where a part of their cells
+    /// lands.
+    pub(crate) fn children(&self, count: u32, within: usize, len: usize) -> Result<Sources> {
         let first = self.child(0)?;
         let stride = usize::try_from(self.core.shard_stride()).map_err(|_| {
             Error::internal(
@@ -271,14 +272,14 @@ impl BufferLayout {
                 format!("{:?}", self.core),
             )
         })?;
-        if !(1..=2).contains(&count) || len > stride {
+        if !(1..=2).contains(&count) || within.saturating_add(len) > stride {
             return Err(Error::internal(
                 "an inner node of a tree reduces one or two children's cells of at most a stride",
-                format!("{count} children, {len} of {stride} bytes"),
+                format!("{count} children, {len} bytes at {within} of {stride}"),
             ));
         }
         Ok(Sources {
-            first: first.start,
+            first: first.start + within,
             stride,
             count,
             start: 0,

@@ -64,9 +64,9 @@ pub(crate) enum Sent {
 pub(crate) fn send_control<F: Fabric>(fabric: &F, peer: u32, kind: Kind, payload: &[u8]) -> Sent {
     match fabric.send_message(
         peer,
-        tags::immediate(kind, 0, 0),
+        tags::immediate(kind, 0, 0, 0),
         payload,
-        tags::token(kind, 0, 0),
+        tags::token(kind, 0, 0, 0),
     ) {
         Ok(()) => Sent::Posted,
         Err(FabricError::QueueFull { .. }) => Sent::Full,

@@ -67,7 +67,7 @@ pub(crate) struct BufferSlot<M: MemorySpace> {
     pub(crate) next_generation: u64,
     /// Writes that landed for the next slice before it started, with their
     /// writers.
-    pub(crate) early: Vec<(Kind, u32)>,
+    pub(crate) early: Vec<(Kind, u32, u32)>,
     /// The local step the slice waits to run, if any.
     pub(crate) local: Option<LocalRequest>,
     /// Steps running in the memory space, and the event each ends with (none
@@ -287,8 +287,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         // Writes that landed before the slice started.
         let mut early = std::mem::take(&mut d.slices.slots[b as usize].early);
         let mut replayed = Ok(());
-        for &(kind, peer) in &early {
-            replayed = self.feed(d, b, SliceEvent::Landed { kind, peer });
+        for &(kind, peer, part) in &early {
+            replayed = self.feed(d, b, SliceEvent::Landed { kind, peer, part });
             if replayed.is_err() {
                 break;
             }
@@ -329,14 +329,15 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             })
     }
 
-    /// Holds a write of `kind` from `peer` for generation `g` of idle buffer `b`,
-    /// until its slice starts.
+    /// Holds a write of `kind` (part `part`) from `peer` for generation `g` of
+    /// idle buffer `b`, until its slice starts.
     pub(super) fn land_early(
         &self,
         d: &mut Driver<M>,
         b: u32,
         kind: Kind,
         peer: u32,
+        part: u32,
     ) -> Result<(), Fault> {
         let early = &mut d.slices.slots[b as usize].early;
         if early.len() == early.capacity() {
@@ -348,7 +349,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             )
             .into());
         }
-        early.push((kind, peer));
+        early.push((kind, peer, part));
         Ok(())
     }
 

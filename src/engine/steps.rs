@@ -146,7 +146,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                     b as usize * self.memory.buffer_bytes()
                 };
                 let peer_base = b as usize * self.stride_of(w.peer);
-                let immediate = tags::immediate(w.kind, b, active.generation);
+                let immediate = tags::immediate(w.kind, b, active.generation, w.part);
                 // In the peer's tensor, the bytes sit where they sit in this
                 // rank's: at the slice's offset there.
                 let window = into_window.then(|| WindowTarget {
@@ -161,7 +161,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                     target: (peer_base + w.target) as u64,
                     immediate,
                     window,
-                    token: tags::token(w.kind, b, active.generation),
+                    token: tags::token(w.kind, b, active.generation, w.part),
                     seq: active.seq,
                     credit_for: w.needs_credit.then_some(active.number),
                 };

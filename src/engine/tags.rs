@@ -7,7 +7,8 @@
 //! bits  4..16  staging buffer index (so at most 4096 buffers); 0 in messages
 //! bits 16..24  the slice's generation on that buffer, mod 2^8 (the staging
 //!              word's GENERATION_BITS); 0 in messages
-//! bits 24..32  zero
+//! bits 24..32  the part of the cell it carries (a hierarchical write through
+//!              the trees: fairring-core's `Cell::part`); 0 otherwise
 //! ```
 //!
 //! Landings carry no address: the receiver knows where each kind lands from the
@@ -19,13 +20,20 @@
 //! ```text
 //! bits  0..4   kind
 //! bits  4..16  staging buffer index
-//! bits 16..64  generation (full width)
+//! bits 16..24  part, as in the immediate
+//! bits 24..64  generation mod 2^40 (no buffer sees 2^40 slices)
 //! ```
 
 use fairring_core::staging::GENERATION_BITS;
 
 /// Most staging buffers the encoding can name.
 pub(crate) const MAX_BUFFERS: u32 = 1 << 12;
+
+/// Parts of a cell the encoding can name.
+pub(crate) const MAX_PARTS: u32 = 1 << 8;
+
+/// Bits of a generation a token carries.
+const TOKEN_GENERATION_BITS: u32 = 40;
 
 /// What a write or message is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,6 +92,12 @@ impl Kind {
         )
     }
 
+    /// Whether it is a write of the hierarchical all-reduce, which may carry a
+    /// part of a cell (the immediate's part).
+    pub(crate) fn is_hierarchical(self) -> bool {
+        matches!(self, Kind::Contribution | Kind::Partial | Kind::Result)
+    }
+
     /// Whether a peer may write it before this rank's slice has started: the
     /// writes that need the slice's credit, not the slice itself.
     pub(crate) fn lands_early(self) -> bool {
@@ -122,10 +136,10 @@ impl Kind {
 const GEN_MASK: u64 = (1 << GENERATION_BITS) - 1;
 
 /// The immediate of a write of `kind` into buffer `buffer` for `generation`.
-pub(crate) fn immediate(kind: Kind, buffer: u32, generation: u64) -> u32 {
-    debug_assert!(buffer < MAX_BUFFERS);
+pub(crate) fn immediate(kind: Kind, buffer: u32, generation: u64, part: u32) -> u32 {
+    debug_assert!(buffer < MAX_BUFFERS && part < MAX_PARTS);
     let g = (generation & GEN_MASK) as u32;
-    kind as u32 | (buffer & (MAX_BUFFERS - 1)) << 4 | g << 16
+    kind as u32 | (buffer & (MAX_BUFFERS - 1)) << 4 | g << 16 | (part & (MAX_PARTS - 1)) << 24
 }
 
 /// `imm` (an immediate of [`immediate`]) with its kind replaced by `kind`.
@@ -138,29 +152,45 @@ pub(crate) fn lands_in_tensor(imm: u32) -> bool {
     parse_immediate(imm).is_some_and(|(kind, ..)| kind == Kind::RelayIntoTensor)
 }
 
-/// Decodes an immediate: kind, buffer, generation mod 2^8.
-pub(crate) fn parse_immediate(imm: u32) -> Option<(Kind, u32, u64)> {
-    if imm >> (16 + GENERATION_BITS) != 0 {
-        return None;
-    }
+/// Decodes an immediate: kind, buffer, generation mod 2^8, part.
+pub(crate) fn parse_immediate(imm: u32) -> Option<(Kind, u32, u64, u32)> {
     let kind = Kind::from_bits(imm & 15)?;
-    Some((kind, (imm >> 4) & (MAX_BUFFERS - 1), u64::from(imm >> 16)))
+    Some((
+        kind,
+        (imm >> 4) & (MAX_BUFFERS - 1),
+        u64::from(imm >> 16) & GEN_MASK,
+        imm >> 24,
+    ))
 }
 
 /// The token of a post.
-pub(crate) fn token(kind: Kind, buffer: u32, generation: u64) -> u64 {
-    kind as u64 | u64::from(buffer & (MAX_BUFFERS - 1)) << 4 | generation << 16
+pub(crate) fn token(kind: Kind, buffer: u32, generation: u64, part: u32) -> u64 {
+    debug_assert!(part < MAX_PARTS);
+    kind as u64
+        | u64::from(buffer & (MAX_BUFFERS - 1)) << 4
+        | u64::from(part & (MAX_PARTS - 1)) << 16
+        | generation << 24
 }
 
-/// Decodes a token: kind, buffer, generation.
-pub(crate) fn parse_token(token: u64) -> Option<(Kind, u32, u64)> {
+/// Decodes a token: kind, buffer, generation mod 2^40, part.
+pub(crate) fn parse_token(token: u64) -> Option<(Kind, u32, u64, u32)> {
     let (kind, buffer) = ((token & 15) as u32, ((token >> 4) & 0xfff) as u32);
-    Some((Kind::from_bits(kind)?, buffer, token >> 16))
+    Some((
+        Kind::from_bits(kind)?,
+        buffer,
+        token >> 24,
+        ((token >> 16) & 0xff) as u32,
+    ))
 }
 
 /// Whether `generation` (full width) matches one carried mod 2^8.
 pub(crate) fn same_generation(full: u64, carried: u64) -> bool {
     full & GEN_MASK == carried
+}
+
+/// Whether `generation` (full width) matches a token's, carried mod 2^40.
+pub(crate) fn same_token_generation(full: u64, carried: u64) -> bool {
+    full & ((1 << TOKEN_GENERATION_BITS) - 1) == carried
 }
 
 #[cfg(test)]
@@ -185,19 +215,25 @@ mod tests {
             Kind::Partial,
         ] {
             for buffer in [0, 1, 77, MAX_BUFFERS - 1] {
-                for generation in [0u64, 1, 2047, 2048, 123_456_789] {
-                    let (k, b, g) = parse_immediate(immediate(kind, buffer, generation)).unwrap();
-                    assert_eq!((k, b), (kind, buffer));
-                    assert!(same_generation(generation, g));
-                    let other = with_kind(immediate(kind, buffer, generation), Kind::Relay);
-                    assert_eq!(parse_immediate(other).unwrap(), (Kind::Relay, b, g));
-                    let (k, b, g) = parse_token(token(kind, buffer, generation)).unwrap();
-                    assert_eq!((k, b, g), (kind, buffer, generation));
+                for generation in [0u64, 1, 2047, 2048, 123_456_789, (1 << 40) + 5] {
+                    for part in [0, 1, MAX_PARTS - 1] {
+                        let imm = immediate(kind, buffer, generation, part);
+                        let (k, b, g, p) = parse_immediate(imm).unwrap();
+                        assert_eq!((k, b, p), (kind, buffer, part));
+                        assert!(same_generation(generation, g));
+                        assert!(!same_generation(generation + 1, g));
+                        let other = with_kind(imm, Kind::Relay);
+                        assert_eq!(parse_immediate(other).unwrap(), (Kind::Relay, b, g, p));
+                        let (k, b, g, p) =
+                            parse_token(token(kind, buffer, generation, part)).unwrap();
+                        assert_eq!((k, b, p), (kind, buffer, part));
+                        assert!(same_token_generation(generation, g));
+                        assert!(!same_token_generation(generation + 1, g));
+                    }
                 }
             }
         }
         assert!(parse_immediate(0).is_none());
-        assert!(parse_immediate(1 << 24 | 1).is_none());
         assert!(parse_immediate(14).is_none());
     }
 }

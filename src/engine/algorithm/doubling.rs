@@ -103,6 +103,7 @@ impl Doubling {
             SliceEvent::Landed {
                 kind: Kind::Doubling,
                 peer,
+                part: 0,
             } => {
                 let slot = self.slot_of(ctx, peer).ok_or_else(|| {
                     unexpected(Kind::Doubling, peer, s, "not a partner of this rank")
@@ -114,11 +115,12 @@ impl Doubling {
                 self.seen |= bit;
                 self.landed |= bit;
             }
-            SliceEvent::Landed { kind, peer } => {
+            SliceEvent::Landed { kind, peer, .. } => {
                 return Err(unexpected(kind, peer, s, "a recursive-doubling slice"));
             }
             SliceEvent::Sent {
                 kind: Kind::Doubling,
+                part: 0,
             } if self.sends > 0 => self.sends -= 1,
             SliceEvent::Reduced if self.reducing => {
                 self.reducing = false;
@@ -282,6 +284,7 @@ impl Doubling {
             source,
             target,
             needs_credit: true,
+            part: 0,
         }));
     }
 

@@ -66,6 +66,18 @@
 //!    `START_SEND_BACK`: the shard goes down to each child, into the same range;
 //! 5. and 6. as above.
 //!
+//! Through trees each cell travels in parts (the core's `Cell::part`: two,
+//! where every cell of the slice holds two units), each its own write, and
+//! each part has its own word: steps 2 to 4 run part by part, so an inner node
+//! reduces and sends up a part as soon as both children's copies of it are in,
+//! and sends a part of its result down as soon as it has landed, while the
+//! next part is still on its way. The local reduce-scatter and all-gather and
+//! the release are the slice's: every part's word takes their events, the
+//! all-gather waits for every part's `START_ALL_GATHER`, and the buffer is
+//! released once every word has released. A write's part travels in its
+//! immediate and its token (`engine/tags.rs`); reductions end in the order
+//! they were asked for, as every step of a buffer does.
+//!
 //! Values cross exact through the trees, whatever the wire format asked for
 //! (rounding at every level of a tree is not what a compressed wire promises:
 //! one rounding of the sum), and a tree slice always stages its slot. An
@@ -87,7 +99,7 @@
 
 use std::ops::Range;
 
-use fairring_core::plan::{DoubleTree, PlanError};
+use fairring_core::plan::{DoubleTree, PlanError, TREE_PARTS};
 use fairring_core::staging::{Actions, Counter, Event, StagingError, StagingErrorKind, Word};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
@@ -96,10 +108,30 @@ use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
 use crate::memory::{Conversion, Direction, Reduction};
 
+/// Most parts a slice's cells travel in: one word each.
+const MOST_PARTS: usize = TREE_PARTS as usize;
+
 /// The hierarchical state of one slice.
 #[derive(Debug)]
 pub(crate) struct Hierarchical {
-    word: Word,
+    /// One word per part of the slice's cells (fairring-core's `Slice::parts`):
+    /// through the trees, each part of every cell goes up and down its tree on
+    /// its own, so each has its own word; where cells travel whole, one. The
+    /// local reduce-scatter and all-gather, and the release, are the slice's:
+    /// every word takes their events, and the slice acts once all have asked.
+    words: [Word; MOST_PARTS],
+    /// Parts in use: the first `parts` words.
+    parts: u32,
+    /// Parts whose slot bytes are final (their word asked for the all-gather).
+    final_parts: u32,
+    /// Parts whose word asked for the release.
+    released_parts: u32,
+    /// Parts in the order their reductions were asked for, and how many of
+    /// them have ended: the engine reports the ends of a buffer's steps in
+    /// the order of the steps.
+    reductions: [u32; MOST_PARTS],
+    reductions_asked: usize,
+    reductions_ended: usize,
     /// Whether the local all-gather has been asked for.
     gathering: bool,
     /// Sending from the tensor: the slot is final, and its copies in wait
@@ -125,8 +157,21 @@ impl Hierarchical {
         let word = Word::free(s.generation)
             .acquire(s.generation, role)
             .map_err(|e| Error::internal("a new slice's word is free", e.to_string()))?;
+        let parts = s.slice.parts();
+        if parts == 0 || parts as usize > MOST_PARTS {
+            return Err(Error::internal(
+                "a slice's cells travel in one part, or in the trees' parts",
+                format!("{parts} parts in slice {}", s.number),
+            ));
+        }
         let mut slice = Hierarchical {
-            word,
+            words: [word; MOST_PARTS],
+            parts,
+            final_parts: 0,
+            released_parts: 0,
+            reductions: [0; MOST_PARTS],
+            reductions_asked: 0,
+            reductions_ended: 0,
             gathering: false,
             copy_waits: false,
             copies: 0,
@@ -134,7 +179,7 @@ impl Hierarchical {
         if s.direct {
             // The slot is the slice, in the tensor: its machine's reduction is
             // the rank's own input.
-            slice.step_word(Event::ReduceScatterDone, None, ctx, s, steps)?;
+            slice.step_all(Event::ReduceScatterDone, ctx, s, steps)?;
         } else {
             steps.push(Step::LocalBegin);
             steps.push(Step::LocalReduceScatter {
@@ -152,96 +197,149 @@ impl Hierarchical {
         event: SliceEvent,
         steps: &mut Vec<Step>,
     ) -> Result<()> {
-        let (core_event, from) = match event {
+        let (core_event, from, part) = match event {
             SliceEvent::Converted(converted) => {
                 return self.converted(ctx, s, converted, steps);
             }
-            SliceEvent::LocalReduceScatterDone => (Event::ReduceScatterDone, None),
+            SliceEvent::LocalReduceScatterDone => {
+                return self.step_all(Event::ReduceScatterDone, ctx, s, steps);
+            }
+            SliceEvent::LocalAllGatherDone => {
+                return self.step_all(Event::AllGatherDone, ctx, s, steps);
+            }
+            SliceEvent::Landed { part, peer, .. } if part >= self.parts => {
+                return Err(Error::peer(
+                    peer,
+                    format!(
+                        "a write of part {part} into slice {}, whose cells travel in {} parts",
+                        s.number, self.parts
+                    ),
+                ));
+            }
             SliceEvent::Landed {
                 kind: Kind::Contribution | Kind::Partial,
                 peer,
-            } => (Event::ContributionReceived, Some(peer)),
+                part,
+            } => (Event::ContributionReceived, Some(peer), part),
             SliceEvent::Landed {
                 kind: Kind::Result,
                 peer,
-            } if self.word.forwards() && Some(peer) == parent_of_served(ctx, s)? => {
-                (Event::ParentResultReceived, Some(peer))
+                part,
+            } if self.words[0].forwards() && Some(peer) == parent_of_served(ctx, s)? => {
+                (Event::ParentResultReceived, Some(peer), part)
             }
             SliceEvent::Landed {
                 kind: Kind::Result,
                 peer,
-            } => (Event::ResultReceived, Some(peer)),
-            SliceEvent::Landed { kind, peer } => {
+                part,
+            } => (Event::ResultReceived, Some(peer), part),
+            SliceEvent::Landed { kind, peer, .. } => {
                 return Err(unexpected(kind, peer, s, "a hierarchical slice"));
+            }
+            SliceEvent::Sent { part, .. } if part >= self.parts => {
+                return Err(Error::internal(
+                    "a slice's writes carry its own parts",
+                    format!("{event:?} for slice {}", s.number),
+                ));
             }
             SliceEvent::Sent {
                 kind: Kind::Contribution,
-            } => (Event::ContributionSent, None),
-            SliceEvent::Sent { kind: Kind::Result } => (Event::ResultSent, None),
+                part,
+            } => (Event::ContributionSent, None, part),
+            SliceEvent::Sent {
+                kind: Kind::Result,
+                part,
+            } => (Event::ResultSent, None, part),
             SliceEvent::Sent {
                 kind: Kind::Partial,
-            } => (Event::PartialSent, None),
-            SliceEvent::Reduced => (Event::Reduced, None),
-            SliceEvent::LocalAllGatherDone => (Event::AllGatherDone, None),
+                part,
+            } => (Event::PartialSent, None, part),
+            SliceEvent::Reduced if self.reductions_ended < self.reductions_asked => {
+                let part = self.reductions[self.reductions_ended];
+                self.reductions_ended += 1;
+                (Event::Reduced, None, part)
+            }
             SliceEvent::CopiedOut if s.direct && self.copies > 0 => {
                 self.copies -= 1;
                 if self.copies > 0 {
                     return Ok(());
                 }
                 steps.push(Step::LocalFinish);
-                (Event::AllGatherDone, None)
+                return self.step_all(Event::AllGatherDone, ctx, s, steps);
             }
-            SliceEvent::Staged | SliceEvent::CopiedOut | SliceEvent::Sent { .. } => {
+            SliceEvent::Staged
+            | SliceEvent::CopiedOut
+            | SliceEvent::Reduced
+            | SliceEvent::Sent { .. } => {
                 return Err(Error::internal(
                     "a hierarchical slice gets only its own steps' events",
                     format!("{event:?} for slice {}", s.number),
                 ));
             }
         };
-        self.step_word(core_event, from, ctx, s, steps)?;
-        if self.copy_waits && self.word.remaining(Counter::ContributionsToSend) == 0 {
+        self.step_word(part, core_event, from, ctx, s, steps)?;
+        if self.copy_waits && self.words[0].remaining(Counter::ContributionsToSend) == 0 {
             self.copy_in(ctx, s, steps)?;
         }
         Ok(())
     }
 
-    /// Steps the word with `event` (from `from`, if a peer's write) and acts on
-    /// what it hands out.
+    /// Steps every part's word with `event`, one of the slice's own (the
+    /// local steps').
+    fn step_all(
+        &mut self,
+        event: Event,
+        ctx: &Context<'_>,
+        s: &SliceInfo<'_>,
+        steps: &mut Vec<Step>,
+    ) -> Result<()> {
+        for part in 0..self.parts {
+            self.step_word(part, event, None, ctx, s, steps)?;
+        }
+        Ok(())
+    }
+
+    /// Steps part `part`'s word with `event` (from `from`, if a peer's write)
+    /// and acts on what it hands out.
     fn step_word(
         &mut self,
+        part: u32,
         event: Event,
         from: Option<u32>,
         ctx: &Context<'_>,
         s: &SliceInfo<'_>,
         steps: &mut Vec<Step>,
     ) -> Result<()> {
-        let (word, actions) = self
-            .word
+        let word = &mut self.words[part as usize];
+        let (next, actions) = word
             .on_event(event, s.generation)
             .map_err(|e| refused(e, from, s))?;
-        self.word = word;
-        self.act(ctx, s, actions, steps)
+        *word = next;
+        self.act(ctx, s, part, actions, steps)
     }
 
     /// Where the slice is, for a stall report.
     pub(crate) fn phase(&self) -> &'static str {
-        if !self.word.in_use() {
+        let words = &self.words[..self.parts as usize];
+        if words.iter().all(|w| !w.in_use()) {
             "released"
-        } else if !self.word.reduce_scatter_done() {
+        } else if !words.iter().all(|w| w.reduce_scatter_done()) {
             "local reduce-scatter"
         } else if !self.gathering {
             "exchange"
-        } else if !self.word.all_gather_done() {
+        } else if !words.iter().all(|w| w.all_gather_done()) {
             "local all-gather"
         } else {
             "draining its sends"
         }
     }
 
+    /// Acts on what part `part`'s word handed out.
     fn act(
         &mut self,
         ctx: &Context<'_>,
         s: &SliceInfo<'_>,
+        part: u32,
         actions: Actions,
         steps: &mut Vec<Step>,
     ) -> Result<()> {
@@ -249,11 +347,13 @@ impl Hierarchical {
         if actions.contains(Actions::START_CONTRIBUTIONS) {
             match wire {
                 Some(format) if narrow_contributions(ctx, s, format, steps)? => {}
-                _ => contributions(ctx, s, steps)?,
+                _ => contributions(ctx, s, part, steps)?,
             }
         }
         if actions.contains(Actions::START_REDUCE) {
-            let reduction = reduction(ctx, s)?;
+            let reduction = reduction(ctx, s, part)?;
+            self.reductions[self.reductions_asked] = part;
+            self.reductions_asked += 1;
             steps.push(if s.direct {
                 Step::ReduceInTensor(reduction)
             } else {
@@ -261,21 +361,25 @@ impl Hierarchical {
             });
         }
         if actions.contains(Actions::START_SEND_UP) {
-            send_up(ctx, s, steps)?;
+            send_up(ctx, s, part, steps)?;
         }
         if actions.contains(Actions::START_SEND_BACK) {
             match wire {
                 Some(format) => narrow_result(ctx, s, format, steps)?,
-                None => results(ctx, s, steps)?,
+                None => results(ctx, s, part, steps)?,
             }
         }
         if actions.contains(Actions::START_ALL_GATHER) {
+            self.final_parts += 1;
+        }
+        // The slot is final once every part of it is.
+        if actions.contains(Actions::START_ALL_GATHER) && self.final_parts == self.parts {
             match wire {
                 Some(format) if widen_results(ctx, s, format, steps)? => {}
                 _ if s.direct => {
                     self.gathering = true;
                     self.copy_waits = true;
-                    if self.word.remaining(Counter::ContributionsToSend) == 0 {
+                    if self.words[0].remaining(Counter::ContributionsToSend) == 0 {
                         self.copy_in(ctx, s, steps)?;
                     }
                 }
@@ -283,7 +387,10 @@ impl Hierarchical {
             }
         }
         if actions.contains(Actions::RELEASE) {
-            steps.push(Step::Release);
+            self.released_parts += 1;
+            if self.released_parts == self.parts {
+                steps.push(Step::Release);
+            }
         }
         Ok(())
     }
@@ -303,8 +410,8 @@ impl Hierarchical {
             ));
         }
         match converted {
-            Converted::Contributions => contributions(ctx, s, steps),
-            Converted::Results => results(ctx, s, steps),
+            Converted::Contributions => contributions(ctx, s, 0, steps),
+            Converted::Results => results(ctx, s, 0, steps),
             Converted::Slot => {
                 self.gather(ctx, steps);
                 Ok(())
@@ -335,7 +442,7 @@ impl Hierarchical {
         }
         if self.copies == 0 {
             steps.push(Step::LocalFinish);
-            self.step_word(Event::AllGatherDone, None, ctx, s, steps)?;
+            self.step_all(Event::AllGatherDone, ctx, s, steps)?;
         }
         Ok(())
     }
@@ -404,10 +511,17 @@ fn parent_of_served(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<Option<u32>>
     }
 }
 
-/// Through trees, the write of this device's cell of `shard` to its parent in
-/// that shard's tree, into the parent's area for this child: a leaf's
-/// contribution, or (`Kind::Partial`) an inner node's partial sum.
-fn to_parent(ctx: &Context<'_>, s: &SliceInfo<'_>, shard: u32, kind: Kind) -> Result<Write> {
+/// Through trees, the write of part `part` of this device's cell of `shard` to
+/// its parent in that shard's tree, into the same place of the parent's area
+/// for this child: a leaf's contribution, or (`Kind::Partial`) an inner node's
+/// partial sum.
+fn to_parent(
+    ctx: &Context<'_>,
+    s: &SliceInfo<'_>,
+    shard: u32,
+    part: u32,
+    kind: Kind,
+) -> Result<Write> {
     let (trees, tree) = tree_of(s, shard)?;
     let me = ctx.location.machine;
     let missing = |why: &'static str| {
@@ -428,35 +542,49 @@ fn to_parent(ctx: &Context<'_>, s: &SliceInfo<'_>, shard: u32, kind: Kind) -> Re
         [_, Some(right)] if right == me => 1,
         _ => return Err(missing("a machine is a child of its parent")),
     };
+    let cell = cell_range(ctx, s, shard)?;
+    let source = s.part_range(ctx.location.device, shard, part)?;
     Ok(Write {
         kind,
         peer: ctx.rail_peer(parent)?,
-        source: cell_range(ctx, s, shard)?,
-        target: ctx.layout.child(child)?.start,
+        target: ctx.layout.child(child)?.start + (source.start - cell.start),
+        source,
         needs_credit: true,
+        part,
     })
 }
 
-/// Through trees, every shard of the slot whose tree has this machine as a
-/// leaf, to the parent in that tree.
-fn tree_contributions(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Result<()> {
+/// Through trees, part `part` of every shard of the slot whose tree has this
+/// machine as a leaf, to the parent in that tree.
+fn tree_contributions(
+    ctx: &Context<'_>,
+    s: &SliceInfo<'_>,
+    part: u32,
+    steps: &mut Vec<Step>,
+) -> Result<()> {
     for shard in 0..s.slice.shards() {
         let (trees, tree) = tree_of(s, shard)?;
         let inner = trees
             .is_inner(tree, ctx.location.machine)
             .map_err(|e| Error::internal("this machine is in every tree", e.to_string()))?;
         if !inner {
-            steps.push(Step::Write(to_parent(ctx, s, shard, Kind::Contribution)?));
+            steps.push(Step::Write(to_parent(
+                ctx,
+                s,
+                shard,
+                part,
+                Kind::Contribution,
+            )?));
         }
     }
     Ok(())
 }
 
-/// Through trees, below the root: the reduced shard, a partial sum, to the
-/// parent.
-fn send_up(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Result<()> {
+/// Through trees, below the root: part `part` of the reduced shard, a partial
+/// sum, to the parent.
+fn send_up(ctx: &Context<'_>, s: &SliceInfo<'_>, part: u32, steps: &mut Vec<Step>) -> Result<()> {
     let shard = served_shard(ctx, s)?;
-    steps.push(Step::Write(to_parent(ctx, s, shard, Kind::Partial)?));
+    steps.push(Step::Write(to_parent(ctx, s, shard, part, Kind::Partial)?));
     Ok(())
 }
 
@@ -625,10 +753,15 @@ fn served_shard(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<u32> {
 }
 
 /// Each shard of this device's slot to the machine (or dedicated server)
-/// serving it.
-fn contributions(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Result<()> {
+/// serving it; through trees, part `part` of each.
+fn contributions(
+    ctx: &Context<'_>,
+    s: &SliceInfo<'_>,
+    part: u32,
+    steps: &mut Vec<Step>,
+) -> Result<()> {
     if s.slice.double_tree().is_some() {
-        return tree_contributions(ctx, s, steps);
+        return tree_contributions(ctx, s, part, steps);
     }
     let me = ctx.location.machine;
     for shard in 0..s.slice.shards() {
@@ -659,6 +792,7 @@ fn contributions(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) ->
             source,
             target,
             needs_credit: true,
+            part: 0,
         };
         steps.push(if s.direct {
             Step::WriteFromTensor(write)
@@ -669,16 +803,23 @@ fn contributions(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) ->
     Ok(())
 }
 
-/// The served shard, reduced in place over every other machine's contribution.
-fn reduction(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<Reduction> {
+/// The served shard (through trees, its part `part`), reduced in place over
+/// every other machine's contribution (through trees, its children's).
+fn reduction(ctx: &Context<'_>, s: &SliceInfo<'_>, part: u32) -> Result<Reduction> {
     let shard = served_shard(ctx, s)?;
-    let dst = cell_range(ctx, s, shard)?;
+    let cell = cell_range(ctx, s, shard)?;
+    let dst = s.part_range(ctx.location.device, shard, part)?;
     let wire = compressed(ctx, s).unwrap_or(WireFormat::Exact);
     let (sources, whole) = if s.slice.double_tree().is_some() {
         let (parent, children) = tree_neighbours(ctx, s, shard)?;
         let count = u32::from(children[0].is_some()) + u32::from(children[1].is_some());
-        // The sum is whole only at the root.
-        (ctx.layout.children(count, dst.len())?, parent.is_none())
+        // The part lands at the same place of each child's area; the sum is
+        // whole only at the root.
+        let within = dst.start - cell.start;
+        (
+            ctx.layout.children(count, within, dst.len())?,
+            parent.is_none(),
+        )
     } else {
         (
             ctx.layout
@@ -697,11 +838,12 @@ fn reduction(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<Reduction> {
 }
 
 /// The reduced shard to device `d` of every other machine, into the same range
-/// (narrow, from the send area, on a compressed wire).
-fn results(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Result<()> {
+/// (narrow, from the send area, on a compressed wire); through trees, its part
+/// `part` to each child.
+fn results(ctx: &Context<'_>, s: &SliceInfo<'_>, part: u32, steps: &mut Vec<Step>) -> Result<()> {
     let shard = served_shard(ctx, s)?;
-    let range = cell_range(ctx, s, shard)?;
     if s.slice.double_tree().is_some() {
+        let range = s.part_range(ctx.location.device, shard, part)?;
         for child in tree_neighbours(ctx, s, shard)?.1.into_iter().flatten() {
             steps.push(Step::Write(Write {
                 kind: Kind::Result,
@@ -709,10 +851,12 @@ fn results(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Resul
                 source: range.clone(),
                 target: range.start,
                 needs_credit: false,
+                part,
             }));
         }
         return Ok(());
     }
+    let range = cell_range(ctx, s, shard)?;
     let source = match compressed(ctx, s) {
         Some(format) => result_area(ctx, &range, format)?,
         None => range.clone(),
@@ -724,6 +868,7 @@ fn results(ctx: &Context<'_>, s: &SliceInfo<'_>, steps: &mut Vec<Step>) -> Resul
             source: source.clone(),
             target: range.start,
             needs_credit: false,
+            part: 0,
         };
         steps.push(if s.direct {
             Step::WriteFromTensor(write)

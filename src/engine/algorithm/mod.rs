@@ -125,11 +125,15 @@ pub(crate) enum SliceEvent {
         kind: Kind,
         /// Who wrote it.
         peer: u32,
+        /// The part of a cell it carried ([`Write::part`]).
+        part: u32,
     },
     /// One of this slice's writes of `kind` has left the staging buffer.
     Sent {
         /// What it was.
         kind: Kind,
+        /// The part of a cell it carried ([`Write::part`]).
+        part: u32,
     },
     /// [`Step::Reduce`] finished.
     Reduced,
@@ -166,6 +170,11 @@ pub(crate) struct Write {
     /// Whether the peer must have credited the slice first: the write lands in an
     /// area the peer's previous slice on that buffer may still use.
     pub(crate) needs_credit: bool,
+    /// The part of a cell it carries, where cells travel in parts
+    /// (fairring-core's `Cell::part`: a hierarchical slice through the trees);
+    /// 0 for every other write. The peer learns it from the immediate, and this
+    /// rank from the write's completion.
+    pub(crate) part: u32,
 }
 
 /// What an algorithm asks the engine to do.
@@ -313,6 +322,22 @@ impl SliceInfo<'_> {
             Error::internal(
                 "a cell lies within its slice",
                 format!("{:?} in {:?}", cell.span(), self.slice.span()),
+            )
+        })
+    }
+
+    /// The bytes of part `part` of cell (`device`, `shard`), counted from the
+    /// start of the slice (the whole cell where cells travel whole).
+    pub(crate) fn part_range(&self, device: u32, shard: u32, part: u32) -> Result<Range<usize>> {
+        let span = self
+            .slice
+            .cell(device, shard)
+            .and_then(|cell| cell.part(part))
+            .map_err(|e| Error::internal("every part of a cell exists", e.to_string()))?;
+        span.byte_range_in(self.slice.span()).ok_or_else(|| {
+            Error::internal(
+                "a part lies within its slice",
+                format!("{span:?} in {:?}", self.slice.span()),
             )
         })
     }

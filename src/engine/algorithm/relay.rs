@@ -265,6 +265,7 @@ impl Relay {
             SliceEvent::Landed {
                 kind: kind @ (Kind::Relay | Kind::RelayIntoTensor),
                 peer,
+                part: 0,
             } => {
                 let expected = self.received + self.held < self.expected;
                 let why = "not the relay's next chunk";
@@ -283,10 +284,13 @@ impl Relay {
                 self.in_tensor = Some(in_tensor);
                 self.held += 1;
             }
-            SliceEvent::Landed { kind, peer } => {
+            SliceEvent::Landed { kind, peer, .. } => {
                 return Err(unexpected(kind, peer, s, "a relayed slice"));
             }
-            SliceEvent::Sent { kind: Kind::Relay } if self.sends > 0 => self.sends -= 1,
+            SliceEvent::Sent {
+                kind: Kind::Relay,
+                part: 0,
+            } if self.sends > 0 => self.sends -= 1,
             SliceEvent::CopiedOut if self.copies > 0 && !machines => self.copies -= 1,
             SliceEvent::Reduced if self.copies > 0 && machines => self.copies -= 1,
             SliceEvent::LocalAllGatherDone if self.gathering && !self.released => {
@@ -423,6 +427,7 @@ impl Relay {
             target,
             source,
             needs_credit: true,
+            part: 0,
         };
         steps.push(match (self.direct && !forwarded, self.into_window) {
             (true, true) => Step::WriteIntoWindow(write),

@@ -112,6 +112,7 @@ impl Ring {
             SliceEvent::Landed {
                 kind: Kind::RingReduce,
                 peer,
+                part: 0,
             } => {
                 let seen = self.reduced + u32::from(self.reducing) + self.reduce_arrived;
                 let expected = seen < self.total;
@@ -127,6 +128,7 @@ impl Ring {
             SliceEvent::Landed {
                 kind: Kind::RingGather,
                 peer,
+                part: 0,
             } => {
                 let expected = self.gathered + self.gather_arrived < self.total;
                 Members::ranks(ctx).check_from_previous(
@@ -138,11 +140,12 @@ impl Ring {
                 )?;
                 self.gather_arrived += 1;
             }
-            SliceEvent::Landed { kind, peer } => {
+            SliceEvent::Landed { kind, peer, .. } => {
                 return Err(unexpected(kind, peer, s, "a ring slice"));
             }
             SliceEvent::Sent {
                 kind: Kind::RingReduce | Kind::RingGather,
+                part: 0,
             } if self.sends > 0 => self.sends -= 1,
             SliceEvent::Reduced if self.reducing => {
                 self.reducing = false;
@@ -315,6 +318,7 @@ impl Ring {
             source: range,
             target,
             needs_credit,
+            part: 0,
         };
         // Sending from the tensor, a chunk this rank reduced leaves from there;
         // one the all-gather brought, from where it landed.

@@ -168,6 +168,7 @@ impl Scatter {
             SliceEvent::Landed {
                 kind: Kind::Scatter,
                 peer,
+                part: 0,
             } => {
                 let seen = self.reduced + u32::from(self.reducing) + self.arrived;
                 let expected = seen < self.total;
@@ -176,11 +177,12 @@ impl Scatter {
                     .check_from_previous(s, Kind::Scatter, peer, expected, why)?;
                 self.arrived += 1;
             }
-            SliceEvent::Landed { kind, peer } => {
+            SliceEvent::Landed { kind, peer, .. } => {
                 return Err(unexpected(kind, peer, s, "a reduce-scatter slice"));
             }
             SliceEvent::Sent {
                 kind: Kind::Scatter,
+                part: 0,
             } if self.sends > 0 => self.sends -= 1,
             SliceEvent::Reduced if self.reducing => {
                 self.reducing = false;
@@ -277,6 +279,7 @@ impl Scatter {
             source: self.piece(s, o)?,
             target: ctx.layout.scatter_slot(step)?,
             needs_credit: true,
+            part: 0,
         }));
         Ok(())
     }

@@ -150,6 +150,7 @@ impl Serve {
             SliceEvent::Landed {
                 kind: Kind::Contribution,
                 peer,
+                part: 0,
             } => self.landed(ctx, s, peer, steps),
             SliceEvent::Reduced => {
                 let device = self.running.pop_front().ok_or_else(|| {
@@ -174,14 +175,17 @@ impl Serve {
                 })?;
                 self.write_back(ctx, s, device, steps)
             }
-            SliceEvent::Sent { kind: Kind::Result } if self.unsent > 0 => {
+            SliceEvent::Sent {
+                kind: Kind::Result,
+                part: 0,
+            } if self.unsent > 0 => {
                 self.unsent -= 1;
                 if self.open == 0 && self.unsent == 0 {
                     self.release(steps);
                 }
                 Ok(())
             }
-            SliceEvent::Landed { kind, peer } => {
+            SliceEvent::Landed { kind, peer, .. } => {
                 Err(unexpected(kind, peer, s, "a dedicated server's slice"))
             }
             _ => Err(Error::internal(
@@ -360,6 +364,7 @@ impl Serve {
                 source: source.clone(),
                 target,
                 needs_credit: false,
+                part: 0,
             }));
             self.unsent += 1;
         }

@@ -75,6 +75,7 @@ fn a_chunk_that_lands_before_the_own_piece_is_staged_waits_for_it() {
         let landed = SliceEvent::Landed {
             kind: Kind::Relay,
             peer: 0,
+            part: 0,
         };
         relay.on_event(ctx, s, landed, &mut steps).unwrap();
         assert!(steps.is_empty(), "{steps:?}");
@@ -112,6 +113,7 @@ fn the_last_rank_of_a_chain_keeps_what_lands() {
             let landed = SliceEvent::Landed {
                 kind: Kind::Relay,
                 peer: 2,
+                part: 0,
             };
             relay.on_event(ctx, s, landed, &mut steps).unwrap();
         }
@@ -127,6 +129,7 @@ fn the_last_rank_of_a_chain_keeps_what_lands() {
             let landed = SliceEvent::Landed {
                 kind: Kind::Relay,
                 peer,
+                part: 0,
             };
             assert!(relay.on_event(ctx, s, landed, &mut steps).is_err());
         }
@@ -167,6 +170,7 @@ fn over_the_machines_a_rail_relays_its_slot_through_the_receive_area() {
         let from = |peer| SliceEvent::Landed {
             kind: Kind::Relay,
             peer,
+            part: 0,
         };
         assert!(relay.on_event(ctx, s, from(1), &mut steps).is_err());
         relay.on_event(ctx, s, from(0), &mut steps).unwrap();
