@@ -288,8 +288,9 @@ fn hierarchical_reaches_its_bandwidth_bound_when_nothing_else_costs() {
 
 /// What the plan says each machine's rail 0 sends, counted here independently of
 /// the model: per slice, a contribution per shard served elsewhere and, on a
-/// server, a result to each other machine; through trees, per shard, one
-/// message up to the parent (but at the root) and one down to each child.
+/// server, a result to each other machine; through trees, per shard and part
+/// of its cell, one message up to the parent (but at the root) and one down to
+/// each child.
 fn sent_by_plan(job: &Job) -> Vec<(u64, u64)> {
     let topology = Topology::new(job.machines, job.devices, RankLayout::Contiguous).unwrap();
     let geometry = Geometry::new(topology, job.slicing).unwrap();
@@ -310,7 +311,8 @@ fn sent_by_plan(job: &Job) -> Vec<(u64, u64)> {
                         let tree = slice.tree_of(cell.shard()).unwrap().unwrap();
                         let up = u64::from(trees.parent(tree, m).unwrap().is_some());
                         let down = trees.children(tree, m).unwrap().iter().flatten().count() as u64;
-                        s.0 += up + down;
+                        // Each part of the cell is its own message.
+                        s.0 += (up + down) * u64::from(cell.parts());
                         s.1 += (up + down) * bytes;
                         continue;
                     }

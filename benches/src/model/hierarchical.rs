@@ -18,12 +18,13 @@
 //!
 //! Where the plan routes cells through its two trees (more machines than a
 //! slot has shards of the minimum size), steps 2 to 6 follow each shard's
-//! tree instead, from the leaves up and from the root down: a node's
-//! contribution (a leaf's cell, or an inner node's partial sum) leaves on its
-//! send side once its buffer holds it and its parent has taken a buffer,
-//! lands on the parent's receive side, the parent reduces its children's
-//! contributions on the GPU (`c + 2` cell-sized passes for `c` children) once
-//! all are in, and the root's result goes down child by child the same way.
+//! tree instead, from the leaves up and from the root down, one part of each
+//! cell after another (the plan's `Cell::part`): a node's part (of a leaf's
+//! cell, or of an inner node's partial sum) leaves on its send side once its
+//! buffer holds it and its parent has taken a buffer, lands on the parent's
+//! receive side, the parent reduces its children's copies of the part on the
+//! GPU (`c + 2` part-sized passes for `c` children, and a hand-off) once all
+//! are in, and the root's result goes down child by child the same way.
 //!
 //! A job of one machine of several GPUs does none of this: the engine plans
 //! each tensor as one slice and runs it as one NCCL all-reduce in the tensor
@@ -310,59 +311,64 @@ impl Pipeline<'_> {
             let Some(tree) = slice.tree_of(j)? else {
                 continue;
             };
-            let cell = slice.cell(0, j)?.span().byte_len();
+            let cell_of_shard = slice.cell(0, j)?;
             let root = trees.root(tree)?;
             post_order(trees, tree, root, &mut s.order)?;
-            // 2-4. Up the tree: children before their parent.
-            for &x in &s.order {
-                let xi = x as usize;
-                let children = trees.children(tree, x)?;
-                let count = children.iter().flatten().count() as u64;
-                let mut have = s.scattered[xi];
-                for c in children.iter().flatten() {
-                    have = have.max(s.arrived[*c as usize]);
+            // Each part of the cell goes up and down on its own (the plan's
+            // `Cell::part`), one after the other on every link.
+            for part in 0..cell_of_shard.parts() {
+                let cell = cell_of_shard.part(part)?.byte_len();
+                // 2-4. Up the tree: children before their parent.
+                for &x in &s.order {
+                    let xi = x as usize;
+                    let children = trees.children(tree, x)?;
+                    let count = children.iter().flatten().count() as u64;
+                    let mut have = s.scattered[xi];
+                    for c in children.iter().flatten() {
+                        have = have.max(s.arrived[*c as usize]);
+                    }
+                    let up_ready = if count > 0 {
+                        let machine = &mut self.machines[xi];
+                        machine.bytes_received += count * cell;
+                        machine.gpu.run(
+                            have,
+                            costs.stages.memory(f(count + 2) * f(cell)) + costs.stages.step(),
+                        )
+                    } else {
+                        have
+                    };
+                    match trees.parent(tree, x)? {
+                        Some(p) => {
+                            let start = up_ready.max(s.ready[p as usize]);
+                            let machine = &mut self.machines[xi];
+                            machine.messages_sent += 1;
+                            machine.bytes_sent += cell;
+                            let sent = machine.send.run(start, costs.rail.seconds(1.0, f(cell)));
+                            s.last_sent[xi] = s.last_sent[xi].max(sent);
+                            let landed = self.machines[p as usize]
+                                .receive
+                                .run(start, costs.rail.seconds(0.0, f(cell)));
+                            s.arrived[xi] = sent.max(landed) + latency;
+                        }
+                        None => s.final_at[xi] = up_ready,
+                    }
                 }
-                let up_ready = if count > 0 {
-                    let machine = &mut self.machines[xi];
-                    machine.bytes_received += count * cell;
-                    machine.gpu.run(
-                        have,
-                        costs.stages.memory(f(count + 2) * f(cell)) + costs.stages.step(),
-                    )
-                } else {
-                    have
-                };
-                match trees.parent(tree, x)? {
-                    Some(p) => {
-                        let start = up_ready.max(s.ready[p as usize]);
+                // 5-6. Down the tree: parents before their children.
+                for &x in s.order.iter().rev() {
+                    let xi = x as usize;
+                    let done = s.final_at[xi];
+                    s.slot_final[xi] = s.slot_final[xi].max(done);
+                    for c in trees.children(tree, x)?.into_iter().flatten() {
                         let machine = &mut self.machines[xi];
                         machine.messages_sent += 1;
                         machine.bytes_sent += cell;
-                        let sent = machine.send.run(start, costs.rail.seconds(1.0, f(cell)));
+                        let sent = machine.send.run(done, costs.rail.seconds(1.0, f(cell)));
                         s.last_sent[xi] = s.last_sent[xi].max(sent);
-                        let landed = self.machines[p as usize]
-                            .receive
-                            .run(start, costs.rail.seconds(0.0, f(cell)));
-                        s.arrived[xi] = sent.max(landed) + latency;
+                        let child = &mut self.machines[c as usize];
+                        child.bytes_received += cell;
+                        let landed = child.receive.run(done, costs.rail.seconds(0.0, f(cell)));
+                        s.final_at[c as usize] = sent.max(landed) + latency;
                     }
-                    None => s.final_at[xi] = up_ready,
-                }
-            }
-            // 5-6. Down the tree: parents before their children.
-            for &x in s.order.iter().rev() {
-                let xi = x as usize;
-                let done = s.final_at[xi];
-                s.slot_final[xi] = s.slot_final[xi].max(done);
-                for c in trees.children(tree, x)?.into_iter().flatten() {
-                    let machine = &mut self.machines[xi];
-                    machine.messages_sent += 1;
-                    machine.bytes_sent += cell;
-                    let sent = machine.send.run(done, costs.rail.seconds(1.0, f(cell)));
-                    s.last_sent[xi] = s.last_sent[xi].max(sent);
-                    let child = &mut self.machines[c as usize];
-                    child.bytes_received += cell;
-                    let landed = child.receive.run(done, costs.rail.seconds(0.0, f(cell)));
-                    s.final_at[c as usize] = sent.max(landed) + latency;
                 }
             }
         }
