@@ -1,11 +1,13 @@
-//! Words in pinned host memory that the host sets and streams wait on: how a
-//! stream waits for work the host completes, without the host waiting for the
-//! stream.
+//! Words in pinned host memory that the host and streams write and wait on:
+//! how a stream waits for work the host completes, and tells the host that
+//! its own work is done, without either waiting for the other and without a
+//! CUDA call on the side that reads.
 //!
-//! A collective whose GPU work is enqueued step by step, as its network traffic
-//! arrives, has no single event to wait on at the time the caller asks its stream
-//! to wait. Instead the stream waits (`cuStreamWaitValue64`) until a word reaches a
-//! value, and the host writes that value when the collective completes.
+//! A stream waits (`cuStreamWaitValue64`) until a word reaches a value, and
+//! the host writes that value when what the stream needs is in place; a
+//! stream writes a word (`cuStreamWriteValue64`, after its earlier work, with
+//! a memory barrier before it) and the host reads it to learn that the work
+//! before it has ended.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -113,6 +115,26 @@ impl HostFlags {
     /// Word `index`.
     pub fn get(&self, index: usize) -> Result<u64> {
         Ok(self.word(index)?.load(Ordering::Acquire))
+    }
+
+    /// Enqueues on `stream` a write of `value` into word `index`, once the
+    /// work enqueued before it has ended; the stream's memory barrier before
+    /// the write makes that work's writes (a copy into pinned host memory)
+    /// visible to a host that reads the value with acquire. The host never
+    /// waits.
+    pub fn enqueue_write(&self, stream: &Stream, index: usize, value: u64) -> Result<()> {
+        self.word(index)?;
+        self.device
+            .check_same("stream", stream.device().ordinal())?;
+        let _bound = self.device.bind()?;
+        let addr = self.device_ptr + index as u64 * 8;
+        let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
+        // The owner keeps `self` alive while a stream may write it (it reads
+        // the written values before dropping its flags).
+        // SAFETY: `addr` is word `index` (checked) of this live mapped allocation.
+        error::driver("cuStreamWriteValue64", unsafe {
+            sys::cuStreamWriteValue64_v2(stream.raw(), addr, value, flags)
+        })
     }
 
     /// Enqueues on `stream` a wait until word `index` is at least `value`:
