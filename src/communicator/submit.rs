@@ -102,16 +102,15 @@ impl Communicator {
                     self.engine.works.give_back(seq);
                     return Err(e);
                 }
-                let slot = slot_of(seq);
-                // A device delivery is ordered after this operation's start.
+                // A device delivery is part of this operation's program.
                 let deliver = r.deliver.map(|d| Delivery {
                     to: match d.to {
-                        PlacedTensor::Device(t) => PlacedTensor::Device(t.for_operation(slot)),
+                        PlacedTensor::Device(t) => PlacedTensor::Device(t.for_operation(seq)),
                         host => host,
                     },
                     range: d.range,
                 });
-                let tensor = PlacedTensor::Device(DeviceTensor::new(data as u64, len, slot));
+                let tensor = PlacedTensor::Device(DeviceTensor::new(data as u64, len, seq));
                 (tensor, deliver)
             }
             None => {

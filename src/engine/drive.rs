@@ -19,6 +19,7 @@ use fairring_rdma::fabric::{Fabric, LocalRegion, RemoteRegion};
 
 use super::credits::Due;
 use super::failure::{FailureRecord, Fault};
+use super::planner::Accepted;
 use super::work::{DONE, Submission};
 use super::{Driver, Engine, POLL_BATCH};
 use super::{Resolved, direct};
@@ -93,29 +94,21 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         Ok(progressed)
     }
 
-    /// Accepts the next submission: plans it, describes it to the local ranks and
-    /// sends its descriptor to the remote ones.
-    pub(super) fn accept(&self, d: &mut Driver<M>, sub: Submission<M>) -> Result<(), Fault> {
-        if let Some((peer, after)) = d.departures.before(sub.seq) {
+    /// Accepts the next submission, as its caller planned it: records it,
+    /// describes it to the local ranks and sends its descriptor to the
+    /// remote ones. Recorded first, so that an operation that cannot run
+    /// fails with the rest.
+    pub(super) fn accept(&self, d: &mut Driver<M>, accepted: Accepted<M>) -> Result<(), Fault> {
+        let (seq, words) = (accepted.sub.seq, accepted.sub.descriptor.words());
+        let window = self.open_window(&accepted.sub);
+        d.operations.accept(accepted)?;
+        if let Some((peer, after)) = d.departures.before(seq) {
             return Err(Error::peer(
                 peer,
-                format!(
-                    "left the job after {after} operations; operation {} cannot run",
-                    sub.seq
-                ),
+                format!("left the job after {after} operations; operation {seq} cannot run"),
             )
             .into());
         }
-        let (seq, words) = (sub.seq, sub.descriptor.words());
-        let window = self.open_window(&sub);
-        let geometry = self.geometry_of(sub.algorithm)?;
-        // One machine whose local step works in the tensor: no staging buffer
-        // bounds the slice, so one slice takes the whole tensor.
-        let whole = sub.algorithm == Resolved::Hierarchical
-            && geometry.topology().machines() == 1
-            && self.servers == 0
-            && self.local.works_in_tensor(&sub.tensor, sub.dtype, sub.op);
-        d.operations.accept(sub, geometry, whole)?;
         d.checks
             .accepted(seq, words, window, &self.machine, &self.links)?;
         d.credits
@@ -174,7 +167,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
 
     /// The geometry operations of `algorithm` plan with: the job's, or for
     /// those that move a slice whole, slices that fit their receive slots.
-    fn geometry_of(&self, algorithm: Resolved) -> Result<&Geometry, Fault> {
+    pub(super) fn geometry_of(&self, algorithm: Resolved) -> Result<&Geometry, Fault> {
         let unsplit = match algorithm {
             Resolved::Doubling => &self.doubling_geometry,
             Resolved::Scatter => &self.scatter_geometry,
@@ -197,6 +190,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         if !rec.finished() || !d.checks.checked(seq, &self.links) {
             return Ok(());
         }
+        let on_device = rec.device.is_some();
         let delivery = rec
             .sub
             .deliver
@@ -205,6 +199,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         if let Some((from, range, to)) = delivery {
             let fence = match d.operations.take_delivery(seq) {
                 Some(fence) => fence,
+                // A device tensor's delivery is its program's last stage.
+                None if on_device => self.memory.raise_delivery(seq)?,
                 None => self.memory.deliver(&from, range, &to)?,
             };
             if !self.memory.poll(&fence)? {

@@ -18,6 +18,22 @@
 //! engine takes no work. A panic inside a step is caught and fails the engine the
 //! same way, as an [`Error::Internal`], so that no half-updated driver state is
 //! ever used again.
+//!
+//! # Device programs
+//!
+//! A failing engine opens every gate of every device program
+//! ([`MemorySpace::release`]: host writes, no CUDA call) and stops the
+//! machine's collectives ([`LocalStep::release`]: NCCL's abort, which waits
+//! for the device, on a thread of its own). Every stream then runs to its
+//! end on whatever the staging buffers hold. Each operation on device tensors
+//! is declared failed only once its own program has ended (its slices' ends,
+//! its delivery), so nothing writes a caller's tensor after the caller's
+//! stream has passed the operation; and it is declared failed as soon as it
+//! has, whatever later operations wait for, since a later operation's
+//! program may wait (through its caller's stream) for this one's
+//! declaration.
+//!
+//! [`LocalStep::release`]: crate::local::LocalStep::release
 
 use std::time::{Duration, Instant};
 
@@ -26,11 +42,14 @@ use fairring_rdma::fabric::Fabric;
 use super::Driver;
 use super::Engine;
 use super::descriptor::{Descriptor, Words};
+use super::operations::Record;
 use super::outbox::send_control_until;
+use super::planner::{Accepted, Program};
 use super::tags::Kind;
 use super::work::FAILED;
 use crate::error::Error;
 use crate::memory::MemorySpace;
+use crate::memory::program::slice_end;
 use crate::shm::segment::RECORD_WORDS;
 use crate::sync::{AtomicBool, AtomicU32, Ordering};
 
@@ -233,10 +252,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         self.fail_locked(&mut d, error.into());
     }
 
-    /// Fails operation `seq`, whose submission the engine could not queue
-    /// after its caller had committed to it (a device call's prelude and start
-    /// are on the caller's stream): the engine fails with `error` unless it
-    /// already has, and `seq` completes as failed.
+    /// Fails operation `seq`, which the engine refused before enqueueing
+    /// anything of it after its caller had committed to it (a device call's
+    /// prelude and start are on the caller's stream): the engine fails with
+    /// `error` unless it already has, and `seq` completes as failed.
     #[cfg(feature = "cuda")]
     pub(crate) fn fail_accepted(&self, seq: u64, error: Error) {
         let mut d = self.lock_driver();
@@ -245,6 +264,17 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         self.complete(seq, FAILED);
         self.machine.doorbell().ring();
+    }
+
+    /// Fails the engine with `error` and, with it, `accepted`, whose device
+    /// program is enqueued but which could not be queued for the driver.
+    pub(super) fn fail_with(&self, accepted: Accepted<M>, error: Error) {
+        let mut d = self.lock_driver();
+        self.fail_locked(&mut d, error.into());
+        if let Some(failing) = d.failing.as_mut() {
+            failing.settling.push(Settling::accepted(&accepted));
+        }
+        self.settle_failure(&mut d);
     }
 
     pub(super) fn fail_locked(&self, d: &mut Driver<M>, fault: Fault) {
@@ -276,83 +306,130 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         // Nothing may write a caller's tensor once its operation is declared
         // finished, nor read one: dropping a tensor's registration waits until
-        // the fabric's writes from it are over, and the operations wait for
-        // the steps still running in the memory space (device copies), which
-        // the driver polls (`settle_failure`) rather than waits for. Those
-        // steps wait for nothing but the copy engines: the engine issues no
-        // step of an operation before its caller's stream reached its start.
+        // the fabric's writes from it are over.
         self.lock_source_regions().clear();
         // And nothing writes one: dropping a window closes it, waiting for
         // the writes landing in it. The machine's ranks copying between
         // tensors are shut out, and waited for, in `settle_failure`.
         self.lock_windows().clear();
-        let mut running = d.slices.take_fences();
-        running.extend(d.operations.take_deliveries());
-        running.extend(self.local.take_fences());
+        // Every device program runs to its end (see the module docs); each
+        // operation is declared failed once its own has (`settle_failure`).
+        self.memory.release();
+        self.local.release();
         let failing = d.failing.get_or_insert_with(Failing::default);
-        failing.running.extend(running);
-        while let Some(sub) = self.submissions.pop() {
-            failing.seqs.push(sub.seq);
+        while let Some(accepted) = self.submissions.pop() {
+            failing.settling.push(Settling::accepted(&accepted));
         }
-        failing.seqs.extend(d.operations.drain());
+        failing
+            .settling
+            .extend(d.operations.drain().map(|rec| Settling::record(&rec)));
+        let _ = d.operations.take_deliveries();
         d.slices.clear();
         d.outbox.clear();
         self.settle_failure(d);
         self.machine.doorbell().ring();
     }
 
-    /// Completes, as failed, the operations of a failed engine whose running
-    /// steps have all ended; returns whether it completed any. Never blocks.
+    /// Completes, as failed, the operations of a failed engine whose device
+    /// programs have ended; returns whether it completed any. Never blocks.
     pub(super) fn settle_failure(&self, d: &mut Driver<M>) -> bool {
-        let mut late = Vec::new();
-        // A submission that raced with the failure.
-        while let Some(sub) = self.submissions.pop() {
-            late.push(sub.seq);
-        }
         let Some(failing) = d.failing.as_mut() else {
             return false;
         };
-        failing.seqs.extend(late);
-        // A fence whose poll fails will not pass either: its device failed.
-        failing
-            .running
-            .retain(|fence| !self.memory.poll(fence).unwrap_or(true));
+        // A submission that raced with the failure.
+        while let Some(accepted) = self.submissions.pop() {
+            failing.settling.push(Settling::accepted(&accepted));
+        }
         // A local peer's read of the tensors of the operations declared
         // failed that is not over by now is thrown away.
         self.local.close_tensors();
-        if !failing.running.is_empty() || failing.seqs.is_empty() {
-            return false;
+        let before = failing.settling.len();
+        failing.settling.retain(|s| {
+            if !self.program_ended(s) {
+                return true;
+            }
+            self.complete(s.seq, FAILED);
+            false
+        });
+        let completed = failing.settling.len() < before;
+        if completed {
+            self.machine.doorbell().ring();
         }
-        for seq in std::mem::take(&mut failing.seqs) {
-            self.complete(seq, FAILED);
+        completed
+    }
+
+    /// Whether operation `s`'s device program, if it has one, has ended: the
+    /// end of each of its last slices on their buffers (an earlier slice on
+    /// a buffer ends before a later one), and its delivery.
+    fn program_ended(&self, s: &Settling) -> bool {
+        let Some(program) = s.program else {
+            return true;
+        };
+        if !program.ends {
+            log::warn!(
+                "fairring: operation {} fails without its device program whole on the device;                  its stream may still touch its tensor",
+                s.seq
+            );
+            return true;
         }
-        self.machine.doorbell().ring();
-        true
+        let buffers = u64::from(self.buffers);
+        let end = s.first_slice + s.slices;
+        let from = end.saturating_sub(buffers).max(s.first_slice);
+        // A poll that fails will not pass either: the device failed.
+        let ended = |fence: M::Fence| self.memory.poll(&fence).unwrap_or(true);
+        let slices = (from..end).all(|n| {
+            let b = u32::try_from(n % buffers).unwrap_or(u32::MAX);
+            ended(self.memory.stage_end(b, slice_end(n / buffers)))
+        });
+        slices && (!s.delivery || ended(self.memory.delivery_end(s.seq)))
+    }
+}
+
+/// An operation a failed engine has yet to declare failed.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Settling {
+    seq: u64,
+    /// Its device program, if it has one, and where it ends.
+    program: Option<Program>,
+    first_slice: u64,
+    slices: u64,
+    delivery: bool,
+}
+
+impl Settling {
+    fn accepted<M: MemorySpace>(a: &Accepted<M>) -> Settling {
+        Settling {
+            seq: a.sub.seq,
+            program: a.device,
+            first_slice: a.first_slice,
+            slices: a.plan.slice_count(),
+            delivery: a.sub.deliver.is_some(),
+        }
+    }
+
+    fn record<M: MemorySpace>(r: &Record<M>) -> Settling {
+        Settling {
+            seq: r.sub.seq,
+            program: r.device,
+            first_slice: r.first_slice,
+            slices: r.plan.slice_count(),
+            delivery: r.sub.deliver.is_some(),
+        }
     }
 }
 
 /// What a failed engine has yet to settle: operations declared failed once
-/// the steps still running in the memory space have ended.
-pub(crate) struct Failing<M: MemorySpace> {
-    /// Fences of the steps still running.
-    running: Vec<M::Fence>,
-    /// Operations to complete as failed then.
-    seqs: Vec<u64>,
+/// their device programs have ended.
+#[derive(Default)]
+pub(crate) struct Failing {
+    settling: Vec<Settling>,
 }
 
-impl<M: MemorySpace> Default for Failing<M> {
-    fn default() -> Failing<M> {
-        Failing {
-            running: Vec::new(),
-            seqs: Vec::new(),
-        }
-    }
-}
-
-impl<M: MemorySpace> Failing<M> {
-    /// Whether steps are still running.
+impl Failing {
+    /// Whether an operation waits for its device program to end (nothing
+    /// rings the doorbell when it does).
     pub(crate) fn awaits_fences(&self) -> bool {
-        !self.running.is_empty()
+        self.settling.iter().any(|s| s.program.is_some())
     }
 }
 

@@ -18,6 +18,7 @@
 //! |---|---|
 //! | `mod.rs` | the [`Engine`], its construction, and submission |
 //! | `work` | the table of operations shared with callers (sequence numbers, done or failed) |
+//! | `planner` | what the caller's thread fixes per operation, in submission order: its plan, its slices' numbers, its device program enqueued |
 //! | `operations` | the operations the driver has accepted: plans, slices started and done, completion |
 //! | `slices` | the staging buffers: the slice holding each, starting and releasing slices, early landings |
 //! | `choice` | what a call runs: algorithm, wire format, zero-fill; its rules as a table the tests check |
@@ -27,6 +28,7 @@
 //! | `outbox` | everything sent: data writes waiting for credit or room, control messages |
 //! | `credits` | the credit window (flow control) |
 //! | `direct` | tensors the fabric sends from, registered per operation |
+//! | `device_program` | what an operation on device tensors asks of the device, enumerated for the caller to enqueue, and the check holding each running slice to it |
 //! | `descriptor`, `checks` | what each operation is, and the checks that ranks issued the same one |
 //! | `dispatch` | routing each fabric completion |
 //! | `failure`, `departures` | failing and flooding the failure; goodbyes |
@@ -53,6 +55,7 @@ pub(crate) mod choice;
 mod credits;
 mod departures;
 pub(crate) mod descriptor;
+mod device_program;
 mod direct;
 mod dispatch;
 mod drive;
@@ -61,6 +64,7 @@ pub(crate) mod layout;
 pub(crate) mod links;
 mod operations;
 mod outbox;
+mod planner;
 mod progress;
 mod serving;
 #[cfg(all(test, not(loom)))]
@@ -93,6 +97,7 @@ use links::Links;
 use links::NO_COMPLETION;
 use operations::Operations;
 use outbox::Outbox;
+use planner::{Accepted, Planner};
 use progress::park::{Parking, Wake};
 use slices::Slices;
 use work::{Submission, WORK_CAPACITY, WorkTable};
@@ -125,7 +130,7 @@ pub(crate) struct Driver<M: MemorySpace> {
     scratch: Scratch,
     last_progress: Instant,
     /// Once the engine failed: what it has yet to settle.
-    failing: Option<failure::Failing<M>>,
+    failing: Option<failure::Failing>,
 }
 
 /// The engine of one communicator.
@@ -144,7 +149,9 @@ pub(crate) struct Engine<F: Fabric, M: MemorySpace> {
     layout: BufferLayout,
     pub(crate) buffers: u32,
     pub(crate) works: WorkTable,
-    submissions: ArrayQueue<Submission<M>>,
+    /// Plans operations on the callers' threads, in submission order.
+    planner: Mutex<Planner<M>>,
+    submissions: ArrayQueue<Accepted<M>>,
     driver: Mutex<Driver<M>>,
     failure: FailureState,
     parking: Parking,
@@ -293,6 +300,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             layout: parts.layout,
             buffers: parts.buffers,
             works: WorkTable::new(),
+            planner: Mutex::new(Planner::new()),
             submissions: ArrayQueue::new(WORK_CAPACITY),
             failure: FailureState::new(),
             parking: Parking::new(),
@@ -339,17 +347,38 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     }
 
     /// Queues an operation. The caller has taken its table entry.
+    ///
+    /// On the caller's thread, in submission order: the operation is planned
+    /// and its slices numbered here, and an operation on device tensors has
+    /// its whole device program enqueued ([`device_program`]), so that the
+    /// progress thread never makes a CUDA call for it. Refused (`Err`) only
+    /// before anything is enqueued; once its program is on the device, the
+    /// operation is accepted, and fails as an operation if it cannot run.
     pub(crate) fn submit(&self, sub: Submission<M>) -> Result<()> {
         if let Some(e) = self.failure() {
             return Err(Error::Failed { first: Box::new(e) });
         }
+        let mut planner = self.lock_planner();
+        let (accepted, refused) = self.plan(&mut planner, sub)?;
         self.parking.submitting();
-        if self.submissions.push(sub).is_err() {
+        let queued = self.submissions.push(accepted);
+        drop(planner);
+        if let Err(accepted) = queued {
             self.parking.finished();
-            return Err(Error::internal(
+            let error = Error::internal(
                 "the operation table bounds the submissions queued",
                 format!("more than {WORK_CAPACITY} queued"),
-            ));
+            );
+            if accepted.device.is_none() {
+                return Err(error);
+            }
+            self.fail_with(accepted, error);
+            return Ok(());
+        }
+        if let Some(e) = refused {
+            // Its program could not be enqueued whole: the engine fails, and
+            // the operation with it.
+            self.fail(e);
         }
         if self.parking.submitted(self.nanos()) == Wake::Doorbell {
             self.machine.doorbell().ring();
@@ -383,6 +412,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     #[cfg(any(feature = "cuda", all(test, not(loom))))]
     pub(crate) fn awaits_on_device(&self, seq: u64) -> bool {
         self.works.pending_for_a_wait(seq)
+    }
+
+    fn lock_planner(&self) -> MutexGuard<'_, Planner<M>> {
+        self.planner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn lock_driver(&self) -> MutexGuard<'_, Driver<M>> {

@@ -8,9 +8,10 @@
 //!
 //! [`WorkTable`]: super::work::WorkTable
 
-use fairring_core::plan::{Geometry, Plan, Slice};
+use fairring_core::plan::{Plan, Slice};
 
 use super::algorithm::Resolved;
+use super::planner::{Accepted, Program};
 use super::work::{Submission, WORK_CAPACITY, slot_of};
 use crate::error::{Error, Result};
 use crate::memory::MemorySpace;
@@ -19,6 +20,10 @@ use crate::memory::MemorySpace;
 pub(crate) struct Record<M: MemorySpace> {
     pub(crate) sub: Submission<M>,
     pub(crate) plan: Plan,
+    /// The number of its first slice, fixed when it was submitted.
+    pub(crate) first_slice: u64,
+    /// Its device program, where it runs one.
+    pub(crate) device: Option<Program>,
     slices_done: u64,
     /// Every slice is done; completion waits for the descriptor checks.
     finished: bool,
@@ -39,6 +44,8 @@ pub(crate) struct NextSlice {
     pub(crate) seq: u64,
     pub(crate) slice: Slice,
     pub(crate) algorithm: Resolved,
+    /// Its number, as numbered when its operation was submitted.
+    pub(crate) number: u64,
 }
 
 /// Every operation accepted and not completed.
@@ -53,8 +60,6 @@ pub(crate) struct Operations<M: MemorySpace> {
     finished_waiting: u32,
     /// The oldest operation not completed (or `accepted`).
     oldest_open: u64,
-    /// Where the next hierarchical operation's plan starts rotating its servers.
-    rotation: u64,
     /// Operations whose delivery (a reduce-scatter's share) is running.
     delivering: u32,
 }
@@ -68,7 +73,6 @@ impl<M: MemorySpace> Operations<M> {
             start_index: 0,
             finished_waiting: 0,
             oldest_open: 0,
-            rotation: 0,
             delivering: 0,
         }
     }
@@ -133,31 +137,21 @@ impl<M: MemorySpace> Operations<M> {
         self.finished_waiting > 0
     }
 
-    /// Accepts `sub`, the next operation in sequence, and plans it: in slices
-    /// of `geometry`, or `whole`, as one slice ([`Plan::whole`]).
-    pub(crate) fn accept(
-        &mut self,
-        sub: Submission<M>,
-        geometry: &Geometry,
-        whole: bool,
-    ) -> Result<()> {
+    /// Accepts `accepted`, the next operation in sequence, as its caller
+    /// planned it.
+    pub(crate) fn accept(&mut self, accepted: Accepted<M>) -> Result<()> {
+        let Accepted {
+            sub,
+            plan,
+            first_slice,
+            device,
+        } = accepted;
         if sub.seq != self.accepted {
             return Err(Error::internal(
                 "operations reach the driver in sequence",
                 format!("#{} arrived, #{} expected", sub.seq, self.accepted),
             ));
         }
-        let plan = if whole {
-            Plan::whole(geometry, sub.dtype, sub.elements)
-        } else {
-            Plan::new(geometry, sub.dtype, sub.elements, self.rotation)
-        };
-        let plan = plan.map_err(|e| {
-            Error::internal(
-                "submitted tensors plan (the communicator checked their size)",
-                e.to_string(),
-            )
-        })?;
         let slot = slot_of(sub.seq);
         if self.records[slot].is_some() {
             return Err(Error::internal(
@@ -169,13 +163,12 @@ impl<M: MemorySpace> Operations<M> {
                 ),
             ));
         }
-        if sub.algorithm == Resolved::Hierarchical {
-            self.rotation = plan.next_rotation();
-        }
         self.accepted += 1;
         self.records[slot] = Some(Record {
             sub,
             plan,
+            first_slice,
+            device,
             slices_done: 0,
             finished: false,
             delivering: None,
@@ -226,6 +219,7 @@ impl<M: MemorySpace> Operations<M> {
                 seq,
                 slice,
                 algorithm: rec.sub.algorithm,
+                number: rec.first_slice + self.start_index,
             }));
         }
     }
@@ -278,22 +272,19 @@ impl<M: MemorySpace> Operations<M> {
         rec
     }
 
-    /// Takes every open operation (the engine failed); returns their sequence
-    /// numbers.
-    pub(crate) fn drain(&mut self) -> impl Iterator<Item = u64> + '_ {
+    /// Takes every open operation (the engine failed).
+    pub(crate) fn drain(&mut self) -> impl Iterator<Item = Record<M>> + '_ {
         self.finished_waiting = 0;
         self.delivering = 0;
         self.start_seq = self.accepted;
         self.oldest_open = self.accepted;
-        self.records
-            .iter_mut()
-            .filter_map(|r| r.take().map(|rec| rec.sub.seq))
+        self.records.iter_mut().filter_map(Option::take)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use fairring_core::plan::PlanConfig;
+    use fairring_core::plan::{Geometry, PlanConfig};
     use fairring_core::topology::{RankLayout, Topology};
     use fairring_core::{DataType, ReduceOp, WireFormat};
 
@@ -319,19 +310,24 @@ mod tests {
             root: 0,
             elements: 16,
         };
-        let sub = |seq| Submission {
-            seq,
-            tensor: HostTensor::new(std::ptr::null_mut(), 0),
-            elements: 16,
-            dtype: DataType::F32,
-            op: ReduceOp::Sum,
-            algorithm: Resolved::Hierarchical,
-            wire: WireFormat::Exact,
-            descriptor,
-            deliver: None,
+        let sub = |seq| Accepted {
+            plan: Plan::new(&geometry, DataType::F32, 16, 0).unwrap(),
+            first_slice: seq,
+            device: None,
+            sub: Submission {
+                seq,
+                tensor: HostTensor::new(std::ptr::null_mut(), 0),
+                elements: 16,
+                dtype: DataType::F32,
+                op: ReduceOp::Sum,
+                algorithm: Resolved::Hierarchical,
+                wire: WireFormat::Exact,
+                descriptor,
+                deliver: None,
+            },
         };
-        ops.accept(sub(0), &geometry, false).unwrap();
-        ops.accept(sub(1), &geometry, false).unwrap();
+        ops.accept(sub(0)).unwrap();
+        ops.accept(sub(1)).unwrap();
         assert!(!ops.delivering());
         ops.hold_delivery(0, ());
         ops.hold_delivery(0, ());

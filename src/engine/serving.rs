@@ -71,7 +71,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             descriptor,
             deliver: None,
         };
-        self.accept(d, sub)?;
+        // Planned as a worker's is, in the order the workers numbered it.
+        let (accepted, _) = self.plan(&mut self.lock_planner(), sub)?;
+        self.accept(d, accepted)?;
         // A mismatch with it names the two workers. (No other worker's descriptor
         // of `seq` came before: each worker's arrive in order, so the first of any
         // of them to arrive is accepted at once.)

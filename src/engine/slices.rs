@@ -6,10 +6,12 @@
 //! once every local rank has issued its operation alike. It starts its algorithm,
 //! which stages it in. A slice whose operation is ordered on a caller's stream
 //! starts only once that stream has passed the operation's start
-//! ([`MemorySpace::started`]): until then the engine issues nothing for it, and
-//! the stall timer does not run. Writes that landed for it before it started (a peer was
-//! ahead) are handed to it then. When its algorithm releases the buffer, the
-//! operation counts the slice, and the credits this rank grants move on.
+//! ([`MemorySpace::started`]): until then the engine opens nothing of it, and
+//! the stall timer does not run. A slice of a device tensor is held to its
+//! device program from its start ([`SliceStages`]). Writes that landed for it
+//! before it started (a peer was ahead) are handed to it then. When its
+//! algorithm releases the buffer, the operation counts the slice, and the
+//! credits this rank grants move on.
 
 use std::collections::VecDeque;
 
@@ -21,6 +23,7 @@ use super::algorithm::{
     Context, Origins, Resolved, ServeScratch, SliceAlgorithm, SliceEvent, SliceInfo,
 };
 use super::credits::Due;
+use super::device_program::SliceStages;
 use super::direct;
 use super::failure::Fault;
 use super::tags::Kind;
@@ -28,6 +31,7 @@ use super::work::Submission;
 use super::{Driver, Engine};
 use crate::error::{Error, Result};
 use crate::memory::MemorySpace;
+use crate::memory::program::slice_end;
 
 /// Steps a memory space may have running for one slice at once.
 const FENCES: usize = 8;
@@ -51,6 +55,9 @@ pub(crate) struct ActiveSlice<M: MemorySpace> {
     /// Its writes from the tensor go into the peer's window (`direct`).
     pub(crate) into_window: bool,
     pub(crate) algorithm: SliceAlgorithm,
+    /// A device tensor's slice: its device program, as the running slice is
+    /// held to it.
+    pub(crate) device: Option<SliceStages>,
 }
 
 /// A local step the slice waits to run.
@@ -160,14 +167,6 @@ impl<M: MemorySpace> Slices<M> {
         self.vacated
     }
 
-    /// Takes the fences of every step still running (the engine failed).
-    pub(crate) fn take_fences(&mut self) -> Vec<M::Fence> {
-        self.slots
-            .iter_mut()
-            .flat_map(|s| s.fences.drain(..).map(|(fence, _)| fence))
-            .collect()
-    }
-
     /// Forgets every slice (the engine failed).
     pub(crate) fn clear(&mut self) {
         for s in &mut self.slots {
@@ -207,6 +206,16 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             return Ok(false);
         }
         let number = d.slices.next_slice;
+        if next.number != number {
+            return Err(Error::internal(
+                "slices start in the order their operations numbered them",
+                format!(
+                    "slice {} of #{} is next, slice {number} expected",
+                    next.number, next.seq
+                ),
+            )
+            .into());
+        }
         let b = d.slices.buffer_of(number);
         if d.slices.slots[b as usize].active.is_some() || !self.local.buffer_free(b, number) {
             return Ok(false);
@@ -217,13 +226,17 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 format!("#{}", next.seq),
             )
         })?;
-        // Nothing of an operation ordered on a caller's stream is issued
-        // before that stream reaches its start: the engine's own steps never
-        // wait for a caller's stream, so they always end.
+        // Nothing of an operation ordered on a caller's stream is opened
+        // before that stream reaches its start: the time before is the
+        // caller's, not a stall.
         if !self.memory.started(&rec.sub.tensor)? {
             d.slices.awaits_start = true;
             return Ok(false);
         }
+        let device = match rec.device {
+            Some(_) => Some(self.slice_stages(&rec.sub, &next.slice, number)?),
+            None => None,
+        };
         let generation = number / self.buffers as u64;
         let origins = Origins::of(&rec.sub.descriptor);
         let direct = self.sends_from_tensor(&rec.sub, next.algorithm);
@@ -262,6 +275,16 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 return Err(e.into());
             }
         };
+        if let Some(held) = &device
+            && held.device_use.pieces != algorithm.local_pieces()
+        {
+            d.scratch.steps = steps;
+            return Err(Error::internal(
+                "a device slice lies in staging as its program says",
+                format!("slice {number}"),
+            )
+            .into());
+        }
         let slot = &mut d.slices.slots[b as usize];
         slot.active = Some(ActiveSlice {
             number,
@@ -277,6 +300,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             direct,
             into_window,
             algorithm,
+            device,
         });
         slot.next_generation = generation + 1;
         d.slices.next_slice += 1;
@@ -301,7 +325,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
 
     /// The local rank of the root of a broadcast (`origins`) in a job of one
     /// machine without servers, whose local step is the whole broadcast.
-    fn local_root(&self, origins: Option<Origins>) -> Option<u32> {
+    pub(super) fn local_root(&self, origins: Option<Origins>) -> Option<u32> {
         let ctx = self.context();
         match origins {
             Some(Origins::Rank(root)) if ctx.topology.machines() == 1 && ctx.servers == 0 => {
@@ -367,6 +391,20 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             return Err(Error::internal(
                 "a slice releases its buffer after its last step",
                 format!("slice {} ({})", active.number, active.algorithm.phase()),
+            )
+            .into());
+        }
+        // A device slice's program is over (every stage opened in order,
+        // and the last ended): the next slice's may reuse the buffer.
+        if let Some(held) = &active.device
+            && let Some(last) = held.stages.last()
+            && !self
+                .memory
+                .poll(&self.memory.stage_end(b, slice_end(active.generation)))?
+        {
+            return Err(Error::internal(
+                "a device slice releases its buffer once its program has ended",
+                format!("slice {} (its {} has not)", active.number, last.name()),
             )
             .into());
         }

@@ -9,6 +9,7 @@
 //! [`Engine::advance`] on every pass.
 
 use std::collections::VecDeque;
+use std::ops::Range;
 
 use fairring_rdma::fabric::Fabric;
 
@@ -19,8 +20,9 @@ use super::slices::{ActiveSlice, LocalRequest};
 use super::tags::{self, Kind};
 use super::{Driver, Engine};
 use crate::error::Error;
-use crate::local::LocalSlice;
+use crate::local::{LocalSlice, LocalStage};
 use crate::memory::MemorySpace;
+use crate::memory::program::Stage;
 
 impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// Hands `event` to the slice in buffer `b`, and settles what follows.
@@ -170,14 +172,24 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             }
             Step::StageIn { to, from } => {
                 let from = tensor_base + from.start..tensor_base + from.end;
-                let fence = self.memory.stage_in(b, to, &active.tensor, from)?;
+                let fence = match active.device {
+                    Some(_) => self.device_copy(d, b, Stage::CopyIn, to, &from)?,
+                    None => self.memory.stage_in(b, to, &active.tensor, from)?,
+                };
                 Some((fence, Some(SliceEvent::Staged)))
             }
             Step::LocalBegin => {
+                if let Some(held) = &active.device {
+                    held.check_local(active.number, LocalStage::Begin)?;
+                }
                 self.local.begin(&local_slice(b, active))?;
                 None
             }
             Step::LocalReduceScatter { final_world } => {
+                if let Some(held) = &active.device {
+                    let asked = LocalStage::ReduceScatter { final_world };
+                    held.check_local(active.number, asked)?;
+                }
                 slot.local = Some(LocalRequest::ReduceScatter { final_world });
                 return self.try_local(d, b, events).map(drop);
             }
@@ -186,6 +198,13 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 None
             }
             Step::LocalAllGather { own_in_tensor } => {
+                if let Some(held) = &active.device {
+                    let asked = LocalStage::AllGather {
+                        final_world: None,
+                        own_in_tensor,
+                    };
+                    held.check_local(active.number, asked)?;
+                }
                 slot.local = Some(LocalRequest::AllGather { own_in_tensor });
                 return self.try_local(d, b, events).map(drop);
             }
@@ -207,7 +226,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             )),
             Step::CopyOut { from, to } => {
                 let to = tensor_base + to.start..tensor_base + to.end;
-                let fence = self.memory.copy_out(b, from, &active.tensor, to)?;
+                let fence = match active.device {
+                    Some(_) => self.device_copy(d, b, Stage::CopyOut, from, &to)?,
+                    None => self.memory.copy_out(b, from, &active.tensor, to)?,
+                };
                 Some((fence, Some(SliceEvent::CopiedOut)))
             }
             Step::LocalFinish => {
@@ -227,6 +249,37 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             }
         }
         Ok(())
+    }
+
+    /// A copy of algorithm stage `stage` the device slice in buffer `b` asks
+    /// for, between staging offset `staging` and bytes `tensor` of its
+    /// tensor: counted against its program, and the stage opened once every
+    /// copy of it has been asked for. Returns the fence of the stage's end.
+    fn device_copy(
+        &self,
+        d: &mut Driver<M>,
+        b: u32,
+        stage: Stage,
+        staging: usize,
+        tensor: &Range<usize>,
+    ) -> Result<M::Fence, Fault> {
+        let active = d.slices.slots[b as usize].active.as_mut().ok_or_else(|| {
+            Error::internal(
+                "copies come from a slice that holds its buffer",
+                format!("buffer {b}"),
+            )
+        })?;
+        let (number, generation) = (active.number, active.generation);
+        let held = active.device.as_mut().ok_or_else(|| {
+            Error::internal(
+                "only a device slice runs a program",
+                format!("slice {number}"),
+            )
+        })?;
+        if held.ask(number, stage, staging, tensor)? {
+            return Ok(self.memory.raise(b, generation, stage, held.stages)?);
+        }
+        Ok(self.memory.stage_end(b, stage.value(generation)))
     }
 
     /// Runs the local step buffer `b` waits for, if the other local ranks are
@@ -345,5 +398,6 @@ fn local_slice<M: MemorySpace>(b: u32, active: &ActiveSlice<M>) -> LocalSlice<'_
         op: active.op,
         pieces: active.algorithm.local_pieces(),
         root: active.local_root,
+        stages: active.device.map(|held| held.stages).unwrap_or_default(),
     }
 }

@@ -1,12 +1,13 @@
-//! How the communicator's local step reaches a GPU ([`GpuReach`]): copies on
-//! the device side's streams (made at the first device operation), and the
+//! How the communicator's local step reaches a GPU ([`GpuReach`]): device
+//! programs on the device side's streams, opened through its words, and the
 //! machine's NCCL communicators where its ranks made them.
 
-use std::ops::Range;
+use std::sync::Arc;
 
-use super::nccl::{NcclCell, OnGpu};
+use super::nccl::NcclCell;
 use super::placed_step::{DeviceReach, Place};
 use crate::error::{Error, Result};
+use crate::memory::program::{ProgramItem, Stage, Stages, Unfinished};
 use crate::memory::{
     DeviceCell, DeviceFence, DeviceSide, DeviceTensor, Placed, PlacedFence, PlacedTensor,
 };
@@ -42,7 +43,6 @@ impl DeviceReach for GpuReach {
     type Memory = Placed;
     type Tensor = DeviceTensor;
     type Fence = DeviceFence;
-    type Collectives<'a> = OnGpu<'a>;
 
     fn place(tensor: &PlacedTensor) -> Place<'_, DeviceTensor> {
         match tensor {
@@ -59,41 +59,65 @@ impl DeviceReach for GpuReach {
         self.side()?.poll(fence)
     }
 
-    unsafe fn copy_to_staging(
+    fn raise(
         &self,
         buffer: u32,
-        staging: &mut [u8],
-        tensor: &DeviceTensor,
-        from: Range<usize>,
+        generation: u64,
+        stage: Stage,
+        stages: Stages,
     ) -> Result<DeviceFence> {
-        // SAFETY: forwarded.
-        unsafe { self.side()?.copy_to_staging(buffer, staging, tensor, from) }
+        self.side()?.raise(buffer, generation, stage, stages)
     }
 
-    unsafe fn copy_from_staging(
+    fn has_collectives(&self) -> bool {
+        matches!(self.nccl.get(), Some(Ok(Some(_))))
+    }
+
+    fn enqueue(
         &self,
-        buffer: u32,
-        staging: &[u8],
         tensor: &DeviceTensor,
-        to: Range<usize>,
-    ) -> Result<DeviceFence> {
-        // SAFETY: forwarded.
-        unsafe { self.side()?.copy_from_staging(buffer, staging, tensor, to) }
+        seq: u64,
+        items: &[ProgramItem<PlacedTensor>],
+    ) -> std::result::Result<(), Unfinished> {
+        let side = self
+            .side()
+            .map_err(|error| Unfinished { error, ends: false })?;
+        let comms = match self.nccl.get() {
+            Some(Ok(Some(comms))) => Some(comms),
+            _ => None,
+        };
+        side.enqueue(tensor, seq, items, &|stream, tensor, calls| {
+            let comms = comms.ok_or_else(|| {
+                Error::internal(
+                    "a device program holds collectives only where the machine has them",
+                    format!("operation {seq}"),
+                )
+            })?;
+            comms.enqueue_group(side, stream, tensor, calls)
+        })
     }
 
-    fn collectives(&self) -> Result<Option<OnGpu<'_>>> {
-        match self.nccl.get() {
-            Some(Ok(Some(comms))) => Ok(Some(OnGpu {
-                comms,
-                side: self.side()?,
-            })),
-            _ => Ok(None),
-        }
-    }
-
-    fn abort_collectives(&self) {
-        if let Some(Ok(Some(comms))) = self.nccl.get() {
-            comms.abort();
+    fn release_collectives(&self) {
+        let Some(Ok(Some(_))) = self.nccl.get() else {
+            return;
+        };
+        // NCCL's abort waits until every kernel of the communicators has
+        // run, on whatever stream: the gates are open, so they will, but not
+        // on the caller's thread (the engine's progress thread), which must
+        // make no call that waits for the device.
+        let nccl = Arc::clone(&self.nccl);
+        let spawned = std::thread::Builder::new()
+            .name("fairring-nccl-abort".into())
+            .spawn(move || {
+                if let Some(Ok(Some(comms))) = nccl.get() {
+                    comms.abort();
+                }
+            });
+        if let Err(e) = spawned {
+            log::error!(
+                "fairring: starting the thread that aborts NCCL after a failure: {e}; NCCL's \
+                 kernels waiting for a rank that is gone are left running"
+            );
         }
     }
 }

@@ -5,11 +5,12 @@
 //!   as the engine drives it, over a [`MemorySpace`]: [`ShmStep`] implements it for
 //!   processes sharing host memory ([`shm`], over the counter [`protocol`]);
 //!   [`PlacedStep`] for a memory space of host or device tensors, a device
-//!   tensor's step reaching it by copies on the device's streams (`alone` for a
-//!   rank alone on its machine; for several, `collectives`, the GPUs' own, or
-//!   `staged`, through the shared segment, as `FAIRRING_DEVICE_LOCAL`
-//!   chooses), through a reach: a GPU's (`gpu`, with NCCL's communicators in
-//!   `nccl`) for the communicator, the simulated GPU's for the simulation;
+//!   tensor's step moving its bytes by the stages of its slices' device
+//!   programs (`alone` for a rank alone on its machine; for several,
+//!   `collectives`, the GPUs' own, or `staged`, through the shared segment, as
+//!   `FAIRRING_DEVICE_LOCAL` chooses), each path saying what its stages do,
+//!   through a reach: a GPU's (`gpu`, with NCCL's communicators in `nccl`) for
+//!   the communicator, the simulated GPU's for the simulation;
 //!   [`Solo`] is the step of a dedicated server, which has none.
 //! - [`Machine`] is the control area every local rank shares whatever its memory:
 //!   doorbells, the descriptors of operations, the first failure.
@@ -19,13 +20,14 @@
 //! Every call is non-blocking: a `try_` call that cannot proceed yet returns
 //! `None`, and the engine retries it when a doorbell rings, so one progress thread
 //! can drive many slices at once and never waits inside a step. On a GPU, a step
-//! that can proceed enqueues its work and returns the fence that ends it.
+//! that can proceed opens its stage of the slice's program (enqueued when the
+//! call was accepted) and returns the fence that ends it: no step makes a CUDA
+//! call.
 
 mod alone;
 mod collectives;
 #[cfg(feature = "cuda")]
 mod gpu;
-mod issue_order;
 #[cfg(all(test, loom))]
 mod loom_models;
 mod machine;
@@ -43,8 +45,6 @@ mod tensor_copies;
 use fairring_core::plan::Slice;
 use fairring_core::{DataType, ReduceOp};
 
-#[cfg(all(test, not(loom)))]
-pub(crate) use collectives::{Collectives, Comm};
 #[cfg(feature = "cuda")]
 pub(crate) use gpu::GpuReach;
 pub(crate) use machine::{Machine, Words};
@@ -61,8 +61,9 @@ pub(crate) use shm_step::{COPY_BETWEEN_TENSORS_FROM, ShmStep};
 pub(crate) use solo::Solo;
 pub(crate) use staged::Waiting;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::memory::MemorySpace;
+use crate::memory::program::{ProgramItem, Stages, Unfinished};
 
 /// One slice as the local step sees it.
 #[derive(Clone, Copy, Debug)]
@@ -87,6 +88,26 @@ pub(crate) struct LocalSlice<'a, M: MemorySpace> {
     /// where the ranks may ([`PeerCopy`]); every other step, and that one
     /// where they may not, sums it with their zeros, which is the same bytes.
     pub(crate) root: Option<u32>,
+    /// The stages of a device tensor's slice's program (enqueued when its
+    /// call was accepted): the step raises its own, and waits for their
+    /// ends. Empty on host memory.
+    pub(crate) stages: Stages,
+}
+
+/// A part of the local step, as a device tensor's slice asks for it: what
+/// [`LocalStep::device_items`] describes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LocalStage {
+    /// [`LocalStep::begin`].
+    Begin,
+    /// [`LocalStep::try_reduce_scatter`], final where `final_world`.
+    ReduceScatter { final_world: Option<u32> },
+    /// [`LocalStep::try_all_gather`] after a reduce-scatter of
+    /// `final_world`.
+    AllGather {
+        final_world: Option<u32>,
+        own_in_tensor: bool,
+    },
 }
 
 /// The intra-machine step as the engine drives it.
@@ -161,14 +182,43 @@ pub(crate) trait LocalStep<M: MemorySpace>: Send + Sync {
         false
     }
 
-    /// The fences of copies the step started that no step of the engine
-    /// holds (a staged step's copies in): the engine failed, and waits for
-    /// them before it declares its operations failed. A step whose work on
-    /// the device waits for other ranks (NCCL's kernels) stops it here, so
-    /// that every fence behind it passes.
-    fn take_fences(&self) -> Vec<M::Fence> {
-        Vec::new()
+    /// Calls `each` with what `stage` of device slice `s` asks of the
+    /// device: its part of the slice's program ([`ProgramItem`]: copies,
+    /// the machine's collectives), known from the call alone so that it is
+    /// enqueued when the call is accepted. A step with no device has none.
+    fn device_items(
+        &self,
+        s: &LocalSlice<'_, M>,
+        stage: LocalStage,
+        each: &mut dyn FnMut(ProgramItem<M::Tensor>) -> Result<()>,
+    ) -> Result<()> {
+        let _ = (s, stage, each);
+        Ok(())
     }
+
+    /// Enqueues operation `seq`'s device program on `tensor` (on the
+    /// caller's thread, as the call is accepted).
+    fn enqueue(
+        &self,
+        tensor: &M::Tensor,
+        seq: u64,
+        items: &[ProgramItem<M::Tensor>],
+    ) -> std::result::Result<(), Unfinished> {
+        let _ = (tensor, items);
+        Err(Unfinished {
+            error: Error::internal(
+                "only a step that reaches a device takes device programs",
+                format!("operation {seq}"),
+            ),
+            ends: false,
+        })
+    }
+
+    /// The engine failed, and every gate of its programs is released: the
+    /// machine's collectives are stopped (NCCL aborted, which waits for the
+    /// device, on a thread of its own), so that a collective waiting for a
+    /// rank that is gone ends, and its stream with it.
+    fn release(&self) {}
 
     /// The engine failed: closes this rank's tensors to the machine's reads
     /// between tensors before it declares its operations finished. A peer's

@@ -1,11 +1,9 @@
 //! NCCL's communicators among a machine's GPUs, for the local step of
 //! several ranks per machine through the GPUs' own collectives
-//! ([`CollectiveStep`](super::collectives::CollectiveStep)): how the machine's
-//! ranks make them at the first device operation (or settle on the
-//! host-staged step), and [`Collectives`] over them and the device side's
-//! streams.
+//! (`super::collectives`): how the machine's ranks make them (or settle on
+//! the host-staged step), and how a device program's collectives are
+//! enqueued on them.
 
-use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
@@ -13,10 +11,10 @@ use fairring_core::{DataType, ReduceOp};
 use fairring_cuda::nccl::{Communicator, UniqueId, group};
 use fairring_cuda::{Device, DeviceBuffer, Stream};
 
-use super::collectives::{Collectives, Comm};
 use crate::config::DeviceLocal;
 use crate::error::{Error, Result};
-use crate::memory::{DeviceFence, DeviceSide, DeviceTensor, cuda_error};
+use crate::memory::program::{Comm, MachineCall, ProgramItem};
+use crate::memory::{DeviceSide, DeviceTensor, PlacedTensor, cuda_error};
 use crate::store::Store;
 
 /// A rank's two communicators of its machine: reduce-scatters, and
@@ -47,39 +45,62 @@ impl NcclComms {
 /// for and could not be had.
 pub(crate) type NcclCell = Arc<OnceLock<std::result::Result<Option<NcclComms>, String>>>;
 
-/// NCCL's collectives with this rank's device side's streams.
-pub(crate) struct OnGpu<'a> {
-    pub(crate) comms: &'a NcclComms,
-    pub(crate) side: &'a DeviceSide,
-}
-
-impl OnGpu<'_> {
-    /// Bytes `range` of `tensor`, and the stream of `buffer`.
-    ///
-    /// # Safety
-    ///
-    /// As for [`Collectives`]' methods.
-    unsafe fn at(
+impl NcclComms {
+    /// Enqueues `calls` (a stage's run of [`ProgramItem::Collective`]s, on
+    /// one communicator) on `stream` as one group, in place on bytes of
+    /// `tensor`. On the caller's thread, as the call is accepted: every rank
+    /// accepts the same operations in the same order, so every rank's
+    /// communicator receives its calls in one order.
+    pub(crate) fn enqueue_group(
         &self,
-        buffer: u32,
+        side: &DeviceSide,
+        stream: &Stream,
         tensor: &DeviceTensor,
-        range: Range<usize>,
-    ) -> Result<(fairring_cuda::DeviceSliceMut<'_>, &fairring_cuda::Stream)> {
-        // SAFETY: forwarded.
-        let view = unsafe { self.side.tensor_bytes(tensor, range)? };
-        Ok((view, self.side.stream(buffer)?))
-    }
-}
-
-impl Collectives for OnGpu<'_> {
-    type Tensor = DeviceTensor;
-    type Fence = DeviceFence;
-
-    fn group(&self, comm: Comm, enqueue: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        calls: &[ProgramItem<PlacedTensor>],
+    ) -> Result<()> {
+        let Some(ProgramItem::Collective { comm, .. }) = calls.first() else {
+            return Ok(());
+        };
+        let communicator = self.of(*comm);
         let mut failed = None;
-        let grouped = group(&[self.comms.of(comm)], || {
-            if let Err(e) = enqueue() {
-                failed = Some(e);
+        let grouped = group(&[communicator], || {
+            for item in calls {
+                let ProgramItem::Collective {
+                    comm: c,
+                    call,
+                    tensor: range,
+                } = item
+                else {
+                    continue;
+                };
+                if c != comm {
+                    failed = Some(Error::internal(
+                        "a stage's collectives go to one communicator",
+                        format!("{c:?} among {comm:?}'s"),
+                    ));
+                    break;
+                }
+                // SAFETY: a program's collective, enqueued behind its stage's
+                // gate, on bytes of the slice in the operation's tensor.
+                let view = unsafe { side.tensor_bytes(tensor, range.clone()) };
+                let enqueued = view.and_then(|mut view| {
+                    match *call {
+                        MachineCall::AllReduce { dtype, op } => {
+                            communicator.all_reduce_in_place(stream, &mut view, dtype, op)
+                        }
+                        MachineCall::Reduce { dtype, op, root } => {
+                            communicator.reduce_in_place(stream, &mut view, dtype, op, root)
+                        }
+                        MachineCall::Broadcast { root } => {
+                            communicator.broadcast_in_place(stream, &mut view, DataType::U8, root)
+                        }
+                    }
+                    .map_err(cuda_error)
+                });
+                if let Err(e) = enqueued {
+                    failed = Some(e);
+                    break;
+                }
             }
             Ok(())
         });
@@ -87,81 +108,6 @@ impl Collectives for OnGpu<'_> {
             return Err(e);
         }
         grouped.map_err(cuda_error)
-    }
-
-    unsafe fn all_reduce(
-        &self,
-        buffer: u32,
-        tensor: &DeviceTensor,
-        range: Range<usize>,
-        dtype: DataType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        // SAFETY: forwarded.
-        let (mut view, stream) = unsafe { self.at(buffer, tensor, range)? };
-        self.comms
-            .reduce
-            .all_reduce_in_place(stream, &mut view, dtype, op)
-            .map_err(cuda_error)
-    }
-
-    unsafe fn reduce(
-        &self,
-        buffer: u32,
-        tensor: &DeviceTensor,
-        range: Range<usize>,
-        dtype: DataType,
-        op: ReduceOp,
-        root: u32,
-    ) -> Result<()> {
-        // SAFETY: forwarded.
-        let (mut view, stream) = unsafe { self.at(buffer, tensor, range)? };
-        self.comms
-            .reduce
-            .reduce_in_place(stream, &mut view, dtype, op, root)
-            .map_err(cuda_error)
-    }
-
-    unsafe fn broadcast(
-        &self,
-        buffer: u32,
-        tensor: &DeviceTensor,
-        range: Range<usize>,
-        root: u32,
-    ) -> Result<()> {
-        // SAFETY: forwarded.
-        let (mut view, stream) = unsafe { self.at(buffer, tensor, range)? };
-        self.comms
-            .gather
-            .broadcast_in_place(stream, &mut view, DataType::U8, root)
-            .map_err(cuda_error)
-    }
-
-    unsafe fn copy_to_staging(
-        &self,
-        buffer: u32,
-        staging: &mut [u8],
-        tensor: &DeviceTensor,
-        range: Range<usize>,
-    ) -> Result<()> {
-        // SAFETY: forwarded; the staging bytes are page-locked (the device
-        // side registered the machine's staging).
-        unsafe { self.side.copy_to_staging(buffer, staging, tensor, range) }.map(drop)
-    }
-
-    unsafe fn copy_from_staging(
-        &self,
-        buffer: u32,
-        staging: &[u8],
-        tensor: &DeviceTensor,
-        range: Range<usize>,
-    ) -> Result<()> {
-        // SAFETY: as in `copy_to_staging`.
-        unsafe { self.side.copy_from_staging(buffer, staging, tensor, range) }.map(drop)
-    }
-
-    fn fence(&self, buffer: u32) -> Result<DeviceFence> {
-        self.side.fence_on(buffer)
     }
 }
 

@@ -1,7 +1,7 @@
 //! The local step of a memory space whose operations take host or device
 //! tensors ([`PlacedStep`]): host tensors run [`ShmStep`] as they always do;
-//! device tensors run the same counter protocol with copies between the tensor
-//! and the staging buffers on the device's streams:
+//! device tensors run the same counter protocol, their bytes moved by the
+//! stages of their slices' device programs:
 //!
 //! - alone on its machine (`D = 1`), a rank's reduce-scatter copies the
 //!   tensor's slot into the staging buffer and its all-gather the landed
@@ -11,22 +11,21 @@
 //!   have them and the operator allows, and otherwise on the host in the
 //!   shared segment, staged in and out by copies (`staged`).
 //!
-//! How a step reaches the device is a [`DeviceReach`]: the communicator's is
-//! a GPU's device side and NCCL's communicators (`gpu`, the `cuda` feature),
-//! the simulation's its simulated GPU; a build without a GPU reaches none
-//! (`HostOnly`). The choice of path above is made here once, for all of
-//! them, so the simulation runs the choice the communicator ships.
-
-use std::ops::Range;
+//! Each path says what its stages do ([`LocalStep::device_items`]), which the
+//! engine enqueues when the call is accepted; at run time the step only opens
+//! them ([`DeviceReach::raise`]) and waits for their ends. How a step reaches
+//! the device is a [`DeviceReach`]: the communicator's is a GPU's device side
+//! and NCCL's communicators (`gpu`, the `cuda` feature), the simulation's its
+//! simulated GPU; a build without a GPU reaches none (`HostOnly`). The choice
+//! of path above is made here once, for all of them, so the simulation runs
+//! the choice the communicator ships.
 
 use fairring_core::{DataType, ReduceOp};
 
-#[cfg(not(feature = "cuda"))]
-use super::collectives::Comm;
-use super::collectives::{CollectiveStep, Collectives};
 use super::shm_step::ShmStep;
-use super::{LocalSlice, LocalStep, Waiting};
-use crate::error::Result;
+use super::{LocalSlice, LocalStage, LocalStep, Waiting, alone, collectives, staged};
+use crate::error::{Error, Result};
+use crate::memory::program::{ProgramItem, Stage, Stages, Unfinished};
 use crate::memory::{Host, HostTensor, MemorySpace};
 
 /// Where a tensor lives.
@@ -41,18 +40,15 @@ pub(crate) enum Place<'a, T> {
     Device(&'a T),
 }
 
-/// How a step reaches a memory space's device tensors.
+/// How a step reaches a memory space's device tensors: their programs, the
+/// words that open and end their stages, and the machine's collectives.
 pub(crate) trait DeviceReach: Send + Sync {
     /// The memory space.
     type Memory: MemorySpace;
     /// A device tensor.
     type Tensor;
-    /// The end of copies on a device stream.
+    /// The end of a stage: its buffer's end word reaching its value.
     type Fence: Send;
-    /// The machine's collectives among its ranks' device tensors.
-    type Collectives<'a>: Collectives<Tensor = Self::Tensor, Fence = Self::Fence>
-    where
-        Self: 'a;
 
     /// Where `tensor` lives.
     fn place(tensor: &<Self::Memory as MemorySpace>::Tensor) -> Place<'_, Self::Tensor>;
@@ -60,56 +56,61 @@ pub(crate) trait DeviceReach: Send + Sync {
     /// The memory space's fence for `fence` (`None`: passed at once).
     fn fence(fence: Option<Self::Fence>) -> <Self::Memory as MemorySpace>::Fence;
 
-    /// Whether `fence` has passed.
+    /// Whether `fence` has passed (a read of host memory, never a CUDA
+    /// call).
     fn poll(&self, fence: &Self::Fence) -> Result<bool>;
 
-    /// Enqueues a copy of bytes `from` of `tensor` into `staging`, on
-    /// `buffer`'s stream.
-    ///
-    /// # Safety
-    ///
-    /// `staging` is this rank's page-locked staging memory, untouched until
-    /// the returned fence passes; the operation's start has passed.
-    unsafe fn copy_to_staging(
+    /// Opens `stage` of the slice of generation `generation` in staging
+    /// buffer `buffer`, whose program holds `stages` (checked as
+    /// [`raised`](crate::memory::program::raised) does); returns the fence
+    /// of its end. A write of host memory, never a CUDA call.
+    fn raise(
         &self,
         buffer: u32,
-        staging: &mut [u8],
-        tensor: &Self::Tensor,
-        from: Range<usize>,
+        generation: u64,
+        stage: Stage,
+        stages: Stages,
     ) -> Result<Self::Fence>;
 
-    /// Enqueues a copy of `staging` into bytes `to` of `tensor`, on
-    /// `buffer`'s stream.
-    ///
-    /// # Safety
-    ///
-    /// As for [`copy_to_staging`](DeviceReach::copy_to_staging), with
-    /// `staging` unwritten until the fence passes.
-    unsafe fn copy_from_staging(
+    /// Whether the machine's ranks reduce device tensors through
+    /// collectives of their own (settled alike on every local rank before
+    /// its first device operation).
+    fn has_collectives(&self) -> bool;
+
+    /// Enqueues operation `seq`'s device program on `tensor`: everything
+    /// the device will do for it, each stage behind its gate. On the
+    /// caller's thread, as the call is accepted.
+    fn enqueue(
         &self,
-        buffer: u32,
-        staging: &[u8],
         tensor: &Self::Tensor,
-        to: Range<usize>,
-    ) -> Result<Self::Fence>;
+        seq: u64,
+        items: &[ProgramItem<<Self::Memory as MemorySpace>::Tensor>],
+    ) -> std::result::Result<(), Unfinished>;
 
-    /// The machine's collectives, if its ranks reduce device tensors
-    /// through them.
-    fn collectives(&self) -> Result<Option<Self::Collectives<'_>>>;
-
-    /// The engine failed: stops the collectives, so that calls waiting for
-    /// a rank that is gone end.
-    fn abort_collectives(&self);
+    /// The engine failed and released every gate: stops the machine's
+    /// collectives, so that one waiting for a rank that is gone ends. Where
+    /// stopping waits for the device (NCCL's abort), it does so on a thread
+    /// of its own, never the caller's.
+    fn release_collectives(&self);
 }
 
 /// [`ShmStep`] for host tensors, and its device forms for device tensors.
 pub(crate) struct PlacedStep<D: DeviceReach> {
     pub(crate) shm: ShmStep,
     reach: D,
-    /// Announcements of the staged step waiting for their copies.
+    /// Announcements of the staged step waiting for their stages' ends.
     waiting: Waiting<D::Fence>,
-    /// The order this rank issues the machine's collectives in.
-    collective: CollectiveStep,
+}
+
+/// How a device tensor's slice crosses the machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    /// The rank is alone on its machine.
+    Alone,
+    /// Through the host, in the machine's shared segment.
+    Staged,
+    /// Through the machine's collectives.
+    Collectives,
 }
 
 impl<D: DeviceReach> PlacedStep<D> {
@@ -119,29 +120,30 @@ impl<D: DeviceReach> PlacedStep<D> {
             waiting: Waiting::new(shm.protocol.buffers),
             shm,
             reach,
-            collective: CollectiveStep::new(),
         }
     }
 
-    /// The collectives slice `s` goes through, if it goes through them.
-    fn collectives(&self, s: &LocalSlice<'_, D::Memory>) -> Result<Option<D::Collectives<'_>>> {
-        self.collectives_for(s.dtype, s.op)
+    /// The path of a device slice of `dtype` reduced with `op`.
+    fn path(&self, dtype: DataType, op: ReduceOp) -> Path {
+        if self.shm.size == 1 {
+            Path::Alone
+        } else if collectives::takes(dtype, op) && self.reach.has_collectives() {
+            Path::Collectives
+        } else {
+            Path::Staged
+        }
     }
 
-    /// The collectives a slice of `dtype` and `op` goes through, if it goes
-    /// through them (the machine has them, and they take the type and the
-    /// operator).
-    fn collectives_for(&self, dtype: DataType, op: ReduceOp) -> Result<Option<D::Collectives<'_>>> {
-        if !CollectiveStep::takes(dtype, op) {
+    /// Opens `stage` of device slice `s` if its program holds it; the
+    /// fence of its end, or `None` where it holds none.
+    fn raise(&self, s: &LocalSlice<'_, D::Memory>, stage: Stage) -> Result<Option<D::Fence>> {
+        if !s.stages.has(stage) {
             return Ok(None);
         }
-        self.reach.collectives()
-    }
-
-    /// Whether device tensors take the staged step (several ranks on this
-    /// machine) or the lone one.
-    fn staged(&self) -> bool {
-        self.shm.size > 1
+        let generation = s.number / u64::from(self.shm.protocol.buffers);
+        self.reach
+            .raise(s.buffer, generation, stage, s.stages)
+            .map(Some)
     }
 }
 
@@ -156,6 +158,7 @@ fn host<'a, M: MemorySpace>(s: &LocalSlice<'a, M>, tensor: &'a HostTensor) -> Lo
         op: s.op,
         pieces: s.pieces,
         root: s.root,
+        stages: s.stages,
     }
 }
 
@@ -171,31 +174,22 @@ impl<D: DeviceReach> LocalStep<D::Memory> for PlacedStep<D> {
         op: ReduceOp,
     ) -> bool {
         // A final slice through the machine's collectives is one all-reduce
-        // in the tensor (`CollectiveStep::try_reduce_scatter`); whether the
-        // machine has them was settled alike on every local rank before its
-        // first device operation.
-        matches!(D::place(tensor), Place::Device(_))
-            && self.staged()
-            && self.collectives_for(dtype, op).is_ok_and(|c| c.is_some())
+        // in the tensor (`collectives::items`); whether the machine has them
+        // was settled alike on every local rank before its first device
+        // operation.
+        matches!(D::place(tensor), Place::Device(_)) && self.path(dtype, op) == Path::Collectives
     }
 
     fn begin(&self, s: &LocalSlice<'_, D::Memory>) -> Result<()> {
-        let t = match D::place(s.tensor) {
-            Place::Host(t) => return self.shm.begin(&host(s, t)),
-            Place::Device(t) => t,
-        };
-        if self.collectives(s)?.is_some() {
-            self.collective.begin(&self.shm, s)
-        } else if self.staged() {
-            self.shm
-                .begin_staged(s, &self.waiting, |in_tensor, staging| {
-                    // SAFETY: the staging bytes are this rank's own, page-locked,
-                    // and untouched until the copy's fence passes (the step
-                    // announces them staged only then).
-                    unsafe { self.reach.copy_to_staging(s.buffer, staging, t, in_tensor) }
-                })
-        } else {
-            self.shm.begin_alone(s.buffer, s.number, "stage-in")
+        if let Place::Host(t) = D::place(s.tensor) {
+            return self.shm.begin(&host(s, t));
+        }
+        match self.path(s.dtype, s.op) {
+            Path::Collectives => self.shm.begin_collective(s),
+            Path::Staged => self
+                .shm
+                .begin_staged(s, &self.waiting, || self.raise(s, Stage::Begin)),
+            Path::Alone => self.shm.begin_alone(s.buffer, s.number, "stage-in"),
         }
     }
 
@@ -204,46 +198,23 @@ impl<D: DeviceReach> LocalStep<D::Memory> for PlacedStep<D> {
         s: &LocalSlice<'_, D::Memory>,
         final_world: Option<u32>,
     ) -> Result<Option<<D::Memory as MemorySpace>::Fence>> {
-        let t = match D::place(s.tensor) {
-            Place::Host(t) => {
-                let ran = self.shm.try_reduce_scatter(&host(s, t), final_world)?;
-                return Ok(ran.map(|()| D::fence(None)));
-            }
-            Place::Device(t) => t,
-        };
-        let ran = if let Some(c) = self.collectives(s)? {
-            self.collective
-                .try_reduce_scatter(&self.shm, &c, s, t, final_world)?
-                .map(Some)
-        } else if self.staged() {
-            self.shm.try_reduce_scatter_staged(
+        if let Place::Host(t) = D::place(s.tensor) {
+            let ran = self.shm.try_reduce_scatter(&host(s, t), final_world)?;
+            return Ok(ran.map(|()| D::fence(None)));
+        }
+        let raise = || self.raise(s, Stage::ReduceScatter);
+        let ran = match self.path(s.dtype, s.op) {
+            Path::Collectives => self.shm.try_reduce_scatter_collective(s, raise)?,
+            Path::Staged => self.shm.try_reduce_scatter_staged(
                 s,
                 final_world,
                 &self.waiting,
                 |f| self.reach.poll(f),
-                |staging, in_tensor| {
-                    // SAFETY: page-locked staging bytes of this rank's own
-                    // slot, which nothing writes until the fence passes
-                    // (the engine waits for it before the next step).
-                    unsafe {
-                        self.reach
-                            .copy_from_staging(s.buffer, staging, t, in_tensor)
-                    }
-                },
-            )?
-        } else {
-            self.shm.try_reduce_scatter_alone(
-                s.buffer,
-                s.number,
-                s.slice,
-                final_world,
-                |staging, in_tensor| {
-                    // SAFETY: the staging buffer is page-locked and this
-                    // rank's own; nothing touches the slot until the fence
-                    // passes (the engine waits for it before the next step).
-                    unsafe { self.reach.copy_to_staging(s.buffer, staging, t, in_tensor) }
-                },
-            )?
+                raise,
+            )?,
+            Path::Alone => self
+                .shm
+                .try_reduce_scatter_alone(s.buffer, s.number, raise)?,
         };
         Ok(ran.map(D::fence))
     }
@@ -259,46 +230,17 @@ impl<D: DeviceReach> LocalStep<D::Memory> for PlacedStep<D> {
         s: &LocalSlice<'_, D::Memory>,
         own_in_tensor: bool,
     ) -> Result<Option<<D::Memory as MemorySpace>::Fence>> {
-        let t = match D::place(s.tensor) {
-            Place::Host(t) => {
-                let ran = self.shm.try_all_gather(&host(s, t), own_in_tensor)?;
-                return Ok(ran.map(|()| D::fence(None)));
-            }
-            Place::Device(t) => t,
-        };
-        let ran = if let Some(c) = self.collectives(s)? {
-            self.collective
-                .try_all_gather(&self.shm, &c, &self.waiting, s, t, own_in_tensor)?
-        } else if self.staged() {
-            self.shm.try_all_gather_staged(
-                s,
-                own_in_tensor,
-                &self.waiting,
-                |staging, in_tensor| {
-                    // SAFETY: a final slot of a local rank's page-locked
-                    // buffer, not reused by its owner before this rank's
-                    // `Done`, which follows the copy's fence.
-                    unsafe {
-                        self.reach
-                            .copy_from_staging(s.buffer, staging, t, in_tensor)
-                    }
-                },
-            )?
-        } else {
-            self.shm.try_all_gather_alone(
-                s.buffer,
-                s.number,
-                s.slice,
-                own_in_tensor,
-                |staging, in_tensor| {
-                    // SAFETY: as in the reduce-scatter; the engine releases
-                    // the buffer only once this copy's fence has passed.
-                    unsafe {
-                        self.reach
-                            .copy_from_staging(s.buffer, staging, t, in_tensor)
-                    }
-                },
-            )?
+        if let Place::Host(t) = D::place(s.tensor) {
+            let ran = self.shm.try_all_gather(&host(s, t), own_in_tensor)?;
+            return Ok(ran.map(|()| D::fence(None)));
+        }
+        let raise = || self.raise(s, Stage::AllGather);
+        let ran = match self.path(s.dtype, s.op) {
+            Path::Collectives => self
+                .shm
+                .try_all_gather_collective(s, &self.waiting, raise)?,
+            Path::Staged => self.shm.try_all_gather_staged(s, &self.waiting, raise)?,
+            Path::Alone => self.shm.try_all_gather_alone(s.buffer, s.number, raise)?,
         };
         Ok(ran.map(D::fence))
     }
@@ -320,85 +262,53 @@ impl<D: DeviceReach> LocalStep<D::Memory> for PlacedStep<D> {
     }
 
     fn awaits_fences(&self) -> bool {
-        self.waiting.any() || self.collective.waiting()
+        self.waiting.any()
     }
 
-    fn take_fences(&self) -> Vec<<D::Memory as MemorySpace>::Fence> {
-        self.reach.abort_collectives();
-        self.waiting
-            .take_fences()
-            .into_iter()
-            .map(|f| D::fence(Some(f)))
-            .collect()
+    fn device_items(
+        &self,
+        s: &LocalSlice<'_, D::Memory>,
+        stage: LocalStage,
+        each: &mut dyn FnMut(ProgramItem<<D::Memory as MemorySpace>::Tensor>) -> Result<()>,
+    ) -> Result<()> {
+        if let Place::Host(_) = D::place(s.tensor) {
+            return Ok(());
+        }
+        match self.path(s.dtype, s.op) {
+            Path::Alone => alone::items(&self.shm, s, stage, each),
+            Path::Staged => staged::items(&self.shm, s, stage, each),
+            Path::Collectives => collectives::items(&self.shm, s, stage, each),
+        }
+    }
+
+    fn enqueue(
+        &self,
+        tensor: &<D::Memory as MemorySpace>::Tensor,
+        seq: u64,
+        items: &[ProgramItem<<D::Memory as MemorySpace>::Tensor>],
+    ) -> std::result::Result<(), Unfinished> {
+        match D::place(tensor) {
+            Place::Device(t) => self.reach.enqueue(t, seq, items),
+            Place::Host(_) => Err(Unfinished {
+                error: Error::internal(
+                    "only device tensors have device programs",
+                    format!("operation {seq} on host memory"),
+                ),
+                ends: false,
+            }),
+        }
+    }
+
+    fn release(&self) {
+        self.waiting.clear();
+        self.reach.release_collectives();
     }
 }
 
-/// A device tensor, fence or collective of a build without a GPU: none
-/// exists.
+/// A device tensor or fence of a build without a GPU: none exists.
 #[cfg(not(feature = "cuda"))]
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum NoDevice {}
-
-#[cfg(not(feature = "cuda"))]
-impl Collectives for NoDevice {
-    type Tensor = NoDevice;
-    type Fence = NoDevice;
-
-    fn group(&self, _comm: Comm, _enqueue: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        match *self {}
-    }
-
-    unsafe fn all_reduce(
-        &self,
-        _: u32,
-        _: &NoDevice,
-        _: Range<usize>,
-        _: fairring_core::DataType,
-        _: fairring_core::ReduceOp,
-    ) -> Result<()> {
-        match *self {}
-    }
-
-    unsafe fn reduce(
-        &self,
-        _: u32,
-        _: &NoDevice,
-        _: Range<usize>,
-        _: fairring_core::DataType,
-        _: fairring_core::ReduceOp,
-        _: u32,
-    ) -> Result<()> {
-        match *self {}
-    }
-
-    unsafe fn broadcast(&self, _: u32, _: &NoDevice, _: Range<usize>, _: u32) -> Result<()> {
-        match *self {}
-    }
-
-    unsafe fn copy_to_staging(
-        &self,
-        _: u32,
-        _: &mut [u8],
-        _: &NoDevice,
-        _: Range<usize>,
-    ) -> Result<()> {
-        match *self {}
-    }
-
-    unsafe fn copy_from_staging(
-        &self,
-        _: u32,
-        _: &[u8],
-        _: &NoDevice,
-        _: Range<usize>,
-    ) -> Result<()> {
-        match *self {}
-    }
-
-    fn fence(&self, _: u32) -> Result<NoDevice> {
-        match *self {}
-    }
-}
 
 /// The reach of a build without a GPU: its memory space holds host tensors
 /// only.
@@ -410,7 +320,6 @@ impl DeviceReach for HostOnly {
     type Memory = crate::memory::Placed;
     type Tensor = NoDevice;
     type Fence = NoDevice;
-    type Collectives<'a> = NoDevice;
 
     fn place(tensor: &crate::memory::PlacedTensor) -> Place<'_, NoDevice> {
         match tensor {
@@ -429,29 +338,28 @@ impl DeviceReach for HostOnly {
         match *fence {}
     }
 
-    unsafe fn copy_to_staging(
+    fn raise(&self, buffer: u32, generation: u64, stage: Stage, _: Stages) -> Result<NoDevice> {
+        Err(Error::internal(
+            "a build without a GPU runs no device program",
+            format!(
+                "{} of generation {generation} in buffer {buffer}",
+                stage.name()
+            ),
+        ))
+    }
+
+    fn has_collectives(&self) -> bool {
+        false
+    }
+
+    fn enqueue(
         &self,
-        _: u32,
-        _: &mut [u8],
         tensor: &NoDevice,
-        _: Range<usize>,
-    ) -> Result<NoDevice> {
+        _: u64,
+        _: &[ProgramItem<crate::memory::PlacedTensor>],
+    ) -> std::result::Result<(), Unfinished> {
         match *tensor {}
     }
 
-    unsafe fn copy_from_staging(
-        &self,
-        _: u32,
-        _: &[u8],
-        tensor: &NoDevice,
-        _: Range<usize>,
-    ) -> Result<NoDevice> {
-        match *tensor {}
-    }
-
-    fn collectives(&self) -> Result<Option<NoDevice>> {
-        Ok(None)
-    }
-
-    fn abort_collectives(&self) {}
+    fn release_collectives(&self) {}
 }

@@ -1,7 +1,8 @@
 //! The local step of several ranks on one machine whose tensors the host does
 //! not read (device tensors), staged through the machine's shared segment: the
 //! host local step of [`ShmStep`], with every read and write of a tensor made
-//! by a copy the memory space enqueues, and each announcement of the counter
+//! by a copy of the slice's device program ([`items`], enqueued when the call
+//! was accepted, opened by the step), and each announcement of the counter
 //! [`protocol`](super::protocol) made once the copies before it have ended.
 //!
 //! Per slice, rank `d`:
@@ -19,15 +20,14 @@
 //!    their ranks' buffers into the tensor; announces `Done` once those copies
 //!    have ended (the engine tells it: [`LocalStep::gathered`]).
 //!
-//! Copies of one buffer go on one stream in order, so the fence of the last
-//! copy of a step ends the step. Per slice of `S` bytes that is `S` copied
+//! Each step's copies are one stage of the slice's program, on its buffer's
+//! stream: the stage's end ends the step. Per slice of `S` bytes that is `S` copied
 //! down and `S` (or `S (D-1)/D` when the own slot is final in place) up, over
 //! the PCIe link, and one reduction of `S/D` bytes on the host. It is the path
 //! for machines where the GPUs' own collectives (NCCL) are not at hand.
 //!
 //! [`LocalStep::gathered`]: crate::local::LocalStep::gathered
 
-use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
 
 use crate::sync::unmodelled::{AtomicUsize, Ordering};
@@ -35,10 +35,76 @@ use crate::sync::unmodelled::{AtomicUsize, Ordering};
 use fairring_core::ReduceOp;
 use fairring_core::reduce::finish_avg_bytes;
 
-use super::LocalSlice;
 use super::shm_step::{ShmStep, for_each_run, slice_range, slot_range};
+use super::{LocalSlice, LocalStage};
 use crate::error::{Error, Result};
+use crate::memory::program::{ProgramItem, StagingAt};
 use crate::memory::{MemorySpace, reduce_into};
+
+/// Calls `each` with the device items of `stage` of slice `s` (see the
+/// module docs): every rank's runs into this rank's buffer at the begin; a
+/// final slot back into the tensor at the reduce-scatter; every final slot
+/// from its rank's buffer into the tensor at the all-gather.
+pub(crate) fn items<M: MemorySpace>(
+    shm: &ShmStep,
+    s: &LocalSlice<'_, M>,
+    stage: LocalStage,
+    each: &mut dyn FnMut(ProgramItem<M::Tensor>) -> Result<()>,
+) -> Result<()> {
+    let base = slice_range(s.slice)?.start;
+    let at = |rank, offset| StagingAt {
+        rank,
+        buffer: s.buffer,
+        offset,
+    };
+    let in_tensor = |within: &std::ops::Range<usize>| base + within.start..base + within.end;
+    match stage {
+        LocalStage::Begin => {
+            for r in 0..shm.size {
+                for_each_run(s, r, |in_slice, staged| {
+                    if in_slice.is_empty() {
+                        return Ok(());
+                    }
+                    each(ProgramItem::ToStaging {
+                        tensor: in_tensor(&in_slice),
+                        to: at(shm.rank(), staged.start),
+                    })
+                })?;
+            }
+            Ok(())
+        }
+        LocalStage::ReduceScatter { final_world: None } => Ok(()),
+        LocalStage::ReduceScatter {
+            final_world: Some(_),
+        } => for_each_run(s, shm.rank(), |in_slice, staged| {
+            if in_slice.is_empty() {
+                return Ok(());
+            }
+            each(ProgramItem::FromStaging {
+                from: at(shm.rank(), staged.start),
+                tensor: in_tensor(&in_slice),
+            })
+        }),
+        LocalStage::AllGather { own_in_tensor, .. } => {
+            if s.pieces.is_some() {
+                return Err(Error::internal(
+                    "a reduce-scatter's pieces are never gathered",
+                    format!("slice {}", s.number),
+                ));
+            }
+            for r in (0..shm.size).filter(|&r| !(own_in_tensor && r == shm.rank())) {
+                let slot = slot_range(s.slice, r)?;
+                if !slot.is_empty() {
+                    each(ProgramItem::FromStaging {
+                        from: at(r, slot.start),
+                        tensor: in_tensor(&slot),
+                    })?;
+                }
+            }
+            Ok(())
+        }
+    }
+}
 
 /// What a staged step announces once a buffer's copies have ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,21 +139,16 @@ impl<F> Waiting<F> {
         self.held.load(Ordering::Acquire) > 0
     }
 
-    /// Takes the fences of every copy an announcement waits for (the engine
-    /// failed: it declares its operations failed once these have ended, since
-    /// they read the callers' tensors).
-    pub(crate) fn take_fences(&self) -> Vec<F> {
+    /// Forgets every announcement waiting (the engine failed: it waits
+    /// for its operations' device programs, not for these).
+    pub(crate) fn clear(&self) {
         if !self.any() {
-            return Vec::new();
+            return;
         }
         let mut buffers = self.lock();
-        let mut fences = Vec::new();
         for slot in buffers.iter_mut() {
-            if let Some((Some(fence), _, _)) = self.take(slot) {
-                fences.push(fence);
-            }
+            self.take(slot);
         }
-        fences
     }
 
     /// Empties `slot`, counting it.
@@ -172,89 +233,75 @@ impl ShmStep {
         }
     }
 
-    /// Step 1: `copy_in(in_tensor, staging)` copies each run of the slice from
-    /// bytes `in_tensor` of the tensor into `staging`, its place in this rank's
-    /// buffer; `InputReady` follows their end. (Here and below, `in_tensor`
-    /// counts from the tensor's start.)
+    /// Step 1: `raise` opens the slice's begin stage (each run of every
+    /// rank's slot from the tensor into this rank's buffer), whose end
+    /// `InputReady` follows; with no such stage, `InputReady` now.
     pub(crate) fn begin_staged<M: MemorySpace, F>(
         &self,
         s: &LocalSlice<'_, M>,
         waiting: &Waiting<F>,
-        mut copy_in: impl FnMut(Range<usize>, &mut [u8]) -> Result<F>,
+        raise: impl FnOnce() -> Result<Option<F>>,
     ) -> Result<()> {
-        let base = slice_range(s.slice)?.start;
-        let mut last = None;
-        for r in 0..self.size {
-            for_each_run(s, r, |in_slice, staged| {
-                let staging = self.own_bytes(s.buffer, staged)?;
-                last = Some(copy_in(
-                    base + in_slice.start..base + in_slice.end,
-                    staging,
-                )?);
-                Ok(())
-            })?;
-        }
+        let fence = raise()?;
         self.announce_after(
             waiting,
             s.buffer,
             s.number,
             Announce::InputReady,
-            last.map(Some),
+            fence.map(Some),
         )
     }
 
     /// Step 2: once this rank's copies in have ended (`poll`) and every
-    /// rank's input is ready, reduces; a final result goes into the tensor by
-    /// `copy_out(staging, in_tensor)`, whose last fence this returns.
-    /// `None` while it cannot run.
+    /// rank's input is ready, reduces; a final result goes into the tensor
+    /// through the slice's reduce-scatter stage, which `raise` opens and
+    /// whose end this returns. `None` while it cannot run.
     pub(crate) fn try_reduce_scatter_staged<M: MemorySpace, F>(
         &self,
         s: &LocalSlice<'_, M>,
         final_world: Option<u32>,
         waiting: &Waiting<F>,
         poll: impl Fn(&F) -> Result<bool>,
-        mut copy_out: impl FnMut(&[u8], Range<usize>) -> Result<F>,
+        raise: impl FnOnce() -> Result<Option<F>>,
     ) -> Result<Option<Option<F>>> {
         if !self.settle_staged(waiting, s.buffer, poll)? {
             return Ok(None);
         }
-        let base = slice_range(s.slice)?.start;
         let mut last = None;
         let ran = self
             .protocol
             .try_reduce_scatter(&*self.segment, s.buffer, s.number, || {
-                for_each_run(s, self.rank(), |in_slice, range| {
+                for_each_run(s, self.rank(), |_, range| {
                     let staged = self.own_bytes(s.buffer, range.clone())?;
                     let mut peers = (0..self.size)
                         .filter(|&r| r != self.rank())
                         .map(|r| self.peer_bytes(r, s.buffer, range.clone()));
                     reduce_into(s.dtype, s.op, staged, &mut peers)?;
-                    if let Some(world) = final_world {
-                        if s.op == ReduceOp::Avg {
-                            finish_avg_bytes(s.dtype, staged, world).map_err(|e| {
-                                Error::internal("averages divide a whole sum", e.to_string())
-                            })?;
-                        }
-                        let in_tensor = base + in_slice.start..base + in_slice.end;
-                        last = Some(copy_out(staged, in_tensor)?);
+                    if let Some(world) = final_world
+                        && s.op == ReduceOp::Avg
+                    {
+                        finish_avg_bytes(s.dtype, staged, world).map_err(|e| {
+                            Error::internal("averages divide a whole sum", e.to_string())
+                        })?;
                     }
                     Ok(())
-                })
+                })?;
+                last = raise()?;
+                Ok::<(), Error>(())
             })?;
         Ok(ran.then_some(last))
     }
 
-    /// Step 4: once every slot is final, `copy_out(staging, in_tensor)`
-    /// copies each final slot from its rank's buffer into the tensor (this
-    /// rank's own too, unless it is there: `own_in_tensor`); `Done` follows
-    /// their end ([`gathered`](ShmStep::gathered)). Returns the last fence;
+    /// Step 4: once every slot is final, `raise` opens the slice's
+    /// all-gather stage (each final slot from its rank's buffer into the
+    /// tensor, this rank's own too unless it is there); `Done` follows its
+    /// end ([`gathered`](ShmStep::gathered)). Returns the stage's fence;
     /// `None` while a slot is not final.
     pub(crate) fn try_all_gather_staged<M: MemorySpace, F>(
         &self,
         s: &LocalSlice<'_, M>,
-        own_in_tensor: bool,
         waiting: &Waiting<F>,
-        mut copy_out: impl FnMut(&[u8], Range<usize>) -> Result<F>,
+        raise: impl FnOnce() -> Result<Option<F>>,
     ) -> Result<Option<Option<F>>> {
         if s.pieces.is_some() {
             return Err(Error::internal(
@@ -268,12 +315,7 @@ impl ShmStep {
             s.buffer,
             s.number,
             || -> Result<()> {
-                let base = slice_range(s.slice)?.start;
-                for r in (0..self.size).filter(|&r| !(own_in_tensor && r == self.rank())) {
-                    let range = slot_range(s.slice, r)?;
-                    let staging = self.peer_bytes(r, s.buffer, range.clone())?;
-                    last = Some(copy_out(staging, base + range.start..base + range.end)?);
-                }
+                last = raise()?;
                 Ok(())
             },
         )?;

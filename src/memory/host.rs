@@ -8,6 +8,7 @@ use std::sync::Arc;
 use fairring_core::reduce::{ReduceError, WireCodec, finish_avg_bytes, reduce_many_bytes};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
+use super::program::{Stage, Stages, StagingAt};
 use super::{Conversion, Direction, MemorySpace, Reduction};
 use crate::error::{Error, Result};
 use crate::shm::Segment;
@@ -70,6 +71,8 @@ impl HostTensor {
 }
 
 /// Host memory: staging buffers in this rank's part of the machine's segment.
+/// A clone is another view of the same buffers.
+#[derive(Clone)]
 pub(crate) struct Host {
     segment: Arc<Segment>,
     rank: u32,
@@ -164,6 +167,33 @@ impl Host {
     #[cfg(any(feature = "cuda", all(test, not(loom))))]
     pub(crate) fn buffers(&self) -> u32 {
         self.buffers
+    }
+
+    /// The first of `len` bytes of the machine's staging at `at` (any local
+    /// rank's buffer), for a device program's copy; refused where they do
+    /// not lie within that buffer.
+    #[cfg_attr(
+        not(any(feature = "cuda", test)),
+        expect(dead_code, reason = "device programs need a GPU, or the simulation's")
+    )]
+    pub(crate) fn machine_bytes(&self, at: StagingAt, len: usize) -> Result<NonNull<u8>> {
+        let end = at.offset.checked_add(len);
+        if at.rank >= self.segment.ranks()
+            || at.buffer >= self.buffers
+            || end.is_none_or(|end| end > self.segment.buffer_bytes())
+        {
+            return Err(Error::internal(
+                "a device program's copies lie within the machine's staging buffers",
+                format!(
+                    "{len} bytes at {at:?} of {} ranks' {} buffers of {} bytes",
+                    self.segment.ranks(),
+                    self.buffers,
+                    self.segment.buffer_bytes()
+                ),
+            ));
+        }
+        // SAFETY: within local rank `at.rank`'s buffer `at.buffer` (checked).
+        Ok(unsafe { self.segment.buffer(at.rank, at.buffer).add(at.offset) })
     }
 
     /// Every local rank's staging buffers, back to back (first byte,
@@ -290,6 +320,26 @@ impl MemorySpace for Host {
     fn no_tensor(&self) -> HostTensor {
         HostTensor::new(std::ptr::null_mut(), 0)
     }
+
+    fn stage_end(&self, _buffer: u32, _value: u64) {}
+
+    fn raise(&self, buffer: u32, generation: u64, stage: Stage, _: Stages) -> Result<()> {
+        Err(no_program(format!(
+            "{} of generation {generation} in buffer {buffer}",
+            stage.name()
+        )))
+    }
+
+    fn delivery_end(&self, _seq: u64) {}
+
+    fn raise_delivery(&self, seq: u64) -> Result<()> {
+        Err(no_program(format!("the delivery of operation {seq}")))
+    }
+}
+
+/// A device program's step asked of host memory, which runs none.
+fn no_program(what: String) -> Error {
+    Error::internal("host memory runs no device program", what)
 }
 
 /// Whether two byte ranges share a byte.

@@ -21,37 +21,37 @@
 //!
 //! Both kinds share the staging buffers, this rank's part of the machine's
 //! segment, which the fabric registers. For a device tensor (`device`) the
-//! device side page-locks them and moves bytes between the tensor and them with
-//! asynchronous copies on one stream per staging buffer, each after an event
-//! recorded on the caller's stream at submission has passed (the engine polls
-//! it with [`MemorySpace::started`] before it starts a slice of the operation,
-//! so that the engine's streams never wait for a caller's); the step's fence is an event
-//! the progress loop polls (`cuEventQuery`), and the operation's completion
-//! releases the callers' streams through a word in pinned memory
-//! (`cuStreamWaitValue64`). Reductions and conversions run on the host, in the
-//! staging buffers, where the tcp fabric put the bytes:
+//! device side page-locks them, and every byte moves by the operation's
+//! device [`program`]: enqueued whole on the caller's thread when the call is
+//! accepted, on one stream per staging buffer, each stage behind a gate word
+//! the engine raises ([`MemorySpace::raise`]) and ended by an end word its
+//! stream writes, which the progress loop reads. The progress thread makes no
+//! CUDA call. Reductions and conversions run on the host, in the staging
+//! buffers, where the tcp fabric put the bytes:
 //!
 //! | item | host tensor | device tensor |
 //! |---|---|---|
-//! | [`Tensor`](MemorySpace::Tensor) | address and length | device address, length, the operation's start event |
-//! | [`Fence`](MemorySpace::Fence) | passed at once | an event after the step's copies |
-//! | [`stage_in`](MemorySpace::stage_in), the local reduce-scatter | `memcpy` | device-to-host copy into the staging buffer |
-//! | [`copy_out`](MemorySpace::copy_out), the local all-gather | `memcpy` | host-to-device copy from the staging buffer |
+//! | [`Tensor`](MemorySpace::Tensor) | address and length | device address, length, the operation |
+//! | [`Fence`](MemorySpace::Fence) | passed at once | a buffer's end word reaching a stage's value |
+//! | [`stage_in`](MemorySpace::stage_in), the local reduce-scatter | `memcpy` | a stage of the program: device-to-host copies into staging ([`raise`](MemorySpace::raise) opens it) |
+//! | [`copy_out`](MemorySpace::copy_out), the local all-gather | `memcpy` | a stage: host-to-device copies from staging |
 //! | [`reduce`](MemorySpace::reduce), [`convert`](MemorySpace::convert) | the host kernels | the host kernels, in the staging buffer |
-//! | [`deliver`](MemorySpace::deliver) | `memcpy` | device-to-device copy |
+//! | [`deliver`](MemorySpace::deliver) | `memcpy` | the program's delivery, device to device ([`raise_delivery`](MemorySpace::raise_delivery)) |
 //! | [`host_bytes`](MemorySpace::host_bytes), for a fabric to send from | the tensor's address | none: staged |
 //! | [`reduce_in_tensor`](MemorySpace::reduce_in_tensor) | the host kernels, into the tensor | refused (never asked) |
 //!
 //! Staging in device memory (GPUDirect RDMA over verbs, where the device
 //! reduction kernel would reduce) is not built yet. The intra-machine step of
 //! several GPUs (NCCL's collectives, or staged through the host) is the local
-//! step's (`crate::local`), on the streams of this memory space.
+//! step's (`crate::local`): its stages are in the same programs, on the
+//! streams of this memory space.
 
 #[cfg(feature = "cuda")]
 mod device_side;
 mod f16c;
 mod host;
 mod placed;
+pub(crate) mod program;
 
 use std::fmt;
 use std::ops::Range;
@@ -165,12 +165,10 @@ pub(crate) trait MemorySpace: Send + Sync + 'static {
     fn no_tensor(&self) -> Self::Tensor;
 
     /// Whether `tensor`'s operation may start on it: for a tensor ordered on a
-    /// caller's stream, whether that stream has passed the operation's start.
-    /// The engine starts no slice of an operation before, so no step it issues
-    /// ever waits for a caller's stream: every fence it holds passes, whatever
-    /// the callers' streams wait for, and a failing engine, which declares its
-    /// operations failed only once their fences have passed, always gets
-    /// there.
+    /// caller's stream, whether that stream has passed the operation's start
+    /// (a word the caller's stream writes there, read without a CUDA call).
+    /// The engine starts no slice of an operation before, so the stall timer
+    /// does not count the caller's own time.
     fn started(&self, tensor: &Self::Tensor) -> Result<bool> {
         let _ = tensor;
         Ok(true)
@@ -180,6 +178,43 @@ pub(crate) trait MemorySpace: Send + Sync + 'static {
     /// tensors any more. A space whose callers' streams wait for completion
     /// releases them here.
     fn completed(&self, _seq: u64) {}
+
+    /// Whether `tensor` lives on a device: its operation runs a device
+    /// program ([`program`]), enqueued when its call was accepted.
+    fn on_device(&self, tensor: &Self::Tensor) -> bool {
+        let _ = tensor;
+        false
+    }
+
+    /// The fence that passes once staging buffer `buffer`'s end word has
+    /// reached `value`: a stage of a device program, or a slice's end
+    /// ([`program::slice_end`]).
+    fn stage_end(&self, buffer: u32, value: u64) -> Self::Fence;
+
+    /// Opens `stage` of the device program of the slice of generation
+    /// `generation` in staging buffer `buffer`, whose program holds `stages`
+    /// (checked as [`program::raised`] does); returns the fence of its end.
+    /// A write of host memory.
+    fn raise(
+        &self,
+        buffer: u32,
+        generation: u64,
+        stage: program::Stage,
+        stages: program::Stages,
+    ) -> Result<Self::Fence>;
+
+    /// The fence that passes once operation `seq`'s delivery (a
+    /// reduce-scatter's share, on a device) has run.
+    fn delivery_end(&self, seq: u64) -> Self::Fence;
+
+    /// Opens operation `seq`'s delivery; returns [`delivery_end`].
+    ///
+    /// [`delivery_end`]: MemorySpace::delivery_end
+    fn raise_delivery(&self, seq: u64) -> Result<Self::Fence>;
+
+    /// The engine failed: opens every gate of every device program, so that
+    /// every stream runs to its end.
+    fn release(&self) {}
 }
 
 /// Where a caller's tensor lives, as descriptors compare it.

@@ -14,10 +14,9 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 #[cfg(feature = "cuda")]
 use super::device_side::{DeviceFence, DeviceSide, DeviceTensor};
+use super::program::{Stage, Stages};
 use super::{Conversion, Host, HostTensor, MemorySpace, Reduction};
-#[cfg(feature = "cuda")]
-use crate::error::Error;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// A caller's tensor, wherever it lives.
 #[derive(Clone, Copy, Debug)]
@@ -29,11 +28,12 @@ pub(crate) enum PlacedTensor {
     Device(DeviceTensor),
 }
 
-/// The end of a step: passed at once (host memory), or an event.
+/// The end of a step: passed at once (host memory), or a stage of a device
+/// program.
 pub(crate) enum PlacedFence {
     /// The step ended when its method returned.
     Passed,
-    /// Device copies that end when their event does.
+    /// A stage that ends when its stream writes its end word.
     #[cfg(feature = "cuda")]
     Device(DeviceFence),
 }
@@ -44,7 +44,7 @@ pub(crate) type DeviceCell = Arc<OnceLock<DeviceSide>>;
 
 /// Host memory, and a GPU's once a device tensor comes.
 pub(crate) struct Placed {
-    /// Dropped first: it unregisters the host staging memory.
+    /// Dropped first: it waits for its streams, then unpins the staging.
     #[cfg(feature = "cuda")]
     device: DeviceCell,
     host: Host,
@@ -88,11 +88,7 @@ impl Placed {
                 match self.device.get() {
                     Some(side) => side,
                     None => {
-                        let side = DeviceSide::new(
-                            ordinal,
-                            self.host.buffers(),
-                            self.host.machine_staging(),
-                        )?;
+                        let side = DeviceSide::new(ordinal, self.host.clone())?;
                         self.device.get_or_init(|| side)
                     }
                 }
@@ -156,14 +152,7 @@ impl MemorySpace for Placed {
                 Ok(PlacedFence::Passed)
             }
             #[cfg(feature = "cuda")]
-            PlacedTensor::Device(t) => {
-                let staging = self.host.staging(buffer, to..to + from.len())?;
-                // SAFETY: staging memory is page-locked (the device side
-                // registered it) and, by the engine's protocol, untouched until
-                // this step's fence passes.
-                let fence = unsafe { self.side()?.copy_to_staging(buffer, staging, t, from)? };
-                Ok(PlacedFence::Device(fence))
-            }
+            PlacedTensor::Device(_) => Err(programmed("a stage-in", buffer, to, &from)),
         }
     }
 
@@ -228,12 +217,7 @@ impl MemorySpace for Placed {
                 Ok(PlacedFence::Passed)
             }
             #[cfg(feature = "cuda")]
-            PlacedTensor::Device(t) => {
-                let staging = self.host.staging(buffer, from..from + to.len())?;
-                // SAFETY: as in `stage_in`.
-                let fence = unsafe { self.side()?.copy_from_staging(buffer, staging, t, to)? };
-                Ok(PlacedFence::Device(fence))
-            }
+            PlacedTensor::Device(_) => Err(programmed("a copy-out", buffer, from, &to)),
         }
     }
 
@@ -249,9 +233,10 @@ impl MemorySpace for Placed {
                 Ok(PlacedFence::Passed)
             }
             #[cfg(feature = "cuda")]
-            (PlacedTensor::Device(f), PlacedTensor::Device(t)) => {
-                Ok(PlacedFence::Device(self.side()?.deliver(f, range, t)?))
-            }
+            (PlacedTensor::Device(_), PlacedTensor::Device(_)) => Err(Error::internal(
+                "a device tensor's delivery is a stage of its program",
+                format!("a delivery of {range:?} asked of the memory space"),
+            )),
             #[cfg(feature = "cuda")]
             _ => Err(mixed("a delivery between host and device memory")),
         }
@@ -284,4 +269,77 @@ impl MemorySpace for Placed {
         }
         let _ = seq;
     }
+
+    fn on_device(&self, tensor: &PlacedTensor) -> bool {
+        !matches!(tensor, PlacedTensor::Host(_))
+    }
+
+    fn stage_end(&self, buffer: u32, value: u64) -> PlacedFence {
+        #[cfg(feature = "cuda")]
+        if let Some(side) = self.device.get() {
+            return PlacedFence::Device(side.stage_end(buffer, value));
+        }
+        let _ = (buffer, value);
+        PlacedFence::Passed
+    }
+
+    fn raise(
+        &self,
+        buffer: u32,
+        generation: u64,
+        stage: Stage,
+        stages: Stages,
+    ) -> Result<PlacedFence> {
+        #[cfg(feature = "cuda")]
+        return Ok(PlacedFence::Device(
+            self.side()?.raise(buffer, generation, stage, stages)?,
+        ));
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = stages;
+            Err(Error::internal(
+                "a build without a GPU runs no device program",
+                format!(
+                    "{} of generation {generation} in buffer {buffer}",
+                    stage.name()
+                ),
+            ))
+        }
+    }
+
+    fn delivery_end(&self, seq: u64) -> PlacedFence {
+        #[cfg(feature = "cuda")]
+        if let Some(side) = self.device.get() {
+            return PlacedFence::Device(side.delivery_end(seq));
+        }
+        let _ = seq;
+        PlacedFence::Passed
+    }
+
+    fn raise_delivery(&self, seq: u64) -> Result<PlacedFence> {
+        #[cfg(feature = "cuda")]
+        return Ok(PlacedFence::Device(self.side()?.raise_delivery(seq)?));
+        #[cfg(not(feature = "cuda"))]
+        Err(Error::internal(
+            "a build without a GPU runs no device program",
+            format!("the delivery of operation {seq}"),
+        ))
+    }
+
+    fn release(&self) {
+        #[cfg(feature = "cuda")]
+        if let Some(side) = self.device.get() {
+            side.release();
+        }
+    }
+}
+
+/// A copy of a device tensor asked of the memory space: the engine opens its
+/// program's stage instead (`engine::device_program`).
+#[cfg(feature = "cuda")]
+fn programmed(what: &str, buffer: u32, offset: usize, range: &Range<usize>) -> Error {
+    Error::internal(
+        "a device tensor's copies are stages of its program",
+        format!("{what} of {range:?} at {offset} of buffer {buffer} asked of the memory space"),
+    )
 }

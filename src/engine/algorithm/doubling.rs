@@ -30,7 +30,7 @@ use std::ops::Range;
 
 use fairring_core::{ReduceOp, WireFormat};
 
-use super::{Context, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected};
+use super::{Context, DeviceCopy, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected};
 use crate::engine::tags::Kind;
 use crate::error::Result;
 use crate::memory::{Reduction, Sources};
@@ -87,6 +87,24 @@ impl Doubling {
             partner,
             extra,
             ..Doubling::default()
+        })
+    }
+
+    /// A device tensor's copies: the slice in, and the result out from
+    /// where this rank's last reduction left it ([`result_at`]).
+    pub(crate) fn device_copies(
+        ctx: &Context<'_>,
+        s: &SliceInfo<'_>,
+        each: &mut dyn FnMut(DeviceCopy) -> Result<()>,
+    ) -> Result<()> {
+        let len = s.bytes()?;
+        each(DeviceCopy::In {
+            to: 0,
+            from: 0..len,
+        })?;
+        each(DeviceCopy::Out {
+            from: result_at(ctx)?,
+            to: 0..len,
         })
     }
 
@@ -292,6 +310,25 @@ impl Doubling {
         self.copying = true;
         steps.push(Step::CopyOut { from, to: 0..len });
     }
+}
+
+/// Where rank `ctx.rank`'s result lies in its staging buffer once its
+/// rounds are over: an extra rank receives it in slot 0; a core rank's
+/// partial stays in place as the lower rank of a round and moves into the
+/// slot it received as the upper one, so it ends in the slot of the last
+/// round where it was the upper rank (at 0 if none).
+fn result_at(ctx: &Context<'_>) -> Result<usize> {
+    let core = core_ranks(ctx.world);
+    if ctx.rank >= core {
+        return ctx.layout.doubling_slot(0);
+    }
+    let mut at = 0;
+    for round in 1..=core.trailing_zeros() {
+        if ctx.rank > ctx.rank ^ (1 << (round - 1)) {
+            at = ctx.layout.doubling_slot(round)?;
+        }
+    }
+    Ok(at)
 }
 
 /// The largest power of two at most `world`: the core ranks.

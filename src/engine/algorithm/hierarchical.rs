@@ -103,7 +103,7 @@ use fairring_core::plan::{DoubleTree, PlanError, TREE_PARTS};
 use fairring_core::staging::{Actions, Counter, Event, StagingError, StagingErrorKind, Word};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
-use super::{Context, Converted, SliceEvent, SliceInfo, Step, Write, unexpected};
+use super::{Context, Converted, DeviceUse, SliceEvent, SliceInfo, Step, Write, unexpected};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
 use crate::memory::{Conversion, Direction, Reduction};
@@ -187,6 +187,13 @@ impl Hierarchical {
             });
         }
         Ok(slice)
+    }
+
+    /// What a device tensor's slice asks of the device: the local step,
+    /// whole (a device tensor is never sent from), final on one machine.
+    pub(crate) fn device_use(ctx: &Context<'_>) -> DeviceUse {
+        let alone = alone(ctx);
+        DeviceUse::local(alone.then_some(ctx.world), alone)
     }
 
     /// Takes one event.

@@ -353,6 +353,48 @@ impl SliceInfo<'_> {
     }
 }
 
+/// What a slice of a device tensor asks of the device, known from the call
+/// alone (a device tensor is never sent from: [`SliceInfo::direct`] is
+/// false): which parts of the local step it runs, with which arguments, and
+/// (through [`SliceAlgorithm::device_copies`]) the algorithm's own copies.
+/// The slice's device program is enqueued from it when the call is accepted,
+/// and the engine holds the running slice to it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct DeviceUse {
+    /// [`Step::LocalBegin`].
+    pub(crate) begin: bool,
+    /// [`Step::LocalReduceScatter`], with its `final_world`.
+    pub(crate) reduce_scatter: Option<Option<u32>>,
+    /// [`Step::LocalAllGather`], with its `own_in_tensor`.
+    pub(crate) all_gather: Option<bool>,
+    /// How the slice lies in the machine's staging buffers
+    /// ([`SliceAlgorithm::local_pieces`]).
+    pub(crate) pieces: Option<RailPieces>,
+}
+
+impl DeviceUse {
+    /// The whole local step: begin, the reduce-scatter (final where
+    /// `final_world`), and the all-gather.
+    pub(crate) fn local(final_world: Option<u32>, own_in_tensor: bool) -> DeviceUse {
+        DeviceUse {
+            begin: true,
+            reduce_scatter: Some(final_world),
+            all_gather: Some(own_in_tensor),
+            pieces: None,
+        }
+    }
+}
+
+/// A copy between the tensor and the staging buffer an algorithm asks for,
+/// as its step names it (tensor ranges from the slice's start).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum DeviceCopy {
+    /// [`Step::StageIn`].
+    In { to: usize, from: Range<usize> },
+    /// [`Step::CopyOut`].
+    Out { from: usize, to: Range<usize> },
+}
+
 /// The state of one slice's algorithm.
 #[derive(Debug)]
 pub(crate) enum SliceAlgorithm {
@@ -394,6 +436,41 @@ impl SliceAlgorithm {
             Resolved::Doubling => SliceAlgorithm::Doubling(Doubling::start(ctx, s, steps)?),
             Resolved::Scatter => SliceAlgorithm::Scatter(Scatter::start(ctx, s, steps)?),
         })
+    }
+
+    /// What a device tensor's slice running `algorithm` asks of the device
+    /// (see [`DeviceUse`]).
+    pub(crate) fn device_use(
+        algorithm: Resolved,
+        ctx: &Context<'_>,
+        s: &SliceInfo<'_>,
+    ) -> Result<DeviceUse> {
+        device_slice(ctx, s)?;
+        Ok(match algorithm {
+            Resolved::Hierarchical => Hierarchical::device_use(ctx),
+            Resolved::Ring | Resolved::Doubling => DeviceUse::default(),
+            Resolved::Relay => Relay::device_use(ctx, s)?,
+            Resolved::Scatter => Scatter::device_use(ctx, s)?,
+        })
+    }
+
+    /// Calls `each` with every copy a device tensor's slice running
+    /// `algorithm` asks for: exactly the [`Step::StageIn`]s and
+    /// [`Step::CopyOut`]s it will take, in any order.
+    pub(crate) fn device_copies(
+        algorithm: Resolved,
+        ctx: &Context<'_>,
+        s: &SliceInfo<'_>,
+        each: &mut dyn FnMut(DeviceCopy) -> Result<()>,
+    ) -> Result<()> {
+        device_slice(ctx, s)?;
+        match algorithm {
+            Resolved::Hierarchical => Ok(()),
+            Resolved::Ring => Ring::device_copies(s, each),
+            Resolved::Doubling => Doubling::device_copies(ctx, s, each),
+            Resolved::Relay => Relay::device_copies(ctx, s, each),
+            Resolved::Scatter => Scatter::device_copies(ctx, s, each),
+        }
     }
 
     /// Takes `event`; the steps it makes possible go into `steps`.
@@ -453,6 +530,18 @@ impl SliceAlgorithm {
             SliceAlgorithm::Serve(v) => v.phase(),
         }
     }
+}
+
+/// Refuses to describe a slice no device tensor runs: a dedicated server's,
+/// or one sent from its tensor.
+fn device_slice(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<()> {
+    if ctx.server.is_some() || s.direct || s.into_window {
+        return Err(Error::internal(
+            "only a worker's staged slices run on device tensors",
+            format!("slice {} (server {:?})", s.number, ctx.server),
+        ));
+    }
+    Ok(())
 }
 
 /// The members a slice's bytes go around, each writing to the next: every

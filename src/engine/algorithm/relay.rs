@@ -67,7 +67,8 @@ use fairring_core::topology::{RankLayout, Topology};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
 use super::{
-    Context, Members, Resolved, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected,
+    Context, DeviceCopy, DeviceUse, Members, Resolved, SliceEvent, SliceInfo, Step, Write,
+    stray_event, unexpected,
 };
 use crate::engine::descriptor::{Collective, Descriptor};
 use crate::engine::tags::Kind;
@@ -190,6 +191,85 @@ impl Relay {
         s: &SliceInfo<'_>,
         steps: &mut Vec<Step>,
     ) -> Result<Relay> {
+        let mut relay = Relay::new(ctx, s)?;
+        let line = relay.line;
+        let own = relay.piece(line.members.position)?;
+        if line.inbox.is_some() {
+            // On a single machine the machine's sums are the result: its
+            // reduce-scatter writes each slot into the tensor as well.
+            steps.push(Step::LocalBegin);
+            steps.push(Step::LocalReduceScatter {
+                final_world: (line.members.count == 1).then_some(ctx.world),
+            });
+        } else if own.is_empty() || line.members.count == 1 {
+            relay.staged = true;
+            relay.pump(steps)?;
+        } else if s.direct {
+            // The own piece is where it is sent from.
+            relay.direct = true;
+            relay.into_window = s.into_window;
+            relay.own_in_place(steps)?;
+            relay.pump(steps)?;
+        } else {
+            steps.push(Step::StageIn {
+                to: own.start,
+                from: own,
+            });
+        }
+        Ok(relay)
+    }
+
+    /// What a device tensor's slice asks of the device: over the machines,
+    /// the local step whole (final on one machine); over the ranks, nothing
+    /// of it.
+    pub(crate) fn device_use(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<DeviceUse> {
+        let line = Relay::new(ctx, s)?.line;
+        Ok(match line.inbox {
+            Some(_) => {
+                let alone = line.members.count == 1;
+                DeviceUse::local(alone.then_some(ctx.world), alone)
+            }
+            None => DeviceUse::default(),
+        })
+    }
+
+    /// A device tensor's copies over the ranks (over the machines the local
+    /// step moves every byte): the own piece in, where it has one and someone
+    /// to send it to, and every chunk this rank receives out, each where it
+    /// landed, at its own offset.
+    pub(crate) fn device_copies(
+        ctx: &Context<'_>,
+        s: &SliceInfo<'_>,
+        each: &mut dyn FnMut(DeviceCopy) -> Result<()>,
+    ) -> Result<()> {
+        let relay = Relay::new(ctx, s)?;
+        let line = relay.line;
+        if line.inbox.is_some() {
+            return Ok(());
+        }
+        let own = relay.piece(line.members.position)?;
+        if !own.is_empty() && line.members.count > 1 {
+            each(DeviceCopy::In {
+                to: own.start,
+                from: own,
+            })?;
+        }
+        for step in 0..line.members.count - 1 {
+            let piece = relay.piece(line.origin(step))?;
+            for index in 0..relay.count(&piece) {
+                let range = relay.chunk_range(piece.clone(), index);
+                each(DeviceCopy::Out {
+                    from: range.start,
+                    to: range,
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The slice's relay before its first step: its chain, its chunks and
+    /// what it expects to receive.
+    fn new(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<Relay> {
         let origins = s.origins.ok_or_else(|| {
             Error::internal(
                 "a relayed slice knows where its bytes start",
@@ -222,29 +302,6 @@ impl Relay {
             relay.expected += relay.chunks(line.origin(step))?;
         }
         relay.skip_empty()?;
-        let own = relay.piece(line.members.position)?;
-        if line.inbox.is_some() {
-            // On a single machine the machine's sums are the result: its
-            // reduce-scatter writes each slot into the tensor as well.
-            steps.push(Step::LocalBegin);
-            steps.push(Step::LocalReduceScatter {
-                final_world: (line.members.count == 1).then_some(ctx.world),
-            });
-        } else if own.is_empty() || line.members.count == 1 {
-            relay.staged = true;
-            relay.pump(steps)?;
-        } else if s.direct {
-            // The own piece is where it is sent from.
-            relay.direct = true;
-            relay.into_window = s.into_window;
-            relay.own_in_place(steps)?;
-            relay.pump(steps)?;
-        } else {
-            steps.push(Step::StageIn {
-                to: own.start,
-                from: own,
-            });
-        }
         Ok(relay)
     }
 

@@ -38,7 +38,9 @@ use std::ops::Range;
 
 use fairring_core::ReduceOp;
 
-use super::{Context, Members, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected};
+use super::{
+    Context, DeviceCopy, Members, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected,
+};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
 use crate::memory::{Reduction, Sources};
@@ -91,6 +93,23 @@ impl Ring {
             });
         }
         Ok(ring)
+    }
+
+    /// A device tensor's copies (it is never sent from): the whole slice in,
+    /// and the whole result out.
+    pub(crate) fn device_copies(
+        s: &SliceInfo<'_>,
+        each: &mut dyn FnMut(DeviceCopy) -> Result<()>,
+    ) -> Result<()> {
+        let bytes = s.bytes()?;
+        each(DeviceCopy::In {
+            to: 0,
+            from: 0..bytes,
+        })?;
+        each(DeviceCopy::Out {
+            from: 0,
+            to: 0..bytes,
+        })
     }
 
     /// Takes one event.

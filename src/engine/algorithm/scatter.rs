@@ -48,7 +48,8 @@ use std::ops::Range;
 use fairring_core::ReduceOp;
 
 use super::{
-    Context, Members, Origins, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected,
+    Context, DeviceCopy, DeviceUse, Members, Origins, SliceEvent, SliceInfo, Step, Write,
+    stray_event, unexpected,
 };
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
@@ -94,6 +95,69 @@ impl Scatter {
         s: &SliceInfo<'_>,
         steps: &mut Vec<Step>,
     ) -> Result<Scatter> {
+        let scatter = Scatter::new(ctx, s)?;
+        if scatter.rail.is_some() {
+            steps.push(Step::LocalBegin);
+            steps.push(Step::LocalReduceScatter {
+                final_world: (scatter.around.count == 1).then_some(ctx.world),
+            });
+            return Ok(scatter);
+        }
+        for j in 0..scatter.around.count {
+            let o = scatter.around.at(-i64::from(j) - 1);
+            steps.push(Step::StageIn {
+                to: scatter.piece(s, o)?.start,
+                from: scatter.in_tensor(s, o)?,
+            });
+        }
+        Ok(scatter)
+    }
+
+    /// What a device tensor's slice asks of the device: over the machines,
+    /// the local step's begin and reduce-scatter over the rail's pieces
+    /// (final on one machine); no all-gather follows.
+    pub(crate) fn device_use(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<DeviceUse> {
+        let scatter = Scatter::new(ctx, s)?;
+        Ok(match scatter.rail {
+            Some(pieces) => DeviceUse {
+                begin: true,
+                reduce_scatter: Some((scatter.around.count == 1).then_some(ctx.world)),
+                all_gather: None,
+                pieces: Some(pieces),
+            },
+            None => DeviceUse::default(),
+        })
+    }
+
+    /// A device tensor's copies: over the ranks every piece in, each to its
+    /// place in the buffer; this rank's share of the result out, unless the
+    /// machine's reduce-scatter wrote it (one machine).
+    pub(crate) fn device_copies(
+        ctx: &Context<'_>,
+        s: &SliceInfo<'_>,
+        each: &mut dyn FnMut(DeviceCopy) -> Result<()>,
+    ) -> Result<()> {
+        let scatter = Scatter::new(ctx, s)?;
+        let members = scatter.around.count;
+        if scatter.rail.is_none() {
+            for j in 0..members {
+                let o = scatter.around.at(-i64::from(j) - 1);
+                each(DeviceCopy::In {
+                    to: scatter.piece(s, o)?.start,
+                    from: scatter.in_tensor(s, o)?,
+                })?;
+            }
+        } else if members == 1 {
+            return Ok(());
+        }
+        each(DeviceCopy::Out {
+            from: scatter.piece(s, scatter.around.position)?.start,
+            to: scatter.in_tensor(s, ctx.rank)?,
+        })
+    }
+
+    /// The slice's reduce-scatter before its first step.
+    fn new(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<Scatter> {
         let share = match s.origins {
             Some(Origins::Blocks(share)) => share,
             other => {
@@ -126,20 +190,6 @@ impl Scatter {
             copied: false,
             released: false,
         };
-        if rail.is_some() {
-            steps.push(Step::LocalBegin);
-            steps.push(Step::LocalReduceScatter {
-                final_world: (around.count == 1).then_some(ctx.world),
-            });
-            return Ok(scatter);
-        }
-        for j in 0..around.count {
-            let o = around.at(-i64::from(j) - 1);
-            steps.push(Step::StageIn {
-                to: scatter.piece(s, o)?.start,
-                from: scatter.in_tensor(s, o)?,
-            });
-        }
         Ok(scatter)
     }
 

@@ -3,11 +3,13 @@
 //! ([`CollectiveStep`](crate::local::CollectiveStep)) on, so that its order
 //! and its failure path are checked on every seed.
 //!
-//! - A call is an item on the engine stream of the staging buffer it serves,
-//!   on the rank that issues it. It **arrives** when it reaches the head of
-//!   its stream (the items before it have run: its bytes are in place), and
-//!   **meets** once every rank of the machine has arrived at the call of the
-//!   same index on the same communicator, as NCCL's kernels do.
+//! - A call is an item of a device program on the engine stream of the
+//!   staging buffer it serves, on the rank that enqueues it; its index on its
+//!   communicator is the order the rank enqueued it in. It **arrives** when
+//!   it reaches the head of its stream (the items before it have run: its
+//!   gate is open, its bytes are in place), and **meets** once every rank of
+//!   the machine has arrived at the call of the same index on the same
+//!   communicator, as NCCL's kernels do.
 //! - MachineCalls that meet must agree (what they do, how many bytes, which root):
 //!   ranks that issue in different orders would hang or mix slices under
 //!   NCCL, and here the seed fails naming the two calls.
@@ -15,19 +17,18 @@
 //!   an all-reduce, a reduce onto its root, a broadcast from it, in place,
 //!   with fairring-core's host kernels.
 //! - An aborted rank's calls end without moving anything, as NCCL's kernels
-//!   do after `ncclCommAbort`; a killed rank's calls never arrive, so its
-//!   peers' calls wait until they abort in turn.
+//!   do after `ncclCommAbort` (which waits for them: the simulated GPU's
+//!   abort holds the device until they have run); a killed rank's calls
+//!   never arrive, so its peers' calls wait until they abort in turn.
 
 use std::collections::HashMap;
-use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use fairring_core::reduce::finish_avg_bytes;
 use fairring_core::{DataType, ReduceOp};
 
-use super::simulated_gpu::{DeviceTensor, Item, Meeting, SimFence, SimGpu, SimMemory};
-use crate::error::Result;
-use crate::local::{Collectives, Comm};
+use super::simulated_gpu::{Meeting, SimMemory};
+use crate::memory::program::Comm;
 use crate::memory::reduce_into;
 
 /// What a call does.
@@ -199,9 +200,6 @@ unsafe fn meet(kind: Kind, at: &[usize], len: usize) {
 /// One rank's collectives on its simulated GPU (a handle: clones share it).
 #[derive(Clone)]
 pub(super) struct SimCollectives {
-    gpu: SimGpu,
-    machine: SimMachine,
-    rank: u32,
     calls: RankCalls,
 }
 
@@ -233,8 +231,21 @@ impl Meeting for RankMeeting {
         self.machine.run(self.rank, &self.calls.get(id))
     }
 
+    fn writes(&self, id: u64) -> (usize, usize) {
+        let call = self.calls.get(id);
+        match call.kind {
+            // A reduce writes its root's bytes only.
+            Kind::Reduce { root, .. } if root != self.rank => (call.at, 0),
+            _ => (call.at, call.len),
+        }
+    }
+
     fn describe(&self, id: u64) -> String {
         format!("{:?}", self.calls.get(id))
+    }
+
+    fn abort(&self) {
+        self.machine.abort(self.rank);
     }
 }
 
@@ -247,120 +258,24 @@ pub(super) fn join(memory: &SimMemory, machine: &SimMachine, rank: u32) -> SimCo
         rank,
         calls: calls.clone(),
     }));
-    SimCollectives {
-        gpu: memory.sim_gpu(),
-        machine: machine.clone(),
-        rank,
-        calls,
-    }
+    SimCollectives { calls }
 }
 
 impl SimCollectives {
-    /// The engine failed: this rank's calls end.
-    pub(super) fn abort(&self) {
-        self.machine.abort(self.rank);
-    }
-
-    /// Enqueues a call over bytes `range` of `tensor` on `buffer`'s stream.
-    fn call(
-        &self,
-        buffer: u32,
-        comm: Comm,
-        kind: Kind,
-        tensor: &DeviceTensor,
-        range: Range<usize>,
-    ) -> Result<()> {
-        let at = tensor.at(&range)?;
-        let id = {
-            let mut calls = self.calls.0.lock().unwrap_or_else(PoisonError::into_inner);
-            let (issued, next) = &mut *calls;
-            let index = next[comm as usize];
-            next[comm as usize] += 1;
-            issued.push(Call {
-                comm,
-                index,
-                kind,
-                at,
-                len: range.len(),
-            });
-            issued.len() as u64 - 1
-        };
-        self.gpu.push(buffer as usize, Item::Collective(id));
-        Ok(())
-    }
-}
-
-impl Collectives for SimCollectives {
-    type Tensor = DeviceTensor;
-    type Fence = SimFence;
-
-    fn group(&self, _comm: Comm, enqueue: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        // A group's calls meet one by one here, in the order every rank
-        // issued them.
-        enqueue()
-    }
-
-    unsafe fn all_reduce(
-        &self,
-        buffer: u32,
-        tensor: &DeviceTensor,
-        range: Range<usize>,
-        dtype: DataType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        let kind = Kind::AllReduce { dtype, op };
-        self.call(buffer, Comm::Reduce, kind, tensor, range)
-    }
-
-    unsafe fn reduce(
-        &self,
-        buffer: u32,
-        tensor: &DeviceTensor,
-        range: Range<usize>,
-        dtype: DataType,
-        op: ReduceOp,
-        root: u32,
-    ) -> Result<()> {
-        let kind = Kind::Reduce { dtype, op, root };
-        self.call(buffer, Comm::Reduce, kind, tensor, range)
-    }
-
-    unsafe fn broadcast(
-        &self,
-        buffer: u32,
-        tensor: &DeviceTensor,
-        range: Range<usize>,
-        root: u32,
-    ) -> Result<()> {
-        let kind = Kind::Broadcast { root };
-        self.call(buffer, Comm::Gather, kind, tensor, range)
-    }
-
-    unsafe fn copy_to_staging(
-        &self,
-        buffer: u32,
-        staging: &mut [u8],
-        tensor: &DeviceTensor,
-        range: Range<usize>,
-    ) -> Result<()> {
-        self.gpu
-            .copy_to_staging(buffer, staging, tensor, range)
-            .map(drop)
-    }
-
-    unsafe fn copy_from_staging(
-        &self,
-        buffer: u32,
-        staging: &[u8],
-        tensor: &DeviceTensor,
-        range: Range<usize>,
-    ) -> Result<()> {
-        self.gpu
-            .copy_from_staging(buffer, staging, tensor, range)
-            .map(drop)
-    }
-
-    fn fence(&self, buffer: u32) -> Result<SimFence> {
-        Ok(self.gpu.end_of(buffer as usize))
+    /// Registers a call on `comm` over `len` bytes at `at`, the next of
+    /// this rank's on it; returns its id, for its stream's item.
+    pub(super) fn call(&self, comm: Comm, kind: Kind, at: usize, len: usize) -> u64 {
+        let mut calls = self.calls.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let (issued, next) = &mut *calls;
+        let index = next[comm as usize];
+        next[comm as usize] += 1;
+        issued.push(Call {
+            comm,
+            index,
+            kind,
+            at,
+            len,
+        });
+        issued.len() as u64 - 1
     }
 }

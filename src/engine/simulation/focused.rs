@@ -59,7 +59,7 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
             device: vec![false; 6],
             collectives: false,
         };
-        match play(&scenario, &mut rng, Design::GateOnHost, STEP_LIMIT) {
+        match play(&scenario, &mut rng, Design::Accepted, STEP_LIMIT) {
             Ok(outcome) => checked += outcome.done,
             Err(e) => panic!("seed {seed}, {scenario:?}: {e}"),
         }
@@ -125,7 +125,7 @@ fn broadcasts_land_in_receivers_windows() {
             device: vec![false; 6],
             collectives: false,
         };
-        match play(&scenario, &mut rng, Design::GateOnHost, STEP_LIMIT) {
+        match play(&scenario, &mut rng, Design::Accepted, STEP_LIMIT) {
             // With a rank killed, `play` checks every survivor's error.
             Ok(outcome) if killed => in_windows += outcome.in_windows,
             Ok(outcome) => {
@@ -162,7 +162,7 @@ fn submit_device_sum(
     };
     let tensor = engine
         .memory
-        .submit_device(bytemuck_bytes(tensor), bytemuck_bytes(input));
+        .submit_device(bytemuck_bytes(tensor), bytemuck_bytes(input), 0);
     engine.submit(Submission {
         seq: 0,
         tensor,
@@ -230,7 +230,7 @@ impl LocalStep<SimMemory> for PanickingAllGather {
 fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
     let (engines, _net) = small_job(
         (1, 2),
-        Design::GateOnHost,
+        Design::Accepted,
         Duration::from_secs(3600),
         |rank, step| {
             if rank == 1 {
@@ -310,35 +310,6 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
     assert!(matches!(refused, Err(crate::Error::Failed { .. })));
 }
 
-/// The design the gate replaced ([`Design::WaitOnStreams`]) hangs where the
-/// shipped one does not, in both ways the simulated device shows:
-///
-/// - seed 459 (a 1x2 job whose rank 1 is killed): rank 0 fails, and waits
-///   for an engine copy to end before it declares its operations failed; the
-///   copy waits for the start of an operation its caller submitted behind a
-///   wait for an earlier one, which only that declaration would release (the
-///   engine before the gate drained its streams there, with its lock held, and
-///   hung the same way);
-/// - seed 9: the caller waits on the device for a host operation that
-///   finished before the device side existed, whose word is never set.
-#[test]
-fn the_design_before_the_gate_hangs_where_the_gate_does_not() {
-    let drained = run_for(459, Design::WaitOnStreams, 200_000).unwrap_err();
-    assert!(
-        drained.contains("not settled") && drained.contains("WaitFor"),
-        "{drained}"
-    );
-    let waited = run(9, Design::WaitOnStreams).unwrap_err();
-    assert!(
-        waited.contains("a stream waits forever") && waited.contains("WaitWord"),
-        "{waited}"
-    );
-    for seed in [459, 9] {
-        let outcome = run(seed, Design::GateOnHost).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-        assert!(outcome.device > 0, "seed {seed} runs device operations");
-    }
-}
-
 /// The stall timer runs from an operation's start on the caller's stream:
 /// a rank whose caller's stream takes longer than the timeout to reach the
 /// start does not fail, and its operation then completes exactly. Under the
@@ -393,12 +364,7 @@ fn time_before_an_operation_starts_is_the_callers() {
         }
         Err("not done".into())
     };
-    assert_eq!(outcome(Design::GateOnHost), Ok(vec![7, 7]));
-    let before = outcome(Design::WaitOnStreams).unwrap_err();
-    assert!(
-        before.contains("timed out") || before.contains("stall"),
-        "{before}"
-    );
+    assert_eq!(outcome(Design::Accepted), Ok(vec![7, 7]));
 }
 
 /// A failing engine neither waits for the GPU nor declares an operation
@@ -411,7 +377,7 @@ fn a_failure_waits_for_running_copies_without_blocking() {
     for layout in [(2, 1), (1, 2)] {
         let (engines, _net) = small_job(
             layout,
-            Design::GateOnHost,
+            Design::Accepted,
             Duration::from_secs(3600),
             |_, step| Box::new(step),
         );
@@ -488,8 +454,24 @@ impl LocalStep<SimMemory> for std::sync::Arc<RecordingSlices> {
     fn awaits_fences(&self) -> bool {
         self.step.awaits_fences()
     }
-    fn take_fences(&self) -> Vec<SimFence> {
-        self.step.take_fences()
+    fn device_items(
+        &self,
+        s: &LocalSlice<'_, SimMemory>,
+        stage: crate::local::LocalStage,
+        each: &mut dyn FnMut(ProgramItem<SimTensor>) -> crate::Result<()>,
+    ) -> crate::Result<()> {
+        self.step.device_items(s, stage, each)
+    }
+    fn enqueue(
+        &self,
+        tensor: &SimTensor,
+        seq: u64,
+        items: &[ProgramItem<SimTensor>],
+    ) -> std::result::Result<(), crate::memory::program::Unfinished> {
+        self.step.enqueue(tensor, seq, items)
+    }
+    fn release(&self) {
+        self.step.release();
     }
     fn close_tensors(&self) {
         self.step.close_tensors();
@@ -517,7 +499,7 @@ fn one_machine_reduces_a_device_tensor_in_one_slice_through_its_collectives() {
             2,
             &net,
             DirectSettings::from(None),
-            Design::GateOnHost,
+            Design::Accepted,
             collectives,
             Duration::from_secs(3600),
             |rank, step| {
@@ -614,7 +596,7 @@ fn deep_trees_settle_with_exact_results() {
         let config = PlanConfig::new(scenario.slice_bytes, scenario.min_shard_bytes).unwrap();
         let geometry = Geometry::new(topology, config).unwrap();
         assert_eq!(geometry.routing(), fairring_core::plan::Routing::Trees);
-        match play(&scenario, &mut rng, Design::GateOnHost, STEP_LIMIT) {
+        match play(&scenario, &mut rng, Design::Accepted, STEP_LIMIT) {
             // With a rank killed, `play` checks every survivor's error.
             Ok(_) if killed => killed_seeds += 1,
             Ok(outcome) => {
@@ -626,4 +608,41 @@ fn deep_trees_settle_with_exact_results() {
     }
     assert_eq!(checked, expected, "every operation of every rank is done");
     assert!(killed_seeds > 100, "{killed_seeds} seeds killed a rank");
+}
+
+/// The device model catches the two ways the design can break, each on a
+/// seed the shipped design passes:
+///
+/// - [`Design::IssuedByEngine`], the progress thread enqueueing each stage
+///   as it opens it (a CUDA call on the progress path, as the design before
+///   made): seed 1 (2x1, one staging buffer, every operation on device
+///   tensors) hangs. Another thread's device-wide wait holds the context
+///   for the caller's stream, which waits for operation 0; rank 1's
+///   progress thread blocks in its next enqueue behind it, so operation 0
+///   never ends and the stream never passes (under the design before, 169
+///   of seeds 1 to 300 hung this way, seed 1 among them);
+/// - [`Design::AbortFirst`], a failing engine aborting the machine's
+///   collectives on its progress thread before it opens its gates: seed 3
+///   (4x2 with three servers, the machines reducing through their
+///   collectives, rank 2 killed) hangs. The abort waits for streams that
+///   wait for gates only the blocked thread would open.
+#[test]
+fn cuda_calls_on_the_progress_path_and_an_abort_before_the_gates_hang() {
+    let issued = run_for(1, Design::IssuedByEngine, 200_000).unwrap_err();
+    assert!(
+        issued.contains("not settled") && issued.contains("device-wide wait"),
+        "{issued}"
+    );
+    let aborted = run_for(3, Design::AbortFirst, 200_000).unwrap_err();
+    assert!(
+        aborted.contains("not settled") && aborted.contains("device-wide wait"),
+        "{aborted}"
+    );
+    let shipped = run(1, Design::Accepted).unwrap_or_else(|e| panic!("seed 1: {e}"));
+    assert!(shipped.device > 0, "seed 1 runs device operations");
+    let shipped = run(3, Design::Accepted).unwrap_or_else(|e| panic!("seed 3: {e}"));
+    assert!(
+        shipped.killed.is_some() && shipped.failed > 0,
+        "seed 3 fails its operations"
+    );
 }

@@ -1,20 +1,21 @@
 //! The simulation's local step: the communicator's [`PlacedStep`] over the
-//! simulated GPU ([`super::device`]) and the machine's collectives
+//! simulated GPU ([`super::simulated_gpu`]) and the machine's collectives
 //! ([`super::collectives`]).
-
-use std::ops::Range;
 
 use super::collectives::SimCollectives;
 use super::simulated_gpu::{DeviceTensor, SimFence, SimGpu, SimMemory, SimTensor};
 use crate::error::Result;
 use crate::local::{DeviceReach, Place, PlacedStep, ShmStep};
+use crate::memory::Host;
+use crate::memory::program::{ProgramItem, Stage, Stages, Unfinished};
 
 /// How the simulation's local step reaches its device tensors: the
-/// simulated GPU's copies, and the machine's collectives where its ranks
-/// reduce through them. The step itself is the communicator's
+/// simulated GPU's programs and words, and the machine's collectives where
+/// its ranks reduce through them. The step itself is the communicator's
 /// ([`PlacedStep`]), so the simulation runs the path choice it ships.
 pub(super) struct SimReach {
     gpu: SimGpu,
+    host: Host,
     collectives: Option<SimCollectives>,
 }
 
@@ -32,6 +33,7 @@ pub(super) fn step(
         shm,
         SimReach {
             gpu: memory.sim_gpu(),
+            host: memory.host().clone(),
             collectives,
         },
     )
@@ -41,7 +43,6 @@ impl DeviceReach for SimReach {
     type Memory = SimMemory;
     type Tensor = DeviceTensor;
     type Fence = SimFence;
-    type Collectives<'a> = SimCollectives;
 
     fn place(tensor: &SimTensor) -> Place<'_, DeviceTensor> {
         match tensor {
@@ -55,39 +56,34 @@ impl DeviceReach for SimReach {
     }
 
     fn poll(&self, fence: &SimFence) -> Result<bool> {
-        Ok(match *fence {
-            SimFence::Passed => true,
-            SimFence::Device { stream, at } => self.gpu.passed(stream, at),
-        })
+        Ok(self.gpu.poll(fence))
     }
 
-    unsafe fn copy_to_staging(
+    fn raise(
         &self,
         buffer: u32,
-        staging: &mut [u8],
-        tensor: &DeviceTensor,
-        from: Range<usize>,
+        generation: u64,
+        stage: Stage,
+        stages: Stages,
     ) -> Result<SimFence> {
-        self.gpu.copy_to_staging(buffer, staging, tensor, from)
+        self.gpu.raise(buffer, generation, stage, stages)
     }
 
-    unsafe fn copy_from_staging(
+    fn has_collectives(&self) -> bool {
+        self.collectives.is_some()
+    }
+
+    fn enqueue(
         &self,
-        buffer: u32,
-        staging: &[u8],
         tensor: &DeviceTensor,
-        to: Range<usize>,
-    ) -> Result<SimFence> {
-        self.gpu.copy_from_staging(buffer, staging, tensor, to)
+        seq: u64,
+        items: &[ProgramItem<SimTensor>],
+    ) -> std::result::Result<(), Unfinished> {
+        self.gpu
+            .enqueue(tensor, seq, items, &self.host, self.collectives.as_ref())
     }
 
-    fn collectives(&self) -> Result<Option<SimCollectives>> {
-        Ok(self.collectives.clone())
-    }
-
-    fn abort_collectives(&self) {
-        if let Some(collectives) = &self.collectives {
-            collectives.abort();
-        }
+    fn release_collectives(&self) {
+        self.gpu.release_collectives();
     }
 }

@@ -9,27 +9,42 @@
 //!   simulation's schedule picks them (so copies end at drawn times): the
 //!   engine's streams (one per staging buffer, one for deliveries) and the
 //!   caller's stream;
+//! - **words** are the device side's page-locked words: gates and ends per
+//!   buffer, deliveries', starts and done words per operation-table entry.
+//!   Items wait on a word (`cuStreamWaitValue64`) or write one
+//!   (`cuStreamWriteValue64`); the host reads and writes them directly,
+//!   which is no CUDA call;
 //! - an **event** is a stream position: recorded at the stream's end, passed
-//!   once the stream has run that far (a step's fence, an operation's start);
+//!   once the stream has run that far (an operation's start);
 //! - a **copy** moves its bytes when it runs, reading its source then, as a
 //!   DMA engine does;
-//! - a **wait on a done word** (`cuStreamWaitValue64`) holds its stream until
-//!   the word reaches its value; the engine's completion raises the word;
 //! - the caller **submits behind waits** as PyTorch does: its stream writes
-//!   each input, records the operation's start, and may wait on the device
-//!   for any operation it started;
+//!   each input, records the operation's start and writes its start word,
+//!   and may wait on the device for any operation it started;
+//! - the **driver's device-wide waits**: at drawn times another thread of
+//!   the process makes a call that waits for the whole device (PyTorch's
+//!   allocator freeing memory, a kernel's first launch under lazy loading):
+//!   it holds the context until every stream has run what it held then, and
+//!   every CUDA call of another thread meanwhile blocks until it returns
+//!   ([`Gpu::start_draining`]). A thread blocked in a call does nothing more
+//!   until the wait ends; what it enqueues or writes then takes effect in
+//!   order. NCCL's abort waits the same way, for its kernels;
+//! - a **reaper** thread aborts the machine's collectives once the engine
+//!   hands it that job (the communicator's is a thread it starts);
 //! - the device side is **made** at the first device operation, as the
 //!   communicator makes it; operations that finished before wrote no word.
 //!
-//! [`Design`] selects how the engine meets the callers' streams. The shipped
-//! design gates: a slice starts only once its operation's start has passed
-//! ([`MemorySpace::started`]), so the engine's streams hold only copies, and a
-//! caller waits only for an operation not yet finished. The other is the one
-//! it replaced, kept to show what the simulation finds in it: the engine's
-//! copies wait on the start event on the engine's streams, so a failing
-//! engine, which declares its operations failed only once their copies have
-//! ended, can wait for a copy that waits for a caller's stream that waits for
-//! one of those operations: nothing settles.
+//! It checks what the device path promises: no stream waits forever once
+//! the operations have settled (the simulation runs every stream out), and
+//! nothing writes an operation's tensor after the caller's stream has passed
+//! its wait for the operation ([`Gpu::violations`]).
+//!
+//! [`Design`] selects how the engine meets the device. The shipped design
+//! enqueues every device step when the call is accepted. The others are
+//! mutations kept to show what the model finds in them: the progress thread
+//! enqueueing each stage as it opens it (the design before, whose engine
+//! made CUDA calls as traffic arrived), and a failing engine aborting the
+//! machine's collectives on its own thread before it opens their gates.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -37,18 +52,35 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::super::work::{WORK_CAPACITY, slot_of};
+use super::collectives::SimCollectives;
 use crate::error::{Error, Result};
+use crate::memory::program::{self, MachineCall, ProgramItem, RELEASED, Stage, Stages, Unfinished};
 use crate::memory::{Conversion, Host, HostTensor, MemorySpace, Reduction};
 
-/// How the engine meets the callers' streams (see the module docs).
+/// How the engine meets the device (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Design {
-    /// The engine starts a slice once its operation's start has passed on the
-    /// host; callers wait only for operations not yet finished.
-    GateOnHost,
-    /// The engine's copies wait on the start event on its own streams, and a
-    /// caller's wait always waits on the word (the design before the gate).
-    WaitOnStreams,
+    /// Every device step enqueued when the call is accepted, behind gates
+    /// the engine opens by writing host words: the shipped design.
+    Accepted,
+    /// The progress thread enqueues each stage when it opens it: a CUDA call
+    /// on the progress path, as the design before made.
+    IssuedByEngine,
+    /// A failing engine aborts the machine's collectives on its progress
+    /// thread before it opens their gates.
+    AbortFirst,
+}
+
+/// A thread of a rank's process, as the device model tells its CUDA calls
+/// apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Thread {
+    /// The engine's progress thread (and callers driving it).
+    Progress = 0,
+    /// The caller's thread: submissions and waits on the device.
+    Caller = 1,
+    /// The thread a failing engine hands NCCL's abort to.
+    Reaper = 2,
 }
 
 /// One item of a stream.
@@ -58,8 +90,10 @@ pub(super) enum Item {
     Copy { to: usize, from: usize, len: usize },
     /// Until stream `stream` has run `at` items (a wait on an event).
     WaitFor { stream: usize, at: u64 },
-    /// Until done word `slot` is at least `value`.
-    WaitWord { slot: usize, value: u64 },
+    /// Until word `word` is at least `value`.
+    WaitWord { word: usize, value: u64 },
+    /// Writes `value` into word `word`.
+    WriteWord { word: usize, value: u64 },
     /// Call `id` of a collective among the machine's ranks, which its
     /// [`Meeting`] resolves.
     Collective(u64),
@@ -73,18 +107,84 @@ struct SimStream {
     run: u64,
 }
 
+/// Where each word lies: the device side's layout.
+#[derive(Clone, Copy, Debug)]
+struct Words {
+    buffers: usize,
+}
+
+impl Words {
+    fn gate(self, buffer: u32) -> usize {
+        buffer as usize
+    }
+    fn end(self, buffer: u32) -> usize {
+        self.buffers + buffer as usize
+    }
+    fn delivery_gate(self, seq: u64) -> usize {
+        2 * self.buffers + slot_of(seq)
+    }
+    fn delivery_end(self, seq: u64) -> usize {
+        2 * self.buffers + WORK_CAPACITY + slot_of(seq)
+    }
+    fn started(self, seq: u64) -> usize {
+        2 * self.buffers + 2 * WORK_CAPACITY + slot_of(seq)
+    }
+    fn done(self, seq: u64) -> usize {
+        2 * self.buffers + 3 * WORK_CAPACITY + slot_of(seq)
+    }
+    fn count(self) -> usize {
+        2 * self.buffers + 4 * WORK_CAPACITY
+    }
+}
+
+/// What a blocked thread's calls do once it goes on.
+#[derive(Clone, Copy, Debug)]
+enum Deferred {
+    Push(usize, Item),
+    Set(usize, u64),
+}
+
+/// Items held back until the engine opens them ([`Design::IssuedByEngine`]):
+/// enqueued once the buffer's gate reaches `key` (0: with the group before).
+struct Held {
+    key: u64,
+    items: Vec<Item>,
+}
+
 /// One rank's GPU.
 pub(super) struct Gpu {
     design: Design,
     /// The engine's streams (one per staging buffer, then the deliveries'),
     /// then the caller's.
     streams: Vec<SimStream>,
-    /// Per operation-table entry: `seq + 1` once operation `seq` finished.
+    layout: Words,
     words: Vec<u64>,
     /// Whether the device side exists (made at the first device operation).
     made: bool,
     /// Where this GPU's collective calls meet the other ranks' calls.
     meeting: Option<Box<dyn Meeting>>,
+    /// A call that waits for the whole device: how far each stream must run
+    /// before it returns. Meanwhile it holds the context, and every other
+    /// CUDA call waits for it.
+    draining: Option<Vec<u64>>,
+    /// The thread whose calls come in now (the schedule sets it).
+    on: Thread,
+    /// Threads blocked in a call behind `draining`, and what their calls do
+    /// once it ends, in order.
+    blocked: [bool; 3],
+    deferred: Vec<Deferred>,
+    /// [`Design::IssuedByEngine`]: per engine stream, the items its programs
+    /// hold back until opened; per operation-table entry, its delivery's.
+    held: Vec<VecDeque<Held>>,
+    held_deliveries: Vec<Vec<Item>>,
+    /// The device operations' tensors (address, length), by sequence number.
+    tensors: Vec<(usize, usize)>,
+    /// Operations whose caller's stream has passed a wait for them.
+    passed: Vec<u64>,
+    /// Writes into a tensor after its caller's stream passed the operation.
+    violations: Vec<String>,
+    /// The engine handed the machine's collectives' abort to the reaper.
+    abort_pending: bool,
 }
 
 /// Where a GPU's collective calls meet those of the other ranks of its
@@ -95,8 +195,12 @@ pub(super) trait Meeting: Send {
     fn can_run(&self, id: u64) -> bool;
     /// Moves call `id` on; returns whether it ended (leaves its stream).
     fn run(&self, id: u64) -> bool;
+    /// The bytes call `id` writes on this rank (address, length).
+    fn writes(&self, id: u64) -> (usize, usize);
     /// What call `id` is, for a report of what waits.
     fn describe(&self, id: u64) -> String;
+    /// This rank aborts its collectives: every call of it ends at once.
+    fn abort(&self);
 }
 
 impl Gpu {
@@ -108,25 +212,128 @@ impl Gpu {
         self.streams.len() - 2
     }
 
+    /// Whether a CUDA call of the current thread goes through now: not
+    /// while a device-wide wait holds the context (the thread then blocks
+    /// until it ends) or the thread is blocked already.
+    fn call(&mut self) -> bool {
+        let t = self.on as usize;
+        if self.draining.is_some() || self.blocked[t] {
+            self.blocked[t] = true;
+            return false;
+        }
+        true
+    }
+
+    /// Enqueues `item` on `stream` (a CUDA call: deferred while the calling
+    /// thread is blocked); returns the stream position after it.
     fn push(&mut self, stream: usize, item: Item) -> u64 {
+        let proceeds = self.call();
         let s = &mut self.streams[stream];
-        s.items.push_back(item);
         s.enqueued += 1;
+        if proceeds {
+            s.items.push_back(item);
+        } else {
+            self.deferred.push(Deferred::Push(stream, item));
+        }
         s.enqueued
+    }
+
+    /// Raises word `word` to `value` from the host (no CUDA call; deferred
+    /// while the writing thread is blocked in one).
+    fn set(&mut self, word: usize, value: u64) {
+        if self.blocked[self.on as usize] {
+            self.deferred.push(Deferred::Set(word, value));
+            return;
+        }
+        self.words[word] = self.words[word].max(value);
     }
 
     fn passed(&self, stream: usize, at: u64) -> bool {
         self.streams[stream].run >= at
     }
 
+    /// Another thread of the process makes a call that waits for the whole
+    /// device, if none is waiting already: it returns once every stream has
+    /// run what it holds now.
+    pub(super) fn start_draining(&mut self) {
+        if self.draining.is_none() {
+            self.draining = Some(self.streams.iter().map(|s| s.enqueued).collect());
+        }
+    }
+
+    /// Ends the device-wide wait if every stream has run far enough: the
+    /// threads blocked behind it go on, their calls taking effect in order.
+    pub(super) fn settle_draining(&mut self) {
+        let Some(until) = &self.draining else {
+            return;
+        };
+        if self.streams.iter().zip(until).any(|(s, &at)| s.run < at) {
+            return;
+        }
+        self.draining = None;
+        self.blocked = [false; 3];
+        for deferred in std::mem::take(&mut self.deferred) {
+            match deferred {
+                Deferred::Push(stream, item) => self.streams[stream].items.push_back(item),
+                Deferred::Set(word, value) => self.words[word] = self.words[word].max(value),
+            }
+        }
+    }
+
+    /// The reaper runs the abort the engine handed it: the machine's
+    /// collectives end at once (NCCL's abort sets its kernels' abort flag,
+    /// host memory, before anything else), and the reaper then waits for the
+    /// device to drain (NCCL's abort waits for its kernels), behind any
+    /// device-wide wait already running.
+    pub(super) fn reap(&mut self) {
+        if !self.abort_pending {
+            return;
+        }
+        self.abort_pending = false;
+        self.abort_now(Thread::Reaper);
+    }
+
+    /// `thread` aborts the machine's collectives: they end, and the thread
+    /// waits for the device to drain.
+    fn abort_now(&mut self, thread: Thread) {
+        if let Some(meeting) = &self.meeting {
+            meeting.abort();
+            self.start_draining();
+            self.blocked[thread as usize] = true;
+        }
+    }
+
+    /// Whether `thread` is blocked in a call (its next action waits).
+    pub(super) fn blocks(&self, thread: Thread) -> bool {
+        self.blocked[thread as usize] || (thread == Thread::Caller && self.draining.is_some())
+    }
+
+    /// Sets the thread whose calls come in next.
+    pub(super) fn on_thread(&mut self, thread: Thread) {
+        self.on = thread;
+    }
+
     /// Whether the first item of `stream` can run.
     fn runnable(&self, stream: usize) -> bool {
         match self.streams[stream].items.front() {
             None => false,
-            Some(Item::Copy { .. }) => true,
+            Some(Item::Copy { .. } | Item::WriteWord { .. }) => true,
             Some(&Item::WaitFor { stream: s, at }) => self.passed(s, at),
-            Some(&Item::WaitWord { slot, value }) => self.words[slot] >= value,
+            Some(&Item::WaitWord { word, value }) => self.words[word] >= value,
             Some(&Item::Collective(id)) => self.meeting.as_ref().is_some_and(|m| m.can_run(id)),
+        }
+    }
+
+    /// Records a write of `len` bytes at `to` that lands in the tensor of an
+    /// operation whose caller's stream has passed it.
+    fn check_write(&mut self, to: usize, len: usize, what: &str) {
+        for &seq in &self.passed {
+            let (at, bytes) = self.tensors[seq as usize];
+            if len > 0 && to < at + bytes && at < to + len {
+                self.violations.push(format!(
+                    "{what} wrote operation {seq}'s tensor after its caller's stream passed it"
+                ));
+            }
         }
     }
 
@@ -135,21 +342,39 @@ impl Gpu {
         if !self.runnable(stream) {
             return false;
         }
-        if let (Some(&Item::Collective(id)), Some(meeting)) =
-            (self.streams[stream].items.front(), &self.meeting)
-            && !meeting.run(id)
+        if let Some(&Item::Collective(id)) = self.streams[stream].items.front()
+            && let Some(meeting) = &self.meeting
         {
-            // It arrived, and waits for the other ranks.
-            return true;
+            let (at, len) = meeting.writes(id);
+            if !meeting.run(id) {
+                // It arrived, and waits for the other ranks.
+                return true;
+            }
+            self.check_write(at, len, "a collective");
         }
-        let s = &mut self.streams[stream];
-        if let Some(Item::Copy { to, from, len }) = s.items.pop_front() {
-            // SAFETY: tensors or staging of the simulation, alive until it ends;
-            // the engine (as CUDA's contract asks) touches neither until the
-            // copy's fence has passed.
-            unsafe { std::ptr::copy(from as *const u8, to as *mut u8, len) };
+        let caller = self.caller();
+        let Some(item) = self.streams[stream].items.pop_front() else {
+            return false;
+        };
+        match item {
+            Item::Copy { to, from, len } => {
+                self.check_write(to, len, &format!("a copy on stream {stream}"));
+                // SAFETY: tensors or staging of the simulation, alive until
+                // it ends; the engine (as CUDA's contract asks) touches
+                // neither until the copy's stage has ended.
+                unsafe { std::ptr::copy(from as *const u8, to as *mut u8, len) };
+            }
+            Item::WriteWord { word, value } => self.words[word] = value,
+            Item::WaitWord { word, value } if stream == caller => {
+                // The caller's stream goes on past operation `value - 1`.
+                let seq = value - 1;
+                if word == self.layout.done(seq) && (seq as usize) < self.tensors.len() {
+                    self.passed.push(seq);
+                }
+            }
+            _ => {}
         }
-        s.run += 1;
+        self.streams[stream].run += 1;
         true
     }
 
@@ -165,11 +390,28 @@ impl Gpu {
         self.run_one(ready[pick(ready.len()) % ready.len()])
     }
 
-    /// Runs every stream as far as it goes; returns what still waits, if
-    /// anything does.
+    /// Runs every stream as far as it goes (device-wide waits ending, the
+    /// reaper aborting, as they come); returns what still waits, if anything
+    /// does.
     pub(super) fn run_out(&mut self) -> Option<String> {
-        while self.run_any(|_| 0) {}
+        loop {
+            self.settle_draining();
+            self.reap();
+            if self.run_any(|_| 0) {
+                continue;
+            }
+            self.settle_draining();
+            self.reap();
+            if !(0..self.streams.len()).any(|s| self.runnable(s)) {
+                break;
+            }
+        }
         self.waiting()
+    }
+
+    /// Writes into tensors after their callers' streams passed them.
+    pub(super) fn violations(&self) -> &[String] {
+        &self.violations
     }
 
     /// What the first item of each stream that has one is, if any has.
@@ -191,18 +433,69 @@ impl Gpu {
                 })
             })
             .collect();
+        let draining = self.draining.as_ref().map(|until| {
+            let at: Vec<u64> = self.streams.iter().map(|s| s.run).collect();
+            format!(
+                "a device-wide wait for stream positions {until:?} (at {at:?}; blocked \
+                     threads {:?}, {} calls deferred)",
+                self.blocked,
+                self.deferred.len()
+            )
+        });
+        let waits: Vec<String> = waits.into_iter().chain(draining).collect();
         (!waits.is_empty()).then(|| waits.join(", "))
+    }
+
+    /// Opens `stage` of the slice of generation `generation` in `buffer` (a
+    /// host write; under [`Design::IssuedByEngine`] the stage's items are
+    /// enqueued now, by the opening thread).
+    fn raise(
+        &mut self,
+        buffer: u32,
+        generation: u64,
+        stage: Stage,
+        stages: Stages,
+    ) -> Result<SimFence> {
+        let gate = self.layout.gate(buffer);
+        if let Some(value) = program::raised(self.words[gate], generation, stage, stages)? {
+            self.set(gate, value);
+            self.release_held(buffer as usize, value);
+        }
+        Ok(self.stage_end(buffer, stage.value(generation)))
+    }
+
+    /// [`Design::IssuedByEngine`]: enqueues the held items of `stream` its
+    /// gate at `value` opens.
+    fn release_held(&mut self, stream: usize, value: u64) {
+        if self.design != Design::IssuedByEngine {
+            return;
+        }
+        while self.held[stream].front().is_some_and(|h| h.key <= value) {
+            if let Some(held) = self.held[stream].pop_front() {
+                for item in held.items {
+                    self.push(stream, item);
+                }
+            }
+        }
+    }
+
+    fn stage_end(&self, buffer: u32, value: u64) -> SimFence {
+        SimFence::Word {
+            word: self.layout.end(buffer),
+            value,
+        }
     }
 }
 
 /// A device tensor: `len` bytes at `ptr` (host memory standing in for the
-/// GPU's), for the operation whose start is the caller's stream's position
+/// GPU's), of operation `seq`, whose start is the caller's stream's position
 /// `start`.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct DeviceTensor {
     ptr: usize,
     len: usize,
     start: u64,
+    seq: u64,
 }
 
 impl DeviceTensor {
@@ -224,10 +517,10 @@ pub(super) enum SimTensor {
     Device(DeviceTensor),
 }
 
-/// The end of a step: passed, or a position of an engine stream.
+/// The end of a step: passed, or a word reaching a value.
 pub(super) enum SimFence {
     Passed,
-    Device { stream: usize, at: u64 },
+    Word { word: usize, value: u64 },
 }
 
 /// Host memory, and a simulated GPU for device tensors: the simulation's
@@ -243,17 +536,28 @@ pub(super) struct SimGpu(Arc<Mutex<Gpu>>);
 
 impl SimMemory {
     pub(super) fn new(host: Host, design: Design) -> SimMemory {
-        let streams = (0..host.buffers() as usize + 2)
-            .map(|_| SimStream::default())
-            .collect();
+        let buffers = host.buffers() as usize;
+        let layout = Words { buffers };
+        let streams = (0..buffers + 2).map(|_| SimStream::default()).collect();
         SimMemory {
             host,
             gpu: SimGpu(Arc::new(Mutex::new(Gpu {
                 design,
                 streams,
-                words: vec![0; WORK_CAPACITY],
+                layout,
+                words: vec![0; layout.count()],
                 made: false,
                 meeting: None,
+                draining: None,
+                on: Thread::Progress,
+                blocked: [false; 3],
+                deferred: Vec::new(),
+                held: (0..buffers + 1).map(|_| VecDeque::new()).collect(),
+                held_deliveries: vec![Vec::new(); WORK_CAPACITY],
+                tensors: Vec::new(),
+                passed: Vec::new(),
+                violations: Vec::new(),
+                abort_pending: false,
             }))),
         }
     }
@@ -267,15 +571,21 @@ impl SimMemory {
         self.gpu.clone()
     }
 
+    /// The staging buffers, as the device side reaches them.
+    pub(super) fn host(&self) -> &Host {
+        &self.host
+    }
+
     /// Where this GPU's collective calls meet the other ranks'.
     pub(super) fn meet_through(&self, meeting: Box<dyn Meeting>) {
         self.gpu().meeting = Some(meeting);
     }
 
-    /// The caller's part of submitting a device operation on `words`: its
-    /// stream writes the input from `input` (the caller's earlier work), then
-    /// records the operation's start. Makes the device side if it is not yet.
-    pub(super) fn submit_device(&self, tensor: &mut [u8], input: &[u8]) -> SimTensor {
+    /// The caller's part of submitting device operation `seq` on `tensor`:
+    /// its stream writes the input from `input` (the caller's earlier work),
+    /// then records the operation's start and writes its start word. Makes
+    /// the device side if it is not yet.
+    pub(super) fn submit_device(&self, tensor: &mut [u8], input: &[u8], seq: u64) -> SimTensor {
         let mut gpu = self.gpu();
         gpu.made = true;
         let caller = gpu.caller();
@@ -287,10 +597,25 @@ impl SimMemory {
                 len: tensor.len().min(input.len()),
             },
         );
+        let word = gpu.layout.started(seq);
+        gpu.push(
+            caller,
+            Item::WriteWord {
+                word,
+                value: seq + 1,
+            },
+        );
+        let at = (tensor.as_mut_ptr() as usize, tensor.len());
+        let index = seq as usize;
+        if gpu.tensors.len() <= index {
+            gpu.tensors.resize(index + 1, (0, 0));
+        }
+        gpu.tensors[index] = at;
         SimTensor::Device(DeviceTensor {
-            ptr: tensor.as_mut_ptr() as usize,
-            len: tensor.len(),
+            ptr: at.0,
+            len: at.1,
             start,
+            seq,
         })
     }
 
@@ -298,22 +623,16 @@ impl SimMemory {
     /// device side exists (otherwise the caller waits on the host, which the
     /// simulation leaves out); `pending` asks the engine whether it must.
     pub(super) fn enqueue_wait(&self, seq: u64, pending: impl FnOnce() -> bool) {
-        let mut gpu = self.gpu();
-        if !gpu.made {
+        if !self.gpu().made || !pending() {
             return;
         }
-        if gpu.design == Design::GateOnHost {
-            drop(gpu);
-            if !pending() {
-                return;
-            }
-            gpu = self.gpu();
-        }
+        let mut gpu = self.gpu();
         let caller = gpu.caller();
+        let word = gpu.layout.done(seq);
         gpu.push(
             caller,
             Item::WaitWord {
-                slot: slot_of(seq),
+                word,
                 value: seq + 1,
             },
         );
@@ -325,81 +644,285 @@ impl SimGpu {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Enqueues `item` on stream `stream`.
-    pub(super) fn push(&self, stream: usize, item: Item) {
-        self.lock().push(stream, item);
-    }
-
-    /// Whether stream `stream` has run `at` items.
-    pub(super) fn passed(&self, stream: usize, at: u64) -> bool {
-        self.lock().passed(stream, at)
-    }
-
-    /// A fence at the end of stream `stream`.
-    pub(super) fn end_of(&self, stream: usize) -> SimFence {
-        let at = self.lock().streams[stream].enqueued;
-        SimFence::Device { stream, at }
-    }
-
-    /// Enqueues a copy of `len` bytes on engine stream `stream`, after the
-    /// start of `tensor`'s operation where the design waits for it there.
-    fn copy(
-        &self,
-        stream: usize,
-        tensor: &DeviceTensor,
-        to: usize,
-        from: usize,
-        len: usize,
-    ) -> SimFence {
-        let mut gpu = self.lock();
-        if gpu.design == Design::WaitOnStreams {
-            let caller = gpu.caller();
-            gpu.push(
-                stream,
-                Item::WaitFor {
-                    stream: caller,
-                    at: tensor.start,
-                },
-            );
+    /// Whether `fence` has passed: a read of host memory.
+    pub(super) fn poll(&self, fence: &SimFence) -> bool {
+        match *fence {
+            SimFence::Passed => true,
+            SimFence::Word { word, value } => self.lock().words[word] >= value,
         }
-        let at = gpu.push(stream, Item::Copy { to, from, len });
-        SimFence::Device { stream, at }
     }
 
-    /// Copies bytes `from` of `tensor` into `staging` of buffer `buffer`.
-    pub(super) fn copy_to_staging(
+    /// Opens a stage (see [`Gpu::raise`]).
+    pub(super) fn raise(
         &self,
         buffer: u32,
-        staging: &mut [u8],
-        tensor: &DeviceTensor,
-        from: Range<usize>,
+        generation: u64,
+        stage: Stage,
+        stages: Stages,
     ) -> Result<SimFence> {
-        let src = tensor.at(&from)?;
-        Ok(self.copy(
-            buffer as usize,
-            tensor,
-            staging.as_mut_ptr() as usize,
-            src,
-            from.len(),
-        ))
+        self.lock().raise(buffer, generation, stage, stages)
     }
 
-    /// Copies `staging` of buffer `buffer` into bytes `to` of `tensor`.
-    pub(super) fn copy_from_staging(
+    /// The engine failed and opens every gate; under [`Design::AbortFirst`]
+    /// its progress thread aborts the machine's collectives first, which
+    /// waits for the device with the gates still closed.
+    fn release(&self) {
+        let mut gpu = self.lock();
+        if gpu.design == Design::AbortFirst {
+            let on = gpu.on;
+            gpu.abort_now(on);
+        }
+        let gates = (0..gpu.layout.buffers as u32)
+            .map(|b| gpu.layout.gate(b))
+            .chain((0..WORK_CAPACITY as u64).map(|s| gpu.layout.delivery_gate(s)))
+            .collect::<Vec<_>>();
+        for gate in gates {
+            gpu.set(gate, RELEASED);
+        }
+        let streams = gpu.held.len();
+        for stream in 0..streams {
+            gpu.release_held(stream, RELEASED);
+        }
+        if gpu.design == Design::IssuedByEngine {
+            let deliveries = gpu.deliveries();
+            for held in std::mem::take(&mut gpu.held_deliveries) {
+                for item in held {
+                    gpu.push(deliveries, item);
+                }
+            }
+            gpu.held_deliveries = vec![Vec::new(); WORK_CAPACITY];
+        }
+    }
+
+    /// The engine failed: the machine's collectives' abort goes to the
+    /// reaper (under [`Design::AbortFirst`] the progress thread did it).
+    pub(super) fn release_collectives(&self) {
+        let mut gpu = self.lock();
+        if gpu.design != Design::AbortFirst && gpu.meeting.is_some() {
+            gpu.abort_pending = true;
+        }
+    }
+
+    /// Enqueues operation `seq`'s program on `tensor` (on the caller's
+    /// thread, as the call is accepted): its copies between the tensor and
+    /// `host`'s staging, its collectives through `collectives`.
+    pub(super) fn enqueue(
         &self,
-        buffer: u32,
-        staging: &[u8],
         tensor: &DeviceTensor,
-        to: Range<usize>,
-    ) -> Result<SimFence> {
-        let dst = tensor.at(&to)?;
-        Ok(self.copy(
-            buffer as usize,
-            tensor,
-            dst,
-            staging.as_ptr() as usize,
-            to.len(),
-        ))
+        seq: u64,
+        items: &[ProgramItem<SimTensor>],
+        host: &Host,
+        collectives: Option<&SimCollectives>,
+    ) -> std::result::Result<(), Unfinished> {
+        let lost = |error: Error| Unfinished { error, ends: false };
+        let mut gpu = self.lock();
+        let layout = gpu.layout;
+        let caller = gpu.caller();
+        // Built as held groups (one per stage, keyed by its gate value),
+        // then enqueued at once or held, as the design says.
+        let mut groups: Vec<(usize, Held)> = Vec::new();
+        let mut at: Option<(u32, u64)> = None;
+        let mut touches = false;
+        let mut stage = None;
+        let mut staged = false;
+        let bytes = |s: program::StagingAt, len| host.machine_bytes(s, len).map(NonNull::as_ptr);
+        for (i, item) in items.iter().enumerate() {
+            let (b, g) = at.unwrap_or((0, 0));
+            let stream = b as usize;
+            match item {
+                &ProgramItem::Slice {
+                    buffer,
+                    generation,
+                    touches: t,
+                } => {
+                    if buffer as usize >= layout.buffers {
+                        return Err(lost(Error::internal(
+                            "every staging buffer has its stream",
+                            format!("buffer {buffer}"),
+                        )));
+                    }
+                    at = Some((buffer, generation));
+                    touches = t;
+                    staged = false;
+                }
+                &ProgramItem::Stage(s) => {
+                    stage = Some(s);
+                    let mut items = Vec::new();
+                    if touches && !staged {
+                        items.push(Item::WaitFor {
+                            stream: caller,
+                            at: tensor.start,
+                        });
+                    }
+                    staged = true;
+                    items.push(Item::WaitWord {
+                        word: layout.gate(b),
+                        value: s.value(g),
+                    });
+                    groups.push((
+                        stream,
+                        Held {
+                            key: s.value(g),
+                            items,
+                        },
+                    ));
+                }
+                ProgramItem::ToStaging { tensor: range, to } => {
+                    let from = tensor.at(range).map_err(lost)?;
+                    let to = bytes(*to, range.len()).map_err(lost)? as usize;
+                    push_into(
+                        &mut groups,
+                        Item::Copy {
+                            to,
+                            from,
+                            len: range.len(),
+                        },
+                        seq,
+                    )?;
+                }
+                ProgramItem::FromStaging {
+                    from,
+                    tensor: range,
+                } => {
+                    let to = tensor.at(range).map_err(lost)?;
+                    let from = bytes(*from, range.len()).map_err(lost)? as usize;
+                    push_into(
+                        &mut groups,
+                        Item::Copy {
+                            to,
+                            from,
+                            len: range.len(),
+                        },
+                        seq,
+                    )?;
+                }
+                ProgramItem::Collective {
+                    comm,
+                    call,
+                    tensor: range,
+                } => {
+                    let c = collectives.ok_or_else(|| {
+                        lost(Error::internal(
+                            "a device program holds collectives only where the machine has them",
+                            format!("operation {seq}"),
+                        ))
+                    })?;
+                    let at = tensor.at(range).map_err(lost)?;
+                    let id = c.call(*comm, kind_of(*call), at, range.len());
+                    push_into(&mut groups, Item::Collective(id), seq)?;
+                }
+                ProgramItem::StageEnd => {
+                    let s = stage.ok_or_else(|| lost(unordered(seq)))?;
+                    let value = match items.get(i + 1) {
+                        Some(ProgramItem::SliceEnd) => program::slice_end(g),
+                        _ => s.value(g),
+                    };
+                    let word = layout.end(b);
+                    push_into(&mut groups, Item::WriteWord { word, value }, seq)?;
+                }
+                ProgramItem::SliceEnd => {
+                    if !staged {
+                        let item = Item::WriteWord {
+                            word: layout.end(b),
+                            value: program::slice_end(g),
+                        };
+                        groups.push((
+                            stream,
+                            Held {
+                                key: 0,
+                                items: vec![item],
+                            },
+                        ));
+                    }
+                    at = None;
+                    stage = None;
+                }
+                ProgramItem::Deliver { from, to } => {
+                    let SimTensor::Device(to) = to else {
+                        return Err(lost(Error::internal(
+                            "an operation's tensors all live in one kind of memory",
+                            "a delivery from device memory to host memory",
+                        )));
+                    };
+                    let src = tensor.at(from).map_err(lost)?;
+                    let dst = to.at(&(0..from.len())).map_err(lost)?;
+                    let items = vec![
+                        Item::WaitWord {
+                            word: layout.delivery_gate(seq),
+                            value: seq + 1,
+                        },
+                        Item::Copy {
+                            to: dst,
+                            from: src,
+                            len: from.len(),
+                        },
+                        Item::WriteWord {
+                            word: layout.delivery_end(seq),
+                            value: seq + 1,
+                        },
+                    ];
+                    let deliveries = gpu.deliveries();
+                    groups.push((
+                        deliveries,
+                        Held {
+                            key: u64::MAX,
+                            items,
+                        },
+                    ));
+                }
+            }
+        }
+        let deliveries = gpu.deliveries();
+        for (stream, held) in groups {
+            if gpu.design != Design::IssuedByEngine {
+                for item in held.items {
+                    gpu.push(stream, item);
+                }
+            } else if stream == deliveries {
+                gpu.held_deliveries[slot_of(seq)] = held.items;
+            } else {
+                gpu.held[stream].push_back(held);
+                // Held groups behind an opened gate go now.
+                let gate = gpu.words[layout.gate(stream as u32)];
+                gpu.release_held(stream, gate);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Appends `item` to the last group.
+fn push_into(
+    groups: &mut [(usize, Held)],
+    item: Item,
+    seq: u64,
+) -> std::result::Result<(), Unfinished> {
+    match groups.last_mut() {
+        Some((_, held)) => {
+            held.items.push(item);
+            Ok(())
+        }
+        None => Err(Unfinished {
+            error: unordered(seq),
+            ends: false,
+        }),
+    }
+}
+
+fn unordered(seq: u64) -> Error {
+    Error::internal(
+        "a device program's items come slice by slice, stage by stage",
+        format!("operation {seq}"),
+    )
+}
+
+/// What a machine's collective does, as the model's machine moves it.
+fn kind_of(call: MachineCall) -> super::collectives::Kind {
+    use super::collectives::Kind;
+    match call {
+        MachineCall::AllReduce { dtype, op } => Kind::AllReduce { dtype, op },
+        MachineCall::Reduce { dtype, op, root } => Kind::Reduce { dtype, op, root },
+        MachineCall::Broadcast { root } => Kind::Broadcast { root },
     }
 }
 
@@ -410,15 +933,19 @@ fn mixed(what: &str) -> Error {
     )
 }
 
+fn programmed(what: &str) -> Error {
+    Error::internal(
+        "a device tensor's copies are stages of its program",
+        format!("{what} asked of the memory space"),
+    )
+}
+
 impl MemorySpace for SimMemory {
     type Tensor = SimTensor;
     type Fence = SimFence;
 
     fn poll(&self, fence: &SimFence) -> Result<bool> {
-        Ok(match *fence {
-            SimFence::Passed => true,
-            SimFence::Device { stream, at } => self.gpu().passed(stream, at),
-        })
+        Ok(self.gpu.poll(fence))
     }
 
     fn stage_in(
@@ -433,10 +960,7 @@ impl MemorySpace for SimMemory {
                 self.host.stage_in(buffer, to, t, from)?;
                 Ok(SimFence::Passed)
             }
-            SimTensor::Device(t) => {
-                let staging = self.host.staging(buffer, to..to + from.len())?;
-                self.gpu.copy_to_staging(buffer, staging, t, from)
-            }
+            SimTensor::Device(_) => Err(programmed("a stage-in")),
         }
     }
 
@@ -491,10 +1015,7 @@ impl MemorySpace for SimMemory {
                 self.host.copy_out(buffer, from, t, to)?;
                 Ok(SimFence::Passed)
             }
-            SimTensor::Device(t) => {
-                let staging = self.host.staging(buffer, from..from + to.len())?;
-                self.gpu.copy_from_staging(buffer, staging, t, to)
-            }
+            SimTensor::Device(_) => Err(programmed("a copy-out")),
         }
     }
 
@@ -504,12 +1025,7 @@ impl MemorySpace for SimMemory {
                 self.host.deliver(f, range, t)?;
                 Ok(SimFence::Passed)
             }
-            (SimTensor::Device(f), SimTensor::Device(t)) => {
-                let src = f.at(&range)?;
-                let dst = t.at(&(0..range.len()))?;
-                let stream = self.gpu().deliveries();
-                Ok(self.gpu.copy(stream, f, dst, src, range.len()))
-            }
+            (SimTensor::Device(_), SimTensor::Device(_)) => Err(programmed("a delivery")),
             _ => Err(mixed("a delivery between host and device memory")),
         }
     }
@@ -529,18 +1045,60 @@ impl MemorySpace for SimMemory {
     fn started(&self, tensor: &SimTensor) -> Result<bool> {
         let gpu = self.gpu();
         Ok(match tensor {
-            SimTensor::Device(t) if gpu.design == Design::GateOnHost => {
-                gpu.passed(gpu.caller(), t.start)
-            }
-            _ => true,
+            SimTensor::Device(t) => gpu.words[gpu.layout.started(t.seq)] > t.seq,
+            SimTensor::Host(_) => true,
         })
     }
 
     fn completed(&self, seq: u64) {
         let mut gpu = self.gpu();
         if gpu.made {
-            let word = &mut gpu.words[slot_of(seq)];
-            *word = (*word).max(seq + 1);
+            let word = gpu.layout.done(seq);
+            gpu.set(word, seq + 1);
         }
+    }
+
+    fn on_device(&self, tensor: &SimTensor) -> bool {
+        matches!(tensor, SimTensor::Device(_))
+    }
+
+    fn stage_end(&self, buffer: u32, value: u64) -> SimFence {
+        self.gpu().stage_end(buffer, value)
+    }
+
+    fn raise(
+        &self,
+        buffer: u32,
+        generation: u64,
+        stage: Stage,
+        stages: Stages,
+    ) -> Result<SimFence> {
+        self.gpu.raise(buffer, generation, stage, stages)
+    }
+
+    fn delivery_end(&self, seq: u64) -> SimFence {
+        let gpu = self.gpu();
+        SimFence::Word {
+            word: gpu.layout.delivery_end(seq),
+            value: seq + 1,
+        }
+    }
+
+    fn raise_delivery(&self, seq: u64) -> Result<SimFence> {
+        let mut gpu = self.gpu();
+        let word = gpu.layout.delivery_gate(seq);
+        gpu.set(word, seq + 1);
+        if gpu.design == Design::IssuedByEngine {
+            let deliveries = gpu.deliveries();
+            for item in std::mem::take(&mut gpu.held_deliveries[slot_of(seq)]) {
+                gpu.push(deliveries, item);
+            }
+        }
+        drop(gpu);
+        Ok(self.delivery_end(seq))
+    }
+
+    fn release(&self) {
+        self.gpu.release();
     }
 }
