@@ -228,8 +228,11 @@ impl Drop for Communicator {
     fn drop(&mut self) {
         // The channels first: their meetings use the job's store.
         self.channels.close();
-        stop_progress(&self.engine, &mut self.progress);
         let operations = *self.next_seq.lock().unwrap_or_else(PoisonError::into_inner);
+        // What is still in flight finishes (a stream may wait for it) while
+        // the progress thread still drives.
+        self.engine.finish_in_flight(operations, self.timeout);
+        stop_progress(&self.engine, &mut self.progress);
         self.engine.say_goodbye(operations);
     }
 }

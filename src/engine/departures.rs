@@ -5,6 +5,12 @@
 //! closing afterwards is not a failure; but a rank that goes on to issue an
 //! operation the departed peer never issued fails, naming the peer, instead of
 //! waiting for it.
+//!
+//! Before it says goodbye, a rank finishes what it submitted
+//! ([`Engine::finish_in_flight`]): a caller may have let go of an operation
+//! whose result a stream still waits for (the stream ordered after it, the
+//! host never waiting), and the device side it drops next must not run a
+//! program's stages on staging that holds no result.
 
 use std::time::{Duration, Instant};
 
@@ -14,11 +20,13 @@ use super::Engine;
 use super::links::NO_COMPLETION;
 use super::outbox::{Sent, send_control};
 use super::tags::{self, Kind};
+use super::work::{PENDING, WORK_CAPACITY};
 use crate::error::Error;
 use crate::memory::MemorySpace;
 use crate::sync::Ordering;
 
-/// How long a leaving rank waits for its last messages to go out.
+/// How long a leaving rank waits for its last messages to go out, and for
+/// the device programs of operations it fails on the way out to end.
 const FLUSH: Duration = Duration::from_secs(2);
 
 /// The peers that said goodbye.
@@ -74,6 +82,37 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// (as briefly) until the failure reports are out, so that peers learn why
     /// before they see the connections close. The progress thread must have
     /// stopped.
+    /// The communicator drops after submitting `submitted` operations: those
+    /// still in flight finish first, driven here, each within `timeout`; any
+    /// left then fail (and so does the engine), each once its device program
+    /// has ended, waited for up to [`FLUSH`] more. An operation whose
+    /// caller's stream never reaches its start stays pending: the device
+    /// side's drop then leaves what its program touches allocated.
+    pub(crate) fn finish_in_flight(&self, submitted: u64, timeout: Duration) {
+        let first = submitted.saturating_sub(WORK_CAPACITY as u64);
+        let pending = |seq: u64| self.works.state(seq) == Some(PENDING);
+        if self.failure().is_none() {
+            for seq in (first..submitted).filter(|&s| pending(s)) {
+                if !matches!(self.wait(seq, Some(timeout)), Ok(true)) {
+                    break;
+                }
+            }
+        }
+        let Some(seq) = (first..submitted).find(|&s| pending(s)) else {
+            return;
+        };
+        self.fail(Error::peer(
+            self.rank(),
+            format!("dropped its communicator with operation {seq} still in flight"),
+        ));
+        let deadline = Instant::now() + FLUSH;
+        while (first..submitted).any(pending) && Instant::now() < deadline {
+            if !self.try_drive() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+
     pub(crate) fn say_goodbye(&self, operations: u64) {
         if self.failure.failed() {
             let posted = self.failure.reports_posted.load(Ordering::Acquire);

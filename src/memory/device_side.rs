@@ -134,8 +134,10 @@ impl WordLayout {
 }
 
 /// How long dropping a device side waits for the streams that read its
-/// memory before it leaves that memory allocated instead.
-const DRAIN_BOUND: Duration = Duration::from_secs(60);
+/// memory before it leaves that memory allocated instead: the communicator
+/// finished or failed its operations before, so its own streams are done or
+/// wait for a caller's stream that has yet to reach an operation's start.
+const DRAIN_BOUND: Duration = Duration::from_secs(2);
 
 /// The device half of a communicator that takes device tensors.
 pub(crate) struct DeviceSide {
