@@ -21,6 +21,9 @@ pub struct Device {
     compute_capability: (u32, u32),
     /// `cuStreamWaitValue64` and `cuStreamWriteValue64` work on this device.
     stream_memory_ops_64: bool,
+    /// The device's UUID: the same GPU whatever ordinal a process sees it
+    /// at (`CUDA_VISIBLE_DEVICES` renumbers).
+    uuid: [u8; 16],
 }
 
 // SAFETY: a CUdevice is an integer and a CUcontext a handle the driver lets any
@@ -87,6 +90,12 @@ impl Device {
         let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
             .to_string_lossy()
             .into_owned();
+        let mut raw_uuid = sys::CUuuid { bytes: [0; 16] };
+        // SAFETY: writes one UUID for a valid device.
+        error::driver("cuDeviceGetUuid", unsafe {
+            sys::cuDeviceGetUuid_v2(&mut raw_uuid, device)
+        })?;
+        let uuid = raw_uuid.bytes.map(|b| b as u8);
         let mut context = std::ptr::null_mut();
         // SAFETY: retains (and creates on first use) the device's primary context;
         // released in Drop.
@@ -101,6 +110,7 @@ impl Device {
             multiprocessors,
             compute_capability: (major, minor),
             stream_memory_ops_64,
+            uuid,
         };
         Ok(Arc::new(device))
     }
@@ -132,6 +142,12 @@ impl Device {
             pushed: true,
             _device: std::marker::PhantomData,
         })
+    }
+
+    /// The device's UUID, which names the same GPU in every process whatever
+    /// ordinal each sees it at.
+    pub fn uuid(&self) -> [u8; 16] {
+        self.uuid
     }
 
     /// Whether the device takes 64-bit stream memory operations

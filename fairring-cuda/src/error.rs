@@ -94,6 +94,14 @@ pub enum Error {
     },
     /// The communicator was aborted; it refuses every call.
     Aborted,
+    /// A wait was given up before it ended, for the caller's reason (another
+    /// rank said it could not join); what it waited for was abandoned.
+    GaveUp {
+        /// What was waited for.
+        what: String,
+        /// The caller's reason.
+        reason: String,
+    },
 }
 
 impl fmt::Display for Error {
@@ -123,6 +131,7 @@ impl fmt::Display for Error {
             }
             Error::Timeout { what, after } => write!(f, "{what} did not finish within {after:?}"),
             Error::Aborted => f.write_str("the NCCL communicator was aborted"),
+            Error::GaveUp { what, reason } => write!(f, "gave up waiting for {what}: {reason}"),
         }
     }
 }

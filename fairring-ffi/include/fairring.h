@@ -604,18 +604,14 @@ fr_status fr_reduce_scatter_device(const fr_comm *comm,
 #if defined(FAIRRING_CUDA)
 // Makes `stream` wait, on the device, until the work has finished: what is
 // enqueued on `stream` afterwards sees its result; the host does not wait. A
-// failed operation releases the stream too (`fr_work_wait` reports its
-// error). For a work with no device operation behind it, waits on the host.
+// failed operation releases the stream too, once nothing of it touches its
+// tensors any more (`fr_work_wait` reports its error). For a work with no
+// device operation behind it, waits on the host.
 //
-// `stream` drains only after CUDA calls the engine has yet to make: until
-// then no thread may make a CUDA call that waits for the whole device to
-// drain, or the process deadlocks. Such calls: a kernel's first launch under
-// lazy module loading (set `CUDA_MODULE_LOADING=EAGER` before CUDA starts), a
-// launch needing a larger per-thread stack than the context has, allocating
-// or freeing device or page-locked memory. A communicator's first device
-// operation does some of these (it page-locks its staging and readies
-// NCCL), so it too must not be started while a stream waits. Where these
-// cannot be ruled out, wait on the host (`fr_work_wait`) instead.
+// Every device step of an operation was enqueued when it was started, so
+// the stream drains without a CUDA call still to be made: any thread may
+// make any CUDA call meanwhile, one that waits for the whole device
+// included.
 //
 // # Safety
 //

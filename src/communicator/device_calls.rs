@@ -5,8 +5,8 @@
 //! The semantics are those of PyTorch's NCCL backend:
 //!
 //! - an operation starts only after everything already enqueued on the caller's
-//!   stream (an event recorded there when it is submitted; the engine's streams
-//!   wait on it), and submitting never blocks the caller's thread on the GPU;
+//!   stream (an event recorded there when it is submitted; its device program
+//!   waits on it), and submitting never blocks the caller's thread on the GPU;
 //! - its [`Work`] can make any stream wait for it on the device
 //!   ([`Work::enqueue_wait`]), be waited on from the host, and be tested;
 //! - the memory stays valid and unwritten by the caller until the operation
@@ -26,25 +26,26 @@
 //! slice is copied from the tensor to its staging buffer and the result back,
 //! asynchronously, and the reduction runs on the host where the bytes land.
 //! With several ranks per machine, the machine's reduce-scatter and all-gather
-//! run as NCCL's collectives on the tensors (`local::nccl`), whose
-//! communicators the first device operation makes, or through its shared
-//! segment as for host tensors, each rank staging its slice in by copies and
-//! the final slots out (`local::staged`), as `FAIRRING_DEVICE_LOCAL` chooses.
+//! run as NCCL's collectives on the tensors (`local::nccl`), or through its
+//! shared segment as for host tensors, each rank staging its slice in by copies
+//! and the final slots out (`local::staged`), as `FAIRRING_DEVICE_LOCAL`
+//! chooses.
 //!
-//! The engine enqueues each step's copies (and NCCL's launches) as the
-//! operation's traffic arrives, so a stream made to wait for an operation
-//! ([`Work::enqueue_wait`]) drains only after CUDA calls the engine has yet
-//! to make. A CUDA call that waits for the whole device to drain, made by any
-//! thread while such a stream waits, then deadlocks the process: it holds
-//! the context, and the engine's calls wait for it. Such calls include a
-//! kernel's first launch under lazy module loading (CUDA's default), a
-//! launch that needs a larger per-thread stack than the context has (the
-//! driver grows the stack only once the device is idle), and allocating or
-//! freeing device or page-locked memory. NCCL does all three at a
-//! collective's first use, so the first device operation runs each NCCL
-//! collective the engine uses once (`local::nccl`), before any stream can
-//! wait. Waiting on the host ([`Work::wait`]) and ordering streams after the
-//! host has no such hazard; the Python package does that.
+//! Everything the device does for an operation (its copies, NCCL's
+//! collectives, a reduce-scatter's delivery) is enqueued by the call itself,
+//! on the caller's thread, each step behind a gate word the engine opens by
+//! writing host memory (`memory::program`). From then on the operation's
+//! progress depends only on the engine writing host words and on the
+//! network, never on a CUDA call still to be made: any stream may wait for
+//! it, and any thread may meanwhile make any CUDA call, including one that
+//! waits for the whole device (a kernel's first launch under lazy loading,
+//! freeing or pinning memory). What cannot be enqueued (page-locking the
+//! staging, NCCL's communicators and their warm-up) is done when the
+//! communicator is made with a device ([`ConfigBuilder::device`],
+//! `FAIRRING_DEVICE`), or else by the first device operation, before it
+//! returns.
+//!
+//! [`ConfigBuilder::device`]: crate::ConfigBuilder::device
 
 use fairring_core::{DataType, ReduceOp};
 use fairring_cuda::{DeviceSlice, DeviceSliceMut, Stream, device_of_pointer, sys};
@@ -256,25 +257,14 @@ fn elements(
 impl Work<'_> {
     /// Makes `stream` wait, on the device, until the operation has finished:
     /// work enqueued on `stream` afterwards sees its result. The host does not
-    /// wait. A failed operation releases the stream too (its result is then
-    /// undefined; [`wait`](Work::wait) or [`test`](Work::test) report the
-    /// error).
+    /// wait. A failed operation releases the stream too, once nothing of it
+    /// touches its tensors any more (its result is then undefined;
+    /// [`wait`](Work::wait) or [`test`](Work::test) report the error).
     ///
-    /// `stream` drains only once the engine's own CUDA calls have moved the
-    /// result in. Until then, no thread of the process may make a CUDA call
-    /// that waits for the whole device to drain, or the process deadlocks
-    /// (that call holds the context, and the engine's calls wait for it):
-    /// the first launch of a kernel under lazy module loading (load eagerly,
-    /// `CUDA_MODULE_LOADING=EAGER` before CUDA starts), a launch that needs a
-    /// larger per-thread stack than the context has, and whatever
-    /// synchronizes the device: allocating device or page-locked memory,
-    /// freeing it. A communicator's first device operation does some of
-    /// these itself (it page-locks its staging and, with several ranks per
-    /// machine, makes NCCL's communicators and runs each collective it uses
-    /// once, so that NCCL connects, loads its kernels and sizes its stack
-    /// then and never while a stream waits), so it too must not be submitted
-    /// while a stream waits. A process that cannot rule these out waits on
-    /// the host ([`wait`](Work::wait)) instead, as the Python package does.
+    /// The operation's device work was enqueued whole when it was started,
+    /// so the stream drains without any CUDA call still to be made: any
+    /// thread may make any CUDA call meanwhile, one that waits for the whole
+    /// device included.
     pub fn enqueue_wait(&self, stream: &Stream) -> Result<()> {
         // SAFETY: a `Stream` is a live stream of its device's primary context.
         unsafe { enqueue_wait(self.engine, self.first, self.last, stream.raw()) }
@@ -325,7 +315,6 @@ unsafe fn enqueue_wait(
         // nothing on the device to wait for; wait on the host.
         return wait_range(engine, first, last, engine.timeout);
     };
-    warn_of_lazy_loading();
     // SAFETY: the caller vouches for the stream; the view lives only for this
     // call.
     let stream = unsafe { Stream::from_raw(side.device(), stream) };
@@ -338,23 +327,6 @@ unsafe fn enqueue_wait(
         }
     }
     Ok(())
-}
-
-/// Says once per process, at the first stream made to wait where the driver
-/// loads modules lazily, that this can deadlock it (see
-/// [`Work::enqueue_wait`]); a process that waits only on the host is not told.
-fn warn_of_lazy_loading() {
-    static SAID: std::sync::Once = std::sync::Once::new();
-    if fairring_cuda::module_loading() == Ok(fairring_cuda::ModuleLoading::Lazy) {
-        SAID.call_once(|| {
-            log::warn!(
-                "CUDA loads kernels lazily in this process: a kernel launched for the first time \
-                 while a stream waits for a fairring device operation (enqueue_wait) can \
-                 deadlock it; set CUDA_MODULE_LOADING=EAGER before CUDA starts, or wait on \
-                 the host"
-            );
-        });
-    }
 }
 
 /// The GPU `data` lies on, for `count` (at least one) elements of `dtype`;

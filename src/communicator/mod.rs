@@ -135,11 +135,19 @@ impl Communicator {
             timeout: config.timeout,
             making: Mutex::new(()),
         };
+        #[cfg(not(feature = "cuda"))]
+        if let Some(ordinal) = config.device {
+            return Err(Error::config(
+                "FAIRRING_DEVICE",
+                ordinal,
+                "this build of fairring has no device calls (the `cuda` feature)",
+            ));
+        }
         let engine = Arc::new(built.engine);
         let watched = Arc::downgrade(&engine);
         channels.watch(Arc::new(move || watched.upgrade()?.failure()));
         let progress = start_progress(&engine, format!("fairring-progress-{}", config.rank))?;
-        Ok(Communicator {
+        let communicator = Communicator {
             engine,
             progress: Some(progress),
             next_seq: Mutex::new(0),
@@ -155,7 +163,14 @@ impl Communicator {
             store: scoped,
             channels,
             _server: server,
-        })
+        };
+        // What cannot be enqueued is done now, before any stream can wait
+        // for an operation of this communicator.
+        #[cfg(feature = "cuda")]
+        if let Some(ordinal) = config.device {
+            communicator.device_side(ordinal)?;
+        }
+        Ok(communicator)
     }
 
     /// This rank.

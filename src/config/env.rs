@@ -9,6 +9,10 @@ use super::parse::{parse_bytes, parse_duration, parse_u32};
 use super::{Config, JobSecret, Role, VerbsKnobs, parse_flag};
 use crate::error::{Error, Result};
 
+/// The process's `LOCAL_RANK` as a group's configuration sees it, which
+/// `FAIRRING_DEVICE=local` reads even where the group's own is not the job's.
+const LOCAL_RANK_OF_PROCESS: &str = "LOCAL_RANK (of the process)";
+
 impl Config {
     /// The configuration torchrun's environment describes, with the `FAIRRING_*`
     /// knobs (see the module docs).
@@ -60,6 +64,9 @@ impl Config {
             {
                 None
             }
+            // The process's GPU is every group's: `FAIRRING_DEVICE=local`
+            // names it by the process's local rank.
+            LOCAL_RANK_OF_PROCESS => env("LOCAL_RANK"),
             _ => env(name),
         })
     }
@@ -160,6 +167,24 @@ impl Config {
             b.config.device_local = v
                 .parse()
                 .map_err(|reason: String| Error::config("FAIRRING_DEVICE_LOCAL", &v, reason))?;
+        }
+        if let Some(v) = lookup("FAIRRING_DEVICE") {
+            b.config.device = Some(match v.trim() {
+                "local" => {
+                    let local = lookup(LOCAL_RANK_OF_PROCESS).or_else(|| lookup("LOCAL_RANK"));
+                    let local = local.ok_or_else(|| {
+                        Error::config("FAIRRING_DEVICE", &v, "`local` needs LOCAL_RANK, unset")
+                    })?;
+                    parse_u32("LOCAL_RANK", &local)?
+                }
+                ordinal => ordinal.parse().map_err(|_| {
+                    Error::config(
+                        "FAIRRING_DEVICE",
+                        &v,
+                        "expected a GPU ordinal, or `local` (the one LOCAL_RANK names)",
+                    )
+                })?,
+            });
         }
         b.config.verbs = VerbsKnobs::from_lookup(&lookup)?;
         if let Some(v) = lookup("TORCHELASTIC_RUN_ID") {

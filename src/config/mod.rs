@@ -19,6 +19,7 @@
 //! | `FAIRRING_HOST_ID` | overrides the machine identity (simulates machines on one host) | boot id and host name |
 //! | `FAIRRING_FABRIC` | `tcp`, `verbs` or `auto` (see [`FabricChoice`]) | `auto` |
 //! | `FAIRRING_DEVICE_LOCAL` | how a machine's ranks reduce device tensors among themselves: `nccl`, `host` or `auto` (see [`DeviceLocal`]) | `auto` |
+//! | `FAIRRING_DEVICE` | the GPU a communicator's device tensors live on, readied when it is made (its staging page-locked, the machine's NCCL communicators made and warmed up): an ordinal, or `local` (the one `LOCAL_RANK` names); see [`ConfigBuilder::device`] | unset: readied at the first device operation |
 //! | `FAIRRING_VERBS_DEVICE`, `_PORT`, `_GID_INDEX` | the RDMA device, its port and GID index | first device, 1, 0 |
 //! | `FAIRRING_SERVERS` | dedicated reduction servers in the job, set alike on every process (see below) | 0: the machines serve |
 //! | `FAIRRING_ROLE` | `worker` or `server` | `worker` |
@@ -139,6 +140,8 @@ pub struct Config {
     pub(crate) fabric: FabricChoice,
     /// The intra-machine step of device tensors.
     pub(crate) device_local: DeviceLocal,
+    /// The GPU readied when the communicator is made, if any.
+    pub(crate) device: Option<u32>,
     #[cfg_attr(
         not(feature = "verbs"),
         allow(dead_code, reason = "read by the verbs provider")
@@ -197,6 +200,7 @@ impl Config {
                 host_id: None,
                 fabric: FabricChoice::Auto,
                 device_local: DeviceLocal::Auto,
+                device: None,
                 verbs: VerbsKnobs::default(),
                 servers: 0,
                 role: Role::Worker,
@@ -278,6 +282,12 @@ impl Config {
     /// How several ranks of a machine reduce device tensors among themselves.
     pub fn device_local(&self) -> DeviceLocal {
         self.device_local
+    }
+
+    /// The GPU the communicator readies when it is made (see
+    /// [`ConfigBuilder::device`]).
+    pub fn device(&self) -> Option<u32> {
+        self.device
     }
 }
 
@@ -374,6 +384,18 @@ impl ConfigBuilder {
     /// How several ranks of a machine reduce device tensors among themselves.
     pub fn device_local(mut self, choice: DeviceLocal) -> Self {
         self.config.device_local = choice;
+        self
+    }
+
+    /// The GPU `ordinal` this rank's device tensors live on, readied when the
+    /// communicator is made: its staging page-locked, its device programs'
+    /// words and streams made, and, with several ranks per machine, the
+    /// machine's NCCL communicators made and run once for every collective
+    /// and size class the engine issues. Without it, the first device
+    /// operation does this (on the caller's thread, before it returns).
+    /// Collective: every rank of a machine names its GPU, or none does.
+    pub fn device(mut self, ordinal: u32) -> Self {
+        self.config.device = Some(ordinal);
         self
     }
 

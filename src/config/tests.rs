@@ -257,3 +257,27 @@ fn a_subgroup_does_not_read_the_jobs_local_layout_or_servers() {
     assert_eq!(sub.servers, 0);
     assert_eq!(sub.world_size, 2);
 }
+
+#[test]
+fn the_gpu_readied_at_creation_is_named_by_ordinal_or_local_rank() {
+    assert_eq!(Config::from_lookup(env(&[])).unwrap().device(), None);
+    let c = Config::from_lookup(env(&[("FAIRRING_DEVICE", "3")])).unwrap();
+    assert_eq!(c.device(), Some(3));
+    let c = Config::from_lookup(env(&[("FAIRRING_DEVICE", "local"), ("LOCAL_RANK", "2")])).unwrap();
+    assert_eq!(c.device(), Some(2));
+    refused(&[("FAIRRING_DEVICE", "local")], "FAIRRING_DEVICE");
+    refused(&[("FAIRRING_DEVICE", "gpu0")], "FAIRRING_DEVICE");
+    // A subgroup's configuration names the process's GPU by the process's
+    // local rank, though its own local rank is not the job's.
+    let job = env(&[("FAIRRING_DEVICE", "local"), ("LOCAL_RANK", "1")]);
+    let sub = Config::for_group(0, 2, None, &job).unwrap();
+    assert_eq!((sub.local_rank, sub.device()), (None, Some(1)));
+    assert_eq!(
+        Config::builder(0, 1, "127.0.0.1", 29500)
+            .device(5)
+            .build()
+            .unwrap()
+            .device(),
+        Some(5)
+    );
+}

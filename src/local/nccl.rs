@@ -126,15 +126,20 @@ pub(crate) struct NcclSetup {
 
 impl NcclSetup {
     /// Makes the machine's communicators on `device` once (every local rank
-    /// at its first device operation), or settles on the host-staged step:
+    /// when the communicator is made with a device, or at its first device
+    /// operation), or settles on the host-staged step:
     /// - `host`, or one rank per machine: nothing to make;
     /// - `nccl`: every rank makes them, and an error names the rank that
     ///   could not and why;
-    /// - `auto`: as `nccl`, but where a rank could not, every rank settles
-    ///   on the host (each says how it fared through the store, so they
-    ///   agree).
+    /// - `auto`: as `nccl`, but where a rank could not, or two local ranks
+    ///   share one GPU, every rank settles on the host.
     ///
-    /// An error is kept: later device operations get it again.
+    /// The ranks agree at each round through the store (see [`agree`]), so
+    /// within the timeout every local rank takes the same path, or every one
+    /// fails naming the rank and the cause. An error is kept: later device
+    /// operations get it again.
+    ///
+    /// [`agree`]: NcclSetup::agree
     pub(crate) fn connect(&self, device: &Arc<Device>, store: &dyn Store) -> Result<()> {
         let outcome = match self.cell.get() {
             Some(outcome) => outcome,
@@ -159,6 +164,26 @@ impl NcclSetup {
         if self.local_ranks == 1 || self.choice == DeviceLocal::Host {
             return Ok(None);
         }
+        // 1. Whether each rank can make communicators at all, and on which
+        //    GPU.
+        let ready = fairring_cuda::probe::require(fairring_cuda::Library::Nccl)
+            .map(|()| device.uuid().to_vec())
+            .map_err(|e| e.to_string());
+        let uuids = match self.agree(store, "ready", ready)? {
+            Ok(uuids) => uuids,
+            Err((r, why)) => return self.refused(r, &why),
+        };
+        if let Some((a, b)) = shared_gpu(&uuids)
+            && self.choice == DeviceLocal::Auto
+        {
+            log::warn!(
+                "fairring: local ranks {a} and {b} of machine {} share one GPU: the machine's \
+                 ranks stage device tensors through the host",
+                self.machine
+            );
+            return Ok(None);
+        }
+        // 2. The communicators, from the ids local rank 0 makes.
         let key = |what: &str| format!("nccl/{}/{what}", self.machine);
         let ids = if self.local_rank == 0 {
             let made = UniqueId::new().and_then(|a| Ok((a, UniqueId::new()?)));
@@ -172,62 +197,140 @@ impl NcclSetup {
             let value = store.get(&key("ids"), self.timeout)?;
             ids_from(&value)
         };
+        // A rank that cannot join says so at once; the others stop waiting
+        // for it then, not at the bound.
+        let refusal = || self.refusal(store, "joined");
         let joined = ids.and_then(|(a, b)| {
             let make = |id| {
-                Communicator::new(device, self.local_rank, self.local_ranks, &id, self.timeout)
+                let (rank, size) = (self.local_rank, self.local_ranks);
+                Communicator::new_unless(device, rank, size, &id, self.timeout, &refusal)
                     .map_err(|e| e.to_string())
             };
             Ok((make(a)?, make(b)?))
         });
-        let said = match &joined {
-            Ok(_) => b"ok".to_vec(),
-            Err(e) => format!("!{e}").into_bytes(),
-        };
-        store.set(&key(&format!("joined/{}", self.local_rank)), &said)?;
-        let keys: Vec<String> = (0..self.local_ranks)
-            .map(|r| key(&format!("joined/{r}")))
-            .collect();
-        let outcomes = crate::store::gather(store, &keys, self.timeout)?;
-        let refusal = outcomes.iter().enumerate().find_map(|(r, said)| {
-            said.strip_prefix(b"!")
-                .map(|why| (r, String::from_utf8_lossy(why).into_owned()))
-        });
-        match (refusal, joined) {
-            (None, Ok((reduce, gather))) => {
-                let comms = NcclComms { reduce, gather };
-                // Every local rank agreed, so every one runs the warm-up
-                // (which aborts the communicators if it fails).
-                warm_up(&comms, device, self.timeout).map_err(|e| {
-                    Error::Gpu(format!(
-                        "warming up the NCCL communicators of machine {} (local rank {}): {e}",
-                        self.machine, self.local_rank
-                    ))
-                })?;
-                Ok(Some(comms))
+        let said = joined.as_ref().map(|_| Vec::new()).map_err(Clone::clone);
+        if let Err((r, why)) = self.agree(store, "joined", said)? {
+            if let Ok((reduce, gather)) = &joined {
+                // Another rank could not: these never run a collective.
+                reduce.abort();
+                gather.abort();
             }
-            (refusal, joined) => {
-                if let Ok((reduce, gathers)) = &joined {
-                    // Another rank could not: these never run a collective.
-                    reduce.abort();
-                    gathers.abort();
-                }
-                let (r, why) = refusal
-                    .unwrap_or_else(|| (self.local_rank as usize, "no reason given".to_owned()));
-                let reason = format!(
-                    "local rank {r} of machine {} could not make its NCCL communicators: {why}",
-                    self.machine
-                );
-                if self.choice == DeviceLocal::Nccl {
-                    return Err(Error::Gpu(format!(
-                        "FAIRRING_DEVICE_LOCAL=nccl: {reason} (set FAIRRING_DEVICE_LOCAL=host \
-                         to stage through the host instead)"
-                    )));
-                }
-                log::warn!("fairring: {reason}; the machine's ranks stage through the host");
-                Ok(None)
+            return self.refused(r, &why);
+        }
+        let (reduce, gather) = joined.map_err(|e| Error::Gpu(e.to_string()))?;
+        let comms = NcclComms { reduce, gather };
+        // 3. The warm-up: each collective the engine issues, once per size
+        //    class (which aborts the communicators where it fails).
+        let warmed = warm_up(&comms, device, self.timeout, &|| {
+            self.refusal(store, "warmed")
+        })
+        .map(|()| Vec::new())
+        .map_err(|e| format!("warming up its NCCL communicators: {e}"));
+        if let Err((r, why)) = self.agree(store, "warmed", warmed)? {
+            comms.abort();
+            return self.refused(r, &why);
+        }
+        Ok(Some(comms))
+    }
+
+    /// Says `said` under round `round` and reads every local rank's word of
+    /// it: every rank's value, or the first refusal (its local rank and
+    /// reason). A rank that says nothing within the timeout (gone, or its
+    /// store failed) is an error naming it, on every rank that waits for it;
+    /// a rank whose store fails fails the same way.
+    fn agree(
+        &self,
+        store: &dyn Store,
+        round: &str,
+        said: std::result::Result<Vec<u8>, String>,
+    ) -> Result<Agreed> {
+        let key = |r: u32| format!("nccl/{}/{round}/{r}", self.machine);
+        let value = match said {
+            Ok(v) => [b"+".as_slice(), &v].concat(),
+            Err(why) => format!("!{why}").into_bytes(),
+        };
+        store.set(&key(self.local_rank), &value)?;
+        let keys: Vec<String> = (0..self.local_ranks).map(key).collect();
+        let values = crate::store::gather(store, &keys, self.timeout).map_err(|e| {
+            Error::Gpu(format!(
+                "machine {}'s local ranks agreeing on NCCL ({round}): {e}",
+                self.machine
+            ))
+        })?;
+        let mut agreed = Vec::with_capacity(values.len());
+        let mut refusals = Vec::new();
+        for (r, v) in (0u32..).zip(values) {
+            match v.split_first() {
+                Some((b'+', rest)) => agreed.push(rest.to_vec()),
+                Some((b'!', why)) => refusals.push((r, String::from_utf8_lossy(why).into_owned())),
+                _ => refusals.push((r, "an unreadable answer".to_owned())),
             }
         }
+        // The rank that could not, rather than those that gave up on it.
+        let cause = refusals
+            .iter()
+            .position(|(_, why)| !why.contains(GAVE_UP))
+            .unwrap_or(0);
+        match refusals.into_iter().nth(cause) {
+            Some(refusal) => Ok(Err(refusal)),
+            None => Ok(Ok(agreed)),
+        }
     }
+
+    /// The reason another local rank gave at round `round` for refusing, if
+    /// one has (a read of the store that waits for nothing).
+    fn refusal(&self, store: &dyn Store, round: &str) -> Option<String> {
+        (0..self.local_ranks)
+            .filter(|&r| r != self.local_rank)
+            .find_map(|r| {
+                let key = format!("nccl/{}/{round}/{r}", self.machine);
+                if !store.check(&[key.as_str()]).ok()? {
+                    return None;
+                }
+                let said = store.get(&key, Duration::from_millis(10)).ok()?;
+                let why = said.strip_prefix(b"!")?;
+                Some(format!(
+                    "local rank {r} said: {}",
+                    String::from_utf8_lossy(why)
+                ))
+            })
+    }
+
+    /// Local rank `r` could not make or run NCCL's communicators (`why`):
+    /// with `auto` every local rank stages through the host; with `nccl`
+    /// every one fails naming it.
+    fn refused(&self, r: u32, why: &str) -> Result<Option<NcclComms>> {
+        let reason = format!(
+            "local rank {r} of machine {} could not make its NCCL communicators: {why}",
+            self.machine
+        );
+        if self.choice == DeviceLocal::Nccl {
+            return Err(Error::Gpu(format!(
+                "FAIRRING_DEVICE_LOCAL=nccl: {reason} (set FAIRRING_DEVICE_LOCAL=host \
+                 to stage through the host instead)"
+            )));
+        }
+        log::warn!("fairring: {reason}; the machine's ranks stage through the host");
+        Ok(None)
+    }
+}
+
+/// A round's outcome: every local rank's value, or the first refusal (the
+/// local rank and its reason).
+type Agreed = std::result::Result<Vec<Vec<u8>>, (u32, String)>;
+
+/// What the answer of a rank that gave up on another says.
+const GAVE_UP: &str = "gave up";
+
+/// Two local ranks (by local rank) whose GPUs are one, if any.
+fn shared_gpu(uuids: &[Vec<u8>]) -> Option<(u32, u32)> {
+    (0u32..).zip(uuids).find_map(|(a, ua)| {
+        (0u32..)
+            .zip(uuids)
+            .skip(a as usize + 1)
+            .find(|(_, ub)| *ub == ua)
+            .map(|(b, _)| (a, b))
+    })
 }
 
 /// The sizes, in bytes, at which [`warm_up`] runs each collective: NCCL's
@@ -247,10 +350,15 @@ const WARM_UP_SIZES: [usize; 3] = [1 << 10, 256 << 10, 8 << 20];
 /// waits for the engine ([`Work::enqueue_wait`](crate::Work::enqueue_wait)),
 /// where it would deadlock the process: the device cannot drain before the
 /// engine's NCCL call returns.
-fn warm_up(comms: &NcclComms, device: &Arc<Device>, timeout: Duration) -> Result<()> {
+fn warm_up(
+    comms: &NcclComms,
+    device: &Arc<Device>,
+    timeout: Duration,
+    give_up: &dyn Fn() -> Option<String>,
+) -> Result<()> {
     let stream = Stream::new(device, false).map_err(cuda_error)?;
     let mut buffer = DeviceBuffer::zeroed(device, WARM_UP_SIZES[2]).map_err(cuda_error)?;
-    let ran = run_warm_up(comms, &stream, &mut buffer, timeout);
+    let ran = run_warm_up(comms, &stream, &mut buffer, timeout, give_up);
     if ran.is_err() {
         // NCCL's kernels end before the buffer they use is freed (freeing
         // device memory waits for them).
@@ -265,6 +373,7 @@ fn run_warm_up(
     stream: &Stream,
     buffer: &mut DeviceBuffer,
     timeout: Duration,
+    give_up: &dyn Fn() -> Option<String>,
 ) -> Result<()> {
     let mut whole = buffer.slice_mut();
     for bytes in WARM_UP_SIZES {
@@ -286,11 +395,18 @@ fn run_warm_up(
     // Polled, so that a local rank that never joins the kernels (gone, or
     // failed before its warm-up) is a timeout, not a hang.
     let started = std::time::Instant::now();
+    let mut asked = started;
     while !stream.is_idle().map_err(cuda_error)? {
         comms.reduce.check().map_err(cuda_error)?;
         comms.gather.check().map_err(cuda_error)?;
         if started.elapsed() >= timeout {
             return Err(Error::timeout("NCCL's warm-up collectives", timeout));
+        }
+        if asked.elapsed() >= fairring_cuda::nccl::GIVE_UP_EVERY {
+            asked = std::time::Instant::now();
+            if let Some(why) = give_up() {
+                return Err(Error::Gpu(format!("gave up NCCL's warm-up: {why}")));
+            }
         }
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -320,6 +436,143 @@ fn ids_from(value: &[u8]) -> std::result::Result<(UniqueId, UniqueId), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::memory::MemoryStore;
+
+    /// Local rank `local_rank` of three on machine 7, choosing `choice`.
+    fn setup(local_rank: u32, choice: DeviceLocal) -> NcclSetup {
+        NcclSetup {
+            cell: NcclCell::default(),
+            choice,
+            machine: 7,
+            local_rank,
+            local_ranks: 3,
+            timeout: Duration::from_secs(5),
+            making: Mutex::new(()),
+        }
+    }
+
+    /// Every local rank's outcome of one round, each saying what `said`
+    /// gives it (`None`: it says nothing).
+    fn round(
+        said: impl Fn(u32) -> Option<std::result::Result<Vec<u8>, String>> + Sync,
+        timeout: Duration,
+    ) -> Vec<std::result::Result<Agreed, String>> {
+        let store = MemoryStore::default();
+        std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..3)
+                .filter_map(|r| {
+                    let answer = said(r)?;
+                    let store = &store;
+                    Some(s.spawn(move || {
+                        let setup = NcclSetup {
+                            timeout,
+                            ..setup(r, DeviceLocal::Auto)
+                        };
+                        setup
+                            .agree(store, "ready", answer)
+                            .map_err(|e| e.to_string())
+                    }))
+                })
+                .collect();
+            ranks.into_iter().map(|t| t.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn local_ranks_agree_on_one_outcome() {
+        let all = round(|r| Some(Ok(vec![r as u8])), Duration::from_secs(5));
+        for outcome in &all {
+            assert_eq!(outcome, &Ok(Ok(vec![vec![0], vec![1], vec![2]])));
+        }
+        let one_cannot = round(
+            |r| {
+                Some(if r == 1 {
+                    Err("no NCCL".into())
+                } else {
+                    Ok(vec![])
+                })
+            },
+            Duration::from_secs(5),
+        );
+        for outcome in &one_cannot {
+            assert_eq!(outcome, &Ok(Err((1, "no NCCL".to_owned()))));
+        }
+    }
+
+    #[test]
+    fn the_rank_that_could_not_is_named_rather_than_those_that_gave_up_on_it() {
+        let all = round(
+            |r| {
+                Some(match r {
+                    0 => Err(format!(
+                        "{GAVE_UP} waiting for set-up: local rank 2 said: x"
+                    )),
+                    2 => Err("x".into()),
+                    _ => Ok(vec![]),
+                })
+            },
+            Duration::from_secs(5),
+        );
+        for outcome in &all {
+            assert_eq!(outcome, &Ok(Err((2, "x".to_owned()))));
+        }
+    }
+
+    #[test]
+    fn a_rank_that_says_nothing_fails_every_other_naming_it() {
+        let all = round(|r| (r != 2).then(|| Ok(vec![])), Duration::from_millis(200));
+        assert_eq!(all.len(), 2);
+        for outcome in &all {
+            let e = outcome.as_ref().unwrap_err();
+            assert!(
+                e.contains("machine 7") && e.contains("nccl/7/ready/2"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn another_ranks_refusal_is_read_without_waiting() {
+        let store = MemoryStore::default();
+        let me = setup(0, DeviceLocal::Auto);
+        assert_eq!(me.refusal(&store, "joined"), None);
+        store.set("nccl/7/joined/1", b"+").unwrap();
+        assert_eq!(me.refusal(&store, "joined"), None);
+        store.set("nccl/7/joined/2", b"!out of memory").unwrap();
+        let why = me.refusal(&store, "joined").unwrap();
+        assert!(
+            why.contains("local rank 2") && why.contains("out of memory"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn auto_stages_through_the_host_where_nccl_fails_naming_the_rank() {
+        assert!(matches!(
+            setup(0, DeviceLocal::Auto).refused(2, "no NCCL"),
+            Ok(None)
+        ));
+        let e = setup(0, DeviceLocal::Nccl)
+            .refused(2, "no NCCL")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("local rank 2 of machine 7")
+                && e.contains("no NCCL")
+                && e.contains("FAIRRING_DEVICE_LOCAL=host"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn ranks_sharing_a_gpu_are_found() {
+        let u = |b: u8| vec![b; 16];
+        assert_eq!(shared_gpu(&[u(1), u(2), u(3)]), None);
+        assert_eq!(shared_gpu(&[u(1), u(2), u(1)]), Some((0, 2)));
+        assert_eq!(shared_gpu(&[u(4), u(5), u(5), u(4)]), Some((0, 3)));
+        assert_eq!(shared_gpu(&[]), None);
+    }
 
     #[test]
     fn ids_arrive_whole_or_with_local_rank_0s_reason() {

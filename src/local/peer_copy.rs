@@ -210,6 +210,7 @@ fn read(_: i32, _: u64, _: Local) -> std::result::Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::memory::MemoryStore;
 
     #[test]
     fn reads_copy_and_a_bad_address_is_an_error() {
@@ -232,43 +233,8 @@ mod tests {
         );
     }
 
-    /// A store in memory; `forge` rewrites what a rank publishes.
-    struct Board {
-        values: std::sync::Mutex<std::collections::HashMap<String, Vec<u8>>>,
-        forge: Option<(String, Vec<u8>)>,
-    }
-
-    impl Store for Board {
-        fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-            let value = match &self.forge {
-                Some((forged, instead)) if forged == key => instead.clone(),
-                _ => value.to_vec(),
-            };
-            self.values.lock().unwrap().insert(key.to_owned(), value);
-            Ok(())
-        }
-
-        fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-            let end = std::time::Instant::now() + timeout;
-            loop {
-                if let Some(v) = self.values.lock().unwrap().get(key) {
-                    return Ok(v.clone());
-                }
-                if std::time::Instant::now() > end {
-                    return Err(Error::timeout(key, timeout));
-                }
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
-
-        fn check(&self, keys: &[&str]) -> Result<bool> {
-            let values = self.values.lock().unwrap();
-            Ok(keys.iter().all(|k| values.contains_key(*k)))
-        }
-    }
-
     /// Two local ranks (threads here) agreeing over `board`.
-    fn agree_on(board: Board) -> Vec<bool> {
+    fn agree_on(board: MemoryStore) -> Vec<bool> {
         let board = std::sync::Arc::new(board);
         let ranks = [4u32, 5];
         let agreed: Vec<_> = (0..2)
@@ -286,26 +252,20 @@ mod tests {
 
     #[test]
     fn ranks_copy_between_them_only_where_every_one_can_read_every_other() {
-        let board = |forge| Board {
-            values: std::sync::Mutex::default(),
-            forge,
+        let board = |forge: Option<(&str, Vec<u8>)>| match forge {
+            Some((key, instead)) => MemoryStore::forging(key, instead),
+            None => MemoryStore::default(),
         };
         assert_eq!(agree_on(board(None)), [true, true]);
         // Rank 5 publishes an address nothing is mapped at: rank 4 cannot
         // read it, and neither copies.
         let pid = std::process::id();
-        let forge = (
-            "peer-copy/where/5".to_owned(),
-            format!("{pid} 0x8").into_bytes(),
-        );
+        let forge = ("peer-copy/where/5", format!("{pid} 0x8").into_bytes());
         assert_eq!(agree_on(board(Some(forge))), [false, false]);
         // A word that is not the probe's value.
         let wrong = 0x1234u64;
         let at = &raw const wrong as u64;
-        let forge = (
-            "peer-copy/where/5".to_owned(),
-            format!("{pid} {at:#x}").into_bytes(),
-        );
+        let forge = ("peer-copy/where/5", format!("{pid} {at:#x}").into_bytes());
         assert_eq!(agree_on(board(Some(forge))), [false, false]);
     }
 

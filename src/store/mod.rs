@@ -9,6 +9,8 @@
 //! serves PyTorch's TCPStore on that port, ranks use [`C10dStore`] instead.
 
 mod c10d;
+#[cfg(test)]
+pub(crate) mod memory;
 mod protocol;
 pub(crate) mod tcp;
 

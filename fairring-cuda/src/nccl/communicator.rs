@@ -19,6 +19,9 @@ use crate::memory::{DeviceSlice, DeviceSliceMut};
 use crate::probe;
 use crate::stream::Stream;
 
+/// How often a wait that may be given up asks whether it is.
+pub const GIVE_UP_EVERY: Duration = Duration::from_millis(50);
+
 /// NCCL's "not set" value for the integer fields of a config.
 const UNDEF_INT: i32 = i32::MIN;
 
@@ -71,6 +74,22 @@ impl Communicator {
         id: &UniqueId,
         timeout: Duration,
     ) -> Result<Communicator> {
+        Communicator::new_unless(device, rank, size, id, timeout, &|| None)
+    }
+
+    /// [`Communicator::new`], giving up as soon as `give_up` (asked every
+    /// [`GIVE_UP_EVERY`] while the ranks join) returns a reason: another
+    /// rank said it cannot join, so waiting out the bound would only delay
+    /// every rank's answer. The half-made communicator is aborted and the
+    /// error ([`Error::GaveUp`]) carries the reason.
+    pub fn new_unless(
+        device: &Arc<Device>,
+        rank: u32,
+        size: u32,
+        id: &UniqueId,
+        timeout: Duration,
+        give_up: &dyn Fn() -> Option<String>,
+    ) -> Result<Communicator> {
         if size == 0 || rank >= size {
             return Err(error::invalid(
                 "NCCL rank",
@@ -108,9 +127,12 @@ impl Communicator {
         };
         let waited = {
             let handle = communicator.lock()?;
-            communicator.wait(&handle, "ncclCommInitRankConfig", || {
-                format!("NCCL communicator set-up (rank {rank} of {size})")
-            })
+            communicator.wait_unless(
+                &handle,
+                "ncclCommInitRankConfig",
+                || format!("NCCL communicator set-up (rank {rank} of {size})"),
+                give_up,
+            )
         };
         if let Err(e) = waited {
             // Dropping aborts a communicator that never became ready.
@@ -205,7 +227,20 @@ impl Communicator {
         call: &'static str,
         what: impl Fn() -> String,
     ) -> Result<()> {
+        self.wait_unless(handle, call, what, &|| None)
+    }
+
+    /// [`wait`](Self::wait), also giving up once `give_up` (asked every
+    /// [`GIVE_UP_EVERY`]) returns a reason.
+    fn wait_unless(
+        &self,
+        handle: &CommHandle,
+        call: &'static str,
+        what: impl Fn() -> String,
+        give_up: &dyn Fn() -> Option<String>,
+    ) -> Result<()> {
         let started = Instant::now();
+        let mut asked = started;
         let mut polls = 0u32;
         loop {
             let mut state = ncclResult_t::ncclInProgress;
@@ -225,6 +260,15 @@ impl Communicator {
                     what: what(),
                     after: self.timeout,
                 });
+            }
+            if asked.elapsed() >= GIVE_UP_EVERY {
+                asked = Instant::now();
+                if let Some(reason) = give_up() {
+                    return Err(Error::GaveUp {
+                        what: what(),
+                        reason,
+                    });
+                }
             }
             polls = polls.saturating_add(1);
             if polls < 1000 {

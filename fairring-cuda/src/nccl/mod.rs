@@ -16,5 +16,5 @@ mod communicator;
 mod types;
 mod unique_id;
 
-pub use communicator::{Communicator, group};
+pub use communicator::{Communicator, GIVE_UP_EVERY, group};
 pub use unique_id::UniqueId;
