@@ -2,11 +2,12 @@
 
 ``import fairring`` registers the ``torch.distributed`` backend ``"fairring"``
 for CPU and CUDA tensors (one group serves both). CUDA tensors run on the
-engine's device path: ordered after the current stream's work, started
-without waiting for the GPU, ``wait()`` waiting for the operation on the host
-(as gloo's CUDA path does: no stream ever waits for the engine, which could
-deadlock the process) and ordering the current stream after the result, a
-CUDA-aware future.
+engine's device path, as ProcessGroupNCCL runs them: ordered after the current
+stream's work, started without waiting for the GPU, ``wait()`` ordering the
+current stream after the result without blocking the host, a CUDA-aware
+future. ``FAIRRING_DEVICE=local`` readies each rank's GPU when its group is
+made (staging page-locked, NCCL's communicators made and warmed up) instead
+of at its first CUDA collective.
 ``fairring.cuda_available()`` says whether they can run here and
 ``fairring.cuda_status()`` why or why not. With torch >= 2.14,
 ``init_process_group("fairring")`` finds the backend through its entry point

@@ -146,8 +146,9 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
     def _start(self, what, start_one, finish, result, keep, device=None):
         """Starts operations with `start_one(out_work_pointer) -> status` (each
         call of the iterable) and returns one Work over them. For CUDA tensors
-        `device` is (the device index, the side stream `finish` enqueues on,
-        the event it records there), and the Work is a `DeviceWork`."""
+        `device` is (the device index, the side stream, the event recorded
+        there after the results, and `order(works)`, which orders the side
+        stream after the started works), and the Work is a `DeviceWork`."""
         if "comm" not in self._state:
             raise RuntimeError(f"fairring: {what}: the process group has been shut down")
         completer = self._state["completer"]
@@ -172,9 +173,14 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         if device is None:
             completer.put(pending)
             return Work(pending, keep, what)
-        index, side, done = device
+        index, side, done, order = device
         pending.device = (side, index)
-        completer.put(pending)
+        try:
+            # Before the completer may settle it: the future it completes
+            # records its event on the side stream after the results.
+            order(works)
+        finally:
+            completer.put(pending)
         return DeviceWork(pending, keep, what, done)
 
     def allreduce(self, tensors, opts=None):

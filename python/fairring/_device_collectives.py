@@ -2,24 +2,23 @@
 
 Each call is described as the engine's calls (`fr_call` with device memory)
 ordered on the current stream of the tensors' device, and started at once: the
-engine orders it after everything already on that stream and the calling
-thread does not wait for the GPU to start it. No stream ever waits for the
-engine: once the host has seen the operation finish (its results are then in
-the engine's buffers on the device), whichever thread settles it enqueues the
-copies of the results where the caller wants them (a non-contiguous tensor, an
-output list) on the group's side stream and records an event there;
-`Work.wait()` waits for the operation on the host, as gloo's CUDA path does, and
-then orders the current stream after that event, and the CUDA-aware future is
-completed on the side stream.
+engine orders it after everything already on that stream, enqueues everything
+the device does for it, and the calling thread does not wait for the GPU.
+Right after, still without waiting, the group's side stream is made to wait
+for the operation on the device (`fr_work_enqueue_wait`), the copies of the
+results where the caller wants them (a non-contiguous tensor, an output list)
+are enqueued there, and an event is recorded after them. `Work.wait()` makes
+the current stream wait for that event and returns, as ProcessGroupNCCL's
+does: the host never blocks, so FSDP's prefetching and every overlap of
+communication with computation work. The CUDA-aware future is completed on
+the side stream once the host sees the operation finish.
 
-Why the host waits: the engine copies an operation's data in and out with CUDA
-calls it makes as the traffic arrives. A stream made to wait for an operation
-(`fr_work_enqueue_wait`) drains only after those calls, and a CUDA call that
-waits for the whole device to drain (a kernel's first launch that needs a
-larger per-thread stack, as NCCL's does, or loads its module lazily) made by
-any thread meanwhile holds the context, so the engine's calls never run: the
-process deadlocks, past any timeout. With no stream waiting on the host, every
-stream drains by itself.
+A stream may wait for the engine because the engine's device work never
+needs a CUDA call still to be made: every step of it was enqueued when the
+call was accepted, each behind a word the engine opens by writing host
+memory. Any thread may meanwhile make any CUDA call, one that waits for the
+whole device included (a kernel's first launch under lazy loading, the
+caching allocator freeing memory): it waits, and the engine goes on.
 
 Temporaries made for a call are made on the current stream, as the caller's
 own work would be; the tensors the side stream touches are recorded on it for
@@ -29,6 +28,8 @@ the engine has finished with it.
 Messages and all-to-all have no device form in the engine: on CUDA tensors
 they are refused, naming the call.
 """
+
+import ctypes
 
 import torch
 
@@ -86,8 +87,9 @@ class DeviceCollectives:
         self._device().check(what, tensors)
 
     def _start_device(self, what, calls, result, keep, write_back=None, touched=()):
-        """Starts `calls` (one work over them) and returns a `DeviceWork`
-        whose settling runs `write_back` on the side stream."""
+        """Starts `calls` (one work over them) and returns a `DeviceWork`:
+        the side stream waits for it on the device, then runs `write_back`
+        and records the work's event."""
         device = self._device()
         stream = device.current_stream()
         for c in calls:
@@ -100,9 +102,14 @@ class DeviceCollectives:
         def start(comm, out):
             return native.lib().fr_start(comm, array, len(calls), out)
 
-        def finish():
-            # The engine has finished: its results are in place on the device,
-            # so nothing enqueued here waits for the engine.
+        def order(works):
+            # Ordered on the device after the operation, with no host wait.
+            lib = native.lib()
+            for w in works:
+                native.check(
+                    lib.fr_work_enqueue_wait(w, ctypes.c_void_p(side.cuda_stream)),
+                    f"{what}: ordering the side stream after it",
+                )
             with torch.cuda.stream(side):
                 if write_back is not None:
                     write_back()
@@ -111,7 +118,7 @@ class DeviceCollectives:
                 _record(t, side)
 
         return self._start(
-            what, [start], finish, result, (keep, array), device=(device.index, side, done)
+            what, [start], None, result, (keep, array), device=(device.index, side, done, order)
         )
 
     def _device_allreduce(self, tensors, reduction, what):

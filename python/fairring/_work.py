@@ -386,13 +386,14 @@ def _wait_quietly(future):
 
 
 class DeviceWork(Work):
-    """A fairring operation on CUDA tensors. ``wait()`` waits for it on the
-    host (inside the library, without the GIL), raises its error, and then
-    makes the current stream wait for `done`, the event recorded on the side
-    stream after the results were copied where the caller wants them: the host
-    waits, as in gloo's CUDA path, and not only the device, as in
-    ProcessGroupNCCL's, because a stream waiting for the engine could deadlock
-    the process (see `_device_collectives`). ``is_completed()`` asks without
+    """A fairring operation on CUDA tensors. ``wait()`` makes the current
+    stream wait for `done`, the event recorded on the side stream after the
+    operation and the copies of its results where the caller wants them, and
+    returns: the host does not wait, as in ProcessGroupNCCL. It raises the
+    operation's error if the operation is already known to have failed; one
+    that fails later fails its future, and the group's next calls. With a
+    `timeout`, the host also waits for the operation, up to it, as
+    ProcessGroupNCCL's blocking wait does. ``is_completed()`` asks without
     waiting; the future is CUDA-aware."""
 
     def __init__(self, pending, keep, what, done):
@@ -400,8 +401,12 @@ class DeviceWork(Work):
         self._done = done
 
     def wait(self, timeout=datetime.timedelta(0)):
-        super().wait(timeout)
-        torch.cuda.current_stream(self._pending.device[1]).wait_event(self._done)
+        p = self._pending
+        if p.poll() and p.failure is not None:
+            raise p.failure
+        torch.cuda.current_stream(p.device[1]).wait_event(self._done)
+        if timeout and timeout.total_seconds() > 0:
+            super().wait(timeout)
         return True
 
     def is_completed(self):

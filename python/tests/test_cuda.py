@@ -16,8 +16,11 @@ machines of their own (`FAIRRING_HOST_ID`), and as two ranks of one machine
   timeout, no hang, no crash;
 - a rank passing CPU tensors where another passes CUDA tensors: both fail
   with a mismatch;
-- a loop of 1000 all-reduces on fresh tensors (each waited for on the host)
-  leaves the caching allocator's reserved memory flat;
+- a loop of 1000 all-reduces on fresh tensors (the stream synchronised each
+  time) leaves the caching allocator's reserved memory flat;
+- calls that wait for the whole device (emptying the allocator's cache,
+  freeing, a kernel's first launch) made while the current stream waits for
+  an operation a slow rank has yet to join: no hang, exact results;
 - refusals: all-to-all and messages on CUDA tensors, a collective during a
   CUDA graph capture, each naming itself.
 """
@@ -138,6 +141,40 @@ def stream_order(rank, world, port, layout):
 @pytest.mark.parametrize("layout,world", LAYOUTS[:2])
 def test_collectives_are_ordered_on_the_current_stream(layout, world):
     spawn(stream_order, world, layout)
+
+
+def device_wide_calls(rank, world, port, layout):
+    import time
+
+    join(rank, world, port, layout)
+    dev = torch.device("cuda", 0)
+    n = 1 << 20
+    total = world * (world + 1) / 2
+    for round in range(3):
+        t = torch.full((n,), rank + 1.0, device=dev)
+        if rank == world - 1:
+            # The operation cannot end before this rank joins it.
+            time.sleep(1.0)
+        work = dist.all_reduce(t, async_op=True)
+        # The current stream now waits for the operation on the device; the
+        # host goes on at once and makes calls that wait for the whole
+        # device, as the caching allocator and lazy loading do.
+        work.wait()
+        torch.cuda.empty_cache()
+        scratch = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
+        del scratch
+        torch.cuda.empty_cache()
+        # A kernel this process has not launched yet (a first launch loads its
+        # module under lazy loading).
+        _ = torch.special.bessel_j0(torch.ones(16, device=dev) * (round + 1))
+        after = (t * 2).cpu()
+        assert torch.equal(after, torch.full((n,), 2 * total)), f"rank {rank} round {round}"
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout,world", LAYOUTS[:2])
+def test_device_wide_calls_while_a_stream_waits_for_an_operation_do_not_hang(layout, world):
+    spawn(device_wide_calls, world, layout)
 
 
 def model():

@@ -86,9 +86,10 @@ def test_tensors_of_other_devices_are_refused_naming_the_device():
 
 
 def test_importing_fairring_leaves_cuda_module_loading_to_the_user():
-    # No stream waits for the engine, so lazy loading (torch's default, which
-    # starts faster and holds less device memory) is safe: the package must
-    # not change the mode, in a fresh process as a job starts.
+    # The engine makes no CUDA call on its progress path, so lazy loading
+    # (torch's default, which starts faster and holds less device memory) is
+    # safe while streams wait for it: the package must not change the mode,
+    # in a fresh process as a job starts.
     import os
     import subprocess
     import sys

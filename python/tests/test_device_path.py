@@ -7,15 +7,23 @@ the memory the calls describe, which becomes host memory so that the engine
 runs every call the device path makes on CPU tensors. What remains is the
 device path's own logic: which engine calls it makes, with which counts,
 types and roots, what it copies back and where, how its `Work` and future
-finish, and that no stream is ever made to wait for the engine. `test_cuda.py` runs the real thing on a GPU.
+finish, that the side stream is made to wait for every operation on the
+device (`fr_work_enqueue_wait`, the real export: on a communicator with no
+device side it waits on the host, which keeps the results here exact), and
+that `wait()` orders the current stream without ever blocking the host.
+`test_cuda.py` runs the real thing on a GPU.
 """
 
 import contextlib
+import threading
 
 import torch
 import torch.distributed as dist
 
 from conftest import TIMEOUT, spawn
+
+# The side stream's handle, as the stand-in hands it to the library.
+SIDE = 0x5EED
 
 
 class _Stream:
@@ -27,6 +35,15 @@ class _Stream:
     def wait_event(self, event):
         assert event.recorded, "a stream waited for an event never recorded"
         self.waited.append(event)
+
+
+class _SideStream(_Stream):
+    cuda_stream = SIDE
+
+
+# What the device path did, as the stand-ins saw it.
+seen = {"side_waits": 0, "other_waits": 0, "host_blocked_in_wait": 0}
+_in_wait = threading.local()
 
 
 class _Event:
@@ -50,18 +67,40 @@ def _stand_ins():
 
     _cuda.GroupDevice.check = check
     _cuda.GroupDevice.current_stream = lambda self: _Stream()
-    _cuda.GroupDevice.side_stream = lambda self: _Stream()
+    _cuda.GroupDevice.side_stream = lambda self: _SideStream()
     _backend.any_cuda = lambda tensors: True
     _device_collectives._record = lambda tensor, stream: None
     # The engine runs the described calls on host memory.
     _native.MEMORY_DEVICE = _native.MEMORY_HOST
-    # No stream may wait for the engine: the engine's own CUDA calls release
-    # such a stream, and any call that waits for the whole device would then
-    # deadlock the process.
-    def no_stream_waits(*args):
-        raise AssertionError("a stream was made to wait for the engine (fr_work_enqueue_wait)")
+    # The side stream waits for every operation on the device, through the
+    # library's own export.
+    enqueue_wait = _native.lib().fr_work_enqueue_wait
 
-    _native.lib().fr_work_enqueue_wait = no_stream_waits
+    def counted_enqueue_wait(work, stream):
+        side = getattr(stream, "value", stream) == SIDE
+        seen["side_waits" if side else "other_waits"] += 1
+        return enqueue_wait(work, stream)
+
+    _native.lib().fr_work_enqueue_wait = counted_enqueue_wait
+    # `DeviceWork.wait()` without a timeout never blocks the host on the
+    # operation.
+    device_wait = _work.DeviceWork.wait
+    wait_here = _work._Pending.wait_here
+
+    def flagged_wait(self, *args, **kwargs):
+        _in_wait.on = True
+        try:
+            return device_wait(self, *args, **kwargs)
+        finally:
+            _in_wait.on = False
+
+    def watched_wait_here(self, seconds):
+        if getattr(_in_wait, "on", False):
+            seen["host_blocked_in_wait"] += 1
+        return wait_here(self, seconds)
+
+    _work.DeviceWork.wait = flagged_wait
+    _work._Pending.wait_here = watched_wait_here
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
     torch.cuda.Event = _Event
     torch.cuda.current_stream = lambda device=None: _Stream()
@@ -152,6 +191,20 @@ def device_path(rank, world, port):
     u = torch.full((n,), rank + 1.0)
     doubled = dist.all_reduce(u, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
     assert torch.equal(doubled.wait(), torch.full((n,), 2 * total)), "the future"
+
+    # Each of the 14 works above (every collective; the coalesced all-reduce
+    # one work over its three calls) ordered the side stream after itself on
+    # the device, no other stream was made to wait, and no wait() blocked the
+    # host.
+    assert seen["side_waits"] == 14, seen
+    assert seen["other_waits"] == 0, seen
+    assert seen["host_blocked_in_wait"] == 0, seen
+    # A wait with a timeout waits on the host too, up to it.
+    w = dist.all_reduce(torch.ones(n), async_op=True)
+    import datetime
+
+    assert w.wait(timeout=datetime.timedelta(seconds=30))
+    assert seen["host_blocked_in_wait"] == 1, seen
 
     dist.destroy_process_group()
 

@@ -480,7 +480,10 @@ mod tests {
 
     #[test]
     fn local_ranks_agree_on_one_outcome() {
-        let all = round(|r| Some(Ok(r.to_le_bytes()[..1].to_vec())), Duration::from_secs(5));
+        let all = round(
+            |r| Some(Ok(r.to_le_bytes()[..1].to_vec())),
+            Duration::from_secs(5),
+        );
         for outcome in &all {
             assert_eq!(outcome, &Ok(Ok(vec![vec![0], vec![1], vec![2]])));
         }
