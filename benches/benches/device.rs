@@ -77,9 +77,7 @@ fn kernels(c: &mut Criterion) {
         group.bench_function(BenchmarkId::new("pairwise sum", dtype), |b| {
             b.iter(|| {
                 let (d, s) = (&mut dst.slice_mut(), srcs[0].slice());
-                kernels
-                    .reduce(&stream, dtype, ReduceOp::Sum, d, s)
-                    .unwrap();
+                kernels.reduce(&stream, dtype, ReduceOp::Sum, d, s).unwrap();
                 stream.synchronize().unwrap();
             });
         });

@@ -528,6 +528,11 @@ impl DeviceSide {
         let words = self.words()?;
         let src_at = from.at(&range)?;
         let dst_at = to.at(&(0..range.len()))?;
+        // Never before the caller's stream reaches the operation, even where
+        // a failure opens the gate early: its earlier work may use `to`.
+        self.deliver
+            .wait(&self.starts[slot_of(seq)])
+            .map_err(cuda)?;
         words
             .enqueue_wait(&self.deliver, self.layout.delivery_gate(seq), seq + 1)
             .map_err(cuda)?;
@@ -612,7 +617,7 @@ impl Drop for DeviceSide {
         };
         // No caller's stream waits for anything any more.
         for seq in 0..WORK_CAPACITY as u64 {
-            if let Err(e) = words.set(self.layout.done(seq), u64::MAX) {
+            if let Err(e) = words.set(self.layout.done(seq), RELEASED) {
                 log::error!("fairring: releasing the streams waiting on a device side: {e}");
             }
         }

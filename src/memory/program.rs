@@ -71,7 +71,23 @@ pub(crate) enum Stage {
 const VALUES_PER_GENERATION: u64 = 8;
 
 /// A gate raised past every value: the engine failed, and every stage runs.
-pub(crate) const RELEASED: u64 = u64::MAX;
+///
+/// Not `u64::MAX`: a stream's wait compares cyclically (`cuStreamWaitValue64`
+/// with `GEQ` passes once `(i64)(word - value) >= 0`), so the word must lie
+/// less than 2^63 above every value waited for. 2^62 does, for values below
+/// 2^62, which a buffer's stage values (8 per slice it takes) and an
+/// operation's `seq + 1` never reach.
+pub(crate) const RELEASED: u64 = 1 << 62;
+
+/// Whether a stream waiting until a word reaches `value` passes when the
+/// word holds `word`: the driver's cyclic comparison (see [`RELEASED`]).
+#[cfg_attr(
+    not(test),
+    expect(dead_code, reason = "the driver compares; the simulation models it")
+)]
+pub(crate) fn wait_passes(word: u64, value: u64) -> bool {
+    word.wrapping_sub(value).cast_signed() >= 0
+}
 
 impl Stage {
     /// Every stage, in stream order.
@@ -277,6 +293,16 @@ pub(crate) enum ProgramItem<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_released_gate_passes_every_wait_the_driver_makes() {
+        for value in [1, 7, 8 * 1_000_000_007 + 5, (1 << 62) - 1] {
+            assert!(wait_passes(RELEASED, value), "{value}");
+            assert!(wait_passes(value, value) && !wait_passes(value - 1, value));
+        }
+        // Why not u64::MAX: the driver's comparison reads it as below.
+        assert!(!wait_passes(u64::MAX, 5));
+    }
 
     #[test]
     fn values_grow_along_a_buffers_stream() {

@@ -319,7 +319,7 @@ impl Gpu {
             None => false,
             Some(Item::Copy { .. } | Item::WriteWord { .. }) => true,
             Some(&Item::WaitFor { stream: s, at }) => self.passed(s, at),
-            Some(&Item::WaitWord { word, value }) => self.words[word] >= value,
+            Some(&Item::WaitWord { word, value }) => program::wait_passes(self.words[word], value),
             Some(&Item::Collective(id)) => self.meeting.as_ref().is_some_and(|m| m.can_run(id)),
         }
     }
@@ -847,6 +847,12 @@ impl SimGpu {
                     let src = tensor.at(from).map_err(lost)?;
                     let dst = to.at(&(0..from.len())).map_err(lost)?;
                     let items = vec![
+                        // Never before the caller's stream reaches the
+                        // operation, even where a failure opens the gate.
+                        Item::WaitFor {
+                            stream: caller,
+                            at: tensor.start,
+                        },
                         Item::WaitWord {
                             word: layout.delivery_gate(seq),
                             value: seq + 1,
