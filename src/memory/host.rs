@@ -173,7 +173,7 @@ impl Host {
     /// rank's buffer), for a device program's copy; refused where they do
     /// not lie within that buffer.
     #[cfg_attr(
-        not(any(feature = "cuda", test)),
+        not(any(feature = "cuda", all(test, not(loom)))),
         expect(dead_code, reason = "device programs need a GPU, or the simulation's")
     )]
     pub(crate) fn machine_bytes(&self, at: StagingAt, len: usize) -> Result<NonNull<u8>> {
