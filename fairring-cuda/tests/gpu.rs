@@ -614,6 +614,122 @@ fn abort_returns_promptly_and_every_later_call_fails() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
+fn an_abort_waits_for_a_group_being_enqueued_on_another_thread() {
+    let device = device();
+    let comm = single_rank(&device);
+    let mut buf = DeviceBuffer::zeroed(&device, 1 << 20).unwrap();
+    let enqueued = std::sync::atomic::AtomicU64::new(0);
+    let outcome = std::thread::scope(|s| {
+        let enqueuer = s.spawn(|| {
+            let stream = Stream::new(&device, false).unwrap();
+            loop {
+                let r = group(&[&comm], || {
+                    comm.all_reduce_in_place(
+                        &stream,
+                        &mut buf.slice_mut(),
+                        DataType::F32,
+                        ReduceOp::Sum,
+                    )
+                });
+                match r {
+                    Ok(()) => {
+                        enqueued.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    Err(e) => return e,
+                }
+            }
+        });
+        while enqueued.load(std::sync::atomic::Ordering::Relaxed) < 100 {
+            std::thread::yield_now();
+        }
+        let took = comm.abort();
+        (took, enqueuer.join().unwrap())
+    });
+    let (took, ended) = outcome;
+    assert!(took < Duration::from_secs(10), "the abort took {took:?}");
+    assert_eq!(ended, Error::Aborted);
+    assert_eq!(
+        group(&[&comm], || Ok(())),
+        Err(Error::Aborted),
+        "a group begun after the abort"
+    );
+}
+
+/// Two GPUs, or device 0 twice where NCCL may put two ranks on one GPU
+/// (`NCCL_MULTI_RANK_GPU_ENABLE=1`, NCCL 2.31 or later); a loud failure
+/// otherwise.
+fn two_rank_devices() -> [Arc<Device>; 2] {
+    let devices = fairring_cuda::probe::driver_info().unwrap().devices;
+    let shared = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v == "1");
+    assert!(
+        devices >= 2 || shared,
+        "this test needs two GPUs, or NCCL_MULTI_RANK_GPU_ENABLE=1 with NCCL 2.31 or later"
+    );
+    [Device::open(0).unwrap(), Device::open(1 % devices).unwrap()]
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn aborting_two_communicators_together_ends_kernels_queued_behind_each_other() {
+    // Rank 0 queues a kernel of `b` then one of `a` on one stream; rank 1
+    // never joins them. `a`'s kernel cannot start before `b`'s ends, and
+    // `b`'s only ends when `b` is aborted: aborting `a` alone may wait for
+    // its kernel, so both must be asked to stop before either abort waits.
+    // Threads of their own, not scoped: where the aborts hang, the test
+    // fails at its bound rather than waiting for them.
+    let devices = two_rank_devices();
+    let ids = [UniqueId::new().unwrap(), UniqueId::new().unwrap()];
+    let warmed = Arc::new(std::sync::Barrier::new(2));
+    let (done, finished) = std::sync::mpsc::channel::<Duration>();
+    let (rank_0_done, rank_1_may_go) = std::sync::mpsc::channel::<()>();
+    let mut rank_1_may_go = Some(rank_1_may_go);
+    for (rank, device) in (0u32..).zip(devices) {
+        let (warmed, done, rank_0_done) = (Arc::clone(&warmed), done.clone(), rank_0_done.clone());
+        let go = if rank == 1 {
+            rank_1_may_go.take()
+        } else {
+            None
+        };
+        std::thread::spawn(move || {
+            let bound = Duration::from_secs(60);
+            let [a, b] = ids.map(|id| Communicator::new(&device, rank, 2, &id, bound).unwrap());
+            let stream = Stream::new(&device, false).unwrap();
+            let mut buf = DeviceBuffer::zeroed(&device, 1 << 16).unwrap();
+            let (f32, sum) = (DataType::F32, ReduceOp::Sum);
+            // Both connect at their first collective, with both ranks.
+            for c in [&a, &b] {
+                c.all_reduce_in_place(&stream, &mut buf.slice_mut(), f32, sum)
+                    .unwrap();
+            }
+            stream.synchronize().unwrap();
+            warmed.wait();
+            if let Some(go) = go {
+                // Gone, as far as the kernels are concerned.
+                let _ = go.recv_timeout(Duration::from_secs(120));
+                Communicator::abort_all(&[&a, &b]);
+                return;
+            }
+            b.all_reduce_in_place(&stream, &mut buf.slice_mut(), f32, sum)
+                .unwrap();
+            a.all_reduce_in_place(&stream, &mut buf.slice_mut(), f32, sum)
+                .unwrap();
+            let took = Communicator::abort_all(&[&a, &b]);
+            done.send(took).unwrap();
+            rank_0_done.send(()).unwrap();
+            // The stream drains once the kernels have ended (its error, if
+            // any, is the aborted kernels').
+            let _ = stream.synchronize();
+        });
+    }
+    let took = finished.recv_timeout(Duration::from_secs(90));
+    assert!(
+        took.is_ok_and(|t| t < Duration::from_secs(60)),
+        "aborting both communicators did not end rank 0's kernels: {took:?}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
 fn a_communicator_missing_a_rank_gives_up_at_its_bound() {
     let device = device();
     let id = UniqueId::new().unwrap();

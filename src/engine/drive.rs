@@ -101,7 +101,12 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     pub(super) fn accept(&self, d: &mut Driver<M>, accepted: Accepted<M>) -> Result<(), Fault> {
         let (seq, words) = (accepted.sub.seq, accepted.sub.descriptor.words());
         let window = self.open_window(&accepted.sub);
-        d.operations.accept(accepted)?;
+        if let Err((error, refused)) = d.operations.accept(accepted) {
+            // Not recorded: it fails with the rest all the same, once its
+            // device program has ended.
+            self.settle_refused(d, &refused);
+            return Err(error.into());
+        }
         if let Some((peer, after)) = d.departures.before(seq) {
             return Err(Error::peer(
                 peer,

@@ -277,6 +277,14 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         self.settle_failure(&mut d);
     }
 
+    /// Keeps `accepted`, which the driver could not record, to be declared
+    /// failed with the operations in flight when the engine fails (at once:
+    /// the driver's refusal is the failure).
+    pub(super) fn settle_refused(&self, d: &mut Driver<M>, accepted: &Accepted<M>) {
+        let failing = d.failing.get_or_insert_with(Failing::default);
+        failing.settling.push(Settling::accepted(accepted));
+    }
+
     pub(super) fn fail_locked(&self, d: &mut Driver<M>, fault: Fault) {
         let rank = self.links.rank;
         let record = fault
@@ -367,7 +375,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         };
         if !program.ends {
             log::warn!(
-                "fairring: operation {} fails without its device program whole on the device;                  its stream may still touch its tensor",
+                "fairring: operation {} fails without its device program whole on the device; \
+                 its stream may still touch its tensor",
                 s.seq
             );
             return true;

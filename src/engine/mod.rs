@@ -360,26 +360,33 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         let mut planner = self.lock_planner();
         let (accepted, refused) = self.plan(&mut planner, sub)?;
+        if let Some(e) = refused {
+            // Its program could not be enqueued whole: the engine fails, and
+            // the operation with it, before the driver can start a slice of
+            // it (a stage left out must never pass for one that ran). The
+            // planner stays locked, so no later operation is numbered after
+            // it first.
+            self.fail_with(accepted, e);
+            return Ok(());
+        }
         self.parking.submitting();
         let queued = self.submissions.push(accepted);
-        drop(planner);
         if let Err(accepted) = queued {
             self.parking.finished();
             let error = Error::internal(
                 "the operation table bounds the submissions queued",
                 format!("more than {WORK_CAPACITY} queued"),
             );
+            // Its slices are numbered: the engine fails rather than run the
+            // next operation's out of order.
             if accepted.device.is_none() {
+                self.fail(error.clone());
                 return Err(error);
             }
             self.fail_with(accepted, error);
             return Ok(());
         }
-        if let Some(e) = refused {
-            // Its program could not be enqueued whole: the engine fails, and
-            // the operation with it.
-            self.fail(e);
-        }
+        drop(planner);
         if self.parking.submitted(self.nanos()) == Wake::Doorbell {
             self.machine.doorbell().ring();
         }

@@ -138,31 +138,37 @@ impl<M: MemorySpace> Operations<M> {
     }
 
     /// Accepts `accepted`, the next operation in sequence, as its caller
-    /// planned it.
-    pub(crate) fn accept(&mut self, accepted: Accepted<M>) -> Result<()> {
+    /// planned it; one it cannot record is handed back with the reason (its
+    /// device program may be enqueued: it must still be settled).
+    pub(crate) fn accept(
+        &mut self,
+        accepted: Accepted<M>,
+    ) -> std::result::Result<(), (Error, Box<Accepted<M>>)> {
+        let seq = accepted.sub.seq;
+        if seq != self.accepted {
+            let error = Error::internal(
+                "operations reach the driver in sequence",
+                format!("#{seq} arrived, #{} expected", self.accepted),
+            );
+            return Err((error, Box::new(accepted)));
+        }
+        let slot = slot_of(seq);
+        if self.records[slot].is_some() {
+            let error = Error::internal(
+                "at most one operation per table entry is open",
+                format!(
+                    "#{seq} arrived while #{} is open",
+                    seq - WORK_CAPACITY as u64
+                ),
+            );
+            return Err((error, Box::new(accepted)));
+        }
         let Accepted {
             sub,
             plan,
             first_slice,
             device,
         } = accepted;
-        if sub.seq != self.accepted {
-            return Err(Error::internal(
-                "operations reach the driver in sequence",
-                format!("#{} arrived, #{} expected", sub.seq, self.accepted),
-            ));
-        }
-        let slot = slot_of(sub.seq);
-        if self.records[slot].is_some() {
-            return Err(Error::internal(
-                "at most one operation per table entry is open",
-                format!(
-                    "#{} arrived while #{} is open",
-                    sub.seq,
-                    sub.seq - WORK_CAPACITY as u64
-                ),
-            ));
-        }
         self.accepted += 1;
         self.records[slot] = Some(Record {
             sub,

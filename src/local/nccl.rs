@@ -27,9 +27,11 @@ pub(crate) struct NcclComms {
 impl NcclComms {
     /// The engine failed: stops the communicators, so that kernels waiting
     /// for a rank that is gone end, and the copies behind them with them.
+    /// Both at once: a buffer's stream carries both communicators' kernels,
+    /// so either's abort can wait for a kernel of the other. An abort waits
+    /// for a group being enqueued on the caller's thread to end.
     pub(crate) fn abort(&self) {
-        self.reduce.abort();
-        self.gather.abort();
+        Communicator::abort_all(&[&self.reduce, &self.gather]);
     }
 
     fn of(&self, comm: Comm) -> &Communicator {
@@ -212,8 +214,7 @@ impl NcclSetup {
         if let Err((r, why)) = self.agree(store, "joined", said)? {
             if let Ok((reduce, gather)) = &joined {
                 // Another rank could not: these never run a collective.
-                reduce.abort();
-                gather.abort();
+                Communicator::abort_all(&[reduce, gather]);
             }
             return self.refused(r, &why);
         }

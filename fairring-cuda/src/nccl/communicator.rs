@@ -2,7 +2,7 @@
 //! no call can hang past its bound and `abort` always returns.
 
 use std::ffi::CStr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -54,6 +54,10 @@ pub struct Communicator {
     /// The handle; null once aborted or destroyed.
     comm: Mutex<CommHandle>,
     abort_requested: AtomicBool,
+    /// Groups ([`group`]) this communicator is a member of that have not
+    /// ended: an abort waits for them, since `ncclGroupEnd` uses the handle
+    /// without holding the lock.
+    groups_open: AtomicUsize,
 }
 
 #[derive(Debug)]
@@ -124,6 +128,7 @@ impl Communicator {
             timeout,
             comm: Mutex::new(CommHandle(comm)),
             abort_requested: AtomicBool::new(false),
+            groups_open: AtomicUsize::new(0),
         };
         let waited = {
             let handle = communicator.lock()?;
@@ -163,6 +168,41 @@ impl Communicator {
     pub fn abort(&self) -> Duration {
         let started = Instant::now();
         self.abort_now();
+        started.elapsed()
+    }
+
+    /// Aborts every one of `communicators` at once: each is asked to stop
+    /// before any abort waits, and each is aborted on its own thread.
+    ///
+    /// `ncclCommAbort` waits for the communicator's kernels to leave the
+    /// streams it was used on. Where two communicators share a stream, a
+    /// kernel of one can be queued behind a kernel of the other that waits
+    /// for a rank that is gone: aborted one after the other, the first abort
+    /// would wait for a kernel only the second can end. Returns how long the
+    /// aborts took.
+    pub fn abort_all(communicators: &[&Communicator]) -> Duration {
+        let started = Instant::now();
+        for c in communicators {
+            c.abort_requested.store(true, Ordering::SeqCst);
+        }
+        std::thread::scope(|s| {
+            let mut inline = Vec::new();
+            for &c in communicators {
+                let spawned = std::thread::Builder::new()
+                    .name("nccl-abort".into())
+                    .spawn_scoped(s, move || c.abort_now());
+                if let Err(e) = spawned {
+                    log::warn!(
+                        "starting a thread to abort NCCL rank {}: {e}; aborting it after the others",
+                        c.rank
+                    );
+                    inline.push(c);
+                }
+            }
+            for c in inline {
+                c.abort_now();
+            }
+        });
         started.elapsed()
     }
 
@@ -280,7 +320,20 @@ impl Communicator {
     }
 
     fn abort_now(&self) {
-        self.abort_requested.store(true, Ordering::Release);
+        self.abort_requested.store(true, Ordering::SeqCst);
+        // A group that counted itself in before the flag was set ends first
+        // (its calls fail at once and its wait polls the flag); one counted
+        // in after it sees the flag and enqueues nothing. SeqCst on both
+        // sides: either this sees the count or the group sees the flag.
+        let mut polls = 0u32;
+        while self.groups_open.load(Ordering::SeqCst) > 0 {
+            polls = polls.saturating_add(1);
+            if polls < 1000 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
         // Waits in other threads see the flag within one poll and release the lock.
         let mut handle = self.comm.lock().unwrap_or_else(|p| p.into_inner());
         if handle.0.is_null() {
@@ -336,8 +389,14 @@ impl Drop for Communicator {
 /// to every peer, or one call on each of several communicators of a process),
 /// then waits for every communicator in `members` to accept the group. The group
 /// is ended even when `enqueue` fails.
+///
+/// `members` must name every communicator `enqueue` calls: an abort of one
+/// ([`Communicator::abort`], from any thread) waits until the group has
+/// ended, and a group begun after the abort was asked for fails with
+/// [`Error::Aborted`] having enqueued nothing.
 pub fn group<R>(members: &[&Communicator], enqueue: impl FnOnce() -> Result<R>) -> Result<R> {
     probe::require(Library::Nccl)?;
+    let _open = OpenGroup::enter(members)?;
     // SAFETY: no arguments; groups nest.
     error::nccl("ncclGroupStart", unsafe { sys::ncclGroupStart() }, None)?;
     let result = enqueue();
@@ -353,6 +412,37 @@ pub fn group<R>(members: &[&Communicator], enqueue: impl FnOnce() -> Result<R>) 
     }
     error::nccl("ncclGroupEnd", ended, None)?;
     Ok(value)
+}
+
+/// A group's place in its members' counts of open groups, from before its
+/// first call to after its end; refused where a member is being aborted.
+struct OpenGroup<'a> {
+    members: &'a [&'a Communicator],
+}
+
+impl<'a> OpenGroup<'a> {
+    fn enter(members: &'a [&'a Communicator]) -> Result<Self> {
+        for m in members {
+            m.groups_open.fetch_add(1, Ordering::SeqCst);
+        }
+        let open = OpenGroup { members };
+        if members
+            .iter()
+            .any(|m| m.abort_requested.load(Ordering::SeqCst))
+        {
+            // Dropping `open` lets the abort go on.
+            return Err(Error::Aborted);
+        }
+        Ok(open)
+    }
+}
+
+impl Drop for OpenGroup<'_> {
+    fn drop(&mut self) {
+        for m in self.members {
+            m.groups_open.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
 }
 
 /// NCCL's config with every field unset except non-blocking mode.
