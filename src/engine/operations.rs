@@ -332,8 +332,18 @@ mod tests {
                 deliver: None,
             },
         };
-        ops.accept(sub(0)).unwrap();
-        ops.accept(sub(1)).unwrap();
+        let refused = ops.accept(sub(1)).unwrap_err();
+        assert!(
+            refused.0.to_string().contains("#1 arrived, #0 expected"),
+            "{}",
+            refused.0
+        );
+        assert_eq!(
+            refused.1.sub.seq, 1,
+            "an operation out of sequence is handed back"
+        );
+        ops.accept(sub(0)).map_err(|(e, _)| e).unwrap();
+        ops.accept(sub(1)).map_err(|(e, _)| e).unwrap();
         assert!(!ops.delivering());
         ops.hold_delivery(0, ());
         ops.hold_delivery(0, ());

@@ -9,17 +9,21 @@
 //!   it reaches the head of its stream (the items before it have run: its
 //!   gate is open, its bytes are in place), and **meets** once every rank of
 //!   the machine has arrived at the call of the same index on the same
-//!   communicator, as NCCL's kernels do.
+//!   communicator, as NCCL's kernels do. A rank's calls on one communicator
+//!   run in the order it issued them, whatever their streams (NCCL orders a
+//!   communicator's kernels through a stream of its own): a call arrives
+//!   only once the one before it on its communicator has met.
 //! - MachineCalls that meet must agree (what they do, how many bytes, which root):
 //!   ranks that issue in different orders would hang or mix slices under
 //!   NCCL, and here the seed fails naming the two calls.
 //! - When the last rank arrives, the call moves every rank's bytes at once:
 //!   an all-reduce, a reduce onto its root, a broadcast from it, in place,
 //!   with fairring-core's host kernels.
-//! - An aborted rank's calls end without moving anything, as NCCL's kernels
-//!   do after `ncclCommAbort` (which waits for them: the simulated GPU's
-//!   abort holds the device until they have run); a killed rank's calls
-//!   never arrive, so its peers' calls wait until they abort in turn.
+//! - A rank's calls on a communicator it aborted end without moving
+//!   anything, as NCCL's kernels do after `ncclCommAbort` (which waits for
+//!   them: the simulated GPU's abort holds the aborting thread until the
+//!   device has drained); a killed rank's calls never arrive, so its peers'
+//!   calls wait until they abort in turn.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -71,7 +75,8 @@ struct Rendezvous {
 struct MachineCalls {
     ranks: u32,
     meetings: HashMap<(Comm, u64), Rendezvous>,
-    aborted: Vec<bool>,
+    /// Per local rank, per communicator: aborted.
+    aborted: Vec<[bool; 2]>,
 }
 
 /// The collectives of one simulated machine, shared by its ranks' GPUs.
@@ -84,7 +89,7 @@ impl SimMachine {
         SimMachine(Arc::new(Mutex::new(MachineCalls {
             ranks,
             meetings: HashMap::new(),
-            aborted: vec![false; ranks as usize],
+            aborted: vec![[false; 2]; ranks as usize],
         })))
     }
 
@@ -92,12 +97,21 @@ impl SimMachine {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Whether `rank`'s `call`, at the head of its stream, can move: arrive,
-    /// or end (it met, or the rank aborted).
+    /// Whether `rank`'s `call`, at the head of its stream, can move: arrive
+    /// (the call before it on its communicator has met), or end (it met, or
+    /// the rank aborted its communicator).
     pub(super) fn can_run(&self, rank: u32, call: &Call) -> bool {
         let calls = self.lock();
-        if calls.aborted[rank as usize] {
+        if calls.aborted[rank as usize][call.comm as usize] {
             return true;
+        }
+        let before_met = call.index == 0
+            || calls
+                .meetings
+                .get(&(call.comm, call.index - 1))
+                .is_some_and(|m| m.done);
+        if !before_met {
+            return false;
         }
         match calls.meetings.get(&(call.comm, call.index)) {
             None => true,
@@ -114,7 +128,7 @@ impl SimMachine {
     /// order (the model's finding, which fails the seed).
     pub(super) fn run(&self, rank: u32, call: &Call) -> bool {
         let mut calls = self.lock();
-        if calls.aborted[rank as usize] {
+        if calls.aborted[rank as usize][call.comm as usize] {
             return true;
         }
         let ranks = calls.ranks as usize;
@@ -152,9 +166,9 @@ impl SimMachine {
         false
     }
 
-    /// `rank` aborted its communicators: its calls end.
-    pub(super) fn abort(&self, rank: u32) {
-        self.lock().aborted[rank as usize] = true;
+    /// `rank` aborted its communicator `comm`: its calls on it end.
+    pub(super) fn abort(&self, rank: u32, comm: Comm) {
+        self.lock().aborted[rank as usize][comm as usize] = true;
     }
 }
 
@@ -244,8 +258,8 @@ impl Meeting for RankMeeting {
         format!("{:?}", self.calls.get(id))
     }
 
-    fn abort(&self) {
-        self.machine.abort(self.rank);
+    fn abort(&self, comm: Comm) {
+        self.machine.abort(self.rank, comm);
     }
 }
 

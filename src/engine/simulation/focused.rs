@@ -610,7 +610,7 @@ fn deep_trees_settle_with_exact_results() {
     assert!(killed_seeds > 100, "{killed_seeds} seeds killed a rank");
 }
 
-/// The device model catches the two ways the design can break, each on a
+/// The device model catches the three ways the design can break, each on a
 /// seed the shipped design passes:
 ///
 /// - [`Design::IssuedByEngine`], the progress thread enqueueing each stage
@@ -619,15 +619,23 @@ fn deep_trees_settle_with_exact_results() {
 ///   tensors) hangs. Another thread's device-wide wait holds the context
 ///   for the caller's stream, which waits for operation 0; rank 1's
 ///   progress thread blocks in its next enqueue behind it, so operation 0
-///   never ends and the stream never passes (under the design before, 169
-///   of seeds 1 to 300 hung this way, seed 1 among them);
+///   never ends and the stream never passes (172 of seeds 1 to 300 hang
+///   this way, seed 1 among them);
 /// - [`Design::AbortFirst`], a failing engine aborting the machine's
 ///   collectives on its progress thread before it opens its gates: seed 3
 ///   (4x2 with three servers, the machines reducing through their
 ///   collectives, rank 2 killed) hangs. The abort waits for streams that
-///   wait for gates only the blocked thread would open.
+///   wait for gates only the blocked thread would open (27 of seeds 1 to
+///   300);
+/// - [`Design::AbortOneByOne`], the reaper aborting the reduce communicator
+///   and waiting for the device before it aborts the gather one: seed 12
+///   (1x3 with two servers, one staging buffer, rank 2 killed) hangs. The
+///   buffer's stream carries both communicators' calls in slice order, and
+///   the gather call at its head waits for the killed rank until its
+///   communicator is aborted, which the reaper never reaches (8 of seeds 1
+///   to 300).
 #[test]
-fn cuda_calls_on_the_progress_path_and_an_abort_before_the_gates_hang() {
+fn cuda_calls_on_the_progress_path_and_aborts_that_wait_too_soon_hang() {
     let issued = run_for(1, Design::IssuedByEngine, 200_000).unwrap_err();
     assert!(
         issued.contains("not settled") && issued.contains("device-wide wait"),
@@ -638,11 +646,21 @@ fn cuda_calls_on_the_progress_path_and_an_abort_before_the_gates_hang() {
         aborted.contains("not settled") && aborted.contains("device-wide wait"),
         "{aborted}"
     );
+    let one_by_one = run_for(12, Design::AbortOneByOne, 200_000).unwrap_err();
+    assert!(
+        one_by_one.contains("not settled") && one_by_one.contains("comm: Gather"),
+        "{one_by_one}"
+    );
     let shipped = run(1, Design::Accepted).unwrap_or_else(|e| panic!("seed 1: {e}"));
     assert!(shipped.device > 0, "seed 1 runs device operations");
     let shipped = run(3, Design::Accepted).unwrap_or_else(|e| panic!("seed 3: {e}"));
     assert!(
         shipped.killed.is_some() && shipped.failed > 0,
         "seed 3 fails its operations"
+    );
+    let shipped = run(12, Design::Accepted).unwrap_or_else(|e| panic!("seed 12: {e}"));
+    assert!(
+        shipped.killed.is_some() && shipped.failed > 0,
+        "seed 12 fails its operations"
     );
 }

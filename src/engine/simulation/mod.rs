@@ -25,16 +25,21 @@
 //! streams wait on operations at drawn times; a lone rank of a machine takes
 //! the communicator's lone device step, several (for half the seeds) the
 //! machine's collectives, as through NCCL ([`collectives`]: calls that meet
-//! across the machine's simulated GPUs, ranks issuing out of order failing
-//! the seed, a failing rank aborting its calls), or the staged one
-//! (`local::staged`). It then checks:
+//! across the machine's simulated GPUs in each communicator's order, ranks
+//! issuing out of order failing the seed, a failing rank aborting its
+//! communicators), or the staged one (`local::staged`); and for a third of
+//! the device operations and an eighth of the host ones, a share of the
+//! result delivered into a buffer of its own, as a reduce-scatter's. It then
+//! checks:
 //!
-//! - every operation a rank reports done holds exactly the expected values;
+//! - every operation a rank reports done holds exactly the expected values,
+//!   and its delivered share, if any, the result's bytes;
 //! - without a kill, every operation of every rank is done;
 //! - with a kill, every surviving rank settles every operation (done or failed),
 //!   never hangs, and a failed one's error names the killed rank.
 //! - on the simulated device, every stream of a live rank runs to its end
-//!   once its operations settled.
+//!   once its operations settled, and nothing writes an operation's tensor
+//!   after the caller's stream has passed its wait for it.
 //!
 //! `FAIRRING_SIM_SEEDS` sets how many seeds run (default 1000; CI runs 10000 in
 //! release); `FAIRRING_SIM_SEED` replays one. A failing seed is printed with the command
@@ -87,10 +92,53 @@ struct Rank {
     /// Per device operation: the input the caller's stream writes into its
     /// tensor before the operation's start.
     inputs: Vec<Vec<u64>>,
+    /// Per operation, where its result is also delivered: bytes `range` of
+    /// it, into a buffer of their own (as a reduce-scatter's share).
+    shares: Vec<Option<Share>>,
     submitted: usize,
     /// Per operation: `Some(true)` done, `Some(false)` failed.
     settled: Vec<Option<bool>>,
     dead: bool,
+}
+
+/// Bytes `range` of an operation's result, delivered into `into`.
+struct Share {
+    range: std::ops::Range<usize>,
+    into: Vec<u64>,
+}
+
+impl Share {
+    /// Whether rank `r` delivers a share of operation `k` of `bytes` bytes,
+    /// and which: drawn from a side stream of the seed's (`seed`), so that
+    /// its other draws and its schedule stay as they were. A third of the
+    /// device operations; an eighth of the host ones, since a delivering
+    /// operation takes no peer's writes into its tensor.
+    fn draw(seed: &Rng, r: u32, k: usize, bytes: usize, device: bool) -> Option<Share> {
+        let mut rng = seed.side(0x5eed_0000 ^ (u64::from(r) << 32) ^ k as u64);
+        let bytes = bytes as u64;
+        if bytes == 0 || rng.below(if device { 3 } else { 8 }) != 0 {
+            return None;
+        }
+        let start = rng.below(bytes);
+        let end = start + 1 + rng.below(bytes - start);
+        Some(Share {
+            range: start as usize..end as usize,
+            into: vec![0x5a5a_5a5a_5a5a_5a5a; (end - start).div_ceil(8) as usize],
+        })
+    }
+
+    /// Whether the share holds what the result holds at its range.
+    fn check(&self, r: usize, k: usize, result: &[u64]) -> Result<(), String> {
+        let got = &word_bytes(&self.into)[..self.range.len()];
+        let all = word_bytes(result);
+        if got != &all[self.range.clone()] {
+            return Err(format!(
+                "rank {r}, operation {k}: the delivery of bytes {:?} differs from the result",
+                self.range
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// What a seed did, for the summary line.
@@ -109,6 +157,8 @@ struct Outcome {
     rooted: [usize; 3],
     /// Writes that landed in a receiver's tensor, through its window.
     in_windows: u64,
+    /// Shares of results delivered, and checked.
+    delivered: usize,
 }
 
 fn run(seed: u64, design: Design) -> Result<Outcome, String> {
@@ -203,10 +253,24 @@ fn play(sc: &Scenario, rng: &mut Rng, design: Design, step_limit: u64) -> Result
                 }
             })
             .collect();
+        let shares = ops
+            .iter()
+            .enumerate()
+            .map(|(k, op)| {
+                Share::draw(
+                    rng,
+                    rank,
+                    k,
+                    op.elements as usize * op.dtype.size_bytes() as usize,
+                    sc.device[k],
+                )
+            })
+            .collect();
         ranks.push(Rank {
             engine,
             tensors,
             inputs,
+            shares,
             submitted: 0,
             settled: vec![None; ops.len()],
             dead: false,
@@ -256,6 +320,10 @@ fn play(sc: &Scenario, rng: &mut Rng, design: Design, step_limit: u64) -> Result
                 match rank.engine.works.state(seq) {
                     Some(DONE) => {
                         check(op, k, world, r, &rank.tensors[k])?;
+                        if let Some(share) = &rank.shares[k] {
+                            share.check(r, k, &rank.tensors[k])?;
+                            outcome.delivered += 1;
+                        }
                         rank.settled[k] = Some(true);
                         rank.engine.works.give_back(seq);
                     }
@@ -364,6 +432,19 @@ fn play(sc: &Scenario, rng: &mut Rng, design: Design, step_limit: u64) -> Result
                 } else {
                     SimTensor::Host(HostTensor::new(rank.tensors[k].as_mut_ptr().cast(), bytes))
                 };
+                let deliver = rank.shares[k].as_mut().map(|share| {
+                    let len = share.range.len();
+                    let into = &mut bytemuck_bytes(&mut share.into)[..len];
+                    work::Delivery {
+                        to: match tensor {
+                            SimTensor::Device(_) => rank.engine.memory.device_share(into, &tensor),
+                            SimTensor::Host(_) => {
+                                SimTensor::Host(HostTensor::new(into.as_mut_ptr(), len))
+                            }
+                        },
+                        range: share.range.clone(),
+                    }
+                });
                 let sub = Submission {
                     seq,
                     tensor,
@@ -373,7 +454,7 @@ fn play(sc: &Scenario, rng: &mut Rng, design: Design, step_limit: u64) -> Result
                     algorithm: op.algorithm,
                     wire: op.wire,
                     descriptor: sc.descriptor(k),
-                    deliver: None,
+                    deliver,
                 };
                 rank.submitted += 1;
                 if rank.engine.submit(sub).is_err() {
@@ -454,7 +535,7 @@ fn seeded_schedules_settle_with_exact_results() {
     let (mut killed, mut steps, mut done, mut failed) = (0, 0, 0, 0);
     let (mut device, mut collective) = (0, 0);
     let mut rooted = [0usize; 3];
-    let mut in_windows = 0;
+    let (mut in_windows, mut delivered) = (0, 0);
     for &seed in &seeds {
         let result = std::panic::catch_unwind(|| run(seed, Design::Accepted));
         let outcome = match result {
@@ -473,6 +554,7 @@ fn seeded_schedules_settle_with_exact_results() {
         device += outcome.device;
         collective += outcome.collective;
         in_windows += outcome.in_windows;
+        delivered += outcome.delivered;
         for (sum, n) in rooted.iter_mut().zip(outcome.rooted) {
             *sum += n;
         }
@@ -482,7 +564,8 @@ fn seeded_schedules_settle_with_exact_results() {
         "simulation: {} seeds ({killed} with a killed rank), {steps} steps, {done} operations \
          done ({device} on the simulated device, {collective} of them through a machine's \
          collectives), {failed} failed; drawn as rooted forms: {reduces} reduces, {gathers} \
-         gathers, {scatters} scatters; {in_windows} writes landed in a receiver's tensor",
+         gathers, {scatters} scatters; {in_windows} writes landed in a receiver's tensor; \
+         {delivered} shares of results delivered",
         seeds.len()
     );
     assert!(
@@ -494,6 +577,10 @@ fn seeded_schedules_settle_with_exact_results() {
         "the seeds draw every rooted form"
     );
     assert!(done > 0);
+    assert!(
+        seeds.len() < 100 || delivered > 0,
+        "the seeds deliver shares of results"
+    );
     assert!(
         seeds.len() < 100 || device > 0,
         "the seeds run device operations"

@@ -406,11 +406,16 @@ pub(super) fn bytemuck_bytes(words: &mut [u64]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), len) }
 }
 
+/// The bytes of 8-byte words, read-only.
+pub(super) fn word_bytes(words: &[u64]) -> &[u8] {
+    let len = std::mem::size_of_val(words);
+    // SAFETY: as in `bytemuck_bytes`, borrowed shared.
+    unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), len) }
+}
+
 /// Checks rank `r`'s result of operation `k` element by element.
 pub(super) fn check(op: &Op, k: usize, world: u32, r: usize, words: &[u64]) -> Result<(), String> {
-    let len = std::mem::size_of_val(words);
-    // SAFETY: as in `bytemuck_bytes`, read-only.
-    let bytes = unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), len) };
+    let bytes = word_bytes(words);
     for i in 0..usize::try_from(op.elements).unwrap_or(0) {
         if !op.defined(r, i as u64) {
             continue;

@@ -43,8 +43,9 @@
 //! enqueues every device step when the call is accepted. The others are
 //! mutations kept to show what the model finds in them: the progress thread
 //! enqueueing each stage as it opens it (the design before, whose engine
-//! made CUDA calls as traffic arrived), and a failing engine aborting the
-//! machine's collectives on its own thread before it opens their gates.
+//! made CUDA calls as traffic arrived), a failing engine aborting the
+//! machine's collectives on its own thread before it opens their gates, and
+//! the reaper aborting the two communicators one after the other.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -54,8 +55,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::super::work::{WORK_CAPACITY, slot_of};
 use super::collectives::SimCollectives;
 use crate::error::{Error, Result};
-use crate::memory::program::{self, MachineCall, ProgramItem, RELEASED, Stage, Stages, Unfinished};
+use crate::memory::program::{
+    self, Comm, MachineCall, ProgramItem, RELEASED, Stage, Stages, Unfinished,
+};
 use crate::memory::{Conversion, Host, HostTensor, MemorySpace, Reduction};
+
+/// The machine's two communicators.
+const BOTH: [Comm; 2] = [Comm::Reduce, Comm::Gather];
 
 /// How the engine meets the device (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,6 +75,9 @@ pub(super) enum Design {
     /// A failing engine aborts the machine's collectives on its progress
     /// thread before it opens their gates.
     AbortFirst,
+    /// The reaper aborts the reduce communicator, waits for the device,
+    /// then aborts the gather communicator.
+    AbortOneByOne,
 }
 
 /// A thread of a rank's process, as the device model tells its CUDA calls
@@ -183,8 +192,9 @@ pub(super) struct Gpu {
     passed: Vec<u64>,
     /// Writes into a tensor after its caller's stream passed the operation.
     violations: Vec<String>,
-    /// The engine handed the machine's collectives' abort to the reaper.
-    abort_pending: bool,
+    /// The aborts the engine handed the reaper, in turn: each aborts its
+    /// communicators at once, then waits for the device to drain.
+    reaping: VecDeque<Vec<Comm>>,
 }
 
 /// Where a GPU's collective calls meet those of the other ranks of its
@@ -199,8 +209,9 @@ pub(super) trait Meeting: Send {
     fn writes(&self, id: u64) -> (usize, usize);
     /// What call `id` is, for a report of what waits.
     fn describe(&self, id: u64) -> String;
-    /// This rank aborts its collectives: every call of it ends at once.
-    fn abort(&self);
+    /// This rank aborts its communicator `comm`: every call of it on `comm`
+    /// ends at once.
+    fn abort(&self, comm: Comm);
 }
 
 impl Gpu {
@@ -280,24 +291,27 @@ impl Gpu {
         }
     }
 
-    /// The reaper runs the abort the engine handed it: the machine's
-    /// collectives end at once (NCCL's abort sets its kernels' abort flag,
-    /// host memory, before anything else), and the reaper then waits for the
-    /// device to drain (NCCL's abort waits for its kernels), behind any
-    /// device-wide wait already running.
+    /// The reaper runs the next abort the engine handed it, once its last
+    /// has returned: the communicators' calls end at once (NCCL's abort sets
+    /// its kernels' abort flag, host memory, before anything else), and the
+    /// reaper then waits for the device to drain (NCCL's abort waits for its
+    /// kernels), behind any device-wide wait already running.
     pub(super) fn reap(&mut self) {
-        if !self.abort_pending {
+        if self.blocked[Thread::Reaper as usize] {
             return;
         }
-        self.abort_pending = false;
-        self.abort_now(Thread::Reaper);
+        if let Some(comms) = self.reaping.pop_front() {
+            self.abort_now(Thread::Reaper, &comms);
+        }
     }
 
-    /// `thread` aborts the machine's collectives: they end, and the thread
-    /// waits for the device to drain.
-    fn abort_now(&mut self, thread: Thread) {
+    /// `thread` aborts the machine's communicators `comms`: their calls
+    /// end, and the thread waits for the device to drain.
+    fn abort_now(&mut self, thread: Thread, comms: &[Comm]) {
         if let Some(meeting) = &self.meeting {
-            meeting.abort();
+            for &comm in comms {
+                meeting.abort(comm);
+            }
             self.start_draining();
             self.blocked[thread as usize] = true;
         }
@@ -557,7 +571,7 @@ impl SimMemory {
                 tensors: Vec::new(),
                 passed: Vec::new(),
                 violations: Vec::new(),
-                abort_pending: false,
+                reaping: VecDeque::new(),
             }))),
         }
     }
@@ -619,6 +633,19 @@ impl SimMemory {
         })
     }
 
+    /// A device tensor of `into`, where operation `of`'s result delivers a
+    /// share: written, as `of` is, only after its start.
+    pub(super) fn device_share(&self, into: &mut [u8], of: &SimTensor) -> SimTensor {
+        let SimTensor::Device(of) = of else {
+            return SimTensor::Host(HostTensor::new(into.as_mut_ptr(), into.len()));
+        };
+        SimTensor::Device(DeviceTensor {
+            ptr: into.as_mut_ptr() as usize,
+            len: into.len(),
+            ..*of
+        })
+    }
+
     /// The caller's stream waits on the device for operation `seq`, if the
     /// device side exists (otherwise the caller waits on the host, which the
     /// simulation leaves out); `pending` asks the engine whether it must.
@@ -670,7 +697,7 @@ impl SimGpu {
         let mut gpu = self.lock();
         if gpu.design == Design::AbortFirst {
             let on = gpu.on;
-            gpu.abort_now(on);
+            gpu.abort_now(on, &BOTH);
         }
         let gates = (0..gpu.layout.buffers as u32)
             .map(|b| gpu.layout.gate(b))
@@ -695,11 +722,18 @@ impl SimGpu {
     }
 
     /// The engine failed: the machine's collectives' abort goes to the
-    /// reaper (under [`Design::AbortFirst`] the progress thread did it).
+    /// reaper, both communicators at once (under [`Design::AbortFirst`] the
+    /// progress thread did it; under [`Design::AbortOneByOne`] it aborts
+    /// them in turn).
     pub(super) fn release_collectives(&self) {
         let mut gpu = self.lock();
-        if gpu.design != Design::AbortFirst && gpu.meeting.is_some() {
-            gpu.abort_pending = true;
+        if gpu.meeting.is_none() {
+            return;
+        }
+        match gpu.design {
+            Design::AbortFirst => {}
+            Design::AbortOneByOne => gpu.reaping.extend([vec![Comm::Reduce], vec![Comm::Gather]]),
+            Design::Accepted | Design::IssuedByEngine => gpu.reaping.push_back(BOTH.to_vec()),
         }
     }
 
