@@ -283,7 +283,9 @@ impl DeviceSide {
         if let Some(value) =
             program::raised(words.get(gate).map_err(cuda)?, generation, stage, stages)?
         {
-            words.set(gate, value).map_err(cuda)?;
+            // Raised, not set: a release (every gate to `RELEASED`) between
+            // the read and this write is never undone.
+            words.raise(gate, value).map_err(cuda)?;
         }
         Ok(self.stage_end(buffer, stage.value(generation)))
     }
