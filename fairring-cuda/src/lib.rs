@@ -44,14 +44,17 @@
 //! (`kernel/emulation.rs`); NVRTC compiles the kernels there
 //! (`tests/kernel_compile.rs`) and NCCL makes unique ids
 //! (`tests/nccl_library.rs`). The tests that need a device (`tests/gpu.rs`) and
-//! `fairring-gpu-bench` pass on an H100 (CUDA 13 driver, NCCL from the
-//! `nvidia-nccl-cu13` wheel); `ci/gpu-build` and `ci/gpu-run` run them there.
+//! `fairring-gpu-bench` passed on an H100 and an H200 (CUDA 13 driver, NCCL
+//! from the `nvidia-nccl-cu13` wheel); `ci/gpu-build` and the kit's
+//! `gpu-check` run them there.
 //!
 //! [`HostRegistration`] page-locks host memory another owner allocated (the
 //! engine's staging buffers), and [`HostFlags`] are words in pinned memory a
-//! stream waits on (`cuStreamWaitValue64`) until the host sets them: how a
-//! caller's stream waits for a collective whose GPU work is enqueued step by
-//! step.
+//! stream waits on (`cuStreamWaitValue64`) until the host raises them, or
+//! writes after its work (`cuStreamWriteValue64`): how the engine enqueues an
+//! operation's whole GPU work when the call is accepted, behind gates its
+//! progress thread opens with host stores, and how a caller's stream waits
+//! for the operation.
 //!
 //! # Errors and panics
 //!

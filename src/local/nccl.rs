@@ -343,14 +343,14 @@ const WARM_UP_SIZES: [usize; 3] = [1 << 10, 256 << 10, 8 << 20];
 /// broadcast) once at each of [`WARM_UP_SIZES`] and waits for them, up to
 /// `timeout`.
 ///
-/// At its first use NCCL makes the collective's connections, allocating
-/// device memory (which waits for the whole device to drain), loads its
-/// kernels and may grow the context's stack. Done here, at the
-/// communicator's first device operation, before any stream has been made to
-/// wait for its operations, none of this can happen while a caller's stream
-/// waits for the engine ([`Work::enqueue_wait`](crate::Work::enqueue_wait)),
-/// where it would deadlock the process: the device cannot drain before the
-/// engine's NCCL call returns.
+/// At its first use NCCL makes the collective's connections with every
+/// local rank, allocates device memory (which waits for the whole device),
+/// loads its kernels and may grow the context's stack. Done here, while the
+/// machine's ranks agree on their path, a rank that cannot is found before
+/// any operation depends on it, and no operation's enqueue (on its caller's
+/// thread, holding the planner) waits for the other ranks to connect. None
+/// of it could deadlock later either: the progress thread makes no CUDA
+/// call, so a wait for the whole device returns.
 fn warm_up(
     comms: &NcclComms,
     device: &Arc<Device>,
