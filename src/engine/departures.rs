@@ -77,11 +77,6 @@ impl Departures {
 }
 
 impl<F: Fabric, M: MemorySpace> Engine<F, M> {
-    /// Tells every linked peer this rank leaves after `operations` operations, and
-    /// waits (briefly) until the goodbyes are out; after a failure, waits instead
-    /// (as briefly) until the failure reports are out, so that peers learn why
-    /// before they see the connections close. The progress thread must have
-    /// stopped.
     /// The communicator drops after submitting `submitted` operations: those
     /// still in flight finish first, driven here, each within `timeout`; any
     /// left then fail (and so does the engine), each once its device program
@@ -113,6 +108,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
     }
 
+    /// Tells every linked peer this rank leaves after `operations` operations, and
+    /// waits (briefly) until the goodbyes are out; after a failure, waits instead
+    /// (as briefly) until the failure reports are out, so that peers learn why
+    /// before they see the connections close. The progress thread must have
+    /// stopped.
     pub(crate) fn say_goodbye(&self, operations: u64) {
         if self.failure.failed() {
             let posted = self.failure.reports_posted.load(Ordering::Acquire);
