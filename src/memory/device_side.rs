@@ -58,7 +58,9 @@ use fairring_cuda::{
 
 use super::host::Host;
 use super::placed::PlacedTensor;
-use super::program::{self, ProgramItem, RELEASED, Stage, Stages, StagingAt, Unfinished};
+use super::program::{
+    self, ProgramItem, RELEASED, Stage, Stages, StagingAt, Unfinished, WordLayout,
+};
 use crate::error::{Error, Result};
 use crate::shm::segment::{OPERATIONS as WORK_CAPACITY, operation_entry as slot_of};
 
@@ -99,38 +101,6 @@ impl DeviceTensor {
 pub(crate) struct DeviceFence {
     word: usize,
     value: u64,
-}
-
-/// Where each word lies among a device side's words: per staging buffer its
-/// gate and its end; per operation-table entry its delivery's gate and end,
-/// its start and its done word.
-#[derive(Clone, Copy, Debug)]
-struct WordLayout {
-    buffers: usize,
-}
-
-impl WordLayout {
-    fn gate(self, buffer: u32) -> usize {
-        buffer as usize
-    }
-    fn end(self, buffer: u32) -> usize {
-        self.buffers + buffer as usize
-    }
-    fn delivery_gate(self, seq: u64) -> usize {
-        2 * self.buffers + slot_of(seq)
-    }
-    fn delivery_end(self, seq: u64) -> usize {
-        2 * self.buffers + WORK_CAPACITY + slot_of(seq)
-    }
-    fn started(self, seq: u64) -> usize {
-        2 * self.buffers + 2 * WORK_CAPACITY + slot_of(seq)
-    }
-    fn done(self, seq: u64) -> usize {
-        2 * self.buffers + 3 * WORK_CAPACITY + slot_of(seq)
-    }
-    fn count(self) -> usize {
-        2 * self.buffers + 4 * WORK_CAPACITY
-    }
 }
 
 /// How long dropping a device side waits for the streams that read its
@@ -185,9 +155,7 @@ impl DeviceSide {
             .map(|_| Event::new(&device, Timing::Disabled))
             .collect::<fairring_cuda::Result<Vec<_>>>()
             .map_err(cuda)?;
-        let layout = WordLayout {
-            buffers: buffers as usize,
-        };
+        let layout = WordLayout::new(buffers as usize);
         let (region, len) = staging.machine_staging();
         // SAFETY: the region is the staging buffers of the machine's segment,
         // mapped for as long as `staging` (held here) keeps it.

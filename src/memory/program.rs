@@ -46,6 +46,7 @@ use std::ops::Range;
 use fairring_core::{DataType, ReduceOp};
 
 use crate::error::{Error, Result};
+use crate::shm::segment::{OPERATIONS, operation_entry as slot_of};
 
 /// The stages of a slice's device program, in stream order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -87,6 +88,53 @@ pub(crate) const RELEASED: u64 = 1 << 62;
 )]
 pub(crate) fn wait_passes(word: u64, value: u64) -> bool {
     word.wrapping_sub(value).cast_signed() >= 0
+}
+
+/// Where each word lies among a device side's page-locked words (the real
+/// one's and the simulation's): per staging buffer its gate and its end; per
+/// operation-table entry its delivery's gate and end, its start and its done
+/// word.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WordLayout {
+    buffers: usize,
+}
+
+#[cfg_attr(
+    not(any(feature = "cuda", all(test, not(loom)))),
+    expect(dead_code, reason = "words are a device's, or the simulation's")
+)]
+impl WordLayout {
+    /// The words of a device side of `buffers` staging buffers.
+    pub(crate) fn new(buffers: usize) -> WordLayout {
+        WordLayout { buffers }
+    }
+    pub(crate) fn gate(self, buffer: u32) -> usize {
+        buffer as usize
+    }
+    pub(crate) fn end(self, buffer: u32) -> usize {
+        self.buffers + buffer as usize
+    }
+    pub(crate) fn delivery_gate(self, seq: u64) -> usize {
+        2 * self.buffers + slot_of(seq)
+    }
+    pub(crate) fn delivery_end(self, seq: u64) -> usize {
+        2 * self.buffers + OPERATIONS + slot_of(seq)
+    }
+    pub(crate) fn started(self, seq: u64) -> usize {
+        2 * self.buffers + 2 * OPERATIONS + slot_of(seq)
+    }
+    pub(crate) fn done(self, seq: u64) -> usize {
+        2 * self.buffers + 3 * OPERATIONS + slot_of(seq)
+    }
+    /// How many words there are.
+    pub(crate) fn count(self) -> usize {
+        2 * self.buffers + 4 * OPERATIONS
+    }
+    /// How many staging buffers have a gate and an end.
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn buffers(self) -> usize {
+        self.buffers
+    }
 }
 
 impl Stage {

@@ -56,7 +56,7 @@ use super::super::work::{WORK_CAPACITY, slot_of};
 use super::collectives::SimCollectives;
 use crate::error::{Error, Result};
 use crate::memory::program::{
-    self, Comm, MachineCall, ProgramItem, RELEASED, Stage, Stages, Unfinished,
+    self, Comm, MachineCall, ProgramItem, RELEASED, Stage, Stages, Unfinished, WordLayout,
 };
 use crate::memory::{Conversion, Host, HostTensor, MemorySpace, Reduction};
 
@@ -116,36 +116,6 @@ struct SimStream {
     run: u64,
 }
 
-/// Where each word lies: the device side's layout.
-#[derive(Clone, Copy, Debug)]
-struct Words {
-    buffers: usize,
-}
-
-impl Words {
-    fn gate(self, buffer: u32) -> usize {
-        buffer as usize
-    }
-    fn end(self, buffer: u32) -> usize {
-        self.buffers + buffer as usize
-    }
-    fn delivery_gate(self, seq: u64) -> usize {
-        2 * self.buffers + slot_of(seq)
-    }
-    fn delivery_end(self, seq: u64) -> usize {
-        2 * self.buffers + WORK_CAPACITY + slot_of(seq)
-    }
-    fn started(self, seq: u64) -> usize {
-        2 * self.buffers + 2 * WORK_CAPACITY + slot_of(seq)
-    }
-    fn done(self, seq: u64) -> usize {
-        2 * self.buffers + 3 * WORK_CAPACITY + slot_of(seq)
-    }
-    fn count(self) -> usize {
-        2 * self.buffers + 4 * WORK_CAPACITY
-    }
-}
-
 /// What a blocked thread's calls do once it goes on.
 #[derive(Clone, Copy, Debug)]
 enum Deferred {
@@ -166,7 +136,7 @@ pub(super) struct Gpu {
     /// The engine's streams (one per staging buffer, then the deliveries'),
     /// then the caller's.
     streams: Vec<SimStream>,
-    layout: Words,
+    layout: WordLayout,
     words: Vec<u64>,
     /// Whether the device side exists (made at the first device operation).
     made: bool,
@@ -551,7 +521,7 @@ pub(super) struct SimGpu(Arc<Mutex<Gpu>>);
 impl SimMemory {
     pub(super) fn new(host: Host, design: Design) -> SimMemory {
         let buffers = host.buffers() as usize;
-        let layout = Words { buffers };
+        let layout = WordLayout::new(buffers);
         let streams = (0..buffers + 2).map(|_| SimStream::default()).collect();
         SimMemory {
             host,
@@ -699,7 +669,7 @@ impl SimGpu {
             let on = gpu.on;
             gpu.abort_now(on, &BOTH);
         }
-        let gates = (0..gpu.layout.buffers as u32)
+        let gates = (0..gpu.layout.buffers() as u32)
             .map(|b| gpu.layout.gate(b))
             .chain((0..WORK_CAPACITY as u64).map(|s| gpu.layout.delivery_gate(s)))
             .collect::<Vec<_>>();
@@ -769,7 +739,7 @@ impl SimGpu {
                     generation,
                     touches: t,
                 } => {
-                    if buffer as usize >= layout.buffers {
+                    if buffer as usize >= layout.buffers() {
                         return Err(lost(Error::internal(
                             "every staging buffer has its stream",
                             format!("buffer {buffer}"),
