@@ -359,10 +359,9 @@ impl DeviceSide {
                 }
                 ProgramItem::ToStaging { tensor: range, to } => {
                     let (b, _) = in_slice(at, seq).map_err(lost)?;
-                    // SAFETY: the program's copies move the slice's bytes in
-                    // its operation's tensor (valid under the operation's
-                    // contract) and staging bytes nothing else touches while
-                    // the stage runs (the counter protocol, the engine's gates).
+                    // SAFETY: the slice's bytes of its operation's tensor (valid
+                    // by the call's contract), and staging bytes nothing else
+                    // touches while the stage runs (counters, the engine's gates).
                     unsafe { self.copy_in(b, tensor, range, *to) }.map_err(lost)?;
                 }
                 ProgramItem::FromStaging {
