@@ -30,7 +30,7 @@ use super::Engine;
 use super::algorithm::{DeviceCopy, DeviceUse, Origins, Resolved, SliceAlgorithm, SliceInfo};
 use super::work::Submission;
 use crate::error::{Error, Result};
-use crate::local::{LocalSlice, LocalStage};
+use crate::local::{LocalSlice, LocalStage, slice_range};
 use crate::memory::MemorySpace;
 use crate::memory::program::{ProgramItem, Stage, Stages, StagingAt};
 
@@ -180,37 +180,30 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         slice: &Slice,
         number: u64,
     ) -> Result<SliceStages> {
-        let mut held = SliceStages {
-            device_use: self.device_use(sub, slice, number)?,
-            stages: Stages::default(),
-            expected: [Tally::default(); 2],
-            asked: [Tally::default(); 2],
-        };
+        let (mut stages, mut expected) = (Stages::default(), [Tally::default(); 2]);
         let mut stage = None;
-        self.slice_program(sub, slice, number, &mut |item| {
+        let device_use = self.slice_program(sub, slice, number, &mut |item| {
             match item {
                 ProgramItem::Stage(s) => {
-                    held.stages = held.stages.with(s);
+                    stages = stages.with(s);
                     stage = Some(s);
                 }
                 ProgramItem::ToStaging { tensor, to } => {
-                    tally(&mut held.expected, stage, to.offset, &tensor);
+                    tally(&mut expected, stage, to.offset, &tensor);
                 }
                 ProgramItem::FromStaging { from, tensor } => {
-                    tally(&mut held.expected, stage, from.offset, &tensor);
+                    tally(&mut expected, stage, from.offset, &tensor);
                 }
                 _ => {}
             }
             Ok(())
         })?;
-        Ok(held)
-    }
-
-    /// Slice `number` of `sub` (planned `slice`) as its algorithm sees it,
-    /// and what it asks of the device.
-    fn device_use(&self, sub: &Submission<M>, slice: &Slice, number: u64) -> Result<DeviceUse> {
-        let info = self.device_info(sub, slice, number);
-        SliceAlgorithm::device_use(sub.algorithm, &self.context(), &info)
+        Ok(SliceStages {
+            device_use,
+            stages,
+            expected,
+            asked: [Tally::default(); 2],
+        })
     }
 
     fn device_info<'a>(&self, sub: &Submission<M>, slice: &'a Slice, number: u64) -> SliceInfo<'a> {
@@ -227,15 +220,15 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
     }
 
-    /// One slice's program: its start, each stage it holds behind its gate,
-    /// its end.
+    /// One slice's program: its start, each stage that has items behind its
+    /// gate, its end. Returns what the slice's algorithm asks of the device.
     fn slice_program(
         &self,
         sub: &Submission<M>,
         slice: &Slice,
         number: u64,
         each: &mut dyn FnMut(ProgramItem<M::Tensor>) -> Result<()>,
-    ) -> Result<()> {
+    ) -> Result<DeviceUse> {
         let info = self.device_info(sub, slice, number);
         let device_use = SliceAlgorithm::device_use(sub.algorithm, &self.context(), &info)?;
         let buffer = u32::try_from(number % u64::from(self.buffers)).unwrap_or(u32::MAX);
@@ -256,28 +249,27 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             local: &local,
             algorithm: sub.algorithm,
         };
-        let mut stages = Stages::default();
-        for stage in Stage::ALL {
-            let mut any = false;
-            self.stage_items(stage, &ask, &mut |_| {
-                any = true;
-                Ok(())
-            })?;
-            if any {
-                stages = stages.with(stage);
-            }
-        }
         each(ProgramItem::Slice {
             buffer,
             generation: info.generation,
-            touches: !stages.is_empty(),
         })?;
-        for stage in Stage::ALL.into_iter().filter(|&s| stages.has(s)) {
-            each(ProgramItem::Stage(stage))?;
-            self.stage_items(stage, &ask, each)?;
-            each(ProgramItem::StageEnd)?;
+        for stage in Stage::ALL {
+            // A stage is in the program where it has items: it starts at
+            // its first.
+            let mut started = false;
+            self.stage_items(stage, &ask, &mut |item| {
+                if !started {
+                    started = true;
+                    each(ProgramItem::Stage(stage))?;
+                }
+                each(item)
+            })?;
+            if started {
+                each(ProgramItem::StageEnd)?;
+            }
         }
-        each(ProgramItem::SliceEnd)
+        each(ProgramItem::SliceEnd)?;
+        Ok(device_use)
     }
 
     /// What `stage` of a slice does on the device.
@@ -293,17 +285,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             local,
             algorithm,
         } = *ask;
-        let base = info
-            .slice
-            .span()
-            .byte_range()
-            .ok_or_else(|| {
-                Error::internal(
-                    "a slice's bytes fit the address space",
-                    format!("{:?}", info.slice),
-                )
-            })?
-            .start;
+        let base = slice_range(info.slice)?.start;
         let own = |offset| StagingAt {
             rank: self.links.location.device,
             buffer: local.buffer,

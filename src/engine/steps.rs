@@ -20,7 +20,7 @@ use super::slices::{ActiveSlice, LocalRequest};
 use super::tags::{self, Kind};
 use super::{Driver, Engine};
 use crate::error::Error;
-use crate::local::{LocalSlice, LocalStage};
+use crate::local::{LocalSlice, LocalStage, slice_range};
 use crate::memory::MemorySpace;
 use crate::memory::program::Stage;
 
@@ -127,17 +127,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 format!("{step:?} for buffer {b}"),
             )
         })?;
-        let tensor_base = active
-            .slice
-            .span()
-            .byte_range()
-            .ok_or_else(|| {
-                Error::internal(
-                    "a slice's bytes fit the address space",
-                    format!("{:?}", active.slice),
-                )
-            })?
-            .start;
+        let tensor_base = slice_range(&active.slice)?.start;
         let from_tensor = matches!(step, Step::WriteFromTensor(_) | Step::WriteIntoWindow(_));
         let into_window = matches!(step, Step::WriteIntoWindow(_));
         let ended = match step {

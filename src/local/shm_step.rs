@@ -225,7 +225,7 @@ pub(super) fn for_each_run<M: crate::memory::MemorySpace>(
 }
 
 /// The byte range of `slice` in its tensor.
-pub(super) fn slice_range(slice: &Slice) -> Result<Range<usize>> {
+pub(crate) fn slice_range(slice: &Slice) -> Result<Range<usize>> {
     slice.span().byte_range().ok_or_else(|| {
         Error::internal(
             "a slice's bytes fit the address space",

@@ -334,24 +334,23 @@ impl DeviceSide {
         let mut i = 0;
         while i < items.len() {
             match &items[i] {
-                &ProgramItem::Slice {
-                    buffer,
-                    generation,
-                    touches,
-                } => {
+                &ProgramItem::Slice { buffer, generation } => {
                     self.check_buffer(buffer).map_err(lost)?;
                     at = Some((buffer, generation));
                     staged = false;
-                    if touches {
-                        let start = &self.starts[slot_of(seq)];
-                        self.streams[buffer as usize]
-                            .wait(start)
-                            .map_err(|e| lost(cuda(e)))?;
-                    }
                 }
                 &ProgramItem::Stage(s) => {
                     let (b, g) = in_slice(at, seq).map_err(lost)?;
                     stage = Some(s);
+                    if !staged {
+                        // The slice's first stage touches the tensor: not
+                        // before the caller's stream has reached the
+                        // operation.
+                        let start = &self.starts[slot_of(seq)];
+                        self.streams[b as usize]
+                            .wait(start)
+                            .map_err(|e| lost(cuda(e)))?;
+                    }
                     staged = true;
                     words
                         .enqueue_wait(&self.streams[b as usize], self.layout.gate(b), s.value(g))

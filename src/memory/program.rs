@@ -187,6 +187,7 @@ impl Stages {
     }
 
     /// Whether the program holds no stage.
+    #[cfg(test)]
     pub(crate) fn is_empty(self) -> bool {
         self.0 == 0
     }
@@ -300,17 +301,12 @@ pub(crate) struct Unfinished {
 pub(crate) enum ProgramItem<T> {
     /// The program of slice `generation` of staging buffer `buffer` starts,
     /// on that buffer's stream; its stages follow, then [`SliceEnd`].
-    /// `touches` says whether any stage reads or writes the tensor: the
-    /// stream then waits for the operation's start on the caller's stream
-    /// first.
     ///
     /// [`SliceEnd`]: ProgramItem::SliceEnd
-    Slice {
-        buffer: u32,
-        generation: u64,
-        touches: bool,
-    },
-    /// A stage of the slice starts: a wait for its gate.
+    Slice { buffer: u32, generation: u64 },
+    /// A stage of the slice starts: a wait for its gate, after, at the
+    /// slice's first stage, a wait for the operation's start on the caller's
+    /// stream (every stage reads or writes the tensor).
     Stage(Stage),
     /// Bytes `tensor` of the tensor into staging.
     ToStaging { tensor: Range<usize>, to: StagingAt },

@@ -726,7 +726,6 @@ impl SimGpu {
         // then enqueued at once or held, as the design says.
         let mut groups: Vec<(usize, Held)> = Vec::new();
         let mut at: Option<(u32, u64)> = None;
-        let mut touches = false;
         let mut stage = None;
         let mut staged = false;
         let bytes = |s: program::StagingAt, len| host.machine_bytes(s, len).map(NonNull::as_ptr);
@@ -734,11 +733,7 @@ impl SimGpu {
             let (b, g) = at.unwrap_or((0, 0));
             let stream = b as usize;
             match item {
-                &ProgramItem::Slice {
-                    buffer,
-                    generation,
-                    touches: t,
-                } => {
+                &ProgramItem::Slice { buffer, generation } => {
                     if buffer as usize >= layout.buffers() {
                         return Err(lost(Error::internal(
                             "every staging buffer has its stream",
@@ -746,13 +741,13 @@ impl SimGpu {
                         )));
                     }
                     at = Some((buffer, generation));
-                    touches = t;
                     staged = false;
                 }
                 &ProgramItem::Stage(s) => {
                     stage = Some(s);
                     let mut items = Vec::new();
-                    if touches && !staged {
+                    if !staged {
+                        // The slice's first stage touches the tensor.
                         items.push(Item::WaitFor {
                             stream: caller,
                             at: tensor.start,
@@ -774,15 +769,8 @@ impl SimGpu {
                 ProgramItem::ToStaging { tensor: range, to } => {
                     let from = tensor.at(range).map_err(lost)?;
                     let to = bytes(*to, range.len()).map_err(lost)? as usize;
-                    push_into(
-                        &mut groups,
-                        Item::Copy {
-                            to,
-                            from,
-                            len: range.len(),
-                        },
-                        seq,
-                    )?;
+                    let len = range.len();
+                    push_into(&mut groups, Item::Copy { to, from, len }, seq)?;
                 }
                 ProgramItem::FromStaging {
                     from,
@@ -790,15 +778,8 @@ impl SimGpu {
                 } => {
                     let to = tensor.at(range).map_err(lost)?;
                     let from = bytes(*from, range.len()).map_err(lost)? as usize;
-                    push_into(
-                        &mut groups,
-                        Item::Copy {
-                            to,
-                            from,
-                            len: range.len(),
-                        },
-                        seq,
-                    )?;
+                    let len = range.len();
+                    push_into(&mut groups, Item::Copy { to, from, len }, seq)?;
                 }
                 ProgramItem::Collective {
                     comm,
