@@ -87,6 +87,11 @@ mod point_to_point;
 mod server;
 #[allow(unsafe_code)]
 mod shm;
+/// The seeded simulation of every rank of a job, with a simulated GPU and the
+/// machine's collectives: the engine's test bench.
+#[cfg(all(test, not(loom)))]
+#[allow(unsafe_code)]
+mod simulation;
 pub mod store;
 mod sync;
 

@@ -38,7 +38,6 @@
 //! | `stall` | what a stalled engine waits for, in words |
 //! | `links` | the fabric and the connections to this rank's peers (whom the algorithms need: `algorithm/peers`) |
 //! | `tags` | immediates and tokens |
-//! | `simulation/` | (tests) the seeded simulation of every rank, with a simulated GPU and the machine's collectives |
 //!
 //! # Memory
 //!
@@ -49,7 +48,7 @@
 //! fabric allocates that tensor's registration, which the engine keeps for the
 //! next all-reduce of the same memory.
 
-mod algorithm;
+pub(crate) mod algorithm;
 mod checks;
 pub(crate) mod choice;
 mod credits;
@@ -67,8 +66,6 @@ mod outbox;
 mod planner;
 mod progress;
 mod serving;
-#[cfg(all(test, not(loom)))]
-mod simulation;
 mod slices;
 mod stall;
 mod steps;
@@ -423,6 +420,13 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
 
     fn lock_planner(&self) -> MutexGuard<'_, Planner<M>> {
         self.planner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether a panic poisoned the driver's lock (the simulation checks that a
+    /// panicking local step leaves it clean).
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn driver_is_poisoned(&self) -> bool {
+        self.driver.is_poisoned()
     }
 
     fn lock_driver(&self) -> MutexGuard<'_, Driver<M>> {

@@ -282,7 +282,7 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
         peer.contains("rank 1") && peer.contains("injected panic"),
         "{peer}"
     );
-    assert!(!engines[1].driver.is_poisoned());
+    assert!(!engines[1].driver_is_poisoned());
     // The failed engine takes no more work and drives nothing.
     assert!(!engines[1].try_drive());
     assert!(engines[1].works.try_take(1));

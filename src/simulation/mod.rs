@@ -65,12 +65,12 @@ use fairring_core::topology::{Location, RankLayout, Topology};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 use fairring_rdma::fabric::{Fabric, LocalRegion};
 
-use super::Wiring;
-use super::algorithm::{Origins, Resolved, relay_over_machines};
-use super::descriptor::{Collective, Descriptor};
-use super::layout::BufferLayout;
-use super::work::{self, DONE, FAILED, Submission};
-use super::{DirectSettings, Engine, EngineParts};
+use crate::engine::Wiring;
+use crate::engine::algorithm::{Origins, Resolved, relay_over_machines};
+use crate::engine::descriptor::{Collective, Descriptor};
+use crate::engine::layout::BufferLayout;
+use crate::engine::work::{self, DONE, FAILED, Submission};
+use crate::engine::{DirectSettings, Engine, EngineParts};
 use crate::local::{LocalSlice, LocalStep, Machine, PeerCopy, ShmStep, Solo};
 use crate::memory::program::ProgramItem;
 use crate::memory::{Host, HostTensor, MemoryKind, MemorySpace};

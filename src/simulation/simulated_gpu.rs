@@ -52,8 +52,8 @@ use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use super::super::work::{WORK_CAPACITY, slot_of};
 use super::collectives::SimCollectives;
+use crate::engine::work::{WORK_CAPACITY, slot_of};
 use crate::error::{Error, Result};
 use crate::memory::program::{
     self, Comm, MachineCall, ProgramItem, RELEASED, Stage, Stages, Unfinished, WordLayout,
