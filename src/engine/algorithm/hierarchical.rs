@@ -99,14 +99,21 @@
 
 use std::ops::Range;
 
-use fairring_core::plan::{DoubleTree, PlanError, TREE_PARTS};
+use fairring_core::plan::TREE_PARTS;
 use fairring_core::staging::{Actions, Counter, Event, StagingError, StagingErrorKind, Word};
-use fairring_core::{DataType, ReduceOp, WireFormat};
+use fairring_core::{ReduceOp, WireFormat};
+
+mod trees;
+mod wire;
 
 use super::{Context, Converted, DeviceUse, SliceEvent, SliceInfo, Step, Write, unexpected};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
-use crate::memory::{Conversion, Direction, Reduction};
+use crate::memory::Reduction;
+use trees::{parent_of_served, send_up, tree_contributions, tree_neighbours};
+use wire::{
+    compressed, narrow_contributions, narrow_result, result_area, sent_shards, widen_results,
+};
 
 /// Most parts a slice's cells travel in: one word each.
 const MOST_PARTS: usize = TREE_PARTS as usize;
@@ -462,259 +469,6 @@ impl Hierarchical {
             own_in_tensor: alone(ctx),
         });
     }
-}
-
-/// The format this slice's values cross between machines in, if compressed:
-/// `f32` values, and more than one machine or dedicated servers, straight to
-/// the servers (through trees values cross exact: see the module docs).
-fn compressed(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Option<WireFormat> {
-    (s.wire != WireFormat::Exact
-        && s.dtype == DataType::F32
-        && !alone(ctx)
-        && s.slice.double_tree().is_none())
-    .then_some(s.wire)
-}
-
-/// Through trees, the trees and the tree `shard` travels through.
-fn tree_of(s: &SliceInfo<'_>, shard: u32) -> Result<(DoubleTree, u32)> {
-    match (s.slice.double_tree(), s.slice.tree_of(shard)) {
-        (Some(trees), Ok(Some(tree))) => Ok((trees, tree)),
-        _ => Err(Error::internal(
-            "only a slice routed through trees asks for its trees",
-            format!("shard {shard} of slice {}", s.number),
-        )),
-    }
-}
-
-/// Through trees, this machine's neighbours in the tree of `shard`: its parent
-/// (`None` at the root) and its children.
-fn tree_neighbours(
-    ctx: &Context<'_>,
-    s: &SliceInfo<'_>,
-    shard: u32,
-) -> Result<(Option<u32>, [Option<u32>; 2])> {
-    let (trees, tree) = tree_of(s, shard)?;
-    let me = ctx.location.machine;
-    let inside = |e: PlanError| Error::internal("this machine is in every tree", e.to_string());
-    Ok((
-        trees.parent(tree, me).map_err(inside)?,
-        trees.children(tree, me).map_err(inside)?,
-    ))
-}
-
-/// Through trees, the rank of this device's rail on the parent of its machine
-/// in the tree of the shard it reduces; `None` at the root or where it
-/// reduces none.
-fn parent_of_served(ctx: &Context<'_>, s: &SliceInfo<'_>) -> Result<Option<u32>> {
-    if s.slice.double_tree().is_none() {
-        return Ok(None);
-    }
-    match s.slice.shard_served_by(ctx.location.machine) {
-        Ok(Some(shard)) => tree_neighbours(ctx, s, shard)?
-            .0
-            .map(|parent| ctx.rail_peer(parent))
-            .transpose(),
-        _ => Ok(None),
-    }
-}
-
-/// Through trees, the write of part `part` of this device's cell of `shard` to
-/// its parent in that shard's tree, into the same place of the parent's area
-/// for this child: a leaf's contribution, or (`Kind::Partial`) an inner node's
-/// partial sum.
-fn to_parent(
-    ctx: &Context<'_>,
-    s: &SliceInfo<'_>,
-    shard: u32,
-    part: u32,
-    kind: Kind,
-) -> Result<Write> {
-    let (trees, tree) = tree_of(s, shard)?;
-    let me = ctx.location.machine;
-    let missing = |why: &'static str| {
-        Error::internal(
-            why,
-            format!("machine {me}, shard {shard} of slice {}", s.number),
-        )
-    };
-    let parent = trees
-        .parent(tree, me)
-        .map_err(|e| Error::internal("this machine is in every tree", e.to_string()))?
-        .ok_or_else(|| missing("only a machine below a tree's root sends up"))?;
-    let siblings = trees
-        .children(tree, parent)
-        .map_err(|e| Error::internal("a parent is in the tree", e.to_string()))?;
-    let child = match siblings {
-        [Some(left), _] if left == me => 0,
-        [_, Some(right)] if right == me => 1,
-        _ => return Err(missing("a machine is a child of its parent")),
-    };
-    let cell = cell_range(ctx, s, shard)?;
-    let source = s.part_range(ctx.location.device, shard, part)?;
-    Ok(Write {
-        kind,
-        peer: ctx.rail_peer(parent)?,
-        target: ctx.layout.child(child)?.start + (source.start - cell.start),
-        source,
-        needs_credit: true,
-        part,
-    })
-}
-
-/// Through trees, part `part` of every shard of the slot whose tree has this
-/// machine as a leaf, to the parent in that tree.
-fn tree_contributions(
-    ctx: &Context<'_>,
-    s: &SliceInfo<'_>,
-    part: u32,
-    steps: &mut Vec<Step>,
-) -> Result<()> {
-    for shard in 0..s.slice.shards() {
-        let (trees, tree) = tree_of(s, shard)?;
-        let inner = trees
-            .is_inner(tree, ctx.location.machine)
-            .map_err(|e| Error::internal("this machine is in every tree", e.to_string()))?;
-        if !inner {
-            steps.push(Step::Write(to_parent(
-                ctx,
-                s,
-                shard,
-                part,
-                Kind::Contribution,
-            )?));
-        }
-    }
-    Ok(())
-}
-
-/// Through trees, below the root: part `part` of the reduced shard, a partial
-/// sum, to the parent.
-fn send_up(ctx: &Context<'_>, s: &SliceInfo<'_>, part: u32, steps: &mut Vec<Step>) -> Result<()> {
-    let shard = served_shard(ctx, s)?;
-    steps.push(Step::Write(to_parent(ctx, s, shard, part, Kind::Partial)?));
-    Ok(())
-}
-
-/// The shards of this device's slot that others serve: other machines, or
-/// every shard where dedicated servers serve them all.
-fn sent_shards<'a>(ctx: &'a Context<'_>, s: &'a SliceInfo<'_>) -> impl Iterator<Item = u32> + 'a {
-    let me = ctx.location.machine;
-    let dedicated = ctx.servers > 0;
-    (0..s.slice.shards())
-        .filter(move |&shard| dedicated || s.slice.server(shard).is_ok_and(|m| m != me))
-}
-
-/// Pushes one conversion per shard that other machines serve, in place in its
-/// cell, the last naming `then`; returns whether there was one.
-fn convert_cells(
-    ctx: &Context<'_>,
-    s: &SliceInfo<'_>,
-    format: WireFormat,
-    direction: Direction,
-    then: Converted,
-    steps: &mut Vec<Step>,
-) -> Result<bool> {
-    let first = steps.len();
-    for shard in sent_shards(ctx, s) {
-        let cell = cell_range(ctx, s, shard)?;
-        let from = match direction {
-            Direction::Narrow => cell.clone(),
-            Direction::Widen => cell.start..cell.start + format.wire_bytes(cell.len()),
-        };
-        steps.push(Step::Convert {
-            conversion: Conversion {
-                format,
-                direction,
-                from,
-                to: cell.start,
-            },
-            then: None,
-        });
-    }
-    match steps[first..].last_mut() {
-        Some(Step::Convert { then: last, .. }) => {
-            *last = Some(then);
-            Ok(true)
-        }
-        _ => Ok(false),
-    }
-}
-
-/// Narrows every cell this rank contributes, where it lies; the writes follow
-/// [`Converted::Contributions`]. Returns whether there was one.
-fn narrow_contributions(
-    ctx: &Context<'_>,
-    s: &SliceInfo<'_>,
-    format: WireFormat,
-    steps: &mut Vec<Step>,
-) -> Result<bool> {
-    convert_cells(
-        ctx,
-        s,
-        format,
-        Direction::Narrow,
-        Converted::Contributions,
-        steps,
-    )
-}
-
-/// Widens every result that landed, where it lies; the slot's publication
-/// follows [`Converted::Slot`]. Returns whether there was one.
-fn widen_results(
-    ctx: &Context<'_>,
-    s: &SliceInfo<'_>,
-    format: WireFormat,
-    steps: &mut Vec<Step>,
-) -> Result<bool> {
-    convert_cells(ctx, s, format, Direction::Widen, Converted::Slot, steps)
-}
-
-/// Narrows the reduced shard into the send area and widens it back over the
-/// shard; the writes follow [`Converted::Results`].
-fn narrow_result(
-    ctx: &Context<'_>,
-    s: &SliceInfo<'_>,
-    format: WireFormat,
-    steps: &mut Vec<Step>,
-) -> Result<()> {
-    let shard = cell_range(ctx, s, served_shard(ctx, s)?)?;
-    let area = result_area(ctx, &shard, format)?;
-    steps.push(Step::Convert {
-        conversion: Conversion {
-            format,
-            direction: Direction::Narrow,
-            from: shard.clone(),
-            to: area.start,
-        },
-        then: None,
-    });
-    steps.push(Step::Convert {
-        conversion: Conversion {
-            format,
-            direction: Direction::Widen,
-            from: area,
-            to: shard.start,
-        },
-        then: Some(Converted::Results),
-    });
-    Ok(())
-}
-
-/// Where the served shard's narrow result waits to be sent: the start of the
-/// first contribution area, which the reduction has consumed and which no
-/// peer writes again before this slice releases the buffer (the next slice's
-/// contributions need its credit).
-fn result_area(
-    ctx: &Context<'_>,
-    shard: &Range<usize>,
-    format: WireFormat,
-) -> Result<Range<usize>> {
-    let len = format.wire_bytes(shard.len());
-    let first = ctx
-        .layout
-        .contributions_to(ctx.location.machine, len)?
-        .first;
-    Ok(first..first + len)
 }
 
 /// Whether the machine's reduce-scatter is the whole all-reduce: one machine and
