@@ -95,9 +95,9 @@ mod simulation;
 pub mod store;
 mod sync;
 
-pub use bootstrap::Traffic;
 pub use communicator::{Call, Collective, Communicator, Memory, Options, OwnedWork, Scope, Work};
 pub use config::{Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Role};
+pub use engine::links::Traffic;
 pub use error::{Error, Result};
 pub use fairring_core::{DataType, ReduceOp, WireFormat};
 pub use fusion::Fusion;

@@ -6,12 +6,14 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::bootstrap::{self, AnyFabric, Traffic, start_progress, stop_progress};
+use crate::bootstrap::{self, start_progress, stop_progress};
 use crate::config::{Config, Role};
 use crate::engine::Engine;
+use crate::engine::links::Traffic;
 use crate::error::{Error, Result};
 use crate::memory::Host;
 use crate::store::Store;
+use fairring_rdma::any::AnyFabric;
 
 /// How often [`Server::run`] looks whether the job is over.
 const LOOK: Duration = Duration::from_millis(5);
@@ -86,7 +88,7 @@ impl Server {
 
     /// The data bytes this server's fabric has moved so far.
     pub fn traffic(&self) -> Traffic {
-        self.engine.links.fabric.traffic()
+        self.engine.links.traffic()
     }
 
     /// Serves until every worker has left the job, and returns the data bytes

@@ -14,8 +14,15 @@
 //!   immediate, credits, GPUDirect registration (`ibv_reg_mr` on device memory,
 //!   `ibv_reg_dmabuf_mr`). Compiled in CI; never yet run on an RDMA device (its
 //!   module docs say what that means).
+//!
+//! [`any`] (with `tcp`) is one fabric type over whichever provider a process
+//! chooses at run time, and the rule that chooses it: what a runtime generic
+//! over [`Fabric`] is built with when the provider is known only once it runs.
 #![deny(unsafe_code)]
 
+#[cfg(feature = "tcp")]
+#[allow(unsafe_code)]
+pub mod any;
 pub mod fabric;
 mod secret;
 #[cfg(feature = "tcp")]

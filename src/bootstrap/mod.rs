@@ -4,13 +4,13 @@ use std::sync::Arc;
 
 use fairring_core::plan::{Geometry, PlanConfig};
 use fairring_core::topology::{Location, Topology};
+use fairring_rdma::any::AnyFabric;
 use fairring_rdma::fabric::{Endpoint, Fabric, LocalRegion, RemoteRegion};
 
-mod any_fabric;
+mod fabric;
 mod progress;
 
-pub(crate) use any_fabric::AnyFabric;
-pub use any_fabric::Traffic;
+pub(crate) use fabric::choice_of;
 pub(crate) use progress::{start_progress, stop_progress};
 
 use crate::config::Config;
@@ -461,10 +461,10 @@ fn assemble<M: MemorySpace>(
     a: Assembly<M>,
 ) -> Result<Engine<AnyFabric, M>> {
     let rank = config.process();
-    let fabric = AnyFabric::build(config)?;
+    let fabric = fabric::build(config)?;
     log::debug!(
         "fairring rank {rank}: {} fabric, {} staging buffers of {} bytes",
-        fabric.choice(),
+        choice_of(&fabric),
         a.buffers,
         a.memory.buffer_bytes()
     );

@@ -4,10 +4,10 @@
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use super::AnyFabric;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::memory::MemorySpace;
+use fairring_rdma::any::AnyFabric;
 
 /// Starts `engine`'s progress thread, named `name`.
 pub(crate) fn start_progress<M: MemorySpace>(

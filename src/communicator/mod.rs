@@ -26,9 +26,10 @@ use fairring_core::reduce::Element;
 use fairring_core::topology::{Location, Topology};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
-use crate::bootstrap::{self, AnyFabric, Traffic, start_progress, stop_progress};
+use crate::bootstrap::{self, start_progress, stop_progress};
 use crate::config::{Algorithm, Config, FabricChoice};
 use crate::engine::descriptor::Descriptor;
+use crate::engine::links::Traffic;
 use crate::engine::work::{Delivery, Submission, WORK_CAPACITY, slot_of};
 use crate::engine::{Engine, choice};
 use crate::error::{Error, Result};
@@ -38,6 +39,7 @@ use crate::memory::{HostTensor, MemoryKind, Placed, PlacedTensor};
 use crate::point_to_point::Channels;
 use crate::store::{PrefixStore, Store, TcpStoreServer};
 use crate::sync::unmodelled::AtomicU8;
+use fairring_rdma::any::AnyFabric;
 pub(crate) use submit::check_pointer;
 use submit::*;
 #[cfg(feature = "cuda")]
@@ -201,18 +203,14 @@ impl Communicator {
     /// The fabric this rank runs on: [`FabricChoice::Tcp`] or
     /// [`FabricChoice::Verbs`] (`auto` resolved).
     pub fn fabric(&self) -> FabricChoice {
-        self.engine.links.fabric.choice()
+        bootstrap::choice_of(&self.engine.links.fabric)
     }
 
     /// The data bytes this rank's fabric has written into peers and received
     /// from them so far (see [`Traffic`]), its point-to-point channels'
     /// included.
     pub fn traffic(&self) -> Traffic {
-        self.engine
-            .links
-            .fabric
-            .traffic()
-            .plus(self.channels.traffic())
+        self.engine.links.traffic().plus(self.channels.traffic())
     }
 
     /// Dedicated reduction servers in the job (0: the machines serve).

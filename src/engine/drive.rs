@@ -53,7 +53,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         if self.uses_fabric {
             loop {
                 let mut batch = std::mem::take(&mut d.scratch.completions);
-                let n = self.links.fabric.poll(&mut batch);
+                let n = self.links.poll(&mut batch);
                 let result = batch[..n]
                     .iter()
                     .try_for_each(|c| self.on_completion(d, *c));

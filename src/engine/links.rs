@@ -8,10 +8,16 @@
 //! write into its inbox need credits; those on other machines (servers are on no
 //! worker's machine) are the remote ends of the descriptor checks.
 
-use fairring_core::topology::{Location, Topology};
-use fairring_rdma::fabric::{Completion, CompletionEvent, Fabric, RemoteRegion};
+use std::time::Duration;
 
+use fairring_core::topology::{Location, Topology};
+use fairring_rdma::fabric::{
+    Completion, CompletionEvent, Fabric, FabricError, RemoteRegion, WriteRequest,
+};
+
+use super::tags;
 use crate::error::{Error, Result};
+use crate::sync::{AtomicU64, Ordering};
 
 /// Filler for completion buffers before a poll writes them.
 pub(crate) const NO_COMPLETION: Completion = Completion {
@@ -40,6 +46,43 @@ pub(crate) struct Links<F: Fabric> {
     pub(crate) remote_in: Vec<u32>,
     /// Per rank: whether it is in `remote_out`.
     is_remote_out: Vec<bool>,
+    /// The data bytes moved so far.
+    counted: Counters,
+}
+
+/// Data bytes a process's fabric has moved: the payloads of the one-sided
+/// writes it posted and of the writes that landed in its memory. Control
+/// messages (descriptors, credits, goodbyes) and the providers' frame headers are
+/// not counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Bytes this process wrote into its peers.
+    pub sent_bytes: u64,
+    /// Bytes its peers wrote into this process.
+    pub received_bytes: u64,
+    /// Of those, bytes written straight into its callers' tensors, which it
+    /// then did not copy out of staging (a message's, where the fabric lets
+    /// a receiver open its tensor to its peer: see `engine/direct.rs`).
+    pub received_in_place_bytes: u64,
+}
+
+impl Traffic {
+    /// Both counts of `self` and `other` added.
+    pub(crate) fn plus(self, other: Traffic) -> Traffic {
+        Traffic {
+            sent_bytes: self.sent_bytes + other.sent_bytes,
+            received_bytes: self.received_bytes + other.received_bytes,
+            received_in_place_bytes: self.received_in_place_bytes + other.received_in_place_bytes,
+        }
+    }
+}
+
+/// The counts behind [`Traffic`]; read from any thread.
+#[derive(Default)]
+struct Counters {
+    sent: AtomicU64,
+    received: AtomicU64,
+    in_place: AtomicU64,
 }
 
 impl<F: Fabric> Links<F> {
@@ -95,6 +138,63 @@ impl<F: Fabric> Links<F> {
             remote_out,
             remote_in,
             is_remote_out,
+            counted: Counters::default(),
+        }
+    }
+
+    /// Posts `request` to `peer`, counting its bytes once posted.
+    pub(crate) fn write(
+        &self,
+        peer: u32,
+        request: WriteRequest<'_, F::Region>,
+    ) -> std::result::Result<(), FabricError> {
+        let len = request.len as u64;
+        let posted = self.fabric.write(peer, request);
+        if posted.is_ok() {
+            self.counted.sent.fetch_add(len, Ordering::Relaxed);
+        }
+        posted
+    }
+
+    /// Takes the completions ready now into `out`, counting the landings.
+    pub(crate) fn poll(&self, out: &mut [Completion]) -> usize {
+        let n = self.fabric.poll(out);
+        self.count_landed(&out[..n]);
+        n
+    }
+
+    /// Waits up to `timeout` for completions into `out`, counting the landings.
+    pub(crate) fn wait(&self, out: &mut [Completion], timeout: Duration) -> usize {
+        let n = self.fabric.wait(out, timeout);
+        self.count_landed(&out[..n]);
+        n
+    }
+
+    /// The data bytes moved so far.
+    pub(crate) fn traffic(&self) -> Traffic {
+        Traffic {
+            sent_bytes: self.counted.sent.load(Ordering::Relaxed),
+            received_bytes: self.counted.received.load(Ordering::Relaxed),
+            received_in_place_bytes: self.counted.in_place.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Counts the landings among `completions`.
+    fn count_landed(&self, completions: &[Completion]) {
+        let (mut landed, mut in_place) = (0, 0);
+        for c in completions {
+            if let CompletionEvent::Landed { len, immediate } = c.event {
+                landed += len;
+                if tags::lands_in_tensor(immediate) {
+                    in_place += len;
+                }
+            }
+        }
+        if landed > 0 {
+            self.counted.received.fetch_add(landed, Ordering::Relaxed);
+        }
+        if in_place > 0 {
+            self.counted.in_place.fetch_add(in_place, Ordering::Relaxed);
         }
     }
 

@@ -152,7 +152,7 @@ impl Outbox {
                 immediate,
                 token: w.token,
             };
-            match links.fabric.write(w.peer, request) {
+            match links.write(w.peer, request) {
                 Ok(()) => posted += 1,
                 Err(FabricError::QueueFull { .. }) => break,
                 // The peer's failure also arrives as a completion, after whatever it

@@ -88,7 +88,7 @@ impl Channel {
     }
 
     /// What the channel's communicator has moved, once it is met.
-    pub(super) fn traffic(&self) -> Option<crate::bootstrap::Traffic> {
+    pub(super) fn traffic(&self) -> Option<crate::engine::links::Traffic> {
         match &*self.state.lock().unwrap_or_else(PoisonError::into_inner) {
             State::Met(comm) => Some(comm.traffic()),
             _ => None,

@@ -53,9 +53,9 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use fairring_core::DataType;
 use fairring_core::reduce::Element;
 
-use crate::bootstrap::Traffic;
 use crate::communicator::{Call, Communicator};
 use crate::config::Config;
+use crate::engine::links::Traffic;
 use crate::error::{Error, Result};
 use crate::store::Store;
 use channel::Channel;

@@ -202,7 +202,7 @@ impl<F: Fabric, M: MemorySpace> Driven for Engine<F, M> {
             // landings in the order they arrive.
             let mut d = self.lock_driver();
             let mut batch = std::mem::take(&mut d.scratch.waited);
-            let n = self.links.fabric.wait(&mut batch, FABRIC_WAIT);
+            let n = self.links.wait(&mut batch, FABRIC_WAIT);
             if n > 0 {
                 self.handle_locked(&mut d, &batch[..n]);
             }
