@@ -6,8 +6,8 @@ that has imported torch, the suite and fairring once, and are given the
 environment the harness sets for the test, so each starts as a spawned one
 would, in milliseconds rather than seconds.
 
-``python -m pytest python/torch_suite -k "<selection>"``; the README lists the
-selection CI runs and what passes. Tests hard-wired to gloo or nccl skip
+``python -m pytest python/torch_suite -k "<selection>"``; docs/verification.md
+("PyTorch's own distributed tests") lists the selection CI runs and what passes. Tests hard-wired to gloo or nccl skip
 themselves.
 """
 

@@ -44,7 +44,7 @@ impl<'scope> Scope<'scope, '_> {
     /// runs as a byte-wise wrapping-sum all-reduce to which every rank but the
     /// root contributes zeros, at twice the bytes per rank. `auto` picks the
     /// chain on two or three machines, and on more from 256 KiB (the rules of
-    /// `engine::choice`, in the README's `FAIRRING_ALGO` row). Both are exact
+    /// `engine::choice`, in the `FAIRRING_ALGO` row of docs/manual.md). Both are exact
     /// for every type (NaN payloads and negative zeros included).
     pub fn broadcast<T: Element>(
         &'scope self,
@@ -75,8 +75,8 @@ impl<'scope> Scope<'scope, '_> {
     /// once per hop. With [`Algorithm::Hierarchical`] it is a byte-wise sum over
     /// `output` to which each rank contributes its input at its offset and
     /// zeros elsewhere, at twice the bytes per rank. `auto` picks the ring on
-    /// two or three machines, and on more from 256 KiB (the README's
-    /// `FAIRRING_ALGO` row). Both are exact for every type.
+    /// two or three machines, and on more from 256 KiB (the
+    /// `FAIRRING_ALGO` row of docs/manual.md). Both are exact for every type.
     pub fn all_gather<T: Element>(
         &'scope self,
         input: &[T],
@@ -117,8 +117,8 @@ impl<'scope> Scope<'scope, '_> {
     /// [`Algorithm::Hierarchical`] or [`Algorithm::Doubling`] it is an
     /// all-reduce of the whole input, twice the bytes. `auto` picks the ring
     /// on one machine of several ranks, on two or three machines, and on more
-    /// from 256 KiB, unless the job has dedicated servers (the README's
-    /// `FAIRRING_ALGO` row).
+    /// from 256 KiB, unless the job has dedicated servers (the
+    /// `FAIRRING_ALGO` row of docs/manual.md).
     pub fn reduce_scatter<T: Element>(
         &'scope self,
         input: &'scope mut [T],

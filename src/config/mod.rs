@@ -77,8 +77,8 @@ fairring_core::named_enum! {
     /// `FR_ALGO_*` (0 there: the communicator's).
     pub enum Algorithm {
         /// Per operation, whichever of the others was measured faster for its
-        /// collective and size on the job's layout (the README's `FAIRRING_ALGO`
-        /// row says which; `src/engine/choice.rs` holds the rules and the
+        /// collective and size on the job's layout (the `FAIRRING_ALGO` row of
+        /// docs/manual.md says which; `src/engine/choice.rs` holds the rules and the
         /// measurements). The default.
         Auto = 1 => "auto",
         /// Reduction-server all-reduce: intra-machine reduce-scatter, sharded

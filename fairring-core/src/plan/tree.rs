@@ -45,7 +45,7 @@ pub const TREES: u32 = 2;
 /// forwarded whole at each. Every part is one more message a level, so more
 /// parts pay more per-message latency: at 2048 H100s and 256 MiB the scale
 /// model predicts 206 GB/s with two parts, 199 with four and 193 with eight
-/// (167 whole; README, "The scale model").
+/// (167 whole; docs/scale-model.md).
 pub const TREE_PARTS: u32 = 2;
 
 /// The two binary trees over `M` machines (see the module docs).
