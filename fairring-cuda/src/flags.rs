@@ -9,8 +9,8 @@
 //! a memory barrier before it) and the host reads it to learn that the work
 //! before it has ended.
 
+use crate::sync::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::sys::{self, CUdeviceptr};
 

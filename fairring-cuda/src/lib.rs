@@ -73,6 +73,7 @@ pub mod nccl;
 pub mod probe;
 pub mod staging;
 mod stream;
+mod sync;
 
 pub use device::{Bound, Device, ModuleLoading, cuda_available, module_loading};
 

@@ -25,6 +25,7 @@
 pub mod any;
 pub mod fabric;
 mod secret;
+mod sync;
 #[cfg(feature = "tcp")]
 #[allow(unsafe_code)]
 pub mod tcp;

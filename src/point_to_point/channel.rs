@@ -2,7 +2,7 @@
 //! receiver (its rank 1), met on a thread of its own, with the messages
 //! posted before it was met.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use crate::sync::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};

@@ -1,8 +1,8 @@
 //! An NCCL communicator among the devices of one machine, non-blocking so that
 //! no call can hang past its bound and `abort` always returns.
 
+use crate::sync::{AtomicBool, AtomicUsize, Ordering};
 use std::ffi::CStr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 

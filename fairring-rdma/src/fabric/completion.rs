@@ -1,13 +1,13 @@
 //! Completions: what a fabric reports, and the queue it reports them through.
 
-use std::sync::atomic::{AtomicUsize, Ordering, fence};
-use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
 use fairring_core::wire::MAX_MESSAGE_PAYLOAD;
 
 use super::error::PeerFailure;
+use crate::sync::{AtomicUsize, Condvar, Mutex, Ordering, fence};
 
 /// The largest payload of a control message, in bytes.
 pub const MESSAGE_CAPACITY: usize = MAX_MESSAGE_PAYLOAD as usize;

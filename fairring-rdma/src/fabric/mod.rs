@@ -86,6 +86,8 @@
 
 mod completion;
 mod error;
+#[cfg(all(test, loom))]
+mod loom_models;
 mod region;
 
 use core::ptr::NonNull;

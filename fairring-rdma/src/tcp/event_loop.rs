@@ -7,10 +7,10 @@
 //! the others, and the admission of strangers (each a small non-blocking state
 //! machine with a deadline) never blocks admitted traffic.
 
+use crate::sync::unmodelled::{AtomicBool, AtomicU8, Ordering};
 use std::collections::VecDeque;
 use std::io::{self, Read};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 

@@ -319,7 +319,7 @@ impl Shared {
                 continue;
             }
             let slot = &self.peers[peer as usize];
-            if slot.state.load(std::sync::atomic::Ordering::Acquire) != ADMITTED {
+            if slot.state.load(crate::sync::unmodelled::Ordering::Acquire) != ADMITTED {
                 continue;
             }
             let Ok(mut guard) = slot.link.try_lock() else {

@@ -38,10 +38,10 @@ mod regions;
 mod sender;
 mod socket;
 
+use crate::sync::unmodelled::{AtomicBool, AtomicU8, Ordering};
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};

@@ -24,8 +24,8 @@
 //! a nap to end; with sequentially consistent orderings at least one of them
 //! sees the other.
 
+use crate::sync::unmodelled::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 

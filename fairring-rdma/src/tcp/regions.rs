@@ -1,9 +1,9 @@
 //! Registered memory: the table a receiver looks regions up in, and the counted
 //! uses that keep a region registered while a transfer touches it.
 
+use crate::sync::unmodelled::{AtomicU32, Ordering};
 use std::collections::HashMap;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError, RwLock};
 
 use crate::fabric::{FabricError, LocalRegion, RegionKey, RemoteRegion};

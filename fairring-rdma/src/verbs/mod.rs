@@ -49,9 +49,9 @@ mod device;
 mod endpoint;
 mod region;
 
+use crate::sync::unmodelled::{AtomicUsize, Ordering};
 use std::collections::VecDeque;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
