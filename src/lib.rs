@@ -47,13 +47,14 @@
 //! - **checked**: ranks compare every operation's descriptor before combining any
 //!   of its data ([`Error::Mismatch`]), and a failing rank tells every other rank,
 //!   so that no rank waits out a timeout for a peer that has given up;
-//! - **intra-machine** through shared memory, behind the local-step trait the
-//!   GPU layer will also implement (with NCCL), over a memory-space trait that
-//!   the engine is generic over: host memory, and with the `cuda` feature device
-//!   memory too (every collective on GPU tensors, ordered on the caller's CUDA
-//!   stream; with several ranks per machine, staged through the machine's
-//!   shared segment, since the GPUs' own collectives do not take that step
-//!   yet);
+//! - **intra-machine** behind one local-step trait, over a memory-space trait
+//!   that the engine is generic over: host memory through the machine's shared
+//!   segment, and with the `cuda` feature device memory too (every collective
+//!   on GPU tensors, ordered on the caller's CUDA stream, each operation's
+//!   device work enqueued when the call is accepted so that a stream may wait
+//!   for the engine; with several ranks per machine, the machine's
+//!   reduce-scatter and all-gather run as NCCL's collectives on the tensors,
+//!   or staged through the shared segment: `FAIRRING_DEVICE_LOCAL`);
 //! - **on any fabric**: tcp, or verbs where an RDMA device is present and the
 //!   `verbs` feature is built (`FAIRRING_FABRIC`);
 //! - **with dedicated servers** if asked (`FAIRRING_SERVERS`, Herring's design):

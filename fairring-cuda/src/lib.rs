@@ -24,18 +24,21 @@
 //! # Using it from an engine
 //!
 //! The `fairring` engine is generic over a memory space and drives an
-//! intra-machine local step over it; both map onto this crate. The memory space's
-//! tensor is a device pointer with the caller's stream, its fence an [`Event`]
-//! polled with [`Event::is_complete`]; staging in is a copy ordered after the
-//! caller's stream, and its reduction is [`ReductionKernels`] on the add stream. The
-//! local step's begin is [`StagingPool::begin`] after the caller's stream; its
-//! reduce-scatter enqueues
-//! [`Communicator::reduce_scatter_in_place`](nccl::Communicator::reduce_scatter_in_place)
-//! and returns the event that ends it; publishing the slot is
-//! [`StagingPool::hand_over`] to the all-gather stage; its all-gather enqueues the
-//! all-gather and [`StagingPool::complete`]; a buffer is free once its previous
-//! completion event is. The descriptor, failure and doorbell parts stay in host
-//! shared memory as they are.
+//! intra-machine local step over it; with device tensors both map onto this
+//! crate as follows. When a call is accepted, the engine enqueues the
+//! operation's whole device program on the caller's thread: each stage on a
+//! staging buffer's [`Stream`] waits on a [`HostFlags`] gate word, copies
+//! between the tensor and page-locked staging ([`HostRegistration`]), or runs
+//! the machine's collectives in place on the tensor
+//! ([`Communicator::all_reduce_in_place`](nccl::Communicator::all_reduce_in_place),
+//! `reduce_in_place`, `broadcast_in_place`, inside a
+//! [`group`](nccl::group)), and ends by writing the buffer's end word. The
+//! progress thread then opens gates with host stores and reads end words: it
+//! makes no CUDA call. A caller's stream waits for an operation on its done
+//! word. Reductions between machines run on the host, in staging.
+//! [`StagingPool`] and [`ReductionKernels`] are the pieces of a device-resident
+//! pipeline (staging in device memory, reductions on the GPU), which the
+//! engine does not use yet.
 //!
 //! # What has run where
 //!
@@ -63,15 +66,15 @@
 //! input or a missing library; `Drop` implementations log failures (the `log`
 //! crate) and never panic.
 
+mod buffers;
 mod device;
 mod error;
 mod event;
 mod flags;
 pub mod kernel;
-mod memory;
 pub mod nccl;
 pub mod probe;
-pub mod staging;
+pub mod staging_pool;
 mod stream;
 mod sync;
 
@@ -82,12 +85,12 @@ pub use device::{Bound, Device, ModuleLoading, cuda_available, module_loading};
 pub mod sys {
     pub use cudarc::driver::sys::{CUdeviceptr, CUevent, CUstream};
 }
+pub use buffers::{
+    DeviceBuffer, DeviceSlice, DeviceSliceMut, HostRegistration, PinnedBuffer, device_of_pointer,
+};
 pub use error::{Error, Library, Result};
 pub use event::{Event, Timing};
 pub use flags::HostFlags;
 pub use kernel::ReductionKernels;
-pub use memory::{
-    DeviceBuffer, DeviceSlice, DeviceSliceMut, HostRegistration, PinnedBuffer, device_of_pointer,
-};
-pub use staging::{HostStaging, Stage, StagingParts, StagingPool};
+pub use staging_pool::{HostStaging, Stage, StagingParts, StagingPool};
 pub use stream::Stream;
