@@ -27,10 +27,10 @@ use std::sync::Arc;
 
 use fairring_core::plan::{Geometry, StagingLayout};
 
+use crate::buffers::{DeviceBuffer, DeviceSliceMut, PinnedBuffer};
 use crate::device::Device;
 use crate::error::{self, Result};
 use crate::event::{Event, Timing};
-use crate::memory::{DeviceBuffer, DeviceSliceMut, PinnedBuffer};
 use crate::stream::Stream;
 
 /// A stage of the pipeline; each has its own stream.

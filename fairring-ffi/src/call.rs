@@ -11,7 +11,7 @@ use fairring::{
 
 use crate::comm::fr_comm;
 use crate::status::{fr_status, invalid};
-use crate::work::fr_work;
+use crate::work_handles::fr_work;
 
 /// An all-reduce. (`FR_COLLECTIVE_*` name the collectives of an `fr_call`.)
 pub const FR_COLLECTIVE_ALL_REDUCE: i32 = 1;

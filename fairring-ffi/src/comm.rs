@@ -10,7 +10,7 @@ use fairring::{Call, Communicator, Config, Work};
 use crate::call::{Calls, dtype_of, lists, op_of, start_export};
 use crate::status::{FR_OK, boundary, fail, fr_status, invalid};
 use crate::store::{CallbackStore, fr_store};
-use crate::work::{Completions, InFlight, fr_work};
+use crate::work_handles::{Completions, InFlight, fr_work};
 
 /// A communicator: one rank's membership of a job. Opaque.
 pub struct fr_comm {

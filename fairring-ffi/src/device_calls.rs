@@ -24,7 +24,7 @@ use fairring::cuda::sys::CUstream;
 use crate::call::{Calls, dtype_of, lists, op_of, start_export};
 use crate::comm::fr_comm;
 use crate::status::{FR_OK, boundary, fail, fr_status, invalid};
-use crate::work::{InFlight, fr_work};
+use crate::work_handles::{InFlight, fr_work};
 
 /// Starts an all-reduce of `count` elements of `dtype` at device address
 /// `data`, in place, with `op`, ordered on `stream`. `*out` receives the work

@@ -34,7 +34,7 @@ mod device_calls;
 mod messages;
 mod status;
 mod store;
-mod work;
+mod work_handles;
 
 pub use call::{
     FR_ALGO_AUTO, FR_ALGO_DEFAULT, FR_ALGO_DOUBLING, FR_ALGO_HIERARCHICAL, FR_ALGO_RING,
@@ -59,7 +59,7 @@ pub use store::{
     FR_STORE_OK, FR_STORE_TIMEOUT, fr_store, fr_store_check_fn, fr_store_get_fn,
     fr_store_release_fn, fr_store_set_fn, fr_store_status,
 };
-pub use work::{
+pub use work_handles::{
     fr_work, fr_work_callback, fr_work_free, fr_work_on_complete, fr_work_test, fr_work_wait,
     fr_work_wait_timeout,
 };

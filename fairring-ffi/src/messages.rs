@@ -13,7 +13,7 @@ use std::ffi::c_void;
 use crate::call::dtype_of;
 use crate::comm::{begin, fr_comm, hand_out_in_flight};
 use crate::status::{boundary, fr_status, invalid};
-use crate::work::{InFlight, fr_work};
+use crate::work_handles::{InFlight, fr_work};
 
 /// Posts a send of `count` elements of `dtype` at `data` to rank `peer`.
 /// `*out` receives the work handle. The message travels as its channel's

@@ -30,7 +30,7 @@ use crate::bootstrap::{self, start_progress, stop_progress};
 use crate::config::{Algorithm, Config, FabricChoice};
 use crate::engine::descriptor::Descriptor;
 use crate::engine::links::Traffic;
-use crate::engine::work::{Delivery, Submission, WORK_CAPACITY, slot_of};
+use crate::engine::work_table::{Delivery, Submission, WORK_CAPACITY, slot_of};
 use crate::engine::{Engine, choice};
 use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]

@@ -21,7 +21,7 @@ use super::failure::{FailureRecord, Fault};
 use super::links::Links;
 use super::outbox::{Sent, send_control};
 use super::tags::Kind;
-use super::work::{WORK_CAPACITY, slot_of};
+use super::work_table::{WORK_CAPACITY, slot_of};
 use crate::error::Error;
 use crate::local::Machine;
 

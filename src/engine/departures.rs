@@ -20,7 +20,7 @@ use super::Engine;
 use super::links::NO_COMPLETION;
 use super::outbox::{Sent, send_control};
 use super::tags::{self, Kind};
-use super::work::{PENDING, WORK_CAPACITY};
+use super::work_table::{PENDING, WORK_CAPACITY};
 use crate::error::Error;
 use crate::memory::MemorySpace;
 use crate::sync::Ordering;

@@ -28,7 +28,7 @@ use fairring_rdma::fabric::Fabric;
 
 use super::Engine;
 use super::algorithm::{DeviceCopy, DeviceUse, Origins, Resolved, SliceAlgorithm, SliceInfo};
-use super::work::Submission;
+use super::work_table::Submission;
 use crate::error::{Error, Result};
 use crate::local::{LocalSlice, LocalStage, slice_range};
 use crate::memory::MemorySpace;

@@ -52,7 +52,7 @@ use fairring_rdma::fabric::Fabric;
 
 use super::algorithm::{Context, Resolved};
 use super::descriptor::Collective;
-use super::work::{Submission, WORK_CAPACITY, slot_of};
+use super::work_table::{Submission, WORK_CAPACITY, slot_of};
 use crate::memory::{MemoryKind, MemorySpace};
 
 /// Whether operation `sub` is a worker's, of at least `from_bytes` (`None`:
@@ -364,7 +364,7 @@ mod tests {
     use super::*;
     use crate::engine::descriptor::Descriptor;
     use crate::engine::layout::BufferLayout;
-    use crate::engine::work::Delivery;
+    use crate::engine::work_table::Delivery;
     use crate::memory::{Host, HostTensor, MemoryKind};
 
     /// Whether a host `f32` all-reduce of 4 KiB, with `change` applied, may

@@ -20,7 +20,7 @@ use fairring_rdma::fabric::{Fabric, LocalRegion, RemoteRegion};
 use super::credits::Due;
 use super::failure::{FailureRecord, Fault};
 use super::planner::Accepted;
-use super::work::{DONE, Submission};
+use super::work_table::{DONE, Submission};
 use super::{Driver, Engine, POLL_BATCH};
 use super::{Resolved, direct};
 use crate::error::Error;

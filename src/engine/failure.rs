@@ -46,7 +46,7 @@ use super::operations::Record;
 use super::outbox::send_control_until;
 use super::planner::{Accepted, Program};
 use super::tags::Kind;
-use super::work::FAILED;
+use super::work_table::FAILED;
 use crate::error::Error;
 use crate::memory::MemorySpace;
 use crate::memory::program::slice_end;

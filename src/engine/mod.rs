@@ -17,7 +17,7 @@
 //! | module | what it holds |
 //! |---|---|
 //! | `mod.rs` | the [`Engine`], its construction, and submission |
-//! | `work` | the table of operations shared with callers (sequence numbers, done or failed) |
+//! | `work_table` | the table of operations shared with callers (sequence numbers, done or failed) |
 //! | `planner` | what the caller's thread fixes per operation, in submission order: its plan, its slices' numbers, its device program enqueued |
 //! | `operations` | the operations the driver has accepted: plans, slices started and done, completion |
 //! | `slices` | the staging buffers: the slice holding each, starting and releasing slices, early landings |
@@ -70,7 +70,7 @@ mod slices;
 mod stall;
 mod steps;
 pub(crate) mod tags;
-pub(crate) mod work;
+pub(crate) mod work_table;
 
 use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -97,7 +97,7 @@ use outbox::Outbox;
 use planner::{Accepted, Planner};
 use progress::park::{Parking, Wake};
 use slices::Slices;
-use work::{Submission, WORK_CAPACITY, WorkTable};
+use work_table::{Submission, WORK_CAPACITY, WorkTable};
 
 use crate::error::{Error, Result};
 use crate::local::{LocalStep, Machine};

@@ -6,13 +6,13 @@
 //! buffer; when the last one is released the operation is *finished*, and it
 //! completes once its descriptor checks have passed too.
 //!
-//! [`WorkTable`]: super::work::WorkTable
+//! [`WorkTable`]: super::work_table::WorkTable
 
 use fairring_core::plan::{Plan, Slice};
 
 use super::algorithm::Resolved;
 use super::planner::{Accepted, Program};
-use super::work::{Submission, WORK_CAPACITY, slot_of};
+use super::work_table::{Submission, WORK_CAPACITY, slot_of};
 use crate::error::{Error, Result};
 use crate::memory::MemorySpace;
 

@@ -15,7 +15,7 @@ use fairring_rdma::fabric::Fabric;
 
 use super::Engine;
 use super::algorithm::Resolved;
-use super::work::Submission;
+use super::work_table::Submission;
 use crate::error::{Error, Result};
 use crate::memory::MemorySpace;
 use crate::memory::program::ProgramItem;

@@ -16,7 +16,7 @@ use fairring_rdma::fabric::Fabric;
 
 use super::descriptor::{Descriptor, Words};
 use super::failure::Fault;
-use super::work::Submission;
+use super::work_table::Submission;
 use super::{Driver, Engine};
 use crate::error::Error;
 use crate::memory::MemorySpace;

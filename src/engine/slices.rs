@@ -27,7 +27,7 @@ use super::device_program::SliceStages;
 use super::direct;
 use super::failure::Fault;
 use super::tags::Kind;
-use super::work::Submission;
+use super::work_table::Submission;
 use super::{Driver, Engine};
 use crate::error::{Error, Result};
 use crate::memory::MemorySpace;

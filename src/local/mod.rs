@@ -7,7 +7,7 @@
 //!   [`PlacedStep`] for a memory space of host or device tensors, a device
 //!   tensor's step moving its bytes by the stages of its slices' device
 //!   programs (`alone` for a rank alone on its machine; for several,
-//!   `collectives`, the GPUs' own, or `staged`, through the shared segment, as
+//!   `collective_step`, the GPUs' own, or `staged`, through the shared segment, as
 //!   `FAIRRING_DEVICE_LOCAL` chooses), each path saying what its stages do,
 //!   through a reach: a GPU's (`gpu`, with NCCL's communicators in `nccl`) for
 //!   the communicator, the simulated GPU's for the simulation;
@@ -25,7 +25,7 @@
 //! call.
 
 mod alone;
-mod collectives;
+mod collective_step;
 #[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(all(test, loom))]

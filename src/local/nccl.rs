@@ -437,7 +437,7 @@ fn ids_from(value: &[u8]) -> std::result::Result<(UniqueId, UniqueId), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::memory::MemoryStore;
+    use crate::store::in_process::InProcessStore;
 
     /// Local rank `local_rank` of three on machine 7, choosing `choice`.
     fn setup(local_rank: u32, choice: DeviceLocal) -> NcclSetup {
@@ -458,7 +458,7 @@ mod tests {
         said: impl Fn(u32) -> Option<std::result::Result<Vec<u8>, String>> + Sync,
         timeout: Duration,
     ) -> Vec<std::result::Result<Agreed, String>> {
-        let store = MemoryStore::default();
+        let store = InProcessStore::default();
         std::thread::scope(|s| {
             let ranks: Vec<_> = (0..3)
                 .filter_map(|r| {
@@ -537,7 +537,7 @@ mod tests {
 
     #[test]
     fn another_ranks_refusal_is_read_without_waiting() {
-        let store = MemoryStore::default();
+        let store = InProcessStore::default();
         let me = setup(0, DeviceLocal::Auto);
         assert_eq!(me.refusal(&store, "joined"), None);
         store.set("nccl/7/joined/1", b"+").unwrap();

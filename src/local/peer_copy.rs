@@ -210,7 +210,7 @@ fn read(_: i32, _: u64, _: Local) -> std::result::Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::memory::MemoryStore;
+    use crate::store::in_process::InProcessStore;
 
     #[test]
     fn reads_copy_and_a_bad_address_is_an_error() {
@@ -234,7 +234,7 @@ mod tests {
     }
 
     /// Two local ranks (threads here) agreeing over `board`.
-    fn agree_on(board: MemoryStore) -> Vec<bool> {
+    fn agree_on(board: InProcessStore) -> Vec<bool> {
         let board = std::sync::Arc::new(board);
         let ranks = [4u32, 5];
         let agreed: Vec<_> = (0..2)
@@ -253,8 +253,8 @@ mod tests {
     #[test]
     fn ranks_copy_between_them_only_where_every_one_can_read_every_other() {
         let board = |forge: Option<(&str, Vec<u8>)>| match forge {
-            Some((key, instead)) => MemoryStore::forging(key, instead),
-            None => MemoryStore::default(),
+            Some((key, instead)) => InProcessStore::forging(key, instead),
+            None => InProcessStore::default(),
         };
         assert_eq!(agree_on(board(None)), [true, true]);
         // Rank 5 publishes an address nothing is mapped at: rank 4 cannot

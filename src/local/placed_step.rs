@@ -7,7 +7,7 @@
 //!   tensor's slot into the staging buffer and its all-gather the landed
 //!   result back (`alone`);
 //! - with several ranks per machine, the machine's reduction runs as the GPUs'
-//!   own collectives on the tensors (`collectives`) where the machine's ranks
+//!   own collectives on the tensors (`collective_step`) where the machine's ranks
 //!   have them and the operator allows, and otherwise on the host in the
 //!   shared segment, staged in and out by copies (`staged`).
 //!
@@ -23,7 +23,7 @@
 use fairring_core::{DataType, ReduceOp};
 
 use super::shm_step::ShmStep;
-use super::{LocalSlice, LocalStage, LocalStep, Waiting, alone, collectives, staged};
+use super::{LocalSlice, LocalStage, LocalStep, Waiting, alone, collective_step, staged};
 use crate::error::{Error, Result};
 use crate::memory::program::{ProgramItem, Stage, Stages, Unfinished};
 use crate::memory::{Host, HostTensor, MemorySpace};
@@ -127,7 +127,7 @@ impl<D: DeviceReach> PlacedStep<D> {
     fn path(&self, dtype: DataType, op: ReduceOp) -> Path {
         if self.shm.size == 1 {
             Path::Alone
-        } else if collectives::takes(dtype, op) && self.reach.has_collectives() {
+        } else if collective_step::takes(dtype, op) && self.reach.has_collectives() {
             Path::Collectives
         } else {
             Path::Staged
@@ -277,7 +277,7 @@ impl<D: DeviceReach> LocalStep<D::Memory> for PlacedStep<D> {
         match self.path(s.dtype, s.op) {
             Path::Alone => alone::items(&self.shm, s, stage, each),
             Path::Staged => staged::items(&self.shm, s, stage, each),
-            Path::Collectives => collectives::items(&self.shm, s, stage, each),
+            Path::Collectives => collective_step::items(&self.shm, s, stage, each),
         }
     }
 

@@ -24,7 +24,7 @@
 //! behind stream waits on earlier operations, as PyTorch does, and make their
 //! streams wait on operations at drawn times; a lone rank of a machine takes
 //! the communicator's lone device step, several (for half the seeds) the
-//! machine's collectives, as through NCCL ([`collectives`]: calls that meet
+//! machine's collectives, as through NCCL ([`simulated_nccl`]: calls that meet
 //! across the machine's simulated GPUs in each communicator's order, ranks
 //! issuing out of order failing the seed, a failing rank aborting its
 //! communicators), or the staged one (`local::staged`); and for a third of
@@ -49,13 +49,13 @@
     reason = "test values wrap into their element types on purpose"
 )]
 
-mod collectives;
 mod focused;
 mod job;
 mod network;
 mod reach;
 mod scenario;
 mod simulated_gpu;
+mod simulated_nccl;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -69,18 +69,18 @@ use crate::engine::Wiring;
 use crate::engine::algorithm::{Origins, Resolved, relay_over_machines};
 use crate::engine::descriptor::{Collective, Descriptor};
 use crate::engine::layout::BufferLayout;
-use crate::engine::work::{self, DONE, FAILED, Submission};
+use crate::engine::work_table::{self as work, DONE, FAILED, Submission};
 use crate::engine::{DirectSettings, Engine, EngineParts};
 use crate::local::{LocalSlice, LocalStep, Machine, PeerCopy, ShmStep, Solo};
 use crate::memory::program::ProgramItem;
 use crate::memory::{Host, HostTensor, MemoryKind, MemorySpace};
 use crate::shm::Segment;
-use collectives::{SimMachine, join};
 use job::{build_job, small_job};
 use network::{Network, SimFabric};
 use reach::SimStep;
 use scenario::*;
 use simulated_gpu::{Design, SimFence, SimMemory, SimTensor, Thread};
+use simulated_nccl::{SimMachine, join};
 
 /// Steps after which a seed that has not settled counts as hung.
 const STEP_LIMIT: u64 = 2_000_000;

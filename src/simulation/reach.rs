@@ -2,8 +2,8 @@
 //! simulated GPU ([`super::simulated_gpu`]) and the machine's collectives
 //! ([`super::collectives`]).
 
-use super::collectives::SimCollectives;
 use super::simulated_gpu::{DeviceTensor, SimFence, SimGpu, SimMemory, SimTensor};
+use super::simulated_nccl::SimCollectives;
 use crate::error::Result;
 use crate::local::{DeviceReach, Place, PlacedStep, ShmStep};
 use crate::memory::Host;

@@ -52,8 +52,8 @@ use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use super::collectives::SimCollectives;
-use crate::engine::work::{WORK_CAPACITY, slot_of};
+use super::simulated_nccl::SimCollectives;
+use crate::engine::work_table::{WORK_CAPACITY, slot_of};
 use crate::error::{Error, Result};
 use crate::memory::program::{
     self, Comm, MachineCall, ProgramItem, RELEASED, Stage, Stages, Unfinished, WordLayout,
@@ -908,8 +908,8 @@ fn unordered(seq: u64) -> Error {
 }
 
 /// What a machine's collective does, as the model's machine moves it.
-fn kind_of(call: MachineCall) -> super::collectives::Kind {
-    use super::collectives::Kind;
+fn kind_of(call: MachineCall) -> super::simulated_nccl::Kind {
+    use super::simulated_nccl::Kind;
     match call {
         MachineCall::AllReduce { dtype, op } => Kind::AllReduce { dtype, op },
         MachineCall::Reduce { dtype, op, root } => Kind::Reduce { dtype, op, root },

@@ -10,22 +10,22 @@ use crate::error::{Error, Result};
 
 /// A store in memory; `forge` rewrites what is set under its key.
 #[derive(Default)]
-pub(crate) struct MemoryStore {
+pub(crate) struct InProcessStore {
     values: Mutex<HashMap<String, Vec<u8>>>,
     forge: Option<(String, Vec<u8>)>,
 }
 
-impl MemoryStore {
+impl InProcessStore {
     /// A store that sets `instead` whenever a rank sets `key`.
-    pub(crate) fn forging(key: &str, instead: Vec<u8>) -> MemoryStore {
-        MemoryStore {
+    pub(crate) fn forging(key: &str, instead: Vec<u8>) -> InProcessStore {
+        InProcessStore {
             values: Mutex::default(),
             forge: Some((key.to_owned(), instead)),
         }
     }
 }
 
-impl Store for MemoryStore {
+impl Store for InProcessStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let value = match &self.forge {
             Some((forged, instead)) if forged == key => instead.clone(),

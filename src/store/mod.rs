@@ -10,7 +10,7 @@
 
 mod c10d;
 #[cfg(test)]
-pub(crate) mod memory;
+pub(crate) mod in_process;
 mod protocol;
 pub(crate) mod tcp;
 

@@ -27,9 +27,9 @@ use fairring_core::{DataType, ReduceOp};
 
 pub use compile::{Compiled, SOURCE, compile};
 
+use crate::buffers::{DeviceSlice, DeviceSliceMut};
 use crate::device::Device;
 use crate::error::{self, Result};
-use crate::memory::{DeviceSlice, DeviceSliceMut};
 use crate::stream::Stream;
 use geometry::{Split, THREADS, blocks};
 

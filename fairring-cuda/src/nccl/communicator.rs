@@ -13,9 +13,9 @@ mod collectives;
 
 use super::UniqueId;
 use super::types::{data_type, reduce_op};
+use crate::buffers::{DeviceSlice, DeviceSliceMut};
 use crate::device::Device;
 use crate::error::{self, Error, Library, Result};
-use crate::memory::{DeviceSlice, DeviceSliceMut};
 use crate::probe;
 use crate::stream::Stream;
 

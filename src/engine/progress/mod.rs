@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use fairring_rdma::fabric::{Completion, Fabric};
 
 use super::failure::Fault;
-use super::work::{DONE, FAILED};
+use super::work_table::{DONE, FAILED};
 use super::{Driver, Engine};
 use crate::error::{Error, Result};
 use crate::memory::MemorySpace;
