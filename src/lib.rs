@@ -102,6 +102,6 @@ pub use engine::links::Traffic;
 pub use error::{Error, Result};
 pub use fairring_core::{DataType, ReduceOp, WireFormat};
 pub use fusion::Fusion;
-pub use point_to_point::{CHANNEL_MEMORY, Message};
+pub use point_to_point::Message;
 pub use server::Server;
 pub use store::Store;

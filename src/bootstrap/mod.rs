@@ -8,9 +8,11 @@ use fairring_rdma::any::AnyFabric;
 use fairring_rdma::fabric::{Endpoint, Fabric, LocalRegion, RemoteRegion};
 
 mod fabric;
+mod late_links;
 mod progress;
 
 pub(crate) use fabric::choice_of;
+pub(crate) use late_links::start_linker;
 pub(crate) use progress::{start_progress, stop_progress};
 
 use crate::config::Config;
@@ -358,11 +360,9 @@ pub(crate) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
     let segment = attach_local(config, store, topology, location, buffers, &layout)?;
     let d = topology.devices_per_machine();
     let memory = Placed::new(Host::new(Arc::clone(&segment), location.device, buffers));
+    let peer_copy = agree_on_peer_copies(config, store, topology, location)?.map(Arc::new);
     let shm = ShmStep::new(Arc::clone(&segment), location.device, d, buffers)
-        .copying_between_tensors(
-            agree_on_peer_copies(config, store, topology, location)?,
-            crate::local::COPY_BETWEEN_TENSORS_FROM,
-        );
+        .copying_between_tensors(peer_copy.clone(), crate::local::COPY_BETWEEN_TENSORS_FROM);
     #[cfg(feature = "cuda")]
     let nccl = crate::local::NcclCell::default();
     #[cfg(feature = "cuda")]
@@ -384,6 +384,7 @@ pub(crate) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
             server: None,
             buffers,
             wiring,
+            peer_copy,
         },
     )?;
     Ok(Built {
@@ -436,6 +437,7 @@ pub(crate) fn build_server(
             server: Some(index),
             buffers,
             wiring,
+            peer_copy: None,
         },
     )
 }
@@ -451,6 +453,8 @@ struct Assembly<M: MemorySpace> {
     server: Option<u32>,
     buffers: u32,
     wiring: Wiring,
+    /// Where the machine's ranks read each other's memory.
+    peer_copy: Option<Arc<crate::local::PeerCopy>>,
 }
 
 /// Opens the fabric, registers the staging buffers, connects to the peers through
@@ -509,5 +513,6 @@ fn assemble<M: MemorySpace>(
         wiring: a.wiring,
         timeout: config.timeout,
         direct: crate::engine::DirectSettings::from(config.direct_from),
+        peer_copy: a.peer_copy,
     }))
 }

@@ -13,7 +13,6 @@ mod work;
 pub use crate::engine::descriptor::Collective;
 pub use call::{Call, Memory, Options};
 pub use scope::Scope;
-pub(crate) use work::Watch;
 pub use work::{OwnedWork, Work};
 
 use std::marker::PhantomData;
@@ -47,7 +46,7 @@ use work::{wait_messages, wait_range};
 
 /// The engine a communicator runs: host (and, with the `cuda` feature, device)
 /// memory, on the fabric chosen at run time.
-type WorkerEngine = Engine<AnyFabric, Placed>;
+pub(crate) type WorkerEngine = Engine<AnyFabric, Placed>;
 
 /// A group of ranks that all-reduce together.
 ///
@@ -146,8 +145,7 @@ impl Communicator {
             ));
         }
         let engine = Arc::new(built.engine);
-        let watched = Arc::downgrade(&engine);
-        channels.watch(Arc::new(move || watched.upgrade()?.failure()));
+        channels.attach(&engine);
         let progress = start_progress(&engine, format!("fairring-progress-{}", config.rank))?;
         let communicator = Communicator {
             engine,
@@ -210,7 +208,7 @@ impl Communicator {
     /// from them so far (see [`Traffic`]), its point-to-point channels'
     /// included.
     pub fn traffic(&self) -> Traffic {
-        self.engine.links.traffic().plus(self.channels.traffic())
+        self.engine.links.traffic()
     }
 
     /// Dedicated reduction servers in the job (0: the machines serve).

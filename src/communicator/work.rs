@@ -121,38 +121,6 @@ impl OwnedWork {
     }
 }
 
-impl OwnedWork {
-    /// A handle that waits for and tests the operation without owning it
-    /// (so without releasing it when dropped): for waiting outside the lock
-    /// of whatever holds the work. The work must outlive its use.
-    pub(crate) fn watch(&self) -> Watch {
-        Watch {
-            comm: Arc::clone(&self.comm),
-            first: self.first,
-            last: self.last,
-        }
-    }
-}
-
-/// See [`OwnedWork::watch`].
-pub(crate) struct Watch {
-    comm: Arc<Communicator>,
-    first: u64,
-    last: u64,
-}
-
-impl Watch {
-    /// Waits up to `timeout`: an error if it failed or is still running then.
-    pub(crate) fn wait_timeout(&self, timeout: Duration) -> Result<()> {
-        wait_range(&self.comm.engine, self.first, self.last, timeout)
-    }
-
-    /// Whether the operation has finished; its error if it failed.
-    pub(crate) fn test(&self) -> Result<bool> {
-        test_range(&self.comm.engine, self.first, self.last)
-    }
-}
-
 impl Drop for OwnedWork {
     fn drop(&mut self) {
         drop(self.messages.take());

@@ -121,7 +121,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         let payload = operations.to_le_bytes();
         let mut outstanding = 0;
-        for &p in &self.links.linked {
+        for p in self.every_linked() {
             if let Sent::Posted = send_control(&self.links.fabric, p, Kind::Bye, &payload) {
                 outstanding += 1;
             }

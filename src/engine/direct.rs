@@ -52,7 +52,7 @@ use fairring_rdma::fabric::Fabric;
 
 use super::algorithm::{Context, Resolved};
 use super::descriptor::Collective;
-use super::work_table::{Submission, WORK_CAPACITY, slot_of};
+use super::work_table::{Submission, WORK_CAPACITY};
 use crate::memory::{MemoryKind, MemorySpace};
 
 /// Whether operation `sub` is a worker's, of at least `from_bytes` (`None`:
@@ -199,8 +199,8 @@ struct Kept<R> {
 /// taken first) or when the engine fails.
 pub(crate) struct KeptRegions<R> {
     kept: Vec<Option<Kept<R>>>,
-    /// Per entry of the work table: the operation there, and its entry in
-    /// `kept`.
+    /// Per entry of the work table (or the messages' table): the operation
+    /// there, and its entry in `kept`.
     by_operation: Vec<Option<(u64, usize)>>,
     takes: u64,
 }
@@ -209,16 +209,28 @@ impl<R> KeptRegions<R> {
     /// Room for `capacity` registrations, and one holder per entry of the
     /// work table.
     pub(crate) fn new(capacity: usize) -> KeptRegions<R> {
+        KeptRegions::with_holders(capacity, WORK_CAPACITY)
+    }
+
+    /// Room for `capacity` registrations, and one holder per entry of a
+    /// table of `holders` entries (entry `seq % holders` holds `seq`).
+    pub(crate) fn with_holders(capacity: usize, holders: usize) -> KeptRegions<R> {
         KeptRegions {
             kept: (0..capacity).map(|_| None).collect(),
-            by_operation: (0..WORK_CAPACITY).map(|_| None).collect(),
+            by_operation: (0..holders.max(1)).map(|_| None).collect(),
             takes: 0,
         }
     }
 
+    fn holder(&self, seq: u64) -> usize {
+        #[expect(clippy::cast_possible_truncation, reason = "below the table's length")]
+        let i = (seq % self.by_operation.len() as u64) as usize;
+        i
+    }
+
     /// The registration operation `seq` sends from, if it holds one.
     pub(crate) fn get(&self, seq: u64) -> Option<&R> {
-        match self.by_operation[slot_of(seq)] {
+        match self.by_operation[self.holder(seq)] {
             Some((s, at)) if s == seq => self.kept[at].as_ref().map(|k| &k.region),
             _ => None,
         }
@@ -276,14 +288,15 @@ impl<R> KeptRegions<R> {
             k.holders += 1;
             k.taken = self.takes;
         }
-        self.by_operation[slot_of(seq)] = Some((seq, at));
+        let holder = self.holder(seq);
+        self.by_operation[holder] = Some((seq, at));
         true
     }
 
     /// Operations in flight that hold the registration operation `seq`
     /// holds (0 if it holds none).
     pub(crate) fn holders(&self, seq: u64) -> u32 {
-        match self.by_operation[slot_of(seq)] {
+        match self.by_operation[self.holder(seq)] {
             Some((s, at)) if s == seq => self.kept[at].as_ref().map_or(0, |k| k.holders),
             _ => 0,
         }
@@ -291,7 +304,8 @@ impl<R> KeptRegions<R> {
 
     /// Operation `seq` has completed: every write from its tensor has too.
     pub(crate) fn release(&mut self, seq: u64) {
-        let entry = &mut self.by_operation[slot_of(seq)];
+        let holder = self.holder(seq);
+        let entry = &mut self.by_operation[holder];
         if let Some((s, at)) = *entry
             && s == seq
         {

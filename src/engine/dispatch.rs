@@ -28,6 +28,14 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// Routes one completion.
     pub(super) fn on_completion(&self, d: &mut Driver<M>, c: Completion) -> Result<(), Fault> {
         match c.event {
+            CompletionEvent::Landed { len, immediate }
+                if tags::is_message_data(immediate.into()) =>
+            {
+                self.on_message_landed(c.peer, immediate, len)
+            }
+            CompletionEvent::Sent { token } if tags::is_message_data(token) => {
+                self.on_message_sent(token)
+            }
             CompletionEvent::Landed { len, immediate } => {
                 let (kind, b, g, part) = tags::parse_immediate(immediate)
                     // Only a hierarchical write carries a part of a cell.
@@ -51,6 +59,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                     // before its connection closed.
                     return Ok(());
                 }
+                // Its messages fail with the engine.
                 Err(Error::peer(c.peer, failure.to_string()).into())
             }
             _ => Ok(()),
@@ -149,10 +158,15 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             Some(Kind::Bye) => {
                 if let Ok(p) = <[u8; 8]>::try_from(payload) {
                     let accepted = d.operations.accepted();
+                    // What it had not sent or received by now never will be.
+                    self.fail_messages_with(peer, || {
+                        Error::peer(peer, "left the job before this message was matched")
+                    });
                     d.departures.on_bye(peer, u64::from_le_bytes(p), accepted)?;
                     return Ok(());
                 }
             }
+            Some(Kind::MessageControl) => return self.on_message_control(peer, payload),
             _ => {}
         }
         Err(Error::peer(

@@ -41,6 +41,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             progressed = true;
             self.accept(d, sub)?;
         }
+        progressed |= self.drive_messages()?;
         let checked = d
             .checks
             .check_local(d.operations.accepted(), &self.machine, &self.links)?;

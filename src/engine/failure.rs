@@ -306,7 +306,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             // that none of them waits for this rank.
             self.machine.fail(record.words());
             let deadline = Instant::now() + REPORT_RETRY;
-            for &p in &self.links.linked {
+            for p in self.every_linked() {
                 if send_control_until(&self.links.fabric, p, Kind::Abort, &record.0, deadline) {
                     self.failure.reports_posted.fetch_add(1, Ordering::AcqRel);
                 }
@@ -320,6 +320,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         // the writes landing in it. The machine's ranks copying between
         // tensors are shut out, and waited for, in `settle_failure`.
         self.lock_windows().clear();
+        // Messages alike: each finishes once the fabric has let go of it.
+        self.fail_all_messages();
         // Every device program runs to its end (see the module docs); each
         // operation is declared failed once its own has (`settle_failure`).
         self.memory.release();

@@ -66,17 +66,6 @@ pub struct Traffic {
     pub received_in_place_bytes: u64,
 }
 
-impl Traffic {
-    /// Both counts of `self` and `other` added.
-    pub(crate) fn plus(self, other: Traffic) -> Traffic {
-        Traffic {
-            sent_bytes: self.sent_bytes + other.sent_bytes,
-            received_bytes: self.received_bytes + other.received_bytes,
-            received_in_place_bytes: self.received_in_place_bytes + other.received_in_place_bytes,
-        }
-    }
-}
-
 /// The counts behind [`Traffic`]; read from any thread.
 #[derive(Default)]
 struct Counters {

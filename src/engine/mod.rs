@@ -37,6 +37,7 @@
 //! | `serving` | a dedicated server's operations, learnt from the workers' descriptors |
 //! | `stall` | what a stalled engine waits for, in words |
 //! | `links` | the fabric and the connections to this rank's peers (whom the algorithms need: `algorithm/peers`) |
+//! | `messages/` | point-to-point messages: posted, linked to their peers, matched per (peer, tag), moved from tensor to tensor |
 //! | `tags` | immediates and tokens |
 //!
 //! # Memory
@@ -61,6 +62,7 @@ mod drive;
 mod failure;
 pub(crate) mod layout;
 pub(crate) mod links;
+pub(crate) mod messages;
 mod operations;
 mod outbox;
 mod planner;
@@ -183,6 +185,18 @@ pub(crate) struct Engine<F: Fabric, M: MemorySpace> {
     /// operation holds them. Only the driver takes the lock, while it holds
     /// the driver's.
     windows: Mutex<KeptRegions<F::Region>>,
+    /// Point-to-point messages: what callers share with the driver.
+    pub(crate) messages: messages::Board,
+    /// Which peers messages may reach, and the linker's queue.
+    pub(crate) late_links: messages::LateLinks,
+    /// The messages the driver holds. Only the driver takes the lock, while
+    /// it holds the driver's.
+    transfers: Mutex<messages::Transfers<F::Region>>,
+    /// Where the machine's ranks read each other's memory: messages between
+    /// them go through the machine's mailboxes.
+    peer_copy: Option<std::sync::Arc<crate::local::PeerCopy>>,
+    /// Per rank: whether messages with it go through the mailboxes.
+    through_mailboxes: Vec<bool>,
 }
 
 /// Bytes from one staging buffer to the next in a process's registered memory,
@@ -221,6 +235,9 @@ pub(crate) struct EngineParts<F: Fabric, M: MemorySpace> {
     pub(crate) timeout: Duration,
     /// Sending from tensors (`direct`).
     pub(crate) direct: direct::Settings,
+    /// Where the machine's ranks read each other's memory: messages between
+    /// them go through the machine's mailboxes (`messages`).
+    pub(crate) peer_copy: Option<std::sync::Arc<crate::local::PeerCopy>>,
 }
 
 /// A geometry that cuts operations into slices of at most `bytes` (a multiple
@@ -239,6 +256,14 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let topology = parts.geometry.topology();
         let world = parts.world;
         let machines = topology.machines() as usize;
+        let workers = parts.geometry.topology().world_size();
+        let peer_copy = parts.peer_copy.filter(|p| p.fits_the_copy_words());
+        let mut mailbox_peers = Vec::new();
+        let late_links = messages::LateLinks::new(
+            parts.geometry.topology().world_size(),
+            parts.rank,
+            &parts.wiring.linked,
+        );
         let links = Links::new(
             parts.fabric,
             parts.region,
@@ -250,6 +275,12 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             parts.wiring.inbound,
             parts.wiring.linked,
         );
+        if peer_copy.is_some() {
+            mailbox_peers = links.local_indices(world);
+            mailbox_peers.truncate(workers as usize);
+        }
+        mailbox_peers.resize(workers as usize, None);
+        let through_mailboxes = mailbox_peers.iter().map(Option::is_some).collect();
         // The most writes, early landings and steps one slice can have at once:
         // a contribution or result per other machine, a ring step per rank, a
         // relayed chunk per piece of the slice.
@@ -316,6 +347,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             direct_from: parts.direct.from_bytes,
             source_regions: Mutex::new(KeptRegions::new(parts.direct.cached)),
             windows: Mutex::new(KeptRegions::new(parts.direct.cached)),
+            messages: messages::Board::new(),
+            late_links,
+            transfers: Mutex::new(messages::Transfers::new(workers, mailbox_peers)),
+            peer_copy,
+            through_mailboxes,
         }
     }
 
@@ -441,5 +477,35 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
 
     fn lock_windows(&self) -> MutexGuard<'_, KeptRegions<F::Region>> {
         self.windows.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn lock_transfers(&self) -> MutexGuard<'_, messages::Transfers<F::Region>> {
+        self.transfers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Wakes whoever drives or waits: something they wait for changed.
+    pub(crate) fn ring(&self) {
+        self.machine.doorbell().ring();
+    }
+
+    /// Whether messages with `peer` go through the machine's mailboxes (and
+    /// need no connection of the fabric).
+    pub(crate) fn messages_go_local(&self, peer: u32) -> bool {
+        self.through_mailboxes
+            .get(peer as usize)
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// Every peer this rank has a connection to: its collectives' and those
+    /// its messages made since.
+    pub(crate) fn every_linked(&self) -> impl Iterator<Item = u32> + '_ {
+        let late = self
+            .late_links
+            .linked()
+            .filter(|p| !self.links.linked.contains(p));
+        self.links.linked.iter().copied().chain(late)
     }
 }

@@ -72,6 +72,12 @@ pub(crate) enum Kind {
     /// as a contribution (its own kind so that its sender tells it from a
     /// contribution of a leaf's cell when the send completes).
     Partial = 13,
+    /// A chunk of a point-to-point message, written into the receiver's
+    /// tensor; the rest of its immediate is the receive's id, the rest of
+    /// its token the send's (`engine/messages`).
+    MessageData = 14,
+    /// A control message of point-to-point messages (`messages/wire.rs`).
+    MessageControl = 15,
 }
 
 impl Kind {
@@ -128,6 +134,8 @@ impl Kind {
             11 => Kind::Scatter,
             12 => Kind::RelayIntoTensor,
             13 => Kind::Partial,
+            14 => Kind::MessageData,
+            15 => Kind::MessageControl,
             _ => return None,
         })
     }
@@ -149,7 +157,26 @@ pub(crate) fn with_kind(imm: u32, kind: Kind) -> u32 {
 
 /// Whether a landing with immediate `imm` wrote into the receiver's tensor.
 pub(crate) fn lands_in_tensor(imm: u32) -> bool {
-    parse_immediate(imm).is_some_and(|(kind, ..)| kind == Kind::RelayIntoTensor)
+    parse_immediate(imm)
+        .is_some_and(|(kind, ..)| matches!(kind, Kind::RelayIntoTensor | Kind::MessageData))
+}
+
+/// Whether immediate `imm` or token `token` is of a message's data.
+pub(crate) fn is_message_data(bits: u64) -> bool {
+    bits & 15 == Kind::MessageData as u64
+}
+
+/// The immediate of a chunk of a message for receive `receive` (its id's
+/// low 28 bits).
+pub(crate) fn message_immediate(receive: u64) -> u32 {
+    debug_assert!(receive < 1 << 28);
+    let id = u32::try_from(receive & ((1 << 28) - 1)).unwrap_or(0);
+    Kind::MessageData as u32 | id << 4
+}
+
+/// The token of a chunk of send `send` (its id, below 2^60).
+pub(crate) fn message_token(send: u64) -> u64 {
+    Kind::MessageData as u64 | send << 4
 }
 
 /// Decodes an immediate: kind, buffer, generation mod 2^8, part.
@@ -234,6 +261,12 @@ mod tests {
             }
         }
         assert!(parse_immediate(0).is_none());
-        assert!(parse_immediate(14).is_none());
+        let imm = message_immediate((1 << 28) - 1);
+        assert!(is_message_data(u64::from(imm)) && lands_in_tensor(imm));
+        assert_eq!(u64::from(imm >> 4), (1 << 28) - 1);
+        let token = message_token(1 << 50);
+        assert!(is_message_data(token));
+        assert_eq!(token >> 4, 1 << 50);
+        assert!(!is_message_data(u64::from(immediate(Kind::Relay, 3, 1, 0))));
     }
 }

@@ -61,8 +61,15 @@ pub(crate) struct Delivery<M: MemorySpace> {
 
 impl WorkTable {
     pub(crate) fn new() -> WorkTable {
+        WorkTable::with_capacity(WORK_CAPACITY)
+    }
+
+    /// A table of `capacity` entries: entry `seq % capacity` holds `seq`
+    /// (the operations' table has [`WORK_CAPACITY`], as the segment's
+    /// operation table; the messages' one of its own).
+    pub(crate) fn with_capacity(capacity: usize) -> WorkTable {
         WorkTable {
-            entries: (0..WORK_CAPACITY)
+            entries: (0..capacity.max(1))
                 .map(|_| Entry {
                     occupant: AtomicU64::new(0),
                     state: AtomicU32::new(PENDING),
@@ -72,7 +79,9 @@ impl WorkTable {
     }
 
     fn entry(&self, seq: u64) -> &Entry {
-        &self.entries[slot_of(seq)]
+        #[expect(clippy::cast_possible_truncation, reason = "below the table's length")]
+        let i = (seq % self.entries.len() as u64) as usize;
+        &self.entries[i]
     }
 
     /// Takes the entry of `seq` if it is free.

@@ -39,6 +39,11 @@ impl Machine {
         self.size
     }
 
+    /// The machine's shared segment.
+    pub(crate) fn segment(&self) -> &Segment {
+        &self.segment
+    }
+
     /// This rank's doorbell: rung whenever another local rank publishes progress.
     pub(crate) fn doorbell(&self) -> &Doorbell {
         self.segment.doorbell(self.rank)

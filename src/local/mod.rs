@@ -40,7 +40,7 @@ pub(crate) mod protocol;
 mod shm_step;
 mod solo;
 mod staged;
-mod tensor_copies;
+pub(crate) mod tensor_copies;
 
 use fairring_core::plan::Slice;
 use fairring_core::{DataType, ReduceOp};

@@ -136,6 +136,12 @@ impl PeerCopy {
         })
     }
 
+    /// Whether the machine's ranks may read each other under the
+    /// tensor-copy words' handshake: one bit per reader.
+    pub(crate) fn fits_the_copy_words(&self) -> bool {
+        u32::try_from(self.pids.len()).is_ok_and(|n| n <= super::tensor_copies::MAX_READERS)
+    }
+
     /// The rank in the job of local rank `rank`.
     pub(crate) fn rank_of(&self, rank: u32) -> u32 {
         self.ranks.get(rank as usize).copied().unwrap_or(rank)

@@ -76,7 +76,7 @@ pub(crate) struct ShmStep {
     pub(crate) size: u32,
     /// Where every local rank may read every other's memory: a broadcast
     /// goes from its root's tensor into the others', unstaged.
-    pub(crate) peer_copy: Option<PeerCopy>,
+    pub(crate) peer_copy: Option<Arc<PeerCopy>>,
     /// The smallest broadcast slice copied between tensors.
     pub(crate) copy_from: usize,
 }
@@ -99,7 +99,7 @@ impl ShmStep {
     /// a communicator).
     pub(crate) fn copying_between_tensors(
         self,
-        peer_copy: Option<PeerCopy>,
+        peer_copy: Option<Arc<PeerCopy>>,
         from_bytes: usize,
     ) -> ShmStep {
         // One bit per local rank in a tensor-copy word.

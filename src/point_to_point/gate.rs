@@ -25,7 +25,6 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 use std::thread::JoinHandle;
 
 use super::chain::Chain;
-use super::channel::Channel;
 use super::hand_over::{GatedPosts, closed, hand_over_list};
 use super::{Channels, Posted};
 use crate::communicator::Call;
@@ -135,15 +134,20 @@ impl Gate {
         self.enqueue(Some(check), Job::Chain(chain));
     }
 
-    /// Hands `call` to its channel, `channel`, at once if the gate holds no
-    /// call; otherwise queues it behind them, so that it reaches its channel
-    /// after every message issued before it.
+    /// Starts `call` on `channels` at once if the gate holds no call;
+    /// otherwise queues it behind them, so that it starts after every
+    /// message issued before it.
     ///
     /// # Safety
     ///
     /// `call`'s memory must stay valid and unshared until `posted` reports
     /// completion.
-    pub(super) unsafe fn post_in_order(&self, channel: &Channel, call: Call, posted: Arc<Posted>) {
+    pub(super) unsafe fn post_in_order(
+        &self,
+        channels: &Channels,
+        call: Call,
+        posted: Arc<Posted>,
+    ) {
         let mut queue = self.shared.lock();
         if queue.open && (queue.busy || !queue.waiting.is_empty()) {
             let mut list = queue.free.pop().unwrap_or(GatedPosts(Vec::new()));
@@ -160,7 +164,7 @@ impl Gate {
             // once this returns.
             drop(queue);
             // SAFETY: forwarded.
-            unsafe { channel.post(call, posted) };
+            unsafe { channels.start(call, posted) };
         }
     }
 

@@ -1,4 +1,4 @@
-//! Handing messages to their channels once they may start: one post at a
+//! Handing messages to the engine once they may start: one post at a
 //! time ([`post_one`]), or the list of one call's ([`GatedPosts`],
 //! [`hand_over_list`]), which the gate and a chain hold until then.
 
@@ -8,37 +8,31 @@ use super::{Channels, Posted};
 use crate::communicator::Call;
 use crate::error::{Error, Result};
 
-/// The messages of one call, each the call of its channel and its post.
+/// The messages of one call, each its memory (as a call) and its post.
 pub(super) struct GatedPosts(pub(super) Vec<(Call, Arc<Posted>)>);
 
 // SAFETY: the calls' pointers are the caller's memory, which the contract of
 // `Communicator::start` keeps valid and unshared until the call's work
-// reports completion; the gate thread only hands them to a channel, as the
+// reports completion; the gate thread only hands them to the engine, as the
 // calling thread would have. An emptied list holds none.
 unsafe impl Send for GatedPosts {}
 
-/// Hands `call` to the channel of `posted` on `channels`, which starts it as
-/// any message, or fails it if the channel cannot be had (the communicator
-/// closed).
+/// Starts `call` as the message `posted` describes, or fails it if the
+/// communicator closed.
 ///
 /// # Safety
 ///
 /// `call`'s memory must stay valid and unshared until `posted` reports
 /// completion.
 pub(super) unsafe fn post_one(channels: Option<&Arc<Channels>>, call: Call, posted: Arc<Posted>) {
-    let Some(c) = channels else {
-        posted.settle(Err(closed()));
-        return;
-    };
-    let (src, dst) = posted.channel();
-    match c.get(src, dst) {
+    match channels {
         // SAFETY: forwarded.
-        Ok(channel) => unsafe { channel.post(call, posted) },
-        Err(e) => posted.settle(Err(e)),
+        Some(c) => unsafe { c.start(call, posted) },
+        None => posted.settle(Err(closed())),
     }
 }
 
-/// Hands each of `posts` to its channel, or fails it with the check's error.
+/// Starts each of `posts`, or fails it with the check's error.
 /// The list goes to `give_back` before its last post is settled: the caller,
 /// who may issue the next call as soon as every post has finished, then
 /// finds it free.

@@ -1,17 +1,16 @@
 //! [`Message`]: posted messages, waited on, tested and dropped; what each is
-//! while its channel meets ([`Posted`]); and the [`Pool`] that recycles
+//! before the engine has it ([`Posted`]); and the [`Pool`] that recycles
 //! both, so that a warm message allocates nothing.
 
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::channel;
-use crate::communicator::{OwnedWork, Watch};
+use crate::communicator::WorkerEngine;
 use crate::error::{Error, Result};
 
 /// Messages in flight: a send, a receive, or the messages of an all-to-all,
-/// from when they are posted (their channels perhaps still meeting) to when
-/// they have finished.
+/// from when they are posted (perhaps still waiting at the gate behind a
+/// gather's) to when they have finished.
 ///
 /// Dropping it waits for them to finish, as dropping a [`Work`](crate::Work)
 /// does.
@@ -37,24 +36,24 @@ impl Posts {
 }
 
 /// What a posted message is, shared by its [`Message`] and, until it starts,
-/// its channel's queue.
+/// the gate's queue.
 pub(crate) struct Posted {
     state: Mutex<Phase>,
     changed: Condvar,
     /// How long a wait may take: the communicator's timeout.
     timeout: Duration,
-    /// The peer, and whether this rank sends to it (else receives from it).
+    /// The peer, whether this rank sends to it (else receives from it), and
+    /// the tag.
     peer: u32,
     sending: bool,
-    /// The channel's sender and receiver, whose ranks its errors name.
-    src: u32,
-    dst: u32,
+    tag: u32,
 }
 
 enum Phase {
-    /// Waiting for its channel to be met (or at the gate).
+    /// Not yet handed to the engine (at the gate).
     Queued,
-    Started(OwnedWork),
+    /// The engine's message `id`.
+    Started(Arc<WorkerEngine>, u64),
     /// Finished on the host, by the gate (a chained reduce's last step).
     Finished,
     Failed(Error),
@@ -87,13 +86,12 @@ impl Pool {
         })
     }
 
-    /// A queued message to or from `peer` on the channel `src -> dst`.
+    /// A queued message to or from `peer` (`sending`: to it), of `tag`.
     pub(super) fn posted(
         &self,
         peer: u32,
         sending: bool,
-        src: u32,
-        dst: u32,
+        tag: u32,
         timeout: Duration,
     ) -> Arc<Posted> {
         let recycled = self.lock().posted.pop();
@@ -103,15 +101,14 @@ impl Pool {
             timeout,
             peer,
             sending,
-            src,
-            dst,
+            tag,
         };
         match recycled {
             // Only the pool held it: reset in place.
             Some(mut p) => match Arc::get_mut(&mut p) {
                 Some(slot) => {
                     slot.timeout = timeout;
-                    (slot.peer, slot.sending, slot.src, slot.dst) = (peer, sending, src, dst);
+                    (slot.peer, slot.sending, slot.tag) = (peer, sending, tag);
                     *slot.state.get_mut().unwrap_or_else(PoisonError::into_inner) = Phase::Queued;
                     p
                 }
@@ -140,10 +137,11 @@ impl Pool {
         self.free.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Takes back `p` (a finished message's), if nothing else holds it:
-    /// drops its work first (waiting for it, if it is still running),
-    /// outside the pool's lock.
+    /// Takes back `p` (a finished message's), if nothing else holds it,
+    /// once its message has finished (see [`Posted::let_go`]), outside the
+    /// pool's lock.
     fn give_back(&self, mut p: Arc<Posted>) {
+        p.let_go();
         // Whoever settled it (a channel, the gate) lets go of it right after
         // waking its waiters: a moment's wait keeps it for reuse.
         let deadline = Instant::now() + SETTLER_LETS_GO;
@@ -179,24 +177,60 @@ impl Posted {
         }
     }
 
-    /// The channel's sender and receiver.
-    pub(super) fn channel(&self) -> (u32, u32) {
-        (self.src, self.dst)
+    /// The peer, whether this rank sends to it, and the tag.
+    pub(super) fn route(&self) -> (u32, bool, u32) {
+        (self.peer, self.sending, self.tag)
     }
 
-    /// `e`, from the channel's communicator, in the job's ranks.
-    fn in_job_ranks(&self, e: Error) -> Error {
-        channel::in_job_ranks(e, self.src, self.dst)
-    }
-
-    /// Records how the start went and wakes the waiters.
-    pub(super) fn settle(&self, outcome: Result<OwnedWork>) {
+    /// Records how the start went (the engine and its message) and wakes
+    /// the waiters.
+    pub(super) fn settle(&self, outcome: Result<(Arc<WorkerEngine>, u64)>) {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         *state = match outcome {
-            Ok(w) => Phase::Started(w),
+            Ok((engine, id)) => Phase::Started(engine, id),
             Err(e) => Phase::Failed(e),
         };
         self.changed.notify_all();
+    }
+
+    /// Once started, waits for the message to finish (up to the timeout;
+    /// past it, the communicator is failed, so that nothing touches the
+    /// caller's memory afterwards) and gives its entry back to the engine.
+    fn let_go(&self) {
+        let started = {
+            let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            match std::mem::replace(&mut *state, Phase::Finished) {
+                Phase::Started(engine, id) => Some((engine, id)),
+                other => {
+                    *state = other;
+                    None
+                }
+            }
+        };
+        let Some((engine, id)) = started else {
+            return;
+        };
+        if !matches!(
+            engine.wait_message(id, Some(self.timeout)),
+            Ok(true) | Err(_)
+        ) {
+            engine.fail(Error::timeout(
+                format!("{} dropped unfinished", self.what()),
+                self.timeout,
+            ));
+            let _ = engine.wait_message(id, Some(self.timeout));
+        }
+        if engine.message_pending(id) {
+            // Still running after the engine failed: its entry stays taken,
+            // and the memory is the caller's problem no longer only if the
+            // fabric let go of it, which dropping its registration waits for.
+            log::warn!(
+                "fairring: {} still pending after the engine failed",
+                self.what()
+            );
+            return;
+        }
+        engine.release_message(id);
     }
 
     /// Records that the gate finished it on the host (or failed it), and
@@ -211,24 +245,31 @@ impl Posted {
     }
 
     /// Waits up to `timeout` for it to start and, from then, up to `timeout`
-    /// for its work to finish.
+    /// for it to finish.
     pub(super) fn wait(&self, timeout: Duration) -> Result<()> {
         match self.started(Some(Instant::now() + timeout)) {
-            Some(Ok(Some(w))) => w.wait_timeout(timeout).map_err(|e| self.in_job_ranks(e)),
+            Some(Ok(Some((engine, id)))) => match engine.wait_message(id, Some(timeout))? {
+                true => Ok(()),
+                false => Err(Error::timeout(self.what(), timeout)),
+            },
             Some(Ok(None)) => Ok(()),
             Some(Err(e)) => Err(e),
             None => Err(Error::timeout(self.what(), timeout)),
         }
     }
 
-    /// A watch on the started work, once the message has started (waiting
+    /// The engine and its message, once the message has started (waiting
     /// up to `deadline`), or `None` if it finished on the host; its failure
     /// to start; `None` at the deadline.
-    fn started(&self, deadline: Option<Instant>) -> Option<Result<Option<Watch>>> {
+    #[expect(clippy::type_complexity, reason = "one use, spelled out")]
+    fn started(
+        &self,
+        deadline: Option<Instant>,
+    ) -> Option<Result<Option<(Arc<WorkerEngine>, u64)>>> {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
             match &*state {
-                Phase::Started(w) => return Some(Ok(Some(w.watch()))),
+                Phase::Started(engine, id) => return Some(Ok(Some((Arc::clone(engine), *id)))),
                 Phase::Finished => return Some(Ok(None)),
                 Phase::Failed(e) => return Some(Err(e.clone())),
                 Phase::Queued => {}
@@ -295,9 +336,12 @@ impl Message {
         let start = Instant::now();
         for p in self.posts.as_slice() {
             match p.started(Some(start + timeout)) {
-                Some(Ok(Some(w))) => w
-                    .wait_timeout(timeout.saturating_sub(start.elapsed()))
-                    .map_err(|e| p.in_job_ranks(e))?,
+                Some(Ok(Some((engine, id)))) => {
+                    let left = timeout.saturating_sub(start.elapsed());
+                    if !engine.wait_message(id, Some(left))? {
+                        return Err(Error::timeout(p.what(), timeout));
+                    }
+                }
                 Some(Ok(None)) => {}
                 Some(Err(e)) => return Err(e),
                 None => return Err(Error::timeout(p.what(), timeout)),
@@ -311,7 +355,7 @@ impl Message {
     pub fn test(&self) -> Result<bool> {
         for p in self.posts.as_slice() {
             let done = match p.started(None) {
-                Some(Ok(Some(w))) => w.test().map_err(|e| p.in_job_ranks(e))?,
+                Some(Ok(Some((engine, id)))) => engine.test_message(id)?,
                 Some(Ok(None)) => true,
                 Some(Err(e)) => return Err(e),
                 None => false,
@@ -326,10 +370,9 @@ impl Message {
 
 impl Drop for Message {
     fn drop(&mut self) {
-        // A queued message holds the caller's memory: its channel starts or
-        // fails it within the meeting's timeout, or when the communicator
-        // closes. Once started, dropping its work waits for it (in
-        // `give_back`, or where the last other holder lets go).
+        // A queued message holds the caller's memory: the gate starts or
+        // fails it once the call ahead of it is settled, or when the
+        // communicator closes. Once started, `give_back` waits for it.
         for p in self.posts.as_slice() {
             p.wait_started();
         }

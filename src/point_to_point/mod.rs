@@ -41,57 +41,46 @@
 
 mod all_to_all;
 mod chain;
-mod channel;
 mod gate;
 mod hand_over;
 mod message;
 mod rooted;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
+use std::thread::JoinHandle;
 
 use fairring_core::DataType;
 use fairring_core::reduce::Element;
 
-use crate::communicator::{Call, Communicator};
+use crate::communicator::{Call, Communicator, WorkerEngine};
 use crate::config::Config;
-use crate::engine::links::Traffic;
+use crate::engine::messages::Post;
 use crate::error::{Error, Result};
 use crate::store::Store;
-use channel::Channel;
 use gate::Gate;
 pub use message::Message;
 use message::{Pool, Posted};
 
-/// The most staging memory one channel takes (the communicator's budget, if
-/// smaller): a rank with channels to many peers (an all-to-all) holds one
-/// per direction and peer.
-pub const CHANNEL_MEMORY: u64 = 4 << 20;
-
-/// This rank's channels, made as messages name them.
+/// This rank's point-to-point state: the pool of posts, the gate, and the
+/// thread that connects to peers first named by a message.
 pub(crate) struct Channels {
-    /// The communicator's configuration, from which each channel's is made.
+    /// The communicator's configuration.
     config: Config,
-    /// The job's store (unscoped: a channel scopes it as any communicator does).
+    /// The job's store, scoped to the communicator: where late links meet.
     store: Arc<dyn Store>,
     rank: u32,
     world: u32,
-    /// By (sender, receiver).
-    open: Mutex<HashMap<(u32, u32), Arc<Channel>>>,
     closed: Mutex<bool>,
     aborted: Mutex<bool>,
     /// Finished messages, for reuse.
     pool: Arc<Pool>,
     /// Where the messages of gathers and scatters wait for their checks.
     gate: Gate,
-    /// The communicator's failure, if it has failed: a channel still meeting
-    /// stops with it rather than wait for a peer that failed or was aborted
-    /// until the timeout.
-    parent: OnceLock<ParentFailure>,
+    /// The engine the messages run on, once it exists.
+    engine: OnceLock<Weak<WorkerEngine>>,
+    /// The thread that links peers first named by a message.
+    linker: Mutex<Option<JoinHandle<()>>>,
 }
-
-/// Asks the communicator whether it has failed (and why).
-pub(crate) type ParentFailure = Arc<dyn Fn() -> Option<Error> + Send + Sync>;
 
 impl Channels {
     pub(crate) fn new(config: &Config, store: Arc<dyn Store>) -> Arc<Channels> {
@@ -100,92 +89,123 @@ impl Channels {
             store,
             rank: config.rank,
             world: config.world_size,
-            open: Mutex::new(HashMap::new()),
             closed: Mutex::new(false),
             aborted: Mutex::new(false),
             pool: Pool::new(),
             gate: Gate::new(),
-            parent: OnceLock::new(),
+            engine: OnceLock::new(),
+            linker: Mutex::new(None),
         })
     }
 
-    /// Lets the channels' meetings see the communicator fail (`failure`),
-    /// once its engine exists.
-    pub(crate) fn watch(&self, failure: ParentFailure) {
-        let _ = self.parent.set(failure);
+    /// Lets messages run on `engine`, once it exists.
+    pub(crate) fn attach(&self, engine: &Arc<WorkerEngine>) {
+        let _ = self.engine.set(Arc::downgrade(engine));
     }
 
-    /// The channel from `src` to `dst` (one of them this rank), met when
-    /// first named. Its reverse is met only when named too: a channel one
-    /// side never uses would still be meeting when the communicator closes,
-    /// and its peer would wait for it until the timeout.
-    fn get(&self, src: u32, dst: u32) -> Result<Arc<Channel>> {
-        if *self.closed.lock().unwrap_or_else(PoisonError::into_inner) {
-            return Err(Error::invalid("comm", "the communicator is closing"));
+    /// Starts `call` (a message's memory: one tensor of `count` x `dtype`)
+    /// as the message `posted` describes, on the engine, or fails `posted`
+    /// if it cannot start.
+    ///
+    /// # Safety
+    ///
+    /// `call`'s memory must stay valid and unshared until `posted` reports
+    /// completion.
+    pub(super) unsafe fn start(&self, call: Call, posted: Arc<Posted>) {
+        match self.refused() {
+            Some(e) => posted.settle(Err(e)),
+            None => {
+                // SAFETY: forwarded.
+                let started = unsafe { self.start_on_engine(call, &posted) };
+                posted.settle(started);
+            }
         }
+    }
+
+    /// Why a message cannot start now, if it cannot.
+    fn refused(&self) -> Option<Error> {
         if *self.aborted.lock().unwrap_or_else(PoisonError::into_inner) {
-            return Err(Error::Aborted);
+            return Some(Error::Aborted);
         }
-        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(c) = open.get(&(src, dst)) {
-            return Ok(Arc::clone(c));
+        if *self.closed.lock().unwrap_or_else(PoisonError::into_inner) {
+            return Some(hand_over::closed());
         }
-        let channel = Channel::meet(
-            &self.config,
-            &self.store,
-            src,
-            dst,
-            src == self.rank,
-            self.parent.get().cloned(),
-        )?;
-        open.insert((src, dst), Arc::clone(&channel));
-        Ok(channel)
+        None
     }
 
-    /// Settles what waits at the gate, fails every message still waiting for
-    /// its channel, stops every meeting (joining its thread), and lets go of
-    /// the store: after this no thread of a channel touches the job's store.
+    /// # Safety
+    ///
+    /// As [`Channels::start`].
+    unsafe fn start_on_engine(
+        &self,
+        call: Call,
+        posted: &Posted,
+    ) -> Result<(Arc<WorkerEngine>, u64)> {
+        let engine = self
+            .engine
+            .get()
+            .and_then(Weak::upgrade)
+            .ok_or_else(hand_over::closed)?;
+        let (peer, sending, tag) = posted.route();
+        let bytes = call
+            .count
+            .checked_mul(call.dtype.size_bytes())
+            .ok_or_else(|| Error::invalid("count", "the message's bytes overflow"))?;
+        if !engine.messages_go_local(peer) && engine.late_links.want(peer) {
+            self.start_linker(&engine)?;
+        }
+        let post = Post {
+            id: 0,
+            peer,
+            tag,
+            sending,
+            data: call.output as usize,
+            bytes,
+            dtype: call.dtype,
+        };
+        // SAFETY: the caller keeps the memory valid and unshared until the
+        // message reports completion, which is the engine's finishing it.
+        let id = unsafe { engine.post_message(post) }?;
+        Ok((engine, id))
+    }
+
+    /// Starts the linker thread (the first time a peer is wanted).
+    fn start_linker(&self, engine: &Arc<WorkerEngine>) -> Result<()> {
+        let mut linker = self.linker.lock().unwrap_or_else(PoisonError::into_inner);
+        if linker.is_none() {
+            *linker = Some(crate::bootstrap::start_linker(
+                engine,
+                Arc::clone(&self.store),
+                self.config.timeout,
+            )?);
+        }
+        Ok(())
+    }
+
+    /// Settles what waits at the gate, refuses later messages, and stops
+    /// the linker: after this no thread of messages touches the job's store.
     pub(crate) fn close(&self) {
-        // The gate first: what it still holds goes to the channels, or fails.
+        // The gate first: what it still holds goes to the engine, or fails.
         self.gate.close();
         *self.closed.lock().unwrap_or_else(PoisonError::into_inner) = true;
-        let open: Vec<Arc<Channel>> = self
-            .open
+        if let Some(engine) = self.engine.get().and_then(Weak::upgrade) {
+            engine.late_links.close();
+        }
+        let linker = self
+            .linker
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .drain()
-            .map(|(_, c)| c)
-            .collect();
-        for c in &open {
-            c.close();
+            .take();
+        if let Some(t) = linker {
+            let _ = t.join();
         }
         self.pool.close();
     }
 
-    /// Aborts every channel (each met one's communicator; a meeting stops
-    /// and fails what waits for it), and refuses later messages: what is in
-    /// flight fails with [`Error::Aborted`]. What waits at the gate fails
-    /// with the communicator's own abort.
+    /// Refuses later messages; what is in flight fails with the engine's
+    /// abort (the communicator's).
     pub(crate) fn abort(&self) {
         *self.aborted.lock().unwrap_or_else(PoisonError::into_inner) = true;
-        let open: Vec<Arc<Channel>> = self
-            .open
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .values()
-            .cloned()
-            .collect();
-        for c in &open {
-            c.abort();
-        }
-    }
-
-    /// What the channels met so far have moved (see [`Traffic`]).
-    pub(crate) fn traffic(&self) -> Traffic {
-        let open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
-        open.values()
-            .filter_map(|c| c.traffic())
-            .fold(Traffic::default(), Traffic::plus)
     }
 
     /// Refuses a peer that is not another rank of the job.
@@ -338,21 +358,21 @@ impl Communicator {
     ) -> Result<Arc<Posted>> {
         let channels = &self.channels;
         channels.check_peer(peer)?;
-        let me = self.rank();
-        let (src, dst) = if sending { (me, peer) } else { (peer, me) };
         // Refused before it is queued, so that a bad pointer is named here.
         crate::communicator::check_pointer(data, count, dtype)?;
-        let channel = channels.get(src, dst)?;
+        if let Some(e) = channels.refused() {
+            return Err(e);
+        }
         let posted = channels
             .pool
-            .posted(peer, sending, src, dst, channel.timeout());
+            .posted(peer, sending, 0, channels.config.timeout);
         let call = Call::broadcast(data, count, dtype, 0);
         // SAFETY: the caller's contract covers the message until it reports
         // completion; `Message`'s drop waits for that.
         unsafe {
             channels
                 .gate
-                .post_in_order(&channel, call, Arc::clone(&posted))
+                .post_in_order(channels, call, Arc::clone(&posted))
         };
         Ok(posted)
     }

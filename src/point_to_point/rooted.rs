@@ -60,8 +60,7 @@ impl Communicator {
             let peers = if me == root { world as usize - 1 } else { 1 };
             let mut gated = channels.gate.list(peers);
             let mut add = |peer: u32, sending: bool, data: *mut u8| {
-                let (src, dst) = if sending { (me, peer) } else { (peer, me) };
-                let posted = channels.pool.posted(peer, sending, src, dst, timeout);
+                let posted = channels.pool.posted(peer, sending, 0, timeout);
                 let message = Call::broadcast(data, call.count, call.dtype, 0);
                 gated.0.push((message, Arc::clone(&posted)));
                 posts.push(posted);
@@ -103,7 +102,7 @@ impl Communicator {
             let start = k * CHUNK_BYTES;
             let len = CHUNK_BYTES.min(bytes - start) as u64;
             if let Some(from) = next {
-                let posted = channels.pool.posted(from, false, from, me, timeout);
+                let posted = channels.pool.posted(from, false, 0, timeout);
                 // Where it lands (a slot of the gate's scratch) is set when
                 // the gate posts it.
                 let message = Call::broadcast(std::ptr::null_mut(), len, DataType::U8, 0);
@@ -111,7 +110,7 @@ impl Communicator {
                 posts.push(posted);
             }
             if let Some(to) = prev {
-                let posted = channels.pool.posted(to, true, me, to, timeout);
+                let posted = channels.pool.posted(to, true, 0, timeout);
                 let data = call.output.wrapping_add(start);
                 sends.0.push((
                     Call::broadcast(data, len, DataType::U8, 0),
@@ -122,7 +121,7 @@ impl Communicator {
         }
         let done = (me == root).then(|| {
             let from = next.unwrap_or(me);
-            let posted = channels.pool.posted(from, false, from, me, timeout);
+            let posted = channels.pool.posted(from, false, 0, timeout);
             posts.push(Arc::clone(&posted));
             posted
         });

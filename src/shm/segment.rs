@@ -9,7 +9,9 @@
 //!             rank's progress counters (input ready, slot final, all-gather
 //!             done), each a u64 on its own cache line, then the rank's
 //!             operation table: `OPERATIONS` entries of 32 bytes (sequence + 1,
-//!             then the operation's two descriptor words)
+//!             then the operation's two descriptor words), then the rank's
+//!             mailboxes: per local rank that sends it messages,
+//!             `MAILBOX_SLOTS` lines (see [`Segment::mailbox`])
 //! data        per local rank: B staging buffers of `buffer_bytes`, page aligned
 //! ```
 //!
@@ -47,6 +49,9 @@ pub(crate) fn operation_entry(seq: u64) -> usize {
 const OPERATION_BYTES: usize = 32;
 /// Words in the failure record.
 pub(crate) const RECORD_WORDS: usize = 8;
+/// Lines in the mailbox one local rank sends another messages through: the
+/// sender's offers in flight to that rank, at most.
+pub(crate) const MAILBOX_SLOTS: usize = 64;
 
 #[repr(C)]
 struct Header {
@@ -88,7 +93,7 @@ fn round_up(n: usize, to: usize) -> usize {
 impl Segment {
     fn layout(ranks: u32, buffers: u32, buffer_bytes: usize) -> Option<(usize, usize, usize)> {
         let control = PAGE;
-        let per_rank = Segment::per_rank(buffers);
+        let per_rank = Segment::per_rank(buffers, ranks);
         let data = round_up(control + per_rank * ranks as usize, PAGE);
         let len = (buffers as usize)
             .checked_mul(buffer_bytes)?
@@ -97,15 +102,18 @@ impl Segment {
         Some((control, data, len))
     }
 
-    /// Bytes of one rank's control area.
-    fn per_rank(buffers: u32) -> usize {
-        HEAD_LINES * LINE + buffers as usize * COUNTERS * LINE + OPERATIONS * OPERATION_BYTES
+    /// Bytes of one rank's control area, in a segment of `ranks` ranks.
+    fn per_rank(buffers: u32, ranks: u32) -> usize {
+        HEAD_LINES * LINE
+            + buffers as usize * COUNTERS * LINE
+            + OPERATIONS * OPERATION_BYTES
+            + ranks as usize * MAILBOX_SLOTS * LINE
     }
 
     /// Offset of local rank `rank`'s control area.
     fn control_of(&self, rank: u32) -> usize {
         assert!(rank < self.ranks, "local rank {rank} out of range");
-        self.control + rank as usize * Segment::per_rank(self.buffers)
+        self.control + rank as usize * Segment::per_rank(self.buffers, self.ranks)
     }
 
     /// Creates (local rank 0) or opens (the others) the segment `name`.
@@ -310,6 +318,44 @@ impl Segment {
                 .as_ptr()
                 .wrapping_add(off)
                 .cast::<[AtomicU64; 3]>()
+        }
+    }
+
+    /// Line `slot` of the mailbox through which local rank `from` sends local
+    /// rank `to` messages (see `engine/messages/mailbox.rs` for the protocol):
+    ///
+    /// ```text
+    /// word 0   state: the offer's number k (its sender's count of offers
+    ///          to `to`) << 2 | 1 offered (by `from`), 2 done, 3 refused
+    ///          (by `to`); 0 before the first use
+    /// word 1   the offer's tag (bits 0..32) and element type (bits 32..40)
+    /// word 2   its bytes
+    /// word 3   the address of the sender's tensor in its process
+    /// word 4   refused: the receive's bytes
+    /// word 5   refused: the receive's element type
+    /// ```
+    ///
+    /// The sender writes words 1 to 3, then word 0 with release; the
+    /// receiver, having read word 0 with acquire, reads them, and on refusal
+    /// writes words 4 and 5 before word 0, with release.
+    pub(crate) fn mailbox(&self, to: u32, from: u32, slot: usize) -> &[AtomicU64; 8] {
+        assert!(
+            from < self.ranks && slot < MAILBOX_SLOTS,
+            "mailbox line out of range"
+        );
+        let off = self.control_of(to)
+            + HEAD_LINES * LINE
+            + self.buffers as usize * COUNTERS * LINE
+            + OPERATIONS * OPERATION_BYTES
+            + (from as usize * MAILBOX_SLOTS + slot) * LINE;
+        // SAFETY: in bounds (asserted, and the layout reserved the lines),
+        // 64-byte aligned, only used atomically.
+        unsafe {
+            &*self
+                .base
+                .as_ptr()
+                .wrapping_add(off)
+                .cast::<[AtomicU64; 8]>()
         }
     }
 

@@ -52,8 +52,12 @@ pub(super) fn build_job(
         // Broadcasts on one machine are copied between tensors in the jobs
         // of an even number of buffers (half those drawn), and summed with
         // zeros in the others, as where ranks may not copy between them.
-        let peer_copy = (d > 1 && buffers.is_multiple_of(2))
-            .then(|| PeerCopy::within_this_process(&local_ranks(topology, location.machine)));
+        let peer_copy = (d > 1 && buffers.is_multiple_of(2)).then(|| {
+            Arc::new(PeerCopy::within_this_process(&local_ranks(
+                topology,
+                location.machine,
+            )))
+        });
         let shm = ShmStep::new(Arc::clone(segment), location.device, d, buffers)
             .copying_between_tensors(peer_copy, 1);
         let local = wrap(rank, reach::step(&memory, shm, joined));
@@ -126,6 +130,7 @@ pub(super) fn build_job(
             wiring,
             timeout,
             direct,
+            peer_copy: None,
         }));
     }
     Ok(engines)

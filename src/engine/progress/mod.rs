@@ -190,7 +190,7 @@ impl<F: Fabric, M: MemorySpace> Driven for Engine<F, M> {
         } else {
             let d = self.lock_driver();
             (
-                self.in_flight(&d),
+                self.in_flight(&d) || self.messages.any_pending(),
                 d.slices.awaits_fences() || d.operations.delivering() || self.local.awaits_fences(),
             )
         };

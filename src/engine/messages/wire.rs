@@ -1,0 +1,183 @@
+//! The control messages of point-to-point transfers over the fabric, each a
+//! fabric message of kind `MessageControl` (`engine/tags.rs`):
+//!
+//! ```text
+//! Ready    [1][tag u32][receive u64][bytes u64][dtype u8][landing: RemoteRegion]
+//! Refused  [2][receive u64][bytes u64][dtype u8]
+//! Empty    [3][receive u64]
+//! ```
+//!
+//! Integers are little-endian; `receive` is the receiver's message id, which
+//! the sender echoes (and writes in its data's immediates) so that the
+//! receiver finds the message without a lookup by peer and tag.
+
+use fairring_core::DataType;
+use fairring_rdma::fabric::RemoteRegion;
+
+/// A receive, announced to its sender.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Ready {
+    pub(crate) tag: u32,
+    /// The receiver's message id.
+    pub(crate) receive: u64,
+    pub(crate) bytes: u64,
+    pub(crate) dtype: DataType,
+    /// Where the sender writes: the receiver's tensor, open to it.
+    pub(crate) landing: RemoteRegion,
+}
+
+/// What a sender tells a receiver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reply {
+    /// The receive met a send of `bytes` of `dtype`, which it does not match.
+    Refused {
+        receive: u64,
+        bytes: u64,
+        dtype: DataType,
+    },
+    /// The receive met a send of no bytes, which it matches: it is done.
+    Empty { receive: u64 },
+}
+
+/// One decoded control message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Control {
+    Ready(Ready),
+    Reply(Reply),
+}
+
+const READY: u8 = 1;
+const REFUSED: u8 = 2;
+const EMPTY: u8 = 3;
+
+/// Bytes of the longest control message.
+pub(crate) const MOST_BYTES: usize = 1 + 4 + 8 + 8 + 1 + RemoteRegion::BYTES;
+
+/// The bytes of `c` in `out`; returns how many.
+pub(crate) fn encode(c: &Control, out: &mut [u8; MOST_BYTES]) -> usize {
+    let mut w = Writer { out, at: 0 };
+    match c {
+        Control::Ready(r) => {
+            w.put(&[READY]);
+            w.put(&r.tag.to_le_bytes());
+            w.put(&r.receive.to_le_bytes());
+            w.put(&r.bytes.to_le_bytes());
+            w.put(&[r.dtype as u8]);
+            w.put(&r.landing.to_bytes());
+        }
+        Control::Reply(Reply::Refused {
+            receive,
+            bytes,
+            dtype,
+        }) => {
+            w.put(&[REFUSED]);
+            w.put(&receive.to_le_bytes());
+            w.put(&bytes.to_le_bytes());
+            w.put(&[*dtype as u8]);
+        }
+        Control::Reply(Reply::Empty { receive }) => {
+            w.put(&[EMPTY]);
+            w.put(&receive.to_le_bytes());
+        }
+    }
+    w.at
+}
+
+/// `payload` decoded, or `None` if it is not a control message.
+pub(crate) fn decode(payload: &[u8]) -> Option<Control> {
+    let mut r = Reader { bytes: payload };
+    let c = match r.u8()? {
+        READY => Control::Ready(Ready {
+            tag: u32::from_le_bytes(r.take()?),
+            receive: u64::from_le_bytes(r.take()?),
+            bytes: u64::from_le_bytes(r.take()?),
+            dtype: DataType::from_u8(r.u8()?)?,
+            landing: RemoteRegion::from_bytes(r.rest(RemoteRegion::BYTES)?)?,
+        }),
+        REFUSED => Control::Reply(Reply::Refused {
+            receive: u64::from_le_bytes(r.take()?),
+            bytes: u64::from_le_bytes(r.take()?),
+            dtype: DataType::from_u8(r.u8()?)?,
+        }),
+        EMPTY => Control::Reply(Reply::Empty {
+            receive: u64::from_le_bytes(r.take()?),
+        }),
+        _ => return None,
+    };
+    r.bytes.is_empty().then_some(c)
+}
+
+struct Writer<'a> {
+    out: &'a mut [u8; MOST_BYTES],
+    at: usize,
+}
+
+impl Writer<'_> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.out[self.at..self.at + bytes.len()].copy_from_slice(bytes);
+        self.at += bytes.len();
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn rest(&mut self, n: usize) -> Option<&'a [u8]> {
+        let (head, tail) = self.bytes.split_at_checked(n)?;
+        self.bytes = tail;
+        Some(head)
+    }
+
+    fn take<const N: usize>(&mut self) -> Option<[u8; N]> {
+        self.rest(N)?.try_into().ok()
+    }
+
+    fn u8(&mut self) -> Option<u8> {
+        Some(self.take::<1>()?[0])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_messages_round_trip_and_fit_a_fabric_message() {
+        let landing = RemoteRegion {
+            key: 9,
+            address: 0x7f00_0000_1000,
+            len: 4096,
+        };
+        let all = [
+            Control::Ready(Ready {
+                tag: u32::MAX,
+                receive: 1 << 40,
+                bytes: 4096,
+                dtype: DataType::BF16,
+                landing,
+            }),
+            Control::Reply(Reply::Refused {
+                receive: 3,
+                bytes: 17,
+                dtype: DataType::U8,
+            }),
+            Control::Reply(Reply::Empty { receive: 0 }),
+        ];
+        for c in all {
+            let mut out = [0; MOST_BYTES];
+            let n = encode(&c, &mut out);
+            assert!(n <= fairring_rdma::fabric::MESSAGE_CAPACITY);
+            assert_eq!(decode(&out[..n]), Some(c));
+            // Cut short, or with a byte to spare, it is not a control message.
+            assert_eq!(decode(&out[..n - 1]), None);
+            let mut longer = out.to_vec();
+            longer.truncate(n);
+            longer.push(0);
+            assert_eq!(decode(&longer), None);
+        }
+        assert_eq!(decode(&[]), None);
+        assert_eq!(decode(&[9]), None);
+    }
+}
