@@ -22,8 +22,8 @@
 //!
 //! [`Communicator`] runs all-reduce, broadcast, all-gather, reduce-scatter, reduce,
 //! gather, scatter, barrier and coalesced all-reduce across processes and machines
-//! on host memory, and point-to-point messages and all-to-all ([`Message`]) over a
-//! channel per pair of ranks that talk:
+//! on host memory, and point-to-point messages and all-to-all ([`Message`]), each
+//! message an operation of the engine, from tensor to tensor:
 //!
 //! - **built** from torchrun's environment or a [`Config`] builder; ranks meet
 //!   through a [`Store`] (by default the authenticated [`store::TcpStore`] rank 0

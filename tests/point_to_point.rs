@@ -25,8 +25,11 @@ const SIZES: [usize; 4] = [0, 1, 1001, 40_003];
 
 /// Every rank posts every message to and from every other rank at once
 /// (sends first: a rank never waits for a peer to reach its own first
-/// message), waits for them all, and checks each bit.
-fn every_pair_at_once(m: u32, d: u32, servers: u32, algorithm: Algorithm) {
+/// message), waits for them all, and checks each bit. `tagged`: message `k`
+/// has tag `k + 1` and the receives are posted in the reverse order (the
+/// sizes differ, so a receive matched by order instead of tag fails);
+/// otherwise all have tag 0 and match in order.
+fn every_pair_at_once(m: u32, d: u32, servers: u32, algorithm: Algorithm, tagged: bool) {
     let world = m * d;
     let results = job_with_servers(
         m,
@@ -48,13 +51,18 @@ fn every_pair_at_once(m: u32, d: u32, servers: u32, algorithm: Algorithm) {
                     receives.push((peer, k, vec![0.0; n]));
                 }
             }
+            let tag = |k: usize| if tagged { k as u32 + 1 } else { 0 };
+            if tagged {
+                receives.reverse();
+            }
             let mut messages: Vec<Message> = Vec::new();
-            for (peer, _, data) in &mut sends {
+            for (peer, k, data) in &mut sends {
                 // SAFETY: `data` lives, untouched, until every message is waited.
                 messages.push(
                     unsafe {
                         comm.post_send(
                             *peer,
+                            tag(*k),
                             data.as_mut_ptr().cast(),
                             data.len() as u64,
                             DataType::F32,
@@ -63,12 +71,13 @@ fn every_pair_at_once(m: u32, d: u32, servers: u32, algorithm: Algorithm) {
                     .unwrap_or_else(|e| panic!("rank {rank}: {e}")),
                 );
             }
-            for (peer, _, data) in &mut receives {
+            for (peer, k, data) in &mut receives {
                 // SAFETY: as above.
                 messages.push(
                     unsafe {
                         comm.post_recv(
                             *peer,
+                            tag(*k),
                             data.as_mut_ptr().cast(),
                             data.len() as u64,
                             DataType::F32,
@@ -102,7 +111,8 @@ fn every_pair_at_once(m: u32, d: u32, servers: u32, algorithm: Algorithm) {
                 .count();
             assert_eq!(
                 wrong, 0,
-                "{m}x{d}+{servers} {algorithm}: rank {rank} from {peer}, message {k}"
+                "{m}x{d}+{servers} {algorithm} (tagged: {tagged}): rank {rank} from {peer}, \
+                 message {k}"
             );
         }
     }
@@ -111,7 +121,17 @@ fn every_pair_at_once(m: u32, d: u32, servers: u32, algorithm: Algorithm) {
 #[test]
 fn every_pair_exchanges_exact_messages_in_order() {
     for (m, d) in [(1, 2), (2, 1), (2, 2), (3, 1)] {
-        every_pair_at_once(m, d, 0, Algorithm::Auto);
+        every_pair_at_once(m, d, 0, Algorithm::Auto, false);
+    }
+}
+
+/// Tags: the k-th send of a tag meets the k-th receive of that tag, however
+/// the tags interleave; between machines (the fabric) and within one (the
+/// machine's mailboxes).
+#[test]
+fn messages_match_by_tag_whatever_order_the_tags_are_posted_in() {
+    for (m, d) in [(1, 2), (2, 1), (2, 2)] {
+        every_pair_at_once(m, d, 0, Algorithm::Auto, true);
     }
 }
 
@@ -122,9 +142,9 @@ fn messages_run_whatever_the_communicators_algorithm_and_servers() {
         Algorithm::Doubling,
         Algorithm::Hierarchical,
     ] {
-        every_pair_at_once(2, 1, 0, algorithm);
+        every_pair_at_once(2, 1, 0, algorithm, false);
     }
-    every_pair_at_once(2, 1, 2, Algorithm::Hierarchical);
+    every_pair_at_once(2, 1, 2, Algorithm::Hierarchical, false);
 }
 
 #[test]
@@ -300,7 +320,8 @@ fn bad_peers_and_pointers_are_refused_naming_the_argument() {
                 other => panic!("a batch with peer 7: {other:?}"),
             }
             // SAFETY: refused before anything touches the (null) memory.
-            let null = unsafe { comm.post_recv(1 - rank, std::ptr::null_mut(), 4, DataType::F32) };
+            let null =
+                unsafe { comm.post_recv(1 - rank, 0, std::ptr::null_mut(), 4, DataType::F32) };
             assert!(
                 matches!(
                     null,
@@ -409,12 +430,13 @@ fn abort_fails_messages_in_flight_and_refuses_later_ones() {
                     let mut never = [0i32; 8];
                     // SAFETY: both live until the messages are waited for.
                     let met =
-                        unsafe { comm.post_recv(1, more.as_mut_ptr().cast(), 8, DataType::I32) }
+                        unsafe { comm.post_recv(1, 0, more.as_mut_ptr().cast(), 8, DataType::I32) }
                             .unwrap();
                     // SAFETY: as above.
-                    let meeting =
-                        unsafe { comm.post_recv(2, never.as_mut_ptr().cast(), 8, DataType::I32) }
-                            .unwrap();
+                    let meeting = unsafe {
+                        comm.post_recv(2, 0, never.as_mut_ptr().cast(), 8, DataType::I32)
+                    }
+                    .unwrap();
                     let start = Instant::now();
                     std::thread::scope(|s| {
                         s.spawn(|| {

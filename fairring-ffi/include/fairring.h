@@ -621,9 +621,8 @@ fr_status fr_work_enqueue_wait(const fr_work *work,
                                void *stream);
 #endif
 
-// Posts a send of `count` elements of `dtype` at `data` to rank `peer`.
-// `*out` receives the work handle. The message travels as its channel's
-// broadcast, which may write the sender's bytes back where they were.
+// Posts a send of `count` elements of `dtype` at `data` to rank `peer`,
+// with tag `tag`. `*out` receives the work handle.
 //
 // # Safety
 //
@@ -633,14 +632,15 @@ fr_status fr_work_enqueue_wait(const fr_work *work,
 // a write.
 fr_status fr_send(const fr_comm *comm,
                   uint32_t peer,
+                  uint32_t tag,
                   void *data,
                   uint64_t count,
                   int32_t dtype,
                   fr_work **out);
 
 // Posts a receive of `count` elements of `dtype` into `data` from rank
-// `peer`: the next message that rank sends this one. `*out` receives the
-// work handle.
+// `peer`: the next message of tag `tag` that rank sends this one. `*out`
+// receives the work handle.
 //
 // # Safety
 //
@@ -648,6 +648,7 @@ fr_status fr_send(const fr_comm *comm,
 // finishes.
 fr_status fr_recv(const fr_comm *comm,
                   uint32_t peer,
+                  uint32_t tag,
                   void *data,
                   uint64_t count,
                   int32_t dtype,
@@ -656,8 +657,8 @@ fr_status fr_recv(const fr_comm *comm,
 // Posts an all-to-all of `dtype` elements: `input_counts[j]` elements of
 // `input` (the blocks in rank order) to rank `j`, `output_counts[j]` of
 // `output` from it; each array holds one count per rank. This rank's own
-// block is copied before the call returns; every other one is a message on
-// its pair's channel. A rank whose block to another disagrees with that
+// block is copied before the call returns; every other one is a message
+// to or from its rank. A rank whose block to another disagrees with that
 // rank's count fails both with `FR_MISMATCH`, naming both. `*out` receives
 // one work handle for all of them.
 //

@@ -2,11 +2,11 @@
 //! a work handle like any operation's (waited, tested, called back and freed
 //! alike).
 //!
-//! Each ordered pair of ranks has a channel, a communicator of two met through
-//! the job's store the first time either rank names the pair (in the
-//! background: the call returns at once). Messages from one rank to another
-//! match that rank's receives in the order both were posted; a receive of
-//! another size or type fails both ranks with `FR_MISMATCH`, naming both.
+//! A message is an operation of the communicator's engine; the call returns
+//! at once (a peer first named is connected to in the background). Messages
+//! from one rank to another of one tag match that rank's receives of that
+//! tag in the order both were posted; a receive of another size or type
+//! fails both messages with `FR_MISMATCH`, each naming both ranks.
 
 use std::ffi::c_void;
 
@@ -15,9 +15,8 @@ use crate::comm::{begin, fr_comm, hand_out_in_flight};
 use crate::status::{boundary, fr_status, invalid};
 use crate::work_handles::{InFlight, fr_work};
 
-/// Posts a send of `count` elements of `dtype` at `data` to rank `peer`.
-/// `*out` receives the work handle. The message travels as its channel's
-/// broadcast, which may write the sender's bytes back where they were.
+/// Posts a send of `count` elements of `dtype` at `data` to rank `peer`,
+/// with tag `tag`. `*out` receives the work handle.
 ///
 /// # Safety
 ///
@@ -29,18 +28,19 @@ use crate::work_handles::{InFlight, fr_work};
 pub unsafe extern "C" fn fr_send(
     comm: *const fr_comm,
     peer: u32,
+    tag: u32,
     data: *mut c_void,
     count: u64,
     dtype: i32,
     out: *mut *mut fr_work,
 ) -> fr_status {
     // SAFETY: forwarded.
-    unsafe { post(comm, peer, true, data, count, dtype, out) }
+    unsafe { post(comm, peer, tag, true, data, count, dtype, out) }
 }
 
 /// Posts a receive of `count` elements of `dtype` into `data` from rank
-/// `peer`: the next message that rank sends this one. `*out` receives the
-/// work handle.
+/// `peer`: the next message of tag `tag` that rank sends this one. `*out`
+/// receives the work handle.
 ///
 /// # Safety
 ///
@@ -50,21 +50,27 @@ pub unsafe extern "C" fn fr_send(
 pub unsafe extern "C" fn fr_recv(
     comm: *const fr_comm,
     peer: u32,
+    tag: u32,
     data: *mut c_void,
     count: u64,
     dtype: i32,
     out: *mut *mut fr_work,
 ) -> fr_status {
     // SAFETY: forwarded.
-    unsafe { post(comm, peer, false, data, count, dtype, out) }
+    unsafe { post(comm, peer, tag, false, data, count, dtype, out) }
 }
 
 /// # Safety
 ///
 /// As `fr_send`.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "a message's complete description"
+)]
 unsafe fn post(
     comm: *const fr_comm,
     peer: u32,
+    tag: u32,
     sending: bool,
     data: *mut c_void,
     count: u64,
@@ -80,10 +86,10 @@ unsafe fn post(
         let (data, comm) = (data.cast(), &c.comm);
         let message = if sending {
             // SAFETY: the memory contract is the caller's, as documented.
-            unsafe { comm.post_send(peer, data, count, dtype) }
+            unsafe { comm.post_send(peer, tag, data, count, dtype) }
         } else {
             // SAFETY: as above.
-            unsafe { comm.post_recv(peer, data, count, dtype) }
+            unsafe { comm.post_recv(peer, tag, data, count, dtype) }
         };
         // SAFETY: `begin` checked `out`, valid for a write per the contract.
         unsafe { hand_out_in_flight(c, out, message.map(InFlight::Message)) }
@@ -93,8 +99,8 @@ unsafe fn post(
 /// Posts an all-to-all of `dtype` elements: `input_counts[j]` elements of
 /// `input` (the blocks in rank order) to rank `j`, `output_counts[j]` of
 /// `output` from it; each array holds one count per rank. This rank's own
-/// block is copied before the call returns; every other one is a message on
-/// its pair's channel. A rank whose block to another disagrees with that
+/// block is copied before the call returns; every other one is a message
+/// to or from its rank. A rank whose block to another disagrees with that
 /// rank's count fails both with `FR_MISMATCH`, naming both. `*out` receives
 /// one work handle for all of them.
 ///

@@ -83,6 +83,10 @@ fn run_job(program: &Path) {
     let mut ranks = job
         .spawn(|rank| {
             let mut c = job.command(program, rank);
+            // cargo puts its own deps folder, whose copy of the shared
+            // library may be older than the one built above, on the test's
+            // library path, ahead of the program's rpath.
+            c.env_remove("LD_LIBRARY_PATH");
             c.env("FAIRRING_TIMEOUT", "20s")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());

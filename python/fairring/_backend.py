@@ -30,8 +30,8 @@ def _teardown(state):
     comm, completer = state.pop("comm", None), state.pop("completer", None)
     if completer is not None:
         completer.close()
-    # Destroying the communicator stops its channels' meetings before it
-    # lets go of the store bridge.
+    # Destroying the communicator stops its linker (which connects peers
+    # first named by a message) before it lets go of the store bridge.
     if comm is not None:
         native.lib().fr_comm_destroy(comm)
 
@@ -535,7 +535,7 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         """Rows `input_split_sizes[j]` of `input` (in order) to rank j, rows
         `output_split_sizes[j]` of `output` from it (equal splits where a list
-        is empty): each block moves once, as a message on the pair's channel."""
+        is empty): each block moves once, as a message to its rank."""
         what = "all_to_all_single"
         _host(input, what)
         staged = _Staged(output, what)
@@ -612,20 +612,21 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
 
         return start
 
-    # Point-to-point: the library gives each ordered pair of ranks a channel
-    # (a communicator of two, met in the background through the group's
-    # store), and a message is that channel's broadcast. Messages from one
-    # rank to another arrive in the order they were sent and match receives
-    # in the order they were posted, as NCCL's do; tags are not matched. A
-    # receive of another size or type fails both ranks naming both.
-    def _message_start(self, block, peer, sending, what):
+    # Point-to-point: a message is an operation of the library's engine,
+    # from the sender's tensor into the receiver's. Messages from one rank
+    # to another of one tag match that rank's receives of that tag in the
+    # order both were posted, as NCCL's and MPI's do. A receive of another
+    # size or type fails both messages, each naming both ranks.
+    def _message_start(self, block, peer, sending, what, tag=0):
         """The function that posts one message of a contiguous `block` to or
-        from `peer`."""
+        from `peer`, with tag `tag`."""
         if not isinstance(peer, int) or not 0 <= peer < self.size() or peer == self.rank():
             raise ValueError(
                 f"fairring: {what}: peer {peer} is not another rank of this group of "
                 f"{self.size()}"
             )
+        if not isinstance(tag, int) or not 0 <= tag < 1 << 32:
+            raise ValueError(f"fairring: {what}: tag {tag} is not an integer in [0, 2**32)")
         code = _DTYPES.get(block.dtype)
         if code is None:
             count, code = block.numel() * block.element_size(), native.DTYPE_U8
@@ -635,25 +636,25 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         post = native.lib().fr_send if sending else native.lib().fr_recv
 
         def start(comm, w):
-            return post(comm, peer, ptr, count, code, w)
+            return post(comm, peer, tag, ptr, count, code, w)
 
         return start
 
-    def _message(self, what, tensor, peer, sending):
+    def _message(self, what, tensor, peer, sending, tag):
         staged = _Staged(tensor, what, write_back=not sending)
-        start = self._message_start(staged.buffer, peer, sending, what)
+        start = self._message_start(staged.buffer, peer, sending, what, tag)
         label = f"{what} {'to' if sending else 'from'} rank {peer}"
         return self._start(label, [start], staged.finish, [tensor], staged)
 
     def send(self, tensors, dst, tag=0):
         if len(tensors) != 1:
             raise ValueError(f"fairring: send: expected one tensor, got {len(tensors)}")
-        return self._message("send", tensors[0], dst, sending=True)
+        return self._message("send", tensors[0], dst, sending=True, tag=tag)
 
     def recv(self, tensors, src, tag=0):
         if len(tensors) != 1:
             raise ValueError(f"fairring: recv: expected one tensor, got {len(tensors)}")
-        return self._message("recv", tensors[0], src, sending=False)
+        return self._message("recv", tensors[0], src, sending=False, tag=tag)
 
     def recv_anysource(self, *args, **kwargs):
         self._unsupported("recv (any source)")

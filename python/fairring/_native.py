@@ -158,8 +158,8 @@ def _declare(l):
     fn("fr_gather", c_status, comm_p, vp, vp, u64, i32, u32, p_work)
     fn("fr_scatter", c_status, comm_p, vp, vp, u64, i32, u32, p_work)
     fn("fr_barrier", c_status, comm_p, p_work)
-    fn("fr_send", c_status, comm_p, u32, vp, u64, i32, p_work)
-    fn("fr_recv", c_status, comm_p, u32, vp, u64, i32, p_work)
+    fn("fr_send", c_status, comm_p, u32, u32, vp, u64, i32, p_work)
+    fn("fr_recv", c_status, comm_p, u32, u32, vp, u64, i32, p_work)
     fn(
         "fr_all_to_all",
         c_status,

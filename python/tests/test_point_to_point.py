@@ -5,7 +5,8 @@ pipeline schedule of `batch_isend_irecv` over 4 ranks for 20 microbatches;
 `all_to_all_single` with random unequal splits and the list form on 2, 3 and
 4 ranks; all checked against values computed on each rank. A receive of
 another size, and splits that disagree, fail naming both sides; a sender
-killed mid-job fails its receiver naming it (and what its channel calls it);
+killed mid-job fails its receiver naming it; tags match their own receives
+whatever order they are posted in;
 receives from any rank are refused naming the call."""
 
 import datetime
@@ -94,7 +95,7 @@ def pairs(rank, world, port, path):
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((3,), float(world)))
     dist.destroy_process_group()
-    # The channels went with the group: no thread or descriptor is left.
+    # Messages' state went with the group: no thread or descriptor is left.
     deadline = time.monotonic() + 10
     while resources() != baseline and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -137,6 +138,33 @@ def pipeline(rank, world, port):
 
 def test_a_pipeline_schedule_of_batch_isend_irecv_on_4_ranks():
     spawn(pipeline, 4)
+
+
+def tags(rank, world, port):
+    """Rank 0 sends tags 5, 3 and 5 again; rank 1 receives tag 3 first: each
+    receive gets the send of its own tag, in order within a tag."""
+    init(rank, world, port)
+    if rank == 0:
+        for r in [dist.isend(torch.full((4,), v), 1, tag=t) for v, t in [(1.0, 5), (2.0, 3), (3.0, 5)]]:
+            r.wait()
+    else:
+        got = {k: torch.zeros(4) for k in ("3", "5a", "5b")}
+        works = [
+            dist.irecv(got["3"], 0, tag=3),
+            dist.irecv(got["5a"], 0, tag=5),
+            dist.irecv(got["5b"], 0, tag=5),
+        ]
+        for w in works:
+            w.wait()
+        assert [got[k][0].item() for k in ("3", "5a", "5b")] == [2.0, 1.0, 3.0], got
+    with pytest.raises(ValueError, match="tag"):
+        dist.send(torch.ones(1), 1 - rank, tag=-1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_messages_match_their_own_tag():
+    spawn(tags, 2)
 
 
 def mismatched(rank, world, port):
@@ -233,7 +261,7 @@ def killed(rank, world, port):
         world_size=world,
         timeout=datetime.timedelta(seconds=20),
     )
-    # Both channels are met (each way one message) before rank 1 dies.
+    # Both ways linked (one message each) before rank 1 dies.
     if rank == 1:
         dist.recv(torch.empty(4), 0)
         dist.send(torch.ones(4), 0)
@@ -245,8 +273,8 @@ def killed(rank, world, port):
         dist.recv(torch.empty(1 << 20), 1)
     took = time.monotonic() - start
     text = str(failed.value)
-    # The channel's error names the sender in the group's numbering.
-    assert "from rank 1" in text and "rank 1: " in text and "channel 1->0" in text, text
+    # The error names the sender in the group's numbering.
+    assert "from rank 1" in text and "rank 1: " in text, text
     assert took < 20, took
     os._exit(0)  # the group cannot be torn down cleanly with a peer gone
 

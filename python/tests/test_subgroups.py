@@ -1,7 +1,7 @@
 """Subgroups built and destroyed in a loop leak nothing: with a fairring
 default group up, each of five rounds builds a subgroup of all ranks and one
 of each pair of neighbours, all-reduces on each, exchanges messages around
-the ring of the all-ranks subgroup (its channels), destroys them, and leaves
+the ring of the all-ranks subgroup (linking its peers), destroys them, and leaves
 this process's threads, file descriptors and shared-memory segments as they
 were before the round (or fewer). A 2-D device mesh built beside them works
 throughout."""

@@ -8,7 +8,8 @@
 //!                                          rank issues the same number, then leaves)
 //! fairring-rank messages [BYTES [SECONDS]] send BYTES of f32 to the next rank of the
 //!                                          ring and receive as much from the previous
-//!                                          one, in a loop (each pair's channel)
+//!                                          one, in a loop (each pair linked when
+//!                                          first named)
 //! fairring-rank rooted [BYTES [SECONDS]]   gather, scatter and reduce BYTES of f32 to
 //!                                          and from rank 0 in a loop (as messages from
 //!                                          2 MiB)

@@ -171,8 +171,8 @@ fn await_ranks(store: &dyn Store, keys: &[String], config: &Config) -> Result<()
             match store.check(&[keys[r].as_str()]) {
                 Ok(true) => {}
                 Ok(false) => still.push(r),
-                // The communicator itself failed or was aborted (a channel's
-                // meeting asks its parent's engine): that is the error.
+                // A store that watches its communicator reports that it
+                // failed or was aborted: that is the error.
                 Err(e @ (Error::Aborted | Error::Failed { .. } | Error::Peer { .. })) => {
                     return Err(e);
                 }

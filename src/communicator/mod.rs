@@ -35,7 +35,7 @@ use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::memory::DeviceTensor;
 use crate::memory::{HostTensor, MemoryKind, Placed, PlacedTensor};
-use crate::point_to_point::Channels;
+use crate::point_to_point::PointToPoint;
 use crate::store::{PrefixStore, Store, TcpStoreServer};
 use crate::sync::unmodelled::AtomicU8;
 use fairring_rdma::any::AnyFabric;
@@ -91,8 +91,9 @@ pub struct Communicator {
         expect(dead_code, reason = "read by the NCCL set-up")
     )]
     store: PrefixStore<Arc<dyn Store>>,
-    /// The channels of point-to-point messages (`point_to_point`).
-    pub(crate) channels: Arc<Channels>,
+    /// Point-to-point messages' own state: the gate, the linker, the pool
+    /// (`point_to_point`).
+    pub(crate) p2p: Arc<PointToPoint>,
     _server: Option<TcpStoreServer>,
 }
 
@@ -124,7 +125,7 @@ impl Communicator {
         server: Option<TcpStoreServer>,
     ) -> Result<Communicator> {
         let scoped = bootstrap::scoped(&config, &store);
-        let channels = Channels::new(&config, Arc::clone(&store));
+        let p2p = PointToPoint::new(&config, Arc::clone(&store));
         let built = bootstrap::build(&config, &scoped)?;
         #[cfg(feature = "cuda")]
         let nccl = crate::local::NcclSetup {
@@ -145,7 +146,7 @@ impl Communicator {
             ));
         }
         let engine = Arc::new(built.engine);
-        channels.attach(&engine);
+        p2p.attach(&engine);
         let progress = start_progress(&engine, format!("fairring-progress-{}", config.rank))?;
         let communicator = Communicator {
             engine,
@@ -161,7 +162,7 @@ impl Communicator {
             #[cfg(feature = "cuda")]
             nccl,
             store: scoped,
-            channels,
+            p2p,
             _server: server,
         };
         // What cannot be enqueued is done now, before any stream can wait
@@ -205,7 +206,7 @@ impl Communicator {
     }
 
     /// The data bytes this rank's fabric has written into peers and received
-    /// from them so far (see [`Traffic`]), its point-to-point channels'
+    /// from them so far (see [`Traffic`]), its point-to-point messages'
     /// included.
     pub fn traffic(&self) -> Traffic {
         self.engine.links.traffic()
@@ -231,14 +232,14 @@ impl Communicator {
     /// [`Error::Aborted`], and wakes every waiter. Callable from any thread.
     pub fn abort(&self) {
         self.engine.fail(Error::Aborted);
-        self.channels.abort();
+        self.p2p.abort();
     }
 }
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        // The channels first: their meetings use the job's store.
-        self.channels.close();
+        // Messages first: their linker uses the job's store.
+        self.p2p.close();
         let operations = *self.next_seq.lock().unwrap_or_else(PoisonError::into_inner);
         // What is still in flight finishes (a stream may wait for it) while
         // the progress thread still drives.

@@ -135,7 +135,7 @@ impl Drop for OwnedWork {
 /// does: its ranks no longer agree on what the group has done (some sent their
 /// parts, others did not), and a later collective would meet another rank's
 /// earlier one. Failing the engine also tells every peer, naming the rank the
-/// failure is about (a lost peer, as a channel saw it). A wait that merely ran
+/// failure is about (a lost peer, as its message saw it). A wait that merely ran
 /// out of time fails nothing.
 pub(super) fn wait_messages(
     engine: &WorkerEngine,

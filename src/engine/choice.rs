@@ -75,9 +75,10 @@
 //!   those of larger jobs and those on device memory run as an all-gather, a
 //!   broadcast of the root's whole input and an all-reduce: below the size,
 //!   the check and the messages' hand-overs cost more than the bytes saved
-//!   (measured below); in larger jobs the root would hold a channel (a
-//!   communicator, with its threads and staging) per rank, and a chain would
-//!   be as long as the job.
+//!   (measured below); in larger jobs a chain would be as long as the job
+//!   (the bound of 32 ranks was set when each peer a root talked to cost it
+//!   a two-rank communicator; it has not been measured again since messages
+//!   became the engine's own).
 //! - **Wire**: a compressed format applies to `f32` hierarchical calls that
 //!   cross between machines straight to the machines serving them, or go to
 //!   dedicated servers; elsewhere the call runs exact, as it does where the
@@ -239,7 +240,7 @@
 //!
 //! Messages move half the bytes or less and win from 4 MiB everywhere (1.3x to
 //! 2.7x); below 1 MiB the check, the gate's hand-over and each message's
-//! channel cost more than they save, most on one machine, where the all-gather
+//! own cost more than they save, most on one machine, where the all-gather
 //! never touches the fabric. So they run from 2 MiB.
 //!
 //! A reduce, the same way (`--collective reduce --iters 10`; as an all-reduce /

@@ -20,8 +20,8 @@
 //! Results still land in the staging buffer and are copied in, but for one
 //! case: **landing in the tensor**. On a fabric whose registrations are table
 //! entries ([`Fabric::register_window`]), the receiver of a broadcast between
-//! two ranks of machines of their own (a message, whose pair's channel is
-//! such a job) from `FAIRRING_DIRECT_FROM` on registers its tensor as a
+//! two ranks of machines of their own from `FAIRRING_DIRECT_FROM` on
+//! registers its tensor as a
 //! *window*, opens it to the root's writes when it accepts the operation, and
 //! sends it beside its descriptor ([`opens_window`]). The root, whose chunks
 //! leave from its own tensor, waits for that descriptor before its first write

@@ -6,8 +6,8 @@
 //! machine's segment: one copy in, one copy out. A broadcast's bytes need no
 //! reduction, so on one machine every other rank reads them from the root's
 //! tensor straight into its own ([`ShmStep`](super::ShmStep)): half the
-//! copies. Between two ranks of one machine (a message between them, whose
-//! channel is such a job) that is half the memory traffic.
+//! copies. A point-to-point message between two ranks of one machine is
+//! copied the same way, by its receiver (`engine::messages`).
 //!
 //! Only reads: no rank ever writes into another process's memory. A read
 //! that races with the owner's failure can be thrown away (its reader fails

@@ -1,6 +1,6 @@
 //! The all-to-all: block `j` of every rank's input to rank `j`, each block
-//! moved once, as one message on its pair's channel (this rank's own block
-//! is copied).
+//! moved once, as one message to its rank (this rank's own block is
+//! copied).
 
 use fairring_core::DataType;
 use fairring_core::reduce::Element;
@@ -63,7 +63,7 @@ impl Communicator {
     /// Posts an all-to-all of `dtype` elements (see
     /// [`Communicator::all_to_all_v`]) and returns at once: this rank's own
     /// block is copied before it returns, every other one is a message in
-    /// flight (or waiting for its channel).
+    /// flight (or waiting at the gate).
     ///
     /// # Safety
     ///
@@ -124,7 +124,7 @@ impl Communicator {
                 own,
             );
         }
-        let pool = &self.channels.pool;
+        let pool = &self.p2p.pool;
         let mut posted = pool.list(2 * (world as usize).saturating_sub(1));
         let (mut at_in, mut at_out) = (0usize, 0usize);
         for peer in 0..world {
@@ -138,7 +138,7 @@ impl Communicator {
                     // contract covers it until the messages finish (`Message`'s
                     // drop waits for those posted so far if a post fails).
                     let one = unsafe {
-                        self.post_one(peer, sending, base.wrapping_add(at), count, dtype)
+                        self.post_one(peer, sending, 0, base.wrapping_add(at), count, dtype)
                     };
                     match one {
                         Ok(p) => posted.push(p),

@@ -24,7 +24,7 @@ use fairring_core::reduce::{finish_avg_bytes, reduce_bytes};
 use fairring_core::{DataType, ReduceOp};
 
 use super::hand_over::{GatedPosts, closed, post_one};
-use super::{Channels, Posted};
+use super::{PointToPoint, Posted};
 use crate::error::{Error, Result};
 
 /// The bytes a chain moves per message (the last chunk may be shorter).
@@ -58,7 +58,7 @@ unsafe impl Send for Chain {}
 
 impl Chain {
     /// Runs the chain once the check has come out as `check`, on
-    /// `channels`, with `scratch` (the gate's, grown here once). Every post
+    /// `p2p`, with `scratch` (the gate's, grown here once). Every post
     /// is settled when this returns.
     ///
     /// The lists go to `give_back` before the last post is posted or
@@ -67,11 +67,11 @@ impl Chain {
     pub(super) fn run(
         mut self,
         check: &Result<()>,
-        channels: Option<&Arc<Channels>>,
+        p2p: Option<&Arc<PointToPoint>>,
         scratch: &mut Vec<u64>,
         give_back: &mut dyn FnMut(GatedPosts),
     ) {
-        let outcome = match (check, channels) {
+        let outcome = match (check, p2p) {
             (Err(e), _) => Err(e.clone()),
             (Ok(()), None) => Err(closed()),
             (Ok(()), Some(c)) => self.pipeline(c, scratch, give_back),
@@ -95,7 +95,7 @@ impl Chain {
     /// what is left in them is failed by the caller.
     fn pipeline(
         &mut self,
-        channels: &Arc<Channels>,
+        p2p: &Arc<PointToPoint>,
         scratch: &mut Vec<u64>,
         give_back: &mut dyn FnMut(GatedPosts),
     ) -> Result<()> {
@@ -115,7 +115,7 @@ impl Chain {
             // SAFETY: the slot is the gate's scratch, which no other receive
             // uses until this one has finished (it is reused only after this
             // chunk's reduce, and kept if a receive may still write it).
-            unsafe { post_one(Some(channels), call, posted) };
+            unsafe { post_one(Some(p2p), call, posted) };
         };
         let mut posted = 0;
         while receiving && posted < chunks.min(SLOTS) {
@@ -174,7 +174,7 @@ impl Chain {
                     }
                 }
                 // SAFETY: the chunk is the caller's memory, done with here.
-                unsafe { post_one(Some(channels), call, send) };
+                unsafe { post_one(Some(p2p), call, send) };
                 sent += 1;
             }
         }

@@ -11,12 +11,12 @@
 //!
 //! Messages keep the order they were issued in, as NCCL's do: a point-to-point
 //! message issued while the gate holds calls (or runs one) queues behind them
-//! and is handed to its channel after theirs ([`Gate::post_in_order`]), so
-//! that each channel sees every rank's messages in issue order.
+//! and starts after theirs ([`Gate::post_in_order`]), so that every peer
+//! sees each rank's messages in issue order.
 //!
 //! One thread per communicator, made when the first such call is issued,
 //! waits for the checks in the order they were queued and hands each call's
-//! messages to their channels (or fails them with the check's error). It
+//! messages to the engine (or fails them with the check's error). It
 //! allocates nothing per call once warm: the lists it is handed come back to
 //! it, and a chain's scratch is kept.
 
@@ -26,7 +26,7 @@ use std::thread::JoinHandle;
 
 use super::chain::Chain;
 use super::hand_over::{GatedPosts, closed, hand_over_list};
-use super::{Channels, Posted};
+use super::{PointToPoint, Posted};
 use crate::communicator::Call;
 use crate::error::{Error, Result};
 
@@ -63,7 +63,7 @@ struct Gated {
     job: Job,
 }
 
-/// What a call's messages are: posts handed to their channels as they are,
+/// What a call's messages are: posts handed to their p2p as they are,
 /// or a chained reduce's, which the gate runs.
 enum Job {
     Posts(GatedPosts),
@@ -87,10 +87,10 @@ impl Gate {
     }
 
     /// Starts the gate's thread unless it runs: it waits with `wait` (made
-    /// only the first time) and posts on `channels`. Refused once closed.
+    /// only the first time) and posts on `p2p`. Refused once closed.
     pub(super) fn open(
         &self,
-        channels: &Arc<Channels>,
+        p2p: &Arc<PointToPoint>,
         wait: impl FnOnce() -> CheckWait,
     ) -> Result<()> {
         let mut thread = self.thread.lock().unwrap_or_else(PoisonError::into_inner);
@@ -98,12 +98,11 @@ impl Gate {
             return Err(Error::invalid("comm", "the communicator is closing"));
         }
         if thread.is_none() {
-            let (shared, channels, wait) =
-                (Arc::clone(&self.shared), Arc::downgrade(channels), wait());
-            let rank = channels.upgrade().map_or(0, |c| c.rank);
+            let (shared, p2p, wait) = (Arc::clone(&self.shared), Arc::downgrade(p2p), wait());
+            let rank = p2p.upgrade().map_or(0, |c| c.rank);
             let spawned = std::thread::Builder::new()
                 .name(format!("fairring-gate-{rank}"))
-                .spawn(move || run(&shared, &channels, &wait))
+                .spawn(move || run(&shared, &p2p, &wait))
                 .map_err(|e| Error::io("starting the gate of gathers, scatters and reduces", e))?;
             *thread = Some(spawned);
         }
@@ -134,7 +133,7 @@ impl Gate {
         self.enqueue(Some(check), Job::Chain(chain));
     }
 
-    /// Starts `call` on `channels` at once if the gate holds no call;
+    /// Starts `call` on `p2p` at once if the gate holds no call;
     /// otherwise queues it behind them, so that it starts after every
     /// message issued before it.
     ///
@@ -142,12 +141,7 @@ impl Gate {
     ///
     /// `call`'s memory must stay valid and unshared until `posted` reports
     /// completion.
-    pub(super) unsafe fn post_in_order(
-        &self,
-        channels: &Channels,
-        call: Call,
-        posted: Arc<Posted>,
-    ) {
+    pub(super) unsafe fn post_in_order(&self, p2p: &PointToPoint, call: Call, posted: Arc<Posted>) {
         let mut queue = self.shared.lock();
         if queue.open && (queue.busy || !queue.waiting.is_empty()) {
             let mut list = queue.free.pop().unwrap_or(GatedPosts(Vec::new()));
@@ -164,7 +158,7 @@ impl Gate {
             // once this returns.
             drop(queue);
             // SAFETY: forwarded.
-            unsafe { channels.start(call, posted) };
+            unsafe { p2p.start(call, posted) };
         }
     }
 
@@ -207,7 +201,7 @@ impl Shared {
 }
 
 /// The gate's thread: each queued call in turn, until closed and drained.
-fn run(shared: &Shared, channels: &Weak<Channels>, wait: &CheckWait) {
+fn run(shared: &Shared, p2p: &Weak<PointToPoint>, wait: &CheckWait) {
     // A chained reduce's landing slots, made by the first and kept.
     let mut scratch: Vec<u64> = Vec::new();
     loop {
@@ -229,7 +223,7 @@ fn run(shared: &Shared, channels: &Weak<Channels>, wait: &CheckWait) {
             }
         };
         let outcome = next.check.map_or(Ok(()), wait);
-        let channels = channels.upgrade();
+        let p2p = p2p.upgrade();
         let mut give_back = |list: GatedPosts| {
             let mut queue = shared.lock();
             if queue.open && list.0.capacity() > 0 {
@@ -237,10 +231,8 @@ fn run(shared: &Shared, channels: &Weak<Channels>, wait: &CheckWait) {
             }
         };
         match next.job {
-            Job::Posts(posts) => hand_over_list(posts, &outcome, channels.as_ref(), &mut give_back),
-            Job::Chain(chain) => {
-                chain.run(&outcome, channels.as_ref(), &mut scratch, &mut give_back)
-            }
+            Job::Posts(posts) => hand_over_list(posts, &outcome, p2p.as_ref(), &mut give_back),
+            Job::Chain(chain) => chain.run(&outcome, p2p.as_ref(), &mut scratch, &mut give_back),
         }
     }
 }

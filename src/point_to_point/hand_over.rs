@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::{Channels, Posted};
+use super::{PointToPoint, Posted};
 use crate::communicator::Call;
 use crate::error::{Error, Result};
 
@@ -24,8 +24,8 @@ unsafe impl Send for GatedPosts {}
 ///
 /// `call`'s memory must stay valid and unshared until `posted` reports
 /// completion.
-pub(super) unsafe fn post_one(channels: Option<&Arc<Channels>>, call: Call, posted: Arc<Posted>) {
-    match channels {
+pub(super) unsafe fn post_one(p2p: Option<&Arc<PointToPoint>>, call: Call, posted: Arc<Posted>) {
+    match p2p {
         // SAFETY: forwarded.
         Some(c) => unsafe { c.start(call, posted) },
         None => posted.settle(Err(closed())),
@@ -39,7 +39,7 @@ pub(super) unsafe fn post_one(channels: Option<&Arc<Channels>>, call: Call, post
 pub(super) fn hand_over_list(
     mut posts: GatedPosts,
     outcome: &Result<()>,
-    channels: Option<&Arc<Channels>>,
+    p2p: Option<&Arc<PointToPoint>>,
     give_back: &mut dyn FnMut(GatedPosts),
 ) {
     while let Some((call, posted)) = posts.0.pop() {
@@ -49,7 +49,7 @@ pub(super) fn hand_over_list(
         match outcome {
             // SAFETY: the call's memory is the caller's until the post
             // reports completion (`GatedPosts`' SAFETY note).
-            Ok(()) => unsafe { post_one(channels, call, posted) },
+            Ok(()) => unsafe { post_one(p2p, call, posted) },
             Err(e) => posted.settle(Err(e.clone())),
         }
     }

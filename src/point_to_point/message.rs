@@ -142,7 +142,7 @@ impl Pool {
     /// pool's lock.
     fn give_back(&self, mut p: Arc<Posted>) {
         p.let_go();
-        // Whoever settled it (a channel, the gate) lets go of it right after
+        // Whoever settled it (the gate, a poster) lets go of it right after
         // waking its waiters: a moment's wait keeps it for reuse.
         let deadline = Instant::now() + SETTLER_LETS_GO;
         while Arc::strong_count(&p) > 1 && Instant::now() < deadline {
@@ -318,7 +318,7 @@ impl Message {
     }
 
     /// Waits for the messages to finish, each up to the communicator's
-    /// timeout (counted from here, once for its channel's meeting and once
+    /// timeout (counted from here, once for its wait at the gate and once
     /// for the message).
     pub fn wait(&self) -> Result<()> {
         let mut first_error = None;

@@ -1,43 +1,35 @@
-//! Point-to-point messages: a send on one rank matched by a receive on another.
+//! Point-to-point messages: a send on one rank matched by a receive on
+//! another, and what is built of them (all-to-all; gathers, scatters and
+//! reduces that move as messages).
 //!
-//! Every ordered pair of ranks that exchanges messages gets a **channel**: a
-//! communicator of two ranks of its own, whose rank 0 is the sender and rank 1
-//! the receiver, met through the job's store the first time either rank
-//! names the pair. A message is the channel's broadcast from its rank 0, so it
-//! runs on the same engine, fabric and checks as every collective: the
-//! receiver's buffer is written by the fabric or the shared-memory step, and
-//! the descriptor check compares the message's size and type with the
-//! receive's (a receive of another size or type fails both ranks, naming
-//! both). A channel between ranks of one machine runs over shared memory, and
-//! a message of 64 KiB or more goes from the sender's tensor into the
-//! receiver's in one copy where the two may copy between each other's memory
-//! (`local::peer_copy`).
+//! A message is an operation of the communicator's own engine
+//! (`engine::messages`): between machines its bytes go from the sender's
+//! tensor straight into the window the receiver opened in its own, and
+//! between ranks of one machine that may read each other's memory the
+//! receiver copies them from the sender's tensor into its own. Nothing is
+//! held per peer but a connection (made when a message first names a peer
+//! the communicator has none to, by one linker thread per communicator) and
+//! a few queues: no thread, no staging.
 //!
-//! Ordering is NCCL's: the messages from one rank to another match that rank's
-//! receives from it in the order both were posted. Any number may be in
-//! flight on a channel and on many channels at once. Gathers, scatters and
-//! reduces that move as messages ([`rooted`], [`chain`]) hand theirs to the
-//! channels later, once their checks pass; a message issued after one of them
-//! waits at the gate behind it, so the order holds for those too. A failed
-//! channel fails only its own messages, but a gather's, scatter's or reduce's
-//! failure, seen where its work is waited on or tested, fails the communicator
-//! as any failed collective does (`communicator::work`).
+//! Ordering is NCCL's and MPI's: the messages from one rank to another
+//! match that rank's receives from it in the order both were posted, per
+//! tag (the safe forms use tag 0). Any number may be in flight with any
+//! number of peers. Gathers, scatters and reduces that move as messages
+//! ([`rooted`], [`chain`]) hand theirs to the engine later, once their
+//! checks pass; a message issued after one of them waits at the gate behind
+//! it, so the order holds for those too. A message whose match has another
+//! size or type fails alone, on both ranks, naming both; a gather's,
+//! scatter's or reduce's failure, seen where its work is waited on or
+//! tested, fails the communicator as any failed collective does
+//! (`communicator::work`).
 //!
-//! Meeting a channel never blocks the caller: a channel is met on a thread of
-//! its own once both its ranks have named it (by posting a message on it), and
-//! a message posted before its channel is met waits in the channel's queue
-//! and starts, in order, once it is. A rank therefore never waits for a peer
-//! to reach its own first message (a ring of first sends would otherwise
-//! wait in a circle).
-//!
-//! Channels meet through the job's store. Where that is fairring's own
-//! (served by rank 0's process), rank 0's communicator must outlive every
-//! meeting: a channel that meets after it is gone fails, naming the closed
-//! store. Under torchrun's agent store, or a runtime's, the store outlives
-//! the ranks.
-//!
-//! A channel stages messages through buffers of its own: at most
-//! [`CHANNEL_MEMORY`] (or the communicator's budget, if smaller) per channel.
+//! Posting never blocks the caller on a peer: a message to a peer not yet
+//! linked waits in the engine until the link is made, and the link is made
+//! once both ranks have named each other, whatever order they do it in.
+//! Links meet through the job's store. Where that is fairring's own (served
+//! by rank 0's process), rank 0's communicator must outlive every link made:
+//! one made after it is gone fails, naming the closed store. Under
+//! torchrun's agent store, or a runtime's, the store outlives the ranks.
 
 mod all_to_all;
 mod chain;
@@ -63,7 +55,7 @@ use message::{Pool, Posted};
 
 /// This rank's point-to-point state: the pool of posts, the gate, and the
 /// thread that connects to peers first named by a message.
-pub(crate) struct Channels {
+pub(crate) struct PointToPoint {
     /// The communicator's configuration.
     config: Config,
     /// The job's store, scoped to the communicator: where late links meet.
@@ -82,9 +74,9 @@ pub(crate) struct Channels {
     linker: Mutex<Option<JoinHandle<()>>>,
 }
 
-impl Channels {
-    pub(crate) fn new(config: &Config, store: Arc<dyn Store>) -> Arc<Channels> {
-        Arc::new(Channels {
+impl PointToPoint {
+    pub(crate) fn new(config: &Config, store: Arc<dyn Store>) -> Arc<PointToPoint> {
+        Arc::new(PointToPoint {
             config: config.clone(),
             store,
             rank: config.rank,
@@ -135,7 +127,7 @@ impl Channels {
 
     /// # Safety
     ///
-    /// As [`Channels::start`].
+    /// As [`PointToPoint::start`].
     unsafe fn start_on_engine(
         &self,
         call: Call,
@@ -227,15 +219,22 @@ impl Communicator {
     /// Sends `data` to rank `peer`, and waits until the peer has it (see
     /// [`Communicator::post_send`]).
     ///
-    /// `data` is borrowed mutably because a message runs as its channel's
-    /// broadcast, which may write the sender's own bytes back where they
-    /// were; its contents are unchanged afterwards.
+    /// `data` is borrowed mutably, as the raw forms' contract asks; a send
+    /// only reads it.
     pub fn send<T: Element>(&self, peer: u32, data: &mut [T]) -> Result<()> {
         // SAFETY: `data` is borrowed mutably until the message has finished:
         // `wait` returns then, or on failure, after which dropping the
         // message waits for it.
-        unsafe { self.post_send(peer, data.as_mut_ptr().cast(), data.len() as u64, T::DTYPE) }?
-            .wait()
+        unsafe {
+            self.post_send(
+                peer,
+                0,
+                data.as_mut_ptr().cast(),
+                data.len() as u64,
+                T::DTYPE,
+            )
+        }?
+        .wait()
     }
 
     /// Receives into `data` the next message rank `peer` sends this rank,
@@ -243,8 +242,16 @@ impl Communicator {
     /// ranks with a [`Error::Mismatch`] naming both.
     pub fn recv<T: Element>(&self, peer: u32, data: &mut [T]) -> Result<()> {
         // SAFETY: as in `send`.
-        unsafe { self.post_recv(peer, data.as_mut_ptr().cast(), data.len() as u64, T::DTYPE) }?
-            .wait()
+        unsafe {
+            self.post_recv(
+                peer,
+                0,
+                data.as_mut_ptr().cast(),
+                data.len() as u64,
+                T::DTYPE,
+            )
+        }?
+        .wait()
     }
 
     /// Sends every `(peer, data)` of `sends` and receives into every
@@ -258,7 +265,7 @@ impl Communicator {
         // Every peer is checked before anything is posted: a bad one must not
         // leave the good ones waiting for their matches.
         for (peer, _) in sends.iter().chain(receives.iter()) {
-            self.channels.check_peer(*peer)?;
+            self.p2p.check_peer(*peer)?;
         }
         let mut messages = Vec::with_capacity(sends.len() + receives.len());
         let mut first_error = None;
@@ -268,7 +275,7 @@ impl Communicator {
                 // SAFETY: every buffer is borrowed mutably by this call, which
                 // returns only once every message has finished (waited, or
                 // dropped below, which waits).
-                let posted = unsafe { self.post(*peer, sending, ptr, count, T::DTYPE) };
+                let posted = unsafe { self.post(*peer, sending, 0, ptr, count, T::DTYPE) };
                 match posted {
                     Ok(m) => messages.push(m),
                     Err(e) => {
@@ -286,30 +293,32 @@ impl Communicator {
     }
 
     /// Posts a send of `count` elements of `dtype` at `data` to rank `peer`
-    /// and returns at once, the message in flight (or waiting for its
-    /// channel to be met). Sends to one peer arrive in the order they were
-    /// posted.
+    /// with tag `tag`, and returns at once, the message in flight (or
+    /// waiting at the gate). The sends to one peer of one tag match its
+    /// receives from this rank of that tag in the order both were posted;
+    /// the safe forms use tag 0.
     ///
     /// # Safety
     ///
-    /// `data` must be valid for reads and writes of `count` elements of
-    /// `dtype`, aligned for it, and nothing else may write it until the
-    /// [`Message`] reports completion (or is dropped, which waits). The
-    /// message may write the sender's own bytes back where they were.
+    /// `data` must be valid for reads of `count` elements of `dtype`,
+    /// aligned for it, and nothing else may write it until the [`Message`]
+    /// reports completion (or is dropped, which waits).
     pub unsafe fn post_send(
         &self,
         peer: u32,
+        tag: u32,
         data: *mut u8,
         count: u64,
         dtype: DataType,
     ) -> Result<Message> {
         // SAFETY: forwarded.
-        unsafe { self.post(peer, true, data, count, dtype) }
+        unsafe { self.post(peer, true, tag, data, count, dtype) }
     }
 
     /// Posts a receive of `count` elements of `dtype` into `data` from rank
-    /// `peer` and returns at once. Receives from one peer match its sends in
-    /// the order both were posted.
+    /// `peer` with tag `tag`, and returns at once (see
+    /// [`Communicator::post_send`] for the order). A send of another size
+    /// or type fails both messages, each naming both.
     ///
     /// # Safety
     ///
@@ -319,12 +328,13 @@ impl Communicator {
     pub unsafe fn post_recv(
         &self,
         peer: u32,
+        tag: u32,
         data: *mut u8,
         count: u64,
         dtype: DataType,
     ) -> Result<Message> {
         // SAFETY: forwarded.
-        unsafe { self.post(peer, false, data, count, dtype) }
+        unsafe { self.post(peer, false, tag, data, count, dtype) }
     }
 
     /// # Safety
@@ -334,16 +344,18 @@ impl Communicator {
         &self,
         peer: u32,
         sending: bool,
+        tag: u32,
         data: *mut u8,
         count: u64,
         dtype: DataType,
     ) -> Result<Message> {
         // SAFETY: forwarded.
-        let posted = unsafe { self.post_one(peer, sending, data, count, dtype) }?;
-        Ok(Message::one(posted, &self.channels.pool))
+        let posted = unsafe { self.post_one(peer, sending, tag, data, count, dtype) }?;
+        Ok(Message::one(posted, &self.p2p.pool))
     }
 
-    /// Posts one message on its channel.
+    /// Posts one message: on the engine, or at the gate behind the calls
+    /// it holds.
     ///
     /// # Safety
     ///
@@ -352,28 +364,23 @@ impl Communicator {
         &self,
         peer: u32,
         sending: bool,
+        tag: u32,
         data: *mut u8,
         count: u64,
         dtype: DataType,
     ) -> Result<Arc<Posted>> {
-        let channels = &self.channels;
-        channels.check_peer(peer)?;
+        let p2p = &self.p2p;
+        p2p.check_peer(peer)?;
         // Refused before it is queued, so that a bad pointer is named here.
         crate::communicator::check_pointer(data, count, dtype)?;
-        if let Some(e) = channels.refused() {
+        if let Some(e) = p2p.refused() {
             return Err(e);
         }
-        let posted = channels
-            .pool
-            .posted(peer, sending, 0, channels.config.timeout);
+        let posted = p2p.pool.posted(peer, sending, tag, p2p.config.timeout);
         let call = Call::broadcast(data, count, dtype, 0);
         // SAFETY: the caller's contract covers the message until it reports
         // completion; `Message`'s drop waits for that.
-        unsafe {
-            channels
-                .gate
-                .post_in_order(channels, call, Arc::clone(&posted))
-        };
+        unsafe { p2p.gate.post_in_order(p2p, call, Arc::clone(&posted)) };
         Ok(posted)
     }
 }

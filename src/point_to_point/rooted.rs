@@ -1,6 +1,6 @@
 //! The gather, the scatter and the reduce on host memory, as messages: a
 //! gather's or a scatter's parts each move once, as one message between its
-//! rank and the root, on the pair's channel (the root's own part is copied);
+//! rank and the root (the root's own part is copied);
 //! a reduce runs as a [chain](super::chain). The call's check runs first on
 //! the engine, and its messages wait at the [gate](super::gate) until it
 //! passes.
@@ -19,7 +19,7 @@ impl Communicator {
     /// check is submitted (the gate's thread), so that nothing can refuse it
     /// after.
     pub(crate) fn ready_rooted(&self, wait: impl FnOnce() -> CheckWait) -> Result<()> {
-        self.channels.gate.open(&self.channels, wait)
+        self.p2p.gate.open(&self.p2p, wait)
     }
 
     /// Queues the messages of `calls`, gathers and scatters on host memory,
@@ -37,9 +37,9 @@ impl Communicator {
         calls: impl IntoIterator<Item = (&'c Call, u64)>,
     ) -> Message {
         let (me, world) = (self.rank(), self.world_size());
-        let channels = &self.channels;
-        let timeout = channels.config.timeout;
-        let mut posts = channels.pool.list(world as usize - 1);
+        let p2p = &self.p2p;
+        let timeout = p2p.config.timeout;
+        let mut posts = p2p.pool.list(world as usize - 1);
         for (call, check) in calls {
             if call.collective == Collective::Reduce {
                 self.queue_chain(call, check, &mut posts);
@@ -58,9 +58,9 @@ impl Communicator {
                 call.input.cast_mut()
             };
             let peers = if me == root { world as usize - 1 } else { 1 };
-            let mut gated = channels.gate.list(peers);
+            let mut gated = p2p.gate.list(peers);
             let mut add = |peer: u32, sending: bool, data: *mut u8| {
-                let posted = channels.pool.posted(peer, sending, 0, timeout);
+                let posted = p2p.pool.posted(peer, sending, 0, timeout);
                 let message = Call::broadcast(data, call.count, call.dtype, 0);
                 gated.0.push((message, Arc::clone(&posted)));
                 posts.push(posted);
@@ -74,9 +74,9 @@ impl Communicator {
             } else {
                 add(root, false, call.output);
             }
-            channels.gate.queue(check, gated);
+            p2p.gate.queue(check, gated);
         }
-        Message::many(posts, &channels.pool)
+        Message::many(posts, &p2p.pool)
     }
 
     /// Queues this rank's part of `call`, a reduce run as a chain ending at
@@ -85,8 +85,8 @@ impl Communicator {
     /// per chunk to its predecessor, and at the root the chain's end.
     fn queue_chain(&self, call: &Call, check: u64, posts: &mut Vec<Arc<Posted>>) {
         let (me, world, root) = (self.rank(), self.world_size(), call.root);
-        let channels = &self.channels;
-        let timeout = channels.config.timeout;
+        let p2p = &self.p2p;
+        let timeout = p2p.config.timeout;
         // The rank at distance `p` from the root (counting up) receives
         // from `p + 1` and sends to `p - 1`.
         let at = |p: u32| (p + root) % world;
@@ -96,13 +96,13 @@ impl Communicator {
         // Every count was checked to fit in memory with the call.
         let bytes = usize::try_from(call.count * call.dtype.size_bytes()).unwrap_or(0);
         let chunks = bytes.div_ceil(CHUNK_BYTES);
-        let mut receives = channels.gate.list(if next.is_some() { chunks } else { 0 });
-        let mut sends = channels.gate.list(if prev.is_some() { chunks } else { 0 });
+        let mut receives = p2p.gate.list(if next.is_some() { chunks } else { 0 });
+        let mut sends = p2p.gate.list(if prev.is_some() { chunks } else { 0 });
         for k in 0..chunks {
             let start = k * CHUNK_BYTES;
             let len = CHUNK_BYTES.min(bytes - start) as u64;
             if let Some(from) = next {
-                let posted = channels.pool.posted(from, false, 0, timeout);
+                let posted = p2p.pool.posted(from, false, 0, timeout);
                 // Where it lands (a slot of the gate's scratch) is set when
                 // the gate posts it.
                 let message = Call::broadcast(std::ptr::null_mut(), len, DataType::U8, 0);
@@ -110,7 +110,7 @@ impl Communicator {
                 posts.push(posted);
             }
             if let Some(to) = prev {
-                let posted = channels.pool.posted(to, true, 0, timeout);
+                let posted = p2p.pool.posted(to, true, 0, timeout);
                 let data = call.output.wrapping_add(start);
                 sends.0.push((
                     Call::broadcast(data, len, DataType::U8, 0),
@@ -121,11 +121,11 @@ impl Communicator {
         }
         let done = (me == root).then(|| {
             let from = next.unwrap_or(me);
-            let posted = channels.pool.posted(from, false, 0, timeout);
+            let posted = p2p.pool.posted(from, false, 0, timeout);
             posts.push(Arc::clone(&posted));
             posted
         });
-        channels.gate.queue_chain(
+        p2p.gate.queue_chain(
             check,
             Chain {
                 output: call.output,

@@ -59,7 +59,13 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
             device: vec![false; 6],
             collectives: false,
         };
-        match play(&scenario, &mut rng, Design::Accepted, STEP_LIMIT) {
+        match play(
+            &scenario,
+            &messages::Script::default(),
+            &mut rng,
+            Design::Accepted,
+            STEP_LIMIT,
+        ) {
             Ok(outcome) => checked += outcome.done,
             Err(e) => panic!("seed {seed}, {scenario:?}: {e}"),
         }
@@ -125,7 +131,13 @@ fn broadcasts_land_in_receivers_windows() {
             device: vec![false; 6],
             collectives: false,
         };
-        match play(&scenario, &mut rng, Design::Accepted, STEP_LIMIT) {
+        match play(
+            &scenario,
+            &messages::Script::default(),
+            &mut rng,
+            Design::Accepted,
+            STEP_LIMIT,
+        ) {
             // With a rank killed, `play` checks every survivor's error.
             Ok(outcome) if killed => in_windows += outcome.in_windows,
             Ok(outcome) => {
@@ -596,7 +608,13 @@ fn deep_trees_settle_with_exact_results() {
         let config = PlanConfig::new(scenario.slice_bytes, scenario.min_shard_bytes).unwrap();
         let geometry = Geometry::new(topology, config).unwrap();
         assert_eq!(geometry.routing(), fairring_core::plan::Routing::Trees);
-        match play(&scenario, &mut rng, Design::Accepted, STEP_LIMIT) {
+        match play(
+            &scenario,
+            &messages::Script::default(),
+            &mut rng,
+            Design::Accepted,
+            STEP_LIMIT,
+        ) {
             // With a rank killed, `play` checks every survivor's error.
             Ok(_) if killed => killed_seeds += 1,
             Ok(outcome) => {
@@ -663,4 +681,14 @@ fn cuda_calls_on_the_progress_path_and_aborts_that_wait_too_soon_hang() {
         shipped.killed.is_some() && shipped.failed > 0,
         "seed 12 fails its operations"
     );
+}
+
+/// Seed 1261 posts two messages of one tag from rank 5 to rank 0 between
+/// machines, the first before the pair is linked and the second after: the
+/// second must wait behind the first (it once started first, and each
+/// receive then met the other's send, failing both as mismatched).
+#[test]
+fn a_message_posted_once_its_peer_is_linked_waits_behind_those_posted_before() {
+    let outcome = run(1261, Design::Accepted).unwrap_or_else(|e| panic!("{e}"));
+    assert!(outcome.messages >= 18, "{outcome:?}");
 }

@@ -59,7 +59,7 @@ pub(super) fn build_job(
             )))
         });
         let shm = ShmStep::new(Arc::clone(segment), location.device, d, buffers)
-            .copying_between_tensors(peer_copy, 1);
+            .copying_between_tensors(peer_copy.clone(), 1);
         let local = wrap(rank, reach::step(&memory, shm, joined));
         let machine = Machine::new(Arc::clone(segment), location.device, d);
         let fabric = SimFabric {
@@ -70,7 +70,9 @@ pub(super) fn build_job(
         // SAFETY: the area is this rank's part of a segment the memory space keeps
         // mapped for as long as the engine lives.
         let region = unsafe { fabric.register(area, len) }.map_err(|e| e.to_string())?;
-        parts.push((location, memory, local, machine, fabric, region, None));
+        parts.push((
+            location, memory, local, machine, fabric, region, None, peer_copy,
+        ));
     }
     for index in 0..servers {
         let segment = Arc::new(
@@ -99,11 +101,12 @@ pub(super) fn build_job(
             fabric,
             region,
             Some(index),
+            None,
         ));
     }
     let regions: Vec<_> = parts.iter().map(|p| p.5.remote()).collect();
     let mut engines = Vec::new();
-    for (rank, (location, memory, local, machine, fabric, region, server)) in
+    for (rank, (location, memory, local, machine, fabric, region, server, peer_copy)) in
         (0..processes).zip(parts)
     {
         let wiring = Wiring::of(topology, location, rank, servers, server);
@@ -130,7 +133,10 @@ pub(super) fn build_job(
             wiring,
             timeout,
             direct,
-            peer_copy: None,
+            // Messages between the machine's ranks go through its mailboxes
+            // where its ranks copy between tensors, and over the network
+            // where they do not.
+            peer_copy,
         }));
     }
     Ok(engines)

@@ -29,13 +29,19 @@
 //! issuing out of order failing the seed, a failing rank aborting its
 //! communicators), or the staged one (`local::staged`); and for a third of
 //! the device operations and an eighth of the host ones, a share of the
-//! result delivered into a buffer of its own, as a reduce-scatter's. It then
-//! checks:
+//! result delivered into a buffer of its own, as a reduce-scatter's; and for
+//! half the seeds up to 16 point-to-point messages between drawn pairs, with
+//! drawn tags and sizes, each rank posting its own in an order of its own
+//! across tags ([`messages`]: through the machine's mailboxes where its
+//! ranks copy between tensors, over the network otherwise, linked as the
+//! communicator's linker links them). It then checks:
 //!
 //! - every operation a rank reports done holds exactly the expected values,
 //!   and its delivered share, if any, the result's bytes;
-//! - without a kill, every operation of every rank is done;
-//! - with a kill, every surviving rank settles every operation (done or failed),
+//! - without a kill, every operation and message of every rank is done,
+//!   and every message received holds exactly what its sender sent;
+//! - with a kill, every surviving rank settles every operation and message
+//!   (done or failed),
 //!   never hangs, and a failed one's error names the killed rank.
 //! - on the simulated device, every stream of a live rank runs to its end
 //!   once its operations settled, and nothing writes an operation's tensor
@@ -51,6 +57,7 @@
 
 mod focused;
 mod job;
+mod messages;
 mod network;
 mod reach;
 mod scenario;
@@ -159,22 +166,42 @@ struct Outcome {
     in_windows: u64,
     /// Shares of results delivered, and checked.
     delivered: usize,
+    /// Messages done (each end counted), of them through a machine's
+    /// mailboxes.
+    messages: usize,
+    messages_local: usize,
 }
 
 fn run(seed: u64, design: Design) -> Result<Outcome, String> {
-    run_for(seed, design, STEP_LIMIT)
+    let mut rng = Rng::new(seed);
+    let scenario = Scenario::draw(&mut rng);
+    let script = messages::Script::draw(&rng, scenario.machines * scenario.devices);
+    play(&scenario, &script, &mut rng, design, STEP_LIMIT)
 }
 
-/// Seed `seed` under `design`, counted as hung after `step_limit` steps.
+/// Seed `seed` under `design`, counted as hung after `step_limit` steps,
+/// without messages (the schedules the focused tests pin).
 fn run_for(seed: u64, design: Design, step_limit: u64) -> Result<Outcome, String> {
     let mut rng = Rng::new(seed);
     let scenario = Scenario::draw(&mut rng);
-    play(&scenario, &mut rng, design, step_limit)
+    play(
+        &scenario,
+        &messages::Script::default(),
+        &mut rng,
+        design,
+        step_limit,
+    )
 }
 
 /// Plays `sc` on a schedule drawn from `rng`, and checks it (see the module docs).
 #[expect(clippy::too_many_lines, reason = "one scenario, read top to bottom")]
-fn play(sc: &Scenario, rng: &mut Rng, design: Design, step_limit: u64) -> Result<Outcome, String> {
+fn play(
+    sc: &Scenario,
+    script: &messages::Script,
+    rng: &mut Rng,
+    design: Design,
+    step_limit: u64,
+) -> Result<Outcome, String> {
     let Scenario {
         machines: m,
         devices: d,
@@ -277,6 +304,11 @@ fn play(sc: &Scenario, rng: &mut Rng, design: Design, step_limit: u64) -> Result
         });
     }
 
+    let mut mail: Vec<messages::RankMessages> = (0..world)
+        .map(|r| messages::RankMessages::new(script, r))
+        .collect();
+    let mut linker = messages::Linker::default();
+    let mut wanted = Vec::new();
     let mut outcome = Outcome {
         killed: kill.map(|k| k.1),
         rooted: sc.rooted_counts(),
@@ -335,8 +367,26 @@ fn play(sc: &Scenario, rng: &mut Rng, design: Design, step_limit: u64) -> Result
                 }
             }
         }
-        let live = ranks.iter().filter(|r| !r.dead);
-        if live.clone().all(|r| r.settled.iter().all(Option::is_some)) {
+        if !script.messages.is_empty() {
+            for (r, rank) in ranks.iter().enumerate().filter(|(_, r)| !r.dead) {
+                let engine = &rank.engine;
+                let (done, local) = mail[r].settle(
+                    script,
+                    r as u32,
+                    |id| engine.test_message(id),
+                    |id| engine.release_message(id),
+                    |p| engine.messages_go_local(p),
+                )?;
+                outcome.messages += done;
+                outcome.messages_local += local;
+            }
+            messages::link(&ranks, &mut linker, &mut wanted);
+        }
+        let live = ranks.iter().zip(&mail).filter(|(r, _)| !r.dead);
+        if live
+            .clone()
+            .all(|(r, m)| r.settled.iter().all(Option::is_some) && m.all_settled())
+        {
             break;
         }
         // A device-wide wait ends once the streams have run far enough; a
@@ -400,6 +450,20 @@ fn play(sc: &Scenario, rng: &mut Rng, design: Design, step_limit: u64) -> Result
             }
             let rank = &mut ranks[r];
             if rank.dead {
+                continue;
+            }
+            if !script.messages.is_empty() && choice < 62 {
+                // The caller posts its next message, if it has one left.
+                if let Some(post) = mail[r].next_post(script, r as u32) {
+                    let engine = &rank.engine;
+                    if !engine.messages_go_local(post.peer) {
+                        engine.late_links.want(post.peer);
+                    }
+                    // SAFETY: the buffer lives, untouched, in `mail` until
+                    // the message settles (or the seed ends).
+                    let id = unsafe { engine.post_message(post) }.ok();
+                    mail[r].posted(id);
+                }
                 continue;
             }
             let outstanding = (0..rank.submitted)
@@ -497,6 +561,16 @@ fn play(sc: &Scenario, rng: &mut Rng, design: Design, step_limit: u64) -> Result
             outcome.collective += device_done;
         }
         outcome.failed += failed;
+        if kill.is_none() && mail[r].settled.iter().any(|s| *s != Some(true)) {
+            return Err(format!(
+                "rank {r}: messages failed with no fault injected: {:?} ({:?}); {:?}; \
+                 script {:?}",
+                mail[r].settled,
+                mail[r].failures,
+                rank.engine.failure(),
+                script
+            ));
+        }
         match (kill, rank.engine.failure()) {
             (None, Some(e)) => return Err(format!("rank {r} failed with no fault injected: {e}")),
             (Some((_, victim)), Some(e)) if !e.to_string().contains(&format!("rank {victim}")) => {
@@ -536,6 +610,7 @@ fn seeded_schedules_settle_with_exact_results() {
     let (mut device, mut collective) = (0, 0);
     let mut rooted = [0usize; 3];
     let (mut in_windows, mut delivered) = (0, 0);
+    let (mut messages, mut messages_local) = (0, 0);
     for &seed in &seeds {
         let result = std::panic::catch_unwind(|| run(seed, Design::Accepted));
         let outcome = match result {
@@ -555,6 +630,8 @@ fn seeded_schedules_settle_with_exact_results() {
         collective += outcome.collective;
         in_windows += outcome.in_windows;
         delivered += outcome.delivered;
+        messages += outcome.messages;
+        messages_local += outcome.messages_local;
         for (sum, n) in rooted.iter_mut().zip(outcome.rooted) {
             *sum += n;
         }
@@ -565,8 +642,13 @@ fn seeded_schedules_settle_with_exact_results() {
          done ({device} on the simulated device, {collective} of them through a machine's \
          collectives), {failed} failed; drawn as rooted forms: {reduces} reduces, {gathers} \
          gathers, {scatters} scatters; {in_windows} writes landed in a receiver's tensor; \
-         {delivered} shares of results delivered",
+         {delivered} shares of results delivered; {messages} message ends done \
+         ({messages_local} through a machine's mailboxes)",
         seeds.len()
+    );
+    assert!(
+        seeds.len() < 100 || messages_local > 0 && messages > messages_local,
+        "the seeds run messages, within machines and between them"
     );
     assert!(
         seeds.len() < 100 || in_windows > 0,

@@ -206,24 +206,32 @@ int main(void) {
     CHECK(summed[0] == (int32_t)world, "a refused group touched its memory");
 
     /* Point-to-point: both directions between ranks 0 and 1 in flight at
-       once, the receive posted first on one side. */
+       once, the receive posted first on one side; and tags: rank 1 sends a
+       tag 9 message before its tag 7 one, rank 0 receives tag 7 first. */
     if (rank < 2) {
         unsigned peer = 1 - rank;
         int16_t out[3] = {(int16_t)(10 * rank), (int16_t)(10 * rank + 1), -7};
         int16_t in[3] = {0, 0, 0};
-        fr_work *sent = NULL, *got = NULL;
+        int16_t early[2] = {(int16_t)(100 + rank), 0};
+        fr_work *sent = NULL, *got = NULL, *tagged = NULL;
         if (rank == 0) {
-            s = fr_recv(comm, peer, in, 3, FR_DTYPE_I16, &got);
-            CHECK(s == FR_OK, "fr_recv: %s", fr_last_error());
-            s = fr_send(comm, peer, out, 3, FR_DTYPE_I16, &sent);
+            s = fr_recv(comm, peer, 7, in, 3, FR_DTYPE_I16, &got);
+            CHECK(s == FR_OK, "fr_recv: %d %s", s, fr_last_error());
+            s = fr_recv(comm, peer, 9, early, 2, FR_DTYPE_I16, &tagged);
+            CHECK(s == FR_OK, "fr_recv of tag 9: %s", fr_last_error());
+            s = fr_send(comm, peer, 7, out, 3, FR_DTYPE_I16, &sent);
         } else {
-            s = fr_send(comm, peer, out, 3, FR_DTYPE_I16, &sent);
+            s = fr_send(comm, peer, 9, early, 2, FR_DTYPE_I16, &tagged);
+            CHECK(s == FR_OK, "fr_send of tag 9: %s", fr_last_error());
+            s = fr_send(comm, peer, 7, out, 3, FR_DTYPE_I16, &sent);
             CHECK(s == FR_OK, "fr_send: %s", fr_last_error());
-            s = fr_recv(comm, peer, in, 3, FR_DTYPE_I16, &got);
+            s = fr_recv(comm, peer, 7, in, 3, FR_DTYPE_I16, &got);
         }
         CHECK(s == FR_OK, "posting: %s", fr_last_error());
         s = finish(FR_OK, sent);
         CHECK(s == FR_OK, "send: %s", fr_last_error());
+        s = finish(FR_OK, tagged);
+        CHECK(s == FR_OK && early[0] == 101, "tag 9: %d: %s", early[0], fr_last_error());
         s = finish(FR_OK, got);
         CHECK(s == FR_OK && in[0] == (int16_t)(10 * peer) && in[1] == (int16_t)(10 * peer + 1) &&
                   in[2] == -7 && out[0] == (int16_t)(10 * rank),
@@ -254,7 +262,7 @@ int main(void) {
         free(input);
         free(output);
     }
-    s = fr_send(comm, rank, data, 1, FR_DTYPE_F32, &work);
+    s = fr_send(comm, rank, 0, data, 1, FR_DTYPE_F32, &work);
     CHECK(s == FR_INVALID_ARGUMENT && strstr(fr_last_error(), "peer"),
           "send to itself: %d %s", s, fr_last_error());
 

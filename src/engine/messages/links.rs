@@ -137,7 +137,7 @@ impl LateLinks {
     /// once closed.
     pub(crate) fn take_wanted(&self, into: &mut Vec<u32>, nap: Duration) -> bool {
         let mut w = self.wanted.lock().unwrap_or_else(PoisonError::into_inner);
-        if w.peers.is_empty() && !w.closed {
+        if w.peers.is_empty() && !w.closed && !nap.is_zero() {
             w = self
                 .changed
                 .wait_timeout(w, nap)

@@ -186,18 +186,21 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// Takes the posts queued since the last pass, starts what may start,
     /// and posts what waited for room. Returns whether anything moved.
     pub(in crate::engine) fn drive_messages(&self) -> Result<bool, Fault> {
-        let mut moved = false;
         let mut t = self.lock_transfers();
+        // Posts that waited for their peer's link start before later ones
+        // to the same peer, which keeps each tag's order.
+        let mut moved = self.linked_since(&mut t)?;
         while let Some(post) = self.messages.queue.pop() {
             moved = true;
             if let Some(local) = t.local_of(post.peer) {
                 self.start_local(&mut t, post, local)?;
                 continue;
             }
+            let waiting = !t.peers[post.peer as usize].unlinked.is_empty();
             match self.late_links.state(post.peer) {
-                LinkState::Linked => self.start_message(&mut t, post)?,
-                LinkState::Failed(e) => self.fail_message(&mut t, post.id, Some(e)),
-                LinkState::Pending => {
+                LinkState::Linked if !waiting => self.start_message(&mut t, post)?,
+                LinkState::Failed(e) if !waiting => self.fail_message(&mut t, post.id, Some(e)),
+                _ => {
                     t.peers[post.peer as usize].unlinked.push(post.id);
                     t.put(post.id, Active::Posted(post));
                 }
