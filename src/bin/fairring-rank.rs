@@ -13,6 +13,10 @@
 //! fairring-rank rooted [BYTES [SECONDS]]   gather, scatter and reduce BYTES of f32 to
 //!                                          and from rank 0 in a loop (as messages from
 //!                                          2 MiB)
+//! fairring-rank every-peer [BYTES]         after an all-reduce, one send of BYTES of f32 to
+//!                                          and one receive from every other rank at once;
+//!                                          reports the process's threads and resident
+//!                                          memory before and after (`RESOURCES`)
 //! fairring-rank abort-late                 rank 0 aborts from a second thread while
 //!                                          every rank waits in a barrier that rank 1
 //!                                          joins late; then everyone tries more work
@@ -69,6 +73,58 @@ fn messages(comm: &Communicator, bytes: u64, seconds: u64) -> i32 {
             &mut [(previous, &mut back[..])],
         )
     })
+}
+
+/// The process's threads and resident memory (KiB), from `/proc/self/status`.
+fn resources() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("Threads:"), field("VmRSS:"))
+}
+
+fn every_peer(comm: &Communicator, bytes: u64) -> i32 {
+    let elements = usize::try_from(bytes / 4).unwrap_or(1).max(1);
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let step = || -> fairring::Result<()> {
+        comm.all_reduce(&mut vec![1.0f32; elements], ReduceOp::Sum)?;
+        comm.barrier()?;
+        let (threads, rss) = resources();
+        say(&format!("RESOURCES before threads={threads} rss_kib={rss}"));
+        let peers: Vec<u32> = (0..world).filter(|&p| p != rank).collect();
+        let mut outs: Vec<Vec<f32>> = peers.iter().map(|_| vec![1.0; elements]).collect();
+        let mut ins: Vec<Vec<f32>> = peers.iter().map(|_| vec![0.0; elements]).collect();
+        let mut sends: Vec<(u32, &mut [f32])> = peers
+            .iter()
+            .copied()
+            .zip(outs.iter_mut().map(|v| &mut v[..]))
+            .collect();
+        let mut receives: Vec<(u32, &mut [f32])> = peers
+            .iter()
+            .copied()
+            .zip(ins.iter_mut().map(|v| &mut v[..]))
+            .collect();
+        comm.send_recv(&mut sends, &mut receives)?;
+        comm.barrier()?;
+        let (threads, rss) = resources();
+        say(&format!("RESOURCES after threads={threads} rss_kib={rss}"));
+        comm.barrier()
+    };
+    match step() {
+        Ok(()) => {
+            say("DONE 1");
+            0
+        }
+        Err(e) => {
+            say(&format!("FAILED 0 {e}"));
+            3
+        }
+    }
 }
 
 fn rooted(comm: &Communicator, bytes: u64, seconds: u64) -> i32 {
@@ -190,6 +246,7 @@ fn main() {
         "steady" => steady(&comm, number(&args, 2, 1 << 20), number(&args, 3, 60)),
         "repeat" => repeat(&comm, number(&args, 2, 1 << 20), number(&args, 3, 10)),
         "messages" => messages(&comm, number(&args, 2, 1 << 20), number(&args, 3, 60)),
+        "every-peer" => every_peer(&comm, number(&args, 2, 1 << 20)),
         "rooted" => rooted(&comm, number(&args, 2, 4 << 20), number(&args, 3, 60)),
         "abort-late" => abort_late(&comm),
         other => {

@@ -11,7 +11,9 @@
 //!             operation table: `OPERATIONS` entries of 32 bytes (sequence + 1,
 //!             then the operation's two descriptor words), then the rank's
 //!             mailboxes: per local rank that sends it messages,
-//!             `MAILBOX_SLOTS` lines (see [`Segment::mailbox`])
+//!             `MAILBOX_SLOTS` lines (see [`Segment::mailbox`]), then its
+//!             `BOUNCE_SLOTS` bounce slots of `BOUNCE_BYTES` (small messages
+//!             it sends, copied through; see [`Segment::bounce`])
 //! data        per local rank: B staging buffers of `buffer_bytes`, page aligned
 //! ```
 //!
@@ -52,6 +54,10 @@ pub(crate) const RECORD_WORDS: usize = 8;
 /// Lines in the mailbox one local rank sends another messages through: the
 /// sender's offers in flight to that rank, at most.
 pub(crate) const MAILBOX_SLOTS: usize = 64;
+/// A rank's bounce slots, and the bytes of each: its small messages to the
+/// machine's ranks go through them, whatever the number of peers.
+pub(crate) const BOUNCE_SLOTS: usize = 16;
+pub(crate) const BOUNCE_BYTES: usize = 16 << 10;
 
 #[repr(C)]
 struct Header {
@@ -108,6 +114,7 @@ impl Segment {
             + buffers as usize * COUNTERS * LINE
             + OPERATIONS * OPERATION_BYTES
             + ranks as usize * MAILBOX_SLOTS * LINE
+            + BOUNCE_SLOTS * BOUNCE_BYTES
     }
 
     /// Offset of local rank `rank`'s control area.
@@ -333,9 +340,11 @@ impl Segment {
     /// word 3   the address of the sender's tensor in its process
     /// word 4   refused: the receive's bytes
     /// word 5   refused: the receive's element type
+    /// word 6   the sender's bounce slot holding the bytes, plus one (0: the
+    ///          receiver reads the sender's tensor instead)
     /// ```
     ///
-    /// The sender writes words 1 to 3, then word 0 with release; the
+    /// The sender writes words 1 to 3 and 6, then word 0 with release; the
     /// receiver, having read word 0 with acquire, reads them, and on refusal
     /// writes words 4 and 5 before word 0, with release.
     pub(crate) fn mailbox(&self, to: u32, from: u32, slot: usize) -> &[AtomicU64; 8] {
@@ -357,6 +366,22 @@ impl Segment {
                 .wrapping_add(off)
                 .cast::<[AtomicU64; 8]>()
         }
+    }
+
+    /// Bounce slot `slot` of local rank `rank`: [`BOUNCE_BYTES`] bytes that
+    /// only `rank` writes (a small message it sends, copied in before it
+    /// offers the message) and only the message's receiver reads, until the
+    /// receiver settles the offer (`engine/messages/local.rs`).
+    pub(crate) fn bounce(&self, rank: u32, slot: usize) -> NonNull<u8> {
+        assert!(slot < BOUNCE_SLOTS, "bounce slot out of range");
+        let off = self.control_of(rank)
+            + HEAD_LINES * LINE
+            + self.buffers as usize * COUNTERS * LINE
+            + OPERATIONS * OPERATION_BYTES
+            + self.ranks as usize * MAILBOX_SLOTS * LINE
+            + slot * BOUNCE_BYTES;
+        // SAFETY: in bounds (the layout reserved the slots), inside the mapping.
+        unsafe { NonNull::new_unchecked(self.base.as_ptr().wrapping_add(off)) }
     }
 
     /// Claims the right to describe the machine's first failure for local rank

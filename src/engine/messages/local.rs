@@ -20,6 +20,7 @@ use crate::engine::work_table::{DONE, FAILED};
 use crate::error::Error;
 use crate::local::tensor_copies;
 use crate::memory::MemorySpace;
+use crate::shm::segment::{BOUNCE_BYTES, BOUNCE_SLOTS};
 
 impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// Starts `post`, to or from local rank `local`: a send is offered (once
@@ -34,7 +35,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         if post.sending {
             let k = t.peers[peer].next_offer;
             t.peers[peer].next_offer += 1;
-            t.put(post.id, Active::Offered(post, k));
+            t.put(post.id, Active::Offered(post, k, None));
             t.peers[peer].offering.push_back(post.id);
             self.offer_waiting(t, post.peer, local);
             return Ok(());
@@ -53,7 +54,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let segment = self.machine.segment();
         let mut moved = false;
         while let Some(&id) = t.peers[peer as usize].offering.front() {
-            let Active::Offered(post, k) = *t.get(id) else {
+            let Active::Offered(post, k, _) = *t.get(id) else {
                 t.peers[peer as usize].offering.pop_front();
                 continue;
             };
@@ -61,6 +62,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             if !mailbox::is_free(line, k) {
                 break;
             }
+            let bounce = self.bounce(t, &post);
+            t.put(id, Active::Offered(post, k, bounce));
             mailbox::offer(
                 line,
                 &Offer {
@@ -69,6 +72,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                     dtype: post.dtype,
                     bytes: post.bytes,
                     address: post.data as u64,
+                    bounce,
                 },
             );
             segment.doorbell(local).ring();
@@ -77,6 +81,29 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             moved = true;
         }
         moved
+    }
+
+    /// Copies a small message's bytes into a free bounce slot of this rank,
+    /// and returns the slot; `None` (the receiver then reads the tensor)
+    /// for a larger one, or when every slot is held.
+    fn bounce(&self, t: &mut Transfers<F::Region>, post: &Post) -> Option<usize> {
+        let len = usize::try_from(post.bytes)
+            .ok()
+            .filter(|&n| n > 0 && n <= BOUNCE_BYTES)?;
+        let slot = t.bounce_free.trailing_zeros() as usize;
+        if slot >= BOUNCE_SLOTS {
+            return None;
+        }
+        t.bounce_free &= !(1 << slot);
+        let to = self
+            .machine
+            .segment()
+            .bounce(self.machine.local_rank(), slot);
+        // SAFETY: the send's tensor holds `len` readable bytes (`post_message`'s
+        // contract); the slot holds `BOUNCE_BYTES` of the segment that only
+        // this rank writes, and no receiver reads until the offer is made.
+        unsafe { std::ptr::copy_nonoverlapping(post.data as *const u8, to.as_ptr(), len) };
+        Some(slot)
     }
 
     /// One pass of the local path: offers that waited for a line, sends
@@ -119,7 +146,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let mut i = 0;
         while i < t.offered.len() {
             let id = t.offered[i];
-            let Active::Offered(post, k) = *t.get(id) else {
+            let Active::Offered(post, k, bounce) = *t.get(id) else {
                 t.offered.swap_remove(i);
                 continue;
             };
@@ -134,6 +161,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                     moved = true;
                     t.offered.swap_remove(i);
                     drop(t.take(id));
+                    if let Some(slot) = bounce {
+                        t.bounce_free |= 1 << slot;
+                    }
                     match how {
                         Settled::Done => self.finish_message(id, DONE, None),
                         Settled::Refused { bytes, dtype } => {
@@ -220,6 +250,24 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let (at, len) = (copied as usize, n as usize);
         let read = if len == 0 {
             Some(Ok(()))
+        } else if let Some(slot) = offer.bounce {
+            if slot >= BOUNCE_SLOTS || len > BOUNCE_BYTES {
+                Some(Err(Error::peer(
+                    post.peer,
+                    "offered a message through a bounce slot it does not have (the peer \
+                     broke the message protocol)",
+                )))
+            } else {
+                let from = segment.bounce(local, slot);
+                // SAFETY: the sender copied the message's `len` bytes into its
+                // slot before offering it, and writes the slot again only once
+                // this offer is settled; the receive's tensor holds `len`
+                // writable bytes the caller leaves alone until it finishes.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(from.as_ptr(), post.data as *mut u8, len);
+                }
+                Some(Ok(()))
+            }
         } else {
             let start = (post.data as *mut u8).wrapping_add(at);
             // SAFETY: the receive's tensor is the caller's, left valid and

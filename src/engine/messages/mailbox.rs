@@ -39,6 +39,9 @@ pub(crate) struct Offer {
     pub(crate) bytes: u64,
     /// The sender's tensor, in the sender's process.
     pub(crate) address: u64,
+    /// The sender's bounce slot holding the bytes, if they were copied
+    /// through one.
+    pub(crate) bounce: Option<usize>,
 }
 
 /// How a receiver settled an offer.
@@ -76,6 +79,7 @@ pub(crate) fn offer(line: &[AtomicU64; 8], offer: &Offer) {
     );
     line[2].store(offer.bytes, Ordering::Relaxed);
     line[3].store(offer.address, Ordering::Relaxed);
+    line[6].store(offer.bounce.map_or(0, |b| b as u64 + 1), Ordering::Relaxed);
     // Release: the words above are written before the receiver sees them.
     line[0].store(offer.k << 2 | OFFERED, Ordering::Release);
 }
@@ -100,6 +104,9 @@ pub(crate) fn take(line: &[AtomicU64; 8], k: u64) -> Option<Result<Offer, ()>> {
         dtype,
         bytes: line[2].load(Ordering::Relaxed),
         address: line[3].load(Ordering::Relaxed),
+        bounce: usize::try_from(line[6].load(Ordering::Relaxed))
+            .ok()
+            .and_then(|b| b.checked_sub(1)),
     }))
 }
 
@@ -157,6 +164,7 @@ mod tests {
             dtype: DataType::BF16,
             bytes: 4096,
             address: 0x7f00_1000,
+            bounce: Some(3),
         };
         offer(&l, &o);
         assert!(!is_free(&l, n), "offered: not free");
@@ -179,8 +187,18 @@ mod tests {
             })
         );
         assert!(is_free(&l, n) && !is_free(&l, 2 * n));
-        offer(&l, &Offer { k: n, ..o });
-        assert_eq!(take(&l, n).map(|r| r.map(|o| o.k)), Some(Ok(n)));
+        offer(
+            &l,
+            &Offer {
+                k: n,
+                bounce: None,
+                ..o
+            },
+        );
+        assert_eq!(
+            take(&l, n).map(|r| r.map(|o| (o.k, o.bounce))),
+            Some(Ok((n, None)))
+        );
         settle(&l, n, Settled::Done);
         assert_eq!(settled(&l, n), Some(Settled::Done));
         assert_eq!(

@@ -20,8 +20,8 @@
 //!    another size or type fails, and tells the receiver (`Refused`), whose
 //!    receive fails too, each naming both; an empty send tells it `Empty`;
 //! 3. the sender writes the tensor into the window in chunks of
-//!    [`CHUNK`] bytes, each carrying the receiver's message id in its
-//!    immediate; the send is done once every chunk has left its tensor, the
+//!    [`CHUNK`] bytes ([`CHUNKS_IN_FLIGHT`] at a time), each carrying the
+//!    receiver's message id in its immediate; the send is done once every chunk has left its tensor, the
 //!    receive once every byte has landed, and the window is closed then.
 //!
 //! A receive posted before the matching send (the common case in a
@@ -68,6 +68,12 @@ pub(crate) const MESSAGE_CAPACITY: usize = 4096;
 /// its bytes, small enough that a collective's writes to the same peer are
 /// not held behind a whole large message.
 pub(crate) const CHUNK: u64 = 1 << 20;
+
+/// Chunks of one send posted and not yet sent, at most: enough to keep the
+/// connection busy, few enough that the fabric's queue to the peer stays
+/// short (on 2x1 tcp, 16 MiB messages ran about 10% faster than with every
+/// chunk posted at once).
+pub(crate) const CHUNKS_IN_FLIGHT: u32 = 4;
 
 /// A message a caller posted, as the driver takes it.
 #[derive(Clone, Copy, Debug)]

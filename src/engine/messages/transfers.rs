@@ -16,7 +16,7 @@ use super::links::LinkState;
 use super::mailbox::Offer;
 use super::matching::Matcher;
 use super::wire::{self, Control, MOST_BYTES, Ready, Reply};
-use super::{CHUNK, MESSAGE_CAPACITY, Post};
+use super::{CHUNK, CHUNKS_IN_FLIGHT, MESSAGE_CAPACITY, Post};
 use crate::engine::Engine;
 use crate::engine::direct::{CACHED, KeptRegions};
 use crate::engine::failure::Fault;
@@ -25,6 +25,7 @@ use crate::engine::tags::{Kind, message_immediate, message_token};
 use crate::engine::work_table::{DONE, FAILED};
 use crate::error::Error;
 use crate::memory::MemorySpace;
+use crate::shm::segment::BOUNCE_SLOTS;
 
 /// Bits of a receive's id its data's immediates carry.
 pub(crate) const IMMEDIATE_ID_BITS: u32 = 28;
@@ -49,6 +50,8 @@ pub(crate) struct Transfers<R> {
     pub(super) offered: Vec<u64>,
     /// Local receives copying their sends.
     pub(super) copying: Vec<u64>,
+    /// This rank's bounce slots that no offer holds (a bit each).
+    pub(super) bounce_free: u32,
     /// Tensors registered to send from, and windows: kept for the next
     /// message of the same memory, so that a warm engine registers nothing.
     sources: KeptRegions<R>,
@@ -80,8 +83,9 @@ pub(super) enum Active<R> {
     Posted(Post),
     Sending(Sending<R>),
     Receiving(Receiving<R>),
-    /// A local send: offer `k` to its peer, waiting for a line or settled.
-    Offered(Post, u64),
+    /// A local send: offer `k` to its peer, waiting for a line or settled;
+    /// the bounce slot holding its bytes, once offered through one.
+    Offered(Post, u64, Option<usize>),
     /// A local receive copying its offer's tensor: `copied` bytes so far.
     Copying {
         post: Post,
@@ -132,6 +136,7 @@ impl<R> Transfers<R> {
             locals,
             offered: Vec::with_capacity(MESSAGE_CAPACITY),
             copying: Vec::with_capacity(MESSAGE_CAPACITY),
+            bounce_free: (1 << BOUNCE_SLOTS) - 1,
             sources: KeptRegions::with_holders(CACHED, MESSAGE_CAPACITY),
             windows: KeptRegions::with_holders(CACHED, MESSAGE_CAPACITY),
         }
@@ -166,7 +171,7 @@ impl<R> Transfers<R> {
 fn id_of<R>(a: &Active<R>) -> Option<u64> {
     match a {
         Active::Free => None,
-        Active::Posted(p) | Active::Offered(p, _) | Active::Copying { post: p, .. } => Some(p.id),
+        Active::Posted(p) | Active::Offered(p, ..) | Active::Copying { post: p, .. } => Some(p.id),
         Active::Sending(s) => Some(s.post.id),
         Active::Receiving(r) => Some(r.post.id),
     }
@@ -176,7 +181,9 @@ fn id_of<R>(a: &Active<R>) -> Option<u64> {
 fn peer_of<R>(a: &Active<R>) -> Option<u32> {
     match a {
         Active::Free => None,
-        Active::Posted(p) | Active::Offered(p, _) | Active::Copying { post: p, .. } => Some(p.peer),
+        Active::Posted(p) | Active::Offered(p, ..) | Active::Copying { post: p, .. } => {
+            Some(p.peer)
+        }
         Active::Sending(s) => Some(s.post.peer),
         Active::Receiving(r) => Some(r.post.peer),
     }
@@ -649,7 +656,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// it holds: dropping a window or registration waits until the fabric
     /// has stopped using it.
     fn fail_message(&self, t: &mut Transfers<F::Region>, id: u64, error: Option<Error>) {
-        drop(t.take(id));
+        if let Active::Offered(_, _, Some(slot)) = t.take(id) {
+            // Its receiver left or this engine failed: nobody reads it now.
+            t.bounce_free |= 1 << slot;
+        }
         self.close_landing(t, id);
         t.sources.release(id);
         self.finish_message(id, FAILED, error);
@@ -724,7 +734,7 @@ fn post_chunks<F: Fabric>(
         });
     };
     let mut posted = false;
-    while s.posted < s.post.bytes {
+    while s.posted < s.post.bytes && s.in_flight < CHUNKS_IN_FLIGHT {
         let len = (s.post.bytes - s.posted).min(CHUNK);
         #[expect(
             clippy::cast_possible_truncation,
