@@ -193,6 +193,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// Takes the posts queued since the last pass, starts what may start,
     /// and posts what waited for room. Returns whether anything moved.
     pub(in crate::engine) fn drive_messages(&self) -> Result<bool, Fault> {
+        // Nothing posted and not finished: nothing to do. A peer's offer
+        // waits in the machine's mailbox until a receive here wants it.
+        if !self.messages.any_pending() {
+            return Ok(false);
+        }
         let mut t = self.lock_transfers();
         // Posts that waited for their peer's link start before later ones
         // to the same peer, which keeps each tag's order.
