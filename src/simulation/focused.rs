@@ -692,3 +692,13 @@ fn a_message_posted_once_its_peer_is_linked_waits_behind_those_posted_before() {
     let outcome = run(1261, Design::Accepted).unwrap_or_else(|e| panic!("{e}"));
     assert!(outcome.messages >= 18, "{outcome:?}");
 }
+
+/// Seed 8661: an empty send between machines finishes as soon as it tells
+/// its receiver so, and that reply waits for room in the fabric's queue. The
+/// reply must still go out with no message left in flight on the sender
+/// (its driver once skipped messages then, and the receive never finished).
+#[test]
+fn a_finished_sends_reply_goes_out_with_nothing_left_in_flight() {
+    let outcome = run(8661, Design::Accepted).unwrap_or_else(|e| panic!("{e}"));
+    assert!(outcome.messages >= 28, "{outcome:?}");
+}

@@ -319,8 +319,14 @@ fn play(
         if outcome.steps > step_limit {
             return Err(format!(
                 "{m}x{d} + {servers} servers, {buffers} buffers: not settled after {step_limit} \
-                 steps; settled: {:?}; failures: {:?}; GPUs waiting: {:?}",
+                 steps; settled: {:?}; messages: {:?}; failures: {:?}; GPUs waiting: {:?}",
                 ranks.iter().map(|r| r.settled.clone()).collect::<Vec<_>>(),
+                (
+                    mail.iter()
+                        .map(|m| (m.posted, m.settled.clone()))
+                        .collect::<Vec<_>>(),
+                    script
+                ),
                 ranks
                     .iter()
                     .map(|r| r.engine.failure().map(|e| e.to_string()))

@@ -59,7 +59,7 @@ use super::progress::park::{self, Wake};
 use super::work_table::{DONE, FAILED, PENDING, WorkTable};
 use crate::error::{Error, Result};
 use crate::memory::MemorySpace;
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::{AtomicBool, AtomicU64, Ordering};
 
 /// Messages a rank may have posted and not yet released: the table's size.
 pub(crate) const MESSAGE_CAPACITY: usize = 4096;
@@ -118,6 +118,10 @@ pub(crate) struct Board {
     next: Mutex<u64>,
     /// Messages posted and not yet finished.
     pending: AtomicU64,
+    /// Whether control messages wait for room (a finished send's reply to
+    /// its receiver among them): the driver's pass posts them even with no
+    /// message pending.
+    controls_waiting: AtomicBool,
 }
 
 impl Board {
@@ -128,6 +132,7 @@ impl Board {
             queue: ArrayQueue::new(MESSAGE_CAPACITY),
             next: Mutex::new(0),
             pending: AtomicU64::new(0),
+            controls_waiting: AtomicBool::new(false),
         }
     }
 
@@ -140,6 +145,12 @@ impl Board {
     /// Whether a message is in flight.
     pub(crate) fn any_pending(&self) -> bool {
         self.pending.load(Ordering::Acquire) > 0
+    }
+
+    /// Whether the driver has anything of messages to do: one in flight,
+    /// or a control message waiting for room.
+    fn any_work(&self) -> bool {
+        self.any_pending() || self.controls_waiting.load(Ordering::Acquire)
     }
 }
 

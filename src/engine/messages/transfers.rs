@@ -26,6 +26,7 @@ use crate::engine::work_table::{DONE, FAILED};
 use crate::error::Error;
 use crate::memory::MemorySpace;
 use crate::shm::segment::BOUNCE_SLOTS;
+use crate::sync::Ordering;
 
 /// Bits of a receive's id its data's immediates carry.
 pub(crate) const IMMEDIATE_ID_BITS: u32 = 28;
@@ -193,9 +194,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// Takes the posts queued since the last pass, starts what may start,
     /// and posts what waited for room. Returns whether anything moved.
     pub(in crate::engine) fn drive_messages(&self) -> Result<bool, Fault> {
-        // Nothing posted and not finished: nothing to do. A peer's offer
-        // waits in the machine's mailbox until a receive here wants it.
-        if !self.messages.any_pending() {
+        // Nothing posted and not finished, and no control message waiting
+        // for room: nothing to do. A peer's offer waits in the machine's
+        // mailbox until a receive here wants it.
+        if !self.messages.any_work() {
             return Ok(false);
         }
         let mut t = self.lock_transfers();
@@ -506,6 +508,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             }
             false
         });
+        self.messages
+            .controls_waiting
+            .store(!peers.is_empty(), Ordering::Release);
         t.controls_waiting = peers;
         let mut rounds = t.unposted.len();
         while rounds > 0 {
@@ -552,6 +557,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             t.controls_waiting.push(peer);
         }
         queue.push_back((bytes, n));
+        self.messages
+            .controls_waiting
+            .store(true, Ordering::Release);
     }
 
     /// A chunk of a message landed here.
@@ -720,6 +728,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         t.unposted.clear();
         t.controls_waiting.clear();
+        self.messages
+            .controls_waiting
+            .store(false, Ordering::Release);
         t.offered.clear();
         t.copying.clear();
     }
