@@ -7,7 +7,7 @@
 //! holds nothing per peer but a connection (made when a message first names
 //! the peer, `links`) and a few queues.
 //!
-//! # The fabric path (`transfers`)
+//! # The fabric path (`fabric`)
 //!
 //! Receiver-driven, so that every byte moves once, from the sender's tensor
 //! straight into the receiver's:
@@ -37,6 +37,7 @@
 //! fails every message, after the fabric has stopped reading and writing
 //! their tensors (dropping a registration waits for that).
 
+mod fabric;
 mod links;
 mod local;
 mod mailbox;
