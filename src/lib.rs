@@ -83,8 +83,6 @@ mod fusion;
 mod local;
 #[allow(unsafe_code)]
 mod memory;
-#[allow(unsafe_code)]
-mod point_to_point;
 mod server;
 #[allow(unsafe_code)]
 mod shm;
@@ -96,12 +94,13 @@ mod simulation;
 pub mod store;
 mod sync;
 
-pub use communicator::{Call, Collective, Communicator, Memory, Options, OwnedWork, Scope, Work};
+pub use communicator::{
+    Call, Collective, Communicator, Memory, Message, Options, OwnedWork, Scope, Work,
+};
 pub use config::{Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Role};
 pub use engine::links::Traffic;
 pub use error::{Error, Result};
 pub use fairring_core::{DataType, ReduceOp, WireFormat};
 pub use fusion::Fusion;
-pub use point_to_point::Message;
 pub use server::Server;
 pub use store::Store;

@@ -4,6 +4,7 @@ mod call;
 #[cfg(feature = "cuda")]
 mod device_calls;
 mod host;
+mod point_to_point;
 mod prelude;
 mod scope;
 mod start;
@@ -12,6 +13,7 @@ mod work;
 
 pub use crate::engine::descriptor::Collective;
 pub use call::{Call, Memory, Options};
+pub use point_to_point::Message;
 pub use scope::Scope;
 pub use work::{OwnedWork, Work};
 
@@ -35,10 +37,10 @@ use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::memory::DeviceTensor;
 use crate::memory::{HostTensor, MemoryKind, Placed, PlacedTensor};
-use crate::point_to_point::PointToPoint;
 use crate::store::{PrefixStore, Store, TcpStoreServer};
 use crate::sync::unmodelled::AtomicU8;
 use fairring_rdma::any::AnyFabric;
+use point_to_point::PointToPoint;
 pub(crate) use submit::check_pointer;
 use submit::*;
 #[cfg(feature = "cuda")]

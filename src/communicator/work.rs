@@ -1,8 +1,8 @@
 //! [`Work`] and [`OwnedWork`]: operations in flight, waited on, tested and
 //! released.
 
+use super::point_to_point::Message;
 use super::*;
-use crate::point_to_point::Message;
 
 /// One operation (or a coalesced group of them) in flight.
 ///
