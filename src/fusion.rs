@@ -124,7 +124,7 @@ impl<T: Element> Fusion<T> {
                 () => {
                     while next < buffers.len() && waiting[next] == 0 {
                         if let Some(buf) = buffers[next].take() {
-                            works.push(s.all_reduce(buf, op)?);
+                            works.push(s.all_reduce(buf, op, ())?);
                         }
                         next += 1;
                     }

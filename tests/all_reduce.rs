@@ -40,7 +40,7 @@ fn check_layout_with_servers(m: u32, d: u32, servers: u32, algorithm: Algorithm)
             comm.scope(|s| {
                 let works: Vec<_> = bufs
                     .iter_mut()
-                    .map(|b| s.all_reduce(b, ReduceOp::Sum).expect("start"))
+                    .map(|b| s.all_reduce(b, ReduceOp::Sum, ()).expect("start"))
                     .collect();
                 for w in works {
                     w.wait().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
@@ -130,9 +130,9 @@ fn sending_from_the_tensor_matches_staging_it() {
                     .collect();
                 comm.scope(|s| {
                     let works = [
-                        s.all_reduce(&mut sums, ReduceOp::Sum).unwrap(),
-                        s.all_reduce(&mut maxes, ReduceOp::Max).unwrap(),
-                        s.all_reduce(&mut avgs, ReduceOp::Avg).unwrap(),
+                        s.all_reduce(&mut sums, ReduceOp::Sum, ()).unwrap(),
+                        s.all_reduce(&mut maxes, ReduceOp::Max, ()).unwrap(),
+                        s.all_reduce(&mut avgs, ReduceOp::Avg, ()).unwrap(),
                     ];
                     for w in works {
                         w.wait().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
@@ -176,7 +176,7 @@ fn every_operator_and_type() {
                 let n = 40_003;
                 let mut ints: Vec<i64> = (0..n).map(|i| i as i64 * (i64::from(rank) + 1)).collect();
                 comm.scope(|s| {
-                    s.all_reduce_with(&mut ints, ReduceOp::Max, algorithm)
+                    s.all_reduce(&mut ints, ReduceOp::Max, algorithm)
                         .unwrap()
                         .wait()
                 })
@@ -190,7 +190,7 @@ fn every_operator_and_type() {
 
                 let mut avg: Vec<f64> = (0..n).map(|i| f64::from(rank) + i as f64).collect();
                 comm.scope(|s| {
-                    s.all_reduce_with(&mut avg, ReduceOp::Avg, algorithm)
+                    s.all_reduce(&mut avg, ReduceOp::Avg, algorithm)
                         .unwrap()
                         .wait()
                 })
@@ -203,7 +203,7 @@ fn every_operator_and_type() {
 
                 let mut bytes: Vec<u8> = (0..n).map(|i| (i % 200) as u8 + rank as u8).collect();
                 comm.scope(|s| {
-                    s.all_reduce_with(&mut bytes, ReduceOp::Min, algorithm)
+                    s.all_reduce(&mut bytes, ReduceOp::Min, algorithm)
                         .unwrap()
                         .wait()
                 })
@@ -271,7 +271,7 @@ fn doubling_gives_every_rank_the_same_bits() {
                         _ => 1.0 / (1.0 + (i * 31 + rank as usize * 17) as f32),
                     })
                     .collect();
-                comm.scope(|s| s.all_reduce(&mut data, ReduceOp::Sum)?.wait())
+                comm.scope(|s| s.all_reduce(&mut data, ReduceOp::Sum, ())?.wait())
                     .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                 data.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
             },
@@ -315,7 +315,7 @@ fn check_typed<T: fairring::core::reduce::Element + PartialEq + std::fmt::Debug>
         }
     };
     let mut data: Vec<T> = (0..n).map(|i| from(value(rank, i) as f64)).collect();
-    comm.scope(|s| s.all_reduce(&mut data, op)?.wait())
+    comm.scope(|s| s.all_reduce(&mut data, op, ())?.wait())
         .map_err(|e| format!("{op} of {n}: {e}"))?;
     for (i, got) in data.iter().enumerate() {
         let all = (0..world).map(|r| value(r, i));

@@ -105,7 +105,7 @@ fn broadcasts_sent_from_the_roots_tensor_match_staged_ones() {
                     comm.scope(|s| {
                         let works: Vec<_> = tensors
                             .iter_mut()
-                            .map(|t| s.broadcast(t, root).unwrap())
+                            .map(|t| s.broadcast(t, root, ()).unwrap())
                             .collect();
                         for w in works {
                             w.wait().unwrap_or_else(|e| panic!("rank {rank}: {e}"));

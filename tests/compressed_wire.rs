@@ -289,13 +289,13 @@ fn asking_for_a_compressed_wire_on_an_integer_names_the_wire() {
         |_, comm| {
             let mut x = vec![1i32; 10];
             let refused = comm.scope(|s| {
-                s.all_reduce_with(&mut x, ReduceOp::Sum, on_wire(WireFormat::F16))
+                s.all_reduce(&mut x, ReduceOp::Sum, on_wire(WireFormat::F16))
                     .map(drop)
             });
             // The communicator is still good: the refusal had no side effects.
             let mut y = vec![1.5f32; 10];
             comm.scope(|s| {
-                s.all_reduce_with(&mut y, ReduceOp::Sum, on_wire(WireFormat::F16))?
+                s.all_reduce(&mut y, ReduceOp::Sum, on_wire(WireFormat::F16))?
                     .wait()
             })
             .expect("f32 on the f16 wire");

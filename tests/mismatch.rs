@@ -195,7 +195,7 @@ fn collectives_roots_and_algorithms_differ() {
                     Algorithm::Hierarchical
                 };
                 let mut x = [0.0f32; 16];
-                comm.scope(|s| s.all_reduce_with(&mut x, ReduceOp::Sum, algorithm)?.wait())
+                comm.scope(|s| s.all_reduce(&mut x, ReduceOp::Sum, algorithm)?.wait())
             },
             ["(sum, ring)", "(sum, hierarchical)"],
         );
@@ -233,10 +233,7 @@ fn wire_formats_differ() {
                     WireFormat::Exact
                 };
                 let mut x = vec![1.0f32; 1000];
-                comm.scope(|s| {
-                    s.all_reduce_with(&mut x, ReduceOp::Sum, on_wire(wire))?
-                        .wait()
-                })
+                comm.scope(|s| s.all_reduce(&mut x, ReduceOp::Sum, on_wire(wire))?.wait())
             },
             [
                 "all_reduce of 1000 x f32 (sum, hierarchical, bf16 wire)",

@@ -377,7 +377,7 @@ fn messages_keep_their_order_behind_gathers_that_move_as_messages() {
                 let mut every = vec![0.0f32; 2 * n];
                 let mut message = vec![if rank == 1 { 9.0f32 } else { 0.0 }; n];
                 comm.scope(|s| -> fairring::Result<()> {
-                    let gather = s.gather(&mine, &mut every, 0)?;
+                    let gather = s.gather(&mine, &mut every, 0, ())?;
                     if rank == late {
                         // By now this rank's gather has been handed over.
                         std::thread::sleep(Duration::from_millis(100));

@@ -45,7 +45,7 @@ fn unattended(m: u32, d: u32, algorithm: Algorithm) {
                 }
                 let mut buf: Vec<f32> = (0..n).map(|i| input(rank, round, i)).collect();
                 let done = comm.scope(|s| {
-                    let work = s.all_reduce(&mut buf, ReduceOp::Sum).expect("start");
+                    let work = s.all_reduce(&mut buf, ReduceOp::Sum, ()).expect("start");
                     finished_without_waiting(&work)
                 });
                 assert!(done, "rank {rank}, round {round}: not finished after 20 s");

@@ -60,7 +60,7 @@ fn warm_all_reduces_allocate_nothing(comm: &Communicator) {
             for call in 0..20 {
                 let before = allocations();
                 comm.scope(|s| {
-                    s.all_reduce_with(&mut data, ReduceOp::Sum, algorithm)
+                    s.all_reduce(&mut data, ReduceOp::Sum, algorithm)
                         .unwrap()
                         .wait()
                 })

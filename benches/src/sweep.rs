@@ -402,27 +402,27 @@ pub(crate) fn iteration<T: Value>(
         for b in bufs.iter_mut() {
             let b = &mut b[..n];
             works.push(match o.collective {
-                Timed::AllReduce => s.all_reduce_with(b, o.op, algorithm)?,
-                Timed::Broadcast => s.broadcast_with(b, 0, algorithm)?,
+                Timed::AllReduce => s.all_reduce(b, o.op, algorithm)?,
+                Timed::Broadcast => s.broadcast(b, 0, algorithm)?,
                 Timed::AllGather => {
                     let p = parts.next().map_or(&[][..], |p| &p[..k]);
-                    s.all_gather_with(p, b, algorithm)?
+                    s.all_gather(p, b, algorithm)?
                 }
                 Timed::ReduceScatter => {
                     let p = parts.next().map(|p| &mut p[..k]).unwrap_or_default();
-                    s.reduce_scatter_with(b, p, o.op, algorithm)?
+                    s.reduce_scatter(b, p, o.op, algorithm)?
                 }
                 Timed::Reduce => {
                     let p = parts.next().map(|p| &mut p[..n]).unwrap_or_default();
-                    s.reduce_with(b, p, o.op, 0, algorithm)?
+                    s.reduce(b, p, o.op, 0, algorithm)?
                 }
                 Timed::Gather => {
                     let p = parts.next().map_or(&[][..], |p| &p[..k]);
-                    s.gather_with(p, b, 0, algorithm)?
+                    s.gather(p, b, 0, algorithm)?
                 }
                 Timed::Scatter => {
                     let p = parts.next().map(|p| &mut p[..k]).unwrap_or_default();
-                    s.scatter_with(b, p, 0, algorithm)?
+                    s.scatter(b, p, 0, algorithm)?
                 }
                 // Timed by `ping_pong` and `all_to_all` above: messages are
                 // not collectives of the engine.

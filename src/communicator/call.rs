@@ -18,6 +18,22 @@ pub struct Options {
     pub wire: Option<WireFormat>,
 }
 
+/// The communicator's own options.
+impl From<()> for Options {
+    fn from((): ()) -> Options {
+        Options::default()
+    }
+}
+
+impl From<WireFormat> for Options {
+    fn from(wire: WireFormat) -> Options {
+        Options {
+            algorithm: None,
+            wire: Some(wire),
+        }
+    }
+}
+
 impl From<Algorithm> for Options {
     fn from(algorithm: Algorithm) -> Options {
         Options {

@@ -6,18 +6,18 @@ use super::*;
 impl Communicator {
     /// All-reduces `data` in place and waits for it.
     pub fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
-        self.scope(|s| s.all_reduce(data, op)?.wait())
+        self.scope(|s| s.all_reduce(data, op, ())?.wait())
     }
 
     /// Copies `data` of rank `root` into `data` of every rank, and waits.
     pub fn broadcast<T: Element>(&self, data: &mut [T], root: u32) -> Result<()> {
-        self.scope(|s| s.broadcast(data, root)?.wait())
+        self.scope(|s| s.broadcast(data, root, ())?.wait())
     }
 
     /// Gathers every rank's `input` into `output` (rank `r`'s at
     /// `r * input.len()`), and waits. `output` holds `world_size` inputs.
     pub fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
-        self.scope(|s| s.all_gather(input, output)?.wait())
+        self.scope(|s| s.all_gather(input, output, ())?.wait())
     }
 
     /// Reduces `input` across ranks and leaves share `rank` of the result in
@@ -30,7 +30,7 @@ impl Communicator {
         output: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        self.scope(|s| s.reduce_scatter(input, output, op)?.wait())
+        self.scope(|s| s.reduce_scatter(input, output, op, ())?.wait())
     }
 
     /// Reduces every rank's `input` with `op` into `output` of rank `root`,
@@ -44,7 +44,7 @@ impl Communicator {
         op: ReduceOp,
         root: u32,
     ) -> Result<()> {
-        self.scope(|s| s.reduce(input, output, op, root)?.wait())
+        self.scope(|s| s.reduce(input, output, op, root, ())?.wait())
     }
 
     /// Gathers every rank's `input` into `output` of rank `root` (rank `r`'s
@@ -52,7 +52,7 @@ impl Communicator {
     /// every rank; elsewhere than the root it is workspace. Each rank's part
     /// moves once, as a message to the root (see [`Call::gather`]).
     pub fn gather<T: Element>(&self, input: &[T], output: &mut [T], root: u32) -> Result<()> {
-        self.scope(|s| s.gather(input, output, root)?.wait())
+        self.scope(|s| s.gather(input, output, root, ())?.wait())
     }
 
     /// Scatters rank `root`'s `input` (`world_size` parts of `output.len()`
@@ -60,7 +60,7 @@ impl Communicator {
     /// `input` is workspace on every rank. Each part moves once, as a message
     /// from the root (see [`Call::scatter`]).
     pub fn scatter<T: Element>(&self, input: &mut [T], output: &mut [T], root: u32) -> Result<()> {
-        self.scope(|s| s.scatter(input, output, root)?.wait())
+        self.scope(|s| s.scatter(input, output, root, ())?.wait())
     }
 
     /// Returns once every rank has entered the barrier.

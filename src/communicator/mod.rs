@@ -56,14 +56,14 @@ pub(crate) type WorkerEngine = Engine<AnyFabric, Placed>;
 /// then issues the same operations in the same order.
 ///
 /// ```no_run
-/// use fairring::{Communicator, ReduceOp};
+/// use fairring::{Algorithm, Communicator, ReduceOp};
 ///
 /// let comm = Communicator::from_env()?;
 /// let mut grads = vec![1.0f32; 1 << 20];
 /// let mut more = vec![2.0f32; 1 << 20];
 /// comm.scope(|s| -> fairring::Result<()> {
-///     let a = s.all_reduce(&mut grads, ReduceOp::Sum)?;
-///     let b = s.all_reduce(&mut more, ReduceOp::Avg)?; // in flight with `a`
+///     let a = s.all_reduce(&mut grads, ReduceOp::Sum, ())?;
+///     let b = s.all_reduce(&mut more, ReduceOp::Avg, Algorithm::Ring)?; // in flight with `a`
 ///     a.wait()?;
 ///     b.wait()
 /// })?;

@@ -11,19 +11,10 @@ pub struct Scope<'scope, 'env: 'scope> {
 }
 
 impl<'scope> Scope<'scope, '_> {
-    /// Starts an all-reduce of `data` in place with the communicator's options.
+    /// Starts an all-reduce of `data` in place with `options`: an
+    /// [`Algorithm`], [`Options`], or `()` for the communicator's own. Every
+    /// rank must ask alike.
     pub fn all_reduce<T: Element>(
-        &'scope self,
-        data: &'scope mut [T],
-        op: ReduceOp,
-    ) -> Result<Work<'scope>> {
-        self.all_reduce_with(data, op, Options::default())
-    }
-
-    /// Starts an all-reduce of `data` in place with `options` (an
-    /// [`Algorithm`], or [`Options`] with a wire format too). Every rank must
-    /// ask alike.
-    pub fn all_reduce_with<T: Element>(
         &'scope self,
         data: &'scope mut [T],
         op: ReduceOp,
@@ -37,7 +28,9 @@ impl<'scope> Scope<'scope, '_> {
     }
 
     /// Starts a broadcast of `data` from rank `root` (see
-    /// [`Communicator::broadcast`]) with the communicator's options.
+    /// [`Communicator::broadcast`]) with `options`: an
+    /// [`Algorithm`], [`Options`], or `()` for the communicator's own. Every
+    /// rank must ask alike.
     ///
     /// With [`Algorithm::Ring`] it is a pipelined chain from the root around the
     /// ring, each byte sent once per hop. With [`Algorithm::Hierarchical`] it
@@ -50,16 +43,6 @@ impl<'scope> Scope<'scope, '_> {
         &'scope self,
         data: &'scope mut [T],
         root: u32,
-    ) -> Result<Work<'scope>> {
-        self.broadcast_with(data, root, Options::default())
-    }
-
-    /// Starts a broadcast of `data` from rank `root` with `options` (see
-    /// [`Scope::broadcast`]). Every rank must ask alike.
-    pub fn broadcast_with<T: Element>(
-        &'scope self,
-        data: &'scope mut [T],
-        root: u32,
         options: impl Into<Options>,
     ) -> Result<Work<'scope>> {
         let call = Call::broadcast(data.as_mut_ptr().cast(), data.len() as u64, T::DTYPE, root);
@@ -69,7 +52,9 @@ impl<'scope> Scope<'scope, '_> {
     }
 
     /// Starts an all-gather of every rank's `input` into `output` (see
-    /// [`Communicator::all_gather`]) with the communicator's options.
+    /// [`Communicator::all_gather`]) with `options`: an
+    /// [`Algorithm`], [`Options`], or `()` for the communicator's own. Every
+    /// rank must ask alike.
     ///
     /// With [`Algorithm::Ring`] each rank's input goes around the ring, sent
     /// once per hop. With [`Algorithm::Hierarchical`] it is a byte-wise sum over
@@ -78,16 +63,6 @@ impl<'scope> Scope<'scope, '_> {
     /// two or three machines, and on more from 256 KiB (the
     /// `FAIRRING_ALGO` row of docs/manual.md). Both are exact for every type.
     pub fn all_gather<T: Element>(
-        &'scope self,
-        input: &[T],
-        output: &'scope mut [T],
-    ) -> Result<Work<'scope>> {
-        self.all_gather_with(input, output, Options::default())
-    }
-
-    /// Starts an all-gather with `options` (see [`Scope::all_gather`]).
-    /// Every rank must ask alike.
-    pub fn all_gather_with<T: Element>(
         &'scope self,
         input: &[T],
         output: &'scope mut [T],
@@ -119,18 +94,10 @@ impl<'scope> Scope<'scope, '_> {
     /// on one machine of several ranks, on two or three machines, and on more
     /// from 256 KiB, unless the job has dedicated servers (the
     /// `FAIRRING_ALGO` row of docs/manual.md).
+    ///
+    /// `options`: an [`Algorithm`], [`Options`], or `()` for the
+    /// communicator's own. Every rank must ask alike.
     pub fn reduce_scatter<T: Element>(
-        &'scope self,
-        input: &'scope mut [T],
-        output: &'scope mut [T],
-        op: ReduceOp,
-    ) -> Result<Work<'scope>> {
-        self.reduce_scatter_with(input, output, op, Options::default())
-    }
-
-    /// Starts a reduce-scatter with `options` (see [`Scope::reduce_scatter`]).
-    /// Every rank must ask alike.
-    pub fn reduce_scatter_with<T: Element>(
         &'scope self,
         input: &'scope mut [T],
         output: &'scope mut [T],
@@ -150,19 +117,10 @@ impl<'scope> Scope<'scope, '_> {
     /// Starts a reduce to rank `root` (see [`Communicator::reduce`]): every
     /// rank's `input` reduced with `op` into the root's `output`; elsewhere
     /// `output` is workspace. Runs as an all-reduce.
+    ///
+    /// `options`: an [`Algorithm`], [`Options`], or `()` for the
+    /// communicator's own. Every rank must ask alike.
     pub fn reduce<T: Element>(
-        &'scope self,
-        input: &'scope [T],
-        output: &'scope mut [T],
-        op: ReduceOp,
-        root: u32,
-    ) -> Result<Work<'scope>> {
-        self.reduce_with(input, output, op, root, Options::default())
-    }
-
-    /// Starts a reduce with `options` (see [`Scope::reduce`]). Every rank
-    /// must ask alike.
-    pub fn reduce_with<T: Element>(
         &'scope self,
         input: &'scope [T],
         output: &'scope mut [T],
@@ -193,18 +151,10 @@ impl<'scope> Scope<'scope, '_> {
     /// Starts a gather to rank `root` (see [`Communicator::gather`]): every
     /// rank's `input` into the root's `output` (rank `r`'s at `r *
     /// input.len()`); elsewhere `output` is workspace. Runs as an all-gather.
+    ///
+    /// `options`: an [`Algorithm`], [`Options`], or `()` for the
+    /// communicator's own. Every rank must ask alike.
     pub fn gather<T: Element>(
-        &'scope self,
-        input: &[T],
-        output: &'scope mut [T],
-        root: u32,
-    ) -> Result<Work<'scope>> {
-        self.gather_with(input, output, root, Options::default())
-    }
-
-    /// Starts a gather with `options` (see [`Scope::gather`]). Every rank
-    /// must ask alike.
-    pub fn gather_with<T: Element>(
         &'scope self,
         input: &[T],
         output: &'scope mut [T],
@@ -230,18 +180,10 @@ impl<'scope> Scope<'scope, '_> {
     /// Starts a scatter from rank `root` (see [`Communicator::scatter`]):
     /// part `r` of the root's `input` into rank `r`'s `output`. `input` is
     /// workspace on every rank (see [`Call::scatter`]).
+    ///
+    /// `options`: an [`Algorithm`], [`Options`], or `()` for the
+    /// communicator's own. Every rank must ask alike.
     pub fn scatter<T: Element>(
-        &'scope self,
-        input: &'scope mut [T],
-        output: &'scope mut [T],
-        root: u32,
-    ) -> Result<Work<'scope>> {
-        self.scatter_with(input, output, root, Options::default())
-    }
-
-    /// Starts a scatter with `options` (see [`Scope::scatter`]). Every rank
-    /// must ask alike.
-    pub fn scatter_with<T: Element>(
         &'scope self,
         input: &'scope mut [T],
         output: &'scope mut [T],
