@@ -19,10 +19,22 @@ import torch.distributed as dist
 from . import _native as native
 from ._native import FairringError
 from ._cuda import any_cuda
-from ._device_collectives import DeviceCollectives
+from ._device_collectives import DeviceCollectives, _call
 from ._store import _StoreBridge
 from ._tensors import _DTYPES, Reduction, _Staged, _host, unpack
 from ._work import DeviceWork, Work, _Chained, _Completer, _Pending, _failure, in_callback
+
+
+def _starting(calls):
+    """The function that starts `calls` (`fr_call`s on host memory) as one
+    work, the one way the library starts collectives (`fr_start`), and the
+    array it reads them from (kept alive with the work)."""
+    array = (native.Call * len(calls))(*calls)
+
+    def start(comm, out):
+        return native.lib().fr_start(comm, array, len(calls), out)
+
+    return start, array
 
 def _teardown(state):
     """Destroys a group's communicators once: joins its completion thread, then
@@ -196,10 +208,10 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         op = reduction.code
         reduction.scale(staged.buffer)
 
-        def start(comm, out):
-            return native.lib().fr_all_reduce(comm, staged.ptr(), n, dtype, op, out)
-
-        return self._start(what, [start], staged.finish, tensors, staged)
+        start, array = _starting(
+            [_call(native.COLLECTIVE_ALL_REDUCE, staged.buffer, staged.buffer, n, dtype, op)]
+        )
+        return self._start(what, [start], staged.finish, tensors, (staged, array))
 
     def allreduce_coalesced(self, tensors, opts=None):
         what = "allreduce_coalesced"
@@ -223,22 +235,20 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
                 runs.append((code, [s]))
 
         def starter(code, group):
-            ptrs = (ctypes.c_void_p * len(group))(*[s.buffer.data_ptr() for s in group])
-            counts = (ctypes.c_uint64 * len(group))(*[s.buffer.numel() for s in group])
-
-            def start(comm, out):
-                return native.lib().fr_all_reduce_coalesced(
-                    comm, ptrs, counts, len(group), code, op, out
-                )
-
-            return start
+            return _starting(
+                [
+                    _call(native.COLLECTIVE_ALL_REDUCE, s.buffer, s.buffer, s.buffer.numel(), code, op)
+                    for s in group
+                ]
+            )
 
         def finish():
             for s in staged:
                 s.finish()
 
-        starts = [starter(code, group) for code, group in runs]
-        return self._start(what, starts, finish, tensors, staged)
+        started = [starter(code, group) for code, group in runs]
+        starts = [start for start, _ in started]
+        return self._start(what, starts, finish, tensors, (staged, started))
 
     def broadcast(self, tensors, opts=None):
         what = "broadcast"
@@ -250,11 +260,11 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         staged = _Staged(tensors[0], what)
         nbytes = staged.buffer.numel() * staged.buffer.element_size()
 
-        def start(comm, out):
-            # Bit-exact for every dtype: the engine moves bytes.
-            return native.lib().fr_broadcast(comm, staged.ptr(), nbytes, native.DTYPE_U8, root, out)
-
-        return self._start(what, [start], staged.finish, tensors, staged)
+        # Bit-exact for every dtype: the engine moves bytes.
+        start, array = _starting(
+            [_call(native.COLLECTIVE_BROADCAST, staged.buffer, staged.buffer, nbytes, root=root)]
+        )
+        return self._start(what, [start], staged.finish, tensors, (staged, array))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         what = "allgather"
@@ -268,20 +278,12 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
         nbytes = inp.numel() * inp.element_size()
 
-        def start(comm, out):
-            return native.lib().fr_all_gather(
-                comm,
-                ctypes.c_void_p(inp.data_ptr()),
-                ctypes.c_void_p(flat.data_ptr()),
-                nbytes,
-                native.DTYPE_U8,
-                out,
-            )
+        start, array = _starting([_call(native.COLLECTIVE_ALL_GATHER, inp, flat, nbytes)])
 
         def finish():
             unpack(flat, outs)
 
-        return self._start(what, [start], finish, output_tensors, (inp, flat, outs))
+        return self._start(what, [start], finish, output_tensors, (inp, flat, outs, array))
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         """``output_lists[r][i]`` receives rank r's ``inputs[i]``."""
@@ -305,12 +307,8 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         inp = input.contiguous()
         nbytes = inp.numel() * inp.element_size()
 
-        def start(comm, out):
-            return native.lib().fr_all_gather(
-                comm, ctypes.c_void_p(inp.data_ptr()), staged.ptr(), nbytes, native.DTYPE_U8, out
-            )
-
-        return self._start(what, [start], staged.finish, [output], (inp, staged))
+        start, array = _starting([_call(native.COLLECTIVE_ALL_GATHER, inp, staged.buffer, nbytes)])
+        return self._start(what, [start], staged.finish, [output], (inp, staged, array))
 
     _allgather_base = all_gather_single
 
@@ -363,18 +361,16 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         # `flat` is the engine's own copy: scaling it leaves the caller's input.
         reduction.scale(flat)
 
-        def start(comm, out):
-            return native.lib().fr_reduce_scatter(
-                comm, ctypes.c_void_p(flat.data_ptr()), staged.ptr(), n, dtype, op, out
-            )
-
-        return self._start(what, [start], staged.finish, result, (flat, staged))
+        start, array = _starting(
+            [_call(native.COLLECTIVE_REDUCE_SCATTER, flat, staged.buffer, n, dtype, op)]
+        )
+        return self._start(what, [start], staged.finish, result, (flat, staged, array))
 
     def barrier(self, opts=None):
-        def start(comm, out):
-            return native.lib().fr_barrier(comm, out)
-
-        return self._start("barrier", [start], None, [], None)
+        call = native.Call()
+        call.collective = native.COLLECTIVE_BARRIER
+        start, array = _starting([call])
+        return self._start("barrier", [start], None, [], array)
 
     def _chain(self, works, result):
         """One Work that finishes when all of `works` have (they complete in
@@ -416,19 +412,8 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
             out = torch.empty_like(inp)
             finish = None
 
-        def start(comm, w):
-            return native.lib().fr_reduce(
-                comm,
-                ctypes.c_void_p(inp.data_ptr()),
-                ctypes.c_void_p(out.data_ptr()),
-                n,
-                dtype,
-                op,
-                root,
-                w,
-            )
-
-        return self._start(what, [start], finish, tensors, (staged, inp, out))
+        start, array = _starting([_call(native.COLLECTIVE_REDUCE, inp, out, n, dtype, op, root)])
+        return self._start(what, [start], finish, tensors, (staged, inp, out, array))
 
     def gather(self, output_tensors, input_tensors, opts=None):
         """Every rank's input into the root's output list, bit for bit: each
@@ -447,21 +432,12 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         flat = torch.empty(self.size() * inp.numel(), dtype=inp.dtype)
         nbytes = inp.numel() * inp.element_size()
 
-        def start(comm, w):
-            return native.lib().fr_gather(
-                comm,
-                ctypes.c_void_p(inp.data_ptr()),
-                ctypes.c_void_p(flat.data_ptr()),
-                nbytes,
-                native.DTYPE_U8,
-                root,
-                w,
-            )
+        start, array = _starting([_call(native.COLLECTIVE_GATHER, inp, flat, nbytes, root=root)])
 
         def finish():
             unpack(flat, outs)
 
-        return self._start(what, [start], finish, output_tensors, (inp, flat, outs))
+        return self._start(what, [start], finish, output_tensors, (inp, flat, outs, array))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         """Part r of the root's input list into rank r's output, bit for bit:
@@ -484,18 +460,10 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
             flat = torch.empty(self.size() * out.numel(), dtype=out.dtype)
         nbytes = out.numel() * out.element_size()
 
-        def start(comm, w):
-            return native.lib().fr_scatter(
-                comm,
-                ctypes.c_void_p(flat.data_ptr()),
-                staged.ptr(),
-                nbytes,
-                native.DTYPE_U8,
-                root,
-                w,
-            )
-
-        return self._start(what, [start], staged.finish, output_tensors, (flat, staged))
+        start, array = _starting(
+            [_call(native.COLLECTIVE_SCATTER, flat, staged.buffer, nbytes, root=root)]
+        )
+        return self._start(what, [start], staged.finish, output_tensors, (flat, staged, array))
 
     def _check_scattered(self, what, flat, n, output):
         """Refuses a reduce-scatter input that is not `n` elements of the
