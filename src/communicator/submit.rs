@@ -44,24 +44,11 @@ impl Communicator {
         })?;
         let mut next = self.next_seq.lock().unwrap_or_else(PoisonError::into_inner);
         let seq = *next;
-        let start = Instant::now();
-        while !self.engine.works.try_take(seq) {
-            if let Some(e) = self.engine.failure() {
-                return Err(Error::Failed { first: Box::new(e) });
-            }
-            if start.elapsed() > self.timeout {
-                return Err(Error::timeout(
-                    format!(
-                        "a free operation slot ({WORK_CAPACITY} operations are outstanding; \
-                         wait on or drop earlier ones)"
-                    ),
-                    self.timeout,
-                ));
-            }
-            if !self.engine.try_drive() {
-                std::thread::yield_now();
-            }
-        }
+        self.engine.take_entry(
+            &self.engine.works,
+            seq,
+            &format!("a free operation slot ({WORK_CAPACITY} operations are outstanding)"),
+        )?;
         let data = if r.checks_only {
             self.barrier_bytes[slot_of(seq)].as_ptr()
         } else {

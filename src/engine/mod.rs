@@ -485,6 +485,28 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Takes entry `seq` of `table` (the operations' or the messages'),
+    /// driving while it is held, until the engine fails or the timeout
+    /// passes; `what` names the entry and how many there are, for the error.
+    pub(crate) fn take_entry(&self, table: &WorkTable, seq: u64, what: &str) -> Result<()> {
+        let start = Instant::now();
+        while !table.try_take(seq) {
+            if let Some(e) = self.failure() {
+                return Err(Error::Failed { first: Box::new(e) });
+            }
+            if start.elapsed() > self.timeout {
+                return Err(Error::timeout(
+                    format!("{what}; wait on or drop earlier ones"),
+                    self.timeout,
+                ));
+            }
+            if !self.try_drive() {
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
+    }
+
     /// Wakes whoever drives or waits: something they wait for changed.
     pub(crate) fn ring(&self) {
         self.machine.doorbell().ring();

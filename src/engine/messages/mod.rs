@@ -46,7 +46,7 @@ mod transfers;
 mod wire;
 
 use std::sync::{Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_queue::ArrayQueue;
 use fairring_core::DataType;
@@ -172,24 +172,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let board = &self.messages;
         let mut next = board.next.lock().unwrap_or_else(PoisonError::into_inner);
         let id = *next;
-        let start = Instant::now();
-        while !board.table.try_take(id) {
-            if let Some(e) = self.failure() {
-                return Err(Error::Failed { first: Box::new(e) });
-            }
-            if start.elapsed() > self.timeout {
-                return Err(Error::timeout(
-                    format!(
-                        "a free message entry ({MESSAGE_CAPACITY} messages are outstanding; \
-                         wait on or drop earlier ones)"
-                    ),
-                    self.timeout,
-                ));
-            }
-            if !self.try_drive() {
-                std::thread::yield_now();
-            }
-        }
+        self.take_entry(
+            &board.table,
+            id,
+            &format!("a free message entry ({MESSAGE_CAPACITY} messages are outstanding)"),
+        )?;
         *board
             .error_slot(id)
             .lock()
