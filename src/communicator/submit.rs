@@ -44,11 +44,9 @@ impl Communicator {
         })?;
         let mut next = self.next_seq.lock().unwrap_or_else(PoisonError::into_inner);
         let seq = *next;
-        self.engine.take_entry(
-            &self.engine.works,
-            seq,
-            &format!("a free operation slot ({WORK_CAPACITY} operations are outstanding)"),
-        )?;
+        self.engine.take_entry(&self.engine.works, seq, || {
+            format!("a free operation slot ({WORK_CAPACITY} operations are outstanding)")
+        })?;
         let data = if r.checks_only {
             self.barrier_bytes[slot_of(seq)].as_ptr()
         } else {

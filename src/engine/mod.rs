@@ -487,8 +487,14 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
 
     /// Takes entry `seq` of `table` (the operations' or the messages'),
     /// driving while it is held, until the engine fails or the timeout
-    /// passes; `what` names the entry and how many there are, for the error.
-    pub(crate) fn take_entry(&self, table: &WorkTable, seq: u64, what: &str) -> Result<()> {
+    /// passes; `what` names the entry and how many there are, for the error
+    /// (made only then: a warm submission allocates nothing).
+    pub(crate) fn take_entry(
+        &self,
+        table: &WorkTable,
+        seq: u64,
+        what: impl FnOnce() -> String,
+    ) -> Result<()> {
         let start = Instant::now();
         while !table.try_take(seq) {
             if let Some(e) = self.failure() {
@@ -496,7 +502,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             }
             if start.elapsed() > self.timeout {
                 return Err(Error::timeout(
-                    format!("{what}; wait on or drop earlier ones"),
+                    format!("{}; wait on or drop earlier ones", what()),
                     self.timeout,
                 ));
             }

@@ -172,11 +172,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let board = &self.messages;
         let mut next = board.next.lock().unwrap_or_else(PoisonError::into_inner);
         let id = *next;
-        self.take_entry(
-            &board.table,
-            id,
-            &format!("a free message entry ({MESSAGE_CAPACITY} messages are outstanding)"),
-        )?;
+        self.take_entry(&board.table, id, || {
+            format!("a free message entry ({MESSAGE_CAPACITY} messages are outstanding)")
+        })?;
         *board
             .error_slot(id)
             .lock()
