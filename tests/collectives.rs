@@ -862,7 +862,7 @@ fn a_chained_reduce_moves_the_tensor_once_per_link() {
             let input = vec![rank as u8; n];
             let mut output = vec![0u8; n];
             let mut counted = (0, 0);
-            // The first round meets the channels; the second is measured.
+            // The first round warms the messages; the second is measured.
             for round in 0..2 {
                 let before = comm.traffic();
                 comm.reduce(&input, &mut output, ReduceOp::Sum, 1)
@@ -914,7 +914,7 @@ fn gathers_and_scatters_move_each_part_once() {
                 let mut gathered = vec![0u8; n * m as usize];
                 let mut whole = vec![root as u8 + 10; n * m as usize];
                 let mut part = vec![0u8; n];
-                // The first round meets the channels; the second is measured.
+                // The first round warms the messages; the second is measured.
                 for round in 0..2 {
                     let before = comm.traffic();
                     comm.gather(&input, &mut gathered, root)

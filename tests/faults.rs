@@ -193,7 +193,7 @@ fn a_killed_rank_fails_every_other_rank_naming_it() {
 }
 
 /// Kills (or stops) rank 1 of a ring of messages (each rank sends 4 MiB to
-/// the next and receives from the previous one, on their pairs' channels),
+/// the next and receives from the previous one),
 /// between machines and within one: rank 0, which sends to it, and rank 2,
 /// which receives from it, fail within twice the timeout naming rank 1, and
 /// their next exchange is refused, naming a rank that is gone (rank 1, or a

@@ -361,7 +361,7 @@ fn a_message_to_a_rank_that_never_answers_fails_within_the_timeout() {
 }
 
 /// A message issued after a gather that moves as messages (2 MiB in all)
-/// reaches its channel after the gather's on both ranks, whichever rank is
+/// reaches the engine after the gather's on both ranks, whichever rank is
 /// late to issue it. The sizes are equal, so a swap would pass the size check
 /// and deliver each payload to the other's buffer.
 #[test]
@@ -409,9 +409,9 @@ fn messages_keep_their_order_behind_gathers_that_move_as_messages() {
     }
 }
 
-/// Aborting a communicator fails its messages in flight at once: one on a
-/// met channel, and one waiting for a channel the peer never names; later
-/// messages are refused.
+/// Aborting a communicator fails its messages in flight at once: one to a
+/// linked peer, and one to a peer that never names this rank (so never
+/// linked); later messages are refused.
 #[test]
 fn abort_fails_messages_in_flight_and_refuses_later_ones() {
     let timeout = Duration::from_secs(30);
@@ -456,7 +456,7 @@ fn abort_fails_messages_in_flight_and_refuses_later_ones() {
                 _ => {}
             }
             // The peers stay until rank 0 is done: a peer that leaves fails
-            // its channels without any abort.
+            // its messages without any abort.
             std::thread::sleep(Duration::from_secs(if rank == 0 { 0 } else { 3 }));
         },
     );
@@ -640,8 +640,7 @@ fn abort_during_large_messages(aborted: u32, round: u64) -> usize {
                     comm.recv(0, buf)
                 }
             };
-            // The pair's channel is met before the abort can come (a channel
-            // still meeting learns of it only at the timeout).
+            // The pair has exchanged a message before the abort can come.
             call(&mut buf).unwrap();
             if rank != aborted {
                 let mut wrong = 0;
@@ -687,11 +686,11 @@ fn an_aborted_rank_of_one_machine_may_reuse_its_buffer_at_once() {
     }
 }
 
-/// A rank aborted before its first message to a peer of its machine was met:
-/// the peer's send, still meeting the channel, fails with the communicator's
-/// failure at once, not at the timeout.
+/// A rank aborted before a peer of its machine sends it its first message:
+/// the peer's send fails with the communicator's failure at once, not at the
+/// timeout.
 #[test]
-fn a_send_still_meeting_its_channel_fails_when_the_receiver_is_aborted() {
+fn a_first_send_fails_at_once_when_the_receiver_is_aborted() {
     let timeout = Duration::from_secs(60);
     let results = job(
         1,

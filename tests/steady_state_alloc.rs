@@ -90,7 +90,7 @@ fn warm_all_reduces_allocate_nothing(comm: &Communicator) {
 }
 
 /// The rooted collectives and point-to-point messages (a ping-pong and an
-/// all-to-all, on their channels), between machines and within one.
+/// all-to-all), between machines and within one.
 #[test]
 fn no_allocation_per_warm_rooted_collective_or_message() {
     let test = "no_allocation_per_warm_rooted_collective_or_message";
@@ -131,9 +131,9 @@ fn warm_rooted_and_messages_allocate_nothing(comm: &Communicator) {
     let peer = 1 - rank;
     let mut back = vec![0.0f32; n];
     let counts = vec![(n / world as usize) as u64; world as usize];
-    // The channels meet first: a meeting goes through the store that rank
-    // 0's process serves (allocating there), and ranks reach each step at
-    // different times.
+    // Each pair is linked first where it has no connection yet: a link goes
+    // through the store that rank 0's process serves (allocating there), and
+    // ranks reach each step at different times.
     comm.send_recv(
         &mut [(peer, &mut input[..1])],
         &mut [(peer, &mut back[..1])],

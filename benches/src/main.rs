@@ -41,9 +41,9 @@
 //! idles): the even rank sends its buffer, the odd one receives it and sends
 //! it back (`--parallel` messages in flight each way). `time` is one way,
 //! half the round trip, and `algbw` = `busbw` = bytes / that time; `--algo`
-//! does not apply (a message runs on its pair's channel). `--collective
-//! all_to_all` sends block `j` of each rank's buffer to rank `j` (equal
-//! blocks, each one message on its pair's channel), busbw = algbw x (n-1)/n
+//! does not apply (a message is no collective). `--collective all_to_all`
+//! sends block `j` of each rank's buffer to rank `j` (equal blocks, each one
+//! message), busbw = algbw x (n-1)/n
 //! as nccl-tests counts it, every element checked.
 //!
 //! `--wire bf16|f16` carries the `f32` values of all-reduces and

@@ -144,7 +144,7 @@ fn every_collective_runs_checked_on_a_local_job() {
         }
     }
     // A ping-pong between machines: each message crosses the fabric once
-    // each way, and the channel's bytes are counted.
+    // each way, and the message's bytes are counted.
     let json = dir.join("send_recv_2x1.json");
     let json_arg = json.to_string_lossy().into_owned();
     let (ok, text) = bench(&[

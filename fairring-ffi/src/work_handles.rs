@@ -21,8 +21,8 @@ pub struct fr_work {
     pub(crate) completions: Arc<Completions>,
 }
 
-/// What a work handle stands for: collective operations, or a point-to-point
-/// message (whose channel may still be meeting).
+/// What a work handle stands for: collective operations, or point-to-point
+/// messages (perhaps still waiting for their peer's link or at the gate).
 pub(crate) enum InFlight {
     Operations(OwnedWork),
     Message(Message),

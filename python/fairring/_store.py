@@ -40,8 +40,8 @@ class _StoreBridge:
         k = key.decode()
         # Polled rather than waited for: a store client runs one request at a
         # time, and a blocking wait would hold up every other user of it in
-        # this process (channels meet on threads of their own, each waiting
-        # for keys the other publishes) until it timed out.
+        # this process (the library's linker, linking a peer a message first
+        # names, waits for keys the peer publishes) until it timed out.
         deadline = time.monotonic() + timeout_ms / 1000
         pause = 0.0002
         try:

@@ -77,5 +77,5 @@ def rounds(rank, world, port, path):
     dist.destroy_process_group()
 
 
-def test_subgroups_and_their_channels_in_a_loop_leave_nothing_behind(tmp_path):
+def test_subgroups_and_their_messages_in_a_loop_leave_nothing_behind(tmp_path):
     spawn(rounds, 4, str(tmp_path / "store"))

@@ -1,5 +1,5 @@
 //! The linker: the thread that connects this rank's fabric to a peer first
-//! named by a message, through the job's store (see `engine::messages::links`
+//! named by a message, through the job's store (see `engine::messages::peer_links`
 //! for the states and why it cannot wait in a circle). One per communicator,
 //! started the first time a message names a peer the communicator has no
 //! connection to; it stops when the communicator closes.
@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use fairring_rdma::fabric::{Endpoint, Fabric};
 
-use crate::communicator::WorkerEngine;
+use crate::engine::Engine;
 use crate::error::{Error, Result};
+use crate::memory::MemorySpace;
 use crate::store::Store;
 
 /// How long the linker sleeps between looks at the store while a peer's
@@ -21,11 +22,16 @@ const IDLE: Duration = Duration::from_millis(100);
 
 /// Starts the linker of `engine`, meeting peers through `store` (scoped to
 /// the communicator), giving up on a peer after `timeout`.
-pub(crate) fn start_linker(
-    engine: &Arc<WorkerEngine>,
+pub(crate) fn start_linker<F, M>(
+    engine: &Arc<Engine<F, M>>,
     store: Arc<dyn Store>,
     timeout: Duration,
-) -> Result<JoinHandle<()>> {
+) -> Result<JoinHandle<()>>
+where
+    F: Fabric + 'static,
+    M: MemorySpace + 'static,
+    Engine<F, M>: Send + Sync,
+{
     let weak = Arc::downgrade(engine);
     let rank = engine.rank();
     std::thread::Builder::new()
@@ -39,7 +45,11 @@ fn key(from: u32, to: u32) -> String {
     format!("late-link/{from}/{to}")
 }
 
-fn run(engine: &Weak<WorkerEngine>, store: &dyn Store, timeout: Duration) {
+fn run<F: Fabric, M: MemorySpace>(
+    engine: &Weak<Engine<F, M>>,
+    store: &dyn Store,
+    timeout: Duration,
+) {
     let mut wanted = Vec::new();
     // Peers whose endpoint this rank awaits, with when it gives up.
     let mut awaiting: Vec<(u32, Instant)> = Vec::new();
@@ -93,7 +103,12 @@ fn run(engine: &Weak<WorkerEngine>, store: &dyn Store, timeout: Duration) {
 }
 
 /// Publishes this rank's endpoint for `peer`.
-fn publish(e: &WorkerEngine, store: &dyn Store, me: u32, peer: u32) -> Result<()> {
+fn publish<F: Fabric, M: MemorySpace>(
+    e: &Engine<F, M>,
+    store: &dyn Store,
+    me: u32,
+    peer: u32,
+) -> Result<()> {
     let ep = e
         .links
         .fabric
@@ -103,8 +118,8 @@ fn publish(e: &WorkerEngine, store: &dyn Store, me: u32, peer: u32) -> Result<()
 }
 
 /// Connects to `peer`, whose endpoint for this rank is in the store.
-fn connect(
-    e: &WorkerEngine,
+fn connect<F: Fabric, M: MemorySpace>(
+    e: &Engine<F, M>,
     store: &dyn Store,
     me: u32,
     peer: u32,

@@ -7,12 +7,12 @@ use fairring_core::topology::{Location, Topology};
 use fairring_rdma::any::AnyFabric;
 use fairring_rdma::fabric::{Endpoint, Fabric, LocalRegion, RemoteRegion};
 
-mod fabric;
 mod late_links;
+mod open_fabric;
 mod progress;
 
-pub(crate) use fabric::choice_of;
 pub(crate) use late_links::start_linker;
+pub(crate) use open_fabric::choice_of;
 pub(crate) use progress::{start_progress, stop_progress};
 
 use crate::config::Config;
@@ -465,7 +465,7 @@ fn assemble<M: MemorySpace>(
     a: Assembly<M>,
 ) -> Result<Engine<AnyFabric, M>> {
     let rank = config.process();
-    let fabric = fabric::build(config)?;
+    let fabric = open_fabric::build(config)?;
     log::debug!(
         "fairring rank {rank}: {} fabric, {} staging buffers of {} bytes",
         choice_of(&fabric),

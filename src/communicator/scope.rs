@@ -12,7 +12,8 @@ pub struct Scope<'scope, 'env: 'scope> {
 
 impl<'scope> Scope<'scope, '_> {
     /// Starts an all-reduce of `data` in place with `options`: an
-    /// [`Algorithm`], [`Options`], or `()` for the communicator's own. Every
+    /// [`Algorithm`], a [`WireFormat`], [`Options`], or `()` for the
+    /// communicator's own. Every
     /// rank must ask alike.
     pub fn all_reduce<T: Element>(
         &'scope self,
@@ -29,7 +30,8 @@ impl<'scope> Scope<'scope, '_> {
 
     /// Starts a broadcast of `data` from rank `root` (see
     /// [`Communicator::broadcast`]) with `options`: an
-    /// [`Algorithm`], [`Options`], or `()` for the communicator's own. Every
+    /// [`Algorithm`], a [`WireFormat`], [`Options`], or `()` for the
+    /// communicator's own. Every
     /// rank must ask alike.
     ///
     /// With [`Algorithm::Ring`] it is a pipelined chain from the root around the
@@ -53,7 +55,8 @@ impl<'scope> Scope<'scope, '_> {
 
     /// Starts an all-gather of every rank's `input` into `output` (see
     /// [`Communicator::all_gather`]) with `options`: an
-    /// [`Algorithm`], [`Options`], or `()` for the communicator's own. Every
+    /// [`Algorithm`], a [`WireFormat`], [`Options`], or `()` for the
+    /// communicator's own. Every
     /// rank must ask alike.
     ///
     /// With [`Algorithm::Ring`] each rank's input goes around the ring, sent
@@ -95,7 +98,7 @@ impl<'scope> Scope<'scope, '_> {
     /// from 256 KiB, unless the job has dedicated servers (the
     /// `FAIRRING_ALGO` row of docs/manual.md).
     ///
-    /// `options`: an [`Algorithm`], [`Options`], or `()` for the
+    /// `options`: an [`Algorithm`], a [`WireFormat`], [`Options`], or `()` for the
     /// communicator's own. Every rank must ask alike.
     pub fn reduce_scatter<T: Element>(
         &'scope self,
@@ -118,7 +121,7 @@ impl<'scope> Scope<'scope, '_> {
     /// rank's `input` reduced with `op` into the root's `output`; elsewhere
     /// `output` is workspace. Runs as an all-reduce.
     ///
-    /// `options`: an [`Algorithm`], [`Options`], or `()` for the
+    /// `options`: an [`Algorithm`], a [`WireFormat`], [`Options`], or `()` for the
     /// communicator's own. Every rank must ask alike.
     pub fn reduce<T: Element>(
         &'scope self,
@@ -152,7 +155,7 @@ impl<'scope> Scope<'scope, '_> {
     /// rank's `input` into the root's `output` (rank `r`'s at `r *
     /// input.len()`); elsewhere `output` is workspace. Runs as an all-gather.
     ///
-    /// `options`: an [`Algorithm`], [`Options`], or `()` for the
+    /// `options`: an [`Algorithm`], a [`WireFormat`], [`Options`], or `()` for the
     /// communicator's own. Every rank must ask alike.
     pub fn gather<T: Element>(
         &'scope self,
@@ -181,7 +184,7 @@ impl<'scope> Scope<'scope, '_> {
     /// part `r` of the root's `input` into rank `r`'s `output`. `input` is
     /// workspace on every rank (see [`Call::scatter`]).
     ///
-    /// `options`: an [`Algorithm`], [`Options`], or `()` for the
+    /// `options`: an [`Algorithm`], a [`WireFormat`], [`Options`], or `()` for the
     /// communicator's own. Every rank must ask alike.
     pub fn scatter<T: Element>(
         &'scope self,

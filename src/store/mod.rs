@@ -1,7 +1,8 @@
 //! Rendezvous: a small key-value store every rank of a job can reach.
 //!
-//! The engine uses it only while a communicator is built (host identities, fabric
-//! endpoints, region descriptors). [`Store`] is deliberately small and synchronous so
+//! The engine uses it while a communicator is built (host identities, fabric
+//! endpoints, region descriptors), and afterwards only to link a peer a
+//! message first names (its endpoint, `bootstrap::late_links`). [`Store`] is deliberately small and synchronous so
 //! that a host runtime can implement it over its own store through a C ABI (PyTorch
 //! passes its `c10d::Store`). The default is [`TcpStore`]: served by rank 0 at
 //! `MASTER_ADDR:MASTER_PORT`, admitting only clients that prove they know the job

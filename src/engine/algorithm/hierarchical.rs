@@ -103,17 +103,17 @@ use fairring_core::plan::TREE_PARTS;
 use fairring_core::staging::{Actions, Counter, Event, StagingError, StagingErrorKind, Word};
 use fairring_core::{ReduceOp, WireFormat};
 
+mod compressed;
 mod trees;
-mod wire;
 
 use super::{Context, Converted, DeviceUse, SliceEvent, SliceInfo, Step, Write, unexpected};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
 use crate::memory::Reduction;
-use trees::{parent_of_served, send_up, tree_contributions, tree_neighbours};
-use wire::{
+use compressed::{
     compressed, narrow_contributions, narrow_result, result_area, sent_shards, widen_results,
 };
+use trees::{parent_of_served, send_up, tree_contributions, tree_neighbours};
 
 /// Most parts a slice's cells travel in: one word each.
 const MOST_PARTS: usize = TREE_PARTS as usize;

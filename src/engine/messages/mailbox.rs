@@ -8,7 +8,8 @@
 //! address, then the state word `k << 2 | OFFERED` with release. The
 //! receiver reads its next expected offer's state with acquire; seeing
 //! `OFFERED` for that `k`, it reads the rest, matches the offer with a
-//! receive, copies the sender's tensor into its own (`process_vm_readv`,
+//! receive, copies the message into its tensor (from the sender's bounce
+//! slot the line names, or from the sender's tensor with `process_vm_readv`
 //! under the tensor-copy words' handshake), and settles the line: `DONE`,
 //! or `REFUSED` with its own size and type written first, each with
 //! release. The sender reads the settlement with acquire and finishes its

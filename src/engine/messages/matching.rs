@@ -6,8 +6,8 @@
 //! sends (left) with the receiver's announcements (right); on the
 //! shared-memory path a receiver matches its receives (left) with the
 //! sender's offers (right). Entries of different tags never meet, and within
-//! a tag neither side is reordered: that is NCCL's and MPI's order for
-//! messages between one pair of ranks, with tags.
+//! a tag neither side is reordered: MPI's order for messages between one
+//! pair of ranks (NCCL's is the same, with no tags).
 
 use std::collections::{HashMap, VecDeque};
 

@@ -5,9 +5,9 @@
 //! no operation number, no staging buffer and no descriptor check. It runs
 //! on the engine's own fabric, progress thread, doorbell and failure, and
 //! holds nothing per peer but a connection (made when a message first names
-//! the peer, `links`) and a few queues.
+//! the peer, `peer_links`) and a few queues.
 //!
-//! # The fabric path (`fabric`)
+//! # Between machines (`between_machines`, its control messages in `control`)
 //!
 //! Receiver-driven, so that every byte moves once, from the sender's tensor
 //! straight into the receiver's:
@@ -37,13 +37,13 @@
 //! fails every message, after the fabric has stopped reading and writing
 //! their tensors (dropping a registration waits for that).
 
-mod fabric;
-mod links;
-mod local;
+mod between_machines;
+mod control;
 mod mailbox;
 mod matching;
+mod peer_links;
 mod transfers;
-mod wire;
+mod within_machine;
 
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
@@ -52,7 +52,7 @@ use crossbeam_queue::ArrayQueue;
 use fairring_core::DataType;
 use fairring_rdma::fabric::Fabric;
 
-pub(crate) use links::LateLinks;
+pub(crate) use peer_links::LateLinks;
 pub(crate) use transfers::Transfers;
 
 use super::Engine;
@@ -63,7 +63,7 @@ use crate::memory::MemorySpace;
 use crate::sync::{AtomicBool, AtomicU64, Ordering};
 
 /// Messages a rank may have posted and not yet released: the table's size.
-pub(crate) const MESSAGE_CAPACITY: usize = 4096;
+pub(crate) const MESSAGE_ENTRIES: usize = 4096;
 
 /// Bytes of one data write of a message: large enough that a write's cost is
 /// its bytes, small enough that a collective's writes to the same peer are
@@ -128,9 +128,9 @@ pub(crate) struct Board {
 impl Board {
     pub(crate) fn new() -> Board {
         Board {
-            table: WorkTable::with_capacity(MESSAGE_CAPACITY),
-            errors: (0..MESSAGE_CAPACITY).map(|_| Mutex::new(None)).collect(),
-            queue: ArrayQueue::new(MESSAGE_CAPACITY),
+            table: WorkTable::with_capacity(MESSAGE_ENTRIES),
+            errors: (0..MESSAGE_ENTRIES).map(|_| Mutex::new(None)).collect(),
+            queue: ArrayQueue::new(MESSAGE_ENTRIES),
             next: Mutex::new(0),
             pending: AtomicU64::new(0),
             controls_waiting: AtomicBool::new(false),
@@ -139,7 +139,7 @@ impl Board {
 
     fn error_slot(&self, id: u64) -> &Mutex<Option<Error>> {
         #[expect(clippy::cast_possible_truncation, reason = "below the table's length")]
-        let i = (id % MESSAGE_CAPACITY as u64) as usize;
+        let i = (id % MESSAGE_ENTRIES as u64) as usize;
         &self.errors[i]
     }
 
@@ -173,7 +173,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let mut next = board.next.lock().unwrap_or_else(PoisonError::into_inner);
         let id = *next;
         self.take_entry(&board.table, id, || {
-            format!("a free message entry ({MESSAGE_CAPACITY} messages are outstanding)")
+            format!("a free message entry ({MESSAGE_ENTRIES} messages are outstanding)")
         })?;
         *board
             .error_slot(id)
@@ -189,7 +189,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             board.table.give_back(id);
             return Err(Error::internal(
                 "the message table bounds the posts queued",
-                format!("more than {MESSAGE_CAPACITY} queued"),
+                format!("more than {MESSAGE_ENTRIES} queued"),
             ));
         }
         *next = id + 1;

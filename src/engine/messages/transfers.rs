@@ -1,7 +1,7 @@
 //! The messages the driver holds, and what every message goes through
 //! whichever way it travels: taking posts (and holding those whose peer is
 //! not linked yet), and failing one message, a peer's, or all of them. The
-//! two ways are `fabric` (between machines) and `local` (through the
+//! two ways are `between_machines` and `within_machine` (through the
 //! machine's mailboxes).
 //!
 //! Everything here runs under the driver's lock (the transfers' own lock is
@@ -12,11 +12,11 @@ use std::collections::VecDeque;
 
 use fairring_rdma::fabric::{Fabric, RemoteRegion};
 
-use super::links::LinkState;
+use super::control::{MOST_BYTES, Ready};
 use super::mailbox::Offer;
 use super::matching::Matcher;
-use super::wire::{MOST_BYTES, Ready};
-use super::{MESSAGE_CAPACITY, Post};
+use super::peer_links::LinkState;
+use super::{MESSAGE_ENTRIES, Post};
 use crate::engine::Engine;
 use crate::engine::direct::{CACHED, KeptRegions};
 use crate::engine::failure::Fault;
@@ -127,17 +127,17 @@ impl<R> Transfers<R> {
             .filter_map(|(p, l)| Some((p, (*l)?)))
             .collect();
         Transfers {
-            active: (0..MESSAGE_CAPACITY).map(|_| Active::Free).collect(),
+            active: (0..MESSAGE_ENTRIES).map(|_| Active::Free).collect(),
             peers: (0..world).map(|_| PeerState::default()).collect(),
-            unposted: VecDeque::with_capacity(MESSAGE_CAPACITY),
+            unposted: VecDeque::with_capacity(MESSAGE_ENTRIES),
             controls_waiting: Vec::with_capacity(world as usize),
             local,
             locals,
-            offered: Vec::with_capacity(MESSAGE_CAPACITY),
-            copying: Vec::with_capacity(MESSAGE_CAPACITY),
+            offered: Vec::with_capacity(MESSAGE_ENTRIES),
+            copying: Vec::with_capacity(MESSAGE_ENTRIES),
             bounce_free: (1 << BOUNCE_SLOTS) - 1,
-            sources: KeptRegions::with_holders(CACHED, MESSAGE_CAPACITY),
-            windows: KeptRegions::with_holders(CACHED, MESSAGE_CAPACITY),
+            sources: KeptRegions::with_holders(CACHED, MESSAGE_ENTRIES),
+            windows: KeptRegions::with_holders(CACHED, MESSAGE_ENTRIES),
         }
     }
 
@@ -153,7 +153,7 @@ impl<R> Transfers<R> {
 
     pub(super) fn slot(id: u64) -> usize {
         #[expect(clippy::cast_possible_truncation, reason = "below the table's length")]
-        let i = (id % MESSAGE_CAPACITY as u64) as usize;
+        let i = (id % MESSAGE_ENTRIES as u64) as usize;
         i
     }
 

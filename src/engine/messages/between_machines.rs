@@ -11,10 +11,10 @@ use std::ptr::NonNull;
 
 use fairring_rdma::fabric::{Fabric, FabricError, LocalRegion, RemoteRegion, WriteRequest};
 
+use super::control::{self, Control, MOST_BYTES, Ready, Reply};
 use super::transfers::{
     Active, IMMEDIATE_ID_MASK, Receiving, Sending, Transfers, mismatch, unexpected,
 };
-use super::wire::{self, Control, MOST_BYTES, Ready, Reply};
 use super::{CHUNK, CHUNKS_IN_FLIGHT, Post};
 use crate::engine::Engine;
 use crate::engine::failure::Fault;
@@ -315,7 +315,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// Sends control message `c` to `peer`, after any waiting for room.
     fn send_message_control(&self, t: &mut Transfers<F::Region>, peer: u32, c: &Control) {
         let mut bytes = [0; MOST_BYTES];
-        let n = wire::encode(c, &mut bytes);
+        let n = control::encode(c, &mut bytes);
         let queue = &mut t.peers[peer as usize].controls;
         if queue.is_empty() {
             match send_control(&self.links.fabric, peer, Kind::MessageControl, &bytes[..n]) {
@@ -387,7 +387,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         peer: u32,
         payload: &[u8],
     ) -> Result<(), Fault> {
-        let Some(control) = wire::decode(payload) else {
+        let Some(control) = control::decode(payload) else {
             return Err(unexpected(peer, "a malformed message announcement"));
         };
         let mut t = self.lock_transfers();

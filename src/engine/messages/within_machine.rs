@@ -1,7 +1,10 @@
 //! The driver's side of messages between ranks of one machine whose ranks
 //! may read each other's memory: offers through the machine's mailboxes
-//! (`mailbox`), each message copied once, by its receiver, from the sender's
-//! tensor straight into its own (`process_vm_readv`).
+//! (`mailbox`). A message of up to `BOUNCE_BYTES`, while one of the
+//! sender's bounce slots is free, is copied into it by the sender and out by
+//! the receiver (two copies, no system call); any other is copied once, by
+//! its receiver, from the sender's tensor straight into its own
+//! (`process_vm_readv`).
 //!
 //! The receiver copies at most [`CHUNK`] bytes of a message per pass, so a
 //! large message holds no other work of the driver up for long. A read
