@@ -44,7 +44,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let (own_landing, remote) = match self.open_landing(t, &post) {
             Ok(l) => l,
             Err(e) => {
-                self.fail_message(t, post.id, Some(e));
+                self.settle_message(t, post.id, FAILED, Some(e));
                 return Ok(());
             }
         };
@@ -120,11 +120,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 }
             };
             if t.windows.holders(post.id) == 1 {
-                // SAFETY: the caller leaves the receive's tensor valid and
-                // alone until the message finishes (`post_message`'s
-                // contract); the window is closed before it does
+                // The window is closed before the message finishes
                 // (`close_landing`), or dropped, which closes it, when the
                 // engine fails.
+                // SAFETY: so, with the caller leaving the receive's tensor
+                // valid and alone until then (`post_message`), it holds.
                 if let Err(e) = unsafe { fabric.open_window(window) } {
                     t.windows.release(post.id);
                     return Err(refused(e));
@@ -174,7 +174,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             });
             self.send_message_control(t, post.peer, &reply);
             let error = mismatch(&post, ready.bytes, ready.dtype, self.links.rank);
-            self.fail_message(t, send, Some(error));
+            self.settle_message(t, send, FAILED, Some(error));
             return Ok(());
         }
         if post.bytes == 0 {
@@ -190,7 +190,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             Err(e) => {
                 // The receiver hears nothing more of it, and fails when this
                 // rank does (or the message is dropped).
-                self.fail_message(t, send, Some(e));
+                self.settle_message(t, send, FAILED, Some(e));
                 return Ok(());
             }
         };
@@ -234,10 +234,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         };
         if fabric.registers_sources() {
             let mut failed = None;
-            // SAFETY: the caller leaves the tensor valid and unwritten until
-            // the message finishes, which is after every write from it has
-            // completed; dropping the region waits for those when the engine
+            // The message finishes after every write from the tensor has
+            // completed; dropping the region waits for those if the engine
             // fails first.
+            // SAFETY: so the caller's tensor, valid and unwritten until the
+            // message finishes (`post_message`), outlives every write.
             let register = || unsafe { fabric.register_source(ptr, len) };
             let held = t.sources.take(post.id, (post.data, len), || {
                 register().map_err(|e| failed = Some(refused(e))).ok()
@@ -305,7 +306,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 }
                 Err(e) => {
                     let e = Error::peer(s.post.peer, format!("{}: {e}", s.post.describe()));
-                    self.fail_message(t, id, Some(e));
+                    self.settle_message(t, id, FAILED, Some(e));
                 }
             }
         }
@@ -354,7 +355,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         if r.landed == r.post.bytes {
             let id = r.post.id;
-            self.finish_receive(&mut t, id, DONE, None);
+            self.settle_message(&mut t, id, DONE, None);
         }
         Ok(())
     }
@@ -374,9 +375,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         s.in_flight = s.in_flight.saturating_sub(1);
         if s.in_flight == 0 && s.posted == s.post.bytes {
             // Every write from the tensor is over: the registration goes first.
-            drop(t.take(id));
-            t.sources.release(id);
-            self.finish_message(id, DONE, None);
+            self.settle_message(&mut t, id, DONE, None);
         }
         Ok(())
     }
@@ -408,7 +407,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                     _ => return Err(unexpected(peer, "a refusal of no receive")),
                 };
                 let error = mismatch(&post, bytes, dtype, self.links.rank);
-                self.finish_receive(&mut t, receive, FAILED, Some(error));
+                self.settle_message(&mut t, receive, FAILED, Some(error));
             }
             Control::Reply(Reply::Empty { receive }) => {
                 match &t.active[Transfers::<F::Region>::slot(receive)] {
@@ -416,23 +415,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                         if r.post.id == receive && r.post.peer == peer && r.post.bytes == 0 => {}
                     _ => return Err(unexpected(peer, "an empty send for no empty receive")),
                 }
-                self.finish_receive(&mut t, receive, DONE, None);
+                self.settle_message(&mut t, receive, DONE, None);
             }
         }
         Ok(())
-    }
-
-    /// Finishes receive `id`: closes its window and lets go of its tensor.
-    fn finish_receive(
-        &self,
-        t: &mut Transfers<F::Region>,
-        id: u64,
-        state: u32,
-        error: Option<Error>,
-    ) {
-        drop(t.take(id));
-        self.close_landing(t, id);
-        self.finish_message(id, state, error);
     }
 }
 

@@ -211,7 +211,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             let waiting = !t.peers[post.peer as usize].unlinked.is_empty();
             match self.late_links.state(post.peer) {
                 LinkState::Linked if !waiting => self.start_message(&mut t, post)?,
-                LinkState::Failed(e) if !waiting => self.fail_message(&mut t, post.id, Some(e)),
+                LinkState::Failed(e) if !waiting => {
+                    self.settle_message(&mut t, post.id, FAILED, Some(e))
+                }
                 _ => {
                     t.peers[post.peer as usize].unlinked.push(post.id);
                     t.put(post.id, Active::Posted(post));
@@ -246,7 +248,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 };
                 match &state {
                     LinkState::Linked => self.start_message(t, post)?,
-                    LinkState::Failed(e) => self.fail_message(t, post.id, Some(e.clone())),
+                    LinkState::Failed(e) => {
+                        self.settle_message(t, post.id, FAILED, Some(e.clone()))
+                    }
                     LinkState::Pending => {}
                 }
             }
@@ -258,17 +262,25 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         Ok(moved)
     }
 
-    /// Fails message `id` alone (its error `error`), letting go of whatever
-    /// it holds: dropping a window or registration waits until the fabric
-    /// has stopped using it.
-    pub(super) fn fail_message(&self, t: &mut Transfers<F::Region>, id: u64, error: Option<Error>) {
+    /// Finishes message `id` (`state`, and `error` if it failed alone),
+    /// first letting go of whatever its entry holds: its own registration,
+    /// its hold on a kept window (closed once no receive holds it, which
+    /// waits for writes still landing) or source registration, and its
+    /// bounce slot (nobody reads it once its offer is settled, its receiver
+    /// has left, or this engine has failed).
+    pub(super) fn settle_message(
+        &self,
+        t: &mut Transfers<F::Region>,
+        id: u64,
+        state: u32,
+        error: Option<Error>,
+    ) {
         if let Active::Offered(_, _, Some(slot)) = t.take(id) {
-            // Its receiver left or this engine failed: nobody reads it now.
             t.bounce_free |= 1 << slot;
         }
         self.close_landing(t, id);
         t.sources.release(id);
-        self.finish_message(id, FAILED, error);
+        self.finish_message(id, state, error);
     }
 
     /// Fails every message with `peer`, which left or failed (why:
@@ -281,7 +293,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 continue;
             }
             if let Some(id) = id_of(&t.active[slot]) {
-                self.fail_message(&mut t, id, Some(error()));
+                self.settle_message(&mut t, id, FAILED, Some(error()));
             }
         }
         let p = &mut t.peers[peer as usize];
@@ -310,7 +322,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         t.sources.clear();
         t.windows.clear();
         for id in ids {
-            self.fail_message(&mut t, id, None);
+            self.settle_message(&mut t, id, FAILED, None);
         }
         for p in &mut t.peers {
             p.matcher = Matcher::default();

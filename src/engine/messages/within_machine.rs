@@ -149,7 +149,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let mut i = 0;
         while i < t.offered.len() {
             let id = t.offered[i];
-            let Active::Offered(post, k, bounce) = *t.get(id) else {
+            let Active::Offered(post, k, _) = *t.get(id) else {
                 t.offered.swap_remove(i);
                 continue;
             };
@@ -163,15 +163,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 Some(how) => {
                     moved = true;
                     t.offered.swap_remove(i);
-                    drop(t.take(id));
-                    if let Some(slot) = bounce {
-                        t.bounce_free |= 1 << slot;
-                    }
                     match how {
-                        Settled::Done => self.finish_message(id, DONE, None),
+                        Settled::Done => self.settle_message(t, id, DONE, None),
                         Settled::Refused { bytes, dtype } => {
                             let e = mismatch(&post, bytes, dtype, self.links.rank);
-                            self.finish_message(id, FAILED, Some(e));
+                            self.settle_message(t, id, FAILED, Some(e));
                         }
                     }
                 }
@@ -209,8 +205,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             );
             segment.doorbell(local).ring();
             let e = mismatch(&post, offer.bytes, offer.dtype, self.links.rank);
-            drop(t.take(receive));
-            self.finish_message(receive, FAILED, Some(e));
+            self.settle_message(t, receive, FAILED, Some(e));
             return;
         }
         t.put(
@@ -262,10 +257,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 )))
             } else {
                 let from = segment.bounce(local, slot);
-                // SAFETY: the sender copied the message's `len` bytes into its
-                // slot before offering it, and writes the slot again only once
-                // this offer is settled; the receive's tensor holds `len`
-                // writable bytes the caller leaves alone until it finishes.
+                // The sender wrote the slot before offering it, and writes it
+                // again only once this offer is settled.
+                // SAFETY: so `len` bytes there are stable; the receive's tensor
+                // holds `len` writable bytes left alone until it finishes.
                 unsafe {
                     std::ptr::copy_nonoverlapping(from.as_ptr(), post.data as *mut u8, len);
                 }
@@ -290,8 +285,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             )),
         };
         if let Some(e) = failed {
-            drop(t.take(id));
-            self.finish_message(id, FAILED, Some(e));
+            self.settle_message(t, id, FAILED, Some(e));
             return true;
         }
         let copied = copied + n;
@@ -310,8 +304,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let line = segment.mailbox(me, local, mailbox::slot(offer.k));
         mailbox::settle(line, offer.k, Settled::Done);
         segment.doorbell(local).ring();
-        drop(t.take(id));
-        self.finish_message(id, DONE, None);
+        self.settle_message(t, id, DONE, None);
         true
     }
 }
