@@ -112,35 +112,6 @@ impl Communicator {
         }
     }
 
-    /// Refuses a root outside the job.
-    pub(super) fn check_root(&self, root: u32) -> Result<()> {
-        let world = self.world_size();
-        if root >= world {
-            return Err(Error::invalid(
-                "root",
-                format!("rank {root} is not in a job of {world} ranks"),
-            ));
-        }
-        Ok(())
-    }
-
-    /// This rank's bytes of a reduce-scatter's input, of `n` bytes per rank.
-    pub(super) fn share(&self, n: usize) -> Range<usize> {
-        let offset = self.rank() as usize * n;
-        offset..offset + n
-    }
-
-    /// `count` elements per rank, for every rank.
-    pub(super) fn times_world(&self, count: u64) -> Result<u64> {
-        let world = u64::from(self.world_size());
-        count.checked_mul(world).ok_or_else(|| {
-            Error::invalid(
-                "count",
-                format!("{count} elements x {world} ranks overflow"),
-            )
-        })
-    }
-
     /// Refuses a list named `argument` of `total` elements that is not
     /// `world_size` lists of `n` (the other list, named `per_rank`).
     pub(super) fn check_shares(

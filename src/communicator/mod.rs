@@ -4,6 +4,7 @@ mod call;
 #[cfg(feature = "cuda")]
 mod device_calls;
 mod host;
+mod lowering;
 mod point_to_point;
 mod prelude;
 mod scope;
@@ -18,7 +19,6 @@ pub use scope::Scope;
 pub use work::{OwnedWork, Work};
 
 use std::marker::PhantomData;
-use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -29,17 +29,17 @@ use fairring_core::{DataType, ReduceOp, WireFormat};
 
 use crate::bootstrap::{self, start_progress, stop_progress};
 use crate::config::{Algorithm, Config, FabricChoice};
-use crate::engine::descriptor::Descriptor;
 use crate::engine::links::Traffic;
 use crate::engine::work_table::{Delivery, Submission, WORK_CAPACITY, slot_of};
 use crate::engine::{Engine, choice};
 use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::memory::DeviceTensor;
-use crate::memory::{HostTensor, MemoryKind, Placed, PlacedTensor};
+use crate::memory::{HostTensor, Placed, PlacedTensor};
 use crate::store::{PrefixStore, Store, TcpStoreServer};
 use crate::sync::unmodelled::AtomicU8;
 use fairring_rdma::any::AnyFabric;
+use lowering::{byte_len, check_op};
 use point_to_point::PointToPoint;
 pub(crate) use submit::check_pointer;
 use submit::*;

@@ -7,7 +7,7 @@
 //! waiting.
 
 /// One fill of a call's own memory, at addresses of its memory space.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Fill {
     /// `bytes` zeroed at `at`.
     Zero { at: u64, bytes: usize },
@@ -34,6 +34,12 @@ impl Prelude {
         if let Some(free) = self.fills.iter_mut().find(|f| f.is_none()) {
             *free = Some(fill);
         }
+    }
+
+    /// The fills, in the order they apply.
+    #[cfg(test)]
+    pub(super) fn fills(&self) -> Vec<Fill> {
+        self.fills.iter().flatten().copied().collect()
     }
 
     /// Applies the fills to host memory, now.

@@ -1,8 +1,7 @@
-//! [`Communicator::start`]: a described [`Call`] checked, turned into the
-//! all-reduce the engine runs (a [`Request`]) with what it enqueues before it
-//! starts (a [`Prelude`]), and queued.
+//! [`Communicator::start`]: a described [`Call`] lowered (`lowering::lower`),
+//! its memory checked, and queued.
 
-use super::prelude::Fill;
+use super::lowering::{self, Lowered, byte_len, elements_in_all, lower, runs_on_device};
 use super::work::wait_range;
 use super::*;
 
@@ -25,10 +24,10 @@ impl Communicator {
     /// until the work reports completion (work ordered after
     /// `Work::enqueue_wait` may use the memory after it).
     pub unsafe fn start(&self, call: &Call) -> Result<Work<'_>> {
-        let r = self.request(call)?;
-        let by_messages = r.by_messages;
+        let (lowered, device) = self.lower(call)?;
+        let by_messages = lowered.descriptor.by_messages;
         // SAFETY: the caller's contract, as documented.
-        let seq = unsafe { self.submit(r) }?;
+        let seq = unsafe { self.submit(lowered, device) }?;
         let mut work = Work::new(&self.engine, seq, seq);
         if by_messages {
             // SAFETY: as above; the work's messages cover the call's memory.
@@ -64,14 +63,14 @@ impl Communicator {
         let requests = calls
             .iter()
             .enumerate()
-            .map(|(i, c)| self.request(c).map_err(|e| in_list(argument, i, e)))
-            .collect::<Result<Vec<Request>>>()?;
+            .map(|(i, c)| self.lower(c).map_err(|e| in_list(argument, i, e)))
+            .collect::<Result<Vec<_>>>()?;
         let mut range: Option<(u64, u64)> = None;
         let mut by_messages = Vec::new();
-        for (call, r) in calls.iter().zip(requests) {
-            let moves = r.by_messages;
+        for (call, (lowered, device)) in calls.iter().zip(requests) {
+            let moves = lowered.descriptor.by_messages;
             // SAFETY: forwarded from the caller, per call.
-            match unsafe { self.submit(r) } {
+            match unsafe { self.submit(lowered, device) } {
                 Ok(seq) => {
                     range = Some(range.map_or((seq, seq), |(a, _)| (a, seq)));
                     if moves {
@@ -103,210 +102,22 @@ impl Communicator {
         Ok(work)
     }
 
-    /// Checks `call` (with no side effect when it is refused, but readying
-    /// the device side of its GPU) and describes the all-reduce it runs as.
-    fn request(&self, call: &Call) -> Result<Request> {
-        let Call {
-            collective,
-            count,
-            dtype,
-            op,
-            root,
-            ..
-        } = *call;
-        // A reduce runs as an all-reduce; a gather and a scatter on device
-        // memory as an all-gather and a broadcast (`Collective::engine_form`).
-        let form = collective.engine_form();
-        if matches!(form, Collective::AllReduce | Collective::ReduceScatter) {
-            check_op(op, dtype)?;
-        }
-        if collective.has_root() {
-            self.check_root(root)?;
-        }
-        let per_rank = matches!(
-            collective,
-            Collective::AllGather
-                | Collective::ReduceScatter
-                | Collective::Gather
-                | Collective::Scatter
-        );
-        let total = if per_rank {
-            self.times_world(count)?
-        } else {
-            count
+    /// Lowers `call` and checks its memory (with no side effect when it is
+    /// refused, but readying the device side of its GPU); where its data
+    /// moves as messages, readies the gate they wait at.
+    fn lower(&self, call: &Call) -> Result<(Lowered, Option<DeviceCall>)> {
+        let job = lowering::Job {
+            choice: self.job(),
+            rank: self.rank(),
         };
-        let n = byte_len(count, dtype)?;
-        let bytes = byte_len(total, dtype)?;
-        let (input, output) = (call.input.cast_mut(), call.output);
-        let place = self.check_memory(call, total)?;
-        // A gather, a scatter or a reduce on host memory (of 2 MiB or more, in
-        // a job of up to 32 ranks: `choice::rooted_by_messages`) moves as
-        // messages (`point_to_point::rooted`, `point_to_point::chain`), after
-        // a check the engine runs as a barrier: the check compares the call
-        // across ranks, and its messages start only once it has passed.
-        let memory = if place.is_none() {
-            MemoryKind::Host
-        } else {
-            MemoryKind::Device
-        };
-        let wire = call.options.wire.unwrap_or(self.wire);
-        let by_messages = choice::rooted_by_messages(
-            collective,
-            dtype,
-            memory,
-            wire,
-            self.topology,
-            bytes as u64,
-        );
-        let form = if by_messages {
-            choice::check_moves_exactly(collective, call.options.wire)?;
+        let lowered = lower(call, &job)?;
+        let total = elements_in_all(call.collective, call.count, self.world_size())?;
+        let device = self.check_memory(call, total)?;
+        if lowered.descriptor.by_messages {
             let (engine, timeout) = (Arc::clone(&self.engine), self.timeout);
             self.ready_rooted(|| Box::new(move |seq| wait_range(&engine, seq, seq, timeout)))?;
-            Collective::Barrier
-        } else {
-            form
-        };
-        // What the engine runs: a byte-wise all-reduce for the collectives
-        // that spread bytes, one byte for a barrier or a check.
-        let runs_as = match form {
-            Collective::Broadcast | Collective::AllGather => (DataType::U8, bytes),
-            Collective::Barrier => (DataType::U8, 1),
-            _ => (dtype, bytes),
-        };
-        let chosen = choice::choose(
-            choice::Call {
-                collective: if by_messages { form } else { collective },
-                dtype: runs_as.0,
-                bytes: runs_as.1 as u64,
-                algorithm: call.options.algorithm,
-                wire: call.options.wire,
-            },
-            &self.job(),
-        )?;
-        // Where a share of the tensor is delivered (a reduce-scatter's, a
-        // scatter's part).
-        let placed = |at: *mut u8| match place {
-            #[cfg(feature = "cuda")]
-            // The operation's entry is filled in when it is queued.
-            Some(_) => PlacedTensor::Device(DeviceTensor::new(at as u64, n, 0)),
-            _ => PlacedTensor::Host(HostTensor::new(at, n)),
-        };
-        let mut r = match collective {
-            // Only a reduce's operator is its own (others ignore theirs).
-            Collective::Reduce if by_messages => Request::check(dtype, count, op, chosen),
-            _ if by_messages => Request::check(dtype, count, ReduceOp::Sum, chosen),
-            Collective::AllReduce | Collective::Reduce => {
-                Request::all_reduce(output, count, dtype, op, chosen)
-            }
-            Collective::Broadcast => Request::broadcast(output, bytes, dtype, count, root, chosen),
-            Collective::Scatter => {
-                let mut r = Request::broadcast(input, bytes, dtype, count, root, chosen);
-                r.deliver = Some(Delivery {
-                    to: placed(output),
-                    range: self.share(n),
-                });
-                r
-            }
-            Collective::AllGather | Collective::Gather => {
-                Request::all_gather(output, bytes, dtype, count, chosen)
-            }
-            Collective::ReduceScatter => {
-                let share = self.share(n);
-                Request::reduce_scatter(
-                    input,
-                    total,
-                    dtype,
-                    op,
-                    count,
-                    placed(output),
-                    share,
-                    chosen,
-                )
-            }
-            Collective::Barrier => Request::barrier(chosen),
-        };
-        r.collective = collective;
-        r.root = if collective.has_root() { root } else { 0 };
-        // The all-reduce a broadcast or an all-gather otherwise runs as sums
-        // the other ranks' zeros into each rank's bytes, as does a relay over
-        // the machines inside each; the relay over the ranks overwrites them.
-        // Device calls zero in any case: on the caller's stream, the zeros
-        // cost the host nothing.
-        let zeros = r.chosen.zero_fill || place.is_some();
-        let address = |p: *const u8| p as usize as u64;
-        // This rank's own part, copied with the check (a gather's to its
-        // place in the output, from where a rank other than the root sends
-        // it; a scatter's from the root's input).
-        let own = self.rank() as usize * n;
-        match collective {
-            Collective::Gather if by_messages && address(input) != address(output) + own as u64 => {
-                r.prelude.push(Fill::Copy {
-                    to: address(output) + own as u64,
-                    from: address(input),
-                    bytes: n,
-                });
-            }
-            // A chained reduce reduces into its output, which holds its input.
-            Collective::Reduce if by_messages && input != output => {
-                r.prelude.push(Fill::Copy {
-                    to: address(output),
-                    from: address(input),
-                    bytes: n,
-                });
-            }
-            Collective::Scatter if by_messages && root == self.rank() => {
-                r.prelude.push(Fill::Copy {
-                    to: address(output),
-                    from: address(input) + own as u64,
-                    bytes: n,
-                });
-            }
-            _ => {}
         }
-        match form {
-            Collective::Broadcast if root != self.rank() && zeros => {
-                r.prelude.push(Fill::Zero {
-                    at: address(r.data),
-                    bytes,
-                });
-            }
-            Collective::AllGather => {
-                let at = self.rank() as usize * n;
-                let place = address(output) + at as u64;
-                if address(input) != place {
-                    r.prelude.push(Fill::Copy {
-                        to: place,
-                        from: address(input),
-                        bytes: n,
-                    });
-                }
-                if zeros {
-                    r.prelude.push(Fill::Zero {
-                        at: address(output),
-                        bytes: at,
-                    });
-                    r.prelude.push(Fill::Zero {
-                        at: place + n as u64,
-                        bytes: bytes - at - n,
-                    });
-                }
-            }
-            // A reduce's input, unless in place, is copied into the output
-            // it reduces in.
-            Collective::AllReduce if input != output => {
-                r.prelude.push(Fill::Copy {
-                    to: address(output),
-                    from: address(input),
-                    bytes: n,
-                });
-            }
-            _ => {}
-        }
-        #[cfg(feature = "cuda")]
-        {
-            r.device = place;
-        }
-        Ok(r)
+        Ok((lowered, device))
     }
 
     /// Checks the memory of `call` (whose total is `total` elements): host
@@ -347,7 +158,7 @@ impl Communicator {
                 Ok(None)
             }
             #[cfg(feature = "cuda")]
-            Memory::Device { .. } if total == 0 => Ok(None),
+            Memory::Device { .. } if !runs_on_device(call, total) => Ok(None),
             #[cfg(feature = "cuda")]
             Memory::Device { stream } => self
                 .check_device_memory(call, stream, input_len, output_len)

@@ -308,14 +308,6 @@ pub(crate) struct Choice {
     pub(crate) zero_fill: bool,
 }
 
-impl Choice {
-    /// Whether the plan covers each rank's share rather than the whole
-    /// tensor (a reduce-scatter by the scatter algorithm).
-    pub(crate) fn plans_shares(&self) -> bool {
-        self.algorithm == Resolved::Scatter
-    }
-}
-
 /// Refuses a compressed `wire` for `collective`, which moves bytes exactly.
 pub(crate) fn check_moves_exactly(collective: Collective, wire: Option<WireFormat>) -> Result<()> {
     match wire {

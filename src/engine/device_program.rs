@@ -211,9 +211,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             number,
             generation: number / u64::from(self.buffers),
             slice,
-            dtype: sub.dtype,
-            op: sub.op,
-            wire: sub.wire,
+            dtype: sub.dtype(),
+            op: sub.op(),
+            wire: sub.wire(),
             origins: Origins::of(&sub.descriptor),
             direct: false,
             into_window: false,
@@ -230,15 +230,15 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         each: &mut dyn FnMut(ProgramItem<M::Tensor>) -> Result<()>,
     ) -> Result<DeviceUse> {
         let info = self.device_info(sub, slice, number);
-        let device_use = SliceAlgorithm::device_use(sub.algorithm, &self.context(), &info)?;
+        let device_use = SliceAlgorithm::device_use(sub.algorithm(), &self.context(), &info)?;
         let buffer = u32::try_from(number % u64::from(self.buffers)).unwrap_or(u32::MAX);
         let local = LocalSlice {
             buffer,
             number,
             slice,
             tensor: &sub.tensor,
-            dtype: sub.dtype,
-            op: sub.op,
+            dtype: sub.dtype(),
+            op: sub.op(),
             pieces: device_use.pieces,
             root: self.local_root(info.origins),
             stages: Stages::default(),
@@ -247,7 +247,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             info: &info,
             device_use: &device_use,
             local: &local,
-            algorithm: sub.algorithm,
+            algorithm: sub.algorithm(),
         };
         each(ProgramItem::Slice {
             buffer,

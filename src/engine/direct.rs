@@ -62,7 +62,7 @@ fn large_enough<M: MemorySpace>(
     sub: &Submission<M>,
     from_bytes: Option<u64>,
 ) -> bool {
-    let bytes = sub.elements.saturating_mul(sub.dtype.size_bytes());
+    let bytes = sub.elements().saturating_mul(sub.dtype().size_bytes());
     from_bytes.is_some_and(|from| bytes >= from) && sub.deliver.is_none() && ctx.server.is_none()
 }
 
@@ -84,7 +84,7 @@ pub(crate) fn eligible<M: MemorySpace>(
         // Its slot is the slice where the machine has one rank; servers and
         // a compressed wire reduce what the slot holds once it is sent.
         Resolved::Hierarchical => {
-            let compressed = sub.wire != WireFormat::Exact && sub.dtype == DataType::F32;
+            let compressed = sub.wire() != WireFormat::Exact && sub.dtype() == DataType::F32;
             all_reduce
                 && !compressed
                 && ctx.topology.devices_per_machine() == 1
@@ -428,17 +428,14 @@ mod tests {
             root: 0,
             elements: 1024,
         };
-        let mut sub = Submission {
-            seq: 1,
-            tensor: HostTensor::new(buffer.as_mut_ptr(), buffer.len()),
-            elements: 1024,
-            dtype: DataType::F32,
-            op: ReduceOp::Sum,
-            algorithm,
-            wire: WireFormat::Exact,
+        let mut sub = Submission::new(
+            1,
+            HostTensor::new(buffer.as_mut_ptr(), buffer.len()),
             descriptor,
-            deliver: None,
-        };
+            None,
+            m * d,
+        )
+        .unwrap();
         change(&mut sub);
         decide(&ctx, &sub)
     }
@@ -518,7 +515,7 @@ mod tests {
             assert!(!allowed((2, 1, 0), other, Some(0), same), "{other}");
         }
         assert!(!allowed((2, 1, 0), hierarchical, Some(0), |s| {
-            s.descriptor.collective = Collective::Broadcast;
+            redescribe(s, |d| d.collective = Collective::Broadcast);
         }));
         assert!(!allowed((2, 1, 0), hierarchical, Some(0), |s| {
             s.deliver = Some(Delivery {
@@ -527,13 +524,23 @@ mod tests {
             });
         }));
         assert!(!allowed((2, 1, 0), hierarchical, Some(0), |s| {
-            s.wire = WireFormat::Bf16;
+            redescribe(s, |d| d.wire = WireFormat::Bf16);
         }));
         // A compressed wire carries only f32: other types run exact.
         assert!(allowed((2, 1, 0), hierarchical, Some(0), |s| {
-            s.wire = WireFormat::Bf16;
-            s.dtype = DataType::I32;
+            redescribe(s, |d| {
+                d.wire = WireFormat::Bf16;
+                d.dtype = DataType::I32;
+            });
         }));
+    }
+
+    /// `s`, described as `change` makes its descriptor, running what that
+    /// descriptor runs as.
+    fn redescribe(s: &mut Submission<Host>, change: impl FnOnce(&mut Descriptor)) {
+        let mut descriptor = s.descriptor;
+        change(&mut descriptor);
+        *s = Submission::new(s.seq, s.tensor, descriptor, s.deliver.take(), 2).unwrap();
     }
 
     #[test]

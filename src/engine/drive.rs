@@ -133,7 +133,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     fn open_window(&self, sub: &Submission<M>) -> Option<RemoteRegion> {
         let fabric = &self.links.fabric;
         if !fabric.registers_windows()
-            || !direct::opens_window(&self.context(), sub, sub.algorithm, self.direct_from)
+            || !direct::opens_window(&self.context(), sub, sub.algorithm(), self.direct_from)
         {
             return None;
         }

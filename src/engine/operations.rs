@@ -224,7 +224,7 @@ impl<M: MemorySpace> Operations<M> {
             return Ok(Some(NextSlice {
                 seq,
                 slice,
-                algorithm: rec.sub.algorithm,
+                algorithm: rec.sub.algorithm(),
                 number: rec.first_slice + self.start_index,
             }));
         }
@@ -320,17 +320,14 @@ mod tests {
             plan: Plan::new(&geometry, DataType::F32, 16, 0).unwrap(),
             first_slice: seq,
             device: None,
-            sub: Submission {
+            sub: Submission::new(
                 seq,
-                tensor: HostTensor::new(std::ptr::null_mut(), 0),
-                elements: 16,
-                dtype: DataType::F32,
-                op: ReduceOp::Sum,
-                algorithm: Resolved::Hierarchical,
-                wire: WireFormat::Exact,
+                HostTensor::new(std::ptr::null_mut(), 0),
                 descriptor,
-                deliver: None,
-            },
+                None,
+                geometry.topology().world_size(),
+            )
+            .unwrap(),
         };
         let refused = ops.accept(sub(1)).unwrap_err();
         assert!(

@@ -73,17 +73,19 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         planner: &mut Planner<M>,
         sub: Submission<M>,
     ) -> Result<(Accepted<M>, Option<Error>)> {
-        let geometry = self.geometry_of(sub.algorithm).map_err(|f| f.error)?;
+        let geometry = self.geometry_of(sub.algorithm()).map_err(|f| f.error)?;
         // One machine whose local step works in the tensor: no staging
         // buffer bounds the slice, so one slice takes the whole tensor.
-        let whole = sub.algorithm == Resolved::Hierarchical
+        let whole = sub.algorithm() == Resolved::Hierarchical
             && geometry.topology().machines() == 1
             && self.servers == 0
-            && self.local.works_in_tensor(&sub.tensor, sub.dtype, sub.op);
+            && self
+                .local
+                .works_in_tensor(&sub.tensor, sub.dtype(), sub.op());
         let plan = if whole {
-            Plan::whole(geometry, sub.dtype, sub.elements)
+            Plan::whole(geometry, sub.dtype(), sub.elements())
         } else {
-            Plan::new(geometry, sub.dtype, sub.elements, planner.rotation)
+            Plan::new(geometry, sub.dtype(), sub.elements(), planner.rotation)
         }
         .map_err(|e| {
             Error::internal(
@@ -113,7 +115,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             None
         };
         planner.next_slice += plan.slice_count();
-        if sub.algorithm == Resolved::Hierarchical {
+        if sub.algorithm() == Resolved::Hierarchical {
             planner.rotation = plan.next_rotation();
         }
         let accepted = Accepted {

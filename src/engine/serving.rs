@@ -51,26 +51,14 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             )
             .into());
         }
-        let (elements, dtype, op) = descriptor
-            .runs_as(self.geometry.topology().world_size())
-            .filter(|&(n, t, _)| n.checked_mul(t.size_bytes()).is_some())
+        let world = self.geometry.topology().world_size();
+        let sub = Submission::new(seq, self.memory.no_tensor(), descriptor, None, world)
             .ok_or_else(|| {
                 Error::peer(
                     peer,
                     format!("described operation #{seq} as {descriptor}, which overflows"),
                 )
             })?;
-        let sub = Submission {
-            seq,
-            tensor: self.memory.no_tensor(),
-            elements,
-            dtype,
-            op,
-            algorithm: descriptor.algorithm,
-            wire: descriptor.wire,
-            descriptor,
-            deliver: None,
-        };
         // Planned as a worker's is, in the order the workers numbered it.
         let (accepted, _) = self.plan(&mut self.lock_planner(), sub)?;
         self.accept(d, accepted)?;

@@ -34,22 +34,71 @@ pub(crate) struct WorkTable {
     entries: Box<[Entry]>,
 }
 
-/// What a submitter hands the driver.
+/// What a submitter hands the driver: an operation, described, and the
+/// all-reduce the engine runs for it, which is derived from its descriptor
+/// ([`Descriptor::runs_as`]) alone, on workers and dedicated servers alike.
 pub(crate) struct Submission<M: MemorySpace> {
     pub(crate) seq: u64,
     /// The tensor the engine all-reduces in place.
     pub(crate) tensor: M::Tensor,
-    pub(crate) elements: u64,
-    pub(crate) dtype: DataType,
-    pub(crate) op: ReduceOp,
-    pub(crate) algorithm: Resolved,
-    /// How its `f32` values travel between machines.
-    pub(crate) wire: fairring_core::WireFormat,
     /// The call as the caller issued it, compared across ranks.
     pub(crate) descriptor: Descriptor,
     /// Bytes to copy out of the result once it is final (a reduce-scatter's
     /// share).
     pub(crate) deliver: Option<Delivery<M>>,
+    /// What the engine runs: `runs_as` of the descriptor.
+    elements: u64,
+    dtype: DataType,
+    op: ReduceOp,
+}
+
+impl<M: MemorySpace> Submission<M> {
+    /// Operation `seq`, described by `descriptor`, on `tensor`, in a job of
+    /// `world` ranks; `None` if the sizes it runs as overflow.
+    pub(crate) fn new(
+        seq: u64,
+        tensor: M::Tensor,
+        descriptor: Descriptor,
+        deliver: Option<Delivery<M>>,
+        world: u32,
+    ) -> Option<Submission<M>> {
+        let (elements, dtype, op) = descriptor.runs_as(world)?;
+        elements.checked_mul(dtype.size_bytes())?;
+        Some(Submission {
+            seq,
+            tensor,
+            descriptor,
+            deliver,
+            elements,
+            dtype,
+            op,
+        })
+    }
+
+    /// Elements of the all-reduce the engine runs.
+    pub(crate) fn elements(&self) -> u64 {
+        self.elements
+    }
+
+    /// Their type.
+    pub(crate) fn dtype(&self) -> DataType {
+        self.dtype
+    }
+
+    /// The operator that reduces them.
+    pub(crate) fn op(&self) -> ReduceOp {
+        self.op
+    }
+
+    /// The algorithm that runs it.
+    pub(crate) fn algorithm(&self) -> Resolved {
+        self.descriptor.algorithm
+    }
+
+    /// How its `f32` values travel between machines.
+    pub(crate) fn wire(&self) -> fairring_core::WireFormat {
+        self.descriptor.wire
+    }
 }
 
 /// A copy out of an operation's result, made by the driver when it finishes:

@@ -79,11 +79,6 @@ impl DeviceTensor {
         DeviceTensor { ptr, len, seq }
     }
 
-    /// The same memory, for operation `seq`.
-    pub(crate) fn for_operation(self, seq: u64) -> DeviceTensor {
-        DeviceTensor { seq, ..self }
-    }
-
     /// The device address of byte `range.start`, if `range` lies within.
     fn at(&self, range: &Range<usize>) -> Result<u64> {
         if range.start > range.end || range.end > self.len {

@@ -175,17 +175,7 @@ fn submit_device_sum(
     let tensor = engine
         .memory
         .submit_device(bytemuck_bytes(tensor), bytemuck_bytes(input), 0);
-    engine.submit(Submission {
-        seq: 0,
-        tensor,
-        elements,
-        dtype: DataType::I64,
-        op: ReduceOp::Sum,
-        algorithm: Resolved::Hierarchical,
-        wire: WireFormat::Exact,
-        descriptor,
-        deliver: None,
-    })
+    engine.submit(Submission::new(0, tensor, descriptor, None, 2).unwrap())
 }
 
 /// Drives every engine (and, with `gpu`, runs every simulated GPU's ready
@@ -267,17 +257,16 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
             elements: 300,
         };
         engine
-            .submit(Submission {
-                seq: 0,
-                tensor: SimTensor::Host(HostTensor::new(tensor.as_mut_ptr().cast(), 2400)),
-                elements: 300,
-                dtype: DataType::I64,
-                op: ReduceOp::Sum,
-                algorithm: Resolved::Hierarchical,
-                wire: WireFormat::Exact,
-                descriptor,
-                deliver: None,
-            })
+            .submit(
+                Submission::new(
+                    0,
+                    SimTensor::Host(HostTensor::new(tensor.as_mut_ptr().cast(), 2400)),
+                    descriptor,
+                    None,
+                    2,
+                )
+                .unwrap(),
+            )
             .unwrap();
     }
     drive_until_settled(&engines, false);
@@ -298,27 +287,28 @@ fn a_panic_inside_a_step_fails_the_communicator_with_its_message() {
     // The failed engine takes no more work and drives nothing.
     assert!(!engines[1].try_drive());
     assert!(engines[1].works.try_take(1));
-    let refused = engines[1].submit(Submission {
-        seq: 1,
-        tensor: SimTensor::Host(HostTensor::new(std::ptr::null_mut(), 0)),
-        elements: 0,
+    let barrier = Descriptor {
+        collective: Collective::Barrier,
         dtype: DataType::U8,
         op: ReduceOp::Sum,
         algorithm: Resolved::Hierarchical,
         wire: WireFormat::Exact,
-        descriptor: Descriptor {
-            collective: Collective::Barrier,
-            dtype: DataType::U8,
-            op: ReduceOp::Sum,
-            algorithm: Resolved::Hierarchical,
-            wire: WireFormat::Exact,
-            memory: crate::memory::MemoryKind::Host,
-            by_messages: false,
-            root: 0,
-            elements: 0,
-        },
-        deliver: None,
-    });
+        memory: crate::memory::MemoryKind::Host,
+        by_messages: false,
+        root: 0,
+        elements: 1,
+    };
+    let mut byte = 0u8;
+    let refused = engines[1].submit(
+        Submission::new(
+            1,
+            SimTensor::Host(HostTensor::new(&raw mut byte, 1)),
+            barrier,
+            None,
+            2,
+        )
+        .unwrap(),
+    );
     assert!(matches!(refused, Err(crate::Error::Failed { .. })));
 }
 

@@ -515,17 +515,23 @@ fn play(
                         range: share.range.clone(),
                     }
                 });
-                let sub = Submission {
-                    seq,
-                    tensor,
-                    elements: op.planned(),
-                    dtype: op.dtype,
-                    op: op.op,
-                    algorithm: op.algorithm,
-                    wire: op.wire,
-                    descriptor: sc.descriptor(k),
-                    deliver,
-                };
+                // The engine derives what it runs from the descriptor; the
+                // simulation's own account of the operation must agree.
+                let sub = Submission::new(seq, tensor, sc.descriptor(k), deliver, world)
+                    .ok_or_else(|| format!("operation {k} overflows"))?;
+                let derived = (
+                    sub.elements(),
+                    sub.dtype(),
+                    sub.op(),
+                    sub.algorithm(),
+                    sub.wire(),
+                );
+                let drawn = (op.planned(), op.dtype, op.op, op.algorithm, op.wire);
+                if derived != drawn {
+                    return Err(format!(
+                        "operation {k} runs as {derived:?} by its descriptor, drawn as {drawn:?}"
+                    ));
+                }
                 rank.submitted += 1;
                 if rank.engine.submit(sub).is_err() {
                     rank.engine.works.give_back(seq);
