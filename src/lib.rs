@@ -22,8 +22,9 @@
 //!
 //! [`Communicator`] runs all-reduce, broadcast, all-gather, reduce-scatter, reduce,
 //! gather, scatter, barrier and coalesced all-reduce across processes and machines
-//! on host memory, and point-to-point messages and all-to-all ([`Message`]), each
-//! message an operation of the engine, from tensor to tensor:
+//! on host memory, and sends, receives and all-to-all (each message an operation
+//! of the engine, from tensor to tensor), every one a [`Call`] started by
+//! [`Communicator::start`], alone or in a group under one [`Work`]:
 //!
 //! - **built** from torchrun's environment or a [`Config`] builder; ranks meet
 //!   through a [`Store`] (by default the authenticated [`store::TcpStore`] rank 0
@@ -94,9 +95,7 @@ mod simulation;
 pub mod store;
 mod sync;
 
-pub use communicator::{
-    Call, Collective, Communicator, Memory, Message, Options, OwnedWork, Scope, Work,
-};
+pub use communicator::{Call, Collective, Communicator, Memory, Options, OwnedWork, Scope, Work};
 pub use config::{Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Role};
 pub use engine::links::Traffic;
 pub use error::{Error, Result};

@@ -105,8 +105,7 @@ fn a_refused_group_changes_nothing() {
             // SAFETY: refused before any memory is touched (and if it were
             // not, both buffers outlive the wait the work's drop does).
             let e = unsafe { comm.start_group(&calls) }
-                .err()
-                .expect("refused")
+                .expect_err("refused")
                 .to_string();
             assert!(
                 e.contains("calls") && e.contains("call 1"),
@@ -121,7 +120,7 @@ fn a_refused_group_changes_nothing() {
                 wire: Some(WireFormat::F16),
             });
             // SAFETY: as above.
-            let alone = unsafe { comm.start(&call) }.err().expect("refused");
+            let alone = unsafe { comm.start(&call) }.expect_err("refused");
             assert!(alone.to_string().contains("wire"), "rank {rank}: {alone}");
             assert_eq!(b, [9.0; 6], "rank {rank}: the broadcast's tensor");
             // Nothing was numbered: the next call meets its peer.
@@ -146,5 +145,96 @@ fn options_of(algorithm: Algorithm) -> Options {
     Options {
         algorithm: Some(algorithm),
         wire: None,
+    }
+}
+
+/// Sends and receives are calls like any collective: a group mixes them
+/// with collectives under one work; a group of messages alone is not
+/// numbered; a message whose match has another size fails alone, in its
+/// group, and the communicator goes on.
+#[test]
+fn sends_and_receives_start_as_calls_in_groups_with_collectives() {
+    for (m, d) in [(2, 1), (1, 2)] {
+        let results = job(
+            m,
+            d,
+            |b| b,
+            |rank, comm| {
+                let peer = 1 - rank;
+                let r = i64::from(rank);
+                let mut summed = vec![r + 1; 300];
+                let outgoing: Vec<i64> = (0..5000).map(|i| i * 10 + r).collect();
+                let mut incoming = vec![0i64; 5000];
+                let tagged = [r + 100; 3];
+                let mut tagged_in = [0i64; 3];
+                let calls = [
+                    // Tag 9 first on one side, last on the other: tags match
+                    // on their own.
+                    Call::send(peer, 9, tagged.as_ptr().cast(), 3, DataType::I64),
+                    Call::all_reduce(
+                        summed.as_mut_ptr().cast(),
+                        300,
+                        DataType::I64,
+                        ReduceOp::Sum,
+                    ),
+                    Call::send(peer, 0, outgoing.as_ptr().cast(), 5000, DataType::I64),
+                    Call::recv(peer, 0, incoming.as_mut_ptr().cast(), 5000, DataType::I64),
+                    Call::recv(peer, 9, tagged_in.as_mut_ptr().cast(), 3, DataType::I64),
+                ];
+                // SAFETY: every buffer outlives the wait below and is not
+                // touched until then; none overlap.
+                let work = unsafe { comm.start_group(&calls) }
+                    .unwrap_or_else(|e| panic!("{m}x{d} rank {rank}: {e}"));
+                assert!(
+                    work.sequence().is_some(),
+                    "a group with a collective is numbered"
+                );
+                work.wait()
+                    .unwrap_or_else(|e| panic!("{m}x{d} rank {rank}: {e}"));
+                assert_eq!(summed, vec![3; 300]);
+                let p = i64::from(peer);
+                assert!(
+                    incoming
+                        .iter()
+                        .enumerate()
+                        .all(|(i, &v)| v == i as i64 * 10 + p)
+                );
+                assert_eq!(tagged_in, [p + 100; 3]);
+                // Messages alone: no sequence number.
+                let mut one = [0i64; 4];
+                let call = if rank == 0 {
+                    Call::send(peer, 1, one.as_ptr().cast(), 4, DataType::I64)
+                } else {
+                    Call::recv(peer, 1, one.as_mut_ptr().cast(), 4, DataType::I64)
+                };
+                // SAFETY: `one` outlives the wait.
+                let work = unsafe { comm.start(&call) }.unwrap();
+                assert_eq!(work.sequence(), None);
+                work.wait().unwrap();
+                // A receive of another size fails its group, naming both
+                // calls; the communicator goes on.
+                let mut short = [0i64; 2];
+                let mut total = [1i64];
+                let calls = [
+                    if rank == 0 {
+                        Call::send(peer, 2, one.as_ptr().cast(), 4, DataType::I64)
+                    } else {
+                        Call::recv(peer, 2, short.as_mut_ptr().cast(), 2, DataType::I64)
+                    },
+                    Call::all_reduce(total.as_mut_ptr().cast(), 1, DataType::I64, ReduceOp::Sum),
+                ];
+                // SAFETY: as above.
+                let e = unsafe { comm.start_group(&calls) }
+                    .unwrap()
+                    .wait()
+                    .expect_err("a mismatched message fails");
+                assert!(matches!(e, fairring::Error::Mismatch { .. }), "{e}");
+                assert_eq!(total, [2], "the group's collective ran");
+                comm.all_reduce(&mut total, ReduceOp::Sum).unwrap();
+                assert_eq!(total, [4], "the communicator goes on");
+                rank
+            },
+        );
+        assert_eq!(results.len(), 2);
     }
 }

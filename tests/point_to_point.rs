@@ -8,7 +8,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{job, job_with_servers, small_slices};
-use fairring::{Algorithm, DataType, Error, Message};
+use fairring::{Algorithm, DataType, Error, Work};
 
 /// The value of element `i` of message `k` from `src` to `dst`: distinct per
 /// pair, message and place, NaN payloads and negative zeros among them.
@@ -55,7 +55,7 @@ fn every_pair_at_once(m: u32, d: u32, servers: u32, algorithm: Algorithm, tagged
             if tagged {
                 receives.reverse();
             }
-            let mut messages: Vec<Message> = Vec::new();
+            let mut messages: Vec<Work<'_>> = Vec::new();
             for (peer, k, data) in &mut sends {
                 // SAFETY: `data` lives, untouched, until every message is waited.
                 messages.push(
@@ -87,8 +87,10 @@ fn every_pair_at_once(m: u32, d: u32, servers: u32, algorithm: Algorithm, tagged
                 );
             }
             for msg in &messages {
-                msg.wait().unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                msg.wait_timeout(Duration::from_secs(60))
+                    .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                 assert!(msg.test().expect("a finished message tests clean"));
+                assert_eq!(msg.sequence(), None, "a message is not numbered");
             }
             drop(messages);
             // The sends are unchanged, and every receive holds its sender's.
@@ -311,12 +313,17 @@ fn bad_peers_and_pointers_are_refused_naming_the_argument() {
                     other => panic!("peer {peer}: {other:?}"),
                 }
             }
-            // A bad peer anywhere in a batch refuses the whole batch at once.
+            // A bad peer anywhere in a batch refuses the whole batch at once,
+            // naming its list and entry.
             let (mut a, mut b) = ([0u8; 2], [0u8; 2]);
             match comm.send_recv(&mut [(1 - rank, &mut a[..])], &mut [(7, &mut b[..])]) {
                 Err(Error::InvalidArgument {
-                    argument: "peer", ..
-                }) => {}
+                    argument: "receives",
+                    reason,
+                }) => assert!(
+                    reason.starts_with("receive 0: rank 7 is not another rank"),
+                    "{reason}"
+                ),
                 other => panic!("a batch with peer 7: {other:?}"),
             }
             // SAFETY: refused before anything touches the (null) memory.
@@ -443,7 +450,7 @@ fn abort_fails_messages_in_flight_and_refuses_later_ones() {
                             std::thread::sleep(Duration::from_millis(200));
                             comm.abort();
                         });
-                        for m in [&met, &meeting] {
+                        for m in [met, meeting] {
                             let e = m.wait().expect_err("aborted");
                             assert!(matches!(e, Error::Aborted), "{e}");
                         }

@@ -476,5 +476,5 @@ fn all_to_all<T: Value>(
         // finished (waited below, or dropped, which waits).
         messages.push(unsafe { comm.post_all_to_all(input, &counts, output, &counts, T::DTYPE) }?);
     }
-    messages.iter().try_for_each(fairring::Message::wait)
+    messages.into_iter().try_for_each(fairring::Work::wait)
 }

@@ -88,6 +88,14 @@
 // workspace everywhere) into rank `r`'s output.
 #define FR_COLLECTIVE_SCATTER 8
 
+// A send of `count` elements at `input` to rank `peer`, with `tag` (host
+// memory).
+#define FR_COLLECTIVE_SEND 9
+
+// A receive of `count` elements into `output` from rank `peer`, with `tag`
+// (host memory).
+#define FR_COLLECTIVE_RECV 10
+
 // Host memory of this process. (`FR_MEMORY_*` say where a call's memory is.)
 #define FR_MEMORY_HOST 0
 
@@ -128,16 +136,17 @@
 // A communicator: one rank's membership of a job. Opaque.
 typedef struct fr_comm fr_comm;
 
-// An operation (or coalesced group) in flight. Opaque.
+// A started call (or group of calls) in flight: collectives, sends and
+// receives alike. Opaque.
 typedef struct fr_work fr_work;
 
 // What a call returns: `FR_OK`, `FR_PENDING` or an error code. On an error,
 // `fr_last_error()` on the same thread describes it.
 typedef int32_t fr_status;
 
-// One collective call, described. In a zeroed `fr_call` the options are the
-// communicator's and the memory is the host's: set `collective` and the
-// fields it reads. `count` is one rank's part: the tensor of an all-reduce, a
+// One call (a collective, a send or a receive), described. In a zeroed
+// `fr_call` the options are the communicator's and the memory is the host's:
+// set `collective` and the fields it reads. `count` is one rank's part: the tensor of an all-reduce, a
 // broadcast or a reduce, the input of an all-gather or a gather (whose output
 // holds `world_size * count`), the output of a reduce-scatter or a scatter
 // (whose input holds `world_size * count`).
@@ -168,6 +177,11 @@ typedef struct {
   int32_t algorithm;
   // An `FR_WIRE_*` value.
   int32_t wire;
+  // The other rank of a send or a receive.
+  uint32_t peer;
+  // The tag of a send or a receive: a peer's sends of one tag match this
+  // rank's receives of that tag in the order both were posted.
+  uint32_t tag;
 } fr_call;
 
 // What a store callback returns: `FR_STORE_OK`, `FR_STORE_TIMEOUT`, or any
@@ -605,8 +619,9 @@ fr_status fr_reduce_scatter_device(const fr_comm *comm,
 // Makes `stream` wait, on the device, until the work has finished: what is
 // enqueued on `stream` afterwards sees its result; the host does not wait. A
 // failed operation releases the stream too, once nothing of it touches its
-// tensors any more (`fr_work_wait` reports its error). For a work with no
-// device operation behind it, waits on the host.
+// tensors any more (`fr_work_wait` reports its error). Its messages (sends,
+// receives, a host gather's or scatter's) live on the host: the host waits
+// for them here.
 //
 // Every device step of an operation was enqueued when it was started, so
 // the stream drains without a CUDA call still to be made: any thread may

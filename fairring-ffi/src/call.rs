@@ -32,6 +32,13 @@ pub const FR_COLLECTIVE_GATHER: i32 = 7;
 /// workspace everywhere) into rank `r`'s output.
 pub const FR_COLLECTIVE_SCATTER: i32 = 8;
 
+/// A send of `count` elements at `input` to rank `peer`, with `tag` (host
+/// memory).
+pub const FR_COLLECTIVE_SEND: i32 = 9;
+/// A receive of `count` elements into `output` from rank `peer`, with `tag`
+/// (host memory).
+pub const FR_COLLECTIVE_RECV: i32 = 10;
+
 /// Host memory of this process. (`FR_MEMORY_*` say where a call's memory is.)
 pub const FR_MEMORY_HOST: i32 = 0;
 /// CUDA device memory, ordered on the call's `stream` (only where
@@ -61,9 +68,9 @@ pub const FR_WIRE_BF16: i32 = 2;
 /// IEEE binary16, for f32 values.
 pub const FR_WIRE_F16: i32 = 3;
 
-/// One collective call, described. In a zeroed `fr_call` the options are the
-/// communicator's and the memory is the host's: set `collective` and the
-/// fields it reads. `count` is one rank's part: the tensor of an all-reduce, a
+/// One call (a collective, a send or a receive), described. In a zeroed
+/// `fr_call` the options are the communicator's and the memory is the host's:
+/// set `collective` and the fields it reads. `count` is one rank's part: the tensor of an all-reduce, a
 /// broadcast or a reduce, the input of an all-gather or a gather (whose output
 /// holds `world_size * count`), the output of a reduce-scatter or a scatter
 /// (whose input holds `world_size * count`).
@@ -96,6 +103,11 @@ pub struct fr_call {
     pub algorithm: i32,
     /// An `FR_WIRE_*` value.
     pub wire: i32,
+    /// The other rank of a send or a receive.
+    pub peer: u32,
+    /// The tag of a send or a receive: a peer's sends of one tag match this
+    /// rank's receives of that tag in the order both were posted.
+    pub tag: u32,
 }
 
 /// A refused field: its name and why.
@@ -176,6 +188,8 @@ impl fr_call {
             Collective::Scatter => {
                 Call::scatter(input.cast_mut(), output, self.count, dtype, self.root)
             }
+            Collective::Send => Call::send(self.peer, self.tag, input, self.count, dtype),
+            Collective::Recv => Call::recv(self.peer, self.tag, output, self.count, dtype),
         };
         let call = call.with(Options { algorithm, wire });
         match self.memory {
@@ -345,6 +359,8 @@ mod tests {
             (FR_COLLECTIVE_REDUCE, Collective::Reduce),
             (FR_COLLECTIVE_GATHER, Collective::Gather),
             (FR_COLLECTIVE_SCATTER, Collective::Scatter),
+            (FR_COLLECTIVE_SEND, Collective::Send),
+            (FR_COLLECTIVE_RECV, Collective::Recv),
         ];
         assert_eq!(collectives.len(), Collective::ALL.len());
         for (c, rust) in collectives {

@@ -10,7 +10,7 @@ use fairring::{Call, Communicator, Config, Work};
 use crate::call::{Calls, dtype_of, lists, op_of, start_export};
 use crate::status::{FR_OK, boundary, fail, fr_status, invalid};
 use crate::store::{CallbackStore, fr_store};
-use crate::work_handles::{Completions, InFlight, fr_work};
+use crate::work_handles::{Completions, fr_work};
 
 /// A communicator: one rank's membership of a job. Opaque.
 pub struct fr_comm {
@@ -234,22 +234,7 @@ pub(crate) unsafe fn hand_out(
     out: *mut *mut fr_work,
     work: fairring::Result<Work<'_>>,
 ) -> fr_status {
-    let owned = work.and_then(|w| c.comm.own(w));
-    // SAFETY: forwarded.
-    unsafe { hand_out_in_flight(c, out, owned.map(InFlight::Operations)) }
-}
-
-/// Stores the handle of `work`, on `c`, in `*out`; or returns its error.
-///
-/// # Safety
-///
-/// `out` is non-null and valid for a write.
-pub(crate) unsafe fn hand_out_in_flight(
-    c: &fr_comm,
-    out: *mut *mut fr_work,
-    work: fairring::Result<InFlight>,
-) -> fr_status {
-    match work {
+    match work.and_then(|w| c.comm.own(w)) {
         // SAFETY: valid for a write per the contract.
         Ok(work) => unsafe {
             give(

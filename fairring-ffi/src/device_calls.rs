@@ -24,7 +24,7 @@ use fairring::cuda::sys::CUstream;
 use crate::call::{Calls, dtype_of, lists, op_of, start_export};
 use crate::comm::fr_comm;
 use crate::status::{FR_OK, boundary, fail, fr_status, invalid};
-use crate::work_handles::{InFlight, fr_work};
+use crate::work_handles::fr_work;
 
 /// Starts an all-reduce of `count` elements of `dtype` at device address
 /// `data`, in place, with `op`, ordered on `stream`. `*out` receives the work
@@ -162,8 +162,9 @@ pub unsafe extern "C" fn fr_reduce_scatter_device(
 /// Makes `stream` wait, on the device, until the work has finished: what is
 /// enqueued on `stream` afterwards sees its result; the host does not wait. A
 /// failed operation releases the stream too, once nothing of it touches its
-/// tensors any more (`fr_work_wait` reports its error). For a work with no
-/// device operation behind it, waits on the host.
+/// tensors any more (`fr_work_wait` reports its error). Its messages (sends,
+/// receives, a host gather's or scatter's) live on the host: the host waits
+/// for them here.
 ///
 /// Every device step of an operation was enqueued when it was started, so
 /// the stream drains without a CUDA call still to be made: any thread may
@@ -184,14 +185,8 @@ pub unsafe extern "C" fn fr_work_enqueue_wait(
         let Some(w) = (unsafe { work.as_ref() }) else {
             return invalid("work", "null");
         };
-        let InFlight::Operations(operations) = &*w.work else {
-            return invalid(
-                "work",
-                "a point-to-point message runs on host memory: there is nothing to enqueue",
-            );
-        };
         // SAFETY: the stream contract is the caller's, as documented.
-        match unsafe { operations.enqueue_wait_raw(stream as CUstream) } {
+        match unsafe { w.work.enqueue_wait_raw(stream as CUstream) } {
             Ok(()) => FR_OK,
             Err(e) => fail(&e),
         }

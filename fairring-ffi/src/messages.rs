@@ -1,6 +1,7 @@
-//! Point-to-point messages: `fr_send`, `fr_recv` and `fr_all_to_all`, each
-//! a work handle like any operation's (waited, tested, called back and freed
-//! alike).
+//! Point-to-point messages: `fr_send` and `fr_recv` (conveniences for
+//! `fr_start` of an `FR_COLLECTIVE_SEND` or `FR_COLLECTIVE_RECV` call) and
+//! `fr_all_to_all`, each a work handle like any operation's (waited, tested,
+//! called back and freed alike).
 //!
 //! A message is an operation of the communicator's engine; the call returns
 //! at once (a peer first named is connected to in the background). Messages
@@ -10,10 +11,12 @@
 
 use std::ffi::c_void;
 
-use crate::call::dtype_of;
-use crate::comm::{begin, fr_comm, hand_out_in_flight};
+use fairring::Call;
+
+use crate::call::{Calls, dtype_of, start_export};
+use crate::comm::{begin, fr_comm, hand_out};
 use crate::status::{boundary, fr_status, invalid};
-use crate::work_handles::{InFlight, fr_work};
+use crate::work_handles::fr_work;
 
 /// Posts a send of `count` elements of `dtype` at `data` to rank `peer`,
 /// with tag `tag`. `*out` receives the work handle.
@@ -60,6 +63,8 @@ pub unsafe extern "C" fn fr_recv(
     unsafe { post(comm, peer, tag, false, data, count, dtype, out) }
 }
 
+/// A send or a receive as a call, started through `fr_start`'s path.
+///
 /// # Safety
 ///
 /// As `fr_send`.
@@ -77,22 +82,13 @@ unsafe fn post(
     dtype: i32,
     out: *mut *mut fr_work,
 ) -> fr_status {
-    boundary(|| {
-        // SAFETY: forwarded.
-        let (c, dtype) = match unsafe { begin_typed(comm, out, dtype) } {
-            Ok(both) => both,
-            Err(s) => return s,
-        };
-        let (data, comm) = (data.cast(), &c.comm);
-        let message = if sending {
-            // SAFETY: the memory contract is the caller's, as documented.
-            unsafe { comm.post_send(peer, tag, data, count, dtype) }
+    start_export!(comm, out, {
+        let dtype = dtype_of(dtype)?;
+        Ok(Calls::One(if sending {
+            Call::send(peer, tag, data.cast_const().cast(), count, dtype)
         } else {
-            // SAFETY: as above.
-            unsafe { comm.post_recv(peer, tag, data, count, dtype) }
-        };
-        // SAFETY: `begin` checked `out`, valid for a write per the contract.
-        unsafe { hand_out_in_flight(c, out, message.map(InFlight::Message)) }
+            Call::recv(peer, tag, data.cast(), count, dtype)
+        }))
     })
 }
 
@@ -144,7 +140,7 @@ pub unsafe extern "C" fn fr_all_to_all(
                 .post_all_to_all(input.cast(), ins, output.cast(), outs, dtype)
         };
         // SAFETY: `begin` checked `out`, valid for a write per the contract.
-        unsafe { hand_out_in_flight(c, out, message.map(InFlight::Message)) }
+        unsafe { hand_out(c, out, message) }
     })
 }
 

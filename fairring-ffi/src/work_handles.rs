@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::Duration;
 
-use fairring::{Message, OwnedWork};
+use fairring::OwnedWork;
 
 use crate::status::{FR_OK, FR_PENDING, boundary, fail, fr_status, invalid};
 
@@ -15,49 +15,17 @@ use crate::status::{FR_OK, FR_PENDING, boundary, fail, fr_status, invalid};
 /// message). It must return promptly and must not destroy the communicator.
 pub type fr_work_callback = Option<unsafe extern "C" fn(user: *mut c_void, status: fr_status)>;
 
-/// An operation (or coalesced group) in flight. Opaque.
+/// A started call (or group of calls) in flight: collectives, sends and
+/// receives alike. Opaque.
 pub struct fr_work {
-    pub(crate) work: Arc<InFlight>,
+    pub(crate) work: Arc<OwnedWork>,
     pub(crate) completions: Arc<Completions>,
-}
-
-/// What a work handle stands for: collective operations, or point-to-point
-/// messages (perhaps still waiting for their peer's link or at the gate).
-pub(crate) enum InFlight {
-    Operations(OwnedWork),
-    Message(Message),
-}
-
-impl InFlight {
-    /// Waits up to the communicator's timeout.
-    fn wait(&self) -> fairring::Result<()> {
-        match self {
-            InFlight::Operations(w) => w.wait(),
-            InFlight::Message(m) => m.wait(),
-        }
-    }
-
-    /// Waits up to `timeout`.
-    fn wait_timeout(&self, timeout: Duration) -> fairring::Result<()> {
-        match self {
-            InFlight::Operations(w) => w.wait_timeout(timeout),
-            InFlight::Message(m) => m.wait_timeout(timeout),
-        }
-    }
-
-    /// Whether it has finished; its error if it failed.
-    pub(crate) fn test(&self) -> fairring::Result<bool> {
-        match self {
-            InFlight::Operations(w) => w.test(),
-            InFlight::Message(m) => m.test(),
-        }
-    }
 }
 
 /// What the completion thread does with a work: wait for it, then call back
 /// (if asked) and let go of it.
 struct Job {
-    work: Arc<InFlight>,
+    work: Arc<OwnedWork>,
     callback: Option<(unsafe extern "C" fn(*mut c_void, fr_status), *mut c_void)>,
 }
 
@@ -131,7 +99,7 @@ fn complete(rx: &Receiver<Job>) {
 
 /// Waits until `work` has finished (a failure finishes it too); its status,
 /// with this thread's message set on failure.
-fn finish(work: &InFlight) -> fr_status {
+fn finish(work: &OwnedWork) -> fr_status {
     loop {
         match work.wait_timeout(Duration::from_secs(1)) {
             Ok(()) => return FR_OK,

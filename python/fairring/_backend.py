@@ -36,6 +36,23 @@ def _starting(calls):
 
     return start, array
 
+def _message_call(block, at, count, peer, sending, tag=0):
+    """The `fr_call` of a send (`sending`) or a receive of `count` elements of
+    the contiguous `block` from element `at`, to or from `peer`, with `tag`;
+    a type the library does not name travels as bytes."""
+    code = _DTYPES.get(block.dtype)
+    size = block.element_size()
+    c = native.Call()
+    c.collective = native.COLLECTIVE_SEND if sending else native.COLLECTIVE_RECV
+    c.input = c.output = block.data_ptr() + at * size
+    if code is None:
+        c.count, c.dtype = count * size, native.DTYPE_U8
+    else:
+        c.count, c.dtype = count, code
+    c.peer, c.tag = peer, tag
+    return c
+
+
 def _teardown(state):
     """Destroys a group's communicators once: joins its completion thread, then
     lets the engines go (which joins their threads)."""
@@ -514,8 +531,8 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
             )
         ins = self._split_counts(what, "input", inp, input_split_sizes)
         outs = self._split_counts(what, "output", staged.buffer, output_split_sizes)
-        start = self._all_to_all_start(inp, ins, staged.buffer, outs)
-        return self._start(what, [start], staged.finish, [output], (inp, staged))
+        start, array = self._all_to_all_start(inp, ins, staged.buffer, outs)
+        return self._start(what, [start], staged.finish, [output], (inp, staged, array))
 
     all_to_all_single = alltoall_base
 
@@ -537,12 +554,12 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype)
         ins = [t.numel() for t in input_tensors]
         outs = [t.numel() for t in output_tensors]
-        start = self._all_to_all_start(flat_in, ins, flat_out, outs)
+        start, array = self._all_to_all_start(flat_in, ins, flat_out, outs)
 
         def finish():
             unpack(flat_out, output_tensors)
 
-        return self._start(what, [start], finish, output_tensors, (flat_in, flat_out))
+        return self._start(what, [start], finish, output_tensors, (flat_in, flat_out, array))
 
     def _split_counts(self, what, name, tensor, sizes):
         """Elements per rank of `tensor` cut along its first dimension by
@@ -565,29 +582,34 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         return [n * per_row for n in sizes]
 
     def _all_to_all_start(self, inp, ins, out, outs):
-        """The function that posts an all-to-all of `ins[j]` elements of `inp`
-        to rank j and `outs[j]` of `out` from it (both contiguous)."""
-        code = _DTYPES.get(inp.dtype)
-        if code is None:
-            size = inp.element_size()
-            ins, outs, code = [n * size for n in ins], [n * size for n in outs], native.DTYPE_U8
-        counts_in = (ctypes.c_uint64 * len(ins))(*ins)
-        counts_out = (ctypes.c_uint64 * len(outs))(*outs)
-        src, dst = ctypes.c_void_p(inp.data_ptr()), ctypes.c_void_p(out.data_ptr())
-
-        def start(comm, w):
-            return native.lib().fr_all_to_all(comm, src, counts_in, dst, counts_out, code, w)
-
-        return start
+        """The function that starts an all-to-all of `ins[j]` elements of `inp`
+        to rank j and `outs[j]` of `out` from it (both contiguous) as one
+        group of sends and receives (`fr_start`), and the array of its calls.
+        This rank's own block is copied here."""
+        me = self.rank()
+        if ins[me] != outs[me]:
+            raise ValueError(
+                f"fairring: all_to_all: this rank's block to itself ({ins[me]} elements) "
+                f"does not fit its place in the output ({outs[me]} elements)"
+            )
+        at_in = [sum(ins[:j]) for j in range(len(ins))]
+        at_out = [sum(outs[:j]) for j in range(len(outs))]
+        out.view(-1)[at_out[me] : at_out[me] + outs[me]].copy_(
+            inp.view(-1)[at_in[me] : at_in[me] + ins[me]]
+        )
+        calls = []
+        for peer in range(self.size()):
+            if peer != me:
+                calls.append(_message_call(inp, at_in[peer], ins[peer], peer, True))
+                calls.append(_message_call(out, at_out[peer], outs[peer], peer, False))
+        return _starting(calls)
 
     # Point-to-point: a message is an operation of the library's engine,
     # from the sender's tensor into the receiver's. Messages from one rank
     # to another of one tag match that rank's receives of that tag in the
     # order both were posted, as NCCL's and MPI's do. A receive of another
     # size or type fails both messages, each naming both ranks.
-    def _message_start(self, block, peer, sending, what, tag=0):
-        """The function that posts one message of a contiguous `block` to or
-        from `peer`, with tag `tag`."""
+    def _check_message(self, peer, tag, what):
         if not isinstance(peer, int) or not 0 <= peer < self.size() or peer == self.rank():
             raise ValueError(
                 f"fairring: {what}: peer {peer} is not another rank of this group of "
@@ -595,24 +617,14 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
             )
         if not isinstance(tag, int) or not 0 <= tag < 1 << 32:
             raise ValueError(f"fairring: {what}: tag {tag} is not an integer in [0, 2**32)")
-        code = _DTYPES.get(block.dtype)
-        if code is None:
-            count, code = block.numel() * block.element_size(), native.DTYPE_U8
-        else:
-            count = block.numel()
-        ptr = ctypes.c_void_p(block.data_ptr())
-        post = native.lib().fr_send if sending else native.lib().fr_recv
-
-        def start(comm, w):
-            return post(comm, peer, tag, ptr, count, code, w)
-
-        return start
 
     def _message(self, what, tensor, peer, sending, tag):
+        self._check_message(peer, tag, what)
         staged = _Staged(tensor, what, write_back=not sending)
-        start = self._message_start(staged.buffer, peer, sending, what, tag)
+        block = staged.buffer
+        start, array = _starting([_message_call(block, 0, block.numel(), peer, sending, tag)])
         label = f"{what} {'to' if sending else 'from'} rank {peer}"
-        return self._start(label, [start], staged.finish, [tensor], staged)
+        return self._start(label, [start], staged.finish, [tensor], (staged, array))
 
     def send(self, tensors, dst, tag=0):
         if len(tensors) != 1:

@@ -32,7 +32,7 @@ OP_BAND, OP_BOR, OP_BXOR = 5, 6, 7
 # FR_COLLECTIVE_*, FR_MEMORY_* (the fields of an `fr_call`).
 COLLECTIVE_ALL_REDUCE, COLLECTIVE_BROADCAST, COLLECTIVE_ALL_GATHER = 1, 2, 3
 COLLECTIVE_REDUCE_SCATTER, COLLECTIVE_BARRIER, COLLECTIVE_REDUCE = 4, 5, 6
-COLLECTIVE_GATHER, COLLECTIVE_SCATTER = 7, 8
+COLLECTIVE_GATHER, COLLECTIVE_SCATTER, COLLECTIVE_SEND, COLLECTIVE_RECV = 7, 8, 9, 10
 MEMORY_HOST, MEMORY_DEVICE = 0, 1
 
 c_status = ctypes.c_int32
@@ -74,8 +74,8 @@ class Store(ctypes.Structure):
 
 
 class Call(ctypes.Structure):
-    """``fr_call``: one collective described (zeroed: the communicator's
-    options, host memory)."""
+    """``fr_call``: one call (a collective, a send or a receive) described
+    (zeroed: the communicator's options, host memory)."""
 
     _fields_ = [
         ("collective", ctypes.c_int32),
@@ -89,6 +89,8 @@ class Call(ctypes.Structure):
         ("stream", ctypes.c_void_p),
         ("algorithm", ctypes.c_int32),
         ("wire", ctypes.c_int32),
+        ("peer", ctypes.c_uint32),
+        ("tag", ctypes.c_uint32),
     ]
 
 
@@ -139,38 +141,6 @@ def _declare(l):
     fn("fr_comm_rank", c_status, comm_p, ctypes.POINTER(u32), ctypes.POINTER(u32))
     fn("fr_comm_abort", c_status, comm_p)
     fn("fr_comm_destroy", None, comm_p)
-    fn("fr_all_reduce", c_status, comm_p, vp, u64, i32, i32, p_work)
-    fn(
-        "fr_all_reduce_coalesced",
-        c_status,
-        comm_p,
-        ctypes.POINTER(vp),
-        ctypes.POINTER(u64),
-        ctypes.c_size_t,
-        i32,
-        i32,
-        p_work,
-    )
-    fn("fr_broadcast", c_status, comm_p, vp, u64, i32, u32, p_work)
-    fn("fr_all_gather", c_status, comm_p, vp, vp, u64, i32, p_work)
-    fn("fr_reduce_scatter", c_status, comm_p, vp, vp, u64, i32, i32, p_work)
-    fn("fr_reduce", c_status, comm_p, vp, vp, u64, i32, i32, u32, p_work)
-    fn("fr_gather", c_status, comm_p, vp, vp, u64, i32, u32, p_work)
-    fn("fr_scatter", c_status, comm_p, vp, vp, u64, i32, u32, p_work)
-    fn("fr_barrier", c_status, comm_p, p_work)
-    fn("fr_send", c_status, comm_p, u32, u32, vp, u64, i32, p_work)
-    fn("fr_recv", c_status, comm_p, u32, u32, vp, u64, i32, p_work)
-    fn(
-        "fr_all_to_all",
-        c_status,
-        comm_p,
-        vp,
-        ctypes.POINTER(u64),
-        vp,
-        ctypes.POINTER(u64),
-        i32,
-        p_work,
-    )
     fn("fr_cuda_built", ctypes.c_bool)
     fn("fr_start", c_status, comm_p, ctypes.POINTER(Call), ctypes.c_size_t, p_work)
     # Exported only by a library built with the `cuda` feature.

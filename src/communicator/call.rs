@@ -1,6 +1,7 @@
-//! [`Call`]: one description of any collective call, which
-//! [`Communicator::start`] starts. Every other entry (the blocking forms,
-//! [`Scope`]'s borrowing forms, the C ABI) fills one in and starts it.
+//! [`Call`]: one description of any call (a collective, a send or a
+//! receive), which [`Communicator::start`] starts. Every other entry (the
+//! blocking forms, [`Scope`]'s borrowing forms, the posted messages, the C
+//! ABI) fills one in and starts it.
 
 use super::*;
 
@@ -59,8 +60,9 @@ pub enum Memory {
     },
 }
 
-/// One collective call, described: which collective, on which memory, of how
-/// many elements of which type, with which operator, root and [`Options`].
+/// One call, described: which collective (or a send or a receive), on which
+/// memory, of how many elements of which type, with which operator, root (or
+/// peer and tag) and [`Options`].
 /// Built by the constructor of its collective; started by
 /// [`Communicator::start`] (one call) or [`Communicator::start_group`]
 /// (several, one [`Work`]).
@@ -99,6 +101,11 @@ pub struct Call {
     pub op: ReduceOp,
     /// The root of a broadcast, a reduce, a gather or a scatter.
     pub root: u32,
+    /// The other rank of a send or a receive.
+    pub peer: u32,
+    /// The tag of a send or a receive: a peer's sends of one tag match this
+    /// rank's receives of that tag in the order both were posted.
+    pub tag: u32,
     /// Where `input` and `output` live.
     pub memory: Memory,
     /// The options.
@@ -224,6 +231,38 @@ impl Call {
         }
     }
 
+    /// A send of `count` elements of `dtype` at `data` to rank `peer`, with
+    /// `tag`: it finishes once the peer has them. It matches the peer's
+    /// receive from this rank of the same tag, in the order both were posted
+    /// (per tag: NCCL's and MPI's order), which must be of the same size and
+    /// type: another fails both messages, each naming both calls, and the
+    /// communicator goes on. Host memory only; `options` do not apply.
+    pub fn send(peer: u32, tag: u32, data: *const u8, count: u64, dtype: DataType) -> Call {
+        Call {
+            input: data,
+            output: data.cast_mut(),
+            peer,
+            tag,
+            ..Call::in_place(
+                Collective::Send,
+                std::ptr::null_mut(),
+                count,
+                dtype,
+                ReduceOp::Sum,
+            )
+        }
+    }
+
+    /// A receive of `count` elements of `dtype` into `data` from rank `peer`,
+    /// with `tag` (see [`Call::send`]).
+    pub fn recv(peer: u32, tag: u32, data: *mut u8, count: u64, dtype: DataType) -> Call {
+        Call {
+            peer,
+            tag,
+            ..Call::in_place(Collective::Recv, data, count, dtype, ReduceOp::Sum)
+        }
+    }
+
     /// A barrier: it finishes once every rank has entered it.
     pub fn barrier() -> Call {
         Call::in_place(
@@ -268,6 +307,8 @@ impl Call {
             dtype,
             op,
             root: 0,
+            peer: 0,
+            tag: 0,
             memory: Memory::Host,
             options: Options::default(),
         }

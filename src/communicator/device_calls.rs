@@ -53,7 +53,7 @@ use fairring_cuda::{DeviceSlice, DeviceSliceMut, Stream, device_of_pointer, sys}
 use super::start::{check_reduce_overlap, overlaps};
 use super::{
     Call, Collective, Communicator, DeviceCall, OwnedWork, Scope, Work, WorkerEngine, byte_len,
-    check_pointer, wait_messages, wait_range,
+    check_pointer, wait_host_messages, wait_range,
 };
 use crate::error::{Error, Result};
 use crate::memory::DeviceSide;
@@ -223,7 +223,7 @@ impl<'scope> Scope<'scope, '_> {
         }
         // SAFETY: every tensor is borrowed mutably for 'scope (so none
         // overlap), which outlasts the operations.
-        unsafe { self.comm.start_list(&calls, "tensors") }
+        unsafe { self.comm.start_list(&calls, |i| ("tensors", i)) }
     }
 }
 
@@ -265,9 +265,12 @@ impl Work<'_> {
     /// so the stream drains without any CUDA call still to be made: any
     /// thread may make any CUDA call meanwhile, one that waits for the whole
     /// device included.
+    ///
+    /// Messages (sends, receives, a gather's or a scatter's on host memory)
+    /// have nothing on the device: they are waited for here, by the host.
     pub fn enqueue_wait(&self, stream: &Stream) -> Result<()> {
         // SAFETY: a `Stream` is a live stream of its device's primary context.
-        unsafe { enqueue_wait(self.engine, self.first, self.last, stream.raw()) }
+        unsafe { self.enqueue_wait_raw(stream.raw()) }
     }
 
     /// [`enqueue_wait`](Work::enqueue_wait) on a runtime's raw stream.
@@ -278,9 +281,8 @@ impl Work<'_> {
     /// communicator's device operations run on (or null: the legacy default
     /// stream).
     pub unsafe fn enqueue_wait_raw(&self, stream: sys::CUstream) -> Result<()> {
-        // Messages (of a gather or a scatter on host memory) have nothing on
-        // the device: they are waited for here.
-        wait_messages(self.engine, &self.messages, self.engine.timeout)?;
+        // Messages have nothing on the device: they are waited for here.
+        wait_host_messages(self.engine, self.parts())?;
         // SAFETY: forwarded.
         unsafe { enqueue_wait(self.engine, self.first, self.last, stream) }
     }
@@ -293,7 +295,7 @@ impl OwnedWork {
     ///
     /// As [`Work::enqueue_wait_raw`].
     pub unsafe fn enqueue_wait_raw(&self, stream: sys::CUstream) -> Result<()> {
-        wait_messages(&self.comm.engine, &self.messages, self.comm.timeout)?;
+        wait_host_messages(&self.comm.engine, self.parts())?;
         // SAFETY: forwarded.
         unsafe { enqueue_wait(&self.comm.engine, self.first, self.last, stream) }
     }

@@ -146,12 +146,14 @@ impl Communicator {
             ));
         }
         let mut work = work;
-        let (first, last, messages) = (work.first, work.last, work.messages.take());
+        let (first, last) = (work.first, work.last);
+        let (rooted, messages) = (work.rooted.take(), work.messages.take());
         std::mem::forget(work);
         Ok(OwnedWork {
             comm: Arc::clone(self),
             first,
             last,
+            rooted,
             messages,
         })
     }

@@ -1,7 +1,8 @@
 //! [`lower`]: what the engine runs for a [`Call`], decided once, by a pure
 //! function of the call and the job.
 //!
-//! The engine runs every collective as one all-reduce (`Descriptor::runs_as`
+//! A send or a receive is a message of the engine ([`MessagePost`]: its peer,
+//! tag, direction and memory). The engine runs every collective as one all-reduce (`Descriptor::runs_as`
 //! says which). Lowering a call checks its arithmetic (operator, root, sizes),
 //! chooses its algorithm and wire format (`engine::choice`), and returns its
 //! [`Descriptor`], the tensor the engine reduces in place, the share a
@@ -36,7 +37,29 @@ pub(super) struct Job {
 
 /// What the engine runs for one call.
 #[derive(Debug)]
-pub(super) struct Lowered {
+pub(super) enum Lowered {
+    /// A collective: one operation of the engine.
+    Operation(Operation),
+    /// A send or a receive: one message of the engine.
+    Message(MessagePost),
+}
+
+/// A send or a receive, as the engine posts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct MessagePost {
+    pub(super) peer: u32,
+    pub(super) tag: u32,
+    /// To the peer (a send), else from it.
+    pub(super) sending: bool,
+    /// `count` elements of `dtype`.
+    pub(super) data: *mut u8,
+    pub(super) count: u64,
+    pub(super) dtype: DataType,
+}
+
+/// What the engine runs for a collective call.
+#[derive(Debug)]
+pub(super) struct Operation {
     /// The call as every rank compares it; the engine's operation is its
     /// `runs_as`.
     pub(super) descriptor: Descriptor,
@@ -71,6 +94,47 @@ pub(super) struct Share {
 /// defined on its type, a root outside the job, sizes that overflow, a wire
 /// format it cannot carry).
 pub(super) fn lower(call: &Call, job: &Job) -> Result<Lowered> {
+    match call.collective {
+        Collective::Send | Collective::Recv => lower_message(call, job).map(Lowered::Message),
+        _ => lower_operation(call, job).map(Lowered::Operation),
+    }
+}
+
+/// A send or a receive: to or from another rank of the job, on host memory,
+/// of a size that fits in memory, at a pointer aligned for its type.
+fn lower_message(call: &Call, job: &Job) -> Result<MessagePost> {
+    let world = job.choice.topology.world_size();
+    let peer = call.peer;
+    if peer >= world || peer == job.rank {
+        return Err(Error::invalid(
+            "peer",
+            format!(
+                "rank {peer} is not another rank of this job of {world} (this is rank {})",
+                job.rank
+            ),
+        ));
+    }
+    if call.memory != Memory::Host {
+        return Err(Error::invalid(
+            "memory",
+            format!("a {} runs on host memory", call.collective.name()),
+        ));
+    }
+    choice::check_moves_exactly(call.collective, call.options.wire)?;
+    byte_len(call.count, call.dtype)?;
+    check_pointer(call.output, call.count, call.dtype)?;
+    Ok(MessagePost {
+        peer,
+        tag: call.tag,
+        sending: call.collective == Collective::Send,
+        data: call.output,
+        count: call.count,
+        dtype: call.dtype,
+    })
+}
+
+/// A collective: the operation the engine runs for it.
+fn lower_operation(call: &Call, job: &Job) -> Result<Operation> {
     let Call {
         collective,
         count,
@@ -181,7 +245,7 @@ pub(super) fn lower(call: &Call, job: &Job) -> Result<Lowered> {
         tensor,
         n,
     );
-    Ok(Lowered {
+    Ok(Operation {
         descriptor,
         tensor,
         deliver,
@@ -320,6 +384,24 @@ pub(super) fn byte_len(count: u64, dtype: DataType) -> Result<usize> {
         .filter(|&b| b <= isize::MAX as u64)
         .and_then(|b| usize::try_from(b).ok())
         .ok_or_else(|| Error::invalid("count", format!("{count} elements of {dtype} overflow")))
+}
+
+/// Rejects a null or misaligned pointer for `count` elements of `dtype`.
+pub(crate) fn check_pointer(data: *mut u8, count: u64, dtype: DataType) -> Result<()> {
+    if count == 0 {
+        return Ok(());
+    }
+    if data.is_null() {
+        return Err(Error::invalid("data", "null pointer"));
+    }
+    let align = usize::try_from(dtype.size_bytes()).unwrap_or(usize::MAX);
+    if !(data as usize).is_multiple_of(align) {
+        return Err(Error::invalid(
+            "data",
+            format!("{data:p} is not aligned to {align} bytes for {dtype}"),
+        ));
+    }
+    Ok(())
 }
 
 /// Rejects an operator that is not defined on `dtype`, naming `op`.

@@ -14,7 +14,6 @@ mod work;
 
 pub use crate::engine::descriptor::Collective;
 pub use call::{Call, Memory, Options};
-pub use point_to_point::Message;
 pub use scope::Scope;
 pub use work::{OwnedWork, Work};
 
@@ -39,12 +38,14 @@ use crate::memory::{HostTensor, Placed, PlacedTensor};
 use crate::store::{PrefixStore, Store, TcpStoreServer};
 use crate::sync::unmodelled::AtomicU8;
 use fairring_rdma::any::AnyFabric;
-use lowering::{byte_len, check_op};
+#[cfg(feature = "cuda")]
+use lowering::byte_len;
+use lowering::check_op;
+pub(crate) use lowering::check_pointer;
 use point_to_point::PointToPoint;
-pub(crate) use submit::check_pointer;
 use submit::*;
 #[cfg(feature = "cuda")]
-use work::{wait_messages, wait_range};
+use work::{wait_host_messages, wait_range};
 
 /// The engine a communicator runs: host (and, with the `cuda` feature, device)
 /// memory, on the fabric chosen at run time.

@@ -230,7 +230,7 @@ impl<'scope> Scope<'scope, '_> {
             .collect();
         // SAFETY: every tensor is borrowed mutably for 'scope (so none overlap),
         // valid and aligned for its length.
-        unsafe { self.comm.start_list(&calls, "tensors") }
+        unsafe { self.comm.start_list(&calls, |i| ("tensors", i)) }
     }
 
     pub(super) fn finish(&self) {

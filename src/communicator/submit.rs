@@ -1,11 +1,11 @@
-//! Where every call ends: a [`Lowered`] call numbered and queued on the
-//! engine.
+//! Where every collective call ends: its lowered [`Operation`] numbered and
+//! queued on the engine.
 
-use super::lowering::{Lowered, Share, Tensor};
+use super::lowering::{Operation, Share, Tensor};
 use super::*;
 
 impl Communicator {
-    /// Queues a lowered call: applies its prelude once nothing can refuse it
+    /// Queues a lowered collective: applies its prelude once nothing can refuse it
     /// any more, assigns its sequence number and hands it to the engine, on
     /// the GPU and stream of `device` where it runs on device memory. Only a
     /// failed engine (or one whose operation table stays full past the
@@ -17,7 +17,7 @@ impl Communicator {
     /// the operation finishes, and its prelude's ranges be the call's own.
     pub(super) unsafe fn submit(
         &self,
-        lowered: Lowered,
+        lowered: Operation,
         device: Option<DeviceCall>,
     ) -> Result<u64> {
         if let Some(e) = self.engine.failure() {
@@ -30,7 +30,7 @@ impl Communicator {
         };
         #[cfg(not(feature = "cuda"))]
         let _ = device;
-        let Lowered {
+        let Operation {
             descriptor,
             tensor,
             deliver,
@@ -125,24 +125,6 @@ pub(super) fn in_list(argument: &'static str, i: usize, e: Error) -> Error {
         }
         other => other,
     }
-}
-
-/// Rejects a null or misaligned pointer for `count` elements of `dtype`.
-pub(crate) fn check_pointer(data: *mut u8, count: u64, dtype: DataType) -> Result<()> {
-    if count == 0 {
-        return Ok(());
-    }
-    if data.is_null() {
-        return Err(Error::invalid("data", "null pointer"));
-    }
-    let align = usize::try_from(dtype.size_bytes()).unwrap_or(usize::MAX);
-    if !(data as usize).is_multiple_of(align) {
-        return Err(Error::invalid(
-            "data",
-            format!("{data:p} is not aligned to {align} bytes for {dtype}"),
-        ));
-    }
-    Ok(())
 }
 
 /// Where a device operation's tensor lives and which stream orders it.

@@ -1,10 +1,16 @@
-//! [`Work`] and [`OwnedWork`]: operations in flight, waited on, tested and
+//! [`Work`] and [`OwnedWork`]: what a started call is until it finishes
+//! (collective operations, sends and receives alike), waited on, tested and
 //! released.
 
 use super::point_to_point::Message;
 use super::*;
 
-/// One operation (or a coalesced group of them) in flight.
+/// One call (or a group of them) in flight: collective operations, sends and
+/// receives alike.
+///
+/// A failed send or receive fails alone (the communicator goes on); a failed
+/// collective fails the communicator, as its ranks no longer agree on what
+/// it did.
 ///
 /// Dropping it waits for it to finish; if it has not finished within the
 /// communicator's timeout, the communicator is failed (every peer's operations
@@ -17,6 +23,8 @@ pub struct Work<'a> {
     pub(super) last: u64,
     /// The messages of gathers, scatters and reduces that move as messages
     /// (see `point_to_point::rooted`), which finish after their checks.
+    pub(super) rooted: Option<Message>,
+    /// Sends and receives.
     pub(super) messages: Option<Message>,
     pub(super) _data: PhantomData<&'a mut [u8]>,
 }
@@ -27,6 +35,7 @@ impl<'a> Work<'a> {
             engine,
             first,
             last,
+            rooted: None,
             messages: None,
             _data: PhantomData,
         }
@@ -44,34 +53,38 @@ impl<'a> Work<'a> {
 
     /// Waits up to `timeout`: an error if it failed or is still running then.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
-        let start = Instant::now();
-        wait_range(self.engine, self.first, self.last, timeout)?;
-        wait_messages(
-            self.engine,
-            &self.messages,
-            timeout.saturating_sub(start.elapsed()),
-        )
+        wait_all(self.engine, self.parts(), timeout)
     }
 
     /// Whether the operation has finished, without waiting or driving it (the
     /// progress thread does); its error if it failed.
     pub fn test(&self) -> Result<bool> {
-        Ok(test_range(self.engine, self.first, self.last)?
-            && test_messages(self.engine, &self.messages)?)
+        test_all(self.engine, self.parts())
     }
 
     /// The operation's sequence number (the same on every rank); the first one
-    /// of a coalesced group.
-    pub fn sequence(&self) -> u64 {
-        self.first
+    /// of a coalesced group. `None` for sends and receives alone, which are
+    /// not numbered.
+    pub fn sequence(&self) -> Option<u64> {
+        (self.first <= self.last).then_some(self.first)
+    }
+
+    pub(super) fn parts(&self) -> Parts<'_> {
+        Parts {
+            first: self.first,
+            last: self.last,
+            rooted: self.rooted.as_ref(),
+            messages: self.messages.as_ref(),
+        }
     }
 }
 
 impl Drop for Work<'_> {
     fn drop(&mut self) {
-        // The messages first: they wait for their checks, whose entries the
+        // The messages first: a gather's wait for its check, whose entry the
         // release gives back.
         drop(self.messages.take());
+        drop(self.rooted.take());
         release_range(self.engine, self.first, self.last);
     }
 }
@@ -87,16 +100,14 @@ pub struct OwnedWork {
     pub(super) first: u64,
     pub(super) last: u64,
     /// As [`Work`]'s.
+    pub(super) rooted: Option<Message>,
     pub(super) messages: Option<Message>,
 }
 
 impl OwnedWork {
     /// Waits up to `timeout`: an error if it failed or is still running then.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
-        let start = Instant::now();
-        wait_range(&self.comm.engine, self.first, self.last, timeout)?;
-        let left = timeout.saturating_sub(start.elapsed());
-        wait_messages(&self.comm.engine, &self.messages, left)
+        wait_all(&self.comm.engine, self.parts(), timeout)
     }
 
     /// Waits up to the communicator's timeout.
@@ -106,13 +117,21 @@ impl OwnedWork {
 
     /// Whether the operation has finished; its error if it failed.
     pub fn test(&self) -> Result<bool> {
-        Ok(test_range(&self.comm.engine, self.first, self.last)?
-            && test_messages(&self.comm.engine, &self.messages)?)
+        test_all(&self.comm.engine, self.parts())
     }
 
-    /// The operation's sequence number; the first one of a coalesced group.
-    pub fn sequence(&self) -> u64 {
-        self.first
+    /// As [`Work::sequence`].
+    pub fn sequence(&self) -> Option<u64> {
+        (self.first <= self.last).then_some(self.first)
+    }
+
+    pub(super) fn parts(&self) -> Parts<'_> {
+        Parts {
+            first: self.first,
+            last: self.last,
+            rooted: self.rooted.as_ref(),
+            messages: self.messages.as_ref(),
+        }
     }
 
     /// The communicator that runs it.
@@ -124,8 +143,78 @@ impl OwnedWork {
 impl Drop for OwnedWork {
     fn drop(&mut self) {
         drop(self.messages.take());
+        drop(self.rooted.take());
         release_range(&self.comm.engine, self.first, self.last);
     }
+}
+
+impl std::fmt::Debug for Work<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.parts().fmt(f)
+    }
+}
+
+impl std::fmt::Debug for OwnedWork {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.parts().fmt(f)
+    }
+}
+
+impl std::fmt::Debug for Parts<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let operations = (self.first <= self.last).then_some(self.first..=self.last);
+        f.debug_struct("Work")
+            .field("operations", &operations)
+            .field("messages", &self.messages)
+            .field("rooted", &self.rooted)
+            .finish()
+    }
+}
+
+/// What a work covers: operations `first..=last` (none if `first > last`),
+/// the messages of its collectives that move as messages, and its sends and
+/// receives.
+#[derive(Clone, Copy)]
+pub(super) struct Parts<'w> {
+    first: u64,
+    last: u64,
+    rooted: Option<&'w Message>,
+    messages: Option<&'w Message>,
+}
+
+/// Waits up to `timeout` in all for every part of a work: the first error,
+/// after every part has been waited for (so that a failed send does not hide
+/// a collective still running).
+fn wait_all(engine: &WorkerEngine, parts: Parts<'_>, timeout: Duration) -> Result<()> {
+    let start = Instant::now();
+    let left = || timeout.saturating_sub(start.elapsed());
+    let operations = wait_range(engine, parts.first, parts.last, timeout);
+    let rooted = operations
+        .as_ref()
+        .ok()
+        .map(|()| wait_messages(engine, parts.rooted, left()));
+    let messages = parts.messages.map_or(Ok(()), |m| m.wait_timeout(left()));
+    operations.and(rooted.unwrap_or(Ok(()))).and(messages)
+}
+
+/// Waits up to the communicator's timeout for the messages of a work, which
+/// live on the host: a device stream cannot wait for them.
+#[cfg(feature = "cuda")]
+pub(super) fn wait_host_messages(engine: &WorkerEngine, parts: Parts<'_>) -> Result<()> {
+    let messages = Parts {
+        first: 1,
+        last: 0,
+        ..parts
+    };
+    wait_all(engine, messages, engine.timeout)
+}
+
+/// Whether every part of a work has finished; the first error.
+fn test_all(engine: &WorkerEngine, parts: Parts<'_>) -> Result<bool> {
+    let messages = parts.messages.map_or(Ok(true), Message::test)?;
+    Ok(test_range(engine, parts.first, parts.last)?
+        && test_messages(engine, parts.rooted)?
+        && messages)
 }
 
 /// Waits up to `timeout` for the messages of a work, if it has any.
@@ -139,19 +228,17 @@ impl Drop for OwnedWork {
 /// out of time fails nothing.
 pub(super) fn wait_messages(
     engine: &WorkerEngine,
-    messages: &Option<Message>,
+    messages: Option<&Message>,
     timeout: Duration,
 ) -> Result<()> {
-    let waited = messages
-        .as_ref()
-        .map_or(Ok(()), |m| m.wait_timeout(timeout));
+    let waited = messages.map_or(Ok(()), |m| m.wait_timeout(timeout));
     fail_group_on(engine, waited)
 }
 
 /// Whether the messages of a work, if it has any, have finished; a failure
 /// fails the communicator (see [`wait_messages`]).
-fn test_messages(engine: &WorkerEngine, messages: &Option<Message>) -> Result<bool> {
-    fail_group_on(engine, messages.as_ref().map_or(Ok(true), Message::test))
+fn test_messages(engine: &WorkerEngine, messages: Option<&Message>) -> Result<bool> {
+    fail_group_on(engine, messages.map_or(Ok(true), Message::test))
 }
 
 /// `outcome`, having failed `engine` with its error, unless that is a wait's

@@ -63,6 +63,12 @@ fairring_core::named_enum! {
         /// index (as messages from the root after a check, or as a broadcast
         /// of the whole input: see [`Call::scatter`](crate::Call::scatter)).
         Scatter = 8 => "scatter",
+        /// A message to the call's peer, matched by its receive of the same tag
+        /// (see [`Call::send`](crate::Call::send)).
+        Send = 9 => "send",
+        /// A message from the call's peer, of the same tag (see
+        /// [`Call::recv`](crate::Call::recv)).
+        Recv = 10 => "recv",
     }
 }
 
@@ -234,7 +240,8 @@ impl Descriptor {
     /// rank's share (`elements`) and reduces the same range of every share
     /// together. A dedicated server, which sees only descriptors, plans the same
     /// operation from it; `None` if the sizes overflow.
-    /// A call whose data moves as messages runs as its check, a barrier.
+    /// A call whose data moves as messages runs as its check, a barrier. A
+    /// send or a receive is no operation (it is never described): `None`.
     pub(crate) fn runs_as(&self, world: u32) -> Option<(u64, DataType, ReduceOp)> {
         if self.by_messages {
             return Some((1, DataType::U8, ReduceOp::Sum));
@@ -262,6 +269,7 @@ impl Descriptor {
                 self.op,
             ),
             Collective::Barrier => (1, DataType::U8, ReduceOp::Sum),
+            Collective::Send | Collective::Recv => return None,
         })
     }
 
@@ -282,6 +290,10 @@ impl std::fmt::Display for Descriptor {
         let c = self.collective.name();
         match self.collective {
             Collective::Barrier => write!(f, "barrier ({}", self.algorithm)?,
+            // Never described: a message is no operation.
+            Collective::Send | Collective::Recv => {
+                return write!(f, "{c} of {} x {}", self.elements, self.dtype);
+            }
             Collective::Broadcast => write!(
                 f,
                 "{c} of {} x {} from rank {} ({}",

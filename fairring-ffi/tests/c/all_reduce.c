@@ -237,6 +237,38 @@ int main(void) {
                   in[2] == -7 && out[0] == (int16_t)(10 * rank),
               "recv: %d %d %d: %s", in[0], in[1], in[2], fr_last_error());
     }
+    /* Sends and receives are calls: one group of an all-reduce and, between
+       ranks 0 and 1, a send and a receive of tag 5, under one work. */
+    {
+        int64_t total = 1, mine[2] = {(int64_t)rank, -1}, theirs[2] = {0, 0};
+        fr_call group[3];
+        memset(group, 0, sizeof group);
+        group[0].collective = FR_COLLECTIVE_ALL_REDUCE;
+        group[0].input = &total;
+        group[0].output = &total;
+        group[0].count = 1;
+        group[0].dtype = FR_DTYPE_I64;
+        group[0].op = FR_OP_SUM;
+        size_t n = 1;
+        if (rank < 2) {
+            group[1].collective = FR_COLLECTIVE_SEND;
+            group[1].input = mine;
+            group[1].count = 2;
+            group[1].dtype = FR_DTYPE_I64;
+            group[1].peer = 1 - rank;
+            group[1].tag = 5;
+            group[2] = group[1];
+            group[2].collective = FR_COLLECTIVE_RECV;
+            group[2].input = NULL;
+            group[2].output = theirs;
+            n = 3;
+        }
+        s = fr_start(comm, group, n, &work);
+        s = finish(s, work);
+        CHECK(s == FR_OK && total == (int64_t)world &&
+                  (rank >= 2 || (theirs[0] == (int64_t)(1 - rank) && theirs[1] == -1)),
+              "fr_start of a send, a receive and an all-reduce: %s", fr_last_error());
+    }
     /* All-to-all, blocks of unequal lengths: rank r sends 1 + r + j elements
        to rank j. */
     {

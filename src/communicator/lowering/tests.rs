@@ -34,8 +34,18 @@ fn call(collective: Collective, count: u64, dtype: DataType, root: u32) -> Call 
         dtype,
         op: ReduceOp::Sum,
         root,
+        peer: 0,
+        tag: 0,
         memory: Memory::Host,
         options: Default::default(),
+    }
+}
+
+/// The operation a collective call lowers to.
+fn operation(c: &Call, job: &Job) -> Result<Operation> {
+    match lower(c, job)? {
+        Lowered::Operation(o) => Ok(o),
+        Lowered::Message(m) => panic!("{c:?} lowered to a message: {m:?}"),
     }
 }
 
@@ -72,7 +82,7 @@ fn every_call_hands_the_engine_the_tensor_its_descriptor_runs_as() {
                         ] {
                             let mut c = call(collective, count, dtype, world - 1);
                             c.options.algorithm = algorithm;
-                            let Ok(l) = lower(&c, &job) else {
+                            let Ok(l) = operation(&c, &job) else {
                                 continue;
                             };
                             lowered_calls += 1;
@@ -98,7 +108,7 @@ fn every_call_hands_the_engine_the_tensor_its_descriptor_runs_as() {
                             )
                             .unwrap();
                             let planned = sub.elements() * sub.dtype().size_bytes();
-                            let n = count as usize * dtype.size_bytes() as usize;
+                            let n = usize::try_from(count * dtype.size_bytes()).unwrap();
                             if d.algorithm == Resolved::Scatter {
                                 // The scatter algorithm plans each rank's
                                 // share of the whole input.
@@ -137,7 +147,7 @@ fn preludes_fill_what_the_engine_does_not() {
     // An all-gather on rank 1 of four machines (hierarchical under auto at
     // 4 KiB on 8 machines; relayed here over the ranks, which need no
     // zeros).
-    let on = |m, d, rank, c: Call| lower(&c, &job(m, d, rank)).unwrap().prelude.fills();
+    let on = |m, d, rank, c: Call| operation(&c, &job(m, d, rank)).unwrap().prelude.fills();
     let gather = call(Collective::AllGather, 100, DataType::F32, 0);
     assert_eq!(
         on(2, 1, 1, gather),
@@ -197,7 +207,7 @@ fn preludes_fill_what_the_engine_does_not() {
     // A gather of 2 MiB or more on host memory moves as messages; each rank
     // copies its part to its place in the output with the check.
     let big = call(Collective::Gather, 1 << 20, DataType::F32, 0);
-    let lowered = lower(&big, &job(2, 1, 1)).unwrap();
+    let lowered = operation(&big, &job(2, 1, 1)).unwrap();
     assert!(lowered.descriptor.by_messages);
     assert_eq!(lowered.tensor, Tensor::BarrierByte);
     assert_eq!(
@@ -237,5 +247,59 @@ fn a_call_that_cannot_run_is_refused_naming_its_argument() {
     assert_eq!(argument, "wire");
     let integer = call(Collective::AllReduce, 1, DataType::I32, 0).with(WireFormat::F16);
     let (argument, _) = refused(integer);
+    assert_eq!(argument, "wire");
+}
+
+/// A send or a receive lowers to a message of the engine, to or from another
+/// rank, on host memory.
+#[test]
+fn sends_and_receives_lower_to_messages_of_the_engine() {
+    let job = job(2, 2, 1);
+    let send = Call::send(3, 7, INPUT, 100, DataType::F32);
+    match lower(&send, &job) {
+        Ok(Lowered::Message(m)) => assert_eq!(
+            m,
+            MessagePost {
+                peer: 3,
+                tag: 7,
+                sending: true,
+                data: INPUT,
+                count: 100,
+                dtype: DataType::F32,
+            }
+        ),
+        other => panic!("{send:?} lowered to {other:?}"),
+    }
+    let recv = Call::recv(0, 2, OUTPUT, 0, DataType::I64);
+    assert!(matches!(
+        lower(&recv, &job),
+        Ok(Lowered::Message(MessagePost {
+            peer: 0,
+            tag: 2,
+            sending: false,
+            count: 0,
+            ..
+        }))
+    ));
+    let refused = |c: Call| match lower(&c, &job) {
+        Err(Error::InvalidArgument { argument, reason }) => (argument, reason),
+        other => panic!("{c:?} lowered to {other:?}"),
+    };
+    // Itself, and a rank outside the job.
+    for peer in [1, 4] {
+        let (argument, reason) = refused(Call::send(peer, 0, INPUT, 1, DataType::F32));
+        assert_eq!(argument, "peer", "{reason}");
+        assert!(
+            reason.contains("not another rank of this job of 4"),
+            "{reason}"
+        );
+    }
+    let (argument, _) = refused(Call::recv(0, 0, std::ptr::null_mut(), 1, DataType::F32));
+    assert_eq!(argument, "data");
+    let (argument, _) = refused(Call::recv(0, 0, OUTPUT.wrapping_add(1), 1, DataType::F32));
+    assert_eq!(argument, "data");
+    let (argument, _) = refused(Call::send(0, 0, INPUT, u64::MAX, DataType::F32));
+    assert_eq!(argument, "count");
+    let (argument, _) = refused(Call::send(0, 0, INPUT, 1, DataType::F32).with(WireFormat::Bf16));
     assert_eq!(argument, "wire");
 }

@@ -1,12 +1,13 @@
 //! The all-to-all: block `j` of every rank's input to rank `j`, each block
 //! moved once, as one message to its rank (this rank's own block is
-//! copied).
+//! copied): a group of sends and receives under one [`Work`], posted from
+//! the pool's lists, so that a warm all-to-all allocates nothing.
 
 use fairring_core::DataType;
 use fairring_core::reduce::Element;
 
 use super::Message;
-use crate::communicator::{Communicator, check_pointer};
+use crate::communicator::{Communicator, Work, check_pointer};
 use crate::error::{Error, Result};
 
 impl Communicator {
@@ -70,7 +71,7 @@ impl Communicator {
     /// `input` and `output` must be valid for reads and writes of the sums
     /// of `input_counts` and `output_counts` elements, aligned for `dtype`,
     /// apart from each other, and not written (`output` not read either) by
-    /// anything else until the [`Message`] reports completion (or is dropped,
+    /// anything else until the [`Work`] reports completion (or is dropped,
     /// which waits).
     pub unsafe fn post_all_to_all(
         &self,
@@ -79,7 +80,7 @@ impl Communicator {
         output: *mut u8,
         output_counts: &[u64],
         dtype: DataType,
-    ) -> Result<Message> {
+    ) -> Result<Work<'_>> {
         let world = self.world_size();
         let me = self.rank() as usize;
         let in_bytes = bytes("input_counts", input_counts, world, dtype)?;
@@ -124,8 +125,7 @@ impl Communicator {
                 own,
             );
         }
-        let pool = &self.p2p.pool;
-        let mut posted = pool.list(2 * (world as usize).saturating_sub(1));
+        let mut posted = self.posted_list(2 * (world as usize).saturating_sub(1));
         let (mut at_in, mut at_out) = (0usize, 0usize);
         for peer in 0..world {
             let j = peer as usize;
@@ -135,15 +135,15 @@ impl Communicator {
                     [(true, send, input, at_in), (false, receive, output, at_out)]
                 {
                     // SAFETY: the block lies inside the caller's buffer, whose
-                    // contract covers it until the messages finish (`Message`'s
-                    // drop waits for those posted so far if a post fails).
+                    // contract covers it until the messages finish (dropping
+                    // them waits for those posted so far if a post fails).
                     let one = unsafe {
                         self.post_one(peer, sending, 0, base.wrapping_add(at), count, dtype)
                     };
                     match one {
                         Ok(p) => posted.push(p),
                         Err(e) => {
-                            drop(Message::many(posted, pool));
+                            drop(Message::many(posted, &self.p2p.pool));
                             return Err(e);
                         }
                     }
@@ -152,7 +152,9 @@ impl Communicator {
             at_in += usize::try_from(send * size).unwrap_or(0);
             at_out += usize::try_from(receive * size).unwrap_or(0);
         }
-        Ok(Message::many(posted, pool))
+        let mut work = Work::empty(&self.engine);
+        work.messages = Some(Message::many(posted, &self.p2p.pool));
+        Ok(work)
     }
 }
 

@@ -8,14 +8,14 @@ use std::time::{Duration, Instant};
 use crate::communicator::WorkerEngine;
 use crate::error::{Error, Result};
 
-/// Messages in flight: a send, a receive, or the messages of an all-to-all,
-/// from when they are posted (perhaps still waiting at the gate behind a
-/// gather's) to when they have finished.
+/// Messages in flight, a [`Work`](crate::Work)'s: its sends and receives
+/// (an all-to-all's among them), or the messages of its gathers, scatters
+/// and reduces, from when they are posted (perhaps still waiting at the gate
+/// behind a gather's) to when they have finished.
 ///
-/// Dropping it waits for them to finish, as dropping a [`Work`](crate::Work)
-/// does.
+/// Dropping it waits for them to finish.
 #[must_use = "a message runs until waited on or dropped"]
-pub struct Message {
+pub(crate) struct Message {
     posts: Posts,
     pool: Arc<Pool>,
 }
@@ -159,7 +159,7 @@ impl Pool {
     }
 
     /// Takes back an emptied list.
-    fn give_back_list(&self, list: Vec<Arc<Posted>>) {
+    pub(super) fn give_back_list(&self, list: Vec<Arc<Posted>>) {
         let mut free = self.lock();
         if free.open && list.capacity() > 0 {
             free.lists.push(list);
@@ -317,22 +317,9 @@ impl Message {
         }
     }
 
-    /// Waits for the messages to finish, each up to the communicator's
-    /// timeout (counted from here, once for its wait at the gate and once
-    /// for the message).
-    pub fn wait(&self) -> Result<()> {
-        let mut first_error = None;
-        for p in self.posts.as_slice() {
-            if let Err(e) = p.wait(p.timeout) {
-                first_error.get_or_insert(e);
-            }
-        }
-        first_error.map_or(Ok(()), Err)
-    }
-
     /// Waits up to `timeout` in all: an error if a message failed or is
     /// still running then.
-    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+    pub(crate) fn wait_timeout(&self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
         for p in self.posts.as_slice() {
             match p.started(Some(start + timeout)) {
@@ -352,7 +339,7 @@ impl Message {
 
     /// Whether the messages have finished, without waiting; an error if one
     /// failed.
-    pub fn test(&self) -> Result<bool> {
+    pub(crate) fn test(&self) -> Result<bool> {
         for p in self.posts.as_slice() {
             let done = match p.started(None) {
                 Some(Ok(Some((engine, id)))) => engine.test_message(id)?,

@@ -44,14 +44,15 @@ use std::thread::JoinHandle;
 use fairring_core::DataType;
 use fairring_core::reduce::Element;
 
-use crate::communicator::{Call, Communicator, WorkerEngine};
+use crate::communicator::{Call, Communicator, Work, WorkerEngine};
 use crate::config::Config;
 use crate::engine::messages::Post;
 use crate::error::{Error, Result};
 use crate::store::Store;
 use gate::Gate;
-pub use message::Message;
-use message::{Pool, Posted};
+pub(crate) use message::Message;
+use message::Pool;
+pub(super) use message::Posted;
 
 /// This rank's point-to-point state: the pool of posts, the gate, and the
 /// thread that connects to peers first named by a message.
@@ -61,7 +62,6 @@ pub(crate) struct PointToPoint {
     /// The job's store, scoped to the communicator: where late links meet.
     store: Arc<dyn Store>,
     rank: u32,
-    world: u32,
     closed: Mutex<bool>,
     aborted: Mutex<bool>,
     /// Finished messages, for reuse.
@@ -80,7 +80,6 @@ impl PointToPoint {
             config: config.clone(),
             store,
             rank: config.rank,
-            world: config.world_size,
             closed: Mutex::new(false),
             aborted: Mutex::new(false),
             pool: Pool::new(),
@@ -199,132 +198,103 @@ impl PointToPoint {
     pub(crate) fn abort(&self) {
         *self.aborted.lock().unwrap_or_else(PoisonError::into_inner) = true;
     }
-
-    /// Refuses a peer that is not another rank of the job.
-    fn check_peer(&self, peer: u32) -> Result<()> {
-        if peer >= self.world || peer == self.rank {
-            return Err(Error::invalid(
-                "peer",
-                format!(
-                    "rank {peer} is not another rank of this job of {} (this is rank {})",
-                    self.world, self.rank
-                ),
-            ));
-        }
-        Ok(())
-    }
 }
 
 impl Communicator {
     /// Sends `data` to rank `peer`, and waits until the peer has it (see
-    /// [`Communicator::post_send`]).
+    /// [`Call::send`]).
     ///
     /// `data` is borrowed mutably, as the raw forms' contract asks; a send
     /// only reads it.
     pub fn send<T: Element>(&self, peer: u32, data: &mut [T]) -> Result<()> {
+        let call = Call::send(peer, 0, data.as_ptr().cast(), data.len() as u64, T::DTYPE);
         // SAFETY: `data` is borrowed mutably until the message has finished:
-        // `wait` returns then, or on failure, after which dropping the
-        // message waits for it.
-        unsafe {
-            self.post_send(
-                peer,
-                0,
-                data.as_mut_ptr().cast(),
-                data.len() as u64,
-                T::DTYPE,
-            )
-        }?
-        .wait()
+        // `wait` returns then, or on failure, after which dropping the work
+        // waits for it.
+        unsafe { self.start(&call) }?.wait()
     }
 
     /// Receives into `data` the next message rank `peer` sends this rank,
     /// and waits. It must be of `data`'s length and type: another fails both
     /// ranks with a [`Error::Mismatch`] naming both.
     pub fn recv<T: Element>(&self, peer: u32, data: &mut [T]) -> Result<()> {
+        let call = Call::recv(
+            peer,
+            0,
+            data.as_mut_ptr().cast(),
+            data.len() as u64,
+            T::DTYPE,
+        );
         // SAFETY: as in `send`.
-        unsafe {
-            self.post_recv(
-                peer,
-                0,
-                data.as_mut_ptr().cast(),
-                data.len() as u64,
-                T::DTYPE,
-            )
-        }?
-        .wait()
+        unsafe { self.start(&call) }?.wait()
     }
 
     /// Sends every `(peer, data)` of `sends` and receives into every
     /// `(peer, data)` of `receives`, all in flight at once, and waits for
-    /// them all: a ring's exchange, or a pipeline stage's, in one call.
+    /// them all: a ring's exchange, or a pipeline stage's, in one call. A
+    /// bad entry (a peer outside the job) is refused before anything is
+    /// posted, naming its list and its index.
     pub fn send_recv<'a, T: Element>(
         &self,
         sends: &mut [(u32, &'a mut [T])],
         receives: &mut [(u32, &'a mut [T])],
     ) -> Result<()> {
-        // Every peer is checked before anything is posted: a bad one must not
-        // leave the good ones waiting for their matches.
-        for (peer, _) in sends.iter().chain(receives.iter()) {
-            self.p2p.check_peer(*peer)?;
-        }
-        let mut messages = Vec::with_capacity(sends.len() + receives.len());
-        let mut first_error = None;
-        for (sending, list) in [(true, sends), (false, receives)] {
-            for (peer, data) in list.iter_mut() {
-                let (ptr, count) = (data.as_mut_ptr().cast(), data.len() as u64);
-                // SAFETY: every buffer is borrowed mutably by this call, which
-                // returns only once every message has finished (waited, or
-                // dropped below, which waits).
-                let posted = unsafe { self.post(*peer, sending, 0, ptr, count, T::DTYPE) };
-                match posted {
-                    Ok(m) => messages.push(m),
-                    Err(e) => {
-                        first_error.get_or_insert(e);
-                    }
-                }
-            }
-        }
-        for m in &messages {
-            if let Err(e) = m.wait() {
-                first_error.get_or_insert(e);
-            }
-        }
-        first_error.map_or(Ok(()), Err)
+        let calls: Vec<Call> = sends
+            .iter()
+            .map(|(peer, data)| {
+                Call::send(*peer, 0, data.as_ptr().cast(), data.len() as u64, T::DTYPE)
+            })
+            .chain(receives.iter_mut().map(|(peer, data)| {
+                Call::recv(
+                    *peer,
+                    0,
+                    data.as_mut_ptr().cast(),
+                    data.len() as u64,
+                    T::DTYPE,
+                )
+            }))
+            .collect();
+        let sent = sends.len();
+        let name = |i: usize| match i.checked_sub(sent) {
+            None => ("sends", i),
+            Some(j) => ("receives", j),
+        };
+        // SAFETY: every buffer is borrowed mutably by this call, which
+        // returns only once every message has finished (waited, or dropped,
+        // which waits).
+        unsafe { self.start_list(&calls, name) }?.wait()
     }
 
     /// Posts a send of `count` elements of `dtype` at `data` to rank `peer`
     /// with tag `tag`, and returns at once, the message in flight (or
-    /// waiting at the gate). The sends to one peer of one tag match its
-    /// receives from this rank of that tag in the order both were posted;
-    /// the safe forms use tag 0.
+    /// waiting at the gate): [`Communicator::start`] of [`Call::send`].
     ///
     /// # Safety
     ///
     /// `data` must be valid for reads of `count` elements of `dtype`,
-    /// aligned for it, and nothing else may write it until the [`Message`]
+    /// aligned for it, and nothing else may write it until the [`Work`]
     /// reports completion (or is dropped, which waits).
     pub unsafe fn post_send(
         &self,
         peer: u32,
         tag: u32,
-        data: *mut u8,
+        data: *const u8,
         count: u64,
         dtype: DataType,
-    ) -> Result<Message> {
+    ) -> Result<Work<'_>> {
         // SAFETY: forwarded.
-        unsafe { self.post(peer, true, tag, data, count, dtype) }
+        unsafe { self.start(&Call::send(peer, tag, data, count, dtype)) }
     }
 
     /// Posts a receive of `count` elements of `dtype` into `data` from rank
-    /// `peer` with tag `tag`, and returns at once (see
-    /// [`Communicator::post_send`] for the order). A send of another size
-    /// or type fails both messages, each naming both.
+    /// `peer` with tag `tag`, and returns at once:
+    /// [`Communicator::start`] of [`Call::recv`].
     ///
     /// # Safety
     ///
     /// `data` must be valid for reads and writes of `count` elements of
     /// `dtype`, aligned for it, and nothing else may access it until the
-    /// [`Message`] reports completion (or is dropped, which waits).
+    /// [`Work`] reports completion (or is dropped, which waits).
     pub unsafe fn post_recv(
         &self,
         peer: u32,
@@ -332,34 +302,19 @@ impl Communicator {
         data: *mut u8,
         count: u64,
         dtype: DataType,
-    ) -> Result<Message> {
+    ) -> Result<Work<'_>> {
         // SAFETY: forwarded.
-        unsafe { self.post(peer, false, tag, data, count, dtype) }
+        unsafe { self.start(&Call::recv(peer, tag, data, count, dtype)) }
     }
 
-    /// # Safety
-    ///
-    /// As [`Communicator::post_send`] and [`Communicator::post_recv`].
-    unsafe fn post(
-        &self,
-        peer: u32,
-        sending: bool,
-        tag: u32,
-        data: *mut u8,
-        count: u64,
-        dtype: DataType,
-    ) -> Result<Message> {
-        // SAFETY: forwarded.
-        let posted = unsafe { self.post_one(peer, sending, tag, data, count, dtype) }?;
-        Ok(Message::one(posted, &self.p2p.pool))
-    }
-
-    /// Posts one message: on the engine, or at the gate behind the calls
-    /// it holds.
+    /// Posts one message, checked by its caller: on the engine, or at the
+    /// gate behind the calls it holds.
     ///
     /// # Safety
     ///
-    /// As [`Communicator::post_send`] and [`Communicator::post_recv`].
+    /// As [`Communicator::post_send`] and [`Communicator::post_recv`]; `peer`
+    /// is another rank of the job and `data` aligned, or null for no
+    /// elements.
     pub(super) unsafe fn post_one(
         &self,
         peer: u32,
@@ -370,17 +325,34 @@ impl Communicator {
         dtype: DataType,
     ) -> Result<Arc<Posted>> {
         let p2p = &self.p2p;
-        p2p.check_peer(peer)?;
-        // Refused before it is queued, so that a bad pointer is named here.
-        crate::communicator::check_pointer(data, count, dtype)?;
         if let Some(e) = p2p.refused() {
             return Err(e);
         }
         let posted = p2p.pool.posted(peer, sending, tag, p2p.config.timeout);
-        let call = Call::broadcast(data, count, dtype, 0);
+        let call = if sending {
+            Call::send(peer, tag, data, count, dtype)
+        } else {
+            Call::recv(peer, tag, data, count, dtype)
+        };
         // SAFETY: the caller's contract covers the message until it reports
         // completion; `Message`'s drop waits for that.
         unsafe { p2p.gate.post_in_order(p2p, call, Arc::clone(&posted)) };
         Ok(posted)
+    }
+
+    /// An empty list of posted messages, from the pool, with room for `n`.
+    pub(super) fn posted_list(&self, n: usize) -> Vec<Arc<Posted>> {
+        self.p2p.pool.list(n)
+    }
+
+    /// The messages `first` and `more` (from [`Communicator::posted_list`],
+    /// or empty), one work's.
+    pub(super) fn messages_of(&self, first: Arc<Posted>, mut more: Vec<Arc<Posted>>) -> Message {
+        if more.is_empty() {
+            self.p2p.pool.give_back_list(more);
+            return Message::one(first, &self.p2p.pool);
+        }
+        more.push(first);
+        Message::many(more, &self.p2p.pool)
     }
 }
