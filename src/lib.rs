@@ -95,7 +95,9 @@ mod simulation;
 pub mod store;
 mod sync;
 
-pub use communicator::{Call, Collective, Communicator, Memory, Options, OwnedWork, Scope, Work};
+pub use communicator::{
+    Call, Collective, Communicator, Memory, Options, OwnedWork, Scope, Tensor, TensorMut, Work,
+};
 pub use config::{Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Role};
 pub use engine::links::Traffic;
 pub use error::{Error, Result};

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fairring::cuda::{Device, DeviceBuffer, PinnedBuffer, ReductionKernels, Stream};
-use fairring::{Algorithm, Call, Communicator, DataType, Error, ReduceOp};
+use fairring::{Algorithm, Call, Communicator, DataType, Error, ReduceOp, Tensor, TensorMut};
 
 use common::allocations::{Counting, allocations};
 use common::job;
@@ -206,8 +206,13 @@ fn every_collective(comm: &Communicator) -> Vec<String> {
             let mine = input(dtype, rank, n);
             upload(&stream, &mut a, 0, &mine);
             let mut view = a.slice_mut().split_at(mine.len()).unwrap().0;
-            comm.scope(|s| finish(&stream, s.all_reduce_device(&mut view, dtype, op, &stream)?))
-                .unwrap_or_else(|e| fail(&what, e));
+            comm.scope(|s| {
+                finish(
+                    &stream,
+                    s.all_reduce(TensorMut::device(&mut view, dtype, &stream)?, op, ())?,
+                )
+            })
+            .unwrap_or_else(|e| fail(&what, e));
             check(
                 what,
                 download(&stream, &a, 0, mine.len()),
@@ -245,7 +250,7 @@ fn every_collective(comm: &Communicator) -> Vec<String> {
             comm.scope(|s| {
                 finish(
                     &stream,
-                    s.broadcast_device(&mut view, dtype, root, &stream)?,
+                    s.broadcast(TensorMut::device(&mut view, dtype, &stream)?, root, ())?,
                 )
             })
             .unwrap_or_else(|e| fail(&what, e));
@@ -272,7 +277,11 @@ fn every_collective(comm: &Communicator) -> Vec<String> {
             comm.scope(|s| {
                 finish(
                     &stream,
-                    s.all_gather_device(&input_view, &mut output, dtype, &stream)?,
+                    s.all_gather(
+                        Tensor::device(&input_view, dtype, &stream)?,
+                        TensorMut::device(&mut output, dtype, &stream)?,
+                        (),
+                    )?,
                 )
             })
             .unwrap_or_else(|e| fail(&what, e));
@@ -314,7 +323,12 @@ fn every_collective(comm: &Communicator) -> Vec<String> {
             comm.scope(|s| {
                 finish(
                     &stream,
-                    s.reduce_scatter_device(&mut inp, &mut out, dtype, op, &stream)?,
+                    s.reduce_scatter(
+                        TensorMut::device(&mut inp, dtype, &stream)?,
+                        TensorMut::device(&mut out, dtype, &stream)?,
+                        op,
+                        (),
+                    )?,
                 )
             })
             .unwrap_or_else(|e| fail(&what, e));
@@ -345,7 +359,11 @@ fn every_collective(comm: &Communicator) -> Vec<String> {
         rest = tail;
     }
     comm.scope(|s| {
-        let w = s.all_reduce_coalesced_device(&mut views, DataType::F32, ReduceOp::Sum, &stream)?;
+        let tensors = views
+            .iter_mut()
+            .map(|v| TensorMut::device(v, DataType::F32, &stream))
+            .collect::<fairring::Result<Vec<_>>>()?;
+        let w = s.all_reduce_coalesced(tensors, ReduceOp::Sum)?;
         finish(&stream, w)
     })
     .unwrap_or_else(|e| fail("coalesced all-reduce", e));
@@ -390,7 +408,13 @@ fn many_device_operations_in_flight_all_finish_exact() {
     comm.scope(|s| {
         let works = views
             .iter_mut()
-            .map(|v| s.all_reduce_device(v, DataType::F32, ReduceOp::Sum, &stream))
+            .map(|v| {
+                s.all_reduce(
+                    TensorMut::device(v, DataType::F32, &stream)?,
+                    ReduceOp::Sum,
+                    (),
+                )
+            })
             .collect::<fairring::Result<Vec<_>>>()?;
         for w in &works {
             w.enqueue_wait(&stream)?;
@@ -508,8 +532,12 @@ fn a_rank_passing_host_memory_where_another_passes_device_memory_is_a_mismatch()
         let mut buf = DeviceBuffer::zeroed(&device, n * 4).unwrap();
         let mut view = buf.slice_mut();
         comm.scope(|s| {
-            s.all_reduce_device(&mut view, DataType::F32, ReduceOp::Sum, &stream)?
-                .wait()
+            s.all_reduce(
+                TensorMut::device(&mut view, DataType::F32, &stream)?,
+                ReduceOp::Sum,
+                (),
+            )?
+            .wait()
         })
     } else {
         let mut host = vec![0f32; n];

@@ -1,6 +1,7 @@
-//! Collectives on device tensors (the `cuda` feature): the same operations as on
-//! host memory (all-reduce, coalesced all-reduce, broadcast, all-gather,
-//! reduce-scatter), ordered on the caller's CUDA stream.
+//! Collectives on device tensors (the `cuda` feature): the same calls as on
+//! host memory (a [`Call`] on a stream, or a scope's collective of a
+//! [`TensorMut::device`](super::TensorMut::device)), ordered on the caller's
+//! CUDA stream. Here: their memory checks, and [`Work::enqueue_wait`].
 //!
 //! The semantics are those of PyTorch's NCCL backend:
 //!
@@ -47,12 +48,12 @@
 //!
 //! [`ConfigBuilder::device`]: crate::ConfigBuilder::device
 
-use fairring_core::{DataType, ReduceOp};
-use fairring_cuda::{DeviceSlice, DeviceSliceMut, Stream, device_of_pointer, sys};
+use fairring_core::DataType;
+use fairring_cuda::{Stream, device_of_pointer, sys};
 
 use super::start::{check_reduce_overlap, overlaps};
 use super::{
-    Call, Collective, Communicator, DeviceCall, OwnedWork, Scope, Work, WorkerEngine, byte_len,
+    Call, Collective, Communicator, DeviceCall, OwnedWork, Work, WorkerEngine, byte_len,
     check_pointer, wait_host_messages, wait_range,
 };
 use crate::error::{Error, Result};
@@ -121,137 +122,6 @@ impl Communicator {
         self.nccl.connect(side.device(), &self.store)?;
         Ok(side)
     }
-}
-
-impl<'scope> Scope<'scope, '_> {
-    /// Starts an all-reduce of `data`, device memory holding elements of
-    /// `dtype`, in place, ordered on `stream`: it starts after the work
-    /// already enqueued there, and [`Work::enqueue_wait`] orders later work
-    /// after it.
-    pub fn all_reduce_device(
-        &'scope self,
-        data: &'scope mut DeviceSliceMut<'_>,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &'scope Stream,
-    ) -> Result<Work<'scope>> {
-        let count = elements("data", data.len(), data.device(), dtype, stream)?;
-        let call = Call::all_reduce(data.raw() as *mut u8, count, dtype, op);
-        // SAFETY: `data` is borrowed mutably for 'scope, which does not end
-        // before the operation finishes (the scope waits); `stream` is
-        // borrowed as long.
-        unsafe { self.comm.start(&call.on_stream(stream.raw())) }
-    }
-
-    /// Starts a broadcast of `data` (elements of `dtype`, device memory) from
-    /// rank `root`, ordered on `stream`. On every rank but the root, `data` is
-    /// zeroed on `stream` first.
-    pub fn broadcast_device(
-        &'scope self,
-        data: &'scope mut DeviceSliceMut<'_>,
-        dtype: DataType,
-        root: u32,
-        stream: &'scope Stream,
-    ) -> Result<Work<'scope>> {
-        let count = elements("data", data.len(), data.device(), dtype, stream)?;
-        let call = Call::broadcast(data.raw() as *mut u8, count, dtype, root);
-        // SAFETY: as in `all_reduce_device`.
-        unsafe { self.comm.start(&call.on_stream(stream.raw())) }
-    }
-
-    /// Starts an all-gather of every rank's `input` into `output` (device
-    /// memory, elements of `dtype`), ordered on `stream`: `input` is copied
-    /// into this rank's place of `output` on `stream` first.
-    pub fn all_gather_device(
-        &'scope self,
-        input: &'scope DeviceSlice<'_>,
-        output: &'scope mut DeviceSliceMut<'_>,
-        dtype: DataType,
-        stream: &'scope Stream,
-    ) -> Result<Work<'scope>> {
-        let n = elements("input", input.len(), input.device(), dtype, stream)?;
-        let total = elements("output", output.len(), output.device(), dtype, stream)?;
-        self.comm.check_shares("output", total, n, "input")?;
-        let call = Call::all_gather(input.raw() as *const u8, output.raw() as *mut u8, n, dtype);
-        // SAFETY: `input` is borrowed (so not written) and `output` borrowed
-        // mutably (so apart from it) for 'scope, which outlasts the operation.
-        unsafe { self.comm.start(&call.on_stream(stream.raw())) }
-    }
-
-    /// Starts a reduce-scatter ordered on `stream`: `input` (device memory,
-    /// elements of `dtype`) is all-reduced in place, and this rank's share is
-    /// copied into `output` on the device.
-    pub fn reduce_scatter_device(
-        &'scope self,
-        input: &'scope mut DeviceSliceMut<'_>,
-        output: &'scope mut DeviceSliceMut<'_>,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &'scope Stream,
-    ) -> Result<Work<'scope>> {
-        let total = elements("input", input.len(), input.device(), dtype, stream)?;
-        let n = elements("output", output.len(), output.device(), dtype, stream)?;
-        self.comm.check_shares("input", total, n, "output")?;
-        let call = Call::reduce_scatter(
-            input.raw() as *mut u8,
-            output.raw() as *mut u8,
-            n,
-            dtype,
-            op,
-        );
-        // SAFETY: both are borrowed mutably for 'scope (so apart), which
-        // outlasts the operation.
-        unsafe { self.comm.start(&call.on_stream(stream.raw())) }
-    }
-
-    /// Starts an all-reduce of every tensor in `tensors` (device memory,
-    /// elements of `dtype`), one operation each, all in flight at once and
-    /// ordered on `stream`; the returned [`Work`] covers them all. Every
-    /// tensor is checked before any starts.
-    pub fn all_reduce_coalesced_device<'t: 'scope>(
-        &'scope self,
-        tensors: impl IntoIterator<Item = &'scope mut DeviceSliceMut<'t>>,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &'scope Stream,
-    ) -> Result<Work<'scope>> {
-        let mut calls = Vec::new();
-        for t in tensors {
-            let count = elements("tensors", t.len(), t.device(), dtype, stream)?;
-            let call = Call::all_reduce(t.raw() as *mut u8, count, dtype, op);
-            calls.push(call.on_stream(stream.raw()));
-        }
-        // SAFETY: every tensor is borrowed mutably for 'scope (so none
-        // overlap), which outlasts the operations.
-        unsafe { self.comm.start_list(&calls, |i| ("tensors", i)) }
-    }
-}
-
-/// The elements of `dtype` in `len` bytes of device memory on GPU `device`,
-/// named `argument`: refused if they are not whole, or if `stream` belongs to
-/// another GPU.
-fn elements(
-    argument: &'static str,
-    len: usize,
-    device: u32,
-    dtype: DataType,
-    stream: &Stream,
-) -> Result<u64> {
-    let size = usize::try_from(dtype.size_bytes()).unwrap_or(usize::MAX);
-    if !len.is_multiple_of(size) {
-        return Err(Error::invalid(
-            argument,
-            format!("{len} bytes are not whole elements of {dtype}"),
-        ));
-    }
-    let on = stream.device().ordinal();
-    if device != on {
-        return Err(Error::invalid(
-            "stream",
-            format!("belongs to GPU {on} and the {argument} lies on GPU {device}"),
-        ));
-    }
-    Ok((len / size) as u64)
 }
 
 impl Work<'_> {

@@ -10,11 +10,13 @@ mod prelude;
 mod scope;
 mod start;
 mod submit;
+mod tensor;
 mod work;
 
 pub use crate::engine::descriptor::Collective;
 pub use call::{Call, Memory, Options};
 pub use scope::Scope;
+pub use tensor::{Tensor, TensorMut};
 pub use work::{OwnedWork, Work};
 
 use std::marker::PhantomData;

@@ -13,26 +13,32 @@ pub struct Scope<'scope, 'env: 'scope> {
 impl<'scope> Scope<'scope, '_> {
     /// Starts an all-reduce of `data` in place with `options`: an
     /// [`Algorithm`], a [`WireFormat`], [`Options`], or `()` for the
-    /// communicator's own. Every
-    /// rank must ask alike.
-    pub fn all_reduce<T: Element>(
+    /// communicator's own. Every rank must ask alike.
+    ///
+    /// `data` is a host slice (`&mut v`, `&mut v[..]`), or device memory
+    /// ordered on a stream ([`TensorMut::device`]); so are every
+    /// collective's tensors.
+    pub fn all_reduce(
         &'scope self,
-        data: &'scope mut [T],
+        data: impl Into<TensorMut<'scope>>,
         op: ReduceOp,
         options: impl Into<Options>,
     ) -> Result<Work<'scope>> {
-        let call = Call::all_reduce(data.as_mut_ptr().cast(), data.len() as u64, T::DTYPE, op);
+        let data = data.into();
+        let d = data.place();
+        let call = d.placed(Call::all_reduce(d.at, d.count, d.dtype, op));
         // SAFETY: `data` is borrowed mutably for 'scope, and the scope does not
         // end before the operation finishes (`finish` waits), even if the `Work`
-        // is leaked; it is valid, aligned for `T` and of `count` elements.
+        // is leaked; it is valid, aligned and of `count` elements (a slice's,
+        // or device memory checked when the tensor was made).
         unsafe { self.comm.start(&call.with(options)) }
     }
 
     /// Starts a broadcast of `data` from rank `root` (see
     /// [`Communicator::broadcast`]) with `options`: an
     /// [`Algorithm`], a [`WireFormat`], [`Options`], or `()` for the
-    /// communicator's own. Every
-    /// rank must ask alike.
+    /// communicator's own. Every rank must ask alike. On device memory,
+    /// every rank but the root zeroes `data` on its stream first.
     ///
     /// With [`Algorithm::Ring`] it is a pipelined chain from the root around the
     /// ring, each byte sent once per hop. With [`Algorithm::Hierarchical`] it
@@ -41,13 +47,15 @@ impl<'scope> Scope<'scope, '_> {
     /// chain on two or three machines, and on more from 256 KiB (the rules of
     /// `engine::choice`, in the `FAIRRING_ALGO` row of docs/manual.md). Both are exact
     /// for every type (NaN payloads and negative zeros included).
-    pub fn broadcast<T: Element>(
+    pub fn broadcast(
         &'scope self,
-        data: &'scope mut [T],
+        data: impl Into<TensorMut<'scope>>,
         root: u32,
         options: impl Into<Options>,
     ) -> Result<Work<'scope>> {
-        let call = Call::broadcast(data.as_mut_ptr().cast(), data.len() as u64, T::DTYPE, root);
+        let data = data.into();
+        let d = data.place();
+        let call = d.placed(Call::broadcast(d.at, d.count, d.dtype, root));
         // SAFETY: `data` is borrowed mutably for 'scope, which outlasts the
         // operation (`finish` waits); it is valid and aligned for its length.
         unsafe { self.comm.start(&call.with(options)) }
@@ -56,8 +64,7 @@ impl<'scope> Scope<'scope, '_> {
     /// Starts an all-gather of every rank's `input` into `output` (see
     /// [`Communicator::all_gather`]) with `options`: an
     /// [`Algorithm`], a [`WireFormat`], [`Options`], or `()` for the
-    /// communicator's own. Every
-    /// rank must ask alike.
+    /// communicator's own. Every rank must ask alike.
     ///
     /// With [`Algorithm::Ring`] each rank's input goes around the ring, sent
     /// once per hop. With [`Algorithm::Hierarchical`] it is a byte-wise sum over
@@ -65,23 +72,21 @@ impl<'scope> Scope<'scope, '_> {
     /// zeros elsewhere, at twice the bytes per rank. `auto` picks the ring on
     /// two or three machines, and on more from 256 KiB (the
     /// `FAIRRING_ALGO` row of docs/manual.md). Both are exact for every type.
-    pub fn all_gather<T: Element>(
+    pub fn all_gather(
         &'scope self,
-        input: &[T],
-        output: &'scope mut [T],
+        input: impl Into<Tensor<'scope>>,
+        output: impl Into<TensorMut<'scope>>,
         options: impl Into<Options>,
     ) -> Result<Work<'scope>> {
-        let n = input.len() as u64;
+        let (input, output) = (input.into(), output.into());
+        let (i, o) = (input.place(), output.place());
+        i.check_alike("output", o)?;
         self.comm
-            .check_shares("output", output.len() as u64, n, "input")?;
-        let call = Call::all_gather(
-            input.as_ptr().cast(),
-            output.as_mut_ptr().cast(),
-            n,
-            T::DTYPE,
-        );
-        // SAFETY: `input` is read before this returns; `output` is borrowed
-        // mutably for 'scope and spans `world * n` elements (checked above).
+            .check_shares("output", o.count, i.count, "input")?;
+        let call = o.placed(Call::all_gather(i.at, o.at, i.count, i.dtype));
+        // SAFETY: `input` is borrowed for 'scope (its copy into place may be
+        // enqueued on a stream) and `output` mutably, spanning `world * n`
+        // elements (checked above).
         unsafe { self.comm.start(&call.with(options)) }
     }
 
@@ -100,18 +105,19 @@ impl<'scope> Scope<'scope, '_> {
     ///
     /// `options`: an [`Algorithm`], a [`WireFormat`], [`Options`], or `()` for the
     /// communicator's own. Every rank must ask alike.
-    pub fn reduce_scatter<T: Element>(
+    pub fn reduce_scatter(
         &'scope self,
-        input: &'scope mut [T],
-        output: &'scope mut [T],
+        input: impl Into<TensorMut<'scope>>,
+        output: impl Into<TensorMut<'scope>>,
         op: ReduceOp,
         options: impl Into<Options>,
     ) -> Result<Work<'scope>> {
-        let n = output.len() as u64;
+        let (input, output) = (input.into(), output.into());
+        let (i, o) = (input.place(), output.place());
+        i.check_alike("output", o)?;
         self.comm
-            .check_shares("input", input.len() as u64, n, "output")?;
-        let (input, output) = (input.as_mut_ptr().cast(), output.as_mut_ptr().cast());
-        let call = Call::reduce_scatter(input, output, n, T::DTYPE, op);
+            .check_shares("input", i.count, o.count, "output")?;
+        let call = i.placed(Call::reduce_scatter(i.at, o.at, o.count, i.dtype, op));
         // SAFETY: both are borrowed mutably for 'scope (so they do not overlap)
         // and have the lengths checked above.
         unsafe { self.comm.start(&call.with(options)) }
@@ -123,29 +129,24 @@ impl<'scope> Scope<'scope, '_> {
     ///
     /// `options`: an [`Algorithm`], a [`WireFormat`], [`Options`], or `()` for the
     /// communicator's own. Every rank must ask alike.
-    pub fn reduce<T: Element>(
+    pub fn reduce(
         &'scope self,
-        input: &'scope [T],
-        output: &'scope mut [T],
+        input: impl Into<Tensor<'scope>>,
+        output: impl Into<TensorMut<'scope>>,
         op: ReduceOp,
         root: u32,
         options: impl Into<Options>,
     ) -> Result<Work<'scope>> {
-        let n = input.len() as u64;
-        if output.len() as u64 != n {
+        let (input, output) = (input.into(), output.into());
+        let (i, o) = (input.place(), output.place());
+        i.check_alike("output", o)?;
+        if o.count != i.count {
             return Err(Error::invalid(
                 "output",
-                format!("holds {} elements; the input holds {n}", output.len()),
+                format!("holds {} elements; the input holds {}", o.count, i.count),
             ));
         }
-        let call = Call::reduce(
-            input.as_ptr().cast(),
-            output.as_mut_ptr().cast(),
-            n,
-            T::DTYPE,
-            op,
-            root,
-        );
+        let call = o.placed(Call::reduce(i.at, o.at, i.count, i.dtype, op, root));
         // SAFETY: `input` is borrowed for 'scope and `output` mutably (so
         // they do not overlap), both of `n` elements.
         unsafe { self.comm.start(&call.with(options)) }
@@ -157,26 +158,21 @@ impl<'scope> Scope<'scope, '_> {
     ///
     /// `options`: an [`Algorithm`], a [`WireFormat`], [`Options`], or `()` for the
     /// communicator's own. Every rank must ask alike.
-    pub fn gather<T: Element>(
+    pub fn gather(
         &'scope self,
-        input: &[T],
-        output: &'scope mut [T],
+        input: impl Into<Tensor<'scope>>,
+        output: impl Into<TensorMut<'scope>>,
         root: u32,
         options: impl Into<Options>,
     ) -> Result<Work<'scope>> {
-        let n = input.len() as u64;
+        let (input, output) = (input.into(), output.into());
+        let (i, o) = (input.place(), output.place());
+        i.check_alike("output", o)?;
         self.comm
-            .check_shares("output", output.len() as u64, n, "input")?;
-        let call = Call::gather(
-            input.as_ptr().cast(),
-            output.as_mut_ptr().cast(),
-            n,
-            T::DTYPE,
-            root,
-        );
-        // SAFETY: `input` is read before this returns (the prelude copies
-        // it); `output` is borrowed mutably for 'scope and spans `world * n`
-        // elements (checked above).
+            .check_shares("output", o.count, i.count, "input")?;
+        let call = o.placed(Call::gather(i.at, o.at, i.count, i.dtype, root));
+        // SAFETY: `input` is borrowed for 'scope; `output` is borrowed mutably
+        // for 'scope and spans `world * n` elements (checked above).
         unsafe { self.comm.start(&call.with(options)) }
     }
 
@@ -186,23 +182,19 @@ impl<'scope> Scope<'scope, '_> {
     ///
     /// `options`: an [`Algorithm`], a [`WireFormat`], [`Options`], or `()` for the
     /// communicator's own. Every rank must ask alike.
-    pub fn scatter<T: Element>(
+    pub fn scatter(
         &'scope self,
-        input: &'scope mut [T],
-        output: &'scope mut [T],
+        input: impl Into<TensorMut<'scope>>,
+        output: impl Into<TensorMut<'scope>>,
         root: u32,
         options: impl Into<Options>,
     ) -> Result<Work<'scope>> {
-        let n = output.len() as u64;
+        let (input, output) = (input.into(), output.into());
+        let (i, o) = (input.place(), output.place());
+        i.check_alike("output", o)?;
         self.comm
-            .check_shares("input", input.len() as u64, n, "output")?;
-        let call = Call::scatter(
-            input.as_mut_ptr().cast(),
-            output.as_mut_ptr().cast(),
-            n,
-            T::DTYPE,
-            root,
-        );
+            .check_shares("input", i.count, o.count, "output")?;
+        let call = i.placed(Call::scatter(i.at, o.at, o.count, i.dtype, root));
         // SAFETY: both are borrowed mutably for 'scope (so they do not
         // overlap) and have the lengths checked above.
         unsafe { self.comm.start(&call.with(options)) }
@@ -217,16 +209,20 @@ impl<'scope> Scope<'scope, '_> {
     /// Starts a coalesced all-reduce: every tensor in `tensors`, one operation
     /// each, all in flight at once; the returned [`Work`] covers them all.
     /// Every tensor is checked before any starts. (The blocking
-    /// [`Communicator::all_reduce_fused`] packs tensors into fusion buffers
-    /// instead.)
-    pub fn all_reduce_coalesced<T: Element>(
+    /// [`Communicator::all_reduce_fused`] packs host tensors into fusion
+    /// buffers instead.)
+    pub fn all_reduce_coalesced<T: Into<TensorMut<'scope>>>(
         &'scope self,
-        tensors: impl IntoIterator<Item = &'scope mut [T]>,
+        tensors: impl IntoIterator<Item = T>,
         op: ReduceOp,
     ) -> Result<Work<'scope>> {
         let calls: Vec<Call> = tensors
             .into_iter()
-            .map(|t| Call::all_reduce(t.as_mut_ptr().cast(), t.len() as u64, T::DTYPE, op))
+            .map(|t| {
+                let t = t.into();
+                let d = t.place();
+                d.placed(Call::all_reduce(d.at, d.count, d.dtype, op))
+            })
             .collect();
         // SAFETY: every tensor is borrowed mutably for 'scope (so none overlap),
         // valid and aligned for its length.
