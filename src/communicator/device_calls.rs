@@ -54,7 +54,7 @@ use fairring_cuda::{Stream, device_of_pointer, sys};
 use super::start::{check_reduce_overlap, overlaps};
 use super::{
     Call, Collective, Communicator, DeviceCall, OwnedWork, Work, WorkerEngine, byte_len,
-    check_pointer, wait_host_messages, wait_range,
+    check_pointer, wait_range,
 };
 use crate::error::{Error, Result};
 use crate::memory::DeviceSide;
@@ -152,9 +152,9 @@ impl Work<'_> {
     /// stream).
     pub unsafe fn enqueue_wait_raw(&self, stream: sys::CUstream) -> Result<()> {
         // Messages have nothing on the device: they are waited for here.
-        wait_host_messages(self.engine, self.parts())?;
+        self.covers.wait_on_host(self.engine)?;
         // SAFETY: forwarded.
-        unsafe { enqueue_wait(self.engine, self.first, self.last, stream) }
+        unsafe { enqueue_wait(self.engine, self.covers.first, self.covers.last, stream) }
     }
 }
 
@@ -165,9 +165,16 @@ impl OwnedWork {
     ///
     /// As [`Work::enqueue_wait_raw`].
     pub unsafe fn enqueue_wait_raw(&self, stream: sys::CUstream) -> Result<()> {
-        wait_host_messages(&self.comm.engine, self.parts())?;
+        self.covers.wait_on_host(&self.comm.engine)?;
         // SAFETY: forwarded.
-        unsafe { enqueue_wait(&self.comm.engine, self.first, self.last, stream) }
+        unsafe {
+            enqueue_wait(
+                &self.comm.engine,
+                self.covers.first,
+                self.covers.last,
+                stream,
+            )
+        }
     }
 }
 

@@ -146,15 +146,11 @@ impl Communicator {
             ));
         }
         let mut work = work;
-        let (first, last) = (work.first, work.last);
-        let (rooted, messages) = (work.rooted.take(), work.messages.take());
-        std::mem::forget(work);
+        // The work, left covering nothing, drops without waiting.
+        let covers = std::mem::replace(&mut work.covers, Covers::nothing());
         Ok(OwnedWork {
             comm: Arc::clone(self),
-            first,
-            last,
-            rooted,
-            messages,
+            covers,
         })
     }
 }

@@ -46,8 +46,9 @@ use lowering::check_op;
 pub(crate) use lowering::check_pointer;
 use point_to_point::PointToPoint;
 use submit::*;
+use work::Covers;
 #[cfg(feature = "cuda")]
-use work::{wait_host_messages, wait_range};
+use work::wait_range;
 
 /// The engine a communicator runs: host (and, with the `cuda` feature, device)
 /// memory, on the fabric chosen at run time.

@@ -255,19 +255,19 @@ impl<'c> Started<'c> {
             posted,
             more_posted,
         } = self;
-        let mut work = match range {
-            Some((first, last)) => Work::new(&comm.engine, first, last),
-            None => Work::empty(&comm.engine),
+        let mut covers = match range {
+            Some((first, last)) => Covers::operations(first, last),
+            None => Covers::nothing(),
         };
         if rooted.is_some() {
             let calls = rooted.iter().chain(&more_rooted).map(|(c, s)| (c, *s));
             // SAFETY: `Communicator::start`'s contract covers each call's
             // memory until the work reports completion.
-            work.rooted = Some(unsafe { comm.queue_rooted(calls) });
+            covers.rooted = Some(unsafe { comm.queue_rooted(calls) });
         }
         if let Some(first) = posted {
-            work.messages = Some(comm.messages_of(first, more_posted));
+            covers.messages = Some(comm.messages_of(first, more_posted));
         }
-        work
+        Work::new(&comm.engine, covers)
     }
 }

@@ -18,31 +18,17 @@ use super::*;
 #[must_use = "an operation runs until waited on or dropped"]
 pub struct Work<'a> {
     pub(super) engine: &'a WorkerEngine,
-    /// The operations covered: `first..=last`, or none if `first > last`.
-    pub(super) first: u64,
-    pub(super) last: u64,
-    /// The messages of gathers, scatters and reduces that move as messages
-    /// (see `point_to_point::rooted`), which finish after their checks.
-    pub(super) rooted: Option<Message>,
-    /// Sends and receives.
-    pub(super) messages: Option<Message>,
+    pub(super) covers: Covers,
     pub(super) _data: PhantomData<&'a mut [u8]>,
 }
 
 impl<'a> Work<'a> {
-    pub(super) fn new(engine: &'a WorkerEngine, first: u64, last: u64) -> Work<'a> {
+    pub(super) fn new(engine: &'a WorkerEngine, covers: Covers) -> Work<'a> {
         Work {
             engine,
-            first,
-            last,
-            rooted: None,
-            messages: None,
+            covers,
             _data: PhantomData,
         }
-    }
-
-    pub(super) fn empty(engine: &'a WorkerEngine) -> Work<'a> {
-        Work::new(engine, 1, 0)
     }
 
     /// Waits for the operation to finish.
@@ -53,39 +39,26 @@ impl<'a> Work<'a> {
 
     /// Waits up to `timeout`: an error if it failed or is still running then.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
-        wait_all(self.engine, self.parts(), timeout)
+        self.covers.wait(self.engine, timeout)
     }
 
     /// Whether the operation has finished, without waiting or driving it (the
     /// progress thread does); its error if it failed.
     pub fn test(&self) -> Result<bool> {
-        test_all(self.engine, self.parts())
+        self.covers.test(self.engine)
     }
 
     /// The operation's sequence number (the same on every rank); the first one
     /// of a coalesced group. `None` for sends and receives alone, which are
     /// not numbered.
     pub fn sequence(&self) -> Option<u64> {
-        (self.first <= self.last).then_some(self.first)
-    }
-
-    pub(super) fn parts(&self) -> Parts<'_> {
-        Parts {
-            first: self.first,
-            last: self.last,
-            rooted: self.rooted.as_ref(),
-            messages: self.messages.as_ref(),
-        }
+        self.covers.sequence()
     }
 }
 
 impl Drop for Work<'_> {
     fn drop(&mut self) {
-        // The messages first: a gather's wait for its check, whose entry the
-        // release gives back.
-        drop(self.messages.take());
-        drop(self.rooted.take());
-        release_range(self.engine, self.first, self.last);
+        self.covers.release(self.engine);
     }
 }
 
@@ -97,17 +70,13 @@ impl Drop for Work<'_> {
 #[must_use = "an operation runs until waited on or dropped"]
 pub struct OwnedWork {
     pub(super) comm: Arc<Communicator>,
-    pub(super) first: u64,
-    pub(super) last: u64,
-    /// As [`Work`]'s.
-    pub(super) rooted: Option<Message>,
-    pub(super) messages: Option<Message>,
+    pub(super) covers: Covers,
 }
 
 impl OwnedWork {
     /// Waits up to `timeout`: an error if it failed or is still running then.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
-        wait_all(&self.comm.engine, self.parts(), timeout)
+        self.covers.wait(&self.comm.engine, timeout)
     }
 
     /// Waits up to the communicator's timeout.
@@ -117,21 +86,12 @@ impl OwnedWork {
 
     /// Whether the operation has finished; its error if it failed.
     pub fn test(&self) -> Result<bool> {
-        test_all(&self.comm.engine, self.parts())
+        self.covers.test(&self.comm.engine)
     }
 
     /// As [`Work::sequence`].
     pub fn sequence(&self) -> Option<u64> {
-        (self.first <= self.last).then_some(self.first)
-    }
-
-    pub(super) fn parts(&self) -> Parts<'_> {
-        Parts {
-            first: self.first,
-            last: self.last,
-            rooted: self.rooted.as_ref(),
-            messages: self.messages.as_ref(),
-        }
+        self.covers.sequence()
     }
 
     /// The communicator that runs it.
@@ -142,25 +102,109 @@ impl OwnedWork {
 
 impl Drop for OwnedWork {
     fn drop(&mut self) {
-        drop(self.messages.take());
-        drop(self.rooted.take());
-        release_range(&self.comm.engine, self.first, self.last);
+        self.covers.release(&self.comm.engine);
     }
 }
 
 impl std::fmt::Debug for Work<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.parts().fmt(f)
+        self.covers.fmt(f)
     }
 }
 
 impl std::fmt::Debug for OwnedWork {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.parts().fmt(f)
+        self.covers.fmt(f)
     }
 }
 
-impl std::fmt::Debug for Parts<'_> {
+/// What a work covers: operations `first..=last` (none if `first > last`),
+/// the messages of its collectives that move as messages, and its sends and
+/// receives.
+pub(super) struct Covers {
+    pub(super) first: u64,
+    pub(super) last: u64,
+    /// The messages of gathers, scatters and reduces that move as messages
+    /// (see `point_to_point::rooted`), which finish after their checks.
+    pub(super) rooted: Option<Message>,
+    /// Sends and receives.
+    pub(super) messages: Option<Message>,
+}
+
+impl Covers {
+    /// Nothing.
+    pub(super) fn nothing() -> Covers {
+        Covers::operations(1, 0)
+    }
+
+    /// Operations `first..=last`.
+    pub(super) fn operations(first: u64, last: u64) -> Covers {
+        Covers {
+            first,
+            last,
+            rooted: None,
+            messages: None,
+        }
+    }
+
+    fn sequence(&self) -> Option<u64> {
+        (self.first <= self.last).then_some(self.first)
+    }
+
+    /// Waits up to `timeout` in all for everything covered: the first error,
+    /// after every part has been waited for (so that a failed send does not
+    /// hide a collective still running).
+    fn wait(&self, engine: &WorkerEngine, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        let operations = wait_range(engine, self.first, self.last, timeout);
+        let messages = self.wait_messages(engine, start, timeout);
+        operations.and(messages)
+    }
+
+    /// Waits until `timeout` after `start` for the messages covered: the
+    /// sends and receives, and the collectives' (which wait for their checks,
+    /// operations covered too).
+    fn wait_messages(
+        &self,
+        engine: &WorkerEngine,
+        start: Instant,
+        timeout: Duration,
+    ) -> Result<()> {
+        let left = || timeout.saturating_sub(start.elapsed());
+        let rooted = wait_messages(engine, self.rooted.as_ref(), left());
+        let messages = self
+            .messages
+            .as_ref()
+            .map_or(Ok(()), |m| m.wait_timeout(left()));
+        rooted.and(messages)
+    }
+
+    /// Waits up to the communicator's timeout for the messages covered,
+    /// which live on the host: a device stream cannot wait for them.
+    #[cfg(feature = "cuda")]
+    pub(super) fn wait_on_host(&self, engine: &WorkerEngine) -> Result<()> {
+        self.wait_messages(engine, Instant::now(), engine.timeout)
+    }
+
+    /// Whether everything covered has finished; the first error.
+    fn test(&self, engine: &WorkerEngine) -> Result<bool> {
+        let messages = self.messages.as_ref().map_or(Ok(true), Message::test)?;
+        Ok(test_range(engine, self.first, self.last)?
+            && test_messages(engine, self.rooted.as_ref())?
+            && messages)
+    }
+
+    /// Waits for everything covered and lets go of it: the messages first (a
+    /// gather's wait for its check, whose entry the release gives back).
+    fn release(&mut self, engine: &WorkerEngine) {
+        drop(self.messages.take());
+        drop(self.rooted.take());
+        release_range(engine, self.first, self.last);
+        (self.first, self.last) = (1, 0);
+    }
+}
+
+impl std::fmt::Debug for Covers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let operations = (self.first <= self.last).then_some(self.first..=self.last);
         f.debug_struct("Work")
@@ -169,52 +213,6 @@ impl std::fmt::Debug for Parts<'_> {
             .field("rooted", &self.rooted)
             .finish()
     }
-}
-
-/// What a work covers: operations `first..=last` (none if `first > last`),
-/// the messages of its collectives that move as messages, and its sends and
-/// receives.
-#[derive(Clone, Copy)]
-pub(super) struct Parts<'w> {
-    first: u64,
-    last: u64,
-    rooted: Option<&'w Message>,
-    messages: Option<&'w Message>,
-}
-
-/// Waits up to `timeout` in all for every part of a work: the first error,
-/// after every part has been waited for (so that a failed send does not hide
-/// a collective still running).
-fn wait_all(engine: &WorkerEngine, parts: Parts<'_>, timeout: Duration) -> Result<()> {
-    let start = Instant::now();
-    let left = || timeout.saturating_sub(start.elapsed());
-    let operations = wait_range(engine, parts.first, parts.last, timeout);
-    let rooted = operations
-        .as_ref()
-        .ok()
-        .map(|()| wait_messages(engine, parts.rooted, left()));
-    let messages = parts.messages.map_or(Ok(()), |m| m.wait_timeout(left()));
-    operations.and(rooted.unwrap_or(Ok(()))).and(messages)
-}
-
-/// Waits up to the communicator's timeout for the messages of a work, which
-/// live on the host: a device stream cannot wait for them.
-#[cfg(feature = "cuda")]
-pub(super) fn wait_host_messages(engine: &WorkerEngine, parts: Parts<'_>) -> Result<()> {
-    let messages = Parts {
-        first: 1,
-        last: 0,
-        ..parts
-    };
-    wait_all(engine, messages, engine.timeout)
-}
-
-/// Whether every part of a work has finished; the first error.
-fn test_all(engine: &WorkerEngine, parts: Parts<'_>) -> Result<bool> {
-    let messages = parts.messages.map_or(Ok(true), Message::test)?;
-    Ok(test_range(engine, parts.first, parts.last)?
-        && test_messages(engine, parts.rooted)?
-        && messages)
 }
 
 /// Waits up to `timeout` for the messages of a work, if it has any.

@@ -7,7 +7,7 @@ use fairring_core::DataType;
 use fairring_core::reduce::Element;
 
 use super::Message;
-use crate::communicator::{Communicator, Work, check_pointer};
+use crate::communicator::{Communicator, Covers, Work, check_pointer};
 use crate::error::{Error, Result};
 
 impl Communicator {
@@ -152,9 +152,9 @@ impl Communicator {
             at_in += usize::try_from(send * size).unwrap_or(0);
             at_out += usize::try_from(receive * size).unwrap_or(0);
         }
-        let mut work = Work::empty(&self.engine);
-        work.messages = Some(Message::many(posted, &self.p2p.pool));
-        Ok(work)
+        let mut covers = Covers::nothing();
+        covers.messages = Some(Message::many(posted, &self.p2p.pool));
+        Ok(Work::new(&self.engine, covers))
     }
 }
 
