@@ -15,9 +15,9 @@ impl<'scope> Scope<'scope, '_> {
     /// [`Algorithm`], a [`WireFormat`], [`Options`], or `()` for the
     /// communicator's own. Every rank must ask alike.
     ///
-    /// `data` is a host slice (`&mut v`, `&mut v[..]`), or device memory
-    /// ordered on a stream ([`TensorMut::device`]); so are every
-    /// collective's tensors.
+    /// `data` is a host slice (`&mut v`, `&mut v[..]`), or, with the `cuda`
+    /// feature, device memory ordered on a stream (`TensorMut::device`); so
+    /// are every collective's tensors.
     pub fn all_reduce(
         &'scope self,
         data: impl Into<TensorMut<'scope>>,

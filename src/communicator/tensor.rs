@@ -4,7 +4,7 @@
 //! On the host a tensor is a borrowed slice (or `Vec`, or array) of any
 //! [`Element`], its type the element's. With the `cuda` feature it may be
 //! device memory instead, of a stated [`DataType`], ordered on a stream
-//! ([`TensorMut::device`], [`Tensor::device`]): the scope's collectives take
+//! (`TensorMut::device`, `Tensor::device`): the scope's collectives take
 //! either, and a call whose tensors disagree (in type, or in where they live)
 //! is refused naming the second.
 

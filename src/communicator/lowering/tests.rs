@@ -302,4 +302,12 @@ fn sends_and_receives_lower_to_messages_of_the_engine() {
     assert_eq!(argument, "count");
     let (argument, _) = refused(Call::send(0, 0, INPUT, 1, DataType::F32).with(WireFormat::Bf16));
     assert_eq!(argument, "wire");
+    // Messages run on host memory.
+    #[cfg(feature = "cuda")]
+    {
+        let on_device = Call::recv(0, 0, OUTPUT, 1, DataType::F32).on_stream(std::ptr::null_mut());
+        let (argument, reason) = refused(on_device);
+        assert_eq!(argument, "memory");
+        assert_eq!(reason, "a recv runs on host memory");
+    }
 }
