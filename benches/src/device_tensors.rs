@@ -23,17 +23,15 @@ fn gpu(e: fairring::cuda::Error) -> fairring::Error {
 
 impl DeviceTensors {
     /// `parallel` buffers of `bytes`, and `parallel` parts of `part_bytes`,
-    /// on GPU `LOCAL_RANK % visible devices`.
+    /// on GPU `local % visible devices` (`local`: the rank's index on its
+    /// machine).
     pub(crate) fn new(
+        local: u32,
         parallel: usize,
         bytes: usize,
         part_bytes: usize,
     ) -> fairring::Result<DeviceTensors> {
         let visible = probe::driver_info().map_err(gpu)?.devices.max(1);
-        let local: u32 = std::env::var("LOCAL_RANK")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
         let device = Device::open(local % visible).map_err(gpu)?;
         let stream = Stream::new(&device, false).map_err(gpu)?;
         let buffers = |len: usize| {

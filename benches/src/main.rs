@@ -11,9 +11,10 @@
 //! fairring-bench model ...   (the scale model: see `model_command.rs`)
 //! ```
 //!
-//! With `--local MxD` (the default, `2x2`, when no torchrun environment is set) it
-//! launches `M*D` copies of itself on this host as `M` simulated machines of `D`
-//! ranks; with a torchrun environment and no `--local` it joins that job. Rank 0
+//! With `--local MxD` (the default, `2x2`, when no launcher's environment is set)
+//! it launches `M*D` copies of itself on this host as `M` simulated machines of
+//! `D` ranks; started by a launcher (torchrun, OpenMPI's `mpirun`, an MPICH-style
+//! `mpiexec`, Slurm's `srun`) and without `--local`, it is one rank of that job. Rank 0
 //! prints one row per size and algorithm:
 //!
 //! - `time`: median over iterations of the slowest rank's time for one iteration
@@ -59,7 +60,7 @@
 //! tensor, in turns; one row per way.
 //!
 //! `--device cuda` runs the collective on tensors in GPU memory (each rank on GPU
-//! `LOCAL_RANK % visible devices`; with one GPU every rank shares it), ordered on
+//! its index on its machine modulo the visible devices; with one GPU every rank shares it), ordered on
 //! a stream of the rank's; the host fills and checks them outside the timed
 //! iterations, and a timed iteration ends when the host sees every operation
 //! complete. With several ranks per machine (`--local 1x2`), the machine's step
@@ -114,9 +115,14 @@ fn main() -> ExitCode {
         }
         return worker(&options);
     }
-    match options.local {
-        Some(layout) => launch(layout, &args),
-        None if std::env::var_os("RANK").is_some() => worker(&options),
-        None => launch((2, 2), &args),
+    match (options.local, fairring::Launcher::from_env()) {
+        (Some(layout), _) => launch(layout, &args),
+        // Started by torchrun, mpirun, mpiexec or srun: one rank of its job.
+        (None, Ok(Some(_))) => worker(&options),
+        (None, Ok(None)) => launch((2, 2), &args),
+        (None, Err(e)) => {
+            eprintln!("fairring-bench: {e}");
+            ExitCode::FAILURE
+        }
     }
 }

@@ -4,11 +4,23 @@
 use super::*;
 
 pub(crate) fn worker(options: &Options) -> ExitCode {
-    let rank = std::env::var("RANK").unwrap_or_default();
-    match run(options) {
+    // The job as its launcher describes it (torchrun, mpirun, mpiexec, srun).
+    let config = Config::from_lookup(|k| match (k, options.wire) {
+        ("FAIRRING_WIRE", Some(wire)) => Some(wire.name().to_owned()),
+        _ => std::env::var(k).ok(),
+    });
+    let config = match config {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("fairring-bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let rank = config.rank();
+    match run(options, config) {
         Ok(0) => ExitCode::SUCCESS,
         Ok(wrong) => {
-            if rank == "0" {
+            if rank == 0 {
                 eprintln!("fairring-bench: {wrong} wrong elements");
             }
             ExitCode::from(3)
@@ -34,11 +46,7 @@ pub(crate) struct Row {
     pub(crate) received_per_op: u64,
 }
 
-pub(crate) fn run(o: &Options) -> fairring::Result<u64> {
-    let config = Config::from_lookup(|k| match (k, o.wire) {
-        ("FAIRRING_WIRE", Some(wire)) => Some(wire.name().to_owned()),
-        _ => std::env::var(k).ok(),
-    })?;
+pub(crate) fn run(o: &Options, config: Config) -> fairring::Result<u64> {
     let comm = Communicator::new(config)?;
     if o.gradients > 0 {
         return gradients(&comm, o);
@@ -77,6 +85,7 @@ pub(crate) fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Res
     let part_elements = parts.first().map_or(0, Vec::len);
     let mut device = if o.device {
         Some(device_tensors::DeviceTensors::new(
+            comm.location().device,
             o.parallel,
             usize::try_from(o.max_bytes).unwrap_or(usize::MAX),
             part_elements * std::mem::size_of::<T>(),

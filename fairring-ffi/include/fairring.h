@@ -233,6 +233,15 @@ typedef struct {
   fr_store_release_fn release;
 } fr_store;
 
+// A job's id: 128 bytes one process makes (`fr_job_id_new`) and the host
+// runtime hands to every rank by any means (`MPI_Bcast`, a file, a
+// key-value store). It names where the job's rendezvous store serves (in
+// the maker's process), the job's secret and its run.
+typedef struct {
+  // The id's bytes, copied as they are.
+  uint8_t bytes[128];
+} fr_job_id;
+
 // Called once when an operation finishes, from a fairring thread, with
 // `FR_OK` or its error code (`fr_last_error()` on that thread has the
 // message). It must return promptly and must not destroy the communicator.
@@ -319,9 +328,10 @@ fr_status fr_start(const fr_comm *comm,
                    size_t n,
                    fr_work **out);
 
-// Joins the job torchrun's environment describes (`RANK`, `WORLD_SIZE`,
-// `MASTER_ADDR`, `MASTER_PORT`, torchrun's agent store, the `FAIRRING_*`
-// knobs). Collective: every rank of the job calls it. On success `*out` holds
+// Joins the job its launcher's environment describes: torchrun's (`RANK`,
+// `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, its agent store), or that of
+// OpenMPI's `mpirun`, an MPICH-style `mpiexec` or Slurm's `srun`, with the
+// `FAIRRING_*` knobs. Collective: every rank of the job calls it. On success `*out` holds
 // the communicator.
 //
 // # Safety
@@ -635,6 +645,32 @@ fr_status fr_reduce_scatter_device(const fr_comm *comm,
 fr_status fr_work_enqueue_wait(const fr_work *work,
                                void *stream);
 #endif
+
+// Makes a job's id into `*out` and starts serving the job's rendezvous
+// store in this process (until it exits, or until its own communicator of
+// the job, if it joins, is destroyed).
+//
+// # Safety
+//
+// `out` is null or valid for a write.
+fr_status fr_job_id_new(fr_job_id *out);
+
+// Joins the job of `*id` as rank `rank` of `world_size`. `timeout_ms`,
+// unless 0, replaces `FAIRRING_TIMEOUT`; the other knobs come from the
+// environment. Collective: every rank of the job calls it. A changed id
+// fails at once (`FR_INVALID_ARGUMENT`, naming `id`); one whose maker has
+// exited fails within the timeout, naming the id. On success `*out` holds
+// the communicator.
+//
+// # Safety
+//
+// `id` is null or points to an `fr_job_id`; `out` is null or valid for a
+// write.
+fr_status fr_comm_from_id(const fr_job_id *id,
+                          uint32_t rank,
+                          uint32_t world_size,
+                          uint64_t timeout_ms,
+                          fr_comm **out);
 
 // Posts a send of `count` elements of `dtype` at `data` to rank `peer`,
 // with tag `tag`. `*out` receives the work handle.

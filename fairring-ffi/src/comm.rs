@@ -19,7 +19,7 @@ pub struct fr_comm {
 }
 
 impl fr_comm {
-    fn new(comm: Communicator) -> Result<fr_comm, fr_status> {
+    pub(crate) fn new(comm: Communicator) -> Result<fr_comm, fr_status> {
         let completions = Completions::start(comm.rank()).map_err(|e| {
             fail(&fairring::Error::Io {
                 context: "starting the completion thread".into(),
@@ -48,7 +48,7 @@ unsafe fn handle<'a>(comm: *const fr_comm) -> Result<&'a fr_comm, fr_status> {
 /// # Safety
 ///
 /// `out` is null or valid for a write.
-unsafe fn give<T>(out: *mut *mut T, value: T) -> fr_status {
+pub(crate) unsafe fn give<T>(out: *mut *mut T, value: T) -> fr_status {
     if out.is_null() {
         return invalid("out", "null");
     }
@@ -57,9 +57,10 @@ unsafe fn give<T>(out: *mut *mut T, value: T) -> fr_status {
     FR_OK
 }
 
-/// Joins the job torchrun's environment describes (`RANK`, `WORLD_SIZE`,
-/// `MASTER_ADDR`, `MASTER_PORT`, torchrun's agent store, the `FAIRRING_*`
-/// knobs). Collective: every rank of the job calls it. On success `*out` holds
+/// Joins the job its launcher's environment describes: torchrun's (`RANK`,
+/// `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, its agent store), or that of
+/// OpenMPI's `mpirun`, an MPICH-style `mpiexec` or Slurm's `srun`, with the
+/// `FAIRRING_*` knobs. Collective: every rank of the job calls it. On success `*out` holds
 /// the communicator.
 ///
 /// # Safety

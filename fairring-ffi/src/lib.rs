@@ -11,9 +11,13 @@
 //!   has the message (naming the argument, the variable or the peer's rank).
 //! - **No unwinding and no abort across the boundary**: every export runs
 //!   behind `catch_unwind`, and a panic becomes `FR_PANIC` with its message.
-//! - **Stores**: a communicator is made from torchrun's environment
-//!   (`fr_comm_from_env`) or from a rank, a world size and the host runtime's
-//!   store as callbacks (`fr_comm_with_store`; PyTorch passes its `c10d::Store`).
+//! - **Joining**: a communicator is made from a launcher's environment
+//!   (`fr_comm_from_env`: torchrun's, OpenMPI's `mpirun`, an MPICH-style
+//!   `mpiexec`, Slurm's `srun`), from a rank, a world size and the host
+//!   runtime's store as callbacks (`fr_comm_with_store`; PyTorch passes its
+//!   `c10d::Store`), or from a job id one process made (`fr_job_id_new`) and
+//!   the runtime handed to every rank (`fr_comm_from_id`, as NCCL's
+//!   `ncclCommInitRank`).
 //! - **Collectives** on host memory start asynchronously and return a work
 //!   handle: test, wait, wait with a timeout, a completion callback, free.
 //!
@@ -31,6 +35,7 @@ mod call;
 mod comm;
 #[cfg(feature = "cuda")]
 mod device_calls;
+mod job_id;
 mod messages;
 mod status;
 mod store;
@@ -53,6 +58,7 @@ pub use device_calls::{
     fr_all_gather_device, fr_all_reduce_coalesced_device, fr_all_reduce_device,
     fr_broadcast_device, fr_reduce_scatter_device, fr_work_enqueue_wait,
 };
+pub use job_id::{fr_comm_from_id, fr_job_id, fr_job_id_new};
 pub use messages::{fr_all_to_all, fr_recv, fr_send};
 pub use status::*;
 pub use store::{

@@ -7,6 +7,7 @@ use fairring_core::topology::{Location, Topology};
 use fairring_rdma::any::AnyFabric;
 use fairring_rdma::fabric::{Endpoint, Fabric, LocalRegion, RemoteRegion};
 
+pub(crate) mod job_id;
 mod late_links;
 mod open_fabric;
 mod progress;

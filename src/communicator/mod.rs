@@ -28,6 +28,7 @@ use fairring_core::reduce::Element;
 use fairring_core::topology::{Location, Topology};
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
+use crate::bootstrap::job_id::{self, JobId};
 use crate::bootstrap::{self, start_progress, stop_progress};
 use crate::config::{Algorithm, Config, FabricChoice};
 use crate::engine::links::Traffic;
@@ -37,7 +38,7 @@ use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::memory::DeviceTensor;
 use crate::memory::{HostTensor, Placed, PlacedTensor};
-use crate::store::{PrefixStore, Store, TcpStoreServer};
+use crate::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
 use crate::sync::unmodelled::AtomicU8;
 use fairring_rdma::any::AnyFabric;
 #[cfg(feature = "cuda")]
@@ -116,6 +117,61 @@ impl Communicator {
         refuse_server(&config)?;
         let (store, server) = bootstrap::job_store(&config)?;
         Communicator::build(config, store, server)
+    }
+
+    /// Joins the job of `id` (made by [`JobId::new`] in one process and handed
+    /// to every rank by the host runtime) as rank `rank` of `world_size`,
+    /// meeting through the store the id's maker serves; every other knob from
+    /// the environment, as [`Config::from_env_with`] reads it, and `timeout`,
+    /// where given, in place of `FAIRRING_TIMEOUT`. An id that cannot be
+    /// joined (its maker has exited, or this machine cannot reach it) fails
+    /// within the timeout, naming the id; one that was changed on the way
+    /// fails at once, naming `id`.
+    pub fn from_id(
+        id: &JobId,
+        rank: u32,
+        world_size: u32,
+        timeout: Option<Duration>,
+    ) -> Result<Communicator> {
+        if rank >= world_size {
+            return Err(Error::invalid(
+                "rank",
+                format!("{rank} is not a rank of {world_size}"),
+            ));
+        }
+        let parts = id.parts()?;
+        let (ip, port) = (
+            parts.address.ip().to_string(),
+            parts.address.port().to_string(),
+        );
+        let (secret, run) = (parts.secret.to_hex(), parts.run_id());
+        let config = Config::for_group(rank, world_size, timeout, |name| match name {
+            "MASTER_ADDR" => Some(ip.clone()),
+            "MASTER_PORT" => Some(port.clone()),
+            "FAIRRING_JOB_SECRET" => Some(secret.clone()),
+            "TORCHELASTIC_RUN_ID" => Some(run.clone()),
+            _ => std::env::var(name).ok(),
+        })?;
+        refuse_server(&config)?;
+        // The maker's process serves the store; its communicator keeps it.
+        let server = job_id::take_served(&parts.nonce);
+        let store = TcpStore::connect(
+            &config.master_addr,
+            config.master_port,
+            &config.secret,
+            config.job_tag,
+            config.timeout,
+        )
+        .map_err(|e| {
+            Error::store(
+                "joining by id",
+                format!(
+                    "{id:?}: {e} (an id whose maker has exited, or whose machine this one \
+                     cannot reach)"
+                ),
+            )
+        })?;
+        Communicator::build(config, Arc::new(store), server)
     }
 
     /// Joins the job of `config`, meeting through `store` (for instance the host

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use fairring_core::WireFormat;
 
+use super::launchers::{LaunchedJob, RECOGNISED_BY};
 use super::parse::{parse_bytes, parse_duration, parse_u32};
 use super::{Config, JobSecret, Role, VerbsKnobs, parse_flag};
 use crate::error::{Error, Result};
@@ -14,8 +15,11 @@ use crate::error::{Error, Result};
 const LOCAL_RANK_OF_PROCESS: &str = "LOCAL_RANK (of the process)";
 
 impl Config {
-    /// The configuration torchrun's environment describes, with the `FAIRRING_*`
-    /// knobs (see the module docs).
+    /// The configuration the environment describes: torchrun's, or that of
+    /// OpenMPI's `mpirun`, of an MPICH-style `mpiexec` (PMI) or of Slurm's
+    /// `srun` (see `config::launchers`), with the `FAIRRING_*` knobs (see the
+    /// module docs). Where no launcher's variables are set, the error names
+    /// the ones it looked for.
     pub fn from_env() -> Result<Config> {
         Config::from_lookup(|name| std::env::var(name).ok())
     }
@@ -72,9 +76,25 @@ impl Config {
     }
 
     /// Like [`Config::from_env`], reading variables through `lookup`.
-    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config> {
-        let required =
-            |name: &'static str| lookup(name).ok_or_else(|| Error::config(name, "", "not set"));
+    pub fn from_lookup(environment: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        // torchrun's variables, or a launcher's read as torchrun's.
+        let job = LaunchedJob::find(&environment)?;
+        let lookup = |name: &str| match &job {
+            Some(job) => job.lookup(name, &environment),
+            None => environment(name),
+        };
+        let required = |name: &'static str| {
+            lookup(name).ok_or_else(|| match name {
+                "RANK" | "WORLD_SIZE" => Error::config(
+                    name,
+                    "",
+                    format!(
+                        "not set, and no launcher's environment is: looked for {RECOGNISED_BY}"
+                    ),
+                ),
+                _ => Error::config(name, "", "not set"),
+            })
+        };
         let role = match lookup("FAIRRING_ROLE").as_deref().map(str::trim) {
             None | Some("worker") => Role::Worker,
             Some("server") => Role::Server(parse_u32(

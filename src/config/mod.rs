@@ -1,5 +1,7 @@
 //! What a communicator is built from: the job (ranks, rendezvous address) and the
-//! knobs, from a builder or from the environment torchrun sets.
+//! knobs, from a builder or from the environment a launcher sets: torchrun's
+//! (below), or OpenMPI's, PMI's (MPICH, Intel MPI) or Slurm's, read as torchrun's
+//! (see `launchers`).
 //!
 //! | variable | meaning | default |
 //! |---|---|---|
@@ -59,6 +61,7 @@
 mod device_local;
 mod env;
 mod fabric_choice;
+mod launchers;
 mod parse;
 
 use std::time::Duration;
@@ -71,6 +74,7 @@ use crate::error::{Error, Result};
 pub use device_local::DeviceLocal;
 pub use fabric_choice::FabricChoice;
 pub(crate) use fabric_choice::{VerbsKnobs, verbs_not_built};
+pub use launchers::Launcher;
 
 fairring_core::named_enum! {
     /// How an all-reduce moves its data. The values are those of the C ABI's
@@ -553,7 +557,9 @@ fn derived_secret(addr: &str, port: u16, run_id: &str) -> JobSecret {
     JobSecret::from_bytes(h.finalize().into())
 }
 
-fn job_tag(secret: &JobSecret, run_id: &str) -> u64 {
+/// The tag of the job of `secret` and `run_id`: its store's keys and its
+/// peers' admission name it.
+pub(crate) fn job_tag(secret: &JobSecret, run_id: &str) -> u64 {
     let mut h = Sha256::new();
     h.update(b"fairring job tag v1\0");
     h.update(secret.as_bytes());

@@ -27,6 +27,26 @@ pub(crate) fn address_of(name: &str) -> Result<IpAddr, FabricError> {
     })
 }
 
+/// The address other machines reach this one at, as a rendezvous point a
+/// process offers: that of [`SOCKET_IFNAME_VAR`]'s interface where it is set,
+/// else the first IPv4 address of an interface that is neither loopback nor a
+/// container bridge (`docker*`, `virbr*`, `br-*`, `veth*`), else loopback
+/// (which serves one machine only).
+pub fn host_address() -> Result<IpAddr, FabricError> {
+    if let Ok(name) = std::env::var(SOCKET_IFNAME_VAR) {
+        return address_of(name.trim());
+    }
+    let bridge = |name: &str| {
+        ["lo", "docker", "virbr", "br-", "veth"]
+            .iter()
+            .any(|p| name.starts_with(p))
+    };
+    Ok(addresses()?
+        .into_iter()
+        .find(|(name, ip)| ip.is_ipv4() && !ip.is_loopback() && !bridge(name))
+        .map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |(_, ip)| ip))
+}
+
 /// Every (interface name, IP address) pair of this machine.
 fn addresses() -> Result<Vec<(String, IpAddr)>, FabricError> {
     let mut list: *mut libc::ifaddrs = std::ptr::null_mut();

@@ -51,6 +51,7 @@ use fairring_core::wire::{FrameHeader, FrameKind, MAX_MESSAGE_PAYLOAD, RegionAdd
 
 pub use config::{BindTo, SOCKET_IFNAME_VAR, TcpConfig};
 pub use event_loop::RefusalRecord;
+pub use interface::host_address;
 pub use regions::TcpRegion;
 
 use self::event_loop::{ADMITTED, EventLoop, FAILED, NOT_CONNECTED, PeerSlot, Shared};

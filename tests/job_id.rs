@@ -1,0 +1,72 @@
+//! Joining a job by id, as NCCL's `ncclGetUniqueId` and `ncclCommInitRank`
+//! do: one process makes the id, every rank joins with (id, rank, world
+//! size). A changed id is refused at once, naming it; a stale one fails
+//! within the timeout, naming it.
+
+use std::time::{Duration, Instant};
+
+use fairring::{Communicator, Error, JobId, ReduceOp};
+
+const TIMEOUT: Option<Duration> = Some(Duration::from_secs(20));
+
+#[test]
+fn ranks_join_by_id_and_all_reduce_exactly() {
+    let id = JobId::new().unwrap();
+    // The id travels as bytes, as MPI_Bcast or a file would carry it.
+    let bytes = id.as_bytes().to_vec();
+    let world = 3u32;
+    let sums: Vec<Vec<i64>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let bytes = bytes.clone();
+                s.spawn(move || {
+                    let id = JobId::from_bytes(&bytes).unwrap();
+                    let comm = Communicator::from_id(&id, rank, world, TIMEOUT)
+                        .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                    assert_eq!((comm.rank(), comm.world_size()), (rank, world));
+                    let mut data: Vec<i64> = (0..1000).map(|i| i * i64::from(rank + 1)).collect();
+                    comm.all_reduce(&mut data, ReduceOp::Sum).unwrap();
+                    data
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for data in sums {
+        assert!(data.iter().enumerate().all(|(i, &v)| v == i as i64 * 6));
+    }
+}
+
+#[test]
+fn a_changed_id_is_refused_and_a_stale_one_fails_within_the_timeout() {
+    let id = JobId::new().unwrap();
+    let mut changed = *id.as_bytes();
+    changed[30] ^= 0x40;
+    match JobId::from_bytes(&changed) {
+        Err(Error::InvalidArgument { argument, reason }) => {
+            assert_eq!(argument, "id");
+            assert!(reason.contains("checksum"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    match Communicator::from_id(&id, 1, 1, TIMEOUT) {
+        Err(Error::InvalidArgument { argument, .. }) => assert_eq!(argument, "rank"),
+        Err(other) => panic!("{other}"),
+        Ok(_) => panic!("rank 1 of 1 joined"),
+    }
+    // A job of one rank, made and ended: its maker's store goes with it.
+    let comm = Communicator::from_id(&id, 0, 1, TIMEOUT).unwrap();
+    drop(comm);
+    let timeout = Duration::from_secs(2);
+    let start = Instant::now();
+    let Err(e) = Communicator::from_id(&id, 0, 2, Some(timeout)) else {
+        panic!("joined with a stale id");
+    };
+    let took = start.elapsed();
+    let text = e.to_string();
+    assert!(
+        text.contains("joining by id") && text.contains("JobId("),
+        "{text}"
+    );
+    assert!(took < timeout * 3, "took {took:?}");
+}
