@@ -6,7 +6,7 @@
 //! |---|---|---|---|
 //! | torchrun | `RANK`, `WORLD_SIZE` | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | `MASTER_ADDR`, `MASTER_PORT` |
 //! | OpenMPI | `OMPI_COMM_WORLD_RANK`, `_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK`, `_LOCAL_SIZE` | `mpirun`'s host (`OMPI_MCA_orte_hnp_uri`), or loopback where every rank shares one machine; a port from the job id (`OMPI_MCA_ess_base_jobid`) |
-//! | PMI (MPICH, Intel MPI) | `PMI_RANK`, `PMI_SIZE` | `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` | loopback where every rank shares one machine, else `mpiexec`'s PMI host (`PMI_PORT`); a port from `PMI_PORT` |
+//! | PMI (MPICH, Intel MPI) | `PMI_RANK`, `PMI_SIZE` | `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` | loopback where every rank shares one machine, else `mpiexec`'s PMI host (`PMI_PORT`); a port from `PMI_PORT`, or on one machine from the Hydra proxy the ranks share |
 //! | Slurm (`srun`) | `SLURM_PROCID`, `SLURM_NTASKS` | `SLURM_LOCALID`, and this node's entry of `SLURM_STEP_TASKS_PER_NODE` | the first node of `SLURM_STEP_NODELIST` (or `SLURM_JOB_NODELIST`); a port from `SLURM_JOB_ID` and `SLURM_STEP_ID` |
 //!
 //! They are tried in that order: a process `mpirun` starts inside a Slurm
@@ -136,16 +136,18 @@ fn open_mpi(
 fn pmi(lookup: &dyn Fn(&str) -> Option<String>, rank: &str, size: &str) -> Result<LaunchedJob> {
     let mut job = Shape::new(Launcher::Pmi, ("PMI_RANK", rank), ("PMI_SIZE", size))?;
     job.local(lookup, "MPI_LOCALRANKID", "MPI_LOCALNRANKS")?;
-    // `PMI_PORT` is `host:port` of mpiexec's PMI server.
+    // `PMI_PORT`, where mpiexec sets it, is `host:port` of its PMI server.
     let server = lookup("PMI_PORT");
-    let host = if job.one_machine() {
-        Some("127.0.0.1".to_string())
-    } else {
-        server
-            .as_deref()
-            .and_then(|s| s.rsplit_once(':'))
-            .map(|(host, _)| host.to_string())
-    };
+    if job.one_machine() {
+        // Hydra's default mode sets no PMI_PORT: the ranks of one machine
+        // share its proxy, whose process names the job.
+        let id = server.or_else(hydra_proxy);
+        return Ok(job.meet(Some("127.0.0.1".to_string()), id));
+    }
+    let host = server
+        .as_deref()
+        .and_then(|s| s.rsplit_once(':'))
+        .map(|(host, _)| host.to_string());
     Ok(job.meet(host, server))
 }
 
@@ -181,6 +183,28 @@ fn slurm(lookup: &dyn Fn(&str) -> Option<String>, rank: &str, size: &str) -> Res
     let id = lookup("SLURM_JOB_ID")
         .map(|job_id| format!("{job_id}.{}", lookup("SLURM_STEP_ID").unwrap_or_default()));
     Ok(job.meet(host, id))
+}
+
+/// The MPICH Hydra proxy this process descends from (`hydra_pmi_proxy`,
+/// which starts a machine's ranks), as `hydra:PID`; else this process's
+/// parent, as `parent:PID`. Read from `/proc`.
+fn hydra_proxy() -> Option<String> {
+    let parent = std::os::unix::process::parent_id();
+    let mut pid = parent;
+    for _ in 0..16 {
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+        if comm.trim() == "hydra_pmi_proxy" {
+            return Some(format!("hydra:{pid}"));
+        }
+        // The parent is the field after the name, which ends at the last ')'.
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let after = stat.rsplit_once(')')?.1;
+        pid = after.split_whitespace().nth(1)?.parse().ok()?;
+        if pid <= 1 {
+            break;
+        }
+    }
+    Some(format!("parent:{parent}"))
 }
 
 /// A job being read: its launcher and torchrun's variables so far.

@@ -115,6 +115,30 @@ fn torchrun_comes_first_then_open_mpi_then_pmi_then_an_srun_step() {
     assert_eq!(LaunchedJob::find(&batch).unwrap(), None);
 }
 
+/// What MPICH 4.0.2's `mpiexec.hydra -n 2` sets for rank 1, as recorded:
+/// no PMI_PORT in Hydra's default mode.
+const HYDRA_ONE_MACHINE: &[(&str, &str)] = &[
+    ("HYDI_CONTROL_FD", "7"),
+    ("MPI_LOCALNRANKS", "2"),
+    ("MPI_LOCALRANKID", "1"),
+    ("PMI_FD", "8"),
+    ("PMI_RANK", "1"),
+    ("PMI_SIZE", "2"),
+];
+
+#[test]
+fn hydra_on_one_machine_meets_on_loopback_at_a_port_of_its_proxy() {
+    let (launcher, v) = seen(HYDRA_ONE_MACHINE);
+    assert_eq!(launcher, Launcher::Pmi);
+    assert_eq!(v("RANK").as_deref(), Some("1"));
+    assert_eq!(v("LOCAL_WORLD_SIZE").as_deref(), Some("2"));
+    assert_eq!(v("MASTER_ADDR").as_deref(), Some("127.0.0.1"));
+    // Outside Hydra the parent process names the job: the same for two
+    // reads in this process.
+    assert!(v("MASTER_PORT").is_some());
+    assert_eq!(seen(HYDRA_ONE_MACHINE).1("MASTER_PORT"), v("MASTER_PORT"));
+}
+
 #[test]
 fn pmi_meets_on_loopback_or_on_mpiexecs_host() {
     let one = [
