@@ -162,9 +162,11 @@ fn slurm(lookup: &dyn Fn(&str) -> Option<String>, rank: &str, size: &str) -> Res
             Some(n) => parse_u32("SLURM_NODEID", &n)?,
             None => 0,
         };
-        let tasks = lookup("SLURM_STEP_TASKS_PER_NODE").or_else(|| lookup("SLURM_TASKS_PER_NODE"));
-        let here = match tasks {
-            Some(t) => Some(tasks_on_node(&t, node)?),
+        let here = match first_set(
+            lookup,
+            ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"],
+        ) {
+            Some((variable, spec)) => Some(tasks_on_node(variable, &spec, node)?),
             None => None,
         };
         job.set(
@@ -175,9 +177,8 @@ fn slurm(lookup: &dyn Fn(&str) -> Option<String>, rank: &str, size: &str) -> Res
             job.set("LOCAL_WORLD_SIZE", here.to_string());
         }
     }
-    let nodes = lookup("SLURM_STEP_NODELIST").or_else(|| lookup("SLURM_JOB_NODELIST"));
-    let host = match nodes {
-        Some(list) => Some(first_node(&list)?),
+    let host = match first_set(lookup, ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"]) {
+        Some((variable, list)) => Some(first_node(variable, &list)?),
         None => None,
     };
     let id = lookup("SLURM_JOB_ID")
@@ -205,6 +206,14 @@ fn hydra_proxy() -> Option<String> {
         }
     }
     Some(format!("parent:{parent}"))
+}
+
+/// The first of `names` that is set, and its value.
+fn first_set<const N: usize>(
+    lookup: &dyn Fn(&str) -> Option<String>,
+    names: [&'static str; N],
+) -> Option<(&'static str, String)> {
+    names.into_iter().find_map(|n| lookup(n).map(|v| (n, v)))
 }
 
 /// A job being read: its launcher and torchrun's variables so far.
@@ -314,8 +323,9 @@ fn hnp_address(uri: &str) -> Option<String> {
 /// How many tasks Slurm runs on node `node` of a step, from its
 /// `SLURM_STEP_TASKS_PER_NODE` (`2(x3),1`: 2 on each of the first three
 /// nodes, 1 on the fourth).
-fn tasks_on_node(spec: &str, node: u32) -> Result<u32> {
-    let bad = |why: &str| Error::config("SLURM_STEP_TASKS_PER_NODE", spec, why.to_string());
+/// Refused naming `variable`.
+fn tasks_on_node(variable: &'static str, spec: &str, node: u32) -> Result<u32> {
+    let bad = |why: &str| Error::config(variable, spec, why.to_string());
     let mut first = 0u32;
     for group in spec.split(',') {
         let (tasks, repeat) = match group.split_once("(x") {
@@ -323,11 +333,11 @@ fn tasks_on_node(spec: &str, node: u32) -> Result<u32> {
                 let repeat = rest
                     .strip_suffix(')')
                     .ok_or_else(|| bad("expected `N(xK)`"))?;
-                (tasks, parse_u32("SLURM_STEP_TASKS_PER_NODE", repeat)?)
+                (tasks, parse_u32(variable, repeat)?)
             }
             None => (group, 1),
         };
-        let tasks = parse_u32("SLURM_STEP_TASKS_PER_NODE", tasks)?;
+        let tasks = parse_u32(variable, tasks)?;
         if node < first.saturating_add(repeat) {
             return Ok(tasks);
         }
@@ -338,9 +348,10 @@ fn tasks_on_node(spec: &str, node: u32) -> Result<u32> {
     )))
 }
 
-/// The first host of a Slurm node list (`gpu[07-09,12],login1`: `gpu07`).
-fn first_node(list: &str) -> Result<String> {
-    let bad = || Error::config("SLURM_STEP_NODELIST", list, "expected a Slurm node list");
+/// The first host of a Slurm node list (`gpu[07-09,12],login1`: `gpu07`);
+/// refused naming `variable`.
+fn first_node(variable: &'static str, list: &str) -> Result<String> {
+    let bad = || Error::config(variable, list, "expected a Slurm node list");
     let list = list.trim();
     let open = list.find('[');
     let comma = list.find(',');

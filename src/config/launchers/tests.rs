@@ -203,16 +203,29 @@ fn slurm_node_lists_and_task_counts_read_as_slurm_writes_them() {
         ("rack[01-02]-ib,x", "rack01-ib"),
         ("login1,gpu[3-4]", "login1"),
     ] {
-        assert_eq!(first_node(list).unwrap(), first, "{list}");
+        assert_eq!(
+            first_node("SLURM_STEP_NODELIST", list).unwrap(),
+            first,
+            "{list}"
+        );
     }
     for bad in ["", "a[", "a[]"] {
-        assert!(first_node(bad).is_err(), "{bad:?}");
+        assert!(first_node("SLURM_STEP_NODELIST", bad).is_err(), "{bad:?}");
     }
-    assert_eq!(tasks_on_node("4", 0).unwrap(), 4);
-    assert_eq!(tasks_on_node("2(x3),1", 2).unwrap(), 2);
-    assert_eq!(tasks_on_node("2(x3),1", 3).unwrap(), 1);
-    assert!(tasks_on_node("2(x3),1", 4).is_err());
-    assert!(tasks_on_node("2(x3", 0).is_err());
+    assert_eq!(
+        tasks_on_node("SLURM_STEP_TASKS_PER_NODE", "4", 0).unwrap(),
+        4
+    );
+    assert_eq!(
+        tasks_on_node("SLURM_STEP_TASKS_PER_NODE", "2(x3),1", 2).unwrap(),
+        2
+    );
+    assert_eq!(
+        tasks_on_node("SLURM_STEP_TASKS_PER_NODE", "2(x3),1", 3).unwrap(),
+        1
+    );
+    assert!(tasks_on_node("SLURM_STEP_TASKS_PER_NODE", "2(x3),1", 4).is_err());
+    assert!(tasks_on_node("SLURM_STEP_TASKS_PER_NODE", "2(x3", 0).is_err());
 }
 
 #[test]
@@ -241,6 +254,16 @@ fn bad_launcher_variables_and_no_launcher_are_named() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("SLURM_STEP_TASKS_PER_NODE"), "{e}");
+    // A fallback variable is named as itself.
+    let e = LaunchedJob::find(&env(&[
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_STEP_ID", "0"),
+        ("SLURM_JOB_NODELIST", "a["),
+    ]))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("SLURM_JOB_NODELIST"), "{e}");
     let e = Config::from_lookup(env(&[])).unwrap_err().to_string();
     for named in [
         "RANK",
