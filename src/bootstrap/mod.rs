@@ -51,14 +51,19 @@ pub(crate) fn job_store(config: &Config) -> Result<(Arc<dyn Store>, Option<TcpSt
     } else {
         None
     };
-    let store = TcpStore::connect(
+    Ok((Arc::new(connect_store(config)?), server))
+}
+
+/// A client of the job's own store, at `config`'s meeting point, admitted by
+/// its secret and tag within its timeout.
+pub(crate) fn connect_store(config: &Config) -> Result<TcpStore> {
+    TcpStore::connect(
         &config.master_addr,
         config.master_port,
         &config.secret,
         config.job_tag,
         config.timeout,
-    )?;
-    Ok((Arc::new(store), server))
+    )
 }
 
 /// `store` as this job sees it: its keys under the job's tag.

@@ -38,7 +38,7 @@ use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::memory::DeviceTensor;
 use crate::memory::{HostTensor, Placed, PlacedTensor};
-use crate::store::{PrefixStore, Store, TcpStore, TcpStoreServer};
+use crate::store::{PrefixStore, Store, TcpStoreServer};
 use crate::sync::unmodelled::AtomicU8;
 use fairring_rdma::any::AnyFabric;
 #[cfg(feature = "cuda")]
@@ -155,14 +155,7 @@ impl Communicator {
         refuse_server(&config)?;
         // The maker's process serves the store; its communicator keeps it.
         let server = job_id::take_served(&parts.nonce);
-        let store = TcpStore::connect(
-            &config.master_addr,
-            config.master_port,
-            &config.secret,
-            config.job_tag,
-            config.timeout,
-        )
-        .map_err(|e| {
+        let store = bootstrap::connect_store(&config).map_err(|e| {
             Error::store(
                 "joining by id",
                 format!(
