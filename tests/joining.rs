@@ -1,7 +1,9 @@
-//! Joining a job by id, as NCCL's `ncclGetUniqueId` and `ncclCommInitRank`
-//! do: one process makes the id, every rank joins with (id, rank, world
-//! size). A changed id is refused at once, naming it; a stale one fails
-//! within the timeout, naming it.
+//! Joining a job other than through torchrun. By id, as NCCL's
+//! `ncclGetUniqueId` and `ncclCommInitRank` do: one process makes the id,
+//! every rank joins with (id, rank, world size); a changed id is refused at
+//! once, naming it, and a stale one fails within the timeout, naming it. By
+//! a launcher's environment: a job it describes with a rank missing fails
+//! within the timeout, naming the rank.
 
 use std::time::{Duration, Instant};
 
@@ -69,4 +71,37 @@ fn a_changed_id_is_refused_and_a_stale_one_fails_within_the_timeout() {
         "{text}"
     );
     assert!(took < timeout * 3, "took {took:?}");
+}
+
+/// A job that mpirun describes, with a rank that never starts: the rank
+/// that did fails within its timeout, naming the rank it waited for (the
+/// same as under torchrun: launchers change only how the job is read).
+#[test]
+fn a_launched_job_missing_a_rank_fails_within_the_timeout_naming_it() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port().to_string()
+    };
+    let env = |name: &str| -> Option<String> {
+        match name {
+            "OMPI_COMM_WORLD_RANK" => Some("0".into()),
+            "OMPI_COMM_WORLD_SIZE" => Some("2".into()),
+            "OMPI_COMM_WORLD_LOCAL_RANK" => Some("0".into()),
+            "OMPI_COMM_WORLD_LOCAL_SIZE" => Some("2".into()),
+            "OMPI_MCA_ess_base_jobid" => Some("4242".into()),
+            "MASTER_PORT" => Some(port.clone()),
+            "FAIRRING_TIMEOUT" => Some("2s".into()),
+            _ => None,
+        }
+    };
+    let config = fairring::Config::from_lookup(env).unwrap();
+    assert_eq!((config.rank(), config.world_size()), (0, 2));
+    let start = Instant::now();
+    let Err(e) = Communicator::new(config) else {
+        panic!("a job of two ranks formed with one");
+    };
+    let took = start.elapsed();
+    let text = e.to_string();
+    assert!(text.contains("rank(s) 1 of 2"), "{text}");
+    assert!(took < Duration::from_secs(6), "took {took:?}");
 }
