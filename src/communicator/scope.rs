@@ -27,10 +27,9 @@ impl<'scope> Scope<'scope, '_> {
         let data = data.into();
         let d = data.place();
         let call = d.placed(Call::all_reduce(d.at, d.count, d.dtype, op));
-        // SAFETY: `data` is borrowed mutably for 'scope, and the scope does not
-        // end before the operation finishes (`finish` waits), even if the `Work`
-        // is leaked; it is valid, aligned and of `count` elements (a slice's,
-        // or device memory checked when the tensor was made).
+        // SAFETY: `data` is borrowed mutably for 'scope, which outlasts the
+        // operation (`finish` waits, even for a leaked `Work`); it is valid,
+        // aligned and of `count` elements (checked when the tensor was made).
         unsafe { self.comm.start(&call.with(options)) }
     }
 
