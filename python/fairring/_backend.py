@@ -10,6 +10,7 @@ mismatching call), so ``wait()``, DDP's reducer and ``get_future()`` all raise.
 
 import atexit
 import ctypes
+import itertools
 import os
 import weakref
 
@@ -592,8 +593,9 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
                 f"fairring: all_to_all: this rank's block to itself ({ins[me]} elements) "
                 f"does not fit its place in the output ({outs[me]} elements)"
             )
-        at_in = [sum(ins[:j]) for j in range(len(ins))]
-        at_out = [sum(outs[:j]) for j in range(len(outs))]
+        # Each block's first element: the sums of the counts before it.
+        at_in = [0, *itertools.accumulate(ins)]
+        at_out = [0, *itertools.accumulate(outs)]
         out.view(-1)[at_out[me] : at_out[me] + outs[me]].copy_(
             inp.view(-1)[at_in[me] : at_in[me] + ins[me]]
         )
