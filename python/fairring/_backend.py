@@ -12,6 +12,7 @@ import atexit
 import ctypes
 import itertools
 import os
+import time
 import weakref
 
 import torch
@@ -23,7 +24,19 @@ from ._cuda import any_cuda
 from ._device_collectives import DeviceCollectives, _call
 from ._store import _StoreBridge
 from ._tensors import _DTYPES, Reduction, _Staged, _host, unpack
-from ._work import DeviceWork, Work, _Chained, _Completer, _Pending, _failure, in_callback
+from ._work import (
+    _CALLBACK_RACE,
+    DeviceWork,
+    Work,
+    _Chained,
+    _Completer,
+    _Pending,
+    _failure,
+    in_callback,
+)
+
+# The tag of the monitored barrier's messages (the highest: user tags below).
+MONITORED_BARRIER_TAG = (1 << 32) - 1
 
 
 def _starting(calls):
@@ -55,9 +68,12 @@ def _message_call(block, at, count, peer, sending, tag=0):
 
 
 def _teardown(state):
-    """Destroys a group's communicators once: joins its completion thread, then
-    lets the engines go (which joins their threads)."""
+    """Destroys a group's communicators once: closes the C++ backend's way in,
+    joins the completion thread, then lets the engines go (which joins their
+    threads)."""
     comm, completer = state.pop("comm", None), state.pop("completer", None)
+    for close in state.pop("on_teardown", []):
+        close()
     if completer is not None:
         completer.close()
     # Destroying the communicator stops its linker (which connects peers
@@ -92,6 +108,40 @@ def _callbacks_run_on():
             'default: a thread of the group completes futures and runs their '
             'callbacks) or "caller" (get_future() waits for its operation, so '
             "callbacks run on the thread that attaches them)"
+        )
+    return value
+
+
+def c10d_module():
+    """The C++ backend (`fairring._c10d`), checked against the running torch:
+    it is compiled against the torch it was built with, whose C++ ABI it
+    needs."""
+    try:
+        from . import _c10d
+    except ImportError as e:
+        raise ImportError(
+            f"fairring: its C++ backend does not load under torch {torch.__version__} ({e}): "
+            "rebuild the package against this torch (`pip install --no-build-isolation "
+            "./python` from the repository)"
+        ) from e
+    if _c10d.torch_version != torch.__version__:
+        raise ImportError(
+            f"fairring: its C++ backend was built against torch {_c10d.torch_version}, "
+            f"not the running {torch.__version__}: rebuild the package against this torch "
+            "(`pip install --no-build-isolation ./python` from the repository)"
+        )
+    return _c10d
+
+
+def _torch_calls():
+    """`FAIRRING_TORCH_CALLS`: where torch's common host calls start."""
+    value = os.environ.get("FAIRRING_TORCH_CALLS", "native")
+    if value not in ("native", "python"):
+        raise ValueError(
+            f'invalid FAIRRING_TORCH_CALLS="{value}": expected "native" (the default: the '
+            "C++ backend starts an all-reduce, broadcast, all-gather or reduce-scatter of "
+            'one dense host tensor, and a barrier, itself) or "python" (every call goes '
+            "through the Python group, as the C++ backend hands it the rest)"
         )
     return value
 
@@ -171,6 +221,68 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
     def shutdown(self):
         """Waits for the operations in flight and destroys the communicator."""
         self._finalizer()
+
+    # For the C++ backend (`fairring._c10d`), which starts the common host
+    # calls itself and hands this group the rest.
+    def _native_failure(self, what, status, message):
+        """The `FairringError` of an operation the C++ backend started."""
+        completer = self._state.get("completer")
+        if status == native.MISMATCH and completer is not None and completer.callbacks_issue:
+            message += _CALLBACK_RACE
+        return FairringError(what, status, message)
+
+    def _note_callbacks_issue(self):
+        """A callback issued a call through the C++ backend."""
+        completer = self._state.get("completer")
+        if completer is not None:
+            completer.callbacks_issue = True
+
+    def monitored_barrier(self, timeout, wait_all_ranks=False):
+        """A barrier that names the ranks that did not reach it within
+        `timeout`, as gloo's does: every other rank sends rank 0 a message and
+        waits for its answer; rank 0 waits for each in rank order, raising for
+        the first missing (or, with `wait_all_ranks`, for all of them), and
+        answers every rank once all have arrived."""
+        what = "monitored_barrier"
+        seconds = timeout.total_seconds() if timeout else 0
+        if seconds <= 0:
+            seconds = self._timeout_ms / 1000 if self._timeout_ms else 1800.0
+        me, world = self.rank(), self.size()
+        if world == 1:
+            return
+        token = torch.zeros(1, dtype=torch.uint8)
+        deadline = time.monotonic() + seconds
+        limit = f"{int(seconds * 1000)} ms"
+        if me != 0:
+            self._message(what, token, 0, sending=True, tag=MONITORED_BARRIER_TAG)
+            answer = self._message(what, torch.zeros(1, dtype=torch.uint8), 0, False, MONITORED_BARRIER_TAG)
+            if not answer._pending.wait_here(max(deadline - time.monotonic(), 0.001)):
+                raise RuntimeError(
+                    f"Rank {me} successfully reached monitoredBarrier, but received errors "
+                    "while waiting for send/recv from rank 0. Please check rank 0 logs for "
+                    f"faulty rank (no answer within {limit})."
+                )
+            answer.wait()
+            return
+        arrivals = [
+            (peer, self._message(what, torch.zeros(1, dtype=torch.uint8), peer, False, MONITORED_BARRIER_TAG))
+            for peer in range(1, world)
+        ]
+        missing = []
+        for peer, arrival in arrivals:
+            if not arrival._pending.wait_here(max(deadline - time.monotonic(), 0.001)):
+                missing.append(peer)
+                if not wait_all_ranks:
+                    break
+            else:
+                arrival.wait()
+        if missing:
+            if len(missing) == 1:
+                raise RuntimeError(f"Rank {missing[0]} failed to pass monitoredBarrier in {limit}")
+            ranks = ", ".join(str(r) for r in missing)
+            raise RuntimeError(f"Ranks {ranks} failed to pass monitoredBarrier in {limit}")
+        for peer in range(1, world):
+            self._message(what, token, peer, sending=True, tag=MONITORED_BARRIER_TAG).wait()
 
     # The engine.
     def _start(self, what, start_one, finish, result, keep, device=None):
@@ -645,5 +757,27 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
 
 
 def create(store, rank, size, timeout):
-    """The backend's constructor, as ``Backend.register_backend`` calls it."""
-    return ProcessGroupFairring(store, rank, size, timeout)
+    """The group's constructor, as ``Backend.register_backend`` calls it: a
+    C++ ``c10d::Backend`` (``fairring._c10d``) over the Python group,
+    registered for CPU and CUDA tensors on a torch ProcessGroup, as torch
+    registers gloo's and NCCL's backends, and named "fairring"."""
+    _c10d = c10d_module()
+    # Read before joining: a bad value fails this rank before it meets.
+    native_calls = _torch_calls() == "native"
+    group = ProcessGroupFairring(store, rank, size, timeout)
+    backend = _c10d.Backend(
+        group,
+        group._comm.value,
+        rank,
+        size,
+        group._state["completer"].callers_run_callbacks,
+        native.library_path(),
+        native_calls,
+    )
+    group._state.setdefault("on_teardown", []).append(backend.closer)
+    process_group = _c10d.ProcessGroup(store, rank, size)
+    custom = dist.ProcessGroup.BackendType.CUSTOM
+    process_group._set_default_backend(custom)
+    for device in ("cpu", "cuda"):
+        process_group._register_backend(torch.device(device), custom, backend)
+    return process_group

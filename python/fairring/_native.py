@@ -112,16 +112,26 @@ def _library_path():
 
 
 _lib = None
+_lib_path = None
 _lib_lock = threading.Lock()
 
 
 def lib():
     """The loaded library, with its signatures declared (loaded once)."""
-    global _lib
+    global _lib, _lib_path
     with _lib_lock:
         if _lib is None:
-            _lib = _declare(ctypes.CDLL(_library_path()))
+            path = _library_path()
+            _lib = _declare(ctypes.CDLL(path))
+            _lib_path = os.path.abspath(path)
         return _lib
+
+
+def library_path():
+    """The file the library was loaded from (the C++ backend drives the same
+    copy)."""
+    lib()
+    return _lib_path
 
 
 def _declare(l):

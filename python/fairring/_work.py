@@ -309,6 +309,10 @@ class _Completer:
         self._ready.put((p, failure))
 
     def _dispatch(self):
+        from ._backend import c10d_module
+
+        # So that a call a callback issues through the C++ backend says so.
+        c10d_module().mark_callback_thread()
         while True:
             item = self._ready.get()
             if item is None:

@@ -3,8 +3,9 @@ the tests under torchrun and as plain processes (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT in the environment either way).
 
 Prints ``STEP n`` after each step and, at the end, ``DONE <rank> <checksum>``
-and ``THREADS <before> <after>`` (the process's OS threads before
-init_process_group and after destroy_process_group). If a collective fails it
+and ``THREADS <before> <after> <names>`` (the process's OS threads before
+init_process_group and after destroy_process_group, and the names of those
+after that fairring started, comma-separated, or ``-``). If a collective fails it
 prints ``RAISED <type>: <message>`` and exits 3.
 
 Options: --steps N, --kill-rank R --kill-step S (rank R kills itself with
@@ -27,7 +28,15 @@ import fairring  # noqa: F401
 
 
 def threads():
-    return len(os.listdir("/proc/self/task"))
+    """The names of this process's OS threads."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # it ended meanwhile
+            pass
+    return names
 
 
 def main():
@@ -77,7 +86,11 @@ def main():
     dist.destroy_process_group()
     gc.collect()
     print(f"DONE {rank} {checksum!r}", flush=True)
-    print(f"THREADS {before} {threads()}", flush=True)
+    after = threads()
+    # fairring names its threads "fairring-..." (torch's own, such as its
+    # store's, outlive the group as they do under gloo).
+    ours = [n for n in after if n.startswith("fairring")]
+    print(f"THREADS {len(before)} {len(after)} {','.join(ours) or '-'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -53,9 +53,11 @@ def test_a_job_trains_and_tears_down_without_leaving_threads():
     for rank, (code, out) in enumerate(outs):
         assert code == 0, f"rank {rank} exited {code}:\n{out}"
         sums.add(re.search(r"DONE \d+ (\S+)", out).group(1))
-        before, after = map(int, re.search(r"THREADS (\d+) (\d+)", out).groups())
-        # Every thread fairring started (progress, completion, futures) is gone.
-        assert after <= before, f"rank {rank}: {before} threads before, {after} after:\n{out}"
+        found = re.search(r"THREADS (\d+) (\d+) (\S+)", out)
+        assert found, out
+        # Every thread fairring started (progress, completion, futures,
+        # callbacks) is gone.
+        assert found.group(3) == "-", f"rank {rank}: fairring's threads left: {found.group(3)}\n{out}"
     assert len(sums) == 1, sums
 
 
