@@ -13,6 +13,7 @@ import ctypes
 import itertools
 import os
 import time
+import warnings
 import weakref
 
 import torch
@@ -115,9 +116,14 @@ def _callbacks_run_on():
 def c10d_module():
     """The C++ backend (`fairring._c10d`), checked against the running torch:
     it is compiled against the torch it was built with, whose C++ ABI it
-    needs."""
+    needs. None where the install has none (a package laid out by hand, as
+    the GPU kit lays it out for a machine with another torch)."""
     try:
         from . import _c10d
+    except ModuleNotFoundError as e:
+        if e.name != f"{__package__}._c10d":
+            raise
+        return None  # not built into this install (see `create`)
     except ImportError as e:
         raise ImportError(
             f"fairring: its C++ backend does not load under torch {torch.__version__} ({e}): "
@@ -765,6 +771,15 @@ def create(store, rank, size, timeout):
     # Read before joining: a bad value fails this rank before it meets.
     native_calls = _torch_calls() == "native"
     group = ProcessGroupFairring(store, rank, size, timeout)
+    if _c10d is None:
+        warnings.warn(
+            "fairring: this install has no C++ backend (fairring._c10d; `pip install "
+            "--no-build-isolation ./python` builds it): the group runs as a Python "
+            "ProcessGroup, which torch registers for no device type (no "
+            "monitored_barrier) and whose every call crosses the GIL",
+            stacklevel=2,
+        )
+        return group
     backend = _c10d.Backend(
         group,
         group._comm.value,

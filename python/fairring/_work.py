@@ -312,7 +312,9 @@ class _Completer:
         from ._backend import c10d_module
 
         # So that a call a callback issues through the C++ backend says so.
-        c10d_module().mark_callback_thread()
+        c10d = c10d_module()
+        if c10d is not None:
+            c10d.mark_callback_thread()
         while True:
             item = self._ready.get()
             if item is None:
