@@ -50,12 +50,17 @@ std::optional<int32_t> op_code(const c10d::ReduceOp& op) {
   }
 }
 
-// Whether the engine can take `t` where it lies: dense host memory, in
-// order, not empty, of a type it names, with no lazy negation or conjugation.
-bool in_place(const at::Tensor& t) {
+// Whether the engine can take `t` where it lies, as bytes: dense host
+// memory, in order, not empty, with no lazy negation or conjugation (a
+// message of any type, a broadcast, an all-gather).
+bool dense_host(const at::Tensor& t) {
   return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
-      t.is_contiguous() && t.numel() > 0 && !t.is_neg() && !t.is_conj() &&
-      dtype_code(t.scalar_type()).has_value();
+      t.is_contiguous() && t.numel() > 0 && !t.is_neg() && !t.is_conj();
+}
+
+// As `dense_host`, of a type the engine names (what it reduces).
+bool in_place(const at::Tensor& t) {
+  return dense_host(t) && dtype_code(t.scalar_type()).has_value();
 }
 
 uint64_t byte_count(const at::Tensor& t) {
@@ -122,7 +127,7 @@ class Backend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> broadcast(
       std::vector<at::Tensor>& tensors,
       const c10d::BroadcastOptions& opts) override {
-    if (native_calls_ && tensors.size() == 1 && opts.rootTensor == 0 && in_place(tensors[0]) &&
+    if (native_calls_ && tensors.size() == 1 && opts.rootTensor == 0 && dense_host(tensors[0]) &&
         opts.rootRank >= 0 && opts.rootRank < getSize()) {
       at::Tensor& t = tensors[0];
       // Bit-exact for every type: the engine moves bytes.
@@ -139,7 +144,7 @@ class Backend : public c10d::Backend {
       at::Tensor& output,
       at::Tensor& input,
       const c10d::AllgatherOptions& opts) override {
-    if (native_calls_ && in_place(output) && in_place(input) &&
+    if (native_calls_ && dense_host(output) && dense_host(input) &&
         output.scalar_type() == input.scalar_type() &&
         output.numel() == input.numel() * getSize()) {
       fr_call c = call_of(FR_COLLECTIVE_ALL_GATHER, input, output);
@@ -300,11 +305,21 @@ class Backend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> send(
       std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    if (native_message(tensors, dst, tag)) {
+      fr_call c = message_call(FR_COLLECTIVE_SEND, tensors[0], dst, tag);
+      std::string what = "send to rank " + std::to_string(dst);
+      return start(what, c10d::OpType::SEND, c, tensors, {});
+    }
     return delegate("send", tensors, dst, tag);
   }
 
   c10::intrusive_ptr<c10d::Work> recv(
       std::vector<at::Tensor>& tensors, int src, int tag) override {
+    if (native_message(tensors, src, tag)) {
+      fr_call c = message_call(FR_COLLECTIVE_RECV, tensors[0], src, tag);
+      std::string what = "recv from rank " + std::to_string(src);
+      return start(what, c10d::OpType::RECV, c, tensors, {}, src);
+    }
     return delegate("recv", tensors, src, tag);
   }
 
@@ -341,17 +356,42 @@ class Backend : public c10d::Backend {
   }
 
  private:
+  // Whether a message of `tensors` with `peer` and `tag` starts here: one
+  // tensor where it lies, another rank of the group, a tag the engine takes
+  // (anything else goes to the Python group, which names what is wrong).
+  bool native_message(const std::vector<at::Tensor>& tensors, int peer, int tag) const {
+    return native_calls_ && tensors.size() == 1 && dense_host(tensors[0]) &&
+        peer >= 0 && peer < getSize() && peer != getRank() && tag >= 0;
+  }
+
+  // A send or receive of `t`, in the engine's type where it names one, else
+  // as bytes.
+  static fr_call message_call(int32_t collective, const at::Tensor& t, int peer, int tag) {
+    fr_call c = call_of(collective, t, t);
+    if (auto code = dtype_code(t.scalar_type())) {
+      c.count = static_cast<uint64_t>(t.numel());
+      c.dtype = *code;
+    } else {
+      c.count = byte_count(t);
+      c.dtype = FR_DTYPE_U8;
+    }
+    c.peer = static_cast<uint32_t>(peer);
+    c.tag = static_cast<uint32_t>(tag);
+    return c;
+  }
+
   // Starts `call` in the engine; `result` is what its future completes
-  // with, `keep` what else the engine uses.
+  // with, `keep` what else the engine uses; `source` the rank a receive
+  // comes from.
   c10::intrusive_ptr<c10d::Work> start(
-      const char* what,
+      const std::string& what,
       c10d::OpType type,
       const fr_call& call,
       std::vector<at::Tensor> result,
-      std::vector<at::Tensor> keep) {
+      std::vector<at::Tensor> keep,
+      int source = -1) {
     if (!open_->load()) {
-      throw std::runtime_error(
-          std::string("fairring: ") + what + ": the process group has been shut down");
+      throw std::runtime_error("fairring: " + what + ": the process group has been shut down");
     }
     note_callback_issue();
     const Library& library = *shared_->library;
@@ -362,7 +402,7 @@ class Backend : public c10d::Backend {
       raise_failure(*shared_, what, Outcome{status, message != nullptr ? message : ""});
     }
     return c10::make_intrusive<NativeWork>(
-        shared_, handle, what, type, std::move(result), std::move(keep));
+        shared_, handle, what, type, std::move(result), std::move(keep), source);
   }
 
   // Has the Python group run the call `name`.

@@ -2,14 +2,15 @@
 //
 // torch.distributed registers the backend per device (CPU and CUDA), as it
 // does gloo's and NCCL's, so a fairring group lists both in `_device_types`
-// and `monitored_barrier` takes it. The common host calls (an all-reduce,
-// broadcast, all-gather or reduce-scatter of one dense, contiguous tensor of
-// a type the engine names, and a barrier) start in the engine from here,
-// through the C ABI, without the GIL: `NativeWork`. Every other call (lists,
-// strided tensors, CUDA tensors, gathers and scatters, messages,
-// all-to-all, PREMUL_SUM) goes to the Python group the package has always
-// run (`fairring._backend.ProcessGroupFairring`), whose `Work` the backend
-// hands back wrapped (`PythonWork`). Both start their operations on the one
+// and `monitored_barrier` takes it. The common host calls on one dense,
+// contiguous tensor (an all-reduce or reduce-scatter of a type the engine
+// names, a broadcast, an all-gather into a tensor, a send or a receive) and
+// the barrier start in the engine from here, through the C ABI, without the
+// GIL: `NativeWork`. Every other call (lists, strided or empty tensors, CUDA
+// tensors, reduce, gathers and scatters, all-to-all, PREMUL_SUM) goes to the
+// Python group the package has always run
+// (`fairring._backend.ProcessGroupFairring`), whose `Work` the backend hands
+// back wrapped (`PythonWork`). Both start their operations on the one
 // communicator, on the calling thread, so the engine sees them in the
 // program's order.
 #pragma once
@@ -78,7 +79,8 @@ class NativeWork : public c10d::Work {
       std::string what,
       c10d::OpType type,
       std::vector<at::Tensor> result,
-      std::vector<at::Tensor> keep);
+      std::vector<at::Tensor> keep,
+      int source_rank = -1);
   ~NativeWork() override;
   // How many exist in this process (their engine handles are live).
   static int64_t live();
@@ -87,6 +89,8 @@ class NativeWork : public c10d::Work {
   bool isSuccess() const override;
   std::exception_ptr exception() const override;
   std::vector<at::Tensor> result() override;
+  // The rank a receive came from.
+  int sourceRank() const override;
   bool wait(std::chrono::milliseconds timeout) override;
   void synchronize() override {}
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
@@ -110,6 +114,7 @@ class NativeWork : public c10d::Work {
   std::string what_;
   std::vector<at::Tensor> result_;
   std::vector<at::Tensor> keep_;
+  int source_rank_;
   mutable std::mutex mutex_;
   bool settled_ = false;
   int users_ = 0;

@@ -91,13 +91,15 @@ NativeWork::NativeWork(
     std::string what,
     c10d::OpType type,
     std::vector<at::Tensor> result,
-    std::vector<at::Tensor> keep)
+    std::vector<at::Tensor> keep,
+    int source_rank)
     : c10d::Work(-1, type),
       shared_(std::move(shared)),
       handle_(handle),
       what_(std::move(what)),
       result_(std::move(result)),
-      keep_(std::move(keep)) {
+      keep_(std::move(keep)),
+      source_rank_(source_rank) {
   live_native_works.fetch_add(1);
 }
 
@@ -205,6 +207,13 @@ std::exception_ptr NativeWork::exception() const {
 }
 
 std::vector<at::Tensor> NativeWork::result() { return result_; }
+
+int NativeWork::sourceRank() const {
+  if (source_rank_ < 0) {
+    return c10d::Work::sourceRank();  // not a receive: torch's refusal
+  }
+  return source_rank_;
+}
 
 bool NativeWork::wait(std::chrono::milliseconds timeout) {
   if (enter()) {

@@ -145,9 +145,9 @@ def _torch_calls():
     if value not in ("native", "python"):
         raise ValueError(
             f'invalid FAIRRING_TORCH_CALLS="{value}": expected "native" (the default: the '
-            "C++ backend starts an all-reduce, broadcast, all-gather or reduce-scatter of "
-            'one dense host tensor, and a barrier, itself) or "python" (every call goes '
-            "through the Python group, as the C++ backend hands it the rest)"
+            "C++ backend starts an all-reduce, broadcast, all-gather, reduce-scatter, send "
+            'or receive of one dense host tensor, and a barrier, itself) or "python" (every '
+            "call goes through the Python group, as the C++ backend hands it the rest)"
         )
     return value
 

@@ -35,6 +35,13 @@ def registered(rank, world, port):
 
     assert isinstance(group._get_backend(torch.device("cpu")), _c10d.Backend)
     assert group._get_backend(torch.device("cuda")) is not None
+    # One backend for both device types: torch's accessor for a custom
+    # backend's own methods finds it without being told the device.
+    assert isinstance(dist.get_backend_impl(), _c10d.Backend)
+    # Object collectives run on CPU tensors, as on gloo's group.
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"rank": rank})
+    assert gathered == [{"rank": r} for r in range(world)]
     dist.destroy_process_group()
 
 
@@ -101,7 +108,8 @@ def test_monitored_barrier_with_wait_all_ranks_names_every_late_rank():
 
 def native(rank, world, port):
     """The calls the C++ backend starts itself are exact, leave no engine
-    handle behind, and a finished work kept by the caller holds up nothing."""
+    handle behind, and a finished work kept by the caller holds up nothing.
+    Two ranks."""
     from fairring import _c10d
 
     init(rank, world, port)
@@ -125,6 +133,21 @@ def native(rank, world, port):
     dist.reduce_scatter_tensor(mine, torch.arange(2 * world, dtype=torch.int64))
     assert torch.equal(mine, (torch.arange(2) + 2 * rank) * world)
     dist.barrier()
+    # Messages: a type the engine names and one it moves as bytes, a tag,
+    # and the receive's source.
+    peer = 1 - rank
+    for dtype in (torch.float32, torch.complex64):
+        mine = torch.arange(6).to(dtype) + 10 * rank
+        theirs = torch.empty(6, dtype=dtype)
+        if rank == 0:
+            dist.send(mine, dst=peer, tag=7)
+            received = dist.irecv(theirs, src=peer, tag=7)
+        else:
+            received = dist.irecv(theirs, src=peer, tag=7)
+            dist.send(mine, dst=peer, tag=7)
+        received.wait()
+        assert received._source_rank() == peer
+        assert torch.equal(theirs, torch.arange(6).to(dtype) + 10 * peer)
     # A mismatch fails every rank with fairring's own error, from the call or
     # from wait().
     with pytest.raises(fairring.FairringError, match="(?i)mismatch"):
