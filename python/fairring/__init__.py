@@ -22,6 +22,10 @@ without the import.
   (a receive from any source) raises an error naming the call. On CUDA
   tensors: every collective above but the messages and all-to-all, which
   the engine has no device form of (they raise, naming the call).
+- ``fairring.JobId`` and ``fairring.init_process_group(job_id, rank,
+  world_size)``: joining by an id one process makes and the host runtime
+  hands out (``bytes(job_id)``), as NCCL's unique id; the default group is
+  then a fairring group.
 - ``fairring.allreduce_hook``: a DDP communication hook that averages each
   gradient bucket on a fairring group, for jobs that keep another backend as
   the default group.
@@ -31,12 +35,15 @@ import torch.distributed as dist
 
 from ._backend import ProcessGroupFairring, Work
 from ._cuda import cuda_status as _cuda_status
+from ._job_id import JobId, init_process_group
 from ._native import FairringError  # noqa: E402
 
 __all__ = [
     "ProcessGroupFairring",
     "Work",
     "FairringError",
+    "JobId",
+    "init_process_group",
     "allreduce_hook",
     "cuda_available",
     "cuda_status",

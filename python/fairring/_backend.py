@@ -163,13 +163,18 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
     where the library has its device calls, CUDA tensors (see
     `_device_collectives`)."""
 
-    def __init__(self, store, rank, size, timeout):
+    def __init__(self, store, rank, size, timeout, comm=None):
+        """Joins through `store`, or takes `comm`, a communicator of `size`
+        ranks already joined as `rank` (a job joined by id)."""
         super().__init__(rank, size)
         # Read before joining: a bad value fails this rank before it meets.
         callers_run_callbacks = _callbacks_run_on() == "caller"
-        scoped = _this_join(store, size)
         self._timeout_ms = max(int(timeout.total_seconds() * 1000), 0) if timeout else 0
-        comm, self._bridge = self._join(scoped, rank, size, f"the group as rank {rank}")
+        if comm is None:
+            scoped = _this_join(store, size)
+            comm, self._bridge = self._join(scoped, rank, size, f"the group as rank {rank}")
+        else:
+            self._bridge = None
         self._comm = comm
         self._state = {
             "comm": comm,
@@ -770,7 +775,9 @@ def create(store, rank, size, timeout):
     _c10d = c10d_module()
     # Read before joining: a bad value fails this rank before it meets.
     native_calls = _torch_calls() == "native"
-    group = ProcessGroupFairring(store, rank, size, timeout)
+    from ._job_id import joined_comm
+
+    group = ProcessGroupFairring(store, rank, size, timeout, joined_comm(store, rank, size))
     if _c10d is None:
         warnings.warn(
             "fairring: this install has no C++ backend (fairring._c10d; `pip install "

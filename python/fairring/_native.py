@@ -73,6 +73,12 @@ class Store(ctypes.Structure):
     ]
 
 
+class JobIdBytes(ctypes.Structure):
+    """``fr_job_id``: a job's id, 128 bytes."""
+
+    _fields_ = [("bytes", ctypes.c_uint8 * 128)]
+
+
 class Call(ctypes.Structure):
     """``fr_call``: one call (a collective, a send or a receive) described
     (zeroed: the communicator's options, host memory)."""
@@ -148,6 +154,8 @@ def _declare(l):
     fn("fr_status_name", ctypes.c_char_p, i32)
     fn("fr_comm_with_store", c_status, u32, u32, ctypes.POINTER(Store), u64, p_comm)
     fn("fr_comm_from_env", c_status, p_comm)
+    fn("fr_job_id_new", c_status, ctypes.POINTER(JobIdBytes))
+    fn("fr_comm_from_id", c_status, ctypes.POINTER(JobIdBytes), u32, u32, u64, p_comm)
     fn("fr_comm_rank", c_status, comm_p, ctypes.POINTER(u32), ctypes.POINTER(u32))
     fn("fr_comm_abort", c_status, comm_p)
     fn("fr_comm_destroy", None, comm_p)
