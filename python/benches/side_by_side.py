@@ -9,7 +9,10 @@ Each round runs, in an order that alternates between rounds, every entry:
 - ``rust``: ``fairring-bench --local MxD`` (the engine without Python);
 - ``torch``: ``dist.all_reduce`` on a ``"fairring"`` group (``FAIRRING_TORCH_CALLS``
   as set, default ``native``);
-- ``torch-python``: the same with ``FAIRRING_TORCH_CALLS=python`` (every call
+- ``torch-backend``: the group's C++ backend called from Python as torch's
+  dispatcher calls it (``allreduce([t], opts).wait()``), without
+  ``dist.all_reduce``'s own layers;
+- ``torch-python``: the same as ``torch`` with ``FAIRRING_TORCH_CALLS=python`` (every call
   through the Python group);
 - ``torch-before``: the same from another install of the package (``--before
   DIR``, a ``pip install --target DIR`` of it), put first on ``PYTHONPATH``;
@@ -42,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 backend, sizes, iters, warmup, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+direct = sys.argv[6] == "1"
 if backend == "fairring":
     import fairring  # noqa: F401
 torch.set_num_threads(1)
@@ -62,10 +66,17 @@ for nbytes in sizes:
         assert t[0].item() == world and t[-1].item() == world, "wrong result"
     for _ in range(warmup):
         dist.all_reduce(t)
+    if direct:
+        # The group's backend called as torch's dispatcher calls it.
+        backend = dist.group.WORLD._get_backend(t.device)
+        opts = dist.AllreduceOptions()
+        call = lambda: backend.allreduce([t], opts).wait()  # noqa: E731
+    else:
+        call = lambda: dist.all_reduce(t)  # noqa: E731
     times = []
     for _ in range(iters):
         start = time.perf_counter()
-        dist.all_reduce(t)
+        call()
         times.append(time.perf_counter() - start)
     tt = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(tt, op=dist.ReduceOp.MAX)
@@ -111,7 +122,7 @@ def run_torch(entry, layout, a):
             if entry == "torch-before":
                 env["PYTHONPATH"] = a.before + os.pathsep + env.get("PYTHONPATH", "")
             args = [sys.executable, script, backend, json.dumps(a.sizes), str(a.iters),
-                    str(a.warmup), out]
+                    str(a.warmup), out, "1" if entry == "torch-backend" else "0"]
             procs.append(subprocess.Popen(args, env=env))
         for p in procs:
             if p.wait(timeout=600) != 0:
@@ -149,7 +160,7 @@ def main():
     p.add_argument("--iters", type=int, default=500)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--before", help="a directory holding another install of the package")
-    p.add_argument("--entries", default="rust,torch,torch-python,gloo,fake")
+    p.add_argument("--entries", default="rust,torch,torch-backend,torch-python,gloo,fake")
     a = p.parse_args()
     layouts = [tuple(int(x) for x in l.split("x")) for l in a.layouts.split(",")]
     entries = a.entries.split(",")
