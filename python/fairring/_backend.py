@@ -100,17 +100,24 @@ def _this_join(store, size):
     return dist.PrefixStore(f"fairring/{(joined - 1) // size}/", store)
 
 
+def _env_choice(variable, default, choices):
+    """The value of `variable` (`default` if unset), one of `choices` (each
+    value with what it means), or a ValueError naming it and them."""
+    value = os.environ.get(variable, default)
+    if value not in choices:
+        expected = " or ".join(f'"{v}" ({meaning})' for v, meaning in choices.items())
+        raise ValueError(f'invalid {variable}="{value}": expected {expected}')
+    return value
+
+
 def _callbacks_run_on():
     """`FAIRRING_CALLBACKS`: where a future's ``then`` callbacks run."""
-    value = os.environ.get("FAIRRING_CALLBACKS", "dispatcher")
-    if value not in ("dispatcher", "caller"):
-        raise ValueError(
-            f'invalid FAIRRING_CALLBACKS="{value}": expected "dispatcher" (the '
-            'default: a thread of the group completes futures and runs their '
-            'callbacks) or "caller" (get_future() waits for its operation, so '
-            "callbacks run on the thread that attaches them)"
-        )
-    return value
+    return _env_choice("FAIRRING_CALLBACKS", "dispatcher", {
+        "dispatcher": "the default: a thread of the group completes futures and runs "
+        "their callbacks",
+        "caller": "get_future() waits for its operation, so callbacks run on the thread "
+        "that attaches them",
+    })
 
 
 def c10d_module():
@@ -141,15 +148,13 @@ def c10d_module():
 
 def _torch_calls():
     """`FAIRRING_TORCH_CALLS`: where torch's common host calls start."""
-    value = os.environ.get("FAIRRING_TORCH_CALLS", "native")
-    if value not in ("native", "python"):
-        raise ValueError(
-            f'invalid FAIRRING_TORCH_CALLS="{value}": expected "native" (the default: the '
-            "C++ backend starts an all-reduce, broadcast, all-gather, reduce-scatter, send "
-            'or receive of one dense host tensor, and a barrier, itself) or "python" (every '
-            "call goes through the Python group, as the C++ backend hands it the rest)"
-        )
-    return value
+    return _env_choice("FAIRRING_TORCH_CALLS", "native", {
+        "native": "the default: the C++ backend starts an all-reduce, broadcast, "
+        "all-gather, reduce-scatter, send or receive of one dense host tensor, and a "
+        "barrier, itself",
+        "python": "every call goes through the Python group, as the C++ backend hands "
+        "it the rest",
+    })
 
 
 @atexit.register

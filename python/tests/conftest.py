@@ -18,6 +18,20 @@ TIMEOUT = datetime.timedelta(seconds=60)
 HUNG_AFTER = int(os.environ.get("FAIRRING_TEST_HUNG_AFTER", "240"))
 
 
+def init_fairring(rank, world, port, timeout=TIMEOUT):
+    """The default group of a job of `world` ranks, on fairring, met at
+    `port` on loopback."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "fairring",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,19 +10,10 @@ import torch
 import torch.distributed as dist
 
 import fairring
-from conftest import TIMEOUT, spawn
+from conftest import init_fairring as init
+from conftest import spawn
 
 SHORT = datetime.timedelta(seconds=2)
-
-
-def init(rank, world, port):
-    dist.init_process_group(
-        "fairring",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=TIMEOUT,
-    )
 
 
 def registered(rank, world, port):
@@ -157,3 +148,11 @@ def native(rank, world, port):
 
 def test_the_native_calls_are_exact_and_release_the_engine():
     spawn(native, 2)
+
+
+def test_a_bad_fairring_torch_calls_is_refused_naming_it(monkeypatch):
+    from fairring import _backend
+
+    monkeypatch.setenv("FAIRRING_TORCH_CALLS", "sometimes")
+    with pytest.raises(ValueError, match='FAIRRING_TORCH_CALLS="sometimes"'):
+        _backend.create(dist.HashStore(), 0, 1, datetime.timedelta(seconds=5))
