@@ -9,7 +9,9 @@
 #include <pybind11/stl.h>
 
 #include <atomic>
+#include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <stdexcept>
 #include <utility>
 
@@ -92,7 +94,7 @@ class Backend : public c10d::Backend {
       : c10d::Backend(rank, size),
         comm_(reinterpret_cast<fr_comm*>(comm)),
         native_calls_(native_calls),
-        open_(std::make_shared<std::atomic<bool>>(true)),
+        gate_(std::make_shared<Gate>()),
         shared_(std::make_shared<Shared>(
             &Library::load(library), group, rank, callers_run_callbacks)),
         group_(new py::object(std::move(group))) {}
@@ -349,10 +351,21 @@ class Backend : public c10d::Backend {
   // The Python group.
   py::object& group() const { return *group_; }
 
-  // What the Python group calls before it destroys the communicator: later
-  // calls are refused here, as there (it holds no reference to the backend).
+  // What the Python group calls before it destroys the communicator: waits
+  // for calls starting here to have started, refuses later ones (as the
+  // group does), and closes the dispatcher of futures. It holds no reference
+  // to the backend or the group.
   py::cpp_function closer() const {
-    return py::cpp_function([open = open_] { open->store(false); });
+    return py::cpp_function([gate = gate_, weak = std::weak_ptr<Shared>(shared_)] {
+      {
+        py::gil_scoped_release unlocked;
+        std::unique_lock<std::shared_mutex> lock(gate->mutex);
+        gate->open = false;
+      }
+      if (auto shared = weak.lock()) {
+        shared->close_dispatcher();
+      }
+    });
   }
 
  private:
@@ -390,13 +403,20 @@ class Backend : public c10d::Backend {
       std::vector<at::Tensor> result,
       std::vector<at::Tensor> keep,
       int source = -1) {
-    if (!open_->load()) {
-      throw std::runtime_error("fairring: " + what + ": the process group has been shut down");
-    }
     note_callback_issue();
     const Library& library = *shared_->library;
     fr_work* handle = nullptr;
-    fr_status status = library.start(comm_, &call, 1, &handle);
+    fr_status status;
+    {
+      // The communicator lives while the gate is open: the Python group
+      // closes it (and waits for this) before destroying the communicator.
+      std::shared_lock<std::shared_mutex> lock(gate_->mutex);
+      if (!gate_->open) {
+        throw std::runtime_error(
+            "fairring: " + what + ": the process group has been shut down");
+      }
+      status = library.start(comm_, &call, 1, &handle);
+    }
     if (status != FR_OK && status != FR_PENDING) {
       const char* message = library.last_error();
       raise_failure(*shared_, what, Outcome{status, message != nullptr ? message : ""});
@@ -426,8 +446,13 @@ class Backend : public c10d::Backend {
   fr_comm* comm_;
   // FAIRRING_TORCH_CALLS=native: the common host calls start here.
   bool native_calls_;
-  // False once the Python group has destroyed the communicator.
-  std::shared_ptr<std::atomic<bool>> open_;
+  // Whether the communicator may be used: closed by the Python group
+  // before it destroys it (`closer`).
+  struct Gate {
+    std::shared_mutex mutex;
+    bool open = true;
+  };
+  std::shared_ptr<Gate> gate_;
   std::shared_ptr<Shared> shared_;
   // The Python group, owned here (released with the GIL held).
   py::object* group_;

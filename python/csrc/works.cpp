@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <optional>
 #include <stdexcept>
+#include <thread>
 #include <utility>
 
 namespace fairring {
@@ -28,6 +29,30 @@ py::object make_failure(
   }
   return py::module_::import("fairring._native")
       .attr("FairringError")(what, outcome.status, outcome.message);
+}
+
+// Runs `f` without the GIL if the calling thread holds it: a wait inside
+// the library may need another thread to take it (the store's callbacks are
+// Python's, and link a peer a message first names).
+template <typename F>
+auto without_gil(F&& f) {
+  std::optional<py::gil_scoped_release> unlocked;
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    unlocked.emplace();
+  }
+  return f();
+}
+
+// Waits for `handle` to finish, however long: the engine fails it within
+// the group's timeout if a peer is lost.
+fr_status wait_until_done(const Library& library, fr_work* handle) {
+  return without_gil([&] {
+    fr_status status;
+    do {
+      status = library.work_wait_timeout(handle, 1000);
+    } while (status == FR_PENDING);
+    return status;
+  });
 }
 
 // The engine's message for `status`, read on the thread that got it.
@@ -130,11 +155,14 @@ NativeWork::~NativeWork() {
     // The engine still reads or writes the tensors: they go when it is done.
     auto* leftover = new Leftover{std::move(result_), std::move(keep_)};
     if (library.work_on_complete(handle_, release_leftover, leftover) != FR_OK) {
-      // The communicator is gone, and with it every operation.
+      // The communicator is destroyed: freeing the handle waits for the
+      // operation, and only then may the tensors go.
+      without_gil([&] { library.work_free(handle_); });
       delete leftover;
+      return;
     }
   }
-  library.work_free(handle_);
+  without_gil([&] { library.work_free(handle_); });
 }
 
 bool NativeWork::enter() {
@@ -218,16 +246,11 @@ int NativeWork::sourceRank() const {
 bool NativeWork::wait(std::chrono::milliseconds timeout) {
   if (enter()) {
     const Library& library = *shared_->library;
-    fr_status status;
-    if (timeout.count() <= 0) {
-      // Until it finishes: the engine fails it within the group's timeout if
-      // a peer is lost.
-      do {
-        status = library.work_wait_timeout(handle_, 1000);
-      } while (status == FR_PENDING);
-    } else {
-      status = library.work_wait_timeout(handle_, static_cast<uint64_t>(timeout.count()));
-    }
+    fr_status status = timeout.count() <= 0
+        ? wait_until_done(library, handle_)
+        : without_gil([&] {
+            return library.work_wait_timeout(handle_, static_cast<uint64_t>(timeout.count()));
+          });
     if (status != FR_PENDING) {
       settle(outcome_of(library, status));
     }
@@ -255,17 +278,38 @@ void NativeWork::on_complete(void* user, fr_status status) {
   delete work;
   w->settle(outcome_of(*w->shared_->library, status));
   Shared& shared = *w->shared_;
-  if (!shared.dispatcher.hand_over([w] { w->complete_future(); })) {
-    w->complete_future();  // the group is closing: no dispatcher is left
+  bool handed = false;
+  try {
+    handed = shared.dispatcher.hand_over([w] { w->complete_future(); });
+  } catch (const std::exception&) {
+    // No thread for a new dispatcher: as if closed. Nothing may unwind into
+    // the library's thread.
+  }
+  if (!handed) {
+    // The group is closing: a thread of its own, for callbacks may wait on
+    // later operations, which this (the engine's one completion thread) is
+    // to finish.
+    try {
+      std::thread([w] { w->complete_future(); }).detach();
+    } catch (const std::exception&) {
+      w->complete_future();  // no thread to be had: here, then
+    }
   }
 }
 
 void NativeWork::complete_future() {
-  Outcome outcome = this->outcome();
-  if (outcome.failed()) {
-    future_->setError(failure_ptr(*shared_, what_, outcome));
-  } else {
-    future_->markCompleted(c10::IValue(result_));
+  // On a thread of ours or the engine's: nothing may escape.
+  try {
+    Outcome outcome = this->outcome();
+    if (outcome.failed()) {
+      future_->setError(failure_ptr(*shared_, what_, outcome));
+    } else {
+      future_->markCompleted(c10::IValue(result_));
+    }
+  } catch (const std::exception& e) {
+    // The future was completed already (set by its holder), or making the
+    // error failed: it keeps what it has.
+    TORCH_WARN("fairring: ", what_, ": its future could not be completed: ", e.what());
   }
 }
 
@@ -283,12 +327,8 @@ c10::intrusive_ptr<c10::ivalue::Future> NativeWork::getFuture() {
     // callbacks run at once on the attaching thread, in program order.
     if (enter()) {
       const Library& library = *shared_->library;
-      fr_status status;
-      do {
-        status = library.work_wait_timeout(handle_, 1000);
-      } while (status == FR_PENDING);
-      settle(outcome_of(library, status));
-      leave();
+      settle(outcome_of(library, wait_until_done(library, handle_)));
+      without_gil([&] { leave(); });
     }
     complete_future();
     return future_;
@@ -303,10 +343,12 @@ c10::intrusive_ptr<c10::ivalue::Future> NativeWork::getFuture() {
       c10::intrusive_ptr<NativeWork>::reclaim_copy(this));
   fr_status status = library.work_on_complete(handle_, on_complete, self);
   if (status != FR_OK) {
+    // Refused (the communicator is destroyed): the operation's own outcome,
+    // waited for here.
     delete self;
-    settle(outcome_of(library, status));
+    settle(outcome_of(library, wait_until_done(library, handle_)));
   }
-  leave();
+  without_gil([&] { leave(); });
   if (status != FR_OK) {
     complete_future();
   }

@@ -36,8 +36,10 @@ from ._work import (
     in_callback,
 )
 
-# The tag of the monitored barrier's messages (the highest: user tags below).
+# The tags of the monitored barrier's messages: the highest, counting down
+# one per call, `MONITORED_BARRIER_TAGS` of them in turn (user tags below).
 MONITORED_BARRIER_TAG = (1 << 32) - 1
+MONITORED_BARRIER_TAGS = 1024
 
 
 def _starting(calls):
@@ -258,7 +260,10 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         `timeout`, as gloo's does: every other rank sends rank 0 a message and
         waits for its answer; rank 0 waits for each in rank order, raising for
         the first missing (or, with `wait_all_ranks`, for all of them), and
-        answers every rank once all have arrived."""
+        answers every rank once all have arrived. A rank whose message failed
+        (it was lost) is missing too. Each call has a tag of its own among
+        the top `MONITORED_BARRIER_TAGS` (every rank counts its calls alike),
+        so a late message of a failed call never passes a later one."""
         what = "monitored_barrier"
         seconds = timeout.total_seconds() if timeout else 0
         if seconds <= 0:
@@ -266,39 +271,48 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         me, world = self.rank(), self.size()
         if world == 1:
             return
-        token = torch.zeros(1, dtype=torch.uint8)
+        calls = getattr(self, "_monitored_barriers", 0)
+        self._monitored_barriers = calls + 1
+        tag = MONITORED_BARRIER_TAG - calls % MONITORED_BARRIER_TAGS
         deadline = time.monotonic() + seconds
         limit = f"{int(seconds * 1000)} ms"
+
+        def arrived(work):
+            """Whether `work` finished by the deadline, and well."""
+            if not work._pending.wait_here(max(deadline - time.monotonic(), 0.001)):
+                return False
+            try:
+                work.wait()
+            except FairringError:
+                return False
+            return True
+
+        def token():
+            return torch.zeros(1, dtype=torch.uint8)
+
         if me != 0:
-            self._message(what, token, 0, sending=True, tag=MONITORED_BARRIER_TAG)
-            answer = self._message(what, torch.zeros(1, dtype=torch.uint8), 0, False, MONITORED_BARRIER_TAG)
-            if not answer._pending.wait_here(max(deadline - time.monotonic(), 0.001)):
+            self._message(what, token(), 0, sending=True, tag=tag)
+            if not arrived(self._message(what, token(), 0, False, tag)):
                 raise RuntimeError(
                     f"Rank {me} successfully reached monitoredBarrier, but received errors "
                     "while waiting for send/recv from rank 0. Please check rank 0 logs for "
                     f"faulty rank (no answer within {limit})."
                 )
-            answer.wait()
             return
-        arrivals = [
-            (peer, self._message(what, torch.zeros(1, dtype=torch.uint8), peer, False, MONITORED_BARRIER_TAG))
-            for peer in range(1, world)
-        ]
+        arrivals = [(peer, self._message(what, token(), peer, False, tag)) for peer in range(1, world)]
         missing = []
         for peer, arrival in arrivals:
-            if not arrival._pending.wait_here(max(deadline - time.monotonic(), 0.001)):
+            if not arrived(arrival):
                 missing.append(peer)
                 if not wait_all_ranks:
                     break
-            else:
-                arrival.wait()
         if missing:
             if len(missing) == 1:
                 raise RuntimeError(f"Rank {missing[0]} failed to pass monitoredBarrier in {limit}")
             ranks = ", ".join(str(r) for r in missing)
             raise RuntimeError(f"Ranks {ranks} failed to pass monitoredBarrier in {limit}")
         for peer in range(1, world):
-            self._message(what, token, peer, sending=True, tag=MONITORED_BARRIER_TAG).wait()
+            self._message(what, token(), peer, sending=True, tag=tag).wait()
 
     # The engine.
     def _start(self, what, start_one, finish, result, keep, device=None):
@@ -782,7 +796,13 @@ def create(store, rank, size, timeout):
     native_calls = _torch_calls() == "native"
     from ._job_id import joined_comm
 
-    group = ProcessGroupFairring(store, rank, size, timeout, joined_comm(store, rank, size))
+    comm = joined_comm(store, rank, size)
+    try:
+        group = ProcessGroupFairring(store, rank, size, timeout, comm)
+    except BaseException:
+        if comm is not None:  # joined by id, and now no group's
+            native.lib().fr_comm_destroy(comm)
+        raise
     if _c10d is None:
         warnings.warn(
             "fairring: this install has no C++ backend (fairring._c10d; `pip install "
