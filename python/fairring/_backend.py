@@ -1,6 +1,10 @@
 """The ``fairring`` process group: torch.distributed collectives on fairring's
 engine, through its C ABI.
 
+`create` makes what torch registers: the C++ backend (``fairring._c10d``),
+which starts the common host calls itself and hands every other call to the
+Python group here, `ProcessGroupFairring`, on the same communicator.
+
 Every collective starts in the engine at once (the calling thread never waits
 for the network) and returns a `Work` whose future one completion thread per
 group fulfils, in the order the operations were issued. A failed operation
@@ -23,6 +27,7 @@ from . import _native as native
 from ._native import FairringError
 from ._cuda import any_cuda
 from ._device_collectives import DeviceCollectives, _call
+from ._job_id import joined_comm
 from ._store import _StoreBridge
 from ._tensors import _DTYPES, Reduction, _Staged, _host, unpack
 from ._work import (
@@ -183,6 +188,8 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         else:
             self._bridge = None
         self._comm = comm
+        # Monitored barriers called so far (each has a tag of its own).
+        self._monitored_barriers = 0
         self._state = {
             "comm": comm,
             "completer": _Completer(rank, callers_run_callbacks),
@@ -271,8 +278,8 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
         me, world = self.rank(), self.size()
         if world == 1:
             return
-        calls = getattr(self, "_monitored_barriers", 0)
-        self._monitored_barriers = calls + 1
+        calls = self._monitored_barriers
+        self._monitored_barriers += 1
         tag = MONITORED_BARRIER_TAG - calls % MONITORED_BARRIER_TAGS
         deadline = time.monotonic() + seconds
         limit = f"{int(seconds * 1000)} ms"
@@ -794,8 +801,6 @@ def create(store, rank, size, timeout):
     _c10d = c10d_module()
     # Read before joining: a bad value fails this rank before it meets.
     native_calls = _torch_calls() == "native"
-    from ._job_id import joined_comm
-
     comm = joined_comm(store, rank, size)
     try:
         group = ProcessGroupFairring(store, rank, size, timeout, comm)
