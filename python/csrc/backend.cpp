@@ -9,6 +9,7 @@
 #include <pybind11/stl.h>
 
 #include <atomic>
+#include <deque>
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
@@ -421,9 +422,34 @@ class Backend : public c10d::Backend {
       const char* message = library.last_error();
       raise_failure(*shared_, what, Outcome{status, message != nullptr ? message : ""});
     }
-    return c10::make_intrusive<NativeWork>(
+    auto work = c10::make_intrusive<NativeWork>(
         shared_, handle, what, type, std::move(result), std::move(keep), source);
+    sweep(work);
+    return work;
   }
+
+  // Keeps track of the works started here that nobody has seen finish, and
+  // settles the oldest of them once more than `kUnseenLimit` are: a finished
+  // work its caller keeps but never waits on, polls or asks a future of
+  // then gives its engine handle back within that many operations, long
+  // before the engine's table of operations (1,024 entries, reused in turn)
+  // comes back to its entry. The operations finish in order, so the sweep
+  // stops at the first still running.
+  void sweep(const c10::intrusive_ptr<NativeWork>& started) {
+    std::lock_guard<std::mutex> lock(unseen_mutex_);
+    unseen_.push_back(c10::weak_intrusive_ptr<NativeWork>(started));
+    while (!unseen_.empty()) {
+      c10::intrusive_ptr<NativeWork> oldest = unseen_.front().lock();
+      bool seen = !oldest || oldest->isSettled() ||
+          (unseen_.size() > kUnseenLimit && oldest->isCompleted());
+      if (!seen) {
+        break;
+      }
+      unseen_.pop_front();
+    }
+  }
+
+  static constexpr size_t kUnseenLimit = 256;
 
   // Has the Python group run the call `name`.
   template <typename... Args>
@@ -453,6 +479,9 @@ class Backend : public c10d::Backend {
     bool open = true;
   };
   std::shared_ptr<Gate> gate_;
+  // The works started here not yet seen finished, oldest first (`sweep`).
+  std::mutex unseen_mutex_;
+  std::deque<c10::weak_intrusive_ptr<NativeWork>> unseen_;
   std::shared_ptr<Shared> shared_;
   // The Python group, owned here (released with the GIL held).
   py::object* group_;

@@ -82,10 +82,16 @@ class NativeWork : public c10d::Work {
       std::vector<at::Tensor> keep,
       int source_rank = -1);
   ~NativeWork() override;
-  // How many exist in this process (their engine handles are live).
+  // Gives the handle back, or leaves the tensors to the engine until the
+  // operation finishes; once, when the last strong reference goes (c10's
+  // intrusive pointers call it).
+  void release_resources() override;
+  // How many are held in this process (strong references).
   static int64_t live();
 
   bool isCompleted() override;
+  // Whether its outcome is known here already (without asking the engine).
+  bool isSettled() const;
   bool isSuccess() const override;
   std::exception_ptr exception() const override;
   std::vector<at::Tensor> result() override;
@@ -119,6 +125,7 @@ class NativeWork : public c10d::Work {
   bool settled_ = false;
   int users_ = 0;
   bool freed_ = false;
+  bool released_ = false;
   Outcome outcome_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };

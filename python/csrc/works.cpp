@@ -142,12 +142,23 @@ void release_leftover(void* user, fr_status /* status */) {
 
 }  // namespace
 
-NativeWork::~NativeWork() {
-  live_native_works.fetch_sub(1);
+NativeWork::~NativeWork() { release_resources(); }
+
+void NativeWork::release_resources() {
+  // The last strong reference is gone (weak ones, the backend's sweep, may
+  // outlive it): the engine's handle goes now, not with the memory.
   std::lock_guard<std::mutex> lock(mutex_);
-  if (freed_) {
+  if (released_) {
     return;
   }
+  released_ = true;
+  live_native_works.fetch_sub(1);
+  if (freed_) {
+    result_.clear();
+    keep_.clear();
+    return;
+  }
+  freed_ = true;
   const Library& library = *shared_->library;
   bool done = false;
   fr_status status = library.work_test(handle_, &done);
@@ -163,6 +174,8 @@ NativeWork::~NativeWork() {
     }
   }
   without_gil([&] { library.work_free(handle_); });
+  result_.clear();
+  keep_.clear();
 }
 
 bool NativeWork::enter() {
@@ -215,6 +228,11 @@ bool NativeWork::isCompleted() {
   }
   leave();
   return status != FR_OK || done;
+}
+
+bool NativeWork::isSettled() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return settled_;
 }
 
 bool NativeWork::isSuccess() const {

@@ -108,12 +108,15 @@ def native(rank, world, port):
     kept.wait()
     kept_future = dist.all_reduce(torch.ones(4), async_op=True).get_future()
     kept_future.wait()
+    # Never waited on, polled or asked a future of.
+    untouched = dist.all_reduce(torch.ones(4), async_op=True)
     # Past the engine's table of operations, several times over.
     t = torch.ones(256)
     for _ in range(3000):
         dist.all_reduce(t)
         t.fill_(1.0)
-    assert _c10d.live_native_works() == 1, _c10d.live_native_works()  # `kept`
+    assert _c10d.live_native_works() == 2, _c10d.live_native_works()  # the two kept
+    assert untouched.is_completed()
     b = torch.arange(5, dtype=torch.int16) * (rank + 1)
     dist.broadcast(b, src=world - 1)
     assert torch.equal(b, torch.arange(5, dtype=torch.int16) * world)
