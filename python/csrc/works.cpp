@@ -97,11 +97,7 @@ Shared::~Shared() {
 py::object Shared::group() const { return (*group_ref)(); }
 
 void Shared::close_dispatcher() {
-  std::optional<py::gil_scoped_release> unlocked;
-  if (Py_IsInitialized() && PyGILState_Check()) {
-    unlocked.emplace();
-  }
-  dispatcher.close();
+  without_gil([&] { dispatcher.close(); });
 }
 
 namespace {
