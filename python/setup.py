@@ -23,7 +23,7 @@ except ImportError:
         "fairring: building the package needs torch, installed where it is built: its "
         "torch.distributed backend is a C++ c10d::Backend compiled against that torch. "
         "Install torch first, then build without an isolated environment: "
-        "`pip install --no-build-isolation ./python` (with setuptools-rust installed)"
+        "`pip install --no-build-isolation ./python` (with setuptools >= 77 and setuptools-rust installed)"
     )
 
 CUDA = os.environ.get("FAIRRING_CUDA", "1") != "0"
