@@ -160,13 +160,6 @@ class Backend : public c10d::Backend {
     return delegate("all_gather_single", output, input, opts);
   }
 
-  c10::intrusive_ptr<c10d::Work> _allgather_base(
-      at::Tensor& output,
-      at::Tensor& input,
-      const c10d::AllgatherOptions& opts) override {
-    return all_gather_single(output, input, opts);
-  }
-
   c10::intrusive_ptr<c10d::Work> reduce_scatter_single(
       at::Tensor& output,
       at::Tensor& input,
@@ -188,13 +181,6 @@ class Backend : public c10d::Backend {
     return delegate("reduce_scatter_single", output, input, opts);
   }
 
-  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
-      at::Tensor& output,
-      at::Tensor& input,
-      const c10d::ReduceScatterOptions& opts) override {
-    return reduce_scatter_single(output, input, opts);
-  }
-
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
     if (!native_calls_) {
       return delegate("barrier", opts);
@@ -204,7 +190,9 @@ class Backend : public c10d::Backend {
     return start("barrier", c10d::OpType::BARRIER, c, {}, {});
   }
 
-  // The calls the Python group runs.
+  // The calls the Python group runs. Of each pair torch names twice (a
+  // `_single` form and its older alias), the `_single` form: torch's base
+  // class forwards the alias to it.
 
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors,
@@ -239,13 +227,6 @@ class Backend : public c10d::Backend {
     return delegate("allgather_into_tensor_coalesced", outputs, inputs, opts);
   }
 
-  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
-      std::vector<at::Tensor>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts) override {
-    return delegate("allgather_into_tensor_coalesced", outputs, inputs, opts);
-  }
-
   c10::intrusive_ptr<c10d::Work> gather(
       std::vector<std::vector<at::Tensor>>& outputs,
       std::vector<at::Tensor>& inputs,
@@ -274,23 +255,7 @@ class Backend : public c10d::Backend {
     return delegate("reduce_scatter_tensor_coalesced", outputs, inputs, opts);
   }
 
-  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
-      std::vector<at::Tensor>& outputs,
-      std::vector<at::Tensor>& inputs,
-      const c10d::ReduceScatterOptions& opts) override {
-    return delegate("reduce_scatter_tensor_coalesced", outputs, inputs, opts);
-  }
-
   c10::intrusive_ptr<c10d::Work> all_to_all_single(
-      at::Tensor& output,
-      at::Tensor& input,
-      std::vector<int64_t>& output_splits,
-      std::vector<int64_t>& input_splits,
-      const c10d::AllToAllOptions& opts) override {
-    return delegate("alltoall_base", output, input, output_splits, input_splits, opts);
-  }
-
-  c10::intrusive_ptr<c10d::Work> alltoall_base(
       at::Tensor& output,
       at::Tensor& input,
       std::vector<int64_t>& output_splits,

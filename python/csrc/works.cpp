@@ -68,9 +68,7 @@ Outcome outcome_of(const Library& library, fr_status status) {
 
 void raise_failure(
     const Shared& shared, const std::string& what, const Outcome& outcome) {
-  py::gil_scoped_acquire gil;
-  set_python_error(make_failure(shared, what, outcome));
-  throw py::error_already_set();
+  std::rethrow_exception(failure_ptr(shared, what, outcome));
 }
 
 std::exception_ptr failure_ptr(

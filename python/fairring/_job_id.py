@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import _native as native
+from ._device_collectives import _call
 from ._native import FairringError
 
 # The layout of an id (`src/bootstrap/job_id.rs`): what the package reads.
@@ -157,12 +158,7 @@ def _torch_store(comm, job_id, rank, world_size, timeout):
         store = dist.TCPStore(host, 0, world_size, True, timeout, wait_for_workers=False)
         text = f"{host} {store.port}".encode()
         where[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-    call = native.Call()
-    call.collective = native.COLLECTIVE_BROADCAST
-    call.input = call.output = where.data_ptr()
-    call.count = _WHERE_BYTES
-    call.dtype = native.DTYPE_U8
-    call.root = 0
+    call = _call(native.COLLECTIVE_BROADCAST, where, where, _WHERE_BYTES, root=0)
     work = native.work_p()
     lib = native.lib()
     status = lib.fr_start(comm, ctypes.byref(call), 1, ctypes.byref(work))
