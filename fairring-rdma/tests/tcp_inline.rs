@@ -267,3 +267,78 @@ fn arrivals_reach_a_sleeping_caller_after_inline_reads_stop() {
         assert!(sent, "round {round}: the sender's completion");
     }
 }
+
+/// A large write leaves partly from the posting thread and partly from a thread
+/// that spins (`progress` writes what the socket takes), while the I/O thread
+/// naps; when the spinner stops, with `spin_ends` or simply by leaving, what it
+/// left unsent is the I/O thread's: every byte lands, whole, and the sender's
+/// `Sent` comes, however the hand-over falls.
+#[test]
+fn frames_a_spinner_leaves_unsent_reach_the_peer() {
+    // Larger than the kernel's socket buffers and the inline byte limit, so
+    // that some of it is left unsent at every hand-over.
+    const LEN: usize = 24 << 20;
+    let fabrics = mesh(2, |c| c);
+    let (sender, receiver) = (&fabrics[0], &fabrics[1]);
+    let mut pattern = vec![0u8; LEN];
+    Rng(11).fill(&mut pattern);
+    let source = Buffer::new(sender, pattern.clone());
+    let mut out = [empty(); 8];
+    for (round, says_so) in (1u32..=8).map(|r| (r, r % 2 == 1)) {
+        let target = Buffer::new(receiver, vec![0; LEN]);
+        sender
+            .write(
+                1,
+                WriteRequest {
+                    source: source.region(),
+                    source_offset: 0,
+                    len: LEN,
+                    target: target.region().remote(),
+                    target_offset: 0,
+                    immediate: round,
+                    token: u64::from(round),
+                },
+            )
+            .expect("a write to a connected peer");
+        // The sender spins a little (writing inline), then stops.
+        let until = Instant::now() + Duration::from_millis(2);
+        while Instant::now() < until {
+            sender.progress();
+        }
+        if says_so {
+            sender.spin_ends();
+        }
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut out = [empty(); 8];
+                let deadline = Instant::now() + Duration::from_secs(20);
+                let mut landed = None;
+                while landed.is_none() && Instant::now() < deadline {
+                    let n = receiver.wait(&mut out, Duration::from_millis(100));
+                    landed = out[..n].iter().find_map(|c| match c.event {
+                        CompletionEvent::Landed { immediate, len, .. } => Some((immediate, len)),
+                        _ => None,
+                    });
+                }
+                assert_eq!(landed, Some((round, LEN as u64)), "round {round}");
+            });
+            // The sender sleeps for its completion, no longer spinning.
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let mut sent = false;
+            while !sent && Instant::now() < deadline {
+                let n = sender.wait(&mut out, Duration::from_millis(100));
+                sent = out[..n].iter().any(|c| {
+                    matches!(c.event, CompletionEvent::Sent { token } if token == u64::from(round))
+                });
+            }
+            assert!(
+                sent,
+                "round {round} (spin_ends: {says_so}): the sender's completion"
+            );
+        });
+        assert!(
+            target.read() == pattern.as_slice(),
+            "round {round}: the bytes"
+        );
+    }
+}

@@ -94,6 +94,10 @@ pub(crate) struct PeerSlot {
     pub(crate) queue: OnceLock<ArrayQueue<SendOp>>,
     /// The connection, once the loop watches it; gone again once it fails.
     pub(crate) link: Mutex<Option<Link>>,
+    /// Whether the last flush of the connection stopped with frames still to
+    /// write (the socket was full, or the flush's byte limit was reached): the
+    /// frames a spinner carries on and a nap's end writes (see `link`).
+    pub(crate) unsent: AtomicBool,
 }
 
 impl Shared {
@@ -265,6 +269,20 @@ impl EventLoop {
             for &(token, readable, writable) in &ready {
                 self.dispatch(token, readable, writable);
             }
+            if napped {
+                // What spinners left unsent: with the nap over, nobody may be
+                // spinning any more.
+                let peers = self.visit_connected();
+                for &peer in &peers {
+                    if self.shared.peers[peer as usize]
+                        .unsent
+                        .load(Ordering::SeqCst)
+                    {
+                        self.write(peer);
+                    }
+                }
+                self.visiting = peers;
+            }
             if self.shared.woken.swap(false, Ordering::AcqRel) {
                 self.moved = true;
                 self.adopt_dialed();
@@ -323,7 +341,9 @@ impl EventLoop {
     }
 
     /// Whether the loop may nap instead of waiting on the sockets: threads read
-    /// inline, and the loop has nothing of its own to do (see `quiet`).
+    /// inline, and the loop has nothing of its own to do (see `quiet`). Frames
+    /// half written do not keep it awake: spinners carry them on, and the nap's
+    /// end writes what they leave.
     fn may_nap(&self) -> bool {
         self.shared.quiet.someone_spins()
             && self.pending.iter().all(Option::is_none)
@@ -332,7 +352,7 @@ impl EventLoop {
                 self.shared
                     .lock_link(p)
                     .as_ref()
-                    .is_none_or(|l| l.sender.is_idle() && !l.more_to_read)
+                    .is_none_or(|l| !l.more_to_read)
             })
     }
 

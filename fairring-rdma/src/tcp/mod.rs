@@ -13,10 +13,14 @@
 //!   Writes go out with vectored sends from registered memory, without a copy.
 //! - **Inline I/O** (`link`): a posting thread writes its frame itself when no
 //!   other thread uses the connection, and a caller about to spin for completions
-//!   ([`Fabric::progress`]) reads what has arrived, so a small write's hop costs
-//!   no thread wake-up; the I/O thread takes whatever they leave. Inside a
+//!   ([`Fabric::progress`]) reads what has arrived and writes what is left to
+//!   write, so a small write's hop costs no thread wake-up, and while a thread
+//!   spins the I/O thread naps and a large transfer takes no core of its own;
+//!   the I/O thread takes whatever they leave. Inside a
 //!   batch ([`Fabric::begin_batch`], `batch`) a thread's frames wait for its end,
-//!   and then leave in one vectored write per peer.
+//!   and then leave in one vectored write per peer. A write offers at most
+//!   256 KiB (`sender`), so that what the peer sends meanwhile is taken
+//!   between writes.
 //! - **Listening** happens on one chosen address ([`BindTo`]), never on all
 //!   interfaces.
 //! - **Failure**: a closed or reset connection fails its peer at once; a peer from
@@ -110,6 +114,7 @@ impl TcpFabric {
                 failure: Mutex::new(None),
                 queue: OnceLock::new(),
                 link: Mutex::new(None),
+                unsent: AtomicBool::new(false),
             })
             .collect();
         let shared = Arc::new(Shared {
@@ -567,7 +572,7 @@ impl Fabric for TcpFabric {
     }
 
     fn progress(&self) -> bool {
-        self.shared.receive_inline()
+        self.shared.progress_inline()
     }
 
     fn spin_ends(&self) {
