@@ -14,8 +14,8 @@
 //!
 //! | collective | M | D | S | bytes | asked | dtype | wire | runs | wire runs | zero-fill |
 //! |---|---|---|---|---|---|---|---|---|---|---|
-//! | all-reduce | 2 | 1 | 0 | 1M | auto | i32 | exact | doubling | exact | no |
-//! | all-reduce | 2 | 1 | 0 | 2M | auto | i32 | exact | hierarchical | exact | no |
+//! | all-reduce | 2 | 1 | 0 | 256K | auto | i32 | exact | doubling | exact | no |
+//! | all-reduce | 2 | 1 | 0 | 512K | auto | i32 | exact | hierarchical | exact | no |
 //! | all-reduce | 3 | 1 | 0 | 4K | auto | i32 | exact | hierarchical | exact | no |
 //! | all-reduce | 1 | 8 | 0 | 4K | auto | f32 | exact | hierarchical | exact | no |
 //! | all-reduce | 2 | 1 | 0 | 4K | ring | i32 | exact | ring | exact | no |
@@ -48,7 +48,7 @@
 //! In words:
 //!
 //! - **All-reduce**: hierarchical, but recursive doubling on two machines of
-//!   one device each up to 1 MiB.
+//!   one device each up to 256 KiB.
 //! - **Broadcast and all-gather**: relayed (the ring) on two or three
 //!   machines, and on more from 256 KiB; hierarchical on one machine and in a
 //!   job with dedicated servers where machines have several devices (its
@@ -144,8 +144,18 @@
 //! | 3x1 | 127 / 193 / 113, 120 / 198 / 144 | 132 / 213 / 109, 126 / 186 / 134 | 141 / 201 / 128, 145 / 192 / 130 | 396 / 377 / 283, 264 / 356 / 282 | 806 / 903 / 1212, 725 / 860 / 1120 |
 //!
 //! and over six alternating runs at 2x1, 4 KiB, medians of 41 (doubling), 51
-//! (hierarchical) and 61 us (ring). So `auto` runs doubling on two machines of
-//! one device each up to 1 MiB. At 3x1 (an extra rank folds in and out: three
+//! (hierarchical) and 61 us (ring). Since a spinning thread moves large tcp
+//! transfers itself, in writes of at most 256 KiB, hierarchical's two hops
+//! of half the slice beat doubling's one of the whole from 512 KiB; medians
+//! of five runs, same command to 2 MiB, factor 2 (hierarchical / ring /
+//! doubling):
+//!
+//! | layout | 64 KiB | 128 KiB | 256 KiB | 512 KiB | 1 MiB | 2 MiB |
+//! |---|---|---|---|---|---|---|
+//! | 2x1 | 28 / 22 / 21 | 38 / 38 / 33 | 54 / 53 / 55 | 90 / 90 / 110 | 178 / 189 / 221 | 414 / 410 / 540 |
+//!
+//! So `auto` runs doubling on two machines of one device each up to 256 KiB.
+//! At 3x1 (an extra rank folds in and out: three
 //! hops) doubling ties hierarchical up to 256 KiB and loses at 1 MiB; `auto`
 //! keeps hierarchical. From four ranks these two cores are oversubscribed and
 //! measure the scheduler more than the hops (doubling lost at 4x1 by 1.1x to
@@ -494,7 +504,7 @@ fn auto_scatter(topology: Topology, bytes: u64) -> Algorithm {
 
 /// Largest all-reduce `auto` runs by recursive doubling (on two machines of one
 /// device each).
-const DOUBLING_UP_TO_BYTES: u64 = 1 << 20;
+const DOUBLING_UP_TO_BYTES: u64 = 256 << 10;
 
 /// Smallest broadcast or all-gather that `auto` relays on four or more
 /// machines (on two or three the relay takes no more hops than hierarchical).

@@ -129,10 +129,10 @@ fn a_call_asking_a_compressed_wire_for_bytes_it_only_moves_is_refused() {
 #[test]
 fn auto_doubles_small_operations_on_two_single_device_machines() {
     let all_reduce = |bytes| runs(Collective::AllReduce, 2, 1, Algorithm::Auto, bytes);
-    for bytes in [0, 4096, 1 << 20] {
+    for bytes in [0, 4096, 256 << 10] {
         assert_eq!(all_reduce(bytes), Resolved::Doubling);
     }
-    for bytes in [(1 << 20) + 1, 64 << 20] {
+    for bytes in [(256 << 10) + 1, 1 << 20, 64 << 20] {
         assert_eq!(all_reduce(bytes), Resolved::Hierarchical);
     }
 }
