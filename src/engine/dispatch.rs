@@ -146,7 +146,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             Some(Kind::Abort) => {
                 if let Ok(bytes) = <[u8; FAILURE_BYTES]>::try_from(payload) {
                     let record = FailureRecord(bytes);
-                    return Err(Fault::with_record(record.decode(peer), record));
+                    return Err(Fault::with_record(record.decode(peer, self.rank()), record));
                 }
             }
             Some(Kind::Credit) => {

@@ -33,7 +33,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             && device != self.machine.local_rank()
         {
             let record = FailureRecord::from_words(words);
-            let error = record.decode(self.links.local_to_global(device));
+            let error = record.decode(self.links.local_to_global(device), self.rank());
             return Err(Fault::with_record(error, record));
         }
         let mut progressed = false;

@@ -98,7 +98,7 @@ impl FailureRecord {
         b[40..48].copy_from_slice(&peer_words[0].to_le_bytes());
         b[48..56].copy_from_slice(&peer_words[1].to_le_bytes());
         let record = FailureRecord(b);
-        let error = record.decode(rank);
+        let error = record.decode(rank, rank);
         (record, error)
     }
 
@@ -127,8 +127,10 @@ impl FailureRecord {
         FailureRecord(b)
     }
 
-    /// The error a record describes, as rank `from` reported it.
-    pub(crate) fn decode(&self, from: u32) -> Error {
+    /// The error a record describes, as rank `from` reported it to rank `me`.
+    /// A record that blames `me` itself (a peer lost its connection to `me`, and
+    /// `me` heard of it from another rank before seeing it) names the reporter.
+    pub(crate) fn decode(&self, from: u32, me: u32) -> Error {
         let b = &self.0;
         match b[0] {
             2 => {
@@ -146,6 +148,12 @@ impl FailureRecord {
                 let about = u32_at(b, 1);
                 let len = usize::from(u16::from_le_bytes([b[5], b[6]])).min(FAILURE_BYTES - 7);
                 let reason = String::from_utf8_lossy(&b[7..7 + len]);
+                if about == me && from != me {
+                    return Error::peer(
+                        from,
+                        format!("reports that a peer lost this rank: {reason}"),
+                    );
+                }
                 let via = if about == from {
                     String::new()
                 } else {
@@ -467,7 +475,7 @@ mod tests {
         };
         let b = Descriptor { elements: 200, ..a };
         let (record, error) = FailureRecord::mismatch(5, 1, a.words(), 3, b.words());
-        let text = record.decode(9).to_string();
+        let text = record.decode(9, 0).to_string();
         assert_eq!(text, error.to_string());
         assert!(text.contains("#5") && text.contains("rank 1 called all_reduce of 100 x f32"));
         assert!(
@@ -476,16 +484,26 @@ mod tests {
         );
 
         let long = Error::peer(4, "é".repeat(60));
-        let decoded = FailureRecord::encode(&long, 2).decode(2);
+        let decoded = FailureRecord::encode(&long, 2).decode(2, 0);
         let Error::Peer { rank, reason } = decoded else {
             panic!("not a peer error");
         };
         assert_eq!(rank, 4);
         assert!(reason.starts_with("failed: é") && reason.ends_with("(reported by rank 2)"));
-        let own = FailureRecord::encode(&Error::Aborted, 6).decode(6);
+        let own = FailureRecord::encode(&Error::Aborted, 6).decode(6, 0);
         assert_eq!(
             own.to_string(),
             "rank 6: failed: the communicator was aborted"
+        );
+        // Rank 2 lost its connection to rank 0, and rank 1 tells rank 0.
+        let lost = FailureRecord::encode(&Error::peer(0, "closed the connection"), 2);
+        assert_eq!(
+            lost.decode(1, 0).to_string(),
+            "rank 1: reports that a peer lost this rank: closed the connection"
+        );
+        assert_eq!(
+            lost.decode(1, 3).to_string(),
+            "rank 0: failed: closed the connection (reported by rank 1)"
         );
         let again = FailureRecord::from_words(record.words());
         assert_eq!(again.0, record.0);
