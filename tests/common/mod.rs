@@ -4,6 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod allocations;
+pub mod fault_proxy;
 pub mod processes;
 
 use std::time::Duration;
