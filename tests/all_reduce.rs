@@ -115,11 +115,12 @@ fn sending_from_the_tensor_matches_staging_it() {
         (2, 2, ring, None),
     ] {
         let world = m * d;
-        job(
+        let in_place = job(
             m,
             d,
             |b| small_slices(b, algorithm).direct_from(direct_from),
             |rank, comm| {
+                let before = comm.traffic();
                 let n = 100_003;
                 let mut sums: Vec<i32> = (0..n).map(|i| i as i32 ^ (rank as i32) << 20).collect();
                 let mut maxes: Vec<i64> = (0..n)
@@ -154,7 +155,22 @@ fn sending_from_the_tensor_matches_staging_it() {
                 let mean = (0..world).sum::<u32>() as f32 / world as f32;
                 let bad = (0..n).find(|&i| avgs[i] != (i % 97) as f32 * world as f32 + mean);
                 assert_eq!(bad, None, "{label}: avg");
+                comm.traffic().received_in_place_bytes - before.received_in_place_bytes
             },
+        );
+        // Between two ranks, each result lands in the tensor of the rank that
+        // does not serve it: every byte once, over the two; elsewhere, in
+        // staging.
+        let tensors = 100_003 * (4 + 8 + 4);
+        let landed: u64 = in_place.iter().sum();
+        let expected = if (m, d, direct_from) == (2, 1, Some(0)) {
+            tensors
+        } else {
+            0
+        };
+        assert_eq!(
+            landed, expected,
+            "{m}x{d} {algorithm}, from {direct_from:?}: bytes landed in tensors ({in_place:?})"
         );
     }
 }

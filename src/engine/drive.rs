@@ -132,8 +132,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// operation lands in staging anyway.
     fn open_window(&self, sub: &Submission<M>) -> Option<RemoteRegion> {
         let fabric = &self.links.fabric;
+        let algorithm = sub.algorithm();
         if !fabric.registers_windows()
-            || !direct::opens_window(&self.context(), sub, sub.algorithm(), self.direct_from)
+            || !direct::opens_window(&self.context(), sub, algorithm, self.direct_from)
         {
             return None;
         }
@@ -142,6 +143,12 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             address: 0,
             len: 0,
         };
+        // An all-reduce that staged its tensor would copy its slots back over
+        // the results landed in it: its window needs its send registration,
+        // which its slices then find taken (`sends_from_tensor`).
+        if algorithm != Resolved::Relay && !self.sends_from_tensor(sub, algorithm) {
+            return Some(none);
+        }
         let Some((ptr, len)) = self.memory.host_bytes(&sub.tensor) else {
             return Some(none);
         };
@@ -154,9 +161,13 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         let window = windows.get(seq)?;
         if windows.holders(seq) == 1 {
-            // The engine neither reads nor writes a received broadcast's
-            // tensor where its chunks land in it, and closes the window before
-            // it completes or fails the operation (`try_complete`, `fail_locked`).
+            // The engine neither reads nor writes a range of the tensor a peer
+            // may be writing: a received broadcast's tensor where its chunks
+            // land, an all-reduce's cell between the last read of its
+            // contribution (which the peer has all of before it sends the
+            // result) and the result's landing (`direct` module docs); and it
+            // closes the window before it completes or fails the operation
+            // (`try_complete`, `fail_locked`).
             // SAFETY: so, with the caller leaving the pending operation's
             // tensor valid and alone until then, `open_window`'s contract holds.
             let opened = unsafe { fabric.open_window(window) };

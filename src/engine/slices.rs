@@ -337,7 +337,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
 
     /// Whether operation `sub`'s slices send from its tensor: it may
     /// (`direct::eligible`) and its tensor is registered, by its first slice.
-    fn sends_from_tensor(&self, sub: &Submission<M>, algorithm: Resolved) -> bool {
+    pub(super) fn sends_from_tensor(&self, sub: &Submission<M>, algorithm: Resolved) -> bool {
         let fabric = &self.links.fabric;
         if !fabric.registers_sources()
             || !direct::eligible(&self.context(), sub, algorithm, self.direct_from)

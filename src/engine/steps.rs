@@ -143,7 +143,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 // rank's: at the slice's offset there.
                 let window = into_window.then(|| WindowTarget {
                     offset: (tensor_base + w.target) as u64,
-                    immediate: tags::with_kind(immediate, Kind::RelayIntoTensor),
+                    immediate: tags::with_kind(immediate, Kind::IntoTensor),
                 });
                 let write = PendingWrite {
                     peer: w.peer,

@@ -64,10 +64,10 @@ pub(crate) enum Kind {
     /// A reduce-scatter's partial piece, on its way around the ring to the rank
     /// whose share it is.
     Scatter = 11,
-    /// A relayed chunk written into the receiver's tensor, through the window
-    /// the receiver opened for the operation (`engine/direct.rs`): nothing to
-    /// copy out of staging.
-    RelayIntoTensor = 12,
+    /// A slice's bytes written into the receiver's tensor, through the window
+    /// the receiver opened for the operation (`engine/direct.rs`): a relayed
+    /// chunk, or a hierarchical result. Nothing to copy out of staging.
+    IntoTensor = 12,
     /// A hierarchical partial sum, sent up a tree to the parent, where it lands
     /// as a contribution (its own kind so that its sender tells it from a
     /// contribution of a leaf's cell when the send completes).
@@ -92,7 +92,7 @@ impl Kind {
                 | Kind::RingReduce
                 | Kind::RingGather
                 | Kind::Relay
-                | Kind::RelayIntoTensor
+                | Kind::IntoTensor
                 | Kind::Doubling
                 | Kind::Scatter
         )
@@ -113,7 +113,7 @@ impl Kind {
                 | Kind::Partial
                 | Kind::RingReduce
                 | Kind::Relay
-                | Kind::RelayIntoTensor
+                | Kind::IntoTensor
                 | Kind::Doubling
                 | Kind::Scatter
         )
@@ -132,7 +132,7 @@ impl Kind {
             9 => Kind::Relay,
             10 => Kind::Doubling,
             11 => Kind::Scatter,
-            12 => Kind::RelayIntoTensor,
+            12 => Kind::IntoTensor,
             13 => Kind::Partial,
             14 => Kind::MessageData,
             15 => Kind::MessageControl,
@@ -158,7 +158,7 @@ pub(crate) fn with_kind(imm: u32, kind: Kind) -> u32 {
 /// Whether a landing with immediate `imm` wrote into the receiver's tensor.
 pub(crate) fn lands_in_tensor(imm: u32) -> bool {
     parse_immediate(imm)
-        .is_some_and(|(kind, ..)| matches!(kind, Kind::RelayIntoTensor | Kind::MessageData))
+        .is_some_and(|(kind, ..)| matches!(kind, Kind::IntoTensor | Kind::MessageData))
 }
 
 /// Whether immediate `imm` or token `token` is of a message's data.
@@ -238,7 +238,7 @@ mod tests {
             Kind::Relay,
             Kind::Doubling,
             Kind::Scatter,
-            Kind::RelayIntoTensor,
+            Kind::IntoTensor,
             Kind::Partial,
         ] {
             for buffer in [0, 1, 77, MAX_BUFFERS - 1] {

@@ -76,12 +76,13 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
 
 /// Broadcasts between two ranks of machines of their own land in the
 /// receiver's tensor through its window (`engine/direct.rs`), from either
-/// root, among all-reduces, over one to three buffers, with one registration
-/// kept or many, and with a rank killed at a drawn step: every rank's result
-/// exact, every survivor's error naming the victim, and chunks landing in
-/// windows.
+/// root, and so do the results of an all-reduce among them, over one to
+/// three buffers, with one registration kept or many (so that a rank may
+/// find none to send from, and stage), and with a rank killed at a drawn
+/// step: every rank's result exact, every survivor's error naming the
+/// victim, and chunks landing in windows.
 #[test]
-fn broadcasts_land_in_receivers_windows() {
+fn broadcasts_and_results_land_in_receivers_windows() {
     let (mut checked, mut expected, mut in_windows) = (0, 0, 0);
     for seed in 1..=300u64 {
         let mut rng = Rng::new(seed);

@@ -147,6 +147,10 @@ pub(crate) struct Hierarchical {
     /// Sending from the tensor: copies in of other machines' shards not yet
     /// finished.
     copies: u32,
+    /// Results landed in the tensor, through its window (`engine/direct.rs`),
+    /// and in staging: a slice's land all in one place.
+    results_in_tensor: u32,
+    results_in_staging: u32,
 }
 
 impl Hierarchical {
@@ -180,6 +184,8 @@ impl Hierarchical {
             reductions_asked: 0,
             reductions_ended: 0,
             gathering: false,
+            results_in_tensor: 0,
+            results_in_staging: 0,
             copy_waits: false,
             copies: 0,
         };
@@ -246,7 +252,20 @@ impl Hierarchical {
                 kind: Kind::Result,
                 peer,
                 part,
-            } => (Event::ResultReceived, Some(peer), part),
+            } => {
+                self.results_in_staging += 1;
+                (Event::ResultReceived, Some(peer), part)
+            }
+            // Only a slice sent from the tensor, whose cells travel whole,
+            // opens its tensor to results.
+            SliceEvent::Landed {
+                kind: Kind::IntoTensor,
+                peer,
+                part: 0,
+            } if s.direct && self.parts == 1 => {
+                self.results_in_tensor += 1;
+                (Event::ResultReceived, Some(peer), 0)
+            }
             SliceEvent::Landed { kind, peer, .. } => {
                 return Err(unexpected(kind, peer, s, "a hierarchical slice"));
             }
@@ -435,7 +454,8 @@ impl Hierarchical {
 
     /// Sending from the tensor, the slot final and every contribution gone:
     /// copies the shards other machines served into the tensor, from where
-    /// their results landed (or, with none, ends the local step at once).
+    /// their results landed (or, with none, or with the results landed in the
+    /// tensor itself, ends the local step at once).
     fn copy_in(
         &mut self,
         ctx: &Context<'_>,
@@ -443,6 +463,20 @@ impl Hierarchical {
         steps: &mut Vec<Step>,
     ) -> Result<()> {
         self.copy_waits = false;
+        if self.results_in_tensor > 0 {
+            if self.results_in_staging > 0 {
+                return Err(Error::internal(
+                    "a slice's results land all in the tensor or all in staging",
+                    format!(
+                        "{} in the tensor and {} in staging in slice {}",
+                        self.results_in_tensor, self.results_in_staging, s.number
+                    ),
+                ));
+            }
+            // Every result is where it belongs already.
+            steps.push(Step::LocalFinish);
+            return self.step_all(Event::AllGatherDone, ctx, s, steps);
+        }
         for shard in sent_shards(ctx, s) {
             let cell = cell_range(ctx, s, shard)?;
             if cell.is_empty() {
@@ -631,7 +665,10 @@ fn results(ctx: &Context<'_>, s: &SliceInfo<'_>, part: u32, steps: &mut Vec<Step
             needs_credit: false,
             part: 0,
         };
-        steps.push(if s.direct {
+        steps.push(if s.into_window {
+            // Into the peer's tensor where it opened it, else its staging.
+            Step::WriteIntoWindow(write)
+        } else if s.direct {
             Step::WriteFromTensor(write)
         } else {
             Step::Write(write)

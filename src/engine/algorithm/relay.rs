@@ -34,7 +34,7 @@
 //! all it sends, leave from the tensor. **Landing in the tensor**: between two
 //! such ranks the root writes them into the receiver's window
 //! ([`SliceInfo::into_window`]) where the receiver opened one, marked
-//! [`Kind::RelayIntoTensor`]; the receiver then has nothing to copy out. An
+//! [`Kind::IntoTensor`]; the receiver then has nothing to copy out. An
 //! operation's chunks land all in place or all in staging.
 //!
 //! # Over the machines
@@ -172,7 +172,7 @@ pub(crate) struct Relay {
     /// ([`SliceInfo::into_window`]).
     into_window: bool,
     /// Whether the chunks that landed here so far landed in the tensor
-    /// ([`Kind::RelayIntoTensor`]) or in staging; `None` before the first.
+    /// ([`Kind::IntoTensor`]) or in staging; `None` before the first.
     in_tensor: Option<bool>,
     /// The slot has been published, and its local all-gather is running
     /// (machine chain).
@@ -320,7 +320,7 @@ impl Relay {
                 self.own_in_place(steps)?;
             }
             SliceEvent::Landed {
-                kind: kind @ (Kind::Relay | Kind::RelayIntoTensor),
+                kind: kind @ (Kind::Relay | Kind::IntoTensor),
                 peer,
                 part: 0,
             } => {
@@ -329,7 +329,7 @@ impl Relay {
                 self.line
                     .members
                     .check_from_previous(s, kind, peer, expected, why)?;
-                let in_tensor = kind == Kind::RelayIntoTensor;
+                let in_tensor = kind == Kind::IntoTensor;
                 if machines && in_tensor || self.in_tensor.is_some_and(|was| was != in_tensor) {
                     return Err(unexpected(
                         kind,
