@@ -46,9 +46,10 @@
 //! contribution from, while the window is open. The receiver touches that
 //! cell only before (its contribution leaves from it) and after (once the
 //! result has landed), and the server writes it only after its whole
-//! contribution has arrived, so the fabric has read it by then: the tcp
-//! fabric reads a source only until it has handed the bytes to the kernel,
-//! before any of them can reach the peer. A rank opens its window only where
+//! contribution has arrived, so the fabric has read it by then: a fabric
+//! that registers sources reads one only until it has handed the last byte
+//! on (`Fabric::register_source`; tcp, under the connection's lock, before
+//! the peer can read that byte). A rank opens its window only where
 //! it sends from its tensor (its send registration taken first): one that
 //! stages its tensor would copy its slots back over the results. The window
 //! closes, waiting for writes in flight (none are, once every chunk or
@@ -364,8 +365,10 @@ pub(crate) fn register<F: Fabric>(
     // The engine posts a write from the region only for an operation on this
     // memory while it is pending (valid, and not touched by the caller), keeps
     // the ranges it sends from unwritten until their writes complete
-    // (`hierarchical`, `ring`), and drops every registration before it
-    // declares an operation failed (`fail_locked`).
+    // (`hierarchical`, `ring`) but for a result landing in a window over a
+    // range the peer has every byte of (the module docs; `register_source`
+    // allows it), and drops every registration before it declares an
+    // operation failed (`fail_locked`).
     // SAFETY: by the above, while a write from the region is in flight its
     // source range is valid and unwritten: `register_source`'s contract.
     let registered = unsafe { fabric.register_source(ptr, len) };

@@ -245,9 +245,13 @@ pub trait Fabric: Send + Sync {
     ///
     /// While a write from the region is in flight (from posting until its
     /// `Sent` or `SendFailed` completion) its source range must be valid for
-    /// reads and not written. Nothing more: between writes the memory may be
-    /// freed and reused. Dropping the region waits until no write from it is
-    /// in flight.
+    /// reads and not written, but by the provider itself: a provider that
+    /// registers sources reads a write's source only until it has handed the
+    /// last byte on, before the peer can have all of it, so the range may take
+    /// a write from the peer (into a window over the same memory) that the
+    /// peer sends only once it has the whole write. Nothing more: between
+    /// writes the memory may be freed and reused. Dropping the region waits
+    /// until no write from it is in flight.
     #[allow(unsafe_code)]
     unsafe fn register_source(
         &self,

@@ -270,8 +270,10 @@ impl EventLoop {
                 self.dispatch(token, readable, writable);
             }
             if napped {
-                // What spinners left unsent: with the nap over, nobody may be
-                // spinning any more.
+                // What spinners or posters left unsent: a thread that stopped at
+                // its byte limit while the loop napped woke nobody (its store of
+                // `unsent` and its look at `napping`, against the loop's store of
+                // `napping` and its look at `unsent` here, are Dekker's).
                 let peers = self.visit_connected();
                 for &peer in &peers {
                     if self.shared.peers[peer as usize]

@@ -339,9 +339,10 @@ impl Shared {
         }
         for (fd, &peer) in fds.iter_mut().zip(peers.iter()) {
             let slot = &self.peers[peer as usize];
-            let unsent = slot.unsent.load(Ordering::SeqCst)
-                || slot.queue.get().is_some_and(|queue| !queue.is_empty());
-            fd.events = if unsent {
+            // Frames a poster left: not those a batch holds (its end writes
+            // them together), nor those queued while another thread had the
+            // link (that thread wakes the I/O thread).
+            fd.events = if slot.unsent.load(Ordering::SeqCst) {
                 libc::POLLIN | libc::POLLOUT
             } else {
                 libc::POLLIN
@@ -372,17 +373,18 @@ impl Shared {
                 continue;
             };
             if fd.revents & libc::POLLOUT != 0 {
+                let before = link.sender.written();
                 match link.flush(self, peer, INLINE_BYTES, Queueing::Hold) {
-                    Ok(Flushed::Idle | Flushed::Blocked) => moved = true,
-                    Ok(Flushed::Limited) => {
-                        moved = true;
-                        wake |= !self.quiet.napping();
-                    }
+                    Ok(Flushed::Idle | Flushed::Blocked) => {}
+                    Ok(Flushed::Limited) => wake |= !self.quiet.napping(),
                     Err(e) => {
                         link.broken = Some(Broken::Write(write_failure(&e)));
                         moved = true;
                     }
                 }
+                // Room the socket then refused (memory pressure) is no move:
+                // the spinner may sleep.
+                moved |= link.sender.written() > before;
             }
             // Anything but room to write (bytes, a hang-up, an error) is the
             // reader's to find out.

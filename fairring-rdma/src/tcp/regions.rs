@@ -97,8 +97,9 @@ impl RegionTable {
         len: usize,
     ) -> Result<TcpRegion, FabricError> {
         // SAFETY: the region starts closed to peers, and a window is never a
-        // source (the engine sends from no window), so nothing reads or
-        // writes the memory before `open`, whose contract is the caller's.
+        // write's source (a caller sends from a source registration of its
+        // own), so nothing reads or writes the memory through it before
+        // `open`, whose contract is the caller's.
         let region = unsafe { self.register(memory, len) }?;
         region
             .shared

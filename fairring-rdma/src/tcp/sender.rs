@@ -44,7 +44,9 @@ impl Payload {
             Payload::Region { source, start, end } => {
                 // SAFETY: `start..end` was checked against the region when the write
                 // was posted, and the registration contract keeps writers off a
-                // source range until its completion, which comes after this.
+                // source range until its completion, or (a peer's write into a
+                // window over it) until the peer has every byte, which comes
+                // after the flush that reads the last of them here.
                 unsafe { source.bytes(start + from, *end) }
             }
             Payload::Inline { bytes, len } => &bytes[from..*len],
@@ -100,6 +102,8 @@ pub(crate) struct Sender {
     keepalive: [u8; HEADER_LEN],
     /// [`WRITE_MAX`], or less in tests.
     write_max: usize,
+    /// Bytes written in all: whether a flush moved anything.
+    written: u64,
 }
 
 /// How far a flush got.
@@ -120,7 +124,13 @@ impl Sender {
             extra: None,
             keepalive,
             write_max: WRITE_MAX,
+            written: 0,
         }
+    }
+
+    /// Bytes written so far, in all.
+    pub(crate) fn written(&self) -> u64 {
+        self.written
     }
 
     /// Whether nothing taken from the queue is still to be written.
@@ -176,6 +186,7 @@ impl Sender {
                         Ok(n) => {
                             extra.sent += n;
                             written += n;
+                            self.written += n as u64;
                         }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                             return Ok(Flushed::Blocked);
@@ -235,6 +246,7 @@ impl Sender {
                 Err(e) => return Err(e),
             };
             written += n;
+            self.written += n as u64;
             while n > 0 {
                 let Some(flight) = self.current.front_mut() else {
                     return Err(io::Error::other("the socket took more bytes than offered"));
