@@ -7,8 +7,8 @@
 //! whenever nobody else does:
 //!
 //! - a **posting thread** that queued a frame writes what the socket takes at once
-//!   ([`Shared::send_inline`]), up to [`INLINE_BYTES`], and wakes the I/O thread
-//!   only for the rest;
+//!   ([`Shared::send_inline`]), up to [`INLINE_BYTES`], and leaves the rest to
+//!   a spinner or the I/O thread;
 //! - a **thread about to spin** for completions reads what has arrived, and
 //!   writes what posters left unwritten ([`Shared::progress_inline`]), while
 //!   the completion queue has room; one `poll(2)` over every socket tells it
@@ -71,8 +71,8 @@ use crate::sync::unmodelled::Ordering;
 /// from the thread that posted it, and the poster (the engine's driver) is not
 /// held past one buffer's worth. At 256 KiB every frame above it woke the I/O
 /// thread, which on two cores took the poster's core: 2x1 tcp all-reduces of
-/// 1 MiB and 4 MiB ran at 3.05 and 2.51 GB/s, against 3.74 and 3.23 at 4 MiB
-/// (medians of five alternating rounds).
+/// 1 MiB and 4 MiB ran at 3.05 and 2.51 GB/s, against 3.74 and 3.23 with this
+/// bound (medians of five alternating rounds).
 pub(crate) const INLINE_BYTES: usize = 4 << 20;
 
 /// Bytes a spinning thread reads from one connection per call: as much, for
