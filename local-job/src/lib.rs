@@ -139,10 +139,16 @@ impl LocalJob {
 /// handed out (`bind` to port 0) and released can be handed out again at once
 /// as the local port of some other process's outgoing connection, and the
 /// store's `bind` then fails with "address already in use". Ports below the
-/// range are never handed out that way. Falls back to the kernel's choice if
-/// none is free.
+/// range are never handed out that way. A port is never returned twice in one
+/// process: two jobs started at once by one program (tests in parallel) that
+/// drew the same port would meet at one store, which admits only one of them.
+/// Falls back to the kernel's choice if none is free.
 pub fn free_port() -> io::Result<u16> {
     use std::hash::{BuildHasher, Hasher};
+    static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut handed_out = HANDED_OUT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|t| {
@@ -156,7 +162,8 @@ pub fn free_port() -> io::Result<u16> {
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
         h.write_u32(std::process::id());
         let port = low + u16::try_from(h.finish() % u64::from(high - low)).unwrap_or(0);
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        if !handed_out.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            handed_out.push(port);
             return Ok(port);
         }
     }
@@ -255,6 +262,17 @@ impl Drop for Ranks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Ports drawn in one process never repeat: 300 draws from the range
+    /// below the ephemeral ports would repeat one more than eight times in ten.
+    #[test]
+    fn a_port_is_handed_out_once() {
+        let ports: Vec<u16> = (0..300).map(|_| free_port().expect("a port")).collect();
+        let mut sorted = ports.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), ports.len(), "{ports:?}");
+    }
 
     #[test]
     fn each_rank_gets_its_place_and_servers_their_role() {
