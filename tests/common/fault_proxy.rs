@@ -323,9 +323,9 @@ fn stop_all(shared: &Shared, reset: bool) {
 }
 
 /// A rendezvous store in this process that routes every tcp fabric
-/// connection of a job through a [`FaultProxy`] of its own: an endpoint a
-/// rank publishes (`.../ep/A/B`, `.../late-link/A/B`) is read back as the
-/// proxy's.
+/// connection of a job through a [`FaultProxy`] of its own: the endpoint a
+/// connection is dialed at (`.../ep/A/B`, `.../late-link/A/B`, published by
+/// the lower rank `A`) is read back as the proxy's.
 #[derive(Default)]
 pub struct ProxiedStore {
     table: Mutex<HashMap<String, Vec<u8>>>,
@@ -365,22 +365,18 @@ impl ProxiedStore {
         let (Ok(a), Ok(b)) = (a.parse::<u32>(), b.parse::<u32>()) else {
             return value.to_vec();
         };
-        if kind != "ep" && kind != "late-link" {
+        // The lower rank of a pair listens: only its endpoint is dialed.
+        if (kind != "ep" && kind != "late-link") || a > b {
             return value.to_vec();
         }
         let Some(target) = Endpoint::from_bytes(value).and_then(|e| TcpFabric::address_of(&e))
         else {
             return value.to_vec();
         };
-        let pair = (a.min(b), a.max(b));
         let proxy = Arc::new(FaultProxy::start(target));
         let routed = TcpFabric::endpoint_of(proxy.address());
-        // The lower rank listens: its endpoint is the one dialed. The other's
-        // proxy is never dialed.
-        if a < b {
-            self.proxies.lock().unwrap().insert(pair, proxy);
-            self.proxy_added.notify_all();
-        }
+        self.proxies.lock().unwrap().insert((a, b), proxy);
+        self.proxy_added.notify_all();
         routed.as_bytes().to_vec()
     }
 }
