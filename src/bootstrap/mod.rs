@@ -368,7 +368,12 @@ pub(crate) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
     let memory = Placed::new(Host::new(Arc::clone(&segment), location.device, buffers));
     let peer_copy = agree_on_peer_copies(config, store, topology, location)?.map(Arc::new);
     let shm = ShmStep::new(Arc::clone(&segment), location.device, d, buffers)
-        .copying_between_tensors(peer_copy.clone(), crate::local::COPY_BETWEEN_TENSORS_FROM);
+        .copying_between_tensors(peer_copy.clone(), crate::local::COPY_BETWEEN_TENSORS_FROM)
+        .reducing_whole(if topology.machines() == 1 && config.servers == 0 {
+            crate::local::REDUCE_WHOLE_UP_TO
+        } else {
+            0
+        });
     #[cfg(feature = "cuda")]
     let nccl = crate::local::NcclCell::default();
     #[cfg(feature = "cuda")]

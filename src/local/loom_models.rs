@@ -112,6 +112,9 @@ enum Algo {
     /// Writes its whole buffer without the local step, then announces it is done
     /// (the ring slice).
     Alone,
+    /// Stages every slot, then reduces every slot from every rank's buffer,
+    /// with no all-gather (a small slice on one machine, reduced whole).
+    Whole,
 }
 
 /// One rank's part in one slice per entry of `slices`, over the segment's
@@ -130,6 +133,27 @@ fn rank_body(seg: &Segment, rank: u32, slices: &[Algo]) {
                 seg.write(rank, b, slot, input(rank, n, slot));
             }
             p.finish(seg, b, n);
+            continue;
+        }
+        if let Algo::Whole = algo {
+            let staged: Result<(), ()> = p.stage_in(seg, b, n, || {
+                for slot in 0..seg.ranks {
+                    seg.write(rank, b, slot, input(rank, n, slot));
+                }
+                Ok(())
+            });
+            assert!(staged.is_ok());
+            seg.until(rank, || {
+                p.try_reduce_whole(seg, b, n, || -> Result<(), ()> {
+                    for slot in 0..seg.ranks {
+                        let sum: u64 = (0..seg.ranks).map(|q| seg.read(q, b, slot)).sum();
+                        let want: u64 = (0..seg.ranks).map(|q| input(q, n, slot)).sum();
+                        assert_eq!(sum, want, "slot {slot} of slice {n}, reduced whole");
+                    }
+                    Ok(())
+                })
+                .unwrap_or(false)
+            });
             continue;
         }
         let staged: Result<(), ()> = p.stage_in(seg, b, n, || {
@@ -211,6 +235,21 @@ fn three_ranks_one_slice() {
 #[test]
 fn a_slice_without_the_local_step_reuses_a_buffer() {
     run(2, 1, &[Algo::Local, Algo::Alone], 2);
+}
+
+/// Two ranks, one buffer, two slices reduced whole: with no all-gather,
+/// only `Done`, announced with the reduction, keeps the second slice's
+/// staging from the first's reads.
+#[test]
+fn two_ranks_reduce_whole_reuse_one_buffer() {
+    run(2, 1, &[Algo::Whole; 2], 2);
+}
+
+/// Two ranks, one buffer: a slice reduced whole between two reduced in parts
+/// (sizes change from one call to the next).
+#[test]
+fn slices_reduced_whole_and_in_parts_share_a_buffer() {
+    run(2, 1, &[Algo::Local, Algo::Whole, Algo::Local], 1);
 }
 
 /// The tensor-copy handshake (`tensor_copies.rs`), in loom's memory: every

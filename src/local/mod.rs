@@ -57,7 +57,7 @@ pub(crate) use placed_step::HostOnly;
 pub(crate) use placed_step::PlacedStep;
 #[cfg(all(test, not(loom)))]
 pub(crate) use placed_step::{DeviceReach, Place};
-pub(crate) use shm_step::{COPY_BETWEEN_TENSORS_FROM, ShmStep, slice_range};
+pub(crate) use shm_step::{COPY_BETWEEN_TENSORS_FROM, REDUCE_WHOLE_UP_TO, ShmStep, slice_range};
 pub(crate) use solo::Solo;
 pub(crate) use staged::Waiting;
 

@@ -16,6 +16,10 @@
 //! only while no other rank reads the bytes it writes: slice `s` takes a buffer only
 //! once every rank's `Done` covers slice `s - B`.
 //!
+//! A slice every rank reduces whole ([`Protocol::try_reduce_whole`]) reads
+//! every rank's input after `InputReady` and announces `SlotFinal` and `Done`
+//! together: it has no all-gather.
+//!
 //! The functions here hold the order of those steps and their memory orderings; the
 //! data movement between them is the caller's (a closure). They reach the counters
 //! through [`Counters`], which the shared segment implements with its atomics, and
@@ -96,6 +100,36 @@ impl Protocol {
             return Ok(false);
         }
         reduce()?;
+        Ok(true)
+    }
+
+    /// A slice every rank reduces whole (a small one, in a job of one
+    /// machine): once every rank's input is staged, `reduce` reads what it
+    /// needs of every rank's buffer; then the rank announces, at once, that
+    /// its slot is final and that it is done with the others' buffers. No
+    /// all-gather follows, so one wait per slice remains instead of two.
+    /// Returns whether it ran.
+    pub(crate) fn try_reduce_whole<E>(
+        &self,
+        c: &impl Counters,
+        buffer: u32,
+        slice: u64,
+        reduce: impl FnOnce() -> Result<(), E>,
+    ) -> Result<bool, E> {
+        if !self.all_reached(c, buffer, slice + 1, Counter::InputReady) {
+            return Ok(false);
+        }
+        reduce()?;
+        // `SlotFinal` too, so that `laggards` of a later stall reads the
+        // counters as it does for any slice; only `Done` is waited for.
+        c.store(
+            self.rank,
+            buffer,
+            Counter::SlotFinal,
+            slice + 1,
+            Ordering::Release,
+        );
+        self.publish(c, buffer, slice, Counter::Done);
         Ok(true)
     }
 

@@ -58,6 +58,7 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
             direct: DirectSettings::from(None),
             device: vec![false; 6],
             collectives: false,
+            whole_up_to: 0,
         };
         match play(
             &scenario,
@@ -131,6 +132,7 @@ fn broadcasts_and_results_land_in_receivers_windows() {
             },
             device: vec![false; 6],
             collectives: false,
+            whole_up_to: 0,
         };
         match play(
             &scenario,
@@ -504,6 +506,7 @@ fn one_machine_reduces_a_device_tensor_in_one_slice_through_its_collectives() {
             DirectSettings::from(None),
             Design::Accepted,
             collectives,
+            0,
             Duration::from_secs(3600),
             |rank, step| {
                 let recorder = std::sync::Arc::new(RecordingSlices {
@@ -593,6 +596,7 @@ fn deep_trees_settle_with_exact_results() {
             direct: DirectSettings::from(None),
             device: vec![false; ops.len()],
             collectives: false,
+            whole_up_to: 0,
             ops,
         };
         let topology = Topology::new(machines, devices, RankLayout::Contiguous).unwrap();

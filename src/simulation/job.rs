@@ -16,6 +16,7 @@ pub(super) fn build_job(
     direct: DirectSettings,
     design: Design,
     collectives: bool,
+    whole_up_to: usize,
     timeout: Duration,
     wrap: impl Fn(u32, SimStep) -> Box<dyn LocalStep<SimMemory>>,
 ) -> Result<Vec<Engine<SimFabric, SimMemory>>, String> {
@@ -59,7 +60,8 @@ pub(super) fn build_job(
             )))
         });
         let shm = ShmStep::new(Arc::clone(segment), location.device, d, buffers)
-            .copying_between_tensors(peer_copy.clone(), 1);
+            .copying_between_tensors(peer_copy.clone(), 1)
+            .reducing_whole(whole_up_to);
         let local = wrap(rank, reach::step(&memory, shm, joined));
         let machine = Machine::new(Arc::clone(segment), location.device, d);
         let fabric = SimFabric {
@@ -166,6 +168,7 @@ pub(super) fn small_job(
         DirectSettings::from(None),
         design,
         false,
+        0,
         timeout,
         wrap,
     )

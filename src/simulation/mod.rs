@@ -17,6 +17,8 @@
 //! and relayed broadcasts (from any root) and all-gathers, each rank starting
 //! from its own values everywhere, whether all-reduces send from their tensors
 //! (never, from any size or from 4 KiB; keeping 1, 2 or 64 registrations),
+//! on one machine without servers, whether no host slice, the small ones or
+//! every one is reduced whole on every rank (`local::shm_step`),
 //! for half the seeds, a process (worker or server) to kill at a random step,
 //! and, for two seeds in three, whether every operation or about half of them
 //! run on device tensors of a simulated GPU per rank ([`device`]): streams
@@ -236,6 +238,7 @@ fn play(
         direct,
         design,
         sc.collectives,
+        sc.whole_up_to,
         Duration::from_secs(3600),
         |_, step| Box::new(step),
     )?;

@@ -211,6 +211,10 @@ pub(super) struct Scenario {
     /// Whether several ranks per machine reduce device tensors through the
     /// machine's collectives (as through NCCL) rather than the host.
     pub(super) collectives: bool,
+    /// In a job of one machine without servers, the most bytes a rank reads
+    /// from the others' buffers for a host slice it reduces whole
+    /// ([`ShmStep::reducing_whole`]): never, small slices only, or all.
+    pub(super) whole_up_to: usize,
 }
 
 impl Scenario {
@@ -341,6 +345,13 @@ impl Scenario {
             1 => slice_bytes,
             _ => 64,
         };
+        // Slices reduced whole, on one machine: drawn from a side stream, as
+        // above.
+        let whole_up_to = if m == 1 && servers == 0 {
+            rng.side(0x7768_6f6c).pick(&[0, 4096, usize::MAX])
+        } else {
+            0
+        };
         // About one operation in four as its rooted form, where it has one
         // (a scatter's input divides among the ranks): drawn last, as above.
         for op in &mut ops {
@@ -367,6 +378,7 @@ impl Scenario {
             direct,
             device,
             collectives,
+            whole_up_to,
         }
     }
 
