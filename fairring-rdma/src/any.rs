@@ -303,6 +303,10 @@ impl Fabric for AnyFabric {
         forward!(self, f => f.spin_ends())
     }
 
+    fn spinner_leaves(&self) {
+        forward!(self, f => f.spinner_leaves())
+    }
+
     fn begin_batch(&self) {
         forward!(self, f => f.begin_batch())
     }

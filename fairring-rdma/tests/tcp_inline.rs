@@ -270,9 +270,10 @@ fn arrivals_reach_a_sleeping_caller_after_inline_reads_stop() {
 
 /// A large write leaves partly from the posting thread and partly from a thread
 /// that spins (`progress` writes what the socket takes), while the I/O thread
-/// naps; when the spinner stops, with `spin_ends` or simply by leaving, what it
-/// left unsent is the I/O thread's: every byte lands, whole, and the sender's
-/// `Sent` comes, however the hand-over falls.
+/// naps; when the spinner stops, with `spin_ends` (to sleep), `spinner_leaves`
+/// (back to its caller) or simply by leaving (the nap then ends at the
+/// timers' tick), what it left unsent is the I/O thread's: every byte lands,
+/// whole, and the sender's `Sent` comes, however the hand-over falls.
 #[test]
 fn frames_a_spinner_leaves_unsent_reach_the_peer() {
     // Larger than the kernel's socket buffers and the inline byte limit, so
@@ -284,7 +285,7 @@ fn frames_a_spinner_leaves_unsent_reach_the_peer() {
     Rng(11).fill(&mut pattern);
     let source = Buffer::new(sender, pattern.clone());
     let mut out = [empty(); 8];
-    for (round, says_so) in (1u32..=8).map(|r| (r, r % 2 == 1)) {
+    for (round, says_so) in (1u32..=9).map(|r| (r, r % 3)) {
         let target = Buffer::new(receiver, vec![0; LEN]);
         sender
             .write(
@@ -305,8 +306,10 @@ fn frames_a_spinner_leaves_unsent_reach_the_peer() {
         while Instant::now() < until {
             sender.progress();
         }
-        if says_so {
-            sender.spin_ends();
+        match says_so {
+            0 => sender.spin_ends(),
+            1 => sender.spinner_leaves(),
+            _ => {}
         }
         std::thread::scope(|s| {
             s.spawn(|| {
@@ -333,7 +336,7 @@ fn frames_a_spinner_leaves_unsent_reach_the_peer() {
             }
             assert!(
                 sent,
-                "round {round} (spin_ends: {says_so}): the sender's completion"
+                "round {round} (hand-over {says_so}): the sender's completion"
             );
         });
         assert!(

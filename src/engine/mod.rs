@@ -510,6 +510,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 std::thread::yield_now();
             }
         }
+        if self.remote {
+            self.links.fabric.spinner_leaves();
+        }
         Ok(())
     }
 

@@ -364,6 +364,14 @@ pub trait Fabric: Send + Sync {
     /// it now. The default does nothing.
     fn spin_ends(&self) {}
 
+    /// The calling thread, which has been lending itself through
+    /// [`Fabric::progress`], returns to its caller without sleeping (what it
+    /// waited for is done): a provider that keeps its own thread quiet while
+    /// callers take the arrivals hands it what the caller left undone (frames
+    /// not yet written), and may leave later arrivals to the next caller that
+    /// spins, or sleeps. The default does nothing.
+    fn spinner_leaves(&self) {}
+
     /// Starts a batch on the calling thread: what it posts from here to the
     /// matching [`Fabric::end_batch`] may stay queued until then, so that a burst
     /// (a control message, a credit and the data write behind them) leaves

@@ -26,7 +26,7 @@ use super::handshake::{
     welcome_frame,
 };
 use super::link::{Broken, Link, Queueing, Readable, write_failure};
-use super::quiet::{MAX_NAP, Quiet};
+use super::quiet::Quiet;
 use super::receiver::Receiver;
 use super::regions::RegionTable;
 use super::sender::{SendOp, Sender};
@@ -250,7 +250,7 @@ impl EventLoop {
             let napped = !busy && !self.moved && self.may_nap();
             self.moved = false;
             if napped {
-                self.shared.quiet.nap(&self.shared.woken, tick.min(MAX_NAP));
+                self.shared.quiet.nap(&self.shared.woken, tick);
             }
             let timeout = if busy || napped { Duration::ZERO } else { tick };
             if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {

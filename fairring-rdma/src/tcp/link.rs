@@ -406,6 +406,17 @@ impl Shared {
         moved
     }
 
+    /// A thread that read inline returns to its caller: the I/O thread's nap
+    /// ends if frames were left unsent, which no spinner writes now
+    /// ([`Quiet::spinner_leaves`](super::quiet::Quiet::spinner_leaves)).
+    pub(crate) fn spinner_leaves(&self) {
+        self.quiet.spinner_leaves(|| {
+            self.peers
+                .iter()
+                .any(|slot| slot.unsent.load(Ordering::SeqCst))
+        });
+    }
+
     /// Watches `peer`'s socket for inline readers (the I/O thread, on admission).
     pub(crate) fn watch(&self, peer: u32, stream: &TcpStream) {
         let mut readable = self.readable.lock().unwrap_or_else(PoisonError::into_inner);

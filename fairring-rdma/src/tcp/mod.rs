@@ -579,6 +579,10 @@ impl Fabric for TcpFabric {
         self.shared.quiet.spin_ends();
     }
 
+    fn spinner_leaves(&self) {
+        self.shared.spinner_leaves();
+    }
+
     fn begin_batch(&self) {
         batch::begin(&self.shared);
     }

@@ -175,6 +175,12 @@ impl<F: Fabric, M: MemorySpace> Driven for Engine<F, M> {
         }
     }
 
+    fn spinner_leaves(&self) {
+        if self.remote {
+            self.links.fabric.spinner_leaves();
+        }
+    }
+
     fn doorbell(&self) -> &Doorbell {
         self.machine.doorbell()
     }

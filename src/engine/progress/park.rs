@@ -281,6 +281,9 @@ pub(crate) trait Driven {
     /// The calling thread stops spinning and is about to sleep (the fabric's
     /// own thread takes the arrivals again).
     fn spin_ends(&self) {}
+    /// A waiting caller returns (the fabric's own thread takes what it left
+    /// unwritten).
+    fn spinner_leaves(&self) {}
 }
 
 /// One try at driving and, if nothing moved, one round of spinning (until `spin`
@@ -361,6 +364,7 @@ pub(crate) fn wait_driving(
         driven.spin_ends();
         driven.doorbell().sleep(seen, WAIT_NAP);
     };
+    driven.spinner_leaves();
     parking.leave_wait(driven.now());
     result
 }
