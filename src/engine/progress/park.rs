@@ -62,10 +62,21 @@ pub(crate) const SPIN: Duration = Duration::from_micros(20);
 pub(crate) const WAIT_SPIN: Duration = Duration::from_micros(100);
 /// Pure spinning before a spinner starts yielding its core each round, on a
 /// machine with fewer cores than local ranks, so that the ranks it waits for get
-/// to run. With a core per local rank a spinner never yields: on the 2-core
-/// development machine, 1x2 4 KiB all-reduces took 2-5 us spinning purely and
-/// 2-100 us when yielding after 2 or 20 us.
+/// to run.
 const SPIN_ALONE: Duration = Duration::from_micros(2);
+/// With a core per local rank, the most pure spinning before a spinner yields
+/// each round. The scheduler may still put two ranks on one core (on the
+/// 2-core development machine, about one 1x2 run in six): a rank that spins
+/// without yielding then holds the core its answer needs until its spin ends,
+/// and 1x2 4 KiB all-reduces took 236-240 us. So the bound adapts between
+/// [`SPIN_ALONE`] and this ([`Parking::spun`]): it halves after every wait
+/// that outlasted it and doubles after every one that ended sooner. Two
+/// ranks made to share one core (`taskset`) while the engine counts a core
+/// each, 1x2 4 KiB: 240 us spinning purely, 50 us
+/// yielding after 20 us, 9.4 us adapting (as when the engine counts one
+/// core); on two free cores alike (3.0 against 3.05 us, six alternating
+/// rounds; 64 KiB to 16 MiB within 1%).
+const SPIN_BEFORE_YIELDING: Duration = Duration::from_micros(20);
 /// How long the progress thread stays parked before it looks again whether a
 /// caller still drives. Timer wake-ups are costly on virtual machines: with
 /// 200 us, 4 KiB all-reduces on two ranks took 10-50 us; with 5 ms, 2 us.
@@ -77,9 +88,9 @@ pub(crate) const UNATTENDED: Duration = Duration::from_micros(200);
 const WAIT_NAP: Duration = Duration::from_micros(200);
 
 /// One round of spinning, while less than `limit` has passed since `since`;
-/// returns whether it spun. Yields the core after [`SPIN_ALONE`] if `crowded`.
+/// returns whether it spun. Yields the core once `pure` has passed.
 /// Under loom a spinner never spins: every wait is a sleep on a bell.
-fn spin_a_little(since: Instant, limit: Duration, crowded: bool) -> bool {
+fn spin_a_little(since: Instant, limit: Duration, pure: Duration) -> bool {
     if cfg!(loom) {
         return false;
     }
@@ -87,7 +98,7 @@ fn spin_a_little(since: Instant, limit: Duration, crowded: bool) -> bool {
     if spent >= limit {
         return false;
     }
-    if crowded && spent >= SPIN_ALONE {
+    if spent >= pure {
         std::thread::yield_now();
     } else {
         std::hint::spin_loop();
@@ -109,6 +120,9 @@ pub(crate) struct Parking {
     shutdown: AtomicBool,
     /// When a wait last returned, in nanoseconds on the caller's clock.
     last_wait_end: AtomicU64,
+    /// Pure spinning before a spinner yields, in nanoseconds, where local
+    /// ranks have a core each ([`SPIN_BEFORE_YIELDING`]).
+    pure_spin: std::sync::atomic::AtomicU64,
     /// What the parked progress thread sleeps on.
     bell: Doorbell,
 }
@@ -154,6 +168,7 @@ impl Parking {
             parked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
             last_wait_end: AtomicU64::new(0),
+            pure_spin: std::sync::atomic::AtomicU64::new(nanos(SPIN_BEFORE_YIELDING)),
             bell: Doorbell::new(),
         }
     }
@@ -182,6 +197,31 @@ impl Parking {
             self.bell.ring();
         }
         Wake::Nobody
+    }
+
+    /// How long a spinner spins before it yields each round.
+    fn pure_spin(&self, crowded: bool) -> Duration {
+        if crowded {
+            return SPIN_ALONE;
+        }
+        Duration::from_nanos(self.pure_spin.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// A spinner's wait of `waited` ended with something to do: the bound on
+    /// pure spinning halves if the wait outlasted it (the answer came only
+    /// once the spinner yielded, or late anyway), and doubles if it did not.
+    /// Only a heuristic: no ordering rests on it.
+    fn spun(&self, waited: Duration) {
+        let pure = self.pure_spin.load(std::sync::atomic::Ordering::Relaxed);
+        let next = if nanos(waited) >= pure {
+            (pure / 2).max(nanos(SPIN_ALONE))
+        } else {
+            pure.saturating_mul(2).min(nanos(SPIN_BEFORE_YIELDING))
+        };
+        if next != pure {
+            self.pure_spin
+                .store(next, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// A caller starts to wait (and to drive).
@@ -292,7 +332,11 @@ pub(crate) trait Driven {
 fn drive_or_spin(driven: &impl Driven, idle_since: &mut Option<Instant>, spin: Duration) -> bool {
     match driven.try_drive() {
         Drove::Moved => {
-            *idle_since = None;
+            if let Some(since) = idle_since.take()
+                && !cfg!(loom)
+            {
+                driven.parking().spun(since.elapsed());
+            }
             true
         }
         Drove::Busy => {
@@ -307,7 +351,7 @@ fn drive_or_spin(driven: &impl Driven, idle_since: &mut Option<Instant>, spin: D
         }
         Drove::Idle => {
             let since = *idle_since.get_or_insert_with(Instant::now);
-            spin_a_little(since, spin, driven.crowded())
+            spin_a_little(since, spin, driven.parking().pure_spin(driven.crowded()))
         }
     }
 }
@@ -367,4 +411,53 @@ pub(crate) fn wait_driving(
     driven.spinner_leaves();
     parking.leave_wait(driven.now());
     result
+}
+
+/// `d` in nanoseconds, saturated.
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pure_spinning_shrinks_after_long_waits_and_grows_back_after_short_ones() {
+        let p = Parking::new();
+        assert_eq!(p.pure_spin(false), SPIN_BEFORE_YIELDING);
+        assert_eq!(p.pure_spin(true), SPIN_ALONE, "crowded: always short");
+        // Answers that come only after a yield (two ranks on one core).
+        for _ in 0..10 {
+            p.spun(SPIN_BEFORE_YIELDING * 2);
+        }
+        assert_eq!(p.pure_spin(false), SPIN_ALONE, "never below SPIN_ALONE");
+        p.spun(Duration::from_micros(3));
+        assert_eq!(
+            p.pure_spin(false),
+            SPIN_ALONE,
+            "a wait as long as the bound halves it"
+        );
+        // Answers within the pure spin (a core each).
+        for _ in 0..10 {
+            p.spun(Duration::from_nanos(500));
+        }
+        assert_eq!(
+            p.pure_spin(false),
+            SPIN_BEFORE_YIELDING,
+            "never above the bound"
+        );
+        p.spun(Duration::from_micros(12));
+        assert_eq!(
+            p.pure_spin(false),
+            SPIN_BEFORE_YIELDING,
+            "a shorter wait keeps it"
+        );
+        p.spun(SPIN_BEFORE_YIELDING);
+        assert_eq!(
+            p.pure_spin(false),
+            SPIN_BEFORE_YIELDING / 2,
+            "one as long halves it"
+        );
+    }
 }
