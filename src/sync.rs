@@ -10,7 +10,8 @@
 //! memory shared with other processes (the machine's segment: loom can neither
 //! model another process nor place its atomics in a mapping), bytes the engine uses
 //! as a tensor, and the rendezvous store's server (a network service outside the
-//! models). The protocol over the segment's counters is modelled instead through
+//! models), and the progress thread's bound on pure spinning (a heuristic no
+//! ordering rests on). The protocol over the segment's counters is modelled instead through
 //! [`crate::local::protocol`], which reaches its counters through a trait that the
 //! loom model implements with loom's atomics.
 

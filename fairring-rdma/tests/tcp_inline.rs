@@ -271,8 +271,8 @@ fn arrivals_reach_a_sleeping_caller_after_inline_reads_stop() {
 /// A large write leaves partly from the posting thread and partly from a thread
 /// that spins (`progress` writes what the socket takes), while the I/O thread
 /// naps; when the spinner stops, with `spin_ends` (to sleep), `spinner_leaves`
-/// (back to its caller) or simply by leaving (the nap then ends at the
-/// timers' tick), what it left unsent is the I/O thread's: every byte lands,
+/// (back to its caller) or simply by leaving (the nap then ends once its
+/// last inline read is a window old), what it left unsent is the I/O thread's: every byte lands,
 /// whole, and the sender's `Sent` comes, however the hand-over falls.
 #[test]
 fn frames_a_spinner_leaves_unsent_reach_the_peer() {

@@ -496,7 +496,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         what: impl FnOnce() -> String,
     ) -> Result<()> {
         let start = Instant::now();
+        let mut drove = false;
         while !table.try_take(seq) {
+            drove = true;
             if let Some(e) = self.failure() {
                 return Err(Error::Failed { first: Box::new(e) });
             }
@@ -510,7 +512,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 std::thread::yield_now();
             }
         }
-        if self.remote {
+        if drove && self.remote {
             self.links.fabric.spinner_leaves();
         }
         Ok(())

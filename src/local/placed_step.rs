@@ -220,6 +220,10 @@ impl<D: DeviceReach> LocalStep<D::Memory> for PlacedStep<D> {
     }
 
     fn publish_slot(&self, s: &LocalSlice<'_, D::Memory>) {
+        if let Place::Host(t) = D::place(s.tensor) {
+            // A host slice reduced whole published its slot with the reduction.
+            return LocalStep::<Host>::publish_slot(&self.shm, &host(s, t));
+        }
         self.shm
             .protocol
             .publish_slot(&*self.shm.segment, s.buffer, s.number);

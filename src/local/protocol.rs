@@ -116,21 +116,20 @@ impl Protocol {
         slice: u64,
         reduce: impl FnOnce() -> Result<(), E>,
     ) -> Result<bool, E> {
-        if !self.all_reached(c, buffer, slice + 1, Counter::InputReady) {
-            return Ok(false);
+        let ran = self.try_reduce_scatter(c, buffer, slice, reduce)?;
+        if ran {
+            // `SlotFinal` too, so that `laggards` of a later stall reads the
+            // counters as it does for any slice; only `Done` is waited for.
+            c.store(
+                self.rank,
+                buffer,
+                Counter::SlotFinal,
+                slice + 1,
+                Ordering::Release,
+            );
+            self.publish(c, buffer, slice, Counter::Done);
         }
-        reduce()?;
-        // `SlotFinal` too, so that `laggards` of a later stall reads the
-        // counters as it does for any slice; only `Done` is waited for.
-        c.store(
-            self.rank,
-            buffer,
-            Counter::SlotFinal,
-            slice + 1,
-            Ordering::Release,
-        );
-        self.publish(c, buffer, slice, Counter::Done);
-        Ok(true)
+        Ok(ran)
     }
 
     /// Announces that this rank's slot of the slice is final.

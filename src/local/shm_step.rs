@@ -83,7 +83,8 @@ pub(crate) const COPY_BETWEEN_TENSORS_FROM: usize = 64 << 10;
 /// against 3.3-3.5 us, 8 KiB 3.9-4.1 against 3.8-3.9, 16 KiB 5.8-6.6
 /// against 5.3-5.4; 1x3 (more ranks than cores), where each wait can cost a
 /// wake-up: 1 KiB 11.3-11.7 against 19.3-31.9 us, 4 KiB 13.2-13.5 against
-/// 21.2-25.2.
+/// 21.2-25.2. The bound counts bytes read, so that 1x3 slices of 4 KiB fall
+/// under it; 1x2 slices of 8 KiB, a tie, do too.
 pub(crate) const REDUCE_WHOLE_UP_TO: usize = 8 << 10;
 
 /// The local step of processes that share host memory.
@@ -382,8 +383,8 @@ impl LocalStep<Host> for ShmStep {
                 });
         }
         if self.reduces_whole(s) {
-            // Every rank reads every slot of every other's input, and its own
-            // from its buffer.
+            // Every rank reads every slot of every other's input, and the
+            // slots of its own that other ranks own from its buffer.
             return self
                 .protocol
                 .stage_in(&*self.segment, s.buffer, s.number, || {

@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::Result;
 use crate::shm::Doorbell;
-use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence, yield_now};
+use crate::sync::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence, unmodelled, yield_now};
 
 /// How long the progress thread spins before it sleeps.
 pub(crate) const SPIN: Duration = Duration::from_micros(20);
@@ -75,7 +75,11 @@ const SPIN_ALONE: Duration = Duration::from_micros(2);
 /// each, 1x2 4 KiB: 240 us spinning purely, 50 us
 /// yielding after 20 us, 9.4 us adapting (as when the engine counts one
 /// core); on two free cores alike (3.0 against 3.05 us, six alternating
-/// rounds; 64 KiB to 16 MiB within 1%).
+/// rounds; 64 KiB to 16 MiB within 1%). Waits long for other reasons (a slow
+/// peer, the network where no fabric thread makes the job crowded) shrink
+/// the bound too: such a job then yields its core each round after 2 us,
+/// which costs a system call per round and gives the core only to a thread
+/// that can run.
 const SPIN_BEFORE_YIELDING: Duration = Duration::from_micros(20);
 /// How long the progress thread stays parked before it looks again whether a
 /// caller still drives. Timer wake-ups are costly on virtual machines: with
@@ -122,7 +126,7 @@ pub(crate) struct Parking {
     last_wait_end: AtomicU64,
     /// Pure spinning before a spinner yields, in nanoseconds, where local
     /// ranks have a core each ([`SPIN_BEFORE_YIELDING`]).
-    pure_spin: std::sync::atomic::AtomicU64,
+    pure_spin: unmodelled::AtomicU64,
     /// What the parked progress thread sleeps on.
     bell: Doorbell,
 }
@@ -168,7 +172,7 @@ impl Parking {
             parked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
             last_wait_end: AtomicU64::new(0),
-            pure_spin: std::sync::atomic::AtomicU64::new(nanos(SPIN_BEFORE_YIELDING)),
+            pure_spin: unmodelled::AtomicU64::new(nanos(SPIN_BEFORE_YIELDING)),
             bell: Doorbell::new(),
         }
     }
@@ -204,7 +208,7 @@ impl Parking {
         if crowded {
             return SPIN_ALONE;
         }
-        Duration::from_nanos(self.pure_spin.load(std::sync::atomic::Ordering::Relaxed))
+        Duration::from_nanos(self.pure_spin.load(unmodelled::Ordering::Relaxed))
     }
 
     /// A spinner's wait of `waited` ended with something to do: the bound on
@@ -212,15 +216,14 @@ impl Parking {
     /// once the spinner yielded, or late anyway), and doubles if it did not.
     /// Only a heuristic: no ordering rests on it.
     fn spun(&self, waited: Duration) {
-        let pure = self.pure_spin.load(std::sync::atomic::Ordering::Relaxed);
+        let pure = self.pure_spin.load(unmodelled::Ordering::Relaxed);
         let next = if nanos(waited) >= pure {
             (pure / 2).max(nanos(SPIN_ALONE))
         } else {
             pure.saturating_mul(2).min(nanos(SPIN_BEFORE_YIELDING))
         };
         if next != pure {
-            self.pure_spin
-                .store(next, std::sync::atomic::Ordering::Relaxed);
+            self.pure_spin.store(next, unmodelled::Ordering::Relaxed);
         }
     }
 
