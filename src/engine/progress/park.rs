@@ -436,11 +436,7 @@ mod tests {
         }
         assert_eq!(p.pure_spin(false), SPIN_ALONE, "never below SPIN_ALONE");
         p.spun(Duration::from_micros(3));
-        assert_eq!(
-            p.pure_spin(false),
-            SPIN_ALONE,
-            "a wait as long as the bound halves it"
-        );
+        assert_eq!(p.pure_spin(false), SPIN_ALONE, "and stays at the floor");
         // Answers within the pure spin (a core each).
         for _ in 0..10 {
             p.spun(Duration::from_nanos(500));
