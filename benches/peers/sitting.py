@@ -11,7 +11,10 @@ default is 4 KiB to 256 MiB by 16.
 
 Each round runs every system once per layout, in turn (so a drift of the machine
 reaches them all alike). Each run is the system's own table (the median over its
-iterations of the slowest rank's time; sizes below `--large` take `--iters`
+iterations of the slowest rank's time, every call after a barrier: the peers'
+benches time so, and fairring-bench does by default; a build older than its
+`--barrier` flag times calls back to back, which at small sizes adds the ranks'
+skew to each call, so its small cells do not compare; sizes below `--large` take `--iters`
 iterations, larger ones `--large-iters`, in a second invocation); a cell shows the median over runs of the
 busbw in GB/s, or at 4 KiB and below the time in us, with the fastest and
 slowest runs beside it, and `spread`, the slowest run's time over the median

@@ -14,6 +14,9 @@ pub(crate) struct Options {
     pub(crate) dtype: DataType,
     pub(crate) op: ReduceOp,
     pub(crate) check: bool,
+    /// `--barrier` (the default): a barrier before each timed call, as the
+    /// peers' benches time theirs; `--no-barrier` times calls back to back.
+    pub(crate) barrier: bool,
     pub(crate) parallel: usize,
     pub(crate) json: Option<String>,
     pub(crate) plot: Option<String>,
@@ -127,7 +130,7 @@ pub(crate) fn usage(error: &str) -> ! {
         "usage: fairring-bench [--local MxD] [--min-bytes N] [--max-bytes N] [--factor F] \
          [--iters N] [--warmup N] [--algo auto|hierarchical|ring|doubling|all] \
          [--collective all_reduce|broadcast|all_gather|reduce_scatter|reduce|gather|scatter|send_recv|all_to_all] \
-         [--wire exact|bf16|f16] [--device host|cuda] [--dtype T] [--op OP] [--check|--no-check] [--parallel N] [--servers K] [--gradients N] \
+         [--wire exact|bf16|f16] [--device host|cuda] [--dtype T] [--op OP] [--check|--no-check] [--barrier|--no-barrier] [--parallel N] [--servers K] [--gradients N] \
          [--gradient-max N] [--json PATH] \
          [--plot PATH]\n       \
          fairring-bench model --help"
@@ -171,6 +174,7 @@ pub(crate) fn parse(args: &[String]) -> Options {
         dtype: DataType::F32,
         op: ReduceOp::Sum,
         check: true,
+        barrier: true,
         parallel: 1,
         json: None,
         plot: None,
@@ -234,6 +238,8 @@ pub(crate) fn parse(args: &[String]) -> Options {
             }
             "--check" => o.check = true,
             "--no-check" => o.check = false,
+            "--barrier" => o.barrier = true,
+            "--no-barrier" => o.barrier = false,
             "--parallel" => o.parallel = number(&value(), flag),
             "--json" => o.json = Some(value()),
             "--plot" => o.plot = Some(value()),

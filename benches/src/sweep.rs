@@ -98,7 +98,7 @@ pub(crate) fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Res
     if rank == 0 {
         let t = comm.topology();
         println!(
-            "# fairring-bench {}{}: {} machines x {} ranks, {} staging buffers of slices up to {} bytes, {} x {} in flight",
+            "# fairring-bench {}{}: {} machines x {} ranks, {} staging buffers of slices up to {} bytes, {} x {} in flight, {}",
             o.collective.name(),
             if o.device { " on GPU tensors" } else { "" },
             t.machines(),
@@ -106,7 +106,12 @@ pub(crate) fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Res
             comm.staging_buffers(),
             comm.slice_bytes(),
             o.parallel,
-            T::DTYPE
+            T::DTYPE,
+            if o.barrier {
+                "a barrier before each timed call"
+            } else {
+                "calls timed back to back"
+            }
         );
         println!(
             "{:>12} {:>12} {:>6} {:>7} {:>13} {:>10} {:>9} {:>9} {:>7} {:>12} {:>12}",
@@ -197,6 +202,11 @@ pub(crate) fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Res
         }
         let mut timings = vec![vec![0f64; o.iters]; o.algorithms.len()];
         let mut moved = vec![fairring::Traffic::default(); o.algorithms.len()];
+        let per_barrier = if o.barrier {
+            barrier_traffic(comm)?
+        } else {
+            fairring::Traffic::default()
+        };
         let rounds = ROUNDS.min(o.iters);
         for round in 0..rounds {
             let iters = (round * o.iters / rounds)..((round + 1) * o.iters / rounds);
@@ -209,13 +219,19 @@ pub(crate) fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Res
                 let algorithm = o.algorithms[a];
                 let before = comm.traffic();
                 for i in iters.clone() {
+                    if o.barrier {
+                        comm.barrier()?;
+                    }
                     let start = Instant::now();
                     timed(algorithm, &mut device, &mut bufs, &mut parts)?;
                     timings[a][i] = start.elapsed().as_secs_f64() / o.collective.legs();
                 }
                 let after = comm.traffic();
-                moved[a].sent_bytes += after.sent_bytes - before.sent_bytes;
-                moved[a].received_bytes += after.received_bytes - before.received_bytes;
+                let barriers = if o.barrier { iters.len() as u64 } else { 0 };
+                moved[a].sent_bytes += (after.sent_bytes - before.sent_bytes)
+                    .saturating_sub(barriers * per_barrier.sent_bytes);
+                moved[a].received_bytes += (after.received_bytes - before.received_bytes)
+                    .saturating_sub(barriers * per_barrier.received_bytes);
             }
         }
         for (((&algorithm, mut times), wrong), moved) in
@@ -348,6 +364,9 @@ pub(crate) fn gradients(comm: &Communicator, o: &Options) -> fairring::Result<u6
         }
         for way in order {
             for i in iters.clone() {
+                if o.barrier {
+                    comm.barrier()?;
+                }
                 let start = Instant::now();
                 run(&mut tensors, way)?;
                 timings[way][i] = start.elapsed().as_secs_f64();
@@ -356,11 +375,16 @@ pub(crate) fn gradients(comm: &Communicator, o: &Options) -> fairring::Result<u6
     }
     if rank == 0 {
         println!(
-            "# fairring-bench: {} machines x {} ranks, {} servers: {} f32 tensors, {total} bytes in all",
+            "# fairring-bench: {} machines x {} ranks, {} servers: {} f32 tensors, {total} bytes in all, {}",
             comm.topology().machines(),
             comm.topology().devices_per_machine(),
             comm.servers(),
-            sizes.len()
+            sizes.len(),
+            if o.barrier {
+                "a barrier before each timed call"
+            } else {
+                "calls timed back to back"
+            }
         );
         println!(
             "{:>12} {:>12} {:>10} {:>9} {:>9}",
@@ -486,4 +510,23 @@ fn all_to_all<T: Value>(
         messages.push(unsafe { comm.post_all_to_all(input, &counts, output, &counts, T::DTYPE) }?);
     }
     messages.into_iter().try_for_each(fairring::Work::wait)
+}
+
+/// What one barrier moves, from a run of them alone: the same every time (one
+/// algorithm for its one byte), so the timed calls' columns leave it out. A
+/// landing is counted once taken, which may be in the next call: the average
+/// is rounded to the nearest byte.
+fn barrier_traffic(comm: &Communicator) -> fairring::Result<fairring::Traffic> {
+    const BARRIERS: u64 = 16;
+    let before = comm.traffic();
+    for _ in 0..BARRIERS {
+        comm.barrier()?;
+    }
+    let after = comm.traffic();
+    let per = |a: u64, b: u64| (a - b + BARRIERS / 2) / BARRIERS;
+    Ok(fairring::Traffic {
+        sent_bytes: per(after.sent_bytes, before.sent_bytes),
+        received_bytes: per(after.received_bytes, before.received_bytes),
+        received_in_place_bytes: 0,
+    })
 }

@@ -251,3 +251,49 @@ fn averages_are_checked_for_every_algorithm() {
         assert_eq!(row["wrong"], 0, "{row}");
     }
 }
+
+#[test]
+fn calls_are_timed_after_a_barrier_or_back_to_back_and_count_only_their_own_bytes() {
+    let dir = std::env::temp_dir().join(format!("fairring-bench-barrier-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary folder");
+    for (flag, header) in [
+        ("--barrier", "a barrier before each timed call"),
+        ("--no-barrier", "calls timed back to back"),
+    ] {
+        let json = dir.join(format!("{flag}.json"));
+        let json_arg = json.to_string_lossy().into_owned();
+        // Two machines of one rank: every byte crosses the fabric and is
+        // counted, the barriers' too; recursive doubling sends and receives
+        // the whole tensor once per call.
+        let (ok, text) = bench(&[
+            "--local",
+            "2x1",
+            "--algo",
+            "doubling",
+            "--min-bytes",
+            "4K",
+            "--max-bytes",
+            "64K",
+            "--factor",
+            "16",
+            "--iters",
+            "24",
+            flag,
+            "--json",
+            &json_arg,
+        ]);
+        assert!(ok, "{flag}:\n{text}");
+        assert!(
+            text.contains(header),
+            "{flag}: the header names how calls are timed:\n{text}"
+        );
+        let rows = json_rows(&json);
+        assert_eq!(rows.len(), 2, "{flag}: 4K and 64K");
+        for row in rows {
+            assert_eq!(row["wrong"], 0, "{flag}: {row}");
+            assert_eq!(row["sent_bytes_per_op"], row["bytes"], "{flag}: {row}");
+            assert_eq!(row["received_bytes_per_op"], row["bytes"], "{flag}: {row}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
