@@ -165,6 +165,9 @@ pub(crate) fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Res
         // while a block keeps each algorithm's steady state (a small all-reduce
         // right after a different algorithm's pays for the switch).
         let mut wrongs = Vec::with_capacity(o.algorithms.len());
+        let mut warm_traffic = Vec::with_capacity(o.algorithms.len());
+        // At least one warm-up call where it counts the traffic.
+        let warmup = if o.barrier { o.warmup.max(1) } else { o.warmup };
         for &algorithm in &o.algorithms {
             // Check one iteration against the exactly known result.
             let mut wrong = 0u64;
@@ -196,17 +199,24 @@ pub(crate) fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Res
                 wrong = u64::try_from(w[0]).unwrap_or(u64::MAX);
             }
             wrongs.push(wrong);
-            for _ in 0..o.warmup {
+            // Timed after barriers, the calls' bytes are counted here, back to
+            // back: a barrier moves bytes too, and a landing counts once
+            // taken, which may be after its call returned.
+            let before = comm.traffic();
+            for _ in 0..warmup {
                 timed(algorithm, &mut device, &mut bufs, &mut parts)?;
+            }
+            let after = comm.traffic();
+            if o.barrier {
+                warm_traffic.push(fairring::Traffic {
+                    sent_bytes: after.sent_bytes - before.sent_bytes,
+                    received_bytes: after.received_bytes - before.received_bytes,
+                    received_in_place_bytes: 0,
+                });
             }
         }
         let mut timings = vec![vec![0f64; o.iters]; o.algorithms.len()];
         let mut moved = vec![fairring::Traffic::default(); o.algorithms.len()];
-        let per_barrier = if o.barrier {
-            barrier_traffic(comm)?
-        } else {
-            fairring::Traffic::default()
-        };
         let rounds = ROUNDS.min(o.iters);
         for round in 0..rounds {
             let iters = (round * o.iters / rounds)..((round + 1) * o.iters / rounds);
@@ -227,20 +237,23 @@ pub(crate) fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Res
                     timings[a][i] = start.elapsed().as_secs_f64() / o.collective.legs();
                 }
                 let after = comm.traffic();
-                let barriers = if o.barrier { iters.len() as u64 } else { 0 };
-                moved[a].sent_bytes += (after.sent_bytes - before.sent_bytes)
-                    .saturating_sub(barriers * per_barrier.sent_bytes);
-                moved[a].received_bytes += (after.received_bytes - before.received_bytes)
-                    .saturating_sub(barriers * per_barrier.received_bytes);
+                moved[a].sent_bytes += after.sent_bytes - before.sent_bytes;
+                moved[a].received_bytes += after.received_bytes - before.received_bytes;
             }
         }
+        let counted_calls = if o.barrier {
+            moved = warm_traffic;
+            warmup
+        } else {
+            o.iters
+        };
         for (((&algorithm, mut times), wrong), moved) in
             o.algorithms.iter().zip(timings).zip(wrongs).zip(moved)
         {
             // The slowest rank's time, iteration by iteration.
             comm.all_reduce(&mut times, ReduceOp::Max)?;
             // The busiest rank's bytes per all-reduce.
-            let ops = (o.iters * o.parallel) as u64;
+            let ops = (counted_calls * o.parallel) as u64;
             let per_rank = [moved.sent_bytes / ops, moved.received_bytes / ops];
             let mut per_op = per_rank.map(|b| i64::try_from(b).unwrap_or(i64::MAX));
             comm.all_reduce(&mut per_op, ReduceOp::Max)?;
@@ -510,23 +523,4 @@ fn all_to_all<T: Value>(
         messages.push(unsafe { comm.post_all_to_all(input, &counts, output, &counts, T::DTYPE) }?);
     }
     messages.into_iter().try_for_each(fairring::Work::wait)
-}
-
-/// What one barrier moves, from a run of them alone: the same every time (one
-/// algorithm for its one byte), so the timed calls' columns leave it out. A
-/// landing is counted once taken, which may be in the next call: the average
-/// is rounded to the nearest byte.
-fn barrier_traffic(comm: &Communicator) -> fairring::Result<fairring::Traffic> {
-    const BARRIERS: u64 = 16;
-    let before = comm.traffic();
-    for _ in 0..BARRIERS {
-        comm.barrier()?;
-    }
-    let after = comm.traffic();
-    let per = |a: u64, b: u64| (a - b + BARRIERS / 2) / BARRIERS;
-    Ok(fairring::Traffic {
-        sent_bytes: per(after.sent_bytes, before.sent_bytes),
-        received_bytes: per(after.received_bytes, before.received_bytes),
-        received_in_place_bytes: 0,
-    })
 }
