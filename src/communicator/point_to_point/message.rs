@@ -2,7 +2,8 @@
 //! before the engine has it ([`Posted`]); and the [`Pool`] that recycles
 //! both, so that a warm message allocates nothing.
 
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::communicator::WorkerEngine;
@@ -40,6 +41,10 @@ impl Posts {
 pub(crate) struct Posted {
     state: Mutex<Phase>,
     changed: Condvar,
+    /// Threads waiting on `changed`, read and written only under `state`'s
+    /// lock (which orders them): a change wakes them only if there are
+    /// any, sparing a message that nobody waits on to start a system call.
+    waiting: AtomicU32,
     /// How long a wait may take: the communicator's timeout.
     timeout: Duration,
     /// The peer, whether this rank sends to it (else receives from it), and
@@ -98,6 +103,7 @@ impl Pool {
         let fresh = Posted {
             state: Mutex::new(Phase::Queued),
             changed: Condvar::new(),
+            waiting: AtomicU32::new(0),
             timeout,
             peer,
             sending,
@@ -190,7 +196,7 @@ impl Posted {
             Ok((engine, id)) => Phase::Started(engine, id),
             Err(e) => Phase::Failed(e),
         };
-        self.changed.notify_all();
+        self.wake_waiters();
     }
 
     /// Once started, waits for the message to finish (up to the timeout;
@@ -241,7 +247,38 @@ impl Posted {
             Ok(()) => Phase::Finished,
             Err(e) => Phase::Failed(e),
         };
-        self.changed.notify_all();
+        self.wake_waiters();
+    }
+
+    /// Wakes the threads waiting for a change; called under `state`'s lock.
+    fn wake_waiters(&self) {
+        if self.waiting.load(Ordering::Relaxed) > 0 {
+            self.changed.notify_all();
+        }
+    }
+
+    /// Waits on `changed` with `state`'s lock held by `guard`, for at most
+    /// `timeout`, counted among the waiters meanwhile.
+    fn wait_for_change<'a>(
+        &self,
+        guard: MutexGuard<'a, Phase>,
+        timeout: Option<Duration>,
+    ) -> MutexGuard<'a, Phase> {
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let guard = match timeout {
+            Some(t) => {
+                self.changed
+                    .wait_timeout(guard, t)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0
+            }
+            None => self
+                .changed
+                .wait(guard)
+                .unwrap_or_else(PoisonError::into_inner),
+        };
+        self.waiting.fetch_sub(1, Ordering::Relaxed);
+        guard
     }
 
     /// Waits up to `timeout` for it to start and, from then, up to `timeout`
@@ -278,11 +315,7 @@ impl Posted {
                 None => return None,
                 Some(d) => {
                     let left = d.checked_duration_since(Instant::now())?;
-                    state = self
-                        .changed
-                        .wait_timeout(state, left)
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .0;
+                    state = self.wait_for_change(state, Some(left));
                 }
             }
         }
@@ -292,10 +325,7 @@ impl Posted {
     fn wait_started(&self) {
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         while matches!(*state, Phase::Queued) {
-            state = self
-                .changed
-                .wait(state)
-                .unwrap_or_else(PoisonError::into_inner);
+            state = self.wait_for_change(state, None);
         }
     }
 }
