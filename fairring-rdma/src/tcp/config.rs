@@ -101,6 +101,15 @@ pub struct TcpConfig {
     pub send_queue_depth: usize,
     /// Most completions waiting to be polled. Default 65536.
     pub completion_capacity: usize,
+    /// Bytes of kernel receive buffer asked for each connection
+    /// (`SO_RCVBUF`), where the kernel allows that much
+    /// (`net.core.rmem_max`); 0, or a lower limit, leaves the buffer to the
+    /// kernel's autotuning. Default 4 MiB. 2x1 tcp all-reduces on two cores,
+    /// six alternating rounds of 40, median [slowest-fastest] busbw in GB/s,
+    /// autotuning against 4 MiB: 1 MiB 4.26 [1.14-4.34] against 4.31
+    /// [4.08-4.63]; 4 MiB 2.39 against 2.44; 16 MiB 2.03 against 2.13. (A
+    /// buffer of 1 MiB lost at 16 MiB: 1.58.)
+    pub receive_buffer: usize,
 }
 
 impl TcpConfig {
@@ -126,6 +135,7 @@ impl TcpConfig {
             max_pending_handshakes: 128,
             send_queue_depth: 1024,
             completion_capacity: 1 << 16,
+            receive_buffer: 4 << 20,
         }
     }
 

@@ -30,7 +30,7 @@ use super::quiet::Quiet;
 use super::receiver::Receiver;
 use super::regions::RegionTable;
 use super::sender::{SendOp, Sender};
-use super::socket::{NoSigPipe, discard_incoming, unacknowledged};
+use super::socket::{self, NoSigPipe, discard_incoming, unacknowledged};
 use crate::fabric::{Completion, CompletionEvent, CompletionQueue, PeerFailure, Refusal};
 
 /// Bytes read from one connection before the loop turns to the others.

@@ -348,6 +348,7 @@ impl TcpFabric {
             by_peer: failure.by_peer,
         };
         stream.set_nodelay(true).map_err(io_error)?;
+        socket::ask_receive_buffer(&stream, config.receive_buffer);
         let handshake_deadline = Instant::now() + config.handshake_timeout;
         let mut nonce = [0; 32];
         getrandom::fill(&mut nonce).map_err(|e| {

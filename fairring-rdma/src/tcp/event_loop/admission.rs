@@ -30,6 +30,7 @@ impl EventLoop {
                 continue;
             };
             let _ = stream.set_nodelay(true);
+            socket::ask_receive_buffer(&stream, self.shared.config.receive_buffer);
             let token = Self::pending_token(slot);
             if let Err(e) = self.poll.registry().register(
                 &mut stream,
