@@ -16,8 +16,9 @@ benches time so, and fairring-bench does by default; a build older than its
 `--barrier` flag times calls back to back, which at small sizes adds the ranks'
 skew to each call, so its small cells do not compare; sizes below `--large` take `--iters`
 iterations, larger ones `--large-iters`, in a second invocation); a cell shows the median over runs of the
-busbw in GB/s, or at 4 KiB and below the time in us, with the fastest and
-slowest runs beside it, and `spread`, the slowest run's time over the median
+busbw in GB/s, or at 4 KiB and below the time in us, with the range over the
+runs beside it (lowest to highest value: fastest to slowest for a time,
+slowest to fastest for a busbw), and `spread`, the slowest run's time over the median
 run's. The peers, per layout:
 
 - `1x2`: OpenMPI over shared memory (vader), 2 ranks; gloo, 2 ranks;
@@ -70,7 +71,7 @@ def run(cmd, timeout):
 
 
 def cell(values, size):
-    """The cell's text: busbw (time at 4 KiB and below), median [fastest-slowest]."""
+    """The cell's text: busbw (time at 4 KiB and below), median [lowest-highest]."""
     times = sorted(t for t, _ in values)
     med_t = statistics.median(times)
     spread = times[-1] / med_t if med_t > 0 else float("nan")
@@ -168,7 +169,7 @@ def main():
     print(f"# all-reduce, f32 sum, {a.rounds} runs per cell ({a.iters} iterations after "
           f"{a.warmup} below {fmt(a.large)}, {a.large_iters} after {a.large_warmup} from it), "
           f"{os.cpu_count()} CPUs; "
-          "busbw GB/s (time at 4 KiB and below), median [fastest-slowest] xslowest/median time")
+          "busbw GB/s (time at 4 KiB and below), median [lowest-highest] xslowest/median time")
     for layout, cmds in systems.items():
         print(f"\n## {layout}\n")
         print("| system | " + " | ".join(fmt(s) for s in a.sizes) + " |")

@@ -6,7 +6,8 @@
 //!                [--collective all_reduce|broadcast|all_gather|reduce_scatter|reduce|gather|scatter|send_recv|all_to_all]
 //!                [--wire exact|bf16|f16] [--device host|cuda]
 //!                [--dtype f32|f64|f16|bf16|i32|i64|u8|i8] [--op sum|prod|min|max|avg]
-//!                [--check|--no-check] [--parallel N] [--servers K] [--json PATH]
+//!                [--check|--no-check] [--barrier|--no-barrier] [--parallel N]
+//!                [--servers K] [--json PATH]
 //!                [--plot PATH]
 //! fairring-bench model ...   (the scale model: see `model_command.rs`)
 //! ```
@@ -18,7 +19,10 @@
 //! prints one row per size and algorithm:
 //!
 //! - `time`: median over iterations of the slowest rank's time for one iteration
-//!   (one iteration is `--parallel` all-reduces in flight at once);
+//!   (one iteration is `--parallel` all-reduces in flight at once), each after a
+//!   barrier, as OpenMPI's and gloo's benches in `../shared/peers` time theirs
+//!   (`--no-barrier`: back to back, where a call also carries the ranks' skew
+//!   from the one before);
 //! - `algbw` = bytes x parallel / time; `busbw` = algbw x 2(n-1)/n for an
 //!   all-reduce, algbw for a broadcast and a reduce, algbw x (n-1)/n for an
 //!   all-gather, a reduce-scatter, a gather and a scatter (nccl-tests' factors;
@@ -27,7 +31,10 @@
 //! - `#wrong`: elements that differ from the exactly known result, summed over
 //!   ranks (inputs are small integers, so every order of summation is exact);
 //! - `sent/op`, `recv/op`: data bytes the busiest rank's fabric wrote and
-//!   received per all-reduce, counted by the fabric over the timed iterations.
+//!   received per all-reduce, counted by the fabric over the timed iterations
+//!   (after barriers: over the warm-up calls, at least one, which run back to
+//!   back, so that no barrier's bytes are counted). A send counts when posted; a
+//!   landing when taken, which may fall in a later call.
 //!
 //! `--collective` times a broadcast (from rank 0), an all-gather, a
 //! reduce-scatter, or a reduce, a gather (both to rank 0) or a scatter (from

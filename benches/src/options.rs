@@ -15,7 +15,8 @@ pub(crate) struct Options {
     pub(crate) op: ReduceOp,
     pub(crate) check: bool,
     /// `--barrier` (the default): a barrier before each timed call, as the
-    /// peers' benches time theirs; `--no-barrier` times calls back to back.
+    /// peers' benches time theirs (the traffic columns then come from the
+    /// warm-up, at least one call); `--no-barrier` times calls back to back.
     pub(crate) barrier: bool,
     pub(crate) parallel: usize,
     pub(crate) json: Option<String>,

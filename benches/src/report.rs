@@ -33,6 +33,7 @@ pub(crate) fn write_json(
                 "op": o.op.name(),
                 "algo": r.algorithm.name(),
                 "time_us": r.time_us,
+                "timed_after_barrier": o.barrier,
                 "algbw_gbps": r.algbw,
                 "busbw_gbps": r.busbw,
                 "wrong": r.wrong,

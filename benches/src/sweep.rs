@@ -237,8 +237,10 @@ pub(crate) fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Res
                     timings[a][i] = start.elapsed().as_secs_f64() / o.collective.legs();
                 }
                 let after = comm.traffic();
-                moved[a].sent_bytes += after.sent_bytes - before.sent_bytes;
-                moved[a].received_bytes += after.received_bytes - before.received_bytes;
+                if !o.barrier {
+                    moved[a].sent_bytes += after.sent_bytes - before.sent_bytes;
+                    moved[a].received_bytes += after.received_bytes - before.received_bytes;
+                }
             }
         }
         let counted_calls = if o.barrier {

@@ -23,7 +23,7 @@ Each round runs, in an order that alternates between rounds, every entry:
 
 Every one times each all-reduce (sum, float32, in place) on every rank, back
 to back after a warm-up, takes the slowest rank's time per iteration and
-reports the median, as ``fairring-bench`` does. Machines are simulated on
+reports the median, as ``fairring-bench --no-barrier`` does. Machines are simulated on
 one host as the bench simulates them (``FAIRRING_HOST_ID``; gloo always runs
 over loopback TCP). The table gives, per entry, layout and size, the median
 over rounds and the range, and each entry's ratio to ``rust``.
@@ -141,7 +141,7 @@ def run_rust(layout, a):
             subprocess.run(
                 [a.bench, "--local", f"{machines}x{devices}", "--min-bytes", str(nbytes),
                  "--max-bytes", str(nbytes), "--iters", str(a.iters), "--warmup",
-                 str(a.warmup), "--json", out],
+                 str(a.warmup), "--no-barrier", "--json", out],
                 check=True, stdout=subprocess.DEVNULL, timeout=600,
             )
             with open(out) as f:
