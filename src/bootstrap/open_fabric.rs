@@ -56,6 +56,8 @@ fn tcp(config: &Config) -> Result<AnyFabric> {
     // name through its silence before the engine's own stall timeout fires.
     .with_silence_timeout(config.timeout / 2);
     tcp.connect_timeout = config.timeout;
+    // At most `i32::MAX`: checked when the configuration was built.
+    tcp.receive_buffer = usize::try_from(config.tcp_receive_buffer).unwrap_or(0);
     Ok(AnyFabric::Tcp(TcpFabric::new(tcp)?))
 }
 

@@ -149,6 +149,9 @@ impl Config {
                 _ => Some(parse_bytes("FAIRRING_DIRECT_FROM", &v)?),
             };
         }
+        if let Some(v) = lookup("FAIRRING_TCP_RECEIVE_BUFFER") {
+            b.config.tcp_receive_buffer = parse_bytes("FAIRRING_TCP_RECEIVE_BUFFER", &v)?;
+        }
         if let Some(v) = lookup("FAIRRING_SOCKET_IFNAME") {
             if v.trim().is_empty() {
                 return Err(Error::config("FAIRRING_SOCKET_IFNAME", &v, "empty"));

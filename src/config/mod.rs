@@ -114,6 +114,15 @@ pub const DEFAULT_TOTAL_MEMORY: u64 = 50 << 20;
 /// its tensor where it may (`FAIRRING_DIRECT_FROM`).
 pub const DEFAULT_DIRECT_FROM: u64 = 256 << 10;
 
+/// The kernel receive buffer asked for each tcp connection by default
+/// (`FAIRRING_TCP_RECEIVE_BUFFER`; see `fairring_rdma::tcp::TcpConfig`'s
+/// `receive_buffer`).
+pub const DEFAULT_TCP_RECEIVE_BUFFER: u64 = 4 << 20;
+
+/// The largest receive buffer that may be asked for: `SO_RCVBUF` takes an
+/// `int`.
+const MAX_TCP_RECEIVE_BUFFER: u64 = i32::MAX as u64;
+
 /// Default bound on rendezvous and on a silent peer.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -133,6 +142,9 @@ pub struct Config {
     /// The size from which an all-reduce may send from its tensor (`None`:
     /// never).
     pub(crate) direct_from: Option<u64>,
+    /// Bytes of kernel receive buffer asked for each tcp connection (0: the
+    /// kernel's autotuning).
+    pub(crate) tcp_receive_buffer: u64,
     pub(crate) socket_ifname: Option<String>,
     pub(crate) timeout: Duration,
     pub(crate) secret: JobSecret,
@@ -197,6 +209,7 @@ impl Config {
                 slice_bytes: None,
                 min_shard_bytes: fairring_core::plan::PlanConfig::DEFAULT_MIN_SHARD_BYTES,
                 direct_from: Some(DEFAULT_DIRECT_FROM),
+                tcp_receive_buffer: DEFAULT_TCP_RECEIVE_BUFFER,
                 socket_ifname: None,
                 timeout: DEFAULT_TIMEOUT,
                 algorithm: Algorithm::Auto,
@@ -334,6 +347,17 @@ impl ConfigBuilder {
     /// each (a message's sender); `None`: always stage.
     pub fn direct_from(mut self, bytes: Option<u64>) -> Self {
         self.config.direct_from = bytes;
+        self
+    }
+
+    /// Bytes of kernel receive buffer the tcp fabric asks for each connection
+    /// (`SO_RCVBUF`), where the kernel allows that much (`net.core.rmem_max`;
+    /// elsewhere, and for 0, the kernel's autotuning stays). A fixed buffer
+    /// replaces autotuning, whose ceiling (`net.ipv4.tcp_rmem`'s third field)
+    /// may be higher: give 0 for links whose bandwidth-delay product exceeds
+    /// the buffer.
+    pub fn tcp_receive_buffer(mut self, bytes: u64) -> Self {
+        self.config.tcp_receive_buffer = bytes;
         self
     }
 
@@ -501,6 +525,13 @@ impl ConfigBuilder {
                 "FAIRRING_MIN_SHARD_SIZE",
                 self.config.min_shard_bytes,
                 format!("must be between {floor} and {max_slice} bytes"),
+            ));
+        }
+        if self.config.tcp_receive_buffer > MAX_TCP_RECEIVE_BUFFER {
+            return Err(Error::config(
+                "FAIRRING_TCP_RECEIVE_BUFFER",
+                self.config.tcp_receive_buffer,
+                format!("must be at most {MAX_TCP_RECEIVE_BUFFER} bytes (a socket option's int)"),
             ));
         }
         if self.config.total_memory < 1 << 20 {

@@ -54,6 +54,23 @@ fn sending_from_tensors_starts_at_a_size_or_never() {
 }
 
 #[test]
+fn the_tcp_receive_buffer_is_a_size_or_the_kernels_autotuning() {
+    let asked =
+        |pairs: &[(&str, &str)]| Config::from_lookup(env(pairs)).unwrap().tcp_receive_buffer;
+    assert_eq!(asked(&[]), DEFAULT_TCP_RECEIVE_BUFFER);
+    assert_eq!(asked(&[("FAIRRING_TCP_RECEIVE_BUFFER", "1M")]), 1 << 20);
+    assert_eq!(asked(&[("FAIRRING_TCP_RECEIVE_BUFFER", "0")]), 0);
+    refused(
+        &[("FAIRRING_TCP_RECEIVE_BUFFER", "2G")],
+        "FAIRRING_TCP_RECEIVE_BUFFER",
+    );
+    refused(
+        &[("FAIRRING_TCP_RECEIVE_BUFFER", "lots")],
+        "FAIRRING_TCP_RECEIVE_BUFFER",
+    );
+}
+
+#[test]
 fn the_wire_format_is_named_and_refused_with_dedicated_servers() {
     assert_eq!(
         Config::from_lookup(env(&[])).unwrap().wire(),

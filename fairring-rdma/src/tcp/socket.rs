@@ -22,10 +22,13 @@ fn fd_of(socket: &impl AsRawFd) -> RawFd {
 const INT_LEN: libc::socklen_t = size_of::<libc::c_int>() as libc::socklen_t;
 
 /// Asks the kernel for a receive buffer of `bytes` on `socket` (`SO_RCVBUF`),
-/// where it allows that much (`net.core.rmem_max`); otherwise, and for 0,
-/// leaves the buffer to the kernel's autotuning, which a fixed buffer
-/// replaces for the connection's life: a smaller one than autotuning reaches
-/// would cap what a connection carries. Returns whether it asked.
+/// where it allows that much (`net.core.rmem_max`: above it the kernel would
+/// cut the ask down, on a stock kernel to about 200 KiB, far below what
+/// autotuning reaches); otherwise, and for 0, leaves the buffer to the
+/// kernel's autotuning. A fixed buffer replaces autotuning for the
+/// connection's life, whose ceiling (`net.ipv4.tcp_rmem`'s third field) may
+/// be higher: a link whose bandwidth-delay product exceeds the buffer wants
+/// 0. Returns whether it asked.
 ///
 /// Autotuning grows a buffer as the application reads; on two cores, where
 /// the reader is a spinning rank that shares its core, it does not always
