@@ -106,11 +106,13 @@ pub struct TcpConfig {
     /// (`net.core.rmem_max`); 0, or a lower limit (a stock kernel's), leaves
     /// the buffer to the kernel's autotuning. A fixed buffer replaces
     /// autotuning, whose ceiling may be higher: give 0 for a link whose
-    /// bandwidth-delay product exceeds it. Default 4 MiB. 2x1 tcp all-reduces on two cores,
-    /// six alternating rounds of 40, median [slowest-fastest] busbw in GB/s,
-    /// autotuning against 4 MiB: 1 MiB 4.26 [1.14-4.34] against 4.31
-    /// [4.08-4.63]; 4 MiB 2.39 against 2.44; 16 MiB 2.03 against 2.13. (A
-    /// buffer of 1 MiB lost at 16 MiB: 1.58.)
+    /// bandwidth-delay product exceeds it. Default 4 MiB.
+    ///
+    /// 2x1 tcp all-reduces on two cores, six alternating rounds of 40,
+    /// median [slowest-fastest] busbw in GB/s, autotuning against 4 MiB:
+    /// 1 MiB 4.26 [1.14-4.34] against 4.31 [4.08-4.63]; 4 MiB 2.39 against
+    /// 2.44; 16 MiB 2.03 against 2.13. (A buffer of 1 MiB lost at 16 MiB:
+    /// 1.58.)
     pub receive_buffer: usize,
 }
 
