@@ -107,11 +107,7 @@ pub(crate) fn sweep<T: Value>(comm: &Communicator, o: &Options) -> fairring::Res
             comm.slice_bytes(),
             o.parallel,
             T::DTYPE,
-            if o.barrier {
-                "a barrier before each timed call"
-            } else {
-                "calls timed back to back"
-            }
+            timing(o)
         );
         println!(
             "{:>12} {:>12} {:>6} {:>7} {:>13} {:>10} {:>9} {:>9} {:>7} {:>12} {:>12}",
@@ -395,11 +391,7 @@ pub(crate) fn gradients(comm: &Communicator, o: &Options) -> fairring::Result<u6
             comm.topology().devices_per_machine(),
             comm.servers(),
             sizes.len(),
-            if o.barrier {
-                "a barrier before each timed call"
-            } else {
-                "calls timed back to back"
-            }
+            timing(o)
         );
         println!(
             "{:>12} {:>12} {:>10} {:>9} {:>9}",
@@ -525,4 +517,13 @@ fn all_to_all<T: Value>(
         messages.push(unsafe { comm.post_all_to_all(input, &counts, output, &counts, T::DTYPE) }?);
     }
     messages.into_iter().try_for_each(fairring::Work::wait)
+}
+
+/// How the table's calls were timed, for its header.
+fn timing(o: &Options) -> &'static str {
+    if o.barrier {
+        "a barrier before each timed call"
+    } else {
+        "calls timed back to back"
+    }
 }

@@ -126,17 +126,21 @@ impl Quiet {
     /// How long until the last inline read is [`SPIN_WINDOW`] old; `None`
     /// if it is already, or no thread spins.
     fn until_stale(&self) -> Option<Duration> {
-        let at = self.inline_at.load(Ordering::SeqCst);
-        let window = u64::try_from(SPIN_WINDOW.as_nanos()).unwrap_or(u64::MAX);
-        let age = self.now().saturating_sub(at);
-        (at != 0 && age < window).then(|| Duration::from_nanos(window - age))
+        self.left_at(self.now()).map(Duration::from_nanos)
     }
 
     /// Whether a thread has read inline within [`SPIN_WINDOW`] before `now`.
     fn spins_at(&self, now: u64) -> bool {
+        self.left_at(now).is_some()
+    }
+
+    /// Nanoseconds left at `now` until the last inline read is
+    /// [`SPIN_WINDOW`] old; `None` if it is already, or no thread spins.
+    fn left_at(&self, now: u64) -> Option<u64> {
         let at = self.inline_at.load(Ordering::SeqCst);
         let window = u64::try_from(SPIN_WINDOW.as_nanos()).unwrap_or(u64::MAX);
-        at != 0 && now.saturating_sub(at) < window
+        let age = now.saturating_sub(at);
+        (at != 0 && age < window).then(|| window - age)
     }
 
     /// Ends the I/O thread's nap, if it takes one. Callers set what they want
