@@ -52,14 +52,22 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             }
             CompletionEvent::Sent { token } => self.on_sent(d, token),
             CompletionEvent::Message(m) => self.on_message(d, c.peer, m.immediate, m.payload()),
+            // It said goodbye first: everything it owed this rank arrived
+            // before its connection closed. What this rank had not sent it
+            // whole never will be.
+            CompletionEvent::SendFailed { token, .. } if d.departures.departed(c.peer) => {
+                if tags::is_message_data(token) {
+                    self.on_message_send_failed(c.peer, token);
+                }
+                Ok(())
+            }
+            CompletionEvent::PeerFailed { .. } if d.departures.departed(c.peer) => {
+                self.on_peer_closed(c.peer);
+                Ok(())
+            }
+            // Its messages fail with the engine.
             CompletionEvent::SendFailed { failure, .. }
             | CompletionEvent::PeerFailed { failure } => {
-                if d.departures.departed(c.peer) {
-                    // It said goodbye first: everything it owed this rank arrived
-                    // before its connection closed.
-                    return Ok(());
-                }
-                // Its messages fail with the engine.
                 Err(Error::peer(c.peer, failure.to_string()).into())
             }
             _ => Ok(()),
@@ -158,10 +166,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             Some(Kind::Bye) => {
                 if let Ok(p) = <[u8; 8]>::try_from(payload) {
                     let accepted = d.operations.accepted();
-                    // What it had not sent or received by now never will be.
-                    self.fail_messages_with(peer, || {
-                        Error::peer(peer, "left the job before this message was matched")
-                    });
+                    self.on_peer_left(peer);
                     d.departures.on_bye(peer, u64::from_le_bytes(p), accepted)?;
                     return Ok(());
                 }

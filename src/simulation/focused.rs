@@ -697,3 +697,154 @@ fn a_finished_sends_reply_goes_out_with_nothing_left_in_flight() {
     let outcome = run(8661, Design::Accepted).unwrap_or_else(|e| panic!("{e}"));
     assert!(outcome.messages >= 28, "{outcome:?}");
 }
+
+/// Two engines of a 2x1 job, linked for messages as the communicator's
+/// linker links them.
+fn linked_pair() -> (
+    Vec<Engine<SimFabric, SimMemory>>,
+    Arc<std::sync::Mutex<Network>>,
+) {
+    let (engines, net) = small_job(
+        (2, 1),
+        Design::Accepted,
+        Duration::from_secs(5),
+        |_, step| Box::new(step),
+    );
+    for (a, b) in [(0u32, 1u32), (1, 0)] {
+        let fabric = &engines[a as usize].links.fabric;
+        fabric
+            .endpoint(b)
+            .and_then(|ep| fabric.connect(b, &ep))
+            .unwrap();
+        engines[a as usize].late_links.settle(b, Ok(()));
+    }
+    (engines, net)
+}
+
+/// A post of 1000 `i32` of `data` between ranks 0 and 1, tag 0.
+fn post_between_0_and_1(sending: bool, data: &mut [i32]) -> crate::engine::messages::Post {
+    crate::engine::messages::Post {
+        id: 0,
+        peer: u32::from(sending),
+        tag: 0,
+        sending,
+        data: data.as_mut_ptr() as usize,
+        bytes: 4000,
+        dtype: DataType::I32,
+    }
+}
+
+/// Rank 1 of a [`linked_pair`] says goodbye after no operation, and rank
+/// 0's fabric reports it ahead of what it had queued.
+fn goodbye_reported_first(
+    engines: &[Engine<SimFabric, SimMemory>],
+    net: &std::sync::Mutex<Network>,
+) {
+    use crate::engine::tags::{self, Kind};
+    let bye = 0u64.to_le_bytes();
+    engines[1]
+        .links
+        .fabric
+        .send_message(
+            0,
+            tags::immediate(Kind::Bye, 0, 0, 0),
+            &bye,
+            tags::token(Kind::Bye, 0, 0, 0),
+        )
+        .unwrap();
+    let mut n = net
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    n.deliver(1, 0);
+    n.report_newest_first(0);
+}
+
+/// A receiver between machines leaves the job as soon as its receive is
+/// done, and its goodbye is reported to the sender before the `Sent` of the
+/// sender's last write (a provider may report from several threads): the
+/// send it received still succeeds (it once failed as "left the job before
+/// this message was matched").
+#[test]
+fn a_goodbye_reported_before_the_last_sent_fails_no_send_its_rank_received() {
+    // Before the engines, so that they drop after them.
+    let (mut sent, mut got) = (vec![7i32; 1000], vec![0i32; 1000]);
+    let (engines, net) = linked_pair();
+    let lock = || {
+        net.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    };
+    let settled = |r: usize, id: u64| engines[r].test_message(id).map_err(|e| e.to_string());
+    // SAFETY: `sent` outlives the engines (declared before them).
+    let send = unsafe { engines[0].post_message(post_between_0_and_1(true, &mut sent)) }.unwrap();
+    // SAFETY: as for `sent`.
+    let receive =
+        unsafe { engines[1].post_message(post_between_0_and_1(false, &mut got)) }.unwrap();
+    // Rank 1 drives first each round: its receive is done with the `Sent`
+    // of rank 0's write still queued.
+    for _ in 0..1000 {
+        let busy = lock().busy_links();
+        for (a, b) in busy {
+            lock().deliver(a, b);
+        }
+        engines[1].try_drive();
+        if settled(1, receive) != Ok(false) {
+            break;
+        }
+        engines[0].try_drive();
+    }
+    assert_eq!(settled(1, receive), Ok(true));
+    assert_eq!(settled(0, send), Ok(false), "the Sent is still queued");
+    goodbye_reported_first(&engines, &net);
+    for _ in 0..10 {
+        engines[0].try_drive();
+    }
+    assert_eq!(settled(0, send), Ok(true));
+    assert_eq!(got, sent);
+    assert!(
+        engines[0].failure().is_none(),
+        "a peer leaving fails no engine"
+    );
+}
+
+/// A send whose every chunk is posted when its receiver says goodbye waits
+/// for them to go out; when the receiver's connection then closes with its
+/// chunk undelivered, it fails naming the receiver instead of waiting
+/// forever, and the engine does not fail.
+#[test]
+fn a_send_posted_whole_to_a_rank_that_left_fails_once_its_connection_closes() {
+    // Before the engines, so that they drop after them.
+    let (mut sent, mut got) = (vec![9i32; 1000], vec![0i32; 1000]);
+    let (engines, net) = linked_pair();
+    let lock = || {
+        net.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    };
+    let settled = |r: usize, id: u64| engines[r].test_message(id).map_err(|e| e.to_string());
+    // SAFETY: `sent` outlives the engines (declared before them).
+    let send = unsafe { engines[0].post_message(post_between_0_and_1(true, &mut sent)) }.unwrap();
+    // SAFETY: as for `sent`.
+    unsafe { engines[1].post_message(post_between_0_and_1(false, &mut got)) }.unwrap();
+    // The receive's announcement reaches rank 0, which posts the one chunk.
+    for _ in 0..3 {
+        engines[1].try_drive();
+        lock().deliver(1, 0);
+        engines[0].try_drive();
+    }
+    assert!(lock().busy_links().contains(&(0, 1)), "the chunk is posted");
+    goodbye_reported_first(&engines, &net);
+    for _ in 0..10 {
+        engines[0].try_drive();
+    }
+    assert_eq!(settled(0, send), Ok(false), "its chunk may still go out");
+    lock().kill(1);
+    for _ in 0..10 {
+        engines[0].try_drive();
+    }
+    let e = settled(0, send).expect_err("never received");
+    assert!(e.contains("rank 1") && e.contains("left the job"), "{e}");
+    assert!(
+        engines[0].failure().is_none(),
+        "a peer leaving fails no engine"
+    );
+    drop(engines);
+}

@@ -153,6 +153,16 @@ impl Network {
         }
     }
 
+    /// Moves the newest completion of `rank` ahead of all the others: a
+    /// provider that reports from several threads may report a message that
+    /// arrived after one of its writes went out before that write's `Sent`.
+    pub(super) fn report_newest_first(&mut self, rank: u32) {
+        let q = &mut self.completions[rank as usize];
+        if let Some(c) = q.pop_back() {
+            q.push_front(c);
+        }
+    }
+
     /// Kills `rank` as SIGKILL would: what it had in flight is lost, and every
     /// rank connected to it learns that it closed its connections.
     pub(super) fn kill(&mut self, rank: u32) {

@@ -283,17 +283,66 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         self.finish_message(id, state, error);
     }
 
-    /// Fails every message with `peer`, which left or failed (why:
-    /// `error()`, made only if there is one). Allocates nothing otherwise: a
-    /// peer's goodbye at the end of a job of collectives costs no message.
-    pub(in crate::engine) fn fail_messages_with(&self, peer: u32, error: impl Fn() -> Error) {
+    /// `peer` said goodbye: what it had not received or sent by now never
+    /// will be, and fails. Not what it received whole: a local send its
+    /// receiver settled (the mailbox may say so before this pass looked),
+    /// and a send whose every chunk is posted, which waits for its last
+    /// writes' `Sent` (or their `SendFailed`, its connection closing) --
+    /// the goodbye may be reported before them. Allocates nothing when no
+    /// message is with `peer`: a goodbye at the end of a job of collectives
+    /// costs no message.
+    pub(in crate::engine) fn on_peer_left(&self, peer: u32) {
         let mut t = self.lock_transfers();
+        if t.local_of(peer).is_some() {
+            self.settle_offered(&mut t);
+        }
+        self.fail_messages_with(&mut t, peer, true, || {
+            Error::peer(peer, "left the job before this message was matched")
+        });
+    }
+
+    /// `peer`'s connection closed after its goodbye: nothing more comes
+    /// from it or goes to it, and every message with it fails.
+    pub(in crate::engine) fn on_peer_closed(&self, peer: u32) {
+        let mut t = self.lock_transfers();
+        self.fail_messages_with(&mut t, peer, false, || {
+            Error::peer(peer, "left the job before this message was sent whole")
+        });
+    }
+
+    /// A chunk of a send to `peer`, which said goodbye, will never be sent:
+    /// the send fails.
+    pub(in crate::engine) fn on_message_send_failed(&self, peer: u32, token: u64) {
+        let id = token >> 4;
+        let mut t = self.lock_transfers();
+        if let Active::Sending(s) = t.get(id)
+            && s.post.id == id
+        {
+            let e = Error::peer(peer, "left the job before this message was sent whole");
+            self.settle_message(&mut t, id, FAILED, Some(e));
+        }
+    }
+
+    /// Fails every message with `peer` (why: `error()`, made only if there
+    /// is one), but with `sent_kept`, not a send whose chunks are all
+    /// posted.
+    fn fail_messages_with(
+        &self,
+        t: &mut Transfers<F::Region>,
+        peer: u32,
+        sent_kept: bool,
+        error: impl Fn() -> Error,
+    ) {
         for slot in 0..t.active.len() {
-            if peer_of(&t.active[slot]) != Some(peer) {
+            let a = &t.active[slot];
+            if peer_of(a) != Some(peer) {
                 continue;
             }
-            if let Some(id) = id_of(&t.active[slot]) {
-                self.settle_message(&mut t, id, FAILED, Some(error()));
+            if sent_kept && matches!(a, Active::Sending(s) if s.posted == s.post.bytes) {
+                continue;
+            }
+            if let Some(id) = id_of(a) {
+                self.settle_message(t, id, FAILED, Some(error()));
             }
         }
         let p = &mut t.peers[peer as usize];

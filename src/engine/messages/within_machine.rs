@@ -145,7 +145,25 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 }
             }
         }
-        // Sends their receivers settled.
+        moved |= self.settle_offered(t);
+        // Copies, a chunk of each per pass.
+        let mut i = 0;
+        while i < t.copying.len() {
+            let id = t.copying[i];
+            moved = true;
+            if self.copy_chunk(t, id) {
+                t.copying.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Finishes the sends their receivers settled; returns whether any.
+    pub(super) fn settle_offered(&self, t: &mut Transfers<F::Region>) -> bool {
+        let (me, segment) = (self.machine.local_rank(), self.machine.segment());
+        let mut settled = false;
         let mut i = 0;
         while i < t.offered.len() {
             let id = t.offered[i];
@@ -161,7 +179,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             match mailbox::settled(line, k) {
                 None => i += 1,
                 Some(how) => {
-                    moved = true;
+                    settled = true;
                     t.offered.swap_remove(i);
                     match how {
                         Settled::Done => self.settle_message(t, id, DONE, None),
@@ -173,18 +191,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 }
             }
         }
-        // Copies, a chunk of each per pass.
-        let mut i = 0;
-        while i < t.copying.len() {
-            let id = t.copying[i];
-            moved = true;
-            if self.copy_chunk(t, id) {
-                t.copying.swap_remove(i);
-            } else {
-                i += 1;
-            }
-        }
-        Ok(moved)
+        settled
     }
 
     /// A receive met its offer: checks it, and starts copying.
