@@ -212,14 +212,17 @@ fn sends_and_receives_start_as_calls_in_groups_with_collectives() {
                 assert_eq!(work.sequence(), None);
                 work.wait().unwrap();
                 // A receive of another size fails its group, naming both
-                // calls; the communicator goes on.
-                let mut short = [0i64; 2];
+                // calls; the communicator goes on. (The send is of more than
+                // 16 KiB: a smaller one between machines goes eagerly, and
+                // only its receive fails.)
+                let long = vec![0i64; 4096];
+                let mut short = vec![0i64; 4095];
                 let mut total = [1i64];
                 let calls = [
                     if rank == 0 {
-                        Call::send(peer, 2, one.as_ptr().cast(), 4, DataType::I64)
+                        Call::send(peer, 2, long.as_ptr().cast(), 4096, DataType::I64)
                     } else {
-                        Call::recv(peer, 2, short.as_mut_ptr().cast(), 2, DataType::I64)
+                        Call::recv(peer, 2, short.as_mut_ptr().cast(), 4095, DataType::I64)
                     },
                     Call::all_reduce(total.as_mut_ptr().cast(), 1, DataType::I64, ReduceOp::Sum),
                 ];

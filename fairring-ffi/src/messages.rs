@@ -7,7 +7,9 @@
 //! at once (a peer first named is connected to in the background). Messages
 //! from one rank to another of one tag match that rank's receives of that
 //! tag in the order both were posted; a receive of another size or type
-//! fails both messages with `FR_MISMATCH`, each naming both ranks.
+//! fails both messages with `FR_MISMATCH`, each naming both ranks, except
+//! that between machines a send of at most 16 KiB goes eagerly (done once
+//! its bytes have left) and only its receive fails.
 
 use std::ffi::c_void;
 

@@ -232,11 +232,15 @@ impl Call {
     }
 
     /// A send of `count` elements of `dtype` at `data` to rank `peer`, with
-    /// `tag`: it finishes once the peer has them. It matches the peer's
-    /// receive from this rank of the same tag, in the order both were posted
-    /// (per tag: NCCL's and MPI's order), which must be of the same size and
-    /// type: another fails both messages, each naming both calls, and the
-    /// communicator goes on. Host memory only; `options` do not apply.
+    /// `tag`: it finishes once its bytes have left `data` for the peer. It
+    /// matches the peer's receive from this rank of the same tag, in the
+    /// order both were posted (per tag: NCCL's and MPI's order), which must
+    /// be of the same size and type: another fails both messages, each
+    /// naming both calls, and the communicator goes on. Except between
+    /// machines for a send of at most 16 KiB, which goes eagerly (its bytes
+    /// may land before the receive is posted) and does not learn of a
+    /// mismatch: only its receive fails. Host memory only; `options` do not
+    /// apply.
     pub fn send(peer: u32, tag: u32, data: *const u8, count: u64, dtype: DataType) -> Call {
         Call {
             input: data,

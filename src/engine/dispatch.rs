@@ -34,7 +34,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 self.on_message_landed(c.peer, immediate, len)
             }
             CompletionEvent::Sent { token } if tags::is_message_data(token) => {
-                self.on_message_sent(token)
+                self.on_message_sent(c.peer, token)
             }
             CompletionEvent::Landed { len, immediate } => {
                 let (kind, b, g, part) = tags::parse_immediate(immediate)

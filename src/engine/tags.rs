@@ -155,10 +155,14 @@ pub(crate) fn with_kind(imm: u32, kind: Kind) -> u32 {
     imm & !15 | kind as u32
 }
 
-/// Whether a landing with immediate `imm` wrote into the receiver's tensor.
+/// Whether a landing with immediate `imm` wrote into the receiver's tensor
+/// (an eager send lands in a slot, to be copied).
 pub(crate) fn lands_in_tensor(imm: u32) -> bool {
-    parse_immediate(imm)
-        .is_some_and(|(kind, ..)| matches!(kind, Kind::IntoTensor | Kind::MessageData))
+    match parse_immediate(imm) {
+        Some((Kind::IntoTensor, ..)) => true,
+        Some((Kind::MessageData, ..)) => u64::from(imm) & EAGER == 0,
+        _ => false,
+    }
 }
 
 /// Whether immediate `imm` or token `token` is of a message's data.
@@ -166,17 +170,70 @@ pub(crate) fn is_message_data(bits: u64) -> bool {
     bits & 15 == Kind::MessageData as u64
 }
 
+// A message's data: bit 4 of its immediate and token says whether it is a
+// chunk written into the receiver's tensor (0) or an eager send written
+// into one of the receiver's eager slots (1):
+//
+//   chunk immediate  kind | 0 << 4 | receive id mod 2^27 << 5
+//   eager immediate  kind | 1 << 4 | slot << 5
+//   chunk token      kind | 0 << 4 | send id << 5
+//   eager token      kind | 1 << 4 | slot << 5 | send id << 10
+
+/// Bits of a receive's id a chunk's immediate carries.
+pub(crate) const MESSAGE_ID_BITS: u32 = 27;
+
+/// Eager slots a message's immediate and token can name.
+pub(crate) const EAGER_SLOTS_MAX: u32 = 32;
+
+const EAGER: u64 = 1 << 4;
+
 /// The immediate of a chunk of a message for receive `receive` (its id's
-/// low 28 bits).
+/// low [`MESSAGE_ID_BITS`] bits).
 pub(crate) fn message_immediate(receive: u64) -> u32 {
-    debug_assert!(receive < 1 << 28);
-    let id = u32::try_from(receive & ((1 << 28) - 1)).unwrap_or(0);
-    Kind::MessageData as u32 | id << 4
+    let id = u32::try_from(receive & ((1 << MESSAGE_ID_BITS) - 1)).unwrap_or(0);
+    Kind::MessageData as u32 | id << 5
 }
 
-/// The token of a chunk of send `send` (its id, below 2^60).
+/// The token of a chunk of send `send` (its id, below 2^59).
 pub(crate) fn message_token(send: u64) -> u64 {
-    Kind::MessageData as u64 | send << 4
+    Kind::MessageData as u64 | send << 5
+}
+
+/// The immediate of an eager send written into the receiver's slot `slot`.
+pub(crate) fn eager_immediate(slot: u32) -> u32 {
+    debug_assert!(slot < EAGER_SLOTS_MAX);
+    Kind::MessageData as u32 | 1 << 4 | slot << 5
+}
+
+/// The token of eager send `send` (its id, below 2^54) through slot `slot`.
+pub(crate) fn eager_token(send: u64, slot: u32) -> u64 {
+    debug_assert!(slot < EAGER_SLOTS_MAX);
+    Kind::MessageData as u64 | EAGER | u64::from(slot) << 5 | send << 10
+}
+
+/// What a message data immediate or token (widened) names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum MessageBits {
+    /// A chunk: the receive's id mod 2^27 (an immediate) or the send's id (a
+    /// token).
+    Chunk(u64),
+    /// An eager send through `slot`; `send` its id (a token; 0 in an
+    /// immediate).
+    Eager { slot: u32, send: u64 },
+}
+
+/// Decodes the rest of a message data immediate or token.
+pub(crate) fn message_bits(bits: u64) -> MessageBits {
+    if bits & EAGER == 0 {
+        MessageBits::Chunk(bits >> 5)
+    } else {
+        #[expect(clippy::cast_possible_truncation, reason = "five bits")]
+        let slot = ((bits >> 5) & u64::from(EAGER_SLOTS_MAX - 1)) as u32;
+        MessageBits::Eager {
+            slot,
+            send: bits >> 10,
+        }
+    }
 }
 
 /// Decodes an immediate: kind, buffer, generation mod 2^8, part.
@@ -261,12 +318,26 @@ mod tests {
             }
         }
         assert!(parse_immediate(0).is_none());
-        let imm = message_immediate((1 << 28) - 1);
+        let id = (1 << MESSAGE_ID_BITS) - 1;
+        let imm = message_immediate(id | 1 << 40);
         assert!(is_message_data(u64::from(imm)) && lands_in_tensor(imm));
-        assert_eq!(u64::from(imm >> 4), (1 << 28) - 1);
+        assert_eq!(message_bits(u64::from(imm)), MessageBits::Chunk(id));
         let token = message_token(1 << 50);
         assert!(is_message_data(token));
-        assert_eq!(token >> 4, 1 << 50);
+        assert_eq!(message_bits(token), MessageBits::Chunk(1 << 50));
+        for slot in [0, 1, EAGER_SLOTS_MAX - 1] {
+            let imm = eager_immediate(slot);
+            assert!(is_message_data(u64::from(imm)) && !lands_in_tensor(imm));
+            let send = 0;
+            assert_eq!(
+                message_bits(u64::from(imm)),
+                MessageBits::Eager { slot, send }
+            );
+            let send = (1 << 53) + 3;
+            let token = eager_token(send, slot);
+            assert!(is_message_data(token));
+            assert_eq!(message_bits(token), MessageBits::Eager { slot, send });
+        }
         assert!(!is_message_data(u64::from(immediate(Kind::Relay, 3, 1, 0))));
     }
 }

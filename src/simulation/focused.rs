@@ -848,3 +848,108 @@ fn a_send_posted_whole_to_a_rank_that_left_fails_once_its_connection_closes() {
     );
     drop(engines);
 }
+
+/// Small sends between machines go eagerly, in one trip, and keep their
+/// order with the sends of their tag that go by announcement. On a linked
+/// pair whose ranks have opened their slots to each other:
+///
+/// - a small send whose receive is posted later lands before the receive
+///   is posted, and the receive takes it with nothing sent back;
+/// - a small send whose receive's announcement is still on its way goes
+///   eagerly too; the receive takes it as it lands, and the sender drops
+///   the announcement when it comes;
+/// - a large send of the same tag after those meets its own receive.
+#[test]
+fn small_sends_go_eagerly_in_order_with_the_others_of_their_tag() {
+    const LARGE: usize = 10_000;
+    let sizes = [3usize, 1000, 2000, LARGE, 5];
+    // Before the engines, so that they drop after them.
+    let mut sent: Vec<Vec<i32>> = (0..sizes.len())
+        .map(|k| (0..sizes[k]).map(|i| (k * 100_000 + i) as i32).collect())
+        .collect();
+    let mut got: Vec<Vec<i32>> = sizes.iter().map(|&n| vec![-1; n]).collect();
+    let (engines, net) = linked_pair();
+    let lock = || {
+        net.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    };
+    let post = |sending: bool, data: &mut [i32]| crate::engine::messages::Post {
+        bytes: data.len() as u64 * 4,
+        ..post_between_0_and_1(sending, data)
+    };
+    let settled = |r: usize, id: u64| engines[r].test_message(id).map_err(|e| e.to_string());
+    let deliver_all = || {
+        for _ in 0..50 {
+            for e in &engines {
+                e.try_drive();
+            }
+            let busy = lock().busy_links();
+            for (a, b) in busy {
+                lock().deliver(a, b);
+            }
+        }
+    };
+    let [s0, s1, s2, s3, s4] = &mut sent[..] else {
+        unreachable!()
+    };
+    let [g0, g1, g2, g3, g4] = &mut got[..] else {
+        unreachable!()
+    };
+    // Message 0 opens the slots both ways (and goes by announcement).
+    // SAFETY: every tensor outlives the engines (declared before them).
+    let send0 = unsafe { engines[0].post_message(post(true, s0)) }.unwrap();
+    // SAFETY: as above.
+    let receive0 = unsafe { engines[1].post_message(post(false, g0)) }.unwrap();
+    deliver_all();
+    assert_eq!(
+        (settled(0, send0), settled(1, receive0)),
+        (Ok(true), Ok(true))
+    );
+    // Message 1: sent first; it lands before its receive is posted.
+    // SAFETY: as above.
+    let send1 = unsafe { engines[0].post_message(post(true, s1)) }.unwrap();
+    engines[0].try_drive();
+    lock().deliver(0, 1);
+    engines[0].try_drive();
+    assert_eq!(settled(0, send1), Ok(true), "done once its write left");
+    // Rank 1 takes the landing, and then its caller posts the receive.
+    engines[1].try_drive();
+    // SAFETY: as above.
+    let receive1 = unsafe { engines[1].post_message(post(false, g1)) }.unwrap();
+    engines[1].try_drive();
+    assert_eq!(
+        settled(1, receive1),
+        Ok(true),
+        "taken with nothing sent back"
+    );
+    assert!(lock().busy_links().is_empty(), "nothing sent back");
+    // Message 2: its receive announces itself first, but the announcement
+    // is still on its way when the send is posted.
+    // SAFETY: as above.
+    let receive2 = unsafe { engines[1].post_message(post(false, g2)) }.unwrap();
+    engines[1].try_drive();
+    // SAFETY: as above.
+    let send2 = unsafe { engines[0].post_message(post(true, s2)) }.unwrap();
+    engines[0].try_drive();
+    lock().deliver(0, 1);
+    engines[1].try_drive();
+    assert_eq!(settled(1, receive2), Ok(true), "taken as it landed");
+    // Messages 3 (large: by announcement) and 4 (small), same tag.
+    // SAFETY: as above.
+    let send3 = unsafe { engines[0].post_message(post(true, s3)) }.unwrap();
+    // SAFETY: as above.
+    let send4 = unsafe { engines[0].post_message(post(true, s4)) }.unwrap();
+    // SAFETY: as above.
+    let receive3 = unsafe { engines[1].post_message(post(false, g3)) }.unwrap();
+    // SAFETY: as above.
+    let receive4 = unsafe { engines[1].post_message(post(false, g4)) }.unwrap();
+    deliver_all();
+    for id in [send2, send3, send4] {
+        assert_eq!(settled(0, id), Ok(true));
+    }
+    for id in [receive3, receive4] {
+        assert_eq!(settled(1, id), Ok(true));
+    }
+    assert!(engines.iter().all(|e| e.failure().is_none()));
+    assert_eq!(got, sent);
+}

@@ -18,7 +18,9 @@
 //! ([`rooted`], [`chain`]) hand theirs to the engine later, once their
 //! checks pass; a message issued after one of them waits at the gate behind
 //! it, so the order holds for those too. A message whose match has another
-//! size or type fails alone, on both ranks, naming both; a gather's,
+//! size or type fails alone, on both ranks, naming both (but for a send of
+//! at most 16 KiB between machines, which goes eagerly, done once its bytes
+//! have left: only its receive fails); a gather's,
 //! scatter's or reduce's failure, seen where its work is waited on or
 //! tested, fails the communicator as any failed collective does
 //! (`communicator::work`).
@@ -201,8 +203,8 @@ impl PointToPoint {
 }
 
 impl Communicator {
-    /// Sends `data` to rank `peer`, and waits until the peer has it (see
-    /// [`Call::send`]).
+    /// Sends `data` to rank `peer`, and waits until its bytes have left it
+    /// (see [`Call::send`]).
     ///
     /// `data` is borrowed mutably, as the raw forms' contract asks; a send
     /// only reads it.
@@ -216,7 +218,8 @@ impl Communicator {
 
     /// Receives into `data` the next message rank `peer` sends this rank,
     /// and waits. It must be of `data`'s length and type: another fails both
-    /// ranks with a [`Error::Mismatch`] naming both.
+    /// ranks with a [`Error::Mismatch`] naming both (only this one, for a
+    /// send of at most 16 KiB between machines: see [`Call::send`]).
     pub fn recv<T: Element>(&self, peer: u32, data: &mut [T]) -> Result<()> {
         let call = Call::recv(
             peer,

@@ -12,33 +12,54 @@ use std::ptr::NonNull;
 use fairring_rdma::fabric::{Fabric, FabricError, LocalRegion, RemoteRegion, WriteRequest};
 
 use super::control::{self, Control, MOST_BYTES, Ready, Reply};
-use super::transfers::{
-    Active, IMMEDIATE_ID_MASK, Receiving, Sending, Transfers, mismatch, unexpected,
-};
+use super::eager::EAGER_BYTES;
+use super::transfers::{Active, Receiving, Sending, Transfers, mismatch, unexpected};
 use super::{CHUNK, CHUNKS_IN_FLIGHT, Post};
 use crate::engine::Engine;
 use crate::engine::failure::Fault;
 use crate::engine::outbox::{Sent, send_control};
-use crate::engine::tags::{Kind, message_immediate, message_token};
+use crate::engine::tags::{
+    Kind, MESSAGE_ID_BITS, MessageBits, message_bits, message_immediate, message_token,
+};
 use crate::engine::work_table::{DONE, FAILED};
 use crate::error::Error;
 use crate::memory::MemorySpace;
 use crate::sync::Ordering;
 
 impl<F: Fabric, M: MemorySpace> Engine<F, M> {
-    /// Starts a post whose peer is linked: a receive opens its tensor and
-    /// announces it; a send waits for its announcement.
+    /// Starts a post whose peer is linked: a small send goes eagerly where
+    /// it may (`eager`), any other waits for its announcement; a receive
+    /// takes its eager send if it has landed, and otherwise opens its tensor
+    /// and announces it.
     pub(super) fn start_message(
         &self,
         t: &mut Transfers<F::Region>,
         post: Post,
     ) -> Result<(), Fault> {
+        let peer = post.peer as usize;
+        self.open_eager(t, post.peer);
         if post.sending {
-            let peer = post.peer as usize;
+            let ordinal = Self::next_send_ordinal(t, post.peer, post.tag);
             t.put(post.id, Active::Posted(post));
-            if let Some((send, ready)) = t.peers[peer].matcher.left(post.tag, post.id) {
+            // An announcement waiting is this send's: it goes into the
+            // receiver's tensor.
+            if !t.peers[peer].matcher.right_waiting(post.tag)
+                && self.try_send_eagerly(t, &post, ordinal)?
+            {
+                return Ok(());
+            }
+            if let Some(((_, send), ready)) =
+                t.peers[peer].matcher.left(post.tag, (ordinal, post.id))
+            {
+                if ready.ordinal != ordinal {
+                    return Err(unexpected(post.peer, "a message announced out of order"));
+                }
                 self.begin_send(t, send, &ready)?;
             }
+            return Ok(());
+        }
+        let ordinal = Self::next_receive_ordinal(t, post.peer, post.tag);
+        if self.take_landed(t, &post, ordinal) {
             return Ok(());
         }
         let (own_landing, remote) = match self.open_landing(t, &post) {
@@ -56,8 +77,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 landed: 0,
             }),
         );
+        Self::announced(t, &post, ordinal);
         let ready = Control::Ready(Ready {
             tag: post.tag,
+            ordinal,
             receive: post.id,
             bytes: post.bytes,
             dtype: post.dtype,
@@ -173,8 +196,14 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 dtype: post.dtype,
             });
             self.send_message_control(t, post.peer, &reply);
-            let error = mismatch(&post, ready.bytes, ready.dtype, self.links.rank);
-            self.settle_message(t, send, FAILED, Some(error));
+            if post.bytes <= EAGER_BYTES {
+                // As if it had gone eagerly: done, and only its receive
+                // fails, whichever way it went.
+                self.settle_message(t, send, DONE, None);
+            } else {
+                let error = mismatch(&post, ready.bytes, ready.dtype, self.links.rank);
+                self.settle_message(t, send, FAILED, Some(error));
+            }
             return Ok(());
         }
         if post.bytes == 0 {
@@ -314,7 +343,12 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     }
 
     /// Sends control message `c` to `peer`, after any waiting for room.
-    fn send_message_control(&self, t: &mut Transfers<F::Region>, peer: u32, c: &Control) {
+    pub(super) fn send_message_control(
+        &self,
+        t: &mut Transfers<F::Region>,
+        peer: u32,
+        c: &Control,
+    ) {
         let mut bytes = [0; MOST_BYTES];
         let n = control::encode(c, &mut bytes);
         let queue = &mut t.peers[peer as usize].controls;
@@ -333,20 +367,23 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             .store(true, Ordering::Release);
     }
 
-    /// A chunk of a message landed here.
+    /// A chunk of a message, or an eager send, landed here.
     pub(in crate::engine) fn on_message_landed(
         &self,
         peer: u32,
         immediate: u32,
         len: u64,
     ) -> Result<(), Fault> {
-        let carried = u64::from(immediate >> 4);
+        let carried = match message_bits(u64::from(immediate)) {
+            MessageBits::Chunk(carried) => carried,
+            MessageBits::Eager { slot, .. } => return self.on_eager_landed(peer, slot, len),
+        };
         let mut t = self.lock_transfers();
         let slot = Transfers::<F::Region>::slot(carried);
         let Active::Receiving(r) = &mut t.active[slot] else {
             return Err(unexpected(peer, "a message's bytes for no receive"));
         };
-        if r.post.id & IMMEDIATE_ID_MASK != carried || r.post.peer != peer {
+        if r.post.id & ((1 << MESSAGE_ID_BITS) - 1) != carried || r.post.peer != peer {
             return Err(unexpected(peer, "a message's bytes for another receive"));
         }
         r.landed += len;
@@ -360,9 +397,16 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         Ok(())
     }
 
-    /// A chunk this rank wrote has left its tensor.
-    pub(in crate::engine) fn on_message_sent(&self, token: u64) -> Result<(), Fault> {
-        let id = token >> 4;
+    /// A chunk this rank wrote to `peer` has left its tensor, or an eager
+    /// send its slot.
+    pub(in crate::engine) fn on_message_sent(&self, peer: u32, token: u64) -> Result<(), Fault> {
+        let id = match message_bits(token) {
+            MessageBits::Chunk(id) => id,
+            MessageBits::Eager { slot, send } => {
+                self.on_eager_sent(peer, send, slot, true);
+                return Ok(());
+            }
+        };
         let mut t = self.lock_transfers();
         let slot = Transfers::<F::Region>::slot(id);
         let Active::Sending(s) = &mut t.active[slot] else {
@@ -392,8 +436,19 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let mut t = self.lock_transfers();
         match control {
             Control::Ready(ready) => {
-                if let Some((send, ready)) = t.peers[peer as usize].matcher.right(ready.tag, ready)
+                let sent = Self::sends_posted(&mut t.eager[peer as usize], ready.tag);
+                let matcher = &mut t.peers[peer as usize].matcher;
+                // A send posted already and not waiting for it went eagerly:
+                // the receive takes those bytes. (Announcements come in
+                // order, so one for a send waiting is the oldest's.)
+                if ready.ordinal < sent
+                    && matcher
+                        .left_waiting(ready.tag)
+                        .is_none_or(|&(ordinal, _)| ordinal != ready.ordinal)
                 {
+                    return Ok(());
+                }
+                if let Some(((_, send), ready)) = matcher.right(ready.tag, ready) {
                     self.begin_send(&mut t, send, &ready)?;
                 }
             }
@@ -417,6 +472,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 }
                 self.settle_message(&mut t, receive, DONE, None);
             }
+            Control::Slots(landing) => self.on_slots(&mut t, peer, landing),
+            Control::Freed(slots) => self.on_freed(&mut t, peer, slots),
         }
         Ok(())
     }
@@ -449,7 +506,7 @@ fn post_chunks<F: Fabric>(
             len: n,
             target: s.landing,
             target_offset: s.posted,
-            immediate: message_immediate(s.receive & IMMEDIATE_ID_MASK),
+            immediate: message_immediate(s.receive),
             token: message_token(s.post.id),
         };
         match links.write(s.post.peer, request) {

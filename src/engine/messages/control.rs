@@ -2,10 +2,16 @@
 //! fabric message of kind `MessageControl` (`engine/tags.rs`):
 //!
 //! ```text
-//! Ready    [1][tag u32][receive u64][bytes u64][dtype u8][landing: RemoteRegion]
+//! Ready    [1][tag u32][ordinal u64][receive u64][bytes u64][dtype u8][landing: RemoteRegion]
 //! Refused  [2][receive u64][bytes u64][dtype u8]
 //! Empty    [3][receive u64]
+//! Slots    [4][landing: RemoteRegion]
+//! Freed    [5][slots u32]
 //! ```
+//!
+//! `Slots` opens the sender's eager slots on the receiver (`eager`), once
+//! per pair and way; `Freed` gives back the slots whose messages the
+//! receiver has taken (a bit each).
 //!
 //! Integers are little-endian; `receive` is the receiver's message id, which
 //! the sender echoes (and writes in its data's immediates) so that the
@@ -18,6 +24,8 @@ use fairring_rdma::fabric::RemoteRegion;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Ready {
     pub(crate) tag: u32,
+    /// Its place among the receives of its tag from its sender (`eager`).
+    pub(crate) ordinal: u64,
     /// The receiver's message id.
     pub(crate) receive: u64,
     pub(crate) bytes: u64,
@@ -44,14 +52,21 @@ pub(crate) enum Reply {
 pub(crate) enum Control {
     Ready(Ready),
     Reply(Reply),
+    /// The sender's eager slots: where the receiver of this control message
+    /// may write small sends.
+    Slots(RemoteRegion),
+    /// Eager slots taken and free again, a bit each.
+    Freed(u32),
 }
 
 const READY: u8 = 1;
 const REFUSED: u8 = 2;
 const EMPTY: u8 = 3;
+const SLOTS: u8 = 4;
+const FREED: u8 = 5;
 
 /// Bytes of the longest control message.
-pub(crate) const MOST_BYTES: usize = 1 + 4 + 8 + 8 + 1 + RemoteRegion::BYTES;
+pub(crate) const MOST_BYTES: usize = 1 + 4 + 8 + 8 + 8 + 1 + RemoteRegion::BYTES;
 
 /// The bytes of `c` in `out`; returns how many.
 pub(crate) fn encode(c: &Control, out: &mut [u8; MOST_BYTES]) -> usize {
@@ -60,6 +75,7 @@ pub(crate) fn encode(c: &Control, out: &mut [u8; MOST_BYTES]) -> usize {
         Control::Ready(r) => {
             w.put(&[READY]);
             w.put(&r.tag.to_le_bytes());
+            w.put(&r.ordinal.to_le_bytes());
             w.put(&r.receive.to_le_bytes());
             w.put(&r.bytes.to_le_bytes());
             w.put(&[r.dtype as u8]);
@@ -79,6 +95,14 @@ pub(crate) fn encode(c: &Control, out: &mut [u8; MOST_BYTES]) -> usize {
             w.put(&[EMPTY]);
             w.put(&receive.to_le_bytes());
         }
+        Control::Slots(landing) => {
+            w.put(&[SLOTS]);
+            w.put(&landing.to_bytes());
+        }
+        Control::Freed(slots) => {
+            w.put(&[FREED]);
+            w.put(&slots.to_le_bytes());
+        }
     }
     w.at
 }
@@ -89,6 +113,7 @@ pub(crate) fn decode(payload: &[u8]) -> Option<Control> {
     let c = match r.u8()? {
         READY => Control::Ready(Ready {
             tag: u32::from_le_bytes(r.take()?),
+            ordinal: u64::from_le_bytes(r.take()?),
             receive: u64::from_le_bytes(r.take()?),
             bytes: u64::from_le_bytes(r.take()?),
             dtype: DataType::from_u8(r.u8()?)?,
@@ -102,6 +127,8 @@ pub(crate) fn decode(payload: &[u8]) -> Option<Control> {
         EMPTY => Control::Reply(Reply::Empty {
             receive: u64::from_le_bytes(r.take()?),
         }),
+        SLOTS => Control::Slots(RemoteRegion::from_bytes(r.rest(RemoteRegion::BYTES)?)?),
+        FREED => Control::Freed(u32::from_le_bytes(r.take()?)),
         _ => return None,
     };
     r.bytes.is_empty().then_some(c)
@@ -153,6 +180,7 @@ mod tests {
         let all = [
             Control::Ready(Ready {
                 tag: u32::MAX,
+                ordinal: (1 << 63) + 5,
                 receive: 1 << 40,
                 bytes: 4096,
                 dtype: DataType::BF16,
@@ -164,6 +192,8 @@ mod tests {
                 dtype: DataType::U8,
             }),
             Control::Reply(Reply::Empty { receive: 0 }),
+            Control::Slots(landing),
+            Control::Freed(0b1010_0001),
         ];
         for c in all {
             let mut out = [0; MOST_BYTES];

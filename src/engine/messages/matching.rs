@@ -56,6 +56,16 @@ impl<L, R> Matcher<L, R> {
         }
     }
 
+    /// Whether a right entry of `tag` waits for its left one.
+    pub(crate) fn right_waiting(&self, tag: u32) -> bool {
+        self.by_tag.get(&tag).is_some_and(|w| !w.right.is_empty())
+    }
+
+    /// The oldest left entry of `tag` waiting for its right one.
+    pub(crate) fn left_waiting(&self, tag: u32) -> Option<&L> {
+        self.by_tag.get(&tag)?.left.front()
+    }
+
     /// Adds a right entry under `tag` (see [`left`](Matcher::left)).
     pub(crate) fn right(&mut self, tag: u32, r: R) -> Option<(L, R)> {
         let w = self.waiting(tag);

@@ -14,19 +14,30 @@
 //!
 //! 1. a rank that posts a receive opens its tensor to the sender (a window
 //!    where the fabric has them, a registration otherwise) and announces it:
-//!    `Ready` (tag, its message id, size, type, where to write);
+//!    `Ready` (tag, its place among the tag's receives, its message id,
+//!    size, type, where to write);
 //! 2. the sender matches its `k`-th send of a tag with the `k`-th `Ready` of
 //!    that tag (`matching`), in whichever order the two arrive. A send of
 //!    another size or type fails, and tells the receiver (`Refused`), whose
-//!    receive fails too, each naming both; an empty send tells it `Empty`;
-//! 3. the sender writes the tensor into the window in chunks of
-//!    [`CHUNK`] bytes ([`CHUNKS_IN_FLIGHT`] at a time), each carrying the
-//!    receiver's message id in its immediate; the send is done once every chunk has left its tensor, the
-//!    receive once every byte has landed, and the window is closed then.
+//!    receive fails too, each naming both (a send of at most
+//!    [`eager::EAGER_BYTES`] does not fail: see below); an empty send tells
+//!    it `Empty`;
+//! 3. the sender writes the tensor into the window in chunks of [`CHUNK`]
+//!    bytes ([`CHUNKS_IN_FLIGHT`] at a time), each carrying the receiver's
+//!    message id in its immediate; the send is done once every chunk has
+//!    left its tensor, the receive once every byte has landed, and the
+//!    window is closed then.
 //!
 //! A receive posted before the matching send (the common case in a
 //! pipeline, or a ping-pong whose receives are posted early) costs one
 //! fabric trip for the data; otherwise one more for the announcement.
+//!
+//! Except for small sends (`eager`): a send of at most
+//! [`eager::EAGER_BYTES`] whose announcement has not arrived goes at once
+//! into a slot the receiver opened to this rank, and is done when its bytes
+//! have left; the receive copies it out. One trip, whichever rank posts
+//! first. Such a send does not learn of a mismatch: its receive fails,
+//! naming both.
 //!
 //! # Waiting, failing
 //!
@@ -39,6 +50,7 @@
 
 mod between_machines;
 mod control;
+mod eager;
 mod mailbox;
 mod matching;
 mod peer_links;

@@ -13,6 +13,7 @@ use std::collections::VecDeque;
 use fairring_rdma::fabric::{Fabric, RemoteRegion};
 
 use super::control::{MOST_BYTES, Ready};
+use super::eager::EagerPeer;
 use super::mailbox::Offer;
 use super::matching::Matcher;
 use super::peer_links::LinkState;
@@ -20,15 +21,12 @@ use super::{MESSAGE_ENTRIES, Post};
 use crate::engine::Engine;
 use crate::engine::direct::{CACHED, KeptRegions};
 use crate::engine::failure::Fault;
+use crate::engine::tags::{MessageBits, message_bits};
 use crate::engine::work_table::FAILED;
 use crate::error::Error;
 use crate::memory::MemorySpace;
 use crate::shm::segment::BOUNCE_SLOTS;
 use crate::sync::Ordering;
-
-/// Bits of a receive's id its data's immediates carry.
-pub(crate) const IMMEDIATE_ID_BITS: u32 = 28;
-pub(super) const IMMEDIATE_ID_MASK: u64 = (1 << IMMEDIATE_ID_BITS) - 1;
 
 /// The messages the driver holds.
 pub(crate) struct Transfers<R> {
@@ -55,13 +53,15 @@ pub(crate) struct Transfers<R> {
     /// message of the same memory, so that a warm engine registers nothing.
     pub(super) sources: KeptRegions<R>,
     pub(super) windows: KeptRegions<R>,
+    /// Per rank: eager sends with it, over the fabric.
+    pub(super) eager: Vec<EagerPeer<R>>,
 }
 
 /// One peer's messages before they move.
 #[derive(Default)]
 pub(super) struct PeerState {
-    /// Sends (left) waiting for announcements (right), per tag.
-    pub(super) matcher: Matcher<u64, Ready>,
+    /// Sends (left: ordinal, id) waiting for announcements (right), per tag.
+    pub(super) matcher: Matcher<(u64, u64), Ready>,
     /// On the local path: receives (left) waiting for offers (right).
     pub(super) offers: Matcher<u64, Offer>,
     /// On the local path: the next offer's number, each way.
@@ -82,6 +82,9 @@ pub(super) enum Active<R> {
     Posted(Post),
     Sending(Sending<R>),
     Receiving(Receiving<R>),
+    /// A send that went eagerly through this slot, waiting for its write
+    /// to leave.
+    Eager(Post, u32),
     /// A local send: offer `k` to its peer, waiting for a line or settled;
     /// the bounce slot holding its bytes, once offered through one.
     Offered(Post, u64, Option<usize>),
@@ -138,6 +141,7 @@ impl<R> Transfers<R> {
             bounce_free: (1 << BOUNCE_SLOTS) - 1,
             sources: KeptRegions::with_holders(CACHED, MESSAGE_ENTRIES),
             windows: KeptRegions::with_holders(CACHED, MESSAGE_ENTRIES),
+            eager: (0..world).map(|_| EagerPeer::default()).collect(),
         }
     }
 
@@ -170,7 +174,10 @@ impl<R> Transfers<R> {
 fn id_of<R>(a: &Active<R>) -> Option<u64> {
     match a {
         Active::Free => None,
-        Active::Posted(p) | Active::Offered(p, ..) | Active::Copying { post: p, .. } => Some(p.id),
+        Active::Posted(p)
+        | Active::Eager(p, _)
+        | Active::Offered(p, ..)
+        | Active::Copying { post: p, .. } => Some(p.id),
         Active::Sending(s) => Some(s.post.id),
         Active::Receiving(r) => Some(r.post.id),
     }
@@ -180,9 +187,10 @@ fn id_of<R>(a: &Active<R>) -> Option<u64> {
 fn peer_of<R>(a: &Active<R>) -> Option<u32> {
     match a {
         Active::Free => None,
-        Active::Posted(p) | Active::Offered(p, ..) | Active::Copying { post: p, .. } => {
-            Some(p.peer)
-        }
+        Active::Posted(p)
+        | Active::Eager(p, _)
+        | Active::Offered(p, ..)
+        | Active::Copying { post: p, .. } => Some(p.peer),
         Active::Sending(s) => Some(s.post.peer),
         Active::Receiving(r) => Some(r.post.peer),
     }
@@ -310,10 +318,15 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         });
     }
 
-    /// A chunk of a send to `peer`, which said goodbye, will never be sent:
+    /// A write of a send to `peer`, which said goodbye, will never be sent:
     /// the send fails.
     pub(in crate::engine) fn on_message_send_failed(&self, peer: u32, token: u64) {
-        let id = token >> 4;
+        let id = match message_bits(token) {
+            MessageBits::Chunk(id) => id,
+            MessageBits::Eager { slot, send } => {
+                return self.on_eager_sent(peer, send, slot, false);
+            }
+        };
         let mut t = self.lock_transfers();
         if let Active::Sending(s) = t.get(id)
             && s.post.id == id
@@ -338,7 +351,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             if peer_of(a) != Some(peer) {
                 continue;
             }
-            if sent_kept && matches!(a, Active::Sending(s) if s.posted == s.post.bytes) {
+            let sent_whole = matches!(a, Active::Sending(s) if s.posted == s.post.bytes)
+                || matches!(a, Active::Eager(..));
+            if sent_kept && sent_whole {
                 continue;
             }
             if let Some(id) = id_of(a) {
@@ -351,6 +366,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         p.unlinked.clear();
         p.controls.clear();
         p.offering.clear();
+        t.eager[peer as usize].forget_announced();
     }
 
     /// Fails every message, the engine having failed: each finishes once
@@ -372,6 +388,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         t.windows.clear();
         for id in ids {
             self.settle_message(&mut t, id, FAILED, None);
+        }
+        for e in &mut t.eager {
+            e.forget_all();
         }
         for p in &mut t.peers {
             p.matcher = Matcher::default();

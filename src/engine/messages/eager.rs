@@ -1,0 +1,519 @@
+//! Eager sends between machines: a send of at most [`EAGER_BYTES`] whose
+//! receive has not been announced yet goes at once, a header and its bytes,
+//! into one of the slots its receiver opened to this rank, and is done when
+//! that write has left; the receiver copies it into its tensor when the
+//! receive is posted, or as it lands if the receive was posted first. A
+//! small send then costs one fabric trip, not an announcement's and then
+//! its data's.
+//!
+//! # Order
+//!
+//! The `k`-th send of a tag to a peer meets the `k`-th receive of that tag
+//! from it, whichever way it travels. Both ranks count their posts per
+//! (peer, tag), its *ordinal*; an eager send carries its own in its header,
+//! and an announcement (`Ready`) its receive's. A receive whose eager send
+//! has landed takes it when posted and announces nothing. A receive posted
+//! first announces itself as any receive does; a sender that has sent that
+//! ordinal eagerly drops the announcement (it is not its oldest send
+//! waiting), and the receive takes the eager bytes when they land. A sender
+//! whose announcement has arrived sends into the receiver's tensor instead:
+//! one trip either way, and no copy.
+//!
+//! # Slots
+//!
+//! When a rank first starts a message with a peer over the fabric, it opens
+//! [`EAGER_SLOTS`] slots of [`SLOT_BYTES`] to the peer (`Slots`), and later
+//! gives back, a few at a time, those whose sends it has taken (`Freed`). A
+//! send that finds no slot free goes by announcement: nothing ever waits
+//! for a slot.
+//!
+//! # A mismatch
+//!
+//! A receive that meets an eager send of another size or type fails naming
+//! both; the send, done already, is not told (as with MPI's eager sends).
+//! So that a program does not fail one way or the other by a race, a send
+//! of at most [`EAGER_BYTES`] that went by announcement does not fail on a
+//! mismatch either: only its receive does (`between_machines`).
+//!
+//! Slot layout:
+//!
+//! ```text
+//! bytes  0..4   tag (u32 LE)
+//! byte   4      element type (DataType as u8)
+//! bytes  8..16  ordinal (u64 LE)
+//! bytes 16..24  bytes that follow (u64 LE, at most EAGER_BYTES)
+//! bytes 32..    the send's bytes
+//! ```
+
+use std::collections::{HashMap, VecDeque};
+use std::ptr::NonNull;
+
+use fairring_core::DataType;
+use fairring_rdma::fabric::{Fabric, FabricError, LocalRegion, RemoteRegion, WriteRequest};
+
+use super::Post;
+use super::control::Control;
+use super::transfers::{Active, Transfers, mismatch, unexpected};
+use crate::engine::Engine;
+use crate::engine::failure::Fault;
+use crate::engine::tags::{EAGER_SLOTS_MAX, eager_immediate, eager_token};
+use crate::engine::work_table::{DONE, FAILED};
+use crate::error::Error;
+use crate::memory::MemorySpace;
+
+/// Largest send that goes eagerly.
+pub(crate) const EAGER_BYTES: u64 = 16 << 10;
+
+/// Slots a rank opens to each peer.
+pub(crate) const EAGER_SLOTS: u32 = 8;
+
+const _: () = assert!(EAGER_SLOTS <= EAGER_SLOTS_MAX && EAGER_SLOTS <= 32);
+
+/// Bytes of a slot's header.
+const HEADER: usize = 32;
+
+/// Bytes of one slot: its header and the largest eager send.
+#[expect(clippy::cast_possible_truncation, reason = "16 KiB")]
+pub(crate) const SLOT_BYTES: usize = HEADER + EAGER_BYTES as usize;
+
+/// Every slot, a bit each.
+const ALL_SLOTS: u32 = if EAGER_SLOTS == 32 {
+    u32::MAX
+} else {
+    (1 << EAGER_SLOTS) - 1
+};
+
+/// Memory for [`EAGER_SLOTS`] slots, owned here.
+struct Area {
+    words: NonNull<[u64]>,
+}
+
+impl Area {
+    fn new() -> Area {
+        let words = vec![0u64; EAGER_SLOTS as usize * SLOT_BYTES / 8].into_boxed_slice();
+        Area {
+            words: NonNull::from(Box::leak(words)),
+        }
+    }
+
+    fn base(&self) -> NonNull<u8> {
+        self.words.cast()
+    }
+
+    fn len(&self) -> usize {
+        self.words.len() * 8
+    }
+
+    /// Where slot `slot` starts.
+    fn slot(&self, slot: u32) -> *mut u8 {
+        self.base()
+            .as_ptr()
+            .wrapping_add(slot as usize * SLOT_BYTES)
+    }
+
+    /// Where slot `slot`'s bytes start, after its header.
+    fn data(&self, slot: u32) -> *mut u8 {
+        self.slot(slot).wrapping_add(HEADER)
+    }
+}
+
+impl Drop for Area {
+    fn drop(&mut self) {
+        // SAFETY: `words` came from `Box::leak` in `new`, and is dropped once;
+        // any registration of it was dropped before (`Slots`' field order).
+        drop(unsafe { Box::from_raw(self.words.as_ptr()) });
+    }
+}
+
+// SAFETY: plain memory, reached only under the transfers' lock, and by the
+// fabric within the protocol (a slot is written by one side at a time).
+unsafe impl Send for Area {}
+// SAFETY: as above.
+unsafe impl Sync for Area {}
+
+/// An area and its registration; the registration drops first.
+struct Slots<R> {
+    region: R,
+    area: Area,
+}
+
+/// A send that landed before its receive was posted.
+#[derive(Clone, Copy, Debug)]
+struct Arrival {
+    ordinal: u64,
+    slot: u32,
+    bytes: u64,
+    dtype: DataType,
+}
+
+/// One tag's posts with one peer.
+#[derive(Default)]
+struct TagState {
+    /// Ordinals of the next send and the next receive.
+    sends: u64,
+    receives: u64,
+    /// Eager sends landed whose receives are not posted, by ordinal.
+    arrived: VecDeque<Arrival>,
+    /// Receives that announced themselves: (ordinal, id).
+    announced: VecDeque<(u64, u64)>,
+}
+
+/// Eager sends with one peer.
+pub(crate) struct EagerPeer<R> {
+    /// Whether this rank has tried opening its slots to the peer.
+    opened: bool,
+    /// Where the peer writes its eager sends to this rank.
+    inbox: Option<Slots<R>>,
+    /// What this rank writes its eager sends from.
+    outbox: Option<Slots<R>>,
+    /// The peer's slots for this rank, once it opened them.
+    remote: Option<RemoteRegion>,
+    /// The peer's slots free for this rank, a bit each.
+    remote_free: u32,
+    /// This rank's outbox slots with a write in flight.
+    out_busy: u32,
+    /// Inbox slots taken and not yet given back.
+    freed: u32,
+    tags: HashMap<u32, TagState>,
+}
+
+impl<R> Default for EagerPeer<R> {
+    fn default() -> Self {
+        EagerPeer {
+            opened: false,
+            inbox: None,
+            outbox: None,
+            remote: None,
+            remote_free: 0,
+            out_busy: 0,
+            freed: 0,
+            tags: HashMap::new(),
+        }
+    }
+}
+
+impl<R> EagerPeer<R> {
+    fn tag(&mut self, tag: u32) -> &mut TagState {
+        self.tags.entry(tag).or_insert_with(|| TagState {
+            arrived: VecDeque::with_capacity(EAGER_SLOTS as usize),
+            announced: VecDeque::with_capacity(64),
+            ..TagState::default()
+        })
+    }
+
+    /// The peer left or failed: receives that announced themselves fail
+    /// elsewhere. Sends landed stay, for receives posted later.
+    pub(super) fn forget_announced(&mut self) {
+        for state in self.tags.values_mut() {
+            state.announced.clear();
+        }
+    }
+
+    /// This rank failed: nothing more is taken.
+    pub(super) fn forget_all(&mut self) {
+        for state in self.tags.values_mut() {
+            state.announced.clear();
+            state.arrived.clear();
+        }
+    }
+}
+
+/// The header of slot `slot` of `area`.
+fn read_header(area: &Area, slot: u32) -> (u32, u8, u64, u64) {
+    let mut h = [0u8; HEADER];
+    // SAFETY: the slot lies within the area; its write has landed whole (a
+    // landing is reported once every byte is in place), and the peer writes
+    // it again only once this rank has given it back.
+    unsafe { std::ptr::copy_nonoverlapping(area.slot(slot), h.as_mut_ptr(), HEADER) };
+    let word = |at: usize| u64::from_le_bytes(h[at..at + 8].try_into().unwrap_or([0; 8]));
+    (
+        u32::from_le_bytes([h[0], h[1], h[2], h[3]]),
+        h[4],
+        word(8),
+        word(16),
+    )
+}
+
+impl<F: Fabric, M: MemorySpace> Engine<F, M> {
+    /// Opens this rank's slots to `peer`, once: registers them, tells the
+    /// peer where they are, and registers the outbox it sends from. Where
+    /// the fabric refuses, messages with the peer go by announcement only.
+    pub(super) fn open_eager(&self, t: &mut Transfers<F::Region>, peer: u32) {
+        let e = &mut t.eager[peer as usize];
+        if e.opened {
+            return;
+        }
+        e.opened = true;
+        let fabric = &self.links.fabric;
+        let inbox = Area::new();
+        let (ptr, len) = (inbox.base(), inbox.len());
+        let registered = if fabric.registers_windows() {
+            fabric.register_window(ptr, len).and_then(|w| {
+                // SAFETY: the area lives as long as the window, which is
+                // dropped (closing it) first; this rank reads a slot only
+                // after its write landed and before giving it back.
+                unsafe { fabric.open_window(&w) }.map(|()| w)
+            })
+        } else {
+            // SAFETY: as above, for the registration.
+            unsafe { fabric.register(ptr, len) }
+        };
+        let outbox = Area::new();
+        let (out_ptr, out_len) = (outbox.base(), outbox.len());
+        let out_registered = if fabric.registers_sources() {
+            // SAFETY: the area outlives the registration (dropped first), and
+            // this rank writes a slot only while no write from it is in flight.
+            unsafe { fabric.register_source(out_ptr, out_len) }
+        } else {
+            // SAFETY: as above.
+            unsafe { fabric.register(out_ptr, out_len) }
+        };
+        match (registered, out_registered) {
+            (Ok(region), Ok(out_region)) => {
+                let remote = region.remote();
+                e.inbox = Some(Slots {
+                    region,
+                    area: inbox,
+                });
+                e.outbox = Some(Slots {
+                    region: out_region,
+                    area: outbox,
+                });
+                self.send_message_control(t, peer, &Control::Slots(remote));
+            }
+            (Err(e), _) | (_, Err(e)) => log::warn!(
+                "fairring rank {}: messages with rank {peer} go without eager sends: \
+                 registering their slots failed: {e}",
+                self.links.rank
+            ),
+        }
+    }
+
+    /// Sends of `tag` posted to the peer so far.
+    pub(super) fn sends_posted(e: &mut EagerPeer<F::Region>, tag: u32) -> u64 {
+        e.tag(tag).sends
+    }
+
+    /// The ordinal of the next send of `tag` to `peer`.
+    pub(super) fn next_send_ordinal(t: &mut Transfers<F::Region>, peer: u32, tag: u32) -> u64 {
+        let s = t.eager[peer as usize].tag(tag);
+        s.sends += 1;
+        s.sends - 1
+    }
+
+    /// Sends `post` (its `ordinal`) eagerly if it is small, the peer has
+    /// opened its slots and one is free; returns whether it went.
+    pub(super) fn try_send_eagerly(
+        &self,
+        t: &mut Transfers<F::Region>,
+        post: &Post,
+        ordinal: u64,
+    ) -> Result<bool, Fault> {
+        let e = &mut t.eager[post.peer as usize];
+        let (Some(remote), Some(outbox)) = (e.remote, e.outbox.as_ref()) else {
+            return Ok(false);
+        };
+        let free = e.remote_free & !e.out_busy;
+        if post.bytes > EAGER_BYTES || free == 0 {
+            return Ok(false);
+        }
+        let slot = free.trailing_zeros();
+        #[expect(clippy::cast_possible_truncation, reason = "at most EAGER_BYTES")]
+        let n = post.bytes as usize;
+        let mut header = [0u8; HEADER];
+        header[..4].copy_from_slice(&post.tag.to_le_bytes());
+        header[4] = post.dtype as u8;
+        header[8..16].copy_from_slice(&ordinal.to_le_bytes());
+        header[16..24].copy_from_slice(&post.bytes.to_le_bytes());
+        // SAFETY: the slot lies within the outbox, and no write from it is
+        // in flight (`out_busy`).
+        unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), outbox.area.slot(slot), HEADER) };
+        if n > 0 {
+            // SAFETY: as above, for the slot's bytes; the caller's tensor
+            // holds `n` bytes, valid until the send finishes
+            // (`post_message`), and is not the outbox.
+            unsafe {
+                std::ptr::copy_nonoverlapping(post.data as *const u8, outbox.area.data(slot), n);
+            }
+        }
+        let offset = slot as usize * SLOT_BYTES;
+        let request = WriteRequest {
+            source: &outbox.region,
+            source_offset: offset,
+            len: HEADER + n,
+            target: remote,
+            target_offset: offset as u64,
+            immediate: eager_immediate(slot),
+            token: eager_token(post.id, slot),
+        };
+        match self.links.write(post.peer, request) {
+            Ok(()) => {
+                let e = &mut t.eager[post.peer as usize];
+                e.remote_free &= !(1 << slot);
+                e.out_busy |= 1 << slot;
+                t.put(post.id, Active::Eager(*post, slot));
+                Ok(true)
+            }
+            // The peer failed, which its completion reports; the send goes
+            // the other way, and fails with it.
+            Err(FabricError::QueueFull { .. } | FabricError::PeerFailed { .. }) => Ok(false),
+            Err(e) => Err(Error::peer(post.peer, format!("{}: {e}", post.describe())).into()),
+        }
+    }
+
+    /// Eager send `send` through `slot` to `peer` has left (or, `sent`
+    /// false, never will: its peer left).
+    pub(super) fn on_eager_sent(&self, peer: u32, send: u64, slot: u32, sent: bool) {
+        let mut t = self.lock_transfers();
+        if let Some(e) = t.eager.get_mut(peer as usize) {
+            e.out_busy &= !(1 << slot);
+        }
+        if let Active::Eager(post, s) = t.get(send)
+            && post.id == send
+            && *s == slot
+        {
+            if sent {
+                self.settle_message(&mut t, send, DONE, None);
+            } else {
+                let e = Error::peer(peer, "left the job before this message was sent whole");
+                self.settle_message(&mut t, send, FAILED, Some(e));
+            }
+        }
+    }
+
+    /// Receive `post` (its `ordinal`): takes its eager send if it has landed;
+    /// returns whether it did.
+    pub(super) fn take_landed(
+        &self,
+        t: &mut Transfers<F::Region>,
+        post: &Post,
+        ordinal: u64,
+    ) -> bool {
+        let s = t.eager[post.peer as usize].tag(post.tag);
+        if s.arrived.front().is_none_or(|a| a.ordinal != ordinal) {
+            return false;
+        }
+        let Some(a) = s.arrived.pop_front() else {
+            return false;
+        };
+        self.take_eager(t, post, a);
+        true
+    }
+
+    /// The ordinal of the next receive of `tag` from `peer`.
+    pub(super) fn next_receive_ordinal(t: &mut Transfers<F::Region>, peer: u32, tag: u32) -> u64 {
+        let s = t.eager[peer as usize].tag(tag);
+        s.receives += 1;
+        s.receives - 1
+    }
+
+    /// Receive `id` (its `ordinal`) announced itself to its sender.
+    pub(super) fn announced(t: &mut Transfers<F::Region>, post: &Post, ordinal: u64) {
+        let Transfers { eager, active, .. } = t;
+        let s = eager[post.peer as usize].tag(post.tag);
+        if s.announced.len() == s.announced.capacity() {
+            // Those finished by their chunks go.
+            s.announced.retain(|&(_, id)| {
+                matches!(&active[Transfers::<F::Region>::slot(id)],
+                    Active::Receiving(r) if r.post.id == id)
+            });
+        }
+        s.announced.push_back((ordinal, post.id));
+    }
+
+    /// An eager send landed here from `peer` in slot `slot`, `len` bytes.
+    pub(super) fn on_eager_landed(&self, peer: u32, slot: u32, len: u64) -> Result<(), Fault> {
+        let mut t = self.lock_transfers();
+        let Some(inbox) = t.eager[peer as usize].inbox.as_ref() else {
+            return Err(unexpected(
+                peer,
+                "an eager send into slots never opened to it",
+            ));
+        };
+        if slot >= EAGER_SLOTS {
+            return Err(unexpected(peer, "an eager send into no slot"));
+        }
+        let (tag, dtype, ordinal, bytes) = read_header(&inbox.area, slot);
+        let dtype = DataType::from_u8(dtype);
+        let Some(dtype) = dtype.filter(|_| bytes <= EAGER_BYTES && len == HEADER as u64 + bytes)
+        else {
+            return Err(unexpected(peer, "an eager send with a malformed header"));
+        };
+        let arrival = Arrival {
+            ordinal,
+            slot,
+            bytes,
+            dtype,
+        };
+        let Transfers { eager, active, .. } = &mut *t;
+        let s = eager[peer as usize].tag(tag);
+        let at = s.announced.iter().position(|&(o, _)| o == ordinal);
+        let receive = at.and_then(|i| s.announced.remove(i)).map(|(_, id)| id);
+        match receive.map(|id| &active[Transfers::<F::Region>::slot(id)]) {
+            Some(Active::Receiving(r)) if Some(r.post.id) == receive => {
+                let post = r.post;
+                self.take_eager(&mut t, &post, arrival);
+            }
+            // Its receive failed already: the slot goes back.
+            Some(_) => self.give_back_slot(&mut t, peer, slot),
+            None if ordinal < s.receives => self.give_back_slot(&mut t, peer, slot),
+            None => {
+                if s.arrived.back().is_some_and(|b| b.ordinal >= ordinal) {
+                    return Err(unexpected(peer, "eager sends out of order"));
+                }
+                s.arrived.push_back(arrival);
+            }
+        }
+        Ok(())
+    }
+
+    /// Receive `post` meets eager send `a`: copies it into the tensor, or
+    /// fails if the two disagree; the slot goes back either way.
+    fn take_eager(&self, t: &mut Transfers<F::Region>, post: &Post, a: Arrival) {
+        if post.bytes != a.bytes || post.dtype != a.dtype {
+            let e = mismatch(post, a.bytes, a.dtype, self.links.rank);
+            self.settle_message(t, post.id, FAILED, Some(e));
+        } else {
+            if let Some(inbox) = t.eager[post.peer as usize].inbox.as_ref()
+                && a.bytes > 0
+            {
+                #[expect(clippy::cast_possible_truncation, reason = "at most EAGER_BYTES")]
+                let n = a.bytes as usize;
+                // SAFETY: the slot's bytes landed whole and stay until it is
+                // given back, below; the caller's tensor holds `n` bytes,
+                // valid and alone until the receive finishes
+                // (`post_message`), and is not the inbox.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(inbox.area.data(a.slot), post.data as *mut u8, n);
+                }
+            }
+            self.settle_message(t, post.id, DONE, None);
+        }
+        self.give_back_slot(t, post.peer, a.slot);
+    }
+
+    /// Slot `slot` of `peer`'s is free again: given back with others, once
+    /// half of them are.
+    fn give_back_slot(&self, t: &mut Transfers<F::Region>, peer: u32, slot: u32) {
+        let e = &mut t.eager[peer as usize];
+        e.freed |= 1 << slot;
+        if e.freed.count_ones() >= EAGER_SLOTS / 2 {
+            let freed = std::mem::take(&mut e.freed);
+            self.send_message_control(t, peer, &Control::Freed(freed));
+        }
+    }
+
+    /// `peer` opened its slots to this rank.
+    pub(super) fn on_slots(&self, t: &mut Transfers<F::Region>, peer: u32, landing: RemoteRegion) {
+        let e = &mut t.eager[peer as usize];
+        if landing.len >= u64::from(EAGER_SLOTS) * SLOT_BYTES as u64 && e.remote.is_none() {
+            e.remote = Some(landing);
+            e.remote_free = ALL_SLOTS;
+        }
+    }
+
+    /// `peer` gave back slots.
+    pub(super) fn on_freed(&self, t: &mut Transfers<F::Region>, peer: u32, slots: u32) {
+        t.eager[peer as usize].remote_free |= slots & ALL_SLOTS;
+    }
+}
