@@ -8,7 +8,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{job, job_with_servers, small_slices};
-use fairring::{Algorithm, DataType, Error, Work};
+use fairring::{Algorithm, Call, DataType, Error, Work};
 
 /// The value of element `i` of message `k` from `src` to `dst`: distinct per
 /// pair, message and place, NaN payloads and negative zeros among them.
@@ -807,4 +807,88 @@ fn a_first_send_fails_at_once_when_the_receiver_is_aborted() {
     assert!(took < Duration::from_secs(10), "took {took:?}: {e}");
     assert!(e.contains("rank 1") && e.contains("aborted"), "{e}");
     println!("the send failed after {took:?}: {e}");
+}
+
+/// More receives in flight from one peer between machines than the engine
+/// keeps windows for: those that cannot open their tensor fail at once, and
+/// so do their sends (told by the receiver), while every other pair still
+/// meets its own match, exact, and the communicator goes on. (A receive
+/// that failed unseen by its sender once let the sender's next send meet
+/// the receive after it.)
+#[test]
+fn receives_that_cannot_open_their_tensor_fail_with_their_sends_and_no_other() {
+    const RECEIVES: usize = 70;
+    // Above the eager bound, so that every send waits for its receive.
+    const ELEMENTS: usize = 5000;
+    let results = job(
+        2,
+        1,
+        |b| b.timeout(Duration::from_secs(10)),
+        |rank, comm| {
+            let value = |k: usize, i: usize| (k * ELEMENTS + i) as f32;
+            let mut tensors: Vec<Vec<f32>> = (0..RECEIVES)
+                .map(|k| {
+                    (0..ELEMENTS)
+                        .map(|i| if rank == 0 { value(k, i) } else { -1.0 })
+                        .collect()
+                })
+                .collect();
+            let calls: Vec<Call> = tensors
+                .iter_mut()
+                .map(|t| {
+                    let n = t.len() as u64;
+                    if rank == 0 {
+                        Call::send(1, 0, t.as_ptr().cast(), n, DataType::F32)
+                    } else {
+                        Call::recv(0, 0, t.as_mut_ptr().cast(), n, DataType::F32)
+                    }
+                })
+                .collect();
+            // The receives first, all of them in flight.
+            if rank == 0 {
+                comm.barrier().unwrap();
+            }
+            // SAFETY: every tensor outlives its work, waited below.
+            let works: Vec<_> = calls
+                .iter()
+                .map(|c| unsafe { comm.start(c) }.unwrap())
+                .collect();
+            if rank == 1 {
+                std::thread::sleep(Duration::from_millis(200));
+                comm.barrier().unwrap();
+            }
+            let outcomes: Vec<Result<(), String>> = works
+                .into_iter()
+                .map(|w| w.wait().map_err(|e| e.to_string()))
+                .collect();
+            let exact: Vec<bool> = tensors
+                .iter()
+                .enumerate()
+                .map(|(k, t)| t.iter().enumerate().all(|(i, &v)| v == value(k, i)))
+                .collect();
+            // The failures were the messages' own: the communicator goes on.
+            let after = comm.barrier().map_err(|e| e.to_string());
+            (outcomes, exact, after)
+        },
+    );
+    for (rank, (_, _, after)) in results.iter().enumerate() {
+        assert!(after.is_ok(), "rank {rank}: {after:?}");
+    }
+    let (sent, _, _) = &results[0];
+    let (received, exact, _) = &results[1];
+    let failed = received.iter().filter(|r| r.is_err()).count();
+    assert!(
+        failed > 0,
+        "every receive opened its tensor: nothing tested"
+    );
+    for k in 0..RECEIVES {
+        match (&sent[k], &received[k]) {
+            (Ok(()), Ok(())) => assert!(exact[k], "message {k} holds another's bytes"),
+            (Err(s), Err(_)) => {
+                assert!(s.contains("rank 1"), "send {k}: {s}");
+                assert!(!exact[k], "receive {k} failed yet holds its bytes");
+            }
+            other => panic!("message {k}: one side failed alone: {other:?}"),
+        }
+    }
 }

@@ -4,12 +4,15 @@
 //!
 //! ```text
 //! bits  0..4   kind (Kind)
-//! bits  4..16  staging buffer index (so at most 4096 buffers); 0 in messages
+//! bits  4..16  staging buffer index (so at most 4096 buffers)
 //! bits 16..24  the slice's generation on that buffer, mod 2^8 (the staging
-//!              word's GENERATION_BITS); 0 in messages
+//!              word's GENERATION_BITS)
 //! bits 24..32  the part of the cell it carries (a hierarchical write through
 //!              the trees: fairring-core's `Cell::part`); 0 otherwise
 //! ```
+//!
+//! A message's data lays out bits 4..32 its own way (below:
+//! [`message_immediate`], [`eager_immediate`]), as its token bits 4..64.
 //!
 //! Landings carry no address: the receiver knows where each kind lands from the
 //! buffer, the generation and (for the ring) the order in which one peer's

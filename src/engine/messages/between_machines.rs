@@ -11,7 +11,7 @@ use std::ptr::NonNull;
 
 use fairring_rdma::fabric::{Fabric, FabricError, LocalRegion, RemoteRegion, WriteRequest};
 
-use super::control::{self, Control, MOST_BYTES, Ready, Reply};
+use super::control::{self, Control, MOST_BYTES, NOWHERE, Ready, Reply};
 use super::eager::EAGER_BYTES;
 use super::transfers::{Active, Receiving, Sending, Transfers, mismatch, unexpected};
 use super::{CHUNK, CHUNKS_IN_FLIGHT, Post};
@@ -66,6 +66,17 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             Ok(l) => l,
             Err(e) => {
                 self.settle_message(t, post.id, FAILED, Some(e));
+                // Its send fails too, and takes its place in the count.
+                let failed = Control::Ready(Ready {
+                    tag: post.tag,
+                    ordinal,
+                    receive: post.id,
+                    bytes: post.bytes,
+                    dtype: post.dtype,
+                    landing: NOWHERE,
+                    failed: true,
+                });
+                self.send_message_control(t, post.peer, &failed);
                 return Ok(());
             }
         };
@@ -85,6 +96,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             bytes: post.bytes,
             dtype: post.dtype,
             landing: remote,
+            failed: false,
         });
         self.send_message_control(t, post.peer, &ready);
         Ok(())
@@ -100,11 +112,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         post: &Post,
     ) -> Result<(Option<F::Region>, RemoteRegion), Error> {
         let fabric = &self.links.fabric;
-        let empty = RemoteRegion {
-            key: 0,
-            address: 0,
-            len: 0,
-        };
+        let empty = NOWHERE;
         let (Some(ptr), Ok(len)) = (
             NonNull::new(post.data as *mut u8),
             usize::try_from(post.bytes),
@@ -189,6 +197,14 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             )
             .into());
         };
+        if ready.failed {
+            let e = Error::peer(
+                post.peer,
+                format!("{}: its receive failed on that rank", post.describe()),
+            );
+            self.settle_message(t, send, FAILED, Some(e));
+            return Ok(());
+        }
         if post.bytes != ready.bytes || post.dtype != ready.dtype {
             let reply = Control::Reply(Reply::Refused {
                 receive: ready.receive,
@@ -448,7 +464,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 {
                     return Ok(());
                 }
-                if let Some(((_, send), ready)) = matcher.right(ready.tag, ready) {
+                if let Some(((ordinal, send), ready)) = matcher.right(ready.tag, ready) {
+                    if ordinal != ready.ordinal {
+                        return Err(unexpected(peer, "a message announced out of order"));
+                    }
                     self.begin_send(&mut t, send, &ready)?;
                 }
             }

@@ -3,12 +3,15 @@
 //!
 //! ```text
 //! Ready    [1][tag u32][ordinal u64][receive u64][bytes u64][dtype u8][landing: RemoteRegion]
+//! Failed   [6][tag u32][ordinal u64][receive u64][bytes u64][dtype u8]
 //! Refused  [2][receive u64][bytes u64][dtype u8]
 //! Empty    [3][receive u64]
 //! Slots    [4][landing: RemoteRegion]
 //! Freed    [5][slots u32]
 //! ```
 //!
+//! `Failed` is a `Ready` of a receive that failed before it could open its
+//! tensor: its send fails too, and the pair's counts of posts stay in step.
 //! `Slots` opens the sender's eager slots on the receiver (`eager`), once
 //! per pair and way; `Freed` gives back the slots whose messages the
 //! receiver has taken (a bit each).
@@ -32,6 +35,9 @@ pub(crate) struct Ready {
     pub(crate) dtype: DataType,
     /// Where the sender writes: the receiver's tensor, open to it.
     pub(crate) landing: RemoteRegion,
+    /// The receive failed before it could open its tensor (`landing` is
+    /// empty): its send fails.
+    pub(crate) failed: bool,
 }
 
 /// What a sender tells a receiver.
@@ -64,6 +70,14 @@ const REFUSED: u8 = 2;
 const EMPTY: u8 = 3;
 const SLOTS: u8 = 4;
 const FREED: u8 = 5;
+const FAILED: u8 = 6;
+
+/// The landing of a receive that has none.
+pub(crate) const NOWHERE: RemoteRegion = RemoteRegion {
+    key: 0,
+    address: 0,
+    len: 0,
+};
 
 /// Bytes of the longest control message.
 pub(crate) const MOST_BYTES: usize = 1 + 4 + 8 + 8 + 8 + 1 + RemoteRegion::BYTES;
@@ -73,13 +87,15 @@ pub(crate) fn encode(c: &Control, out: &mut [u8; MOST_BYTES]) -> usize {
     let mut w = Writer { out, at: 0 };
     match c {
         Control::Ready(r) => {
-            w.put(&[READY]);
+            w.put(&[if r.failed { FAILED } else { READY }]);
             w.put(&r.tag.to_le_bytes());
             w.put(&r.ordinal.to_le_bytes());
             w.put(&r.receive.to_le_bytes());
             w.put(&r.bytes.to_le_bytes());
             w.put(&[r.dtype as u8]);
-            w.put(&r.landing.to_bytes());
+            if !r.failed {
+                w.put(&r.landing.to_bytes());
+            }
         }
         Control::Reply(Reply::Refused {
             receive,
@@ -111,14 +127,21 @@ pub(crate) fn encode(c: &Control, out: &mut [u8; MOST_BYTES]) -> usize {
 pub(crate) fn decode(payload: &[u8]) -> Option<Control> {
     let mut r = Reader { bytes: payload };
     let c = match r.u8()? {
-        READY => Control::Ready(Ready {
-            tag: u32::from_le_bytes(r.take()?),
-            ordinal: u64::from_le_bytes(r.take()?),
-            receive: u64::from_le_bytes(r.take()?),
-            bytes: u64::from_le_bytes(r.take()?),
-            dtype: DataType::from_u8(r.u8()?)?,
-            landing: RemoteRegion::from_bytes(r.rest(RemoteRegion::BYTES)?)?,
-        }),
+        kind @ (READY | FAILED) => {
+            let mut ready = Ready {
+                tag: u32::from_le_bytes(r.take()?),
+                ordinal: u64::from_le_bytes(r.take()?),
+                receive: u64::from_le_bytes(r.take()?),
+                bytes: u64::from_le_bytes(r.take()?),
+                dtype: DataType::from_u8(r.u8()?)?,
+                landing: NOWHERE,
+                failed: kind == FAILED,
+            };
+            if !ready.failed {
+                ready.landing = RemoteRegion::from_bytes(r.rest(RemoteRegion::BYTES)?)?;
+            }
+            Control::Ready(ready)
+        }
         REFUSED => Control::Reply(Reply::Refused {
             receive: u64::from_le_bytes(r.take()?),
             bytes: u64::from_le_bytes(r.take()?),
@@ -185,6 +208,16 @@ mod tests {
                 bytes: 4096,
                 dtype: DataType::BF16,
                 landing,
+                failed: false,
+            }),
+            Control::Ready(Ready {
+                tag: 7,
+                ordinal: 3,
+                receive: 9,
+                bytes: 40,
+                dtype: DataType::F32,
+                landing: NOWHERE,
+                failed: true,
             }),
             Control::Reply(Reply::Refused {
                 receive: 3,

@@ -22,10 +22,10 @@
 //! # Slots
 //!
 //! When a rank first starts a message with a peer over the fabric, it opens
-//! [`EAGER_SLOTS`] slots of [`SLOT_BYTES`] to the peer (`Slots`), and later
-//! gives back, a few at a time, those whose sends it has taken (`Freed`). A
-//! send that finds no slot free goes by announcement: nothing ever waits
-//! for a slot.
+//! [`EAGER_SLOTS`] slots of [`SLOT_BYTES`] to the peer (`Slots`; to its
+//! first [`EAGER_PEERS`] peers only), and later gives back, half of them at
+//! a time, those whose sends it has taken (`Freed`). A send that finds no
+//! slot free goes by announcement: nothing ever waits for a slot.
 //!
 //! # A mismatch
 //!
@@ -65,7 +65,13 @@ use crate::memory::MemorySpace;
 pub(crate) const EAGER_BYTES: u64 = 16 << 10;
 
 /// Slots a rank opens to each peer.
-pub(crate) const EAGER_SLOTS: u32 = 8;
+pub(crate) const EAGER_SLOTS: u32 = 4;
+
+/// Peers a rank opens slots to, at most (the first it starts messages
+/// with): a rank holds at most `2 * EAGER_PEERS * EAGER_SLOTS * SLOT_BYTES`
+/// bytes of slots (8.4 MB), however many peers it exchanges messages with.
+/// Messages with the others go by announcement.
+pub(crate) const EAGER_PEERS: u32 = 64;
 
 const _: () = assert!(EAGER_SLOTS <= EAGER_SLOTS_MAX && EAGER_SLOTS <= 32);
 
@@ -172,6 +178,8 @@ pub(crate) struct EagerPeer<R> {
     remote_free: u32,
     /// This rank's outbox slots with a write in flight.
     out_busy: u32,
+    /// Inbox slots holding a send landed and not yet taken.
+    held: u32,
     /// Inbox slots taken and not yet given back.
     freed: u32,
     tags: HashMap<u32, TagState>,
@@ -186,6 +194,7 @@ impl<R> Default for EagerPeer<R> {
             remote: None,
             remote_free: 0,
             out_busy: 0,
+            held: 0,
             freed: 0,
             tags: HashMap::new(),
         }
@@ -196,7 +205,7 @@ impl<R> EagerPeer<R> {
     fn tag(&mut self, tag: u32) -> &mut TagState {
         self.tags.entry(tag).or_insert_with(|| TagState {
             arrived: VecDeque::with_capacity(EAGER_SLOTS as usize),
-            announced: VecDeque::with_capacity(64),
+            announced: VecDeque::with_capacity(16),
             ..TagState::default()
         })
     }
@@ -215,6 +224,7 @@ impl<R> EagerPeer<R> {
             state.announced.clear();
             state.arrived.clear();
         }
+        self.held = 0;
     }
 }
 
@@ -239,11 +249,14 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// peer where they are, and registers the outbox it sends from. Where
     /// the fabric refuses, messages with the peer go by announcement only.
     pub(super) fn open_eager(&self, t: &mut Transfers<F::Region>, peer: u32) {
-        let e = &mut t.eager[peer as usize];
-        if e.opened {
+        if t.eager[peer as usize].opened {
             return;
         }
-        e.opened = true;
+        t.eager[peer as usize].opened = true;
+        if t.eager_peers == EAGER_PEERS {
+            return;
+        }
+        let e = &mut t.eager[peer as usize];
         let fabric = &self.links.fabric;
         let inbox = Area::new();
         let (ptr, len) = (inbox.base(), inbox.len());
@@ -279,6 +292,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                     region: out_region,
                     area: outbox,
                 });
+                t.eager_peers += 1;
                 self.send_message_control(t, peer, &Control::Slots(remote));
             }
             (Err(e), _) | (_, Err(e)) => log::warn!(
@@ -354,10 +368,20 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 t.put(post.id, Active::Eager(*post, slot));
                 Ok(true)
             }
-            // The peer failed, which its completion reports; the send goes
-            // the other way, and fails with it.
+            // No room, or the peer failed (which its completion reports):
+            // the send goes by announcement (and fails with the peer).
             Err(FabricError::QueueFull { .. } | FabricError::PeerFailed { .. }) => Ok(false),
-            Err(e) => Err(Error::peer(post.peer, format!("{}: {e}", post.describe())).into()),
+            // The write refused (the peer's slots are not what it said):
+            // this send and the later ones go by announcement.
+            Err(e) => {
+                log::warn!(
+                    "fairring rank {}: sends to rank {} go without eager sends: {e}",
+                    self.links.rank,
+                    post.peer
+                );
+                t.eager[post.peer as usize].remote = None;
+                Ok(false)
+            }
         }
     }
 
@@ -424,16 +448,21 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// An eager send landed here from `peer` in slot `slot`, `len` bytes.
     pub(super) fn on_eager_landed(&self, peer: u32, slot: u32, len: u64) -> Result<(), Fault> {
         let mut t = self.lock_transfers();
-        let Some(inbox) = t.eager[peer as usize].inbox.as_ref() else {
+        let e = &mut t.eager[peer as usize];
+        if slot >= EAGER_SLOTS {
+            return Err(unexpected(peer, "an eager send into no slot"));
+        }
+        if e.held & (1 << slot) != 0 {
+            return Err(unexpected(peer, "an eager send into a slot not given back"));
+        }
+        let Some(inbox) = e.inbox.as_ref() else {
             return Err(unexpected(
                 peer,
                 "an eager send into slots never opened to it",
             ));
         };
-        if slot >= EAGER_SLOTS {
-            return Err(unexpected(peer, "an eager send into no slot"));
-        }
         let (tag, dtype, ordinal, bytes) = read_header(&inbox.area, slot);
+        e.held |= 1 << slot;
         let dtype = DataType::from_u8(dtype);
         let Some(dtype) = dtype.filter(|_| bytes <= EAGER_BYTES && len == HEADER as u64 + bytes)
         else {
@@ -493,11 +522,13 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     }
 
     /// Slot `slot` of `peer`'s is free again: given back with others, once
-    /// half of them are.
+    /// half of them are, or once the peer may have none left (the others
+    /// holding sends whose receives are not posted).
     fn give_back_slot(&self, t: &mut Transfers<F::Region>, peer: u32, slot: u32) {
         let e = &mut t.eager[peer as usize];
+        e.held &= !(1 << slot);
         e.freed |= 1 << slot;
-        if e.freed.count_ones() >= EAGER_SLOTS / 2 {
+        if e.freed.count_ones() >= EAGER_SLOTS / 2 || (e.held | e.freed) == ALL_SLOTS {
             let freed = std::mem::take(&mut e.freed);
             self.send_message_control(t, peer, &Control::Freed(freed));
         }

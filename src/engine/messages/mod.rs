@@ -77,6 +77,13 @@ use crate::sync::{AtomicBool, AtomicU64, Ordering};
 /// Messages a rank may have posted and not yet released: the table's size.
 pub(crate) const MESSAGE_ENTRIES: usize = 4096;
 
+// A chunk's immediate carries a receive's id mod 2^27, from which the
+// receiver finds its entry: the table's size divides that.
+const _: () = assert!(
+    MESSAGE_ENTRIES.is_power_of_two()
+        && MESSAGE_ENTRIES <= 1 << crate::engine::tags::MESSAGE_ID_BITS
+);
+
 /// Bytes of one data write of a message: large enough that a write's cost is
 /// its bytes, small enough that a collective's writes to the same peer are
 /// not held behind a whole large message.

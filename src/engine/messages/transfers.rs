@@ -55,6 +55,8 @@ pub(crate) struct Transfers<R> {
     pub(super) windows: KeptRegions<R>,
     /// Per rank: eager sends with it, over the fabric.
     pub(super) eager: Vec<EagerPeer<R>>,
+    /// Peers this rank opened eager slots to.
+    pub(super) eager_peers: u32,
 }
 
 /// One peer's messages before they move.
@@ -142,6 +144,7 @@ impl<R> Transfers<R> {
             sources: KeptRegions::with_holders(CACHED, MESSAGE_ENTRIES),
             windows: KeptRegions::with_holders(CACHED, MESSAGE_ENTRIES),
             eager: (0..world).map(|_| EagerPeer::default()).collect(),
+            eager_peers: 0,
         }
     }
 
