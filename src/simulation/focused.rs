@@ -953,3 +953,72 @@ fn small_sends_go_eagerly_in_order_with_the_others_of_their_tag() {
     assert!(engines.iter().all(|e| e.failure().is_none()));
     assert_eq!(got, sent);
 }
+
+/// A receive between machines that cannot open its tensor (the fabric
+/// refuses its window) fails, and tells its sender in its announcement's
+/// place: the send fails naming the receiver, and the pair's next messages
+/// meet each other, exact, with neither engine failed. (Unannounced, the
+/// sender's next send once met the receive after it.)
+#[test]
+fn a_receive_that_cannot_open_its_tensor_fails_its_send_and_no_other() {
+    // Above the eager bound: every send waits for its receive's word.
+    const ELEMENTS: usize = 5000;
+    let mut sent: Vec<Vec<i32>> = (0..2)
+        .map(|k| (0..ELEMENTS).map(|i| (k * ELEMENTS + i) as i32).collect())
+        .collect();
+    let mut got: Vec<Vec<i32>> = (0..2).map(|_| vec![-1; ELEMENTS]).collect();
+    let (engines, net) = linked_pair();
+    let lock = || {
+        net.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    };
+    let post = |sending: bool, data: &mut [i32]| crate::engine::messages::Post {
+        bytes: data.len() as u64 * 4,
+        ..post_between_0_and_1(sending, data)
+    };
+    let settled = |r: usize, id: u64| engines[r].test_message(id).map_err(|e| e.to_string());
+    let pump = || {
+        for _ in 0..50 {
+            for e in &engines {
+                e.try_drive();
+            }
+            let busy = lock().busy_links();
+            for (a, b) in busy {
+                lock().deliver(a, b);
+            }
+        }
+    };
+    let [s0, s1] = &mut sent[..] else {
+        unreachable!()
+    };
+    let [g0, g1] = &mut got[..] else {
+        unreachable!()
+    };
+    // Receive 0 cannot open its tensor; receive 1 can.
+    lock().refuse_windows = true;
+    // SAFETY: every tensor outlives the engines (declared before them).
+    let receive0 = unsafe { engines[1].post_message(post(false, g0)) }.unwrap();
+    engines[1].try_drive();
+    lock().refuse_windows = false;
+    // SAFETY: as above.
+    let receive1 = unsafe { engines[1].post_message(post(false, g1)) }.unwrap();
+    pump();
+    // SAFETY: as above.
+    let send0 = unsafe { engines[0].post_message(post(true, s0)) }.unwrap();
+    // SAFETY: as above.
+    let send1 = unsafe { engines[0].post_message(post(true, s1)) }.unwrap();
+    pump();
+    let e = settled(1, receive0).expect_err("its window was refused");
+    assert!(e.contains("opening its tensor"), "{e}");
+    let e = settled(0, send0).expect_err("its receive failed");
+    assert!(
+        e.contains("rank 1") && e.contains("its receive failed"),
+        "{e}"
+    );
+    assert_eq!(
+        (settled(0, send1), settled(1, receive1)),
+        (Ok(true), Ok(true))
+    );
+    assert!(engines.iter().all(|e| e.failure().is_none()));
+    assert_eq!(got[1], sent[1]);
+}

@@ -50,6 +50,8 @@ pub(super) struct Network {
     next_window: u32,
     /// Writes landed in windows so far.
     pub(super) window_landings: u64,
+    /// Whether `register_window` fails (a fabric out of registrations).
+    pub(super) refuse_windows: bool,
     /// Per (source, target): posts in flight, in order.
     links: Vec<VecDeque<Item>>,
     /// Per (a, b): whether a connected to b.
@@ -67,6 +69,7 @@ impl Network {
             windows: (0..n).map(|_| Vec::new()).collect(),
             next_window: world,
             window_landings: 0,
+            refuse_windows: false,
             links: (0..n * n).map(|_| VecDeque::new()).collect(),
             connected: vec![false; n * n],
             completions: (0..n).map(|_| VecDeque::new()).collect(),
@@ -343,6 +346,12 @@ impl Fabric for SimFabric {
     fn register_window(&self, memory: NonNull<u8>, len: usize) -> Result<SimRegion, FabricError> {
         let address = memory.as_ptr() as usize;
         let mut net = lock(&self.net);
+        if net.refuse_windows {
+            return Err(FabricError::InvalidArgument {
+                argument: "window",
+                reason: "the simulated fabric refuses windows".into(),
+            });
+        }
         let key = net.next_window;
         net.next_window += 1;
         net.windows[self.rank as usize].push(Window {

@@ -37,6 +37,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         post: Post,
     ) -> Result<(), Fault> {
         let peer = post.peer as usize;
+        if t.peers[peer].left && post.sending {
+            self.fail_after_goodbye(t, &post);
+            return Ok(());
+        }
         self.open_eager(t, post.peer);
         if post.sending {
             let ordinal = Self::next_send_ordinal(t, post.peer, post.tag);
@@ -60,6 +64,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         let ordinal = Self::next_receive_ordinal(t, post.peer, post.tag);
         if self.take_landed(t, &post, ordinal) {
+            return Ok(());
+        }
+        if t.peers[peer].left {
+            self.fail_after_goodbye(t, &post);
             return Ok(());
         }
         let (own_landing, remote) = match self.open_landing(t, &post) {
@@ -104,8 +112,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
 
     /// Opens a receive's tensor to its sender: a window where the fabric has
     /// them (kept, and opened unless another receive in flight holds it open
-    /// already), a registration of its own otherwise; nothing for an empty
-    /// receive. Returns the registration it owns, and where the sender writes.
+    /// already; one of its own where every kept one is held), a registration
+    /// of its own otherwise; nothing for an empty receive. Returns the
+    /// registration it owns, and where the sender writes.
     fn open_landing(
         &self,
         t: &mut Transfers<F::Region>,
@@ -139,15 +148,19 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                     .map_err(|e| failed = Some(refused(e)))
                     .ok()
             });
-            let window = match (held, t.windows.get(post.id)) {
-                (true, Some(w)) => w,
+            let window = match (held, t.windows.get(post.id), failed) {
+                (true, Some(w), _) => w,
+                (_, _, Some(e)) => return Err(e),
+                // Every kept window is held by a receive in flight: one of
+                // its own, dropped (which closes it) when it finishes.
                 _ => {
-                    return Err(failed.unwrap_or_else(|| {
-                        refused(FabricError::InvalidArgument {
-                            argument: "window",
-                            reason: "every kept window is held by a message in flight".into(),
-                        })
-                    }));
+                    let window = fabric.register_window(ptr, len).map_err(refused)?;
+                    // SAFETY: closed when the receive finishes, which drops
+                    // it first, with the caller leaving the tensor valid and
+                    // alone until then (`post_message`).
+                    unsafe { fabric.open_window(&window) }.map_err(refused)?;
+                    let remote = window.remote();
+                    return Ok((Some(window), remote));
                 }
             };
             if t.windows.holders(post.id) == 1 {
@@ -255,7 +268,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     }
 
     /// Registers a send's tensor to send from: a kept source registration
-    /// where the fabric has them (none returned), its own otherwise.
+    /// where the fabric has them (none returned), its own otherwise (or
+    /// where every kept one is held).
     fn register_source(
         &self,
         t: &mut Transfers<F::Region>,
@@ -288,15 +302,13 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             let held = t.sources.take(post.id, (post.data, len), || {
                 register().map_err(|e| failed = Some(refused(e))).ok()
             });
-            if held {
-                return Ok(None);
-            }
-            return Err(failed.unwrap_or_else(|| {
-                refused(FabricError::InvalidArgument {
-                    argument: "source",
-                    reason: "every kept registration is held by a message in flight".into(),
-                })
-            }));
+            return match (held, failed) {
+                (true, _) => Ok(None),
+                (false, Some(e)) => Err(e),
+                // Every kept registration is held by a send in flight: one
+                // of its own, dropped before the message finishes.
+                (false, None) => register().map_err(refused).map(Some),
+            };
         }
         // SAFETY: as above; the registration is dropped before the message
         // finishes.

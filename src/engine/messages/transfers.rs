@@ -75,6 +75,9 @@ pub(super) struct PeerState {
     pub(super) unlinked: Vec<u64>,
     /// Control messages waiting for room, in order.
     pub(super) controls: VecDeque<([u8; MOST_BYTES], usize)>,
+    /// Whether the peer said goodbye: a message posted with it since fails
+    /// (but a receive of an eager send that landed before).
+    pub(super) left: bool,
 }
 
 /// What an entry holds.
@@ -239,6 +242,12 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         Ok(moved)
     }
 
+    /// Fails `post`, posted after its peer said goodbye.
+    pub(super) fn fail_after_goodbye(&self, t: &mut Transfers<F::Region>, post: &Post) {
+        let e = Error::peer(post.peer, "left the job before this message was posted");
+        self.settle_message(t, post.id, FAILED, Some(e));
+    }
+
     /// Starts the posts of peers whose link settled since the last pass.
     fn linked_since(&self, t: &mut Transfers<F::Region>) -> Result<bool, Fault> {
         let mut moved = false;
@@ -304,6 +313,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// costs no message.
     pub(in crate::engine) fn on_peer_left(&self, peer: u32) {
         let mut t = self.lock_transfers();
+        t.peers[peer as usize].left = true;
         if t.local_of(peer).is_some() {
             self.settle_offered(&mut t);
         }

@@ -35,6 +35,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         local: u32,
     ) -> Result<(), Fault> {
         let peer = post.peer as usize;
+        if t.peers[peer].left {
+            self.fail_after_goodbye(t, &post);
+            return Ok(());
+        }
         if post.sending {
             let k = t.peers[peer].next_offer;
             t.peers[peer].next_offer += 1;
