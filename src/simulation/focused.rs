@@ -699,29 +699,57 @@ fn a_finished_sends_reply_goes_out_with_nothing_left_in_flight() {
 }
 
 /// Two engines of a 2x1 job, linked for messages as the communicator's
-/// linker links them.
-fn linked_pair() -> (
-    Vec<Engine<SimFabric, SimMemory>>,
-    Arc<std::sync::Mutex<Network>>,
-) {
-    let (engines, net) = small_job(
-        (2, 1),
-        Design::Accepted,
-        Duration::from_secs(5),
-        |_, step| Box::new(step),
-    );
-    for (a, b) in [(0u32, 1u32), (1, 0)] {
-        let fabric = &engines[a as usize].links.fabric;
-        fabric
-            .endpoint(b)
-            .and_then(|ep| fabric.connect(b, &ep))
-            .unwrap();
-        engines[a as usize].late_links.settle(b, Ok(()));
-    }
-    (engines, net)
+/// linker links them, and their network.
+struct Pair {
+    engines: Vec<Engine<SimFabric, SimMemory>>,
+    net: Arc<std::sync::Mutex<Network>>,
 }
 
-/// A post of 1000 `i32` of `data` between ranks 0 and 1, tag 0.
+impl Pair {
+    fn new() -> Pair {
+        let (engines, net) = small_job(
+            (2, 1),
+            Design::Accepted,
+            Duration::from_secs(5),
+            |_, step| Box::new(step),
+        );
+        for (a, b) in [(0u32, 1u32), (1, 0)] {
+            let fabric = &engines[a as usize].links.fabric;
+            fabric
+                .endpoint(b)
+                .and_then(|ep| fabric.connect(b, &ep))
+                .unwrap();
+            engines[a as usize].late_links.settle(b, Ok(()));
+        }
+        Pair { engines, net }
+    }
+
+    fn net(&self) -> std::sync::MutexGuard<'_, Network> {
+        self.net
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Drives both engines and delivers what every link holds, 50 times.
+    fn pump(&self) {
+        for _ in 0..50 {
+            for e in &self.engines {
+                e.try_drive();
+            }
+            let busy = self.net().busy_links();
+            for (a, b) in busy {
+                self.net().deliver(a, b);
+            }
+        }
+    }
+
+    /// Whether rank `r`'s message `id` has settled; why it failed.
+    fn settled(&self, r: usize, id: u64) -> Result<bool, String> {
+        self.engines[r].test_message(id).map_err(|e| e.to_string())
+    }
+}
+
+/// A post of the `i32` of `data` between ranks 0 and 1, tag 0.
 fn post_between_0_and_1(sending: bool, data: &mut [i32]) -> crate::engine::messages::Post {
     crate::engine::messages::Post {
         id: 0,
@@ -729,20 +757,17 @@ fn post_between_0_and_1(sending: bool, data: &mut [i32]) -> crate::engine::messa
         tag: 0,
         sending,
         data: data.as_mut_ptr() as usize,
-        bytes: 4000,
+        bytes: data.len() as u64 * 4,
         dtype: DataType::I32,
     }
 }
 
-/// Rank 1 of a [`linked_pair`] says goodbye after no operation, and rank
-/// 0's fabric reports it ahead of what it had queued.
-fn goodbye_reported_first(
-    engines: &[Engine<SimFabric, SimMemory>],
-    net: &std::sync::Mutex<Network>,
-) {
+/// Rank 1 of a [`Pair`] says goodbye after no operation, and rank 0's
+/// fabric reports it ahead of what it had queued.
+fn goodbye_reported_first(pair: &Pair) {
     use crate::engine::tags::{self, Kind};
     let bye = 0u64.to_le_bytes();
-    engines[1]
+    pair.engines[1]
         .links
         .fabric
         .send_message(
@@ -752,9 +777,7 @@ fn goodbye_reported_first(
             tags::token(Kind::Bye, 0, 0, 0),
         )
         .unwrap();
-    let mut n = net
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut n = pair.net();
     n.deliver(1, 0);
     n.report_newest_first(0);
 }
@@ -767,13 +790,9 @@ fn goodbye_reported_first(
 #[test]
 fn a_goodbye_reported_before_the_last_sent_fails_no_send_its_rank_received() {
     // Before the engines, so that they drop after them.
-    let (mut sent, mut got) = (vec![7i32; 1000], vec![0i32; 1000]);
-    let (engines, net) = linked_pair();
-    let lock = || {
-        net.lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    };
-    let settled = |r: usize, id: u64| engines[r].test_message(id).map_err(|e| e.to_string());
+    let (mut sent, mut got) = (vec![7i32; 5000], vec![0i32; 5000]);
+    let pair = Pair::new();
+    let engines = &pair.engines;
     // SAFETY: `sent` outlives the engines (declared before them).
     let send = unsafe { engines[0].post_message(post_between_0_and_1(true, &mut sent)) }.unwrap();
     // SAFETY: as for `sent`.
@@ -782,23 +801,23 @@ fn a_goodbye_reported_before_the_last_sent_fails_no_send_its_rank_received() {
     // Rank 1 drives first each round: its receive is done with the `Sent`
     // of rank 0's write still queued.
     for _ in 0..1000 {
-        let busy = lock().busy_links();
+        let busy = pair.net().busy_links();
         for (a, b) in busy {
-            lock().deliver(a, b);
+            pair.net().deliver(a, b);
         }
         engines[1].try_drive();
-        if settled(1, receive) != Ok(false) {
+        if pair.settled(1, receive) != Ok(false) {
             break;
         }
         engines[0].try_drive();
     }
-    assert_eq!(settled(1, receive), Ok(true));
-    assert_eq!(settled(0, send), Ok(false), "the Sent is still queued");
-    goodbye_reported_first(&engines, &net);
+    assert_eq!(pair.settled(1, receive), Ok(true));
+    assert_eq!(pair.settled(0, send), Ok(false), "the Sent is still queued");
+    goodbye_reported_first(&pair);
     for _ in 0..10 {
         engines[0].try_drive();
     }
-    assert_eq!(settled(0, send), Ok(true));
+    assert_eq!(pair.settled(0, send), Ok(true));
     assert_eq!(got, sent);
     assert!(
         engines[0].failure().is_none(),
@@ -813,13 +832,9 @@ fn a_goodbye_reported_before_the_last_sent_fails_no_send_its_rank_received() {
 #[test]
 fn a_send_posted_whole_to_a_rank_that_left_fails_once_its_connection_closes() {
     // Before the engines, so that they drop after them.
-    let (mut sent, mut got) = (vec![9i32; 1000], vec![0i32; 1000]);
-    let (engines, net) = linked_pair();
-    let lock = || {
-        net.lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    };
-    let settled = |r: usize, id: u64| engines[r].test_message(id).map_err(|e| e.to_string());
+    let (mut sent, mut got) = (vec![9i32; 5000], vec![0i32; 5000]);
+    let pair = Pair::new();
+    let engines = &pair.engines;
     // SAFETY: `sent` outlives the engines (declared before them).
     let send = unsafe { engines[0].post_message(post_between_0_and_1(true, &mut sent)) }.unwrap();
     // SAFETY: as for `sent`.
@@ -827,26 +842,32 @@ fn a_send_posted_whole_to_a_rank_that_left_fails_once_its_connection_closes() {
     // The receive's announcement reaches rank 0, which posts the one chunk.
     for _ in 0..3 {
         engines[1].try_drive();
-        lock().deliver(1, 0);
+        pair.net().deliver(1, 0);
         engines[0].try_drive();
     }
-    assert!(lock().busy_links().contains(&(0, 1)), "the chunk is posted");
-    goodbye_reported_first(&engines, &net);
+    assert!(
+        pair.net().busy_links().contains(&(0, 1)),
+        "the chunk is posted"
+    );
+    goodbye_reported_first(&pair);
     for _ in 0..10 {
         engines[0].try_drive();
     }
-    assert_eq!(settled(0, send), Ok(false), "its chunk may still go out");
-    lock().kill(1);
+    assert_eq!(
+        pair.settled(0, send),
+        Ok(false),
+        "its chunk may still go out"
+    );
+    pair.net().kill(1);
     for _ in 0..10 {
         engines[0].try_drive();
     }
-    let e = settled(0, send).expect_err("never received");
+    let e = pair.settled(0, send).expect_err("never received");
     assert!(e.contains("rank 1") && e.contains("left the job"), "{e}");
     assert!(
         engines[0].failure().is_none(),
         "a peer leaving fails no engine"
     );
-    drop(engines);
 }
 
 /// Small sends between machines go eagerly, in one trip, and keep their
@@ -868,27 +889,8 @@ fn small_sends_go_eagerly_in_order_with_the_others_of_their_tag() {
         .map(|k| (0..sizes[k]).map(|i| (k * 100_000 + i) as i32).collect())
         .collect();
     let mut got: Vec<Vec<i32>> = sizes.iter().map(|&n| vec![-1; n]).collect();
-    let (engines, net) = linked_pair();
-    let lock = || {
-        net.lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    };
-    let post = |sending: bool, data: &mut [i32]| crate::engine::messages::Post {
-        bytes: data.len() as u64 * 4,
-        ..post_between_0_and_1(sending, data)
-    };
-    let settled = |r: usize, id: u64| engines[r].test_message(id).map_err(|e| e.to_string());
-    let deliver_all = || {
-        for _ in 0..50 {
-            for e in &engines {
-                e.try_drive();
-            }
-            let busy = lock().busy_links();
-            for (a, b) in busy {
-                lock().deliver(a, b);
-            }
-        }
-    };
+    let pair = Pair::new();
+    let engines = &pair.engines;
     let [s0, s1, s2, s3, s4] = &mut sent[..] else {
         unreachable!()
     };
@@ -897,58 +899,58 @@ fn small_sends_go_eagerly_in_order_with_the_others_of_their_tag() {
     };
     // Message 0 opens the slots both ways (and goes by announcement).
     // SAFETY: every tensor outlives the engines (declared before them).
-    let send0 = unsafe { engines[0].post_message(post(true, s0)) }.unwrap();
+    let send0 = unsafe { engines[0].post_message(post_between_0_and_1(true, s0)) }.unwrap();
     // SAFETY: as above.
-    let receive0 = unsafe { engines[1].post_message(post(false, g0)) }.unwrap();
-    deliver_all();
+    let receive0 = unsafe { engines[1].post_message(post_between_0_and_1(false, g0)) }.unwrap();
+    pair.pump();
     assert_eq!(
-        (settled(0, send0), settled(1, receive0)),
+        (pair.settled(0, send0), pair.settled(1, receive0)),
         (Ok(true), Ok(true))
     );
     // Message 1: sent first; it lands before its receive is posted.
     // SAFETY: as above.
-    let send1 = unsafe { engines[0].post_message(post(true, s1)) }.unwrap();
+    let send1 = unsafe { engines[0].post_message(post_between_0_and_1(true, s1)) }.unwrap();
     engines[0].try_drive();
-    lock().deliver(0, 1);
+    pair.net().deliver(0, 1);
     engines[0].try_drive();
-    assert_eq!(settled(0, send1), Ok(true), "done once its write left");
+    assert_eq!(pair.settled(0, send1), Ok(true), "done once its write left");
     // Rank 1 takes the landing, and then its caller posts the receive.
     engines[1].try_drive();
     // SAFETY: as above.
-    let receive1 = unsafe { engines[1].post_message(post(false, g1)) }.unwrap();
+    let receive1 = unsafe { engines[1].post_message(post_between_0_and_1(false, g1)) }.unwrap();
     engines[1].try_drive();
     assert_eq!(
-        settled(1, receive1),
+        pair.settled(1, receive1),
         Ok(true),
         "taken with nothing sent back"
     );
-    assert!(lock().busy_links().is_empty(), "nothing sent back");
+    assert!(pair.net().busy_links().is_empty(), "nothing sent back");
     // Message 2: its receive announces itself first, but the announcement
     // is still on its way when the send is posted.
     // SAFETY: as above.
-    let receive2 = unsafe { engines[1].post_message(post(false, g2)) }.unwrap();
+    let receive2 = unsafe { engines[1].post_message(post_between_0_and_1(false, g2)) }.unwrap();
     engines[1].try_drive();
     // SAFETY: as above.
-    let send2 = unsafe { engines[0].post_message(post(true, s2)) }.unwrap();
+    let send2 = unsafe { engines[0].post_message(post_between_0_and_1(true, s2)) }.unwrap();
     engines[0].try_drive();
-    lock().deliver(0, 1);
+    pair.net().deliver(0, 1);
     engines[1].try_drive();
-    assert_eq!(settled(1, receive2), Ok(true), "taken as it landed");
+    assert_eq!(pair.settled(1, receive2), Ok(true), "taken as it landed");
     // Messages 3 (large: by announcement) and 4 (small), same tag.
     // SAFETY: as above.
-    let send3 = unsafe { engines[0].post_message(post(true, s3)) }.unwrap();
+    let send3 = unsafe { engines[0].post_message(post_between_0_and_1(true, s3)) }.unwrap();
     // SAFETY: as above.
-    let send4 = unsafe { engines[0].post_message(post(true, s4)) }.unwrap();
+    let send4 = unsafe { engines[0].post_message(post_between_0_and_1(true, s4)) }.unwrap();
     // SAFETY: as above.
-    let receive3 = unsafe { engines[1].post_message(post(false, g3)) }.unwrap();
+    let receive3 = unsafe { engines[1].post_message(post_between_0_and_1(false, g3)) }.unwrap();
     // SAFETY: as above.
-    let receive4 = unsafe { engines[1].post_message(post(false, g4)) }.unwrap();
-    deliver_all();
+    let receive4 = unsafe { engines[1].post_message(post_between_0_and_1(false, g4)) }.unwrap();
+    pair.pump();
     for id in [send2, send3, send4] {
-        assert_eq!(settled(0, id), Ok(true));
+        assert_eq!(pair.settled(0, id), Ok(true));
     }
     for id in [receive3, receive4] {
-        assert_eq!(settled(1, id), Ok(true));
+        assert_eq!(pair.settled(1, id), Ok(true));
     }
     assert!(engines.iter().all(|e| e.failure().is_none()));
     assert_eq!(got, sent);
@@ -967,27 +969,8 @@ fn a_receive_that_cannot_open_its_tensor_fails_its_send_and_no_other() {
         .map(|k| (0..ELEMENTS).map(|i| (k * ELEMENTS + i) as i32).collect())
         .collect();
     let mut got: Vec<Vec<i32>> = (0..2).map(|_| vec![-1; ELEMENTS]).collect();
-    let (engines, net) = linked_pair();
-    let lock = || {
-        net.lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    };
-    let post = |sending: bool, data: &mut [i32]| crate::engine::messages::Post {
-        bytes: data.len() as u64 * 4,
-        ..post_between_0_and_1(sending, data)
-    };
-    let settled = |r: usize, id: u64| engines[r].test_message(id).map_err(|e| e.to_string());
-    let pump = || {
-        for _ in 0..50 {
-            for e in &engines {
-                e.try_drive();
-            }
-            let busy = lock().busy_links();
-            for (a, b) in busy {
-                lock().deliver(a, b);
-            }
-        }
-    };
+    let pair = Pair::new();
+    let engines = &pair.engines;
     let [s0, s1] = &mut sent[..] else {
         unreachable!()
     };
@@ -995,28 +978,30 @@ fn a_receive_that_cannot_open_its_tensor_fails_its_send_and_no_other() {
         unreachable!()
     };
     // Receive 0 cannot open its tensor; receive 1 can.
-    lock().refuse_windows = true;
+    pair.net().refuse_windows = true;
     // SAFETY: every tensor outlives the engines (declared before them).
-    let receive0 = unsafe { engines[1].post_message(post(false, g0)) }.unwrap();
+    let receive0 = unsafe { engines[1].post_message(post_between_0_and_1(false, g0)) }.unwrap();
     engines[1].try_drive();
-    lock().refuse_windows = false;
+    pair.net().refuse_windows = false;
     // SAFETY: as above.
-    let receive1 = unsafe { engines[1].post_message(post(false, g1)) }.unwrap();
-    pump();
+    let receive1 = unsafe { engines[1].post_message(post_between_0_and_1(false, g1)) }.unwrap();
+    pair.pump();
     // SAFETY: as above.
-    let send0 = unsafe { engines[0].post_message(post(true, s0)) }.unwrap();
+    let send0 = unsafe { engines[0].post_message(post_between_0_and_1(true, s0)) }.unwrap();
     // SAFETY: as above.
-    let send1 = unsafe { engines[0].post_message(post(true, s1)) }.unwrap();
-    pump();
-    let e = settled(1, receive0).expect_err("its window was refused");
+    let send1 = unsafe { engines[0].post_message(post_between_0_and_1(true, s1)) }.unwrap();
+    pair.pump();
+    let e = pair
+        .settled(1, receive0)
+        .expect_err("its window was refused");
     assert!(e.contains("opening its tensor"), "{e}");
-    let e = settled(0, send0).expect_err("its receive failed");
+    let e = pair.settled(0, send0).expect_err("its receive failed");
     assert!(
         e.contains("rank 1") && e.contains("its receive failed"),
         "{e}"
     );
     assert_eq!(
-        (settled(0, send1), settled(1, receive1)),
+        (pair.settled(0, send1), pair.settled(1, receive1)),
         (Ok(true), Ok(true))
     );
     assert!(engines.iter().all(|e| e.failure().is_none()));
