@@ -8,8 +8,9 @@
 //! from one rank to another of one tag match that rank's receives of that
 //! tag in the order both were posted; a receive of another size or type
 //! fails both messages with `FR_MISMATCH`, each naming both ranks, except
-//! that between machines a send of at most 16 KiB goes eagerly (done once
-//! its bytes have left) and only its receive fails.
+//! that a send of at most 16 KiB over the fabric (between machines, or
+//! between ranks of one that may not read each other's memory) goes eagerly
+//! (done once its bytes have left) and only its receive fails.
 
 use std::ffi::c_void;
 

@@ -759,8 +759,9 @@ class ProcessGroupFairring(DeviceCollectives, dist.ProcessGroup):
     # from the sender's tensor into the receiver's. Messages from one rank
     # to another of one tag match that rank's receives of that tag in the
     # order both were posted, as NCCL's and MPI's do. A receive of another
-    # size or type fails both messages, each naming both ranks (between
-    # machines, a send of at most 16 KiB goes eagerly, and only its receive
+    # size or type fails both messages, each naming both ranks (over the
+    # fabric, between machines or ranks that may not read each other's
+    # memory, a send of at most 16 KiB goes eagerly, and only its receive
     # fails).
     def _check_message(self, peer, tag, what):
         if not isinstance(peer, int) or not 0 <= peer < self.size() or peer == self.rank():

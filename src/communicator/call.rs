@@ -236,11 +236,12 @@ impl Call {
     /// matches the peer's receive from this rank of the same tag, in the
     /// order both were posted (per tag: NCCL's and MPI's order), which must
     /// be of the same size and type: another fails both messages, each
-    /// naming both calls, and the communicator goes on. Except between
-    /// machines for a send of at most 16 KiB, which goes eagerly (its bytes
-    /// may land before the receive is posted) and does not learn of a
-    /// mismatch: only its receive fails. Host memory only; `options` do not
-    /// apply.
+    /// naming both calls, and the communicator goes on. Except for a send
+    /// of at most 16 KiB over the fabric (between machines, or between ranks
+    /// of one that may not read each other's memory), which goes eagerly
+    /// (its bytes may land before the receive is posted) and does not learn
+    /// of a mismatch: only its receive fails. Host memory only; `options` do
+    /// not apply.
     pub fn send(peer: u32, tag: u32, data: *const u8, count: u64, dtype: DataType) -> Call {
         Call {
             input: data,

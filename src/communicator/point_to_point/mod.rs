@@ -19,8 +19,8 @@
 //! checks pass; a message issued after one of them waits at the gate behind
 //! it, so the order holds for those too. A message whose match has another
 //! size or type fails alone, on both ranks, naming both (but for a send of
-//! at most 16 KiB between machines, which goes eagerly, done once its bytes
-//! have left: only its receive fails); a gather's,
+//! at most 16 KiB over the fabric, which goes eagerly, done once its bytes
+//! have left: only its receive fails; see [`Call::send`]); a gather's,
 //! scatter's or reduce's failure, seen where its work is waited on or
 //! tested, fails the communicator as any failed collective does
 //! (`communicator::work`).
@@ -219,7 +219,7 @@ impl Communicator {
     /// Receives into `data` the next message rank `peer` sends this rank,
     /// and waits. It must be of `data`'s length and type: another fails both
     /// ranks with a [`Error::Mismatch`] naming both (only this one, for a
-    /// send of at most 16 KiB between machines: see [`Call::send`]).
+    /// send of at most 16 KiB over the fabric: see [`Call::send`]).
     pub fn recv<T: Element>(&self, peer: u32, data: &mut [T]) -> Result<()> {
         let call = Call::recv(
             peer,

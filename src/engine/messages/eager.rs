@@ -452,7 +452,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         if slot >= EAGER_SLOTS {
             return Err(unexpected(peer, "an eager send into no slot"));
         }
-        if e.held & (1 << slot) != 0 {
+        if (e.held | e.freed) & (1 << slot) != 0 {
             return Err(unexpected(peer, "an eager send into a slot not given back"));
         }
         let Some(inbox) = e.inbox.as_ref() else {
