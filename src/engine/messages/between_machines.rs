@@ -43,12 +43,12 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         self.open_eager(t, post.peer);
         if post.sending {
-            let ordinal = Self::next_send_ordinal(t, post.peer, post.tag);
+            let ordinal = t.eager[peer].next_send(post.tag);
             t.put(post.id, Active::Posted(post));
             // An announcement waiting is this send's: it goes into the
             // receiver's tensor.
             if !t.peers[peer].matcher.right_waiting(post.tag)
-                && self.try_send_eagerly(t, &post, ordinal)?
+                && self.try_send_eagerly(t, &post, ordinal)
             {
                 return Ok(());
             }
@@ -62,7 +62,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             }
             return Ok(());
         }
-        let ordinal = Self::next_receive_ordinal(t, post.peer, post.tag);
+        let ordinal = t.eager[peer].next_receive(post.tag);
         if self.take_landed(t, &post, ordinal) {
             return Ok(());
         }
@@ -464,7 +464,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let mut t = self.lock_transfers();
         match control {
             Control::Ready(ready) => {
-                let sent = Self::sends_posted(&mut t.eager[peer as usize], ready.tag);
+                let sent = t.eager[peer as usize].sends_posted(ready.tag);
                 let matcher = &mut t.peers[peer as usize].matcher;
                 // A send posted already and not waiting for it went eagerly:
                 // the receive takes those bytes. (Announcements come in

@@ -210,6 +210,25 @@ impl<R> EagerPeer<R> {
         })
     }
 
+    /// Sends of `tag` posted to the peer so far.
+    pub(super) fn sends_posted(&self, tag: u32) -> u64 {
+        self.tags.get(&tag).map_or(0, |s| s.sends)
+    }
+
+    /// The ordinal of the next send of `tag` to the peer.
+    pub(super) fn next_send(&mut self, tag: u32) -> u64 {
+        let s = self.tag(tag);
+        s.sends += 1;
+        s.sends - 1
+    }
+
+    /// The ordinal of the next receive of `tag` from the peer.
+    pub(super) fn next_receive(&mut self, tag: u32) -> u64 {
+        let s = self.tag(tag);
+        s.receives += 1;
+        s.receives - 1
+    }
+
     /// The peer left or failed: receives that announced themselves fail
     /// elsewhere. Sends landed stay, for receives posted later.
     pub(super) fn forget_announced(&mut self) {
@@ -303,18 +322,6 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
     }
 
-    /// Sends of `tag` posted to the peer so far.
-    pub(super) fn sends_posted(e: &mut EagerPeer<F::Region>, tag: u32) -> u64 {
-        e.tag(tag).sends
-    }
-
-    /// The ordinal of the next send of `tag` to `peer`.
-    pub(super) fn next_send_ordinal(t: &mut Transfers<F::Region>, peer: u32, tag: u32) -> u64 {
-        let s = t.eager[peer as usize].tag(tag);
-        s.sends += 1;
-        s.sends - 1
-    }
-
     /// Sends `post` (its `ordinal`) eagerly if it is small, the peer has
     /// opened its slots and one is free; returns whether it went.
     pub(super) fn try_send_eagerly(
@@ -322,14 +329,14 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         t: &mut Transfers<F::Region>,
         post: &Post,
         ordinal: u64,
-    ) -> Result<bool, Fault> {
+    ) -> bool {
         let e = &mut t.eager[post.peer as usize];
         let (Some(remote), Some(outbox)) = (e.remote, e.outbox.as_ref()) else {
-            return Ok(false);
+            return false;
         };
         let free = e.remote_free & !e.out_busy;
         if post.bytes > EAGER_BYTES || free == 0 {
-            return Ok(false);
+            return false;
         }
         let slot = free.trailing_zeros();
         #[expect(clippy::cast_possible_truncation, reason = "at most EAGER_BYTES")]
@@ -366,11 +373,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 e.remote_free &= !(1 << slot);
                 e.out_busy |= 1 << slot;
                 t.put(post.id, Active::Eager(*post, slot));
-                Ok(true)
+                true
             }
             // No room, or the peer failed (which its completion reports):
             // the send goes by announcement (and fails with the peer).
-            Err(FabricError::QueueFull { .. } | FabricError::PeerFailed { .. }) => Ok(false),
+            Err(FabricError::QueueFull { .. } | FabricError::PeerFailed { .. }) => false,
             // The write refused (the peer's slots are not what it said):
             // this send and the later ones go by announcement.
             Err(e) => {
@@ -380,7 +387,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                     post.peer
                 );
                 t.eager[post.peer as usize].remote = None;
-                Ok(false)
+                false
             }
         }
     }
@@ -422,13 +429,6 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         };
         self.take_eager(t, post, a);
         true
-    }
-
-    /// The ordinal of the next receive of `tag` from `peer`.
-    pub(super) fn next_receive_ordinal(t: &mut Transfers<F::Region>, peer: u32, tag: u32) -> u64 {
-        let s = t.eager[peer as usize].tag(tag);
-        s.receives += 1;
-        s.receives - 1
     }
 
     /// Receive `id` (its `ordinal`) announced itself to its sender.
@@ -509,9 +509,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 #[expect(clippy::cast_possible_truncation, reason = "at most EAGER_BYTES")]
                 let n = a.bytes as usize;
                 // SAFETY: the slot's bytes landed whole and stay until it is
-                // given back, below; the caller's tensor holds `n` bytes,
-                // valid and alone until the receive finishes
-                // (`post_message`), and is not the inbox.
+                // given back, below; the tensor holds `n` bytes, valid and
+                // alone until the receive finishes (`post_message`).
                 unsafe {
                     std::ptr::copy_nonoverlapping(inbox.area.data(a.slot), post.data as *mut u8, n);
                 }
