@@ -191,7 +191,16 @@ impl Link {
     ) -> Result<usize, PeerFailure> {
         let mut left = budget;
         let mut arrived = 0;
+        // A read that returned less than it asked for emptied the socket's
+        // queue (TCP fills a read from everything queued): once its bytes are
+        // handed on, the socket is not read again only to hear `WouldBlock`.
+        // Bytes arriving after it raise a new readiness edge.
+        let mut drained = false;
         loop {
+            if drained && self.ahead.is_empty() {
+                self.more_to_read = false;
+                return Ok(arrived);
+            }
             let n = if self.ahead.is_empty() {
                 let buffer = self.receiver.buffer();
                 let direct = buffer.len() >= READ_AHEAD;
@@ -200,12 +209,16 @@ impl Link {
                 } else {
                     &mut self.ahead.bytes[..]
                 };
+                let asked = into.len();
                 let n = match io::Read::read(&mut &self.stream, into) {
                     Ok(0) if self.receiver.mid_frame() => {
                         return Err(PeerFailure::ClosedMidFrame);
                     }
                     Ok(0) => return Err(PeerFailure::Closed),
-                    Ok(n) => n,
+                    Ok(n) => {
+                        drained = n < asked;
+                        n
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                         self.more_to_read = false;
                         return Ok(arrived);
