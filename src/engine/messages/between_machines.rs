@@ -42,6 +42,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             return Ok(());
         }
         self.open_eager(t, post.peer);
+        self.give_back_freed(t, post.peer);
         if post.sending {
             let ordinal = t.eager[peer].next_send(post.tag);
             t.put(post.id, Active::Posted(post));

@@ -520,14 +520,28 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         self.give_back_slot(t, post.peer, a.slot);
     }
 
-    /// Slot `slot` of `peer`'s is free again: given back with others, once
-    /// half of them are, or once the peer may have none left (the others
-    /// holding sends whose receives are not posted).
+    /// Slot `slot` of `peer`'s is free again: it rides with the next
+    /// message posted with the peer ([`Self::give_back_freed`]), or goes
+    /// back with others once half of them are free, or once the peer may
+    /// have none left (the others holding sends whose receives are not
+    /// posted).
     fn give_back_slot(&self, t: &mut Transfers<F::Region>, peer: u32, slot: u32) {
         let e = &mut t.eager[peer as usize];
         e.held &= !(1 << slot);
         e.freed |= 1 << slot;
         if e.freed.count_ones() >= EAGER_SLOTS / 2 || (e.held | e.freed) == ALL_SLOTS {
+            self.give_back_freed(t, peer);
+        }
+    }
+
+    /// Gives back to `peer` the slots taken since the last `Freed`, if any.
+    /// Called as a message with the peer starts, whose writes and controls
+    /// leave with it in the pass's one batch: a taker that answers at once
+    /// (a ping-pong) returns its slot without a write of its own, which on
+    /// tcp is a system call on the path of its reply.
+    pub(super) fn give_back_freed(&self, t: &mut Transfers<F::Region>, peer: u32) {
+        let e = &mut t.eager[peer as usize];
+        if e.freed != 0 {
             let freed = std::mem::take(&mut e.freed);
             self.send_message_control(t, peer, &Control::Freed(freed));
         }
