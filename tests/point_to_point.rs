@@ -255,11 +255,17 @@ fn a_receive_of_another_size_fails_both_ranks_naming_both() {
 }
 
 /// A small send between machines does not learn of a mismatch, whichever
-/// way it went: eagerly (done once its bytes have left, the receive posted
-/// late) or by announcement (the receive posted first). Its receive fails
-/// naming both, and the communicator keeps working.
+/// way it went: eagerly (done once its bytes have left), whether its
+/// receive was posted late or first and small (it waits for the eager send
+/// unannounced), or by announcement (a receive of more than 16 KiB, posted
+/// first, announces itself). Its receive fails naming both, and the
+/// communicator keeps working.
 #[test]
 fn a_small_send_of_another_size_fails_only_its_receive_naming_both() {
+    // (whether the receive is posted first, its f32, whether the send goes
+    // eagerly)
+    const ROUNDS: [(bool, usize, bool); 3] =
+        [(false, 17, true), (true, 17, true), (true, 5000, false)];
     let results = job(
         2,
         1,
@@ -272,7 +278,7 @@ fn a_small_send_of_another_size_fails_only_its_receive_naming_both() {
                 .unwrap();
             comm.barrier().unwrap();
             let mut outcomes = Vec::new();
-            for receive_first in [false, true] {
+            for (receive_first, received, _) in ROUNDS {
                 let eager_before = comm.traffic();
                 let outcome = if rank == 0 {
                     if receive_first {
@@ -283,7 +289,7 @@ fn a_small_send_of_another_size_fails_only_its_receive_naming_both() {
                     if !receive_first {
                         std::thread::sleep(Duration::from_millis(100));
                     }
-                    comm.recv(0, &mut [0.0f32; 17])
+                    comm.recv(0, &mut vec![0.0f32; received])
                 };
                 comm.barrier().unwrap();
                 let after = comm.traffic();
@@ -293,26 +299,27 @@ fn a_small_send_of_another_size_fails_only_its_receive_naming_both() {
             outcomes
         },
     );
-    for (round, receive_first) in [false, true].into_iter().enumerate() {
+    for (round, (receive_first, received, eagerly)) in ROUNDS.into_iter().enumerate() {
+        let case = format!("receive first: {receive_first}, of {received} x f32");
         let (sent, _) = &results[0][round];
-        assert!(sent.is_ok(), "receive first: {receive_first}: {sent:?}");
-        let (received, staged) = &results[1][round];
+        assert!(sent.is_ok(), "{case}: {sent:?}");
+        let (outcome, staged) = &results[1][round];
         // Eagerly, 64 bytes and a header land in a slot of rank 1's.
-        assert_eq!(*staged >= 64, !receive_first, "{staged} bytes staged");
-        match received {
+        assert_eq!(*staged >= 64, eagerly, "{case}: {staged} bytes staged");
+        match outcome {
             Err(Error::Mismatch {
                 called,
                 peer_called,
                 ..
             }) => assert_eq!(
-                (called.as_str(), peer_called.as_str()),
+                (called.clone(), peer_called.as_str()),
                 (
-                    "a receive of 17 x f32 from rank 0 (tag 0)",
+                    format!("a receive of {received} x f32 from rank 0 (tag 0)"),
                     "a send of 16 x f32 to rank 1 (tag 0)"
                 ),
-                "receive first: {receive_first}"
+                "{case}"
             ),
-            other => panic!("receive first: {receive_first}: expected a mismatch, got {other:?}"),
+            other => panic!("{case}: expected a mismatch, got {other:?}"),
         }
     }
 }

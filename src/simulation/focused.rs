@@ -876,9 +876,8 @@ fn a_send_posted_whole_to_a_rank_that_left_fails_once_its_connection_closes() {
 ///
 /// - a small send whose receive is posted later lands before the receive
 ///   is posted, and the receive takes it with nothing sent back;
-/// - a small send whose receive's announcement is still on its way goes
-///   eagerly too; the receive takes it as it lands, and the sender drops
-///   the announcement when it comes;
+/// - a small receive posted first announces nothing: its send goes
+///   eagerly, and the receive takes it as it lands;
 /// - a large send of the same tag after those meets its own receive.
 #[test]
 fn small_sends_go_eagerly_in_order_with_the_others_of_their_tag() {
@@ -897,7 +896,8 @@ fn small_sends_go_eagerly_in_order_with_the_others_of_their_tag() {
     let [g0, g1, g2, g3, g4] = &mut got[..] else {
         unreachable!()
     };
-    // Message 0 opens the slots both ways (and goes by announcement).
+    // Message 0 opens the slots both ways (and goes by announcement, which
+    // the send asks for, finding no slot).
     // SAFETY: every tensor outlives the engines (declared before them).
     let send0 = unsafe { engines[0].post_message(post_between_0_and_1(true, s0)) }.unwrap();
     // SAFETY: as above.
@@ -925,11 +925,17 @@ fn small_sends_go_eagerly_in_order_with_the_others_of_their_tag() {
         "taken with nothing sent back"
     );
     assert!(pair.net().busy_links().is_empty(), "nothing sent back");
-    // Message 2: its receive announces itself first, but the announcement
-    // is still on its way when the send is posted.
+    // Message 2: its receive is posted first, and announces nothing (what
+    // rank 1 sends is the slot message 1 took, given back).
     // SAFETY: as above.
     let receive2 = unsafe { engines[1].post_message(post_between_0_and_1(false, g2)) }.unwrap();
     engines[1].try_drive();
+    assert_eq!(
+        pair.net().in_flight(1, 0),
+        1,
+        "a slot back, no announcement"
+    );
+    pair.net().deliver(1, 0);
     // SAFETY: as above.
     let send2 = unsafe { engines[0].post_message(post_between_0_and_1(true, s2)) }.unwrap();
     engines[0].try_drive();
@@ -1006,4 +1012,96 @@ fn a_receive_that_cannot_open_its_tensor_fails_its_send_and_no_other() {
     );
     assert!(engines.iter().all(|e| e.failure().is_none()));
     assert_eq!(got[1], sent[1]);
+}
+
+/// A send that cannot go eagerly asks for its receive's announcement, which
+/// a small receive does not make on its own:
+///
+/// - a small receive waiting unannounced, followed by a large one of its tag
+///   that announces itself as posted, is announced first: the sender, which
+///   pairs announcements with its waiting sends in order, meets them in
+///   order (the large announcement once went unpaired, and neither message
+///   finished);
+/// - a request that arrives before its receive is posted is answered as the
+///   receive is posted;
+/// - a large send asking for a small receive's announcement fails with it,
+///   each naming both, instead of waiting forever.
+#[test]
+fn a_send_that_cannot_go_eagerly_asks_for_its_receives_announcement() {
+    const LARGE: usize = 5000;
+    let sizes = [3usize, LARGE, 7];
+    // Before the engines, so that they drop after them.
+    let mut sent: Vec<Vec<i32>> = (0..sizes.len())
+        .map(|k| (0..sizes[k]).map(|i| (k * 100_000 + i) as i32).collect())
+        .collect();
+    let mut got: Vec<Vec<i32>> = sizes.iter().map(|&n| vec![-1; n]).collect();
+    let mut filling: Vec<Vec<i32>> = (0..4).map(|k| vec![k; 2]).collect();
+    let mut filled: Vec<Vec<i32>> = (0..4).map(|_| vec![-1; 2]).collect();
+    let (mut large, mut small) = (vec![5i32; LARGE], vec![0i32; 3]);
+    let pair = Pair::new();
+    let engines = &pair.engines;
+    let [s0, s1, s2] = &mut sent[..] else {
+        unreachable!()
+    };
+    let [g0, g1, g2] = &mut got[..] else {
+        unreachable!()
+    };
+    // Messages 0 (small) and 1 (large), one tag, receives posted first. Rank
+    // 0 knows no slot of rank 1's yet, so both sends ask.
+    // SAFETY: every tensor outlives the engines (declared before them).
+    let receive0 = unsafe { engines[1].post_message(post_between_0_and_1(false, g0)) }.unwrap();
+    // SAFETY: as above.
+    let receive1 = unsafe { engines[1].post_message(post_between_0_and_1(false, g1)) }.unwrap();
+    engines[1].try_drive();
+    // SAFETY: as above.
+    let send0 = unsafe { engines[0].post_message(post_between_0_and_1(true, s0)) }.unwrap();
+    // SAFETY: as above.
+    let send1 = unsafe { engines[0].post_message(post_between_0_and_1(true, s1)) }.unwrap();
+    pair.pump();
+    for (r, id) in [(0, send0), (0, send1), (1, receive0), (1, receive1)] {
+        assert_eq!(pair.settled(r, id), Ok(true), "rank {r}, message {id}");
+    }
+    // Four small sends of tag 1 take every slot rank 1 opened to rank 0, so
+    // message 2 (small) finds none, and asks; its request lands first.
+    let tag1 = |sending: bool, data: &mut Vec<i32>| crate::engine::messages::Post {
+        tag: 1,
+        ..post_between_0_and_1(sending, data)
+    };
+    for data in &mut filling {
+        // SAFETY: as above.
+        unsafe { engines[0].post_message(tag1(true, data)) }.unwrap();
+    }
+    // SAFETY: as above.
+    let send2 = unsafe { engines[0].post_message(post_between_0_and_1(true, s2)) }.unwrap();
+    pair.pump();
+    assert_eq!(pair.settled(0, send2), Ok(false), "waits for its receive");
+    // SAFETY: as above.
+    let receive2 = unsafe { engines[1].post_message(post_between_0_and_1(false, g2)) }.unwrap();
+    pair.pump();
+    assert_eq!(
+        (pair.settled(0, send2), pair.settled(1, receive2)),
+        (Ok(true), Ok(true)),
+        "answered as the receive was posted"
+    );
+    for data in &mut filled {
+        // SAFETY: as above.
+        let id = unsafe { engines[1].post_message(tag1(false, data)) }.unwrap();
+        engines[1].try_drive();
+        assert_eq!(pair.settled(1, id), Ok(true), "landed before");
+    }
+    assert_eq!(got, sent);
+    assert_eq!(filled, filling);
+    // Message 3: a large send, a small receive posted first.
+    // SAFETY: as above.
+    let receive3 =
+        unsafe { engines[1].post_message(post_between_0_and_1(false, &mut small)) }.unwrap();
+    engines[1].try_drive();
+    // SAFETY: as above.
+    let send3 = unsafe { engines[0].post_message(post_between_0_and_1(true, &mut large)) }.unwrap();
+    pair.pump();
+    let e = pair.settled(0, send3).expect_err("sizes differ");
+    assert!(e.contains("3 x i32") && e.contains("5000 x i32"), "{e}");
+    let e = pair.settled(1, receive3).expect_err("sizes differ");
+    assert!(e.contains("3 x i32") && e.contains("5000 x i32"), "{e}");
+    assert!(engines.iter().all(|e| e.failure().is_none()));
 }

@@ -89,6 +89,11 @@ impl Network {
             .collect()
     }
 
+    /// Posts in flight on link `from -> to`.
+    pub(super) fn in_flight(&self, from: u32, to: u32) -> usize {
+        self.links[self.link(from, to)].len()
+    }
+
     /// Lands the oldest post on link `from -> to`.
     pub(super) fn deliver(&mut self, from: u32, to: u32) {
         let l = self.link(from, to);

@@ -53,13 +53,21 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             {
                 return Ok(());
             }
-            if let Some(((_, send), ready)) =
-                t.peers[peer].matcher.left(post.tag, (ordinal, post.id))
-            {
-                if ready.ordinal != ordinal {
-                    return Err(unexpected(post.peer, "a message announced out of order"));
+            match t.peers[peer].matcher.left(post.tag, (ordinal, post.id)) {
+                Some(((_, send), ready)) => {
+                    if ready.ordinal != ordinal {
+                        return Err(unexpected(post.peer, "a message announced out of order"));
+                    }
+                    self.begin_send(t, send, &ready)?;
                 }
-                self.begin_send(t, send, &ready)?;
+                // Its receive may wait for an eager send unannounced.
+                None => {
+                    let request = Control::Request {
+                        tag: post.tag,
+                        ordinal,
+                    };
+                    self.send_message_control(t, post.peer, &request);
+                }
             }
             return Ok(());
         }
@@ -71,7 +79,21 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             self.fail_after_goodbye(t, &post);
             return Ok(());
         }
-        let (own_landing, remote) = match self.open_landing(t, &post) {
+        if !self.wait_unannounced(t, &post, ordinal) {
+            self.announce_waiting_before(t, &post);
+            self.announce(t, &post, ordinal);
+            if matches!(t.get(post.id), Active::Receiving(r) if r.post.id == post.id) {
+                Self::wait_for_bytes(t, &post, ordinal, true);
+            }
+        }
+        Ok(())
+    }
+
+    /// Receive `post` (its `ordinal`) opens its tensor to its sender and
+    /// announces itself; if it cannot, it fails, and tells the sender so in
+    /// its announcement's place.
+    pub(super) fn announce(&self, t: &mut Transfers<F::Region>, post: &Post, ordinal: u64) {
+        let (own_landing, remote) = match self.open_landing(t, post) {
             Ok(l) => l,
             Err(e) => {
                 self.settle_message(t, post.id, FAILED, Some(e));
@@ -86,18 +108,17 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                     failed: true,
                 });
                 self.send_message_control(t, post.peer, &failed);
-                return Ok(());
+                return;
             }
         };
         t.put(
             post.id,
             Active::Receiving(Receiving {
-                post,
+                post: *post,
                 own_landing,
                 landed: 0,
             }),
         );
-        Self::announced(t, &post, ordinal);
         let ready = Control::Ready(Ready {
             tag: post.tag,
             ordinal,
@@ -108,7 +129,6 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             failed: false,
         });
         self.send_message_control(t, post.peer, &ready);
-        Ok(())
     }
 
     /// Opens a receive's tensor to its sender: a window where the fabric has
@@ -506,6 +526,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             }
             Control::Slots(landing) => self.on_slots(&mut t, peer, landing),
             Control::Freed(slots) => self.on_freed(&mut t, peer, slots),
+            Control::Request { tag, ordinal } => self.on_request(&mut t, peer, tag, ordinal)?,
         }
         Ok(())
     }

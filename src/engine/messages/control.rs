@@ -8,13 +8,16 @@
 //! Empty    [3][receive u64]
 //! Slots    [4][landing: RemoteRegion]
 //! Freed    [5][slots u32]
+//! Request  [7][tag u32][ordinal u64]
 //! ```
 //!
 //! `Failed` is a `Ready` of a receive that failed before it could open its
 //! tensor: its send fails too, and the pair's counts of posts stay in step.
 //! `Slots` opens the sender's eager slots on the receiver (`eager`), once
 //! per pair and way; `Freed` gives back the slots whose messages the
-//! receiver has taken (a bit each).
+//! receiver has taken (a bit each). `Request` asks the receiver to announce
+//! the receive of a send that waits (`eager`: a small receive waits for its
+//! eager send unannounced).
 //!
 //! Integers are little-endian; `receive` is the receiver's message id, which
 //! the sender echoes (and writes in its data's immediates) so that the
@@ -63,6 +66,12 @@ pub(crate) enum Control {
     Slots(RemoteRegion),
     /// Eager slots taken and free again, a bit each.
     Freed(u32),
+    /// The sender's send `ordinal` of `tag` waits for its receive's
+    /// announcement.
+    Request {
+        tag: u32,
+        ordinal: u64,
+    },
 }
 
 const READY: u8 = 1;
@@ -71,6 +80,7 @@ const EMPTY: u8 = 3;
 const SLOTS: u8 = 4;
 const FREED: u8 = 5;
 const FAILED: u8 = 6;
+const REQUEST: u8 = 7;
 
 /// The landing of a receive that has none.
 pub(crate) const NOWHERE: RemoteRegion = RemoteRegion {
@@ -119,6 +129,11 @@ pub(crate) fn encode(c: &Control, out: &mut [u8; MOST_BYTES]) -> usize {
             w.put(&[FREED]);
             w.put(&slots.to_le_bytes());
         }
+        Control::Request { tag, ordinal } => {
+            w.put(&[REQUEST]);
+            w.put(&tag.to_le_bytes());
+            w.put(&ordinal.to_le_bytes());
+        }
     }
     w.at
 }
@@ -152,6 +167,10 @@ pub(crate) fn decode(payload: &[u8]) -> Option<Control> {
         }),
         SLOTS => Control::Slots(RemoteRegion::from_bytes(r.rest(RemoteRegion::BYTES)?)?),
         FREED => Control::Freed(u32::from_le_bytes(r.take()?)),
+        REQUEST => Control::Request {
+            tag: u32::from_le_bytes(r.take()?),
+            ordinal: u64::from_le_bytes(r.take()?),
+        },
         _ => return None,
     };
     r.bytes.is_empty().then_some(c)
@@ -227,6 +246,10 @@ mod tests {
             Control::Reply(Reply::Empty { receive: 0 }),
             Control::Slots(landing),
             Control::Freed(0b1010_0001),
+            Control::Request {
+                tag: 3,
+                ordinal: u64::MAX - 1,
+            },
         ];
         for c in all {
             let mut out = [0; MOST_BYTES];

@@ -12,12 +12,22 @@
 //! from it, whichever way it travels. Both ranks count their posts per
 //! (peer, tag), its *ordinal*; an eager send carries its own in its header,
 //! and an announcement (`Ready`) its receive's. A receive whose eager send
-//! has landed takes it when posted and announces nothing. A receive posted
-//! first announces itself as any receive does; a sender that has sent that
-//! ordinal eagerly drops the announcement (it is not its oldest send
-//! waiting), and the receive takes the eager bytes when they land. A sender
-//! whose announcement has arrived sends into the receiver's tensor instead:
-//! one trip either way, and no copy.
+//! has landed takes it when posted and announces nothing.
+//!
+//! A small receive (at most [`EAGER_BYTES`]) posted first, from a peer this
+//! rank opened its slots to, announces nothing either: it waits for its
+//! eager send, and takes it as it lands. A send that cannot go eagerly (it
+//! is larger, or finds no slot free, or the peer's slots are not known yet)
+//! and finds no announcement waiting asks for one (`Request`, its ordinal):
+//! the receiver announces that receive then, or as it is posted if it is
+//! not yet. A larger receive announces itself as it is posted, and a
+//! request for it is dropped. So a small message posted in either order
+//! costs one trip and no word back, and a send that waits always has an
+//! announcement coming, whatever its receive's size.
+//!
+//! A sender that has sent an ordinal eagerly drops an announcement of it
+//! (a larger receive, announced as posted: the two do not match, and the
+//! receive fails as the eager bytes land).
 //!
 //! # Slots
 //!
@@ -53,7 +63,7 @@ use fairring_rdma::fabric::{Fabric, FabricError, LocalRegion, RemoteRegion, Writ
 
 use super::Post;
 use super::control::Control;
-use super::transfers::{Active, Transfers, mismatch, unexpected};
+use super::transfers::{Active, Receiving, Transfers, mismatch, unexpected};
 use crate::engine::Engine;
 use crate::engine::failure::Fault;
 use crate::engine::tags::{EAGER_SLOTS_MAX, eager_immediate, eager_token};
@@ -160,8 +170,21 @@ struct TagState {
     receives: u64,
     /// Eager sends landed whose receives are not posted, by ordinal.
     arrived: VecDeque<Arrival>,
-    /// Receives that announced themselves: (ordinal, id).
-    announced: VecDeque<(u64, u64)>,
+    /// Receives posted that an eager send may meet, by ordinal.
+    waiting: VecDeque<Waiting>,
+    /// Ordinals of sends that asked for their receives' announcements
+    /// before those receives were posted, oldest first.
+    requested: VecDeque<u64>,
+}
+
+/// A receive posted, before its bytes came.
+#[derive(Clone, Copy, Debug)]
+struct Waiting {
+    ordinal: u64,
+    id: u64,
+    /// Whether it announced itself (else it waits for its eager send, or
+    /// for its sender's request).
+    announced: bool,
 }
 
 /// Eager sends with one peer.
@@ -205,7 +228,8 @@ impl<R> EagerPeer<R> {
     fn tag(&mut self, tag: u32) -> &mut TagState {
         self.tags.entry(tag).or_insert_with(|| TagState {
             arrived: VecDeque::with_capacity(EAGER_SLOTS as usize),
-            announced: VecDeque::with_capacity(16),
+            waiting: VecDeque::with_capacity(16),
+            requested: VecDeque::new(),
             ..TagState::default()
         })
     }
@@ -229,18 +253,19 @@ impl<R> EagerPeer<R> {
         s.receives - 1
     }
 
-    /// The peer left or failed: receives that announced themselves fail
-    /// elsewhere. Sends landed stay, for receives posted later.
-    pub(super) fn forget_announced(&mut self) {
+    /// The peer left or failed: receives waiting fail elsewhere, and no
+    /// request is answered. Sends landed stay, for receives posted later.
+    pub(super) fn forget_waiting(&mut self) {
         for state in self.tags.values_mut() {
-            state.announced.clear();
+            state.waiting.clear();
+            state.requested.clear();
         }
     }
 
     /// This rank failed: nothing more is taken.
     pub(super) fn forget_all(&mut self) {
+        self.forget_waiting();
         for state in self.tags.values_mut() {
-            state.announced.clear();
             state.arrived.clear();
         }
         self.held = 0;
@@ -431,18 +456,128 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         true
     }
 
-    /// Receive `id` (its `ordinal`) announced itself to its sender.
-    pub(super) fn announced(t: &mut Transfers<F::Region>, post: &Post, ordinal: u64) {
+    /// Receive `post` (its `ordinal`), posted before its bytes came: an
+    /// eager send landing finds it. `announced`: whether it announced
+    /// itself.
+    pub(super) fn wait_for_bytes(
+        t: &mut Transfers<F::Region>,
+        post: &Post,
+        ordinal: u64,
+        announced: bool,
+    ) {
         let Transfers { eager, active, .. } = t;
         let s = eager[post.peer as usize].tag(post.tag);
-        if s.announced.len() == s.announced.capacity() {
+        if s.waiting.len() == s.waiting.capacity() {
             // Those finished by their chunks go.
-            s.announced.retain(|&(_, id)| {
-                matches!(&active[Transfers::<F::Region>::slot(id)],
-                    Active::Receiving(r) if r.post.id == id)
+            s.waiting.retain(|w| {
+                matches!(&active[Transfers::<F::Region>::slot(w.id)],
+                    Active::Receiving(r) if r.post.id == w.id)
             });
         }
-        s.announced.push_back((ordinal, post.id));
+        s.waiting.push_back(Waiting {
+            ordinal,
+            id: post.id,
+            announced,
+        });
+    }
+
+    /// Receive `post` (its `ordinal`), whose eager send has not landed:
+    /// waits for it unannounced if it may come (the receive is small, this
+    /// rank opened its slots to the peer, and the send has not asked for an
+    /// announcement); returns whether it does.
+    pub(super) fn wait_unannounced(
+        &self,
+        t: &mut Transfers<F::Region>,
+        post: &Post,
+        ordinal: u64,
+    ) -> bool {
+        let e = &mut t.eager[post.peer as usize];
+        let slots_open = e.inbox.is_some();
+        let s = e.tag(post.tag);
+        if let Some(at) = s.requested.iter().position(|&o| o == ordinal) {
+            s.requested.remove(at);
+            return false;
+        }
+        if post.bytes > EAGER_BYTES || !slots_open {
+            return false;
+        }
+        t.put(
+            post.id,
+            Active::Receiving(Receiving {
+                post: *post,
+                own_landing: None,
+                landed: 0,
+            }),
+        );
+        Self::wait_for_bytes(t, post, ordinal, false);
+        true
+    }
+
+    /// Receive `post` is about to announce itself as it is posted: the
+    /// receives of its tag from its peer waiting unannounced before it
+    /// announce themselves first, so that the sender meets announcements in
+    /// order (it pairs them with its sends waiting by order, and drops those
+    /// of sends that went eagerly).
+    pub(super) fn announce_waiting_before(&self, t: &mut Transfers<F::Region>, post: &Post) {
+        let s = t.eager[post.peer as usize].tag(post.tag);
+        if s.waiting.iter().all(|w| w.announced) {
+            return;
+        }
+        let quiet: Vec<(u64, u64)> = s
+            .waiting
+            .iter_mut()
+            .filter(|w| !w.announced)
+            .map(|w| {
+                w.announced = true;
+                (w.ordinal, w.id)
+            })
+            .collect();
+        for (ordinal, id) in quiet {
+            if let Active::Receiving(r) = t.get(id)
+                && r.post.id == id
+            {
+                let earlier = r.post;
+                self.announce(t, &earlier, ordinal);
+            }
+        }
+    }
+
+    /// `peer`'s send `ordinal` of `tag` waits for its receive's
+    /// announcement: a receive waiting unannounced announces itself now; one
+    /// not posted yet will as it is posted; one announced already (a larger
+    /// receive, or one posted before this rank's slots opened) needs nothing.
+    pub(super) fn on_request(
+        &self,
+        t: &mut Transfers<F::Region>,
+        peer: u32,
+        tag: u32,
+        ordinal: u64,
+    ) -> Result<(), Fault> {
+        let Transfers { eager, active, .. } = &mut *t;
+        let s = eager[peer as usize].tag(tag);
+        let Some(w) = s.waiting.iter_mut().find(|w| w.ordinal == ordinal) else {
+            if ordinal >= s.receives {
+                if s.requested.back().is_some_and(|&b| b >= ordinal) {
+                    return Err(unexpected(peer, "requests out of order"));
+                }
+                s.requested.push_back(ordinal);
+            }
+            return Ok(());
+        };
+        if w.announced {
+            return Ok(());
+        }
+        w.announced = true;
+        let id = w.id;
+        // A receive that failed since (its peer's failure fails this one
+        // too) is not announced.
+        if let Active::Receiving(r) = &active[Transfers::<F::Region>::slot(id)]
+            && r.post.id == id
+        {
+            let post = r.post;
+            self.announce(t, &post, ordinal);
+        }
+        Ok(())
     }
 
     /// An eager send landed here from `peer` in slot `slot`, `len` bytes.
@@ -476,8 +611,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         };
         let Transfers { eager, active, .. } = &mut *t;
         let s = eager[peer as usize].tag(tag);
-        let at = s.announced.iter().position(|&(o, _)| o == ordinal);
-        let receive = at.and_then(|i| s.announced.remove(i)).map(|(_, id)| id);
+        let at = s.waiting.iter().position(|w| w.ordinal == ordinal);
+        let receive = at.and_then(|i| s.waiting.remove(i)).map(|w| w.id);
         match receive.map(|id| &active[Transfers::<F::Region>::slot(id)]) {
             Some(Active::Receiving(r)) if Some(r.post.id) == receive => {
                 let post = r.post;

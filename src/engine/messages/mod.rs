@@ -32,13 +32,15 @@
 //! pipeline, or a ping-pong whose receives are posted early) costs one
 //! fabric trip for the data; otherwise one more for the announcement.
 //!
-//! Except for small sends (`eager`; on this path, so also between ranks of
-//! one machine that may not read each other's memory): a send of at most
+//! Except for small messages (`eager`; on this path, so also between ranks
+//! of one machine that may not read each other's memory): a send of at most
 //! [`eager::EAGER_BYTES`] whose announcement has not arrived goes at once
 //! into a slot the receiver opened to this rank, and is done when its bytes
-//! have left; the receive copies it out. One trip, whichever rank posts
-//! first. Such a send does not learn of a mismatch: its receive fails,
-//! naming both.
+//! have left; the receive copies it out. A receive of at most that many
+//! bytes does not announce itself: it waits for its eager send, and a send
+//! that cannot go eagerly asks for the announcement (`Request`). One trip,
+//! whichever rank posts first. Such a send does not learn of a mismatch:
+//! its receive fails, naming both.
 //!
 //! # Waiting, failing
 //!

@@ -379,7 +379,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         p.unlinked.clear();
         p.controls.clear();
         p.offering.clear();
-        t.eager[peer as usize].forget_announced();
+        t.eager[peer as usize].forget_waiting();
     }
 
     /// Fails every message, the engine having failed: each finishes once
