@@ -1105,3 +1105,53 @@ fn a_send_that_cannot_go_eagerly_asks_for_its_receives_announcement() {
     assert!(e.contains("3 x i32") && e.contains("5000 x i32"), "{e}");
     assert!(engines.iter().all(|e| e.failure().is_none()));
 }
+
+/// Small receives waiting unannounced are bounded by the slots their sender
+/// may use: the first past them announces itself, and those of its tag
+/// before it, so that a burst of receives posted first does not leave its
+/// later sends to ask for their announcements. The sends that went eagerly
+/// drop theirs, and every message lands exact.
+#[test]
+fn small_receives_past_the_slots_announce_themselves() {
+    const BURST: usize = crate::engine::messages::EAGER_SLOTS as usize + 1;
+    // Before the engines, so that they drop after them.
+    let mut sent: Vec<Vec<i32>> = (0..=BURST).map(|k| vec![k as i32; 5]).collect();
+    let mut got: Vec<Vec<i32>> = (0..=BURST).map(|_| vec![-1; 5]).collect();
+    let pair = Pair::new();
+    let engines = &pair.engines;
+    let (first_sent, burst_sent) = sent.split_at_mut(1);
+    let (first_got, burst_got) = got.split_at_mut(1);
+    // Message 0 opens the slots both ways.
+    // SAFETY: every tensor outlives the engines (declared before them).
+    unsafe { engines[0].post_message(post_between_0_and_1(true, &mut first_sent[0])) }.unwrap();
+    // SAFETY: as above.
+    unsafe { engines[1].post_message(post_between_0_and_1(false, &mut first_got[0])) }.unwrap();
+    pair.pump();
+    assert!(pair.net().busy_links().is_empty());
+    let mut receives = Vec::new();
+    for data in burst_got.iter_mut() {
+        // SAFETY: as above.
+        receives
+            .push(unsafe { engines[1].post_message(post_between_0_and_1(false, data)) }.unwrap());
+        engines[1].try_drive();
+    }
+    assert_eq!(
+        pair.net().in_flight(1, 0),
+        BURST,
+        "the last receive, past the slots, announced itself and those before it"
+    );
+    let mut sends = Vec::new();
+    for data in burst_sent.iter_mut() {
+        // SAFETY: as above.
+        sends.push(unsafe { engines[0].post_message(post_between_0_and_1(true, data)) }.unwrap());
+    }
+    pair.pump();
+    for id in sends {
+        assert_eq!(pair.settled(0, id), Ok(true));
+    }
+    for id in receives {
+        assert_eq!(pair.settled(1, id), Ok(true));
+    }
+    assert!(engines.iter().all(|e| e.failure().is_none()));
+    assert_eq!(got, sent);
+}

@@ -16,7 +16,9 @@
 //!
 //! A small receive (at most [`EAGER_BYTES`]) posted first, from a peer this
 //! rank opened its slots to, announces nothing either: it waits for its
-//! eager send, and takes it as it lands. A send that cannot go eagerly (it
+//! eager send, and takes it as it lands. At most [`EAGER_SLOTS`] receives
+//! from a peer wait so: the next announces itself (a burst of receives
+//! posted first has more sends than slots). A send that cannot go eagerly (it
 //! is larger, or finds no slot free, or the peer's slots are not known yet)
 //! and finds no announcement waiting asks for one (`Request`, its ordinal):
 //! the receiver announces that receive then, or as it is posted if it is
@@ -205,6 +207,8 @@ pub(crate) struct EagerPeer<R> {
     held: u32,
     /// Inbox slots taken and not yet given back.
     freed: u32,
+    /// Receives from the peer waiting unannounced, every tag.
+    unannounced: u32,
     tags: HashMap<u32, TagState>,
 }
 
@@ -219,6 +223,7 @@ impl<R> Default for EagerPeer<R> {
             out_busy: 0,
             held: 0,
             freed: 0,
+            unannounced: 0,
             tags: HashMap::new(),
         }
     }
@@ -226,12 +231,7 @@ impl<R> Default for EagerPeer<R> {
 
 impl<R> EagerPeer<R> {
     fn tag(&mut self, tag: u32) -> &mut TagState {
-        self.tags.entry(tag).or_insert_with(|| TagState {
-            arrived: VecDeque::with_capacity(EAGER_SLOTS as usize),
-            waiting: VecDeque::with_capacity(16),
-            requested: VecDeque::new(),
-            ..TagState::default()
-        })
+        tag_state(&mut self.tags, tag)
     }
 
     /// Sends of `tag` posted to the peer so far.
@@ -256,6 +256,7 @@ impl<R> EagerPeer<R> {
     /// The peer left or failed: receives waiting fail elsewhere, and no
     /// request is answered. Sends landed stay, for receives posted later.
     pub(super) fn forget_waiting(&mut self) {
+        self.unannounced = 0;
         for state in self.tags.values_mut() {
             state.waiting.clear();
             state.requested.clear();
@@ -270,6 +271,16 @@ impl<R> EagerPeer<R> {
         }
         self.held = 0;
     }
+}
+
+/// Tag `tag`'s state in `tags`, made on first use.
+fn tag_state(tags: &mut HashMap<u32, TagState>, tag: u32) -> &mut TagState {
+    tags.entry(tag).or_insert_with(|| TagState {
+        arrived: VecDeque::with_capacity(EAGER_SLOTS as usize),
+        waiting: VecDeque::with_capacity(16),
+        requested: VecDeque::new(),
+        ..TagState::default()
+    })
 }
 
 /// The header of slot `slot` of `area`.
@@ -483,8 +494,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
 
     /// Receive `post` (its `ordinal`), whose eager send has not landed:
     /// waits for it unannounced if it may come (the receive is small, this
-    /// rank opened its slots to the peer, and the send has not asked for an
-    /// announcement); returns whether it does.
+    /// rank opened its slots to the peer, fewer receives from the peer than
+    /// it has slots wait so, and the send has not asked for an
+    /// announcement); returns whether it does. Past the slots, a burst of
+    /// receives posted first announces itself, as its sends could not all
+    /// go eagerly: they find their announcements instead of asking.
     pub(super) fn wait_unannounced(
         &self,
         t: &mut Transfers<F::Region>,
@@ -492,15 +506,16 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         ordinal: u64,
     ) -> bool {
         let e = &mut t.eager[post.peer as usize];
-        let slots_open = e.inbox.is_some();
+        let may_come = e.inbox.is_some() && e.unannounced < EAGER_SLOTS;
         let s = e.tag(post.tag);
         if let Some(at) = s.requested.iter().position(|&o| o == ordinal) {
             s.requested.remove(at);
             return false;
         }
-        if post.bytes > EAGER_BYTES || !slots_open {
+        if post.bytes > EAGER_BYTES || !may_come {
             return false;
         }
+        e.unannounced += 1;
         t.put(
             post.id,
             Active::Receiving(Receiving {
@@ -519,7 +534,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// order (it pairs them with its sends waiting by order, and drops those
     /// of sends that went eagerly).
     pub(super) fn announce_waiting_before(&self, t: &mut Transfers<F::Region>, post: &Post) {
-        let s = t.eager[post.peer as usize].tag(post.tag);
+        let e = &mut t.eager[post.peer as usize];
+        let s = e.tag(post.tag);
         if s.waiting.iter().all(|w| w.announced) {
             return;
         }
@@ -532,6 +548,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 (w.ordinal, w.id)
             })
             .collect();
+        e.unannounced = e
+            .unannounced
+            .saturating_sub(u32::try_from(quiet.len()).unwrap_or(u32::MAX));
         for (ordinal, id) in quiet {
             if let Active::Receiving(r) = t.get(id)
                 && r.post.id == id
@@ -554,7 +573,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         ordinal: u64,
     ) -> Result<(), Fault> {
         let Transfers { eager, active, .. } = &mut *t;
-        let s = eager[peer as usize].tag(tag);
+        let e = &mut eager[peer as usize];
+        let s = e.tag(tag);
         let Some(w) = s.waiting.iter_mut().find(|w| w.ordinal == ordinal) else {
             if ordinal >= s.receives {
                 if s.requested.back().is_some_and(|&b| b >= ordinal) {
@@ -569,6 +589,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         w.announced = true;
         let id = w.id;
+        e.unannounced = e.unannounced.saturating_sub(1);
         // A receive that failed since (its peer's failure fails this one
         // too) is not announced.
         if let Active::Receiving(r) = &active[Transfers::<F::Region>::slot(id)]
@@ -610,9 +631,14 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             dtype,
         };
         let Transfers { eager, active, .. } = &mut *t;
-        let s = eager[peer as usize].tag(tag);
+        let e = &mut eager[peer as usize];
+        let s = tag_state(&mut e.tags, tag);
         let at = s.waiting.iter().position(|w| w.ordinal == ordinal);
-        let receive = at.and_then(|i| s.waiting.remove(i)).map(|w| w.id);
+        let waited = at.and_then(|i| s.waiting.remove(i));
+        if waited.is_some_and(|w| !w.announced) {
+            e.unannounced = e.unannounced.saturating_sub(1);
+        }
+        let receive = waited.map(|w| w.id);
         match receive.map(|id| &active[Transfers::<F::Region>::slot(id)]) {
             Some(Active::Receiving(r)) if Some(r.post.id) == receive => {
                 let post = r.post;

@@ -67,6 +67,8 @@ use crossbeam_queue::ArrayQueue;
 use fairring_core::DataType;
 use fairring_rdma::fabric::Fabric;
 
+#[cfg(test)]
+pub(crate) use eager::EAGER_SLOTS;
 pub(crate) use peer_links::LateLinks;
 pub(crate) use transfers::Transfers;
 
