@@ -45,7 +45,9 @@
 //! Whenever one of these leaves work for the I/O thread, the caller wakes it,
 //! unless the I/O thread naps: the end of a nap reads what is left to read and
 //! writes what is left unsent. Edge-triggered readiness stays sound: a thread
-//! that stops reading before the socket is drained always sets `more_to_read`,
+//! that stops reading before the socket is drained always sets `more_to_read`
+//! (a thread other than the I/O thread takes a short read as drained: what
+//! it leaves keeps the edge it did not take),
 //! a thread that stops writing before the socket is full sets `unsent`, and a
 //! write that would block leaves the socket's next writable edge to the I/O
 //! thread.
@@ -192,9 +194,13 @@ impl Link {
         let mut left = budget;
         let mut arrived = 0;
         // A read that returned less than it asked for emptied the socket's
-        // queue (TCP fills a read from everything queued): once its bytes are
-        // handed on, the socket is not read again only to hear `WouldBlock`.
-        // Bytes arriving after it raise a new readiness edge.
+        // queue up to its end, if the peer closed it (TCP fills a read from
+        // everything queued, and stops at a close). A thread other than the
+        // I/O thread then reads no more, not even to hear `WouldBlock`: what
+        // it leaves (a close, or bytes arriving since) keeps the socket
+        // readable, so the I/O thread's edge for it, which a `poll` does not
+        // take, still reports it. The I/O thread reads on to `WouldBlock`, a
+        // close or an error: its read may have spent the edge of a close.
         let mut drained = false;
         loop {
             if drained && self.ahead.is_empty() {
@@ -216,7 +222,7 @@ impl Link {
                     }
                     Ok(0) => return Err(PeerFailure::Closed),
                     Ok(n) => {
-                        drained = n < asked;
+                        drained = n < asked && queueing == Queueing::Hold;
                         n
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
