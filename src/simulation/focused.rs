@@ -897,7 +897,7 @@ fn small_sends_go_eagerly_in_order_with_the_others_of_their_tag() {
         unreachable!()
     };
     // Message 0 opens the slots both ways (and goes by announcement, which
-    // the send asks for, finding no slot).
+    // the send asks for, not knowing the receiver's slots yet).
     // SAFETY: every tensor outlives the engines (declared before them).
     let send0 = unsafe { engines[0].post_message(post_between_0_and_1(true, s0)) }.unwrap();
     // SAFETY: as above.
@@ -1015,7 +1015,9 @@ fn a_receive_that_cannot_open_its_tensor_fails_its_send_and_no_other() {
 }
 
 /// A send that cannot go eagerly asks for its receive's announcement, which
-/// a small receive does not make on its own:
+/// a small receive does not make on its own once the two ranks have
+/// exchanged slots (before, it announces itself). With the slots exchanged
+/// and every slot rank 0 may write holding a send of another tag:
 ///
 /// - a small receive waiting unannounced, followed by a large one of its tag
 ///   that announces itself as posted, is announced first: the sender, which
@@ -1029,7 +1031,7 @@ fn a_receive_that_cannot_open_its_tensor_fails_its_send_and_no_other() {
 #[test]
 fn a_send_that_cannot_go_eagerly_asks_for_its_receives_announcement() {
     const LARGE: usize = 5000;
-    let sizes = [3usize, LARGE, 7];
+    let sizes = [3usize, 4, LARGE, 7];
     // Before the engines, so that they drop after them.
     let mut sent: Vec<Vec<i32>> = (0..sizes.len())
         .map(|k| (0..sizes[k]).map(|i| (k * 100_000 + i) as i32).collect())
@@ -1040,46 +1042,72 @@ fn a_send_that_cannot_go_eagerly_asks_for_its_receives_announcement() {
     let (mut large, mut small) = (vec![5i32; LARGE], vec![0i32; 3]);
     let pair = Pair::new();
     let engines = &pair.engines;
-    let [s0, s1, s2] = &mut sent[..] else {
+    let [s0, s1, s2, s3] = &mut sent[..] else {
         unreachable!()
     };
-    let [g0, g1, g2] = &mut got[..] else {
+    let [g0, g1, g2, g3] = &mut got[..] else {
         unreachable!()
     };
-    // Messages 0 (small) and 1 (large), one tag, receives posted first. Rank
-    // 0 knows no slot of rank 1's yet, so both sends ask.
+    // Message 0 opens the slots both ways. Its receive, posted first, from a
+    // rank whose slots it does not know (so that may not send eagerly to
+    // it), announces itself.
     // SAFETY: every tensor outlives the engines (declared before them).
     let receive0 = unsafe { engines[1].post_message(post_between_0_and_1(false, g0)) }.unwrap();
-    // SAFETY: as above.
-    let receive1 = unsafe { engines[1].post_message(post_between_0_and_1(false, g1)) }.unwrap();
     engines[1].try_drive();
+    assert_eq!(
+        pair.net().in_flight(1, 0),
+        2,
+        "its slots and the announcement"
+    );
     // SAFETY: as above.
     let send0 = unsafe { engines[0].post_message(post_between_0_and_1(true, s0)) }.unwrap();
-    // SAFETY: as above.
-    let send1 = unsafe { engines[0].post_message(post_between_0_and_1(true, s1)) }.unwrap();
     pair.pump();
-    for (r, id) in [(0, send0), (0, send1), (1, receive0), (1, receive1)] {
-        assert_eq!(pair.settled(r, id), Ok(true), "rank {r}, message {id}");
-    }
-    // Four small sends of tag 1 take every slot rank 1 opened to rank 0, so
-    // message 2 (small) finds none, and asks; its request lands first.
+    assert_eq!(
+        (pair.settled(0, send0), pair.settled(1, receive0)),
+        (Ok(true), Ok(true))
+    );
+    // Four small sends of tag 1, whose receives are not posted yet, take
+    // every slot rank 1 opened to rank 0.
     let tag1 = |sending: bool, data: &mut Vec<i32>| crate::engine::messages::Post {
         tag: 1,
         ..post_between_0_and_1(sending, data)
     };
+    let mut filling_sends = Vec::new();
     for data in &mut filling {
         // SAFETY: as above.
-        unsafe { engines[0].post_message(tag1(true, data)) }.unwrap();
+        filling_sends.push(unsafe { engines[0].post_message(tag1(true, data)) }.unwrap());
     }
+    pair.pump();
+    for id in filling_sends {
+        assert_eq!(pair.settled(0, id), Ok(true), "went eagerly");
+    }
+    // Messages 1 (small) and 2 (large), tag 0, receives posted first: the
+    // small receive waits unannounced, the large one announces itself; both
+    // sends find no slot and ask.
+    // SAFETY: as above.
+    let receive1 = unsafe { engines[1].post_message(post_between_0_and_1(false, g1)) }.unwrap();
+    // SAFETY: as above.
+    let receive2 = unsafe { engines[1].post_message(post_between_0_and_1(false, g2)) }.unwrap();
+    engines[1].try_drive();
+    // SAFETY: as above.
+    let send1 = unsafe { engines[0].post_message(post_between_0_and_1(true, s1)) }.unwrap();
     // SAFETY: as above.
     let send2 = unsafe { engines[0].post_message(post_between_0_and_1(true, s2)) }.unwrap();
     pair.pump();
-    assert_eq!(pair.settled(0, send2), Ok(false), "waits for its receive");
+    for (r, id) in [(0, send1), (0, send2), (1, receive1), (1, receive2)] {
+        assert_eq!(pair.settled(r, id), Ok(true), "rank {r}, message {id}");
+    }
+    // Message 3 (small): its send asks, and the request lands before the
+    // receive is posted.
     // SAFETY: as above.
-    let receive2 = unsafe { engines[1].post_message(post_between_0_and_1(false, g2)) }.unwrap();
+    let send3 = unsafe { engines[0].post_message(post_between_0_and_1(true, s3)) }.unwrap();
+    pair.pump();
+    assert_eq!(pair.settled(0, send3), Ok(false), "waits for its receive");
+    // SAFETY: as above.
+    let receive3 = unsafe { engines[1].post_message(post_between_0_and_1(false, g3)) }.unwrap();
     pair.pump();
     assert_eq!(
-        (pair.settled(0, send2), pair.settled(1, receive2)),
+        (pair.settled(0, send3), pair.settled(1, receive3)),
         (Ok(true), Ok(true)),
         "answered as the receive was posted"
     );
@@ -1089,19 +1117,20 @@ fn a_send_that_cannot_go_eagerly_asks_for_its_receives_announcement() {
         engines[1].try_drive();
         assert_eq!(pair.settled(1, id), Ok(true), "landed before");
     }
+    pair.pump();
     assert_eq!(got, sent);
     assert_eq!(filled, filling);
-    // Message 3: a large send, a small receive posted first.
+    // Message 4: a large send, a small receive posted first (unannounced).
     // SAFETY: as above.
-    let receive3 =
+    let receive4 =
         unsafe { engines[1].post_message(post_between_0_and_1(false, &mut small)) }.unwrap();
     engines[1].try_drive();
     // SAFETY: as above.
-    let send3 = unsafe { engines[0].post_message(post_between_0_and_1(true, &mut large)) }.unwrap();
+    let send4 = unsafe { engines[0].post_message(post_between_0_and_1(true, &mut large)) }.unwrap();
     pair.pump();
-    let e = pair.settled(0, send3).expect_err("sizes differ");
+    let e = pair.settled(0, send4).expect_err("sizes differ");
     assert!(e.contains("3 x i32") && e.contains("5000 x i32"), "{e}");
-    let e = pair.settled(1, receive3).expect_err("sizes differ");
+    let e = pair.settled(1, receive4).expect_err("sizes differ");
     assert!(e.contains("3 x i32") && e.contains("5000 x i32"), "{e}");
     assert!(engines.iter().all(|e| e.failure().is_none()));
 }
@@ -1140,11 +1169,21 @@ fn small_receives_past_the_slots_announce_themselves() {
         BURST,
         "the last receive, past the slots, announced itself and those before it"
     );
+    while pair.net().in_flight(1, 0) > 0 {
+        pair.net().deliver(1, 0);
+    }
+    engines[0].try_drive();
     let mut sends = Vec::new();
     for data in burst_sent.iter_mut() {
         // SAFETY: as above.
         sends.push(unsafe { engines[0].post_message(post_between_0_and_1(true, data)) }.unwrap());
     }
+    engines[0].try_drive();
+    assert_eq!(
+        pair.net().in_flight(0, 1),
+        BURST,
+        "each send met its announcement and wrote: none asked"
+    );
     pair.pump();
     for id in sends {
         assert_eq!(pair.settled(0, id), Ok(true));

@@ -14,11 +14,11 @@
 //! and an announcement (`Ready`) its receive's. A receive whose eager send
 //! has landed takes it when posted and announces nothing.
 //!
-//! A small receive (at most [`EAGER_BYTES`]) posted first, from a peer this
-//! rank opened its slots to, announces nothing either: it waits for its
-//! eager send, and takes it as it lands. At most [`EAGER_SLOTS`] receives
-//! from a peer wait so: the next announces itself (a burst of receives
-//! posted first has more sends than slots). A send that cannot go eagerly (it
+//! A small receive (at most [`EAGER_BYTES`]) posted first, from a peer it
+//! exchanged slots with (each opened its own to the other), announces
+//! nothing either: it waits for its eager send, and takes it as it lands.
+//! At most [`EAGER_SLOTS`] receives from a peer wait so: the next announces
+//! itself (a burst of receives posted first has more sends than slots). A send that cannot go eagerly (it
 //! is larger, or finds no slot free, or the peer's slots are not known yet)
 //! and finds no announcement waiting asks for one (`Request`, its ordinal):
 //! the receiver announces that receive then, or as it is posted if it is
@@ -27,17 +27,19 @@
 //! costs one trip and no word back, and a send that waits always has an
 //! announcement coming, whatever its receive's size.
 //!
-//! A sender that has sent an ordinal eagerly drops an announcement of it
-//! (a larger receive, announced as posted: the two do not match, and the
-//! receive fails as the eager bytes land).
+//! A sender that has sent an ordinal eagerly drops an announcement of it:
+//! the receive, announced as it was posted (larger, past the bound, or
+//! before a later receive of its tag that announced itself), takes the
+//! eager bytes as they land, or fails on them if the two do not match.
 //!
 //! # Slots
 //!
 //! When a rank first starts a message with a peer over the fabric, it opens
 //! [`EAGER_SLOTS`] slots of [`SLOT_BYTES`] to the peer (`Slots`; to its
-//! first [`EAGER_PEERS`] peers only), and later gives back, half of them at
-//! a time, those whose sends it has taken (`Freed`). A send that finds no
-//! slot free goes by announcement: nothing ever waits for a slot.
+//! first [`EAGER_PEERS`] peers only), and gives back those whose sends it
+//! has taken (`Freed`) with the next message it starts with the peer (in
+//! the same write), or alone once half of them are free. A send that finds
+//! no slot free goes by announcement: nothing ever waits for a slot.
 //!
 //! # A mismatch
 //!
@@ -493,9 +495,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     }
 
     /// Receive `post` (its `ordinal`), whose eager send has not landed:
-    /// waits for it unannounced if it may come (the receive is small, this
-    /// rank opened its slots to the peer, fewer receives from the peer than
-    /// it has slots wait so, and the send has not asked for an
+    /// waits for it unannounced if it may come (the receive is small, both
+    /// ranks opened their slots to each other, fewer receives from the peer
+    /// than it has slots wait so, and the send has not asked for an
     /// announcement); returns whether it does. Past the slots, a burst of
     /// receives posted first announces itself, as its sends could not all
     /// go eagerly: they find their announcements instead of asking.
@@ -506,7 +508,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         ordinal: u64,
     ) -> bool {
         let e = &mut t.eager[post.peer as usize];
-        let may_come = e.inbox.is_some() && e.unannounced < EAGER_SLOTS;
+        // The peer sends eagerly to this rank only once both opened their
+        // slots to each other (its own `Slots` came).
+        let may_come = e.inbox.is_some() && e.remote.is_some() && e.unannounced < EAGER_SLOTS;
         let s = e.tag(post.tag);
         if let Some(at) = s.requested.iter().position(|&o| o == ordinal) {
             s.requested.remove(at);

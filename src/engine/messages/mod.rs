@@ -30,16 +30,19 @@
 //!
 //! A receive posted before the matching send (the common case in a
 //! pipeline, or a ping-pong whose receives are posted early) costs one
-//! fabric trip for the data; otherwise one more for the announcement.
+//! fabric trip for the data; otherwise one more for the announcement (and,
+//! where the receive waits unannounced, below, one more for the send's
+//! request of it).
 //!
 //! Except for small messages (`eager`; on this path, so also between ranks
 //! of one machine that may not read each other's memory): a send of at most
 //! [`eager::EAGER_BYTES`] whose announcement has not arrived goes at once
 //! into a slot the receiver opened to this rank, and is done when its bytes
 //! have left; the receive copies it out. A receive of at most that many
-//! bytes does not announce itself: it waits for its eager send, and a send
-//! that cannot go eagerly asks for the announcement (`Request`). One trip,
-//! whichever rank posts first. Such a send does not learn of a mismatch:
+//! bytes posted first mostly does not announce itself (`eager` says when
+//! it does): it waits for its eager send, and a send that cannot go eagerly
+//! asks for the announcement (`Request`). One trip, whichever rank posts
+//! first, while a slot is free. Such a send does not learn of a mismatch:
 //! its receive fails, naming both.
 //!
 //! # Waiting, failing
@@ -67,7 +70,7 @@ use crossbeam_queue::ArrayQueue;
 use fairring_core::DataType;
 use fairring_rdma::fabric::Fabric;
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 pub(crate) use eager::EAGER_SLOTS;
 pub(crate) use peer_links::LateLinks;
 pub(crate) use transfers::Transfers;
