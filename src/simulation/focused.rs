@@ -1022,8 +1022,8 @@ fn a_receive_that_cannot_open_its_tensor_fails_its_send_and_no_other() {
 /// - a small receive waiting unannounced, followed by a large one of its tag
 ///   that announces itself as posted, is announced first: the sender, which
 ///   pairs announcements with its waiting sends in order, meets them in
-///   order (the large announcement once went unpaired, and neither message
-///   finished);
+///   order (the large announcement once came first and was dropped, as if
+///   for a send gone eagerly, and the large message never finished);
 /// - a request that arrives before its receive is posted is answered as the
 ///   receive is posted;
 /// - a large send asking for a small receive's announcement fails with it,

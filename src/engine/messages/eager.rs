@@ -38,8 +38,9 @@
 //! [`EAGER_SLOTS`] slots of [`SLOT_BYTES`] to the peer (`Slots`; to its
 //! first [`EAGER_PEERS`] peers only), and gives back those whose sends it
 //! has taken (`Freed`) with the next message it starts with the peer (in
-//! the same write), or alone once half of them are free. A send that finds
-//! no slot free goes by announcement: nothing ever waits for a slot.
+//! the same write), or alone once half of them are free or the peer may
+//! have none left. A send that finds no slot free goes by announcement:
+//! nothing ever waits for a slot.
 //!
 //! # A mismatch
 //!
