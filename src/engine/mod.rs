@@ -169,6 +169,9 @@ pub(crate) struct Engine<F: Fabric, M: MemorySpace> {
     /// Whether spinners leave their core each round: this machine has fewer
     /// cores than local ranks, or remote data arrives through a fabric thread.
     crowded: bool,
+    /// When a spinner of this rank last moved off a core it shared with a
+    /// local rank, in [`Engine::nanos`] (0: never; `local::shared_core`).
+    last_move: crate::sync::unmodelled::AtomicU64,
     /// Dedicated servers in the job (0: the machines serve).
     servers: u32,
     /// This process's index if it is a dedicated server.
@@ -338,6 +341,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             remote: remote && world > 1,
             doorbell_wakes,
             crowded,
+            last_move: crate::sync::unmodelled::AtomicU64::new(0),
             servers: parts.servers,
             server: parts.server,
             strides: Strides {

@@ -37,6 +37,7 @@ mod peer_copy;
 mod pieces;
 mod placed_step;
 pub(crate) mod protocol;
+pub(crate) mod shared_core;
 mod shm_step;
 mod solo;
 mod staged;

@@ -5,7 +5,9 @@
 //!             failure claim; line 1 holds the failure record (8 u64)
 //! control     per local rank: a doorbell line, a line holding the rank's credit
 //!             limit (a u64), a line holding the rank's tensor-copy word (a u64,
-//!             see [`Segment::tensor_copies`]), then per staging buffer three lines holding the
+//!             see [`Segment::tensor_copies`]), a line holding the core its
+//!             waiting thread last spun on (a u32, see [`Segment::core`]),
+//!             then per staging buffer three lines holding the
 //!             rank's progress counters (input ready, slot final, all-gather
 //!             done), each a u64 on its own cache line, then the rank's
 //!             operation table: `OPERATIONS` entries of 32 bytes (sequence + 1,
@@ -33,8 +35,9 @@ use crate::sync::unmodelled::{AtomicU32, AtomicU64, Ordering};
 const MAGIC: u64 = 0x6661_6972_7269_6e67; // "fairring"
 const PAGE: usize = 4096;
 const LINE: usize = 64;
-/// Lines at the head of a rank's control area: doorbell, credit, tensor copies.
-const HEAD_LINES: usize = 3;
+/// Lines at the head of a rank's control area: doorbell, credit, tensor
+/// copies, core.
+const HEAD_LINES: usize = 4;
 /// Counter lines per (rank, buffer).
 pub(crate) const COUNTERS: usize = 3;
 /// Entries in a rank's operation table: operation `s` lives in entry
@@ -270,6 +273,16 @@ impl Segment {
         // SAFETY: in bounds (the layout reserved the line), 64-byte aligned, only
         // used atomically.
         unsafe { &*self.base.as_ptr().wrapping_add(off).cast::<AtomicU64>() }
+    }
+
+    /// The core local rank `rank`'s waiting thread last spun on, plus one (0:
+    /// none yet). Written by that rank only; a hint, with no ordering on it
+    /// (`local::shared_core`).
+    pub(crate) fn core(&self, rank: u32) -> &AtomicU32 {
+        let off = self.control_of(rank) + 3 * LINE;
+        // SAFETY: in bounds (the layout reserved the line), 64-byte aligned,
+        // only used atomically.
+        unsafe { &*self.base.as_ptr().wrapping_add(off).cast::<AtomicU32>() }
     }
 
     /// Local rank `rank`'s tensor-copy word: who reads that rank's tensors

@@ -227,6 +227,35 @@ impl<F: Fabric, M: MemorySpace> Driven for Engine<F, M> {
         self.crowded
     }
 
+    fn spins_long(&self) {
+        use crate::local::shared_core::{MOVE_AFTER, current_core, move_off};
+        use crate::sync::unmodelled::Ordering;
+        // Where ranks outnumber cores (or a fabric thread needs one), sharing
+        // is expected: spinners yield instead.
+        if self.crowded || self.machine.local_size() < 2 {
+            return;
+        }
+        let Some(core) = current_core() else {
+            return;
+        };
+        self.machine.spins_on(core);
+        if !self.machine.shares_core(core) {
+            return;
+        }
+        let now = self.nanos().max(1);
+        let last = self.last_move.load(Ordering::Relaxed);
+        if last != 0 && u128::from(now - last.min(now)) < MOVE_AFTER.as_nanos() {
+            return;
+        }
+        self.last_move.store(now, Ordering::Relaxed);
+        if move_off(core) {
+            log::debug!(
+                "fairring local rank {}: moved off core {core}, which a lower local rank spun on",
+                self.machine.local_rank()
+            );
+        }
+    }
+
     fn now(&self) -> u64 {
         self.nanos()
     }

@@ -92,9 +92,10 @@ pub(crate) const UNATTENDED: Duration = Duration::from_micros(200);
 const WAIT_NAP: Duration = Duration::from_micros(200);
 
 /// One round of spinning, while less than `limit` has passed since `since`;
-/// returns whether it spun. Yields the core once `pure` has passed.
+/// returns whether it spun. Yields the core once `pure` has passed (after
+/// `long`, which may move the thread off a core it shares).
 /// Under loom a spinner never spins: every wait is a sleep on a bell.
-fn spin_a_little(since: Instant, limit: Duration, pure: Duration) -> bool {
+fn spin_a_little(since: Instant, limit: Duration, pure: Duration, long: impl FnOnce()) -> bool {
     if cfg!(loom) {
         return false;
     }
@@ -103,6 +104,7 @@ fn spin_a_little(since: Instant, limit: Duration, pure: Duration) -> bool {
         return false;
     }
     if spent >= pure {
+        long();
         std::thread::yield_now();
     } else {
         std::hint::spin_loop();
@@ -319,6 +321,10 @@ pub(crate) trait Driven {
     fn parks(&self) -> bool;
     /// Whether local ranks outnumber cores (spinners yield).
     fn crowded(&self) -> bool;
+    /// A spinner has spun past its pure bound and is about to yield: where
+    /// local ranks have a core each, it moves off a core it shares with
+    /// another local rank (`local::shared_core`).
+    fn spins_long(&self) {}
     /// Nanoseconds on the clock of the waits.
     fn now(&self) -> u64;
     /// The calling thread stops spinning and is about to sleep (the fabric's
@@ -354,7 +360,12 @@ fn drive_or_spin(driven: &impl Driven, idle_since: &mut Option<Instant>, spin: D
         }
         Drove::Idle => {
             let since = *idle_since.get_or_insert_with(Instant::now);
-            spin_a_little(since, spin, driven.parking().pure_spin(driven.crowded()))
+            spin_a_little(
+                since,
+                spin,
+                driven.parking().pure_spin(driven.crowded()),
+                || driven.spins_long(),
+            )
         }
     }
 }
