@@ -11,13 +11,21 @@
 //! So a rank whose wait has run long enough to yield publishes the core it
 //! spins on ([`Segment::core`](crate::shm::segment::Segment::core)), and
 //! looks at the others': if a lower local rank last spun on the same core,
-//! this one moves off it. It narrows its thread's CPU mask to every CPU of
-//! the mask but that core, which makes the kernel migrate it at once, and
-//! restores the mask it found: the thread never runs outside it, and stays
-//! where the kernel put it until the kernel moves it again. Only the higher
-//! of two ranks moves, at most once every [`MOVE_AFTER`], so two ranks never
-//! chase each other. A mask of one CPU (a rank pinned by its launcher) is
-//! left alone.
+//! this one moves off it. It narrows its thread's CPU mask to the CPUs of
+//! the mask no local rank last spun on (or, if that leaves none, to every
+//! CPU but its own), which makes the kernel migrate it at once, and
+//! restores the mask it found: it stays where the kernel put it until the
+//! kernel moves it again. Only the higher of two ranks moves, at most once
+//! every [`MOVE_AFTER`], so two ranks never chase each other. A mask of one
+//! CPU (a rank pinned by its launcher) is left alone.
+//!
+//! The thread is often the caller's, waiting on its `Work`. Its mask is
+//! read and restored by two calls some microseconds apart: a mask another
+//! thread sets in between is overwritten by the restore (and on recent
+//! kernels the restored mask becomes the one the thread asked for). A
+//! published core is a hint: a rank's word keeps the core it last spun on
+//! after it sleeps or moves, which may move another rank once more than
+//! needed.
 
 use std::time::Duration;
 
@@ -51,6 +59,20 @@ impl Machine {
         }
     }
 
+    /// The cores the other local ranks last spun on.
+    pub(crate) fn cores_of_others(&self) -> impl Iterator<Item = u32> + '_ {
+        let me = self.local_rank();
+        (0..self.local_size())
+            .filter(move |&r| r != me)
+            .filter_map(|r| {
+                let word = self
+                    .segment()
+                    .core(r)
+                    .load(crate::sync::unmodelled::Ordering::Relaxed);
+                word.checked_sub(1)
+            })
+    }
+
     /// Whether this rank, spinning on `core`, shares it with a lower local
     /// rank (see the module docs).
     pub(crate) fn shares_core(&self, core: u32) -> bool {
@@ -64,10 +86,11 @@ impl Machine {
     }
 }
 
-/// Moves the calling thread off `core`, within its CPU mask, and restores
-/// the mask; returns whether it moved (false where the mask holds no other
-/// CPU, or the kernel refused).
-pub(crate) fn move_off(core: u32) -> bool {
+/// Moves the calling thread off `core`, within its CPU mask, to a CPU not
+/// in `taken` if the mask has one, and restores the mask; returns whether
+/// it moved (false where the mask holds no other CPU, `core` is not in it,
+/// or the kernel refused).
+pub(crate) fn move_off(core: u32, taken: impl Iterator<Item = u32>) -> bool {
     let Ok(core) = usize::try_from(core) else {
         return false;
     };
@@ -79,15 +102,28 @@ pub(crate) fn move_off(core: u32) -> bool {
     if unsafe { libc::sched_getaffinity(0, size, &raw mut mask) } != 0 {
         return false;
     }
-    if core >= libc::CPU_SETSIZE as usize {
+    let setsize = libc::CPU_SETSIZE as usize;
+    // SAFETY: `core` is below `CPU_SETSIZE`, so within the set, only read.
+    if core >= setsize || !unsafe { libc::CPU_ISSET(core, &mask) } {
         return false;
     }
     let mut others = mask;
-    // SAFETY: `core` is below `CPU_SETSIZE`, so within the set.
+    // SAFETY: as above.
     unsafe { libc::CPU_CLR(core, &mut others) };
     // SAFETY: `CPU_COUNT` only reads the set.
     if unsafe { libc::CPU_COUNT(&others) } == 0 {
         return false;
+    }
+    let mut free = others;
+    for cpu in taken.filter_map(|c| usize::try_from(c).ok()) {
+        if cpu < setsize {
+            // SAFETY: `cpu` is below `CPU_SETSIZE`, so within the set.
+            unsafe { libc::CPU_CLR(cpu, &mut free) };
+        }
+    }
+    // SAFETY: `CPU_COUNT` only reads the set.
+    if unsafe { libc::CPU_COUNT(&free) } > 0 {
+        others = free;
     }
     // SAFETY: `others` is a valid set of `size` bytes; narrowing the calling
     // thread's mask to it migrates the thread off `core` before this returns.
@@ -146,7 +182,7 @@ mod tests {
                 return;
             }
             let core = current_core().expect("the kernel names the thread's core");
-            assert!(move_off(core), "moved");
+            assert!(move_off(core, std::iter::empty()), "moved");
             assert_ne!(current_core(), Some(core), "off the core it was on");
             let after = mask();
             // SAFETY: both are valid sets, only read.
@@ -170,7 +206,7 @@ mod tests {
             // SAFETY: a valid set of `size` bytes; the thread already runs there.
             let pinned = unsafe { libc::sched_setaffinity(0, size, &raw const one) };
             assert_eq!(pinned, 0, "sched_setaffinity failed");
-            assert!(!move_off(core));
+            assert!(!move_off(core, std::iter::empty()));
             assert_eq!(current_core(), Some(core));
         })
         .join()

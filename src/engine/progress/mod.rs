@@ -248,7 +248,7 @@ impl<F: Fabric, M: MemorySpace> Driven for Engine<F, M> {
             return;
         }
         self.last_move.store(now, Ordering::Relaxed);
-        if move_off(core) {
+        if move_off(core, self.machine.cores_of_others()) {
             log::debug!(
                 "fairring local rank {}: moved off core {core}, which a lower local rank spun on",
                 self.machine.local_rank()
