@@ -244,7 +244,7 @@ impl<F: Fabric, M: MemorySpace> Driven for Engine<F, M> {
         }
         let now = self.nanos().max(1);
         let last = self.last_move.load(Ordering::Relaxed);
-        if last != 0 && u128::from(now - last.min(now)) < MOVE_AFTER.as_nanos() {
+        if last != 0 && u128::from(now.saturating_sub(last)) < MOVE_AFTER.as_nanos() {
             return;
         }
         self.last_move.store(now, Ordering::Relaxed);
