@@ -6,7 +6,7 @@
 //! core and stay there while both spin, the other cores idle: nothing makes
 //! the kernel balance two threads that never sleep. Each then holds the core
 //! its peer needs until it yields; on the 2-core development machine, one
-//! 1x2 all-reduce run of 4 KiB in about sixteen took 9 us a call, against 3.
+//! 1x2 all-reduce run of 4 KiB in about twelve took 9 us a call, against 3.
 //!
 //! So a rank whose wait has run long enough to yield publishes the core it
 //! spins on ([`Segment::core`](crate::shm::segment::Segment::core)), and
