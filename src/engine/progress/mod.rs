@@ -49,6 +49,11 @@ const NAP_FENCE: Duration = Duration::from_micros(20);
 impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// The progress thread's loop (see [`park`]); returns once the engine stops.
     pub(crate) fn run(&self) {
+        // A fabric's batch keeps per-thread room (tcp: a list of peers),
+        // taken on the thread's first batch: taken now, so that a thread
+        // parked while callers drive, which may first drive long after a job
+        // is warm, allocates nothing then.
+        drop(self.links.fabric.batch());
         park::run_progress(self);
     }
 
