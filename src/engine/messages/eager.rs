@@ -90,6 +90,9 @@ pub(crate) const EAGER_PEERS: u32 = 64;
 
 const _: () = assert!(EAGER_SLOTS <= EAGER_SLOTS_MAX && EAGER_SLOTS <= 32);
 
+/// Controls to a peer kept room for, waiting for the fabric.
+const CONTROLS_KEPT: usize = 8;
+
 /// Bytes of a slot's header.
 const HEADER: usize = 32;
 
@@ -281,7 +284,7 @@ fn tag_state(tags: &mut HashMap<u32, TagState>, tag: u32) -> &mut TagState {
     tags.entry(tag).or_insert_with(|| TagState {
         arrived: VecDeque::with_capacity(EAGER_SLOTS as usize),
         waiting: VecDeque::with_capacity(16),
-        requested: VecDeque::new(),
+        requested: VecDeque::with_capacity(EAGER_SLOTS as usize),
         ..TagState::default()
     })
 }
@@ -311,6 +314,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             return;
         }
         t.eager[peer as usize].opened = true;
+        // Room for the controls that wait for the fabric (a request, an
+        // announcement, slots given back), taken with the pair's first
+        // message: a warm message allocates nothing, whichever of them the
+        // fabric's queue first has no room for.
+        t.peers[peer as usize].controls.reserve(CONTROLS_KEPT);
         if t.eager_peers == EAGER_PEERS {
             return;
         }
@@ -539,24 +547,19 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// order (it pairs them with its sends waiting by order, and drops those
     /// of sends that went eagerly).
     pub(super) fn announce_waiting_before(&self, t: &mut Transfers<F::Region>, post: &Post) {
-        let e = &mut t.eager[post.peer as usize];
-        let s = e.tag(post.tag);
-        if s.waiting.iter().all(|w| w.announced) {
-            return;
-        }
-        let quiet: Vec<(u64, u64)> = s
-            .waiting
-            .iter_mut()
-            .filter(|w| !w.announced)
-            .map(|w| {
-                w.announced = true;
-                (w.ordinal, w.id)
-            })
-            .collect();
-        e.unannounced = e
-            .unannounced
-            .saturating_sub(u32::try_from(quiet.len()).unwrap_or(u32::MAX));
-        for (ordinal, id) in quiet {
+        let (peer, tag) = (post.peer as usize, post.tag);
+        // By place, not by a list of them: a warm pass allocates nothing
+        // (announcing touches no waiting list).
+        let mut at = 0;
+        while let Some(w) = t.eager[peer].tag(tag).waiting.get_mut(at) {
+            at += 1;
+            if w.announced {
+                continue;
+            }
+            w.announced = true;
+            let (ordinal, id) = (w.ordinal, w.id);
+            let e = &mut t.eager[peer];
+            e.unannounced = e.unannounced.saturating_sub(1);
             if let Active::Receiving(r) = t.get(id)
                 && r.post.id == id
             {
