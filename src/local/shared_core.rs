@@ -30,6 +30,7 @@
 use std::time::Duration;
 
 use super::Machine;
+use crate::sync::unmodelled::Ordering;
 
 /// The least time between two moves of one rank.
 pub(crate) const MOVE_AFTER: Duration = Duration::from_millis(10);
@@ -54,35 +55,30 @@ impl Machine {
     /// Publishes that this rank's waiting thread spins on `core`.
     pub(crate) fn spins_on(&self, core: u32) {
         let word = self.segment().core(self.local_rank());
-        if word.load(crate::sync::unmodelled::Ordering::Relaxed) != core + 1 {
-            word.store(core + 1, crate::sync::unmodelled::Ordering::Relaxed);
+        if word.load(Ordering::Relaxed) != core + 1 {
+            word.store(core + 1, Ordering::Relaxed);
         }
+    }
+
+    /// Each other local rank and its published word (its core plus one, 0
+    /// for none).
+    fn published_by_others(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        let me = self.local_rank();
+        (0..self.local_size())
+            .filter(move |&r| r != me)
+            .map(|r| (r, self.segment().core(r).load(Ordering::Relaxed)))
     }
 
     /// The cores the other local ranks last spun on.
     pub(crate) fn cores_of_others(&self) -> impl Iterator<Item = u32> + '_ {
-        let me = self.local_rank();
-        (0..self.local_size())
-            .filter(move |&r| r != me)
-            .filter_map(|r| {
-                let word = self
-                    .segment()
-                    .core(r)
-                    .load(crate::sync::unmodelled::Ordering::Relaxed);
-                word.checked_sub(1)
-            })
+        self.published_by_others()
+            .filter_map(|(_, word)| word.checked_sub(1))
     }
 
     /// Whether this rank, spinning on `core`, shares it with a lower local
     /// rank (see the module docs).
     pub(crate) fn shares_core(&self, core: u32) -> bool {
-        let me = self.local_rank();
-        let segment = self.segment();
-        let published = (0..self.local_size()).filter(move |&r| r != me).map(|r| {
-            let word = segment.core(r);
-            (r, word.load(crate::sync::unmodelled::Ordering::Relaxed))
-        });
-        should_move(me, core, published)
+        should_move(self.local_rank(), core, self.published_by_others())
     }
 }
 

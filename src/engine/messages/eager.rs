@@ -551,21 +551,31 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         // By place, not by a list of them: a warm pass allocates nothing
         // (announcing touches no waiting list).
         let mut at = 0;
-        while let Some(w) = t.eager[peer].tag(tag).waiting.get_mut(at) {
+        while at < t.eager[peer].tag(tag).waiting.len() {
+            self.announce_waiting(t, peer, tag, at);
             at += 1;
-            if w.announced {
-                continue;
-            }
-            w.announced = true;
-            let (ordinal, id) = (w.ordinal, w.id);
-            let e = &mut t.eager[peer];
-            e.unannounced = e.unannounced.saturating_sub(1);
-            if let Active::Receiving(r) = t.get(id)
-                && r.post.id == id
-            {
-                let earlier = r.post;
-                self.announce(t, &earlier, ordinal);
-            }
+        }
+    }
+
+    /// The receive at place `at` of `tag`'s waiting list from `peer`, if it
+    /// waits unannounced, announces itself (unless it failed since: its
+    /// peer's failure fails it too).
+    fn announce_waiting(&self, t: &mut Transfers<F::Region>, peer: usize, tag: u32, at: usize) {
+        let e = &mut t.eager[peer];
+        let Some(w) = tag_state(&mut e.tags, tag).waiting.get_mut(at) else {
+            return;
+        };
+        if w.announced {
+            return;
+        }
+        w.announced = true;
+        let (ordinal, id) = (w.ordinal, w.id);
+        e.unannounced = e.unannounced.saturating_sub(1);
+        if let Active::Receiving(r) = t.get(id)
+            && r.post.id == id
+        {
+            let post = r.post;
+            self.announce(t, &post, ordinal);
         }
     }
 
@@ -580,10 +590,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         tag: u32,
         ordinal: u64,
     ) -> Result<(), Fault> {
-        let Transfers { eager, active, .. } = &mut *t;
-        let e = &mut eager[peer as usize];
-        let s = e.tag(tag);
-        let Some(w) = s.waiting.iter_mut().find(|w| w.ordinal == ordinal) else {
+        let s = t.eager[peer as usize].tag(tag);
+        let Some(at) = s.waiting.iter().position(|w| w.ordinal == ordinal) else {
             if ordinal >= s.receives {
                 if s.requested.back().is_some_and(|&b| b >= ordinal) {
                     return Err(unexpected(peer, "requests out of order"));
@@ -592,20 +600,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             }
             return Ok(());
         };
-        if w.announced {
-            return Ok(());
-        }
-        w.announced = true;
-        let id = w.id;
-        e.unannounced = e.unannounced.saturating_sub(1);
-        // A receive that failed since (its peer's failure fails this one
-        // too) is not announced.
-        if let Active::Receiving(r) = &active[Transfers::<F::Region>::slot(id)]
-            && r.post.id == id
-        {
-            let post = r.post;
-            self.announce(t, &post, ordinal);
-        }
+        self.announce_waiting(t, peer as usize, tag, at);
         Ok(())
     }
 
