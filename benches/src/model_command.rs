@@ -13,7 +13,8 @@
 //! Predicts every algorithm on every GPU count (`M = N / D` machines) and size, and
 //! prints one row each: predicted time, algbw, busbw, and for fairring's
 //! algorithms the plan's shards per full slice (`k`), staging buffers and messages
-//! the busiest rail sends. `--breakdown` adds where the time of fairring's
+//! the busiest rail sends, and for NCCL's rows the algorithm and protocol its
+//! tuner chose (last). `--breakdown` adds where the time of fairring's
 //! busiest machine went: busbw as a share of its NICs' rate (the bound between
 //! machines), then the share of the time each of its resources was busy: the
 //! rail's send side, the part of it that is the messages' alpha, the receive
@@ -221,7 +222,7 @@ fn run(o: &Options) -> Result<(), String> {
             "%nic", "send%", "alpha%", "recv%", "gpu%", "nvl%"
         );
     }
-    println!();
+    println!(" nccl");
     let mut rows = Vec::new();
     for &gpus in &o.gpus {
         if gpus % u64::from(devices) != 0 {
@@ -323,7 +324,10 @@ fn print_row(gpus: u64, job: &Job, p: &Prediction, breakdown: Option<&Hardware>)
             None => print!(" {:>5} {:>6} {:>5} {:>5} {:>5}", "-", "-", "-", "-", "-"),
         }
     }
-    println!();
+    match p.nccl {
+        Some(e) => println!(" {}/{}", e.algorithm.name(), e.protocol.name()),
+        None => println!(" -"),
+    }
 }
 
 fn write_json(path: &str, hw: &Hardware, rows: &[Row]) -> std::io::Result<()> {
@@ -347,6 +351,12 @@ fn write_json(path: &str, hw: &Hardware, rows: &[Row]) -> std::io::Result<()> {
                 "staging_buffers": t.map(|t| t.staging_buffers),
                 "messages_sent": t.map(|t| t.messages_sent),
                 "bytes_sent": t.map(|t| t.bytes_sent),
+                "nccl": r.prediction.nccl.map(|e| serde_json::json!({
+                    "algorithm": e.algorithm.name(),
+                    "protocol": e.protocol.name(),
+                    "bandwidth_gbps": e.bandwidth_gbps,
+                    "latency_us": e.latency_us,
+                })),
                 "busy_seconds": r.prediction.busy.map(|b| serde_json::json!({
                     "send": b.send,
                     "send_alpha": b.send_alpha,

@@ -6,6 +6,7 @@ use std::fmt;
 use serde::Deserialize;
 
 use super::ModelError;
+use super::nccl::NcclTopology;
 
 /// The presets shipped with the model (`benches/presets/hardware.toml`).
 pub const BUILTIN_PRESETS: &str = include_str!("../../presets/hardware.toml");
@@ -98,6 +99,8 @@ pub struct Hardware {
     pub server: Server,
     /// Fixed software costs.
     pub software: Software,
+    /// What NCCL's tuner reads of these machines.
+    pub nccl: NcclTopology,
 }
 
 impl Hardware {
@@ -163,6 +166,7 @@ impl Hardware {
                 ));
             }
         }
+        self.nccl.check()?;
         if self.devices_per_machine == 0 || self.nic.count == 0 || self.server.nic_count == 0 {
             return Err(
                 "devices_per_machine, nic.count and server.nic_count must be positive".into(),

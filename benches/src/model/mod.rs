@@ -25,8 +25,9 @@
 //! and a slice takes a buffer only when the slice `buffers` before it has released
 //! it on that machine. See [`hierarchical`] and [`servers`].
 //!
-//! **Peers are closed forms**: NCCL's ring and double binary tree ([`nccl`]), and
-//! fairring's own ring ([`ring`]), which is one ring over every rank, slice by slice.
+//! **NCCL is what its own tuner predicts** ([`nccl`]: a port of `ncclTopoTuneModel`
+//! and `ncclTopoGetAlgoTime`): its ring, tree and NVLSTree, and the one it would
+//! choose; fairring's own ring ([`ring`]) is one ring over every rank, slice by slice.
 //!
 //! # What is not modelled
 //!
@@ -66,20 +67,26 @@ pub enum Algo {
     Servers,
     /// fairring's ring: one ring over every rank, slice by slice.
     Ring,
-    /// NCCL's ring: a ring per channel, channels spread over the NICs.
+    /// NCCL's ring, as NCCL's tuner predicts it ([`nccl`]).
     NcclRing,
     /// NCCL's double binary tree between machines, a chain within each.
     NcclTree,
+    /// NCCL's NVLSTree: NVLink SHARP within each machine, a tree between.
+    NcclNvlsTree,
+    /// Whichever of NCCL's algorithms and protocols its tuner would run.
+    NcclBest,
 }
 
 impl Algo {
     /// Every algorithm, in table order.
-    pub const ALL: [Algo; 5] = [
+    pub const ALL: [Algo; 7] = [
         Algo::Hierarchical,
         Algo::Servers,
         Algo::Ring,
         Algo::NcclRing,
         Algo::NcclTree,
+        Algo::NcclNvlsTree,
+        Algo::NcclBest,
     ];
 
     /// The name used on the command line and in tables.
@@ -90,6 +97,8 @@ impl Algo {
             Algo::Ring => "ring",
             Algo::NcclRing => "nccl-ring",
             Algo::NcclTree => "nccl-tree",
+            Algo::NcclNvlsTree => "nccl-nvlstree",
+            Algo::NcclBest => "nccl-best",
         }
     }
 
@@ -233,6 +242,8 @@ pub struct Prediction {
     pub traffic: Option<Traffic>,
     /// Where the busiest machine's time went (fairring's algorithms only).
     pub busy: Option<Busy>,
+    /// The algorithm, protocol and terms NCCL's tuner chose (NCCL's rows only).
+    pub nccl: Option<nccl::Estimate>,
 }
 
 impl Prediction {
@@ -263,6 +274,7 @@ impl Prediction {
             busbw_gbps: busbw,
             traffic,
             busy,
+            nccl: None,
         }
     }
 }
@@ -347,7 +359,8 @@ pub fn predict(hw: &Hardware, job: &Job, algo: Algo) -> Result<Prediction, Model
         Algo::Hierarchical => hierarchical::predict(hw, job),
         Algo::Servers => servers::predict(hw, job),
         Algo::Ring => ring::predict(hw, job),
-        Algo::NcclRing => Ok(nccl::ring(hw, job)),
-        Algo::NcclTree => nccl::tree(hw, job),
+        Algo::NcclRing | Algo::NcclTree | Algo::NcclNvlsTree | Algo::NcclBest => {
+            nccl::predict(&hw.nccl, job, algo)
+        }
     }
 }
