@@ -107,16 +107,28 @@ fn nccl_tuner_reproduces_values_worked_by_hand() {
         "ring time",
     );
     let below = est(4, 64 * 16 * 32 - 1, NcclAlgorithm::Ring, Protocol::Simple);
-    close(below.time_us, 282.8 + 32767.0 / (384e3 * 32.0 / 62.0), "ring below the plateau");
+    close(
+        below.time_us,
+        282.8 + 32767.0 / (384e3 * 32.0 / 62.0),
+        "ring below the plateau",
+    );
     // Tree, Simple: min(384 x 0.92, 8 x 36.0 (Hopper, 4+ nodes)) = 288, x 0.85
     // (plain tree), x 0.5; latency 8.4 + 2 (7 x 4.0 + log2(4) x 14) = 120.4.
     let tree = est(4, GIB, NcclAlgorithm::Tree, Protocol::Simple);
     close(tree.bandwidth_gbps, 288.0 * 0.85 * 0.5, "tree bandwidth");
     close(tree.latency_us, 120.4, "tree latency");
-    close(tree.time_us, 120.4 + GIB as f64 / 122_400.0, "tree time at 1 GiB");
+    close(
+        tree.time_us,
+        120.4 + GIB as f64 / 122_400.0,
+        "tree time at 1 GiB",
+    );
     // At 1 MiB, log2(2^20 / 64) = 14: the Simple correction is 0.5.
     let tree_mib = est(4, MIB, NcclAlgorithm::Tree, Protocol::Simple);
-    close(tree_mib.time_us, 120.4 + MIB as f64 / (122_400.0 * 0.5), "tree time at 1 MiB");
+    close(
+        tree_mib.time_us,
+        120.4 + MIB as f64 / (122_400.0 * 0.5),
+        "tree time at 1 MiB",
+    );
     // Tree, LL: min(288 / 3.8, 20.4 (Intel, 4+ nodes)) x 0.85 x 0.5; latency
     // 6.8 + 2 (7 x 0.6 + 2 x 5.0) = 35.2.
     let ll = est(4, MIB, NcclAlgorithm::Tree, Protocol::Ll);
@@ -125,36 +137,71 @@ fn nccl_tuner_reproduces_values_worked_by_hand() {
     // NVLSTree: per channel min(40 x 0.85 x 7/8 x 2, 48, 45.5) = 45.5, x 8, x 32/62;
     // latency 25 (NVLink) + 2 x 2 x 20.9 = 108.6.
     let nvls = est(4, GIB, NcclAlgorithm::NvlsTree, Protocol::Simple);
-    close(nvls.bandwidth_gbps, 45.5 * 8.0 * 32.0 / 62.0, "NVLSTree bandwidth");
+    close(
+        nvls.bandwidth_gbps,
+        45.5 * 8.0 * 32.0 / 62.0,
+        "NVLSTree bandwidth",
+    );
     close(nvls.latency_us, 108.6, "NVLSTree latency");
     // Two machines: NVLSTree's rate between them counts twice, and the cap is
     // 57.7: min(59.5, 96, 57.7) x 8 x 16/30; latency 25 + 2 x 20.9.
     let two = est(2, GIB, NcclAlgorithm::NvlsTree, Protocol::Simple);
-    close(two.bandwidth_gbps, 57.7 * 8.0 * 16.0 / 30.0, "2-machine NVLSTree");
-    close(two.time_us, 66.8 + GIB as f64 / (57.7e3 * 8.0 * 16.0 / 30.0), "its time");
+    close(
+        two.bandwidth_gbps,
+        57.7 * 8.0 * 16.0 / 30.0,
+        "2-machine NVLSTree",
+    );
+    close(
+        two.time_us,
+        66.8 + GIB as f64 / (57.7e3 * 8.0 * 16.0 / 30.0),
+        "its time",
+    );
     // One machine: NVLS, per channel min(59.5, 60) x 8 x 8/14, latency 25 us.
     let one = nccl::estimate(&t, 1, 8, GIB, NcclAlgorithm::Nvls, Protocol::Simple).unwrap();
-    close(one.bandwidth_gbps, 40.0 * 0.85 * 7.0 / 8.0 * 2.0 * 8.0 * 8.0 / 14.0, "NVLS");
+    close(
+        one.bandwidth_gbps,
+        40.0 * 0.85 * 7.0 / 8.0 * 2.0 * 8.0 * 8.0 / 14.0,
+        "NVLS",
+    );
     close(one.latency_us, 25.0, "NVLS latency");
     // NCCL's choice at 4 machines and 1 GiB: the ring's 5813.6 us against
     // NVLSTree's 108.6 + 2^30 / 187.87e3 = 5823.9 us.
     let best = nccl::choose(&t, 4, 8, GIB, &NcclAlgorithm::ALL).unwrap();
-    assert_eq!((best.algorithm, best.protocol), (NcclAlgorithm::Ring, Protocol::Simple));
+    assert_eq!(
+        (best.algorithm, best.protocol),
+        (NcclAlgorithm::Ring, Protocol::Simple)
+    );
     // Volta's plateau is 1.9: v100, 4 machines, Ring, Simple, latency 8.4 + 56 x
     // max(3.4, 3) + 6 x 14.
     let v = v100().nccl;
     let r = nccl::estimate(&v, 4, 8, GIB, NcclAlgorithm::Ring, Protocol::Simple).unwrap();
-    close(r.time_us, 282.8 * 1.9 + GIB as f64 / (48e3 * 32.0 / 62.0), "v100 ring");
+    close(
+        r.time_us,
+        282.8 * 1.9 + GIB as f64 / (48e3 * 32.0 / 62.0),
+        "v100 ring",
+    );
 }
 
 #[test]
 fn nccl_runs_only_what_the_tuner_enables() {
     let t = h100().nccl;
     let none = |m, d, a, p| nccl::estimate(&t, m, d, MIB, a, p).is_none();
-    assert!(none(1, 8, NcclAlgorithm::NvlsTree, Protocol::Simple), "NVLSTree on one machine");
-    assert!(none(4, 8, NcclAlgorithm::Nvls, Protocol::Simple), "NVLS between machines");
-    assert!(none(4, 8, NcclAlgorithm::NvlsTree, Protocol::Ll128), "NVLSTree is Simple only");
-    assert!(none(4, 1, NcclAlgorithm::NvlsTree, Protocol::Simple), "one GPU a machine");
+    assert!(
+        none(1, 8, NcclAlgorithm::NvlsTree, Protocol::Simple),
+        "NVLSTree on one machine"
+    );
+    assert!(
+        none(4, 8, NcclAlgorithm::Nvls, Protocol::Simple),
+        "NVLS between machines"
+    );
+    assert!(
+        none(4, 8, NcclAlgorithm::NvlsTree, Protocol::Ll128),
+        "NVLSTree is Simple only"
+    );
+    assert!(
+        none(4, 1, NcclAlgorithm::NvlsTree, Protocol::Simple),
+        "one GPU a machine"
+    );
     assert!(none(1, 1, NcclAlgorithm::Ring, Protocol::Simple), "one GPU");
     let v = v100().nccl;
     assert!(nccl::estimate(&v, 4, 8, MIB, NcclAlgorithm::NvlsTree, Protocol::Simple).is_none());
@@ -180,7 +227,11 @@ fn nccl_runs_only_what_the_tuner_enables() {
                 close(best.seconds, least * 1e-6, "nccl-best");
                 for algo in [Algo::NcclRing, Algo::NcclTree, Algo::NcclNvlsTree] {
                     if let Ok(p) = predict(&hw, &job, algo) {
-                        assert!(best.seconds <= p.seconds, "{} {m}x{d} {bytes}: {algo}", hw.name);
+                        assert!(
+                            best.seconds <= p.seconds,
+                            "{} {m}x{d} {bytes}: {algo}",
+                            hw.name
+                        );
                     }
                 }
                 bytes *= 8;
@@ -197,7 +248,12 @@ fn no_nccl_form_beats_the_machines_nics() {
     for hw in presets() {
         let nics = hw.machine_nic_gbps();
         for m in [2u32, 4, 16, 256] {
-            for algo in [Algo::NcclRing, Algo::NcclTree, Algo::NcclNvlsTree, Algo::NcclBest] {
+            for algo in [
+                Algo::NcclRing,
+                Algo::NcclTree,
+                Algo::NcclNvlsTree,
+                Algo::NcclBest,
+            ] {
                 let Ok(p) = predict(&hw, &Job::new(m, 8, 1 << 30), algo) else {
                     continue;
                 };
@@ -238,12 +294,16 @@ fn fairring_ring_matches_its_closed_form_without_latency() {
 }
 
 /// The breakdown of where the busiest machine's time went agrees with what
-/// its rail carried: the send side was busy for the alpha of every message
-/// it sent plus its bytes at the rail's rate, the receive side for the bytes
-/// it received, and no resource was busy for longer than the prediction.
+/// its rail carried: the send side was busy for its bytes at the rail's rate,
+/// and for at least a post per message and at most a post per message more
+/// (LogGP: each message costs its post or its bytes, the longer); the part
+/// beyond the bytes is what `send_alpha` reports; the receive side was busy for
+/// the bytes it received; and no resource was busy for longer than the
+/// prediction.
 #[test]
 fn the_busy_time_of_each_resource_is_its_traffic_and_within_the_time() {
     for hw in presets() {
+        let post = hw.post_seconds();
         for (m, d) in [(1, 8), (2, 1), (4, 8), (32, 8), (256, 8)] {
             for bytes in [MIB, 256 * MIB] {
                 for algo in [Algo::Hierarchical, Algo::Servers] {
@@ -252,19 +312,21 @@ fn the_busy_time_of_each_resource_is_its_traffic_and_within_the_time() {
                     let (t, b) = (p.traffic.unwrap(), p.busy.unwrap());
                     let what = format!("{} {algo} {m}x{d} {bytes}", hw.name);
                     let rail = hw.rail(d);
-                    let alpha = t.messages_sent as f64 * rail.latency_us * 1e-6;
                     let close =
                         |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()) + 1e-15;
+                    let wire = t.bytes_sent as f64 / (rail.gbps * 1e9);
+                    let posts = t.messages_sent as f64 * post;
                     assert!(
-                        close(b.send_alpha, alpha),
-                        "{what}: alpha {} against {alpha}",
-                        b.send_alpha
-                    );
-                    let send = alpha + t.bytes_sent as f64 / (rail.gbps * 1e9);
-                    assert!(
-                        close(b.send, send),
-                        "{what}: send busy {} against {send}",
+                        b.send >= wire.max(posts) * (1.0 - 1e-9)
+                            && b.send <= (wire + posts) * (1.0 + 1e-9) + 1e-15,
+                        "{what}: send busy {} against wire {wire} and posts {posts}",
                         b.send
+                    );
+                    assert!(
+                        close(b.send_alpha, b.send - wire),
+                        "{what}: alpha {} against {}",
+                        b.send_alpha,
+                        b.send - wire
                     );
                     let receive = t.bytes_received as f64 / (rail.gbps * 1e9);
                     assert!(
@@ -287,6 +349,40 @@ fn the_busy_time_of_each_resource_is_its_traffic_and_within_the_time() {
                 }
             }
         }
+    }
+}
+
+/// LogGP on the smallest exchange worked by hand: two machines of one GPU,
+/// one slice cut into two cells, so each machine sends one contribution and
+/// one result. Nothing costs but the rail: every message occupies its sender
+/// for `max(o, bytes / rate)` and lands `L` later, once per dependent hop.
+#[test]
+fn loggp_charges_two_messages_as_worked_by_hand() {
+    let mut hw = free_of_latency(h100());
+    hw.memory.gbps = 1e300;
+    hw.nic.latency_us = 2.5;
+    let o = 1e-6; // NCCL's NET_OVERHEAD on Intel x86.
+    assert_eq!(hw.post_seconds(), o);
+    let rate = hw.rail(1).gbps * 1e9; // 8 NICs of 50 GB/s: 400 GB/s.
+    let l = 2.5e-6;
+    for (bytes, wire_bound) in [(256 << 10, false), (4 * MIB, true)] {
+        let p = predict(&hw, &Job::new(2, 1, bytes), Algo::Hierarchical).unwrap();
+        let t = p.traffic.unwrap();
+        assert_eq!(
+            (t.slices, t.shards_per_full_slice, t.messages_sent),
+            (1, 2, 2)
+        );
+        let cell = (bytes / 2) as f64;
+        // Contribution: its post (or its bytes), then L to the server, which
+        // reduces at once; the result the same way back.
+        let message = if wire_bound { cell / rate } else { o };
+        assert_eq!(cell / rate > o, wire_bound);
+        let want = 2.0 * (message + l);
+        assert!(
+            (p.seconds - want).abs() <= 1e-12,
+            "{bytes} bytes: {} s against {want} s",
+            p.seconds
+        );
     }
 }
 

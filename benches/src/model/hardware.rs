@@ -11,22 +11,47 @@ use super::nccl::NcclTopology;
 /// The presets shipped with the model (`benches/presets/hardware.toml`).
 pub const BUILTIN_PRESETS: &str = include_str!("../../presets/hardware.toml");
 
-/// One class of link: what a message costs before its first byte moves, and the
-/// rate of the bytes after it.
+/// One class of link: a message's latency, and the rate of its bytes.
+///
+/// Between machines the model charges messages as LogGP does: a message
+/// occupies its sender for the post's overhead or for its bytes on the wire,
+/// whichever is longer ([`Link::occupies`]: the NIC sends earlier messages
+/// while the next is posted), and arrives one latency later, paid once per
+/// dependent hop. Within a machine (NVLink, a copy over PCIe) a step of NCCL's
+/// costs its latency and then its bytes ([`Link::seconds`]).
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Link {
-    /// Alpha: microseconds per message, paid by its sender.
+    /// Microseconds from a message's post to its arrival (LogGP's `L`), or a
+    /// step's fixed cost within a machine.
     pub latency_us: f64,
     /// One over beta: GB/s (10^9 bytes per second).
     pub gbps: f64,
 }
 
 impl Link {
-    /// Seconds for `messages` messages carrying `bytes` bytes in all, one after the
-    /// other on this link.
+    /// Seconds for `messages` steps carrying `bytes` bytes in all, one after
+    /// the other, each paying the latency first (NCCL's steps within a
+    /// machine).
     pub fn seconds(&self, messages: f64, bytes: f64) -> f64 {
         messages * self.latency_us * 1e-6 + bytes / (self.gbps * 1e9)
+    }
+
+    /// Seconds `bytes` take on the wire.
+    pub fn wire(&self, bytes: f64) -> f64 {
+        bytes / (self.gbps * 1e9)
+    }
+
+    /// Seconds one message of `bytes` occupies its sender, whose posts cost
+    /// `post` seconds each: `max(post, bytes / rate)` (LogGP's `o` and `G`).
+    pub fn occupies(&self, post: f64, bytes: f64) -> f64 {
+        post.max(self.wire(bytes))
+    }
+
+    /// Seconds from a message's post to its arrival, past its time on the
+    /// sender: one latency per dependent hop.
+    pub fn hop(&self) -> f64 {
+        self.latency_us * 1e-6
     }
 }
 
@@ -119,6 +144,15 @@ impl Hardware {
             latency_us: self.nic.latency_us,
             gbps: self.nic.gbps,
         }
+    }
+
+    /// What posting one message between machines costs its sender, seconds:
+    /// NCCL's `NET_OVERHEAD` for the preset's CPU (`getNetOverhead`,
+    /// `src/graph/tuning.cc` of NVIDIA/nccl at 5067397c: 1 us on Intel x86, 2
+    /// on AMD), without the factor of 3 NCCL's tuner applies to a ring step's
+    /// latency under its Simple protocol (that is a step's cost, not a post's).
+    pub fn post_seconds(&self) -> f64 {
+        super::nccl::post_overhead_us(self.nccl.cpu) * 1e-6
     }
 
     /// Every NIC of a GPU machine together, GB/s.

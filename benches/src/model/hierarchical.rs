@@ -43,18 +43,19 @@ use fairring_core::plan::{DoubleTree, Geometry, Routing, Slice};
 use fairring_core::staging::Role;
 use fairring_core::topology::{Location, RankLayout, Topology};
 
-use super::stages::{self, Buffers, Stages, f};
-use super::timeline::{Timeline, TopTwo};
+use super::events::{ResourceId, Schedule, TaskId};
+use super::stages::{self, Stages, f};
 use super::{Algo, Busy, Hardware, Job, Link, ModelError, Prediction, Traffic};
 
 /// One machine's resources (rail 0 stands for every rail) and what it did.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 struct Machine {
-    nvlink: Timeline,
-    gpu: Timeline,
-    send: Timeline,
-    receive: Timeline,
-    buffers: Buffers,
+    nvlink: ResourceId,
+    gpu: ResourceId,
+    send: ResourceId,
+    receive: ResourceId,
+    /// When each of its slices released its staging buffer, by slice.
+    released: Vec<TaskId>,
     messages_sent: u64,
     bytes_sent: u64,
     bytes_received: u64,
@@ -68,31 +69,42 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     let costs = Costs {
         stages: Stages::new(hw, job),
         rail: hw.rail(job.devices),
+        post: hw.post_seconds(),
         alone: job.machines == 1 && job.devices > 1,
+        buffers: buffers as usize,
     };
-    let machine = Machine {
-        buffers: Buffers::new(buffers),
-        ..Machine::default()
-    };
-    let mut machines = vec![machine; job.machines as usize];
+    let mut schedule = Schedule::default();
+    let mut machines: Vec<Machine> = (0..job.machines)
+        .map(|_| Machine {
+            nvlink: schedule.resource(),
+            gpu: schedule.resource(),
+            send: schedule.resource(),
+            receive: schedule.resource(),
+            released: Vec::new(),
+            messages_sent: 0,
+            bytes_sent: 0,
+            bytes_received: 0,
+        })
+        .collect();
     let mut pipeline = Pipeline {
         costs: &costs,
         machines: &mut machines,
+        schedule: &mut schedule,
         scratch: Scratch::default(),
     };
     let slices = stages::slices(&geometry, job, &costs.stages)?;
     for (slice, submitted) in &slices {
-        pipeline.run(slice, *submitted)?;
+        pipeline.add(slice, *submitted)?;
     }
+    schedule.run();
     let end = machines
         .iter()
-        .map(|m| m.buffers.finished())
+        .flat_map(|m| m.released.iter().map(|&t| schedule.end(t)))
         .fold(0.0, f64::max);
     let busiest = machines
         .iter()
         .max_by_key(|m| (m.bytes_sent, m.messages_sent))
-        .cloned()
-        .unwrap_or_default();
+        .ok_or(ModelError::InvalidJob("a job has a machine".into()))?;
     let traffic = Traffic {
         slices: slices.len() as u64,
         shards_per_full_slice: geometry.shards_per_full_slice(),
@@ -102,12 +114,13 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
         bytes_sent: busiest.bytes_sent,
         bytes_received: busiest.bytes_received,
     };
+    let send = schedule.busy(busiest.send);
     let busy = Busy {
-        send: busiest.send.busy(),
-        send_alpha: f(busiest.messages_sent) * costs.rail.latency_us * 1e-6,
-        receive: busiest.receive.busy(),
-        gpu: busiest.gpu.busy(),
-        nvlink: busiest.nvlink.busy(),
+        send,
+        send_alpha: (send - costs.rail.wire(f(busiest.bytes_sent))).max(0.0),
+        receive: schedule.busy(busiest.receive),
+        gpu: schedule.busy(busiest.gpu),
+        nvlink: schedule.busy(busiest.nvlink),
     };
     Ok(Prediction::with_busy(
         Algo::Hierarchical,
@@ -122,191 +135,228 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
 struct Costs {
     stages: Stages,
     rail: Link,
+    /// Seconds a message's post costs its sender.
+    post: f64,
     /// One machine of several GPUs: a slice is one NCCL all-reduce.
     alone: bool,
+    /// Staging buffers per GPU.
+    buffers: usize,
 }
 
-/// Per-slice times of each machine, reused from slice to slice.
+impl Costs {
+    /// Seconds a message of `bytes` occupies its sender.
+    fn message(&self, bytes: u64) -> f64 {
+        self.rail.occupies(self.post, f(bytes))
+    }
+}
+
+/// Per-slice tasks of each machine, reused from slice to slice.
 #[derive(Default)]
 struct Scratch {
-    ready: Vec<f64>,
-    scattered: Vec<f64>,
-    sent: Vec<f64>,
-    reduced: Vec<f64>,
-    returned: Vec<f64>,
+    take: Vec<TaskId>,
+    scattered: Vec<TaskId>,
+    sent: Vec<Option<TaskId>>,
+    reduced: Vec<TaskId>,
+    returned: Vec<TaskId>,
     cell: Vec<u64>,
     role: Vec<Role>,
-    /// Through trees, per machine: when its contribution to the shard's tree
-    /// reached its parent, and when its shard was final.
-    arrived: Vec<f64>,
-    final_at: Vec<f64>,
-    /// Through trees, per machine: when its slot was final, and when its last
-    /// send of the slice ended.
-    slot_final: Vec<f64>,
-    last_sent: Vec<f64>,
+    /// Through trees, per machine: the task after which its contribution to
+    /// the shard's tree is at its parent, and after which its shard is final.
+    arrived: Vec<Option<TaskId>>,
+    final_at: Vec<Option<TaskId>>,
+    /// Through trees, per machine: its slot final, and every send of the slice.
+    slot_final: Vec<TaskId>,
+    sends: Vec<Vec<TaskId>>,
     order: Vec<u32>,
 }
 
 struct Pipeline<'a> {
     costs: &'a Costs,
     machines: &'a mut [Machine],
+    schedule: &'a mut Schedule,
     scratch: Scratch,
 }
 
 impl Pipeline<'_> {
-    fn run(&mut self, slice: &Slice, submitted: f64) -> Result<(), ModelError> {
+    /// Each machine's staging buffer for the next slice, taken once the
+    /// slice `buffers` before it released it (and no sooner than `submitted`).
+    fn take_buffers(&mut self, submitted: f64) {
+        let buffers = self.costs.buffers.max(1);
+        self.scratch.take.clear();
+        for machine in self.machines.iter() {
+            let take = self.schedule.task(None, 0.0, submitted);
+            let n = machine.released.len();
+            if n >= buffers {
+                self.schedule
+                    .after(take, machine.released[n - buffers], 0.0);
+            }
+            self.scratch.take.push(take);
+        }
+    }
+
+    /// The reduce-scatter within each machine (or its one all-reduce).
+    fn scatter(&mut self, slice_bytes: f64) {
+        let costs = self.costs;
+        self.scratch.scattered.clear();
+        for (m, machine) in self.machines.iter().enumerate() {
+            let local = if costs.alone {
+                costs.stages.intra_all_reduce(slice_bytes)
+            } else {
+                costs.stages.intra(slice_bytes)
+            };
+            let scattered = self.schedule.task(Some(machine.nvlink), local, 0.0);
+            self.schedule.after(scattered, self.scratch.take[m], 0.0);
+            self.scratch.scattered.push(scattered);
+        }
+    }
+
+    fn add(&mut self, slice: &Slice, submitted: f64) -> Result<(), ModelError> {
+        self.take_buffers(submitted);
+        let slice_bytes = f(slice.span().byte_len());
+        self.scatter(slice_bytes);
         if let Some(trees) = slice.double_tree() {
-            return self.run_trees(slice, &trees, submitted);
+            return self.add_trees(slice, &trees, slice_bytes);
         }
         let m_count = self.machines.len();
         let costs = self.costs;
+        let sched = &mut *self.schedule;
         let s = &mut self.scratch;
-        for v in [
-            &mut s.ready,
-            &mut s.scattered,
-            &mut s.sent,
-            &mut s.reduced,
-            &mut s.returned,
-        ] {
-            v.clear();
-            v.resize(m_count, f64::NEG_INFINITY);
-        }
         s.cell.clear();
         s.cell.resize(m_count, 0);
         s.role.clear();
         for m in 0..m_count {
             s.role.push(slice.role(location(m))?);
         }
-        let slice_bytes = f(slice.span().byte_len());
         let slot_bytes = slice.slot(0)?.byte_len();
-        // Which machine serves which cell of rail 0, from the plan.
+        // Which machine serves which cell of rail 0, from the plan; a machine
+        // sends a contribution to every other server, each message occupying
+        // its send side for its post or its bytes, the longer.
+        let mut posting = 0.0;
         for j in 0..slice.shards() {
             let server = slice.server(j)? as usize;
-            s.cell[server] = slice.cell(0, j)?.span().byte_len();
+            let cell = slice.cell(0, j)?.span().byte_len();
+            s.cell[server] = cell;
+            posting += costs.message(cell);
         }
-        // 1-2. Reduce-scatter within the machine, then contributions out.
+        // 2. Contributions out.
+        s.sent.clear();
         for (m, machine) in self.machines.iter_mut().enumerate() {
-            let ready = machine.buffers.take(submitted);
-            s.ready[m] = ready;
-            let local = if costs.alone {
-                costs.stages.intra_all_reduce(slice_bytes)
-            } else {
-                costs.stages.intra(slice_bytes)
-            };
-            s.scattered[m] = machine.nvlink.run(ready, local);
             let sends = u64::from(s.role[m].contributions_to_send);
-            let bytes = slot_bytes - s.cell[m];
-            s.sent[m] = if sends > 0 {
-                machine.messages_sent += sends;
-                machine.bytes_sent += bytes;
-                machine
-                    .send
-                    .run(s.scattered[m], costs.rail.seconds(f(sends), f(bytes)))
+            if sends == 0 {
+                s.sent.push(None);
+                continue;
+            }
+            machine.messages_sent += sends;
+            machine.bytes_sent += slot_bytes - s.cell[m];
+            let own = if s.cell[m] > 0 {
+                costs.message(s.cell[m])
             } else {
-                s.scattered[m]
+                0.0
             };
+            let sent = sched.task(Some(machine.send), posting - own, 0.0);
+            sched.after(sent, s.scattered[m], 0.0);
+            s.sent.push(Some(sent));
         }
-        let last_sent = TopTwo::of(s.sent.iter().copied().enumerate());
-        let first_scattered = s.scattered.iter().copied().fold(f64::INFINITY, f64::min);
         // 3-5. Contributions in, reduction, results out, on every serving machine.
+        s.reduced.clear();
+        s.returned.clear();
         for (v, machine) in self.machines.iter_mut().enumerate() {
             let role = s.role[v];
             if !role.reduces {
-                s.reduced[v] = s.scattered[v];
-                s.returned[v] = s.scattered[v];
+                s.reduced.push(s.scattered[v]);
+                s.returned.push(s.scattered[v]);
                 continue;
             }
             let others = f64::from(role.contributions_to_receive);
             let cell = s.cell[v];
             let bytes_in = u64::from(role.contributions_to_receive) * cell;
             machine.bytes_received += bytes_in;
-            let paced = machine.receive.run(
-                first_scattered.max(s.ready[v]),
-                costs.rail.seconds(0.0, f(bytes_in)),
-            );
-            let arrived = paced.max(last_sent.max_except(v) + costs.rail.latency_us * 1e-6);
-            s.reduced[v] = machine.gpu.run(
-                arrived.max(s.scattered[v]),
+            // The receive side takes the bytes from the first sender on, into
+            // a buffer of its own.
+            let first = sched.first_of(0.0);
+            for &scattered in &s.scattered {
+                sched.after(first, scattered, 0.0);
+            }
+            let paced = sched.task(Some(machine.receive), costs.rail.wire(f(bytes_in)), 0.0);
+            sched.after(paced, first, 0.0);
+            sched.after(paced, s.take[v], 0.0);
+            let reduced = sched.task(
+                Some(machine.gpu),
                 costs.stages.memory((others + 2.0) * f(cell)) + costs.stages.step(),
+                0.0,
             );
+            sched.after(reduced, paced, 0.0);
+            sched.after(reduced, s.scattered[v], 0.0);
+            for (m, sent) in s.sent.iter().enumerate() {
+                if let Some(sent) = *sent
+                    && m != v
+                {
+                    sched.after(reduced, sent, costs.rail.hop());
+                }
+            }
             let results = u64::from(role.results_to_send);
             machine.messages_sent += results;
             machine.bytes_sent += results * cell;
-            s.returned[v] = machine.send.run(
-                s.reduced[v],
-                costs.rail.seconds(f(results), f(results * cell)),
-            );
+            let returned = sched.task(Some(machine.send), f(results) * costs.message(cell), 0.0);
+            sched.after(returned, reduced, 0.0);
+            s.reduced.push(reduced);
+            s.returned.push(returned);
         }
-        let last_returned = TopTwo::of(
-            s.returned
-                .iter()
-                .copied()
-                .enumerate()
-                .filter(|&(v, _)| s.cell[v] > 0),
-        );
-        let first_reduced = s
-            .reduced
-            .iter()
-            .zip(&s.cell)
-            .filter(|&(_, &c)| c > 0)
-            .map(|(&t, _)| t)
-            .fold(f64::INFINITY, f64::min);
         // 6-7. Results in, all-gather within the machine; the buffer is released.
         for (m, machine) in self.machines.iter_mut().enumerate() {
-            let mut ready = s.reduced[m];
+            let ready = sched.task(None, 0.0, 0.0);
+            sched.after(ready, s.reduced[m], 0.0);
             if s.role[m].results_to_receive > 0 {
                 let bytes = slot_bytes - s.cell[m];
                 machine.bytes_received += bytes;
-                let paced = machine
-                    .receive
-                    .run(first_reduced, costs.rail.seconds(0.0, f(bytes)));
-                ready = ready
-                    .max(paced)
-                    .max(last_returned.max_except(m) + costs.rail.latency_us * 1e-6);
+                let first = sched.first_of(0.0);
+                for v in (0..m_count).filter(|&v| s.cell[v] > 0) {
+                    sched.after(first, s.reduced[v], 0.0);
+                }
+                let paced = sched.task(Some(machine.receive), costs.rail.wire(f(bytes)), 0.0);
+                sched.after(paced, first, 0.0);
+                sched.after(ready, paced, 0.0);
+                for v in (0..m_count).filter(|&v| v != m && s.cell[v] > 0) {
+                    sched.after(ready, s.returned[v], costs.rail.hop());
+                }
             }
             let gathered = if costs.alone {
                 // The all-reduce left the whole slice final in the tensor.
                 ready
             } else {
-                machine.nvlink.run(ready, costs.stages.intra(slice_bytes))
+                let gathered =
+                    sched.task(Some(machine.nvlink), costs.stages.intra(slice_bytes), 0.0);
+                sched.after(gathered, ready, 0.0);
+                gathered
             };
-            machine.buffers.release(gathered.max(s.returned[m]));
+            let released = sched.task(None, 0.0, 0.0);
+            sched.after(released, gathered, 0.0);
+            sched.after(released, s.returned[m], 0.0);
+            machine.released.push(released);
         }
         Ok(())
     }
-}
 
-impl Pipeline<'_> {
     /// A slice whose shards go through the trees (see the module docs).
-    fn run_trees(
+    fn add_trees(
         &mut self,
         slice: &Slice,
         trees: &DoubleTree,
-        submitted: f64,
+        slice_bytes: f64,
     ) -> Result<(), ModelError> {
         let m_count = self.machines.len();
         let costs = self.costs;
-        let latency = costs.rail.latency_us * 1e-6;
+        let latency = costs.rail.hop();
+        let sched = &mut *self.schedule;
         let s = &mut self.scratch;
-        for v in [
-            &mut s.ready,
-            &mut s.scattered,
-            &mut s.arrived,
-            &mut s.final_at,
-            &mut s.slot_final,
-            &mut s.last_sent,
-        ] {
-            v.clear();
-            v.resize(m_count, f64::NEG_INFINITY);
+        s.slot_final.clear();
+        s.slot_final
+            .extend(s.scattered.iter().map(|_| sched.task(None, 0.0, 0.0)));
+        for (&done, &scattered) in s.slot_final.iter().zip(&s.scattered) {
+            sched.after(done, scattered, 0.0);
         }
-        let slice_bytes = f(slice.span().byte_len());
-        // 1. Reduce-scatter within the machine.
-        for (m, machine) in self.machines.iter_mut().enumerate() {
-            let ready = machine.buffers.take(submitted);
-            s.ready[m] = ready;
-            s.scattered[m] = machine.nvlink.run(ready, costs.stages.intra(slice_bytes));
-            s.slot_final[m] = s.scattered[m];
-        }
+        s.sends.clear();
+        s.sends.resize(m_count, Vec::new());
         for j in 0..slice.shards() {
             let Some(tree) = slice.tree_of(j)? else {
                 continue;
@@ -315,69 +365,98 @@ impl Pipeline<'_> {
             let root = trees.root(tree)?;
             post_order(trees, tree, root, &mut s.order)?;
             // Each part of the cell goes up and down on its own (the plan's
-            // `Cell::part`), one after the other on every link.
+            // `Cell::part`).
             for part in 0..cell_of_shard.parts() {
                 let cell = cell_of_shard.part(part)?.byte_len();
+                s.arrived.clear();
+                s.arrived.resize(m_count, None);
+                s.final_at.clear();
+                s.final_at.resize(m_count, None);
                 // 2-4. Up the tree: children before their parent.
                 for &x in &s.order {
                     let xi = x as usize;
                     let children = trees.children(tree, x)?;
                     let count = children.iter().flatten().count() as u64;
-                    let mut have = s.scattered[xi];
-                    for c in children.iter().flatten() {
-                        have = have.max(s.arrived[*c as usize]);
-                    }
                     let up_ready = if count > 0 {
                         let machine = &mut self.machines[xi];
                         machine.bytes_received += count * cell;
-                        machine.gpu.run(
-                            have,
+                        let reduced = sched.task(
+                            Some(machine.gpu),
                             costs.stages.memory(f(count + 2) * f(cell)) + costs.stages.step(),
-                        )
+                            0.0,
+                        );
+                        sched.after(reduced, s.scattered[xi], 0.0);
+                        for c in children.iter().flatten() {
+                            if let Some(arrived) = s.arrived[*c as usize] {
+                                sched.after(reduced, arrived, 0.0);
+                            }
+                        }
+                        reduced
                     } else {
-                        have
+                        s.scattered[xi]
                     };
                     match trees.parent(tree, x)? {
                         Some(p) => {
-                            let start = up_ready.max(s.ready[p as usize]);
+                            let p = p as usize;
                             let machine = &mut self.machines[xi];
                             machine.messages_sent += 1;
                             machine.bytes_sent += cell;
-                            let sent = machine.send.run(start, costs.rail.seconds(1.0, f(cell)));
-                            s.last_sent[xi] = s.last_sent[xi].max(sent);
-                            let landed = self.machines[p as usize]
-                                .receive
-                                .run(start, costs.rail.seconds(0.0, f(cell)));
-                            s.arrived[xi] = sent.max(landed) + latency;
+                            let sent = sched.task(Some(machine.send), costs.message(cell), 0.0);
+                            let landed = sched.task(
+                                Some(self.machines[p].receive),
+                                costs.rail.wire(f(cell)),
+                                0.0,
+                            );
+                            for t in [sent, landed] {
+                                sched.after(t, up_ready, 0.0);
+                                sched.after(t, s.take[p], 0.0);
+                            }
+                            s.sends[xi].push(sent);
+                            let arrived = sched.task(None, 0.0, 0.0);
+                            sched.after(arrived, sent, latency);
+                            sched.after(arrived, landed, latency);
+                            s.arrived[xi] = Some(arrived);
                         }
-                        None => s.final_at[xi] = up_ready,
+                        None => s.final_at[xi] = Some(up_ready),
                     }
                 }
                 // 5-6. Down the tree: parents before their children.
                 for &x in s.order.iter().rev() {
                     let xi = x as usize;
-                    let done = s.final_at[xi];
-                    s.slot_final[xi] = s.slot_final[xi].max(done);
+                    let Some(done) = s.final_at[xi] else {
+                        continue;
+                    };
+                    sched.after(s.slot_final[xi], done, 0.0);
                     for c in trees.children(tree, x)?.into_iter().flatten() {
+                        let ci = c as usize;
                         let machine = &mut self.machines[xi];
                         machine.messages_sent += 1;
                         machine.bytes_sent += cell;
-                        let sent = machine.send.run(done, costs.rail.seconds(1.0, f(cell)));
-                        s.last_sent[xi] = s.last_sent[xi].max(sent);
-                        let child = &mut self.machines[c as usize];
+                        let sent = sched.task(Some(machine.send), costs.message(cell), 0.0);
+                        sched.after(sent, done, 0.0);
+                        s.sends[xi].push(sent);
+                        let child = &mut self.machines[ci];
                         child.bytes_received += cell;
-                        let landed = child.receive.run(done, costs.rail.seconds(0.0, f(cell)));
-                        s.final_at[c as usize] = sent.max(landed) + latency;
+                        let landed = sched.task(Some(child.receive), costs.rail.wire(f(cell)), 0.0);
+                        sched.after(landed, done, 0.0);
+                        let final_at = sched.task(None, 0.0, 0.0);
+                        sched.after(final_at, sent, latency);
+                        sched.after(final_at, landed, latency);
+                        s.final_at[ci] = Some(final_at);
                     }
                 }
             }
         }
         // 7. All-gather within the machine; the buffer is released.
         for (m, machine) in self.machines.iter_mut().enumerate() {
-            let gathered = machine
-                .nvlink
-                .run(s.slot_final[m], costs.stages.intra(slice_bytes));
-            machine.buffers.release(gathered.max(s.last_sent[m]));
+            let gathered = sched.task(Some(machine.nvlink), costs.stages.intra(slice_bytes), 0.0);
+            sched.after(gathered, s.slot_final[m], 0.0);
+            let released = sched.task(None, 0.0, 0.0);
+            sched.after(released, gathered, 0.0);
+            for &sent in &s.sends[m] {
+                sched.after(released, sent, 0.0);
+            }
+            machine.released.push(released);
         }
         Ok(())
     }

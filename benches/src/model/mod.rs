@@ -43,9 +43,9 @@ pub mod nccl;
 pub mod ring;
 pub mod servers;
 mod stages;
-mod timeline;
 
 pub mod calibrate;
+mod events;
 
 use std::fmt;
 

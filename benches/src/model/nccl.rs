@@ -105,6 +105,15 @@ pub enum Cpu {
     Amd,
 }
 
+/// NCCL's `NET_OVERHEAD`: what a network post costs, us (`getNetOverhead`,
+/// tuning.cc 228-233).
+pub fn post_overhead_us(cpu: Cpu) -> f64 {
+    match cpu {
+        Cpu::Intel => 1.0,
+        Cpu::Amd => 2.0,
+    }
+}
+
 /// The pattern of the tree graph NCCL's search settles on
 /// (`NCCL_TOPO_PATTERN_*`, `src/include/graph.h`): a plain tree costs the
 /// tree 15% of its bandwidth (tuning.cc 336).
@@ -167,7 +176,10 @@ pub struct NcclTopology {
 
 impl NcclTopology {
     pub(super) fn check(&self) -> Result<(), String> {
-        for (name, g) in [("machines", self.machines), ("one_machine", self.one_machine)] {
+        for (name, g) in [
+            ("machines", self.machines),
+            ("one_machine", self.one_machine),
+        ] {
             let mut graphs = vec![("ring", g.ring), ("tree", g.tree)];
             graphs.extend(g.nvls.map(|n| ("nvls", n)));
             if g.channels == 0 {
@@ -412,7 +424,11 @@ pub fn estimate(
         match protocol {
             Protocol::Ll => bus = (bus / 3.8).min(ll_max),
             Protocol::Ll128 => {
-                let keep = if n_nodes == 1 { 7.0 / 9.0 } else { 120.0 / 128.0 };
+                let keep = if n_nodes == 1 {
+                    7.0 / 9.0
+                } else {
+                    120.0 / 128.0
+                };
                 bus = (bus * keep).min(channels * TREE_LL128_MAX_BW[arch][scale]);
             }
             Protocol::Simple => {}
@@ -447,10 +463,7 @@ pub fn estimate(
                 // "Inter-node rings still have to launch nsteps * net
                 // overhead" (tuning.cc 404-412).
                 let overhead = if n_nodes > 1 {
-                    let post = match t.cpu {
-                        Cpu::Intel => 1.0,
-                        Cpu::Amd => 2.0,
-                    };
+                    let post = post_overhead_us(t.cpu);
                     if protocol == Protocol::Simple {
                         3.0 * post
                     } else {

@@ -17,8 +17,8 @@
 use fairring_core::plan::Geometry;
 use fairring_core::topology::{RankLayout, Topology};
 
-use super::stages::{self, Buffers, Stages, f};
-use super::timeline::Timeline;
+use super::events::{Schedule, TaskId};
+use super::stages::{self, Stages, f};
 use super::{Algo, Hardware, Job, Link, ModelError, Prediction};
 
 /// The slowest edge of the ring.
@@ -38,29 +38,48 @@ fn edge(hw: &Hardware, job: &Job) -> Link {
 pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     let topology = Topology::new(job.machines, job.devices, RankLayout::Contiguous)?;
     let geometry = Geometry::new(topology, job.slicing)?;
-    let mut buffers = Buffers::new(geometry.staging_buffers(job.budget_bytes)?);
+    let buffers = geometry.staging_buffers(job.budget_bytes)?.max(1) as usize;
     let edge = edge(hw, job);
+    let post = hw.post_seconds();
     let n = f(job.gpus());
     let stages = Stages::new(hw, job);
     let step = stages.step();
     let memory = |bytes: f64| stages.memory(bytes);
-    let mut links = Timeline::default();
-    let mut gpu = Timeline::default();
+    let mut sched = Schedule::default();
+    let links = sched.resource();
+    let gpu = sched.resource();
+    let mut released: Vec<TaskId> = Vec::new();
     for (slice, submitted) in stages::slices(&geometry, job, &stages)? {
-        let ready = buffers.take(submitted);
+        let take = sched.task(None, 0.0, submitted);
+        if released.len() >= buffers {
+            sched.after(take, released[released.len() - buffers], 0.0);
+        }
         let bytes = f(slice.span().byte_len());
-        let staged = gpu.run(ready, memory(2.0 * bytes) + step);
+        let staged = sched.task(Some(gpu), memory(2.0 * bytes) + step, 0.0);
+        sched.after(staged, take, 0.0);
         let end = if n > 1.0 {
             let chunk = bytes / n;
-            let on_links = edge.seconds(2.0 * (n - 1.0), 2.0 * (n - 1.0) * chunk);
+            // Each step's message leaves once the one before it landed.
+            let on_links = 2.0 * (n - 1.0) * (edge.occupies(post, chunk) + edge.hop());
             let on_gpu = (n - 1.0) * (memory(3.0 * chunk) + step);
-            let linked = links.run(staged, on_links);
-            let reduced = gpu.run(staged, on_gpu);
-            linked.max(reduced).max(staged + on_links + on_gpu)
+            let linked = sched.task(Some(links), on_links, 0.0);
+            sched.after(linked, staged, 0.0);
+            let reduced = sched.task(Some(gpu), on_gpu, 0.0);
+            sched.after(reduced, staged, 0.0);
+            // The ring moves in lock step: never less than both in turn.
+            let end = sched.task(None, 0.0, 0.0);
+            sched.after(end, linked, 0.0);
+            sched.after(end, reduced, 0.0);
+            sched.after(end, staged, on_links + on_gpu);
+            end
         } else {
             staged
         };
-        buffers.release(gpu.run(end, memory(2.0 * bytes) + step));
+        let out = sched.task(Some(gpu), memory(2.0 * bytes) + step, 0.0);
+        sched.after(out, end, 0.0);
+        released.push(out);
     }
-    Ok(Prediction::new(Algo::Ring, job, buffers.finished(), None))
+    sched.run();
+    let end = released.iter().map(|&t| sched.end(t)).fold(0.0, f64::max);
+    Ok(Prediction::new(Algo::Ring, job, end, None))
 }

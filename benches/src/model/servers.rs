@@ -23,18 +23,18 @@
 use fairring_core::plan::Geometry;
 use fairring_core::topology::{RankLayout, Topology};
 
-use super::stages::{self, Buffers, Stages, f};
-use super::timeline::Timeline;
+use super::events::{ResourceId, Schedule, TaskId};
+use super::stages::{self, Stages, f};
 use super::{Algo, Busy, Hardware, Job, ModelError, Prediction, Traffic};
 
 /// Passes over a server's memory per contribution byte (see the module docs).
 pub const SERVER_PASSES: f64 = 5.0;
 
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 struct ServerMachine {
-    receive: Timeline,
-    cpu: Timeline,
-    send: Timeline,
+    receive: ResourceId,
+    cpu: ResourceId,
+    send: ResourceId,
 }
 
 /// The predicted time of the all-reduce of `job` with dedicated servers.
@@ -44,79 +44,114 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     // place in the sharding.
     let workers = Topology::new(job.machines, job.devices, RankLayout::Contiguous)?;
     let worker_geometry = Geometry::new(workers, job.slicing)?;
-    let buffers = worker_geometry.staging_buffers(job.budget_bytes)?;
+    let buffers = worker_geometry.staging_buffers(job.budget_bytes)? as usize;
     let serving = Topology::new(k_servers, job.devices, RankLayout::Contiguous)?;
     let geometry = Geometry::new(serving, job.slicing)?;
 
     let rail = hw.rail(job.devices);
     let server_link = hw.server_link();
+    let post = hw.post_seconds();
     let stages = Stages::new(hw, job);
     // Every rail of every worker sends each server of a slice one contribution.
     let contributions = f64::from(job.devices) * f64::from(job.machines);
+    let memory = |bytes: f64| bytes / (hw.server.memory_gbps * 1e9);
 
-    let mut nvlink = Timeline::default();
-    let mut send = Timeline::default();
-    let mut receive = Timeline::default();
-    let mut worker_buffers = Buffers::new(buffers);
-    let mut servers = vec![ServerMachine::default(); k_servers as usize];
+    let mut sched = Schedule::default();
+    let nvlink = sched.resource();
+    let send = sched.resource();
+    let receive = sched.resource();
+    let servers: Vec<ServerMachine> = (0..k_servers)
+        .map(|_| ServerMachine {
+            receive: sched.resource(),
+            cpu: sched.resource(),
+            send: sched.resource(),
+        })
+        .collect();
+    let mut released: Vec<TaskId> = Vec::new();
     let mut traffic = Traffic {
         shards_per_full_slice: geometry.shards_per_full_slice(),
-        staging_buffers: buffers,
+        staging_buffers: u32::try_from(buffers).unwrap_or(u32::MAX),
         ..Traffic::default()
     };
     for (slice, submitted) in stages::slices(&geometry, job, &stages)? {
         traffic.slices += 1;
-        let ready = worker_buffers.take(submitted);
+        let take = sched.task(None, 0.0, submitted);
+        if released.len() >= buffers.max(1) {
+            sched.after(take, released[released.len() - buffers.max(1)], 0.0);
+        }
         let slice_bytes = f(slice.span().byte_len());
         let slot = slice.slot(0)?.byte_len();
         let k = slice.shards();
-        let scattered = nvlink.run(ready, stages.intra(slice_bytes));
+        let scattered = sched.task(Some(nvlink), stages.intra(slice_bytes), 0.0);
+        sched.after(scattered, take, 0.0);
         traffic.messages_sent += u64::from(k);
         traffic.bytes_sent += slot;
         traffic.bytes_received += slot;
-        let sent = send.run(scattered, rail.seconds(f64::from(k), f(slot)));
-        let mut first_returned = f64::INFINITY;
-        let mut last_returned = f64::NEG_INFINITY;
+        let mut posting = 0.0;
+        for j in 0..k {
+            posting += rail.occupies(post, f(slice.cell(0, j)?.span().byte_len()));
+        }
+        let sent = sched.task(Some(send), posting, 0.0);
+        sched.after(sent, scattered, 0.0);
+        // The results land from the first server's on, all of them one hop
+        // after the last server sent.
+        let first_returned = sched.first_of(0.0);
+        let paced = sched.task(Some(receive), rail.wire(f(slot)), 0.0);
+        sched.after(paced, first_returned, 0.0);
+        let results_in = sched.task(None, 0.0, 0.0);
+        sched.after(results_in, paced, 0.0);
         for j in 0..k {
             let v = slice.server(j)? as usize;
             let cell = f(slice.cell(0, j)?.span().byte_len());
-            let server = &mut servers[v];
-            let landed = server
-                .receive
-                .run(scattered, server_link.seconds(0.0, contributions * cell))
-                .max(sent + server_link.latency_us * 1e-6);
+            let server = servers[v];
+            let paced = sched.task(
+                Some(server.receive),
+                server_link.wire(contributions * cell),
+                0.0,
+            );
+            sched.after(paced, scattered, 0.0);
+            let landed = sched.task(None, 0.0, 0.0);
+            sched.after(landed, paced, 0.0);
+            sched.after(landed, sent, server_link.hop());
             // Accumulated as they land: the reduction ends one contribution
             // after the last lands, or when memory has done every pass.
-            let passes = SERVER_PASSES * contributions * cell / (hw.server.memory_gbps * 1e9);
-            let reduced = server
-                .cpu
-                .run(scattered, passes)
-                .max(landed + SERVER_PASSES * cell / (hw.server.memory_gbps * 1e9))
-                + stages.step();
-            let returned = server.send.run(
-                reduced,
-                server_link.seconds(contributions, contributions * cell),
+            let passes = sched.task(
+                Some(server.cpu),
+                memory(SERVER_PASSES * contributions * cell),
+                0.0,
             );
-            first_returned = first_returned.min(reduced);
-            last_returned = last_returned.max(returned);
+            sched.after(passes, scattered, 0.0);
+            let reduced = sched.task(None, stages.step(), 0.0);
+            sched.after(reduced, passes, 0.0);
+            sched.after(reduced, landed, memory(SERVER_PASSES * cell));
+            let returned = sched.task(
+                Some(server.send),
+                contributions * server_link.occupies(post, cell),
+                0.0,
+            );
+            sched.after(returned, reduced, 0.0);
+            sched.after(first_returned, reduced, 0.0);
+            sched.after(results_in, returned, server_link.hop());
         }
-        let results_in = receive
-            .run(first_returned, rail.seconds(0.0, f(slot)))
-            .max(last_returned + server_link.latency_us * 1e-6);
-        worker_buffers.release(nvlink.run(results_in, stages.intra(slice_bytes)));
+        let gathered = sched.task(Some(nvlink), stages.intra(slice_bytes), 0.0);
+        sched.after(gathered, results_in, 0.0);
+        released.push(gathered);
     }
+    sched.run();
     // Every worker machine does the same: rail 0 of any of them.
+    let sent = sched.busy(send);
     let busy = Busy {
-        send: send.busy(),
-        send_alpha: f(traffic.messages_sent) * rail.latency_us * 1e-6,
-        receive: receive.busy(),
+        send: sent,
+        send_alpha: (sent - rail.wire(f(traffic.bytes_sent))).max(0.0),
+        receive: sched.busy(receive),
         gpu: 0.0,
-        nvlink: nvlink.busy(),
+        nvlink: sched.busy(nvlink),
     };
+    let end = released.iter().map(|&t| sched.end(t)).fold(0.0, f64::max);
     Ok(Prediction::with_busy(
         Algo::Servers,
         job,
-        worker_buffers.finished(),
+        end,
         Some(traffic),
         Some(busy),
     ))

@@ -1,8 +1,6 @@
 //! Costs shared by fairring's algorithms: the steps within a machine, memory
 //! passes, stage hand-offs.
 
-use std::collections::VecDeque;
-
 use fairring_core::plan::{Geometry, Plan, Slice};
 
 use super::{Hardware, Job, ModelError};
@@ -98,44 +96,4 @@ pub(super) fn slices(
         out.extend(plan.slices().map(|s| (s, submitted)));
     }
     Ok(out)
-}
-
-/// A GPU's staging buffers: a slice takes one when the slice `count` before it
-/// has released it.
-#[derive(Clone, Debug, Default)]
-pub(super) struct Buffers {
-    count: usize,
-    /// When each of the last `count` slices released its buffer.
-    released: VecDeque<f64>,
-    /// When the last slice to finish finished (slices may finish out of order).
-    finished: f64,
-}
-
-impl Buffers {
-    pub(super) fn new(count: u32) -> Buffers {
-        Buffers {
-            count: count as usize,
-            ..Buffers::default()
-        }
-    }
-
-    /// When a slice submitted at `submitted` gets a buffer.
-    pub(super) fn take(&mut self, submitted: f64) -> f64 {
-        if self.released.len() >= self.count {
-            submitted.max(self.released.pop_front().unwrap_or(0.0))
-        } else {
-            submitted
-        }
-    }
-
-    /// The slice that took the latest buffer releases it at `at`.
-    pub(super) fn release(&mut self, at: f64) {
-        self.finished = self.finished.max(at);
-        self.released.push_back(at);
-    }
-
-    /// When the last slice finished.
-    pub(super) fn finished(&self) -> f64 {
-        self.finished
-    }
 }
