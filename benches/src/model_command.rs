@@ -17,7 +17,8 @@
 //! tuner chose (last). `--breakdown` adds where the time of fairring's
 //! busiest machine went: busbw as a share of its NICs' rate (the bound between
 //! machines), then the share of the time each of its resources was busy: the
-//! rail's send side, the part of it that is the messages' alpha, the receive
+//! rail's send side, the part of it beyond its bytes on the wire (posts no earlier
+//! message hid), the receive
 //! side, the GPU reducing, NVLink. `--plot PATH` writes `PATH-size` (busbw against size at
 //! `--plot-gpus`, default the largest count) and `PATH-gpus` (busbw against GPUs
 //! at `--plot-bytes`, default the largest size), each as SVG and PNG.

@@ -699,6 +699,8 @@ fn calibration_turns_a_measured_line_into_a_rail() {
     let c = calibrate(&rows, "hierarchical", &hw).unwrap();
     assert!((c.rail_gbps - 2.0).abs() < 0.02, "{}", c.rail_gbps);
     assert!((c.fixed_us - 50.0).abs() < 0.01, "{}", c.fixed_us);
+    // 4 KiB is one slice: a contribution out and its result back, two hops.
+    assert!((c.latency_us - 25.0).abs() < 0.01, "{}", c.latency_us);
     let toml = c.to_toml("site");
     let parsed: toml::Table = toml::from_str(&toml).unwrap();
     assert!(parsed["site"]["nic"]["gbps"].as_float().is_some());

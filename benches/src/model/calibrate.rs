@@ -6,9 +6,10 @@
 //! rate). [`fit_line`] finds `a` and `b` by least squares over the rows of one
 //! algorithm; [`calibrate`] turns them into a NIC's `latency_us` and `gbps` with the
 //! plan fairring-core makes for that job: the rate is the bytes the busiest rail
-//! sends per byte of tensor over `b`, and alpha is `a` spread over the messages the
-//! busiest rail sends for the smallest size. Software costs are folded into alpha,
-//! which is what the model charges per message anyway.
+//! sends per byte of tensor over `b`, and the latency is `a` spread over the
+//! dependent hops of the smallest size (two a slice: a contribution out, its
+//! result back). Software costs are folded into the latency, which the model
+//! charges once per dependent hop.
 
 use serde::Deserialize;
 
@@ -125,13 +126,13 @@ pub fn calibrate(rows: &[BenchRow], algo: &str, hw: &Hardware) -> Result<Calibra
     let small = traffic(smallest)?;
     #[expect(clippy::cast_precision_loss, reason = "sizes far below 2^52")]
     let bytes_per_byte = big.bytes_sent as f64 / largest as f64;
-    #[expect(clippy::cast_precision_loss, reason = "a few messages")]
-    let messages = small.messages_sent.max(1) as f64;
+    #[expect(clippy::cast_precision_loss, reason = "a few slices")]
+    let hops = 2.0 * small.slices.max(1) as f64;
     Ok(Calibration {
         machines,
         devices,
         fixed_us: a * 1e6,
         rail_gbps: bytes_per_byte / b / 1e9,
-        latency_us: (a * 1e6 / messages).max(0.0),
+        latency_us: (a * 1e6 / hops).max(0.0),
     })
 }

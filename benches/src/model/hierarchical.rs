@@ -30,9 +30,10 @@
 //! each tensor as one slice and runs it as one NCCL all-reduce in the tensor
 //! over NVLink.
 //!
-//! Every stage holds its resource (a timeline of busy intervals) while it runs, so the stages of
-//! different slices overlap exactly as far as the resources and the staging
-//! buffers allow: a slice takes a machine's buffer when the slice `buffers` before
+//! Every stage is a task of a discrete-event schedule (`events.rs`): it holds its
+//! resource while it runs, starts once its inputs are in and its resource has run
+//! every stage that became ready before it, so the stages of different slices
+//! overlap exactly as far as the resources and the staging buffers allow: a slice takes a machine's buffer when the slice `buffers` before
 //! it has released that machine's buffer (its all-gather done, its results sent),
 //! and a server receives contributions only into a free buffer. A stage hand-off
 //! costs the software's step time; each tensor costs the submission time.

@@ -3,10 +3,12 @@
 //!
 //! # What is modelled
 //!
-//! An alpha-beta-gamma model: a message costs its sender `alpha` (the link's
-//! `latency_us`) before its bytes move at the link's rate (`1 / beta`), and a byte
-//! reduced costs the memory traffic of the reduction (`gamma`, from the memory's
-//! rate). Link classes are NVLink (within a machine, per GPU), PCIe, the NICs of a
+//! Between machines a LogGP model: a message occupies its sender for the larger
+//! of the post's overhead (NCCL's `NET_OVERHEAD` for the CPU) and its bytes at the
+//! link's rate, and lands the link's latency (`latency_us`) later, once per
+//! dependent hop. Within a machine NCCL's steps cost their latency, then their
+//! bytes; a byte reduced costs the memory traffic of the reduction (from the
+//! memory's rate). Link classes are NVLink (within a machine, per GPU), PCIe, the NICs of a
 //! GPU machine and those of a server machine ([`Hardware`], read from a presets
 //! file).
 //!
@@ -23,7 +25,9 @@
 //! machine that runs it (its NVLink, its rail's send and receive sides, its GPU),
 //! so that slices in different staging buffers overlap as they do in the engine,
 //! and a slice takes a buffer only when the slice `buffers` before it has released
-//! it on that machine. See [`hierarchical`] and [`servers`].
+//! it on that machine. The stages form a discrete-event schedule: each starts once
+//! its inputs are in and its resource has run every stage that was ready before
+//! it. See [`hierarchical`] and [`servers`].
 //!
 //! **NCCL is what its own tuner predicts** ([`nccl`]: a port of `ncclTopoTuneModel`
 //! and `ncclTopoGetAlgoTime`): its ring, tree and NVLSTree, and the one it would
@@ -214,10 +218,10 @@ pub struct Traffic {
 /// bounds the schedule and how much of the time the others idle.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Busy {
-    /// The rail's send side, alpha included.
+    /// The rail's send side, posts included.
     pub send: f64,
-    /// The part of `send` that is the alpha of its messages (messages times
-    /// the link's latency), not bytes moving.
+    /// The part of `send` beyond its bytes' time on the wire: posts that no
+    /// earlier message's bytes hid.
     pub send_alpha: f64,
     /// The rail's receive side.
     pub receive: f64,
