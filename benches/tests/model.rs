@@ -595,6 +595,37 @@ fn the_minimum_shard_changes_the_prediction_through_the_plan() {
     assert!(a.messages_sent < o.messages_sent);
 }
 
+/// With dedicated servers the model cuts slots as the engine does
+/// (`Geometry::with_servers`): `min(K, slot / minimum shard)` cells, each
+/// straight to its server, however many servers there are; never the trees of
+/// a co-located plan, whose two shards would send every contribution of a
+/// slice to two servers.
+#[test]
+fn dedicated_servers_are_sharded_as_the_engine_shards_them() {
+    let hw = h100();
+    for (m, k) in [(4u32, 4u32), (64, 64), (256, 256), (64, 8)] {
+        let mut job = Job::new(m, 8, 256 * MIB);
+        job.servers = k;
+        let p = predict(&hw, &job, Algo::Servers).unwrap();
+        let t = p.traffic.unwrap();
+        let topology = Topology::new(m, 8, RankLayout::Contiguous).unwrap();
+        let geometry = Geometry::with_servers(topology, PlanConfig::DEFAULT, k).unwrap();
+        assert_eq!(geometry.routing(), Routing::Flat);
+        assert_eq!(
+            t.shards_per_full_slice,
+            geometry.shards_per_full_slice(),
+            "{m} machines, {k} servers"
+        );
+        assert!(!t.through_trees);
+        let plan = Plan::new(&geometry, job.dtype, job.elements(), 0).unwrap();
+        let cells: u64 = plan.slices().map(|s| u64::from(s.shards())).sum();
+        assert_eq!(
+            t.messages_sent, cells,
+            "{m} machines, {k} servers: a message a cell"
+        );
+    }
+}
+
 #[test]
 fn dedicated_servers_halve_what_a_worker_sends() {
     // Herring: a worker's rail sends its slot once (S/D) instead of 2(M-1)/M S/D.

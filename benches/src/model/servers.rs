@@ -2,10 +2,11 @@
 //! GPU rail sends its slot once and receives it back once, instead of serving a
 //! shard itself.
 //!
-//! The shares come from fairring-core's plan with the `K` server machines in the
-//! place of the serving machines: the same slices and slots (they depend only on
-//! `D` and the slicing), each slot cut into `k = min(K, slot / min shard)` cells
-//! dealt to the servers round robin. So every server receives the same bytes of
+//! The shares come from fairring-core's plan for the job with `K` dedicated
+//! servers (`Geometry::with_servers`, as the engine makes it): the same slices and
+//! slots (they depend only on `D` and the slicing), each slot cut into
+//! `k = min(K, slot / min shard)` cells dealt to the servers round robin, straight
+//! to them however many servers there are. So every server receives the same bytes of
 //! every full slice, and the adaptive minimum shard still applies.
 //!
 //! Per slice, on every worker (all workers do the same work, so one stands for
@@ -40,13 +41,11 @@ struct ServerMachine {
 /// The predicted time of the all-reduce of `job` with dedicated servers.
 pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     let k_servers = job.server_machines();
-    // Workers slice as the co-located mode does; the servers take the machines'
-    // place in the sharding.
+    // The engine's geometry with dedicated servers: the servers take the
+    // machines' place in the sharding, and the cells always go straight to them.
     let workers = Topology::new(job.machines, job.devices, RankLayout::Contiguous)?;
-    let worker_geometry = Geometry::new(workers, job.slicing)?;
-    let buffers = worker_geometry.staging_buffers(job.budget_bytes)? as usize;
-    let serving = Topology::new(k_servers, job.devices, RankLayout::Contiguous)?;
-    let geometry = Geometry::new(serving, job.slicing)?;
+    let geometry = Geometry::with_servers(workers, job.slicing, k_servers)?;
+    let buffers = geometry.staging_buffers(job.budget_bytes)? as usize;
 
     let rail = hw.rail(job.devices);
     let server_link = hw.server_link();
