@@ -60,7 +60,7 @@ pub struct Calibration {
     pub fixed_us: f64,
     /// The rate one rail reached, GB/s.
     pub rail_gbps: f64,
-    /// Alpha per message, microseconds.
+    /// Latency per dependent hop, microseconds.
     pub latency_us: f64,
 }
 

@@ -59,7 +59,7 @@ impl Link {
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Nics {
-    /// Alpha of one message, microseconds.
+    /// From a message's post to its arrival (LogGP's `L`), microseconds.
     pub latency_us: f64,
     /// Rate of one NIC, GB/s.
     pub gbps: f64,
@@ -83,7 +83,7 @@ pub struct Server {
     pub nic_count: u32,
     /// Rate of one NIC, GB/s.
     pub nic_gbps: f64,
-    /// Alpha of one message, microseconds.
+    /// From a message's post to its arrival (LogGP's `L`), microseconds.
     pub latency_us: f64,
     /// Host memory bandwidth the reduction gets, GB/s.
     pub memory_gbps: f64,

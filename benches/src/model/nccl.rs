@@ -18,7 +18,12 @@
 //! `tensors` tensors take `tensors` times one.
 //!
 //! Not ported: CollNet (SHARP), PAT (all-reduce never uses it), the fp8 ring
-//! penalty, tuner plugins and `NCCL_ALGO`/`NCCL_PROTO` overrides.
+//! penalty, tuner plugins and `NCCL_ALGO`/`NCCL_PROTO` overrides, and LL128's
+//! default rule (tuning.cc 515-534), which enables it where the NICs sit at most
+//! a PCIe bridge from their GPUs and the GPUs share NVLink: every preset's
+//! machines, so LL128 is always enabled here. The search's results are a
+//! preset's, found for its own GPUs per machine: a job of another count
+//! (`--devices`) is tuned with them as they are.
 
 use serde::Deserialize;
 
