@@ -3,7 +3,7 @@
 //! real plan. No expected figure here comes from the model itself.
 
 use fairring_bench::model::calibrate::{BenchRow, calibrate, fit_line};
-use fairring_bench::model::nccl::{self, NcclAlgorithm, Protocol};
+use fairring_bench::model::nccl::{self, Collective, NcclAlgorithm, Protocol};
 use fairring_bench::model::{
     Algo, BUILTIN_PRESETS, Hardware, Job, ModelError, parse_presets, predict, preset,
 };
@@ -36,7 +36,6 @@ fn free_of_latency(mut hw: Hardware) -> Hardware {
     hw.server.latency_us = 0.0;
     hw.software.fairring_step_us = 0.0;
     hw.software.fairring_op_us = 0.0;
-    hw.software.nccl_op_us = 0.0;
     hw
 }
 
@@ -179,6 +178,75 @@ fn nccl_tuner_reproduces_values_worked_by_hand() {
         r.time_us,
         282.8 * 1.9 + GIB as f64 / (48e3 * 32.0 / 62.0),
         "v100 ring",
+    );
+}
+
+/// The calls the engine makes within a machine of 8 H100s, as the tuner times
+/// them on the machine's own communicator (one node: 12 rings of 30 GB/s, the
+/// same order on every channel), worked by hand from `tuning.cc`: a reduce
+/// pays the base latency and one NVLink hop, `nsteps = nRanks` so its bus and
+/// algorithm bandwidths are equal; an all-gather pays `nRanks - 1` hops and
+/// moves `nRanks / (nRanks - 1)` times its bus bandwidth.
+#[test]
+fn nccl_tuner_times_calls_within_a_machine_as_worked_by_hand() {
+    let t = h100().nccl;
+    let est = |c: Collective, p: Protocol| {
+        nccl::estimate_collective(&t, c, 1, 8, 25 * MIB, NcclAlgorithm::Ring, p).unwrap()
+    };
+    let reduce = est(Collective::Reduce, Protocol::Simple);
+    close(reduce.latency_us, 8.4 + 3.4, "reduce latency");
+    close(reduce.bandwidth_gbps, 12.0 * 30.0, "reduce bandwidth");
+    let ll = est(Collective::Reduce, Protocol::Ll);
+    close(ll.latency_us, 6.6 + 0.6, "reduce LL latency");
+    close(
+        ll.bandwidth_gbps,
+        141.0,
+        "reduce LL bandwidth (Hopper's one-node cap)",
+    );
+    let ll128 = est(Collective::Reduce, Protocol::Ll128);
+    close(ll128.bandwidth_gbps, 360.0 * 0.92, "reduce LL128 bandwidth");
+    let gather = est(Collective::AllGather, Protocol::Simple);
+    close(gather.latency_us, 8.4 + 7.0 * 3.4, "all-gather latency");
+    close(
+        gather.bandwidth_gbps,
+        360.0 * 8.0 / 7.0,
+        "all-gather bandwidth",
+    );
+    close(
+        gather.time_us,
+        32.2 + (25 * MIB) as f64 / (360e3 * 8.0 / 7.0),
+        "all-gather time",
+    );
+    // Only rings run these, and a 25 MiB slice takes Simple.
+    for c in [Collective::Reduce, Collective::AllGather] {
+        assert!(
+            nccl::estimate_collective(&t, c, 1, 8, MIB, NcclAlgorithm::Nvls, Protocol::Simple)
+                .is_none()
+        );
+        let best = nccl::choose_collective(&t, c, 1, 8, 25 * MIB, &NcclAlgorithm::ALL).unwrap();
+        assert_eq!(
+            (best.algorithm, best.protocol),
+            (NcclAlgorithm::Ring, Protocol::Simple)
+        );
+    }
+    // Where the channels take different orders, a reduce pays a hop a step,
+    // Simple at the tree's NVLink rate: 8.4 + 8 x 4.0.
+    let mut varied = t;
+    varied.one_machine.ring.same_channels = false;
+    let r = nccl::estimate_collective(
+        &varied,
+        Collective::Reduce,
+        1,
+        8,
+        MIB,
+        NcclAlgorithm::Ring,
+        Protocol::Simple,
+    )
+    .unwrap();
+    close(
+        r.latency_us,
+        8.4 + 8.0 * 4.0,
+        "reduce latency, channels differing",
     );
 }
 
@@ -388,8 +456,8 @@ fn loggp_charges_two_messages_as_worked_by_hand() {
 
 /// On one machine of several GPUs the engine plans the tensor as one slice and
 /// runs it as one NCCL all-reduce in the tensor: the prediction is the
-/// submission, then NCCL's launch, its `2(D-1)` NVLink hops, its `2(D-1)/D`
-/// of the tensor's bytes at NVLink's rate and the hand-off.
+/// submission, then the all-reduce NCCL's tuner picks for the whole tensor
+/// (`nccl-best`), then the hand-off.
 #[test]
 fn one_machine_runs_a_tensor_as_one_nccl_all_reduce() {
     for hw in presets() {
@@ -404,20 +472,9 @@ fn one_machine_runs_a_tensor_as_one_nccl_all_reduce() {
                 .unwrap();
                 let plan = Plan::whole(&geometry, job.dtype, job.elements()).unwrap();
                 assert_eq!(plan.slice_count(), 1);
-                let dd = f64::from(d);
+                let nccl = predict(&hw, &job, Algo::NcclBest).unwrap();
                 let s = &hw.software;
-                let expected = s.fairring_op_us * 1e-6
-                    + plan
-                        .slices()
-                        .map(|slice| {
-                            (s.nccl_op_us
-                                + 2.0 * (dd - 1.0) * hw.nvlink.latency_us
-                                + s.fairring_step_us)
-                                * 1e-6
-                                + 2.0 * (dd - 1.0) / dd * slice.span().byte_len() as f64
-                                    / (hw.nvlink.gbps * 1e9)
-                        })
-                        .sum::<f64>();
+                let expected = (s.fairring_op_us + s.fairring_step_us) * 1e-6 + nccl.seconds;
                 assert!(
                     (p.seconds - expected).abs() <= 1e-9 * expected,
                     "{} 1x{d} {bytes}: {} s against {expected} s",

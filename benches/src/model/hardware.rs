@@ -13,30 +13,20 @@ pub const BUILTIN_PRESETS: &str = include_str!("../../presets/hardware.toml");
 
 /// One class of link: a message's latency, and the rate of its bytes.
 ///
-/// Between machines the model charges messages as LogGP does: a message
-/// occupies its sender for the post's overhead or for its bytes on the wire,
-/// whichever is longer ([`Link::occupies`]: the NIC sends earlier messages
-/// while the next is posted), and arrives one latency later, paid once per
-/// dependent hop. Within a machine (NVLink, a copy over PCIe) a step of NCCL's
-/// costs its latency and then its bytes ([`Link::seconds`]).
+/// The model charges messages as LogGP does: a message occupies its sender for
+/// the post's overhead or for its bytes on the wire, whichever is longer
+/// ([`Link::occupies`]: the NIC sends earlier messages while the next is
+/// posted), and arrives one latency later, paid once per dependent hop.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Link {
-    /// Microseconds from a message's post to its arrival (LogGP's `L`), or a
-    /// step's fixed cost within a machine.
+    /// Microseconds from a message's post to its arrival (LogGP's `L`).
     pub latency_us: f64,
     /// One over beta: GB/s (10^9 bytes per second).
     pub gbps: f64,
 }
 
 impl Link {
-    /// Seconds for `messages` steps carrying `bytes` bytes in all, one after
-    /// the other, each paying the latency first (NCCL's steps within a
-    /// machine).
-    pub fn seconds(&self, messages: f64, bytes: f64) -> f64 {
-        messages * self.latency_us * 1e-6 + bytes / (self.gbps * 1e9)
-    }
-
     /// Seconds `bytes` take on the wire.
     pub fn wire(&self, bytes: f64) -> f64 {
         bytes / (self.gbps * 1e9)
@@ -97,8 +87,6 @@ pub struct Software {
     pub fairring_step_us: f64,
     /// Submitting one fairring operation, microseconds.
     pub fairring_op_us: f64,
-    /// Launching one NCCL collective, microseconds.
-    pub nccl_op_us: f64,
 }
 
 /// One preset: a GPU machine, its links, and the servers that go with it.
@@ -112,7 +100,9 @@ pub struct Hardware {
     pub description: String,
     /// GPUs per machine, `D`.
     pub devices_per_machine: u32,
-    /// Within a machine, per GPU.
+    /// Within a machine, per GPU: the rate the model's checks hold its stages
+    /// within a machine to. Predictions time NCCL's calls there by its tuner
+    /// (`nccl`); NVLink's latency is not used.
     pub nvlink: Link,
     /// Between host and device.
     pub pcie: Link,
@@ -191,7 +181,6 @@ impl Hardware {
             ("server.latency_us", self.server.latency_us),
             ("software.fairring_step_us", self.software.fairring_step_us),
             ("software.fairring_op_us", self.software.fairring_op_us),
-            ("software.nccl_op_us", self.software.nccl_op_us),
         ];
         for (field, v) in latencies {
             if !(v.is_finite() && v >= 0.0) {

@@ -196,30 +196,32 @@ impl Pipeline<'_> {
     }
 
     /// The reduce-scatter within each machine (or its one all-reduce).
-    fn scatter(&mut self, slice_bytes: f64) {
+    fn scatter(&mut self, slice_bytes: f64) -> Result<(), ModelError> {
         let costs = self.costs;
         self.scratch.scattered.clear();
+        let local = if costs.alone {
+            costs.stages.intra_all_reduce(slice_bytes)?
+        } else {
+            costs.stages.intra_reduce(slice_bytes)?
+        };
         for (m, machine) in self.machines.iter().enumerate() {
-            let local = if costs.alone {
-                costs.stages.intra_all_reduce(slice_bytes)
-            } else {
-                costs.stages.intra(slice_bytes)
-            };
             let scattered = self.schedule.task(Some(machine.nvlink), local, 0.0);
             self.schedule.after(scattered, self.scratch.take[m], 0.0);
             self.scratch.scattered.push(scattered);
         }
+        Ok(())
     }
 
     fn add(&mut self, slice: &Slice, submitted: f64) -> Result<(), ModelError> {
         self.take_buffers(submitted);
         let slice_bytes = f(slice.span().byte_len());
-        self.scatter(slice_bytes);
+        self.scatter(slice_bytes)?;
         if let Some(trees) = slice.double_tree() {
             return self.add_trees(slice, &trees, slice_bytes);
         }
         let m_count = self.machines.len();
         let costs = self.costs;
+        let gather = costs.stages.intra_gather(slice_bytes)?;
         let sched = &mut *self.schedule;
         let s = &mut self.scratch;
         s.cell.clear();
@@ -325,8 +327,7 @@ impl Pipeline<'_> {
                 // The all-reduce left the whole slice final in the tensor.
                 ready
             } else {
-                let gathered =
-                    sched.task(Some(machine.nvlink), costs.stages.intra(slice_bytes), 0.0);
+                let gathered = sched.task(Some(machine.nvlink), gather, 0.0);
                 sched.after(gathered, ready, 0.0);
                 gathered
             };
@@ -348,6 +349,7 @@ impl Pipeline<'_> {
         let m_count = self.machines.len();
         let costs = self.costs;
         let latency = costs.rail.hop();
+        let gather = costs.stages.intra_gather(slice_bytes)?;
         let sched = &mut *self.schedule;
         let s = &mut self.scratch;
         s.slot_final.clear();
@@ -450,7 +452,7 @@ impl Pipeline<'_> {
         }
         // 7. All-gather within the machine; the buffer is released.
         for (m, machine) in self.machines.iter_mut().enumerate() {
-            let gathered = sched.task(Some(machine.nvlink), costs.stages.intra(slice_bytes), 0.0);
+            let gathered = sched.task(Some(machine.nvlink), gather, 0.0);
             sched.after(gathered, s.slot_final[m], 0.0);
             let released = sched.task(None, 0.0, 0.0);
             sched.after(released, gathered, 0.0);

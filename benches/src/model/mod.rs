@@ -6,9 +6,9 @@
 //! Between machines a LogGP model: a message occupies its sender for the larger
 //! of the post's overhead (NCCL's `NET_OVERHEAD` for the CPU) and its bytes at the
 //! link's rate, and lands the link's latency (`latency_us`) later, once per
-//! dependent hop. Within a machine NCCL's steps cost their latency, then their
-//! bytes; a byte reduced costs the memory traffic of the reduction (from the
-//! memory's rate). Link classes are NVLink (within a machine, per GPU), PCIe, the NICs of a
+//! dependent hop. Within a machine fairring's own NCCL calls are timed by NCCL's
+//! tuner on the machine's communicator, as NCCL runs them; a byte reduced costs
+//! the memory traffic of the reduction (from the memory's rate). Link classes are NVLink (within a machine, per GPU), PCIe, the NICs of a
 //! GPU machine and those of a server machine ([`Hardware`], read from a presets
 //! file).
 //!

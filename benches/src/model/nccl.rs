@@ -144,6 +144,28 @@ pub struct Graph {
     pub bw_intra: f64,
     /// `bwInter`, GB/s per channel.
     pub bw_inter: f64,
+    /// `sameChannels`: every channel takes the first channel's order of GPUs
+    /// (`src/graph/search.cc` tries this first). A reduce or a broadcast then
+    /// pays one hop's latency, not one per step (tuning.cc 393-402).
+    #[serde(default = "same_channels")]
+    pub same_channels: bool,
+}
+
+fn same_channels() -> bool {
+    true
+}
+
+/// The collectives the port times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Collective {
+    /// `ncclAllReduce`.
+    AllReduce,
+    /// `ncclReduce`: the tuner runs it as a ring only (tuning.cc 294).
+    Reduce,
+    /// `ncclAllGather`, and the broadcasts of a group with several roots, which
+    /// NCCL runs as one ring all-gather (`ncclScheduleBcastTasksToPlan`,
+    /// `src/scheduler/allgatherv_sched.cc` 47-75: NVLS off): a ring only here.
+    AllGather,
 }
 
 /// What NCCL's search finds on a set of machines: the graphs of the ring,
@@ -346,6 +368,33 @@ pub fn estimate(
     algorithm: NcclAlgorithm,
     protocol: Protocol,
 ) -> Option<Estimate> {
+    estimate_collective(
+        t,
+        Collective::AllReduce,
+        machines,
+        devices,
+        bytes,
+        algorithm,
+        protocol,
+    )
+}
+
+/// The tuner's estimate of `collective` of `bytes` bytes (NCCL's `nBytes`: for
+/// a reduce the buffer, for an all-gather the whole output) on `machines x
+/// devices` GPUs, or `None` where NCCL would not run that pair.
+pub fn estimate_collective(
+    t: &NcclTopology,
+    collective: Collective,
+    machines: u32,
+    devices: u32,
+    bytes: u64,
+    algorithm: NcclAlgorithm,
+    protocol: Protocol,
+) -> Option<Estimate> {
+    let all_reduce = collective == Collective::AllReduce;
+    if !all_reduce && algorithm != NcclAlgorithm::Ring {
+        return None;
+    }
     let n_nodes = machines.max(1);
     let n_ranks = n_nodes * devices.max(1);
     if n_ranks <= 1 {
@@ -389,7 +438,12 @@ pub fn estimate(
         NcclAlgorithm::Nvls | NcclAlgorithm::NvlsTree => graphs.nvls?,
     };
     let channels = f64::from(graph.channels);
-    let nsteps = 2.0 * f64::from(n_ranks - 1);
+    // tuning.cc 289-291.
+    let nsteps = match collective {
+        Collective::AllReduce => 2.0 * f64::from(n_ranks - 1),
+        Collective::AllGather => f64::from(n_ranks - 1),
+        Collective::Reduce => f64::from(n_ranks),
+    };
     // tuning.cc 306-324.
     let mut bw = if n_nodes <= 2 {
         graph.bw_intra
@@ -424,7 +478,7 @@ pub fn estimate(
         }
         _ => {}
     }
-    if algorithm == NcclAlgorithm::Tree {
+    if algorithm == NcclAlgorithm::Tree && all_reduce {
         bus = (bus * 0.92).min(channels * TREE_MAX_BW[arch][scale]);
         match protocol {
             Protocol::Ll => bus = (bus / 3.8).min(ll_max),
@@ -464,6 +518,20 @@ pub fn estimate(
     let nodes = f64::from(n_nodes);
     let latency = BASE_LATENCY[a][p]
         + match algorithm {
+            NcclAlgorithm::Ring if collective == Collective::Reduce => {
+                // tuning.cc 393-402: one hop's latency where every channel
+                // takes the same order, else one a step (Simple then at the
+                // tree's rate). The hop is NVLink's on one machine, the
+                // network's between several.
+                let row = if n_nodes == 1 { hw_intra } else { HW_NET };
+                if graph.same_channels {
+                    HW_LATENCY[row][a][p]
+                } else if protocol == Protocol::Simple {
+                    nsteps * HW_LATENCY[row][NcclAlgorithm::Tree as usize][p]
+                } else {
+                    nsteps * HW_LATENCY[row][a][p]
+                }
+            }
             NcclAlgorithm::Ring => {
                 // "Inter-node rings still have to launch nsteps * net
                 // overhead" (tuning.cc 404-412).
@@ -478,10 +546,10 @@ pub fn estimate(
                     0.0
                 };
                 let intra = intra.max(overhead);
-                let inter_steps = if n_nodes == 1 {
-                    0.0
-                } else {
-                    2.0 * (nodes - 1.0)
+                let inter_steps = match (n_nodes, collective) {
+                    (1, _) => 0.0,
+                    (_, Collective::AllReduce) => 2.0 * (nodes - 1.0),
+                    _ => nodes - 1.0,
                 };
                 (nsteps - inter_steps) * intra + inter_steps * inter
             }
@@ -508,10 +576,11 @@ pub fn estimate(
     // tuning.cc 630-654: ncclTopoGetAlgoTime, one operation.
     let mut bw_now = bandwidth;
     let log_size = log2i(bytes >> 6);
-    if algorithm == NcclAlgorithm::Tree && (0..23).contains(&log_size) {
+    if algorithm == NcclAlgorithm::Tree && all_reduce && (0..23).contains(&log_size) {
         bw_now *= TREE_CORRECTION[p][usize::try_from(log_size).unwrap_or(0)];
     }
     if algorithm == NcclAlgorithm::NvlsTree
+        && all_reduce
         && (0..24).contains(&log_size)
         && t.compute_capability >= 100
     {
@@ -520,6 +589,7 @@ pub fn estimate(
     let mut lat_now = latency;
     if algorithm == NcclAlgorithm::Ring
         && protocol == Protocol::Simple
+        && all_reduce
         && n_nodes > 1
         && bytes / (u64::from(graphs.channels) * u64::from(n_ranks)) >= 64
     {
@@ -546,10 +616,29 @@ pub fn choose(
     bytes: u64,
     algorithms: &[NcclAlgorithm],
 ) -> Option<Estimate> {
+    choose_collective(
+        t,
+        Collective::AllReduce,
+        machines,
+        devices,
+        bytes,
+        algorithms,
+    )
+}
+
+/// The pair NCCL runs for `collective` among `algorithms`, as [`choose`].
+pub fn choose_collective(
+    t: &NcclTopology,
+    collective: Collective,
+    machines: u32,
+    devices: u32,
+    bytes: u64,
+    algorithms: &[NcclAlgorithm],
+) -> Option<Estimate> {
     let mut best: Option<Estimate> = None;
     for &a in algorithms {
         for p in Protocol::ALL {
-            if let Some(e) = estimate(t, machines, devices, bytes, a, p)
+            if let Some(e) = estimate_collective(t, collective, machines, devices, bytes, a, p)
                 && best.is_none_or(|b| e.time_us < b.time_us)
             {
                 best = Some(e);

@@ -81,7 +81,7 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
         let slice_bytes = f(slice.span().byte_len());
         let slot = slice.slot(0)?.byte_len();
         let k = slice.shards();
-        let scattered = sched.task(Some(nvlink), stages.intra(slice_bytes), 0.0);
+        let scattered = sched.task(Some(nvlink), stages.intra_reduce(slice_bytes)?, 0.0);
         sched.after(scattered, take, 0.0);
         traffic.messages_sent += u64::from(k);
         traffic.bytes_sent += slot;
@@ -132,7 +132,7 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
             sched.after(first_returned, reduced, 0.0);
             sched.after(results_in, returned, server_link.hop());
         }
-        let gathered = sched.task(Some(nvlink), stages.intra(slice_bytes), 0.0);
+        let gathered = sched.task(Some(nvlink), stages.intra_gather(slice_bytes)?, 0.0);
         sched.after(gathered, results_in, 0.0);
         released.push(gathered);
     }

@@ -3,6 +3,7 @@
 
 use fairring_core::plan::{Geometry, Plan, Slice};
 
+use super::nccl::{Collective, NcclAlgorithm, choose_collective};
 use super::{Hardware, Job, ModelError};
 
 /// Size-dependent costs of the stages every fairring algorithm has.
@@ -34,31 +35,65 @@ impl Stages {
         bytes / (self.hw.memory.gbps * 1e9)
     }
 
-    /// NCCL's ring reduce-scatter (or all-gather) of a slice of `bytes` over the
-    /// machine's NVLink; with one GPU per machine, the copy between the tensor and
-    /// staging. Includes the hand-off to the next stage.
-    pub(super) fn intra(&self, bytes: f64) -> f64 {
+    /// What the engine's NCCL calls within a machine take for a slice of
+    /// `bytes`, as NCCL's tuner predicts them on the machine's own communicator
+    /// (`D` ranks on one machine), with the hand-off to the next stage.
+    fn within_machine(&self, collective: Collective, bytes: f64) -> Result<f64, ModelError> {
+        let algorithms: &[NcclAlgorithm] = match collective {
+            Collective::AllReduce => &NcclAlgorithm::ALL,
+            Collective::Reduce | Collective::AllGather => &[NcclAlgorithm::Ring],
+        };
+        #[expect(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            reason = "a slice's bytes, far below 2^52"
+        )]
+        let n_bytes = bytes as u64;
+        let e = choose_collective(
+            &self.hw.nccl,
+            collective,
+            1,
+            self.devices,
+            n_bytes,
+            algorithms,
+        )
+        .ok_or(ModelError::InvalidJob(format!(
+            "NCCL runs no {collective:?} on {} GPUs",
+            self.devices
+        )))?;
+        Ok(e.time_us * 1e-6 + self.step())
+    }
+
+    /// The reduce-scatter of a slice of `bytes` within the machine: the
+    /// engine's group of `ncclReduce`s, one per rank's slot, which NCCL times
+    /// as one reduce of the whole slice (`ncclPrepareTasks` aggregates them,
+    /// `src/enqueue.cc` 408-441); with one GPU per machine, the copy between the
+    /// tensor and staging. Includes the hand-off to the next stage.
+    pub(super) fn intra_reduce(&self, bytes: f64) -> Result<f64, ModelError> {
         if self.devices > 1 {
-            let d = f64::from(self.devices);
-            self.hw.software.nccl_op_us * 1e-6
-                + self.hw.nvlink.seconds(d - 1.0, bytes * (d - 1.0) / d)
-                + self.step()
+            self.within_machine(Collective::Reduce, bytes)
         } else {
-            self.memory(2.0 * bytes) + self.step()
+            Ok(self.memory(2.0 * bytes) + self.step())
         }
     }
 
-    /// NCCL's all-reduce of a slice of `bytes` over the machine's NVLink, in
-    /// the tensor: all a job of one machine of several GPUs does to a slice.
-    /// Includes the hand-off to the next stage.
-    pub(super) fn intra_all_reduce(&self, bytes: f64) -> f64 {
-        let d = f64::from(self.devices);
-        self.hw.software.nccl_op_us * 1e-6
-            + self
-                .hw
-                .nvlink
-                .seconds(2.0 * (d - 1.0), 2.0 * bytes * (d - 1.0) / d)
-            + self.step()
+    /// The all-gather of a slice of `bytes` within the machine: the engine's
+    /// group of `ncclBroadcast`s, one per slot, which NCCL runs as one ring
+    /// all-gather of the slice; with one GPU per machine, the copy. Includes
+    /// the hand-off to the next stage.
+    pub(super) fn intra_gather(&self, bytes: f64) -> Result<f64, ModelError> {
+        if self.devices > 1 {
+            self.within_machine(Collective::AllGather, bytes)
+        } else {
+            Ok(self.memory(2.0 * bytes) + self.step())
+        }
+    }
+
+    /// NCCL's all-reduce of a slice of `bytes` in the tensor, the algorithm
+    /// and protocol its tuner picks: all a job of one machine of several GPUs
+    /// does to a slice. Includes the hand-off to the next stage.
+    pub(super) fn intra_all_reduce(&self, bytes: f64) -> Result<f64, ModelError> {
+        self.within_machine(Collective::AllReduce, bytes)
     }
 }
 
