@@ -18,7 +18,9 @@
 //! `tensors` tensors take `tensors` times one.
 //!
 //! Not ported: CollNet (SHARP), PAT (all-reduce never uses it), the fp8 ring
-//! penalty, tuner plugins and `NCCL_ALGO`/`NCCL_PROTO` overrides, and LL128's
+//! penalty, tuner plugins and `NCCL_ALGO`/`NCCL_PROTO` overrides, the x86 test
+//! of NVLSTree's size correction (which applies from compute capability 10.0,
+//! no preset's), and LL128's
 //! default rule (tuning.cc 515-534), which enables it where the NICs sit at most
 //! a PCIe bridge from their GPUs and the GPUs share NVLink: every preset's
 //! machines, so LL128 is always enabled here. The search's results are a
