@@ -261,6 +261,11 @@ impl Pipeline<'_> {
             s.sent.push(Some(sent));
         }
         // 3-5. Contributions in, reduction, results out, on every serving machine.
+        // A receive side takes the bytes from the first sender on.
+        let first_scattered = sched.first_of(0.0);
+        for &scattered in &s.scattered {
+            sched.after(first_scattered, scattered, 0.0);
+        }
         s.reduced.clear();
         s.returned.clear();
         for (v, machine) in self.machines.iter_mut().enumerate() {
@@ -274,14 +279,9 @@ impl Pipeline<'_> {
             let cell = s.cell[v];
             let bytes_in = u64::from(role.contributions_to_receive) * cell;
             machine.bytes_received += bytes_in;
-            // The receive side takes the bytes from the first sender on, into
-            // a buffer of its own.
-            let first = sched.first_of(0.0);
-            for &scattered in &s.scattered {
-                sched.after(first, scattered, 0.0);
-            }
+            // Into a buffer of its own.
             let paced = sched.task(Some(machine.receive), costs.rail.wire(f(bytes_in)), 0.0);
-            sched.after(paced, first, 0.0);
+            sched.after(paced, first_scattered, 0.0);
             sched.after(paced, s.take[v], 0.0);
             let reduced = sched.task(
                 Some(machine.gpu),
@@ -305,19 +305,20 @@ impl Pipeline<'_> {
             s.reduced.push(reduced);
             s.returned.push(returned);
         }
-        // 6-7. Results in, all-gather within the machine; the buffer is released.
+        // 6-7. Results in (from the first server's on), all-gather within the
+        // machine; the buffer is released.
+        let first_reduced = sched.first_of(0.0);
+        for v in (0..m_count).filter(|&v| s.cell[v] > 0) {
+            sched.after(first_reduced, s.reduced[v], 0.0);
+        }
         for (m, machine) in self.machines.iter_mut().enumerate() {
             let ready = sched.task(None, 0.0, 0.0);
             sched.after(ready, s.reduced[m], 0.0);
             if s.role[m].results_to_receive > 0 {
                 let bytes = slot_bytes - s.cell[m];
                 machine.bytes_received += bytes;
-                let first = sched.first_of(0.0);
-                for v in (0..m_count).filter(|&v| s.cell[v] > 0) {
-                    sched.after(first, s.reduced[v], 0.0);
-                }
                 let paced = sched.task(Some(machine.receive), costs.rail.wire(f(bytes)), 0.0);
-                sched.after(paced, first, 0.0);
+                sched.after(paced, first_reduced, 0.0);
                 sched.after(ready, paced, 0.0);
                 for v in (0..m_count).filter(|&v| v != m && s.cell[v] > 0) {
                     sched.after(ready, s.returned[v], costs.rail.hop());

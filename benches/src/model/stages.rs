@@ -39,10 +39,6 @@ impl Stages {
     /// `bytes`, as NCCL's tuner predicts them on the machine's own communicator
     /// (`D` ranks on one machine), with the hand-off to the next stage.
     fn within_machine(&self, collective: Collective, bytes: f64) -> Result<f64, ModelError> {
-        let algorithms: &[NcclAlgorithm] = match collective {
-            Collective::AllReduce => &NcclAlgorithm::ALL,
-            Collective::Reduce | Collective::AllGather => &[NcclAlgorithm::Ring],
-        };
         #[expect(
             clippy::cast_possible_truncation,
             clippy::cast_sign_loss,
@@ -55,7 +51,7 @@ impl Stages {
             1,
             self.devices,
             n_bytes,
-            algorithms,
+            &NcclAlgorithm::ALL,
         )
         .ok_or(ModelError::InvalidJob(format!(
             "NCCL runs no {collective:?} on {} GPUs",
