@@ -359,13 +359,14 @@ fn check_typed<T: fairring::core::reduce::Element + PartialEq + std::fmt::Debug>
 /// are machines (64 KiB slices, 16 KiB shards: at most four a slot), so that
 /// the cells go up and down the core's two trees (12x1, 16x1, and 5x2, whose
 /// ranks are not their machines' numbers), and with dedicated servers, which
-/// each receive a contribution from every machine. Tensors of one element to
+/// each receive a contribution from every machine (12x1 with two, and 4x2 with
+/// four in two rail groups, each server hearing from one rail). Tensors of one element to
 /// several slices, every type, every operator that applies to it (for `f16`
 /// and `bf16` those whose results are exact however partial sums are
 /// rounded): every rank's result exact.
 #[test]
 fn many_machines_with_fewer_shards_than_machines() {
-    for (m, d, servers) in [(12, 1, 0), (16, 1, 0), (5, 2, 0), (12, 1, 2)] {
+    for (m, d, servers) in [(12, 1, 0), (16, 1, 0), (5, 2, 0), (12, 1, 2), (4, 2, 4)] {
         let world = m * d;
         let failures = job_with_servers(
             m,

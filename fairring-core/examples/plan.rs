@@ -173,7 +173,7 @@ fn run(args: &Args) -> Result<(), String> {
     for i in indices {
         let slice = plan.slice(i).map_err(|e| e.to_string())?;
         let servers: Vec<u32> = (0..slice.shards())
-            .filter_map(|j| slice.server(j).ok())
+            .filter_map(|j| slice.server(args.device, j).ok())
             .collect();
         println!(
             "  slice {i}: elements {}..{} ({}), {} shards served by machines {servers:?}",

@@ -151,7 +151,7 @@ fn core_work_allocates_nothing() {
         // A whole slice through the staging state machine, as a server on machine 0.
         let slice = plan.slice(0).unwrap();
         let me = Location {
-            machine: slice.server(0).unwrap(),
+            machine: slice.server(0, 0).unwrap(),
             device: 0,
         };
         let role = slice.role(me).unwrap();

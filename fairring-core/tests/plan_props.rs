@@ -122,7 +122,10 @@ fn check_slice(plan: &Plan, slice: &Slice) -> Result<(), TestCaseError> {
         prop_assert_eq!(cell.span().byte_offset() % ALIGN_BYTES, 0);
         // Its server serves exactly this shard.
         prop_assert!(cell.server() < m);
-        prop_assert_eq!(slice.server(cell.shard()).unwrap(), cell.server());
+        prop_assert_eq!(
+            slice.server(cell.device(), cell.shard()).unwrap(),
+            cell.server()
+        );
         prop_assert_eq!(
             slice.shard_served_by(cell.server()).unwrap(),
             Some(cell.shard())
@@ -184,7 +187,7 @@ fn check_slice(plan: &Plan, slice: &Slice) -> Result<(), TestCaseError> {
     prop_assert!(hi - lo <= ALIGN_BYTES);
 
     // Servers of the k shards are distinct machines.
-    let mut servers: Vec<u32> = (0..k).map(|j| slice.server(j).unwrap()).collect();
+    let mut servers: Vec<u32> = (0..k).map(|j| slice.server(0, j).unwrap()).collect();
     servers.sort_unstable();
     servers.dedup();
     prop_assert_eq!(servers.len(), k as usize);
@@ -381,7 +384,7 @@ proptest! {
             rotation = plan.next_rotation();
             for slice in plan.slices() {
                 for j in 0..slice.shards() {
-                    counts[slice.server(j).unwrap() as usize] += 1;
+                    counts[slice.server(0, j).unwrap() as usize] += 1;
                 }
             }
             plans.push(plan);
@@ -475,8 +478,10 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(128))]
 
     /// With dedicated servers: machines serve nothing and send every shard of their
-    /// slot; every server gets the same bytes of every full slice within one unit
-    /// (Herring's balanced buffers), and its cells fit its layout's disjoint areas.
+    /// slot; the servers form `gcd(K, D)` rail groups, and a cell goes to a server
+    /// of its slot's group; every server gets the same bytes of every full slice
+    /// within one unit a cell (Herring's balanced buffers), and its cells fit its
+    /// layout's disjoint areas.
     #[test]
     fn dedicated_servers_take_equal_shares(
         m in 1u32..=12, d in 1u32..=4, k in 1u32..=12, units in 1u64..=256,
@@ -486,8 +491,11 @@ proptest! {
         let topo = Topology::new(m, d, RankLayout::Contiguous).unwrap();
         let config = PlanConfig::new(units * u64::from(d) * ALIGN_BYTES, min_units * ALIGN_BYTES).unwrap();
         let g = Geometry::with_servers(topo, config, k).unwrap();
+        let rails = (1..=d.min(k)).rev().find(|r| k % r == 0 && d % r == 0).unwrap();
         prop_assert_eq!(g.servers(), Some(k));
-        prop_assert!(g.shards_per_full_slice() <= k);
+        prop_assert_eq!(g.server_rails(), rails);
+        prop_assert_eq!(g.serving(), k / rails);
+        prop_assert!(g.shards_per_full_slice() <= k / rails);
         prop_assert_eq!(g.staging_layout().contribution_areas(), 0);
         let layout = g.server_layout().unwrap();
         let per_slice = g.full_slice_bytes() / dtype.size_bytes();
@@ -496,6 +504,7 @@ proptest! {
         for slice in plan.slices() {
             let full = slice.span().len() == per_slice;
             let mut per_server = vec![0u64; k as usize];
+            let mut cells_of_server = vec![0u32; k as usize];
             for machine in 0..m {
                 prop_assert_eq!(slice.shard_served_by(machine).unwrap(), None);
                 for device in 0..d {
@@ -509,30 +518,42 @@ proptest! {
             }
             for cell in slice.cells() {
                 prop_assert!(cell.server() < k);
+                prop_assert_eq!(cell.server() % rails, cell.device() % rails);
+                prop_assert!(g.server_serves_slot(cell.server(), cell.device()));
+                prop_assert_eq!(slice.server(cell.device(), cell.shard()).unwrap(), cell.server());
                 prop_assert!(cell.span().byte_len() <= layout.shard_stride());
                 prop_assert_eq!(slice.shard_of_server(cell.server()).unwrap(), Some(cell.shard()));
                 per_server[cell.server() as usize] += cell.span().byte_len() * u64::from(m);
+                cells_of_server[cell.server() as usize] += 1;
             }
-            let serving: Vec<u64> = per_server.iter().copied().filter(|&b| b > 0).collect();
-            prop_assert_eq!(serving.len(), slice.shards() as usize);
-            if full && slice.shards() == k {
-                let spread = serving.iter().max().unwrap() - serving.iter().min().unwrap();
+            // Every server of the slice holds one cell of each slot of its group.
+            let serving: Vec<u32> = cells_of_server.iter().copied().filter(|&c| c > 0).collect();
+            prop_assert_eq!(serving.len(), (slice.shards() * rails) as usize);
+            prop_assert!(serving.iter().all(|&c| c == d / rails));
+            if full && slice.shards() == k / rails {
+                let spread = per_server.iter().max().unwrap() - per_server.iter().min().unwrap();
                 prop_assert!(spread <= u64::from(m * d) * ALIGN_BYTES, "spread {spread} over {per_server:?}");
             }
         }
         prop_assert!(plan.slice(0).unwrap().shard_of_server(k).is_err());
-        let mut areas: Vec<(u64, u64)> = (0..m)
-            .flat_map(|machine| (0..d).map(move |device| (machine, device)))
-            .map(|(machine, device)| {
-                let a = layout.area(machine, device).unwrap();
-                (a.byte_offset(), a.byte_end())
-            })
-            .collect();
-        areas.sort_unstable();
-        for w in areas.windows(2) {
-            prop_assert!(w[0].1 <= w[1].0, "overlap");
+        prop_assert!(!g.server_serves_slot(k, 0) && !g.server_serves_slot(0, d));
+        // A server's areas: one per machine and slot of its group, disjoint,
+        // filling the buffer.
+        for group in 0..rails {
+            let mut areas: Vec<(u64, u64)> = (0..m)
+                .flat_map(|machine| (group..d).step_by(rails as usize).map(move |device| (machine, device)))
+                .map(|(machine, device)| {
+                    let a = layout.area(machine, device).unwrap();
+                    (a.byte_offset(), a.byte_end())
+                })
+                .collect();
+            areas.sort_unstable();
+            for w in areas.windows(2) {
+                prop_assert!(w[0].1 <= w[1].0, "overlap");
+            }
+            prop_assert_eq!(areas.len(), (m * d / rails) as usize);
+            prop_assert_eq!(areas.last().unwrap().1, layout.total_bytes());
         }
-        prop_assert_eq!(areas.last().unwrap().1, layout.total_bytes());
         prop_assert!(layout.area(m, 0).is_err() && layout.area(0, d).is_err());
     }
 }
@@ -693,7 +714,7 @@ proptest! {
                             prop_assert_eq!(u64::from(role.contributions_to_receive), children);
                             prop_assert_eq!(role.forwards, parent.is_some());
                             if parent.is_none() {
-                                prop_assert_eq!(slice.server(j).unwrap(), machine);
+                                prop_assert_eq!(slice.server(0, j).unwrap(), machine);
                             }
                         } else {
                             prop_assert!(parent.is_some(), "a leaf below no one");

@@ -56,7 +56,10 @@ fuzz_target!(|input: Input| {
             slice.cell(d, j).is_ok(),
             d < topology.devices_per_machine() && j < slice.shards()
         );
-        assert_eq!(slice.server(j).is_ok(), j < slice.shards());
+        assert_eq!(
+            slice.server(d, j).is_ok(),
+            d < topology.devices_per_machine() && j < slice.shards()
+        );
         let role = slice.role(Location {
             machine: m,
             device: d,

@@ -181,6 +181,13 @@ impl BufferLayout {
         self.server_bytes
     }
 
+    /// Whether dedicated server `server` receives cells of slot `device` (its
+    /// rail group's slots); false without servers.
+    pub(crate) fn server_receives_slot(&self, server: u32, device: u32) -> bool {
+        self.server
+            .is_some_and(|layout| layout.receives_slot(server, device))
+    }
+
     /// The area of a dedicated server's staging buffer that receives machine
     /// `machine`'s cell of slot `device`.
     pub(crate) fn server_area(&self, machine: u32, device: u32) -> Result<Range<usize>> {

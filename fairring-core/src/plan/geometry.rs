@@ -83,6 +83,9 @@ pub struct Geometry {
     full_shards: u32,
     /// Dedicated reduction servers; 0 when the machines serve (co-located).
     servers: u32,
+    /// Rail groups the dedicated servers form ([`Geometry::server_rails`]); 1
+    /// without servers.
+    server_rails: u32,
     /// How cells travel between machines.
     routing: Routing,
 }
@@ -111,8 +114,15 @@ impl Geometry {
 
     /// The geometry of `topology` under `config` with `servers` dedicated
     /// reduction servers (Herring's design): the servers, not the machines, serve
-    /// the shards, so each slot is cut into up to `servers` shards dealt round robin
-    /// over them, and the machines only send contributions and receive results.
+    /// the shards, and the machines only send contributions and receive results.
+    ///
+    /// The servers form `R = gcd(servers, D)` rail groups
+    /// ([`Geometry::server_rails`]): server `p` is in group `p mod R` and serves
+    /// only the slots `d` with `d mod R = p mod R`, so each slot is cut into up
+    /// to `servers / R` shards dealt round robin over its group. With one server
+    /// process per NIC on machines of `D` NICs (`servers` a multiple of `D`),
+    /// `R = D`: a server hears from one rail of each machine, `M` contributions
+    /// a cell instead of `M * D`, in cells `D` times larger.
     pub const fn with_servers(
         topology: Topology,
         config: PlanConfig,
@@ -129,8 +139,13 @@ impl Geometry {
         config: PlanConfig,
         servers: u32,
     ) -> Result<Geometry, PlanError> {
+        let server_rails = if servers > 0 {
+            gcd(servers, topology.devices_per_machine())
+        } else {
+            1
+        };
         let serving = if servers > 0 {
-            servers
+            servers / server_rails
         } else {
             topology.machines()
         };
@@ -167,6 +182,7 @@ impl Geometry {
             min_shard_units,
             full_shards,
             servers,
+            server_rails,
             routing,
         })
     }
@@ -196,14 +212,29 @@ impl Geometry {
         }
     }
 
-    /// How many serve shards: the dedicated servers, or else the machines. Shard
-    /// servers rotate over this many.
+    /// How many serve the shards of one slot: the dedicated servers of a rail
+    /// group, or else the machines. Shard servers rotate over this many.
     pub const fn serving(&self) -> u32 {
         if self.servers > 0 {
-            self.servers
+            self.servers / self.server_rails
         } else {
             self.topology.machines()
         }
+    }
+
+    /// The rail groups of the dedicated servers, `R = gcd(K, D)` for `K`
+    /// servers ([`Geometry::with_servers`]); 1 without servers.
+    pub const fn server_rails(&self) -> u32 {
+        self.server_rails
+    }
+
+    /// Whether dedicated server `server` serves shards of slot `device`: both in
+    /// the same rail group. False without servers, or out of range.
+    pub const fn server_serves_slot(&self, server: u32, device: u32) -> bool {
+        self.servers > 0
+            && server < self.servers
+            && device < self.topology.devices_per_machine()
+            && server % self.server_rails == device % self.server_rails
     }
 
     /// The topology.
@@ -227,8 +258,8 @@ impl Geometry {
         self.slot_units * ALIGN_BYTES
     }
 
-    /// Shards per slot in a full slice: `M` (or the number of dedicated servers,
-    /// or through trees [`TREES`]) when the slot is large enough, fewer so
+    /// Shards per slot in a full slice: `M` (or the dedicated servers of a rail
+    /// group, or through trees [`TREES`]) when the slot is large enough, fewer so
     /// that no shard is smaller than the minimum, and at least one.
     pub const fn shards_per_full_slice(&self) -> u32 {
         self.full_shards
@@ -295,6 +326,17 @@ impl Geometry {
             n as u32
         })
     }
+}
+
+/// The greatest common divisor of two positive counts.
+const fn gcd(a: u32, b: u32) -> u32 {
+    let (mut a, mut b) = (a, b);
+    while b != 0 {
+        let r = a % b;
+        a = b;
+        b = r;
+    }
+    a
 }
 
 /// Shards for a slot of `slot_units` units: as many as fit at the minimum size, at

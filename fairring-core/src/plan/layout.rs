@@ -175,12 +175,13 @@ impl StagingLayout {
 }
 
 /// Where a dedicated server keeps one slice in a staging buffer: one area per cell
-/// it receives, cell `(d, j)` of its shard `j` from machine `m` at area
-/// `d * M + m`.
+/// it receives. A server serves the slots of its rail group
+/// ([`Geometry::server_rails`] `R`): slots `d` with `d mod R` its own, `D / R` of
+/// them. Machine `m`'s cell of slot `d` lands at area `(d / R) * M + m`.
 ///
 /// ```text
-/// offset 0                                                          total_bytes
-/// | (d 0, m 0) | (d 0, m 1) | ... | (d 0, m M-1) | (d 1, m 0) | ... | (d D-1, m M-1) |
+/// offset 0                                                              total_bytes
+/// | (d/R 0, m 0) | ... | (d/R 0, m M-1) | (d/R 1, m 0) | ... | (d/R D/R-1, m M-1) |
 /// ```
 ///
 /// Each area is `shard_stride` bytes, the same odd number of cache lines as a
@@ -192,6 +193,8 @@ pub struct ServerLayout {
     shard_stride: u64,
     machines: u32,
     devices: u32,
+    /// Rail groups `R`, a divisor of `devices`.
+    rails: u32,
 }
 
 impl ServerLayout {
@@ -201,6 +204,7 @@ impl ServerLayout {
             shard_stride: (lines | 1) * ALIGN_BYTES,
             machines: geometry.topology().machines(),
             devices: geometry.topology().devices_per_machine(),
+            rails: geometry.server_rails(),
         }
     }
 
@@ -209,8 +213,21 @@ impl ServerLayout {
         self.shard_stride
     }
 
+    /// The servers' rail groups, `R`.
+    pub const fn rails(&self) -> u32 {
+        self.rails
+    }
+
+    /// Whether server `server` receives cells of slot `device`: both in the same
+    /// rail group (`device` in range).
+    pub const fn receives_slot(&self, server: u32, device: u32) -> bool {
+        device < self.devices && server % self.rails == device % self.rails
+    }
+
     /// The area, in bytes from the start of the buffer, that receives machine
-    /// `machine`'s cell of slot `device`.
+    /// `machine`'s cell of slot `device` (at a server of the slot's rail group:
+    /// slots of one group have distinct areas, slots `d` and `d + R` none in
+    /// common).
     pub const fn area(&self, machine: u32, device: u32) -> Result<Span, PlanError> {
         if machine >= self.machines {
             return Err(PlanError::MachineOutOfRange {
@@ -224,12 +241,12 @@ impl ServerLayout {
                 devices: self.devices,
             });
         }
-        let index = device as u64 * self.machines as u64 + machine as u64;
+        let index = (device / self.rails) as u64 * self.machines as u64 + machine as u64;
         Ok(Span::bytes(index * self.shard_stride, self.shard_stride))
     }
 
-    /// Total bytes of one staging buffer: `M * D` areas.
+    /// Total bytes of one staging buffer: `M * D / R` areas.
     pub const fn total_bytes(&self) -> u64 {
-        self.machines as u64 * self.devices as u64 * self.shard_stride
+        self.machines as u64 * (self.devices / self.rails) as u64 * self.shard_stride
     }
 }

@@ -41,12 +41,16 @@
 //! shard plus one unit.
 //!
 //! **Dedicated servers.** A [`Geometry::with_servers`] has `K` reduction servers
-//! outside the machines (Herring's design). Everything above holds with the `K`
-//! servers in the machines' place: `k <= K`, shard `j` is served by server
-//! `(rotation + s * k_full + j) mod K`, and a machine serves nothing: each device
-//! sends all `k` shards of its slot and receives all `k` results. Each server
-//! receives cell `(d, j)` of its shard `j` from every machine, for every slot `d`:
-//! the same bytes of every full slice, within one unit ([`ServerLayout`]).
+//! outside the machines (Herring's design), in `R = gcd(K, D)` rail groups:
+//! server `p` serves the slots `d` with `d mod R = p mod R`. Everything above
+//! holds within a group, with its `K/R` servers in the machines' place:
+//! `k <= K/R`, shard `j` of slot `d` is served by server
+//! `((rotation + s * k_full + j) mod (K/R)) * R + d mod R`, and a machine
+//! serves nothing: each device sends all `k` shards of its slot and receives
+//! all `k` results. Each server receives cell `(d, j)` of its shard `j` from
+//! every machine, for every slot `d` of its group (one slot where there is a
+//! server per NIC, `R = D`): the same bytes of every full slice, within one unit
+//! ([`ServerLayout`]).
 //!
 //! **Trees.** Where the machines serve and a full slot cut at the minimum shard
 //! size has fewer shards than there are machines, the flat rule above would
@@ -554,7 +558,7 @@ impl Plan {
         (self.rotation as u64 + ((self.slices - 1) % machines) * full + last) % machines
     }
 
-    /// The caller's rotation, mod `M` (or the number of dedicated servers, or
+    /// The caller's rotation, mod `M` (or the dedicated servers of a rail group, or
     /// [`TREES`]).
     pub(crate) const fn rotation(&self) -> u32 {
         self.rotation

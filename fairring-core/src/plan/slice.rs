@@ -20,8 +20,11 @@ pub struct Slice {
     unit_elements: u64,
     dtype: DataType,
     machines: u32,
-    /// Machines, or dedicated servers: what serves shards.
+    /// Machines, or the dedicated servers of a rail group: what serves the
+    /// shards of one slot.
     serving: u32,
+    /// The dedicated servers' rail groups (1 without).
+    rails: u32,
     /// Whether dedicated servers serve (not the machines).
     dedicated: bool,
     devices: u32,
@@ -147,6 +150,7 @@ impl Slice {
             dtype,
             machines,
             serving,
+            rails: geometry.server_rails(),
             dedicated: geometry.servers().is_some(),
             devices,
             shards: geometry.shards_for_slice(units),
@@ -277,23 +281,32 @@ impl Slice {
             dtype: self.dtype,
             device,
             shard,
-            server: self.server_of(shard),
+            server: self.server_of(device, shard),
             span: Span::elements(slot_start + slot_offset, len, self.dtype),
             slot_offset,
             parts: self.parts(),
         }
     }
 
-    /// What serves shard `shard` (of every slot): a machine, or with dedicated
-    /// servers a server's index.
-    pub const fn server(&self, shard: u32) -> Result<u32, PlanError> {
+    /// What serves shard `shard` of slot `device`: a machine (the same for
+    /// every slot), or with dedicated servers a server's index (one of the
+    /// slot's rail group, [`Geometry::server_rails`]).
+    ///
+    /// [`Geometry::server_rails`]: super::Geometry::server_rails
+    pub const fn server(&self, device: u32, shard: u32) -> Result<u32, PlanError> {
+        if device >= self.devices {
+            return Err(PlanError::DeviceOutOfRange {
+                device,
+                devices: self.devices,
+            });
+        }
         if shard >= self.shards {
             return Err(PlanError::ShardOutOfRange {
                 shard,
                 shards: self.shards,
             });
         }
-        Ok(self.server_of(shard))
+        Ok(self.server_of(device, shard))
     }
 
     /// The shard machine `machine` serves in this slice, if any (at most one: `k <= M`;
@@ -314,18 +327,21 @@ impl Slice {
     }
 
     /// The shard dedicated server `server` serves in this slice, if any (at most
-    /// one: `k <= K`).
+    /// one: `k <= K / R`), of every slot of its rail group.
     pub const fn shard_of_server(&self, server: u32) -> Result<Option<u32>, PlanError> {
-        if !self.dedicated || server >= self.serving {
-            return Err(PlanError::ServerOutOfRange {
-                server,
-                servers: if self.dedicated { self.serving } else { 0 },
-            });
+        let servers = if self.dedicated {
+            self.serving * self.rails
+        } else {
+            0
+        };
+        if server >= servers {
+            return Err(PlanError::ServerOutOfRange { server, servers });
         }
-        Ok(self.served_by(server))
+        Ok(self.served_by(server / self.rails))
     }
 
-    /// The shard that serving unit `unit` (a machine, or a dedicated server) serves.
+    /// The shard that serving unit `unit` (a machine, or a dedicated server's
+    /// index within its rail group) serves.
     const fn served_by(&self, unit: u32) -> Option<u32> {
         if let Some(trees) = self.trees {
             let mut j = 0;
@@ -436,7 +452,10 @@ impl Slice {
         self.cell_at(d as u32, j as u32)
     }
 
-    const fn server_of(&self, shard: u32) -> u32 {
+    /// The server of shard `shard` of slot `device`: the `(first + shard) mod
+    /// serving`-th unit of the slot's rail group (every unit is its own group
+    /// without dedicated servers, `rails` being 1).
+    const fn server_of(&self, device: u32, shard: u32) -> u32 {
         if let Some(trees) = self.trees {
             return match trees.root(self.tree_at(shard)) {
                 Ok(root) => root,
@@ -444,7 +463,7 @@ impl Slice {
                 Err(_) => 0,
             };
         }
-        (self.first_server + shard) % self.serving
+        (self.first_server + shard) % self.serving * self.rails + device % self.rails
     }
 
     const fn tail_of_slot(&self, device: u32) -> u64 {

@@ -562,7 +562,7 @@ fn contributions(
     for shard in 0..s.slice.shards() {
         let server = s
             .slice
-            .server(shard)
+            .server(ctx.location.device, shard)
             .map_err(|e| Error::internal("every shard has a server", e.to_string()))?;
         let (peer, target) = if ctx.servers > 0 {
             (

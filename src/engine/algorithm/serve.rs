@@ -2,10 +2,12 @@
 //! section 1 with the servers in the machines' place).
 //!
 //! The workers run [`Hierarchical`](super::Hierarchical) with the server as the
-//! holder of one shard `j` of every slot: device `d` of every machine `m` writes
-//! its cell `(d, j)` into area `(m, d)` of the server's buffer
-//! ([`ServerLayout`](fairring_core::plan::ServerLayout)). For each slot `d` the
-//! server then:
+//! holder of one shard `j` of every slot of its rail group (the slots `d` with
+//! `d mod R` its own, `R = gcd(K, D)`: all of them where `R` is 1, one where
+//! there is a server per NIC): device `d` of every machine `m` writes its cell
+//! `(d, j)` into area `(m, d)` of the server's buffer
+//! ([`ServerLayout`](fairring_core::plan::ServerLayout)). For each such slot
+//! `d` the server then:
 //!
 //! 1. takes the area of the first machine whose cell landed as the accumulator;
 //! 2. reduces every later cell into it **as it lands** (one two-source pass per
@@ -123,7 +125,9 @@ impl Serve {
             serve.shard = shard;
             for device in 0..ctx.topology.devices_per_machine() {
                 let len = s.cell_range(device, shard)?.len();
-                let expected = !s.slice.slot(device).is_ok_and(|slot| slot.is_empty());
+                // Only the slots of this server's rail group send it cells.
+                let expected = ctx.layout.server_receives_slot(server, device)
+                    && !s.slice.slot(device).is_ok_and(|slot| slot.is_empty());
                 serve.open += u32::from(expected);
                 serve.parts.push(Part {
                     expected,

@@ -31,8 +31,12 @@ pub(super) fn sent_shards<'a>(
 ) -> impl Iterator<Item = u32> + 'a {
     let me = ctx.location.machine;
     let dedicated = ctx.servers > 0;
-    (0..s.slice.shards())
-        .filter(move |&shard| dedicated || s.slice.server(shard).is_ok_and(|m| m != me))
+    (0..s.slice.shards()).filter(move |&shard| {
+        dedicated
+            || s.slice
+                .server(ctx.location.device, shard)
+                .is_ok_and(|m| m != me)
+    })
 }
 
 /// Pushes one conversion per shard that other machines serve, in place in its
