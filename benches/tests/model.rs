@@ -653,21 +653,25 @@ fn the_minimum_shard_changes_the_prediction_through_the_plan() {
 }
 
 /// With dedicated servers the model cuts slots as the engine does
-/// (`Geometry::with_servers`): `min(K, slot / minimum shard)` cells, each
-/// straight to its server, however many servers there are; never the trees of
-/// a co-located plan, whose two shards would send every contribution of a
-/// slice to two servers.
+/// (`Geometry::with_servers`) for one server process per NIC of each of the `K`
+/// server machines: `8K` servers in 8 rail groups, `min(K, slot / minimum
+/// shard)` cells a slot, each straight to its server, however many servers
+/// there are; never the trees of a co-located plan, whose two shards would
+/// send every contribution of a slice to two servers.
 #[test]
 fn dedicated_servers_are_sharded_as_the_engine_shards_them() {
     let hw = h100();
+    assert_eq!(hw.server.nic_count, 8);
     for (m, k) in [(4u32, 4u32), (64, 64), (256, 256), (64, 8)] {
         let mut job = Job::new(m, 8, 256 * MIB);
         job.servers = k;
         let p = predict(&hw, &job, Algo::Servers).unwrap();
         let t = p.traffic.unwrap();
         let topology = Topology::new(m, 8, RankLayout::Contiguous).unwrap();
-        let geometry = Geometry::with_servers(topology, PlanConfig::DEFAULT, k).unwrap();
+        let geometry = Geometry::with_servers(topology, PlanConfig::DEFAULT, 8 * k).unwrap();
         assert_eq!(geometry.routing(), Routing::Flat);
+        assert_eq!(geometry.server_rails(), 8, "a server per rail");
+        assert!(geometry.shards_per_full_slice() <= k);
         assert_eq!(
             t.shards_per_full_slice,
             geometry.shards_per_full_slice(),

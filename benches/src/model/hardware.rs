@@ -150,11 +150,12 @@ impl Hardware {
         self.nic.gbps * f64::from(self.nic.count)
     }
 
-    /// Every NIC of a server machine together.
-    pub fn server_link(&self) -> Link {
+    /// One NIC of a server machine: what one server process sends and
+    /// receives on.
+    pub fn server_nic(&self) -> Link {
         Link {
             latency_us: self.server.latency_us,
-            gbps: self.server.nic_gbps * f64::from(self.server.nic_count),
+            gbps: self.server.nic_gbps,
         }
     }
 

@@ -236,7 +236,7 @@ impl Pipeline<'_> {
         // its send side for its post or its bytes, the longer.
         let mut posting = 0.0;
         for j in 0..slice.shards() {
-            let server = slice.server(j)? as usize;
+            let server = slice.server(0, j)? as usize;
             let cell = slice.cell(0, j)?.span().byte_len();
             s.cell[server] = cell;
             posting += costs.message(cell);

@@ -2,24 +2,31 @@
 //! GPU rail sends its slot once and receives it back once, instead of serving a
 //! shard itself.
 //!
-//! The shares come from fairring-core's plan for the job with `K` dedicated
+//! Each of the `K` server machines runs one server process per NIC (`N` of
+//! them), as each GPU machine runs one worker per GPU: `P = K * N` servers, each
+//! with one NIC and `1/N` of the machine's memory bandwidth.
+//!
+//! The shares come from fairring-core's plan for the job with `P` dedicated
 //! servers (`Geometry::with_servers`, as the engine makes it): the same slices and
-//! slots (they depend only on `D` and the slicing), each slot cut into
-//! `k = min(K, slot / min shard)` cells dealt to the servers round robin, straight
-//! to them however many servers there are. So every server receives the same bytes of
+//! slots (they depend only on `D` and the slicing); the servers form
+//! `R = gcd(P, D)` rail groups, each slot is cut into `k = min(P / R, slot / min
+//! shard)` cells dealt round robin to the servers of its group, straight to them
+//! however many servers there are. So every server receives the same bytes of
 //! every full slice, and the adaptive minimum shard still applies.
 //!
 //! Per slice, on every worker (all workers do the same work, so one stands for
 //! all): reduce-scatter on NVLink; rail 0 sends its `k` cells (one message each);
 //! receives the `k` results once every server of the slice has sent them;
-//! all-gather. On a server serving cell `c` of each rail: `M * D` contributions of
-//! `c` bytes arrive over the server machine's NICs and are accumulated **as they
-//! land** (Herring's pipelined server: the reduction overlaps the reception); then
-//! `M * D` results go back. Every contribution byte costs the server's memory five
-//! passes: the NIC writes it, the accumulation reads it and reads and writes the
-//! accumulator, and the NIC reads the result once for each destination. Servers are not
-//! limited by staging buffers (their memory is the host's); workers are, as in the
-//! co-located mode.
+//! all-gather. On a server serving cell `c` of its group's `D / R` slots (one
+//! where there is a server per rail): `M * D / R` contributions of `c` bytes
+//! arrive over its NIC and are accumulated **as they land** (Herring's pipelined
+//! server: the reduction overlaps the reception); then `M * D / R` results go
+//! back. Every contribution byte costs the server's memory five passes: the NIC
+//! writes it, the accumulation reads it and reads and writes the accumulator,
+//! and the NIC reads the result once for each destination. Servers are not
+//! limited by staging buffers (their memory is the host's); workers are, as in
+//! the co-located mode. Every rail group does the same work, so the servers of
+//! rail 0's group stand for all.
 
 use fairring_core::plan::Geometry;
 use fairring_core::topology::{RankLayout, Topology};
@@ -40,7 +47,12 @@ struct ServerMachine {
 
 /// The predicted time of the all-reduce of `job` with dedicated servers.
 pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
-    let k_servers = job.server_machines();
+    // One server process per NIC of each server machine.
+    let per_machine = hw.server.nic_count;
+    let k_servers = job
+        .server_machines()
+        .checked_mul(per_machine)
+        .ok_or_else(|| ModelError::InvalidJob("too many server processes".into()))?;
     // The engine's geometry with dedicated servers: the servers take the
     // machines' place in the sharding, and the cells always go straight to them.
     let workers = Topology::new(job.machines, job.devices, RankLayout::Contiguous)?;
@@ -48,12 +60,13 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     let buffers = geometry.staging_buffers(job.budget_bytes)? as usize;
 
     let rail = hw.rail(job.devices);
-    let server_link = hw.server_link();
+    let server_link = hw.server_nic();
     let post = hw.post_seconds();
     let stages = Stages::new(hw, job);
-    // Every rail of every worker sends each server of a slice one contribution.
-    let contributions = f64::from(job.devices) * f64::from(job.machines);
-    let memory = |bytes: f64| bytes / (hw.server.memory_gbps * 1e9);
+    // Every rail of the server's group on every worker sends each server of a
+    // slice one contribution.
+    let contributions = f64::from(job.devices / geometry.server_rails()) * f64::from(job.machines);
+    let memory = |bytes: f64| bytes / (hw.server.memory_gbps / f64::from(per_machine) * 1e9);
 
     let mut sched = Schedule::default();
     let nvlink = sched.resource();
@@ -100,7 +113,7 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
         let results_in = sched.task(None, 0.0, 0.0);
         sched.after(results_in, paced, 0.0);
         for j in 0..k {
-            let v = slice.server(j)? as usize;
+            let v = slice.server(0, j)? as usize;
             let cell = f(slice.cell(0, j)?.span().byte_len());
             let server = servers[v];
             let paced = sched.task(
