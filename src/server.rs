@@ -21,9 +21,11 @@ const LOOK: Duration = Duration::from_millis(5);
 /// One dedicated reduction server of a job.
 ///
 /// A server holds no tensors and issues no calls: it learns each operation from
-/// the workers' descriptors, receives every worker's cells of the shards it
-/// serves, reduces them as they land and sends the sums back. It runs until every
-/// worker has left the job ([`Server::run`]).
+/// the workers' descriptors, receives the cells of the shards it serves from
+/// every worker of its rail group (the devices `d` with `d mod R` equal to its
+/// index mod `R`, `R = gcd(FAIRRING_SERVERS, D)`), reduces them as they land and
+/// sends the sums back. It runs until every worker of its group has left the
+/// job ([`Server::run`]).
 ///
 /// ```no_run
 /// // FAIRRING_ROLE=server FAIRRING_SERVER_RANK=0 FAIRRING_SERVERS=2 WORLD_SIZE=8
@@ -91,9 +93,9 @@ impl Server {
         self.engine.links.traffic()
     }
 
-    /// Serves until every worker has left the job, and returns the data bytes
-    /// this server moved; the job's first error if it failed (a worker died, or
-    /// issued a different operation than another).
+    /// Serves until every worker of its rail group has left the job, and
+    /// returns the data bytes this server moved; the job's first error if it
+    /// failed (a worker died, or issued a different operation than another).
     pub fn run(mut self) -> Result<Traffic> {
         let outcome = loop {
             if let Some(e) = self.engine.failure() {

@@ -111,7 +111,8 @@ fn dedicated_servers_reduce_the_compressed_wire_in_f32() {
     // order) leaves rounded; the server widens, combines in f32 and rounds the
     // result once, which every rank receives.
     let n = 60_001;
-    for (m, d, servers) in [(2, 1, 1), (2, 1, 2), (2, 2, 1)] {
+    // (2, 2, 2): two rail groups, a server for each device's slots.
+    for (m, d, servers) in [(2, 1, 1), (2, 1, 2), (2, 2, 1), (2, 2, 2)] {
         let world = m * d;
         let all: Vec<Vec<f32>> = (0..world).map(|r| inputs(r, n)).collect();
         let partial = |op: ReduceOp, machine: u32, i: usize| -> f32 {

@@ -6,7 +6,7 @@ use fairring_core::plan::{Geometry, Plan, PlanConfig, Slice};
 use fairring_core::staging::Event;
 use fairring_core::topology::{Location, RankLayout, Topology};
 use fairring_core::wire::{
-    FrameCheck, FrameHeader, FrameKind, HEADER_LEN, RegionAddress, WireError, crc32c,
+    FrameCheck, FrameHeader, FrameKind, HEADER_LEN, RegionAddress, VERSION, WireError, crc32c,
 };
 use proptest::prelude::*;
 
@@ -106,7 +106,7 @@ proptest! {
         prop_assert!(matches!(FrameHeader::decode(&b), Err(WireError::BadMagic { .. })), "corrupted magic accepted");
 
         let mut b = base;
-        b[4] = 2 + (junk % 254) as u8;
+        b[4] = VERSION.wrapping_add(1 + (junk % 255) as u8);
         reseal(&mut b);
         prop_assert_eq!(FrameHeader::decode(&b), Err(WireError::UnsupportedVersion { found: b[4] }));
 
@@ -153,7 +153,7 @@ proptest! {
         b[32..].copy_from_slice(&tail);
         if magic {
             b[..4].copy_from_slice(b"FRNG");
-            b[4] = 1;
+            b[4] = VERSION;
             reseal(&mut b);
         }
         if let Ok(h) = FrameHeader::decode(&b) {
@@ -163,6 +163,24 @@ proptest! {
 }
 
 const JOB: u64 = 0x5EED_F00D;
+
+/// A frame of version 1 (before dedicated servers served in rail groups) or of
+/// any other version is refused, naming the version, however well sealed.
+#[test]
+fn frames_of_other_versions_are_refused() {
+    assert_eq!(VERSION, 2);
+    let good = FrameHeader::control(FrameKind::Hello, JOB, 3, 0).encode();
+    assert!(FrameHeader::decode(&good).is_ok());
+    for version in [0u8, 1, 3, 255] {
+        let mut b = good;
+        b[4] = version;
+        reseal(&mut b);
+        assert_eq!(
+            FrameHeader::decode(&b).unwrap_err(),
+            WireError::UnsupportedVersion { found: version }
+        );
+    }
+}
 
 prop_compose! {
     fn job()(m in 2u32..=6, d in 1u32..=3, interleaved in any::<bool>(), slice_units in 1u64..=64,

@@ -9,8 +9,8 @@
 //!     MASTER_PORT=29500 fairring-server
 //! ```
 //!
-//! It prints `SERVING rank R` once it has joined, serves until every worker has
-//! left, prints `DONE sent S received R bytes` (the data bytes it moved) and
+//! It prints `SERVING rank R` once it has joined, serves until every worker of
+//! its rail group has left, prints `DONE sent S received R bytes` (the data bytes it moved) and
 //! exits 0; if the job fails it prints `FAILED message` and exits 3; if it
 //! cannot join, `INIT-FAILED message` and exits 2.
 

@@ -4,7 +4,8 @@
 //! A rank writes to the ranks of its rail on other machines (hierarchical) and
 //! to the next rank of the ring; it is written to by its rail and the previous rank
 //! of the ring. With dedicated servers, the servers take the rail's place: every
-//! worker writes to every server and every server to every worker. Those that
+//! worker writes to every server of its rail group and every server to every
+//! worker of its group (`algorithm/peers`). Those that
 //! write into its inbox need credits; those on other machines (servers are on no
 //! worker's machine) are the remote ends of the descriptor checks.
 
@@ -41,7 +42,7 @@ pub(crate) struct Links<F: Fabric> {
     pub(crate) linked: Vec<u32>,
     /// Ranks on other machines this rank writes to, and that write to it: the
     /// remote ends of descriptor checks (a dedicated server receives them from
-    /// every worker and sends none).
+    /// every worker of its rail group and sends none).
     pub(crate) remote_out: Vec<u32>,
     pub(crate) remote_in: Vec<u32>,
     /// Per rank: whether it is in `remote_out`.
@@ -97,8 +98,8 @@ impl<F: Fabric> Links<F> {
                 .is_none_or(|l| l.machine != location.machine)
         };
         // Descriptors travel from workers only: a dedicated server checks every
-        // worker's against the first it got and sends none (its results imply
-        // that every worker's descriptor passed there).
+        // linked worker's against the first it got and sends none (its results
+        // imply that every such worker's descriptor passed there).
         let workers = topology.world_size();
         let remote_out: Vec<u32> = (0..world)
             .filter(|_| rank < workers)

@@ -1,8 +1,9 @@
 //! A dedicated server's operations: it has no caller, so it learns each operation
-//! from the first worker's descriptor of it, and it is done once every worker has
-//! left.
+//! from the first worker's descriptor of it, and it is done once every worker of
+//! its rail group (the workers it is linked to) has left.
 //!
-//! Workers send their descriptor of operation `s` to every server before any data
+//! Workers send their descriptor of operation `s` to every server of their rail
+//! group before any data
 //! of `s` (the descriptor checks, `checks`). The first descriptor of `s` to reach
 //! a server becomes the server's own: the server plans the same all-reduce from it
 //! ([`Descriptor::runs_as`]) and takes its slices in turn like any rank, and every
@@ -69,12 +70,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         Ok(())
     }
 
-    /// Whether a dedicated server is done: every worker has said goodbye and
-    /// nothing is in flight.
+    /// Whether a dedicated server is done: every worker of its rail group (all
+    /// it is linked to) has said goodbye and nothing is in flight.
     pub(crate) fn served_everyone(&self) -> bool {
         let d = self.lock_driver();
-        (0..self.geometry.topology().world_size()).all(|w| d.departures.departed(w))
-            && !self.in_flight(&d)
+        self.links.linked.iter().all(|&w| d.departures.departed(w)) && !self.in_flight(&d)
     }
 
     /// Operations accepted so far (a server's count for its goodbye).

@@ -100,9 +100,16 @@ pub fn job_and_servers<R: Send>(
 
 /// The layouts every collective also runs on with dedicated servers: `(M, D,
 /// servers)`, with more servers than machines, fewer, and as many; in rail
-/// groups (`gcd(servers, D)`) of one server and of two.
-pub const SERVER_LAYOUTS: [(u32, u32, u32); 5] =
-    [(1, 2, 1), (2, 2, 2), (3, 1, 2), (2, 1, 3), (2, 2, 4)];
+/// groups (`gcd(servers, D)`) of one server and of two, and a group whose
+/// server serves two slots of each machine (2x4 with two servers).
+pub const SERVER_LAYOUTS: [(u32, u32, u32); 6] = [
+    (1, 2, 1),
+    (2, 2, 2),
+    (3, 1, 2),
+    (2, 1, 3),
+    (2, 2, 4),
+    (2, 4, 2),
+];
 
 /// A small deterministic generator.
 pub struct Rng(pub u64);

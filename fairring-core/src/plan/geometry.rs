@@ -139,11 +139,7 @@ impl Geometry {
         config: PlanConfig,
         servers: u32,
     ) -> Result<Geometry, PlanError> {
-        let server_rails = if servers > 0 {
-            gcd(servers, topology.devices_per_machine())
-        } else {
-            1
-        };
+        let server_rails = server_rails(servers, topology.devices_per_machine());
         let serving = if servers > 0 {
             servers / server_rails
         } else {
@@ -265,6 +261,11 @@ impl Geometry {
         self.full_shards
     }
 
+    /// The smallest shard, in units.
+    pub(crate) const fn min_shard_units(&self) -> u64 {
+        self.min_shard_units
+    }
+
     /// The smallest shard, in bytes, after rounding up to [`ALIGN_BYTES`].
     pub const fn min_shard_bytes(&self) -> u64 {
         self.min_shard_units * ALIGN_BYTES
@@ -325,6 +326,18 @@ impl Geometry {
         } else {
             n as u32
         })
+    }
+}
+
+/// The rail groups `servers` dedicated servers form beside machines of
+/// `devices` devices: `gcd(servers, devices)`, 1 without servers
+/// ([`Geometry::with_servers`]). Server `p` is in group `p mod R`, as is slot
+/// (device) `d` in group `d mod R`.
+pub const fn server_rails(servers: u32, devices: u32) -> u32 {
+    if servers == 0 || devices == 0 {
+        1
+    } else {
+        gcd(servers, devices)
     }
 }
 

@@ -7,10 +7,16 @@ use crate::plan::{Cell, PlanConfig};
 
 /// Bytes in an encoded header.
 pub const HEADER_LEN: usize = 48;
+
+// A header carries a cell's part in one byte.
+const _: () = assert!(crate::plan::TREE_PARTS <= 256);
 /// The first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FRNG";
-/// The header version this code writes and reads.
-pub const VERSION: u8 = 1;
+/// The protocol version this code writes and reads: a process of another
+/// version is refused at the handshake. Version 2: dedicated servers serve in
+/// rail groups (`Geometry::with_servers`), so cells go to other servers and
+/// other areas than in version 1.
+pub const VERSION: u8 = 2;
 /// Largest payload of a `Hello` frame (the handshake of the fabric).
 pub const MAX_HELLO_PAYLOAD: u32 = 4096;
 /// Largest payload of an `Abort` frame (a UTF-8 reason).
@@ -87,7 +93,7 @@ impl FrameKind {
 ///  5      1   kind (FrameKind)
 ///  6      1   part of the cell (`Contribution`, `Result`; zero in any
 ///             other frame, and where a cell travels whole)
-///  7      1   flags (zero in version 1)
+///  7      1   flags (zero in versions 1 and 2)
 ///  8      8   job tag
 /// 16      8   sequence: the collective operation's number, the same on every rank
 /// 24      8   slice index within the operation
@@ -164,7 +170,10 @@ impl FrameHeader {
             source_rank,
             payload_len,
             // Below TREE_PARTS (checked above).
-            #[expect(clippy::cast_possible_truncation, reason = "part < Cell::parts <= 2")]
+            #[expect(
+                clippy::cast_possible_truncation,
+                reason = "part < Cell::parts <= TREE_PARTS = 16"
+            )]
             part: part as u8,
         })
     }

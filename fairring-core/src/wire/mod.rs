@@ -53,7 +53,7 @@ pub enum WireError {
         /// The kind byte found.
         found: u8,
     },
-    /// Flags set that version 1 does not define.
+    /// Flags set that this version does not define.
     ReservedFlags {
         /// The flags found.
         found: u16,

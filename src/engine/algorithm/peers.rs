@@ -1,15 +1,19 @@
 //! Whom each rank writes to and is written by, as the algorithms need: the
-//! servers or the rails (hierarchical, and the relay and scatter over the
-//! machines), the ring's neighbours (ring, relay, scatter over the ranks), and
-//! the partners of recursive doubling. The links connect exactly these.
+//! servers of its rail group or the rails (hierarchical, and the relay and
+//! scatter over the machines), the ring's neighbours (ring, relay, scatter
+//! over the ranks), and the partners of recursive doubling. The links connect
+//! exactly these.
 
+use fairring_core::plan::server_rails;
 use fairring_core::topology::{Location, Topology};
 
 use super::doubling;
 
 /// Ranks worker `rank` writes to and ranks that write to it, in a job with
-/// `servers` dedicated servers (ranks `world..world + servers`): the servers or
-/// the rails, the ring's neighbours, and the partners of recursive doubling.
+/// `servers` dedicated servers (ranks `world..world + servers`): the servers of
+/// its device's rail group (server `i` where `i mod R = device mod R`,
+/// `R = gcd(servers, D)`) or the rails, the ring's neighbours, and the
+/// partners of recursive doubling.
 pub(crate) fn peers(
     topology: Topology,
     location: Location,
@@ -17,7 +21,11 @@ pub(crate) fn peers(
     servers: u32,
 ) -> (Vec<u32>, Vec<u32>) {
     let world = topology.world_size();
-    let mut out: Vec<u32> = (world..world + servers).collect();
+    let rails = server_rails(servers, topology.devices_per_machine());
+    let mut out: Vec<u32> = (0..servers)
+        .filter(|i| i % rails == location.device % rails)
+        .map(|i| world + i)
+        .collect();
     let mut inbound = out.clone();
     let rails = if servers > 0 { 0 } else { topology.machines() };
     for m in (0..rails).filter(|&m| m != location.machine) {
@@ -44,9 +52,18 @@ pub(crate) fn peers(
     (out, inbound)
 }
 
-/// Ranks a dedicated server writes to and ranks that write to it: every worker.
-pub(crate) fn server_peers(topology: Topology) -> (Vec<u32>, Vec<u32>) {
-    let workers: Vec<u32> = (0..topology.world_size()).collect();
+/// Ranks dedicated server `index` of `servers` writes to and ranks that write
+/// to it: every worker of its rail group (device `d` where `d mod R = index
+/// mod R`).
+pub(crate) fn server_peers(topology: Topology, index: u32, servers: u32) -> (Vec<u32>, Vec<u32>) {
+    let rails = server_rails(servers, topology.devices_per_machine());
+    let workers: Vec<u32> = (0..topology.world_size())
+        .filter(|&w| {
+            topology
+                .locate(w)
+                .is_ok_and(|l| l.device % rails == index % rails)
+        })
+        .collect();
     (workers.clone(), workers)
 }
 
@@ -72,7 +89,7 @@ impl Wiring {
         server: Option<u32>,
     ) -> Wiring {
         let (out, inbound) = match server {
-            Some(_) => server_peers(topology),
+            Some(index) => server_peers(topology, index, servers),
             None => peers(topology, location, rank, servers),
         };
         let mut linked: Vec<u32> = out.iter().chain(&inbound).copied().collect();
@@ -112,7 +129,15 @@ mod tests {
 
     #[test]
     fn a_process_links_once_with_everyone_it_writes_to_or_hears_from() {
-        for (m, d, servers) in [(1, 1, 0), (2, 2, 0), (3, 2, 1), (4, 1, 2), (5, 3, 0)] {
+        for (m, d, servers) in [
+            (1, 1, 0),
+            (2, 2, 0),
+            (3, 2, 1),
+            (4, 1, 2),
+            (5, 3, 0),
+            (2, 4, 2),
+            (3, 2, 4),
+        ] {
             let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
             let world = topology.world_size();
             for rank in 0..world {
@@ -135,11 +160,25 @@ mod tests {
                     device: 0,
                 };
                 let w = Wiring::of(topology, nowhere, world + index, servers, Some(index));
-                let workers: Vec<u32> = (0..world).collect();
+                // Its rail group's workers, each of which links back with it.
+                let rails = server_rails(servers, d);
+                let workers: Vec<u32> = (0..world)
+                    .filter(|&r| topology.locate(r).unwrap().device % rails == index % rails)
+                    .collect();
                 assert_eq!(
                     (&w.out, &w.inbound, &w.linked),
                     (&workers, &workers, &workers)
                 );
+                assert_eq!(workers.len() as u32, world / rails, "{m}x{d}+{servers}");
+                for rank in 0..world {
+                    let location = topology.locate(rank).unwrap();
+                    let worker = Wiring::of(topology, location, rank, servers, None);
+                    assert_eq!(
+                        worker.linked.contains(&(world + index)),
+                        workers.contains(&rank),
+                        "{m}x{d}+{servers}: rank {rank} and server {index}"
+                    );
+                }
             }
         }
     }

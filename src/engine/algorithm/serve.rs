@@ -244,6 +244,16 @@ impl Serve {
                 "only workers send contributions",
             )
         })?;
+        if let Some(server) = ctx.server
+            && !ctx.layout.server_receives_slot(server, from.device)
+        {
+            return Err(unexpected(
+                Kind::Contribution,
+                peer,
+                s,
+                "its device is not of this server's rail group",
+            ));
+        }
         let machines = ctx.topology.machines();
         let Some(part) = self.parts.get_mut(from.device as usize) else {
             return Err(unexpected(
