@@ -6,6 +6,9 @@ mod common;
 
 use common::{SERVER_LAYOUTS, job, job_with_servers, small_slices};
 use fairring::{Algorithm, ReduceOp};
+use fairring_core::DataType;
+use fairring_core::plan::{Geometry, Plan, PlanConfig};
+use fairring_core::topology::{RankLayout, Topology};
 
 /// The value rank `r` holds at element `i` of operation `op_index`: small integers,
 /// so that f32 sums are exact in any order.
@@ -366,15 +369,30 @@ fn check_typed<T: fairring::core::reduce::Element + PartialEq + std::fmt::Debug>
 /// rounded): every rank's result exact.
 #[test]
 fn many_machines_with_fewer_shards_than_machines() {
-    for (m, d, servers) in [(12, 1, 0), (16, 1, 0), (5, 2, 0), (12, 1, 2), (4, 2, 4)] {
+    // 64 KiB slices of 16 KiB shards: cells of 32 KiB, in two parts. On 16x1,
+    // 120 KiB slices of 8 KiB shards go through the trees too (15 shards a
+    // slot for 16 machines), in cells of 60 KiB and seven parts.
+    let deep = (120 << 10, 8 << 10);
+    let topology = Topology::new(16, 1, RankLayout::Contiguous).unwrap();
+    let geometry = Geometry::new(topology, PlanConfig::new(deep.0, deep.1).unwrap()).unwrap();
+    let plan = Plan::new(&geometry, DataType::F32, 40_003, 0).unwrap();
+    assert_eq!(plan.slice(0).unwrap().parts(), 7);
+    for (m, d, servers, (slice, shard)) in [
+        (12, 1, 0, (64 << 10, 16 << 10)),
+        (16, 1, 0, (64 << 10, 16 << 10)),
+        (16, 1, 0, deep),
+        (5, 2, 0, (64 << 10, 16 << 10)),
+        (12, 1, 2, (64 << 10, 16 << 10)),
+        (4, 2, 4, (64 << 10, 16 << 10)),
+    ] {
         let world = m * d;
         let failures = job_with_servers(
             m,
             d,
             servers,
             |b| {
-                b.slice_bytes(64 << 10)
-                    .min_shard_bytes(16 << 10)
+                b.slice_bytes(slice)
+                    .min_shard_bytes(shard)
                     .total_memory(1 << 20)
                     .algorithm(Algorithm::Hierarchical)
             },

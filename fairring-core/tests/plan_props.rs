@@ -72,16 +72,23 @@ fn check_slice(plan: &Plan, slice: &Slice) -> Result<(), TestCaseError> {
     let span = slice.span();
     prop_assert!(k >= 1 && k <= m, "shards {k} for {m} machines");
 
-    // Cells travel whole straight to their server; through the trees in
-    // TREE_PARTS parts exactly where every cell holds that many whole units.
+    // Cells travel whole straight to their server; through the trees in as
+    // many parts of at least the minimum shard as the smallest cell holds, at
+    // most TREE_PARTS; else in two where it has two units, else whole.
     let unit_elements = ALIGN_BYTES / plan.dtype().size_bytes();
     let fewest_units = slice
         .cells()
         .map(|c| c.span().len() / unit_elements)
         .min()
         .unwrap_or(0);
-    let parted = slice.double_tree().is_some() && fewest_units >= u64::from(TREE_PARTS);
-    prop_assert_eq!(slice.parts(), if parted { TREE_PARTS } else { 1 });
+    let min_units = g.min_shard_bytes() / ALIGN_BYTES;
+    let fit = fewest_units / min_units;
+    let parts = match slice.double_tree() {
+        None => 1,
+        Some(_) if fit >= 2 => fit.min(u64::from(TREE_PARTS)),
+        Some(_) => fewest_units.clamp(1, 2),
+    };
+    prop_assert_eq!(u64::from(slice.parts()), parts);
     for cell in slice.cells() {
         // Parts tile the cell, in order, aligned, none empty but an empty cell's.
         prop_assert_eq!(cell.parts(), slice.parts());
@@ -96,6 +103,14 @@ fn check_slice(plan: &Plan, slice: &Slice) -> Result<(), TestCaseError> {
                 cell
             );
             prop_assert_eq!(part.byte_offset() % ALIGN_BYTES, 0);
+            if fit >= 2 {
+                prop_assert!(
+                    part.byte_len() >= g.min_shard_bytes(),
+                    "part {} of {:?}",
+                    p,
+                    cell
+                );
+            }
             at = part.end();
         }
         prop_assert_eq!(at, cell.span().end());

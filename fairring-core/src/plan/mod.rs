@@ -62,12 +62,14 @@
 //! `s` travels through tree `(rotation + s * k_full + j) mod 2`, every inner
 //! node reduces it over its children's contributions and sends the partial sum
 //! up, and the root's result comes back down the same tree. Each cell travels
-//! in [`TREE_PARTS`] parts ([`Cell::part`]), each its own message, so that an
-//! inner node forwards one part while the next is on its way. A device then
-//! receives at most two contributions per slice, into two areas of one cell
-//! each ([`StagingLayout::child`]), sends at most four messages, and sends and
-//! receives at most two slots' bytes, whatever `M`: the staging and the
-//! messages per slice are bounded independently of the number of machines.
+//! in parts of at least the minimum shard, at most [`TREE_PARTS`]
+//! ([`Slice::parts`], [`Cell::part`]), each its own message, so that an inner
+//! node forwards one part while the next is on its way. A device then receives
+//! at most two contributions per slice, into two areas of one cell each
+//! ([`StagingLayout::child`]), sends at most four cells (each in its parts),
+//! and sends and receives at most two slots' bytes, whatever `M`: the staging
+//! and the messages per slice are bounded independently of the number of
+//! machines.
 //!
 //! **Zero elements** plan to zero slices: the all-reduce is complete at once.
 //!
@@ -89,7 +91,7 @@ mod slice;
 mod split;
 mod tree;
 
-pub use geometry::{Geometry, PlanConfig, Routing};
+pub use geometry::{Geometry, PlanConfig, Routing, server_rails};
 pub use layout::{InputArea, ServerLayout, StagingLayout};
 pub use slice::{Cell, Cells, Slice, Slices};
 pub use tree::{DoubleTree, TREE_PARTS, TREES};

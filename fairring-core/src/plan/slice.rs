@@ -36,6 +36,8 @@ pub struct Slice {
     trees: Option<DoubleTree>,
     /// The slice's units dealt to the `D` slots.
     slots: EvenSplit,
+    /// The smallest shard, in units: the smallest part a cell travels in.
+    min_shard_units: u64,
 }
 
 /// One cell: shard `shard` of slot `device` of a slice.
@@ -168,6 +170,7 @@ impl Slice {
                 Routing::Flat => None,
             },
             slots: EvenSplit::new(units, devices as u64),
+            min_shard_units: geometry.min_shard_units(),
         }
     }
 
@@ -177,14 +180,28 @@ impl Slice {
         self.trees
     }
 
-    /// The parts each cell travels in ([`Cell::part`]): [`TREE_PARTS`] through
-    /// trees where every slot holds at least `TREE_PARTS` units a shard (so that
-    /// no part is empty), else 1, as where cells go straight to their server.
+    /// The parts each cell travels in ([`Cell::part`]): through trees, as many
+    /// as the slice's smallest cell holds parts of at least the minimum shard,
+    /// at most [`TREE_PARTS`]; where it holds fewer than two such parts, two
+    /// (each at least a unit) if it has two units, else 1. Where cells go
+    /// straight to their server, 1.
     pub const fn parts(&self) -> u32 {
-        let units_for_parts = self.devices as u64 * self.shards as u64 * TREE_PARTS as u64;
-        match self.trees {
-            Some(_) if self.units >= units_for_parts => TREE_PARTS,
-            _ => 1,
+        if self.trees.is_none() {
+            return 1;
+        }
+        // Whole units of the smallest cell: of the smallest slot, evenly cut.
+        let smallest_cell = self.units / self.devices as u64 / self.shards as u64;
+        let fit = smallest_cell / self.min_shard_units;
+        if fit >= TREE_PARTS as u64 {
+            TREE_PARTS
+        } else if fit >= 2 {
+            #[expect(clippy::cast_possible_truncation, reason = "below TREE_PARTS")]
+            let parts = fit as u32;
+            parts
+        } else if smallest_cell >= 2 {
+            2
+        } else {
+            1
         }
     }
 

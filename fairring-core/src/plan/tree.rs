@@ -37,16 +37,20 @@ use crate::topology::MAX_MACHINES;
 /// The number of trees of a [`DoubleTree`].
 pub const TREES: u32 = 2;
 
-/// The parts each cell travels through a tree in ([`Cell::part`](super::Cell::part)).
+/// The most parts a cell travels through a tree in ([`Cell::part`](super::Cell::part));
+/// a slice's cells take as many parts of at least the minimum shard as its
+/// smallest cell holds, up to this ([`Slice::parts`](super::Slice::parts)).
 ///
 /// An inner node forwards a cell's first part up (and a result's first part
-/// down) while the second is still on its way, so a cell's trip through the
+/// down) while the next is still on its way, so a cell's trip through the
 /// `2 log2 M` levels of its tree pipelines instead of being stored and
-/// forwarded whole at each. Every part is one more message a level, so more
-/// parts pay more per-message latency: at 2048 H100s and 256 MiB the scale
-/// model predicts 206 GB/s with two parts, 199 with four and 193 with eight
-/// (167 whole; docs/scale-model.md).
-pub const TREE_PARTS: u32 = 2;
+/// forwarded whole at each: the more parts, the shorter the pipeline's fill,
+/// while each part is one more message a level, a post of its own. At 2048
+/// H100s and 256 MiB (cells of 1.6 MiB) the scale model predicts 244 GB/s with
+/// at most two parts, 276 with four, 287 with eight, 292 with sixteen and 282
+/// with 32 (docs/scale-model.md). At most 256: a frame carries the part in a
+/// byte.
+pub const TREE_PARTS: u32 = 16;
 
 /// The two binary trees over `M` machines (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
