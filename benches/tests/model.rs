@@ -250,6 +250,40 @@ fn nccl_tuner_times_calls_within_a_machine_as_worked_by_hand() {
     );
 }
 
+/// A machine's reduce-scatters and all-gathers run on two NCCL communicators,
+/// as the engine's do (`local::nccl`): each communicator's calls one after
+/// another, each call's latency (NCCL's fixed cost) holding no NVLink, so the
+/// next slice's reduce-scatter starts its latency while the last slice's
+/// all-gather moves its bytes. With the network and the hand-offs free, NVLink
+/// is busy exactly for the calls' bytes, and the whole takes that plus a fill
+/// of at most a call of each kind, far less than the calls' full times added.
+#[test]
+fn a_machines_two_communicators_overlap_latency_with_bytes() {
+    let mut hw = free_of_latency(h100());
+    hw.nic.gbps = 1e6;
+    hw.memory.gbps = 1e6;
+    let topology = Topology::new(2, 8, RankLayout::Contiguous).unwrap();
+    let geometry = Geometry::new(topology, PlanConfig::DEFAULT).unwrap();
+    let slice = geometry.full_slice_bytes();
+    let slices = 10;
+    let job = Job::new(2, 8, slices * slice);
+    let p = predict(&hw, &job, Algo::Hierarchical).unwrap();
+    let call = |c: Collective| {
+        nccl::choose_collective(&hw.nccl, c, 1, 8, slice, &NcclAlgorithm::ALL).unwrap()
+    };
+    let (reduce, gather) = (call(Collective::Reduce), call(Collective::AllGather));
+    let busy = |e: &nccl::Estimate| (e.time_us - e.latency_us) * 1e-6;
+    let bytes = slices as f64 * (busy(&reduce) + busy(&gather));
+    let nvlink = p.busy.unwrap().nvlink;
+    close(nvlink, bytes, "NVLink busy for the calls' bytes");
+    let fill = (reduce.time_us + gather.time_us) * 1e-6;
+    assert!(
+        p.seconds >= bytes && p.seconds <= bytes + fill,
+        "{} s against {bytes} s of bytes and {fill} s of fill",
+        p.seconds
+    );
+}
+
 #[test]
 fn nccl_runs_only_what_the_tuner_enables() {
     let t = h100().nccl;

@@ -45,13 +45,16 @@ use fairring_core::staging::Role;
 use fairring_core::topology::{Location, RankLayout, Topology};
 
 use super::events::{ResourceId, Schedule, TaskId};
-use super::stages::{self, Stages, f};
+use super::stages::{self, Communicator, Stages, f};
 use super::{Algo, Busy, Hardware, Job, Link, ModelError, Prediction, Traffic};
 
 /// One machine's resources (rail 0 stands for every rail) and what it did.
 #[derive(Clone, Debug)]
 struct Machine {
     nvlink: ResourceId,
+    /// Its communicators of reduce-scatters and of all-gathers.
+    reduce: Communicator,
+    gather: Communicator,
     gpu: ResourceId,
     send: ResourceId,
     receive: ResourceId,
@@ -78,6 +81,8 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     let mut machines: Vec<Machine> = (0..job.machines)
         .map(|_| Machine {
             nvlink: schedule.resource(),
+            reduce: Communicator::default(),
+            gather: Communicator::default(),
             gpu: schedule.resource(),
             send: schedule.resource(),
             receive: schedule.resource(),
@@ -204,9 +209,15 @@ impl Pipeline<'_> {
         } else {
             costs.stages.intra_reduce(slice_bytes)?
         };
-        for (m, machine) in self.machines.iter().enumerate() {
-            let scattered = self.schedule.task(Some(machine.nvlink), local, 0.0);
-            self.schedule.after(scattered, self.scratch.take[m], 0.0);
+        let step = costs.stages.step();
+        for (m, machine) in self.machines.iter_mut().enumerate() {
+            let scattered = machine.reduce.call(
+                self.schedule,
+                machine.nvlink,
+                local,
+                self.scratch.take[m],
+                step,
+            );
             self.scratch.scattered.push(scattered);
         }
         Ok(())
@@ -328,9 +339,9 @@ impl Pipeline<'_> {
                 // The all-reduce left the whole slice final in the tensor.
                 ready
             } else {
-                let gathered = sched.task(Some(machine.nvlink), gather, 0.0);
-                sched.after(gathered, ready, 0.0);
-                gathered
+                machine
+                    .gather
+                    .call(sched, machine.nvlink, gather, ready, costs.stages.step())
             };
             let released = sched.task(None, 0.0, 0.0);
             sched.after(released, gathered, 0.0);
@@ -453,8 +464,13 @@ impl Pipeline<'_> {
         }
         // 7. All-gather within the machine; the buffer is released.
         for (m, machine) in self.machines.iter_mut().enumerate() {
-            let gathered = sched.task(Some(machine.nvlink), gather, 0.0);
-            sched.after(gathered, s.slot_final[m], 0.0);
+            let gathered = machine.gather.call(
+                sched,
+                machine.nvlink,
+                gather,
+                s.slot_final[m],
+                costs.stages.step(),
+            );
             let released = sched.task(None, 0.0, 0.0);
             sched.after(released, gathered, 0.0);
             for &sent in &s.sends[m] {

@@ -32,7 +32,7 @@ use fairring_core::plan::Geometry;
 use fairring_core::topology::{RankLayout, Topology};
 
 use super::events::{ResourceId, Schedule, TaskId};
-use super::stages::{self, Stages, f};
+use super::stages::{self, Communicator, Stages, f};
 use super::{Algo, Busy, Hardware, Job, ModelError, Prediction, Traffic};
 
 /// Passes over a server's memory per contribution byte (see the module docs).
@@ -70,6 +70,8 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
 
     let mut sched = Schedule::default();
     let nvlink = sched.resource();
+    let mut reduce = Communicator::default();
+    let mut gather = Communicator::default();
     let send = sched.resource();
     let receive = sched.resource();
     let servers: Vec<ServerMachine> = (0..k_servers)
@@ -94,8 +96,13 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
         let slice_bytes = f(slice.span().byte_len());
         let slot = slice.slot(0)?.byte_len();
         let k = slice.shards();
-        let scattered = sched.task(Some(nvlink), stages.intra_reduce(slice_bytes)?, 0.0);
-        sched.after(scattered, take, 0.0);
+        let scattered = reduce.call(
+            &mut sched,
+            nvlink,
+            stages.intra_reduce(slice_bytes)?,
+            take,
+            stages.step(),
+        );
         traffic.messages_sent += u64::from(k);
         traffic.bytes_sent += slot;
         traffic.bytes_received += slot;
@@ -145,8 +152,13 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
             sched.after(first_returned, reduced, 0.0);
             sched.after(results_in, returned, server_link.hop());
         }
-        let gathered = sched.task(Some(nvlink), stages.intra_gather(slice_bytes)?, 0.0);
-        sched.after(gathered, results_in, 0.0);
+        let gathered = gather.call(
+            &mut sched,
+            nvlink,
+            stages.intra_gather(slice_bytes)?,
+            results_in,
+            stages.step(),
+        );
         released.push(gathered);
     }
     sched.run();

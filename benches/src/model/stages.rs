@@ -3,6 +3,7 @@
 
 use fairring_core::plan::{Geometry, Plan, Slice};
 
+use super::events::{ResourceId, Schedule, TaskId};
 use super::nccl::{Collective, NcclAlgorithm, choose_collective};
 use super::{Hardware, Job, ModelError};
 
@@ -37,8 +38,13 @@ impl Stages {
 
     /// What the engine's NCCL calls within a machine take for a slice of
     /// `bytes`, as NCCL's tuner predicts them on the machine's own communicator
-    /// (`D` ranks on one machine), with the hand-off to the next stage.
-    fn within_machine(&self, collective: Collective, bytes: f64) -> Result<f64, ModelError> {
+    /// (`D` ranks on one machine): its latency and the time its bytes hold
+    /// NVLink.
+    fn within_machine(
+        &self,
+        collective: Collective,
+        bytes: f64,
+    ) -> Result<MachineCall, ModelError> {
         #[expect(
             clippy::cast_possible_truncation,
             clippy::cast_sign_loss,
@@ -57,39 +63,94 @@ impl Stages {
             "NCCL runs no {collective:?} on {} GPUs",
             self.devices
         )))?;
-        Ok(e.time_us * 1e-6 + self.step())
+        // On one machine `ncclTopoGetAlgoTime` adds the latency as computed
+        // (no plateau factor, no size correction but the tree's, which
+        // scales the bandwidth term): the rest of its time is the bytes'.
+        Ok(MachineCall {
+            latency: e.latency_us * 1e-6,
+            busy: (e.time_us - e.latency_us) * 1e-6,
+        })
+    }
+
+    /// A copy of `bytes` between the tensor and staging on a machine's one
+    /// GPU: its memory's time for reading and writing them.
+    fn copy(&self, bytes: f64) -> MachineCall {
+        MachineCall {
+            latency: 0.0,
+            busy: self.memory(2.0 * bytes),
+        }
     }
 
     /// The reduce-scatter of a slice of `bytes` within the machine: the
     /// engine's group of `ncclReduce`s, one per rank's slot, which NCCL times
     /// as one reduce of the whole slice (`ncclPrepareTasks` aggregates them,
     /// `src/enqueue.cc` 408-441); with one GPU per machine, the copy between the
-    /// tensor and staging. Includes the hand-off to the next stage.
-    pub(super) fn intra_reduce(&self, bytes: f64) -> Result<f64, ModelError> {
+    /// tensor and staging.
+    pub(super) fn intra_reduce(&self, bytes: f64) -> Result<MachineCall, ModelError> {
         if self.devices > 1 {
             self.within_machine(Collective::Reduce, bytes)
         } else {
-            Ok(self.memory(2.0 * bytes) + self.step())
+            Ok(self.copy(bytes))
         }
     }
 
     /// The all-gather of a slice of `bytes` within the machine: the engine's
     /// group of `ncclBroadcast`s, one per slot, which NCCL runs as one ring
-    /// all-gather of the slice; with one GPU per machine, the copy. Includes
-    /// the hand-off to the next stage.
-    pub(super) fn intra_gather(&self, bytes: f64) -> Result<f64, ModelError> {
+    /// all-gather of the slice; with one GPU per machine, the copy.
+    pub(super) fn intra_gather(&self, bytes: f64) -> Result<MachineCall, ModelError> {
         if self.devices > 1 {
             self.within_machine(Collective::AllGather, bytes)
         } else {
-            Ok(self.memory(2.0 * bytes) + self.step())
+            Ok(self.copy(bytes))
         }
     }
 
     /// NCCL's all-reduce of a slice of `bytes` in the tensor, the algorithm
     /// and protocol its tuner picks: all a job of one machine of several GPUs
-    /// does to a slice. Includes the hand-off to the next stage.
-    pub(super) fn intra_all_reduce(&self, bytes: f64) -> Result<f64, ModelError> {
+    /// does to a slice.
+    pub(super) fn intra_all_reduce(&self, bytes: f64) -> Result<MachineCall, ModelError> {
         self.within_machine(Collective::AllReduce, bytes)
+    }
+}
+
+/// One call within a machine, as the schedule charges it: `latency` (NCCL's
+/// fixed cost: the launch and each step's handshake) delays it without
+/// holding NVLink, and its bytes then hold NVLink for `busy`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct MachineCall {
+    pub(super) latency: f64,
+    pub(super) busy: f64,
+}
+
+/// A machine's NCCL communicator (or its copy engine, with one GPU): its
+/// calls run one after another, each in its turn on the machine's NVLink.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Communicator {
+    last: Option<TaskId>,
+}
+
+impl Communicator {
+    /// Schedules `call` on this communicator once `ready` has ended and the
+    /// communicator's previous call is done, its bytes on `nvlink`; returns
+    /// the task that ends with the hand-off to the next stage (`step` after
+    /// the call).
+    pub(super) fn call(
+        &mut self,
+        schedule: &mut Schedule,
+        nvlink: ResourceId,
+        call: MachineCall,
+        ready: TaskId,
+        step: f64,
+    ) -> TaskId {
+        let bytes = schedule.task(Some(nvlink), call.busy, 0.0);
+        schedule.after(bytes, ready, call.latency);
+        if let Some(previous) = self.last {
+            schedule.after(bytes, previous, call.latency);
+        }
+        self.last = Some(bytes);
+        let handed_off = schedule.task(None, 0.0, 0.0);
+        schedule.after(handed_off, bytes, step);
+        handed_off
     }
 }
 
