@@ -30,6 +30,13 @@
 //! each tensor as one slice and runs it as one NCCL all-reduce in the tensor
 //! over NVLink.
 //!
+//! Steps 1 and 7 are NCCL calls on two communicators of the machine, as the
+//! engine issues them (`local::nccl`): each communicator's calls run one after
+//! another, and a call's latency (NCCL's fixed cost, as its tuner predicts it)
+//! and the hand-off after it hold no NVLink, so the next slice's reduce-scatter
+//! pays its latency while the last slice's all-gather moves its bytes
+//! (`stages::Communicator`).
+//!
 //! Every stage is a task of a discrete-event schedule (`events.rs`): it holds its
 //! resource while it runs, starts once its inputs are in and its resource has run
 //! every stage that became ready before it, so the stages of different slices
