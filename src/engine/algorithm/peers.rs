@@ -169,7 +169,7 @@ mod tests {
                     (&w.out, &w.inbound, &w.linked),
                     (&workers, &workers, &workers)
                 );
-                assert_eq!(workers.len() as u32, world / rails, "{m}x{d}+{servers}");
+                assert_eq!(workers.len(), (world / rails) as usize, "{m}x{d}+{servers}");
                 for rank in 0..world {
                     let location = topology.locate(rank).unwrap();
                     let worker = Wiring::of(topology, location, rank, servers, None);
