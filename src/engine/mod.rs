@@ -79,7 +79,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use crossbeam_queue::ArrayQueue;
-use fairring_core::plan::{Geometry, PlanConfig};
+use fairring_core::plan::{Geometry, PlanConfig, TREE_PARTS};
 use fairring_core::topology::{Location, RankLayout, Topology};
 use fairring_rdma::fabric::{Completion, Fabric, RemoteRegion};
 
@@ -286,8 +286,13 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let through_mailboxes = mailbox_peers.iter().map(Option::is_some).collect();
         // The most writes, early landings and steps one slice can have at once:
         // a contribution or result per other machine, a ring step per rank, a
-        // relayed chunk per piece of the slice.
-        let most = (2 * (world as usize).max(machines) + 4).max(2 * relay_most_writes(world));
+        // relayed chunk per piece of the slice; through the trees two
+        // children's contributions and at most three results (two leaf cells'
+        // and the inner cell's from its parent), each in up to `TREE_PARTS`
+        // parts.
+        let most = (2 * (world as usize).max(machines) + 4)
+            .max(2 * relay_most_writes(world))
+            .max(5 * TREE_PARTS as usize);
         let doorbell_wakes = world <= 1 || links.fabric.notify_completions(parts.machine.waker());
         // A spinner leaves its core to other threads each round when local ranks
         // outnumber cores, and when data from other machines reaches this rank

@@ -561,10 +561,12 @@ fn one_machine_reduces_a_device_tensor_in_one_slice_through_its_collectives() {
 /// levels, an inner node below an inner node, and for odd `M` a machine that
 /// is a leaf of both trees), one or two shards a slot, over one to three
 /// buffers, and for one seed in three a rank killed at a drawn step: every
-/// rank's result exact, every survivor's error naming the victim.
+/// rank's result exact, every survivor's error naming the victim. On 7x1 and
+/// 8x1, one seed in three takes 2 KiB slices of 320-byte shards, whose cells
+/// of 1 KiB travel in three parts.
 #[test]
 fn deep_trees_settle_with_exact_results() {
-    let (mut checked, mut expected, mut killed_seeds) = (0, 0, 0);
+    let (mut checked, mut expected, mut killed_seeds, mut three_parts) = (0, 0, 0, 0);
     for seed in 1..=400u64 {
         let mut rng = Rng::new(seed);
         let (machines, devices) = rng.pick(&[(5, 1), (6, 1), (7, 1), (8, 1), (5, 2)]);
@@ -582,15 +584,22 @@ fn deep_trees_settle_with_exact_results() {
             })
             .collect();
         let killed = rng.below(3) == 0;
+        let deeper = devices == 1 && machines >= 7 && rng.below(3) == 0;
         let scenario = Scenario {
             machines,
             devices,
             layout: RankLayout::Contiguous,
             servers: 0,
             buffers: 1 + rng.below(3) as u32,
-            slice_bytes: 1024,
-            // A slot of 1024 / D bytes: one shard of the minimum, or two.
-            min_shard_bytes: rng.pick(&[1024 / u64::from(devices), 512 / u64::from(devices)]),
+            slice_bytes: if deeper { 2048 } else { 1024 },
+            // A slot of 1024 / D bytes: one shard of the minimum, or two; or
+            // of 2048 bytes, six shards of 320 (five units) for 7 or 8
+            // machines: through the trees, cells of 16 units in three parts.
+            min_shard_bytes: if deeper {
+                320
+            } else {
+                rng.pick(&[1024 / u64::from(devices), 512 / u64::from(devices)])
+            },
             window: 1 + rng.below(3) as usize,
             kill: killed.then(|| (1 + rng.below(3000), rng.below(u64::from(world)) as u32)),
             direct: DirectSettings::from(None),
@@ -603,6 +612,11 @@ fn deep_trees_settle_with_exact_results() {
         let config = PlanConfig::new(scenario.slice_bytes, scenario.min_shard_bytes).unwrap();
         let geometry = Geometry::new(topology, config).unwrap();
         assert_eq!(geometry.routing(), fairring_core::plan::Routing::Trees);
+        if deeper {
+            let plan = fairring_core::plan::Plan::new(&geometry, DataType::I32, 2500, 0).unwrap();
+            assert_eq!(plan.slice(0).unwrap().parts(), 3);
+            three_parts += 1;
+        }
         match play(
             &scenario,
             &messages::Script::default(),
@@ -621,6 +635,10 @@ fn deep_trees_settle_with_exact_results() {
     }
     assert_eq!(checked, expected, "every operation of every rank is done");
     assert!(killed_seeds > 100, "{killed_seeds} seeds killed a rank");
+    assert!(
+        three_parts > 30,
+        "{three_parts} seeds sent cells in three parts"
+    );
 }
 
 /// The device model catches the three ways the design can break, each on a

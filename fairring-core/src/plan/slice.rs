@@ -50,7 +50,8 @@ pub struct Cell {
     server: u32,
     span: Span,
     slot_offset: u64,
-    /// The parts it travels in: [`TREE_PARTS`] through trees, else 1.
+    /// The parts it travels in: its slice's [`Slice::parts`] (up to
+    /// [`TREE_PARTS`] through trees, else 1).
     parts: u32,
 }
 

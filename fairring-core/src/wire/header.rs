@@ -13,9 +13,12 @@ const _: () = assert!(crate::plan::TREE_PARTS <= 256);
 /// The first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FRNG";
 /// The protocol version this code writes and reads: a process of another
-/// version is refused at the handshake. Version 2: dedicated servers serve in
-/// rail groups (`Geometry::with_servers`), so cells go to other servers and
-/// other areas than in version 1.
+/// version is refused when it connects (the tcp handshake reads it from every
+/// frame, the verbs endpoints bind it into their MAC). Version 2: dedicated
+/// servers serve in rail groups (`Geometry::with_servers`), so cells go to
+/// other servers and other areas than in version 1; and through the trees a
+/// cell travels in up to [`TREE_PARTS`](crate::plan::TREE_PARTS) parts of at
+/// least the minimum shard (`Slice::parts`), not in two.
 pub const VERSION: u8 = 2;
 /// Largest payload of a `Hello` frame (the handshake of the fabric).
 pub const MAX_HELLO_PAYLOAD: u32 = 4096;
@@ -89,7 +92,7 @@ impl FrameKind {
 /// ```text
 /// offset size field
 ///  0      4   magic "FRNG"
-///  4      1   version (1)
+///  4      1   version (`VERSION`)
 ///  5      1   kind (FrameKind)
 ///  6      1   part of the cell (`Contribution`, `Result`; zero in any
 ///             other frame, and where a cell travels whole)

@@ -8,13 +8,15 @@
 //! 10      1   active MTU (ibv_mtu)
 //! 11      2   receive work requests posted (the peer's initial credits)
 //! 13     16   GID
-//! 29     32   HMAC-SHA256 of bytes 0..29, bound to job, epoch, world size and
+//! 29     32   HMAC-SHA256 of bytes 0..29, bound to the protocol version
+//!             (fairring-core's `wire::VERSION`), job, epoch, world size and
 //!             both ranks (from, to)
 //! ```
 //!
 //! An endpoint travels through the rendezvous store; the MAC means one forged or
-//! taken from another job, epoch or pair of ranks is refused, before a queue pair
-//! is connected to it and so before any region is reachable from it.
+//! taken from another job, epoch or pair of ranks, or published by a process of
+//! another protocol version, is refused, before a queue pair is connected to it
+//! and so before any region is reachable from it.
 
 use hmac::{KeyInit, Mac};
 use sha2::Sha256;
@@ -27,6 +29,8 @@ const BODY: usize = 29;
 
 /// What an endpoint is bound to.
 pub(crate) struct Binding<'a> {
+    /// The protocol version (`fairring_core::wire::VERSION`).
+    pub(crate) version: u8,
     pub(crate) secret: &'a JobSecret,
     pub(crate) job_tag: u64,
     pub(crate) epoch: u64,
@@ -36,7 +40,8 @@ pub(crate) struct Binding<'a> {
 fn mac(binding: &Binding<'_>, from: u32, to: u32, body: &[u8]) -> hmac::Hmac<Sha256> {
     let mut mac = <hmac::Hmac<Sha256> as KeyInit>::new_from_slice(binding.secret.as_bytes())
         .expect("HMAC takes a key of any length");
-    mac.update(b"fairring verbs v1 endpoint");
+    mac.update(b"fairring verbs endpoint, protocol version");
+    mac.update(&[binding.version]);
     mac.update(&binding.job_tag.to_le_bytes());
     mac.update(&binding.epoch.to_le_bytes());
     mac.update(&binding.world_size.to_le_bytes());
@@ -107,6 +112,7 @@ mod tests {
     fn endpoints_are_bound_to_job_epoch_and_ranks() {
         let secret = JobSecret::from_bytes([3; 32]);
         let binding = Binding {
+            version: fairring_core::wire::VERSION,
             secret: &secret,
             job_tag: 1,
             epoch: 2,
@@ -129,6 +135,12 @@ mod tests {
             ..binding
         };
         assert_eq!(decode(&stale, 1, 2, &endpoint), Err(Refusal::WrongSecret));
+        // A process of another protocol version: refused.
+        let older = Binding {
+            version: fairring_core::wire::VERSION - 1,
+            ..binding
+        };
+        assert_eq!(decode(&older, 1, 2, &endpoint), Err(Refusal::WrongSecret));
         let other_secret = JobSecret::from_bytes([4; 32]);
         let other = Binding {
             secret: &other_secret,

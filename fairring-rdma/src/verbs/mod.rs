@@ -279,6 +279,7 @@ impl VerbsFabric {
     fn binding(&self) -> Binding<'_> {
         let c = &self.inner.config;
         Binding {
+            version: fairring_core::wire::VERSION,
             secret: &c.secret,
             job_tag: c.job_tag,
             epoch: c.epoch,

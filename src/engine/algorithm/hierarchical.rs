@@ -66,8 +66,9 @@
 //!    `START_SEND_BACK`: the shard goes down to each child, into the same range;
 //! 5. and 6. as above.
 //!
-//! Through trees each cell travels in parts (the core's `Cell::part`: two,
-//! where every cell of the slice holds two units), each its own write, and
+//! Through trees each cell travels in parts (the core's `Slice::parts` and
+//! `Cell::part`: up to 16 of at least the minimum shard, or two where fewer
+//! fit and every cell of the slice holds two units), each its own write, and
 //! each part has its own word: steps 2 to 4 run part by part, so an inner node
 //! reduces and sends up a part as soon as both children's copies of it are in,
 //! and sends a part of its result down as soon as it has landed, while the
