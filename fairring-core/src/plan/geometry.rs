@@ -230,7 +230,7 @@ impl Geometry {
         self.servers > 0
             && server < self.servers
             && device < self.topology.devices_per_machine()
-            && server % self.server_rails == device % self.server_rails
+            && serves_rail(self.server_rails, server, device)
     }
 
     /// The topology.
@@ -339,6 +339,13 @@ pub const fn server_rails(servers: u32, devices: u32) -> u32 {
     } else {
         gcd(servers, devices)
     }
+}
+
+/// Whether, among servers in `rails` rail groups, server `server` serves the
+/// slot of device `device`: both in the same group (`server mod rails = device
+/// mod rails`). The one rule every part of a job deals and links by.
+pub const fn serves_rail(rails: u32, server: u32, device: u32) -> bool {
+    server % rails == device % rails
 }
 
 /// The greatest common divisor of two positive counts.

@@ -221,7 +221,7 @@ impl ServerLayout {
     /// Whether server `server` receives cells of slot `device`: both in the same
     /// rail group (`device` in range).
     pub const fn receives_slot(&self, server: u32, device: u32) -> bool {
-        device < self.devices && server % self.rails == device % self.rails
+        device < self.devices && super::serves_rail(self.rails, server, device)
     }
 
     /// The area, in bytes from the start of the buffer, that receives machine

@@ -91,7 +91,7 @@ mod slice;
 mod split;
 mod tree;
 
-pub use geometry::{Geometry, PlanConfig, Routing, server_rails};
+pub use geometry::{Geometry, PlanConfig, Routing, server_rails, serves_rail};
 pub use layout::{InputArea, ServerLayout, StagingLayout};
 pub use slice::{Cell, Cells, Slice, Slices};
 pub use tree::{DoubleTree, TREE_PARTS, TREES};

@@ -4,7 +4,7 @@
 //! over the ranks), and the partners of recursive doubling. The links connect
 //! exactly these.
 
-use fairring_core::plan::server_rails;
+use fairring_core::plan::{server_rails, serves_rail};
 use fairring_core::topology::{Location, Topology};
 
 use super::doubling;
@@ -23,7 +23,7 @@ pub(crate) fn peers(
     let world = topology.world_size();
     let rails = server_rails(servers, topology.devices_per_machine());
     let mut out: Vec<u32> = (0..servers)
-        .filter(|i| i % rails == location.device % rails)
+        .filter(|&i| serves_rail(rails, i, location.device))
         .map(|i| world + i)
         .collect();
     let mut inbound = out.clone();
@@ -61,7 +61,7 @@ pub(crate) fn server_peers(topology: Topology, index: u32, servers: u32) -> (Vec
         .filter(|&w| {
             topology
                 .locate(w)
-                .is_ok_and(|l| l.device % rails == index % rails)
+                .is_ok_and(|l| serves_rail(rails, index, l.device))
         })
         .collect();
     (workers.clone(), workers)
