@@ -47,7 +47,8 @@ struct Options {
     algos: Vec<Algo>,
     tensors: u32,
     servers: u32,
-    slice_bytes: u64,
+    /// `None`: the engine's default slices (smaller through the trees).
+    slice_bytes: Option<u64>,
     min_shard: u64,
     budget: u64,
     breakdown: bool,
@@ -86,7 +87,7 @@ fn parse(args: &[String]) -> Options {
         algos: Algo::ALL.to_vec(),
         tensors: 1,
         servers: 0,
-        slice_bytes: PlanConfig::DEFAULT_SLICE_BYTES,
+        slice_bytes: None,
         min_shard: PlanConfig::DEFAULT_MIN_SHARD_BYTES,
         budget: 50 << 20,
         breakdown: false,
@@ -133,11 +134,11 @@ fn parse(args: &[String]) -> Options {
             }
             "--tensors" => o.tensors = number(&value(), flag),
             "--servers" => o.servers = number(&value(), flag),
-            "--slice-bytes" => o.slice_bytes = bytes(&value(), flag),
+            "--slice-bytes" => o.slice_bytes = Some(bytes(&value(), flag)),
             "--min-shard" => o.min_shard = bytes(&value(), flag),
             "--budget" => o.budget = bytes(&value(), flag),
             "--original" => {
-                o.slice_bytes = PlanConfig::DEFAULT_SLICE_BYTES;
+                o.slice_bytes = Some(PlanConfig::DEFAULT_SLICE_BYTES);
                 o.min_shard = PlanConfig::MIN_SHARD_FLOOR;
             }
             "--breakdown" => o.breakdown = true,
@@ -204,14 +205,26 @@ fn run(o: &Options) -> Result<(), String> {
     if let Some(path) = &o.calibrate {
         return calibrate_from(path, &o.calibrate_algo, &hw);
     }
-    let slicing = PlanConfig::new(o.slice_bytes, o.min_shard).map_err(|e| e.to_string())?;
+    let slicing = match o.slice_bytes {
+        Some(slice) => PlanConfig::new(slice, o.min_shard),
+        None => PlanConfig::with_default_slices(o.min_shard),
+    }
+    .map_err(|e| e.to_string())?;
+    let slices = match o.slice_bytes {
+        Some(slice) => format!("slices of {slice} bytes"),
+        None => format!(
+            "slices of {} bytes ({} through the trees)",
+            PlanConfig::DEFAULT_SLICE_BYTES,
+            PlanConfig::DEFAULT_TREE_SLICE_BYTES
+        ),
+    };
     let devices = o.devices.unwrap_or(hw.devices_per_machine);
     println!("# fairring-bench model: {hw}");
     println!(
-        "# {devices} GPUs per machine, slices of {} bytes, minimum shard {} bytes, \
+        "# {devices} GPUs per machine, {slices}, minimum shard {} bytes, \
          {} bytes of staging per GPU, {} tensor(s) at once; k: shards per slot \
          (t: through the trees)",
-        o.slice_bytes, o.min_shard, o.budget, o.tensors
+        o.min_shard, o.budget, o.tensors
     );
     print!(
         "{:>6} {:>5} {:>12} {:>13} {:>12} {:>9} {:>9} {:>5} {:>4} {:>9}",

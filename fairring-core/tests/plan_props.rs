@@ -28,12 +28,19 @@ fn log_size(max_log2: u32) -> impl Strategy<Value = u64> {
 }
 
 prop_compose! {
-    fn geometry()(m in machines(), d in 1u32..=16, slice in log_size(26), min_shard in log_size(20))
+    /// A geometry of a given slice size, or (one in four) of the default
+    /// slices, which the routing picks.
+    fn geometry()(m in machines(), d in 1u32..=16, slice in log_size(26), min_shard in log_size(20),
+                  default_slices in prop::bool::weighted(0.25))
         -> Geometry
     {
         let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
         let slice = slice.max(u64::from(d) * ALIGN_BYTES);
-        let config = PlanConfig::new(slice, min_shard).unwrap();
+        let config = if default_slices {
+            PlanConfig::with_default_slices(min_shard).unwrap()
+        } else {
+            PlanConfig::new(slice, min_shard).unwrap()
+        };
         Geometry::new(topology, config).unwrap()
     }
 }
@@ -444,18 +451,25 @@ fn adaptive_sharding_examples() {
     assert_eq!(g.routing(), Routing::Flat);
     assert_eq!(g.shards_per_full_slice(), 50);
     // 512 machines x 8 devices (4096 GPUs): where a fixed M-way split would cut
-    // 6.25 KiB shards, the cells go through the trees, half a slot each, and a
-    // staging buffer holds the slot and two children's halves.
+    // 6.25 KiB shards, the cells go through the trees, half a slot each, in the
+    // default slices of the trees (16 MiB), and a staging buffer holds the slot
+    // and two children's halves.
     let topo = Topology::new(512, 8, RankLayout::Contiguous).unwrap();
     let g = Geometry::new(topo, PlanConfig::default()).unwrap();
     assert_eq!(g.routing(), Routing::Trees);
+    assert_eq!(g.full_slice_bytes(), 16 << 20);
     assert_eq!(g.shards_per_full_slice(), 2);
-    let half = (25 << 20) / 8 / 2;
+    let half = (16 << 20) / 8 / 2;
     assert_eq!(g.staging_layout().shard_stride(), half + 64);
     assert_eq!(
         g.staging_layout().total_bytes(),
-        (25 << 20) / 8 + 2 * (half + 64)
+        (16 << 20) / 8 + 2 * (half + 64)
     );
+    // A slice size given is kept through the trees.
+    let given = PlanConfig::new(25 << 20, 64 << 10).unwrap();
+    let g = Geometry::new(topo, given).unwrap();
+    assert_eq!(g.routing(), Routing::Trees);
+    assert_eq!(g.full_slice_bytes(), 25 << 20);
     // Configuration errors name the field.
     assert!(PlanConfig::new(0, 1 << 16).is_err());
     assert!(PlanConfig::new(1 << 20, 32).is_err());
@@ -681,6 +695,38 @@ proptest! {
         prop_assert!(g.shards_per_full_slice() <= cap);
         let dedicated = Geometry::with_servers(topo, g.config(), servers).unwrap();
         prop_assert_eq!(dedicated.routing(), Routing::Flat);
+    }
+
+    /// The default slices are 25 MiB's geometry exactly where that is flat or
+    /// served by dedicated servers; where 25 MiB slices go through the trees,
+    /// the geometry is that of 16 MiB slices given, which go through the trees
+    /// too, and its configuration makes it again.
+    #[test]
+    fn default_slices_shrink_only_through_the_trees(
+        m in machines(), d in 1u32..=16, min_shard in log_size(20), servers in 0u32..=8
+    ) {
+        let topo = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+        let make = |config: PlanConfig| match servers {
+            0 => Geometry::new(topo, config),
+            k => Geometry::with_servers(topo, config, k),
+        }.unwrap();
+        let defaults = make(PlanConfig::with_default_slices(min_shard).unwrap());
+        let large = make(PlanConfig::new(25 << 20, min_shard).unwrap());
+        prop_assert_eq!(defaults.routing(), large.routing());
+        prop_assert_eq!(make(defaults.config()), defaults);
+        if large.routing() == Routing::Trees {
+            prop_assert_eq!(servers, 0);
+            let trees = make(PlanConfig::new(16 << 20, min_shard).unwrap());
+            prop_assert_eq!(defaults, trees);
+            prop_assert_eq!(defaults.config().slice_bytes(), 16 << 20);
+            prop_assert!(!defaults.config().slice_by_routing());
+            prop_assert!(defaults.full_slice_bytes() <= 16 << 20);
+        } else {
+            prop_assert_eq!(defaults.full_slice_bytes(), large.full_slice_bytes());
+            prop_assert_eq!(defaults.shards_per_full_slice(), large.shards_per_full_slice());
+            prop_assert_eq!(defaults.config().slice_bytes(), 25 << 20);
+            prop_assert!(defaults.config().slice_by_routing());
+        }
     }
 
     /// Through the trees, every device of every slice sends at most four

@@ -220,35 +220,41 @@ pub(crate) fn size_staging(
     topology: Topology,
 ) -> Result<(Geometry, BufferLayout, u32)> {
     let world = topology.world_size();
-    let plan_for = |slice: u64| -> Result<(Geometry, BufferLayout)> {
-        let pc = PlanConfig::new(slice, config.min_shard_bytes)
-            .map_err(|e| Error::config("FAIRRING_SLICE_SIZE", slice, e.to_string()))?;
+    let slice_error = |slice: u64, e: &dyn std::fmt::Display| {
+        Error::config("FAIRRING_SLICE_SIZE", slice, e.to_string())
+    };
+    let plan_for = |pc: PlanConfig| -> Result<(Geometry, BufferLayout)> {
+        let slice = pc.slice_bytes();
         let g = match config.servers {
             0 => Geometry::new(topology, pc),
             k => Geometry::with_servers(topology, pc, k),
         }
-        .map_err(|e| Error::config("FAIRRING_SLICE_SIZE", slice, e.to_string()))?;
+        .map_err(|e| slice_error(slice, &e))?;
         let layout = BufferLayout::new(&g, world).ok_or_else(|| {
-            Error::config(
-                "FAIRRING_SLICE_SIZE",
+            slice_error(
                 slice,
-                "a staging buffer for it does not fit this machine's address space",
+                &"a staging buffer for it does not fit this machine's address space",
             )
         })?;
         Ok((g, layout))
     };
+    let given = |slice: u64| {
+        PlanConfig::new(slice, config.min_shard_bytes).map_err(|e| slice_error(slice, &e))
+    };
     let (geometry, layout) = match config.slice_bytes {
-        Some(s) => plan_for(s)?,
+        Some(s) => plan_for(given(s)?)?,
         None => {
-            // 25 MiB, halved until the budget holds at least two buffers.
-            let mut s = PlanConfig::DEFAULT_SLICE_BYTES;
-            loop {
-                let (g, l) = plan_for(s)?;
-                if config.total_memory / l.buffer_bytes() as u64 >= 2 || s <= 64 << 10 {
-                    break (g, l);
-                }
+            // The default slices (25 MiB, 16 MiB through the trees), halved
+            // until the budget holds at least two buffers.
+            let defaults = PlanConfig::with_default_slices(config.min_shard_bytes)
+                .map_err(|e| slice_error(PlanConfig::DEFAULT_SLICE_BYTES, &e))?;
+            let (mut g, mut l) = plan_for(defaults)?;
+            let mut s = g.config().slice_bytes();
+            while config.total_memory / (l.buffer_bytes() as u64) < 2 && s > 64 << 10 {
                 s = (s / 2).max(64 << 10) / 64 * 64;
+                (g, l) = plan_for(given(s)?)?;
             }
+            (g, l)
         }
     };
     let buffers = config.total_memory / layout.buffer_bytes() as u64;
@@ -526,4 +532,67 @@ fn assemble<M: MemorySpace>(
         direct: crate::engine::DirectSettings::from(config.direct_from),
         peer_copy: a.peer_copy,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use fairring_core::plan::Routing;
+    use fairring_core::topology::RankLayout;
+
+    use super::*;
+    use crate::config::ConfigBuilder;
+
+    /// A configuration of `world` ranks with room for several buffers of the
+    /// largest default slices.
+    fn config(world: u32, configure: impl Fn(ConfigBuilder) -> ConfigBuilder) -> Config {
+        configure(Config::builder(0, world, "127.0.0.1", 1).total_memory(256 << 20))
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn default_slices_follow_the_routing_and_a_given_size_is_kept() {
+        // 64 machines of 8 GPUs: a 25 MiB slice's slot holds 50 shards of 64 KiB,
+        // fewer than the machines, so the cells go through the trees, in 16 MiB
+        // slices by default.
+        let deep = Topology::new(64, 8, RankLayout::Contiguous).unwrap();
+        let (g, _, buffers) = size_staging(&config(512, |b| b), deep).unwrap();
+        assert_eq!(g.routing(), Routing::Trees);
+        assert_eq!(g.full_slice_bytes(), 16 << 20);
+        assert!(buffers >= 2);
+        // 8 machines: flat, 25 MiB.
+        let flat = Topology::new(8, 8, RankLayout::Contiguous).unwrap();
+        let (g, _, _) = size_staging(&config(64, |b| b), flat).unwrap();
+        assert_eq!(g.routing(), Routing::Flat);
+        assert_eq!(g.full_slice_bytes(), 25 << 20);
+        // A slice size given is kept through the trees.
+        let (g, _, _) = size_staging(&config(512, |b| b.slice_bytes(25 << 20)), deep).unwrap();
+        assert_eq!(g.routing(), Routing::Trees);
+        assert_eq!(g.full_slice_bytes(), 25 << 20);
+        // Dedicated servers are flat, in 25 MiB slices.
+        let (g, _, _) = size_staging(&config(512, |b| b.servers(64)), deep).unwrap();
+        assert_eq!(g.routing(), Routing::Flat);
+        assert_eq!(g.full_slice_bytes(), 25 << 20);
+        // A budget of less than two buffers halves the default slices until
+        // two fit.
+        let (g, layout, buffers) =
+            size_staging(&config(512, |b| b.total_memory(12 << 20)), deep).unwrap();
+        assert_eq!(buffers, 2);
+        assert!(g.full_slice_bytes() < 16 << 20);
+        assert!(2 * layout.buffer_bytes() as u64 <= 12 << 20);
+        let (larger, _, _) = size_staging(
+            &config(512, |b| b.slice_bytes(2 * g.full_slice_bytes())),
+            deep,
+        )
+        .unwrap();
+        let (_, larger_layout, _) = size_staging(
+            &config(512, |b| {
+                b.slice_bytes(larger.full_slice_bytes())
+                    .total_memory(12 << 20)
+            }),
+            deep,
+        )
+        .unwrap();
+        assert!(2 * larger_layout.buffer_bytes() as u64 > 12 << 20);
+    }
 }

@@ -142,7 +142,8 @@ pub struct Job {
 
 impl Job {
     /// One tensor of `bytes` bytes of f32 on `machines x devices` GPUs with the
-    /// engine's defaults: 25 MiB slices, 64 KiB minimum shard, 50 MiB of staging.
+    /// engine's defaults: 25 MiB slices (16 MiB through the trees), 64 KiB minimum
+    /// shard, 50 MiB of staging.
     pub fn new(machines: u32, devices: u32, bytes: u64) -> Job {
         Job {
             machines,

@@ -8,11 +8,24 @@ use crate::topology::{MAX_MACHINES, Topology};
 pub struct PlanConfig {
     slice_bytes: u64,
     min_shard_bytes: u64,
+    /// The slice size is the default's: a [`Geometry`] made from it takes
+    /// [`PlanConfig::DEFAULT_TREE_SLICE_BYTES`] where it routes through the
+    /// trees ([`PlanConfig::with_default_slices`]).
+    slice_by_routing: bool,
 }
 
 impl PlanConfig {
     /// Default largest slice: 25 MiB, as the original Fairring used.
     pub const DEFAULT_SLICE_BYTES: u64 = 25 << 20;
+    /// Default largest slice where the cells go through the trees: 16 MiB.
+    ///
+    /// A tree's cell travels in parts (at most [`TREE_PARTS`](super::TREE_PARTS))
+    /// up and down `2 log2 M` levels, so a slice's fill and drain through the
+    /// trees grows with its parts' size: smaller slices keep more of the trees'
+    /// depth busy. The scale model (`docs/scale-model.md`) puts the best at 16 MiB
+    /// for 512 to 2048 H100s at 64 MiB to 1 GiB; the flat plan keeps 25 MiB,
+    /// where smaller slices only add per-call costs.
+    pub const DEFAULT_TREE_SLICE_BYTES: u64 = 16 << 20;
     /// Default smallest shard: 64 KiB. Below this, the per-message cost of the
     /// inter-machine step outweighs spreading the load over more servers.
     pub const DEFAULT_MIN_SHARD_BYTES: u64 = 64 << 10;
@@ -26,6 +39,7 @@ impl PlanConfig {
     pub const DEFAULT: PlanConfig = PlanConfig {
         slice_bytes: Self::DEFAULT_SLICE_BYTES,
         min_shard_bytes: Self::DEFAULT_MIN_SHARD_BYTES,
+        slice_by_routing: true,
     };
 
     /// A configuration with slices of at most `slice_bytes` and shards of at least
@@ -43,7 +57,28 @@ impl PlanConfig {
         Ok(PlanConfig {
             slice_bytes,
             min_shard_bytes,
+            slice_by_routing: false,
         })
+    }
+
+    /// A configuration with the default slices and shards of at least
+    /// `min_shard_bytes`: slices of at most [`PlanConfig::DEFAULT_SLICE_BYTES`],
+    /// or of [`PlanConfig::DEFAULT_TREE_SLICE_BYTES`] where a [`Geometry`] made
+    /// from it routes the cells through the trees ([`Routing::Trees`]). A slice
+    /// size given with [`PlanConfig::new`] is kept whatever the routing.
+    pub const fn with_default_slices(min_shard_bytes: u64) -> Result<PlanConfig, PlanError> {
+        match PlanConfig::new(Self::DEFAULT_SLICE_BYTES, min_shard_bytes) {
+            Ok(config) => Ok(PlanConfig {
+                slice_by_routing: true,
+                ..config
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Whether the slice size is the default's, chosen by the routing.
+    pub const fn slice_by_routing(&self) -> bool {
+        self.slice_by_routing
     }
 
     /// The largest slice, in bytes, as given.
@@ -163,6 +198,19 @@ impl Geometry {
         } else {
             Routing::Flat
         };
+        if let Routing::Trees = routing
+            && config.slice_by_routing
+            && config.slice_bytes > PlanConfig::DEFAULT_TREE_SLICE_BYTES
+        {
+            // Fewer units a slot give no more shards (`shards_for_slot` grows
+            // with the slot), so the smaller slices route through the trees too.
+            let trees = PlanConfig {
+                slice_bytes: PlanConfig::DEFAULT_TREE_SLICE_BYTES,
+                min_shard_bytes: config.min_shard_bytes,
+                slice_by_routing: false,
+            };
+            return Geometry::build(topology, trees, servers);
+        }
         let full_shards = match routing {
             Routing::Trees => shards_for_slot(raw_slot_units, min_shard_units, TREES as u64),
             Routing::Flat => flat_shards,
@@ -238,7 +286,10 @@ impl Geometry {
         self.topology
     }
 
-    /// The configuration it was made from.
+    /// The configuration it was made from; where the default slices were
+    /// chosen by the routing, the configuration of the slices chosen (with
+    /// [`PlanConfig::slice_by_routing`] false), from which the same geometry is
+    /// made again.
     pub const fn config(&self) -> PlanConfig {
         self.config
     }

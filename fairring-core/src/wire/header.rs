@@ -18,8 +18,11 @@ pub const MAGIC: [u8; 4] = *b"FRNG";
 /// servers serve in rail groups (`Geometry::with_servers`), so cells go to
 /// other servers and other areas than in version 1; and through the trees a
 /// cell travels in up to [`TREE_PARTS`](crate::plan::TREE_PARTS) parts of at
-/// least the minimum shard (`Slice::parts`), not in two.
-pub const VERSION: u8 = 2;
+/// least the minimum shard (`Slice::parts`), not in two. Version 3: where
+/// no slice size is given, slices through the trees are 16 MiB, not 25
+/// ([`PlanConfig::with_default_slices`](crate::plan::PlanConfig::with_default_slices)),
+/// so a job's processes of versions 2 and 3 would cut its tensors differently.
+pub const VERSION: u8 = 3;
 /// Largest payload of a `Hello` frame (the handshake of the fabric).
 pub const MAX_HELLO_PAYLOAD: u32 = 4096;
 /// Largest payload of an `Abort` frame (a UTF-8 reason).
