@@ -99,7 +99,9 @@ pub use bootstrap::job_id::{JOB_ID_BYTES, JobId};
 pub use communicator::{
     Call, Collective, Communicator, Memory, Options, OwnedWork, Scope, Tensor, TensorMut, Work,
 };
-pub use config::{Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Launcher, Role};
+pub use config::{
+    Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Launcher, Role, Staging,
+};
 pub use engine::links::Traffic;
 pub use error::{Error, Result};
 pub use fairring_core::{DataType, ReduceOp, WireFormat};

@@ -50,7 +50,8 @@ struct Options {
     /// `None`: the engine's default slices (smaller through the trees).
     slice_bytes: Option<u64>,
     min_shard: u64,
-    budget: u64,
+    /// `None`: the engine's default staging.
+    budget: Option<u64>,
     breakdown: bool,
     json: Option<String>,
     plot: Option<String>,
@@ -89,7 +90,7 @@ fn parse(args: &[String]) -> Options {
         servers: 0,
         slice_bytes: None,
         min_shard: PlanConfig::DEFAULT_MIN_SHARD_BYTES,
-        budget: 50 << 20,
+        budget: None,
         breakdown: false,
         json: None,
         plot: None,
@@ -136,7 +137,7 @@ fn parse(args: &[String]) -> Options {
             "--servers" => o.servers = number(&value(), flag),
             "--slice-bytes" => o.slice_bytes = Some(bytes(&value(), flag)),
             "--min-shard" => o.min_shard = bytes(&value(), flag),
-            "--budget" => o.budget = bytes(&value(), flag),
+            "--budget" => o.budget = Some(bytes(&value(), flag)),
             "--original" => {
                 o.slice_bytes = Some(PlanConfig::DEFAULT_SLICE_BYTES);
                 o.min_shard = PlanConfig::MIN_SHARD_FLOOR;
@@ -218,13 +219,17 @@ fn run(o: &Options) -> Result<(), String> {
             PlanConfig::DEFAULT_TREE_SLICE_BYTES
         ),
     };
+    let budget = match o.budget {
+        Some(budget) => format!("{budget} bytes of staging per GPU"),
+        None => "the default staging".into(),
+    };
     let devices = o.devices.unwrap_or(hw.devices_per_machine);
     println!("# fairring-bench model: {hw}");
     println!(
-        "# {devices} GPUs per machine, {slices}, minimum shard {} bytes, \
-         {} bytes of staging per GPU, {} tensor(s) at once; k: shards per slot \
-         (t: through the trees)",
-        o.min_shard, o.budget, o.tensors
+        "# {devices} GPUs per machine, {slices}, minimum shard {} bytes, {budget}, \
+         {} tensor(s) at once; k: shards per slot (t: through the trees), bufs: \
+         staging buffers",
+        o.min_shard, o.tensors
     );
     print!(
         "{:>6} {:>5} {:>12} {:>13} {:>12} {:>9} {:>9} {:>5} {:>4} {:>9}",

@@ -262,9 +262,12 @@ fn a_machines_two_communicators_overlap_latency_with_bytes() {
     let mut hw = free_of_latency(h100());
     hw.nic.gbps = 1e6;
     hw.memory.gbps = 1e6;
-    let topology = Topology::new(2, 8, RankLayout::Contiguous).unwrap();
-    let geometry = Geometry::new(topology, PlanConfig::DEFAULT).unwrap();
-    let slice = geometry.full_slice_bytes();
+    // The engine's slices for the job (its staging sizes them).
+    let slice = Job::new(2, 8, 1)
+        .staging(0)
+        .unwrap()
+        .geometry
+        .full_slice_bytes();
     let slices = 10;
     let job = Job::new(2, 8, slices * slice);
     let p = predict(&hw, &job, Algo::Hierarchical).unwrap();
@@ -560,7 +563,7 @@ fn hierarchical_reaches_its_bandwidth_bound_when_nothing_else_costs() {
     hw.memory.gbps = 1e300;
     for m in [2u32, 4, 8] {
         let mut job = Job::new(m, 1, 1 << 30);
-        job.budget_bytes = 1 << 40;
+        job.budget_bytes = Some(1 << 40);
         let p = predict(&hw, &job, Algo::Hierarchical).unwrap();
         let rail = hw.rail(1).gbps * 1e9;
         let mm = f64::from(m);
@@ -580,8 +583,7 @@ fn hierarchical_reaches_its_bandwidth_bound_when_nothing_else_costs() {
 /// of its cell, one message up to the parent (but at the root) and one down to
 /// each child.
 fn sent_by_plan(job: &Job) -> Vec<(u64, u64)> {
-    let topology = Topology::new(job.machines, job.devices, RankLayout::Contiguous).unwrap();
-    let geometry = Geometry::new(topology, job.slicing).unwrap();
+    let geometry = job.staging(0).unwrap().geometry;
     let mut sent = vec![(0u64, 0u64); job.machines as usize];
     let mut rotation = 0;
     for _ in 0..job.tensors {
@@ -644,12 +646,12 @@ fn predictions_consume_the_real_plan() {
                 busiest,
                 "{m}x{d} {bytes} x{tensors}, original {original}"
             );
-            let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
-            let geometry = Geometry::new(topology, job.slicing).unwrap();
-            assert_eq!(
-                t.staging_buffers,
-                geometry.staging_buffers(job.budget_bytes).unwrap()
-            );
+            // The engine's staging: its geometry, and as many buffers as
+            // its layout fits in the budget.
+            let staging = job.staging(0).unwrap();
+            let geometry = staging.geometry;
+            assert_eq!(t.staging_buffers, staging.buffers);
+            assert!(staging.buffers >= 1);
             assert_eq!(t.shards_per_full_slice, geometry.shards_per_full_slice());
             assert_eq!(t.through_trees, geometry.routing() == Routing::Trees);
             // 256 machines of 8 GPUs go through the trees at the adaptive
@@ -674,12 +676,7 @@ fn the_minimum_shard_changes_the_prediction_through_the_plan() {
         .unwrap()
         .traffic
         .unwrap();
-    let plan_k = |job: &Job| {
-        let t = Topology::new(job.machines, job.devices, RankLayout::Contiguous).unwrap();
-        Geometry::new(t, job.slicing)
-            .unwrap()
-            .shards_per_full_slice()
-    };
+    let plan_k = |job: &Job| job.staging(0).unwrap().geometry.shards_per_full_slice();
     assert_eq!(a.shards_per_full_slice, plan_k(&adaptive));
     assert_eq!(o.shards_per_full_slice, 256);
     assert!(a.shards_per_full_slice < 256);
@@ -701,8 +698,8 @@ fn dedicated_servers_are_sharded_as_the_engine_shards_them() {
         job.servers = k;
         let p = predict(&hw, &job, Algo::Servers).unwrap();
         let t = p.traffic.unwrap();
-        let topology = Topology::new(m, 8, RankLayout::Contiguous).unwrap();
-        let geometry = Geometry::with_servers(topology, PlanConfig::DEFAULT, 8 * k).unwrap();
+        let geometry = job.staging(8 * k).unwrap().geometry;
+        assert_eq!(geometry.servers(), Some(8 * k));
         assert_eq!(geometry.routing(), Routing::Flat);
         assert_eq!(geometry.server_rails(), 8, "a server per rail");
         assert!(geometry.shards_per_full_slice() <= k);

@@ -16,7 +16,7 @@ pub(crate) use late_links::start_linker;
 pub(crate) use open_fabric::choice_of;
 pub(crate) use progress::{start_progress, stop_progress};
 
-use crate::config::Config;
+use crate::config::{Config, DEFAULT_TOTAL_MEMORY};
 use crate::engine::Wiring;
 use crate::engine::layout::BufferLayout;
 use crate::engine::tags::MAX_BUFFERS;
@@ -214,6 +214,10 @@ fn per_machine_counts(machine_of_rank: &[u32], machines: usize) -> String {
         .join(", ")
 }
 
+/// The most staging buffers a rank takes where no budget is given (see
+/// [`DEFAULT_TOTAL_MEMORY`]): 16 buffers of about two default slices each.
+const MOST_DEFAULT_BUFFERS: u32 = 16;
+
 /// The geometry, buffer layout and buffer count for the configured budget.
 pub(crate) fn size_staging(
     config: &Config,
@@ -241,27 +245,42 @@ pub(crate) fn size_staging(
     let given = |slice: u64| {
         PlanConfig::new(slice, config.min_shard_bytes).map_err(|e| slice_error(slice, &e))
     };
-    let (geometry, layout) = match config.slice_bytes {
-        Some(s) => plan_for(given(s)?)?,
-        None => {
-            // The default slices (25 MiB, 16 MiB through the trees), halved
-            // until the budget holds at least two buffers.
-            let defaults = PlanConfig::with_default_slices(config.min_shard_bytes)
-                .map_err(|e| slice_error(PlanConfig::DEFAULT_SLICE_BYTES, &e))?;
-            let (mut g, mut l) = plan_for(defaults)?;
-            let mut s = g.config().slice_bytes();
-            while config.total_memory / (l.buffer_bytes() as u64) < 2 && s > 64 << 10 {
-                s = (s / 2).max(64 << 10) / 64 * 64;
-                (g, l) = plan_for(given(s)?)?;
-            }
-            (g, l)
-        }
+    let configured = match config.slice_bytes {
+        Some(s) => given(s)?,
+        None => PlanConfig::with_default_slices(config.min_shard_bytes)
+            .map_err(|e| slice_error(PlanConfig::DEFAULT_SLICE_BYTES, &e))?,
     };
-    let buffers = config.total_memory / layout.buffer_bytes() as u64;
+    let (mut geometry, mut layout) = plan_for(configured)?;
+    if config.total_memory.is_none() {
+        // No budget given, between machines: as many of its buffers as the
+        // original's 50 MiB of slot-sized staging held, where that is more
+        // than two.
+        let original = geometry
+            .staging_buffers(DEFAULT_TOTAL_MEMORY)
+            .unwrap_or(0)
+            .min(MOST_DEFAULT_BUFFERS);
+        if topology.machines() > 1 && original > 2 {
+            return Ok((geometry, layout, original));
+        }
+    }
+    let total = config.total_memory.unwrap_or(DEFAULT_TOTAL_MEMORY);
+    if config.slice_bytes.is_none() {
+        // The default slices, halved until the budget holds two buffers.
+        let mut s = geometry.config().slice_bytes();
+        while total / (layout.buffer_bytes() as u64) < 2 && s > 64 << 10 {
+            s = (s / 2).max(64 << 10) / 64 * 64;
+            (geometry, layout) = plan_for(given(s)?)?;
+        }
+    }
+    let mut buffers = total / layout.buffer_bytes() as u64;
+    if config.total_memory.is_none() {
+        // Slices given without a budget: room for two of them at least.
+        buffers = buffers.max(2);
+    }
     if buffers == 0 {
         return Err(Error::config(
             "FAIRRING_TOTAL_MEMORY",
-            config.total_memory,
+            total,
             format!(
                 "one staging buffer needs {} bytes with slices of {} bytes",
                 layout.buffer_bytes(),
@@ -548,6 +567,70 @@ mod tests {
         configure(Config::builder(0, world, "127.0.0.1", 1).total_memory(256 << 20))
             .build()
             .unwrap()
+    }
+
+    /// Where neither a budget nor slices are given, a job across machines takes
+    /// as many buffers as the original's 50 MiB of slot-sized staging held
+    /// (worked by hand below), where that is more than two; else 50 MiB.
+    #[test]
+    fn an_unset_budget_holds_the_originals_slices_in_flight() {
+        let unset = |m: u32, d: u32, configure: &dyn Fn(ConfigBuilder) -> ConfigBuilder| {
+            let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+            let config = configure(Config::builder(0, m * d, "127.0.0.1", 1))
+                .build()
+                .unwrap();
+            size_staging(&config, topology).unwrap()
+        };
+        // 8x8: a 3.125 MiB slot and 7 areas of 400 KiB and a line: 6,144,448
+        // bytes, 8 of them in 50 MiB.
+        let (g, layout, buffers) = unset(8, 8, &|b| b);
+        assert_eq!((g.full_slice_bytes(), buffers), (25 << 20, 8));
+        assert!(layout.buffer_bytes() >= 25 << 20);
+        // 64x8, through the trees in 16 MiB slices: a 2 MiB slot and two areas
+        // of 1 MiB and a line: 4,194,432 bytes, 12 of them.
+        let (g, _, buffers) = unset(64, 8, &|b| b);
+        assert_eq!((g.full_slice_bytes(), buffers), (16 << 20, 12));
+        // 2x2: a 12.5 MiB slot and one area of 6.25 MiB: two of them, so 50
+        // MiB, the slices halved until two buffers fit, as with 50 MiB given.
+        let (g, _, buffers) = unset(2, 2, &|b| b);
+        let (given, _, given_buffers) = unset(2, 2, &|b| b.total_memory(50 << 20));
+        assert_eq!((g, buffers), (given, given_buffers));
+        assert_eq!((g.full_slice_bytes(), buffers), (25 << 19, 2));
+        // One machine: 50 MiB.
+        let (g, _, buffers) = unset(1, 8, &|b| b);
+        assert_eq!((g.full_slice_bytes(), buffers), (25 << 19, 2));
+        // Slices given: the same rule. 1 MiB slices on 8x8 go through the
+        // trees: a slot of 128 KiB and two areas of 64 KiB and a line (262,272
+        // bytes), 199 of them in 50 MiB, so the most, 16.
+        let (g, _, buffers) = unset(8, 8, &|b| b.slice_bytes(1 << 20));
+        assert_eq!((g.full_slice_bytes(), buffers), (1 << 20, 16));
+        // On one machine, 50 MiB of them, and no fewer than two.
+        let (_, layout, buffers) = unset(1, 8, &|b| b.slice_bytes(1 << 20));
+        assert_eq!(
+            u64::from(buffers),
+            (50 << 20) / layout.buffer_bytes() as u64
+        );
+        let (_, _, buffers) = unset(1, 8, &|b| b.slice_bytes(40 << 20));
+        assert_eq!(buffers, 2);
+        // A budget given is what it holds.
+        let (_, layout, buffers) = unset(8, 8, &|b| b.total_memory(200 << 20));
+        assert_eq!(
+            u64::from(buffers),
+            (200 << 20) / layout.buffer_bytes() as u64
+        );
+        assert!(buffers < 8);
+        assert!(
+            Topology::new(1, 8, RankLayout::Contiguous).is_ok_and(|t| size_staging(
+                &Config::builder(0, 8, "127.0.0.1", 1)
+                    .slice_bytes(40 << 20)
+                    .total_memory(50 << 20)
+                    .build()
+                    .unwrap(),
+                t
+            )
+            .is_err()),
+            "a budget given that holds no buffer is refused"
+        );
     }
 
     #[test]

@@ -135,7 +135,7 @@ impl Config {
             b.config.local_world_size = Some(parse_u32("LOCAL_WORLD_SIZE", &v)?);
         }
         if let Some(v) = lookup("FAIRRING_TOTAL_MEMORY") {
-            b.config.total_memory = parse_bytes("FAIRRING_TOTAL_MEMORY", &v)?;
+            b.config.total_memory = Some(parse_bytes("FAIRRING_TOTAL_MEMORY", &v)?);
         }
         if let Some(v) = lookup("FAIRRING_SLICE_SIZE") {
             b.config.slice_bytes = Some(parse_bytes("FAIRRING_SLICE_SIZE", &v)?);

@@ -108,7 +108,15 @@ impl std::str::FromStr for Algorithm {
     }
 }
 
-/// Default staging memory per rank: 50 MiB, as the original Fairring.
+/// The staging memory the original Fairring took per GPU by default: 50 MiB.
+///
+/// Where no budget is given (`FAIRRING_TOTAL_MEMORY` unset), a rank stages in
+/// this much, the default slices halved until two buffers fit, unless the job
+/// spans machines and this much of the original's staging (slot-sized
+/// buffers, the core's [`StagingLayout`](fairring_core::plan::StagingLayout)
+/// of a slot) held more than two slices in flight: then a rank takes as many
+/// of its own buffers, each of which holds a whole slice
+/// ([`Config::staging`]).
 pub const DEFAULT_TOTAL_MEMORY: u64 = 50 << 20;
 /// Default size from which an all-reduce, or a broadcast's root, sends from
 /// its tensor where it may (`FAIRRING_DIRECT_FROM`).
@@ -126,6 +134,19 @@ const MAX_TCP_RECEIVE_BUFFER: u64 = i32::MAX as u64;
 /// Default bound on rendezvous and on a silent peer.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// What a communicator stages with ([`Config::staging`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Staging {
+    /// The slices and shards every tensor is planned with.
+    pub geometry: fairring_core::plan::Geometry,
+    /// Bytes of one staging buffer of a rank.
+    pub buffer_bytes: u64,
+    /// Bytes of one staging buffer of a dedicated server (0 without servers).
+    pub server_buffer_bytes: u64,
+    /// Staging buffers of each rank (and server): slices in flight at most.
+    pub buffers: u32,
+}
+
 /// A validated configuration. Build one with [`Config::builder`] or
 /// [`Config::from_env`].
 #[derive(Clone, Debug)]
@@ -136,7 +157,8 @@ pub struct Config {
     pub(crate) local_world_size: Option<u32>,
     pub(crate) master_addr: String,
     pub(crate) master_port: u16,
-    pub(crate) total_memory: u64,
+    /// `None`: the default ([`DEFAULT_TOTAL_MEMORY`]).
+    pub(crate) total_memory: Option<u64>,
     pub(crate) slice_bytes: Option<u64>,
     pub(crate) min_shard_bytes: u64,
     /// The size from which an all-reduce may send from its tensor (`None`:
@@ -205,7 +227,7 @@ impl Config {
                 local_world_size: None,
                 master_addr: master_addr.into(),
                 master_port,
-                total_memory: DEFAULT_TOTAL_MEMORY,
+                total_memory: None,
                 slice_bytes: None,
                 min_shard_bytes: fairring_core::plan::PlanConfig::DEFAULT_MIN_SHARD_BYTES,
                 direct_from: Some(DEFAULT_DIRECT_FROM),
@@ -296,6 +318,27 @@ impl Config {
         self.fabric
     }
 
+    /// The staging a communicator of this configuration makes on `topology`:
+    /// its geometry (the slices and shards it plans with), the bytes of one
+    /// staging buffer and how many fit the budget (`FAIRRING_TOTAL_MEMORY`).
+    /// Without a slice size given, the default slices are halved until the
+    /// budget holds two buffers; without a budget given, see
+    /// [`DEFAULT_TOTAL_MEMORY`].
+    ///
+    /// A buffer holds a whole slice (the machine's ranks stage their slices
+    /// in each other's sight), the areas where other machines' contributions
+    /// land, and what the ring and the reduce-scatter stage, so it is about
+    /// twice a slice.
+    pub fn staging(&self, topology: fairring_core::topology::Topology) -> Result<Staging> {
+        let (geometry, layout, buffers) = crate::bootstrap::size_staging(self, topology)?;
+        Ok(Staging {
+            geometry,
+            buffer_bytes: layout.buffer_bytes() as u64,
+            server_buffer_bytes: layout.server_buffer_bytes() as u64,
+            buffers,
+        })
+    }
+
     /// How several ranks of a machine reduce device tensors among themselves.
     pub fn device_local(&self) -> DeviceLocal {
         self.device_local
@@ -322,9 +365,9 @@ impl ConfigBuilder {
         self
     }
 
-    /// Staging memory per rank, in bytes.
+    /// Staging memory per rank, in bytes (default: see [`DEFAULT_TOTAL_MEMORY`]).
     pub fn total_memory(mut self, bytes: u64) -> Self {
-        self.config.total_memory = bytes;
+        self.config.total_memory = Some(bytes);
         self
     }
 
@@ -534,10 +577,12 @@ impl ConfigBuilder {
                 format!("must be at most {MAX_TCP_RECEIVE_BUFFER} bytes (a socket option's int)"),
             ));
         }
-        if self.config.total_memory < 1 << 20 {
+        if let Some(total) = self.config.total_memory
+            && total < 1 << 20
+        {
             return Err(Error::config(
                 "FAIRRING_TOTAL_MEMORY",
-                self.config.total_memory,
+                total,
                 "must be at least 1 MiB",
             ));
         }

@@ -39,7 +39,7 @@ fn torchrun_environment() {
     .unwrap();
     assert_eq!((c.rank, c.world_size), (1, 4));
     assert_eq!(c.local_rank, Some(1));
-    assert_eq!(c.total_memory, 100 << 20);
+    assert_eq!(c.total_memory, Some(100 << 20));
     assert_eq!(c.timeout, Duration::from_secs(30));
     assert_eq!(c.algorithm, Algorithm::Ring);
 }

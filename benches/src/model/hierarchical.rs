@@ -47,9 +47,9 @@
 //!
 //! [`Role::contributions_to_send`]: fairring_core::staging::Role::contributions_to_send
 
-use fairring_core::plan::{DoubleTree, Geometry, Routing, Slice};
+use fairring_core::plan::{DoubleTree, Routing, Slice};
 use fairring_core::staging::Role;
-use fairring_core::topology::{Location, RankLayout, Topology};
+use fairring_core::topology::Location;
 
 use super::events::{ResourceId, Schedule, TaskId};
 use super::stages::{self, Communicator, Stages, f};
@@ -74,9 +74,9 @@ struct Machine {
 
 /// The predicted time of the hierarchical all-reduce of `job`.
 pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
-    let topology = Topology::new(job.machines, job.devices, RankLayout::Contiguous)?;
-    let geometry = Geometry::new(topology, job.slicing)?;
-    let buffers = geometry.staging_buffers(job.budget_bytes)?;
+    let staging = job.staging(0)?;
+    let geometry = staging.geometry;
+    let buffers = staging.buffers;
     let costs = Costs {
         stages: Stages::new(hw, job),
         rail: hw.rail(job.devices),

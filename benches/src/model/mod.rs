@@ -17,7 +17,9 @@
 //! [`Plan`](fairring_core::plan::Plan) the engine would make, walks every slice,
 //! asks each machine's [`Role`](fairring_core::staging::Role) how many contributions
 //! and results it sends and receives, and each cell how many bytes it holds; the
-//! number of staging buffers comes from the same budget rule as the engine's. So
+//! slices and the number of staging buffers are the engine's own
+//! ([`fairring::Config::staging`]: its buffers' layout under the budget, the
+//! default slices halved until two buffers fit). So
 //! adaptive sharding, rotation of servers and the staging budget act on the
 //! prediction exactly as they act on a real job. Each slice then passes through a
 //! pipeline of stages (intra-machine reduce-scatter, contributions out, reduction,
@@ -55,7 +57,7 @@ use std::fmt;
 
 use fairring_core::DataType;
 use fairring_core::plan::{PlanConfig, PlanError};
-use fairring_core::topology::TopologyError;
+use fairring_core::topology::{RankLayout, Topology, TopologyError};
 
 pub use hardware::{
     BUILTIN_PRESETS, Hardware, Link, Memory, Nics, Server, Software, parse_presets, preset,
@@ -134,7 +136,8 @@ pub struct Job {
     /// Slice size and minimum shard, as the engine's configuration.
     pub slicing: PlanConfig,
     /// Staging memory per GPU (`FAIRRING_TOTAL_MEMORY`).
-    pub budget_bytes: u64,
+    /// `None`: the engine's default (`fairring::config::DEFAULT_TOTAL_MEMORY`).
+    pub budget_bytes: Option<u64>,
     /// Dedicated server machines for [`Algo::Servers`]; 0 means one per GPU machine
     /// (Herring's setup).
     pub servers: u32,
@@ -143,7 +146,7 @@ pub struct Job {
 impl Job {
     /// One tensor of `bytes` bytes of f32 on `machines x devices` GPUs with the
     /// engine's defaults: 25 MiB slices (16 MiB through the trees), 64 KiB minimum
-    /// shard, 50 MiB of staging.
+    /// shard, the default staging ([`fairring::config::DEFAULT_TOTAL_MEMORY`]).
     pub fn new(machines: u32, devices: u32, bytes: u64) -> Job {
         Job {
             machines,
@@ -152,7 +155,7 @@ impl Job {
             tensors: 1,
             dtype: DataType::F32,
             slicing: PlanConfig::DEFAULT,
-            budget_bytes: 50 << 20,
+            budget_bytes: None,
             servers: 0,
         }
     }
@@ -181,6 +184,28 @@ impl Job {
     /// Elements of one tensor (its bytes rounded down to whole elements).
     pub fn elements(&self) -> u64 {
         self.bytes / self.dtype.size_bytes()
+    }
+
+    /// What the engine stages this job with, with `servers` dedicated server
+    /// processes (0: the machines serve): its geometry and buffer count under
+    /// [`Job::budget_bytes`], as [`fairring::Config::staging`] sizes them.
+    pub fn staging(&self, servers: u32) -> Result<fairring::Staging, ModelError> {
+        let world = u32::try_from(self.gpus())
+            .map_err(|_| ModelError::InvalidJob(format!("{} GPUs", self.gpus())))?;
+        let topology = Topology::new(self.machines, self.devices, RankLayout::Contiguous)?;
+        let mut builder = fairring::Config::builder(0, world, "127.0.0.1", 1)
+            .min_shard_bytes(self.slicing.min_shard_bytes())
+            .servers(servers);
+        if let Some(budget) = self.budget_bytes {
+            builder = builder.total_memory(budget);
+        }
+        if !self.slicing.slice_by_routing() {
+            builder = builder.slice_bytes(self.slicing.slice_bytes());
+        }
+        builder
+            .build()
+            .and_then(|config| config.staging(topology))
+            .map_err(|e| ModelError::InvalidJob(e.to_string()))
     }
 
     /// Server machines for [`Algo::Servers`].

@@ -14,9 +14,6 @@
 //! charges each slice its links' time and its GPU's time on separate resources,
 //! and never less than their sum.
 
-use fairring_core::plan::Geometry;
-use fairring_core::topology::{RankLayout, Topology};
-
 use super::events::{Schedule, TaskId};
 use super::stages::{self, Stages, f};
 use super::{Algo, Hardware, Job, Link, ModelError, Prediction};
@@ -36,9 +33,9 @@ fn edge(hw: &Hardware, job: &Job) -> Link {
 
 /// The predicted time of fairring's ring on `job`.
 pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
-    let topology = Topology::new(job.machines, job.devices, RankLayout::Contiguous)?;
-    let geometry = Geometry::new(topology, job.slicing)?;
-    let buffers = geometry.staging_buffers(job.budget_bytes)?.max(1) as usize;
+    let staging = job.staging(0)?;
+    let geometry = staging.geometry;
+    let buffers = staging.buffers.max(1) as usize;
     let edge = edge(hw, job);
     let post = hw.post_seconds();
     let n = f(job.gpus());

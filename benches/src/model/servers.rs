@@ -28,9 +28,6 @@
 //! the co-located mode. Every rail group does the same work, so the servers of
 //! rail 0's group stand for all.
 
-use fairring_core::plan::Geometry;
-use fairring_core::topology::{RankLayout, Topology};
-
 use super::events::{ResourceId, Schedule, TaskId};
 use super::stages::{self, Communicator, Stages, f};
 use super::{Algo, Busy, Hardware, Job, ModelError, Prediction, Traffic};
@@ -55,9 +52,9 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
         .ok_or_else(|| ModelError::InvalidJob("too many server processes".into()))?;
     // The engine's geometry with dedicated servers: the servers take the
     // machines' place in the sharding, and the cells always go straight to them.
-    let workers = Topology::new(job.machines, job.devices, RankLayout::Contiguous)?;
-    let geometry = Geometry::with_servers(workers, job.slicing, k_servers)?;
-    let buffers = geometry.staging_buffers(job.budget_bytes)? as usize;
+    let staging = job.staging(k_servers)?;
+    let geometry = staging.geometry;
+    let buffers = staging.buffers as usize;
 
     let rail = hw.rail(job.devices);
     let server_link = hw.server_nic();
