@@ -252,14 +252,15 @@ pub(crate) fn size_staging(
     };
     let (mut geometry, mut layout) = plan_for(configured)?;
     if config.total_memory.is_none() {
-        // No budget given, between machines: as many of its buffers as the
-        // original's 50 MiB of slot-sized staging held, where that is more
-        // than two.
+        // No budget given, where slices cross the network (between machines,
+        // or to dedicated servers): as many of its buffers as the original's
+        // 50 MiB of slot-sized staging held, where that is more than two.
         let original = geometry
             .staging_buffers(DEFAULT_TOTAL_MEMORY)
             .unwrap_or(0)
             .min(MOST_DEFAULT_BUFFERS);
-        if topology.machines() > 1 && original > 2 {
+        let networked = topology.machines() > 1 || config.servers > 0;
+        if networked && original > 2 {
             return Ok((geometry, layout, original));
         }
     }
@@ -599,6 +600,12 @@ mod tests {
         // One machine: 50 MiB.
         let (g, _, buffers) = unset(1, 8, &|b| b);
         assert_eq!((g.full_slice_bytes(), buffers), (25 << 19, 2));
+        // One machine with a dedicated server: its slices cross the network,
+        // a 3.125 MiB slot and no areas, 16 of them.
+        let (g, _, buffers) = unset(1, 8, &|b| b.servers(1));
+        assert_eq!((g.full_slice_bytes(), buffers), (25 << 20, 16));
+        let (_, _, buffers) = unset(2, 8, &|b| b.servers(2));
+        assert_eq!(buffers, 16);
         // Slices given: the same rule. 1 MiB slices on 8x8 go through the
         // trees: a slot of 128 KiB and two areas of 64 KiB and a line (262,272
         // bytes), 199 of them in 50 MiB, so the most, 16.

@@ -112,7 +112,8 @@ impl std::str::FromStr for Algorithm {
 ///
 /// Where no budget is given (`FAIRRING_TOTAL_MEMORY` unset), a rank stages in
 /// this much, the default slices halved until two buffers fit, unless the job
-/// spans machines and this much of the original's staging (slot-sized
+/// spans machines or has dedicated servers and this much of the original's
+/// staging (slot-sized
 /// buffers, the core's [`StagingLayout`](fairring_core::plan::StagingLayout)
 /// of a slot) held more than two slices in flight: then a rank takes as many
 /// of its own buffers, each of which holds a whole slice
