@@ -271,6 +271,40 @@ fn repeated_multi_slice_operations() {
     }
 }
 
+/// The default slices cut a tensor too small for four of them into slices of
+/// 16 MiB (`Geometry::slice_bytes_for`): 40 MiB in 16, 16 and 8 MiB where 25
+/// and 15 would be, 20 MiB in 16 and 4 where one slice would be. Every rank
+/// plans the same cut and the sums are exact.
+#[test]
+fn default_slices_cut_small_tensors_into_more_slices() {
+    let (m, d) = (2, 1);
+    let tune = |b: fairring::ConfigBuilder| b.total_memory(128 << 20);
+    let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+    let staging = tune(fairring::Config::builder(0, m * d, "127.0.0.1", 1))
+        .build()
+        .unwrap()
+        .staging(topology)
+        .unwrap();
+    let g = staging.geometry;
+    assert_eq!(g.full_slice_bytes(), 25 << 20);
+    let sizes = [40usize << 20, 20 << 20];
+    for bytes in sizes {
+        assert_eq!(g.slice_bytes_for(bytes as u64), 16 << 20);
+    }
+    job(m, d, tune, |rank, comm| {
+        for bytes in sizes {
+            let n = bytes / 4;
+            let mut data: Vec<f32> = (0..n).map(|i| ((i + rank as usize) % 7) as f32).collect();
+            comm.all_reduce(&mut data, ReduceOp::Sum).unwrap();
+            let bad = (0..n).find(|&i| data[i] != ((i % 7) + ((i + 1) % 7)) as f32);
+            assert!(
+                bad.is_none(),
+                "{bytes} B, rank {rank}: element {bad:?} wrong"
+            );
+        }
+    });
+}
+
 /// Recursive doubling combines partials in a tree, not in rank order: every rank
 /// must still end with the same bits, for sums that round and for NaNs.
 #[test]

@@ -834,3 +834,63 @@ proptest! {
         prop_assert!(per_tree[0].abs_diff(per_tree[1]) <= 1, "{per_tree:?}");
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// With the default slices on the flat plan without servers, a tensor too
+    /// small for four full slices is cut into smaller ones: a multiple of
+    /// `D * ALIGN_BYTES`, at least 16 MiB and a shard of the minimum for every
+    /// machine, at least four of them unless that floor allows fewer, and as
+    /// many shards as a full slice's; larger tensors, given slices, the trees
+    /// and dedicated servers keep full slices. Larger tensors never get
+    /// smaller slices.
+    #[test]
+    fn small_tensors_on_the_flat_default_take_several_slices(
+        m in machines(),
+        d in 1u32..=16,
+        min_shard in log_size(20),
+        servers in prop_oneof![3 => Just(0u32), 1 => 1u32..=8],
+        given in prop::bool::weighted(0.2),
+        dtype in dtype(),
+        bytes in 0u64..=200 << 20,
+        more in 0u64..=100 << 20,
+    ) {
+        let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+        let config = if given {
+            PlanConfig::new(PlanConfig::DEFAULT_SLICE_BYTES, min_shard).unwrap()
+        } else {
+            PlanConfig::with_default_slices(min_shard).unwrap()
+        };
+        let g = if servers > 0 {
+            Geometry::with_servers(topology, config, servers).unwrap()
+        } else {
+            Geometry::new(topology, config).unwrap()
+        };
+        let full = g.full_slice_bytes();
+        let step = u64::from(d) * ALIGN_BYTES;
+        let s = g.slice_bytes_for(bytes);
+        prop_assert!(s <= full && s % step == 0 && s > 0, "{} of {}", s, full);
+        prop_assert!(s <= g.slice_bytes_for(bytes + more));
+        let flat_default = !given && servers == 0 && g.routing() == Routing::Flat;
+        if !flat_default || bytes >= 4 * full {
+            prop_assert_eq!(s, full);
+            return Ok(());
+        }
+        if s == full {
+            return Ok(());
+        }
+        let floor = (16u64 << 20).max(g.min_shard_bytes() * u64::from(m) * u64::from(d));
+        prop_assert!(s >= floor, "{} under {}", s, floor);
+        prop_assert!(
+            bytes.div_ceil(s) >= PlanConfig::MIN_SLICES_PER_TENSOR || s < floor + step,
+            "{} B in slices of {} B", bytes, s
+        );
+        let elements = bytes / dtype.size_bytes();
+        let plan = Plan::new(&g, dtype, elements, 0).unwrap();
+        prop_assert_eq!(plan.slice_elements() * dtype.size_bytes(), s);
+        if plan.slice_count() > 1 {
+            prop_assert_eq!(plan.slice(0).unwrap().shards(), g.shards_per_full_slice());
+        }
+    }
+}

@@ -434,7 +434,8 @@ impl Plan {
         if elements.checked_mul(dtype.size_bytes()).is_none() {
             return Err(PlanError::TensorTooLarge { elements, dtype });
         }
-        let slice_elements = geometry.full_slice_bytes() / dtype.size_bytes();
+        let bytes = elements * dtype.size_bytes();
+        let slice_elements = geometry.slice_bytes_for(bytes) / dtype.size_bytes();
         let machines = geometry.rotation_period() as u64;
         Ok(Plan {
             geometry: *geometry,
