@@ -105,3 +105,52 @@ fn a_launched_job_missing_a_rank_fails_within_the_timeout_naming_it() {
     assert!(text.contains("rank(s) 1 of 2"), "{text}");
     assert!(took < Duration::from_secs(6), "took {took:?}");
 }
+
+/// Ranks configured to plan differently (here one of them with other slices)
+/// are refused as the communicator is made, each naming the peer that plans
+/// otherwise and both sides' terms, within the timeout: no slice travels
+/// between them to land in the wrong cells.
+#[test]
+fn ranks_that_plan_other_slices_are_refused_naming_the_peer() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let world = 2u32;
+    let started = Instant::now();
+    let errors: Vec<Error> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                s.spawn(move || {
+                    let mut b = fairring::Config::builder(rank, world, "127.0.0.1", port)
+                        .host_id(format!("machine-{rank}"))
+                        .run_id(format!("plans-{port}"))
+                        .timeout(TIMEOUT.unwrap());
+                    if rank == 1 {
+                        b = b.slice_bytes(1 << 20);
+                    }
+                    Communicator::new(b.build().unwrap())
+                        .err()
+                        .unwrap_or_else(|| panic!("rank {rank} was made"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(started.elapsed() < TIMEOUT.unwrap());
+    for (rank, e) in errors.iter().enumerate() {
+        let said = e.to_string();
+        let other = 1 - rank;
+        assert!(
+            matches!(e, Error::Peer { rank: r, .. } if *r as usize == other),
+            "rank {rank}: {said}"
+        );
+        // The default's 25 MiB, halved until 50 MiB holds two buffers.
+        assert!(
+            said.contains("slices of 1048576 bytes")
+                && said.contains("slices of 13107200 bytes")
+                && said.contains("FAIRRING_SLICE_SIZE"),
+            "rank {rank}: {said}"
+        );
+    }
+}

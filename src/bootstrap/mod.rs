@@ -479,6 +479,56 @@ pub(crate) fn build_server(
     )
 }
 
+/// What a process plans with, which every process of the job must share: each
+/// tensor's slices, their shards and the staging buffers they take follow from
+/// it, and a process planning otherwise would place its peers' bytes in the
+/// wrong cells or wait for slices they never send.
+fn staging_terms(a: &Assembly<impl MemorySpace>) -> String {
+    let g = &a.geometry;
+    let config = g.config();
+    format!(
+        "slices of {} bytes{}, shards of at least {} bytes, {} staging buffers",
+        g.full_slice_bytes(),
+        if config.slice_by_routing() {
+            " (the default's)"
+        } else {
+            ""
+        },
+        g.min_shard_bytes(),
+        a.buffers
+    )
+}
+
+/// Publishes this process's [`staging_terms`] and checks them against rank
+/// 0's and its linked peers': a process configured otherwise
+/// (`FAIRRING_SLICE_SIZE`, `FAIRRING_MIN_SHARD_SIZE`, `FAIRRING_TOTAL_MEMORY`)
+/// is refused, naming it and both sides' terms, before any slice travels.
+fn agree_on_staging<M: MemorySpace>(
+    config: &Config,
+    store: &dyn Store,
+    a: &Assembly<M>,
+) -> Result<()> {
+    let rank = config.process();
+    let mine = staging_terms(a);
+    store.set(&format!("staging/{rank}"), mine.as_bytes())?;
+    let peers = std::iter::once(0).chain(a.wiring.linked.iter().copied());
+    for p in peers.filter(|&p| p != rank) {
+        let theirs = store.get(&format!("staging/{p}"), config.timeout)?;
+        if theirs != mine.as_bytes() {
+            return Err(Error::peer(
+                p,
+                format!(
+                    "plans with {}, where rank {rank} plans with {mine}: set \
+                     FAIRRING_SLICE_SIZE, FAIRRING_MIN_SHARD_SIZE and \
+                     FAIRRING_TOTAL_MEMORY alike on every rank",
+                    String::from_utf8_lossy(&theirs)
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// What differs between a worker's engine and a server's.
 struct Assembly<M: MemorySpace> {
     memory: M,
@@ -509,6 +559,7 @@ fn assemble<M: MemorySpace>(
         a.buffers,
         a.memory.buffer_bytes()
     );
+    agree_on_staging(config, store, &a)?;
     let (area, len) = a.memory.registered();
     // The memory space holds the segment and the engine drops it after the fabric
     // (field order).
