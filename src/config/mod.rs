@@ -9,8 +9,8 @@
 //! | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | rank on this machine and ranks per machine; checked against what the rendezvous finds | optional |
 //! | `MASTER_ADDR`, `MASTER_PORT` | where rank 0 serves the rendezvous store | required |
 //! | `TORCHELASTIC_USE_AGENT_STORE` | `True` under torchrun: its agent already serves PyTorch's TCPStore at `MASTER_ADDR:MASTER_PORT`, and every rank rendezvouses through it (keys under `TORCHELASTIC_RESTART_COUNT`'s attempt) | `False`: rank 0 serves fairring's store |
-//! | `FAIRRING_TOTAL_MEMORY` | staging memory per rank, bytes (`K`/`M`/`G` suffixes) | 50 MiB |
-//! | `FAIRRING_SLICE_SIZE` | largest slice, bytes | 25 MiB, less if the budget would hold fewer than 2 buffers |
+//! | `FAIRRING_TOTAL_MEMORY` | staging memory per rank, bytes (`K`/`M`/`G` suffixes) | where slices cross the network, as many buffers as the original's 50 MiB held, where more than 2 (at most 16); else 50 MiB ([`DEFAULT_TOTAL_MEMORY`]) |
+//! | `FAIRRING_SLICE_SIZE` | largest slice, bytes; the same on every rank, as the budget and the minimum shard are (a rank that plans otherwise is refused) | 25 MiB, 16 MiB through the trees; a tensor of fewer than four full slices in four, no smaller than 16 MiB (`Geometry::slice_bytes_for`); halved while the budget would hold fewer than 2 buffers (halved slices count as given) |
 //! | `FAIRRING_MIN_SHARD_SIZE` | smallest shard, bytes | 64 KiB |
 //! | `FAIRRING_DIRECT_FROM` | size from which an all-reduce of a host tensor sends from the tensor instead of staging it, where the fabric registers memory to send from (tcp), by hierarchical between machines of one rank each or by the ring, and so does a broadcast's root (a message's sender) relaying over machines of one rank each; between two such machines the broadcast's chunks and the all-reduce's results land in the receivers' tensors too; bytes, or `never` | 256 KiB |
 //! | `FAIRRING_SOCKET_IFNAME` | interface the fabric listens on | the one that reaches `MASTER_ADDR` |

@@ -21,7 +21,9 @@ pub const MAGIC: [u8; 4] = *b"FRNG";
 /// least the minimum shard (`Slice::parts`), not in two. Version 3: where
 /// no slice size is given, slices through the trees are 16 MiB, not 25
 /// ([`PlanConfig::with_default_slices`](crate::plan::PlanConfig::with_default_slices)),
-/// so a job's processes of versions 2 and 3 would cut its tensors differently.
+/// and on the flat plan a tensor of fewer than four full slices is cut in four
+/// ([`Geometry::slice_bytes_for`](crate::plan::Geometry::slice_bytes_for)), so a
+/// job's processes of versions 2 and 3 would cut its tensors differently.
 pub const VERSION: u8 = 3;
 /// Largest payload of a `Hello` frame (the handshake of the fabric).
 pub const MAX_HELLO_PAYLOAD: u32 = 4096;
