@@ -112,10 +112,7 @@ fn a_launched_job_missing_a_rank_fails_within_the_timeout_naming_it() {
 /// between them to land in the wrong cells.
 #[test]
 fn ranks_that_plan_other_slices_are_refused_naming_the_peer() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = fairring_local_job::free_port().expect("a free port");
     let world = 2u32;
     let started = Instant::now();
     let errors: Vec<Error> = std::thread::scope(|s| {

@@ -511,8 +511,8 @@ fn agree_on_staging<M: MemorySpace>(
     let rank = config.process();
     let mine = staging_terms(a);
     store.set(&format!("staging/{rank}"), mine.as_bytes())?;
-    let peers = std::iter::once(0).chain(a.wiring.linked.iter().copied());
-    for p in peers.filter(|&p| p != rank) {
+    let linked = a.wiring.linked.iter().copied().filter(|&p| p != 0);
+    for p in std::iter::once(0).chain(linked).filter(|&p| p != rank) {
         let theirs = store.get(&format!("staging/{p}"), config.timeout)?;
         if theirs != mine.as_bytes() {
             return Err(Error::peer(

@@ -331,15 +331,14 @@ impl Geometry {
         }
         let step = self.topology.devices_per_machine() as u64 * ALIGN_BYTES;
         let every_machine = self.min_shard_units * self.topology.machines() as u64 * step;
-        let mut floor = PlanConfig::DEFAULT_TREE_SLICE_BYTES;
-        if every_machine > floor {
-            floor = every_machine;
+        let mut want = tensor_bytes.div_ceil(PlanConfig::MIN_SLICES_PER_TENSOR);
+        if want < PlanConfig::DEFAULT_TREE_SLICE_BYTES {
+            want = PlanConfig::DEFAULT_TREE_SLICE_BYTES;
         }
-        let share = tensor_bytes.div_ceil(PlanConfig::MIN_SLICES_PER_TENSOR);
-        let mut bytes = share.div_ceil(step).saturating_mul(step);
-        if bytes < floor {
-            bytes = floor.div_ceil(step).saturating_mul(step);
+        if want < every_machine {
+            want = every_machine;
         }
+        let bytes = want.div_ceil(step).saturating_mul(step);
         if bytes < full { bytes } else { full }
     }
 
