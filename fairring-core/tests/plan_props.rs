@@ -7,7 +7,7 @@ use fairring_core::plan::{
     ALIGN_BYTES, Geometry, InputArea, Plan, PlanConfig, Routing, Slice, TREE_PARTS, TREES,
 };
 use fairring_core::staging::Role;
-use fairring_core::topology::{Location, RankLayout, Topology};
+use fairring_core::topology::{Location, MAX_MACHINES, RankLayout, Topology};
 use proptest::prelude::*;
 
 fn dtype() -> impl Strategy<Value = DataType> {
@@ -450,6 +450,18 @@ fn adaptive_sharding_examples() {
     let g = Geometry::new(topo, PlanConfig::default()).unwrap();
     assert_eq!(g.routing(), Routing::Flat);
     assert_eq!(g.shards_per_full_slice(), 50);
+    // 64 machines x 8 devices: a 3.125 MiB slot would hold only 50 shards of
+    // 64 KiB, so the default slices widen to 32 MiB, whose 4 MiB slot gives
+    // each of the 64 machines one; at 65 machines the cells go through the trees.
+    let topo = Topology::new(64, 8, RankLayout::Contiguous).unwrap();
+    let g = Geometry::new(topo, PlanConfig::default()).unwrap();
+    assert_eq!(g.routing(), Routing::Flat);
+    assert_eq!(g.full_slice_bytes(), 32 << 20);
+    assert_eq!(g.shards_per_full_slice(), 64);
+    let topo = Topology::new(65, 8, RankLayout::Contiguous).unwrap();
+    let g = Geometry::new(topo, PlanConfig::default()).unwrap();
+    assert_eq!(g.routing(), Routing::Trees);
+    assert_eq!(g.full_slice_bytes(), 16 << 20);
     // 512 machines x 8 devices (4096 GPUs): where a fixed M-way split would cut
     // 6.25 KiB shards, the cells go through the trees, half a slot each, in the
     // default slices of the trees (16 MiB), and a staging buffer holds the slot
@@ -698,11 +710,12 @@ proptest! {
     }
 
     /// The default slices are 25 MiB's geometry exactly where that is flat or
-    /// served by dedicated servers; where 25 MiB slices go through the trees,
-    /// the geometry is that of 16 MiB slices given, which go through the trees
-    /// too, and its configuration makes it again.
+    /// served by dedicated servers. Where 25 MiB slices would go through the
+    /// trees, they are the geometry of 32 MiB slices given where that is flat
+    /// (every machine serving a shard), and else that of 16 MiB slices given,
+    /// which go through the trees too. Its configuration makes it again.
     #[test]
-    fn default_slices_shrink_only_through_the_trees(
+    fn default_slices_widen_to_stay_flat_then_shrink_through_the_trees(
         m in machines(), d in 1u32..=16, min_shard in log_size(20), servers in 0u32..=8
     ) {
         let topo = Topology::new(m, d, RankLayout::Contiguous).unwrap();
@@ -712,20 +725,62 @@ proptest! {
         }.unwrap();
         let defaults = make(PlanConfig::with_default_slices(min_shard).unwrap());
         let large = make(PlanConfig::new(25 << 20, min_shard).unwrap());
-        prop_assert_eq!(defaults.routing(), large.routing());
+        let wide = make(PlanConfig::new(32 << 20, min_shard).unwrap());
         prop_assert_eq!(make(defaults.config()), defaults);
-        if large.routing() == Routing::Trees {
-            prop_assert_eq!(servers, 0);
-            let trees = make(PlanConfig::new(16 << 20, min_shard).unwrap());
-            prop_assert_eq!(defaults, trees);
-            prop_assert_eq!(defaults.config().slice_bytes(), 16 << 20);
-            prop_assert!(!defaults.config().slice_by_routing());
-            prop_assert!(defaults.full_slice_bytes() <= 16 << 20);
-        } else {
+        if large.routing() == Routing::Flat {
+            prop_assert_eq!(defaults.routing(), Routing::Flat);
             prop_assert_eq!(defaults.full_slice_bytes(), large.full_slice_bytes());
             prop_assert_eq!(defaults.shards_per_full_slice(), large.shards_per_full_slice());
             prop_assert_eq!(defaults.config().slice_bytes(), 25 << 20);
             prop_assert!(defaults.config().slice_by_routing());
+        } else if wide.routing() == Routing::Flat {
+            prop_assert_eq!(servers, 0);
+            prop_assert_eq!(defaults, wide);
+            prop_assert_eq!(defaults.routing(), Routing::Flat);
+            prop_assert_eq!(defaults.shards_per_full_slice(), m);
+            prop_assert_eq!(defaults.config().slice_bytes(), 32 << 20);
+            prop_assert!(!defaults.config().slice_by_routing());
+        } else {
+            prop_assert_eq!(servers, 0);
+            let trees = make(PlanConfig::new(16 << 20, min_shard).unwrap());
+            prop_assert_eq!(defaults, trees);
+            prop_assert_eq!(defaults.routing(), Routing::Trees);
+            prop_assert_eq!(defaults.config().slice_bytes(), 16 << 20);
+            prop_assert!(!defaults.config().slice_by_routing());
+            prop_assert!(defaults.full_slice_bytes() <= 16 << 20);
+        }
+    }
+
+    /// Wherever a slot of 25 MiB holds fewer shards of the minimum than there
+    /// are machines and a slot of 32 MiB holds as many, the default slices are
+    /// 32 MiB on the flat plan, every machine serving a shard of at least the
+    /// minimum of every full slot; one machine more, and the cells go through
+    /// the trees in 16 MiB slices.
+    #[test]
+    fn default_slices_widen_where_32_mib_gives_every_machine_a_shard(
+        d in 1u32..=16, min_shard in log_size(20), pick in any::<u64>()
+    ) {
+        let fit = |slice: u64| {
+            // A slot too small for one shard of the minimum still makes one.
+            (slice / ALIGN_BYTES / u64::from(d) / min_shard.div_ceil(ALIGN_BYTES)).max(1)
+        };
+        let (fewest, most) = (fit(25 << 20) + 1, fit(32 << 20));
+        let largest_job = u64::from(MAX_MACHINES);
+        prop_assume!(fewest <= most && fewest <= largest_job);
+        let m = u32::try_from(fewest + pick % (most.min(largest_job) - fewest + 1)).unwrap();
+        let defaults = PlanConfig::with_default_slices(min_shard).unwrap();
+        let topo = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+        let g = Geometry::new(topo, defaults).unwrap();
+        prop_assert_eq!(g.routing(), Routing::Flat);
+        prop_assert_eq!(g.config().slice_bytes(), 32 << 20);
+        prop_assert!(g.full_slice_bytes() <= 32 << 20);
+        prop_assert_eq!(g.shards_per_full_slice(), m);
+        prop_assert!(g.full_slot_bytes() / u64::from(m) >= min_shard);
+        if most < largest_job {
+            let one_more = Topology::new(u32::try_from(most + 1).unwrap(), d, RankLayout::Contiguous).unwrap();
+            let g = Geometry::new(one_more, defaults).unwrap();
+            prop_assert_eq!(g.routing(), Routing::Trees);
+            prop_assert!(g.full_slice_bytes() <= 16 << 20);
         }
     }
 

@@ -218,6 +218,16 @@ fn per_machine_counts(machine_of_rank: &[u32], machines: usize) -> String {
 /// [`DEFAULT_TOTAL_MEMORY`]): 16 buffers of about two default slices each.
 const MOST_DEFAULT_BUFFERS: u32 = 16;
 
+/// The fewest staging buffers a rank takes where no budget is given and the
+/// original's staging would have held more than two slices in flight (see
+/// [`DEFAULT_TOTAL_MEMORY`]): a slice holds its buffer through five steps (the
+/// local reduce-scatter, the contributions out, their reduction, the results
+/// back, the all-gather; `engine/algorithm/hierarchical.rs`), and with fewer
+/// buffers than steps the network waits for one to drain. The scale model puts
+/// 512 H100s in 32 MiB slices at 347 GB/s busbw for 1 GiB with four buffers,
+/// 373 with five.
+const FEWEST_DEFAULT_BUFFERS: u32 = 5;
+
 /// The geometry, buffer layout and buffer count for the configured budget.
 pub(crate) fn size_staging(
     config: &Config,
@@ -254,14 +264,15 @@ pub(crate) fn size_staging(
     if config.total_memory.is_none() {
         // No budget given, where slices cross the network (between machines,
         // or to dedicated servers): as many of its buffers as the original's
-        // 50 MiB of slot-sized staging held, where that is more than two.
+        // 50 MiB of slot-sized staging held, where that is more than two (and
+        // no fewer than five).
         let original = geometry
             .staging_buffers(DEFAULT_TOTAL_MEMORY)
             .unwrap_or(0)
             .min(MOST_DEFAULT_BUFFERS);
         let networked = topology.machines() > 1 || config.servers > 0;
         if networked && original > 2 {
-            return Ok((geometry, layout, original));
+            return Ok((geometry, layout, original.max(FEWEST_DEFAULT_BUFFERS)));
         }
     }
     let total = config.total_memory.unwrap_or(DEFAULT_TOTAL_MEMORY);
@@ -638,9 +649,18 @@ mod tests {
         let (g, layout, buffers) = unset(8, 8, &|b| b);
         assert_eq!((g.full_slice_bytes(), buffers), (25 << 20, 8));
         assert!(layout.buffer_bytes() >= 25 << 20);
-        // 64x8, through the trees in 16 MiB slices: a 2 MiB slot and two areas
-        // of 1 MiB and a line: 4,194,432 bytes, 12 of them.
+        // 64x8, flat in 32 MiB slices: a 4 MiB slot and 63 areas of 128 KiB
+        // (the largest cell of a smaller slice, two minimum shards) and a line:
+        // 12,455,872 bytes, 4 of them, so the fewest, 5.
         let (g, _, buffers) = unset(64, 8, &|b| b);
+        assert_eq!(
+            (g.full_slice_bytes(), buffers),
+            (32 << 20, 4.max(FEWEST_DEFAULT_BUFFERS))
+        );
+        assert_eq!(g.staging_layout().total_bytes(), 12_455_872);
+        // 65x8, through the trees in 16 MiB slices: a 2 MiB slot and two areas
+        // of 1 MiB and a line: 4,194,432 bytes, 12 of them.
+        let (g, _, buffers) = unset(65, 8, &|b| b);
         assert_eq!((g.full_slice_bytes(), buffers), (16 << 20, 12));
         // 2x2: a 12.5 MiB slot and one area of 6.25 MiB: two of them, so 50
         // MiB, the slices halved until two buffers fit, as with 50 MiB given.
@@ -694,10 +714,17 @@ mod tests {
     #[test]
     fn default_slices_follow_the_routing_and_a_given_size_is_kept() {
         // 64 machines of 8 GPUs: a 25 MiB slice's slot holds 50 shards of 64 KiB,
-        // fewer than the machines, so the cells go through the trees, in 16 MiB
-        // slices by default.
-        let deep = Topology::new(64, 8, RankLayout::Contiguous).unwrap();
-        let (g, _, buffers) = size_staging(&config(512, |b| b), deep).unwrap();
+        // fewer than the machines, so the default slices widen to 32 MiB, flat,
+        // in no fewer than five buffers.
+        let wide = Topology::new(64, 8, RankLayout::Contiguous).unwrap();
+        let (g, _, buffers) = size_staging(&config(512, |b| b), wide).unwrap();
+        assert_eq!(g.routing(), Routing::Flat);
+        assert_eq!(g.full_slice_bytes(), 32 << 20);
+        assert!(buffers >= 2);
+        // 65 machines: a 32 MiB slice's slot holds 64 shards of 64 KiB, so the
+        // cells go through the trees, in 16 MiB slices by default.
+        let deep = Topology::new(65, 8, RankLayout::Contiguous).unwrap();
+        let (g, _, buffers) = size_staging(&config(520, |b| b), deep).unwrap();
         assert_eq!(g.routing(), Routing::Trees);
         assert_eq!(g.full_slice_bytes(), 16 << 20);
         assert!(buffers >= 2);

@@ -116,8 +116,8 @@ impl std::str::FromStr for Algorithm {
 /// staging (slot-sized
 /// buffers, the core's [`StagingLayout`](fairring_core::plan::StagingLayout)
 /// of a slot) held more than two slices in flight: then a rank takes as many
-/// of its own buffers, each of which holds a whole slice
-/// ([`Config::staging`]).
+/// of its own buffers, each of which holds a whole slice, no fewer than five
+/// and no more than sixteen ([`Config::staging`]).
 pub const DEFAULT_TOTAL_MEMORY: u64 = 50 << 20;
 /// Default size from which an all-reduce, or a broadcast's root, sends from
 /// its tensor where it may (`FAIRRING_DIRECT_FROM`).

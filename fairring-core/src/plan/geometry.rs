@@ -26,6 +26,18 @@ impl PlanConfig {
     /// for 512 to 2048 H100s at 64 MiB to 1 GiB; the flat plan keeps 25 MiB,
     /// where smaller slices only add per-call costs.
     pub const DEFAULT_TREE_SLICE_BYTES: u64 = 16 << 20;
+    /// Default largest slice where a slot of
+    /// [`PlanConfig::DEFAULT_SLICE_BYTES`] is too small to give every machine a
+    /// shard of the minimum but a slot of this size is not: 32 MiB, so the
+    /// cells stay on the flat plan up to 64 machines of 8 devices at the 64 KiB
+    /// minimum shard. Past that, they go through the trees.
+    ///
+    /// Flat, a slice crosses the network once each way; through the trees it
+    /// fills and drains `2 log2 M` levels. The scale model (`docs/scale-model.md`)
+    /// puts 416 to 512 H100s (52 to 64 machines) flat in 32 MiB slices at 225
+    /// to 229, 333 to 340 and 372 GB/s busbw for 64 MiB, 256 MiB and 1 GiB,
+    /// against 209, 305 and 350 through the trees at 512.
+    pub const WIDE_FLAT_SLICE_BYTES: u64 = 32 << 20;
     /// With the default slices, on the flat plan without dedicated servers, a
     /// tensor of fewer full slices is cut into this many, in slices of no less
     /// than [`PlanConfig::DEFAULT_TREE_SLICE_BYTES`] and a shard of the
@@ -210,6 +222,21 @@ impl Geometry {
         } else {
             Routing::Flat
         };
+        if let Routing::Trees = routing
+            && config.slice_by_routing
+        {
+            // The default slices: the wide flat slices where their slot gives
+            // every machine a shard of the minimum.
+            let wide_slot_units = PlanConfig::WIDE_FLAT_SLICE_BYTES / ALIGN_BYTES / devices;
+            if shards_for_slot(wide_slot_units, min_shard_units, serving as u64) == serving {
+                let wide = PlanConfig {
+                    slice_bytes: PlanConfig::WIDE_FLAT_SLICE_BYTES,
+                    min_shard_bytes: config.min_shard_bytes,
+                    slice_by_routing: false,
+                };
+                return Geometry::build(topology, wide, servers);
+            }
+        }
         if let Routing::Trees = routing
             && config.slice_by_routing
             && config.slice_bytes > PlanConfig::DEFAULT_TREE_SLICE_BYTES

@@ -24,7 +24,12 @@ pub const MAGIC: [u8; 4] = *b"FRNG";
 /// and on the flat plan a tensor of fewer than four full slices is cut in four
 /// ([`Geometry::slice_bytes_for`](crate::plan::Geometry::slice_bytes_for)), so a
 /// job's processes of versions 2 and 3 would cut its tensors differently.
-pub const VERSION: u8 = 3;
+/// Version 4: where no slice size is given and a 25 MiB slice's slot holds
+/// fewer shards of the minimum than there are machines, slices are 32 MiB on
+/// the flat plan where that slot holds enough
+/// ([`PlanConfig::WIDE_FLAT_SLICE_BYTES`](crate::plan::PlanConfig::WIDE_FLAT_SLICE_BYTES)),
+/// where version 3 went through the trees.
+pub const VERSION: u8 = 4;
 /// Largest payload of a `Hello` frame (the handshake of the fabric).
 pub const MAX_HELLO_PAYLOAD: u32 = 4096;
 /// Largest payload of an `Abort` frame (a UTF-8 reason).
