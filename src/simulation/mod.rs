@@ -50,8 +50,9 @@
 //!   after the caller's stream has passed its wait for it.
 //!
 //! `FAIRRING_SIM_SEEDS` sets how many seeds run (default 1000; CI runs 10000 in
-//! release); `FAIRRING_SIM_SEED` replays one. A failing seed is printed with the command
-//! that replays it.
+//! release), spread over the cores the process may use, each seed on one
+//! thread; `FAIRRING_SIM_SEED` replays one. A failing seed is printed with the
+//! command that replays it.
 #![allow(
     clippy::cast_possible_truncation,
     reason = "test values wrap into their element types on purpose"
@@ -618,39 +619,120 @@ fn seeds() -> Vec<u64> {
     (1..=count).collect()
 }
 
+/// What the seeds did, summed over their outcomes.
+#[derive(Debug, Default)]
+struct Totals {
+    /// Seeds that killed a rank.
+    killed: usize,
+    steps: u64,
+    device: usize,
+    collective: usize,
+    done: usize,
+    failed: usize,
+    rooted: [usize; 3],
+    in_windows: u64,
+    delivered: usize,
+    messages: usize,
+    messages_local: usize,
+}
+
+impl Totals {
+    fn add(&mut self, o: &Outcome) {
+        self.killed += usize::from(o.killed.is_some());
+        self.steps += o.steps;
+        self.device += o.device;
+        self.collective += o.collective;
+        self.done += o.done;
+        self.failed += o.failed;
+        for (sum, n) in self.rooted.iter_mut().zip(o.rooted) {
+            *sum += n;
+        }
+        self.in_windows += o.in_windows;
+        self.delivered += o.delivered;
+        self.messages += o.messages;
+        self.messages_local += o.messages_local;
+    }
+}
+
+/// Runs `seeds` on every core, each seed whole on one thread, and returns
+/// the outcomes summed; the first seed to fail (the lowest, among those run
+/// when it was found) is reported with its replay command.
+fn run_seeds(seeds: &[u64]) -> Result<Totals, String> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let workers = std::thread::available_parallelism()
+        .map_or(1, std::num::NonZero::get)
+        .min(seeds.len().max(1));
+    let stop = AtomicBool::new(false);
+    let results: Vec<Result<Vec<Outcome>, (u64, String)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|worker| {
+                let stop = &stop;
+                scope.spawn(move || {
+                    let mut outcomes = Vec::new();
+                    for &seed in seeds.iter().skip(worker).step_by(workers) {
+                        if stop.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        match std::panic::catch_unwind(|| run(seed, Design::Accepted)) {
+                            Ok(Ok(o)) => outcomes.push(o),
+                            Ok(Err(e)) => {
+                                stop.store(true, Ordering::Relaxed);
+                                return Err((seed, e));
+                            }
+                            Err(_) => {
+                                stop.store(true, Ordering::Relaxed);
+                                return Err((seed, "panicked".to_owned()));
+                            }
+                        }
+                    }
+                    Ok(outcomes)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .expect("a simulation worker catches its seeds' panics")
+            })
+            .collect()
+    });
+    let mut total = Totals::default();
+    let mut first_failure: Option<(u64, String)> = None;
+    for result in results {
+        match result {
+            Ok(outcomes) => outcomes.iter().for_each(|o| total.add(o)),
+            Err((seed, e)) if first_failure.as_ref().is_none_or(|(s, _)| seed < *s) => {
+                first_failure = Some((seed, e));
+            }
+            Err(_) => {}
+        }
+    }
+    match first_failure {
+        Some((seed, e)) => Err(format!(
+            "simulation seed {seed}: {e}\nreplay: FAIRRING_SIM_SEED={seed} cargo test -p fairring --lib simulation"
+        )),
+        None => Ok(total),
+    }
+}
+
 #[test]
 fn seeded_schedules_settle_with_exact_results() {
     let seeds = seeds();
-    let (mut killed, mut steps, mut done, mut failed) = (0, 0, 0, 0);
-    let (mut device, mut collective) = (0, 0);
-    let mut rooted = [0usize; 3];
-    let (mut in_windows, mut delivered) = (0, 0);
-    let (mut messages, mut messages_local) = (0, 0);
-    for &seed in &seeds {
-        let result = std::panic::catch_unwind(|| run(seed, Design::Accepted));
-        let outcome = match result {
-            Ok(Ok(o)) => o,
-            Ok(Err(e)) => panic!(
-                "simulation seed {seed}: {e}\nreplay: FAIRRING_SIM_SEED={seed} cargo test -p fairring --lib simulation"
-            ),
-            Err(_) => panic!(
-                "simulation seed {seed} panicked\nreplay: FAIRRING_SIM_SEED={seed} cargo test -p fairring --lib simulation"
-            ),
-        };
-        killed += usize::from(outcome.killed.is_some());
-        steps += outcome.steps;
-        done += outcome.done;
-        failed += outcome.failed;
-        device += outcome.device;
-        collective += outcome.collective;
-        in_windows += outcome.in_windows;
-        delivered += outcome.delivered;
-        messages += outcome.messages;
-        messages_local += outcome.messages_local;
-        for (sum, n) in rooted.iter_mut().zip(outcome.rooted) {
-            *sum += n;
-        }
-    }
+    let total = run_seeds(&seeds).unwrap_or_else(|e| panic!("{e}"));
+    let Totals {
+        steps,
+        device,
+        collective,
+        killed,
+        done,
+        failed,
+        rooted,
+        in_windows,
+        delivered,
+        messages,
+        messages_local,
+    } = total;
     let [reduces, gathers, scatters] = rooted;
     eprintln!(
         "simulation: {} seeds ({killed} with a killed rank), {steps} steps, {done} operations \
