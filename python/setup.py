@@ -51,9 +51,11 @@ def _say(line):
     print(f"fairring: {line}", file=sys.stderr, flush=True)
 
 
-class BuildExtensions(BuildExtension.with_options(use_ninja=False)):
+class BuildExtensions(BuildExtension):
     """Builds the C++ backend, then (setuptools-rust's part) the library,
-    saying what it builds."""
+    saying what it builds. With ninja installed (`pip install ninja`), torch
+    compiles the backend's sources in parallel (MAX_JOBS of them at once,
+    default every core); without it, one after another."""
 
     def run(self):
         _progress_to_terminal()
