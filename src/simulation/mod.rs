@@ -619,45 +619,10 @@ fn seeds() -> Vec<u64> {
     (1..=count).collect()
 }
 
-/// What the seeds did, summed over their outcomes.
-#[derive(Debug, Default)]
-struct Totals {
-    /// Seeds that killed a rank.
-    killed: usize,
-    steps: u64,
-    device: usize,
-    collective: usize,
-    done: usize,
-    failed: usize,
-    rooted: [usize; 3],
-    in_windows: u64,
-    delivered: usize,
-    messages: usize,
-    messages_local: usize,
-}
-
-impl Totals {
-    fn add(&mut self, o: &Outcome) {
-        self.killed += usize::from(o.killed.is_some());
-        self.steps += o.steps;
-        self.device += o.device;
-        self.collective += o.collective;
-        self.done += o.done;
-        self.failed += o.failed;
-        for (sum, n) in self.rooted.iter_mut().zip(o.rooted) {
-            *sum += n;
-        }
-        self.in_windows += o.in_windows;
-        self.delivered += o.delivered;
-        self.messages += o.messages;
-        self.messages_local += o.messages_local;
-    }
-}
-
 /// Runs `seeds` on every core, each seed whole on one thread, and returns
-/// the outcomes summed; the first seed to fail (the lowest, among those run
+/// their outcomes; the first seed to fail (the lowest, among those run
 /// when it was found) is reported with its replay command.
-fn run_seeds(seeds: &[u64]) -> Result<Totals, String> {
+fn run_seeds(seeds: &[u64]) -> Result<Vec<Outcome>, String> {
     use std::sync::atomic::{AtomicBool, Ordering};
     let workers = std::thread::available_parallelism()
         .map_or(1, std::num::NonZero::get)
@@ -697,11 +662,11 @@ fn run_seeds(seeds: &[u64]) -> Result<Totals, String> {
             })
             .collect()
     });
-    let mut total = Totals::default();
+    let mut all = Vec::with_capacity(seeds.len());
     let mut first_failure: Option<(u64, String)> = None;
     for result in results {
         match result {
-            Ok(outcomes) => outcomes.iter().for_each(|o| total.add(o)),
+            Ok(outcomes) => all.extend(outcomes),
             Err((seed, e)) if first_failure.as_ref().is_none_or(|(s, _)| seed < *s) => {
                 first_failure = Some((seed, e));
             }
@@ -712,27 +677,34 @@ fn run_seeds(seeds: &[u64]) -> Result<Totals, String> {
         Some((seed, e)) => Err(format!(
             "simulation seed {seed}: {e}\nreplay: FAIRRING_SIM_SEED={seed} cargo test -p fairring --lib simulation"
         )),
-        None => Ok(total),
+        None => Ok(all),
     }
 }
 
 #[test]
 fn seeded_schedules_settle_with_exact_results() {
     let seeds = seeds();
-    let total = run_seeds(&seeds).unwrap_or_else(|e| panic!("{e}"));
-    let Totals {
-        steps,
-        device,
-        collective,
-        killed,
-        done,
-        failed,
-        rooted,
-        in_windows,
-        delivered,
-        messages,
-        messages_local,
-    } = total;
+    let outcomes = run_seeds(&seeds).unwrap_or_else(|e| panic!("{e}"));
+    let (mut killed, mut steps, mut done, mut failed) = (0, 0, 0, 0);
+    let (mut device, mut collective) = (0, 0);
+    let mut rooted = [0usize; 3];
+    let (mut in_windows, mut delivered) = (0, 0);
+    let (mut messages, mut messages_local) = (0, 0);
+    for outcome in &outcomes {
+        killed += usize::from(outcome.killed.is_some());
+        steps += outcome.steps;
+        done += outcome.done;
+        failed += outcome.failed;
+        device += outcome.device;
+        collective += outcome.collective;
+        in_windows += outcome.in_windows;
+        delivered += outcome.delivered;
+        messages += outcome.messages;
+        messages_local += outcome.messages_local;
+        for (sum, n) in rooted.iter_mut().zip(outcome.rooted) {
+            *sum += n;
+        }
+    }
     let [reduces, gathers, scatters] = rooted;
     eprintln!(
         "simulation: {} seeds ({killed} with a killed rank), {steps} steps, {done} operations \
