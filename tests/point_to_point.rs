@@ -276,10 +276,14 @@ fn a_small_send_of_another_size_fails_only_its_receive_naming_both() {
             let (mut out, mut back) = ([rank as f32; 3], [0f32; 3]);
             comm.send_recv(&mut [(peer, &mut out[..])], &mut [(peer, &mut back[..])])
                 .unwrap();
+            let staged = |t: fairring::Traffic| t.received_bytes - t.received_in_place_bytes;
+            // Each count is taken before a barrier, which the peer's next send
+            // waits for: a round's bytes land after its first count, however
+            // late this rank leaves the barrier.
+            let mut before = staged(comm.traffic());
             comm.barrier().unwrap();
             let mut outcomes = Vec::new();
             for (receive_first, received, _) in ROUNDS {
-                let eager_before = comm.traffic();
                 let outcome = if rank == 0 {
                     if receive_first {
                         std::thread::sleep(Duration::from_millis(100));
@@ -291,10 +295,10 @@ fn a_small_send_of_another_size_fails_only_its_receive_naming_both() {
                     }
                     comm.recv(0, &mut vec![0.0f32; received])
                 };
+                let after = staged(comm.traffic());
                 comm.barrier().unwrap();
-                let after = comm.traffic();
-                let staged = |t: fairring::Traffic| t.received_bytes - t.received_in_place_bytes;
-                outcomes.push((outcome, staged(after) - staged(eager_before)));
+                outcomes.push((outcome, after - before));
+                before = after;
             }
             outcomes
         },
