@@ -6,17 +6,26 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-/// The folder this crate's `cdylib` and `staticlib` are built into.
+/// The folder holding this crate's `cdylib` and `staticlib`.
 ///
-/// `cargo test` builds only the `rlib` that tests link, so the libraries a C
-/// program links are built here, once per test run, by cargo itself, into a
-/// target folder of their own (the test's own is locked while it runs).
+/// Cargo compiles a library target with all its crate types at once, so the
+/// `rlib` this test links comes with the two C libraries, beside the test in
+/// `<target>/<profile>/deps`. Where they are not there, they are built by
+/// cargo, once per test run, into a target folder of their own (the test's
+/// own is locked while it runs).
 fn library_dir() -> PathBuf {
-    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT
+    static FOUND: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    FOUND
         .get_or_init(|| {
             let exe = std::env::current_exe().expect("the test's own path");
             // <target>/<profile>/deps/c_program-<hash>
+            let deps = exe.parent().expect("the test's folder");
+            if ["libfairring_ffi.so", "libfairring_ffi.a"]
+                .iter()
+                .all(|lib| deps.join(lib).exists())
+            {
+                return deps.to_path_buf();
+            }
             let target = exe
                 .ancestors()
                 .nth(3)
@@ -35,6 +44,11 @@ fn library_dir() -> PathBuf {
             target.join("debug")
         })
         .clone()
+}
+
+/// Where the C programs are written.
+fn program_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
 }
 
 fn compile(linkage: &str, out: &Path) {
@@ -118,7 +132,7 @@ fn run_job(program: &Path) {
 }
 #[test]
 fn a_c_program_linked_with_the_shared_library_runs_a_job() {
-    let out = library_dir().join("fairring-c-test-dynamic");
+    let out = program_dir().join("fairring-c-test-dynamic");
     let _ = std::fs::remove_file(&out);
     compile("dynamic", &out);
     run_job(&out);
@@ -126,7 +140,7 @@ fn a_c_program_linked_with_the_shared_library_runs_a_job() {
 
 #[test]
 fn a_c_program_linked_with_the_static_library_runs_a_job() {
-    let out = library_dir().join("fairring-c-test-static");
+    let out = program_dir().join("fairring-c-test-static");
     let _ = std::fs::remove_file(&out);
     compile("static", &out);
     run_job(&out);
