@@ -51,6 +51,33 @@ fn program_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
 }
 
+/// Linker arguments for the shared libraries a build of the library needs
+/// beyond the C runtime's (libibverbs, where it was built with the verbs
+/// provider): the `cdylib` of the same build names them (`readelf -d`), and
+/// its `staticlib` needs the same. None where `readelf` is missing.
+fn libraries_beyond_the_runtime(shared: &Path) -> Vec<String> {
+    const RUNTIME: [&str; 8] = [
+        "libc.",
+        "libm.",
+        "libgcc_s.",
+        "libpthread.",
+        "libdl.",
+        "librt.",
+        "libutil.",
+        "ld-linux",
+    ];
+    let Ok(output) = Command::new("readelf").arg("-d").arg(shared).output() else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|line| line.contains("(NEEDED)"))
+        .filter_map(|line| line.split('[').nth(1)?.split(']').next())
+        .filter(|name| !RUNTIME.iter().any(|runtime| name.starts_with(runtime)))
+        .map(|name| format!("-l:{name}"))
+        .collect()
+}
+
 fn compile(linkage: &str, out: &Path) {
     let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
     let libs = library_dir();
@@ -74,16 +101,21 @@ fn compile(linkage: &str, out: &Path) {
         _ => {
             let lib = libs.join("libfairring_ffi.a");
             assert!(lib.exists(), "{} was not built", lib.display());
-            // What `rustc --print native-static-libs` lists on Linux.
-            cc.arg(lib).args([
-                "-lgcc_s",
-                "-lutil",
-                "-lrt",
-                "-lpthread",
-                "-lm",
-                "-ldl",
-                "-lc",
-            ]);
+            // What `rustc --print native-static-libs` lists on Linux, after
+            // what the build's features add.
+            cc.arg(lib)
+                .args(libraries_beyond_the_runtime(
+                    &libs.join("libfairring_ffi.so"),
+                ))
+                .args([
+                    "-lgcc_s",
+                    "-lutil",
+                    "-lrt",
+                    "-lpthread",
+                    "-lm",
+                    "-ldl",
+                    "-lc",
+                ]);
         }
     }
     let status = cc
