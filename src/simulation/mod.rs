@@ -50,7 +50,7 @@
 //!   after the caller's stream has passed its wait for it.
 //!
 //! `FAIRRING_SIM_SEEDS` sets how many seeds run (default 1000; CI runs 10000 in
-//! release), spread over the cores the process may use, each seed on one
+//! the test command's build), spread over the cores the process may use, each seed on one
 //! thread; `FAIRRING_SIM_SEED` replays one. A failing seed is printed with the
 //! command that replays it.
 #![allow(
