@@ -51,29 +51,29 @@ fn program_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
 }
 
+/// The C runtime's libraries a `staticlib` links on Linux: what
+/// `rustc --print native-static-libs` lists.
+const RUNTIME_LIBRARIES: [&str; 7] = ["gcc_s", "util", "rt", "pthread", "m", "dl", "c"];
+
 /// Linker arguments for the shared libraries a build of the library needs
 /// beyond the C runtime's (libibverbs, where it was built with the verbs
 /// provider): the `cdylib` of the same build names them (`readelf -d`), and
 /// its `staticlib` needs the same. None where `readelf` is missing.
 fn libraries_beyond_the_runtime(shared: &Path) -> Vec<String> {
-    const RUNTIME: [&str; 8] = [
-        "libc.",
-        "libm.",
-        "libgcc_s.",
-        "libpthread.",
-        "libdl.",
-        "librt.",
-        "libutil.",
-        "ld-linux",
-    ];
     let Ok(output) = Command::new("readelf").arg("-d").arg(shared).output() else {
         return Vec::new();
+    };
+    let runtime = |name: &str| {
+        name.starts_with("ld-linux")
+            || RUNTIME_LIBRARIES
+                .iter()
+                .any(|lib| name.starts_with(&format!("lib{lib}.")))
     };
     String::from_utf8_lossy(&output.stdout)
         .lines()
         .filter(|line| line.contains("(NEEDED)"))
         .filter_map(|line| line.split('[').nth(1)?.split(']').next())
-        .filter(|name| !RUNTIME.iter().any(|runtime| name.starts_with(runtime)))
+        .filter(|name| !runtime(name))
         .map(|name| format!("-l:{name}"))
         .collect()
 }
@@ -101,21 +101,12 @@ fn compile(linkage: &str, out: &Path) {
         _ => {
             let lib = libs.join("libfairring_ffi.a");
             assert!(lib.exists(), "{} was not built", lib.display());
-            // What `rustc --print native-static-libs` lists on Linux, after
-            // what the build's features add.
+            // What the build's features add, then the C runtime.
             cc.arg(lib)
                 .args(libraries_beyond_the_runtime(
                     &libs.join("libfairring_ffi.so"),
                 ))
-                .args([
-                    "-lgcc_s",
-                    "-lutil",
-                    "-lrt",
-                    "-lpthread",
-                    "-lm",
-                    "-ldl",
-                    "-lc",
-                ]);
+                .args(RUNTIME_LIBRARIES.map(|lib| format!("-l{lib}")));
         }
     }
     let status = cc

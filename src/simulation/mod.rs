@@ -50,9 +50,9 @@
 //!   after the caller's stream has passed its wait for it.
 //!
 //! `FAIRRING_SIM_SEEDS` sets how many seeds run (default 1000; CI runs 10000 in
-//! the test command's build), spread over the cores the process may use, each seed on one
-//! thread; `FAIRRING_SIM_SEED` replays one. A failing seed is printed with the
-//! command that replays it.
+//! the test command's build), spread over the cores the process may use, each
+//! seed on one thread; `FAIRRING_SIM_SEED` replays one. A failing seed is
+//! printed with the command that replays it.
 #![allow(
     clippy::cast_possible_truncation,
     reason = "test values wrap into their element types on purpose"
