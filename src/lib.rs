@@ -106,5 +106,6 @@ pub use engine::links::Traffic;
 pub use error::{Error, Result};
 pub use fairring_core::{DataType, ReduceOp, WireFormat};
 pub use fusion::Fusion;
+pub use local::{ONE_REDUCE_SCATTER_FROM_BYTES, reduces_in_one_call};
 pub use server::Server;
 pub use store::Store;

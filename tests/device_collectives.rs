@@ -433,6 +433,48 @@ fn many_device_operations_in_flight_all_finish_exact() {
     }
 }
 
+/// Two machines of two ranks reducing through NCCL, in the default slices:
+/// 85 MiB of `f32` is three full 25 MiB slices of equal slots, of which each
+/// machine reduce-scatters the second and third with one `ncclReduceScatter`
+/// (`fairring::reduces_in_one_call`), and the first (which starts the
+/// tensor's pipeline) and a 10 MiB tail slot by slot. Every element is
+/// exact, on every rank.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn large_slices_reduce_scattered_in_one_call_are_exact() {
+    let test = "large_slices_reduce_scattered_in_one_call_are_exact";
+    let n = (85usize << 20) / 4;
+    let Some(comm) = rank_of_job(test) else {
+        let mut env = vec![
+            ("FAIRRING_ALGO", "hierarchical".to_owned()),
+            ("FAIRRING_TIMEOUT", "60".to_owned()),
+        ];
+        env.extend(through_nccl());
+        ProcessJob::run(test, 2, 2, &env, JOB_LIMIT);
+        return;
+    };
+    let rank = comm.rank();
+    let device = device();
+    let stream = Stream::new(&device, false).unwrap();
+    let x = input(DataType::F32, rank, n);
+    let mut buf = DeviceBuffer::zeroed(&device, x.len()).unwrap();
+    upload(&stream, &mut buf, 0, &x);
+    let mut view = buf.slice_mut();
+    comm.scope(|s| {
+        let work = s.all_reduce(
+            TensorMut::device(&mut view, DataType::F32, &stream)?,
+            ReduceOp::Sum,
+            (),
+        )?;
+        finish(&stream, work)
+    })
+    .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    let want = reduced(DataType::F32, ReduceOp::Sum, comm.world_size(), n);
+    let got = download(&stream, &buf, 0, want.len());
+    let wrong = got.chunks(4).zip(want.chunks(4)).position(|(g, w)| g != w);
+    assert!(wrong.is_none(), "rank {rank}: element {wrong:?} wrong");
+}
+
 /// A kernel enqueued on the caller's stream before the all-reduce writes its
 /// input, and one enqueued after it reads the result, with no host
 /// synchronisation in between: the collective is ordered on the stream.

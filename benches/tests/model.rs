@@ -217,6 +217,59 @@ fn nccl_tuner_times_calls_within_a_machine_as_worked_by_hand() {
         32.2 + (25 * MIB) as f64 / (360e3 * 8.0 / 7.0),
         "all-gather time",
     );
+    // A reduce-scatter pays a ring's hops and moves D / (D - 1) of its bus
+    // bandwidth, as the all-gather does; NVLS may run it on one machine, at
+    // 40 GB/s x 0.85 x 7/8 (channels) x 7/8 (ppn) a channel over 8 channels,
+    // that bus bandwidth kept as the algorithm's, for NVLink's NVLS latency.
+    let scatter = est(Collective::ReduceScatter, Protocol::Simple);
+    close(scatter.latency_us, 32.2, "reduce-scatter latency");
+    close(
+        scatter.bandwidth_gbps,
+        360.0 * 8.0 / 7.0,
+        "reduce-scatter bandwidth",
+    );
+    let nvls = nccl::estimate_collective(
+        &t,
+        Collective::ReduceScatter,
+        1,
+        8,
+        25 * MIB,
+        NcclAlgorithm::Nvls,
+        Protocol::Simple,
+    )
+    .unwrap();
+    close(nvls.latency_us, 25.0, "NVLS reduce-scatter latency");
+    close(
+        nvls.bandwidth_gbps,
+        8.0 * 40.0 * 0.85 * 7.0 / 8.0 * 7.0 / 8.0,
+        "NVLS reduce-scatter bandwidth",
+    );
+    let best = nccl::choose_collective(
+        &t,
+        Collective::ReduceScatter,
+        1,
+        8,
+        25 * MIB,
+        &NcclAlgorithm::ALL,
+    )
+    .unwrap();
+    assert_eq!(
+        (best.algorithm, best.protocol),
+        (NcclAlgorithm::Ring, Protocol::Simple)
+    );
+    // Between machines NVLS runs no reduce-scatter (it would need CollNet).
+    assert!(
+        nccl::estimate_collective(
+            &t,
+            Collective::ReduceScatter,
+            2,
+            8,
+            MIB,
+            NcclAlgorithm::Nvls,
+            Protocol::Simple
+        )
+        .is_none()
+    );
     // Only rings run these, and a 25 MiB slice takes Simple.
     for c in [Collective::Reduce, Collective::AllGather] {
         assert!(
@@ -274,9 +327,18 @@ fn a_machines_two_communicators_overlap_latency_with_bytes() {
     let call = |c: Collective| {
         nccl::choose_collective(&hw.nccl, c, 1, 8, slice, &NcclAlgorithm::ALL).unwrap()
     };
-    let (reduce, gather) = (call(Collective::Reduce), call(Collective::AllGather));
+    // Full slices of eight equal slots, of at least the engine's size for one
+    // reduce-scatter call: the first reduces slot by slot, the rest in one
+    // call (`fairring::reduces_in_one_call`).
+    assert!(slice >= fairring::ONE_REDUCE_SCATTER_FROM_BYTES && slice.is_multiple_of(8 * 64));
+    let (reduce, scatter, gather) = (
+        call(Collective::Reduce),
+        call(Collective::ReduceScatter),
+        call(Collective::AllGather),
+    );
     let busy = |e: &nccl::Estimate| (e.time_us - e.latency_us) * 1e-6;
-    let bytes = slices as f64 * (busy(&reduce) + busy(&gather));
+    let bytes =
+        busy(&reduce) + (slices - 1) as f64 * busy(&scatter) + slices as f64 * busy(&gather);
     let nvlink = p.busy.unwrap().nvlink;
     close(nvlink, bytes, "NVLink busy for the calls' bytes");
     let fill = (reduce.time_us + gather.time_us) * 1e-6;

@@ -79,6 +79,23 @@ fn check_slice(plan: &Plan, slice: &Slice) -> Result<(), TestCaseError> {
     let span = slice.span();
     prop_assert!(k >= 1 && k <= m, "shards {k} for {m} machines");
 
+    // Equal slots are the slice's `d` equal chunks, slot `i` the `i`th: one
+    // reduce-scatter of the slice serves them.
+    let slots: Vec<_> = (0..d).map(|i| slice.slot(i).unwrap()).collect();
+    let chunk = span.len() / u64::from(d);
+    let chunks = span.len().is_multiple_of(u64::from(d))
+        && slots
+            .iter()
+            .zip(0u64..)
+            .all(|(s, i)| s.offset() == span.offset() + i * chunk && s.len() == chunk);
+    prop_assert_eq!(
+        slice.slots_equal(),
+        chunks,
+        "slots {:?} of {:?}",
+        slots,
+        span
+    );
+
     // Cells travel whole straight to their server; through the trees in as
     // many parts of at least the minimum shard as the smallest cell holds, at
     // most TREE_PARTS; else in two where it has two units, else whole.

@@ -8,9 +8,12 @@
 //!
 //! 1. **begin**: announces `InputReady` at once (nothing is staged for the
 //!    other ranks: the collectives read the tensors);
-//! 2. **reduce-scatter**: one in-place reduce per rank's slot (or per piece
-//!    of a reduce-scatter), rooted at that rank, grouped, so that slots of
-//!    any length need no padding; then `d`'s copy of its reduced slot from
+//! 2. **reduce-scatter**: one in-place reduce-scatter of the slice where its
+//!    slots are equal, it holds at least [`ONE_REDUCE_SCATTER_FROM_BYTES`] and
+//!    it is not its tensor's first ([`reduces_in_one_call`]); else one
+//!    in-place reduce per rank's slot (or
+//!    per piece of a reduce-scatter), rooted at that rank, grouped, so that
+//!    slots of any length need no padding; then `d`'s copy of its reduced slot from
 //!    its tensor into its staging buffer on the same stream. In a job on one
 //!    machine the result is final: a slice of an all-reduce is one in-place
 //!    all-reduce and nothing is gathered; a reduce-scatter's pieces stay in
@@ -50,6 +53,7 @@
 
 use std::ops::Range;
 
+use fairring_core::plan::Slice;
 use fairring_core::{DataType, ReduceOp};
 
 use super::shm_step::{ShmStep, for_each_run, slice_range, slot_range};
@@ -68,12 +72,42 @@ pub(crate) fn takes(dtype: DataType, op: ReduceOp) -> bool {
     nccl_has && !(dtype.is_float() && matches!(op, ReduceOp::Min | ReduceOp::Max))
 }
 
+/// The smallest slice of equal slots that a machine's GPUs reduce-scatter
+/// with one in-place `ncclReduceScatter` of `D` equal chunks, not one
+/// `ncclReduce` per slot, grouped: 20 MiB ([`reduces_in_one_call`]).
+///
+/// NCCL's tuner times the reduce-scatter's bytes at `D / (D - 1)` of the
+/// ring's bus rate and the group of reduces' at the bus rate (`nsteps`
+/// `D - 1` against `D`), so the one call holds NVLink for less; it puts the
+/// reduce-scatter's latency at `D - 1` hops and the reduces' at one. The
+/// scale model (`docs/scale-model.md`), which times the engine's calls with
+/// that tuner, finds the single call ahead where NVLink's bytes bound the
+/// pipeline and the call's latency passes while earlier slices' bytes hold
+/// NVLink: in the default 25 and 32 MiB slices of large tensors (up to 7%
+/// more busbw at 256 MiB and 1 GiB from 16 to 512 H100s), and behind in
+/// slices of 16 MiB and less (the trees', and a 64 MiB tensor's four).
+pub const ONE_REDUCE_SCATTER_FROM_BYTES: u64 = 20 << 20;
+
+/// Whether a machine's GPUs reduce-scatter `slice` (of an operation that
+/// reduces by the slice's slots) with one call: it is not its tensor's
+/// first slice (which starts the tensor's pipeline: no earlier slice's bytes
+/// hide the one call's longer latency), its slots are equal
+/// ([`Slice::slots_equal`]: the slice is `D` equal chunks, slot `d` the
+/// `d`th) and it holds at least `from_bytes`
+/// ([`ONE_REDUCE_SCATTER_FROM_BYTES`] but in the simulation, which draws it
+/// per seed). Else one reduce per slot, grouped.
+pub fn reduces_in_one_call(slice: &Slice, from_bytes: u64) -> bool {
+    slice.index() > 0 && slice.slots_equal() && slice.span().byte_len() >= from_bytes
+}
+
 /// Calls `each` with the device items of `stage` of slice `s` (see the
-/// module docs).
+/// module docs); a slice of at least `one_call_from` bytes reduce-scatters
+/// in one call where it may ([`reduces_in_one_call`]).
 pub(crate) fn items<M: MemorySpace>(
     shm: &ShmStep,
     s: &LocalSlice<'_, M>,
     stage: LocalStage,
+    one_call_from: u64,
     each: &mut dyn FnMut(ProgramItem<M::Tensor>) -> Result<()>,
 ) -> Result<()> {
     let base = slice_range(s.slice)?.start;
@@ -93,21 +127,14 @@ pub(crate) fn items<M: MemorySpace>(
                     tensor: slice_range(s.slice)?,
                 });
             }
-            for r in 0..shm.size {
-                for_each_run(s, r, |in_slice, _| {
-                    if in_slice.is_empty() {
-                        return Ok(());
-                    }
-                    each(ProgramItem::Collective {
-                        comm: Comm::Reduce,
-                        call: MachineCall::Reduce {
-                            dtype: s.dtype,
-                            op,
-                            root: r,
-                        },
-                        tensor: in_tensor(base, &in_slice),
-                    })
+            if s.pieces.is_none() && shm.size > 1 && reduces_in_one_call(s.slice, one_call_from) {
+                each(ProgramItem::Collective {
+                    comm: Comm::Reduce,
+                    call: MachineCall::ReduceScatter { dtype: s.dtype, op },
+                    tensor: slice_range(s.slice)?,
                 })?;
+            } else {
+                reduce_each_slot(shm, s, op, base, each)?;
             }
             if final_world.is_none() {
                 for_each_run(s, shm.rank(), |in_slice, staged| {
@@ -157,6 +184,34 @@ pub(crate) fn items<M: MemorySpace>(
             Ok(())
         }
     }
+}
+
+/// One in-place reduce per run of each rank's slot (or pieces), rooted at
+/// that rank: the group that serves slots of any length.
+fn reduce_each_slot<M: MemorySpace>(
+    shm: &ShmStep,
+    s: &LocalSlice<'_, M>,
+    op: ReduceOp,
+    base: usize,
+    each: &mut dyn FnMut(ProgramItem<M::Tensor>) -> Result<()>,
+) -> Result<()> {
+    for r in 0..shm.size {
+        for_each_run(s, r, |in_slice, _| {
+            if in_slice.is_empty() {
+                return Ok(());
+            }
+            each(ProgramItem::Collective {
+                comm: Comm::Reduce,
+                call: MachineCall::Reduce {
+                    dtype: s.dtype,
+                    op,
+                    root: r,
+                },
+                tensor: in_tensor(base, &in_slice),
+            })
+        })?;
+    }
+    Ok(())
 }
 
 impl ShmStep {
@@ -253,6 +308,55 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("2 local ranks in a world of 4"), "{e}");
+    }
+
+    /// The slices of an all-reduce of `bytes` of `f32` on `m` machines of
+    /// `d` GPUs in slices of at most `slice_bytes`.
+    fn slices(m: u32, d: u32, slice_bytes: u64, bytes: u64) -> Vec<Slice> {
+        use fairring_core::plan::{Geometry, Plan, PlanConfig};
+        use fairring_core::topology::{RankLayout, Topology};
+        let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+        let config = PlanConfig::new(slice_bytes, PlanConfig::DEFAULT_MIN_SHARD_BYTES).unwrap();
+        let geometry = Geometry::new(topology, config).unwrap();
+        let plan = Plan::new(&geometry, DataType::F32, bytes / 4, 0).unwrap();
+        plan.slices().collect()
+    }
+
+    #[test]
+    fn large_slices_of_equal_slots_reduce_scatter_in_one_call() {
+        let from = ONE_REDUCE_SCATTER_FROM_BYTES;
+        // 85 MiB in 25 MiB slices on 2x8: three full slices of eight equal
+        // slots, and a 10 MiB tail, below the size. The first starts the
+        // tensor's pipeline, slot by slot.
+        let s = slices(2, 8, 25 << 20, 85 << 20);
+        let one_call: Vec<bool> = s.iter().map(|s| reduces_in_one_call(s, from)).collect();
+        assert_eq!(one_call, [false, true, true, false]);
+        assert!(s[..3].iter().all(|s| s.span().byte_len() == 25 << 20));
+        assert!(s[0].slots_equal());
+        // The tail reduce-scatters in one call where the size allows it.
+        assert!(reduces_in_one_call(&s[3], 10 << 20));
+        // 16 MiB slices (the trees', a 64 MiB tensor's four) reduce slot by
+        // slot.
+        let s = slices(2, 8, 16 << 20, 64 << 20);
+        assert!(s.iter().all(|s| !reduces_in_one_call(s, from)));
+        assert!(s[1..].iter().all(|s| reduces_in_one_call(s, 16 << 20)));
+    }
+
+    #[test]
+    fn unequal_slots_reduce_slot_by_slot_at_any_size() {
+        // 3 GPUs: after a full slice of 999 64-byte units, a slice of 100,
+        // which three does not divide. (Second slices: a tensor's first
+        // reduces slot by slot anyway.)
+        let s = slices(2, 3, 64 * 999, 64 * 1099);
+        assert_eq!(s[1].span().byte_len(), 64 * 100);
+        let lens: Vec<u64> = (0..3).map(|d| s[1].slot(d).unwrap().byte_len()).collect();
+        assert_ne!(lens[0], lens[2], "{lens:?}");
+        assert!(!reduces_in_one_call(&s[1], 0));
+        // A tail of less than a unit: the last slot holds it.
+        let s = slices(2, 2, 128, 128 + 128 + 4);
+        assert_eq!(s[2].span().byte_len(), 4);
+        assert!(reduces_in_one_call(&s[1], 0));
+        assert!(!reduces_in_one_call(&s[2], 0));
     }
 
     #[test]

@@ -90,6 +90,9 @@ impl NcclComms {
                         MachineCall::AllReduce { dtype, op } => {
                             communicator.all_reduce_in_place(stream, &mut view, dtype, op)
                         }
+                        MachineCall::ReduceScatter { dtype, op } => {
+                            communicator.reduce_scatter_in_place(stream, &mut view, dtype, op)
+                        }
                         MachineCall::Reduce { dtype, op, root } => {
                             communicator.reduce_in_place(stream, &mut view, dtype, op, root)
                         }

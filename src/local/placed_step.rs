@@ -77,6 +77,14 @@ pub(crate) trait DeviceReach: Send + Sync {
     /// its first device operation).
     fn has_collectives(&self) -> bool;
 
+    /// The smallest slice the machine's collectives reduce-scatter in one
+    /// call where its slots are equal
+    /// ([`collective_step::reduces_in_one_call`]); the same on every local
+    /// rank.
+    fn one_reduce_scatter_from(&self) -> u64 {
+        collective_step::ONE_REDUCE_SCATTER_FROM_BYTES
+    }
+
     /// Enqueues operation `seq`'s device program on `tensor`: everything
     /// the device will do for it, each stage behind its gate. On the
     /// caller's thread, as the call is accepted.
@@ -281,7 +289,13 @@ impl<D: DeviceReach> LocalStep<D::Memory> for PlacedStep<D> {
         match self.path(s.dtype, s.op) {
             Path::Alone => alone::items(&self.shm, s, stage, each),
             Path::Staged => staged::items(&self.shm, s, stage, each),
-            Path::Collectives => collective_step::items(&self.shm, s, stage, each),
+            Path::Collectives => collective_step::items(
+                &self.shm,
+                s,
+                stage,
+                self.reach.one_reduce_scatter_from(),
+                each,
+            ),
         }
     }
 

@@ -264,6 +264,10 @@ pub(crate) enum Comm {
 pub(crate) enum MachineCall {
     /// Every rank's bytes, reduced, into every rank's.
     AllReduce { dtype: DataType, op: ReduceOp },
+    /// `D` equal chunks of every rank's bytes, reduced chunk by chunk: chunk
+    /// `r` into rank `r`'s chunk `r`, in place (the rest of each rank's
+    /// bytes is left as it was).
+    ReduceScatter { dtype: DataType, op: ReduceOp },
     /// Every rank's bytes, reduced, into rank `root`'s.
     Reduce {
         dtype: DataType,

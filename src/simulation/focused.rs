@@ -59,6 +59,7 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
             device: vec![false; 6],
             collectives: false,
             whole_up_to: 0,
+            one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
         };
         match play(
             &scenario,
@@ -133,6 +134,7 @@ fn broadcasts_and_results_land_in_receivers_windows() {
             device: vec![false; 6],
             collectives: false,
             whole_up_to: 0,
+            one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
         };
         match play(
             &scenario,
@@ -505,7 +507,7 @@ fn one_machine_reduces_a_device_tensor_in_one_slice_through_its_collectives() {
             &net,
             DirectSettings::from(None),
             Design::Accepted,
-            collectives,
+            collectives.then(Collectives::shipped).as_ref(),
             0,
             Duration::from_secs(3600),
             |rank, step| {
@@ -606,6 +608,7 @@ fn deep_trees_settle_with_exact_results() {
             device: vec![false; ops.len()],
             collectives: false,
             whole_up_to: 0,
+            one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
             ops,
         };
         let topology = Topology::new(machines, devices, RankLayout::Contiguous).unwrap();

@@ -4,9 +4,28 @@
 
 use super::*;
 
+/// The machines' collectives in a simulated job: from which size a slice of
+/// equal slots reduce-scatters in one call, and the count of those that met.
+#[derive(Clone, Debug)]
+pub(super) struct Collectives {
+    pub(super) one_reduce_scatter_from: u64,
+    pub(super) scatters: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Collectives {
+    /// The engine's own rule, counted nowhere.
+    pub(super) fn shipped() -> Collectives {
+        Collectives {
+            one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
+            scatters: Arc::default(),
+        }
+    }
+}
+
 /// The engines of every rank of `geometry`'s job over `net` (the workers, then
 /// its dedicated servers), each worker's local step passed through `wrap` (to
-/// inject faults).
+/// inject faults). Device tensors of several ranks per machine go through the
+/// machine's `collectives` where given, through the host otherwise.
 #[expect(clippy::too_many_arguments, reason = "a job's every setting, once")]
 pub(super) fn build_job(
     geometry: &Geometry,
@@ -15,7 +34,7 @@ pub(super) fn build_job(
     net: &Arc<std::sync::Mutex<Network>>,
     direct: DirectSettings,
     design: Design,
-    collectives: bool,
+    collectives: Option<&Collectives>,
     whole_up_to: usize,
     timeout: Duration,
     wrap: impl Fn(u32, SimStep) -> Box<dyn LocalStep<SimMemory>>,
@@ -32,9 +51,17 @@ pub(super) fn build_job(
         .map(|_| Segment::anonymous(d, buffers, layout.buffer_bytes()).map(Arc::new))
         .collect::<crate::Result<_>>()
         .map_err(|e| e.to_string())?;
-    // Device tensors of several ranks per machine go through the machine's
-    // collectives where `collectives`, through the host otherwise.
-    let machines: Vec<SimMachine> = (0..m).map(|_| SimMachine::new(d)).collect();
+    let machines: Vec<SimMachine> = (0..m)
+        .map(|_| {
+            SimMachine::new(
+                d,
+                collectives
+                    .map(|c| Arc::clone(&c.scatters))
+                    .unwrap_or_default(),
+            )
+        })
+        .collect();
+    let one_call_from = collectives.map_or(u64::MAX, |c| c.one_reduce_scatter_from);
     let mut parts = Vec::new();
     for rank in 0..world {
         let location = topology.locate(rank).map_err(|e| e.to_string())?;
@@ -43,7 +70,7 @@ pub(super) fn build_job(
             Host::new(Arc::clone(segment), location.device, buffers),
             design,
         );
-        let joined = (collectives && d > 1).then(|| {
+        let joined = (collectives.is_some() && d > 1).then(|| {
             join(
                 &memory,
                 &machines[location.machine as usize],
@@ -62,7 +89,7 @@ pub(super) fn build_job(
         let shm = ShmStep::new(Arc::clone(segment), location.device, d, buffers)
             .copying_between_tensors(peer_copy.clone(), 1)
             .reducing_whole(whole_up_to);
-        let local = wrap(rank, reach::step(&memory, shm, joined));
+        let local = wrap(rank, reach::step(&memory, shm, joined, one_call_from));
         let machine = Machine::new(Arc::clone(segment), location.device, d);
         let fabric = SimFabric {
             rank,
@@ -167,7 +194,7 @@ pub(super) fn small_job(
         &net,
         DirectSettings::from(None),
         design,
-        false,
+        None,
         0,
         timeout,
         wrap,

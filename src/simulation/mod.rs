@@ -85,7 +85,7 @@ use crate::local::{LocalSlice, LocalStep, Machine, PeerCopy, ShmStep, Solo};
 use crate::memory::program::ProgramItem;
 use crate::memory::{Host, HostTensor, MemoryKind, MemorySpace};
 use crate::shm::Segment;
-use job::{build_job, small_job};
+use job::{Collectives, build_job, small_job};
 use network::{Network, SimFabric};
 use reach::SimStep;
 use scenario::*;
@@ -160,6 +160,8 @@ struct Outcome {
     /// ... of them with several ranks per machine, through the machine's
     /// collectives.
     collective: usize,
+    /// Slices a machine's collectives reduce-scattered in one call.
+    scattered: u64,
     killed: Option<u32>,
     done: usize,
     failed: usize,
@@ -231,6 +233,10 @@ fn play(
     let layout = BufferLayout::new(&geometry, world).ok_or("layout")?;
 
     let net = Network::new(processes);
+    let collectives = sc.collectives.then(|| Collectives {
+        one_reduce_scatter_from: sc.one_reduce_scatter_from,
+        scatters: Arc::default(),
+    });
     let mut engines = build_job(
         &geometry,
         &layout,
@@ -238,7 +244,7 @@ fn play(
         &net,
         direct,
         design,
-        sc.collectives,
+        collectives.as_ref(),
         sc.whole_up_to,
         Duration::from_secs(3600),
         |_, step| Box::new(step),
@@ -606,6 +612,8 @@ fn play(
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .window_landings;
+    outcome.scattered =
+        collectives.map_or(0, |c| c.scatters.load(std::sync::atomic::Ordering::Relaxed));
     Ok(outcome)
 }
 
@@ -686,7 +694,7 @@ fn seeded_schedules_settle_with_exact_results() {
     let seeds = seeds();
     let outcomes = run_seeds(&seeds).unwrap_or_else(|e| panic!("{e}"));
     let (mut killed, mut steps, mut done, mut failed) = (0, 0, 0, 0);
-    let (mut device, mut collective) = (0, 0);
+    let (mut device, mut collective, mut scattered) = (0, 0, 0);
     let mut rooted = [0usize; 3];
     let (mut in_windows, mut delivered) = (0, 0);
     let (mut messages, mut messages_local) = (0, 0);
@@ -697,6 +705,7 @@ fn seeded_schedules_settle_with_exact_results() {
         failed += outcome.failed;
         device += outcome.device;
         collective += outcome.collective;
+        scattered += outcome.scattered;
         in_windows += outcome.in_windows;
         delivered += outcome.delivered;
         messages += outcome.messages;
@@ -709,7 +718,8 @@ fn seeded_schedules_settle_with_exact_results() {
     eprintln!(
         "simulation: {} seeds ({killed} with a killed rank), {steps} steps, {done} operations \
          done ({device} on the simulated device, {collective} of them through a machine's \
-         collectives), {failed} failed; drawn as rooted forms: {reduces} reduces, {gathers} \
+         collectives, which reduce-scattered {scattered} slices in one call), {failed} failed; \
+         drawn as rooted forms: {reduces} reduces, {gathers} \
          gathers, {scatters} scatters; {in_windows} writes landed in a receiver's tensor; \
          {delivered} shares of results delivered; {messages} message ends done \
          ({messages_local} through a machine's mailboxes)",
@@ -739,5 +749,9 @@ fn seeded_schedules_settle_with_exact_results() {
     assert!(
         seeds.len() < 100 || collective > 0,
         "the seeds run device operations through a machine's collectives"
+    );
+    assert!(
+        seeds.len() < 100 || scattered > 0,
+        "the seeds reduce-scatter slices in one call"
     );
 }

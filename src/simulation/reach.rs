@@ -17,17 +17,23 @@ pub(super) struct SimReach {
     gpu: SimGpu,
     host: Host,
     collectives: Option<SimCollectives>,
+    /// The smallest slice the machine's collectives reduce-scatter in one
+    /// call (drawn per seed; the same on every local rank).
+    one_reduce_scatter_from: u64,
 }
 
 /// The simulation's local step.
 pub(super) type SimStep = PlacedStep<SimReach>;
 
 /// The local step of a rank over `shm`, reaching its device tensors through
-/// `memory`'s GPU and, where given, `collectives`.
+/// `memory`'s GPU and, where given, `collectives`, which reduce-scatter
+/// slices of equal slots of at least `one_reduce_scatter_from` bytes in one
+/// call.
 pub(super) fn step(
     memory: &SimMemory,
     shm: ShmStep,
     collectives: Option<SimCollectives>,
+    one_reduce_scatter_from: u64,
 ) -> SimStep {
     PlacedStep::new(
         shm,
@@ -35,6 +41,7 @@ pub(super) fn step(
             gpu: memory.sim_gpu(),
             host: memory.host().clone(),
             collectives,
+            one_reduce_scatter_from,
         },
     )
 }
@@ -71,6 +78,10 @@ impl DeviceReach for SimReach {
 
     fn has_collectives(&self) -> bool {
         self.collectives.is_some()
+    }
+
+    fn one_reduce_scatter_from(&self) -> u64 {
+        self.one_reduce_scatter_from
     }
 
     fn enqueue(

@@ -215,6 +215,10 @@ pub(super) struct Scenario {
     /// from the others' buffers for a host slice it reduces whole
     /// ([`ShmStep::reducing_whole`]): never, small slices only, or all.
     pub(super) whole_up_to: usize,
+    /// Where the machine's collectives serve: the smallest slice of equal
+    /// slots they reduce-scatter in one call (else one reduce per slot):
+    /// every such slice, those of a kilobyte and more, or none.
+    pub(super) one_reduce_scatter_from: u64,
 }
 
 impl Scenario {
@@ -352,6 +356,9 @@ impl Scenario {
         } else {
             0
         };
+        // Slices reduce-scattered in one call: drawn from a side stream, as
+        // above.
+        let one_reduce_scatter_from = rng.side(0x7273_6f6e).pick(&[0, 1024, u64::MAX]);
         // About one operation in four as its rooted form, where it has one
         // (a scatter's input divides among the ranks): drawn last, as above.
         for op in &mut ops {
@@ -379,6 +386,7 @@ impl Scenario {
             device,
             collectives,
             whole_up_to,
+            one_reduce_scatter_from,
         }
     }
 

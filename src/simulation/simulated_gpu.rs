@@ -912,6 +912,7 @@ fn kind_of(call: MachineCall) -> super::simulated_nccl::Kind {
     use super::simulated_nccl::Kind;
     match call {
         MachineCall::AllReduce { dtype, op } => Kind::AllReduce { dtype, op },
+        MachineCall::ReduceScatter { dtype, op } => Kind::ReduceScatter { dtype, op },
         MachineCall::Reduce { dtype, op, root } => Kind::Reduce { dtype, op, root },
         MachineCall::Broadcast { root } => Kind::Broadcast { root },
     }

@@ -17,8 +17,10 @@
 //!   ranks that issue in different orders would hang or mix slices under
 //!   NCCL, and here the seed fails naming the two calls.
 //! - When the last rank arrives, the call moves every rank's bytes at once:
-//!   an all-reduce, a reduce onto its root, a broadcast from it, in place,
-//!   with fairring-core's host kernels.
+//!   an all-reduce, a reduce-scatter (chunk `r` of every rank's bytes
+//!   onto rank `r`'s), a reduce onto its root, a broadcast from it, in
+//!   place, with fairring-core's host kernels. A reduce-scatter whose bytes
+//!   are not one equal chunk per rank fails the seed, as NCCL refuses it.
 //! - A rank's calls on a communicator it aborted end without moving
 //!   anything, as NCCL's kernels do after `ncclCommAbort` (which waits for
 //!   them: the simulated GPU's abort holds the aborting thread until the
@@ -26,6 +28,7 @@
 //!   calls wait until they abort in turn.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use fairring_core::reduce::finish_avg_bytes;
@@ -39,6 +42,10 @@ use crate::memory::reduce_into;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kind {
     AllReduce {
+        dtype: DataType,
+        op: ReduceOp,
+    },
+    ReduceScatter {
         dtype: DataType,
         op: ReduceOp,
     },
@@ -77,6 +84,8 @@ struct MachineCalls {
     meetings: HashMap<(Comm, u64), Rendezvous>,
     /// Per local rank, per communicator: aborted.
     aborted: Vec<[bool; 2]>,
+    /// Reduce-scatters that met, counted for the job.
+    scatters: Arc<AtomicU64>,
 }
 
 /// The collectives of one simulated machine, shared by its ranks' GPUs.
@@ -84,12 +93,14 @@ struct MachineCalls {
 pub(super) struct SimMachine(Arc<Mutex<MachineCalls>>);
 
 impl SimMachine {
-    /// A machine of `ranks` ranks.
-    pub(super) fn new(ranks: u32) -> SimMachine {
+    /// A machine of `ranks` ranks, counting the reduce-scatters that meet
+    /// in `scatters`.
+    pub(super) fn new(ranks: u32, scatters: Arc<AtomicU64>) -> SimMachine {
         SimMachine(Arc::new(Mutex::new(MachineCalls {
             ranks,
             meetings: HashMap::new(),
             aborted: vec![[false; 2]; ranks as usize],
+            scatters,
         })))
     }
 
@@ -162,6 +173,9 @@ impl SimMachine {
             // (the engine's contract for a collective's bytes).
             unsafe { meet(call.kind, &at, call.len) };
             meeting.done = true;
+            if matches!(call.kind, Kind::ReduceScatter { .. }) {
+                calls.scatters.fetch_add(1, Ordering::Relaxed);
+            }
         }
         false
     }
@@ -182,9 +196,10 @@ impl SimMachine {
 unsafe fn meet(kind: Kind, at: &[usize], len: usize) {
     // SAFETY: forwarded.
     let bytes = |r: usize| unsafe { std::slice::from_raw_parts_mut(at[r] as *mut u8, len) };
-    let reduced = |dtype: DataType, op: ReduceOp| {
-        let mut sum = bytes(0).to_vec();
-        let mut others = (1..at.len()).map(|r| Ok(&*bytes(r)));
+    // Every rank's bytes `within`, reduced.
+    let reduced = |dtype: DataType, op: ReduceOp, within: std::ops::Range<usize>| {
+        let mut sum = bytes(0)[within.clone()].to_vec();
+        let mut others = (1..at.len()).map(|r| Ok(&bytes(r)[within.clone()]));
         reduce_into(dtype, op, &mut sum, &mut others).expect("the engine reduces what it may");
         if op == ReduceOp::Avg {
             finish_avg_bytes(dtype, &mut sum, at.len() as u32).expect("averages divide floats");
@@ -193,13 +208,21 @@ unsafe fn meet(kind: Kind, at: &[usize], len: usize) {
     };
     match kind {
         Kind::AllReduce { dtype, op } => {
-            let sum = reduced(dtype, op);
+            let sum = reduced(dtype, op, 0..len);
             for r in 0..at.len() {
                 bytes(r).copy_from_slice(&sum);
             }
         }
+        Kind::ReduceScatter { dtype, op } => {
+            let chunk = scatter_chunk(len, at.len(), dtype);
+            for r in 0..at.len() {
+                let own = r * chunk..(r + 1) * chunk;
+                let sum = reduced(dtype, op, own.clone());
+                bytes(r)[own].copy_from_slice(&sum);
+            }
+        }
         Kind::Reduce { dtype, op, root } => {
-            let sum = reduced(dtype, op);
+            let sum = reduced(dtype, op, 0..len);
             bytes(root as usize).copy_from_slice(&sum);
         }
         Kind::Broadcast { root } => {
@@ -209,6 +232,22 @@ unsafe fn meet(kind: Kind, at: &[usize], len: usize) {
             }
         }
     }
+}
+
+/// The bytes of each rank's chunk of a reduce-scatter over `len` bytes
+/// among `ranks`.
+///
+/// # Panics
+///
+/// Where `len` is not `ranks` equal chunks of whole elements, which NCCL's
+/// `ncclReduceScatter` cannot express: the engine asked for what it may not.
+fn scatter_chunk(len: usize, ranks: usize, dtype: DataType) -> usize {
+    let element = usize::try_from(dtype.size_bytes()).expect("an element's bytes fit");
+    assert!(
+        ranks > 0 && len.is_multiple_of(ranks) && (len / ranks).is_multiple_of(element),
+        "a reduce-scatter of {len} bytes of {dtype:?} is not {ranks} equal chunks"
+    );
+    len / ranks
 }
 
 /// One rank's collectives on its simulated GPU (a handle: clones share it).
@@ -250,6 +289,12 @@ impl Meeting for RankMeeting {
         match call.kind {
             // A reduce writes its root's bytes only.
             Kind::Reduce { root, .. } if root != self.rank => (call.at, 0),
+            // A reduce-scatter writes each rank's own chunk only.
+            Kind::ReduceScatter { dtype, .. } => {
+                let ranks = self.machine.lock().ranks as usize;
+                let chunk = scatter_chunk(call.len, ranks, dtype);
+                (call.at + self.rank as usize * chunk, chunk)
+            }
             _ => (call.at, call.len),
         }
     }

@@ -208,13 +208,13 @@ impl Pipeline<'_> {
     }
 
     /// The reduce-scatter within each machine (or its one all-reduce).
-    fn scatter(&mut self, slice_bytes: f64) -> Result<(), ModelError> {
+    fn scatter(&mut self, slice: &Slice) -> Result<(), ModelError> {
         let costs = self.costs;
         self.scratch.scattered.clear();
         let local = if costs.alone {
-            costs.stages.intra_all_reduce(slice_bytes)?
+            costs.stages.intra_all_reduce(f(slice.span().byte_len()))?
         } else {
-            costs.stages.intra_reduce(slice_bytes)?
+            costs.stages.intra_reduce(slice)?
         };
         let step = costs.stages.step();
         for (m, machine) in self.machines.iter_mut().enumerate() {
@@ -233,7 +233,7 @@ impl Pipeline<'_> {
     fn add(&mut self, slice: &Slice, submitted: f64) -> Result<(), ModelError> {
         self.take_buffers(submitted);
         let slice_bytes = f(slice.span().byte_len());
-        self.scatter(slice_bytes)?;
+        self.scatter(slice)?;
         if let Some(trees) = slice.double_tree() {
             return self.add_trees(slice, &trees, slice_bytes);
         }

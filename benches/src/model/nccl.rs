@@ -17,7 +17,11 @@
 //! each figure comes from. NCCL runs one collective at a time on its stream, so
 //! `tensors` tensors take `tensors` times one.
 //!
-//! Not ported: CollNet (SHARP), PAT (all-reduce never uses it), the fp8 ring
+//! The engine's own calls within a machine are timed the same way
+//! ([`estimate_collective`]): a reduce, a reduce-scatter and an all-gather.
+//!
+//! Not ported: CollNet (SHARP), PAT (all-reduce never uses it, a
+//! reduce-scatter only with one GPU a machine), the fp8 ring
 //! penalty, tuner plugins and `NCCL_ALGO`/`NCCL_PROTO` overrides, the x86 test
 //! of NVLSTree's size correction (which applies from compute capability 10.0,
 //! no preset's), and LL128's
@@ -164,6 +168,10 @@ pub enum Collective {
     AllReduce,
     /// `ncclReduce`: the tuner runs it as a ring only (tuning.cc 294).
     Reduce,
+    /// `ncclReduceScatter`: a ring, or on one machine NVLS, whose bus
+    /// bandwidth the tuner keeps as the algorithm's (tuning.cc 295-296,
+    /// 310-318, 376-381; PAT needs one GPU a machine, CollNet is left out).
+    ReduceScatter,
     /// `ncclAllGather`, and the broadcasts of a group with several roots, which
     /// NCCL runs as one ring all-gather (`ncclScheduleBcastTasksToPlan`,
     /// `src/scheduler/allgatherv_sched.cc` 47-75: NVLS off): a ring only here.
@@ -394,7 +402,8 @@ pub fn estimate_collective(
     protocol: Protocol,
 ) -> Option<Estimate> {
     let all_reduce = collective == Collective::AllReduce;
-    if !all_reduce && algorithm != NcclAlgorithm::Ring {
+    let nvls_scatter = collective == Collective::ReduceScatter && algorithm == NcclAlgorithm::Nvls;
+    if !all_reduce && algorithm != NcclAlgorithm::Ring && !nvls_scatter {
         return None;
     }
     let n_nodes = machines.max(1);
@@ -443,7 +452,7 @@ pub fn estimate_collective(
     // tuning.cc 289-291.
     let nsteps = match collective {
         Collective::AllReduce => 2.0 * f64::from(n_ranks - 1),
-        Collective::AllGather => f64::from(n_ranks - 1),
+        Collective::AllGather | Collective::ReduceScatter => f64::from(n_ranks - 1),
         Collective::Reduce => f64::from(n_ranks),
     };
     // tuning.cc 306-324.
@@ -456,8 +465,11 @@ pub fn estimate_collective(
         if graph.channels < 2 {
             return None;
         }
-        // An all-reduce pipelines two operations (tuning.cc 314).
-        let intra = graph.bw_intra * NVLS_EFFICIENCY[arch] * (channels - 1.0) / channels * 2.0;
+        // An all-reduce pipelines two operations; anything else moves a
+        // `(ppn - 1) / ppn` share (tuning.cc 313-318).
+        let ppn = f64::from(devices.max(1));
+        let share = if all_reduce { 2.0 } else { (ppn - 1.0) / ppn };
+        let intra = graph.bw_intra * NVLS_EFFICIENCY[arch] * (channels - 1.0) / channels * share;
         let inter = graph.bw_inter
             * if n_nodes <= 2 && algorithm == NcclAlgorithm::NvlsTree {
                 2.0
@@ -501,8 +513,11 @@ pub fn estimate_collective(
     if bus <= 0.0 {
         return None;
     }
-    // tuning.cc 377-382: bus bandwidth to algorithm bandwidth.
-    let bandwidth = if algorithm == NcclAlgorithm::Tree {
+    // tuning.cc 377-382: bus bandwidth to algorithm bandwidth, but for a
+    // reduce-scatter other than the ring's, whose bus bandwidth stands.
+    let bandwidth = if nvls_scatter {
+        bus
+    } else if algorithm == NcclAlgorithm::Tree {
         bus * 0.5
     } else {
         bus * f64::from(n_ranks) / nsteps

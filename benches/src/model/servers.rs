@@ -96,7 +96,7 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
         let scattered = reduce.call(
             &mut sched,
             nvlink,
-            stages.intra_reduce(slice_bytes)?,
+            stages.intra_reduce(&slice)?,
             take,
             stages.step(),
         );

@@ -81,16 +81,22 @@ impl Stages {
         }
     }
 
-    /// The reduce-scatter of a slice of `bytes` within the machine: the
-    /// engine's group of `ncclReduce`s, one per rank's slot, which NCCL times
-    /// as one reduce of the whole slice (`ncclPrepareTasks` aggregates them,
-    /// `src/enqueue.cc` 408-441); with one GPU per machine, the copy between the
-    /// tensor and staging.
-    pub(super) fn intra_reduce(&self, bytes: f64) -> Result<MachineCall, ModelError> {
-        if self.devices > 1 {
-            self.within_machine(Collective::Reduce, bytes)
-        } else {
+    /// The reduce-scatter of `slice` within the machine, as the engine calls
+    /// it ([`fairring::reduces_in_one_call`]): one `ncclReduceScatter` of the
+    /// slice where its slots are equal and it holds at least
+    /// [`fairring::ONE_REDUCE_SCATTER_FROM_BYTES`]; else the group of
+    /// `ncclReduce`s, one per rank's slot, which NCCL times as one reduce of
+    /// the whole slice (`ncclPrepareTasks` aggregates them, `src/enqueue.cc`
+    /// 408-441). With one GPU per machine, the copy between the tensor and
+    /// staging.
+    pub(super) fn intra_reduce(&self, slice: &Slice) -> Result<MachineCall, ModelError> {
+        let bytes = f(slice.span().byte_len());
+        if self.devices == 1 {
             Ok(self.copy(bytes))
+        } else if fairring::reduces_in_one_call(slice, fairring::ONE_REDUCE_SCATTER_FROM_BYTES) {
+            self.within_machine(Collective::ReduceScatter, bytes)
+        } else {
+            self.within_machine(Collective::Reduce, bytes)
         }
     }
 

@@ -256,6 +256,14 @@ impl Slice {
         Ok(self.slot_at(device))
     }
 
+    /// Whether its `D` slots hold the same number of elements: one slot, or
+    /// whole units dealt evenly and no tail. Slots lie one after another in
+    /// device order, so a slice of equal slots is `D` equal chunks, slot `d`
+    /// the `d`th (what a machine's single reduce-scatter of the slice takes).
+    pub const fn slots_equal(&self) -> bool {
+        self.devices == 1 || (self.tail == 0 && self.units.is_multiple_of(self.devices as u64))
+    }
+
     /// Slot `device`, for `device < D`.
     const fn slot_at(&self, device: u32) -> Span {
         let d = device as u64;

@@ -28,8 +28,12 @@ pub const MAGIC: [u8; 4] = *b"FRNG";
 /// fewer shards of the minimum than there are machines, slices are 32 MiB on
 /// the flat plan where that slot holds enough
 /// ([`PlanConfig::WIDE_FLAT_SLICE_BYTES`](crate::plan::PlanConfig::WIDE_FLAT_SLICE_BYTES)),
-/// where version 3 went through the trees.
-pub const VERSION: u8 = 4;
+/// where version 3 went through the trees. Version 5: the GPUs of a machine
+/// reduce-scatter a slice of equal slots of at least 20 MiB with one NCCL
+/// call where version 4 made one per slot (`fairring`'s
+/// `reduces_in_one_call`), so a machine's ranks of versions 4 and 5 would
+/// issue different calls on their communicator.
+pub const VERSION: u8 = 5;
 /// Largest payload of a `Hello` frame (the handshake of the fabric).
 pub const MAX_HELLO_PAYLOAD: u32 = 4096;
 /// Largest payload of an `Abort` frame (a UTF-8 reason).
