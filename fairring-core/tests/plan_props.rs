@@ -478,21 +478,25 @@ fn adaptive_sharding_examples() {
     let topo = Topology::new(65, 8, RankLayout::Contiguous).unwrap();
     let g = Geometry::new(topo, PlanConfig::default()).unwrap();
     assert_eq!(g.routing(), Routing::Trees);
-    assert_eq!(g.full_slice_bytes(), 16 << 20);
+    assert_eq!(g.full_slice_bytes(), 20 << 20);
+    // A 64 MiB tensor there goes in four slices of 16 MiB, 100 MiB in five of
+    // 20 MiB.
+    assert_eq!(g.slice_bytes_for(64 << 20), 16 << 20);
+    assert_eq!(g.slice_bytes_for(100 << 20), 20 << 20);
     // 512 machines x 8 devices (4096 GPUs): where a fixed M-way split would cut
     // 6.25 KiB shards, the cells go through the trees, half a slot each, in the
-    // default slices of the trees (16 MiB), and a staging buffer holds the slot
+    // default slices of the trees (20 MiB), and a staging buffer holds the slot
     // and two children's halves.
     let topo = Topology::new(512, 8, RankLayout::Contiguous).unwrap();
     let g = Geometry::new(topo, PlanConfig::default()).unwrap();
     assert_eq!(g.routing(), Routing::Trees);
-    assert_eq!(g.full_slice_bytes(), 16 << 20);
+    assert_eq!(g.full_slice_bytes(), 20 << 20);
     assert_eq!(g.shards_per_full_slice(), 2);
-    let half = (16 << 20) / 8 / 2;
+    let half = (20 << 20) / 8 / 2;
     assert_eq!(g.staging_layout().shard_stride(), half + 64);
     assert_eq!(
         g.staging_layout().total_bytes(),
-        (16 << 20) / 8 + 2 * (half + 64)
+        (20 << 20) / 8 + 2 * (half + 64)
     );
     // A slice size given is kept through the trees.
     let given = PlanConfig::new(25 << 20, 64 << 10).unwrap();
@@ -759,12 +763,15 @@ proptest! {
             prop_assert!(!defaults.config().slice_by_routing());
         } else {
             prop_assert_eq!(servers, 0);
-            let trees = make(PlanConfig::new(16 << 20, min_shard).unwrap());
-            prop_assert_eq!(defaults, trees);
+            let trees = make(PlanConfig::new(20 << 20, min_shard).unwrap());
             prop_assert_eq!(defaults.routing(), Routing::Trees);
-            prop_assert_eq!(defaults.config().slice_bytes(), 16 << 20);
-            prop_assert!(!defaults.config().slice_by_routing());
-            prop_assert!(defaults.full_slice_bytes() <= 16 << 20);
+            prop_assert_eq!(defaults.config().slice_bytes(), 20 << 20);
+            // Still the default's: small tensors are cut.
+            prop_assert!(defaults.config().slice_by_routing());
+            prop_assert_eq!(defaults.full_slice_bytes(), trees.full_slice_bytes());
+            prop_assert_eq!(defaults.shards_per_full_slice(), trees.shards_per_full_slice());
+            prop_assert_eq!(defaults.staging_layout(), trees.staging_layout());
+            prop_assert!(defaults.full_slice_bytes() <= 20 << 20);
         }
     }
 
@@ -797,7 +804,7 @@ proptest! {
             let one_more = Topology::new(u32::try_from(most + 1).unwrap(), d, RankLayout::Contiguous).unwrap();
             let g = Geometry::new(one_more, defaults).unwrap();
             prop_assert_eq!(g.routing(), Routing::Trees);
-            prop_assert!(g.full_slice_bytes() <= 16 << 20);
+            prop_assert!(g.full_slice_bytes() <= 20 << 20);
         }
     }
 
@@ -910,15 +917,16 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
-    /// With the default slices on the flat plan without servers, a tensor too
-    /// small for four full slices is cut into smaller ones: a multiple of
-    /// `D * ALIGN_BYTES`, at least 16 MiB and a shard of the minimum for every
-    /// machine, at least four of them unless that floor allows fewer, and as
-    /// many shards as a full slice's; larger tensors, given slices, the trees
-    /// and dedicated servers keep full slices. Larger tensors never get
-    /// smaller slices.
+    /// With the default slices (25 MiB flat, 20 MiB through the trees; not
+    /// the wide flat ones) without servers, a tensor too small for four full
+    /// slices is cut into smaller ones: a multiple of `D * ALIGN_BYTES`, at
+    /// least 16 MiB and a shard of the minimum for each of a full slot's
+    /// shards (every machine, flat), at least four of them unless that floor
+    /// allows fewer, and as many shards as a full slice's; larger tensors,
+    /// given slices, the wide ones and dedicated servers keep full slices.
+    /// Larger tensors never get smaller slices.
     #[test]
-    fn small_tensors_on_the_flat_default_take_several_slices(
+    fn small_tensors_on_the_default_slices_take_several(
         m in machines(),
         d in 1u32..=16,
         min_shard in log_size(20),
@@ -946,15 +954,21 @@ proptest! {
         let s = g.slice_bytes_for(bytes);
         prop_assert!(s <= full && s % step == 0 && s > 0, "{} of {}", s, full);
         prop_assert!(s <= g.slice_bytes_for(bytes + more));
-        let flat_default = !given && servers == 0 && g.routing() == Routing::Flat;
-        if !flat_default || bytes >= 4 * full {
+        let wide = g.routing() == Routing::Flat && g.config().slice_bytes() == 32 << 20;
+        let cut = !given && servers == 0 && !wide;
+        prop_assert_eq!(cut, !given && servers == 0 && g.config().slice_by_routing());
+        if !cut || bytes >= 4 * full {
             prop_assert_eq!(s, full);
             return Ok(());
         }
         if s == full {
             return Ok(());
         }
-        let floor = (16u64 << 20).max(g.min_shard_bytes() * u64::from(m) * u64::from(d));
+        let shards = match g.routing() {
+            Routing::Flat => m,
+            Routing::Trees => g.shards_per_full_slice(),
+        };
+        let floor = (16u64 << 20).max(g.min_shard_bytes() * u64::from(shards) * u64::from(d));
         prop_assert!(s >= floor, "{} under {}", s, floor);
         prop_assert!(
             bytes.div_ceil(s) >= PlanConfig::MIN_SLICES_PER_TENSOR || s < floor + step,

@@ -658,10 +658,11 @@ mod tests {
             (32 << 20, 4.max(FEWEST_DEFAULT_BUFFERS))
         );
         assert_eq!(g.staging_layout().total_bytes(), 12_455_872);
-        // 65x8, through the trees in 16 MiB slices: a 2 MiB slot and two areas
-        // of 1 MiB and a line: 4,194,432 bytes, 12 of them.
+        // 65x8, through the trees in 20 MiB slices: a 2.5 MiB slot and two
+        // areas of 1.25 MiB and a line: 5,243,008 bytes, 9 of them.
         let (g, _, buffers) = unset(65, 8, &|b| b);
-        assert_eq!((g.full_slice_bytes(), buffers), (16 << 20, 12));
+        assert_eq!((g.full_slice_bytes(), buffers), (20 << 20, 9));
+        assert_eq!(g.staging_layout().total_bytes(), 5_243_008);
         // 2x2: a 12.5 MiB slot and one area of 6.25 MiB: two of them, so 50
         // MiB, the slices halved until two buffers fit, as with 50 MiB given.
         let (g, _, buffers) = unset(2, 2, &|b| b);
@@ -722,11 +723,11 @@ mod tests {
         assert_eq!(g.full_slice_bytes(), 32 << 20);
         assert!(buffers >= 2);
         // 65 machines: a 32 MiB slice's slot holds 64 shards of 64 KiB, so the
-        // cells go through the trees, in 16 MiB slices by default.
+        // cells go through the trees, in 20 MiB slices by default.
         let deep = Topology::new(65, 8, RankLayout::Contiguous).unwrap();
         let (g, _, buffers) = size_staging(&config(520, |b| b), deep).unwrap();
         assert_eq!(g.routing(), Routing::Trees);
-        assert_eq!(g.full_slice_bytes(), 16 << 20);
+        assert_eq!(g.full_slice_bytes(), 20 << 20);
         assert!(buffers >= 2);
         // 8 machines: flat, 25 MiB.
         let flat = Topology::new(8, 8, RankLayout::Contiguous).unwrap();

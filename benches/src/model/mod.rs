@@ -145,7 +145,7 @@ pub struct Job {
 
 impl Job {
     /// One tensor of `bytes` bytes of f32 on `machines x devices` GPUs with the
-    /// engine's defaults: 25 MiB slices (16 MiB through the trees), 64 KiB minimum
+    /// engine's defaults: 25 MiB slices (20 MiB through the trees), 64 KiB minimum
     /// shard, the default staging ([`fairring::config::DEFAULT_TOTAL_MEMORY`]).
     pub fn new(machines: u32, devices: u32, bytes: u64) -> Job {
         Job {

@@ -17,15 +17,23 @@ pub struct PlanConfig {
 impl PlanConfig {
     /// Default largest slice: 25 MiB, as the original Fairring used.
     pub const DEFAULT_SLICE_BYTES: u64 = 25 << 20;
-    /// Default largest slice where the cells go through the trees: 16 MiB.
+    /// Default largest slice where the cells go through the trees: 20 MiB.
     ///
     /// A tree's cell travels in parts (at most [`TREE_PARTS`](super::TREE_PARTS))
     /// up and down `2 log2 M` levels, so a slice's fill and drain through the
     /// trees grows with its parts' size: smaller slices keep more of the trees'
-    /// depth busy. The scale model (`docs/scale-model.md`) puts the best at 16 MiB
-    /// for 512 to 2048 H100s at 64 MiB to 1 GiB; the flat plan keeps 25 MiB,
-    /// where smaller slices only add per-call costs.
-    pub const DEFAULT_TREE_SLICE_BYTES: u64 = 16 << 20;
+    /// depth busy, larger ones hold NVLink for less where a machine's GPUs
+    /// reduce-scatter them in one call (20 MiB and more, in `fairring`). The
+    /// scale model (`docs/scale-model.md`) puts 520 to 2048 H100s at 308 to 316
+    /// GB/s busbw for 256 MiB and 356 to 359 for 1 GiB in 20 MiB slices,
+    /// against 299 to 305 and 349 to 350 in 16 MiB; a tensor of fewer than
+    /// four of them is cut in four ([`PlanConfig::MIN_SLICES_PER_TENSOR`]), as
+    /// on the flat plan.
+    pub const DEFAULT_TREE_SLICE_BYTES: u64 = 20 << 20;
+    /// The smallest slice a tensor of fewer than
+    /// [`PlanConfig::MIN_SLICES_PER_TENSOR`] default slices is cut into: 16
+    /// MiB ([`Geometry::slice_bytes_for`]).
+    pub const SMALLEST_CUT_SLICE_BYTES: u64 = 16 << 20;
     /// Default largest slice where a slot of
     /// [`PlanConfig::DEFAULT_SLICE_BYTES`] is too small to give every machine a
     /// shard of the minimum but a slot of this size is not: 32 MiB, so the
@@ -38,10 +46,11 @@ impl PlanConfig {
     /// to 229, 333 to 340 and 372 GB/s busbw for 64 MiB, 256 MiB and 1 GiB,
     /// against 209, 305 and 350 through the trees at 512.
     pub const WIDE_FLAT_SLICE_BYTES: u64 = 32 << 20;
-    /// With the default slices, on the flat plan without dedicated servers, a
-    /// tensor of fewer full slices is cut into this many, in slices of no less
-    /// than [`PlanConfig::DEFAULT_TREE_SLICE_BYTES`] and a shard of the
-    /// minimum for every machine ([`Geometry::slice_bytes_for`]).
+    /// With the default slices (flat or through the trees, but not the wide
+    /// flat ones) and no dedicated servers, a tensor of fewer full slices is
+    /// cut into this many, in slices of no less than
+    /// [`PlanConfig::SMALLEST_CUT_SLICE_BYTES`] and a shard of the minimum for
+    /// each of a slot's shards ([`Geometry::slice_bytes_for`]).
     ///
     /// A slice's stages (reduce-scatter, contributions, reduction, results,
     /// all-gather) overlap only with other slices': a 64 MiB tensor cut 25,
@@ -243,10 +252,12 @@ impl Geometry {
         {
             // Fewer units a slot give no more shards (`shards_for_slot` grows
             // with the slot), so the smaller slices route through the trees too.
+            // They stay the default's, so that small tensors are cut; made
+            // again from this configuration, the same geometry comes out.
             let trees = PlanConfig {
                 slice_bytes: PlanConfig::DEFAULT_TREE_SLICE_BYTES,
                 min_shard_bytes: config.min_shard_bytes,
-                slice_by_routing: false,
+                slice_by_routing: true,
             };
             return Geometry::build(topology, trees, servers);
         }
@@ -341,29 +352,27 @@ impl Geometry {
 
     /// Bytes in each slice but the last of a tensor of `tensor_bytes` bytes:
     /// [`Geometry::full_slice_bytes`], or, where the slices are the default's
-    /// ([`PlanConfig::slice_by_routing`]) on the flat plan without dedicated
-    /// servers, less where the tensor would otherwise have fewer than
-    /// [`PlanConfig::MIN_SLICES_PER_TENSOR`] slices: a quarter of it, rounded
-    /// up to a multiple of `D * ALIGN_BYTES`, and no less than
-    /// [`PlanConfig::DEFAULT_TREE_SLICE_BYTES`] or than a slice whose slot
-    /// holds a shard of the minimum for every machine (so that its shards
-    /// stay [`Geometry::shards_per_full_slice`]).
+    /// ([`PlanConfig::slice_by_routing`]: 25 MiB on the flat plan, 20 MiB
+    /// through the trees) without dedicated servers, less where the tensor
+    /// would otherwise have fewer than [`PlanConfig::MIN_SLICES_PER_TENSOR`]
+    /// slices: a quarter of it, rounded up to a multiple of `D * ALIGN_BYTES`,
+    /// and no less than [`PlanConfig::SMALLEST_CUT_SLICE_BYTES`] or than a
+    /// slice whose slot holds a shard of the minimum for each of its shards
+    /// (every machine, on the flat plan), so that its shards stay
+    /// [`Geometry::shards_per_full_slice`].
     pub const fn slice_bytes_for(&self, tensor_bytes: u64) -> u64 {
         let full = self.full_slice_bytes();
-        if !self.config.slice_by_routing
-            || self.servers > 0
-            || !matches!(self.routing, Routing::Flat)
-        {
+        if !self.config.slice_by_routing || self.servers > 0 {
             return full;
         }
         let step = self.topology.devices_per_machine() as u64 * ALIGN_BYTES;
-        let every_machine = self.min_shard_units * self.topology.machines() as u64 * step;
+        let every_shard = self.min_shard_units * self.full_shards as u64 * step;
         let mut want = tensor_bytes.div_ceil(PlanConfig::MIN_SLICES_PER_TENSOR);
-        if want < PlanConfig::DEFAULT_TREE_SLICE_BYTES {
-            want = PlanConfig::DEFAULT_TREE_SLICE_BYTES;
+        if want < PlanConfig::SMALLEST_CUT_SLICE_BYTES {
+            want = PlanConfig::SMALLEST_CUT_SLICE_BYTES;
         }
-        if want < every_machine {
-            want = every_machine;
+        if want < every_shard {
+            want = every_shard;
         }
         let bytes = want.div_ceil(step).saturating_mul(step);
         if bytes < full { bytes } else { full }

@@ -32,7 +32,9 @@ pub const MAGIC: [u8; 4] = *b"FRNG";
 /// reduce-scatter a slice of equal slots of at least 20 MiB with one NCCL
 /// call where version 4 made one per slot (`fairring`'s
 /// `reduces_in_one_call`), so a machine's ranks of versions 4 and 5 would
-/// issue different calls on their communicator.
+/// issue different calls on their communicator; and where no slice size is
+/// given, slices through the trees are 20 MiB, not 16, and a tensor of fewer
+/// than four of them is cut in four, as on the flat plan.
 pub const VERSION: u8 = 5;
 /// Largest payload of a `Hello` frame (the handshake of the fabric).
 pub const MAX_HELLO_PAYLOAD: u32 = 4096;
