@@ -445,8 +445,11 @@ fn large_slices_reduce_scattered_in_one_call_are_exact() {
     let test = "large_slices_reduce_scattered_in_one_call_are_exact";
     let n = (85usize << 20) / 4;
     let Some(comm) = rank_of_job(test) else {
+        // A budget that holds full 25 MiB slices (unset, 2x2 keeps 50 MiB
+        // and halves the slices until two buffers fit).
         let mut env = vec![
             ("FAIRRING_ALGO", "hierarchical".to_owned()),
+            ("FAIRRING_TOTAL_MEMORY", "256M".to_owned()),
             ("FAIRRING_TIMEOUT", "60".to_owned()),
         ];
         env.extend(through_nccl());

@@ -733,8 +733,9 @@ proptest! {
     /// The default slices are 25 MiB's geometry exactly where that is flat or
     /// served by dedicated servers. Where 25 MiB slices would go through the
     /// trees, they are the geometry of 32 MiB slices given where that is flat
-    /// (every machine serving a shard), and else that of 16 MiB slices given,
-    /// which go through the trees too. Its configuration makes it again.
+    /// (every machine serving a shard), and else that of 20 MiB slices given,
+    /// which go through the trees too, its configuration still the default's.
+    /// Its configuration makes it again.
     #[test]
     fn default_slices_widen_to_stay_flat_then_shrink_through_the_trees(
         m in machines(), d in 1u32..=16, min_shard in log_size(20), servers in 0u32..=8
@@ -779,7 +780,7 @@ proptest! {
     /// are machines and a slot of 32 MiB holds as many, the default slices are
     /// 32 MiB on the flat plan, every machine serving a shard of at least the
     /// minimum of every full slot; one machine more, and the cells go through
-    /// the trees in 16 MiB slices.
+    /// the trees in 20 MiB slices.
     #[test]
     fn default_slices_widen_where_32_mib_gives_every_machine_a_shard(
         d in 1u32..=16, min_shard in log_size(20), pick in any::<u64>()

@@ -83,9 +83,10 @@ pub(crate) fn takes(dtype: DataType, op: ReduceOp) -> bool {
 /// scale model (`docs/scale-model.md`), which times the engine's calls with
 /// that tuner, finds the single call ahead where NVLink's bytes bound the
 /// pipeline and the call's latency passes while earlier slices' bytes hold
-/// NVLink: in the default 25 and 32 MiB slices of large tensors (up to 7%
-/// more busbw at 256 MiB and 1 GiB from 16 to 512 H100s), and behind in
-/// slices of 16 MiB and less (the trees', and a 64 MiB tensor's four).
+/// NVLink: in the default 25 MiB slices of large tensors (up to 7% more busbw
+/// at 256 MiB and 1 GiB from 16 to 400 H100s; in the 32 MiB slices of 488 to
+/// 512, 3% more at 1 GiB and 1.5% less at 256 MiB), and behind in slices of
+/// 16 MiB and less (a 64 MiB tensor's four).
 pub const ONE_REDUCE_SCATTER_FROM_BYTES: u64 = 20 << 20;
 
 /// Whether a machine's GPUs reduce-scatter `slice` (of an operation that
@@ -335,8 +336,7 @@ mod tests {
         assert!(s[0].slots_equal());
         // The tail reduce-scatters in one call where the size allows it.
         assert!(reduces_in_one_call(&s[3], 10 << 20));
-        // 16 MiB slices (the trees', a 64 MiB tensor's four) reduce slot by
-        // slot.
+        // 16 MiB slices (a 64 MiB tensor's four) reduce slot by slot.
         let s = slices(2, 8, 16 << 20, 64 << 20);
         assert!(s.iter().all(|s| !reduces_in_one_call(s, from)));
         assert!(s[1..].iter().all(|s| reduces_in_one_call(s, 16 << 20)));

@@ -24,11 +24,11 @@ impl PlanConfig {
     /// trees grows with its parts' size: smaller slices keep more of the trees'
     /// depth busy, larger ones hold NVLink for less where a machine's GPUs
     /// reduce-scatter them in one call (20 MiB and more, in `fairring`). The
-    /// scale model (`docs/scale-model.md`) puts 520 to 2048 H100s at 308 to 316
-    /// GB/s busbw for 256 MiB and 356 to 359 for 1 GiB in 20 MiB slices,
-    /// against 299 to 305 and 349 to 350 in 16 MiB; a tensor of fewer than
-    /// four of them is cut in four ([`PlanConfig::MIN_SLICES_PER_TENSOR`]), as
-    /// on the flat plan.
+    /// scale model (`docs/scale-model.md`) puts every multiple of 8 H100s from
+    /// 520 to 2048 at 300 to 316 GB/s busbw for 256 MiB and 351 to 360 for
+    /// 1 GiB in 20 MiB slices, against 299 to 309 and 348 to 351 in 16 MiB; a
+    /// tensor of fewer than four of them is cut in four
+    /// ([`PlanConfig::MIN_SLICES_PER_TENSOR`]), as on the flat plan.
     pub const DEFAULT_TREE_SLICE_BYTES: u64 = 20 << 20;
     /// The smallest slice a tensor of fewer than
     /// [`PlanConfig::MIN_SLICES_PER_TENSOR`] default slices is cut into: 16
@@ -337,9 +337,10 @@ impl Geometry {
     }
 
     /// The configuration it was made from; where the default slices were
-    /// chosen by the routing, the configuration of the slices chosen (with
-    /// [`PlanConfig::slice_by_routing`] false), from which the same geometry is
-    /// made again.
+    /// chosen by the routing, the configuration of the slices chosen (the wide
+    /// flat ones with [`PlanConfig::slice_by_routing`] false, the trees' still
+    /// the default's, so that small tensors are cut), from which the same
+    /// geometry is made again.
     pub const fn config(&self) -> PlanConfig {
         self.config
     }
