@@ -55,7 +55,11 @@
 //!   device work enqueued when the call is accepted so that a stream may wait
 //!   for the engine; with several ranks per machine, the machine's
 //!   reduce-scatter and all-gather run as NCCL's collectives on the tensors,
-//!   or staged through the shared segment: `FAIRRING_DEVICE_LOCAL`);
+//!   or staged through the shared segment: `FAIRRING_DEVICE_LOCAL`; on two to
+//!   seven machines whose GPUs reduce in their NVSwitch, a device all-reduce
+//!   of the sizes where NCCL's NVLSTree is ahead of the plan runs as one NCCL
+//!   all-reduce over the whole job: `FAIRRING_NCCL_ACROSS_MACHINES`,
+//!   [`nccl_across_job`]);
 //! - **on any fabric**: tcp, or verbs where an RDMA device is present and the
 //!   `verbs` feature is built (`FAIRRING_FABRIC`);
 //! - **with dedicated servers** if asked (`FAIRRING_SERVERS`, Herring's design):
@@ -100,9 +104,11 @@ pub use communicator::{
     Call, Collective, Communicator, Memory, Options, OwnedWork, Scope, Tensor, TensorMut, Work,
 };
 pub use config::{
-    Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Launcher, Role, Staging,
+    Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Launcher, NcclAcrossMachines,
+    Role, Staging,
 };
 pub use engine::links::Traffic;
+pub use engine::{NCCL_ACROSS_UP_TO_MACHINES, nccl_across_job};
 pub use error::{Error, Result};
 pub use fairring_core::{DataType, ReduceOp, WireFormat};
 pub use fusion::Fusion;

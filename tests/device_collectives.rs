@@ -478,6 +478,59 @@ fn large_slices_reduce_scattered_in_one_call_are_exact() {
     assert!(wrong.is_none(), "rank {rank}: element {wrong:?} wrong");
 }
 
+/// 2x2 with the job's NCCL communicator made on any GPU
+/// (`FAIRRING_NCCL_ACROSS_MACHINES=on`): `auto` runs all-reduces of 4 MiB
+/// and more as one NCCL all-reduce across the job (`fairring::nccl_across_job`
+/// on two machines), sums of two types and an integer maximum, and a 1 MiB
+/// sum below the rule on the plan. Every element is exact, on every rank.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn all_reduces_across_the_job_through_nccl_are_exact() {
+    let test = "all_reduces_across_the_job_through_nccl_are_exact";
+    let Some(comm) = rank_of_job(test) else {
+        let mut env = vec![
+            ("FAIRRING_NCCL_ACROSS_MACHINES", "on".to_owned()),
+            ("FAIRRING_TIMEOUT", "60".to_owned()),
+        ];
+        env.extend(through_nccl());
+        ProcessJob::run(test, 2, 2, &env, JOB_LIMIT);
+        return;
+    };
+    assert!(fairring::nccl_across_job(2, 4 << 20));
+    assert!(!fairring::nccl_across_job(2, 1 << 20));
+    let rank = comm.rank();
+    let device = device();
+    let stream = Stream::new(&device, false).unwrap();
+    for (dtype, op, bytes) in [
+        (DataType::F32, ReduceOp::Sum, 6usize << 20),
+        (DataType::I64, ReduceOp::Sum, 4 << 20),
+        (DataType::I32, ReduceOp::Max, 5 << 20),
+        (DataType::F32, ReduceOp::Sum, 1 << 20),
+    ] {
+        let n = bytes / dtype.size_bytes() as usize;
+        let x = input(dtype, rank, n);
+        let mut buf = DeviceBuffer::zeroed(&device, x.len()).unwrap();
+        upload(&stream, &mut buf, 0, &x);
+        let mut view = buf.slice_mut();
+        comm.scope(|s| {
+            let work = s.all_reduce(TensorMut::device(&mut view, dtype, &stream)?, op, ())?;
+            finish(&stream, work)
+        })
+        .unwrap_or_else(|e| panic!("rank {rank}: {dtype} {op:?}: {e}"));
+        let want = reduced(dtype, op, comm.world_size(), n);
+        let got = download(&stream, &buf, 0, want.len());
+        let size = dtype.size_bytes() as usize;
+        let wrong = got
+            .chunks(size)
+            .zip(want.chunks(size))
+            .position(|(g, w)| g != w);
+        assert!(
+            wrong.is_none(),
+            "rank {rank}: {dtype} {op:?}: element {wrong:?} wrong"
+        );
+    }
+}
+
 /// A kernel enqueued on the caller's stream before the all-reduce writes its
 /// input, and one enqueued after it reads the result, with no host
 /// synchronisation in between: the collective is ordered on the stream.

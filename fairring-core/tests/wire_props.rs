@@ -167,14 +167,15 @@ const JOB: u64 = 0x5EED_F00D;
 /// A frame of version 1 (before dedicated servers served in rail groups), of
 /// version 2 (before the trees' default slices), of version 3 (before the wide
 /// flat default slices), of version 4 (before a machine's single
-/// reduce-scatter of large slices) or of any other version is refused, naming
+/// reduce-scatter of large slices), of version 5 (before the job's NCCL
+/// all-reduce on few machines) or of any other version is refused, naming
 /// the version, however well sealed.
 #[test]
 fn frames_of_other_versions_are_refused() {
-    assert_eq!(VERSION, 5);
+    assert_eq!(VERSION, 6);
     let good = FrameHeader::control(FrameKind::Hello, JOB, 3, 0).encode();
     assert!(FrameHeader::decode(&good).is_ok());
-    for version in [0u8, 1, 2, 3, 4, 6, 255] {
+    for version in [0u8, 1, 2, 3, 4, 5, 7, 255] {
         let mut b = good;
         b[4] = version;
         reseal(&mut b);

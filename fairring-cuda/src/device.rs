@@ -21,6 +21,7 @@ pub struct Device {
     compute_capability: (u32, u32),
     /// `cuStreamWaitValue64` and `cuStreamWriteValue64` work on this device.
     stream_memory_ops_64: bool,
+    multicast: bool,
     /// The device's UUID: the same GPU whatever ordinal a process sees it
     /// at (`CUDA_VISIBLE_DEVICES` renumbers).
     uuid: [u8; 16],
@@ -81,6 +82,9 @@ impl Device {
         let minor = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let stream_memory_ops_64 =
             attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS)? != 0;
+        // A driver older than the attribute refuses it: no multicast there.
+        let multicast = attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED)
+            .is_ok_and(|v| v != 0);
         let mut name = [0 as std::ffi::c_char; 256];
         // SAFETY: writes at most `len` bytes, NUL-terminated, into `name`.
         error::driver("cuDeviceGetName", unsafe {
@@ -110,6 +114,7 @@ impl Device {
             multiprocessors,
             compute_capability: (major, minor),
             stream_memory_ops_64,
+            multicast,
             uuid,
         };
         Ok(Arc::new(device))
@@ -155,6 +160,13 @@ impl Device {
     /// with.
     pub fn supports_64_bit_stream_memory_ops(&self) -> bool {
         self.stream_memory_ops_64
+    }
+
+    /// Whether the device takes multicast objects: its NVLink reaches an
+    /// NVSwitch that reduces (NVLink SHARP), which NCCL's NVLS algorithms
+    /// use (NCCL reads the same attribute to enable them).
+    pub fn supports_multicast(&self) -> bool {
+        self.multicast
     }
 
     /// The device's ordinal among the visible devices.

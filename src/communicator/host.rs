@@ -109,6 +109,20 @@ impl Communicator {
             routing: self.engine.geometry.routing(),
             algorithm: self.algorithm,
             wire: self.wire,
+            across_job: self.across_job(),
+        }
+    }
+
+    /// Whether the job's NCCL communicator was made (settled alike on every
+    /// rank when its device side was made).
+    fn across_job(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            matches!(self.nccl.cell.get(), Some(Ok(Some(comms))) if comms.across_job())
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
         }
     }
 

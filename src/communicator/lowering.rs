@@ -196,6 +196,8 @@ fn lower_operation(call: &Call, job: &Job) -> Result<Operation> {
             bytes: runs_bytes as u64,
             algorithm: call.options.algorithm,
             wire: call.options.wire,
+            op: if reduces { op } else { ReduceOp::Sum },
+            memory,
         },
         &job.choice,
     )?;

@@ -189,6 +189,16 @@ impl Communicator {
             machine: built.location.machine,
             local_rank: built.location.device,
             local_ranks: built.topology.devices_per_machine(),
+            rank: built
+                .topology
+                .rank(built.location)
+                .map_err(|e| Error::internal("a rank's location is in its job", e.to_string()))?,
+            world: built.topology.world_size(),
+            across_job: if crate::engine::nccl_across_job_may_run(built.topology, config.servers) {
+                config.nccl_across_machines
+            } else {
+                crate::NcclAcrossMachines::Off
+            },
             timeout: config.timeout,
             making: Mutex::new(()),
         };

@@ -92,6 +92,7 @@ impl Communicator {
     /// refused, but readying the device side of its GPU); where its data
     /// moves as messages, readies the gate they wait at.
     fn lower(&self, call: &Call) -> Result<(Lowered, Option<DeviceCall>)> {
+        let readied = self.ready_for_choice(call)?;
         let job = lowering::Job {
             choice: self.job(),
             rank: self.rank(),
@@ -102,12 +103,33 @@ impl Communicator {
             return Ok((lowered, None));
         };
         let total = elements_in_all(call.collective, call.count, self.world_size())?;
-        let device = self.check_memory(call, total)?;
+        let device = match readied {
+            Some(device) => device,
+            None => self.check_memory(call, total)?,
+        };
         if operation.descriptor.by_messages {
             let (engine, timeout) = (Arc::clone(&self.engine), self.timeout);
             self.ready_rooted(|| Box::new(move |seq| wait_range(&engine, seq, seq, timeout)))?;
         }
         Ok((lowered, device))
+    }
+
+    /// A device all-reduce where the job's NCCL communicator may be made:
+    /// its memory checked and its device side readied before the choice of
+    /// what it runs, which depends on that communicator (so the first device
+    /// operation chooses as the later ones, on every rank). `None` for
+    /// every other call, checked after its lowering.
+    fn ready_for_choice(&self, call: &Call) -> Result<Option<Option<DeviceCall>>> {
+        #[cfg(feature = "cuda")]
+        if matches!(call.memory, Memory::Device { .. })
+            && call.collective == Collective::AllReduce
+            && self.nccl.across_job != crate::NcclAcrossMachines::Off
+        {
+            let total = elements_in_all(call.collective, call.count, self.world_size())?;
+            return self.check_memory(call, total).map(Some);
+        }
+        let _ = call;
+        Ok(None)
     }
 
     /// Checks the memory of `call` (whose total is `total` elements): host

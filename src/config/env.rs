@@ -191,6 +191,11 @@ impl Config {
                 .parse()
                 .map_err(|reason: String| Error::config("FAIRRING_DEVICE_LOCAL", &v, reason))?;
         }
+        if let Some(v) = lookup("FAIRRING_NCCL_ACROSS_MACHINES") {
+            b.config.nccl_across_machines = v.parse().map_err(|reason: String| {
+                Error::config("FAIRRING_NCCL_ACROSS_MACHINES", &v, reason)
+            })?;
+        }
         if let Some(v) = lookup("FAIRRING_DEVICE") {
             b.config.device = Some(match v.trim() {
                 "local" => {

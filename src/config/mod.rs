@@ -21,6 +21,7 @@
 //! | `FAIRRING_HOST_ID` | overrides the machine identity (simulates machines on one host) | boot id and host name |
 //! | `FAIRRING_FABRIC` | `tcp`, `verbs` or `auto` (see [`FabricChoice`]) | `auto` |
 //! | `FAIRRING_DEVICE_LOCAL` | how a machine's ranks reduce device tensors among themselves: `nccl`, `host` or `auto` (see [`DeviceLocal`]) | `auto` |
+//! | `FAIRRING_NCCL_ACROSS_MACHINES` | whether a device all-reduce on two to seven machines may run as one NCCL all-reduce over the whole job where NCCL's NVLSTree is ahead of the plan: `auto` (GPUs that reduce in their NVSwitch), `on` or `off` (see [`NcclAcrossMachines`]) | `auto` |
 //! | `FAIRRING_DEVICE` | the GPU a communicator's device tensors live on, readied when it is made (its staging page-locked, the machine's NCCL communicators made and warmed up): an ordinal, or `local` (the one `LOCAL_RANK` names); see [`ConfigBuilder::device`] | unset: readied at the first device operation |
 //! | `FAIRRING_VERBS_DEVICE`, `_PORT`, `_GID_INDEX` | the RDMA device, its port and GID index | first device, 1, 0 |
 //! | `FAIRRING_SERVERS` | dedicated reduction servers in the job, set alike on every process (see below) | 0: the machines serve |
@@ -62,6 +63,7 @@ mod device_local;
 mod env;
 mod fabric_choice;
 mod launchers;
+mod nccl_across_machines;
 mod parse;
 
 use std::time::Duration;
@@ -75,6 +77,7 @@ pub use device_local::DeviceLocal;
 pub use fabric_choice::FabricChoice;
 pub(crate) use fabric_choice::{VerbsKnobs, verbs_not_built};
 pub use launchers::Launcher;
+pub use nccl_across_machines::NcclAcrossMachines;
 
 fairring_core::named_enum! {
     /// How an all-reduce moves its data. The values are those of the C ABI's
@@ -179,6 +182,9 @@ pub struct Config {
     pub(crate) fabric: FabricChoice,
     /// The intra-machine step of device tensors.
     pub(crate) device_local: DeviceLocal,
+    /// Whether a device all-reduce on few machines may run as one NCCL
+    /// all-reduce across the job.
+    pub(crate) nccl_across_machines: NcclAcrossMachines,
     /// The GPU readied when the communicator is made, if any.
     pub(crate) device: Option<u32>,
     #[cfg_attr(
@@ -240,6 +246,7 @@ impl Config {
                 host_id: None,
                 fabric: FabricChoice::Auto,
                 device_local: DeviceLocal::Auto,
+                nccl_across_machines: NcclAcrossMachines::Auto,
                 device: None,
                 verbs: VerbsKnobs::default(),
                 servers: 0,
@@ -343,6 +350,12 @@ impl Config {
     /// How several ranks of a machine reduce device tensors among themselves.
     pub fn device_local(&self) -> DeviceLocal {
         self.device_local
+    }
+
+    /// Whether a device all-reduce on few machines may run as one NCCL
+    /// all-reduce across the job.
+    pub fn nccl_across_machines(&self) -> NcclAcrossMachines {
+        self.nccl_across_machines
     }
 
     /// The GPU the communicator readies when it is made (see
@@ -456,6 +469,13 @@ impl ConfigBuilder {
     /// How several ranks of a machine reduce device tensors among themselves.
     pub fn device_local(mut self, choice: DeviceLocal) -> Self {
         self.config.device_local = choice;
+        self
+    }
+
+    /// Whether a device all-reduce on few machines may run as one NCCL
+    /// all-reduce across the job.
+    pub fn nccl_across_machines(mut self, choice: NcclAcrossMachines) -> Self {
+        self.config.nccl_across_machines = choice;
         self
     }
 

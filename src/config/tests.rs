@@ -206,6 +206,22 @@ fn the_device_local_step_is_chosen_by_name() {
 }
 
 #[test]
+fn nccl_across_machines_is_chosen_by_name() {
+    assert_eq!(
+        Config::from_lookup(env(&[]))
+            .unwrap()
+            .nccl_across_machines(),
+        NcclAcrossMachines::Auto
+    );
+    let c = Config::from_lookup(env(&[("FAIRRING_NCCL_ACROSS_MACHINES", "off")])).unwrap();
+    assert_eq!(c.nccl_across_machines(), NcclAcrossMachines::Off);
+    refused(
+        &[("FAIRRING_NCCL_ACROSS_MACHINES", "always")],
+        "FAIRRING_NCCL_ACROSS_MACHINES",
+    );
+}
+
+#[test]
 fn fabric_choice_and_verbs_knobs() {
     let c = Config::from_lookup(env(&[
         ("FAIRRING_FABRIC", "TCP"),

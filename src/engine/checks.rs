@@ -10,6 +10,10 @@
 //!   are ahead ([`Checks::on_descriptor`]).
 //! - An operation completes only once all of that has happened
 //!   ([`Checks::checked`]).
+//! - The job's NCCL all-reduce (`algorithm/nccl.rs`), which combines every
+//!   rank's bytes without a write of the engine's, starts only once every
+//!   remote writer has confirmed it too ([`Checks::remotely_confirmed`]): the
+//!   rails and the local ranks reach every rank.
 
 use std::collections::VecDeque;
 
@@ -211,6 +215,15 @@ impl Checks {
     /// Whether every local rank issued operation `seq` alike: its slices may start.
     pub(crate) fn locally_checked(&self, seq: u64) -> bool {
         self.local_checked > seq
+    }
+
+    /// Whether every remote rank that writes to this one has confirmed
+    /// operation `seq` (its descriptor came and matched).
+    pub(crate) fn remotely_confirmed<F: Fabric>(&self, seq: u64, links: &Links<F>) -> bool {
+        links
+            .remote_in
+            .iter()
+            .all(|&p| self.confirmed[p as usize] > seq)
     }
 
     /// Operations below this have every local rank's descriptor checked.

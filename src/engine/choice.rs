@@ -271,7 +271,7 @@
 
 use fairring_core::plan::Routing;
 use fairring_core::topology::Topology;
-use fairring_core::{DataType, WireFormat};
+use fairring_core::{DataType, ReduceOp, WireFormat};
 
 use super::algorithm::{Resolved, relay_over_machines};
 use super::descriptor::Collective;
@@ -291,6 +291,9 @@ pub(crate) struct Call {
     /// What the call asks for, over the job's configuration.
     pub(crate) algorithm: Option<Algorithm>,
     pub(crate) wire: Option<WireFormat>,
+    /// Its operator (a sum for what it only moves) and where its tensor is.
+    pub(crate) op: ReduceOp,
+    pub(crate) memory: MemoryKind,
 }
 
 /// The job, as the choice sees it.
@@ -305,6 +308,9 @@ pub(crate) struct Job {
     /// The configured algorithm and wire format.
     pub(crate) algorithm: Algorithm,
     pub(crate) wire: WireFormat,
+    /// Whether the job's NCCL communicator was made, where a device
+    /// all-reduce may run as one NCCL all-reduce across the job.
+    pub(crate) across_job: bool,
 }
 
 /// What a call runs.
@@ -398,6 +404,19 @@ pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
     let asked = call.algorithm.unwrap_or(job.algorithm);
     let requested_wire = call.wire.unwrap_or(job.wire);
     let mut algorithm = resolve(form, asked, call.bytes, job)?;
+    // A device all-reduce NCCL's collectives take, where the job's NCCL
+    // all-reduce is ahead of the plan, runs as that, exact.
+    if asked == Algorithm::Auto
+        && call.collective == Collective::AllReduce
+        && call.memory == MemoryKind::Device
+        && job.across_job
+        && job.servers == 0
+        && requested_wire == WireFormat::Exact
+        && crate::local::takes(call.dtype, call.op)
+        && nccl_across_job(job.topology.machines(), call.bytes)
+    {
+        algorithm = Resolved::Nccl;
+    }
     // Values cross compressed to dedicated servers, or straight to the
     // machines serving them; through the trees they cross exact.
     let compresses =
@@ -499,6 +518,46 @@ fn auto_scatter(topology: Topology, bytes: u64) -> Algorithm {
         Algorithm::Ring
     } else {
         auto_spread(topology, bytes)
+    }
+}
+
+/// The most machines on which `auto` may run a device all-reduce as one NCCL
+/// all-reduce across the job ([`nccl_across_job`]).
+pub const NCCL_ACROSS_UP_TO_MACHINES: u32 = 7;
+
+/// Whether the job's device all-reduces may run as one NCCL all-reduce across
+/// the job at some size: two to [`NCCL_ACROSS_UP_TO_MACHINES`] machines of
+/// several ranks each, without dedicated servers (which keep serving). Where
+/// not, no rank makes the job's communicator.
+#[cfg(any(feature = "cuda", test))]
+pub(crate) fn nccl_across_job_may_run(topology: Topology, servers: u32) -> bool {
+    (2..=NCCL_ACROSS_UP_TO_MACHINES).contains(&topology.machines())
+        && topology.devices_per_machine() > 1
+        && servers == 0
+}
+
+/// Whether `auto` runs a device all-reduce of `bytes` on `machines` machines
+/// as one NCCL all-reduce across the job, where the job's communicator was
+/// made (GPUs that reduce in their NVSwitch, `FAIRRING_NCCL_ACROSS_MACHINES`).
+///
+/// The sizes are where the scale model (`docs/scale-model.md`, the h100
+/// preset: NCCL's tuner picks NVLSTree there) puts NCCL's all-reduce, with
+/// fairring's submission and hand-off, ahead of the plan: NVLSTree reduces
+/// within each machine in the NVSwitch, which moves each byte over a GPU's
+/// links once where the plan's reduce-scatter and all-gather move it twice,
+/// so it is ahead where NVLink bounds the plan (few machines, and from a few
+/// MiB). On two machines that is from 4 MiB on (1 GiB: 4428 us against the
+/// plan's 5349); on three, past 4 MiB to 192 MiB; on four and five from 14
+/// MiB to under 32 (NCCL's tree deepens, and the plan's pipeline fills); on
+/// six and seven from 14 to 48 MiB.
+pub fn nccl_across_job(machines: u32, bytes: u64) -> bool {
+    const MIB: u64 = 1 << 20;
+    match machines {
+        2 => bytes >= 4 * MIB,
+        3 => bytes > 4 * MIB && bytes <= 192 * MIB,
+        4 | 5 => (14 * MIB..32 * MIB).contains(&bytes),
+        6 | 7 => (14 * MIB..=48 * MIB).contains(&bytes),
+        _ => false,
     }
 }
 

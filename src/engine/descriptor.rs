@@ -132,6 +132,7 @@ fn algorithm_code(a: Resolved) -> u64 {
         Resolved::Relay => 3,
         Resolved::Doubling => 4,
         Resolved::Scatter => 5,
+        Resolved::Nccl => 6,
     }
 }
 
@@ -224,6 +225,7 @@ impl Descriptor {
                 3 => Resolved::Relay,
                 4 => Resolved::Doubling,
                 5 => Resolved::Scatter,
+                6 => Resolved::Nccl,
                 _ => return None,
             },
             wire: WireFormat::from_u8((byte(24) >> 4) & 0x3)?,
@@ -398,6 +400,7 @@ mod tests {
             Resolved::Relay,
             Resolved::Doubling,
             Resolved::Scatter,
+            Resolved::Nccl,
         ] {
             let d = Descriptor {
                 collective: Collective::ReduceScatter,

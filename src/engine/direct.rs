@@ -126,7 +126,8 @@ pub(crate) fn eligible<M: MemorySpace>(
                 && ctx.topology.devices_per_machine() == 1
                 && ctx.servers == 0
         }
-        Resolved::Doubling | Resolved::Scatter => false,
+        // NCCL moves the bytes, not the engine's fabric.
+        Resolved::Doubling | Resolved::Scatter | Resolved::Nccl => false,
     }
 }
 
@@ -151,7 +152,7 @@ fn lands_in_tensor<M: MemorySpace>(
         Resolved::Hierarchical => {
             between_two && eligible(ctx, sub, Resolved::Hierarchical, from_bytes)
         }
-        Resolved::Ring | Resolved::Doubling | Resolved::Scatter => false,
+        Resolved::Ring | Resolved::Doubling | Resolved::Scatter | Resolved::Nccl => false,
     }
 }
 

@@ -188,6 +188,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let unsplit = match algorithm {
             Resolved::Doubling => &self.doubling_geometry,
             Resolved::Scatter => &self.scatter_geometry,
+            Resolved::Nccl => &self.nccl_geometry,
             Resolved::Hierarchical | Resolved::Ring | Resolved::Relay => return Ok(&self.geometry),
         };
         Ok(unsplit.as_ref().ok_or_else(|| {

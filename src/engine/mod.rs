@@ -52,6 +52,9 @@
 pub(crate) mod algorithm;
 mod checks;
 pub(crate) mod choice;
+#[cfg(feature = "cuda")]
+pub(crate) use choice::nccl_across_job_may_run;
+pub use choice::{NCCL_ACROSS_UP_TO_MACHINES, nccl_across_job};
 mod credits;
 mod departures;
 pub(crate) mod descriptor;
@@ -145,6 +148,9 @@ pub(crate) struct Engine<F: Fabric, M: MemorySpace> {
     /// The geometry a reduce-scatter plans its shares with: slices of one
     /// piece (`None` only if the layout broke its promise of a line per piece).
     scatter_geometry: Option<Geometry>,
+    /// The geometry of the job's NCCL all-reduce (`algorithm/nccl.rs`): one
+    /// machine of this machine's ranks, whose one slice is the whole tensor.
+    nccl_geometry: Option<Geometry>,
     layout: BufferLayout,
     pub(crate) buffers: u32,
     pub(crate) works: WorkTable,
@@ -243,6 +249,14 @@ pub(crate) struct EngineParts<F: Fabric, M: MemorySpace> {
     pub(crate) peer_copy: Option<std::sync::Arc<crate::local::PeerCopy>>,
 }
 
+/// The geometry of the job's NCCL all-reduce: one machine of `geometry`'s
+/// devices (their slots are the local step's), planned whole.
+fn one_machine_geometry(geometry: &Geometry) -> Option<Geometry> {
+    let devices = geometry.topology().devices_per_machine();
+    let machine = Topology::new(1, devices, RankLayout::Contiguous).ok()?;
+    Geometry::new(machine, geometry.config()).ok()
+}
+
 /// A geometry that cuts operations into slices of at most `bytes` (a multiple
 /// of 64) and nothing finer: recursive doubling and the reduce-scatter move a
 /// slice whole, never by the slots and shards of `geometry`'s layout, so they
@@ -333,6 +347,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 parts.layout.doubling_slice_bytes(),
             ),
             scatter_geometry: unsplit_geometry(&parts.geometry, parts.layout.scatter_piece_bytes()),
+            nccl_geometry: one_machine_geometry(&parts.geometry),
             layout: parts.layout,
             buffers: parts.buffers,
             works: WorkTable::new(),

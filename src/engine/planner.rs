@@ -74,14 +74,24 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         sub: Submission<M>,
     ) -> Result<(Accepted<M>, Option<Error>)> {
         let geometry = self.geometry_of(sub.algorithm()).map_err(|f| f.error)?;
-        // One machine whose local step works in the tensor: no staging
-        // buffer bounds the slice, so one slice takes the whole tensor.
-        let whole = sub.algorithm() == Resolved::Hierarchical
-            && geometry.topology().machines() == 1
-            && self.servers == 0
-            && self
-                .local
-                .works_in_tensor(&sub.tensor, sub.dtype(), sub.op());
+        // One machine whose local step works in the tensor, or the job's
+        // NCCL all-reduce: no staging buffer bounds the slice, so one slice
+        // takes the whole tensor.
+        let in_tensor = self
+            .local
+            .works_in_tensor(&sub.tensor, sub.dtype(), sub.op());
+        if sub.algorithm() == Resolved::Nccl && !in_tensor {
+            return Err(Error::internal(
+                "the job's NCCL all-reduce is chosen only where the machine's collectives \
+                 work in the tensor",
+                format!("{}", sub.descriptor),
+            ));
+        }
+        let whole = sub.algorithm() == Resolved::Nccl
+            || (sub.algorithm() == Resolved::Hierarchical
+                && geometry.topology().machines() == 1
+                && self.servers == 0
+                && in_tensor);
         let plan = if whole {
             Plan::whole(geometry, sub.dtype(), sub.elements())
         } else {

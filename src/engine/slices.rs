@@ -205,6 +205,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         if !d.checks.locally_checked(next.seq) {
             return Ok(false);
         }
+        // NCCL combines every rank's bytes at once: not before every rank
+        // this one is linked with has issued the same operation.
+        if next.algorithm == Resolved::Nccl && !d.checks.remotely_confirmed(next.seq, &self.links) {
+            return Ok(false);
+        }
         let number = d.slices.next_slice;
         if next.number != number {
             return Err(Error::internal(

@@ -120,13 +120,27 @@ pub(crate) fn items<M: MemorySpace>(
     match stage {
         LocalStage::Begin => Ok(()),
         LocalStage::ReduceScatter { final_world } => {
-            let op = reduced_as(s.op, final_world, shm.size)?;
+            // A final result over more ranks than the machine's is the job's
+            // all-reduce, on the job's communicator.
+            let across_job = final_world.is_some_and(|world| world > shm.size);
+            let members = if across_job {
+                final_world
+            } else {
+                Some(shm.size)
+            };
+            let op = reduced_as(s.op, final_world, members.unwrap_or(shm.size))?;
             if final_world.is_some() && s.pieces.is_none() {
                 return each(ProgramItem::Collective {
-                    comm: Comm::Reduce,
+                    comm: if across_job { Comm::Job } else { Comm::Reduce },
                     call: MachineCall::AllReduce { dtype: s.dtype, op },
                     tensor: slice_range(s.slice)?,
                 });
+            }
+            if across_job {
+                return Err(Error::internal(
+                    "the job's all-reduce is one call on the whole slice",
+                    format!("slice {} in pieces", s.number),
+                ));
             }
             if s.pieces.is_none() && shm.size > 1 && reduces_in_one_call(s.slice, one_call_from) {
                 each(ProgramItem::Collective {
@@ -280,13 +294,13 @@ fn in_tensor(base: usize, within: &Range<usize>) -> Range<usize> {
 
 /// The operator the collectives apply: the slice's, but an average that is
 /// not final reduces as a sum (the division comes once the machines' sums
-/// are in); a final one divides by the machine's ranks, which must be the
-/// world.
+/// are in); a final one divides by the collective's ranks (`ranks`: the
+/// machine's, or the job's on its communicator), which must be the world.
 fn reduced_as(op: ReduceOp, final_world: Option<u32>, ranks: u32) -> Result<ReduceOp> {
     match (op, final_world) {
         (ReduceOp::Avg, None) => Ok(ReduceOp::Sum),
         (ReduceOp::Avg, Some(world)) if world != ranks => Err(Error::internal(
-            "a final result on one machine averages over its ranks, the world",
+            "a final result averages over its collective's ranks, the world",
             format!("{ranks} local ranks in a world of {world}"),
         )),
         (op, _) => Ok(op),

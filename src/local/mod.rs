@@ -46,6 +46,7 @@ pub(crate) mod tensor_copies;
 use fairring_core::plan::Slice;
 use fairring_core::{DataType, ReduceOp};
 
+pub(crate) use collective_step::takes;
 pub use collective_step::{ONE_REDUCE_SCATTER_FROM_BYTES, reduces_in_one_call};
 #[cfg(feature = "cuda")]
 pub(crate) use gpu::GpuReach;

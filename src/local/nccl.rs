@@ -9,35 +9,55 @@ use std::time::Duration;
 
 use fairring_core::{DataType, ReduceOp};
 use fairring_cuda::nccl::{Communicator, UniqueId, group};
-use fairring_cuda::{Device, DeviceBuffer, Stream};
+use fairring_cuda::{Device, DeviceBuffer, DeviceSliceMut, Stream};
 
-use crate::config::DeviceLocal;
+use crate::config::{DeviceLocal, NcclAcrossMachines};
 use crate::error::{Error, Result};
 use crate::memory::program::{Comm, MachineCall, ProgramItem};
 use crate::memory::{DeviceSide, DeviceTensor, PlacedTensor, cuda_error};
 use crate::store::Store;
 
 /// A rank's two communicators of its machine: reduce-scatters, and
-/// all-gathers, each issued in slice order.
+/// all-gathers, each issued in slice order; and, where the job's device
+/// all-reduces may run as one NCCL all-reduce across the job, the job's.
 pub(crate) struct NcclComms {
     reduce: Communicator,
     gather: Communicator,
+    job: Option<Communicator>,
 }
 
 impl NcclComms {
     /// The engine failed: stops the communicators, so that kernels waiting
     /// for a rank that is gone end, and the copies behind them with them.
-    /// Both at once: a buffer's stream carries both communicators' kernels,
-    /// so either's abort can wait for a kernel of the other. An abort waits
+    /// All at once: a buffer's stream carries every communicator's kernels,
+    /// so any one's abort can wait for a kernel of another. An abort waits
     /// for a group being enqueued on the caller's thread to end.
     pub(crate) fn abort(&self) {
-        Communicator::abort_all(&[&self.reduce, &self.gather]);
+        match &self.job {
+            Some(job) => {
+                Communicator::abort_all(&[&self.reduce, &self.gather, job]);
+            }
+            None => {
+                Communicator::abort_all(&[&self.reduce, &self.gather]);
+            }
+        }
     }
 
-    fn of(&self, comm: Comm) -> &Communicator {
+    /// Whether the job's communicator was made (alike on every rank).
+    pub(crate) fn across_job(&self) -> bool {
+        self.job.is_some()
+    }
+
+    fn of(&self, comm: Comm) -> Result<&Communicator> {
         match comm {
-            Comm::Reduce => &self.reduce,
-            Comm::Gather => &self.gather,
+            Comm::Reduce => Ok(&self.reduce),
+            Comm::Gather => Ok(&self.gather),
+            Comm::Job => self.job.as_ref().ok_or_else(|| {
+                Error::internal(
+                    "the job's all-reduce is chosen only where the job's communicator was made",
+                    "a program item on the job's communicator",
+                )
+            }),
         }
     }
 }
@@ -63,7 +83,7 @@ impl NcclComms {
         let Some(ProgramItem::Collective { comm, .. }) = calls.first() else {
             return Ok(());
         };
-        let communicator = self.of(*comm);
+        let communicator = self.of(*comm)?;
         let mut failed = None;
         let grouped = group(&[communicator], || {
             for item in calls {
@@ -124,6 +144,13 @@ pub(crate) struct NcclSetup {
     pub(crate) machine: u32,
     pub(crate) local_rank: u32,
     pub(crate) local_ranks: u32,
+    /// This rank and the job's ranks, for the job's communicator.
+    pub(crate) rank: u32,
+    pub(crate) world: u32,
+    /// Whether to make the job's communicator: `Off` where the job's
+    /// machines are too few or too many for it (`engine/choice.rs`), or
+    /// have one rank each (the same on every rank).
+    pub(crate) across_job: NcclAcrossMachines,
     pub(crate) timeout: Duration,
     /// Serialises the making.
     pub(crate) making: Mutex<()>,
@@ -165,7 +192,120 @@ impl NcclSetup {
         }
     }
 
+    /// The machine's communicators, then, where the job's all-reduces may
+    /// run through NCCL, the job's (see [`NcclSetup::join_job`]).
     fn make(&self, device: &Arc<Device>, store: &dyn Store) -> Result<Option<NcclComms>> {
+        let machine = self.make_machine(device, store);
+        if self.across_job == NcclAcrossMachines::Off {
+            return machine;
+        }
+        // Every rank of the job says whether it can, even one that failed:
+        // the others stop waiting for it then.
+        let ready = match &machine {
+            Ok(Some(_))
+                if self.across_job == NcclAcrossMachines::Auto && !device.supports_multicast() =>
+            {
+                Err("its GPU does not reduce in an NVSwitch (no multicast)".to_owned())
+            }
+            Ok(Some(_)) => Ok(Vec::new()),
+            Ok(None) => Err("its machine stages device tensors through the host".to_owned()),
+            Err(e) => Err(e.to_string()),
+        };
+        let ready = self.agree_job(store, "ready", ready)?;
+        let Some(mut comms) = machine? else {
+            return Ok(None);
+        };
+        if let Err((r, why)) = ready {
+            log::info!(
+                "fairring: rank {r} cannot join an NCCL communicator of the whole job ({why}): \
+                 every device all-reduce takes the plan"
+            );
+            return Ok(Some(comms));
+        }
+        comms.job = self.join_job(device, store)?;
+        Ok(Some(comms))
+    }
+
+    /// Makes the job's communicator over every rank, from the id rank 0
+    /// publishes, and warms it up; the ranks agree at each round. Where a
+    /// rank could not, every rank goes on without it (`None`): the plan
+    /// serves every device all-reduce.
+    fn join_job(&self, device: &Arc<Device>, store: &dyn Store) -> Result<Option<Communicator>> {
+        let key = "nccl/job/id";
+        let id = if self.rank == 0 {
+            let made = UniqueId::new();
+            let value = match &made {
+                Ok(id) => id.as_bytes().to_vec(),
+                Err(e) => format!("!{e}").into_bytes(),
+            };
+            store.set(key, &value)?;
+            made.map_err(|e| e.to_string())
+        } else {
+            let value = store.get(key, self.timeout)?;
+            job_id_from(&value)
+        };
+        let refusal = || self.job_refusal(store, "joined");
+        let joined = id.and_then(|id| {
+            Communicator::new_unless(device, self.rank, self.world, &id, self.timeout, &refusal)
+                .map_err(|e| e.to_string())
+        });
+        let said = joined.as_ref().map(|_| Vec::new()).map_err(Clone::clone);
+        if let Err((r, why)) = self.agree_job(store, "joined", said)? {
+            if let Ok(job) = &joined {
+                Communicator::abort_all(&[job]);
+            }
+            return Ok(self.without_job(r, &why));
+        }
+        let job = joined.map_err(|e| Error::Gpu(e.to_string()))?;
+        let warmed = warm_up_job(&job, device, self.timeout, &|| {
+            self.job_refusal(store, "warmed")
+        })
+        .map(|()| Vec::new())
+        .map_err(|e| format!("warming up the job's NCCL communicator: {e}"));
+        if let Err((r, why)) = self.agree_job(store, "warmed", warmed)? {
+            Communicator::abort_all(&[&job]);
+            return Ok(self.without_job(r, &why));
+        }
+        Ok(Some(job))
+    }
+
+    /// Rank `r` could not make or run the job's communicator (`why`): every
+    /// rank goes on with the plan alone.
+    fn without_job(&self, r: u32, why: &str) -> Option<Communicator> {
+        log::warn!(
+            "fairring: rank {r} could not make the job's NCCL communicator ({why}): every \
+             device all-reduce takes the plan"
+        );
+        None
+    }
+
+    /// [`NcclSetup::agree`] among every rank of the job.
+    fn agree_job(
+        &self,
+        store: &dyn Store,
+        round: &str,
+        said: std::result::Result<Vec<u8>, String>,
+    ) -> Result<Agreed> {
+        let key = |r: u32| format!("nccl/job/{round}/{r}");
+        agree_among(store, &key, self.rank, self.world, said, self.timeout).map_err(|e| {
+            Error::Gpu(format!(
+                "the job's ranks agreeing on an NCCL communicator of the job ({round}): {e}"
+            ))
+        })
+    }
+
+    /// [`NcclSetup::refusal`] among every rank of the job.
+    fn job_refusal(&self, store: &dyn Store, round: &str) -> Option<String> {
+        refusal_among(
+            store,
+            &|r| format!("nccl/job/{round}/{r}"),
+            self.rank,
+            self.world,
+        )
+        .map(|(r, why)| format!("rank {r} said: {why}"))
+    }
+
+    fn make_machine(&self, device: &Arc<Device>, store: &dyn Store) -> Result<Option<NcclComms>> {
         if self.local_ranks == 1 || self.choice == DeviceLocal::Host {
             return Ok(None);
         }
@@ -222,7 +362,11 @@ impl NcclSetup {
             return self.refused(r, &why);
         }
         let (reduce, gather) = joined.map_err(|e| Error::Gpu(e.to_string()))?;
-        let comms = NcclComms { reduce, gather };
+        let comms = NcclComms {
+            reduce,
+            gather,
+            job: None,
+        };
         // 3. The warm-up: each collective the engine issues, once per size
         //    class (which aborts the communicators where it fails).
         let warmed = warm_up(&comms, device, self.timeout, &|| {
@@ -249,55 +393,28 @@ impl NcclSetup {
         said: std::result::Result<Vec<u8>, String>,
     ) -> Result<Agreed> {
         let key = |r: u32| format!("nccl/{}/{round}/{r}", self.machine);
-        let value = match said {
-            Ok(v) => [b"+".as_slice(), &v].concat(),
-            Err(why) => format!("!{why}").into_bytes(),
-        };
-        store.set(&key(self.local_rank), &value)?;
-        let keys: Vec<String> = (0..self.local_ranks).map(key).collect();
-        let values = crate::store::gather(store, &keys, self.timeout).map_err(|e| {
+        agree_among(
+            store,
+            &key,
+            self.local_rank,
+            self.local_ranks,
+            said,
+            self.timeout,
+        )
+        .map_err(|e| {
             Error::Gpu(format!(
                 "machine {}'s local ranks agreeing on NCCL ({round}): {e}",
                 self.machine
             ))
-        })?;
-        let mut agreed = Vec::with_capacity(values.len());
-        let mut refusals = Vec::new();
-        for (r, v) in (0u32..).zip(values) {
-            match v.split_first() {
-                Some((b'+', rest)) => agreed.push(rest.to_vec()),
-                Some((b'!', why)) => refusals.push((r, String::from_utf8_lossy(why).into_owned())),
-                _ => refusals.push((r, "an unreadable answer".to_owned())),
-            }
-        }
-        // The rank that could not, rather than those that gave up on it.
-        let cause = refusals
-            .iter()
-            .position(|(_, why)| !why.contains(GAVE_UP))
-            .unwrap_or(0);
-        match refusals.into_iter().nth(cause) {
-            Some(refusal) => Ok(Err(refusal)),
-            None => Ok(Ok(agreed)),
-        }
+        })
     }
 
     /// The reason another local rank gave at round `round` for refusing, if
     /// one has (a read of the store that waits for nothing).
     fn refusal(&self, store: &dyn Store, round: &str) -> Option<String> {
-        (0..self.local_ranks)
-            .filter(|&r| r != self.local_rank)
-            .find_map(|r| {
-                let key = format!("nccl/{}/{round}/{r}", self.machine);
-                if !store.check(&[key.as_str()]).ok()? {
-                    return None;
-                }
-                let said = store.get(&key, Duration::from_millis(10)).ok()?;
-                let why = said.strip_prefix(b"!")?;
-                Some(format!(
-                    "local rank {r} said: {}",
-                    String::from_utf8_lossy(why)
-                ))
-            })
+        let key = |r: u32| format!("nccl/{}/{round}/{r}", self.machine);
+        refusal_among(store, &key, self.local_rank, self.local_ranks)
+            .map(|(r, why)| format!("local rank {r} said: {why}"))
     }
 
     /// Local rank `r` could not make or run NCCL's communicators (`why`):
@@ -360,49 +477,72 @@ fn warm_up(
     timeout: Duration,
     give_up: &dyn Fn() -> Option<String>,
 ) -> Result<()> {
+    let (f32, sum) = (DataType::F32, ReduceOp::Sum);
+    let both = [&comms.reduce, &comms.gather];
+    warm(device, &both, timeout, give_up, &|stream, view| {
+        comms.reduce.all_reduce_in_place(stream, view, f32, sum)?;
+        comms.reduce.reduce_in_place(stream, view, f32, sum, 0)?;
+        comms
+            .gather
+            .broadcast_in_place(stream, view, DataType::U8, 0)
+    })
+}
+
+/// [`warm_up`] for the job's communicator: its all-reduce, the one call
+/// the engine makes on it.
+fn warm_up_job(
+    job: &Communicator,
+    device: &Arc<Device>,
+    timeout: Duration,
+    give_up: &dyn Fn() -> Option<String>,
+) -> Result<()> {
+    warm(device, &[job], timeout, give_up, &|stream, view| {
+        job.all_reduce_in_place(stream, view, DataType::F32, ReduceOp::Sum)
+    })
+}
+
+/// Enqueues `run` on a stream of its own over each of [`WARM_UP_SIZES`] of
+/// a buffer and waits for it up to `timeout`; where that fails, aborts
+/// `comms`, whose kernels then end before the buffer they use is freed
+/// (freeing device memory waits for them).
+fn warm(
+    device: &Arc<Device>,
+    comms: &[&Communicator],
+    timeout: Duration,
+    give_up: &dyn Fn() -> Option<String>,
+    run: &dyn Fn(&Stream, &mut DeviceSliceMut<'_>) -> fairring_cuda::Result<()>,
+) -> Result<()> {
     let stream = Stream::new(device, false).map_err(cuda_error)?;
     let mut buffer = DeviceBuffer::zeroed(device, WARM_UP_SIZES[2]).map_err(cuda_error)?;
-    let ran = run_warm_up(comms, &stream, &mut buffer, timeout, give_up);
+    let mut whole = buffer.slice_mut();
+    let ran = WARM_UP_SIZES
+        .iter()
+        .try_for_each(|&bytes| {
+            let mut view = whole.range(0..bytes).map_err(cuda_error)?;
+            run(&stream, &mut view).map_err(cuda_error)
+        })
+        .and_then(|()| wait_idle(&stream, comms, timeout, give_up));
     if ran.is_err() {
-        // NCCL's kernels end before the buffer they use is freed (freeing
-        // device memory waits for them).
-        comms.abort();
+        Communicator::abort_all(comms);
     }
     ran
 }
 
-/// [`warm_up`]'s collectives on `buffer`, enqueued on `stream` and waited for.
-fn run_warm_up(
-    comms: &NcclComms,
+/// Waits for `stream` to run out, polled, so that a rank that never joins
+/// the kernels of `comms` (gone, or failed before its warm-up) is a timeout
+/// or its refusal, not a hang.
+fn wait_idle(
     stream: &Stream,
-    buffer: &mut DeviceBuffer,
+    comms: &[&Communicator],
     timeout: Duration,
     give_up: &dyn Fn() -> Option<String>,
 ) -> Result<()> {
-    let mut whole = buffer.slice_mut();
-    for bytes in WARM_UP_SIZES {
-        let mut view = whole.range(0..bytes).map_err(cuda_error)?;
-        let (f32, sum) = (DataType::F32, ReduceOp::Sum);
-        comms
-            .reduce
-            .all_reduce_in_place(stream, &mut view, f32, sum)
-            .map_err(cuda_error)?;
-        comms
-            .reduce
-            .reduce_in_place(stream, &mut view, f32, sum, 0)
-            .map_err(cuda_error)?;
-        comms
-            .gather
-            .broadcast_in_place(stream, &mut view, DataType::U8, 0)
-            .map_err(cuda_error)?;
-    }
-    // Polled, so that a local rank that never joins the kernels (gone, or
-    // failed before its warm-up) is a timeout, not a hang.
     let started = std::time::Instant::now();
     let mut asked = started;
     while !stream.is_idle().map_err(cuda_error)? {
-        comms.reduce.check().map_err(cuda_error)?;
-        comms.gather.check().map_err(cuda_error)?;
+        for comm in comms {
+            comm.check().map_err(cuda_error)?;
+        }
         if started.elapsed() >= timeout {
             return Err(Error::timeout("NCCL's warm-up collectives", timeout));
         }
@@ -415,6 +555,75 @@ fn run_warm_up(
         std::thread::sleep(Duration::from_millis(1));
     }
     Ok(())
+}
+
+/// Says `said` at key `key(me)` and reads the word of every one of `members`
+/// (`key(r)`): every member's value, or the first refusal (the member and
+/// its reason), preferring one that is not a member giving up on another.
+/// A member that says nothing within `timeout` is an error naming it.
+fn agree_among(
+    store: &dyn Store,
+    key: &dyn Fn(u32) -> String,
+    me: u32,
+    members: u32,
+    said: std::result::Result<Vec<u8>, String>,
+    timeout: Duration,
+) -> Result<Agreed> {
+    let value = match said {
+        Ok(v) => [b"+".as_slice(), &v].concat(),
+        Err(why) => format!("!{why}").into_bytes(),
+    };
+    store.set(&key(me), &value)?;
+    let keys: Vec<String> = (0..members).map(key).collect();
+    let values = crate::store::gather(store, &keys, timeout)?;
+    let mut agreed = Vec::with_capacity(values.len());
+    let mut refusals = Vec::new();
+    for (r, v) in (0u32..).zip(values) {
+        match v.split_first() {
+            Some((b'+', rest)) => agreed.push(rest.to_vec()),
+            Some((b'!', why)) => refusals.push((r, String::from_utf8_lossy(why).into_owned())),
+            _ => refusals.push((r, "an unreadable answer".to_owned())),
+        }
+    }
+    // The member that could not, rather than those that gave up on it.
+    let cause = refusals
+        .iter()
+        .position(|(_, why)| !why.contains(GAVE_UP))
+        .unwrap_or(0);
+    match refusals.into_iter().nth(cause) {
+        Some(refusal) => Ok(Err(refusal)),
+        None => Ok(Ok(agreed)),
+    }
+}
+
+/// The member other than `me` of `members` that has refused at `key`, and
+/// its reason, if one has (a read of the store that waits for nothing).
+fn refusal_among(
+    store: &dyn Store,
+    key: &dyn Fn(u32) -> String,
+    me: u32,
+    members: u32,
+) -> Option<(u32, String)> {
+    (0..members).filter(|&r| r != me).find_map(|r| {
+        let key = key(r);
+        if !store.check(&[key.as_str()]).ok()? {
+            return None;
+        }
+        let said = store.get(&key, Duration::from_millis(10)).ok()?;
+        let why = said.strip_prefix(b"!")?;
+        Some((r, String::from_utf8_lossy(why).into_owned()))
+    })
+}
+
+/// The job's id rank 0 published, or its reason for publishing none.
+fn job_id_from(value: &[u8]) -> std::result::Result<UniqueId, String> {
+    if let Some(why) = value.strip_prefix(b"!") {
+        return Err(format!(
+            "rank 0 could not make the job's NCCL id: {}",
+            String::from_utf8_lossy(why)
+        ));
+    }
+    UniqueId::from_bytes(value).map_err(|e| format!("rank 0's NCCL id of the job: {e}"))
 }
 
 /// The two ids local rank 0 published, or its reason for publishing none.
@@ -450,6 +659,9 @@ mod tests {
             machine: 7,
             local_rank,
             local_ranks: 3,
+            rank: 21 + local_rank,
+            world: 30,
+            across_job: NcclAcrossMachines::Off,
             timeout: Duration::from_secs(5),
             making: Mutex::new(()),
         }

@@ -249,13 +249,17 @@ pub(crate) fn raised(
     Ok(Some(value))
 }
 
-/// Which of a machine's two communicators a collective goes to.
+/// Which communicator a collective goes to: one of a machine's two, or the
+/// job's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Comm {
     /// Reduce-scatters (reduces), and a single machine's all-reduces.
     Reduce,
     /// All-gathers (broadcasts).
     Gather,
+    /// Every rank of the job: the job's NCCL all-reduces
+    /// (`engine/algorithm/nccl.rs`).
+    Job,
 }
 
 /// A collective among the machine's ranks, in place on bytes of each

@@ -60,6 +60,7 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
             collectives: false,
             whole_up_to: 0,
             one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
+            across_job: false,
         };
         match play(
             &scenario,
@@ -135,6 +136,7 @@ fn broadcasts_and_results_land_in_receivers_windows() {
             collectives: false,
             whole_up_to: 0,
             one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
+            across_job: false,
         };
         match play(
             &scenario,
@@ -164,13 +166,23 @@ fn submit_device_sum(
     tensor: &mut [u64],
     input: &mut [u64],
 ) -> crate::Result<()> {
+    submit_device_sum_by(engine, tensor, input, Resolved::Hierarchical)
+}
+
+/// [`submit_device_sum`] running `algorithm`.
+fn submit_device_sum_by(
+    engine: &Engine<SimFabric, SimMemory>,
+    tensor: &mut [u64],
+    input: &mut [u64],
+    algorithm: Resolved,
+) -> crate::Result<()> {
     assert!(engine.works.try_take(0));
     let elements = tensor.len() as u64;
     let descriptor = Descriptor {
         collective: Collective::AllReduce,
         dtype: DataType::I64,
         op: ReduceOp::Sum,
-        algorithm: Resolved::Hierarchical,
+        algorithm,
         wire: WireFormat::Exact,
         memory: MemoryKind::Device,
         by_messages: false,
@@ -186,14 +198,35 @@ fn submit_device_sum(
 /// Drives every engine (and, with `gpu`, runs every simulated GPU's ready
 /// work) until operation 0 has settled on each, for at most 10 000 rounds.
 fn drive_until_settled(engines: &[Engine<SimFabric, SimMemory>], gpu: bool) {
+    drive_over(engines, gpu, None);
+}
+
+/// [`drive_until_settled`], delivering what is in flight on `net` each
+/// round from round `from` on, where given (`(net, from)`): the network
+/// holds every message until then.
+fn drive_over(
+    engines: &[Engine<SimFabric, SimMemory>],
+    gpu: bool,
+    net: Option<(&Arc<std::sync::Mutex<Network>>, usize)>,
+) {
     let settled = |e: &Engine<SimFabric, SimMemory>| e.works.state(0).is_some_and(|s| s != 0);
-    for _ in 0..10_000 {
+    for round in 0..10_000 {
         if engines.iter().all(settled) {
             break;
         }
         for e in engines {
             e.try_drive();
             while gpu && e.memory.gpu().run_any(|_| 0) {}
+        }
+        if let Some((net, from)) = net
+            && round >= from
+        {
+            let mut net = net
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for (a, b) in net.busy_links() {
+                net.deliver(a, b);
+            }
         }
     }
 }
@@ -485,6 +518,47 @@ impl LocalStep<SimMemory> for std::sync::Arc<RecordingSlices> {
     }
 }
 
+/// The engines of a job of `machines` x `devices` ranks (1 KiB slices, two
+/// buffers) over `net`, through `collectives` where given, each worker's
+/// local step recording the bytes of its slices (the recorders, by rank).
+fn recording_job(
+    machines: u32,
+    devices: u32,
+    net: &Arc<std::sync::Mutex<Network>>,
+    collectives: Option<&Collectives>,
+) -> (
+    Vec<Engine<SimFabric, SimMemory>>,
+    Vec<std::sync::Arc<RecordingSlices>>,
+) {
+    let topology = Topology::new(machines, devices, RankLayout::Contiguous).unwrap();
+    let geometry = Geometry::new(topology, PlanConfig::new(1024, 64).unwrap()).unwrap();
+    let layout = BufferLayout::new(&geometry, machines * devices).unwrap();
+    let recorders = std::sync::Mutex::new(Vec::new());
+    let engines = build_job(
+        &geometry,
+        &layout,
+        2,
+        net,
+        DirectSettings::from(None),
+        Design::Accepted,
+        collectives,
+        0,
+        Duration::from_secs(3600),
+        |rank, step| {
+            let recorder = std::sync::Arc::new(RecordingSlices {
+                step,
+                slices: std::sync::Mutex::default(),
+            });
+            let mut recorders = recorders.lock().unwrap();
+            assert_eq!(recorders.len(), rank as usize, "ranks in order");
+            recorders.push(std::sync::Arc::clone(&recorder));
+            Box::new(recorder)
+        },
+    )
+    .unwrap();
+    (engines, recorders.into_inner().unwrap())
+}
+
 /// On one machine whose ranks reduce device tensors through the machine's
 /// collectives, an all-reduce of many slices' worth is one slice, one
 /// collective all-reduce in the tensor; device tensors that go through the
@@ -493,33 +567,9 @@ impl LocalStep<SimMemory> for std::sync::Arc<RecordingSlices> {
 fn one_machine_reduces_a_device_tensor_in_one_slice_through_its_collectives() {
     const ELEMENTS: usize = 1000;
     for (collectives, expect_whole) in [(true, true), (false, false)] {
-        let topology = Topology::new(1, 2, RankLayout::Contiguous).unwrap();
-        let geometry = Geometry::new(topology, PlanConfig::new(1024, 64).unwrap()).unwrap();
-        let layout = BufferLayout::new(&geometry, 2).unwrap();
         let net = Network::new(2);
-        let recorders: Vec<_> = (0..2)
-            .map(|_| std::sync::Mutex::new(None::<std::sync::Arc<RecordingSlices>>))
-            .collect();
-        let engines = build_job(
-            &geometry,
-            &layout,
-            2,
-            &net,
-            DirectSettings::from(None),
-            Design::Accepted,
-            collectives.then(Collectives::shipped).as_ref(),
-            0,
-            Duration::from_secs(3600),
-            |rank, step| {
-                let recorder = std::sync::Arc::new(RecordingSlices {
-                    step,
-                    slices: std::sync::Mutex::default(),
-                });
-                *recorders[rank as usize].lock().unwrap() = Some(std::sync::Arc::clone(&recorder));
-                Box::new(recorder)
-            },
-        )
-        .unwrap();
+        let (engines, recorders) =
+            recording_job(1, 2, &net, collectives.then(Collectives::shipped).as_ref());
         let mut tensors = [vec![0u64; ELEMENTS], vec![0u64; ELEMENTS]];
         let mut inputs = [
             (0..ELEMENTS as u64).collect::<Vec<_>>(),
@@ -538,7 +588,6 @@ fn one_machine_reduces_a_device_tensor_in_one_slice_through_its_collectives() {
             }
         }
         for (r, recorder) in recorders.iter().enumerate() {
-            let recorder = recorder.lock().unwrap().clone().unwrap();
             let slices = recorder.slices.lock().unwrap().clone();
             let bytes = (ELEMENTS * 8) as u64;
             if expect_whole {
@@ -554,6 +603,86 @@ fn one_machine_reduces_a_device_tensor_in_one_slice_through_its_collectives() {
                 );
                 assert_eq!(slices.iter().sum::<u64>(), bytes, "rank {r}");
             }
+        }
+    }
+}
+
+/// The job's NCCL all-reduce on 2x2: one slice of the whole tensor on every
+/// rank, on the job's communicator, exact. Where one rank issued another
+/// length, every rank fails naming the mismatch, and none opens the job's
+/// call: each runs it only once its failure released its gates, and the
+/// calls never meet (a gate opened on the local check alone would run it on
+/// ranks 0 and 1).
+#[test]
+fn the_jobs_nccl_all_reduce_is_exact_and_starts_only_once_every_rank_agrees() {
+    const ELEMENTS: usize = 1000;
+    for mismatched in [false, true] {
+        let net = Network::new(4);
+        let collectives = Collectives {
+            across_job: true,
+            ..Collectives::shipped()
+        };
+        let (engines, recorders) = recording_job(2, 2, &net, Some(&collectives));
+        let len = |r: usize| {
+            if mismatched && r == 3 {
+                ELEMENTS + 8
+            } else {
+                ELEMENTS
+            }
+        };
+        let mut tensors: Vec<Vec<u64>> = (0..4).map(|r| vec![0; len(r)]).collect();
+        let mut inputs: Vec<Vec<u64>> = (0..4)
+            .map(|r| (0..len(r) as u64).map(|i| i * (r as u64 + 1)).collect())
+            .collect();
+        for (r, (t, i)) in tensors.iter_mut().zip(&mut inputs).enumerate() {
+            submit_device_sum_by(&engines[r], t, i, Resolved::Nccl).unwrap();
+        }
+        // The network holds the descriptors for 50 rounds: the local ranks
+        // agree long before the remote ones are heard from.
+        drive_over(&engines, true, Some((&net, 50)));
+        let met = collectives
+            .job_all_reduces
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if mismatched {
+            assert_eq!(met, 0, "NCCL combined nothing");
+            // Every rank here checks the one that differs (its local rank,
+            // its rail, or its ring neighbour): none opens the gate of the
+            // job's call, each runs it only on its released gates.
+            let opened = collectives
+                .job_disagreed_opened
+                .load(std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(opened, 0, "a rank ran the job's call on a gate it opened");
+            for e in &engines {
+                let error = e
+                    .failure()
+                    .unwrap_or_else(|| panic!("rank {} failed", e.rank()));
+                assert!(
+                    matches!(
+                        error,
+                        crate::Error::Mismatch { .. } | crate::Error::Peer { .. }
+                    ),
+                    "rank {}: {error}",
+                    e.rank()
+                );
+            }
+            continue;
+        }
+        assert_eq!(met, 1, "one all-reduce on the job's communicator");
+        for e in &engines {
+            assert_eq!(e.works.state(0), Some(DONE), "rank {}", e.rank());
+        }
+        for (r, t) in tensors.iter().enumerate() {
+            for (i, &v) in t.iter().enumerate() {
+                assert_eq!(v, 10 * i as u64, "rank {r}, element {i}");
+            }
+        }
+        for (r, recorder) in recorders.iter().enumerate() {
+            let slices = recorder.slices.lock().unwrap().clone();
+            assert_eq!(
+                slices,
+                vec![(ELEMENTS * 8) as u64],
+                "rank {r}: the whole tensor"
+            );
         }
     }
 }
@@ -609,6 +738,7 @@ fn deep_trees_settle_with_exact_results() {
             collectives: false,
             whole_up_to: 0,
             one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
+            across_job: false,
             ops,
         };
         let topology = Topology::new(machines, devices, RankLayout::Contiguous).unwrap();

@@ -6,18 +6,29 @@ use super::*;
 
 /// The machines' collectives in a simulated job: from which size a slice of
 /// equal slots reduce-scatters in one call, and the count of those that met.
+/// Where the job's communicator is made (`across_job`), every rank joins
+/// it too, and the job's all-reduces that met on it are counted.
 #[derive(Clone, Debug)]
 pub(super) struct Collectives {
     pub(super) one_reduce_scatter_from: u64,
     pub(super) scatters: Arc<std::sync::atomic::AtomicU64>,
+    pub(super) across_job: bool,
+    pub(super) job_all_reduces: Arc<std::sync::atomic::AtomicU64>,
+    /// The job's calls that disagreed though a rank of them ran on a gate
+    /// its engine opened (not released by a failure).
+    pub(super) job_disagreed_opened: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Collectives {
-    /// The engine's own rule, counted nowhere.
+    /// The engine's own rule, counted nowhere, without the job's
+    /// communicator.
     pub(super) fn shipped() -> Collectives {
         Collectives {
             one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
             scatters: Arc::default(),
+            across_job: false,
+            job_all_reduces: Arc::default(),
+            job_disagreed_opened: Arc::default(),
         }
     }
 }
@@ -61,6 +72,15 @@ pub(super) fn build_job(
             )
         })
         .collect();
+    let job = collectives
+        .filter(|c| c.across_job && d > 1 && m > 1)
+        .map(|c| {
+            SimMachine::job(
+                world,
+                Arc::clone(&c.job_all_reduces),
+                Arc::clone(&c.job_disagreed_opened),
+            )
+        });
     let one_call_from = collectives.map_or(u64::MAX, |c| c.one_reduce_scatter_from);
     let mut parts = Vec::new();
     for rank in 0..world {
@@ -75,6 +95,7 @@ pub(super) fn build_job(
                 &memory,
                 &machines[location.machine as usize],
                 location.device,
+                job.as_ref().map(|job| (job, rank)),
             )
         });
         // Broadcasts on one machine are copied between tensors in the jobs

@@ -162,6 +162,8 @@ struct Outcome {
     collective: usize,
     /// Slices a machine's collectives reduce-scattered in one call.
     scattered: u64,
+    /// All-reduces that met on the job's communicator.
+    across_job: u64,
     killed: Option<u32>,
     done: usize,
     failed: usize,
@@ -236,6 +238,9 @@ fn play(
     let collectives = sc.collectives.then(|| Collectives {
         one_reduce_scatter_from: sc.one_reduce_scatter_from,
         scatters: Arc::default(),
+        across_job: sc.across_job,
+        job_all_reduces: Arc::default(),
+        job_disagreed_opened: Arc::default(),
     });
     let mut engines = build_job(
         &geometry,
@@ -612,8 +617,12 @@ fn play(
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .window_landings;
-    outcome.scattered =
-        collectives.map_or(0, |c| c.scatters.load(std::sync::atomic::Ordering::Relaxed));
+    outcome.scattered = collectives
+        .as_ref()
+        .map_or(0, |c| c.scatters.load(std::sync::atomic::Ordering::Relaxed));
+    outcome.across_job = collectives.map_or(0, |c| {
+        c.job_all_reduces.load(std::sync::atomic::Ordering::Relaxed)
+    });
     Ok(outcome)
 }
 
@@ -694,7 +703,7 @@ fn seeded_schedules_settle_with_exact_results() {
     let seeds = seeds();
     let outcomes = run_seeds(&seeds).unwrap_or_else(|e| panic!("{e}"));
     let (mut killed, mut steps, mut done, mut failed) = (0, 0, 0, 0);
-    let (mut device, mut collective, mut scattered) = (0, 0, 0);
+    let (mut device, mut collective, mut scattered, mut across_job) = (0, 0, 0, 0);
     let mut rooted = [0usize; 3];
     let (mut in_windows, mut delivered) = (0, 0);
     let (mut messages, mut messages_local) = (0, 0);
@@ -706,6 +715,7 @@ fn seeded_schedules_settle_with_exact_results() {
         device += outcome.device;
         collective += outcome.collective;
         scattered += outcome.scattered;
+        across_job += outcome.across_job;
         in_windows += outcome.in_windows;
         delivered += outcome.delivered;
         messages += outcome.messages;
@@ -718,7 +728,8 @@ fn seeded_schedules_settle_with_exact_results() {
     eprintln!(
         "simulation: {} seeds ({killed} with a killed rank), {steps} steps, {done} operations \
          done ({device} on the simulated device, {collective} of them through a machine's \
-         collectives, which reduce-scattered {scattered} slices in one call), {failed} failed; \
+         collectives, which reduce-scattered {scattered} slices in one call; {across_job} \
+         all-reduces met on the job's NCCL communicator), {failed} failed; \
          drawn as rooted forms: {reduces} reduces, {gathers} \
          gathers, {scatters} scatters; {in_windows} writes landed in a receiver's tensor; \
          {delivered} shares of results delivered; {messages} message ends done \
@@ -753,5 +764,9 @@ fn seeded_schedules_settle_with_exact_results() {
     assert!(
         seeds.len() < 100 || scattered > 0,
         "the seeds reduce-scatter slices in one call"
+    );
+    assert!(
+        seeds.len() < 100 || across_job > 0,
+        "the seeds run all-reduces on the job's NCCL communicator"
     );
 }

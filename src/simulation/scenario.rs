@@ -219,6 +219,12 @@ pub(super) struct Scenario {
     /// slots they reduce-scatter in one call (else one reduce per slot):
     /// every such slice, those of a kilobyte and more, or none.
     pub(super) one_reduce_scatter_from: u64,
+    /// Whether the job's NCCL communicator is made (several machines of
+    /// several ranks, through their collectives, without servers; three
+    /// seeds in four of those): then about three in four of its device
+    /// all-reduces that NCCL reduces run as the job's NCCL all-reduce
+    /// ([`Resolved::Nccl`]).
+    pub(super) across_job: bool,
 }
 
 impl Scenario {
@@ -371,6 +377,24 @@ impl Scenario {
                 op.rooted = Some(Rooted { root, world });
             }
         }
+        // The job's NCCL communicator, and the all-reduces that run on it:
+        // drawn from a side stream, as above.
+        let mut job = rng.side(0x6e63_636c);
+        let across_job = collectives && m > 1 && d > 1 && servers == 0 && job.below(4) != 0;
+        for (op, &on_device) in ops.iter_mut().zip(&device) {
+            let plain_all_reduce = op.origins.is_none()
+                && op.share.is_none()
+                && op.rooted.is_none()
+                && op.wire == WireFormat::Exact;
+            if across_job
+                && on_device
+                && plain_all_reduce
+                && crate::local::takes(op.dtype, op.op)
+                && job.below(4) != 0
+            {
+                op.algorithm = Resolved::Nccl;
+            }
+        }
         Scenario {
             machines: m,
             devices: d,
@@ -387,6 +411,7 @@ impl Scenario {
             collectives,
             whole_up_to,
             one_reduce_scatter_from,
+            across_job,
         }
     }
 

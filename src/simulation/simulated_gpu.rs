@@ -60,8 +60,8 @@ use crate::memory::program::{
 };
 use crate::memory::{Conversion, Host, HostTensor, MemorySpace, Reduction};
 
-/// The machine's two communicators.
-const BOTH: [Comm; 2] = [Comm::Reduce, Comm::Gather];
+/// The machine's two communicators and the job's.
+const ALL: [Comm; 3] = [Comm::Reduce, Comm::Gather, Comm::Job];
 
 /// How the engine meets the device (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,6 +142,8 @@ pub(super) struct Gpu {
     made: bool,
     /// Where this GPU's collective calls meet the other ranks' calls.
     meeting: Option<Box<dyn Meeting>>,
+    /// The engine failed and released every gate.
+    released: bool,
     /// A call that waits for the whole device: how far each stream must run
     /// before it returns. Meanwhile it holds the context, and every other
     /// CUDA call waits for it.
@@ -174,7 +176,9 @@ pub(super) trait Meeting: Send {
     /// end.
     fn can_run(&self, id: u64) -> bool;
     /// Moves call `id` on; returns whether it ended (leaves its stream).
-    fn run(&self, id: u64) -> bool;
+    /// `released`: the rank's engine failed and released its gates, so the
+    /// call runs whatever its peers issued.
+    fn run(&self, id: u64, released: bool) -> bool;
     /// The bytes call `id` writes on this rank (address, length).
     fn writes(&self, id: u64) -> (usize, usize);
     /// What call `id` is, for a report of what waits.
@@ -330,7 +334,7 @@ impl Gpu {
             && let Some(meeting) = &self.meeting
         {
             let (at, len) = meeting.writes(id);
-            if !meeting.run(id) {
+            if !meeting.run(id, self.released) {
                 // It arrived, and waits for the other ranks.
                 return true;
             }
@@ -531,6 +535,7 @@ impl SimMemory {
                 layout,
                 words: vec![0; layout.count()],
                 made: false,
+                released: false,
                 meeting: None,
                 draining: None,
                 on: Thread::Progress,
@@ -665,9 +670,10 @@ impl SimGpu {
     /// waits for the device with the gates still closed.
     fn release(&self) {
         let mut gpu = self.lock();
+        gpu.released = true;
         if gpu.design == Design::AbortFirst {
             let on = gpu.on;
-            gpu.abort_now(on, &BOTH);
+            gpu.abort_now(on, &ALL);
         }
         let gates = (0..gpu.layout.buffers() as u32)
             .map(|b| gpu.layout.gate(b))
@@ -702,8 +708,10 @@ impl SimGpu {
         }
         match gpu.design {
             Design::AbortFirst => {}
-            Design::AbortOneByOne => gpu.reaping.extend([vec![Comm::Reduce], vec![Comm::Gather]]),
-            Design::Accepted | Design::IssuedByEngine => gpu.reaping.push_back(BOTH.to_vec()),
+            Design::AbortOneByOne => gpu
+                .reaping
+                .extend([vec![Comm::Reduce], vec![Comm::Gather, Comm::Job]]),
+            Design::Accepted | Design::IssuedByEngine => gpu.reaping.push_back(ALL.to_vec()),
         }
     }
 

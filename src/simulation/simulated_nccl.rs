@@ -3,6 +3,9 @@
 //! ([`CollectiveStep`](crate::local::CollectiveStep)) on, so that its order
 //! and its failure path are checked on every seed.
 //!
+//! - The job's communicator (the job's NCCL all-reduce,
+//!   `engine/algorithm/nccl.rs`) is one more such machine, of every rank of
+//!   the job, where the seed makes one.
 //! - A call is an item of a device program on the engine stream of the
 //!   staging buffer it serves, on the rank that enqueues it; its index on its
 //!   communicator is the order the rank enqueued it in. It **arrives** when
@@ -15,7 +18,11 @@
 //!   only once the one before it on its communicator has met.
 //! - MachineCalls that meet must agree (what they do, how many bytes, which root):
 //!   ranks that issue in different orders would hang or mix slices under
-//!   NCCL, and here the seed fails naming the two calls.
+//!   NCCL, and here the seed fails naming the two calls. Only where a rank's
+//!   engine failed (ranks that issued different operations, caught by the
+//!   descriptor checks) may calls disagree: its released gates run what it
+//!   enqueued, and the calls never meet, moving nothing, until every rank
+//!   aborts them.
 //! - When the last rank arrives, the call moves every rank's bytes at once:
 //!   an all-reduce, a reduce-scatter (chunk `r` of every rank's bytes
 //!   onto rank `r`'s), a reduce onto its root, a broadcast from it, in
@@ -76,6 +83,15 @@ struct Rendezvous {
     /// What the first to arrive does, and over how many bytes.
     call: (Kind, usize),
     done: bool,
+    /// Whether a rank arrived on released gates (its engine failed), and
+    /// whether one arrived on a gate its engine opened.
+    released: bool,
+    opened: bool,
+    /// Whether the calls disagree: they never meet, and end only as their
+    /// ranks abort.
+    disagree: bool,
+    /// Whether the disagreement with an opened gate was counted.
+    counted: bool,
 }
 
 /// A machine's calls.
@@ -83,9 +99,14 @@ struct MachineCalls {
     ranks: u32,
     meetings: HashMap<(Comm, u64), Rendezvous>,
     /// Per local rank, per communicator: aborted.
-    aborted: Vec<[bool; 2]>,
+    aborted: Vec<[bool; 3]>,
     /// Reduce-scatters that met, counted for the job.
     scatters: Arc<AtomicU64>,
+    /// Every call that met, where counted.
+    met: Option<Arc<AtomicU64>>,
+    /// Calls that disagreed though a rank of them ran on an opened gate
+    /// (its engine had not failed), where counted.
+    disagreed_opened: Option<Arc<AtomicU64>>,
 }
 
 /// The collectives of one simulated machine, shared by its ranks' GPUs.
@@ -99,9 +120,28 @@ impl SimMachine {
         SimMachine(Arc::new(Mutex::new(MachineCalls {
             ranks,
             meetings: HashMap::new(),
-            aborted: vec![[false; 2]; ranks as usize],
+            aborted: vec![[false; 3]; ranks as usize],
             scatters,
+            met: None,
+            disagreed_opened: None,
         })))
+    }
+
+    /// The job's communicator of `ranks` ranks, counting its calls that met
+    /// in `met`, and in `disagreed_opened` those that disagreed though a
+    /// rank of them ran on an opened gate.
+    pub(super) fn job(
+        ranks: u32,
+        met: Arc<AtomicU64>,
+        disagreed_opened: Arc<AtomicU64>,
+    ) -> SimMachine {
+        let job = SimMachine::new(ranks, Arc::default());
+        {
+            let mut calls = job.lock();
+            calls.met = Some(met);
+            calls.disagreed_opened = Some(disagreed_opened);
+        }
+        job
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, MachineCalls> {
@@ -137,12 +177,13 @@ impl SimMachine {
     ///
     /// If the call disagrees with those it meets: the ranks issued out of
     /// order (the model's finding, which fails the seed).
-    pub(super) fn run(&self, rank: u32, call: &Call) -> bool {
+    pub(super) fn run(&self, rank: u32, call: &Call, released: bool) -> bool {
         let mut calls = self.lock();
         if calls.aborted[rank as usize][call.comm as usize] {
             return true;
         }
         let ranks = calls.ranks as usize;
+        let disagreed_opened = calls.disagreed_opened.clone();
         let meeting = calls
             .meetings
             .entry((call.comm, call.index))
@@ -150,22 +191,40 @@ impl SimMachine {
                 arrived: vec![None; ranks],
                 call: (call.kind, call.len),
                 done: false,
+                released: false,
+                opened: false,
+                disagree: false,
+                counted: false,
             });
         if meeting.done {
             return true;
         }
-        assert!(
-            meeting.call == (call.kind, call.len),
-            "collective mismatch: local rank {rank}'s call {} on {:?} is {:?} over {} bytes, \
-             and another rank's is {:?} over {} bytes",
-            call.index,
-            call.comm,
-            call.kind,
-            call.len,
-            meeting.call.0,
-            meeting.call.1,
-        );
+        meeting.released |= released;
+        meeting.opened |= !released;
+        if meeting.call != (call.kind, call.len) {
+            // Ranks whose engines failed (a mismatch of their calls among
+            // them) run what they enqueued: NCCL's kernels then exchange
+            // nothing meaningful, within each rank's own bytes, until the
+            // ranks abort. Calls that disagree where no rank failed are
+            // issued out of order: the model's finding.
+            assert!(
+                meeting.released,
+                "collective mismatch: rank {rank}'s call {} on {:?} is {:?} over {} bytes, \
+                 and another rank's is {:?} over {} bytes",
+                call.index, call.comm, call.kind, call.len, meeting.call.0, meeting.call.1,
+            );
+            meeting.disagree = true;
+        }
         meeting.arrived[rank as usize] = Some(call.at);
+        if meeting.disagree {
+            if meeting.opened && !meeting.counted {
+                meeting.counted = true;
+                if let Some(counter) = &disagreed_opened {
+                    counter.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            return false;
+        }
         if meeting.arrived.iter().all(Option::is_some) {
             let at: Vec<usize> = meeting.arrived.iter().flatten().copied().collect();
             // SAFETY: the ranks' bytes are tensors of the simulation, alive
@@ -175,6 +234,9 @@ impl SimMachine {
             meeting.done = true;
             if matches!(call.kind, Kind::ReduceScatter { .. }) {
                 calls.scatters.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Some(met) = &calls.met {
+                met.fetch_add(1, Ordering::Relaxed);
             }
         }
         false
@@ -259,7 +321,7 @@ pub(super) struct SimCollectives {
 /// One rank's calls, by id (the order it issued them), and how many it
 /// issued per communicator (the next one's index).
 #[derive(Clone, Default)]
-struct RankCalls(Arc<Mutex<(Vec<Call>, [u64; 2])>>);
+struct RankCalls(Arc<Mutex<(Vec<Call>, [u64; 3])>>);
 
 impl RankCalls {
     fn get(&self, id: u64) -> Call {
@@ -268,20 +330,43 @@ impl RankCalls {
     }
 }
 
-/// Where one rank's calls meet: the machine, as its GPU sees it.
+/// Where one rank's calls meet: the machine, as its GPU sees it, and the
+/// job's ranks on the job's communicator where it has one.
 struct RankMeeting {
     machine: SimMachine,
     rank: u32,
+    /// The job's calls and this rank's place among them (its global rank).
+    job: Option<(SimMachine, u32)>,
     calls: RankCalls,
+}
+
+impl RankMeeting {
+    /// Where calls on `comm` meet, and this rank's place there.
+    ///
+    /// # Panics
+    ///
+    /// A call on the job's communicator where the rank has none: the engine
+    /// chose the job's all-reduce where it may not.
+    fn on(&self, comm: Comm) -> (&SimMachine, u32) {
+        match (comm, &self.job) {
+            (Comm::Job, Some((job, rank))) => (job, *rank),
+            (Comm::Job, None) => panic!("a call on the job's communicator, which was not made"),
+            _ => (&self.machine, self.rank),
+        }
+    }
 }
 
 impl Meeting for RankMeeting {
     fn can_run(&self, id: u64) -> bool {
-        self.machine.can_run(self.rank, &self.calls.get(id))
+        let call = self.calls.get(id);
+        let (at, rank) = self.on(call.comm);
+        at.can_run(rank, &call)
     }
 
-    fn run(&self, id: u64) -> bool {
-        self.machine.run(self.rank, &self.calls.get(id))
+    fn run(&self, id: u64, released: bool) -> bool {
+        let call = self.calls.get(id);
+        let (at, rank) = self.on(call.comm);
+        at.run(rank, &call, released)
     }
 
     fn writes(&self, id: u64) -> (usize, usize) {
@@ -304,17 +389,27 @@ impl Meeting for RankMeeting {
     }
 
     fn abort(&self, comm: Comm) {
-        self.machine.abort(self.rank, comm);
+        if comm != Comm::Job || self.job.is_some() {
+            let (at, rank) = self.on(comm);
+            at.abort(rank, comm);
+        }
     }
 }
 
 /// Local rank `rank`'s collectives among `machine`'s GPUs, the GPU of
-/// `memory` joining them.
-pub(super) fn join(memory: &SimMemory, machine: &SimMachine, rank: u32) -> SimCollectives {
+/// `memory` joining them; and, where given, the job's (`job`: every rank's
+/// calls, and this rank's global rank among them).
+pub(super) fn join(
+    memory: &SimMemory,
+    machine: &SimMachine,
+    rank: u32,
+    job: Option<(&SimMachine, u32)>,
+) -> SimCollectives {
     let calls = RankCalls::default();
     memory.meet_through(Box::new(RankMeeting {
         machine: machine.clone(),
         rank,
+        job: job.map(|(job, rank)| (job.clone(), rank)),
         calls: calls.clone(),
     }));
     SimCollectives { calls }

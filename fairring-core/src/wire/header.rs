@@ -34,8 +34,11 @@ pub const MAGIC: [u8; 4] = *b"FRNG";
 /// `reduces_in_one_call`), so a machine's ranks of versions 4 and 5 would
 /// issue different calls on their communicator; and where no slice size is
 /// given, slices through the trees are 20 MiB, not 16, and a tensor of fewer
-/// than four of them is cut in four, as on the flat plan.
-pub const VERSION: u8 = 5;
+/// than four of them is cut in four, as on the flat plan. Version 6: on two
+/// to seven machines whose GPUs reduce in their NVSwitch, a device all-reduce
+/// of some sizes runs as one NCCL all-reduce over the whole job (a
+/// descriptor's algorithm 6), where version 5 ran the plan.
+pub const VERSION: u8 = 6;
 /// Largest payload of a `Hello` frame (the handshake of the fabric).
 pub const MAX_HELLO_PAYLOAD: u32 = 4096;
 /// Largest payload of an `Abort` frame (a UTF-8 reason).

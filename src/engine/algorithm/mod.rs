@@ -24,7 +24,10 @@
 //!   reduce-scatter, where machines have several devices);
 //! - [`serve`]: a dedicated reduction server's part of every slice (Herring's
 //!   design), where the workers run [`hierarchical`] with the servers in the
-//!   machines' place.
+//!   machines' place;
+//! - [`nccl`]: a device tensor's all-reduce as one NCCL all-reduce over the
+//!   whole job, where NCCL's NVLSTree is ahead of the plan (few machines
+//!   whose GPUs reduce in their NVSwitch).
 //!
 //! `auto` is resolved before an operation reaches the engine ([`Resolved`]), so
 //! every slice runs exactly one of them. Hierarchical and doubling run every
@@ -36,6 +39,7 @@
 
 pub(crate) mod doubling;
 mod hierarchical;
+mod nccl;
 mod peers;
 mod relay;
 mod ring;
@@ -50,6 +54,7 @@ use fairring_core::{DataType, ReduceOp, WireFormat};
 
 pub(crate) use doubling::Doubling;
 pub(crate) use hierarchical::Hierarchical;
+pub(crate) use nccl::Nccl;
 pub(crate) use peers::Wiring;
 pub(crate) use relay::{
     Origins, Relay, most_writes as relay_most_writes, over_machines as relay_over_machines,
@@ -79,6 +84,9 @@ pub(crate) enum Resolved {
     Doubling,
     /// [`scatter`]: what reduce-scatters run when the ring is chosen.
     Scatter,
+    /// [`nccl`]: what `auto` runs for a device all-reduce where the job's
+    /// NCCL all-reduce is ahead of the plan (never asked for by name).
+    Nccl,
 }
 
 impl Resolved {
@@ -100,6 +108,7 @@ impl Resolved {
             Resolved::Relay => "relay",
             Resolved::Doubling => "doubling",
             Resolved::Scatter => "scatter",
+            Resolved::Nccl => "nccl",
         }
     }
 }
@@ -410,6 +419,8 @@ pub(crate) enum SliceAlgorithm {
     Scatter(Scatter),
     /// [`serve`].
     Serve(Serve),
+    /// [`nccl`].
+    Nccl(Nccl),
 }
 
 impl SliceAlgorithm {
@@ -435,6 +446,7 @@ impl SliceAlgorithm {
             Resolved::Relay => SliceAlgorithm::Relay(Relay::start(ctx, s, steps)?),
             Resolved::Doubling => SliceAlgorithm::Doubling(Doubling::start(ctx, s, steps)?),
             Resolved::Scatter => SliceAlgorithm::Scatter(Scatter::start(ctx, s, steps)?),
+            Resolved::Nccl => SliceAlgorithm::Nccl(Nccl::start(ctx, s, steps)?),
         })
     }
 
@@ -451,6 +463,7 @@ impl SliceAlgorithm {
             Resolved::Ring | Resolved::Doubling => DeviceUse::default(),
             Resolved::Relay => Relay::device_use(ctx, s)?,
             Resolved::Scatter => Scatter::device_use(ctx, s)?,
+            Resolved::Nccl => Nccl::device_use(ctx),
         })
     }
 
@@ -465,7 +478,7 @@ impl SliceAlgorithm {
     ) -> Result<()> {
         device_slice(ctx, s)?;
         match algorithm {
-            Resolved::Hierarchical => Ok(()),
+            Resolved::Hierarchical | Resolved::Nccl => Ok(()),
             Resolved::Ring => Ring::device_copies(s, each),
             Resolved::Doubling => Doubling::device_copies(ctx, s, each),
             Resolved::Relay => Relay::device_copies(ctx, s, each),
@@ -488,6 +501,7 @@ impl SliceAlgorithm {
             SliceAlgorithm::Doubling(r) => r.on_event(ctx, s, event, steps),
             SliceAlgorithm::Scatter(r) => r.on_event(ctx, s, event, steps),
             SliceAlgorithm::Serve(v) => v.on_event(ctx, s, event, steps),
+            SliceAlgorithm::Nccl(v) => v.on_event(s, event, steps),
         }
     }
 
@@ -507,6 +521,7 @@ impl SliceAlgorithm {
             SliceAlgorithm::Doubling(_) => Resolved::Doubling,
             SliceAlgorithm::Scatter(_) => Resolved::Scatter,
             SliceAlgorithm::Serve(v) => v.resolved(),
+            SliceAlgorithm::Nccl(_) => Resolved::Nccl,
         }
     }
 
@@ -528,6 +543,7 @@ impl SliceAlgorithm {
             SliceAlgorithm::Doubling(r) => r.phase(),
             SliceAlgorithm::Scatter(r) => r.phase(),
             SliceAlgorithm::Serve(v) => v.phase(),
+            SliceAlgorithm::Nccl(v) => v.phase(),
         }
     }
 }

@@ -119,7 +119,11 @@ impl Serve {
                 .slice
                 .shard_of_server(server)
                 .map_err(|e| Error::internal("this server is in the job", e.to_string()))?,
-            Resolved::Ring | Resolved::Relay | Resolved::Doubling | Resolved::Scatter => None,
+            Resolved::Ring
+            | Resolved::Relay
+            | Resolved::Doubling
+            | Resolved::Scatter
+            | Resolved::Nccl => None,
         };
         if let Some(shard) = shard {
             serve.shard = shard;

@@ -9,6 +9,7 @@ fn job(m: u32, d: u32, servers: u32, wire: WireFormat) -> Job {
         routing: Routing::Flat,
         algorithm: Algorithm::Auto,
         wire,
+        across_job: false,
     }
 }
 
@@ -20,6 +21,8 @@ fn runs(collective: Collective, m: u32, d: u32, asked: Algorithm, bytes: u64) ->
         bytes,
         algorithm: Some(asked),
         wire: None,
+        op: ReduceOp::Sum,
+        memory: MemoryKind::Host,
     };
     choose(call, &job(m, d, 0, WireFormat::Exact))
         .unwrap()
@@ -64,6 +67,8 @@ fn the_documented_rules_are_the_ones_chosen() {
             bytes,
             algorithm: Some(cells[5].parse().unwrap()),
             wire: None,
+            op: ReduceOp::Sum,
+            memory: MemoryKind::Host,
         };
         let job = job(
             number(cells[1]),
@@ -88,6 +93,8 @@ fn a_call_asking_a_compressed_wire_for_another_type_is_refused() {
         bytes: 4096,
         algorithm: None,
         wire: Some(WireFormat::Bf16),
+        op: ReduceOp::Sum,
+        memory: MemoryKind::Host,
     };
     let e = choose(call, &job(2, 1, 0, WireFormat::Exact))
         .unwrap_err()
@@ -112,6 +119,8 @@ fn a_call_asking_a_compressed_wire_for_bytes_it_only_moves_is_refused() {
             bytes: 4096,
             algorithm: None,
             wire: Some(WireFormat::F16),
+            op: ReduceOp::Sum,
+            memory: MemoryKind::Host,
         };
         let e = choose(call, &job(2, 1, 0, WireFormat::Exact))
             .unwrap_err()
@@ -273,6 +282,8 @@ fn through_the_trees_a_compressed_wire_runs_exact() {
         bytes: 64 << 20,
         algorithm: None,
         wire: Some(WireFormat::Bf16),
+        op: ReduceOp::Sum,
+        memory: MemoryKind::Host,
     };
     let flat = job(64, 8, 0, WireFormat::Exact);
     let trees = Job {
@@ -303,4 +314,140 @@ fn through_the_trees_a_compressed_wire_runs_exact() {
         (doubled.algorithm, doubled.wire),
         (Resolved::Doubling, WireFormat::Exact)
     );
+}
+
+/// A device all-reduce of `bytes` of `dtype` reduced with `op` on `m`x8,
+/// with the job's NCCL communicator made or not, asking for `asked`.
+fn device_all_reduce(
+    m: u32,
+    bytes: u64,
+    dtype: DataType,
+    op: ReduceOp,
+    across_job: bool,
+    asked: Option<Algorithm>,
+) -> Resolved {
+    let call = Call {
+        collective: Collective::AllReduce,
+        dtype,
+        bytes,
+        algorithm: asked,
+        wire: None,
+        op,
+        memory: MemoryKind::Device,
+    };
+    let job = Job {
+        across_job,
+        ..job(m, 8, 0, WireFormat::Exact)
+    };
+    choose(call, &job).unwrap().algorithm
+}
+
+#[test]
+fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_is_ahead() {
+    const MIB: u64 = 1 << 20;
+    let (f32, sum) = (DataType::F32, ReduceOp::Sum);
+    let nccl = |m, bytes| device_all_reduce(m, bytes, f32, sum, true, None);
+    // Two machines from 4 MiB on, three past 4 MiB to 192 MiB, four to
+    // seven between 14 MiB and 32 or 48.
+    for (m, bytes, expected) in [
+        (2, 4 * MIB - 4, false),
+        (2, 4 * MIB, true),
+        (2, 1 << 30, true),
+        (3, 4 * MIB, false),
+        (3, 4 * MIB + 4, true),
+        (3, 192 * MIB, true),
+        (3, 192 * MIB + 4, false),
+        (4, 14 * MIB - 4, false),
+        (4, 14 * MIB, true),
+        (5, 32 * MIB - 4, true),
+        (5, 32 * MIB, false),
+        (6, 48 * MIB, true),
+        (7, 48 * MIB + 4, false),
+        (8, 16 * MIB, false),
+        (64, 16 * MIB, false),
+    ] {
+        let chosen = nccl(m, bytes);
+        assert_eq!(
+            chosen == Resolved::Nccl,
+            expected,
+            "{m} machines, {bytes} bytes: {chosen}"
+        );
+    }
+    // Not without the job's communicator, not where an algorithm is asked
+    // for, not on host memory, not for what NCCL does not reduce (a float
+    // maximum keeps fairring's NaN rules; NCCL has no i16 or bitwise
+    // operators), and not with dedicated servers.
+    let bytes = 64 * MIB;
+    assert_eq!(
+        device_all_reduce(2, bytes, f32, sum, false, None),
+        Resolved::Hierarchical
+    );
+    assert_eq!(
+        device_all_reduce(2, bytes, f32, sum, true, Some(Algorithm::Hierarchical)),
+        Resolved::Hierarchical
+    );
+    assert_eq!(
+        device_all_reduce(2, bytes, f32, ReduceOp::Max, true, None),
+        Resolved::Hierarchical
+    );
+    assert_eq!(
+        device_all_reduce(2, bytes, DataType::I16, sum, true, None),
+        Resolved::Hierarchical
+    );
+    assert_eq!(
+        device_all_reduce(2, bytes, DataType::I32, ReduceOp::BitOr, true, None),
+        Resolved::Hierarchical
+    );
+    assert_eq!(
+        device_all_reduce(2, bytes, DataType::I32, ReduceOp::Max, true, None),
+        Resolved::Nccl
+    );
+    let host = Call {
+        collective: Collective::AllReduce,
+        dtype: f32,
+        bytes,
+        algorithm: None,
+        wire: None,
+        op: sum,
+        memory: MemoryKind::Host,
+    };
+    let with_comm = Job {
+        across_job: true,
+        ..job(2, 8, 0, WireFormat::Exact)
+    };
+    assert_eq!(
+        choose(host, &with_comm).unwrap().algorithm,
+        Resolved::Hierarchical
+    );
+    let device = Call {
+        memory: MemoryKind::Device,
+        ..host
+    };
+    let servers = Job {
+        across_job: true,
+        ..job(2, 8, 2, WireFormat::Exact)
+    };
+    assert_eq!(
+        choose(device, &servers).unwrap().algorithm,
+        Resolved::Hierarchical
+    );
+    // A compressed wire asked for keeps the plan, which compresses.
+    let compressed = Call {
+        wire: Some(WireFormat::Bf16),
+        ..device
+    };
+    let chosen = choose(compressed, &with_comm).unwrap();
+    assert_eq!(
+        (chosen.algorithm, chosen.wire),
+        (Resolved::Hierarchical, WireFormat::Bf16)
+    );
+    // Only jobs of two to seven machines of several ranks make the
+    // communicator at all.
+    let t = |m, d| Topology::new(m, d, RankLayout::Contiguous).unwrap();
+    assert!(nccl_across_job_may_run(t(2, 8), 0));
+    assert!(nccl_across_job_may_run(t(7, 2), 0));
+    assert!(!nccl_across_job_may_run(t(1, 8), 0));
+    assert!(!nccl_across_job_may_run(t(8, 8), 0));
+    assert!(!nccl_across_job_may_run(t(2, 1), 0));
+    assert!(!nccl_across_job_may_run(t(2, 8), 1));
 }

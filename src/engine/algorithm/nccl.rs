@@ -1,0 +1,99 @@
+//! The whole job's all-reduce of a device tensor as one NCCL all-reduce over
+//! every rank (`local::nccl`'s job communicator), where NCCL's NVLSTree is
+//! ahead of the reduction-server plan: few machines whose GPUs reduce in
+//! their NVSwitch (`engine/choice.rs` says where).
+//!
+//! The operation is one slice, the whole tensor, planned on one machine's
+//! geometry (its slots are the machine's ranks', as the local step reads
+//! them). Its device program is the local step's final reduce-scatter,
+//! which on a job of several machines is one in-place all-reduce on the
+//! job's communicator (`local::collective_step`), and nothing is gathered.
+//! No byte of it crosses the engine's fabric.
+//!
+//! Its gate opens only once every rank this rank is linked with has
+//! confirmed the operation's descriptor, as well as every local rank
+//! (`engine/slices.rs`): the rails and the local ranks together reach
+//! every rank, so ranks that issued different operations fail with the
+//! mismatch named before NCCL combines anything. A rank that fails or
+//! stalls fails the engine, whose failure aborts NCCL's communicators, so
+//! that a kernel waiting for a rank that is gone ends.
+
+use super::{Context, DeviceUse, SliceEvent, SliceInfo, Step};
+use crate::error::{Error, Result};
+
+/// One slice of the job's all-reduce through NCCL.
+#[derive(Debug)]
+pub(crate) struct Nccl {
+    gathering: bool,
+}
+
+impl Nccl {
+    /// Begins the local step, whose reduce-scatter is the job's all-reduce.
+    pub(crate) fn start(
+        ctx: &Context<'_>,
+        s: &SliceInfo<'_>,
+        steps: &mut Vec<Step>,
+    ) -> Result<Nccl> {
+        if ctx.server.is_some() || ctx.servers > 0 || s.direct {
+            return Err(Error::internal(
+                "the job's NCCL all-reduce runs on workers' device tensors, without servers",
+                format!("slice {}", s.number),
+            ));
+        }
+        steps.push(Step::LocalBegin);
+        steps.push(Step::LocalReduceScatter {
+            final_world: Some(ctx.world),
+        });
+        Ok(Nccl { gathering: false })
+    }
+
+    /// What its slice asks of the device: the local step, whose
+    /// reduce-scatter is final over the whole job.
+    pub(crate) fn device_use(ctx: &Context<'_>) -> DeviceUse {
+        DeviceUse::local(Some(ctx.world), true)
+    }
+
+    /// Takes one event.
+    pub(crate) fn on_event(
+        &mut self,
+        s: &SliceInfo<'_>,
+        event: SliceEvent,
+        steps: &mut Vec<Step>,
+    ) -> Result<()> {
+        match event {
+            SliceEvent::LocalReduceScatterDone if !self.gathering => {
+                self.gathering = true;
+                steps.push(Step::PublishSlot);
+                steps.push(Step::LocalAllGather {
+                    own_in_tensor: true,
+                });
+                Ok(())
+            }
+            SliceEvent::LocalAllGatherDone if self.gathering => {
+                steps.push(Step::Release);
+                Ok(())
+            }
+            SliceEvent::Landed { peer, kind, .. } => Err(Error::peer(
+                peer,
+                format!(
+                    "a {kind:?} write into slice {}, which NCCL reduces across the job: the \
+                     ranks' operations differ, or the peer broke the protocol",
+                    s.number
+                ),
+            )),
+            other => Err(Error::internal(
+                "the job's NCCL all-reduce sees its local step's two ends, in order",
+                format!("{other:?} in slice {}", s.number),
+            )),
+        }
+    }
+
+    /// Where the slice is, for a stall report.
+    pub(crate) fn phase(&self) -> &'static str {
+        if self.gathering {
+            "ending NCCL's all-reduce across the job"
+        } else {
+            "NCCL's all-reduce across the job"
+        }
+    }
+}
