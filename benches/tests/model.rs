@@ -28,6 +28,15 @@ fn v100() -> Hardware {
     preset(&all, "v100").expect("a v100 preset")
 }
 
+/// `hw` whose machines have no NVLink SHARP between them for NCCL: the
+/// engine then runs the plan on two to seven machines too, where it would
+/// otherwise run some all-reduces as NCCL's across the job
+/// (`fairring::nccl_across_job`).
+fn plan_on_few_machines(mut hw: Hardware) -> Hardware {
+    hw.nccl.machines.nvls = None;
+    hw
+}
+
 /// `hw` with every per-message and fixed cost set to zero.
 fn free_of_latency(mut hw: Hardware) -> Hardware {
     hw.nvlink.latency_us = 0.0;
@@ -312,7 +321,7 @@ fn nccl_tuner_times_calls_within_a_machine_as_worked_by_hand() {
 /// of at most a call of each kind, far less than the calls' full times added.
 #[test]
 fn a_machines_two_communicators_overlap_latency_with_bytes() {
-    let mut hw = free_of_latency(h100());
+    let mut hw = plan_on_few_machines(free_of_latency(h100()));
     hw.nic.gbps = 1e6;
     hw.memory.gbps = 1e6;
     // The engine's slices for the job (its staging sizes them).
@@ -783,7 +792,7 @@ fn dedicated_servers_are_sharded_as_the_engine_shards_them() {
 #[test]
 fn dedicated_servers_halve_what_a_worker_sends() {
     // Herring: a worker's rail sends its slot once (S/D) instead of 2(M-1)/M S/D.
-    let hw = h100();
+    let hw = plan_on_few_machines(h100());
     for m in [2u32, 4, 16] {
         let job = Job::new(m, 8, 200 * MIB);
         let servers = predict(&hw, &job, Algo::Servers).unwrap().traffic.unwrap();
@@ -917,4 +926,64 @@ fn charts_are_written_as_svg_and_png() {
     };
     assert!(plot::write(&empty, &dir.join("empty")).is_err());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// On two to seven machines whose GPUs reduce in their NVSwitch (h100), an
+/// all-reduce of the sizes `fairring::nccl_across_job` names is NCCL's own
+/// over the whole job, as the engine runs it: its submission, NCCL's time as
+/// the tuner picks it, and the hand-off, with no message of fairring's. Other
+/// sizes, eight machines, and machines without NVLink SHARP (v100) run the
+/// plan.
+#[test]
+fn few_machines_that_reduce_in_their_nvswitch_run_nccl_across_the_job() {
+    let hw = h100();
+    let overhead = (hw.software.fairring_op_us + hw.software.fairring_step_us) * 1e-6;
+    for (m, bytes) in [
+        (2, 4 * MIB),
+        (2, GIB),
+        (3, 64 * MIB),
+        (5, 16 * MIB),
+        (7, 48 * MIB),
+    ] {
+        assert!(
+            fairring::nccl_across_job(m, bytes),
+            "{m} machines, {bytes} bytes"
+        );
+        let job = Job::new(m, 8, bytes);
+        let p = predict(&hw, &job, Algo::Hierarchical).unwrap();
+        let best = predict(&hw, &job, Algo::NcclBest).unwrap();
+        close(
+            p.seconds,
+            best.seconds + overhead,
+            "NCCL's time and fairring's own",
+        );
+        assert!(
+            p.traffic.is_none(),
+            "{m} machines, {bytes} bytes: no message of fairring's"
+        );
+        // Two tensors at once: one after another on the job's communicator,
+        // the second submitted while the first runs.
+        let mut two = job;
+        two.tensors = 2;
+        let p2 = predict(&hw, &two, Algo::Hierarchical).unwrap();
+        close(
+            p2.seconds,
+            2.0 * best.seconds + overhead,
+            "two tensors in turn",
+        );
+    }
+    for (hw, m, bytes) in [
+        (h100(), 2, 2 * MIB),
+        (h100(), 3, 256 * MIB),
+        (h100(), 8, 16 * MIB),
+        (v100(), 2, 64 * MIB),
+        (plan_on_few_machines(h100()), 2, 64 * MIB),
+    ] {
+        let p = predict(&hw, &Job::new(m, 8, bytes), Algo::Hierarchical).unwrap();
+        assert!(
+            p.traffic.is_some_and(|t| t.messages_sent > 0),
+            "{} {m} machines, {bytes} bytes: the plan",
+            hw.name
+        );
+    }
 }

@@ -28,7 +28,10 @@
 //!
 //! A job of one machine of several GPUs does none of this: the engine plans
 //! each tensor as one slice and runs it as one NCCL all-reduce in the tensor
-//! over NVLink.
+//! over NVLink. Nor does an all-reduce the engine runs as one NCCL
+//! all-reduce over the whole job (`fairring::nccl_across_job`: two to seven
+//! machines whose GPUs reduce in their NVSwitch, at the sizes where NCCL's
+//! NVLSTree is ahead of the plan): it is charged as NCCL's tuner times it.
 //!
 //! Steps 1 and 7 are NCCL calls on two communicators of the machine, as the
 //! engine issues them (`local::nccl`): each communicator's calls run one after
@@ -52,6 +55,7 @@ use fairring_core::staging::Role;
 use fairring_core::topology::Location;
 
 use super::events::{ResourceId, Schedule, TaskId};
+use super::nccl::{self, NcclAlgorithm};
 use super::stages::{self, Communicator, Stages, f};
 use super::{Algo, Busy, Hardware, Job, Link, ModelError, Prediction, Traffic};
 
@@ -74,6 +78,9 @@ struct Machine {
 
 /// The predicted time of the hierarchical all-reduce of `job`.
 pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
+    if let Some(p) = across_job(hw, job)? {
+        return Ok(p);
+    }
     let staging = job.staging(0)?;
     let geometry = staging.geometry;
     let buffers = staging.buffers;
@@ -518,4 +525,39 @@ fn location(machine: usize) -> Location {
         machine: u32::try_from(machine).unwrap_or(u32::MAX),
         device: 0,
     }
+}
+
+/// Where the engine runs `job`'s all-reduces as one NCCL all-reduce over the
+/// whole job (`fairring::nccl_across_job`, on two to seven machines whose GPUs
+/// reduce in their NVSwitch: the preset's NCCL topology has NVLS between
+/// machines), their time as the engine spends it: each tensor submitted in
+/// turn, then NCCL's all-reduce as its tuner picks it, one after another on
+/// the job's communicator, then the hand-off. No byte crosses fairring's
+/// rails. `None` where the engine runs the plan.
+fn across_job(hw: &Hardware, job: &Job) -> Result<Option<Prediction>, ModelError> {
+    let nvls = hw.nccl.machines.nvls.is_some();
+    if !nvls
+        || job.devices < 2
+        || !(2..=fairring::NCCL_ACROSS_UP_TO_MACHINES).contains(&job.machines)
+        || !fairring::nccl_across_job(job.machines, job.bytes)
+    {
+        return Ok(None);
+    }
+    let e = nccl::choose(
+        &hw.nccl,
+        job.machines,
+        job.devices,
+        job.bytes,
+        &NcclAlgorithm::ALL,
+    )
+    .ok_or_else(|| ModelError::InvalidJob("NCCL runs an all-reduce of several GPUs".into()))?;
+    let stages = Stages::new(hw, job);
+    let (mut submitted, mut end) = (0.0, 0.0_f64);
+    for _ in 0..job.tensors {
+        submitted += stages.submit();
+        end = end.max(submitted) + e.time_us * 1e-6;
+    }
+    let mut p = Prediction::new(Algo::Hierarchical, job, end + stages.step(), None);
+    p.nccl = Some(e);
+    Ok(Some(p))
 }
