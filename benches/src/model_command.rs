@@ -5,8 +5,8 @@
 //!                      [--min-bytes N] [--max-bytes N] [--factor F]
 //!                      [--algo all|NAME,NAME,...] [--tensors N] [--servers K]
 //!                      [--slice-bytes N] [--min-shard N] [--budget N] [--original]
-//!                      [--breakdown] [--json PATH] [--plot PATH] [--plot-gpus N]
-//!                      [--plot-bytes N]
+//!                      [--plan-only] [--breakdown] [--json PATH] [--plot PATH]
+//!                      [--plot-gpus N] [--plot-bytes N]
 //! fairring-bench model --calibrate BENCH.json [--calibrate-algo NAME] [--preset NAME]
 //! ```
 //!
@@ -22,6 +22,8 @@
 //! side, the GPU reducing, NVLink. `--plot PATH` writes `PATH-size` (busbw against size at
 //! `--plot-gpus`, default the largest count) and `PATH-gpus` (busbw against GPUs
 //! at `--plot-bytes`, default the largest size), each as SVG and PNG.
+//! `--plan-only` runs the plan where the engine would run an all-reduce as one
+//! NCCL all-reduce across the job (`FAIRRING_NCCL_ACROSS_MACHINES=off`).
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -53,6 +55,7 @@ struct Options {
     /// `None`: the engine's default staging.
     budget: Option<u64>,
     breakdown: bool,
+    plan_only: bool,
     json: Option<String>,
     plot: Option<String>,
     plot_gpus: Option<u64>,
@@ -67,8 +70,8 @@ fn usage(error: &str) -> ! {
         "usage: fairring-bench model [--preset NAME] [--presets FILE] [--gpus N,N,...] \
          [--devices D] [--min-bytes N] [--max-bytes N] [--factor F] [--algo all|NAME,...] \
          [--tensors N] [--servers K] [--slice-bytes N] [--min-shard N] [--budget N] \
-         [--original] [--breakdown] [--json PATH] [--plot PATH] [--plot-gpus N] \
-         [--plot-bytes N]\n       \
+         [--original] [--plan-only] [--breakdown] [--json PATH] [--plot PATH] \
+         [--plot-gpus N] [--plot-bytes N]\n       \
          fairring-bench model --calibrate BENCH.json [--calibrate-algo NAME] [--preset NAME]\n\
          algorithms: {}",
         Algo::ALL.map(Algo::name).join(", ")
@@ -92,6 +95,7 @@ fn parse(args: &[String]) -> Options {
         min_shard: PlanConfig::DEFAULT_MIN_SHARD_BYTES,
         budget: None,
         breakdown: false,
+        plan_only: false,
         json: None,
         plot: None,
         plot_gpus: None,
@@ -141,8 +145,10 @@ fn parse(args: &[String]) -> Options {
             "--original" => {
                 o.slice_bytes = Some(PlanConfig::DEFAULT_SLICE_BYTES);
                 o.min_shard = PlanConfig::MIN_SHARD_FLOOR;
+                o.plan_only = true;
             }
             "--breakdown" => o.breakdown = true,
+            "--plan-only" => o.plan_only = true,
             "--json" => o.json = Some(value()),
             "--plot" => o.plot = Some(value()),
             "--plot-gpus" => o.plot_gpus = Some(number(&value(), flag)),
@@ -258,6 +264,7 @@ fn run(o: &Options) -> Result<(), String> {
             job.slicing = slicing;
             job.budget_bytes = o.budget;
             job.servers = o.servers;
+            job.nccl_across_machines = !o.plan_only;
             for &algo in &o.algos {
                 let prediction = match predict(&hw, &job, algo) {
                     Ok(p) => p,

@@ -986,4 +986,14 @@ fn few_machines_that_reduce_in_their_nvswitch_run_nccl_across_the_job() {
             hw.name
         );
     }
+    // `FAIRRING_NCCL_ACROSS_MACHINES=off`, and the original Fairring: the plan.
+    let mut off = Job::new(2, 8, 64 * MIB);
+    off.nccl_across_machines = false;
+    for job in [off, Job::new(2, 8, 64 * MIB).original()] {
+        let p = predict(&h100(), &job, Algo::Hierarchical).unwrap();
+        assert!(
+            p.traffic.is_some_and(|t| t.messages_sent > 0),
+            "{job:?}: the plan"
+        );
+    }
 }

@@ -537,6 +537,7 @@ fn location(machine: usize) -> Location {
 fn across_job(hw: &Hardware, job: &Job) -> Result<Option<Prediction>, ModelError> {
     let nvls = hw.nccl.machines.nvls.is_some();
     if !nvls
+        || !job.nccl_across_machines
         || job.devices < 2
         || !(2..=fairring::NCCL_ACROSS_UP_TO_MACHINES).contains(&job.machines)
         || !fairring::nccl_across_job(job.machines, job.bytes)

@@ -141,6 +141,10 @@ pub struct Job {
     /// Dedicated server machines for [`Algo::Servers`]; 0 means one per GPU machine
     /// (Herring's setup).
     pub servers: u32,
+    /// Whether the engine may run an all-reduce as one NCCL all-reduce across
+    /// the job (`FAIRRING_NCCL_ACROSS_MACHINES`: `auto`, the default, or
+    /// `off`); where it does is `fairring::nccl_across_job`'s.
+    pub nccl_across_machines: bool,
 }
 
 impl Job {
@@ -157,12 +161,14 @@ impl Job {
             slicing: PlanConfig::DEFAULT,
             budget_bytes: None,
             servers: 0,
+            nccl_across_machines: true,
         }
     }
 
     /// The original Fairring's slicing: fixed 25 MiB slices cut into one shard per
-    /// machine, however small (no minimum shard).
+    /// machine, however small (no minimum shard), and no NCCL across the job.
     pub fn original(mut self) -> Job {
+        self.nccl_across_machines = false;
         self.slicing =
             match PlanConfig::new(PlanConfig::DEFAULT_SLICE_BYTES, PlanConfig::MIN_SHARD_FLOOR) {
                 Ok(c) => c,
