@@ -607,22 +607,30 @@ fn one_machine_reduces_a_device_tensor_in_one_slice_through_its_collectives() {
     }
 }
 
-/// The job's NCCL all-reduce on 2x2: one slice of the whole tensor on every
-/// rank, on the job's communicator, exact. Where one rank issued another
-/// length, every rank fails naming the mismatch, and none opens the job's
-/// call: each runs it only once its failure released its gates, and the
-/// calls never meet (a gate opened on the local check alone would run it on
-/// ranks 0 and 1).
+/// The job's NCCL all-reduce on 2x2 and 3x2: one slice of the whole tensor
+/// on every rank, on the job's communicator, exact. Where rank 3 issued
+/// another length, every rank fails naming the mismatch, and none opens the
+/// job's call: each runs it only once its failure released its gates, and
+/// the calls never meet. On 3x2 rank 0 hears nothing from rank 3 (neither
+/// its rail, nor its ring neighbour, nor a partner): its gate opens only once
+/// every local rank has begun the slice, and rank 1, whose rail rank 3 is,
+/// begins it only past its own check. (A gate opened on the local check
+/// alone would run the call on ranks 0 and 1 of 2x2.)
 #[test]
 fn the_jobs_nccl_all_reduce_is_exact_and_starts_only_once_every_rank_agrees() {
     const ELEMENTS: usize = 1000;
-    for mismatched in [false, true] {
-        let net = Network::new(4);
+    for (machines, mismatched) in [(2u32, false), (2, true), (3, false), (3, true)] {
+        let world = (machines * 2) as usize;
+        let net = Network::new(machines * 2);
         let collectives = Collectives {
             across_job: true,
             ..Collectives::shipped()
         };
-        let (engines, recorders) = recording_job(2, 2, &net, Some(&collectives));
+        let (engines, recorders) = recording_job(machines, 2, &net, Some(&collectives));
+        let what = format!(
+            "{machines}x2, rank 3 {}",
+            if mismatched { "differs" } else { "agrees" }
+        );
         let len = |r: usize| {
             if mismatched && r == 3 {
                 ELEMENTS + 8
@@ -630,8 +638,8 @@ fn the_jobs_nccl_all_reduce_is_exact_and_starts_only_once_every_rank_agrees() {
                 ELEMENTS
             }
         };
-        let mut tensors: Vec<Vec<u64>> = (0..4).map(|r| vec![0; len(r)]).collect();
-        let mut inputs: Vec<Vec<u64>> = (0..4)
+        let mut tensors: Vec<Vec<u64>> = (0..world).map(|r| vec![0; len(r)]).collect();
+        let mut inputs: Vec<Vec<u64>> = (0..world)
             .map(|r| (0..len(r) as u64).map(|i| i * (r as u64 + 1)).collect())
             .collect();
         for (r, (t, i)) in tensors.iter_mut().zip(&mut inputs).enumerate() {
@@ -644,36 +652,38 @@ fn the_jobs_nccl_all_reduce_is_exact_and_starts_only_once_every_rank_agrees() {
             .job_all_reduces
             .load(std::sync::atomic::Ordering::Relaxed);
         if mismatched {
-            assert_eq!(met, 0, "NCCL combined nothing");
-            // Every rank here checks the one that differs (its local rank,
-            // its rail, or its ring neighbour): none opens the gate of the
-            // job's call, each runs it only on its released gates.
+            assert_eq!(met, 0, "{what}: NCCL combined nothing");
             let opened = collectives
                 .job_disagreed_opened
                 .load(std::sync::atomic::Ordering::Relaxed);
-            assert_eq!(opened, 0, "a rank ran the job's call on a gate it opened");
+            assert_eq!(
+                opened, 0,
+                "{what}: a rank ran the job's call on a gate it opened"
+            );
             for e in &engines {
                 let error = e
                     .failure()
-                    .unwrap_or_else(|| panic!("rank {} failed", e.rank()));
+                    .unwrap_or_else(|| panic!("{what}: rank {} failed", e.rank()));
                 assert!(
                     matches!(
                         error,
                         crate::Error::Mismatch { .. } | crate::Error::Peer { .. }
                     ),
-                    "rank {}: {error}",
+                    "{what}: rank {}: {error}",
                     e.rank()
                 );
             }
             continue;
         }
-        assert_eq!(met, 1, "one all-reduce on the job's communicator");
+        assert_eq!(met, 1, "{what}: one all-reduce on the job's communicator");
         for e in &engines {
-            assert_eq!(e.works.state(0), Some(DONE), "rank {}", e.rank());
+            assert_eq!(e.works.state(0), Some(DONE), "{what}: rank {}", e.rank());
         }
+        // Rank r holds i * (r + 1): the sum is i * world * (world + 1) / 2.
+        let factor = (world * (world + 1) / 2) as u64;
         for (r, t) in tensors.iter().enumerate() {
             for (i, &v) in t.iter().enumerate() {
-                assert_eq!(v, 10 * i as u64, "rank {r}, element {i}");
+                assert_eq!(v, factor * i as u64, "{what}: rank {r}, element {i}");
             }
         }
         for (r, recorder) in recorders.iter().enumerate() {
@@ -681,7 +691,7 @@ fn the_jobs_nccl_all_reduce_is_exact_and_starts_only_once_every_rank_agrees() {
             assert_eq!(
                 slices,
                 vec![(ELEMENTS * 8) as u64],
-                "rank {r}: the whole tensor"
+                "{what}: rank {r}: the whole tensor"
             );
         }
     }

@@ -10,11 +10,13 @@
 //! job's communicator (`local::collective_step`), and nothing is gathered.
 //! No byte of it crosses the engine's fabric.
 //!
-//! Its gate opens only once every rank this rank is linked with has
-//! confirmed the operation's descriptor, as well as every local rank
-//! (`engine/slices.rs`): the rails and the local ranks together reach
-//! every rank, so ranks that issued different operations fail with the
-//! mismatch named before NCCL combines anything. A rank that fails or
+//! The slice starts only once every local rank and every remote rank that
+//! writes to this one (its rails among them) has confirmed the operation's
+//! descriptor (`engine/slices.rs`), and the collective local step opens its
+//! stage only once every local rank has begun the slice, each past the same
+//! check. Every rank of another machine is the rail of a local rank, so
+//! ranks that issued different operations fail with the mismatch named
+//! before NCCL combines anything. A rank that fails or
 //! stalls fails the engine, whose failure aborts NCCL's communicators, so
 //! that a kernel waiting for a rank that is gone ends.
 

@@ -347,22 +347,39 @@ fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_i
     const MIB: u64 = 1 << 20;
     let (f32, sum) = (DataType::F32, ReduceOp::Sum);
     let nccl = |m, bytes| device_all_reduce(m, bytes, f32, sum, true, None);
-    // Two machines from 4 MiB on, three past 4 MiB to 192 MiB, four to
-    // seven between 14 MiB and 32 or 48.
+    // Every edge of every window.
     for (m, bytes, expected) in [
         (2, 4 * MIB - 4, false),
         (2, 4 * MIB, true),
         (2, 1 << 30, true),
         (3, 4 * MIB, false),
         (3, 4 * MIB + 4, true),
-        (3, 192 * MIB, true),
-        (3, 192 * MIB + 4, false),
+        (3, 208 * MIB, true),
+        (3, 208 * MIB + 4, false),
         (4, 14 * MIB - 4, false),
         (4, 14 * MIB, true),
-        (5, 32 * MIB - 4, true),
-        (5, 32 * MIB, false),
-        (6, 48 * MIB, true),
-        (7, 48 * MIB + 4, false),
+        (4, 29 * MIB - 4, true),
+        (4, 29 * MIB, false),
+        (4, 33 * MIB - 4, false),
+        (4, 33 * MIB, true),
+        (4, 46 * MIB - 4, true),
+        (4, 46 * MIB, false),
+        (5, 14 * MIB - 4, false),
+        (5, 14 * MIB, true),
+        (5, 30 * MIB - 4, true),
+        (5, 30 * MIB, false),
+        (5, 33 * MIB - 4, false),
+        (5, 33 * MIB, true),
+        (5, 48 * MIB - 4, true),
+        (5, 48 * MIB, false),
+        (6, 13 * MIB - 4, false),
+        (6, 13 * MIB, true),
+        (6, 63 * MIB - 4, true),
+        (6, 63 * MIB, false),
+        (7, 13 * MIB - 4, false),
+        (7, 13 * MIB, true),
+        (7, 64 * MIB - 4, true),
+        (7, 64 * MIB, false),
         (8, 16 * MIB, false),
         (64, 16 * MIB, false),
     ] {
@@ -402,6 +419,10 @@ fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_i
         device_all_reduce(2, bytes, DataType::I32, ReduceOp::Max, true, None),
         Resolved::Nccl
     );
+    assert_eq!(
+        device_all_reduce(2, bytes, DataType::Bool, ReduceOp::Max, true, None),
+        Resolved::Hierarchical
+    );
     let host = Call {
         collective: Collective::AllReduce,
         dtype: f32,
@@ -411,6 +432,20 @@ fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_i
         op: sum,
         memory: MemoryKind::Host,
     };
+    // A reduce runs as an all-reduce, but not as NCCL's across the job.
+    let reduce = Call {
+        collective: Collective::Reduce,
+        memory: MemoryKind::Device,
+        ..host
+    };
+    let with_comm_8 = Job {
+        across_job: true,
+        ..job(2, 8, 0, WireFormat::Exact)
+    };
+    assert_eq!(
+        choose(reduce, &with_comm_8).unwrap().algorithm,
+        Resolved::Hierarchical
+    );
     let with_comm = Job {
         across_job: true,
         ..job(2, 8, 0, WireFormat::Exact)
