@@ -541,27 +541,29 @@ pub(crate) fn nccl_across_job_may_run(topology: Topology, servers: u32) -> bool 
 /// made (GPUs that reduce in their NVSwitch, `FAIRRING_NCCL_ACROSS_MACHINES`).
 ///
 /// The sizes are where the scale model (`docs/scale-model.md`, the h100
-/// preset: NCCL's tuner picks NVLSTree there), probed at every MiB from 10
-/// to 70 (every 4 MiB from 160 to 240 on three machines), puts NCCL's
-/// all-reduce plus fairring's submission and hand-off ahead of the plan.
-/// NVLSTree reduces within each machine in the NVSwitch, which moves each
-/// byte over a GPU's links once where the plan's reduce-scatter and
-/// all-gather move it twice, so it is ahead where NVLink bounds the plan:
-/// few machines, from a few MiB. On two machines that is from 4 MiB on (1
-/// GiB: 4442 us against the plan's 5349); on three, past 4 MiB to 208 MiB;
-/// on four, 14 to 28 MiB and 33 to 45; on five, 14 to 29 and 33 to 47
-/// (between them the plan's four-slice cut fills its pipeline better); on
-/// six from 13 to 62 MiB, on seven to 63.
+/// preset: NCCL's tuner picks NVLSTree there) puts NCCL's all-reduce plus
+/// fairring's submission and hand-off ahead of the plan, probed every
+/// sixteenth of a MiB about each crossover; the windows end at the last
+/// size probed ahead. NVLSTree reduces within each machine in the NVSwitch,
+/// which moves each byte over a GPU's links once where the plan's
+/// reduce-scatter and all-gather move it twice, so it is ahead where NVLink
+/// bounds the plan: few machines, from a few MiB. In MiB: on two machines
+/// from 4 (1 GiB: 4442 us against the plan's 5349); on three from 4.25 to
+/// 209.1875; on four from 13.875 to 28.8125 and past 32 to 45.375; on five
+/// from 13.125 to 29.9375 and past 32 to 47.5 (between, the plan's
+/// four-slice cut fills its pipeline better); on six from 12.6875 to 62.875;
+/// on seven from 12.375 to 63.1875.
 pub fn nccl_across_job(machines: u32, bytes: u64) -> bool {
-    const MIB: u64 = 1 << 20;
-    let within = |from: u64, below: u64| (from * MIB..below * MIB).contains(&bytes);
+    // Sixteenths of a MiB.
+    const S: u64 = 1 << 16;
+    let within = |from: u64, to: u64| (from * S..=to * S).contains(&bytes);
     match machines {
-        2 => bytes >= 4 * MIB,
-        3 => bytes > 4 * MIB && bytes <= 208 * MIB,
-        4 => within(14, 29) || within(33, 46),
-        5 => within(14, 30) || within(33, 48),
-        6 => within(13, 63),
-        7 => within(13, 64),
+        2 => bytes >= 64 * S,
+        3 => within(68, 3347),
+        4 => within(222, 461) || (bytes > 512 * S && bytes <= 726 * S),
+        5 => within(210, 479) || (bytes > 512 * S && bytes <= 760 * S),
+        6 => within(203, 1006),
+        7 => within(198, 1011),
         _ => false,
     }
 }

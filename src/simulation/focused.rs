@@ -627,6 +627,11 @@ fn the_jobs_nccl_all_reduce_is_exact_and_starts_only_once_every_rank_agrees() {
             ..Collectives::shipped()
         };
         let (engines, recorders) = recording_job(machines, 2, &net, Some(&collectives));
+        // On 3x2 rank 0 does not hear from rank 3 (rank 1 does: its rail).
+        if machines == 3 {
+            assert!(!engines[0].links.remote_in.contains(&3));
+            assert!(engines[1].links.remote_in.contains(&3));
+        }
         let what = format!(
             "{machines}x2, rank 3 {}",
             if mismatched { "differs" } else { "agrees" }
@@ -654,7 +659,7 @@ fn the_jobs_nccl_all_reduce_is_exact_and_starts_only_once_every_rank_agrees() {
         if mismatched {
             assert_eq!(met, 0, "{what}: NCCL combined nothing");
             let opened = collectives
-                .job_disagreed_opened
+                .job_arrived_opened
                 .load(std::sync::atomic::Ordering::Relaxed);
             assert_eq!(
                 opened, 0,
@@ -676,6 +681,13 @@ fn the_jobs_nccl_all_reduce_is_exact_and_starts_only_once_every_rank_agrees() {
             continue;
         }
         assert_eq!(met, 1, "{what}: one all-reduce on the job's communicator");
+        let opened = collectives
+            .job_arrived_opened
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(
+            opened, world as u64,
+            "{what}: every rank opened the job's call"
+        );
         for e in &engines {
             assert_eq!(e.works.state(0), Some(DONE), "{what}: rank {}", e.rank());
         }

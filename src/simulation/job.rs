@@ -14,9 +14,9 @@ pub(super) struct Collectives {
     pub(super) scatters: Arc<std::sync::atomic::AtomicU64>,
     pub(super) across_job: bool,
     pub(super) job_all_reduces: Arc<std::sync::atomic::AtomicU64>,
-    /// The job's calls that disagreed though a rank of them ran on a gate
-    /// its engine opened (not released by a failure).
-    pub(super) job_disagreed_opened: Arc<std::sync::atomic::AtomicU64>,
+    /// The job's calls that arrived on a gate their rank's engine opened
+    /// (not one its failure released).
+    pub(super) job_arrived_opened: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Collectives {
@@ -28,7 +28,7 @@ impl Collectives {
             scatters: Arc::default(),
             across_job: false,
             job_all_reduces: Arc::default(),
-            job_disagreed_opened: Arc::default(),
+            job_arrived_opened: Arc::default(),
         }
     }
 }
@@ -78,7 +78,7 @@ pub(super) fn build_job(
             SimMachine::job(
                 world,
                 Arc::clone(&c.job_all_reduces),
-                Arc::clone(&c.job_disagreed_opened),
+                Arc::clone(&c.job_arrived_opened),
             )
         });
     let one_call_from = collectives.map_or(u64::MAX, |c| c.one_reduce_scatter_from);

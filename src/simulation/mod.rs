@@ -240,7 +240,7 @@ fn play(
         scatters: Arc::default(),
         across_job: sc.across_job,
         job_all_reduces: Arc::default(),
-        job_disagreed_opened: Arc::default(),
+        job_arrived_opened: Arc::default(),
     });
     let mut engines = build_job(
         &geometry,

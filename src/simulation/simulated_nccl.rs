@@ -83,15 +83,11 @@ struct Rendezvous {
     /// What the first to arrive does, and over how many bytes.
     call: (Kind, usize),
     done: bool,
-    /// Whether a rank arrived on released gates (its engine failed), and
-    /// whether one arrived on a gate its engine opened.
+    /// Whether a rank arrived on released gates (its engine failed).
     released: bool,
-    opened: bool,
     /// Whether the calls disagree: they never meet, and end only as their
     /// ranks abort.
     disagree: bool,
-    /// Whether the disagreement with an opened gate was counted.
-    counted: bool,
 }
 
 /// A machine's calls.
@@ -104,9 +100,9 @@ struct MachineCalls {
     scatters: Arc<AtomicU64>,
     /// Every call that met, where counted.
     met: Option<Arc<AtomicU64>>,
-    /// Calls that disagreed though a rank of them ran on an opened gate
-    /// (its engine had not failed), where counted.
-    disagreed_opened: Option<Arc<AtomicU64>>,
+    /// Calls that arrived on a gate their rank's engine opened (not one its
+    /// failure released), where counted.
+    arrived_opened: Option<Arc<AtomicU64>>,
 }
 
 /// The collectives of one simulated machine, shared by its ranks' GPUs.
@@ -123,23 +119,23 @@ impl SimMachine {
             aborted: vec![[false; 3]; ranks as usize],
             scatters,
             met: None,
-            disagreed_opened: None,
+            arrived_opened: None,
         })))
     }
 
     /// The job's communicator of `ranks` ranks, counting its calls that met
-    /// in `met`, and in `disagreed_opened` those that disagreed though a
-    /// rank of them ran on an opened gate.
+    /// in `met`, and in `arrived_opened` the calls that arrived on a gate
+    /// their rank's engine opened.
     pub(super) fn job(
         ranks: u32,
         met: Arc<AtomicU64>,
-        disagreed_opened: Arc<AtomicU64>,
+        arrived_opened: Arc<AtomicU64>,
     ) -> SimMachine {
         let job = SimMachine::new(ranks, Arc::default());
         {
             let mut calls = job.lock();
             calls.met = Some(met);
-            calls.disagreed_opened = Some(disagreed_opened);
+            calls.arrived_opened = Some(arrived_opened);
         }
         job
     }
@@ -183,7 +179,7 @@ impl SimMachine {
             return true;
         }
         let ranks = calls.ranks as usize;
-        let disagreed_opened = calls.disagreed_opened.clone();
+        let arrived_opened = calls.arrived_opened.clone();
         let meeting = calls
             .meetings
             .entry((call.comm, call.index))
@@ -192,15 +188,15 @@ impl SimMachine {
                 call: (call.kind, call.len),
                 done: false,
                 released: false,
-                opened: false,
                 disagree: false,
-                counted: false,
             });
         if meeting.done {
             return true;
         }
         meeting.released |= released;
-        meeting.opened |= !released;
+        if !released && let Some(counter) = &arrived_opened {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
         if meeting.call != (call.kind, call.len) {
             // Ranks whose engines failed (a mismatch of their calls among
             // them) run what they enqueued: NCCL's kernels then exchange
@@ -217,12 +213,6 @@ impl SimMachine {
         }
         meeting.arrived[rank as usize] = Some(call.at);
         if meeting.disagree {
-            if meeting.opened && !meeting.counted {
-                meeting.counted = true;
-                if let Some(counter) = &disagreed_opened {
-                    counter.fetch_add(1, Ordering::Relaxed);
-                }
-            }
             return false;
         }
         if meeting.arrived.iter().all(Option::is_some) {

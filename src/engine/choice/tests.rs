@@ -347,39 +347,41 @@ fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_i
     const MIB: u64 = 1 << 20;
     let (f32, sum) = (DataType::F32, ReduceOp::Sum);
     let nccl = |m, bytes| device_all_reduce(m, bytes, f32, sum, true, None);
-    // Every edge of every window.
+    // Every edge of every window, in sixteenths of a MiB, 4 bytes either
+    // side.
+    const S: u64 = 1 << 16;
     for (m, bytes, expected) in [
-        (2, 4 * MIB - 4, false),
-        (2, 4 * MIB, true),
+        (2, 64 * S - 4, false),
+        (2, 64 * S, true),
         (2, 1 << 30, true),
-        (3, 4 * MIB, false),
-        (3, 4 * MIB + 4, true),
-        (3, 208 * MIB, true),
-        (3, 208 * MIB + 4, false),
-        (4, 14 * MIB - 4, false),
-        (4, 14 * MIB, true),
-        (4, 29 * MIB - 4, true),
-        (4, 29 * MIB, false),
-        (4, 33 * MIB - 4, false),
-        (4, 33 * MIB, true),
-        (4, 46 * MIB - 4, true),
-        (4, 46 * MIB, false),
-        (5, 14 * MIB - 4, false),
-        (5, 14 * MIB, true),
-        (5, 30 * MIB - 4, true),
-        (5, 30 * MIB, false),
-        (5, 33 * MIB - 4, false),
-        (5, 33 * MIB, true),
-        (5, 48 * MIB - 4, true),
-        (5, 48 * MIB, false),
-        (6, 13 * MIB - 4, false),
-        (6, 13 * MIB, true),
-        (6, 63 * MIB - 4, true),
-        (6, 63 * MIB, false),
-        (7, 13 * MIB - 4, false),
-        (7, 13 * MIB, true),
-        (7, 64 * MIB - 4, true),
-        (7, 64 * MIB, false),
+        (3, 68 * S - 4, false),
+        (3, 68 * S, true),
+        (3, 3347 * S, true),
+        (3, 3347 * S + 4, false),
+        (4, 222 * S - 4, false),
+        (4, 222 * S, true),
+        (4, 461 * S, true),
+        (4, 461 * S + 4, false),
+        (4, 512 * S, false),
+        (4, 512 * S + 4, true),
+        (4, 726 * S, true),
+        (4, 726 * S + 4, false),
+        (5, 210 * S - 4, false),
+        (5, 210 * S, true),
+        (5, 479 * S, true),
+        (5, 479 * S + 4, false),
+        (5, 512 * S, false),
+        (5, 512 * S + 4, true),
+        (5, 760 * S, true),
+        (5, 760 * S + 4, false),
+        (6, 203 * S - 4, false),
+        (6, 203 * S, true),
+        (6, 1006 * S, true),
+        (6, 1006 * S + 4, false),
+        (7, 198 * S - 4, false),
+        (7, 198 * S, true),
+        (7, 1011 * S, true),
+        (7, 1011 * S + 4, false),
         (8, 16 * MIB, false),
         (64, 16 * MIB, false),
     ] {
@@ -475,6 +477,16 @@ fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_i
     assert_eq!(
         (chosen.algorithm, chosen.wire),
         (Resolved::Hierarchical, WireFormat::Bf16)
+    );
+    // ... even through the trees, where the plan then runs exact.
+    let trees = Job {
+        routing: Routing::Trees,
+        ..with_comm
+    };
+    let chosen = choose(compressed, &trees).unwrap();
+    assert_eq!(
+        (chosen.algorithm, chosen.wire),
+        (Resolved::Hierarchical, WireFormat::Exact)
     );
     // Only jobs of two to seven machines of several ranks make the
     // communicator at all.
