@@ -205,8 +205,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         if !d.checks.locally_checked(next.seq) {
             return Ok(false);
         }
-        // NCCL combines every rank's bytes at once: not before every rank
-        // this one is linked with has issued the same operation.
+        // NCCL combines every rank's bytes at once: not before the local
+        // ranks and every remote writer have issued the same operation (the
+        // local step opens the call only once every local rank has begun,
+        // each past this check: every rank is some local rank's rail).
         if next.algorithm == Resolved::Nccl && !d.checks.remotely_confirmed(next.seq, &self.links) {
             return Ok(false);
         }

@@ -123,12 +123,8 @@ pub(crate) fn items<M: MemorySpace>(
             // A final result over more ranks than the machine's is the job's
             // all-reduce, on the job's communicator.
             let across_job = final_world.is_some_and(|world| world > shm.size);
-            let members = if across_job {
-                final_world
-            } else {
-                Some(shm.size)
-            };
-            let op = reduced_as(s.op, final_world, members.unwrap_or(shm.size))?;
+            let members = final_world.filter(|_| across_job).unwrap_or(shm.size);
+            let op = reduced_as(s.op, final_world, members)?;
             if final_world.is_some() && s.pieces.is_none() {
                 return each(ProgramItem::Collective {
                     comm: if across_job { Comm::Job } else { Comm::Reduce },
