@@ -2,7 +2,8 @@
 //! programs on the device side's streams, opened through its words, and the
 //! machine's NCCL communicators where its ranks made them.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
 
 use super::nccl::NcclCell;
 use super::placed_step::{DeviceReach, Place};
@@ -17,6 +18,10 @@ use crate::memory::{
 pub(crate) struct GpuReach {
     device: DeviceCell,
     nccl: NcclCell,
+    /// The thread aborting the NCCL communicators after a failure, joined
+    /// when the reach is dropped: a process that ends while NCCL is
+    /// aborting (its proxy threads still running) can crash in its exit.
+    aborting: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl GpuReach {
@@ -26,6 +31,7 @@ impl GpuReach {
         GpuReach {
             device: memory.device_cell(),
             nccl,
+            aborting: Mutex::new(None),
         }
     }
 
@@ -101,6 +107,10 @@ impl DeviceReach for GpuReach {
         let Some(Ok(Some(_))) = self.nccl.get() else {
             return;
         };
+        let mut aborting = self.aborting.lock().unwrap_or_else(PoisonError::into_inner);
+        if aborting.is_some() {
+            return; // asked already
+        }
         // NCCL's abort waits until every kernel of the communicators has
         // run, on whatever stream: the gates are open, so they will, but not
         // on the caller's thread (the engine's progress thread), which must
@@ -113,11 +123,25 @@ impl DeviceReach for GpuReach {
                     comms.abort();
                 }
             });
-        if let Err(e) = spawned {
-            log::error!(
+        match spawned {
+            Ok(thread) => *aborting = Some(thread),
+            Err(e) => log::error!(
                 "fairring: starting the thread that aborts NCCL after a failure: {e}; NCCL's \
                  kernels waiting for a rank that is gone are left running"
-            );
+            ),
+        }
+    }
+}
+
+impl Drop for GpuReach {
+    /// Waits for the abort that a failure started: every gate is open by
+    /// then, so NCCL's kernels run to their end and the abort returns.
+    fn drop(&mut self) {
+        let aborting = self.aborting.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if let Some(thread) = aborting.take()
+            && thread.join().is_err()
+        {
+            log::error!("fairring: the thread aborting NCCL after a failure panicked");
         }
     }
 }
