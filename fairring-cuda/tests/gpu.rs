@@ -676,15 +676,19 @@ fn aborting_two_communicators_together_ends_kernels_queued_behind_each_other() {
     // `b`'s only ends when `b` is aborted: aborting `a` alone may wait for
     // its kernel, so both must be asked to stop before either abort waits.
     // Threads of their own, not scoped: where the aborts hang, the test
-    // fails at its bound rather than waiting for them.
+    // fails at its bound rather than waiting for them. Where they end, the
+    // test waits for them: a process that exits while NCCL is aborting can
+    // crash in its exit.
     let devices = two_rank_devices();
     let ids = [UniqueId::new().unwrap(), UniqueId::new().unwrap()];
     let warmed = Arc::new(std::sync::Barrier::new(2));
     let (done, finished) = std::sync::mpsc::channel::<Duration>();
     let (rank_0_done, rank_1_may_go) = std::sync::mpsc::channel::<()>();
+    let (ended, threads_ended) = std::sync::mpsc::channel::<u32>();
     let mut rank_1_may_go = Some(rank_1_may_go);
     for (rank, device) in (0u32..).zip(devices) {
         let (warmed, done, rank_0_done) = (Arc::clone(&warmed), done.clone(), rank_0_done.clone());
+        let ended = ended.clone();
         let go = if rank == 1 {
             rank_1_may_go.take()
         } else {
@@ -707,6 +711,8 @@ fn aborting_two_communicators_together_ends_kernels_queued_behind_each_other() {
                 // Gone, as far as the kernels are concerned.
                 let _ = go.recv_timeout(Duration::from_secs(120));
                 Communicator::abort_all(&[&a, &b]);
+                drop((a, b, buf, stream));
+                let _ = ended.send(rank);
                 return;
             }
             b.all_reduce_in_place(&stream, &mut buf.slice_mut(), f32, sum)
@@ -719,6 +725,8 @@ fn aborting_two_communicators_together_ends_kernels_queued_behind_each_other() {
             // The stream drains once the kernels have ended (its error, if
             // any, is the aborted kernels').
             let _ = stream.synchronize();
+            drop((a, b, buf, stream));
+            let _ = ended.send(rank);
         });
     }
     let took = finished.recv_timeout(Duration::from_secs(90));
@@ -726,6 +734,10 @@ fn aborting_two_communicators_together_ends_kernels_queued_behind_each_other() {
         took.is_ok_and(|t| t < Duration::from_secs(60)),
         "aborting both communicators did not end rank 0's kernels: {took:?}"
     );
+    for _ in 0..2 {
+        let rank = threads_ended.recv_timeout(Duration::from_secs(60));
+        assert!(rank.is_ok(), "a rank's thread did not end after the aborts: {rank:?}");
+    }
 }
 
 #[test]
