@@ -14,6 +14,7 @@ mismatching call), so ``wait()``, DDP's reducer and ``get_future()`` all raise.
 
 import atexit
 import ctypes
+import importlib.util
 import itertools
 import os
 import time
@@ -132,12 +133,12 @@ def c10d_module():
     it is compiled against the torch it was built with, whose C++ ABI it
     needs. None where the install has none (a package laid out by hand, as
     the GPU kit lays it out for a machine with another torch)."""
+    # `from . import _c10d` raises a plain ImportError where the module is
+    # absent, as where it fails to load: ask for it first.
+    if importlib.util.find_spec(f"{__package__}._c10d") is None:
+        return None  # not built into this install (see `create`)
     try:
         from . import _c10d
-    except ModuleNotFoundError as e:
-        if e.name != f"{__package__}._c10d":
-            raise
-        return None  # not built into this install (see `create`)
     except ImportError as e:
         raise ImportError(
             f"fairring: its C++ backend does not load under torch {torch.__version__} ({e}): "

@@ -159,3 +159,54 @@ def test_a_bad_fairring_torch_calls_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv("FAIRRING_TORCH_CALLS", "sometimes")
     with pytest.raises(ValueError, match='FAIRRING_TORCH_CALLS="sometimes"'):
         _backend.create(dist.HashStore(), 0, 1, datetime.timedelta(seconds=5))
+
+
+LAID_OUT_BY_HAND = """
+import sys, warnings
+import torch.distributed as dist
+import fairring
+from fairring import _backend
+assert fairring.__file__.startswith(sys.argv[1]), fairring.__file__
+assert _backend.c10d_module() is None
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    dist.init_process_group(
+        "fairring", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1
+    )
+assert any("no C++ backend" in str(w.message) for w in caught), [str(w.message) for w in caught]
+import torch
+t = torch.arange(6, dtype=torch.float32)
+dist.all_reduce(t)
+assert t.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], t
+dist.destroy_process_group()
+print("RAN AS A PYTHON GROUP")
+"""
+
+
+def test_a_package_laid_out_without_its_cpp_backend_runs_as_a_python_group(tmp_path):
+    # The GPU kit lays the package out by hand, without `fairring._c10d`
+    # (compiled against another torch): the group must still form, warning.
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    installed = pathlib.Path(fairring.__file__).parent
+    package = tmp_path / "fairring"
+    package.mkdir()
+    for f in installed.iterdir():
+        if f.suffix == ".py" or f.name.startswith("_fairring_ffi"):
+            shutil.copy(f, package / f.name)
+    assert not list(package.glob("_c10d*"))
+    ran = subprocess.run(
+        [sys.executable, "-c", LAID_OUT_BY_HAND, str(tmp_path), str(free_port())],
+        cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert "RAN AS A PYTHON GROUP" in ran.stdout, ran.stdout
