@@ -736,7 +736,10 @@ fn aborting_two_communicators_together_ends_kernels_queued_behind_each_other() {
     );
     for _ in 0..2 {
         let rank = threads_ended.recv_timeout(Duration::from_secs(60));
-        assert!(rank.is_ok(), "a rank's thread did not end after the aborts: {rank:?}");
+        assert!(
+            rank.is_ok(),
+            "a rank's thread did not end after the aborts: {rank:?}"
+        );
     }
 }
 

@@ -137,7 +137,10 @@ impl Drop for GpuReach {
     /// Waits for the abort that a failure started: every gate is open by
     /// then, so NCCL's kernels run to their end and the abort returns.
     fn drop(&mut self) {
-        let aborting = self.aborting.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let aborting = self
+            .aborting
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
         if let Some(thread) = aborting.take()
             && thread.join().is_err()
         {
