@@ -186,6 +186,7 @@ print("RAN AS A PYTHON GROUP")
 def test_a_package_laid_out_without_its_cpp_backend_runs_as_a_python_group(tmp_path):
     # The GPU kit lays the package out by hand, without `fairring._c10d`
     # (compiled against another torch): the group must still form, warning.
+    import os
     import pathlib
     import shutil
     import subprocess
@@ -203,7 +204,7 @@ def test_a_package_laid_out_without_its_cpp_backend_runs_as_a_python_group(tmp_p
     ran = subprocess.run(
         [sys.executable, "-c", LAID_OUT_BY_HAND, str(tmp_path), str(free_port())],
         cwd=tmp_path,
-        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
         capture_output=True,
         text=True,
         timeout=120,
