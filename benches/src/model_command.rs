@@ -4,7 +4,7 @@
 //! fairring-bench model [--preset NAME] [--presets FILE] [--gpus N,N,...] [--devices D]
 //!                      [--min-bytes N] [--max-bytes N] [--factor F]
 //!                      [--algo all|NAME,NAME,...] [--tensors N] [--servers K]
-//!                      [--slice-bytes N] [--min-shard N] [--budget N] [--original]
+//!                      [--group G] [--slice-bytes N] [--min-shard N] [--budget N] [--original]
 //!                      [--plan-only] [--breakdown] [--json PATH] [--plot PATH]
 //!                      [--plot-gpus N] [--plot-bytes N]
 //! fairring-bench model --calibrate BENCH.json [--calibrate-algo NAME] [--preset NAME]
@@ -24,6 +24,11 @@
 //! at `--plot-bytes`, default the largest size), each as SVG and PNG.
 //! `--plan-only` runs the plan where the engine would run an all-reduce as one
 //! NCCL all-reduce across the job (`FAIRRING_NCCL_ACROSS_MACHINES=off`).
+//!
+//! `--algo groups` adds a study of a plan the engine does not run (two levels
+//! of reduction servers, `model::groups`; `all` leaves it out), its groups of
+//! `--group G` machines (default: the study's own choice); its `k` column is
+//! the group size.
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -49,6 +54,7 @@ struct Options {
     algos: Vec<Algo>,
     tensors: u32,
     servers: u32,
+    group: u32,
     /// `None`: the engine's default slices (smaller through the trees).
     slice_bytes: Option<u64>,
     min_shard: u64,
@@ -69,12 +75,13 @@ fn usage(error: &str) -> ! {
     eprintln!(
         "usage: fairring-bench model [--preset NAME] [--presets FILE] [--gpus N,N,...] \
          [--devices D] [--min-bytes N] [--max-bytes N] [--factor F] [--algo all|NAME,...] \
-         [--tensors N] [--servers K] [--slice-bytes N] [--min-shard N] [--budget N] \
+         [--tensors N] [--servers K] [--group G] [--slice-bytes N] [--min-shard N] [--budget N] \
          [--original] [--plan-only] [--breakdown] [--json PATH] [--plot PATH] \
          [--plot-gpus N] [--plot-bytes N]\n       \
          fairring-bench model --calibrate BENCH.json [--calibrate-algo NAME] [--preset NAME]\n\
-         algorithms: {}",
-        Algo::ALL.map(Algo::name).join(", ")
+         algorithms: {}; studies of plans the engine does not run: {}",
+        Algo::ALL.map(Algo::name).join(", "),
+        Algo::STUDIES.map(Algo::name).join(", ")
     );
     std::process::exit(2)
 }
@@ -91,6 +98,7 @@ fn parse(args: &[String]) -> Options {
         algos: Algo::ALL.to_vec(),
         tensors: 1,
         servers: 0,
+        group: 0,
         slice_bytes: None,
         min_shard: PlanConfig::DEFAULT_MIN_SHARD_BYTES,
         budget: None,
@@ -139,6 +147,7 @@ fn parse(args: &[String]) -> Options {
             }
             "--tensors" => o.tensors = number(&value(), flag),
             "--servers" => o.servers = number(&value(), flag),
+            "--group" => o.group = number(&value(), flag),
             "--slice-bytes" => o.slice_bytes = Some(bytes(&value(), flag)),
             "--min-shard" => o.min_shard = bytes(&value(), flag),
             "--budget" => o.budget = Some(bytes(&value(), flag)),
@@ -264,6 +273,7 @@ fn run(o: &Options) -> Result<(), String> {
             job.slicing = slicing;
             job.budget_bytes = o.budget;
             job.servers = o.servers;
+            job.group = o.group;
             job.nccl_across_machines = !o.plan_only;
             for &algo in &o.algos {
                 let prediction = match predict(&hw, &job, algo) {

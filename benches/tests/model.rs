@@ -997,3 +997,95 @@ fn few_machines_that_reduce_in_their_nvswitch_run_nccl_across_the_job() {
         );
     }
 }
+
+/// The two-level study (`groups`) on 4 machines of one GPU in groups of 2, one
+/// slice, nothing costing but the rail, its latency and the posts: each
+/// level's exchange is one message each way, so the time is
+/// `2 (m1 + L) + 2 (m2 + L)` with `m1` a cell's (half the slot) and `m2` a
+/// piece's (a quarter) time on the sender, each the longer of its post and its
+/// bytes; every rail sends 4 messages, `2 (M - 1) / M` of the slot.
+#[test]
+fn the_two_level_study_charges_its_levels_as_worked_by_hand() {
+    let mut hw = free_of_latency(h100());
+    hw.memory.gbps = 1e300;
+    hw.nic.latency_us = 2.5;
+    let o = hw.post_seconds();
+    let rate = hw.rail(1).gbps * 1e9;
+    let l = 2.5e-6;
+    for (bytes, pieces_wire_bound) in [(256 << 10, false), (4 * MIB, true)] {
+        let mut job = Job::new(4, 1, bytes);
+        job.group = 2;
+        let p = predict(&hw, &job, Algo::Groups).unwrap();
+        let t = p.traffic.unwrap();
+        assert_eq!(
+            (t.slices, t.shards_per_full_slice, t.messages_sent),
+            (1, 2, 4)
+        );
+        assert_eq!(t.bytes_sent, bytes / 2 * 2 + bytes / 4 * 2);
+        assert_eq!(t.bytes_received, t.bytes_sent);
+        let (cell, piece) = ((bytes / 2) as f64, (bytes / 4) as f64);
+        assert_eq!(piece / rate > o, pieces_wire_bound);
+        let m1 = o.max(cell / rate);
+        let m2 = o.max(piece / rate);
+        let want = 2.0 * (m1 + l) + 2.0 * (m2 + l);
+        assert!(
+            (p.seconds - want).abs() <= 1e-12,
+            "{bytes} bytes: {} s against {want} s",
+            p.seconds
+        );
+    }
+}
+
+/// The study's groups divide the job in two levels, its traffic is
+/// `2 (G - 1) + 2 (M / G - 1)` messages a slice and `2 (M - 1) / M` of every
+/// slot (within the rounding of its cells), no schedule beats the rail or
+/// NVLink, its time never falls as the tensor grows, and a job it cannot
+/// split is named as such.
+#[test]
+fn the_two_level_study_keeps_the_models_invariants() {
+    let hw = h100();
+    for m in [4u32, 8, 65, 128] {
+        let mut last = 0.0;
+        for bytes in [MIB, 64 * MIB, 256 * MIB, GIB] {
+            let job = Job::new(m, 8, bytes);
+            let p = predict(&hw, &job, Algo::Groups).unwrap();
+            let t = p.traffic.unwrap();
+            let g = u64::from(t.shards_per_full_slice);
+            let mm = u64::from(m);
+            assert!(
+                g >= 2 && mm % g == 0 && g <= mm / 2,
+                "{m} machines: groups of {g}"
+            );
+            assert_eq!(
+                t.messages_sent,
+                t.slices * (2 * (g - 1) + 2 * (mm / g - 1)),
+                "{m} machines, {bytes} bytes"
+            );
+            // Rail 0's slot is an eighth of the bytes, or one unit more a slice.
+            let slots = (bytes / 8) as f64;
+            let want = 2.0 * (mm - 1) as f64 / mm as f64 * slots;
+            let slack = (t.slices * 2 * (g + mm / g) * 64) as f64;
+            let sent = t.bytes_sent as f64;
+            assert!(
+                (sent - want).abs() <= slack,
+                "{m} machines, {bytes} bytes: sent {sent}, want {want}"
+            );
+            let rail = hw.rail(8).gbps * 1e9;
+            assert!(p.seconds >= sent / rail, "{m} machines, {bytes} bytes");
+            let nvlink = 2.0 * 7.0 / 8.0 * bytes as f64 / (hw.nvlink.gbps * 1e9);
+            assert!(p.seconds >= nvlink, "{m} machines, {bytes} bytes");
+            assert!(p.seconds >= last, "{m} machines, {bytes} bytes");
+            last = p.seconds;
+        }
+    }
+    for (m, group) in [(3, 0), (5, 0), (8, 3), (8, 8)] {
+        let mut job = Job::new(m, 8, 64 * MIB);
+        job.group = group;
+        match predict(&hw, &job, Algo::Groups) {
+            Err(ModelError::NotApplicable { algo, .. }) => assert_eq!(algo, Algo::Groups),
+            other => panic!("{m} machines in groups of {group}: {other:?}"),
+        }
+    }
+    assert!(!Algo::ALL.contains(&Algo::Groups));
+    assert_eq!(Algo::from_name("groups"), Some(Algo::Groups));
+}

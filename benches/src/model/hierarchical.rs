@@ -61,19 +61,78 @@ use super::{Algo, Busy, Hardware, Job, Link, ModelError, Prediction, Traffic};
 
 /// One machine's resources (rail 0 stands for every rail) and what it did.
 #[derive(Clone, Debug)]
-struct Machine {
-    nvlink: ResourceId,
+pub(super) struct Machine {
+    pub(super) nvlink: ResourceId,
     /// Its communicators of reduce-scatters and of all-gathers.
-    reduce: Communicator,
-    gather: Communicator,
-    gpu: ResourceId,
-    send: ResourceId,
-    receive: ResourceId,
+    pub(super) reduce: Communicator,
+    pub(super) gather: Communicator,
+    pub(super) gpu: ResourceId,
+    pub(super) send: ResourceId,
+    pub(super) receive: ResourceId,
     /// When each of its slices released its staging buffer, by slice.
-    released: Vec<TaskId>,
-    messages_sent: u64,
-    bytes_sent: u64,
-    bytes_received: u64,
+    pub(super) released: Vec<TaskId>,
+    pub(super) messages_sent: u64,
+    pub(super) bytes_sent: u64,
+    pub(super) bytes_received: u64,
+}
+
+impl Machine {
+    /// `count` machines, each with its resources in `schedule`.
+    pub(super) fn many(schedule: &mut Schedule, count: u32) -> Vec<Machine> {
+        (0..count)
+            .map(|_| Machine {
+                nvlink: schedule.resource(),
+                reduce: Communicator::default(),
+                gather: Communicator::default(),
+                gpu: schedule.resource(),
+                send: schedule.resource(),
+                receive: schedule.resource(),
+                released: Vec::new(),
+                messages_sent: 0,
+                bytes_sent: 0,
+                bytes_received: 0,
+            })
+            .collect()
+    }
+}
+
+/// What a run schedule says of `machines`: the last buffer released, and the
+/// traffic and busy times of the machine that sent most (`traffic`'s counts
+/// filled in from it).
+pub(super) fn report(
+    algo: Algo,
+    job: &Job,
+    schedule: &Schedule,
+    machines: &[Machine],
+    rail: Link,
+    mut traffic: Traffic,
+) -> Result<Prediction, ModelError> {
+    let end = machines
+        .iter()
+        .flat_map(|m| m.released.iter().map(|&t| schedule.end(t)))
+        .fold(0.0, f64::max);
+    let busiest = machines
+        .iter()
+        .max_by_key(|m| (m.bytes_sent, m.messages_sent))
+        .ok_or(ModelError::InvalidJob("a job has a machine".into()))?;
+    traffic.messages_sent = busiest.messages_sent;
+    traffic.bytes_sent = busiest.bytes_sent;
+    traffic.bytes_received = busiest.bytes_received;
+    let send = schedule.busy(busiest.send);
+    let busy = Busy {
+        send,
+        send_alpha: (send - rail.wire(f(busiest.bytes_sent))).max(0.0),
+        receive: schedule.busy(busiest.receive),
+        gpu: schedule.busy(busiest.gpu),
+        nvlink: schedule.busy(busiest.nvlink),
+    };
+    Ok(Prediction::with_busy(
+        algo,
+        job,
+        end,
+        Some(traffic),
+        Some(busy),
+    ))
 }
 
 /// The predicted time of the hierarchical all-reduce of `job`.
@@ -92,20 +151,7 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
         buffers: buffers as usize,
     };
     let mut schedule = Schedule::default();
-    let mut machines: Vec<Machine> = (0..job.machines)
-        .map(|_| Machine {
-            nvlink: schedule.resource(),
-            reduce: Communicator::default(),
-            gather: Communicator::default(),
-            gpu: schedule.resource(),
-            send: schedule.resource(),
-            receive: schedule.resource(),
-            released: Vec::new(),
-            messages_sent: 0,
-            bytes_sent: 0,
-            bytes_received: 0,
-        })
-        .collect();
+    let mut machines = Machine::many(&mut schedule, job.machines);
     let mut pipeline = Pipeline {
         costs: &costs,
         machines: &mut machines,
@@ -117,38 +163,21 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
         pipeline.add(slice, *submitted)?;
     }
     schedule.run();
-    let end = machines
-        .iter()
-        .flat_map(|m| m.released.iter().map(|&t| schedule.end(t)))
-        .fold(0.0, f64::max);
-    let busiest = machines
-        .iter()
-        .max_by_key(|m| (m.bytes_sent, m.messages_sent))
-        .ok_or(ModelError::InvalidJob("a job has a machine".into()))?;
     let traffic = Traffic {
         slices: slices.len() as u64,
         shards_per_full_slice: geometry.shards_per_full_slice(),
         through_trees: geometry.routing() == Routing::Trees,
         staging_buffers: buffers,
-        messages_sent: busiest.messages_sent,
-        bytes_sent: busiest.bytes_sent,
-        bytes_received: busiest.bytes_received,
+        ..Traffic::default()
     };
-    let send = schedule.busy(busiest.send);
-    let busy = Busy {
-        send,
-        send_alpha: (send - costs.rail.wire(f(busiest.bytes_sent))).max(0.0),
-        receive: schedule.busy(busiest.receive),
-        gpu: schedule.busy(busiest.gpu),
-        nvlink: schedule.busy(busiest.nvlink),
-    };
-    Ok(Prediction::with_busy(
+    report(
         Algo::Hierarchical,
         job,
-        end,
-        Some(traffic),
-        Some(busy),
-    ))
+        &schedule,
+        &machines,
+        costs.rail,
+        traffic,
+    )
 }
 
 /// What a slice's stages cost on this job.

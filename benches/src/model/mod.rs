@@ -43,6 +43,7 @@
 //! latency. Only rail 0 of each machine is simulated: rails are symmetric, and rail
 //! 0's slot is the largest (earlier slots take the extra units).
 
+pub mod groups;
 mod hardware;
 pub mod hierarchical;
 pub mod nccl;
@@ -81,6 +82,9 @@ pub enum Algo {
     NcclNvlsTree,
     /// Whichever of NCCL's algorithms and protocols its tuner would run.
     NcclBest,
+    /// A study of a two-level plan the engine does not run ([`groups`]):
+    /// reduction servers within groups of machines, then across the groups.
+    Groups,
 }
 
 impl Algo {
@@ -95,6 +99,10 @@ impl Algo {
         Algo::NcclBest,
     ];
 
+    /// Plans studied in the model that the engine does not run, asked for by
+    /// name only (not in [`Algo::ALL`]).
+    pub const STUDIES: [Algo; 1] = [Algo::Groups];
+
     /// The name used on the command line and in tables.
     pub const fn name(self) -> &'static str {
         match self {
@@ -105,12 +113,16 @@ impl Algo {
             Algo::NcclTree => "nccl-tree",
             Algo::NcclNvlsTree => "nccl-nvlstree",
             Algo::NcclBest => "nccl-best",
+            Algo::Groups => "groups",
         }
     }
 
     /// The algorithm named `name`.
     pub fn from_name(name: &str) -> Option<Algo> {
-        Algo::ALL.into_iter().find(|a| a.name() == name)
+        Algo::ALL
+            .into_iter()
+            .chain(Algo::STUDIES)
+            .find(|a| a.name() == name)
     }
 }
 
@@ -145,6 +157,9 @@ pub struct Job {
     /// the job (`FAIRRING_NCCL_ACROSS_MACHINES`: `auto`, the default, or
     /// `off`); where it does is `fairring::nccl_across_job`'s.
     pub nccl_across_machines: bool,
+    /// Machines per group for [`Algo::Groups`]; 0: the size of
+    /// [`groups::group_sizes`] whose prediction is shortest.
+    pub group: u32,
 }
 
 impl Job {
@@ -162,6 +177,7 @@ impl Job {
             budget_bytes: None,
             servers: 0,
             nccl_across_machines: true,
+            group: 0,
         }
     }
 
@@ -395,6 +411,7 @@ pub fn predict(hw: &Hardware, job: &Job, algo: Algo) -> Result<Prediction, Model
         Algo::Hierarchical => hierarchical::predict(hw, job),
         Algo::Servers => servers::predict(hw, job),
         Algo::Ring => ring::predict(hw, job),
+        Algo::Groups => groups::predict(hw, job),
         Algo::NcclRing | Algo::NcclTree | Algo::NcclNvlsTree | Algo::NcclBest => {
             nccl::predict(&hw.nccl, job, algo)
         }
