@@ -28,7 +28,7 @@
 //! `--algo groups` adds a study of a plan the engine does not run (two levels
 //! of reduction servers, `model::groups`; `all` leaves it out), its groups of
 //! `--group G` machines (default: the study's own choice); its `k` column is
-//! the group size.
+//! the largest group's size.
 
 use std::path::Path;
 use std::process::ExitCode;

@@ -6,58 +6,167 @@
 //! `hierarchical` (the engine's plan) does, and nothing in fairring-core
 //! or the engine makes it yet.
 //!
-//! The `M` machines form `M / G` groups of `G` consecutive machines (`G`
-//! divides `M`, `2 <= G <= M / 2`): the size of [`group_sizes`] whose
-//! prediction is shortest, or the one the job asks for ([`Job::group`]). Member `j` of a group is machine
-//! `g * G + j`. Per slice, on rail 0 of every machine (rails are symmetric,
-//! as in [`super::hierarchical`]), with the slot of `S` bytes each rail holds
-//! after the reduce-scatter within the machine:
+//! The `M` machines form `Q = ceil(M / G)` groups of consecutive machines,
+//! of `ceil(M / Q)` or `floor(M / Q)` machines each ([`Groups`]): `G` from 2
+//! to `M / 2`, the one of [`group_sizes`] whose prediction is shortest, or
+//! the one the job asks for ([`Job::group`]). Per slice, on rail 0 of every
+//! machine (rails are symmetric, as in [`super::hierarchical`]), with the
+//! slot of `S` bytes each rail holds after the reduce-scatter within the
+//! machine:
 //!
 //! 1. **reduce-scatter** within the machine, as the engine does it;
-//! 2. **within the group**: the slot is cut into `G` cells of `S / G`;
-//!    member `j` receives cell `j` from the `G - 1` others and reduces them
-//!    (the many-source kernel: `G + 1` cell-sized passes);
-//! 3. **across the groups**: member `j`'s partial sum, the group's cell `j`,
-//!    is cut into `H = M / G` pieces of `S / M`; member `j` of group `g`
-//!    serves piece `g`, receiving it from member `j` of the `H - 1` other
-//!    groups, reduces (`H + 1` passes) and sends the sum back to them;
-//! 4. **back within the group**: member `j` sends its final cell to the
-//!    `G - 1` others;
+//! 2. **within the group**: a group of `s` members cuts the slot into `s`
+//!    ranges as even as whole bytes allow, member `i` holding range `i`;
+//!    each member sends every other member that member's range, and reduces
+//!    what it receives in its own (the many-source kernel: `s + 1` passes);
+//! 3. **across the groups**: the ranges of all groups cut the slot into
+//!    intervals, each held by one member of every group; each interval is
+//!    cut into `Q` pieces, piece `g` reduced by its holder in group `g`,
+//!    which receives it from the other `Q - 1` holders and sends the sum
+//!    back to them (`Q + 1` passes over a piece);
+//! 4. **back within the group**: each member sends its final range to
+//!    every other member of its group;
 //! 5. **all-gather** within the machine.
 //!
-//! A rail sends `2(G - 1) + 2(H - 1)` messages a slice, against `2(M - 1)`
-//! flat, and the same bytes within one piece: `S (1 - 1/M)` each way. Every
+//! With `G` dividing `M` (groups of `G`, `H = M / G` of them) the intervals
+//! are the `G` ranges, `S / G` each, in `H` pieces of `S / M`, and a rail
+//! sends `2(G - 1) + 2(H - 1)` messages a slice, against
+//! `2(M - 1)` flat, and the same bytes: `S (1 - 1/M)` each way. Every
 //! message occupies its sender for `max(o, bytes / rate)` and lands one
 //! latency later, as everywhere in the model. A receive side takes a level's
-//! bytes from its first sender's send on; a level's reduction waits for the
-//! last sender plus one latency. Staging is charged as the flat plan's with
-//! one shard per machine (the slot and `M - 1` cells of `S / M` hold the
-//! same bytes as the slot, `G - 1` cells of `S / G` and `H - 1` of
-//! `S / M`, within one cell): the slices and buffer count are the engine's
-//! for that geometry under the job's budget, in the wide flat slices (32
-//! MiB) for a tensor of at least four of them.
+//! bytes from its first sender's send on; a reduction waits for the last
+//! sender plus one latency. Staging is charged as the flat plan's with one
+//! shard per machine (its slot and `M - 1` cells of `S / M` hold about as
+//! many bytes as the slot and what a member receives): the buffer count is
+//! the engine's for that geometry under the job's budget; the slices are
+//! the wide flat ones (32 MiB) for a tensor of at least four of them, else
+//! the default ones and their cut, neither rounded to a whole number of
+//! cells per machine.
 
-use fairring_core::plan::{PlanConfig, PlanError, Slice};
+use fairring_core::plan::{Geometry, Plan, PlanConfig, PlanError, Slice};
+use fairring_core::topology::{RankLayout, Topology};
 
 use super::events::{Schedule, TaskId};
 use super::hierarchical::{Machine, report};
-use super::stages::{self, Stages, f};
+use super::stages::{Stages, f};
 use super::{Algo, Hardware, Job, Link, ModelError, Prediction, Traffic};
 
-/// The group sizes the study may use for `machines` machines: `requested`
-/// where it divides `machines` into groups of 2 or more (0: every such
-/// divisor). Empty where there is no split into two levels.
+/// The group sizes the study tries for `machines` machines: `requested` if
+/// it is from 2 to `machines / 2` (0: the powers of two, three times the
+/// powers of two and five times them in that range, and the sizes nearest
+/// `sqrt(M)`). Empty where there is no split into two levels (fewer than 4
+/// machines).
 pub fn group_sizes(machines: u32, requested: u32) -> Vec<u32> {
-    (2..=machines / 2)
-        .filter(|g| machines.is_multiple_of(*g) && (requested == 0 || *g == requested))
-        .collect()
+    let most = machines / 2;
+    if requested != 0 {
+        return if (2..=most).contains(&requested) {
+            vec![requested]
+        } else {
+            Vec::new()
+        };
+    }
+    #[expect(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        reason = "the root of a u32, below 2^16"
+    )]
+    let root = f64::from(machines).sqrt() as u32;
+    let mut sizes: Vec<u32> = [1u32, 3, 5]
+        .into_iter()
+        .flat_map(|base| (0..32).map(move |p| base.checked_shl(p).unwrap_or(u32::MAX)))
+        .chain([root, root + 1])
+        .filter(|g| (2..=most).contains(g))
+        .collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    sizes
+}
+
+/// The groups of a job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Groups {
+    /// Per group, its machines (consecutive).
+    pub members: Vec<Vec<usize>>,
+}
+
+/// One interval of a slot (see the module docs): its bytes, and its holder
+/// in each group.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Interval {
+    /// Bytes from the start of the slot.
+    pub bytes: std::ops::Range<u64>,
+    /// Per group, the member that holds it.
+    pub holders: Vec<usize>,
+}
+
+impl Groups {
+    /// `machines` machines in `ceil(machines / g)` groups as even as can be.
+    pub fn new(machines: usize, g: usize) -> Groups {
+        let q = machines.div_ceil(g.max(1)).max(1);
+        let (small, larger) = (machines / q, machines % q);
+        let mut members = Vec::with_capacity(q);
+        let mut next = 0;
+        for group in 0..q {
+            let size = small + usize::from(group < larger);
+            members.push((next..next + size).collect::<Vec<_>>());
+            next += size;
+        }
+        Groups { members }
+    }
+
+    /// Machines in the largest group.
+    pub fn largest(&self) -> u32 {
+        let most = self.members.iter().map(Vec::len).max().unwrap_or(0);
+        u32::try_from(most).unwrap_or(u32::MAX)
+    }
+
+    /// Member `i`'s range of a slot of `slot` bytes in a group of `s`.
+    pub fn range(slot: u64, s: usize, i: usize) -> std::ops::Range<u64> {
+        let (s, i) = (s as u64, i as u64);
+        slot * i / s..slot * (i + 1) / s
+    }
+
+    /// The intervals the groups' ranges cut a slot of `slot` bytes into.
+    pub fn intervals(&self, slot: u64) -> Vec<Interval> {
+        let mut cuts: Vec<u64> = self
+            .members
+            .iter()
+            .flat_map(|ms| (0..=ms.len()).map(|i| slot * i as u64 / ms.len() as u64))
+            .collect();
+        cuts.sort_unstable();
+        cuts.dedup();
+        cuts.windows(2)
+            .filter(|w| w[1] > w[0])
+            .map(|w| Interval {
+                bytes: w[0]..w[1],
+                holders: self
+                    .members
+                    .iter()
+                    .map(|ms| {
+                        let s = ms.len();
+                        let i = (0..s)
+                            .find(|&i| Groups::range(slot, s, i).contains(&w[0]))
+                            .unwrap_or(s - 1);
+                        ms[i]
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
 }
 
 /// The predicted time of `job`'s all-reduces under the two-level plan, in
 /// the group size of [`group_sizes`] that gives the shortest.
 pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     let mut best: Option<Prediction> = None;
+    let mut tried = Vec::new();
     for g in group_sizes(job.machines, job.group) {
+        // Sizes that make as many groups make the same groups.
+        let count = job.machines.div_ceil(g);
+        if tried.contains(&count) {
+            continue;
+        }
+        tried.push(count);
         let p = predict_with(hw, job, g)?;
         if best.is_none_or(|b| p.seconds < b.seconds) {
             best = Some(p);
@@ -88,8 +197,8 @@ pub fn predict_with(hw: &Hardware, job: &Job, g: u32) -> Result<Prediction, Mode
     .map_err(|e: PlanError| ModelError::Plan(e))?;
     let staging = flat.staging(0)?;
     let stages = Stages::new(hw, job);
-    let slices = stages::slices(&staging.geometry, &flat, &stages)?;
-    if g < 2 || !job.machines.is_multiple_of(g) || g > job.machines / 2 {
+    let slices = slices(job, flat.slicing, &stages)?;
+    if g < 2 || g > job.machines / 2 {
         return Err(ModelError::InvalidJob(format!(
             "groups of {g} machines do not split {} machines in two levels",
             job.machines
@@ -102,7 +211,7 @@ pub fn predict_with(hw: &Hardware, job: &Job, g: u32) -> Result<Prediction, Mode
         rail,
         post,
         buffers: staging.buffers.max(1) as usize,
-        group: g as usize,
+        groups: Groups::new(job.machines as usize, g as usize),
     };
     let mut schedule = Schedule::default();
     let mut machines = Machine::many(&mut schedule, job.machines);
@@ -112,11 +221,33 @@ pub fn predict_with(hw: &Hardware, job: &Job, g: u32) -> Result<Prediction, Mode
     schedule.run();
     let traffic = Traffic {
         slices: slices.len() as u64,
-        shards_per_full_slice: g,
+        shards_per_full_slice: costs.groups.largest(),
         staging_buffers: staging.buffers,
         ..Traffic::default()
     };
     report(Algo::Groups, job, &schedule, &machines, costs.rail, traffic)
+}
+
+/// The slices of `job`'s tensors under `slicing`, each with the time its
+/// tensor was submitted, cut as the flat plan cuts them on one machine of
+/// the job's GPUs: a slot needs no whole number of cells per machine here,
+/// so no slice is rounded down to one (at 255 machines the flat plan's 32
+/// MiB slice would be, leaving a ninth slice of 1 MiB for 256 MiB).
+fn slices(
+    job: &Job,
+    slicing: PlanConfig,
+    stages: &Stages,
+) -> Result<Vec<(Slice, f64)>, ModelError> {
+    let topology = Topology::new(1, job.devices, RankLayout::Contiguous)?;
+    let geometry = Geometry::new(topology, slicing)?;
+    let mut out = Vec::new();
+    let mut submitted = 0.0;
+    for _ in 0..job.tensors {
+        submitted += stages.submit();
+        let plan = Plan::new(&geometry, job.dtype, job.elements(), 0)?;
+        out.extend(plan.slices().map(|s| (s, submitted)));
+    }
+    Ok(out)
 }
 
 struct Costs {
@@ -124,7 +255,7 @@ struct Costs {
     rail: Link,
     post: f64,
     buffers: usize,
-    group: usize,
+    groups: Groups,
 }
 
 impl Costs {
@@ -133,114 +264,49 @@ impl Costs {
     }
 }
 
-/// One exchange among a level's peers, per peer in the order given: the
-/// task after which its part is done (its cell reduced, going up; every other
-/// peer's cell landed on it, coming down), and its sends.
-struct Level {
-    done: Vec<TaskId>,
-    sent: Vec<TaskId>,
-}
-
-/// Contributions out and in, and the reduction, among `peers` (machine
-/// indices; `peers[i]` serves cell `i`, of `cell` bytes): each sends every
-/// other peer its cell once `ready[i]` has ended, into the buffer it took
-/// (`take`, by machine), and reduces the cells it receives.
-fn gather_up(
+/// A batch of messages a machine sends back to back, each of `bytes`, once
+/// `ready` has ended: the task that ends with the last on its sender.
+fn send_batch(
     costs: &Costs,
     sched: &mut Schedule,
-    machines: &mut [Machine],
-    peers: &[usize],
-    cell: u64,
-    ready: &[TaskId],
-    take: &[TaskId],
-) -> Level {
-    let others = peers.len() as u64 - 1;
-    let mut sent = Vec::with_capacity(peers.len());
-    for (i, &m) in peers.iter().enumerate() {
-        let machine = &mut machines[m];
-        machine.messages_sent += others;
-        machine.bytes_sent += others * cell;
-        let task = sched.task(Some(machine.send), f(others) * costs.message(cell), 0.0);
-        sched.after(task, ready[i], 0.0);
-        sent.push(task);
-    }
-    let first = sched.first_of(0.0);
-    for &r in ready {
-        sched.after(first, r, 0.0);
-    }
-    let mut reduced = Vec::with_capacity(peers.len());
-    for (i, &m) in peers.iter().enumerate() {
-        let machine = &mut machines[m];
-        machine.bytes_received += others * cell;
-        let paced = sched.task(
-            Some(machine.receive),
-            costs.rail.wire(f(others * cell)),
-            0.0,
-        );
-        sched.after(paced, first, 0.0);
-        sched.after(paced, take[m], 0.0);
-        let task = sched.task(
-            Some(machine.gpu),
-            costs.stages.memory(f(others + 2) * f(cell)) + costs.stages.step(),
-            0.0,
-        );
-        sched.after(task, paced, 0.0);
-        sched.after(task, ready[i], 0.0);
-        for (k, &s) in sent.iter().enumerate() {
-            if k != i {
-                sched.after(task, s, costs.rail.hop());
-            }
-        }
-        reduced.push(task);
-    }
-    Level { done: reduced, sent }
+    machine: &mut Machine,
+    messages: &[u64],
+    ready: TaskId,
+) -> TaskId {
+    machine.messages_sent += messages.len() as u64;
+    machine.bytes_sent += messages.iter().sum::<u64>();
+    let seconds = messages.iter().map(|&b| costs.message(b)).sum();
+    let task = sched.task(Some(machine.send), seconds, 0.0);
+    sched.after(task, ready, 0.0);
+    task
 }
 
-/// The sums back among `peers`: each sends its final cell (final after
-/// `done[i]`) to every other.
-fn scatter_down(
+/// `bytes` landing on `machine` from `senders` (tasks that end with each
+/// sender's batch): the receive side takes them from the first sender's
+/// start, within `take`; returns the task after which the last has landed
+/// (its sender done, plus a latency).
+fn land(
     costs: &Costs,
     sched: &mut Schedule,
-    machines: &mut [Machine],
-    peers: &[usize],
-    cell: u64,
-    done: &[TaskId],
-) -> Level {
-    let others = peers.len() as u64 - 1;
-    let mut sent = Vec::with_capacity(peers.len());
-    for (i, &m) in peers.iter().enumerate() {
-        let machine = &mut machines[m];
-        machine.messages_sent += others;
-        machine.bytes_sent += others * cell;
-        let task = sched.task(Some(machine.send), f(others) * costs.message(cell), 0.0);
-        sched.after(task, done[i], 0.0);
-        sent.push(task);
-    }
+    machine: &mut Machine,
+    bytes: u64,
+    senders: &[(TaskId, TaskId)],
+    take: TaskId,
+) -> TaskId {
+    machine.bytes_received += bytes;
     let first = sched.first_of(0.0);
-    for &d in done {
-        sched.after(first, d, 0.0);
+    for &(ready, _) in senders {
+        sched.after(first, ready, 0.0);
     }
-    let mut landed = Vec::with_capacity(peers.len());
-    for (i, &m) in peers.iter().enumerate() {
-        let machine = &mut machines[m];
-        machine.bytes_received += others * cell;
-        let paced = sched.task(
-            Some(machine.receive),
-            costs.rail.wire(f(others * cell)),
-            0.0,
-        );
-        sched.after(paced, first, 0.0);
-        let ready = sched.task(None, 0.0, 0.0);
-        sched.after(ready, paced, 0.0);
-        sched.after(ready, done[i], 0.0);
-        for (k, &s) in sent.iter().enumerate() {
-            if k != i {
-                sched.after(ready, s, costs.rail.hop());
-            }
-        }
-        landed.push(ready);
+    let paced = sched.task(Some(machine.receive), costs.rail.wire(f(bytes)), 0.0);
+    sched.after(paced, first, 0.0);
+    sched.after(paced, take, 0.0);
+    let landed = sched.task(None, 0.0, 0.0);
+    sched.after(landed, paced, 0.0);
+    for &(_, sent) in senders {
+        sched.after(landed, sent, costs.rail.hop());
     }
-    Level { done: landed, sent }
+    landed
 }
 
 fn add(
@@ -251,8 +317,18 @@ fn add(
     submitted: f64,
 ) -> Result<(), ModelError> {
     let m_count = machines.len();
-    let g = costs.group;
-    let h = m_count / g;
+    let groups = &costs.groups;
+    let q = groups.members.len();
+    let mut group_of = vec![0; m_count];
+    let mut range = vec![0..0; m_count];
+    let slot = slice.slot(0)?.byte_len();
+    for (group, ms) in groups.members.iter().enumerate() {
+        for (i, &m) in ms.iter().enumerate() {
+            group_of[m] = group;
+            range[m] = Groups::range(slot, ms.len(), i);
+        }
+    }
+    let len = |r: &std::ops::Range<u64>| r.end - r.start;
     // Each machine's buffer, once the slice `buffers` before it released it.
     let mut take = Vec::with_capacity(m_count);
     for machine in machines.iter() {
@@ -275,53 +351,131 @@ fn add(
                 .call(sched, machine.nvlink, local, take[m], step)
         })
         .collect();
-    let slot = slice.slot(0)?.byte_len();
-    let cell = slot.div_ceil(g as u64);
-    let piece = cell.div_ceil(h as u64);
     let mut sends: Vec<Vec<TaskId>> = vec![Vec::new(); m_count];
-    // 2. Within each group.
+    let mut messages = Vec::new();
+    let mut peers = Vec::new();
+    // 2. Within each group: every member sends each other member that
+    // member's range, and reduces its own.
+    let mut up = vec![(scattered[0], scattered[0]); m_count];
+    for (m, machine) in machines.iter_mut().enumerate() {
+        messages.clear();
+        let group = &groups.members[group_of[m]];
+        messages.extend(group.iter().filter(|&&k| k != m).map(|&k| len(&range[k])));
+        let sent = send_batch(costs, sched, machine, &messages, scattered[m]);
+        up[m] = (scattered[m], sent);
+        sends[m].push(sent);
+    }
     let mut group_reduced = vec![scattered[0]; m_count];
-    for group in 0..h {
-        let peers: Vec<usize> = (group * g..(group + 1) * g).collect();
-        let ready: Vec<TaskId> = peers.iter().map(|&m| scattered[m]).collect();
-        let level = gather_up(costs, sched, machines, &peers, cell, &ready, &take);
-        for (i, &m) in peers.iter().enumerate() {
-            group_reduced[m] = level.done[i];
-            sends[m].push(level.sent[i]);
+    for (m, machine) in machines.iter_mut().enumerate() {
+        let group = &groups.members[group_of[m]];
+        peers.clear();
+        peers.extend(group.iter().filter(|&&k| k != m).map(|&k| up[k]));
+        let others = peers.len() as u64;
+        let bytes = len(&range[m]);
+        let landed = land(costs, sched, machine, others * bytes, &peers, take[m]);
+        let reduced = sched.task(
+            Some(machine.gpu),
+            costs.stages.memory(f(others + 2) * f(bytes)) + step,
+            0.0,
+        );
+        sched.after(reduced, landed, 0.0);
+        sched.after(reduced, scattered[m], 0.0);
+        group_reduced[m] = reduced;
+    }
+    // 3. Across the groups, interval by interval: piece `g` of an interval
+    // to its holder in group `g`, and the sum back. Per machine: the pieces
+    // it sends and receives, and from and to whom.
+    let mut out: Vec<Vec<u64>> = vec![Vec::new(); m_count];
+    let mut reduces: Vec<u64> = vec![0; m_count];
+    let mut from: Vec<Vec<(usize, u64)>> = vec![Vec::new(); m_count];
+    for interval in groups.intervals(slot) {
+        let whole = len(&interval.bytes);
+        for (k, &reducer) in interval.holders.iter().enumerate() {
+            let piece = whole * (k as u64 + 1) / q as u64 - whole * k as u64 / q as u64;
+            reduces[reducer] += piece;
+            for &holder in interval.holders.iter().filter(|&&h| h != reducer) {
+                out[holder].push(piece);
+                from[reducer].push((holder, piece));
+            }
         }
     }
-    // 3. Across the groups, member by member.
-    let mut cell_final = vec![scattered[0]; m_count];
-    for member in 0..g {
-        let peers: Vec<usize> = (0..h).map(|group| group * g + member).collect();
-        let ready: Vec<TaskId> = peers.iter().map(|&m| group_reduced[m]).collect();
-        let up = gather_up(costs, sched, machines, &peers, piece, &ready, &take);
-        let down = scatter_down(costs, sched, machines, &peers, piece, &up.done);
-        for (i, &m) in peers.iter().enumerate() {
-            cell_final[m] = down.done[i];
-            sends[m].push(up.sent[i]);
-            sends[m].push(down.sent[i]);
+    let mut across = vec![(scattered[0], scattered[0]); m_count];
+    for (m, machine) in machines.iter_mut().enumerate() {
+        let sent = send_batch(costs, sched, machine, &out[m], group_reduced[m]);
+        across[m] = (group_reduced[m], sent);
+        sends[m].push(sent);
+    }
+    let mut owned = vec![(scattered[0], scattered[0]); m_count];
+    for (r, machine) in machines.iter_mut().enumerate() {
+        let bytes: u64 = from[r].iter().map(|&(_, b)| b).sum();
+        let mut senders: Vec<usize> = from[r].iter().map(|&(h, _)| h).collect();
+        senders.sort_unstable();
+        senders.dedup();
+        peers.clear();
+        peers.extend(senders.iter().map(|&h| across[h]));
+        let landed = land(costs, sched, machine, bytes, &peers, take[r]);
+        let reduced = sched.task(
+            Some(machine.gpu),
+            costs.stages.memory(f(q as u64 + 1) * f(reduces[r])) + step,
+            0.0,
+        );
+        sched.after(reduced, landed, 0.0);
+        sched.after(reduced, group_reduced[r], 0.0);
+        messages.clear();
+        messages.extend(from[r].iter().map(|&(_, b)| b));
+        let sent = send_batch(costs, sched, machine, &messages, reduced);
+        owned[r] = (reduced, sent);
+        sends[r].push(sent);
+    }
+    // The sums back to the holders: a holder's range is final once every
+    // piece it sent has come back and it reduced its own.
+    let mut back: Vec<Vec<usize>> = vec![Vec::new(); m_count];
+    for (r, list) in from.iter().enumerate() {
+        for &(h, _) in list {
+            back[h].push(r);
         }
+    }
+    let mut range_final = vec![scattered[0]; m_count];
+    for (m, machine) in machines.iter_mut().enumerate() {
+        let bytes: u64 = out[m].iter().sum();
+        back[m].sort_unstable();
+        back[m].dedup();
+        peers.clear();
+        peers.extend(back[m].iter().map(|&r| owned[r]));
+        let landed = land(costs, sched, machine, bytes, &peers, take[m]);
+        sched.after(landed, owned[m].0, 0.0);
+        range_final[m] = landed;
     }
     // 4. Back within each group; 5. the all-gather; the buffer is released.
-    for group in 0..h {
-        let peers: Vec<usize> = (group * g..(group + 1) * g).collect();
-        let done: Vec<TaskId> = peers.iter().map(|&m| cell_final[m]).collect();
-        let down = scatter_down(costs, sched, machines, &peers, cell, &done);
-        for (i, &m) in peers.iter().enumerate() {
-            sends[m].push(down.sent[i]);
-            let machine = &mut machines[m];
-            let gathered =
-                machine
-                    .gather
-                    .call(sched, machine.nvlink, gather, down.done[i], step);
-            let released = sched.task(None, 0.0, 0.0);
-            sched.after(released, gathered, 0.0);
-            for &s in &sends[m] {
-                sched.after(released, s, 0.0);
-            }
-            machine.released.push(released);
+    let mut down = vec![(scattered[0], scattered[0]); m_count];
+    for (m, machine) in machines.iter_mut().enumerate() {
+        messages.clear();
+        let group = &groups.members[group_of[m]];
+        messages.extend(group.iter().filter(|&&k| k != m).map(|_| len(&range[m])));
+        let sent = send_batch(costs, sched, machine, &messages, range_final[m]);
+        down[m] = (range_final[m], sent);
+        sends[m].push(sent);
+    }
+    for (m, machine) in machines.iter_mut().enumerate() {
+        let group = &groups.members[group_of[m]];
+        peers.clear();
+        peers.extend(group.iter().filter(|&&k| k != m).map(|&k| down[k]));
+        let bytes = group
+            .iter()
+            .filter(|&&k| k != m)
+            .map(|&k| len(&range[k]))
+            .sum();
+        let landed = land(costs, sched, machine, bytes, &peers, take[m]);
+        sched.after(landed, range_final[m], 0.0);
+        let gathered = machine
+            .gather
+            .call(sched, machine.nvlink, gather, landed, step);
+        let released = sched.task(None, 0.0, 0.0);
+        sched.after(released, gathered, 0.0);
+        for &sent in &sends[m] {
+            sched.after(released, sent, 0.0);
         }
+        machine.released.push(released);
     }
     Ok(())
 }
