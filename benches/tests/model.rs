@@ -3,7 +3,6 @@
 //! real plan. No expected figure here comes from the model itself.
 
 use fairring_bench::model::calibrate::{BenchRow, calibrate, fit_line};
-use fairring_bench::model::groups::Groups;
 use fairring_bench::model::nccl::{self, Collective, NcclAlgorithm, Protocol};
 use fairring_bench::model::{
     Algo, BUILTIN_PRESETS, Hardware, Job, ModelError, parse_presets, predict, preset,
@@ -1105,40 +1104,4 @@ fn the_two_level_study_keeps_the_models_invariants() {
     }
     assert!(!Algo::ALL.contains(&Algo::Groups));
     assert_eq!(Algo::from_name("groups"), Some(Algo::Groups));
-}
-
-/// The study's groups are as even as can be, and the intervals their ranges
-/// cut a slot into tile it, each held in every group by the one member whose
-/// range contains it.
-#[test]
-fn the_two_level_studys_intervals_tile_the_slot() {
-    for (m, g) in [(4, 2), (255, 64), (67, 8), (10, 3), (247, 20)] {
-        let groups = Groups::new(m, g);
-        let sizes: Vec<usize> = groups.members.iter().map(Vec::len).collect();
-        assert_eq!(sizes.iter().sum::<usize>(), m);
-        assert_eq!(sizes.len(), m.div_ceil(g));
-        assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1);
-        let all: Vec<usize> = groups.members.iter().flatten().copied().collect();
-        assert_eq!(all, (0..m).collect::<Vec<_>>(), "consecutive machines");
-        for slot in [64 * 1000 + 7, 4 << 20] {
-            let intervals = groups.intervals(slot);
-            let mut at = 0;
-            for interval in &intervals {
-                assert_eq!(interval.bytes.start, at, "{m}/{g}: no gap or overlap");
-                assert!(interval.bytes.end > at);
-                at = interval.bytes.end;
-                assert_eq!(interval.holders.len(), groups.members.len());
-                for (members, &holder) in groups.members.iter().zip(&interval.holders) {
-                    let i = members.iter().position(|&x| x == holder).unwrap();
-                    let range = Groups::range(slot, members.len(), i);
-                    assert!(
-                        range.start <= interval.bytes.start && interval.bytes.end <= range.end,
-                        "{m}/{g}: {:?} outside {range:?}",
-                        interval.bytes
-                    );
-                }
-            }
-            assert_eq!(at, slot);
-        }
-    }
 }

@@ -1,6 +1,7 @@
 //! fairring-core never allocates: a counting global allocator sees no allocation
 //! across topology detection, planning a tensor and walking every cell (and a
-//! tensor as one slice, and both trees of a double binary tree), a whole
+//! tensor as one slice, both trees of a double binary tree, and machines in
+//! groups with the intervals of a slot), a whole
 //! slice through the staging state machine, frame round trips and validation,
 //! reductions, fusion planning and formatting every kind of error.
 //!
@@ -8,7 +9,7 @@
 //! harness, or another test of this file running in parallel) never count.
 
 use fairring_core::fusion::{Position, plan_fusion};
-use fairring_core::plan::{DoubleTree, Geometry, Plan, PlanConfig, TREES};
+use fairring_core::plan::{DoubleTree, Geometry, MachineGroups, Plan, PlanConfig, TREES};
 use fairring_core::reduce;
 use fairring_core::staging::{Event, StagingState};
 use fairring_core::topology::{Location, RankLayout, Topology};
@@ -147,6 +148,22 @@ fn core_work_allocates_nothing() {
             }
         }
         let _ = write!(text, "{}", trees.root(TREES).unwrap_err());
+
+        // Machines in groups of unequal size: every machine located, every
+        // interval of a slot held once per group and cut into its pieces,
+        // and a refusal.
+        let groups = MachineGroups::new(255, 64).unwrap();
+        for machine in 0..255 {
+            let at = groups.locate(machine).unwrap();
+            let _ = groups.range(1 << 16, at.group, at.member).unwrap();
+        }
+        for interval in groups.intervals(1 << 16) {
+            for group in 0..groups.groups() {
+                let _ = groups.holder(1 << 16, group, interval.start).unwrap();
+                let _ = groups.piece(&interval, group).unwrap();
+            }
+        }
+        let _ = write!(text, "{}", MachineGroups::new(255, 1).unwrap_err());
 
         // A whole slice through the staging state machine, as a server on machine 0.
         let slice = plan.slice(0).unwrap();

@@ -7,7 +7,8 @@
 //! or the engine makes it yet.
 //!
 //! The `M` machines form `Q = ceil(M / G)` groups of consecutive machines,
-//! of `ceil(M / Q)` or `floor(M / Q)` machines each ([`Groups`]): `G` from 2
+//! of `ceil(M / Q)` or `floor(M / Q)` machines each (fairring-core's
+//! `MachineGroups`, whose arithmetic this walks): `G` from 2
 //! to `M / 2`, the one of [`group_sizes`] whose prediction is shortest, or
 //! the one the job asks for ([`Job::group`]). Per slice, on rail 0 of every
 //! machine (rails are symmetric, as in [`super::hierarchical`]), with the
@@ -16,12 +17,14 @@
 //!
 //! 1. **reduce-scatter** within the machine, as the engine does it;
 //! 2. **within the group**: a group of `s` members cuts the slot into `s`
-//!    ranges as even as whole bytes allow, member `i` holding range `i`;
+//!    ranges as even as whole units (64 bytes) allow, member `i` holding
+//!    range `i`;
 //!    each member sends every other member that member's range, and reduces
 //!    what it receives in its own (the many-source kernel: `s + 1` passes);
 //! 3. **across the groups**: the ranges of all groups cut the slot into
 //!    intervals, each held by one member of every group; each interval is
-//!    cut into `Q` pieces, piece `g` reduced by its holder in group `g`,
+//!    cut into `Q` pieces (an empty one is not sent), piece `g` reduced by
+//!    its holder in group `g`,
 //!    which receives it from the other `Q - 1` holders and sends the sum
 //!    back to them (`Q + 1` passes over a piece);
 //! 4. **back within the group**: each member sends its final range to
@@ -43,7 +46,9 @@
 //! the default ones and their cut, neither rounded to a whole number of
 //! cells per machine.
 
-use fairring_core::plan::{Geometry, Plan, PlanConfig, PlanError, Slice};
+use fairring_core::plan::{
+    ALIGN_BYTES, Geometry, MachineGroups, Plan, PlanConfig, PlanError, Slice,
+};
 use fairring_core::topology::{RankLayout, Topology};
 
 use super::events::{Schedule, TaskId};
@@ -82,76 +87,34 @@ pub fn group_sizes(machines: u32, requested: u32) -> Vec<u32> {
     sizes
 }
 
-/// The groups of a job.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Groups {
-    /// Per group, its machines (consecutive).
-    pub members: Vec<Vec<usize>>,
+/// The groups as lists of machines, from fairring-core's arithmetic.
+struct Members {
+    groups: MachineGroups,
+    /// Per group, its machines.
+    of_group: Vec<Vec<usize>>,
+    /// Per machine, its group.
+    group_of: Vec<usize>,
 }
 
-/// One interval of a slot (see the module docs): its bytes, and its holder
-/// in each group.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Interval {
-    /// Bytes from the start of the slot.
-    pub bytes: std::ops::Range<u64>,
-    /// Per group, the member that holds it.
-    pub holders: Vec<usize>,
-}
-
-impl Groups {
-    /// `machines` machines in `ceil(machines / g)` groups as even as can be.
-    pub fn new(machines: usize, g: usize) -> Groups {
-        let q = machines.div_ceil(g.max(1)).max(1);
-        let (small, larger) = (machines / q, machines % q);
-        let mut members = Vec::with_capacity(q);
-        let mut next = 0;
-        for group in 0..q {
-            let size = small + usize::from(group < larger);
-            members.push((next..next + size).collect::<Vec<_>>());
-            next += size;
+impl Members {
+    fn new(machines: u32, size: u32) -> Result<Members, ModelError> {
+        let groups = MachineGroups::new(machines, size)?;
+        let mut of_group = Vec::new();
+        let mut group_of = vec![0; machines as usize];
+        for group in 0..groups.groups() {
+            let mut ms = Vec::new();
+            for member in 0..groups.len(group)? {
+                let m = groups.machine(group, member)? as usize;
+                group_of[m] = group as usize;
+                ms.push(m);
+            }
+            of_group.push(ms);
         }
-        Groups { members }
-    }
-
-    /// Machines in the largest group.
-    pub fn largest(&self) -> u32 {
-        let most = self.members.iter().map(Vec::len).max().unwrap_or(0);
-        u32::try_from(most).unwrap_or(u32::MAX)
-    }
-
-    /// Member `i`'s range of a slot of `slot` bytes in a group of `s`.
-    pub fn range(slot: u64, s: usize, i: usize) -> std::ops::Range<u64> {
-        let (s, i) = (s as u64, i as u64);
-        slot * i / s..slot * (i + 1) / s
-    }
-
-    /// The intervals the groups' ranges cut a slot of `slot` bytes into.
-    pub fn intervals(&self, slot: u64) -> Vec<Interval> {
-        let mut cuts: Vec<u64> = self
-            .members
-            .iter()
-            .flat_map(|ms| (0..=ms.len()).map(|i| slot * i as u64 / ms.len() as u64))
-            .collect();
-        cuts.sort_unstable();
-        cuts.dedup();
-        cuts.windows(2)
-            .filter(|w| w[1] > w[0])
-            .map(|w| Interval {
-                bytes: w[0]..w[1],
-                holders: self
-                    .members
-                    .iter()
-                    .map(|ms| {
-                        let s = ms.len();
-                        let i = (0..s)
-                            .find(|&i| Groups::range(slot, s, i).contains(&w[0]))
-                            .unwrap_or(s - 1);
-                        ms[i]
-                    })
-                    .collect(),
-            })
-            .collect()
+        Ok(Members {
+            groups,
+            of_group,
+            group_of,
+        })
     }
 }
 
@@ -198,12 +161,6 @@ pub fn predict_with(hw: &Hardware, job: &Job, g: u32) -> Result<Prediction, Mode
     let staging = flat.staging(0)?;
     let stages = Stages::new(hw, job);
     let slices = slices(job, flat.slicing, &stages)?;
-    if g < 2 || g > job.machines / 2 {
-        return Err(ModelError::InvalidJob(format!(
-            "groups of {g} machines do not split {} machines in two levels",
-            job.machines
-        )));
-    }
     let rail = hw.rail(job.devices);
     let post = hw.post_seconds();
     let costs = Costs {
@@ -211,7 +168,7 @@ pub fn predict_with(hw: &Hardware, job: &Job, g: u32) -> Result<Prediction, Mode
         rail,
         post,
         buffers: staging.buffers.max(1) as usize,
-        groups: Groups::new(job.machines as usize, g as usize),
+        groups: Members::new(job.machines, g)?,
     };
     let mut schedule = Schedule::default();
     let mut machines = Machine::many(&mut schedule, job.machines);
@@ -221,7 +178,7 @@ pub fn predict_with(hw: &Hardware, job: &Job, g: u32) -> Result<Prediction, Mode
     schedule.run();
     let traffic = Traffic {
         slices: slices.len() as u64,
-        shards_per_full_slice: costs.groups.largest(),
+        shards_per_full_slice: costs.groups.groups.largest(),
         staging_buffers: staging.buffers,
         ..Traffic::default()
     };
@@ -255,7 +212,7 @@ struct Costs {
     rail: Link,
     post: f64,
     buffers: usize,
-    groups: Groups,
+    groups: Members,
 }
 
 impl Costs {
@@ -318,14 +275,25 @@ fn add(
 ) -> Result<(), ModelError> {
     let m_count = machines.len();
     let groups = &costs.groups;
-    let q = groups.members.len();
-    let mut group_of = vec![0; m_count];
-    let mut range = vec![0..0; m_count];
+    let plan = &groups.groups;
+    let q = groups.of_group.len();
+    let group_of = &groups.group_of;
+    // The plan cuts a slot in units of `ALIGN_BYTES`; the tail of a tensor's
+    // last slot (less than a unit) goes with its last unit.
     let slot = slice.slot(0)?.byte_len();
-    for (group, ms) in groups.members.iter().enumerate() {
+    let units = slot / ALIGN_BYTES;
+    let byte = |unit: u64| {
+        if unit >= units {
+            slot
+        } else {
+            unit * ALIGN_BYTES
+        }
+    };
+    let bytes_of = |r: std::ops::Range<u64>| byte(r.start)..byte(r.end);
+    let mut range = vec![0..0; m_count];
+    for (group, ms) in groups.of_group.iter().enumerate() {
         for (i, &m) in ms.iter().enumerate() {
-            group_of[m] = group;
-            range[m] = Groups::range(slot, ms.len(), i);
+            range[m] = bytes_of(plan.range(units, group as u32, i as u32)?);
         }
     }
     let len = |r: &std::ops::Range<u64>| r.end - r.start;
@@ -359,7 +327,7 @@ fn add(
     let mut up = vec![(scattered[0], scattered[0]); m_count];
     for (m, machine) in machines.iter_mut().enumerate() {
         messages.clear();
-        let group = &groups.members[group_of[m]];
+        let group = &groups.of_group[group_of[m]];
         messages.extend(group.iter().filter(|&&k| k != m).map(|&k| len(&range[k])));
         let sent = send_batch(costs, sched, machine, &messages, scattered[m]);
         up[m] = (scattered[m], sent);
@@ -367,7 +335,7 @@ fn add(
     }
     let mut group_reduced = vec![scattered[0]; m_count];
     for (m, machine) in machines.iter_mut().enumerate() {
-        let group = &groups.members[group_of[m]];
+        let group = &groups.of_group[group_of[m]];
         peers.clear();
         peers.extend(group.iter().filter(|&&k| k != m).map(|&k| up[k]));
         let others = peers.len() as u64;
@@ -388,12 +356,18 @@ fn add(
     let mut out: Vec<Vec<u64>> = vec![Vec::new(); m_count];
     let mut reduces: Vec<u64> = vec![0; m_count];
     let mut from: Vec<Vec<(usize, u64)>> = vec![Vec::new(); m_count];
-    for interval in groups.intervals(slot) {
-        let whole = len(&interval.bytes);
-        for (k, &reducer) in interval.holders.iter().enumerate() {
-            let piece = whole * (k as u64 + 1) / q as u64 - whole * k as u64 / q as u64;
+    for interval in plan.intervals(units) {
+        let mut holders = Vec::with_capacity(q);
+        for (group, ms) in groups.of_group.iter().enumerate() {
+            holders.push(ms[plan.holder(units, group as u32, interval.start)? as usize]);
+        }
+        for (k, &reducer) in holders.iter().enumerate() {
+            let piece = len(&bytes_of(plan.piece(&interval, k as u32)?));
+            if piece == 0 {
+                continue;
+            }
             reduces[reducer] += piece;
-            for &holder in interval.holders.iter().filter(|&&h| h != reducer) {
+            for &holder in holders.iter().filter(|&&h| h != reducer) {
                 out[holder].push(piece);
                 from[reducer].push((holder, piece));
             }
@@ -450,14 +424,14 @@ fn add(
     let mut down = vec![(scattered[0], scattered[0]); m_count];
     for (m, machine) in machines.iter_mut().enumerate() {
         messages.clear();
-        let group = &groups.members[group_of[m]];
+        let group = &groups.of_group[group_of[m]];
         messages.extend(group.iter().filter(|&&k| k != m).map(|_| len(&range[m])));
         let sent = send_batch(costs, sched, machine, &messages, range_final[m]);
         down[m] = (range_final[m], sent);
         sends[m].push(sent);
     }
     for (m, machine) in machines.iter_mut().enumerate() {
-        let group = &groups.members[group_of[m]];
+        let group = &groups.of_group[group_of[m]];
         peers.clear();
         peers.extend(group.iter().filter(|&&k| k != m).map(|&k| down[k]));
         let bytes = group

@@ -71,6 +71,10 @@
 //! and the messages per slice are bounded independently of the number of
 //! machines.
 //!
+//! **Groups** ([`MachineGroups`]): the arithmetic of a reduction in two
+//! levels, within groups of machines and then across them, which the scale
+//! model studies and no [`Routing`] takes yet.
+//!
 //! **Zero elements** plan to zero slices: the all-reduce is complete at once.
 //!
 //! **One slice.** A job of one machine whose local step works in the tensor
@@ -86,12 +90,14 @@
 //! ([`PlanError::TensorTooLarge`]); nothing here panics.
 
 mod geometry;
+mod groups;
 mod layout;
 mod slice;
 mod split;
 mod tree;
 
 pub use geometry::{Geometry, PlanConfig, Routing, server_rails, serves_rail};
+pub use groups::{Intervals, MachineGroups, Membership};
 pub use layout::{InputArea, ServerLayout, StagingLayout};
 pub use slice::{Cell, Cells, Slice, Slices};
 pub use tree::{DoubleTree, TREE_PARTS, TREES};
@@ -321,6 +327,35 @@ pub enum PlanError {
         /// The cell's parts.
         parts: u32,
     },
+    /// A group size that does not split the machines in two levels
+    /// ([`MachineGroups::new`]: 2 to `M / 2`).
+    InvalidGroupSize {
+        /// The size given.
+        size: u32,
+        /// `M`.
+        machines: u32,
+    },
+    /// A group index at or past the number of groups.
+    GroupOutOfRange {
+        /// The index given.
+        group: u32,
+        /// The number of groups.
+        groups: u32,
+    },
+    /// A member index at or past its group's size.
+    MemberOutOfRange {
+        /// The index given.
+        member: u32,
+        /// The group's size.
+        members: u32,
+    },
+    /// A unit at or past the end of a slot.
+    UnitOutOfRange {
+        /// The index given.
+        unit: u64,
+        /// The slot's units.
+        units: u64,
+    },
 }
 
 impl fmt::Display for PlanError {
@@ -404,6 +439,21 @@ impl fmt::Display for PlanError {
             ),
             PlanError::PartOutOfRange { part, parts } => {
                 write!(f, "part {part} is out of range for a cell of {parts} parts")
+            }
+            PlanError::InvalidGroupSize { size, machines } => write!(
+                f,
+                "groups of {size} machines do not split {machines} machines in two levels: \
+                 the size must be from 2 to half the machines"
+            ),
+            PlanError::GroupOutOfRange { group, groups } => {
+                write!(f, "group {group} is out of range for {groups} groups")
+            }
+            PlanError::MemberOutOfRange { member, members } => write!(
+                f,
+                "member {member} is out of range for a group of {members} machines"
+            ),
+            PlanError::UnitOutOfRange { unit, units } => {
+                write!(f, "unit {unit} is out of range for a slot of {units} units")
             }
             PlanError::TreeOutOfRange { tree } => {
                 write!(f, "tree {tree} is out of range for {TREES} trees")
