@@ -1036,6 +1036,34 @@ fn the_two_level_study_charges_its_levels_as_worked_by_hand() {
     }
 }
 
+/// With nothing costing but the rail (no latency, memory and staging
+/// unbounded, one GPU a machine, messages too large for a post to show), the
+/// two-level study converges to the same bound as the flat plan: each rail
+/// sends `2 (M - 1) / M` of the tensor in groups that divide the machines.
+#[test]
+fn the_two_level_study_reaches_the_rails_bound_when_nothing_else_costs() {
+    let mut hw = free_of_latency(h100());
+    hw.memory.gbps = 1e300;
+    for (m, group) in [(4u32, 2u32), (8, 2), (8, 4), (9, 3)] {
+        let mut job = Job::new(m, 1, GIB);
+        job.budget_bytes = Some(1 << 40);
+        job.group = group;
+        let p = predict(&hw, &job, Algo::Groups).unwrap();
+        let rail = hw.rail(1).gbps * 1e9;
+        let mm = f64::from(m);
+        let bound = 2.0 * (mm - 1.0) / mm * GIB as f64 / rail;
+        assert!(
+            p.seconds >= bound * (1.0 - 1e-9),
+            "{m}/{group}: below the bound"
+        );
+        assert!(
+            p.seconds <= bound * 1.05,
+            "{m}/{group}: {} s against {bound} s",
+            p.seconds
+        );
+    }
+}
+
 /// The study's groups split the job in two levels: in groups that divide it,
 /// its traffic is `2 (G - 1) + 2 (M / G - 1)` messages a slice and
 /// `2 (M - 1) / M` of every slot (within the rounding of its ranges); in
