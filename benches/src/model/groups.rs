@@ -3,38 +3,37 @@
 //!
 //! This row answers whether the plan should change past the machines the
 //! flat plan serves (issue: "two-level reduction servers"); it is not what
-//! `hierarchical` (the engine's plan) does, and nothing in fairring-core
-//! or the engine makes it yet.
+//! `hierarchical` (the engine's plan) does. fairring-core holds its
+//! arithmetic (`MachineGroups`), but no routing takes it and the engine
+//! does not run it.
 //!
 //! The `M` machines form `Q = ceil(M / G)` groups of consecutive machines,
 //! of `ceil(M / Q)` or `floor(M / Q)` machines each (fairring-core's
-//! `MachineGroups`, whose arithmetic this walks): `G` from 2
-//! to `M / 2`, the one of [`group_sizes`] whose prediction is shortest, or
-//! the one the job asks for ([`Job::group`]). Per slice, on rail 0 of every
-//! machine (rails are symmetric, as in [`super::hierarchical`]), with the
-//! slot of `S` bytes each rail holds after the reduce-scatter within the
-//! machine:
+//! `MachineGroups`, whose arithmetic this walks): `G` from 2 to `M / 2`, the
+//! one of [`group_sizes`] whose prediction is shortest, or the one the job
+//! asks for ([`Job::group`]). Per slice, on rail 0 of every machine (rails
+//! are symmetric, as in [`super::hierarchical`]), with the slot of `S` bytes
+//! each rail holds after the reduce-scatter within the machine:
 //!
 //! 1. **reduce-scatter** within the machine, as the engine does it;
 //! 2. **within the group**: a group of `s` members cuts the slot into `s`
 //!    ranges as even as whole units (64 bytes) allow, member `i` holding
-//!    range `i`;
-//!    each member sends every other member that member's range, and reduces
-//!    what it receives in its own (the many-source kernel: `s + 1` passes);
+//!    range `i`; each member sends every other member that member's range,
+//!    and reduces what it receives in its own (the many-source kernel:
+//!    `s + 1` passes);
 //! 3. **across the groups**: the ranges of all groups cut the slot into
 //!    intervals, each held by one member of every group; each interval is
 //!    cut into `Q` pieces (an empty one is not sent), piece `g` reduced by
-//!    its holder in group `g`,
-//!    which receives it from the other `Q - 1` holders and sends the sum
-//!    back to them (`Q + 1` passes over a piece);
+//!    its holder in group `g`, which receives it from the other `Q - 1`
+//!    holders and sends the sum back to them (`Q + 1` passes over a piece);
 //! 4. **back within the group**: each member sends its final range to
 //!    every other member of its group;
 //! 5. **all-gather** within the machine.
 //!
 //! With `G` dividing `M` (groups of `G`, `H = M / G` of them) the intervals
 //! are the `G` ranges, `S / G` each, in `H` pieces of `S / M`, and a rail
-//! sends `2(G - 1) + 2(H - 1)` messages a slice, against
-//! `2(M - 1)` flat, and the same bytes: `S (1 - 1/M)` each way. Every
+//! sends `2(G - 1) + 2(H - 1)` messages a slice, against `2(M - 1)` flat,
+//! and the same bytes: `S (1 - 1/M)` each way. Every
 //! message occupies its sender for `max(o, bytes / rate)` and lands one
 //! latency later, as everywhere in the model. A receive side takes a level's
 //! bytes from its first sender's send on; a reduction waits for the last
@@ -137,12 +136,12 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     }
     best.ok_or(ModelError::NotApplicable {
         algo: Algo::Groups,
-        reason: "needs groups of 2 or more machines, at least two of them, that divide the job",
+        reason: "needs at least two groups of 2 or more machines: 4 machines or more",
     })
 }
 
 /// The predicted time of `job`'s all-reduces under the two-level plan in
-/// groups of `g` machines (`g` divides `M`, `2 <= g <= M / 2`).
+/// `ceil(M / g)` groups (`2 <= g <= M / 2`).
 pub fn predict_with(hw: &Hardware, job: &Job, g: u32) -> Result<Prediction, ModelError> {
     // The engine's slices and staging for one shard per machine of any size
     // (the floor as minimum shard keeps the plan flat, `k = M`): by default
@@ -221,8 +220,9 @@ impl Costs {
     }
 }
 
-/// A batch of messages a machine sends back to back, each of `bytes`, once
-/// `ready` has ended: the task that ends with the last on its sender.
+/// A batch of messages a machine sends back to back, of `messages` bytes
+/// each, once `ready` has ended: the task that ends with the last on its
+/// sender.
 fn send_batch(
     costs: &Costs,
     sched: &mut Schedule,
@@ -238,9 +238,10 @@ fn send_batch(
     task
 }
 
-/// `bytes` landing on `machine` from `senders` (tasks that end with each
-/// sender's batch): the receive side takes them from the first sender's
-/// start, within `take`; returns the task after which the last has landed
+/// `bytes` landing on `machine` from `senders` (per sender, the task after
+/// which it starts sending, and the one that ends with its batch): the
+/// receive side takes them from the first sender's start on, into the
+/// buffer taken at `take`; returns the task after which the last has landed
 /// (its sender done, plus a latency).
 fn land(
     costs: &Costs,
@@ -266,6 +267,8 @@ fn land(
     landed
 }
 
+/// Adds `slice`'s stages on every machine to the schedule (steps 1 to 5 of
+/// the module docs).
 fn add(
     costs: &Costs,
     sched: &mut Schedule,
@@ -281,7 +284,7 @@ fn add(
     // The plan cuts a slot in units of `ALIGN_BYTES`; the tail of a tensor's
     // last slot (less than a unit) goes with its last unit.
     let slot = slice.slot(0)?.byte_len();
-    let units = slot / ALIGN_BYTES;
+    let units = (slot / ALIGN_BYTES).max(u64::from(slot > 0));
     let byte = |unit: u64| {
         if unit >= units {
             slot
@@ -291,9 +294,10 @@ fn add(
     };
     let bytes_of = |r: std::ops::Range<u64>| byte(r.start)..byte(r.end);
     let mut range = vec![0..0; m_count];
-    for (group, ms) in groups.of_group.iter().enumerate() {
-        for (i, &m) in ms.iter().enumerate() {
-            range[m] = bytes_of(plan.range(units, group as u32, i as u32)?);
+    for group in 0..plan.groups() {
+        for member in 0..plan.len(group)? {
+            let m = plan.machine(group, member)? as usize;
+            range[m] = bytes_of(plan.range(units, group, member)?);
         }
     }
     let len = |r: &std::ops::Range<u64>| r.end - r.start;
@@ -358,16 +362,17 @@ fn add(
     let mut from: Vec<Vec<(usize, u64)>> = vec![Vec::new(); m_count];
     for interval in plan.intervals(units) {
         let mut holders = Vec::with_capacity(q);
-        for (group, ms) in groups.of_group.iter().enumerate() {
-            holders.push(ms[plan.holder(units, group as u32, interval.start)? as usize]);
+        for group in 0..plan.groups() {
+            let member = plan.holder(units, group, interval.start)?;
+            holders.push((group, plan.machine(group, member)? as usize));
         }
-        for (k, &reducer) in holders.iter().enumerate() {
-            let piece = len(&bytes_of(plan.piece(&interval, k as u32)?));
+        for &(group, reducer) in &holders {
+            let piece = len(&bytes_of(plan.piece(&interval, group)?));
             if piece == 0 {
                 continue;
             }
             reduces[reducer] += piece;
-            for &holder in holders.iter().filter(|&&h| h != reducer) {
+            for &(_, holder) in holders.iter().filter(|&&(_, h)| h != reducer) {
                 out[holder].push(piece);
                 from[reducer].push((holder, piece));
             }
