@@ -1,5 +1,6 @@
 //! Property tests of machines in groups (`plan/groups.rs`): the groups are
-//! consecutive and as even as can be, each group's ranges tile a slot within
+//! consecutive, as even as can be and never of one machine (a size that
+//! would leave one is refused), each group's ranges tile a slot within
 //! one unit of each other, the intervals tile the slot and each lies within
 //! one range of every group (its holder), a range meets at most two
 //! intervals (one where the groups are equal), and each interval's pieces
@@ -12,14 +13,26 @@ use proptest::prelude::*;
 /// Checks `m` machines in groups of about `size` over a slot of `units`;
 /// fails naming what broke.
 fn check(m: u32, size: u32, units: u64) -> Result<(), TestCaseError> {
-    let groups = MachineGroups::new(m, size).unwrap();
+    let groups = match MachineGroups::new(m, size) {
+        Ok(groups) => groups,
+        Err(e) => {
+            prop_assert_eq!(e, PlanError::InvalidGroupSize { size, machines: m });
+            prop_assert!(
+                m / m.div_ceil(size) < 2,
+                "M {} in groups of {} refused",
+                m,
+                size
+            );
+            return Ok(());
+        }
+    };
     let q = groups.groups();
     let what = format!("M {m}, size {size}, {units} units");
     prop_assert_eq!(q, m.div_ceil(size), "{}", what);
     // Consecutive, as even as can be, every machine located where it is.
     let (mut next, mut lens) = (0u32, Vec::new());
     for group in 0..q {
-        let len = groups.len(group).unwrap();
+        let len = groups.size(group).unwrap();
         prop_assert_eq!(groups.first(group).unwrap(), next, "{}", what);
         for member in 0..len {
             let machine = groups.machine(group, member).unwrap();
@@ -134,7 +147,7 @@ fn groups_that_divide_the_machines_have_their_ranges_as_intervals() {
     }
     // 255 machines in groups of about 64: 4 groups, 64, 64, 64 and 63.
     let groups = MachineGroups::new(255, 64).unwrap();
-    let lens: Vec<u32> = (0..4).map(|g| groups.len(g).unwrap()).collect();
+    let lens: Vec<u32> = (0..4).map(|g| groups.size(g).unwrap()).collect();
     assert_eq!(lens, [64, 64, 64, 63]);
     assert_eq!(
         groups.locate(254).unwrap(),
@@ -147,7 +160,7 @@ fn groups_that_divide_the_machines_have_their_ranges_as_intervals() {
 
 #[test]
 fn what_is_out_of_range_is_named() {
-    for (m, size) in [(3, 2), (8, 1), (8, 5), (0, 2)] {
+    for (m, size) in [(3, 2), (8, 1), (8, 5), (0, 2), (5, 2), (65, 2)] {
         let e = MachineGroups::new(m, size).unwrap_err();
         assert_eq!(e, PlanError::InvalidGroupSize { size, machines: m });
         assert!(
@@ -163,7 +176,7 @@ fn what_is_out_of_range_is_named() {
     let groups = MachineGroups::new(10, 3).unwrap();
     assert_eq!(groups.groups(), 4);
     assert_eq!(
-        groups.len(4),
+        groups.size(4),
         Err(PlanError::GroupOutOfRange {
             group: 4,
             groups: 4

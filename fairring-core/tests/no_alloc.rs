@@ -164,6 +164,9 @@ fn core_work_allocates_nothing() {
             }
         }
         let _ = write!(text, "{}", MachineGroups::new(255, 1).unwrap_err());
+        let _ = write!(text, "{}", groups.size(4).unwrap_err());
+        let _ = write!(text, "{}", groups.machine(3, 63).unwrap_err());
+        let _ = write!(text, "{}", groups.holder(8, 0, 8).unwrap_err());
 
         // A whole slice through the staging state machine, as a server on machine 0.
         let slice = plan.slice(0).unwrap();

@@ -55,19 +55,15 @@ use super::hierarchical::{Machine, report};
 use super::stages::{Stages, f};
 use super::{Algo, Hardware, Job, Link, ModelError, Prediction, Traffic};
 
-/// The group sizes the study tries for `machines` machines: `requested` if
-/// it is from 2 to `machines / 2` (0: the powers of two, three times the
-/// powers of two and five times them in that range, and the sizes nearest
-/// `sqrt(M)`). Empty where there is no split into two levels (fewer than 4
-/// machines).
+/// The group sizes the study tries for `machines` machines: `requested`
+/// alone (0: the powers of two, three times them and five times them, the
+/// sizes nearest `sqrt(M)`, and the sizes that make 2 to 16 groups), each
+/// kept only where it splits the machines in two levels
+/// ([`MachineGroups::new`]). Empty where none does (fewer than 4 machines).
 pub fn group_sizes(machines: u32, requested: u32) -> Vec<u32> {
-    let most = machines / 2;
+    let splits = |g: &u32| MachineGroups::new(machines, *g).is_ok();
     if requested != 0 {
-        return if (2..=most).contains(&requested) {
-            vec![requested]
-        } else {
-            Vec::new()
-        };
+        return [requested].into_iter().filter(splits).collect();
     }
     #[expect(
         clippy::cast_possible_truncation,
@@ -77,9 +73,10 @@ pub fn group_sizes(machines: u32, requested: u32) -> Vec<u32> {
     let root = f64::from(machines).sqrt() as u32;
     let mut sizes: Vec<u32> = [1u32, 3, 5]
         .into_iter()
-        .flat_map(|base| (0..32).map(move |p| base.checked_shl(p).unwrap_or(u32::MAX)))
+        .flat_map(|base| (0..13).map(move |p| base << p))
         .chain([root, root + 1])
-        .filter(|g| (2..=most).contains(g))
+        .chain((2..=16).map(|groups| machines.div_ceil(groups)))
+        .filter(splits)
         .collect();
     sizes.sort_unstable();
     sizes.dedup();
@@ -88,7 +85,7 @@ pub fn group_sizes(machines: u32, requested: u32) -> Vec<u32> {
 
 /// The groups as lists of machines, from fairring-core's arithmetic.
 struct Members {
-    groups: MachineGroups,
+    plan: MachineGroups,
     /// Per group, its machines.
     of_group: Vec<Vec<usize>>,
     /// Per machine, its group.
@@ -102,7 +99,7 @@ impl Members {
         let mut group_of = vec![0; machines as usize];
         for group in 0..groups.groups() {
             let mut ms = Vec::new();
-            for member in 0..groups.len(group)? {
+            for member in 0..groups.size(group)? {
                 let m = groups.machine(group, member)? as usize;
                 group_of[m] = group as usize;
                 ms.push(m);
@@ -110,7 +107,7 @@ impl Members {
             of_group.push(ms);
         }
         Ok(Members {
-            groups,
+            plan: groups,
             of_group,
             group_of,
         })
@@ -136,7 +133,8 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     }
     best.ok_or(ModelError::NotApplicable {
         algo: Algo::Groups,
-        reason: "needs at least two groups of 2 or more machines: 4 machines or more",
+        reason: "needs a group size from 2 to half the machines that leaves no group of one \
+                 (so 4 machines or more)",
     })
 }
 
@@ -177,7 +175,7 @@ pub fn predict_with(hw: &Hardware, job: &Job, g: u32) -> Result<Prediction, Mode
     schedule.run();
     let traffic = Traffic {
         slices: slices.len() as u64,
-        shards_per_full_slice: costs.groups.groups.largest(),
+        shards_per_full_slice: costs.groups.plan.largest(),
         staging_buffers: staging.buffers,
         ..Traffic::default()
     };
@@ -188,7 +186,8 @@ pub fn predict_with(hw: &Hardware, job: &Job, g: u32) -> Result<Prediction, Mode
 /// tensor was submitted, cut as the flat plan cuts them on one machine of
 /// the job's GPUs: a slot needs no whole number of cells per machine here,
 /// so no slice is rounded down to one (at 255 machines the flat plan's 32
-/// MiB slice would be, leaving a ninth slice of 1 MiB for 256 MiB).
+/// MiB slice would be, by 512 bytes, leaving 256 MiB a ninth slice of 4
+/// KiB, whose messages cost their posts).
 fn slices(
     job: &Job,
     slicing: PlanConfig,
@@ -220,9 +219,9 @@ impl Costs {
     }
 }
 
-/// A batch of messages a machine sends back to back, of `messages` bytes
-/// each, once `ready` has ended: the task that ends with the last on its
-/// sender.
+/// A batch of messages a machine sends back to back, one of each length in
+/// `messages`, once `ready` has ended: the task that ends with the last on
+/// its sender.
 fn send_batch(
     costs: &Costs,
     sched: &mut Schedule,
@@ -278,7 +277,7 @@ fn add(
 ) -> Result<(), ModelError> {
     let m_count = machines.len();
     let groups = &costs.groups;
-    let plan = &groups.groups;
+    let plan = &groups.plan;
     let q = groups.of_group.len();
     let group_of = &groups.group_of;
     // The plan cuts a slot in units of `ALIGN_BYTES`; the tail of a tensor's
@@ -295,7 +294,7 @@ fn add(
     let bytes_of = |r: std::ops::Range<u64>| byte(r.start)..byte(r.end);
     let mut range = vec![0..0; m_count];
     for group in 0..plan.groups() {
-        for member in 0..plan.len(group)? {
+        for member in 0..plan.size(group)? {
             let m = plan.machine(group, member)? as usize;
             range[m] = bytes_of(plan.range(units, group, member)?);
         }
@@ -327,18 +326,29 @@ fn add(
     let mut messages = Vec::new();
     let mut peers = Vec::new();
     // 2. Within each group: every member sends each other member that
-    // member's range, and reduces its own.
+    // member's range, and reduces its own. An empty range (a slot of fewer
+    // units than the group has members) is neither sent nor reduced.
+    let holds = |k: usize| !range[k].is_empty();
     let mut up = vec![(scattered[0], scattered[0]); m_count];
     for (m, machine) in machines.iter_mut().enumerate() {
         messages.clear();
         let group = &groups.of_group[group_of[m]];
-        messages.extend(group.iter().filter(|&&k| k != m).map(|&k| len(&range[k])));
+        messages.extend(
+            group
+                .iter()
+                .filter(|&&k| k != m && holds(k))
+                .map(|&k| len(&range[k])),
+        );
         let sent = send_batch(costs, sched, machine, &messages, scattered[m]);
         up[m] = (scattered[m], sent);
         sends[m].push(sent);
     }
     let mut group_reduced = vec![scattered[0]; m_count];
     for (m, machine) in machines.iter_mut().enumerate() {
+        if !holds(m) {
+            group_reduced[m] = scattered[m];
+            continue;
+        }
         let group = &groups.of_group[group_of[m]];
         peers.clear();
         peers.extend(group.iter().filter(|&&k| k != m).map(|&k| up[k]));
@@ -430,7 +440,9 @@ fn add(
     for (m, machine) in machines.iter_mut().enumerate() {
         messages.clear();
         let group = &groups.of_group[group_of[m]];
-        messages.extend(group.iter().filter(|&&k| k != m).map(|_| len(&range[m])));
+        if holds(m) {
+            messages.extend(group.iter().filter(|&&k| k != m).map(|_| len(&range[m])));
+        }
         let sent = send_batch(costs, sched, machine, &messages, range_final[m]);
         down[m] = (range_final[m], sent);
         sends[m].push(sent);
@@ -438,7 +450,12 @@ fn add(
     for (m, machine) in machines.iter_mut().enumerate() {
         let group = &groups.of_group[group_of[m]];
         peers.clear();
-        peers.extend(group.iter().filter(|&&k| k != m).map(|&k| down[k]));
+        peers.extend(
+            group
+                .iter()
+                .filter(|&&k| k != m && holds(k))
+                .map(|&k| down[k]),
+        );
         let bytes = group
             .iter()
             .filter(|&&k| k != m)

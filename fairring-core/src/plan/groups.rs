@@ -3,7 +3,7 @@
 //!
 //! `M` machines form `Q = ceil(M / G)` groups of consecutive machines, as even
 //! as can be: the first `M mod Q` groups hold `floor(M / Q) + 1` machines, the
-//! rest `floor(M / Q)`. A slot of `U` units is cut in each group of `s`
+//! rest `floor(M / Q)`, and every group at least two. A slot of `U` units is cut in each group of `s`
 //! members into `s` **ranges**, member `i` holding units
 //! `floor(U i / s) .. floor(U (i + 1) / s)`: within one unit of each other.
 //! Each member reduces its range over its group, and sends the sum back to
@@ -48,8 +48,11 @@ pub struct Membership {
 
 impl MachineGroups {
     /// `machines` machines (`4..=MAX_MACHINES`) in `ceil(machines / size)`
-    /// groups as even as can be; `size` from 2 to `machines / 2`, so that
-    /// there are two levels.
+    /// groups as even as can be. Refused with
+    /// [`PlanError::InvalidGroupSize`] unless there are two levels: `size`
+    /// from 2 to `machines / 2`, and no group of one (5 machines in groups of
+    /// 2 would leave one); more machines than [`MAX_MACHINES`] are
+    /// [`PlanError::MachineOutOfRange`], as for [`DoubleTree`](super::DoubleTree).
     pub const fn new(machines: u32, size: u32) -> Result<MachineGroups, PlanError> {
         if machines > MAX_MACHINES {
             return Err(PlanError::MachineOutOfRange {
@@ -57,7 +60,7 @@ impl MachineGroups {
                 machines: MAX_MACHINES,
             });
         }
-        if size < 2 || size > machines / 2 {
+        if size < 2 || size > machines / 2 || machines / machines.div_ceil(size) < 2 {
             return Err(PlanError::InvalidGroupSize { size, machines });
         }
         Ok(MachineGroups {
@@ -77,29 +80,29 @@ impl MachineGroups {
     }
 
     /// Members of the smaller groups, `floor(M / Q)`.
-    const fn small(&self) -> u32 {
+    const fn small_size(&self) -> u32 {
         self.machines / self.groups
     }
 
-    /// Groups of `floor(M / Q) + 1` members, the first ones.
-    const fn larger(&self) -> u32 {
+    /// How many groups hold `floor(M / Q) + 1` members: the first ones.
+    const fn larger_groups(&self) -> u32 {
         self.machines % self.groups
     }
 
     /// Members of group `group`.
-    pub const fn len(&self, group: u32) -> Result<u32, PlanError> {
+    pub const fn size(&self, group: u32) -> Result<u32, PlanError> {
         if group >= self.groups {
             return Err(PlanError::GroupOutOfRange {
                 group,
                 groups: self.groups,
             });
         }
-        Ok(self.small() + (group < self.larger()) as u32)
+        Ok(self.small_size() + (group < self.larger_groups()) as u32)
     }
 
     /// Members of the largest group.
     pub const fn largest(&self) -> u32 {
-        self.small() + (self.larger() > 0) as u32
+        self.small_size() + (self.larger_groups() > 0) as u32
     }
 
     /// The first machine of group `group`.
@@ -110,17 +113,17 @@ impl MachineGroups {
                 groups: self.groups,
             });
         }
-        let larger = if group < self.larger() {
+        let larger = if group < self.larger_groups() {
             group
         } else {
-            self.larger()
+            self.larger_groups()
         };
-        Ok(group * self.small() + larger)
+        Ok(group * self.small_size() + larger)
     }
 
     /// The machine that is member `member` of group `group`.
     pub const fn machine(&self, group: u32, member: u32) -> Result<u32, PlanError> {
-        let len = match self.len(group) {
+        let len = match self.size(group) {
             Ok(len) => len,
             Err(e) => return Err(e),
         };
@@ -144,13 +147,16 @@ impl MachineGroups {
                 machines: self.machines,
             });
         }
-        let big = self.small() + 1;
-        let in_larger = self.larger() * big;
+        let big = self.small_size() + 1;
+        let in_larger = self.larger_groups() * big;
         let (group, member) = if machine < in_larger {
             (machine / big, machine % big)
         } else {
             let rest = machine - in_larger;
-            (self.larger() + rest / self.small(), rest % self.small())
+            (
+                self.larger_groups() + rest / self.small_size(),
+                rest % self.small_size(),
+            )
         };
         Ok(Membership { group, member })
     }
@@ -163,7 +169,7 @@ impl MachineGroups {
         group: u32,
         member: u32,
     ) -> Result<Range<u64>, PlanError> {
-        let len = match self.len(group) {
+        let len = match self.size(group) {
             Ok(len) => len,
             Err(e) => return Err(e),
         };
@@ -180,7 +186,7 @@ impl MachineGroups {
     /// The member of group `group` whose range of a slot of `slot_units`
     /// holds unit `unit`.
     pub const fn holder(&self, slot_units: u64, group: u32, unit: u64) -> Result<u32, PlanError> {
-        let len = match self.len(group) {
+        let len = match self.size(group) {
             Ok(len) => len as u64,
             Err(e) => return Err(e),
         };
@@ -204,8 +210,12 @@ impl MachineGroups {
     /// The intervals the groups' ranges cut a slot of `slot_units` into, in
     /// order (none for an empty slot).
     pub const fn intervals(&self, slot_units: u64) -> Intervals {
-        let small = self.small() as u64;
-        let big = if self.larger() > 0 { small + 1 } else { small };
+        let small = self.small_size() as u64;
+        let big = if self.larger_groups() > 0 {
+            small + 1
+        } else {
+            small
+        };
         Intervals {
             units: slot_units,
             sizes: [small, big],
@@ -215,7 +225,7 @@ impl MachineGroups {
     }
 
     /// Piece `group` of `interval`: the units its holder in group `group`
-    /// reduces.
+    /// reduces. A reversed range is taken as empty.
     pub const fn piece(&self, interval: &Range<u64>, group: u32) -> Result<Range<u64>, PlanError> {
         if group >= self.groups {
             return Err(PlanError::GroupOutOfRange {
@@ -223,7 +233,7 @@ impl MachineGroups {
                 groups: self.groups,
             });
         }
-        let len = interval.end - interval.start;
+        let len = interval.end.saturating_sub(interval.start);
         let q = self.groups as u64;
         Ok(interval.start + cut(len, q, group as u64)
             ..interval.start + cut(len, q, group as u64 + 1))
@@ -241,7 +251,7 @@ const fn cut(units: u64, parts: u64, i: u64) -> u64 {
 
 /// The intervals of a slot, in order ([`MachineGroups::intervals`]): the
 /// merge of the boundaries of the two group sizes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Intervals {
     units: u64,
     /// The two group sizes (equal where every group is).
