@@ -48,7 +48,7 @@ fn check(m: u32, size: u32, units: u64) -> Result<(), TestCaseError> {
     prop_assert_eq!(next, m, "{}", what);
     let (lo, hi) = (*lens.iter().min().unwrap(), *lens.iter().max().unwrap());
     prop_assert!(
-        hi - lo <= 1 && hi == groups.largest(),
+        lo >= 2 && hi - lo <= 1 && hi == groups.largest(),
         "{}: sizes {:?}",
         what,
         lens
@@ -175,13 +175,27 @@ fn what_is_out_of_range_is_named() {
     ));
     let groups = MachineGroups::new(10, 3).unwrap();
     assert_eq!(groups.groups(), 4);
+    let past = PlanError::GroupOutOfRange {
+        group: 4,
+        groups: 4,
+    };
+    assert_eq!(groups.size(4), Err(past));
+    assert_eq!(groups.first(4), Err(past));
+    assert_eq!(groups.machine(4, 0), Err(past));
+    assert_eq!(groups.range(100, 4, 0), Err(past));
+    assert_eq!(groups.holder(100, 4, 0), Err(past));
+    assert_eq!(groups.piece(&(0..10), 4), Err(past));
     assert_eq!(
-        groups.size(4),
-        Err(PlanError::GroupOutOfRange {
-            group: 4,
-            groups: 4
+        groups.range(100, 2, 2),
+        Err(PlanError::MemberOutOfRange {
+            member: 2,
+            members: 2
         })
     );
+    // A reversed range is taken as empty, not overflowed.
+    #[expect(clippy::reversed_empty_ranges, reason = "the case under test")]
+    let reversed = 10..4;
+    assert_eq!(groups.piece(&reversed, 0), Ok(10..10));
     assert_eq!(
         groups.machine(2, 2),
         Err(PlanError::MemberOutOfRange {
