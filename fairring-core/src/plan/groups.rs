@@ -100,6 +100,18 @@ impl MachineGroups {
         Ok(self.small_size() + (group < self.larger_groups()) as u32)
     }
 
+    /// Members of group `group`, which must have a member `member`.
+    const fn size_holding(&self, group: u32, member: u32) -> Result<u32, PlanError> {
+        match self.size(group) {
+            Ok(len) if member < len => Ok(len),
+            Ok(len) => Err(PlanError::MemberOutOfRange {
+                member,
+                members: len,
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Members of the largest group.
     pub const fn largest(&self) -> u32 {
         self.small_size() + (self.larger_groups() > 0) as u32
@@ -123,15 +135,8 @@ impl MachineGroups {
 
     /// The machine that is member `member` of group `group`.
     pub const fn machine(&self, group: u32, member: u32) -> Result<u32, PlanError> {
-        let len = match self.size(group) {
-            Ok(len) => len,
-            Err(e) => return Err(e),
-        };
-        if member >= len {
-            return Err(PlanError::MemberOutOfRange {
-                member,
-                members: len,
-            });
+        if let Err(e) = self.size_holding(group, member) {
+            return Err(e);
         }
         match self.first(group) {
             Ok(first) => Ok(first + member),
@@ -169,16 +174,10 @@ impl MachineGroups {
         group: u32,
         member: u32,
     ) -> Result<Range<u64>, PlanError> {
-        let len = match self.size(group) {
+        let len = match self.size_holding(group, member) {
             Ok(len) => len,
             Err(e) => return Err(e),
         };
-        if member >= len {
-            return Err(PlanError::MemberOutOfRange {
-                member,
-                members: len,
-            });
-        }
         Ok(cut(slot_units, len as u64, member as u64)
             ..cut(slot_units, len as u64, member as u64 + 1))
     }
