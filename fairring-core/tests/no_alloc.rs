@@ -1,7 +1,8 @@
 //! fairring-core never allocates: a counting global allocator sees no allocation
 //! across topology detection, planning a tensor and walking every cell (and a
 //! tensor as one slice, both trees of a double binary tree, and machines in
-//! groups with the intervals of a slot), a whole
+//! groups with the intervals of a slot and every machine's roles in its two
+//! levels), a whole
 //! slice through the staging state machine, frame round trips and validation,
 //! reductions, fusion planning and formatting every kind of error.
 //!
@@ -156,6 +157,10 @@ fn core_work_allocates_nothing() {
         for machine in 0..255 {
             let at = groups.locate(machine).unwrap();
             let _ = groups.range(1 << 16, at.group, at.member).unwrap();
+            let roles = groups.roles(1 << 16, machine).unwrap();
+            for across in roles.across() {
+                let _ = roles.across_at(across.interval.start).unwrap();
+            }
         }
         for interval in groups.intervals(1 << 16) {
             for group in 0..groups.groups() {
@@ -167,6 +172,7 @@ fn core_work_allocates_nothing() {
         let _ = write!(text, "{}", groups.size(4).unwrap_err());
         let _ = write!(text, "{}", groups.machine(3, 63).unwrap_err());
         let _ = write!(text, "{}", groups.holder(8, 0, 8).unwrap_err());
+        let _ = write!(text, "{}", groups.roles(8, 255).unwrap_err());
 
         // A whole slice through the staging state machine, as a server on machine 0.
         let slice = plan.slice(0).unwrap();

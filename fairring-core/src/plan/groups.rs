@@ -80,12 +80,12 @@ impl MachineGroups {
     }
 
     /// Members of the smaller groups, `floor(M / Q)`.
-    const fn small_size(&self) -> u32 {
+    pub(super) const fn small_size(&self) -> u32 {
         self.machines / self.groups
     }
 
     /// How many groups hold `floor(M / Q) + 1` members: the first ones.
-    const fn larger_groups(&self) -> u32 {
+    pub(super) const fn larger_groups(&self) -> u32 {
         self.machines % self.groups
     }
 

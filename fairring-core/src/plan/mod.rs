@@ -95,12 +95,14 @@ mod layout;
 mod slice;
 mod split;
 mod tree;
+mod two_level;
 
 pub use geometry::{Geometry, PlanConfig, Routing, server_rails, serves_rail};
 pub use groups::{Intervals, MachineGroups, Membership};
 pub use layout::{InputArea, ServerLayout, StagingLayout};
 pub use slice::{Cell, Cells, Slice, Slices};
 pub use tree::{DoubleTree, TREE_PARTS, TREES};
+pub use two_level::{Across, MOST_INTERVALS, TwoLevelRoles};
 
 use crate::dtype::DataType;
 use core::fmt;
