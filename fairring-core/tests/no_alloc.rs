@@ -1,8 +1,8 @@
 //! fairring-core never allocates: a counting global allocator sees no allocation
 //! across topology detection, planning a tensor and walking every cell (and a
 //! tensor as one slice, both trees of a double binary tree, and machines in
-//! groups with the intervals of a slot and every machine's roles in its two
-//! levels), a whole
+//! groups with the intervals of a slot and every machine's roles and areas in
+//! its two levels), a whole
 //! slice through the staging state machine, frame round trips and validation,
 //! reductions, fusion planning and formatting every kind of error.
 //!
@@ -10,7 +10,9 @@
 //! harness, or another test of this file running in parallel) never count.
 
 use fairring_core::fusion::{Position, plan_fusion};
-use fairring_core::plan::{DoubleTree, Geometry, MachineGroups, Plan, PlanConfig, TREES};
+use fairring_core::plan::{
+    DoubleTree, Geometry, MachineGroups, Plan, PlanConfig, TREES, TwoLevelLayout,
+};
 use fairring_core::reduce;
 use fairring_core::staging::{Event, StagingState};
 use fairring_core::topology::{Location, RankLayout, Topology};
@@ -173,6 +175,14 @@ fn core_work_allocates_nothing() {
         let _ = write!(text, "{}", groups.machine(3, 63).unwrap_err());
         let _ = write!(text, "{}", groups.holder(8, 0, 8).unwrap_err());
         let _ = write!(text, "{}", groups.roles(8, 255).unwrap_err());
+        let layout = TwoLevelLayout::new(groups, 1 << 16, 1 << 22);
+        for machine in 1..255 {
+            let _ = layout.within(machine, 0);
+            let _ = layout.across(1, machine, 0);
+        }
+        let _ = write!(text, "{}", layout.within(200, 0).unwrap_err());
+        let _ = write!(text, "{}", layout.across(0, 1, 0).unwrap_err());
+        let _ = write!(text, "{}", layout.across(2, 200, 0).unwrap_err());
 
         // A whole slice through the staging state machine, as a server on machine 0.
         let slice = plan.slice(0).unwrap();

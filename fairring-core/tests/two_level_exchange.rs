@@ -2,17 +2,19 @@
 //! on every machine, with the core's staging words deciding every step, in
 //! a random order of completions and arrivals.
 //!
-//! Each machine starts with its own values in its slot. A send reads its
+//! Each machine has one staging buffer in the core's `TwoLevelLayout`, one
+//! value per unit: its slot first, holding its own values, then the areas
+//! contributions land in. A send reads its
 //! units from the sender's slot when it lands, not when it starts (a send
 //! reads its source until it completes), so a step that overwrote a range
 //! still being sent would show as a wrong value. At the end every word must
 //! have released and every machine's slot must hold the sum over all
 //! machines, unit by unit; a schedule that stops with work left is a hang.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::ops::Range;
 
-use fairring_core::plan::{MachineGroups, TwoLevelRoles};
+use fairring_core::plan::{ALIGN_BYTES, MachineGroups, Span, TwoLevelLayout, TwoLevelRoles};
 use fairring_core::staging::{Actions, Event, Word};
 use proptest::prelude::*;
 
@@ -58,9 +60,10 @@ enum Pending {
 
 struct Machine {
     roles: TwoLevelRoles,
-    slot: Vec<u64>,
-    /// Contributions landed: by level and sender.
-    areas: HashMap<(Level, u32), Vec<u64>>,
+    /// The staging buffer, one value per unit: the slot, then the areas.
+    buffer: Vec<u64>,
+    /// Contributions landed and not yet reduced: by level and sender.
+    landed: HashSet<(Level, u32)>,
     within: Word,
     across: Vec<Word>,
     across_final: usize,
@@ -70,6 +73,7 @@ struct Machine {
 
 struct Exchange {
     groups: MachineGroups,
+    layout: TwoLevelLayout,
     units: u64,
     machines: Vec<Machine>,
     pending: Vec<Pending>,
@@ -86,8 +90,20 @@ fn span(units: &Range<u64>) -> Range<usize> {
     usize::try_from(units.start).unwrap()..usize::try_from(units.end).unwrap()
 }
 
+/// The units of a buffer's area.
+fn area_units(area: Span) -> Range<u64> {
+    assert_eq!(
+        area.byte_offset() % ALIGN_BYTES,
+        0,
+        "an area starts on a unit"
+    );
+    area.byte_offset() / ALIGN_BYTES..area.byte_end() / ALIGN_BYTES
+}
+
 impl Exchange {
     fn new(groups: MachineGroups, units: u64) -> Exchange {
+        let layout = TwoLevelLayout::new(groups, units, units * ALIGN_BYTES);
+        let total = usize::try_from(layout.total_bytes() / ALIGN_BYTES).unwrap();
         let mut machines = Vec::new();
         let mut pending = Vec::new();
         for m in 0..groups.machines() {
@@ -97,10 +113,12 @@ impl Exchange {
                 .across()
                 .map(|a| Word::FREE.acquire(0, a.role).unwrap())
                 .collect();
+            let mut buffer: Vec<u64> = (0..units).map(|u| value(m, u)).collect();
+            buffer.resize(total, 0);
             machines.push(Machine {
                 roles,
-                slot: (0..units).map(|u| value(m, u)).collect(),
-                areas: HashMap::new(),
+                buffer,
+                landed: HashSet::new(),
                 within,
                 across,
                 across_final: 0,
@@ -115,6 +133,7 @@ impl Exchange {
         }
         Exchange {
             groups,
+            layout,
             units,
             machines,
             pending,
@@ -150,16 +169,21 @@ impl Exchange {
                 sent,
                 received,
             } => {
-                let bytes = self.machines[from as usize].slot[span(&units)].to_vec();
-                let receiver = &mut self.machines[to as usize];
-                match into {
-                    Into::Slot => receiver.slot[span(&units)].copy_from_slice(&bytes),
+                let bytes = self.machines[from as usize].buffer[span(&units)].to_vec();
+                let at = match into {
+                    Into::Slot => units.clone(),
                     Into::Area(level) => {
-                        if receiver.areas.insert((level, from), bytes).is_some() {
+                        let area = area_units(self.area(level, from, to));
+                        if bytes.len() > span(&area).len() {
+                            return Err(format!("{from}'s contribution overflows {to}'s area"));
+                        }
+                        if !self.machines[to as usize].landed.insert((level, from)) {
                             return Err(format!("{from} sent {to} two contributions at {level:?}"));
                         }
+                        area.start..area.start + units.end - units.start
                     }
-                }
+                };
+                self.machines[to as usize].buffer[span(&at)].copy_from_slice(&bytes);
                 self.pending.push(Pending::Local {
                     machine: from,
                     level: from_level,
@@ -355,18 +379,26 @@ impl Exchange {
 
     /// Adds the contribution `from` landed at `level` over `units` of the slot.
     fn reduce(&mut self, m: u32, level: Level, from: u32, units: &Range<u64>) {
+        let area = area_units(self.area(level, from, m));
         let machine = &mut self.machines[m as usize];
-        let area = machine.areas.remove(&(level, from)).unwrap_or_else(|| {
-            panic!("machine {m} reduces {level:?} without {from}'s contribution")
-        });
-        assert_eq!(
-            area.len(),
-            span(units).len(),
-            "machine {m}: {from}'s contribution at {level:?}"
+        assert!(
+            machine.landed.remove(&(level, from)),
+            "machine {m} reduces {level:?} without {from}'s contribution"
         );
-        for (slot, add) in machine.slot[span(units)].iter_mut().zip(area) {
-            *slot = slot.wrapping_add(add);
+        let from_area = span(&area).start;
+        for (i, u) in span(units).enumerate() {
+            machine.buffer[u] = machine.buffer[u].wrapping_add(machine.buffer[from_area + i]);
         }
+    }
+
+    /// The area of machine `to`'s buffer that `from`'s contribution at
+    /// `level` lands in.
+    fn area(&self, level: Level, from: u32, to: u32) -> Span {
+        match level {
+            Level::Within => self.layout.within(from, to),
+            Level::Across(k) => self.layout.across(u32::try_from(k).unwrap(), from, to),
+        }
+        .unwrap_or_else(|e| panic!("{from}'s area at {to}, {level:?}: {e}"))
     }
 }
 
@@ -401,12 +433,12 @@ fn run(m: u32, size: u32, units: u64, seed: u64) -> Result<(), TestCaseError> {
             machine.across
         );
         prop_assert!(
-            machine.areas.is_empty(),
+            machine.landed.is_empty(),
             "{}: machine {} left contributions",
             what,
             i
         );
-        if let Some(u) = (0..machine.slot.len()).find(|&u| machine.slot[u] != expected[u]) {
+        if let Some(u) = (0..expected.len()).find(|&u| machine.buffer[u] != expected[u]) {
             prop_assert!(false, "{}: machine {} unit {} is not the sum", what, i, u);
         }
     }

@@ -1,6 +1,6 @@
 //! The layout of one staging buffer.
 
-use super::{ALIGN_BYTES, Geometry, PlanError, Routing, Span};
+use super::{ALIGN_BYTES, Geometry, MOST_INTERVALS, MachineGroups, PlanError, Routing, Span};
 
 /// What the first area of a staging buffer holds: where a slice waits for the
 /// intra-machine reduce-scatter.
@@ -248,5 +248,161 @@ impl ServerLayout {
     /// Total bytes of one staging buffer: `M * D / R` areas.
     pub const fn total_bytes(&self) -> u64 {
         self.machines as u64 * (self.devices / self.rails) as u64 * self.shard_stride
+    }
+}
+
+/// Where one machine keeps what lands in a slot's reduction in two levels
+/// ([`MachineGroups`]; `plan/two_level.rs` says what goes where), after the
+/// input area, which receives the results:
+///
+/// ```text
+/// offset 0        input bytes                                                  total_bytes
+/// | input area | within 0 | ... | within S-2 | across (0, 0) | ... | across (1, Q-2) |
+/// ```
+///
+/// - **within**: one area per other member of the largest group (`S - 1`),
+///   each receiving that member's contribution to this machine's range.
+///   Area `i` belongs to the member `(own + 1 + i) mod s` of a group of `s`:
+///   the areas rotate with the receiver, as a flat plan's do.
+/// - **across**: for each of the at most two intervals of this machine's
+///   range, one area per other group (`Q - 1`), each receiving that group's
+///   partial sum of this machine's piece. Area `(k, i)` belongs to group
+///   `(own + 1 + i) mod Q` for the `k`-th interval.
+///
+/// Every area is an odd number of cache lines, as a [`StagingLayout`]'s, of
+/// the largest range (within) or the largest piece (across) of a full slot;
+/// a smaller slot's ranges and pieces are no larger.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TwoLevelLayout {
+    groups: MachineGroups,
+    input_bytes: u64,
+    within_stride: u64,
+    across_stride: u64,
+}
+
+impl TwoLevelLayout {
+    /// The layout for slots of at most `full_slot_units` units of
+    /// [`ALIGN_BYTES`], after an input area of `input_bytes` (a multiple of
+    /// [`ALIGN_BYTES`]: a slot or a whole slice, see [`InputArea`]).
+    pub const fn new(
+        groups: MachineGroups,
+        full_slot_units: u64,
+        input_bytes: u64,
+    ) -> TwoLevelLayout {
+        // The largest range: a slot cut in the smallest group's members.
+        let smallest = (groups.machines() / groups.groups()) as u64;
+        let range = full_slot_units.div_ceil(smallest);
+        // An interval lies within a range; its largest piece is a `Q`-th.
+        let piece = range.div_ceil(groups.groups() as u64);
+        TwoLevelLayout {
+            groups,
+            input_bytes,
+            within_stride: (range | 1) * ALIGN_BYTES,
+            across_stride: (piece | 1) * ALIGN_BYTES,
+        }
+    }
+
+    /// The input area, in bytes from the start of the buffer.
+    pub const fn input(&self) -> Span {
+        Span::bytes(0, self.input_bytes)
+    }
+
+    /// Bytes of each area within the group.
+    pub const fn within_stride(&self) -> u64 {
+        self.within_stride
+    }
+
+    /// Bytes of each area across the groups.
+    pub const fn across_stride(&self) -> u64 {
+        self.across_stride
+    }
+
+    /// Areas within the group: one fewer than the largest group's members.
+    pub const fn within_areas(&self) -> u32 {
+        self.groups.largest() - 1
+    }
+
+    /// Areas across the groups: [`MOST_INTERVALS`] times one fewer than the
+    /// groups.
+    pub const fn across_areas(&self) -> u32 {
+        MOST_INTERVALS * (self.groups.groups() - 1)
+    }
+
+    /// The area, in bytes from the start of the buffer, that receives machine
+    /// `from`'s contribution to machine `own`'s range: both of one group, and
+    /// not the same machine.
+    pub const fn within(&self, from: u32, own: u32) -> Result<Span, PlanError> {
+        let (sender, receiver) = match self.members(from, own) {
+            Ok(pair) => pair,
+            Err(e) => return Err(e),
+        };
+        if sender.group != receiver.group {
+            return Err(PlanError::WrongGroup {
+                from,
+                to: own,
+                within: true,
+            });
+        }
+        let members = match self.groups.size(receiver.group) {
+            Ok(members) => members,
+            Err(e) => return Err(e),
+        };
+        // (from - own - 1) mod s, in 0..s-1.
+        let index = (sender.member + members - receiver.member - 1) % members;
+        Ok(Span::bytes(
+            self.input_bytes + index as u64 * self.within_stride,
+            self.within_stride,
+        ))
+    }
+
+    /// The area, in bytes from the start of the buffer, that receives machine
+    /// `from`'s partial sum of machine `own`'s piece of `own`'s
+    /// `interval`-th interval ([`TwoLevelRoles::across_at`](super::TwoLevelRoles::across_at)):
+    /// the two of different groups.
+    pub const fn across(&self, interval: u32, from: u32, own: u32) -> Result<Span, PlanError> {
+        if interval >= MOST_INTERVALS {
+            return Err(PlanError::IntervalOutOfRange { interval });
+        }
+        let (sender, receiver) = match self.members(from, own) {
+            Ok(pair) => pair,
+            Err(e) => return Err(e),
+        };
+        if sender.group == receiver.group {
+            return Err(PlanError::WrongGroup {
+                from,
+                to: own,
+                within: false,
+            });
+        }
+        let groups = self.groups.groups();
+        // (from - own - 1) mod Q, in 0..Q-1, after the first interval's areas.
+        let index = interval * (groups - 1) + (sender.group + groups - receiver.group - 1) % groups;
+        Ok(Span::bytes(
+            self.input_bytes
+                + self.within_areas() as u64 * self.within_stride
+                + index as u64 * self.across_stride,
+            self.across_stride,
+        ))
+    }
+
+    /// Total bytes of one staging buffer.
+    pub const fn total_bytes(&self) -> u64 {
+        self.input_bytes
+            + self.within_areas() as u64 * self.within_stride
+            + self.across_areas() as u64 * self.across_stride
+    }
+
+    const fn members(
+        &self,
+        from: u32,
+        own: u32,
+    ) -> Result<(super::Membership, super::Membership), PlanError> {
+        if from == own {
+            return Err(PlanError::OwnContribution { machine: own });
+        }
+        match (self.groups.locate(from), self.groups.locate(own)) {
+            (Ok(sender), Ok(receiver)) => Ok((sender, receiver)),
+            (Err(e), _) | (_, Err(e)) => Err(e),
+        }
     }
 }

@@ -99,7 +99,7 @@ mod two_level;
 
 pub use geometry::{Geometry, PlanConfig, Routing, server_rails, serves_rail};
 pub use groups::{Intervals, MachineGroups, Membership};
-pub use layout::{InputArea, ServerLayout, StagingLayout};
+pub use layout::{InputArea, ServerLayout, StagingLayout, TwoLevelLayout};
 pub use slice::{Cell, Cells, Slice, Slices};
 pub use tree::{DoubleTree, TREE_PARTS, TREES};
 pub use two_level::{Across, MOST_INTERVALS, TwoLevelRoles};
@@ -358,6 +358,23 @@ pub enum PlanError {
         /// The slot's units.
         units: u64,
     },
+    /// In two levels, an interval index at or past the most intervals a
+    /// range meets ([`MOST_INTERVALS`]).
+    IntervalOutOfRange {
+        /// The index given.
+        interval: u32,
+    },
+    /// In two levels, a machine that sends within its group naming one of
+    /// another group, or one that sends across the groups naming one of its
+    /// own.
+    WrongGroup {
+        /// The sender.
+        from: u32,
+        /// The receiver.
+        to: u32,
+        /// Whether the two were taken to share a group.
+        within: bool,
+    },
 }
 
 impl fmt::Display for PlanError {
@@ -457,6 +474,26 @@ impl fmt::Display for PlanError {
             PlanError::UnitOutOfRange { unit, units } => {
                 write!(f, "unit {unit} is out of range for a slot of {units} units")
             }
+            PlanError::IntervalOutOfRange { interval } => write!(
+                f,
+                "interval {interval} is out of range: a range meets at most {MOST_INTERVALS}"
+            ),
+            PlanError::WrongGroup {
+                from,
+                to,
+                within: true,
+            } => write!(
+                f,
+                "machine {from} is not in machine {to}'s group: it sends there across the groups"
+            ),
+            PlanError::WrongGroup {
+                from,
+                to,
+                within: false,
+            } => write!(
+                f,
+                "machine {from} is in machine {to}'s group: it sends there within the group"
+            ),
             PlanError::TreeOutOfRange { tree } => {
                 write!(f, "tree {tree} is out of range for {TREES} trees")
             }

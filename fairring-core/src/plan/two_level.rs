@@ -41,7 +41,7 @@ use crate::staging::Role;
 
 /// Most intervals one range meets: groups differ by at most one member, so
 /// the other size's boundaries fall at most once strictly inside a range.
-pub const MOST_INTERVALS: usize = 2;
+pub const MOST_INTERVALS: u32 = 2;
 
 /// One machine's roles in the two-level reduction of one slot
 /// ([`MachineGroups::roles`]).
@@ -50,7 +50,7 @@ pub struct TwoLevelRoles {
     membership: Membership,
     range: Range<u64>,
     within: Role,
-    across: [Option<Across>; MOST_INTERVALS],
+    across: [Option<Across>; MOST_INTERVALS as usize],
 }
 
 /// One interval of a machine's range, and the machine's role across the
@@ -149,7 +149,7 @@ impl MachineGroups {
         &self,
         slot_units: u64,
         range: &Range<u64>,
-    ) -> [Option<Range<u64>>; MOST_INTERVALS] {
+    ) -> [Option<Range<u64>>; MOST_INTERVALS as usize] {
         if range.is_empty() {
             return [None, None];
         }
@@ -287,6 +287,43 @@ mod tests {
         let intervals: Vec<_> = other.across().map(|a| a.interval.clone()).collect();
         assert_eq!(intervals, [0..6, 6..8]);
         assert_eq!(other.across_at(6).unwrap().0, 1);
+    }
+
+    /// The buffer of four machines in pairs over slots of 8 units: the
+    /// largest range is 4 units (5 lines, odd), the largest piece 2 (3
+    /// lines); one area within, and one across per interval.
+    #[test]
+    fn four_machines_in_pairs_lay_out_their_areas() {
+        use crate::plan::{Span, TwoLevelLayout};
+        let groups = MachineGroups::new(4, 2).unwrap();
+        let layout = TwoLevelLayout::new(groups, 8, 512);
+        assert_eq!((layout.within_areas(), layout.across_areas()), (1, 2));
+        assert_eq!(layout.within(1, 0), Ok(Span::bytes(512, 320)));
+        assert_eq!(layout.across(0, 2, 0), Ok(Span::bytes(832, 192)));
+        assert_eq!(layout.across(1, 3, 0), Ok(Span::bytes(1024, 192)));
+        assert_eq!(layout.total_bytes(), 1216);
+        let wrong = |from, within| PlanError::WrongGroup {
+            from,
+            to: 0,
+            within,
+        };
+        assert_eq!(layout.within(2, 0), Err(wrong(2, true)));
+        assert_eq!(layout.across(0, 1, 0), Err(wrong(1, false)));
+        assert_eq!(
+            layout.across(2, 2, 0),
+            Err(PlanError::IntervalOutOfRange { interval: 2 })
+        );
+        assert_eq!(
+            layout.within(0, 0),
+            Err(PlanError::OwnContribution { machine: 0 })
+        );
+        assert_eq!(
+            layout.within(4, 0),
+            Err(PlanError::MachineOutOfRange {
+                machine: 4,
+                machines: 4
+            })
+        );
     }
 
     /// A slot of fewer units than a group has members: an empty range only
