@@ -9,6 +9,13 @@
 //! job through the links the operations use, and no rank waits for a peer that has
 //! given up.
 //!
+//! Within a machine a failing rank also closes its tensors to its local peers'
+//! reads. A rank whose read is refused that way, or that fails naming a local
+//! peer without a record, reports the machine's record when that peer is the
+//! machine's first failure ([`Engine::recorded_failure_of`]): where rank 1 of
+//! three is killed and rank 2 notices first, rank 0 names rank 1 (reported by
+//! rank 2), not rank 2.
+//!
 //! # Inside the engine
 //!
 //! Every step of the driver returns a [`Fault`] when it fails: the error, and the
@@ -293,7 +300,31 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         failing.settling.push(Settling::accepted(accepted));
     }
 
+    /// Why local rank `peer` (a global rank) failed, as its machine recorded
+    /// it: where `peer` is the machine's first failure, its record (naming
+    /// the rank it lost, say), else `None`. A read of a local peer's tensor
+    /// refused because that peer failed is reported this way, so that a rank
+    /// killed beside both names the killed rank, not the one that noticed
+    /// first.
+    pub(super) fn recorded_failure_of(&self, peer: u32) -> Option<Fault> {
+        let (device, words) = self.machine.failure()?;
+        let failed = self.links.local_to_global(device);
+        if device == self.machine.local_rank() || failed != peer {
+            return None;
+        }
+        let record = FailureRecord::from_words(words);
+        Some(Fault::with_record(
+            record.decode(failed, self.rank()),
+            record,
+        ))
+    }
+
     pub(super) fn fail_locked(&self, d: &mut Driver<M>, fault: Fault) {
+        // A local peer's failure, as it recorded it.
+        let fault = match (&fault.record, &fault.error) {
+            (None, Error::Peer { rank, .. }) => self.recorded_failure_of(*rank).unwrap_or(fault),
+            _ => fault,
+        };
         let rank = self.links.rank;
         let record = fault
             .record

@@ -290,9 +290,14 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let failed = match read {
             Some(Ok(())) => None,
             Some(Err(e)) => Some(e),
-            None => Some(Error::peer(
-                post.peer,
-                "failed, and no longer lets its machine's ranks copy its tensors",
+            None => Some(self.recorded_failure_of(post.peer).map_or_else(
+                || {
+                    Error::peer(
+                        post.peer,
+                        "failed, and no longer lets its machine's ranks copy its tensors",
+                    )
+                },
+                |fault| fault.error,
             )),
         };
         if let Some(e) = failed {
