@@ -175,7 +175,7 @@ fn core_work_allocates_nothing() {
         let _ = write!(text, "{}", groups.machine(3, 63).unwrap_err());
         let _ = write!(text, "{}", groups.holder(8, 0, 8).unwrap_err());
         let _ = write!(text, "{}", groups.roles(8, 255).unwrap_err());
-        let layout = TwoLevelLayout::new(groups, 1 << 16, 1 << 22);
+        let layout = TwoLevelLayout::new(groups, 1 << 16, 1 << 16).unwrap();
         for machine in 1..255 {
             let _ = layout.within(machine, 0);
             let _ = layout.across(1, machine, 0);
@@ -183,6 +183,11 @@ fn core_work_allocates_nothing() {
         let _ = write!(text, "{}", layout.within(200, 0).unwrap_err());
         let _ = write!(text, "{}", layout.across(0, 1, 0).unwrap_err());
         let _ = write!(text, "{}", layout.across(2, 200, 0).unwrap_err());
+        let _ = write!(
+            text,
+            "{}",
+            TwoLevelLayout::new(groups, u64::MAX, 0).unwrap_err()
+        );
 
         // A whole slice through the staging state machine, as a server on machine 0.
         let slice = plan.slice(0).unwrap();

@@ -55,7 +55,13 @@ enum Pending {
         sent: Event,
         /// What the receiver's word hears.
         received: Event,
+        /// The units as they were when the send started: they must not
+        /// change before it lands.
+        snapshot: Vec<u64>,
     },
+    /// A reduction in progress: it reads its contributions and its units
+    /// when it ends, then its word hears `Reduced`.
+    Reduce { machine: u32, level: Level },
 }
 
 struct Machine {
@@ -102,7 +108,7 @@ fn area_units(area: Span) -> Range<u64> {
 
 impl Exchange {
     fn new(groups: MachineGroups, units: u64) -> Exchange {
-        let layout = TwoLevelLayout::new(groups, units, units * ALIGN_BYTES);
+        let layout = TwoLevelLayout::new(groups, units, units).unwrap();
         let total = usize::try_from(layout.total_bytes() / ALIGN_BYTES).unwrap();
         let mut machines = Vec::new();
         let mut pending = Vec::new();
@@ -152,8 +158,51 @@ impl Exchange {
         (machine, Level::Across(k))
     }
 
+    /// Queues `pending`, a send taking its snapshot now.
+    fn queue(&mut self, mut pending: Pending) {
+        if let Pending::Send {
+            from,
+            ref units,
+            ref mut snapshot,
+            ..
+        } = pending
+        {
+            *snapshot = self.machines[from as usize].buffer[span(units)].to_vec();
+        }
+        self.pending.push(pending);
+    }
+
+    /// The reduction of `level` on machine `m` ends: every contribution it
+    /// waited for is added over its units, as they stand now.
+    fn finish_reduce(&mut self, m: u32, level: Level) -> Result<(), String> {
+        let roles = self.machines[m as usize].roles.clone();
+        let group = roles.membership().group;
+        let (units, from): (Range<u64>, Vec<u32>) = match level {
+            Level::Within => (
+                roles.range(),
+                (0..self.groups.size(group).unwrap())
+                    .filter(|&j| j != roles.membership().member)
+                    .map(|j| self.groups.machine(group, j).unwrap())
+                    .collect(),
+            ),
+            Level::Across(k) => {
+                let across = roles.across().nth(k).unwrap().clone();
+                let holders = (0..self.groups.groups())
+                    .filter(|&h| h != group)
+                    .map(|h| self.holder(h, across.interval.start).0)
+                    .collect();
+                (across.piece, holders)
+            }
+        };
+        for sender in from {
+            self.reduce(m, level, sender, &units);
+        }
+        self.feed(m, level, Event::Reduced)
+    }
+
     fn step(&mut self, index: usize) -> Result<(), String> {
         match self.pending.swap_remove(index) {
+            Pending::Reduce { machine, level } => self.finish_reduce(machine, level),
             Pending::Local {
                 machine,
                 level,
@@ -168,8 +217,14 @@ impl Exchange {
                 into,
                 sent,
                 received,
+                snapshot,
             } => {
                 let bytes = self.machines[from as usize].buffer[span(&units)].to_vec();
+                if bytes != snapshot {
+                    return Err(format!(
+                        "{from}'s units {units:?} changed while its send to {to} was in flight"
+                    ));
+                }
                 let at = match into {
                     Into::Slot => units.clone(),
                     Into::Area(level) => {
@@ -233,7 +288,7 @@ impl Exchange {
         };
         if actions.contains(Actions::START_CONTRIBUTIONS) {
             for (to, units) in others.iter().filter(|(_, r)| !r.is_empty()) {
-                self.pending.push(Pending::Send {
+                self.queue(Pending::Send {
                     from: m,
                     from_level: Level::Within,
                     to: *to,
@@ -242,15 +297,15 @@ impl Exchange {
                     into: Into::Area(Level::Within),
                     sent: Event::ContributionSent,
                     received: Event::ContributionReceived,
+                    snapshot: Vec::new(),
                 });
             }
         }
         if actions.contains(Actions::START_REDUCE) {
-            let own = roles.range();
-            for (from, _) in &others {
-                self.reduce(m, Level::Within, *from, &own);
-            }
-            self.pending.push(local(Event::Reduced));
+            self.pending.push(Pending::Reduce {
+                machine: m,
+                level: Level::Within,
+            });
         }
         if actions.contains(Actions::START_SEND_UP) {
             for k in 0..self.machines[m as usize].across.len() {
@@ -263,7 +318,7 @@ impl Exchange {
         }
         if actions.contains(Actions::START_SEND_BACK) {
             for (to, _) in &others {
-                self.pending.push(Pending::Send {
+                self.queue(Pending::Send {
                     from: m,
                     from_level: Level::Within,
                     to: *to,
@@ -272,6 +327,7 @@ impl Exchange {
                     into: Into::Slot,
                     sent: Event::ResultSent,
                     received: Event::ResultReceived,
+                    snapshot: Vec::new(),
                 });
             }
         }
@@ -310,7 +366,7 @@ impl Exchange {
             .collect();
         if actions.contains(Actions::START_CONTRIBUTIONS) {
             for (to, to_level, piece) in others.iter().filter(|(_, _, p)| !p.is_empty()) {
-                self.pending.push(Pending::Send {
+                self.queue(Pending::Send {
                     from: m,
                     from_level: level,
                     to: *to,
@@ -319,22 +375,16 @@ impl Exchange {
                     into: Into::Area(*to_level),
                     sent: Event::ContributionSent,
                     received: Event::ContributionReceived,
+                    snapshot: Vec::new(),
                 });
             }
         }
         if actions.contains(Actions::START_REDUCE) {
-            for (from, _, _) in &others {
-                self.reduce(m, level, *from, &across.piece);
-            }
-            self.pending.push(Pending::Local {
-                machine: m,
-                level,
-                event: Event::Reduced,
-            });
+            self.pending.push(Pending::Reduce { machine: m, level });
         }
         if actions.contains(Actions::START_SEND_BACK) {
             for (to, to_level, _) in &others {
-                self.pending.push(Pending::Send {
+                self.queue(Pending::Send {
                     from: m,
                     from_level: level,
                     to: *to,
@@ -343,6 +393,7 @@ impl Exchange {
                     into: Into::Slot,
                     sent: Event::ResultSent,
                     received: Event::ResultReceived,
+                    snapshot: Vec::new(),
                 });
             }
         }

@@ -193,6 +193,27 @@ impl FailureRecord {
     }
 }
 
+/// The fault rank `me` (local rank `own`) reports for local peer `peer`
+/// (a global rank), given `failure`, its machine's first failure (the local
+/// rank that failed and its record; `global` maps local ranks to global
+/// ones): that record where `peer` is that rank and not this one, else
+/// `None`.
+fn recorded_failure(
+    failure: Option<(u32, [u64; RECORD_WORDS])>,
+    own: u32,
+    global: impl Fn(u32) -> u32,
+    peer: u32,
+    me: u32,
+) -> Option<Fault> {
+    let (device, words) = failure?;
+    let failed = global(device);
+    if device == own || failed != peer {
+        return None;
+    }
+    let record = FailureRecord::from_words(words);
+    Some(Fault::with_record(record.decode(failed, me), record))
+}
+
 /// An error on its way to failing the engine, with the record to pass on when
 /// the failure came with one.
 #[derive(Debug)]
@@ -307,16 +328,13 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// killed beside both names the killed rank, not the one that noticed
     /// first.
     pub(super) fn recorded_failure_of(&self, peer: u32) -> Option<Fault> {
-        let (device, words) = self.machine.failure()?;
-        let failed = self.links.local_to_global(device);
-        if device == self.machine.local_rank() || failed != peer {
-            return None;
-        }
-        let record = FailureRecord::from_words(words);
-        Some(Fault::with_record(
-            record.decode(failed, self.rank()),
-            record,
-        ))
+        recorded_failure(
+            self.machine.failure(),
+            self.machine.local_rank(),
+            |device| self.links.local_to_global(device),
+            peer,
+            self.rank(),
+        )
     }
 
     pub(super) fn fail_locked(&self, d: &mut Driver<M>, fault: Fault) {
@@ -486,6 +504,26 @@ impl Failing {
 #[cfg(test)]
 mod tests {
     use fairring_core::{DataType, ReduceOp};
+
+    /// Ranks 4, 5 and 6 share a machine (local ranks 0, 1, 2); rank 6 failed
+    /// first, having lost rank 5. Rank 4 reports rank 5, reported by rank 6,
+    /// for rank 6's failure; nothing for another peer or for its own.
+    #[test]
+    fn a_local_peers_failure_names_the_rank_it_lost() {
+        let lost = Error::peer(5, "closed the connection mid-frame");
+        let record = FailureRecord::encode(&lost, 6);
+        let failure = Some((2, record.words()));
+        let global = |local: u32| local + 4;
+        let fault = recorded_failure(failure, 0, global, 6, 4).expect("rank 6 failed first");
+        assert_eq!(
+            fault.error.to_string(),
+            "rank 5: failed: closed the connection mid-frame (reported by rank 6)"
+        );
+        assert!(fault.record.is_some());
+        assert!(recorded_failure(failure, 0, global, 5, 4).is_none());
+        assert!(recorded_failure(failure, 2, global, 6, 6).is_none());
+        assert!(recorded_failure(None, 0, global, 6, 4).is_none());
+    }
 
     use super::*;
     use crate::engine::algorithm::Resolved;

@@ -261,6 +261,8 @@ fn slices_reduced_whole_and_in_parts_share_a_buffer() {
 struct Copies {
     words: Vec<AtomicU64>,
     tensors: Vec<AtomicU64>,
+    /// The owner's failure record: written before it closes its tensors.
+    record: AtomicU64,
 }
 
 /// What every tensor holds while its operation runs.
@@ -270,11 +272,15 @@ const PUBLISHED: u64 = 7;
 /// declared finished.
 const REUSED: u64 = 999;
 
+/// The failed rank's record.
+const RECORDED: u64 = 5;
+
 impl Copies {
     fn new(ranks: u32) -> Copies {
         Copies {
             words: (0..ranks).map(|_| AtomicU64::new(0)).collect(),
             tensors: (0..ranks).map(|_| AtomicU64::new(PUBLISHED)).collect(),
+            record: AtomicU64::new(0),
         }
     }
 }
@@ -292,7 +298,8 @@ impl CopyWords for Copies {
 /// Rank 0 fails while ranks `1..=readers` each read its tensor `reads` times:
 /// it closes its tensors and, waiting for nobody, its caller writes the
 /// tensor. Every read that returns must hold what the tensor held before;
-/// once one is refused, every later one is too.
+/// once one is refused, every later one is too, and the refused reader sees
+/// the failure record the owner wrote before closing.
 fn a_failing_owner(readers: u32, reads: u32, preemptions: usize) {
     let mut builder = loom::model::Builder::new();
     if builder.preemption_bound.is_none() {
@@ -314,6 +321,12 @@ fn a_failing_owner(readers: u32, reads: u32, preemptions: usize) {
                                 "a read returned bytes written after the owner let go"
                             ),
                             None => {
+                                // A refused reader reports the owner's record.
+                                assert_eq!(
+                                    c.record.load(Ordering::Relaxed),
+                                    RECORDED,
+                                    "a refused read does not see the owner's failure record"
+                                );
                                 assert!(tensor_copies::read_with(&*c, me, 0, || ()).is_none());
                                 return;
                             }
@@ -322,6 +335,9 @@ fn a_failing_owner(readers: u32, reads: u32, preemptions: usize) {
                 })
             })
             .collect();
+        // The machine's failure record, as the engine publishes it before
+        // closing its tensors.
+        c.record.store(RECORDED, Ordering::Relaxed);
         tensor_copies::close(&*c, 0);
         // The failed operation is declared finished: its caller reuses the
         // tensor.

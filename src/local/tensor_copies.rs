@@ -79,8 +79,10 @@ pub(crate) fn read_with<W: CopyWords, T>(
         fn clear(&self) -> u64 {
             // Release: the read is over before an owner that closes later
             // reads this value (or a later one of its release sequence).
+            // Acquire: where the owner had closed, what it did before (its
+            // failure record published) is visible to the refused reader.
             self.words
-                .fetch_and(self.owner, !self.bit, Ordering::Release)
+                .fetch_and(self.owner, !self.bit, Ordering::AcqRel)
         }
     }
     impl<W: CopyWords> Drop for Leave<'_, W> {
@@ -102,10 +104,13 @@ pub(crate) fn read_with<W: CopyWords, T>(
 
 /// Closes local rank `me`'s tensors to reads (its engine failed): a read
 /// that starts later reads nothing, and one still running throws what it
-/// read away. Reads that ended before are ordered before this call.
+/// read away. Reads that ended before are ordered before this call, and
+/// what the owner did before it (its failure record, published in the
+/// machine's control area) is visible to every read it refuses.
 pub(crate) fn close<W: CopyWords>(words: &W, me: u32) {
     // Acquire: a reader's clear that this reads (or precedes in the word's
     // modification order) orders its read before whatever the owner's caller
-    // does next.
-    words.fetch_or(me, CLOSED, Ordering::Acquire);
+    // does next. Release: a reader that sees CLOSED (its start's Acquire, or
+    // its clear's) sees what this rank wrote before closing.
+    words.fetch_or(me, CLOSED, Ordering::AcqRel);
 }

@@ -282,24 +282,37 @@ pub struct TwoLevelLayout {
 
 impl TwoLevelLayout {
     /// The layout for slots of at most `full_slot_units` units of
-    /// [`ALIGN_BYTES`], after an input area of `input_bytes` (a multiple of
-    /// [`ALIGN_BYTES`]: a slot or a whole slice, see [`InputArea`]).
+    /// [`ALIGN_BYTES`], after an input area of `input_units` units (a slot or
+    /// a whole slice, see [`InputArea`]). Either larger than the largest
+    /// slice ([`PlanConfig::MAX_SLICE_BYTES`](super::PlanConfig::MAX_SLICE_BYTES))
+    /// is refused with [`PlanError::InvalidSliceBytes`].
     pub const fn new(
         groups: MachineGroups,
         full_slot_units: u64,
-        input_bytes: u64,
-    ) -> TwoLevelLayout {
+        input_units: u64,
+    ) -> Result<TwoLevelLayout, PlanError> {
+        let most = super::PlanConfig::MAX_SLICE_BYTES / ALIGN_BYTES;
+        if full_slot_units > most || input_units > most {
+            let units = if full_slot_units > input_units {
+                full_slot_units
+            } else {
+                input_units
+            };
+            return Err(PlanError::InvalidSliceBytes {
+                slice_bytes: units.saturating_mul(ALIGN_BYTES),
+            });
+        }
         // The largest range: a slot cut in the smallest group's members.
         let smallest = (groups.machines() / groups.groups()) as u64;
         let range = full_slot_units.div_ceil(smallest);
         // An interval lies within a range; its largest piece is a `Q`-th.
         let piece = range.div_ceil(groups.groups() as u64);
-        TwoLevelLayout {
+        Ok(TwoLevelLayout {
             groups,
-            input_bytes,
+            input_bytes: input_units * ALIGN_BYTES,
             within_stride: (range | 1) * ALIGN_BYTES,
             across_stride: (piece | 1) * ALIGN_BYTES,
-        }
+        })
     }
 
     /// The input area, in bytes from the start of the buffer.
@@ -358,7 +371,9 @@ impl TwoLevelLayout {
     /// The area, in bytes from the start of the buffer, that receives machine
     /// `from`'s partial sum of machine `own`'s piece of `own`'s
     /// `interval`-th interval ([`TwoLevelRoles::across_at`](super::TwoLevelRoles::across_at)):
-    /// the two of different groups.
+    /// the two of different groups. The layout knows no slot: whether `own`'s
+    /// range of a given slot has an `interval`-th interval is for its roles
+    /// to say.
     pub const fn across(&self, interval: u32, from: u32, own: u32) -> Result<Span, PlanError> {
         if interval >= MOST_INTERVALS {
             return Err(PlanError::IntervalOutOfRange { interval });
@@ -397,10 +412,8 @@ impl TwoLevelLayout {
         from: u32,
         own: u32,
     ) -> Result<(super::Membership, super::Membership), PlanError> {
-        if from == own {
-            return Err(PlanError::OwnContribution { machine: own });
-        }
         match (self.groups.locate(from), self.groups.locate(own)) {
+            (Ok(_), Ok(_)) if from == own => Err(PlanError::OwnContribution { machine: own }),
             (Ok(sender), Ok(receiver)) => Ok((sender, receiver)),
             (Err(e), _) | (_, Err(e)) => Err(e),
         }

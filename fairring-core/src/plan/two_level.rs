@@ -296,12 +296,18 @@ mod tests {
     fn four_machines_in_pairs_lay_out_their_areas() {
         use crate::plan::{Span, TwoLevelLayout};
         let groups = MachineGroups::new(4, 2).unwrap();
-        let layout = TwoLevelLayout::new(groups, 8, 512);
+        let layout = TwoLevelLayout::new(groups, 8, 8).unwrap();
         assert_eq!((layout.within_areas(), layout.across_areas()), (1, 2));
         assert_eq!(layout.within(1, 0), Ok(Span::bytes(512, 320)));
         assert_eq!(layout.across(0, 2, 0), Ok(Span::bytes(832, 192)));
         assert_eq!(layout.across(1, 3, 0), Ok(Span::bytes(1024, 192)));
         assert_eq!(layout.total_bytes(), 1216);
+        assert_eq!(
+            TwoLevelLayout::new(groups, 1 << 24, (1 << 24) + 1),
+            Err(PlanError::InvalidSliceBytes {
+                slice_bytes: ((1 << 24) + 1) * 64
+            })
+        );
         let wrong = |from, within| PlanError::WrongGroup {
             from,
             to: 0,
