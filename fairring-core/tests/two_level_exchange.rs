@@ -14,7 +14,9 @@
 use std::collections::HashSet;
 use std::ops::Range;
 
-use fairring_core::plan::{ALIGN_BYTES, MachineGroups, Span, TwoLevelLayout, TwoLevelRoles};
+use fairring_core::plan::{
+    ALIGN_BYTES, Across, MachineGroups, Span, TwoLevelLayout, TwoLevelRoles,
+};
 use fairring_core::staging::{Actions, Event, Word};
 use proptest::prelude::*;
 
@@ -175,23 +177,17 @@ impl Exchange {
     /// The reduction of `level` on machine `m` ends: every contribution it
     /// waited for is added over its units, as they stand now.
     fn finish_reduce(&mut self, m: u32, level: Level) -> Result<(), String> {
-        let roles = self.machines[m as usize].roles.clone();
-        let group = roles.membership().group;
         let (units, from): (Range<u64>, Vec<u32>) = match level {
             Level::Within => (
-                roles.range(),
-                (0..self.groups.size(group).unwrap())
-                    .filter(|&j| j != roles.membership().member)
-                    .map(|j| self.groups.machine(group, j).unwrap())
-                    .collect(),
+                self.machines[m as usize].roles.range(),
+                self.group_mates(m).into_iter().map(|(j, _)| j).collect(),
             ),
             Level::Across(k) => {
-                let across = roles.across().nth(k).unwrap().clone();
-                let holders = (0..self.groups.groups())
-                    .filter(|&h| h != group)
-                    .map(|h| self.holder(h, across.interval.start).0)
-                    .collect();
-                (across.piece, holders)
+                let (across, holders) = self.holders(m, k);
+                (
+                    across.piece,
+                    holders.into_iter().map(|(h, _, _)| h).collect(),
+                )
             }
         };
         for sender in from {
@@ -268,19 +264,39 @@ impl Exchange {
         }
     }
 
-    fn act_within(&mut self, m: u32, actions: Actions) -> Result<(), String> {
-        let roles = self.machines[m as usize].roles.clone();
-        let group = roles.membership().group;
-        let members = self.groups.size(group).unwrap();
-        let others: Vec<(u32, Range<u64>)> = (0..members)
-            .filter(|&j| j != roles.membership().member)
+    /// The other members of `m`'s group, and their ranges.
+    fn group_mates(&self, m: u32) -> Vec<(u32, Range<u64>)> {
+        let at = self.machines[m as usize].roles.membership();
+        (0..self.groups.size(at.group).unwrap())
+            .filter(|&j| j != at.member)
             .map(|j| {
                 (
-                    self.groups.machine(group, j).unwrap(),
-                    self.groups.range(self.units, group, j).unwrap(),
+                    self.groups.machine(at.group, j).unwrap(),
+                    self.groups.range(self.units, at.group, j).unwrap(),
                 )
             })
+            .collect()
+    }
+
+    /// `m`'s `k`-th interval, and its holders in the other groups: each
+    /// with its word's level and its piece.
+    fn holders(&self, m: u32, k: usize) -> (Across, Vec<(u32, Level, Range<u64>)>) {
+        let roles = &self.machines[m as usize].roles;
+        let group = roles.membership().group;
+        let across = roles.across().nth(k).unwrap().clone();
+        let others = (0..self.groups.groups())
+            .filter(|&h| h != group)
+            .map(|h| {
+                let (holder, at) = self.holder(h, across.interval.start);
+                (holder, at, self.groups.piece(&across.interval, h).unwrap())
+            })
             .collect();
+        (across, others)
+    }
+
+    fn act_within(&mut self, m: u32, actions: Actions) -> Result<(), String> {
+        let roles = self.machines[m as usize].roles.clone();
+        let others = self.group_mates(m);
         let local = |event| Pending::Local {
             machine: m,
             level: Level::Within,
@@ -354,16 +370,7 @@ impl Exchange {
 
     fn act_across(&mut self, m: u32, k: usize, actions: Actions) {
         let level = Level::Across(k);
-        let roles = self.machines[m as usize].roles.clone();
-        let group = roles.membership().group;
-        let across = roles.across().nth(k).unwrap().clone();
-        let others: Vec<(u32, Level, Range<u64>)> = (0..self.groups.groups())
-            .filter(|&h| h != group)
-            .map(|h| {
-                let (holder, at) = self.holder(h, across.interval.start);
-                (holder, at, self.groups.piece(&across.interval, h).unwrap())
-            })
-            .collect();
+        let (across, others) = self.holders(m, k);
         if actions.contains(Actions::START_CONTRIBUTIONS) {
             for (to, to_level, piece) in others.iter().filter(|(_, _, p)| !p.is_empty()) {
                 self.queue(Pending::Send {

@@ -303,7 +303,7 @@ impl TwoLevelLayout {
             });
         }
         // The largest range: a slot cut in the smallest group's members.
-        let smallest = (groups.machines() / groups.groups()) as u64;
+        let smallest = groups.small_size() as u64;
         let range = full_slot_units.div_ceil(smallest);
         // An interval lies within a range; its largest piece is a `Q`-th.
         let piece = range.div_ceil(groups.groups() as u64);

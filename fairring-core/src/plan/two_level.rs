@@ -117,14 +117,9 @@ impl MachineGroups {
             }
         }
         let reduces = !range.is_empty();
-        let peers = if reduces { count(members - 1) } else { 0 };
         let within = Role {
-            contributions_to_send: others,
-            contributions_to_receive: peers,
-            results_to_send: peers,
-            results_to_receive: others,
-            reduces,
             forwards: reduces,
+            ..server_role(others, members, reduces)
         };
         let mut across = [None, None];
         for (k, interval) in self
@@ -184,27 +179,33 @@ impl MachineGroups {
             }
         }
         let piece = self.piece(interval, group)?;
-        let reduces = !piece.is_empty();
-        let peers = if reduces { count(self.groups() - 1) } else { 0 };
+        let role = server_role(others, self.groups(), !piece.is_empty());
         Ok(Across {
             interval: interval.clone(),
             piece,
-            role: Role {
-                contributions_to_send: others,
-                contributions_to_receive: peers,
-                results_to_send: peers,
-                results_to_receive: others,
-                reduces,
-                forwards: false,
-            },
+            role,
         })
     }
 }
 
-/// A count of groups or members, below `MAX_MACHINES / 2`.
-#[expect(clippy::cast_possible_truncation, reason = "below 2048")]
-const fn count(n: u32) -> u16 {
-    n as u16
+/// A flat plan's role among `parties` (a group's members, or an interval's
+/// holders): it sends its `others` nonempty cells of the other parties and
+/// gets their results back, and where it `reduces` its own, receives the
+/// other parties' contributions and sends them the result.
+#[expect(
+    clippy::cast_possible_truncation,
+    reason = "parties are at most MAX_MACHINES / 2"
+)]
+const fn server_role(others: u16, parties: u32, reduces: bool) -> Role {
+    let peers = if reduces { (parties - 1) as u16 } else { 0 };
+    Role {
+        contributions_to_send: others,
+        contributions_to_receive: peers,
+        results_to_send: peers,
+        results_to_receive: others,
+        reduces,
+        forwards: false,
+    }
 }
 
 #[cfg(test)]
