@@ -147,6 +147,10 @@ fn run(args: &Args) -> Result<(), String> {
                 "through a double binary tree: shard j up and down one tree, its root \
                  serving it (the machines outnumber a slot's shards)"
             }
+            Routing::Groups => {
+                "in two levels: each machine reduces a range of its slot over its group, \
+                 and pieces of the range over the groups"
+            }
         }
     );
     println!(

@@ -6,8 +6,12 @@
 //! intervals (one where the groups are equal), and each interval's pieces
 //! tile it.
 
-use fairring_core::plan::{MachineGroups, Membership, PlanError};
-use fairring_core::topology::MAX_MACHINES;
+use fairring_core::DataType;
+use fairring_core::plan::{
+    Geometry, InputArea, MachineGroups, Membership, Plan, PlanConfig, PlanError, Routing,
+};
+use fairring_core::topology::{Location, MAX_MACHINES, RankLayout, Topology};
+use fairring_core::wire::{FrameCheck, WireError};
 use proptest::prelude::*;
 
 /// Checks `m` machines in groups of about `size` over a slot of `units`;
@@ -215,4 +219,125 @@ fn what_is_out_of_range_is_named() {
         Err(PlanError::MachineOutOfRange { .. })
     ));
     assert_eq!(groups.intervals(0).count(), 0);
+}
+
+/// A geometry in groups over `m` machines of `d` devices: every slice of a
+/// tensor of `elements` of `dtype` has one cell a slot; every group's
+/// ranges of each slot, in elements, tile the slot (the last ending at its
+/// end, with any part of a unit), each interval's pieces tile the interval;
+/// every range and piece fits its staging area; the staging budget counts
+/// the two levels' buffer; and what a flat plan's queries assume is refused.
+fn check_geometry(
+    (m, size): (u32, u32),
+    d: u32,
+    slice_bytes: u64,
+    dtype: DataType,
+    elements: u64,
+) -> Result<(), TestCaseError> {
+    let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+    let config = PlanConfig::new(slice_bytes, 64).unwrap();
+    let geometry = match Geometry::with_groups(topology, config, size) {
+        Ok(g) => g,
+        Err(e) => {
+            prop_assert!(
+                matches!(
+                    e,
+                    PlanError::InvalidGroupSize { .. } | PlanError::SliceTooSmall { .. }
+                ),
+                "{e}"
+            );
+            return Ok(());
+        }
+    };
+    let what =
+        format!("{m}x{d} in groups of {size}, {slice_bytes}-byte slices, {elements} {dtype:?}");
+    prop_assert_eq!(geometry.routing(), Routing::Groups, "{}", what);
+    prop_assert_eq!(geometry.shards_per_full_slice(), 1, "{}", what);
+    let groups = geometry.machine_groups().unwrap();
+    let layout = geometry.two_level_layout(InputArea::Slot).unwrap();
+    prop_assert_eq!(
+        geometry.staging_buffers(layout.total_bytes() * 3),
+        Ok(3),
+        "{}",
+        what
+    );
+    prop_assert_eq!(
+        geometry.staging_layout().contribution(0, 1),
+        Err(PlanError::RoutedInGroups),
+        "{}",
+        what
+    );
+    let plan = Plan::new(&geometry, dtype, elements, 0).unwrap();
+    let size_of = dtype.size_bytes();
+    for slice in plan.slices() {
+        prop_assert_eq!(slice.shards(), 1, "{}", what);
+        prop_assert_eq!(slice.machine_groups(), Some(groups), "{}", what);
+        prop_assert_eq!(slice.shard_served_by(0), Ok(None), "{}", what);
+        prop_assert_eq!(
+            slice.role(Location {
+                machine: 0,
+                device: 0
+            }),
+            Err(PlanError::RoutedInGroups),
+            "{}",
+            what
+        );
+        for device in 0..d {
+            let slot = slice.slot(device).unwrap();
+            let units = slice.group_units(device).unwrap();
+            prop_assert_eq!(units, slot.len().div_ceil(64 / size_of), "{}", what);
+            let span = |r: core::ops::Range<u64>| slice.slot_units_span(device, r).unwrap();
+            for group in 0..groups.groups() {
+                let mut at = slot.offset();
+                for member in 0..groups.size(group).unwrap() {
+                    let range = groups.range(units, group, member).unwrap();
+                    let s = span(range.clone());
+                    prop_assert_eq!(
+                        s.offset(),
+                        at,
+                        "{}: group {} member {}",
+                        what,
+                        group,
+                        member
+                    );
+                    prop_assert!(s.byte_len() <= layout.within_stride(), "{}", what);
+                    at += s.len();
+                }
+                prop_assert_eq!(at, slot.offset() + slot.len(), "{}: group {}", what, group);
+            }
+            for interval in groups.intervals(units) {
+                let mut at = span(interval.clone()).offset();
+                for group in 0..groups.groups() {
+                    let piece = span(groups.piece(&interval, group).unwrap());
+                    prop_assert_eq!(piece.offset(), at, "{}", what);
+                    prop_assert!(piece.byte_len() <= layout.across_stride(), "{}", what);
+                    at += piece.len();
+                }
+                let whole = span(interval);
+                prop_assert_eq!(at, whole.offset() + whole.len(), "{}", what);
+            }
+        }
+    }
+    prop_assert_eq!(
+        FrameCheck::new(1, 0, &geometry),
+        Err(WireError::RoutedInGroups),
+        "{}",
+        what
+    );
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn a_geometry_in_groups_cuts_every_slot_the_same_way(
+        machines in machines_and_size(),
+        d in 1u32..=4,
+        slice_bytes in prop_oneof![Just(64u64), 64u64..=4096, Just(64 << 10)],
+        dtype in prop_oneof![Just(DataType::U8), Just(DataType::F16), Just(DataType::F32), Just(DataType::I64)],
+        elements in prop_oneof![0u64..=3, 1u64..=20_000],
+    ) {
+        check_geometry(machines, d, slice_bytes, dtype, elements)?;
+    }
 }

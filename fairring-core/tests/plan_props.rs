@@ -967,7 +967,7 @@ proptest! {
         }
         let shards = match g.routing() {
             Routing::Flat => m,
-            Routing::Trees => g.shards_per_full_slice(),
+            Routing::Trees | Routing::Groups => g.shards_per_full_slice(),
         };
         let floor = (16u64 << 20).max(g.min_shard_bytes() * u64::from(shards) * u64::from(d));
         prop_assert!(s >= floor, "{} under {}", s, floor);

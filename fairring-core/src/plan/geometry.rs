@@ -1,6 +1,9 @@
 //! What a communicator fixes once: slice size, shards per slice, staging layout.
 
-use super::{ALIGN_BYTES, InputArea, PlanError, ServerLayout, StagingLayout, TREES};
+use super::{
+    ALIGN_BYTES, InputArea, MachineGroups, PlanError, ServerLayout, StagingLayout, TREES,
+    TwoLevelLayout,
+};
 use crate::topology::{MAX_MACHINES, Topology};
 
 /// The knobs of slicing and sharding.
@@ -156,6 +159,9 @@ pub struct Geometry {
     server_rails: u32,
     /// How cells travel between machines.
     routing: Routing,
+    /// The machines' groups, where the slots are reduced in two levels
+    /// ([`Routing::Groups`]).
+    groups: Option<MachineGroups>,
 }
 
 /// How a geometry's cells travel between machines.
@@ -171,13 +177,35 @@ pub enum Routing {
     /// give every machine a shard of at least the minimum size, this is what
     /// keeps every machine's messages and staging independent of `M`.
     Trees,
+    /// In two levels ([`MachineGroups`]): each machine reduces a range of its
+    /// slot over its group, and then pieces of that range over the groups
+    /// (`plan/two_level.rs`). A slot is one cell; a machine sends and
+    /// receives `O(G + M/G)` messages per slot, each of a `G`th or an
+    /// `M`th of it, for groups of `G` ([`Geometry::with_groups`]).
+    Groups,
 }
 
 impl Geometry {
     /// The geometry of `topology` under `config`, with co-located servers: every
     /// machine serves shards.
     pub const fn new(topology: Topology, config: PlanConfig) -> Result<Geometry, PlanError> {
-        Geometry::build(topology, config, 0)
+        Geometry::build(topology, config, 0, None)
+    }
+
+    /// The geometry of `topology` under `config`, whose slots are reduced in
+    /// two levels ([`Routing::Groups`]) over the machines in groups of at
+    /// most `size` ([`MachineGroups::new`], which refuses a size that does
+    /// not make two levels with [`PlanError::InvalidGroupSize`]). Every slot
+    /// is one cell; the machines serve.
+    pub const fn with_groups(
+        topology: Topology,
+        config: PlanConfig,
+        size: u32,
+    ) -> Result<Geometry, PlanError> {
+        match MachineGroups::new(topology.machines(), size) {
+            Ok(groups) => Geometry::build(topology, config, 0, Some(groups)),
+            Err(e) => Err(e),
+        }
     }
 
     /// The geometry of `topology` under `config` with `servers` dedicated
@@ -199,13 +227,14 @@ impl Geometry {
         if servers == 0 || servers > MAX_MACHINES {
             return Err(PlanError::InvalidServers { servers });
         }
-        Geometry::build(topology, config, servers)
+        Geometry::build(topology, config, servers, None)
     }
 
     const fn build(
         topology: Topology,
         config: PlanConfig,
         servers: u32,
+        groups: Option<MachineGroups>,
     ) -> Result<Geometry, PlanError> {
         let server_rails = server_rails(servers, topology.devices_per_machine());
         let serving = if servers > 0 {
@@ -226,7 +255,9 @@ impl Geometry {
         let flat_shards = shards_for_slot(raw_slot_units, min_shard_units, serving as u64);
         // Machines that serve, and a full slot too small to give each a shard:
         // the cells go through the trees instead, one shard per tree.
-        let routing = if servers == 0 && flat_shards < serving {
+        let routing = if groups.is_some() {
+            Routing::Groups
+        } else if servers == 0 && flat_shards < serving {
             Routing::Trees
         } else {
             Routing::Flat
@@ -243,7 +274,7 @@ impl Geometry {
                     min_shard_bytes: config.min_shard_bytes,
                     slice_by_routing: false,
                 };
-                return Geometry::build(topology, wide, servers);
+                return Geometry::build(topology, wide, servers, None);
             }
         }
         if let Routing::Trees = routing
@@ -259,16 +290,25 @@ impl Geometry {
                 min_shard_bytes: config.min_shard_bytes,
                 slice_by_routing: true,
             };
-            return Geometry::build(topology, trees, servers);
+            return Geometry::build(topology, trees, servers, None);
         }
         let full_shards = match routing {
             Routing::Trees => shards_for_slot(raw_slot_units, min_shard_units, TREES as u64),
             Routing::Flat => flat_shards,
+            Routing::Groups => 1,
         };
         // Round the slot down to a multiple of its shard count so that every full
         // slice has equal cells. The shards stay at least the minimum: with k > 1,
         // k <= raw / min, so floor(raw / k) >= min.
         let slot_units = raw_slot_units / full_shards as u64 * full_shards as u64;
+        if let Some(groups) = groups {
+            // The two levels' staging, checked once here so that
+            // `two_level_layout` need not fail.
+            let slice_units = slot_units * devices;
+            if let Err(e) = TwoLevelLayout::new(groups, slot_units, slice_units) {
+                return Err(e);
+            }
+        }
         Ok(Geometry {
             topology,
             config,
@@ -278,22 +318,50 @@ impl Geometry {
             servers,
             server_rails,
             routing,
+            groups,
         })
     }
 
-    /// How the cells travel between machines: [`Routing::Trees`] where the
-    /// machines serve and a full slot, cut into shards of at least the minimum
-    /// size, has fewer shards than there are machines; else [`Routing::Flat`].
+    /// How the cells travel between machines: [`Routing::Groups`] where the
+    /// geometry was made [`Geometry::with_groups`]; else [`Routing::Trees`]
+    /// where the machines serve and a full slot, cut into shards of at least
+    /// the minimum size, has fewer shards than there are machines; else
+    /// [`Routing::Flat`].
     pub const fn routing(&self) -> Routing {
         self.routing
     }
 
+    /// The machines' groups, where the slots are reduced in two levels
+    /// ([`Routing::Groups`]).
+    pub const fn machine_groups(&self) -> Option<MachineGroups> {
+        self.groups
+    }
+
+    /// The staging of the two levels ([`Routing::Groups`]) with `input` as
+    /// its input area: areas for a full slot's ranges and pieces.
+    pub const fn two_level_layout(&self, input: InputArea) -> Option<TwoLevelLayout> {
+        let Some(groups) = self.groups else {
+            return None;
+        };
+        let input_units = match input {
+            InputArea::Slot => self.slot_units,
+            InputArea::Slice => self.slot_units * self.topology.devices_per_machine() as u64,
+        };
+        match TwoLevelLayout::new(groups, self.slot_units, input_units) {
+            Ok(layout) => Some(layout),
+            // `build` made the same layout for the larger input area.
+            Err(_) => None,
+        }
+    }
+
     /// What shard indices rotate over: the trees, the dedicated servers or the
-    /// machines; also the most shards a slot has.
+    /// machines (one shard, the whole slot, in groups); also the most shards a
+    /// slot has.
     pub(crate) const fn rotation_period(&self) -> u32 {
         match self.routing {
             Routing::Trees => TREES,
             Routing::Flat => self.serving(),
+            Routing::Groups => 1,
         }
     }
 
@@ -442,7 +510,10 @@ impl Geometry {
     ///
     /// The number of staging buffers bounds how many slices are in flight at once.
     pub const fn staging_buffers(&self, budget_bytes: u64) -> Result<u32, PlanError> {
-        let buffer_bytes = self.staging_layout().total_bytes();
+        let buffer_bytes = match self.two_level_layout(InputArea::Slot) {
+            Some(layout) => layout.total_bytes(),
+            None => self.staging_layout().total_bytes(),
+        };
         let n = budget_bytes / buffer_bytes;
         if n == 0 {
             return Err(PlanError::BudgetTooSmall {

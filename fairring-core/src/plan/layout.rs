@@ -59,7 +59,7 @@ pub struct StagingLayout {
     shard_stride: u64,
     sources: u32,
     machines: u32,
-    trees: bool,
+    routing: Routing,
     input: InputArea,
 }
 
@@ -74,14 +74,15 @@ impl StagingLayout {
             },
             shard_stride: odd_lines * ALIGN_BYTES,
             // Machines receive no contributions when dedicated servers serve,
-            // and through trees only from their children.
+            // through trees only from their children, and in groups into the
+            // areas of a `TwoLevelLayout` instead.
             sources: match (geometry.servers(), geometry.routing()) {
-                (Some(_), _) => 0,
+                (Some(_), _) | (None, Routing::Groups) => 0,
                 (None, Routing::Trees) => 2,
                 (None, Routing::Flat) => geometry.topology().machines() - 1,
             },
             machines: geometry.topology().machines(),
-            trees: matches!(geometry.routing(), Routing::Trees),
+            routing: geometry.routing(),
             input,
         }
     }
@@ -102,8 +103,9 @@ impl StagingLayout {
         self.shard_stride
     }
 
-    /// Number of contribution areas: `M - 1`, or 0 with dedicated servers, or 2
-    /// through trees.
+    /// Number of contribution areas: `M - 1`, or 0 with dedicated servers or
+    /// in groups (whose areas a [`TwoLevelLayout`] lays out), or 2 through
+    /// trees.
     pub const fn contribution_areas(&self) -> u32 {
         self.sources
     }
@@ -114,10 +116,14 @@ impl StagingLayout {
     /// Area `i` belongs to machine `(own + 1 + i) mod M`: the areas rotate with the
     /// receiving machine so that every pair of machines uses a fixed area.
     /// Through trees contributions land by child instead: [`StagingLayout::child`];
-    /// this query is refused with [`PlanError::RoutedThroughTrees`].
+    /// this query is refused with [`PlanError::RoutedThroughTrees`]. In groups
+    /// they land in a [`TwoLevelLayout`]'s areas: refused with
+    /// [`PlanError::RoutedInGroups`].
     pub const fn contribution(&self, from: u32, own: u32) -> Result<Span, PlanError> {
-        if self.trees {
-            return Err(PlanError::RoutedThroughTrees);
+        match self.routing {
+            Routing::Trees => return Err(PlanError::RoutedThroughTrees),
+            Routing::Groups => return Err(PlanError::RoutedInGroups),
+            Routing::Flat => {}
         }
         let machines = self.machines;
         if from >= machines {
@@ -149,7 +155,10 @@ impl StagingLayout {
     /// Refused with [`PlanError::ChildOutOfRange`] past the second child or
     /// where cells go straight to their server (no children).
     pub const fn child(&self, child: u32) -> Result<Span, PlanError> {
-        let children = if self.trees { self.sources } else { 0 };
+        let children = match self.routing {
+            Routing::Trees => self.sources,
+            Routing::Flat | Routing::Groups => 0,
+        };
         if child >= children {
             return Err(PlanError::ChildOutOfRange { child, children });
         }
@@ -159,13 +168,9 @@ impl StagingLayout {
         ))
     }
 
-    /// How the cells travel: [`Routing::Trees`] if contributions land by child.
+    /// How the cells travel, as the geometry it was made for routes them.
     pub const fn routing(&self) -> Routing {
-        if self.trees {
-            Routing::Trees
-        } else {
-            Routing::Flat
-        }
+        self.routing
     }
 
     /// Total bytes of one staging buffer.
@@ -318,6 +323,11 @@ impl TwoLevelLayout {
     /// The input area, in bytes from the start of the buffer.
     pub const fn input(&self) -> Span {
         Span::bytes(0, self.input_bytes)
+    }
+
+    /// The groups it lays out areas for.
+    pub const fn groups(&self) -> MachineGroups {
+        self.groups
     }
 
     /// Bytes of each area within the group.

@@ -71,9 +71,15 @@
 //! and the messages per slice are bounded independently of the number of
 //! machines.
 //!
-//! **Groups** ([`MachineGroups`]): the arithmetic of a reduction in two
-//! levels, within groups of machines and then across them, which the scale
-//! model studies and no [`Routing`] takes yet.
+//! **Groups** ([`MachineGroups`], [`Routing::Groups`]): a geometry made
+//! [`Geometry::with_groups`] reduces each slot in two levels, within groups of
+//! machines and then across them. A slot is one cell ([`Slice::shards`] is 1)
+//! that every machine cuts the same way: its group's members each reduce a
+//! range of it over the group, and the range's pieces are reduced over the
+//! groups (`plan/two_level.rs`, [`MachineGroups::roles`]), in the areas of a
+//! [`TwoLevelLayout`] ([`Geometry::two_level_layout`]). Ranges and pieces are
+//! counted in units of the slot; a slot that ends in part of a unit counts it
+//! whole, and the range or piece that holds it ends at the slot's end.
 //!
 //! **Zero elements** plan to zero slices: the all-reduce is complete at once.
 //!
@@ -314,6 +320,9 @@ pub enum PlanError {
     /// A query about cells going straight to their server, of a layout whose
     /// cells travel through trees ([`Routing::Trees`]).
     RoutedThroughTrees,
+    /// A query about cells going straight to their server, of a layout whose
+    /// slots are reduced in two levels ([`Routing::Groups`]).
+    RoutedInGroups,
     /// A child's contribution area past the device's children: past the second,
     /// or any where cells go straight to their server.
     ChildOutOfRange {
@@ -452,6 +461,10 @@ impl fmt::Display for PlanError {
                 "cells of this layout travel through trees: contributions land by child, \
                  not by machine",
             ),
+            PlanError::RoutedInGroups => f.write_str(
+                "slots of this layout are reduced in groups: contributions land in the two \
+                 levels' areas, not by machine",
+            ),
             PlanError::ChildOutOfRange { child, children } => write!(
                 f,
                 "child {child} is out of range for {children} contribution areas by child"
@@ -462,7 +475,7 @@ impl fmt::Display for PlanError {
             PlanError::InvalidGroupSize { size, machines } => write!(
                 f,
                 "groups of {size} machines do not split {machines} machines in two levels: \
-                 the size must be from 2 to half the machines"
+                 the size must be from 2 to half the machines, and leave no group of one"
             ),
             PlanError::GroupOutOfRange { group, groups } => {
                 write!(f, "group {group} is out of range for {groups} groups")

@@ -1,7 +1,11 @@
 //! One slice of a plan, its slots and cells, and what each device does with it.
 
 use super::split::EvenSplit;
-use super::{ALIGN_BYTES, DoubleTree, Plan, PlanError, Routing, Span, TREE_PARTS, TREES};
+use core::ops::Range;
+
+use super::{
+    ALIGN_BYTES, DoubleTree, MachineGroups, Plan, PlanError, Routing, Span, TREE_PARTS, TREES,
+};
 use crate::dtype::DataType;
 use crate::staging::Role;
 use crate::topology::Location;
@@ -34,6 +38,9 @@ pub struct Slice {
     first_server: u32,
     /// The trees the cells travel through, where they do ([`Routing::Trees`]).
     trees: Option<DoubleTree>,
+    /// The machines' groups, where each slot is reduced in two levels
+    /// ([`Routing::Groups`]).
+    groups: Option<MachineGroups>,
     /// The slice's units dealt to the `D` slots.
     slots: EvenSplit,
     /// The smallest shard, in units: the smallest part a cell travels in.
@@ -73,7 +80,8 @@ impl Cell {
 
     /// The machine that serves it (device [`Cell::device`] of this machine reduces
     /// it), or with dedicated servers the server's index; through trees, the
-    /// root of its tree, which finishes its reduction.
+    /// root of its tree, which finishes its reduction; in groups, where every
+    /// machine reduces a range of the cell (its slot), machine 0.
     pub const fn server(&self) -> u32 {
         self.server
     }
@@ -168,8 +176,9 @@ impl Slice {
                     // A topology never has more than MAX_MACHINES machines.
                     Err(_) => None,
                 },
-                Routing::Flat => None,
+                Routing::Flat | Routing::Groups => None,
             },
+            groups: geometry.machine_groups(),
             slots: EvenSplit::new(units, devices as u64),
             min_shard_units: geometry.min_shard_units(),
         }
@@ -179,6 +188,51 @@ impl Slice {
     /// their server ([`Routing`]).
     pub const fn double_tree(&self) -> Option<DoubleTree> {
         self.trees
+    }
+
+    /// The machines' groups, where each slot is reduced in two levels
+    /// ([`Routing::Groups`]): then every slot is one cell, and
+    /// [`MachineGroups::roles`] over [`Slice::group_units`] says what each
+    /// machine does with it.
+    pub const fn machine_groups(&self) -> Option<MachineGroups> {
+        self.groups
+    }
+
+    /// Slot `device`'s units as the two levels count them
+    /// ([`Routing::Groups`]): its whole units, and one more where it ends in
+    /// part of one.
+    pub const fn group_units(&self, device: u32) -> Result<u64, PlanError> {
+        if device >= self.devices {
+            return Err(PlanError::DeviceOutOfRange {
+                device,
+                devices: self.devices,
+            });
+        }
+        let len = self.slot_at(device).len();
+        Ok(len.div_ceil(self.unit_elements))
+    }
+
+    /// Units `units` of slot `device` (as [`Slice::group_units`] counts them),
+    /// in elements of the tensor: cut at the slot's end, so that the range
+    /// that holds its last part of a unit ends there. An empty or reversed
+    /// range is empty.
+    pub const fn slot_units_span(&self, device: u32, units: Range<u64>) -> Result<Span, PlanError> {
+        if device >= self.devices {
+            return Err(PlanError::DeviceOutOfRange {
+                device,
+                devices: self.devices,
+            });
+        }
+        let slot = self.slot_at(device);
+        let len = slot.len();
+        let start = clamp_units(units.start, self.unit_elements, len);
+        let end = clamp_units(units.end, self.unit_elements, len);
+        let end = if end < start { start } else { end };
+        Ok(Span::elements(
+            slot.offset() + start,
+            end - start,
+            self.dtype,
+        ))
     }
 
     /// The parts each cell travels in ([`Cell::part`]): through trees, as many
@@ -336,7 +390,8 @@ impl Slice {
     }
 
     /// The shard machine `machine` serves in this slice, if any (at most one: `k <= M`;
-    /// none with dedicated servers). Through trees, the shard whose tree has the
+    /// none with dedicated servers, nor in groups, where every machine
+    /// reduces a range of each slot). Through trees, the shard whose tree has the
     /// machine as an inner node, which it reduces over its children's
     /// contributions (at most one: no machine is an inner node of both trees).
     pub const fn shard_served_by(&self, machine: u32) -> Result<Option<u32>, PlanError> {
@@ -346,7 +401,7 @@ impl Slice {
                 machines: self.machines,
             });
         }
-        if self.dedicated {
+        if self.dedicated || self.groups.is_some() {
             return Ok(None);
         }
         Ok(self.served_by(machine))
@@ -388,7 +443,13 @@ impl Slice {
     ///
     /// A device whose slot is empty (a slice smaller than `D` units) has nothing to
     /// exchange: its role is [`Role::IDLE`] on every machine alike.
+    ///
+    /// In groups ([`Routing::Groups`]) a device has a word per level, which
+    /// [`MachineGroups::roles`] gives: refused with [`PlanError::RoutedInGroups`].
     pub const fn role(&self, location: Location) -> Result<Role, PlanError> {
+        if self.groups.is_some() {
+            return Err(PlanError::RoutedInGroups);
+        }
         if location.device >= self.devices {
             return Err(PlanError::DeviceOutOfRange {
                 device: location.device,
@@ -499,6 +560,12 @@ impl Slice {
             0
         }
     }
+}
+
+/// `units` units of `unit_elements` each, in elements, at most `len`.
+const fn clamp_units(units: u64, unit_elements: u64, len: u64) -> u64 {
+    let elements = units.saturating_mul(unit_elements);
+    if elements < len { elements } else { len }
 }
 
 /// The cells of a slice, in tensor order.

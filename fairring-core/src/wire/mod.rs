@@ -187,6 +187,11 @@ pub enum WireError {
     },
     /// The plan was made under another geometry than the check.
     GeometryMismatch,
+    /// The geometry reduces its slots in groups
+    /// ([`Routing::Groups`](crate::plan::Routing::Groups)), whose writes a
+    /// frame's slice, shard and part do not place (a piece of a range is
+    /// neither a cell nor a part of one).
+    RoutedInGroups,
 }
 
 impl fmt::Display for WireError {
@@ -298,6 +303,9 @@ impl fmt::Display for WireError {
             WireError::GeometryMismatch => {
                 f.write_str("the plan was made under a different geometry than the frame check")
             }
+            WireError::RoutedInGroups => f.write_str(
+                "the geometry reduces its slots in groups, whose writes frames do not place",
+            ),
         }
     }
 }

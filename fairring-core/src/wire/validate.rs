@@ -35,8 +35,13 @@ pub struct Placement {
 }
 
 impl FrameCheck {
-    /// The check for device `rank` under `geometry`.
+    /// The check for device `rank` under `geometry`; refused with
+    /// [`WireError::RoutedInGroups`] for a geometry that reduces its slots in
+    /// groups.
     pub fn new(job_tag: u64, rank: u32, geometry: &Geometry) -> Result<FrameCheck, WireError> {
+        if geometry.machine_groups().is_some() {
+            return Err(WireError::RoutedInGroups);
+        }
         let me = geometry
             .topology()
             .locate(rank)
