@@ -7,7 +7,7 @@ mod common;
 use common::{SERVER_LAYOUTS, job, job_with_servers, small_slices};
 use fairring::{Algorithm, ReduceOp};
 use fairring_core::DataType;
-use fairring_core::plan::{Geometry, Plan, PlanConfig};
+use fairring_core::plan::{Geometry, Plan, PlanConfig, Routing};
 use fairring_core::topology::{RankLayout, Topology};
 
 /// The value rank `r` holds at element `i` of operation `op_index`: small integers,
@@ -350,6 +350,92 @@ fn doubling_gives_every_rank_the_same_bits() {
     }
 }
 
+/// Tensors of one element to several slices, every type, every operator that
+/// applies to it (for `f16` and `bf16` those whose results are exact however
+/// partial sums are rounded), each checked on this rank: what failed.
+fn every_type_and_operator(comm: &fairring::Communicator, rank: u32, world: u32) -> Vec<String> {
+    let mut failed = Vec::new();
+    for n in [1, 1000, 6000, 40_003] {
+        let mut run = |outcome: Result<(), String>| {
+            if let Err(e) = outcome {
+                failed.push(e);
+            }
+        };
+        for op in [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Avg] {
+            run(check_typed(comm, rank, world, n, op, |v| v as f32));
+        }
+        for op in [ReduceOp::Product, ReduceOp::Avg, ReduceOp::Max] {
+            run(check_typed(comm, rank, world, n, op, |v| v));
+        }
+        for op in [ReduceOp::Sum, ReduceOp::Product] {
+            run(check_typed(comm, rank, world, n, op, |v| v as i32));
+        }
+        for op in [ReduceOp::Max, ReduceOp::BitXor, ReduceOp::BitAnd] {
+            run(check_typed(comm, rank, world, n, op, |v| v as i64));
+        }
+        for op in [ReduceOp::BitOr, ReduceOp::Min] {
+            run(check_typed(comm, rank, world, n, op, |v| v as u8));
+        }
+        run(check_typed(comm, rank, world, n, ReduceOp::Max, |v| {
+            v as i8
+        }));
+        run(check_typed(comm, rank, world, n, ReduceOp::Sum, |v| {
+            v as i16
+        }));
+        // Whole numbers below 2048 (f16) and the extremes (bf16)
+        // are exact however often partial sums are rounded.
+        for op in [ReduceOp::Sum, ReduceOp::Max] {
+            run(check_typed(comm, rank, world, n, op, |v| {
+                half::f16::from_f64(v)
+            }));
+        }
+        for op in [ReduceOp::Min, ReduceOp::Max] {
+            run(check_typed(comm, rank, world, n, op, |v| {
+                half::bf16::from_f64(v)
+            }));
+        }
+    }
+    failed
+}
+
+/// Machines in groups (`FAIRRING_GROUP_SIZE`): every hierarchical all-reduce
+/// in two levels, within the groups and then across them, in 64 KiB slices
+/// of 64-byte minimum shards. 12x1 in three groups of four; 16x1 in groups
+/// of six, five and five, where ranges of the group of six are cut in two
+/// intervals by the groups of five's; 10x1 in groups of four, three and
+/// three; and 6x2 in two groups of three, whose ranks are not their
+/// machines' numbers. Every rank's result exact, for every type and
+/// operator, from one element (one machine's range holds it, the others'
+/// are empty) to several slices.
+#[test]
+fn machines_in_groups_reduce_in_two_levels() {
+    for (m, d, size) in [(12, 1, 4), (16, 1, 6), (10, 1, 4), (6, 2, 3)] {
+        let world = m * d;
+        let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+        let config = PlanConfig::new(64 << 10, 64).unwrap();
+        let geometry = Geometry::with_groups(topology, config, size).unwrap();
+        assert_eq!(geometry.routing(), Routing::Groups);
+        let failures = job(
+            m,
+            d,
+            |b| {
+                b.slice_bytes(64 << 10)
+                    .min_shard_bytes(64)
+                    .total_memory(1 << 20)
+                    .group_size(Some(size))
+                    .algorithm(Algorithm::Hierarchical)
+            },
+            |rank, comm| every_type_and_operator(comm, rank, world),
+        );
+        for (rank, failed) in failures.iter().enumerate() {
+            assert!(
+                failed.is_empty(),
+                "{m}x{d} in groups of {size}, rank {rank}: {failed:?}"
+            );
+        }
+    }
+}
+
 /// One element type's all-reduce on a rank, checked against the fold of every
 /// rank's input in `i64` (or `f64` for an average).
 fn check_typed<T: fairring::core::reduce::Element + PartialEq + std::fmt::Debug>(
@@ -430,50 +516,7 @@ fn many_machines_with_fewer_shards_than_machines() {
                     .total_memory(1 << 20)
                     .algorithm(Algorithm::Hierarchical)
             },
-            |rank, comm| {
-                let mut failed = Vec::new();
-                for n in [1, 1000, 6000, 40_003] {
-                    let mut run = |outcome: Result<(), String>| {
-                        if let Err(e) = outcome {
-                            failed.push(e);
-                        }
-                    };
-                    for op in [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Avg] {
-                        run(check_typed(comm, rank, world, n, op, |v| v as f32));
-                    }
-                    for op in [ReduceOp::Product, ReduceOp::Avg, ReduceOp::Max] {
-                        run(check_typed(comm, rank, world, n, op, |v| v));
-                    }
-                    for op in [ReduceOp::Sum, ReduceOp::Product] {
-                        run(check_typed(comm, rank, world, n, op, |v| v as i32));
-                    }
-                    for op in [ReduceOp::Max, ReduceOp::BitXor, ReduceOp::BitAnd] {
-                        run(check_typed(comm, rank, world, n, op, |v| v as i64));
-                    }
-                    for op in [ReduceOp::BitOr, ReduceOp::Min] {
-                        run(check_typed(comm, rank, world, n, op, |v| v as u8));
-                    }
-                    run(check_typed(comm, rank, world, n, ReduceOp::Max, |v| {
-                        v as i8
-                    }));
-                    run(check_typed(comm, rank, world, n, ReduceOp::Sum, |v| {
-                        v as i16
-                    }));
-                    // Whole numbers below 2048 (f16) and the extremes (bf16)
-                    // are exact however often partial sums are rounded.
-                    for op in [ReduceOp::Sum, ReduceOp::Max] {
-                        run(check_typed(comm, rank, world, n, op, |v| {
-                            half::f16::from_f64(v)
-                        }));
-                    }
-                    for op in [ReduceOp::Min, ReduceOp::Max] {
-                        run(check_typed(comm, rank, world, n, op, |v| {
-                            half::bf16::from_f64(v)
-                        }));
-                    }
-                }
-                failed
-            },
+            |rank, comm| every_type_and_operator(comm, rank, world),
         );
         for (rank, failed) in failures.iter().enumerate() {
             assert!(

@@ -151,3 +151,65 @@ fn ranks_that_plan_other_slices_are_refused_naming_the_peer() {
         );
     }
 }
+
+/// Machines in groups (`FAIRRING_GROUP_SIZE`) where one rank of four plans
+/// in one level: every rank is refused as the communicator is made, naming
+/// a peer that plans otherwise and the groups. A size that does not split
+/// the machines in two levels (two machines) is refused naming the
+/// variable.
+#[test]
+fn ranks_that_plan_other_groups_are_refused_and_sizes_that_split_nothing_named() {
+    let port = fairring_local_job::free_port().expect("a free port");
+    let world = 4u32;
+    let errors: Vec<Error> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                s.spawn(move || {
+                    let b = fairring::Config::builder(rank, world, "127.0.0.1", port)
+                        .host_id(format!("machine-{rank}"))
+                        .run_id(format!("groups-{port}"))
+                        .timeout(TIMEOUT.unwrap())
+                        .group_size((rank != 3).then_some(2));
+                    Communicator::new(b.build().unwrap())
+                        .err()
+                        .unwrap_or_else(|| panic!("rank {rank} was made"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, e) in errors.iter().enumerate() {
+        let said = e.to_string();
+        assert!(matches!(e, Error::Peer { .. }), "rank {rank}: {said}");
+        assert!(
+            said.contains("machines in groups of at most 2")
+                && said.contains("FAIRRING_GROUP_SIZE"),
+            "rank {rank}: {said}"
+        );
+    }
+
+    let port = fairring_local_job::free_port().expect("a free port");
+    let errors: Vec<Error> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                s.spawn(move || {
+                    let b = fairring::Config::builder(rank, 2, "127.0.0.1", port)
+                        .host_id(format!("machine-{rank}"))
+                        .run_id(format!("pair-{port}"))
+                        .timeout(TIMEOUT.unwrap())
+                        .group_size(Some(2));
+                    Communicator::new(b.build().unwrap())
+                        .err()
+                        .unwrap_or_else(|| panic!("rank {rank} was made"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, e) in errors.iter().enumerate() {
+        assert!(
+            matches!(e, Error::Config { variable, .. } if *variable == "FAIRRING_GROUP_SIZE"),
+            "rank {rank}: {e}"
+        );
+    }
+}

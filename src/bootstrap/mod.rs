@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use fairring_core::plan::{Geometry, PlanConfig};
+use fairring_core::plan::{Geometry, PlanConfig, PlanError};
 use fairring_core::topology::{Location, Topology};
 use fairring_rdma::any::AnyFabric;
 use fairring_rdma::fabric::{Endpoint, Fabric, LocalRegion, RemoteRegion};
@@ -239,11 +239,17 @@ pub(crate) fn size_staging(
     };
     let plan_for = |pc: PlanConfig| -> Result<(Geometry, BufferLayout)> {
         let slice = pc.slice_bytes();
-        let g = match config.servers {
-            0 => Geometry::new(topology, pc),
-            k => Geometry::with_servers(topology, pc, k),
+        let g = match (config.servers, config.group_size) {
+            (0, None) => Geometry::new(topology, pc),
+            (0, Some(size)) => Geometry::with_groups(topology, pc, size),
+            (k, _) => Geometry::with_servers(topology, pc, k),
         }
-        .map_err(|e| slice_error(slice, &e))?;
+        .map_err(|e| match (e, config.group_size) {
+            (PlanError::InvalidGroupSize { .. }, Some(size)) => {
+                Error::config("FAIRRING_GROUP_SIZE", size, e.to_string())
+            }
+            _ => slice_error(slice, &e),
+        })?;
         let layout = BufferLayout::new(&g, world).ok_or_else(|| {
             slice_error(
                 slice,
@@ -507,7 +513,10 @@ fn staging_terms(a: &Assembly<impl MemorySpace>) -> String {
         },
         g.min_shard_bytes(),
         a.buffers
-    )
+    ) + &match g.machine_groups() {
+        Some(groups) => format!(", machines in groups of at most {}", groups.largest()),
+        None => String::new(),
+    }
 }
 
 /// Publishes this process's [`staging_terms`] and checks them against rank
@@ -530,8 +539,8 @@ fn agree_on_staging<M: MemorySpace>(
                 p,
                 format!(
                     "plans with {}, where rank {rank} plans with {mine}: set \
-                     FAIRRING_SLICE_SIZE, FAIRRING_MIN_SHARD_SIZE and \
-                     FAIRRING_TOTAL_MEMORY alike on every rank",
+                     FAIRRING_SLICE_SIZE, FAIRRING_MIN_SHARD_SIZE, \
+                     FAIRRING_TOTAL_MEMORY and FAIRRING_GROUP_SIZE alike on every rank",
                     String::from_utf8_lossy(&theirs)
                 ),
             ));

@@ -43,9 +43,10 @@ impl Config {
     /// The job's own variables describe the job's own group only: where
     /// `rank` and `world_size` are not the job's `RANK` and `WORLD_SIZE` (a
     /// subgroup, or a group of another launcher's), `LOCAL_RANK`,
-    /// `LOCAL_WORLD_SIZE` and the dedicated servers (`FAIRRING_SERVERS`,
-    /// `FAIRRING_ROLE`) are not this group's and are not read: the
-    /// rendezvous finds the group's machines.
+    /// `LOCAL_WORLD_SIZE`, the dedicated servers (`FAIRRING_SERVERS`,
+    /// `FAIRRING_ROLE`) and the machines' groups (`FAIRRING_GROUP_SIZE`) are
+    /// not this group's and are not read: the rendezvous finds the group's
+    /// machines.
     pub(crate) fn for_group(
         rank: u32,
         world_size: u32,
@@ -63,7 +64,11 @@ impl Config {
             "FAIRRING_TIMEOUT" => timeout.clone().or_else(|| env(name)),
             // The caller's store replaces torchrun's.
             "TORCHELASTIC_USE_AGENT_STORE" => None,
-            "LOCAL_RANK" | "LOCAL_WORLD_SIZE" | "FAIRRING_SERVERS" | "FAIRRING_ROLE"
+            "LOCAL_RANK"
+            | "LOCAL_WORLD_SIZE"
+            | "FAIRRING_SERVERS"
+            | "FAIRRING_ROLE"
+            | "FAIRRING_GROUP_SIZE"
                 if !the_jobs =>
             {
                 None
@@ -142,6 +147,9 @@ impl Config {
         }
         if let Some(v) = lookup("FAIRRING_MIN_SHARD_SIZE") {
             b.config.min_shard_bytes = parse_bytes("FAIRRING_MIN_SHARD_SIZE", &v)?;
+        }
+        if let Some(v) = lookup("FAIRRING_GROUP_SIZE") {
+            b.config.group_size = Some(parse_u32("FAIRRING_GROUP_SIZE", &v)?);
         }
         if let Some(v) = lookup("FAIRRING_DIRECT_FROM") {
             b.config.direct_from = match v.trim() {

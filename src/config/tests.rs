@@ -123,6 +123,33 @@ fn servers_and_their_roles() {
 }
 
 #[test]
+fn machines_in_groups_are_named_and_refused_with_dedicated_servers() {
+    assert_eq!(Config::from_lookup(env(&[])).unwrap().group_size, None);
+    let c = Config::from_lookup(env(&[("FAIRRING_GROUP_SIZE", " 16 ")])).unwrap();
+    assert_eq!(c.group_size, Some(16));
+    refused(&[("FAIRRING_GROUP_SIZE", "sixteen")], "FAIRRING_GROUP_SIZE");
+    refused(&[("FAIRRING_GROUP_SIZE", "1")], "FAIRRING_GROUP_SIZE");
+    refused(
+        &[("FAIRRING_GROUP_SIZE", "4"), ("FAIRRING_SERVERS", "2")],
+        "FAIRRING_GROUP_SIZE",
+    );
+    // A subgroup's machines are not the job's: it reduces in one level.
+    let job = env(&[
+        ("RANK", "2"),
+        ("WORLD_SIZE", "4"),
+        ("FAIRRING_GROUP_SIZE", "2"),
+    ]);
+    assert_eq!(
+        Config::for_group(2, 4, None, &job).unwrap().group_size,
+        Some(2)
+    );
+    assert_eq!(
+        Config::for_group(1, 2, None, &job).unwrap().group_size,
+        None
+    );
+}
+
+#[test]
 fn torchruns_agent_store_and_its_attempt() {
     assert_eq!(Config::from_lookup(env(&[])).unwrap().agent_store, None);
     let off = env(&[("TORCHELASTIC_USE_AGENT_STORE", "False")]);

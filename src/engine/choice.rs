@@ -82,8 +82,9 @@
 //! - **Wire**: a compressed format applies to `f32` hierarchical calls that
 //!   cross between machines straight to the machines serving them, or go to
 //!   dedicated servers; elsewhere the call runs exact, as it does where the
-//!   job's cells go through the trees (`Routing::Trees`: rounding at every
-//!   level is not the one rounding of the sum a compressed wire promises). Where a compressed wire applies and `auto` chose another
+//!   job's cells go through the trees or its slots are reduced in groups
+//!   (`Routing::Trees`, `Routing::Groups`: rounding at every level is not the
+//!   one rounding of the sum a compressed wire promises). Where a compressed wire applies and `auto` chose another
 //!   algorithm, `auto` keeps hierarchical. A call that asks for a compressed
 //!   wire for another type than `f32`, or for a collective that moves bytes
 //!   without reducing them (broadcast, all-gather, barrier), is refused.
@@ -418,7 +419,8 @@ pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
         algorithm = Resolved::Nccl;
     }
     // Values cross compressed to dedicated servers, or straight to the
-    // machines serving them; through the trees they cross exact.
+    // machines serving them; through the trees and in groups they cross
+    // exact.
     let compresses =
         job.servers > 0 || (job.topology.machines() > 1 && job.routing == Routing::Flat);
     // Only the hierarchical algorithm compresses: `auto` keeps it where a

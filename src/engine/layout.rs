@@ -24,6 +24,11 @@
 //! slots (`p` the largest power of two at most `N`): its slices are cut to fit
 //! them in the bytes past the inbox, so the buffer is no larger for it.
 //!
+//! In groups (`Routing::Groups`) the contribution areas are the core's
+//! [`TwoLevelLayout`](fairring_core::plan::TwoLevelLayout)'s, past the slice:
+//! one per other member of the largest group, then one per other group for
+//! each of a range's two intervals (`algorithm/two_level.rs`).
+//!
 //! With dedicated servers a worker's buffer has no contribution areas (servers
 //! receive them), and a server's buffer is the core's
 //! [`ServerLayout`](fairring_core::plan::ServerLayout): one area per (slot,
@@ -31,7 +36,7 @@
 
 use std::ops::Range;
 
-use fairring_core::plan::{Geometry, InputArea, Routing};
+use fairring_core::plan::{Geometry, InputArea, MachineGroups, Routing, Span, TwoLevelLayout};
 
 use super::algorithm::doubling;
 use crate::error::{Error, Result};
@@ -64,6 +69,8 @@ pub(crate) struct BufferLayout {
     server: Option<fairring_core::plan::ServerLayout>,
     /// Bytes of a dedicated server's staging buffer (0 without servers).
     server_bytes: usize,
+    /// The two levels' areas, where the slots are reduced in groups.
+    two_level: Option<TwoLevelLayout>,
 }
 
 impl BufferLayout {
@@ -95,6 +102,10 @@ impl BufferLayout {
         let scatter_inbox = inbox.max(scatter_piece.checked_mul(world as usize)?);
         buffer_bytes = buffer_bytes
             .max(scatter_inbox.checked_add(scatter_piece.checked_mul(world as usize - 1)?)?);
+        let two_level = geometry.two_level_layout(InputArea::Slice);
+        if let Some(t) = two_level {
+            buffer_bytes = buffer_bytes.max(usize::try_from(t.total_bytes()).ok()?);
+        }
         let server = geometry.server_layout();
         let server_bytes = match server {
             Some(s) => usize::try_from(s.total_bytes()).ok()?,
@@ -113,6 +124,7 @@ impl BufferLayout {
             buffer_bytes,
             server,
             server_bytes,
+            two_level,
         })
     }
 
@@ -294,6 +306,66 @@ impl BufferLayout {
         })
     }
 
+    /// In groups, the area that receives machine `from`'s contribution to
+    /// machine `own`'s range: the two of one group.
+    pub(crate) fn within(&self, from: u32, own: u32) -> Result<Range<usize>> {
+        let area = self.two_level()?.within(from, own);
+        two_level_area(area, "contributions within a group come from a group mate")
+    }
+
+    /// In groups, the area that receives machine `from`'s partial sum of
+    /// machine `own`'s piece of its `interval`-th interval: the two of
+    /// different groups.
+    pub(crate) fn across(&self, interval: u32, from: u32, own: u32) -> Result<Range<usize>> {
+        let area = self.two_level()?.across(interval, from, own);
+        two_level_area(
+            area,
+            "partial sums across the groups come from another group",
+        )
+    }
+
+    /// In groups, the first `len` bytes of the areas that receive machine
+    /// `own`'s group mates' contributions (one fewer than its group's
+    /// members), in member order.
+    pub(crate) fn within_sources(&self, own: u32, len: usize) -> Result<Sources> {
+        let layout = self.two_level()?;
+        let groups = layout.groups();
+        let (members, member) = member_count(groups, own)?;
+        let first_member = groups
+            .machine(groups_of(groups, own)?, (member + 1) % members)
+            .map_err(|e| Error::internal("a group's members are machines", e.to_string()))?;
+        let first = self.within(first_member, own)?;
+        let stride = layout_bytes(layout.within_stride())?;
+        area_sources(first.start, stride, members - 1, member, len)
+    }
+
+    /// In groups, the first `len` bytes of the areas that receive the other
+    /// groups' partial sums of machine `own`'s piece of its `interval`-th
+    /// interval (one fewer than the groups), in group order.
+    pub(crate) fn across_sources(&self, interval: u32, own: u32, len: usize) -> Result<Sources> {
+        let layout = self.two_level()?;
+        let groups = layout.groups();
+        let group = groups_of(groups, own)?;
+        let count = groups.groups();
+        // Any machine of the next group: the area is the group's.
+        let next = groups
+            .first((group + 1) % count)
+            .map_err(|e| Error::internal("every group has a first machine", e.to_string()))?;
+        let first = self.across(interval, next, own)?;
+        let stride = layout_bytes(layout.across_stride())?;
+        area_sources(first.start, stride, count - 1, group, len)
+    }
+
+    /// The two levels' areas, where the job reduces its slots in groups.
+    fn two_level(&self) -> Result<&TwoLevelLayout> {
+        self.two_level.as_ref().ok_or_else(|| {
+            Error::internal(
+                "only a job that reduces its slots in groups asks for the two levels' areas",
+                format!("{:?}", self.core.routing()),
+            )
+        })
+    }
+
     /// Offset of the ring's receive slot for step `step`.
     pub(crate) fn ring_slot(&self, step: u32) -> Result<usize> {
         if step >= self.ring_slots {
@@ -304,6 +376,65 @@ impl BufferLayout {
         }
         Ok(self.inbox + step as usize * self.ring_slot)
     }
+}
+
+/// A two-level area's bytes, or the engine's error `why` it was refused.
+fn two_level_area(
+    area: std::result::Result<Span, fairring_core::plan::PlanError>,
+    why: &'static str,
+) -> Result<Range<usize>> {
+    let area = area.map_err(|e| Error::internal(why, e.to_string()))?;
+    area.byte_range()
+        .ok_or_else(|| Error::internal("the layout fits the address space", format!("{area:?}")))
+}
+
+/// Bytes of a layout's stride, in the address space.
+fn layout_bytes(bytes: u64) -> Result<usize> {
+    usize::try_from(bytes).map_err(|_| {
+        Error::internal(
+            "the layout fits the address space",
+            format!("{bytes} bytes"),
+        )
+    })
+}
+
+/// Machine `own`'s group.
+fn groups_of(groups: MachineGroups, own: u32) -> Result<u32> {
+    groups
+        .locate(own)
+        .map(|m| m.group)
+        .map_err(|e| Error::internal("this machine is in the job", e.to_string()))
+}
+
+/// Machine `own`'s group's members, and its index among them.
+fn member_count(groups: MachineGroups, own: u32) -> Result<(u32, u32)> {
+    let m = groups
+        .locate(own)
+        .map_err(|e| Error::internal("this machine is in the job", e.to_string()))?;
+    let members = groups
+        .size(m.group)
+        .map_err(|e| Error::internal("a machine's group exists", e.to_string()))?;
+    Ok((members, m.member))
+}
+
+/// `count` areas `stride` apart from `first`, area `i` holding party
+/// `(own + 1 + i) mod (count + 1)`, read in party order.
+fn area_sources(first: usize, stride: usize, count: u32, own: u32, len: usize) -> Result<Sources> {
+    if count == 0 || len > stride {
+        return Err(Error::internal(
+            "a machine that reduces in groups has contributions of at most a stride",
+            format!("{count} areas of {stride} bytes, {len} wanted"),
+        ));
+    }
+    let parties = count + 1;
+    // Party 0 is in area `parties - own - 1` (none where it is `own`).
+    Ok(Sources {
+        first,
+        stride,
+        count,
+        start: (parties - own % parties - 1) % count,
+        len,
+    })
 }
 
 #[cfg(test)]
@@ -335,6 +466,55 @@ mod tests {
                 assert!(sources.iter().all(|r| r.end <= layout.buffer_bytes()));
             }
         }
+    }
+
+    /// In groups, the sources of a machine's reductions are its group
+    /// mates' areas in member order, and the other groups' areas of each
+    /// interval in group order, all within the buffer; a flat job has none.
+    #[test]
+    fn two_level_sources_walk_the_members_and_the_groups_in_order() {
+        for (m, d, size) in [(4, 1, 2), (7, 2, 3), (10, 1, 4), (16, 3, 6)] {
+            let t = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+            let g = Geometry::with_groups(t, PlanConfig::new(1 << 20, 64).unwrap(), size).unwrap();
+            let groups = g.machine_groups().unwrap();
+            let layout = BufferLayout::new(&g, m * d).unwrap();
+            for own in 0..m {
+                let mine = groups.locate(own).unwrap();
+                let by_member: Vec<_> = (0..groups.size(mine.group).unwrap())
+                    .map(|j| groups.machine(mine.group, j).unwrap())
+                    .filter(|&from| from != own)
+                    .map(|from| {
+                        let a = layout.within(from, own).unwrap();
+                        a.start..a.start + 100
+                    })
+                    .collect();
+                let sources: Vec<_> = layout.within_sources(own, 100).unwrap().ranges().collect();
+                assert_eq!(
+                    sources, by_member,
+                    "{m}x{d} in groups of {size}, machine {own}"
+                );
+                for interval in 0..2 {
+                    let by_group: Vec<_> = (0..groups.groups())
+                        .filter(|&h| h != mine.group)
+                        .map(|h| {
+                            let from = groups.first(h).unwrap();
+                            let a = layout.across(interval, from, own).unwrap();
+                            a.start..a.start + 100
+                        })
+                        .collect();
+                    let sources: Vec<_> = layout
+                        .across_sources(interval, own, 100)
+                        .unwrap()
+                        .ranges()
+                        .collect();
+                    assert_eq!(sources, by_group, "{m}x{d}, machine {own}, {interval}");
+                    assert!(sources.iter().all(|r| r.end <= layout.buffer_bytes()));
+                }
+            }
+        }
+        let t = Topology::new(4, 1, RankLayout::Contiguous).unwrap();
+        let flat = Geometry::new(t, PlanConfig::new(1 << 20, 64).unwrap()).unwrap();
+        assert!(BufferLayout::new(&flat, 4).unwrap().within(0, 1).is_err());
     }
 
     #[test]

@@ -61,6 +61,7 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
             whole_up_to: 0,
             one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
             across_job: false,
+            group_size: None,
         };
         match play(
             &scenario,
@@ -137,6 +138,7 @@ fn broadcasts_and_results_land_in_receivers_windows() {
             whole_up_to: 0,
             one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
             across_job: false,
+            group_size: None,
         };
         match play(
             &scenario,
@@ -761,6 +763,7 @@ fn deep_trees_settle_with_exact_results() {
             whole_up_to: 0,
             one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
             across_job: false,
+            group_size: None,
             ops,
         };
         let topology = Topology::new(machines, devices, RankLayout::Contiguous).unwrap();
@@ -794,6 +797,89 @@ fn deep_trees_settle_with_exact_results() {
         three_parts > 30,
         "{three_parts} seeds sent cells in three parts"
     );
+}
+
+/// Hierarchical all-reduces in two levels on more machines than the seeds
+/// draw in groups (6 to 10 machines of one rank, and 4 and 6 of two, in
+/// groups of two to four: equal groups, and unequal ones whose ranges meet
+/// two intervals), over one to three buffers, in slices whose slots hold a
+/// few units or fewer than a group has members (some machines' ranges
+/// empty), and for one seed in three a rank killed at a drawn step: every
+/// rank's result exact, every survivor's error naming the victim.
+#[test]
+fn machines_in_groups_settle_with_exact_results() {
+    let (mut checked, mut expected, mut killed_seeds, mut unequal) = (0, 0, 0, 0);
+    for seed in 1..=400u64 {
+        let mut rng = Rng::new(seed);
+        let (machines, devices, size) = rng.pick(&[
+            (6, 1, 2),
+            (6, 1, 3),
+            (7, 1, 3),
+            (8, 1, 3),
+            (8, 1, 4),
+            (10, 1, 4),
+            (4, 2, 2),
+            (6, 2, 3),
+        ]);
+        let world = machines * devices;
+        let ops: Vec<Op> = (0..4)
+            .map(|_| Op {
+                elements: rng.pick(&[1, 5, 37, 300, 1000, 2500]),
+                dtype: rng.pick(&[DataType::I32, DataType::I64, DataType::F32, DataType::U8]),
+                op: rng.pick(&[ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min]),
+                algorithm: Resolved::Hierarchical,
+                wire: WireFormat::Exact,
+                origins: None,
+                share: None,
+                rooted: None,
+            })
+            .collect();
+        let killed = rng.below(3) == 0;
+        let scenario = Scenario {
+            machines,
+            devices,
+            layout: RankLayout::Contiguous,
+            servers: 0,
+            buffers: 1 + rng.below(3) as u32,
+            slice_bytes: rng.pick(&[256, 1024, 4096]),
+            min_shard_bytes: 64,
+            window: 1 + rng.below(3) as usize,
+            kill: killed.then(|| (1 + rng.below(3000), rng.below(u64::from(world)) as u32)),
+            direct: DirectSettings::from(None),
+            device: vec![false; ops.len()],
+            collectives: false,
+            whole_up_to: 0,
+            one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
+            across_job: false,
+            group_size: Some(size),
+            ops,
+        };
+        let groups = fairring_core::plan::MachineGroups::new(machines, size).unwrap();
+        let sizes: Vec<u32> = (0..groups.groups())
+            .map(|g| groups.size(g).unwrap())
+            .collect();
+        if sizes.iter().any(|&s| s != sizes[0]) {
+            unequal += 1;
+        }
+        match play(
+            &scenario,
+            &messages::Script::default(),
+            &mut rng,
+            Design::Accepted,
+            STEP_LIMIT,
+        ) {
+            // With a rank killed, `play` checks every survivor's error.
+            Ok(_) if killed => killed_seeds += 1,
+            Ok(outcome) => {
+                checked += outcome.done;
+                expected += world as usize * scenario.ops.len();
+            }
+            Err(e) => panic!("seed {seed}, {scenario:?}: {e}"),
+        }
+    }
+    assert_eq!(checked, expected, "every operation of every rank is done");
+    assert!(killed_seeds > 100, "{killed_seeds} seeds killed a rank");
+    assert!(unequal > 100, "{unequal} seeds had groups of two sizes");
 }
 
 /// The device model catches the three ways the design can break, each on a

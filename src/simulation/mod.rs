@@ -164,6 +164,8 @@ struct Outcome {
     scattered: u64,
     /// All-reduces that met on the job's communicator.
     across_job: u64,
+    /// Operations done where the machines reduce in groups.
+    in_groups: usize,
     killed: Option<u32>,
     done: usize,
     failed: usize,
@@ -227,9 +229,10 @@ fn play(
     let processes = world + servers;
     let topology = Topology::new(m, d, rank_layout).map_err(|e| e.to_string())?;
     let config = PlanConfig::new(slice_bytes, min_shard_bytes).map_err(|e| e.to_string())?;
-    let geometry = match servers {
-        0 => Geometry::new(topology, config),
-        k => Geometry::with_servers(topology, config, k),
+    let geometry = match (servers, sc.group_size) {
+        (0, None) => Geometry::new(topology, config),
+        (0, Some(size)) => Geometry::with_groups(topology, config, size),
+        (k, _) => Geometry::with_servers(topology, config, k),
     }
     .map_err(|e| e.to_string())?;
     let layout = BufferLayout::new(&geometry, world).ok_or("layout")?;
@@ -577,6 +580,9 @@ fn play(
         }
         let failed = rank.settled.iter().filter(|s| **s == Some(false)).count();
         outcome.done += rank.settled.len() - failed;
+        if sc.group_size.is_some() {
+            outcome.in_groups += rank.settled.len() - failed;
+        }
         let device_done = rank
             .settled
             .iter()
@@ -706,8 +712,9 @@ fn seeded_schedules_settle_with_exact_results() {
     let (mut device, mut collective, mut scattered, mut across_job) = (0, 0, 0, 0);
     let mut rooted = [0usize; 3];
     let (mut in_windows, mut delivered) = (0, 0);
-    let (mut messages, mut messages_local) = (0, 0);
+    let (mut messages, mut messages_local, mut in_groups) = (0, 0, 0);
     for outcome in &outcomes {
+        in_groups += outcome.in_groups;
         killed += usize::from(outcome.killed.is_some());
         steps += outcome.steps;
         done += outcome.done;
@@ -729,7 +736,8 @@ fn seeded_schedules_settle_with_exact_results() {
         "simulation: {} seeds ({killed} with a killed rank), {steps} steps, {done} operations \
          done ({device} on the simulated device, {collective} of them through a machine's \
          collectives, which reduce-scattered {scattered} slices in one call; {across_job} \
-         all-reduces met on the job's NCCL communicator), {failed} failed; \
+         all-reduces met on the job's NCCL communicator; {in_groups} where the machines reduce \
+         in groups), {failed} failed; \
          drawn as rooted forms: {reduces} reduces, {gathers} \
          gathers, {scatters} scatters; {in_windows} writes landed in a receiver's tensor; \
          {delivered} shares of results delivered; {messages} message ends done \
@@ -768,5 +776,9 @@ fn seeded_schedules_settle_with_exact_results() {
     assert!(
         seeds.len() < 100 || across_job > 0,
         "the seeds run all-reduces on the job's NCCL communicator"
+    );
+    assert!(
+        seeds.len() < 100 || in_groups > 0,
+        "the seeds run operations where the machines reduce in groups"
     );
 }

@@ -225,6 +225,10 @@ pub(super) struct Scenario {
     /// all-reduces that NCCL reduces run as the job's NCCL all-reduce
     /// ([`Resolved::Nccl`]).
     pub(super) across_job: bool,
+    /// Machines in groups of at most this many, where the hierarchical
+    /// all-reduce runs in two levels (`Routing::Groups`): four machines in
+    /// pairs, for half the seeds of four machines without servers.
+    pub(super) group_size: Option<u32>,
 }
 
 impl Scenario {
@@ -395,6 +399,9 @@ impl Scenario {
                 op.algorithm = Resolved::Nccl;
             }
         }
+        // Machines in groups: drawn from a side stream, as above.
+        let group_size =
+            (m == 4 && servers == 0 && rng.side(0x6772_6f75).below(2) == 0).then_some(2);
         Scenario {
             machines: m,
             devices: d,
@@ -412,6 +419,7 @@ impl Scenario {
             whole_up_to,
             one_reduce_scatter_from,
             across_job,
+            group_size,
         }
     }
 

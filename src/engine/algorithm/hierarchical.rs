@@ -513,7 +513,7 @@ fn alone(ctx: &Context<'_>) -> bool {
 }
 
 /// A refused event: a peer's fault if a peer's write caused it, else the engine's.
-fn refused(e: StagingError, from: Option<u32>, s: &SliceInfo<'_>) -> Error {
+pub(super) fn refused(e: StagingError, from: Option<u32>, s: &SliceInfo<'_>) -> Error {
     match (from, e.kind()) {
         (Some(peer), StagingErrorKind::NotInRole | StagingErrorKind::Duplicate) => Error::peer(
             peer,

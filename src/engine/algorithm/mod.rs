@@ -13,6 +13,9 @@
 //!
 //! - [`hierarchical`]: the reduction-server all-reduce of the seeds, driven by the
 //!   core's staging word;
+//! - [`two_level`]: the same all-reduce where the job reduces its slots in
+//!   groups of machines (`Routing::Groups`): within each group, then across
+//!   the groups, a staging word per level;
 //! - [`ring`]: the ring all-reduce (the Horovod/Gloo/NCCL baseline);
 //! - [`doubling`]: recursive doubling, the all-reduce of small slices in
 //!   `log2 N` exchanges;
@@ -45,6 +48,7 @@ mod relay;
 mod ring;
 mod scatter;
 mod serve;
+mod two_level;
 
 use std::ops::Range;
 
@@ -62,6 +66,7 @@ pub(crate) use relay::{
 pub(crate) use ring::Ring;
 pub(crate) use scatter::Scatter;
 pub(crate) use serve::{Serve, ServeScratch};
+pub(crate) use two_level::TwoLevel;
 
 use super::layout::BufferLayout;
 use super::tags::Kind;
@@ -409,6 +414,8 @@ pub(crate) enum DeviceCopy {
 pub(crate) enum SliceAlgorithm {
     /// [`hierarchical`].
     Hierarchical(Hierarchical),
+    /// [`two_level`]: [`Resolved::Hierarchical`] in groups.
+    TwoLevel(TwoLevel),
     /// [`ring`].
     Ring(Ring),
     /// [`relay`].
@@ -439,6 +446,9 @@ impl SliceAlgorithm {
             )?));
         }
         Ok(match algorithm {
+            Resolved::Hierarchical if in_groups(s) => {
+                SliceAlgorithm::TwoLevel(TwoLevel::start(ctx, s, steps)?)
+            }
             Resolved::Hierarchical => {
                 SliceAlgorithm::Hierarchical(Hierarchical::start(ctx, s, steps)?)
             }
@@ -459,6 +469,7 @@ impl SliceAlgorithm {
     ) -> Result<DeviceUse> {
         device_slice(ctx, s)?;
         Ok(match algorithm {
+            Resolved::Hierarchical if in_groups(s) => TwoLevel::device_use(),
             Resolved::Hierarchical => Hierarchical::device_use(ctx),
             Resolved::Ring | Resolved::Doubling => DeviceUse::default(),
             Resolved::Relay => Relay::device_use(ctx, s)?,
@@ -496,6 +507,7 @@ impl SliceAlgorithm {
     ) -> Result<()> {
         match self {
             SliceAlgorithm::Hierarchical(h) => h.on_event(ctx, s, event, steps),
+            SliceAlgorithm::TwoLevel(t) => t.on_event(ctx, s, event, steps),
             SliceAlgorithm::Ring(r) => r.on_event(ctx, s, event, steps),
             SliceAlgorithm::Relay(r) => r.on_event(ctx, s, event, steps),
             SliceAlgorithm::Doubling(r) => r.on_event(ctx, s, event, steps),
@@ -515,7 +527,7 @@ impl SliceAlgorithm {
     /// Which algorithm it is.
     pub(crate) fn resolved(&self) -> Resolved {
         match self {
-            SliceAlgorithm::Hierarchical(_) => Resolved::Hierarchical,
+            SliceAlgorithm::Hierarchical(_) | SliceAlgorithm::TwoLevel(_) => Resolved::Hierarchical,
             SliceAlgorithm::Ring(_) => Resolved::Ring,
             SliceAlgorithm::Relay(_) => Resolved::Relay,
             SliceAlgorithm::Doubling(_) => Resolved::Doubling,
@@ -538,6 +550,7 @@ impl SliceAlgorithm {
     pub(crate) fn phase(&self) -> &'static str {
         match self {
             SliceAlgorithm::Hierarchical(h) => h.phase(),
+            SliceAlgorithm::TwoLevel(t) => t.phase(),
             SliceAlgorithm::Ring(r) => r.phase(),
             SliceAlgorithm::Relay(r) => r.phase(),
             SliceAlgorithm::Doubling(r) => r.phase(),
@@ -546,6 +559,12 @@ impl SliceAlgorithm {
             SliceAlgorithm::Nccl(v) => v.phase(),
         }
     }
+}
+
+/// Whether the slice's slots are reduced in groups (`Routing::Groups`): its
+/// hierarchical all-reduce runs in two levels.
+fn in_groups(s: &SliceInfo<'_>) -> bool {
+    s.slice.machine_groups().is_some()
 }
 
 /// Refuses to describe a slice no device tensor runs: a dedicated server's,

@@ -294,6 +294,15 @@ fn through_the_trees_a_compressed_wire_runs_exact() {
     let through = choose(call, &trees).unwrap();
     assert_eq!(through.algorithm, Resolved::Hierarchical);
     assert_eq!(through.wire, WireFormat::Exact);
+    let groups = Job {
+        routing: Routing::Groups,
+        ..flat
+    };
+    let in_groups = choose(call, &groups).unwrap();
+    assert_eq!(
+        (in_groups.algorithm, in_groups.wire),
+        (Resolved::Hierarchical, WireFormat::Exact)
+    );
     // `auto` keeps the hierarchical all-reduce for a wire it would use, not
     // for one it would not: two machines of one device double small ones.
     let small = Call {
