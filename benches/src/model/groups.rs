@@ -1,11 +1,13 @@
-//! A study of a two-level plan the engine does not run: machines in groups,
-//! reduction servers within a group and then across groups, along rails.
+//! A study of a two-level plan: machines in groups, reduction servers within
+//! a group and then across groups, along rails.
 //!
 //! This row answers whether the plan should change past the machines the
 //! flat plan serves (issue: "two-level reduction servers"); it is not what
-//! `hierarchical` (the engine's plan) does. fairring-core holds its
-//! arithmetic (`MachineGroups`), but no routing takes it and the engine
-//! does not run it.
+//! `hierarchical` (the engine's default plan) does. fairring-core holds its
+//! arithmetic (`MachineGroups`, `Routing::Groups`) and the engine runs it
+//! where a job asks for it (`FAIRRING_GROUP_SIZE`); nothing chooses it by
+//! default yet, and the study's slices are not yet the engine's in groups
+//! (below).
 //!
 //! The `M` machines form `Q = ceil(M / G)` groups of consecutive machines,
 //! of `ceil(M / Q)` or `floor(M / Q)` machines each (fairring-core's

@@ -82,8 +82,9 @@ pub enum Algo {
     NcclNvlsTree,
     /// Whichever of NCCL's algorithms and protocols its tuner would run.
     NcclBest,
-    /// A study of a two-level plan the engine does not run ([`groups`]):
-    /// reduction servers within groups of machines, then across the groups.
+    /// A study of a two-level plan the engine runs only where a job asks
+    /// ([`groups`]): reduction servers within groups of machines, then
+    /// across the groups.
     Groups,
 }
 
@@ -99,8 +100,8 @@ impl Algo {
         Algo::NcclBest,
     ];
 
-    /// Plans studied in the model that the engine does not run, asked for by
-    /// name only (not in [`Algo::ALL`]).
+    /// Plans studied in the model that the engine does not run by default,
+    /// asked for by name only (not in [`Algo::ALL`]).
     pub const STUDIES: [Algo; 1] = [Algo::Groups];
 
     /// The name used on the command line and in tables.
