@@ -104,8 +104,8 @@ pub use communicator::{
     Call, Collective, Communicator, Memory, Options, OwnedWork, Scope, Tensor, TensorMut, Work,
 };
 pub use config::{
-    Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Launcher, NcclAcrossMachines,
-    Role, Staging,
+    Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Grouping, Launcher,
+    NcclAcrossMachines, Role, Staging,
 };
 pub use engine::links::Traffic;
 pub use engine::{NCCL_ACROSS_UP_TO_MACHINES, nccl_across_job};

@@ -5,7 +5,7 @@
 mod common;
 
 use common::{SERVER_LAYOUTS, job, job_with_servers, small_slices};
-use fairring::{Algorithm, ReduceOp};
+use fairring::{Algorithm, Grouping, ReduceOp};
 use fairring_core::DataType;
 use fairring_core::plan::{Geometry, Plan, PlanConfig, Routing};
 use fairring_core::topology::{RankLayout, Topology};
@@ -411,22 +411,28 @@ fn every_type_and_operator(comm: &fairring::Communicator, rank: u32, world: u32)
 fn machines_in_groups_reduce_in_two_levels() {
     for (m, d, size) in [(12, 1, 4), (16, 1, 6), (10, 1, 4), (6, 2, 3)] {
         let world = m * d;
+        let tune = |b: fairring::ConfigBuilder| {
+            b.slice_bytes(64 << 10)
+                .min_shard_bytes(64)
+                .total_memory(1 << 20)
+                .grouping(Grouping::AtMost(size))
+                .algorithm(Algorithm::Hierarchical)
+        };
+        // What the communicator plans with, from the same configuration.
         let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
-        let config = PlanConfig::new(64 << 10, 64).unwrap();
-        let geometry = Geometry::with_groups(topology, config, size).unwrap();
-        assert_eq!(geometry.routing(), Routing::Groups);
-        let failures = job(
-            m,
-            d,
-            |b| {
-                b.slice_bytes(64 << 10)
-                    .min_shard_bytes(64)
-                    .total_memory(1 << 20)
-                    .group_size(Some(size))
-                    .algorithm(Algorithm::Hierarchical)
-            },
-            |rank, comm| every_type_and_operator(comm, rank, world),
+        let staging = tune(fairring::Config::builder(0, world, "127.0.0.1", 1))
+            .build()
+            .unwrap()
+            .staging(topology)
+            .unwrap();
+        assert_eq!(staging.geometry.routing(), Routing::Groups);
+        assert_eq!(
+            staging.geometry.machine_groups().map(|g| g.largest()),
+            Some(size)
         );
+        let failures = job(m, d, tune, |rank, comm| {
+            every_type_and_operator(comm, rank, world)
+        });
         for (rank, failed) in failures.iter().enumerate() {
             assert!(
                 failed.is_empty(),

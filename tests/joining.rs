@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use fairring::{Communicator, Error, JobId, ReduceOp};
+use fairring::{Communicator, Error, Grouping, JobId, ReduceOp};
 
 const TIMEOUT: Option<Duration> = Some(Duration::from_secs(20));
 
@@ -169,7 +169,11 @@ fn ranks_that_plan_other_groups_are_refused_and_sizes_that_split_nothing_named()
                         .host_id(format!("machine-{rank}"))
                         .run_id(format!("groups-{port}"))
                         .timeout(TIMEOUT.unwrap())
-                        .group_size((rank != 3).then_some(2));
+                        .grouping(if rank == 3 {
+                            Grouping::OneLevel
+                        } else {
+                            Grouping::AtMost(2)
+                        });
                     Communicator::new(b.build().unwrap())
                         .err()
                         .unwrap_or_else(|| panic!("rank {rank} was made"))
@@ -197,7 +201,7 @@ fn ranks_that_plan_other_groups_are_refused_and_sizes_that_split_nothing_named()
                         .host_id(format!("machine-{rank}"))
                         .run_id(format!("pair-{port}"))
                         .timeout(TIMEOUT.unwrap())
-                        .group_size(Some(2));
+                        .grouping(Grouping::AtMost(2));
                     Communicator::new(b.build().unwrap())
                         .err()
                         .unwrap_or_else(|| panic!("rank {rank} was made"))

@@ -1,8 +1,9 @@
 //! After warm-up, an all-reduce allocates nothing, on any thread of any rank.
 //!
 //! Each test launches a job of processes (this test binary, re-executed with
-//! the rank in its environment): 2x2, and 2x1, where hierarchical all-reduces
-//! send from their tensors. Each rank counts heap allocations in its whole
+//! the rank in its environment): 2x2; 2x1, where hierarchical all-reduces
+//! send from their tensors; and 4x1 in pairs (`FAIRRING_GROUP_SIZE=2`), where
+//! they run in two levels. Each rank counts heap allocations in its whole
 //! process (progress thread and fabric I/O thread included) across the 10th to
 //! 20th of 20 identical all-reduces, for each algorithm, and fails if any
 //! happened.
@@ -39,13 +40,29 @@ fn no_allocation_per_all_reduce_sent_from_its_tensor() {
     }
 }
 
+/// Four machines in pairs: the hierarchical all-reduces run in two levels.
+#[test]
+fn no_allocation_per_all_reduce_in_groups() {
+    let test = "no_allocation_per_all_reduce_in_groups";
+    match rank_of_job(test) {
+        Some(comm) => warm_all_reduces_allocate_nothing(&comm),
+        None => launch_with(test, 4, 1, &[("FAIRRING_GROUP_SIZE", "2")]),
+    }
+}
+
 /// Runs `test`'s ranks as an `m x d` job of processes.
 fn launch(test: &str, m: u32, d: u32) {
-    let env = [
+    launch_with(test, m, d, &[]);
+}
+
+/// [`launch`], with `more` in every rank's environment.
+fn launch_with(test: &str, m: u32, d: u32, more: &[(&str, &str)]) {
+    let mut env = vec![
         ("FAIRRING_TIMEOUT", "60".to_owned()),
         ("FAIRRING_SLICE_SIZE", "1M".to_owned()),
         ("FAIRRING_TOTAL_MEMORY", "8M".to_owned()),
     ];
+    env.extend(more.iter().map(|&(k, v)| (k, v.to_owned())));
     ProcessJob::run(test, m, d, &env, Duration::from_secs(120));
 }
 

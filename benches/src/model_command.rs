@@ -313,12 +313,19 @@ fn run(o: &Options) -> Result<(), String> {
 /// module docs).
 fn print_row(gpus: u64, job: &Job, p: &Prediction, breakdown: Option<&Hardware>) {
     let (k, buffers, messages) = match p.traffic {
-        // A `t` marks shards that go through the trees.
+        // A `t` marks shards that go through the trees, a `g` the largest
+        // group where the slots are reduced in groups.
         Some(t) => (
             format!(
                 "{}{}",
                 t.shards_per_full_slice,
-                if t.through_trees { "t" } else { "" }
+                if t.through_trees {
+                    "t"
+                } else if t.in_groups {
+                    "g"
+                } else {
+                    ""
+                }
             ),
             t.staging_buffers.to_string(),
             t.messages_sent.to_string(),
@@ -383,7 +390,13 @@ fn write_json(path: &str, hw: &Hardware, rows: &[Row]) -> std::io::Result<()> {
                 "algbw_gbps": r.prediction.algbw_gbps,
                 "busbw_gbps": r.prediction.busbw_gbps,
                 "shards_per_full_slice": t.map(|t| t.shards_per_full_slice),
-                "routing": t.map(|t| if t.through_trees { "trees" } else { "flat" }),
+                "routing": t.map(|t| if t.through_trees {
+                    "trees"
+                } else if t.in_groups {
+                    "groups"
+                } else {
+                    "flat"
+                }),
                 "staging_buffers": t.map(|t| t.staging_buffers),
                 "messages_sent": t.map(|t| t.messages_sent),
                 "bytes_sent": t.map(|t| t.bytes_sent),

@@ -29,7 +29,8 @@ fn log_size(max_log2: u32) -> impl Strategy<Value = u64> {
 
 prop_compose! {
     /// A geometry of a given slice size, or (one in four) of the default
-    /// slices, which the routing picks.
+    /// slices in one level, which the routing picks (flat or through the
+    /// trees; groups have properties of their own, `groups_props.rs`).
     fn geometry()(m in machines(), d in 1u32..=16, slice in log_size(26), min_shard in log_size(20),
                   default_slices in prop::bool::weighted(0.25))
         -> Geometry
@@ -37,7 +38,7 @@ prop_compose! {
         let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
         let slice = slice.max(u64::from(d) * ALIGN_BYTES);
         let config = if default_slices {
-            PlanConfig::with_default_slices(min_shard).unwrap()
+            PlanConfig::with_default_slices(min_shard).unwrap().in_one_level()
         } else {
             PlanConfig::new(slice, min_shard).unwrap()
         };
@@ -469,7 +470,10 @@ fn adaptive_sharding_examples() {
     assert_eq!(g.shards_per_full_slice(), 50);
     // 64 machines x 8 devices: a 3.125 MiB slot would hold only 50 shards of
     // 64 KiB, so the default slices widen to 32 MiB, whose 4 MiB slot gives
-    // each of the 64 machines one; at 65 machines the cells go through the trees.
+    // each of the 64 machines one; at 65 machines the machines form groups
+    // (three of 22, 22 and 21), in 32 MiB slices, a 64 MiB tensor in four
+    // of 16 MiB and 100 MiB in four of 25 MiB; in one level, the cells go
+    // through the trees.
     let topo = Topology::new(64, 8, RankLayout::Contiguous).unwrap();
     let g = Geometry::new(topo, PlanConfig::default()).unwrap();
     assert_eq!(g.routing(), Routing::Flat);
@@ -477,6 +481,14 @@ fn adaptive_sharding_examples() {
     assert_eq!(g.shards_per_full_slice(), 64);
     let topo = Topology::new(65, 8, RankLayout::Contiguous).unwrap();
     let g = Geometry::new(topo, PlanConfig::default()).unwrap();
+    assert_eq!(g.routing(), Routing::Groups);
+    let groups = g.machine_groups().unwrap();
+    assert_eq!((groups.groups(), groups.largest()), (3, 22));
+    assert_eq!(g.full_slice_bytes(), 32 << 20);
+    assert_eq!(g.shards_per_full_slice(), 1);
+    assert_eq!(g.slice_bytes_for(64 << 20), 16 << 20);
+    assert_eq!(g.slice_bytes_for(100 << 20), 25 << 20);
+    let g = Geometry::new(topo, PlanConfig::default().in_one_level()).unwrap();
     assert_eq!(g.routing(), Routing::Trees);
     assert_eq!(g.full_slice_bytes(), 20 << 20);
     // A 64 MiB tensor there goes in four slices of 16 MiB, 100 MiB in five of
@@ -484,11 +496,15 @@ fn adaptive_sharding_examples() {
     assert_eq!(g.slice_bytes_for(64 << 20), 16 << 20);
     assert_eq!(g.slice_bytes_for(100 << 20), 20 << 20);
     // 512 machines x 8 devices (4096 GPUs): where a fixed M-way split would cut
-    // 6.25 KiB shards, the cells go through the trees, half a slot each, in the
-    // default slices of the trees (20 MiB), and a staging buffer holds the slot
-    // and two children's halves.
+    // 6.25 KiB shards, the machines form 11 groups of 47 or 46; in one level, the
+    // cells go through the trees, half a slot each, in the default slices of
+    // the trees (20 MiB), and a staging buffer holds the slot and two
+    // children's halves.
     let topo = Topology::new(512, 8, RankLayout::Contiguous).unwrap();
     let g = Geometry::new(topo, PlanConfig::default()).unwrap();
+    let groups = g.machine_groups().unwrap();
+    assert_eq!((groups.groups(), groups.largest()), (11, 47));
+    let g = Geometry::new(topo, PlanConfig::default().in_one_level()).unwrap();
     assert_eq!(g.routing(), Routing::Trees);
     assert_eq!(g.full_slice_bytes(), 20 << 20);
     assert_eq!(g.shards_per_full_slice(), 2);
@@ -733,9 +749,12 @@ proptest! {
     /// The default slices are 25 MiB's geometry exactly where that is flat or
     /// served by dedicated servers. Where 25 MiB slices would go through the
     /// trees, they are the geometry of 32 MiB slices given where that is flat
-    /// (every machine serving a shard), and else that of 20 MiB slices given,
-    /// which go through the trees too, its configuration still the default's.
-    /// Its configuration makes it again.
+    /// (every machine serving a shard), and else, where the machines make two
+    /// levels in groups of at most 32 (half the machines where fewer), the
+    /// geometry in such groups of 32 MiB slices, its configuration still the
+    /// default's; in one level, or where they make no two levels, that of
+    /// 20 MiB slices given, which go through the trees too, its
+    /// configuration still the default's. Its configuration makes it again.
     #[test]
     fn default_slices_widen_to_stay_flat_then_shrink_through_the_trees(
         m in machines(), d in 1u32..=16, min_shard in log_size(20), servers in 0u32..=8
@@ -745,10 +764,20 @@ proptest! {
             0 => Geometry::new(topo, config),
             k => Geometry::with_servers(topo, config, k),
         }.unwrap();
-        let defaults = make(PlanConfig::with_default_slices(min_shard).unwrap());
+        let default_slices = PlanConfig::with_default_slices(min_shard).unwrap();
+        let defaults = make(default_slices);
+        let one_level = make(default_slices.in_one_level());
         let large = make(PlanConfig::new(25 << 20, min_shard).unwrap());
         let wide = make(PlanConfig::new(32 << 20, min_shard).unwrap());
         prop_assert_eq!(make(defaults.config()), defaults);
+        prop_assert_eq!(make(one_level.config()), one_level);
+        if defaults.routing() != Routing::Groups {
+            // The same plan, but for the configuration's flag.
+            prop_assert_eq!(one_level.routing(), defaults.routing());
+            prop_assert_eq!(one_level.full_slice_bytes(), defaults.full_slice_bytes());
+            prop_assert_eq!(one_level.shards_per_full_slice(), defaults.shards_per_full_slice());
+            prop_assert_eq!(one_level.staging_layout(), defaults.staging_layout());
+        }
         if large.routing() == Routing::Flat {
             prop_assert_eq!(defaults.routing(), Routing::Flat);
             prop_assert_eq!(defaults.full_slice_bytes(), large.full_slice_bytes());
@@ -764,23 +793,38 @@ proptest! {
             prop_assert!(!defaults.config().slice_by_routing());
         } else {
             prop_assert_eq!(servers, 0);
+            let size = (m / 2).min(PlanConfig::DEFAULT_GROUP_SIZE);
+            match fairring_core::plan::MachineGroups::new(m, size) {
+                Ok(groups) => {
+                    prop_assert_eq!(defaults.routing(), Routing::Groups);
+                    prop_assert_eq!(defaults.machine_groups(), Some(groups));
+                    prop_assert_eq!(defaults.config().slice_bytes(), 32 << 20);
+                    prop_assert!(defaults.config().slice_by_routing());
+                    prop_assert!(defaults.full_slice_bytes() <= 32 << 20);
+                    let given = Geometry::with_groups(topo, default_slices, size).unwrap();
+                    prop_assert_eq!(given, defaults);
+                }
+                Err(_) => prop_assert_eq!(defaults.routing(), Routing::Trees),
+            }
             let trees = make(PlanConfig::new(20 << 20, min_shard).unwrap());
-            prop_assert_eq!(defaults.routing(), Routing::Trees);
-            prop_assert_eq!(defaults.config().slice_bytes(), 20 << 20);
+            prop_assert_eq!(one_level.routing(), Routing::Trees);
+            prop_assert_eq!(one_level.config().slice_bytes(), 20 << 20);
             // Still the default's: small tensors are cut.
-            prop_assert!(defaults.config().slice_by_routing());
-            prop_assert_eq!(defaults.full_slice_bytes(), trees.full_slice_bytes());
-            prop_assert_eq!(defaults.shards_per_full_slice(), trees.shards_per_full_slice());
-            prop_assert_eq!(defaults.staging_layout(), trees.staging_layout());
-            prop_assert!(defaults.full_slice_bytes() <= 20 << 20);
+            prop_assert!(one_level.config().slice_by_routing());
+            prop_assert_eq!(one_level.full_slice_bytes(), trees.full_slice_bytes());
+            prop_assert_eq!(one_level.shards_per_full_slice(), trees.shards_per_full_slice());
+            prop_assert_eq!(one_level.staging_layout(), trees.staging_layout());
+            prop_assert!(one_level.full_slice_bytes() <= 20 << 20);
         }
     }
 
     /// Wherever a slot of 25 MiB holds fewer shards of the minimum than there
     /// are machines and a slot of 32 MiB holds as many, the default slices are
     /// 32 MiB on the flat plan, every machine serving a shard of at least the
-    /// minimum of every full slot; one machine more, and the cells go through
-    /// the trees in 20 MiB slices.
+    /// minimum of every full slot; one machine more, and the machines form
+    /// groups in 32 MiB slices where they make two levels (in one level, or
+    /// where they make none, the cells go through the trees in 20 MiB
+    /// slices).
     #[test]
     fn default_slices_widen_where_32_mib_gives_every_machine_a_shard(
         d in 1u32..=16, min_shard in log_size(20), pick in any::<u64>()
@@ -804,6 +848,17 @@ proptest! {
         if most < largest_job {
             let one_more = Topology::new(u32::try_from(most + 1).unwrap(), d, RankLayout::Contiguous).unwrap();
             let g = Geometry::new(one_more, defaults).unwrap();
+            let m = one_more.machines();
+            let size = (m / 2).min(PlanConfig::DEFAULT_GROUP_SIZE);
+            if fairring_core::plan::MachineGroups::new(m, size).is_ok() {
+                prop_assert_eq!(g.routing(), Routing::Groups);
+                prop_assert_eq!(g.config().slice_bytes(), 32 << 20);
+                prop_assert!(g.full_slice_bytes() <= 32 << 20);
+            } else {
+                // Too few machines for two levels.
+                prop_assert_eq!(g.routing(), Routing::Trees);
+            }
+            let g = Geometry::new(one_more, defaults.in_one_level()).unwrap();
             prop_assert_eq!(g.routing(), Routing::Trees);
             prop_assert!(g.full_slice_bytes() <= 20 << 20);
         }

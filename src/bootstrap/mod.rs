@@ -16,7 +16,7 @@ pub(crate) use late_links::start_linker;
 pub(crate) use open_fabric::choice_of;
 pub(crate) use progress::{start_progress, stop_progress};
 
-use crate::config::{Config, DEFAULT_TOTAL_MEMORY};
+use crate::config::{Config, DEFAULT_TOTAL_MEMORY, Grouping};
 use crate::engine::Wiring;
 use crate::engine::layout::BufferLayout;
 use crate::engine::tags::MAX_BUFFERS;
@@ -239,13 +239,13 @@ pub(crate) fn size_staging(
     };
     let plan_for = |pc: PlanConfig| -> Result<(Geometry, BufferLayout)> {
         let slice = pc.slice_bytes();
-        let g = match (config.servers, config.group_size) {
-            (0, None) => Geometry::new(topology, pc),
-            (0, Some(size)) => Geometry::with_groups(topology, pc, size),
+        let g = match (config.servers, config.grouping) {
+            (0, Grouping::AtMost(size)) => Geometry::with_groups(topology, pc, size),
+            (0, grouping) => Geometry::new(topology, grouping.plan_config(pc)),
             (k, _) => Geometry::with_servers(topology, pc, k),
         }
-        .map_err(|e| match (e, config.group_size) {
-            (PlanError::InvalidGroupSize { .. }, Some(size)) => {
+        .map_err(|e| match (e, config.grouping) {
+            (PlanError::InvalidGroupSize { .. }, Grouping::AtMost(size)) => {
                 Error::config("FAIRRING_GROUP_SIZE", size, e.to_string())
             }
             _ => slice_error(slice, &e),
@@ -627,7 +627,7 @@ fn assemble<M: MemorySpace>(
 
 #[cfg(test)]
 mod tests {
-    use fairring_core::plan::Routing;
+    use fairring_core::plan::{InputArea, Routing};
     use fairring_core::topology::RankLayout;
 
     use super::*;
@@ -667,9 +667,20 @@ mod tests {
             (32 << 20, 4.max(FEWEST_DEFAULT_BUFFERS))
         );
         assert_eq!(g.staging_layout().total_bytes(), 12_455_872);
-        // 65x8, through the trees in 20 MiB slices: a 2.5 MiB slot and two
-        // areas of 1.25 MiB and a line: 5,243,008 bytes, 9 of them.
-        let (g, _, buffers) = unset(65, 8, &|b| b);
+        // 65x8, in groups of 22, 22 and 21 in 32 MiB slices: a 4 MiB slot
+        // (65,536 units), 21 areas within of its largest range (3,121 units,
+        // odd: 199,744 bytes) and 2 x 2 across of its largest piece (1,041
+        // units: 66,624 bytes): 8,655,424 bytes, 6 of them.
+        let (g, layout, buffers) = unset(65, 8, &|b| b);
+        assert_eq!((g.full_slice_bytes(), buffers), (32 << 20, 6));
+        let two_level = g.two_level_layout(InputArea::Slot).unwrap();
+        assert_eq!(two_level.total_bytes(), 8_655_424);
+        // The engine's buffer holds the whole slice before the same areas
+        // (and the ring's receive slots over them: 67,069,376 bytes).
+        assert!(layout.buffer_bytes() >= 8_655_424 + 28 * (1 << 20));
+        // In one level, through the trees in 20 MiB slices: a 2.5 MiB slot
+        // and two areas of 1.25 MiB and a line: 5,243,008 bytes, 9 of them.
+        let (g, _, buffers) = unset(65, 8, &|b| b.grouping(Grouping::OneLevel));
         assert_eq!((g.full_slice_bytes(), buffers), (20 << 20, 9));
         assert_eq!(g.staging_layout().total_bytes(), 5_243_008);
         // 2x2: a 12.5 MiB slot and one area of 6.25 MiB: two of them, so 50
@@ -732,12 +743,29 @@ mod tests {
         assert_eq!(g.full_slice_bytes(), 32 << 20);
         assert!(buffers >= 2);
         // 65 machines: a 32 MiB slice's slot holds 64 shards of 64 KiB, so the
-        // cells go through the trees, in 20 MiB slices by default.
+        // machines form groups, in 32 MiB slices by default; in one level the
+        // cells go through the trees, in 20 MiB slices.
         let deep = Topology::new(65, 8, RankLayout::Contiguous).unwrap();
         let (g, _, buffers) = size_staging(&config(520, |b| b), deep).unwrap();
+        assert_eq!(g.routing(), Routing::Groups);
+        assert_eq!(g.full_slice_bytes(), 32 << 20);
+        assert!(buffers >= 2);
+        let (g, _, buffers) =
+            size_staging(&config(520, |b| b.grouping(Grouping::OneLevel)), deep).unwrap();
         assert_eq!(g.routing(), Routing::Trees);
         assert_eq!(g.full_slice_bytes(), 20 << 20);
         assert!(buffers >= 2);
+        // Groups asked for: of at most 5 machines, 13 of them, in 32 MiB
+        // slices; a size that makes no two levels is named.
+        let (g, _, _) =
+            size_staging(&config(520, |b| b.grouping(Grouping::AtMost(5))), deep).unwrap();
+        assert_eq!(g.machine_groups().map(|groups| groups.groups()), Some(13));
+        assert_eq!(g.full_slice_bytes(), 32 << 20);
+        let refused = size_staging(&config(520, |b| b.grouping(Grouping::AtMost(40))), deep);
+        assert!(
+            matches!(&refused, Err(Error::Config { variable, .. }) if *variable == "FAIRRING_GROUP_SIZE"),
+            "{refused:?}"
+        );
         // 8 machines: flat, 25 MiB.
         let flat = Topology::new(8, 8, RankLayout::Contiguous).unwrap();
         let (g, _, _) = size_staging(&config(64, |b| b), flat).unwrap();

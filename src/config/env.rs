@@ -7,7 +7,7 @@ use fairring_core::WireFormat;
 
 use super::launchers::{LaunchedJob, RECOGNISED_BY};
 use super::parse::{parse_bytes, parse_duration, parse_u32};
-use super::{Config, JobSecret, Role, VerbsKnobs, parse_flag};
+use super::{Config, Grouping, JobSecret, Role, VerbsKnobs, parse_flag};
 use crate::error::{Error, Result};
 
 /// The process's `LOCAL_RANK` as a group's configuration sees it, which
@@ -149,7 +149,17 @@ impl Config {
             b.config.min_shard_bytes = parse_bytes("FAIRRING_MIN_SHARD_SIZE", &v)?;
         }
         if let Some(v) = lookup("FAIRRING_GROUP_SIZE") {
-            b.config.group_size = Some(parse_u32("FAIRRING_GROUP_SIZE", &v)?);
+            b.config.grouping = match v.trim() {
+                "auto" => Grouping::Auto,
+                "off" => Grouping::OneLevel,
+                _ => Grouping::AtMost(parse_u32("FAIRRING_GROUP_SIZE", &v).map_err(|_| {
+                    Error::config(
+                        "FAIRRING_GROUP_SIZE",
+                        &v,
+                        "expected `auto`, `off` or a number of machines",
+                    )
+                })?),
+            };
         }
         if let Some(v) = lookup("FAIRRING_DIRECT_FROM") {
             b.config.direct_from = match v.trim() {

@@ -12,7 +12,7 @@
 //! | `FAIRRING_TOTAL_MEMORY` | staging memory per rank, bytes (`K`/`M`/`G` suffixes) | where slices cross the network, as many buffers as the original's 50 MiB held, where more than 2 (at most 16); else 50 MiB ([`DEFAULT_TOTAL_MEMORY`]) |
 //! | `FAIRRING_SLICE_SIZE` | largest slice, bytes; the same on every rank, as the budget and the minimum shard are (a rank that plans otherwise is refused) | 25 MiB, 20 MiB through the trees; a tensor of fewer than four full slices in four, no smaller than 16 MiB (`Geometry::slice_bytes_for`); halved while the budget would hold fewer than 2 buffers (halved slices count as given) |
 //! | `FAIRRING_MIN_SHARD_SIZE` | smallest shard, bytes | 64 KiB |
-//! | `FAIRRING_GROUP_SIZE` | reduce every hierarchical all-reduce in two levels, within groups of at most this many machines and then across the groups (from 2 to half the machines, leaving no group of one; no dedicated servers); the same on every rank | unset: one level (flat, or through the trees) |
+//! | `FAIRRING_GROUP_SIZE` | how the machines are grouped for the hierarchical all-reduce (see [`Grouping`]): `auto`; `off` (one level: flat, or through the trees); or `N`, two levels, within groups of at most `N` machines and then across the groups (from 2 to half the machines, leaving no group of one; no dedicated servers); the same on every rank | `auto`: groups of at most 48 machines where the default slices would otherwise go through the trees |
 //! | `FAIRRING_DIRECT_FROM` | size from which an all-reduce of a host tensor sends from the tensor instead of staging it, where the fabric registers memory to send from (tcp), by hierarchical between machines of one rank each or by the ring, and so does a broadcast's root (a message's sender) relaying over machines of one rank each; between two such machines the broadcast's chunks and the all-reduce's results land in the receivers' tensors too; bytes, or `never` | 256 KiB |
 //! | `FAIRRING_SOCKET_IFNAME` | interface the fabric listens on | the one that reaches `MASTER_ADDR` |
 //! | `FAIRRING_TIMEOUT` | rendezvous and peer-silence bound (`30`, `2.5s`, `500ms`, `5min`) | 300 s |
@@ -63,6 +63,7 @@
 mod device_local;
 mod env;
 mod fabric_choice;
+mod grouping;
 mod launchers;
 mod nccl_across_machines;
 mod parse;
@@ -77,6 +78,7 @@ use crate::error::{Error, Result};
 pub use device_local::DeviceLocal;
 pub use fabric_choice::FabricChoice;
 pub(crate) use fabric_choice::{VerbsKnobs, verbs_not_built};
+pub use grouping::Grouping;
 pub use launchers::Launcher;
 pub use nccl_across_machines::NcclAcrossMachines;
 
@@ -166,9 +168,8 @@ pub struct Config {
     pub(crate) total_memory: Option<u64>,
     pub(crate) slice_bytes: Option<u64>,
     pub(crate) min_shard_bytes: u64,
-    /// The largest group of machines where the hierarchical all-reduce runs
-    /// in two levels (`None`: one level).
-    pub(crate) group_size: Option<u32>,
+    /// How the machines are grouped for the hierarchical all-reduce.
+    pub(crate) grouping: Grouping,
     /// The size from which an all-reduce may send from its tensor (`None`:
     /// never).
     pub(crate) direct_from: Option<u64>,
@@ -241,7 +242,7 @@ impl Config {
                 total_memory: None,
                 slice_bytes: None,
                 min_shard_bytes: fairring_core::plan::PlanConfig::DEFAULT_MIN_SHARD_BYTES,
-                group_size: None,
+                grouping: Grouping::Auto,
                 direct_from: Some(DEFAULT_DIRECT_FROM),
                 tcp_receive_buffer: DEFAULT_TCP_RECEIVE_BUFFER,
                 socket_ifname: None,
@@ -402,15 +403,12 @@ impl ConfigBuilder {
         self
     }
 
-    /// Reduce every hierarchical all-reduce in two levels: within groups of
-    /// at most `machines` machines, then across the groups
-    /// (`FAIRRING_GROUP_SIZE`; `None`, the default: one level). The groups
-    /// are as even as can be; the size must be from 2 to half the job's
-    /// machines and leave no group of one, and the job must have no
-    /// dedicated servers, or making the communicator fails naming the
-    /// variable.
-    pub fn group_size(mut self, machines: Option<u32>) -> Self {
-        self.config.group_size = machines;
+    /// How the machines are grouped for the hierarchical all-reduce
+    /// (`FAIRRING_GROUP_SIZE`; see [`Grouping`]). A size that does not make
+    /// two levels of the job's machines, or groups with dedicated servers,
+    /// fails naming the variable.
+    pub fn grouping(mut self, grouping: Grouping) -> Self {
+        self.config.grouping = grouping;
         self
     }
 
@@ -608,7 +606,7 @@ impl ConfigBuilder {
                 format!("must be between {floor} and {max_slice} bytes"),
             ));
         }
-        if let Some(size) = self.config.group_size {
+        if let Grouping::AtMost(size) = self.config.grouping {
             if size < 2 {
                 return Err(Error::config(
                     "FAIRRING_GROUP_SIZE",

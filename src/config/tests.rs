@@ -124,9 +124,22 @@ fn servers_and_their_roles() {
 
 #[test]
 fn machines_in_groups_are_named_and_refused_with_dedicated_servers() {
-    assert_eq!(Config::from_lookup(env(&[])).unwrap().group_size, None);
-    let c = Config::from_lookup(env(&[("FAIRRING_GROUP_SIZE", " 16 ")])).unwrap();
-    assert_eq!(c.group_size, Some(16));
+    let grouping = |pairs: &[(&str, &str)]| Config::from_lookup(env(pairs)).unwrap().grouping;
+    assert_eq!(grouping(&[]), Grouping::Auto);
+    assert_eq!(
+        grouping(&[("FAIRRING_GROUP_SIZE", " 16 ")]),
+        Grouping::AtMost(16)
+    );
+    assert_eq!(grouping(&[("FAIRRING_GROUP_SIZE", "auto")]), Grouping::Auto);
+    assert_eq!(
+        grouping(&[("FAIRRING_GROUP_SIZE", "off")]),
+        Grouping::OneLevel
+    );
+    // One level, or the default, with servers: they serve flat.
+    assert_eq!(
+        grouping(&[("FAIRRING_GROUP_SIZE", "off"), ("FAIRRING_SERVERS", "2")]),
+        Grouping::OneLevel
+    );
     refused(&[("FAIRRING_GROUP_SIZE", "sixteen")], "FAIRRING_GROUP_SIZE");
     refused(&[("FAIRRING_GROUP_SIZE", "1")], "FAIRRING_GROUP_SIZE");
     refused(
@@ -140,12 +153,12 @@ fn machines_in_groups_are_named_and_refused_with_dedicated_servers() {
         ("FAIRRING_GROUP_SIZE", "2"),
     ]);
     assert_eq!(
-        Config::for_group(2, 4, None, &job).unwrap().group_size,
-        Some(2)
+        Config::for_group(2, 4, None, &job).unwrap().grouping,
+        Grouping::AtMost(2)
     );
     assert_eq!(
-        Config::for_group(1, 2, None, &job).unwrap().group_size,
-        None
+        Config::for_group(1, 2, None, &job).unwrap().grouping,
+        Grouping::Auto
     );
 }
 

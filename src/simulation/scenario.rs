@@ -402,6 +402,12 @@ impl Scenario {
         // Machines in groups: drawn from a side stream, as above.
         let group_size =
             (m == 4 && servers == 0 && rng.side(0x6772_6f75).below(2) == 0).then_some(2);
+        if group_size.is_some() {
+            // As the communicator submits them: exact in groups.
+            for op in &mut ops {
+                op.wire = WireFormat::Exact;
+            }
+        }
         Scenario {
             machines: m,
             devices: d,

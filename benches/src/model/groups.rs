@@ -47,9 +47,7 @@
 //! the default ones and their cut, neither rounded to a whole number of
 //! cells per machine.
 
-use fairring_core::plan::{
-    ALIGN_BYTES, Geometry, MachineGroups, Plan, PlanConfig, PlanError, Slice,
-};
+use fairring_core::plan::{Geometry, MachineGroups, Plan, PlanConfig, PlanError, Slice};
 use fairring_core::topology::{RankLayout, Topology};
 
 use super::events::{Schedule, TaskId};
@@ -160,28 +158,84 @@ pub fn predict_with(hw: &Hardware, job: &Job, g: u32) -> Result<Prediction, Mode
     let staging = flat.staging(0)?;
     let stages = Stages::new(hw, job);
     let slices = slices(job, flat.slicing, &stages)?;
+    run(
+        hw,
+        job,
+        Algo::Groups,
+        stages,
+        &slices,
+        staging.buffers,
+        Members::new(job.machines, g)?,
+    )
+}
+
+/// The engine's own plan where its geometry reduces the slots in groups
+/// (`Routing::Groups`): the schedule of [`predict_with`] over the engine's
+/// slices, buffers and groups (`staging`, as the engine sizes them),
+/// reported as [`Algo::Hierarchical`].
+pub(super) fn predict_engine(
+    hw: &Hardware,
+    job: &Job,
+    staging: &fairring::Staging,
+) -> Result<Prediction, ModelError> {
+    let geometry = staging.geometry;
+    let groups = geometry
+        .machine_groups()
+        .ok_or_else(|| ModelError::InvalidJob("the engine's geometry forms no groups".into()))?;
+    let stages = Stages::new(hw, job);
+    let slices = super::stages::slices(&geometry, job, &stages)?;
+    let members = Members::new(job.machines, groups.largest())?;
+    if members.plan != groups {
+        return Err(ModelError::InvalidJob(format!(
+            "groups of at most {} are not the engine's {groups:?}",
+            groups.largest()
+        )));
+    }
+    run(
+        hw,
+        job,
+        Algo::Hierarchical,
+        stages,
+        &slices,
+        staging.buffers,
+        members,
+    )
+}
+
+/// `slices` (each with the time its tensor was submitted) in two levels over
+/// `groups`, with `buffers` staging buffers, reported as `algo`.
+fn run(
+    hw: &Hardware,
+    job: &Job,
+    algo: Algo,
+    stages: Stages,
+    slices: &[(Slice, f64)],
+    buffers: u32,
+    groups: Members,
+) -> Result<Prediction, ModelError> {
     let rail = hw.rail(job.devices);
     let post = hw.post_seconds();
     let costs = Costs {
         stages,
         rail,
         post,
-        buffers: staging.buffers.max(1) as usize,
-        groups: Members::new(job.machines, g)?,
+        buffers: buffers.max(1) as usize,
+        groups,
     };
     let mut schedule = Schedule::default();
     let mut machines = Machine::many(&mut schedule, job.machines);
-    for (slice, submitted) in &slices {
+    for (slice, submitted) in slices {
         add(&costs, &mut schedule, &mut machines, slice, *submitted)?;
     }
     schedule.run();
     let traffic = Traffic {
         slices: slices.len() as u64,
         shards_per_full_slice: costs.groups.plan.largest(),
-        staging_buffers: staging.buffers,
+        staging_buffers: buffers,
+        in_groups: true,
         ..Traffic::default()
     };
-    report(Algo::Groups, job, &schedule, &machines, costs.rail, traffic)
+    report(algo, job, &schedule, &machines, costs.rail, traffic)
 }
 
 /// The slices of `job`'s tensors under `slicing`, each with the time its
@@ -282,23 +336,20 @@ fn add(
     let plan = &groups.plan;
     let q = groups.of_group.len();
     let group_of = &groups.group_of;
-    // The plan cuts a slot in units of `ALIGN_BYTES`; the tail of a tensor's
-    // last slot (less than a unit) goes with its last unit.
-    let slot = slice.slot(0)?.byte_len();
-    let units = (slot / ALIGN_BYTES).max(u64::from(slot > 0));
-    let byte = |unit: u64| {
-        if unit >= units {
-            slot
-        } else {
-            unit * ALIGN_BYTES
-        }
+    // The plan cuts a slot in units of `ALIGN_BYTES`, a last part of a unit
+    // counted whole, as the engine does (`Slice::group_units`).
+    let slot_span = slice.slot(0)?;
+    let units = slice.group_units(0)?;
+    let bytes_of = |r: std::ops::Range<u64>| -> Result<std::ops::Range<u64>, ModelError> {
+        let span = slice.slot_units_span(0, r)?;
+        let start = span.byte_offset() - slot_span.byte_offset();
+        Ok(start..start + span.byte_len())
     };
-    let bytes_of = |r: std::ops::Range<u64>| byte(r.start)..byte(r.end);
     let mut range = vec![0..0; m_count];
     for group in 0..plan.groups() {
         for member in 0..plan.size(group)? {
             let m = plan.machine(group, member)? as usize;
-            range[m] = bytes_of(plan.range(units, group, member)?);
+            range[m] = bytes_of(plan.range(units, group, member)?)?;
         }
     }
     let len = |r: &std::ops::Range<u64>| r.end - r.start;
@@ -379,7 +430,7 @@ fn add(
             holders.push((group, plan.machine(group, member)? as usize));
         }
         for &(group, reducer) in &holders {
-            let piece = len(&bytes_of(plan.piece(&interval, group)?));
+            let piece = len(&bytes_of(plan.piece(&interval, group)?)?);
             if piece == 0 {
                 continue;
             }

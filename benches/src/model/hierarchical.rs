@@ -141,6 +141,9 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
         return Ok(p);
     }
     let staging = job.staging(0)?;
+    if staging.geometry.machine_groups().is_some() {
+        return super::groups::predict_engine(hw, job, &staging);
+    }
     let geometry = staging.geometry;
     let buffers = staging.buffers;
     let costs = Costs {

@@ -251,6 +251,9 @@ pub struct Traffic {
     /// Whether the plan routes the cells through its two trees
     /// (`Routing::Trees`), not straight to their servers.
     pub through_trees: bool,
+    /// Whether the plan reduces the slots in groups (`Routing::Groups`);
+    /// [`Traffic::shards_per_full_slice`] is then the largest group.
+    pub in_groups: bool,
     /// Staging buffers per GPU, hence slices in flight.
     pub staging_buffers: u32,
     /// Messages rail 0 of the busiest machine sent between machines.

@@ -15,6 +15,8 @@ pub struct PlanConfig {
     /// [`PlanConfig::DEFAULT_TREE_SLICE_BYTES`] where it routes through the
     /// trees ([`PlanConfig::with_default_slices`]).
     slice_by_routing: bool,
+    /// The default slices never reduce in groups ([`PlanConfig::in_one_level`]).
+    one_level: bool,
 }
 
 impl PlanConfig {
@@ -62,6 +64,24 @@ impl PlanConfig {
     /// busbw this way, against 246 in 25 MiB slices, and leaves tensors of
     /// 100 MiB and more in 25 MiB slices, which suit them best.
     pub const MIN_SLICES_PER_TENSOR: u64 = 4;
+    /// The largest group of machines where the default slices reduce in two
+    /// levels ([`Routing::Groups`]): 48 machines. With the default slices,
+    /// where even the wide flat slices give some machine no shard of the
+    /// minimum size (past 64 machines of 8 GPUs at the 64 KiB minimum), the
+    /// machines form groups of at most this many (half the machines, where
+    /// that is fewer) in [`PlanConfig::WIDE_FLAT_SLICE_BYTES`] slices,
+    /// instead of going through the trees.
+    ///
+    /// The scale model (`docs/scale-model.md`) at every multiple of 8 H100s
+    /// from 520 to 2048, at 64 MiB, 256 MiB and 1 GiB: this rule runs at 1.07
+    /// to 1.19 times the trees' busbw at 64 MiB, and at 0.97 to 1.06 times
+    /// at 256 MiB and 1 GiB (below 1 at about 50 of the 192 counts, where the
+    /// groups are unequal); against NCCL's best as its tuner predicts it, at
+    /// 1.09 to 1.22 times at 64 MiB and 1.00 to 1.10 times at the larger
+    /// sizes. Groups of at most 32 ran ahead of the trees at 64 MiB but at
+    /// 0.94 times them (0.97 times NCCL's best) at 256 MiB; of at most 64,
+    /// ahead at 256 MiB and at 0.94 times them at 64 MiB.
+    pub const DEFAULT_GROUP_SIZE: u32 = 48;
     /// Default smallest shard: 64 KiB. Below this, the per-message cost of the
     /// inter-machine step outweighs spreading the load over more servers.
     pub const DEFAULT_MIN_SHARD_BYTES: u64 = 64 << 10;
@@ -76,6 +96,7 @@ impl PlanConfig {
         slice_bytes: Self::DEFAULT_SLICE_BYTES,
         min_shard_bytes: Self::DEFAULT_MIN_SHARD_BYTES,
         slice_by_routing: true,
+        one_level: false,
     };
 
     /// A configuration with slices of at most `slice_bytes` and shards of at least
@@ -94,14 +115,20 @@ impl PlanConfig {
             slice_bytes,
             min_shard_bytes,
             slice_by_routing: false,
+            one_level: false,
         })
     }
 
     /// A configuration with the default slices and shards of at least
     /// `min_shard_bytes`: slices of at most [`PlanConfig::DEFAULT_SLICE_BYTES`],
-    /// or of [`PlanConfig::DEFAULT_TREE_SLICE_BYTES`] where a [`Geometry`] made
-    /// from it routes the cells through the trees ([`Routing::Trees`]). A slice
-    /// size given with [`PlanConfig::new`] is kept whatever the routing.
+    /// or of [`PlanConfig::WIDE_FLAT_SLICE_BYTES`] where a [`Geometry`] made
+    /// from it needs them to give every machine a shard (flat) or forms groups
+    /// ([`Routing::Groups`], [`PlanConfig::DEFAULT_GROUP_SIZE`]), or of
+    /// [`PlanConfig::DEFAULT_TREE_SLICE_BYTES`] where it routes the cells
+    /// through the trees ([`Routing::Trees`]: a configuration
+    /// [`PlanConfig::in_one_level`]). A slice size given with
+    /// [`PlanConfig::new`] is kept whatever the routing, and never forms
+    /// groups by itself.
     pub const fn with_default_slices(min_shard_bytes: u64) -> Result<PlanConfig, PlanError> {
         match PlanConfig::new(Self::DEFAULT_SLICE_BYTES, min_shard_bytes) {
             Ok(config) => Ok(PlanConfig {
@@ -115,6 +142,21 @@ impl PlanConfig {
     /// Whether the slice size is the default's, chosen by the routing.
     pub const fn slice_by_routing(&self) -> bool {
         self.slice_by_routing
+    }
+
+    /// The same configuration, whose default slices go through the trees
+    /// where they would otherwise reduce in groups
+    /// ([`PlanConfig::DEFAULT_GROUP_SIZE`]): one level always.
+    pub const fn in_one_level(self) -> PlanConfig {
+        PlanConfig {
+            one_level: true,
+            ..self
+        }
+    }
+
+    /// Whether it keeps one level ([`PlanConfig::in_one_level`]).
+    pub const fn is_one_level(&self) -> bool {
+        self.one_level
     }
 
     /// The largest slice, in bytes, as given.
@@ -196,12 +238,23 @@ impl Geometry {
     /// two levels ([`Routing::Groups`]) over the machines in groups of at
     /// most `size` ([`MachineGroups::new`], which refuses a size that does
     /// not make two levels with [`PlanError::InvalidGroupSize`]). Every slot
-    /// is one cell; the machines serve.
+    /// is one cell; the machines serve. The default slices are the wide
+    /// ones ([`PlanConfig::WIDE_FLAT_SLICE_BYTES`], cut for small tensors),
+    /// as where [`Geometry::new`] forms groups itself
+    /// ([`PlanConfig::DEFAULT_GROUP_SIZE`]).
     pub const fn with_groups(
         topology: Topology,
         config: PlanConfig,
         size: u32,
     ) -> Result<Geometry, PlanError> {
+        let config = if config.slice_by_routing {
+            PlanConfig {
+                slice_bytes: PlanConfig::WIDE_FLAT_SLICE_BYTES,
+                ..config
+            }
+        } else {
+            config
+        };
         match MachineGroups::new(topology.machines(), size) {
             Ok(groups) => Geometry::build(topology, config, 0, Some(groups)),
             Err(e) => Err(e),
@@ -273,8 +326,28 @@ impl Geometry {
                     slice_bytes: PlanConfig::WIDE_FLAT_SLICE_BYTES,
                     min_shard_bytes: config.min_shard_bytes,
                     slice_by_routing: false,
+                    one_level: config.one_level,
                 };
                 return Geometry::build(topology, wide, servers, None);
+            }
+            // Past the wide flat slices: groups, in wide slices (cut for
+            // small tensors), where the machines make two levels.
+            let machines = topology.machines();
+            let size = if machines / 2 < PlanConfig::DEFAULT_GROUP_SIZE {
+                machines / 2
+            } else {
+                PlanConfig::DEFAULT_GROUP_SIZE
+            };
+            if !config.one_level
+                && let Ok(groups) = MachineGroups::new(machines, size)
+            {
+                let wide = PlanConfig {
+                    slice_bytes: PlanConfig::WIDE_FLAT_SLICE_BYTES,
+                    min_shard_bytes: config.min_shard_bytes,
+                    slice_by_routing: true,
+                    one_level: false,
+                };
+                return Geometry::build(topology, wide, servers, Some(groups));
             }
         }
         if let Routing::Trees = routing
@@ -289,6 +362,7 @@ impl Geometry {
                 slice_bytes: PlanConfig::DEFAULT_TREE_SLICE_BYTES,
                 min_shard_bytes: config.min_shard_bytes,
                 slice_by_routing: true,
+                one_level: config.one_level,
             };
             return Geometry::build(topology, trees, servers, None);
         }
@@ -323,9 +397,11 @@ impl Geometry {
     }
 
     /// How the cells travel between machines: [`Routing::Groups`] where the
-    /// geometry was made [`Geometry::with_groups`]; else [`Routing::Trees`]
-    /// where the machines serve and a full slot, cut into shards of at least
-    /// the minimum size, has fewer shards than there are machines; else
+    /// geometry was made [`Geometry::with_groups`], or where the default
+    /// slices would go through the trees and the machines make two levels
+    /// ([`PlanConfig::DEFAULT_GROUP_SIZE`]); else [`Routing::Trees`] where
+    /// the machines serve and a full slot, cut into shards of at least the
+    /// minimum size, has fewer shards than there are machines; else
     /// [`Routing::Flat`].
     pub const fn routing(&self) -> Routing {
         self.routing

@@ -276,20 +276,29 @@ impl TwoLevel {
         from: Option<u32>,
         steps: &mut Vec<Step>,
     ) -> Result<()> {
-        // At most: the event, a `ReduceScatterDone` per word across, an
-        // `AllGatherDone` per word across and one of each within.
-        let mut queue = Vec::with_capacity(2 + 2 * MOST);
-        queue.push((level, event, from));
-        let mut next = 0;
-        while let Some(&(level, event, from)) = queue.get(next) {
-            next += 1;
+        let mut queue = Queue::default();
+        queue.push(level, event, from)?;
+        while let Some((level, event, from)) = queue.pop() {
             let word = match level {
                 Level::Within => &mut self.within,
                 Level::Across(i) => &mut self.across[i as usize],
             };
-            let (stepped, actions) = word
-                .on_event(event, s.generation)
-                .map_err(|e| refused(e, from, s))?;
+            let (stepped, actions) =
+                word.on_event(event, s.generation).map_err(|e| match from {
+                    // The engine delivers each write once, of this slice's
+                    // generation: a write its word refuses (a duplicate, one for
+                    // a word that has released, one before its word began) is
+                    // the peer's.
+                    Some(peer) => Error::peer(
+                        peer,
+                        format!(
+                            "a write into slice {} that its word in groups refuses ({e}): the \
+                         ranks' operations differ, or the peer broke the protocol",
+                            s.number
+                        ),
+                    ),
+                    None => refused(e, None, s),
+                })?;
             *word = stepped;
             match level {
                 Level::Within => self.act_within(ctx, s, actions, &mut queue, steps)?,
@@ -305,7 +314,7 @@ impl TwoLevel {
         ctx: &Context<'_>,
         s: &SliceInfo<'_>,
         actions: Actions,
-        queue: &mut Vec<(Level, Event, Option<u32>)>,
+        queue: &mut Queue,
         steps: &mut Vec<Step>,
     ) -> Result<()> {
         let me = self.roles.membership();
@@ -341,7 +350,7 @@ impl TwoLevel {
         }
         if actions.contains(Actions::START_SEND_UP) {
             for i in 0..self.intervals {
-                queue.push((Level::Across(i), Event::ReduceScatterDone, None));
+                queue.push(Level::Across(i), Event::ReduceScatterDone, None)?;
             }
         }
         if actions.contains(Actions::START_SEND_BACK) {
@@ -377,7 +386,7 @@ impl TwoLevel {
         s: &SliceInfo<'_>,
         i: u32,
         actions: Actions,
-        queue: &mut Vec<(Level, Event, Option<u32>)>,
+        queue: &mut Queue,
         steps: &mut Vec<Step>,
     ) -> Result<()> {
         let across = self
@@ -436,16 +445,16 @@ impl TwoLevel {
         if actions.contains(Actions::START_ALL_GATHER) {
             // Nothing to gather at this level; once every piece of the range
             // is final, the range is.
-            queue.push((Level::Across(i), Event::AllGatherDone, None));
+            queue.push(Level::Across(i), Event::AllGatherDone, None)?;
             self.across_final += 1;
             if self.across_final == self.intervals {
-                queue.push((Level::Within, Event::ParentResultReceived, None));
+                queue.push(Level::Within, Event::ParentResultReceived, None)?;
             }
         }
         if actions.contains(Actions::RELEASE) {
             self.across_released += 1;
             if self.across_released == self.intervals {
-                queue.push((Level::Within, Event::PartialSent, None));
+                queue.push(Level::Within, Event::PartialSent, None)?;
             }
         }
         Ok(())
@@ -538,6 +547,40 @@ impl TwoLevel {
         } else {
             "draining its sends"
         }
+    }
+}
+
+/// The events one event leads to among a slice's words, in order, without
+/// allocating: at most the event itself, a `ReduceScatterDone` and an
+/// `AllGatherDone` per word across, and `ParentResultReceived` and
+/// `PartialSent` within.
+#[derive(Default)]
+struct Queue {
+    events: [Option<(Level, Event, Option<u32>)>; QUEUED],
+    pushed: usize,
+    popped: usize,
+}
+
+/// Most events one event leads to ([`Queue`]).
+const QUEUED: usize = 3 + 2 * MOST;
+
+impl Queue {
+    fn push(&mut self, level: Level, event: Event, from: Option<u32>) -> Result<()> {
+        let slot = self.events.get_mut(self.pushed).ok_or_else(|| {
+            Error::internal(
+                "one event of a slice in groups leads to a bounded number of others",
+                format!("more than {QUEUED}"),
+            )
+        })?;
+        *slot = Some((level, event, from));
+        self.pushed += 1;
+        Ok(())
+    }
+
+    fn pop(&mut self) -> Option<(Level, Event, Option<u32>)> {
+        let next = self.events.get_mut(self.popped)?.take()?;
+        self.popped += 1;
+        Some(next)
     }
 }
 

@@ -1,0 +1,39 @@
+//! How a job's machines are grouped for the hierarchical all-reduce
+//! (`FAIRRING_GROUP_SIZE`).
+
+use fairring_core::plan::PlanConfig;
+
+/// How the machines of a job are grouped for the hierarchical all-reduce:
+/// in one level (flat, or through the trees), or in two levels, within
+/// groups of machines and then across them (`Routing::Groups` of
+/// fairring-core).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Grouping {
+    /// The default: in the default slices, where even the wide flat slices
+    /// leave some machine without a shard of the minimum size (past 64
+    /// machines of 8 GPUs at the 64 KiB minimum), groups of at most
+    /// [`PlanConfig::DEFAULT_GROUP_SIZE`] machines (half the machines, where
+    /// fewer); one level elsewhere, and in slices given
+    /// (`FAIRRING_SLICE_SIZE`). `FAIRRING_GROUP_SIZE=auto`, or unset.
+    #[default]
+    Auto,
+    /// One level always: where the default slices would form groups, the
+    /// cells go through the trees instead. `FAIRRING_GROUP_SIZE=off`.
+    OneLevel,
+    /// Groups of at most this many machines, as even as can be, whatever
+    /// the slices: from 2 to half the machines, leaving no group of one, and
+    /// only where the machines serve (no dedicated servers).
+    /// `FAIRRING_GROUP_SIZE=N`.
+    AtMost(u32),
+}
+
+impl Grouping {
+    /// The configuration a geometry of this grouping is made from, where
+    /// it forms no groups itself ([`Grouping::AtMost`] does).
+    pub(crate) fn plan_config(self, config: PlanConfig) -> PlanConfig {
+        match self {
+            Grouping::OneLevel => config.in_one_level(),
+            Grouping::Auto | Grouping::AtMost(_) => config,
+        }
+    }
+}
