@@ -652,7 +652,10 @@ fn hierarchical_reaches_its_bandwidth_bound_when_nothing_else_costs() {
 /// the model: per slice, a contribution per shard served elsewhere and, on a
 /// server, a result to each other machine; through trees, per shard and part
 /// of its cell, one message up to the parent (but at the root) and one down to
-/// each child.
+/// each child; in groups, each other member's nonempty range and, for a
+/// nonempty range, the range to every other member, and per interval of the
+/// range each other group's nonempty piece to its holder and, for a
+/// nonempty piece, the piece to every other holder.
 fn sent_by_plan(job: &Job) -> Vec<(u64, u64)> {
     let geometry = job.staging(0).unwrap().geometry;
     let mut sent = vec![(0u64, 0u64); job.machines as usize];
@@ -661,6 +664,10 @@ fn sent_by_plan(job: &Job) -> Vec<(u64, u64)> {
         let plan = Plan::new(&geometry, job.dtype, job.elements(), rotation).unwrap();
         rotation = plan.next_rotation();
         for slice in plan.slices() {
+            if let Some(groups) = slice.machine_groups() {
+                sent_in_groups(&slice, groups, &mut sent);
+                continue;
+            }
             for cell in slice.cells().filter(|c| c.device() == 0) {
                 let bytes = cell.span().byte_len();
                 for (m, s) in sent.iter_mut().enumerate() {
@@ -689,6 +696,56 @@ fn sent_by_plan(job: &Job) -> Vec<(u64, u64)> {
         }
     }
     sent
+}
+
+/// [`sent_by_plan`] for a slice in groups: rail 0 of every machine.
+fn sent_in_groups(
+    slice: &fairring_core::plan::Slice,
+    groups: fairring_core::plan::MachineGroups,
+    sent: &mut [(u64, u64)],
+) {
+    let units = slice.group_units(0).unwrap();
+    let bytes = |r: std::ops::Range<u64>| slice.slot_units_span(0, r).unwrap().byte_len();
+    let mut send = |m: u32, b: u64| {
+        if b > 0 {
+            sent[m as usize].0 += 1;
+            sent[m as usize].1 += b;
+        }
+    };
+    for group in 0..groups.groups() {
+        let members = groups.size(group).unwrap();
+        for member in 0..members {
+            let m = groups.machine(group, member).unwrap();
+            let own = groups.range(units, group, member).unwrap();
+            for other in (0..members).filter(|&j| j != member) {
+                send(m, bytes(groups.range(units, group, other).unwrap()));
+                send(m, bytes(own.clone()));
+            }
+            // The intervals of its range: cut where another group's range
+            // starts or ends inside it.
+            let mut cuts = vec![own.start, own.end];
+            for h in 0..groups.groups() {
+                for j in 0..groups.size(h).unwrap() {
+                    let r = groups.range(units, h, j).unwrap();
+                    for at in [r.start, r.end] {
+                        if own.start < at && at < own.end {
+                            cuts.push(at);
+                        }
+                    }
+                }
+            }
+            cuts.sort_unstable();
+            cuts.dedup();
+            for w in cuts.windows(2) {
+                let interval = w[0]..w[1];
+                let mine = groups.piece(&interval, group).unwrap();
+                for h in (0..groups.groups()).filter(|&h| h != group) {
+                    send(m, bytes(groups.piece(&interval, h).unwrap()));
+                    send(m, bytes(mine.clone()));
+                }
+            }
+        }
+    }
 }
 
 #[test]
@@ -723,22 +780,35 @@ fn predictions_consume_the_real_plan() {
             let geometry = staging.geometry;
             assert_eq!(t.staging_buffers, staging.buffers);
             assert!(staging.buffers >= 1);
-            assert_eq!(t.shards_per_full_slice, geometry.shards_per_full_slice());
             assert_eq!(t.through_trees, geometry.routing() == Routing::Trees);
-            // 256 machines of 8 GPUs go through the trees at the adaptive
-            // slicing, never at the original's.
-            assert_eq!(t.through_trees, m == 256 && !original);
+            assert_eq!(t.in_groups, geometry.routing() == Routing::Groups);
+            // 256 machines of 8 GPUs form groups at the adaptive slicing,
+            // never at the original's.
+            assert_eq!(t.in_groups, m == 256 && !original);
+            let largest = geometry.machine_groups().map(|g| g.largest());
+            assert_eq!(
+                t.shards_per_full_slice,
+                largest.unwrap_or(geometry.shards_per_full_slice())
+            );
         }
     }
 }
 
 #[test]
 fn the_minimum_shard_changes_the_prediction_through_the_plan() {
-    // At 256 machines the adaptive rule cuts a 25 MiB slice into fewer shards than
-    // machines; the original's slicing uses one per machine.
+    // At 256 machines in one level the adaptive rule cuts a 20 MiB slice into
+    // fewer shards than machines (through the trees); the original's slicing
+    // uses one per machine; by default the machines form groups, which send
+    // fewer messages than the original too.
     let hw = h100();
-    let adaptive = Job::new(256, 8, 256 * MIB);
+    let mut adaptive = Job::new(256, 8, 256 * MIB);
     let original = adaptive.original();
+    let grouped = predict(&hw, &adaptive, Algo::Hierarchical)
+        .unwrap()
+        .traffic
+        .unwrap();
+    assert!(grouped.in_groups);
+    adaptive.slicing = adaptive.slicing.in_one_level();
     let a = predict(&hw, &adaptive, Algo::Hierarchical)
         .unwrap()
         .traffic
@@ -751,7 +821,9 @@ fn the_minimum_shard_changes_the_prediction_through_the_plan() {
     assert_eq!(a.shards_per_full_slice, plan_k(&adaptive));
     assert_eq!(o.shards_per_full_slice, 256);
     assert!(a.shards_per_full_slice < 256);
+    assert!(a.through_trees);
     assert!(a.messages_sent < o.messages_sent);
+    assert!(grouped.messages_sent < o.messages_sent);
 }
 
 /// With dedicated servers the model cuts slots as the engine does

@@ -225,6 +225,9 @@ impl Job {
         if !self.slicing.slice_by_routing() {
             builder = builder.slice_bytes(self.slicing.slice_bytes());
         }
+        if self.slicing.is_one_level() {
+            builder = builder.grouping(fairring::Grouping::OneLevel);
+        }
         builder
             .build()
             .and_then(|config| config.staging(topology))
