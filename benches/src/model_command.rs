@@ -25,8 +25,8 @@
 //! `--plan-only` runs the plan where the engine would run an all-reduce as one
 //! NCCL all-reduce across the job (`FAIRRING_NCCL_ACROSS_MACHINES=off`).
 //!
-//! `--algo groups` adds a study of a plan the engine runs only where a job
-//! asks for it (`FAIRRING_GROUP_SIZE`: two levels of reduction servers, `model::groups`; `all` leaves it out), its groups of
+//! `--algo groups` adds a study of the two-level plan over group sizes of its
+//! own choice (the engine's is `FAIRRING_GROUP_SIZE`: two levels of reduction servers, `model::groups`; `all` leaves it out), its groups of
 //! `--group G` machines (default: the study's own choice); its `k` column is
 //! the largest group's size.
 
@@ -79,7 +79,7 @@ fn usage(error: &str) -> ! {
          [--original] [--plan-only] [--breakdown] [--json PATH] [--plot PATH] \
          [--plot-gpus N] [--plot-bytes N]\n       \
          fairring-bench model --calibrate BENCH.json [--calibrate-algo NAME] [--preset NAME]\n\
-         algorithms: {}; studies of plans the engine does not run by default: {}",
+         algorithms: {}; studies: {}",
         Algo::ALL.map(Algo::name).join(", "),
         Algo::STUDIES.map(Algo::name).join(", ")
     );

@@ -496,14 +496,30 @@ fn adaptive_sharding_examples() {
     assert_eq!(g.slice_bytes_for(64 << 20), 16 << 20);
     assert_eq!(g.slice_bytes_for(100 << 20), 20 << 20);
     // 512 machines x 8 devices (4096 GPUs): where a fixed M-way split would cut
-    // 6.25 KiB shards, the machines form 11 groups of 47 or 46; in one level, the
+    // 6.25 KiB shards, the machines form 16 groups of 32; in one level, the
     // cells go through the trees, half a slot each, in the default slices of
     // the trees (20 MiB), and a staging buffer holds the slot and two
     // children's halves.
+    // The default group size, by hand: 256 machines in 8 groups of 32; 252
+    // in 7 of 36 (32 would make 8 unequal ones, 40 makes 7 equal); 100 in 4
+    // of 25; 65 and 131, prime, in unequal groups of at most 32 (half of
+    // 65) and 48; 40 (one level at the default minimum shard) in two of 20.
+    for (m, size, groups, largest) in [
+        (256, 32, 8, 32),
+        (252, 40, 7, 36),
+        (100, 32, 4, 25),
+        (65, 32, 3, 22),
+        (131, 48, 3, 44),
+        (40, 20, 2, 20),
+    ] {
+        assert_eq!(PlanConfig::default_group_size(m), size, "{m} machines");
+        let g = fairring_core::plan::MachineGroups::new(m, size).unwrap();
+        assert_eq!((g.groups(), g.largest()), (groups, largest), "{m} machines");
+    }
     let topo = Topology::new(512, 8, RankLayout::Contiguous).unwrap();
     let g = Geometry::new(topo, PlanConfig::default()).unwrap();
     let groups = g.machine_groups().unwrap();
-    assert_eq!((groups.groups(), groups.largest()), (11, 47));
+    assert_eq!((groups.groups(), groups.largest()), (16, 32));
     let g = Geometry::new(topo, PlanConfig::default().in_one_level()).unwrap();
     assert_eq!(g.routing(), Routing::Trees);
     assert_eq!(g.full_slice_bytes(), 20 << 20);
@@ -746,6 +762,30 @@ proptest! {
         prop_assert_eq!(dedicated.routing(), Routing::Flat);
     }
 
+    /// The default group size: equal groups of the first size of
+    /// `EQUAL_GROUP_SIZES` that makes them, else at most 48 (or half the
+    /// machines): for every count of 4 machines or more, two levels of
+    /// groups no larger than the size (worked by hand for a few counts in
+    /// `adaptive_sharding_examples`).
+    #[test]
+    fn the_default_group_size_prefers_equal_groups(m in 4u32..=MAX_MACHINES) {
+        let size = PlanConfig::default_group_size(m);
+        let groups = fairring_core::plan::MachineGroups::new(m, size).unwrap();
+        prop_assert!(groups.largest() <= size);
+        let equal = (0..groups.groups()).all(|g| groups.size(g).unwrap() == groups.largest());
+        let first_equal = PlanConfig::EQUAL_GROUP_SIZES
+            .iter()
+            .copied()
+            .find(|&g| g <= m / 2 && m % m.div_ceil(g) == 0);
+        match first_equal {
+            Some(g) => {
+                prop_assert_eq!(size, g);
+                prop_assert!(equal);
+            }
+            None => prop_assert_eq!(size, (m / 2).min(PlanConfig::DEFAULT_GROUP_SIZE)),
+        }
+    }
+
     /// The default slices are 25 MiB's geometry exactly where that is flat or
     /// served by dedicated servers. Where 25 MiB slices would go through the
     /// trees, they are the geometry of 32 MiB slices given where that is flat
@@ -793,7 +833,7 @@ proptest! {
             prop_assert!(!defaults.config().slice_by_routing());
         } else {
             prop_assert_eq!(servers, 0);
-            let size = (m / 2).min(PlanConfig::DEFAULT_GROUP_SIZE);
+            let size = PlanConfig::default_group_size(m);
             match fairring_core::plan::MachineGroups::new(m, size) {
                 Ok(groups) => {
                     prop_assert_eq!(defaults.routing(), Routing::Groups);
@@ -849,7 +889,7 @@ proptest! {
             let one_more = Topology::new(u32::try_from(most + 1).unwrap(), d, RankLayout::Contiguous).unwrap();
             let g = Geometry::new(one_more, defaults).unwrap();
             let m = one_more.machines();
-            let size = (m / 2).min(PlanConfig::DEFAULT_GROUP_SIZE);
+            let size = PlanConfig::default_group_size(m);
             if fairring_core::plan::MachineGroups::new(m, size).is_ok() {
                 prop_assert_eq!(g.routing(), Routing::Groups);
                 prop_assert_eq!(g.config().slice_bytes(), 32 << 20);

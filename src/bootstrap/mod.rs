@@ -521,8 +521,9 @@ fn staging_terms(a: &Assembly<impl MemorySpace>) -> String {
 
 /// Publishes this process's [`staging_terms`] and checks them against rank
 /// 0's and its linked peers': a process configured otherwise
-/// (`FAIRRING_SLICE_SIZE`, `FAIRRING_MIN_SHARD_SIZE`, `FAIRRING_TOTAL_MEMORY`)
-/// is refused, naming it and both sides' terms, before any slice travels.
+/// (`FAIRRING_SLICE_SIZE`, `FAIRRING_MIN_SHARD_SIZE`, `FAIRRING_TOTAL_MEMORY`,
+/// `FAIRRING_GROUP_SIZE`) is refused, naming it and both sides' terms, before
+/// any slice travels.
 fn agree_on_staging<M: MemorySpace>(
     config: &Config,
     store: &dyn Store,

@@ -11,9 +11,11 @@ use fairring_core::plan::PlanConfig;
 pub enum Grouping {
     /// The default: in the default slices, where even the wide flat slices
     /// leave some machine without a shard of the minimum size (past 64
-    /// machines of 8 GPUs at the 64 KiB minimum), groups of at most
-    /// [`PlanConfig::DEFAULT_GROUP_SIZE`] machines (half the machines, where
-    /// fewer); one level elsewhere, and in slices given
+    /// machines of 8 GPUs at the 64 KiB minimum), groups of
+    /// [`PlanConfig::default_group_size`]: equal groups of 32, 40, 48, 56 or
+    /// 64 machines at most where one of those sizes makes them, else of at
+    /// most 48 (half the machines, where fewer); one level elsewhere, and in
+    /// slices given
     /// (`FAIRRING_SLICE_SIZE`). `FAIRRING_GROUP_SIZE=auto`, or unset.
     #[default]
     Auto,

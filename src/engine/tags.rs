@@ -8,7 +8,9 @@
 //! bits 16..24  the slice's generation on that buffer, mod 2^8 (the staging
 //!              word's GENERATION_BITS)
 //! bits 24..32  the part of the cell it carries (a hierarchical write through
-//!              the trees: fairring-core's `Cell::part`); 0 otherwise
+//!              the trees: fairring-core's `Cell::part`), or the words it
+//!              belongs to in groups (`algorithm/two_level.rs`: 0 within a
+//!              group, 1 + 2 i + j across); 0 otherwise
 //! ```
 //!
 //! A message's data lays out bits 4..32 its own way (below:
@@ -71,9 +73,11 @@ pub(crate) enum Kind {
     /// the receiver opened for the operation (`engine/direct.rs`): a relayed
     /// chunk, or a hierarchical result. Nothing to copy out of staging.
     IntoTensor = 12,
-    /// A hierarchical partial sum, sent up a tree to the parent, where it lands
-    /// as a contribution (its own kind so that its sender tells it from a
-    /// contribution of a leaf's cell when the send completes).
+    /// A hierarchical partial sum, sent up a tree to the parent, or in groups
+    /// a group's partial sum of a piece, sent across to the piece's holder,
+    /// where it lands as a contribution (its own kind so that its sender
+    /// tells it from a contribution of a leaf's cell, or of a range within
+    /// its group, when the send completes).
     Partial = 13,
     /// A chunk of a point-to-point message, written into the receiver's
     /// tensor; the rest of its immediate is the receive's id, the rest of

@@ -1,13 +1,12 @@
 //! A study of a two-level plan: machines in groups, reduction servers within
 //! a group and then across groups, along rails.
 //!
-//! This row answers whether the plan should change past the machines the
-//! flat plan serves (issue: "two-level reduction servers"); it is not what
-//! `hierarchical` (the engine's default plan) does. fairring-core holds its
-//! arithmetic (`MachineGroups`, `Routing::Groups`) and the engine runs it
-//! where a job asks for it (`FAIRRING_GROUP_SIZE`); nothing chooses it by
-//! default yet, and the study's slices are not yet the engine's in groups
-//! (below).
+//! This row answered whether the plan should change past the machines the
+//! flat plan serves, trying group sizes ([`group_sizes`]) in the study's own
+//! slices (below). The engine now runs the plan there by default, in groups
+//! of `PlanConfig::default_group_size` (`Routing::Groups`), and
+//! `hierarchical` predicts that with this module's schedule over the
+//! engine's own slices, buffers and groups ([`predict_engine`]).
 //!
 //! The `M` machines form `Q = ceil(M / G)` groups of consecutive machines,
 //! of `ceil(M / Q)` or `floor(M / Q)` machines each (fairring-core's

@@ -82,9 +82,10 @@ pub enum Algo {
     NcclNvlsTree,
     /// Whichever of NCCL's algorithms and protocols its tuner would run.
     NcclBest,
-    /// A study of a two-level plan the engine runs only where a job asks
+    /// A study of the two-level plan over group sizes of its choice
     /// ([`groups`]): reduction servers within groups of machines, then
-    /// across the groups.
+    /// across the groups (what `hierarchical` runs, in the engine's groups,
+    /// past the wide flat slices).
     Groups,
 }
 
@@ -100,8 +101,8 @@ impl Algo {
         Algo::NcclBest,
     ];
 
-    /// Plans studied in the model that the engine does not run by default,
-    /// asked for by name only (not in [`Algo::ALL`]).
+    /// Studies of plans over choices the engine does not make itself, asked
+    /// for by name only (not in [`Algo::ALL`]).
     pub const STUDIES: [Algo; 1] = [Algo::Groups];
 
     /// The name used on the command line and in tables.

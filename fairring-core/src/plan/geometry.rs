@@ -65,23 +65,47 @@ impl PlanConfig {
     /// 100 MiB and more in 25 MiB slices, which suit them best.
     pub const MIN_SLICES_PER_TENSOR: u64 = 4;
     /// The largest group of machines where the default slices reduce in two
-    /// levels ([`Routing::Groups`]): 48 machines. With the default slices,
-    /// where even the wide flat slices give some machine no shard of the
-    /// minimum size (past 64 machines of 8 GPUs at the 64 KiB minimum), the
-    /// machines form groups of at most this many (half the machines, where
-    /// that is fewer) in [`PlanConfig::WIDE_FLAT_SLICE_BYTES`] slices,
-    /// instead of going through the trees.
-    ///
-    /// The scale model (`docs/scale-model.md`) at every multiple of 8 H100s
-    /// from 520 to 2048, at 64 MiB, 256 MiB and 1 GiB: this rule runs at 1.07
-    /// to 1.19 times the trees' busbw at 64 MiB, and at 0.97 to 1.06 times
-    /// at 256 MiB and 1 GiB (below 1 at about 50 of the 192 counts, where the
-    /// groups are unequal); against NCCL's best as its tuner predicts it, at
-    /// 1.09 to 1.22 times at 64 MiB and 1.00 to 1.10 times at the larger
-    /// sizes. Groups of at most 32 ran ahead of the trees at 64 MiB but at
-    /// 0.94 times them (0.97 times NCCL's best) at 256 MiB; of at most 64,
-    /// ahead at 256 MiB and at 0.94 times them at 64 MiB.
+    /// levels ([`Routing::Groups`]) and no size of
+    /// [`PlanConfig::EQUAL_GROUP_SIZES`] makes equal groups: 48 machines
+    /// ([`PlanConfig::default_group_size`]).
     pub const DEFAULT_GROUP_SIZE: u32 = 48;
+    /// The group sizes tried, in order, for groups of equal size where the
+    /// default slices reduce in two levels
+    /// ([`PlanConfig::default_group_size`]).
+    pub const EQUAL_GROUP_SIZES: [u32; 5] = [32, 40, 48, 56, 64];
+
+    /// The largest group where the default slices of a job of `machines`
+    /// machines reduce in two levels ([`Routing::Groups`]: where even the
+    /// wide flat slices give some machine no shard of the minimum size, past
+    /// 64 machines of 8 GPUs at the 64 KiB minimum): the first size of
+    /// [`PlanConfig::EQUAL_GROUP_SIZES`] whose groups are of equal size (at
+    /// most half the machines), else [`PlanConfig::DEFAULT_GROUP_SIZE`], or
+    /// half the machines where that is fewer.
+    ///
+    /// The scale model (`docs/scale-model.md`), at every multiple of 8
+    /// H100s from 520 to 2048, at 64 MiB, 256 MiB and 1 GiB, puts this rule
+    /// at least at NCCL's best as its tuner predicts it, everywhere (1.001
+    /// times at worst, at 256 MiB; 1.007 at 64 MiB), and at 0.97 to 1.19
+    /// times the trees' busbw (below them at 3, 31 and 32 of the 192 counts,
+    /// where the groups are unequal). Fixed sizes did worse: groups of at most 32 fell to 0.97
+    /// times NCCL's best at 256 MiB, of at most 64 to 0.96 times at 64 MiB,
+    /// of at most 48 to 0.97 times the trees at 50 counts.
+    pub const fn default_group_size(machines: u32) -> u32 {
+        let half = machines / 2;
+        let mut i = 0;
+        while i < Self::EQUAL_GROUP_SIZES.len() {
+            let size = Self::EQUAL_GROUP_SIZES[i];
+            if size <= half && machines.is_multiple_of(machines.div_ceil(size)) {
+                return size;
+            }
+            i += 1;
+        }
+        if half < Self::DEFAULT_GROUP_SIZE {
+            half
+        } else {
+            Self::DEFAULT_GROUP_SIZE
+        }
+    }
     /// Default smallest shard: 64 KiB. Below this, the per-message cost of the
     /// inter-machine step outweighs spreading the load over more servers.
     pub const DEFAULT_MIN_SHARD_BYTES: u64 = 64 << 10;
@@ -333,11 +357,7 @@ impl Geometry {
             // Past the wide flat slices: groups, in wide slices (cut for
             // small tensors), where the machines make two levels.
             let machines = topology.machines();
-            let size = if machines / 2 < PlanConfig::DEFAULT_GROUP_SIZE {
-                machines / 2
-            } else {
-                PlanConfig::DEFAULT_GROUP_SIZE
-            };
+            let size = PlanConfig::default_group_size(machines);
             if !config.one_level
                 && let Ok(groups) = MachineGroups::new(machines, size)
             {

@@ -20,8 +20,9 @@
 //! of `2(M - 1)`, and the same bytes. Where groups differ by one member, a
 //! range crosses at most two intervals, each held once per group.
 //!
-//! The scale model (`docs/scale-model.md`, "A two-level plan, studied") walks
-//! these groups; the engine does not run them yet. Every query is a few
+//! A geometry in groups (`Routing::Groups`, `plan/two_level.rs`) runs them
+//! in the engine, and the scale model (`docs/scale-model.md`) walks them.
+//! Every query is a few
 //! integer operations (the intervals are the merge of at most two
 //! arithmetic sequences of boundaries); nothing allocates or panics.
 
