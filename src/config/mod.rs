@@ -10,7 +10,7 @@
 //! | `MASTER_ADDR`, `MASTER_PORT` | where rank 0 serves the rendezvous store | required |
 //! | `TORCHELASTIC_USE_AGENT_STORE` | `True` under torchrun: its agent already serves PyTorch's TCPStore at `MASTER_ADDR:MASTER_PORT`, and every rank rendezvouses through it (keys under `TORCHELASTIC_RESTART_COUNT`'s attempt) | `False`: rank 0 serves fairring's store |
 //! | `FAIRRING_TOTAL_MEMORY` | staging memory per rank, bytes (`K`/`M`/`G` suffixes) | where slices cross the network, as many buffers as the original's 50 MiB held, where more than 2 (at most 16); else 50 MiB ([`DEFAULT_TOTAL_MEMORY`]) |
-//! | `FAIRRING_SLICE_SIZE` | largest slice, bytes; the same on every rank, as the budget and the minimum shard are (a rank that plans otherwise is refused) | 25 MiB, 20 MiB through the trees; a tensor of fewer than four full slices in four, no smaller than 16 MiB (`Geometry::slice_bytes_for`); halved while the budget would hold fewer than 2 buffers (halved slices count as given) |
+//! | `FAIRRING_SLICE_SIZE` | largest slice, bytes; the same on every rank, as the budget and the minimum shard are (a rank that plans otherwise is refused) | 25 MiB; 32 MiB where that keeps the plan flat and in groups; 20 MiB through the trees; a tensor of fewer than four full slices in four, no smaller than 16 MiB (`Geometry::slice_bytes_for`); halved while the budget would hold fewer than 2 buffers (halved slices count as given) |
 //! | `FAIRRING_MIN_SHARD_SIZE` | smallest shard, bytes | 64 KiB |
 //! | `FAIRRING_GROUP_SIZE` | how the machines are grouped for the hierarchical all-reduce (see [`Grouping`]): `auto`; `off` (one level: flat, or through the trees); or `N`, two levels, within groups of at most `N` machines and then across the groups (from 2 to half the machines, leaving no group of one; no dedicated servers); the same on every rank | `auto`: groups (of `PlanConfig::default_group_size`: equal ones of at most 32 to 64 machines where they can be, else of at most 48) where the default slices would otherwise go through the trees |
 //! | `FAIRRING_DIRECT_FROM` | size from which an all-reduce of a host tensor sends from the tensor instead of staging it, where the fabric registers memory to send from (tcp), by hierarchical between machines of one rank each or by the ring, and so does a broadcast's root (a message's sender) relaying over machines of one rank each; between two such machines the broadcast's chunks and the all-reduce's results land in the receivers' tensors too; bytes, or `never` | 256 KiB |
@@ -47,8 +47,9 @@
 //! value too, so every rank ends with the same bits). The error is bounded by two roundings: at most `2^-8` (bf16) or
 //! `2^-11` (f16) of the sum of the machines' partial sums' magnitudes, plus as
 //! much of the result's. f16 overflows to infinity past 65504 and loses
-//! precision below 2^-14; bf16 has `f32`'s range. Other types, the ring, and
-//! single-machine jobs without servers run exact. Set it alike on every rank:
+//! precision below 2^-14; bf16 has `f32`'s range. Other types, the ring,
+//! single-machine jobs without servers, and jobs whose all-reduces go through
+//! the trees or whose machines form groups run exact. Set it alike on every rank:
 //! the descriptor check compares it.
 //!
 //! Every value is validated when the communicator is built; a bad one fails with
