@@ -6,7 +6,7 @@
 //! slices (below). The engine now runs the plan there by default, in groups
 //! of `PlanConfig::default_group_size` (`Routing::Groups`), and
 //! `hierarchical` predicts that with this module's schedule over the
-//! engine's own slices, buffers and groups ([`predict_engine`]).
+//! engine's own slices, buffers and groups (`predict_engine`).
 //!
 //! The `M` machines form `Q = ceil(M / G)` groups of consecutive machines,
 //! of `ceil(M / Q)` or `floor(M / Q)` machines each (fairring-core's
