@@ -242,8 +242,8 @@ fn run(o: &Options) -> Result<(), String> {
     println!("# fairring-bench model: {hw}");
     println!(
         "# {devices} GPUs per machine, {slices}, minimum shard {} bytes, {budget}, \
-         {} tensor(s) at once; k: shards per slot (t: through the trees), bufs: \
-         staging buffers",
+         {} tensor(s) at once; k: shards per slot (t: through the trees), or the \
+         largest group (g: in groups), bufs: staging buffers",
         o.min_shard, o.tensors
     );
     print!(

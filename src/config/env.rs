@@ -44,9 +44,9 @@ impl Config {
     /// `rank` and `world_size` are not the job's `RANK` and `WORLD_SIZE` (a
     /// subgroup, or a group of another launcher's), `LOCAL_RANK`,
     /// `LOCAL_WORLD_SIZE`, the dedicated servers (`FAIRRING_SERVERS`,
-    /// `FAIRRING_ROLE`) and the machines' groups (`FAIRRING_GROUP_SIZE`) are
-    /// not this group's and are not read: the rendezvous finds the group's
-    /// machines.
+    /// `FAIRRING_ROLE`) and a group size (`FAIRRING_GROUP_SIZE=N`) are not
+    /// this group's and are not read (`off` and `auto` are): the rendezvous
+    /// finds the group's machines.
     pub(crate) fn for_group(
         rank: u32,
         world_size: u32,
@@ -62,13 +62,14 @@ impl Config {
             "MASTER_ADDR" => env(name).or_else(|| Some("127.0.0.1".into())),
             "MASTER_PORT" => env(name).or_else(|| Some("29500".into())),
             "FAIRRING_TIMEOUT" => timeout.clone().or_else(|| env(name)),
+            // A subgroup takes the job's choice of one level or the default,
+            // but not a group size made for the job's machines.
+            "FAIRRING_GROUP_SIZE" if !the_jobs => {
+                env(name).filter(|v| matches!(v.trim(), "off" | "auto"))
+            }
             // The caller's store replaces torchrun's.
             "TORCHELASTIC_USE_AGENT_STORE" => None,
-            "LOCAL_RANK"
-            | "LOCAL_WORLD_SIZE"
-            | "FAIRRING_SERVERS"
-            | "FAIRRING_ROLE"
-            | "FAIRRING_GROUP_SIZE"
+            "LOCAL_RANK" | "LOCAL_WORLD_SIZE" | "FAIRRING_SERVERS" | "FAIRRING_ROLE"
                 if !the_jobs =>
             {
                 None

@@ -160,6 +160,15 @@ fn machines_in_groups_are_named_and_refused_with_dedicated_servers() {
         Config::for_group(1, 2, None, &job).unwrap().grouping,
         Grouping::Auto
     );
+    let off = env(&[
+        ("RANK", "2"),
+        ("WORLD_SIZE", "4"),
+        ("FAIRRING_GROUP_SIZE", "off"),
+    ]);
+    assert_eq!(
+        Config::for_group(1, 2, None, &off).unwrap().grouping,
+        Grouping::OneLevel
+    );
 }
 
 #[test]

@@ -43,7 +43,9 @@ impl PlanConfig {
     /// [`PlanConfig::DEFAULT_SLICE_BYTES`] is too small to give every machine a
     /// shard of the minimum but a slot of this size is not: 32 MiB, so the
     /// cells stay on the flat plan up to 64 machines of 8 devices at the 64 KiB
-    /// minimum shard. Past that, they go through the trees.
+    /// minimum shard. Past that, the machines form groups
+    /// ([`PlanConfig::default_group_size`]), in slices of this size too; in
+    /// one level ([`PlanConfig::in_one_level`]) they go through the trees.
     ///
     /// Flat, a slice crosses the network once each way; through the trees it
     /// fills and drains `2 log2 M` levels. The scale model (`docs/scale-model.md`)
@@ -51,8 +53,8 @@ impl PlanConfig {
     /// to 229, 333 to 340 and 372 GB/s busbw for 64 MiB, 256 MiB and 1 GiB,
     /// against 209, 305 and 350 through the trees at 512.
     pub const WIDE_FLAT_SLICE_BYTES: u64 = 32 << 20;
-    /// With the default slices (flat or through the trees, but not the wide
-    /// flat ones) and no dedicated servers, a tensor of fewer full slices is
+    /// With the default slices (flat, in groups or through the trees, but not
+    /// the wide flat ones) and no dedicated servers, a tensor of fewer full slices is
     /// cut into this many, in slices of no less than
     /// [`PlanConfig::SMALLEST_CUT_SLICE_BYTES`] and a shard of the minimum for
     /// each of a slot's shards ([`Geometry::slice_bytes_for`]).
@@ -87,9 +89,10 @@ impl PlanConfig {
     /// at least at NCCL's best as its tuner predicts it, everywhere (1.001
     /// times at worst, at 256 MiB; 1.007 at 64 MiB), and at 0.97 to 1.19
     /// times the trees' busbw (below them at 3, 31 and 32 of the 192 counts,
-    /// where the groups are unequal). Fixed sizes did worse: groups of at most 32 fell to 0.97
-    /// times NCCL's best at 256 MiB, of at most 64 to 0.96 times at 64 MiB,
-    /// of at most 48 to 0.97 times the trees at 50 counts.
+    /// where the groups are unequal). Fixed sizes did worse: groups of at
+    /// most 32 fell to 0.977 times NCCL's best at 256 MiB, of at most 64 to
+    /// 0.961 times at 64 MiB, of at most 48 to 0.97 times the trees at 50
+    /// counts.
     pub const fn default_group_size(machines: u32) -> u32 {
         let half = machines / 2;
         let mut i = 0;
