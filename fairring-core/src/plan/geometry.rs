@@ -88,8 +88,9 @@ impl PlanConfig {
     /// H100s from 520 to 2048, at 64 MiB, 256 MiB and 1 GiB, puts this rule
     /// at least at NCCL's best as its tuner predicts it, everywhere (1.001
     /// times at worst, at 256 MiB; 1.007 at 64 MiB), and at 0.97 to 1.19
-    /// times the trees' busbw (below them at 3, 31 and 32 of the 192 counts,
-    /// where the groups are unequal). Fixed sizes did worse: groups of at
+    /// times the trees' busbw (below them at 3, 31 and 32 of the 192 counts:
+    /// at the larger sizes where the groups are unequal, at 64 MiB where
+    /// they are equal but of 61 to 63 machines). Fixed sizes did worse: groups of at
     /// most 32 fell to 0.977 times NCCL's best at 256 MiB, of at most 64 to
     /// 0.961 times at 64 MiB, of at most 48 to 0.97 times the trees at 50
     /// counts.
