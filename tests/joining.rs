@@ -159,28 +159,12 @@ fn ranks_that_plan_other_slices_are_refused_naming_the_peer() {
 /// variable.
 #[test]
 fn ranks_that_plan_other_groups_are_refused_and_sizes_that_split_nothing_named() {
-    let port = fairring_local_job::free_port().expect("a free port");
-    let world = 4u32;
-    let errors: Vec<Error> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                s.spawn(move || {
-                    let b = fairring::Config::builder(rank, world, "127.0.0.1", port)
-                        .host_id(format!("machine-{rank}"))
-                        .run_id(format!("groups-{port}"))
-                        .timeout(TIMEOUT.unwrap())
-                        .grouping(if rank == 3 {
-                            Grouping::OneLevel
-                        } else {
-                            Grouping::AtMost(2)
-                        });
-                    Communicator::new(b.build().unwrap())
-                        .err()
-                        .unwrap_or_else(|| panic!("rank {rank} was made"))
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let errors = refused_job(4, |rank| {
+        if rank == 3 {
+            Grouping::OneLevel
+        } else {
+            Grouping::AtMost(2)
+        }
     });
     for (rank, e) in errors.iter().enumerate() {
         let said = e.to_string();
@@ -192,16 +176,30 @@ fn ranks_that_plan_other_groups_are_refused_and_sizes_that_split_nothing_named()
         );
     }
 
+    let errors = refused_job(2, |_| Grouping::AtMost(2));
+    for (rank, e) in errors.iter().enumerate() {
+        assert!(
+            matches!(e, Error::Config { variable, .. } if *variable == "FAIRRING_GROUP_SIZE"),
+            "rank {rank}: {e}"
+        );
+    }
+}
+
+/// Makes a communicator on every rank of a job of `world` machines of one
+/// rank, each grouping as `grouping` says, and returns each rank's error
+/// (every rank must fail).
+fn refused_job(world: u32, grouping: impl Fn(u32) -> Grouping + Sync) -> Vec<Error> {
     let port = fairring_local_job::free_port().expect("a free port");
-    let errors: Vec<Error> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..2)
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
             .map(|rank| {
+                let grouping = &grouping;
                 s.spawn(move || {
-                    let b = fairring::Config::builder(rank, 2, "127.0.0.1", port)
+                    let b = fairring::Config::builder(rank, world, "127.0.0.1", port)
                         .host_id(format!("machine-{rank}"))
-                        .run_id(format!("pair-{port}"))
+                        .run_id(format!("groups-{port}"))
                         .timeout(TIMEOUT.unwrap())
-                        .grouping(Grouping::AtMost(2));
+                        .grouping(grouping(rank));
                     Communicator::new(b.build().unwrap())
                         .err()
                         .unwrap_or_else(|| panic!("rank {rank} was made"))
@@ -209,11 +207,5 @@ fn ranks_that_plan_other_groups_are_refused_and_sizes_that_split_nothing_named()
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for (rank, e) in errors.iter().enumerate() {
-        assert!(
-            matches!(e, Error::Config { variable, .. } if *variable == "FAIRRING_GROUP_SIZE"),
-            "rank {rank}: {e}"
-        );
-    }
+    })
 }

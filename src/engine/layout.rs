@@ -36,7 +36,9 @@
 
 use std::ops::Range;
 
-use fairring_core::plan::{Geometry, InputArea, MachineGroups, Routing, Span, TwoLevelLayout};
+use fairring_core::plan::{
+    Geometry, InputArea, MachineGroups, Membership, Routing, Span, TwoLevelLayout,
+};
 
 use super::algorithm::doubling;
 use crate::error::{Error, Result};
@@ -330,13 +332,16 @@ impl BufferLayout {
     pub(crate) fn within_sources(&self, own: u32, len: usize) -> Result<Sources> {
         let layout = self.two_level()?;
         let groups = layout.groups();
-        let (members, member) = member_count(groups, own)?;
+        let mine = membership(groups, own)?;
+        let members = groups
+            .size(mine.group)
+            .map_err(|e| Error::internal("a machine's group exists", e.to_string()))?;
         let first_member = groups
-            .machine(groups_of(groups, own)?, (member + 1) % members)
+            .machine(mine.group, (mine.member + 1) % members)
             .map_err(|e| Error::internal("a group's members are machines", e.to_string()))?;
         let first = self.within(first_member, own)?;
         let stride = layout_bytes(layout.within_stride())?;
-        area_sources(first.start, stride, members - 1, member, len)
+        area_sources(first.start, stride, members - 1, mine.member, len)
     }
 
     /// In groups, the first `len` bytes of the areas that receive the other
@@ -345,7 +350,7 @@ impl BufferLayout {
     pub(crate) fn across_sources(&self, interval: u32, own: u32, len: usize) -> Result<Sources> {
         let layout = self.two_level()?;
         let groups = layout.groups();
-        let group = groups_of(groups, own)?;
+        let group = membership(groups, own)?.group;
         let count = groups.groups();
         // Any machine of the next group: the area is the group's.
         let next = groups
@@ -398,23 +403,11 @@ fn layout_bytes(bytes: u64) -> Result<usize> {
     })
 }
 
-/// Machine `own`'s group.
-fn groups_of(groups: MachineGroups, own: u32) -> Result<u32> {
+/// Machine `own`'s group and index in it.
+fn membership(groups: MachineGroups, own: u32) -> Result<Membership> {
     groups
         .locate(own)
-        .map(|m| m.group)
         .map_err(|e| Error::internal("this machine is in the job", e.to_string()))
-}
-
-/// Machine `own`'s group's members, and its index among them.
-fn member_count(groups: MachineGroups, own: u32) -> Result<(u32, u32)> {
-    let m = groups
-        .locate(own)
-        .map_err(|e| Error::internal("this machine is in the job", e.to_string()))?;
-    let members = groups
-        .size(m.group)
-        .map_err(|e| Error::internal("a machine's group exists", e.to_string()))?;
-    Ok((members, m.member))
 }
 
 /// `count` areas `stride` apart from `first`, area `i` holding party

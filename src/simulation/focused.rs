@@ -711,6 +711,49 @@ fn the_jobs_nccl_all_reduce_is_exact_and_starts_only_once_every_rank_agrees() {
     }
 }
 
+/// What the focused sets of seeds settled: operations done and expected
+/// where no rank was killed, and seeds that killed one.
+#[derive(Default)]
+struct Settled {
+    checked: usize,
+    expected: usize,
+    killed_seeds: usize,
+}
+
+impl Settled {
+    /// Plays seed `seed`'s `scenario` (a rank killed in it if `killed`) and
+    /// counts it; a failing seed panics, naming it.
+    fn play(&mut self, seed: u64, scenario: &Scenario, rng: &mut Rng, killed: bool) {
+        let world = (scenario.machines * scenario.devices) as usize;
+        match play(
+            scenario,
+            &messages::Script::default(),
+            rng,
+            Design::Accepted,
+            STEP_LIMIT,
+        ) {
+            // With a rank killed, `play` checks every survivor's error.
+            Ok(_) if killed => self.killed_seeds += 1,
+            Ok(outcome) => {
+                self.checked += outcome.done;
+                self.expected += world * scenario.ops.len();
+            }
+            Err(e) => panic!("seed {seed}, {scenario:?}: {e}"),
+        }
+    }
+
+    /// Every operation of every rank that lived is done, and over a hundred
+    /// seeds killed a rank.
+    fn check(&self) {
+        assert_eq!(
+            self.checked, self.expected,
+            "every operation of every rank is done"
+        );
+        let killed = self.killed_seeds;
+        assert!(killed > 100, "{killed} seeds killed a rank");
+    }
+}
+
 /// Hierarchical all-reduces through the double binary tree on jobs deeper
 /// than the seeds draw (5 to 8 machines of one or two ranks: up to three
 /// levels, an inner node below an inner node, and for odd `M` a machine that
@@ -721,7 +764,7 @@ fn the_jobs_nccl_all_reduce_is_exact_and_starts_only_once_every_rank_agrees() {
 /// of 1 KiB travel in three parts.
 #[test]
 fn deep_trees_settle_with_exact_results() {
-    let (mut checked, mut expected, mut killed_seeds, mut three_parts) = (0, 0, 0, 0);
+    let (mut settled, mut three_parts) = (Settled::default(), 0);
     for seed in 1..=400u64 {
         let mut rng = Rng::new(seed);
         let (machines, devices) = rng.pick(&[(5, 1), (6, 1), (7, 1), (8, 1), (5, 2)]);
@@ -775,24 +818,9 @@ fn deep_trees_settle_with_exact_results() {
             assert_eq!(plan.slice(0).unwrap().parts(), 3);
             three_parts += 1;
         }
-        match play(
-            &scenario,
-            &messages::Script::default(),
-            &mut rng,
-            Design::Accepted,
-            STEP_LIMIT,
-        ) {
-            // With a rank killed, `play` checks every survivor's error.
-            Ok(_) if killed => killed_seeds += 1,
-            Ok(outcome) => {
-                checked += outcome.done;
-                expected += world as usize * scenario.ops.len();
-            }
-            Err(e) => panic!("seed {seed}, {scenario:?}: {e}"),
-        }
+        settled.play(seed, &scenario, &mut rng, killed);
     }
-    assert_eq!(checked, expected, "every operation of every rank is done");
-    assert!(killed_seeds > 100, "{killed_seeds} seeds killed a rank");
+    settled.check();
     assert!(
         three_parts > 30,
         "{three_parts} seeds sent cells in three parts"
@@ -808,7 +836,7 @@ fn deep_trees_settle_with_exact_results() {
 /// rank's result exact, every survivor's error naming the victim.
 #[test]
 fn machines_in_groups_settle_with_exact_results() {
-    let (mut checked, mut expected, mut killed_seeds, mut unequal) = (0, 0, 0, 0);
+    let (mut settled, mut unequal) = (Settled::default(), 0);
     for seed in 1..=400u64 {
         let mut rng = Rng::new(seed);
         let (machines, devices, size) = rng.pick(&[
@@ -861,24 +889,9 @@ fn machines_in_groups_settle_with_exact_results() {
         if sizes.iter().any(|&s| s != sizes[0]) {
             unequal += 1;
         }
-        match play(
-            &scenario,
-            &messages::Script::default(),
-            &mut rng,
-            Design::Accepted,
-            STEP_LIMIT,
-        ) {
-            // With a rank killed, `play` checks every survivor's error.
-            Ok(_) if killed => killed_seeds += 1,
-            Ok(outcome) => {
-                checked += outcome.done;
-                expected += world as usize * scenario.ops.len();
-            }
-            Err(e) => panic!("seed {seed}, {scenario:?}: {e}"),
-        }
+        settled.play(seed, &scenario, &mut rng, killed);
     }
-    assert_eq!(checked, expected, "every operation of every rank is done");
-    assert!(killed_seeds > 100, "{killed_seeds} seeds killed a rank");
+    settled.check();
     assert!(unequal > 100, "{unequal} seeds had groups of two sizes");
 }
 
