@@ -174,11 +174,34 @@ impl Communicator {
         Communicator::build(config, store, None)
     }
 
+    /// Joins the job through `store`; this process serves the store where
+    /// `server` is given, and keeps serving it while the communicator lives.
+    /// Where joining fails, the server first lets its clients read what is
+    /// set and tells those left waiting why this rank failed
+    /// ([`TcpStoreServer::close_failed`]), so that every rank ends with an
+    /// error naming the cause rather than a closed store.
     fn build(
         config: Config,
         store: Arc<dyn Store>,
         server: Option<TcpStoreServer>,
     ) -> Result<Communicator> {
+        let (rank, timeout) = (config.rank, config.timeout);
+        match Communicator::join(config, store) {
+            Ok(mut communicator) => {
+                communicator._server = server;
+                Ok(communicator)
+            }
+            Err(e) => {
+                if let Some(server) = server {
+                    server.close_failed(rank, &e.to_string(), timeout.min(FAILED_STORE_LINGER));
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// [`Communicator::build`] up to the store's server.
+    fn join(config: Config, store: Arc<dyn Store>) -> Result<Communicator> {
         let scoped = bootstrap::scoped(&config, &store);
         let p2p = PointToPoint::new(&config, Arc::clone(&store));
         let built = bootstrap::build(&config, &scoped)?;
@@ -228,7 +251,7 @@ impl Communicator {
             nccl,
             store: scoped,
             p2p,
-            _server: server,
+            _server: None,
         };
         // What cannot be enqueued is done now, before any stream can wait
         // for an operation of this communicator.
@@ -313,6 +336,11 @@ impl Drop for Communicator {
         self.engine.say_goodbye(operations);
     }
 }
+
+/// Most a rank that failed to join keeps serving the job's store, for its
+/// peers to read what they need to reach their own verdict (bounded further
+/// by the job's timeout).
+const FAILED_STORE_LINGER: Duration = Duration::from_secs(10);
 
 /// A communicator is a worker; a server's configuration runs a [`Server`].
 fn refuse_server(config: &Config) -> Result<()> {

@@ -18,7 +18,11 @@
 //! field closes the connection before anything is allocated.
 //!
 //! **Responses**: `status(1)`, then for a `GET` that found its key
-//! `value_len(4) value`, for `CHECK` `present(1)`.
+//! `value_len(4) value`, for `CHECK` `present(1)`. Once the rank that serves the
+//! store has failed (`TcpStoreServer::close_failed`), a `GET` or `CHECK` of a key
+//! that is absent is answered `HOST_FAILED rank(4) reason_len(4) reason` and the
+//! connection closed: the client reports that rank's own error rather than a
+//! wait that can only time out.
 
 use std::io::{self, Read, Write};
 
@@ -30,7 +34,7 @@ use super::{MAX_KEY_LEN, MAX_VALUE_LEN};
 type HmacSha256 = hmac::Hmac<Sha256>;
 
 pub(super) const MAGIC: &[u8; 4] = b"FRST";
-pub(super) const VERSION: u8 = 1;
+pub(super) const VERSION: u8 = 2;
 pub(super) const NONCE_LEN: usize = 32;
 pub(super) const PROOF_LEN: usize = 32;
 
@@ -40,6 +44,10 @@ pub(super) const OP_CHECK: u8 = 3;
 
 pub(super) const STATUS_OK: u8 = 0;
 pub(super) const STATUS_TIMEOUT: u8 = 1;
+pub(super) const STATUS_HOST_FAILED: u8 = 2;
+
+/// Longest reason a failed host sends, in bytes (a longer one is cut).
+pub(super) const MAX_REASON_LEN: usize = 4096;
 
 /// A request as the server reads it.
 pub(super) enum Request {

@@ -33,6 +33,8 @@ struct ServerShared {
     /// Open connections by id, to be shut down when the server stops.
     connections: Mutex<HashMap<u64, TcpStream>>,
     max_connections: usize,
+    /// Set once the rank serving the store has failed: its rank and error.
+    failure: Mutex<Option<(u32, String)>>,
 }
 
 /// The server side: a thread that accepts admitted clients and answers them.
@@ -72,6 +74,7 @@ impl TcpStoreServer {
             shutdown: AtomicBool::new(false),
             connections: Mutex::new(HashMap::new()),
             max_connections,
+            failure: Mutex::new(None),
         });
         let workers = Arc::new(Mutex::new(Vec::new()));
         let acceptor = {
@@ -93,6 +96,36 @@ impl TcpStoreServer {
     /// The address the server listens on.
     pub fn address(&self) -> SocketAddr {
         self.address
+    }
+
+    /// Stops the server after `rank`, which serves it, failed with `reason`.
+    ///
+    /// Keys already set are still answered, so a peer that reads what it
+    /// needs can reach its own verdict (every rank finds the same
+    /// configuration error, say). A request for an absent key, which could
+    /// only wait, is answered with `rank`'s failure and its connection
+    /// closed; the client reports it as [`Error::Peer`]. Returns once every
+    /// client has closed its connection or been answered so, or after
+    /// `linger`, whichever comes first. The caller closes its own client
+    /// first.
+    pub fn close_failed(self, rank: u32, reason: &str, linger: Duration) {
+        let mut reason = reason.to_string();
+        if reason.len() > p::MAX_REASON_LEN {
+            let mut cut = p::MAX_REASON_LEN;
+            while !reason.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            reason.truncate(cut);
+        }
+        *lock(&self.shared.failure) = Some((rank, reason));
+        // A waiter checks the failure under the table's lock and waits on it:
+        // taking the lock here orders this notice after any check it missed.
+        drop(lock(&self.shared.table.map));
+        self.shared.table.changed.notify_all();
+        let deadline = Instant::now() + linger;
+        while !lock(&self.shared.connections).is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 }
 
@@ -245,6 +278,10 @@ fn serve(mut stream: TcpStream, shared: &ServerShared) -> io::Result<()> {
                         p::put_bytes(&mut out, v);
                         break;
                     }
+                    if let Some(failed) = host_failure(shared) {
+                        drop(map);
+                        return stream.write_all(&failed);
+                    }
                     let now = Instant::now();
                     if now >= deadline || shared.shutdown.load(Ordering::Acquire) {
                         out.push(p::STATUS_TIMEOUT);
@@ -260,12 +297,26 @@ fn serve(mut stream: TcpStream, shared: &ServerShared) -> io::Result<()> {
             }
             Request::Check { key } => {
                 let present = lock(&table.map).contains_key(&key);
+                if !present && let Some(failed) = host_failure(shared) {
+                    return stream.write_all(&failed);
+                }
                 out.push(p::STATUS_OK);
                 out.push(u8::from(present));
             }
         }
         stream.write_all(&out)?;
     }
+}
+
+/// The answer to a request that can only wait, once the serving rank has
+/// failed ([`TcpStoreServer::close_failed`]).
+fn host_failure(shared: &ServerShared) -> Option<Vec<u8>> {
+    let failure = lock(&shared.failure);
+    let (rank, reason) = failure.as_ref()?;
+    let mut out = vec![p::STATUS_HOST_FAILED];
+    out.extend_from_slice(&rank.to_le_bytes());
+    p::put_bytes(&mut out, reason.as_bytes());
+    Some(out)
 }
 
 /// A client of a [`TcpStoreServer`].
@@ -341,6 +392,18 @@ impl TcpStore {
             |e: io::Error| Error::store("request", format!("the store at {}: {e}", self.address));
         p::write_request(&mut *stream, op, key, value, timeout_ms).map_err(failed)?;
         let status = p::read_u8(&mut *stream).map_err(failed)?;
+        if status == p::STATUS_HOST_FAILED {
+            let rank = p::read_u32(&mut *stream).map_err(failed)?;
+            let reason =
+                p::read_bounded(&mut *stream, p::MAX_REASON_LEN, "reason").map_err(failed)?;
+            return Err(Error::peer(
+                rank,
+                format!(
+                    "failed, and closed the rendezvous store it serves: {}",
+                    String::from_utf8_lossy(&reason)
+                ),
+            ));
+        }
         let body = match (op, status) {
             (p::OP_GET, p::STATUS_OK) => {
                 p::read_bounded(&mut *stream, super::MAX_VALUE_LEN, "value").map_err(failed)?
@@ -447,5 +510,78 @@ impl Store for TcpStore {
             }
         }
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A rank that fails while serving the store lets its peers read what is
+    /// set, answers what they wait for with its own error, and stops once
+    /// they are gone rather than after the linger.
+    #[test]
+    fn a_failed_host_answers_waiters_with_its_error() {
+        let secret = JobSecret::generate().unwrap();
+        let server =
+            TcpStoreServer::bind("127.0.0.1:0".parse().unwrap(), secret.clone(), 7, 8).unwrap();
+        let port = server.address().port();
+        let client = || TcpStore::connect("127.0.0.1", port, &secret, 7, Duration::from_secs(5));
+        let (reader, waiter) = (client().unwrap(), client().unwrap());
+        reader.set("host/1", b"machine-1").unwrap();
+        let linger = Duration::from_secs(30);
+        let started = Instant::now();
+        std::thread::scope(|s| {
+            let waited = s.spawn(move || waiter.get("ep/0/1", linger));
+            let closing = s.spawn(move || server.close_failed(0, "slices of 7 bytes", linger));
+            // Until the failure is set, the absent key is simply absent.
+            let told = loop {
+                match reader.check(&["ep/0/1"]) {
+                    Ok(false) => std::thread::sleep(Duration::from_millis(1)),
+                    other => break other,
+                }
+            };
+            let Err(Error::Peer { rank: 0, reason }) = told else {
+                panic!("a check of an absent key after the failure: {told:?}");
+            };
+            assert!(reason.contains("slices of 7 bytes"), "{reason}");
+            let Err(Error::Peer { rank: 0, reason }) = waited.join().unwrap() else {
+                panic!("a waiter was not told of the failure");
+            };
+            assert!(reason.contains("slices of 7 bytes"), "{reason}");
+            closing.join().unwrap();
+        });
+        assert!(started.elapsed() < linger / 2, "{:?}", started.elapsed());
+    }
+
+    /// What was set before the failure is still read after it, for a peer
+    /// to reach its own verdict.
+    #[test]
+    fn a_failed_host_still_serves_keys_already_set() {
+        let secret = JobSecret::generate().unwrap();
+        let server =
+            TcpStoreServer::bind("127.0.0.1:0".parse().unwrap(), secret.clone(), 7, 8).unwrap();
+        let port = server.address().port();
+        let client = || TcpStore::connect("127.0.0.1", port, &secret, 7, Duration::from_secs(5));
+        let (reader, probe) = (client().unwrap(), client().unwrap());
+        reader.set("host/0", b"machine-0").unwrap();
+        std::thread::scope(|s| {
+            let closing = s.spawn(move || server.close_failed(3, "bad", Duration::from_secs(30)));
+            // The failure is set once the probe's absent key is answered with it.
+            loop {
+                match probe.check(&["absent"]) {
+                    Ok(false) => std::thread::sleep(Duration::from_millis(1)),
+                    Err(Error::Peer { rank: 3, .. }) => break,
+                    other => panic!("the probe: {other:?}"),
+                }
+            }
+            assert_eq!(
+                reader.get("host/0", Duration::from_secs(5)).unwrap(),
+                b"machine-0"
+            );
+            assert!(reader.check(&["host/0"]).unwrap());
+            drop((reader, probe));
+            closing.join().unwrap();
+        });
     }
 }
