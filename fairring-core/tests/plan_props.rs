@@ -468,17 +468,46 @@ fn adaptive_sharding_examples() {
     let g = Geometry::new(topo, PlanConfig::default()).unwrap();
     assert_eq!(g.routing(), Routing::Flat);
     assert_eq!(g.shards_per_full_slice(), 50);
-    // 64 machines x 8 devices: a 3.125 MiB slot would hold only 50 shards of
-    // 64 KiB, so the default slices widen to 32 MiB, whose 4 MiB slot gives
-    // each of the 64 machines one; at 65 machines the machines form groups
-    // (three of 22, 22 and 21), in 32 MiB slices, a 64 MiB tensor in four
-    // of 16 MiB and 100 MiB in four of 25 MiB; in one level, the cells go
-    // through the trees.
+    // 61 machines x 8 devices (a prime count): a 3.125 MiB slot would hold
+    // only 50 shards of 64 KiB, so the default slices widen to 32 MiB, whose
+    // 4 MiB slot gives each of the 61 machines one. 64 machines make equal
+    // groups, four of 16, which reduce in two levels in those 32 MiB slices;
+    // in one level they stay flat in them. At 65 machines the machines form
+    // groups past the wide flat slices (three of 22, 22 and 21), in 32 MiB
+    // slices, a 64 MiB tensor in four of 16 MiB and 100 MiB in four of 25
+    // MiB; in one level, the cells go through the trees.
+    let topo = Topology::new(61, 8, RankLayout::Contiguous).unwrap();
+    let g = Geometry::new(topo, PlanConfig::default()).unwrap();
+    assert_eq!(g.routing(), Routing::Flat);
+    assert_eq!(g.config().slice_bytes(), 32 << 20);
+    assert_eq!(g.shards_per_full_slice(), 61);
     let topo = Topology::new(64, 8, RankLayout::Contiguous).unwrap();
     let g = Geometry::new(topo, PlanConfig::default()).unwrap();
+    assert_eq!(g.routing(), Routing::Groups);
+    let groups = g.machine_groups().unwrap();
+    assert_eq!((groups.groups(), groups.largest()), (4, 16));
+    assert_eq!(g.full_slice_bytes(), 32 << 20);
+    let g = Geometry::new(topo, PlanConfig::default().in_one_level()).unwrap();
     assert_eq!(g.routing(), Routing::Flat);
     assert_eq!(g.full_slice_bytes(), 32 << 20);
     assert_eq!(g.shards_per_full_slice(), 64);
+    // Made again from its configuration, the same groups.
+    let g = Geometry::new(topo, PlanConfig::default()).unwrap();
+    assert_eq!(Geometry::new(topo, g.config()).unwrap(), g);
+    // The equal groups' size, by hand: 52 machines in four groups of 13; 51
+    // (3 x 17) in three; 58 (2 x 29) in two; 63 in seven of 9; 53, prime, in
+    // none; 16 in two of 8; 15 in none (no group of 8 or more).
+    for (m, size) in [
+        (52, Some(13)),
+        (51, Some(17)),
+        (58, Some(29)),
+        (63, Some(9)),
+        (53, None),
+        (16, Some(8)),
+        (15, None),
+    ] {
+        assert_eq!(PlanConfig::equal_group_size(m), size, "{m} machines");
+    }
     let topo = Topology::new(65, 8, RankLayout::Contiguous).unwrap();
     let g = Geometry::new(topo, PlanConfig::default()).unwrap();
     assert_eq!(g.routing(), Routing::Groups);
@@ -791,6 +820,29 @@ proptest! {
         }
     }
 
+    /// The equal groups' size: the fewest groups, at least four, of 8 to 64
+    /// machines each that divide the machines equally, else three, else two;
+    /// none where no such groups exist. Counted here over every number of
+    /// groups.
+    #[test]
+    fn the_equal_group_size_takes_the_fewest_equal_groups_from_four(m in 1u32..=MAX_MACHINES) {
+        let equal: Vec<u32> = (2..=m)
+            .filter(|&q| m % q == 0 && (8..=64).contains(&(m / q)))
+            .collect();
+        let expected = equal
+            .iter()
+            .find(|&&q| q >= 4)
+            .or_else(|| equal.iter().find(|&&q| q == 3))
+            .or_else(|| equal.iter().find(|&&q| q == 2))
+            .map(|&q| m / q);
+        prop_assert_eq!(PlanConfig::equal_group_size(m), expected);
+        if let Some(size) = expected {
+            let groups = fairring_core::plan::MachineGroups::new(m, size).unwrap();
+            prop_assert_eq!(groups.groups() * size, m);
+            prop_assert!((0..groups.groups()).all(|g| groups.size(g).unwrap() == size));
+        }
+    }
+
     /// The default slices are 25 MiB's geometry exactly where that is flat or
     /// served by dedicated servers. Where 25 MiB slices would go through the
     /// trees, they are the geometry of 32 MiB slices given where that is flat
@@ -831,11 +883,27 @@ proptest! {
             prop_assert!(defaults.config().slice_by_routing());
         } else if wide.routing() == Routing::Flat {
             prop_assert_eq!(servers, 0);
-            prop_assert_eq!(defaults, wide);
-            prop_assert_eq!(defaults.routing(), Routing::Flat);
-            prop_assert_eq!(defaults.shards_per_full_slice(), m);
-            prop_assert_eq!(defaults.config().slice_bytes(), 32 << 20);
-            prop_assert!(!defaults.config().slice_by_routing());
+            // In one level, or where the machines make no equal groups, the
+            // wide flat slices.
+            prop_assert_eq!(one_level.routing(), Routing::Flat);
+            prop_assert_eq!(one_level.shards_per_full_slice(), m);
+            prop_assert_eq!(one_level.config().slice_bytes(), 32 << 20);
+            prop_assert!(!one_level.config().slice_by_routing());
+            prop_assert_eq!(one_level.full_slice_bytes(), wide.full_slice_bytes());
+            prop_assert_eq!(one_level.staging_layout(), wide.staging_layout());
+            match PlanConfig::equal_group_size(m) {
+                Some(size) => {
+                    prop_assert_eq!(defaults.routing(), Routing::Groups);
+                    let groups = defaults.machine_groups().unwrap();
+                    prop_assert_eq!(groups.groups() * groups.largest(), m);
+                    prop_assert_eq!(groups.largest(), size);
+                    prop_assert_eq!(defaults.config().slice_bytes(), 32 << 20);
+                    prop_assert!(defaults.config().slice_by_routing());
+                    let given = Geometry::with_groups(topo, default_slices, size).unwrap();
+                    prop_assert_eq!(given, defaults);
+                }
+                None => prop_assert_eq!(defaults, wide),
+            }
         } else {
             prop_assert_eq!(servers, 0);
             let size = PlanConfig::default_group_size(m);
@@ -865,8 +933,10 @@ proptest! {
 
     /// Wherever a slot of 25 MiB holds fewer shards of the minimum than there
     /// are machines and a slot of 32 MiB holds as many, the default slices are
-    /// 32 MiB on the flat plan, every machine serving a shard of at least the
-    /// minimum of every full slot; one machine more, and the machines form
+    /// 32 MiB: in equal groups where the machines make some
+    /// (`PlanConfig::equal_group_size`), else, and in one level, on the flat
+    /// plan, every machine serving a shard of at least the minimum of every
+    /// full slot; one machine more, and the machines form
     /// groups in 32 MiB slices where they make two levels (in one level, or
     /// where they make none, the cells go through the trees in 20 MiB
     /// slices).
@@ -884,12 +954,27 @@ proptest! {
         let m = u32::try_from(fewest + pick % (most.min(largest_job) - fewest + 1)).unwrap();
         let defaults = PlanConfig::with_default_slices(min_shard).unwrap();
         let topo = Topology::new(m, d, RankLayout::Contiguous).unwrap();
-        let g = Geometry::new(topo, defaults).unwrap();
+        let g = Geometry::new(topo, defaults.in_one_level()).unwrap();
         prop_assert_eq!(g.routing(), Routing::Flat);
         prop_assert_eq!(g.config().slice_bytes(), 32 << 20);
         prop_assert!(g.full_slice_bytes() <= 32 << 20);
         prop_assert_eq!(g.shards_per_full_slice(), m);
         prop_assert!(g.full_slot_bytes() / u64::from(m) >= min_shard);
+        // In two levels where the machines make equal groups, in the same
+        // slices.
+        let g = Geometry::new(topo, defaults).unwrap();
+        prop_assert_eq!(g.config().slice_bytes(), 32 << 20);
+        prop_assert!(g.full_slice_bytes() <= 32 << 20);
+        match PlanConfig::equal_group_size(m) {
+            Some(size) => {
+                prop_assert_eq!(g.routing(), Routing::Groups);
+                prop_assert_eq!(g.machine_groups().map(|groups| groups.largest()), Some(size));
+            }
+            None => {
+                prop_assert_eq!(g.routing(), Routing::Flat);
+                prop_assert_eq!(g.shards_per_full_slice(), m);
+            }
+        }
         if most < largest_job {
             let one_more = Topology::new(u32::try_from(most + 1).unwrap(), d, RankLayout::Contiguous).unwrap();
             let g = Geometry::new(one_more, defaults).unwrap();

@@ -659,15 +659,24 @@ mod tests {
         let (g, layout, buffers) = unset(8, 8, &|b| b);
         assert_eq!((g.full_slice_bytes(), buffers), (25 << 20, 8));
         assert!(layout.buffer_bytes() >= 25 << 20);
-        // 64x8, flat in 32 MiB slices: a 4 MiB slot and 63 areas of 128 KiB
-        // (the largest cell of a smaller slice, two minimum shards) and a line:
-        // 12,455,872 bytes, 4 of them, so the fewest, 5.
-        let (g, _, buffers) = unset(64, 8, &|b| b);
+        // 64x8, flat in 32 MiB slices (in one level): a 4 MiB slot and 63
+        // areas of 128 KiB (the largest cell of a smaller slice, two minimum
+        // shards) and a line: 12,455,872 bytes, 4 of them, so the fewest, 5.
+        let (g, _, buffers) = unset(64, 8, &|b| b.grouping(Grouping::OneLevel));
         assert_eq!(
             (g.full_slice_bytes(), buffers),
             (32 << 20, 4.max(FEWEST_DEFAULT_BUFFERS))
         );
         assert_eq!(g.staging_layout().total_bytes(), 12_455_872);
+        // 64x8 by default, in four equal groups of 16 in the same slices: a 4
+        // MiB slot, 15 areas within of its range (4,096 units, made odd:
+        // 262,208 bytes) and 2 x 3 across of its largest piece (1,024 units:
+        // 65,600 bytes): 8,521,024 bytes, 6 of them.
+        let (g, _, buffers) = unset(64, 8, &|b| b);
+        assert_eq!((g.full_slice_bytes(), buffers), (32 << 20, 6));
+        assert_eq!(g.machine_groups().map(|groups| groups.groups()), Some(4));
+        let two_level = g.two_level_layout(InputArea::Slot).unwrap();
+        assert_eq!(two_level.total_bytes(), 8_521_024);
         // 65x8, in groups of 22, 22 and 21 in 32 MiB slices: a 4 MiB slot
         // (65,536 units), 21 areas within of its largest range (3,121 units,
         // odd: 199,744 bytes) and 2 x 2 across of its largest piece (1,041
@@ -735,14 +744,26 @@ mod tests {
 
     #[test]
     fn default_slices_follow_the_routing_and_a_given_size_is_kept() {
-        // 64 machines of 8 GPUs: a 25 MiB slice's slot holds 50 shards of 64 KiB,
-        // fewer than the machines, so the default slices widen to 32 MiB, flat,
-        // in no fewer than five buffers.
+        // 61 machines of 8 GPUs: a 25 MiB slice's slot holds 50 shards of 64
+        // KiB, fewer than the machines, so the default slices widen to 32 MiB,
+        // flat (61 machines make no equal groups).
+        let wide = Topology::new(61, 8, RankLayout::Contiguous).unwrap();
+        let (g, _, buffers) = size_staging(&config(488, |b| b), wide).unwrap();
+        assert_eq!(g.routing(), Routing::Flat);
+        assert!(g.full_slice_bytes() <= 32 << 20 && g.full_slice_bytes() > 25 << 20);
+        assert!(buffers >= 2);
+        // 64 machines make four equal groups of 16, in the same slices; in
+        // one level they stay flat.
         let wide = Topology::new(64, 8, RankLayout::Contiguous).unwrap();
         let (g, _, buffers) = size_staging(&config(512, |b| b), wide).unwrap();
-        assert_eq!(g.routing(), Routing::Flat);
+        assert_eq!(g.routing(), Routing::Groups);
+        assert_eq!(g.machine_groups().map(|groups| groups.largest()), Some(16));
         assert_eq!(g.full_slice_bytes(), 32 << 20);
         assert!(buffers >= 2);
+        let (g, _, _) =
+            size_staging(&config(512, |b| b.grouping(Grouping::OneLevel)), wide).unwrap();
+        assert_eq!(g.routing(), Routing::Flat);
+        assert_eq!(g.full_slice_bytes(), 32 << 20);
         // 65 machines: a 32 MiB slice's slot holds 64 shards of 64 KiB, so the
         // machines form groups, in 32 MiB slices by default; in one level the
         // cells go through the trees, in 20 MiB slices.

@@ -9,18 +9,21 @@ use fairring_core::plan::PlanConfig;
 /// fairring-core).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Grouping {
-    /// The default: in the default slices, where even the wide flat slices
-    /// leave some machine without a shard of the minimum size (past 64
-    /// machines of 8 GPUs at the 64 KiB minimum), groups of
-    /// [`PlanConfig::default_group_size`]: equal groups of 32, 40, 48, 56 or
-    /// 64 machines at most where one of those sizes makes them, else of at
-    /// most 48 (half the machines, where fewer); one level elsewhere, and in
-    /// slices given
+    /// The default: in the default slices, where they would leave some
+    /// machine without a shard of the minimum size but the wide flat slices
+    /// would not (51 to 64 machines of 8 GPUs at the 64 KiB minimum), equal
+    /// groups of [`PlanConfig::equal_group_size`] where the machines make
+    /// some; where even the wide flat slices would (past 64 machines of 8
+    /// GPUs), groups of [`PlanConfig::default_group_size`]: equal groups of
+    /// 32, 40, 48, 56 or 64 machines at most where one of those sizes makes
+    /// them, else of at most 48 (half the machines, where fewer); one level
+    /// elsewhere, and in slices given
     /// (`FAIRRING_SLICE_SIZE`). `FAIRRING_GROUP_SIZE=auto`, or unset.
     #[default]
     Auto,
     /// One level always: where the default slices would form groups, the
-    /// cells go through the trees instead. `FAIRRING_GROUP_SIZE=off`.
+    /// cells stay flat in the wide slices, or past them go through the
+    /// trees. `FAIRRING_GROUP_SIZE=off`.
     OneLevel,
     /// Groups of at most this many machines, as even as can be, whatever
     /// the slices: from 2 to half the machines, leaving no group of one, and

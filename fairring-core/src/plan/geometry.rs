@@ -43,9 +43,12 @@ impl PlanConfig {
     /// [`PlanConfig::DEFAULT_SLICE_BYTES`] is too small to give every machine a
     /// shard of the minimum but a slot of this size is not: 32 MiB, so the
     /// cells stay on the flat plan up to 64 machines of 8 devices at the 64 KiB
-    /// minimum shard. Past that, the machines form groups
+    /// minimum shard, unless the machines make equal groups
+    /// ([`PlanConfig::equal_group_size`]), which reduce in two levels in
+    /// slices of this size. Past that, the machines form groups
     /// ([`PlanConfig::default_group_size`]), in slices of this size too; in
-    /// one level ([`PlanConfig::in_one_level`]) they go through the trees.
+    /// one level ([`PlanConfig::in_one_level`]) they stay flat, and then go
+    /// through the trees.
     ///
     /// Flat, a slice crosses the network once each way; through the trees it
     /// fills and drains `2 log2 M` levels. The scale model (`docs/scale-model.md`)
@@ -110,6 +113,36 @@ impl PlanConfig {
             Self::DEFAULT_GROUP_SIZE
         }
     }
+    /// The size of equal groups where the default slices would give some
+    /// machine no shard of the minimum but the wide flat slices
+    /// ([`PlanConfig::WIDE_FLAT_SLICE_BYTES`]) give each one (51 to 64
+    /// machines of 8 GPUs at the 64 KiB minimum): the fewest equal groups of 8
+    /// to 64 machines, at least four where there are such, else three, else
+    /// two. `None` where no such groups exist (a prime count of machines, or
+    /// fewer than 16): the wide flat slices stay.
+    ///
+    /// The scale model (`docs/scale-model.md`) puts these groups at 238.6 to
+    /// 242.6 GB/s busbw for 64 MiB on 408 to 512 H100s (51 to 64 machines),
+    /// against the wide flat slices' 224.7 to 228.8, and at 0.974 to 0.999
+    /// times their busbw at 256 MiB (two groups cost most) and 0.992 to 1.009
+    /// at 1 GiB; of four groups or more, at 0.983 times at worst.
+    pub const fn equal_group_size(machines: u32) -> Option<u32> {
+        let mut fewest = [None; 3];
+        let mut groups = 2;
+        while groups <= machines / 8 {
+            if machines.is_multiple_of(groups) {
+                let slot = if groups >= 4 { 0 } else { 4 - groups as usize };
+                if fewest[slot].is_none() && machines / groups <= 64 {
+                    fewest[slot] = Some(machines / groups);
+                }
+            }
+            groups += 1;
+        }
+        match fewest {
+            [Some(size), _, _] | [None, Some(size), _] | [None, None, Some(size)] => Some(size),
+            [None, None, None] => None,
+        }
+    }
     /// Default smallest shard: 64 KiB. Below this, the per-message cost of the
     /// inter-machine step outweighs spreading the load over more servers.
     pub const DEFAULT_MIN_SHARD_BYTES: u64 = 64 << 10;
@@ -150,8 +183,9 @@ impl PlanConfig {
     /// A configuration with the default slices and shards of at least
     /// `min_shard_bytes`: slices of at most [`PlanConfig::DEFAULT_SLICE_BYTES`],
     /// or of [`PlanConfig::WIDE_FLAT_SLICE_BYTES`] where a [`Geometry`] made
-    /// from it needs them to give every machine a shard (flat) or forms groups
-    /// ([`Routing::Groups`], [`PlanConfig::DEFAULT_GROUP_SIZE`]), or of
+    /// from it needs them to give every machine a shard (flat, or in equal
+    /// groups: [`PlanConfig::equal_group_size`]) or forms groups past that
+    /// ([`Routing::Groups`], [`PlanConfig::default_group_size`]), or of
     /// [`PlanConfig::DEFAULT_TREE_SLICE_BYTES`] where it routes the cells
     /// through the trees ([`Routing::Trees`]: a configuration
     /// [`PlanConfig::in_one_level`]). A slice size given with
@@ -343,11 +377,36 @@ impl Geometry {
         } else {
             Routing::Flat
         };
+        if config.slice_by_routing && !config.one_level && servers == 0 && groups.is_none() {
+            // The default slices, where their slot would give some machine no
+            // shard of the minimum but the wide flat slices' gives each one:
+            // equal groups in the wide slices, where the machines make some.
+            // Decided on the two fixed sizes, so that the configuration of the
+            // geometry made (the wide slices, still the default's) makes it
+            // again.
+            let default_slot_units = PlanConfig::DEFAULT_SLICE_BYTES / ALIGN_BYTES / devices;
+            let wide_slot_units = PlanConfig::WIDE_FLAT_SLICE_BYTES / ALIGN_BYTES / devices;
+            let machines = topology.machines();
+            if shards_for_slot(default_slot_units, min_shard_units, serving as u64) < serving
+                && shards_for_slot(wide_slot_units, min_shard_units, serving as u64) == serving
+                && let Some(size) = PlanConfig::equal_group_size(machines)
+                && let Ok(groups) = MachineGroups::new(machines, size)
+            {
+                let wide = PlanConfig {
+                    slice_bytes: PlanConfig::WIDE_FLAT_SLICE_BYTES,
+                    min_shard_bytes: config.min_shard_bytes,
+                    slice_by_routing: true,
+                    one_level: false,
+                };
+                return Geometry::build(topology, wide, servers, Some(groups));
+            }
+        }
         if let Routing::Trees = routing
             && config.slice_by_routing
         {
             // The default slices: the wide flat slices where their slot gives
-            // every machine a shard of the minimum.
+            // every machine a shard of the minimum (and the machines make no
+            // equal groups, above).
             let wide_slot_units = PlanConfig::WIDE_FLAT_SLICE_BYTES / ALIGN_BYTES / devices;
             if shards_for_slot(wide_slot_units, min_shard_units, serving as u64) == serving {
                 let wide = PlanConfig {
@@ -423,7 +482,8 @@ impl Geometry {
     /// How the cells travel between machines: [`Routing::Groups`] where the
     /// geometry was made [`Geometry::with_groups`], or where the default
     /// slices would go through the trees and the machines make two levels
-    /// ([`PlanConfig::DEFAULT_GROUP_SIZE`]); else [`Routing::Trees`] where
+    /// ([`PlanConfig::equal_group_size`] where the wide flat slices would
+    /// serve, else [`PlanConfig::default_group_size`]); else [`Routing::Trees`] where
     /// the machines serve and a full slot, cut into shards of at least the
     /// minimum size, has fewer shards than there are machines; else
     /// [`Routing::Flat`].
