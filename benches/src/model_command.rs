@@ -4,7 +4,8 @@
 //! fairring-bench model [--preset NAME] [--presets FILE] [--gpus N,N,...] [--devices D]
 //!                      [--min-bytes N] [--max-bytes N] [--factor F]
 //!                      [--algo all|NAME,NAME,...] [--tensors N] [--servers K]
-//!                      [--group G] [--slice-bytes N] [--min-shard N] [--budget N] [--original]
+//!                      [--group G] [--grouping auto|off|N] [--slice-bytes N]
+//!                      [--min-shard N] [--budget N] [--original]
 //!                      [--plan-only] [--breakdown] [--json PATH] [--plot PATH]
 //!                      [--plot-gpus N] [--plot-bytes N]
 //! fairring-bench model --calibrate BENCH.json [--calibrate-algo NAME] [--preset NAME]
@@ -24,6 +25,11 @@
 //! at `--plot-bytes`, default the largest size), each as SVG and PNG.
 //! `--plan-only` runs the plan where the engine would run an all-reduce as one
 //! NCCL all-reduce across the job (`FAIRRING_NCCL_ACROSS_MACHINES=off`).
+//!
+//! `--grouping` groups the machines for the `hierarchical` row as
+//! `FAIRRING_GROUP_SIZE` does the engine's: `auto` (the default), `off` (one
+//! level: flat, or through the trees), or `N` (groups of at most `N`
+//! machines, refused where they make no two levels).
 //!
 //! `--algo groups` adds a study of the two-level plan over group sizes of its
 //! own choice (the engine's is `FAIRRING_GROUP_SIZE`: two levels of reduction servers, `model::groups`; `all` leaves it out), its groups of
@@ -55,6 +61,7 @@ struct Options {
     tensors: u32,
     servers: u32,
     group: u32,
+    grouping: fairring::Grouping,
     /// `None`: the engine's default slices (smaller through the trees).
     slice_bytes: Option<u64>,
     min_shard: u64,
@@ -75,7 +82,8 @@ fn usage(error: &str) -> ! {
     eprintln!(
         "usage: fairring-bench model [--preset NAME] [--presets FILE] [--gpus N,N,...] \
          [--devices D] [--min-bytes N] [--max-bytes N] [--factor F] [--algo all|NAME,...] \
-         [--tensors N] [--servers K] [--group G] [--slice-bytes N] [--min-shard N] [--budget N] \
+         [--tensors N] [--servers K] [--group G] [--grouping auto|off|N] [--slice-bytes N] \
+         [--min-shard N] [--budget N] \
          [--original] [--plan-only] [--breakdown] [--json PATH] [--plot PATH] \
          [--plot-gpus N] [--plot-bytes N]\n       \
          fairring-bench model --calibrate BENCH.json [--calibrate-algo NAME] [--preset NAME]\n\
@@ -99,6 +107,7 @@ fn parse(args: &[String]) -> Options {
         tensors: 1,
         servers: 0,
         group: 0,
+        grouping: fairring::Grouping::Auto,
         slice_bytes: None,
         min_shard: PlanConfig::DEFAULT_MIN_SHARD_BYTES,
         budget: None,
@@ -148,6 +157,13 @@ fn parse(args: &[String]) -> Options {
             "--tensors" => o.tensors = number(&value(), flag),
             "--servers" => o.servers = number(&value(), flag),
             "--group" => o.group = number(&value(), flag),
+            "--grouping" => {
+                o.grouping = match value().as_str() {
+                    "auto" => fairring::Grouping::Auto,
+                    "off" => fairring::Grouping::OneLevel,
+                    n => fairring::Grouping::AtMost(number(n, flag)),
+                };
+            }
             "--slice-bytes" => o.slice_bytes = Some(bytes(&value(), flag)),
             "--min-shard" => o.min_shard = bytes(&value(), flag),
             "--budget" => o.budget = Some(bytes(&value(), flag)),
@@ -274,6 +290,7 @@ fn run(o: &Options) -> Result<(), String> {
             job.budget_bytes = o.budget;
             job.servers = o.servers;
             job.group = o.group;
+            job.grouping = o.grouping;
             job.nccl_across_machines = !o.plan_only;
             for &algo in &o.algos {
                 let prediction = match predict(&hw, &job, algo) {

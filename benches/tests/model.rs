@@ -755,6 +755,7 @@ fn predictions_consume_the_real_plan() {
         (4, 8, 100 * MIB, 1),
         (3, 1, 7 * MIB + 12, 3),
         (256, 8, 64 * MIB, 2),
+        (64, 8, 64 * MIB, 1),
         (65, 8, 64 * MIB, 1),
         (65, 8, 1 << 10, 1),
         (1, 8, 64 * MIB, 1),
@@ -784,11 +785,11 @@ fn predictions_consume_the_real_plan() {
             assert!(staging.buffers >= 1);
             assert_eq!(t.through_trees, geometry.routing() == Routing::Trees);
             assert_eq!(t.in_groups, geometry.routing() == Routing::Groups);
-            // 65 and 256 machines of 8 GPUs form groups at the adaptive
-            // slicing (65: unequal ones, 22, 22 and 21, ranges cut in two
-            // intervals; at 1 KiB, most ranges and pieces empty), never at
-            // the original's.
-            assert_eq!(t.in_groups, m >= 65 && !original);
+            // 64, 65 and 256 machines of 8 GPUs form groups at the adaptive
+            // slicing (64: four equal ones in the wide slices; 65: unequal
+            // ones, 22, 22 and 21, ranges cut in two intervals; at 1 KiB,
+            // most ranges and pieces empty), never at the original's.
+            assert_eq!(t.in_groups, m >= 64 && !original);
             let largest = geometry.machine_groups().map(|g| g.largest());
             assert_eq!(
                 t.shards_per_full_slice,
@@ -796,6 +797,43 @@ fn predictions_consume_the_real_plan() {
             );
         }
     }
+}
+
+/// The `hierarchical` row groups the machines as the engine would under
+/// `FAIRRING_GROUP_SIZE` (`--grouping`): at 64 machines of 8 GPUs, four equal
+/// groups of 16 by default, flat in one level, groups of 8 at most 8; each
+/// prediction's messages and bytes those of an independent count over the
+/// plan. A size the engine refuses is refused.
+#[test]
+fn the_grouping_is_the_engines() {
+    let hw = h100();
+    for (grouping, largest) in [
+        (fairring::Grouping::Auto, Some(16)),
+        (fairring::Grouping::OneLevel, None),
+        (fairring::Grouping::AtMost(8), Some(8)),
+    ] {
+        let mut job = Job::new(64, 8, 64 * MIB);
+        job.grouping = grouping;
+        let t = predict(&hw, &job, Algo::Hierarchical)
+            .unwrap()
+            .traffic
+            .unwrap();
+        assert_eq!(t.in_groups, largest.is_some(), "{grouping:?}");
+        assert_eq!(
+            t.shards_per_full_slice,
+            largest.unwrap_or(64),
+            "{grouping:?}"
+        );
+        let sent = sent_by_plan(&job);
+        let busiest = sent.iter().copied().max_by_key(|&(n, b)| (b, n)).unwrap();
+        assert_eq!((t.messages_sent, t.bytes_sent), busiest, "{grouping:?}");
+    }
+    let mut two = Job::new(2, 8, 64 * MIB);
+    two.grouping = fairring::Grouping::AtMost(40);
+    assert!(matches!(
+        predict(&hw, &two, Algo::Hierarchical),
+        Err(ModelError::InvalidJob(e)) if e.contains("FAIRRING_GROUP_SIZE")
+    ));
 }
 
 #[test]

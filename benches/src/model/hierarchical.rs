@@ -137,10 +137,12 @@ pub(super) fn report(
 
 /// The predicted time of the hierarchical all-reduce of `job`.
 pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
+    // What the engine would refuse as the communicator is made, it refuses
+    // whatever path an all-reduce then takes.
+    let staging = job.staging(0)?;
     if let Some(p) = across_job(hw, job)? {
         return Ok(p);
     }
-    let staging = job.staging(0)?;
     if staging.geometry.machine_groups().is_some() {
         return super::groups::predict_engine(hw, job, &staging);
     }

@@ -162,6 +162,10 @@ pub struct Job {
     /// Machines per group for [`Algo::Groups`]; 0: the size of
     /// [`groups::group_sizes`] whose prediction is shortest.
     pub group: u32,
+    /// How the engine groups the machines where they serve
+    /// (`FAIRRING_GROUP_SIZE`), for [`Algo::Hierarchical`]; a one-level
+    /// [`Job::slicing`] keeps one level whatever this says.
+    pub grouping: fairring::Grouping,
 }
 
 impl Job {
@@ -180,6 +184,7 @@ impl Job {
             servers: 0,
             nccl_across_machines: true,
             group: 0,
+            grouping: fairring::Grouping::Auto,
         }
     }
 
@@ -228,6 +233,10 @@ impl Job {
         }
         if self.slicing.is_one_level() {
             builder = builder.grouping(fairring::Grouping::OneLevel);
+        } else if servers == 0 {
+            // Groups only where the machines serve, as the engine refuses
+            // them with dedicated servers.
+            builder = builder.grouping(self.grouping);
         }
         builder
             .build()
