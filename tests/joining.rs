@@ -185,6 +185,46 @@ fn ranks_that_plan_other_groups_are_refused_and_sizes_that_split_nothing_named()
     }
 }
 
+/// A rank that serves the job's store (rank 0) and fails to join after the
+/// rendezvous (here its budget holds no staging buffer) tells the peers
+/// still waiting for its keys why, within the timeout: they fail naming it
+/// and its error, not a closed store.
+#[test]
+fn a_failed_rank_0_tells_its_peers_why() {
+    let port = fairring_local_job::free_port().expect("a free port");
+    let started = Instant::now();
+    let errors: Vec<Error> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2u32)
+            .map(|rank| {
+                s.spawn(move || {
+                    let mut b = fairring::Config::builder(rank, 2, "127.0.0.1", port)
+                        .host_id(format!("machine-{rank}"))
+                        .run_id(format!("rank-0-fails-{port}"))
+                        .timeout(TIMEOUT.unwrap());
+                    if rank == 0 {
+                        b = b.slice_bytes(40 << 20).total_memory(50 << 20);
+                    }
+                    Communicator::new(b.build().unwrap())
+                        .err()
+                        .unwrap_or_else(|| panic!("rank {rank} was made"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(started.elapsed() < TIMEOUT.unwrap());
+    assert!(
+        matches!(&errors[0], Error::Config { variable, .. } if *variable == "FAIRRING_TOTAL_MEMORY"),
+        "rank 0: {}",
+        errors[0]
+    );
+    assert!(
+        matches!(&errors[1], Error::Peer { rank: 0, reason } if reason.contains("FAIRRING_TOTAL_MEMORY")),
+        "rank 1: {}",
+        errors[1]
+    );
+}
+
 /// Makes a communicator on every rank of a job of `world` machines of one
 /// rank, each grouping as `grouping` says, and returns each rank's error
 /// (every rank must fail).

@@ -104,7 +104,8 @@ impl TcpStoreServer {
     /// needs can reach its own verdict (every rank finds the same
     /// configuration error, say). A request for an absent key, which could
     /// only wait, is answered with `rank`'s failure and its connection
-    /// closed; the client reports it as [`Error::Peer`]. Returns once every
+    /// closed; the client reports it as [`Error::Peer`], and so every later
+    /// call on that client. Returns once every
     /// client has closed its connection or been answered so, or after
     /// `linger`, whichever comes first. The caller closes its own client
     /// first.
@@ -323,6 +324,9 @@ fn host_failure(shared: &ServerShared) -> Option<Vec<u8>> {
 pub struct TcpStore {
     address: SocketAddr,
     stream: Mutex<TcpStream>,
+    /// The serving rank's failure, once the server answered with it (and
+    /// closed the connection): every later call returns it.
+    host_failed: Mutex<Option<(u32, String)>>,
 }
 
 impl TcpStore {
@@ -343,6 +347,7 @@ impl TcpStore {
                 Ok(TcpStore {
                     address,
                     stream: Mutex::new(stream),
+                    host_failed: Mutex::new(None),
                 })
             }
             Err(e) => Err(Error::store(
@@ -387,6 +392,15 @@ impl TcpStore {
             ));
         }
         let timeout_ms = timeout.map(|t| u32::try_from(t.as_millis()).unwrap_or(u32::MAX));
+        let host_failed = |rank: u32, reason: &str| {
+            Error::peer(
+                rank,
+                format!("failed while serving the rendezvous store: {reason}"),
+            )
+        };
+        if let Some((rank, reason)) = &*lock(&self.host_failed) {
+            return Err(host_failed(*rank, reason));
+        }
         let mut stream = lock(&self.stream);
         let failed =
             |e: io::Error| Error::store("request", format!("the store at {}: {e}", self.address));
@@ -396,13 +410,11 @@ impl TcpStore {
             let rank = p::read_u32(&mut *stream).map_err(failed)?;
             let reason =
                 p::read_bounded(&mut *stream, p::MAX_REASON_LEN, "reason").map_err(failed)?;
-            return Err(Error::peer(
-                rank,
-                format!(
-                    "failed, and closed the rendezvous store it serves: {}",
-                    String::from_utf8_lossy(&reason)
-                ),
-            ));
+            let reason = String::from_utf8_lossy(&reason).into_owned();
+            let e = host_failed(rank, &reason);
+            // The server closed this connection after its answer.
+            *lock(&self.host_failed) = Some((rank, reason));
+            return Err(e);
         }
         let body = match (op, status) {
             (p::OP_GET, p::STATUS_OK) => {
@@ -545,6 +557,12 @@ mod tests {
                 panic!("a check of an absent key after the failure: {told:?}");
             };
             assert!(reason.contains("slices of 7 bytes"), "{reason}");
+            // The server closed that connection: a later call still says why.
+            let again = reader.get("host/1", Duration::from_secs(1));
+            assert!(
+                matches!(&again, Err(Error::Peer { rank: 0, reason }) if reason.contains("slices of 7 bytes")),
+                "{again:?}"
+            );
             let Err(Error::Peer { rank: 0, reason }) = waited.join().unwrap() else {
                 panic!("a waiter was not told of the failure");
             };
@@ -565,8 +583,10 @@ mod tests {
         let client = || TcpStore::connect("127.0.0.1", port, &secret, 7, Duration::from_secs(5));
         let (reader, probe) = (client().unwrap(), client().unwrap());
         reader.set("host/0", b"machine-0").unwrap();
+        let linger = Duration::from_secs(30);
+        let started = Instant::now();
         std::thread::scope(|s| {
-            let closing = s.spawn(move || server.close_failed(3, "bad", Duration::from_secs(30)));
+            let closing = s.spawn(move || server.close_failed(3, "bad", linger));
             // The failure is set once the probe's absent key is answered with it.
             loop {
                 match probe.check(&["absent"]) {
@@ -583,5 +603,7 @@ mod tests {
             drop((reader, probe));
             closing.join().unwrap();
         });
+        // Once its clients are gone, not after the linger.
+        assert!(started.elapsed() < linger / 2, "{:?}", started.elapsed());
     }
 }
