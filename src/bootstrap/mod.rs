@@ -2,7 +2,8 @@
 
 use std::sync::Arc;
 
-use fairring_core::plan::{Geometry, PlanConfig, PlanError};
+use fairring_core::WireFormat;
+use fairring_core::plan::{Geometry, PlanConfig, PlanError, Routing};
 use fairring_core::topology::{Location, Topology};
 use fairring_rdma::any::AnyFabric;
 use fairring_rdma::fabric::{Endpoint, Fabric, LocalRegion, RemoteRegion};
@@ -241,6 +242,9 @@ pub(crate) fn size_staging(
         let slice = pc.slice_bytes();
         let g = match (config.servers, config.grouping) {
             (0, Grouping::AtMost(size)) => Geometry::with_groups(topology, pc, size),
+            (0, Grouping::Auto) if config.wire != WireFormat::Exact => {
+                compressing_default(topology, pc)
+            }
             (0, grouping) => Geometry::new(topology, grouping.plan_config(pc)),
             (k, _) => Geometry::with_servers(topology, pc, k),
         }
@@ -308,6 +312,26 @@ pub(crate) fn size_staging(
     }
     let buffers = u32::try_from(buffers).unwrap_or(u32::MAX).min(MAX_BUFFERS);
     Ok((geometry, layout, buffers))
+}
+
+/// The default geometry for a job whose wire compresses (`FAIRRING_WIRE`):
+/// the flat plan where it would serve in one level and the default would form
+/// groups instead (equal groups in the wide flat slices), since only the
+/// flat plan (and dedicated servers) carry values compressed; elsewhere the
+/// default's, which past the wide flat slices forms groups, exact as the
+/// trees are.
+fn compressing_default(
+    topology: Topology,
+    config: PlanConfig,
+) -> std::result::Result<Geometry, PlanError> {
+    let grouped = Geometry::new(topology, config)?;
+    if grouped.routing() == Routing::Groups {
+        let flat = Geometry::new(topology, config.in_one_level())?;
+        if flat.routing() == Routing::Flat {
+            return Ok(flat);
+        }
+    }
+    Ok(grouped)
 }
 
 /// Attaches this rank to its machine's shared segment (local rank 0 creates it).
@@ -522,7 +546,8 @@ fn staging_terms(a: &Assembly<impl MemorySpace>) -> String {
 /// Publishes this process's [`staging_terms`] and checks them against rank
 /// 0's and its linked peers': a process configured otherwise
 /// (`FAIRRING_SLICE_SIZE`, `FAIRRING_MIN_SHARD_SIZE`, `FAIRRING_TOTAL_MEMORY`,
-/// `FAIRRING_GROUP_SIZE`) is refused, naming it and both sides' terms, before
+/// `FAIRRING_GROUP_SIZE`, and `FAIRRING_WIRE` where it decides whether the
+/// machines form groups) is refused, naming it and both sides' terms, before
 /// any slice travels.
 fn agree_on_staging<M: MemorySpace>(
     config: &Config,
@@ -541,7 +566,8 @@ fn agree_on_staging<M: MemorySpace>(
                 format!(
                     "plans with {}, where rank {rank} plans with {mine}: set \
                      FAIRRING_SLICE_SIZE, FAIRRING_MIN_SHARD_SIZE, \
-                     FAIRRING_TOTAL_MEMORY and FAIRRING_GROUP_SIZE alike on every rank",
+                     FAIRRING_TOTAL_MEMORY, FAIRRING_GROUP_SIZE and FAIRRING_WIRE \
+                     alike on every rank",
                     String::from_utf8_lossy(&theirs)
                 ),
             ));
@@ -764,6 +790,16 @@ mod tests {
             size_staging(&config(512, |b| b.grouping(Grouping::OneLevel)), wide).unwrap();
         assert_eq!(g.routing(), Routing::Flat);
         assert_eq!(g.full_slice_bytes(), 32 << 20);
+        // So too where the wire compresses, which only the flat plan carries;
+        // past the wide flat slices (65 machines) the groups stay, exact as
+        // the trees would be.
+        let bf16 = |b: ConfigBuilder| b.wire(fairring_core::WireFormat::Bf16);
+        let (g, _, _) = size_staging(&config(512, bf16), wide).unwrap();
+        assert_eq!(g.routing(), Routing::Flat);
+        assert_eq!(g.shards_per_full_slice(), 64);
+        let deep = Topology::new(65, 8, RankLayout::Contiguous).unwrap();
+        let (g, _, _) = size_staging(&config(520, bf16), deep).unwrap();
+        assert_eq!(g.routing(), Routing::Groups);
         // 65 machines: a 32 MiB slice's slot holds 64 shards of 64 KiB, so the
         // machines form groups, in 32 MiB slices by default; in one level the
         // cells go through the trees, in 20 MiB slices.

@@ -13,7 +13,8 @@ pub enum Grouping {
     /// machine without a shard of the minimum size but the wide flat slices
     /// would not (51 to 64 machines of 8 GPUs at the 64 KiB minimum), equal
     /// groups of [`PlanConfig::equal_group_size`] where the machines make
-    /// some; where even the wide flat slices would (past 64 machines of 8
+    /// some (but flat where `FAIRRING_WIRE` compresses, which only the flat
+    /// plan carries); where even the wide flat slices would (past 64 machines of 8
     /// GPUs), groups of [`PlanConfig::default_group_size`]: equal groups of
     /// 32, 40, 48, 56 or 64 machines at most where one of those sizes makes
     /// them, else of at most 48 (half the machines, where fewer); one level
