@@ -26,10 +26,12 @@
 //! `--plan-only` runs the plan where the engine would run an all-reduce as one
 //! NCCL all-reduce across the job (`FAIRRING_NCCL_ACROSS_MACHINES=off`).
 //!
-//! `--grouping` groups the machines for the `hierarchical` row as
-//! `FAIRRING_GROUP_SIZE` does the engine's: `auto` (the default), `off` (one
-//! level: flat, or through the trees), or `N` (groups of at most `N`
-//! machines, refused where they make no two levels).
+//! `--grouping` groups the machines as `FAIRRING_GROUP_SIZE` does the
+//! engine's, for the `hierarchical` row and fairring's `ring` (whose slices
+//! follow the geometry): `auto` (the default), `off` (one level: flat, or
+//! through the trees), or `N` (groups of at most `N` machines). Where the
+//! engine would refuse it (a size that makes no two levels), the row says
+//! so and the sweep goes on.
 //!
 //! `--algo groups` adds a study of the two-level plan over group sizes of its
 //! own choice (the engine's is `FAIRRING_GROUP_SIZE`: two levels of reduction servers, `model::groups`; `all` leaves it out), its groups of
@@ -300,6 +302,10 @@ fn run(o: &Options) -> Result<(), String> {
                     // the budget, say): say so and go on with the sweep.
                     Err(ModelError::Plan(e)) => {
                         println!("# {gpus} GPUs, {size} bytes, {algo}: fairring refuses: {e}");
+                        continue;
+                    }
+                    Err(e @ ModelError::Refused(_)) => {
+                        println!("# {gpus} GPUs, {size} bytes, {algo}: {e}");
                         continue;
                     }
                     Err(e) => return Err(format!("{gpus} GPUs, {size} bytes, {algo}: {e}")),

@@ -832,7 +832,7 @@ fn the_grouping_is_the_engines() {
     two.grouping = fairring::Grouping::AtMost(40);
     assert!(matches!(
         predict(&hw, &two, Algo::Hierarchical),
-        Err(ModelError::InvalidJob(e)) if e.contains("FAIRRING_GROUP_SIZE")
+        Err(ModelError::Refused(e)) if e.contains("FAIRRING_GROUP_SIZE")
     ));
 }
 

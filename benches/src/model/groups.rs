@@ -145,6 +145,8 @@ pub fn predict_with(hw: &Hardware, job: &Job, g: u32) -> Result<Prediction, Mode
     // the wide flat slices (32 MiB) for a tensor of at least
     // `MIN_SLICES_PER_TENSOR` of them, else the default slices and their cut.
     let mut flat = *job;
+    // The study's own groups, whatever the engine's grouping says.
+    flat.grouping = fairring::Grouping::OneLevel;
     let wide = PlanConfig::WIDE_FLAT_SLICE_BYTES;
     flat.slicing = if !job.slicing.slice_by_routing() {
         PlanConfig::new(job.slicing.slice_bytes(), PlanConfig::MIN_SHARD_FLOOR)

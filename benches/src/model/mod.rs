@@ -241,7 +241,7 @@ impl Job {
         builder
             .build()
             .and_then(|config| config.staging(topology))
-            .map_err(|e| ModelError::InvalidJob(e.to_string()))
+            .map_err(|e| ModelError::Refused(e.to_string()))
     }
 
     /// Server machines for [`Algo::Servers`].
@@ -378,6 +378,10 @@ pub enum ModelError {
     },
     /// A job parameter is out of range.
     InvalidJob(String),
+    /// The engine refuses the job's configuration as a communicator is made
+    /// (`fairring::Config::staging`: a group size that splits nothing, a
+    /// budget that holds no buffer, ...).
+    Refused(String),
 }
 
 impl fmt::Display for ModelError {
@@ -395,6 +399,7 @@ impl fmt::Display for ModelError {
             }
             ModelError::NotApplicable { algo, reason } => write!(f, "{algo}: {reason}"),
             ModelError::InvalidJob(what) => write!(f, "job: {what}"),
+            ModelError::Refused(why) => write!(f, "fairring refuses: {why}"),
         }
     }
 }
