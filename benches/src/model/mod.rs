@@ -85,7 +85,7 @@ pub enum Algo {
     /// A study of the two-level plan over group sizes of its choice
     /// ([`groups`]): reduction servers within groups of machines, then
     /// across the groups (what `hierarchical` runs, in the engine's groups,
-    /// past the wide flat slices).
+    /// past the wide flat slices and in equal groups in them).
     Groups,
 }
 

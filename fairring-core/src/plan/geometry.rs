@@ -52,9 +52,9 @@ impl PlanConfig {
     ///
     /// Flat, a slice crosses the network once each way; through the trees it
     /// fills and drains `2 log2 M` levels. The scale model (`docs/scale-model.md`)
-    /// puts 416 to 512 H100s (52 to 64 machines) flat in 32 MiB slices at 225
-    /// to 229, 333 to 340 and 372 GB/s busbw for 64 MiB, 256 MiB and 1 GiB,
-    /// against 209, 305 and 350 through the trees at 512.
+    /// puts 416 to 512 H100s (52 to 64 machines) flat in 32 MiB slices (in
+    /// one level) at 225 to 229, 333 to 340 and 372 GB/s busbw for 64 MiB,
+    /// 256 MiB and 1 GiB, against 209, 305 and 350 through the trees at 512.
     pub const WIDE_FLAT_SLICE_BYTES: u64 = 32 << 20;
     /// With the default slices (flat, in groups or through the trees, but not
     /// the wide flat ones) and no dedicated servers, a tensor of fewer full slices is
@@ -118,8 +118,9 @@ impl PlanConfig {
     /// ([`PlanConfig::WIDE_FLAT_SLICE_BYTES`]) give each one (51 to 64
     /// machines of 8 GPUs at the 64 KiB minimum): the fewest equal groups of 8
     /// to 64 machines, at least four where there are such, else three, else
-    /// two. `None` where no such groups exist (a prime count of machines, or
-    /// fewer than 16): the wide flat slices stay.
+    /// two. `None` where no such groups exist (a prime count of machines,
+    /// fewer than 16, or counts such as 49 and 134 that no number of groups
+    /// divides into groups of 8 to 64): the wide flat slices stay.
     ///
     /// The scale model (`docs/scale-model.md`) puts these groups at 238.6 to
     /// 242.6 GB/s busbw for 64 MiB on 408 to 512 H100s (51 to 64 machines),
