@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use fairring::{Communicator, Error, Grouping, JobId, ReduceOp};
+use fairring::{Communicator, ConfigBuilder, Error, Grouping, JobId, ReduceOp};
 
 const TIMEOUT: Option<Duration> = Some(Duration::from_secs(20));
 
@@ -112,29 +112,12 @@ fn a_launched_job_missing_a_rank_fails_within_the_timeout_naming_it() {
 /// between them to land in the wrong cells.
 #[test]
 fn ranks_that_plan_other_slices_are_refused_naming_the_peer() {
-    let port = fairring_local_job::free_port().expect("a free port");
-    let world = 2u32;
-    let started = Instant::now();
-    let errors: Vec<Error> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                s.spawn(move || {
-                    let mut b = fairring::Config::builder(rank, world, "127.0.0.1", port)
-                        .host_id(format!("machine-{rank}"))
-                        .run_id(format!("plans-{port}"))
-                        .timeout(TIMEOUT.unwrap());
-                    if rank == 1 {
-                        b = b.slice_bytes(1 << 20);
-                    }
-                    Communicator::new(b.build().unwrap())
-                        .err()
-                        .unwrap_or_else(|| panic!("rank {rank} was made"))
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    assert!(started.elapsed() < TIMEOUT.unwrap());
+    let errors = refused_job(
+        2,
+        |rank, b| {
+            if rank == 1 { b.slice_bytes(1 << 20) } else { b }
+        },
+    );
     for (rank, e) in errors.iter().enumerate() {
         let said = e.to_string();
         let other = 1 - rank;
@@ -159,12 +142,12 @@ fn ranks_that_plan_other_slices_are_refused_naming_the_peer() {
 /// variable.
 #[test]
 fn ranks_that_plan_other_groups_are_refused_and_sizes_that_split_nothing_named() {
-    let errors = refused_job(4, |rank| {
-        if rank == 3 {
+    let errors = refused_job(4, |rank, b| {
+        b.grouping(if rank == 3 {
             Grouping::OneLevel
         } else {
             Grouping::AtMost(2)
-        }
+        })
     });
     for (rank, e) in errors.iter().enumerate() {
         let said = e.to_string();
@@ -176,7 +159,7 @@ fn ranks_that_plan_other_groups_are_refused_and_sizes_that_split_nothing_named()
         );
     }
 
-    let errors = refused_job(2, |_| Grouping::AtMost(2));
+    let errors = refused_job(2, |_, b| b.grouping(Grouping::AtMost(2)));
     for (rank, e) in errors.iter().enumerate() {
         assert!(
             matches!(e, Error::Config { variable, .. } if *variable == "FAIRRING_GROUP_SIZE"),
@@ -191,28 +174,13 @@ fn ranks_that_plan_other_groups_are_refused_and_sizes_that_split_nothing_named()
 /// and its error, not a closed store.
 #[test]
 fn a_failed_rank_0_tells_its_peers_why() {
-    let port = fairring_local_job::free_port().expect("a free port");
-    let started = Instant::now();
-    let errors: Vec<Error> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..2u32)
-            .map(|rank| {
-                s.spawn(move || {
-                    let mut b = fairring::Config::builder(rank, 2, "127.0.0.1", port)
-                        .host_id(format!("machine-{rank}"))
-                        .run_id(format!("rank-0-fails-{port}"))
-                        .timeout(TIMEOUT.unwrap());
-                    if rank == 0 {
-                        b = b.slice_bytes(40 << 20).total_memory(50 << 20);
-                    }
-                    Communicator::new(b.build().unwrap())
-                        .err()
-                        .unwrap_or_else(|| panic!("rank {rank} was made"))
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let errors = refused_job(2, |rank, b| {
+        if rank == 0 {
+            b.slice_bytes(40 << 20).total_memory(50 << 20)
+        } else {
+            b
+        }
     });
-    assert!(started.elapsed() < TIMEOUT.unwrap());
     assert!(
         matches!(&errors[0], Error::Config { variable, .. } if *variable == "FAIRRING_TOTAL_MEMORY"),
         "rank 0: {}",
@@ -226,26 +194,31 @@ fn a_failed_rank_0_tells_its_peers_why() {
 }
 
 /// Makes a communicator on every rank of a job of `world` machines of one
-/// rank, each grouping as `grouping` says, and returns each rank's error
-/// (every rank must fail).
-fn refused_job(world: u32, grouping: impl Fn(u32) -> Grouping + Sync) -> Vec<Error> {
+/// rank, each configured further by `configure`, and returns each rank's
+/// error: every rank must fail, within the timeout.
+fn refused_job(
+    world: u32,
+    configure: impl Fn(u32, ConfigBuilder) -> ConfigBuilder + Sync,
+) -> Vec<Error> {
     let port = fairring_local_job::free_port().expect("a free port");
-    std::thread::scope(|s| {
+    let started = Instant::now();
+    let errors = std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
             .map(|rank| {
-                let grouping = &grouping;
+                let configure = &configure;
                 s.spawn(move || {
                     let b = fairring::Config::builder(rank, world, "127.0.0.1", port)
                         .host_id(format!("machine-{rank}"))
-                        .run_id(format!("groups-{port}"))
-                        .timeout(TIMEOUT.unwrap())
-                        .grouping(grouping(rank));
-                    Communicator::new(b.build().unwrap())
+                        .run_id(format!("refused-{port}"))
+                        .timeout(TIMEOUT.unwrap());
+                    Communicator::new(configure(rank, b).build().unwrap())
                         .err()
                         .unwrap_or_else(|| panic!("rank {rank} was made"))
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    });
+    assert!(started.elapsed() < TIMEOUT.unwrap());
+    errors
 }

@@ -529,17 +529,24 @@ impl Store for TcpStore {
 mod tests {
     use super::*;
 
+    /// A server on a free port of this host, and `N` clients it admitted.
+    fn served<const N: usize>() -> (TcpStoreServer, [TcpStore; N]) {
+        let secret = JobSecret::generate().unwrap();
+        let server =
+            TcpStoreServer::bind("127.0.0.1:0".parse().unwrap(), secret.clone(), 7, 8).unwrap();
+        let port = server.address().port();
+        let clients = std::array::from_fn(|_| {
+            TcpStore::connect("127.0.0.1", port, &secret, 7, Duration::from_secs(5)).unwrap()
+        });
+        (server, clients)
+    }
+
     /// A rank that fails while serving the store lets its peers read what is
     /// set, answers what they wait for with its own error, and stops once
     /// they are gone rather than after the linger.
     #[test]
     fn a_failed_host_answers_waiters_with_its_error() {
-        let secret = JobSecret::generate().unwrap();
-        let server =
-            TcpStoreServer::bind("127.0.0.1:0".parse().unwrap(), secret.clone(), 7, 8).unwrap();
-        let port = server.address().port();
-        let client = || TcpStore::connect("127.0.0.1", port, &secret, 7, Duration::from_secs(5));
-        let (reader, waiter) = (client().unwrap(), client().unwrap());
+        let (server, [reader, waiter]) = served();
         reader.set("host/1", b"machine-1").unwrap();
         let linger = Duration::from_secs(30);
         let started = Instant::now();
@@ -576,12 +583,7 @@ mod tests {
     /// to reach its own verdict.
     #[test]
     fn a_failed_host_still_serves_keys_already_set() {
-        let secret = JobSecret::generate().unwrap();
-        let server =
-            TcpStoreServer::bind("127.0.0.1:0".parse().unwrap(), secret.clone(), 7, 8).unwrap();
-        let port = server.address().port();
-        let client = || TcpStore::connect("127.0.0.1", port, &secret, 7, Duration::from_secs(5));
-        let (reader, probe) = (client().unwrap(), client().unwrap());
+        let (server, [reader, probe]) = served();
         reader.set("host/0", b"machine-0").unwrap();
         let linger = Duration::from_secs(30);
         let started = Instant::now();

@@ -144,6 +144,17 @@ impl PlanConfig {
             [None, None, None] => None,
         }
     }
+    /// The configuration of a geometry the default slices put in groups: the
+    /// wide slices ([`PlanConfig::WIDE_FLAT_SLICE_BYTES`]), still the
+    /// default's (cut for small tensors), in two levels.
+    const fn wide_in_groups(min_shard_bytes: u64) -> PlanConfig {
+        PlanConfig {
+            slice_bytes: PlanConfig::WIDE_FLAT_SLICE_BYTES,
+            min_shard_bytes,
+            slice_by_routing: true,
+            one_level: false,
+        }
+    }
     /// Default smallest shard: 64 KiB. Below this, the per-message cost of the
     /// inter-machine step outweighs spreading the load over more servers.
     pub const DEFAULT_MIN_SHARD_BYTES: u64 = 64 << 10;
@@ -393,12 +404,7 @@ impl Geometry {
                 && let Some(size) = PlanConfig::equal_group_size(machines)
                 && let Ok(groups) = MachineGroups::new(machines, size)
             {
-                let wide = PlanConfig {
-                    slice_bytes: PlanConfig::WIDE_FLAT_SLICE_BYTES,
-                    min_shard_bytes: config.min_shard_bytes,
-                    slice_by_routing: true,
-                    one_level: false,
-                };
+                let wide = PlanConfig::wide_in_groups(config.min_shard_bytes);
                 return Geometry::build(topology, wide, servers, Some(groups));
             }
         }
@@ -425,12 +431,7 @@ impl Geometry {
             if !config.one_level
                 && let Ok(groups) = MachineGroups::new(machines, size)
             {
-                let wide = PlanConfig {
-                    slice_bytes: PlanConfig::WIDE_FLAT_SLICE_BYTES,
-                    min_shard_bytes: config.min_shard_bytes,
-                    slice_by_routing: true,
-                    one_level: false,
-                };
+                let wide = PlanConfig::wide_in_groups(config.min_shard_bytes);
                 return Geometry::build(topology, wide, servers, Some(groups));
             }
         }
