@@ -23,8 +23,9 @@ const LOOK: Duration = Duration::from_millis(5);
 /// A server holds no tensors and issues no calls: it learns each operation from
 /// the workers' descriptors, receives the cells of the shards it serves from
 /// every worker of its rail group (the devices `d` with `d mod R` equal to its
-/// index mod `R`, `R = gcd(FAIRRING_SERVERS, D)`), reduces them as they land and
-/// sends the sums back. It runs until every worker of its group has left the
+/// index mod `R`, `R = gcd(FAIRRING_SERVERS, D)`), folds them into each slot's
+/// sum in machine order, up to 16 cells a pass, as they land, and sends the sums
+/// back. It runs until every worker of its group has left the
 /// job ([`Server::run`]).
 ///
 /// ```no_run

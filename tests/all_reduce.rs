@@ -86,6 +86,31 @@ fn dedicated_servers_every_layout() {
     check_layout_with_servers(2, 1, 1, Algorithm::Ring);
 }
 
+/// A dedicated server sums in machine order, whatever order the cells land
+/// in. In `f32`, 1e8 + 3 rounds to 1e8, so machines holding 1e8, 3 and -1e8
+/// sum to 0 in that order and to 3 if machine 1's cell is added last; every
+/// all-reduce of 3x1 must give 0, and every element the same.
+#[test]
+fn a_dedicated_server_sums_in_machine_order() {
+    let values = [1e8f32, 3.0, -1e8];
+    let results = job_with_servers(
+        3,
+        1,
+        1,
+        |b| small_slices(b, Algorithm::Hierarchical),
+        |rank, comm| {
+            (0..300)
+                .map(|_| {
+                    let mut data = vec![values[rank as usize]; 3000];
+                    comm.all_reduce(&mut data, ReduceOp::Sum).unwrap();
+                    data.iter().filter(|&&v| v != 0.0).count()
+                })
+                .sum::<usize>()
+        },
+    );
+    assert_eq!(results, vec![0; 3], "elements that were not 0, per rank");
+}
+
 #[test]
 fn ring_every_layout() {
     for (m, d) in [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (1, 3)] {

@@ -4,7 +4,8 @@
 
 use fairring_core::DataType;
 use fairring_core::plan::{
-    ALIGN_BYTES, Geometry, InputArea, Plan, PlanConfig, Routing, Slice, TREE_PARTS, TREES,
+    ALIGN_BYTES, Geometry, InputArea, Plan, PlanConfig, Routing, SERVER_FOLD_CELLS, Slice,
+    TREE_PARTS, TREES,
 };
 use fairring_core::staging::Role;
 use fairring_core::topology::{Location, MAX_MACHINES, RankLayout, Topology};
@@ -684,6 +685,63 @@ proptest! {
         }
         prop_assert!(layout.area(m, 0).is_err() && layout.area(0, d).is_err());
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// A server's folds take machines 1 to `M - 1` in order, each of them once,
+    /// in full batches of `SERVER_FOLD_CELLS` and one shorter at the end; the
+    /// cells of a fold lie in areas one stride apart (so one reduction reads
+    /// them all).
+    #[test]
+    fn a_servers_folds_take_every_other_machine_once_in_order(
+        m in 1u32..=300, d in 1u32..=8, k in 1u32..=16,
+    ) {
+        let topo = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+        let g = Geometry::with_servers(topo, PlanConfig::DEFAULT, k).unwrap();
+        let layout = g.server_layout().unwrap();
+        let mut next = 1;
+        for index in 0..layout.folds() {
+            let fold = layout.fold(index).unwrap();
+            prop_assert_eq!(fold.start, next);
+            prop_assert!(!fold.is_empty() && fold.len() <= SERVER_FOLD_CELLS as usize);
+            if index + 1 < layout.folds() {
+                prop_assert_eq!(fold.len(), SERVER_FOLD_CELLS as usize);
+            }
+            for device in (0..d).step_by(g.server_rails() as usize) {
+                for machine in fold.clone() {
+                    let here = layout.area(machine, device).unwrap().byte_offset();
+                    let before = layout.area(machine - 1, device).unwrap().byte_offset();
+                    prop_assert_eq!(here - before, layout.shard_stride());
+                }
+            }
+            next = fold.end;
+        }
+        prop_assert_eq!(next, m);
+        prop_assert!(layout.fold(layout.folds()).is_none());
+        prop_assert_eq!(layout.folds() == 0, m == 1);
+    }
+}
+
+#[test]
+fn a_servers_folds_at_hand_worked_counts() {
+    let folds = |m: u32| {
+        let topo = Topology::new(m, 8, RankLayout::Contiguous).unwrap();
+        let layout = Geometry::with_servers(topo, PlanConfig::DEFAULT, 64)
+            .unwrap()
+            .server_layout()
+            .unwrap();
+        (0..layout.folds())
+            .map(|i| layout.fold(i).unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(folds(1), vec![]);
+    assert_eq!(folds(2), vec![1..2]);
+    assert_eq!(folds(17), vec![1..17]);
+    assert_eq!(folds(18), vec![1..17, 17..18]);
+    assert_eq!(folds(256).len(), 16);
+    assert_eq!(folds(256)[15], 241..256);
 }
 
 #[test]

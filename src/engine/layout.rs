@@ -219,6 +219,44 @@ impl BufferLayout {
         })
     }
 
+    /// A dedicated server's fold `index` of slot `device`
+    /// ([`ServerLayout::fold`](fairring_core::plan::ServerLayout::fold)): the
+    /// machines it folds, and their cells' first `len` bytes as one
+    /// reduction's sources. `None` past the last fold.
+    pub(crate) fn server_fold(
+        &self,
+        index: u32,
+        device: u32,
+        len: usize,
+    ) -> Result<Option<(Range<u32>, Sources)>> {
+        let server = self.server.ok_or_else(|| {
+            Error::internal(
+                "only a job with dedicated servers folds cells",
+                format!("fold {index} of slot {device}"),
+            )
+        })?;
+        let Some(machines) = server.fold(index) else {
+            return Ok(None);
+        };
+        let first = self.server_area(machines.start, device)?;
+        if len > first.len() {
+            return Err(Error::internal(
+                "a cell fits its server area",
+                format!("{len} bytes in {first:?}"),
+            ));
+        }
+        let stride = usize::try_from(server.shard_stride())
+            .map_err(|e| Error::internal("the layout fits the address space", e.to_string()))?;
+        let sources = Sources {
+            first: first.start,
+            stride,
+            count: machines.end - machines.start,
+            start: 0,
+            len,
+        };
+        Ok(Some((machines, sources)))
+    }
+
     /// Bytes of one staging buffer.
     pub(crate) fn buffer_bytes(&self) -> usize {
         self.buffer_bytes

@@ -16,6 +16,9 @@ use crate::shm::Segment;
 /// Most sources one reduction call takes; more are folded in batches.
 const MAX_SOURCES: usize = 16;
 
+// A dedicated server's fold is one pass over its accumulator.
+const _: () = assert!(fairring_core::plan::SERVER_FOLD_CELLS as usize <= MAX_SOURCES);
+
 /// A caller's tensor in host memory: `len` bytes at `ptr`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct HostTensor {

@@ -1,5 +1,7 @@
 //! The layout of one staging buffer.
 
+use core::ops::Range;
+
 use super::{ALIGN_BYTES, Geometry, MOST_INTERVALS, MachineGroups, PlanError, Routing, Span};
 
 /// What the first area of a staging buffer holds: where a slice waits for the
@@ -191,8 +193,18 @@ impl StagingLayout {
 ///
 /// Each area is `shard_stride` bytes, the same odd number of cache lines as a
 /// machine's contribution areas ([`StagingLayout`]): no cell of any slice is
-/// larger. The server accumulates each slot's cells into the area of the first
-/// machine whose cell landed, and sends the sum back from there.
+/// larger. The server sums each slot's cells into machine 0's area, and sends the
+/// sum back from there.
+///
+/// **The folds.** It takes the other machines' cells in machine order, in
+/// [`ServerLayout::folds`] reductions of up to [`SERVER_FOLD_CELLS`] cells each
+/// ([`ServerLayout::fold`]): a fold reads the accumulator once and writes it
+/// once for all its cells, so a cell costs the server's memory its own read and
+/// a share of one read and one write, not the two reads and a write of a cell
+/// reduced alone. A fold
+/// starts once its cells have all landed and the one before it has ended. Its
+/// cells and boundaries do not depend on when anything lands, so the sum is taken
+/// in the same order, with the same roundings, on every run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ServerLayout {
     shard_stride: u64,
@@ -216,6 +228,11 @@ impl ServerLayout {
     /// Bytes reserved for each cell.
     pub const fn shard_stride(&self) -> u64 {
         self.shard_stride
+    }
+
+    /// The machines whose cells a server sums, `M`.
+    pub const fn machines(&self) -> u32 {
+        self.machines
     }
 
     /// The servers' rail groups, `R`.
@@ -254,7 +271,32 @@ impl ServerLayout {
     pub const fn total_bytes(&self) -> u64 {
         self.machines as u64 * (self.devices / self.rails) as u64 * self.shard_stride
     }
+
+    /// The reductions that fold a slot's cells into machine 0's: one per
+    /// [`SERVER_FOLD_CELLS`] other machines, none on one machine.
+    pub const fn folds(&self) -> u32 {
+        (self.machines - 1).div_ceil(SERVER_FOLD_CELLS)
+    }
+
+    /// The machines whose cells fold `index` reduces into machine 0's, in
+    /// order; `None` past the last fold.
+    pub const fn fold(&self, index: u32) -> Option<Range<u32>> {
+        if index >= self.folds() {
+            return None;
+        }
+        let start = 1 + index * SERVER_FOLD_CELLS;
+        let end = if self.machines - start > SERVER_FOLD_CELLS {
+            start + SERVER_FOLD_CELLS
+        } else {
+            self.machines
+        };
+        Some(start..end)
+    }
 }
+
+/// The most cells a dedicated server folds into a slot's sum in one reduction
+/// ([`ServerLayout::fold`]).
+pub const SERVER_FOLD_CELLS: u32 = 16;
 
 /// Where one machine keeps what lands in a slot's reduction in two levels
 /// ([`MachineGroups`]; `plan/two_level.rs` says what goes where), after the

@@ -105,7 +105,7 @@ mod two_level;
 
 pub use geometry::{Geometry, PlanConfig, Routing, server_rails, serves_rail};
 pub use groups::{Intervals, MachineGroups, Membership};
-pub use layout::{InputArea, ServerLayout, StagingLayout, TwoLevelLayout};
+pub use layout::{InputArea, SERVER_FOLD_CELLS, ServerLayout, StagingLayout, TwoLevelLayout};
 pub use slice::{Cell, Cells, Slice, Slices};
 pub use tree::{DoubleTree, TREE_PARTS, TREES};
 pub use two_level::{Across, MOST_INTERVALS, TwoLevelRoles};

@@ -9,22 +9,28 @@
 //! ([`ServerLayout`](fairring_core::plan::ServerLayout)). For each such slot
 //! `d` the server then:
 //!
-//! 1. takes the area of the first machine whose cell landed as the accumulator;
-//! 2. reduces every later cell into it **as it lands** (one two-source pass per
-//!    cell, so the reduction overlaps the arrivals instead of waiting for the
-//!    slowest worker); the reduction that completes the sum divides it, for an
-//!    average;
-//! 3. once every machine's cell is in, writes the sum back into the same range of
+//! 1. sums into machine 0's area, once its cell has landed;
+//! 2. folds the other machines' cells into it in machine order, up to
+//!    [`SERVER_FOLD_CELLS`](fairring_core::plan::SERVER_FOLD_CELLS) cells a reduction
+//!    ([`ServerLayout::fold`](fairring_core::plan::ServerLayout::fold)): each
+//!    fold starts once its cells have landed and the fold before it has ended,
+//!    so the folds overlap the arrivals of later cells, and cells that land
+//!    while one runs are read in the next, with the accumulator read and written
+//!    once for all of them. The last fold divides the sum, for an average;
+//! 3. once every fold has ended, writes the sum back into the same range of
 //!    device `d` of every machine (`Result`).
 //!
+//! The folds do not depend on when cells land, so every run sums in the same
+//! order with the same roundings, and every machine gets the same values.
+//!
 //! On a compressed wire ([`WireFormat::Bf16`], [`WireFormat::F16`]: `f32` only)
-//! each cell lands narrow, in the first half of its area. The accumulator is
-//! widened in place first, every later cell is widened as it is reduced, so the
+//! each cell lands narrow, in the first half of its area. Machine 0's cell is
+//! widened in place first, every later cell is widened as it is folded, so the
 //! sum is taken in `f32` (and divided, for an average); the sum is then narrowed
 //! in place and its narrow half sent back once that conversion has ended
 //! ([`Converted::Results`]). Every machine gets the same rounded values. A
 //! server's memory is host memory, whose steps end as they are taken, in order:
-//! the widening is done before the reduction into the accumulator starts.
+//! the widening is done before the first fold starts.
 //!
 //! The slice releases its buffer once every result has been sent. A slice in
 //! which this server serves no shard (fewer shards than servers, a ring
@@ -48,12 +54,27 @@ pub(crate) struct Part {
     expected: bool,
     /// Bytes of the cell.
     len: usize,
-    /// The machine whose area accumulates the sum.
-    accumulator: Option<u32>,
     /// Cells landed.
     landed: u32,
-    /// Reductions finished.
-    reduced: u32,
+    /// Folds ended: machine 0's area holds the sum of its own cell and the
+    /// cells of folds `0..folds_ended`.
+    folds_ended: u32,
+    /// The reduction of this slot that is running, if one is.
+    reducing: Option<Reducing>,
+    /// Whether an average over one machine has been divided (with more, the
+    /// last fold divides).
+    divided: bool,
+    /// Whether the sum is being sent back.
+    summed: bool,
+}
+
+/// A reduction of one slot's sum.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reducing {
+    /// The next fold.
+    Fold,
+    /// The division of an average over one machine, which folds nothing.
+    Division,
 }
 
 /// What a server slice borrows from its buffer and gives back when it releases,
@@ -61,6 +82,7 @@ pub(crate) struct Part {
 #[derive(Debug, Default)]
 pub(crate) struct ServeScratch {
     parts: Vec<Part>,
+    arrived: Vec<bool>,
     running: VecDeque<u32>,
     narrowing: VecDeque<u32>,
 }
@@ -73,6 +95,8 @@ pub(crate) struct Serve {
     shard: u32,
     /// Per slot.
     parts: Vec<Part>,
+    /// Per slot `d` and machine `m`, at `d * M + m`: whether the cell landed.
+    arrived: Vec<bool>,
     /// The slots whose reductions are running, in the order they were started
     /// (their ends come back in that order).
     running: VecDeque<u32>,
@@ -99,6 +123,7 @@ impl Serve {
             algorithm,
             shard: 0,
             parts: std::mem::take(&mut scratch.parts),
+            arrived: std::mem::take(&mut scratch.arrived),
             running: std::mem::take(&mut scratch.running),
             narrowing: std::mem::take(&mut scratch.narrowing),
             open: 0,
@@ -106,6 +131,7 @@ impl Serve {
             released: false,
         };
         serve.parts.clear();
+        serve.arrived.clear();
         serve.running.clear();
         serve.narrowing.clear();
         let server = ctx.server.ok_or_else(|| {
@@ -127,6 +153,9 @@ impl Serve {
         };
         if let Some(shard) = shard {
             serve.shard = shard;
+            let cells =
+                ctx.topology.machines() as usize * ctx.topology.devices_per_machine() as usize;
+            serve.arrived.resize(cells, false);
             for device in 0..ctx.topology.devices_per_machine() {
                 let len = s.cell_range(device, shard)?.len();
                 // Only the slots of this server's rail group send it cells.
@@ -168,11 +197,17 @@ impl Serve {
                     )
                 })?;
                 let part = &mut self.parts[device as usize];
-                part.reduced += 1;
-                if part.reduced == reductions_needed(ctx, s) {
-                    self.send_back(ctx, s, device, steps)?;
+                match part.reducing.take() {
+                    Some(Reducing::Fold) => part.folds_ended += 1,
+                    Some(Reducing::Division) => part.divided = true,
+                    None => {
+                        return Err(Error::internal(
+                            "a slot's reduction ends while it runs",
+                            format!("slice {}, slot {device}", s.number),
+                        ));
+                    }
                 }
-                Ok(())
+                self.advance(ctx, s, device, steps)
             }
             SliceEvent::Converted(Converted::Results) => {
                 let device = self.narrowing.pop_front().ok_or_else(|| {
@@ -222,6 +257,7 @@ impl Serve {
     /// Gives the slice's vectors back to its buffer.
     pub(crate) fn recycle(self, scratch: &mut ServeScratch) {
         scratch.parts = self.parts;
+        scratch.arrived = self.arrived;
         scratch.running = self.running;
         scratch.narrowing = self.narrowing;
     }
@@ -231,8 +267,8 @@ impl Serve {
         steps.push(Step::Release);
     }
 
-    /// A worker's cell landed: the first of its slot becomes the accumulator, each
-    /// later one is reduced into it.
+    /// A worker's cell landed: machine 0's is widened where the wire is
+    /// compressed; then the slot's next fold starts if it can.
     fn landed(
         &mut self,
         ctx: &Context<'_>,
@@ -267,56 +303,81 @@ impl Serve {
                 "this server serves no shard of the slice",
             ));
         };
-        if !part.expected || part.landed == machines {
+        let arrived = &mut self.arrived[(from.device * machines + from.machine) as usize];
+        if !part.expected || *arrived {
             return Err(unexpected(
                 Kind::Contribution,
                 peer,
                 s,
-                "its slot has no cell left to receive",
+                "its slot has no cell left to receive from it",
             ));
         }
+        *arrived = true;
         part.landed += 1;
-        let complete = part.landed == machines;
-        let len = part.len;
-        let accumulator = *part.accumulator.get_or_insert(from.machine);
-        let average_over = (complete && s.op == ReduceOp::Avg).then_some(ctx.world);
         let wire = compressed(s);
-        if accumulator == from.machine && wire != WireFormat::Exact {
-            let acc = area(ctx, accumulator, from.device, len)?;
+        if from.machine == 0 && wire != WireFormat::Exact {
+            let acc = area(ctx, 0, from.device, part.len)?;
             steps.push(Step::Convert {
                 conversion: Conversion {
                     format: wire,
                     direction: Direction::Widen,
-                    from: acc.start..acc.start + wire.wire_bytes(len),
+                    from: acc.start..acc.start + wire.wire_bytes(acc.len()),
                     to: acc.start,
                 },
                 then: None,
             });
         }
-        let (sources, wire) = if accumulator == from.machine {
-            // The first cell: nothing to reduce, unless it is also the last and
-            // the sum must be divided.
-            if average_over.is_none() {
-                if complete {
-                    self.send_back(ctx, s, from.device, steps)?;
+        self.advance(ctx, s, from.device, steps)
+    }
+
+    /// Starts slot `device`'s next reduction if nothing of it runs and its
+    /// cells are in: the next fold, or on one machine the division of an
+    /// average; once there is none left, sends the sum back.
+    fn advance(
+        &mut self,
+        ctx: &Context<'_>,
+        s: &SliceInfo<'_>,
+        device: u32,
+        steps: &mut Vec<Step>,
+    ) -> Result<()> {
+        let machines = ctx.topology.machines();
+        let row = (device * machines) as usize;
+        let part = self.parts[device as usize];
+        if part.summed || part.reducing.is_some() || !self.arrived[row] {
+            return Ok(());
+        }
+        let wire = compressed(s);
+        let (reducing, sources, wire, last) =
+            match ctx
+                .layout
+                .server_fold(part.folds_ended, device, wire.wire_bytes(part.len))?
+            {
+                Some((folded, sources)) => {
+                    let cells =
+                        &self.arrived[row + folded.start as usize..row + folded.end as usize];
+                    if !cells.iter().all(|&a| a) {
+                        return Ok(());
+                    }
+                    (Reducing::Fold, sources, wire, folded.end == machines)
                 }
-                return Ok(());
-            }
-            (Sources::none(len), WireFormat::Exact)
-        } else {
-            let cell = area(ctx, from.machine, from.device, len)?;
-            let narrow = cell.start..cell.start + wire.wire_bytes(len);
-            (Sources::one(narrow), wire)
-        };
+                None if machines == 1 && s.op == ReduceOp::Avg && !part.divided => (
+                    Reducing::Division,
+                    Sources::none(part.len),
+                    WireFormat::Exact,
+                    true,
+                ),
+                None => return self.send_back(ctx, s, device, steps),
+            };
         steps.push(Step::Reduce(Reduction {
             dtype: s.dtype,
             op: s.op,
-            dst: area(ctx, accumulator, from.device, len)?,
+            dst: area(ctx, 0, device, part.len)?,
             sources,
-            average_over,
+            average_over: (last && s.op == ReduceOp::Avg).then_some(ctx.world),
             wire,
         }));
-        self.running.push_back(from.device);
+        self.parts[device as usize].reducing = Some(reducing);
+        self.running.push_back(device);
         Ok(())
     }
 
@@ -329,11 +390,12 @@ impl Serve {
         device: u32,
         steps: &mut Vec<Step>,
     ) -> Result<()> {
+        self.parts[device as usize].summed = true;
         let wire = compressed(s);
         if wire == WireFormat::Exact {
             return self.write_back(ctx, s, device, steps);
         }
-        let sum = self.sum(ctx, s, device)?;
+        let sum = self.sum(ctx, device)?;
         steps.push(Step::Convert {
             conversion: Conversion {
                 format: wire,
@@ -347,16 +409,9 @@ impl Serve {
         Ok(())
     }
 
-    /// The bytes of slot `device`'s sum: its accumulator's area.
-    fn sum(&self, ctx: &Context<'_>, s: &SliceInfo<'_>, device: u32) -> Result<Range<usize>> {
-        let part = self.parts[device as usize];
-        let accumulator = part.accumulator.ok_or_else(|| {
-            Error::internal(
-                "a slot is sent back after its cells landed",
-                format!("slice {}, slot {device}", s.number),
-            )
-        })?;
-        area(ctx, accumulator, device, part.len)
+    /// The bytes of slot `device`'s sum: machine 0's area.
+    fn sum(&self, ctx: &Context<'_>, device: u32) -> Result<Range<usize>> {
+        area(ctx, 0, device, self.parts[device as usize].len)
     }
 
     /// Slot `device`'s sum (narrow, on a compressed wire) to device `device` of
@@ -368,7 +423,7 @@ impl Serve {
         device: u32,
         steps: &mut Vec<Step>,
     ) -> Result<()> {
-        let mut source = self.sum(ctx, s, device)?;
+        let mut source = self.sum(ctx, device)?;
         source.end = source.start + compressed(s).wire_bytes(source.len());
         let target = s.cell_range(device, self.shard)?.start;
         for machine in 0..ctx.topology.machines() {
@@ -398,15 +453,6 @@ fn compressed(s: &SliceInfo<'_>) -> WireFormat {
         s.wire
     } else {
         WireFormat::Exact
-    }
-}
-
-/// Reductions a slot needs: one per machine after the first, or for an average
-/// on a single machine the division alone.
-fn reductions_needed(ctx: &Context<'_>, s: &SliceInfo<'_>) -> u32 {
-    match ctx.topology.machines() {
-        1 => u32::from(s.op == ReduceOp::Avg),
-        m => m - 1,
     }
 }
 
