@@ -903,6 +903,48 @@ fn dedicated_servers_are_sharded_as_the_engine_shards_them() {
     }
 }
 
+/// A server's memory moves, per slot, the `M` cells its NIC writes, the `M - 1`
+/// its folds read, the accumulator twice for each fold of up to 16 cells, and
+/// the `M` copies of the sum its NIC reads. Worked by hand at 18 machines (two
+/// folds): 36 + 17 + 4 = 57 cells for 18 contributions. With the servers'
+/// memory so slow that nothing else counts, the job ends when the server
+/// process with the most bytes of cells has moved 57 times them, at its
+/// `1/8` of the machine's memory.
+#[test]
+fn a_servers_memory_moves_what_its_folds_and_nics_move() {
+    let mut hw = free_of_latency(h100());
+    hw.server.memory_gbps = 0.008;
+    let job = Job::new(18, 8, 256 * MIB);
+    let geometry = job.staging(8 * 18).unwrap().geometry;
+    let layout = geometry.server_layout().unwrap();
+    assert_eq!(layout.folds(), 2);
+    assert_eq!(
+        fairring_bench::model::servers::slot_memory_cells(&layout),
+        57.0
+    );
+    assert_eq!(
+        fairring_bench::model::servers::last_fold_cells(&layout),
+        3.0
+    );
+    // Rail 0's group: one slot a server, the busiest server's cells.
+    let plan = Plan::new(&geometry, job.dtype, job.elements(), 0).unwrap();
+    let mut per_server = vec![0u64; 8 * 18];
+    for slice in plan.slices() {
+        for j in 0..slice.shards() {
+            let server = slice.server(0, j).unwrap() as usize;
+            per_server[server] += slice.cell(0, j).unwrap().span().byte_len();
+        }
+    }
+    let busiest = *per_server.iter().max().unwrap() as f64;
+    let p = predict(&hw, &job, Algo::Servers).unwrap();
+    let expected = 57.0 * busiest / (hw.server.memory_gbps / 8.0 * 1e9);
+    assert!(
+        (p.seconds / expected - 1.0).abs() < 0.01,
+        "{} s against {expected} s",
+        p.seconds
+    );
+}
+
 #[test]
 fn dedicated_servers_halve_what_a_worker_sends() {
     // Herring: a worker's rail sends its slot once (S/D) instead of 2(M-1)/M S/D.

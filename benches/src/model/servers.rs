@@ -19,21 +19,44 @@
 //! receives the `k` results once every server of the slice has sent them;
 //! all-gather. On a server serving cell `c` of its group's `D / R` slots (one
 //! where there is a server per rail): `M * D / R` contributions of `c` bytes
-//! arrive over its NIC and are accumulated **as they land** (Herring's pipelined
-//! server: the reduction overlaps the reception); then `M * D / R` results go
-//! back. Every contribution byte costs the server's memory five passes: the NIC
-//! writes it, the accumulation reads it and reads and writes the accumulator,
-//! and the NIC reads the result once for each destination. Servers are not
-//! limited by staging buffers (their memory is the host's); workers are, as in
-//! the co-located mode. Every rail group does the same work, so the servers of
-//! rail 0's group stand for all.
+//! arrive over its NIC; each slot's are summed into machine 0's as the engine
+//! does (`engine/algorithm/serve.rs`), in folds of up to 16 cells in machine
+//! order (`ServerLayout::fold`), each fold reading and writing the accumulator
+//! once, so the folds overlap the arrivals and the last ends one fold after the
+//! last cell lands; then `M * D / R` results go back. The server's memory moves,
+//! per slot and cell, the `M` cells the NIC writes, the `M - 1` cells the folds
+//! read, the accumulator twice a fold, and the `M` copies of the sum the NIC
+//! reads ([`slot_memory_cells`]): a little over three passes per contribution
+//! byte. Servers are not limited by staging buffers (their memory is the
+//! host's); workers are, as in the co-located mode. Every rail group does the
+//! same work, so the servers of rail 0's group stand for all.
 
 use super::events::{ResourceId, Schedule, TaskId};
 use super::stages::{self, Communicator, Stages, f};
 use super::{Algo, Busy, Hardware, Job, ModelError, Prediction, Traffic};
+use fairring_core::plan::ServerLayout;
 
-/// Passes over a server's memory per contribution byte (see the module docs).
-pub const SERVER_PASSES: f64 = 5.0;
+/// Cells a server's memory moves for one slot's cells of one served shard (see
+/// the module docs): `2M` for the NIC, `M - 1` read by the folds, and two per
+/// fold for the accumulator.
+pub fn slot_memory_cells(layout: &ServerLayout) -> f64 {
+    let machines = f64::from(layout.machines());
+    2.0 * machines + (machines - 1.0) + 2.0 * f64::from(layout.folds())
+}
+
+/// Cells the memory moves in a slot's last fold (its cells and the accumulator
+/// twice), which runs once the last cell has landed; 0 on one machine, where
+/// nothing is folded.
+pub fn last_fold_cells(layout: &ServerLayout) -> f64 {
+    match layout
+        .folds()
+        .checked_sub(1)
+        .and_then(|last| layout.fold(last))
+    {
+        Some(fold) => f64::from(fold.end - fold.start) + 2.0,
+        None => 0.0,
+    }
+}
 
 #[derive(Clone, Copy, Debug)]
 struct ServerMachine {
@@ -62,7 +85,13 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     let stages = Stages::new(hw, job);
     // Every rail of the server's group on every worker sends each server of a
     // slice one contribution.
-    let contributions = f64::from(job.devices / geometry.server_rails()) * f64::from(job.machines);
+    let slots = f64::from(job.devices / geometry.server_rails());
+    let contributions = slots * f64::from(job.machines);
+    let layout = geometry
+        .server_layout()
+        .ok_or_else(|| ModelError::InvalidJob("a job with servers has a server layout".into()))?;
+    let slot_cells = slot_memory_cells(&layout);
+    let last_fold = last_fold_cells(&layout);
     let memory = |bytes: f64| bytes / (hw.server.memory_gbps / f64::from(per_machine) * 1e9);
 
     let mut sched = Schedule::default();
@@ -129,17 +158,13 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
             let landed = sched.task(None, 0.0, 0.0);
             sched.after(landed, paced, 0.0);
             sched.after(landed, sent, server_link.hop());
-            // Accumulated as they land: the reduction ends one contribution
-            // after the last lands, or when memory has done every pass.
-            let passes = sched.task(
-                Some(server.cpu),
-                memory(SERVER_PASSES * contributions * cell),
-                0.0,
-            );
+            // Folded as the cells land: the sum is complete one fold after
+            // the last lands, or once memory has moved every byte.
+            let passes = sched.task(Some(server.cpu), memory(slots * slot_cells * cell), 0.0);
             sched.after(passes, scattered, 0.0);
             let reduced = sched.task(None, stages.step(), 0.0);
             sched.after(reduced, passes, 0.0);
-            sched.after(reduced, landed, memory(SERVER_PASSES * cell));
+            sched.after(reduced, landed, memory(last_fold * cell));
             let returned = sched.task(
                 Some(server.send),
                 contributions * server_link.occupies(post, cell),
