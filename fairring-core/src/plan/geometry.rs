@@ -52,9 +52,10 @@ impl PlanConfig {
     ///
     /// Flat, a slice crosses the network once each way; through the trees it
     /// fills and drains `2 log2 M` levels. The scale model (`docs/scale-model.md`)
-    /// puts 416 to 512 H100s (52 to 64 machines) flat in 32 MiB slices (in
-    /// one level) at 225 to 229, 333 to 340 and 372 GB/s busbw for 64 MiB,
-    /// 256 MiB and 1 GiB, against 209, 305 and 350 through the trees at 512.
+    /// puts 408 to 512 H100s (51 to 64 machines) flat in 32 MiB slices (in
+    /// one level) at 225 to 229, 333 to 335 and 379 to 386 GB/s busbw for
+    /// 64 MiB, 256 MiB and 1 GiB, against 195, 315 and 359 through the trees
+    /// (in 20 MiB slices) at 512.
     pub const WIDE_FLAT_SLICE_BYTES: u64 = 32 << 20;
     /// With the default slices (flat, in groups or through the trees, but not
     /// the wide flat ones) and no dedicated servers, a tensor of fewer full slices is
