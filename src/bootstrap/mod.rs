@@ -263,11 +263,11 @@ pub(crate) fn size_staging(
         Ok((g, layout))
     };
     let given = |slice: u64| {
-        PlanConfig::new(slice, config.min_shard_bytes).map_err(|e| slice_error(slice, &e))
+        PlanConfig::new(slice, config.min_shard_bytes()).map_err(|e| slice_error(slice, &e))
     };
     let configured = match config.slice_bytes {
         Some(s) => given(s)?,
-        None => PlanConfig::with_default_slices(config.min_shard_bytes)
+        None => PlanConfig::with_default_slices(config.min_shard_bytes())
             .map_err(|e| slice_error(PlanConfig::DEFAULT_SLICE_BYTES, &e))?,
     };
     let (mut geometry, mut layout) = plan_for(configured)?;

@@ -147,7 +147,7 @@ impl Config {
             b.config.slice_bytes = Some(parse_bytes("FAIRRING_SLICE_SIZE", &v)?);
         }
         if let Some(v) = lookup("FAIRRING_MIN_SHARD_SIZE") {
-            b.config.min_shard_bytes = parse_bytes("FAIRRING_MIN_SHARD_SIZE", &v)?;
+            b.config.min_shard_bytes = Some(parse_bytes("FAIRRING_MIN_SHARD_SIZE", &v)?);
         }
         if let Some(v) = lookup("FAIRRING_GROUP_SIZE") {
             b.config.grouping = match v.trim() {

@@ -11,7 +11,7 @@
 //! | `TORCHELASTIC_USE_AGENT_STORE` | `True` under torchrun: its agent already serves PyTorch's TCPStore at `MASTER_ADDR:MASTER_PORT`, and every rank rendezvouses through it (keys under `TORCHELASTIC_RESTART_COUNT`'s attempt) | `False`: rank 0 serves fairring's store |
 //! | `FAIRRING_TOTAL_MEMORY` | staging memory per rank, bytes (`K`/`M`/`G` suffixes) | where slices cross the network, as many buffers as the original's 50 MiB held, where more than 2 (at most 16); else 50 MiB ([`DEFAULT_TOTAL_MEMORY`]) |
 //! | `FAIRRING_SLICE_SIZE` | largest slice, bytes; the same on every rank, as the budget and the minimum shard are (a rank that plans otherwise is refused) | 25 MiB; 32 MiB where that keeps the plan flat and in groups; 20 MiB through the trees; a tensor of fewer than four full slices in four, no smaller than 16 MiB (`Geometry::slice_bytes_for`); halved while the budget would hold fewer than 2 buffers (halved slices count as given) |
-//! | `FAIRRING_MIN_SHARD_SIZE` | smallest shard, bytes | 64 KiB |
+//! | `FAIRRING_MIN_SHARD_SIZE` | smallest shard, bytes; the same on every rank and server | 64 KiB; 16 KiB with dedicated servers (`PlanConfig::DEFAULT_SERVER_MIN_SHARD_BYTES`) |
 //! | `FAIRRING_GROUP_SIZE` | how the machines are grouped for the hierarchical all-reduce (see [`Grouping`]): `auto`; `off` (one level: flat, or through the trees); or `N`, two levels, within groups of at most `N` machines and then across the groups (from 2 to half the machines, leaving no group of one; no dedicated servers); the same on every rank | `auto`: where the default slices would otherwise widen to stay flat, equal groups where the machines make some (`PlanConfig::equal_group_size`); where they would otherwise go through the trees, groups (of `PlanConfig::default_group_size`: equal ones of at most 32 to 64 machines where they can be, else of at most 48) |
 //! | `FAIRRING_DIRECT_FROM` | size from which an all-reduce of a host tensor sends from the tensor instead of staging it, where the fabric registers memory to send from (tcp), by hierarchical between machines of one rank each or by the ring, and so does a broadcast's root (a message's sender) relaying over machines of one rank each; between two such machines the broadcast's chunks and the all-reduce's results land in the receivers' tensors too; bytes, or `never` | 256 KiB |
 //! | `FAIRRING_SOCKET_IFNAME` | interface the fabric listens on | the one that reaches `MASTER_ADDR` |
@@ -168,7 +168,8 @@ pub struct Config {
     /// `None`: the default ([`DEFAULT_TOTAL_MEMORY`]).
     pub(crate) total_memory: Option<u64>,
     pub(crate) slice_bytes: Option<u64>,
-    pub(crate) min_shard_bytes: u64,
+    /// `None`: the default ([`Config::min_shard_bytes`]).
+    pub(crate) min_shard_bytes: Option<u64>,
     /// How the machines are grouped for the hierarchical all-reduce.
     pub(crate) grouping: Grouping,
     /// The size from which an all-reduce may send from its tensor (`None`:
@@ -225,6 +226,19 @@ pub struct ConfigBuilder {
 }
 
 impl Config {
+    /// The smallest shard: as given, else
+    /// [`PlanConfig::DEFAULT_MIN_SHARD_BYTES`](fairring_core::plan::PlanConfig::DEFAULT_MIN_SHARD_BYTES),
+    /// or with dedicated servers
+    /// [`PlanConfig::DEFAULT_SERVER_MIN_SHARD_BYTES`](fairring_core::plan::PlanConfig::DEFAULT_SERVER_MIN_SHARD_BYTES).
+    pub(crate) fn min_shard_bytes(&self) -> u64 {
+        use fairring_core::plan::PlanConfig;
+        self.min_shard_bytes.unwrap_or(if self.servers > 0 {
+            PlanConfig::DEFAULT_SERVER_MIN_SHARD_BYTES
+        } else {
+            PlanConfig::DEFAULT_MIN_SHARD_BYTES
+        })
+    }
+
     /// A builder for rank `rank` of `world_size`, meeting at `master_addr:master_port`.
     pub fn builder(
         rank: u32,
@@ -242,7 +256,7 @@ impl Config {
                 master_port,
                 total_memory: None,
                 slice_bytes: None,
-                min_shard_bytes: fairring_core::plan::PlanConfig::DEFAULT_MIN_SHARD_BYTES,
+                min_shard_bytes: None,
                 grouping: Grouping::Auto,
                 direct_from: Some(DEFAULT_DIRECT_FROM),
                 tcp_receive_buffer: DEFAULT_TCP_RECEIVE_BUFFER,
@@ -400,7 +414,7 @@ impl ConfigBuilder {
 
     /// Smallest shard, in bytes.
     pub fn min_shard_bytes(mut self, bytes: u64) -> Self {
-        self.config.min_shard_bytes = bytes;
+        self.config.min_shard_bytes = Some(bytes);
         self
     }
 
@@ -600,10 +614,12 @@ impl ConfigBuilder {
             ));
         }
         let floor = fairring_core::plan::PlanConfig::MIN_SHARD_FLOOR;
-        if !(floor..=max_slice).contains(&self.config.min_shard_bytes) {
+        if let Some(bytes) = self.config.min_shard_bytes
+            && !(floor..=max_slice).contains(&bytes)
+        {
             return Err(Error::config(
                 "FAIRRING_MIN_SHARD_SIZE",
-                self.config.min_shard_bytes,
+                bytes,
                 format!("must be between {floor} and {max_slice} bytes"),
             ));
         }

@@ -87,6 +87,60 @@ fn the_wire_format_is_named_and_refused_with_dedicated_servers() {
     assert_eq!((c.wire(), c.servers()), (WireFormat::Bf16, 1));
 }
 
+/// The minimum shard is 64 KiB by default, 16 KiB with dedicated servers
+/// (workers and servers alike), and what `FAIRRING_MIN_SHARD_SIZE` says when
+/// it is given, with servers or without; the staging's geometry takes it.
+#[test]
+fn the_default_minimum_shard_is_smaller_with_dedicated_servers() {
+    use fairring_core::plan::PlanConfig;
+    let min_shard =
+        |pairs: &[(&str, &str)]| Config::from_lookup(env(pairs)).unwrap().min_shard_bytes();
+    assert_eq!(min_shard(&[]), PlanConfig::DEFAULT_MIN_SHARD_BYTES);
+    assert_eq!(min_shard(&[("FAIRRING_SERVERS", "2")]), 16 << 10);
+    let server = Config::from_lookup(|k| {
+        env(&[
+            ("FAIRRING_SERVERS", "2"),
+            ("FAIRRING_ROLE", "server"),
+            ("FAIRRING_SERVER_RANK", "0"),
+        ])(k)
+        .filter(|_| k != "RANK")
+    })
+    .unwrap();
+    assert_eq!(server.min_shard_bytes(), 16 << 10);
+    assert_eq!(min_shard(&[("FAIRRING_MIN_SHARD_SIZE", "128K")]), 128 << 10);
+    assert_eq!(
+        min_shard(&[
+            ("FAIRRING_MIN_SHARD_SIZE", "64K"),
+            ("FAIRRING_SERVERS", "2")
+        ]),
+        64 << 10
+    );
+    let topology = fairring_core::topology::Topology::new(
+        2,
+        2,
+        fairring_core::topology::RankLayout::Contiguous,
+    )
+    .unwrap();
+    let with_servers = Config::from_lookup(env(&[("FAIRRING_SERVERS", "2")])).unwrap();
+    assert_eq!(
+        with_servers
+            .staging(topology)
+            .unwrap()
+            .geometry
+            .min_shard_bytes(),
+        16 << 10
+    );
+    let without = Config::from_lookup(env(&[])).unwrap();
+    assert_eq!(
+        without
+            .staging(topology)
+            .unwrap()
+            .geometry
+            .min_shard_bytes(),
+        64 << 10
+    );
+}
+
 #[test]
 fn servers_and_their_roles() {
     let worker = Config::from_lookup(env(&[("FAIRRING_SERVERS", "2")])).unwrap();

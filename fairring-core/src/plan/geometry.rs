@@ -159,6 +159,17 @@ impl PlanConfig {
     /// Default smallest shard: 64 KiB. Below this, the per-message cost of the
     /// inter-machine step outweighs spreading the load over more servers.
     pub const DEFAULT_MIN_SHARD_BYTES: u64 = 64 << 10;
+    /// Default smallest shard with dedicated servers: 16 KiB. A slot's cells
+    /// then reach more of a rail group's servers, each summing fewer bytes of
+    /// every machine a slice: past 50 machines, 64 KiB cells leave most of a
+    /// group's servers idle in each slice while the others' memory holds the
+    /// slice up. The scale model (`docs/scale-model.md`, h100, one server
+    /// machine per GPU machine) puts 2048 GPUs at 198 GB/s busbw at 256 MiB
+    /// with 16 KiB cells against 175 with 64 KiB (192 with 32 KiB, 166 with
+    /// 8 KiB, whose posts bound the workers), and changes nothing up to 50
+    /// machines, where a slot has a cell for each server of its group
+    /// either way.
+    pub const DEFAULT_SERVER_MIN_SHARD_BYTES: u64 = 16 << 10;
     /// The smallest allowed minimum shard: 64 bytes (one alignment unit; some
     /// InfiniBand drivers misbehave on smaller messages).
     pub const MIN_SHARD_FLOOR: u64 = ALIGN_BYTES;
