@@ -66,7 +66,8 @@ struct Options {
     grouping: fairring::Grouping,
     /// `None`: the engine's default slices (smaller through the trees).
     slice_bytes: Option<u64>,
-    min_shard: u64,
+    /// `None`: the engine's default.
+    min_shard: Option<u64>,
     /// `None`: the engine's default staging.
     budget: Option<u64>,
     breakdown: bool,
@@ -111,7 +112,7 @@ fn parse(args: &[String]) -> Options {
         group: 0,
         grouping: fairring::Grouping::Auto,
         slice_bytes: None,
-        min_shard: PlanConfig::DEFAULT_MIN_SHARD_BYTES,
+        min_shard: None,
         budget: None,
         breakdown: false,
         plan_only: false,
@@ -167,11 +168,11 @@ fn parse(args: &[String]) -> Options {
                 };
             }
             "--slice-bytes" => o.slice_bytes = Some(bytes(&value(), flag)),
-            "--min-shard" => o.min_shard = bytes(&value(), flag),
+            "--min-shard" => o.min_shard = Some(bytes(&value(), flag)),
             "--budget" => o.budget = Some(bytes(&value(), flag)),
             "--original" => {
                 o.slice_bytes = Some(PlanConfig::DEFAULT_SLICE_BYTES);
-                o.min_shard = PlanConfig::MIN_SHARD_FLOOR;
+                o.min_shard = Some(PlanConfig::MIN_SHARD_FLOOR);
                 o.plan_only = true;
             }
             "--breakdown" => o.breakdown = true,
@@ -239,9 +240,10 @@ fn run(o: &Options) -> Result<(), String> {
     if let Some(path) = &o.calibrate {
         return calibrate_from(path, &o.calibrate_algo, &hw);
     }
+    let min_shard = o.min_shard.unwrap_or(PlanConfig::DEFAULT_MIN_SHARD_BYTES);
     let slicing = match o.slice_bytes {
-        Some(slice) => PlanConfig::new(slice, o.min_shard),
-        None => PlanConfig::with_default_slices(o.min_shard),
+        Some(slice) => PlanConfig::new(slice, min_shard),
+        None => PlanConfig::with_default_slices(min_shard),
     }
     .map_err(|e| e.to_string())?;
     let slices = match o.slice_bytes {
@@ -259,10 +261,18 @@ fn run(o: &Options) -> Result<(), String> {
     let devices = o.devices.unwrap_or(hw.devices_per_machine);
     println!("# fairring-bench model: {hw}");
     println!(
-        "# {devices} GPUs per machine, {slices}, minimum shard {} bytes, {budget}, \
+        "# {devices} GPUs per machine, {slices}, minimum shard {}, {budget}, \
          {} tensor(s) at once; k: shards per slot (t: through the trees), or the \
          largest group (g: in groups), bufs: staging buffers",
-        o.min_shard, o.tensors
+        match o.min_shard {
+            Some(bytes) => format!("{bytes} bytes"),
+            None => format!(
+                "{} bytes ({} with dedicated servers)",
+                PlanConfig::DEFAULT_MIN_SHARD_BYTES,
+                PlanConfig::DEFAULT_SERVER_MIN_SHARD_BYTES
+            ),
+        },
+        o.tensors
     );
     print!(
         "{:>6} {:>5} {:>12} {:>13} {:>12} {:>9} {:>9} {:>5} {:>4} {:>9}",
@@ -289,6 +299,7 @@ fn run(o: &Options) -> Result<(), String> {
             let mut job = Job::new(machines, devices, size);
             job.tensors = o.tensors;
             job.slicing = slicing;
+            job.min_shard_given = o.min_shard.is_some();
             job.budget_bytes = o.budget;
             job.servers = o.servers;
             job.group = o.group;

@@ -156,6 +156,7 @@ pub fn predict_with(hw: &Hardware, job: &Job, g: u32) -> Result<Prediction, Mode
         PlanConfig::with_default_slices(PlanConfig::MIN_SHARD_FLOOR)
     }
     .map_err(|e: PlanError| ModelError::Plan(e))?;
+    flat.min_shard_given = true;
     let staging = flat.staging(0)?;
     let stages = Stages::new(hw, job);
     let slices = slices(job, flat.slicing, &stages)?;

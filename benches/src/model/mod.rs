@@ -149,6 +149,11 @@ pub struct Job {
     pub dtype: DataType,
     /// Slice size and minimum shard, as the engine's configuration.
     pub slicing: PlanConfig,
+    /// Whether [`Job::slicing`]'s minimum shard was given
+    /// (`FAIRRING_MIN_SHARD_SIZE`); if not, the engine takes its default,
+    /// which is smaller with dedicated servers
+    /// ([`PlanConfig::DEFAULT_SERVER_MIN_SHARD_BYTES`]).
+    pub min_shard_given: bool,
     /// Staging memory per GPU (`FAIRRING_TOTAL_MEMORY`).
     /// `None`: the engine's default (`fairring::config::DEFAULT_TOTAL_MEMORY`).
     pub budget_bytes: Option<u64>,
@@ -171,7 +176,7 @@ pub struct Job {
 impl Job {
     /// One tensor of `bytes` bytes of f32 on `machines x devices` GPUs with the
     /// engine's defaults: 25 MiB slices (20 MiB through the trees), 64 KiB minimum
-    /// shard, the default staging ([`fairring::config::DEFAULT_TOTAL_MEMORY`]).
+    /// shard (16 KiB with dedicated servers), the default staging ([`fairring::config::DEFAULT_TOTAL_MEMORY`]).
     pub fn new(machines: u32, devices: u32, bytes: u64) -> Job {
         Job {
             machines,
@@ -180,6 +185,7 @@ impl Job {
             tensors: 1,
             dtype: DataType::F32,
             slicing: PlanConfig::DEFAULT,
+            min_shard_given: false,
             budget_bytes: None,
             servers: 0,
             nccl_across_machines: true,
@@ -192,6 +198,7 @@ impl Job {
     /// machine, however small (no minimum shard), and no NCCL across the job.
     pub fn original(mut self) -> Job {
         self.nccl_across_machines = false;
+        self.min_shard_given = true;
         self.slicing =
             match PlanConfig::new(PlanConfig::DEFAULT_SLICE_BYTES, PlanConfig::MIN_SHARD_FLOOR) {
                 Ok(c) => c,
@@ -222,9 +229,10 @@ impl Job {
         let world = u32::try_from(self.gpus())
             .map_err(|_| ModelError::InvalidJob(format!("{} GPUs", self.gpus())))?;
         let topology = Topology::new(self.machines, self.devices, RankLayout::Contiguous)?;
-        let mut builder = fairring::Config::builder(0, world, "127.0.0.1", 1)
-            .min_shard_bytes(self.slicing.min_shard_bytes())
-            .servers(servers);
+        let mut builder = fairring::Config::builder(0, world, "127.0.0.1", 1).servers(servers);
+        if self.min_shard_given {
+            builder = builder.min_shard_bytes(self.slicing.min_shard_bytes());
+        }
         if let Some(budget) = self.budget_bytes {
             builder = builder.total_memory(budget);
         }
