@@ -225,8 +225,9 @@ const MOST_DEFAULT_BUFFERS: u32 = 16;
 /// local reduce-scatter, the contributions out, their reduction, the results
 /// back, the all-gather; `engine/algorithm/hierarchical.rs`), and with fewer
 /// buffers than steps the network waits for one to drain. The scale model puts
-/// 512 H100s in 32 MiB slices at 347 GB/s busbw for 1 GiB with four buffers,
-/// 373 with five.
+/// 512 H100s flat in one level (`FAIRRING_GROUP_SIZE=off`), in 32 MiB slices,
+/// at 378 GB/s busbw for 1 GiB with four buffers, 385 with five (by default
+/// they form groups there, in six).
 const FEWEST_DEFAULT_BUFFERS: u32 = 5;
 
 /// The geometry, buffer layout and buffer count for the configured budget.
