@@ -166,9 +166,9 @@ impl PlanConfig {
     /// slice up. The scale model (`docs/scale-model.md`, h100, one server
     /// machine per GPU machine) puts 2048 GPUs at 198 GB/s busbw at 256 MiB
     /// with 16 KiB cells against 175 with 64 KiB (192 with 32 KiB, 166 with
-    /// 8 KiB, whose posts bound the workers), and changes nothing up to 50
-    /// machines, where a slot has a cell for each server of its group
-    /// either way.
+    /// 8 KiB, whose posts bound the workers). Up to 50 machines a full 25 MiB
+    /// slice's slot has a cell for each server of its group either way; a
+    /// tensor's shorter last slice gains from 30 machines.
     pub const DEFAULT_SERVER_MIN_SHARD_BYTES: u64 = 16 << 10;
     /// The smallest allowed minimum shard: 64 bytes (one alignment unit; some
     /// InfiniBand drivers misbehave on smaller messages).

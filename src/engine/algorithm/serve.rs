@@ -14,9 +14,10 @@
 //!    [`SERVER_FOLD_CELLS`](fairring_core::plan::SERVER_FOLD_CELLS) cells a reduction
 //!    ([`ServerLayout::fold`](fairring_core::plan::ServerLayout::fold)): each
 //!    fold starts once its cells have landed and the fold before it has ended,
-//!    so the folds overlap the arrivals of later cells, and cells that land
-//!    while one runs are read in the next, with the accumulator read and written
-//!    once for all of them. The last fold divides the sum, for an average;
+//!    so the folds overlap the arrivals of later cells, and a fold's cells that
+//!    land while an earlier fold runs are read together once it ends, with the
+//!    accumulator read and written once for all of them. The last fold divides
+//!    the sum, for an average;
 //! 3. once every fold has ended, writes the sum back into the same range of
 //!    device `d` of every machine (`Result`).
 //!
@@ -54,8 +55,6 @@ pub(crate) struct Part {
     expected: bool,
     /// Bytes of the cell.
     len: usize,
-    /// Cells landed.
-    landed: u32,
     /// Folds ended: machine 0's area holds the sum of its own cell and the
     /// cells of folds `0..folds_ended`.
     folds_ended: u32,
@@ -313,7 +312,6 @@ impl Serve {
             ));
         }
         *arrived = true;
-        part.landed += 1;
         let wire = compressed(s);
         if from.machine == 0 && wire != WireFormat::Exact {
             let acc = area(ctx, 0, from.device, part.len)?;
