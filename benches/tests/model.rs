@@ -945,6 +945,64 @@ fn a_servers_memory_moves_what_its_folds_and_nics_move() {
     );
 }
 
+/// A server that serves several slots has each slot's last fold to run once the
+/// last cell lands. Worked by hand: 18 machines of 8 GPUs and one server machine
+/// of four NICs make four rail groups of one server each, so each server serves
+/// two slots of every slice. An 8 MiB tensor is one slice of 1 MiB slots, one
+/// cell a slot. The memory is fast enough that the folds keep up with the NIC,
+/// so slowing it from free to its rate delays the job by the two slots' last
+/// folds alone: 2 x 3 cells (machine 17's and the accumulator twice).
+#[test]
+fn a_server_runs_each_of_its_slots_last_fold_after_the_last_cell() {
+    let mut hw = free_of_latency(h100());
+    hw.server.nic_count = 4;
+    let mut job = Job::new(18, 8, 8 * MIB);
+    job.servers = 1;
+    let geometry = job.staging(4).unwrap().geometry;
+    assert_eq!(geometry.server_rails(), 4, "two slots a server");
+    let layout = geometry.server_layout().unwrap();
+    assert_eq!(
+        fairring_bench::model::servers::last_fold_cells(&layout),
+        3.0
+    );
+    let plan = Plan::new(&geometry, job.dtype, job.elements(), 0).unwrap();
+    assert_eq!(plan.slices().count(), 1);
+    let slice = plan.slices().next().unwrap();
+    assert_eq!(slice.shards(), 1);
+    let cell = slice.cell(0, 0).unwrap().span().byte_len() as f64;
+    assert_eq!(cell, MIB as f64);
+    let process_memory = 10.0 * hw.server.nic_gbps;
+    hw.server.memory_gbps = 1e9;
+    let free = predict(&hw, &job, Algo::Servers).unwrap().seconds;
+    hw.server.memory_gbps = 4.0 * process_memory;
+    let paced = predict(&hw, &job, Algo::Servers).unwrap().seconds;
+    let expected = 2.0 * 3.0 * cell / (process_memory * 1e9);
+    assert!(
+        ((paced - free) / expected - 1.0).abs() < 0.01,
+        "the memory's rate delayed the job {} s, against {expected} s",
+        paced - free
+    );
+}
+
+/// The engine takes a minimum shard only where one is given, so a job's
+/// slicing with another minimum shard, not marked given, is refused instead of
+/// modelled with the default; marked given, it is the engine's.
+#[test]
+fn a_minimum_shard_is_taken_only_when_marked_given() {
+    let mut job = Job::new(4, 8, 64 * MIB);
+    job.slicing = PlanConfig::with_default_slices(8 * 1024).unwrap();
+    match job.staging(0) {
+        Err(ModelError::InvalidJob(why)) => assert!(why.contains("8192 bytes"), "{why}"),
+        other => panic!("a minimum shard not marked given was taken: {other:?}"),
+    }
+    assert!(predict(&h100(), &job, Algo::Servers).is_err());
+    job.min_shard_given = true;
+    for servers in [0, 32] {
+        let geometry = job.staging(servers).unwrap().geometry;
+        assert_eq!(geometry.min_shard_bytes(), 8 * 1024, "{servers} servers");
+    }
+}
+
 #[test]
 fn dedicated_servers_halve_what_a_worker_sends() {
     // Herring: a worker's rail sends its slot once (S/D) instead of 2(M-1)/M S/D.

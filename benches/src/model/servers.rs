@@ -22,11 +22,12 @@
 //! arrive over its NIC; each slot's are summed into machine 0's as the engine
 //! does (`engine/algorithm/serve.rs`), in folds of up to 16 cells in machine
 //! order (`ServerLayout::fold`), each fold reading and writing the accumulator
-//! once, so the folds overlap the arrivals and the last ends one fold after the
-//! last cell lands; then `M * D / R` results go back. The server's memory moves,
-//! per slot and cell, the `M` cells the NIC writes, the `M - 1` cells the folds
-//! read, the accumulator twice a fold, and the `M` copies of the sum the NIC
-//! reads ([`slot_memory_cells`]): a little over three passes per contribution
+//! once, so the folds overlap the arrivals and the sums end once every slot's
+//! last fold has run after the last cell lands (every cell lands at once here,
+//! so each of the server's `D / R` slots has its last fold left); then
+//! `M * D / R` results go back. The server's memory moves, per slot and cell,
+//! the `M` cells the NIC writes, the `M - 1` cells the folds read, the
+//! accumulator twice a fold, and the `M` copies of the sum the NIC reads ([`slot_memory_cells`]): a little over three passes per contribution
 //! byte. Servers are not limited by staging buffers (their memory is the
 //! host's); workers are, as in the co-located mode. Every rail group does the
 //! same work, so the servers of rail 0's group stand for all.
@@ -158,13 +159,14 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
             let landed = sched.task(None, 0.0, 0.0);
             sched.after(landed, paced, 0.0);
             sched.after(landed, sent, server_link.hop());
-            // Folded as the cells land: the sum is complete one fold after
-            // the last lands, or once memory has moved every byte.
+            // Folded as the cells land: the sums are complete once each of
+            // the server's slots has run its last fold after the last cell
+            // landed, or once memory has moved every byte.
             let passes = sched.task(Some(server.cpu), memory(slots * slot_cells * cell), 0.0);
             sched.after(passes, scattered, 0.0);
             let reduced = sched.task(None, stages.step(), 0.0);
             sched.after(reduced, passes, 0.0);
-            sched.after(reduced, landed, memory(last_fold * cell));
+            sched.after(reduced, landed, memory(slots * last_fold * cell));
             let returned = sched.task(
                 Some(server.send),
                 contributions * server_link.occupies(post, cell),
