@@ -152,7 +152,8 @@ pub struct Job {
     /// Whether [`Job::slicing`]'s minimum shard was given
     /// (`FAIRRING_MIN_SHARD_SIZE`); if not, the engine takes its default,
     /// which is smaller with dedicated servers
-    /// ([`PlanConfig::DEFAULT_SERVER_MIN_SHARD_BYTES`]).
+    /// ([`PlanConfig::DEFAULT_SERVER_MIN_SHARD_BYTES`]), and a slicing with
+    /// another minimum shard is refused ([`Job::staging`]).
     pub min_shard_given: bool,
     /// Staging memory per GPU (`FAIRRING_TOTAL_MEMORY`).
     /// `None`: the engine's default (`fairring::config::DEFAULT_TOTAL_MEMORY`).
@@ -225,6 +226,8 @@ impl Job {
     /// What the engine stages this job with, with `servers` dedicated server
     /// processes (0: the machines serve): its geometry and buffer count under
     /// [`Job::budget_bytes`], as [`fairring::Config::staging`] sizes them.
+    /// A minimum shard other than the default in [`Job::slicing`] must be
+    /// marked given ([`Job::min_shard_given`]), or it is refused.
     pub fn staging(&self, servers: u32) -> Result<fairring::Staging, ModelError> {
         let world = u32::try_from(self.gpus())
             .map_err(|_| ModelError::InvalidJob(format!("{} GPUs", self.gpus())))?;
@@ -232,6 +235,12 @@ impl Job {
         let mut builder = fairring::Config::builder(0, world, "127.0.0.1", 1).servers(servers);
         if self.min_shard_given {
             builder = builder.min_shard_bytes(self.slicing.min_shard_bytes());
+        } else if self.slicing.min_shard_bytes() != PlanConfig::DEFAULT_MIN_SHARD_BYTES {
+            return Err(ModelError::InvalidJob(format!(
+                "the slicing's minimum shard of {} bytes is not the engine's default, but \
+                 Job::min_shard_given is false, so the engine would not take it",
+                self.slicing.min_shard_bytes()
+            )));
         }
         if let Some(budget) = self.budget_bytes {
             builder = builder.total_memory(budget);
