@@ -6,10 +6,12 @@
 //! they run in two levels. Each rank counts heap allocations in its whole
 //! process (progress thread and fabric I/O thread included) across the 10th to
 //! 20th of 20 identical all-reduces, for each algorithm, and fails if any
-//! happened.
+//! happened. A job with a dedicated server runs as threads of one process,
+//! the server's among them.
 
 mod common;
 
+use std::sync::Barrier;
 use std::time::Duration;
 
 use fairring::{Algorithm, Communicator, ReduceOp};
@@ -47,6 +49,80 @@ fn no_allocation_per_all_reduce_in_groups() {
     match rank_of_job(test) {
         Some(comm) => warm_all_reduces_allocate_nothing(&comm),
         None => launch_with(test, 4, 1, &[("FAIRRING_GROUP_SIZE", "2")]),
+    }
+}
+
+/// Three machines and a dedicated server, threads of this process: the
+/// server folds each slot's cells and sends the sums back, allocating nothing
+/// once warm either. The ranks and the server share the count, so every rank
+/// counts the same stretch: every rank's thread reads the count between
+/// barriers, where none of them allocates.
+#[test]
+fn no_allocation_per_all_reduce_with_a_dedicated_server() {
+    let world = 3;
+    let between_calls = Barrier::new(world);
+    let counted = common::job_with_servers(
+        3,
+        1,
+        1,
+        |b| {
+            b.slice_bytes(1 << 20)
+                .min_shard_bytes(64 << 10)
+                .total_memory(8 << 20)
+                .algorithm(Algorithm::Hierarchical)
+                .timeout(Duration::from_secs(60))
+        },
+        |rank, comm| {
+            let mut counts = Vec::new();
+            for (elements, op) in [
+                (3 << 20, ReduceOp::Sum),
+                (1000, ReduceOp::Sum),
+                (3 << 20, ReduceOp::Avg),
+            ] {
+                let mut data = vec![1.0f32; elements];
+                let mut all_reduce = || {
+                    comm.scope(|s| {
+                        s.all_reduce(&mut data, op, Algorithm::Hierarchical)
+                            .unwrap()
+                            .wait()
+                    })
+                    .unwrap();
+                };
+                for _ in 0..10 {
+                    all_reduce();
+                }
+                between_calls.wait();
+                let before = allocations();
+                for _ in 0..10 {
+                    all_reduce();
+                }
+                between_calls.wait();
+                let after = allocations();
+                between_calls.wait();
+                counts.push((elements, op, after - before));
+                let expected = if op == ReduceOp::Sum {
+                    3f32.powi(20)
+                } else {
+                    1.0
+                };
+                let bad = data.iter().position(|&v| v != expected);
+                assert!(
+                    bad.is_none(),
+                    "rank {rank} {op:?} {elements}: element {bad:?} is {:?}, expected {expected}",
+                    bad.map(|i| data[i])
+                );
+            }
+            counts
+        },
+    );
+    for (rank, counts) in counted.iter().enumerate() {
+        for &(elements, op, n) in counts {
+            assert_eq!(
+                n, 0,
+                "{n} allocations in the job's process while rank {rank} ran 10 warm {op:?} \
+                 all-reduces of {elements} elements with a dedicated server"
+            );
+        }
     }
 }
 
