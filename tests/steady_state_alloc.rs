@@ -6,8 +6,8 @@
 //! they run in two levels. Each rank counts heap allocations in its whole
 //! process (progress thread and fabric I/O thread included) across the 10th to
 //! 20th of 20 identical all-reduces, for each algorithm, and fails if any
-//! happened. A job with a dedicated server runs as threads of one process,
-//! the server's among them.
+//! happened. A job with a dedicated server runs as threads of one process
+//! of its own, the server's among them.
 
 mod common;
 
@@ -52,13 +52,19 @@ fn no_allocation_per_all_reduce_in_groups() {
     }
 }
 
-/// Three machines and a dedicated server, threads of this process: the
-/// server folds each slot's cells and sends the sums back, allocating nothing
-/// once warm either. The ranks and the server share the count, so every rank
-/// counts the same stretch: every rank's thread reads the count between
-/// barriers, where none of them allocates.
+/// Three machines and a dedicated server, threads of one process of their
+/// own (no other test's threads allocating beside them): the server folds
+/// each slot's cells and sends the sums back, allocating nothing once warm
+/// either. The ranks and the server share the count, so every rank counts
+/// the same stretch: every rank's thread reads the count between barriers,
+/// where none of them allocates.
 #[test]
 fn no_allocation_per_all_reduce_with_a_dedicated_server() {
+    let test = "no_allocation_per_all_reduce_with_a_dedicated_server";
+    if !common::processes::in_process_of_its_own(test) {
+        common::processes::run_alone(test, Duration::from_secs(120));
+        return;
+    }
     let world = 3;
     let between_calls = Barrier::new(world);
     let counted = common::job_with_servers(

@@ -23,6 +23,48 @@ use fairring_local_job::{LocalJob, Ranks};
 /// Set in a rank's environment: the test to run as a rank.
 const RANK_OF: &str = "FAIRRING_TEST_RANK_OF";
 
+/// Set in the environment of a process that runs one test alone.
+const ALONE: &str = "FAIRRING_TEST_ALONE";
+
+/// Whether this process runs `test` alone ([`run_alone`]).
+pub fn in_process_of_its_own(test: &str) -> bool {
+    std::env::var(ALONE).is_ok_and(|t| t == test)
+}
+
+/// Runs `test` (this binary's test of that name) in a process of its own,
+/// where no other test shares its threads or its allocation count, and
+/// panics if it fails or runs past `within`. The test calls
+/// [`in_process_of_its_own`] first and does its work only there.
+pub fn run_alone(test: &str, within: Duration) {
+    let exe = std::env::current_exe().expect("this test binary");
+    let mut child = std::process::Command::new(exe)
+        .args([test, "--exact", "--nocapture", "--test-threads", "1"])
+        .env(ALONE, test)
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {test} alone: {e}"));
+    let deadline = Instant::now() + within;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                assert!(
+                    status.success(),
+                    "{test}, alone in its process: {status} (its panic is above)"
+                );
+                return;
+            }
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{test}, alone in its process, still ran after {within:?}");
+            }
+            Err(e) => panic!("waiting for {test}: {e}"),
+        }
+    }
+}
+
 /// Inside a rank of a job started for `test`, its communicator; `None` in the
 /// launcher.
 pub fn rank_of_job(test: &str) -> Option<Communicator> {
