@@ -995,7 +995,10 @@ fn a_minimum_shard_is_taken_only_when_marked_given() {
         Err(ModelError::InvalidJob(why)) => assert!(why.contains("8192 bytes"), "{why}"),
         other => panic!("a minimum shard not marked given was taken: {other:?}"),
     }
-    assert!(predict(&h100(), &job, Algo::Servers).is_err());
+    assert!(matches!(
+        predict(&h100(), &job, Algo::Servers),
+        Err(ModelError::InvalidJob(_))
+    ));
     job.min_shard_given = true;
     for servers in [0, 32] {
         let geometry = job.staging(servers).unwrap().geometry;

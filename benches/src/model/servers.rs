@@ -23,12 +23,13 @@
 //! does (`engine/algorithm/serve.rs`), in folds of up to 16 cells in machine
 //! order (`ServerLayout::fold`), each fold reading and writing the accumulator
 //! once, so the folds overlap the arrivals and the sums end once every slot's
-//! last fold has run after the last cell lands (every cell lands at once here,
-//! so each of the server's `D / R` slots has its last fold left); then
+//! last fold has run after the last cell lands (the NIC takes every slot's
+//! cells together, so the slots' last cells land at the end together, and
+//! each of the server's `D / R` slots has its last fold left then); then
 //! `M * D / R` results go back. The server's memory moves, per slot and cell,
 //! the `M` cells the NIC writes, the `M - 1` cells the folds read, the
-//! accumulator twice a fold, and the `M` copies of the sum the NIC reads ([`slot_memory_cells`]): a little over three passes per contribution
-//! byte. Servers are not limited by staging buffers (their memory is the
+//! accumulator twice a fold, and the `M` copies of the sum the NIC reads
+//! ([`slot_memory_cells`]): a little over three passes per contribution byte. Servers are not limited by staging buffers (their memory is the
 //! host's); workers are, as in the co-located mode. Every rail group does the
 //! same work, so the servers of rail 0's group stand for all.
 
