@@ -65,10 +65,10 @@ fn no_allocation_per_all_reduce_with_a_dedicated_server() {
         common::processes::run_alone(test, Duration::from_secs(120));
         return;
     }
-    let world = 3;
-    let between_calls = Barrier::new(world);
+    let machines = 3;
+    let between_calls = Barrier::new(machines as usize);
     let counted = common::job_with_servers(
-        3,
+        machines,
         1,
         1,
         |b| {

@@ -29,8 +29,9 @@
 //! `M * D / R` results go back. The server's memory moves, per slot and cell,
 //! the `M` cells the NIC writes, the `M - 1` cells the folds read, the
 //! accumulator twice a fold, and the `M` copies of the sum the NIC reads
-//! ([`slot_memory_cells`]): a little over three passes per contribution byte. Servers are not limited by staging buffers (their memory is the
-//! host's); workers are, as in the co-located mode. Every rail group does the
+//! ([`slot_memory_cells`]): a little over three passes per contribution byte.
+//! Servers are not limited by staging buffers (their memory is the host's);
+//! workers are, as in the co-located mode. Every rail group does the
 //! same work, so the servers of rail 0's group stand for all.
 
 use super::events::{ResourceId, Schedule, TaskId};
