@@ -35,7 +35,12 @@
 //! Everything the device does for an operation (its copies, NCCL's
 //! collectives, a reduce-scatter's delivery) is enqueued by the call itself,
 //! on the caller's thread, each step behind a gate word the engine opens by
-//! writing host memory (`memory::program`). From then on the operation's
+//! writing host memory (`memory::program`); a whole all-reduce that is one
+//! NCCL call (one machine of several GPUs, or the job's communicator) waits
+//! for no gate, and writes its done word itself, so that nothing of the
+//! engine lies between the caller's stream and NCCL, the engine checking the
+//! call beside it (a mismatch fails every rank, the tensor's contents then
+//! undefined). From then on the operation's
 //! progress depends only on the engine writing host words and on the
 //! network, never on a CUDA call still to be made: any stream may wait for
 //! it, and any thread may meanwhile make any CUDA call, including one that

@@ -32,7 +32,7 @@ use super::work_table::Submission;
 use crate::error::{Error, Result};
 use crate::local::{LocalSlice, LocalStage, slice_range};
 use crate::memory::MemorySpace;
-use crate::memory::program::{ProgramItem, Stage, Stages, StagingAt};
+use crate::memory::program::{self, ProgramItem, Stage, Stages, StagingAt};
 
 /// A running device slice, held to its program.
 #[derive(Clone, Copy, Debug)]
@@ -158,11 +158,14 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         first: u64,
         each: &mut dyn FnMut(ProgramItem<M::Tensor>) -> Result<()>,
     ) -> Result<()> {
+        // An operation of one slice without delivery whose last stage is
+        // ungated ends there: its stream writes its done word.
+        let alone = plan.slice_count() == 1 && sub.deliver.is_none();
         for i in 0..plan.slice_count() {
             let slice = plan.slice(i).map_err(|e| {
                 Error::internal("every slice index below the count plans", e.to_string())
             })?;
-            self.slice_program(sub, &slice, first + i, each)?;
+            self.slice_program(sub, &slice, first + i, alone, each)?;
         }
         if let Some(delivery) = &sub.deliver {
             each(ProgramItem::Deliver {
@@ -182,9 +185,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     ) -> Result<SliceStages> {
         let (mut stages, mut expected) = (Stages::default(), [Tally::default(); 2]);
         let mut stage = None;
-        let device_use = self.slice_program(sub, slice, number, &mut |item| {
+        // Stages and copies are the same whether or not the done word
+        // follows, which this check does not count.
+        let device_use = self.slice_program(sub, slice, number, false, &mut |item| {
             match item {
-                ProgramItem::Stage(s) => {
+                ProgramItem::Stage { stage: s, .. } => {
                     stages = stages.with(s);
                     stage = Some(s);
                 }
@@ -221,12 +226,16 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     }
 
     /// One slice's program: its start, each stage that has items behind its
-    /// gate, its end. Returns what the slice's algorithm asks of the device.
+    /// gate (or ungated: [`program::ungated`]), its end; where the slice is
+    /// its operation's only one (`alone`: no delivery follows either) and
+    /// its last stage is ungated, the operation's done word before its end.
+    /// Returns what the slice's algorithm asks of the device.
     fn slice_program(
         &self,
         sub: &Submission<M>,
         slice: &Slice,
         number: u64,
+        alone: bool,
         each: &mut dyn FnMut(ProgramItem<M::Tensor>) -> Result<()>,
     ) -> Result<DeviceUse> {
         let info = self.device_info(sub, slice, number);
@@ -253,18 +262,41 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             buffer,
             generation: info.generation,
         })?;
+        let mut done = false;
         for stage in Stage::ALL {
+            // Whether the stage is one all-reduce in the tensor, which waits
+            // for no gate: a first pass counts its items.
+            let (mut count, mut ungated) = (0_usize, false);
+            self.stage_items(stage, &ask, &mut |item| {
+                count += 1;
+                ungated = program::ungated(&item);
+                Ok(())
+            })?;
+            let ungated = count == 1 && ungated;
             // A stage is in the program where it has items: it starts at
             // its first.
             let mut started = false;
             self.stage_items(stage, &ask, &mut |item| {
                 if !started {
+                    if done {
+                        return Err(Error::internal(
+                            "an operation's done word follows its program's last stage",
+                            format!("slice {number}: its {} stage after it", stage.name()),
+                        ));
+                    }
                     started = true;
-                    each(ProgramItem::Stage(stage))?;
+                    each(ProgramItem::Stage {
+                        stage,
+                        gated: !ungated,
+                    })?;
                 }
                 each(item)
             })?;
             if started {
+                if ungated && alone {
+                    done = true;
+                    each(ProgramItem::Done)?;
+                }
                 each(ProgramItem::StageEnd)?;
             }
         }

@@ -334,7 +334,7 @@ impl DeviceSide {
                     at = Some((buffer, generation));
                     staged = false;
                 }
-                &ProgramItem::Stage(s) => {
+                &ProgramItem::Stage { stage: s, gated } => {
                     let (b, g) = in_slice(at, seq).map_err(lost)?;
                     stage = Some(s);
                     if !staged {
@@ -347,9 +347,15 @@ impl DeviceSide {
                             .map_err(|e| lost(cuda(e)))?;
                     }
                     staged = true;
-                    words
-                        .enqueue_wait(&self.streams[b as usize], self.layout.gate(b), s.value(g))
-                        .map_err(|e| lost(cuda(e)))?;
+                    if gated {
+                        words
+                            .enqueue_wait(
+                                &self.streams[b as usize],
+                                self.layout.gate(b),
+                                s.value(g),
+                            )
+                            .map_err(|e| lost(cuda(e)))?;
+                    }
                 }
                 ProgramItem::ToStaging { tensor: range, to } => {
                     let (b, _) = in_slice(at, seq).map_err(lost)?;
@@ -393,6 +399,12 @@ impl DeviceSide {
                     };
                     words
                         .enqueue_write(&self.streams[b as usize], self.layout.end(b), value)
+                        .map_err(|e| lost(cuda(e)))?;
+                }
+                ProgramItem::Done => {
+                    let (b, _) = in_slice(at, seq).map_err(lost)?;
+                    words
+                        .enqueue_write(&self.streams[b as usize], self.layout.done(seq), seq + 1)
                         .map_err(|e| lost(cuda(e)))?;
                 }
                 ProgramItem::SliceEnd => {

@@ -28,6 +28,18 @@
 //! caller's share runs on a stream of its own, gated by a word of its
 //! operation-table entry ([`ProgramItem::Deliver`]).
 //!
+//! One stage waits for no gate: a whole device all-reduce through NCCL (a
+//! job of one machine, or the job's communicator), whose program is one
+//! slice of one stage, one all-reduce in the tensor ([`ungated`]):
+//!
+//! ```text
+//! [wait for the operation's start]; NCCL all-reduce; write done = seq + 1; write end
+//! ```
+//!
+//! It runs as soon as the caller's stream reaches it, and the streams that
+//! wait for the operation go on once it has ended, each without a hop
+//! through the engine; the engine checks and watches it beside the device.
+//!
 //! From acceptance on, the operation's device work depends on nothing but
 //! host words the engine writes and the network: a caller's stream may wait
 //! for it, and any thread may make any CUDA call, without a cycle through
@@ -249,6 +261,33 @@ pub(crate) fn raised(
     Ok(Some(value))
 }
 
+/// Whether a stage whose only item is `item` runs without waiting for its
+/// gate: one all-reduce of the machine's collectives, in place in the
+/// tensor.
+///
+/// Such a stage is a whole device all-reduce through NCCL, and it starts as
+/// soon as the caller's stream reaches the operation, as PyTorch's NCCL
+/// backend starts one: no hop through the engine lies between the caller
+/// and NCCL. It reads and writes nothing but the tensor, which the caller
+/// gave to the operation, and NCCL orders a communicator's calls as they
+/// were issued, which every rank does in its operations' order. The engine
+/// still checks the operation's descriptor with every rank it depends on
+/// and watches for a rank that fails or stalls: a rank that issued another
+/// operation, or none, fails the engine, whose failure aborts NCCL's
+/// communicators, so the call ends, and every rank's call fails naming the
+/// mismatch or the rank. Unlike a gated stage's, the call may then have run
+/// on mismatched operations: the tensor's contents are undefined, as after
+/// any failed operation, and the failure is reported.
+pub(crate) fn ungated<T>(item: &ProgramItem<T>) -> bool {
+    matches!(
+        item,
+        ProgramItem::Collective {
+            call: MachineCall::AllReduce { .. },
+            ..
+        }
+    )
+}
+
 /// Which communicator a collective goes to: one of a machine's two, or the
 /// job's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -312,10 +351,13 @@ pub(crate) enum ProgramItem<T> {
     ///
     /// [`SliceEnd`]: ProgramItem::SliceEnd
     Slice { buffer: u32, generation: u64 },
-    /// A stage of the slice starts: a wait for its gate, after, at the
-    /// slice's first stage, a wait for the operation's start on the caller's
-    /// stream (every stage reads or writes the tensor).
-    Stage(Stage),
+    /// A stage of the slice starts: at the slice's first stage, a wait for
+    /// the operation's start on the caller's stream (every stage reads or
+    /// writes the tensor), then, if `gated`, a wait for its gate. A stage
+    /// that is one all-reduce of the machine's collectives in the tensor
+    /// (a job's whole device all-reduce through NCCL: one machine, or the
+    /// job's communicator) is not gated ([`ungated`]).
+    Stage { stage: Stage, gated: bool },
     /// Bytes `tensor` of the tensor into staging.
     ToStaging { tensor: Range<usize>, to: StagingAt },
     /// Staging into bytes `tensor` of the tensor.
@@ -336,6 +378,11 @@ pub(crate) enum ProgramItem<T> {
     /// The slice's program ends; with no stage, the stream writes the
     /// slice's end here.
     SliceEnd,
+    /// The operation is over on the device: the stream writes its done
+    /// word, before the slice's end, so that streams waiting for it go on
+    /// without the engine. Only after the ungated stage of an operation of
+    /// one slice without delivery, its program's last.
+    Done,
     /// Once every slice is done and the engine raises the operation's
     /// delivery gate, bytes `from` of the tensor into `to` (a
     /// reduce-scatter's share), on the deliveries' stream.

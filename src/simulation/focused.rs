@@ -609,17 +609,93 @@ fn one_machine_reduces_a_device_tensor_in_one_slice_through_its_collectives() {
     }
 }
 
-/// The job's NCCL all-reduce on 2x2 and 3x2: one slice of the whole tensor
-/// on every rank, on the job's communicator, exact. Where rank 3 issued
-/// another length, every rank fails naming the mismatch, and none opens the
-/// job's call: each runs it only once its failure released its gates, and
-/// the calls never meet. On 3x2 rank 0 hears nothing from rank 3 (neither
-/// its rail, nor its ring neighbour, nor a partner): its gate opens only once
-/// every local rank has begun the slice, and rank 1, whose rail rank 3 is,
-/// begins it only past its own check. (A gate opened on the local check
-/// alone would run the call on ranks 0 and 1 of 2x2.)
+/// On one machine through its collectives, a device all-reduce runs and ends
+/// on the device with no engine driven: its one NCCL call waits for no gate,
+/// and its stream writes the operation's done word, which a stream waiting
+/// for the result waits on. The engines, driven afterwards, check it and
+/// declare it done. Where rank 1 issued another length, the calls disagree
+/// and never meet (no done word is written); the engines fail naming the
+/// mismatch, and their failures abort the calls, so every stream ends.
 #[test]
-fn the_jobs_nccl_all_reduce_is_exact_and_starts_only_once_every_rank_agrees() {
+fn one_machines_nccl_all_reduce_runs_and_ends_on_the_device_without_the_engine() {
+    const ELEMENTS: usize = 1000;
+    for mismatched in [false, true] {
+        let net = Network::new(2);
+        let (engines, _) = recording_job(1, 2, &net, Some(&Collectives::shipped()));
+        let len = |r: usize| {
+            if mismatched && r == 1 {
+                ELEMENTS + 8
+            } else {
+                ELEMENTS
+            }
+        };
+        let mut tensors: Vec<Vec<u64>> = (0..2).map(|r| vec![0; len(r)]).collect();
+        let mut inputs: Vec<Vec<u64>> = (0..2)
+            .map(|r| (0..len(r) as u64).map(|i| i * (r as u64 + 2)).collect())
+            .collect();
+        for (r, (t, i)) in tensors.iter_mut().zip(&mut inputs).enumerate() {
+            submit_device_sum(&engines[r], t, i).unwrap();
+        }
+        // The devices alone: no engine is driven.
+        for _ in 0..10 {
+            for e in &engines {
+                while e.memory.gpu().run_any(|_| 0) {}
+            }
+        }
+        for e in &engines {
+            assert_eq!(
+                e.memory.gpu().done_written(0),
+                !mismatched,
+                "mismatched {mismatched}: rank {}'s done word",
+                e.rank()
+            );
+            assert_eq!(e.works.state(0), Some(0), "the engine has not settled it");
+        }
+        if !mismatched {
+            for (r, t) in tensors.iter().enumerate() {
+                for (i, &v) in t.iter().enumerate() {
+                    assert_eq!(v, 5 * i as u64, "rank {r}, element {i}");
+                }
+            }
+        }
+        drive_until_settled(&engines, true);
+        for e in &engines {
+            if mismatched {
+                let error = e
+                    .failure()
+                    .unwrap_or_else(|| panic!("rank {} failed", e.rank()));
+                assert!(
+                    matches!(
+                        error,
+                        crate::Error::Mismatch { .. } | crate::Error::Peer { .. }
+                    ),
+                    "rank {}: {error}",
+                    e.rank()
+                );
+            } else {
+                assert_eq!(e.works.state(0), Some(DONE), "rank {}", e.rank());
+            }
+            assert_eq!(
+                e.memory.gpu().run_out(),
+                None,
+                "mismatched {mismatched}: rank {}'s streams end",
+                e.rank()
+            );
+        }
+    }
+}
+
+/// The job's NCCL all-reduce on 2x2 and 3x2: one slice of the whole tensor
+/// on every rank, on the job's communicator, ungated (it starts as soon as
+/// the caller's stream reaches it), exact. Where rank 3 issued another
+/// length, the calls run before the engines' checks end, disagree and never
+/// meet, moving nothing; every rank fails naming the mismatch or a peer,
+/// and its failure aborts the call, so every stream runs to its end. On 3x2
+/// rank 0 hears nothing from rank 3 (neither its rail, nor its ring
+/// neighbour, nor a partner): it fails through rank 1, whose rail rank 3 is,
+/// which never begins the slice past its own check.
+#[test]
+fn the_jobs_nccl_all_reduce_is_exact_and_fails_every_rank_on_a_mismatch() {
     const ELEMENTS: usize = 1000;
     for (machines, mismatched) in [(2u32, false), (2, true), (3, false), (3, true)] {
         let world = (machines * 2) as usize;
@@ -659,14 +735,23 @@ fn the_jobs_nccl_all_reduce_is_exact_and_starts_only_once_every_rank_agrees() {
             .job_all_reduces
             .load(std::sync::atomic::Ordering::Relaxed);
         if mismatched {
-            assert_eq!(met, 0, "{what}: NCCL combined nothing");
-            let opened = collectives
-                .job_arrived_opened
+            assert_eq!(met, 0, "{what}: the disagreeing calls never met");
+            let unfailed = collectives
+                .job_arrived_unfailed
                 .load(std::sync::atomic::Ordering::Relaxed);
-            assert_eq!(
-                opened, 0,
-                "{what}: a rank ran the job's call on a gate it opened"
+            assert!(
+                unfailed > 0,
+                "{what}: the job's call ran ungated, before the engines' checks ended"
             );
+            for e in &engines {
+                let waiting = e.memory.gpu().run_out();
+                assert_eq!(
+                    waiting,
+                    None,
+                    "{what}: rank {}'s streams end once its failure aborts the call",
+                    e.rank()
+                );
+            }
             for e in &engines {
                 let error = e
                     .failure()
@@ -684,11 +769,11 @@ fn the_jobs_nccl_all_reduce_is_exact_and_starts_only_once_every_rank_agrees() {
         }
         assert_eq!(met, 1, "{what}: one all-reduce on the job's communicator");
         let opened = collectives
-            .job_arrived_opened
+            .job_arrived_unfailed
             .load(std::sync::atomic::Ordering::Relaxed);
         assert_eq!(
             opened, world as u64,
-            "{what}: every rank opened the job's call"
+            "{what}: every rank ran the job's call before any failure"
         );
         for e in &engines {
             assert_eq!(e.works.state(0), Some(DONE), "{what}: rank {}", e.rank());

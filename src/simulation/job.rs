@@ -14,9 +14,10 @@ pub(super) struct Collectives {
     pub(super) scatters: Arc<std::sync::atomic::AtomicU64>,
     pub(super) across_job: bool,
     pub(super) job_all_reduces: Arc<std::sync::atomic::AtomicU64>,
-    /// The job's calls that arrived on a gate their rank's engine opened
-    /// (not one its failure released).
-    pub(super) job_arrived_opened: Arc<std::sync::atomic::AtomicU64>,
+    /// The job's calls that arrived while their rank's engine had not
+    /// failed (on a gate it opened, or ungated; not on one its failure
+    /// released).
+    pub(super) job_arrived_unfailed: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Collectives {
@@ -28,7 +29,7 @@ impl Collectives {
             scatters: Arc::default(),
             across_job: false,
             job_all_reduces: Arc::default(),
-            job_arrived_opened: Arc::default(),
+            job_arrived_unfailed: Arc::default(),
         }
     }
 }
@@ -78,7 +79,7 @@ pub(super) fn build_job(
             SimMachine::job(
                 world,
                 Arc::clone(&c.job_all_reduces),
-                Arc::clone(&c.job_arrived_opened),
+                Arc::clone(&c.job_arrived_unfailed),
             )
         });
     let one_call_from = collectives.map_or(u64::MAX, |c| c.one_reduce_scatter_from);

@@ -164,6 +164,8 @@ struct Outcome {
     scattered: u64,
     /// All-reduces that met on the job's communicator.
     across_job: u64,
+    /// Ungated calls (whole all-reduces through NCCL) that ended.
+    ungated: usize,
     /// Operations done where the machines reduce in groups.
     in_groups: usize,
     killed: Option<u32>,
@@ -243,7 +245,7 @@ fn play(
         scatters: Arc::default(),
         across_job: sc.across_job,
         job_all_reduces: Arc::default(),
-        job_arrived_opened: Arc::default(),
+        job_arrived_unfailed: Arc::default(),
     });
     let mut engines = build_job(
         &geometry,
@@ -590,6 +592,7 @@ fn play(
             .filter(|&(s, &d)| d && *s == Some(true))
             .count();
         outcome.device += device_done;
+        outcome.ungated += rank.engine.memory.gpu().ungated_ended();
         if sc.collectives && d > 1 {
             outcome.collective += device_done;
         }
@@ -710,6 +713,7 @@ fn seeded_schedules_settle_with_exact_results() {
     let outcomes = run_seeds(&seeds).unwrap_or_else(|e| panic!("{e}"));
     let (mut killed, mut steps, mut done, mut failed) = (0, 0, 0, 0);
     let (mut device, mut collective, mut scattered, mut across_job) = (0, 0, 0, 0);
+    let mut ungated = 0;
     let mut rooted = [0usize; 3];
     let (mut in_windows, mut delivered) = (0, 0);
     let (mut messages, mut messages_local, mut in_groups) = (0, 0, 0);
@@ -723,6 +727,7 @@ fn seeded_schedules_settle_with_exact_results() {
         collective += outcome.collective;
         scattered += outcome.scattered;
         across_job += outcome.across_job;
+        ungated += outcome.ungated;
         in_windows += outcome.in_windows;
         delivered += outcome.delivered;
         messages += outcome.messages;
@@ -736,7 +741,8 @@ fn seeded_schedules_settle_with_exact_results() {
         "simulation: {} seeds ({killed} with a killed rank), {steps} steps, {done} operations \
          done ({device} on the simulated device, {collective} of them through a machine's \
          collectives, which reduce-scattered {scattered} slices in one call; {across_job} \
-         all-reduces met on the job's NCCL communicator; {in_groups} where the machines reduce \
+         all-reduces met on the job's NCCL communicator; {ungated} ungated calls of whole \
+         all-reduces through NCCL ended; {in_groups} where the machines reduce \
          in groups), {failed} failed; \
          drawn as rooted forms: {reduces} reduces, {gathers} \
          gathers, {scatters} scatters; {in_windows} writes landed in a receiver's tensor; \
@@ -780,5 +786,9 @@ fn seeded_schedules_settle_with_exact_results() {
     assert!(
         seeds.len() < 100 || in_groups > 0,
         "the seeds run operations where the machines reduce in groups"
+    );
+    assert!(
+        seeds.len() < 100 || ungated > 0,
+        "the seeds run whole all-reduces through NCCL ungated"
     );
 }

@@ -104,8 +104,22 @@ pub(super) enum Item {
     /// Writes `value` into word `word`.
     WriteWord { word: usize, value: u64 },
     /// Call `id` of a collective among the machine's ranks, which its
-    /// [`Meeting`] resolves.
-    Collective(u64),
+    /// [`Meeting`] resolves; `ungated` where its stage waits for no gate
+    /// ([`program::ungated`]).
+    Collective { id: u64, ungated: bool },
+}
+
+/// How a collective call reaches its meeting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Arrival {
+    /// On a gate its rank's engine opened, past the engine's checks.
+    Opened,
+    /// Ungated: as soon as its stream reached it, the engine's checks
+    /// running beside it.
+    Ungated,
+    /// On a gate its rank's failing engine released: it runs whatever the
+    /// other ranks issued.
+    Released,
 }
 
 #[derive(Default)]
@@ -164,6 +178,8 @@ pub(super) struct Gpu {
     passed: Vec<u64>,
     /// Writes into a tensor after its caller's stream passed the operation.
     violations: Vec<String>,
+    /// Ungated collectives that ended on this GPU.
+    ungated_ended: usize,
     /// The aborts the engine handed the reaper, in turn: each aborts its
     /// communicators at once, then waits for the device to drain.
     reaping: VecDeque<Vec<Comm>>,
@@ -175,10 +191,9 @@ pub(super) trait Meeting: Send {
     /// Whether call `id`, at the head of its stream, can move on: arrive, or
     /// end.
     fn can_run(&self, id: u64) -> bool;
-    /// Moves call `id` on; returns whether it ended (leaves its stream).
-    /// `released`: the rank's engine failed and released its gates, so the
-    /// call runs whatever its peers issued.
-    fn run(&self, id: u64, released: bool) -> bool;
+    /// Moves call `id` on, which reached it as `arrival` says; returns
+    /// whether it ended (leaves its stream).
+    fn run(&self, id: u64, arrival: Arrival) -> bool;
     /// The bytes call `id` writes on this rank (address, length).
     fn writes(&self, id: u64) -> (usize, usize);
     /// What call `id` is, for a report of what waits.
@@ -308,7 +323,9 @@ impl Gpu {
             Some(Item::Copy { .. } | Item::WriteWord { .. }) => true,
             Some(&Item::WaitFor { stream: s, at }) => self.passed(s, at),
             Some(&Item::WaitWord { word, value }) => program::wait_passes(self.words[word], value),
-            Some(&Item::Collective(id)) => self.meeting.as_ref().is_some_and(|m| m.can_run(id)),
+            Some(&Item::Collective { id, .. }) => {
+                self.meeting.as_ref().is_some_and(|m| m.can_run(id))
+            }
         }
     }
 
@@ -330,14 +347,20 @@ impl Gpu {
         if !self.runnable(stream) {
             return false;
         }
-        if let Some(&Item::Collective(id)) = self.streams[stream].items.front()
+        if let Some(&Item::Collective { id, ungated }) = self.streams[stream].items.front()
             && let Some(meeting) = &self.meeting
         {
             let (at, len) = meeting.writes(id);
-            if !meeting.run(id, self.released) {
+            let arrival = match (self.released, ungated) {
+                (true, _) => Arrival::Released,
+                (false, true) => Arrival::Ungated,
+                (false, false) => Arrival::Opened,
+            };
+            if !meeting.run(id, arrival) {
                 // It arrived, and waits for the other ranks.
                 return true;
             }
+            self.ungated_ended += usize::from(ungated);
             self.check_write(at, len, "a collective");
         }
         let caller = self.caller();
@@ -402,6 +425,19 @@ impl Gpu {
         &self.violations
     }
 
+    /// Whether operation `seq`'s done word lets a stream waiting for it go
+    /// on.
+    pub(super) fn done_written(&self, seq: u64) -> bool {
+        self.words
+            .get(self.layout.done(seq))
+            .is_some_and(|&word| program::wait_passes(word, seq + 1))
+    }
+
+    /// How many ungated collectives ended on this GPU.
+    pub(super) fn ungated_ended(&self) -> usize {
+        self.ungated_ended
+    }
+
     /// What the first item of each stream that has one is, if any has.
     pub(super) fn waiting(&self) -> Option<String> {
         let caller = self.caller();
@@ -416,7 +452,9 @@ impl Gpu {
                     format!("engine stream {i}")
                 };
                 s.items.front().map(|item| match (item, &self.meeting) {
-                    (&Item::Collective(id), Some(m)) => format!("{name}: {}", m.describe(id)),
+                    (&Item::Collective { id, .. }, Some(m)) => {
+                        format!("{name}: {}", m.describe(id))
+                    }
                     _ => format!("{name}: {item:?}"),
                 })
             })
@@ -546,6 +584,7 @@ impl SimMemory {
                 tensors: Vec::new(),
                 passed: Vec::new(),
                 violations: Vec::new(),
+                ungated_ended: 0,
                 reaping: VecDeque::new(),
             }))),
         }
@@ -736,6 +775,7 @@ impl SimGpu {
         let mut at: Option<(u32, u64)> = None;
         let mut stage = None;
         let mut staged = false;
+        let mut ungated = false;
         let bytes = |s: program::StagingAt, len| host.machine_bytes(s, len).map(NonNull::as_ptr);
         for (i, item) in items.iter().enumerate() {
             let (b, g) = at.unwrap_or((0, 0));
@@ -751,8 +791,9 @@ impl SimGpu {
                     at = Some((buffer, generation));
                     staged = false;
                 }
-                &ProgramItem::Stage(s) => {
+                &ProgramItem::Stage { stage: s, gated } => {
                     stage = Some(s);
+                    ungated = !gated;
                     let mut items = Vec::new();
                     if !staged {
                         // The slice's first stage touches the tensor.
@@ -762,10 +803,12 @@ impl SimGpu {
                         });
                     }
                     staged = true;
-                    items.push(Item::WaitWord {
-                        word: layout.gate(b),
-                        value: s.value(g),
-                    });
+                    if gated {
+                        items.push(Item::WaitWord {
+                            word: layout.gate(b),
+                            value: s.value(g),
+                        });
+                    }
                     groups.push((
                         stream,
                         Held {
@@ -802,7 +845,14 @@ impl SimGpu {
                     })?;
                     let at = tensor.at(range).map_err(lost)?;
                     let id = c.call(*comm, kind_of(*call), at, range.len());
-                    push_into(&mut groups, Item::Collective(id), seq)?;
+                    push_into(&mut groups, Item::Collective { id, ungated }, seq)?;
+                }
+                ProgramItem::Done => {
+                    let item = Item::WriteWord {
+                        word: layout.done(seq),
+                        value: seq + 1,
+                    };
+                    push_into(&mut groups, item, seq)?;
                 }
                 ProgramItem::StageEnd => {
                     let s = stage.ok_or_else(|| lost(unordered(seq)))?;

@@ -22,7 +22,11 @@
 //!   engine failed (ranks that issued different operations, caught by the
 //!   descriptor checks) may calls disagree: its released gates run what it
 //!   enqueued, and the calls never meet, moving nothing, until every rank
-//!   aborts them.
+//!   aborts them. So may ungated calls (a whole all-reduce through NCCL,
+//!   `memory::program::ungated`), which run before their engines' checks
+//!   end: they wait the same way until the checks fail the engines, whose
+//!   failures abort them, and a seed where none does fails, its streams
+//!   left waiting.
 //! - When the last rank arrives, the call moves every rank's bytes at once:
 //!   an all-reduce, a reduce-scatter (chunk `r` of every rank's bytes
 //!   onto rank `r`'s), a reduce onto its root, a broadcast from it, in
@@ -41,7 +45,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use fairring_core::reduce::finish_avg_bytes;
 use fairring_core::{DataType, ReduceOp};
 
-use super::simulated_gpu::{Meeting, SimMemory};
+use super::simulated_gpu::{Arrival, Meeting, SimMemory};
 use crate::memory::program::Comm;
 use crate::memory::reduce_into;
 
@@ -83,8 +87,9 @@ struct Rendezvous {
     /// What the first to arrive does, and over how many bytes.
     call: (Kind, usize),
     done: bool,
-    /// Whether a rank arrived on released gates (its engine failed).
-    released: bool,
+    /// Whether a rank arrived other than on a gate its engine opened:
+    /// ungated, or on released gates (its engine failed).
+    unchecked: bool,
     /// Whether the calls disagree: they never meet, and end only as their
     /// ranks abort.
     disagree: bool,
@@ -100,9 +105,10 @@ struct MachineCalls {
     scatters: Arc<AtomicU64>,
     /// Every call that met, where counted.
     met: Option<Arc<AtomicU64>>,
-    /// Calls that arrived on a gate their rank's engine opened (not one its
-    /// failure released), where counted.
-    arrived_opened: Option<Arc<AtomicU64>>,
+    /// Calls that arrived while their rank's engine had not failed (on a
+    /// gate it opened, or ungated; not on one its failure released), where
+    /// counted.
+    arrived_unfailed: Option<Arc<AtomicU64>>,
 }
 
 /// The collectives of one simulated machine, shared by its ranks' GPUs.
@@ -119,23 +125,23 @@ impl SimMachine {
             aborted: vec![[false; 3]; ranks as usize],
             scatters,
             met: None,
-            arrived_opened: None,
+            arrived_unfailed: None,
         })))
     }
 
     /// The job's communicator of `ranks` ranks, counting its calls that met
-    /// in `met`, and in `arrived_opened` the calls that arrived on a gate
-    /// their rank's engine opened.
+    /// in `met`, and in `arrived_unfailed` the calls that arrived while
+    /// their rank's engine had not failed.
     pub(super) fn job(
         ranks: u32,
         met: Arc<AtomicU64>,
-        arrived_opened: Arc<AtomicU64>,
+        arrived_unfailed: Arc<AtomicU64>,
     ) -> SimMachine {
         let job = SimMachine::new(ranks, Arc::default());
         {
             let mut calls = job.lock();
             calls.met = Some(met);
-            calls.arrived_opened = Some(arrived_opened);
+            calls.arrived_unfailed = Some(arrived_unfailed);
         }
         job
     }
@@ -173,13 +179,13 @@ impl SimMachine {
     ///
     /// If the call disagrees with those it meets: the ranks issued out of
     /// order (the model's finding, which fails the seed).
-    pub(super) fn run(&self, rank: u32, call: &Call, released: bool) -> bool {
+    pub(super) fn run(&self, rank: u32, call: &Call, arrival: Arrival) -> bool {
         let mut calls = self.lock();
         if calls.aborted[rank as usize][call.comm as usize] {
             return true;
         }
         let ranks = calls.ranks as usize;
-        let arrived_opened = calls.arrived_opened.clone();
+        let arrived_unfailed = calls.arrived_unfailed.clone();
         let meeting = calls
             .meetings
             .entry((call.comm, call.index))
@@ -187,24 +193,29 @@ impl SimMachine {
                 arrived: vec![None; ranks],
                 call: (call.kind, call.len),
                 done: false,
-                released: false,
+                unchecked: false,
                 disagree: false,
             });
         if meeting.done {
             return true;
         }
-        meeting.released |= released;
-        if !released && let Some(counter) = &arrived_opened {
+        meeting.unchecked |= arrival != Arrival::Opened;
+        if arrival != Arrival::Released
+            && let Some(counter) = &arrived_unfailed
+        {
             counter.fetch_add(1, Ordering::Relaxed);
         }
         if meeting.call != (call.kind, call.len) {
             // Ranks whose engines failed (a mismatch of their calls among
-            // them) run what they enqueued: NCCL's kernels then exchange
+            // them) run what they enqueued, and so do ungated calls, whose
+            // engines check them meanwhile: NCCL's kernels then exchange
             // nothing meaningful, within each rank's own bytes, until the
-            // ranks abort. Calls that disagree where no rank failed are
-            // issued out of order: the model's finding.
+            // ranks abort (a meeting never aborted leaves its streams
+            // waiting, which fails the seed). Calls that disagree where every
+            // rank's engine opened its call are issued out of order: the
+            // model's finding.
             assert!(
-                meeting.released,
+                meeting.unchecked,
                 "collective mismatch: rank {rank}'s call {} on {:?} is {:?} over {} bytes, \
                  and another rank's is {:?} over {} bytes",
                 call.index, call.comm, call.kind, call.len, meeting.call.0, meeting.call.1,
@@ -353,10 +364,10 @@ impl Meeting for RankMeeting {
         at.can_run(rank, &call)
     }
 
-    fn run(&self, id: u64, released: bool) -> bool {
+    fn run(&self, id: u64, arrival: Arrival) -> bool {
         let call = self.calls.get(id);
         let (at, rank) = self.on(call.comm);
-        at.run(rank, &call, released)
+        at.run(rank, &call, arrival)
     }
 
     fn writes(&self, id: u64) -> (usize, usize) {

@@ -10,15 +10,20 @@
 //! job's communicator (`local::collective_step`), and nothing is gathered.
 //! No byte of it crosses the engine's fabric.
 //!
-//! The slice starts only once every local rank and every remote rank that
-//! writes to this one (its rails among them) has confirmed the operation's
-//! descriptor (`engine/slices.rs`), and the collective local step opens its
-//! stage only once every local rank has begun the slice, each past the same
-//! check. Every rank of another machine is the rail of a local rank, so
-//! ranks that issued different operations fail with the mismatch named
-//! before NCCL combines anything. A rank that fails or
-//! stalls fails the engine, whose failure aborts NCCL's communicators, so
-//! that a kernel waiting for a rank that is gone ends.
+//! The call waits for no gate (`memory::program::ungated`): the device runs
+//! it as soon as the caller's stream reaches it, and the streams waiting for
+//! the operation go on once it ends, as with PyTorch's NCCL backend. The
+//! engine checks it beside the device: the slice starts only once every
+//! local rank and every remote rank that writes to this one (its rails among
+//! them) has confirmed the operation's descriptor (`engine/slices.rs`), and
+//! the collective local step ends it only once every local rank has begun
+//! the slice, each past the same check. Every rank of another machine is the
+//! rail of a local rank, so ranks that issued different operations fail
+//! with the mismatch named (NCCL may have run the mismatched call by then:
+//! the tensor's contents are undefined). A rank that fails or stalls fails
+//! the engine, whose failure aborts NCCL's communicators, so that a kernel
+//! waiting for a rank that is gone, or for a call another rank never made,
+//! ends.
 
 use super::{Context, DeviceUse, SliceEvent, SliceInfo, Step};
 use crate::error::{Error, Result};
