@@ -563,9 +563,10 @@ fn loggp_charges_two_messages_as_worked_by_hand() {
 }
 
 /// On one machine of several GPUs the engine plans the tensor as one slice and
-/// runs it as one NCCL all-reduce in the tensor: the prediction is the
-/// submission, then the all-reduce NCCL's tuner picks for the whole tensor
-/// (`nccl-best`), then the hand-off.
+/// runs it as one NCCL all-reduce in the tensor, ungated and without a
+/// hand-off: the prediction is the all-reduce NCCL's tuner picks for the
+/// whole tensor (`nccl-best`), and nothing more; two tensors, one after the
+/// other. No message or byte of fairring's crosses a rail.
 #[test]
 fn one_machine_runs_a_tensor_as_one_nccl_all_reduce() {
     for hw in presets() {
@@ -581,13 +582,20 @@ fn one_machine_runs_a_tensor_as_one_nccl_all_reduce() {
                 let plan = Plan::whole(&geometry, job.dtype, job.elements()).unwrap();
                 assert_eq!(plan.slice_count(), 1);
                 let nccl = predict(&hw, &job, Algo::NcclBest).unwrap();
-                let s = &hw.software;
-                let expected = (s.fairring_op_us + s.fairring_step_us) * 1e-6 + nccl.seconds;
-                assert!(
-                    (p.seconds - expected).abs() <= 1e-9 * expected,
-                    "{} 1x{d} {bytes}: {} s against {expected} s",
-                    hw.name,
-                    p.seconds
+                close(
+                    p.seconds,
+                    nccl.seconds,
+                    &format!("{} 1x{d} {bytes}", hw.name),
+                );
+                let t = p.traffic.unwrap();
+                assert_eq!((t.slices, t.messages_sent, t.bytes_sent), (1, 0, 0));
+                let mut two = job;
+                two.tensors = 2;
+                let p2 = predict(&hw, &two, Algo::Hierarchical).unwrap();
+                close(
+                    p2.seconds,
+                    2.0 * nccl.seconds,
+                    &format!("{} 1x{d} {bytes}, two tensors", hw.name),
                 );
             }
         }
@@ -766,6 +774,8 @@ fn predictions_consume_the_real_plan() {
             if original {
                 job = job.original();
             }
+            // The plan, where NCCL across the job would run instead.
+            job.nccl_across_machines = false;
             let t = predict(&hw, &job, Algo::Hierarchical)
                 .unwrap()
                 .traffic
@@ -1147,14 +1157,14 @@ fn charts_are_written_as_svg_and_png() {
 
 /// On two to seven machines whose GPUs reduce in their NVSwitch (h100), an
 /// all-reduce of the sizes `fairring::nccl_across_job` names is NCCL's own
-/// over the whole job, as the engine runs it: its submission, NCCL's time as
-/// the tuner picks it, and the hand-off, with no message of fairring's. Other
+/// over the whole job, as the engine runs it, ungated and without a
+/// hand-off: NCCL's time as the tuner picks it, with no message of
+/// fairring's. Other
 /// sizes, eight machines, and machines without NVLink SHARP (v100) run the
 /// plan.
 #[test]
 fn few_machines_that_reduce_in_their_nvswitch_run_nccl_across_the_job() {
     let hw = h100();
-    let overhead = (hw.software.fairring_op_us + hw.software.fairring_step_us) * 1e-6;
     for (m, bytes) in [
         (2, 4 * MIB),
         (2, GIB),
@@ -1169,29 +1179,21 @@ fn few_machines_that_reduce_in_their_nvswitch_run_nccl_across_the_job() {
         let job = Job::new(m, 8, bytes);
         let p = predict(&hw, &job, Algo::Hierarchical).unwrap();
         let best = predict(&hw, &job, Algo::NcclBest).unwrap();
-        close(
-            p.seconds,
-            best.seconds + overhead,
-            "NCCL's time and fairring's own",
-        );
+        close(p.seconds, best.seconds, "NCCL's time and nothing more");
         assert!(
-            p.traffic.is_none(),
+            p.traffic
+                .is_some_and(|t| t.messages_sent == 0 && t.bytes_sent == 0),
             "{m} machines, {bytes} bytes: no message of fairring's"
         );
-        // Two tensors at once: one after another on the job's communicator,
-        // the second submitted while the first runs.
+        // Two tensors at once: one after another on the job's communicator.
         let mut two = job;
         two.tensors = 2;
         let p2 = predict(&hw, &two, Algo::Hierarchical).unwrap();
-        close(
-            p2.seconds,
-            2.0 * best.seconds + overhead,
-            "two tensors in turn",
-        );
+        close(p2.seconds, 2.0 * best.seconds, "two tensors in turn");
     }
     for (hw, m, bytes) in [
         (h100(), 2, 2 * MIB),
-        (h100(), 3, 256 * MIB),
+        (h100(), 3, 300 * MIB),
         (h100(), 8, 16 * MIB),
         (v100(), 2, 64 * MIB),
         (plan_on_few_machines(h100()), 2, 64 * MIB),
@@ -1349,4 +1351,51 @@ fn the_two_level_study_keeps_the_models_invariants() {
     }
     assert!(!Algo::ALL.contains(&Algo::Groups));
     assert_eq!(Algo::from_name("groups"), Some(Algo::Groups));
+}
+
+/// `fairring::nccl_across_job` is the model's choice: on two to seven
+/// machines of the h100 preset, at sizes from 4 KiB to 1 GiB, NCCL runs
+/// across the job where its all-reduce is ahead of the plan by over 0.5%, and
+/// the plan runs where it is ahead by as much (closer than that, the windows'
+/// probes decide).
+#[test]
+fn the_sizes_that_run_nccl_across_the_job_are_where_the_model_puts_it_ahead() {
+    let hw = h100();
+    let sizes = [
+        4 << 10,
+        64 << 10,
+        512 << 10,
+        MIB,
+        2 * MIB,
+        4 * MIB,
+        8 * MIB,
+        16 * MIB,
+        24 * MIB,
+        32 * MIB,
+        48 * MIB,
+        64 * MIB,
+        96 * MIB,
+        128 * MIB,
+        192 * MIB,
+        256 * MIB,
+        512 * MIB,
+        GIB,
+    ];
+    for m in 2..=fairring::NCCL_ACROSS_UP_TO_MACHINES {
+        for bytes in sizes {
+            let mut plan = Job::new(m, 8, bytes);
+            plan.nccl_across_machines = false;
+            let plan = predict(&hw, &plan, Algo::Hierarchical).unwrap().seconds;
+            let nccl = predict(&hw, &Job::new(m, 8, bytes), Algo::NcclBest)
+                .unwrap()
+                .seconds;
+            let runs = fairring::nccl_across_job(m, bytes);
+            let what = format!("{m} machines, {bytes} bytes: NCCL {nccl} s, the plan {plan} s");
+            if nccl < plan * 0.995 {
+                assert!(runs, "{what}: NCCL is ahead");
+            } else if plan < nccl * 0.995 {
+                assert!(!runs, "{what}: the plan is ahead");
+            }
+        }
+    }
 }

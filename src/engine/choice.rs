@@ -543,32 +543,53 @@ pub(crate) fn nccl_across_job_may_run(topology: Topology, servers: u32) -> bool 
 /// made (GPUs that reduce in their NVSwitch, `FAIRRING_NCCL_ACROSS_MACHINES`).
 ///
 /// The sizes are where the scale model (`docs/scale-model.md`, the h100
-/// preset: NCCL's tuner picks NVLSTree there) puts NCCL's all-reduce plus
-/// fairring's submission and hand-off ahead of the plan, probed every
-/// sixteenth of a MiB about each crossover; the windows end at the last
-/// size probed ahead. NVLSTree reduces within each machine in the NVSwitch,
-/// which moves each byte over a GPU's links once where the plan's
-/// reduce-scatter and all-gather move it twice, so it is ahead where NVLink
-/// bounds the plan: few machines, from a few MiB. In MiB: on two machines
-/// from 4 (1 GiB: 4442 us against the plan's 5349); on three from 4.25 to
-/// 209.1875; on four from 13.875 to 28.8125 and past 32 to 45.375; on five
-/// from 13.125 to 29.9375 and past 32 to 47.5 (between, the plan's
-/// four-slice cut fills its pipeline better); on six from 12.6875 to 62.875;
-/// on seven from 12.375 to 63.1875.
+/// preset) puts NCCL's all-reduce as its tuner picks it ahead of the plan.
+/// The call is ungated (`memory::program::ungated`), so it costs NCCL's time
+/// alone. The sizes were probed every 4 KiB below 1 MiB, every 64 KiB to 256
+/// MiB and every MiB to 2 GiB; each window ends at the last size probed
+/// ahead (`NCCL_ACROSS_WINDOWS_KIB`). Small all-reduces run NCCL's tree
+/// (its latency is below the plan's); from a few MiB NVLSTree reduces within
+/// each machine in the NVSwitch, which moves each byte over a GPU's links
+/// once where the plan's reduce-scatter and all-gather move it twice, so it
+/// is ahead where NVLink bounds the plan: few machines, up to a hundred MiB
+/// or so past two, and on two machines at every size from 2.25 MiB.
 pub fn nccl_across_job(machines: u32, bytes: u64) -> bool {
-    // Sixteenths of a MiB.
-    const S: u64 = 1 << 16;
-    let within = |from: u64, to: u64| (from * S..=to * S).contains(&bytes);
-    match machines {
-        2 => bytes >= 64 * S,
-        3 => within(68, 3347),
-        4 => within(222, 461) || (bytes > 512 * S && bytes <= 726 * S),
-        5 => within(210, 479) || (bytes > 512 * S && bytes <= 760 * S),
-        6 => within(203, 1006),
-        7 => within(198, 1011),
-        _ => false,
-    }
+    let Some(windows) = machines
+        .checked_sub(2)
+        .and_then(|i| NCCL_ACROSS_WINDOWS_KIB.get(i as usize))
+    else {
+        return false;
+    };
+    windows
+        .iter()
+        .any(|&(from, to)| (from << 10..=to.saturating_mul(1 << 10)).contains(&bytes))
 }
+
+/// Per machine count from two to [`NCCL_ACROSS_UP_TO_MACHINES`], the sizes
+/// (KiB, inclusive) at which [`nccl_across_job`] runs NCCL: the scale
+/// model's windows where NCCL's all-reduce is ahead of the plan.
+const NCCL_ACROSS_WINDOWS_KIB: [&[(u64, u64)]; 6] = [
+    &[(0, 196), (676, 1020), (2304, u64::MAX)],
+    &[(0, 124), (840, 1020), (2368, 241_088), (256_000, 262_144)],
+    &[(0, 72), (10_688, 124_992), (128_064, 135_936)],
+    &[
+        (0, 80),
+        (10_112, 48_640),
+        (49_216, 59_264),
+        (71_872, 113_280),
+        (128_064, 134_208),
+    ],
+    &[(0, 84), (9_792, 113_152), (130_496, 133_120)],
+    &[
+        (0, 88),
+        (840, 1020),
+        (9_536, 116_928),
+        (128_896, 128_960),
+        (131_328, 131_520),
+        (131_712, 136_576),
+        (137_472, 139_968),
+    ],
+];
 
 /// Largest all-reduce `auto` runs by recursive doubling (on two machines of one
 /// device each).

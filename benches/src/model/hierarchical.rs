@@ -31,7 +31,9 @@
 //! over NVLink. Nor does an all-reduce the engine runs as one NCCL
 //! all-reduce over the whole job (`fairring::nccl_across_job`: two to seven
 //! machines whose GPUs reduce in their NVSwitch, at the sizes where NCCL's
-//! NVLSTree is ahead of the plan): it is charged as NCCL's tuner times it.
+//! NVLSTree is ahead of the plan). Each such call waits for no gate and ends
+//! without a hand-off, so it is charged as NCCL's tuner times it and nothing
+//! more.
 //!
 //! Steps 1 and 7 are NCCL calls on two communicators of the machine, as the
 //! engine issues them (`local::nccl`): each communicator's calls run one after
@@ -140,7 +142,7 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     // What the engine would refuse as the communicator is made, it refuses
     // whatever path an all-reduce then takes.
     let staging = job.staging(0)?;
-    if let Some(p) = across_job(hw, job)? {
+    if let Some(p) = through_nccl(hw, job)? {
         return Ok(p);
     }
     if staging.geometry.machine_groups().is_some() {
@@ -152,7 +154,6 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
         stages: Stages::new(hw, job),
         rail: hw.rail(job.devices),
         post: hw.post_seconds(),
-        alone: job.machines == 1 && job.devices > 1,
         buffers: buffers as usize,
     };
     let mut schedule = Schedule::default();
@@ -191,8 +192,6 @@ struct Costs {
     rail: Link,
     /// Seconds a message's post costs its sender.
     post: f64,
-    /// One machine of several GPUs: a slice is one NCCL all-reduce.
-    alone: bool,
     /// Staging buffers per GPU.
     buffers: usize,
 }
@@ -252,11 +251,7 @@ impl Pipeline<'_> {
     fn scatter(&mut self, slice: &Slice) -> Result<(), ModelError> {
         let costs = self.costs;
         self.scratch.scattered.clear();
-        let local = if costs.alone {
-            costs.stages.intra_all_reduce(f(slice.span().byte_len()))?
-        } else {
-            costs.stages.intra_reduce(slice)?
-        };
+        let local = costs.stages.intra_reduce(slice)?;
         let step = costs.stages.step();
         for (m, machine) in self.machines.iter_mut().enumerate() {
             let scattered = machine.reduce.call(
@@ -383,14 +378,10 @@ impl Pipeline<'_> {
                     sched.after(ready, s.returned[v], costs.rail.hop());
                 }
             }
-            let gathered = if costs.alone {
-                // The all-reduce left the whole slice final in the tensor.
-                ready
-            } else {
+            let gathered =
                 machine
                     .gather
-                    .call(sched, machine.nvlink, gather, ready, costs.stages.step())
-            };
+                    .call(sched, machine.nvlink, gather, ready, costs.stages.step());
             let released = sched.task(None, 0.0, 0.0);
             sched.after(released, gathered, 0.0);
             sched.after(released, s.returned[m], 0.0);
@@ -562,20 +553,25 @@ fn location(machine: usize) -> Location {
 }
 
 /// Where the engine runs `job`'s all-reduces as one NCCL all-reduce over the
-/// whole job (`fairring::nccl_across_job`, on two to seven machines whose GPUs
-/// reduce in their NVSwitch: the preset's NCCL topology has NVLS between
-/// machines), their time as the engine spends it: each tensor submitted in
-/// turn, then NCCL's all-reduce as its tuner picks it, one after another on
-/// the job's communicator, then the hand-off. No byte crosses fairring's
-/// rails. `None` where the engine runs the plan.
-fn across_job(hw: &Hardware, job: &Job) -> Result<Option<Prediction>, ModelError> {
-    let nvls = hw.nccl.machines.nvls.is_some();
-    if !nvls
-        || !job.nccl_across_machines
-        || job.devices < 2
-        || !(2..=fairring::NCCL_ACROSS_UP_TO_MACHINES).contains(&job.machines)
-        || !fairring::nccl_across_job(job.machines, job.bytes)
-    {
+/// whole job, their time as NCCL's tuner picks and times it, one after
+/// another on one communicator: on one machine of several GPUs (the
+/// machine's communicator), and over the job's communicator
+/// (`fairring::nccl_across_job`, on two to seven machines whose GPUs reduce
+/// in their NVSwitch: the preset's NCCL topology has NVLS between machines).
+/// Such a call's device program waits for no gate and ends without a
+/// hand-off (`memory::program::ungated`): the device starts it as soon as
+/// the caller's stream reaches it, and streams waiting for it go on once it
+/// has ended, while the engine checks it on the host. So it costs NCCL's
+/// time and nothing more, as PyTorch's NCCL backend's call does. No byte
+/// crosses fairring's rails. `None` where the engine runs the plan.
+fn through_nccl(hw: &Hardware, job: &Job) -> Result<Option<Prediction>, ModelError> {
+    let one_machine = job.machines == 1 && job.devices > 1;
+    let across_job = hw.nccl.machines.nvls.is_some()
+        && job.nccl_across_machines
+        && job.devices > 1
+        && (2..=fairring::NCCL_ACROSS_UP_TO_MACHINES).contains(&job.machines)
+        && fairring::nccl_across_job(job.machines, job.bytes);
+    if !one_machine && !across_job {
         return Ok(None);
     }
     let e = nccl::choose(
@@ -586,13 +582,22 @@ fn across_job(hw: &Hardware, job: &Job) -> Result<Option<Prediction>, ModelError
         &NcclAlgorithm::ALL,
     )
     .ok_or_else(|| ModelError::InvalidJob("NCCL runs an all-reduce of several GPUs".into()))?;
-    let stages = Stages::new(hw, job);
-    let (mut submitted, mut end) = (0.0, 0.0_f64);
-    for _ in 0..job.tensors {
-        submitted += stages.submit();
-        end = end.max(submitted) + e.time_us * 1e-6;
-    }
-    let mut p = Prediction::new(Algo::Hierarchical, job, end + stages.step(), None);
+    let end = f(u64::from(job.tensors)) * e.time_us * 1e-6;
+    // One slice a tensor, and no message or byte on fairring's rails; the
+    // engine's staging is made all the same. NCCL holds NVLink throughout
+    // (its bytes between machines cross its own connections).
+    let staging = job.staging(0)?;
+    let traffic = Traffic {
+        slices: u64::from(job.tensors),
+        shards_per_full_slice: staging.geometry.shards_per_full_slice(),
+        staging_buffers: staging.buffers,
+        ..Traffic::default()
+    };
+    let busy = Busy {
+        nvlink: end,
+        ..Busy::default()
+    };
+    let mut p = Prediction::with_busy(Algo::Hierarchical, job, end, Some(traffic), Some(busy));
     p.nccl = Some(e);
     Ok(Some(p))
 }

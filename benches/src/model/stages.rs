@@ -110,13 +110,6 @@ impl Stages {
             Ok(self.copy(bytes))
         }
     }
-
-    /// NCCL's all-reduce of a slice of `bytes` in the tensor, the algorithm
-    /// and protocol its tuner picks: all a job of one machine of several GPUs
-    /// does to a slice.
-    pub(super) fn intra_all_reduce(&self, bytes: f64) -> Result<MachineCall, ModelError> {
-        self.within_machine(Collective::AllReduce, bytes)
-    }
 }
 
 /// One call within a machine, as the schedule charges it: `latency` (NCCL's

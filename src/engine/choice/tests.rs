@@ -356,44 +356,25 @@ fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_i
     const MIB: u64 = 1 << 20;
     let (f32, sum) = (DataType::F32, ReduceOp::Sum);
     let nccl = |m, bytes| device_all_reduce(m, bytes, f32, sum, true, None);
-    // Every edge of every window, in sixteenths of a MiB, 4 bytes either
-    // side.
-    const S: u64 = 1 << 16;
-    for (m, bytes, expected) in [
-        (2, 64 * S - 4, false),
-        (2, 64 * S, true),
+    // Every edge of every window, 4 bytes either side.
+    let mut edges = vec![
         (2, 1 << 30, true),
-        (3, 68 * S - 4, false),
-        (3, 68 * S, true),
-        (3, 3347 * S, true),
-        (3, 3347 * S + 4, false),
-        (4, 222 * S - 4, false),
-        (4, 222 * S, true),
-        (4, 461 * S, true),
-        (4, 461 * S + 4, false),
-        (4, 512 * S, false),
-        (4, 512 * S + 4, true),
-        (4, 726 * S, true),
-        (4, 726 * S + 4, false),
-        (5, 210 * S - 4, false),
-        (5, 210 * S, true),
-        (5, 479 * S, true),
-        (5, 479 * S + 4, false),
-        (5, 512 * S, false),
-        (5, 512 * S + 4, true),
-        (5, 760 * S, true),
-        (5, 760 * S + 4, false),
-        (6, 203 * S - 4, false),
-        (6, 203 * S, true),
-        (6, 1006 * S, true),
-        (6, 1006 * S + 4, false),
-        (7, 198 * S - 4, false),
-        (7, 198 * S, true),
-        (7, 1011 * S, true),
-        (7, 1011 * S + 4, false),
         (8, 16 * MIB, false),
         (64, 16 * MIB, false),
-    ] {
+    ];
+    for (m, windows) in (2u32..).zip(NCCL_ACROSS_WINDOWS_KIB) {
+        for &(from, to) in windows {
+            if from > 0 {
+                edges.push((m, (from << 10) - 4, false));
+            }
+            edges.push((m, (from << 10).max(4), true));
+            if to != u64::MAX {
+                edges.push((m, to << 10, true));
+                edges.push((m, (to << 10) + 4, false));
+            }
+        }
+    }
+    for (m, bytes, expected) in edges {
         let chosen = nccl(m, bytes);
         assert_eq!(
             chosen == Resolved::Nccl,
@@ -502,4 +483,35 @@ fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_i
     assert!(!nccl_across_job_may_run(t(8, 8), 0));
     assert!(!nccl_across_job_may_run(t(2, 1), 0));
     assert!(!nccl_across_job_may_run(t(2, 8), 1));
+}
+
+/// The windows of sizes that run NCCL across the job: one list per machine
+/// count from two to seven, each ascending and disjoint, the first from the
+/// smallest size; none past seven machines or below two; a window's ends
+/// are in it, the byte past its end is not.
+#[test]
+fn nccl_across_the_job_runs_in_ordered_windows_of_two_to_seven_machines() {
+    assert_eq!(
+        NCCL_ACROSS_WINDOWS_KIB.len(),
+        NCCL_ACROSS_UP_TO_MACHINES as usize - 1
+    );
+    for (m, windows) in (2u32..).zip(NCCL_ACROSS_WINDOWS_KIB) {
+        assert_eq!(windows[0].0, 0, "{m} machines: the smallest sizes");
+        assert!(nccl_across_job(m, 1), "{m} machines");
+        for (j, &(from, to)) in windows.iter().enumerate() {
+            assert!(from < to, "{m} machines, window {j}");
+            if let Some(&(next, _)) = windows.get(j + 1) {
+                assert!(to < next, "{m} machines, windows {j} and {}", j + 1);
+            }
+            assert!(nccl_across_job(m, from << 10), "{m}: {from} KiB");
+            if to != u64::MAX {
+                assert!(nccl_across_job(m, to << 10), "{m}: {to} KiB");
+                assert!(!nccl_across_job(m, (to << 10) + 1), "{m}: past {to} KiB");
+            }
+        }
+    }
+    for m in [0, 1, 8, 64] {
+        assert!(!nccl_across_job(m, 64 << 20), "{m} machines");
+    }
+    assert!(nccl_across_job(2, u64::MAX));
 }
