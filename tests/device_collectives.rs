@@ -655,6 +655,54 @@ fn a_rank_passing_host_memory_where_another_passes_device_memory_is_a_mismatch()
     }
 }
 
+/// On one machine through NCCL (1x2, the communicators made with the device,
+/// so NCCL's are ready on both ranks), rank 0's all-reduce of a device tensor
+/// is one NCCL call, which starts as its stream reaches it, without waiting
+/// for the engine; rank 1 passes host memory and makes no NCCL call. Both
+/// fail with the mismatch, and rank 0's stream still drains: the engine's
+/// failure aborts the call NCCL had begun.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_mismatch_against_an_nccl_call_already_begun_fails_both_and_its_stream_drains() {
+    let test = "a_mismatch_against_an_nccl_call_already_begun_fails_both_and_its_stream_drains";
+    let Some(comm) = rank_of_job(test) else {
+        let mut env = vec![
+            ("FAIRRING_DEVICE", "0".to_owned()),
+            ("FAIRRING_TIMEOUT", "20".to_owned()),
+        ];
+        env.extend(through_nccl());
+        ProcessJob::run(test, 1, 2, &env, JOB_LIMIT);
+        return;
+    };
+    let n = 1 << 20;
+    let rank = comm.rank();
+    let device = device();
+    let stream = Stream::new(&device, false).unwrap();
+    let mut buf = DeviceBuffer::zeroed(&device, n * 4).unwrap();
+    let r = if rank == 0 {
+        let mut view = buf.slice_mut();
+        comm.scope(|s| {
+            let work = s.all_reduce(
+                TensorMut::device(&mut view, DataType::F32, &stream)?,
+                ReduceOp::Sum,
+                (),
+            )?;
+            finish(&stream, work)
+        })
+    } else {
+        let mut host = vec![0f32; n];
+        comm.all_reduce(&mut host, ReduceOp::Sum)
+    };
+    match r {
+        Err(Error::Mismatch { .. }) => {}
+        Err(Error::Failed { first }) if matches!(*first, Error::Mismatch { .. }) => {}
+        other => panic!("rank {rank}: expected a mismatch, got {other:?}"),
+    }
+    stream
+        .synchronize()
+        .unwrap_or_else(|e| panic!("rank {rank}: the stream drains: {e}"));
+}
+
 /// The launcher's side of a killed-rank test: an `m`x`d` job with a 2 s
 /// timeout and `extra` in its environment; once every rank says READY rank 2
 /// is killed, each survivor must say FAILED naming rank 2 within twice the
