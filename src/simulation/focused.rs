@@ -685,6 +685,68 @@ fn one_machines_nccl_all_reduce_runs_and_ends_on_the_device_without_the_engine()
     }
 }
 
+/// On one machine through its collectives, a rank that never makes its call
+/// (alive, its engine idle) leaves the other's ungated NCCL call waiting:
+/// the other's engine fails within its timeout naming it, and its failure
+/// aborts the call, so its streams end. NCCL's watchdog, as ProcessGroupNCCL
+/// has one, is the engine's stall timer.
+#[test]
+fn a_rank_that_never_calls_fails_the_other_whose_nccl_call_then_ends() {
+    let timeout = Duration::from_millis(50);
+    let net = Network::new(2);
+    let topology = Topology::new(1, 2, RankLayout::Contiguous).unwrap();
+    let geometry = Geometry::new(topology, PlanConfig::new(1024, 64).unwrap()).unwrap();
+    let layout = BufferLayout::new(&geometry, 2).unwrap();
+    let engines = build_job(
+        &geometry,
+        &layout,
+        2,
+        &net,
+        DirectSettings::from(None),
+        Design::Accepted,
+        Some(&Collectives::shipped()),
+        0,
+        timeout,
+        |_, step| Box::new(step),
+    )
+    .unwrap();
+    let (mut tensor, mut input) = (vec![0u64; 1000], vec![3u64; 1000]);
+    submit_device_sum(&engines[0], &mut tensor, &mut input).unwrap();
+    // Ungated, the call has reached NCCL before the engine ran at all.
+    while engines[0].memory.gpu().run_any(|_| 0) {}
+    let waiting = engines[0].memory.gpu().waiting().unwrap_or_default();
+    assert!(waiting.contains("AllReduce"), "{waiting}");
+    let begun = std::time::Instant::now();
+    while engines[0].failure().is_none() && begun.elapsed() < 100 * timeout {
+        engines[0].try_drive();
+        while engines[0].memory.gpu().run_any(|_| 0) {}
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let error = engines[0]
+        .failure()
+        .unwrap_or_else(|| panic!("rank 0 still running after {:?}", begun.elapsed()));
+    assert!(
+        begun.elapsed() < 20 * timeout,
+        "rank 0 failed only after {:?}",
+        begun.elapsed()
+    );
+    let named = error.to_string();
+    assert!(
+        named.contains("rank 1") || named.contains("rank(s) 1"),
+        "{named}"
+    );
+    assert_eq!(
+        engines[0].memory.gpu().ungated_ended(),
+        0,
+        "the call waits until the abort"
+    );
+    assert_eq!(
+        engines[0].memory.gpu().run_out(),
+        None,
+        "rank 0's streams end once its failure aborts the call"
+    );
+}
+
 /// The job's NCCL all-reduce on 2x2 and 3x2: one slice of the whole tensor
 /// on every rank, on the job's communicator, ungated (it starts as soon as
 /// the caller's stream reaches it), exact. Where rank 3 issued another
