@@ -725,8 +725,10 @@ fn a_rank_that_never_calls_fails_the_other_whose_nccl_call_then_ends() {
     let error = engines[0]
         .failure()
         .unwrap_or_else(|| panic!("rank 0 still running after {:?}", begun.elapsed()));
+    // Within its timeout, and the scheduling of this binary's other tests
+    // on two cores (the simulation's seeds among them).
     assert!(
-        begun.elapsed() < 20 * timeout,
+        begun.elapsed() < 60 * timeout,
         "rank 0 failed only after {:?}",
         begun.elapsed()
     );
