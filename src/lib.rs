@@ -57,8 +57,8 @@
 //!   reduce-scatter and all-gather run as NCCL's collectives on the tensors,
 //!   or staged through the shared segment: `FAIRRING_DEVICE_LOCAL`; on two to
 //!   seven machines whose GPUs reduce in their NVSwitch, a device all-reduce
-//!   of the sizes where NCCL's NVLSTree is ahead of the plan runs as one NCCL
-//!   all-reduce over the whole job: `FAIRRING_NCCL_ACROSS_MACHINES`,
+//!   of the sizes where NCCL's all-reduce is ahead of the plan runs as one
+//!   NCCL all-reduce over the whole job: `FAIRRING_NCCL_ACROSS_MACHINES`,
 //!   [`nccl_across_job`]);
 //! - **on any fabric**: tcp, or verbs where an RDMA device is present and the
 //!   `verbs` feature is built (`FAIRRING_FABRIC`);

@@ -545,7 +545,7 @@ pub(crate) fn nccl_across_job_may_run(topology: Topology, servers: u32) -> bool 
 /// The sizes are where the scale model (`docs/scale-model.md`, the h100
 /// preset) puts NCCL's all-reduce as its tuner picks it ahead of the plan.
 /// The call is ungated (`memory::program::ungated`), so it costs NCCL's time
-/// alone. The sizes were probed every 4 KiB below 1 MiB, every 64 KiB to 256
+/// alone. The sizes were probed every 4 KiB below 1 MiB, every 64 KiB to 320
 /// MiB and every MiB to 2 GiB; each window ends at the last size probed
 /// ahead (`NCCL_ACROSS_WINDOWS_KIB`). Small all-reduces run NCCL's tree
 /// (its latency is below the plan's); from a few MiB NVLSTree reduces within
@@ -570,7 +570,7 @@ pub fn nccl_across_job(machines: u32, bytes: u64) -> bool {
 /// model's windows where NCCL's all-reduce is ahead of the plan.
 const NCCL_ACROSS_WINDOWS_KIB: [&[(u64, u64)]; 6] = [
     &[(0, 196), (676, 1020), (2304, u64::MAX)],
-    &[(0, 124), (840, 1020), (2368, 241_088), (256_000, 262_144)],
+    &[(0, 124), (840, 1020), (2368, 241_088), (256_000, 262_720)],
     &[(0, 72), (10_688, 124_992), (128_064, 135_936)],
     &[
         (0, 80),

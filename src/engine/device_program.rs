@@ -226,10 +226,11 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     }
 
     /// One slice's program: its start, each stage that has items behind its
-    /// gate (or ungated: [`program::ungated`]), its end; where the slice is
-    /// its operation's only one (`alone`: no delivery follows either) and
-    /// its last stage is ungated, the operation's done word before its end.
-    /// Returns what the slice's algorithm asks of the device.
+    /// gate, its end. Where the slice is its operation's only one (`alone`:
+    /// no delivery follows either) and its reduce-scatter stage is one
+    /// all-reduce in the tensor ([`program::ungated`]), that stage waits for
+    /// no gate and writes the operation's done word before its end; no stage
+    /// may follow it. Returns what the slice's algorithm asks of the device.
     fn slice_program(
         &self,
         sub: &Submission<M>,
@@ -264,14 +265,17 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         })?;
         let mut done = false;
         for stage in Stage::ALL {
-            // Whether the stage is one all-reduce in the tensor, which waits
-            // for no gate: a first pass counts its items.
+            // Whether the stage is the whole operation, one all-reduce in
+            // the tensor, which waits for no gate: a first pass counts its
+            // items, for the only slice of an operation without delivery.
             let (mut count, mut ungated) = (0_usize, false);
-            self.stage_items(stage, &ask, &mut |item| {
-                count += 1;
-                ungated = program::ungated(&item);
-                Ok(())
-            })?;
+            if alone && stage == Stage::ReduceScatter {
+                self.stage_items(stage, &ask, &mut |item| {
+                    count += 1;
+                    ungated = program::ungated(&item);
+                    Ok(())
+                })?;
+            }
             let ungated = count == 1 && ungated;
             // A stage is in the program where it has items: it starts at
             // its first.
@@ -293,7 +297,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 each(item)
             })?;
             if started {
-                if ungated && alone {
+                if ungated {
                     done = true;
                     each(ProgramItem::Done)?;
                 }

@@ -30,7 +30,10 @@
 //!
 //! One stage waits for no gate: a whole device all-reduce through NCCL (a
 //! job of one machine, or the job's communicator), whose program is one
-//! slice of one stage, one all-reduce in the tensor ([`ungated`]):
+//! slice of one stage, one all-reduce in the tensor, without delivery
+//! ([`ungated`]). Its stream also writes the operation's done word (the one
+//! word a stream writes that the engine also raises: the operation holds
+//! its entry until its end word is written, after it):
 //!
 //! ```text
 //! [wait for the operation's start]; NCCL all-reduce; write done = seq + 1; write end
@@ -261,23 +264,30 @@ pub(crate) fn raised(
     Ok(Some(value))
 }
 
-/// Whether a stage whose only item is `item` runs without waiting for its
-/// gate: one all-reduce of the machine's collectives, in place in the
+/// Whether the reduce-scatter stage of an operation's only slice (no
+/// delivery following), whose only item is `item`, runs without waiting for
+/// its gate: one all-reduce of the machine's collectives, in place in the
 /// tensor.
 ///
-/// Such a stage is a whole device all-reduce through NCCL, and it starts as
-/// soon as the caller's stream reaches the operation, as PyTorch's NCCL
-/// backend starts one: no hop through the engine lies between the caller
-/// and NCCL. It reads and writes nothing but the tensor, which the caller
-/// gave to the operation, and NCCL orders a communicator's calls as they
-/// were issued, which every rank does in its operations' order. The engine
-/// still checks the operation's descriptor with every rank it depends on
-/// and watches for a rank that fails or stalls: a rank that issued another
-/// operation, or none, fails the engine, whose failure aborts NCCL's
-/// communicators, so the call ends, and every rank's call fails naming the
-/// mismatch or the rank. Unlike a gated stage's, the call may then have run
-/// on mismatched operations: the tensor's contents are undefined, as after
-/// any failed operation, and the failure is reported.
+/// Such a stage is a whole device all-reduce through NCCL (one machine, or
+/// the job's communicator), and it starts as soon as the caller's stream
+/// reaches the operation, as PyTorch's NCCL backend starts one: no hop
+/// through the engine lies between the caller and NCCL. (NCCL runs a
+/// communicator's calls in the order they were issued, so it still follows
+/// an earlier call on the same communicator, gated or not; every rank issues
+/// them in its operations' order.) It reads and writes nothing but the
+/// tensor, which the caller gave to the operation. The engine still checks
+/// the operation's descriptor with every rank it depends on and watches for
+/// a rank that fails or stalls: a rank that issued another operation, or
+/// none, fails the engine, whose failure aborts NCCL's communicators, so the
+/// call ends, and every rank's call fails naming the mismatch or the rank.
+/// Unlike a gated stage, which runs only once the checks pass (or once a
+/// failure has released it, as NCCL is aborted), the call may run on
+/// mismatched operations before the checks end; NCCL may even complete
+/// calls of equal byte counts that differ in type or operator, and a stream
+/// waiting for the result then goes on: the tensor's contents are
+/// undefined, as after any failed operation, and the failure is reported
+/// by the operation's `wait` and `test`.
 pub(crate) fn ungated<T>(item: &ProgramItem<T>) -> bool {
     matches!(
         item,

@@ -650,6 +650,12 @@ fn one_machines_nccl_all_reduce_runs_and_ends_on_the_device_without_the_engine()
                 e.rank()
             );
             assert_eq!(e.works.state(0), Some(0), "the engine has not settled it");
+            assert_eq!(
+                e.memory.gpu().ungated_met(),
+                usize::from(!mismatched),
+                "mismatched {mismatched}: rank {}'s ungated calls met",
+                e.rank()
+            );
         }
         if !mismatched {
             for (r, t) in tensors.iter().enumerate() {
@@ -738,14 +744,14 @@ fn a_rank_that_never_calls_fails_the_other_whose_nccl_call_then_ends() {
         "{named}"
     );
     assert_eq!(
-        engines[0].memory.gpu().ungated_ended(),
-        0,
-        "the call waits until the abort"
-    );
-    assert_eq!(
         engines[0].memory.gpu().run_out(),
         None,
         "rank 0's streams end once its failure aborts the call"
+    );
+    assert_eq!(
+        engines[0].memory.gpu().ungated_met(),
+        0,
+        "the call ended by the abort, never met"
     );
 }
 

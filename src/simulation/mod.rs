@@ -164,7 +164,7 @@ struct Outcome {
     scattered: u64,
     /// All-reduces that met on the job's communicator.
     across_job: u64,
-    /// Ungated calls (whole all-reduces through NCCL) that ended.
+    /// Ungated calls (whole all-reduces through NCCL) that met.
     ungated: usize,
     /// Operations done where the machines reduce in groups.
     in_groups: usize,
@@ -592,7 +592,7 @@ fn play(
             .filter(|&(s, &d)| d && *s == Some(true))
             .count();
         outcome.device += device_done;
-        outcome.ungated += rank.engine.memory.gpu().ungated_ended();
+        outcome.ungated += rank.engine.memory.gpu().ungated_met();
         if sc.collectives && d > 1 {
             outcome.collective += device_done;
         }
@@ -742,7 +742,7 @@ fn seeded_schedules_settle_with_exact_results() {
          done ({device} on the simulated device, {collective} of them through a machine's \
          collectives, which reduce-scattered {scattered} slices in one call; {across_job} \
          all-reduces met on the job's NCCL communicator; {ungated} ungated calls of whole \
-         all-reduces through NCCL ended; {in_groups} where the machines reduce \
+         all-reduces through NCCL met; {in_groups} where the machines reduce \
          in groups), {failed} failed; \
          drawn as rooted forms: {reduces} reduces, {gathers} \
          gathers, {scatters} scatters; {in_windows} writes landed in a receiver's tensor; \

@@ -178,8 +178,8 @@ pub(super) struct Gpu {
     passed: Vec<u64>,
     /// Writes into a tensor after its caller's stream passed the operation.
     violations: Vec<String>,
-    /// Ungated collectives that ended on this GPU.
-    ungated_ended: usize,
+    /// Ungated collectives that met the other ranks' on this GPU.
+    ungated_met: usize,
     /// The aborts the engine handed the reaper, in turn: each aborts its
     /// communicators at once, then waits for the device to drain.
     reaping: VecDeque<Vec<Comm>>,
@@ -194,6 +194,8 @@ pub(super) trait Meeting: Send {
     /// Moves call `id` on, which reached it as `arrival` says; returns
     /// whether it ended (leaves its stream).
     fn run(&self, id: u64, arrival: Arrival) -> bool;
+    /// Whether call `id` met the other ranks' (not ended by an abort).
+    fn met(&self, id: u64) -> bool;
     /// The bytes call `id` writes on this rank (address, length).
     fn writes(&self, id: u64) -> (usize, usize);
     /// What call `id` is, for a report of what waits.
@@ -360,7 +362,7 @@ impl Gpu {
                 // It arrived, and waits for the other ranks.
                 return true;
             }
-            self.ungated_ended += usize::from(ungated);
+            self.ungated_met += usize::from(ungated && meeting.met(id));
             self.check_write(at, len, "a collective");
         }
         let caller = self.caller();
@@ -433,9 +435,10 @@ impl Gpu {
             .is_some_and(|&word| program::wait_passes(word, seq + 1))
     }
 
-    /// How many ungated collectives ended on this GPU.
-    pub(super) fn ungated_ended(&self) -> usize {
-        self.ungated_ended
+    /// How many ungated collectives met the other ranks' on this GPU (not
+    /// ended by an abort).
+    pub(super) fn ungated_met(&self) -> usize {
+        self.ungated_met
     }
 
     /// What the first item of each stream that has one is, if any has.
@@ -584,7 +587,7 @@ impl SimMemory {
                 tensors: Vec::new(),
                 passed: Vec::new(),
                 violations: Vec::new(),
-                ungated_ended: 0,
+                ungated_met: 0,
                 reaping: VecDeque::new(),
             }))),
         }

@@ -23,10 +23,10 @@
 //!   descriptor checks) may calls disagree: its released gates run what it
 //!   enqueued, and the calls never meet, moving nothing, until every rank
 //!   aborts them. So may ungated calls (a whole all-reduce through NCCL,
-//!   `memory::program::ungated`), which run before their engines' checks
-//!   end: they wait the same way until the checks fail the engines, whose
-//!   failures abort them, and a seed where none does fails, its streams
-//!   left waiting.
+//!   `memory::program::ungated`) where no rank's call was opened past its
+//!   engine's checks: they run before the checks end, and wait the same way
+//!   until the checks fail the engines, whose failures abort them; a seed
+//!   where none does fails, its streams left waiting.
 //! - When the last rank arrives, the call moves every rank's bytes at once:
 //!   an all-reduce, a reduce-scatter (chunk `r` of every rank's bytes
 //!   onto rank `r`'s), a reduce onto its root, a broadcast from it, in
@@ -87,9 +87,11 @@ struct Rendezvous {
     /// What the first to arrive does, and over how many bytes.
     call: (Kind, usize),
     done: bool,
-    /// Whether a rank arrived other than on a gate its engine opened:
-    /// ungated, or on released gates (its engine failed).
-    unchecked: bool,
+    /// Whether a rank arrived on released gates (its engine failed).
+    released: bool,
+    /// Whether a rank arrived on a gate its engine opened, past its checks
+    /// (not ungated).
+    opened: bool,
     /// Whether the calls disagree: they never meet, and end only as their
     /// ranks abort.
     disagree: bool,
@@ -193,13 +195,15 @@ impl SimMachine {
                 arrived: vec![None; ranks],
                 call: (call.kind, call.len),
                 done: false,
-                unchecked: false,
+                released: false,
+                opened: false,
                 disagree: false,
             });
         if meeting.done {
             return true;
         }
-        meeting.unchecked |= arrival != Arrival::Opened;
+        meeting.released |= arrival == Arrival::Released;
+        meeting.opened |= arrival == Arrival::Opened;
         if arrival != Arrival::Released
             && let Some(counter) = &arrived_unfailed
         {
@@ -211,14 +215,19 @@ impl SimMachine {
             // engines check them meanwhile: NCCL's kernels then exchange
             // nothing meaningful, within each rank's own bytes, until the
             // ranks abort (a meeting never aborted leaves its streams
-            // waiting, which fails the seed). Calls that disagree where every
-            // rank's engine opened its call are issued out of order: the
-            // model's finding.
+            // waiting, which fails the seed). Calls that disagree where no
+            // rank's engine failed and one opened its call past its checks
+            // are issued out of order: the model's finding.
             assert!(
-                meeting.unchecked,
+                meeting.released || !meeting.opened,
                 "collective mismatch: rank {rank}'s call {} on {:?} is {:?} over {} bytes, \
                  and another rank's is {:?} over {} bytes",
-                call.index, call.comm, call.kind, call.len, meeting.call.0, meeting.call.1,
+                call.index,
+                call.comm,
+                call.kind,
+                call.len,
+                meeting.call.0,
+                meeting.call.1,
             );
             meeting.disagree = true;
         }
@@ -368,6 +377,15 @@ impl Meeting for RankMeeting {
         let call = self.calls.get(id);
         let (at, rank) = self.on(call.comm);
         at.run(rank, &call, arrival)
+    }
+
+    fn met(&self, id: u64) -> bool {
+        let call = self.calls.get(id);
+        let (at, _) = self.on(call.comm);
+        at.lock()
+            .meetings
+            .get(&(call.comm, call.index))
+            .is_some_and(|m| m.done)
     }
 
     fn writes(&self, id: u64) -> (usize, usize) {

@@ -31,7 +31,7 @@
 //! over NVLink. Nor does an all-reduce the engine runs as one NCCL
 //! all-reduce over the whole job (`fairring::nccl_across_job`: two to seven
 //! machines whose GPUs reduce in their NVSwitch, at the sizes where NCCL's
-//! NVLSTree is ahead of the plan). Each such call waits for no gate and ends
+//! all-reduce is ahead of the plan). Each such call waits for no gate and ends
 //! without a hand-off, so it is charged as NCCL's tuner times it and nothing
 //! more.
 //!
@@ -142,7 +142,7 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     // What the engine would refuse as the communicator is made, it refuses
     // whatever path an all-reduce then takes.
     let staging = job.staging(0)?;
-    if let Some(p) = through_nccl(hw, job)? {
+    if let Some(p) = through_nccl(hw, job, &staging)? {
         return Ok(p);
     }
     if staging.geometry.machine_groups().is_some() {
@@ -564,7 +564,11 @@ fn location(machine: usize) -> Location {
 /// has ended, while the engine checks it on the host. So it costs NCCL's
 /// time and nothing more, as PyTorch's NCCL backend's call does. No byte
 /// crosses fairring's rails. `None` where the engine runs the plan.
-fn through_nccl(hw: &Hardware, job: &Job) -> Result<Option<Prediction>, ModelError> {
+fn through_nccl(
+    hw: &Hardware,
+    job: &Job,
+    staging: &fairring::Staging,
+) -> Result<Option<Prediction>, ModelError> {
     let one_machine = job.machines == 1 && job.devices > 1;
     let across_job = hw.nccl.machines.nvls.is_some()
         && job.nccl_across_machines
@@ -586,7 +590,6 @@ fn through_nccl(hw: &Hardware, job: &Job) -> Result<Option<Prediction>, ModelErr
     // One slice a tensor, and no message or byte on fairring's rails; the
     // engine's staging is made all the same. NCCL holds NVLink throughout
     // (its bytes between machines cross its own connections).
-    let staging = job.staging(0)?;
     let traffic = Traffic {
         slices: u64::from(job.tensors),
         shards_per_full_slice: staging.geometry.shards_per_full_slice(),

@@ -1,7 +1,8 @@
 //! The whole job's all-reduce of a device tensor as one NCCL all-reduce over
-//! every rank (`local::nccl`'s job communicator), where NCCL's NVLSTree is
+//! every rank (`local::nccl`'s job communicator), where NCCL's all-reduce is
 //! ahead of the reduction-server plan: few machines whose GPUs reduce in
-//! their NVSwitch (`engine/choice.rs` says where).
+//! their NVSwitch, small tensors (NCCL's tree) and tensors of a few MiB to
+//! a hundred or so (NVLSTree) (`engine/choice.rs` says where).
 //!
 //! The operation is one slice, the whole tensor, planned on one machine's
 //! geometry (its slots are the machine's ranks', as the local step reads
