@@ -609,6 +609,22 @@ fn one_machine_reduces_a_device_tensor_in_one_slice_through_its_collectives() {
     }
 }
 
+/// `e` failed with the mismatch, or naming a peer that did (`what` says
+/// which job).
+fn assert_failed_on_a_mismatch(e: &Engine<SimFabric, SimMemory>, what: &str) {
+    let error = e
+        .failure()
+        .unwrap_or_else(|| panic!("{what}: rank {} failed", e.rank()));
+    assert!(
+        matches!(
+            error,
+            crate::Error::Mismatch { .. } | crate::Error::Peer { .. }
+        ),
+        "{what}: rank {}: {error}",
+        e.rank()
+    );
+}
+
 /// On one machine through its collectives, a device all-reduce runs and ends
 /// on the device with no engine driven: its one NCCL call waits for no gate,
 /// and its stream writes the operation's done word, which a stream waiting
@@ -667,17 +683,7 @@ fn one_machines_nccl_all_reduce_runs_and_ends_on_the_device_without_the_engine()
         drive_until_settled(&engines, true);
         for e in &engines {
             if mismatched {
-                let error = e
-                    .failure()
-                    .unwrap_or_else(|| panic!("rank {} failed", e.rank()));
-                assert!(
-                    matches!(
-                        error,
-                        crate::Error::Mismatch { .. } | crate::Error::Peer { .. }
-                    ),
-                    "rank {}: {error}",
-                    e.rank()
-                );
+                assert_failed_on_a_mismatch(e, "one machine");
             } else {
                 assert_eq!(e.works.state(0), Some(DONE), "rank {}", e.rank());
             }
@@ -823,17 +829,7 @@ fn the_jobs_nccl_all_reduce_is_exact_and_fails_every_rank_on_a_mismatch() {
                 );
             }
             for e in &engines {
-                let error = e
-                    .failure()
-                    .unwrap_or_else(|| panic!("{what}: rank {} failed", e.rank()));
-                assert!(
-                    matches!(
-                        error,
-                        crate::Error::Mismatch { .. } | crate::Error::Peer { .. }
-                    ),
-                    "{what}: rank {}: {error}",
-                    e.rank()
-                );
+                assert_failed_on_a_mismatch(e, &what);
             }
             continue;
         }
