@@ -81,6 +81,11 @@
 //! counted in units of the slot; a slot that ends in part of a unit counts it
 //! whole, and the range or piece that holds it ends at the slot's end.
 //!
+//! **Servers in groups** ([`ServerGroups`]): the dedicated servers of a rail
+//! group in groups, each serving a group of worker machines, and then
+//! reducing across the groups, server to server (`plan/server_groups.rs`).
+//! The scale model studies it; no geometry routes cells this way yet.
+//!
 //! **Zero elements** plan to zero slices: the all-reduce is complete at once.
 //!
 //! **One slice.** A job of one machine whose local step works in the tensor
@@ -98,6 +103,7 @@
 mod geometry;
 mod groups;
 mod layout;
+mod server_groups;
 mod slice;
 mod split;
 mod tree;
@@ -106,6 +112,7 @@ mod two_level;
 pub use geometry::{Geometry, PlanConfig, Routing, server_rails, serves_rail};
 pub use groups::{Intervals, MachineGroups, Membership};
 pub use layout::{InputArea, SERVER_FOLD_CELLS, ServerLayout, StagingLayout, TwoLevelLayout};
+pub use server_groups::ServerGroups;
 pub use slice::{Cell, Cells, Slice, Slices};
 pub use tree::{DoubleTree, TREE_PARTS, TREES};
 pub use two_level::{Across, MOST_INTERVALS, TwoLevelRoles};
@@ -346,6 +353,14 @@ pub enum PlanError {
         /// `M`.
         machines: u32,
     },
+    /// Fewer worker machines than groups of dedicated servers
+    /// ([`ServerGroups::new`]): a group of servers would serve no worker.
+    TooFewWorkers {
+        /// `M`.
+        machines: u32,
+        /// The number of groups.
+        groups: u32,
+    },
     /// A group index at or past the number of groups.
     GroupOutOfRange {
         /// The index given.
@@ -476,6 +491,11 @@ impl fmt::Display for PlanError {
                 f,
                 "groups of {size} machines do not split {machines} machines in two levels: \
                  the size must be from 2 to half the machines, and leave no group of one"
+            ),
+            PlanError::TooFewWorkers { machines, groups } => write!(
+                f,
+                "{machines} worker machines cannot be split among {groups} groups of servers: \
+                 each group needs a worker"
             ),
             PlanError::GroupOutOfRange { group, groups } => {
                 write!(f, "group {group} is out of range for {groups} groups")
