@@ -1353,6 +1353,151 @@ fn the_two_level_study_keeps_the_models_invariants() {
     assert_eq!(Algo::from_name("groups"), Some(Algo::Groups));
 }
 
+/// The study of servers in groups (`server-groups`) on 4 machines of one GPU
+/// and 4 servers of one NIC in groups of 2, one slice, with only the links,
+/// their latency `L` and the posts costing. Worked by hand for a slot of `B`
+/// bytes: each worker sends its group's 2 servers half the slot each (`m_w`
+/// each on its rail); a server's 2 cells land once its NIC has taken `B`
+/// and one latency after the last is sent; it sends its one partner across
+/// a quarter of the slot (`m_p`), gets its own quarter back reduced the same
+/// way, and sends its half to its 2 workers (`m_s` each). So the time is
+/// `max(B / r_s, 2 m_w + L) + 2 (m_p + L) + 2 m_s + L`; a worker sends 2
+/// messages and `B` bytes.
+#[test]
+fn the_server_groups_study_charges_its_levels_as_worked_by_hand() {
+    let mut hw = free_of_latency(h100());
+    hw.memory.gbps = 1e300;
+    hw.server.memory_gbps = 1e300;
+    hw.server.nic_count = 1;
+    let l = 2.5e-6;
+    hw.nic.latency_us = 2.5;
+    hw.server.latency_us = 2.5;
+    let o = hw.post_seconds();
+    let r_w = hw.rail(1).gbps * 1e9;
+    let r_s = hw.server.nic_gbps * 1e9;
+    for bytes in [256 << 10, 4 * MIB] {
+        let mut job = Job::new(4, 1, bytes);
+        job.servers = 4;
+        job.group = 2;
+        let p = predict(&hw, &job, Algo::ServerGroups).unwrap();
+        let t = p.traffic.unwrap();
+        assert_eq!(
+            (t.slices, t.shards_per_full_slice, t.messages_sent),
+            (1, 2, 2)
+        );
+        assert_eq!((t.bytes_sent, t.bytes_received), (bytes, bytes));
+        let b = bytes as f64;
+        let m_w = o.max(b / 2.0 / r_w);
+        let m_p = o.max(b / 4.0 / r_s);
+        let m_s = o.max(b / 2.0 / r_s);
+        let want = (b / r_s).max(2.0 * m_w + l) + 2.0 * (m_p + l) + 2.0 * m_s + l;
+        assert!(
+            (p.seconds - want).abs() <= 1e-12,
+            "{bytes} bytes: {} s against {want} s",
+            p.seconds
+        );
+    }
+}
+
+/// The study keeps the model's invariants: in groups that divide the
+/// servers and the machines, a worker's rail sends one message a server of
+/// its group and its slot once, every slice; no schedule beats the worker's
+/// rail or a server's memory, which moves at least `3W - 1` cells for the
+/// `W` contributions of each cell it serves (the NIC writes and reads `W`,
+/// the folds read `W - 1`); time never falls as the tensor grows; a job it
+/// cannot split is named as such.
+#[test]
+fn the_server_groups_study_keeps_the_models_invariants() {
+    let hw = h100();
+    for (m, servers, group) in [
+        (4u32, 4u32, 2u32),
+        (16, 16, 4),
+        (64, 64, 8),
+        (64, 32, 8),
+        (100, 100, 16),
+        (256, 256, 64),
+        (64, 64, 0),
+    ] {
+        let mut last = 0.0;
+        for bytes in [MIB, 64 * MIB, 256 * MIB, GIB] {
+            let mut job = Job::new(m, 8, bytes);
+            job.servers = servers;
+            job.group = group;
+            let p = predict(&hw, &job, Algo::ServerGroups).unwrap();
+            let t = p.traffic.unwrap();
+            let s = u64::from(servers);
+            let g = u64::from(t.shards_per_full_slice);
+            let q = s.div_ceil(g);
+            let what = format!("{m} machines, {servers} servers in groups of {g}, {bytes} bytes");
+            assert!(g >= 2 && g <= s / 2, "{what}");
+            // Rail 0's slot is an eighth of the bytes (the slices round it
+            // down by less than a unit a cell).
+            let slot = (bytes / 8) as f64;
+            let sent = t.bytes_sent as f64;
+            assert!(
+                (sent - slot).abs() <= (t.slices * g * 64) as f64,
+                "{what}: sent {sent}"
+            );
+            assert_eq!(t.bytes_received, t.bytes_sent, "{what}");
+            if s % g == 0 && u64::from(m) % q == 0 && bytes >= 64 * MIB {
+                assert_eq!(t.messages_sent, t.slices * g, "{what}");
+            }
+            let rail = hw.rail(8).gbps * 1e9;
+            assert!(p.seconds >= sent / rail, "{what}");
+            // The busiest server's memory: `3W - 1` passes over its share of
+            // the slot, `1 / s` of it for every one of its `W` workers.
+            let w = u64::from(m).div_ceil(q) as f64;
+            let process = hw.server.memory_gbps / f64::from(hw.server.nic_count) * 1e9;
+            let floor = (3.0 * w - 1.0) * (slot / g as f64) / process;
+            assert!(
+                p.seconds >= floor * (1.0 - 1e-3),
+                "{what}: {} s, below the servers' memory ({floor} s)",
+                p.seconds
+            );
+            assert!(p.seconds >= last, "{what}");
+            last = p.seconds;
+        }
+    }
+    for (m, servers, group) in [(8, 3, 0), (8, 8, 5), (8, 8, 1), (2, 8, 2)] {
+        let mut job = Job::new(m, 8, 64 * MIB);
+        job.servers = servers;
+        job.group = group;
+        match predict(&hw, &job, Algo::ServerGroups) {
+            Err(ModelError::NotApplicable { algo, .. }) => assert_eq!(algo, Algo::ServerGroups),
+            other => panic!("{m} machines, {servers} servers in groups of {group}: {other:?}"),
+        }
+    }
+    assert!(!Algo::ALL.contains(&Algo::ServerGroups));
+    assert_eq!(Algo::from_name("server-groups"), Some(Algo::ServerGroups));
+}
+
+/// What the study answers: with one server machine per GPU machine on the
+/// h100 preset, servers in groups at 2048 GPUs stay within a fifth of the
+/// flat servers' figure at 64 GPUs at 64 MiB, 256 MiB and 1 GiB, where the
+/// flat servers fall below it at 64 MiB.
+#[test]
+fn servers_in_groups_keep_2048_gpus_within_a_fifth_of_64() {
+    let hw = h100();
+    for bytes in [64 * MIB, 256 * MIB, GIB] {
+        let at = |machines: u32, algo: Algo| {
+            predict(&hw, &Job::new(machines, 8, bytes), algo)
+                .unwrap()
+                .busbw_gbps
+        };
+        let flat_64 = at(8, Algo::Servers);
+        let grouped_2048 = at(256, Algo::ServerGroups);
+        assert!(
+            grouped_2048 >= 0.8 * flat_64,
+            "{bytes} bytes: {grouped_2048} GB/s at 2048 GPUs against {flat_64} at 64"
+        );
+        if bytes == 64 * MIB {
+            let flat_2048 = at(256, Algo::Servers);
+            assert!(flat_2048 < 0.8 * flat_64, "{flat_2048} against {flat_64}");
+            assert!(grouped_2048 > flat_2048);
+        }
+    }
+}
+
 /// `fairring::nccl_across_job` is the model's choice: on two to seven
 /// machines of the h100 preset, at sizes from 4 KiB to 1 GiB, NCCL runs
 /// across the job where its all-reduce is ahead of the plan by over 0.5%, and

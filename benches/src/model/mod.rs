@@ -48,6 +48,7 @@ mod hardware;
 pub mod hierarchical;
 pub mod nccl;
 pub mod ring;
+pub mod server_groups;
 pub mod servers;
 mod stages;
 
@@ -87,6 +88,10 @@ pub enum Algo {
     /// across the groups (what `hierarchical` runs, in the engine's groups,
     /// past the wide flat slices and in equal groups in them).
     Groups,
+    /// A study of dedicated servers in two levels ([`server_groups`]): the
+    /// servers of a rail group in groups, each serving a group of worker
+    /// machines, then reducing across the groups server to server.
+    ServerGroups,
 }
 
 impl Algo {
@@ -103,7 +108,7 @@ impl Algo {
 
     /// Studies of plans over choices the engine does not make itself, asked
     /// for by name only (not in [`Algo::ALL`]).
-    pub const STUDIES: [Algo; 1] = [Algo::Groups];
+    pub const STUDIES: [Algo; 2] = [Algo::Groups, Algo::ServerGroups];
 
     /// The name used on the command line and in tables.
     pub const fn name(self) -> &'static str {
@@ -116,6 +121,7 @@ impl Algo {
             Algo::NcclNvlsTree => "nccl-nvlstree",
             Algo::NcclBest => "nccl-best",
             Algo::Groups => "groups",
+            Algo::ServerGroups => "server-groups",
         }
     }
 
@@ -451,6 +457,7 @@ pub fn predict(hw: &Hardware, job: &Job, algo: Algo) -> Result<Prediction, Model
         Algo::Servers => servers::predict(hw, job),
         Algo::Ring => ring::predict(hw, job),
         Algo::Groups => groups::predict(hw, job),
+        Algo::ServerGroups => server_groups::predict(hw, job),
         Algo::NcclRing | Algo::NcclTree | Algo::NcclNvlsTree | Algo::NcclBest => {
             nccl::predict(&hw.nccl, job, algo)
         }

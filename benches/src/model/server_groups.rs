@@ -1,0 +1,522 @@
+//! A study of dedicated reduction servers in two levels: the servers of a rail
+//! group in groups, each group serving a group of worker machines, and then
+//! the groups' partial sums reduced across the groups, server to server.
+//!
+//! This row asks whether servers mode should change where a flat server hears
+//! from every machine (`servers`, [`super::servers`]): there a server of a
+//! slice receives `M` cells and sends `M` results, each `1/k` of a slot, so
+//! past a few hundred machines its cells shrink to the minimum shard and its
+//! posts take as long as its memory's passes. The engine does not run this
+//! plan; the study says what it would gain.
+//!
+//! **The groups.** The `S = P / R` servers of rail 0's group (`P` server
+//! processes, one per NIC of each server machine, in `R` rail groups, as
+//! [`super::servers`] counts them) form `Q = ceil(S / G)` groups of
+//! consecutive servers, as fairring-core's `MachineGroups` makes them for
+//! machines (`G` from 2 to `S / 2`, no group of one): the size of
+//! [`group_sizes`] whose prediction is shortest, or the one the job asks for
+//! ([`Job::group`]). The `M` worker machines form as many groups of
+//! consecutive machines, as even as can be (the first `M mod Q` one larger);
+//! worker group `g` is served by server group `g`. Fewer machines than groups
+//! is refused.
+//!
+//! **Per slice**, on rail 0 of every worker and on every server of its rail
+//! group, with the slot of `B` bytes a rail holds after the reduce-scatter
+//! within its machine, cut in each server group of `s` servers into `s`
+//! ranges as `MachineGroups::range` cuts a slot (server `i` of the group
+//! holds range `i`):
+//!
+//! 1. **reduce-scatter** within each worker machine, as the engine does it;
+//! 2. **contributions**: each worker sends each server of its group that
+//!    server's range of its slot (one message each, on the worker's rail);
+//!    a server of a group of `W` workers receives `W` of them per slot it
+//!    serves (`D / R` slots) and folds them as a flat server folds its `M`
+//!    (`engine/algorithm/serve.rs`): its memory moves `2W + (W - 1) + 2f`
+//!    range-sized passes, `f` folds of up to `SERVER_FOLD_CELLS` cells, and
+//!    the last fold runs after the last cell lands;
+//! 3. **across the groups**, as the co-located two-level plan does it
+//!    ([`super::groups`]) with servers in the machines' place: the ranges of
+//!    all server groups cut the slot into intervals, each held by one
+//!    server of every group and cut into `Q` pieces; a server sends each
+//!    other holder of an interval that holder's piece of its partial sum,
+//!    reduces its own piece over the `Q - 1` partial sums it receives
+//!    (`Q + 1` piece-sized passes) and sends the sum back; its memory also
+//!    moves every piece its NIC reads or writes (the partial sums out and
+//!    in, the sums out and in);
+//! 4. **results**: once every piece of its range is final, a server sends the
+//!    range to each of its `W` workers, per slot it serves;
+//! 5. **all-gather** within each worker machine, once every range of its
+//!    slot has landed.
+//!
+//! Where `G` divides `S` and `Q` divides `M`, a worker sends `G` messages a
+//! slot and receives `G`, each a `G`th of it; a server receives `M / Q`
+//! cells and sends `M / Q` results a slot, plus `2(Q - 1)` pieces each way of
+//! an `S`th of the slot (a flat server: `M` each way). A worker's rail moves
+//! the slot once each way, as with flat servers.
+//!
+//! Every message occupies its sender for `max(o, bytes / rate)` (a worker's
+//! rail, or a server's NIC) and lands one latency later. A receive side takes
+//! a level's bytes from its first sender's start on; a step waits for the
+//! last sender plus a latency. Workers hold the engine's staging buffers
+//! for dedicated servers (`Job::staging`) and take its slices; servers are
+//! not limited by buffers, as in [`super::servers`].
+//!
+//! [`Job::group`]: super::Job::group
+
+use std::ops::Range;
+
+use fairring_core::plan::{MachineGroups, PlanError, SERVER_FOLD_CELLS, ServerGroups, Slice};
+
+use super::events::{ResourceId, Schedule, TaskId};
+use super::groups::group_sizes;
+use super::hierarchical::{Machine, report};
+use super::stages::{self, Stages, f};
+use super::{Algo, Hardware, Job, Link, ModelError, Prediction, Traffic};
+
+/// The predicted time of `job`'s all-reduces with its dedicated servers in
+/// two levels, in the group size of [`group_sizes`] that gives the shortest.
+pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
+    let serving = servers_per_rail_group(hw, job)?.1;
+    let mut best: Option<Prediction> = None;
+    let mut tried = Vec::new();
+    for g in group_sizes(serving, job.group) {
+        // Sizes that make as many groups make the same groups.
+        let count = serving.div_ceil(g);
+        if tried.contains(&count) || count > job.machines {
+            continue;
+        }
+        tried.push(count);
+        let p = predict_with(hw, job, g)?;
+        if best.is_none_or(|b| p.seconds < b.seconds) {
+            best = Some(p);
+        }
+    }
+    best.ok_or(ModelError::NotApplicable {
+        algo: Algo::ServerGroups,
+        reason: "needs 4 servers or more a rail group, in groups from 2 to half of them that \
+                 leave no group of one, and at least as many worker machines as groups",
+    })
+}
+
+/// The engine's staging with the job's servers, and `S`, the servers of a
+/// rail group.
+fn servers_per_rail_group(
+    hw: &Hardware,
+    job: &Job,
+) -> Result<(fairring::Staging, u32), ModelError> {
+    let processes = job
+        .server_machines()
+        .checked_mul(hw.server.nic_count)
+        .ok_or_else(|| ModelError::InvalidJob("too many server processes".into()))?;
+    let staging = job.staging(processes)?;
+    let serving = processes / staging.geometry.server_rails();
+    Ok((staging, serving))
+}
+
+/// The predicted time of `job`'s all-reduces with its servers in
+/// `ceil(S / g)` groups (`2 <= g <= S / 2`).
+pub fn predict_with(hw: &Hardware, job: &Job, g: u32) -> Result<Prediction, ModelError> {
+    let (staging, serving) = servers_per_rail_group(hw, job)?;
+    let groups = match ServerGroups::new(job.machines, serving, g) {
+        Err(PlanError::TooFewWorkers { .. }) => {
+            return Err(ModelError::NotApplicable {
+                algo: Algo::ServerGroups,
+                reason: "needs at least as many worker machines as server groups",
+            });
+        }
+        other => other?,
+    };
+    let plan = groups.servers();
+    let geometry = staging.geometry;
+    let stages = Stages::new(hw, job);
+    let slices = stages::slices(&geometry, job, &stages)?;
+    let per_machine = hw.server.nic_count;
+    let costs = Costs {
+        rail: hw.rail(job.devices),
+        server: hw.server_nic(),
+        post: hw.post_seconds(),
+        process_memory_gbps: hw.server.memory_gbps / f64::from(per_machine),
+        buffers: staging.buffers.max(1) as usize,
+        slots: u64::from(job.devices / geometry.server_rails()),
+        workers: (0..groups.groups())
+            .map(|group| groups.workers(group).map(|w| w.map(|m| m as usize).collect()))
+            .collect::<Result<_, _>>()?,
+        plan,
+        stages,
+    };
+    let mut schedule = Schedule::default();
+    let mut workers = Machine::many(&mut schedule, job.machines);
+    let mut servers: Vec<Server> = (0..serving)
+        .map(|_| Server {
+            receive: schedule.resource(),
+            cpu: schedule.resource(),
+            send: schedule.resource(),
+        })
+        .collect();
+    for (slice, submitted) in &slices {
+        add(
+            &costs,
+            &mut schedule,
+            &mut workers,
+            &mut servers,
+            slice,
+            *submitted,
+        )?;
+    }
+    schedule.run();
+    let traffic = Traffic {
+        slices: slices.len() as u64,
+        shards_per_full_slice: costs.plan.largest(),
+        staging_buffers: staging.buffers,
+        in_groups: true,
+        ..Traffic::default()
+    };
+    report(
+        Algo::ServerGroups,
+        job,
+        &schedule,
+        &workers,
+        costs.rail,
+        traffic,
+    )
+}
+
+/// Cells a server's memory moves for `w` contributions of one range (see
+/// the module docs): `2w` for its NIC, `w - 1` read by the folds, two per
+/// fold for the accumulator; and those of the last fold alone, which runs
+/// once the last cell has landed (none with one contribution).
+fn within_cells(w: u64) -> (f64, f64) {
+    let folds = (w.saturating_sub(1)).div_ceil(u64::from(SERVER_FOLD_CELLS));
+    let all = 2 * w + w.saturating_sub(1) + 2 * folds;
+    let last = match folds {
+        0 => 0,
+        n => w - 1 - (n - 1) * u64::from(SERVER_FOLD_CELLS) + 2,
+    };
+    (f(all), f(last))
+}
+
+/// One server process: its NIC's two sides and its share of memory.
+#[derive(Clone, Copy, Debug)]
+struct Server {
+    receive: ResourceId,
+    cpu: ResourceId,
+    send: ResourceId,
+}
+
+struct Costs {
+    rail: Link,
+    server: Link,
+    post: f64,
+    process_memory_gbps: f64,
+    buffers: usize,
+    /// Slots a server serves, `D / R`.
+    slots: u64,
+    /// Per worker group, its machines.
+    workers: Vec<Vec<usize>>,
+    plan: MachineGroups,
+    stages: Stages,
+}
+
+impl Costs {
+    fn memory(&self, bytes: f64) -> f64 {
+        bytes / (self.process_memory_gbps * 1e9)
+    }
+}
+
+/// Messages of the lengths in `messages`, back to back on `send` over `link`
+/// once `ready` has ended: the task that ends with the last.
+fn send_batch(
+    costs: &Costs,
+    sched: &mut Schedule,
+    send: ResourceId,
+    link: Link,
+    messages: &[u64],
+    ready: TaskId,
+) -> TaskId {
+    let seconds = messages
+        .iter()
+        .map(|&b| link.occupies(costs.post, f(b)))
+        .sum();
+    let task = sched.task(Some(send), seconds, 0.0);
+    sched.after(task, ready, 0.0);
+    task
+}
+
+/// `bytes` landing on `receive` (at `link`'s rate) from `senders` (per sender,
+/// the task after which it starts sending and the one that ends its batch,
+/// whose messages cross `hop`): taken from the first sender's start on;
+/// returns the task after which the last has landed.
+fn land(
+    sched: &mut Schedule,
+    receive: ResourceId,
+    link: Link,
+    hop: f64,
+    bytes: u64,
+    senders: &[(TaskId, TaskId)],
+) -> TaskId {
+    let first = sched.first_of(0.0);
+    for &(ready, _) in senders {
+        sched.after(first, ready, 0.0);
+    }
+    let paced = sched.task(Some(receive), link.wire(f(bytes)), 0.0);
+    sched.after(paced, first, 0.0);
+    let landed = sched.task(None, 0.0, 0.0);
+    sched.after(landed, paced, 0.0);
+    for &(_, sent) in senders {
+        sched.after(landed, sent, hop);
+    }
+    landed
+}
+
+/// Adds `slice`'s steps on every worker and server (steps 1 to 5 of the
+/// module docs).
+#[expect(
+    clippy::too_many_lines,
+    reason = "the five steps of one slice, in order, as the module docs list them"
+)]
+fn add(
+    costs: &Costs,
+    sched: &mut Schedule,
+    workers: &mut [Machine],
+    servers: &mut [Server],
+    slice: &Slice,
+    submitted: f64,
+) -> Result<(), ModelError> {
+    let plan = &costs.plan;
+    let q = plan.groups() as usize;
+    let step = costs.stages.step();
+    let hop = costs.server.hop();
+    let slots = costs.slots;
+    let slot_span = slice.slot(0)?;
+    let units = slice.group_units(0)?;
+    let bytes_of = |r: Range<u64>| -> Result<Range<u64>, ModelError> {
+        let span = slice.slot_units_span(0, r)?;
+        let start = span.byte_offset() - slot_span.byte_offset();
+        Ok(start..start + span.byte_len())
+    };
+    let len = |r: &Range<u64>| r.end - r.start;
+    // Per server group, its servers and their ranges of the slot.
+    let mut members: Vec<Vec<(usize, Range<u64>)>> = Vec::with_capacity(q);
+    for group in 0..plan.groups() {
+        let mut list = Vec::new();
+        for member in 0..plan.size(group)? {
+            let s = plan.machine(group, member)? as usize;
+            list.push((s, bytes_of(plan.range(units, group, member)?)?));
+        }
+        members.push(list);
+    }
+    // 1. Every worker takes its buffer and reduce-scatters the slice.
+    let local = costs.stages.intra_reduce(slice)?;
+    let gather = costs.stages.intra_gather(f(slice.span().byte_len()))?;
+    let mut take = Vec::with_capacity(workers.len());
+    let mut scattered = Vec::with_capacity(workers.len());
+    for worker in workers.iter_mut() {
+        let t = sched.task(None, 0.0, submitted);
+        let n = worker.released.len();
+        if n >= costs.buffers {
+            sched.after(t, worker.released[n - costs.buffers], 0.0);
+        }
+        take.push(t);
+        scattered.push(worker.reduce.call(sched, worker.nvlink, local, t, step));
+    }
+    // 2. Each worker's ranges to its group's servers, folded there.
+    let mut messages = Vec::new();
+    let mut up = vec![(scattered[0], scattered[0]); workers.len()];
+    for (group, machines) in costs.workers.iter().enumerate() {
+        messages.clear();
+        messages.extend(
+            members[group]
+                .iter()
+                .map(|(_, r)| len(r))
+                .filter(|&b| b > 0),
+        );
+        for &m in machines {
+            let worker = &mut workers[m];
+            worker.messages_sent += messages.len() as u64;
+            worker.bytes_sent += messages.iter().sum::<u64>();
+            let sent = send_batch(
+                costs,
+                sched,
+                worker.send,
+                costs.rail,
+                &messages,
+                scattered[m],
+            );
+            up[m] = (scattered[m], sent);
+        }
+    }
+    let mut group_reduced = vec![scattered[0]; servers.len()];
+    let mut peers = Vec::new();
+    for (group, list) in members.iter().enumerate() {
+        let machines = &costs.workers[group];
+        let first = scattered[machines[0]];
+        let w = machines.len() as u64;
+        let (all, last) = within_cells(w * slots);
+        let folds = (w * slots).saturating_sub(1).div_ceil(u64::from(SERVER_FOLD_CELLS)).max(1);
+        for (s, range) in list {
+            let bytes = len(range);
+            if bytes == 0 {
+                group_reduced[*s] = first;
+                continue;
+            }
+            let server = servers[*s];
+            peers.clear();
+            peers.extend(machines.iter().map(|&m| up[m]));
+            let landed = land(
+                sched,
+                server.receive,
+                costs.server,
+                hop,
+                w * slots * bytes,
+                &peers,
+            );
+            // The passes run fold by fold, so that a reduction across of an
+            // earlier slice that becomes ready meanwhile waits for one fold,
+            // not for every fold of this slice.
+            let mut passes = first;
+            for _ in 0..folds {
+                let fold = sched.task(
+                    Some(server.cpu),
+                    costs.memory(all * f(bytes)) / f(folds),
+                    0.0,
+                );
+                sched.after(fold, passes, 0.0);
+                passes = fold;
+            }
+            let reduced = sched.task(None, step, 0.0);
+            sched.after(reduced, passes, 0.0);
+            sched.after(reduced, landed, costs.memory(last * f(bytes)));
+            group_reduced[*s] = reduced;
+        }
+    }
+    // 3. Across the groups, interval by interval: per server, the pieces it
+    // sends and from whom it receives which.
+    let n = servers.len();
+    let mut out: Vec<Vec<u64>> = vec![Vec::new(); n];
+    let mut reduces: Vec<u64> = vec![0; n];
+    let mut from: Vec<Vec<(usize, u64)>> = vec![Vec::new(); n];
+    for interval in plan.intervals(units) {
+        let mut holders = Vec::with_capacity(q);
+        for group in 0..plan.groups() {
+            let member = plan.holder(units, group, interval.start)?;
+            holders.push((group, plan.machine(group, member)? as usize));
+        }
+        for &(group, reducer) in &holders {
+            let piece = len(&bytes_of(plan.piece(&interval, group)?)?) * slots;
+            if piece == 0 {
+                continue;
+            }
+            reduces[reducer] += piece;
+            for &(_, holder) in holders.iter().filter(|&&(_, h)| h != reducer) {
+                out[holder].push(piece);
+                from[reducer].push((holder, piece));
+            }
+        }
+    }
+    let mut across = vec![(scattered[0], scattered[0]); n];
+    for (s, server) in servers.iter().enumerate() {
+        let sent = send_batch(
+            costs,
+            sched,
+            server.send,
+            costs.server,
+            &out[s],
+            group_reduced[s],
+        );
+        across[s] = (group_reduced[s], sent);
+    }
+    let mut owned = vec![(scattered[0], scattered[0]); n];
+    for (r, server) in servers.iter().enumerate() {
+        let received: u64 = from[r].iter().map(|&(_, b)| b).sum();
+        let mut senders: Vec<usize> = from[r].iter().map(|&(h, _)| h).collect();
+        senders.sort_unstable();
+        senders.dedup();
+        peers.clear();
+        peers.extend(senders.iter().map(|&h| across[h]));
+        let landed = land(sched, server.receive, costs.server, hop, received, &peers);
+        // The reduction's passes, and every piece the NIC reads or writes:
+        // the partial sums out and in, the sums out and in.
+        let sent: u64 = out[r].iter().sum();
+        let moved = f(q as u64 + 1) * f(reduces[r]) + 2.0 * f(sent + received);
+        let reduced = sched.task(Some(server.cpu), costs.memory(moved) + step, 0.0);
+        sched.after(reduced, landed, 0.0);
+        sched.after(reduced, group_reduced[r], 0.0);
+        messages.clear();
+        messages.extend(from[r].iter().map(|&(_, b)| b));
+        let back = send_batch(
+            costs,
+            sched,
+            server.send,
+            costs.server,
+            &messages,
+            reduced,
+        );
+        owned[r] = (reduced, back);
+    }
+    let mut back: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (r, list) in from.iter().enumerate() {
+        for &(h, _) in list {
+            back[h].push(r);
+        }
+    }
+    let mut results = vec![(scattered[0], scattered[0]); n];
+    for (s, server) in servers.iter().enumerate() {
+        let bytes: u64 = out[s].iter().sum();
+        back[s].sort_unstable();
+        back[s].dedup();
+        peers.clear();
+        peers.extend(back[s].iter().map(|&r| owned[r]));
+        let landed = land(sched, server.receive, costs.server, hop, bytes, &peers);
+        sched.after(landed, owned[s].0, 0.0);
+        sched.after(landed, group_reduced[s], 0.0);
+        // 4. The final range to each of the group's workers, per slot.
+        results[s] = (landed, landed);
+    }
+    for (group, list) in members.iter().enumerate() {
+        let w = costs.workers[group].len() as u64;
+        for (s, range) in list {
+            let bytes = len(range);
+            if bytes == 0 {
+                continue;
+            }
+            messages.clear();
+            messages.extend((0..w * slots).map(|_| bytes));
+            let final_range = results[*s].0;
+            let sent = send_batch(
+                costs,
+                sched,
+                servers[*s].send,
+                costs.server,
+                &messages,
+                final_range,
+            );
+            results[*s] = (final_range, sent);
+        }
+    }
+    // 5. Each worker's slot lands from its group's servers; the all-gather;
+    // the buffer is released once its sends are done too.
+    for (group, machines) in costs.workers.iter().enumerate() {
+        peers.clear();
+        peers.extend(
+            members[group]
+                .iter()
+                .filter(|(_, r)| !r.is_empty())
+                .map(|(s, _)| results[*s]),
+        );
+        let bytes: u64 = members[group].iter().map(|(_, r)| len(r)).sum();
+        for &m in machines {
+            let worker = &mut workers[m];
+            worker.bytes_received += bytes;
+            let landed = land(sched, worker.receive, costs.rail, hop, bytes, &peers);
+            sched.after(landed, take[m], 0.0);
+            let gathered = worker
+                .gather
+                .call(sched, worker.nvlink, gather, landed, step);
+            let released = sched.task(None, 0.0, 0.0);
+            sched.after(released, gathered, 0.0);
+            sched.after(released, up[m].1, 0.0);
+            worker.released.push(released);
+        }
+    }
+    Ok(())
+}
