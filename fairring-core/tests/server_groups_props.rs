@@ -11,7 +11,9 @@
 
 use std::ops::Range;
 
-use fairring_core::plan::{MachineGroups, PlanError, ServerGroups};
+use fairring_core::DataType;
+use fairring_core::plan::{Geometry, MachineGroups, Plan, PlanConfig, PlanError, Routing, ServerGroups};
+use fairring_core::topology::{Location, RankLayout, Topology};
 use proptest::prelude::*;
 
 /// A worker's value at a unit of its slot, distinct per worker and unit.
@@ -257,4 +259,125 @@ fn chosen_cases_end_with_the_sum() {
             machines: 5
         })
     );
+}
+
+/// Every check of a geometry with its servers in groups on one tensor: every
+/// slot is one cell; a worker's role sends and receives one cell per nonempty
+/// range of its group's servers; every server's range and pieces fit their
+/// areas, and the areas tile the buffer without overlap.
+fn check_geometry(geometry: &Geometry, elements: u64) -> Result<(), TestCaseError> {
+    let groups = geometry.server_groups().unwrap();
+    prop_assert_eq!(geometry.routing(), Routing::Groups);
+    prop_assert_eq!(geometry.shards_per_full_slice(), 1);
+    prop_assert!(geometry.server_layout().is_none());
+    let layout = geometry.server_group_layout().unwrap();
+    let servers = groups.servers();
+    // The areas, in order, end to end.
+    let mut areas = vec![layout.accumulator()];
+    for member in 1..groups.most_workers() {
+        areas.push(layout.within(member).unwrap());
+    }
+    prop_assert!(layout.within(0).is_err());
+    prop_assert!(layout.within(groups.most_workers()).is_err());
+    let own = servers.first(0).unwrap();
+    for interval in 0..2 {
+        for group in 1..servers.groups() {
+            let from = servers.first(group).unwrap();
+            areas.push(layout.across(interval, from, own).unwrap());
+        }
+    }
+    let mut at = 0;
+    for area in &areas {
+        prop_assert_eq!(area.byte_offset(), at);
+        at += area.byte_len();
+    }
+    prop_assert_eq!(at, layout.total_bytes());
+    let plan = Plan::new(geometry, DataType::F32, elements, 0).unwrap();
+    let devices = geometry.topology().devices_per_machine();
+    for slice in plan.slices() {
+        prop_assert_eq!(slice.shards(), 1);
+        for device in 0..devices {
+            let units = slice.group_units(device).unwrap();
+            let span_of = |r: Range<u64>| slice.slot_units_span(device, r).unwrap().byte_len();
+            for machine in 0..geometry.topology().machines() {
+                let group = groups.locate_worker(machine).unwrap().group;
+                let members = servers.size(group).unwrap();
+                let cells = (0..members)
+                    .filter(|&i| !groups.cell(units, machine, i).unwrap().is_empty())
+                    .count() as u16;
+                let role = slice.role(Location { machine, device }).unwrap();
+                let want = if slice.slot(device).unwrap().is_empty() { 0 } else { cells };
+                prop_assert_eq!(role.contributions_to_send, want);
+                prop_assert_eq!(role.results_to_receive, want);
+                prop_assert!(!role.reduces);
+            }
+            for server in 0..servers.machines() {
+                let roles = servers.roles(units, server).unwrap();
+                prop_assert!(span_of(roles.range()) <= layout.within_stride());
+                prop_assert!(roles.range().end <= units);
+                for across in roles.across() {
+                    prop_assert!(span_of(across.piece.clone()) <= layout.across_stride());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn a_geometry_in_server_groups_fits_every_slice(
+        machines in 1u32..=24,
+        devices in 1u32..=4,
+        per_rail in 4u32..=24,
+        size in 2u32..=12,
+        slice_kib in 1u64..=64,
+        elements in 0u64..=100_000,
+    ) {
+        let topology = Topology::new(machines, devices, RankLayout::Contiguous).unwrap();
+        let config = PlanConfig::new(slice_kib * 1024, PlanConfig::MIN_SHARD_FLOOR).unwrap();
+        match Geometry::with_servers_in_groups(topology, config, per_rail * devices, size) {
+            Ok(g) => check_geometry(&g, elements)?,
+            Err(e) => prop_assert_eq!(
+                Err(e),
+                ServerGroups::new(machines, per_rail, size).map(|_| ())
+            ),
+        }
+    }
+}
+
+/// Servers that do not serve one rail each make no groups; where a full
+/// slot cannot give every server a cell of the minimum shard, `with_servers`
+/// forms groups of [`PlanConfig::DEFAULT_SERVER_GROUP_SIZE`] itself, and not
+/// in one level.
+#[test]
+fn servers_form_groups_where_their_cells_would_fall_below_the_minimum() {
+    let topology = Topology::new(256, 8, RankLayout::Contiguous).unwrap();
+    assert_eq!(
+        Geometry::with_servers_in_groups(topology, PlanConfig::DEFAULT, 12, 2),
+        Err(PlanError::ServersNotPerRail {
+            servers: 12,
+            devices: 8
+        })
+    );
+    let config = PlanConfig::with_default_slices(PlanConfig::DEFAULT_SERVER_MIN_SHARD_BYTES).unwrap();
+    // 25 MiB slices, 3.2 MiB slots: 200 cells of 16 KiB.
+    for (machines, grouped) in [(200u32, false), (201, true), (256, true)] {
+        let topology = Topology::new(machines, 8, RankLayout::Contiguous).unwrap();
+        let g = Geometry::with_servers(topology, config, 8 * machines).unwrap();
+        assert_eq!(g.server_groups().is_some(), grouped, "{machines} machines");
+        if let Some(groups) = g.server_groups() {
+            assert_eq!(groups.servers().largest(), 64.min(machines.div_ceil(groups.groups())));
+            assert!(groups.servers().largest() <= PlanConfig::DEFAULT_SERVER_GROUP_SIZE);
+            check_geometry(&g, 64 << 18).unwrap();
+        }
+        let one = Geometry::with_servers(topology, config.in_one_level(), 8 * machines).unwrap();
+        assert!(one.server_groups().is_none());
+    }
+    // Fewer servers than the cells a slot holds, or not one per rail: flat.
+    let topology = Topology::new(256, 8, RankLayout::Contiguous).unwrap();
+    assert!(Geometry::with_servers(topology, config, 8 * 64).unwrap().server_groups().is_none());
+    assert!(Geometry::with_servers(topology, config, 4 * 256 + 4).unwrap().server_groups().is_none());
 }

@@ -181,20 +181,6 @@ pub fn predict_with(hw: &Hardware, job: &Job, g: u32) -> Result<Prediction, Mode
     )
 }
 
-/// Cells a server's memory moves for `w` contributions of one range (see
-/// the module docs): `2w` for its NIC, `w - 1` read by the folds, two per
-/// fold for the accumulator; and those of the last fold alone, which runs
-/// once the last cell has landed (none with one contribution).
-fn within_cells(w: u64) -> (f64, f64) {
-    let folds = (w.saturating_sub(1)).div_ceil(u64::from(SERVER_FOLD_CELLS));
-    let all = 2 * w + w.saturating_sub(1) + 2 * folds;
-    let last = match folds {
-        0 => 0,
-        n => w - 1 - (n - 1) * u64::from(SERVER_FOLD_CELLS) + 2,
-    };
-    (f(all), f(last))
-}
-
 /// One server process: its NIC's two sides and its share of memory.
 #[derive(Clone, Copy, Debug)]
 struct Server {
@@ -351,8 +337,11 @@ fn add(
         let machines = &costs.workers[group];
         let first = scattered[machines[0]];
         let w = machines.len() as u64;
-        let (all, last) = within_cells(w * slots);
-        let folds = (w * slots).saturating_sub(1).div_ceil(u64::from(SERVER_FOLD_CELLS)).max(1);
+        let cells = w * slots;
+        // The NIC's writes of the cells, in chunks of a few cells, so that a
+        // reduction of an earlier slice that becomes ready meanwhile waits
+        // for one chunk, not for every cell of this slice.
+        let chunks = cells.div_ceil(u64::from(SERVER_FOLD_CELLS)).max(1);
         for (s, range) in list {
             let bytes = len(range);
             if bytes == 0 {
@@ -367,25 +356,28 @@ fn add(
                 server.receive,
                 costs.server,
                 hop,
-                w * slots * bytes,
+                cells * bytes,
                 &peers,
             );
-            // The passes run fold by fold, so that a reduction across of an
-            // earlier slice that becomes ready meanwhile waits for one fold,
-            // not for every fold of this slice.
-            let mut passes = first;
-            for _ in 0..folds {
-                let fold = sched.task(
+            let mut written = first;
+            for _ in 0..chunks {
+                let chunk = sched.task(
                     Some(server.cpu),
-                    costs.memory(all * f(bytes)) / f(folds),
+                    costs.memory(f(cells * bytes)) / f(chunks),
                     0.0,
                 );
-                sched.after(fold, passes, 0.0);
-                passes = fold;
+                sched.after(chunk, written, 0.0);
+                written = chunk;
             }
-            let reduced = sched.task(None, step, 0.0);
-            sched.after(reduced, passes, 0.0);
-            sched.after(reduced, landed, costs.memory(last * f(bytes)));
+            // One reduction once every cell is in: the `W - 1` areas read,
+            // the accumulator read and written.
+            let reduced = sched.task(
+                Some(server.cpu),
+                costs.memory(f(cells + 1) * f(bytes)) + step,
+                0.0,
+            );
+            sched.after(reduced, written, 0.0);
+            sched.after(reduced, landed, 0.0);
             group_reduced[*s] = reduced;
         }
     }
@@ -482,6 +474,13 @@ fn add(
             messages.clear();
             messages.extend((0..w * slots).map(|_| bytes));
             let final_range = results[*s].0;
+            // The NIC reads the range once for each worker as it sends.
+            let read = sched.task(
+                Some(servers[*s].cpu),
+                costs.memory(f(w * slots * bytes)),
+                0.0,
+            );
+            sched.after(read, final_range, 0.0);
             let sent = send_batch(
                 costs,
                 sched,

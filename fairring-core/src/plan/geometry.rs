@@ -1,8 +1,8 @@
 //! What a communicator fixes once: slice size, shards per slice, staging layout.
 
 use super::{
-    ALIGN_BYTES, InputArea, MachineGroups, PlanError, ServerLayout, StagingLayout, TREES,
-    TwoLevelLayout,
+    ALIGN_BYTES, InputArea, MachineGroups, PlanError, ServerGroupLayout, ServerGroups,
+    ServerLayout, StagingLayout, TREES, TwoLevelLayout,
 };
 use crate::topology::{MAX_MACHINES, Topology};
 
@@ -75,6 +75,15 @@ impl PlanConfig {
     /// [`PlanConfig::EQUAL_GROUP_SIZES`] makes equal groups: 48 machines
     /// ([`PlanConfig::default_group_size`]).
     pub const DEFAULT_GROUP_SIZE: u32 = 48;
+    /// The largest group of dedicated servers (of one rail group) where a
+    /// full slot cannot give every server a cell of the minimum shard, and
+    /// the servers reduce in two levels instead ([`ServerGroups`]): 64
+    /// servers, so that 256 server machines of 8 NICs make 4 groups a rail.
+    ///
+    /// The scale model's `server-groups` study (h100, a server machine per
+    /// GPU machine) found groups of 64 best at 2048 GPUs at 64 MiB and 1
+    /// GiB, and within 1% of the best (86) at 256 MiB.
+    pub const DEFAULT_SERVER_GROUP_SIZE: u32 = 64;
     /// The group sizes tried, in order, for groups of equal size where the
     /// default slices reduce in two levels
     /// ([`PlanConfig::default_group_size`]).
@@ -290,6 +299,9 @@ pub struct Geometry {
     /// The machines' groups, where the slots are reduced in two levels
     /// ([`Routing::Groups`]).
     groups: Option<MachineGroups>,
+    /// The dedicated servers' groups, where they reduce the slots in two
+    /// levels ([`Routing::Groups`] with servers).
+    server_groups: Option<ServerGroups>,
 }
 
 /// How a geometry's cells travel between machines.
@@ -366,7 +378,83 @@ impl Geometry {
         if servers == 0 || servers > MAX_MACHINES {
             return Err(PlanError::InvalidServers { servers });
         }
-        Geometry::build(topology, config, servers, None)
+        let flat = match Geometry::build(topology, config, servers, None) {
+            Ok(flat) => flat,
+            Err(e) => return Err(e),
+        };
+        // Where a full slot cannot give every server of a rail group a cell
+        // of the minimum shard, the servers form groups, each serving its
+        // own workers, if they can.
+        let devices = topology.devices_per_machine();
+        if !config.one_level
+            && flat.full_shards < flat.serving()
+            && servers.is_multiple_of(devices)
+            && let Ok(groups) = ServerGroups::new(
+                topology.machines(),
+                servers / devices,
+                PlanConfig::DEFAULT_SERVER_GROUP_SIZE,
+            )
+        {
+            return Geometry::build_in_server_groups(topology, config, servers, groups);
+        }
+        Ok(flat)
+    }
+
+    /// [`Geometry::with_servers`], the servers of each rail group in groups
+    /// of at most `size` ([`ServerGroups`], [`Routing::Groups`]): a worker
+    /// sends each server of its group that server's range of its slot, the
+    /// servers reduce their ranges over their group's workers and then across
+    /// the groups, server to server. Every slot is one cell. Each server
+    /// serves one rail, so `servers` must be a multiple of the devices a
+    /// machine has ([`PlanError::ServersNotPerRail`]); the groups are refused
+    /// as [`ServerGroups::new`] refuses them.
+    pub const fn with_servers_in_groups(
+        topology: Topology,
+        config: PlanConfig,
+        servers: u32,
+        size: u32,
+    ) -> Result<Geometry, PlanError> {
+        if servers == 0 || servers > MAX_MACHINES {
+            return Err(PlanError::InvalidServers { servers });
+        }
+        let devices = topology.devices_per_machine();
+        if !servers.is_multiple_of(devices) {
+            return Err(PlanError::ServersNotPerRail { servers, devices });
+        }
+        match ServerGroups::new(topology.machines(), servers / devices, size) {
+            Ok(groups) => Geometry::build_in_server_groups(topology, config, servers, groups),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The geometry with dedicated servers in `groups`.
+    const fn build_in_server_groups(
+        topology: Topology,
+        config: PlanConfig,
+        servers: u32,
+        groups: ServerGroups,
+    ) -> Result<Geometry, PlanError> {
+        match Geometry::build(topology, config, servers, None) {
+            // The flat geometry's slices, each slot one cell, whole: not
+            // rounded down to a multiple of any shard count.
+            Ok(flat) => {
+                let slot_units =
+                    flat.config.slice_bytes / ALIGN_BYTES / topology.devices_per_machine() as u64;
+                // The servers' staging, checked once here so that
+                // `server_group_layout` need not fail.
+                if let Err(e) = ServerGroupLayout::new(groups, slot_units) {
+                    return Err(e);
+                }
+                Ok(Geometry {
+                    slot_units,
+                    full_shards: 1,
+                    routing: Routing::Groups,
+                    server_groups: Some(groups),
+                    ..flat
+                })
+            }
+            Err(e) => Err(e),
+        }
     }
 
     const fn build(
@@ -490,6 +578,7 @@ impl Geometry {
             server_rails,
             routing,
             groups,
+            server_groups: None,
         })
     }
 
@@ -509,6 +598,25 @@ impl Geometry {
     /// ([`Routing::Groups`]).
     pub const fn machine_groups(&self) -> Option<MachineGroups> {
         self.groups
+    }
+
+    /// The dedicated servers' groups, where they reduce the slots in two
+    /// levels ([`Routing::Groups`] with servers).
+    pub const fn server_groups(&self) -> Option<ServerGroups> {
+        self.server_groups
+    }
+
+    /// The layout of a dedicated server's staging buffer where the servers
+    /// are in groups: areas for a full slot's ranges and pieces.
+    pub const fn server_group_layout(&self) -> Option<ServerGroupLayout> {
+        let Some(groups) = self.server_groups else {
+            return None;
+        };
+        match ServerGroupLayout::new(groups, self.slot_units) {
+            Ok(layout) => Some(layout),
+            // `build_in_server_groups` checked the slot's size.
+            Err(_) => None,
+        }
     }
 
     /// The staging of the two levels ([`Routing::Groups`]) with `input` as
@@ -672,9 +780,11 @@ impl Geometry {
         }
     }
 
-    /// The layout of a dedicated server's staging buffer; `None` without servers.
+    /// The layout of a dedicated server's staging buffer; `None` without
+    /// servers, or where they are in groups
+    /// ([`Geometry::server_group_layout`]).
     pub const fn server_layout(&self) -> Option<ServerLayout> {
-        if self.servers == 0 {
+        if self.servers == 0 || self.server_groups.is_some() {
             return None;
         }
         Some(ServerLayout::for_geometry(self))

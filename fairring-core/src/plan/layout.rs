@@ -2,7 +2,9 @@
 
 use core::ops::Range;
 
-use super::{ALIGN_BYTES, Geometry, MOST_INTERVALS, MachineGroups, PlanError, Routing, Span};
+use super::{
+    ALIGN_BYTES, Geometry, MOST_INTERVALS, MachineGroups, PlanError, Routing, ServerGroups, Span,
+};
 
 /// What the first area of a staging buffer holds: where a slice waits for the
 /// intra-machine reduce-scatter.
@@ -469,5 +471,150 @@ impl TwoLevelLayout {
             (Ok(sender), Ok(receiver)) => Ok((sender, receiver)),
             (Err(e), _) | (_, Err(e)) => Err(e),
         }
+    }
+}
+
+/// Where a dedicated server in groups ([`ServerGroups`]) keeps what lands in
+/// the reduction of the one slot it serves (`plan/server_groups.rs` says what
+/// goes where):
+///
+/// ```text
+/// offset 0         slot bytes                                                       total_bytes
+/// | accumulator | worker 1 | ... | worker W-1 | across (0, 0) | ... | across (1, Q-2) |
+/// ```
+///
+/// - **accumulator**: room for a full slot, in which the server's range lies
+///   at its own offset in the slot. The cell of its group's first worker
+///   (member 0) lands there, the range's sum is reduced there, and the other
+///   groups' results of its pieces land over it, so that every offset a
+///   server sends from or writes to is the same slot offset on every server.
+/// - **worker `i`**: one area per other worker of the largest group (`W - 1`
+///   for `W = ceil(M / Q)`), receiving worker member `i`'s cell.
+/// - **across**: for each of the at most two intervals of the server's range,
+///   one area per other group (`Q - 1`), receiving that group's partial sum
+///   of the server's piece, laid out as a [`TwoLevelLayout`]'s: area `(k,
+///   i)` belongs to group `(own + 1 + i) mod Q` for the `k`-th interval.
+///
+/// Every area is an odd number of cache lines, of the largest range (worker
+/// areas) or the largest piece (across) of a full slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ServerGroupLayout {
+    groups: ServerGroups,
+    slot_bytes: u64,
+    within_stride: u64,
+    across_stride: u64,
+}
+
+impl ServerGroupLayout {
+    /// The layout for slots of at most `full_slot_units` units of
+    /// [`ALIGN_BYTES`]; larger than the largest slice
+    /// ([`PlanConfig::MAX_SLICE_BYTES`](super::PlanConfig::MAX_SLICE_BYTES))
+    /// is refused with [`PlanError::InvalidSliceBytes`].
+    pub const fn new(
+        groups: ServerGroups,
+        full_slot_units: u64,
+    ) -> Result<ServerGroupLayout, PlanError> {
+        if full_slot_units > super::PlanConfig::MAX_SLICE_BYTES / ALIGN_BYTES {
+            return Err(PlanError::InvalidSliceBytes {
+                slice_bytes: full_slot_units.saturating_mul(ALIGN_BYTES),
+            });
+        }
+        let servers = groups.servers();
+        // The largest range: a slot cut in the smallest group's servers.
+        let range = full_slot_units.div_ceil(servers.small_size() as u64);
+        // An interval lies within a range; its largest piece is a `Q`-th.
+        let piece = range.div_ceil(servers.groups() as u64);
+        Ok(ServerGroupLayout {
+            groups,
+            slot_bytes: full_slot_units * ALIGN_BYTES,
+            within_stride: (range | 1) * ALIGN_BYTES,
+            across_stride: (piece | 1) * ALIGN_BYTES,
+        })
+    }
+
+    /// The groups it lays out areas for.
+    pub const fn groups(&self) -> ServerGroups {
+        self.groups
+    }
+
+    /// The accumulator: a full slot, from the start of the buffer.
+    pub const fn accumulator(&self) -> Span {
+        Span::bytes(0, self.slot_bytes)
+    }
+
+    /// Bytes of each worker's area.
+    pub const fn within_stride(&self) -> u64 {
+        self.within_stride
+    }
+
+    /// Bytes of each area across the groups.
+    pub const fn across_stride(&self) -> u64 {
+        self.across_stride
+    }
+
+    /// Areas for workers' cells: one fewer than the largest group's workers.
+    pub const fn within_areas(&self) -> u32 {
+        self.groups.most_workers() - 1
+    }
+
+    /// Areas across the groups: [`MOST_INTERVALS`] times one fewer than the
+    /// groups.
+    pub const fn across_areas(&self) -> u32 {
+        MOST_INTERVALS * (self.groups.groups() - 1)
+    }
+
+    /// The area that receives the cell of worker member `member` of the
+    /// server's group, from 1 ([`ServerGroups::locate_worker`]): member 0's
+    /// lands in the accumulator, and a member past the largest group's is
+    /// [`PlanError::MemberOutOfRange`].
+    pub const fn within(&self, member: u32) -> Result<Span, PlanError> {
+        if member == 0 || member >= self.groups.most_workers() {
+            return Err(PlanError::MemberOutOfRange {
+                member,
+                members: self.groups.most_workers(),
+            });
+        }
+        Ok(Span::bytes(
+            self.slot_bytes + (member - 1) as u64 * self.within_stride,
+            self.within_stride,
+        ))
+    }
+
+    /// The area that receives server `from`'s partial sum of server `own`'s
+    /// piece of `own`'s `interval`-th interval (both servers of one rail
+    /// group, as [`ServerGroups::servers`] numbers them, in different
+    /// groups).
+    pub const fn across(&self, interval: u32, from: u32, own: u32) -> Result<Span, PlanError> {
+        if interval >= MOST_INTERVALS {
+            return Err(PlanError::IntervalOutOfRange { interval });
+        }
+        let servers = self.groups.servers();
+        let (sender, receiver) = match (servers.locate(from), servers.locate(own)) {
+            (Ok(sender), Ok(receiver)) => (sender, receiver),
+            (Err(e), _) | (_, Err(e)) => return Err(e),
+        };
+        if sender.group == receiver.group {
+            return Err(PlanError::WrongGroup {
+                from,
+                to: own,
+                within: false,
+            });
+        }
+        let groups = servers.groups();
+        // (from - own - 1) mod Q, in 0..Q-1, after the first interval's areas.
+        let index = interval * (groups - 1) + (sender.group + groups - receiver.group - 1) % groups;
+        Ok(Span::bytes(
+            self.slot_bytes
+                + self.within_areas() as u64 * self.within_stride
+                + index as u64 * self.across_stride,
+            self.across_stride,
+        ))
+    }
+
+    /// Total bytes of one staging buffer.
+    pub const fn total_bytes(&self) -> u64 {
+        self.slot_bytes
+            + self.within_areas() as u64 * self.within_stride
+            + self.across_areas() as u64 * self.across_stride
     }
 }

@@ -111,7 +111,9 @@ mod two_level;
 
 pub use geometry::{Geometry, PlanConfig, Routing, server_rails, serves_rail};
 pub use groups::{Intervals, MachineGroups, Membership};
-pub use layout::{InputArea, SERVER_FOLD_CELLS, ServerLayout, StagingLayout, TwoLevelLayout};
+pub use layout::{
+    InputArea, SERVER_FOLD_CELLS, ServerGroupLayout, ServerLayout, StagingLayout, TwoLevelLayout,
+};
 pub use server_groups::ServerGroups;
 pub use slice::{Cell, Cells, Slice, Slices};
 pub use tree::{DoubleTree, TREE_PARTS, TREES};
@@ -353,6 +355,15 @@ pub enum PlanError {
         /// `M`.
         machines: u32,
     },
+    /// Dedicated servers in groups ([`Geometry::with_servers_in_groups`])
+    /// whose count is not a multiple of the devices a machine has: in groups,
+    /// each server serves one rail.
+    ServersNotPerRail {
+        /// The servers given.
+        servers: u32,
+        /// Devices per machine.
+        devices: u32,
+    },
     /// Fewer worker machines than groups of dedicated servers
     /// ([`ServerGroups::new`]): a group of servers would serve no worker.
     TooFewWorkers {
@@ -491,6 +502,12 @@ impl fmt::Display for PlanError {
                 f,
                 "groups of {size} machines do not split {machines} machines in two levels: \
                  the size must be from 2 to half the machines, and leave no group of one"
+            ),
+            PlanError::ServersNotPerRail { servers, devices } => write!(
+                f,
+                "{servers} dedicated servers cannot form groups beside machines of {devices} \
+                 devices: in groups each server serves one rail, so the count must be a \
+                 multiple of {devices}"
             ),
             PlanError::TooFewWorkers { machines, groups } => write!(
                 f,

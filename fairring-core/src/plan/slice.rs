@@ -4,7 +4,8 @@ use super::split::EvenSplit;
 use core::ops::Range;
 
 use super::{
-    ALIGN_BYTES, DoubleTree, MachineGroups, Plan, PlanError, Routing, Span, TREE_PARTS, TREES,
+    ALIGN_BYTES, DoubleTree, MachineGroups, Plan, PlanError, Routing, ServerGroups, Span,
+    TREE_PARTS, TREES,
 };
 use crate::dtype::DataType;
 use crate::staging::Role;
@@ -41,6 +42,9 @@ pub struct Slice {
     /// The machines' groups, where each slot is reduced in two levels
     /// ([`Routing::Groups`]).
     groups: Option<MachineGroups>,
+    /// The dedicated servers' groups, where they reduce each slot in two
+    /// levels ([`Routing::Groups`] with servers).
+    server_groups: Option<ServerGroups>,
     /// The slice's units dealt to the `D` slots.
     slots: EvenSplit,
     /// The smallest shard, in units: the smallest part a cell travels in.
@@ -179,6 +183,7 @@ impl Slice {
                 Routing::Flat | Routing::Groups => None,
             },
             groups: geometry.machine_groups(),
+            server_groups: geometry.server_groups(),
             slots: EvenSplit::new(units, devices as u64),
             min_shard_units: geometry.min_shard_units(),
         }
@@ -196,6 +201,14 @@ impl Slice {
     /// machine does with it.
     pub const fn machine_groups(&self) -> Option<MachineGroups> {
         self.groups
+    }
+
+    /// The dedicated servers' groups, where they reduce each slot in two
+    /// levels ([`Routing::Groups`] with servers): then every slot is one
+    /// cell, which each worker cuts into its group's servers' ranges
+    /// ([`ServerGroups::cell`] over [`Slice::group_units`]).
+    pub const fn server_groups(&self) -> Option<ServerGroups> {
+        self.server_groups
     }
 
     /// Slot `device`'s units as the two levels count them
@@ -463,6 +476,9 @@ impl Slice {
         if self.slot_at(location.device).is_empty() {
             return Ok(Role::IDLE);
         }
+        if let Some(groups) = self.server_groups {
+            return self.role_in_server_groups(&groups, location);
+        }
         if let Some(trees) = self.trees {
             return Ok(self.tree_role(&trees, location.machine));
         }
@@ -479,6 +495,47 @@ impl Slice {
             results_to_send: others as u16,
             results_to_receive: sends as u16,
             reduces,
+            forwards: false,
+        })
+    }
+
+    /// A worker's role where the dedicated servers are in groups, for a
+    /// device whose slot is not empty: each nonempty range of its slot (one
+    /// per server of its group) is a contribution out and a result back.
+    const fn role_in_server_groups(
+        &self,
+        groups: &ServerGroups,
+        location: Location,
+    ) -> Result<Role, PlanError> {
+        let units = match self.group_units(location.device) {
+            Ok(units) => units,
+            Err(e) => return Err(e),
+        };
+        let group = match groups.locate_worker(location.machine) {
+            Ok(m) => m.group,
+            Err(e) => return Err(e),
+        };
+        let members = match groups.servers().size(group) {
+            Ok(members) => members,
+            Err(e) => return Err(e),
+        };
+        // A range is empty only where the slot has fewer units than the
+        // group has servers: then exactly `units` of them hold one.
+        let cells = if units < members as u64 {
+            units
+        } else {
+            members as u64
+        };
+        #[expect(
+            clippy::cast_possible_truncation,
+            reason = "at most a group's servers, below 4096"
+        )]
+        Ok(Role {
+            contributions_to_send: cells as u16,
+            contributions_to_receive: 0,
+            results_to_send: 0,
+            results_to_receive: cells as u16,
+            reduces: false,
             forwards: false,
         })
     }
