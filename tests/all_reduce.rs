@@ -557,3 +557,48 @@ fn many_machines_with_fewer_shards_than_machines() {
         }
     }
 }
+
+/// Dedicated servers in groups (`FAIRRING_GROUP_SIZE` with `FAIRRING_SERVERS`,
+/// fairring-core's `ServerGroups`): each server reduces its range of a slot
+/// over its group's workers, then its pieces across the groups, server to
+/// server; in 64 KiB slices of 64-byte minimum shards. 12x1 with 8 servers
+/// in two groups of four (six workers each); 16x1 with 10 in groups of three,
+/// three, two and two, whose ranges cut each other's in two intervals; 5x1
+/// with 7 in groups of three, two and two, the last two serving one worker
+/// each; 6x2 with 8 in two rail groups of two groups of two, whose ranks are
+/// not their machines' numbers. Every rank's result exact, for every type
+/// and operator, from one element (one server's range holds it, the others'
+/// are empty) to several slices.
+#[test]
+fn dedicated_servers_in_groups_reduce_in_two_levels() {
+    for (m, d, servers, size) in [(12, 1, 8, 4), (16, 1, 10, 3), (5, 1, 7, 3), (6, 2, 8, 2)] {
+        let world = m * d;
+        let tune = |b: fairring::ConfigBuilder| {
+            b.slice_bytes(64 << 10)
+                .min_shard_bytes(64)
+                .total_memory(1 << 20)
+                .grouping(Grouping::AtMost(size))
+                .algorithm(Algorithm::Hierarchical)
+        };
+        // What the communicator plans with, from the same configuration.
+        let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+        let staging = tune(fairring::Config::builder(0, world, "127.0.0.1", 1).servers(servers))
+            .build()
+            .unwrap()
+            .staging(topology)
+            .unwrap();
+        assert_eq!(staging.geometry.routing(), Routing::Groups);
+        let groups = staging.geometry.server_groups().unwrap();
+        assert_eq!(groups.servers().largest(), size);
+        assert_eq!(groups.servers().machines(), servers / d);
+        let failures = job_with_servers(m, d, servers, tune, |rank, comm| {
+            every_type_and_operator(comm, rank, world)
+        });
+        for (rank, failed) in failures.iter().enumerate() {
+            assert!(
+                failed.is_empty(),
+                "{m}x{d} + {servers} servers in groups of {size}, rank {rank}: {failed:?}"
+            );
+        }
+    }
+}

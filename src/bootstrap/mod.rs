@@ -247,12 +247,20 @@ pub(crate) fn size_staging(
                 compressing_default(topology, pc)
             }
             (0, grouping) => Geometry::new(topology, grouping.plan_config(pc)),
-            (k, _) => Geometry::with_servers(topology, pc, k),
+            (k, Grouping::AtMost(size)) => Geometry::with_servers_in_groups(topology, pc, k, size),
+            // Only flat servers carry values compressed.
+            (k, Grouping::Auto) if config.wire != WireFormat::Exact => {
+                Geometry::with_servers(topology, pc.in_one_level(), k)
+            }
+            (k, grouping) => Geometry::with_servers(topology, grouping.plan_config(pc), k),
         }
         .map_err(|e| match (e, config.grouping) {
-            (PlanError::InvalidGroupSize { .. }, Grouping::AtMost(size)) => {
-                Error::config("FAIRRING_GROUP_SIZE", size, e.to_string())
-            }
+            (
+                PlanError::InvalidGroupSize { .. }
+                | PlanError::TooFewWorkers { .. }
+                | PlanError::ServersNotPerRail { .. },
+                Grouping::AtMost(size),
+            ) => Error::config("FAIRRING_GROUP_SIZE", size, e.to_string()),
             _ => slice_error(slice, &e),
         })?;
         let layout = BufferLayout::new(&g, world).ok_or_else(|| {
@@ -449,7 +457,7 @@ pub(crate) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
     #[cfg(not(feature = "cuda"))]
     let local = PlacedStep::new(shm, crate::local::HostOnly);
     let machine = Machine::new(segment, location.device, d);
-    let wiring = Wiring::of(topology, location, config.rank, config.servers, None);
+    let wiring = Wiring::of(topology, location, config.rank, config.servers, None, false);
     let engine = assemble(
         config,
         store,
@@ -501,6 +509,7 @@ pub(crate) fn build_server(
         config.process(),
         config.servers,
         Some(index),
+        geometry.server_groups().is_some(),
     );
     assemble(
         config,

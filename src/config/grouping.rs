@@ -19,7 +19,12 @@ pub enum Grouping {
     /// 32, 40, 48, 56 or 64 machines at most where one of those sizes makes
     /// them, else of at most 48 (half the machines, where fewer); one level
     /// elsewhere, and in slices given
-    /// (`FAIRRING_SLICE_SIZE`). `FAIRRING_GROUP_SIZE=auto`, or unset.
+    /// (`FAIRRING_SLICE_SIZE`). With dedicated servers, where a full slot
+    /// cannot give each server of a rail group a cell of the minimum shard
+    /// (past 200 server machines of 8 NICs at the 16 KiB minimum), the
+    /// servers of each rail group in groups of at most
+    /// [`PlanConfig::DEFAULT_SERVER_GROUP_SIZE`] (but flat where
+    /// `FAIRRING_WIRE` compresses). `FAIRRING_GROUP_SIZE=auto`, or unset.
     #[default]
     Auto,
     /// One level always: where the default slices would form groups, the
@@ -27,9 +32,12 @@ pub enum Grouping {
     /// trees. `FAIRRING_GROUP_SIZE=off`.
     OneLevel,
     /// Groups of at most this many machines, as even as can be, whatever
-    /// the slices: from 2 to half the machines, leaving no group of one, and
-    /// only where the machines serve (no dedicated servers).
-    /// `FAIRRING_GROUP_SIZE=N`.
+    /// the slices: from 2 to half the machines, leaving no group of one.
+    /// With dedicated servers, groups of at most this many servers of each
+    /// rail group, the workers in as many groups (fairring-core's
+    /// `ServerGroups`): from 2 to half a rail group's servers, the servers a
+    /// multiple of the devices a machine has, and at least as many machines
+    /// as groups. `FAIRRING_GROUP_SIZE=N`.
     AtMost(u32),
 }
 

@@ -12,7 +12,7 @@
 //! | `FAIRRING_TOTAL_MEMORY` | staging memory per rank, bytes (`K`/`M`/`G` suffixes) | where slices cross the network, as many buffers as the original's 50 MiB held, where more than 2 (at most 16); else 50 MiB ([`DEFAULT_TOTAL_MEMORY`]) |
 //! | `FAIRRING_SLICE_SIZE` | largest slice, bytes; the same on every rank, as the budget and the minimum shard are (a rank that plans otherwise is refused) | 25 MiB; 32 MiB where that keeps the plan flat and in groups; 20 MiB through the trees; a tensor of fewer than four full slices in four, no smaller than 16 MiB (`Geometry::slice_bytes_for`); halved while the budget would hold fewer than 2 buffers (halved slices count as given) |
 //! | `FAIRRING_MIN_SHARD_SIZE` | smallest shard, bytes; the same on every rank and server | 64 KiB; 16 KiB with dedicated servers (`PlanConfig::DEFAULT_SERVER_MIN_SHARD_BYTES`) |
-//! | `FAIRRING_GROUP_SIZE` | how the machines are grouped for the hierarchical all-reduce (see [`Grouping`]): `auto`; `off` (one level: flat, or through the trees); or `N`, two levels, within groups of at most `N` machines and then across the groups (from 2 to half the machines, leaving no group of one; no dedicated servers); the same on every rank | `auto`: where the default slices would otherwise widen to stay flat, equal groups where the machines make some (`PlanConfig::equal_group_size`); where they would otherwise go through the trees, groups (of `PlanConfig::default_group_size`: equal ones of at most 32 to 64 machines where they can be, else of at most 48) |
+//! | `FAIRRING_GROUP_SIZE` | how the machines are grouped for the hierarchical all-reduce (see [`Grouping`]): `auto`; `off` (one level: flat, or through the trees); or `N`, two levels, within groups of at most `N` machines and then across the groups (from 2 to half the machines, leaving no group of one); with dedicated servers, groups of at most `N` servers of each rail group, each serving as many groups of workers (the servers a multiple of the devices a machine has, at least as many machines as groups); the same on every rank | `auto`: where the default slices would otherwise widen to stay flat, equal groups where the machines make some (`PlanConfig::equal_group_size`); where they would otherwise go through the trees, groups (of `PlanConfig::default_group_size`: equal ones of at most 32 to 64 machines where they can be, else of at most 48); with dedicated servers, where a full slot cannot give each server of a rail group a cell of the minimum shard, groups of at most `PlanConfig::DEFAULT_SERVER_GROUP_SIZE` (64) servers |
 //! | `FAIRRING_DIRECT_FROM` | size from which an all-reduce of a host tensor sends from the tensor instead of staging it, where the fabric registers memory to send from (tcp), by hierarchical between machines of one rank each or by the ring, and so does a broadcast's root (a message's sender) relaying over machines of one rank each; between two such machines the broadcast's chunks and the all-reduce's results land in the receivers' tensors too; bytes, or `never` | 256 KiB |
 //! | `FAIRRING_SOCKET_IFNAME` | interface the fabric listens on | the one that reaches `MASTER_ADDR` |
 //! | `FAIRRING_TIMEOUT` | rendezvous and peer-silence bound (`30`, `2.5s`, `500ms`, `5min`) | 300 s |
@@ -629,17 +629,6 @@ impl ConfigBuilder {
                     "FAIRRING_GROUP_SIZE",
                     size,
                     "groups need at least 2 machines",
-                ));
-            }
-            if self.config.servers > 0 {
-                return Err(Error::config(
-                    "FAIRRING_GROUP_SIZE",
-                    size,
-                    format!(
-                        "the machines reduce in groups only where they serve: not with \
-                         FAIRRING_SERVERS={}",
-                        self.config.servers
-                    ),
                 ));
             }
         }

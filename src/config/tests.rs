@@ -177,7 +177,7 @@ fn servers_and_their_roles() {
 }
 
 #[test]
-fn machines_in_groups_are_named_and_refused_with_dedicated_servers() {
+fn groups_are_named_with_or_without_dedicated_servers() {
     let grouping = |pairs: &[(&str, &str)]| Config::from_lookup(env(pairs)).unwrap().grouping;
     assert_eq!(grouping(&[]), Grouping::Auto);
     assert_eq!(
@@ -196,9 +196,10 @@ fn machines_in_groups_are_named_and_refused_with_dedicated_servers() {
     );
     refused(&[("FAIRRING_GROUP_SIZE", "sixteen")], "FAIRRING_GROUP_SIZE");
     refused(&[("FAIRRING_GROUP_SIZE", "1")], "FAIRRING_GROUP_SIZE");
-    refused(
-        &[("FAIRRING_GROUP_SIZE", "4"), ("FAIRRING_SERVERS", "2")],
-        "FAIRRING_GROUP_SIZE",
+    // With servers, a size groups the servers.
+    assert_eq!(
+        grouping(&[("FAIRRING_GROUP_SIZE", "4"), ("FAIRRING_SERVERS", "8")]),
+        Grouping::AtMost(4)
     );
     // A subgroup's machines are not the job's: it reduces in one level.
     let job = env(&[

@@ -419,10 +419,10 @@ pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
         algorithm = Resolved::Nccl;
     }
     // Values cross compressed to dedicated servers, or straight to the
-    // machines serving them; through the trees and in groups they cross
-    // exact.
+    // machines serving them; through the trees and in groups (of machines or
+    // of servers) they cross exact.
     let compresses =
-        job.servers > 0 || (job.topology.machines() > 1 && job.routing == Routing::Flat);
+        job.routing == Routing::Flat && (job.servers > 0 || job.topology.machines() > 1);
     // Only the hierarchical algorithm compresses: `auto` keeps it where a
     // compressed wire is asked for and would apply.
     if requested_wire != WireFormat::Exact

@@ -32,12 +32,16 @@
 //! With dedicated servers a worker's buffer has no contribution areas (servers
 //! receive them), and a server's buffer is the core's
 //! [`ServerLayout`](fairring_core::plan::ServerLayout): one area per (slot,
-//! machine) cell.
+//! machine) cell; where the servers are in groups, the core's
+//! [`ServerGroupLayout`](fairring_core::plan::ServerGroupLayout): a whole-slot
+//! accumulator, an area per other worker of the group, and the across areas
+//! (`algorithm/serve_in_groups.rs`).
 
 use std::ops::Range;
 
 use fairring_core::plan::{
-    Geometry, InputArea, MachineGroups, Membership, Routing, Span, TwoLevelLayout,
+    Geometry, InputArea, MachineGroups, Membership, Routing, ServerGroupLayout, Span,
+    TwoLevelLayout,
 };
 
 use super::algorithm::doubling;
@@ -73,6 +77,8 @@ pub(crate) struct BufferLayout {
     server_bytes: usize,
     /// The two levels' areas, where the slots are reduced in groups.
     two_level: Option<TwoLevelLayout>,
+    /// A dedicated server's areas, where the servers are in groups.
+    server_groups: Option<ServerGroupLayout>,
 }
 
 impl BufferLayout {
@@ -109,9 +115,11 @@ impl BufferLayout {
             buffer_bytes = buffer_bytes.max(usize::try_from(t.total_bytes()).ok()?);
         }
         let server = geometry.server_layout();
-        let server_bytes = match server {
-            Some(s) => usize::try_from(s.total_bytes()).ok()?,
-            None => 0,
+        let server_groups = geometry.server_group_layout();
+        let server_bytes = match (server, server_groups) {
+            (Some(s), _) => usize::try_from(s.total_bytes()).ok()?,
+            (None, Some(g)) => usize::try_from(g.total_bytes()).ok()?,
+            (None, None) => 0,
         };
         Some(BufferLayout {
             core,
@@ -127,6 +135,7 @@ impl BufferLayout {
             server,
             server_bytes,
             two_level,
+            server_groups,
         })
     }
 
@@ -255,6 +264,88 @@ impl BufferLayout {
             len,
         };
         Ok(Some((machines, sources)))
+    }
+
+    /// Where the servers are in groups, their layout.
+    fn server_groups(&self) -> Result<&ServerGroupLayout> {
+        self.server_groups.as_ref().ok_or_else(|| {
+            Error::internal(
+                "only a job whose servers are in groups asks for their areas",
+                format!("{:?}", self.core.routing()),
+            )
+        })
+    }
+
+    /// Where the servers are in groups, the bytes of units `units` of a
+    /// server's accumulator: a whole slot, in which `units` lie at their
+    /// offset in the slot (`units` given in bytes of the slot).
+    pub(crate) fn server_accumulator(&self, units: Range<usize>) -> Result<Range<usize>> {
+        let slot = self.server_groups()?.accumulator();
+        let len = layout_bytes(slot.byte_len())?;
+        if units.start > units.end || units.end > len {
+            return Err(Error::internal(
+                "a range of a slot lies within a server's accumulator",
+                format!("{units:?} in {len} bytes"),
+            ));
+        }
+        Ok(units)
+    }
+
+    /// Where the servers are in groups, the area of a server's buffer that
+    /// receives its group's worker `member`'s cell (from 1; member 0's lands
+    /// in the accumulator).
+    pub(crate) fn server_within(&self, member: u32) -> Result<Range<usize>> {
+        let area = self.server_groups()?.within(member);
+        two_level_area(area, "a server's workers are of its group")
+    }
+
+    /// Where the servers are in groups, the first `len` bytes of the areas
+    /// of workers `1..workers` of a server's group, in member order.
+    pub(crate) fn server_within_sources(&self, workers: u32, len: usize) -> Result<Sources> {
+        let layout = self.server_groups()?;
+        let stride = layout_bytes(layout.within_stride())?;
+        if workers < 2 || len > stride {
+            return Err(Error::internal(
+                "a server in groups reduces the cells of its other workers, of at most a stride",
+                format!("{workers} workers, {len} of {stride} bytes"),
+            ));
+        }
+        Ok(Sources {
+            first: self.server_within(1)?.start,
+            stride,
+            count: workers - 1,
+            start: 0,
+            len,
+        })
+    }
+
+    /// Where the servers are in groups, the area of server `own`'s buffer
+    /// that receives server `from`'s partial sum of `own`'s piece of its
+    /// `interval`-th interval (both indices within their rail group).
+    pub(crate) fn server_across(&self, interval: u32, from: u32, own: u32) -> Result<Range<usize>> {
+        let area = self.server_groups()?.across(interval, from, own);
+        two_level_area(area, "partial sums across come from a server of another group")
+    }
+
+    /// Where the servers are in groups, the first `len` bytes of the areas
+    /// that receive the other groups' partial sums of server `own`'s piece
+    /// of its `interval`-th interval, in group order.
+    pub(crate) fn server_across_sources(
+        &self,
+        interval: u32,
+        own: u32,
+        len: usize,
+    ) -> Result<Sources> {
+        let layout = self.server_groups()?;
+        let servers = layout.groups().servers();
+        let group = membership(servers, own)?.group;
+        let count = servers.groups();
+        let next = servers
+            .first((group + 1) % count)
+            .map_err(|e| Error::internal("every group has a first server", e.to_string()))?;
+        let first = self.server_across(interval, next, own)?;
+        let stride = layout_bytes(layout.across_stride())?;
+        area_sources(first.start, stride, count - 1, group, len)
     }
 
     /// Bytes of one staging buffer.

@@ -71,10 +71,19 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     }
 
     /// Whether a dedicated server is done: every worker of its rail group (all
-    /// it is linked to) has said goodbye and nothing is in flight.
+    /// the workers it is linked to) has said goodbye and nothing is in
+    /// flight. The servers of its rail group it is linked to in groups are
+    /// not waited for: each leaves once its workers have, and every
+    /// operation a worker finished needed every exchange between servers.
     pub(crate) fn served_everyone(&self) -> bool {
         let d = self.lock_driver();
-        self.links.linked.iter().all(|&w| d.departures.departed(w)) && !self.in_flight(&d)
+        let workers = self.links.topology.world_size();
+        self.links
+            .linked
+            .iter()
+            .filter(|&&p| p < workers)
+            .all(|&w| d.departures.departed(w))
+            && !self.in_flight(&d)
     }
 
     /// Operations accepted so far (a server's count for its goodbye).

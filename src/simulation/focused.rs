@@ -1124,6 +1124,87 @@ fn servers_fold_many_machines_with_exact_results() {
     );
 }
 
+/// Dedicated servers in groups (`ServerGroups`): 4 to 12 servers a rail in
+/// groups of 2 to 4 (equal and unequal ones, two to four groups), 2 to 9
+/// machines of one or two devices, slots of fewer units than a group has
+/// servers among them, over one to three buffers, every operator and several
+/// types, and for one seed in three a process (a worker or a server) killed
+/// at a drawn step: every rank's result exact, every survivor's error naming
+/// the victim.
+#[test]
+fn servers_in_groups_settle_with_exact_results() {
+    let mut settled = Settled::default();
+    let (mut unequal, mut empty_ranges) = (0, 0);
+    for seed in 1..=300u64 {
+        let mut rng = Rng::new(seed);
+        let (machines, devices, per_rail, size) = rng.pick(&[
+            (2, 1, 4, 2),
+            (3, 1, 6, 2),
+            (4, 1, 7, 3),
+            (5, 1, 8, 2),
+            (9, 1, 12, 4),
+            (3, 2, 6, 3),
+            (4, 2, 4, 2),
+            (7, 1, 9, 3),
+        ]);
+        let servers = per_rail * devices;
+        let ops: Vec<Op> = (0..3)
+            .map(|_| {
+                // The simulation's check knows no average (real runs check
+                // one: tests/dedicated_servers.rs).
+                let dtype = rng.pick(&[DataType::I32, DataType::I64, DataType::F32, DataType::U8]);
+                let op = rng.pick(&[ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min]);
+                Op {
+                    elements: rng.pick(&[1, 3, 37, 300, 1000, 2500]),
+                    dtype,
+                    op,
+                    algorithm: Resolved::Hierarchical,
+                    wire: WireFormat::Exact,
+                    origins: None,
+                    share: None,
+                    rooted: None,
+                }
+            })
+            .collect();
+        if ops.iter().any(|op| op.elements * 4 < 64 * u64::from(per_rail * devices)) {
+            empty_ranges += 1;
+        }
+        let processes = machines * devices + servers;
+        let killed = rng.below(3) == 0;
+        let scenario = Scenario {
+            machines,
+            devices,
+            layout: RankLayout::Contiguous,
+            servers,
+            buffers: 1 + rng.below(3) as u32,
+            slice_bytes: rng.pick(&[256, 1024, 4096]),
+            min_shard_bytes: 64,
+            window: 1 + rng.below(3) as usize,
+            kill: killed.then(|| (1 + rng.below(4000), rng.below(u64::from(processes)) as u32)),
+            direct: DirectSettings::from(None),
+            device: vec![false; ops.len()],
+            collectives: false,
+            whole_up_to: 0,
+            one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
+            across_job: false,
+            group_size: Some(size),
+            ops,
+        };
+        let groups = fairring_core::plan::ServerGroups::new(machines, per_rail, size).unwrap();
+        let servers_of = groups.servers();
+        let sizes: Vec<u32> = (0..servers_of.groups())
+            .map(|g| servers_of.size(g).unwrap())
+            .collect();
+        if sizes.iter().any(|&s| s != sizes[0]) || machines % groups.groups() != 0 {
+            unequal += 1;
+        }
+        settled.play(seed, &scenario, &mut rng, killed);
+    }
+    settled.check_at_least(60);
+    assert!(unequal > 60, "{unequal} seeds had groups of two sizes");
+    assert!(empty_ranges > 60, "{empty_ranges} seeds had ranges left empty");
+}
+
 /// The device model catches the three ways the design can break, each on a
 /// seed the shipped design passes:
 ///
@@ -1695,3 +1776,4 @@ fn small_receives_past_the_slots_announce_themselves() {
     assert!(engines.iter().all(|e| e.failure().is_none()));
     assert_eq!(got, sent);
 }
+

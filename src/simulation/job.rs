@@ -160,7 +160,14 @@ pub(super) fn build_job(
     for (rank, (location, memory, local, machine, fabric, region, server, peer_copy)) in
         (0..processes).zip(parts)
     {
-        let wiring = Wiring::of(topology, location, rank, servers, server);
+        let wiring = Wiring::of(
+            topology,
+            location,
+            rank,
+            servers,
+            server,
+            geometry.server_groups().is_some(),
+        );
         for &p in &wiring.linked {
             let ep = fabric.endpoint(p).map_err(|e| e.to_string())?;
             fabric.connect(p, &ep).map_err(|e| e.to_string())?;

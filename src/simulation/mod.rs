@@ -168,6 +168,8 @@ struct Outcome {
     ungated: usize,
     /// Operations done where the machines reduce in groups.
     in_groups: usize,
+    /// Operations done where dedicated servers reduce in groups.
+    servers_in_groups: usize,
     killed: Option<u32>,
     done: usize,
     failed: usize,
@@ -234,7 +236,8 @@ fn play(
     let geometry = match (servers, sc.group_size) {
         (0, None) => Geometry::new(topology, config),
         (0, Some(size)) => Geometry::with_groups(topology, config, size),
-        (k, _) => Geometry::with_servers(topology, config, k),
+        (k, Some(size)) => Geometry::with_servers_in_groups(topology, config, k, size),
+        (k, None) => Geometry::with_servers(topology, config, k),
     }
     .map_err(|e| e.to_string())?;
     let layout = BufferLayout::new(&geometry, world).ok_or("layout")?;
@@ -582,8 +585,11 @@ fn play(
         }
         let failed = rank.settled.iter().filter(|s| **s == Some(false)).count();
         outcome.done += rank.settled.len() - failed;
-        if sc.group_size.is_some() {
+        if sc.group_size.is_some() && sc.servers == 0 {
             outcome.in_groups += rank.settled.len() - failed;
+        }
+        if sc.group_size.is_some() && sc.servers > 0 {
+            outcome.servers_in_groups += rank.settled.len() - failed;
         }
         let device_done = rank
             .settled
@@ -717,8 +723,10 @@ fn seeded_schedules_settle_with_exact_results() {
     let mut rooted = [0usize; 3];
     let (mut in_windows, mut delivered) = (0, 0);
     let (mut messages, mut messages_local, mut in_groups) = (0, 0, 0);
+    let mut servers_in_groups = 0;
     for outcome in &outcomes {
         in_groups += outcome.in_groups;
+        servers_in_groups += outcome.servers_in_groups;
         killed += usize::from(outcome.killed.is_some());
         steps += outcome.steps;
         done += outcome.done;
@@ -743,7 +751,7 @@ fn seeded_schedules_settle_with_exact_results() {
          collectives, which reduce-scattered {scattered} slices in one call; {across_job} \
          all-reduces met on the job's NCCL communicator; {ungated} ungated calls of whole \
          all-reduces through NCCL met; {in_groups} where the machines reduce \
-         in groups), {failed} failed; \
+         in groups, {servers_in_groups} where dedicated servers do), {failed} failed; \
          drawn as rooted forms: {reduces} reduces, {gathers} \
          gathers, {scatters} scatters; {in_windows} writes landed in a receiver's tensor; \
          {delivered} shares of results delivered; {messages} message ends done \
@@ -786,6 +794,10 @@ fn seeded_schedules_settle_with_exact_results() {
     assert!(
         seeds.len() < 100 || in_groups > 0,
         "the seeds run operations where the machines reduce in groups"
+    );
+    assert!(
+        seeds.len() < 100 || servers_in_groups > 0,
+        "the seeds run operations where dedicated servers reduce in groups"
     );
     assert!(
         seeds.len() < 100 || ungated > 0,

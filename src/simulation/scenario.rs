@@ -225,9 +225,12 @@ pub(super) struct Scenario {
     /// all-reduces that NCCL reduces run as the job's NCCL all-reduce
     /// ([`Resolved::Nccl`]).
     pub(super) across_job: bool,
-    /// Machines in groups of at most this many, where the hierarchical
-    /// all-reduce runs in two levels (`Routing::Groups`): four machines in
-    /// pairs, for half the seeds of four machines without servers.
+    /// Machines (or, with servers, the servers of each rail) in groups of
+    /// at most this many, where the hierarchical all-reduce runs in two
+    /// levels (`Routing::Groups`): four machines in pairs, for half the
+    /// seeds of four machines without servers; 4, 6 or 7 servers a rail in
+    /// groups of 2 or 3, for about one seed in six of two machines or more
+    /// and at most two devices.
     pub(super) group_size: Option<u32>,
 }
 
@@ -236,7 +239,19 @@ impl Scenario {
     pub(super) fn draw(rng: &mut Rng) -> Scenario {
         let (m, d) = (1 + rng.below(4) as u32, 1 + rng.below(3) as u32);
         let world = m * d;
-        let servers = rng.pick(&[0, 0, 0, 0, 1, 2, 3]);
+        // Servers in groups, drawn from a side stream so that the other
+        // seeds draw as before: for about one in six seeds of two machines
+        // or more and at most two devices, 4, 6 or 7 servers a rail in groups
+        // of 2, 3 or 3 (2 or 3 groups: unequal ones at 7), as many groups as
+        // the machines allow.
+        let mut grouping = rng.side(0x7365_7276);
+        let server_groups = (m >= 2 && d <= 2 && grouping.below(6) == 0)
+            .then(|| grouping.pick(&[(4u32, 2u32), (6, 3), (6, 2), (7, 3)]))
+            .filter(|&(per_rail, size)| per_rail.div_ceil(size) <= m);
+        let servers = match server_groups {
+            Some((per_rail, _)) => per_rail * d,
+            None => rng.pick(&[0, 0, 0, 0, 1, 2, 3]),
+        };
         let processes = world + servers;
         let buffers = 1 + rng.below(4) as u32;
         let slice_bytes = rng.pick(&[1024, 4096, 16_384]);
@@ -400,8 +415,10 @@ impl Scenario {
             }
         }
         // Machines in groups: drawn from a side stream, as above.
-        let group_size =
-            (m == 4 && servers == 0 && rng.side(0x6772_6f75).below(2) == 0).then_some(2);
+        let group_size = match server_groups {
+            Some((_, size)) => Some(size),
+            None => (m == 4 && servers == 0 && rng.side(0x6772_6f75).below(2) == 0).then_some(2),
+        };
         if group_size.is_some() {
             // As the communicator submits them: exact in groups.
             for op in &mut ops {

@@ -100,7 +100,7 @@
 
 use std::ops::Range;
 
-use fairring_core::plan::TREE_PARTS;
+use fairring_core::plan::{ServerGroups, TREE_PARTS};
 use fairring_core::staging::{Actions, Counter, Event, StagingError, StagingErrorKind, Word};
 use fairring_core::{ReduceOp, WireFormat};
 
@@ -559,6 +559,9 @@ fn contributions(
     if s.slice.double_tree().is_some() {
         return tree_contributions(ctx, s, part, steps);
     }
+    if let Some(groups) = s.slice.server_groups() {
+        return grouped_contributions(ctx, s, &groups, steps);
+    }
     let me = ctx.location.machine;
     for shard in 0..s.slice.shards() {
         let server = s
@@ -595,6 +598,55 @@ fn contributions(
         } else {
             Step::Write(write)
         });
+    }
+    Ok(())
+}
+
+/// Where the dedicated servers are in groups: each nonempty range of this
+/// device's slot to the server of this machine's group that holds it (the
+/// group's first worker into the server's accumulator, at the range's offset
+/// in the slot; the others into their areas).
+fn grouped_contributions(
+    ctx: &Context<'_>,
+    s: &SliceInfo<'_>,
+    groups: &ServerGroups,
+    steps: &mut Vec<Step>,
+) -> Result<()> {
+    let internal = |e: fairring_core::plan::PlanError| {
+        Error::internal("every worker has its group's servers", e.to_string())
+    };
+    let (machine, device) = (ctx.location.machine, ctx.location.device);
+    let units = s.slice.group_units(device).map_err(internal)?;
+    let member = groups.locate_worker(machine).map_err(internal)?.member;
+    let slot = s.slice.slot(device).map_err(internal)?;
+    let devices = ctx.topology.devices_per_machine();
+    for (i, server) in (0u32..).zip(groups.servers_of(machine).map_err(internal)?) {
+        let range = groups.cell(units, machine, i).map_err(internal)?;
+        let span = s.slice.slot_units_span(device, range).map_err(internal)?;
+        let (Some(source), Some(in_slot)) =
+            (span.byte_range_in(s.slice.span()), span.byte_range_in(slot))
+        else {
+            return Err(Error::internal(
+                "a range of a slot lies within its slot and its slice",
+                format!("{span:?}"),
+            ));
+        };
+        if source.is_empty() {
+            continue;
+        }
+        let target = if member == 0 {
+            ctx.layout.server_accumulator(in_slot)?.start
+        } else {
+            ctx.layout.server_within(member)?.start
+        };
+        steps.push(Step::Write(Write {
+            kind: Kind::Contribution,
+            peer: ctx.world + server * devices + device,
+            source,
+            target,
+            needs_credit: true,
+            part: 0,
+        }));
     }
     Ok(())
 }

@@ -28,6 +28,8 @@
 //! - [`serve`]: a dedicated reduction server's part of every slice (Herring's
 //!   design), where the workers run [`hierarchical`] with the servers in the
 //!   machines' place;
+//! - [`serve_in_groups`]: the same where the servers are in groups, each
+//!   serving its group's workers and then reducing across the groups;
 //! - [`nccl`]: a device tensor's all-reduce as one NCCL all-reduce over the
 //!   whole job, where NCCL's NVLSTree is ahead of the plan (few machines
 //!   whose GPUs reduce in their NVSwitch).
@@ -48,6 +50,7 @@ mod relay;
 mod ring;
 mod scatter;
 mod serve;
+mod serve_in_groups;
 mod two_level;
 
 use std::ops::Range;
@@ -66,6 +69,7 @@ pub(crate) use relay::{
 pub(crate) use ring::Ring;
 pub(crate) use scatter::Scatter;
 pub(crate) use serve::{Serve, ServeScratch};
+pub(crate) use serve_in_groups::ServeInGroups;
 pub(crate) use two_level::TwoLevel;
 
 use super::layout::BufferLayout;
@@ -426,6 +430,8 @@ pub(crate) enum SliceAlgorithm {
     Scatter(Scatter),
     /// [`serve`].
     Serve(Serve),
+    /// [`serve_in_groups`].
+    ServeInGroups(ServeInGroups),
     /// [`nccl`].
     Nccl(Nccl),
 }
@@ -441,6 +447,11 @@ impl SliceAlgorithm {
         steps: &mut Vec<Step>,
     ) -> Result<SliceAlgorithm> {
         if ctx.server.is_some() {
+            if algorithm == Resolved::Hierarchical && s.slice.server_groups().is_some() {
+                return Ok(SliceAlgorithm::ServeInGroups(ServeInGroups::start(
+                    ctx, s, steps,
+                )?));
+            }
             return Ok(SliceAlgorithm::Serve(Serve::start(
                 ctx, s, algorithm, scratch, steps,
             )?));
@@ -513,6 +524,7 @@ impl SliceAlgorithm {
             SliceAlgorithm::Doubling(r) => r.on_event(ctx, s, event, steps),
             SliceAlgorithm::Scatter(r) => r.on_event(ctx, s, event, steps),
             SliceAlgorithm::Serve(v) => v.on_event(ctx, s, event, steps),
+            SliceAlgorithm::ServeInGroups(v) => v.on_event(ctx, s, event, steps),
             SliceAlgorithm::Nccl(v) => v.on_event(s, event, steps),
         }
     }
@@ -533,6 +545,7 @@ impl SliceAlgorithm {
             SliceAlgorithm::Doubling(_) => Resolved::Doubling,
             SliceAlgorithm::Scatter(_) => Resolved::Scatter,
             SliceAlgorithm::Serve(v) => v.resolved(),
+            SliceAlgorithm::ServeInGroups(v) => v.resolved(),
             SliceAlgorithm::Nccl(_) => Resolved::Nccl,
         }
     }
@@ -556,6 +569,7 @@ impl SliceAlgorithm {
             SliceAlgorithm::Doubling(r) => r.phase(),
             SliceAlgorithm::Scatter(r) => r.phase(),
             SliceAlgorithm::Serve(v) => v.phase(),
+            SliceAlgorithm::ServeInGroups(v) => v.phase(),
             SliceAlgorithm::Nccl(v) => v.phase(),
         }
     }

@@ -54,17 +54,32 @@ pub(crate) fn peers(
 
 /// Ranks dedicated server `index` of `servers` writes to and ranks that write
 /// to it: every worker of its rail group (device `d` where `d mod R = index
-/// mod R`).
-pub(crate) fn server_peers(topology: Topology, index: u32, servers: u32) -> (Vec<u32>, Vec<u32>) {
+/// mod R`), and where the servers are in groups (`in_groups`) every other
+/// server of its rail group too, which it exchanges pieces with across the
+/// groups.
+pub(crate) fn server_peers(
+    topology: Topology,
+    index: u32,
+    servers: u32,
+    in_groups: bool,
+) -> (Vec<u32>, Vec<u32>) {
+    let world = topology.world_size();
     let rails = server_rails(servers, topology.devices_per_machine());
-    let workers: Vec<u32> = (0..topology.world_size())
+    let mut peers: Vec<u32> = (0..world)
         .filter(|&w| {
             topology
                 .locate(w)
                 .is_ok_and(|l| serves_rail(rails, index, l.device))
         })
         .collect();
-    (workers.clone(), workers)
+    if in_groups {
+        peers.extend(
+            (0..servers)
+                .filter(|&i| i != index && i % rails == index % rails)
+                .map(|i| world + i),
+        );
+    }
+    (peers.clone(), peers)
 }
 
 /// One process's place on the fabric: the processes it writes to (`out`),
@@ -80,16 +95,18 @@ pub(crate) struct Wiring {
 
 impl Wiring {
     /// The wiring of worker `rank` at `location` (`server`: `None`), or of
-    /// dedicated server `server`, in a job with `servers` dedicated servers.
+    /// dedicated server `server`, in a job with `servers` dedicated servers,
+    /// in groups where `servers_in_groups` says so.
     pub(crate) fn of(
         topology: Topology,
         location: Location,
         rank: u32,
         servers: u32,
         server: Option<u32>,
+        servers_in_groups: bool,
     ) -> Wiring {
         let (out, inbound) = match server {
-            Some(index) => server_peers(topology, index, servers),
+            Some(index) => server_peers(topology, index, servers, servers_in_groups),
             None => peers(topology, location, rank, servers),
         };
         let mut linked: Vec<u32> = out.iter().chain(&inbound).copied().collect();
@@ -142,7 +159,7 @@ mod tests {
             let world = topology.world_size();
             for rank in 0..world {
                 let location = topology.locate(rank).unwrap();
-                let w = Wiring::of(topology, location, rank, servers, None);
+                let w = Wiring::of(topology, location, rank, servers, None, false);
                 let (out, inbound) = peers(topology, location, rank, servers);
                 assert_eq!((&w.out, &w.inbound), (&out, &inbound));
                 let mut union: Vec<u32> = out.iter().chain(&inbound).copied().collect();
@@ -159,7 +176,7 @@ mod tests {
                     machine: u32::MAX,
                     device: 0,
                 };
-                let w = Wiring::of(topology, nowhere, world + index, servers, Some(index));
+                let w = Wiring::of(topology, nowhere, world + index, servers, Some(index), false);
                 // Its rail group's workers, each of which links back with it.
                 let rails = server_rails(servers, d);
                 let workers: Vec<u32> = (0..world)
@@ -172,13 +189,49 @@ mod tests {
                 assert_eq!(workers.len(), (world / rails) as usize, "{m}x{d}+{servers}");
                 for rank in 0..world {
                     let location = topology.locate(rank).unwrap();
-                    let worker = Wiring::of(topology, location, rank, servers, None);
+                    let worker = Wiring::of(topology, location, rank, servers, None, false);
                     assert_eq!(
                         worker.linked.contains(&(world + index)),
                         workers.contains(&rank),
                         "{m}x{d}+{servers}: rank {rank} and server {index}"
                     );
                 }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod in_groups_tests {
+    use fairring_core::topology::RankLayout;
+
+    use super::*;
+
+    /// Where the servers are in groups, a server links with every worker of
+    /// its rail group and every other server of it, and with no server of
+    /// another rail group; the workers' wiring is the same as without groups.
+    #[test]
+    fn a_server_in_groups_links_with_its_rail_groups_servers() {
+        for (m, d, servers) in [(4, 1, 4), (3, 2, 8), (2, 4, 16)] {
+            let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+            let world = topology.world_size();
+            let nowhere = Location {
+                machine: u32::MAX,
+                device: 0,
+            };
+            for index in 0..servers {
+                let flat = Wiring::of(topology, nowhere, world + index, servers, Some(index), false);
+                let grouped = Wiring::of(topology, nowhere, world + index, servers, Some(index), true);
+                let mates: Vec<u32> = (0..servers)
+                    .filter(|&i| i != index && i % d == index % d)
+                    .map(|i| world + i)
+                    .collect();
+                let mut want = flat.linked.clone();
+                want.extend(&mates);
+                want.sort_unstable();
+                assert_eq!(grouped.linked, want, "{m}x{d}+{servers}: server {index}");
+                assert_eq!(grouped.out, grouped.inbound);
+                assert_eq!(mates.len() as u32, servers / d - 1);
             }
         }
     }

@@ -72,7 +72,7 @@ const MOST: usize = MOST_INTERVALS as usize;
 
 /// A word of the slice: within the group, or across for an interval.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Level {
+pub(super) enum Level {
     Within,
     Across(u32),
 }
@@ -553,19 +553,20 @@ impl TwoLevel {
 /// The events one event leads to among a slice's words, in order, without
 /// allocating: at most the event itself, a `ReduceScatterDone` and an
 /// `AllGatherDone` per word across, and `ParentResultReceived` and
-/// `PartialSent` within.
+/// `PartialSent` within (and on a server in groups, whose all-gather is
+/// done at once, an `AllGatherDone` within).
 #[derive(Default)]
-struct Queue {
+pub(super) struct Queue {
     events: [Option<(Level, Event, Option<u32>)>; QUEUED],
     pushed: usize,
     popped: usize,
 }
 
 /// Most events one event leads to ([`Queue`]).
-const QUEUED: usize = 3 + 2 * MOST;
+const QUEUED: usize = 4 + 2 * MOST;
 
 impl Queue {
-    fn push(&mut self, level: Level, event: Event, from: Option<u32>) -> Result<()> {
+    pub(super) fn push(&mut self, level: Level, event: Event, from: Option<u32>) -> Result<()> {
         let slot = self.events.get_mut(self.pushed).ok_or_else(|| {
             Error::internal(
                 "one event of a slice in groups leads to a bounded number of others",
@@ -577,7 +578,7 @@ impl Queue {
         Ok(())
     }
 
-    fn pop(&mut self) -> Option<(Level, Event, Option<u32>)> {
+    pub(super) fn pop(&mut self) -> Option<(Level, Event, Option<u32>)> {
         let next = self.events.get_mut(self.popped)?.take()?;
         self.popped += 1;
         Some(next)
@@ -586,7 +587,7 @@ impl Queue {
 
 /// The sender's and the receiver's interval a write across carries in its
 /// part (`1 + 2 i + j`, see the module docs).
-fn interval_pair(part: u32) -> (u32, u32) {
+pub(super) fn interval_pair(part: u32) -> (u32, u32) {
     let p = part - 1;
     (p / MOST_INTERVALS, p % MOST_INTERVALS)
 }

@@ -313,7 +313,12 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// costs no message.
     pub(in crate::engine) fn on_peer_left(&self, peer: u32) {
         let mut t = self.lock_transfers();
-        t.peers[peer as usize].left = true;
+        // Messages are between workers: a dedicated server (which servers
+        // in groups hear from) has none.
+        let Some(state) = t.peers.get_mut(peer as usize) else {
+            return;
+        };
+        state.left = true;
         if t.local_of(peer).is_some() {
             self.settle_offered(&mut t);
         }
@@ -326,6 +331,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// from it or goes to it, and every message with it fails.
     pub(in crate::engine) fn on_peer_closed(&self, peer: u32) {
         let mut t = self.lock_transfers();
+        if peer as usize >= t.peers.len() {
+            // A dedicated server: no messages.
+            return;
+        }
         self.fail_messages_with(&mut t, peer, false, || {
             Error::peer(peer, "left the job before this message was sent whole")
         });
