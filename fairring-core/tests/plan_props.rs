@@ -606,8 +606,8 @@ fn staging_buffers_for_a_budget() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(128))]
 
-    /// With dedicated servers: machines serve nothing and send every shard of their
-    /// slot; the servers form `gcd(K, D)` rail groups, and a cell goes to a server
+    /// With dedicated servers kept in one level: machines serve nothing and send
+    /// every shard of their slot; the servers form `gcd(K, D)` rail groups, and a cell goes to a server
     /// of its slot's group; every server gets the same bytes of every full slice
     /// within one unit a cell (Herring's balanced buffers), and its cells fit its
     /// layout's disjoint areas.
@@ -619,7 +619,9 @@ proptest! {
     ) {
         let topo = Topology::new(m, d, RankLayout::Contiguous).unwrap();
         let config = PlanConfig::new(units * u64::from(d) * ALIGN_BYTES, min_units * ALIGN_BYTES).unwrap();
-        let g = Geometry::with_servers(topo, config, k).unwrap();
+        // Kept flat: where a slot's cells would fall below the minimum,
+        // the servers would form groups (`server_groups_props.rs`).
+        let g = Geometry::with_servers(topo, config.in_one_level(), k).unwrap();
         let rails = (1..=d.min(k)).rev().find(|r| k % r == 0 && d % r == 0).unwrap();
         prop_assert_eq!(g.servers(), Some(k));
         prop_assert_eq!(g.server_rails(), rails);
@@ -850,8 +852,14 @@ proptest! {
         prop_assert_eq!(g.routing(), expected);
         let cap = if expected == Routing::Trees { TREES } else { topo.machines() };
         prop_assert!(g.shards_per_full_slice() <= cap);
+        // Dedicated servers never route through the trees: flat, or in
+        // groups of servers where a slot's cells would be too small.
         let dedicated = Geometry::with_servers(topo, g.config(), servers).unwrap();
-        prop_assert_eq!(dedicated.routing(), Routing::Flat);
+        let grouped = dedicated.server_groups().is_some();
+        prop_assert_eq!(
+            dedicated.routing(),
+            if grouped { Routing::Groups } else { Routing::Flat }
+        );
     }
 
     /// The default group size: equal groups of the first size of
@@ -907,7 +915,7 @@ proptest! {
     }
 
     /// The default slices are 25 MiB's geometry exactly where that is flat or
-    /// served by dedicated servers. Where 25 MiB slices would go through the
+    /// served by dedicated servers (in groups of servers, or not). Where 25 MiB slices would go through the
     /// trees, they are the geometry of 32 MiB slices given where that is flat
     /// (every machine serving a shard), and else, where the machines make two
     /// levels in groups of `PlanConfig::default_group_size`, the
@@ -931,6 +939,16 @@ proptest! {
         let wide = make(PlanConfig::new(32 << 20, min_shard).unwrap());
         prop_assert_eq!(make(defaults.config()), defaults);
         prop_assert_eq!(make(one_level.config()), one_level);
+        if defaults.server_groups().is_some() {
+            // Servers in groups in the 25 MiB slices (a slot's cells below
+            // the minimum: `server_groups_props.rs`), made again from
+            // its configuration (above); in one level they stay flat.
+            prop_assert!(servers > 0 && one_level.server_groups().is_none());
+            prop_assert_eq!(one_level.routing(), Routing::Flat);
+            prop_assert_eq!(defaults.config().slice_bytes(), 25 << 20);
+            prop_assert_eq!(large.server_groups(), defaults.server_groups());
+            return Ok(());
+        }
         if defaults.routing() != Routing::Groups {
             // The same plan, but for the configuration's flag.
             prop_assert_eq!(one_level.routing(), defaults.routing());

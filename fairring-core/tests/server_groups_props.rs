@@ -349,9 +349,10 @@ proptest! {
 }
 
 /// Servers that do not serve one rail each make no groups; where a full
-/// slot cannot give every server a cell of the minimum shard, `with_servers`
-/// forms groups of [`PlanConfig::DEFAULT_SERVER_GROUP_SIZE`] itself, and not
-/// in one level.
+/// slot cannot give every server a cell of the minimum shard,
+/// `with_servers` forms groups itself, of at most
+/// [`PlanConfig::DEFAULT_SERVER_GROUP_SIZE`] or half the servers of a rail,
+/// and not in one level.
 #[test]
 fn servers_form_groups_where_their_cells_would_fall_below_the_minimum() {
     let topology = Topology::new(256, 8, RankLayout::Contiguous).unwrap();
@@ -362,22 +363,33 @@ fn servers_form_groups_where_their_cells_would_fall_below_the_minimum() {
             devices: 8
         })
     );
-    let config = PlanConfig::with_default_slices(PlanConfig::DEFAULT_SERVER_MIN_SHARD_BYTES).unwrap();
+    let config =
+        PlanConfig::with_default_slices(PlanConfig::DEFAULT_SERVER_MIN_SHARD_BYTES).unwrap();
     // 25 MiB slices, 3.2 MiB slots: 200 cells of 16 KiB.
     for (machines, grouped) in [(200u32, false), (201, true), (256, true)] {
         let topology = Topology::new(machines, 8, RankLayout::Contiguous).unwrap();
         let g = Geometry::with_servers(topology, config, 8 * machines).unwrap();
-        assert_eq!(g.server_groups().is_some(), grouped, "{machines} machines");
-        if let Some(groups) = g.server_groups() {
-            assert_eq!(groups.servers().largest(), 64.min(machines.div_ceil(groups.groups())));
-            assert!(groups.servers().largest() <= PlanConfig::DEFAULT_SERVER_GROUP_SIZE);
+        // Groups of at most 64, as even as can be: 201 in four of 51 and 50.
+        let groups = machines.div_ceil(64);
+        let largest = grouped.then(|| machines.div_ceil(groups));
+        assert_eq!(
+            g.server_groups().map(|groups| groups.servers().largest()),
+            largest,
+            "{machines} machines"
+        );
+        assert_eq!(
+            PlanConfig::default_server_group_size(machines),
+            64.min(machines / 2)
+        );
+        if g.server_groups().is_some() {
             check_geometry(&g, 64 << 18).unwrap();
         }
         let one = Geometry::with_servers(topology, config.in_one_level(), 8 * machines).unwrap();
         assert!(one.server_groups().is_none());
     }
-    // Fewer servers than the cells a slot holds, or not one per rail: flat.
+    // Fewer servers than a slot's cells of the minimum, or not one per
+    // rail: flat.
     let topology = Topology::new(256, 8, RankLayout::Contiguous).unwrap();
-    assert!(Geometry::with_servers(topology, config, 8 * 64).unwrap().server_groups().is_none());
+    assert!(Geometry::with_servers(topology, config, 8 * 200).unwrap().server_groups().is_none());
     assert!(Geometry::with_servers(topology, config, 4 * 256 + 4).unwrap().server_groups().is_none());
 }

@@ -256,9 +256,7 @@ impl Job {
         }
         if self.slicing.is_one_level() {
             builder = builder.grouping(fairring::Grouping::OneLevel);
-        } else if servers == 0 {
-            // Groups only where the machines serve, as the engine refuses
-            // them with dedicated servers.
+        } else {
             builder = builder.grouping(self.grouping);
         }
         builder

@@ -1,13 +1,17 @@
-//! A study of dedicated reduction servers in two levels: the servers of a rail
-//! group in groups, each group serving a group of worker machines, and then
-//! the groups' partial sums reduced across the groups, server to server.
+//! Dedicated reduction servers in two levels, as the engine runs them where
+//! its geometry puts the servers in groups (fairring-core's `ServerGroups`,
+//! `engine/algorithm/serve_in_groups.rs`): the servers of a rail group in
+//! groups, each group serving a group of worker machines, and then the
+//! groups' partial sums reduced across the groups, server to server.
 //!
-//! This row asks whether servers mode should change where a flat server hears
-//! from every machine (`servers`, [`super::servers`]): there a server of a
-//! slice receives `M` cells and sends `M` results, each `1/k` of a slot, so
-//! past a few hundred machines its cells shrink to the minimum shard and its
-//! posts take as long as its memory's passes. The engine does not run this
-//! plan; the study says what it would gain.
+//! A flat server of a slice ([`super::servers`]) receives `M` cells and sends
+//! `M` results, each `1/k` of a slot, so past a few hundred machines its cells
+//! shrink to the minimum shard and its posts take as long as its memory's
+//! passes. The `servers` row predicts the engine's own groups where it forms
+//! them ([`predict_engine`]: past 200 server machines of 8 NICs at the 16 KiB
+//! minimum shard, in groups of at most 64); the `server-groups` study
+//! ([`predict`], asked for by name) tries group sizes of its own choice
+//! (`FAIRRING_GROUP_SIZE`), each in the engine's geometry for that size.
 //!
 //! **The groups.** The `S = P / R` servers of rail 0's group (`P` server
 //! processes, one per NIC of each server machine, in `R` rail groups, as
@@ -29,11 +33,11 @@
 //! 1. **reduce-scatter** within each worker machine, as the engine does it;
 //! 2. **contributions**: each worker sends each server of its group that
 //!    server's range of its slot (one message each, on the worker's rail);
-//!    a server of a group of `W` workers receives `W` of them per slot it
-//!    serves (`D / R` slots) and folds them as a flat server folds its `M`
-//!    (`engine/algorithm/serve.rs`): its memory moves `2W + (W - 1) + 2f`
-//!    range-sized passes, `f` folds of up to `SERVER_FOLD_CELLS` cells, and
-//!    the last fold runs after the last cell lands;
+//!    a server of a group of `W` workers receives `W` of them (one slot: in
+//!    groups each server serves one rail); its memory takes the `W` cells as
+//!    its NIC writes them, and once all are in, one reduction reads the
+//!    `W - 1` areas and reads and writes the accumulator, as the engine
+//!    asks for it: `W + 1` range-sized passes after the last cell lands;
 //! 3. **across the groups**, as the co-located two-level plan does it
 //!    ([`super::groups`]) with servers in the machines' place: the ranges of
 //!    all server groups cut the slot into intervals, each held by one
@@ -44,7 +48,7 @@
 //!    moves every piece its NIC reads or writes (the partial sums out and
 //!    in, the sums out and in);
 //! 4. **results**: once every piece of its range is final, a server sends the
-//!    range to each of its `W` workers, per slot it serves;
+//!    range to each of its `W` workers (its NIC reading it `W` times);
 //! 5. **all-gather** within each worker machine, once every range of its
 //!    slot has landed.
 //!
@@ -57,15 +61,17 @@
 //! Every message occupies its sender for `max(o, bytes / rate)` (a worker's
 //! rail, or a server's NIC) and lands one latency later. A receive side takes
 //! a level's bytes from its first sender's start on; a step waits for the
-//! last sender plus a latency. Workers hold the engine's staging buffers
-//! for dedicated servers (`Job::staging`) and take its slices; servers are
-//! not limited by buffers, as in [`super::servers`].
+//! last sender plus a latency. The cells' writes into a server's memory run
+//! in chunks of `SERVER_FOLD_CELLS` cells, so that a reduction of an earlier
+//! slice that becomes ready meanwhile waits for one chunk. Workers hold the
+//! engine's staging buffers (`Job::staging`) and take its slices; servers
+//! are not limited by buffers, as in [`super::servers`].
 //!
 //! [`Job::group`]: super::Job::group
 
 use std::ops::Range;
 
-use fairring_core::plan::{MachineGroups, PlanError, SERVER_FOLD_CELLS, ServerGroups, Slice};
+use fairring_core::plan::{MachineGroups, SERVER_FOLD_CELLS, Slice};
 
 use super::events::{ResourceId, Schedule, TaskId};
 use super::groups::group_sizes;
@@ -76,7 +82,7 @@ use super::{Algo, Hardware, Job, Link, ModelError, Prediction, Traffic};
 /// The predicted time of `job`'s all-reduces with its dedicated servers in
 /// two levels, in the group size of [`group_sizes`] that gives the shortest.
 pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
-    let serving = servers_per_rail_group(hw, job)?.1;
+    let serving = server_processes(hw, job)? / job.devices.max(1);
     let mut best: Option<Prediction> = None;
     let mut tried = Vec::new();
     for g in group_sizes(serving, job.group) {
@@ -93,39 +99,62 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     }
     best.ok_or(ModelError::NotApplicable {
         algo: Algo::ServerGroups,
-        reason: "needs 4 servers or more a rail group, in groups from 2 to half of them that \
-                 leave no group of one, and at least as many worker machines as groups",
+        reason: "needs a server per NIC of each rail (server processes a multiple of the GPUs \
+                 a machine has), 4 or more a rail, in groups from 2 to half of them that leave \
+                 no group of one, and at least as many worker machines as groups",
     })
 }
 
-/// The engine's staging with the job's servers, and `S`, the servers of a
-/// rail group.
-fn servers_per_rail_group(
-    hw: &Hardware,
-    job: &Job,
-) -> Result<(fairring::Staging, u32), ModelError> {
-    let processes = job
-        .server_machines()
+/// The job's server processes: one per NIC of each server machine.
+fn server_processes(hw: &Hardware, job: &Job) -> Result<u32, ModelError> {
+    job.server_machines()
         .checked_mul(hw.server.nic_count)
-        .ok_or_else(|| ModelError::InvalidJob("too many server processes".into()))?;
-    let staging = job.staging(processes)?;
-    let serving = processes / staging.geometry.server_rails();
-    Ok((staging, serving))
+        .ok_or_else(|| ModelError::InvalidJob("too many server processes".into()))
 }
 
-/// The predicted time of `job`'s all-reduces with its servers in
-/// `ceil(S / g)` groups (`2 <= g <= S / 2`).
+/// The predicted time of `job`'s all-reduces with its servers in groups of
+/// at most `g` (`FAIRRING_GROUP_SIZE=g`): the engine's geometry, slices and
+/// buffers for that size.
 pub fn predict_with(hw: &Hardware, job: &Job, g: u32) -> Result<Prediction, ModelError> {
-    let (staging, serving) = servers_per_rail_group(hw, job)?;
-    let groups = match ServerGroups::new(job.machines, serving, g) {
-        Err(PlanError::TooFewWorkers { .. }) => {
+    let processes = server_processes(hw, job)?;
+    let mut grouped = *job;
+    grouped.grouping = fairring::Grouping::AtMost(g);
+    let staging = match grouped.staging(processes) {
+        Err(ModelError::Refused(_)) => {
             return Err(ModelError::NotApplicable {
                 algo: Algo::ServerGroups,
-                reason: "needs at least as many worker machines as server groups",
+                reason: "the engine forms no such groups of these servers",
             });
         }
         other => other?,
     };
+    run(hw, job, Algo::ServerGroups, &staging)
+}
+
+/// The engine's own plan where its geometry puts the servers in groups: the
+/// schedule of [`predict_with`] over the engine's slices, buffers and
+/// groups, reported as [`Algo::Servers`].
+pub(super) fn predict_engine(
+    hw: &Hardware,
+    job: &Job,
+    staging: &fairring::Staging,
+) -> Result<Prediction, ModelError> {
+    run(hw, job, Algo::Servers, staging)
+}
+
+/// `job` on the engine's `staging`, whose servers are in groups, reported
+/// as `algo`.
+fn run(
+    hw: &Hardware,
+    job: &Job,
+    algo: Algo,
+    staging: &fairring::Staging,
+) -> Result<Prediction, ModelError> {
+    let groups = staging
+        .geometry
+        .server_groups()
+        .ok_or_else(|| ModelError::InvalidJob("the engine's servers form no groups".into()))?;
+    let serving = groups.servers().machines();
     let plan = groups.servers();
     let geometry = staging.geometry;
     let stages = Stages::new(hw, job);
@@ -172,7 +201,7 @@ pub fn predict_with(hw: &Hardware, job: &Job, g: u32) -> Result<Prediction, Mode
         ..Traffic::default()
     };
     report(
-        Algo::ServerGroups,
+        algo,
         job,
         &schedule,
         &workers,

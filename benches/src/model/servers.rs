@@ -79,6 +79,9 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     // The engine's geometry with dedicated servers: the servers take the
     // machines' place in the sharding, and the cells always go straight to them.
     let staging = job.staging(k_servers)?;
+    if staging.geometry.server_groups().is_some() {
+        return super::server_groups::predict_engine(hw, job, &staging);
+    }
     let geometry = staging.geometry;
     let buffers = staging.buffers as usize;
 

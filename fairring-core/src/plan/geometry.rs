@@ -77,13 +77,25 @@ impl PlanConfig {
     pub const DEFAULT_GROUP_SIZE: u32 = 48;
     /// The largest group of dedicated servers (of one rail group) where a
     /// full slot cannot give every server a cell of the minimum shard, and
-    /// the servers reduce in two levels instead ([`ServerGroups`]): 64
-    /// servers, so that 256 server machines of 8 NICs make 4 groups a rail.
+    /// the servers reduce in two levels instead ([`ServerGroups`],
+    /// [`PlanConfig::default_server_group_size`]): 64 servers, so that 256
+    /// server machines of 8 NICs make 4 groups a rail.
     ///
     /// The scale model's `server-groups` study (h100, a server machine per
     /// GPU machine) found groups of 64 best at 2048 GPUs at 64 MiB and 1
     /// GiB, and within 1% of the best (86) at 256 MiB.
     pub const DEFAULT_SERVER_GROUP_SIZE: u32 = 64;
+    /// The largest group of `servers` dedicated servers of a rail group
+    /// where they form groups themselves: [`PlanConfig::DEFAULT_SERVER_GROUP_SIZE`],
+    /// or half of them where that is fewer (so that there are two levels).
+    pub const fn default_server_group_size(servers: u32) -> u32 {
+        let half = servers / 2;
+        if half < Self::DEFAULT_SERVER_GROUP_SIZE {
+            half
+        } else {
+            Self::DEFAULT_SERVER_GROUP_SIZE
+        }
+    }
     /// The group sizes tried, in order, for groups of equal size where the
     /// default slices reduce in two levels
     /// ([`PlanConfig::default_group_size`]).
@@ -392,7 +404,7 @@ impl Geometry {
             && let Ok(groups) = ServerGroups::new(
                 topology.machines(),
                 servers / devices,
-                PlanConfig::DEFAULT_SERVER_GROUP_SIZE,
+                PlanConfig::default_server_group_size(servers / devices),
             )
         {
             return Geometry::build_in_server_groups(topology, config, servers, groups);

@@ -81,10 +81,16 @@
 //! counted in units of the slot; a slot that ends in part of a unit counts it
 //! whole, and the range or piece that holds it ends at the slot's end.
 //!
-//! **Servers in groups** ([`ServerGroups`]): the dedicated servers of a rail
-//! group in groups, each serving a group of worker machines, and then
-//! reducing across the groups, server to server (`plan/server_groups.rs`).
-//! The scale model studies it; no geometry routes cells this way yet.
+//! **Servers in groups** ([`ServerGroups`], [`Routing::Groups`] with
+//! dedicated servers): a geometry made [`Geometry::with_servers_in_groups`],
+//! or made [`Geometry::with_servers`] where a full slot cannot give every
+//! server of a rail group a cell of the minimum shard, puts the servers of
+//! each rail group in groups, each serving a group of worker machines, and
+//! then reducing across the groups, server to server
+//! (`plan/server_groups.rs`). Each server serves one rail (the servers a
+//! multiple of `D`). A slot is one cell that every worker cuts into its
+//! group's servers' ranges; a server keeps what lands in a
+//! [`ServerGroupLayout`] ([`Geometry::server_group_layout`]).
 //!
 //! **Zero elements** plan to zero slices: the all-reduce is complete at once.
 //!

@@ -35,9 +35,16 @@
 //! each an `S`-th of the slot. A worker moves its slot once each way, as with
 //! flat servers.
 //!
-//! The scale model's `server-groups` study walks this arithmetic; the engine
-//! does not run it yet. Every query is a few integer operations; nothing
-//! allocates or panics.
+//! A geometry routes the slots this way ([`Routing::Groups`](super::Routing::Groups)
+//! with servers) where it is made
+//! [`Geometry::with_servers_in_groups`](super::Geometry::with_servers_in_groups),
+//! or made `with_servers` where a full slot cannot give every server of a
+//! rail group a cell of the minimum shard (in groups of at most
+//! [`PlanConfig::default_server_group_size`](super::PlanConfig::default_server_group_size));
+//! its servers keep what lands in a
+//! [`ServerGroupLayout`](super::ServerGroupLayout). The engine runs it
+//! (`engine/algorithm/serve_in_groups.rs`), and the scale model walks it.
+//! Every query is a few integer operations; nothing allocates or panics.
 
 use core::ops::Range;
 
