@@ -1512,11 +1512,19 @@ fn servers_in_groups_keep_2048_gpus_within_a_fifth_of_64() {
             at_2048.busbw_gbps
         );
         let studied = at(256, Algo::ServerGroups, auto).busbw_gbps;
-        assert!(studied <= at_2048.busbw_gbps * 1.01, "{studied} against {}", at_2048.busbw_gbps);
+        assert!(
+            studied <= at_2048.busbw_gbps * 1.01,
+            "{studied} against {}",
+            at_2048.busbw_gbps
+        );
         if bytes == 64 * MIB {
             let flat = at(256, Algo::Servers, fairring::Grouping::OneLevel);
             assert!(!flat.traffic.unwrap().in_groups);
-            assert!(flat.busbw_gbps < 0.8 * at_64, "{} against {at_64}", flat.busbw_gbps);
+            assert!(
+                flat.busbw_gbps < 0.8 * at_64,
+                "{} against {at_64}",
+                flat.busbw_gbps
+            );
         }
     }
 }

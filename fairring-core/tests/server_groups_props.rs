@@ -12,7 +12,9 @@
 use std::ops::Range;
 
 use fairring_core::DataType;
-use fairring_core::plan::{Geometry, MachineGroups, Plan, PlanConfig, PlanError, Routing, ServerGroups};
+use fairring_core::plan::{
+    Geometry, MachineGroups, Plan, PlanConfig, PlanError, Routing, ServerGroups,
+};
 use fairring_core::topology::{Location, RankLayout, Topology};
 use proptest::prelude::*;
 
@@ -46,7 +48,10 @@ fn check_groups(g: &ServerGroups, slot_units: u64) -> Result<(), TestCaseError> 
             prop_assert_eq!((at.group, at.member), (group, member as u32));
             let servers = g.servers_of(machine).unwrap();
             let first = g.servers().first(group).unwrap();
-            prop_assert_eq!(servers.clone(), first..first + g.servers().size(group).unwrap());
+            prop_assert_eq!(
+                servers.clone(),
+                first..first + g.servers().size(group).unwrap()
+            );
             prop_assert!(servers.len() >= 2);
         }
         next = workers.end;
@@ -57,11 +62,17 @@ fn check_groups(g: &ServerGroups, slot_units: u64) -> Result<(), TestCaseError> 
     prop_assert_eq!(g.most_workers(), sizes[0]);
     prop_assert_eq!(
         g.locate_worker(m),
-        Err(PlanError::MachineOutOfRange { machine: m, machines: m })
+        Err(PlanError::MachineOutOfRange {
+            machine: m,
+            machines: m
+        })
     );
     prop_assert_eq!(
         g.workers(q),
-        Err(PlanError::GroupOutOfRange { group: q, groups: q })
+        Err(PlanError::GroupOutOfRange {
+            group: q,
+            groups: q
+        })
     );
     // A worker's cells tile its slot in order, one per server of its group,
     // each that server's range, the same for every worker of the group.
@@ -306,7 +317,11 @@ fn check_geometry(geometry: &Geometry, elements: u64) -> Result<(), TestCaseErro
                     .filter(|&i| !groups.cell(units, machine, i).unwrap().is_empty())
                     .count() as u16;
                 let role = slice.role(Location { machine, device }).unwrap();
-                let want = if slice.slot(device).unwrap().is_empty() { 0 } else { cells };
+                let want = if slice.slot(device).unwrap().is_empty() {
+                    0
+                } else {
+                    cells
+                };
                 prop_assert_eq!(role.contributions_to_send, want);
                 prop_assert_eq!(role.results_to_receive, want);
                 prop_assert!(!role.reduces);
@@ -390,6 +405,16 @@ fn servers_form_groups_where_their_cells_would_fall_below_the_minimum() {
     // Fewer servers than a slot's cells of the minimum, or not one per
     // rail: flat.
     let topology = Topology::new(256, 8, RankLayout::Contiguous).unwrap();
-    assert!(Geometry::with_servers(topology, config, 8 * 200).unwrap().server_groups().is_none());
-    assert!(Geometry::with_servers(topology, config, 4 * 256 + 4).unwrap().server_groups().is_none());
+    assert!(
+        Geometry::with_servers(topology, config, 8 * 200)
+            .unwrap()
+            .server_groups()
+            .is_none()
+    );
+    assert!(
+        Geometry::with_servers(topology, config, 4 * 256 + 4)
+            .unwrap()
+            .server_groups()
+            .is_none()
+    );
 }

@@ -623,14 +623,14 @@ impl ConfigBuilder {
                 format!("must be between {floor} and {max_slice} bytes"),
             ));
         }
-        if let Grouping::AtMost(size) = self.config.grouping {
-            if size < 2 {
-                return Err(Error::config(
-                    "FAIRRING_GROUP_SIZE",
-                    size,
-                    "groups need at least 2 machines",
-                ));
-            }
+        if let Grouping::AtMost(size) = self.config.grouping
+            && size < 2
+        {
+            return Err(Error::config(
+                "FAIRRING_GROUP_SIZE",
+                size,
+                "groups need at least 2 members (machines, or servers of a rail)",
+            ));
         }
         if self.config.tcp_receive_buffer > MAX_TCP_RECEIVE_BUFFER {
             return Err(Error::config(

@@ -324,7 +324,10 @@ impl BufferLayout {
     /// `interval`-th interval (both indices within their rail group).
     pub(crate) fn server_across(&self, interval: u32, from: u32, own: u32) -> Result<Range<usize>> {
         let area = self.server_groups()?.across(interval, from, own);
-        two_level_area(area, "partial sums across come from a server of another group")
+        two_level_area(
+            area,
+            "partial sums across come from a server of another group",
+        )
     }
 
     /// Where the servers are in groups, the first `len` bytes of the areas

@@ -1166,7 +1166,10 @@ fn servers_in_groups_settle_with_exact_results() {
                 }
             })
             .collect();
-        if ops.iter().any(|op| op.elements * 4 < 64 * u64::from(per_rail * devices)) {
+        if ops
+            .iter()
+            .any(|op| op.elements * 4 < 64 * u64::from(per_rail * devices))
+        {
             empty_ranges += 1;
         }
         let processes = machines * devices + servers;
@@ -1202,7 +1205,10 @@ fn servers_in_groups_settle_with_exact_results() {
     }
     settled.check_at_least(60);
     assert!(unequal > 60, "{unequal} seeds had groups of two sizes");
-    assert!(empty_ranges > 60, "{empty_ranges} seeds had ranges left empty");
+    assert!(
+        empty_ranges > 60,
+        "{empty_ranges} seeds had ranges left empty"
+    );
 }
 
 /// The device model catches the three ways the design can break, each on a
@@ -1776,4 +1782,3 @@ fn small_receives_past_the_slots_announce_themselves() {
     assert!(engines.iter().all(|e| e.failure().is_none()));
     assert_eq!(got, sent);
 }
-

@@ -8,7 +8,7 @@
 //! `M` results, each `1/k` of a slot, so past a few hundred machines its cells
 //! shrink to the minimum shard and its posts take as long as its memory's
 //! passes. The `servers` row predicts the engine's own groups where it forms
-//! them ([`predict_engine`]: past 200 server machines of 8 NICs at the 16 KiB
+//! them (`predict_engine`: past 200 server machines of 8 NICs at the 16 KiB
 //! minimum shard, in groups of at most 64); the `server-groups` study
 //! ([`predict`], asked for by name) tries group sizes of its own choice
 //! (`FAIRRING_GROUP_SIZE`), each in the engine's geometry for that size.
@@ -168,7 +168,11 @@ fn run(
         buffers: staging.buffers.max(1) as usize,
         slots: u64::from(job.devices / geometry.server_rails()),
         workers: (0..groups.groups())
-            .map(|group| groups.workers(group).map(|w| w.map(|m| m as usize).collect()))
+            .map(|group| {
+                groups
+                    .workers(group)
+                    .map(|w| w.map(|m| m as usize).collect())
+            })
             .collect::<Result<_, _>>()?,
         plan,
         stages,
@@ -200,14 +204,7 @@ fn run(
         in_groups: true,
         ..Traffic::default()
     };
-    report(
-        algo,
-        job,
-        &schedule,
-        &workers,
-        costs.rail,
-        traffic,
-    )
+    report(algo, job, &schedule, &workers, costs.rail, traffic)
 }
 
 /// One server process: its NIC's two sides and its share of memory.
@@ -464,14 +461,7 @@ fn add(
         sched.after(reduced, group_reduced[r], 0.0);
         messages.clear();
         messages.extend(from[r].iter().map(|&(_, b)| b));
-        let back = send_batch(
-            costs,
-            sched,
-            server.send,
-            costs.server,
-            &messages,
-            reduced,
-        );
+        let back = send_batch(costs, sched, server.send, costs.server, &messages, reduced);
         owned[r] = (reduced, back);
     }
     let mut back: Vec<Vec<usize>> = vec![Vec::new(); n];

@@ -176,7 +176,14 @@ mod tests {
                     machine: u32::MAX,
                     device: 0,
                 };
-                let w = Wiring::of(topology, nowhere, world + index, servers, Some(index), false);
+                let w = Wiring::of(
+                    topology,
+                    nowhere,
+                    world + index,
+                    servers,
+                    Some(index),
+                    false,
+                );
                 // Its rail group's workers, each of which links back with it.
                 let rails = server_rails(servers, d);
                 let workers: Vec<u32> = (0..world)
@@ -220,8 +227,16 @@ mod in_groups_tests {
                 device: 0,
             };
             for index in 0..servers {
-                let flat = Wiring::of(topology, nowhere, world + index, servers, Some(index), false);
-                let grouped = Wiring::of(topology, nowhere, world + index, servers, Some(index), true);
+                let flat = Wiring::of(
+                    topology,
+                    nowhere,
+                    world + index,
+                    servers,
+                    Some(index),
+                    false,
+                );
+                let grouped =
+                    Wiring::of(topology, nowhere, world + index, servers, Some(index), true);
                 let mates: Vec<u32> = (0..servers)
                     .filter(|&i| i != index && i % d == index % d)
                     .map(|i| world + i)
@@ -231,7 +246,7 @@ mod in_groups_tests {
                 want.sort_unstable();
                 assert_eq!(grouped.linked, want, "{m}x{d}+{servers}: server {index}");
                 assert_eq!(grouped.out, grouped.inbound);
-                assert_eq!(mates.len() as u32, servers / d - 1);
+                assert_eq!(mates.len(), (servers / d - 1) as usize);
             }
         }
     }

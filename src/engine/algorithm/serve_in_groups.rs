@@ -216,11 +216,15 @@ impl ServeInGroups {
         part: u32,
     ) -> Result<(Level, Event)> {
         if peer < ctx.world {
-            let from_worker = ctx.topology.locate(peer).ok().filter(|l| {
-                l.device == self.device && self.workers.contains(&l.machine)
-            });
+            let from_worker = ctx
+                .topology
+                .locate(peer)
+                .ok()
+                .filter(|l| l.device == self.device && self.workers.contains(&l.machine));
             return match (kind, part, from_worker) {
-                (Kind::Contribution, 0, Some(_)) => Ok((Level::Within, Event::ContributionReceived)),
+                (Kind::Contribution, 0, Some(_)) => {
+                    Ok((Level::Within, Event::ContributionReceived))
+                }
                 _ => Err(unexpected(
                     kind,
                     peer,
@@ -242,7 +246,12 @@ impl ServeInGroups {
             (Kind::Partial | Kind::Result, 1.., true) => {
                 let (_, receiver) = interval_pair(part);
                 self.across_level(receiver).ok_or_else(|| {
-                    unexpected(kind, peer, s, "an interval this server's range does not have")
+                    unexpected(
+                        kind,
+                        peer,
+                        s,
+                        "an interval this server's range does not have",
+                    )
                 })?
             }
             _ => {
