@@ -44,6 +44,7 @@
 
 pub(crate) mod doubling;
 mod hierarchical;
+mod levels;
 mod nccl;
 mod peers;
 mod relay;

@@ -35,33 +35,36 @@
 //!    released (within, `PartialSent`) and every send has completed.
 //!
 //! A server whose range is empty (a slot of fewer units than its group has
-//! servers) receives nothing and releases at once. Writes carry their part
-//! as the co-located two levels' do: 0 within (cells and results to
-//! workers); across, `1 + 2 i + j` for the sender's interval `i` and the
-//! receiver's `j`. Values cross exact whatever the wire format asked for;
-//! an `f16` or `bf16` partial sum is rounded once per level.
+//! servers) receives nothing and releases at once. The words and the
+//! exchange across are the co-located two levels' (`algorithm/levels.rs`),
+//! writes carrying their parts as there: 0 within (cells and results to
+//! workers). Values cross exact whatever the wire format asked for; an
+//! `f16` or `bf16` partial sum is rounded once per level.
 
 use std::ops::Range;
 
-use fairring_core::ReduceOp;
-use fairring_core::WireFormat;
-use fairring_core::plan::{MOST_INTERVALS, ServerGroups, TwoLevelRoles};
-use fairring_core::staging::{Actions, Event, Role, Word};
+use fairring_core::plan::{ServerGroups, TwoLevelRoles};
+use fairring_core::staging::{Actions, Event, Role};
 use fairring_core::topology::Location;
 
-use super::hierarchical::refused;
-use super::two_level::{Level, Queue, interval_pair};
+use super::levels::{Exchange, Level, Placement, Queue, Words};
 use super::{Context, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
-use crate::memory::{Reduction, Sources};
-
-/// Intervals a range has at most, as an index.
-const MOST: usize = MOST_INTERVALS as usize;
+use crate::memory::Sources;
 
 /// A server's state of one slice in groups.
 #[derive(Debug)]
 pub(crate) struct ServeInGroups {
+    words: Words,
+    within: Within,
+    released: bool,
+}
+
+/// What the word within acts on: where the server is in its groups, and
+/// its roles.
+#[derive(Debug)]
+struct Within {
     groups: ServerGroups,
     /// This server's index in its rail group, and the slot it serves.
     index: u32,
@@ -71,19 +74,52 @@ pub(crate) struct ServeInGroups {
     roles: TwoLevelRoles,
     /// The worker machines of this server's group.
     workers: Range<u32>,
-    within: Word,
-    /// One word per interval of this server's range: the first `intervals`.
-    across: [Word; MOST],
-    intervals: u32,
-    /// Words across that handed out `START_ALL_GATHER`, and `RELEASE`.
-    across_final: u32,
-    across_released: u32,
-    /// Levels in the order their reductions were asked for, and how many have
-    /// ended: the engine reports the ends of a buffer's steps in order.
-    reductions: [Level; 1 + MOST],
-    reductions_asked: usize,
-    reductions_ended: usize,
-    released: bool,
+}
+
+/// A server in the exchange across the groups: its range in a whole-slot
+/// accumulator at the start of its buffer, the areas across past its
+/// workers' (`ServerGroupLayout`).
+struct Server<'a> {
+    ctx: &'a Context<'a>,
+    index: u32,
+    device: u32,
+}
+
+impl Placement for Server<'_> {
+    fn rank_of(&self, member: u32) -> Result<u32> {
+        Ok(self.ctx.world + member * self.ctx.topology.devices_per_machine() + self.device)
+    }
+
+    fn bytes(&self, s: &SliceInfo<'_>, units: Range<u64>) -> Result<Range<usize>> {
+        let internal =
+            |e: fairring_core::plan::PlanError| Error::internal("the slot exists", e.to_string());
+        let slot = s.slice.slot(self.device).map_err(internal)?;
+        let span = s
+            .slice
+            .slot_units_span(self.device, units)
+            .map_err(internal)?;
+        let bytes = span.byte_range_in(slot).ok_or_else(|| {
+            Error::internal(
+                "a slot's units lie within it",
+                format!("{span:?} in {slot:?}"),
+            )
+        })?;
+        self.ctx.layout.server_accumulator(bytes)
+    }
+
+    fn area_at(&self, interval: u32, holder: u32) -> Result<usize> {
+        Ok(self
+            .ctx
+            .layout
+            .server_across(interval, self.index, holder)?
+            .start)
+    }
+
+    fn across_sources(&self, interval: u32, len: usize) -> Result<Sources> {
+        self.ctx
+            .layout
+            .server_across_sources(interval, self.index, len)
+    }
 }
 
 impl ServeInGroups {
@@ -111,15 +147,17 @@ impl ServeInGroups {
         };
         let units = s.slice.group_units(device).map_err(internal)?;
         let roles = groups.servers().roles(units, index).map_err(internal)?;
-        let group = roles.membership().group;
-        let workers = groups.workers(group).map_err(internal)?;
+        let workers = groups.workers(roles.membership().group).map_err(internal)?;
         let w = workers.end - workers.start;
-        let holds = !roles.range().is_empty();
+        // Within, a flat plan's server of its range over its workers, whose
+        // sum goes on across the groups.
         #[expect(
             clippy::cast_possible_truncation,
             reason = "a group's workers, below 4096"
         )]
-        let within_role = if holds {
+        let within = if roles.range().is_empty() {
+            Role::IDLE
+        } else {
             Role {
                 contributions_to_send: 0,
                 contributions_to_receive: w as u16,
@@ -128,36 +166,18 @@ impl ServeInGroups {
                 reduces: true,
                 forwards: true,
             }
-        } else {
-            Role::IDLE
         };
-        let acquire = |role: Role| {
-            Word::free(s.generation)
-                .acquire(s.generation, role)
-                .map_err(|e| Error::internal("a new slice's words are free", e.to_string()))
-        };
-        let within = acquire(within_role)?;
-        let mut across = [within; MOST];
-        let mut intervals = 0;
-        for (word, a) in across.iter_mut().zip(roles.across()) {
-            *word = acquire(a.role)?;
-            intervals += 1;
-        }
+        let words = Words::acquire(s.generation, within, &roles)?;
         let mut serve = ServeInGroups {
-            groups,
-            index,
-            device,
-            units,
-            roles,
-            workers,
-            within,
-            across,
-            intervals,
-            across_final: 0,
-            across_released: 0,
-            reductions: [Level::Within; 1 + MOST],
-            reductions_asked: 0,
-            reductions_ended: 0,
+            words,
+            within: Within {
+                groups,
+                index,
+                device,
+                units,
+                roles,
+                workers,
+            },
             released: false,
         };
         serve.run(ctx, s, Level::Within, Event::ReduceScatterDone, None, steps)?;
@@ -177,25 +197,20 @@ impl ServeInGroups {
                 let (level, event) = self.landed(ctx, s, kind, peer, part)?;
                 (level, event, Some(peer))
             }
-            SliceEvent::Sent { kind, part } => {
-                let level = match (kind, part) {
-                    (Kind::Result, 0) => Level::Within,
-                    (Kind::Partial | Kind::Result, 1..) => {
-                        let (sender, _) = interval_pair(part);
-                        self.across_level(sender)
-                            .ok_or_else(|| stray_event(event, s, &self.phase()))?
-                    }
-                    _ => return Err(stray_event(event, s, &self.phase())),
-                };
-                let core_event = match kind {
-                    Kind::Result => Event::ResultSent,
-                    _ => Event::ContributionSent,
-                };
-                (level, core_event, None)
+            // A server sends results within and partial sums and results
+            // across, never cells.
+            SliceEvent::Sent { kind, part } if !(kind == Kind::Contribution && part == 0) => {
+                let (level, event) = self
+                    .words
+                    .sent(kind, part)
+                    .ok_or_else(|| stray_event(event, s, &self.phase()))?;
+                (level, event, None)
             }
-            SliceEvent::Reduced if self.reductions_ended < self.reductions_asked => {
-                let level = self.reductions[self.reductions_ended];
-                self.reductions_ended += 1;
+            SliceEvent::Reduced => {
+                let level = self
+                    .words
+                    .reduction_ended()
+                    .ok_or_else(|| stray_event(event, s, &self.phase()))?;
                 (level, Event::Reduced, None)
             }
             _ => return Err(stray_event(event, s, &self.phase())),
@@ -216,11 +231,9 @@ impl ServeInGroups {
         part: u32,
     ) -> Result<(Level, Event)> {
         if peer < ctx.world {
-            let from_worker = ctx
-                .topology
-                .locate(peer)
-                .ok()
-                .filter(|l| l.device == self.device && self.workers.contains(&l.machine));
+            let from_worker = ctx.topology.locate(peer).ok().filter(|l| {
+                l.device == self.within.device && self.within.workers.contains(&l.machine)
+            });
             return match (kind, part, from_worker) {
                 (Kind::Contribution, 0, Some(_)) => {
                     Ok((Level::Within, Event::ContributionReceived))
@@ -235,44 +248,31 @@ impl ServeInGroups {
         }
         let devices = ctx.topology.devices_per_machine();
         let other = peer - ctx.world;
-        let group = self.roles.membership().group;
-        let across = other % devices == self.device
+        let group = self.within.roles.membership().group;
+        let across = other % devices == self.within.device
             && self
+                .within
                 .groups
                 .servers()
                 .locate(other / devices)
                 .is_ok_and(|m| m.group != group);
-        let level = match (kind, part, across) {
-            (Kind::Partial | Kind::Result, 1.., true) => {
-                let (_, receiver) = interval_pair(part);
-                self.across_level(receiver).ok_or_else(|| {
-                    unexpected(
-                        kind,
-                        peer,
-                        s,
-                        "an interval this server's range does not have",
-                    )
-                })?
-            }
-            _ => {
-                return Err(unexpected(
-                    kind,
-                    peer,
-                    s,
-                    "a server hears across only from its rail's servers of other groups",
-                ));
-            }
-        };
-        let event = match kind {
-            Kind::Result => Event::ResultReceived,
-            _ => Event::ContributionReceived,
-        };
-        Ok((level, event))
-    }
-
-    /// The word across for this server's interval `interval`, if it has one.
-    fn across_level(&self, interval: u32) -> Option<Level> {
-        (interval < self.intervals).then_some(Level::Across(interval))
+        if !across {
+            return Err(unexpected(
+                kind,
+                peer,
+                s,
+                "a server hears across only from its rail's servers of other groups",
+            ));
+        }
+        self.words.landed_across(kind, part).ok_or_else(|| {
+            unexpected(
+                kind,
+                peer,
+                s,
+                "not a partial sum or result across, or of an interval this server's range does \
+                 not have",
+            )
+        })
     }
 
     /// Steps `level`'s word with `event` (from `from`, if a peer's write),
@@ -286,64 +286,83 @@ impl ServeInGroups {
         from: Option<u32>,
         steps: &mut Vec<Step>,
     ) -> Result<()> {
-        let mut queue = Queue::default();
-        queue.push(level, event, from)?;
-        while let Some((level, event, from)) = queue.pop() {
-            let word = match level {
-                Level::Within => &mut self.within,
-                Level::Across(i) => &mut self.across[i as usize],
-            };
-            let (stepped, actions) =
-                word.on_event(event, s.generation).map_err(|e| match from {
-                    Some(peer) => Error::peer(
-                        peer,
-                        format!(
-                            "a write into slice {} that a server's word in groups refuses \
-                             ({e}): the ranks' operations differ, or the peer broke the \
-                             protocol",
-                            s.number
-                        ),
-                    ),
-                    None => refused(e, None, s),
-                })?;
-            *word = stepped;
-            match level {
-                Level::Within => self.act_within(ctx, s, actions, &mut queue, steps)?,
-                Level::Across(i) => self.act_across(ctx, s, i, actions, &mut queue, steps)?,
-            }
-        }
+        let within = &self.within;
+        let server = Server {
+            ctx,
+            index: within.index,
+            device: within.device,
+        };
+        let mut released = false;
+        self.words.run(
+            s,
+            Exchange {
+                placement: &server,
+                groups: within.groups.servers(),
+                units: within.units,
+                roles: &within.roles,
+                world: ctx.world,
+            },
+            (level, event, from),
+            steps,
+            |words, actions, queue, steps| {
+                released |= within.act(&server, s, words, actions, queue, steps)?;
+                Ok(())
+            },
+        )?;
+        self.released |= released;
         Ok(())
     }
 
-    /// Acts on what the word within handed out.
-    fn act_within(
-        &mut self,
-        ctx: &Context<'_>,
+    /// The algorithm the workers run for the slice.
+    pub(crate) fn resolved(&self) -> super::Resolved {
+        super::Resolved::Hierarchical
+    }
+
+    /// Where the slice is, for a stall report.
+    pub(crate) fn phase(&self) -> &'static str {
+        if self.released || !self.words.within.in_use() {
+            "released"
+        } else if self.words.across_running() {
+            "across the groups"
+        } else {
+            "collecting and reducing its group's cells"
+        }
+    }
+}
+
+impl Within {
+    /// Acts on what the word within handed out; whether it released the
+    /// buffer.
+    fn act(
+        &self,
+        server: &Server<'_>,
         s: &SliceInfo<'_>,
+        words: &mut Words,
         actions: Actions,
         queue: &mut Queue,
         steps: &mut Vec<Step>,
-    ) -> Result<()> {
+    ) -> Result<bool> {
+        let ctx = server.ctx;
         // A server sends no cells of its own (`START_CONTRIBUTIONS` finds
         // none to send).
         if actions.contains(Actions::START_REDUCE) {
-            let dst = self.accumulator(ctx, s, self.roles.range())?;
+            let dst = server.bytes(s, self.roles.range())?;
             let workers = self.workers.end - self.workers.start;
             let sources = if workers > 1 {
                 ctx.layout.server_within_sources(workers, dst.len())?
             } else {
                 Sources::none(dst.len())
             };
-            self.ask_reduction(Level::Within, s, dst, sources, None, steps);
+            words.ask_reduction(Level::Within, s, dst, sources, None, steps);
         }
         if actions.contains(Actions::START_SEND_UP) {
-            for i in 0..self.intervals {
+            for i in 0..words.intervals {
                 queue.push(Level::Across(i), Event::ReduceScatterDone, None)?;
             }
         }
         if actions.contains(Actions::START_SEND_BACK) {
             let range = self.roles.range();
-            let source = self.accumulator(ctx, s, range.clone())?;
+            let source = server.bytes(s, range.clone())?;
             let target = self.in_slice(s, range)?.start;
             for machine in self.workers.clone() {
                 let peer = ctx
@@ -367,156 +386,11 @@ impl ServeInGroups {
             // Nothing to gather on a server.
             queue.push(Level::Within, Event::AllGatherDone, None)?;
         }
-        if actions.contains(Actions::RELEASE) {
-            self.released = true;
+        let released = actions.contains(Actions::RELEASE);
+        if released {
             steps.push(Step::Release);
         }
-        Ok(())
-    }
-
-    /// Acts on what the word across for interval `i` handed out.
-    fn act_across(
-        &mut self,
-        ctx: &Context<'_>,
-        s: &SliceInfo<'_>,
-        i: u32,
-        actions: Actions,
-        queue: &mut Queue,
-        steps: &mut Vec<Step>,
-    ) -> Result<()> {
-        let across = self
-            .roles
-            .across()
-            .nth(i as usize)
-            .ok_or_else(|| {
-                Error::internal("a word across has its interval", format!("interval {i}"))
-            })?
-            .clone();
-        let group = self.roles.membership().group;
-        let servers = self.groups.servers();
-        let sends = actions.contains(Actions::START_CONTRIBUTIONS);
-        let results = actions.contains(Actions::START_SEND_BACK);
-        if sends || results {
-            let own_piece = self.accumulator(ctx, s, across.piece.clone())?;
-            for other in (0..servers.groups()).filter(|&g| g != group) {
-                let (holder, j) = self.holder_of(other, across.interval.start)?;
-                let part = 1 + MOST_INTERVALS * i + j;
-                let peer = self.server_rank(ctx, holder);
-                if sends {
-                    let piece = servers
-                        .piece(&across.interval, other)
-                        .map_err(|e| Error::internal("every group has a piece", e.to_string()))?;
-                    let source = self.accumulator(ctx, s, piece)?;
-                    if !source.is_empty() {
-                        steps.push(Step::Write(Write {
-                            kind: Kind::Partial,
-                            peer,
-                            source,
-                            target: ctx.layout.server_across(j, self.index, holder)?.start,
-                            needs_credit: true,
-                            part,
-                        }));
-                    }
-                }
-                if results {
-                    steps.push(Step::Write(Write {
-                        kind: Kind::Result,
-                        peer,
-                        source: own_piece.clone(),
-                        target: own_piece.start,
-                        needs_credit: false,
-                        part,
-                    }));
-                }
-            }
-        }
-        if actions.contains(Actions::START_REDUCE) {
-            let dst = self.accumulator(ctx, s, across.piece)?;
-            let sources = ctx.layout.server_across_sources(i, self.index, dst.len())?;
-            self.ask_reduction(Level::Across(i), s, dst, sources, Some(ctx.world), steps);
-        }
-        if actions.contains(Actions::START_ALL_GATHER) {
-            queue.push(Level::Across(i), Event::AllGatherDone, None)?;
-            self.across_final += 1;
-            if self.across_final == self.intervals {
-                queue.push(Level::Within, Event::ParentResultReceived, None)?;
-            }
-        }
-        if actions.contains(Actions::RELEASE) {
-            self.across_released += 1;
-            if self.across_released == self.intervals {
-                queue.push(Level::Within, Event::PartialSent, None)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Asks for `dst` to be reduced in place over `sources`; `whole`: the
-    /// sum is the job's, of this many ranks, which an average divides.
-    fn ask_reduction(
-        &mut self,
-        level: Level,
-        s: &SliceInfo<'_>,
-        dst: Range<usize>,
-        sources: Sources,
-        whole: Option<u32>,
-        steps: &mut Vec<Step>,
-    ) {
-        self.reductions[self.reductions_asked] = level;
-        self.reductions_asked += 1;
-        steps.push(Step::Reduce(Reduction {
-            dtype: s.dtype,
-            op: s.op,
-            dst,
-            sources,
-            average_over: whole.filter(|_| s.op == ReduceOp::Avg),
-            wire: WireFormat::Exact,
-        }));
-    }
-
-    /// The process rank of server `index` of this server's rail group.
-    fn server_rank(&self, ctx: &Context<'_>, index: u32) -> u32 {
-        ctx.world + index * ctx.topology.devices_per_machine() + self.device
-    }
-
-    /// Group `group`'s holder of the interval that starts at unit `start`
-    /// (its index in the rail group), and the index of that interval among
-    /// the holder's.
-    fn holder_of(&self, group: u32, start: u64) -> Result<(u32, u32)> {
-        let internal = |e: fairring_core::plan::PlanError| {
-            Error::internal("every group holds every unit of a slot", e.to_string())
-        };
-        let servers = self.groups.servers();
-        let member = servers.holder(self.units, group, start).map_err(internal)?;
-        let range = servers.range(self.units, group, member).map_err(internal)?;
-        Ok((
-            servers.machine(group, member).map_err(internal)?,
-            u32::from(range.start != start),
-        ))
-    }
-
-    /// Units `units` of slot `d`, in bytes from the slot's start: where they
-    /// lie in a server's accumulator.
-    fn accumulator(
-        &self,
-        ctx: &Context<'_>,
-        s: &SliceInfo<'_>,
-        units: Range<u64>,
-    ) -> Result<Range<usize>> {
-        let internal =
-            |e: fairring_core::plan::PlanError| Error::internal("the slot exists", e.to_string());
-        let slot = s.slice.slot(self.device).map_err(internal)?;
-        let span = s
-            .slice
-            .slot_units_span(self.device, units)
-            .map_err(internal)?;
-        let bytes = span.byte_range_in(slot).ok_or_else(|| {
-            Error::internal(
-                "a slot's units lie within it",
-                format!("{span:?} in {slot:?}"),
-            )
-        })?;
-        ctx.layout.server_accumulator(bytes)
+        Ok(released)
     }
 
     /// Units `units` of slot `d`, in bytes from the slice's start: where they
@@ -532,22 +406,5 @@ impl ServeInGroups {
                 format!("{span:?} in {:?}", s.slice.span()),
             )
         })
-    }
-
-    /// The algorithm the workers run for the slice.
-    pub(crate) fn resolved(&self) -> super::Resolved {
-        super::Resolved::Hierarchical
-    }
-
-    /// Where the slice is, for a stall report.
-    pub(crate) fn phase(&self) -> &'static str {
-        let across = &self.across[..self.intervals as usize];
-        if self.released || !self.within.in_use() {
-            "released"
-        } else if across.iter().any(|w| w.in_use() && w.reduce_scatter_done()) {
-            "across the groups"
-        } else {
-            "collecting and reducing its group's cells"
-        }
     }
 }

@@ -44,12 +44,10 @@
 //! group, whose area is its own, may land before this machine's group is
 //! done.
 //!
-//! **Parts.** A write's part (in its immediate and token, `engine/tags.rs`)
-//! says which word it belongs to at both ends: 0 within the group; across,
-//! `1 + 2 i + j` for the sender's interval `i` and the receiver's `j` (a
-//! holder's intervals are those of its own range: the same units may be the
-//! first interval of one holder and the second of another). The receiver
-//! tells a result within from one across by the sender's group as well.
+//! **Parts.** A write's part says which word it belongs to at both ends
+//! (`algorithm/levels.rs`, whose words and exchange across a dedicated
+//! server in groups shares). The receiver tells a result within from one
+//! across by the sender's group as well.
 //!
 //! Values cross exact, whatever the wire format asked for, as through the
 //! trees: an `f16` or `bf16` partial sum is stored in its type, rounded once
@@ -57,47 +55,70 @@
 
 use std::ops::Range;
 
-use fairring_core::plan::{MOST_INTERVALS, MachineGroups, Membership, TwoLevelRoles};
-use fairring_core::staging::{Actions, Event, Role, Word};
-use fairring_core::{ReduceOp, WireFormat};
+use fairring_core::plan::{MachineGroups, Membership, TwoLevelRoles};
+use fairring_core::staging::{Actions, Event};
 
-use super::hierarchical::refused;
+use super::levels::{Exchange, Level, Placement, Queue, Words, received};
 use super::{Context, DeviceUse, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
-use crate::memory::Reduction;
-
-/// Intervals a range has at most, as an index.
-const MOST: usize = MOST_INTERVALS as usize;
-
-/// A word of the slice: within the group, or across for an interval.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Level {
-    Within,
-    Across(u32),
-}
+use crate::memory::Sources;
 
 /// The two-level state of one slice.
 #[derive(Debug)]
 pub(crate) struct TwoLevel {
+    words: Words,
+    within: Within,
+}
+
+/// What the word within acts on: the groups, the slot's units and this
+/// machine's roles, and whether the local all-gather has been asked for.
+#[derive(Debug)]
+struct Within {
     groups: MachineGroups,
     /// Slot `d`'s units, as the two levels count them.
     units: u64,
     roles: TwoLevelRoles,
-    within: Word,
-    /// One word per interval of this machine's range: the first `intervals`.
-    across: [Word; MOST],
-    intervals: u32,
-    /// Words across that handed out `START_ALL_GATHER`, and `RELEASE`.
-    across_final: u32,
-    across_released: u32,
-    /// Levels in the order their reductions were asked for, and how many have
-    /// ended: the engine reports the ends of a buffer's steps in order.
-    reductions: [Level; 1 + MOST],
-    reductions_asked: usize,
-    reductions_ended: usize,
-    /// Whether the local all-gather has been asked for.
     gathering: bool,
+}
+
+/// A machine's rail in the exchange across the groups: its slot at the
+/// start of its buffer, the two levels' areas past it.
+struct Rail<'a> {
+    ctx: &'a Context<'a>,
+}
+
+impl Placement for Rail<'_> {
+    fn rank_of(&self, member: u32) -> Result<u32> {
+        self.ctx.rail_peer(member)
+    }
+
+    fn bytes(&self, s: &SliceInfo<'_>, units: Range<u64>) -> Result<Range<usize>> {
+        let span = s
+            .slice
+            .slot_units_span(self.ctx.location.device, units)
+            .map_err(|e| Error::internal("every device has a slot", e.to_string()))?;
+        span.byte_range_in(s.slice.span()).ok_or_else(|| {
+            Error::internal(
+                "a slot's units lie within its slice",
+                format!("{span:?} in {:?}", s.slice.span()),
+            )
+        })
+    }
+
+    fn area_at(&self, interval: u32, holder: u32) -> Result<usize> {
+        Ok(self
+            .ctx
+            .layout
+            .across(interval, self.ctx.location.machine, holder)?
+            .start)
+    }
+
+    fn across_sources(&self, interval: u32, len: usize) -> Result<Sources> {
+        self.ctx
+            .layout
+            .across_sources(interval, self.ctx.location.machine, len)
+    }
 }
 
 impl TwoLevel {
@@ -130,33 +151,17 @@ impl TwoLevel {
         let roles = groups
             .roles(units, ctx.location.machine)
             .map_err(|e| Error::internal("every machine has roles in groups", e.to_string()))?;
-        let acquire = |role: Role| {
-            Word::free(s.generation)
-                .acquire(s.generation, role)
-                .map_err(|e| Error::internal("a new slice's words are free", e.to_string()))
-        };
-        let within = acquire(roles.within())?;
-        let mut across = [within; MOST];
-        let mut intervals = 0;
-        for (word, a) in across.iter_mut().zip(roles.across()) {
-            *word = acquire(a.role)?;
-            intervals += 1;
-        }
+        let words = Words::acquire(s.generation, roles.within(), &roles)?;
         steps.push(Step::LocalBegin);
         steps.push(Step::LocalReduceScatter { final_world: None });
         Ok(TwoLevel {
-            groups,
-            units,
-            roles,
-            within,
-            across,
-            intervals,
-            across_final: 0,
-            across_released: 0,
-            reductions: [Level::Within; 1 + MOST],
-            reductions_asked: 0,
-            reductions_ended: 0,
-            gathering: false,
+            words,
+            within: Within {
+                groups,
+                units,
+                roles,
+                gathering: false,
+            },
         })
     }
 
@@ -164,6 +169,24 @@ impl TwoLevel {
     /// whole, never final (there are always several machines).
     pub(crate) fn device_use() -> DeviceUse {
         DeviceUse::local(None, false)
+    }
+
+    /// Where the slice is, for a stall report.
+    pub(crate) fn phase(&self) -> &'static str {
+        let within = &self.words.within;
+        if !within.in_use() {
+            "released"
+        } else if !within.reduce_scatter_done() {
+            "local reduce-scatter"
+        } else if self.words.across_running() {
+            "across the groups"
+        } else if !self.within.gathering {
+            "within the group"
+        } else if !within.all_gather_done() {
+            "local all-gather"
+        } else {
+            "draining its sends"
+        }
     }
 
     /// Takes one event.
@@ -182,30 +205,22 @@ impl TwoLevel {
                 (level, event, Some(peer))
             }
             SliceEvent::Sent { kind, part } => {
-                let level = match (kind, part) {
-                    (Kind::Contribution | Kind::Result, 0) => Level::Within,
-                    (Kind::Partial | Kind::Result, 1..) => {
-                        let (sender, _) = interval_pair(part);
-                        self.across_level(sender)
-                            .ok_or_else(|| stray_event(event, s, &self.phase()))?
-                    }
-                    _ => return Err(stray_event(event, s, &self.phase())),
-                };
-                let core_event = match kind {
-                    Kind::Result => Event::ResultSent,
-                    _ => Event::ContributionSent,
-                };
-                (level, core_event, None)
+                let (level, event) = self
+                    .words
+                    .sent(kind, part)
+                    .ok_or_else(|| stray_event(event, s, &self.phase()))?;
+                (level, event, None)
             }
-            SliceEvent::Reduced if self.reductions_ended < self.reductions_asked => {
-                let level = self.reductions[self.reductions_ended];
-                self.reductions_ended += 1;
+            SliceEvent::Reduced => {
+                let level = self
+                    .words
+                    .reduction_ended()
+                    .ok_or_else(|| stray_event(event, s, &self.phase()))?;
                 (level, Event::Reduced, None)
             }
-            SliceEvent::Staged
-            | SliceEvent::Reduced
-            | SliceEvent::CopiedOut
-            | SliceEvent::Converted(_) => return Err(stray_event(event, s, &self.phase())),
+            SliceEvent::Staged | SliceEvent::CopiedOut | SliceEvent::Converted(_) => {
+                return Err(stray_event(event, s, &self.phase()));
+            }
         };
         self.run(ctx, s, level, core_event, from, steps)
     }
@@ -220,49 +235,36 @@ impl TwoLevel {
         peer: u32,
         part: u32,
     ) -> Result<(Level, Event)> {
-        let me = self.roles.membership();
+        let me = self.within.roles.membership();
         let sender = ctx
             .topology
             .locate(peer)
             .ok()
             .filter(|l| l.device == ctx.location.device && l.machine != ctx.location.machine)
-            .and_then(|l| self.groups.locate(l.machine).ok());
+            .and_then(|l| self.within.groups.locate(l.machine).ok());
         let Some(Membership { group, .. }) = sender else {
             return Err(unexpected(kind, peer, s, "not a rail of another machine"));
         };
-        let within = group == me.group;
-        let level = match (kind, part, within) {
-            (Kind::Contribution | Kind::Result, 0, true) => Level::Within,
-            (Kind::Partial | Kind::Result, 1.., false) => {
-                let (_, receiver) = interval_pair(part);
-                self.across_level(receiver).ok_or_else(|| {
-                    unexpected(
-                        kind,
-                        peer,
-                        s,
-                        "an interval this machine's range does not have",
-                    )
-                })?
-            }
-            _ => {
-                return Err(unexpected(
+        if group != me.group {
+            return self.words.landed_across(kind, part).ok_or_else(|| {
+                unexpected(
                     kind,
                     peer,
                     s,
-                    "a write of another level than its sender's group makes it",
-                ));
-            }
-        };
-        let event = match kind {
-            Kind::Result => Event::ResultReceived,
-            _ => Event::ContributionReceived,
-        };
-        Ok((level, event))
-    }
-
-    /// The word across for this machine's interval `interval`, if it has one.
-    fn across_level(&self, interval: u32) -> Option<Level> {
-        (interval < self.intervals).then_some(Level::Across(interval))
+                    "not a partial sum or result across, or of an interval this machine's range \
+                     does not have",
+                )
+            });
+        }
+        match (kind, part) {
+            (Kind::Contribution | Kind::Result, 0) => Ok((Level::Within, received(kind))),
+            _ => Err(unexpected(
+                kind,
+                peer,
+                s,
+                "a write of another level than its sender's group makes it",
+            )),
+        }
     }
 
     /// Steps `level`'s word with `event` (from `from`, if a peer's write),
@@ -276,52 +278,47 @@ impl TwoLevel {
         from: Option<u32>,
         steps: &mut Vec<Step>,
     ) -> Result<()> {
-        let mut queue = Queue::default();
-        queue.push(level, event, from)?;
-        while let Some((level, event, from)) = queue.pop() {
-            let word = match level {
-                Level::Within => &mut self.within,
-                Level::Across(i) => &mut self.across[i as usize],
-            };
-            let (stepped, actions) =
-                word.on_event(event, s.generation).map_err(|e| match from {
-                    // The engine delivers each write once, of this slice's
-                    // generation: a write its word refuses (a duplicate, one for
-                    // a word that has released, one before its word began) is
-                    // the peer's.
-                    Some(peer) => Error::peer(
-                        peer,
-                        format!(
-                            "a write into slice {} that its word in groups refuses ({e}): the \
-                         ranks' operations differ, or the peer broke the protocol",
-                            s.number
-                        ),
-                    ),
-                    None => refused(e, None, s),
-                })?;
-            *word = stepped;
-            match level {
-                Level::Within => self.act_within(ctx, s, actions, &mut queue, steps)?,
-                Level::Across(i) => self.act_across(ctx, s, i, actions, &mut queue, steps)?,
-            }
-        }
+        let within = &self.within;
+        let mut gathering = false;
+        self.words.run(
+            s,
+            Exchange {
+                placement: &Rail { ctx },
+                groups: within.groups,
+                units: within.units,
+                roles: &within.roles,
+                world: ctx.world,
+            },
+            (level, event, from),
+            steps,
+            |words, actions, queue, steps| {
+                gathering |= within.act(ctx, s, words, actions, queue, steps)?;
+                Ok(())
+            },
+        )?;
+        self.within.gathering |= gathering;
         Ok(())
     }
+}
 
-    /// Acts on what the word within handed out.
-    fn act_within(
-        &mut self,
+impl Within {
+    /// Acts on what the word within handed out; whether it asked for the
+    /// local all-gather.
+    fn act(
+        &self,
         ctx: &Context<'_>,
         s: &SliceInfo<'_>,
+        words: &mut Words,
         actions: Actions,
         queue: &mut Queue,
         steps: &mut Vec<Step>,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let me = self.roles.membership();
         let members = self
             .groups
             .size(me.group)
             .map_err(|e| Error::internal("a machine's group exists", e.to_string()))?;
+        let rail = Rail { ctx };
         if actions.contains(Actions::START_CONTRIBUTIONS) {
             for member in (0..members).filter(|&j| j != me.member) {
                 let range = self
@@ -329,7 +326,7 @@ impl TwoLevel {
                     .range(self.units, me.group, member)
                     .map_err(|e| Error::internal("every member has a range", e.to_string()))?;
                 let machine = self.machine(me.group, member)?;
-                let source = self.bytes(ctx, s, range)?;
+                let source = rail.bytes(s, range)?;
                 if source.is_empty() {
                     continue;
                 }
@@ -344,17 +341,17 @@ impl TwoLevel {
             }
         }
         if actions.contains(Actions::START_REDUCE) {
-            let dst = self.bytes(ctx, s, self.roles.range())?;
+            let dst = rail.bytes(s, self.roles.range())?;
             let sources = ctx.layout.within_sources(ctx.location.machine, dst.len())?;
-            self.ask_reduction(Level::Within, s, dst, sources, None, steps);
+            words.ask_reduction(Level::Within, s, dst, sources, None, steps);
         }
         if actions.contains(Actions::START_SEND_UP) {
-            for i in 0..self.intervals {
+            for i in 0..words.intervals {
                 queue.push(Level::Across(i), Event::ReduceScatterDone, None)?;
             }
         }
         if actions.contains(Actions::START_SEND_BACK) {
-            let source = self.bytes(ctx, s, self.roles.range())?;
+            let source = rail.bytes(s, self.roles.range())?;
             for member in (0..members).filter(|&j| j != me.member) {
                 steps.push(Step::Write(Write {
                     kind: Kind::Result,
@@ -366,8 +363,8 @@ impl TwoLevel {
                 }));
             }
         }
-        if actions.contains(Actions::START_ALL_GATHER) {
-            self.gathering = true;
+        let gathering = actions.contains(Actions::START_ALL_GATHER);
+        if gathering {
             steps.push(Step::PublishSlot);
             steps.push(Step::LocalAllGather {
                 own_in_tensor: false,
@@ -376,111 +373,7 @@ impl TwoLevel {
         if actions.contains(Actions::RELEASE) {
             steps.push(Step::Release);
         }
-        Ok(())
-    }
-
-    /// Acts on what the word across for interval `i` handed out.
-    fn act_across(
-        &mut self,
-        ctx: &Context<'_>,
-        s: &SliceInfo<'_>,
-        i: u32,
-        actions: Actions,
-        queue: &mut Queue,
-        steps: &mut Vec<Step>,
-    ) -> Result<()> {
-        let across = self
-            .roles
-            .across()
-            .nth(i as usize)
-            .ok_or_else(|| {
-                Error::internal("a word across has its interval", format!("interval {i}"))
-            })?
-            .clone();
-        let me = self.roles.membership();
-        let sends = actions.contains(Actions::START_CONTRIBUTIONS);
-        let results = actions.contains(Actions::START_SEND_BACK);
-        if sends || results {
-            let own_piece = self.bytes(ctx, s, across.piece.clone())?;
-            for group in (0..self.groups.groups()).filter(|&g| g != me.group) {
-                let (holder, j) = self.holder_of(group, across.interval.start)?;
-                let part = 1 + MOST_INTERVALS * i + j;
-                let peer = ctx.rail_peer(holder)?;
-                if sends {
-                    let piece = self
-                        .groups
-                        .piece(&across.interval, group)
-                        .map_err(|e| Error::internal("every group has a piece", e.to_string()))?;
-                    let source = self.bytes(ctx, s, piece)?;
-                    if !source.is_empty() {
-                        steps.push(Step::Write(Write {
-                            kind: Kind::Partial,
-                            peer,
-                            source,
-                            target: ctx.layout.across(j, ctx.location.machine, holder)?.start,
-                            needs_credit: true,
-                            part,
-                        }));
-                    }
-                }
-                if results {
-                    steps.push(Step::Write(Write {
-                        kind: Kind::Result,
-                        peer,
-                        source: own_piece.clone(),
-                        target: own_piece.start,
-                        needs_credit: false,
-                        part,
-                    }));
-                }
-            }
-        }
-        if actions.contains(Actions::START_REDUCE) {
-            let dst = self.bytes(ctx, s, across.piece)?;
-            let sources = ctx
-                .layout
-                .across_sources(i, ctx.location.machine, dst.len())?;
-            self.ask_reduction(Level::Across(i), s, dst, sources, Some(ctx.world), steps);
-        }
-        if actions.contains(Actions::START_ALL_GATHER) {
-            // Nothing to gather at this level; once every piece of the range
-            // is final, the range is.
-            queue.push(Level::Across(i), Event::AllGatherDone, None)?;
-            self.across_final += 1;
-            if self.across_final == self.intervals {
-                queue.push(Level::Within, Event::ParentResultReceived, None)?;
-            }
-        }
-        if actions.contains(Actions::RELEASE) {
-            self.across_released += 1;
-            if self.across_released == self.intervals {
-                queue.push(Level::Within, Event::PartialSent, None)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Asks for `dst` to be reduced in place over `sources`; `whole`: the
-    /// sum is the job's, of this many ranks, which an average divides.
-    fn ask_reduction(
-        &mut self,
-        level: Level,
-        s: &SliceInfo<'_>,
-        dst: Range<usize>,
-        sources: crate::memory::Sources,
-        whole: Option<u32>,
-        steps: &mut Vec<Step>,
-    ) {
-        self.reductions[self.reductions_asked] = level;
-        self.reductions_asked += 1;
-        steps.push(Step::Reduce(Reduction {
-            dtype: s.dtype,
-            op: s.op,
-            dst,
-            sources,
-            average_over: whole.filter(|_| s.op == ReduceOp::Avg),
-            wire: WireFormat::Exact,
-        }));
+        Ok(gathering)
     }
 
     /// The machine of member `member` of group `group`.
@@ -489,105 +382,4 @@ impl TwoLevel {
             .machine(group, member)
             .map_err(|e| Error::internal("every member is a machine", e.to_string()))
     }
-
-    /// Group `group`'s holder of the interval that starts at unit `start`,
-    /// and the index of that interval among the holder's.
-    fn holder_of(&self, group: u32, start: u64) -> Result<(u32, u32)> {
-        let internal = |e: fairring_core::plan::PlanError| {
-            Error::internal("every group holds every unit of a slot", e.to_string())
-        };
-        let member = self
-            .groups
-            .holder(self.units, group, start)
-            .map_err(internal)?;
-        let range = self
-            .groups
-            .range(self.units, group, member)
-            .map_err(internal)?;
-        // A range's intervals: the first starts where it does.
-        Ok((
-            self.machine(group, member)?,
-            u32::from(range.start != start),
-        ))
-    }
-
-    /// Units `units` of slot `d`, in bytes of the staging buffer (the slice
-    /// at its start).
-    fn bytes(
-        &self,
-        ctx: &Context<'_>,
-        s: &SliceInfo<'_>,
-        units: Range<u64>,
-    ) -> Result<Range<usize>> {
-        let span = s
-            .slice
-            .slot_units_span(ctx.location.device, units)
-            .map_err(|e| Error::internal("every device has a slot", e.to_string()))?;
-        span.byte_range_in(s.slice.span()).ok_or_else(|| {
-            Error::internal(
-                "a slot's units lie within its slice",
-                format!("{span:?} in {:?}", s.slice.span()),
-            )
-        })
-    }
-
-    /// Where the slice is, for a stall report.
-    pub(crate) fn phase(&self) -> &'static str {
-        let across = &self.across[..self.intervals as usize];
-        if !self.within.in_use() {
-            "released"
-        } else if !self.within.reduce_scatter_done() {
-            "local reduce-scatter"
-        } else if across.iter().any(|w| w.in_use() && w.reduce_scatter_done()) {
-            "across the groups"
-        } else if !self.gathering {
-            "within the group"
-        } else if !self.within.all_gather_done() {
-            "local all-gather"
-        } else {
-            "draining its sends"
-        }
-    }
-}
-
-/// The events one event leads to among a slice's words, in order, without
-/// allocating: at most the event itself, a `ReduceScatterDone` and an
-/// `AllGatherDone` per word across, and `ParentResultReceived` and
-/// `PartialSent` within (and on a server in groups, whose all-gather is
-/// done at once, an `AllGatherDone` within).
-#[derive(Default)]
-pub(super) struct Queue {
-    events: [Option<(Level, Event, Option<u32>)>; QUEUED],
-    pushed: usize,
-    popped: usize,
-}
-
-/// Most events one event leads to ([`Queue`]).
-const QUEUED: usize = 4 + 2 * MOST;
-
-impl Queue {
-    pub(super) fn push(&mut self, level: Level, event: Event, from: Option<u32>) -> Result<()> {
-        let slot = self.events.get_mut(self.pushed).ok_or_else(|| {
-            Error::internal(
-                "one event of a slice in groups leads to a bounded number of others",
-                format!("more than {QUEUED}"),
-            )
-        })?;
-        *slot = Some((level, event, from));
-        self.pushed += 1;
-        Ok(())
-    }
-
-    pub(super) fn pop(&mut self) -> Option<(Level, Event, Option<u32>)> {
-        let next = self.events.get_mut(self.popped)?.take()?;
-        self.popped += 1;
-        Some(next)
-    }
-}
-
-/// The sender's and the receiver's interval a write across carries in its
-/// part (`1 + 2 i + j`, see the module docs).
-pub(super) fn interval_pair(part: u32) -> (u32, u32) {
-    let p = part - 1;
-    (p / MOST_INTERVALS, p % MOST_INTERVALS)
 }
