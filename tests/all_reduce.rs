@@ -564,8 +564,8 @@ fn many_machines_with_fewer_shards_than_machines() {
 /// server; in 64 KiB slices of 64-byte minimum shards. 12x1 with 8 servers
 /// in two groups of four (six workers each); 16x1 with 10 in groups of three,
 /// three, two and two, whose ranges cut each other's in two intervals; 5x1
-/// with 7 in groups of three, two and two, the last two serving one worker
-/// each; 6x2 with 8 in two rail groups of two groups of two, whose ranks are
+/// with 7 in groups of three, two and two, serving two, two and one
+/// workers; 6x2 with 8 in two rail groups of two groups of two, whose ranks are
 /// not their machines' numbers. Every rank's result exact, for every type
 /// and operator, from one element (one server's range holds it, the others'
 /// are empty) to several slices.
@@ -600,5 +600,32 @@ fn dedicated_servers_in_groups_reduce_in_two_levels() {
                 "{m}x{d} + {servers} servers in groups of {size}, rank {rank}: {failed:?}"
             );
         }
+    }
+    // Groups the servers cannot form are refused, naming the variable: 12
+    // servers beside machines of 8 GPUs (not one per rail), and 8 servers
+    // in four groups for two machines.
+    for (m, d, servers, size, why) in [
+        (4, 8, 12, 2, "a multiple of 8"),
+        (
+            2,
+            1,
+            8,
+            2,
+            "2 worker machines cannot be split among 4 groups",
+        ),
+    ] {
+        let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+        let e = fairring::Config::builder(0, m * d, "127.0.0.1", 1)
+            .servers(servers)
+            .grouping(Grouping::AtMost(size))
+            .build()
+            .unwrap()
+            .staging(topology)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("FAIRRING_GROUP_SIZE") && e.contains(why),
+            "{m}x{d} + {servers} servers in groups of {size}: {e}"
+        );
     }
 }

@@ -188,8 +188,44 @@ fn check_intervals(servers: MachineGroups, slot_units: u64) -> Result<(), TestCa
     Ok(())
 }
 
+/// Every holder of an interval of a server's range, in every other group and
+/// for every slot of up to `most_units`, is among that group's
+/// [`ServerGroups::across_partners`] of the server: the servers it links with.
+fn check_partners(g: &ServerGroups, most_units: u64) -> Result<(), TestCaseError> {
+    let servers = g.servers();
+    for units in 0..=most_units {
+        for server in 0..servers.machines() {
+            let roles = servers.roles(units, server).unwrap();
+            let own = roles.membership().group;
+            for across in roles.across() {
+                for group in (0..servers.groups()).filter(|&h| h != own) {
+                    let holder = servers.holder(units, group, across.interval.start).unwrap();
+                    let partners = g.across_partners(server, group).unwrap();
+                    prop_assert!(
+                        partners.contains(&holder),
+                        "{units} units: server {server}'s holder {holder} of group {group} \
+                         is not among {partners:?}"
+                    );
+                }
+            }
+            prop_assert_eq!(g.across_partners(server, own).unwrap(), 0..0);
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn a_servers_partners_across_hold_every_interval_of_its_range(
+        servers in 4u32..=48,
+        size in 2u32..=24,
+    ) {
+        if let Some(g) = groups(servers, servers, size) {
+            check_partners(&g, 600)?;
+        }
+    }
 
     #[test]
     fn workers_and_cells_follow_the_groups(
@@ -248,6 +284,7 @@ fn chosen_cases_end_with_the_sum() {
         check_groups(&g, units).unwrap();
         check_intervals(g.servers(), units).unwrap();
         check_sum(&g, units).unwrap();
+        check_partners(&g, 300).unwrap();
     }
     assert_eq!(
         ServerGroups::new(2, 12, 4),

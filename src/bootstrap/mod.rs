@@ -457,7 +457,7 @@ pub(crate) fn build(config: &Config, store: &dyn Store) -> Result<Built> {
     #[cfg(not(feature = "cuda"))]
     let local = PlacedStep::new(shm, crate::local::HostOnly);
     let machine = Machine::new(segment, location.device, d);
-    let wiring = Wiring::of(topology, location, config.rank, config.servers, None, false);
+    let wiring = Wiring::of(topology, location, config.rank, config.servers, None, None);
     let engine = assemble(
         config,
         store,
@@ -509,7 +509,7 @@ pub(crate) fn build_server(
         config.process(),
         config.servers,
         Some(index),
-        geometry.server_groups().is_some(),
+        geometry.server_groups(),
     );
     assemble(
         config,
@@ -547,9 +547,13 @@ fn staging_terms(a: &Assembly<impl MemorySpace>) -> String {
         },
         g.min_shard_bytes(),
         a.buffers
-    ) + &match g.machine_groups() {
-        Some(groups) => format!(", machines in groups of at most {}", groups.largest()),
-        None => String::new(),
+    ) + &match (g.machine_groups(), g.server_groups()) {
+        (Some(groups), _) => format!(", machines in groups of at most {}", groups.largest()),
+        (None, Some(groups)) => format!(
+            ", servers in groups of at most {} a rail",
+            groups.servers().largest()
+        ),
+        (None, None) => String::new(),
     }
 }
 
@@ -557,7 +561,7 @@ fn staging_terms(a: &Assembly<impl MemorySpace>) -> String {
 /// 0's and its linked peers': a process configured otherwise
 /// (`FAIRRING_SLICE_SIZE`, `FAIRRING_MIN_SHARD_SIZE`, `FAIRRING_TOTAL_MEMORY`,
 /// `FAIRRING_GROUP_SIZE`, and `FAIRRING_WIRE` where it decides whether the
-/// machines form groups) is refused, naming it and both sides' terms, before
+/// machines or the dedicated servers form groups) is refused, naming it and both sides' terms, before
 /// any slice travels.
 fn agree_on_staging<M: MemorySpace>(
     config: &Config,

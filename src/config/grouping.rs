@@ -23,7 +23,8 @@ pub enum Grouping {
     /// cannot give each server of a rail group a cell of the minimum shard
     /// (past 200 server machines of 8 NICs at the 16 KiB minimum), the
     /// servers of each rail group in groups of at most
-    /// [`PlanConfig::DEFAULT_SERVER_GROUP_SIZE`] (but flat where
+    /// [`PlanConfig::DEFAULT_SERVER_GROUP_SIZE`] or half of them
+    /// ([`PlanConfig::default_server_group_size`]; but flat where
     /// `FAIRRING_WIRE` compresses). `FAIRRING_GROUP_SIZE=auto`, or unset.
     #[default]
     Auto,

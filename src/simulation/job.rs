@@ -166,7 +166,7 @@ pub(super) fn build_job(
             rank,
             servers,
             server,
-            geometry.server_groups().is_some(),
+            geometry.server_groups(),
         );
         for &p in &wiring.linked {
             let ep = fabric.endpoint(p).map_err(|e| e.to_string())?;

@@ -229,8 +229,8 @@ pub(super) struct Scenario {
     /// at most this many, where the hierarchical all-reduce runs in two
     /// levels (`Routing::Groups`): four machines in pairs, for half the
     /// seeds of four machines without servers; 4, 6 or 7 servers a rail in
-    /// groups of 2 or 3, for about one seed in six of two machines or more
-    /// and at most two devices.
+    /// groups of 2 or 3, for one seed in six of two machines or more and at
+    /// most two devices (where the machines are at least the groups).
     pub(super) group_size: Option<u32>,
 }
 
@@ -240,10 +240,11 @@ impl Scenario {
         let (m, d) = (1 + rng.below(4) as u32, 1 + rng.below(3) as u32);
         let world = m * d;
         // Servers in groups, drawn from a side stream so that the other
-        // seeds draw as before: for about one in six seeds of two machines
-        // or more and at most two devices, 4, 6 or 7 servers a rail in groups
-        // of 2, 3 or 3 (2 or 3 groups: unequal ones at 7), as many groups as
-        // the machines allow.
+        // seeds draw as before: for one in six seeds of two machines or more
+        // and at most two devices, one of 4 servers a rail in groups of 2, 6
+        // in groups of 3 or of 2, and 7 in groups of 3 (unequal: 3, 2, 2),
+        // kept where the machines are at least the groups (on two machines,
+        // two draws in four).
         let mut grouping = rng.side(0x7365_7276);
         let server_groups = (m >= 2 && d <= 2 && grouping.below(6) == 0)
             .then(|| grouping.pick(&[(4u32, 2u32), (6, 3), (6, 2), (7, 3)]))

@@ -82,8 +82,8 @@ impl PlanConfig {
     /// server machines of 8 NICs make 4 groups a rail.
     ///
     /// The scale model's `server-groups` study (h100, a server machine per
-    /// GPU machine) found groups of 64 best at 2048 GPUs at 64 MiB and 1
-    /// GiB, and within 1% of the best (86) at 256 MiB.
+    /// GPU machine) found groups of 64 best at 2048 GPUs at 64 MiB, 256 MiB
+    /// and 1 GiB, of the sizes it tried.
     pub const DEFAULT_SERVER_GROUP_SIZE: u32 = 64;
     /// The largest group of `servers` dedicated servers of a rail group
     /// where they form groups themselves: [`PlanConfig::DEFAULT_SERVER_GROUP_SIZE`],
@@ -407,7 +407,7 @@ impl Geometry {
                 PlanConfig::default_server_group_size(servers / devices),
             )
         {
-            return Geometry::build_in_server_groups(topology, config, servers, groups);
+            return flat.in_server_groups(groups);
         }
         Ok(flat)
     }
@@ -433,40 +433,34 @@ impl Geometry {
         if !servers.is_multiple_of(devices) {
             return Err(PlanError::ServersNotPerRail { servers, devices });
         }
-        match ServerGroups::new(topology.machines(), servers / devices, size) {
-            Ok(groups) => Geometry::build_in_server_groups(topology, config, servers, groups),
+        let groups = match ServerGroups::new(topology.machines(), servers / devices, size) {
+            Ok(groups) => groups,
+            Err(e) => return Err(e),
+        };
+        match Geometry::build(topology, config, servers, None) {
+            Ok(flat) => flat.in_server_groups(groups),
             Err(e) => Err(e),
         }
     }
 
-    /// The geometry with dedicated servers in `groups`.
-    const fn build_in_server_groups(
-        topology: Topology,
-        config: PlanConfig,
-        servers: u32,
-        groups: ServerGroups,
-    ) -> Result<Geometry, PlanError> {
-        match Geometry::build(topology, config, servers, None) {
-            // The flat geometry's slices, each slot one cell, whole: not
-            // rounded down to a multiple of any shard count.
-            Ok(flat) => {
-                let slot_units =
-                    flat.config.slice_bytes / ALIGN_BYTES / topology.devices_per_machine() as u64;
-                // The servers' staging, checked once here so that
-                // `server_group_layout` need not fail.
-                if let Err(e) = ServerGroupLayout::new(groups, slot_units) {
-                    return Err(e);
-                }
-                Ok(Geometry {
-                    slot_units,
-                    full_shards: 1,
-                    routing: Routing::Groups,
-                    server_groups: Some(groups),
-                    ..flat
-                })
-            }
-            Err(e) => Err(e),
+    /// This flat geometry with dedicated servers, its servers in `groups`:
+    /// its slices, each slot one cell, whole (not rounded down to a multiple
+    /// of any shard count).
+    const fn in_server_groups(self, groups: ServerGroups) -> Result<Geometry, PlanError> {
+        let slot_units =
+            self.config.slice_bytes / ALIGN_BYTES / self.topology.devices_per_machine() as u64;
+        // The servers' staging, checked once here so that
+        // `server_group_layout` need not fail.
+        if let Err(e) = ServerGroupLayout::new(groups, slot_units) {
+            return Err(e);
         }
+        Ok(Geometry {
+            slot_units,
+            full_shards: 1,
+            routing: Routing::Groups,
+            server_groups: Some(groups),
+            ..self
+        })
     }
 
     const fn build(
@@ -626,7 +620,7 @@ impl Geometry {
         };
         match ServerGroupLayout::new(groups, self.slot_units) {
             Ok(layout) => Some(layout),
-            // `build_in_server_groups` checked the slot's size.
+            // `in_server_groups` checked the slot's size.
             Err(_) => None,
         }
     }

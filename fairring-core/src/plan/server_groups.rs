@@ -6,8 +6,9 @@
 //! and sends each the sum: `2M` messages, each `1/k` of a slot. Past a few
 //! hundred machines the cells shrink to the minimum shard and the server's
 //! posts, not its bytes, set its pace. In groups a server hears from its
-//! group's workers only, in cells `Q` times larger, and exchanges `2(Q - 1)`
-//! pieces with the other groups.
+//! group's workers only, in cells of a `G`-th of the slot, and exchanges
+//! `2(Q - 1)` pieces (or `4(Q - 1)`, where its range meets two intervals)
+//! with the other groups.
 //!
 //! **The groups.** The `S` servers of a rail group form `Q = ceil(S / G)`
 //! groups exactly as [`MachineGroups`] forms machines ([`ServerGroups::servers`]:
@@ -155,6 +156,34 @@ impl ServerGroups {
             Ok(len) => Ok(first..first + len),
             Err(e) => Err(e),
         }
+    }
+
+    /// The servers of group `group` (by member index, as
+    /// [`MachineGroups::machine`] numbers them) that server `server` of the
+    /// rail group may exchange pieces with across the groups, whatever the
+    /// slot: those whose ranges can meet its own. Groups differ by at most
+    /// one server, so a range of member `i` only ever meets the ranges of
+    /// members `i - 1` to `i + 1` of another group (the property tests check
+    /// every slot of up to 600 units); none of its own group.
+    pub const fn across_partners(&self, server: u32, group: u32) -> Result<Range<u32>, PlanError> {
+        let own = match self.servers.locate(server) {
+            Ok(m) => m,
+            Err(e) => return Err(e),
+        };
+        let size = match self.servers.size(group) {
+            Ok(size) => size,
+            Err(e) => return Err(e),
+        };
+        if own.group == group {
+            return Ok(0..0);
+        }
+        let first = own.member.saturating_sub(1);
+        let end = if own.member + 2 < size {
+            own.member + 2
+        } else {
+            size
+        };
+        Ok(first..end)
     }
 
     /// The units of a slot of `slot_units` that worker machine `machine`

@@ -89,7 +89,11 @@
 //! With dedicated servers (`Context::servers > 0`) the machines serve nothing:
 //! step 2 sends every shard of the slot to the server holding it (into the
 //! server's area for this machine and device), steps 3 and 4 happen on the
-//! servers (`serve`), and the results land here as above. On a compressed wire
+//! servers (`serve`), and the results land here as above. Where the servers
+//! are in groups (`Slice::server_groups`), step 2 sends each server of this
+//! machine's group its range of the slot instead (the group's first worker
+//! into the server's accumulator, the others into their areas), and steps 3
+//! and 4 happen in two levels on the servers (`serve_in_groups`). On a compressed wire
 //! every cell of the slot is narrowed before it leaves, and every result
 //! widened where it landed.
 //!
@@ -619,7 +623,6 @@ fn grouped_contributions(
     let units = s.slice.group_units(device).map_err(internal)?;
     let member = groups.locate_worker(machine).map_err(internal)?.member;
     let slot = s.slice.slot(device).map_err(internal)?;
-    let devices = ctx.topology.devices_per_machine();
     for (i, server) in (0u32..).zip(groups.servers_of(machine).map_err(internal)?) {
         let range = groups.cell(units, machine, i).map_err(internal)?;
         let span = s.slice.slot_units_span(device, range).map_err(internal)?;
@@ -641,7 +644,7 @@ fn grouped_contributions(
         };
         steps.push(Step::Write(Write {
             kind: Kind::Contribution,
-            peer: ctx.world + server * devices + device,
+            peer: ctx.grouped_server_rank(server, device),
             source,
             target,
             needs_credit: true,

@@ -335,6 +335,25 @@ impl Words {
     }
 }
 
+/// Units `units` of slot `device` of the slice, in bytes from the slice's
+/// start: where they lie in a worker's staging buffer.
+pub(super) fn units_in_slice(
+    s: &SliceInfo<'_>,
+    device: u32,
+    units: Range<u64>,
+) -> Result<Range<usize>> {
+    let span = s
+        .slice
+        .slot_units_span(device, units)
+        .map_err(|e| Error::internal("every device has a slot", e.to_string()))?;
+    span.byte_range_in(s.slice.span()).ok_or_else(|| {
+        Error::internal(
+            "a slot's units lie within its slice",
+            format!("{span:?} in {:?}", s.slice.span()),
+        )
+    })
+}
+
 /// The event a peer's write of `kind` raises where it lands.
 pub(super) fn received(kind: Kind) -> Event {
     match kind {

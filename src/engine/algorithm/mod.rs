@@ -295,6 +295,13 @@ impl Context<'_> {
             .map_err(|e| Error::internal("every machine has this device's rail", e.to_string()))
     }
 
+    /// Where the dedicated servers are in groups (each serving one rail),
+    /// the rank of server `index` of rail `device`'s group: server `index *
+    /// D + device` of the job.
+    pub(crate) fn grouped_server_rank(&self, index: u32, device: u32) -> u32 {
+        self.world + index * self.topology.devices_per_machine() + device
+    }
+
     /// The worker `offset` places after this one around the ring (and the ring
     /// all-reduce's chunk index of that rank).
     pub(crate) fn around(&self, offset: i64) -> u32 {

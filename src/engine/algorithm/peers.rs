@@ -4,7 +4,7 @@
 //! over the ranks), and the partners of recursive doubling. The links connect
 //! exactly these.
 
-use fairring_core::plan::{server_rails, serves_rail};
+use fairring_core::plan::{ServerGroups, server_rails, serves_rail};
 use fairring_core::topology::{Location, Topology};
 
 use super::doubling;
@@ -54,14 +54,15 @@ pub(crate) fn peers(
 
 /// Ranks dedicated server `index` of `servers` writes to and ranks that write
 /// to it: every worker of its rail group (device `d` where `d mod R = index
-/// mod R`), and where the servers are in groups (`in_groups`) every other
-/// server of its rail group too, which it exchanges pieces with across the
-/// groups.
+/// mod R`), and where the servers are in groups (`groups`, of each rail
+/// group's servers) the servers of its rail group it may exchange pieces
+/// with across the groups (`ServerGroups::across_partners`: at most three a
+/// group).
 pub(crate) fn server_peers(
     topology: Topology,
     index: u32,
     servers: u32,
-    in_groups: bool,
+    groups: Option<ServerGroups>,
 ) -> (Vec<u32>, Vec<u32>) {
     let world = topology.world_size();
     let rails = server_rails(servers, topology.devices_per_machine());
@@ -72,12 +73,17 @@ pub(crate) fn server_peers(
                 .is_ok_and(|l| serves_rail(rails, index, l.device))
         })
         .collect();
-    if in_groups {
-        peers.extend(
-            (0..servers)
-                .filter(|&i| i != index && i % rails == index % rails)
-                .map(|i| world + i),
-        );
+    if let Some(groups) = groups {
+        let (own, rail) = (index / rails, index % rails);
+        let servers = groups.servers();
+        for group in 0..servers.groups() {
+            let (Ok(partners), Ok(first)) =
+                (groups.across_partners(own, group), servers.first(group))
+            else {
+                continue;
+            };
+            peers.extend(partners.map(|member| world + (first + member) * rails + rail));
+        }
     }
     (peers.clone(), peers)
 }
@@ -96,17 +102,17 @@ pub(crate) struct Wiring {
 impl Wiring {
     /// The wiring of worker `rank` at `location` (`server`: `None`), or of
     /// dedicated server `server`, in a job with `servers` dedicated servers,
-    /// in groups where `servers_in_groups` says so.
+    /// in `server_groups` where they are in groups.
     pub(crate) fn of(
         topology: Topology,
         location: Location,
         rank: u32,
         servers: u32,
         server: Option<u32>,
-        servers_in_groups: bool,
+        server_groups: Option<ServerGroups>,
     ) -> Wiring {
         let (out, inbound) = match server {
-            Some(index) => server_peers(topology, index, servers, servers_in_groups),
+            Some(index) => server_peers(topology, index, servers, server_groups),
             None => peers(topology, location, rank, servers),
         };
         let mut linked: Vec<u32> = out.iter().chain(&inbound).copied().collect();
@@ -159,7 +165,7 @@ mod tests {
             let world = topology.world_size();
             for rank in 0..world {
                 let location = topology.locate(rank).unwrap();
-                let w = Wiring::of(topology, location, rank, servers, None, false);
+                let w = Wiring::of(topology, location, rank, servers, None, None);
                 let (out, inbound) = peers(topology, location, rank, servers);
                 assert_eq!((&w.out, &w.inbound), (&out, &inbound));
                 let mut union: Vec<u32> = out.iter().chain(&inbound).copied().collect();
@@ -176,14 +182,7 @@ mod tests {
                     machine: u32::MAX,
                     device: 0,
                 };
-                let w = Wiring::of(
-                    topology,
-                    nowhere,
-                    world + index,
-                    servers,
-                    Some(index),
-                    false,
-                );
+                let w = Wiring::of(topology, nowhere, world + index, servers, Some(index), None);
                 // Its rail group's workers, each of which links back with it.
                 let rails = server_rails(servers, d);
                 let workers: Vec<u32> = (0..world)
@@ -196,7 +195,7 @@ mod tests {
                 assert_eq!(workers.len(), (world / rails) as usize, "{m}x{d}+{servers}");
                 for rank in 0..world {
                     let location = topology.locate(rank).unwrap();
-                    let worker = Wiring::of(topology, location, rank, servers, None, false);
+                    let worker = Wiring::of(topology, location, rank, servers, None, None);
                     assert_eq!(
                         worker.linked.contains(&(world + index)),
                         workers.contains(&rank),
@@ -215,38 +214,71 @@ mod in_groups_tests {
     use super::*;
 
     /// Where the servers are in groups, a server links with every worker of
-    /// its rail group and every other server of it, and with no server of
-    /// another rail group; the workers' wiring is the same as without groups.
+    /// its rail group and with the servers of its rail that may hold a piece
+    /// of its range in another group (members `i - 1` to `i + 1` of each),
+    /// both ways, and with no server of its own group or of another rail.
     #[test]
-    fn a_server_in_groups_links_with_its_rail_groups_servers() {
-        for (m, d, servers) in [(4, 1, 4), (3, 2, 8), (2, 4, 16)] {
+    fn a_server_in_groups_links_with_its_partners_across() {
+        for (m, d, per_rail, size) in [(4, 1, 4, 2), (3, 2, 7, 3), (4, 2, 12, 3), (3, 4, 9, 4)] {
             let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
             let world = topology.world_size();
+            let servers = per_rail * d;
+            let groups = ServerGroups::new(m, per_rail, size).unwrap();
+            let plan = groups.servers();
             let nowhere = Location {
                 machine: u32::MAX,
                 device: 0,
             };
-            for index in 0..servers {
-                let flat = Wiring::of(
+            let wiring = |index| {
+                Wiring::of(
                     topology,
                     nowhere,
                     world + index,
                     servers,
                     Some(index),
-                    false,
-                );
-                let grouped =
-                    Wiring::of(topology, nowhere, world + index, servers, Some(index), true);
-                let mates: Vec<u32> = (0..servers)
-                    .filter(|&i| i != index && i % d == index % d)
-                    .map(|i| world + i)
+                    Some(groups),
+                )
+            };
+            for index in 0..servers {
+                let flat = Wiring::of(topology, nowhere, world + index, servers, Some(index), None);
+                let grouped = wiring(index);
+                let (own, rail) = (index / d, index % d);
+                let me = plan.locate(own).unwrap();
+                let mates: Vec<u32> = grouped
+                    .linked
+                    .iter()
+                    .copied()
+                    .filter(|&p| p >= world)
                     .collect();
-                let mut want = flat.linked.clone();
-                want.extend(&mates);
-                want.sort_unstable();
-                assert_eq!(grouped.linked, want, "{m}x{d}+{servers}: server {index}");
+                for &p in &mates {
+                    let other = p - world;
+                    assert_eq!(
+                        other % d,
+                        rail,
+                        "{m}x{d}+{servers}: server {index} links {p}"
+                    );
+                    let them = plan.locate(other / d).unwrap();
+                    assert_ne!(them.group, me.group);
+                    assert!(them.member.abs_diff(me.member) <= 1);
+                    assert!(wiring(other).linked.contains(&(world + index)), "both ways");
+                }
+                // Members i - 1 to i + 1 of each other group that has them.
+                let want: usize = (0..plan.groups())
+                    .filter(|&g| g != me.group)
+                    .map(|g| {
+                        let len = plan.size(g).unwrap();
+                        (me.member.saturating_sub(1)..(me.member + 2).min(len)).len()
+                    })
+                    .sum();
+                assert_eq!(mates.len(), want);
+                let workers: Vec<u32> = grouped
+                    .linked
+                    .iter()
+                    .copied()
+                    .filter(|&p| p < world)
+                    .collect();
+                assert_eq!(workers, flat.linked);
                 assert_eq!(grouped.out, grouped.inbound);
-                assert_eq!(mates.len(), (servers / d - 1) as usize);
             }
         }
     }

@@ -47,7 +47,7 @@ use fairring_core::plan::{ServerGroups, TwoLevelRoles};
 use fairring_core::staging::{Actions, Event, Role};
 use fairring_core::topology::Location;
 
-use super::levels::{Exchange, Level, Placement, Queue, Words};
+use super::levels::{Exchange, Level, Placement, Queue, Words, units_in_slice};
 use super::{Context, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
@@ -87,7 +87,7 @@ struct Server<'a> {
 
 impl Placement for Server<'_> {
     fn rank_of(&self, member: u32) -> Result<u32> {
-        Ok(self.ctx.world + member * self.ctx.topology.devices_per_machine() + self.device)
+        Ok(self.ctx.grouped_server_rank(member, self.device))
     }
 
     fn bytes(&self, s: &SliceInfo<'_>, units: Range<u64>) -> Result<Range<usize>> {
@@ -246,6 +246,7 @@ impl ServeInGroups {
                 )),
             };
         }
+        // The inverse of `Context::grouped_server_rank`.
         let devices = ctx.topology.devices_per_machine();
         let other = peer - ctx.world;
         let group = self.within.roles.membership().group;
@@ -363,7 +364,7 @@ impl Within {
         if actions.contains(Actions::START_SEND_BACK) {
             let range = self.roles.range();
             let source = server.bytes(s, range.clone())?;
-            let target = self.in_slice(s, range)?.start;
+            let target = units_in_slice(s, self.device, range)?.start;
             for machine in self.workers.clone() {
                 let peer = ctx
                     .topology
@@ -391,20 +392,5 @@ impl Within {
             steps.push(Step::Release);
         }
         Ok(released)
-    }
-
-    /// Units `units` of slot `d`, in bytes from the slice's start: where they
-    /// lie in a worker's staging buffer.
-    fn in_slice(&self, s: &SliceInfo<'_>, units: Range<u64>) -> Result<Range<usize>> {
-        let span = s
-            .slice
-            .slot_units_span(self.device, units)
-            .map_err(|e| Error::internal("the slot exists", e.to_string()))?;
-        span.byte_range_in(s.slice.span()).ok_or_else(|| {
-            Error::internal(
-                "a slot's units lie within its slice",
-                format!("{span:?} in {:?}", s.slice.span()),
-            )
-        })
     }
 }

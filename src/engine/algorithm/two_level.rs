@@ -58,7 +58,7 @@ use std::ops::Range;
 use fairring_core::plan::{MachineGroups, Membership, TwoLevelRoles};
 use fairring_core::staging::{Actions, Event};
 
-use super::levels::{Exchange, Level, Placement, Queue, Words, received};
+use super::levels::{Exchange, Level, Placement, Queue, Words, received, units_in_slice};
 use super::{Context, DeviceUse, SliceEvent, SliceInfo, Step, Write, stray_event, unexpected};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
@@ -94,16 +94,7 @@ impl Placement for Rail<'_> {
     }
 
     fn bytes(&self, s: &SliceInfo<'_>, units: Range<u64>) -> Result<Range<usize>> {
-        let span = s
-            .slice
-            .slot_units_span(self.ctx.location.device, units)
-            .map_err(|e| Error::internal("every device has a slot", e.to_string()))?;
-        span.byte_range_in(s.slice.span()).ok_or_else(|| {
-            Error::internal(
-                "a slot's units lie within its slice",
-                format!("{span:?} in {:?}", s.slice.span()),
-            )
-        })
+        units_in_slice(s, self.ctx.location.device, units)
     }
 
     fn area_at(&self, interval: u32, holder: u32) -> Result<usize> {
