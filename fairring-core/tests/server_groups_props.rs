@@ -417,7 +417,7 @@ fn servers_form_groups_where_their_cells_would_fall_below_the_minimum() {
     );
     let config =
         PlanConfig::with_default_slices(PlanConfig::DEFAULT_SERVER_MIN_SHARD_BYTES).unwrap();
-    // 25 MiB slices, 3.2 MiB slots: 200 cells of 16 KiB.
+    // 25 MiB slices, 3.125 MiB slots: 200 cells of 16 KiB.
     for (machines, grouped) in [(200u32, false), (201, true), (256, true)] {
         let topology = Topology::new(machines, 8, RankLayout::Contiguous).unwrap();
         let g = Geometry::with_servers(topology, config, 8 * machines).unwrap();
