@@ -49,7 +49,7 @@
 use fairring_core::plan::{Geometry, MachineGroups, Plan, PlanConfig, PlanError, Slice};
 use fairring_core::topology::{RankLayout, Topology};
 
-use super::events::{Schedule, TaskId};
+use super::events::{ResourceId, Schedule, TaskId};
 use super::hierarchical::{Machine, report};
 use super::stages::{Stages, f};
 use super::{Algo, Hardware, Job, Link, ModelError, Prediction, Traffic};
@@ -271,12 +271,6 @@ struct Costs {
     groups: Members,
 }
 
-impl Costs {
-    fn message(&self, bytes: u64) -> f64 {
-        self.rail.occupies(self.post, f(bytes))
-    }
-}
-
 /// A batch of messages a machine sends back to back, one of each length in
 /// `messages`, once `ready` has ended: the task that ends with the last on
 /// its sender.
@@ -289,8 +283,22 @@ fn send_batch(
 ) -> TaskId {
     machine.messages_sent += messages.len() as u64;
     machine.bytes_sent += messages.iter().sum::<u64>();
-    let seconds = messages.iter().map(|&b| costs.message(b)).sum();
-    let task = sched.task(Some(machine.send), seconds, 0.0);
+    send_on(sched, machine.send, costs.rail, costs.post, messages, ready)
+}
+
+/// Messages of the lengths in `messages`, back to back on `send` over `link`
+/// (each post costing `post`) once `ready` has ended: the task that ends with
+/// the last.
+pub(super) fn send_on(
+    sched: &mut Schedule,
+    send: ResourceId,
+    link: Link,
+    post: f64,
+    messages: &[u64],
+    ready: TaskId,
+) -> TaskId {
+    let seconds = messages.iter().map(|&b| link.occupies(post, f(b))).sum();
+    let task = sched.task(Some(send), seconds, 0.0);
     sched.after(task, ready, 0.0);
     task
 }
@@ -309,19 +317,116 @@ fn land(
     take: TaskId,
 ) -> TaskId {
     machine.bytes_received += bytes;
+    let hop = costs.rail.hop();
+    land_on(
+        sched,
+        machine.receive,
+        costs.rail,
+        hop,
+        bytes,
+        senders,
+        Some(take),
+    )
+}
+
+/// `bytes` landing on `receive` (at `link`'s rate) from `senders` (per
+/// sender, the task after which it starts sending and the one that ends its
+/// batch, whose messages cross `hop`): taken from the first sender's start
+/// on (and not before `into`, where the receiver takes a buffer); returns the
+/// task after which the last has landed.
+pub(super) fn land_on(
+    sched: &mut Schedule,
+    receive: ResourceId,
+    link: Link,
+    hop: f64,
+    bytes: u64,
+    senders: &[(TaskId, TaskId)],
+    into: Option<TaskId>,
+) -> TaskId {
     let first = sched.first_of(0.0);
     for &(ready, _) in senders {
         sched.after(first, ready, 0.0);
     }
-    let paced = sched.task(Some(machine.receive), costs.rail.wire(f(bytes)), 0.0);
+    let paced = sched.task(Some(receive), link.wire(f(bytes)), 0.0);
     sched.after(paced, first, 0.0);
-    sched.after(paced, take, 0.0);
+    if let Some(into) = into {
+        sched.after(paced, into, 0.0);
+    }
     let landed = sched.task(None, 0.0, 0.0);
     sched.after(landed, paced, 0.0);
     for &(_, sent) in senders {
-        sched.after(landed, sent, costs.rail.hop());
+        sched.after(landed, sent, hop);
     }
     landed
+}
+
+/// Who exchanges which piece across the groups, per participant of `plan`
+/// (a machine, or a server of a rail group) for a slot of `units`: piece `g`
+/// of each interval to its holder in group `g`, and the sum back.
+pub(super) struct Pieces {
+    /// The partial sums it sends, in bytes.
+    pub(super) out: Vec<Vec<u64>>,
+    /// Bytes of the pieces it reduces.
+    pub(super) reduces: Vec<u64>,
+    /// Whose partial sums it receives, and their bytes.
+    pub(super) from: Vec<Vec<(usize, u64)>>,
+    /// Those it receives partial sums from, once each, in order.
+    pub(super) senders: Vec<Vec<usize>>,
+    /// Those whose sums come back to it, once each, in order.
+    pub(super) back: Vec<Vec<usize>>,
+}
+
+/// The [`Pieces`] of `count` participants, `piece_bytes` the bytes of a
+/// range of a slot's units (an empty piece is not sent).
+pub(super) fn pieces(
+    plan: &MachineGroups,
+    units: u64,
+    count: usize,
+    mut piece_bytes: impl FnMut(std::ops::Range<u64>) -> Result<u64, ModelError>,
+) -> Result<Pieces, ModelError> {
+    let mut out: Vec<Vec<u64>> = vec![Vec::new(); count];
+    let mut reduces: Vec<u64> = vec![0; count];
+    let mut from: Vec<Vec<(usize, u64)>> = vec![Vec::new(); count];
+    let q = plan.groups() as usize;
+    for interval in plan.intervals(units) {
+        let mut holders = Vec::with_capacity(q);
+        for group in 0..plan.groups() {
+            let member = plan.holder(units, group, interval.start)?;
+            holders.push((group, plan.machine(group, member)? as usize));
+        }
+        for &(group, reducer) in &holders {
+            let piece = piece_bytes(plan.piece(&interval, group)?)?;
+            if piece == 0 {
+                continue;
+            }
+            reduces[reducer] += piece;
+            for &(_, holder) in holders.iter().filter(|&&(_, h)| h != reducer) {
+                out[holder].push(piece);
+                from[reducer].push((holder, piece));
+            }
+        }
+    }
+    let mut senders: Vec<Vec<usize>> = from
+        .iter()
+        .map(|list| list.iter().map(|&(h, _)| h).collect())
+        .collect();
+    let mut back: Vec<Vec<usize>> = vec![Vec::new(); count];
+    for (r, list) in from.iter().enumerate() {
+        for &(h, _) in list {
+            back[h].push(r);
+        }
+    }
+    for list in senders.iter_mut().chain(back.iter_mut()) {
+        list.sort_unstable();
+        list.dedup();
+    }
+    Ok(Pieces {
+        out,
+        reduces,
+        from,
+        senders,
+        back,
+    })
 }
 
 /// Adds `slice`'s stages on every machine to the schedule (steps 1 to 5 of
@@ -420,29 +525,14 @@ fn add(
         group_reduced[m] = reduced;
     }
     // 3. Across the groups, interval by interval: piece `g` of an interval
-    // to its holder in group `g`, and the sum back. Per machine: the pieces
-    // it sends and receives, and from and to whom.
-    let mut out: Vec<Vec<u64>> = vec![Vec::new(); m_count];
-    let mut reduces: Vec<u64> = vec![0; m_count];
-    let mut from: Vec<Vec<(usize, u64)>> = vec![Vec::new(); m_count];
-    for interval in plan.intervals(units) {
-        let mut holders = Vec::with_capacity(q);
-        for group in 0..plan.groups() {
-            let member = plan.holder(units, group, interval.start)?;
-            holders.push((group, plan.machine(group, member)? as usize));
-        }
-        for &(group, reducer) in &holders {
-            let piece = len(&bytes_of(plan.piece(&interval, group)?)?);
-            if piece == 0 {
-                continue;
-            }
-            reduces[reducer] += piece;
-            for &(_, holder) in holders.iter().filter(|&&(_, h)| h != reducer) {
-                out[holder].push(piece);
-                from[reducer].push((holder, piece));
-            }
-        }
-    }
+    // to its holder in group `g`, and the sum back.
+    let Pieces {
+        out,
+        reduces,
+        from,
+        senders,
+        back,
+    } = pieces(plan, units, m_count, |r| Ok(len(&bytes_of(r)?)))?;
     let mut across = vec![(scattered[0], scattered[0]); m_count];
     for (m, machine) in machines.iter_mut().enumerate() {
         let sent = send_batch(costs, sched, machine, &out[m], group_reduced[m]);
@@ -452,11 +542,8 @@ fn add(
     let mut owned = vec![(scattered[0], scattered[0]); m_count];
     for (r, machine) in machines.iter_mut().enumerate() {
         let bytes: u64 = from[r].iter().map(|&(_, b)| b).sum();
-        let mut senders: Vec<usize> = from[r].iter().map(|&(h, _)| h).collect();
-        senders.sort_unstable();
-        senders.dedup();
         peers.clear();
-        peers.extend(senders.iter().map(|&h| across[h]));
+        peers.extend(senders[r].iter().map(|&h| across[h]));
         let landed = land(costs, sched, machine, bytes, &peers, take[r]);
         let reduced = sched.task(
             Some(machine.gpu),
@@ -473,17 +560,9 @@ fn add(
     }
     // The sums back to the holders: a holder's range is final once every
     // piece it sent has come back and it reduced its own.
-    let mut back: Vec<Vec<usize>> = vec![Vec::new(); m_count];
-    for (r, list) in from.iter().enumerate() {
-        for &(h, _) in list {
-            back[h].push(r);
-        }
-    }
     let mut range_final = vec![scattered[0]; m_count];
     for (m, machine) in machines.iter_mut().enumerate() {
         let bytes: u64 = out[m].iter().sum();
-        back[m].sort_unstable();
-        back[m].dedup();
         peers.clear();
         peers.extend(back[m].iter().map(|&r| owned[r]));
         let landed = land(costs, sched, machine, bytes, &peers, take[m]);

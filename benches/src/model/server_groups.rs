@@ -73,8 +73,8 @@ use std::ops::Range;
 
 use fairring_core::plan::{MachineGroups, SERVER_FOLD_CELLS, Slice};
 
-use super::events::{ResourceId, Schedule, TaskId};
-use super::groups::group_sizes;
+use super::events::{ResourceId, Schedule};
+use super::groups::{Pieces, group_sizes, land_on, pieces, send_on};
 use super::hierarchical::{Machine, report};
 use super::stages::{self, Stages, f};
 use super::{Algo, Hardware, Job, Link, ModelError, Prediction, Traffic};
@@ -235,51 +235,6 @@ impl Costs {
     }
 }
 
-/// Messages of the lengths in `messages`, back to back on `send` over `link`
-/// once `ready` has ended: the task that ends with the last.
-fn send_batch(
-    costs: &Costs,
-    sched: &mut Schedule,
-    send: ResourceId,
-    link: Link,
-    messages: &[u64],
-    ready: TaskId,
-) -> TaskId {
-    let seconds = messages
-        .iter()
-        .map(|&b| link.occupies(costs.post, f(b)))
-        .sum();
-    let task = sched.task(Some(send), seconds, 0.0);
-    sched.after(task, ready, 0.0);
-    task
-}
-
-/// `bytes` landing on `receive` (at `link`'s rate) from `senders` (per sender,
-/// the task after which it starts sending and the one that ends its batch,
-/// whose messages cross `hop`): taken from the first sender's start on;
-/// returns the task after which the last has landed.
-fn land(
-    sched: &mut Schedule,
-    receive: ResourceId,
-    link: Link,
-    hop: f64,
-    bytes: u64,
-    senders: &[(TaskId, TaskId)],
-) -> TaskId {
-    let first = sched.first_of(0.0);
-    for &(ready, _) in senders {
-        sched.after(first, ready, 0.0);
-    }
-    let paced = sched.task(Some(receive), link.wire(f(bytes)), 0.0);
-    sched.after(paced, first, 0.0);
-    let landed = sched.task(None, 0.0, 0.0);
-    sched.after(landed, paced, 0.0);
-    for &(_, sent) in senders {
-        sched.after(landed, sent, hop);
-    }
-    landed
-}
-
 /// Adds `slice`'s steps on every worker and server (steps 1 to 5 of the
 /// module docs).
 #[expect(
@@ -346,11 +301,11 @@ fn add(
             let worker = &mut workers[m];
             worker.messages_sent += messages.len() as u64;
             worker.bytes_sent += messages.iter().sum::<u64>();
-            let sent = send_batch(
-                costs,
+            let sent = send_on(
                 sched,
                 worker.send,
                 costs.rail,
+                costs.post,
                 &messages,
                 scattered[m],
             );
@@ -377,13 +332,14 @@ fn add(
             let server = servers[*s];
             peers.clear();
             peers.extend(machines.iter().map(|&m| up[m]));
-            let landed = land(
+            let landed = land_on(
                 sched,
                 server.receive,
                 costs.server,
                 hop,
                 cells * bytes,
                 &peers,
+                None,
             );
             let mut written = first;
             for _ in 0..chunks {
@@ -410,34 +366,20 @@ fn add(
     // 3. Across the groups, interval by interval: per server, the pieces it
     // sends and from whom it receives which.
     let n = servers.len();
-    let mut out: Vec<Vec<u64>> = vec![Vec::new(); n];
-    let mut reduces: Vec<u64> = vec![0; n];
-    let mut from: Vec<Vec<(usize, u64)>> = vec![Vec::new(); n];
-    for interval in plan.intervals(units) {
-        let mut holders = Vec::with_capacity(q);
-        for group in 0..plan.groups() {
-            let member = plan.holder(units, group, interval.start)?;
-            holders.push((group, plan.machine(group, member)? as usize));
-        }
-        for &(group, reducer) in &holders {
-            let piece = len(&bytes_of(plan.piece(&interval, group)?)?) * slots;
-            if piece == 0 {
-                continue;
-            }
-            reduces[reducer] += piece;
-            for &(_, holder) in holders.iter().filter(|&&(_, h)| h != reducer) {
-                out[holder].push(piece);
-                from[reducer].push((holder, piece));
-            }
-        }
-    }
+    let Pieces {
+        out,
+        reduces,
+        from,
+        senders,
+        back,
+    } = pieces(plan, units, n, |r| Ok(len(&bytes_of(r)?) * slots))?;
     let mut across = vec![(scattered[0], scattered[0]); n];
     for (s, server) in servers.iter().enumerate() {
-        let sent = send_batch(
-            costs,
+        let sent = send_on(
             sched,
             server.send,
             costs.server,
+            costs.post,
             &out[s],
             group_reduced[s],
         );
@@ -446,12 +388,17 @@ fn add(
     let mut owned = vec![(scattered[0], scattered[0]); n];
     for (r, server) in servers.iter().enumerate() {
         let received: u64 = from[r].iter().map(|&(_, b)| b).sum();
-        let mut senders: Vec<usize> = from[r].iter().map(|&(h, _)| h).collect();
-        senders.sort_unstable();
-        senders.dedup();
         peers.clear();
-        peers.extend(senders.iter().map(|&h| across[h]));
-        let landed = land(sched, server.receive, costs.server, hop, received, &peers);
+        peers.extend(senders[r].iter().map(|&h| across[h]));
+        let landed = land_on(
+            sched,
+            server.receive,
+            costs.server,
+            hop,
+            received,
+            &peers,
+            None,
+        );
         // The reduction's passes, and every piece the NIC reads or writes:
         // the partial sums out and in, the sums out and in.
         let sent: u64 = out[r].iter().sum();
@@ -461,23 +408,30 @@ fn add(
         sched.after(reduced, group_reduced[r], 0.0);
         messages.clear();
         messages.extend(from[r].iter().map(|&(_, b)| b));
-        let back = send_batch(costs, sched, server.send, costs.server, &messages, reduced);
+        let back = send_on(
+            sched,
+            server.send,
+            costs.server,
+            costs.post,
+            &messages,
+            reduced,
+        );
         owned[r] = (reduced, back);
-    }
-    let mut back: Vec<Vec<usize>> = vec![Vec::new(); n];
-    for (r, list) in from.iter().enumerate() {
-        for &(h, _) in list {
-            back[h].push(r);
-        }
     }
     let mut results = vec![(scattered[0], scattered[0]); n];
     for (s, server) in servers.iter().enumerate() {
         let bytes: u64 = out[s].iter().sum();
-        back[s].sort_unstable();
-        back[s].dedup();
         peers.clear();
         peers.extend(back[s].iter().map(|&r| owned[r]));
-        let landed = land(sched, server.receive, costs.server, hop, bytes, &peers);
+        let landed = land_on(
+            sched,
+            server.receive,
+            costs.server,
+            hop,
+            bytes,
+            &peers,
+            None,
+        );
         sched.after(landed, owned[s].0, 0.0);
         sched.after(landed, group_reduced[s], 0.0);
         // 4. The final range to each of the group's workers, per slot.
@@ -500,11 +454,11 @@ fn add(
                 0.0,
             );
             sched.after(read, final_range, 0.0);
-            let sent = send_batch(
-                costs,
+            let sent = send_on(
                 sched,
                 servers[*s].send,
                 costs.server,
+                costs.post,
                 &messages,
                 final_range,
             );
@@ -525,7 +479,7 @@ fn add(
         for &m in machines {
             let worker = &mut workers[m];
             worker.bytes_received += bytes;
-            let landed = land(sched, worker.receive, costs.rail, hop, bytes, &peers);
+            let landed = land_on(sched, worker.receive, costs.rail, hop, bytes, &peers, None);
             sched.after(landed, take[m], 0.0);
             let gathered = worker
                 .gather
