@@ -113,17 +113,31 @@ impl Communicator {
         }
     }
 
-    /// Whether the job's NCCL communicator was made (settled alike on every
-    /// rank when its device side was made).
+    /// Whether one NCCL all-reduce can reduce a device tensor over every
+    /// worker: the job's communicator was made, or the workers are one
+    /// machine beside dedicated servers and the machine's communicators
+    /// were made (settled alike on every rank when its device side was
+    /// made).
     fn across_job(&self) -> bool {
         #[cfg(feature = "cuda")]
         {
-            matches!(self.nccl.cell.get(), Some(Ok(Some(comms))) if comms.across_job())
+            matches!(
+                self.nccl.cell.get(),
+                Some(Ok(Some(comms))) if comms.across_job() || self.one_machine_beside_servers()
+            )
         }
         #[cfg(not(feature = "cuda"))]
         {
             false
         }
+    }
+
+    /// Whether the job's workers are one machine of several ranks beside
+    /// dedicated servers: its device all-reduces may run as one NCCL
+    /// all-reduce on the machine's communicators (`engine/choice.rs`).
+    #[cfg(feature = "cuda")]
+    pub(super) fn one_machine_beside_servers(&self) -> bool {
+        self.servers > 0 && self.topology.machines() == 1 && self.topology.devices_per_machine() > 1
     }
 
     /// Refuses a list named `argument` of `total` elements that is not

@@ -114,16 +114,19 @@ impl Communicator {
         Ok((lowered, device))
     }
 
-    /// A device all-reduce where the job's NCCL communicator may be made:
-    /// its memory checked and its device side readied before the choice of
-    /// what it runs, which depends on that communicator (so the first device
-    /// operation chooses as the later ones, on every rank). `None` for
-    /// every other call, checked after its lowering.
+    /// A device all-reduce that may run as one NCCL all-reduce over the
+    /// workers (where the job's NCCL communicator may be made, or on one
+    /// machine beside dedicated servers): its memory checked and its device
+    /// side readied before the choice of what it runs, which depends on
+    /// those communicators (so the first device operation chooses as the
+    /// later ones, on every rank). `None` for every other call, checked
+    /// after its lowering.
     fn ready_for_choice(&self, call: &Call) -> Result<Option<Option<DeviceCall>>> {
         #[cfg(feature = "cuda")]
         if matches!(call.memory, Memory::Device { .. })
             && call.collective == Collective::AllReduce
-            && self.nccl.across_job != crate::NcclAcrossMachines::Off
+            && (self.nccl.across_job != crate::NcclAcrossMachines::Off
+                || self.one_machine_beside_servers())
         {
             let total = elements_in_all(call.collective, call.count, self.world_size())?;
             return self.check_memory(call, total).map(Some);

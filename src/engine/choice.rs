@@ -48,7 +48,14 @@
 //! In words:
 //!
 //! - **All-reduce**: hierarchical, but recursive doubling on two machines of
-//!   one device each up to 256 KiB.
+//!   one device each up to 256 KiB. A device all-reduce NCCL reduces (an
+//!   exact wire, `auto`) runs as one NCCL all-reduce over the workers
+//!   ([`Resolved::Nccl`]) where one can run and is ahead: on two to
+//!   [`NCCL_ACROSS_UP_TO_MACHINES`] machines of several GPUs without
+//!   dedicated servers, at the sizes of [`nccl_across_job`]; on one machine
+//!   of several GPUs beside dedicated servers, at every size (its NVLink,
+//!   where the servers would take every byte over its NICs and back). The
+//!   servers then plan the operation and serve none of it.
 //! - **Broadcast and all-gather**: relayed (the ring) on two or three
 //!   machines, and on more from 256 KiB; hierarchical on one machine and in a
 //!   job with dedicated servers where machines have several devices (its
@@ -309,8 +316,11 @@ pub(crate) struct Job {
     /// The configured algorithm and wire format.
     pub(crate) algorithm: Algorithm,
     pub(crate) wire: WireFormat,
-    /// Whether the job's NCCL communicator was made, where a device
-    /// all-reduce may run as one NCCL all-reduce across the job.
+    /// Whether one NCCL all-reduce can reduce a device tensor over every
+    /// worker of the job: the job's communicator was made (two to
+    /// [`NCCL_ACROSS_UP_TO_MACHINES`] machines without dedicated servers),
+    /// or the job's workers are one machine beside dedicated servers and
+    /// the machine's communicators were made.
     pub(crate) across_job: bool,
 }
 
@@ -405,16 +415,15 @@ pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
     let asked = call.algorithm.unwrap_or(job.algorithm);
     let requested_wire = call.wire.unwrap_or(job.wire);
     let mut algorithm = resolve(form, asked, call.bytes, job)?;
-    // A device all-reduce NCCL's collectives take, where the job's NCCL
-    // all-reduce is ahead of the plan, runs as that, exact.
+    // A device all-reduce NCCL's collectives take, where one NCCL
+    // all-reduce over the workers is ahead of the plan, runs as that, exact.
     if asked == Algorithm::Auto
         && call.collective == Collective::AllReduce
         && call.memory == MemoryKind::Device
         && job.across_job
-        && job.servers == 0
         && requested_wire == WireFormat::Exact
         && crate::local::takes(call.dtype, call.op)
-        && nccl_across_job(job.topology.machines(), call.bytes)
+        && nccl_ahead(job, call.bytes)
     {
         algorithm = Resolved::Nccl;
     }
@@ -520,6 +529,20 @@ fn auto_scatter(topology: Topology, bytes: u64) -> Algorithm {
         Algorithm::Ring
     } else {
         auto_spread(topology, bytes)
+    }
+}
+
+/// Whether one NCCL all-reduce over the workers is ahead of the plan for a
+/// device all-reduce of `bytes` in `job`: across few machines without
+/// dedicated servers where the scale model says so ([`nccl_across_job`]),
+/// and at every size on one machine of several ranks beside dedicated servers (the
+/// machine's NVLink, where the plan would send every byte to the servers
+/// and back over its NICs).
+fn nccl_ahead(job: &Job, bytes: u64) -> bool {
+    if job.servers > 0 {
+        job.topology.machines() == 1 && job.topology.devices_per_machine() > 1
+    } else {
+        nccl_across_job(job.topology.machines(), bytes)
     }
 }
 

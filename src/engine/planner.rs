@@ -80,7 +80,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let in_tensor = self
             .local
             .works_in_tensor(&sub.tensor, sub.dtype(), sub.op());
-        if sub.algorithm() == Resolved::Nccl && !in_tensor {
+        // A dedicated server plans the workers' NCCL all-reduce as they do
+        // (one slice, which it does not serve), so that its slices keep
+        // their numbers.
+        if sub.algorithm() == Resolved::Nccl && !in_tensor && self.server.is_none() {
             return Err(Error::internal(
                 "the job's NCCL all-reduce is chosen only where the machine's collectives \
                  work in the tensor",

@@ -1214,6 +1214,86 @@ fn servers_in_groups_settle_with_exact_results() {
     );
 }
 
+/// One machine of two or three ranks beside one to three dedicated servers,
+/// its device tensors through the machine's collectives: the device
+/// all-reduces NCCL reduces run as one NCCL all-reduce on the machine's
+/// communicator (`Resolved::Nccl`), which each server plans as a slice it
+/// does not serve, between operations the servers do serve (device tensors
+/// staged through them, host tensors, other operators). Every result is
+/// exact, the servers' slices keep their numbers with the workers', and for
+/// one seed in three a worker or a server killed at a drawn step fails every
+/// survivor naming it.
+#[test]
+fn one_machine_beside_servers_runs_its_nccl_all_reduces_between_those_the_servers_serve() {
+    let mut settled = Settled::default();
+    let (mut nccl, mut served_after) = (0, 0);
+    for seed in 1..=200u64 {
+        let mut rng = Rng::new(seed);
+        let devices = 2 + rng.below(2) as u32;
+        let servers = 1 + rng.below(3) as u32;
+        let mut device = Vec::new();
+        let ops: Vec<Op> = (0..4)
+            .map(|_| {
+                let dtype = rng.pick(&[DataType::I32, DataType::I64, DataType::F32, DataType::U8]);
+                let op = rng.pick(&[ReduceOp::Sum, ReduceOp::Sum, ReduceOp::Max]);
+                let on_device = rng.below(4) != 0;
+                device.push(on_device);
+                let through_nccl = on_device && crate::local::takes(dtype, op) && rng.below(4) != 0;
+                Op {
+                    elements: rng.pick(&[0, 1, 37, 300, 1000, 2500]),
+                    dtype,
+                    op,
+                    algorithm: if through_nccl {
+                        Resolved::Nccl
+                    } else {
+                        Resolved::Hierarchical
+                    },
+                    wire: WireFormat::Exact,
+                    origins: None,
+                    share: None,
+                    rooted: None,
+                }
+            })
+            .collect();
+        let first = ops.iter().position(|op| op.algorithm == Resolved::Nccl);
+        nccl += ops
+            .iter()
+            .filter(|op| op.algorithm == Resolved::Nccl)
+            .count();
+        if first.is_some_and(|i| ops[i..].iter().any(|op| op.algorithm != Resolved::Nccl)) {
+            served_after += 1;
+        }
+        let processes = devices + servers;
+        let killed = rng.below(3) == 0;
+        let scenario = Scenario {
+            machines: 1,
+            devices,
+            layout: RankLayout::Contiguous,
+            servers,
+            buffers: 1 + rng.below(3) as u32,
+            slice_bytes: rng.pick(&[1024, 4096]),
+            min_shard_bytes: 64,
+            window: 1 + rng.below(3) as usize,
+            kill: killed.then(|| (1 + rng.below(3000), rng.below(u64::from(processes)) as u32)),
+            direct: DirectSettings::from(None),
+            device,
+            collectives: true,
+            whole_up_to: 0,
+            one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
+            across_job: true,
+            group_size: None,
+            ops,
+        };
+        settled.play(seed, &scenario, &mut rng, killed);
+    }
+    settled.check_at_least(40);
+    assert!(nccl > 200, "{nccl} NCCL all-reduces beside the servers");
+    assert!(
+        served_after > 60,
+        "{served_after} seeds served an operation after an NCCL all-reduce"
+    );
+}
+
 /// The device model catches the three ways the design can break, each on a
 /// seed the shipped design passes:
 ///

@@ -170,6 +170,9 @@ struct Outcome {
     in_groups: usize,
     /// Operations done where dedicated servers reduce in groups.
     servers_in_groups: usize,
+    /// Workers' all-reduces done as one NCCL all-reduce on their one machine
+    /// beside dedicated servers.
+    nccl_beside_servers: usize,
     killed: Option<u32>,
     done: usize,
     failed: usize,
@@ -591,6 +594,14 @@ fn play(
         if sc.group_size.is_some() && sc.servers > 0 {
             outcome.servers_in_groups += rank.settled.len() - failed;
         }
+        if sc.servers > 0 {
+            outcome.nccl_beside_servers += rank
+                .settled
+                .iter()
+                .zip(&sc.ops)
+                .filter(|&(s, op)| op.algorithm == Resolved::Nccl && *s == Some(true))
+                .count();
+        }
         let device_done = rank
             .settled
             .iter()
@@ -723,10 +734,11 @@ fn seeded_schedules_settle_with_exact_results() {
     let mut rooted = [0usize; 3];
     let (mut in_windows, mut delivered) = (0, 0);
     let (mut messages, mut messages_local, mut in_groups) = (0, 0, 0);
-    let mut servers_in_groups = 0;
+    let (mut servers_in_groups, mut nccl_beside_servers) = (0, 0);
     for outcome in &outcomes {
         in_groups += outcome.in_groups;
         servers_in_groups += outcome.servers_in_groups;
+        nccl_beside_servers += outcome.nccl_beside_servers;
         killed += usize::from(outcome.killed.is_some());
         steps += outcome.steps;
         done += outcome.done;
@@ -749,7 +761,8 @@ fn seeded_schedules_settle_with_exact_results() {
         "simulation: {} seeds ({killed} with a killed rank), {steps} steps, {done} operations \
          done ({device} on the simulated device, {collective} of them through a machine's \
          collectives, which reduce-scattered {scattered} slices in one call; {across_job} \
-         all-reduces met on the job's NCCL communicator; {ungated} ungated calls of whole \
+         all-reduces met on the job's NCCL communicator, {nccl_beside_servers} on one \
+         machine's beside dedicated servers; {ungated} ungated calls of whole \
          all-reduces through NCCL met; {in_groups} where the machines reduce \
          in groups, {servers_in_groups} where dedicated servers do), {failed} failed; \
          drawn as rooted forms: {reduces} reduces, {gathers} \
@@ -790,6 +803,10 @@ fn seeded_schedules_settle_with_exact_results() {
     assert!(
         seeds.len() < 100 || across_job > 0,
         "the seeds run all-reduces on the job's NCCL communicator"
+    );
+    assert!(
+        seeds.len() < 100 || nccl_beside_servers > 0,
+        "the seeds run workers' NCCL all-reduces on one machine beside dedicated servers"
     );
     assert!(
         seeds.len() < 100 || in_groups > 0,

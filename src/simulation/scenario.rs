@@ -219,11 +219,12 @@ pub(super) struct Scenario {
     /// slots they reduce-scatter in one call (else one reduce per slot):
     /// every such slice, those of a kilobyte and more, or none.
     pub(super) one_reduce_scatter_from: u64,
-    /// Whether the job's NCCL communicator is made (several machines of
-    /// several ranks, through their collectives, without servers; three
-    /// seeds in four of those): then about three in four of its device
-    /// all-reduces that NCCL reduces run as the job's NCCL all-reduce
-    /// ([`Resolved::Nccl`]).
+    /// Whether one NCCL all-reduce over the workers can run (three seeds in
+    /// four of several ranks a machine, through their collectives: on
+    /// several machines without servers, the job's communicator is made; on
+    /// one beside servers, the machine's serve): then about three in four
+    /// of its device all-reduces that NCCL reduces run as that
+    /// ([`Resolved::Nccl`]), and a server plans them and serves nothing.
     pub(super) across_job: bool,
     /// Machines (or, with servers, the servers of each rail) in groups of
     /// at most this many, where the hierarchical all-reduce runs in two
@@ -400,7 +401,10 @@ impl Scenario {
         // The job's NCCL communicator, and the all-reduces that run on it:
         // drawn from a side stream, as above.
         let mut job = rng.side(0x6e63_636c);
-        let across_job = collectives && m > 1 && d > 1 && servers == 0 && job.below(4) != 0;
+        // On one machine beside servers, the machine's communicators reduce
+        // the workers' all-reduce: no job communicator to make.
+        let over_workers = m > 1 && servers == 0 || m == 1 && servers > 0;
+        let across_job = collectives && d > 1 && over_workers && job.below(4) != 0;
         for (op, &on_device) in ops.iter_mut().zip(&device) {
             let plain_all_reduce = op.origins.is_none()
                 && op.share.is_none()

@@ -1,8 +1,11 @@
 //! The whole job's all-reduce of a device tensor as one NCCL all-reduce over
-//! every rank (`local::nccl`'s job communicator), where NCCL's all-reduce is
-//! ahead of the reduction-server plan: few machines whose GPUs reduce in
+//! every worker (`local::nccl`'s job communicator), where NCCL's all-reduce
+//! is ahead of the reduction-server plan: few machines whose GPUs reduce in
 //! their NVSwitch, small tensors (NCCL's tree) and tensors of a few MiB to
-//! a hundred or so (NVLSTree) (`engine/choice.rs` says where).
+//! a hundred or so (NVLSTree); and one machine's workers beside dedicated
+//! servers, on the machine's communicator, at every size
+//! (`engine/choice.rs` says where). A dedicated server plans the operation
+//! as the workers do and serves none of it (`algorithm/serve.rs`).
 //!
 //! The operation is one slice, the whole tensor, planned on one machine's
 //! geometry (its slots are the machine's ranks', as the local step reads
@@ -42,9 +45,10 @@ impl Nccl {
         s: &SliceInfo<'_>,
         steps: &mut Vec<Step>,
     ) -> Result<Nccl> {
-        if ctx.server.is_some() || ctx.servers > 0 || s.direct {
+        if ctx.server.is_some() || (ctx.servers > 0 && ctx.topology.machines() > 1) || s.direct {
             return Err(Error::internal(
-                "the job's NCCL all-reduce runs on workers' device tensors, without servers",
+                "the job's NCCL all-reduce runs on workers' device tensors, beside servers \
+                 only on one machine",
                 format!("slice {}", s.number),
             ));
         }

@@ -485,6 +485,78 @@ fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_i
     assert!(!nccl_across_job_may_run(t(2, 8), 1));
 }
 
+/// On one machine of several GPUs beside dedicated servers, a device
+/// all-reduce NCCL reduces runs as one NCCL all-reduce on the machine's
+/// communicators at every size, where they were made, `auto` and exact; the
+/// servers serve it nowhere else.
+#[test]
+fn device_all_reduces_of_one_machine_beside_servers_run_as_its_nccl_all_reduce() {
+    let call = |bytes, dtype, op, wire| Call {
+        collective: Collective::AllReduce,
+        dtype,
+        bytes,
+        algorithm: None,
+        wire,
+        op,
+        memory: MemoryKind::Device,
+    };
+    let (f32, sum) = (DataType::F32, ReduceOp::Sum);
+    let on = |m: u32, d: u32, servers: u32, made: bool| Job {
+        across_job: made,
+        ..job(m, d, servers, WireFormat::Exact)
+    };
+    let runs = |c: Call, j: &Job| choose(c, j).unwrap();
+    for bytes in [4, 64 << 10, 64 << 20, 1 << 30, u64::MAX / 2] {
+        for servers in [1, 2, 8] {
+            let chosen = runs(call(bytes, f32, sum, None), &on(1, 8, servers, true));
+            assert_eq!(
+                (chosen.algorithm, chosen.wire),
+                (Resolved::Nccl, WireFormat::Exact),
+                "{bytes} bytes, {servers} servers"
+            );
+        }
+        // The servers serve: without the machine's communicators, on two
+        // machines, with one GPU a machine.
+        for job in [on(1, 8, 2, false), on(2, 8, 2, true), on(1, 1, 2, true)] {
+            assert_eq!(
+                runs(call(bytes, f32, sum, None), &job).algorithm,
+                Resolved::Hierarchical,
+                "{bytes} bytes, {job:?}"
+            );
+        }
+        // One machine without servers runs the plan's single slice.
+        assert_eq!(
+            runs(call(bytes, f32, sum, None), &on(1, 8, 0, true)).algorithm,
+            Resolved::Hierarchical
+        );
+    }
+    let beside = on(1, 8, 2, true);
+    // Not where NCCL does not reduce, an algorithm is asked for, or a
+    // compressed wire (which the servers carry).
+    for (dtype, op) in [(f32, ReduceOp::Max), (DataType::I16, sum)] {
+        assert_eq!(
+            runs(call(1 << 20, dtype, op, None), &beside).algorithm,
+            Resolved::Hierarchical
+        );
+    }
+    let asked = Call {
+        algorithm: Some(Algorithm::Hierarchical),
+        ..call(1 << 20, f32, sum, None)
+    };
+    assert_eq!(runs(asked, &beside).algorithm, Resolved::Hierarchical);
+    let chosen = runs(call(1 << 20, f32, sum, Some(WireFormat::Bf16)), &beside);
+    assert_eq!(
+        (chosen.algorithm, chosen.wire),
+        (Resolved::Hierarchical, WireFormat::Bf16)
+    );
+    // Host memory stays with the servers.
+    let host = Call {
+        memory: MemoryKind::Host,
+        ..call(1 << 20, f32, sum, None)
+    };
+    assert_eq!(runs(host, &beside).algorithm, Resolved::Hierarchical);
+}
+
 /// The windows of sizes that run NCCL across the job: one list per machine
 /// count from two to seven, each ascending and disjoint, the first from the
 /// smallest size; none past seven machines or below two; a window's ends
