@@ -531,6 +531,77 @@ fn all_reduces_across_the_job_through_nccl_are_exact() {
     }
 }
 
+/// One machine of two ranks beside two dedicated servers, its device tensors
+/// through NCCL: `auto` runs every device all-reduce NCCL reduces as one
+/// NCCL all-reduce on the machine's communicator, sums of two types and an
+/// integer maximum from 4 bytes to 6 MiB, every element exact on every rank;
+/// the servers, which plan them, move no byte of them. A float maximum
+/// (which NCCL does not reduce under fairring's NaN rules) goes to the
+/// servers, exact too.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_all_reduces_of_one_machine_beside_servers_run_through_nccl() {
+    let test = "device_all_reduces_of_one_machine_beside_servers_run_through_nccl";
+    let Some(comm) = rank_of_job(test) else {
+        let mut env = vec![("FAIRRING_TIMEOUT", "60".to_owned())];
+        env.extend(through_nccl());
+        for float_maximum in [false, true] {
+            let mut env = env.clone();
+            env.push(("FAIRRING_TEST_FLOAT_MAXIMUM", float_maximum.to_string()));
+            let mut job = ProcessJob::start_with_servers(test, 1, 2, 2, &env);
+            let done = job.await_line(&[2, 3], "DONE", JOB_LIMIT);
+            let moved: u64 = done
+                .iter()
+                .flat_map(|line| line.split(' ').filter_map(|w| w.parse::<u64>().ok()))
+                .sum();
+            assert_eq!(
+                moved == 0,
+                !float_maximum,
+                "the servers moved {moved} bytes: {done:?}"
+            );
+            job.finish(JOB_LIMIT);
+        }
+        return;
+    };
+    let float_maximum = std::env::var("FAIRRING_TEST_FLOAT_MAXIMUM").is_ok_and(|v| v == "true");
+    let rank = comm.rank();
+    let device = device();
+    let stream = Stream::new(&device, false).unwrap();
+    let calls: &[(DataType, ReduceOp, usize)] = if float_maximum {
+        &[(DataType::F32, ReduceOp::Max, 1 << 20)]
+    } else {
+        &[
+            (DataType::F32, ReduceOp::Sum, 6 << 20),
+            (DataType::F32, ReduceOp::Sum, 4),
+            (DataType::I64, ReduceOp::Sum, 1 << 20),
+            (DataType::I32, ReduceOp::Max, 5 << 20),
+        ]
+    };
+    for &(dtype, op, bytes) in calls {
+        let n = bytes / dtype.size_bytes() as usize;
+        let x = input(dtype, rank, n);
+        let mut buf = DeviceBuffer::zeroed(&device, x.len()).unwrap();
+        upload(&stream, &mut buf, 0, &x);
+        let mut view = buf.slice_mut();
+        comm.scope(|s| {
+            let work = s.all_reduce(TensorMut::device(&mut view, dtype, &stream)?, op, ())?;
+            finish(&stream, work)
+        })
+        .unwrap_or_else(|e| panic!("rank {rank}: {dtype} {op:?}: {e}"));
+        let want = reduced(dtype, op, comm.world_size(), n);
+        let got = download(&stream, &buf, 0, want.len());
+        let size = dtype.size_bytes() as usize;
+        let wrong = got
+            .chunks(size)
+            .zip(want.chunks(size))
+            .position(|(g, w)| g != w);
+        assert!(
+            wrong.is_none(),
+            "rank {rank}: {dtype} {op:?}: element {wrong:?} wrong"
+        );
+    }
+}
+
 /// A kernel enqueued on the caller's stream before the all-reduce writes its
 /// input, and one enqueued after it reads the result, with no host
 /// synchronisation in between: the collective is ordered on the stream.

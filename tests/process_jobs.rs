@@ -1,7 +1,7 @@
 //! The launcher of process jobs that the GPU tests use, checked where no GPU
 //! is needed: a rank's reports reach the launcher as lines of their own,
 //! although libtest prints `test NAME ... ` before the rank's output without
-//! ending that line.
+//! ending that line; a job's dedicated servers serve and report.
 
 mod common;
 
@@ -28,4 +28,32 @@ fn a_ranks_reports_reach_the_launcher_as_lines_of_their_own() {
     comm.all_reduce(&mut sum, fairring::ReduceOp::Sum).unwrap();
     assert_eq!(sum[0], comm.world_size() as f32);
     say("DONE");
+}
+
+/// A process job with dedicated servers: the servers are processes of this
+/// binary too, serve the ranks' all-reduce, and report the bytes they moved
+/// to the launcher once every rank has left.
+#[test]
+fn a_jobs_servers_serve_and_report_what_they_moved() {
+    let test = "a_jobs_servers_serve_and_report_what_they_moved";
+    let Some(comm) = rank_of_job(test) else {
+        let mut job = ProcessJob::start_with_servers(test, 2, 1, 2, &[]);
+        let done = job.await_line(&[2, 3], "DONE", Duration::from_secs(60));
+        for (server, line) in done.iter().enumerate() {
+            let moved: Vec<u64> = line
+                .split(' ')
+                .filter_map(|word| word.parse().ok())
+                .collect();
+            assert_eq!(moved.len(), 2, "server {server}: {line}");
+            assert!(
+                moved.iter().all(|&bytes| bytes > 0),
+                "server {server} moved data: {line}"
+            );
+        }
+        job.finish(Duration::from_secs(60));
+        return;
+    };
+    let mut sum = vec![1.0f32; 1 << 18];
+    comm.all_reduce(&mut sum, fairring::ReduceOp::Sum).unwrap();
+    assert!(sum.iter().all(|&v| v == comm.world_size() as f32));
 }

@@ -66,13 +66,41 @@ pub fn run_alone(test: &str, within: Duration) {
 }
 
 /// Inside a rank of a job started for `test`, its communicator; `None` in the
-/// launcher.
+/// launcher. Inside a dedicated server of the job
+/// ([`ProcessJob::start_with_servers`]), serves until every worker has
+/// left, says `DONE sent S received R bytes` (the data bytes it moved) and
+/// ends the process; a failure panics, naming the server.
 pub fn rank_of_job(test: &str) -> Option<Communicator> {
     match std::env::var(RANK_OF) {
-        Ok(t) if t == test => Some(
-            Communicator::from_env().unwrap_or_else(|e| panic!("joining the job of {test}: {e}")),
-        ),
+        Ok(t) if t == test => {
+            if std::env::var("FAIRRING_ROLE").is_ok_and(|r| r == "server") {
+                serve(test);
+            }
+            Some(
+                Communicator::from_env()
+                    .unwrap_or_else(|e| panic!("joining the job of {test}: {e}")),
+            )
+        }
         _ => None,
+    }
+}
+
+/// A dedicated server of `test`'s job: serves, reports what it moved, and
+/// ends the process.
+fn serve(test: &str) -> ! {
+    let server = fairring::Config::from_env()
+        .and_then(fairring::Server::new)
+        .unwrap_or_else(|e| panic!("a server joining the job of {test}: {e}"));
+    let rank = server.rank();
+    match server.run() {
+        Ok(t) => {
+            say(&format!(
+                "DONE sent {} received {} bytes",
+                t.sent_bytes, t.received_bytes
+            ));
+            std::process::exit(0);
+        }
+        Err(e) => panic!("server {rank} of {test}: {e}"),
     }
 }
 
@@ -101,13 +129,28 @@ impl ProcessJob {
     /// Starts the `m * d` ranks of `test` (this binary's test of that name),
     /// with `env` added to each rank's environment.
     pub fn start(test: &str, m: u32, d: u32, env: &[(&str, String)]) -> ProcessJob {
+        ProcessJob::start_with_servers(test, m, d, 0, env)
+    }
+
+    /// [`ProcessJob::start`] with `servers` dedicated reduction servers,
+    /// processes `m * d` onwards (this binary's test of that name, which
+    /// serves in [`rank_of_job`]).
+    pub fn start_with_servers(
+        test: &str,
+        m: u32,
+        d: u32,
+        servers: u32,
+        env: &[(&str, String)],
+    ) -> ProcessJob {
         assert!(
             std::env::var_os(RANK_OF).is_none(),
             "a rank of a job tried to launch {test}: the test's name passed to rank_of_job \
              and to ProcessJob::start must be its function's name"
         );
         let exe = std::env::current_exe().expect("this test binary");
-        let job = LocalJob::new(test, m, d).expect("a local job");
+        let job = LocalJob::new(test, m, d)
+            .expect("a local job")
+            .with_servers(servers);
         let run_id = format!("{test}-{}", job.port());
         let mut ranks = job
             .spawn(|rank| {
@@ -125,7 +168,7 @@ impl ProcessJob {
             })
             .unwrap_or_else(|e| panic!("{e}"));
         let (tx, lines) = channel();
-        for rank in 0..m * d {
+        for rank in 0..m * d + servers {
             let child = ranks.child_mut(rank).expect("a started rank");
             let out = child.stdout.take().expect("piped stdout");
             let tx = tx.clone();
