@@ -1038,6 +1038,39 @@ fn a_minimum_shard_is_taken_only_when_marked_given() {
     }
 }
 
+/// With dedicated servers on one machine of several GPUs, the engine runs
+/// the workers' device all-reduce as one NCCL all-reduce on the machine's
+/// communicator (`fairring`'s choice): NCCL's time, as without servers, and
+/// nothing sent to the servers; at least NCCL's ring. With one GPU, or two
+/// machines, the servers serve.
+#[test]
+fn dedicated_servers_on_one_machine_leave_its_all_reduce_to_nccl() {
+    for hw in presets() {
+        for d in [2, 8] {
+            for bytes in [MIB, 64 * MIB, 1 << 30] {
+                let job = Job::new(1, d, bytes);
+                let what = format!("{} 1x{d} {bytes}", hw.name);
+                let p = predict(&hw, &job, Algo::Servers).unwrap();
+                let nccl = predict(&hw, &job, Algo::NcclBest).unwrap();
+                close(p.seconds, nccl.seconds, &what);
+                let ring = predict(&hw, &job, Algo::NcclRing).unwrap();
+                assert!(p.seconds <= ring.seconds * (1.0 + 1e-9), "{what}");
+                let t = p.traffic.unwrap();
+                assert_eq!(
+                    (t.slices, t.messages_sent, t.bytes_sent),
+                    (1, 0, 0),
+                    "{what}"
+                );
+            }
+        }
+        for (m, d) in [(1, 1), (2, 8)] {
+            let job = Job::new(m, d, 64 * MIB);
+            let t = predict(&hw, &job, Algo::Servers).unwrap().traffic.unwrap();
+            assert!(t.bytes_sent > 0, "{} {m}x{d}: the servers serve", hw.name);
+        }
+    }
+}
+
 #[test]
 fn dedicated_servers_halve_what_a_worker_sends() {
     // Herring: a worker's rail sends its slot once (S/D) instead of 2(M-1)/M S/D.

@@ -578,6 +578,20 @@ fn through_nccl(
     if !one_machine && !across_job {
         return Ok(None);
     }
+    nccl_all_reduce(hw, job, staging, Algo::Hierarchical).map(Some)
+}
+
+/// `job`'s all-reduces as the engine runs them where it runs each as one
+/// NCCL all-reduce over the workers ([`through_nccl`] says when; with
+/// dedicated servers, on one machine of several GPUs, `servers.rs`),
+/// predicted as `algo`: NCCL's time, one call after another, and nothing
+/// more.
+pub(super) fn nccl_all_reduce(
+    hw: &Hardware,
+    job: &Job,
+    staging: &fairring::Staging,
+    algo: Algo,
+) -> Result<Prediction, ModelError> {
     let e = nccl::choose(
         &hw.nccl,
         job.machines,
@@ -600,7 +614,7 @@ fn through_nccl(
         nvlink: end,
         ..Busy::default()
     };
-    let mut p = Prediction::with_busy(Algo::Hierarchical, job, end, Some(traffic), Some(busy));
+    let mut p = Prediction::with_busy(algo, job, end, Some(traffic), Some(busy));
     p.nccl = Some(e);
-    Ok(Some(p))
+    Ok(p)
 }

@@ -2,6 +2,10 @@
 //! GPU rail sends its slot once and receives it back once, instead of serving a
 //! shard itself.
 //!
+//! On one machine of several GPUs none of this runs: the engine runs the
+//! workers' all-reduce as one NCCL all-reduce on the machine's
+//! communicator, NCCL's time (`hierarchical::nccl_all_reduce`).
+//!
 //! Each of the `K` server machines runs one server process per NIC (`N` of
 //! them), as each GPU machine runs one worker per GPU: `P = K * N` servers, each
 //! with one NIC and `1/N` of the machine's memory bandwidth.
@@ -79,6 +83,12 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     // The engine's geometry with dedicated servers: the servers take the
     // machines' place in the sharding, and the cells always go straight to them.
     let staging = job.staging(k_servers)?;
+    // On one machine of several GPUs the engine runs the workers'
+    // all-reduce as one NCCL all-reduce on the machine's communicator, and
+    // the servers serve none of it (`fairring`'s choice).
+    if job.machines == 1 && job.devices > 1 {
+        return super::hierarchical::nccl_all_reduce(hw, job, &staging, Algo::Servers);
+    }
     if staging.geometry.server_groups().is_some() {
         return super::server_groups::predict_engine(hw, job, &staging);
     }
