@@ -59,7 +59,9 @@
 //!   seven machines whose GPUs reduce in their NVSwitch, a device all-reduce
 //!   of the sizes where NCCL's all-reduce is ahead of the plan runs as one
 //!   NCCL all-reduce over the whole job: `FAIRRING_NCCL_ACROSS_MACHINES`,
-//!   [`nccl_across_job`]);
+//!   [`nccl_across_job`]; on one machine beside dedicated servers, every
+//!   device all-reduce NCCL reduces runs as one on the machine's:
+//!   [`nccl_beside_servers`]);
 //! - **on any fabric**: tcp, or verbs where an RDMA device is present and the
 //!   `verbs` feature is built (`FAIRRING_FABRIC`);
 //! - **with dedicated servers** if asked (`FAIRRING_SERVERS`, Herring's design):
@@ -108,7 +110,7 @@ pub use config::{
     NcclAcrossMachines, Role, Staging,
 };
 pub use engine::links::Traffic;
-pub use engine::{NCCL_ACROSS_UP_TO_MACHINES, nccl_across_job};
+pub use engine::{NCCL_ACROSS_UP_TO_MACHINES, nccl_across_job, nccl_beside_servers};
 pub use error::{Error, Result};
 pub use fairring_core::{DataType, ReduceOp, WireFormat};
 pub use fusion::Fusion;

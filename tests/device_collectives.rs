@@ -30,7 +30,7 @@ use fairring::{Algorithm, Call, Communicator, DataType, Error, ReduceOp, Tensor,
 
 use common::allocations::{Counting, allocations};
 use common::job;
-use common::processes::{ProcessJob, rank_of_job, say};
+use common::processes::{ProcessJob, moved_by_server, rank_of_job, say};
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
@@ -552,7 +552,10 @@ fn device_all_reduces_of_one_machine_beside_servers_run_through_nccl() {
             let done = job.await_line(&[2, 3], "DONE", JOB_LIMIT);
             let moved: u64 = done
                 .iter()
-                .flat_map(|line| line.split(' ').filter_map(|w| w.parse::<u64>().ok()))
+                .map(|line| {
+                    let (sent, received) = moved_by_server(line);
+                    sent + received
+                })
                 .sum();
             assert_eq!(
                 moved == 0,

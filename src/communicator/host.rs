@@ -109,7 +109,7 @@ impl Communicator {
             routing: self.engine.geometry.routing(),
             algorithm: self.algorithm,
             wire: self.wire,
-            across_job: self.across_job(),
+            nccl_over_workers: self.nccl_over_workers(),
         }
     }
 
@@ -118,26 +118,20 @@ impl Communicator {
     /// machine beside dedicated servers and the machine's communicators
     /// were made (settled alike on every rank when its device side was
     /// made).
-    fn across_job(&self) -> bool {
+    fn nccl_over_workers(&self) -> bool {
         #[cfg(feature = "cuda")]
         {
             matches!(
                 self.nccl.cell.get(),
-                Some(Ok(Some(comms))) if comms.across_job() || self.one_machine_beside_servers()
+                Some(Ok(Some(comms)))
+                    if comms.across_job()
+                        || crate::engine::nccl_beside_servers(self.topology, self.servers)
             )
         }
         #[cfg(not(feature = "cuda"))]
         {
             false
         }
-    }
-
-    /// Whether the job's workers are one machine of several ranks beside
-    /// dedicated servers: its device all-reduces may run as one NCCL
-    /// all-reduce on the machine's communicators (`engine/choice.rs`).
-    #[cfg(feature = "cuda")]
-    pub(super) fn one_machine_beside_servers(&self) -> bool {
-        self.servers > 0 && self.topology.machines() == 1 && self.topology.devices_per_machine() > 1
     }
 
     /// Refuses a list named `argument` of `total` elements that is not

@@ -126,7 +126,7 @@ impl Communicator {
         if matches!(call.memory, Memory::Device { .. })
             && call.collective == Collective::AllReduce
             && (self.nccl.across_job != crate::NcclAcrossMachines::Off
-                || self.one_machine_beside_servers())
+                || crate::engine::nccl_beside_servers(self.topology, self.servers))
         {
             let total = elements_in_all(call.collective, call.count, self.world_size())?;
             return self.check_memory(call, total).map(Some);

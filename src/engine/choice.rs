@@ -321,7 +321,7 @@ pub(crate) struct Job {
     /// [`NCCL_ACROSS_UP_TO_MACHINES`] machines without dedicated servers),
     /// or the job's workers are one machine beside dedicated servers and
     /// the machine's communicators were made.
-    pub(crate) across_job: bool,
+    pub(crate) nccl_over_workers: bool,
 }
 
 /// What a call runs.
@@ -420,7 +420,7 @@ pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
     if asked == Algorithm::Auto
         && call.collective == Collective::AllReduce
         && call.memory == MemoryKind::Device
-        && job.across_job
+        && job.nccl_over_workers
         && requested_wire == WireFormat::Exact
         && crate::local::takes(call.dtype, call.op)
         && nccl_ahead(job, call.bytes)
@@ -474,7 +474,8 @@ fn resolve(collective: Collective, asked: Algorithm, bytes: u64, job: &Job) -> R
             } else if spread {
                 auto_spread(topology, bytes)
             } else if job.servers > 0 {
-                // A job with dedicated servers keeps them serving.
+                // A job with dedicated servers keeps them serving (but
+                // see the rule for NCCL's all-reduce in `choose`).
                 Algorithm::Hierarchical
             } else if scatter {
                 auto_scatter(topology, bytes)
@@ -540,20 +541,33 @@ fn auto_scatter(topology: Topology, bytes: u64) -> Algorithm {
 /// and back over its NICs).
 fn nccl_ahead(job: &Job, bytes: u64) -> bool {
     if job.servers > 0 {
-        job.topology.machines() == 1 && job.topology.devices_per_machine() > 1
+        nccl_beside_servers(job.topology, job.servers)
     } else {
         nccl_across_job(job.topology.machines(), bytes)
     }
+}
+
+/// Whether a job of `topology` with `servers` dedicated servers runs its
+/// device all-reduces that NCCL reduces (`auto`, exact) as one NCCL
+/// all-reduce on the machine's communicators beside the servers, which
+/// serve none of them: its workers are one machine of several ranks, and
+/// it has servers. The servers then accept such an operation, and no
+/// other (`engine/serving.rs`).
+pub fn nccl_beside_servers(topology: Topology, servers: u32) -> bool {
+    servers > 0 && topology.machines() == 1 && topology.devices_per_machine() > 1
 }
 
 /// The most machines on which `auto` may run a device all-reduce as one NCCL
 /// all-reduce across the job ([`nccl_across_job`]).
 pub const NCCL_ACROSS_UP_TO_MACHINES: u32 = 7;
 
-/// Whether the job's device all-reduces may run as one NCCL all-reduce across
-/// the job at some size: two to [`NCCL_ACROSS_UP_TO_MACHINES`] machines of
-/// several ranks each, without dedicated servers (which keep serving). Where
-/// not, no rank makes the job's communicator.
+/// Whether the job's NCCL communicator may be made, for device all-reduces
+/// that run as one NCCL all-reduce across the job at some size: two to
+/// [`NCCL_ACROSS_UP_TO_MACHINES`] machines of several ranks each, without
+/// dedicated servers (which serve between machines; on one machine beside
+/// them the machine's communicators take the workers' all-reduces instead,
+/// [`nccl_beside_servers`]). Where not, no rank makes the job's
+/// communicator.
 #[cfg(any(feature = "cuda", test))]
 pub(crate) fn nccl_across_job_may_run(topology: Topology, servers: u32) -> bool {
     (2..=NCCL_ACROSS_UP_TO_MACHINES).contains(&topology.machines())

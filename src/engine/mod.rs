@@ -54,7 +54,7 @@ mod checks;
 pub(crate) mod choice;
 #[cfg(feature = "cuda")]
 pub(crate) use choice::nccl_across_job_may_run;
-pub use choice::{NCCL_ACROSS_UP_TO_MACHINES, nccl_across_job};
+pub use choice::{NCCL_ACROSS_UP_TO_MACHINES, nccl_across_job, nccl_beside_servers};
 mod credits;
 mod departures;
 pub(crate) mod descriptor;
@@ -148,8 +148,10 @@ pub(crate) struct Engine<F: Fabric, M: MemorySpace> {
     /// The geometry a reduce-scatter plans its shares with: slices of one
     /// piece (`None` only if the layout broke its promise of a line per piece).
     scatter_geometry: Option<Geometry>,
-    /// The geometry of the job's NCCL all-reduce (`algorithm/nccl.rs`): one
-    /// machine of this machine's ranks, whose one slice is the whole tensor.
+    /// The geometry of the workers' NCCL all-reduce (`algorithm/nccl.rs`):
+    /// one machine of the workers' devices per machine, whose one slice is
+    /// the whole tensor (a dedicated server plans it too, and serves none
+    /// of it).
     nccl_geometry: Option<Geometry>,
     layout: BufferLayout,
     pub(crate) buffers: u32,

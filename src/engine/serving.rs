@@ -15,6 +15,8 @@
 
 use fairring_rdma::fabric::Fabric;
 
+use super::algorithm::Resolved;
+use super::choice::nccl_beside_servers;
 use super::descriptor::{Descriptor, Words};
 use super::failure::Fault;
 use super::work_table::Submission;
@@ -52,7 +54,23 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             )
             .into());
         }
-        let world = self.geometry.topology().world_size();
+        // The workers' NCCL all-reduce, which a server plans and serves none
+        // of, runs beside servers only where the workers are one machine:
+        // elsewhere the servers would let a step between machines pass
+        // unserved.
+        let topology = self.geometry.topology();
+        let servers = self.geometry.servers().unwrap_or(0);
+        if descriptor.algorithm == Resolved::Nccl && !nccl_beside_servers(topology, servers) {
+            return Err(Error::peer(
+                peer,
+                format!(
+                    "described operation #{seq} as {descriptor}: NCCL's all-reduce runs beside \
+                     dedicated servers only where the workers are one machine of several ranks"
+                ),
+            )
+            .into());
+        }
+        let world = topology.world_size();
         let sub = Submission::new(seq, self.memory.no_tensor(), descriptor, None, world)
             .ok_or_else(|| {
                 Error::peer(

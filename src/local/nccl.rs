@@ -148,8 +148,10 @@ pub(crate) struct NcclSetup {
     pub(crate) rank: u32,
     pub(crate) world: u32,
     /// Whether to make the job's communicator: `Off` where the job's
-    /// machines are too few or too many for it (`engine/choice.rs`), or
-    /// have one rank each (the same on every rank).
+    /// machines are too few or too many for it (`engine/choice.rs`), have
+    /// one rank each, or work beside dedicated servers (on one machine
+    /// beside them the machine's communicators take the workers'
+    /// all-reduces instead) (the same on every rank).
     pub(crate) across_job: NcclAcrossMachines,
     pub(crate) timeout: Duration,
     /// Serialises the making.

@@ -1294,6 +1294,73 @@ fn one_machine_beside_servers_runs_its_nccl_all_reduces_between_those_the_server
     );
 }
 
+/// A dedicated server refuses a worker's descriptor of an NCCL all-reduce
+/// over the workers where they are several machines (2x2 with two
+/// servers): it would plan it and serve none of it, so that the step
+/// between machines would pass unserved. The server fails naming the
+/// worker and why, and the workers fail with it.
+#[test]
+fn a_server_refuses_the_workers_nccl_all_reduce_across_machines() {
+    let net = Network::new(6);
+    let topology = Topology::new(2, 2, RankLayout::Contiguous).unwrap();
+    let geometry = Geometry::with_servers(topology, PlanConfig::new(1024, 64).unwrap(), 2).unwrap();
+    let layout = BufferLayout::new(&geometry, 6).unwrap();
+    let engines = build_job(
+        &geometry,
+        &layout,
+        2,
+        &net,
+        DirectSettings::from(None),
+        Design::Accepted,
+        Some(&Collectives {
+            across_job: true,
+            ..Collectives::shipped()
+        }),
+        0,
+        Duration::from_secs(3600),
+        |_, step| Box::new(step),
+    )
+    .unwrap();
+    assert_eq!(engines.len(), 6);
+    let mut tensors: Vec<Vec<u64>> = (0..4).map(|_| vec![0; 1000]).collect();
+    let mut inputs: Vec<Vec<u64>> = (0..4).map(|_| vec![1; 1000]).collect();
+    for (r, (t, i)) in tensors.iter_mut().zip(&mut inputs).enumerate() {
+        // A worker may refuse it itself; the server must, whatever the
+        // workers do.
+        let _ = submit_device_sum_by(&engines[r], t, i, Resolved::Nccl);
+    }
+    for _ in 0..10_000 {
+        if engines[4..].iter().all(|e| e.failure().is_some()) {
+            break;
+        }
+        for e in &engines {
+            e.try_drive();
+            while e.memory.gpu().run_any(|_| 0) {}
+        }
+        let mut net = net
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (a, b) in net.busy_links() {
+            net.deliver(a, b);
+        }
+    }
+    let mut refused = 0;
+    for server in &engines[4..] {
+        let error = server
+            .failure()
+            .unwrap_or_else(|| panic!("server {} still running", server.rank()))
+            .to_string();
+        if error.contains("only where the workers are one machine") {
+            assert!(error.contains("rank "), "the worker named: {error}");
+            refused += 1;
+        }
+    }
+    assert!(refused > 0, "a server refused the descriptor itself");
+    for e in &engines[..4] {
+        assert!(e.failure().is_some(), "rank {} failed", e.rank());
+    }
+}
+
 /// The device model catches the three ways the design can break, each on a
 /// seed the shipped design passes:
 ///

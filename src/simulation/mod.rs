@@ -12,7 +12,9 @@
 //! there are machines (the hierarchical all-reduce then goes through the
 //! core's trees, every shape of up to four machines), a script of
 //! integer all-reduces (empty to many slices, `i32`/`i64`/`u8`/`f32`,
-//! sum/product/min/max, hierarchical, ring or recursive doubling),
+//! sum/product/min/max, hierarchical, ring or recursive doubling; on device
+//! tensors through the machine's collectives, also one NCCL all-reduce over
+//! the workers: the job's, or one machine's beside servers),
 //! reduce-scatters (by the scatter algorithm, or as any of those all-reduces),
 //! and relayed broadcasts (from any root) and all-gathers, each rank starting
 //! from its own values everywhere, whether all-reduces send from their tensors
@@ -761,8 +763,8 @@ fn seeded_schedules_settle_with_exact_results() {
         "simulation: {} seeds ({killed} with a killed rank), {steps} steps, {done} operations \
          done ({device} on the simulated device, {collective} of them through a machine's \
          collectives, which reduce-scattered {scattered} slices in one call; {across_job} \
-         all-reduces met on the job's NCCL communicator, {nccl_beside_servers} on one \
-         machine's beside dedicated servers; {ungated} ungated calls of whole \
+         all-reduces met on the job's NCCL communicator, {nccl_beside_servers} rank \
+         operations done on one machine's beside dedicated servers; {ungated} ungated calls of whole \
          all-reduces through NCCL met; {in_groups} where the machines reduce \
          in groups, {servers_in_groups} where dedicated servers do), {failed} failed; \
          drawn as rooted forms: {reduces} reduces, {gathers} \
@@ -804,8 +806,10 @@ fn seeded_schedules_settle_with_exact_results() {
         seeds.len() < 100 || across_job > 0,
         "the seeds run all-reduces on the job's NCCL communicator"
     );
+    // About one seed in forty is one machine of several ranks with servers
+    // and collectives: a thousand seeds draw some.
     assert!(
-        seeds.len() < 100 || nccl_beside_servers > 0,
+        seeds.len() < 1000 || nccl_beside_servers > 0,
         "the seeds run workers' NCCL all-reduces on one machine beside dedicated servers"
     );
     assert!(

@@ -222,9 +222,10 @@ pub(super) struct Scenario {
     /// Whether one NCCL all-reduce over the workers can run (three seeds in
     /// four of several ranks a machine, through their collectives: on
     /// several machines without servers, the job's communicator is made; on
-    /// one beside servers, the machine's serve): then about three in four
-    /// of its device all-reduces that NCCL reduces run as that
-    /// ([`Resolved::Nccl`]), and a server plans them and serves nothing.
+    /// one machine beside servers, the machine's communicators take it): then
+    /// about three in four of its device all-reduces that NCCL reduces run
+    /// as that ([`Resolved::Nccl`]), and a server plans them and serves
+    /// nothing.
     pub(super) across_job: bool,
     /// Machines (or, with servers, the servers of each rail) in groups of
     /// at most this many, where the hierarchical all-reduce runs in two

@@ -67,9 +67,10 @@ pub fn run_alone(test: &str, within: Duration) {
 
 /// Inside a rank of a job started for `test`, its communicator; `None` in the
 /// launcher. Inside a dedicated server of the job
-/// ([`ProcessJob::start_with_servers`]), serves until every worker has
-/// left, says `DONE sent S received R bytes` (the data bytes it moved) and
-/// ends the process; a failure panics, naming the server.
+/// ([`ProcessJob::start_with_servers`]), serves until every worker of its
+/// rail group has left, says `DONE sent S received R bytes` (the data bytes
+/// it moved: [`moved_by_server`]) and ends the process; a failure panics,
+/// naming the server.
 pub fn rank_of_job(test: &str) -> Option<Communicator> {
     match std::env::var(RANK_OF) {
         Ok(t) if t == test => {
@@ -88,9 +89,9 @@ pub fn rank_of_job(test: &str) -> Option<Communicator> {
 /// A dedicated server of `test`'s job: serves, reports what it moved, and
 /// ends the process.
 fn serve(test: &str) -> ! {
-    let server = fairring::Config::from_env()
-        .and_then(fairring::Server::new)
-        .unwrap_or_else(|e| panic!("a server joining the job of {test}: {e}"));
+    let index = std::env::var("FAIRRING_SERVER_RANK").unwrap_or_default();
+    let server = fairring::Server::from_env()
+        .unwrap_or_else(|e| panic!("server {index} joining the job of {test}: {e}"));
     let rank = server.rank();
     match server.run() {
         Ok(t) => {
@@ -100,7 +101,20 @@ fn serve(test: &str) -> ! {
             ));
             std::process::exit(0);
         }
-        Err(e) => panic!("server {rank} of {test}: {e}"),
+        Err(e) => panic!("server {index} (rank {rank}) of {test}: {e}"),
+    }
+}
+
+/// The data bytes a server sent and received, from its `DONE` line
+/// ([`rank_of_job`]); panics on any other line.
+pub fn moved_by_server(line: &str) -> (u64, u64) {
+    let numbers: Vec<u64> = line
+        .split(' ')
+        .filter_map(|word| word.parse().ok())
+        .collect();
+    match (line.starts_with("DONE sent "), numbers.as_slice()) {
+        (true, &[sent, received]) => (sent, received),
+        _ => panic!("a server's report: {line:?}"),
     }
 }
 
@@ -190,7 +204,8 @@ impl ProcessJob {
         }
     }
 
-    /// Waits until each of `ranks` has said a line starting with `prefix`;
+    /// Waits until each of `ranks` (processes: a server is process
+    /// `m * d + i`) has said a line starting with `prefix`;
     /// returns those lines in the order of `ranks`. Panics after `within`.
     pub fn await_line(&mut self, ranks: &[u32], prefix: &str, within: Duration) -> Vec<String> {
         let deadline = Instant::now() + within;

@@ -86,7 +86,7 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     // On one machine of several GPUs the engine runs the workers'
     // all-reduce as one NCCL all-reduce on the machine's communicator, and
     // the servers serve none of it (`fairring`'s choice).
-    if job.machines == 1 && job.devices > 1 {
+    if fairring::nccl_beside_servers(staging.geometry.topology(), k_servers) {
         return super::hierarchical::nccl_all_reduce(hw, job, &staging, Algo::Servers);
     }
     if staging.geometry.server_groups().is_some() {

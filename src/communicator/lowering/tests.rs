@@ -19,7 +19,7 @@ fn job(m: u32, d: u32, rank: u32) -> Job {
             routing: Routing::Flat,
             algorithm: Algorithm::Auto,
             wire: WireFormat::Exact,
-            across_job: false,
+            nccl_over_workers: false,
         },
         rank,
     }

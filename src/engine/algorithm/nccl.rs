@@ -45,7 +45,8 @@ impl Nccl {
         s: &SliceInfo<'_>,
         steps: &mut Vec<Step>,
     ) -> Result<Nccl> {
-        if ctx.server.is_some() || (ctx.servers > 0 && ctx.topology.machines() > 1) || s.direct {
+        let beside_servers = crate::engine::nccl_beside_servers(ctx.topology, ctx.servers);
+        if ctx.server.is_some() || (ctx.servers > 0 && !beside_servers) || s.direct {
             return Err(Error::internal(
                 "the job's NCCL all-reduce runs on workers' device tensors, beside servers \
                  only on one machine",

@@ -9,7 +9,7 @@ fn job(m: u32, d: u32, servers: u32, wire: WireFormat) -> Job {
         routing: Routing::Flat,
         algorithm: Algorithm::Auto,
         wire,
-        across_job: false,
+        nccl_over_workers: false,
     }
 }
 
@@ -345,7 +345,7 @@ fn device_all_reduce(
         memory: MemoryKind::Device,
     };
     let job = Job {
-        across_job,
+        nccl_over_workers: across_job,
         ..job(m, 8, 0, WireFormat::Exact)
     };
     choose(call, &job).unwrap().algorithm
@@ -431,7 +431,7 @@ fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_i
         ..host
     };
     let with_comm = Job {
-        across_job: true,
+        nccl_over_workers: true,
         ..job(2, 8, 0, WireFormat::Exact)
     };
     assert_eq!(
@@ -447,7 +447,7 @@ fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_i
         ..host
     };
     let servers = Job {
-        across_job: true,
+        nccl_over_workers: true,
         ..job(2, 8, 2, WireFormat::Exact)
     };
     assert_eq!(
@@ -502,7 +502,7 @@ fn device_all_reduces_of_one_machine_beside_servers_run_as_its_nccl_all_reduce()
     };
     let (f32, sum) = (DataType::F32, ReduceOp::Sum);
     let on = |m: u32, d: u32, servers: u32, made: bool| Job {
-        across_job: made,
+        nccl_over_workers: made,
         ..job(m, d, servers, WireFormat::Exact)
     };
     let runs = |c: Call, j: &Job| choose(c, j).unwrap();
