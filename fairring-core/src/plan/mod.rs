@@ -600,7 +600,9 @@ impl Plan {
     /// slice, for a job of one machine whose local step works in the tensor
     /// (see the module docs); refused with
     /// [`PlanError::WholeTensorAcrossMachines`] for a job of several machines
-    /// or with dedicated servers, whose cells land in staging buffers.
+    /// or with dedicated servers, whose cells land in staging buffers. (A job
+    /// whose workers are one machine beside servers that serve none of a
+    /// tensor plans it on the geometry of that machine alone, without them.)
     pub const fn whole(
         geometry: &Geometry,
         dtype: DataType,
