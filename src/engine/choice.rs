@@ -536,9 +536,9 @@ fn auto_scatter(topology: Topology, bytes: u64) -> Algorithm {
 /// Whether one NCCL all-reduce over the workers is ahead of the plan for a
 /// device all-reduce of `bytes` in `job`: across few machines without
 /// dedicated servers where the scale model says so ([`nccl_across_job`]),
-/// and at every size on one machine of several ranks beside dedicated servers (the
-/// machine's NVLink, where the plan would send every byte to the servers
-/// and back over its NICs).
+/// and at every size on one machine of several ranks beside dedicated
+/// servers (the machine's NVLink, where the plan would send every byte to
+/// the servers and back over its NICs).
 fn nccl_ahead(job: &Job, bytes: u64) -> bool {
     if job.servers > 0 {
         nccl_beside_servers(job.topology, job.servers)
