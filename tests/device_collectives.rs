@@ -498,15 +498,25 @@ fn all_reduces_across_the_job_through_nccl_are_exact() {
     };
     assert!(fairring::nccl_across_job(2, 4 << 20));
     assert!(!fairring::nccl_across_job(2, 1 << 20));
+    all_reduce_device_tensors_exactly(
+        &comm,
+        &[
+            (DataType::F32, ReduceOp::Sum, 6 << 20),
+            (DataType::I64, ReduceOp::Sum, 4 << 20),
+            (DataType::I32, ReduceOp::Max, 5 << 20),
+            (DataType::F32, ReduceOp::Sum, 1 << 20),
+        ],
+    );
+}
+
+/// All-reduces, one after another, a device tensor of each `(type,
+/// operator, bytes)` of `calls` from this rank's inputs, and checks every
+/// element of each result.
+fn all_reduce_device_tensors_exactly(comm: &Communicator, calls: &[(DataType, ReduceOp, usize)]) {
     let rank = comm.rank();
     let device = device();
     let stream = Stream::new(&device, false).unwrap();
-    for (dtype, op, bytes) in [
-        (DataType::F32, ReduceOp::Sum, 6usize << 20),
-        (DataType::I64, ReduceOp::Sum, 4 << 20),
-        (DataType::I32, ReduceOp::Max, 5 << 20),
-        (DataType::F32, ReduceOp::Sum, 1 << 20),
-    ] {
+    for &(dtype, op, bytes) in calls {
         let n = bytes / dtype.size_bytes() as usize;
         let x = input(dtype, rank, n);
         let mut buf = DeviceBuffer::zeroed(&device, x.len()).unwrap();
@@ -567,9 +577,6 @@ fn device_all_reduces_of_one_machine_beside_servers_run_through_nccl() {
         return;
     };
     let float_maximum = std::env::var("FAIRRING_TEST_FLOAT_MAXIMUM").is_ok_and(|v| v == "true");
-    let rank = comm.rank();
-    let device = device();
-    let stream = Stream::new(&device, false).unwrap();
     let calls: &[(DataType, ReduceOp, usize)] = if float_maximum {
         &[(DataType::F32, ReduceOp::Max, 1 << 20)]
     } else {
@@ -580,29 +587,7 @@ fn device_all_reduces_of_one_machine_beside_servers_run_through_nccl() {
             (DataType::I32, ReduceOp::Max, 5 << 20),
         ]
     };
-    for &(dtype, op, bytes) in calls {
-        let n = bytes / dtype.size_bytes() as usize;
-        let x = input(dtype, rank, n);
-        let mut buf = DeviceBuffer::zeroed(&device, x.len()).unwrap();
-        upload(&stream, &mut buf, 0, &x);
-        let mut view = buf.slice_mut();
-        comm.scope(|s| {
-            let work = s.all_reduce(TensorMut::device(&mut view, dtype, &stream)?, op, ())?;
-            finish(&stream, work)
-        })
-        .unwrap_or_else(|e| panic!("rank {rank}: {dtype} {op:?}: {e}"));
-        let want = reduced(dtype, op, comm.world_size(), n);
-        let got = download(&stream, &buf, 0, want.len());
-        let size = dtype.size_bytes() as usize;
-        let wrong = got
-            .chunks(size)
-            .zip(want.chunks(size))
-            .position(|(g, w)| g != w);
-        assert!(
-            wrong.is_none(),
-            "rank {rank}: {dtype} {op:?}: element {wrong:?} wrong"
-        );
-    }
+    all_reduce_device_tensors_exactly(&comm, calls);
 }
 
 /// A kernel enqueued on the caller's stream before the all-reduce writes its
