@@ -27,7 +27,7 @@ use fairring_core::staging::{Actions, Event, Role, Word};
 use fairring_core::{ReduceOp, WireFormat};
 
 use super::hierarchical::refused;
-use super::{SliceInfo, Step, Write};
+use super::{SliceEvent, SliceInfo, Step, Write};
 use crate::engine::tags::Kind;
 use crate::error::{Error, Result};
 use crate::memory::{Reduction, Sources};
@@ -227,6 +227,18 @@ impl Words {
             _ => Event::ContributionSent,
         };
         Some((level, event))
+    }
+
+    /// The word and event of one of this slice's writes that has left
+    /// ([`Words::sent`]) or of its reduction that ended
+    /// ([`Words::reduction_ended`]); `None` for any other event, or one the
+    /// words do not expect.
+    pub(super) fn sent_or_reduced(&mut self, event: SliceEvent) -> Option<(Level, Event)> {
+        match event {
+            SliceEvent::Sent { kind, part } => self.sent(kind, part),
+            SliceEvent::Reduced => self.reduction_ended().map(|level| (level, Event::Reduced)),
+            _ => None,
+        }
     }
 
     /// The word across and event of another group's write of `kind` and

@@ -199,19 +199,16 @@ impl ServeInGroups {
             }
             // A server sends results within and partial sums and results
             // across, never cells.
-            SliceEvent::Sent { kind, part } if !(kind == Kind::Contribution && part == 0) => {
+            SliceEvent::Sent {
+                kind: Kind::Contribution,
+                part: 0,
+            } => return Err(stray_event(event, s, &self.phase())),
+            SliceEvent::Sent { .. } | SliceEvent::Reduced => {
                 let (level, event) = self
                     .words
-                    .sent(kind, part)
+                    .sent_or_reduced(event)
                     .ok_or_else(|| stray_event(event, s, &self.phase()))?;
                 (level, event, None)
-            }
-            SliceEvent::Reduced => {
-                let level = self
-                    .words
-                    .reduction_ended()
-                    .ok_or_else(|| stray_event(event, s, &self.phase()))?;
-                (level, Event::Reduced, None)
             }
             _ => return Err(stray_event(event, s, &self.phase())),
         };

@@ -195,19 +195,12 @@ impl TwoLevel {
                 let (level, event) = self.landed(ctx, s, kind, peer, part)?;
                 (level, event, Some(peer))
             }
-            SliceEvent::Sent { kind, part } => {
+            SliceEvent::Sent { .. } | SliceEvent::Reduced => {
                 let (level, event) = self
                     .words
-                    .sent(kind, part)
+                    .sent_or_reduced(event)
                     .ok_or_else(|| stray_event(event, s, &self.phase()))?;
                 (level, event, None)
-            }
-            SliceEvent::Reduced => {
-                let level = self
-                    .words
-                    .reduction_ended()
-                    .ok_or_else(|| stray_event(event, s, &self.phase()))?;
-                (level, Event::Reduced, None)
             }
             SliceEvent::Staged | SliceEvent::CopiedOut | SliceEvent::Converted(_) => {
                 return Err(stray_event(event, s, &self.phase()));
