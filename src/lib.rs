@@ -58,15 +58,17 @@
 //!   or staged through the shared segment: `FAIRRING_DEVICE_LOCAL`; on two to
 //!   seven machines whose GPUs reduce in their NVSwitch, a device all-reduce
 //!   of the sizes where NCCL's all-reduce is ahead of the plan runs as one
-//!   NCCL all-reduce over the whole job: `FAIRRING_NCCL_ACROSS_MACHINES`,
-//!   [`nccl_across_job`]; on one machine beside dedicated servers, every
+//!   NCCL all-reduce over the whole job, with or without dedicated servers:
+//!   `FAIRRING_NCCL_ACROSS_MACHINES`, [`nccl_across_job`]; on one machine
+//!   beside dedicated servers, every
 //!   device all-reduce NCCL reduces runs as one on the machine's:
 //!   [`nccl_beside_servers`]);
 //! - **on any fabric**: tcp, or verbs where an RDMA device is present and the
 //!   `verbs` feature is built (`FAIRRING_FABRIC`);
 //! - **with dedicated servers** if asked (`FAIRRING_SERVERS`, Herring's design):
-//!   CPU-only [`Server`] processes then take the inter-machine step, and each
-//!   machine sends and receives its buffer once;
+//!   CPU-only [`Server`] processes then take the all-reduce's inter-machine
+//!   step, and each machine sends and receives its buffer once (broadcasts,
+//!   all-gathers and reduce-scatters go around the workers' rails);
 //! - **fused**: [`Fusion`] places a step's tensors into balanced fusion buffers
 //!   from the order rank 0 saw first, with no negotiation afterwards;
 //! - **allocation-free** per operation once built.

@@ -30,7 +30,8 @@ fn bits(rank: u32, k: usize, i: usize) -> u32 {
 const SIZES: [usize; 4] = [1, 7, 1001, 40_003];
 
 /// Every co-located layout with every algorithm, then every layout with
-/// dedicated servers (hierarchical: the servers' algorithm).
+/// dedicated servers: hierarchical (the servers' algorithm), the ring (over
+/// the workers' rails where machines have several devices) and `auto`.
 fn for_every_layout(test: impl Fn(u32, u32, u32, Algorithm)) {
     for (m, d) in LAYOUTS {
         for &algorithm in Algorithm::ALL {
@@ -38,7 +39,9 @@ fn for_every_layout(test: impl Fn(u32, u32, u32, Algorithm)) {
         }
     }
     for (m, d, servers) in SERVER_LAYOUTS {
-        test(m, d, servers, Algorithm::Hierarchical);
+        for algorithm in [Algorithm::Hierarchical, Algorithm::Ring, Algorithm::Auto] {
+            test(m, d, servers, algorithm);
+        }
     }
 }
 

@@ -217,7 +217,7 @@ impl Communicator {
                 .rank(built.location)
                 .map_err(|e| Error::internal("a rank's location is in its job", e.to_string()))?,
             world: built.topology.world_size(),
-            across_job: if crate::engine::nccl_across_job_may_run(built.topology, config.servers) {
+            across_job: if crate::engine::nccl_across_job_may_run(built.topology) {
                 config.nccl_across_machines
             } else {
                 crate::NcclAcrossMachines::Off

@@ -29,8 +29,9 @@
 //! | broadcast | 4 | 1 | 0 | 4K | auto | u8 | exact | hierarchical | exact | yes |
 //! | broadcast | 4 | 1 | 0 | 256K | auto | u8 | exact | relay | exact | no |
 //! | broadcast | 2 | 2 | 0 | 4K | auto | u8 | exact | relay | exact | yes |
-//! | broadcast | 2 | 2 | 1 | 4K | auto | u8 | exact | hierarchical | exact | yes |
-//! | broadcast | 2 | 2 | 1 | 4K | ring | u8 | exact | relay | exact | no |
+//! | broadcast | 2 | 2 | 1 | 4K | auto | u8 | exact | relay | exact | yes |
+//! | broadcast | 2 | 2 | 1 | 4K | ring | u8 | exact | relay | exact | yes |
+//! | all-gather | 4 | 2 | 2 | 4K | auto | u8 | exact | hierarchical | exact | yes |
 //! | broadcast | 1 | 8 | 0 | 64M | auto | u8 | exact | hierarchical | exact | yes |
 //! | all-gather | 2 | 2 | 0 | 4K | auto | u8 | exact | relay | exact | yes |
 //! | all-gather | 8 | 1 | 0 | 4K | auto | u8 | exact | hierarchical | exact | yes |
@@ -40,32 +41,38 @@
 //! | reduce-scatter | 2 | 1 | 0 | 4K | auto | i32 | exact | scatter | exact | no |
 //! | reduce-scatter | 4 | 2 | 0 | 4K | auto | i32 | exact | hierarchical | exact | no |
 //! | reduce-scatter | 4 | 2 | 0 | 256K | auto | i32 | exact | scatter | exact | no |
-//! | reduce-scatter | 2 | 1 | 1 | 64M | auto | i32 | exact | hierarchical | exact | no |
+//! | reduce-scatter | 2 | 1 | 1 | 64M | auto | i32 | exact | scatter | exact | no |
+//! | reduce-scatter | 2 | 2 | 2 | 64M | auto | i32 | exact | scatter | exact | no |
+//! | all-reduce | 2 | 2 | 2 | 64M | auto | i32 | exact | hierarchical | exact | no |
 //! | reduce-scatter | 2 | 1 | 0 | 64M | auto | f32 | bf16 | hierarchical | bf16 | no |
 //! | reduce-scatter | 2 | 1 | 0 | 64M | ring | f32 | bf16 | scatter | exact | no |
 //! | barrier | 2 | 2 | 0 | 1 | auto | u8 | exact | hierarchical | exact | no |
 //!
 //! In words:
 //!
-//! - **All-reduce**: hierarchical, but recursive doubling on two machines of
-//!   one device each up to 256 KiB. A device all-reduce NCCL reduces (an
-//!   exact wire, `auto`) runs as one NCCL all-reduce over the workers
+//! - **All-reduce**: hierarchical (through the dedicated servers, where the
+//!   job has them), but recursive doubling on two machines of one device
+//!   each up to 256 KiB without servers. A device all-reduce NCCL reduces
+//!   (an exact wire, `auto`) runs as one NCCL all-reduce over the workers
 //!   ([`Resolved::Nccl`]) where one can run and is ahead: on two to
-//!   [`NCCL_ACROSS_UP_TO_MACHINES`] machines of several GPUs without
-//!   dedicated servers, at the sizes of [`nccl_across_job`]; on one machine
-//!   of several GPUs beside dedicated servers, at every size (its NVLink,
-//!   where the servers would take every byte over its NICs and back). The
-//!   servers then plan the operation and serve none of it.
+//!   [`NCCL_ACROSS_UP_TO_MACHINES`] machines of several GPUs, at the sizes of
+//!   [`nccl_across_job`], with or without dedicated servers (the windows
+//!   are where NCCL is ahead of the plan without servers, which on the
+//!   machines that make the job's communicator is ahead of the servers'
+//!   own: `docs/scale-model.md`); on one machine of several GPUs beside
+//!   dedicated servers, at every size (its NVLink, where the servers would
+//!   take every byte over its NICs and back). The servers then plan the
+//!   operation and serve none of it.
 //! - **Broadcast and all-gather**: relayed (the ring) on two or three
-//!   machines, and on more from 256 KiB; hierarchical on one machine and in a
-//!   job with dedicated servers where machines have several devices (its
-//!   ranks link no rails). Run as hierarchical's all-reduce, or relayed over
-//!   the machines (a machine's ranks summed first), the callers' tensors need
-//!   zeros where their own bytes are not (the zero-fill); relayed over the
-//!   ranks they do not.
+//!   machines, and on more from 256 KiB; hierarchical on one machine. A job
+//!   with dedicated servers follows the same rule: its workers link their
+//!   rails, and a relay takes no hop through a server. Run as
+//!   hierarchical's all-reduce, or relayed over the machines (a machine's
+//!   ranks summed first), the callers' tensors need zeros where their own
+//!   bytes are not (the zero-fill); relayed over the ranks they do not.
 //! - **Reduce-scatter**: the scatter algorithm (the ring's reduce-scatter
 //!   half) on one machine of several ranks, and where a broadcast would be
-//!   relayed; hierarchical in a job with dedicated servers.
+//!   relayed, with or without dedicated servers.
 //! - **Gather, scatter and reduce** on host memory, of at least
 //!   [`ROOTED_BY_MESSAGES_FROM`] bytes in all (the root's whole buffer) in a
 //!   job of at most [`ROOTED_BY_MESSAGES_UP_TO`] ranks, move as messages after
@@ -207,9 +214,8 @@
 //!   The relay wins from 16 MiB by 1.1x to 1.3x and mostly below; `auto`
 //!   relays on several devices per machine by the rule above. On one machine
 //!   there is no hop between machines, and hierarchical's single-machine path
-//!   copies less: `auto` keeps it. A job with dedicated servers keeps
-//!   hierarchical where machines have several devices (its ranks link no
-//!   rails, so a relay would cross the fabric inside each machine).
+//!   copies less: `auto` keeps it. A job with dedicated servers relays by
+//!   the same rule (measured below, under **With dedicated servers**).
 //!
 //! # Reduce-scatter
 //!
@@ -239,8 +245,32 @@
 //! and below. So `auto` follows the relay's rule on several machines (the ring
 //! on two or three, and from 256 KiB), and runs the ring on one machine of
 //! several ranks, where it is hierarchical's reduce-scatter without the
-//! all-gather. A job with dedicated servers keeps hierarchical (its ranks link
-//! no rails, so the ring would cross the fabric inside each machine).
+//! all-gather. A job with dedicated servers follows the same rule (measured
+//! below, under **With dedicated servers**).
+//!
+//! **With dedicated servers.** Every job links its rails, so a job with
+//! dedicated servers relays, scatters and chooses between them and
+//! hierarchical by the rules above; before its workers linked their rails
+//! it ran every collective through the servers (hierarchical).
+//! `fairring-bench --local MxD --servers K --collective C --iters 10`
+//! (`--iters 50` at 64 KiB), 2-core VM, loopback tcp, f32, medians of three
+//! sittings (seven at 64 KiB on 2x2, five at 64 KiB elsewhere), each the
+//! two builds in turn, times in microseconds (through the servers / by
+//! these rules):
+//!
+//! | layout | collective | 64 KiB | 1 MiB | 16 MiB |
+//! |---|---|---|---|---|
+//! | 2x2 + 2 | broadcast | 411.6 / 162.2 | 1452.4 / 819.5 | 32619.5 / 19224.6 |
+//! | 2x2 + 2 | all-gather | 209.6 / 175.1 | 1288.7 / 1071.5 | 36397.8 / 19654.6 |
+//! | 2x2 + 2 | reduce-scatter | 302.7 / 209.1 | 1232.2 / 645.3 | 34183.2 / 14645.1 |
+//! | 2x2 + 2 | all-reduce | 262.2 / 264.7 | 1583.2 / 1318.4 | 32865.7 / 32582.9 |
+//! | 2x1 + 2 | reduce-scatter | 93.4 / 22.6 | 770.5 / 305.8 | 23585.7 / 8704.5 |
+//! | 1x2 + 1 | reduce-scatter | 83.1 / 28.0 | 736.7 / 100.8 | 17720.5 / 2520.1 |
+//!
+//! By these rules broadcasts, all-gathers and reduce-scatters take 1.2x to
+//! 7x less time, at 64 KiB too, the servers moving none of their bytes;
+//! all-reduces, which still go to the servers (each descriptor also going
+//! along the rails), take the same time within the spread.
 //!
 //! **Gathers and scatters as messages.** `fairring-bench --collective
 //! gather|scatter --iters 20`, 2-core VM, loopback tcp, the size being the
@@ -448,8 +478,8 @@ pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
         WireFormat::Exact
     };
     let spread = matches!(form, Collective::Broadcast | Collective::AllGather);
-    let zero_fill = spread
-        && (algorithm != Resolved::Relay || relay_over_machines(job.topology, job.servers, form));
+    let zero_fill =
+        spread && (algorithm != Resolved::Relay || relay_over_machines(job.topology, form));
     Ok(Choice {
         algorithm,
         wire,
@@ -466,19 +496,14 @@ fn resolve(collective: Collective, asked: Algorithm, bytes: u64, job: &Job) -> R
     let scatter = collective == Collective::ReduceScatter;
     let concrete = match asked {
         Algorithm::Auto => {
-            if spread && job.servers > 0 && topology.devices_per_machine() > 1 {
-                // A relay over the machines needs the rails, which a job with
-                // dedicated servers does not link; there it would cross the
-                // fabric between the ranks of a machine.
-                Algorithm::Hierarchical
-            } else if spread {
+            if spread {
                 auto_spread(topology, bytes)
-            } else if job.servers > 0 {
-                // A job with dedicated servers keeps them serving (but
-                // see the rule for NCCL's all-reduce in `choose`).
-                Algorithm::Hierarchical
             } else if scatter {
                 auto_scatter(topology, bytes)
+            } else if job.servers > 0 {
+                // A job with dedicated servers keeps them serving its
+                // all-reduces (but see the rule for NCCL's in `choose`).
+                Algorithm::Hierarchical
             } else {
                 auto_all_reduce(topology, bytes)
             }
@@ -534,27 +559,35 @@ fn auto_scatter(topology: Topology, bytes: u64) -> Algorithm {
 }
 
 /// Whether one NCCL all-reduce over the workers is ahead of the plan for a
-/// device all-reduce of `bytes` in `job`: across few machines without
-/// dedicated servers where the scale model says so ([`nccl_across_job`]),
-/// and at every size on one machine of several ranks beside dedicated
-/// servers (the machine's NVLink, where the plan would send every byte to
-/// the servers and back over its NICs).
+/// device all-reduce of `bytes` in `job`: across few machines where the scale
+/// model says so ([`nccl_across_job`]; beside dedicated servers too, which it
+/// then leaves idle: on the machines it is ahead of the plan without servers,
+/// it is ahead of the servers' own), and at every size on one machine of
+/// several ranks beside dedicated servers (the machine's NVLink, where the
+/// plan would send every byte to the servers and back over its NICs).
 fn nccl_ahead(job: &Job, bytes: u64) -> bool {
-    if job.servers > 0 {
-        nccl_beside_servers(job.topology, job.servers)
-    } else {
-        nccl_across_job(job.topology.machines(), bytes)
-    }
+    nccl_beside_servers(job.topology, job.servers)
+        || nccl_across_job(job.topology.machines(), bytes)
 }
 
 /// Whether a job of `topology` with `servers` dedicated servers runs its
 /// device all-reduces that NCCL reduces (`auto`, exact) as one NCCL
 /// all-reduce on the machine's communicators beside the servers, which
 /// serve none of them: its workers are one machine of several ranks, and
-/// it has servers. The servers then accept such an operation, and no
-/// other (`engine/serving.rs`).
+/// it has servers.
 pub fn nccl_beside_servers(topology: Topology, servers: u32) -> bool {
     servers > 0 && topology.machines() == 1 && topology.devices_per_machine() > 1
+}
+
+/// Whether a job of `topology` with `servers` dedicated servers may run a
+/// device all-reduce as one NCCL all-reduce over its workers, at some size:
+/// on one machine beside servers ([`nccl_beside_servers`]), or across
+/// machines ([`nccl_across_job_may_run`]). A dedicated server accepts such an
+/// operation there and plans it without serving it, and nowhere else
+/// (`engine/serving.rs`): elsewhere a step between machines would pass
+/// unserved.
+pub(crate) fn nccl_over_workers_may_run(topology: Topology, servers: u32) -> bool {
+    nccl_beside_servers(topology, servers) || nccl_across_job_may_run(topology)
 }
 
 /// The most machines on which `auto` may run a device all-reduce as one NCCL
@@ -563,16 +596,13 @@ pub const NCCL_ACROSS_UP_TO_MACHINES: u32 = 7;
 
 /// Whether the job's NCCL communicator may be made, for device all-reduces
 /// that run as one NCCL all-reduce across the job at some size: two to
-/// [`NCCL_ACROSS_UP_TO_MACHINES`] machines of several ranks each, without
-/// dedicated servers (which serve between machines; on one machine beside
-/// them the machine's communicators take the workers' all-reduces instead,
-/// [`nccl_beside_servers`]). Where not, no rank makes the job's
-/// communicator.
-#[cfg(any(feature = "cuda", test))]
-pub(crate) fn nccl_across_job_may_run(topology: Topology, servers: u32) -> bool {
+/// [`NCCL_ACROSS_UP_TO_MACHINES`] machines of several ranks each, with or
+/// without dedicated servers (the workers confirm each other's descriptors
+/// along their rails, which every job links, before the call combines their
+/// bytes). Where not, no rank makes the job's communicator.
+pub(crate) fn nccl_across_job_may_run(topology: Topology) -> bool {
     (2..=NCCL_ACROSS_UP_TO_MACHINES).contains(&topology.machines())
         && topology.devices_per_machine() > 1
-        && servers == 0
 }
 
 /// Whether `auto` runs a device all-reduce of `bytes` on `machines` machines

@@ -16,7 +16,7 @@
 use fairring_rdma::fabric::Fabric;
 
 use super::algorithm::Resolved;
-use super::choice::nccl_beside_servers;
+use super::choice::{NCCL_ACROSS_UP_TO_MACHINES, nccl_over_workers_may_run};
 use super::descriptor::{Descriptor, Words};
 use super::failure::Fault;
 use super::work_table::Submission;
@@ -55,17 +55,19 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             .into());
         }
         // The workers' NCCL all-reduce, which a server plans and serves none
-        // of, runs beside servers only where the workers are one machine:
+        // of, runs beside servers only where one can run over the workers
+        // (one machine of several ranks, or two to seven such machines):
         // elsewhere the servers would let a step between machines pass
         // unserved.
         let topology = self.geometry.topology();
         let servers = self.geometry.servers().unwrap_or(0);
-        if descriptor.algorithm == Resolved::Nccl && !nccl_beside_servers(topology, servers) {
+        if descriptor.algorithm == Resolved::Nccl && !nccl_over_workers_may_run(topology, servers) {
             return Err(Error::peer(
                 peer,
                 format!(
                     "described operation #{seq} as {descriptor}: NCCL's all-reduce runs beside \
-                     dedicated servers only where the workers are one machine of several ranks"
+                     dedicated servers only on one to {NCCL_ACROSS_UP_TO_MACHINES} machines of \
+                     several ranks"
                 ),
             )
             .into());

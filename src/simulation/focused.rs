@@ -1295,16 +1295,21 @@ fn one_machine_beside_servers_runs_its_nccl_all_reduces_between_those_the_server
 }
 
 /// A dedicated server refuses a worker's descriptor of an NCCL all-reduce
-/// over the workers where they are several machines (2x2 with two
-/// servers): it would plan it and serve none of it, so that the step
-/// between machines would pass unserved. The server fails naming the
-/// worker and why, and the workers fail with it.
+/// over the workers where none can run over them (8x2 with two servers:
+/// past [`crate::NCCL_ACROSS_UP_TO_MACHINES`] machines): it would plan it
+/// and serve none of it, so that the step between machines would pass
+/// unserved. The server fails naming the worker and why, and the workers
+/// fail with it.
 #[test]
-fn a_server_refuses_the_workers_nccl_all_reduce_across_machines() {
-    let net = Network::new(6);
-    let topology = Topology::new(2, 2, RankLayout::Contiguous).unwrap();
+fn a_server_refuses_the_workers_nccl_all_reduce_where_none_runs_over_them() {
+    let (m, d) = (8, 2);
+    let processes = m * d + 2;
+    let workers = (m * d) as usize;
+    let net = Network::new(processes);
+    let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+    assert!(m > crate::NCCL_ACROSS_UP_TO_MACHINES);
     let geometry = Geometry::with_servers(topology, PlanConfig::new(1024, 64).unwrap(), 2).unwrap();
-    let layout = BufferLayout::new(&geometry, 6).unwrap();
+    let layout = BufferLayout::new(&geometry, processes).unwrap();
     let engines = build_job(
         &geometry,
         &layout,
@@ -1321,16 +1326,16 @@ fn a_server_refuses_the_workers_nccl_all_reduce_across_machines() {
         |_, step| Box::new(step),
     )
     .unwrap();
-    assert_eq!(engines.len(), 6);
-    let mut tensors: Vec<Vec<u64>> = (0..4).map(|_| vec![0; 1000]).collect();
-    let mut inputs: Vec<Vec<u64>> = (0..4).map(|_| vec![1; 1000]).collect();
+    assert_eq!(engines.len(), workers + 2);
+    let mut tensors: Vec<Vec<u64>> = (0..workers).map(|_| vec![0; 1000]).collect();
+    let mut inputs: Vec<Vec<u64>> = (0..workers).map(|_| vec![1; 1000]).collect();
     for (r, (t, i)) in tensors.iter_mut().zip(&mut inputs).enumerate() {
         // A worker may refuse it itself; the server must, whatever the
         // workers do.
         let _ = submit_device_sum_by(&engines[r], t, i, Resolved::Nccl);
     }
     for _ in 0..10_000 {
-        if engines[4..].iter().all(|e| e.failure().is_some()) {
+        if engines[workers..].iter().all(|e| e.failure().is_some()) {
             break;
         }
         for e in &engines {
@@ -1345,18 +1350,18 @@ fn a_server_refuses_the_workers_nccl_all_reduce_across_machines() {
         }
     }
     let mut refused = 0;
-    for server in &engines[4..] {
+    for server in &engines[workers..] {
         let error = server
             .failure()
             .unwrap_or_else(|| panic!("server {} still running", server.rank()))
             .to_string();
-        if error.contains("only where the workers are one machine") {
+        if error.contains("only on one to 7 machines of several ranks") {
             assert!(error.contains("rank "), "the worker named: {error}");
             refused += 1;
         }
     }
     assert!(refused > 0, "a server refused the descriptor itself");
-    for e in &engines[..4] {
+    for e in &engines[..workers] {
         assert!(e.failure().is_some(), "rank {} failed", e.rank());
     }
 }

@@ -6,10 +6,10 @@ use super::*;
 
 /// The machines' collectives in a simulated job: from which size a slice of
 /// equal slots reduce-scatters in one call, and the count of those that met.
-/// Where the job's communicator is made (`across_job`, on several machines;
-/// on one beside servers the machine's collectives take the workers'
-/// all-reduce), every rank joins it too, and the job's all-reduces that met
-/// on it are counted.
+/// Where the job's communicator is made (`across_job`, on several machines,
+/// with or without servers; on one beside servers the machine's collectives
+/// take the workers' all-reduce), every worker joins it too, and the job's
+/// all-reduces that met on it are counted.
 #[derive(Clone, Debug)]
 pub(super) struct Collectives {
     pub(super) one_reduce_scatter_from: u64,

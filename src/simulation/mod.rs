@@ -172,9 +172,14 @@ struct Outcome {
     in_groups: usize,
     /// Operations done where dedicated servers reduce in groups.
     servers_in_groups: usize,
-    /// Workers' all-reduces done as one NCCL all-reduce on their one machine
-    /// beside dedicated servers.
+    /// Workers' all-reduces done as one NCCL all-reduce beside dedicated
+    /// servers: on their one machine's communicators, and on the job's
+    /// across several machines.
     nccl_beside_servers: usize,
+    nccl_across_beside_servers: usize,
+    /// Relays and reduce-scatters done around the workers' rails beside
+    /// dedicated servers (several machines of several ranks).
+    rails_beside_servers: usize,
     killed: Option<u32>,
     done: usize,
     failed: usize,
@@ -285,7 +290,7 @@ fn play(
                 // As the communicator leaves them: a relay over the machines sums
                 // each machine's tensors, so a rank's bytes hold zeros where
                 // other ranks' start.
-                let summed = relay_over_machines(topology, servers, op.descriptor().collective);
+                let summed = relay_over_machines(topology, op.descriptor().collective);
                 for i in 0..n {
                     let theirs = summed && op.origin_of(i as u64) != Some(rank);
                     if !theirs {
@@ -597,12 +602,28 @@ fn play(
             outcome.servers_in_groups += rank.settled.len() - failed;
         }
         if sc.servers > 0 {
-            outcome.nccl_beside_servers += rank
+            let nccl = rank
                 .settled
                 .iter()
                 .zip(&sc.ops)
                 .filter(|&(s, op)| op.algorithm == Resolved::Nccl && *s == Some(true))
                 .count();
+            if sc.machines == 1 {
+                outcome.nccl_beside_servers += nccl;
+            } else {
+                outcome.nccl_across_beside_servers += nccl;
+            }
+            if sc.machines > 1 && sc.devices > 1 {
+                outcome.rails_beside_servers += rank
+                    .settled
+                    .iter()
+                    .zip(&sc.ops)
+                    .filter(|&(s, op)| {
+                        matches!(op.algorithm, Resolved::Relay | Resolved::Scatter)
+                            && *s == Some(true)
+                    })
+                    .count();
+            }
         }
         let device_done = rank
             .settled
@@ -737,10 +758,13 @@ fn seeded_schedules_settle_with_exact_results() {
     let (mut in_windows, mut delivered) = (0, 0);
     let (mut messages, mut messages_local, mut in_groups) = (0, 0, 0);
     let (mut servers_in_groups, mut nccl_beside_servers) = (0, 0);
+    let (mut nccl_across_beside_servers, mut rails_beside_servers) = (0, 0);
     for outcome in &outcomes {
+        rails_beside_servers += outcome.rails_beside_servers;
         in_groups += outcome.in_groups;
         servers_in_groups += outcome.servers_in_groups;
         nccl_beside_servers += outcome.nccl_beside_servers;
+        nccl_across_beside_servers += outcome.nccl_across_beside_servers;
         killed += usize::from(outcome.killed.is_some());
         steps += outcome.steps;
         done += outcome.done;
@@ -764,7 +788,9 @@ fn seeded_schedules_settle_with_exact_results() {
          done ({device} on the simulated device, {collective} of them through a machine's \
          collectives, which reduce-scattered {scattered} slices in one call; {across_job} \
          all-reduces met on the job's NCCL communicator, {nccl_beside_servers} rank \
-         operations done on one machine's beside dedicated servers; {ungated} ungated calls of whole \
+         operations done on one machine's beside dedicated servers and \
+         {nccl_across_beside_servers} on the job's, {rails_beside_servers} relayed or \
+         reduce-scattered around the rails beside them; {ungated} ungated calls of whole \
          all-reduces through NCCL met; {in_groups} where the machines reduce \
          in groups, {servers_in_groups} where dedicated servers do), {failed} failed; \
          drawn as rooted forms: {reduces} reduces, {gathers} \
@@ -812,6 +838,14 @@ fn seeded_schedules_settle_with_exact_results() {
     assert!(
         seeds.len() < 1000 || nccl_beside_servers > 0,
         "the seeds run workers' NCCL all-reduces on one machine beside dedicated servers"
+    );
+    assert!(
+        seeds.len() < 1000 || rails_beside_servers > 0,
+        "the seeds relay and reduce-scatter around the rails beside dedicated servers"
+    );
+    assert!(
+        seeds.len() < 1000 || nccl_across_beside_servers > 0,
+        "the seeds run workers' NCCL all-reduces across machines beside dedicated servers"
     );
     assert!(
         seeds.len() < 100 || in_groups > 0,

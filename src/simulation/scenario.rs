@@ -221,8 +221,9 @@ pub(super) struct Scenario {
     pub(super) one_reduce_scatter_from: u64,
     /// Whether one NCCL all-reduce over the workers can run (three seeds in
     /// four of several ranks a machine, through their collectives: on
-    /// several machines without servers, the job's communicator is made; on
-    /// one machine beside servers, the machine's communicators take it): then
+    /// several machines, with or without servers, the job's communicator is
+    /// made; on one machine beside servers, the machine's communicators take
+    /// it): then
     /// about three in four of its device all-reduces that NCCL reduces run
     /// as that ([`Resolved::Nccl`]), and a server plans them and serves
     /// nothing.
@@ -404,7 +405,7 @@ impl Scenario {
         let mut job = rng.side(0x6e63_636c);
         // On one machine beside servers, the machine's communicators reduce
         // the workers' all-reduce: no job communicator to make.
-        let over_workers = m > 1 && servers == 0 || m == 1 && servers > 0;
+        let over_workers = m > 1 || servers > 0;
         let across_job = collectives && d > 1 && over_workers && job.below(4) != 0;
         for (op, &on_device) in ops.iter_mut().zip(&device) {
             let plain_all_reduce = op.origins.is_none()

@@ -2,10 +2,11 @@
 //! every worker (`local::nccl`'s job communicator), where NCCL's all-reduce
 //! is ahead of the reduction-server plan: few machines whose GPUs reduce in
 //! their NVSwitch, small tensors (NCCL's tree) and tensors of a few MiB to
-//! a hundred or so (NVLSTree); and one machine's workers beside dedicated
-//! servers, on the machine's communicator, at every size
-//! (`engine/choice.rs` says where). A dedicated server plans the operation
-//! as the workers do and serves none of it (`algorithm/serve.rs`).
+//! a hundred or so (NVLSTree), with or without dedicated servers; and one
+//! machine's workers beside dedicated servers, on the machine's
+//! communicator, at every size (`engine/choice.rs` says where). A dedicated
+//! server plans the operation as the workers do and serves none of it
+//! (`algorithm/serve.rs`).
 //!
 //! The operation is one slice, the whole tensor, planned on one machine's
 //! geometry (its slots are the machine's ranks', as the local step reads
@@ -30,6 +31,7 @@
 //! ends.
 
 use super::{Context, DeviceUse, SliceEvent, SliceInfo, Step};
+use crate::engine::choice::nccl_over_workers_may_run;
 use crate::error::{Error, Result};
 
 /// One slice of the job's all-reduce through NCCL.
@@ -45,11 +47,11 @@ impl Nccl {
         s: &SliceInfo<'_>,
         steps: &mut Vec<Step>,
     ) -> Result<Nccl> {
-        let beside_servers = crate::engine::nccl_beside_servers(ctx.topology, ctx.servers);
-        if ctx.server.is_some() || (ctx.servers > 0 && !beside_servers) || s.direct {
+        let over_workers = nccl_over_workers_may_run(ctx.topology, ctx.servers);
+        if ctx.server.is_some() || (ctx.servers > 0 && !over_workers) || s.direct {
             return Err(Error::internal(
                 "the job's NCCL all-reduce runs on workers' device tensors, beside servers \
-                 only on one machine",
+                 only where one can run over the workers",
                 format!("slice {}", s.number),
             ));
         }

@@ -1,8 +1,10 @@
 //! Whom each rank writes to and is written by, as the algorithms need: the
-//! servers of its rail group or the rails (hierarchical, and the relay and
-//! scatter over the machines), the ring's neighbours (ring, relay, scatter
-//! over the ranks), and the partners of recursive doubling. The links connect
-//! exactly these.
+//! servers of its rail group (hierarchical, where the job has dedicated
+//! servers), the rails (hierarchical without them, the relay and scatter over
+//! the machines, and the descriptor checks between machines that the job's
+//! NCCL all-reduce waits for, with or without servers), the ring's
+//! neighbours (ring, relay, scatter over the ranks), and the partners of
+//! recursive doubling. The links connect exactly these.
 
 use fairring_core::plan::{ServerGroups, server_rails, serves_rail};
 use fairring_core::topology::{Location, Topology};
@@ -12,7 +14,7 @@ use super::doubling;
 /// Ranks worker `rank` writes to and ranks that write to it, in a job with
 /// `servers` dedicated servers (ranks `world..world + servers`): the servers of
 /// its device's rail group (server `i` where `i mod R = device mod R`,
-/// `R = gcd(servers, D)`) or the rails, the ring's neighbours, and the
+/// `R = gcd(servers, D)`), the rails, the ring's neighbours, and the
 /// partners of recursive doubling.
 pub(crate) fn peers(
     topology: Topology,
@@ -27,8 +29,7 @@ pub(crate) fn peers(
         .map(|i| world + i)
         .collect();
     let mut inbound = out.clone();
-    let rails = if servers > 0 { 0 } else { topology.machines() };
-    for m in (0..rails).filter(|&m| m != location.machine) {
+    for m in (0..topology.machines()).filter(|&m| m != location.machine) {
         if let Ok(r) = topology.rank(Location {
             machine: m,
             device: location.device,
@@ -172,6 +173,19 @@ mod tests {
                 union.sort_unstable();
                 union.dedup();
                 assert_eq!(w.linked, union, "{m}x{d}+{servers}: rank {rank}");
+                // Its rails, with or without servers.
+                for other in (0..m).filter(|&other| other != location.machine) {
+                    let rail = topology
+                        .rank(Location {
+                            machine: other,
+                            device: location.device,
+                        })
+                        .unwrap();
+                    assert!(
+                        out.contains(&rail) && inbound.contains(&rail),
+                        "{m}x{d}+{servers}: rank {rank} and its rail {rail}"
+                    );
+                }
                 let remote = w.remote_regions(world + servers, Ok::<_, ()>).unwrap();
                 for (p, r) in (0u32..).zip(&remote) {
                     assert_eq!(r.is_some(), out.contains(&p), "rank {rank}: region of {p}");

@@ -560,16 +560,14 @@ impl Relay {
     }
 }
 
-/// Whether a relayed `collective` runs over the machines on `topology` (with
-/// `servers` dedicated servers): where a machine has several devices, their
-/// shared memory takes the hops inside it, and the caller's tensors must hold
-/// zeros where the rank's own bytes are not (the machine's reduce-scatter sums
-/// them). An all-gather does only where ranks are numbered machine by machine,
-/// so that a machine's blocks are one range; and only without dedicated
-/// servers, whose jobs link no rails.
-pub(crate) fn over_machines(topology: Topology, servers: u32, collective: Collective) -> bool {
+/// Whether a relayed `collective` runs over the machines on `topology`: where
+/// a machine has several devices, their shared memory takes the hops inside
+/// it, and the caller's tensors must hold zeros where the rank's own bytes are
+/// not (the machine's reduce-scatter sums them). An all-gather does only where
+/// ranks are numbered machine by machine, so that a machine's blocks are one
+/// range. Every job links its rails, dedicated servers or not.
+pub(crate) fn over_machines(topology: Topology, collective: Collective) -> bool {
     topology.devices_per_machine() > 1
-        && servers == 0
         && match collective.engine_form() {
             Collective::Broadcast => true,
             Collective::AllGather => topology.layout() == RankLayout::Contiguous,
@@ -591,7 +589,7 @@ fn line(ctx: &Context<'_>, s: &SliceInfo<'_>, origins: Origins) -> Result<Line> 
         Origins::Blocks(_) => Collective::AllGather,
     };
     let machine_origins = match origins {
-        _ if !over_machines(ctx.topology, ctx.servers, collective) => None,
+        _ if !over_machines(ctx.topology, collective) => None,
         Origins::Rank(root) => ctx
             .topology
             .locate(root)

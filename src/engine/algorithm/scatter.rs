@@ -5,8 +5,7 @@
 //! whole input: slice `[a, b)` of the plan stands for the same range of every
 //! rank's share, `N` *pieces*. The ring goes around a line of members:
 //!
-//! - **the ranks**, where every machine has one device (or the job has
-//!   dedicated servers, which link no rails): piece `o` (bytes
+//! - **the ranks**, where every machine has one device: piece `o` (bytes
 //!   `o * share + [a, b)` of the input) is staged at `o * len` of the buffer,
 //!   `len` being the slice's bytes, and rank `r` sends to `r + 1` over the
 //!   fabric;
@@ -168,8 +167,8 @@ impl Scatter {
             }
         };
         // This device's rail over the machines where machines have several
-        // devices and the job links rails (no dedicated servers), else the ranks.
-        let (around, rail) = if ctx.topology.devices_per_machine() == 1 || ctx.servers > 0 {
+        // devices (every job links its rails), else the ranks.
+        let (around, rail) = if ctx.topology.devices_per_machine() == 1 {
             (Members::ranks(ctx), None)
         } else {
             let pieces = RailPieces::new(ctx.topology, share, s.bytes()?);

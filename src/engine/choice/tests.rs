@@ -381,11 +381,37 @@ fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_i
             expected,
             "{m} machines, {bytes} bytes: {chosen}"
         );
+        // The same beside dedicated servers, which serve the rest.
+        let call = Call {
+            collective: Collective::AllReduce,
+            dtype: f32,
+            bytes,
+            algorithm: None,
+            wire: None,
+            op: sum,
+            memory: MemoryKind::Device,
+        };
+        for servers in [1, 2, 8 * m] {
+            let beside = Job {
+                nccl_over_workers: true,
+                ..job(m, 8, servers, WireFormat::Exact)
+            };
+            let chosen = choose(call, &beside).unwrap().algorithm;
+            let expected = if expected {
+                Resolved::Nccl
+            } else {
+                Resolved::Hierarchical
+            };
+            assert_eq!(
+                chosen, expected,
+                "{m} machines, {servers} servers, {bytes} bytes"
+            );
+        }
     }
     // Not without the job's communicator, not where an algorithm is asked
-    // for, not on host memory, not for what NCCL does not reduce (a float
-    // maximum keeps fairring's NaN rules; NCCL has no i16 or bitwise
-    // operators), and not with dedicated servers.
+    // for, not on host memory, and not for what NCCL does not reduce (a
+    // float maximum keeps fairring's NaN rules; NCCL has no i16 or bitwise
+    // operators).
     let bytes = 64 * MIB;
     assert_eq!(
         device_all_reduce(2, bytes, f32, sum, false, None),
@@ -450,8 +476,9 @@ fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_i
         nccl_over_workers: true,
         ..job(2, 8, 2, WireFormat::Exact)
     };
+    assert_eq!(choose(device, &servers).unwrap().algorithm, Resolved::Nccl);
     assert_eq!(
-        choose(device, &servers).unwrap().algorithm,
+        choose(host, &servers).unwrap().algorithm,
         Resolved::Hierarchical
     );
     // A compressed wire asked for keeps the plan, which compresses.
@@ -477,12 +504,11 @@ fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_i
     // Only jobs of two to seven machines of several ranks make the
     // communicator at all.
     let t = |m, d| Topology::new(m, d, RankLayout::Contiguous).unwrap();
-    assert!(nccl_across_job_may_run(t(2, 8), 0));
-    assert!(nccl_across_job_may_run(t(7, 2), 0));
-    assert!(!nccl_across_job_may_run(t(1, 8), 0));
-    assert!(!nccl_across_job_may_run(t(8, 8), 0));
-    assert!(!nccl_across_job_may_run(t(2, 1), 0));
-    assert!(!nccl_across_job_may_run(t(2, 8), 1));
+    assert!(nccl_across_job_may_run(t(2, 8)));
+    assert!(nccl_across_job_may_run(t(7, 2)));
+    assert!(!nccl_across_job_may_run(t(1, 8)));
+    assert!(!nccl_across_job_may_run(t(8, 8)));
+    assert!(!nccl_across_job_may_run(t(2, 1)));
 }
 
 /// On one machine of several GPUs beside dedicated servers, a device
@@ -515,9 +541,10 @@ fn device_all_reduces_of_one_machine_beside_servers_run_as_its_nccl_all_reduce()
                 "{bytes} bytes, {servers} servers"
             );
         }
-        // The servers serve: without the machine's communicators, on two
-        // machines, with one GPU a machine.
-        for job in [on(1, 8, 2, false), on(2, 8, 2, true), on(1, 1, 2, true)] {
+        // The servers serve: without the machine's communicators, with one
+        // GPU a machine, on eight machines (on two to seven, NCCL's
+        // all-reduce across the job runs in its windows).
+        for job in [on(1, 8, 2, false), on(1, 1, 2, true), on(8, 8, 2, true)] {
             assert_eq!(
                 runs(call(bytes, f32, sum, None), &job).algorithm,
                 Resolved::Hierarchical,
