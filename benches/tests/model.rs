@@ -1063,11 +1063,51 @@ fn dedicated_servers_on_one_machine_leave_its_all_reduce_to_nccl() {
                 );
             }
         }
-        for (m, d) in [(1, 1), (2, 8)] {
+        for (m, d) in [(1, 1), (8, 8)] {
             let job = Job::new(m, d, 64 * MIB);
             let t = predict(&hw, &job, Algo::Servers).unwrap().traffic.unwrap();
             assert!(t.bytes_sent > 0, "{} {m}x{d}: the servers serve", hw.name);
         }
+    }
+}
+
+/// On two to seven machines whose GPUs reduce in their NVSwitch (h100),
+/// servers mode is NCCL's all-reduce across the job at the sizes of
+/// `fairring::nccl_across_job`'s windows, ahead of the servers' own plan
+/// there and sending nothing; outside them, and without the job's
+/// communicator (`FAIRRING_NCCL_ACROSS_MACHINES=off`), the servers' own
+/// plan. Presets without NVLink SHARP between machines keep the servers.
+#[test]
+fn dedicated_servers_leave_the_all_reduce_to_nccl_in_its_windows_across_few_machines() {
+    let hw = h100();
+    for m in 2..=fairring::NCCL_ACROSS_UP_TO_MACHINES {
+        for bytes in [256 << 10, 2 * MIB, 16 * MIB, 64 * MIB, 256 * MIB] {
+            let job = Job::new(m, 8, bytes);
+            let what = format!("h100 {m}x8 {bytes}");
+            let p = predict(&hw, &job, Algo::Servers).unwrap();
+            let own = Job {
+                nccl_across_machines: false,
+                ..job
+            };
+            let served = predict(&hw, &own, Algo::Servers).unwrap();
+            if fairring::nccl_across_job(m, bytes) {
+                let nccl = predict(&hw, &job, Algo::NcclBest).unwrap();
+                close(p.seconds, nccl.seconds, &what);
+                assert!(p.seconds < served.seconds, "{what}: ahead of the servers");
+                assert_eq!(p.traffic.unwrap().bytes_sent, 0, "{what}");
+            } else {
+                close(p.seconds, served.seconds, &what);
+                assert!(p.traffic.unwrap().bytes_sent > 0, "{what}");
+            }
+        }
+    }
+    for hw in presets()
+        .into_iter()
+        .filter(|h| h.nccl.machines.nvls.is_none())
+    {
+        let job = Job::new(2, 8, 64 * MIB);
+        let t = predict(&hw, &job, Algo::Servers).unwrap().traffic.unwrap();
+        assert!(t.bytes_sent > 0, "{}: the servers serve", hw.name);
     }
 }
 

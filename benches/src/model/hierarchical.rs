@@ -142,7 +142,7 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     // What the engine would refuse as the communicator is made, it refuses
     // whatever path an all-reduce then takes.
     let staging = job.staging(0)?;
-    if let Some(p) = through_nccl(hw, job, &staging)? {
+    if let Some(p) = through_nccl(hw, job, &staging, Algo::Hierarchical)? {
         return Ok(p);
     }
     if staging.geometry.machine_groups().is_some() {
@@ -563,11 +563,14 @@ fn location(machine: usize) -> Location {
 /// the caller's stream reaches it, and streams waiting for it go on once it
 /// has ended, while the engine checks it on the host. So it costs NCCL's
 /// time and nothing more, as PyTorch's NCCL backend's call does. No byte
-/// crosses fairring's rails. `None` where the engine runs the plan.
-fn through_nccl(
+/// crosses fairring's rails. The same holds beside dedicated servers, which
+/// serve none of it (`servers.rs`). `None` where the engine runs the plan;
+/// else the prediction as `algo`.
+pub(super) fn through_nccl(
     hw: &Hardware,
     job: &Job,
     staging: &fairring::Staging,
+    algo: Algo,
 ) -> Result<Option<Prediction>, ModelError> {
     let one_machine = job.machines == 1 && job.devices > 1;
     let across_job = hw.nccl.machines.nvls.is_some()
@@ -578,15 +581,13 @@ fn through_nccl(
     if !one_machine && !across_job {
         return Ok(None);
     }
-    nccl_all_reduce(hw, job, staging, Algo::Hierarchical).map(Some)
+    nccl_all_reduce(hw, job, staging, algo).map(Some)
 }
 
 /// `job`'s all-reduces as the engine runs them where it runs each as one
-/// NCCL all-reduce over the workers ([`through_nccl`] says when; with
-/// dedicated servers, on one machine of several GPUs, `servers.rs`),
-/// predicted as `algo`: NCCL's time, one call after another, and nothing
-/// more.
-pub(super) fn nccl_all_reduce(
+/// NCCL all-reduce over the workers ([`through_nccl`] says when), predicted
+/// as `algo`: NCCL's time, one call after another, and nothing more.
+fn nccl_all_reduce(
     hw: &Hardware,
     job: &Job,
     staging: &fairring::Staging,

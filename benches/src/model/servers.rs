@@ -4,7 +4,10 @@
 //!
 //! On one machine of several GPUs none of this runs: the engine runs the
 //! workers' all-reduce as one NCCL all-reduce on the machine's
-//! communicator, NCCL's time (`hierarchical::nccl_all_reduce`).
+//! communicator, NCCL's time (`hierarchical::through_nccl`); nor on two to
+//! seven machines whose GPUs reduce in their NVSwitch, at the sizes where
+//! the engine runs it as one NCCL all-reduce on the job's communicator
+//! (`fairring::nccl_across_job`).
 //!
 //! Each of the `K` server machines runs one server process per NIC (`N` of
 //! them), as each GPU machine runs one worker per GPU: `P = K * N` servers, each
@@ -85,9 +88,11 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     let staging = job.staging(k_servers)?;
     // On one machine of several GPUs the engine runs the workers'
     // all-reduce as one NCCL all-reduce on the machine's communicator, and
-    // the servers serve none of it (`fairring`'s choice).
-    if fairring::nccl_beside_servers(staging.geometry.topology(), k_servers) {
-        return super::hierarchical::nccl_all_reduce(hw, job, &staging, Algo::Servers);
+    // on two to seven whose GPUs reduce in their NVSwitch as one on the
+    // job's at the sizes of its windows; the servers serve none of it
+    // (`fairring`'s choice).
+    if let Some(p) = super::hierarchical::through_nccl(hw, job, &staging, Algo::Servers)? {
+        return Ok(p);
     }
     if staging.geometry.server_groups().is_some() {
         return super::server_groups::predict_engine(hw, job, &staging);
