@@ -483,6 +483,8 @@ fn large_slices_reduce_scattered_in_one_call_are_exact() {
 /// and more as one NCCL all-reduce across the job (`fairring::nccl_across_job`
 /// on two machines), sums of two types and an integer maximum, and a 1 MiB
 /// sum below the rule on the plan. Every element is exact, on every rank.
+/// Then the same beside two dedicated servers, which plan the NCCL
+/// all-reduces and move no byte of them, and serve the 1 MiB sum.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn all_reduces_across_the_job_through_nccl_are_exact() {
@@ -494,19 +496,46 @@ fn all_reduces_across_the_job_through_nccl_are_exact() {
         ];
         env.extend(through_nccl());
         ProcessJob::run(test, 2, 2, &env, JOB_LIMIT);
+        for below_the_rule in [false, true] {
+            let mut env = env.clone();
+            env.push(("FAIRRING_TEST_BELOW_THE_RULE", below_the_rule.to_string()));
+            let mut job = ProcessJob::start_with_servers(test, 2, 2, 2, &env);
+            let done = job.await_line(&[4, 5], "DONE", JOB_LIMIT);
+            let moved: u64 = done
+                .iter()
+                .map(|line| {
+                    let (sent, received) = moved_by_server(line);
+                    sent + received
+                })
+                .sum();
+            assert_eq!(
+                moved == 0,
+                !below_the_rule,
+                "the servers moved {moved} bytes: {done:?}"
+            );
+            job.finish(JOB_LIMIT);
+        }
         return;
     };
     assert!(fairring::nccl_across_job(2, 4 << 20));
     assert!(!fairring::nccl_across_job(2, 1 << 20));
-    all_reduce_device_tensors_exactly(
-        &comm,
-        &[
-            (DataType::F32, ReduceOp::Sum, 6 << 20),
-            (DataType::I64, ReduceOp::Sum, 4 << 20),
-            (DataType::I32, ReduceOp::Max, 5 << 20),
-            (DataType::F32, ReduceOp::Sum, 1 << 20),
-        ],
-    );
+    let in_windows = [
+        (DataType::F32, ReduceOp::Sum, 6 << 20),
+        (DataType::I64, ReduceOp::Sum, 4 << 20),
+        (DataType::I32, ReduceOp::Max, 5 << 20),
+    ];
+    let below = [(DataType::F32, ReduceOp::Sum, 1 << 20)];
+    match std::env::var("FAIRRING_TEST_BELOW_THE_RULE")
+        .ok()
+        .as_deref()
+    {
+        None => {
+            all_reduce_device_tensors_exactly(&comm, &in_windows);
+            all_reduce_device_tensors_exactly(&comm, &below);
+        }
+        Some("true") => all_reduce_device_tensors_exactly(&comm, &below),
+        Some(_) => all_reduce_device_tensors_exactly(&comm, &in_windows),
+    }
 }
 
 /// All-reduces, one after another, a device tensor of each `(type,
