@@ -31,6 +31,8 @@
 //! | broadcast | 2 | 2 | 0 | 4K | auto | u8 | exact | relay | exact | yes |
 //! | broadcast | 2 | 2 | 1 | 4K | auto | u8 | exact | relay | exact | yes |
 //! | broadcast | 2 | 2 | 1 | 4K | ring | u8 | exact | relay | exact | yes |
+//! | broadcast | 1 | 2 | 1 | 4K | auto | u8 | exact | relay | exact | yes |
+//! | all-gather | 1 | 2 | 1 | 4K | auto | u8 | exact | relay | exact | yes |
 //! | all-gather | 4 | 2 | 2 | 4K | auto | u8 | exact | hierarchical | exact | yes |
 //! | broadcast | 1 | 8 | 0 | 64M | auto | u8 | exact | hierarchical | exact | yes |
 //! | all-gather | 2 | 2 | 0 | 4K | auto | u8 | exact | relay | exact | yes |
@@ -66,7 +68,9 @@
 //! - **Broadcast and all-gather**: relayed (the ring) on two or three
 //!   machines, and on more from 256 KiB; hierarchical on one machine. A job
 //!   with dedicated servers follows the same rule: its workers link their
-//!   rails, and a relay takes no hop through a server. Run as
+//!   rails, and a relay takes no hop through a server; but on one machine of
+//!   several ranks it relays too (the machine's reduce-scatter and
+//!   all-gather), where hierarchical would go to the servers. Run as
 //!   hierarchical's all-reduce, or relayed over the machines (a machine's
 //!   ranks summed first), the callers' tensors need zeros where their own
 //!   bytes are not (the zero-fill); relayed over the ranks they do not.
@@ -250,8 +254,12 @@
 //!
 //! **With dedicated servers.** Every job links its rails, so a job with
 //! dedicated servers relays, scatters and chooses between them and
-//! hierarchical by the rules above; before its workers linked their rails
-//! it ran every collective through the servers (hierarchical).
+//! hierarchical by the rules above (but for the wire's rule: where a
+//! compressed wire is asked for and applies, `auto` keeps hierarchical,
+//! which on one machine beside servers goes to them). Before its workers
+//! linked their rails, such a job ran the broadcasts and all-gathers of
+//! machines of several devices, and every reduce-scatter, through the
+//! servers (hierarchical).
 //! `fairring-bench --local MxD --servers K --collective C --iters 10`
 //! (`--iters 50` at 64 KiB), 2-core VM, loopback tcp, f32, medians of three
 //! sittings (seven at 64 KiB on 2x2, five at 64 KiB elsewhere), each the
@@ -266,11 +274,16 @@
 //! | 2x2 + 2 | all-reduce | 262.2 / 264.7 | 1583.2 / 1318.4 | 32865.7 / 32582.9 |
 //! | 2x1 + 2 | reduce-scatter | 93.4 / 22.6 | 770.5 / 305.8 | 23585.7 / 8704.5 |
 //! | 1x2 + 1 | reduce-scatter | 83.1 / 28.0 | 736.7 / 100.8 | 17720.5 / 2520.1 |
+//! | 1x2 + 1 | broadcast | 68.0 / 30.9 | 791.8 / 172.5 | 20492.2 / 5636.4 |
+//! | 1x2 + 1 | all-gather | 82.1 / 31.5 | 915.0 / 280.4 | 21319.2 / 6218.8 |
+//! | 3x2 + 2 | all-reduce | 532.7 / 478.6 | 2559.3 / 2641.5 | |
 //!
 //! By these rules broadcasts, all-gathers and reduce-scatters take 1.2x to
 //! 7x less time, at 64 KiB too, the servers moving none of their bytes;
 //! all-reduces, which still go to the servers (each descriptor also going
-//! along the rails), take the same time within the spread.
+//! along the rails), take no longer within the spread of these cores (0.97x
+//! to 1.2x the time before; 3x2 + 2, at 1 MiB, five sittings, and 64 KiB,
+//! seven).
 //!
 //! **Gathers and scatters as messages.** `fairring-bench --collective
 //! gather|scatter --iters 20`, 2-core VM, loopback tcp, the size being the
@@ -348,9 +361,9 @@ pub(crate) struct Job {
     pub(crate) wire: WireFormat,
     /// Whether one NCCL all-reduce can reduce a device tensor over every
     /// worker of the job: the job's communicator was made (two to
-    /// [`NCCL_ACROSS_UP_TO_MACHINES`] machines without dedicated servers),
-    /// or the job's workers are one machine beside dedicated servers and
-    /// the machine's communicators were made.
+    /// [`NCCL_ACROSS_UP_TO_MACHINES`] machines of several ranks, with or
+    /// without dedicated servers), or the job's workers are one machine
+    /// beside dedicated servers and the machine's communicators were made.
     pub(crate) nccl_over_workers: bool,
 }
 
@@ -496,7 +509,16 @@ fn resolve(collective: Collective, asked: Algorithm, bytes: u64, job: &Job) -> R
     let scatter = collective == Collective::ReduceScatter;
     let concrete = match asked {
         Algorithm::Auto => {
-            if spread {
+            if spread && job.servers > 0 && topology.machines() == 1 {
+                // One machine beside servers: hierarchical would send every
+                // byte to the servers and back, where the relay stays in
+                // the machine (its reduce-scatter and all-gather).
+                if relay_over_machines(topology, collective) {
+                    Algorithm::Ring
+                } else {
+                    Algorithm::Hierarchical
+                }
+            } else if spread {
                 auto_spread(topology, bytes)
             } else if scatter {
                 auto_scatter(topology, bytes)
