@@ -7,7 +7,7 @@ mod common;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use common::{SERVER_LAYOUTS, job, job_with_servers, small_slices};
+use common::{SERVER_LAYOUTS, job, job_and_servers, job_with_servers, small_slices};
 use fairring::core::reduce::Element;
 use fairring::{Algorithm, ReduceOp};
 
@@ -175,6 +175,89 @@ fn all_gather_places_every_input() {
             }
         }
     });
+}
+
+/// Beside dedicated servers `auto` relays broadcasts and all-gathers and
+/// scatters reduce-scatters around the workers' rails (on one machine, within
+/// it), as a job without servers does: every result exact, the servers
+/// moving no byte of them, and the workers sending what the rails take. An
+/// all-reduce through the servers would move bytes through them, and a relay
+/// or a scatter over the ranks would send between ranks of one machine too:
+/// a broadcast's every rank but the ring's last its whole tensor, a
+/// reduce-scatter's every rank `(N-1)/N` of its input.
+#[test]
+fn beside_servers_auto_relays_and_scatters_around_the_rails() {
+    let n = 1 << 16; // i64 elements per rank and call: 512 KiB
+    for (m, d, servers) in [(2, 2, 2), (2, 4, 2), (1, 2, 1)] {
+        let world = m * d;
+        let all = n * world as usize;
+        let (results, served) = job_and_servers(
+            m,
+            d,
+            servers,
+            |b| b.algorithm(Algorithm::Auto),
+            |rank, comm| {
+                let mut sent = Vec::new();
+                let mut wrong = 0;
+                let before = comm.traffic().sent_bytes;
+                let mut data: Vec<i64> = (0..all).map(|i| value(rank, 0, i)).collect();
+                comm.broadcast(&mut data, 0).expect("broadcast");
+                wrong += (0..all).filter(|&i| data[i] != value(0, 0, i)).count();
+                sent.push(comm.traffic().sent_bytes - before);
+                let before = comm.traffic().sent_bytes;
+                let input: Vec<i64> = (0..n).map(|i| value(rank, 1, i)).collect();
+                let mut output = vec![-1i64; all];
+                comm.all_gather(&input, &mut output).expect("all-gather");
+                wrong += (0..all)
+                    .filter(|&j| output[j] != value((j / n) as u32, 1, j % n))
+                    .count();
+                sent.push(comm.traffic().sent_bytes - before);
+                let before = comm.traffic().sent_bytes;
+                let mut input: Vec<i64> = (0..all).map(|i| value(rank, 2, i)).collect();
+                let mut share = vec![-1i64; n];
+                comm.reduce_scatter(&mut input, &mut share, ReduceOp::Sum)
+                    .expect("reduce-scatter");
+                let own = rank as usize * n;
+                wrong += (0..n)
+                    .filter(|&i| {
+                        share[i]
+                            != (0..world).fold(0i64, |a, r| a.wrapping_add(value(r, 2, own + i)))
+                    })
+                    .count();
+                sent.push(comm.traffic().sent_bytes - before);
+                (wrong, sent)
+            },
+        );
+        let what = format!("{m}x{d}+{servers}");
+        for (index, outcome) in served.into_iter().enumerate() {
+            let moved = outcome.unwrap_or_else(|e| panic!("{what}: server {index}: {e}"));
+            assert_eq!(
+                (moved.sent_bytes, moved.received_bytes),
+                (0, 0),
+                "{what}: server {index} moved bytes"
+            );
+        }
+        let bytes = (all * 8) as u64;
+        let (mut broadcast, mut all_gather, mut reduce_scatter) = (0, 0, 0);
+        for (rank, (wrong, sent)) in results.iter().enumerate() {
+            assert_eq!(*wrong, 0, "{what}: rank {rank}");
+            broadcast += sent[0];
+            all_gather += sent[1];
+            reduce_scatter = reduce_scatter.max(sent[2]);
+        }
+        // Around the rails a broadcast's tensor crosses to each other machine
+        // once, spread over the rails: `(M - 1) S` in all, and so does each
+        // machine's part of an all-gather's output; a reduce-scatter
+        // sends `(M - 1) / M` of each rank's slot, an `N`th of its input per
+        // other machine.
+        assert_eq!(broadcast, u64::from(m - 1) * bytes, "{what}: broadcast");
+        assert_eq!(all_gather, u64::from(m - 1) * bytes, "{what}: all-gather");
+        assert_eq!(
+            reduce_scatter,
+            u64::from(m - 1) * bytes / u64::from(world),
+            "{what}: reduce-scatter"
+        );
+    }
 }
 
 /// Runs a reduce-scatter with `op` of every size in [`SIZES`] on an `m x d`

@@ -44,14 +44,15 @@ pub fn job_with_servers<R: Send>(
     results
 }
 
-/// [`job_with_servers`], returning how each server ended too.
+/// [`job_with_servers`], returning how each server ended too (the data
+/// bytes it moved, or its error).
 pub fn job_and_servers<R: Send>(
     m: u32,
     d: u32,
     servers: u32,
     tune: impl Fn(ConfigBuilder) -> ConfigBuilder + Sync,
     body: impl Fn(u32, &Communicator) -> R + Sync,
-) -> (Vec<R>, Vec<fairring::Result<()>>) {
+) -> (Vec<R>, Vec<fairring::Result<fairring::Traffic>>) {
     let port = free_port();
     let world = m * d;
     let run_id = format!("test-{port}-{}", std::process::id());
@@ -65,7 +66,7 @@ pub fn job_and_servers<R: Send>(
                         .run_id(run_id)
                         .timeout(Duration::from_secs(30));
                     let config = tune(b).servers(servers).build().expect("config");
-                    Server::new(config).and_then(Server::run).map(drop)
+                    Server::new(config).and_then(Server::run)
                 })
             })
             .collect();
