@@ -1081,7 +1081,7 @@ fn dedicated_servers_on_one_machine_leave_its_all_reduce_to_nccl() {
 fn dedicated_servers_leave_the_all_reduce_to_nccl_in_its_windows_across_few_machines() {
     let hw = h100();
     for m in 2..=fairring::NCCL_ACROSS_UP_TO_MACHINES {
-        for bytes in [256 << 10, 2 * MIB, 16 * MIB, 64 * MIB, 256 * MIB] {
+        for bytes in [64 << 10, 256 << 10, 2 * MIB, 16 * MIB, 64 * MIB, 256 * MIB] {
             let job = Job::new(m, 8, bytes);
             let what = format!("h100 {m}x8 {bytes}");
             let p = predict(&hw, &job, Algo::Servers).unwrap();

@@ -1309,7 +1309,7 @@ fn a_server_refuses_the_workers_nccl_all_reduce_where_none_runs_over_them() {
     let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
     assert!(m > crate::NCCL_ACROSS_UP_TO_MACHINES);
     let geometry = Geometry::with_servers(topology, PlanConfig::new(1024, 64).unwrap(), 2).unwrap();
-    let layout = BufferLayout::new(&geometry, processes).unwrap();
+    let layout = BufferLayout::new(&geometry, m * d).unwrap();
     let engines = build_job(
         &geometry,
         &layout,

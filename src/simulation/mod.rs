@@ -614,14 +614,19 @@ fn play(
                 outcome.nccl_across_beside_servers += nccl;
             }
             if sc.machines > 1 && sc.devices > 1 {
+                // Relays over the machines (an all-gather's only where its
+                // ranks are numbered machine by machine) and reduce-scatters,
+                // which several devices a machine scatter around the rails.
+                let around_rails = |op: &Op| match op.algorithm {
+                    Resolved::Relay => relay_over_machines(topology, op.descriptor().collective),
+                    Resolved::Scatter => true,
+                    _ => false,
+                };
                 outcome.rails_beside_servers += rank
                     .settled
                     .iter()
                     .zip(&sc.ops)
-                    .filter(|&(s, op)| {
-                        matches!(op.algorithm, Resolved::Relay | Resolved::Scatter)
-                            && *s == Some(true)
-                    })
+                    .filter(|&(s, op)| around_rails(op) && *s == Some(true))
                     .count();
             }
         }
