@@ -68,7 +68,8 @@
 //! - **with dedicated servers** if asked (`FAIRRING_SERVERS`, Herring's design):
 //!   CPU-only [`Server`] processes then take the all-reduce's inter-machine
 //!   step, and each machine sends and receives its buffer once (broadcasts,
-//!   all-gathers and reduce-scatters go around the workers' rails);
+//!   all-gathers and reduce-scatters relay and scatter around the workers'
+//!   rails where the rules of a job without servers would);
 //! - **fused**: [`Fusion`] places a step's tensors into balanced fusion buffers
 //!   from the order rank 0 saw first, with no negotiation afterwards;
 //! - **allocation-free** per operation once built.

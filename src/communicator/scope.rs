@@ -99,8 +99,8 @@ impl<'scope> Scope<'scope, '_> {
     /// [`Algorithm::Hierarchical`] or [`Algorithm::Doubling`] it is an
     /// all-reduce of the whole input, twice the bytes. `auto` picks the ring
     /// on one machine of several ranks, on two or three machines, and on more
-    /// from 256 KiB, unless the job has dedicated servers (the
-    /// `FAIRRING_ALGO` row of docs/manual.md).
+    /// from 256 KiB, with or without dedicated servers (the `FAIRRING_ALGO`
+    /// row of docs/manual.md).
     ///
     /// `options`: an [`Algorithm`], a [`WireFormat`], [`Options`], or `()` for the
     /// communicator's own. Every rank must ask alike.

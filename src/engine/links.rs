@@ -3,9 +3,10 @@
 //!
 //! A rank writes to the ranks of its rail on other machines (hierarchical) and
 //! to the next rank of the ring; it is written to by its rail and the previous rank
-//! of the ring. With dedicated servers, the servers take the rail's place: every
-//! worker writes to every server of its rail group and every server to every
-//! worker of its group (`algorithm/peers`). Those that
+//! of the ring. With dedicated servers, every worker also writes to every
+//! server of its rail group and every server to every worker of its group
+//! (`algorithm/peers`); the rails stay linked, for the relay, the scatter and
+//! the descriptor checks between machines. Those that
 //! write into its inbox need credits; those on other machines (servers are on no
 //! worker's machine) are the remote ends of the descriptor checks.
 

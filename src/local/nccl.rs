@@ -148,10 +148,11 @@ pub(crate) struct NcclSetup {
     pub(crate) rank: u32,
     pub(crate) world: u32,
     /// Whether to make the job's communicator: `Off` where the job's
-    /// machines are too few or too many for it (`engine/choice.rs`), have
-    /// one rank each, or work beside dedicated servers (on one machine
-    /// beside them the machine's communicators take the workers'
-    /// all-reduces instead) (the same on every rank).
+    /// machines are too few or too many for it (`engine/choice.rs`) or have
+    /// one rank each (on one machine beside dedicated servers the machine's
+    /// communicators take the workers' all-reduces instead); dedicated
+    /// servers on several machines do not change it (the same on every
+    /// rank).
     pub(crate) across_job: NcclAcrossMachines,
     pub(crate) timeout: Duration,
     /// Serialises the making.

@@ -58,8 +58,8 @@
 //! So each byte crosses between machines once per hop, spread over the `D`
 //! rails, and never crosses the fabric inside a machine. An all-gather does
 //! this only where ranks are numbered machine by machine (machine `m`'s blocks
-//! are then one range, its origin); a job with dedicated servers links no
-//! rails and relays over the ranks.
+//! are then one range, its origin). A job with dedicated servers relays the
+//! same way: its workers link their rails too.
 
 use std::ops::Range;
 
