@@ -499,21 +499,12 @@ fn all_reduces_across_the_job_through_nccl_are_exact() {
         for below_the_rule in [false, true] {
             let mut env = env.clone();
             env.push(("FAIRRING_TEST_BELOW_THE_RULE", below_the_rule.to_string()));
-            let mut job = ProcessJob::start_with_servers(test, 2, 2, 2, &env);
-            let done = job.await_line(&[4, 5], "DONE", JOB_LIMIT);
-            let moved: u64 = done
-                .iter()
-                .map(|line| {
-                    let (sent, received) = moved_by_server(line);
-                    sent + received
-                })
-                .sum();
+            let (moved, done) = beside_two_servers(test, 2, 2, &env);
             assert_eq!(
                 moved == 0,
                 !below_the_rule,
                 "the servers moved {moved} bytes: {done:?}"
             );
-            job.finish(JOB_LIMIT);
         }
         return;
     };
@@ -536,6 +527,23 @@ fn all_reduces_across_the_job_through_nccl_are_exact() {
         Some("true") => all_reduce_device_tensors_exactly(&comm, &below),
         Some(_) => all_reduce_device_tensors_exactly(&comm, &in_windows),
     }
+}
+
+/// Runs `test` as an `m`x`d` process job beside two server processes, with
+/// `env`: the data bytes the servers moved in all, and what each reported.
+fn beside_two_servers(test: &str, m: u32, d: u32, env: &[(&str, String)]) -> (u64, Vec<String>) {
+    let mut job = ProcessJob::start_with_servers(test, m, d, 2, env);
+    let world = m * d;
+    let done = job.await_line(&[world, world + 1], "DONE", JOB_LIMIT);
+    let moved = done
+        .iter()
+        .map(|line| {
+            let (sent, received) = moved_by_server(line);
+            sent + received
+        })
+        .sum();
+    job.finish(JOB_LIMIT);
+    (moved, done)
 }
 
 /// All-reduces, one after another, a device tensor of each `(type,
@@ -587,21 +595,12 @@ fn device_all_reduces_of_one_machine_beside_servers_run_through_nccl() {
         for float_maximum in [false, true] {
             let mut env = env.clone();
             env.push(("FAIRRING_TEST_FLOAT_MAXIMUM", float_maximum.to_string()));
-            let mut job = ProcessJob::start_with_servers(test, 1, 2, 2, &env);
-            let done = job.await_line(&[2, 3], "DONE", JOB_LIMIT);
-            let moved: u64 = done
-                .iter()
-                .map(|line| {
-                    let (sent, received) = moved_by_server(line);
-                    sent + received
-                })
-                .sum();
+            let (moved, done) = beside_two_servers(test, 1, 2, &env);
             assert_eq!(
                 moved == 0,
                 !float_maximum,
                 "the servers moved {moved} bytes: {done:?}"
             );
-            job.finish(JOB_LIMIT);
         }
         return;
     };

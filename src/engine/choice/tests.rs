@@ -351,6 +351,19 @@ fn device_all_reduce(
     choose(call, &job).unwrap().algorithm
 }
 
+/// An all-reduce of `bytes` of `f32` summed, on `memory`, asking for nothing.
+fn f32_sum(bytes: u64, memory: MemoryKind) -> Call {
+    Call {
+        collective: Collective::AllReduce,
+        dtype: DataType::F32,
+        bytes,
+        algorithm: None,
+        wire: None,
+        op: ReduceOp::Sum,
+        memory,
+    }
+}
+
 #[test]
 fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_is_ahead() {
     const MIB: u64 = 1 << 20;
@@ -382,15 +395,7 @@ fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_i
             "{m} machines, {bytes} bytes: {chosen}"
         );
         // The same beside dedicated servers, which serve the rest.
-        let call = Call {
-            collective: Collective::AllReduce,
-            dtype: f32,
-            bytes,
-            algorithm: None,
-            wire: None,
-            op: sum,
-            memory: MemoryKind::Device,
-        };
+        let call = f32_sum(bytes, MemoryKind::Device);
         for servers in [1, 2, 8 * m] {
             let beside = Job {
                 nccl_over_workers: true,
@@ -441,15 +446,7 @@ fn device_all_reduces_on_few_machines_run_as_the_jobs_nccl_all_reduce_where_it_i
         device_all_reduce(2, bytes, DataType::Bool, ReduceOp::Max, true, None),
         Resolved::Hierarchical
     );
-    let host = Call {
-        collective: Collective::AllReduce,
-        dtype: f32,
-        bytes,
-        algorithm: None,
-        wire: None,
-        op: sum,
-        memory: MemoryKind::Host,
-    };
+    let host = f32_sum(bytes, MemoryKind::Host);
     // A reduce runs as an all-reduce, but not as NCCL's across the job.
     let reduce = Call {
         collective: Collective::Reduce,
