@@ -6,7 +6,10 @@
 //! [`Fabric::register_source`]) an all-reduce of a host tensor by either then
 //! skips the copy into the staging buffer, and so does the root of a
 //! broadcast relayed between such machines, whose chunks are all it sends
-//! (a message is a broadcast from its sender, so a send copies nothing in).
+//! (a message is a broadcast from its sender, so a send copies nothing in),
+//! beside dedicated servers too, which take no part in a relay (2x1 and 3x1
+//! with two servers on two cores, medians of three alternating sittings: 4
+//! MiB to 64 MiB in 1.17x to 1.55x less time, 1 MiB within the spread).
 //! The tensor is registered, and what the rank sends of its own leaves from
 //! it: hierarchical's contributions and served shard, the ring's chunks as it
 //! reduces them, a broadcast root's chunks.
@@ -117,14 +120,14 @@ pub(crate) fn eligible<M: MemorySpace>(
         Resolved::Ring => all_reduce && ctx.world > 1,
         // The root's chunks are all it sends, and each leaves as it is in
         // the tensor; over machines of several ranks the machine's
-        // reduce-scatter puts them in place instead.
+        // reduce-scatter puts them in place instead. Dedicated servers take
+        // no part in a relay.
         Resolved::Relay => {
             large
                 && sub.descriptor.collective == Collective::Broadcast
                 && sub.descriptor.root == ctx.rank
                 && ctx.world > 1
                 && ctx.topology.devices_per_machine() == 1
-                && ctx.servers == 0
         }
         // NCCL moves the bytes, not the engine's fabric.
         Resolved::Doubling | Resolved::Scatter | Resolved::Nccl => false,
@@ -615,6 +618,32 @@ mod tests {
                 d.dtype = DataType::I32;
             });
         }));
+    }
+
+    /// A relayed broadcast's root sends its chunks from its tensor over
+    /// machines of one rank each, beside dedicated servers too (which take
+    /// no part in a relay); its other ranks, machines of several ranks (whose
+    /// local step puts the chunks in place) and other collectives stage.
+    #[test]
+    fn a_relayed_broadcasts_root_sends_from_its_tensor_beside_servers_too() {
+        let broadcast = |root: u32| {
+            move |s: &mut Submission<Host>| {
+                redescribe(s, |d| {
+                    d.collective = Collective::Broadcast;
+                    d.root = root;
+                })
+            }
+        };
+        let relay = Resolved::Relay;
+        for layout in [(2, 1, 0), (3, 1, 0), (2, 1, 1), (3, 1, 2)] {
+            assert!(allowed(layout, relay, Some(0), broadcast(0)), "{layout:?}");
+            assert!(!allowed(layout, relay, Some(0), broadcast(1)), "{layout:?}");
+            assert!(!allowed(layout, relay, None, broadcast(0)), "{layout:?}");
+        }
+        for layout in [(2, 2, 0), (2, 2, 2)] {
+            assert!(!allowed(layout, relay, Some(0), broadcast(0)), "{layout:?}");
+        }
+        assert!(!allowed((2, 1, 1), relay, Some(0), |_| {}));
     }
 
     /// `s`, described as `change` makes its descriptor, running what that
