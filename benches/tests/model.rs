@@ -1041,8 +1041,9 @@ fn a_minimum_shard_is_taken_only_when_marked_given() {
 /// With dedicated servers on one machine of several GPUs, the engine runs
 /// the workers' device all-reduce as one NCCL all-reduce on the machine's
 /// communicator (`fairring`'s choice): NCCL's time, as without servers, and
-/// nothing sent to the servers; at least NCCL's ring. With one GPU, or two
-/// machines, the servers serve.
+/// nothing sent to the servers; at least NCCL's ring. With one GPU, or
+/// eight machines (past those NCCL's all-reduce across the job may run on),
+/// the servers serve.
 #[test]
 fn dedicated_servers_on_one_machine_leave_its_all_reduce_to_nccl() {
     for hw in presets() {
