@@ -1249,3 +1249,35 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// Another minimum shard keeps the slicing: the slices as given or by
+    /// routing, one level or not; the shard is the one asked for, refused
+    /// exactly where `PlanConfig::new` refuses it.
+    #[test]
+    fn another_minimum_shard_keeps_the_slicing(
+        slice in log_size(28),
+        shard in log_size(28),
+        other in prop_oneof![Just(0u64), Just(1u64), log_size(30)],
+        by_routing in any::<bool>(),
+        one_level in any::<bool>(),
+    ) {
+        let Ok(base) = (if by_routing {
+            PlanConfig::with_default_slices(shard)
+        } else {
+            PlanConfig::new(slice, shard)
+        }) else {
+            return Ok(());
+        };
+        let config = if one_level { base.in_one_level() } else { base };
+        match config.with_min_shard_bytes(other) {
+            Ok(changed) => {
+                prop_assert_eq!(changed.min_shard_bytes(), other);
+                prop_assert_eq!(changed.slice_bytes(), config.slice_bytes());
+                prop_assert_eq!(changed.slice_by_routing(), config.slice_by_routing());
+                prop_assert_eq!(changed.is_one_level(), config.is_one_level());
+            }
+            Err(e) => prop_assert_eq!(Err(e), PlanConfig::new(config.slice_bytes(), other).map(|_| ())),
+        }
+    }
+}

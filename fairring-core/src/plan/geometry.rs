@@ -261,6 +261,19 @@ impl PlanConfig {
         }
     }
 
+    /// The same slicing (slices as given or by routing, in one level or
+    /// not) with shards of at least `min_shard_bytes`, refused as
+    /// [`PlanConfig::new`] refuses it.
+    pub const fn with_min_shard_bytes(self, min_shard_bytes: u64) -> Result<PlanConfig, PlanError> {
+        match PlanConfig::new(self.slice_bytes, min_shard_bytes) {
+            Ok(config) => Ok(PlanConfig {
+                min_shard_bytes: config.min_shard_bytes,
+                ..self
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Whether it keeps one level ([`PlanConfig::in_one_level`]).
     pub const fn is_one_level(&self) -> bool {
         self.one_level
