@@ -69,7 +69,9 @@
 //!   CPU-only [`Server`] processes then take the all-reduce's inter-machine
 //!   step, and each machine sends and receives its buffer once (broadcasts,
 //!   all-gathers and reduce-scatters relay and scatter around the workers'
-//!   rails where the rules of a job without servers would);
+//!   rails where the rules of a job without servers would; where the
+//!   machines reduce faster than the servers, the machines serve an
+//!   all-reduce's shards themselves: [`MachinesServe`]);
 //! - **fused**: [`Fusion`] places a step's tensors into balanced fusion buffers
 //!   from the order rank 0 saw first, with no negotiation afterwards;
 //! - **allocation-free** per operation once built.
@@ -109,7 +111,7 @@ pub use communicator::{
     Call, Collective, Communicator, Memory, Options, OwnedWork, Scope, Tensor, TensorMut, Work,
 };
 pub use config::{
-    Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Grouping, Launcher,
+    Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Grouping, Launcher, MachinesServe,
     NcclAcrossMachines, Role, Staging,
 };
 pub use engine::links::Traffic;

@@ -4,8 +4,8 @@
 
 mod common;
 
-use common::{SERVER_LAYOUTS, job, job_with_servers, small_slices};
-use fairring::{Algorithm, Grouping, ReduceOp};
+use common::{SERVER_LAYOUTS, job, job_and_servers, job_with_servers, small_slices};
+use fairring::{Algorithm, Grouping, MachinesServe, ReduceOp};
 use fairring_core::DataType;
 use fairring_core::plan::{Geometry, Plan, PlanConfig, Routing};
 use fairring_core::topology::{RankLayout, Topology};
@@ -463,6 +463,59 @@ fn machines_in_groups_reduce_in_two_levels() {
                 failed.is_empty(),
                 "{m}x{d} in groups of {size}, rank {rank}: {failed:?}"
             );
+        }
+    }
+}
+
+/// Beside dedicated servers, with the machines serving
+/// (`FAIRRING_MACHINES_SERVE=on`), `auto` runs every exact all-reduce as the
+/// same job without servers would: every rank's result exact, for every
+/// type and operator, from one element to several slices, and no server
+/// moves a byte. On the six server layouts (one machine, one rank a
+/// machine, more servers than machines, rail groups), in 64 KiB slices;
+/// and on 12x1 beside two servers in 64 KiB slices of 64-byte shards, where
+/// the machines reduce in groups without servers. With the servers asked to
+/// serve (`off`) the same calls go through them.
+#[test]
+fn beside_servers_the_machines_serve_their_own_shards() {
+    let layouts = SERVER_LAYOUTS.map(|(m, d, k)| (m, d, k, 4 << 10));
+    for (m, d, servers, min_shard) in layouts.into_iter().chain([(12, 1, 2, 64)]) {
+        for serve in [MachinesServe::On, MachinesServe::Off] {
+            if serve == MachinesServe::Off && (m, d, servers) != (2, 2, 2) {
+                continue;
+            }
+            let world = m * d;
+            let (failures, served) = job_and_servers(
+                m,
+                d,
+                servers,
+                |b| {
+                    b.slice_bytes(64 << 10)
+                        .min_shard_bytes(min_shard)
+                        .total_memory(1 << 20)
+                        .machines_serve(serve)
+                },
+                |rank, comm| every_type_and_operator(comm, rank, world),
+            );
+            let what = format!("{m}x{d} + {servers} servers, machines serving {serve}");
+            for (rank, failed) in failures.iter().enumerate() {
+                assert!(failed.is_empty(), "{what}, rank {rank}: {failed:?}");
+            }
+            for (index, outcome) in served.into_iter().enumerate() {
+                let moved = outcome.unwrap_or_else(|e| panic!("{what}: server {index}: {e}"));
+                if serve == MachinesServe::On {
+                    assert_eq!(
+                        (moved.sent_bytes, moved.received_bytes),
+                        (0, 0),
+                        "{what}: server {index} moved bytes"
+                    );
+                } else {
+                    assert!(
+                        moved.received_bytes > 0,
+                        "{what}: server {index} moved none"
+                    );
+                }
+            }
         }
     }
 }

@@ -529,6 +529,48 @@ fn all_reduces_across_the_job_through_nccl_are_exact() {
     }
 }
 
+/// 2x2 beside two dedicated servers, its device tensors through NCCL within
+/// each machine, the machines serving their own shards
+/// (`FAIRRING_MACHINES_SERVE=on`, on any GPU; no NCCL all-reduce across
+/// the job): `auto` runs every exact device all-reduce as the same job
+/// without servers would, sums of two types, an integer and a float
+/// maximum, from 4 bytes to 6 MiB, every element exact on every rank, and
+/// the servers, which plan them, move no byte. With `off` the servers serve
+/// the same calls.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_all_reduces_beside_servers_run_as_the_machines_own_plan() {
+    let test = "device_all_reduces_beside_servers_run_as_the_machines_own_plan";
+    let Some(comm) = rank_of_job(test) else {
+        let mut env = vec![
+            ("FAIRRING_NCCL_ACROSS_MACHINES", "off".to_owned()),
+            ("FAIRRING_TIMEOUT", "60".to_owned()),
+        ];
+        env.extend(through_nccl());
+        for serve in ["on", "off"] {
+            let mut env = env.clone();
+            env.push(("FAIRRING_MACHINES_SERVE", serve.to_owned()));
+            let (moved, done) = beside_two_servers(test, 2, 2, &env);
+            assert_eq!(
+                moved == 0,
+                serve == "on",
+                "machines serving {serve}: the servers moved {moved} bytes: {done:?}"
+            );
+        }
+        return;
+    };
+    all_reduce_device_tensors_exactly(
+        &comm,
+        &[
+            (DataType::F32, ReduceOp::Sum, 6 << 20),
+            (DataType::F32, ReduceOp::Sum, 4),
+            (DataType::I64, ReduceOp::Sum, 1 << 20),
+            (DataType::I32, ReduceOp::Max, 5 << 20),
+            (DataType::F32, ReduceOp::Max, 1 << 20),
+        ],
+    );
+}
+
 /// Runs `test` as an `m`x`d` process job beside two server processes, with
 /// `env`: the data bytes the servers moved in all, and what each reported.
 fn beside_two_servers(test: &str, m: u32, d: u32, env: &[(&str, String)]) -> (u64, Vec<String>) {

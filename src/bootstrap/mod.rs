@@ -19,7 +19,7 @@ pub(crate) use progress::{start_progress, stop_progress};
 
 use crate::config::{Config, DEFAULT_TOTAL_MEMORY, Grouping};
 use crate::engine::Wiring;
-use crate::engine::layout::BufferLayout;
+use crate::engine::layout::{BufferLayout, colocated_geometry};
 use crate::engine::tags::MAX_BUFFERS;
 use crate::engine::{Engine, EngineParts};
 use crate::error::{Error, Result};
@@ -263,12 +263,20 @@ pub(crate) fn size_staging(
             ) => Error::config("FAIRRING_GROUP_SIZE", size, e.to_string()),
             _ => slice_error(slice, &e),
         })?;
-        let layout = BufferLayout::new(&g, world).ok_or_else(|| {
+        let fits = || {
             slice_error(
                 slice,
                 &"a staging buffer for it does not fit this machine's address space",
             )
-        })?;
+        };
+        let mut layout = BufferLayout::new(&g, world).ok_or_else(fits)?;
+        // Beside dedicated servers, the buffers also hold the machines' own
+        // plan (`FAIRRING_MACHINES_SERVE`).
+        if let Some(colocated) = colocated_geometry(&g, config.colocated_min_shard_bytes()) {
+            layout = layout
+                .holding_colocated(colocated, world)
+                .ok_or_else(fits)?;
+        }
         Ok((g, layout))
     };
     let given = |slice: u64| {

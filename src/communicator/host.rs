@@ -110,6 +110,24 @@ impl Communicator {
             algorithm: self.algorithm,
             wire: self.wire,
             nccl_over_workers: self.nccl_over_workers(),
+            machines_serve: self.machines_serve,
+            gpus_in_switch: self.gpus_in_switch(),
+            machines_can_serve: self.engine.machines_can_serve(),
+        }
+    }
+
+    /// Whether every worker's GPU reduces in its NVSwitch and the machines'
+    /// ranks reduce through NCCL: settled alike on every rank when its
+    /// device side was made, where the job has dedicated servers and
+    /// `FAIRRING_MACHINES_SERVE` is `auto`.
+    fn gpus_in_switch(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            matches!(self.nccl.cell.get(), Some(Ok(Some(comms))) if comms.gpus_in_switch())
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
         }
     }
 

@@ -85,6 +85,9 @@ pub struct Communicator {
     algorithm: Algorithm,
     wire: WireFormat,
     servers: u32,
+    /// Whether the machines serve all-reduces themselves beside dedicated
+    /// servers (`FAIRRING_MACHINES_SERVE`).
+    machines_serve: crate::MachinesServe,
     timeout: Duration,
     /// The byte each barrier all-reduces, per operation-table entry.
     barrier_bytes: Box<[AtomicU8]>,
@@ -222,6 +225,8 @@ impl Communicator {
             } else {
                 crate::NcclAcrossMachines::Off
             },
+            agree_on_switches: config.servers > 0
+                && config.machines_serve == crate::MachinesServe::Auto,
             timeout: config.timeout,
             making: Mutex::new(()),
         };
@@ -245,6 +250,7 @@ impl Communicator {
             algorithm: config.algorithm,
             wire: config.wire,
             servers: config.servers,
+            machines_serve: config.machines_serve,
             timeout: config.timeout,
             barrier_bytes: (0..WORK_CAPACITY).map(|_| AtomicU8::new(0)).collect(),
             #[cfg(feature = "cuda")]

@@ -116,7 +116,8 @@ impl Communicator {
 
     /// A device all-reduce that may run as one NCCL all-reduce over the
     /// workers (where the job's NCCL communicator may be made, or on one
-    /// machine beside dedicated servers): its memory checked and its device
+    /// machine beside dedicated servers), or as the machines' own plan
+    /// beside dedicated servers where their GPUs decide (`auto`): its memory checked and its device
     /// side readied before the choice of what it runs, which depends on
     /// those communicators (so the first device operation chooses as the
     /// later ones, on every rank). `None` for every other call, checked
@@ -126,6 +127,7 @@ impl Communicator {
         if matches!(call.memory, Memory::Device { .. })
             && call.collective == Collective::AllReduce
             && (self.nccl.across_job != crate::NcclAcrossMachines::Off
+                || self.nccl.agree_on_switches
                 || crate::engine::nccl_beside_servers(self.topology, self.servers))
         {
             let total = elements_in_all(call.collective, call.count, self.world_size())?;

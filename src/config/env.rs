@@ -215,6 +215,11 @@ impl Config {
                 Error::config("FAIRRING_NCCL_ACROSS_MACHINES", &v, reason)
             })?;
         }
+        if let Some(v) = lookup("FAIRRING_MACHINES_SERVE") {
+            b.config.machines_serve = v
+                .parse()
+                .map_err(|reason: String| Error::config("FAIRRING_MACHINES_SERVE", &v, reason))?;
+        }
         if let Some(v) = lookup("FAIRRING_DEVICE") {
             b.config.device = Some(match v.trim() {
                 "local" => {

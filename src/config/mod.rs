@@ -23,6 +23,7 @@
 //! | `FAIRRING_FABRIC` | `tcp`, `verbs` or `auto` (see [`FabricChoice`]) | `auto` |
 //! | `FAIRRING_DEVICE_LOCAL` | how a machine's ranks reduce device tensors among themselves: `nccl`, `host` or `auto` (see [`DeviceLocal`]) | `auto` |
 //! | `FAIRRING_NCCL_ACROSS_MACHINES` | whether a device all-reduce on two to seven machines may run as one NCCL all-reduce over the whole job where NCCL's NVLSTree is ahead of the plan: `auto` (GPUs that reduce in their NVSwitch), `on` or `off` (see [`NcclAcrossMachines`]) | `auto` |
+//! | `FAIRRING_MACHINES_SERVE` | with dedicated servers, whether an all-reduce `auto` would give the servers runs as the same job without servers would, the machines serving their own shards and the servers none: `auto` (device tensors, where every GPU reduces in its NVSwitch), `on` (every such all-reduce, host tensors too) or `off` (see [`MachinesServe`]); alike on every worker | `auto` |
 //! | `FAIRRING_DEVICE` | the GPU a communicator's device tensors live on, readied when it is made (its staging page-locked, the machine's NCCL communicators made and warmed up): an ordinal, or `local` (the one `LOCAL_RANK` names); see [`ConfigBuilder::device`] | unset: readied at the first device operation |
 //! | `FAIRRING_VERBS_DEVICE`, `_PORT`, `_GID_INDEX` | the RDMA device, its port and GID index | first device, 1, 0 |
 //! | `FAIRRING_SERVERS` | dedicated reduction servers in the job, set alike on every process (see below) | 0: the machines serve |
@@ -66,6 +67,7 @@ mod env;
 mod fabric_choice;
 mod grouping;
 mod launchers;
+mod machines_serve;
 mod nccl_across_machines;
 mod parse;
 
@@ -81,6 +83,7 @@ pub use fabric_choice::FabricChoice;
 pub(crate) use fabric_choice::{VerbsKnobs, verbs_not_built};
 pub use grouping::Grouping;
 pub use launchers::Launcher;
+pub use machines_serve::MachinesServe;
 pub use nccl_across_machines::NcclAcrossMachines;
 
 fairring_core::named_enum! {
@@ -153,6 +156,11 @@ pub struct Staging {
     pub server_buffer_bytes: u64,
     /// Staging buffers of each rank (and server): slices in flight at most.
     pub buffers: u32,
+    /// Beside dedicated servers, what the machines' own plan
+    /// (`FAIRRING_MACHINES_SERVE`) plans with, in the same buffers: the
+    /// geometry of the same job without servers, from the same slices and
+    /// minimum shard. `None` without servers.
+    pub colocated: Option<fairring_core::plan::Geometry>,
 }
 
 /// A validated configuration. Build one with [`Config::builder`] or
@@ -192,6 +200,9 @@ pub struct Config {
     /// Whether a device all-reduce on few machines may run as one NCCL
     /// all-reduce across the job.
     pub(crate) nccl_across_machines: NcclAcrossMachines,
+    /// Whether the machines serve an all-reduce's shards themselves beside
+    /// dedicated servers.
+    pub(crate) machines_serve: MachinesServe,
     /// The GPU readied when the communicator is made, if any.
     pub(crate) device: Option<u32>,
     #[cfg_attr(
@@ -239,6 +250,14 @@ impl Config {
         })
     }
 
+    /// The smallest shard of the machines' own plan beside dedicated
+    /// servers (`FAIRRING_MACHINES_SERVE`): as given, or the default of a
+    /// job without servers.
+    pub(crate) fn colocated_min_shard_bytes(&self) -> u64 {
+        self.min_shard_bytes
+            .unwrap_or(fairring_core::plan::PlanConfig::DEFAULT_MIN_SHARD_BYTES)
+    }
+
     /// A builder for rank `rank` of `world_size`, meeting at `master_addr:master_port`.
     pub fn builder(
         rank: u32,
@@ -268,6 +287,7 @@ impl Config {
                 fabric: FabricChoice::Auto,
                 device_local: DeviceLocal::Auto,
                 nccl_across_machines: NcclAcrossMachines::Auto,
+                machines_serve: MachinesServe::Auto,
                 device: None,
                 verbs: VerbsKnobs::default(),
                 servers: 0,
@@ -365,6 +385,7 @@ impl Config {
             buffer_bytes: layout.buffer_bytes() as u64,
             server_buffer_bytes: layout.server_buffer_bytes() as u64,
             buffers,
+            colocated: layout.colocated_geometry(),
         })
     }
 
@@ -377,6 +398,12 @@ impl Config {
     /// all-reduce across the job.
     pub fn nccl_across_machines(&self) -> NcclAcrossMachines {
         self.nccl_across_machines
+    }
+
+    /// Whether the machines serve an all-reduce's shards themselves beside
+    /// dedicated servers.
+    pub fn machines_serve(&self) -> MachinesServe {
+        self.machines_serve
     }
 
     /// The GPU the communicator readies when it is made (see
@@ -506,6 +533,13 @@ impl ConfigBuilder {
     /// all-reduce across the job.
     pub fn nccl_across_machines(mut self, choice: NcclAcrossMachines) -> Self {
         self.config.nccl_across_machines = choice;
+        self
+    }
+
+    /// Whether the machines serve an all-reduce's shards themselves beside
+    /// dedicated servers.
+    pub fn machines_serve(mut self, choice: MachinesServe) -> Self {
+        self.config.machines_serve = choice;
         self
     }
 

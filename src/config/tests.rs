@@ -326,6 +326,20 @@ fn nccl_across_machines_is_chosen_by_name() {
 }
 
 #[test]
+fn machines_serving_beside_servers_is_chosen_by_name() {
+    assert_eq!(
+        Config::from_lookup(env(&[])).unwrap().machines_serve(),
+        MachinesServe::Auto
+    );
+    let c = Config::from_lookup(env(&[("FAIRRING_MACHINES_SERVE", "on")])).unwrap();
+    assert_eq!(c.machines_serve(), MachinesServe::On);
+    refused(
+        &[("FAIRRING_MACHINES_SERVE", "servers")],
+        "FAIRRING_MACHINES_SERVE",
+    );
+}
+
+#[test]
 fn fabric_choice_and_verbs_knobs() {
     let c = Config::from_lookup(env(&[
         ("FAIRRING_FABRIC", "TCP"),

@@ -64,7 +64,15 @@
 //!   own: `docs/scale-model.md`); on one machine of several GPUs beside
 //!   dedicated servers, at every size (its NVLink, where the servers would
 //!   take every byte over its NICs and back). The servers then plan the
-//!   operation and serve none of it.
+//!   operation and serve none of it. Otherwise, beside dedicated servers, an
+//!   exact all-reduce (or reduce) runs as the same job without servers
+//!   would ([`Resolved::Colocated`]: the machines serve its shards, the
+//!   servers plan it and serve none of it) where the machines serve
+//!   (`FAIRRING_MACHINES_SERVE`): `on` for every tensor, `auto` for device
+//!   tensors where every worker's GPU reduces in its NVSwitch (the scale
+//!   model's h100, whose servers are memory-bound where its machines are
+//!   not); `off` never. The rules table is of host tensors under `auto`,
+//!   where the servers serve.
 //! - **Broadcast and all-gather**: relayed (the ring) on two or three
 //!   machines, and on more from 256 KiB; hierarchical on one machine. A job
 //!   with dedicated servers follows the same rule: its workers link their
@@ -326,7 +334,7 @@ use fairring_core::{DataType, ReduceOp, WireFormat};
 
 use super::algorithm::{Resolved, relay_over_machines};
 use super::descriptor::Collective;
-use crate::config::Algorithm;
+use crate::config::{Algorithm, MachinesServe};
 use crate::error::{Error, Result};
 use crate::memory::MemoryKind;
 
@@ -365,6 +373,17 @@ pub(crate) struct Job {
     /// without dedicated servers), or the job's workers are one machine
     /// beside dedicated servers and the machine's communicators were made.
     pub(crate) nccl_over_workers: bool,
+    /// Beside dedicated servers: whether the machines serve an all-reduce
+    /// the servers would take ([`Resolved::Colocated`]), as configured
+    /// (`FAIRRING_MACHINES_SERVE`)...
+    pub(crate) machines_serve: MachinesServe,
+    /// ...whether every worker's GPU reduces in its NVSwitch and the
+    /// machines' ranks reduce through NCCL (settled alike on every rank when
+    /// its device side was made), for `auto`...
+    pub(crate) gpus_in_switch: bool,
+    /// ...and whether the job plans without servers at all (the engine has
+    /// the machines' own geometry).
+    pub(crate) machines_can_serve: bool,
 }
 
 /// What a call runs.
@@ -470,6 +489,18 @@ pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
     {
         algorithm = Resolved::Nccl;
     }
+    // Beside dedicated servers, an all-reduce the servers would take runs
+    // as the same job without them would where the machines out-reduce the
+    // servers, exact.
+    if asked == Algorithm::Auto
+        && algorithm == Resolved::Hierarchical
+        && form == Collective::AllReduce
+        && job.servers > 0
+        && requested_wire == WireFormat::Exact
+        && machines_serve(job, call.memory)
+    {
+        algorithm = Resolved::Colocated;
+    }
     // Values cross compressed to dedicated servers, or straight to the
     // machines serving them; through the trees and in groups (of machines or
     // of servers) they cross exact.
@@ -541,6 +572,19 @@ fn resolve(collective: Collective, asked: Algorithm, bytes: u64, job: &Job) -> R
             format!("{asked} on {topology:?} for {bytes} bytes"),
         )),
     }
+}
+
+/// Whether the machines of `job`, which has dedicated servers, serve an
+/// all-reduce of a tensor in `memory` themselves (`FAIRRING_MACHINES_SERVE`):
+/// `on`, or under `auto` a device tensor where every GPU reduces in its
+/// NVSwitch.
+fn machines_serve(job: &Job, memory: MemoryKind) -> bool {
+    job.machines_can_serve
+        && match job.machines_serve {
+            MachinesServe::On => true,
+            MachinesServe::Auto => memory == MemoryKind::Device && job.gpus_in_switch,
+            MachinesServe::Off => false,
+        }
 }
 
 /// What `auto` runs for an all-reduce of `bytes` on `topology`.

@@ -133,6 +133,7 @@ fn algorithm_code(a: Resolved) -> u64 {
         Resolved::Doubling => 4,
         Resolved::Scatter => 5,
         Resolved::Nccl => 6,
+        Resolved::Colocated => 7,
     }
 }
 
@@ -194,7 +195,7 @@ impl Descriptor {
     ///         bits  8..16  dtype discriminant
     ///         bits 16..24  op discriminant
     ///         bits 24..28  algorithm (1 hierarchical, 2 ring, 3 relay, 4 doubling,
-    ///                      5 scatter)
+    ///                      5 scatter, 6 nccl, 7 colocated)
     ///         bits 28..30  wire format discriminant
     ///         bits 30..32  memory (0 host, 1 device)
     ///         bits 32..64  root
@@ -226,6 +227,7 @@ impl Descriptor {
                 4 => Resolved::Doubling,
                 5 => Resolved::Scatter,
                 6 => Resolved::Nccl,
+                7 => Resolved::Colocated,
                 _ => return None,
             },
             wire: WireFormat::from_u8((byte(24) >> 4) & 0x3)?,
@@ -401,6 +403,7 @@ mod tests {
             Resolved::Doubling,
             Resolved::Scatter,
             Resolved::Nccl,
+            Resolved::Colocated,
         ] {
             let d = Descriptor {
                 collective: Collective::ReduceScatter,

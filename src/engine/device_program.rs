@@ -240,7 +240,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         each: &mut dyn FnMut(ProgramItem<M::Tensor>) -> Result<()>,
     ) -> Result<DeviceUse> {
         let info = self.device_info(sub, slice, number);
-        let device_use = SliceAlgorithm::device_use(sub.algorithm(), &self.context(), &info)?;
+        let device_use =
+            SliceAlgorithm::device_use(sub.algorithm(), &self.context_for(sub.algorithm()), &info)?;
         let buffer = u32::try_from(number % u64::from(self.buffers)).unwrap_or(u32::MAX);
         let local = LocalSlice {
             buffer,
@@ -328,7 +329,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             offset,
         };
         let in_tensor = |r: &Range<usize>| base + r.start..base + r.end;
-        let ctx = self.context();
+        let ctx = self.context_for(algorithm);
         match stage {
             Stage::Begin if device_use.begin => {
                 self.local.device_items(local, LocalStage::Begin, each)

@@ -106,8 +106,10 @@ pub(crate) fn eligible<M: MemorySpace>(
     let all_reduce = large && sub.descriptor.collective == Collective::AllReduce;
     match algorithm {
         // Its slot is the slice where the machine has one rank; servers and
-        // a compressed wire reduce what the slot holds once it is sent.
-        Resolved::Hierarchical => {
+        // a compressed wire reduce what the slot holds once it is sent. The
+        // machines' own plan beside servers has the context of a job
+        // without them (`Engine::context_for`).
+        Resolved::Hierarchical | Resolved::Colocated => {
             let compressed = sub.wire() != WireFormat::Exact && sub.dtype() == DataType::F32;
             all_reduce
                 && !compressed
@@ -155,7 +157,13 @@ fn lands_in_tensor<M: MemorySpace>(
         Resolved::Hierarchical => {
             between_two && eligible(ctx, sub, Resolved::Hierarchical, from_bytes)
         }
-        Resolved::Ring | Resolved::Doubling | Resolved::Scatter | Resolved::Nccl => false,
+        // Beside dedicated servers, which take every worker's descriptor,
+        // results land in staging.
+        Resolved::Ring
+        | Resolved::Doubling
+        | Resolved::Scatter
+        | Resolved::Nccl
+        | Resolved::Colocated => false,
     }
 }
 

@@ -134,7 +134,12 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let fabric = &self.links.fabric;
         let algorithm = sub.algorithm();
         if !fabric.registers_windows()
-            || !direct::opens_window(&self.context(), sub, algorithm, self.direct_from)
+            || !direct::opens_window(
+                &self.context_for(algorithm),
+                sub,
+                algorithm,
+                self.direct_from,
+            )
         {
             return None;
         }
@@ -183,12 +188,15 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     }
 
     /// The geometry operations of `algorithm` plan with: the job's, or for
-    /// those that move a slice whole, slices that fit their receive slots.
+    /// those that move a slice whole, slices that fit their receive slots;
+    /// for the machines' own plan beside dedicated servers, the job's
+    /// without them.
     pub(super) fn geometry_of(&self, algorithm: Resolved) -> Result<&Geometry, Fault> {
         let unsplit = match algorithm {
             Resolved::Doubling => &self.doubling_geometry,
             Resolved::Scatter => &self.scatter_geometry,
             Resolved::Nccl => &self.nccl_geometry,
+            Resolved::Colocated => &self.colocated_geometry,
             Resolved::Hierarchical | Resolved::Ring | Resolved::Relay => return Ok(&self.geometry),
         };
         Ok(unsplit.as_ref().ok_or_else(|| {

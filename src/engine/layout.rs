@@ -36,6 +36,12 @@
 //! [`ServerGroupLayout`](fairring_core::plan::ServerGroupLayout): a whole-slot
 //! accumulator, an area per other worker of the group, and the across areas
 //! (`algorithm/serve_in_groups.rs`).
+//!
+//! A worker's buffer beside dedicated servers also holds the slices of the
+//! machines' own plan ([`Resolved::Colocated`](super::algorithm::Resolved)):
+//! the layout of the same job without servers ([`colocated_geometry`],
+//! [`BufferLayout::holding_colocated`]) over the same bytes, the buffer as
+//! large as the larger of the two.
 
 use std::ops::Range;
 
@@ -47,6 +53,21 @@ use fairring_core::plan::{
 use super::algorithm::doubling;
 use crate::error::{Error, Result};
 use crate::memory::Sources;
+
+/// The geometry of the machines' own plan in a job of `geometry` with
+/// dedicated servers: the geometry the same job has without them (the same
+/// machines and slices, in one level if `geometry`'s configuration says so,
+/// the machines serving shards of at least `min_shard_bytes`: the minimum
+/// shard a job without servers takes, where none was given); `None`
+/// without servers, or where the job cannot plan without them.
+pub(crate) fn colocated_geometry(geometry: &Geometry, min_shard_bytes: u64) -> Option<Geometry> {
+    geometry.servers()?;
+    let config = geometry
+        .config()
+        .with_min_shard_bytes(min_shard_bytes)
+        .ok()?;
+    Geometry::new(geometry.topology(), config).ok()
+}
 
 /// Where everything of one slice lives in a staging buffer.
 #[derive(Clone, Copy, Debug)]
@@ -79,6 +100,9 @@ pub(crate) struct BufferLayout {
     two_level: Option<TwoLevelLayout>,
     /// A dedicated server's areas, where the servers are in groups.
     server_groups: Option<ServerGroupLayout>,
+    /// Beside dedicated servers, the geometry of the machines' own plan,
+    /// whose slices the buffers also hold.
+    colocated: Option<Geometry>,
 }
 
 impl BufferLayout {
@@ -136,7 +160,40 @@ impl BufferLayout {
             server_bytes,
             two_level,
             server_groups,
+            colocated: None,
         })
+    }
+
+    /// This layout, its buffers grown to hold the slices of the machines'
+    /// own plan beside dedicated servers too, which plans with `colocated`
+    /// ([`colocated_geometry`]) over `world` workers; `None` if that does
+    /// not fit this machine's address space.
+    pub(crate) fn holding_colocated(self, colocated: Geometry, world: u32) -> Option<BufferLayout> {
+        let own = BufferLayout::new(&colocated, world)?;
+        Some(BufferLayout {
+            buffer_bytes: self.buffer_bytes.max(own.buffer_bytes),
+            colocated: Some(colocated),
+            ..self
+        })
+    }
+
+    /// The geometry of the machines' own plan beside dedicated servers, and
+    /// its layout in this layout's buffers, where they hold it
+    /// ([`BufferLayout::holding_colocated`]).
+    pub(crate) fn colocated(&self, world: u32) -> Option<(Geometry, BufferLayout)> {
+        let geometry = self.colocated?;
+        let own = BufferLayout::new(&geometry, world)?;
+        let layout = BufferLayout {
+            buffer_bytes: self.buffer_bytes,
+            ..own
+        };
+        (own.buffer_bytes <= self.buffer_bytes).then_some((geometry, layout))
+    }
+
+    /// The geometry of the machines' own plan beside dedicated servers,
+    /// where the buffers hold it.
+    pub(crate) fn colocated_geometry(&self) -> Option<Geometry> {
+        self.colocated
     }
 
     /// Bytes of the largest slice (the input area at the buffer's start).

@@ -153,7 +153,14 @@ pub(crate) struct Engine<F: Fabric, M: MemorySpace> {
     /// the whole tensor (a dedicated server plans it too, and serves none
     /// of it).
     nccl_geometry: Option<Geometry>,
+    /// Beside dedicated servers, the geometry of the machines' own plan
+    /// (`Resolved::Colocated`, [`layout::colocated_geometry`]; a dedicated
+    /// server plans it too, and serves none of it). `None` without servers.
+    colocated_geometry: Option<Geometry>,
     layout: BufferLayout,
+    /// The layout the machines' own plan takes in the same buffers
+    /// ([`BufferLayout::colocated`]): `layout` where there is none.
+    colocated_layout: BufferLayout,
     pub(crate) buffers: u32,
     pub(crate) works: WorkTable,
     /// Plans operations on the callers' threads, in submission order.
@@ -277,6 +284,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let machines = topology.machines() as usize;
         let workers = parts.geometry.topology().world_size();
         let peer_copy = parts.peer_copy.filter(|p| p.fits_the_copy_words());
+        let colocated = parts.layout.colocated(workers);
         let mut mailbox_peers = Vec::new();
         let late_links = messages::LateLinks::new(
             parts.geometry.topology().world_size(),
@@ -350,7 +358,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             ),
             scatter_geometry: unsplit_geometry(&parts.geometry, parts.layout.scatter_piece_bytes()),
             nccl_geometry: one_machine_geometry(&parts.geometry),
+            colocated_geometry: colocated.map(|(geometry, _)| geometry),
             layout: parts.layout,
+            colocated_layout: colocated.map_or(parts.layout, |(_, layout)| layout),
             buffers: parts.buffers,
             works: WorkTable::new(),
             planner: Mutex::new(Planner::new()),
@@ -388,6 +398,12 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         } else {
             self.strides.worker
         }
+    }
+
+    /// Whether the machines can serve their own shards beside dedicated
+    /// servers (`Resolved::Colocated`): the job plans without servers too.
+    pub(crate) fn machines_can_serve(&self) -> bool {
+        self.colocated_geometry.is_some()
     }
 
     /// This rank.

@@ -23,7 +23,8 @@ use crate::memory::program::ProgramItem;
 /// The caller's side of planning, behind the engine's planner lock.
 pub(crate) struct Planner<M: MemorySpace> {
     /// Where the next hierarchical operation's plan starts rotating its
-    /// servers.
+    /// servers (the machines' own plan beside dedicated servers turns it
+    /// too).
     rotation: u64,
     /// The number of the next operation's first slice.
     next_slice: u64,
@@ -90,6 +91,8 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 format!("{}", sub.descriptor),
             ));
         }
+        // (The machines' own plan beside servers is never whole: a server,
+        // which has no tensor, plans it slice by slice as the workers do.)
         let whole = sub.algorithm() == Resolved::Nccl
             || (sub.algorithm() == Resolved::Hierarchical
                 && geometry.topology().machines() == 1
@@ -128,7 +131,10 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             None
         };
         planner.next_slice += plan.slice_count();
-        if sub.algorithm() == Resolved::Hierarchical {
+        if matches!(
+            sub.algorithm(),
+            Resolved::Hierarchical | Resolved::Colocated
+        ) {
             planner.rotation = plan.next_rotation();
         }
         let accepted = Accepted {

@@ -72,6 +72,18 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             )
             .into());
         }
+        // The machines' own plan, which a server plans and serves none of,
+        // needs the geometry of the job without servers.
+        if descriptor.algorithm == Resolved::Colocated && self.colocated_geometry.is_none() {
+            return Err(Error::peer(
+                peer,
+                format!(
+                    "described operation #{seq} as {descriptor}: the machines cannot serve \
+                     their own shards in this job (it plans only with dedicated servers)"
+                ),
+            )
+            .into());
+        }
         let world = topology.world_size();
         let sub = Submission::new(seq, self.memory.no_tensor(), descriptor, None, world)
             .ok_or_else(|| {

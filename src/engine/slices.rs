@@ -54,6 +54,8 @@ pub(crate) struct ActiveSlice<M: MemorySpace> {
     pub(crate) direct: bool,
     /// Its writes from the tensor go into the peer's window (`direct`).
     pub(crate) into_window: bool,
+    /// What it runs (the algorithm's state is in `algorithm`).
+    pub(crate) resolved: Resolved,
     pub(crate) algorithm: SliceAlgorithm,
     /// A device tensor's slice: its device program, as the running slice is
     /// held to it.
@@ -193,6 +195,22 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
     }
 
+    /// What the slices of `algorithm` share: on a worker, the machines' own
+    /// plan beside dedicated servers ([`Resolved::Colocated`]) runs as in a
+    /// job without them, in its layout of the buffers; everything else (and
+    /// a server's part of anything) runs in the job's [`Engine::context`].
+    pub(super) fn context_for(&self, algorithm: Resolved) -> Context<'_> {
+        if algorithm == Resolved::Colocated && self.server.is_none() {
+            Context {
+                layout: &self.colocated_layout,
+                servers: 0,
+                ..self.context()
+            }
+        } else {
+            self.context()
+        }
+    }
+
     /// Starts the next slice if its buffer is free here and on this machine;
     /// returns whether it did.
     pub(super) fn try_start(&self, d: &mut Driver<M>) -> Result<bool, Fault> {
@@ -250,7 +268,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let into_window = direct
             && self.links.fabric.registers_windows()
             && direct::writes_into_window(
-                &self.context(),
+                &self.context_for(next.algorithm),
                 &rec.sub,
                 next.algorithm,
                 self.direct_from,
@@ -270,7 +288,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         steps.clear();
         let algorithm = SliceAlgorithm::start(
             next.algorithm,
-            &self.context(),
+            &self.context_for(next.algorithm),
             &info,
             &mut d.slices.slots[b as usize].serve,
             &mut steps,
@@ -306,6 +324,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             local_root: self.local_root(origins),
             direct,
             into_window,
+            resolved: next.algorithm,
             algorithm,
             device,
         });
@@ -347,7 +366,12 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     pub(super) fn sends_from_tensor(&self, sub: &Submission<M>, algorithm: Resolved) -> bool {
         let fabric = &self.links.fabric;
         if !fabric.registers_sources()
-            || !direct::eligible(&self.context(), sub, algorithm, self.direct_from)
+            || !direct::eligible(
+                &self.context_for(algorithm),
+                sub,
+                algorithm,
+                self.direct_from,
+            )
         {
             return false;
         }

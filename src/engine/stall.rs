@@ -45,7 +45,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
                 "slice {} of operation #{} ({}) to leave its {}: {waits}",
                 a.number,
                 a.seq,
-                a.algorithm.resolved(),
+                a.resolved,
                 a.algorithm.phase()
             );
         }

@@ -69,13 +69,13 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             let Some(event) = events.pop_front() else {
                 break;
             };
-            let ctx = self.context();
             let active = d.slices.slots[b as usize].active.as_mut().ok_or_else(|| {
                 Error::internal(
                     "events reach only a slice that holds its buffer",
                     format!("{event:?} for buffer {b}"),
                 )
             })?;
+            let ctx = self.context_for(active.resolved);
             if event == SliceEvent::LocalAllGatherDone {
                 self.local.gathered(b, active.number)?;
             }

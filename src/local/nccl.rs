@@ -24,6 +24,10 @@ pub(crate) struct NcclComms {
     reduce: Communicator,
     gather: Communicator,
     job: Option<Communicator>,
+    /// Whether every rank of the job found its GPU reducing in its
+    /// NVSwitch, its machine's communicators made (agreed where the job has
+    /// dedicated servers the machines may serve beside, else false).
+    gpus_in_switch: bool,
 }
 
 impl NcclComms {
@@ -46,6 +50,13 @@ impl NcclComms {
     /// Whether the job's communicator was made (alike on every rank).
     pub(crate) fn across_job(&self) -> bool {
         self.job.is_some()
+    }
+
+    /// Whether every rank of the job has its GPU reduce in its NVSwitch and
+    /// its machine's communicators made (alike on every rank; asked only
+    /// beside dedicated servers, `FAIRRING_MACHINES_SERVE=auto`).
+    pub(crate) fn gpus_in_switch(&self) -> bool {
+        self.gpus_in_switch
     }
 
     fn of(&self, comm: Comm) -> Result<&Communicator> {
@@ -154,6 +165,10 @@ pub(crate) struct NcclSetup {
     /// servers on several machines do not change it (the same on every
     /// rank).
     pub(crate) across_job: NcclAcrossMachines,
+    /// Whether the job's ranks agree on whether every GPU reduces in its
+    /// NVSwitch ([`NcclComms::gpus_in_switch`]): a job with dedicated
+    /// servers whose machines may serve beside them under `auto`.
+    pub(crate) agree_on_switches: bool,
     pub(crate) timeout: Duration,
     /// Serialises the making.
     pub(crate) making: Mutex<()>,
@@ -195,10 +210,30 @@ impl NcclSetup {
         }
     }
 
-    /// The machine's communicators, then, where the job's all-reduces may
-    /// run through NCCL, the job's (see [`NcclSetup::join_job`]).
+    /// The machine's communicators; then, beside dedicated servers whose
+    /// machines may serve under `auto`, the job's ranks agree on whether
+    /// every GPU reduces in its NVSwitch; then, where the job's all-reduces
+    /// may run through NCCL, the job's (see [`NcclSetup::join_job`]).
     fn make(&self, device: &Arc<Device>, store: &dyn Store) -> Result<Option<NcclComms>> {
-        let machine = self.make_machine(device, store);
+        let mut machine = self.make_machine(device, store);
+        if self.agree_on_switches {
+            // Every rank of the job says, even one that failed.
+            let in_switch = match &machine {
+                Ok(Some(_)) if device.supports_multicast() => Ok(Vec::new()),
+                Ok(Some(_)) => Err("its GPU does not reduce in an NVSwitch (no multicast)".into()),
+                Ok(None) => Err("its machine stages device tensors through the host".to_owned()),
+                Err(e) => Err(e.to_string()),
+            };
+            let agreed = self.agree_job(store, "switch", in_switch)?;
+            match (&agreed, &mut machine) {
+                (Ok(_), Ok(Some(comms))) => comms.gpus_in_switch = true,
+                (Err((r, why)), _) => log::info!(
+                    "fairring: rank {r} does not reduce in an NVSwitch ({why}): the dedicated \
+                     servers take every all-reduce they would"
+                ),
+                _ => {}
+            }
+        }
         if self.across_job == NcclAcrossMachines::Off {
             return machine;
         }
@@ -369,6 +404,7 @@ impl NcclSetup {
             reduce,
             gather,
             job: None,
+            gpus_in_switch: false,
         };
         // 3. The warm-up: each collective the engine issues, once per size
         //    class (which aborts the communicators where it fails).
@@ -665,6 +701,7 @@ mod tests {
             rank: 21 + local_rank,
             world: 30,
             across_job: NcclAcrossMachines::Off,
+            agree_on_switches: false,
             timeout: Duration::from_secs(5),
             making: Mutex::new(()),
         }

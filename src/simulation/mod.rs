@@ -80,7 +80,7 @@ use fairring_rdma::fabric::{Fabric, LocalRegion};
 use crate::engine::Wiring;
 use crate::engine::algorithm::{Origins, Resolved, relay_over_machines};
 use crate::engine::descriptor::{Collective, Descriptor};
-use crate::engine::layout::BufferLayout;
+use crate::engine::layout::{BufferLayout, colocated_geometry};
 use crate::engine::work_table::{self as work, DONE, FAILED, Submission};
 use crate::engine::{DirectSettings, Engine, EngineParts};
 use crate::local::{LocalSlice, LocalStep, Machine, PeerCopy, ShmStep, Solo};
@@ -180,6 +180,9 @@ struct Outcome {
     /// Relays and reduce-scatters done around the workers' rails beside
     /// dedicated servers (several machines of several ranks).
     rails_beside_servers: usize,
+    /// Rank operations done where the machines served their own shards
+    /// beside dedicated servers (`Resolved::Colocated`).
+    colocated_beside_servers: usize,
     killed: Option<u32>,
     done: usize,
     failed: usize,
@@ -250,7 +253,12 @@ fn play(
         (k, None) => Geometry::with_servers(topology, config, k),
     }
     .map_err(|e| e.to_string())?;
-    let layout = BufferLayout::new(&geometry, world).ok_or("layout")?;
+    let mut layout = BufferLayout::new(&geometry, world).ok_or("layout")?;
+    // Beside servers the buffers hold the machines' own plan too, of the
+    // same minimum shard (as where one is given).
+    if let Some(colocated) = colocated_geometry(&geometry, min_shard_bytes) {
+        layout = layout.holding_colocated(colocated, world).ok_or("layout")?;
+    }
 
     let net = Network::new(processes);
     let collectives = sc.collectives.then(|| Collectives {
@@ -613,6 +621,12 @@ fn play(
             } else {
                 outcome.nccl_across_beside_servers += nccl;
             }
+            outcome.colocated_beside_servers += rank
+                .settled
+                .iter()
+                .zip(&sc.ops)
+                .filter(|&(s, op)| op.algorithm == Resolved::Colocated && *s == Some(true))
+                .count();
             if sc.machines > 1 && sc.devices > 1 {
                 // Relays over the machines (an all-gather's only where its
                 // ranks are numbered machine by machine) and reduce-scatters,
@@ -764,7 +778,9 @@ fn seeded_schedules_settle_with_exact_results() {
     let (mut messages, mut messages_local, mut in_groups) = (0, 0, 0);
     let (mut servers_in_groups, mut nccl_beside_servers) = (0, 0);
     let (mut nccl_across_beside_servers, mut rails_beside_servers) = (0, 0);
+    let mut colocated_beside_servers = 0;
     for outcome in &outcomes {
+        colocated_beside_servers += outcome.colocated_beside_servers;
         rails_beside_servers += outcome.rails_beside_servers;
         in_groups += outcome.in_groups;
         servers_in_groups += outcome.servers_in_groups;
@@ -795,7 +811,8 @@ fn seeded_schedules_settle_with_exact_results() {
          all-reduces met on the job's NCCL communicator, {nccl_beside_servers} rank \
          operations done on one machine's beside dedicated servers and \
          {nccl_across_beside_servers} on the job's, {rails_beside_servers} relayed or \
-         reduce-scattered around the rails beside them; {ungated} ungated calls of whole \
+         reduce-scattered around the rails beside them, {colocated_beside_servers} all-reduced \
+         by the machines beside them; {ungated} ungated calls of whole \
          all-reduces through NCCL met; {in_groups} where the machines reduce \
          in groups, {servers_in_groups} where dedicated servers do), {failed} failed; \
          drawn as rooted forms: {reduces} reduces, {gathers} \
@@ -851,6 +868,10 @@ fn seeded_schedules_settle_with_exact_results() {
     assert!(
         seeds.len() < 1000 || nccl_across_beside_servers > 0,
         "the seeds run workers' NCCL all-reduces across machines beside dedicated servers"
+    );
+    assert!(
+        seeds.len() < 100 || colocated_beside_servers > 0,
+        "the seeds run all-reduces the machines serve beside dedicated servers"
     );
     assert!(
         seeds.len() < 100 || in_groups > 0,

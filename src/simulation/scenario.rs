@@ -421,6 +421,26 @@ impl Scenario {
                 op.algorithm = Resolved::Nccl;
             }
         }
+        // Beside dedicated servers, the machines serving their own shards
+        // (`FAIRRING_MACHINES_SERVE`): for half the seeds with servers, about
+        // half the exact all-reduces the servers would take run as the same
+        // job without servers would, which a server plans and serves none
+        // of. Drawn from a side stream, as above.
+        let mut colocated = rng.side(0x636f_6c6f);
+        if servers > 0 && colocated.below(2) == 0 {
+            for op in &mut ops {
+                let plain_all_reduce = op.origins.is_none()
+                    && op.share.is_none()
+                    && op.rooted.is_none()
+                    && op.wire == WireFormat::Exact;
+                if plain_all_reduce
+                    && op.algorithm == Resolved::Hierarchical
+                    && colocated.below(2) == 0
+                {
+                    op.algorithm = Resolved::Colocated;
+                }
+            }
+        }
         // Machines in groups: drawn from a side stream, as above.
         let group_size = match server_groups {
             Some((_, size)) => Some(size),

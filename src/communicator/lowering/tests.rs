@@ -20,6 +20,9 @@ fn job(m: u32, d: u32, rank: u32) -> Job {
             algorithm: Algorithm::Auto,
             wire: WireFormat::Exact,
             nccl_over_workers: false,
+            machines_serve: crate::MachinesServe::Auto,
+            gpus_in_switch: false,
+            machines_can_serve: true,
         },
         rank,
     }

@@ -97,6 +97,14 @@ pub(crate) enum Resolved {
     /// [`nccl`]: what `auto` runs for a device all-reduce where the job's
     /// NCCL all-reduce is ahead of the plan (never asked for by name).
     Nccl,
+    /// [`hierarchical`] with the machines serving their own shards, in a job
+    /// with dedicated servers: what `auto` runs for an all-reduce there where
+    /// the machines reduce faster than the servers
+    /// (`FAIRRING_MACHINES_SERVE`; never asked for by name). It plans with
+    /// the geometry the same job would have without servers
+    /// ([`colocated_geometry`](super::layout::colocated_geometry)); the
+    /// servers plan it too and serve none of it.
+    Colocated,
 }
 
 impl Resolved {
@@ -119,6 +127,7 @@ impl Resolved {
             Resolved::Doubling => "doubling",
             Resolved::Scatter => "scatter",
             Resolved::Nccl => "nccl",
+            Resolved::Colocated => "colocated",
         }
     }
 }
@@ -465,10 +474,12 @@ impl SliceAlgorithm {
             )?));
         }
         Ok(match algorithm {
-            Resolved::Hierarchical if in_groups(s) => {
+            // The machines' own plan beside servers runs in its own context
+            // (`Engine::context_for`), as in a job without them.
+            Resolved::Hierarchical | Resolved::Colocated if in_groups(s) => {
                 SliceAlgorithm::TwoLevel(TwoLevel::start(ctx, s, steps)?)
             }
-            Resolved::Hierarchical => {
+            Resolved::Hierarchical | Resolved::Colocated => {
                 SliceAlgorithm::Hierarchical(Hierarchical::start(ctx, s, steps)?)
             }
             Resolved::Ring => SliceAlgorithm::Ring(Ring::start(ctx, s, steps)?),
@@ -488,8 +499,8 @@ impl SliceAlgorithm {
     ) -> Result<DeviceUse> {
         device_slice(ctx, s)?;
         Ok(match algorithm {
-            Resolved::Hierarchical if in_groups(s) => TwoLevel::device_use(),
-            Resolved::Hierarchical => Hierarchical::device_use(ctx),
+            Resolved::Hierarchical | Resolved::Colocated if in_groups(s) => TwoLevel::device_use(),
+            Resolved::Hierarchical | Resolved::Colocated => Hierarchical::device_use(ctx),
             Resolved::Ring | Resolved::Doubling => DeviceUse::default(),
             Resolved::Relay => Relay::device_use(ctx, s)?,
             Resolved::Scatter => Scatter::device_use(ctx, s)?,
@@ -508,7 +519,7 @@ impl SliceAlgorithm {
     ) -> Result<()> {
         device_slice(ctx, s)?;
         match algorithm {
-            Resolved::Hierarchical | Resolved::Nccl => Ok(()),
+            Resolved::Hierarchical | Resolved::Colocated | Resolved::Nccl => Ok(()),
             Resolved::Ring => Ring::device_copies(s, each),
             Resolved::Doubling => Doubling::device_copies(ctx, s, each),
             Resolved::Relay => Relay::device_copies(ctx, s, each),
@@ -541,20 +552,6 @@ impl SliceAlgorithm {
     pub(crate) fn recycle(self, scratch: &mut ServeScratch) {
         if let SliceAlgorithm::Serve(v) = self {
             v.recycle(scratch);
-        }
-    }
-
-    /// Which algorithm it is.
-    pub(crate) fn resolved(&self) -> Resolved {
-        match self {
-            SliceAlgorithm::Hierarchical(_) | SliceAlgorithm::TwoLevel(_) => Resolved::Hierarchical,
-            SliceAlgorithm::Ring(_) => Resolved::Ring,
-            SliceAlgorithm::Relay(_) => Resolved::Relay,
-            SliceAlgorithm::Doubling(_) => Resolved::Doubling,
-            SliceAlgorithm::Scatter(_) => Resolved::Scatter,
-            SliceAlgorithm::Serve(v) => v.resolved(),
-            SliceAlgorithm::ServeInGroups(v) => v.resolved(),
-            SliceAlgorithm::Nccl(_) => Resolved::Nccl,
         }
     }
 

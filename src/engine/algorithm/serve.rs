@@ -89,7 +89,6 @@ pub(crate) struct ServeScratch {
 /// The server state of one slice.
 #[derive(Debug)]
 pub(crate) struct Serve {
-    algorithm: Resolved,
     /// The shard this server serves.
     shard: u32,
     /// Per slot.
@@ -119,7 +118,6 @@ impl Serve {
         steps: &mut Vec<Step>,
     ) -> Result<Serve> {
         let mut serve = Serve {
-            algorithm,
             shard: 0,
             parts: std::mem::take(&mut scratch.parts),
             arrived: std::mem::take(&mut scratch.arrived),
@@ -148,7 +146,8 @@ impl Serve {
             | Resolved::Relay
             | Resolved::Doubling
             | Resolved::Scatter
-            | Resolved::Nccl => None,
+            | Resolved::Nccl
+            | Resolved::Colocated => None,
         };
         if let Some(shard) = shard {
             serve.shard = shard;
@@ -235,11 +234,6 @@ impl Serve {
                 format!("{event:?} for slice {}", s.number),
             )),
         }
-    }
-
-    /// The algorithm the workers run for the slice.
-    pub(crate) fn resolved(&self) -> Resolved {
-        self.algorithm
     }
 
     /// Where the slice is, for a stall report.

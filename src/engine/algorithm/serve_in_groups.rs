@@ -311,11 +311,6 @@ impl ServeInGroups {
         Ok(())
     }
 
-    /// The algorithm the workers run for the slice.
-    pub(crate) fn resolved(&self) -> super::Resolved {
-        super::Resolved::Hierarchical
-    }
-
     /// Where the slice is, for a stall report.
     pub(crate) fn phase(&self) -> &'static str {
         if self.released || !self.words.within.in_use() {

@@ -10,6 +10,9 @@ fn job(m: u32, d: u32, servers: u32, wire: WireFormat) -> Job {
         algorithm: Algorithm::Auto,
         wire,
         nccl_over_workers: false,
+        machines_serve: crate::MachinesServe::Auto,
+        gpus_in_switch: false,
+        machines_can_serve: true,
     }
 }
 
@@ -610,4 +613,124 @@ fn nccl_across_the_job_runs_in_ordered_windows_of_two_to_seven_machines() {
         assert!(!nccl_across_job(m, 64 << 20), "{m} machines");
     }
     assert!(nccl_across_job(2, u64::MAX));
+}
+
+/// Beside dedicated servers, an exact all-reduce the servers would take runs
+/// as the same job without servers would (`Resolved::Colocated`) where the
+/// machines serve (`FAIRRING_MACHINES_SERVE`): `on` for every tensor, `auto`
+/// for device tensors where every GPU reduces in its NVSwitch, `off` never;
+/// not where an algorithm or a compressed wire is asked for, for the other
+/// collectives, without servers, where the job cannot plan without them,
+/// or where NCCL's all-reduce across the job is ahead.
+#[test]
+fn beside_servers_the_machines_serve_the_all_reduces_the_servers_would_take() {
+    let (host, device) = (MemoryKind::Host, MemoryKind::Device);
+    let beside = |m: u32, serve: MachinesServe, in_switch: bool| Job {
+        machines_serve: serve,
+        gpus_in_switch: in_switch,
+        ..job(m, 8, 8, WireFormat::Exact)
+    };
+    let runs = |c: Call, j: &Job| choose(c, j).unwrap();
+    for bytes in [4, 64 << 10, 64 << 20, 1 << 30] {
+        for m in [1, 8, 64] {
+            let what = format!("{m}x8 + 8, {bytes} bytes");
+            for memory in [host, device] {
+                for in_switch in [false, true] {
+                    let on = runs(
+                        f32_sum(bytes, memory),
+                        &beside(m, MachinesServe::On, in_switch),
+                    );
+                    assert_eq!(on.algorithm, Resolved::Colocated, "{what}, {memory:?}");
+                    assert_eq!(on.wire, WireFormat::Exact, "{what}");
+                    let off = beside(m, MachinesServe::Off, in_switch);
+                    assert_eq!(
+                        runs(f32_sum(bytes, memory), &off).algorithm,
+                        Resolved::Hierarchical,
+                        "{what}, {memory:?}"
+                    );
+                }
+            }
+            let auto = |in_switch| beside(m, MachinesServe::Auto, in_switch);
+            assert_eq!(
+                runs(f32_sum(bytes, device), &auto(true)).algorithm,
+                Resolved::Colocated,
+                "{what}"
+            );
+            for (memory, in_switch) in [(device, false), (host, true), (host, false)] {
+                assert_eq!(
+                    runs(f32_sum(bytes, memory), &auto(in_switch)).algorithm,
+                    Resolved::Hierarchical,
+                    "{what}, {memory:?}, in switch {in_switch}"
+                );
+            }
+            // Every type and operator the plan reduces.
+            let ints = Call {
+                dtype: DataType::I16,
+                op: ReduceOp::BitXor,
+                ..f32_sum(bytes, device)
+            };
+            assert_eq!(runs(ints, &auto(true)).algorithm, Resolved::Colocated);
+        }
+    }
+    let on = beside(8, MachinesServe::On, true);
+    // Asked for by name, or with a compressed wire: the servers.
+    let asked = Call {
+        algorithm: Some(Algorithm::Hierarchical),
+        ..f32_sum(1 << 20, host)
+    };
+    assert_eq!(runs(asked, &on).algorithm, Resolved::Hierarchical);
+    let narrow = Call {
+        wire: Some(WireFormat::Bf16),
+        ..f32_sum(1 << 20, host)
+    };
+    let chosen = runs(narrow, &on);
+    assert_eq!(
+        (chosen.algorithm, chosen.wire),
+        (Resolved::Hierarchical, WireFormat::Bf16)
+    );
+    // The other collectives run as they do beside servers.
+    for (collective, runs_as) in [
+        (Collective::Broadcast, Resolved::Relay),
+        (Collective::AllGather, Resolved::Relay),
+        (Collective::ReduceScatter, Resolved::Scatter),
+    ] {
+        let call = Call {
+            collective,
+            ..f32_sum(64 << 20, host)
+        };
+        assert_eq!(runs(call, &on).algorithm, runs_as, "{collective:?}");
+    }
+    // Without servers, or where the job cannot plan without them.
+    let alone = Job {
+        machines_serve: MachinesServe::On,
+        ..job(8, 8, 0, WireFormat::Exact)
+    };
+    assert_eq!(
+        runs(f32_sum(1 << 20, host), &alone).algorithm,
+        Resolved::Hierarchical
+    );
+    let cannot = Job {
+        machines_can_serve: false,
+        ..on
+    };
+    assert_eq!(
+        runs(f32_sum(1 << 20, host), &cannot).algorithm,
+        Resolved::Hierarchical
+    );
+    // Within NCCL's windows across the job, NCCL; outside them, the machines.
+    let two = Job {
+        nccl_over_workers: true,
+        ..beside(2, MachinesServe::Auto, true)
+    };
+    let mut sizes = (16..31).map(|k| 1u64 << k);
+    let inside = sizes.clone().find(|&b| nccl_across_job(2, b)).unwrap();
+    let outside = sizes.rfind(|&b| !nccl_across_job(2, b)).unwrap();
+    assert_eq!(
+        runs(f32_sum(inside, device), &two).algorithm,
+        Resolved::Nccl
+    );
+    assert_eq!(
+        runs(f32_sum(outside, device), &two).algorithm,
+        Resolved::Colocated
+    );
 }
