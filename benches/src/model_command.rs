@@ -305,6 +305,7 @@ fn run(o: &Options) -> Result<(), String> {
             job.group = o.group;
             job.grouping = o.grouping;
             job.nccl_across_machines = !o.plan_only;
+            job.machines_serve = !o.plan_only;
             for &algo in &o.algos {
                 let prediction = match predict(&hw, &job, algo) {
                     Ok(p) => p,

@@ -482,8 +482,17 @@ fn the_busy_time_of_each_resource_is_its_traffic_and_within_the_time() {
         let post = hw.post_seconds();
         for (m, d) in [(1, 8), (2, 1), (4, 8), (32, 8), (256, 8)] {
             for bytes in [MIB, 256 * MIB] {
-                for algo in [Algo::Hierarchical, Algo::Servers] {
-                    let job = Job::new(m, d, bytes);
+                // Servers mode where the machines may serve beside the
+                // servers, and the servers' own plan.
+                for (algo, machines_serve) in [
+                    (Algo::Hierarchical, true),
+                    (Algo::Servers, true),
+                    (Algo::Servers, false),
+                ] {
+                    let job = Job {
+                        machines_serve,
+                        ..Job::new(m, d, bytes)
+                    };
                     let p = predict(&hw, &job, algo).unwrap();
                     let (t, b) = (p.traffic.unwrap(), p.busy.unwrap());
                     let what = format!("{} {algo} {m}x{d} {bytes}", hw.name);
@@ -894,6 +903,8 @@ fn dedicated_servers_are_sharded_as_the_engine_shards_them() {
     for (m, k) in [(4u32, 4u32), (64, 64), (256, 256), (64, 8), (201, 201)] {
         let mut job = Job::new(m, 8, 256 * MIB);
         job.servers = k;
+        // The servers' own plan, not the machines' beside them.
+        job.machines_serve = false;
         let p = predict(&hw, &job, Algo::Servers).unwrap();
         let t = p.traffic.unwrap();
         let geometry = job.staging(8 * k).unwrap().geometry;
@@ -946,7 +957,11 @@ fn dedicated_servers_are_sharded_as_the_engine_shards_them() {
 fn a_servers_memory_moves_what_its_folds_and_nics_move() {
     let mut hw = free_of_latency(h100());
     hw.server.memory_gbps = 0.008;
-    let job = Job::new(18, 8, 256 * MIB);
+    let job = Job {
+        // The servers' own plan, not the machines' beside them.
+        machines_serve: false,
+        ..Job::new(18, 8, 256 * MIB)
+    };
     let geometry = job.staging(8 * 18).unwrap().geometry;
     let layout = geometry.server_layout().unwrap();
     assert_eq!(layout.folds(), 2);
@@ -990,6 +1005,8 @@ fn a_server_runs_each_of_its_slots_last_fold_after_the_last_cell() {
     hw.server.nic_count = 4;
     let mut job = Job::new(18, 8, 8 * MIB);
     job.servers = 1;
+    // The servers' own plan, not the machines' beside them.
+    job.machines_serve = false;
     let geometry = job.staging(4).unwrap().geometry;
     assert_eq!(geometry.server_rails(), 4, "two slots a server");
     let layout = geometry.server_layout().unwrap();
@@ -1075,9 +1092,11 @@ fn dedicated_servers_on_one_machine_leave_its_all_reduce_to_nccl() {
 /// On two to seven machines whose GPUs reduce in their NVSwitch (h100),
 /// servers mode is NCCL's all-reduce across the job at the sizes of
 /// `fairring::nccl_across_job`'s windows, ahead of the servers' own plan
-/// there and sending nothing; outside them, and without the job's
-/// communicator (`FAIRRING_NCCL_ACROSS_MACHINES=off`), the servers' own
-/// plan. Presets without NVLink SHARP between machines keep the servers.
+/// there and sending nothing; outside them, the machines' own plan beside
+/// the servers (`FAIRRING_MACHINES_SERVE`), and without either
+/// (`FAIRRING_NCCL_ACROSS_MACHINES=off`, `FAIRRING_MACHINES_SERVE=off`),
+/// the servers' own plan. Presets without NVLink SHARP between machines
+/// keep the servers.
 #[test]
 fn dedicated_servers_leave_the_all_reduce_to_nccl_in_its_windows_across_few_machines() {
     let hw = h100();
@@ -1086,9 +1105,13 @@ fn dedicated_servers_leave_the_all_reduce_to_nccl_in_its_windows_across_few_mach
             let job = Job::new(m, 8, bytes);
             let what = format!("h100 {m}x8 {bytes}");
             let p = predict(&hw, &job, Algo::Servers).unwrap();
-            let own = Job {
+            let machines = Job {
                 nccl_across_machines: false,
                 ..job
+            };
+            let own = Job {
+                machines_serve: false,
+                ..machines
             };
             let served = predict(&hw, &own, Algo::Servers).unwrap();
             if fairring::nccl_across_job(m, bytes) {
@@ -1097,7 +1120,8 @@ fn dedicated_servers_leave_the_all_reduce_to_nccl_in_its_windows_across_few_mach
                 assert!(p.seconds < served.seconds, "{what}: ahead of the servers");
                 assert_eq!(p.traffic.unwrap().bytes_sent, 0, "{what}");
             } else {
-                close(p.seconds, served.seconds, &what);
+                let beside = predict(&hw, &machines, Algo::Servers).unwrap();
+                close(p.seconds, beside.seconds, &what);
                 assert!(p.traffic.unwrap().bytes_sent > 0, "{what}");
             }
         }
@@ -1567,7 +1591,8 @@ fn the_server_groups_study_keeps_the_models_invariants() {
     assert_eq!(Algo::from_name("server-groups"), Some(Algo::ServerGroups));
 }
 
-/// With one server machine per GPU machine on the h100 preset, servers mode
+/// With one server machine per GPU machine on the h100 preset, the
+/// servers' own plan (`FAIRRING_MACHINES_SERVE=off`)
 /// at 2048 GPUs, where the servers form groups, stays within a fifth of its
 /// 64-GPU figure at 64 MiB, 256 MiB and 1 GiB, and the study of group sizes
 /// finds none more than 1% better than the engine's; kept flat
@@ -1580,6 +1605,8 @@ fn servers_in_groups_keep_2048_gpus_within_a_fifth_of_64() {
         let at = |machines: u32, algo: Algo, grouping: fairring::Grouping| {
             let mut job = Job::new(machines, 8, bytes);
             job.grouping = grouping;
+            // The servers' own plan, not the machines' beside them.
+            job.machines_serve = false;
             predict(&hw, &job, algo).unwrap()
         };
         let auto = fairring::Grouping::Auto;
@@ -1606,6 +1633,80 @@ fn servers_in_groups_keep_2048_gpus_within_a_fifth_of_64() {
                 flat.busbw_gbps
             );
         }
+    }
+}
+
+/// On the h100 preset, whose GPUs reduce in their NVSwitch, servers mode
+/// outside NCCL's windows is the machines' own plan beside the servers
+/// (`FAIRRING_MACHINES_SERVE=auto`): the plan of the engine's co-located
+/// geometry (the job's without servers, from the servers' slices, of the
+/// minimum shard of a job without servers) in the servers' buffers. With
+/// one server machine per GPU machine, at 64 MiB, 256 MiB and 1 GiB, from
+/// 16 to 2048 GPUs, it is at least the servers' own plan and NCCL's ring,
+/// and at 2048 GPUs within a fifth of its 64-GPU figure. On presets without
+/// NVLink SHARP the servers keep their plan.
+#[test]
+fn where_gpus_reduce_in_their_switch_the_machines_serve_beside_the_servers() {
+    let hw = h100();
+    for bytes in [64 * MIB, 256 * MIB, GIB] {
+        let mut at_64 = 0.0;
+        for m in [2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256] {
+            let job = Job::new(m, 8, bytes);
+            let what = format!("h100 {m}x8 {bytes}");
+            let staging = job.staging(8 * m).unwrap();
+            let colocated = staging
+                .colocated
+                .expect("a co-located geometry beside servers");
+            assert_eq!(colocated.servers(), None, "{what}");
+            assert_eq!(colocated.topology(), staging.geometry.topology(), "{what}");
+            assert_eq!(
+                colocated.min_shard_bytes(),
+                PlanConfig::DEFAULT_MIN_SHARD_BYTES,
+                "{what}"
+            );
+            let p = predict(&hw, &job, Algo::Servers).unwrap();
+            let own = Job {
+                machines_serve: false,
+                ..job
+            };
+            let served = predict(&hw, &own, Algo::Servers).unwrap();
+            let ring = predict(&hw, &job, Algo::NcclRing).unwrap();
+            assert!(
+                p.busbw_gbps >= served.busbw_gbps * (1.0 - 1e-9),
+                "{what}: {} against the servers' {}",
+                p.busbw_gbps,
+                served.busbw_gbps
+            );
+            assert!(
+                p.busbw_gbps >= ring.busbw_gbps,
+                "{what}: {} against the ring's {}",
+                p.busbw_gbps,
+                ring.busbw_gbps
+            );
+            if m == 8 {
+                at_64 = p.busbw_gbps;
+            }
+            if m == 256 {
+                assert!(
+                    p.busbw_gbps >= 0.8 * at_64,
+                    "{bytes} bytes: {} GB/s at 2048 GPUs against {at_64} at 64",
+                    p.busbw_gbps
+                );
+            }
+        }
+    }
+    for hw in presets()
+        .into_iter()
+        .filter(|h| h.nccl.machines.nvls.is_none())
+    {
+        let job = Job::new(16, 8, 64 * MIB);
+        let own = Job {
+            machines_serve: false,
+            ..job
+        };
+        let p = predict(&hw, &job, Algo::Servers).unwrap();
+        let served = predict(&hw, &own, Algo::Servers).unwrap();
+        assert_eq!(p.seconds, served.seconds, "{}", hw.name);
     }
 }
 

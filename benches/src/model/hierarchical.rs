@@ -145,8 +145,20 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     if let Some(p) = through_nccl(hw, job, &staging, Algo::Hierarchical)? {
         return Ok(p);
     }
+    predict_plan(hw, job, &staging)
+}
+
+/// The predicted time of `job`'s all-reduces through the plan `staging`
+/// makes, the machines serving (in one level or in groups): the
+/// hierarchical row's, and the servers row's where the machines serve
+/// beside them (`servers.rs`).
+pub(super) fn predict_plan(
+    hw: &Hardware,
+    job: &Job,
+    staging: &fairring::Staging,
+) -> Result<Prediction, ModelError> {
     if staging.geometry.machine_groups().is_some() {
-        return super::groups::predict_engine(hw, job, &staging);
+        return super::groups::predict_engine(hw, job, staging);
     }
     let geometry = staging.geometry;
     let buffers = staging.buffers;

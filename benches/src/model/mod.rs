@@ -171,6 +171,10 @@ pub struct Job {
     /// the job (`FAIRRING_NCCL_ACROSS_MACHINES`: `auto`, the default, or
     /// `off`); where it does is `fairring::nccl_across_job`'s.
     pub nccl_across_machines: bool,
+    /// Whether the engine may let the machines serve their own shards beside
+    /// dedicated servers (`FAIRRING_MACHINES_SERVE`: `auto`, the default,
+    /// or `off`); where it does is [`servers::machines_serve`]'s.
+    pub machines_serve: bool,
     /// Machines per group for [`Algo::Groups`]; 0: the size of
     /// [`groups::group_sizes`] whose prediction is shortest.
     pub group: u32,
@@ -196,6 +200,7 @@ impl Job {
             budget_bytes: None,
             servers: 0,
             nccl_across_machines: true,
+            machines_serve: true,
             group: 0,
             grouping: fairring::Grouping::Auto,
         }
@@ -205,6 +210,7 @@ impl Job {
     /// machine, however small (no minimum shard), and no NCCL across the job.
     pub fn original(mut self) -> Job {
         self.nccl_across_machines = false;
+        self.machines_serve = false;
         self.min_shard_given = true;
         self.slicing =
             match PlanConfig::new(PlanConfig::DEFAULT_SLICE_BYTES, PlanConfig::MIN_SHARD_FLOOR) {

@@ -68,6 +68,15 @@ pub fn last_fold_cells(layout: &ServerLayout) -> f64 {
     }
 }
 
+/// Whether the engine's `auto` lets the machines of `job` serve their own
+/// shards beside its servers (`FAIRRING_MACHINES_SERVE`): device tensors on
+/// machines of several GPUs that reduce in their NVSwitch, which the model
+/// reads as the preset's NCCL topology having NVLS between machines; not
+/// for the servers' plan alone ([`Job::machines_serve`]).
+pub fn machines_serve(hw: &Hardware, job: &Job) -> bool {
+    job.machines_serve && job.devices > 1 && hw.nccl.machines.nvls.is_some()
+}
+
 #[derive(Clone, Copy, Debug)]
 struct ServerMachine {
     receive: ResourceId,
@@ -92,6 +101,23 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     // job's at the sizes of its windows; the servers serve none of it
     // (`fairring`'s choice).
     if let Some(p) = super::hierarchical::through_nccl(hw, job, &staging, Algo::Servers)? {
+        return Ok(p);
+    }
+    // Elsewhere, where every GPU reduces in its NVSwitch (the preset's NCCL
+    // topology has NVLS between machines), the engine's `auto` lets the
+    // machines serve their own shards beside the servers
+    // (`FAIRRING_MACHINES_SERVE`): the plan of the same job without
+    // servers, from the servers' slices and minimum shard, in their
+    // buffers; the servers serve none of it.
+    if let Some(colocated) = staging.colocated
+        && machines_serve(hw, job)
+    {
+        let own = fairring::Staging {
+            geometry: colocated,
+            ..staging
+        };
+        let mut p = super::hierarchical::predict_plan(hw, job, &own)?;
+        p.algo = Algo::Servers;
         return Ok(p);
     }
     if staging.geometry.server_groups().is_some() {
