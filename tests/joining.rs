@@ -168,6 +168,67 @@ fn ranks_that_plan_other_groups_are_refused_and_sizes_that_split_nothing_named()
     }
 }
 
+/// Beside a dedicated server, a worker whose machines' own plan
+/// (`FAIRRING_MACHINES_SERVE`) differs while the servers' geometry does not
+/// (the servers' default minimum shard, 16 KiB, given on rank 1 and left to
+/// the defaults elsewhere, where the machines' plan takes a job without
+/// servers' 64 KiB): every worker and the server are refused as they are
+/// made, naming a peer that plans otherwise and the machines' plan.
+#[test]
+fn workers_whose_machines_plan_differs_beside_servers_are_refused() {
+    let port = fairring_local_job::free_port().expect("a free port");
+    let world = 2;
+    let run = format!("refused-colocated-{port}");
+    let started = Instant::now();
+    let errors: Vec<Error> = std::thread::scope(|s| {
+        let server = {
+            let run = run.clone();
+            s.spawn(move || {
+                let b = fairring::Config::server_builder(0, world, "127.0.0.1", port)
+                    .run_id(run)
+                    .timeout(TIMEOUT.unwrap());
+                let config = b.servers(1).build().unwrap();
+                fairring::Server::new(config)
+                    .err()
+                    .unwrap_or_else(|| panic!("the server was made"))
+            })
+        };
+        let workers: Vec<_> = (0..world)
+            .map(|rank| {
+                let run = run.clone();
+                s.spawn(move || {
+                    let mut b = fairring::Config::builder(rank, world, "127.0.0.1", port)
+                        .host_id(format!("machine-{rank}"))
+                        .run_id(run)
+                        .timeout(TIMEOUT.unwrap())
+                        .servers(1);
+                    if rank == 1 {
+                        b = b.min_shard_bytes(16 << 10);
+                    }
+                    Communicator::new(b.build().unwrap())
+                        .err()
+                        .unwrap_or_else(|| panic!("rank {rank} was made"))
+                })
+            })
+            .collect();
+        let mut errors: Vec<Error> = workers.into_iter().map(|h| h.join().unwrap()).collect();
+        errors.push(server.join().unwrap());
+        errors
+    });
+    assert!(started.elapsed() < TIMEOUT.unwrap());
+    for (process, e) in errors.iter().enumerate() {
+        let said = e.to_string();
+        assert!(matches!(e, Error::Peer { .. }), "process {process}: {said}");
+        assert!(
+            said.contains("the machines' own plan: slices")
+                && said.contains("shards of at least 16384 bytes")
+                && said.contains("shards of at least 65536 bytes")
+                && said.contains("FAIRRING_MIN_SHARD_SIZE"),
+            "process {process}: {said}"
+        );
+    }
+}
+
 /// A rank that serves the job's store (rank 0) and fails to join after the
 /// rendezvous (here its budget holds no staging buffer) tells the peers
 /// still waiting for its keys why, within the timeout: they fail naming it

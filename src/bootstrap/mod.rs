@@ -544,24 +544,41 @@ pub(crate) fn build_server(
 /// wrong cells or wait for slices they never send.
 fn staging_terms(a: &Assembly<impl MemorySpace>) -> String {
     let g = &a.geometry;
-    let config = g.config();
+    let mut terms = format!(
+        "{}, {} staging buffers of {} bytes a worker",
+        plan_terms(g),
+        a.buffers,
+        a.layout.buffer_bytes()
+    );
+    if let Some(g) = g.server_groups() {
+        terms += &format!(
+            ", servers in groups of at most {} a rail",
+            g.servers().largest()
+        );
+    }
+    // Beside servers, the machines' own plan (`FAIRRING_MACHINES_SERVE`),
+    // whose areas the buffers hold whether or not a call runs it.
+    if let Some(colocated) = a.layout.colocated_geometry() {
+        terms += &format!("; the machines' own plan: {}", plan_terms(&colocated));
+    }
+    terms
+}
+
+/// How geometry `g` cuts a tensor: its slices, shards and levels.
+fn plan_terms(g: &Geometry) -> String {
     format!(
-        "slices of {} bytes{}, shards of at least {} bytes, {} staging buffers",
+        "slices of {} bytes{}, shards of at least {} bytes",
         g.full_slice_bytes(),
-        if config.slice_by_routing() {
+        if g.config().slice_by_routing() {
             " (the default's)"
         } else {
             ""
         },
         g.min_shard_bytes(),
-        a.buffers
-    ) + &match (g.machine_groups(), g.server_groups()) {
+    ) + &match (g.machine_groups(), g.routing()) {
         (Some(groups), _) => format!(", machines in groups of at most {}", groups.largest()),
-        (None, Some(groups)) => format!(
-            ", servers in groups of at most {} a rail",
-            groups.servers().largest()
-        ),
-        (None, None) => String::new(),
+        (None, Routing::Trees) => ", through the trees".to_owned(),
+        (None, _) => String::new(),
     }
 }
 

@@ -225,8 +225,9 @@ impl Communicator {
             } else {
                 crate::NcclAcrossMachines::Off
             },
-            agree_on_switches: config.servers > 0
-                && config.machines_serve == crate::MachinesServe::Auto,
+            // Whatever FAIRRING_MACHINES_SERVE says, so that a worker set
+            // otherwise fails as a mismatch of calls, not a wait.
+            agree_on_switches: config.servers > 0,
             timeout: config.timeout,
             making: Mutex::new(()),
         };

@@ -117,11 +117,11 @@ impl Communicator {
     /// A device all-reduce that may run as one NCCL all-reduce over the
     /// workers (where the job's NCCL communicator may be made, or on one
     /// machine beside dedicated servers), or as the machines' own plan
-    /// beside dedicated servers where their GPUs decide (`auto`): its memory checked and its device
-    /// side readied before the choice of what it runs, which depends on
-    /// those communicators (so the first device operation chooses as the
-    /// later ones, on every rank). `None` for every other call, checked
-    /// after its lowering.
+    /// beside dedicated servers, where their GPUs decide (`auto`): its
+    /// memory checked and its device side readied before the choice of
+    /// what it runs, which depends on those communicators (so the first
+    /// device operation chooses as the later ones, on every rank). `None`
+    /// for every other call, checked after its lowering.
     fn ready_for_choice(&self, call: &Call) -> Result<Option<Option<DeviceCall>>> {
         #[cfg(feature = "cuda")]
         if matches!(call.memory, Memory::Device { .. })

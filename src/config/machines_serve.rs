@@ -5,7 +5,9 @@
 /// same job without servers would: the machines reduce their own shards
 /// among themselves, along the rails, and the servers serve none of it
 /// (`engine/choice.rs`). Every worker must set it alike (the servers take
-/// what the workers describe); a compressed wire keeps the servers.
+/// what the workers describe): a worker set otherwise fails as a mismatch
+/// of the first call it runs otherwise. A compressed wire, an algorithm
+/// asked for by name and a reduce keep the servers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum MachinesServe {
     /// A device all-reduce, where every GPU of the job reduces in its
@@ -18,7 +20,8 @@ pub enum MachinesServe {
     /// Every all-reduce the servers would take, host tensors too (tests, or
     /// a site whose machines out-reduce its servers).
     On,
-    /// Never: the servers take every all-reduce the plan runs.
+    /// Never: the servers take every all-reduce they would (NCCL's rules
+    /// beside servers still apply).
     Off,
 }
 

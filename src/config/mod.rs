@@ -158,8 +158,9 @@ pub struct Staging {
     pub buffers: u32,
     /// Beside dedicated servers, what the machines' own plan
     /// (`FAIRRING_MACHINES_SERVE`) plans with, in the same buffers: the
-    /// geometry of the same job without servers, from the same slices and
-    /// minimum shard. `None` without servers.
+    /// geometry of the same job without servers, from the same slices, of
+    /// the minimum shard given or else a job without servers' default.
+    /// `None` without servers.
     pub colocated: Option<fairring_core::plan::Geometry>,
 }
 

@@ -65,7 +65,7 @@
 //!   dedicated servers, at every size (its NVLink, where the servers would
 //!   take every byte over its NICs and back). The servers then plan the
 //!   operation and serve none of it. Otherwise, beside dedicated servers, an
-//!   exact all-reduce (or reduce) runs as the same job without servers
+//!   exact all-reduce (not a reduce) runs as the same job without servers
 //!   would ([`Resolved::Colocated`]: the machines serve its shards, the
 //!   servers plan it and serve none of it) where the machines serve
 //!   (`FAIRRING_MACHINES_SERVE`): `on` for every tensor, `auto` for device
@@ -494,7 +494,7 @@ pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
     // servers, exact.
     if asked == Algorithm::Auto
         && algorithm == Resolved::Hierarchical
-        && form == Collective::AllReduce
+        && call.collective == Collective::AllReduce
         && job.servers > 0
         && requested_wire == WireFormat::Exact
         && machines_serve(job, call.memory)
@@ -555,7 +555,8 @@ fn resolve(collective: Collective, asked: Algorithm, bytes: u64, job: &Job) -> R
                 auto_scatter(topology, bytes)
             } else if job.servers > 0 {
                 // A job with dedicated servers keeps them serving its
-                // all-reduces (but see the rule for NCCL's in `choose`).
+                // all-reduces (but see the rules for NCCL's and the
+                // machines' own plan in `choose`).
                 Algorithm::Hierarchical
             } else {
                 auto_all_reduce(topology, bytes)

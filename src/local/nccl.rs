@@ -26,7 +26,7 @@ pub(crate) struct NcclComms {
     job: Option<Communicator>,
     /// Whether every rank of the job found its GPU reducing in its
     /// NVSwitch, its machine's communicators made (agreed where the job has
-    /// dedicated servers the machines may serve beside, else false).
+    /// dedicated servers, else false).
     gpus_in_switch: bool,
 }
 
@@ -53,8 +53,8 @@ impl NcclComms {
     }
 
     /// Whether every rank of the job has its GPU reduce in its NVSwitch and
-    /// its machine's communicators made (alike on every rank; asked only
-    /// beside dedicated servers, `FAIRRING_MACHINES_SERVE=auto`).
+    /// its machine's communicators made (alike on every rank; agreed only
+    /// beside dedicated servers, read under `FAIRRING_MACHINES_SERVE=auto`).
     pub(crate) fn gpus_in_switch(&self) -> bool {
         self.gpus_in_switch
     }
@@ -167,7 +167,9 @@ pub(crate) struct NcclSetup {
     pub(crate) across_job: NcclAcrossMachines,
     /// Whether the job's ranks agree on whether every GPU reduces in its
     /// NVSwitch ([`NcclComms::gpus_in_switch`]): a job with dedicated
-    /// servers whose machines may serve beside them under `auto`.
+    /// servers, whose machines may serve beside them under
+    /// `FAIRRING_MACHINES_SERVE=auto` (every worker agrees whatever it is
+    /// set to, so that one set otherwise is not left waiting).
     pub(crate) agree_on_switches: bool,
     pub(crate) timeout: Duration,
     /// Serialises the making.
@@ -210,8 +212,8 @@ impl NcclSetup {
         }
     }
 
-    /// The machine's communicators; then, beside dedicated servers whose
-    /// machines may serve under `auto`, the job's ranks agree on whether
+    /// The machine's communicators; then, beside dedicated servers, the
+    /// job's ranks agree on whether
     /// every GPU reduces in its NVSwitch; then, where the job's all-reduces
     /// may run through NCCL, the job's (see [`NcclSetup::join_job`]).
     fn make(&self, device: &Arc<Device>, store: &dyn Store) -> Result<Option<NcclComms>> {

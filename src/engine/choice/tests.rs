@@ -688,8 +688,10 @@ fn beside_servers_the_machines_serve_the_all_reduces_the_servers_would_take() {
         (chosen.algorithm, chosen.wire),
         (Resolved::Hierarchical, WireFormat::Bf16)
     );
-    // The other collectives run as they do beside servers.
+    // The other collectives run as they do beside servers: a reduce (whose
+    // device side is not readied before the choice) goes to them.
     for (collective, runs_as) in [
+        (Collective::Reduce, Resolved::Hierarchical),
         (Collective::Broadcast, Resolved::Relay),
         (Collective::AllGather, Resolved::Relay),
         (Collective::ReduceScatter, Resolved::Scatter),
