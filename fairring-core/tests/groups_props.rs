@@ -341,3 +341,86 @@ proptest! {
         check_geometry(machines, d, slice_bytes, dtype, elements)?;
     }
 }
+
+/// Groups in a configuration's own slices
+/// (`Geometry::with_groups_in_its_slices`): the machines in the groups
+/// `Geometry::with_groups` makes, but in the default 25 MiB slices, not the
+/// wide 32 MiB ones, still cut for small tensors; a tensor's slices tile
+/// it, none larger than a full one, and a tensor of at least four of the
+/// smallest cut slices (16 MiB) is cut in four or more. Its two levels'
+/// staging is no larger than the wide slices'.
+fn check_groups_in_own_slices(
+    (m, size): (u32, u32),
+    d: u32,
+    min_shard: u64,
+    bytes: u64,
+) -> Result<(), TestCaseError> {
+    let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+    let config = PlanConfig::with_default_slices(min_shard).unwrap();
+    let what = format!("{m}x{d} in groups of {size}, {min_shard}-byte shards, {bytes} bytes");
+    let (own, wide) = match (
+        Geometry::with_groups_in_its_slices(topology, config, size),
+        Geometry::with_groups(topology, config, size),
+    ) {
+        (Ok(own), Ok(wide)) => (own, wide),
+        (Err(a), Err(b)) => {
+            prop_assert_eq!(a, b, "{}", what);
+            return Ok(());
+        }
+        (a, b) => {
+            return Err(TestCaseError::fail(format!(
+                "{what}: in its slices {a:?}, wide {b:?}"
+            )));
+        }
+    };
+    prop_assert_eq!(own.routing(), Routing::Groups, "{}", what);
+    prop_assert_eq!(own.machine_groups(), wide.machine_groups(), "{}", what);
+    prop_assert!(
+        own.full_slice_bytes() <= PlanConfig::DEFAULT_SLICE_BYTES,
+        "{}: {}",
+        what,
+        own.full_slice_bytes()
+    );
+    prop_assert!(
+        own.two_level_layout(InputArea::Slice)
+            .unwrap()
+            .total_bytes()
+            <= wide
+                .two_level_layout(InputArea::Slice)
+                .unwrap()
+                .total_bytes(),
+        "{}",
+        what
+    );
+    let plan = Plan::new(&own, DataType::U8, bytes, 0).unwrap();
+    let mut at = 0;
+    for slice in plan.slices() {
+        prop_assert_eq!(slice.span().offset(), at, "{}", what);
+        prop_assert!(slice.span().len() <= own.full_slice_bytes(), "{}", what);
+        at += slice.span().len();
+    }
+    prop_assert_eq!(at, bytes, "{}", what);
+    if bytes >= 4 * PlanConfig::SMALLEST_CUT_SLICE_BYTES {
+        prop_assert!(
+            plan.slice_count() >= 4,
+            "{}: {} slices",
+            what,
+            plan.slice_count()
+        );
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn groups_in_their_own_slices_cut_small_tensors(
+        machines in machines_and_size(),
+        d in prop_oneof![Just(1u32), Just(8), 1u32..=16],
+        min_shard in prop_oneof![Just(64u64), Just(4096), Just(64 << 10)],
+        bytes in prop_oneof![0u64..=4096, 1u64..=(200 << 20)],
+    ) {
+        check_groups_in_own_slices(machines, d, min_shard, bytes)?;
+    }
+}

@@ -384,6 +384,22 @@ impl Geometry {
         }
     }
 
+    /// The geometry of `topology` under `config` in groups of at most
+    /// `size`, as [`Geometry::with_groups`] makes it, but in `config`'s own
+    /// slices (the default ones still cut for small tensors), not the wide
+    /// ones: so that a job's flat plan and its groups for small tensors
+    /// share buffers of one size.
+    pub const fn with_groups_in_its_slices(
+        topology: Topology,
+        config: PlanConfig,
+        size: u32,
+    ) -> Result<Geometry, PlanError> {
+        match MachineGroups::new(topology.machines(), size) {
+            Ok(groups) => Geometry::build(topology, config, 0, Some(groups)),
+            Err(e) => Err(e),
+        }
+    }
+
     /// The geometry of `topology` under `config` with `servers` dedicated
     /// reduction servers (Herring's design): the servers, not the machines, serve
     /// the shards, and the machines only send contributions and receive results.
