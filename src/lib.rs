@@ -114,6 +114,7 @@ pub use config::{
     Algorithm, Config, ConfigBuilder, DeviceLocal, FabricChoice, Grouping, Launcher, MachinesServe,
     NcclAcrossMachines, Role, Staging,
 };
+pub use engine::layout::{GROUPED_FROM_MACHINES, grouped_geometry, takes_groups};
 pub use engine::links::Traffic;
 pub use engine::{NCCL_ACROSS_UP_TO_MACHINES, nccl_across_job, nccl_beside_servers};
 pub use error::{Error, Result};

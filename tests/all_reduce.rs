@@ -467,6 +467,73 @@ fn machines_in_groups_reduce_in_two_levels() {
     }
 }
 
+/// On the flat plan of 16x1 in the default slices (a budget of two of
+/// their buffers), `auto` runs every all-reduce below 12 shards of the minimum
+/// (768 KiB) in four groups of four (`Resolved::Grouped`): every type and
+/// operator exact, from one element to 320 KB, and every rank moves the
+/// same bytes for a 64 KiB one. Flat (`FAIRRING_GROUP_SIZE=off`), the one
+/// machine serving its one shard moves fifteen times the others' share.
+#[test]
+fn small_tensors_on_the_flat_plan_run_in_groups() {
+    let (m, d) = (16, 1);
+    let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+    let staging = |grouping: Grouping, budget: Option<u64>| {
+        let mut b = fairring::Config::builder(0, m * d, "127.0.0.1", 1).grouping(grouping);
+        if let Some(budget) = budget {
+            b = b.total_memory(budget);
+        }
+        b.build().unwrap().staging(topology).unwrap()
+    };
+    // The default slices are halved until the default budget holds two
+    // buffers; a budget of two whole ones keeps them.
+    let two_buffers = 2 * staging(Grouping::Auto, Some(1 << 40)).buffer_bytes;
+    for grouping in [Grouping::Auto, Grouping::OneLevel] {
+        let planned = staging(grouping, Some(two_buffers));
+        assert_eq!(planned.geometry.routing(), Routing::Flat);
+        assert_eq!(
+            planned
+                .grouped
+                .and_then(|g| g.machine_groups())
+                .map(|g| (g.groups(), g.largest())),
+            (grouping == Grouping::Auto).then_some((4, 4)),
+            "{grouping:?}"
+        );
+        let tune = |b: fairring::ConfigBuilder| b.grouping(grouping).total_memory(two_buffers);
+        let outcomes = job(m, d, tune, |rank, comm| {
+            let mut failed = if grouping == Grouping::Auto {
+                every_type_and_operator(comm, rank, m * d)
+            } else {
+                Vec::new()
+            };
+            let before = comm.traffic();
+            let mut data = vec![rank as f32; 16 << 10];
+            if let Err(e) = comm.scope(|s| s.all_reduce(&mut data, ReduceOp::Sum, ())?.wait()) {
+                failed.push(format!("64 KiB: {e}"));
+            }
+            if let Err(e) = comm.barrier() {
+                failed.push(format!("barrier: {e}"));
+            }
+            let sum = (0..m * d).sum::<u32>() as f32;
+            if data.iter().any(|&v| v != sum) {
+                failed.push(format!("64 KiB: not {sum} everywhere"));
+            }
+            (failed, comm.traffic().sent_bytes - before.sent_bytes)
+        });
+        let mut sent = Vec::new();
+        for (rank, (failed, bytes)) in outcomes.into_iter().enumerate() {
+            assert!(failed.is_empty(), "{grouping:?}, rank {rank}: {failed:?}");
+            sent.push(bytes);
+        }
+        let (least, most) = (*sent.iter().min().unwrap(), *sent.iter().max().unwrap());
+        assert!(least > 0, "{grouping:?}: {sent:?}");
+        if grouping == Grouping::Auto {
+            assert!(most * 10 <= least * 11, "in groups, even: {sent:?}");
+        } else {
+            assert!(most >= 8 * least, "flat, one machine serves: {sent:?}");
+        }
+    }
+}
+
 /// Beside dedicated servers, with the machines serving
 /// (`FAIRRING_MACHINES_SERVE=on`), `auto` runs every exact all-reduce as the
 /// same job without servers would: every rank's result exact, for every

@@ -8,6 +8,7 @@
 use std::time::{Duration, Instant};
 
 use fairring::{Communicator, ConfigBuilder, Error, Grouping, JobId, ReduceOp};
+use fairring_core::topology::{RankLayout, Topology};
 
 const TIMEOUT: Option<Duration> = Some(Duration::from_secs(20));
 
@@ -225,6 +226,41 @@ fn workers_whose_machines_plan_differs_beside_servers_are_refused() {
                 && said.contains("shards of at least 65536 bytes")
                 && said.contains("FAIRRING_MIN_SHARD_SIZE"),
             "process {process}: {said}"
+        );
+    }
+}
+
+/// On the flat plan of 16 machines in the default slices, a rank that
+/// forms no groups for its small tensors (`FAIRRING_GROUP_SIZE=off` on rank
+/// 3) while its flat plan is the others': every rank is refused as it is
+/// made, naming a peer that plans otherwise, the small tensors' groups and
+/// `FAIRRING_GROUP_SIZE`.
+#[test]
+fn a_rank_without_the_small_tensors_groups_is_refused() {
+    let world = 16;
+    let topology = Topology::new(world, 1, RankLayout::Contiguous).unwrap();
+    // A budget of two of the default slices' buffers keeps them whole.
+    let whole = fairring::Config::builder(0, world, "127.0.0.1", 1)
+        .total_memory(1 << 40)
+        .build()
+        .unwrap()
+        .staging(topology)
+        .unwrap();
+    assert!(whole.grouped.is_some());
+    let errors = refused_job(world, |rank, b| {
+        let b = b.total_memory(2 * whole.buffer_bytes);
+        if rank == 3 {
+            b.grouping(Grouping::OneLevel)
+        } else {
+            b
+        }
+    });
+    for (rank, e) in errors.iter().enumerate() {
+        let said = e.to_string();
+        assert!(matches!(e, Error::Peer { .. }), "rank {rank}: {said}");
+        assert!(
+            said.contains("small tensors: slices") && said.contains("FAIRRING_GROUP_SIZE"),
+            "rank {rank}: {said}"
         );
     }
 }

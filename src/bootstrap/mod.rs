@@ -19,7 +19,7 @@ pub(crate) use progress::{start_progress, stop_progress};
 
 use crate::config::{Config, DEFAULT_TOTAL_MEMORY, Grouping};
 use crate::engine::Wiring;
-use crate::engine::layout::{BufferLayout, colocated_geometry};
+use crate::engine::layout::{BufferLayout, colocated_geometry, grouped_geometry};
 use crate::engine::tags::MAX_BUFFERS;
 use crate::engine::{Engine, EngineParts};
 use crate::error::{Error, Result};
@@ -270,12 +270,17 @@ pub(crate) fn size_staging(
             )
         };
         let mut layout = BufferLayout::new(&g, world).ok_or_else(fits)?;
-        // Beside dedicated servers, the buffers also hold the machines' own
-        // plan (`FAIRRING_MACHINES_SERVE`).
-        if let Some(colocated) = colocated_geometry(&g, config.colocated_min_shard_bytes()) {
-            layout = layout
-                .holding_colocated(colocated, world)
-                .ok_or_else(fits)?;
+        // The buffers also hold the job's second geometry: beside dedicated
+        // servers the machines' own plan (`FAIRRING_MACHINES_SERVE`); on the
+        // flat plan in the default slices (not halved to fit the budget),
+        // exact, its small tensors in groups.
+        let default_slices = pc.slice_by_routing()
+            && config.grouping == Grouping::Auto
+            && config.wire == WireFormat::Exact;
+        let second = colocated_geometry(&g, config.colocated_min_shard_bytes())
+            .or_else(|| grouped_geometry(&g, default_slices));
+        if let Some(second) = second {
+            layout = layout.holding_second(second, world).ok_or_else(fits)?;
         }
         Ok((g, layout))
     };
@@ -556,10 +561,16 @@ fn staging_terms(a: &Assembly<impl MemorySpace>) -> String {
             g.servers().largest()
         );
     }
-    // Beside servers, the machines' own plan (`FAIRRING_MACHINES_SERVE`),
-    // whose areas the buffers hold whether or not a call runs it.
-    if let Some(colocated) = a.layout.colocated_geometry() {
-        terms += &format!("; the machines' own plan: {}", plan_terms(&colocated));
+    // The second geometry, whose areas the buffers hold whether or not a
+    // call runs it: beside servers the machines' own plan
+    // (`FAIRRING_MACHINES_SERVE`), else the small tensors' groups.
+    if let Some(second) = a.layout.second_geometry() {
+        let of = if g.servers().is_some() {
+            "the machines' own plan"
+        } else {
+            "small tensors"
+        };
+        terms += &format!("; {of}: {}", plan_terms(&second));
     }
     terms
 }

@@ -113,6 +113,7 @@ impl Communicator {
             machines_serve: self.machines_serve,
             gpus_in_switch: self.gpus_in_switch(),
             machines_can_serve: self.engine.machines_can_serve(),
+            groups_for_small_tensors: self.engine.groups_for_small_tensors(),
         }
     }
 

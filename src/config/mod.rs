@@ -162,6 +162,12 @@ pub struct Staging {
     /// the minimum shard given or else a job without servers' default.
     /// `None` without servers.
     pub colocated: Option<fairring_core::plan::Geometry>,
+    /// On the flat plan in the default slices, exact, from
+    /// [`GROUPED_FROM_MACHINES`](crate::GROUPED_FROM_MACHINES) machines: the
+    /// geometry its small tensors plan with in the same buffers, the same
+    /// machines in groups ([`grouped_geometry`](crate::grouped_geometry),
+    /// [`takes_groups`](crate::takes_groups)). `None` elsewhere.
+    pub grouped: Option<fairring_core::plan::Geometry>,
 }
 
 /// A validated configuration. Build one with [`Config::builder`] or
@@ -386,7 +392,12 @@ impl Config {
             buffer_bytes: layout.buffer_bytes() as u64,
             server_buffer_bytes: layout.server_buffer_bytes() as u64,
             buffers,
-            colocated: layout.colocated_geometry(),
+            colocated: layout
+                .second_geometry()
+                .filter(|_| geometry.servers().is_some()),
+            grouped: layout
+                .second_geometry()
+                .filter(|_| geometry.servers().is_none()),
         })
     }
 

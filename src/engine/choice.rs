@@ -72,7 +72,12 @@
 //!   tensors where every worker's GPU reduces in its NVSwitch (the scale
 //!   model's h100, whose servers are memory-bound where its machines are
 //!   not); `off` never. The rules table is of host tensors under `auto`,
-//!   where the servers serve.
+//!   where the servers serve. Without servers, on the flat plan in the
+//!   default slices of 16 machines or more, an exact all-reduce (not a
+//!   reduce) of a tensor the flat plan cuts into fewer than four slices,
+//!   one of them giving fewer than three in four machines a shard (or the
+//!   wide flat slices), runs in groups ([`Resolved::Grouped`],
+//!   [`takes_groups`]); the rules table's jobs have no such groups.
 //! - **Broadcast and all-gather**: relayed (the ring) on two or three
 //!   machines, and on more from 256 KiB; hierarchical on one machine. A job
 //!   with dedicated servers follows the same rule: its workers link their
@@ -328,12 +333,13 @@
 //! all-reduce wins from 4 MiB (by 1.1x to 2.2x), so the chain runs only
 //! where machines have one rank each.
 
-use fairring_core::plan::Routing;
+use fairring_core::plan::{Geometry, Routing};
 use fairring_core::topology::Topology;
 use fairring_core::{DataType, ReduceOp, WireFormat};
 
 use super::algorithm::{Resolved, relay_over_machines};
 use super::descriptor::Collective;
+use super::layout::takes_groups;
 use crate::config::{Algorithm, MachinesServe};
 use crate::error::{Error, Result};
 use crate::memory::MemoryKind;
@@ -384,6 +390,10 @@ pub(crate) struct Job {
     /// ...and whether the job plans without servers at all (the engine has
     /// the machines' own geometry).
     pub(crate) machines_can_serve: bool,
+    /// On the flat plan, where its small tensors plan in groups
+    /// ([`Resolved::Grouped`]): the job's flat geometry, whose cut of a
+    /// tensor decides ([`takes_groups`]).
+    pub(crate) groups_for_small_tensors: Option<Geometry>,
 }
 
 /// What a call runs.
@@ -500,6 +510,18 @@ pub(crate) fn choose(call: Call, job: &Job) -> Result<Choice> {
         && machines_serve(job, call.memory)
     {
         algorithm = Resolved::Colocated;
+    }
+    // On the flat plan, an exact all-reduce of a tensor the flat plan cuts
+    // into too few slices, or into slices that leave machines without a
+    // shard, runs in groups.
+    if asked == Algorithm::Auto
+        && algorithm == Resolved::Hierarchical
+        && call.collective == Collective::AllReduce
+        && requested_wire == WireFormat::Exact
+        && let Some(flat) = job.groups_for_small_tensors
+        && takes_groups(&flat, call.dtype, call.bytes / call.dtype.size_bytes())
+    {
+        algorithm = Resolved::Grouped;
     }
     // Values cross compressed to dedicated servers, or straight to the
     // machines serving them; through the trees and in groups (of machines or

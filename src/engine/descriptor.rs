@@ -134,6 +134,7 @@ fn algorithm_code(a: Resolved) -> u64 {
         Resolved::Scatter => 5,
         Resolved::Nccl => 6,
         Resolved::Colocated => 7,
+        Resolved::Grouped => 8,
     }
 }
 
@@ -195,7 +196,7 @@ impl Descriptor {
     ///         bits  8..16  dtype discriminant
     ///         bits 16..24  op discriminant
     ///         bits 24..28  algorithm (1 hierarchical, 2 ring, 3 relay, 4 doubling,
-    ///                      5 scatter, 6 nccl, 7 colocated)
+    ///                      5 scatter, 6 nccl, 7 colocated, 8 grouped)
     ///         bits 28..30  wire format discriminant
     ///         bits 30..32  memory (0 host, 1 device)
     ///         bits 32..64  root
@@ -228,6 +229,7 @@ impl Descriptor {
                 5 => Resolved::Scatter,
                 6 => Resolved::Nccl,
                 7 => Resolved::Colocated,
+                8 => Resolved::Grouped,
                 _ => return None,
             },
             wire: WireFormat::from_u8((byte(24) >> 4) & 0x3)?,
@@ -404,6 +406,7 @@ mod tests {
             Resolved::Scatter,
             Resolved::Nccl,
             Resolved::Colocated,
+            Resolved::Grouped,
         ] {
             let d = Descriptor {
                 collective: Collective::ReduceScatter,

@@ -108,8 +108,9 @@ pub(crate) fn eligible<M: MemorySpace>(
         // Its slot is the slice where the machine has one rank; servers and
         // a compressed wire reduce what the slot holds once it is sent. The
         // machines' own plan beside servers has the context of a job
-        // without them (`Engine::context_for`).
-        Resolved::Hierarchical | Resolved::Colocated => {
+        // without them (`Engine::context_for`); small tensors in groups
+        // have their own, not flat.
+        Resolved::Hierarchical | Resolved::Colocated | Resolved::Grouped => {
             let compressed = sub.wire() != WireFormat::Exact && sub.dtype() == DataType::F32;
             all_reduce
                 && !compressed
@@ -163,7 +164,8 @@ fn lands_in_tensor<M: MemorySpace>(
         | Resolved::Doubling
         | Resolved::Scatter
         | Resolved::Nccl
-        | Resolved::Colocated => false,
+        | Resolved::Colocated
+        | Resolved::Grouped => false,
     }
 }
 

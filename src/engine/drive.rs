@@ -190,13 +190,14 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// The geometry operations of `algorithm` plan with: the job's, or for
     /// those that move a slice whole, slices that fit their receive slots;
     /// for the machines' own plan beside dedicated servers, the job's
-    /// without them.
+    /// without them; for small tensors on the flat plan, its groups (the
+    /// job's second geometry either way).
     pub(super) fn geometry_of(&self, algorithm: Resolved) -> Result<&Geometry, Fault> {
         let unsplit = match algorithm {
             Resolved::Doubling => &self.doubling_geometry,
             Resolved::Scatter => &self.scatter_geometry,
             Resolved::Nccl => &self.nccl_geometry,
-            Resolved::Colocated => &self.colocated_geometry,
+            Resolved::Colocated | Resolved::Grouped => &self.second_geometry,
             Resolved::Hierarchical | Resolved::Ring | Resolved::Relay => return Ok(&self.geometry),
         };
         Ok(unsplit.as_ref().ok_or_else(|| {

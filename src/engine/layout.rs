@@ -37,17 +37,22 @@
 //! accumulator, an area per other worker of the group, and the across areas
 //! (`algorithm/serve_in_groups.rs`).
 //!
-//! A worker's buffer beside dedicated servers also holds the slices of the
-//! machines' own plan ([`Resolved::Colocated`](super::algorithm::Resolved)):
-//! the layout of the same job without servers ([`colocated_geometry`],
-//! [`BufferLayout::holding_colocated`]) over the same bytes, the buffer as
-//! large as the larger of the two.
+//! A job may plan some operations with a second geometry, whose slices the
+//! same buffers hold ([`BufferLayout::holding_second`]: its layout over the
+//! same bytes, the buffer as large as the larger of the two):
+//! - beside dedicated servers, the machines' own plan
+//!   ([`Resolved::Colocated`](super::algorithm::Resolved)): the same job
+//!   without servers ([`colocated_geometry`]);
+//! - on the flat plan, its small tensors in groups
+//!   ([`Resolved::Grouped`](super::algorithm::Resolved)): the same job in
+//!   two levels ([`grouped_geometry`], [`takes_groups`]).
 
 use std::ops::Range;
 
+use fairring_core::DataType;
 use fairring_core::plan::{
-    Geometry, InputArea, MachineGroups, Membership, Routing, ServerGroupLayout, Span,
-    TwoLevelLayout,
+    Geometry, InputArea, MachineGroups, Membership, Plan, PlanConfig, Routing, ServerGroupLayout,
+    Span, TwoLevelLayout,
 };
 
 use super::algorithm::doubling;
@@ -67,6 +72,82 @@ pub(crate) fn colocated_geometry(geometry: &Geometry, min_shard_bytes: u64) -> O
         .with_min_shard_bytes(min_shard_bytes)
         .ok()?;
     Geometry::new(geometry.topology(), config).ok()
+}
+
+/// The fewest machines whose flat plan takes groups for its small tensors
+/// ([`grouped_geometry`]).
+pub const GROUPED_FROM_MACHINES: u32 = 16;
+
+/// The geometry a job on the flat plan in its default slices
+/// (`default_slices`: no `FAIRRING_SLICE_SIZE`, no `FAIRRING_GROUP_SIZE`, an
+/// exact wire, not halved to fit the budget) plans its small tensors with
+/// ([`takes_groups`]): the same machines in four to eight equal groups (the
+/// fewest), else in four as even as can be, in the same default slices
+/// ([`Geometry::with_groups_in_its_slices`], cut for small tensors, so that
+/// its buffers are no larger than the flat plan's), from
+/// [`GROUPED_FROM_MACHINES`] machines on; `None` elsewhere (dedicated
+/// servers, another routing, fewer machines).
+///
+/// Flat, every machine serving a shard of a slice hears from every other,
+/// so a machine sends up to `2(M - 1)` messages a slice, and a small
+/// tensor's slices hold shards of the minimum for only some machines, which
+/// then move `M / shards` times their share, or are too few to overlap
+/// their stages. In `Q` groups of `G` a slice sends `2(G - 1) + 2(Q - 1)`
+/// messages of a `G`th and an `M`th of the slot, every machine alike, and a
+/// small tensor is cut in four. The scale model (`docs/scale-model.md`,
+/// "Small tensors in groups") puts this at 1.01 to 2.0 times the flat
+/// plan's busbw for 1 to 64 MiB tensors on 128 to 488 H100s where
+/// [`takes_groups`] chooses it (0.98 at worst: 8 MiB on 176), and at 1.03
+/// to 18 times on V100 and p3dn, nowhere lower.
+pub fn grouped_geometry(geometry: &Geometry, default_slices: bool) -> Option<Geometry> {
+    let machines = geometry.topology().machines();
+    if !default_slices
+        || geometry.servers().is_some()
+        || geometry.routing() != Routing::Flat
+        || machines < GROUPED_FROM_MACHINES
+    {
+        return None;
+    }
+    let config = PlanConfig::with_default_slices(geometry.min_shard_bytes()).ok()?;
+    Geometry::with_groups_in_its_slices(
+        geometry.topology(),
+        config,
+        small_tensor_group_size(machines),
+    )
+    .ok()
+}
+
+/// The largest group of [`grouped_geometry`] over `machines` machines: four
+/// to eight equal groups where the machines make some (the fewest), else
+/// four groups as even as can be.
+fn small_tensor_group_size(machines: u32) -> u32 {
+    (4..=8)
+        .find(|&groups| machines.is_multiple_of(groups))
+        .map_or(machines.div_ceil(4), |groups| machines / groups)
+}
+
+/// Whether a tensor of `elements` elements of `dtype` on `flat` (a flat
+/// geometry of the default slices with a [`grouped_geometry`]) plans in
+/// groups: where `flat` cuts it into fewer than
+/// [`PlanConfig::MIN_SLICES_PER_TENSOR`] slices (too few to overlap their
+/// stages), and either the slices are the wide flat ones (which no tensor
+/// is cut into more of) or one of them gives fewer than three in four
+/// machines a shard of the minimum (those that do then move `M / shards`
+/// times their share). The same on every rank.
+pub fn takes_groups(flat: &Geometry, dtype: DataType, elements: u64) -> bool {
+    let Ok(plan) = Plan::new(flat, dtype, elements, 0) else {
+        return false;
+    };
+    let count = plan.slice_count();
+    let (Ok(first), Ok(last)) = (plan.slice(0), plan.slice(count.saturating_sub(1))) else {
+        return false;
+    };
+    let machines = flat.topology().machines();
+    let few_serve = |shards: u32| 4 * u64::from(shards) < 3 * u64::from(machines);
+    count < PlanConfig::MIN_SLICES_PER_TENSOR
+        && (!flat.config().slice_by_routing()
+            || few_serve(first.shards())
+            || few_serve(last.shards()))
 }
 
 /// Where everything of one slice lives in a staging buffer.
@@ -100,9 +181,9 @@ pub(crate) struct BufferLayout {
     two_level: Option<TwoLevelLayout>,
     /// A dedicated server's areas, where the servers are in groups.
     server_groups: Option<ServerGroupLayout>,
-    /// Beside dedicated servers, the geometry of the machines' own plan,
-    /// whose slices the buffers also hold.
-    colocated: Option<Geometry>,
+    /// The job's second geometry (the machines' own plan beside dedicated
+    /// servers, or a flat job's groups), whose slices the buffers also hold.
+    second: Option<Geometry>,
 }
 
 impl BufferLayout {
@@ -160,28 +241,26 @@ impl BufferLayout {
             server_bytes,
             two_level,
             server_groups,
-            colocated: None,
+            second: None,
         })
     }
 
-    /// This layout, its buffers grown to hold the slices of the machines'
-    /// own plan beside dedicated servers too, which plans with `colocated`
-    /// ([`colocated_geometry`]) over `world` workers; `None` if that does
-    /// not fit this machine's address space.
-    pub(crate) fn holding_colocated(self, colocated: Geometry, world: u32) -> Option<BufferLayout> {
-        let own = BufferLayout::new(&colocated, world)?;
+    /// This layout, its buffers grown to hold the slices of the job's second
+    /// geometry too (see the module docs), `second` over `world` workers;
+    /// `None` if that does not fit this machine's address space.
+    pub(crate) fn holding_second(self, second: Geometry, world: u32) -> Option<BufferLayout> {
+        let own = BufferLayout::new(&second, world)?;
         Some(BufferLayout {
             buffer_bytes: self.buffer_bytes.max(own.buffer_bytes),
-            colocated: Some(colocated),
+            second: Some(second),
             ..self
         })
     }
 
-    /// The geometry of the machines' own plan beside dedicated servers, and
-    /// its layout in this layout's buffers, where they hold it
-    /// ([`BufferLayout::holding_colocated`]).
-    pub(crate) fn colocated(&self, world: u32) -> Option<(Geometry, BufferLayout)> {
-        let geometry = self.colocated?;
+    /// The job's second geometry, and its layout in this layout's buffers,
+    /// where they hold it ([`BufferLayout::holding_second`]).
+    pub(crate) fn second(&self, world: u32) -> Option<(Geometry, BufferLayout)> {
+        let geometry = self.second?;
         let own = BufferLayout::new(&geometry, world)?;
         let layout = BufferLayout {
             buffer_bytes: self.buffer_bytes,
@@ -190,10 +269,9 @@ impl BufferLayout {
         (own.buffer_bytes <= self.buffer_bytes).then_some((geometry, layout))
     }
 
-    /// The geometry of the machines' own plan beside dedicated servers,
-    /// where the buffers hold it.
-    pub(crate) fn colocated_geometry(&self) -> Option<Geometry> {
-        self.colocated
+    /// The job's second geometry, where the buffers hold one.
+    pub(crate) fn second_geometry(&self) -> Option<Geometry> {
+        self.second
     }
 
     /// Bytes of the largest slice (the input area at the buffer's start).
@@ -624,6 +702,108 @@ mod tests {
     use super::*;
     use fairring_core::plan::PlanConfig;
     use fairring_core::topology::{RankLayout, Topology};
+
+    fn default_flat(m: u32, d: u32) -> Geometry {
+        let t = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+        let config = PlanConfig::with_default_slices(PlanConfig::DEFAULT_MIN_SHARD_BYTES).unwrap();
+        Geometry::new(t, config).unwrap()
+    }
+
+    /// A flat job of the default slices from 16 machines gets four to eight
+    /// equal groups (the fewest), else four groups as even as can be; none
+    /// with slices given, beside servers, in groups already, or on fewer
+    /// machines.
+    #[test]
+    fn a_flat_job_of_sixteen_machines_or_more_groups_its_small_tensors() {
+        for (m, largest, groups) in [(16, 4, 4), (50, 10, 5), (42, 7, 6), (49, 7, 7), (53, 14, 4)] {
+            let flat = default_flat(m, 8);
+            assert_eq!(flat.routing(), Routing::Flat, "{m} machines");
+            let grouped = grouped_geometry(&flat, true).unwrap();
+            let g = grouped.machine_groups().unwrap();
+            assert_eq!((g.largest(), g.groups()), (largest, groups), "{m} machines");
+            assert_eq!(grouped.topology(), flat.topology());
+            assert_eq!(grouped.min_shard_bytes(), flat.min_shard_bytes());
+            assert!(!takes_groups(&flat, DataType::F32, 1 << 30), "{m}: 4 GiB");
+        }
+        assert!(grouped_geometry(&default_flat(15, 8), true).is_none());
+        assert!(grouped_geometry(&default_flat(16, 8), false).is_none());
+        // 56 machines of 8 make equal groups in the wide slices themselves.
+        assert_eq!(default_flat(56, 8).routing(), Routing::Groups);
+        assert!(grouped_geometry(&default_flat(56, 8), true).is_none());
+        let t = Topology::new(16, 1, RankLayout::Contiguous).unwrap();
+        let config = PlanConfig::with_default_slices(PlanConfig::DEFAULT_MIN_SHARD_BYTES).unwrap();
+        let servers = Geometry::with_servers(t, config, 2).unwrap();
+        assert!(grouped_geometry(&servers, true).is_none());
+    }
+
+    /// Worked by hand on machines of 8 GPUs at the 64 KiB minimum shard (a
+    /// slot is an eighth of its slice).
+    #[test]
+    fn small_tensors_take_groups_where_their_flat_slices_are_few_and_some_short() {
+        let f32_mib = |mib: u64| (mib << 20) / 4;
+        // 16 machines, 1 MiB: one slice, a 128 KiB slot, 2 shards of 16.
+        assert!(takes_groups(
+            &default_flat(16, 8),
+            DataType::F32,
+            f32_mib(1)
+        ));
+        // 16 machines, 16 MiB: one slice, a 2 MiB slot of 32 shards, 16 kept.
+        assert!(!takes_groups(
+            &default_flat(16, 8),
+            DataType::F32,
+            f32_mib(16)
+        ));
+        // 44 machines, 16 MiB: 32 shards of 44 machines, below three in four.
+        assert!(takes_groups(
+            &default_flat(44, 8),
+            DataType::F32,
+            f32_mib(16)
+        ));
+        // 40 machines, 16 MiB: 32 of 40 is four in five.
+        assert!(!takes_groups(
+            &default_flat(40, 8),
+            DataType::F32,
+            f32_mib(16)
+        ));
+        // 50 machines, 64 MiB: cut 25, 25 and 14 MiB (a shard each for 50 in
+        // a slot of 25 MiB / 8), the last slot's 28 shards of 50.
+        assert!(takes_groups(
+            &default_flat(50, 8),
+            DataType::F32,
+            f32_mib(64)
+        ));
+        // 33 machines, 64 MiB: four slices (16.5 MiB each but the last).
+        assert!(!takes_groups(
+            &default_flat(33, 8),
+            DataType::F32,
+            f32_mib(64)
+        ));
+        // 20 machines, 25 MiB: 16 and 9 MiB, 18 shards of 20 in the last.
+        assert!(!takes_groups(
+            &default_flat(20, 8),
+            DataType::F32,
+            f32_mib(25)
+        ));
+        // 36 machines, 25 MiB: 18 and 7 MiB, 14 shards of 36 in the last.
+        assert!(takes_groups(
+            &default_flat(36, 8),
+            DataType::F32,
+            f32_mib(25)
+        ));
+        // 53 machines: the wide flat slices, never cut; 64 MiB is two of
+        // them, 128 MiB four.
+        let wide = default_flat(53, 8);
+        assert_eq!(
+            wide.config().slice_bytes(),
+            PlanConfig::WIDE_FLAT_SLICE_BYTES
+        );
+        assert!(!wide.config().slice_by_routing());
+        assert!(takes_groups(&wide, DataType::F32, f32_mib(64)));
+        assert!(!takes_groups(&wide, DataType::F32, f32_mib(128)));
+        // The rule counts bytes, whatever their type.
+        assert!(takes_groups(&default_flat(50, 8), DataType::U8, 64 << 20));
+        assert!(!takes_groups(&default_flat(50, 8), DataType::F64, 0));
+    }
 
     #[test]
     fn contribution_sources_walk_the_machines_in_order() {

@@ -153,14 +153,17 @@ pub(crate) struct Engine<F: Fabric, M: MemorySpace> {
     /// the whole tensor (a dedicated server plans it too, and serves none
     /// of it).
     nccl_geometry: Option<Geometry>,
-    /// Beside dedicated servers, the geometry of the machines' own plan
-    /// (`Resolved::Colocated`, [`layout::colocated_geometry`]; a dedicated
-    /// server plans it too, and serves none of it). `None` without servers.
-    colocated_geometry: Option<Geometry>,
+    /// The job's second geometry ([`layout`]'s docs): beside dedicated
+    /// servers the machines' own plan (`Resolved::Colocated`,
+    /// [`layout::colocated_geometry`]; a dedicated server plans it too, and
+    /// serves none of it); on the flat plan, its small tensors in groups
+    /// (`Resolved::Grouped`, [`layout::grouped_geometry`]). `None` where the
+    /// job has none.
+    second_geometry: Option<Geometry>,
     layout: BufferLayout,
-    /// The layout the machines' own plan takes in the same buffers
-    /// ([`BufferLayout::colocated`]): `layout` where there is none.
-    colocated_layout: BufferLayout,
+    /// The layout the second geometry takes in the same buffers
+    /// ([`BufferLayout::second`]): `layout` where there is none.
+    second_layout: BufferLayout,
     pub(crate) buffers: u32,
     pub(crate) works: WorkTable,
     /// Plans operations on the callers' threads, in submission order.
@@ -284,7 +287,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         let machines = topology.machines() as usize;
         let workers = parts.geometry.topology().world_size();
         let peer_copy = parts.peer_copy.filter(|p| p.fits_the_copy_words());
-        let colocated = parts.layout.colocated(workers);
+        let second = parts.layout.second(workers);
         let mut mailbox_peers = Vec::new();
         let late_links = messages::LateLinks::new(
             parts.geometry.topology().world_size(),
@@ -358,9 +361,9 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             ),
             scatter_geometry: unsplit_geometry(&parts.geometry, parts.layout.scatter_piece_bytes()),
             nccl_geometry: one_machine_geometry(&parts.geometry),
-            colocated_geometry: colocated.map(|(geometry, _)| geometry),
+            second_geometry: second.map(|(geometry, _)| geometry),
             layout: parts.layout,
-            colocated_layout: colocated.map_or(parts.layout, |(_, layout)| layout),
+            second_layout: second.map_or(parts.layout, |(_, layout)| layout),
             buffers: parts.buffers,
             works: WorkTable::new(),
             planner: Mutex::new(Planner::new()),
@@ -403,7 +406,13 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
     /// Whether the machines can serve their own shards beside dedicated
     /// servers (`Resolved::Colocated`): the job plans without servers too.
     pub(crate) fn machines_can_serve(&self) -> bool {
-        self.colocated_geometry.is_some()
+        self.servers > 0 && self.second_geometry.is_some()
+    }
+
+    /// The job's flat geometry, where its small tensors plan in groups
+    /// (`Resolved::Grouped`, [`layout::takes_groups`]).
+    pub(crate) fn groups_for_small_tensors(&self) -> Option<Geometry> {
+        (self.servers == 0 && self.second_geometry.is_some()).then_some(self.geometry)
     }
 
     /// This rank.

@@ -23,8 +23,8 @@ use crate::memory::program::ProgramItem;
 /// The caller's side of planning, behind the engine's planner lock.
 pub(crate) struct Planner<M: MemorySpace> {
     /// Where the next hierarchical operation's plan starts rotating its
-    /// servers (the machines' own plan beside dedicated servers turns it
-    /// too).
+    /// servers (the machines' own plan beside dedicated servers and small
+    /// tensors in groups turn it too).
     rotation: u64,
     /// The number of the next operation's first slice.
     next_slice: u64,
@@ -133,7 +133,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         planner.next_slice += plan.slice_count();
         if matches!(
             sub.algorithm(),
-            Resolved::Hierarchical | Resolved::Colocated
+            Resolved::Hierarchical | Resolved::Colocated | Resolved::Grouped
         ) {
             planner.rotation = plan.next_rotation();
         }

@@ -74,7 +74,7 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
         // The machines' own plan, which a server plans and serves none of,
         // needs the geometry of the job without servers.
-        if descriptor.algorithm == Resolved::Colocated && self.colocated_geometry.is_none() {
+        if descriptor.algorithm == Resolved::Colocated && self.second_geometry.is_none() {
             return Err(Error::peer(
                 peer,
                 format!(

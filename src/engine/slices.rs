@@ -195,14 +195,16 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
         }
     }
 
-    /// What the slices of `algorithm` share: on a worker, the machines' own
-    /// plan beside dedicated servers ([`Resolved::Colocated`]) runs as in a
-    /// job without them, in its layout of the buffers; everything else (and
-    /// a server's part of anything) runs in the job's [`Engine::context`].
+    /// What the slices of `algorithm` share: on a worker, the algorithms of
+    /// the job's second geometry ([`Resolved::on_second_geometry`]) run in
+    /// its layout of the buffers, the machines' own plan beside dedicated
+    /// servers ([`Resolved::Colocated`]) as in a job without them;
+    /// everything else (and a server's part of anything) runs in the job's
+    /// [`Engine::context`].
     pub(super) fn context_for(&self, algorithm: Resolved) -> Context<'_> {
-        if algorithm == Resolved::Colocated && self.server.is_none() {
+        if algorithm.on_second_geometry() && self.server.is_none() {
             Context {
-                layout: &self.colocated_layout,
+                layout: &self.second_layout,
                 servers: 0,
                 ..self.context()
             }

@@ -62,6 +62,7 @@ fn relays_after_local_steps_leave_local_readers_their_bytes() {
             one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
             across_job: false,
             group_size: None,
+            grouped: None,
         };
         match play(
             &scenario,
@@ -139,6 +140,7 @@ fn broadcasts_and_results_land_in_receivers_windows() {
             one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
             across_job: false,
             group_size: None,
+            grouped: None,
         };
         match play(
             &scenario,
@@ -963,6 +965,7 @@ fn deep_trees_settle_with_exact_results() {
             one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
             across_job: false,
             group_size: None,
+            grouped: None,
             ops,
         };
         let topology = Topology::new(machines, devices, RankLayout::Contiguous).unwrap();
@@ -1036,6 +1039,7 @@ fn machines_in_groups_settle_with_exact_results() {
             one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
             across_job: false,
             group_size: Some(size),
+            grouped: None,
             ops,
         };
         let groups = fairring_core::plan::MachineGroups::new(machines, size).unwrap();
@@ -1104,6 +1108,7 @@ fn servers_fold_many_machines_with_exact_results() {
             one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
             across_job: false,
             group_size: None,
+            grouped: None,
             ops,
         };
         let topology = Topology::new(machines, devices, RankLayout::Contiguous).unwrap();
@@ -1194,6 +1199,7 @@ fn servers_in_groups_settle_with_exact_results() {
             one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
             across_job: false,
             group_size: Some(size),
+            grouped: None,
             ops,
         };
         let groups = fairring_core::plan::ServerGroups::new(machines, per_rail, size).unwrap();
@@ -1282,6 +1288,7 @@ fn one_machine_beside_servers_runs_its_nccl_all_reduces_between_those_the_server
             one_reduce_scatter_from: crate::local::ONE_REDUCE_SCATTER_FROM_BYTES,
             across_job: true,
             group_size: None,
+            grouped: None,
             ops,
         };
         settled.play(seed, &scenario, &mut rng, killed);

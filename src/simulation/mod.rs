@@ -183,6 +183,9 @@ struct Outcome {
     /// Rank operations done where the machines served their own shards
     /// beside dedicated servers (`Resolved::Colocated`).
     colocated_beside_servers: usize,
+    /// Rank operations done by a flat job's small tensors in groups
+    /// (`Resolved::Grouped`).
+    small_in_groups: usize,
     killed: Option<u32>,
     done: usize,
     failed: usize,
@@ -254,10 +257,17 @@ fn play(
     }
     .map_err(|e| e.to_string())?;
     let mut layout = BufferLayout::new(&geometry, world).ok_or("layout")?;
-    // Beside servers the buffers hold the machines' own plan too, of the
-    // same minimum shard (as where one is given).
-    if let Some(colocated) = colocated_geometry(&geometry, min_shard_bytes) {
-        layout = layout.holding_colocated(colocated, world).ok_or("layout")?;
+    // The buffers hold the job's second geometry too: beside servers the
+    // machines' own plan, of the same minimum shard (as where one is
+    // given); on the flat plan, where drawn, the machines in groups.
+    let second = match sc.grouped {
+        Some(size) => {
+            Some(Geometry::with_groups(topology, config, size).map_err(|e| e.to_string())?)
+        }
+        None => colocated_geometry(&geometry, min_shard_bytes),
+    };
+    if let Some(second) = second {
+        layout = layout.holding_second(second, world).ok_or("layout")?;
     }
 
     let net = Network::new(processes);
@@ -606,6 +616,12 @@ fn play(
         if sc.group_size.is_some() && sc.servers == 0 {
             outcome.in_groups += rank.settled.len() - failed;
         }
+        outcome.small_in_groups += rank
+            .settled
+            .iter()
+            .zip(&sc.ops)
+            .filter(|&(s, op)| op.algorithm == Resolved::Grouped && *s == Some(true))
+            .count();
         if sc.group_size.is_some() && sc.servers > 0 {
             outcome.servers_in_groups += rank.settled.len() - failed;
         }
@@ -778,8 +794,9 @@ fn seeded_schedules_settle_with_exact_results() {
     let (mut messages, mut messages_local, mut in_groups) = (0, 0, 0);
     let (mut servers_in_groups, mut nccl_beside_servers) = (0, 0);
     let (mut nccl_across_beside_servers, mut rails_beside_servers) = (0, 0);
-    let mut colocated_beside_servers = 0;
+    let (mut colocated_beside_servers, mut small_in_groups) = (0, 0);
     for outcome in &outcomes {
+        small_in_groups += outcome.small_in_groups;
         colocated_beside_servers += outcome.colocated_beside_servers;
         rails_beside_servers += outcome.rails_beside_servers;
         in_groups += outcome.in_groups;
@@ -814,7 +831,8 @@ fn seeded_schedules_settle_with_exact_results() {
          reduce-scattered around the rails beside them, {colocated_beside_servers} all-reduced \
          by the machines beside them; {ungated} ungated calls of whole \
          all-reduces through NCCL met; {in_groups} where the machines reduce \
-         in groups, {servers_in_groups} where dedicated servers do), {failed} failed; \
+         in groups, {servers_in_groups} where dedicated servers do, {small_in_groups} small \
+         tensors in groups on the flat plan), {failed} failed; \
          drawn as rooted forms: {reduces} reduces, {gathers} \
          gathers, {scatters} scatters; {in_windows} writes landed in a receiver's tensor; \
          {delivered} shares of results delivered; {messages} message ends done \
@@ -872,6 +890,10 @@ fn seeded_schedules_settle_with_exact_results() {
     assert!(
         seeds.len() < 100 || colocated_beside_servers > 0,
         "the seeds run all-reduces the machines serve beside dedicated servers"
+    );
+    assert!(
+        seeds.len() < 100 || small_in_groups > 0,
+        "the seeds run a flat job's all-reduces in its groups"
     );
     assert!(
         seeds.len() < 100 || in_groups > 0,

@@ -235,6 +235,11 @@ pub(super) struct Scenario {
     /// groups of 2 or 3, for one seed in six of two machines or more and at
     /// most two devices (where the machines are at least the groups).
     pub(super) group_size: Option<u32>,
+    /// On the flat plan, the job's second geometry in groups of at most this
+    /// many, which its small tensors plan with (`Resolved::Grouped`): four
+    /// machines in pairs, for half the seeds of four flat machines without
+    /// servers; then about half the exact all-reduces run in them.
+    pub(super) grouped: Option<u32>,
 }
 
 impl Scenario {
@@ -446,6 +451,23 @@ impl Scenario {
             Some((_, size)) => Some(size),
             None => (m == 4 && servers == 0 && rng.side(0x6772_6f75).below(2) == 0).then_some(2),
         };
+        // A flat job's small tensors in groups: drawn from a side stream, as
+        // above.
+        let mut small = rng.side(0x736d_616c);
+        let grouped =
+            (m == 4 && servers == 0 && group_size.is_none() && small.below(2) == 0).then_some(2);
+        if grouped.is_some() {
+            for op in &mut ops {
+                let plain_all_reduce = op.origins.is_none()
+                    && op.share.is_none()
+                    && op.rooted.is_none()
+                    && op.wire == WireFormat::Exact;
+                if plain_all_reduce && op.algorithm == Resolved::Hierarchical && small.below(2) == 0
+                {
+                    op.algorithm = Resolved::Grouped;
+                }
+            }
+        }
         if group_size.is_some() {
             // As the communicator submits them: exact in groups.
             for op in &mut ops {
@@ -470,6 +492,7 @@ impl Scenario {
             one_reduce_scatter_from,
             across_job,
             group_size,
+            grouped,
         }
     }
 

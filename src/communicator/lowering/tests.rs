@@ -23,6 +23,7 @@ fn job(m: u32, d: u32, rank: u32) -> Job {
             machines_serve: crate::MachinesServe::Auto,
             gpus_in_switch: false,
             machines_can_serve: true,
+            groups_for_small_tensors: None,
         },
         rank,
     }

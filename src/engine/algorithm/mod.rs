@@ -105,6 +105,12 @@ pub(crate) enum Resolved {
     /// ([`colocated_geometry`](super::layout::colocated_geometry)); the
     /// servers plan it too and serve none of it.
     Colocated,
+    /// [`hierarchical`] in two levels ([`two_level`]) on the flat plan: what
+    /// `auto` runs for an exact all-reduce of a small tensor there
+    /// ([`takes_groups`](super::layout::takes_groups); never asked for by
+    /// name). It plans with the same machines in groups
+    /// ([`grouped_geometry`](super::layout::grouped_geometry)).
+    Grouped,
 }
 
 impl Resolved {
@@ -128,7 +134,14 @@ impl Resolved {
             Resolved::Scatter => "scatter",
             Resolved::Nccl => "nccl",
             Resolved::Colocated => "colocated",
+            Resolved::Grouped => "grouped",
         }
+    }
+
+    /// Whether it plans with the job's second geometry (the engine
+    /// layout's docs), in that geometry's layout of the buffers.
+    pub(crate) fn on_second_geometry(self) -> bool {
+        matches!(self, Resolved::Colocated | Resolved::Grouped)
     }
 }
 
@@ -476,10 +489,10 @@ impl SliceAlgorithm {
         Ok(match algorithm {
             // The machines' own plan beside servers runs in its own context
             // (`Engine::context_for`), as in a job without them.
-            Resolved::Hierarchical | Resolved::Colocated if in_groups(s) => {
+            Resolved::Hierarchical | Resolved::Colocated | Resolved::Grouped if in_groups(s) => {
                 SliceAlgorithm::TwoLevel(TwoLevel::start(ctx, s, steps)?)
             }
-            Resolved::Hierarchical | Resolved::Colocated => {
+            Resolved::Hierarchical | Resolved::Colocated | Resolved::Grouped => {
                 SliceAlgorithm::Hierarchical(Hierarchical::start(ctx, s, steps)?)
             }
             Resolved::Ring => SliceAlgorithm::Ring(Ring::start(ctx, s, steps)?),
@@ -499,8 +512,12 @@ impl SliceAlgorithm {
     ) -> Result<DeviceUse> {
         device_slice(ctx, s)?;
         Ok(match algorithm {
-            Resolved::Hierarchical | Resolved::Colocated if in_groups(s) => TwoLevel::device_use(),
-            Resolved::Hierarchical | Resolved::Colocated => Hierarchical::device_use(ctx),
+            Resolved::Hierarchical | Resolved::Colocated | Resolved::Grouped if in_groups(s) => {
+                TwoLevel::device_use()
+            }
+            Resolved::Hierarchical | Resolved::Colocated | Resolved::Grouped => {
+                Hierarchical::device_use(ctx)
+            }
             Resolved::Ring | Resolved::Doubling => DeviceUse::default(),
             Resolved::Relay => Relay::device_use(ctx, s)?,
             Resolved::Scatter => Scatter::device_use(ctx, s)?,
@@ -519,7 +536,9 @@ impl SliceAlgorithm {
     ) -> Result<()> {
         device_slice(ctx, s)?;
         match algorithm {
-            Resolved::Hierarchical | Resolved::Colocated | Resolved::Nccl => Ok(()),
+            Resolved::Hierarchical | Resolved::Colocated | Resolved::Grouped | Resolved::Nccl => {
+                Ok(())
+            }
             Resolved::Ring => Ring::device_copies(s, each),
             Resolved::Doubling => Doubling::device_copies(ctx, s, each),
             Resolved::Relay => Relay::device_copies(ctx, s, each),

@@ -147,7 +147,8 @@ impl Serve {
             | Resolved::Doubling
             | Resolved::Scatter
             | Resolved::Nccl
-            | Resolved::Colocated => None,
+            | Resolved::Colocated
+            | Resolved::Grouped => None,
         };
         if let Some(shard) = shard {
             serve.shard = shard;

@@ -13,6 +13,7 @@ fn job(m: u32, d: u32, servers: u32, wire: WireFormat) -> Job {
         machines_serve: crate::MachinesServe::Auto,
         gpus_in_switch: false,
         machines_can_serve: true,
+        groups_for_small_tensors: None,
     }
 }
 
@@ -735,4 +736,85 @@ fn beside_servers_the_machines_serve_the_all_reduces_the_servers_would_take() {
         runs(f32_sum(outside, device), &two).algorithm,
         Resolved::Colocated
     );
+}
+
+/// On the flat plan of 50 machines of 8 in the default slices, `auto` runs
+/// an exact all-reduce of a tensor the flat plan cuts into too few slices,
+/// or into slices that leave machines without a shard, in groups
+/// (`Resolved::Grouped`), host or device, of any type; not a large one, not
+/// where an algorithm or a compressed wire is asked for, not the other
+/// collectives, and not where the job has no groups for its small tensors.
+#[test]
+fn small_tensors_on_the_flat_plan_run_in_groups() {
+    let topology = Topology::new(50, 8, RankLayout::Contiguous).unwrap();
+    let config = fairring_core::plan::PlanConfig::with_default_slices(
+        fairring_core::plan::PlanConfig::DEFAULT_MIN_SHARD_BYTES,
+    )
+    .unwrap();
+    let flat = Geometry::new(topology, config).unwrap();
+    let grouped = Job {
+        groups_for_small_tensors: Some(flat),
+        ..job(50, 8, 0, WireFormat::Exact)
+    };
+    let runs = |c: Call, j: &Job| choose(c, j).unwrap();
+    for memory in [MemoryKind::Host, MemoryKind::Device] {
+        for bytes in [8, 64 << 10, 1 << 20, 16 << 20, 64 << 20] {
+            let chosen = runs(f32_sum(bytes, memory), &grouped);
+            assert_eq!(
+                (chosen.algorithm, chosen.wire),
+                (Resolved::Grouped, WireFormat::Exact),
+                "{bytes} bytes, {memory:?}"
+            );
+            let ints = Call {
+                dtype: DataType::I64,
+                op: ReduceOp::Max,
+                ..f32_sum(bytes, memory)
+            };
+            assert_eq!(runs(ints, &grouped).algorithm, Resolved::Grouped);
+            // Without groups for its small tensors, the flat plan.
+            let flat_only = job(50, 8, 0, WireFormat::Exact);
+            assert_eq!(
+                runs(f32_sum(bytes, memory), &flat_only).algorithm,
+                Resolved::Hierarchical
+            );
+        }
+        // Four slices or more of the flat plan's: flat.
+        for bytes in [256 << 20, 1 << 30] {
+            assert_eq!(
+                runs(f32_sum(bytes, memory), &grouped).algorithm,
+                Resolved::Hierarchical,
+                "{bytes} bytes"
+            );
+        }
+    }
+    let asked = Call {
+        algorithm: Some(Algorithm::Hierarchical),
+        ..f32_sum(1 << 20, MemoryKind::Host)
+    };
+    assert_eq!(runs(asked, &grouped).algorithm, Resolved::Hierarchical);
+    let narrow = Call {
+        wire: Some(WireFormat::Bf16),
+        ..f32_sum(1 << 20, MemoryKind::Host)
+    };
+    let chosen = runs(narrow, &grouped);
+    assert_eq!(
+        (chosen.algorithm, chosen.wire),
+        (Resolved::Hierarchical, WireFormat::Bf16)
+    );
+    for collective in [
+        Collective::Reduce,
+        Collective::Broadcast,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+    ] {
+        let call = Call {
+            collective,
+            ..f32_sum(1 << 20, MemoryKind::Host)
+        };
+        assert_ne!(
+            runs(call, &grouped).algorithm,
+            Resolved::Grouped,
+            "{collective:?}"
+        );
+    }
 }
