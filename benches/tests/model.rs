@@ -1756,3 +1756,54 @@ fn the_sizes_that_run_nccl_across_the_job_are_where_the_model_puts_it_ahead() {
         }
     }
 }
+
+/// On the h100 preset, a flat job's small tensors run in groups where the
+/// engine's rule (`fairring::takes_groups`) sends them there: the
+/// hierarchical row is then the plan of the job's grouped geometry, at
+/// least 0.97 times the flat plan's busbw wherever the rule chooses groups
+/// (from 16 to 61 machines, 1 MiB to 256 MiB), and above it by a tenth or
+/// more where the flat plan leaves most machines without a shard (1 and 4
+/// MiB from 20 machines), by a twentieth where it cuts a tensor in three
+/// (64 MiB on 50).
+#[test]
+fn small_tensors_on_the_flat_plan_run_in_groups_where_the_rule_sends_them() {
+    let hw = h100();
+    let mut grouped_points = 0;
+    for m in [16, 20, 24, 32, 36, 40, 44, 48, 50, 53, 59, 61] {
+        for mib in [1, 4, 8, 16, 25, 32, 64, 100, 256] {
+            let job = Job::new(m, 8, mib * MIB);
+            let what = format!("h100 {m}x8 {mib} MiB");
+            let staging = job.staging(0).unwrap();
+            let flat = Job {
+                grouping: fairring::Grouping::OneLevel,
+                ..job
+            };
+            let flat_staging = flat.staging(0).unwrap();
+            assert_eq!(flat_staging.grouped, None, "{what}");
+            assert_eq!(flat_staging.geometry.routing(), Routing::Flat, "{what}");
+            let grouped = staging.grouped.expect("a flat job of 16 machines or more");
+            assert!(grouped.machine_groups().is_some(), "{what}");
+            let p = predict(&hw, &job, Algo::Hierarchical).unwrap();
+            let one_level = predict(&hw, &flat, Algo::Hierarchical).unwrap();
+            let takes = fairring::takes_groups(&staging.geometry, job.dtype, job.elements());
+            assert_eq!(p.traffic.unwrap().in_groups, takes, "{what}");
+            if !takes {
+                assert_eq!(p.seconds, one_level.seconds, "{what}");
+                continue;
+            }
+            grouped_points += 1;
+            let ahead = match (mib, m) {
+                (1 | 4, 20..) => 1.1,
+                (64, 50) => 1.05,
+                _ => 0.97,
+            };
+            assert!(
+                p.busbw_gbps >= ahead * one_level.busbw_gbps,
+                "{what}: {} in groups against {} flat",
+                p.busbw_gbps,
+                one_level.busbw_gbps
+            );
+        }
+    }
+    assert!(grouped_points >= 40, "{grouped_points} points in groups");
+}

@@ -145,6 +145,16 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
     if let Some(p) = through_nccl(hw, job, &staging, Algo::Hierarchical)? {
         return Ok(p);
     }
+    // A small tensor on the flat plan runs in groups, in the same buffers.
+    if let Some(grouped) = staging.grouped
+        && fairring::takes_groups(&staging.geometry, job.dtype, job.elements())
+    {
+        let in_groups = fairring::Staging {
+            geometry: grouped,
+            ..staging
+        };
+        return predict_plan(hw, job, &in_groups);
+    }
     predict_plan(hw, job, &staging)
 }
 
