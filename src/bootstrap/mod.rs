@@ -597,8 +597,9 @@ fn plan_terms(g: &Geometry) -> String {
 /// 0's and its linked peers': a process configured otherwise
 /// (`FAIRRING_SLICE_SIZE`, `FAIRRING_MIN_SHARD_SIZE`, `FAIRRING_TOTAL_MEMORY`,
 /// `FAIRRING_GROUP_SIZE`, and `FAIRRING_WIRE` where it decides whether the
-/// machines or the dedicated servers form groups) is refused, naming it and both sides' terms, before
-/// any slice travels.
+/// machines or the dedicated servers form groups, or whether a flat job of 16
+/// machines or more has groups for its small tensors) is refused, naming it
+/// and both sides' terms, before any slice travels.
 fn agree_on_staging<M: MemorySpace>(
     config: &Config,
     store: &dyn Store,
@@ -815,6 +816,45 @@ mod tests {
             )
             .is_err()),
             "a budget given that holds no buffer is refused"
+        );
+    }
+
+    /// A flat job of 16 machines or more holds groups for its small tensors
+    /// only in the default slices, whole, with an exact wire and no
+    /// `FAIRRING_GROUP_SIZE`: not with slices given, a compressed wire, one
+    /// level asked for, a size of groups given, slices halved to fit the
+    /// budget (16x1 under the default budget: a buffer of 25 MiB slices is
+    /// over 50 MiB there), fewer machines, or dedicated servers.
+    #[test]
+    fn only_the_default_slices_whole_and_exact_hold_groups_for_small_tensors() {
+        let grouped = |m: u32, d: u32, configure: &dyn Fn(ConfigBuilder) -> ConfigBuilder| {
+            let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
+            let config = configure(Config::builder(0, m * d, "127.0.0.1", 1))
+                .build()
+                .unwrap();
+            let (g, layout, _) = size_staging(&config, topology).unwrap();
+            assert_eq!(g.routing(), Routing::Flat, "{m}x{d}");
+            layout.second_geometry()
+        };
+        let whole = |b: ConfigBuilder| b.total_memory(1 << 40);
+        let second = grouped(16, 8, &|b| b).expect("16x8 under the default budget");
+        assert_eq!(second.machine_groups().map(|g| g.groups()), Some(4));
+        assert_eq!(second.servers(), None);
+        assert!(grouped(16, 1, &whole).is_some());
+        assert!(grouped(16, 1, &|b| b).is_none(), "halved");
+        assert!(grouped(15, 8, &|b| b).is_none());
+        assert!(grouped(16, 8, &|b| b.slice_bytes(25 << 20)).is_none());
+        assert!(grouped(16, 8, &|b| b.wire(WireFormat::Bf16)).is_none());
+        assert!(grouped(16, 8, &|b| b.grouping(Grouping::OneLevel)).is_none());
+        let topology = Topology::new(16, 8, RankLayout::Contiguous).unwrap();
+        let beside = Config::builder(0, 128, "127.0.0.1", 1)
+            .servers(8)
+            .build()
+            .unwrap();
+        let (g, layout, _) = size_staging(&beside, topology).unwrap();
+        assert_eq!(layout.second_geometry().map(|s| s.servers()), Some(None));
+        assert!(
+            g.servers().is_some() && layout.second_geometry().unwrap().machine_groups().is_none()
         );
     }
 

@@ -201,10 +201,12 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             Resolved::Hierarchical | Resolved::Ring | Resolved::Relay => return Ok(&self.geometry),
         };
         Ok(unsplit.as_ref().ok_or_else(|| {
-            Error::internal(
-                "the layout holds a slice of at least a line for every algorithm",
-                format!("{algorithm} in {:?}", self.layout),
-            )
+            let holds = if algorithm.on_second_geometry() {
+                "an algorithm of the job's second geometry is chosen only where the job has one"
+            } else {
+                "the layout holds a slice of at least a line for every algorithm"
+            };
+            Error::internal(holds, format!("{algorithm} in {:?}", self.layout))
         })?)
     }
 

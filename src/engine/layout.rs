@@ -84,9 +84,12 @@ pub const GROUPED_FROM_MACHINES: u32 = 16;
 /// ([`takes_groups`]): the same machines in four to eight equal groups (the
 /// fewest), else in four as even as can be, in the same default slices
 /// ([`Geometry::with_groups_in_its_slices`], cut for small tensors, so that
-/// its buffers are no larger than the flat plan's), from
+/// on machines of several GPUs its buffers are no larger than the flat
+/// plan's; with one rank a machine about a tenth larger), from
 /// [`GROUPED_FROM_MACHINES`] machines on; `None` elsewhere (dedicated
-/// servers, another routing, fewer machines).
+/// servers, another routing, fewer machines). Under the default budget a
+/// job of one rank a machine halves its slices to fit two buffers, and then
+/// has none.
 ///
 /// Flat, every machine serving a shard of a slice hears from every other,
 /// so a machine sends up to `2(M - 1)` messages a slice, and a small
@@ -734,6 +737,38 @@ mod tests {
         let config = PlanConfig::with_default_slices(PlanConfig::DEFAULT_MIN_SHARD_BYTES).unwrap();
         let servers = Geometry::with_servers(t, config, 2).unwrap();
         assert!(grouped_geometry(&servers, true).is_none());
+    }
+
+    /// The groups for small tensors take buffers no larger than the flat
+    /// plan's on machines of 8 GPUs, and about a tenth larger with one rank a
+    /// machine (its slot the whole slice, the first level's areas most of a
+    /// slice).
+    #[test]
+    fn the_groups_for_small_tensors_fit_the_flat_plans_buffers() {
+        for (m, d, most) in [
+            (16, 8, 1.0),
+            (32, 8, 1.0),
+            (50, 8, 1.0),
+            (61, 8, 1.0),
+            (16, 1, 1.11),
+        ] {
+            let flat = default_flat(m, d);
+            let grouped = grouped_geometry(&flat, true).unwrap();
+            let (of_flat, of_groups) = (
+                BufferLayout::new(&flat, m * d).unwrap().buffer_bytes(),
+                BufferLayout::new(&grouped, m * d).unwrap().buffer_bytes(),
+            );
+            assert!(
+                of_groups as f64 <= most * of_flat as f64,
+                "{m}x{d}: {of_groups} bytes in groups, {of_flat} flat"
+            );
+            let held = BufferLayout::new(&flat, m * d)
+                .unwrap()
+                .holding_second(grouped, m * d)
+                .unwrap();
+            assert_eq!(held.buffer_bytes(), of_flat.max(of_groups));
+            assert_eq!(held.second(m * d).map(|(g, _)| g), Some(grouped));
+        }
     }
 
     /// Worked by hand on machines of 8 GPUs at the 64 KiB minimum shard (a

@@ -84,6 +84,17 @@ impl<F: Fabric, M: MemorySpace> Engine<F, M> {
             )
             .into());
         }
+        // Small tensors in groups run only in jobs without servers.
+        if descriptor.algorithm == Resolved::Grouped {
+            return Err(Error::peer(
+                peer,
+                format!(
+                    "described operation #{seq} as {descriptor}: small tensors run in groups \
+                     only in a job without dedicated servers"
+                ),
+            )
+            .into());
+        }
         let world = topology.world_size();
         let sub = Submission::new(seq, self.memory.no_tensor(), descriptor, None, world)
             .ok_or_else(|| {

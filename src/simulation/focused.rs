@@ -1309,6 +1309,35 @@ fn one_machine_beside_servers_runs_its_nccl_all_reduces_between_those_the_server
 /// fail with it.
 #[test]
 fn a_server_refuses_the_workers_nccl_all_reduce_where_none_runs_over_them() {
+    servers_refuse(
+        Resolved::Nccl,
+        "only on one to 7 machines of several ranks",
+        None,
+    );
+}
+
+/// A dedicated server refuses a descriptor of small tensors in groups
+/// (`Resolved::Grouped`), which runs only without dedicated servers (no
+/// worker's choice makes it there; these workers hold groups in their
+/// buffers, as a worker of another build might): the server fails naming
+/// the worker and why, and the workers fail with it.
+#[test]
+fn a_server_refuses_small_tensors_in_groups() {
+    let topology = Topology::new(8, 2, RankLayout::Contiguous).unwrap();
+    let groups =
+        Geometry::with_groups_in_its_slices(topology, PlanConfig::new(1024, 64).unwrap(), 4)
+            .unwrap();
+    servers_refuse(
+        Resolved::Grouped,
+        "small tensors run in groups only in a job without dedicated servers",
+        Some(groups),
+    );
+}
+
+/// Every worker of 8x2 beside two servers, its buffers holding `second`
+/// too, submits a device all-reduce described as `algorithm`: some server
+/// refuses it saying `why`, naming a worker, and every process fails.
+fn servers_refuse(algorithm: Resolved, why: &str, second: Option<Geometry>) {
     let (m, d) = (8, 2);
     let processes = m * d + 2;
     let workers = (m * d) as usize;
@@ -1316,7 +1345,10 @@ fn a_server_refuses_the_workers_nccl_all_reduce_where_none_runs_over_them() {
     let topology = Topology::new(m, d, RankLayout::Contiguous).unwrap();
     assert!(m > crate::NCCL_ACROSS_UP_TO_MACHINES);
     let geometry = Geometry::with_servers(topology, PlanConfig::new(1024, 64).unwrap(), 2).unwrap();
-    let layout = BufferLayout::new(&geometry, m * d).unwrap();
+    let mut layout = BufferLayout::new(&geometry, m * d).unwrap();
+    if let Some(second) = second {
+        layout = layout.holding_second(second, m * d).unwrap();
+    }
     let engines = build_job(
         &geometry,
         &layout,
@@ -1339,10 +1371,10 @@ fn a_server_refuses_the_workers_nccl_all_reduce_where_none_runs_over_them() {
     for (r, (t, i)) in tensors.iter_mut().zip(&mut inputs).enumerate() {
         // A worker may refuse it itself; the server must, whatever the
         // workers do.
-        let _ = submit_device_sum_by(&engines[r], t, i, Resolved::Nccl);
+        let _ = submit_device_sum_by(&engines[r], t, i, algorithm);
     }
     for _ in 0..10_000 {
-        if engines[workers..].iter().all(|e| e.failure().is_some()) {
+        if engines.iter().all(|e| e.failure().is_some()) {
             break;
         }
         for e in &engines {
@@ -1362,7 +1394,7 @@ fn a_server_refuses_the_workers_nccl_all_reduce_where_none_runs_over_them() {
             .failure()
             .unwrap_or_else(|| panic!("server {} still running", server.rank()))
             .to_string();
-        if error.contains("only on one to 7 machines of several ranks") {
+        if error.contains(why) {
             assert!(error.contains("rank "), "the worker named: {error}");
             refused += 1;
         }

@@ -454,8 +454,15 @@ impl Scenario {
         // A flat job's small tensors in groups: drawn from a side stream, as
         // above.
         let mut small = rng.side(0x736d_616c);
+        // Only where the job's own plan is flat, as in production.
+        let flat = Topology::new(m, d, layout)
+            .ok()
+            .zip(PlanConfig::new(slice_bytes, min_shard_bytes).ok())
+            .and_then(|(t, c)| Geometry::new(t, c).ok())
+            .is_some_and(|g| g.routing() == fairring_core::plan::Routing::Flat);
         let grouped =
-            (m == 4 && servers == 0 && group_size.is_none() && small.below(2) == 0).then_some(2);
+            (m == 4 && servers == 0 && group_size.is_none() && flat && small.below(2) == 0)
+                .then_some(2);
         if grouped.is_some() {
             for op in &mut ops {
                 let plain_all_reduce = op.origins.is_none()

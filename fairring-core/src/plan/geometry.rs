@@ -387,8 +387,8 @@ impl Geometry {
     /// The geometry of `topology` under `config` in groups of at most
     /// `size`, as [`Geometry::with_groups`] makes it, but in `config`'s own
     /// slices (the default ones still cut for small tensors), not the wide
-    /// ones: so that a job's flat plan and its groups for small tensors
-    /// share buffers of one size.
+    /// ones: so that a job's groups for small tensors fit its flat plan's
+    /// buffers (on machines of several devices; a tenth larger with one).
     pub const fn with_groups_in_its_slices(
         topology: Topology,
         config: PlanConfig,

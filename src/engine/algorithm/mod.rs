@@ -487,8 +487,9 @@ impl SliceAlgorithm {
             )?));
         }
         Ok(match algorithm {
-            // The machines' own plan beside servers runs in its own context
-            // (`Engine::context_for`), as in a job without them.
+            // The second geometry's algorithms (the machines' own plan beside
+            // servers, small tensors in groups) run in its own context
+            // (`Engine::context_for`), the first as in a job without servers.
             Resolved::Hierarchical | Resolved::Colocated | Resolved::Grouped if in_groups(s) => {
                 SliceAlgorithm::TwoLevel(TwoLevel::start(ctx, s, steps)?)
             }
