@@ -6,6 +6,7 @@
 //!                      [--algo all|NAME,NAME,...] [--tensors N] [--servers K]
 //!                      [--group G] [--grouping auto|off|N] [--slice-bytes N]
 //!                      [--min-shard N] [--budget N] [--original]
+//!                      [--comms-per-direction 1|2]
 //!                      [--plan-only] [--breakdown] [--json PATH] [--plot PATH]
 //!                      [--plot-gpus N] [--plot-bytes N]
 //! fairring-bench model --calibrate BENCH.json [--calibrate-algo NAME] [--preset NAME]
@@ -25,6 +26,12 @@
 //! at `--plot-bytes`, default the largest size), each as SVG and PNG.
 //! `--plan-only` runs the plan where the engine would run an all-reduce as one
 //! NCCL all-reduce across the job (`FAIRRING_NCCL_ACROSS_MACHINES=off`).
+//!
+//! `--comms-per-direction 2` is a study the engine does not run: each
+//! machine's reduce-scatters and all-gathers each take two NCCL
+//! communicators in turn, slice by slice, so that one call's latency passes
+//! while the other's bytes move (the engine has one a direction; where it
+//! runs NCCL across the job, so does the study).
 //!
 //! `--grouping` groups the machines as `FAIRRING_GROUP_SIZE` does the
 //! engine's, for the `hierarchical` row and fairring's `ring` (whose slices
@@ -70,6 +77,7 @@ struct Options {
     min_shard: Option<u64>,
     /// `None`: the engine's default staging.
     budget: Option<u64>,
+    comms_per_direction: u32,
     breakdown: bool,
     plan_only: bool,
     json: Option<String>,
@@ -86,7 +94,7 @@ fn usage(error: &str) -> ! {
         "usage: fairring-bench model [--preset NAME] [--presets FILE] [--gpus N,N,...] \
          [--devices D] [--min-bytes N] [--max-bytes N] [--factor F] [--algo all|NAME,...] \
          [--tensors N] [--servers K] [--group G] [--grouping auto|off|N] [--slice-bytes N] \
-         [--min-shard N] [--budget N] \
+         [--min-shard N] [--budget N] [--comms-per-direction 1|2] \
          [--original] [--plan-only] [--breakdown] [--json PATH] [--plot PATH] \
          [--plot-gpus N] [--plot-bytes N]\n       \
          fairring-bench model --calibrate BENCH.json [--calibrate-algo NAME] [--preset NAME]\n\
@@ -114,6 +122,7 @@ fn parse(args: &[String]) -> Options {
         slice_bytes: None,
         min_shard: None,
         budget: None,
+        comms_per_direction: 1,
         breakdown: false,
         plan_only: false,
         json: None,
@@ -170,6 +179,15 @@ fn parse(args: &[String]) -> Options {
             "--slice-bytes" => o.slice_bytes = Some(bytes(&value(), flag)),
             "--min-shard" => o.min_shard = Some(bytes(&value(), flag)),
             "--budget" => o.budget = Some(bytes(&value(), flag)),
+            "--comms-per-direction" => {
+                o.comms_per_direction = match value().as_str() {
+                    "1" => 1,
+                    "2" => 2,
+                    other => usage(&format!(
+                        "--comms-per-direction: {other:?} is not 1 (the engine's) or 2 (the study)"
+                    )),
+                };
+            }
             "--original" => {
                 o.slice_bytes = Some(PlanConfig::DEFAULT_SLICE_BYTES);
                 o.min_shard = Some(PlanConfig::MIN_SHARD_FLOOR);
@@ -274,6 +292,12 @@ fn run(o: &Options) -> Result<(), String> {
         },
         o.tensors
     );
+    if o.comms_per_direction == 2 {
+        println!(
+            "# study: two NCCL communicators a direction within each machine, taken in turn by \
+             slice (the engine has one)"
+        );
+    }
     print!(
         "{:>6} {:>5} {:>12} {:>13} {:>12} {:>9} {:>9} {:>5} {:>4} {:>9}",
         "gpus", "M", "size(B)", "algo", "time(us)", "algbw", "busbw", "k", "bufs", "msgs"
@@ -304,6 +328,7 @@ fn run(o: &Options) -> Result<(), String> {
             job.servers = o.servers;
             job.group = o.group;
             job.grouping = o.grouping;
+            job.comms_per_direction = o.comms_per_direction;
             job.nccl_across_machines = !o.plan_only;
             job.machines_serve = !o.plan_only;
             for &algo in &o.algos {
@@ -420,6 +445,7 @@ fn write_json(path: &str, hw: &Hardware, rows: &[Row]) -> std::io::Result<()> {
                 "devices": r.job.devices,
                 "bytes": r.job.bytes,
                 "tensors": r.job.tensors,
+                "comms_per_direction": r.job.comms_per_direction,
                 "algo": r.prediction.algo.name(),
                 "time_us": r.prediction.seconds * 1e6,
                 "algbw_gbps": r.prediction.algbw_gbps,

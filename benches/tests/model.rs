@@ -358,6 +358,101 @@ fn a_machines_two_communicators_overlap_latency_with_bytes() {
     );
 }
 
+/// The study of two communicators a direction (`Job::comms_per_direction`),
+/// on the job above: the same calls, so NVLink holds the same bytes, but a
+/// call's latency now passes while the other communicator of its direction
+/// moves bytes. With one communicator a direction NVLink also idles for a
+/// reduce-scatter's latency at the start (the second slice's waits for the
+/// first's bytes, and no all-gather is ready to fill the gap) and an
+/// all-gather's at the end (no reduce-scatter is left); with two, only for
+/// the first call's latency.
+#[test]
+fn two_communicators_a_direction_leave_nvlink_idle_only_for_the_first_calls_latency() {
+    let mut hw = plan_on_few_machines(free_of_latency(h100()));
+    hw.nic.gbps = 1e6;
+    hw.memory.gbps = 1e6;
+    let slice = Job::new(2, 8, 1)
+        .staging(0)
+        .unwrap()
+        .geometry
+        .full_slice_bytes();
+    let slices = 10;
+    let call = |c: Collective| {
+        nccl::choose_collective(&hw.nccl, c, 1, 8, slice, &NcclAlgorithm::ALL).unwrap()
+    };
+    let (reduce, scatter, gather) = (
+        call(Collective::Reduce),
+        call(Collective::ReduceScatter),
+        call(Collective::AllGather),
+    );
+    let busy = |e: &nccl::Estimate| (e.time_us - e.latency_us) * 1e-6;
+    let bytes =
+        busy(&reduce) + (slices - 1) as f64 * busy(&scatter) + slices as f64 * busy(&gather);
+    let predict_with = |comms: u32| {
+        let job = Job {
+            comms_per_direction: comms,
+            ..Job::new(2, 8, slices * slice)
+        };
+        let p = predict(&hw, &job, Algo::Hierarchical).unwrap();
+        close(
+            p.busy.unwrap().nvlink,
+            bytes,
+            "NVLink busy for the calls' bytes",
+        );
+        (p.seconds, p.traffic.unwrap())
+    };
+    let (one, one_traffic) = predict_with(1);
+    let (two, two_traffic) = predict_with(2);
+    assert_eq!(one_traffic, two_traffic, "the same messages and bytes");
+    let first = reduce.latency_us * 1e-6;
+    close(
+        one,
+        first + bytes + (scatter.latency_us + gather.latency_us) * 1e-6,
+        "one communicator a direction",
+    );
+    close(two, first + bytes, "two communicators a direction");
+}
+
+/// The study of two communicators a direction makes every call the engine
+/// makes, so each machine's traffic is the same, and on one tensor it is
+/// never slower: flat, in groups, through the trees (one level past 64
+/// machines), beside dedicated servers where the machines serve and in the
+/// servers' own plan.
+#[test]
+fn two_communicators_a_direction_send_the_same_and_never_slow_one_tensor() {
+    let hw = h100();
+    let cases = [
+        (Algo::Hierarchical, fairring::Grouping::Auto, true),
+        (Algo::Hierarchical, fairring::Grouping::OneLevel, true),
+        (Algo::Servers, fairring::Grouping::Auto, true),
+        (Algo::Servers, fairring::Grouping::Auto, false),
+    ];
+    for (m, d) in [(2, 8), (8, 8), (32, 8), (128, 8), (6, 1)] {
+        for bytes in [MIB, 64 * MIB, 256 * MIB] {
+            for (algo, grouping, machines_serve) in cases {
+                let predict_with = |comms: u32| {
+                    let job = Job {
+                        comms_per_direction: comms,
+                        grouping,
+                        machines_serve,
+                        ..Job::new(m, d, bytes)
+                    };
+                    predict(&hw, &job, algo).unwrap()
+                };
+                let (one, two) = (predict_with(1), predict_with(2));
+                let what = format!("{algo} {grouping:?} serve {machines_serve} {m}x{d} {bytes}");
+                assert_eq!(one.traffic, two.traffic, "{what}: the same traffic");
+                assert!(
+                    two.seconds <= one.seconds * (1.0 + 1e-12),
+                    "{what}: {} s with two communicators a direction, {} s with one",
+                    two.seconds,
+                    one.seconds
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn nccl_runs_only_what_the_tuner_enables() {
     let t = h100().nccl;
@@ -1185,6 +1280,14 @@ fn bad_jobs_are_named() {
     assert!(matches!(e, ModelError::Topology(_)), "{e}");
     let e = predict(&hw, &Job::new(2, 8, 2), Algo::Hierarchical).unwrap_err();
     assert!(e.to_string().contains("no f32 element"), "{e}");
+    for comms in [0, 3] {
+        let job = Job {
+            comms_per_direction: comms,
+            ..Job::new(2, 8, MIB)
+        };
+        let e = predict(&hw, &job, Algo::Hierarchical).unwrap_err();
+        assert!(e.to_string().contains("comms_per_direction"), "{e}");
+    }
 }
 
 #[test]

@@ -225,7 +225,7 @@ fn run(
         groups,
     };
     let mut schedule = Schedule::default();
-    let mut machines = Machine::many(&mut schedule, job.machines);
+    let mut machines = Machine::many(&mut schedule, job.machines, job.comms_per_direction);
     for (slice, submitted) in slices {
         add(&costs, &mut schedule, &mut machines, slice, *submitted)?;
     }
@@ -477,9 +477,10 @@ fn add(
         .iter_mut()
         .enumerate()
         .map(|(m, machine)| {
+            let slice = machine.released.len();
             machine
                 .reduce
-                .call(sched, machine.nvlink, local, take[m], step)
+                .call(slice, sched, machine.nvlink, local, take[m], step)
         })
         .collect();
     let mut sends: Vec<Vec<TaskId>> = vec![Vec::new(); m_count];
@@ -597,9 +598,10 @@ fn add(
             .sum();
         let landed = land(costs, sched, machine, bytes, &peers, take[m]);
         sched.after(landed, range_final[m], 0.0);
+        let slice = machine.released.len();
         let gathered = machine
             .gather
-            .call(sched, machine.nvlink, gather, landed, step);
+            .call(slice, sched, machine.nvlink, gather, landed, step);
         let released = sched.task(None, 0.0, 0.0);
         sched.after(released, gathered, 0.0);
         for &sent in &sends[m] {

@@ -40,7 +40,9 @@
 //! another, and a call's latency (NCCL's fixed cost, as its tuner predicts it)
 //! and the hand-off after it hold no NVLink, so the next slice's reduce-scatter
 //! pays its latency while the last slice's all-gather moves its bytes
-//! (`stages::Communicator`).
+//! (`stages::Communicator`). A study the engine does not run gives each
+//! direction two communicators, which a machine's slices take in turn
+//! (`Job::comms_per_direction`, `stages::Direction`).
 //!
 //! Every stage is a task of a discrete-event schedule (`events.rs`): it holds its
 //! resource while it runs, starts once its inputs are in and its resource has run
@@ -58,7 +60,7 @@ use fairring_core::topology::Location;
 
 use super::events::{ResourceId, Schedule, TaskId};
 use super::nccl::{self, NcclAlgorithm};
-use super::stages::{self, Communicator, Stages, f};
+use super::stages::{self, Direction, Stages, f};
 use super::{Algo, Busy, Hardware, Job, Link, ModelError, Prediction, Traffic};
 
 /// One machine's resources (rail 0 stands for every rail) and what it did.
@@ -66,8 +68,8 @@ use super::{Algo, Busy, Hardware, Job, Link, ModelError, Prediction, Traffic};
 pub(super) struct Machine {
     pub(super) nvlink: ResourceId,
     /// Its communicators of reduce-scatters and of all-gathers.
-    pub(super) reduce: Communicator,
-    pub(super) gather: Communicator,
+    pub(super) reduce: Direction,
+    pub(super) gather: Direction,
     pub(super) gpu: ResourceId,
     pub(super) send: ResourceId,
     pub(super) receive: ResourceId,
@@ -79,13 +81,14 @@ pub(super) struct Machine {
 }
 
 impl Machine {
-    /// `count` machines, each with its resources in `schedule`.
-    pub(super) fn many(schedule: &mut Schedule, count: u32) -> Vec<Machine> {
+    /// `count` machines, each with its resources in `schedule` and `comms`
+    /// communicators a direction ([`Job::comms_per_direction`]).
+    pub(super) fn many(schedule: &mut Schedule, count: u32, comms: u32) -> Vec<Machine> {
         (0..count)
             .map(|_| Machine {
                 nvlink: schedule.resource(),
-                reduce: Communicator::default(),
-                gather: Communicator::default(),
+                reduce: Direction::new(comms),
+                gather: Direction::new(comms),
                 gpu: schedule.resource(),
                 send: schedule.resource(),
                 receive: schedule.resource(),
@@ -179,7 +182,7 @@ pub(super) fn predict_plan(
         buffers: buffers as usize,
     };
     let mut schedule = Schedule::default();
-    let mut machines = Machine::many(&mut schedule, job.machines);
+    let mut machines = Machine::many(&mut schedule, job.machines, job.comms_per_direction);
     let mut pipeline = Pipeline {
         costs: &costs,
         machines: &mut machines,
@@ -277,6 +280,7 @@ impl Pipeline<'_> {
         let step = costs.stages.step();
         for (m, machine) in self.machines.iter_mut().enumerate() {
             let scattered = machine.reduce.call(
+                machine.released.len(),
                 self.schedule,
                 machine.nvlink,
                 local,
@@ -400,10 +404,14 @@ impl Pipeline<'_> {
                     sched.after(ready, s.returned[v], costs.rail.hop());
                 }
             }
-            let gathered =
-                machine
-                    .gather
-                    .call(sched, machine.nvlink, gather, ready, costs.stages.step());
+            let gathered = machine.gather.call(
+                machine.released.len(),
+                sched,
+                machine.nvlink,
+                gather,
+                ready,
+                costs.stages.step(),
+            );
             let released = sched.task(None, 0.0, 0.0);
             sched.after(released, gathered, 0.0);
             sched.after(released, s.returned[m], 0.0);
@@ -526,6 +534,7 @@ impl Pipeline<'_> {
         // 7. All-gather within the machine; the buffer is released.
         for (m, machine) in self.machines.iter_mut().enumerate() {
             let gathered = machine.gather.call(
+                machine.released.len(),
                 sched,
                 machine.nvlink,
                 gather,

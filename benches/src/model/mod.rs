@@ -182,6 +182,13 @@ pub struct Job {
     /// (`FAIRRING_GROUP_SIZE`), for [`Algo::Hierarchical`]; a one-level
     /// [`Job::slicing`] keeps one level whatever this says.
     pub grouping: fairring::Grouping,
+    /// NCCL communicators each machine uses for each direction within it
+    /// (reduce-scatters, all-gathers) in fairring's algorithms: 1, as the
+    /// engine makes them; 2, a study the engine does not run, whose
+    /// slices take the two in turn so that one call's latency passes while
+    /// the other's bytes move (what the co-located targets would need:
+    /// `docs/scale-model.md`).
+    pub comms_per_direction: u32,
 }
 
 impl Job {
@@ -203,6 +210,7 @@ impl Job {
             machines_serve: true,
             group: 0,
             grouping: fairring::Grouping::Auto,
+            comms_per_direction: 1,
         }
     }
 
@@ -449,6 +457,12 @@ impl From<TopologyError> for ModelError {
 pub fn predict(hw: &Hardware, job: &Job, algo: Algo) -> Result<Prediction, ModelError> {
     if job.tensors == 0 {
         return Err(ModelError::InvalidJob("tensors must be at least 1".into()));
+    }
+    if !(1..=2).contains(&job.comms_per_direction) {
+        return Err(ModelError::InvalidJob(format!(
+            "comms_per_direction is {}: 1 (the engine's) or 2 (the study)",
+            job.comms_per_direction
+        )));
     }
     if job.elements() == 0 {
         return Err(ModelError::InvalidJob(format!(

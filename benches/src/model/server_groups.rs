@@ -178,7 +178,7 @@ fn run(
         stages,
     };
     let mut schedule = Schedule::default();
-    let mut workers = Machine::many(&mut schedule, job.machines);
+    let mut workers = Machine::many(&mut schedule, job.machines, job.comms_per_direction);
     let mut servers: Vec<Server> = (0..serving)
         .map(|_| Server {
             receive: schedule.resource(),
@@ -284,7 +284,12 @@ fn add(
             sched.after(t, worker.released[n - costs.buffers], 0.0);
         }
         take.push(t);
-        scattered.push(worker.reduce.call(sched, worker.nvlink, local, t, step));
+        let slice = worker.released.len();
+        scattered.push(
+            worker
+                .reduce
+                .call(slice, sched, worker.nvlink, local, t, step),
+        );
     }
     // 2. Each worker's ranges to its group's servers, folded there.
     let mut messages = Vec::new();
@@ -481,9 +486,10 @@ fn add(
             worker.bytes_received += bytes;
             let landed = land_on(sched, worker.receive, costs.rail, hop, bytes, &peers, None);
             sched.after(landed, take[m], 0.0);
+            let slice = worker.released.len();
             let gathered = worker
                 .gather
-                .call(sched, worker.nvlink, gather, landed, step);
+                .call(slice, sched, worker.nvlink, gather, landed, step);
             let released = sched.task(None, 0.0, 0.0);
             sched.after(released, gathered, 0.0);
             sched.after(released, up[m].1, 0.0);

@@ -42,7 +42,7 @@
 //! same work, so the servers of rail 0's group stand for all.
 
 use super::events::{ResourceId, Schedule, TaskId};
-use super::stages::{self, Communicator, Stages, f};
+use super::stages::{self, Direction, Stages, f};
 use super::{Algo, Busy, Hardware, Job, ModelError, Prediction, Traffic};
 use fairring_core::plan::ServerLayout;
 
@@ -143,8 +143,8 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
 
     let mut sched = Schedule::default();
     let nvlink = sched.resource();
-    let mut reduce = Communicator::default();
-    let mut gather = Communicator::default();
+    let mut reduce = Direction::new(job.comms_per_direction);
+    let mut gather = Direction::new(job.comms_per_direction);
     let send = sched.resource();
     let receive = sched.resource();
     let servers: Vec<ServerMachine> = (0..k_servers)
@@ -170,6 +170,7 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
         let slot = slice.slot(0)?.byte_len();
         let k = slice.shards();
         let scattered = reduce.call(
+            released.len(),
             &mut sched,
             nvlink,
             stages.intra_reduce(&slice)?,
@@ -223,6 +224,7 @@ pub fn predict(hw: &Hardware, job: &Job) -> Result<Prediction, ModelError> {
             sched.after(results_in, returned, server_link.hop());
         }
         let gathered = gather.call(
+            released.len(),
             &mut sched,
             nvlink,
             stages.intra_gather(slice_bytes)?,

@@ -153,6 +153,44 @@ impl Communicator {
     }
 }
 
+/// A machine's communicators of one direction, its reduce-scatters or its
+/// all-gathers: the engine's one, or two that the machine's slices take in
+/// turn ([`Job::comms_per_direction`], a study the engine does not run),
+/// so that one call's latency passes while the other's bytes hold NVLink.
+///
+/// [`Job::comms_per_direction`]: super::Job::comms_per_direction
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Direction {
+    comms: [Communicator; 2],
+    count: usize,
+}
+
+impl Direction {
+    /// `count` communicators: 2, or else 1 (`predict` refuses any other
+    /// count).
+    pub(super) fn new(count: u32) -> Direction {
+        Direction {
+            comms: [Communicator::default(); 2],
+            count: if count == 2 { 2 } else { 1 },
+        }
+    }
+
+    /// [`Communicator::call`] for the machine's slice `slice` (its slices
+    /// numbered from 0 across the job's tensors), on the communicator
+    /// whose turn it is.
+    pub(super) fn call(
+        &mut self,
+        slice: usize,
+        schedule: &mut Schedule,
+        nvlink: ResourceId,
+        call: MachineCall,
+        ready: TaskId,
+        step: f64,
+    ) -> TaskId {
+        self.comms[slice % self.count].call(schedule, nvlink, call, ready, step)
+    }
+}
+
 /// A count or byte count as a float, for the arithmetic of time.
 #[expect(clippy::cast_precision_loss, reason = "counts far below 2^52")]
 pub(super) fn f(v: u64) -> f64 {
