@@ -537,12 +537,17 @@ fn adaptive_sharding_examples() {
     // children's halves.
     // The default group size, by hand: 256 machines in 8 groups of 32; 252
     // in 7 of 36 (32 would make 8 unequal ones, 40 makes 7 equal); 100 in 4
-    // of 25; 65 and 131, prime, in unequal groups of at most 32 (half of
-    // 65) and 48; 40 (one level at the default minimum shard) in two of 20.
+    // of 25; 189 in 3 of 63 (64 is the first size to make equal groups);
+    // 198 in 6 of 33 (32, 40, 48, 56 and 64 make 7, 5, 5, 4 and 4 unequal
+    // ones; 33 is the largest size from 20 to 48 that divides 198); 65
+    // (5 x 13) and 131, prime, in unequal groups of at most 32 (half of 65)
+    // and 48; 40 (one level at the default minimum shard) in two of 20.
     for (m, size, groups, largest) in [
         (256, 32, 8, 32),
         (252, 40, 7, 36),
         (100, 32, 4, 25),
+        (189, 64, 3, 63),
+        (198, 33, 6, 33),
         (65, 32, 3, 22),
         (131, 48, 3, 44),
         (40, 20, 2, 20),
@@ -863,11 +868,12 @@ proptest! {
     }
 
     /// The default group size: equal groups of the first size of
-    /// `EQUAL_GROUP_SIZES` that makes them, else at most 48 (or half the
-    /// machines): for every count of 4 machines or more but 5 (which no size
-    /// splits in two levels: the geometry then keeps the trees), two levels
-    /// of groups no larger than the size (worked by hand for a few counts in
-    /// `adaptive_sharding_examples`).
+    /// `EQUAL_GROUP_SIZES` that makes them, else of the largest size from
+    /// `SMALLEST_EQUAL_GROUP` to 48 (or half the machines) that divides the
+    /// machines, else at most that bound: for every count of 4 machines or
+    /// more but 5 (which no size splits in two levels: the geometry then
+    /// keeps the trees), two levels of groups no larger than the size
+    /// (worked by hand for a few counts in `adaptive_sharding_examples`).
     #[test]
     fn the_default_group_size_prefers_equal_groups(m in 4u32..=MAX_MACHINES) {
         let size = PlanConfig::default_group_size(m);
@@ -887,7 +893,19 @@ proptest! {
                 prop_assert_eq!(size, g);
                 prop_assert!(equal);
             }
-            None => prop_assert_eq!(size, (m / 2).min(PlanConfig::DEFAULT_GROUP_SIZE)),
+            None => {
+                let bound = (m / 2).min(PlanConfig::DEFAULT_GROUP_SIZE);
+                let divides = (PlanConfig::SMALLEST_EQUAL_GROUP..=bound)
+                    .rev()
+                    .find(|&s| m % s == 0);
+                match divides {
+                    Some(s) => {
+                        prop_assert_eq!(size, s);
+                        prop_assert!(equal);
+                    }
+                    None => prop_assert_eq!(size, bound),
+                }
+            }
         }
     }
 

@@ -17,7 +17,9 @@ pub enum Grouping {
     /// plan carries); where even the wide flat slices would (past 64 machines of 8
     /// GPUs), groups of [`PlanConfig::default_group_size`]: equal groups of
     /// 32, 40, 48, 56 or 64 machines at most where one of those sizes makes
-    /// them, else of at most 48 (half the machines, where fewer); one level
+    /// them, else equal groups of the largest size from 20 to 48 (half the
+    /// machines, where fewer) that divides the machines, else of at most
+    /// that; one level
     /// elsewhere, and in slices given
     /// (`FAIRRING_SLICE_SIZE`). With dedicated servers, where a full slot
     /// cannot give each server of a rail group a cell of the minimum shard

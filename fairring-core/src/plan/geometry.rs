@@ -101,24 +101,33 @@ impl PlanConfig {
     /// ([`PlanConfig::default_group_size`]).
     pub const EQUAL_GROUP_SIZES: [u32; 5] = [32, 40, 48, 56, 64];
 
+    /// The smallest groups [`PlanConfig::default_group_size`] takes to make
+    /// the machines' groups equal where no size of
+    /// [`PlanConfig::EQUAL_GROUP_SIZES`] does: 20 machines.
+    pub const SMALLEST_EQUAL_GROUP: u32 = 20;
+
     /// The largest group where the default slices of a job of `machines`
     /// machines reduce in two levels ([`Routing::Groups`]: where even the
     /// wide flat slices give some machine no shard of the minimum size, past
     /// 64 machines of 8 GPUs at the 64 KiB minimum): the first size of
     /// [`PlanConfig::EQUAL_GROUP_SIZES`] whose groups are of equal size (at
-    /// most half the machines), else [`PlanConfig::DEFAULT_GROUP_SIZE`], or
-    /// half the machines where that is fewer.
+    /// most half the machines); else the largest size from
+    /// [`PlanConfig::SMALLEST_EQUAL_GROUP`] to [`PlanConfig::DEFAULT_GROUP_SIZE`]
+    /// (or half the machines, where that is fewer) that divides the
+    /// machines; else that bound itself, in groups as even as can be.
     ///
     /// The scale model (`docs/scale-model.md`), at every multiple of 8
     /// H100s from 520 to 2048, at 64 MiB, 256 MiB and 1 GiB, puts this rule
     /// at least at NCCL's best as its tuner predicts it, everywhere (1.001
-    /// times at worst, at 256 MiB; 1.007 at 64 MiB), and at 0.97 to 1.19
-    /// times the trees' busbw (below them at 3, 31 and 32 of the 192 counts:
-    /// at the larger sizes where the groups are unequal, at 64 MiB where
-    /// they are equal but of 61 to 63 machines). Fixed sizes did worse: groups of at
-    /// most 32 fell to 0.977 times NCCL's best at 256 MiB, of at most 64 to
-    /// 0.961 times at 64 MiB, of at most 48 to 0.97 times the trees at 50
-    /// counts.
+    /// times at worst, at 256 MiB; 1.007 at 64 MiB). Unequal groups cut a
+    /// range of the larger groups into two intervals across the groups, so
+    /// where the sizes of 32 to 64 make no equal groups, the equal ones of 22
+    /// to 34 machines this finds (13 of the 192 counts) run 1.007 to 1.072
+    /// times faster than groups of at most 48 did (198 machines in 6 groups
+    /// of 33 rather than 5 of at most 40: 1.02, 1.05 and 1.05 times). Fixed
+    /// sizes did worse: groups of at most 32 fell to
+    /// 0.977 times NCCL's best at 256 MiB, of at most 64 to 0.961 times at
+    /// 64 MiB, of at most 48 to 0.97 times the trees at 50 counts.
     pub const fn default_group_size(machines: u32) -> u32 {
         let half = machines / 2;
         let mut i = 0;
@@ -129,11 +138,19 @@ impl PlanConfig {
             }
             i += 1;
         }
-        if half < Self::DEFAULT_GROUP_SIZE {
+        let bound = if half < Self::DEFAULT_GROUP_SIZE {
             half
         } else {
             Self::DEFAULT_GROUP_SIZE
+        };
+        let mut size = bound;
+        while size >= Self::SMALLEST_EQUAL_GROUP {
+            if machines.is_multiple_of(size) {
+                return size;
+            }
+            size -= 1;
         }
+        bound
     }
     /// The size of equal groups where the default slices would give some
     /// machine no shard of the minimum but the wide flat slices
