@@ -414,42 +414,84 @@ fn two_communicators_a_direction_leave_nvlink_idle_only_for_the_first_calls_late
 }
 
 /// The study of two communicators a direction makes every call the engine
-/// makes, so each machine's traffic is the same, and on one tensor it is
-/// never slower: flat, in groups, through the trees (one level past 64
-/// machines), beside dedicated servers where the machines serve and in the
-/// servers' own plan.
+/// makes: each machine's traffic and NVLink's busy time are the same, flat,
+/// in groups, through the trees, where the machines serve beside dedicated
+/// servers and in the servers' own plan, flat or in groups. Every one of
+/// those plans takes the knob: at a point where the calls' latencies hold
+/// it back, each is faster with two. (Not everywhere: where more calls are
+/// ready at once, the order NVLink runs them in can cost more than the
+/// latencies saved, 3.6% at 256 MiB on 520 H100s in servers mode through
+/// the trees.)
 #[test]
-fn two_communicators_a_direction_send_the_same_and_never_slow_one_tensor() {
+fn two_communicators_a_direction_make_the_same_calls_in_every_plan() {
     let hw = h100();
-    let cases = [
-        (Algo::Hierarchical, fairring::Grouping::Auto, true),
-        (Algo::Hierarchical, fairring::Grouping::OneLevel, true),
-        (Algo::Servers, fairring::Grouping::Auto, true),
-        (Algo::Servers, fairring::Grouping::Auto, false),
+    let predict_with =
+        |algo: Algo, grouping: fairring::Grouping, serve: bool, m: u32, bytes: u64, comms: u32| {
+            let job = Job {
+                comms_per_direction: comms,
+                grouping,
+                machines_serve: serve,
+                // The server groups' study's own size, fixed: it would take
+                // whichever predicts shortest.
+                group: 4,
+                ..Job::new(m, 8, bytes)
+            };
+            match predict(&hw, &job, algo) {
+                Ok(p) => Some(p),
+                Err(ModelError::NotApplicable { .. }) => None,
+                Err(e) => panic!("{algo} {m}x8 {bytes}: {e}"),
+            }
+        };
+    use fairring::Grouping::{Auto, OneLevel};
+    let plans = [
+        (Algo::Hierarchical, Auto, true),
+        (Algo::Hierarchical, OneLevel, true),
+        (Algo::Servers, Auto, true),
+        (Algo::Servers, OneLevel, true),
+        (Algo::Servers, Auto, false),
+        (Algo::ServerGroups, Auto, true),
     ];
-    for (m, d) in [(2, 8), (8, 8), (32, 8), (128, 8), (6, 1)] {
-        for bytes in [MIB, 64 * MIB, 256 * MIB] {
-            for (algo, grouping, machines_serve) in cases {
-                let predict_with = |comms: u32| {
-                    let job = Job {
-                        comms_per_direction: comms,
-                        grouping,
-                        machines_serve,
-                        ..Job::new(m, d, bytes)
-                    };
-                    predict(&hw, &job, algo).unwrap()
+    for (algo, grouping, serve) in plans {
+        for m in [2, 8, 32, 65] {
+            for bytes in [MIB, 64 * MIB] {
+                let (Some(one), Some(two)) = (
+                    predict_with(algo, grouping, serve, m, bytes, 1),
+                    predict_with(algo, grouping, serve, m, bytes, 2),
+                ) else {
+                    // Server groups need 4 servers a rail or more.
+                    assert!(algo == Algo::ServerGroups && m < 8, "{algo} {m}x8");
+                    continue;
                 };
-                let (one, two) = (predict_with(1), predict_with(2));
-                let what = format!("{algo} {grouping:?} serve {machines_serve} {m}x{d} {bytes}");
+                let what = format!("{algo} {grouping:?} serve {serve} {m}x8 {bytes}");
                 assert_eq!(one.traffic, two.traffic, "{what}: the same traffic");
-                assert!(
-                    two.seconds <= one.seconds * (1.0 + 1e-12),
-                    "{what}: {} s with two communicators a direction, {} s with one",
-                    two.seconds,
-                    one.seconds
+                close(
+                    two.busy.unwrap().nvlink,
+                    one.busy.unwrap().nvlink,
+                    &format!("{what}: NVLink busy"),
                 );
             }
         }
+    }
+    // 128 machines of 8: in groups of 32, through the trees in one level,
+    // and in groups of servers; 8 machines beside their own 8 servers.
+    for (algo, grouping, serve, m, bytes) in [
+        (Algo::Hierarchical, Auto, true, 128, 64 * MIB),
+        (Algo::Hierarchical, OneLevel, true, 128, 64 * MIB),
+        (Algo::Servers, OneLevel, true, 128, 64 * MIB),
+        (Algo::Servers, Auto, false, 8, 256 * MIB),
+        (Algo::ServerGroups, Auto, true, 128, 64 * MIB),
+    ] {
+        let (one, two) = (
+            predict_with(algo, grouping, serve, m, bytes, 1).unwrap(),
+            predict_with(algo, grouping, serve, m, bytes, 2).unwrap(),
+        );
+        assert!(
+            two.seconds < one.seconds,
+            "{algo} {grouping:?} serve {serve} {m}x8 {bytes}: {} s with two communicators a \
+             direction, {} s with one",
+            two.seconds,
+            one.seconds
+        );
     }
 }
 

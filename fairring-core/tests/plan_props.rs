@@ -537,8 +537,8 @@ fn adaptive_sharding_examples() {
     // children's halves.
     // The default group size, by hand: 256 machines in 8 groups of 32; 252
     // in 7 of 36 (32 would make 8 unequal ones, 40 makes 7 equal); 100 in 4
-    // of 25; 189 in 3 of 63 (64 is the first size to make equal groups);
-    // 198 in 6 of 33 (32, 40, 48, 56 and 64 make 7, 5, 5, 4 and 4 unequal
+    // of 25; 189 in 3 of 63 (64 is the first size to make equal groups,
+    // ahead of 27, which divides it too); 198 in 6 of 33 (32, 40, 48, 56 and 64 make 7, 5, 5, 4 and 4 unequal
     // ones; 33 is the largest size from 20 to 48 that divides 198); 65
     // (5 x 13) and 131, prime, in unequal groups of at most 32 (half of 65)
     // and 48; 40 (one level at the default minimum shard) in two of 20.
@@ -894,10 +894,17 @@ proptest! {
                 prop_assert!(equal);
             }
             None => {
+                // The largest size from 20 to the bound whose groups, as
+                // `MachineGroups` makes them, are all of that size.
                 let bound = (m / 2).min(PlanConfig::DEFAULT_GROUP_SIZE);
+                let all_of = |s: u32| {
+                    fairring_core::plan::MachineGroups::new(m, s).is_ok_and(|g| {
+                        (0..g.groups()).all(|i| g.size(i).is_ok_and(|n| n == s))
+                    })
+                };
                 let divides = (PlanConfig::SMALLEST_EQUAL_GROUP..=bound)
-                    .rev()
-                    .find(|&s| m % s == 0);
+                    .filter(|&s| all_of(s))
+                    .max();
                 match divides {
                     Some(s) => {
                         prop_assert_eq!(size, s);

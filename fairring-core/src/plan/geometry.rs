@@ -72,8 +72,9 @@ impl PlanConfig {
     pub const MIN_SLICES_PER_TENSOR: u64 = 4;
     /// The largest group of machines where the default slices reduce in two
     /// levels ([`Routing::Groups`]) and no size of
-    /// [`PlanConfig::EQUAL_GROUP_SIZES`] makes equal groups: 48 machines
-    /// ([`PlanConfig::default_group_size`]).
+    /// [`PlanConfig::EQUAL_GROUP_SIZES`] makes equal groups: 48 machines, the
+    /// largest equal groups [`PlanConfig::default_group_size`] then looks
+    /// for, and the bound of the unequal ones it takes where it finds none.
     pub const DEFAULT_GROUP_SIZE: u32 = 48;
     /// The largest group of dedicated servers (of one rail group) where a
     /// full slot cannot give every server a cell of the minimum shard, and
@@ -123,9 +124,9 @@ impl PlanConfig {
     /// range of the larger groups into two intervals across the groups, so
     /// where the sizes of 32 to 64 make no equal groups, the equal ones of 22
     /// to 34 machines this finds (13 of the 192 counts) run 1.007 to 1.072
-    /// times faster than groups of at most 48 did (198 machines in 6 groups
-    /// of 33 rather than 5 of at most 40: 1.02, 1.05 and 1.05 times). Fixed
-    /// sizes did worse: groups of at most 32 fell to
+    /// times as fast as unequal groups of at most 48 (198 machines in 6
+    /// groups of 33 rather than 5 of at most 40: 1.02, 1.05 and 1.05 times).
+    /// Fixed sizes did worse: groups of at most 32 fell to
     /// 0.977 times NCCL's best at 256 MiB, of at most 64 to 0.961 times at
     /// 64 MiB, of at most 48 to 0.97 times the trees at 50 counts.
     pub const fn default_group_size(machines: u32) -> u32 {
