@@ -321,6 +321,33 @@ fn nccl_tuner_times_calls_within_a_machine_as_worked_by_hand() {
 /// of at most a call of each kind, far less than the calls' full times added.
 #[test]
 fn a_machines_two_communicators_overlap_latency_with_bytes() {
+    let b = nvlink_bound();
+    let p = predict(&b.hw, &b.job, Algo::Hierarchical).unwrap();
+    let nvlink = p.busy.unwrap().nvlink;
+    close(nvlink, b.bytes, "NVLink busy for the calls' bytes");
+    let fill = (b.reduce.time_us + b.gather.time_us) * 1e-6;
+    assert!(
+        p.seconds >= b.bytes && p.seconds <= b.bytes + fill,
+        "{} s against {} s of bytes and {fill} s of fill",
+        p.seconds,
+        b.bytes
+    );
+}
+
+/// Two machines of 8 GPUs whose NICs, memory and hand-offs cost nothing,
+/// and a tensor of ten of the engine's full slices: only the machines'
+/// calls bound it. With each call's estimate, as NCCL's tuner makes it,
+/// and the seconds the calls' bytes hold NVLink.
+struct NvlinkBound {
+    hw: Hardware,
+    job: Job,
+    reduce: nccl::Estimate,
+    scatter: nccl::Estimate,
+    gather: nccl::Estimate,
+    bytes: f64,
+}
+
+fn nvlink_bound() -> NvlinkBound {
     let mut hw = plan_on_few_machines(free_of_latency(h100()));
     hw.nic.gbps = 1e6;
     hw.memory.gbps = 1e6;
@@ -331,15 +358,13 @@ fn a_machines_two_communicators_overlap_latency_with_bytes() {
         .geometry
         .full_slice_bytes();
     let slices = 10;
-    let job = Job::new(2, 8, slices * slice);
-    let p = predict(&hw, &job, Algo::Hierarchical).unwrap();
-    let call = |c: Collective| {
-        nccl::choose_collective(&hw.nccl, c, 1, 8, slice, &NcclAlgorithm::ALL).unwrap()
-    };
     // Full slices of eight equal slots, of at least the engine's size for one
     // reduce-scatter call: the first reduces slot by slot, the rest in one
     // call (`fairring::reduces_in_one_call`).
     assert!(slice >= fairring::ONE_REDUCE_SCATTER_FROM_BYTES && slice.is_multiple_of(8 * 64));
+    let call = |c: Collective| {
+        nccl::choose_collective(&hw.nccl, c, 1, 8, slice, &NcclAlgorithm::ALL).unwrap()
+    };
     let (reduce, scatter, gather) = (
         call(Collective::Reduce),
         call(Collective::ReduceScatter),
@@ -348,18 +373,18 @@ fn a_machines_two_communicators_overlap_latency_with_bytes() {
     let busy = |e: &nccl::Estimate| (e.time_us - e.latency_us) * 1e-6;
     let bytes =
         busy(&reduce) + (slices - 1) as f64 * busy(&scatter) + slices as f64 * busy(&gather);
-    let nvlink = p.busy.unwrap().nvlink;
-    close(nvlink, bytes, "NVLink busy for the calls' bytes");
-    let fill = (reduce.time_us + gather.time_us) * 1e-6;
-    assert!(
-        p.seconds >= bytes && p.seconds <= bytes + fill,
-        "{} s against {bytes} s of bytes and {fill} s of fill",
-        p.seconds
-    );
+    NvlinkBound {
+        hw,
+        job: Job::new(2, 8, slices * slice),
+        reduce,
+        scatter,
+        gather,
+        bytes,
+    }
 }
 
 /// The study of two communicators a direction (`Job::comms_per_direction`),
-/// on the job above: the same calls, so NVLink holds the same bytes, but a
+/// on the job of `nvlink_bound`: the same calls, so NVLink holds the same bytes, but a
 /// call's latency now passes while the other communicator of its direction
 /// moves bytes. With one communicator a direction NVLink also idles for a
 /// reduce-scatter's latency at the start (the second slice's waits for the
@@ -368,35 +393,16 @@ fn a_machines_two_communicators_overlap_latency_with_bytes() {
 /// the first call's latency.
 #[test]
 fn two_communicators_a_direction_leave_nvlink_idle_only_for_the_first_calls_latency() {
-    let mut hw = plan_on_few_machines(free_of_latency(h100()));
-    hw.nic.gbps = 1e6;
-    hw.memory.gbps = 1e6;
-    let slice = Job::new(2, 8, 1)
-        .staging(0)
-        .unwrap()
-        .geometry
-        .full_slice_bytes();
-    let slices = 10;
-    let call = |c: Collective| {
-        nccl::choose_collective(&hw.nccl, c, 1, 8, slice, &NcclAlgorithm::ALL).unwrap()
-    };
-    let (reduce, scatter, gather) = (
-        call(Collective::Reduce),
-        call(Collective::ReduceScatter),
-        call(Collective::AllGather),
-    );
-    let busy = |e: &nccl::Estimate| (e.time_us - e.latency_us) * 1e-6;
-    let bytes =
-        busy(&reduce) + (slices - 1) as f64 * busy(&scatter) + slices as f64 * busy(&gather);
+    let b = nvlink_bound();
     let predict_with = |comms: u32| {
         let job = Job {
             comms_per_direction: comms,
-            ..Job::new(2, 8, slices * slice)
+            ..b.job
         };
-        let p = predict(&hw, &job, Algo::Hierarchical).unwrap();
+        let p = predict(&b.hw, &job, Algo::Hierarchical).unwrap();
         close(
             p.busy.unwrap().nvlink,
-            bytes,
+            b.bytes,
             "NVLink busy for the calls' bytes",
         );
         (p.seconds, p.traffic.unwrap())
@@ -404,13 +410,13 @@ fn two_communicators_a_direction_leave_nvlink_idle_only_for_the_first_calls_late
     let (one, one_traffic) = predict_with(1);
     let (two, two_traffic) = predict_with(2);
     assert_eq!(one_traffic, two_traffic, "the same messages and bytes");
-    let first = reduce.latency_us * 1e-6;
+    let first = b.reduce.latency_us * 1e-6;
     close(
         one,
-        first + bytes + (scatter.latency_us + gather.latency_us) * 1e-6,
+        first + b.bytes + (b.scatter.latency_us + b.gather.latency_us) * 1e-6,
         "one communicator a direction",
     );
-    close(two, first + bytes, "two communicators a direction");
+    close(two, first + b.bytes, "two communicators a direction");
 }
 
 /// The study of two communicators a direction makes every call the engine
