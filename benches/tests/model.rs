@@ -478,11 +478,13 @@ fn two_communicators_a_direction_make_the_same_calls_in_every_plan() {
             }
         }
     }
-    // 128 machines of 8: in groups of 32, through the trees in one level,
-    // and in groups of servers; 8 machines beside their own 8 servers.
+    // 128 machines of 8: in groups of 32 (the machines serving beside
+    // servers too), through the trees in one level, and in groups of
+    // servers; 8 machines beside their own 8 servers.
     for (algo, grouping, serve, m, bytes) in [
         (Algo::Hierarchical, Auto, true, 128, 64 * MIB),
         (Algo::Hierarchical, OneLevel, true, 128, 64 * MIB),
+        (Algo::Servers, Auto, true, 128, 64 * MIB),
         (Algo::Servers, OneLevel, true, 128, 64 * MIB),
         (Algo::Servers, Auto, false, 8, 256 * MIB),
         (Algo::ServerGroups, Auto, true, 128, 64 * MIB),
