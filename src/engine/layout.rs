@@ -776,55 +776,32 @@ mod tests {
     #[test]
     fn small_tensors_take_groups_where_their_flat_slices_are_few_and_some_short() {
         let f32_mib = |mib: u64| (mib << 20) / 4;
-        // 16 machines, 1 MiB: one slice, a 128 KiB slot, 2 shards of 16.
-        assert!(takes_groups(
-            &default_flat(16, 8),
-            DataType::F32,
-            f32_mib(1)
-        ));
-        // 16 machines, 16 MiB: one slice, a 2 MiB slot of 32 shards, 16 kept.
-        assert!(!takes_groups(
-            &default_flat(16, 8),
-            DataType::F32,
-            f32_mib(16)
-        ));
-        // 44 machines, 16 MiB: 32 shards of 44 machines, below three in four.
-        assert!(takes_groups(
-            &default_flat(44, 8),
-            DataType::F32,
-            f32_mib(16)
-        ));
-        // 40 machines, 16 MiB: 32 of 40 is four in five.
-        assert!(!takes_groups(
-            &default_flat(40, 8),
-            DataType::F32,
-            f32_mib(16)
-        ));
-        // 50 machines, 64 MiB: cut 25, 25 and 14 MiB (a shard each for 50 in
-        // a slot of 25 MiB / 8), the last slot's 28 shards of 50.
-        assert!(takes_groups(
-            &default_flat(50, 8),
-            DataType::F32,
-            f32_mib(64)
-        ));
-        // 33 machines, 64 MiB: four slices (16.5 MiB each but the last).
-        assert!(!takes_groups(
-            &default_flat(33, 8),
-            DataType::F32,
-            f32_mib(64)
-        ));
-        // 20 machines, 25 MiB: 16 and 9 MiB, 18 shards of 20 in the last.
-        assert!(!takes_groups(
-            &default_flat(20, 8),
-            DataType::F32,
-            f32_mib(25)
-        ));
-        // 36 machines, 25 MiB: 18 and 7 MiB, 14 shards of 36 in the last.
-        assert!(takes_groups(
-            &default_flat(36, 8),
-            DataType::F32,
-            f32_mib(25)
-        ));
+        // (machines of 8, MiB, whether it takes groups)
+        for (m, mib, takes) in [
+            // One slice, a 128 KiB slot, 2 shards of 16.
+            (16, 1, true),
+            // One slice, a 2 MiB slot of 32 shards, 16 kept.
+            (16, 16, false),
+            // 32 shards of 44 machines, below three in four.
+            (44, 16, true),
+            // 32 of 40 is four in five.
+            (40, 16, false),
+            // Cut 25, 25 and 14 MiB (a shard each for 50 in a slot of 25
+            // MiB / 8), the last slot's 28 shards of 50.
+            (50, 64, true),
+            // Four slices (16.5 MiB each but the last).
+            (33, 64, false),
+            // 16 and 9 MiB, 18 shards of 20 in the last.
+            (20, 25, false),
+            // 18 and 7 MiB, 14 shards of 36 in the last.
+            (36, 25, true),
+        ] {
+            assert_eq!(
+                takes_groups(&default_flat(m, 8), DataType::F32, f32_mib(mib)),
+                takes,
+                "{m} machines, {mib} MiB"
+            );
+        }
         // 53 machines: the wide flat slices, never cut; 64 MiB is two of
         // them, 128 MiB four.
         let wide = default_flat(53, 8);
