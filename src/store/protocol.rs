@@ -6,11 +6,14 @@
 //! client -> server  "FRST" version(1) client_nonce(32)
 //! server -> client  server_nonce(32) HMAC(secret, "server" | job_tag | cn | sn)(32)
 //! client -> server  HMAC(secret, "client" | job_tag | cn | sn)(32)
-//! server -> client  0 (admitted)
+//! server -> client  0 (admitted), or 3 (refused: the client failed the proof)
 //! ```
 //!
 //! Both proofs are HMAC-SHA256 keyed with the job secret and compared in constant
-//! time; a side that fails the other's proof closes the connection.
+//! time; a side that fails the other's proof closes the connection, the server
+//! after saying so. A connection the server closes or leaves unanswered before
+//! its verdict (too many open, or no thread to serve it) is made again by the
+//! client, within its timeout; a refusal is final.
 //!
 //! **Requests** (little-endian): `op(1) key_len(4) key`, then for `SET`
 //! `value_len(4) value`, for `GET` `timeout_ms(4)`, for `CHECK` nothing. Keys are at
@@ -45,6 +48,7 @@ pub(super) const OP_CHECK: u8 = 3;
 pub(super) const STATUS_OK: u8 = 0;
 pub(super) const STATUS_TIMEOUT: u8 = 1;
 pub(super) const STATUS_HOST_FAILED: u8 = 2;
+pub(super) const STATUS_REFUSED: u8 = 3;
 
 /// Longest reason a failed host sends, in bytes (a longer one is cut).
 pub(super) const MAX_REASON_LEN: usize = 4096;

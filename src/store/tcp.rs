@@ -55,6 +55,17 @@ impl TcpStoreServer {
         job_tag: u64,
         max_connections: usize,
     ) -> Result<TcpStoreServer> {
+        Self::bind_starting(address, secret, job_tag, max_connections, start_worker)
+    }
+
+    /// [`TcpStoreServer::bind`], each connection served by what `start` starts.
+    fn bind_starting(
+        address: SocketAddr,
+        secret: JobSecret,
+        job_tag: u64,
+        max_connections: usize,
+        start: StartWorker,
+    ) -> Result<TcpStoreServer> {
         let listener = TcpListener::bind(address)
             .map_err(|e| Error::io(format!("binding the rendezvous store to {address}"), e))?;
         listener
@@ -82,7 +93,7 @@ impl TcpStoreServer {
             let workers = Arc::clone(&workers);
             std::thread::Builder::new()
                 .name("fairring-store".into())
-                .spawn(move || accept_loop(&listener, &shared, &workers))
+                .spawn(move || accept_loop(&listener, &shared, &workers, start))
                 .map_err(|e| Error::io("starting the store thread", e))?
         };
         Ok(TcpStoreServer {
@@ -151,10 +162,20 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Starts the thread that serves one connection (a seam: a test's may fail).
+type StartWorker = fn(Box<dyn FnOnce() + Send>) -> io::Result<JoinHandle<()>>;
+
+fn start_worker(work: Box<dyn FnOnce() + Send>) -> io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("fairring-store-conn".into())
+        .spawn(work)
+}
+
 fn accept_loop(
     listener: &TcpListener,
     shared: &Arc<ServerShared>,
     workers: &Arc<Mutex<Vec<JoinHandle<()>>>>,
+    start: StartWorker,
 ) {
     let mut next_id = 0u64;
     while !shared.shutdown.load(Ordering::Acquire) {
@@ -175,22 +196,30 @@ fn accept_loop(
                 next_id += 1;
                 conns.insert(id, clone);
                 drop(conns);
-                let shared = Arc::clone(shared);
-                let spawned = std::thread::Builder::new()
-                    .name("fairring-store-conn".into())
-                    .spawn(move || {
-                        if let Err(e) = serve(stream, &shared)
-                            && !shared.shutdown.load(Ordering::Acquire)
-                            && e.kind() != io::ErrorKind::UnexpectedEof
-                        {
-                            log::warn!("fairring store: connection from {peer} closed: {e}");
-                        }
+                let served = Arc::clone(shared);
+                let work = Box::new(move || {
+                    if let Err(e) = serve(stream, &served)
+                        && !served.shutdown.load(Ordering::Acquire)
+                        && e.kind() != io::ErrorKind::UnexpectedEof
+                    {
+                        log::warn!("fairring store: connection from {peer} closed: {e}");
+                    }
+                    lock(&served.connections).remove(&id);
+                });
+                match start(work) {
+                    Ok(t) => {
+                        let mut w = lock(workers);
+                        w.retain(|t| !t.is_finished());
+                        w.push(t);
+                    }
+                    Err(e) => {
+                        // The work (and its stream) is gone: closing the
+                        // copy kept for shutdown too tells the client at
+                        // once, which connects again, instead of leaving it
+                        // waiting for an answer that cannot come.
                         lock(&shared.connections).remove(&id);
-                    });
-                if let Ok(t) = spawned {
-                    let mut w = lock(workers);
-                    w.retain(|t| !t.is_finished());
-                    w.push(t);
+                        log::warn!("fairring store: closed {peer}: no thread to serve it: {e}");
+                    }
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -229,14 +258,16 @@ fn admit(stream: &mut TcpStream, shared: &ServerShared) -> io::Result<()> {
     stream.write_all(&reply)?;
     let mut theirs = [0; p::PROOF_LEN];
     stream.read_exact(&mut theirs)?;
-    p::proof(secret, b"client", shared.job_tag, cn, &sn)
+    if p::proof(secret, b"client", shared.job_tag, cn, &sn)
         .verify_slice(&theirs)
-        .map_err(|_| {
-            io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                "client failed the job-secret proof",
-            )
-        })?;
+        .is_err()
+    {
+        let _ = stream.write_all(&[p::STATUS_REFUSED]);
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "client failed the job-secret proof",
+        ));
+    }
     stream.write_all(&[p::STATUS_OK])?;
     stream.set_read_timeout(None)?;
     stream.set_write_timeout(None)?;
@@ -330,8 +361,11 @@ pub struct TcpStore {
 }
 
 impl TcpStore {
-    /// Connects to the server at `host:port`, retrying until `timeout` while it is
-    /// not up yet, and proves knowledge of the job secret.
+    /// Connects to the server at `host:port` and proves knowledge of the job
+    /// secret, within `timeout`: a server not up yet is waited for, and a
+    /// connection the server closes or leaves unanswered before admitting it
+    /// (too busy to serve it) is made again. A server of another job or
+    /// secret is refused at once.
     pub fn connect(
         host: &str,
         port: u16,
@@ -340,20 +374,56 @@ impl TcpStore {
         timeout: Duration,
     ) -> Result<TcpStore> {
         let address = resolve(host, port)?;
-        let mut stream = connect_retrying(address, timeout, "the rendezvous store")?;
-        match handshake(&mut stream, secret, job_tag) {
-            Ok(()) => {
-                let _ = stream.set_nodelay(true);
-                Ok(TcpStore {
-                    address,
-                    stream: Mutex::new(stream),
-                    host_failed: Mutex::new(None),
-                })
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut stream = connect_retrying(address, left, "the rendezvous store")?;
+            let attempt = Instant::now() + left.min(HANDSHAKE_TIMEOUT);
+            let e = match handshake(&mut stream, secret, job_tag, attempt) {
+                Ok(()) => {
+                    let _ = stream.set_nodelay(true);
+                    return Ok(TcpStore {
+                        address,
+                        stream: Mutex::new(stream),
+                        host_failed: Mutex::new(None),
+                    });
+                }
+                Err(e) => e,
+            };
+            drop(stream);
+            let unanswered = matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            );
+            let closed = matches!(
+                e.kind(),
+                io::ErrorKind::UnexpectedEof
+                    | io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::ConnectionAborted
+                    | io::ErrorKind::BrokenPipe
+            );
+            if (unanswered || closed) && Instant::now() + pause < deadline {
+                log::debug!("fairring store: admission at {address} to be tried again: {e}");
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(500));
+                continue;
             }
-            Err(e) => Err(Error::store(
+            if unanswered || closed {
+                let last = if unanswered {
+                    "it did not answer".to_string()
+                } else {
+                    format!("it closed the connection: {e}")
+                };
+                return Err(Error::timeout(
+                    format!("admission by the rendezvous store at {address} (last try: {last})"),
+                    timeout,
+                ));
+            }
+            return Err(Error::store(
                 "admission",
                 format!("the store at {address} did not admit this rank: {e}"),
-            )),
+            ));
         }
     }
 
@@ -467,9 +537,20 @@ pub(crate) fn resolve_master(host: &str, port: u16) -> Result<SocketAddr> {
     resolve(host, port)
 }
 
-fn handshake(stream: &mut TcpStream, secret: &JobSecret, job_tag: u64) -> io::Result<()> {
-    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+/// Proves this client to the server on `stream`, by `deadline`: a read or
+/// write still waiting then fails as [`io::ErrorKind::TimedOut`].
+fn handshake(
+    stream: &mut TcpStream,
+    secret: &JobSecret,
+    job_tag: u64,
+    deadline: Instant,
+) -> io::Result<()> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(io::ErrorKind::TimedOut.into());
+    }
+    stream.set_read_timeout(Some(left))?;
+    stream.set_write_timeout(Some(left))?;
     let mut cn = [0; p::NONCE_LEN];
     getrandom::fill(&mut cn).map_err(io::Error::other)?;
     let mut hello = Vec::with_capacity(5 + p::NONCE_LEN);
@@ -493,7 +574,10 @@ fn handshake(stream: &mut TcpStream, secret: &JobSecret, job_tag: u64) -> io::Re
         .into_bytes();
     stream.write_all(&mine)?;
     if p::read_u8(stream)? != p::STATUS_OK {
-        return Err(io::Error::new(io::ErrorKind::PermissionDenied, "refused"));
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "refused: this rank failed the job-secret proof",
+        ));
     }
     stream.set_read_timeout(None)?;
     stream.set_write_timeout(None)?;
@@ -539,6 +623,119 @@ mod tests {
             TcpStore::connect("127.0.0.1", port, &secret, 7, Duration::from_secs(5)).unwrap()
         });
         (server, clients)
+    }
+
+    /// A connection the server could start no thread for is closed, and the
+    /// client connects again rather than waiting out its timeout.
+    #[test]
+    fn a_connection_the_server_cannot_serve_is_made_again() {
+        static STARTS: AtomicUsize = AtomicUsize::new(0);
+        fn first_fails(work: Box<dyn FnOnce() + Send>) -> io::Result<JoinHandle<()>> {
+            if STARTS.fetch_add(1, Ordering::AcqRel) == 0 {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            start_worker(work)
+        }
+        let secret = JobSecret::generate().unwrap();
+        let server = TcpStoreServer::bind_starting(
+            "127.0.0.1:0".parse().unwrap(),
+            secret.clone(),
+            7,
+            8,
+            first_fails,
+        )
+        .unwrap();
+        let port = server.address().port();
+        // Shorter than a try's own wait for an answer: a connection left open
+        // unserved would time the client out.
+        let timeout = HANDSHAKE_TIMEOUT / 2;
+        let client = TcpStore::connect("127.0.0.1", port, &secret, 7, timeout).unwrap();
+        assert_eq!(STARTS.load(Ordering::Acquire), 2);
+        client.set("k", b"v").unwrap();
+        assert_eq!(client.get("k", timeout).unwrap(), b"v");
+    }
+
+    /// A server that accepts and never answers fails the client within its
+    /// timeout, saying so, and not after a fixed wait of its own.
+    #[test]
+    fn a_store_that_never_answers_fails_within_the_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let secret = JobSecret::generate().unwrap();
+        let timeout = Duration::from_millis(600);
+        let given_up = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let held = s.spawn(|| {
+                // Holds what it accepts until the client has given up.
+                let mut held = Vec::new();
+                listener.set_nonblocking(true).unwrap();
+                while !given_up.load(Ordering::Acquire) {
+                    match listener.accept() {
+                        Ok((stream, _)) => held.push(stream),
+                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                    }
+                }
+                held.len()
+            });
+            let outcome = TcpStore::connect("127.0.0.1", port, &secret, 7, timeout);
+            given_up.store(true, Ordering::Release);
+            let Err(Error::Timeout { what, after }) = outcome else {
+                panic!("a silent store: {:?}", outcome.err());
+            };
+            assert_eq!(after, timeout);
+            assert!(
+                what.contains("admission") && what.contains("did not answer"),
+                "{what}"
+            );
+            assert!(held.join().unwrap() >= 1);
+        });
+    }
+
+    /// A store of another job (another secret) is refused on the first
+    /// connection, not tried again until the timeout.
+    #[test]
+    fn a_store_of_another_job_is_refused_at_once() {
+        static STARTS: AtomicUsize = AtomicUsize::new(0);
+        fn counted(work: Box<dyn FnOnce() + Send>) -> io::Result<JoinHandle<()>> {
+            STARTS.fetch_add(1, Ordering::AcqRel);
+            start_worker(work)
+        }
+        let server = TcpStoreServer::bind_starting(
+            "127.0.0.1:0".parse().unwrap(),
+            JobSecret::generate().unwrap(),
+            7,
+            8,
+            counted,
+        )
+        .unwrap();
+        let port = server.address().port();
+        let other = JobSecret::generate().unwrap();
+        let outcome = TcpStore::connect("127.0.0.1", port, &other, 7, Duration::from_secs(20));
+        let Err(Error::Store {
+            operation: "admission",
+            reason,
+        }) = outcome
+        else {
+            panic!("another job's store: {:?}", outcome.err());
+        };
+        assert!(reason.contains("job-secret proof"), "{reason}");
+        assert_eq!(STARTS.load(Ordering::Acquire), 1);
+    }
+
+    /// A client that fails its proof is told so before the server closes.
+    #[test]
+    fn a_client_that_fails_the_proof_is_told_so() {
+        let (server, []) = served::<0>();
+        let mut raw = TcpStream::connect(server.address()).unwrap();
+        raw.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut hello = p::MAGIC.to_vec();
+        hello.push(p::VERSION);
+        hello.extend_from_slice(&[1; p::NONCE_LEN]);
+        raw.write_all(&hello).unwrap();
+        let mut reply = [0; p::NONCE_LEN + p::PROOF_LEN];
+        raw.read_exact(&mut reply).unwrap();
+        raw.write_all(&[0; p::PROOF_LEN]).unwrap();
+        assert_eq!(p::read_u8(&mut raw).unwrap(), p::STATUS_REFUSED);
     }
 
     /// A rank that fails while serving the store lets its peers read what is
