@@ -5,15 +5,18 @@
 //! ```text
 //! client -> server  "FRST" version(1) client_nonce(32)
 //! server -> client  server_nonce(32) HMAC(secret, "server" | job_tag | cn | sn)(32)
+//!                   or, to a client of another version: "FRST" version(1) zeros(59)
 //! client -> server  HMAC(secret, "client" | job_tag | cn | sn)(32)
 //! server -> client  0 (admitted), or 3 (refused: the client failed the proof)
 //! ```
 //!
 //! Both proofs are HMAC-SHA256 keyed with the job secret and compared in constant
 //! time; a side that fails the other's proof closes the connection, the server
-//! after saying so. A connection the server closes or leaves unanswered before
+//! after saying so. The server reads a client's magic and version before its
+//! nonce, so that a client of any version is answered with the server's. A
+//! refusal is final; a connection the server closes or leaves unanswered before
 //! its verdict (too many open, or no thread to serve it) is made again by the
-//! client, within its timeout; a refusal is final.
+//! client, within its timeout.
 //!
 //! **Requests** (little-endian): `op(1) key_len(4) key`, then for `SET`
 //! `value_len(4) value`, for `GET` `timeout_ms(4)`, for `CHECK` nothing. Keys are at
@@ -49,6 +52,26 @@ pub(super) const STATUS_OK: u8 = 0;
 pub(super) const STATUS_TIMEOUT: u8 = 1;
 pub(super) const STATUS_HOST_FAILED: u8 = 2;
 pub(super) const STATUS_REFUSED: u8 = 3;
+
+/// The server's first answer, where a client's version is not its own.
+pub(super) const fn version_refusal() -> [u8; NONCE_LEN + PROOF_LEN] {
+    let mut reply = [0; NONCE_LEN + PROOF_LEN];
+    let mut i = 0;
+    while i < MAGIC.len() {
+        reply[i] = MAGIC[i];
+        i += 1;
+    }
+    reply[MAGIC.len()] = VERSION;
+    reply
+}
+
+/// The version a server's first answer says it speaks, where that answer is
+/// a [`version_refusal`] (a real nonce and proof look like one by a chance
+/// of 2^-504).
+pub(super) fn refused_version(reply: &[u8; NONCE_LEN + PROOF_LEN]) -> Option<u8> {
+    let (head, zeros) = reply.split_at(MAGIC.len() + 1);
+    (&head[..MAGIC.len()] == MAGIC && zeros.iter().all(|&b| b == 0)).then_some(head[MAGIC.len()])
+}
 
 /// Longest reason a failed host sends, in bytes (a longer one is cut).
 pub(super) const MAX_REASON_LEN: usize = 4096;

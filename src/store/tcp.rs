@@ -55,11 +55,11 @@ impl TcpStoreServer {
         job_tag: u64,
         max_connections: usize,
     ) -> Result<TcpStoreServer> {
-        Self::bind_starting(address, secret, job_tag, max_connections, start_worker)
+        Self::bind_with_starter(address, secret, job_tag, max_connections, start_worker)
     }
 
     /// [`TcpStoreServer::bind`], each connection served by what `start` starts.
-    fn bind_starting(
+    fn bind_with_starter(
         address: SocketAddr,
         secret: JobSecret,
         job_tag: u64,
@@ -178,15 +178,25 @@ fn accept_loop(
     start: StartWorker,
 ) {
     let mut next_id = 0u64;
+    // Clients connect again to a store that closed them: one warning a
+    // second says so, not one a connection.
+    let mut quiet_until = Instant::now();
+    let mut warn_closed = |why: std::fmt::Arguments<'_>| {
+        let now = Instant::now();
+        if now >= quiet_until {
+            quiet_until = now + Duration::from_secs(1);
+            log::warn!("fairring store: {why}");
+        }
+    };
     while !shared.shutdown.load(Ordering::Acquire) {
         match listener.accept() {
             Ok((stream, peer)) => {
                 let mut conns = lock(&shared.connections);
                 if conns.len() >= shared.max_connections {
-                    log::warn!(
-                        "fairring store: refused {peer}: {} connections already open",
+                    warn_closed(format_args!(
+                        "closed {peer}: {} connections already open",
                         conns.len()
-                    );
+                    ));
                     continue;
                 }
                 let Ok(clone) = stream.try_clone() else {
@@ -196,15 +206,15 @@ fn accept_loop(
                 next_id += 1;
                 conns.insert(id, clone);
                 drop(conns);
-                let served = Arc::clone(shared);
+                let worker_shared = Arc::clone(shared);
                 let work = Box::new(move || {
-                    if let Err(e) = serve(stream, &served)
-                        && !served.shutdown.load(Ordering::Acquire)
+                    if let Err(e) = serve(stream, &worker_shared)
+                        && !worker_shared.shutdown.load(Ordering::Acquire)
                         && e.kind() != io::ErrorKind::UnexpectedEof
                     {
                         log::warn!("fairring store: connection from {peer} closed: {e}");
                     }
-                    lock(&served.connections).remove(&id);
+                    lock(&worker_shared.connections).remove(&id);
                 });
                 match start(work) {
                     Ok(t) => {
@@ -218,7 +228,7 @@ fn accept_loop(
                         // once, which connects again, instead of leaving it
                         // waiting for an answer that cannot come.
                         lock(&shared.connections).remove(&id);
-                        log::warn!("fairring store: closed {peer}: no thread to serve it: {e}");
+                        warn_closed(format_args!("closed {peer}: no thread to serve it: {e}"));
                     }
                 }
             }
@@ -237,19 +247,31 @@ fn admit(stream: &mut TcpStream, shared: &ServerShared) -> io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    let mut hello = [0; 5 + p::NONCE_LEN];
-    stream.read_exact(&mut hello)?;
-    if &hello[..4] != p::MAGIC || hello[4] != p::VERSION {
+    let mut greeting = [0; 5];
+    stream.read_exact(&mut greeting)?;
+    if &greeting[..4] != p::MAGIC {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            "not a fairring store client (bad magic or version)",
+            "not a fairring store client (bad magic)",
         ));
     }
-    let cn = &hello[5..];
+    if greeting[4] != p::VERSION {
+        let _ = stream.write_all(&p::version_refusal());
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "a client of store protocol version {}, not {}",
+                greeting[4],
+                p::VERSION
+            ),
+        ));
+    }
+    let mut cn = [0; p::NONCE_LEN];
+    stream.read_exact(&mut cn)?;
     let mut sn = [0; p::NONCE_LEN];
     getrandom::fill(&mut sn).map_err(io::Error::other)?;
     let secret = shared.secret.as_bytes();
-    let mine = p::proof(secret, b"server", shared.job_tag, cn, &sn)
+    let mine = p::proof(secret, b"server", shared.job_tag, &cn, &sn)
         .finalize()
         .into_bytes();
     let mut reply = Vec::with_capacity(p::NONCE_LEN + p::PROOF_LEN);
@@ -258,7 +280,7 @@ fn admit(stream: &mut TcpStream, shared: &ServerShared) -> io::Result<()> {
     stream.write_all(&reply)?;
     let mut theirs = [0; p::PROOF_LEN];
     stream.read_exact(&mut theirs)?;
-    if p::proof(secret, b"client", shared.job_tag, cn, &sn)
+    if p::proof(secret, b"client", shared.job_tag, &cn, &sn)
         .verify_slice(&theirs)
         .is_err()
     {
@@ -376,11 +398,30 @@ impl TcpStore {
         let address = resolve(host, port)?;
         let deadline = Instant::now() + timeout;
         let mut pause = Duration::from_millis(20);
+        // Why the last connection made was not admitted, once one was not.
+        let mut last_try: Option<String> = None;
+        let gave_up = |last: &str| {
+            Error::timeout(
+                format!("admission by the rendezvous store at {address} (last try: {last})"),
+                timeout,
+            )
+        };
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let mut stream = connect_retrying(address, left, "the rendezvous store")?;
-            let attempt = Instant::now() + left.min(HANDSHAKE_TIMEOUT);
-            let e = match handshake(&mut stream, secret, job_tag, attempt) {
+            if let Some(last) = &last_try
+                && left.is_zero()
+            {
+                return Err(gave_up(last));
+            }
+            let mut stream = match connect_retrying(address, left, "the rendezvous store") {
+                Ok(stream) => stream,
+                Err(e) => match &last_try {
+                    Some(last) => return Err(gave_up(&format!("{last}; then {e}"))),
+                    None => return Err(e),
+                },
+            };
+            let this_try = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
+            let e = match handshake(&mut stream, secret, job_tag, this_try) {
                 Ok(()) => {
                     let _ = stream.set_nodelay(true);
                     return Ok(TcpStore {
@@ -392,38 +433,30 @@ impl TcpStore {
                 Err(e) => e,
             };
             drop(stream);
-            let unanswered = matches!(
-                e.kind(),
-                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-            );
-            let closed = matches!(
-                e.kind(),
-                io::ErrorKind::UnexpectedEof
-                    | io::ErrorKind::ConnectionReset
-                    | io::ErrorKind::ConnectionAborted
-                    | io::ErrorKind::BrokenPipe
-            );
-            if (unanswered || closed) && Instant::now() + pause < deadline {
-                log::debug!("fairring store: admission at {address} to be tried again: {e}");
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(500));
-                continue;
-            }
-            if unanswered || closed {
-                let last = if unanswered {
+            let why = match e.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
                     "it did not answer".to_string()
-                } else {
-                    format!("it closed the connection: {e}")
-                };
-                return Err(Error::timeout(
-                    format!("admission by the rendezvous store at {address} (last try: {last})"),
-                    timeout,
-                ));
+                }
+                io::ErrorKind::UnexpectedEof
+                | io::ErrorKind::ConnectionReset
+                | io::ErrorKind::ConnectionAborted
+                | io::ErrorKind::BrokenPipe => format!("it closed the connection ({e})"),
+                _ => {
+                    return Err(Error::store(
+                        "admission",
+                        format!("the store at {address} did not admit this rank: {e}"),
+                    ));
+                }
+            };
+            if last_try.is_none() {
+                log::warn!(
+                    "fairring store: {address} did not admit this rank yet ({why}); \
+                     trying again until the timeout"
+                );
             }
-            return Err(Error::store(
-                "admission",
-                format!("the store at {address} did not admit this rank: {e}"),
-            ));
+            last_try = Some(why);
+            std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+            pause = (pause * 2).min(Duration::from_millis(500));
         }
     }
 
@@ -537,29 +570,36 @@ pub(crate) fn resolve_master(host: &str, port: u16) -> Result<SocketAddr> {
     resolve(host, port)
 }
 
-/// Proves this client to the server on `stream`, by `deadline`: a read or
-/// write still waiting then fails as [`io::ErrorKind::TimedOut`].
+/// Proves this client to the server on `stream`, each read and write
+/// waiting at most until `deadline` (then failing as
+/// [`io::ErrorKind::WouldBlock`] or [`io::ErrorKind::TimedOut`]).
 fn handshake(
     stream: &mut TcpStream,
     secret: &JobSecret,
     job_tag: u64,
     deadline: Instant,
 ) -> io::Result<()> {
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return Err(io::ErrorKind::TimedOut.into());
-    }
-    stream.set_read_timeout(Some(left))?;
-    stream.set_write_timeout(Some(left))?;
     let mut cn = [0; p::NONCE_LEN];
     getrandom::fill(&mut cn).map_err(io::Error::other)?;
     let mut hello = Vec::with_capacity(5 + p::NONCE_LEN);
     hello.extend_from_slice(p::MAGIC);
     hello.push(p::VERSION);
     hello.extend_from_slice(&cn);
+    bound_by(stream, deadline)?;
     stream.write_all(&hello)?;
     let mut reply = [0; p::NONCE_LEN + p::PROOF_LEN];
+    bound_by(stream, deadline)?;
     stream.read_exact(&mut reply)?;
+    if let Some(version) = p::refused_version(&reply) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "it speaks store protocol version {version}, this rank {}: the job's \
+                 processes run different fairring versions",
+                p::VERSION
+            ),
+        ));
+    }
     let (sn, theirs) = reply.split_at(p::NONCE_LEN);
     p::proof(secret.as_bytes(), b"server", job_tag, &cn, sn)
         .verify_slice(theirs)
@@ -572,16 +612,37 @@ fn handshake(
     let mine = p::proof(secret.as_bytes(), b"client", job_tag, &cn, sn)
         .finalize()
         .into_bytes();
+    bound_by(stream, deadline)?;
     stream.write_all(&mine)?;
-    if p::read_u8(stream)? != p::STATUS_OK {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            "refused: this rank failed the job-secret proof",
-        ));
+    bound_by(stream, deadline)?;
+    match p::read_u8(stream)? {
+        p::STATUS_OK => {}
+        p::STATUS_REFUSED => {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "refused: this rank failed the job-secret proof",
+            ));
+        }
+        other => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("an unknown answer to this rank's proof ({other})"),
+            ));
+        }
     }
     stream.set_read_timeout(None)?;
     stream.set_write_timeout(None)?;
     Ok(())
+}
+
+/// Bounds `stream`'s reads and writes by what is left until `deadline`.
+fn bound_by(stream: &TcpStream, deadline: Instant) -> io::Result<()> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(io::ErrorKind::TimedOut.into());
+    }
+    stream.set_read_timeout(Some(left))?;
+    stream.set_write_timeout(Some(left))
 }
 
 impl Store for TcpStore {
@@ -637,7 +698,7 @@ mod tests {
             start_worker(work)
         }
         let secret = JobSecret::generate().unwrap();
-        let server = TcpStoreServer::bind_starting(
+        let server = TcpStoreServer::bind_with_starter(
             "127.0.0.1:0".parse().unwrap(),
             secret.clone(),
             7,
@@ -655,40 +716,134 @@ mod tests {
         assert_eq!(client.get("k", timeout).unwrap(), b"v");
     }
 
-    /// A server that accepts and never answers fails the client within its
-    /// timeout, saying so, and not after a fixed wait of its own.
-    #[test]
-    fn a_store_that_never_answers_fails_within_the_timeout() {
+    /// Runs `client` against a listener on a free port whose connections are
+    /// each answered by `answer` and then held open, until `client` returns;
+    /// returns its outcome and how many connections were accepted.
+    fn against_fake_store<R>(
+        answer: impl Fn(&mut TcpStream) + Sync,
+        client: impl FnOnce(u16) -> R,
+    ) -> (R, usize) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
-        let secret = JobSecret::generate().unwrap();
-        let timeout = Duration::from_millis(600);
+        listener.set_nonblocking(true).unwrap();
         let given_up = AtomicBool::new(false);
         std::thread::scope(|s| {
-            let held = s.spawn(|| {
-                // Holds what it accepts until the client has given up.
+            let accepting = s.spawn(|| {
                 let mut held = Vec::new();
-                listener.set_nonblocking(true).unwrap();
                 while !given_up.load(Ordering::Acquire) {
                     match listener.accept() {
-                        Ok((stream, _)) => held.push(stream),
+                        Ok((mut stream, _)) => {
+                            stream.set_nonblocking(false).unwrap();
+                            answer(&mut stream);
+                            held.push(stream);
+                        }
                         Err(_) => std::thread::sleep(Duration::from_millis(5)),
                     }
                 }
                 held.len()
             });
-            let outcome = TcpStore::connect("127.0.0.1", port, &secret, 7, timeout);
+            let outcome = client(port);
             given_up.store(true, Ordering::Release);
-            let Err(Error::Timeout { what, after }) = outcome else {
-                panic!("a silent store: {:?}", outcome.err());
-            };
-            assert_eq!(after, timeout);
-            assert!(
-                what.contains("admission") && what.contains("did not answer"),
-                "{what}"
-            );
-            assert!(held.join().unwrap() >= 1);
-        });
+            (outcome, accepting.join().unwrap())
+        })
+    }
+
+    /// A server that accepts and never answers fails the client within its
+    /// timeout, saying so, and not after a fixed wait of its own.
+    #[test]
+    fn a_store_that_never_answers_fails_within_the_timeout() {
+        let secret = JobSecret::generate().unwrap();
+        let timeout = Duration::from_millis(600);
+        let started = Instant::now();
+        let (outcome, _) = against_fake_store(
+            |_| {},
+            |port| TcpStore::connect("127.0.0.1", port, &secret, 7, timeout),
+        );
+        let Err(Error::Timeout { what, after }) = outcome else {
+            panic!("a silent store: {:?}", outcome.err());
+        };
+        assert_eq!(after, timeout);
+        assert!(
+            what.contains("admission") && what.contains("did not answer"),
+            "{what}"
+        );
+        // Not after a try's own wait for an answer.
+        assert!(
+            started.elapsed() < HANDSHAKE_TIMEOUT,
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    /// A store that refuses this rank's proof is not tried again.
+    #[test]
+    fn a_client_refused_by_the_store_is_not_tried_again() {
+        let secret = JobSecret::generate().unwrap();
+        let (outcome, accepted) = against_fake_store(
+            |stream| {
+                let mut hello = [0; 5 + p::NONCE_LEN];
+                stream.read_exact(&mut hello).unwrap();
+                let sn = [2; p::NONCE_LEN];
+                let proof = p::proof(secret.as_bytes(), b"server", 7, &hello[5..], &sn)
+                    .finalize()
+                    .into_bytes();
+                stream.write_all(&sn).unwrap();
+                stream.write_all(&proof).unwrap();
+                let mut theirs = [0; p::PROOF_LEN];
+                stream.read_exact(&mut theirs).unwrap();
+                stream.write_all(&[p::STATUS_REFUSED]).unwrap();
+            },
+            |port| TcpStore::connect("127.0.0.1", port, &secret, 7, Duration::from_secs(20)),
+        );
+        let Err(Error::Store {
+            operation: "admission",
+            reason,
+        }) = outcome
+        else {
+            panic!("a refusing store: {:?}", outcome.err());
+        };
+        assert!(reason.contains("refused"), "{reason}");
+        assert_eq!(accepted, 1);
+    }
+
+    /// A store of another protocol version is named and not tried again.
+    #[test]
+    fn a_store_of_another_version_is_refused_at_once() {
+        let secret = JobSecret::generate().unwrap();
+        let mut other_version = p::version_refusal();
+        other_version[4] = p::VERSION + 1;
+        let (outcome, accepted) = against_fake_store(
+            |stream| {
+                let mut hello = [0; 5 + p::NONCE_LEN];
+                stream.read_exact(&mut hello).unwrap();
+                stream.write_all(&other_version).unwrap();
+            },
+            |port| TcpStore::connect("127.0.0.1", port, &secret, 7, Duration::from_secs(20)),
+        );
+        let Err(Error::Store {
+            operation: "admission",
+            reason,
+        }) = outcome
+        else {
+            panic!("a store of another version: {:?}", outcome.err());
+        };
+        let expected = format!("version {}, this rank {}", p::VERSION + 1, p::VERSION);
+        assert!(reason.contains(&expected), "{reason}");
+        assert_eq!(accepted, 1);
+    }
+
+    /// A client of another protocol version (whatever its greeting's length)
+    /// is answered with the store's version.
+    #[test]
+    fn a_client_of_another_version_is_told_the_stores() {
+        let (server, []) = served::<0>();
+        let mut raw = TcpStream::connect(server.address()).unwrap();
+        raw.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        raw.write_all(p::MAGIC).unwrap();
+        raw.write_all(&[p::VERSION + 1]).unwrap();
+        let mut reply = [0; p::NONCE_LEN + p::PROOF_LEN];
+        raw.read_exact(&mut reply).unwrap();
+        assert_eq!(p::refused_version(&reply), Some(p::VERSION));
     }
 
     /// A store of another job (another secret) is refused on the first
@@ -700,7 +855,7 @@ mod tests {
             STARTS.fetch_add(1, Ordering::AcqRel);
             start_worker(work)
         }
-        let server = TcpStoreServer::bind_starting(
+        let server = TcpStoreServer::bind_with_starter(
             "127.0.0.1:0".parse().unwrap(),
             JobSecret::generate().unwrap(),
             7,
