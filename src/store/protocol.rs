@@ -4,13 +4,14 @@
 //!
 //! ```text
 //! client -> server  "FRST" version(1) client_nonce(32)
-//! server -> client  server_nonce(32) HMAC(secret, "server" | job_tag | cn | sn)(32)
+//! server -> client  server_nonce(32) HMAC(secret, P | "server" | job_tag | cn | sn)(32)
 //!                   or, to a client of another version: "FRST" version(1) zeros(59)
-//! client -> server  HMAC(secret, "client" | job_tag | cn | sn)(32)
+//! client -> server  HMAC(secret, P | "client" | job_tag | cn | sn)(32)
 //! server -> client  0 (admitted), or 3 (refused: the client failed the proof)
 //! ```
 //!
-//! Both proofs are HMAC-SHA256 keyed with the job secret and compared in constant
+//! `P` is `"fairring store v1 "` and `job_tag` 8 bytes, little-endian. Both
+//! proofs are HMAC-SHA256 keyed with the job secret and compared in constant
 //! time; a side that fails the other's proof closes the connection, the server
 //! after saying so. The server reads a client's magic and version before its
 //! nonce, so that a client of any version is answered with the server's. A

@@ -257,6 +257,11 @@ fn admit(stream: &mut TcpStream, shared: &ServerShared) -> io::Result<()> {
     }
     if greeting[4] != p::VERSION {
         let _ = stream.write_all(&p::version_refusal());
+        // Closing with the rest of its greeting unread would reset the
+        // connection, which may drop the answer before the client reads it:
+        // that greeting is read and dropped until the client closes.
+        let _ = stream.shutdown(Shutdown::Write);
+        let _ = io::copy(&mut (&*stream).take(4096), &mut io::sink());
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!(
@@ -298,7 +303,11 @@ fn admit(stream: &mut TcpStream, shared: &ServerShared) -> io::Result<()> {
 
 fn serve(mut stream: TcpStream, shared: &ServerShared) -> io::Result<()> {
     if let Err(e) = admit(&mut stream, shared) {
-        log::warn!("fairring store: refused {:?}: {e}", stream.peer_addr().ok());
+        // A client that went away before its verdict (it tries again after
+        // a wait of its own) is not refused.
+        if e.kind() != io::ErrorKind::UnexpectedEof {
+            log::warn!("fairring store: refused {:?}: {e}", stream.peer_addr().ok());
+        }
         return Ok(());
     }
     let _ = stream.set_nodelay(true);
@@ -407,17 +416,25 @@ impl TcpStore {
             )
         };
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
             if let Some(last) = &last_try
-                && left.is_zero()
+                && Instant::now() >= deadline
             {
                 return Err(gave_up(last));
             }
-            let mut stream = match connect_retrying(address, left, "the rendezvous store") {
+            let mut stream = match connect_by(address, deadline) {
                 Ok(stream) => stream,
                 Err(e) => match &last_try {
-                    Some(last) => return Err(gave_up(&format!("{last}; then {e}"))),
-                    None => return Err(e),
+                    Some(last) => {
+                        return Err(gave_up(&format!(
+                            "{last}; then it could not be reached: {e}"
+                        )));
+                    }
+                    None => {
+                        return Err(Error::timeout(
+                            format!("the rendezvous store at {address} (last error: {e})"),
+                            timeout,
+                        ));
+                    }
                 },
             };
             let this_try = deadline.min(Instant::now() + HANDSHAKE_TIMEOUT);
@@ -448,7 +465,7 @@ impl TcpStore {
                     ));
                 }
             };
-            if last_try.is_none() {
+            if last_try.is_none() && Instant::now() < deadline {
                 log::warn!(
                     "fairring store: {address} did not admit this rank yet ({why}); \
                      trying again until the timeout"
@@ -545,22 +562,25 @@ pub(crate) fn connect_retrying(
     timeout: Duration,
     what: &str,
 ) -> Result<TcpStream> {
-    let deadline = Instant::now() + timeout;
+    connect_by(address, Instant::now() + timeout)
+        .map_err(|e| Error::timeout(format!("{what} at {address} (last error: {e})"), timeout))
+}
+
+/// Connects to `address`, trying again until `deadline` while nothing
+/// listens there yet; fails with the last try's error.
+fn connect_by(address: SocketAddr, deadline: Instant) -> io::Result<TcpStream> {
     let mut last: Option<io::Error> = None;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            let reason = last.map_or("no attempt".to_string(), |e| e.to_string());
-            return Err(Error::timeout(
-                format!("{what} at {address} (last error: {reason})"),
-                timeout,
-            ));
+            return Err(last.unwrap_or_else(|| io::ErrorKind::TimedOut.into()));
         }
         match TcpStream::connect_timeout(&address, left.min(Duration::from_secs(2))) {
             Ok(stream) => return Ok(stream),
             Err(e) => {
                 last = Some(e);
-                std::thread::sleep(Duration::from_millis(20));
+                let left = deadline.saturating_duration_since(Instant::now());
+                std::thread::sleep(left.min(Duration::from_millis(20)));
             }
         }
     }
@@ -590,7 +610,9 @@ fn handshake(
     let mut reply = [0; p::NONCE_LEN + p::PROOF_LEN];
     bound_by(stream, deadline)?;
     stream.read_exact(&mut reply)?;
-    if let Some(version) = p::refused_version(&reply) {
+    if let Some(version) = p::refused_version(&reply)
+        && version != p::VERSION
+    {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!(
@@ -726,6 +748,13 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         listener.set_nonblocking(true).unwrap();
+        /// Tells the accepting thread to end, even where `client` panics.
+        struct GiveUp<'a>(&'a AtomicBool);
+        impl Drop for GiveUp<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Release);
+            }
+        }
         let given_up = AtomicBool::new(false);
         std::thread::scope(|s| {
             let accepting = s.spawn(|| {
@@ -742,8 +771,10 @@ mod tests {
                 }
                 held.len()
             });
-            let outcome = client(port);
-            given_up.store(true, Ordering::Release);
+            let outcome = {
+                let _give_up = GiveUp(&given_up);
+                client(port)
+            };
             (outcome, accepting.join().unwrap())
         })
     }
@@ -773,6 +804,28 @@ mod tests {
             "{:?}",
             started.elapsed()
         );
+    }
+
+    /// A store that closes every connection before admitting it is tried
+    /// again until the timeout, which names what it did.
+    #[test]
+    fn a_store_that_closes_every_connection_is_tried_until_the_timeout() {
+        let secret = JobSecret::generate().unwrap();
+        let timeout = Duration::from_millis(800);
+        let (outcome, accepted) = against_fake_store(
+            |stream| {
+                let mut hello = [0; 5 + p::NONCE_LEN];
+                let _ = stream.read_exact(&mut hello);
+                let _ = stream.shutdown(Shutdown::Both);
+            },
+            |port| TcpStore::connect("127.0.0.1", port, &secret, 7, timeout),
+        );
+        let Err(Error::Timeout { what, after }) = outcome else {
+            panic!("a store that closes: {:?}", outcome.err());
+        };
+        assert_eq!(after, timeout);
+        assert!(what.contains("closed the connection"), "{what}");
+        assert!(accepted >= 2, "{accepted} connections");
     }
 
     /// A store that refuses this rank's proof is not tried again.
@@ -832,18 +885,22 @@ mod tests {
         assert_eq!(accepted, 1);
     }
 
-    /// A client of another protocol version (whatever its greeting's length)
-    /// is answered with the store's version.
+    /// A client of another protocol version is answered with the store's
+    /// version, whether it waits after its magic and version or sends more.
     #[test]
     fn a_client_of_another_version_is_told_the_stores() {
         let (server, []) = served::<0>();
-        let mut raw = TcpStream::connect(server.address()).unwrap();
-        raw.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-        raw.write_all(p::MAGIC).unwrap();
-        raw.write_all(&[p::VERSION + 1]).unwrap();
-        let mut reply = [0; p::NONCE_LEN + p::PROOF_LEN];
-        raw.read_exact(&mut reply).unwrap();
-        assert_eq!(p::refused_version(&reply), Some(p::VERSION));
+        for rest in [0, p::NONCE_LEN, 200] {
+            let mut raw = TcpStream::connect(server.address()).unwrap();
+            raw.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let mut greeting = p::MAGIC.to_vec();
+            greeting.push(p::VERSION + 1);
+            greeting.resize(greeting.len() + rest, 9);
+            raw.write_all(&greeting).unwrap();
+            let mut reply = [0; p::NONCE_LEN + p::PROOF_LEN];
+            raw.read_exact(&mut reply).unwrap();
+            assert_eq!(p::refused_version(&reply), Some(p::VERSION), "{rest}");
+        }
     }
 
     /// A store of another job (another secret) is refused on the first
