@@ -828,26 +828,13 @@ mod tests {
         assert!(accepted >= 2, "{accepted} connections");
     }
 
-    /// A store that refuses this rank's proof is not tried again.
-    #[test]
-    fn a_client_refused_by_the_store_is_not_tried_again() {
-        let secret = JobSecret::generate().unwrap();
-        let (outcome, accepted) = against_fake_store(
-            |stream| {
-                let mut hello = [0; 5 + p::NONCE_LEN];
-                stream.read_exact(&mut hello).unwrap();
-                let sn = [2; p::NONCE_LEN];
-                let proof = p::proof(secret.as_bytes(), b"server", 7, &hello[5..], &sn)
-                    .finalize()
-                    .into_bytes();
-                stream.write_all(&sn).unwrap();
-                stream.write_all(&proof).unwrap();
-                let mut theirs = [0; p::PROOF_LEN];
-                stream.read_exact(&mut theirs).unwrap();
-                stream.write_all(&[p::STATUS_REFUSED]).unwrap();
-            },
-            |port| TcpStore::connect("127.0.0.1", port, &secret, 7, Duration::from_secs(20)),
-        );
+    /// The reason a client of `secret` is refused by a fake store that
+    /// answers as `answer` does, checking that it was refused on its first
+    /// connection, not tried again.
+    fn refused_at_once(secret: &JobSecret, answer: impl Fn(&mut TcpStream) + Sync) -> String {
+        let (outcome, accepted) = against_fake_store(answer, |port| {
+            TcpStore::connect("127.0.0.1", port, secret, 7, Duration::from_secs(20))
+        });
         let Err(Error::Store {
             operation: "admission",
             reason,
@@ -855,34 +842,42 @@ mod tests {
         else {
             panic!("a refusing store: {:?}", outcome.err());
         };
+        assert_eq!(accepted, 1, "{reason}");
+        reason
+    }
+
+    /// A store that refuses this rank's proof is not tried again.
+    #[test]
+    fn a_client_refused_by_the_store_is_not_tried_again() {
+        let secret = JobSecret::generate().unwrap();
+        let reason = refused_at_once(&secret, |stream| {
+            let mut hello = [0; 5 + p::NONCE_LEN];
+            stream.read_exact(&mut hello).unwrap();
+            let sn = [2; p::NONCE_LEN];
+            let proof = p::proof(secret.as_bytes(), b"server", 7, &hello[5..], &sn)
+                .finalize()
+                .into_bytes();
+            stream.write_all(&sn).unwrap();
+            stream.write_all(&proof).unwrap();
+            let mut theirs = [0; p::PROOF_LEN];
+            stream.read_exact(&mut theirs).unwrap();
+            stream.write_all(&[p::STATUS_REFUSED]).unwrap();
+        });
         assert!(reason.contains("refused"), "{reason}");
-        assert_eq!(accepted, 1);
     }
 
     /// A store of another protocol version is named and not tried again.
     #[test]
     fn a_store_of_another_version_is_refused_at_once() {
-        let secret = JobSecret::generate().unwrap();
         let mut other_version = p::version_refusal();
         other_version[4] = p::VERSION + 1;
-        let (outcome, accepted) = against_fake_store(
-            |stream| {
-                let mut hello = [0; 5 + p::NONCE_LEN];
-                stream.read_exact(&mut hello).unwrap();
-                stream.write_all(&other_version).unwrap();
-            },
-            |port| TcpStore::connect("127.0.0.1", port, &secret, 7, Duration::from_secs(20)),
-        );
-        let Err(Error::Store {
-            operation: "admission",
-            reason,
-        }) = outcome
-        else {
-            panic!("a store of another version: {:?}", outcome.err());
-        };
+        let reason = refused_at_once(&JobSecret::generate().unwrap(), |stream| {
+            let mut hello = [0; 5 + p::NONCE_LEN];
+            stream.read_exact(&mut hello).unwrap();
+            stream.write_all(&other_version).unwrap();
+        });
         let expected = format!("version {}, this rank {}", p::VERSION + 1, p::VERSION);
         assert!(reason.contains(&expected), "{reason}");
-        assert_eq!(accepted, 1);
     }
 
     /// A client of another protocol version is answered with the store's
