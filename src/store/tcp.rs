@@ -178,10 +178,10 @@ fn accept_loop(
     start: StartWorker,
 ) {
     let mut next_id = 0u64;
-    // Clients connect again to a store that closed them: one warning a
-    // second says so, not one a connection.
+    // Clients connect again to a store that closed them, and a failing
+    // accept fails again: one warning a second says so, not one a try.
     let mut quiet_until = Instant::now();
-    let mut warn_closed = |why: std::fmt::Arguments<'_>| {
+    let mut warn_throttled = |why: std::fmt::Arguments<'_>| {
         let now = Instant::now();
         if now >= quiet_until {
             quiet_until = now + Duration::from_secs(1);
@@ -193,7 +193,7 @@ fn accept_loop(
             Ok((stream, peer)) => {
                 let mut conns = lock(&shared.connections);
                 if conns.len() >= shared.max_connections {
-                    warn_closed(format_args!(
+                    warn_throttled(format_args!(
                         "closed {peer}: {} connections already open",
                         conns.len()
                     ));
@@ -228,7 +228,7 @@ fn accept_loop(
                         // once, which connects again, instead of leaving it
                         // waiting for an answer that cannot come.
                         lock(&shared.connections).remove(&id);
-                        warn_closed(format_args!("closed {peer}: no thread to serve it: {e}"));
+                        warn_throttled(format_args!("closed {peer}: no thread to serve it: {e}"));
                     }
                 }
             }
@@ -236,7 +236,7 @@ fn accept_loop(
                 std::thread::sleep(Duration::from_millis(5));
             }
             Err(e) => {
-                log::warn!("fairring store: accept failed: {e}");
+                warn_throttled(format_args!("accept failed: {e}"));
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
@@ -305,7 +305,10 @@ fn serve(mut stream: TcpStream, shared: &ServerShared) -> io::Result<()> {
     if let Err(e) = admit(&mut stream, shared) {
         // A client that went away before its verdict (it tries again after
         // a wait of its own) is not refused.
-        if e.kind() != io::ErrorKind::UnexpectedEof {
+        if !matches!(
+            e.kind(),
+            io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset
+        ) {
             log::warn!("fairring store: refused {:?}: {e}", stream.peer_addr().ok());
         }
         return Ok(());
