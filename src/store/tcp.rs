@@ -398,8 +398,8 @@ impl TcpStore {
     /// Connects to the server at `host:port` and proves knowledge of the job
     /// secret, within `timeout`: a server not up yet is waited for, and a
     /// connection the server closes or leaves unanswered before admitting it
-    /// (too busy to serve it) is made again. A server of another job or
-    /// secret is refused at once.
+    /// (too busy to serve it) is made again. A server of another job,
+    /// secret or protocol version is refused at once.
     pub fn connect(
         host: &str,
         port: u16,
