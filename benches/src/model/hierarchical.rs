@@ -40,9 +40,9 @@
 //! another, and a call's latency (NCCL's fixed cost, as its tuner predicts it)
 //! and the hand-off after it hold no NVLink, so the next slice's reduce-scatter
 //! pays its latency while the last slice's all-gather moves its bytes
-//! (`stages::Communicator`). A study the engine does not run gives each
+//! (`stages::Direction`). A study the engine does not run gives each
 //! direction two communicators, which a machine's slices take in turn
-//! (`Job::comms_per_direction`, `stages::Direction`).
+//! (`Job::comms_per_direction`).
 //!
 //! Every stage is a task of a discrete-event schedule (`events.rs`): it holds its
 //! resource while it runs, starts once its inputs are in and its resource has run

@@ -121,47 +121,19 @@ pub(super) struct MachineCall {
     pub(super) busy: f64,
 }
 
-/// A machine's NCCL communicator (or its copy engine, with one GPU): its
-/// calls run one after another, each in its turn on the machine's NVLink.
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Communicator {
-    last: Option<TaskId>,
-}
-
-impl Communicator {
-    /// Schedules `call` on this communicator once `ready` has ended and the
-    /// communicator's previous call is done, its bytes on `nvlink`; returns
-    /// the task that ends with the hand-off to the next stage (`step` after
-    /// the call).
-    pub(super) fn call(
-        &mut self,
-        schedule: &mut Schedule,
-        nvlink: ResourceId,
-        call: MachineCall,
-        ready: TaskId,
-        step: f64,
-    ) -> TaskId {
-        let bytes = schedule.task(Some(nvlink), call.busy, 0.0);
-        schedule.after(bytes, ready, call.latency);
-        if let Some(previous) = self.last {
-            schedule.after(bytes, previous, call.latency);
-        }
-        self.last = Some(bytes);
-        let handed_off = schedule.task(None, 0.0, 0.0);
-        schedule.after(handed_off, bytes, step);
-        handed_off
-    }
-}
-
 /// A machine's communicators of one direction, its reduce-scatters or its
-/// all-gathers: the engine's one, or two that the machine's slices take in
-/// turn ([`Job::comms_per_direction`], a study the engine does not run),
-/// so that one call's latency passes while the other's bytes hold NVLink.
+/// all-gathers: the engine's one NCCL communicator (or its copy engine, with
+/// one GPU), or two that the machine's slices take in turn
+/// ([`Job::comms_per_direction`], a study the engine does not run), so that
+/// one call's latency passes while the other's bytes hold NVLink. A
+/// communicator's calls run one after another, each in its turn on the
+/// machine's NVLink.
 ///
 /// [`Job::comms_per_direction`]: super::Job::comms_per_direction
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Direction {
-    comms: [Communicator; 2],
+    /// Each communicator's last call: its bytes' task.
+    last: [Option<TaskId>; 2],
     count: usize,
 }
 
@@ -170,14 +142,16 @@ impl Direction {
     /// count).
     pub(super) fn new(count: u32) -> Direction {
         Direction {
-            comms: [Communicator::default(); 2],
+            last: [None; 2],
             count: if count == 2 { 2 } else { 1 },
         }
     }
 
-    /// [`Communicator::call`] for the machine's slice `slice` (its slices
-    /// numbered from 0 across the job's tensors), on the communicator
-    /// whose turn it is.
+    /// Schedules `call` for the machine's slice `slice` (its slices numbered
+    /// from 0 across the job's tensors) on the communicator whose turn it
+    /// is, once `ready` has ended and that communicator's previous call is
+    /// done, its bytes on `nvlink`; returns the task that ends with the
+    /// hand-off to the next stage (`step` after the call).
     pub(super) fn call(
         &mut self,
         slice: usize,
@@ -187,7 +161,16 @@ impl Direction {
         ready: TaskId,
         step: f64,
     ) -> TaskId {
-        self.comms[slice % self.count].call(schedule, nvlink, call, ready, step)
+        let last = &mut self.last[slice % self.count];
+        let bytes = schedule.task(Some(nvlink), call.busy, 0.0);
+        schedule.after(bytes, ready, call.latency);
+        if let Some(previous) = *last {
+            schedule.after(bytes, previous, call.latency);
+        }
+        *last = Some(bytes);
+        let handed_off = schedule.task(None, 0.0, 0.0);
+        schedule.after(handed_off, bytes, step);
+        handed_off
     }
 }
 
